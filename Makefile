@@ -1,0 +1,96 @@
+# pkm_serve build. Two commands matter on a fresh machine:
+#   make demo   set up (venv, pinned deps, native libraries) and run the end-to-end demo
+#   make test   set up and run the test suite
+# Everything is idempotent: a second run only rebuilds what changed.
+SHELL := /bin/bash
+.DEFAULT_GOAL := build
+
+PYTHON_BOOT ?= python3
+VENV     := .venv
+PY       := $(VENV)/bin/python
+PIP      := $(VENV)/bin/pip
+LIBDIR   := pkm_serve/lib
+BUILDDIR := build
+STAMP    := $(VENV)/.installed
+
+CXX      ?= g++
+CXXSTD   := -std=c++17
+OPT      := -O3 -DNDEBUG
+WARN     := -Wall -Wextra -Wno-unused-parameter
+PIC      := -fPIC
+
+# ---- the framework-free kernel core (shared by every runtime) -------------
+CORE_DIR  := kernels/core
+CORE_SRCS := $(CORE_DIR)/embedding_bag.cc $(CORE_DIR)/reference.cc
+CORE_HDRS := $(wildcard $(CORE_DIR)/*.h)
+CORE_CXXFLAGS := $(CXXSTD) $(OPT) $(WARN) $(PIC) -fvisibility=hidden -I.
+
+# Fragments add their libraries to BUILD_TARGETS and what tests need to TEST_DEPS.
+BUILD_TARGETS :=
+TEST_DEPS :=
+
+# ---- Python environment ---------------------------------------------------
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check -r requirements.lock
+	$(PIP) install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+venv: $(STAMP)
+
+# ---- TF custom-op library ---------------------------------------------------
+TF_CFLAGS = $(shell $(PY) -c 'import tensorflow as tf; print(" ".join(tf.sysconfig.get_compile_flags()))' 2>/dev/null)
+TF_LFLAGS = $(shell $(PY) -c 'import tensorflow as tf; print(" ".join(tf.sysconfig.get_link_flags()))' 2>/dev/null)
+TF_OP_SRCS := $(wildcard kernels/tf/*_ops.cc) $(wildcard kernels/tf/*_kernels.cc)
+TF_OP_LIB  := $(LIBDIR)/_pkm_ops.so
+
+$(BUILDDIR)/core/%.o: $(CORE_DIR)/%.cc $(CORE_HDRS)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CORE_CXXFLAGS) -c $< -o $@
+
+CORE_OBJS := $(patsubst $(CORE_DIR)/%.cc,$(BUILDDIR)/core/%.o,$(CORE_SRCS))
+
+$(BUILDDIR)/tf/%.o: kernels/tf/%.cc $(CORE_HDRS) $(wildcard kernels/tf/*.h) $(STAMP)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXSTD) -O2 -DNDEBUG $(PIC) -I. $(TF_CFLAGS) -c $< -o $@
+
+TF_OBJS := $(patsubst kernels/tf/%.cc,$(BUILDDIR)/tf/%.o,$(TF_OP_SRCS))
+
+$(TF_OP_LIB): $(TF_OBJS) $(CORE_OBJS)
+	@mkdir -p $(LIBDIR)
+	$(CXX) -shared $^ -o $@ $(TF_LFLAGS) -Wl,--no-undefined -Wl,-z,defs
+
+BUILD_TARGETS += $(TF_OP_LIB)
+TEST_DEPS += $(TF_OP_LIB)
+
+# ---- core C++ tests (reference vs fast on random shapes) --------------------
+CORE_TEST := $(BUILDDIR)/core_test
+$(CORE_TEST): $(CORE_DIR)/embedding_bag_test.cc $(CORE_OBJS) $(CORE_HDRS)
+	$(CXX) $(CXXSTD) -O2 -I. $< $(CORE_OBJS) -o $@ -lpthread
+
+core-test: $(CORE_TEST)
+	$(CORE_TEST)
+
+# ---- fragments owned by the GPU and TFLite parts --------------------------
+-include kernels/cuda/cuda.mk
+-include tflite_delegate/tflite.mk
+
+# ---- entry points -----------------------------------------------------------
+build: $(STAMP) $(BUILD_TARGETS)
+setup: build
+
+test: setup $(TEST_DEPS) $(CORE_TEST)
+	$(CORE_TEST)
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+demo: setup
+	$(VENV)/bin/pkm-serve demo
+
+bench: setup
+	$(PIP) install -q --disable-pip-version-check -r bench/requirements.txt
+	$(PY) bench/cpu_embedding_bag.py
+
+clean:
+	rm -rf $(BUILDDIR) $(LIBDIR)
+
+.PHONY: build setup venv test demo bench clean core-test

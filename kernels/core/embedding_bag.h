@@ -1,0 +1,119 @@
+// pkm_serve kernel core: framework-free EmbeddingBag forward and backward.
+//
+//   out[b, :] = combine_k  w[b, k] * table[idx[b, k], :]
+//
+// Every runtime (TF CPU kernels, the TFLite kernel/delegate, tests) calls the
+// functions below on raw pointers; adapters only translate tensors, threads
+// and errors. All element offsets are int64_t: tables over 2^31 elements work.
+//
+// Semantics (see DESIGN.md "The op"):
+//  - negative index = padding: contributes nothing, not counted by mean/sqrtn;
+//  - index >= num_rows is an error (reported before anything is written);
+//  - combiner sum: sum w*x; mean: sum(w*x)/sum(w); sqrtn: sum(w*x)/sqrt(sum w^2);
+//    a zero denominator (empty bag, all padding, weights summing to 0) gives 0;
+//  - accumulation is float32 for every element type.
+#ifndef PKM_KERNELS_CORE_EMBEDDING_BAG_H_
+#define PKM_KERNELS_CORE_EMBEDDING_BAG_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace pkm {
+
+enum class Combiner : int { kSum = 0, kMean = 1, kSqrtn = 2 };
+
+// Storage type of a table, of weights, of outputs. Half types are raw 16-bit
+// patterns (IEEE binary16 / bfloat16); kInt8 is only valid for tables and
+// needs per-row scales (dequantised value = scale[row] * (q - zero_point[row])).
+enum class ElemType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt8 = 3 };
+
+// Parses "sum" | "mean" | "sqrtn"; returns false for anything else.
+bool ParseCombiner(const std::string& name, Combiner* out);
+const char* CombinerName(Combiner c);
+int64_t ElemSize(ElemType t);
+
+// Work splitter supplied by the adapter (TF: the intra-op thread pool; TFLite:
+// its own pool; tests: serial). Calls fn(begin, end) on disjoint ranges that
+// cover [0, total); cost_per_unit is a rough cycle count per unit of work.
+using RangeFn = std::function<void(int64_t begin, int64_t end)>;
+using ParallelFor =
+    std::function<void(int64_t total, int64_t cost_per_unit, const RangeFn& fn)>;
+// Runs fn(0, total) on the calling thread.
+ParallelFor SerialFor();
+
+struct Status {
+  bool ok = true;
+  std::string message;
+  static Status Ok() { return Status(); }
+  static Status Error(std::string msg) { return Status{false, std::move(msg)}; }
+};
+
+// The table: [num_rows, dim] row-major.
+struct Table {
+  const void* data = nullptr;
+  ElemType type = ElemType::kFloat32;
+  int64_t num_rows = 0;
+  int64_t dim = 0;
+  // kInt8 only (per-row / axis-0 quantisation). zero_points may be null (= 0).
+  const float* row_scales = nullptr;
+  const int32_t* row_zero_points = nullptr;
+};
+
+// The bags. Dense: num_bags bags of bag_size each (indices [num_bags*bag_size]).
+// Ragged: row_splits[num_bags + 1] (non-decreasing, row_splits[0] == 0), bag b
+// holds entries [row_splits[b], row_splits[b+1]) of indices/weights.
+struct Bags {
+  const void* indices = nullptr;
+  bool indices_int64 = false;
+  int64_t num_bags = 0;
+  int64_t bag_size = 0;              // dense layout
+  const void* row_splits = nullptr;  // ragged layout when non-null
+  bool row_splits_int64 = false;
+  const void* weights = nullptr;     // null = all ones; else one per index
+  ElemType weights_type = ElemType::kFloat32;  // kFloat32/kFloat16/kBFloat16
+  int64_t NumIndices() const;        // total entries (ragged: row_splits[num_bags])
+  int64_t Begin(int64_t bag) const;  // first entry of a bag
+  int64_t End(int64_t bag) const;    // one past its last entry
+};
+
+// Checks layout and indices: row_splits well formed, every index < num_rows.
+// The message names the first offending position and value, e.g.
+// "indices[3] = 70000 is out of range [0, 65536) (negative indices are padding)".
+// Forward/Backward call it themselves; exposed for adapters that want to fail
+// early (and for the GPU path, which cannot report errors from the device).
+Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf);
+
+// out: [num_bags, dim] of out_type (kFloat32/kFloat16/kBFloat16).
+Status Forward(const Table& table, const Bags& bags, Combiner combiner,
+               void* out, ElemType out_type, const ParallelFor& pf);
+
+// Gradients of Forward w.r.t. the table and the weights.
+//  grad_out:     [num_bags, dim] of grad_type
+//  d_table:      [num_rows, dim] of d_table_type, fully overwritten (dense);
+//                may be null to skip
+//  d_weights:    one per index, of bags.weights_type; may be null to skip.
+//                Padding entries get 0.
+// Temporaries are O(number of indices) integers: no [indices, dim] buffer.
+// table.type must be a float type (no gradients for int8 tables).
+Status Backward(const Table& table, const Bags& bags, Combiner combiner,
+                const void* grad_out, ElemType grad_type, void* d_table,
+                ElemType d_table_type, void* d_weights, const ParallelFor& pf);
+
+// Slow, obviously-correct versions of the two, for tests (serial, double
+// accumulation is not used on purpose: float32 like the contract).
+Status ReferenceForward(const Table& table, const Bags& bags, Combiner combiner,
+                        void* out, ElemType out_type);
+Status ReferenceBackward(const Table& table, const Bags& bags, Combiner combiner,
+                         const void* grad_out, ElemType grad_type, void* d_table,
+                         ElemType d_table_type, void* d_weights);
+
+// Scalar conversions shared by adapters and tests.
+float HalfToFloat(uint16_t h);
+uint16_t FloatToHalf(float f);          // round to nearest even
+float BFloat16ToFloat(uint16_t h);
+uint16_t FloatToBFloat16(float f);      // round to nearest even
+
+}  // namespace pkm
+
+#endif  // PKM_KERNELS_CORE_EMBEDDING_BAG_H_
