@@ -21,7 +21,7 @@ PIC      := -fPIC
 
 # ---- the framework-free kernel core (shared by every runtime) -------------
 CORE_DIR  := kernels/core
-CORE_SRCS := $(CORE_DIR)/embedding_bag.cc $(CORE_DIR)/reference.cc
+CORE_SRCS := $(CORE_DIR)/embedding_bag.cc $(CORE_DIR)/reference.cc $(CORE_DIR)/vector_ops.cc
 CORE_HDRS := $(wildcard $(CORE_DIR)/*.h)
 CORE_CXXFLAGS := $(CXXSTD) $(OPT) $(WARN) $(PIC) -fvisibility=hidden -I.
 
@@ -52,7 +52,7 @@ CORE_OBJS := $(patsubst $(CORE_DIR)/%.cc,$(BUILDDIR)/core/%.o,$(CORE_SRCS))
 
 $(BUILDDIR)/tf/%.o: kernels/tf/%.cc $(CORE_HDRS) $(wildcard kernels/tf/*.h) $(STAMP)
 	@mkdir -p $(dir $@)
-	$(CXX) $(CXXSTD) -O2 -DNDEBUG $(PIC) -I. $(TF_CFLAGS) -c $< -o $@
+	$(CXX) $(CXXSTD) -O2 -DNDEBUG $(PIC) -Wno-deprecated-declarations -I. $(TF_CFLAGS) -c $< -o $@
 
 TF_OBJS := $(patsubst kernels/tf/%.cc,$(BUILDDIR)/tf/%.o,$(TF_OP_SRCS))
 

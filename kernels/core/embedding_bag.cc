@@ -1,0 +1,432 @@
+// Fast CPU EmbeddingBag: forward gathers rows straight into a float32
+// accumulator per bag; backward sorts the (index, position) pairs so every
+// table row is read once and its gradient written once, by one thread.
+#include "kernels/core/embedding_bag.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels/core/internal.h"
+#include "kernels/core/vector_ops.h"
+
+namespace pkm {
+
+bool ParseCombiner(const std::string& name, Combiner* out) {
+  if (name == "sum") *out = Combiner::kSum;
+  else if (name == "mean") *out = Combiner::kMean;
+  else if (name == "sqrtn") *out = Combiner::kSqrtn;
+  else return false;
+  return true;
+}
+
+const char* CombinerName(Combiner c) {
+  switch (c) {
+    case Combiner::kSum: return "sum";
+    case Combiner::kMean: return "mean";
+    case Combiner::kSqrtn: return "sqrtn";
+  }
+  return "?";
+}
+
+int64_t ElemSize(ElemType t) {
+  switch (t) {
+    case ElemType::kFloat32: return 4;
+    case ElemType::kFloat16: return 2;
+    case ElemType::kBFloat16: return 2;
+    case ElemType::kInt8: return 1;
+  }
+  return 0;
+}
+
+ParallelFor SerialFor() {
+  return [](int64_t total, int64_t, const RangeFn& fn) {
+    if (total > 0) fn(0, total);
+  };
+}
+
+int64_t Bags::NumIndices() const {
+  if (row_splits == nullptr) return num_bags * bag_size;
+  return internal::ReadInt(row_splits, row_splits_int64, num_bags);
+}
+
+int64_t Bags::Begin(int64_t bag) const {
+  if (row_splits == nullptr) return bag * bag_size;
+  return internal::ReadInt(row_splits, row_splits_int64, bag);
+}
+
+int64_t Bags::End(int64_t bag) const {
+  if (row_splits == nullptr) return (bag + 1) * bag_size;
+  return internal::ReadInt(row_splits, row_splits_int64, bag + 1);
+}
+
+namespace internal {
+
+Status CheckTypes(const Table& t, const Bags& bags, ElemType out_type, bool for_gradient) {
+  if (t.num_rows < 0 || t.dim < 0) return Status::Error("table shape must be non-negative");
+  if (t.data == nullptr && t.num_rows * t.dim > 0) return Status::Error("table data is null");
+  if (t.type == ElemType::kInt8) {
+    if (for_gradient) return Status::Error("no gradient for int8 (quantised) tables");
+    if (t.row_scales == nullptr) return Status::Error("int8 table needs per-row scales");
+  }
+  if (out_type == ElemType::kInt8) return Status::Error("output type must be a float type");
+  if (bags.weights != nullptr && bags.weights_type == ElemType::kInt8)
+    return Status::Error("weights must be a float type");
+  if (bags.num_bags < 0 || bags.bag_size < 0) return Status::Error("bag shape must be non-negative");
+  return Status::Ok();
+}
+
+float CombinerScale(Combiner c, float weight_sum, float weight_sq_sum) {
+  switch (c) {
+    case Combiner::kSum: return 1.f;
+    case Combiner::kMean: return weight_sum != 0.f ? 1.f / weight_sum : 0.f;
+    case Combiner::kSqrtn: return weight_sq_sum > 0.f ? 1.f / std::sqrt(weight_sq_sum) : 0.f;
+  }
+  return 0.f;
+}
+
+}  // namespace internal
+
+using internal::IndexAt;
+using internal::WeightAt;
+
+Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf) {
+  if (bags.row_splits != nullptr) {
+    if (bags.num_bags >= 0 && internal::ReadInt(bags.row_splits, bags.row_splits_int64, 0) != 0)
+      return Status::Error("row_splits[0] must be 0, got " +
+                           std::to_string(internal::ReadInt(bags.row_splits, bags.row_splits_int64, 0)));
+    for (int64_t b = 0; b < bags.num_bags; ++b) {
+      if (bags.End(b) < bags.Begin(b))
+        return Status::Error("row_splits must be non-decreasing: row_splits[" + std::to_string(b + 1) +
+                             "] = " + std::to_string(bags.End(b)) + " < row_splits[" +
+                             std::to_string(b) + "] = " + std::to_string(bags.Begin(b)));
+    }
+    if (bags.num_values >= 0 && bags.NumIndices() != bags.num_values)
+      return Status::Error("row_splits[-1] = " + std::to_string(bags.NumIndices()) +
+                           " must equal the number of values (" + std::to_string(bags.num_values) + ")");
+  }
+  const int64_t n = bags.NumIndices();
+  std::atomic<int64_t> first_bad{n};
+  pf(n, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      if (IndexAt(bags, j) >= table.num_rows) {
+        int64_t cur = first_bad.load();
+        while (j < cur && !first_bad.compare_exchange_weak(cur, j)) {
+        }
+        return;  // later entries of this range cannot beat j
+      }
+    }
+  });
+  const int64_t j = first_bad.load();
+  if (j < n) {
+    return Status::Error("indices[" + std::to_string(j) + "] = " + std::to_string(IndexAt(bags, j)) +
+                         " is out of range [0, " + std::to_string(table.num_rows) +
+                         ") (negative indices are padding)");
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+constexpr int64_t kPrefetchDistance = 6;  // rows ahead; covers DRAM latency at ~2 KB rows
+
+inline void PrefetchRow(const Table& t, int64_t row, int64_t row_bytes) {
+  const char* p = static_cast<const char*>(t.data) + row * row_bytes;
+  for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
+}
+
+}  // namespace
+
+Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* out,
+               ElemType out_type, const ParallelFor& pf) {
+  Status s = internal::CheckTypes(table, bags, out_type, /*for_gradient=*/false);
+  if (!s.ok) return s;
+  s = ValidateBags(table, bags, pf);
+  if (!s.ok) return s;
+  const int64_t dim = table.dim;
+  const int64_t row_bytes = dim * ElemSize(table.type);
+  const int64_t out_row_bytes = dim * ElemSize(out_type);
+  const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;
+  pf(bags.num_bags, avg_bag * (dim + 16), [&](int64_t b0, int64_t b1) {
+    std::vector<float> acc(dim);
+    for (int64_t b = b0; b < b1; ++b) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const int64_t begin = bags.Begin(b), end = bags.End(b);
+      float weight_sum = 0.f, weight_sq_sum = 0.f;
+      for (int64_t j = begin; j < end; ++j) {
+        if (j + kPrefetchDistance < end) {
+          const int64_t ahead = IndexAt(bags, j + kPrefetchDistance);
+          if (ahead >= 0) PrefetchRow(table, ahead, row_bytes);
+        }
+        const int64_t idx = IndexAt(bags, j);
+        if (idx < 0) continue;  // padding
+        const float w = WeightAt(bags, j);
+        vec::AxpyRow(table, idx, w, acc.data());
+        weight_sum += w;
+        weight_sq_sum += w * w;
+      }
+      // Start the next bag's first rows while this one is stored.
+      if (b + 1 < b1) {
+        const int64_t next_end = std::min(bags.End(b + 1), bags.Begin(b + 1) + kPrefetchDistance);
+        for (int64_t j = bags.Begin(b + 1); j < next_end; ++j) {
+          const int64_t ahead = IndexAt(bags, j);
+          if (ahead >= 0) PrefetchRow(table, ahead, row_bytes);
+        }
+      }
+      vec::FromFloat(acc.data(), internal::CombinerScale(combiner, weight_sum, weight_sq_sum),
+                     out_type, static_cast<char*>(out) + b * out_row_bytes, dim);
+    }
+  });
+  return Status::Ok();
+}
+
+namespace {
+
+// Entries with a valid index, grouped by table row: entries of row
+// rows[u] are order[starts[u] .. starts[u+1]). With `all_rows`, u == row for
+// every table row (empty groups included) — counting sort, used when the table
+// is not much larger than the number of entries; otherwise only rows that
+// occur are listed (comparison sort), so temporaries stay O(entries).
+struct RowGroups {
+  bool all_rows = false;
+  std::vector<int64_t> rows;
+  std::vector<int64_t> starts;
+  std::vector<int64_t> order;
+  int64_t NumGroups() const { return static_cast<int64_t>(starts.size()) - 1; }
+  int64_t Row(int64_t u) const { return all_rows ? u : rows[u]; }
+};
+
+RowGroups GroupByRow(const Bags& bags, int64_t num_rows) {
+  const int64_t n = bags.NumIndices();
+  RowGroups g;
+  int64_t valid = 0;
+  for (int64_t j = 0; j < n; ++j) valid += IndexAt(bags, j) >= 0;
+  if (num_rows <= 4 * n + (int64_t{1} << 20)) {
+    g.all_rows = true;
+    g.starts.assign(num_rows + 1, 0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t r = IndexAt(bags, j);
+      if (r >= 0) ++g.starts[r + 1];
+    }
+    for (int64_t r = 0; r < num_rows; ++r) g.starts[r + 1] += g.starts[r];
+    g.order.resize(valid);
+    std::vector<int64_t> cursor(g.starts.begin(), g.starts.end() - 1);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t r = IndexAt(bags, j);
+      if (r >= 0) g.order[cursor[r]++] = j;
+    }
+    return g;
+  }
+  std::vector<std::pair<int64_t, int64_t>> pairs;
+  pairs.reserve(valid);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t r = IndexAt(bags, j);
+    if (r >= 0) pairs.emplace_back(r, j);
+  }
+  std::sort(pairs.begin(), pairs.end());
+  g.order.resize(valid);
+  for (int64_t i = 0; i < valid; ++i) {
+    g.order[i] = pairs[i].second;
+    if (i == 0 || pairs[i].first != pairs[i - 1].first) {
+      g.rows.push_back(pairs[i].first);
+      g.starts.push_back(i);
+    }
+  }
+  g.starts.push_back(valid);
+  return g;
+}
+
+}  // namespace
+
+Status Backward(const Table& table, const Bags& bags, Combiner combiner, const void* grad_out,
+                ElemType grad_type, void* d_table, ElemType d_table_type, void* d_weights,
+                const ParallelFor& pf) {
+  Status s = internal::CheckTypes(table, bags, d_table_type, /*for_gradient=*/true);
+  if (!s.ok) return s;
+  if (grad_type == ElemType::kInt8) return Status::Error("gradient must be a float type");
+  s = ValidateBags(table, bags, pf);
+  if (!s.ok) return s;
+  if (bags.weights == nullptr) d_weights = nullptr;  // nothing to differentiate
+  const int64_t dim = table.dim, num_bags = bags.num_bags, n = bags.NumIndices();
+  const int64_t grad_row_bytes = dim * ElemSize(grad_type);
+  const int64_t table_row_bytes = dim * ElemSize(table.type);
+  const int64_t d_row_bytes = dim * ElemSize(d_table_type);
+
+  // Per-bag combiner scale.
+  std::vector<float> bag_scale(num_bags);
+  pf(num_bags, 8 * (n / std::max<int64_t>(num_bags, 1) + 1), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float ws = 0.f, wq = 0.f;
+      for (int64_t j = bags.Begin(b); j < bags.End(b); ++j) {
+        if (IndexAt(bags, j) < 0) continue;
+        const float w = WeightAt(bags, j);
+        ws += w;
+        wq += w * w;
+      }
+      bag_scale[b] = internal::CombinerScale(combiner, ws, wq);
+    }
+  });
+
+  // The bag of each entry: a division for dense bags, a table for ragged ones.
+  std::vector<int64_t> ragged_bag_of;
+  if (bags.row_splits != nullptr) {
+    ragged_bag_of.resize(n);
+    for (int64_t b = 0; b < num_bags; ++b)
+      for (int64_t j = bags.Begin(b); j < bags.End(b); ++j) ragged_bag_of[j] = b;
+  }
+  auto bag_of = [&](int64_t j) { return bags.row_splits ? ragged_bag_of[j] : j / bags.bag_size; };
+
+  // grad . row for each entry; turned into d_weights by the per-bag fix-up below.
+  std::vector<float> grad_dot_row(d_weights ? n : 0, 0.f);
+
+  // A grad row as float: the pointer itself for float32, else converted into scratch.
+  auto grad_row = [&](int64_t b, float* scratch) -> const float* {
+    const char* p = static_cast<const char*>(grad_out) + b * grad_row_bytes;
+    if (grad_type == ElemType::kFloat32) return reinterpret_cast<const float*>(p);
+    vec::ToFloat(p, grad_type, scratch, dim);
+    return scratch;
+  };
+
+  if (d_table != nullptr) {
+    const RowGroups groups = GroupByRow(bags, table.num_rows);
+    if (!groups.all_rows) {  // rows nobody looked up get zero gradient
+      pf(table.num_rows, dim, [&](int64_t r0, int64_t r1) {
+        std::vector<float> zeros(dim, 0.f);
+        for (int64_t r = r0; r < r1; ++r)
+          vec::FromFloat(zeros.data(), 1.f, d_table_type, static_cast<char*>(d_table) + r * d_row_bytes, dim);
+      });
+    }
+    const int64_t groups_n = groups.NumGroups();
+    const int64_t cost = (groups.order.size() / std::max<int64_t>(groups_n, 1) + 1) * dim * 3;
+    pf(groups_n, cost, [&](int64_t u0, int64_t u1) {
+      std::vector<float> acc(dim), row_f(d_weights ? dim : 0), scratch(dim);
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t r = groups.Row(u);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        if (d_weights && groups.starts[u] < groups.starts[u + 1])
+          vec::ToFloat(static_cast<const char*>(table.data) + r * table_row_bytes, table.type, row_f.data(), dim);
+        for (int64_t i = groups.starts[u]; i < groups.starts[u + 1]; ++i) {
+          const int64_t j = groups.order[i];
+          const int64_t b = bag_of(j);
+          const float* g = grad_row(b, scratch.data());
+          vec::AxpyF32(WeightAt(bags, j) * bag_scale[b], g, acc.data(), dim);
+          if (d_weights) grad_dot_row[j] = vec::Dot(g, row_f.data(), dim);
+        }
+        vec::FromFloat(acc.data(), 1.f, d_table_type, static_cast<char*>(d_table) + r * d_row_bytes, dim);
+      }
+    });
+  } else if (d_weights != nullptr) {
+    pf(num_bags, (n / std::max<int64_t>(num_bags, 1) + 1) * dim * 2, [&](int64_t b0, int64_t b1) {
+      std::vector<float> row_f(dim), scratch(dim);
+      for (int64_t b = b0; b < b1; ++b) {
+        const float* g = grad_row(b, scratch.data());
+        for (int64_t j = bags.Begin(b); j < bags.End(b); ++j) {
+          const int64_t r = IndexAt(bags, j);
+          if (r < 0) continue;
+          vec::ToFloat(static_cast<const char*>(table.data) + r * table_row_bytes, table.type, row_f.data(), dim);
+          grad_dot_row[j] = vec::Dot(g, row_f.data(), dim);
+        }
+      }
+    });
+  }
+
+  if (d_weights != nullptr) {
+    // d out / d w_k:  sum: x_k;  mean: (x_k - out) / S;  sqrtn: (x_k - out * w_k / R) / R,
+    // where out . g = sum_j w_j (g . x_j) * scale.
+    pf(num_bags, 8 * (n / std::max<int64_t>(num_bags, 1) + 1), [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t begin = bags.Begin(b), end = bags.End(b);
+        float weighted = 0.f;
+        if (combiner != Combiner::kSum)
+          for (int64_t j = begin; j < end; ++j)
+            if (IndexAt(bags, j) >= 0) weighted += WeightAt(bags, j) * grad_dot_row[j];
+        const float scale = bag_scale[b];
+        for (int64_t j = begin; j < end; ++j) {
+          float dw = 0.f;
+          if (IndexAt(bags, j) >= 0 && scale != 0.f) {
+            const float gx = grad_dot_row[j];
+            switch (combiner) {
+              case Combiner::kSum: dw = gx; break;
+              case Combiner::kMean: dw = (gx - weighted * scale) * scale; break;
+              case Combiner::kSqrtn: dw = (gx - WeightAt(bags, j) * weighted * scale * scale) * scale; break;
+            }
+          }
+          internal::StoreElem(d_weights, bags.weights_type, j, dw);
+        }
+      }
+    });
+  }
+  return Status::Ok();
+}
+
+// ---- scalar conversions -----------------------------------------------------
+
+float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f;
+  uint32_t mant = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      mant &= 0x3ff;
+      bits = sign | (exp << 23) | (mant << 13);
+    }
+  } else if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToHalf(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+  const uint32_t abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u) return sign | 0x7c00 | (abs > 0x7f800000u ? 0x200 : 0);  // inf / nan
+  if (abs >= 0x477ff000u) return sign | 0x7c00;  // rounds to >= 65520: overflow to inf
+  if (abs < 0x38800000u) {                        // below the smallest normal half
+    if (abs < 0x33000000u) return sign;           // rounds to zero
+    const uint32_t e = abs >> 23;
+    const uint32_t m = (abs & 0x7fffff) | 0x800000;
+    const uint32_t shift = 126 - e;  // 14 + (113 - e): so that m >> shift is the half mantissa
+    uint32_t half = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1);
+    const uint32_t halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (half & 1))) ++half;
+    return sign | static_cast<uint16_t>(half);
+  }
+  uint32_t half = ((abs >> 13) - ((127 - 15) << 10));
+  const uint32_t rem = abs & 0x1fff;
+  if (rem > 0x1000 || (rem == 0x1000 && (half & 1))) ++half;
+  return sign | static_cast<uint16_t>(half);
+}
+
+float BFloat16ToFloat(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t FloatToBFloat16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);  // quiet nan
+  const uint32_t rounding = 0x7fff + ((x >> 16) & 1);
+  return static_cast<uint16_t>((x + rounding) >> 16);
+}
+
+}  // namespace pkm

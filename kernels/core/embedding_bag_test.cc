@@ -1,0 +1,225 @@
+// Fast core vs reference on random shapes, every type combination, dense and
+// ragged bags, padding and empty bags; plus the error paths. Plain asserts so
+// it builds with nothing but the compiler; prints a ctest-like summary.
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/core/embedding_bag.h"
+
+namespace {
+
+int g_failed = 0, g_passed = 0;
+
+#define EXPECT(cond, ...)                                   \
+  do {                                                      \
+    if (!(cond)) {                                          \
+      ++g_failed;                                           \
+      std::fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+      std::fprintf(stderr, __VA_ARGS__);                    \
+      std::fprintf(stderr, "\n");                           \
+    } else {                                                \
+      ++g_passed;                                           \
+    }                                                       \
+  } while (0)
+
+// A two-thread splitter, so the tests exercise the parallel paths.
+pkm::ParallelFor TwoThreads() {
+  return [](int64_t total, int64_t, const pkm::RangeFn& fn) {
+    if (total <= 0) return;
+    const int64_t mid = total / 2;
+    std::thread t([&] { if (mid > 0) fn(0, mid); });
+    fn(mid, total);
+    t.join();
+  };
+}
+
+float Load(const std::vector<uint8_t>& buf, pkm::ElemType t, int64_t i) {
+  switch (t) {
+    case pkm::ElemType::kFloat32: { float f; std::memcpy(&f, buf.data() + 4 * i, 4); return f; }
+    case pkm::ElemType::kFloat16: { uint16_t h; std::memcpy(&h, buf.data() + 2 * i, 2); return pkm::HalfToFloat(h); }
+    case pkm::ElemType::kBFloat16: { uint16_t h; std::memcpy(&h, buf.data() + 2 * i, 2); return pkm::BFloat16ToFloat(h); }
+    case pkm::ElemType::kInt8: return static_cast<float>(static_cast<int8_t>(buf[i]));
+  }
+  return 0;
+}
+
+std::vector<uint8_t> RandomBuffer(std::mt19937_64& rng, pkm::ElemType t, int64_t n) {
+  std::vector<uint8_t> buf(n * pkm::ElemSize(t));
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = u(rng);
+    switch (t) {
+      case pkm::ElemType::kFloat32: std::memcpy(buf.data() + 4 * i, &v, 4); break;
+      case pkm::ElemType::kFloat16: { uint16_t h = pkm::FloatToHalf(v); std::memcpy(buf.data() + 2 * i, &h, 2); break; }
+      case pkm::ElemType::kBFloat16: { uint16_t h = pkm::FloatToBFloat16(v); std::memcpy(buf.data() + 2 * i, &h, 2); break; }
+      case pkm::ElemType::kInt8: buf[i] = static_cast<uint8_t>(static_cast<int8_t>(std::lround(v * 127))); break;
+    }
+  }
+  return buf;
+}
+
+bool Close(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, pkm::ElemType t, int64_t n,
+           float rtol, std::string* where) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = Load(a, t, i), y = Load(b, t, i);
+    if (!(std::fabs(x - y) <= rtol * (1.f + std::fabs(y)))) {
+      *where = "element " + std::to_string(i) + ": " + std::to_string(x) + " vs " + std::to_string(y);
+      return false;
+    }
+  }
+  return true;
+}
+
+void RandomCase(std::mt19937_64& rng, int case_id) {
+  using pkm::ElemType;
+  const ElemType float_types[] = {ElemType::kFloat32, ElemType::kFloat16, ElemType::kBFloat16, ElemType::kInt8};
+  const ElemType table_type = float_types[rng() % 4];
+  const bool quantised = table_type == ElemType::kInt8;
+  const ElemType value_type = quantised ? ElemType::kFloat32 : table_type;  // weights/out/grad
+  const pkm::Combiner combiner = static_cast<pkm::Combiner>(rng() % 3);
+  const bool ragged = rng() % 3 == 0, idx64 = rng() % 2, splits64 = rng() % 2;
+  const bool weighted = rng() % 4 != 0;
+  const bool large_table = rng() % 8 == 0;  // exercises the comparison-sort backward
+  const int64_t num_rows = large_table ? (int64_t{1} << 20) + 5000 + rng() % 100 : 1 + rng() % 300;
+  const int64_t dim = 1 + rng() % 70, num_bags = rng() % 40, bag_size = rng() % 12;
+
+  std::vector<int64_t> splits(num_bags + 1, 0);
+  for (int64_t b = 0; b < num_bags; ++b) splits[b + 1] = splits[b] + (ragged ? rng() % 15 : bag_size);
+  const int64_t nnz = splits[num_bags];
+  std::vector<int64_t> idx(nnz);
+  // Hot rows (few distinct) half of the time, padding ~10%.
+  const int64_t distinct = rng() % 2 ? std::min<int64_t>(num_rows, 3) : num_rows;
+  for (auto& v : idx) v = rng() % 10 == 0 ? -1 - static_cast<int64_t>(rng() % 3) : static_cast<int64_t>(rng() % distinct);
+  std::vector<int32_t> idx32(idx.begin(), idx.end()), splits32(splits.begin(), splits.end());
+
+  // Large tables are sparse in use: only the used rows need values, but the
+  // buffer must exist; keep it small-dim.
+  const int64_t table_dim = large_table ? std::min<int64_t>(dim, 2) : dim;
+  auto table_buf = RandomBuffer(rng, table_type, num_rows * table_dim);
+  std::vector<float> scales(num_rows);
+  std::vector<int32_t> zps(num_rows);
+  for (int64_t r = 0; r < num_rows; ++r) { scales[r] = 0.01f + (rng() % 100) / 1000.f; zps[r] = static_cast<int32_t>(rng() % 7) - 3; }
+  auto weights = RandomBuffer(rng, value_type, nnz);
+  if (combiner == pkm::Combiner::kMean) {
+    // mean divides by sum(w): keep weights positive (softmax-like) so the
+    // comparison is not dominated by cancellation in a near-zero sum.
+    for (int64_t j = 0; j < nnz; ++j) {
+      const float v = 0.05f + std::fabs(Load(weights, value_type, j));
+      switch (value_type) {
+        case pkm::ElemType::kFloat32: std::memcpy(weights.data() + 4 * j, &v, 4); break;
+        case pkm::ElemType::kFloat16: { uint16_t h = pkm::FloatToHalf(v); std::memcpy(weights.data() + 2 * j, &h, 2); break; }
+        case pkm::ElemType::kBFloat16: { uint16_t h = pkm::FloatToBFloat16(v); std::memcpy(weights.data() + 2 * j, &h, 2); break; }
+        default: break;
+      }
+    }
+  }
+
+  pkm::Table table{table_buf.data(), table_type, num_rows, table_dim, quantised ? scales.data() : nullptr,
+                   quantised ? zps.data() : nullptr};
+  pkm::Bags bags;
+  bags.indices = idx64 ? static_cast<const void*>(idx.data()) : idx32.data();
+  bags.indices_int64 = idx64;
+  bags.num_bags = num_bags;
+  bags.bag_size = bag_size;
+  if (ragged) {
+    bags.row_splits = splits64 ? static_cast<const void*>(splits.data()) : splits32.data();
+    bags.row_splits_int64 = splits64;
+    bags.num_values = nnz;
+  }
+  bags.weights = weighted ? weights.data() : nullptr;
+  bags.weights_type = value_type;
+
+  const float rtol = value_type == ElemType::kFloat32 ? 1e-5f : 1e-2f;
+  const std::string what = "case " + std::to_string(case_id) + " type=" + std::to_string(int(table_type)) +
+                           " combiner=" + pkm::CombinerName(combiner) + (ragged ? " ragged" : " dense");
+  std::vector<uint8_t> out_fast(num_bags * table_dim * pkm::ElemSize(value_type)), out_ref(out_fast.size());
+  auto s1 = pkm::Forward(table, bags, combiner, out_fast.data(), value_type, TwoThreads());
+  auto s2 = pkm::ReferenceForward(table, bags, combiner, out_ref.data(), value_type);
+  EXPECT(s1.ok && s2.ok, "%s: forward failed: %s %s", what.c_str(), s1.message.c_str(), s2.message.c_str());
+  std::string where;
+  EXPECT(Close(out_fast, out_ref, value_type, num_bags * table_dim, rtol, &where), "%s forward: %s", what.c_str(), where.c_str());
+  if (quantised) return;
+
+  auto grad = RandomBuffer(rng, value_type, num_bags * table_dim);
+  std::vector<uint8_t> dt_fast(num_rows * table_dim * pkm::ElemSize(table_type), 0xAB), dt_ref(dt_fast.size());
+  std::vector<uint8_t> dw_fast(nnz * pkm::ElemSize(value_type), 0xCD), dw_ref(dw_fast.size());
+  s1 = pkm::Backward(table, bags, combiner, grad.data(), value_type, dt_fast.data(), table_type, dw_fast.data(), TwoThreads());
+  s2 = pkm::ReferenceBackward(table, bags, combiner, grad.data(), value_type, dt_ref.data(), table_type, dw_ref.data());
+  EXPECT(s1.ok && s2.ok, "%s: backward failed: %s %s", what.c_str(), s1.message.c_str(), s2.message.c_str());
+  EXPECT(Close(dt_fast, dt_ref, table_type, num_rows * table_dim, rtol, &where), "%s d_table: %s", what.c_str(), where.c_str());
+  if (weighted)
+    EXPECT(Close(dw_fast, dw_ref, value_type, nnz, rtol * 4, &where), "%s d_weights: %s", what.c_str(), where.c_str());
+  // Weights gradient alone (no d_table) takes another path.
+  if (weighted) {
+    std::vector<uint8_t> dw_only(dw_fast.size());
+    s1 = pkm::Backward(table, bags, combiner, grad.data(), value_type, nullptr, table_type, dw_only.data(), TwoThreads());
+    EXPECT(s1.ok && Close(dw_only, dw_ref, value_type, nnz, rtol * 4, &where), "%s d_weights only: %s", what.c_str(), where.c_str());
+  }
+}
+
+void ErrorCases() {
+  std::vector<float> table_buf(10 * 4, 1.f), out(2 * 4);
+  std::vector<int32_t> idx = {0, 1, 2, 10};
+  pkm::Table table{table_buf.data(), pkm::ElemType::kFloat32, 10, 4};
+  pkm::Bags bags;
+  bags.indices = idx.data();
+  bags.num_bags = 2;
+  bags.bag_size = 2;
+  auto s = pkm::Forward(table, bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
+  EXPECT(!s.ok && s.message.find("indices[3] = 10") != std::string::npos, "out of range message: %s", s.message.c_str());
+  std::vector<float> before = out;
+  EXPECT(out == before, "nothing written on error");
+
+  std::vector<int64_t> bad_splits = {0, 3, 2};
+  bags.row_splits = bad_splits.data();
+  bags.row_splits_int64 = true;
+  idx[3] = 1;
+  s = pkm::Forward(table, bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
+  EXPECT(!s.ok && s.message.find("non-decreasing") != std::string::npos, "splits message: %s", s.message.c_str());
+  std::vector<int64_t> short_splits = {0, 2, 4};
+  bags.row_splits = short_splits.data();
+  bags.num_values = 3;
+  s = pkm::Forward(table, bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
+  EXPECT(!s.ok && s.message.find("must equal the number of values") != std::string::npos, "nnz message: %s", s.message.c_str());
+
+  pkm::Combiner c;
+  EXPECT(!pkm::ParseCombiner("max", &c) && pkm::ParseCombiner("sqrtn", &c) && c == pkm::Combiner::kSqrtn, "combiner parse");
+
+  std::vector<int8_t> q(40, 1);
+  pkm::Table qt{q.data(), pkm::ElemType::kInt8, 10, 4};
+  pkm::Bags ok_bags;
+  ok_bags.indices = idx.data();
+  ok_bags.num_bags = 2;
+  ok_bags.bag_size = 2;
+  s = pkm::Forward(qt, ok_bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
+  EXPECT(!s.ok && s.message.find("scales") != std::string::npos, "int8 without scales: %s", s.message.c_str());
+}
+
+void HalfConversions() {
+  // Every half bit pattern survives half -> float -> half.
+  int bad = 0;
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const float f = pkm::HalfToFloat(static_cast<uint16_t>(h));
+    if (std::isnan(f)) continue;
+    if (pkm::FloatToHalf(f) != h) ++bad;
+  }
+  EXPECT(bad == 0, "%d half patterns did not round-trip", bad);
+  EXPECT(pkm::FloatToHalf(65520.f) == 0x7c00 && pkm::FloatToHalf(65519.f) == 0x7bff, "half overflow rounding");
+  EXPECT(pkm::FloatToBFloat16(1.00390625f) == 0x3f80, "bf16 ties to even");  // 1 + 2^-8 -> 1.0
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937_64 rng(1234);
+  for (int i = 0; i < 400; ++i) RandomCase(rng, i);
+  ErrorCases();
+  HalfConversions();
+  std::printf("core tests: %d passed, %d failed\n", g_passed, g_failed);
+  return g_failed == 0 ? 0 : 1;
+}

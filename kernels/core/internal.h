@@ -1,0 +1,44 @@
+// Small inline helpers shared by the fast and the reference implementations.
+#ifndef PKM_KERNELS_CORE_INTERNAL_H_
+#define PKM_KERNELS_CORE_INTERNAL_H_
+
+#include <cstdint>
+
+#include "kernels/core/embedding_bag.h"
+#include "kernels/core/vector_ops.h"
+
+namespace pkm {
+namespace internal {
+
+inline int64_t ReadInt(const void* p, bool is_int64, int64_t i) {
+  return is_int64 ? static_cast<const int64_t*>(p)[i]
+                  : static_cast<int64_t>(static_cast<const int32_t*>(p)[i]);
+}
+
+inline int64_t IndexAt(const Bags& bags, int64_t j) {
+  return ReadInt(bags.indices, bags.indices_int64, j);
+}
+
+inline float WeightAt(const Bags& bags, int64_t j) {
+  return bags.weights ? vec::LoadElem(bags.weights, bags.weights_type, j) : 1.f;
+}
+
+inline void StoreElem(void* base, ElemType type, int64_t i, float v) {
+  switch (type) {
+    case ElemType::kFloat32: static_cast<float*>(base)[i] = v; break;
+    case ElemType::kFloat16: static_cast<uint16_t*>(base)[i] = FloatToHalf(v); break;
+    case ElemType::kBFloat16: static_cast<uint16_t*>(base)[i] = FloatToBFloat16(v); break;
+    case ElemType::kInt8: break;
+  }
+}
+
+// Type and shape checks common to forward and backward.
+Status CheckTypes(const Table& t, const Bags& bags, ElemType out_type, bool for_gradient);
+
+// 1, 1/sum(w) or 1/sqrt(sum w^2); 0 where the denominator is 0.
+float CombinerScale(Combiner c, float weight_sum, float weight_sq_sum);
+
+}  // namespace internal
+}  // namespace pkm
+
+#endif  // PKM_KERNELS_CORE_INTERNAL_H_

@@ -1,0 +1,37 @@
+// Row-wise vector primitives of the CPU core. Each is compiled several times
+// (AVX-512, AVX2+FMA+F16C, baseline) and picked at load time by the CPU, so
+// the library is fast on new CPUs and still loads on old ones.
+#ifndef PKM_KERNELS_CORE_VECTOR_OPS_H_
+#define PKM_KERNELS_CORE_VECTOR_OPS_H_
+
+#include <cstdint>
+
+#include "kernels/core/embedding_bag.h"
+
+namespace pkm {
+namespace vec {
+
+// acc[i] += a * row[i], row in the table's storage type.
+void AxpyF32(float a, const float* row, float* acc, int64_t n);
+void AxpyF16(float a, const uint16_t* row, float* acc, int64_t n);
+void AxpyBF16(float a, const uint16_t* row, float* acc, int64_t n);
+// acc[i] += a * (q[i] - zero_point): the caller folds the row scale into a.
+void AxpyI8(float a, const int8_t* q, int32_t zero_point, float* acc, int64_t n);
+
+// Typed dispatch over the four above; `row` points at the row's first element.
+void AxpyRow(const Table& table, int64_t row_index, float a, float* acc);
+
+// dst[i] = float(src[i]) for a float storage type.
+void ToFloat(const void* src, ElemType type, float* dst, int64_t n);
+// dst[i] = scale * src[i] converted to a float storage type.
+void FromFloat(const float* src, float scale, ElemType type, void* dst, int64_t n);
+
+float Dot(const float* x, const float* y, int64_t n);
+
+// Scalar element read (float storage types only).
+float LoadElem(const void* base, ElemType type, int64_t i);
+
+}  // namespace vec
+}  // namespace pkm
+
+#endif  // PKM_KERNELS_CORE_VECTOR_OPS_H_

@@ -1,0 +1,412 @@
+// EmbeddingBag backward on the GPU: deterministic, sort-based, no atomics.
+//
+//  1. key every entry by its table row (padding / out of range -> num_rows,
+//     which sorts last) and radix-sort (row, entry) pairs: O(entries) uint32s;
+//  2. seg_begin[r] = first sorted position of row r (binary search per row);
+//  3. a warp per (row, 1024-column tile) walks its row's entries, gathering
+//     coef * grad[bag] into registers, and writes the d_table row tile exactly
+//     once (rows nobody references get zeros). The same pass loads the table
+//     row once and forms grad[bag] . table[row] for every entry: the raw dot
+//     d_weights needs, so the table is read once per referenced row instead of
+//     once per entry;
+//  4. a row with more than `long_segment` entries is cut into pieces of
+//     `long_segment` sorted positions, summed by separate warps into float
+//     scratch; the row's warp then adds the pieces in position order, so hot
+//     rows do not serialise one warp and results stay bitwise reproducible;
+//  5. a warp per bag turns the raw dots into d_weights with the combiner's
+//     correction (mean: (d_k - sum_j w_j d_j / S) / S; sqrtn:
+//     (d_k - w_k sum_j w_j d_j / R^2) / R).
+#include <cub/device/device_radix_sort.cuh>
+
+#include <algorithm>
+#include <string>
+
+#include "kernels/cuda/common.cuh"
+
+namespace pkm_cuda {
+namespace {
+
+constexpr int kBackwardThreads = 256;
+constexpr int kWarpsPerBlock = kBackwardThreads / kWarp;
+constexpr int kEntriesInFlight = 2;
+constexpr int64_t kTileCols = 1024;  // columns one warp owns in the backward
+constexpr int64_t kDefaultLongSegment = 2048;
+constexpr size_t kAlign = 256;
+
+struct BackwardArgs {
+  PkmBags bags;
+  int64_t num_indices;
+  int64_t tiles;
+  int64_t long_segment;
+  const uint32_t* sorted_rows;  // row of each sorted position (num_rows = skipped entry)
+  const uint32_t* sorted_entries;
+  const uint32_t* seg_begin;     // [num_rows + 1]
+  const float* bag_scale;        // [num_bags]; null for sum (scale 1)
+  const uint32_t* bag_of_entry;  // ragged only; dense uses entry / bag_size
+  const void* grad;
+  void* d_table;                 // may be null
+  float* dots;                   // [tiles, num_indices]; null when d_weights is not wanted
+  int32_t* piece_row;            // [2 * pieces]
+  float* piece_sum;              // [2 * pieces, dim]
+};
+
+// ---- keys -------------------------------------------------------------------
+
+template <typename IdxT>
+__device__ __forceinline__ uint32_t RowKey(const PkmBags& bags, int64_t entry) {
+  const int64_t idx = static_cast<int64_t>(static_cast<const IdxT*>(bags.indices)[entry]);
+  if (idx >= 0 && idx < bags.num_rows) return static_cast<uint32_t>(idx);
+  if (idx >= bags.num_rows && bags.invalid_index_count != nullptr)
+    atomicAdd(bags.invalid_index_count, 1);
+  return static_cast<uint32_t>(bags.num_rows);
+}
+
+template <typename IdxT>
+__global__ void InitKeysKernel(PkmBags bags, int64_t num_indices, bool dense, uint32_t* keys,
+                               uint32_t* entries) {
+  const int64_t entry = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (entry >= num_indices) return;
+  keys[entry] = dense ? RowKey<IdxT>(bags, entry) : static_cast<uint32_t>(bags.num_rows);
+  entries[entry] = static_cast<uint32_t>(entry);
+}
+
+// Ragged: only entries inside a bag take part; records each entry's bag.
+template <typename IdxT>
+__global__ void RaggedKeysKernel(PkmBags bags, int64_t num_indices, uint32_t* keys,
+                                 uint32_t* bag_of_entry) {
+  const int64_t bag = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (bag >= bags.num_bags) return;
+  int64_t begin, end;
+  BagRange(bags, num_indices, bag, &begin, &end);
+  for (int64_t entry = begin + threadIdx.x % kWarp; entry < end; entry += kWarp) {
+    keys[entry] = RowKey<IdxT>(bags, entry);
+    bag_of_entry[entry] = static_cast<uint32_t>(bag);
+  }
+}
+
+__global__ void SegmentBeginKernel(const uint32_t* sorted_rows, int64_t num_indices,
+                                   int64_t num_rows, uint32_t* seg_begin) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row > num_rows) return;
+  int64_t lo = 0, hi = num_indices;  // first position whose row >= `row`
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (static_cast<int64_t>(sorted_rows[mid]) < row) lo = mid + 1; else hi = mid;
+  }
+  seg_begin[row] = static_cast<uint32_t>(lo);
+}
+
+template <typename IdxT>
+__device__ __forceinline__ bool ValidEntry(const PkmBags& bags, int64_t entry) {
+  const int64_t idx = static_cast<int64_t>(static_cast<const IdxT*>(bags.indices)[entry]);
+  return idx >= 0 && idx < bags.num_rows;
+}
+
+template <typename IdxT>
+__global__ void BagScaleKernel(PkmBags bags, int64_t num_indices, float* bag_scale) {
+  const int64_t bag = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (bag >= bags.num_bags) return;
+  int64_t begin, end;
+  BagRange(bags, num_indices, bag, &begin, &end);
+  float weight_sum = 0.f, weight_sq_sum = 0.f;
+  for (int64_t entry = begin + threadIdx.x % kWarp; entry < end; entry += kWarp) {
+    if (!ValidEntry<IdxT>(bags, entry)) continue;
+    const float w = bags.weights ? LoadWeight(bags.weights, bags.weights_type, entry) : 1.f;
+    weight_sum += w;
+    weight_sq_sum += w * w;
+  }
+  weight_sum = WarpSum(weight_sum);
+  weight_sq_sum = WarpSum(weight_sq_sum);
+  if (threadIdx.x % kWarp == 0) bag_scale[bag] = CombinerScale(bags.combiner, weight_sum, weight_sq_sum);
+}
+
+// ---- the row pass -------------------------------------------------------------
+
+// acc += sum over sorted positions [s0, s1) (all of table row `row`) of
+// coef(entry) * grad[bag(entry)] on this lane's columns of `tile`; writes the
+// raw dot grad[bag] . table[row] (this tile's part) of every entry to dots.
+template <typename T, int VEC, int U>
+__device__ __forceinline__ void AccumulateRange(const BackwardArgs& a, int64_t row, int64_t s0,
+                                                int64_t s1, int64_t tile, int lane,
+                                                float (&acc)[U][VEC]) {
+  static_assert(VEC * U * kWarp == kTileCols, "a warp owns kTileCols columns");
+  const int64_t dim = a.bags.dim;
+  const int64_t lane_col = tile * kTileCols + static_cast<int64_t>(lane) * VEC;
+  const T* __restrict__ grad = static_cast<const T*>(a.grad);
+  const bool want_dots = a.dots != nullptr;
+  float x[U][VEC];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
+    if (want_dots && col < dim) {
+      LoadFloats<T, VEC>(static_cast<const T*>(a.bags.table) + row * dim + col, x[u]);
+    } else {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) x[u][v] = 0.f;
+    }
+  }
+  for (int64_t chunk = s0; chunk < s1; chunk += kWarp) {
+    const int count = static_cast<int>(min(static_cast<int64_t>(kWarp), s1 - chunk));
+    uint32_t my_entry = 0;
+    int64_t my_bag = 0;
+    float my_coef = 0.f;
+    if (lane < count) {
+      my_entry = a.sorted_entries[chunk + lane];
+      my_bag = a.bag_of_entry ? static_cast<int64_t>(a.bag_of_entry[my_entry])
+                              : static_cast<int64_t>(my_entry) / a.bags.bag_size;
+      my_coef = a.bags.weights ? LoadWeight(a.bags.weights, a.bags.weights_type, my_entry) : 1.f;
+      if (a.bag_scale) my_coef *= a.bag_scale[my_bag];
+    }
+    for (int k = 0; k < count; k += kEntriesInFlight) {
+      float g[kEntriesInFlight][U][VEC];
+      float coef[kEntriesInFlight];
+#pragma unroll
+      for (int j = 0; j < kEntriesInFlight; ++j) {
+        const bool active = k + j < count;  // warp-uniform
+        const int64_t bag = __shfl_sync(kFullMask, my_bag, k + j);
+        coef[j] = __shfl_sync(kFullMask, my_coef, k + j);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
+          if (active && col < dim) {
+            LoadFloats<T, VEC>(grad + bag * dim + col, g[j][u]);
+          } else {
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) g[j][u][v] = 0.f;
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kEntriesInFlight; ++j) {
+        float partial_dot = 0.f;
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) {
+            acc[u][v] = fmaf(coef[j], g[j][u][v], acc[u][v]);
+            partial_dot = fmaf(g[j][u][v], x[u][v], partial_dot);
+          }
+        if (want_dots && k + j < count) {
+          const float dot = WarpSum(partial_dot);
+          const uint32_t entry = __shfl_sync(kFullMask, my_entry, k + j);
+          if (lane == 0) a.dots[tile * a.num_indices + entry] = dot;
+        }
+      }
+    }
+  }
+}
+
+template <int VEC, int U>
+__device__ __forceinline__ void ZeroAcc(float (&acc)[U][VEC]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[u][v] = 0.f;
+}
+
+// One warp per (piece, tile): the parts of long rows inside sorted positions
+// [piece * L, piece * L + L). A range of L positions meets at most two rows
+// longer than L: the one at its first position and the one at its last.
+template <typename T, int VEC, int U>
+__global__ void __launch_bounds__(kBackwardThreads) PiecesKernel(BackwardArgs a, int64_t pieces) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (warp >= pieces * a.tiles) return;
+  const int64_t piece = warp / a.tiles;
+  const int64_t tile = warp % a.tiles;
+  const int64_t L = a.long_segment;
+  const int64_t s_begin = piece * L;
+  const int64_t s_end = min(a.num_indices, s_begin + L);
+  const int64_t dim = a.bags.dim;
+  const uint32_t first_row = a.sorted_rows[s_begin];
+  for (int slot = 0; slot < 2; ++slot) {
+    const uint32_t row = a.sorted_rows[slot == 0 ? s_begin : s_end - 1];
+    bool use = row < a.bags.num_rows && (slot == 0 || row != first_row);
+    int64_t lo = 0, hi = 0;
+    if (use) {
+      lo = a.seg_begin[row];
+      hi = a.seg_begin[row + 1];
+      use = hi - lo > L;
+    }
+    if (tile == 0 && lane == 0) a.piece_row[2 * piece + slot] = use ? static_cast<int32_t>(row) : -1;
+    if (!use) continue;
+    float acc[U][VEC];
+    ZeroAcc<VEC, U>(acc);
+    AccumulateRange<T, VEC, U>(a, row, max(lo, s_begin), min(hi, s_end), tile, lane, acc);
+    float* out = a.piece_sum + (2 * piece + slot) * dim;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t col = tile * kTileCols + static_cast<int64_t>(lane) * VEC + u * kWarp * VEC;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v)
+        if (col + v < dim) out[col + v] = acc[u][v];
+    }
+  }
+}
+
+// One warp per (table row, tile): writes d_table[row, tile] exactly once.
+template <typename T, int VEC, int U>
+__global__ void __launch_bounds__(kBackwardThreads) RowsKernel(BackwardArgs a) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (warp >= a.bags.num_rows * a.tiles) return;
+  const int64_t row = warp / a.tiles;
+  const int64_t tile = warp % a.tiles;
+  const int64_t dim = a.bags.dim;
+  const int64_t lo = a.seg_begin[row];
+  const int64_t hi = a.seg_begin[row + 1];
+  const int64_t L = a.long_segment;
+  const int64_t lane_col = tile * kTileCols + static_cast<int64_t>(lane) * VEC;
+  float acc[U][VEC];
+  ZeroAcc<VEC, U>(acc);
+  if (hi - lo <= L) {
+    AccumulateRange<T, VEC, U>(a, row, lo, hi, tile, lane, acc);
+  } else if (a.d_table != nullptr) {
+    for (int64_t piece = lo / L; piece <= (hi - 1) / L; ++piece) {
+      const int slot = a.piece_row[2 * piece] == static_cast<int32_t>(row) ? 0 : 1;
+      const float* part = a.piece_sum + (2 * piece + slot) * dim;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
+#pragma unroll
+        for (int v = 0; v < VEC; ++v)
+          if (col + v < dim) acc[u][v] += part[col + v];
+      }
+    }
+  }
+  if (a.d_table == nullptr) return;
+  T* out = static_cast<T*>(a.d_table) + row * dim;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
+    if (col < dim) StoreFloats<T, VEC>(out + col, acc[u]);
+  }
+}
+
+// One warp per bag: d_weights from the raw dots and the combiner.
+template <typename IdxT>
+__global__ void WeightsGradKernel(PkmBags bags, int64_t num_indices, int64_t tiles,
+                                  const float* dots, void* d_weights) {
+  const int64_t bag = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (bag >= bags.num_bags) return;
+  const int lane = threadIdx.x % kWarp;
+  int64_t begin, end;
+  BagRange(bags, num_indices, bag, &begin, &end);
+  auto raw_dot = [&](int64_t entry) {
+    float d = 0.f;
+    for (int64_t t = 0; t < tiles; ++t) d += dots[t * num_indices + entry];
+    return d;
+  };
+  float weighted_dots = 0.f, weight_sum = 0.f, weight_sq_sum = 0.f;
+  if (bags.combiner != PKM_SUM) {
+    for (int64_t entry = begin + lane; entry < end; entry += kWarp) {
+      if (!ValidEntry<IdxT>(bags, entry)) continue;
+      const float w = LoadWeight(bags.weights, bags.weights_type, entry);
+      weighted_dots += w * raw_dot(entry);
+      weight_sum += w;
+      weight_sq_sum += w * w;
+    }
+    weighted_dots = WarpSum(weighted_dots);
+    weight_sum = WarpSum(weight_sum);
+    weight_sq_sum = WarpSum(weight_sq_sum);
+  }
+  for (int64_t entry = begin + lane; entry < end; entry += kWarp) {
+    float dw = 0.f;
+    if (ValidEntry<IdxT>(bags, entry)) {
+      const float d = raw_dot(entry);
+      if (bags.combiner == PKM_SUM) {
+        dw = d;
+      } else if (bags.combiner == PKM_MEAN) {
+        dw = weight_sum != 0.f ? (d - weighted_dots / weight_sum) / weight_sum : 0.f;
+      } else {
+        const float w = LoadWeight(bags.weights, bags.weights_type, entry);
+        dw = weight_sq_sum > 0.f
+                 ? (d - w * weighted_dots / weight_sq_sum) * rsqrtf(weight_sq_sum)
+                 : 0.f;
+      }
+    }
+    StoreWeight(d_weights, bags.weights_type, entry, dw);
+  }
+}
+
+// ---- workspace ------------------------------------------------------------
+
+size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+int KeyBits(int64_t num_rows) {  // bits to hold 0..num_rows (num_rows is the skip key)
+  int bits = 1;
+  while (bits < 32 && (static_cast<uint64_t>(num_rows) >> bits) != 0) ++bits;
+  return bits;
+}
+
+struct Layout {
+  int64_t num_indices = 0, tiles = 0, long_segment = 0, pieces = 0;
+  size_t keys[2] = {0, 0}, entries[2] = {0, 0}, cub_temp = 0, cub_bytes = 0, seg_begin = 0,
+         bag_scale = 0, bag_of_entry = 0, dots = 0, piece_row = 0, piece_sum = 0, total = 0;
+  bool dots_in_spare_keys = false, pieces_in_spare_entries = false;
+};
+
+int MakeLayout(const PkmBags& bags, const PkmCudaOptions* options, Layout* layout) {
+  Layout& l = *layout;
+  l.num_indices = NumIndices(bags);
+  if (l.num_indices > INT32_MAX)
+    return SetInvalid("backward: at most 2^31-1 indices per call on the GPU, got " +
+                      std::to_string(l.num_indices));
+  if (bags.num_rows >= static_cast<int64_t>(UINT32_MAX))
+    return SetInvalid("backward: at most 2^32-2 table rows on the GPU, got " +
+                      std::to_string(bags.num_rows));
+  l.long_segment = kDefaultLongSegment;
+  if (options != nullptr && options->long_segment_entries != 0) {
+    if (options->long_segment_entries < 1)
+      return SetInvalid("long_segment_entries must be >= 1, got " +
+                        std::to_string(options->long_segment_entries));
+    l.long_segment = options->long_segment_entries;
+  }
+  l.tiles = (bags.dim + kTileCols - 1) / kTileCols;
+  l.pieces = (l.num_indices + l.long_segment - 1) / l.long_segment;
+  const size_t n = static_cast<size_t>(l.num_indices);
+  cub::DoubleBuffer<uint32_t> keys(nullptr, nullptr), entries(nullptr, nullptr);
+  cudaError_t err = cub::DeviceRadixSort::SortPairs(nullptr, l.cub_bytes, keys, entries,
+                                                    static_cast<int>(n), 0, KeyBits(bags.num_rows));
+  if (err != cudaSuccess) return CheckCuda(err, "cub::DeviceRadixSort size query");
+  size_t offset = 0;
+  auto take = [&](size_t bytes) { const size_t at = offset; offset += AlignUp(bytes); return at; };
+  l.keys[0] = take(n * 4);
+  l.keys[1] = take(n * 4);
+  l.entries[0] = take(n * 4);
+  l.entries[1] = take(n * 4);
+  l.cub_temp = take(l.cub_bytes);
+  l.seg_begin = take((static_cast<size_t>(bags.num_rows) + 1) * 4);
+  if (bags.combiner != PKM_SUM) l.bag_scale = take(static_cast<size_t>(bags.num_bags) * 4);
+  if (bags.row_splits != nullptr) l.bag_of_entry = take(n * 4);
+  // After the sort the spare halves of the double buffers are free: the dots
+  // and the piece sums live there when they fit.
+  if (bags.weights != nullptr) {
+    l.dots_in_spare_keys = l.tiles == 1;
+    if (!l.dots_in_spare_keys) l.dots = take(static_cast<size_t>(l.tiles) * n * 4);
+  }
+  l.piece_row = take(static_cast<size_t>(2 * l.pieces) * 4);
+  const size_t piece_floats = static_cast<size_t>(2 * l.pieces) * static_cast<size_t>(bags.dim);
+  l.pieces_in_spare_entries = piece_floats <= n;
+  if (!l.pieces_in_spare_entries) l.piece_sum = take(piece_floats * 4);
+  l.total = offset;
+  return PKM_CUDA_OK;
+}
+
+unsigned Blocks(int64_t items, int per_block) {
+  return static_cast<unsigned>((items + per_block - 1) / per_block);
+}
+
+template <typename T>
+int LaunchRowPasses(const BackwardArgs& args, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(T);
+  const bool vector_ok = args.bags.dim % kVec == 0 && Aligned16(args.bags.table) &&
+                         Aligned16(args.grad) && (args.d_table == nullptr || Aligned16(args.d_table));
+  const int64_t piece_warps = args.pieces_count * args.tiles;
+  const int64_t row_warps = args.bags.num_rows * args.tiles;
+  (void)piece_warps;
+  return 0;
+}
+
+}  // namespace
+}  // namespace pkm_cuda

@@ -1,0 +1,99 @@
+// pkm_serve CUDA EmbeddingBag: plain C launchers on raw device pointers.
+//
+//   out[b, :] = combine_k  w[b, k] * table[idx[b, k], :]
+//
+// Same contract as kernels/core/embedding_bag.h (negative index = padding,
+// combiners sum/mean/sqrtn, float32 accumulation, empty bag -> zeros), with one
+// GPU-specific rule: the device cannot raise an error, so an index >= num_rows
+// is treated like padding (never read, contributes nothing, not counted by
+// mean/sqrtn, gets d_weight 0) and, when `invalid_index_count` is set, adds 1
+// to that device counter per offending entry. Callers that need the CPU's
+// InvalidArgument check the counter (or validate on the host first).
+//
+// No CUDA or TensorFlow header is needed to include this file: the stream is
+// the driver's opaque CUstream_st*, the same type as cudaStream_t.
+#ifndef PKM_KERNELS_CUDA_EMBEDDING_BAG_CUDA_H_
+#define PKM_KERNELS_CUDA_EMBEDDING_BAG_CUDA_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct CUstream_st* pkm_cuda_stream_t;
+
+// Element types; values equal pkm::ElemType so adapters can cast.
+enum { PKM_FLOAT32 = 0, PKM_FLOAT16 = 1, PKM_BFLOAT16 = 2 };
+// Combiners; values equal pkm::Combiner.
+enum { PKM_SUM = 0, PKM_MEAN = 1, PKM_SQRTN = 2 };
+
+// Return codes: 0 ok, PKM_CUDA_INVALID_ARGUMENT for a bad call (see
+// pkm_cuda_last_error()), any positive value is the cudaError_t of a failed
+// CUDA call or launch.
+enum { PKM_CUDA_OK = 0, PKM_CUDA_INVALID_ARGUMENT = -1 };
+
+typedef struct PkmBags {
+  // Table [num_rows, dim], row-major, of elem_type. Outputs, the upstream
+  // gradient and d_table share elem_type.
+  const void* table;
+  int32_t elem_type;
+  int64_t num_rows;
+  int64_t dim;
+  // Indices: int32 or int64. Dense layout: num_bags * bag_size entries.
+  // Ragged layout (row_splits != NULL): row_splits[num_bags + 1], bag b holds
+  // entries [row_splits[b], row_splits[b+1]); num_indices is the length of
+  // `indices` (splits are clamped to it: a malformed split never reads past).
+  const void* indices;
+  int32_t indices_int64;
+  int64_t num_bags;
+  int64_t bag_size;
+  const void* row_splits;
+  int32_t row_splits_int64;
+  int64_t num_indices;  // dense: ignored (num_bags * bag_size)
+  // Optional per-entry weights (NULL = all ones) of weights_type.
+  const void* weights;
+  int32_t weights_type;
+  int32_t combiner;
+  // Optional device int32 counter, incremented once per index >= num_rows.
+  int32_t* invalid_index_count;
+} PkmBags;
+
+// Tuning knobs; pass NULL for the defaults (what the benchmark picked).
+typedef struct PkmCudaOptions {
+  // Forward: 16-byte vectors each lane keeps per column tile (1, 2 or 4).
+  // 0 = default.
+  int32_t forward_vecs_per_lane;
+  // Backward: a table row referenced by more entries than this is summed by
+  // several warps in fixed-size pieces, then combined in a fixed order
+  // (deterministic). 0 = default (2048).
+  int64_t long_segment_entries;
+} PkmCudaOptions;
+
+// out: [num_bags, dim] of elem_type.
+int pkm_cuda_forward(const PkmBags* bags, void* out,
+                     const PkmCudaOptions* options, pkm_cuda_stream_t stream);
+
+// Device scratch bytes pkm_cuda_backward needs for these bags (O(indices)
+// integers plus small float tables; never [indices, dim]).
+size_t pkm_cuda_backward_workspace_bytes(const PkmBags* bags,
+                                         const PkmCudaOptions* options);
+
+// grad_out [num_bags, dim] of elem_type. d_table [num_rows, dim] of elem_type
+// is fully overwritten (rows nobody references become 0); d_weights (one per
+// entry, weights_type; padding and invalid entries get 0) needs weights. Either
+// output may be NULL to skip it. Deterministic: no atomics, fixed summation
+// order, bitwise identical across runs.
+int pkm_cuda_backward(const PkmBags* bags, const void* grad_out, void* d_table,
+                      void* d_weights, void* workspace, size_t workspace_bytes,
+                      const PkmCudaOptions* options, pkm_cuda_stream_t stream);
+
+// Message for the last PKM_CUDA_INVALID_ARGUMENT / CUDA error on this thread.
+const char* pkm_cuda_last_error(void);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // PKM_KERNELS_CUDA_EMBEDDING_BAG_CUDA_H_

@@ -1,0 +1,108 @@
+// Tensor -> core-argument translation shared by the CPU and GPU kernels of
+// the PkmEmbeddingBag ops: attribute parsing and every shape/dtype check, so
+// both devices reject the same inputs with the same messages.
+#ifndef PKM_KERNELS_TF_EMBEDDING_BAG_COMMON_H_
+#define PKM_KERNELS_TF_EMBEDDING_BAG_COMMON_H_
+
+#include <string>
+
+#include "kernels/core/embedding_bag.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+
+namespace pkm_tf {
+
+// Attributes common to all four ops.
+struct OpAttrs {
+  pkm::Combiner combiner = pkm::Combiner::kSum;
+  bool has_weights = true;
+  bool ragged = false;
+};
+
+inline ::tensorflow::Status ReadAttrs(::tensorflow::OpKernelConstruction* ctx, bool ragged,
+                                      OpAttrs* attrs) {
+  std::string combiner;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("combiner", &combiner));
+  if (!pkm::ParseCombiner(combiner, &attrs->combiner))
+    return ::tensorflow::errors::InvalidArgument("combiner must be one of sum, mean, sqrtn; got '",
+                                                 combiner, "'");
+  TF_RETURN_IF_ERROR(ctx->GetAttr("has_weights", &attrs->has_weights));
+  attrs->ragged = ragged;
+  return ::tensorflow::Status();
+}
+
+inline pkm::ElemType ElemTypeOf(::tensorflow::DataType dt) {
+  switch (dt) {
+    case ::tensorflow::DT_HALF: return pkm::ElemType::kFloat16;
+    case ::tensorflow::DT_BFLOAT16: return pkm::ElemType::kBFloat16;
+    default: return pkm::ElemType::kFloat32;  // the op's type constraint admits nothing else
+  }
+}
+
+// The inputs of one op call, as core arguments. Input order:
+//   dense : params, indices, weights            (forward)
+//   ragged: params, values, row_splits, weights (forward)
+// `first` is the position of params (1 in the gradient ops, after grad).
+struct CoreArgs {
+  pkm::Table table;
+  pkm::Bags bags;
+  ::tensorflow::TensorShape out_shape;  // forward output: leading dims + [D]
+  const ::tensorflow::Tensor* weights = nullptr;
+};
+
+inline ::tensorflow::Status BuildCoreArgs(::tensorflow::OpKernelContext* ctx, const OpAttrs& attrs,
+                                          int first, CoreArgs* args) {
+  using ::tensorflow::errors::InvalidArgument;
+  const ::tensorflow::Tensor& params = ctx->input(first);
+  const ::tensorflow::Tensor& indices = ctx->input(first + 1);
+  const ::tensorflow::Tensor& weights = ctx->input(first + (attrs.ragged ? 3 : 2));
+  if (params.dims() != 2)
+    return InvalidArgument("params must be a [N, D] matrix, got shape ", params.shape().DebugString());
+  if (attrs.ragged ? indices.dims() != 1 : indices.dims() < 1)
+    return InvalidArgument(attrs.ragged ? "values must be a vector" : "indices must have rank >= 1 ([..., K])",
+                           ", got shape ", indices.shape().DebugString());
+  if (attrs.has_weights && weights.shape() != indices.shape())
+    return InvalidArgument("weights must have the shape of indices ", indices.shape().DebugString(),
+                           ", got ", weights.shape().DebugString());
+  pkm::Table& t = args->table;
+  t.data = params.data();
+  t.type = ElemTypeOf(params.dtype());
+  t.num_rows = params.dim_size(0);
+  t.dim = params.dim_size(1);
+  pkm::Bags& b = args->bags;
+  b.indices = indices.data();
+  b.indices_int64 = indices.dtype() == ::tensorflow::DT_INT64;
+  b.weights = attrs.has_weights ? weights.data() : nullptr;
+  b.weights_type = ElemTypeOf(weights.dtype());
+  args->weights = &weights;
+  args->out_shape = ::tensorflow::TensorShape();
+  if (attrs.ragged) {
+    const ::tensorflow::Tensor& splits = ctx->input(first + 2);
+    if (splits.dims() != 1 || splits.dim_size(0) < 1)
+      return InvalidArgument("row_splits must be a non-empty vector, got shape ", splits.shape().DebugString());
+    b.row_splits = splits.data();
+    b.row_splits_int64 = splits.dtype() == ::tensorflow::DT_INT64;
+    b.num_bags = splits.dim_size(0) - 1;
+    b.num_values = indices.dim_size(0);
+    TF_RETURN_IF_ERROR(args->out_shape.AddDimWithStatus(b.num_bags));
+  } else {
+    int64_t num_bags = 1;
+    for (int i = 0; i + 1 < indices.dims(); ++i) {
+      num_bags *= indices.dim_size(i);
+      TF_RETURN_IF_ERROR(args->out_shape.AddDimWithStatus(indices.dim_size(i)));
+    }
+    b.num_bags = num_bags;
+    b.bag_size = indices.dim_size(indices.dims() - 1);
+  }
+  TF_RETURN_IF_ERROR(args->out_shape.AddDimWithStatus(t.dim));
+  return ::tensorflow::Status();
+}
+
+inline ::tensorflow::Status ToTf(const pkm::Status& s) {
+  return s.ok ? ::tensorflow::Status() : ::tensorflow::errors::InvalidArgument(s.message);
+}
+
+}  // namespace pkm_tf
+
+#endif  // PKM_KERNELS_TF_EMBEDDING_BAG_COMMON_H_

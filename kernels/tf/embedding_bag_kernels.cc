@@ -1,0 +1,107 @@
+// CPU kernels of the PkmEmbeddingBag ops: translate tensors, run the core on
+// TF's intra-op thread pool, turn core errors into InvalidArgument.
+#include "kernels/core/embedding_bag.h"
+#include "kernels/tf/embedding_bag_common.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace pkm_tf {
+
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+
+namespace {
+
+pkm::ParallelFor TfParallelFor(OpKernelContext* ctx) {
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return [workers](int64_t total, int64_t cost_per_unit, const pkm::RangeFn& fn) {
+    if (total <= 0) return;
+    workers->ParallelFor(total, cost_per_unit, [&fn](int64_t begin, int64_t end) { fn(begin, end); });
+  };
+}
+
+class EmbeddingBagOp : public OpKernel {
+ public:
+  EmbeddingBagOp(OpKernelConstruction* ctx, bool ragged) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadAttrs(ctx, ragged, &attrs_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    CoreArgs args;
+    OP_REQUIRES_OK(ctx, BuildCoreArgs(ctx, attrs_, /*first=*/0, &args));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, args.out_shape, &out));
+    OP_REQUIRES_OK(ctx, ToTf(pkm::Forward(args.table, args.bags, attrs_.combiner, out->data(),
+                                          args.table.type, TfParallelFor(ctx))));
+  }
+
+ private:
+  OpAttrs attrs_;
+};
+
+class EmbeddingBagGradOp : public OpKernel {
+ public:
+  EmbeddingBagGradOp(OpKernelConstruction* ctx, bool ragged) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadAttrs(ctx, ragged, &attrs_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    CoreArgs args;
+    OP_REQUIRES_OK(ctx, BuildCoreArgs(ctx, attrs_, /*first=*/1, &args));
+    const Tensor& grad = ctx->input(0);
+    OP_REQUIRES(ctx, grad.shape() == args.out_shape,
+                ::tensorflow::errors::InvalidArgument("grad must have the forward output's shape ",
+                                                      args.out_shape.DebugString(), ", got ",
+                                                      grad.shape().DebugString()));
+    Tensor *d_params = nullptr, *d_weights = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ctx->input(1).shape(), &d_params));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, args.weights->shape(), &d_weights));
+    OP_REQUIRES_OK(ctx, ToTf(pkm::Backward(args.table, args.bags, attrs_.combiner, grad.data(),
+                                           args.table.type, d_params->data(), args.table.type,
+                                           attrs_.has_weights ? d_weights->data() : nullptr,
+                                           TfParallelFor(ctx))));
+  }
+
+ private:
+  OpAttrs attrs_;
+};
+
+template <bool kRagged>
+class DenseOrRagged : public EmbeddingBagOp {
+ public:
+  explicit DenseOrRagged(OpKernelConstruction* ctx) : EmbeddingBagOp(ctx, kRagged) {}
+};
+
+template <bool kRagged>
+class DenseOrRaggedGrad : public EmbeddingBagGradOp {
+ public:
+  explicit DenseOrRaggedGrad(OpKernelConstruction* ctx) : EmbeddingBagGradOp(ctx, kRagged) {}
+};
+
+}  // namespace
+
+// One kernel class serves every dtype: the core dispatches on runtime types.
+#define PKM_REGISTER_CPU(T)                                                                  \
+  REGISTER_KERNEL_BUILDER(                                                                   \
+      Name("PkmEmbeddingBag").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"),       \
+      DenseOrRagged<false>);                                                                 \
+  REGISTER_KERNEL_BUILDER(                                                                   \
+      Name("PkmEmbeddingBagGrad").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"),   \
+      DenseOrRaggedGrad<false>);                                                             \
+  REGISTER_KERNEL_BUILDER(                                                                   \
+      Name("PkmRaggedEmbeddingBag").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"), \
+      DenseOrRagged<true>);                                                                  \
+  REGISTER_KERNEL_BUILDER(Name("PkmRaggedEmbeddingBagGrad")                                  \
+                              .Device(::tensorflow::DEVICE_CPU)                              \
+                              .TypeConstraint<T>("T"),                                       \
+                          DenseOrRaggedGrad<true>);
+
+PKM_REGISTER_CPU(float);
+PKM_REGISTER_CPU(::Eigen::half);
+PKM_REGISTER_CPU(::tensorflow::bfloat16);
+#undef PKM_REGISTER_CPU
+
+}  // namespace pkm_tf

@@ -1,0 +1,297 @@
+"""A small editable view of one FunctionDef of a SavedModel.
+
+The export rewrites function bodies in place (same function names, same
+signatures, same variables), so it works on FunctionDef protos directly rather
+than re-tracing: tensors are named "node:output_arg:index" there, and this
+module translates between that form and (node, flat output index).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import numpy as np
+from tensorflow.core.framework import attr_value_pb2, node_def_pb2, types_pb2
+from tensorflow.python.framework import op_def_registry, tensor_shape, tensor_util
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """One tensor inside a function: `node` is a node name or a function arg."""
+
+    node: str
+    index: int = 0
+
+
+def output_arg_counts(node: node_def_pb2.NodeDef, library_sigs: Dict[str, object]):
+    """[(output_arg_name, count)] of a node, from its OpDef or library function."""
+    op_def = op_def_registry.get(node.op)
+    if op_def is None:
+        sig = library_sigs.get(node.op)
+        if sig is None:
+            raise KeyError(f"op {node.op!r} of node {node.name!r} is not registered")
+        return [(arg.name, 1) for arg in sig.output_arg]
+    counts = []
+    for arg in op_def.output_arg:
+        if arg.number_attr:
+            counts.append((arg.name, node.attr[arg.number_attr].i))
+        elif arg.type_list_attr:
+            counts.append((arg.name, len(node.attr[arg.type_list_attr].list.type)))
+        else:
+            counts.append((arg.name, 1))
+    return counts
+
+
+class FunctionGraph:
+    """Indexes a FunctionDef: producers, consumers, static shapes, constants."""
+
+    def __init__(self, fdef, library_sigs: Dict[str, object]):
+        self.fdef = fdef
+        self.library_sigs = library_sigs
+        self.reindex()
+
+    # ---- indexing -----------------------------------------------------------
+    def reindex(self) -> None:
+        fdef = self.fdef
+        self.nodes: Dict[str, node_def_pb2.NodeDef] = {n.name: n for n in fdef.node_def}
+        self.args = {a.name: (i, a) for i, a in enumerate(fdef.signature.input_arg)}
+        self._out_counts = {}
+        self.data_consumers: Dict[Ref, List[Tuple[str, int]]] = {}
+        self.control_consumers: Dict[str, List[str]] = {}
+        for node in fdef.node_def:
+            for pos, text in enumerate(node.input):
+                if text.startswith("^"):
+                    self.control_consumers.setdefault(text[1:], []).append(node.name)
+                else:
+                    self.data_consumers.setdefault(self.parse(text), []).append(
+                        (node.name, pos))
+        self.returned = {self.parse(v) for v in fdef.ret.values()}
+        self.control_returned = set(fdef.control_ret.values())
+
+    def _counts(self, node_name: str):
+        if node_name not in self._out_counts:
+            self._out_counts[node_name] = output_arg_counts(
+                self.nodes[node_name], self.library_sigs)
+        return self._out_counts[node_name]
+
+    # ---- tensor names -------------------------------------------------------
+    def parse(self, text: str) -> Ref:
+        """'node:arg:i' or 'func_arg' -> Ref with a flat output index."""
+        parts = text.split(":")
+        if len(parts) == 1:
+            return Ref(parts[0], 0)
+        if len(parts) == 2:  # 'func_arg:i' (rare but legal)
+            return Ref(parts[0], int(parts[1]))
+        name, arg_name, idx = parts[0], parts[1], int(parts[2])
+        flat = 0
+        for out_name, count in self._counts(name):
+            if out_name == arg_name:
+                return Ref(name, flat + idx)
+            flat += count
+        raise KeyError(f"node {name!r} has no output {arg_name!r}")
+
+    def render(self, ref: Ref) -> str:
+        """Ref -> the FunctionDef input string."""
+        if ref.node in self.args and ref.node not in self.nodes:
+            return ref.node
+        flat = ref.index
+        for out_name, count in self._counts(ref.node):
+            if flat < count:
+                return f"{ref.node}:{out_name}:{flat}"
+            flat -= count
+        raise KeyError(f"node {ref.node!r} has no output #{ref.index}")
+
+    # ---- queries ------------------------------------------------------------
+    def producer(self, ref: Ref) -> Optional[node_def_pb2.NodeDef]:
+        return self.nodes.get(ref.node)
+
+    def inputs(self, node: node_def_pb2.NodeDef) -> List[Ref]:
+        return [self.parse(t) for t in node.input if not t.startswith("^")]
+
+    def control_inputs(self, node: node_def_pb2.NodeDef) -> List[str]:
+        return [t[1:] for t in node.input if t.startswith("^")]
+
+    def consumers(self, ref: Ref) -> List[Tuple[str, int]]:
+        return self.data_consumers.get(ref, [])
+
+    def shape(self, ref: Ref) -> tensor_shape.TensorShape:
+        """Static shape as recorded at save time (unknown if not recorded)."""
+        node = self.nodes.get(ref.node)
+        if node is None:
+            if ref.node not in self.args:
+                return tensor_shape.TensorShape(None)
+            i, arg = self.args[ref.node]
+            if arg.type == types_pb2.DT_RESOURCE:
+                return tensor_shape.TensorShape(None)
+            shapes = self.fdef.attr.get("_input_shapes")
+            if shapes is not None and i < len(shapes.list.shape):
+                return tensor_shape.TensorShape(shapes.list.shape[i])
+            return tensor_shape.TensorShape(None)
+        shapes = node.attr.get("_output_shapes")
+        if shapes is not None and ref.index < len(shapes.list.shape):
+            return tensor_shape.TensorShape(shapes.list.shape[ref.index])
+        return tensor_shape.TensorShape(None)
+
+    def variable_shape_dtype(self, ref: Ref):
+        """(shape, dtype enum) of the variable behind a resource function arg."""
+        if ref.node in self.nodes or ref.node not in self.args:
+            return None
+        _, arg = self.args[ref.node]
+        if arg.type != types_pb2.DT_RESOURCE or not arg.handle_data:
+            return None
+        data = arg.handle_data[0]
+        return tensor_shape.TensorShape(data.shape), data.dtype
+
+    def const_value(self, ref: Ref) -> Optional[np.ndarray]:
+        node = self.nodes.get(ref.node)
+        if node is None or node.op != "Const":
+            return None
+        return tensor_util.MakeNdarray(node.attr["value"].tensor)
+
+    # ---- edits --------------------------------------------------------------
+    def unique_name(self, base: str) -> str:
+        name, i = base, 1
+        while name in self.nodes or name in self.args:
+            name = f"{base}_{i}"
+            i += 1
+        return name
+
+    def add_node(self, node: node_def_pb2.NodeDef) -> node_def_pb2.NodeDef:
+        self.fdef.node_def.append(node)
+        added = self.fdef.node_def[-1]
+        self.nodes[added.name] = added
+        return added
+
+    def add_const(self, base: str, value: np.ndarray, shapes: bool = True) -> Ref:
+        node = node_def_pb2.NodeDef(name=self.unique_name(base), op="Const")
+        node.attr["dtype"].type = tensor_util.make_tensor_proto(value).dtype
+        node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(value))
+        if shapes:
+            set_output_shapes(node, [np.shape(value)])
+        self.add_node(node)
+        return Ref(node.name, 0)
+
+    def add_op(self, base: str, op: str, inputs: Iterable[Ref], attrs: dict,
+               shapes: Optional[list] = None, control: Iterable[str] = ()) -> Ref:
+        node = node_def_pb2.NodeDef(name=self.unique_name(base), op=op)
+        node.input.extend([self.render(r) for r in inputs])
+        node.input.extend(["^" + c for c in control])
+        for key, value in attrs.items():
+            node.attr[key].CopyFrom(attr(value))
+        if shapes is not None:
+            set_output_shapes(node, shapes)
+        self.add_node(node)
+        return Ref(node.name, 0)
+
+    def replace_node(self, name: str, op: str, inputs: Iterable[Ref], attrs: dict,
+                     control: Iterable[str] = ()) -> None:
+        """Turns node `name` into a single-output `op`, keeping its name (so every
+        consumer and the function's ret still point at it) and its output shape."""
+        old = self.nodes[name]
+        shapes = old.attr.get("_output_shapes")
+        if shapes is not None:
+            shapes = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+                shape=list(shapes.list.shape[:1])))
+        new_inputs = [self.render(r) for r in inputs] + ["^" + c for c in control]
+        old_ref = Ref(name, 0)
+        old.op = op
+        del old.input[:]
+        old.input.extend(new_inputs)
+        old.ClearField("attr")
+        for key, value in attrs.items():
+            old.attr[key].CopyFrom(attr(value))
+        if shapes is not None:
+            old.attr["_output_shapes"].CopyFrom(shapes)
+        self._out_counts.pop(name, None)
+        # Output arg names differ between ops (Mul 'z', Sum 'output'...).
+        new_text = self.render(old_ref)
+        for node in self.fdef.node_def:
+            for pos, text in enumerate(node.input):
+                if not text.startswith("^") and text.split(":")[0] == name and len(
+                        text.split(":")) == 3:
+                    node.input[pos] = new_text
+        for key, text in list(self.fdef.ret.items()):
+            if text.split(":")[0] == name:
+                self.fdef.ret[key] = new_text
+
+    def redirect_control(self, old: str, new: str) -> None:
+        for node in self.fdef.node_def:
+            if node.name == new:
+                continue
+            for pos, text in enumerate(node.input):
+                if text == "^" + old:
+                    node.input[pos] = "^" + new
+            _dedupe_inputs(node)
+        for key, value in list(self.fdef.control_ret.items()):
+            if value == old:
+                self.fdef.control_ret[key] = new
+
+    def remove_dead(self, seeds: Iterable[str]) -> List[str]:
+        """Removes `seeds` and then any side-effect-free node left without
+        consumers. Returns the removed names."""
+        self.reindex()
+        removed: List[str] = []
+        candidates = list(seeds)
+        seeds = set(candidates)
+        while candidates:
+            name = candidates.pop()
+            node = self.nodes.get(name)
+            if node is None or name in self.control_returned:
+                continue
+            if any(r.node == name for r in self.returned):
+                continue
+            if self.control_consumers.get(name):
+                continue
+            if any(self.data_consumers.get(Ref(name, i)) for i in
+                   range(sum(c for _, c in self._counts(name)))):
+                continue
+            op_def = op_def_registry.get(node.op)
+            if name not in seeds and (op_def is None or op_def.is_stateful):
+                continue
+            producers = [self.parse(t).node if not t.startswith("^") else t[1:]
+                         for t in node.input]
+            self.fdef.node_def.remove(node)
+            removed.append(name)
+            self.reindex()
+            candidates.extend(p for p in producers if p in self.nodes)
+        return removed
+
+
+def _dedupe_inputs(node) -> None:
+    seen, keep = set(), []
+    for text in node.input:
+        if text.startswith("^"):
+            if text in seen:
+                continue
+            seen.add(text)
+        keep.append(text)
+    if len(keep) != len(node.input):
+        del node.input[:]
+        node.input.extend(keep)
+
+
+def attr(value) -> attr_value_pb2.AttrValue:
+    """Python value -> AttrValue (bool, int, str, DType, AttrValue)."""
+    if isinstance(value, attr_value_pb2.AttrValue):
+        return value
+    if isinstance(value, bool):
+        return attr_value_pb2.AttrValue(b=value)
+    if isinstance(value, int):
+        return attr_value_pb2.AttrValue(i=value)
+    if isinstance(value, str):
+        return attr_value_pb2.AttrValue(s=value.encode())
+    if isinstance(value, DType):
+        return attr_value_pb2.AttrValue(type=value.enum)
+    raise TypeError(f"unsupported attr value {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DType:
+    enum: int
+
+
+def set_output_shapes(node, shapes) -> None:
+    lst = attr_value_pb2.AttrValue.ListValue()
+    for shape in shapes:
+        lst.shape.add().CopyFrom(tensor_shape.TensorShape(shape).as_proto())
+    node.attr["_output_shapes"].CopyFrom(attr_value_pb2.AttrValue(list=lst))

@@ -1,0 +1,13 @@
+"""Keras 3 layers over the fused EmbeddingBag op.
+
+    from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
+
+Both are registered for `.keras` serialisation under the package name
+``pkm_serve`` (importing this module is enough for `keras.models.load_model`).
+Keras must run on the TensorFlow backend: the fused op is a TF op.
+"""
+from pkm_serve.layers._lookup import OpLibraryUnavailableError
+from pkm_serve.layers.embedding_bag import EmbeddingBag
+from pkm_serve.layers.product_key_memory import ProductKeyMemory
+
+__all__ = ["EmbeddingBag", "ProductKeyMemory", "OpLibraryUnavailableError"]

@@ -1,0 +1,68 @@
+"""Chooses the bag-lookup function a layer calls: the fused op or the composite."""
+import warnings
+
+import keras
+
+IMPLEMENTATIONS = ("fused", "composite")
+FALLBACKS = (None, "composite")
+
+
+class OpLibraryUnavailableError(RuntimeError):
+    """The fused op library could not be loaded and no fallback was asked for."""
+
+
+def check_tensorflow_backend(layer_name):
+    if keras.backend.backend() != "tensorflow":
+        raise RuntimeError(
+            f"{layer_name} needs the TensorFlow Keras backend (the fused op is a TF "
+            f"op), but KERAS_BACKEND is {keras.backend.backend()!r}. Set "
+            "KERAS_BACKEND=tensorflow before importing keras."
+        )
+
+
+def _ops_module():
+    # Imported lazily so that building a layer config never loads TF ops.
+    from pkm_serve import ops
+
+    return ops
+
+
+def resolve_lookup(implementation, fallback, layer_name):
+    """Returns embedding_bag(params, indices, weights, combiner) to use.
+
+    implementation="fused" needs the op library; when it does not load, the
+    composite (gather * w -> reduce) is used only if fallback="composite".
+    implementation="composite" always uses the composite (stock TF ops only,
+    e.g. for runtimes without the custom op).
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"{layer_name}: implementation must be one of {IMPLEMENTATIONS}, "
+            f"got {implementation!r}"
+        )
+    if fallback not in FALLBACKS:
+        raise ValueError(
+            f"{layer_name}: fallback must be None or 'composite', got {fallback!r}"
+        )
+    ops = _ops_module()
+    if implementation == "composite":
+        return ops.embedding_bag_composite
+    try:
+        ops.load_library()
+    except Exception as err:  # any load failure means the fused op is unusable
+        if fallback == "composite":
+            warnings.warn(
+                f"{layer_name}: the fused op library did not load ({err}); using the "
+                "composite gather-multiply-reduce implementation (slower, "
+                "materialises a [..., K, D] buffer).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return ops.embedding_bag_composite
+        raise OpLibraryUnavailableError(
+            f"{layer_name}: the fused PkmEmbeddingBag op library could not be loaded "
+            f"({err}). Build it with `make build` (it produces "
+            "pkm_serve/lib/_pkm_ops.so), or pass fallback='composite' to run the "
+            "slower pure-TensorFlow composite instead."
+        ) from err
+    return ops.embedding_bag

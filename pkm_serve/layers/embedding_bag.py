@@ -1,0 +1,158 @@
+"""`EmbeddingBag`: a Keras layer over the fused PkmEmbeddingBag op."""
+import keras
+import tensorflow as tf
+
+from pkm_serve.layers._lookup import check_tensorflow_backend, resolve_lookup
+
+COMBINERS = ("sum", "mean", "sqrtn")
+
+
+@keras.saving.register_keras_serializable(package="pkm_serve")
+class EmbeddingBag(keras.layers.Layer):
+    """out[..., :] = combine_k weights[..., k] * embeddings[indices[..., k], :].
+
+    Like `keras.layers.Embedding` followed by a (weighted) reduction over the
+    bag axis, but fused: no `[..., K, output_dim]` buffer exists in forward or
+    backward, and the table's gradient is one dense tensor.
+
+    Args:
+        input_dim: number of table rows (largest index + 1).
+        output_dim: width of each row and of the output.
+        combiner: "sum", "mean" (sum(w*x)/sum(w)) or "sqrtn" (sum(w*x)/sqrt(sum(w^2))).
+        embeddings_initializer / embeddings_regularizer / embeddings_constraint:
+            as in `keras.layers.Embedding`.
+        implementation: "fused" (the custom op) or "composite" (stock TF ops).
+        fallback: None (a missing op library is an error) or "composite" (use
+            the composite when the op library does not load).
+
+    Call:
+        indices: int `[..., K]`, or a `tf.RaggedTensor` whose last dimension is
+            ragged (bags of varying size). Negative indices are padding: they
+            add nothing and are not counted by mean/sqrtn. Float indices are
+            cast to int64, as `keras.layers.Embedding` does.
+        weights: per-index weights shaped like `indices` (ragged when indices
+            are), or None for all ones.
+
+    Returns `[..., output_dim]` in the layer's compute dtype.
+
+    Mixed precision: the op reads the table in its stored dtype (float32 under
+    the `mixed_*` policies) and the weights are cast to that dtype; only the
+    `[..., output_dim]` result is cast to the compute dtype. Casting the whole
+    table to float16 every step would cost O(input_dim * output_dim) per call.
+    Under a pure `float16`/`bfloat16` policy the table itself is half and the
+    op runs in half (accumulating in float32).
+    """
+
+    def __init__(
+        self,
+        input_dim,
+        output_dim,
+        combiner="sum",
+        embeddings_initializer="uniform",
+        embeddings_regularizer=None,
+        embeddings_constraint=None,
+        implementation="fused",
+        fallback=None,
+        **kwargs,
+    ):
+        for arg_name, value in (("input_dim", input_dim), ("output_dim", output_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"EmbeddingBag: {arg_name} must be a positive integer, got {value!r}"
+                )
+        if combiner not in COMBINERS:
+            raise ValueError(
+                f"EmbeddingBag: combiner must be one of {COMBINERS}, got {combiner!r}"
+            )
+        check_tensorflow_backend("EmbeddingBag")
+        super().__init__(**kwargs)
+        self.input_dim = input_dim
+        self.output_dim = output_dim
+        self.combiner = combiner
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+        self.embeddings_regularizer = keras.regularizers.get(embeddings_regularizer)
+        self.embeddings_constraint = keras.constraints.get(embeddings_constraint)
+        self.implementation = implementation
+        self.fallback = fallback
+        self._lookup = resolve_lookup(implementation, fallback, "EmbeddingBag")
+        # The table is read in its stored dtype (see the class docstring).
+        self.autocast = False
+
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        self.embeddings = self.add_weight(
+            shape=(self.input_dim, self.output_dim),
+            initializer=self.embeddings_initializer,
+            regularizer=self.embeddings_regularizer,
+            constraint=self.embeddings_constraint,
+            name="embeddings",
+            trainable=True,
+        )
+        self.built = True
+
+    def call(self, indices, weights=None):
+        table = self.embeddings.value
+        if isinstance(indices, tf.RaggedTensor):
+            indices = indices.with_flat_values(_as_index_dtype(indices.flat_values))
+            if weights is not None:
+                if not isinstance(weights, tf.RaggedTensor):
+                    raise ValueError(
+                        "EmbeddingBag: indices are ragged, so weights must be a "
+                        f"tf.RaggedTensor with the same row splits (got {type(weights).__name__})"
+                    )
+                weights = weights.with_flat_values(
+                    tf.cast(weights.flat_values, table.dtype)
+                )
+        else:
+            indices = _as_index_dtype(tf.convert_to_tensor(indices))
+            if indices.shape.rank == 0:
+                raise ValueError(
+                    "EmbeddingBag: indices must have at least one dimension (the bag "
+                    "axis, [..., K]); got a scalar"
+                )
+            if weights is not None:
+                weights = tf.cast(weights, table.dtype)
+                if weights.shape.is_fully_defined() and indices.shape.is_fully_defined():
+                    if weights.shape != indices.shape:
+                        raise ValueError(
+                            "EmbeddingBag: weights must have the shape of indices, got "
+                            f"weights {weights.shape} and indices {indices.shape}"
+                        )
+        outputs = self._lookup(table, indices, weights, combiner=self.combiner)
+        return tf.cast(outputs, self.compute_dtype)
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[:-1]) + (self.output_dim,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "input_dim": self.input_dim,
+                "output_dim": self.output_dim,
+                "combiner": self.combiner,
+                "embeddings_initializer": keras.initializers.serialize(
+                    self.embeddings_initializer
+                ),
+                "embeddings_regularizer": keras.regularizers.serialize(
+                    self.embeddings_regularizer
+                ),
+                "embeddings_constraint": keras.constraints.serialize(
+                    self.embeddings_constraint
+                ),
+                "implementation": self.implementation,
+                "fallback": self.fallback,
+            }
+        )
+        return config
+
+
+def _as_index_dtype(indices):
+    if indices.dtype in (tf.int32, tf.int64):
+        return indices
+    if indices.dtype.is_integer or indices.dtype.is_floating:
+        return tf.cast(indices, tf.int64)
+    raise TypeError(
+        f"EmbeddingBag: indices must be integers (int32/int64), got {indices.dtype.name}"
+    )

@@ -1,0 +1,192 @@
+"""`ProductKeyMemory`: the product-key memory layer of Lample et al. 2019.
+
+"Large Memory Layers with Product Keys", arXiv 1907.05242. Per head, a query
+q is split into halves q1, q2; each half is scored against its own set of
+n_keys sub-keys, the top knn of each are combined into knn^2 candidate slots
+(score s1[i] + s2[j], slot i * n_keys + j) and the best knn of those are read
+from a shared table of n_keys^2 values, weighted by the softmax of their
+scores. The value read is one fused EmbeddingBag over heads * knn slots with
+per-sample weights, so no [batch, heads * knn, v_dim] buffer is built.
+"""
+import math
+
+import keras
+import tensorflow as tf
+
+from pkm_serve.layers._lookup import check_tensorflow_backend, resolve_lookup
+from pkm_serve.layers.embedding_bag import EmbeddingBag
+
+
+@keras.saving.register_keras_serializable(package="pkm_serve")
+class ProductKeyMemory(keras.layers.Layer):
+    """Product-key memory: input `[..., d_model]` -> output `[..., v_dim]`.
+
+    Args:
+        v_dim: width of the memory values and the output (default: d_model).
+        k_dim: query/key width per head (even: split into two sub-keys).
+        n_keys: sub-keys per half; the memory holds n_keys**2 values.
+        heads: independent query heads sharing one value table.
+        knn: slots kept per sub-key search and per head after combining.
+        query_batchnorm: batch-normalise the queries (the paper does).
+        input_dropout / query_dropout / value_dropout: dropout rates.
+        keys_initializer: default uniform(+-1/sqrt(k_dim/2)), as in the paper's code.
+        values_initializer: default normal(0, v_dim**-0.5), as in the paper's code.
+        implementation / fallback: as for `EmbeddingBag`.
+    """
+
+    def __init__(
+        self,
+        v_dim=None,
+        k_dim=128,
+        n_keys=512,
+        heads=4,
+        knn=32,
+        query_batchnorm=True,
+        input_dropout=0.0,
+        query_dropout=0.0,
+        value_dropout=0.0,
+        keys_initializer=None,
+        values_initializer=None,
+        implementation="fused",
+        fallback=None,
+        **kwargs,
+    ):
+        for arg_name, value in (("k_dim", k_dim), ("n_keys", n_keys), ("heads", heads), ("knn", knn)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"ProductKeyMemory: {arg_name} must be a positive integer, got {value!r}"
+                )
+        if v_dim is not None and (not isinstance(v_dim, int) or v_dim <= 0):
+            raise ValueError(f"ProductKeyMemory: v_dim must be a positive integer or None, got {v_dim!r}")
+        if k_dim % 2:
+            raise ValueError(f"ProductKeyMemory: k_dim must be even (two sub-keys), got {k_dim}")
+        if knn > n_keys:
+            raise ValueError(f"ProductKeyMemory: knn ({knn}) must not exceed n_keys ({n_keys})")
+        check_tensorflow_backend("ProductKeyMemory")
+        # Fail at construction, not at first call, when the op library is missing.
+        resolve_lookup(implementation, fallback, "ProductKeyMemory")
+        super().__init__(**kwargs)
+        self.v_dim = v_dim
+        self.k_dim = k_dim
+        self.n_keys = n_keys
+        self.heads = heads
+        self.knn = knn
+        self.query_batchnorm = query_batchnorm
+        self.input_dropout = input_dropout
+        self.query_dropout = query_dropout
+        self.value_dropout = value_dropout
+        half = k_dim // 2
+        self.keys_initializer = keras.initializers.get(
+            keys_initializer
+            or keras.initializers.RandomUniform(-1.0 / math.sqrt(half), 1.0 / math.sqrt(half))
+        )
+        self.values_initializer = (
+            None if values_initializer is None else keras.initializers.get(values_initializer)
+        )
+        self.implementation = implementation
+        self.fallback = fallback
+
+        self.query_proj = keras.layers.Dense(heads * k_dim, name="query_proj", dtype=self.dtype_policy)
+        self.query_bn = (
+            keras.layers.BatchNormalization(name="query_bn", dtype=self.dtype_policy)
+            if query_batchnorm
+            else None
+        )
+        self.input_dropout_layer = keras.layers.Dropout(input_dropout)
+        self.query_dropout_layer = keras.layers.Dropout(query_dropout)
+        self.value_dropout_layer = keras.layers.Dropout(value_dropout)
+        self.memory = None  # the EmbeddingBag over n_keys**2 values; made in build()
+
+    def build(self, input_shape):
+        if self.built:
+            return
+        d_model = input_shape[-1]
+        if d_model is None:
+            raise ValueError("ProductKeyMemory: the last input dimension (d_model) must be known")
+        v_dim = self.v_dim or d_model
+        self.query_proj.build(tuple(input_shape[:-1]) + (d_model,))
+        if self.query_bn is not None:
+            self.query_bn.build((None, self.heads * self.k_dim))
+        self.keys = self.add_weight(
+            shape=(self.heads, 2, self.n_keys, self.k_dim // 2),
+            initializer=self.keys_initializer,
+            name="keys",
+        )
+        self.memory = EmbeddingBag(
+            self.n_keys * self.n_keys,
+            v_dim,
+            combiner="sum",
+            embeddings_initializer=self.values_initializer
+            or keras.initializers.RandomNormal(stddev=v_dim**-0.5),
+            implementation=self.implementation,
+            fallback=self.fallback,
+            name="values",
+            dtype=self.dtype_policy,
+        )
+        self.memory.build()
+        self.built = True
+
+    def call(self, inputs, training=None):
+        d_model = inputs.shape[-1]
+        leading_shape = tf.shape(inputs)[:-1]
+        x = tf.reshape(inputs, [-1, d_model])
+        x = self.input_dropout_layer(x, training=training)
+        query = self.query_proj(x)
+        if self.query_bn is not None:
+            query = self.query_bn(query, training=training)
+        query = self.query_dropout_layer(query, training=training)
+        indices, scores = self.select_slots(query)
+        # One bag per input row: heads * knn slots, weighted by their softmax score.
+        outputs = self.memory(indices, weights=scores)
+        outputs = self.value_dropout_layer(outputs, training=training)
+        return tf.reshape(outputs, tf.concat([leading_shape, [self.memory.output_dim]], 0))
+
+    def select_slots(self, query):
+        """Product-key search: query [B, heads*k_dim] -> (slot indices int64
+        [B, heads*knn], softmax scores float32 [B, heads*knn])."""
+        knn, heads, n_keys = self.knn, self.heads, self.n_keys
+        num_rows = tf.shape(query)[0]
+        query = tf.reshape(query, [num_rows, heads, 2, self.k_dim // 2])
+        keys = tf.cast(self.keys.value, query.dtype)
+        # [B, heads, 2 halves, n_keys] scores against each half's sub-keys.
+        sub_scores = tf.einsum("bhsd,hsnd->bhsn", query, keys)
+        sub_best, sub_index = tf.math.top_k(sub_scores, k=knn, sorted=False)
+        sub_index = tf.cast(sub_index, tf.int64)  # slot = i * n_keys + j can exceed 2^31
+        # knn x knn candidates per head: score s1[i] + s2[j], slot i * n_keys + j.
+        pair_scores = sub_best[:, :, 0, :, None] + sub_best[:, :, 1, None, :]
+        pair_index = sub_index[:, :, 0, :, None] * n_keys + sub_index[:, :, 1, None, :]
+        pair_scores = tf.reshape(pair_scores, [num_rows, heads, knn * knn])
+        pair_index = tf.reshape(pair_index, [num_rows, heads, knn * knn])
+        best_scores, best_pos = tf.math.top_k(pair_scores, k=knn, sorted=False)
+        best_index = tf.gather(pair_index, best_pos, batch_dims=2)
+        weights = tf.nn.softmax(tf.cast(best_scores, tf.float32), axis=-1)
+        return (
+            tf.reshape(best_index, [num_rows, heads * knn]),
+            tf.reshape(weights, [num_rows, heads * knn]),
+        )
+
+    def compute_output_shape(self, input_shape):
+        return tuple(input_shape[:-1]) + (self.v_dim or input_shape[-1],)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "v_dim": self.v_dim,
+                "k_dim": self.k_dim,
+                "n_keys": self.n_keys,
+                "heads": self.heads,
+                "knn": self.knn,
+                "query_batchnorm": self.query_batchnorm,
+                "input_dropout": self.input_dropout,
+                "query_dropout": self.query_dropout,
+                "value_dropout": self.value_dropout,
+                "keys_initializer": keras.initializers.serialize(self.keys_initializer),
+                "values_initializer": None
+                if self.values_initializer is None
+                else keras.initializers.serialize(self.values_initializer),
+                "implementation": self.implementation,
+                "fallback": self.fallback,
+            }
+        )
+        return config

@@ -1,0 +1,216 @@
+"""Request batching with TF Serving's BatchingParameters semantics.
+
+Concurrent requests for the same (servable version, signature, input dtypes and
+per-row shapes) are concatenated along dimension 0, run once, and the outputs
+split back by row counts. A batch closes when it reaches max_batch_size, when
+its oldest task has waited batch_timeout_micros, or -- with timeout 0 -- as soon
+as a batch thread is free (so load alone decides the batch size). At most
+max_enqueued_batches batches wait per queue; beyond that a request is refused
+with UNAVAILABLE rather than queued without bound.
+"""
+import collections
+import os
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from pkm_serve.serving.errors import ServingError
+
+
+def _value(wrapper_msg, field, default):
+    return getattr(wrapper_msg, field).value if wrapper_msg.HasField(field) else default
+
+
+class BatchOptions:
+    def __init__(self, params):
+        self.max_batch_size = int(_value(params, "max_batch_size", 1000))
+        self.batch_timeout_s = _value(params, "batch_timeout_micros", 0) / 1e6
+        self.num_batch_threads = int(_value(params, "num_batch_threads", os.cpu_count() or 1))
+        self.max_enqueued_batches = int(_value(params, "max_enqueued_batches", 100))
+        self.allowed_batch_sizes = sorted(params.allowed_batch_sizes)
+        if self.max_batch_size <= 0 or self.num_batch_threads <= 0 or self.max_enqueued_batches <= 0:
+            raise ValueError("batching parameters max_batch_size, num_batch_threads and "
+                             "max_enqueued_batches must be positive")
+        if self.allowed_batch_sizes and self.allowed_batch_sizes[-1] != self.max_batch_size:
+            raise ValueError(f"the largest allowed_batch_sizes entry ({self.allowed_batch_sizes[-1]}) "
+                             f"must equal max_batch_size ({self.max_batch_size})")
+
+
+class _Task:
+    __slots__ = ("inputs", "rows", "done", "result", "error", "cancelled", "enqueued")
+
+    def __init__(self, inputs, rows):
+        self.inputs = inputs
+        self.rows = rows
+        self.done = threading.Event()
+        self.result = None
+        self.error = None
+        self.cancelled = False
+        self.enqueued = time.monotonic()
+
+
+class _Batch:
+    __slots__ = ("tasks", "rows", "opened", "closed")
+
+    def __init__(self):
+        self.tasks = []
+        self.rows = 0
+        self.opened = time.monotonic()
+        self.closed = False
+
+
+class _Queue:
+    def __init__(self, run_fn):
+        self.run_fn = run_fn
+        self.batches = collections.deque()   # oldest first; only the last may be open
+
+
+class BatchScheduler:
+    def __init__(self, params, metrics=None):
+        self.opts = BatchOptions(params)
+        self._metrics = metrics
+        self._cv = threading.Condition()
+        self._queues = {}
+        self._stopping = False
+        self._threads = [threading.Thread(target=self._worker, name=f"batch-{i}", daemon=True)
+                         for i in range(self.opts.num_batch_threads)]
+        for t in self._threads:
+            t.start()
+
+    @staticmethod
+    def _key(servable, signature, inputs):
+        return (id(servable), signature.name,
+                tuple(sorted((k, v.dtype.str, v.shape[1:]) for k, v in inputs.items())))
+
+    def run(self, servable, signature, inputs, deadline=None, model_name=""):
+        """Runs signature on inputs as part of a batch; returns its outputs (dict)."""
+        rows = {v.shape[0] if v.ndim else None for v in inputs.values()}
+        if len(rows) != 1 or None in rows or rows == {0} or next(iter(rows)) > self.opts.max_batch_size:
+            # Not batchable (scalars, mismatched dim 0, empty, larger than a batch): run alone.
+            return signature.run(inputs)
+        task = _Task(inputs, next(iter(rows)))
+        key = self._key(servable, signature, inputs)
+        with self._cv:
+            if self._stopping:
+                raise ServingError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            q = self._queues.get(key)
+            if q is None:
+                q = self._queues[key] = _Queue(signature.run)
+            last = q.batches[-1] if q.batches else None
+            if last is None or last.closed or last.rows + task.rows > self.opts.max_batch_size:
+                if last is not None and not last.closed:
+                    last.closed = True
+                if len(q.batches) >= self.opts.max_enqueued_batches:
+                    raise ServingError(grpc.StatusCode.UNAVAILABLE,
+                                       "The batch scheduling queue to which this task was submitted "
+                                       f"is full ({self.opts.max_enqueued_batches} batches waiting)")
+                last = _Batch()
+                q.batches.append(last)
+            last.tasks.append(task)
+            last.rows += task.rows
+            if last.rows >= self.opts.max_batch_size:
+                last.closed = True
+            self._cv.notify()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not task.done.wait(timeout):
+            task.cancelled = True
+            raise ServingError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               "deadline exceeded while the request waited in the batch queue")
+        if task.error is not None:
+            raise task.error
+        return task.result
+
+    # ------------------------------------------------------------ workers
+    def _take_batch(self):
+        """Called with the lock held: the batch to run now, or (None, seconds to wait)."""
+        now = time.monotonic()
+        wait = None
+        best = None
+        for key, q in self._queues.items():
+            if not q.batches:
+                continue
+            b = q.batches[0]
+            due = b.opened + self.opts.batch_timeout_s
+            if b.closed or now >= due or self._stopping:
+                if best is None or b.opened < best[1].opened:
+                    best = (q, b)
+            else:
+                wait = due - now if wait is None else min(wait, due - now)
+        if best is not None:
+            q, b = best
+            q.batches.popleft()
+            b.closed = True
+            return q, b, None
+        return None, None, wait
+
+    def _worker(self):
+        while True:
+            with self._cv:
+                while True:
+                    q, batch, wait = self._take_batch()
+                    if batch is not None:
+                        break
+                    if self._stopping:
+                        return
+                    self._cv.wait(wait)
+            self._execute(q, batch)
+
+    def _execute(self, q, batch):
+        tasks = [t for t in batch.tasks if not t.cancelled]
+        if not tasks:
+            return
+        rows = sum(t.rows for t in tasks)
+        padded = rows
+        for size in self.opts.allowed_batch_sizes:
+            if size >= rows:
+                padded = size
+                break
+        try:
+            merged = {}
+            for k in tasks[0].inputs:
+                parts = [t.inputs[k] for t in tasks]
+                if padded > rows:  # pad with copies of the first row, as TF Serving does
+                    parts.append(np.repeat(parts[0][:1], padded - rows, axis=0))
+                merged[k] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+            t0 = time.monotonic()
+            outputs = q.run_fn(merged)
+            if self._metrics:
+                self._metrics.batch(rows, padded, [t0 - t.enqueued for t in tasks])
+            for k, v in outputs.items():
+                if v.ndim == 0 or v.shape[0] != padded:
+                    raise ServingError(grpc.StatusCode.FAILED_PRECONDITION,
+                                       f"batching needs every output to have the batch as dimension 0; "
+                                       f"output '{k}' has shape {list(v.shape)} for a batch of {padded}")
+            start = 0
+            for t in tasks:
+                t.result = {k: v[start:start + t.rows] for k, v in outputs.items()}
+                start += t.rows
+        except ServingError as e:
+            if e.code == grpc.StatusCode.INVALID_ARGUMENT and len(tasks) > 1:
+                # One bad request (e.g. an index out of range) must not fail its batch mates:
+                # rerun each alone so only the offender gets the error.
+                for t in tasks:
+                    try:
+                        t.result = q.run_fn(t.inputs)
+                    except ServingError as single:
+                        t.error = single
+            else:
+                for t in tasks:
+                    t.error = e
+        except Exception as e:  # noqa: BLE001 - delivered to every waiting request
+            err = ServingError(grpc.StatusCode.INTERNAL, f"batched run failed: {type(e).__name__}: {e}")
+            for t in tasks:
+                t.error = err
+        for t in tasks:
+            t.done.set()
+
+    def stop(self, timeout=30.0):
+        """Runs what is queued, then stops the batch threads."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        end = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))

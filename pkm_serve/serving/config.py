@@ -1,0 +1,127 @@
+"""Command-line flags (TF Serving's names and meanings) and config files."""
+import argparse
+import os
+
+from google.protobuf import text_format
+from tensorflow_serving.config import model_server_config_pb2
+
+from pkm_serve.serving import protos
+
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+
+
+def _bool(text):
+    t = str(text).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="pkm-serve serve",
+        description="A model server that speaks TensorFlow Serving's gRPC and REST APIs, with the "
+                    "pkm_serve op library (and any --op_library) loaded before the models.")
+    flag = p.add_argument
+
+    def boolflag(name, default, help_):
+        flag(name, type=_bool, nargs="?", const=True, default=default, metavar="BOOL", help=help_)
+
+    flag("--port", type=int, default=8500, help="gRPC port (0 = disabled). Default 8500.")
+    flag("--rest_api_port", type=int, default=0, help="REST/HTTP port (0 = disabled, the TF Serving default).")
+    flag("--bind_address", default="127.0.0.1",
+         help="Address to listen on. Default 127.0.0.1 (localhost only); use 0.0.0.0 to expose.")
+    flag("--model_name", default="default", help="Model name when --model_base_path is used.")
+    flag("--model_base_path", default="", help="Directory holding numeric version subdirectories.")
+    flag("--model_config_file", default="", help="Text-format tensorflow.serving.ModelServerConfig.")
+    flag("--model_config_file_poll_wait_seconds", type=float, default=0.0,
+         help="Re-read --model_config_file this often (0 = read once).")
+    flag("--file_system_poll_wait_seconds", type=float, default=1.0,
+         help="Poll for new versions this often; 0 = once at startup, negative = never.")
+    boolflag("--enable_batching", False, "Batch concurrent requests together.")
+    flag("--batching_parameters_file", default="",
+         help="Text-format BatchingParameters (max_batch_size, batch_timeout_micros, "
+              "num_batch_threads, max_enqueued_batches, allowed_batch_sizes).")
+    flag("--monitoring_config_file", default="",
+         help="Text-format MonitoringConfig; prometheus_config serves metrics on the REST port.")
+    flag("--ssl_config_file", default="", help="Text-format SSLConfig (server_key, server_cert, "
+                                                "custom_ca, client_verify) for gRPC and REST.")
+    flag("--op_library", action="append", default=[],
+         help="Extra custom-op library (.so) to load before any model; repeatable or comma-separated.")
+    boolflag("--load_pkm_ops", True,
+             "Load pkm_serve's own op library (default true; false only for models without PKM ops "
+             "on a machine where the library is not built).")
+    boolflag("--enable_model_warmup", True, "Warm each version up before it serves.")
+    flag("--grpc_max_threads", type=int, default=64, help="Threads serving gRPC requests.")
+    flag("--rest_api_num_threads", type=int, default=16, help="Threads running REST requests.")
+    flag("--rest_api_timeout_in_ms", type=int, default=30000, help="Per-request REST deadline.")
+    flag("--max_request_bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+         help="Largest accepted request (gRPC message or HTTP body), bytes. Default 64 MiB.")
+    flag("--drain_seconds", type=float, default=30.0,
+         help="On SIGTERM/SIGINT, wait this long for in-flight requests before exiting.")
+    flag("--tensorflow_intra_op_parallelism", type=int, default=0, help="0 = TF default.")
+    flag("--tensorflow_inter_op_parallelism", type=int, default=0, help="0 = TF default.")
+    flag("--log_level", default="INFO", help="Python logging level.")
+    return p
+
+
+def parse_args(argv):
+    p = build_parser()
+    args = p.parse_args(argv)
+    libs = []
+    for item in args.op_library:
+        libs.extend(x for x in item.split(",") if x)
+    args.op_library = libs
+    if bool(args.model_config_file) == bool(args.model_base_path):
+        p.error("give exactly one of --model_base_path (with --model_name) or --model_config_file")
+    if args.port == 0 and args.rest_api_port == 0:
+        p.error("both --port and --rest_api_port are 0: nothing to serve on")
+    if args.max_request_bytes <= 0:
+        p.error("--max_request_bytes must be positive")
+    if args.batching_parameters_file and not args.enable_batching:
+        p.error("--batching_parameters_file needs --enable_batching")
+    return args
+
+
+def read_model_config_file(path):
+    return protos.parse_text_file(path, model_server_config_pb2.ModelServerConfig, "model config")
+
+
+def model_server_config(args):
+    if args.model_config_file:
+        cfg = read_model_config_file(args.model_config_file)
+    else:
+        cfg = model_server_config_pb2.ModelServerConfig()
+        c = cfg.model_config_list.config.add()
+        c.name = args.model_name
+        c.base_path = os.path.abspath(args.model_base_path)
+        c.model_platform = "tensorflow"
+    return cfg
+
+
+def batching_parameters(args):
+    if not args.enable_batching:
+        return None
+    if args.batching_parameters_file:
+        return protos.parse_text_file(args.batching_parameters_file, protos.BatchingParameters,
+                                      "batching parameters")
+    return protos.BatchingParameters()
+
+
+def monitoring_config(args):
+    if not args.monitoring_config_file:
+        return None
+    return protos.parse_text_file(args.monitoring_config_file, protos.MonitoringConfig, "monitoring config")
+
+
+def ssl_config(args):
+    if not args.ssl_config_file:
+        return None
+    cfg = protos.parse_text_file(args.ssl_config_file, protos.SSLConfig, "SSL config")
+    if not cfg.server_key or not cfg.server_cert:
+        raise ValueError(f"SSL config {args.ssl_config_file!r} needs server_key and server_cert (PEM text)")
+    if cfg.client_verify and not cfg.custom_ca:
+        raise ValueError(f"SSL config {args.ssl_config_file!r}: client_verify needs custom_ca")
+    return cfg

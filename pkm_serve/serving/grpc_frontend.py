@@ -1,0 +1,132 @@
+"""gRPC front end: TF Serving's PredictionService and ModelService, health, reflection."""
+import logging
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from tensorflow_serving.apis import (model_service_pb2, model_service_pb2_grpc, prediction_service_pb2,
+                                     prediction_service_pb2_grpc)
+
+from pkm_serve.serving.errors import ServingError
+
+log = logging.getLogger("pkm_serve.serving")
+
+PREDICTION_SERVICE = prediction_service_pb2.DESCRIPTOR.services_by_name["PredictionService"].full_name
+MODEL_SERVICE = model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name
+
+
+def _deadline(context):
+    remaining = context.time_remaining()
+    # grpc reports "no deadline" as a huge number.
+    return None if remaining is None or remaining > 1e8 else time.monotonic() + remaining
+
+
+class _Calls:
+    """Runs one RPC: maps ServingError to a status, records metrics, never lets a bug
+    escape as a bare exception (which grpc would report without a message)."""
+
+    def __init__(self, service, metrics):
+        self.service = service
+        self.metrics = metrics
+
+    def __call__(self, api, fn, request, context, model_name):
+        t0 = time.monotonic()
+        code = grpc.StatusCode.OK
+        try:
+            return fn(request, _deadline(context)) if api in _WITH_DEADLINE else fn(request)
+        except ServingError as e:
+            code = e.code
+            context.abort(e.code, e.message)
+        except Exception as e:  # noqa: BLE001
+            log.exception("%s failed", api)
+            code = grpc.StatusCode.INTERNAL
+            context.abort(code, f"internal error in {api}: {type(e).__name__}: {e}")
+        finally:
+            if self.metrics:
+                self.metrics.request(model_name, api, "GRPC", code.name, time.monotonic() - t0)
+
+
+_WITH_DEADLINE = {"predict", "classify", "regress", "multi_inference"}
+
+
+class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
+    def __init__(self, calls):
+        self._calls = calls
+        s = calls.service
+        self._fns = {"predict": s.predict, "classify": s.classify, "regress": s.regress,
+                     "multi_inference": s.multi_inference, "get_model_metadata": s.get_model_metadata}
+
+    def Predict(self, request, context):
+        return self._calls("predict", self._fns["predict"], request, context, request.model_spec.name)
+
+    def Classify(self, request, context):
+        return self._calls("classify", self._fns["classify"], request, context, request.model_spec.name)
+
+    def Regress(self, request, context):
+        return self._calls("regress", self._fns["regress"], request, context, request.model_spec.name)
+
+    def MultiInference(self, request, context):
+        name = request.tasks[0].model_spec.name if request.tasks else ""
+        return self._calls("multi_inference", self._fns["multi_inference"], request, context, name)
+
+    def GetModelMetadata(self, request, context):
+        return self._calls("get_model_metadata", self._fns["get_model_metadata"], request, context,
+                           request.model_spec.name)
+
+
+class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
+    def __init__(self, calls):
+        self._calls = calls
+
+    def GetModelStatus(self, request, context):
+        return self._calls("get_model_status", self._calls.service.get_model_status, request, context,
+                           request.model_spec.name)
+
+    def HandleReloadConfigRequest(self, request, context):
+        return self._calls("reload_config", self._calls.service.reload_config, request, context, "")
+
+
+class GrpcFrontend:
+    def __init__(self, service, metrics, *, address, port, max_threads, max_message_bytes,
+                 ssl_config=None):
+        self.health = health.HealthServicer()
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.so_reuseport", 0)]
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads,
+                                                             thread_name_prefix="grpc"),
+                                  options=options, maximum_concurrent_rpcs=max_threads * 4)
+        calls = _Calls(service, metrics)
+        prediction_service_pb2_grpc.add_PredictionServiceServicer_to_server(PredictionServicer(calls), self.server)
+        model_service_pb2_grpc.add_ModelServiceServicer_to_server(ModelServicer(calls), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (PREDICTION_SERVICE, MODEL_SERVICE,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            self.server)
+        target = f"{address}:{port}" if ":" not in address else f"[{address}]:{port}"
+        if ssl_config is not None:
+            creds = grpc.ssl_server_credentials(
+                [(ssl_config.server_key.encode(), ssl_config.server_cert.encode())],
+                root_certificates=ssl_config.custom_ca.encode() or None,
+                require_client_auth=ssl_config.client_verify)
+            self.port = self.server.add_secure_port(target, creds)
+        else:
+            self.port = self.server.add_insecure_port(target)
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC to {target}")
+
+    def start(self):
+        self.server.start()
+
+    def set_serving(self, serving: bool):
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", PREDICTION_SERVICE, MODEL_SERVICE):
+            self.health.set(name, status)
+
+    def stop(self, grace):
+        """Refuses new RPCs and waits up to `grace` seconds for in-flight ones."""
+        self.set_serving(False)
+        self.server.stop(grace).wait()

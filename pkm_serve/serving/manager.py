@@ -1,0 +1,343 @@
+"""Model versions on the file system -> loaded servables, TF Serving style.
+
+Each model has a base path whose numeric subdirectories are versions. A poll
+lists them, applies the model's version policy, loads (and warms) the aspired
+versions that are not loaded yet, and only then unloads versions that are no
+longer aspired: serving never drops to zero versions during a transition
+(TF Serving's availability-preserving policy). A version that fails to load is
+reported (state END with the error) and is not retried until its files change;
+the `latest` policy then falls back to the newest version that does load.
+"""
+import logging
+import os
+import threading
+import time
+
+import grpc
+import tensorflow as tf
+from tensorflow_serving.apis import get_model_status_pb2
+from tensorflow_serving.config import model_server_config_pb2
+
+from pkm_serve.serving.errors import ServingError, invalid, not_found
+from pkm_serve.serving.servable import Servable
+
+log = logging.getLogger("pkm_serve.serving")
+State = get_model_status_pb2.ModelVersionStatus.State
+
+
+class VersionRecord:
+    __slots__ = ("version", "state", "error", "servable", "fingerprint")
+
+    def __init__(self, version):
+        self.version = version
+        self.state = State.START
+        self.error = None
+        self.servable = None
+        self.fingerprint = None
+
+
+def _fingerprint(path):
+    """Names, sizes and mtimes of every file: changes whenever the directory is rewritten."""
+    entries = []
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            p = os.path.join(root, f)
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            entries.append((os.path.relpath(p, path), st.st_size, st.st_mtime_ns))
+    return tuple(sorted(entries))
+
+
+def list_versions(base_path):
+    """{version: directory} for the numeric subdirectories of base_path."""
+    try:
+        names = tf.io.gfile.listdir(base_path)
+    except tf.errors.NotFoundError:
+        return None
+    found = {}
+    for n in names:
+        n = n.rstrip("/")
+        if n.isdigit() and tf.io.gfile.isdir(os.path.join(base_path, n)):
+            found[int(n)] = os.path.join(base_path, n)
+    return found
+
+
+def aspired_versions(policy, present, failed):
+    loadable = sorted((v for v in present if v not in failed), reverse=True)
+    choice = policy.WhichOneof("policy_choice") if policy is not None else None
+    if choice == "all":
+        return set(loadable)
+    if choice == "specific":
+        return set(policy.specific.versions) & set(loadable)
+    n = policy.latest.num_versions if choice == "latest" and policy.latest.num_versions > 0 else 1
+    return set(loadable[:n])
+
+
+class ManagedModel:
+    def __init__(self, config):
+        self.config = config
+        self.name = config.name
+        self.records = {}          # version -> VersionRecord
+        self.base_path_missing = False
+
+    def available_versions(self):
+        return sorted(v for v, r in self.records.items() if r.state == State.AVAILABLE)
+
+
+class ModelManager:
+    def __init__(self, server_config, *, poll_seconds=1.0, warmup=True, metrics=None,
+                 config_file=None, config_poll_seconds=0.0):
+        self._lock = threading.RLock()       # guards the model table and records
+        self._poll_lock = threading.Lock()   # one poll (load/unload) at a time
+        self._models = {}
+        self._poll_seconds = poll_seconds
+        self._warmup = warmup
+        self._metrics = metrics
+        self._config_file = config_file
+        self._config_poll_seconds = config_poll_seconds
+        self._config_mtime = None
+        self._stop = threading.Event()
+        self._thread = None
+        self.apply_config(server_config, poll=False)
+
+    # ------------------------------------------------------------ config
+    @staticmethod
+    def validate_config(server_config):
+        if server_config.WhichOneof("config") == "custom_model_config":
+            raise invalid("custom_model_config is not supported; use model_config_list")
+        names = set()
+        for c in server_config.model_config_list.config:
+            if not c.name:
+                raise invalid("every model config needs a name")
+            if c.name in names:
+                raise invalid(f"model name '{c.name}' appears twice in the model config")
+            names.add(c.name)
+            if not c.base_path:
+                raise invalid(f"model '{c.name}' has no base_path")
+            if c.model_platform not in ("", "tensorflow"):
+                raise invalid(f"model '{c.name}': model_platform '{c.model_platform}' is not "
+                              "supported (only 'tensorflow')")
+
+    def apply_config(self, server_config, poll=True):
+        """Installs a new model list (HandleReloadConfigRequest); removed models are unloaded."""
+        self.validate_config(server_config)
+        with self._poll_lock:
+            with self._lock:
+                wanted = {c.name: c for c in server_config.model_config_list.config}
+                removed = [self._models.pop(n) for n in list(self._models) if n not in wanted]
+                for name, c in wanted.items():
+                    if name in self._models:
+                        self._models[name].config = c
+                    else:
+                        self._models[name] = ManagedModel(c)
+            for m in removed:
+                for r in list(m.records.values()):
+                    self._unload(m, r)
+            if poll:
+                self._poll_locked()
+
+    # ------------------------------------------------------------ polling
+    def poll_once(self):
+        with self._poll_lock:
+            self._poll_locked()
+
+    def _poll_locked(self):
+        with self._lock:
+            models = list(self._models.values())
+        for m in models:
+            try:
+                self._poll_model(m)
+            except Exception:  # noqa: BLE001 - one model's trouble must not stop the others
+                log.exception("polling model %s failed", m.name)
+
+    def _poll_model(self, m: ManagedModel):
+        present = list_versions(m.config.base_path)
+        if present is None:
+            if not m.base_path_missing:
+                log.error("model %s: base path %s does not exist", m.name, m.config.base_path)
+            m.base_path_missing = True
+            present = {}
+        else:
+            m.base_path_missing = False
+        prints = {v: _fingerprint(p) for v, p in present.items()}
+        failed = set()
+        for v, r in m.records.items():
+            if r.state == State.END and r.error is not None and v in present:
+                if r.fingerprint == prints[v]:
+                    failed.add(v)
+        aspired = aspired_versions(m.config.model_version_policy, present, failed)
+        for v in sorted(aspired, reverse=True):
+            r = m.records.get(v)
+            if r is None or r.state not in (State.AVAILABLE,):
+                self._load(m, v, present[v], prints[v])
+        with self._lock:
+            available_aspired = any(m.records[v].state == State.AVAILABLE
+                                    for v in aspired if v in m.records)
+        for v, r in list(m.records.items()):
+            if r.state == State.AVAILABLE and v not in aspired and (available_aspired or v not in present):
+                self._unload(m, r)
+
+    def _load(self, m, version, path, fingerprint):
+        with self._lock:
+            r = m.records.get(version) or VersionRecord(version)
+            m.records[version] = r
+            r.state, r.error, r.fingerprint = State.LOADING, None, fingerprint
+        log.info("model %s: loading version %d from %s", m.name, version, path)
+        t0 = time.perf_counter()
+        try:
+            servable = Servable(m.name, version, path, warmup=self._warmup)
+        except ServingError as e:
+            log.error("model %s: version %d failed to load: %s", m.name, version, e.message)
+            with self._lock:
+                r.state, r.error = State.END, e
+            if self._metrics:
+                self._metrics.load_attempt(m.name, path, ok=False, seconds=time.perf_counter() - t0)
+            return
+        except Exception as e:  # noqa: BLE001 - any loader failure is a failed version, not a crash
+            log.exception("model %s: version %d failed to load", m.name, version)
+            with self._lock:
+                r.state, r.error = State.END, ServingError(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
+            if self._metrics:
+                self._metrics.load_attempt(m.name, path, ok=False, seconds=time.perf_counter() - t0)
+            return
+        with self._lock:
+            r.servable, r.state = servable, State.AVAILABLE
+        if self._metrics:
+            self._metrics.load_attempt(m.name, path, ok=True, seconds=time.perf_counter() - t0)
+            self._metrics.version_available(m.name, version, True)
+        log.info("model %s: version %d available (load %.2fs, warmup %.2fs)", m.name, version,
+                 servable.load_seconds, servable.warmup_seconds)
+
+    def _unload(self, m, r):
+        with self._lock:
+            r.state = State.UNLOADING
+            # In-flight requests hold their own reference to the servable; dropping ours
+            # lets it be freed once they finish.
+            r.servable = None
+            r.state = State.END
+        if self._metrics:
+            self._metrics.version_available(m.name, r.version, False)
+        log.info("model %s: version %d unloaded", m.name, r.version)
+
+    def _maybe_reload_config_file(self):
+        if not self._config_file or self._config_poll_seconds <= 0:
+            return
+        try:
+            mtime = os.stat(self._config_file).st_mtime_ns
+        except OSError:
+            return
+        if self._config_mtime is None:
+            self._config_mtime = mtime
+            return
+        if mtime != self._config_mtime:
+            self._config_mtime = mtime
+            from pkm_serve.serving.config import read_model_config_file
+            try:
+                self.apply_config(read_model_config_file(self._config_file))
+                log.info("reloaded model config from %s", self._config_file)
+            except (ValueError, ServingError) as e:
+                log.error("ignoring new model config %s: %s", self._config_file, e)
+
+    def start(self):
+        """Polls once (synchronously, so models are up before the server answers), then in
+        the background every poll_seconds (TF Serving: 0 = once, negative = never)."""
+        if self._poll_seconds >= 0:
+            self.poll_once()
+        if self._poll_seconds > 0 or self._config_poll_seconds > 0:
+            self._thread = threading.Thread(target=self._loop, name="model-poller", daemon=True)
+            self._thread.start()
+
+    def _loop(self):
+        period = min(p for p in (self._poll_seconds, self._config_poll_seconds) if p > 0)
+        last_versions = last_config = time.monotonic()
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            if self._config_poll_seconds > 0 and now - last_config >= self._config_poll_seconds:
+                last_config = now
+                self._maybe_reload_config_file()
+            if self._poll_seconds > 0 and now - last_versions >= self._poll_seconds:
+                last_versions = now
+                self.poll_once()
+
+    def stop(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------ lookups
+    def model_names(self):
+        with self._lock:
+            return sorted(self._models)
+
+    def _model(self, name):
+        m = self._models.get(name)
+        if m is None:
+            raise not_found(f"Servable not found for request: model '{name}' is not served "
+                            f"(served models: {sorted(self._models)})")
+        return m
+
+    def resolve(self, model_spec) -> Servable:
+        """model_spec (ModelSpec proto) -> the servable to run."""
+        with self._lock:
+            m = self._model(model_spec.name)
+            available = m.available_versions()
+            choice = model_spec.WhichOneof("version_choice")
+            if choice == "version":
+                v = model_spec.version.value
+            elif choice == "version_label":
+                label = model_spec.version_label
+                if label not in m.config.version_labels:
+                    raise invalid(f"model '{m.name}' has no version label '{label}' "
+                                  f"(labels: {sorted(m.config.version_labels)})")
+                v = m.config.version_labels[label]
+            else:
+                if not available:
+                    raise ServingError(grpc.StatusCode.UNAVAILABLE,
+                                       f"model '{m.name}' has no available version yet "
+                                       f"({self._describe(m)})")
+                v = available[-1]
+            r = m.records.get(v)
+            if r is None or r.state != State.AVAILABLE or r.servable is None:
+                raise not_found(f"Servable not found for request: model '{m.name}' version {v} "
+                                f"is not available (available versions: {available})")
+            return r.servable
+
+    def _describe(self, m):
+        if m.base_path_missing:
+            return f"base path {m.config.base_path} does not exist"
+        if not m.records:
+            return f"no numeric version directories under {m.config.base_path}"
+        return "; ".join(f"version {v}: {State.Name(r.state)}"
+                         + (f" ({r.error.message[:300]})" if r.error else "")
+                         for v, r in sorted(m.records.items()))
+
+    def status(self, model_spec):
+        """GetModelStatusResponse.model_version_status entries (newest first)."""
+        from tensorflow_serving.apis import status_pb2
+        with self._lock:
+            m = self._model(model_spec.name)
+            choice = model_spec.WhichOneof("version_choice")
+            records = sorted(m.records.values(), key=lambda r: -r.version)
+            if choice == "version":
+                records = [r for r in records if r.version == model_spec.version.value]
+                if not records:
+                    raise not_found(f"model '{m.name}' has no version {model_spec.version.value}")
+            elif choice == "version_label":
+                label = model_spec.version_label
+                if label not in m.config.version_labels:
+                    raise invalid(f"model '{m.name}' has no version label '{label}'")
+                records = [r for r in records if r.version == m.config.version_labels[label]]
+            out = []
+            for r in records:
+                s = get_model_status_pb2.ModelVersionStatus(version=r.version, state=r.state)
+                if r.error is not None:
+                    s.status.CopyFrom(status_pb2.StatusProto(error_code=r.error.code.value[0],
+                                                             error_message=r.error.message))
+                out.append(s)
+            return out
+
+    def has_available(self):
+        with self._lock:
+            return all(m.available_versions() for m in self._models.values()) and bool(self._models)

@@ -1,0 +1,329 @@
+"""REST front end (aiohttp) with TF Serving's URLs and JSON formats.
+
+  GET  /v1/models/NAME[/versions/N | /labels/L]             model status
+  GET  /v1/models/NAME[/versions/N | /labels/L]/metadata    signature defs
+  POST /v1/models/NAME[/versions/N | /labels/L]:predict     {"instances": [...]} or {"inputs": ...}
+  POST ...:classify / ...:regress                           {"examples": [...], "context": {...}}
+  GET  <prometheus path>                                    metrics (when monitoring is enabled)
+Errors are {"error": "..."} with the HTTP status TF Serving uses for the gRPC code.
+"""
+import asyncio
+import base64
+import json
+import logging
+import re
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+from aiohttp import web
+from google.protobuf import json_format
+from tensorflow_serving.apis import (get_model_metadata_pb2, get_model_status_pb2, input_pb2,
+                                     model_pb2)
+from tensorflow.core.example import example_pb2, feature_pb2
+
+from pkm_serve.serving import tensors
+from pkm_serve.serving.errors import ServingError, http_status, invalid
+
+log = logging.getLogger("pkm_serve.serving")
+
+_URL = re.compile(r"^/v1/models/(?P<name>[^/:]+)"
+                  r"(?:/versions/(?P<version>-?\d+)|/labels/(?P<label>[^/:]+))?"
+                  r"(?P<rest>/metadata|:predict|:classify|:regress)?/?$")
+
+
+def _json_response(obj, status=200):
+    return web.Response(text=json.dumps(obj), status=status, content_type="application/json")
+
+
+def _error(code: grpc.StatusCode, message: str):
+    return _json_response({"error": message}, status=http_status(code))
+
+
+def _is_b64(v):
+    return isinstance(v, dict) and set(v) == {"b64"}
+
+
+def _feature(value):
+    """A JSON feature value -> tf.train.Feature (TF Serving's JSON example encoding)."""
+    values = value if isinstance(value, list) else [value]
+    f = feature_pb2.Feature()
+    if not values:
+        return f
+    if all(isinstance(v, bool) for v in values) or all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        f.int64_list.value.extend(int(v) for v in values)
+    elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        f.float_list.value.extend(float(v) for v in values)
+    elif all(isinstance(v, str) or _is_b64(v) for v in values):
+        f.bytes_list.value.extend(base64.b64decode(v["b64"]) if _is_b64(v) else v.encode() for v in values)
+    else:
+        raise invalid(f"feature value {json.dumps(value)[:100]} mixes types or is not a number/string list")
+    return f
+
+
+def _example(obj):
+    if not isinstance(obj, dict):
+        raise invalid("each example must be a JSON object of feature name -> value(s)")
+    ex = example_pb2.Example()
+    for k, v in obj.items():
+        ex.features.feature[k].CopyFrom(_feature(v))
+    return ex
+
+
+class RestFrontend:
+    def __init__(self, service, metrics, monitoring, *, address, port, num_threads, timeout_ms,
+                 max_body_bytes, drain_seconds, ssl_config=None):
+        self.service = service
+        self.metrics = metrics
+        self.timeout_s = timeout_ms / 1000.0
+        self.executor = futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="rest")
+        self.address, self.requested_port = address, port
+        self.drain_seconds = drain_seconds
+        self.ssl_config = ssl_config
+        self.metrics_path = None
+        if monitoring is not None and monitoring.prometheus_config.enable:
+            self.metrics_path = monitoring.prometheus_config.path or "/monitoring/prometheus/metrics"
+        self.app = web.Application(client_max_size=max_body_bytes)
+        self.app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        self.port = None
+        self._loop = None
+        self._runner = None
+        self._thread = None
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self):
+        ready = threading.Event()
+        failure = []
+
+        def run():
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            try:
+                self._loop.run_until_complete(self._start())
+            except Exception as e:  # noqa: BLE001 - reported to the caller of start()
+                failure.append(e)
+                ready.set()
+                return
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name="rest", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            raise OSError(f"cannot start REST server on {self.address}:{self.requested_port}: {failure[0]}")
+
+    async def _start(self):
+        ssl_ctx = None
+        if self.ssl_config is not None:
+            import ssl
+            import tempfile
+            ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            with tempfile.NamedTemporaryFile("w", suffix=".pem") as cert, \
+                    tempfile.NamedTemporaryFile("w", suffix=".pem") as key:
+                cert.write(self.ssl_config.server_cert)
+                key.write(self.ssl_config.server_key)
+                cert.flush()
+                key.flush()
+                ssl_ctx.load_cert_chain(cert.name, key.name)
+            if self.ssl_config.client_verify:
+                ssl_ctx.load_verify_locations(cadata=self.ssl_config.custom_ca)
+                ssl_ctx.verify_mode = ssl.CERT_REQUIRED
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=self.drain_seconds)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.address, self.requested_port, ssl_context=ssl_ctx,
+                           reuse_port=False)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    def stop(self):
+        """Stops accepting, lets in-flight requests finish (up to drain_seconds)."""
+        if self._loop is None:
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+        try:
+            fut.result(self.drain_seconds + 5)
+        except Exception:  # noqa: BLE001
+            log.exception("REST shutdown")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self.executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------ dispatch
+    async def _dispatch(self, request: web.Request):
+        path = request.path
+        if self.metrics_path and path == self.metrics_path and request.method == "GET":
+            body, ctype = self.metrics.exposition()
+            return web.Response(body=body, headers={"Content-Type": ctype})
+        m = _URL.match(path)
+        if m is None:
+            return _error(grpc.StatusCode.NOT_FOUND, f"no such endpoint: {request.method} {path} "
+                          "(expected /v1/models/NAME[/versions/N|/labels/L][/metadata|:predict|:classify|:regress])")
+        spec = model_pb2.ModelSpec(name=m["name"])
+        if m["version"] is not None:
+            spec.version.value = int(m["version"])
+        elif m["label"] is not None:
+            spec.version_label = m["label"]
+        rest = m["rest"] or ""
+        want = "POST" if rest.startswith(":") else "GET"
+        if request.method != want:
+            return _error(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{path} takes {want}, not {request.method}")
+        api = {"": "get_model_status", "/metadata": "get_model_metadata"}.get(rest, rest[1:])
+        t0 = time.monotonic()
+        code = grpc.StatusCode.OK
+        try:
+            if want == "POST":
+                try:
+                    body = await request.read()
+                except web.HTTPRequestEntityTooLarge as e:
+                    raise ServingError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                       f"request body is larger than the limit of {e.max_size} bytes "
+                                       "(--max_request_bytes)") from None
+                try:
+                    doc = json.loads(body)
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    raise invalid(f"JSON Parse error: {e}") from None
+                if not isinstance(doc, dict):
+                    raise invalid("request body must be a JSON object")
+            else:
+                doc = None
+            deadline = time.monotonic() + self.timeout_s
+            handler = getattr(self, "_" + api)
+            loop = asyncio.get_running_loop()
+            work = loop.run_in_executor(self.executor, handler, spec, doc, deadline)
+            try:
+                result = await asyncio.wait_for(work, self.timeout_s + 1.0)
+            except asyncio.TimeoutError:
+                raise ServingError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"request took longer than --rest_api_timeout_in_ms "
+                                   f"({int(self.timeout_s * 1000)} ms)") from None
+            return _json_response(result)
+        except ServingError as e:
+            code = e.code
+            return _error(e.code, e.message)
+        except Exception as e:  # noqa: BLE001
+            log.exception("REST %s failed", api)
+            code = grpc.StatusCode.INTERNAL
+            return _error(code, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            if self.metrics and api in ("predict", "classify", "regress"):
+                self.metrics.request(spec.name, api, "REST", code.name, time.monotonic() - t0)
+
+    # ------------------------------------------------------------ handlers (run in executor)
+    def _get_model_status(self, spec, _doc, _deadline):
+        resp = self.service.get_model_status(get_model_status_pb2.GetModelStatusRequest(model_spec=spec))
+        return json_format.MessageToDict(resp, preserving_proto_field_name=True,
+                                         always_print_fields_with_no_presence=True)
+
+    def _get_model_metadata(self, spec, _doc, _deadline):
+        resp = self.service.get_model_metadata(get_model_metadata_pb2.GetModelMetadataRequest(
+            model_spec=spec, metadata_field=["signature_def"]))
+        sig_map = get_model_metadata_pb2.SignatureDefMap()
+        resp.metadata["signature_def"].Unpack(sig_map)
+        return {"model_spec": json_format.MessageToDict(resp.model_spec, preserving_proto_field_name=True),
+                "metadata": {"signature_def": json_format.MessageToDict(
+                    sig_map, preserving_proto_field_name=True)}}
+
+    def _predict(self, spec, doc, deadline):
+        unknown = set(doc) - {"signature_name", "instances", "inputs"}
+        if unknown:
+            raise invalid(f"unknown request field(s) {sorted(unknown)}; expected signature_name and "
+                          "one of instances/inputs")
+        if ("instances" in doc) == ("inputs" in doc):
+            raise invalid("request must have exactly one of \"instances\" (row format) or \"inputs\" "
+                          "(columnar format)")
+        sig_name = doc.get("signature_name", "")
+        if not isinstance(sig_name, str):
+            raise invalid("signature_name must be a string")
+        spec.signature_name = sig_name
+        servable = self.service.manager.resolve(spec)
+        sig = servable.signature(sig_name)
+        specs = sig.input_specs
+        if "instances" in doc:
+            inputs = self._rows_to_inputs(doc["instances"], specs)
+        else:
+            inputs = self._columns_to_inputs(doc["inputs"], specs)
+        _, sig, outputs = self.service.predict_arrays(spec, inputs, deadline)
+        if "inputs" in doc:
+            if len(outputs) == 1:
+                return {"outputs": tensors.to_json(*next(iter(outputs.items())))}
+            return {"outputs": {k: tensors.to_json(k, v) for k, v in outputs.items()}}
+        n = len(doc["instances"])
+        for k, v in outputs.items():
+            if v.ndim == 0 or v.shape[0] != n:
+                raise invalid(f"output '{k}' (shape {list(v.shape)}) does not have the {n} instances as "
+                              "dimension 0; use the columnar \"inputs\" format for this signature")
+        if len(outputs) == 1:
+            return {"predictions": tensors.to_json(*next(iter(outputs.items())))}
+        columns = {k: tensors.to_json(k, v) for k, v in outputs.items()}
+        return {"predictions": [{k: columns[k][i] for k in columns} for i in range(n)]}
+
+    @staticmethod
+    def _rows_to_inputs(instances, specs):
+        if not isinstance(instances, list) or not instances:
+            raise invalid("\"instances\" must be a non-empty list")
+        named = all(isinstance(x, dict) and not _is_b64(x) for x in instances)
+        if not named:
+            if any(isinstance(x, dict) and not _is_b64(x) for x in instances):
+                raise invalid("\"instances\" mixes named (object) and unnamed values")
+            if len(specs) != 1:
+                raise invalid(f"unnamed instances need a signature with one input; this one has "
+                              f"{sorted(specs)}: give each instance as an object")
+            (name, s), = specs.items()
+            return {name: tensors.from_json(name, instances, s)}
+        keys = set(instances[0])
+        for i, x in enumerate(instances):
+            if set(x) != keys:
+                raise invalid(f"instance {i} has inputs {sorted(x)} but instance 0 has {sorted(keys)}")
+        if keys != set(specs):
+            missing, extra = sorted(set(specs) - keys), sorted(keys - set(specs))
+            raise invalid(f"instances have missing input(s) {missing} / unknown input(s) {extra}; "
+                          f"the signature expects {sorted(specs)}")
+        return {k: tensors.from_json(k, [x[k] for x in instances], specs[k]) for k in keys}
+
+    @staticmethod
+    def _columns_to_inputs(value, specs):
+        if isinstance(value, dict) and not _is_b64(value):
+            if set(value) != set(specs):
+                missing, extra = sorted(set(specs) - set(value)), sorted(set(value) - set(specs))
+                raise invalid(f"\"inputs\" has missing input(s) {missing} / unknown input(s) {extra}; "
+                              f"the signature expects {sorted(specs)}")
+            return {k: tensors.from_json(k, v, specs[k]) for k, v in value.items()}
+        if len(specs) != 1:
+            raise invalid(f"an unnamed \"inputs\" value needs a signature with one input; this one has "
+                          f"{sorted(specs)}")
+        (name, s), = specs.items()
+        return {name: tensors.from_json(name, value, s)}
+
+    @staticmethod
+    def _example_input(doc):
+        unknown = set(doc) - {"signature_name", "examples", "context"}
+        if unknown:
+            raise invalid(f"unknown request field(s) {sorted(unknown)}")
+        examples = doc.get("examples")
+        if not isinstance(examples, list) or not examples:
+            raise invalid("\"examples\" must be a non-empty list of objects")
+        inp = input_pb2.Input()
+        if "context" in doc:
+            inp.example_list_with_context.context.CopyFrom(_example(doc["context"]))
+            inp.example_list_with_context.examples.extend(_example(e) for e in examples)
+        else:
+            inp.example_list.examples.extend(_example(e) for e in examples)
+        return inp
+
+    def _classify(self, spec, doc, deadline):
+        from tensorflow_serving.apis import classification_pb2
+        spec.signature_name = doc.get("signature_name", "")
+        req = classification_pb2.ClassificationRequest(model_spec=spec, input=self._example_input(doc))
+        resp = self.service.classify(req, deadline)
+        return {"result": [[[c.label, c.score] for c in cl.classes] for cl in resp.result.classifications]}
+
+    def _regress(self, spec, doc, deadline):
+        from tensorflow_serving.apis import regression_pb2
+        spec.signature_name = doc.get("signature_name", "")
+        req = regression_pb2.RegressionRequest(model_spec=spec, input=self._example_input(doc))
+        resp = self.service.regress(req, deadline)
+        return {"result": [r.value for r in resp.result.regressions]}

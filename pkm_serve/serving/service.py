@@ -1,0 +1,199 @@
+"""The protocol-independent request handling shared by the gRPC and REST front ends.
+
+Every method takes and returns tensorflow_serving.apis protos and raises
+ServingError; the front ends only translate transport details.
+"""
+import time
+
+import grpc
+import numpy as np
+from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2,
+                                     inference_pb2, model_management_pb2, predict_pb2,
+                                     regression_pb2)
+from tensorflow_serving.apis import status_pb2
+from tensorflow.core.protobuf import meta_graph_pb2
+
+from pkm_serve.serving import tensors
+from pkm_serve.serving.errors import ServingError, invalid
+from pkm_serve.serving.servable import CLASSIFY_METHOD, REGRESS_METHOD
+
+
+class InferenceService:
+    def __init__(self, manager, batcher=None, metrics=None):
+        self.manager = manager
+        self.batcher = batcher
+        self.metrics = metrics
+
+    # ------------------------------------------------------------ helpers
+    def _run(self, servable, sig, inputs, deadline, api, output_filter=()):
+        t0 = time.monotonic()
+        if self.batcher is not None:
+            outputs = self.batcher.run(servable, sig, inputs, deadline=deadline)
+            if output_filter:
+                unknown = [k for k in output_filter if k not in outputs]
+                if unknown:
+                    raise invalid(f"output_filter names unknown output(s) {unknown}; signature "
+                                  f"'{sig.name}' has {sorted(outputs)}")
+                outputs = {k: outputs[k] for k in output_filter}
+        else:
+            outputs = sig.run(inputs, output_filter)
+        if deadline is not None and time.monotonic() > deadline:
+            raise ServingError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while the model ran")
+        if self.metrics:
+            self.metrics.runtime(servable.name, api, time.monotonic() - t0)
+        return outputs
+
+    @staticmethod
+    def _fill_spec(spec_proto, servable, signature_name):
+        spec_proto.name = servable.name
+        spec_proto.version.value = servable.version
+        spec_proto.signature_name = signature_name
+
+    # ------------------------------------------------------------ Predict
+    def predict_arrays(self, model_spec, inputs, deadline=None, output_filter=()):
+        """Resolves and runs; returns (servable, signature, outputs). Used by REST directly."""
+        servable = self.manager.resolve(model_spec)
+        sig = servable.signature(model_spec.signature_name)
+        sig.validate(inputs)
+        return servable, sig, self._run(servable, sig, inputs, deadline, "predict", output_filter)
+
+    def predict(self, request, deadline=None):
+        if len(set(request.output_filter)) != len(request.output_filter):
+            raise invalid("output_filter lists an output more than once")
+        inputs = {k: tensors.from_proto(k, v) for k, v in request.inputs.items()}
+        servable, sig, outputs = self.predict_arrays(request.model_spec, inputs, deadline,
+                                                     tuple(request.output_filter))
+        resp = predict_pb2.PredictResponse()
+        self._fill_spec(resp.model_spec, servable, sig.name)
+        for k, v in outputs.items():
+            resp.outputs[k].CopyFrom(tensors.to_proto(v))
+        return resp
+
+    # ------------------------------------------------------------ metadata/status
+    def get_model_metadata(self, request):
+        fields = list(request.metadata_field)
+        if fields != ["signature_def"]:
+            raise invalid(f"metadata_field must be exactly ['signature_def'] (the only metadata "
+                          f"TF Serving serves); got {fields}")
+        servable = self.manager.resolve(request.model_spec)
+        resp = get_model_metadata_pb2.GetModelMetadataResponse()
+        self._fill_spec(resp.model_spec, servable, "")
+        sig_map = get_model_metadata_pb2.SignatureDefMap()
+        for k, v in servable.signature_defs.items():
+            sig_map.signature_def[k].CopyFrom(v)
+        resp.metadata["signature_def"].Pack(sig_map)
+        return resp
+
+    def get_model_status(self, request):
+        resp = get_model_status_pb2.GetModelStatusResponse()
+        resp.model_version_status.extend(self.manager.status(request.model_spec))
+        return resp
+
+    def reload_config(self, request):
+        resp = model_management_pb2.ReloadConfigResponse()
+        try:
+            self.manager.apply_config(request.config)
+            resp.status.CopyFrom(status_pb2.StatusProto(error_code=0))
+        except ServingError as e:
+            resp.status.CopyFrom(status_pb2.StatusProto(error_code=e.code.value[0], error_message=e.message))
+        return resp
+
+    # ------------------------------------------------------------ Classify/Regress
+    @staticmethod
+    def _serialized_examples(input_proto):
+        kind = input_proto.WhichOneof("kind")
+        if kind == "example_list":
+            examples = list(input_proto.example_list.examples)
+        elif kind == "example_list_with_context":
+            ctx = input_proto.example_list_with_context.context
+            examples = []
+            for ex in input_proto.example_list_with_context.examples:
+                merged = type(ex)()
+                merged.CopyFrom(ctx)
+                merged.MergeFrom(ex)  # an example's own features win over the context's
+                examples.append(merged)
+        else:
+            raise invalid("request input is empty: set example_list or example_list_with_context")
+        if not examples:
+            raise invalid("request input holds no examples")
+        return np.array([e.SerializeToString() for e in examples], dtype=object)
+
+    def _example_signature(self, model_spec, method, what):
+        servable = self.manager.resolve(model_spec)
+        sig = servable.signature(model_spec.signature_name)
+        if sig.method_name != method:
+            raise invalid(f"Expected {what} signature method_name to be {method}. Was: {sig.method_name} "
+                          f"(signature '{sig.name}' of model '{servable.name}'; use Predict for it)")
+        sdef = sig.signature_def
+        if len(sdef.inputs) != 1:
+            raise invalid(f"{what} signature '{sig.name}' must have exactly one (serialized tf.Example) input")
+        return servable, sig, next(iter(sdef.inputs))
+
+    def _classify_outputs(self, model_spec, input_proto, deadline):
+        servable, sig, in_key = self._example_signature(model_spec, CLASSIFY_METHOD, "classification")
+        examples = self._serialized_examples(input_proto)
+        outputs = self._run(servable, sig, {in_key: examples}, deadline, "classify")
+        result = classification_pb2.ClassificationResult()
+        classes, scores = outputs.get("classes"), outputs.get("scores")
+        if classes is None and scores is None:
+            raise invalid(f"classification signature '{sig.name}' has neither 'classes' nor 'scores' outputs")
+        n = len(examples)
+        for i in range(n):
+            c = result.classifications.add()
+            width = (classes if classes is not None else scores).reshape(n, -1).shape[1]
+            for j in range(width):
+                cls = c.classes.add()
+                if classes is not None:
+                    label = classes.reshape(n, -1)[i, j]
+                    cls.label = label.decode("utf-8", "replace") if isinstance(label, bytes) else str(label)
+                if scores is not None:
+                    cls.score = float(scores.reshape(n, -1)[i, j])
+        return servable, sig, result
+
+    def _regress_outputs(self, model_spec, input_proto, deadline):
+        servable, sig, in_key = self._example_signature(model_spec, REGRESS_METHOD, "regression")
+        examples = self._serialized_examples(input_proto)
+        outputs = self._run(servable, sig, {in_key: examples}, deadline, "regress")
+        if "outputs" not in outputs:
+            raise invalid(f"regression signature '{sig.name}' has no 'outputs' output")
+        values = outputs["outputs"].reshape(len(examples), -1)
+        if values.shape[1] != 1:
+            raise invalid(f"regression output must be one value per example, got shape {list(values.shape)}")
+        result = regression_pb2.RegressionResult()
+        for v in values[:, 0]:
+            result.regressions.add(value=float(v))
+        return servable, sig, result
+
+    def classify(self, request, deadline=None):
+        servable, sig, result = self._classify_outputs(request.model_spec, request.input, deadline)
+        resp = classification_pb2.ClassificationResponse(result=result)
+        self._fill_spec(resp.model_spec, servable, sig.name)
+        return resp
+
+    def regress(self, request, deadline=None):
+        servable, sig, result = self._regress_outputs(request.model_spec, request.input, deadline)
+        resp = regression_pb2.RegressionResponse(result=result)
+        self._fill_spec(resp.model_spec, servable, sig.name)
+        return resp
+
+    def multi_inference(self, request, deadline=None):
+        if not request.tasks:
+            raise invalid("MultiInference request has no tasks")
+        names = {t.model_spec.name for t in request.tasks}
+        if len(names) != 1:
+            raise invalid(f"all MultiInference tasks must use one model, got {sorted(names)}")
+        resp = inference_pb2.MultiInferenceResponse()
+        for task in request.tasks:
+            out = resp.results.add()
+            if task.method_name == CLASSIFY_METHOD:
+                servable, sig, result = self._classify_outputs(task.model_spec, request.input, deadline)
+                out.classification_result.CopyFrom(result)
+            elif task.method_name == REGRESS_METHOD:
+                servable, sig, result = self._regress_outputs(task.model_spec, request.input, deadline)
+                out.regression_result.CopyFrom(result)
+            else:
+                raise ServingError(grpc.StatusCode.UNIMPLEMENTED,
+                                   f"MultiInference supports {CLASSIFY_METHOD} and {REGRESS_METHOD} "
+                                   f"tasks, not '{task.method_name}'")
+            self._fill_spec(out.model_spec, servable, sig.name)
+        return resp

@@ -1,0 +1,415 @@
+// External TFLite delegate: claims PkmEmbeddingBag custom nodes (which stock
+// interpreters keep as unresolved placeholders) and, with
+// fuse_composites=true, stock GATHER -> [MUL] -> SUM chains, and runs them on
+// the kernel core. Loaded with tflite.load_delegate(path, options).
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "tflite_delegate/embedding_bag_tflite.h"
+#include "tflite_delegate/thread_pool.h"
+
+#define PKM_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace pkm {
+namespace tflite {
+namespace {
+
+constexpr int kBuiltinDelegate = 51;
+constexpr const char kDelegateKernelName[] = "PkmDelegate";
+
+struct DelegateOptions {
+  int num_threads = 1;
+  bool fuse_composites = false;
+};
+
+struct DelegateData {
+  DelegateOptions options;
+  std::unique_ptr<ThreadPool> pool;
+};
+
+DelegateData* GetData(TfLiteDelegate* delegate) {
+  return static_cast<DelegateData*>(delegate->data_);
+}
+
+bool IsCustomBag(const TfLiteRegistration* reg) {
+  return reg->builtin_code == kTfLiteBuiltinCustom && reg->custom_name != nullptr &&
+         std::strcmp(reg->custom_name, kCustomOpName) == 0;
+}
+
+// A stock composite chain found in the graph.
+struct Chain {
+  int gather = -1, mul = -1, sum = -1;  // node indices (mul = -1: unweighted)
+  BagSpec spec;
+  std::vector<int> nodes() const {
+    std::vector<int> n = {gather};
+    if (mul >= 0) n.push_back(mul);
+    n.push_back(sum);
+    return n;
+  }
+  std::vector<int> intermediates;  // tensors only the chain uses
+};
+
+struct Graph {
+  TfLiteContext* context;
+  std::vector<int> plan;
+  std::map<int, std::vector<int>> consumers;  // tensor -> nodes reading it
+
+  explicit Graph(TfLiteContext* ctx) : context(ctx) {}
+  TfLiteStatus Load() {
+    TfLiteIntArray* p = nullptr;
+    if (context->GetExecutionPlan(context, &p) != kTfLiteOk || p == nullptr) return kTfLiteError;
+    plan.assign(p->data, p->data + p->size);
+    for (int n : plan) {
+      TfLiteNode* node;
+      TfLiteRegistration* reg;
+      if (context->GetNodeAndRegistration(context, n, &node, &reg) != kTfLiteOk) return kTfLiteError;
+      for (int i = 0; node->inputs && i < node->inputs->size; ++i)
+        if (node->inputs->data[i] >= 0) consumers[node->inputs->data[i]].push_back(n);
+    }
+    return kTfLiteOk;
+  }
+  const TfLiteTensor* Tensor(int i) const {
+    return (i >= 0 && static_cast<size_t>(i) < context->tensors_size) ? &context->tensors[i] : nullptr;
+  }
+  int Rank(int i) const {
+    const TfLiteTensor* t = Tensor(i);
+    return (t && t->dims) ? t->dims->size : -1;
+  }
+  // The single consumer of tensor t, or -1.
+  int SoleConsumer(int t) const {
+    auto it = consumers.find(t);
+    return (it != consumers.end() && it->second.size() == 1) ? it->second[0] : -1;
+  }
+};
+
+// Reads the constant reduction axis of a SUM node.
+bool ConstAxis(const Graph& g, int tensor, int* axis) {
+  const TfLiteTensor* t = g.Tensor(tensor);
+  if (t == nullptr || t->type != kTfLiteInt32 || t->allocation_type != kTfLiteMmapRo ||
+      t->data.data == nullptr || t->bytes != 4)
+    return false;
+  *axis = t->data.i32[0];
+  return true;
+}
+
+// Matches GATHER(params[N,D] float32, indices) -> [MUL(x, w[...,K,1])] ->
+// SUM(axis = bag axis), the sequence the converter emits for
+// reduce_sum(gather(table, idx) * w[..., None], axis=-2).
+bool MatchChain(const Graph& g, int gather_node, Chain* chain) {
+  TfLiteContext* ctx = g.context;
+  TfLiteNode* gn;
+  TfLiteRegistration* greg;
+  if (ctx->GetNodeAndRegistration(ctx, gather_node, &gn, &greg) != kTfLiteOk) return false;
+  if (greg->builtin_code != kTfLiteBuiltinGather || !gn->inputs || gn->inputs->size != 2 ||
+      !gn->outputs || gn->outputs->size != 1 || gn->builtin_data == nullptr)
+    return false;
+  const auto* gp = static_cast<const TfLiteGatherParams*>(gn->builtin_data);
+  if (gp->axis != 0 || gp->batch_dims != 0) return false;
+  const int params = gn->inputs->data[0], indices = gn->inputs->data[1];
+  const int gathered = gn->outputs->data[0];
+  const TfLiteTensor* pt = g.Tensor(params);
+  const TfLiteTensor* it = g.Tensor(indices);
+  if (!pt || !it || pt->type != kTfLiteFloat32 || g.Rank(params) != 2 ||
+      (it->type != kTfLiteInt32 && it->type != kTfLiteInt64) || g.Rank(indices) < 1)
+    return false;
+  const int bag_axis = g.Rank(indices) - 1;  // axis of K in the gathered [..., K, D]
+  const int gathered_rank = g.Rank(indices) + 1;
+
+  int next = g.SoleConsumer(gathered);
+  if (next < 0) return false;
+  TfLiteNode* nn;
+  TfLiteRegistration* nreg;
+  if (ctx->GetNodeAndRegistration(ctx, next, &nn, &nreg) != kTfLiteOk) return false;
+  *chain = Chain();
+  chain->gather = gather_node;
+  chain->intermediates.push_back(gathered);
+  int reduced = gathered;
+  int weights = -1;
+  if (nreg->builtin_code == kTfLiteBuiltinMul) {
+    if (!nn->inputs || nn->inputs->size != 2 || !nn->outputs || nn->outputs->size != 1 ||
+        nn->builtin_data == nullptr ||
+        static_cast<const TfLiteMulParams*>(nn->builtin_data)->activation != kTfLiteActNone)
+      return false;
+    weights = nn->inputs->data[0] == gathered ? nn->inputs->data[1] : nn->inputs->data[0];
+    if (weights == gathered) return false;  // x * x is not a bag
+    const TfLiteTensor* wt = g.Tensor(weights);
+    if (!wt || wt->type != kTfLiteFloat32 || g.Rank(weights) != gathered_rank ||
+        wt->dims->data[gathered_rank - 1] != 1)
+      return false;
+    for (int d = 0; d < gathered_rank - 1; ++d)
+      if (wt->dims->data[d] != it->dims->data[d]) return false;
+    chain->mul = next;
+    reduced = nn->outputs->data[0];
+    chain->intermediates.push_back(reduced);
+    next = g.SoleConsumer(reduced);
+    if (next < 0 || ctx->GetNodeAndRegistration(ctx, next, &nn, &nreg) != kTfLiteOk) return false;
+  }
+  if (nreg->builtin_code != kTfLiteBuiltinSum || !nn->inputs || nn->inputs->size != 2 ||
+      nn->inputs->data[0] != reduced || !nn->outputs || nn->outputs->size != 1 ||
+      nn->builtin_data == nullptr)
+    return false;
+  int axis;
+  if (!ConstAxis(g, nn->inputs->data[1], &axis)) return false;
+  if (axis < 0) axis += gathered_rank;
+  if (axis != bag_axis) return false;
+  chain->sum = next;
+  BagSpec& s = chain->spec;
+  s.table = params;
+  s.indices = indices;
+  s.weights = weights;
+  s.output = nn->outputs->data[0];
+  s.combiner = Combiner::kSum;
+  s.composite = true;
+  s.keep_dims = static_cast<const TfLiteReducerParams*>(nn->builtin_data)->keep_dims;
+  s.what = "PkmEmbeddingBag (fused GATHER/MUL/SUM)";
+  return true;
+}
+
+TfLiteIntArray* NewIntArray(const std::vector<int>& v) {
+  auto* a = static_cast<TfLiteIntArray*>(std::malloc(sizeof(TfLiteIntArray) + sizeof(int) * (v.size() + 1)));
+  a->size = static_cast<int>(v.size());
+  for (size_t i = 0; i < v.size(); ++i) a->data[i] = v[i];
+  return a;
+}
+
+// ---- the delegate kernel: one per partition of claimed nodes --------------
+
+struct Unit {
+  BagSpec spec;
+  BagState state;
+};
+
+struct KernelData {
+  DelegateData* delegate = nullptr;
+  std::vector<Unit> units;
+  std::string error;  // from Init, reported by Prepare
+};
+
+void* KernelInit(TfLiteContext* context, const char* buffer, size_t length) {
+  auto* kd = new KernelData;
+  const auto* params = reinterpret_cast<const TfLiteDelegateParams*>(buffer);
+  kd->delegate = GetData(params->delegate);
+  Graph g(context);
+  if (g.Load() != kTfLiteOk) {
+    kd->error = "cannot read the execution plan";
+    return kd;
+  }
+  std::set<int> in_partition(params->nodes_to_replace->data,
+                             params->nodes_to_replace->data + params->nodes_to_replace->size);
+  std::set<int> partition_outputs(params->output_tensors->data,
+                                  params->output_tensors->data + params->output_tensors->size);
+  std::set<int> used;
+  for (int i = 0; i < params->nodes_to_replace->size; ++i) {
+    const int n = params->nodes_to_replace->data[i];
+    if (used.count(n)) continue;
+    TfLiteNode* node;
+    TfLiteRegistration* reg;
+    if (context->GetNodeAndRegistration(context, n, &node, &reg) != kTfLiteOk) {
+      kd->error = "cannot read node " + std::to_string(n);
+      return kd;
+    }
+    Unit unit;
+    if (IsCustomBag(reg)) {
+      OpOptions options;
+      std::string err;
+      if (!ParseOpOptions(node->custom_initial_data,
+                          node->custom_initial_data_size < 0 ? 0 : node->custom_initial_data_size,
+                          &options, &err)) {
+        kd->error = "node " + std::to_string(n) + ": " + err;
+        return kd;
+      }
+      if (SpecFromCustomNode(context, node, options, &unit.spec) != kTfLiteOk) {
+        kd->error = "node " + std::to_string(n) + " is malformed (see above)";
+        return kd;
+      }
+      used.insert(n);
+    } else {
+      Chain chain;
+      bool whole = MatchChain(g, n, &chain);
+      for (int m : chain.nodes()) whole = whole && in_partition.count(m) && !used.count(m);
+      for (int t : chain.intermediates) whole = whole && !partition_outputs.count(t);
+      if (!whole) {
+        kd->error = "node " + std::to_string(n) + " is not a complete GATHER/MUL/SUM chain";
+        return kd;
+      }
+      for (int m : chain.nodes()) used.insert(m);
+      unit.spec = chain.spec;
+    }
+    kd->units.push_back(std::move(unit));
+  }
+  return kd;
+}
+
+void KernelFree(TfLiteContext* context, void* buffer) { delete static_cast<KernelData*>(buffer); }
+
+TfLiteStatus KernelPrepare(TfLiteContext* context, TfLiteNode* node) {
+  auto* kd = static_cast<KernelData*>(node->user_data);
+  if (kd == nullptr) return kTfLiteError;
+  if (!kd->error.empty()) {
+    context->ReportError(context, "PkmDelegate: %s", kd->error.c_str());
+    return kTfLiteError;
+  }
+  for (Unit& u : kd->units)
+    if (PrepareBag(context, u.spec, &u.state) != kTfLiteOk) return kTfLiteError;
+  return kTfLiteOk;
+}
+
+TfLiteStatus KernelInvoke(TfLiteContext* context, TfLiteNode* node) {
+  auto* kd = static_cast<KernelData*>(node->user_data);
+  if (kd == nullptr || !kd->error.empty()) return kTfLiteError;
+  const ParallelFor pf = kd->delegate->pool->AsParallelFor();
+  for (const Unit& u : kd->units)
+    if (InvokeBag(context, u.spec, u.state, pf) != kTfLiteOk) return kTfLiteError;
+  return kTfLiteOk;
+}
+
+TfLiteRegistration KernelRegistration() {
+  TfLiteRegistration r;
+  std::memset(&r, 0, sizeof(r));  // newer runtimes read fields we do not set
+  r.init = KernelInit;
+  r.free = KernelFree;
+  r.prepare = KernelPrepare;
+  r.invoke = KernelInvoke;
+  r.builtin_code = kBuiltinDelegate;
+  r.custom_name = kDelegateKernelName;
+  r.version = 1;
+  return r;
+}
+
+// Keeps the chains whose nodes all land in one partition and whose
+// intermediates nobody outside needs (graph outputs included: the partition
+// preview lists them as partition outputs).
+std::vector<int> SelectNodes(TfLiteContext* context, const std::vector<int>& custom_nodes,
+                             std::vector<Chain> chains) {
+  for (int round = 0; round < 8; ++round) {
+    std::vector<int> nodes = custom_nodes;
+    for (const Chain& c : chains)
+      for (int n : c.nodes()) nodes.push_back(n);
+    if (chains.empty() || context->PreviewDelegatePartitioning == nullptr) return nodes;
+    TfLiteIntArray* arr = NewIntArray(nodes);
+    TfLiteDelegateParams* parts = nullptr;
+    int num_parts = 0;
+    const TfLiteStatus st =
+        context->PreviewDelegatePartitioning(context, arr, &parts, &num_parts);
+    std::free(arr);
+    if (st != kTfLiteOk) return custom_nodes;
+    std::vector<Chain> kept;
+    for (const Chain& c : chains) {
+      bool ok = false;
+      for (int p = 0; p < num_parts && !ok; ++p) {
+        const TfLiteIntArray* in = parts[p].nodes_to_replace;
+        const TfLiteIntArray* out = parts[p].output_tensors;
+        auto has = [](const TfLiteIntArray* a, int v) {
+          for (int i = 0; i < a->size; ++i)
+            if (a->data[i] == v) return true;
+          return false;
+        };
+        bool all = true;
+        for (int n : c.nodes()) all = all && has(in, n);
+        for (int t : c.intermediates) all = all && !has(out, t);
+        ok = all;
+      }
+      if (ok) kept.push_back(c);
+    }
+    if (kept.size() == chains.size()) return nodes;
+    chains.swap(kept);
+  }
+  return custom_nodes;
+}
+
+TfLiteStatus DelegatePrepare(TfLiteContext* context, TfLiteDelegate* delegate) {
+  DelegateData* data = GetData(delegate);
+  Graph g(context);
+  if (g.Load() != kTfLiteOk) {
+    context->ReportError(context, "PkmDelegate: cannot read the execution plan");
+    return kTfLiteError;
+  }
+  std::vector<int> custom_nodes;
+  std::vector<Chain> chains;
+  std::set<int> in_chain;
+  for (int n : g.plan) {
+    TfLiteNode* node;
+    TfLiteRegistration* reg;
+    if (context->GetNodeAndRegistration(context, n, &node, &reg) != kTfLiteOk) return kTfLiteError;
+    if (IsCustomBag(reg)) {
+      custom_nodes.push_back(n);
+    } else if (data->options.fuse_composites && reg->builtin_code == kTfLiteBuiltinGather &&
+               !in_chain.count(n)) {
+      Chain c;
+      if (MatchChain(g, n, &c)) {
+        for (int m : c.nodes()) in_chain.insert(m);
+        chains.push_back(c);
+      }
+    }
+  }
+  const std::vector<int> nodes = SelectNodes(context, custom_nodes, chains);
+  if (nodes.empty()) return kTfLiteOk;
+  TfLiteIntArray* arr = NewIntArray(nodes);
+  const TfLiteStatus st = context->ReplaceNodeSubsetsWithDelegateKernels(
+      context, KernelRegistration(), arr, delegate);
+  std::free(arr);
+  return st;
+}
+
+bool ParseBool(const std::string& v, bool* out) {
+  if (v == "true" || v == "True" || v == "1") return *out = true, true;
+  if (v == "false" || v == "False" || v == "0") return *out = false, true;
+  return false;
+}
+
+}  // namespace
+}  // namespace tflite
+}  // namespace pkm
+
+using pkm::tflite::DelegateData;
+
+// Creates the delegate. Options (all strings): num_threads (>= 1, default 1),
+// fuse_composites (true/false, default false). Unknown keys or bad values are
+// reported through report_error and give nullptr.
+PKM_EXPORT TfLiteDelegate* tflite_plugin_create_delegate(char** options_keys,
+                                                         char** options_values,
+                                                         size_t num_options,
+                                                         void (*report_error)(const char*)) {
+  auto data = std::make_unique<DelegateData>();
+  for (size_t i = 0; i < num_options; ++i) {
+    const std::string key = options_keys[i] ? options_keys[i] : "";
+    const std::string value = options_values[i] ? options_values[i] : "";
+    std::string error;
+    if (key == "num_threads") {
+      char* end = nullptr;
+      const long n = std::strtol(value.c_str(), &end, 10);
+      if (value.empty() || *end != '\0' || n < 1 || n > 256)
+        error = "num_threads must be an integer in [1, 256], got '" + value + "'";
+      else
+        data->options.num_threads = static_cast<int>(n);
+    } else if (key == "fuse_composites") {
+      if (!pkm::tflite::ParseBool(value, &data->options.fuse_composites))
+        error = "fuse_composites must be true or false, got '" + value + "'";
+    } else {
+      error = "unknown option '" + key + "' (known: num_threads, fuse_composites)";
+    }
+    if (!error.empty()) {
+      error = "libpkm_tflite: " + error;
+      if (report_error) report_error(error.c_str());
+      return nullptr;
+    }
+  }
+  data->pool = std::make_unique<pkm::tflite::ThreadPool>(data->options.num_threads);
+  auto* delegate = new TfLiteDelegate;
+  std::memset(delegate, 0, sizeof(*delegate));  // newer runtimes read fields we do not set
+  delegate->data_ = data.release();
+  delegate->Prepare = pkm::tflite::DelegatePrepare;
+  delegate->flags = kTfLiteDelegateFlagsAllowDynamicTensors;
+  return delegate;
+}
+
+PKM_EXPORT void tflite_plugin_destroy_delegate(TfLiteDelegate* delegate) {
+  if (delegate == nullptr) return;
+  delete static_cast<DelegateData*>(delegate->data_);
+  delete delegate;
+}

@@ -1,0 +1,416 @@
+#include "tflite_delegate/embedding_bag_tflite.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "tflite_delegate/flexbuffer_map.h"
+#include "tflite_delegate/thread_pool.h"
+
+namespace pkm {
+namespace tflite {
+namespace {
+
+bool ToElemType(TfLiteType t, ElemType* out) {
+  switch (t) {
+    case kTfLiteFloat32: *out = ElemType::kFloat32; return true;
+    case kTfLiteFloat16: *out = ElemType::kFloat16; return true;
+    case kTfLiteBFloat16: *out = ElemType::kBFloat16; return true;
+    case kTfLiteInt8: *out = ElemType::kInt8; return true;
+    default: return false;
+  }
+}
+
+std::string TypeName(TfLiteType t) {
+  switch (t) {
+    case kTfLiteFloat32: return "float32";
+    case kTfLiteFloat16: return "float16";
+    case kTfLiteBFloat16: return "bfloat16";
+    case kTfLiteInt8: return "int8";
+    case kTfLiteInt32: return "int32";
+    case kTfLiteInt64: return "int64";
+    default: return "type#" + std::to_string(static_cast<int>(t));
+  }
+}
+
+std::string ShapeString(const std::vector<int64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// Everything needed to call the core, derived from the tensors.
+struct Bound {
+  Table table;
+  Bags bags;
+  ElemType out_type = ElemType::kFloat32;
+  std::vector<int64_t> out_dims;
+  TfLiteTensor* output = nullptr;
+};
+
+class Checker {
+ public:
+  Checker(TfLiteContext* context, const BagSpec& spec) : context_(context), spec_(spec) {}
+  TfLiteStatus Fail(const std::string& msg) {
+    context_->ReportError(context_, "%s: %s", spec_.what, msg.c_str());
+    return kTfLiteError;
+  }
+  // Tensor by index with its shape; error if the index or dims are invalid.
+  TfLiteStatus Get(int index, const char* role, TfLiteTensor** t, std::vector<int64_t>* dims) {
+    if (index < 0 || static_cast<size_t>(index) >= context_->tensors_size)
+      return Fail(std::string(role) + " tensor index " + std::to_string(index) +
+                  " is out of range");
+    *t = &context_->tensors[index];
+    const TfLiteIntArray* d = (*t)->dims;
+    if (d == nullptr || d->size < 0) return Fail(std::string(role) + " has no shape");
+    dims->assign(d->data, d->data + d->size);
+    for (int64_t v : *dims)
+      if (v < 0) return Fail(std::string(role) + " has a negative dimension " + ShapeString(*dims));
+    return kTfLiteOk;
+  }
+
+ private:
+  TfLiteContext* context_;
+  const BagSpec& spec_;
+};
+
+int64_t NumElements(const std::vector<int64_t>& dims) {
+  int64_t n = 1;
+  for (int64_t d : dims) n *= d;
+  return n;
+}
+
+// Reads per-row (axis 0) scales of an int8 table. TfLiteFloatArray changed
+// layout across releases ({int size; float data[]} -> {float* data; int size;
+// bool owning}), so both are recognised by where the count (known from the
+// zero-point TfLiteIntArray, whose layout never changed) is stored.
+bool ReadAffineScales(const TfLiteTensor* t, int64_t rows, BagState* state,
+                      std::string* error) {
+  state->row_scales.assign(rows, 0.f);
+  state->row_zero_points.assign(rows, 0);
+  const auto* aq = t->quantization.type == kTfLiteAffineQuantization
+                       ? static_cast<const TfLiteAffineQuantization*>(t->quantization.params)
+                       : nullptr;
+  const int count = (aq != nullptr && aq->zero_point != nullptr) ? aq->zero_point->size : 0;
+  if (aq == nullptr || aq->scale == nullptr || count <= 1) {
+    // Per-tensor: the runtime mirrors a single scale into the legacy params.
+    if (!(t->params.scale > 0.f) || !std::isfinite(t->params.scale)) {
+      *error = "int8 params need per-row (axis 0) quantisation scales; the tensor has none";
+      return false;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      state->row_scales[r] = t->params.scale;
+      state->row_zero_points[r] = t->params.zero_point;
+    }
+    return true;
+  }
+  if (count != rows || aq->quantized_dimension != 0) {
+    *error = "int8 params quantisation must be per row (axis 0) with " +
+             std::to_string(rows) + " scales; got " + std::to_string(count) +
+             " on axis " + std::to_string(aq->quantized_dimension);
+    return false;
+  }
+  // count >= 2, so both layouts span at least 12 bytes.
+  const auto* raw = reinterpret_cast<const uint8_t*>(aq->scale);
+  int32_t legacy_size, new_size;
+  std::memcpy(&legacy_size, raw, 4);
+  std::memcpy(&new_size, raw + 8, 4);
+  const float* scales = nullptr;
+  if (new_size == count) {
+    std::memcpy(&scales, raw, sizeof(scales));
+  } else if (legacy_size == count) {
+    scales = reinterpret_cast<const float*>(raw + 4);
+  }
+  if (scales == nullptr) {
+    *error = "int8 params: unrecognised quantisation scale array";
+    return false;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!std::isfinite(scales[r])) {
+      *error = "int8 params: scale of row " + std::to_string(r) + " is not finite";
+      return false;
+    }
+    state->row_scales[r] = scales[r];
+    state->row_zero_points[r] = aq->zero_point->data[r];
+  }
+  return true;
+}
+
+// Shared by Prepare and Invoke: validates every tensor and fills `bound`.
+TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* state,
+                  Bound* bound) {
+  Checker c(context, spec);
+  TfLiteTensor *table, *indices, *output;
+  std::vector<int64_t> tdims, idims, odims;
+  if (c.Get(spec.table, "params", &table, &tdims) != kTfLiteOk ||
+      c.Get(spec.indices, "indices", &indices, &idims) != kTfLiteOk ||
+      c.Get(spec.output, "output", &output, &odims) != kTfLiteOk)
+    return kTfLiteError;
+  if (tdims.size() != 2)
+    return c.Fail("params must be rank 2 [N, D], got shape " + ShapeString(tdims));
+  ElemType table_type;
+  if (!ToElemType(table->type, &table_type))
+    return c.Fail("params must be float32, float16, bfloat16 or int8 (per-row quantised), got " +
+                  TypeName(table->type));
+  if (indices->type != kTfLiteInt32 && indices->type != kTfLiteInt64)
+    return c.Fail("indices must be int32 or int64, got " + TypeName(indices->type));
+  if (idims.empty()) return c.Fail("indices must have rank >= 1 ([..., K]), got a scalar");
+  ElemType out_type;
+  if (!ToElemType(output->type, &out_type) || out_type == ElemType::kInt8)
+    return c.Fail("output must be float32, float16 or bfloat16, got " + TypeName(output->type));
+  if (table_type != ElemType::kInt8 && out_type != table_type)
+    return c.Fail("output type " + TypeName(output->type) + " differs from params type " +
+                  TypeName(table->type));
+
+  Table& t = bound->table;
+  t.data = table->data.data;
+  t.type = table_type;
+  t.num_rows = tdims[0];
+  t.dim = tdims[1];
+  if (table_type == ElemType::kInt8) {
+    if (state == nullptr || static_cast<int64_t>(state->row_scales.size()) != t.num_rows)
+      return c.Fail("int8 params: row scales were not prepared for " +
+                    std::to_string(t.num_rows) + " rows");
+    t.row_scales = state->row_scales.data();
+    t.row_zero_points = state->row_zero_points.data();
+  }
+
+  Bags& b = bound->bags;
+  b.indices = indices->data.data;
+  b.indices_int64 = indices->type == kTfLiteInt64;
+  b.bag_size = idims.back();
+  b.num_bags = NumElements(std::vector<int64_t>(idims.begin(), idims.end() - 1));
+  if (spec.weights >= 0) {
+    TfLiteTensor* weights;
+    std::vector<int64_t> wdims;
+    if (c.Get(spec.weights, "weights", &weights, &wdims) != kTfLiteOk) return kTfLiteError;
+    if (weights->type != kTfLiteFloat32 && weights->type != kTfLiteFloat16 &&
+        weights->type != kTfLiteBFloat16)
+      return c.Fail("weights must be float32, float16 or bfloat16, got " + TypeName(weights->type));
+    std::vector<int64_t> expected = idims;
+    if (spec.composite) expected.push_back(1);
+    if (wdims != expected)
+      return c.Fail("weights shape " + ShapeString(wdims) + " must be " + ShapeString(expected) +
+                    (spec.composite ? " (the bag weights broadcast over D)"
+                                    : " (the shape of indices)"));
+    ToElemType(weights->type, &b.weights_type);
+    b.weights = weights->data.data;
+    if (NumElements(wdims) > 0 &&
+        (b.weights == nullptr ||
+         weights->bytes < static_cast<size_t>(NumElements(wdims) * ElemSize(b.weights_type))))
+      return c.Fail("weights buffer is smaller than its shape " + ShapeString(wdims));
+  }
+
+  // 64-bit sizes; a tensor whose buffer is smaller than its shape is malformed.
+  const int64_t table_bytes = t.num_rows * t.dim * ElemSize(table_type);
+  if (table_bytes > 0 && (t.data == nullptr || table->bytes < static_cast<size_t>(table_bytes)))
+    return c.Fail("params buffer is smaller than its shape " + ShapeString(tdims));
+  const int64_t index_bytes = NumElements(idims) * (b.indices_int64 ? 8 : 4);
+  if (index_bytes > 0 && (b.indices == nullptr || indices->bytes < static_cast<size_t>(index_bytes)))
+    return c.Fail("indices buffer is smaller than its shape " + ShapeString(idims));
+
+  bound->out_dims.assign(idims.begin(), idims.end() - 1);
+  if (spec.composite && spec.keep_dims) bound->out_dims.push_back(1);
+  bound->out_dims.push_back(t.dim);
+  bound->out_type = out_type;
+  bound->output = output;
+  return kTfLiteOk;
+}
+
+TfLiteStatus ResizeOutput(TfLiteContext* context, const Bound& bound) {
+  const TfLiteIntArray* cur = bound.output->dims;
+  bool same = cur != nullptr && cur->size == static_cast<int>(bound.out_dims.size());
+  for (size_t i = 0; same && i < bound.out_dims.size(); ++i) same = cur->data[i] == bound.out_dims[i];
+  if (same) return kTfLiteOk;
+  for (int64_t d : bound.out_dims) {
+    if (d > 0x7fffffff) {
+      context->ReportError(context, "PkmEmbeddingBag: output dimension %lld exceeds int32",
+                           static_cast<long long>(d));
+      return kTfLiteError;
+    }
+  }
+  // The runtime takes ownership and frees it with free() (TfLiteIntArrayFree).
+  auto* dims = static_cast<TfLiteIntArray*>(
+      std::malloc(sizeof(TfLiteIntArray) + sizeof(int) * (bound.out_dims.size() + 1)));
+  if (dims == nullptr) return kTfLiteError;
+  dims->size = static_cast<int>(bound.out_dims.size());
+  for (size_t i = 0; i < bound.out_dims.size(); ++i) dims->data[i] = static_cast<int>(bound.out_dims[i]);
+  return context->ResizeTensor(context, bound.output, dims);
+}
+
+}  // namespace
+
+bool ParseOpOptions(const void* data, size_t size, OpOptions* options, std::string* error) {
+  *options = OpOptions();
+  if (data == nullptr || size == 0) return true;
+  FlexbufferMap map;
+  if (!map.Parse(static_cast<const uint8_t*>(data), size, error)) return false;
+  if (const auto* e = map.Find("combiner")) {
+    if (e->kind != FlexbufferMap::Kind::kString) {
+      *error = "custom_options 'combiner' must be a string";
+      return false;
+    }
+    if (!ParseCombiner(e->string_value, &options->combiner)) {
+      *error = "custom_options 'combiner' must be 'sum', 'mean' or 'sqrtn', got '" +
+               e->string_value + "'";
+      return false;
+    }
+  }
+  if (const auto* e = map.Find("has_weights")) {
+    if (e->kind != FlexbufferMap::Kind::kBool && e->kind != FlexbufferMap::Kind::kInt &&
+        e->kind != FlexbufferMap::Kind::kUInt) {
+      *error = "custom_options 'has_weights' must be a bool";
+      return false;
+    }
+    options->has_weights = e->int_value != 0;
+  }
+  return true;
+}
+
+TfLiteStatus PrepareBag(TfLiteContext* context, const BagSpec& spec, BagState* state) {
+  // Scales first: Bind needs them for int8 tables.
+  if (spec.table >= 0 && static_cast<size_t>(spec.table) < context->tensors_size) {
+    const TfLiteTensor* table = &context->tensors[spec.table];
+    if (table->type == kTfLiteInt8 && table->dims != nullptr && table->dims->size == 2) {
+      std::string error;
+      if (!ReadAffineScales(table, table->dims->data[0] < 0 ? 0 : table->dims->data[0], state,
+                            &error)) {
+        context->ReportError(context, "%s: %s", spec.what, error.c_str());
+        return kTfLiteError;
+      }
+    }
+  }
+  Bound bound;
+  if (Bind(context, spec, state, &bound) != kTfLiteOk) return kTfLiteError;
+  bool dynamic_input = false;
+  for (int idx : {spec.table, spec.indices, spec.weights})
+    if (idx >= 0 && context->tensors[idx].allocation_type == kTfLiteDynamic) dynamic_input = true;
+  if (dynamic_input) {
+    // Shape known only at Invoke: make the output dynamic, resized there.
+    bound.output->allocation_type = kTfLiteDynamic;
+  }
+  return ResizeOutput(context, bound);
+}
+
+TfLiteStatus InvokeBag(TfLiteContext* context, const BagSpec& spec, const BagState& state,
+                       const ParallelFor& pf) {
+  Bound bound;
+  if (Bind(context, spec, &state, &bound) != kTfLiteOk) return kTfLiteError;
+  if (bound.output->allocation_type == kTfLiteDynamic &&
+      ResizeOutput(context, bound) != kTfLiteOk)
+    return kTfLiteError;
+  const TfLiteIntArray* od = bound.output->dims;
+  bool same = od != nullptr && od->size == static_cast<int>(bound.out_dims.size());
+  for (size_t i = 0; same && i < bound.out_dims.size(); ++i) same = od->data[i] == bound.out_dims[i];
+  if (!same) {
+    context->ReportError(context, "%s: output shape does not match %s (inputs changed after Prepare)",
+                         spec.what, ShapeString(bound.out_dims).c_str());
+    return kTfLiteError;
+  }
+  const int64_t out_bytes = NumElements(bound.out_dims) * ElemSize(bound.out_type);
+  if (out_bytes == 0) return kTfLiteOk;
+  if (bound.output->data.data == nullptr ||
+      bound.output->bytes < static_cast<size_t>(out_bytes)) {
+    context->ReportError(context, "%s: output buffer is not allocated", spec.what);
+    return kTfLiteError;
+  }
+  const Status s = Forward(bound.table, bound.bags, spec.combiner, bound.output->data.data,
+                           bound.out_type, pf);
+  if (!s.ok) {
+    context->ReportError(context, "%s: %s", spec.what, s.message.c_str());
+    return kTfLiteError;
+  }
+  return kTfLiteOk;
+}
+
+TfLiteStatus SpecFromCustomNode(TfLiteContext* context, const TfLiteNode* node,
+                                const OpOptions& options, BagSpec* spec) {
+  const int num_inputs = node->inputs ? node->inputs->size : 0;
+  const int num_outputs = node->outputs ? node->outputs->size : 0;
+  if (num_inputs != 2 && num_inputs != 3) {
+    context->ReportError(context,
+                         "PkmEmbeddingBag: expects 2 or 3 inputs (params, indices[, weights]), got %d",
+                         num_inputs);
+    return kTfLiteError;
+  }
+  if (num_outputs != 1) {
+    context->ReportError(context, "PkmEmbeddingBag: expects 1 output, got %d", num_outputs);
+    return kTfLiteError;
+  }
+  *spec = BagSpec();
+  spec->table = node->inputs->data[0];
+  spec->indices = node->inputs->data[1];
+  spec->output = node->outputs->data[0];
+  spec->combiner = options.combiner;
+  // has_weights=false: the third input is a placeholder (may be shape [0]).
+  if (num_inputs == 3 && options.has_weights) spec->weights = node->inputs->data[2];
+  return kTfLiteOk;
+}
+
+}  // namespace tflite
+}  // namespace pkm
+
+namespace {
+
+using pkm::tflite::BagSpec;
+using pkm::tflite::BagState;
+using pkm::tflite::OpOptions;
+
+// Per-node data of the plain custom-op registration.
+struct CustomOpData {
+  OpOptions options;
+  std::string options_error;
+  BagSpec spec;
+  BagState state;
+  std::unique_ptr<pkm::tflite::ThreadPool> pool;
+};
+
+void* CustomInit(TfLiteContext* context, const char* buffer, size_t length) {
+  auto* data = new CustomOpData;
+  if (!pkm::tflite::ParseOpOptions(buffer, length, &data->options, &data->options_error) &&
+      data->options_error.empty())
+    data->options_error = "invalid custom_options";
+  return data;
+}
+
+void CustomFree(TfLiteContext* context, void* buffer) { delete static_cast<CustomOpData*>(buffer); }
+
+TfLiteStatus CustomPrepare(TfLiteContext* context, TfLiteNode* node) {
+  auto* data = static_cast<CustomOpData*>(node->user_data);
+  if (data == nullptr) return kTfLiteError;
+  if (!data->options_error.empty()) {
+    context->ReportError(context, "PkmEmbeddingBag: %s", data->options_error.c_str());
+    return kTfLiteError;
+  }
+  if (pkm::tflite::SpecFromCustomNode(context, node, data->options, &data->spec) != kTfLiteOk)
+    return kTfLiteError;
+  const int threads = context->recommended_num_threads > 0 ? context->recommended_num_threads : 1;
+  if (!data->pool || data->pool->num_threads() != threads)
+    data->pool.reset(new pkm::tflite::ThreadPool(threads));
+  return pkm::tflite::PrepareBag(context, data->spec, &data->state);
+}
+
+TfLiteStatus CustomInvoke(TfLiteContext* context, TfLiteNode* node) {
+  auto* data = static_cast<CustomOpData*>(node->user_data);
+  if (data == nullptr || !data->pool) return kTfLiteError;
+  return pkm::tflite::InvokeBag(context, data->spec, data->state, data->pool->AsParallelFor());
+}
+
+}  // namespace
+
+extern "C" TfLiteRegistration* PkmEmbeddingBagRegistration() {
+  static TfLiteRegistration registration = [] {
+    TfLiteRegistration r;
+    std::memset(&r, 0, sizeof(r));  // fields a newer runtime reads must be zero
+    r.init = CustomInit;
+    r.free = CustomFree;
+    r.prepare = CustomPrepare;
+    r.invoke = CustomInvoke;
+    r.builtin_code = kTfLiteBuiltinCustom;
+    r.custom_name = pkm::tflite::kCustomOpName;
+    r.version = 1;
+    return r;
+  }();
+  return &registration;
+}
