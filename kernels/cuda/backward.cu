@@ -397,16 +397,157 @@ unsigned Blocks(int64_t items, int per_block) {
   return static_cast<unsigned>((items + per_block - 1) / per_block);
 }
 
+template <typename T, int VEC, int U>
+int LaunchRowPassesAs(const BackwardArgs& args, int64_t pieces, cudaStream_t stream) {
+  if (pieces > 0) {
+    const int64_t warps = pieces * args.tiles;
+    if (warps / kWarpsPerBlock >= INT32_MAX) return SetInvalid("backward: too many pieces for one launch");
+    PiecesKernel<T, VEC, U><<<Blocks(warps, kWarpsPerBlock), kBackwardThreads, 0, stream>>>(args, pieces);
+    if (int status = CheckLaunch("backward pieces pass")) return status;
+  }
+  const int64_t warps = args.bags.num_rows * args.tiles;
+  if (warps / kWarpsPerBlock >= INT32_MAX) return SetInvalid("backward: too many table rows for one launch");
+  if (warps > 0) {
+    RowsKernel<T, VEC, U><<<Blocks(warps, kWarpsPerBlock), kBackwardThreads, 0, stream>>>(args);
+    if (int status = CheckLaunch("backward row pass")) return status;
+  }
+  return PKM_CUDA_OK;
+}
+
 template <typename T>
-int LaunchRowPasses(const BackwardArgs& args, cudaStream_t stream) {
+int LaunchRowPasses(const BackwardArgs& args, int64_t pieces, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
   const bool vector_ok = args.bags.dim % kVec == 0 && Aligned16(args.bags.table) &&
                          Aligned16(args.grad) && (args.d_table == nullptr || Aligned16(args.d_table));
-  const int64_t piece_warps = args.pieces_count * args.tiles;
-  const int64_t row_warps = args.bags.num_rows * args.tiles;
-  (void)piece_warps;
-  return 0;
+  if (vector_ok) return LaunchRowPassesAs<T, kVec, kTileCols / (kWarp * kVec)>(args, pieces, stream);
+  return LaunchRowPassesAs<T, 1, kTileCols / kWarp>(args, pieces, stream);
+}
+
+template <typename IdxT>
+int LaunchBackward(const PkmBags& bags, const Layout& l, const void* grad_out, void* d_table,
+                   void* d_weights, char* ws, cudaStream_t stream) {
+  const int64_t n = l.num_indices;
+  const bool ragged = bags.row_splits != nullptr;
+  uint32_t* keys0 = reinterpret_cast<uint32_t*>(ws + l.keys[0]);
+  uint32_t* entries0 = reinterpret_cast<uint32_t*>(ws + l.entries[0]);
+  uint32_t* bag_of_entry = ragged ? reinterpret_cast<uint32_t*>(ws + l.bag_of_entry) : nullptr;
+  if (n > 0) {
+    InitKeysKernel<IdxT><<<Blocks(n, 256), 256, 0, stream>>>(bags, n, !ragged, keys0, entries0);
+    if (int status = CheckLaunch("backward keys")) return status;
+  }
+  if (ragged && bags.num_bags > 0) {
+    RaggedKeysKernel<IdxT><<<Blocks(bags.num_bags, kWarpsPerBlock), kBackwardThreads, 0, stream>>>(
+        bags, n, keys0, bag_of_entry);
+    if (int status = CheckLaunch("backward ragged keys")) return status;
+    // Entries outside every bag (malformed splits) still get a defined d_weight.
+    if (d_weights != nullptr) {
+      const size_t wsize = bags.weights_type == PKM_FLOAT32 ? 4 : 2;
+      if (int status = CheckCuda(cudaMemsetAsync(d_weights, 0, n * wsize, stream), "memset d_weights"))
+        return status;
+    }
+  }
+  cub::DoubleBuffer<uint32_t> keys(keys0, reinterpret_cast<uint32_t*>(ws + l.keys[1]));
+  cub::DoubleBuffer<uint32_t> entries(entries0, reinterpret_cast<uint32_t*>(ws + l.entries[1]));
+  if (n > 0) {
+    size_t cub_bytes = l.cub_bytes;
+    cudaError_t err = cub::DeviceRadixSort::SortPairs(ws + l.cub_temp, cub_bytes, keys, entries,
+                                                      static_cast<int>(n), 0, KeyBits(bags.num_rows),
+                                                      stream);
+    if (int status = CheckCuda(err, "cub::DeviceRadixSort::SortPairs")) return status;
+  }
+  uint32_t* seg_begin = reinterpret_cast<uint32_t*>(ws + l.seg_begin);
+  SegmentBeginKernel<<<Blocks(bags.num_rows + 1, 256), 256, 0, stream>>>(keys.Current(), n,
+                                                                         bags.num_rows, seg_begin);
+  if (int status = CheckLaunch("backward segments")) return status;
+  float* bag_scale = nullptr;
+  if (bags.combiner != PKM_SUM && bags.num_bags > 0) {
+    bag_scale = reinterpret_cast<float*>(ws + l.bag_scale);
+    BagScaleKernel<IdxT><<<Blocks(bags.num_bags, kWarpsPerBlock), kBackwardThreads, 0, stream>>>(
+        bags, n, bag_scale);
+    if (int status = CheckLaunch("backward bag scales")) return status;
+  }
+  float* dots = nullptr;
+  if (d_weights != nullptr)
+    dots = reinterpret_cast<float*>(l.dots_in_spare_keys ? reinterpret_cast<char*>(keys.Alternate())
+                                                         : ws + l.dots);
+  BackwardArgs args;
+  args.bags = bags;
+  args.num_indices = n;
+  args.tiles = l.tiles;
+  args.long_segment = l.long_segment;
+  args.sorted_rows = keys.Current();
+  args.sorted_entries = entries.Current();
+  args.seg_begin = seg_begin;
+  args.bag_scale = bag_scale;
+  args.bag_of_entry = bag_of_entry;
+  args.grad = grad_out;
+  args.d_table = d_table;
+  args.dots = dots;
+  args.piece_row = reinterpret_cast<int32_t*>(ws + l.piece_row);
+  args.piece_sum = reinterpret_cast<float*>(
+      l.pieces_in_spare_entries ? reinterpret_cast<char*>(entries.Alternate()) : ws + l.piece_sum);
+  int status;
+  switch (bags.elem_type) {
+    case PKM_FLOAT16: status = LaunchRowPasses<__half>(args, l.pieces, stream); break;
+    case PKM_BFLOAT16: status = LaunchRowPasses<__nv_bfloat16>(args, l.pieces, stream); break;
+    default: status = LaunchRowPasses<float>(args, l.pieces, stream);
+  }
+  if (status != PKM_CUDA_OK) return status;
+  if (d_weights != nullptr && bags.num_bags > 0) {
+    WeightsGradKernel<IdxT><<<Blocks(bags.num_bags, kWarpsPerBlock), kBackwardThreads, 0, stream>>>(
+        bags, n, l.tiles, dots, d_weights);
+    if (int status2 = CheckLaunch("backward d_weights")) return status2;
+  }
+  return PKM_CUDA_OK;
 }
 
 }  // namespace
 }  // namespace pkm_cuda
+
+extern "C" size_t pkm_cuda_backward_workspace_bytes(const PkmBags* bags,
+                                                    const PkmCudaOptions* options) {
+  using namespace pkm_cuda;
+  if (ValidateCommon(bags) != PKM_CUDA_OK) return 0;
+  Layout layout;
+  if (MakeLayout(*bags, options, &layout) != PKM_CUDA_OK) return 0;
+  return layout.total;
+}
+
+extern "C" int pkm_cuda_backward(const PkmBags* bags, const void* grad_out, void* d_table,
+                                 void* d_weights, void* workspace, size_t workspace_bytes,
+                                 const PkmCudaOptions* options, pkm_cuda_stream_t stream) {
+  using namespace pkm_cuda;
+  int status = ValidateCommon(bags);
+  if (status != PKM_CUDA_OK) return status;
+  if (d_weights != nullptr && bags->weights == nullptr)
+    return SetInvalid("backward: d_weights requested but the bags have no weights");
+  if (d_table == nullptr && d_weights == nullptr) return PKM_CUDA_OK;
+  Layout layout;
+  status = MakeLayout(*bags, options, &layout);
+  if (status != PKM_CUDA_OK) return status;
+  const int64_t n = layout.num_indices;
+  if (bags->dim == 0 || n == 0 || bags->num_rows == 0) {
+    // Nothing is gathered: every gradient is zero (all-zero bits are 0.0 in
+    // each element type).
+    const size_t elem = bags->elem_type == PKM_FLOAT32 ? 4 : 2;
+    if (d_table != nullptr && bags->num_rows * bags->dim > 0) {
+      status = CheckCuda(cudaMemsetAsync(d_table, 0, bags->num_rows * bags->dim * elem, stream),
+                         "memset d_table");
+      if (status != PKM_CUDA_OK) return status;
+    }
+    if (d_weights != nullptr && n > 0) {
+      const size_t wsize = bags->weights_type == PKM_FLOAT32 ? 4 : 2;
+      status = CheckCuda(cudaMemsetAsync(d_weights, 0, n * wsize, stream), "memset d_weights");
+    }
+    return status;
+  }
+  if (grad_out == nullptr) return SetInvalid("backward: grad_out is null");
+  if (workspace_bytes < layout.total || (layout.total > 0 && workspace == nullptr))
+    return SetInvalid("backward: workspace of " + std::to_string(workspace_bytes) +
+                      " bytes is too small, need " + std::to_string(layout.total) +
+                      " (pkm_cuda_backward_workspace_bytes)");
+  char* ws = static_cast<char*>(workspace);
+  return bags->indices_int64
+             ? LaunchBackward<int64_t>(*bags, layout, grad_out, d_table, d_weights, ws, stream)
+             : LaunchBackward<int32_t>(*bags, layout, grad_out, d_table, d_weights, ws, stream);
+}

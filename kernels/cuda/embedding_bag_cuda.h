@@ -24,6 +24,13 @@ extern "C" {
 
 typedef struct CUstream_st* pkm_cuda_stream_t;
 
+// Exported even from objects built with -fvisibility=hidden.
+#if defined(__GNUC__)
+#define PKM_CUDA_API __attribute__((visibility("default")))
+#else
+#define PKM_CUDA_API
+#endif
+
 // Element types; values equal pkm::ElemType so adapters can cast.
 enum { PKM_FLOAT32 = 0, PKM_FLOAT16 = 1, PKM_BFLOAT16 = 2 };
 // Combiners; values equal pkm::Combiner.
@@ -72,12 +79,12 @@ typedef struct PkmCudaOptions {
 } PkmCudaOptions;
 
 // out: [num_bags, dim] of elem_type.
-int pkm_cuda_forward(const PkmBags* bags, void* out,
+PKM_CUDA_API int pkm_cuda_forward(const PkmBags* bags, void* out,
                      const PkmCudaOptions* options, pkm_cuda_stream_t stream);
 
 // Device scratch bytes pkm_cuda_backward needs for these bags (O(indices)
 // integers plus small float tables; never [indices, dim]).
-size_t pkm_cuda_backward_workspace_bytes(const PkmBags* bags,
+PKM_CUDA_API size_t pkm_cuda_backward_workspace_bytes(const PkmBags* bags,
                                          const PkmCudaOptions* options);
 
 // grad_out [num_bags, dim] of elem_type. d_table [num_rows, dim] of elem_type
@@ -85,12 +92,12 @@ size_t pkm_cuda_backward_workspace_bytes(const PkmBags* bags,
 // entry, weights_type; padding and invalid entries get 0) needs weights. Either
 // output may be NULL to skip it. Deterministic: no atomics, fixed summation
 // order, bitwise identical across runs.
-int pkm_cuda_backward(const PkmBags* bags, const void* grad_out, void* d_table,
+PKM_CUDA_API int pkm_cuda_backward(const PkmBags* bags, const void* grad_out, void* d_table,
                       void* d_weights, void* workspace, size_t workspace_bytes,
                       const PkmCudaOptions* options, pkm_cuda_stream_t stream);
 
 // Message for the last PKM_CUDA_INVALID_ARGUMENT / CUDA error on this thread.
-const char* pkm_cuda_last_error(void);
+PKM_CUDA_API const char* pkm_cuda_last_error(void);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -1,0 +1,34 @@
+// pkm_serve standalone C ABI (libpkm_cuda.so / libpkm_capi_cpu.so): the
+// core's CPU forward/backward (fast and reference) on raw host pointers, for
+// ctypes tests and benchmarks on machines without TensorFlow. The CUDA
+// launchers of kernels/cuda/embedding_bag_cuda.h are exported from the same
+// library when it is built with CUDA (pkm_capi_has_cuda() says which).
+//
+// Every function returns 0 on success; otherwise it writes a message naming
+// the problem into err (NUL-terminated, truncated to err_len) and returns -1.
+#ifndef PKM_KERNELS_CAPI_PKM_CAPI_H_
+#define PKM_KERNELS_CAPI_PKM_CAPI_H_
+
+#include <stddef.h>
+
+#include "kernels/cuda/embedding_bag_cuda.h"  // PkmBags; includes no CUDA header
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// 1 when the library carries the CUDA launchers, else 0.
+PKM_CUDA_API int pkm_capi_has_cuda(void);
+
+// Host-pointer versions. bags->num_indices is checked against
+// row_splits[num_bags] for ragged bags; an index >= num_rows is an error.
+// `reference` = 1 runs the slow obviously-correct core version.
+PKM_CUDA_API int pkm_cpu_forward(const PkmBags* bags, void* out, int reference, char* err, size_t err_len);
+PKM_CUDA_API int pkm_cpu_backward(const PkmBags* bags, const void* grad_out, void* d_table, void* d_weights,
+                     int reference, char* err, size_t err_len);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // PKM_KERNELS_CAPI_PKM_CAPI_H_

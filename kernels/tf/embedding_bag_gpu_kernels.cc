@@ -1,0 +1,161 @@
+// GPU kernels of the PkmEmbeddingBag ops: the same argument translation as
+// the CPU kernels (embedding_bag_common.h), then the plain C launchers of
+// kernels/cuda on TF's device pointers and TF's CUDA stream. Compiled into
+// _pkm_ops_gpu.so with -DGOOGLE_CUDA=1 (make gpu); without it this file is
+// empty, so the CPU-only library is unchanged.
+//
+// GPU behaviour for an index >= num_rows: treated as padding (never read);
+// the device cannot raise InvalidArgument without a host round trip per call.
+#if GOOGLE_CUDA
+
+#include <string>
+
+#include "kernels/cuda/embedding_bag_cuda.h"
+#include "kernels/tf/embedding_bag_common.h"
+#include "tensorflow/core/framework/device_base.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "xla/stream_executor/stream.h"
+
+namespace pkm_tf {
+
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+
+namespace {
+
+::tensorflow::Status GpuStream(OpKernelContext* ctx, pkm_cuda_stream_t* stream) {
+  ::tensorflow::DeviceContext* device_context = ctx->op_device_context();
+  if (device_context == nullptr || device_context->stream() == nullptr)
+    return ::tensorflow::errors::Internal("PkmEmbeddingBag GPU kernel: no GPU stream");
+  *stream = static_cast<pkm_cuda_stream_t>(
+      device_context->stream()->platform_specific_handle().stream);
+  return ::tensorflow::Status();
+}
+
+::tensorflow::Status FromLauncher(int code) {
+  if (code == PKM_CUDA_OK) return ::tensorflow::Status();
+  if (code == PKM_CUDA_INVALID_ARGUMENT)
+    return ::tensorflow::errors::InvalidArgument(pkm_cuda_last_error());
+  return ::tensorflow::errors::Internal("PkmEmbeddingBag CUDA launch failed: ", pkm_cuda_last_error());
+}
+
+PkmBags ToLauncherBags(const CoreArgs& args, pkm::Combiner combiner) {
+  PkmBags b{};
+  b.table = args.table.data;
+  b.elem_type = static_cast<int32_t>(args.table.type);
+  b.num_rows = args.table.num_rows;
+  b.dim = args.table.dim;
+  b.indices = args.bags.indices;
+  b.indices_int64 = args.bags.indices_int64;
+  b.num_bags = args.bags.num_bags;
+  b.bag_size = args.bags.bag_size;
+  b.row_splits = args.bags.row_splits;
+  b.row_splits_int64 = args.bags.row_splits_int64;
+  b.num_indices = args.bags.row_splits ? args.bags.num_values : args.bags.num_bags * args.bags.bag_size;
+  b.weights = args.bags.weights;
+  b.weights_type = static_cast<int32_t>(args.bags.weights_type);
+  b.combiner = static_cast<int32_t>(combiner);
+  b.invalid_index_count = nullptr;
+  return b;
+}
+
+class GpuEmbeddingBagOp : public OpKernel {
+ public:
+  GpuEmbeddingBagOp(OpKernelConstruction* ctx, bool ragged) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadAttrs(ctx, ragged, &attrs_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    CoreArgs args;
+    OP_REQUIRES_OK(ctx, BuildCoreArgs(ctx, attrs_, /*first=*/0, &args));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, args.out_shape, &out));
+    if (out->NumElements() == 0) return;
+    pkm_cuda_stream_t stream;
+    OP_REQUIRES_OK(ctx, GpuStream(ctx, &stream));
+    const PkmBags bags = ToLauncherBags(args, attrs_.combiner);
+    OP_REQUIRES_OK(ctx, FromLauncher(pkm_cuda_forward(&bags, out->data(), nullptr, stream)));
+  }
+
+ private:
+  OpAttrs attrs_;
+};
+
+class GpuEmbeddingBagGradOp : public OpKernel {
+ public:
+  GpuEmbeddingBagGradOp(OpKernelConstruction* ctx, bool ragged) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadAttrs(ctx, ragged, &attrs_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    CoreArgs args;
+    OP_REQUIRES_OK(ctx, BuildCoreArgs(ctx, attrs_, /*first=*/1, &args));
+    const Tensor& grad = ctx->input(0);
+    OP_REQUIRES(ctx, grad.shape() == args.out_shape,
+                ::tensorflow::errors::InvalidArgument("grad must have the forward output's shape ",
+                                                      args.out_shape.DebugString(), ", got ",
+                                                      grad.shape().DebugString()));
+    Tensor *d_params = nullptr, *d_weights = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ctx->input(1).shape(), &d_params));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, args.weights->shape(), &d_weights));
+    pkm_cuda_stream_t stream;
+    OP_REQUIRES_OK(ctx, GpuStream(ctx, &stream));
+    const PkmBags bags = ToLauncherBags(args, attrs_.combiner);
+    const size_t workspace_bytes = pkm_cuda_backward_workspace_bytes(&bags, nullptr);
+    Tensor workspace;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
+                                           ::tensorflow::TensorShape({static_cast<int64_t>(workspace_bytes)}),
+                                           &workspace));
+    void* d_weights_data = attrs_.has_weights && d_weights->NumElements() > 0 ? d_weights->data() : nullptr;
+    void* d_params_data = d_params->NumElements() > 0 ? d_params->data() : nullptr;
+    OP_REQUIRES_OK(ctx, FromLauncher(pkm_cuda_backward(&bags, grad.data(), d_params_data, d_weights_data,
+                                                       workspace.data(), workspace_bytes, nullptr,
+                                                       stream)));
+  }
+
+ private:
+  OpAttrs attrs_;
+};
+
+template <bool kRagged>
+class GpuDenseOrRagged : public GpuEmbeddingBagOp {
+ public:
+  explicit GpuDenseOrRagged(OpKernelConstruction* ctx) : GpuEmbeddingBagOp(ctx, kRagged) {}
+};
+
+template <bool kRagged>
+class GpuDenseOrRaggedGrad : public GpuEmbeddingBagGradOp {
+ public:
+  explicit GpuDenseOrRaggedGrad(OpKernelConstruction* ctx) : GpuEmbeddingBagGradOp(ctx, kRagged) {}
+};
+
+}  // namespace
+
+// One kernel class per op serves every dtype: the launchers dispatch on the
+// runtime element type.
+#define PKM_REGISTER_GPU(T)                                                                  \
+  REGISTER_KERNEL_BUILDER(                                                                   \
+      Name("PkmEmbeddingBag").Device(::tensorflow::DEVICE_GPU).TypeConstraint<T>("T"),       \
+      GpuDenseOrRagged<false>);                                                              \
+  REGISTER_KERNEL_BUILDER(                                                                   \
+      Name("PkmEmbeddingBagGrad").Device(::tensorflow::DEVICE_GPU).TypeConstraint<T>("T"),   \
+      GpuDenseOrRaggedGrad<false>);                                                          \
+  REGISTER_KERNEL_BUILDER(                                                                   \
+      Name("PkmRaggedEmbeddingBag").Device(::tensorflow::DEVICE_GPU).TypeConstraint<T>("T"), \
+      GpuDenseOrRagged<true>);                                                               \
+  REGISTER_KERNEL_BUILDER(Name("PkmRaggedEmbeddingBagGrad")                                  \
+                              .Device(::tensorflow::DEVICE_GPU)                              \
+                              .TypeConstraint<T>("T"),                                       \
+                          GpuDenseOrRaggedGrad<true>);
+
+PKM_REGISTER_GPU(float);
+PKM_REGISTER_GPU(::Eigen::half);
+PKM_REGISTER_GPU(::tensorflow::bfloat16);
+#undef PKM_REGISTER_GPU
+
+}  // namespace pkm_tf
+
+#endif  // GOOGLE_CUDA
