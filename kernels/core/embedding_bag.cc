@@ -130,7 +130,10 @@ Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf)
 
 namespace {
 
-constexpr int64_t kPrefetchDistance = 6;  // rows ahead; covers DRAM latency at ~2 KB rows
+#ifndef PKM_PREFETCH_DISTANCE
+#define PKM_PREFETCH_DISTANCE 8
+#endif
+constexpr int64_t kPrefetchDistance = PKM_PREFETCH_DISTANCE;  // rows ahead: covers DRAM latency at ~2 KB rows
 
 inline void PrefetchRow(const Table& t, int64_t row, int64_t row_bytes) {
   const char* p = static_cast<const char*>(t.data) + row * row_bytes;
@@ -281,13 +284,18 @@ Status Backward(const Table& table, const Bags& bags, Combiner combiner, const v
   // grad . row for each entry; turned into d_weights by the per-bag fix-up below.
   std::vector<float> grad_dot_row(d_weights ? n : 0, 0.f);
 
-  // A grad row as float: the pointer itself for float32, else converted into scratch.
-  auto grad_row = [&](int64_t b, float* scratch) -> const float* {
-    const char* p = static_cast<const char*>(grad_out) + b * grad_row_bytes;
-    if (grad_type == ElemType::kFloat32) return reinterpret_cast<const float*>(p);
-    vec::ToFloat(p, grad_type, scratch, dim);
-    return scratch;
-  };
+  // Gradient rows are read once per entry: convert half-type gradients to
+  // float32 once (an output-sized buffer) rather than at every read.
+  std::vector<float> grad_f;
+  const float* grad_rows = static_cast<const float*>(grad_out);
+  if (grad_type != ElemType::kFloat32) {
+    grad_f.resize(num_bags * dim);
+    pf(num_bags, dim, [&](int64_t b0, int64_t b1) {
+      vec::ToFloat(static_cast<const char*>(grad_out) + b0 * grad_row_bytes, grad_type,
+                   grad_f.data() + b0 * dim, (b1 - b0) * dim);
+    });
+    grad_rows = grad_f.data();
+  }
 
   if (d_table != nullptr) {
     const RowGroups groups = GroupByRow(bags, table.num_rows);
@@ -300,28 +308,38 @@ Status Backward(const Table& table, const Bags& bags, Combiner combiner, const v
     }
     const int64_t groups_n = groups.NumGroups();
     const int64_t cost = (groups.order.size() / std::max<int64_t>(groups_n, 1) + 1) * dim * 3;
+    // float32 tables accumulate straight into d_table and read rows in place;
+    // half types go through float scratch rows.
+    const bool direct = table.type == ElemType::kFloat32 && d_table_type == ElemType::kFloat32;
     pf(groups_n, cost, [&](int64_t u0, int64_t u1) {
-      std::vector<float> acc(dim), row_f(d_weights ? dim : 0), scratch(dim);
+      std::vector<float> acc_buf(direct ? 0 : dim), row_buf(direct ? 0 : dim);
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t r = groups.Row(u);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        if (d_weights && groups.starts[u] < groups.starts[u + 1])
-          vec::ToFloat(static_cast<const char*>(table.data) + r * table_row_bytes, table.type, row_f.data(), dim);
+        char* d_row = static_cast<char*>(d_table) + r * d_row_bytes;
+        float* acc = direct ? reinterpret_cast<float*>(d_row) : acc_buf.data();
+        std::fill(acc, acc + dim, 0.f);
+        const char* row_ptr = static_cast<const char*>(table.data) + r * table_row_bytes;
+        const float* row_f = reinterpret_cast<const float*>(row_ptr);
+        if (!direct && d_weights && groups.starts[u] < groups.starts[u + 1]) {
+          vec::ToFloat(row_ptr, table.type, row_buf.data(), dim);
+          row_f = row_buf.data();
+        }
         for (int64_t i = groups.starts[u]; i < groups.starts[u + 1]; ++i) {
           const int64_t j = groups.order[i];
           const int64_t b = bag_of(j);
-          const float* g = grad_row(b, scratch.data());
-          vec::AxpyF32(WeightAt(bags, j) * bag_scale[b], g, acc.data(), dim);
-          if (d_weights) grad_dot_row[j] = vec::Dot(g, row_f.data(), dim);
+          const float* g = grad_rows + b * dim;
+          const float c = WeightAt(bags, j) * bag_scale[b];
+          if (d_weights) grad_dot_row[j] = vec::AxpyDot(c, g, row_f, acc, dim);
+          else vec::AxpyF32(c, g, acc, dim);
         }
-        vec::FromFloat(acc.data(), 1.f, d_table_type, static_cast<char*>(d_table) + r * d_row_bytes, dim);
+        if (!direct) vec::FromFloat(acc, 1.f, d_table_type, d_row, dim);
       }
     });
   } else if (d_weights != nullptr) {
     pf(num_bags, (n / std::max<int64_t>(num_bags, 1) + 1) * dim * 2, [&](int64_t b0, int64_t b1) {
-      std::vector<float> row_f(dim), scratch(dim);
+      std::vector<float> row_f(dim);
       for (int64_t b = b0; b < b1; ++b) {
-        const float* g = grad_row(b, scratch.data());
+        const float* g = grad_rows + b * dim;
         for (int64_t j = bags.Begin(b); j < bags.End(b); ++j) {
           const int64_t r = IndexAt(bags, j);
           if (r < 0) continue;

@@ -109,24 +109,62 @@ static void ScaleF32(const float* __restrict src, float scale, float* __restrict
   for (int64_t i = 0; i < n; ++i) dst[i] = scale * src[i];
 }
 
+PKM_MULTIVERSION
+static void ScaleToF16(const float* __restrict src, float scale, uint16_t* __restrict dst, int64_t n) {
+#if defined(__FLT16_MAX__)
+  _Float16* h = reinterpret_cast<_Float16*>(dst);
+  for (int64_t i = 0; i < n; ++i) h[i] = static_cast<_Float16>(scale * src[i]);
+#else
+  for (int64_t i = 0; i < n; ++i) dst[i] = FloatToHalf(scale * src[i]);
+#endif
+}
+
+// Round to nearest even on the bit pattern; written branch-free so it vectorises.
+PKM_MULTIVERSION
+static void ScaleToBF16(const float* __restrict src, float scale, uint16_t* __restrict dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = scale * src[i];
+    uint32_t x;
+    std::memcpy(&x, &v, 4);
+    const bool is_nan = (x & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+    dst[i] = static_cast<uint16_t>(is_nan ? ((x >> 16) | 0x40u) : rounded);
+  }
+}
+
 void FromFloat(const float* src, float scale, ElemType type, void* dst, int64_t n) {
   switch (type) {
     case ElemType::kFloat32:
       ScaleF32(src, scale, static_cast<float*>(dst), n);
       break;
-    case ElemType::kFloat16: {
-      uint16_t* d = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = FloatToHalf(scale * src[i]);
+    case ElemType::kFloat16:
+      ScaleToF16(src, scale, static_cast<uint16_t*>(dst), n);
       break;
-    }
-    case ElemType::kBFloat16: {
-      uint16_t* d = static_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < n; ++i) d[i] = FloatToBFloat16(scale * src[i]);
+    case ElemType::kBFloat16:
+      ScaleToBF16(src, scale, static_cast<uint16_t*>(dst), n);
       break;
-    }
     case ElemType::kInt8:
       break;  // never an output type; rejected by the callers' checks
   }
+}
+
+PKM_MULTIVERSION
+float AxpyDot(float a, const float* __restrict g, const float* __restrict row, float* __restrict acc,
+              int64_t n) {
+  float s[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) {
+      acc[i + j] += a * g[i + j];
+      s[j] += g[i + j] * row[i + j];
+    }
+  float total = 0.f;
+  for (int j = 0; j < 16; ++j) total += s[j];
+  for (; i < n; ++i) {
+    acc[i] += a * g[i];
+    total += g[i] * row[i];
+  }
+  return total;
 }
 
 PKM_MULTIVERSION
@@ -139,20 +177,6 @@ float Dot(const float* __restrict x, const float* __restrict y, int64_t n) {
   float total = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
   for (; i < n; ++i) total += x[i] * y[i];
   return total;
-}
-
-float LoadElem(const void* base, ElemType type, int64_t i) {
-  switch (type) {
-    case ElemType::kFloat32:
-      return static_cast<const float*>(base)[i];
-    case ElemType::kFloat16:
-      return HalfToFloat(static_cast<const uint16_t*>(base)[i]);
-    case ElemType::kBFloat16:
-      return BF16Bits(static_cast<const uint16_t*>(base)[i]);
-    case ElemType::kInt8:
-      return static_cast<const int8_t*>(base)[i];
-  }
-  return 0.f;
 }
 
 }  // namespace vec

@@ -28,8 +28,25 @@ void FromFloat(const float* src, float scale, ElemType type, void* dst, int64_t 
 
 float Dot(const float* x, const float* y, int64_t n);
 
-// Scalar element read (float storage types only).
-float LoadElem(const void* base, ElemType type, int64_t i);
+// acc[i] += a * g[i], returning dot(g, row): the backward's two uses of a
+// gradient row in one pass over it.
+float AxpyDot(float a, const float* g, const float* row, float* acc, int64_t n);
+
+// Scalar element read (float storage types only). Inline: it sits in the
+// per-index loops.
+inline float LoadElem(const void* base, ElemType type, int64_t i) {
+  switch (type) {
+    case ElemType::kFloat32:
+      return static_cast<const float*>(base)[i];
+    case ElemType::kFloat16:
+      return HalfToFloat(static_cast<const uint16_t*>(base)[i]);
+    case ElemType::kBFloat16:
+      return BFloat16ToFloat(static_cast<const uint16_t*>(base)[i]);
+    case ElemType::kInt8:
+      return static_cast<const int8_t*>(base)[i];
+  }
+  return 0.f;
+}
 
 }  // namespace vec
 }  // namespace pkm

@@ -8,7 +8,8 @@
 #                       no TensorFlow required)
 #   make capi-cpu       libpkm_capi_cpu.so: the C ABI without CUDA (no nvcc)
 NVCC       ?= nvcc
-CUDA_HOME  ?= $(patsubst %/bin/nvcc,%,$(realpath $(shell command -v $(NVCC) 2>/dev/null)))
+# Ask nvcc where its toolkit is (it may be a wrapper script on the PATH).
+CUDA_HOME  ?= $(shell $(NVCC) --dryrun -c -x cu /dev/null 2>&1 | sed -n 's/^\#\$$ TOP=//p' | head -n1)
 CUDA_ARCH  ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVCC_FLAGS := -std=c++17 -O3 -DNDEBUG $(CUDA_ARCH) -I. -Xcompiler -fPIC,-fvisibility=hidden \
               -Xptxas -warn-spills
@@ -18,7 +19,7 @@ CUDA_HDRS  := $(CUDA_DIR)/embedding_bag_cuda.h $(CUDA_DIR)/common.cuh
 CUDA_OBJS  := $(patsubst $(CUDA_DIR)/%.cu,$(BUILDDIR)/cuda/%.o,$(CUDA_SRCS))
 # cudart is linked statically: the libraries then load next to any CUDA
 # runtime (TF's, PyTorch's) and share the driver's primary context.
-CUDA_LIBS  := -L$(CUDA_HOME)/lib64 -lcudart_static -ldl -lpthread -lrt
+CUDA_LIBS   = -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcudart_static -ldl -lpthread -lrt
 
 PKM_CUDA_LIB := $(LIBDIR)/libpkm_cuda.so
 PKM_CAPI_CPU_LIB := $(LIBDIR)/libpkm_capi_cpu.so
@@ -49,7 +50,7 @@ $(PKM_CAPI_CPU_LIB): $(BUILDDIR)/capi/pkm_capi_cpu.o $(CORE_OBJS)
 # translation units above never see a TF header.
 $(TF_GPU_KERNEL_OBJ): kernels/tf/embedding_bag_gpu_kernels.cc $(CORE_HDRS) $(wildcard kernels/tf/*.h) $(CUDA_DIR)/embedding_bag_cuda.h $(STAMP)
 	@mkdir -p $(dir $@)
-	$(CXX) $(CXXSTD) -O2 -DNDEBUG $(PIC) -DGOOGLE_CUDA=1 -I. $(TF_CFLAGS) -c $< -o $@
+	$(CXX) $(CXXSTD) -O2 -DNDEBUG $(PIC) -DGOOGLE_CUDA=1 -Wno-deprecated-declarations -I. $(TF_CFLAGS) -c $< -o $@
 
 $(TF_GPU_OP_LIB): $(TF_GPU_KERNEL_OBJ) $(filter-out $(BUILDDIR)/tf/embedding_bag_gpu_kernels.o,$(TF_OBJS)) $(CUDA_OBJS) $(CORE_OBJS)
 	@mkdir -p $(LIBDIR)

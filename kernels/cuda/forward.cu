@@ -122,7 +122,7 @@ int DispatchVec(const PkmBags& bags, int64_t num_indices, void* out, int vecs_pe
                 cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
   const bool vector_ok = bags.dim % kVec == 0 && Aligned16(bags.table) && Aligned16(out);
-  if (!vector_ok) return LaunchForward<T, IdxT, 1, 8>(bags, num_indices, out, stream);
+  if (!vector_ok) return LaunchForward<T, IdxT, 1, 4>(bags, num_indices, out, stream);
   switch (vecs_per_lane) {
     case 1: return LaunchForward<T, IdxT, kVec, 1>(bags, num_indices, out, stream);
     case 4: return LaunchForward<T, IdxT, kVec, 4>(bags, num_indices, out, stream);

@@ -1,0 +1,247 @@
+"""CPU EmbeddingBag benchmark: the fused op against its peers, side by side.
+
+Each (system, shape, mode) runs in a fresh subprocess so that its peak memory
+is its own: the child builds its inputs, resets the kernel's peak-RSS counter,
+runs once (measuring how much the process grows), then times `--repeats` runs
+and reports the median. Systems:
+
+  fused      pkm_serve.ops.embedding_bag (this project), tf.function
+  composite  TF gather * w -> reduce_sum, tf.function
+  sparse     tf.nn.embedding_lookup_sparse(sp_ids, sp_weights, combiner="sum")
+  torch      torch.nn.functional.embedding_bag(mode="sum", per_sample_weights=...)
+
+fwd+bwd computes the gradients of params (dense) and of the weights.
+Results: bench/results/cpu_embedding_bag.{json,md}.
+
+    python bench/cpu_embedding_bag.py            # full run (a few minutes)
+    python bench/cpu_embedding_bag.py --quick    # small shapes, smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+
+SHAPES = [  # (B, K, D, N, dtype): the issue's PKM-like shape scaled to 2 cores
+    (2048, 128, 512, 65536, "float32"),
+    (2048, 128, 512, 65536, "bfloat16"),
+    (4096, 128, 512, 65536, "float32"),  # the memory comparison shape
+]
+QUICK_SHAPES = [(256, 32, 64, 4096, "float32"), (256, 32, 64, 4096, "bfloat16")]
+SYSTEMS = ["fused", "composite", "sparse", "torch"]
+
+
+# ---- child: one measurement -------------------------------------------------
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def _reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def child(system: str, b: int, k: int, d: int, n: int, dtype: str, mode: str, repeats: int) -> dict:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    idx_np = rng.integers(0, n, size=(b, k), dtype=np.int64)
+    w_np = rng.uniform(0.0, 1.0, size=(b, k)).astype(np.float32)
+    table_np = rng.standard_normal((n, d), dtype=np.float32)
+    grad_np = rng.standard_normal((b, d), dtype=np.float32)
+
+    if system == "torch":
+        import torch
+
+        torch.set_num_threads(os.cpu_count() or 2)
+        tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+        table = torch.from_numpy(table_np).to(tdt).requires_grad_(mode == "fwd+bwd")
+        idx = torch.from_numpy(idx_np)
+        w = torch.from_numpy(w_np).to(tdt).requires_grad_(mode == "fwd+bwd")
+        grad = torch.from_numpy(grad_np).to(tdt)
+        del table_np
+
+        def run():
+            out = torch.nn.functional.embedding_bag(idx, table, mode="sum", per_sample_weights=w)
+            if mode == "fwd+bwd":
+                table.grad = None
+                w.grad = None
+                out.backward(grad)
+                return table.grad, w.grad
+            return out
+    else:
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+        import tensorflow as tf
+
+        sys.path.insert(0, ROOT)
+        from pkm_serve import ops
+
+        tdt = {"float32": tf.float32, "bfloat16": tf.bfloat16}[dtype]
+        table = tf.Variable(tf.cast(table_np, tdt))
+        del table_np
+        idx = tf.constant(idx_np)
+        w = tf.cast(tf.constant(w_np), tdt)
+        grad = tf.cast(tf.constant(grad_np), tdt)
+        if system == "sparse":
+            sp_ids = tf.sparse.from_dense(idx + 1)  # no zeros so from_dense keeps every entry
+            sp_ids = tf.SparseTensor(sp_ids.indices, sp_ids.values - 1, sp_ids.dense_shape)
+            sp_w = tf.SparseTensor(sp_ids.indices, tf.reshape(w, [-1]), sp_ids.dense_shape)
+
+            def forward():
+                return tf.nn.embedding_lookup_sparse(table, sp_ids, sp_w, combiner="sum")
+        elif system == "fused":
+            def forward():
+                return ops.embedding_bag(table, idx, w)
+        else:
+            def forward():
+                rows = tf.gather(table, idx)
+                return tf.reduce_sum(rows * w[..., None], axis=-2)
+
+        @tf.function
+        def run_fn():
+            if mode == "fwd":
+                return forward()
+            with tf.GradientTape() as tape:
+                tape.watch(w)
+                out = forward()
+            d_table, d_w = tape.gradient(out, [table, w], output_gradients=grad)
+            if isinstance(d_table, tf.IndexedSlices):  # what an optimizer would densify
+                d_table = tf.convert_to_tensor(d_table)
+            return d_table, d_w
+
+        def run():
+            res = run_fn()
+            tf.nest.map_structure(lambda t: t.numpy() if t.shape.num_elements() < 10 else t[0].numpy(), res)
+            return res
+
+    # Peak memory of the first call (nothing cached from an earlier one).
+    base = _rss_bytes("VmRSS")
+    _reset_peak()
+    res = run()
+    peak_growth = _rss_bytes("VmHWM") - base
+    del res
+    run()  # warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        res = run()
+        times.append(time.perf_counter() - t0)
+        del res
+    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+            "peak_growth_bytes": peak_growth}
+
+
+# ---- parent: orchestrate, compare, write ---------------------------------------
+
+def machine_info() -> dict:
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    flags = open("/proc/cpuinfo").read()
+    isa = [x for x in ("avx512f", "avx2", "fma", "f16c") if f" {x}" in flags]
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpu": model, "cores": os.cpu_count(), "isa": isa, "memory_gb": round(mem / 2**30, 1),
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def run_child(system, shape, mode, repeats):
+    b, k, d, n, dtype = shape
+    cmd = [sys.executable, __file__, "--child", system, str(b), str(k), str(d), str(n), dtype, mode,
+           str(repeats)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["failed"]
+        return {"error": tail[0][:200]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--child", nargs=8, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        system, b, k, d, n, dtype, mode, repeats = args.child
+        print(json.dumps(child(system, int(b), int(k), int(d), int(n), dtype, mode, int(repeats))))
+        return 0
+
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    rows = []
+    for shape in shapes:
+        for mode in ("fwd", "fwd+bwd"):
+            for system in SYSTEMS:
+                if system == "sparse" and mode == "fwd+bwd":
+                    continue  # the composite already covers TF's autodiff path
+                r = run_child(system, shape, mode, args.repeats)
+                b, k, d, n, dtype = shape
+                r.update(system=system, mode=mode, B=b, K=k, D=d, N=n, dtype=dtype)
+                elem = 4 if dtype == "float32" else 2
+                if "median_ms" in r:
+                    r["gathered_GBps"] = b * k * d * elem / (r["median_ms"] / 1e3) / 1e9
+                rows.append(r)
+                status = (f"{r['median_ms']:8.1f} ms  peak +{r['peak_growth_bytes'] / 2**20:7.0f} MiB"
+                          if "median_ms" in r else f"error: {r['error']}")
+                print(f"{str(shape):36s} {mode:8s} {system:10s} {status}", flush=True)
+
+    os.makedirs(args.out, exist_ok=True)
+    name = "cpu_embedding_bag_quick" if args.quick else "cpu_embedding_bag"
+    report = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "repeats": args.repeats,
+              "rows": rows}
+    with open(os.path.join(args.out, name + ".json"), "w") as f:
+        json.dump(report, f, indent=1)
+    md = render_markdown(report)
+    with open(os.path.join(args.out, name + ".md"), "w") as f:
+        f.write(md)
+    print("\n" + md)
+    return 0
+
+
+def render_markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"# CPU EmbeddingBag benchmark ({report['date']})", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['isa'])}), {m['memory_gb']} GB; "
+             f"median of {report['repeats']} runs, all systems with {m['cores']} threads; "
+             "peak = growth of the process's peak RSS during the first call.", ""]
+    by_key = {}
+    for r in report["rows"]:
+        by_key.setdefault((r["B"], r["K"], r["D"], r["N"], r["dtype"], r["mode"]), {})[r["system"]] = r
+    lines += ["| shape B,K,D,N | dtype | mode | system | ms | gathered GB/s | peak growth | fused speed-up |",
+              "|---|---|---|---|---|---|---|---|"]
+    for (b, k, d, n, dtype, mode), systems in by_key.items():
+        fused = systems.get("fused", {}).get("median_ms")
+        for name, r in systems.items():
+            if "median_ms" not in r:
+                lines.append(f"| {b},{k},{d},{n} | {dtype} | {mode} | {name} | {r['error']} | | | |")
+                continue
+            ratio = f"{r['median_ms'] / fused:.2f}x" if fused and name != "fused" else ""
+            lines.append(f"| {b},{k},{d},{n} | {dtype} | {mode} | {name} | {r['median_ms']:.1f} | "
+                         f"{r['gathered_GBps']:.1f} | {r['peak_growth_bytes'] / 2**20:.0f} MiB | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

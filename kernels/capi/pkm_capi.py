@@ -1,0 +1,198 @@
+"""ctypes binding of the standalone C ABI (libpkm_cuda.so / libpkm_capi_cpu.so).
+
+For GPU tests and benchmarks on machines without TensorFlow: the CUDA
+launchers run on torch CUDA tensors (raw device pointers + torch's current
+stream), the core's CPU forward/backward (fast or reference) on torch CPU
+tensors. Build the library with `make gpu-standalone` (or `make capi-cpu`).
+"""
+
+import ctypes
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_CUDA_LIB = os.path.join(ROOT, "pkm_serve", "lib", "libpkm_cuda.so")
+
+COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
+INVALID_ARGUMENT = -1
+
+
+class PkmBags(ctypes.Structure):
+    """Mirror of PkmBags in kernels/cuda/embedding_bag_cuda.h."""
+
+    _fields_ = [
+        ("table", ctypes.c_void_p),
+        ("elem_type", ctypes.c_int32),
+        ("num_rows", ctypes.c_int64),
+        ("dim", ctypes.c_int64),
+        ("indices", ctypes.c_void_p),
+        ("indices_int64", ctypes.c_int32),
+        ("num_bags", ctypes.c_int64),
+        ("bag_size", ctypes.c_int64),
+        ("row_splits", ctypes.c_void_p),
+        ("row_splits_int64", ctypes.c_int32),
+        ("num_indices", ctypes.c_int64),
+        ("weights", ctypes.c_void_p),
+        ("weights_type", ctypes.c_int32),
+        ("combiner", ctypes.c_int32),
+        ("invalid_index_count", ctypes.c_void_p),
+    ]
+
+
+class PkmCudaOptions(ctypes.Structure):
+    _fields_ = [("forward_vecs_per_lane", ctypes.c_int32), ("long_segment_entries", ctypes.c_int64)]
+
+
+class PkmError(RuntimeError):
+    pass
+
+
+def _elem_type(dtype):
+    import torch
+
+    types = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+    if dtype not in types:
+        raise PkmError(f"element type must be float32, float16 or bfloat16, got {dtype}")
+    return types[dtype]
+
+
+def _ptr(tensor):
+    return ctypes.c_void_p(tensor.data_ptr()) if tensor is not None and tensor.numel() > 0 else None
+
+
+def make_bags(table, indices, weights=None, combiner="sum", row_splits=None, invalid_counter=None):
+    """PkmBags over torch tensors (all on one device, contiguous).
+
+    Dense: indices [B, K]. Ragged: indices [nnz] values and row_splits [B + 1].
+    The tensors must outlive every call that uses the returned struct.
+    """
+    import torch
+
+    for name, t in (("table", table), ("indices", indices), ("weights", weights), ("row_splits", row_splits)):
+        if t is not None and not t.is_contiguous():
+            raise PkmError(f"{name} must be contiguous")
+    if table.dim() != 2:
+        raise PkmError(f"table must be [N, D], got shape {tuple(table.shape)}")
+    if weights is not None and weights.shape != indices.shape:
+        raise PkmError(f"weights must have the shape of indices {tuple(indices.shape)}, got {tuple(weights.shape)}")
+    bags = PkmBags()
+    bags.table = _ptr(table)
+    bags.elem_type = _elem_type(table.dtype)
+    bags.num_rows, bags.dim = table.shape
+    bags.indices = _ptr(indices)
+    bags.indices_int64 = int(indices.dtype == torch.int64)
+    if row_splits is None:
+        if indices.dim() != 2:
+            raise PkmError(f"dense indices must be [B, K], got shape {tuple(indices.shape)}")
+        bags.num_bags, bags.bag_size = indices.shape
+        bags.num_indices = indices.numel()
+    else:
+        bags.row_splits = _ptr(row_splits)
+        bags.row_splits_int64 = int(row_splits.dtype == torch.int64)
+        bags.num_bags = row_splits.numel() - 1
+        bags.num_indices = indices.numel()
+    bags.weights = _ptr(weights)
+    bags.weights_type = _elem_type(weights.dtype) if weights is not None else 0
+    if combiner not in COMBINERS:
+        raise PkmError(f"combiner must be one of {sorted(COMBINERS)}, got {combiner!r}")
+    bags.combiner = COMBINERS[combiner]
+    bags.invalid_index_count = _ptr(invalid_counter)
+    return bags
+
+
+class PkmLib:
+    """The loaded library, with torch-tensor wrappers around its C functions."""
+
+    def __init__(self, path=DEFAULT_CUDA_LIB):
+        if not os.path.exists(path):
+            raise PkmError(f"{path} not found: build it with `make gpu-standalone` (or `make capi-cpu`)")
+        lib = ctypes.CDLL(path)
+        self.lib = lib
+        self.has_cuda = bool(lib.pkm_capi_has_cuda())
+        bags_p, opts_p = ctypes.POINTER(PkmBags), ctypes.POINTER(PkmCudaOptions)
+        vp, err_args = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_size_t]
+        lib.pkm_cpu_forward.argtypes = [bags_p, vp, ctypes.c_int] + err_args
+        lib.pkm_cpu_backward.argtypes = [bags_p, vp, vp, vp, ctypes.c_int] + err_args
+        if self.has_cuda:
+            lib.pkm_cuda_forward.argtypes = [bags_p, vp, opts_p, vp]
+            lib.pkm_cuda_backward_workspace_bytes.argtypes = [bags_p, opts_p]
+            lib.pkm_cuda_backward_workspace_bytes.restype = ctypes.c_size_t
+            lib.pkm_cuda_backward.argtypes = [bags_p, vp, vp, vp, vp, ctypes.c_size_t, opts_p, vp]
+            lib.pkm_cuda_last_error.restype = ctypes.c_char_p
+
+    # ---- CUDA (torch CUDA tensors) -------------------------------------------
+    def _check_cuda(self, rc, what):
+        if rc != 0:
+            kind = "invalid argument" if rc == INVALID_ARGUMENT else f"CUDA error {rc}"
+            raise PkmError(f"{what}: {kind}: {self.lib.pkm_cuda_last_error().decode()}")
+
+    @staticmethod
+    def _options(options):
+        if options is None:
+            return None
+        opts = PkmCudaOptions()
+        opts.forward_vecs_per_lane = options.get("forward_vecs_per_lane", 0)
+        opts.long_segment_entries = options.get("long_segment_entries", 0)
+        return ctypes.byref(opts)
+
+    def cuda_forward(self, table, indices, weights=None, combiner="sum", row_splits=None,
+                     invalid_counter=None, options=None, out=None):
+        import torch
+
+        bags = make_bags(table, indices, weights, combiner, row_splits, invalid_counter)
+        if out is None:
+            out = torch.empty((bags.num_bags, bags.dim), dtype=table.dtype, device=table.device)
+        stream = torch.cuda.current_stream(table.device).cuda_stream
+        rc = self.lib.pkm_cuda_forward(ctypes.byref(bags), _ptr(out), self._options(options), stream)
+        self._check_cuda(rc, "pkm_cuda_forward")
+        return out
+
+    def cuda_backward_workspace_bytes(self, table, indices, weights=None, combiner="sum", row_splits=None,
+                                      options=None):
+        bags = make_bags(table, indices, weights, combiner, row_splits)
+        return self.lib.pkm_cuda_backward_workspace_bytes(ctypes.byref(bags), self._options(options))
+
+    def cuda_backward(self, table, indices, grad, weights=None, combiner="sum", row_splits=None,
+                      want_d_table=True, want_d_weights=True, invalid_counter=None, options=None,
+                      workspace=None):
+        """Returns (d_table or None, d_weights or None)."""
+        import torch
+
+        bags = make_bags(table, indices, weights, combiner, row_splits, invalid_counter)
+        opts = self._options(options)
+        d_table = torch.empty_like(table) if want_d_table else None
+        d_weights = torch.empty_like(weights) if (want_d_weights and weights is not None) else None
+        ws_bytes = self.lib.pkm_cuda_backward_workspace_bytes(ctypes.byref(bags), opts)
+        if workspace is None:
+            workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=table.device)
+        stream = torch.cuda.current_stream(table.device).cuda_stream
+        rc = self.lib.pkm_cuda_backward(ctypes.byref(bags), _ptr(grad), _ptr(d_table), _ptr(d_weights),
+                                        _ptr(workspace), workspace.numel(), opts, stream)
+        self._check_cuda(rc, "pkm_cuda_backward")
+        return d_table, d_weights
+
+    # ---- core CPU (torch CPU tensors) -----------------------------------------
+    def _check_cpu(self, rc, err, what):
+        if rc != 0:
+            raise PkmError(f"{what}: {err.value.decode()}")
+
+    def cpu_forward(self, table, indices, weights=None, combiner="sum", row_splits=None, reference=True):
+        import torch
+
+        bags = make_bags(table, indices, weights, combiner, row_splits)
+        out = torch.empty((bags.num_bags, bags.dim), dtype=table.dtype)
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.pkm_cpu_forward(ctypes.byref(bags), _ptr(out), int(reference), err, len(err))
+        self._check_cpu(rc, err, "pkm_cpu_forward")
+        return out
+
+    def cpu_backward(self, table, indices, grad, weights=None, combiner="sum", row_splits=None, reference=True):
+        import torch
+
+        bags = make_bags(table, indices, weights, combiner, row_splits)
+        d_table = torch.empty_like(table)
+        d_weights = torch.empty_like(weights) if weights is not None else None
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.pkm_cpu_backward(ctypes.byref(bags), _ptr(grad), _ptr(d_table), _ptr(d_weights),
+                                       int(reference), err, len(err))
+        self._check_cpu(rc, err, "pkm_cpu_backward")
+        return d_table, d_weights
