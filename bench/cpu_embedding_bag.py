@@ -82,7 +82,7 @@ def child(system: str, b: int, k: int, d: int, n: int, dtype: str, mode: str, re
                 table.grad = None
                 w.grad = None
                 out.backward(grad)
-                return table.grad, w.grad
+                return out, table.grad, w.grad
             return out
     else:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -123,7 +123,7 @@ def child(system: str, b: int, k: int, d: int, n: int, dtype: str, mode: str, re
             d_table, d_w = tape.gradient(out, [table, w], output_gradients=grad)
             if isinstance(d_table, tf.IndexedSlices):  # what an optimizer would densify
                 d_table = tf.convert_to_tensor(d_table)
-            return d_table, d_w
+            return out, d_table, d_w  # training needs the output too: keep it in the graph
 
         def run():
             res = run_fn()
