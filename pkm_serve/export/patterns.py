@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from tensorflow.core.framework import types_pb2
-from tensorflow.python.framework import dtypes, op_def_registry
+from tensorflow.python.framework import dtypes, op_def_registry, tensor_shape
 
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 
@@ -133,6 +133,13 @@ def _resolve_gather(fg: FunctionGraph, ref: Ref) -> _Gather:
         dtype = node.attr["Tparams"].type
         table_shape = fg.shape(params)
     index_dtype = node.attr["Tindices"].type
+    if table_shape is None or table_shape.rank is None:
+        # A resource passed through nested functions may have lost its handle
+        # data: gathered rank = indices rank + 1 still proves a [N, D] table.
+        out_shape, idx_shape = fg.shape(ref), fg.shape(indices)
+        if out_shape.rank is not None and idx_shape.rank is not None and \
+                out_shape.rank == idx_shape.rank + 1:
+            table_shape = tensor_shape.TensorShape([None, out_shape[-1]])
     gathered = _Gather(ref, params, is_resource, indices, nodes, table_shape, dtype,
                        index_dtype)
     if table_shape is None or table_shape.rank != 2:
@@ -162,8 +169,12 @@ def _strip_trailing_unit_axis(fg: FunctionGraph, ref: Ref) -> Tuple[Ref, List[st
                 masks["new_axis_mask"] == 2 and masks["shrink_axis_mask"] == 0:
             return ins[0], [node.name]
     elif node.op == "Reshape":
-        if _same_dims(fg.shape(ins[0]).concatenate([1]), out_shape) and \
-                out_shape.is_fully_defined():
+        in_shape = fg.shape(ins[0])
+        # [n] -> [n, 1] is exact whatever n is; higher ranks only when every dim
+        # is known (a reshape could otherwise also permute the leading dims).
+        if (in_shape.rank == 1 and out_shape.rank == 2) or (
+                out_shape.is_fully_defined() and
+                _same_dims(in_shape.concatenate([1]), out_shape)):
             return ins[0], [node.name]
     raise _Skip("multiplier is not per-index weights broadcast on the last axis")
 
@@ -184,6 +195,9 @@ def _fill(site: Site, gathered: _Gather, fg: FunctionGraph) -> None:
     site.indices, site.index_dtype, site.table_dtype = (
         gathered.indices, gathered.index_dtype, gathered.dtype)
     site.table = gathered.params.node
+    table_node = fg.producer(gathered.params)
+    if table_node is not None and table_node.op == "ReadVariableOp":
+        site.table = fg.inputs(table_node)[0].node
     site.table_shape = _dims(gathered.table_shape)
     site.dtype = _dtype_name(gathered.dtype)
     site.gathered_shape = _dims(fg.shape(gathered.output))
@@ -483,9 +497,11 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
         elif node.op == "SegmentSum":
             attempt(node, lambda g, n: _match_segment_sum(g, n, "sum", n.name, [])[0])
     for site in sites:
-        if site.status == "fused" or site.table_shape is not None:
-            copies = 2 if site.weighted else 1
-            _bytes(site, batch_size, copies)
+        if site.status == "fused":
+            # Every gather and the weight multiply each build a [..., D] tensor.
+            copies = sum(fg.nodes[n].op in ("ResourceGather", "GatherV2", "Mul")
+                         for n in site.internal)
+            _bytes(site, batch_size, max(copies, 1))
     return sites
 
 
@@ -539,7 +555,6 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
     weights = site.weights
     if weights is None:
         weights = fg.add_const(site.root + "/pkm_no_weights", np.zeros([0], np_dtype))
-    typed = {"params": site.table_dtype, "weights": site.table_dtype}
     if site.segment_ids is None:
         inputs = [params, site.indices, weights]
         input_names = [a.name for a in op_def_registry.get(DENSE_OP).input_arg] \
@@ -567,15 +582,12 @@ def _row_splits(fg: FunctionGraph, site: Site) -> Ref:
     segment ops produce (last id + 1): row_splits[b] = #(ids < b)."""
     prefix = site.root + "/pkm_row_splits"
     seg = site.segment_ids
-    seg_dtype = fg.nodes[seg.node].attr.get("DstT") if seg.node in fg.nodes else None
     seg_enum = _tensor_dtype(fg, seg)
-    np_seg = dtypes.as_dtype(seg_enum).as_numpy_dtype
     seg64 = seg
     if seg_enum != types_pb2.DT_INT64:
         seg64 = fg.add_op(prefix + "/ids64", "Cast", [seg],
                           {"SrcT": DType(seg_enum), "DstT": DType(types_pb2.DT_INT64),
                            "Truncate": False}, shapes=[[None]])
-    del seg_dtype, np_seg
     i64 = DType(types_pb2.DT_INT64)
     i32 = DType(types_pb2.DT_INT32)
     minus_one = fg.add_const(prefix + "/minus_one", np.array([-1], np.int64))

@@ -1,0 +1,154 @@
+"""Runs original and fused signatures on the same inputs and compares them."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+
+
+class VerificationError(Exception):
+    """Fused outputs differ from the original, or sample inputs do not fit."""
+
+
+# Summation order differs between the composite and the fused kernel; both
+# accumulate in float32 for float32 tables, so differences stay near epsilon.
+TOLERANCES = {"float32": (1e-4, 1e-5), "float64": (1e-6, 1e-8),
+              "float16": (1e-2, 1e-3), "bfloat16": (3e-2, 1e-2)}
+
+
+def signature_input_specs(fn) -> Dict[str, object]:
+    """{name: TensorSpec} of a loaded signature function."""
+    return dict(fn.structured_input_signature[1])
+
+
+def _sparse_groups(specs) -> Dict[str, tuple]:
+    """Signature inputs that are the flat (indices, values, dense_shape) parts of
+    one SparseTensor: saved as NAME, NAME_1, NAME_2."""
+    groups = {}
+    for name, spec in specs.items():
+        values, shape = specs.get(name + "_1"), specs.get(name + "_2")
+        if values is None or shape is None:
+            continue
+        if spec.dtype.name == "int64" and spec.shape.rank == 2 and \
+                values.shape.rank == 1 and shape.dtype.name == "int64" and \
+                shape.shape.rank == 1:
+            groups[name] = (name, name + "_1", name + "_2")
+    return groups
+
+
+def generate_inputs(specs, index_limit: int, batch_size: int,
+                    seed: int = 0) -> Dict[str, np.ndarray]:
+    """Random inputs matching `specs`: integers in [0, index_limit) (valid row
+    ids of every table the model gathers from), floats in [0.5, 1.5)."""
+    rng = np.random.default_rng(seed)
+    out: Dict[str, np.ndarray] = {}
+    sparse = _sparse_groups(specs)
+    sparse_layout = {}  # dense rank -> (indices, dense_shape) shared by the groups
+    for base, (ind_name, val_name, shape_name) in sparse.items():
+        rank = specs[ind_name].shape[1] or 2
+        if rank not in sparse_layout:
+            dense_shape = [batch_size] + [4] * (rank - 1)
+            per_row = rng.integers(1, 5, size=batch_size)
+            if batch_size > 2:
+                per_row[batch_size // 2] = 0  # an empty bag in the middle
+            rows = []
+            for b, count in enumerate(per_row):
+                cols = np.sort(rng.choice(4, size=count, replace=False))
+                rows.extend([b] + [int(c)] + [0] * (rank - 2) for c in cols)
+            indices = np.array(rows, np.int64).reshape(-1, rank)
+            sparse_layout[rank] = (indices, np.array(dense_shape, np.int64))
+        indices, dense_shape = sparse_layout[rank]
+        out[ind_name] = indices
+        out[shape_name] = dense_shape
+        out[val_name] = _values(rng, specs[val_name].dtype, [len(indices)], index_limit)
+    for name, spec in specs.items():
+        if name in out:
+            continue
+        shape = [batch_size if (i == 0 and d is None) else (3 if d is None else d)
+                 for i, d in enumerate(spec.shape.as_list())] \
+            if spec.shape.rank is not None else [batch_size]
+        out[name] = _values(rng, spec.dtype, shape, index_limit)
+    return out
+
+
+def _values(rng, dtype, shape, index_limit):
+    if dtype.is_integer:
+        return rng.integers(0, max(index_limit, 1), size=shape).astype(dtype.as_numpy_dtype)
+    if dtype.is_floating:
+        return rng.uniform(0.5, 1.5, size=shape).astype(dtype.as_numpy_dtype)
+    if dtype.is_bool:
+        return rng.integers(0, 2, size=shape).astype(bool)
+    raise VerificationError(f"cannot generate inputs of dtype {dtype.name}: "
+                            "pass --sample-inputs")
+
+
+def sample_inputs_for(signature: str, specs, samples) -> Dict[str, np.ndarray]:
+    """Picks a signature's inputs out of an .npz: keys 'SIG/NAME' or 'NAME'."""
+    chosen, problems = {}, []
+    for name, spec in specs.items():
+        key = f"{signature}/{name}" if f"{signature}/{name}" in samples else name
+        if key not in samples:
+            problems.append(f"missing input {name!r} ({spec.dtype.name} {spec.shape})")
+            continue
+        value = np.asarray(samples[key])
+        if not spec.shape.is_compatible_with(value.shape):
+            problems.append(f"input {name!r} has shape {list(value.shape)}, signature "
+                            f"expects {spec.shape}")
+            continue
+        want = spec.dtype.as_numpy_dtype
+        if value.dtype != want:
+            kind_ok = (np.issubdtype(value.dtype, np.integer) and spec.dtype.is_integer) or (
+                np.issubdtype(value.dtype, np.floating) and spec.dtype.is_floating)
+            if not kind_ok:
+                problems.append(f"input {name!r} has dtype {value.dtype}, signature "
+                                f"expects {spec.dtype.name}")
+                continue
+            value = value.astype(want)
+        chosen[name] = value
+    known = set(specs) | {f"{signature}/{n}" for n in specs}
+    extra = sorted(k for k in samples if k not in known and
+                   (("/" not in k) or k.split("/", 1)[0] == signature))
+    if extra:
+        problems.append(f"unexpected inputs {extra} (signature {signature!r} takes "
+                        f"{sorted(specs)})")
+    if problems:
+        raise VerificationError(f"--sample-inputs do not match signature {signature!r}: "
+                                + "; ".join(problems))
+    return chosen
+
+
+def compare_outputs(signature: str, expected: dict, actual: dict,
+                    rtol: Optional[float] = None,
+                    atol_rel: Optional[float] = None) -> List[dict]:
+    """Per output: max abs/rel error; raises VerificationError past tolerance."""
+    rows = []
+    if set(expected) != set(actual):
+        raise VerificationError(f"signature {signature!r}: outputs differ: "
+                                f"{sorted(expected)} vs {sorted(actual)}")
+    for key in sorted(expected):
+        want = np.asarray(expected[key])
+        got = np.asarray(actual[key])
+        if want.shape != got.shape:
+            raise VerificationError(f"signature {signature!r} output {key!r}: shape "
+                                    f"{list(got.shape)} != original {list(want.shape)}")
+        if not np.issubdtype(want.dtype, np.number) and want.dtype.name != "bfloat16":
+            if not np.array_equal(want, got):
+                raise VerificationError(f"signature {signature!r} output {key!r} differs")
+            rows.append({"signature": signature, "output": key, "max_abs_err": 0.0})
+            continue
+        want64, got64 = want.astype(np.float64), got.astype(np.float64)
+        default_rtol, default_atol_rel = TOLERANCES.get(want.dtype.name, (1e-4, 1e-5))
+        use_rtol = default_rtol if rtol is None else rtol
+        atol_rel_used = default_atol_rel if atol_rel is None else atol_rel
+        scale = float(np.max(np.abs(want64))) if want64.size else 0.0
+        atol = atol_rel_used * max(scale, 1.0)
+        err = np.abs(want64 - got64)
+        max_abs = float(err.max()) if err.size else 0.0
+        ok = np.all(err <= atol + use_rtol * np.abs(want64))
+        rows.append({"signature": signature, "output": key, "shape": list(want.shape),
+                     "max_abs_err": max_abs, "rtol": use_rtol, "atol": atol})
+        if not ok:
+            raise VerificationError(
+                f"signature {signature!r} output {key!r}: fused differs from original by "
+                f"up to {max_abs:.3g} (tolerance atol={atol:.3g}, rtol={use_rtol:g})")
+    return rows

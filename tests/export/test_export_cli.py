@@ -1,0 +1,236 @@
+"""`pkm-serve export` command line, report, bad input, atomic output, TFLite."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import export_models as M  # noqa: E402
+
+from pkm_serve import ops  # noqa: E402
+from pkm_serve.export import ExportError, export_saved_model, main  # noqa: E402
+from pkm_serve.export import patterns, tflite_export  # noqa: E402
+from pkm_serve.export.exporter import read_saved_model  # noqa: E402
+
+ops.load_library()
+RNG = np.random.default_rng(7)
+
+
+@pytest.fixture(scope="module")
+def weighted_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("src") / "weighted"
+    table, _ = M.gather_weighted_sum(path)
+    return str(path), table
+
+
+def entries(path):
+    return sorted(os.listdir(path)) if os.path.exists(path) else None
+
+
+def test_cli_writes_version_and_json_report(weighted_model, tmp_path, capsys):
+    src, table = weighted_model
+    report = tmp_path / "report.json"
+    dst = tmp_path / "models"
+    assert main([src, str(dst), "--report", str(report), "--batch-size", "1000",
+                 "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "fused" in printed and "gather-reduce" in printed
+    data = json.loads(report.read_text())
+    assert data["version"] == 1 and data["dst"] == str(dst / "1")
+    assert data["sites_found"] == data["sites_fused"] == 1
+    # gathered rows and the weighted product, [1000, K, D] float32 each
+    assert data["saved_bytes_at_batch"] == 2 * 1000 * M.K * M.D * 4
+    assert data["sites"][0]["table_shape"] == [M.N, M.D]
+    assert data["verification"][0]["max_abs_err"] < 1e-4
+    # A second export gets the next version; the first stays as it was.
+    assert main([src, str(dst), "--quiet"]) == 0
+    assert entries(dst) == ["1", "2"]
+    # Same variables as the source: variables are copied, not frozen.
+    reader = tf.train.load_checkpoint(str(dst / "2" / "variables" / "variables"))
+    values = [reader.get_tensor(n) for n in reader.get_variable_to_shape_map()
+              if reader.get_variable_to_shape_map()[n] == [M.N, M.D]]
+    assert len(values) == 1 and np.array_equal(values[0], table)
+    fused = read_saved_model(str(dst / "2"))
+    for fdef in fused.meta_graphs[0].graph_def.library.function:
+        for node in fdef.node_def:
+            if node.op == "Const":
+                dims = [d.size for d in node.attr["value"].tensor.tensor_shape.dim]
+                assert np.prod(dims) < M.N * M.D, f"table frozen into {node.name}"
+
+
+def test_not_a_saved_model(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file.txt").write_text("hi")
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "saved_model.pb").write_bytes(b"\xff\x00 not a proto")
+    for bad, message in [("empty", "is not a SavedModel"), ("file.txt", "not a directory"),
+                         ("missing", "not a directory"),
+                         ("garbage", "not a valid SavedModel")]:
+        assert main([str(tmp_path / bad), str(tmp_path / "dst"), "--quiet"]) == 1
+        assert message in capsys.readouterr().err
+        assert not os.path.exists(tmp_path / "dst")
+
+
+def test_version_base_dir_is_explained(weighted_model, tmp_path):
+    src, _ = weighted_model
+    export_saved_model(src, str(tmp_path / "base"), quiet=True)
+    with pytest.raises(ExportError, match="did you mean the version directory"):
+        export_saved_model(str(tmp_path / "base"), str(tmp_path / "other"), quiet=True)
+
+
+def test_model_without_sites_exports_unchanged(tmp_path, capsys):
+    kernel, ref = M.no_sites(tmp_path / "m")
+    assert main([str(tmp_path / "m"), str(tmp_path / "dst"), "--quiet"]) == 0
+    assert "no composite gather-sum sites found" in capsys.readouterr().out
+    src_lib = read_saved_model(str(tmp_path / "m")).meta_graphs[0].graph_def.library
+    dst_lib = read_saved_model(str(tmp_path / "dst" / "1")).meta_graphs[0].graph_def.library
+    assert src_lib == dst_lib
+    x = RNG.normal(size=(3, M.D)).astype(np.float32)
+    got = tf.saved_model.load(str(tmp_path / "dst" / "1")).signatures["serving_default"](x=x)
+    np.testing.assert_allclose(got["y"].numpy(), ref({"x": x})["y"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", "missing input 'w'"),
+    ("shape", "input 'idx' has shape [2, 5]"),
+    ("dtype", "input 'w' has dtype int64"),
+    ("extra", "unexpected inputs ['bogus']"),
+    ("out_of_range", "original model fails on the sample inputs"),
+])
+def test_mismatching_sample_inputs(weighted_model, tmp_path, case, message):
+    src, _ = weighted_model
+    idx = RNG.integers(0, M.N, (2, M.K)).astype(np.int32)
+    w = RNG.uniform(size=(2, M.K)).astype(np.float32)
+    samples = {"missing": {"idx": idx},
+               "shape": {"idx": idx[:, :5], "w": w},
+               "dtype": {"idx": idx, "w": w.astype(np.int64)},
+               "extra": {"idx": idx, "w": w, "bogus": w},
+               "out_of_range": {"idx": idx + M.N, "w": w}}[case]
+    np.savez(tmp_path / "s.npz", **samples)
+    dst = tmp_path / "dst"
+    with pytest.raises(ExportError, match="verification failed") as info:
+        export_saved_model(src, str(dst), sample_inputs=str(tmp_path / "s.npz"), quiet=True)
+    assert message in str(info.value)
+    assert entries(dst) is None  # DST did not exist before: nothing left behind
+
+
+def test_sample_inputs_are_used(weighted_model, tmp_path):
+    src, _ = weighted_model
+    idx = RNG.integers(0, M.N, (11, M.K)).astype(np.int64)  # int64 accepted for int32
+    w = RNG.uniform(size=(11, M.K)).astype(np.float32)
+    np.savez(tmp_path / "s.npz", **{"serving_default/idx": idx, "serving_default/w": w})
+    result = export_saved_model(src, str(tmp_path / "dst"),
+                                sample_inputs=str(tmp_path / "s.npz"), quiet=True)
+    assert result.verification[0]["shape"] == [11, M.D]
+
+
+def test_wrong_fusion_fails_verification_and_leaves_nothing(weighted_model, tmp_path,
+                                                            monkeypatch):
+    """A rewrite that computes the wrong thing is caught, and DST keeps only
+    what was there before."""
+    src, _ = weighted_model
+    dst = tmp_path / "dst"
+    export_saved_model(src, str(dst), quiet=True)
+    real_fuse = patterns.fuse_site
+
+    def wrong_combiner(fg, site):
+        site.combiner = "mean"
+        real_fuse(fg, site)
+    monkeypatch.setattr(patterns, "fuse_site", wrong_combiner)
+    with pytest.raises(ExportError, match="fused differs from original"):
+        export_saved_model(src, str(dst), quiet=True)
+    assert entries(dst) == ["1"]
+
+
+def test_existing_version_is_never_overwritten(weighted_model, tmp_path):
+    src, _ = weighted_model
+    export_saved_model(src, str(tmp_path / "dst"), version=7, quiet=True)
+    with pytest.raises(ExportError, match="already exists"):
+        export_saved_model(src, str(tmp_path / "dst"), version=7, quiet=True)
+
+
+def test_unknown_signature(weighted_model, tmp_path):
+    src, _ = weighted_model
+    with pytest.raises(ExportError, match=r"unknown signature\(s\) \['nope'\]"):
+        export_saved_model(src, str(tmp_path / "dst"), signatures=["nope"], quiet=True)
+
+
+def _tflite_runner(path, signature):
+    from pkm_serve import tflite
+    return tflite.make_interpreter(path).get_signature_runner(signature)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_tflite_custom_op_runs_in_delegate(weighted_model, tmp_path, quantize):
+    src, table = weighted_model
+    out = tmp_path / "model.tflite"
+    result = export_saved_model(src, str(tmp_path / "dst"), tflite=str(out),
+                                quantize_table=quantize, quiet=True)
+    assert result.tflite["status"] == "verified with the pkm delegate"
+    model = out.read_bytes()
+    assert b"PkmEmbeddingBag" in model
+    assert result.tflite["table_bytes_in_savedmodel"] == M.N * M.D * 4
+    from pkm_serve import tflite
+    tables = [t for t in tflite.make_interpreter(str(out)).get_tensor_details()
+              if list(t["shape"]) == [M.N, M.D]]
+    assert len(tables) == 1
+    if quantize:  # per-row (axis 0) int8
+        assert tables[0]["dtype"] == np.int8
+        q = tables[0]["quantization_parameters"]
+        assert len(q["scales"]) == M.N and q["quantized_dimension"] == 0
+    else:
+        assert tables[0]["dtype"] == np.float32
+    x = {"idx": RNG.integers(0, M.N, (9, M.K)).astype(np.int32),
+         "w": RNG.uniform(size=(9, M.K)).astype(np.float32)}
+    got = _tflite_runner(str(out), "serving_default")(**x)["out"]
+    want = M.np_bag(table, x["idx"], x["w"])
+    tol = 2e-2 * np.abs(want).max() if quantize else 1e-5
+    np.testing.assert_allclose(got, want, atol=tol, rtol=1e-4)
+
+
+def test_tflite_over_flatbuffer_limit_is_refused(weighted_model, tmp_path, monkeypatch):
+    src, _ = weighted_model
+    # The table is 1600 B here; pretend the limit sits below it.
+    monkeypatch.setattr(tflite_export, "FLATBUFFER_LIMIT", 1000)
+    monkeypatch.setattr(tflite_export, "_HEADROOM", 0)
+    with pytest.raises(ExportError, match="cannot exceed 2 GB"):
+        export_saved_model(src, str(tmp_path / "dst"), tflite=str(tmp_path / "m.tflite"),
+                           quiet=True)
+    assert entries(tmp_path / "dst") is None
+    assert not os.path.exists(tmp_path / "m.tflite")
+
+
+def test_quantize_needs_tflite(weighted_model, tmp_path):
+    src, _ = weighted_model
+    with pytest.raises(ExportError, match="pass --tflite"):
+        export_saved_model(src, str(tmp_path / "dst"), quantize_table="int8", quiet=True)
+
+
+def test_pkm_serve_cli_dispatch_and_tf_serving_style_session_load(weighted_model, tmp_path):
+    """`pkm-serve export` reaches this module; the result loads the way
+    tensorflow_model_server does (a v1 Session over the MetaGraph's
+    graph_def + function library) and computes the weighted bag sum."""
+    from pkm_serve.cli import main as cli_main
+    src, table = weighted_model
+    assert cli_main(["export", src, str(tmp_path / "dst"), "--quiet"]) == 0
+    x = {"idx": RNG.integers(0, M.N, (4, M.K)).astype(np.int32),
+         "w": RNG.uniform(size=(4, M.K)).astype(np.float32)}
+    with tf.compat.v1.Session(graph=tf.Graph()) as sess:
+        meta = tf.compat.v1.saved_model.load(sess, ["serve"], str(tmp_path / "dst" / "1"))
+        sig = meta.signature_def["serving_default"]
+        assert "PkmEmbeddingBag" in {op.name for op in meta.meta_info_def.stripped_op_list.op}
+        got = sess.run(sig.outputs["out"].name,
+                       {sig.inputs[k].name: v for k, v in x.items()})
+    np.testing.assert_allclose(got, M.np_bag(table, x["idx"], x["w"]), rtol=1e-5, atol=1e-5)
+
+
+def test_tflite_of_sparse_sites_is_refused_clearly(tmp_path):
+    M.sparse_lookup(tmp_path / "m", True, "sum")
+    with pytest.raises(ExportError, match="PkmRaggedEmbeddingBag.*--signatures"):
+        export_saved_model(str(tmp_path / "m"), str(tmp_path / "dst"),
+                           tflite=str(tmp_path / "m.tflite"), quiet=True)
+    assert entries(tmp_path / "dst") is None
+    assert not os.path.exists(tmp_path / "m.tflite")
