@@ -14,6 +14,7 @@ COMMANDS = {
     "demo": ("pkm_serve.demo", "run the whole path end to end: export, serve, TFLite, compare"),
     "export": ("pkm_serve.export", "fuse composite gather-sum sites of a SavedModel into the op"),
     "serve": ("pkm_serve.serving", "serve SavedModels over TF Serving's gRPC and REST APIs"),
+    "tflite": ("pkm_serve.tflite", "run a .tflite with the pkm_serve delegate; show which ops it claimed"),
 }
 
 

@@ -44,9 +44,11 @@ bool IsCustomBag(const TfLiteRegistration* reg) {
 // A stock composite chain found in the graph.
 struct Chain {
   int gather = -1, mul = -1, sum = -1;  // node indices (mul = -1: unweighted)
+  std::vector<int> weight_reshapes;     // RESHAPE/EXPAND_DIMS/... on the weights path
   BagSpec spec;
   std::vector<int> nodes() const {
-    std::vector<int> n = {gather};
+    std::vector<int> n = weight_reshapes;
+    n.push_back(gather);
     if (mul >= 0) n.push_back(mul);
     n.push_back(sum);
     return n;
@@ -58,18 +60,27 @@ struct Graph {
   TfLiteContext* context;
   std::vector<int> plan;
   std::map<int, std::vector<int>> consumers;  // tensor -> nodes reading it
+  std::map<int, int> producer;                // tensor -> node writing it
 
   explicit Graph(TfLiteContext* ctx) : context(ctx) {}
-  TfLiteStatus Load() {
-    TfLiteIntArray* p = nullptr;
-    if (context->GetExecutionPlan(context, &p) != kTfLiteOk || p == nullptr) return kTfLiteError;
-    plan.assign(p->data, p->data + p->size);
+  // The whole execution plan, or only `nodes` (a delegate partition: inside
+  // a kernel's Init the plan already shows the partition as one node).
+  TfLiteStatus Load(const TfLiteIntArray* nodes = nullptr) {
+    if (nodes != nullptr) {
+      plan.assign(nodes->data, nodes->data + nodes->size);
+    } else {
+      TfLiteIntArray* p = nullptr;
+      if (context->GetExecutionPlan(context, &p) != kTfLiteOk || p == nullptr) return kTfLiteError;
+      plan.assign(p->data, p->data + p->size);
+    }
     for (int n : plan) {
       TfLiteNode* node;
       TfLiteRegistration* reg;
       if (context->GetNodeAndRegistration(context, n, &node, &reg) != kTfLiteOk) return kTfLiteError;
       for (int i = 0; node->inputs && i < node->inputs->size; ++i)
         if (node->inputs->data[i] >= 0) consumers[node->inputs->data[i]].push_back(n);
+      for (int i = 0; node->outputs && i < node->outputs->size; ++i)
+        producer[node->outputs->data[i]] = n;
     }
     return kTfLiteOk;
   }
@@ -94,6 +105,44 @@ bool ConstAxis(const Graph& g, int tensor, int* axis) {
       t->data.data == nullptr || t->bytes != 4)
     return false;
   *axis = t->data.i32[0];
+  return true;
+}
+
+int64_t NumElements(const TfLiteTensor* t) {
+  int64_t n = 1;
+  for (int i = 0; t->dims && i < t->dims->size; ++i) n *= t->dims->data[i];
+  return n;
+}
+
+// True if `node` only re-shapes its first input (same elements, same order):
+// RESHAPE, EXPAND_DIMS, SQUEEZE, or a STRIDED_SLICE with unit strides that
+// keeps every element. The converter emits these for w[..., None].
+bool IsReshapeLike(const Graph& g, int node_index, int* source) {
+  TfLiteContext* ctx = g.context;
+  TfLiteNode* node;
+  TfLiteRegistration* reg;
+  if (ctx->GetNodeAndRegistration(ctx, node_index, &node, &reg) != kTfLiteOk) return false;
+  if (!node->inputs || node->inputs->size < 1 || !node->outputs || node->outputs->size != 1)
+    return false;
+  const TfLiteTensor* in = g.Tensor(node->inputs->data[0]);
+  const TfLiteTensor* out = g.Tensor(node->outputs->data[0]);
+  if (!in || !out || in->type != kTfLiteFloat32 || out->type != kTfLiteFloat32 ||
+      !in->dims || !out->dims || NumElements(in) != NumElements(out))
+    return false;
+  const int code = reg->builtin_code;
+  if (code == kTfLiteBuiltinStridedSlice) {
+    if (node->inputs->size != 4) return false;
+    const TfLiteTensor* strides = g.Tensor(node->inputs->data[3]);
+    if (!strides || strides->type != kTfLiteInt32 || strides->allocation_type != kTfLiteMmapRo ||
+        !strides->data.data)
+      return false;
+    for (size_t i = 0; i < strides->bytes / 4; ++i)
+      if (strides->data.i32[i] != 1) return false;
+  } else if (code != kTfLiteBuiltinReshape && code != kTfLiteBuiltinExpandDims &&
+             code != kTfLiteBuiltinSqueeze) {
+    return false;
+  }
+  *source = node->inputs->data[0];
   return true;
 }
 
@@ -144,6 +193,18 @@ bool MatchChain(const Graph& g, int gather_node, Chain* chain) {
     for (int d = 0; d < gathered_rank - 1; ++d)
       if (wt->dims->data[d] != it->dims->data[d]) return false;
     chain->mul = next;
+    // Walk back over reshape-likes of the weights so the partition holds the
+    // whole chain (else the partitioner splits GATHER from MUL).
+    for (int depth = 0; depth < 4; ++depth) {
+      auto p = g.producer.find(weights);
+      int source;
+      if (p == g.producer.end() || g.SoleConsumer(weights) < 0 ||
+          !IsReshapeLike(g, p->second, &source))
+        break;
+      chain->weight_reshapes.insert(chain->weight_reshapes.begin(), p->second);
+      chain->intermediates.push_back(weights);
+      weights = source;
+    }
     reduced = nn->outputs->data[0];
     chain->intermediates.push_back(reduced);
     next = g.SoleConsumer(reduced);
@@ -195,18 +256,14 @@ void* KernelInit(TfLiteContext* context, const char* buffer, size_t length) {
   const auto* params = reinterpret_cast<const TfLiteDelegateParams*>(buffer);
   kd->delegate = GetData(params->delegate);
   Graph g(context);
-  if (g.Load() != kTfLiteOk) {
-    kd->error = "cannot read the execution plan";
+  if (g.Load(params->nodes_to_replace) != kTfLiteOk) {
+    kd->error = "cannot read the partition";
     return kd;
   }
-  std::set<int> in_partition(params->nodes_to_replace->data,
-                             params->nodes_to_replace->data + params->nodes_to_replace->size);
   std::set<int> partition_outputs(params->output_tensors->data,
                                   params->output_tensors->data + params->output_tensors->size);
   std::set<int> used;
-  for (int i = 0; i < params->nodes_to_replace->size; ++i) {
-    const int n = params->nodes_to_replace->data[i];
-    if (used.count(n)) continue;
+  for (int n : g.plan) {
     TfLiteNode* node;
     TfLiteRegistration* reg;
     if (context->GetNodeAndRegistration(context, n, &node, &reg) != kTfLiteOk) {
@@ -228,19 +285,29 @@ void* KernelInit(TfLiteContext* context, const char* buffer, size_t length) {
         return kd;
       }
       used.insert(n);
-    } else {
+    } else if (reg->builtin_code == kTfLiteBuiltinGather) {
+      // Consumers are counted within the partition; anything read outside
+      // it is listed in output_tensors.
       Chain chain;
       bool whole = MatchChain(g, n, &chain);
-      for (int m : chain.nodes()) whole = whole && in_partition.count(m) && !used.count(m);
+      for (int m : chain.nodes()) whole = whole && !used.count(m);
       for (int t : chain.intermediates) whole = whole && !partition_outputs.count(t);
       if (!whole) {
-        kd->error = "node " + std::to_string(n) + " is not a complete GATHER/MUL/SUM chain";
+        kd->error = "GATHER node " + std::to_string(n) + " does not start a fusable chain";
         return kd;
       }
       for (int m : chain.nodes()) used.insert(m);
       unit.spec = chain.spec;
+    } else {
+      continue;  // a weights reshape: checked below to belong to a chain
     }
     kd->units.push_back(std::move(unit));
+  }
+  for (int n : g.plan) {
+    if (!used.count(n)) {
+      kd->error = "node " + std::to_string(n) + " was claimed but belongs to no fused unit";
+      return kd;
+    }
   }
   return kd;
 }

@@ -138,8 +138,9 @@ bool ReadAffineScales(const TfLiteTensor* t, int64_t rows, BagState* state,
 }
 
 // Shared by Prepare and Invoke: validates every tensor and fills `bound`.
+// Buffers are checked only at Invoke: the arena is allocated after Prepare.
 TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* state,
-                  Bound* bound) {
+                  bool check_buffers, Bound* bound) {
   Checker c(context, spec);
   TfLiteTensor *table, *indices, *output;
   std::vector<int64_t> tdims, idims, odims;
@@ -188,15 +189,15 @@ TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* s
     if (weights->type != kTfLiteFloat32 && weights->type != kTfLiteFloat16 &&
         weights->type != kTfLiteBFloat16)
       return c.Fail("weights must be float32, float16 or bfloat16, got " + TypeName(weights->type));
-    std::vector<int64_t> expected = idims;
-    if (spec.composite) expected.push_back(1);
-    if (wdims != expected)
-      return c.Fail("weights shape " + ShapeString(wdims) + " must be " + ShapeString(expected) +
-                    (spec.composite ? " (the bag weights broadcast over D)"
-                                    : " (the shape of indices)"));
+    // A fused composite's weights may be any reshape of [..., K] (the
+    // delegate checked the chain only re-shapes them).
+    if (spec.composite ? NumElements(wdims) != NumElements(idims) : wdims != idims)
+      return c.Fail("weights shape " + ShapeString(wdims) + " must " +
+                    (spec.composite ? "have as many elements as indices " : "equal indices shape ") +
+                    ShapeString(idims));
     ToElemType(weights->type, &b.weights_type);
     b.weights = weights->data.data;
-    if (NumElements(wdims) > 0 &&
+    if (check_buffers && NumElements(wdims) > 0 &&
         (b.weights == nullptr ||
          weights->bytes < static_cast<size_t>(NumElements(wdims) * ElemSize(b.weights_type))))
       return c.Fail("weights buffer is smaller than its shape " + ShapeString(wdims));
@@ -204,10 +205,10 @@ TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* s
 
   // 64-bit sizes; a tensor whose buffer is smaller than its shape is malformed.
   const int64_t table_bytes = t.num_rows * t.dim * ElemSize(table_type);
-  if (table_bytes > 0 && (t.data == nullptr || table->bytes < static_cast<size_t>(table_bytes)))
+  if (check_buffers && table_bytes > 0 && (t.data == nullptr || table->bytes < static_cast<size_t>(table_bytes)))
     return c.Fail("params buffer is smaller than its shape " + ShapeString(tdims));
   const int64_t index_bytes = NumElements(idims) * (b.indices_int64 ? 8 : 4);
-  if (index_bytes > 0 && (b.indices == nullptr || indices->bytes < static_cast<size_t>(index_bytes)))
+  if (check_buffers && index_bytes > 0 && (b.indices == nullptr || indices->bytes < static_cast<size_t>(index_bytes)))
     return c.Fail("indices buffer is smaller than its shape " + ShapeString(idims));
 
   bound->out_dims.assign(idims.begin(), idims.end() - 1);
@@ -281,22 +282,33 @@ TfLiteStatus PrepareBag(TfLiteContext* context, const BagSpec& spec, BagState* s
       }
     }
   }
-  Bound bound;
-  if (Bind(context, spec, state, &bound) != kTfLiteOk) return kTfLiteError;
+  // An input produced by an op with data-dependent shape is dynamic: its dims
+  // are stale until that op runs, so everything is checked at Invoke and the
+  // output is made dynamic (as SetTensorToDynamic does: the arena keeps its
+  // memory, so the pointer is dropped rather than realloc()ed later).
   bool dynamic_input = false;
   for (int idx : {spec.table, spec.indices, spec.weights})
-    if (idx >= 0 && context->tensors[idx].allocation_type == kTfLiteDynamic) dynamic_input = true;
-  if (dynamic_input) {
-    // Shape known only at Invoke: make the output dynamic, resized there.
-    bound.output->allocation_type = kTfLiteDynamic;
+    if (idx >= 0 && static_cast<size_t>(idx) < context->tensors_size &&
+        context->tensors[idx].allocation_type == kTfLiteDynamic)
+      dynamic_input = true;
+  if (dynamic_input && spec.output >= 0 && static_cast<size_t>(spec.output) < context->tensors_size) {
+    TfLiteTensor* output = &context->tensors[spec.output];
+    if (output->allocation_type != kTfLiteDynamic) {
+      output->data.raw = nullptr;
+      output->bytes = 0;
+      output->allocation_type = kTfLiteDynamic;
+    }
+    return kTfLiteOk;
   }
+  Bound bound;
+  if (Bind(context, spec, state, /*check_buffers=*/false, &bound) != kTfLiteOk) return kTfLiteError;
   return ResizeOutput(context, bound);
 }
 
 TfLiteStatus InvokeBag(TfLiteContext* context, const BagSpec& spec, const BagState& state,
                        const ParallelFor& pf) {
   Bound bound;
-  if (Bind(context, spec, &state, &bound) != kTfLiteOk) return kTfLiteError;
+  if (Bind(context, spec, &state, /*check_buffers=*/true, &bound) != kTfLiteOk) return kTfLiteError;
   if (bound.output->allocation_type == kTfLiteDynamic &&
       ResizeOutput(context, bound) != kTfLiteOk)
     return kTfLiteError;
@@ -309,7 +321,15 @@ TfLiteStatus InvokeBag(TfLiteContext* context, const BagSpec& spec, const BagSta
     return kTfLiteError;
   }
   const int64_t out_bytes = NumElements(bound.out_dims) * ElemSize(bound.out_type);
-  if (out_bytes == 0) return kTfLiteOk;
+  if (out_bytes == 0) {
+    // Nothing to write (D == 0 or no bags), but bad indices are still an error.
+    const Status s = ValidateBags(bound.table, bound.bags, pf);
+    if (!s.ok) {
+      context->ReportError(context, "%s: %s", spec.what, s.message.c_str());
+      return kTfLiteError;
+    }
+    return kTfLiteOk;
+  }
   if (bound.output->data.data == nullptr ||
       bound.output->bytes < static_cast<size_t>(out_bytes)) {
     context->ReportError(context, "%s: output buffer is not allocated", spec.what);

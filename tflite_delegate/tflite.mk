@@ -24,7 +24,7 @@ $(TFLITE_FUZZ): $(TFLITE_DIR)/fuzz_test.cc $(TFLITE_SRCS) $(TFLITE_HDRS) $(CORE_
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXSTD) -O1 -g $(SAN_FLAGS) -I. $(TFLITE_DIR)/fuzz_test.cc $(TFLITE_SRCS) $(CORE_SRCS) -o $@ -lpthread
 
-FUZZ_ITERS ?= 3000
+FUZZ_ITERS ?= 20000
 asan-tflite: $(TFLITE_FUZZ)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 $(TFLITE_FUZZ) $(FUZZ_ITERS)
 

@@ -17,6 +17,7 @@
 #if !defined(PKM_FORCE_OWN_TFLITE_ABI) && defined(__has_include)
 #if __has_include("tensorflow/lite/c/common.h")
 #include "tensorflow/lite/c/common.h"
+#include "tensorflow/lite/c/builtin_op_data.h"
 #include "tensorflow/lite/builtin_ops.h"
 #define PKM_HAVE_REAL_TFLITE_HEADERS 1
 #endif
@@ -245,6 +246,9 @@ enum {
   kTfLiteBuiltinReshape = 22,
   kTfLiteBuiltinCustom = 32,
   kTfLiteBuiltinGather = 36,
+  kTfLiteBuiltinSqueeze = 43,
+  kTfLiteBuiltinStridedSlice = 45,
+  kTfLiteBuiltinExpandDims = 70,
   kTfLiteBuiltinSum = 74,
 };
 

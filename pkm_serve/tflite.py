@@ -1,0 +1,373 @@
+"""Run pkm_serve models in a TFLite interpreter through ``libpkm_tflite.so``.
+
+``libpkm_tflite.so`` is an external delegate: a stock interpreter (LiteRT
+``ai_edge_litert``, the legacy ``tflite_runtime``, or ``tf.lite``) keeps the
+``PkmEmbeddingBag`` custom op as a placeholder and the delegate claims it.
+With ``fuse_composites=True`` it also claims stock GATHER -> MUL -> SUM chains.
+
+This module imports no TensorFlow unless ``tf.lite`` is the interpreter asked
+for (or the only one installed), so it works on a device-like environment
+that has only ``tflite_runtime`` and numpy.
+
+    from pkm_serve import tflite
+    outputs = tflite.run_tflite("model.tflite", {"indices": idx, "weights": w},
+                                num_threads=2)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+INTERPRETERS = ("litert", "tflite_runtime", "tf")
+_MODULES = {
+    "litert": "ai_edge_litert.interpreter",
+    "tflite_runtime": "tflite_runtime.interpreter",
+    "tf": "tensorflow.lite.python.interpreter",  # tf.lite.Interpreter, tf.lite.experimental.load_delegate
+}
+_LIB_NAME = "libpkm_tflite.so"
+CUSTOM_OP_NAME = "PkmEmbeddingBag"
+
+
+def delegate_path() -> str:
+    """Absolute path of libpkm_tflite.so (override with $PKM_TFLITE_DELEGATE)."""
+    override = os.environ.get("PKM_TFLITE_DELEGATE")
+    if override:
+        return os.path.abspath(override)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", _LIB_NAME)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{path} does not exist; build it with `make build` in the repository root")
+    return path
+
+
+def interpreter_module(interpreter: str = "auto"):
+    """The module providing ``Interpreter`` and ``load_delegate``.
+
+    ``interpreter`` is one of "litert", "tflite_runtime", "tf" or "auto" (the
+    first of those installed, in that order).
+    """
+    if interpreter != "auto":
+        if interpreter not in _MODULES:
+            raise ValueError(f"interpreter must be 'auto' or one of {INTERPRETERS}, "
+                             f"got {interpreter!r}")
+        return importlib.import_module(_MODULES[interpreter])
+    errors = []
+    for name in INTERPRETERS:
+        try:
+            return importlib.import_module(_MODULES[name])
+        except ImportError as e:  # try the next runtime
+            errors.append(f"{name}: {e}")
+    raise ImportError("no TFLite interpreter is installed (tried " + "; ".join(errors) + ")")
+
+
+def _load_delegate_fn(module):
+    # tf.lite keeps it under tf.lite.experimental.
+    fn = getattr(module, "load_delegate", None)
+    return fn if fn is not None else module.experimental.load_delegate
+
+
+def _option_strings(options: Mapping[str, Any]) -> Dict[str, str]:
+    known = {"num_threads", "fuse_composites"}
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"unknown delegate option(s) {sorted(unknown)}; known: {sorted(known)}")
+    out = {}
+    for key, value in options.items():
+        if isinstance(value, bool):
+            out[key] = "true" if value else "false"
+        else:
+            out[key] = str(value)
+    return out
+
+
+def load_delegate(interpreter: str = "auto", **options):
+    """Loads libpkm_tflite.so as an external delegate for the chosen interpreter.
+
+    options: ``num_threads`` (int >= 1, default 1), ``fuse_composites``
+    (bool, default False).
+    """
+    module = interpreter_module(interpreter)
+    return _load_delegate_fn(module)(delegate_path(), options=_option_strings(options))
+
+
+def make_interpreter(model: Union[str, bytes, os.PathLike], interpreter: str = "auto",
+                     num_threads: int = 1, fuse_composites: bool = False,
+                     use_delegate: bool = True):
+    """An allocated interpreter for ``model`` (a path or the model bytes)."""
+    module = interpreter_module(interpreter)
+    kwargs: Dict[str, Any] = {"num_threads": num_threads}
+    if isinstance(model, (bytes, bytearray)):
+        kwargs["model_content"] = bytes(model)
+    else:
+        kwargs["model_path"] = os.fspath(model)
+    if use_delegate:
+        kwargs["experimental_delegates"] = [load_delegate(
+            interpreter, num_threads=num_threads, fuse_composites=fuse_composites)]
+    interp = module.Interpreter(**kwargs)
+    return interp
+
+
+def run_tflite(model: Union[str, bytes, os.PathLike],
+               inputs: Union[Mapping[str, np.ndarray], Sequence[np.ndarray]],
+               interpreter: str = "auto", num_threads: int = 1,
+               fuse_composites: bool = False, use_delegate: bool = True) -> List[np.ndarray]:
+    """Runs ``model`` once and returns its outputs (in output-detail order).
+
+    ``inputs`` maps input tensor names to arrays, or lists arrays in input
+    order. Input shapes may differ from the model's (dynamic batch): inputs
+    are resized before allocation.
+    """
+    interp = make_interpreter(model, interpreter, num_threads, fuse_composites, use_delegate)
+    details = interp.get_input_details()
+    if isinstance(inputs, Mapping):
+        by_name = {d["name"]: d for d in details}
+        missing = set(by_name) - set(inputs)
+        extra = set(inputs) - set(by_name)
+        if missing or extra:
+            raise ValueError(f"model inputs are {sorted(by_name)}; missing {sorted(missing)}, "
+                             f"unexpected {sorted(extra)}")
+        pairs = [(by_name[name], np.asarray(value)) for name, value in inputs.items()]
+    else:
+        if len(inputs) != len(details):
+            raise ValueError(f"model has {len(details)} inputs, got {len(inputs)} arrays")
+        pairs = [(d, np.asarray(v)) for d, v in zip(details, inputs)]
+    for d, value in pairs:
+        if np.issubdtype(d["dtype"], np.integer) and not np.issubdtype(value.dtype, np.integer):
+            raise ValueError(f"input {d['name']!r} expects {np.dtype(d['dtype']).name} indices, "
+                             f"got {value.dtype}")
+        if tuple(d["shape"]) != value.shape:
+            interp.resize_tensor_input(d["index"], list(value.shape))
+    interp.allocate_tensors()
+    for d, value in pairs:
+        interp.set_tensor(d["index"], value.astype(d["dtype"], copy=False))
+    interp.invoke()
+    return [interp.get_tensor(d["index"]) for d in interp.get_output_details()]
+
+
+def ops_in_plan(interp) -> List[str]:
+    """Op names of the nodes that run (see execution_plan)."""
+    return [op["op_name"] for op in execution_plan(interp) if op["replaced_by"] is None]
+
+
+def execution_plan(interp) -> List[Dict[str, Any]]:
+    """The interpreter's nodes with, for each, ``replaced_by``: the index of
+    the DELEGATE node that runs it instead, or None if it runs itself.
+
+    The Python interpreters list every node, including those a delegate
+    replaced, and do not expose the plan; a node is replaced when a delegate
+    node writes one of its outputs, or when all readers of its outputs are
+    replaced nodes (and its outputs are no model outputs).
+    """
+    ops = [dict(op) for op in interp._get_ops_details()]  # pylint: disable=protected-access
+    model_outputs = {d["index"] for d in interp.get_output_details()}
+    delegate_of = {}
+    for op in ops:
+        op["inputs"] = [int(i) for i in op["inputs"]]
+        op["outputs"] = [int(o) for o in op["outputs"]]
+        op["replaced_by"] = None
+        if op["op_name"] == "DELEGATE":
+            for t in op["outputs"]:
+                delegate_of[t] = op["index"]
+    readers: Dict[int, List[Dict[str, Any]]] = {}
+    for op in ops:
+        for t in op["inputs"]:
+            readers.setdefault(t, []).append(op)
+    for op in ops:
+        if op["op_name"] != "DELEGATE":
+            hits = [delegate_of[t] for t in op["outputs"] if t in delegate_of]
+            if hits:
+                op["replaced_by"] = hits[0]
+    changed = True
+    while changed:
+        changed = False
+        for op in ops:
+            if op["replaced_by"] is not None or op["op_name"] == "DELEGATE" or not op["outputs"]:
+                continue
+            owners = set()
+            for t in op["outputs"]:
+                rs = readers.get(t, [])
+                if t in model_outputs or not rs or any(r["replaced_by"] is None for r in rs):
+                    owners = None
+                    break
+                owners.update(r["replaced_by"] for r in rs)
+            if owners and len(owners) == 1:
+                op["replaced_by"] = owners.pop()
+                changed = True
+    return ops
+
+
+# ---- model post-processing (needs a flatbuffer schema module) ----------------
+
+def _schema():
+    for name in ("ai_edge_litert.schema_py_generated",
+                 "tensorflow.lite.python.schema_py_generated"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError("quantize_table_int8 needs ai_edge_litert or tensorflow for the "
+                      "TFLite flatbuffer schema")
+
+
+def _custom_code(model, opcode_index: int) -> Optional[str]:
+    code = model.operatorCodes[opcode_index].customCode
+    if code is None:
+        return None
+    return code.decode() if isinstance(code, bytes) else code
+
+
+def quantize_rows_int8(table: np.ndarray):
+    """Symmetric per-row int8: q = round(x / s), s = max|row| / 127 (1 for a zero row).
+
+    Returns (q int8 [N, D], scales float32 [N]).
+    """
+    table = np.asarray(table, dtype=np.float32)
+    if table.ndim != 2:
+        raise ValueError(f"table must be rank 2, got shape {table.shape}")
+    max_abs = np.max(np.abs(table), axis=1) if table.shape[1] else np.zeros(table.shape[0])
+    scales = np.where(max_abs > 0, max_abs / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(table / scales[:, None]), -127, 127).astype(np.int8)
+    return q, scales
+
+
+def quantize_table_int8(model_bytes: bytes) -> bytes:
+    """Rewrites every constant float32 ``params`` table of a PkmEmbeddingBag
+    custom op as an int8 tensor with per-row (axis 0) symmetric quantisation.
+
+    The op keeps producing float32: the kernel dequantises rows as it sums.
+    Raises ValueError if the model has no such table.
+    """
+    schema = _schema()
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
+    rewritten = 0
+    for subgraph in model.subgraphs:
+        seen = set()
+        for op in subgraph.operators:
+            if _custom_code(model, op.opcodeIndex) != CUSTOM_OP_NAME:
+                continue
+            tensor_index = int(op.inputs[0])
+            if tensor_index in seen:
+                continue
+            tensor = subgraph.tensors[tensor_index]
+            if tensor.type != schema.TensorType.FLOAT32:
+                continue
+            buffer = model.buffers[tensor.buffer]
+            if buffer.data is None or len(buffer.data) == 0:
+                continue  # not a constant table (e.g. a model input): leave it float
+            table = np.frombuffer(bytes(np.asarray(buffer.data, dtype=np.uint8)),
+                                  dtype=np.float32).reshape([int(d) for d in tensor.shape])
+            q, scales = quantize_rows_int8(table)
+            buffer.data = np.frombuffer(q.tobytes(), dtype=np.uint8)
+            tensor.type = schema.TensorType.INT8
+            quant = schema.QuantizationParametersT()
+            quant.scale = scales.tolist()
+            quant.zeroPoint = [0] * len(scales)
+            quant.quantizedDimension = 0
+            tensor.quantization = quant
+            seen.add(tensor_index)
+            rewritten += 1
+    if not rewritten:
+        raise ValueError("no constant float32 params table of a PkmEmbeddingBag op found")
+    import flatbuffers  # the schema modules depend on it
+    builder = flatbuffers.Builder(len(model_bytes) // 4 + 1024)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
+
+
+def build_embedding_bag_model(table: np.ndarray, bag_size: int, combiner: str = "sum",
+                              has_weights: bool = True, index_dtype=np.int32,
+                              batch: Optional[int] = None,
+                              custom_options: Optional[bytes] = None) -> bytes:
+    """A one-op TFLite model: PkmEmbeddingBag(table const, indices, weights).
+
+    Built directly with the flatbuffer schema, the same layout the converter
+    emits for the TF op (inputs params, indices, weights; a flexbuffer map of
+    the attrs). ``batch=None`` gives a dynamic batch dimension. For tests and
+    for producing models without TensorFlow.
+    """
+    schema = _schema()
+    from flatbuffers import flexbuffers
+    table = np.ascontiguousarray(table)
+    ttype = {np.dtype(np.float32): schema.TensorType.FLOAT32,
+             np.dtype(np.float16): schema.TensorType.FLOAT16}[table.dtype]
+    itype = {np.dtype(np.int32): schema.TensorType.INT32,
+             np.dtype(np.int64): schema.TensorType.INT64}[np.dtype(index_dtype)]
+    if custom_options is None:
+        custom_options = bytes(flexbuffers.Dumps({
+            "T": int(ttype), "Tindices": int(itype), "combiner": combiner,
+            "has_weights": bool(has_weights)}))
+    b = 1 if batch is None else batch
+
+    def tensor(name, shape, ttype_, buffer, signature=None):
+        t = schema.TensorT()
+        t.name, t.shape, t.type, t.buffer = name, list(shape), ttype_, buffer
+        if signature is not None:
+            t.shapeSignature = list(signature)
+        return t
+
+    buffers = [schema.BufferT(), schema.BufferT()]
+    buffers[1].data = np.frombuffer(table.tobytes(), dtype=np.uint8)
+    sig = None if batch is not None else [-1, bag_size]
+    tensors = [tensor("params", table.shape, ttype, 1),
+               tensor("indices", [b, bag_size], itype, 0, sig),
+               tensor("weights", [b, bag_size], ttype, 0, sig),
+               tensor("output", [b, table.shape[1]], ttype, 0,
+                      None if batch is not None else [-1, table.shape[1]])]
+    for _ in range(len(buffers), 2):
+        buffers.append(schema.BufferT())
+    op = schema.OperatorT()
+    op.opcodeIndex = 0
+    op.inputs = [0, 1, 2]
+    op.outputs = [3]
+    op.customOptions = np.frombuffer(custom_options, dtype=np.uint8) if custom_options else None
+    op.customOptionsFormat = schema.CustomOptionsFormat.FLEXBUFFERS
+    subgraph = schema.SubGraphT()
+    subgraph.tensors = tensors
+    subgraph.inputs = [1, 2]
+    subgraph.outputs = [3]
+    subgraph.operators = [op]
+    subgraph.name = "main"
+    code = schema.OperatorCodeT()
+    code.builtinCode = schema.BuiltinOperator.CUSTOM
+    code.deprecatedBuiltinCode = schema.BuiltinOperator.CUSTOM
+    code.customCode = CUSTOM_OP_NAME
+    code.version = 1
+    model = schema.ModelT()
+    model.version = 3
+    model.operatorCodes = [code]
+    model.subgraphs = [subgraph]
+    model.buffers = buffers
+    model.description = "pkm_serve PkmEmbeddingBag"
+    import flatbuffers
+    builder = flatbuffers.Builder(table.nbytes + 4096)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
+
+
+def main(argv=None) -> int:
+    """`python -m pkm_serve.tflite MODEL [--fuse-composites]`: print the
+    execution plan with the delegate applied and the delegate path."""
+    import argparse
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("model")
+    parser.add_argument("--interpreter", default="auto", choices=("auto",) + INTERPRETERS)
+    parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--fuse-composites", action="store_true")
+    args = parser.parse_args(argv)
+    interp = make_interpreter(args.model, args.interpreter, args.num_threads,
+                              args.fuse_composites)
+    print("delegate:", delegate_path())
+    for op in execution_plan(interp):
+        where = (f"claimed by node {op['replaced_by']}" if op["replaced_by"] is not None
+                 else "runs")
+        print(f"  {op['index']:3d} {op['op_name']:<24} inputs={op['inputs']} "
+              f"outputs={op['outputs']}  {where}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,375 @@
+"""libpkm_tflite.so in LiteRT, tf.lite and tflite_runtime (TF-free venv).
+
+Models come from the real TF->TFLite converter (the TF op with
+allow_custom_ops, and the stock composite gather*w -> reduce_sum), plus
+hand-built flatbuffers for malformed cases. References: numpy and the TF op.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUNTIME_PY = os.path.join(ROOT, ".venv-tflite-runtime", "bin", "python")
+
+from pkm_serve import tflite  # noqa: E402
+
+import tensorflow as tf  # noqa: E402  (converter + reference op)
+from flatbuffers import flexbuffers  # noqa: E402
+
+N, D, K = 300, 24, 6
+RNG = np.random.default_rng(7)
+TABLE = RNG.standard_normal((N, D)).astype(np.float32)
+
+
+def numpy_bag(table, idx, w=None, combiner="sum"):
+    """Independent reference: loops over bags, negative index = padding."""
+    idx = np.asarray(idx)
+    w = np.ones(idx.shape, np.float64) if w is None else np.asarray(w, np.float64)
+    flat_i = idx.reshape(-1, idx.shape[-1])
+    flat_w = w.reshape(-1, idx.shape[-1])
+    out = np.zeros((flat_i.shape[0], table.shape[1]), np.float64)
+    for b in range(flat_i.shape[0]):
+        keep = flat_i[b] >= 0
+        rows, ws = flat_i[b][keep], flat_w[b][keep]
+        s = (ws[:, None] * table[rows].astype(np.float64)).sum(0)
+        denom = {"sum": 1.0, "mean": ws.sum(), "sqrtn": np.sqrt((ws ** 2).sum())}[combiner]
+        out[b] = s / denom if denom != 0 else 0.0
+    return out.reshape(idx.shape[:-1] + (table.shape[1],))
+
+
+def tf_op(params, idx, w, combiner):
+    from pkm_serve import ops
+    return ops.embedding_bag(params, idx, w, combiner=combiner)
+
+
+def convert(fn, signature):
+    concrete = tf.function(fn, input_signature=signature).get_concrete_function()
+    converter = tf.lite.TFLiteConverter.from_concrete_functions([concrete])
+    converter.allow_custom_ops = True
+    return converter.convert()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Converted models, written to disk for the runtime subprocess."""
+    d = tmp_path_factory.mktemp("models")
+    table = tf.constant(TABLE)
+    out = {}
+    for combiner in ("sum", "mean", "sqrtn"):
+        out[combiner] = convert(
+            lambda i, w, c=combiner: tf_op(table, i, w, c),
+            [tf.TensorSpec([None, K], tf.int32), tf.TensorSpec([None, K], tf.float32)])
+    out["int64_noweights"] = convert(
+        lambda i: tf_op(table, i, None, "sum"), [tf.TensorSpec([None, K], tf.int64)])
+    out["composite"] = convert(
+        lambda i, w: tf.reduce_sum(tf.gather(table, i) * w[..., None], axis=-2),
+        [tf.TensorSpec([None, K], tf.int32), tf.TensorSpec([None, K], tf.float32)])
+    out["composite_noweights"] = convert(
+        lambda i: tf.reduce_sum(tf.gather(table, i), axis=1), [tf.TensorSpec([None, K], tf.int32)])
+    out["int8"] = tflite.quantize_table_int8(out["sum"])
+    paths = {}
+    for name, blob in out.items():
+        p = d / f"{name}.tflite"
+        p.write_bytes(blob)
+        paths[name] = str(p)
+    return paths
+
+
+def bags(batch, int64=False, pad=True):
+    idx = RNG.integers(0, N, size=(batch, K)).astype(np.int64 if int64 else np.int32)
+    if pad:
+        idx[::3, -2:] = -1  # padding
+    w = RNG.uniform(0.1, 2.0, size=(batch, K)).astype(np.float32)
+    return idx, w
+
+
+def run_runtime_venv(model_path, inputs, tmp_path, num_threads=1, fuse_composites=False):
+    """Runs a model in the TF-free tflite_runtime venv; returns outputs or raises."""
+    if not os.path.exists(RUNTIME_PY):
+        pytest.fail(f"{RUNTIME_PY} missing: `make test` builds .venv-tflite-runtime")
+    job, result = tmp_path / "job.npz", tmp_path / "out.npz"
+    np.savez(job, model_path=np.array(model_path), interpreter=np.array("tflite_runtime"),
+             num_threads=np.array(num_threads), fuse_composites=np.array(fuse_composites),
+             **{f"input_{i}": x for i, x in enumerate(inputs)})
+    env = dict(os.environ, PYTHONPATH=ROOT, PKM_TFLITE_DELEGATE=tflite.delegate_path())
+    proc = subprocess.run([RUNTIME_PY, os.path.join(ROOT, "tests", "tflite", "run_in_runtime.py"),
+                           str(job), str(result)], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = np.load(result)
+    if "error" in res.files:
+        raise RuntimeError(str(res["error"]))
+    return [res[f"output_{i}"] for i in range(len(res.files))]
+
+
+ALL_INTERPRETERS = ("litert", "tf", "tflite_runtime")
+
+
+def run_in(interpreter, model_path, inputs, tmp_path, **kw):
+    if interpreter == "tflite_runtime":
+        return run_runtime_venv(model_path, inputs, tmp_path, **kw)
+    return tflite.run_tflite(model_path, inputs, interpreter=interpreter, **kw)
+
+
+# ---- the library itself ------------------------------------------------------
+
+def test_library_links_no_tensorflow_and_exports_the_plugin_api():
+    path = tflite.delegate_path()
+    ldd = subprocess.run(["ldd", path], capture_output=True, text=True, check=True).stdout
+    libs = [line.split()[0] for line in ldd.strip().splitlines()]
+    assert not [l for l in libs if "tensorflow" in l or "tflite" in l or "litert" in l.lower()], ldd
+    allowed = ("linux-vdso", "libstdc++", "libm.", "libgcc_s", "libc.", "ld-linux", "libpthread")
+    assert all(l.startswith(allowed) or "/ld-linux" in l for l in libs), libs
+    nm = subprocess.run(["nm", "-D", "--defined-only", path], capture_output=True, text=True,
+                        check=True).stdout
+    exported = {line.split()[-1] for line in nm.splitlines() if " T " in line}
+    assert {"tflite_plugin_create_delegate", "tflite_plugin_destroy_delegate",
+            "PkmEmbeddingBagRegistration"} <= exported
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", path], capture_output=True,
+                               text=True, check=True).stdout
+    assert "TfLite" not in undefined and "tensorflow" not in undefined
+
+
+def test_custom_options_are_the_converters_attr_map(models):
+    from ai_edge_litert import schema_py_generated as schema
+    blob = open(models["mean"], "rb").read()
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(blob), 0))
+    (op,) = model.subgraphs[0].operators
+    assert model.operatorCodes[op.opcodeIndex].customCode == b"PkmEmbeddingBag"
+    opts = flexbuffers.Loads(bytes(op.customOptions))
+    assert opts["combiner"] == "mean" and opts["has_weights"] is True
+    tensors = model.subgraphs[0].tensors
+    assert [tensors[i].name.decode() for i in op.inputs][1:] == ["i", "w"]  # params, indices, weights
+
+
+# ---- same outputs everywhere ---------------------------------------------------
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_converted_op_matches_tf_and_numpy_in_every_interpreter(models, combiner, tmp_path):
+    idx, w = bags(9)
+    expect_tf = tf_op(tf.constant(TABLE), idx, w, combiner).numpy()
+    expect_np = numpy_bag(TABLE, idx, w, combiner)
+    np.testing.assert_allclose(expect_tf, expect_np, rtol=1e-5, atol=1e-5)
+    outs = {}
+    for interp in ALL_INTERPRETERS:
+        (outs[interp],) = run_in(interp, models[combiner], [idx, w], tmp_path, num_threads=2)
+        np.testing.assert_allclose(outs[interp], expect_tf, rtol=1e-5, atol=1e-6, err_msg=interp)
+    np.testing.assert_array_equal(outs["litert"], outs["tflite_runtime"])
+    np.testing.assert_array_equal(outs["litert"], outs["tf"])
+
+
+def test_dynamic_batch_and_int64_unweighted(models, tmp_path):
+    for batch in (1, 17, 0):
+        idx, _ = bags(batch, int64=True)
+        expect = numpy_bag(TABLE, idx)
+        for interp in ALL_INTERPRETERS:
+            (out,) = run_in(interp, models["int64_noweights"], [idx], tmp_path)
+            assert out.shape == (batch, D)
+            np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-5, err_msg=interp)
+
+
+def test_int8_table_within_one_percent_of_fp32_everywhere(models, tmp_path):
+    # int8 rows + per-row scale (f32) and zero point (i64 in the schema): < half here.
+    assert os.path.getsize(models["int8"]) < 0.5 * os.path.getsize(models["sum"])
+    idx, w = bags(12)
+    (fp32,) = tflite.run_tflite(models["sum"], [idx, w])
+    outs = [run_in(i, models["int8"], [idx, w], tmp_path)[0] for i in ALL_INTERPRETERS]
+    for out in outs:
+        rel = np.linalg.norm(out - fp32) / np.linalg.norm(fp32)
+        assert rel < 0.01, rel
+        np.testing.assert_array_equal(out, outs[0])
+    # Exactly the dequantised table: the kernel uses the per-row scales.
+    q, scales = tflite.quantize_rows_int8(TABLE)
+    np.testing.assert_allclose(outs[0], numpy_bag(q * scales[:, None], idx, w), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_float16_table(tmp_path):
+    table16 = TABLE.astype(np.float16)
+    model = tflite.build_embedding_bag_model(table16, K, combiner="mean")
+    path = tmp_path / "fp16.tflite"
+    path.write_bytes(model)
+    idx, w = bags(5)
+    expect = numpy_bag(table16.astype(np.float32), idx, w.astype(np.float16).astype(np.float32),
+                       "mean")
+    for interp in ALL_INTERPRETERS:
+        (out,) = run_in(interp, str(path), [idx, w.astype(np.float16)], tmp_path)
+        assert out.dtype == np.float16
+        np.testing.assert_allclose(out.astype(np.float32), expect, rtol=2e-3, atol=2e-3)
+
+
+# ---- fusing the stock composite --------------------------------------------------
+
+@pytest.mark.parametrize("name", ["composite", "composite_noweights"])
+def test_fuse_composites_claims_the_chain(models, name, tmp_path):
+    weighted = name == "composite"
+    idx, w = bags(8, pad=False)  # stock GATHER rejects negative indices
+    inputs = [idx, w] if weighted else [idx]
+    (stock,) = tflite.run_tflite(models[name], inputs, use_delegate=False)
+    np.testing.assert_allclose(stock, numpy_bag(TABLE, idx, w if weighted else None), rtol=1e-5,
+                               atol=1e-5)
+    for interp in ("litert", "tf"):
+        it = tflite.make_interpreter(models[name], interp, fuse_composites=True)
+        ops = tflite.execution_plan(it)
+        delegated = [op for op in ops if op["op_name"] == "DELEGATE"]
+        assert len(delegated) == 1, [op["op_name"] for op in ops]
+        # Every stock op of the chain is replaced; only the delegate node runs.
+        assert tflite.ops_in_plan(it) == ["DELEGATE"], ops
+        assert all(op["replaced_by"] == delegated[0]["index"] for op in ops if op is not delegated[0])
+        gather = next(op for op in ops if op["op_name"] == "GATHER")
+        total = next(op for op in ops if op["op_name"] == "SUM")
+        # The delegate node reads the table and indices and writes SUM's output.
+        assert set(gather["inputs"]) <= set(delegated[0]["inputs"])
+        assert list(delegated[0]["outputs"]) == list(total["outputs"])
+        (fused,) = tflite.run_tflite(models[name], inputs, interpreter=interp,
+                                     fuse_composites=True, num_threads=2)
+        np.testing.assert_allclose(fused, stock, rtol=1e-5, atol=1e-6)
+        not_fused = tflite.make_interpreter(models[name], interp, fuse_composites=False)
+        assert "DELEGATE" not in tflite.ops_in_plan(not_fused)
+        assert "GATHER" in tflite.ops_in_plan(not_fused)
+    (rt,) = run_runtime_venv(models[name], inputs, tmp_path, fuse_composites=True)
+    np.testing.assert_allclose(rt, stock, rtol=1e-5, atol=1e-6)
+
+
+# ---- errors, never crashes --------------------------------------------------------
+
+def test_out_of_range_index_names_position_and_value(models, tmp_path):
+    idx, w = bags(3, pad=False)
+    idx[1, 2] = N + 5
+    for interp in ALL_INTERPRETERS:
+        with pytest.raises(RuntimeError, match=rf"indices\[{K + 2}\] = {N + 5} is out of range"):
+            run_in(interp, models["sum"], [idx, w], tmp_path)
+
+
+def _rewrite(model_bytes, mutate):
+    """Applies mutate(model, schema); returns the bytes and the input shapes."""
+    from ai_edge_litert import schema_py_generated as schema
+    import flatbuffers
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
+    mutate(model, schema)
+    b = flatbuffers.Builder(1024)
+    b.Finish(model.Pack(b), file_identifier=b"TFL3")
+    sub = model.subgraphs[0]
+    shapes = [tuple(int(x) for x in (sub.tensors[i].shape if sub.tensors[i].shape is not None
+                                     else ())) for i in sub.inputs]
+    return bytes(b.Output()), shapes
+
+
+def _options(opts):
+    return bytes(flexbuffers.Dumps(opts))
+
+
+def _int8_without_scales(model, schema):
+    table = model.subgraphs[0].tensors[0]
+    table.type = schema.TensorType.INT8
+    model.buffers[table.buffer].data = np.zeros(N * D, np.uint8)
+
+
+MALFORMED = {
+    "one input": (lambda m, s: setattr(m.subgraphs[0].operators[0], "inputs", [0]),
+                  "expects 2 or 3 inputs"),
+    "four inputs": (lambda m, s: setattr(m.subgraphs[0].operators[0], "inputs", [0, 1, 2, 2]),
+                    "expects 2 or 3 inputs"),
+    "float indices": (lambda m, s: setattr(m.subgraphs[0].tensors[1], "type", s.TensorType.FLOAT32),
+                      "indices must be int32 or int64"),
+    "int32 table": (lambda m, s: setattr(m.subgraphs[0].tensors[0], "type", s.TensorType.INT32),
+                    "params must be float32, float16, bfloat16 or int8"),
+    "int8 table without scales": (lambda m, s: _int8_without_scales(m, s), "int8 params need per-row"),
+    "rank-3 table": (lambda m, s: setattr(m.subgraphs[0].tensors[0], "shape", [N // 4, 4, D]),
+                     "params must be rank 2"),
+    "scalar indices": (lambda m, s: [setattr(m.subgraphs[0].tensors[i], "shape", []) or
+                                     setattr(m.subgraphs[0].tensors[i], "shapeSignature", None)
+                                     for i in (1, 2)],
+                       "indices must have rank >= 1"),
+    "garbage options": (lambda m, s: setattr(m.subgraphs[0].operators[0], "customOptions",
+                                             np.frombuffer(b"\x07\xff\x00\x13junk", np.uint8)),
+                        "malformed flexbuffer"),
+    "unknown combiner": (lambda m, s: setattr(m.subgraphs[0].operators[0], "customOptions",
+                                              np.frombuffer(_options({"combiner": "max"}), np.uint8)),
+                         "'combiner' must be 'sum', 'mean' or 'sqrtn', got 'max'"),
+    "combiner not a string": (lambda m, s: setattr(m.subgraphs[0].operators[0], "customOptions",
+                                                   np.frombuffer(_options({"combiner": 3}), np.uint8)),
+                              "'combiner' must be a string"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_models_fail_with_a_message(case, tmp_path):
+    mutate, message = MALFORMED[case]
+    base = tflite.build_embedding_bag_model(TABLE, K, batch=2)
+    path = tmp_path / "bad.tflite"
+    blob, shapes = _rewrite(base, mutate)
+    path.write_bytes(blob)
+    # Inputs shaped as the (mutated) model declares, so nothing is resized.
+    interp_inputs = [np.ones(shapes[0], np.int32), np.ones(shapes[1], np.float32)]
+    for interp in ALL_INTERPRETERS:
+        with pytest.raises((RuntimeError, ValueError)) as err:
+            if interp == "tflite_runtime":
+                run_runtime_venv(str(path), interp_inputs, tmp_path)
+            else:
+                it = tflite.make_interpreter(str(path), interp)
+                it.allocate_tensors()
+                for d, x in zip(it.get_input_details(), interp_inputs):
+                    it.set_tensor(d["index"], x.astype(d["dtype"]))
+                it.invoke()
+        assert message in str(err.value), (interp, str(err.value))
+
+
+def test_zero_sized_tensors(tmp_path):
+    # K = 0: empty bags give zeros; an empty table accepts only padding.
+    empty_bags = tflite.build_embedding_bag_model(TABLE, 0, batch=3)
+    (out,) = tflite.run_tflite(empty_bags, [np.zeros((3, 0), np.int32), np.zeros((3, 0), np.float32)])
+    np.testing.assert_array_equal(out, np.zeros((3, D), np.float32))
+    empty_table = tflite.build_embedding_bag_model(np.zeros((0, D), np.float32), 2, batch=2)
+    (out,) = tflite.run_tflite(empty_table, [np.full((2, 2), -1, np.int32), np.ones((2, 2), np.float32)])
+    np.testing.assert_array_equal(out, np.zeros((2, D), np.float32))
+    with pytest.raises(RuntimeError, match=r"indices\[0\] = 0 is out of range \[0, 0\)"):
+        tflite.run_tflite(empty_table, [np.zeros((2, 2), np.int32), np.ones((2, 2), np.float32)])
+    zero_dim = tflite.build_embedding_bag_model(np.zeros((5, 0), np.float32), 2, batch=2)
+    (out,) = tflite.run_tflite(zero_dim, [np.zeros((2, 2), np.int32), np.ones((2, 2), np.float32)])
+    assert out.shape == (2, 0)
+    with pytest.raises(RuntimeError, match=r"indices\[1\] = 9 is out of range"):
+        tflite.run_tflite(zero_dim, [np.array([[0, 9], [1, 1]], np.int32), np.ones((2, 2), np.float32)])
+
+
+def test_delegate_options_are_validated():
+    with pytest.raises(ValueError, match="unknown delegate option"):
+        tflite.load_delegate(interpreter="litert", threads=2)
+    from ai_edge_litert import interpreter as litert
+    for options in ({"num_threads": "zero"}, {"fuse_composites": "maybe"}, {"colour": "red"}):
+        with pytest.raises(ValueError):
+            litert.load_delegate(tflite.delegate_path(), options=options)
+
+
+def test_asan_fuzz_of_prepare_and_invoke():
+    """`make asan-tflite`: random tensors/options under AddressSanitizer + UBSan."""
+    if shutil.which("make") is None:
+        pytest.fail("make is required")
+    proc = subprocess.run(["make", "-s", "asan-tflite", "FUZZ_ITERS=4000"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "rejected with a message" in proc.stdout
+
+
+def test_indices_with_data_dependent_shape(tmp_path):
+    """Indices produced by UNIQUE (a dynamic tensor in TFLite): the output is
+    made dynamic in Prepare and sized at Invoke."""
+    table = tf.constant(TABLE)
+
+    def fn(ids):
+        unique = tf.unique(ids).y  # data-dependent length
+        return tf_op(table, tf.reshape(unique, [-1, 2]), None, "mean")
+
+    model = convert(fn, [tf.TensorSpec([8], tf.int32)])
+    path = tmp_path / "dynamic.tflite"
+    path.write_bytes(model)
+    for ids in (np.array([3, 3, 5, 7, 7, 9, 1, 2], np.int32), np.arange(8, dtype=np.int32) * 11):
+        _, first = np.unique(ids, return_index=True)
+        expect = numpy_bag(TABLE, ids[np.sort(first)].reshape(-1, 2), None, "mean")
+        for interp in ALL_INTERPRETERS:
+            (out,) = run_in(interp, str(path), [ids], tmp_path)
+            np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-6, err_msg=interp)

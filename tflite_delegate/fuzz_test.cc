@@ -1,0 +1,316 @@
+// Fuzz test of the PkmEmbeddingBag TFLite kernel's Prepare/Invoke on random
+// (often malformed) tensors, options and quantisation, through a fake
+// TfLiteContext. Built with AddressSanitizer + UBSan by `make asan-tflite`.
+// Every call must return kTfLiteOk or kTfLiteError with a message; successful
+// float32 runs are checked against pkm::ReferenceForward. Also throws random
+// bytes at the flexbuffer reader.
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/core/embedding_bag.h"
+#include "tflite_delegate/embedding_bag_tflite.h"
+#include "tflite_delegate/flexbuffer_map.h"
+
+namespace {
+
+std::string g_last_error;
+std::mt19937_64 rng(12345);
+
+int Rand(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
+bool Coin(double p = 0.5) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; }
+
+void ReportError(TfLiteContext*, const char* fmt, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  g_last_error = buf;
+}
+
+TfLiteIntArray* IntArray(const std::vector<int>& v) {
+  auto* a = static_cast<TfLiteIntArray*>(std::malloc(sizeof(TfLiteIntArray) + sizeof(int) * (v.size() + 1)));
+  a->size = static_cast<int>(v.size());
+  for (size_t i = 0; i < v.size(); ++i) a->data[i] = v[i];
+  return a;
+}
+
+size_t ElemBytes(TfLiteType t) {
+  switch (t) {
+    case kTfLiteFloat32: case kTfLiteInt32: return 4;
+    case kTfLiteInt64: return 8;
+    case kTfLiteFloat16: case kTfLiteBFloat16: return 2;
+    default: return 1;
+  }
+}
+
+int64_t Count(const TfLiteIntArray* d) {
+  int64_t n = 1;
+  for (int i = 0; i < d->size; ++i) n *= d->data[i];
+  return n;
+}
+
+// Buffers are owned by the fixture (like an arena): the kernel may drop a
+// tensor's pointer (making it dynamic) without leaking or double-freeing.
+std::vector<void*>* g_buffers = nullptr;
+
+void SetData(TfLiteTensor* t) {
+  t->bytes = static_cast<size_t>(Count(t->dims)) * ElemBytes(t->type);
+  t->data.raw = static_cast<char*>(std::malloc(t->bytes ? t->bytes : 1));
+  g_buffers->push_back(t->data.raw);
+}
+
+TfLiteStatus ResizeTensor(TfLiteContext*, TfLiteTensor* t, TfLiteIntArray* dims) {
+  std::free(t->dims);
+  t->dims = dims;
+  SetData(t);
+  return kTfLiteOk;
+}
+
+struct Fixture {
+  TfLiteContext context;
+  std::vector<TfLiteTensor> tensors;
+  std::vector<void*> owned;  // quantisation arrays and tensor buffers
+  Fixture() {
+    std::memset(&context, 0, sizeof(context));
+    g_buffers = &owned;
+  }
+  ~Fixture() {
+    for (auto& t : tensors) {
+      std::free(t.dims);
+      delete static_cast<TfLiteAffineQuantization*>(t.quantization.params);
+    }
+    for (void* p : owned) std::free(p);
+  }
+};
+
+std::vector<int> RandDims(int max_rank, int max_dim) {
+  std::vector<int> d(Rand(0, max_rank));
+  for (int& v : d) v = Rand(0, max_dim);
+  return d;
+}
+
+TfLiteType RandType(TfLiteType usual, double p_usual) {
+  static const TfLiteType all[] = {kTfLiteFloat32, kTfLiteFloat16, kTfLiteBFloat16, kTfLiteInt8,
+                                   kTfLiteInt32, kTfLiteInt64, kTfLiteBool};
+  return Coin(p_usual) ? usual : all[Rand(0, 6)];
+}
+
+void FillRandom(TfLiteTensor* t, int64_t num_rows) {
+  const int64_t n = Count(t->dims);
+  for (int64_t i = 0; i < n; ++i) {
+    switch (t->type) {
+      case kTfLiteFloat32: reinterpret_cast<float*>(t->data.raw)[i] = Rand(-100, 100) / 37.f; break;
+      case kTfLiteInt32: reinterpret_cast<int32_t*>(t->data.raw)[i] = Rand(-3, static_cast<int>(num_rows) + (Coin(0.05) ? 2 : -1)); break;
+      case kTfLiteInt64: reinterpret_cast<int64_t*>(t->data.raw)[i] = Coin(0.01) ? (int64_t{1} << 40) : Rand(-3, static_cast<int>(num_rows) - 1); break;
+      case kTfLiteFloat16: reinterpret_cast<uint16_t*>(t->data.raw)[i] = pkm::FloatToHalf(Rand(-50, 50) / 13.f); break;
+      case kTfLiteBFloat16: reinterpret_cast<uint16_t*>(t->data.raw)[i] = pkm::FloatToBFloat16(Rand(-50, 50) / 13.f); break;
+      default: reinterpret_cast<uint8_t*>(t->data.raw)[i] = static_cast<uint8_t>(Rand(0, 255)); break;
+    }
+  }
+}
+
+// Per-row scales in either TfLiteFloatArray layout (old: {int size; float[]},
+// new: {float* data; int size; bool owning}).
+void Quantise(Fixture* f, TfLiteTensor* t, int rows) {
+  const int mode = Rand(0, 4);
+  t->quantization.type = kTfLiteAffineQuantization;
+  auto* aq = new TfLiteAffineQuantization;
+  t->quantization.params = aq;
+  const int count = mode == 3 ? rows + 1 : rows;  // mode 3: wrong count
+  std::vector<int> zp(count);
+  for (int& z : zp) z = Coin(0.8) ? 0 : Rand(-3, 3);
+  aq->zero_point = IntArray(zp);
+  f->owned.push_back(aq->zero_point);
+  aq->quantized_dimension = mode == 4 ? 1 : 0;
+  if (Coin()) {
+    char* raw = static_cast<char*>(std::malloc(4 + 4 * (count + 1)));
+    std::memcpy(raw, &count, 4);
+    for (int i = 0; i < count; ++i) {
+      float s = Rand(1, 100) / 1000.f;
+      std::memcpy(raw + 4 + 4 * i, &s, 4);
+    }
+    aq->scale = reinterpret_cast<TfLiteFloatArray*>(raw);
+    f->owned.push_back(raw);
+  } else {
+    struct NewFloatArray { float* data; int size; bool owning; };
+    auto* arr = static_cast<NewFloatArray*>(std::malloc(sizeof(NewFloatArray)));
+    arr->data = static_cast<float*>(std::malloc(4 * (count + 1)));
+    for (int i = 0; i < count; ++i) arr->data[i] = Rand(1, 100) / 1000.f;
+    arr->size = count;
+    arr->owning = true;
+    aq->scale = reinterpret_cast<TfLiteFloatArray*>(arr);
+    f->owned.push_back(arr->data);
+    f->owned.push_back(arr);
+  }
+  t->params.scale = Coin(0.3) ? 0.01f : 0.f;
+}
+
+std::vector<uint8_t> RandomOptions(const std::vector<std::vector<uint8_t>>& valid) {
+  const int mode = Rand(0, 5);
+  if (mode == 0) return {};
+  std::vector<uint8_t> b = valid[Rand(0, static_cast<int>(valid.size()) - 1)];
+  if (mode <= 2) return b;
+  if (mode == 3) {
+    for (int i = 0, n = Rand(1, 4); i < n && !b.empty(); ++i) b[Rand(0, static_cast<int>(b.size()) - 1)] = Rand(0, 255);
+    return b;
+  }
+  if (mode == 4) {
+    b.resize(Rand(0, static_cast<int>(b.size())));
+    return b;
+  }
+  std::vector<uint8_t> r(Rand(0, 64));
+  for (auto& v : r) v = Rand(0, 255);
+  return r;
+}
+
+bool CheckAgainstReference(Fixture& f, const pkm::tflite::OpOptions& opts, int n_inputs) {
+  const TfLiteTensor& table = f.tensors[0];
+  const TfLiteTensor& idx = f.tensors[1];
+  const TfLiteTensor& out = f.tensors[n_inputs];
+  if (table.type != kTfLiteFloat32 || out.type != kTfLiteFloat32) return true;
+  pkm::Table t;
+  t.data = table.data.raw;
+  t.num_rows = table.dims->data[0];
+  t.dim = table.dims->data[1];
+  pkm::Bags b;
+  b.indices = idx.data.raw;
+  b.indices_int64 = idx.type == kTfLiteInt64;
+  b.bag_size = idx.dims->data[idx.dims->size - 1];
+  b.num_bags = b.bag_size ? Count(idx.dims) / b.bag_size : 1;
+  if (b.bag_size == 0) {
+    b.num_bags = 1;
+    for (int i = 0; i + 1 < idx.dims->size; ++i) b.num_bags *= idx.dims->data[i];
+  }
+  if (n_inputs == 3 && opts.has_weights) {
+    b.weights = f.tensors[2].data.raw;
+    if (f.tensors[2].type == kTfLiteFloat16) b.weights_type = pkm::ElemType::kFloat16;
+    if (f.tensors[2].type == kTfLiteBFloat16) b.weights_type = pkm::ElemType::kBFloat16;
+  }
+  std::vector<float> expect(static_cast<size_t>(b.num_bags * t.dim) + 1);
+  const pkm::Status s = pkm::ReferenceForward(t, b, opts.combiner, expect.data(), pkm::ElemType::kFloat32);
+  if (!s.ok) {
+    std::fprintf(stderr, "reference failed where the kernel succeeded: %s\n", s.message.c_str());
+    return false;
+  }
+  const float* got = reinterpret_cast<const float*>(out.data.raw);
+  for (int64_t i = 0; i < b.num_bags * t.dim; ++i) {
+    if (std::fabs(got[i] - expect[i]) > 1e-4f * (1.f + std::fabs(expect[i]))) {
+      std::fprintf(stderr, "mismatch at %lld: %g vs %g\n", static_cast<long long>(i), got[i], expect[i]);
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int iterations = argc > 1 ? std::atoi(argv[1]) : 2000;
+  // Options as the converter writes them (flexbuffers maps of the TF attrs).
+  const std::vector<std::vector<uint8_t>> valid = {
+      {'T', 0, 'T', 'i', 'n', 'd', 'i', 'c', 'e', 's', 0, 'c', 'o', 'm', 'b', 'i', 'n', 'e', 'r', 0, 4, 'm', 'e', 'a', 'n', 0,
+       'h', 'a', 's', '_', 'w', 'e', 'i', 'g', 'h', 't', 's', 0, 4, 39, 38, 30, 16, 4, 1, 4, 0, 2, 27, 1, 4, 4, 20, 104, 8, 36, 1},
+  };
+  TfLiteRegistration* reg = PkmEmbeddingBagRegistration();
+  int ok_runs = 0, errors = 0, checked = 0;
+  for (int it = 0; it < iterations; ++it) {
+    Fixture f;
+    f.context.ReportError = ReportError;
+    f.context.ResizeTensor = ResizeTensor;
+    f.context.recommended_num_threads = Rand(1, 3);
+    const int n_inputs = Coin(0.9) ? Rand(2, 3) : Rand(0, 5);
+    const int n_outputs = Coin(0.95) ? 1 : Rand(0, 2);
+    f.tensors.resize(n_inputs + n_outputs);
+    for (auto& t : f.tensors) std::memset(&t, 0, sizeof(t));
+    int rows = 0;
+    for (int i = 0; i < n_inputs + n_outputs; ++i) {
+      TfLiteTensor& t = f.tensors[i];
+      std::vector<int> dims;
+      if (i == 0) {
+        t.type = RandType(Coin(0.3) ? kTfLiteInt8 : kTfLiteFloat32, 0.85);
+        dims = Coin(0.9) ? std::vector<int>{Rand(0, 40), Rand(0, 9)} : RandDims(3, 5);
+        rows = dims.size() == 2 ? dims[0] : 0;
+      } else if (i == 1) {
+        t.type = RandType(Coin() ? kTfLiteInt32 : kTfLiteInt64, 0.9);
+        dims = Coin(0.9) ? std::vector<int>{Rand(0, 6), Rand(0, 7)} : RandDims(3, 4);
+      } else if (i == 2 && i < n_inputs) {
+        t.type = RandType(kTfLiteFloat32, 0.85);
+        dims = Coin(0.85) ? std::vector<int>(f.tensors[1].dims->data, f.tensors[1].dims->data + f.tensors[1].dims->size)
+                          : RandDims(3, 6);
+      } else {
+        t.type = RandType(f.tensors[0].type == kTfLiteInt8 ? kTfLiteFloat32 : f.tensors[0].type, 0.9);
+        dims = RandDims(3, 3);
+      }
+      t.dims = IntArray(dims);
+      // Inputs are sometimes dynamic (shape known only at Invoke).
+      t.allocation_type = (i < n_inputs && Coin(0.1)) ? kTfLiteDynamic : kTfLiteArenaRw;
+      SetData(&t);
+      FillRandom(&t, rows);
+      if (i == 0 && t.type == kTfLiteInt8 && Coin(0.9)) Quantise(&f, &t, rows);
+    }
+    f.context.tensors = f.tensors.data();
+    f.context.tensors_size = f.tensors.size();
+    std::vector<int> in_idx(n_inputs), out_idx(n_outputs);
+    for (int i = 0; i < n_inputs; ++i) in_idx[i] = Coin(0.98) ? i : (Coin() ? -1 : 99);
+    for (int i = 0; i < n_outputs; ++i) out_idx[i] = Coin(0.98) ? n_inputs + i : 77;
+    TfLiteNode node;
+    std::memset(&node, 0, sizeof(node));
+    node.inputs = IntArray(in_idx);
+    node.outputs = IntArray(out_idx);
+    const std::vector<uint8_t> options = RandomOptions(valid);
+    node.custom_initial_data = options.empty() ? nullptr : options.data();
+    node.custom_initial_data_size = static_cast<int>(options.size());
+    node.user_data = reg->init(&f.context, reinterpret_cast<const char*>(node.custom_initial_data), options.size());
+    g_last_error.clear();
+    TfLiteStatus st = reg->prepare(&f.context, &node);
+    if (st == kTfLiteOk) {
+      if (Coin(0.05) && !f.tensors.empty()) {  // a buffer shrunk behind the kernel's back
+        TfLiteTensor& t = f.tensors[Rand(0, static_cast<int>(f.tensors.size()) - 1)];
+        if (t.bytes) t.bytes -= 1;
+      }
+      st = reg->invoke(&f.context, &node);
+      if (st == kTfLiteOk) {
+        ++ok_runs;
+        pkm::tflite::OpOptions opts;
+        std::string err;
+        pkm::tflite::ParseOpOptions(options.data(), options.size(), &opts, &err);
+        if (n_outputs == 1 && out_idx[0] == n_inputs && in_idx[0] == 0 && in_idx[1] == 1 &&
+            (n_inputs < 3 || in_idx[2] == 2)) {
+          if (!CheckAgainstReference(f, opts, n_inputs)) return 1;
+          ++checked;
+        }
+      }
+    }
+    if (st != kTfLiteOk) {
+      ++errors;
+      if (g_last_error.empty()) {
+        std::fprintf(stderr, "iteration %d: kTfLiteError without a message\n", it);
+        return 1;
+      }
+    } else if (st != kTfLiteOk && st != kTfLiteError) {
+      return 1;
+    }
+    reg->free(&f.context, node.user_data);
+    std::free(node.inputs);
+    std::free(node.outputs);
+  }
+  // The flexbuffer reader on random bytes and mutations of a valid buffer.
+  int parsed = 0;
+  for (int it = 0; it < iterations * 5; ++it) {
+    std::vector<uint8_t> b = RandomOptions(valid);
+    pkm::tflite::FlexbufferMap map;
+    std::string err;
+    parsed += map.Parse(b.data(), b.size(), &err);
+  }
+  std::printf("fuzz: %d iterations, %d ran ok (%d checked against the reference), %d rejected "
+              "with a message; flexbuffer: %d/%d parsed\n",
+              iterations, ok_runs, checked, errors, parsed, iterations * 5);
+  return ok_runs > 0 && errors > 0 && checked > 0 ? 0 : 1;
+}
