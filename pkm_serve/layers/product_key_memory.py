@@ -9,6 +9,7 @@ scores. The value read is one fused EmbeddingBag over heads * knn slots with
 per-sample weights, so no [batch, heads * knn, v_dim] buffer is built.
 """
 import math
+import warnings
 
 import keras
 import tensorflow as tf
@@ -112,7 +113,15 @@ class ProductKeyMemory(keras.layers.Layer):
             initializer=self.keys_initializer,
             name="keys",
         )
-        self.memory = EmbeddingBag(
+        with warnings.catch_warnings():
+            # A fallback to the composite was already announced by __init__.
+            warnings.simplefilter("ignore", RuntimeWarning)
+            self.memory = self._make_memory(v_dim)
+        self.memory.build()
+        self.built = True
+
+    def _make_memory(self, v_dim):
+        return EmbeddingBag(
             self.n_keys * self.n_keys,
             v_dim,
             combiner="sum",
@@ -123,8 +132,6 @@ class ProductKeyMemory(keras.layers.Layer):
             name="values",
             dtype=self.dtype_policy,
         )
-        self.memory.build()
-        self.built = True
 
     def call(self, inputs, training=None):
         d_model = inputs.shape[-1]

@@ -31,16 +31,16 @@ class RecallTask:
 
 @dataclasses.dataclass
 class RecallConfig:
-    num_pairs: int = 8192
+    num_pairs: int = 32768
     key_dim: int = 32
-    num_values: int = 1024
+    num_values: int = 256
     d_model: int = 64
     n_keys: int = 128  # 16384 memory slots
     heads: int = 4
     knn: int = 16
     k_dim: int = 64
     batch_size: int = 256
-    steps: int = 600
+    steps: int = 1500
     learning_rate: float = 3e-3
     seed: int = 0
 
@@ -82,6 +82,18 @@ def build_feedforward_model(config, hidden_units=None):
     ffn = keras.layers.Dense(config.d_model, name="ffn_out")(ffn)
     logits = keras.layers.Dense(config.num_values, name="logits")(hidden + ffn)
     return keras.Model(keys, logits, name=f"ffn{hidden_units}_recall")
+
+
+def parameter_matched_hidden_units(config):
+    """Hidden width of a feed-forward block with as many parameters as the PKM layer."""
+    memory = ProductKeyMemory(
+        v_dim=config.d_model, k_dim=config.k_dim, n_keys=config.n_keys,
+        heads=config.heads, knn=config.knn, implementation="composite",
+    )
+    memory.build((None, config.d_model))
+    d = config.d_model
+    # Dense(d -> H) + Dense(H -> d): H * (2d + 1) + d parameters.
+    return max(1, round((memory.count_params() - d) / (2 * d + 1)))
 
 
 def train_recall(model, task, config, log_every=100, log=print):

@@ -1,0 +1,162 @@
+"""ProductKeyMemory: matches an independent numpy PKM, fused == composite, gradients, precision."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pkm_serve import ops
+from pkm_serve.layers import OpLibraryUnavailableError, ProductKeyMemory
+from tests.layers.reference import product_key_memory_numpy
+
+D_MODEL = 24
+SMALL = dict(v_dim=20, k_dim=16, n_keys=12, heads=3, knn=5)
+
+
+def make_pkm(implementation="fused", seed=0, x_shape=(None, D_MODEL), **overrides):
+    config = dict(SMALL, **overrides)
+    keras.utils.set_random_seed(seed)
+    layer = ProductKeyMemory(implementation=implementation, **config)
+    layer.build(x_shape)
+    return layer
+
+
+def randomise_batchnorm(layer, rng):
+    """Non-trivial inference statistics so the reference exercises the BN maths."""
+    bn = layer.query_bn
+    width = layer.heads * layer.k_dim
+    bn.moving_mean.assign(rng.normal(0, 0.3, width).astype(np.float32))
+    bn.moving_variance.assign(rng.uniform(0.5, 2.0, width).astype(np.float32))
+    bn.gamma.assign(rng.uniform(0.5, 1.5, width).astype(np.float32))
+    bn.beta.assign(rng.normal(0, 0.1, width).astype(np.float32))
+
+
+def copy_weights(source, target):
+    for src, dst in zip(source.weights, target.weights):
+        assert src.path.split("/", 1)[1] == dst.path.split("/", 1)[1]
+        dst.assign(src.numpy())
+
+
+@pytest.mark.parametrize("query_batchnorm", [True, False])
+@pytest.mark.parametrize("x_shape", [(10, D_MODEL), (2, 3, D_MODEL)])
+def test_matches_numpy_reference(query_batchnorm, x_shape):
+    rng = np.random.default_rng(0)
+    layer = make_pkm(query_batchnorm=query_batchnorm)
+    if query_batchnorm:
+        randomise_batchnorm(layer, rng)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    out = layer(x, training=False)
+    assert out.shape == x_shape[:-1] + (SMALL["v_dim"],)
+    np.testing.assert_allclose(out.numpy(), product_key_memory_numpy(layer, x), rtol=1e-4, atol=1e-5)
+
+
+def test_v_dim_defaults_to_input_dim_and_paper_defaults():
+    layer = ProductKeyMemory()
+    assert (layer.n_keys, layer.heads, layer.knn, layer.k_dim) == (512, 4, 32, 128)
+    layer.build((None, 32))
+    assert layer.memory.embeddings.shape == (512 * 512, 32)
+    assert layer.keys.shape == (4, 2, 512, 64)
+    assert layer.compute_output_shape((None, 7, 32)) == (None, 7, 32)
+
+
+def test_fused_equals_composite_and_gradients_reach_queries_keys_values():
+    rng = np.random.default_rng(1)
+    fused = make_pkm("fused")
+    composite = make_pkm("composite", seed=1)
+    copy_weights(fused, composite)
+    x = tf.constant(rng.standard_normal((16, D_MODEL)), tf.float32)
+    upstream = tf.constant(rng.standard_normal((16, SMALL["v_dim"])), tf.float32)
+
+    def forward_and_grads(layer):
+        watched = [layer.query_proj.kernel, layer.keys, layer.memory.embeddings]
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            out = layer(x, training=True)  # batch statistics: BN gradient path too
+            loss = tf.reduce_sum(out * upstream)
+        grads = tape.gradient(loss, [x] + [v.value for v in watched])
+        return out, [tf.convert_to_tensor(g).numpy() for g in grads]
+
+    out, grads = forward_and_grads(fused)
+    out_ref, grads_ref = forward_and_grads(composite)
+    np.testing.assert_allclose(out.numpy(), out_ref.numpy(), rtol=1e-5, atol=1e-6)
+    for name, g, g_ref in zip(["input", "query kernel", "keys", "values"], grads, grads_ref):
+        assert np.abs(g).sum() > 0, f"no gradient reaches the {name}"
+        np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5, err_msg=name)
+    # Only the selected slots of the value table get gradient.
+    touched_rows = np.count_nonzero(np.abs(grads[3]).sum(axis=1))
+    assert 0 < touched_rows <= 16 * SMALL["heads"] * SMALL["knn"]
+
+
+def test_selected_slots_are_valid_and_weights_are_softmax():
+    rng = np.random.default_rng(2)
+    layer = make_pkm()
+    query = tf.constant(rng.standard_normal((8, SMALL["heads"] * SMALL["k_dim"])), tf.float32)
+    indices, weights = layer.select_slots(query)
+    assert indices.dtype == tf.int64 and indices.shape == (8, SMALL["heads"] * SMALL["knn"])
+    assert indices.numpy().min() >= 0 and indices.numpy().max() < SMALL["n_keys"] ** 2
+    per_head = weights.numpy().reshape(8, SMALL["heads"], SMALL["knn"])
+    np.testing.assert_allclose(per_head.sum(axis=-1), 1.0, rtol=1e-5)
+    # within a head the knn slots are distinct
+    for row in indices.numpy().reshape(8, SMALL["heads"], SMALL["knn"]).reshape(-1, SMALL["knn"]):
+        assert len(set(row)) == SMALL["knn"]
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_forward_and_backward(policy):
+    rng = np.random.default_rng(3)
+    reference = make_pkm()
+    x = rng.standard_normal((12, D_MODEL)).astype(np.float32)
+    expected = reference(x, training=False).numpy()
+    keras.config.set_dtype_policy(policy)
+    layer = make_pkm()
+    copy_weights(reference, layer)
+    assert layer.memory.embeddings.dtype == "float32"  # stored in float32
+    with tf.GradientTape() as tape:
+        out = layer(x, training=False)
+        loss = tf.reduce_sum(tf.cast(out, tf.float32) ** 2)
+    variables = [layer.query_proj.kernel.value, layer.keys.value, layer.memory.embeddings.value]
+    grads = tape.gradient(loss, variables)
+    assert out.dtype == tf.as_dtype(layer.compute_dtype)
+    for g in grads:
+        g = tf.convert_to_tensor(g).numpy()
+        assert g.dtype == np.float32 and np.isfinite(g).all() and np.abs(g).sum() > 0
+    # Half-precision scores can reorder near-tied slots, so compare loosely on average.
+    error = np.abs(out.numpy().astype(np.float32) - expected).mean() / np.abs(expected).mean()
+    assert error < (0.05 if policy == "mixed_float16" else 0.15), error
+
+
+def test_model_with_pkm_fits_under_mixed_float16():
+    keras.config.set_dtype_policy("mixed_float16")
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((128, D_MODEL)).astype(np.float32)
+    y = rng.standard_normal((128, SMALL["v_dim"])).astype(np.float32)
+    inputs = keras.Input((D_MODEL,))
+    outputs = keras.layers.Activation("linear", dtype="float32")(ProductKeyMemory(**SMALL)(inputs))
+    model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.Adam(0.01), "mse")  # loss-scaled under mixed_float16
+    history = model.fit(x, y, epochs=15, batch_size=32, verbose=0)
+    losses = history.history["loss"]
+    assert np.isfinite(losses).all() and losses[-1] < 0.9 * losses[0]
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="k_dim must be even"):
+        ProductKeyMemory(k_dim=15)
+    with pytest.raises(ValueError, match="knn"):
+        ProductKeyMemory(n_keys=8, knn=9)
+    with pytest.raises(ValueError, match="heads"):
+        ProductKeyMemory(heads=0)
+
+
+def test_missing_op_library_is_a_clear_error_unless_fallback(monkeypatch):
+    def missing():
+        raise ops.OpLibraryNotFoundError("pkm_serve op library not found at /nowhere/_pkm_ops.so")
+
+    monkeypatch.setattr(ops, "load_library", missing)
+    with pytest.raises(OpLibraryUnavailableError, match="make build"):
+        ProductKeyMemory(**SMALL)
+    with pytest.warns(RuntimeWarning, match="composite"):
+        layer = ProductKeyMemory(fallback="composite", **SMALL)
+    x = np.random.default_rng(5).standard_normal((4, D_MODEL)).astype(np.float32)
+    np.testing.assert_allclose(
+        layer(x).numpy(), product_key_memory_numpy(layer, x), rtol=1e-4, atol=1e-5
+    )
