@@ -41,7 +41,8 @@ venv: $(STAMP)
 # ---- TF custom-op library ---------------------------------------------------
 TF_CFLAGS = $(shell $(PY) -c 'import tensorflow as tf; print(" ".join(tf.sysconfig.get_compile_flags()))' 2>/dev/null)
 TF_LFLAGS = $(shell $(PY) -c 'import tensorflow as tf; print(" ".join(tf.sysconfig.get_link_flags()))' 2>/dev/null)
-TF_OP_SRCS := $(wildcard kernels/tf/*_ops.cc) $(wildcard kernels/tf/*_kernels.cc)
+# CPU kernels only; the GPU kernels (*_gpu_kernels.cc) are built by `make gpu`.
+TF_OP_SRCS := $(wildcard kernels/tf/*_ops.cc) $(filter-out %_gpu_kernels.cc,$(wildcard kernels/tf/*_kernels.cc))
 TF_OP_LIB  := $(LIBDIR)/_pkm_ops.so
 
 $(BUILDDIR)/core/%.o: $(CORE_DIR)/%.cc $(CORE_HDRS)

@@ -22,6 +22,7 @@ TABLE_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 INDEX_DTYPES = (tf.int32, tf.int64)
 
 _LIB_NAME = "_pkm_ops.so"
+_GPU_LIB_NAME = "_pkm_ops_gpu.so"  # CPU + GPU kernels, built by `make gpu` (nvcc)
 _lib = None
 _lib_lock = threading.Lock()
 
@@ -31,9 +32,16 @@ class OpLibraryNotFoundError(ImportError):
 
 
 def library_path() -> str:
-    """Path of the TF op library: ``$PKM_SERVE_OPS_LIB`` or the packaged build."""
-    return os.environ.get("PKM_SERVE_OPS_LIB") or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "lib", _LIB_NAME)
+    """Path of the TF op library: ``$PKM_SERVE_OPS_LIB``, else the packaged
+    build — the one with GPU kernels when it was built and TF sees a GPU."""
+    if os.environ.get("PKM_SERVE_OPS_LIB"):
+        return os.environ["PKM_SERVE_OPS_LIB"]
+    lib_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib")
+    gpu_lib = os.path.join(lib_dir, _GPU_LIB_NAME)
+    # Both libraries register the same ops: load exactly one of them.
+    if os.path.exists(gpu_lib) and tf.config.list_physical_devices("GPU"):
+        return gpu_lib
+    return os.path.join(lib_dir, _LIB_NAME)
 
 
 def load_library():

@@ -10,7 +10,8 @@ import ctypes
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_CUDA_LIB = os.path.join(ROOT, "pkm_serve", "lib", "libpkm_cuda.so")
+# PKM_CUDA_LIB selects another build (e.g. a tuning variant) for tests and benchmarks.
+DEFAULT_CUDA_LIB = os.environ.get("PKM_CUDA_LIB") or os.path.join(ROOT, "pkm_serve", "lib", "libpkm_cuda.so")
 
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 INVALID_ARGUMENT = -1
@@ -102,7 +103,8 @@ def make_bags(table, indices, weights=None, combiner="sum", row_splits=None, inv
 class PkmLib:
     """The loaded library, with torch-tensor wrappers around its C functions."""
 
-    def __init__(self, path=DEFAULT_CUDA_LIB):
+    def __init__(self, path=None):
+        path = path or DEFAULT_CUDA_LIB
         if not os.path.exists(path):
             raise PkmError(f"{path} not found: build it with `make gpu-standalone` (or `make capi-cpu`)")
         lib = ctypes.CDLL(path)

@@ -3,7 +3,7 @@
 //  1. key every entry by its table row (padding / out of range -> num_rows,
 //     which sorts last) and radix-sort (row, entry) pairs: O(entries) uint32s;
 //  2. seg_begin[r] = first sorted position of row r (binary search per row);
-//  3. a warp per (row, 1024-column tile) walks its row's entries, gathering
+//  3. a warp per (4 consecutive rows, 1024-column tile) walks each row's entries, gathering
 //     coef * grad[bag] into registers, and writes the d_table row tile exactly
 //     once (rows nobody references get zeros). The same pass loads the table
 //     row once and forms grad[bag] . table[row] for every entry: the raw dot
@@ -26,10 +26,41 @@
 namespace pkm_cuda {
 namespace {
 
-constexpr int kBackwardThreads = 256;
+// Tuning (overridable with -D for experiments). Defaults picked on the H200
+// (bench/results/gpu_embedding_bag_h200.md): the row pass is latency-bound, so
+// more resident warps (one entry in flight per warp) and prefetching the next
+// row's entries beat wider unrolling. Measured at the seed shape, backward
+// alone: fp32 5.9 ms (256 threads, 2 entries in flight, 1 row/warp) -> 2.3 ms
+// (128-thread blocks, 1 entry, 4 rows/warp); bf16 3.0 ms -> 1.4 ms (256-thread
+// blocks capped at 128 registers for 2 blocks/SM).
+#ifndef PKM_BWD_THREADS
+#define PKM_BWD_THREADS 256  // all kernels but the fp32 row passes
+#endif
+#ifndef PKM_BWD_THREADS_F32
+#define PKM_BWD_THREADS_F32 128  // fp32 row passes
+#endif
+#ifndef PKM_BWD_MIN_BLOCKS
+#define PKM_BWD_MIN_BLOCKS 2
+#endif
+#ifndef PKM_BWD_ENTRIES_IN_FLIGHT
+#define PKM_BWD_ENTRIES_IN_FLIGHT 1
+#endif
+#ifndef PKM_BWD_TILE_COLS
+#define PKM_BWD_TILE_COLS 1024
+#endif
+constexpr int kBackwardThreads = PKM_BWD_THREADS;
+// The scalar fallback (odd dim / unaligned) keeps 32 columns per lane: it
+// would spill under the vector path's register cap, so it gets one block/SM.
+__host__ __device__ constexpr int MinBlocks(int vec) { return vec == 1 ? 1 : PKM_BWD_MIN_BLOCKS; }
+// Block size of the row passes (PiecesKernel, RowsKernel) for element size.
+__host__ __device__ constexpr int RowPassThreads(int elem_bytes) { return elem_bytes == 4 ? PKM_BWD_THREADS_F32 : PKM_BWD_THREADS; }
 constexpr int kWarpsPerBlock = kBackwardThreads / kWarp;
-constexpr int kEntriesInFlight = 2;
-constexpr int64_t kTileCols = 1024;  // columns one warp owns in the backward
+constexpr int kEntriesInFlight = PKM_BWD_ENTRIES_IN_FLIGHT;
+constexpr int64_t kTileCols = PKM_BWD_TILE_COLS;  // columns one warp owns in the backward
+#ifndef PKM_BWD_ROWS_PER_WARP
+#define PKM_BWD_ROWS_PER_WARP 4
+#endif
+constexpr int64_t kRowsPerWarp = PKM_BWD_ROWS_PER_WARP;
 constexpr int64_t kDefaultLongSegment = 2048;
 constexpr size_t kAlign = 256;
 
@@ -125,10 +156,30 @@ __global__ void BagScaleKernel(PkmBags bags, int64_t num_indices, float* bag_sca
 // acc += sum over sorted positions [s0, s1) (all of table row `row`) of
 // coef(entry) * grad[bag(entry)] on this lane's columns of `tile`; writes the
 // raw dot grad[bag] . table[row] (this tile's part) of every entry to dots.
+// What a lane needs about the entry at one sorted position.
+struct EntryMeta {
+  uint32_t entry;
+  int64_t bag;
+  float coef;  // weight * the bag's combiner scale
+};
+
+__device__ __forceinline__ EntryMeta LoadEntryMeta(const BackwardArgs& a, int64_t pos, bool in_range) {
+  EntryMeta m{0u, 0, 0.f};
+  if (!in_range) return m;
+  m.entry = a.sorted_entries[pos];
+  m.bag = a.bag_of_entry ? static_cast<int64_t>(a.bag_of_entry[m.entry])
+                         : static_cast<int64_t>(m.entry) / a.bags.bag_size;
+  m.coef = a.bags.weights ? LoadWeight(a.bags.weights, a.bags.weights_type, m.entry) : 1.f;
+  if (a.bag_scale) m.coef *= a.bag_scale[m.bag];
+  return m;
+}
+
+// `first` is this lane's metadata for sorted position s0 + lane (loaded early
+// by the caller, so its latency hides behind the previous row).
 template <typename T, int VEC, int U>
 __device__ __forceinline__ void AccumulateRange(const BackwardArgs& a, int64_t row, int64_t s0,
                                                 int64_t s1, int64_t tile, int lane,
-                                                float (&acc)[U][VEC]) {
+                                                const EntryMeta& first, float (&acc)[U][VEC]) {
   static_assert(VEC * U * kWarp == kTileCols, "a warp owns kTileCols columns");
   const int64_t dim = a.bags.dim;
   const int64_t lane_col = tile * kTileCols + static_cast<int64_t>(lane) * VEC;
@@ -147,16 +198,10 @@ __device__ __forceinline__ void AccumulateRange(const BackwardArgs& a, int64_t r
   }
   for (int64_t chunk = s0; chunk < s1; chunk += kWarp) {
     const int count = static_cast<int>(min(static_cast<int64_t>(kWarp), s1 - chunk));
-    uint32_t my_entry = 0;
-    int64_t my_bag = 0;
-    float my_coef = 0.f;
-    if (lane < count) {
-      my_entry = a.sorted_entries[chunk + lane];
-      my_bag = a.bag_of_entry ? static_cast<int64_t>(a.bag_of_entry[my_entry])
-                              : static_cast<int64_t>(my_entry) / a.bags.bag_size;
-      my_coef = a.bags.weights ? LoadWeight(a.bags.weights, a.bags.weights_type, my_entry) : 1.f;
-      if (a.bag_scale) my_coef *= a.bag_scale[my_bag];
-    }
+    const EntryMeta meta = chunk == s0 ? first : LoadEntryMeta(a, chunk + lane, lane < count);
+    const uint32_t my_entry = meta.entry;
+    const int64_t my_bag = meta.bag;
+    const float my_coef = meta.coef;
     for (int k = 0; k < count; k += kEntriesInFlight) {
       float g[kEntriesInFlight][U][VEC];
       float coef[kEntriesInFlight];
@@ -208,9 +253,10 @@ __device__ __forceinline__ void ZeroAcc(float (&acc)[U][VEC]) {
 // [piece * L, piece * L + L). A range of L positions meets at most two rows
 // longer than L: the one at its first position and the one at its last.
 template <typename T, int VEC, int U>
-__global__ void __launch_bounds__(kBackwardThreads) PiecesKernel(BackwardArgs a, int64_t pieces) {
+__global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC))
+    PiecesKernel(BackwardArgs a, int64_t pieces) {
   const int lane = threadIdx.x % kWarp;
-  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (RowPassThreads(sizeof(T)) / kWarp) + threadIdx.x / kWarp;
   if (warp >= pieces * a.tiles) return;
   const int64_t piece = warp / a.tiles;
   const int64_t tile = warp % a.tiles;
@@ -232,7 +278,8 @@ __global__ void __launch_bounds__(kBackwardThreads) PiecesKernel(BackwardArgs a,
     if (!use) continue;
     float acc[U][VEC];
     ZeroAcc<VEC, U>(acc);
-    AccumulateRange<T, VEC, U>(a, row, max(lo, s_begin), min(hi, s_end), tile, lane, acc);
+    const int64_t r0 = max(lo, s_begin), r1 = min(hi, s_end);
+    AccumulateRange<T, VEC, U>(a, row, r0, r1, tile, lane, LoadEntryMeta(a, r0 + lane, r0 + lane < r1), acc);
     float* out = a.piece_sum + (2 * piece + slot) * dim;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -244,42 +291,60 @@ __global__ void __launch_bounds__(kBackwardThreads) PiecesKernel(BackwardArgs a,
   }
 }
 
-// One warp per (table row, tile): writes d_table[row, tile] exactly once.
+// One warp per (kRowsPerWarp consecutive table rows, tile): writes each
+// d_table[row, tile] exactly once. While a row is summed, the next row's
+// segment bounds and first entries are already being fetched.
 template <typename T, int VEC, int U>
-__global__ void __launch_bounds__(kBackwardThreads) RowsKernel(BackwardArgs a) {
+__global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC)) RowsKernel(BackwardArgs a) {
   const int lane = threadIdx.x % kWarp;
-  const int64_t warp = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
-  if (warp >= a.bags.num_rows * a.tiles) return;
-  const int64_t row = warp / a.tiles;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (RowPassThreads(sizeof(T)) / kWarp) + threadIdx.x / kWarp;
+  const int64_t num_rows = a.bags.num_rows;
+  const int64_t row_groups = (num_rows + kRowsPerWarp - 1) / kRowsPerWarp;
+  if (warp >= row_groups * a.tiles) return;
+  const int64_t first_row = (warp / a.tiles) * kRowsPerWarp;
+  const int64_t last_row = min(num_rows, first_row + kRowsPerWarp);
   const int64_t tile = warp % a.tiles;
   const int64_t dim = a.bags.dim;
-  const int64_t lo = a.seg_begin[row];
-  const int64_t hi = a.seg_begin[row + 1];
   const int64_t L = a.long_segment;
   const int64_t lane_col = tile * kTileCols + static_cast<int64_t>(lane) * VEC;
-  float acc[U][VEC];
-  ZeroAcc<VEC, U>(acc);
-  if (hi - lo <= L) {
-    AccumulateRange<T, VEC, U>(a, row, lo, hi, tile, lane, acc);
-  } else if (a.d_table != nullptr) {
-    for (int64_t piece = lo / L; piece <= (hi - 1) / L; ++piece) {
-      const int slot = a.piece_row[2 * piece] == static_cast<int32_t>(row) ? 0 : 1;
-      const float* part = a.piece_sum + (2 * piece + slot) * dim;
+  int64_t lo = a.seg_begin[first_row];
+  int64_t hi = a.seg_begin[first_row + 1];
+  EntryMeta meta = LoadEntryMeta(a, lo + lane, lo + lane < hi);
+  for (int64_t row = first_row; row < last_row; ++row) {
+    int64_t next_hi = hi;
+    EntryMeta next_meta{0u, 0, 0.f};
+    if (row + 1 < last_row) {
+      next_hi = a.seg_begin[row + 2];
+      next_meta = LoadEntryMeta(a, hi + lane, hi + lane < next_hi);
+    }
+    float acc[U][VEC];
+    ZeroAcc<VEC, U>(acc);
+    if (hi - lo <= L) {
+      AccumulateRange<T, VEC, U>(a, row, lo, hi, tile, lane, meta, acc);
+    } else if (a.d_table != nullptr) {
+      for (int64_t piece = lo / L; piece <= (hi - 1) / L; ++piece) {
+        const int slot = a.piece_row[2 * piece] == static_cast<int32_t>(row) ? 0 : 1;
+        const float* part = a.piece_sum + (2 * piece + slot) * dim;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
+#pragma unroll
+          for (int v = 0; v < VEC; ++v)
+            if (col + v < dim) acc[u][v] += part[col + v];
+        }
+      }
+    }
+    if (a.d_table != nullptr) {
+      T* out = static_cast<T*>(a.d_table) + row * dim;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
-#pragma unroll
-        for (int v = 0; v < VEC; ++v)
-          if (col + v < dim) acc[u][v] += part[col + v];
+        if (col < dim) StoreFloats<T, VEC>(out + col, acc[u]);
       }
     }
-  }
-  if (a.d_table == nullptr) return;
-  T* out = static_cast<T*>(a.d_table) + row * dim;
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
-    if (col < dim) StoreFloats<T, VEC>(out + col, acc[u]);
+    lo = hi;
+    hi = next_hi;
+    meta = next_meta;
   }
 }
 
@@ -399,16 +464,17 @@ unsigned Blocks(int64_t items, int per_block) {
 
 template <typename T, int VEC, int U>
 int LaunchRowPassesAs(const BackwardArgs& args, int64_t pieces, cudaStream_t stream) {
+  constexpr int kThreads = RowPassThreads(sizeof(T));
   if (pieces > 0) {
     const int64_t warps = pieces * args.tiles;
-    if (warps / kWarpsPerBlock >= INT32_MAX) return SetInvalid("backward: too many pieces for one launch");
-    PiecesKernel<T, VEC, U><<<Blocks(warps, kWarpsPerBlock), kBackwardThreads, 0, stream>>>(args, pieces);
+    if (warps / (kThreads / kWarp) >= INT32_MAX) return SetInvalid("backward: too many pieces for one launch");
+    PiecesKernel<T, VEC, U><<<Blocks(warps, kThreads / kWarp), kThreads, 0, stream>>>(args, pieces);
     if (int status = CheckLaunch("backward pieces pass")) return status;
   }
-  const int64_t warps = args.bags.num_rows * args.tiles;
-  if (warps / kWarpsPerBlock >= INT32_MAX) return SetInvalid("backward: too many table rows for one launch");
+  const int64_t warps = (args.bags.num_rows + kRowsPerWarp - 1) / kRowsPerWarp * args.tiles;
+  if (warps / (kThreads / kWarp) >= INT32_MAX) return SetInvalid("backward: too many table rows for one launch");
   if (warps > 0) {
-    RowsKernel<T, VEC, U><<<Blocks(warps, kWarpsPerBlock), kBackwardThreads, 0, stream>>>(args);
+    RowsKernel<T, VEC, U><<<Blocks(warps, kThreads / kWarp), kThreads, 0, stream>>>(args);
     if (int status = CheckLaunch("backward row pass")) return status;
   }
   return PKM_CUDA_OK;

@@ -6,13 +6,15 @@
 #                       library with CPU and GPU kernels, -DGOOGLE_CUDA=1)
 #   make gpu-standalone only libpkm_cuda.so (what tests/gpu and the bench need;
 #                       no TensorFlow required)
-#   make capi-cpu       libpkm_capi_cpu.so: the C ABI without CUDA (no nvcc)
+#   make capi-cpu       libpkm_capi_cpu.so: the C ABI without CUDA (no nvcc;
+#                       in TEST_DEPS for tests/gpu/test_capi_cpu_abi.py)
 NVCC       ?= nvcc
 # Ask nvcc where its toolkit is (it may be a wrapper script on the PATH).
 CUDA_HOME  ?= $(shell $(NVCC) --dryrun -c -x cu /dev/null 2>&1 | sed -n 's/^\#\$$ TOP=//p' | head -n1)
+NVCC_EXTRA ?=
 CUDA_ARCH  ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
 NVCC_FLAGS := -std=c++17 -O3 -DNDEBUG $(CUDA_ARCH) -I. -Xcompiler -fPIC,-fvisibility=hidden \
-              -Xptxas -warn-spills
+              -Xptxas -warn-spills $(NVCC_EXTRA)
 CUDA_DIR   := kernels/cuda
 CUDA_SRCS  := $(CUDA_DIR)/common.cu $(CUDA_DIR)/forward.cu $(CUDA_DIR)/backward.cu
 CUDA_HDRS  := $(CUDA_DIR)/embedding_bag_cuda.h $(CUDA_DIR)/common.cuh
@@ -55,6 +57,9 @@ $(TF_GPU_KERNEL_OBJ): kernels/tf/embedding_bag_gpu_kernels.cc $(CORE_HDRS) $(wil
 $(TF_GPU_OP_LIB): $(TF_GPU_KERNEL_OBJ) $(filter-out $(BUILDDIR)/tf/embedding_bag_gpu_kernels.o,$(TF_OBJS)) $(CUDA_OBJS) $(CORE_OBJS)
 	@mkdir -p $(LIBDIR)
 	$(CXX) -shared $^ -o $@ $(TF_LFLAGS) $(CUDA_LIBS) -Wl,--no-undefined
+
+# The CPU build of the C ABI needs no nvcc; its ctypes test runs in CI.
+TEST_DEPS += $(PKM_CAPI_CPU_LIB)
 
 gpu-standalone: $(PKM_CUDA_LIB)
 gpu: $(PKM_CUDA_LIB) $(TF_GPU_OP_LIB)
