@@ -87,11 +87,21 @@ test: setup $(TEST_DEPS) $(CORE_TEST)
 demo: setup
 	$(VENV)/bin/pkm-serve demo
 
+# Every CPU benchmark (the GPU one runs on a GPU machine: bench/gpu_embedding_bag.py),
+# then the report. Each writes its results under bench/results/.
 bench: setup
 	$(PIP) install -q --disable-pip-version-check -r bench/requirements.txt
 	$(PY) bench/cpu_embedding_bag.py
+	$(PY) bench/tflite_embedding_bag.py
+	$(PY) bench/pkm_layer.py
+	$(PY) bench/export_memory.py
+	$(PY) bench/serving_load.py
+	$(MAKE) bench-report
+
+bench-report: $(STAMP)
+	$(PY) bench/report.py
 
 clean:
 	rm -rf $(BUILDDIR) $(LIBDIR)
 
-.PHONY: build setup venv test demo bench clean core-test
+.PHONY: build setup venv test demo bench bench-report clean core-test
