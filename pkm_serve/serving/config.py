@@ -2,7 +2,6 @@
 import argparse
 import os
 
-from google.protobuf import text_format
 from tensorflow_serving.config import model_server_config_pb2
 
 from pkm_serve.serving import protos

@@ -3,6 +3,8 @@
 gRPC returns it as the RPC status; REST maps the code to an HTTP status the
 way TF Serving's HTTP handler does (ToHTTPStatusCode).
 """
+import re
+
 import grpc
 
 
@@ -51,5 +53,15 @@ _BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 
 def from_tf_error(err) -> ServingError:
     code = _BY_NUMBER.get(getattr(err, "error_code", 2), grpc.StatusCode.UNKNOWN)
-    message = getattr(err, "message", None) or str(err)
-    return ServingError(code, message.strip())
+    return ServingError(code, clean_tf_message(getattr(err, "message", None) or str(err)))
+
+
+_NOISE = re.compile(r"\s*\[\[\{\{.*?\}\}\]\]|\s*\[Op:[^\]]*\]|Graph execution error:|"
+                    r"Detected at node [^\n]*|<stack traces unavailable>")
+
+
+def clean_tf_message(message: str) -> str:
+    """Keeps what the op said (e.g. "indices[1] = 99999 is out of range [0, 4096)") and drops
+    graph-node and stack-trace decoration that means nothing to a client."""
+    cleaned = " ".join(_NOISE.sub(" ", message).split())
+    return cleaned or message.strip()

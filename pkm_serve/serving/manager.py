@@ -16,7 +16,6 @@ import time
 import grpc
 import tensorflow as tf
 from tensorflow_serving.apis import get_model_status_pb2
-from tensorflow_serving.config import model_server_config_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid, not_found
 from pkm_serve.serving.servable import Servable
@@ -337,7 +336,3 @@ class ModelManager:
                                                              error_message=r.error.message))
                 out.append(s)
             return out
-
-    def has_available(self):
-        with self._lock:
-            return all(m.available_versions() for m in self._models.values()) and bool(self._models)

@@ -17,7 +17,6 @@ import time
 from concurrent import futures
 
 import grpc
-import numpy as np
 from aiohttp import web
 from google.protobuf import json_format
 from tensorflow_serving.apis import (get_model_metadata_pb2, get_model_status_pb2, input_pb2,
@@ -78,6 +77,7 @@ class RestFrontend:
         self.service = service
         self.metrics = metrics
         self.timeout_s = timeout_ms / 1000.0
+        self.max_body_bytes = max_body_bytes
         self.executor = futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="rest")
         self.address, self.requested_port = address, port
         self.drain_seconds = drain_seconds
@@ -178,10 +178,11 @@ class RestFrontend:
             if want == "POST":
                 try:
                     body = await request.read()
-                except web.HTTPRequestEntityTooLarge as e:
-                    raise ServingError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                       f"request body is larger than the limit of {e.max_size} bytes "
-                                       "(--max_request_bytes)") from None
+                except web.HTTPRequestEntityTooLarge:
+                    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+                    return _json_response({"error": f"request body is larger than the limit of "
+                                                    f"{self.max_body_bytes} bytes (--max_request_bytes)"},
+                                          status=413)
                 try:
                     doc = json.loads(body)
                 except (UnicodeDecodeError, json.JSONDecodeError) as e:

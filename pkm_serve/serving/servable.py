@@ -28,6 +28,10 @@ class Signature:
         self.signature_def = signature_def
         self.method_name = signature_def.method_name if signature_def is not None else PREDICT_METHOD
         self.input_specs = dict(function.structured_input_signature[1])
+        self._fast_checks = {
+            k: (np.dtype(spec.dtype.as_numpy_dtype) if spec.dtype != tf.string else None,
+                spec.shape.as_list() if spec.shape.rank is not None else None)
+            for k, spec in self.input_specs.items()}
         outputs = function.structured_outputs
         self.output_keys = sorted(outputs) if isinstance(outputs, dict) else []
 
@@ -43,6 +47,11 @@ class Signature:
             raise invalid(f"{' and '.join(parts)} for signature '{self.name}'; "
                           f"it expects exactly {sorted(self.input_specs)}")
         for key, array in inputs.items():
+            expected_dtype, expected_shape = self._fast_checks[key]
+            if array.dtype == expected_dtype and expected_shape is not None \
+                    and len(array.shape) == len(expected_shape) \
+                    and all(e is None or e == d for e, d in zip(expected_shape, array.shape)):
+                continue  # the common case, without TensorShape/DType objects
             tensors.check_against_spec(key, array, self.input_specs[key], self.name)
 
     def run(self, inputs: dict, output_filter=()) -> dict:

@@ -11,7 +11,6 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
                                      inference_pb2, model_management_pb2, predict_pb2,
                                      regression_pb2)
 from tensorflow_serving.apis import status_pb2
-from tensorflow.core.protobuf import meta_graph_pb2
 
 from pkm_serve.serving import tensors
 from pkm_serve.serving.errors import ServingError, invalid

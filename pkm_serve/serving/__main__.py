@@ -1,0 +1,5 @@
+import sys
+
+from pkm_serve.serving import main
+
+sys.exit(main())

@@ -1,0 +1,110 @@
+"""Helpers for the serving tests: SavedModels on disk and a server subprocess.
+
+A uniquely named module (not conftest) so that `import serving_helpers` can never
+pick up another suite's conftest."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m pkm_serve.serving ARGS` on free localhost ports; waits for "ready"."""
+
+    def __init__(self, tmp_path, *args, rest=True, name="server"):
+        self.port = free_port()
+        self.rest_port = free_port() if rest else 0
+        self.log_path = os.path.join(str(tmp_path), f"{name}.log")
+        cmd = [sys.executable, "-m", "pkm_serve.serving", f"--port={self.port}",
+               f"--rest_api_port={self.rest_port}", *args]
+        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   TF_CPP_MIN_LOG_LEVEL="1")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self._wait_ready()
+
+    def log(self):
+        with open(self.log_path) as f:
+            return f.read()
+
+    def _wait_ready(self, timeout=180):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if "pkm-serve: ready" in self.log():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-5000:]}")
+            time.sleep(0.1)
+        self.proc.kill()
+        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()[-5000:]}")
+
+    @property
+    def target(self):
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def rest_url(self):
+        return f"http://127.0.0.1:{self.rest_port}"
+
+    def terminate(self, timeout=60):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def write_model(base, version, seed, fused=True):
+    """Writes version `version` atomically (save to a temp dir, then rename), as a
+    deployment should, so the poller never sees a half-written directory."""
+    from pkm_serve.serving.demo_model import save_pkm_model
+    tmp = os.path.join(base, f".tmp-{version}")
+    save_pkm_model(tmp, seed=seed, fused=fused)
+    os.rename(tmp, os.path.join(base, str(version)))
+    return os.path.join(base, str(version))
+
+
+def reference_embedding_bag(table, indices, weights):
+    """numpy sum-combiner EmbeddingBag with negative indices as padding."""
+    out = np.zeros((indices.shape[0], table.shape[1]), np.float64)
+    for b in range(indices.shape[0]):
+        for k in range(indices.shape[1]):
+            if indices[b, k] >= 0:
+                out[b] += weights[b, k] * table[indices[b, k]].astype(np.float64)
+    return out
+
+
+def write_example_model(path):
+    """A TF1-style SavedModel with classify and regress signatures over serialized
+    tf.Examples with one float feature x[2]: scores = softmax(x), classes = ["a", "b"],
+    regression = x[0] + x[1]."""
+    import tensorflow as tf
+    with tf.Graph().as_default():
+        serialized = tf.compat.v1.placeholder(tf.string, [None], name="tf_example")
+        x = tf.io.parse_example(serialized, {"x": tf.io.FixedLenFeature([2], tf.float32)})["x"]
+        scores = tf.nn.softmax(x, axis=1)
+        classes = tf.tile(tf.constant([["a", "b"]]), [tf.shape(x)[0], 1])
+        total = tf.reduce_sum(x, axis=1)
+        sigs = {"serving_default": tf.compat.v1.saved_model.classification_signature_def(serialized, classes, scores),
+                "regress": tf.compat.v1.saved_model.regression_signature_def(serialized, total)}
+        with tf.compat.v1.Session() as sess:
+            builder = tf.compat.v1.saved_model.Builder(path)
+            builder.add_meta_graph_and_variables(sess, ["serve"], signature_def_map=sigs)
+            builder.save()
+    return path

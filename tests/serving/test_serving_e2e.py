@@ -1,0 +1,360 @@
+"""End to end: a real server subprocess, TF Serving's own client stubs, and REST.
+
+The server loads the pkm_serve op library, then SavedModels whose graphs use
+PkmEmbeddingBag; outputs must equal the same SavedModel called in-process and,
+for the bare lookup signature, an independent numpy EmbeddingBag.
+"""
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2,
+                                     inference_pb2, model_management_pb2, model_service_pb2_grpc,
+                                     predict_pb2, prediction_service_pb2_grpc)
+from tensorflow_serving.config import model_server_config_pb2
+
+from serving_helpers import ServerProcess, reference_embedding_bag, write_example_model
+
+MAX_REQUEST_BYTES = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, saved_models):
+    tmp = tmp_path_factory.mktemp("e2e")
+    write_example_model(str(tmp / "classifier" / "1"))
+    store = saved_models[1].rsplit("/", 1)[0]
+    (tmp / "models.config").write_text(f"""
+model_config_list {{
+  config {{
+    name: "pkm"
+    base_path: "{store}"
+    model_platform: "tensorflow"
+    model_version_policy {{ all {{}} }}
+    version_labels {{ key: "stable" value: 1 }}
+  }}
+  config {{ name: "classifier" base_path: "{tmp / 'classifier'}" }}
+}}""")
+    (tmp / "monitoring.config").write_text(
+        'prometheus_config { enable: true, path: "/monitoring/prometheus/metrics" }')
+    srv = ServerProcess(tmp, f"--model_config_file={tmp / 'models.config'}",
+                        f"--monitoring_config_file={tmp / 'monitoring.config'}",
+                        f"--max_request_bytes={MAX_REQUEST_BYTES}", "--file_system_poll_wait_seconds=0")
+    srv.config_path = str(tmp / "models.config")
+    yield srv
+    assert srv.terminate() == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def channel(server):
+    ch = grpc.insecure_channel(server.target)
+    yield ch
+    ch.close()
+
+
+@pytest.fixture(scope="module")
+def stub(channel):
+    return prediction_service_pb2_grpc.PredictionServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def in_process(saved_models, tf_with_ops):
+    return {v: tf_with_ops.saved_model.load(saved_models[v]) for v in (1, 2)}
+
+
+def _request(name="pkm", signature="", version=None, label=None, **inputs):
+    import tensorflow as tf
+    req = predict_pb2.PredictRequest()
+    req.model_spec.name = name
+    req.model_spec.signature_name = signature
+    if version is not None:
+        req.model_spec.version.value = version
+    if label is not None:
+        req.model_spec.version_label = label
+    for k, v in inputs.items():
+        req.inputs[k].CopyFrom(tf.make_tensor_proto(v))
+    return req
+
+
+def _out(resp, key):
+    import tensorflow as tf
+    return tf.make_ndarray(resp.outputs[key])
+
+
+def _rest(server, path, body=None, raw=None):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(server.rest_url + path, data=data,
+                                 method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+QUERIES = np.random.default_rng(0).standard_normal((5, 32)).astype(np.float32)
+
+
+def test_grpc_predict_equals_in_process_model(stub, in_process):
+    resp = stub.Predict(_request(query=QUERIES), timeout=30)
+    assert resp.model_spec.name == "pkm"
+    assert resp.model_spec.version.value == 2          # latest of {1, 2}
+    assert resp.model_spec.signature_name == "serving_default"
+    want = in_process[2].signatures["serving_default"](query=QUERIES)
+    np.testing.assert_allclose(_out(resp, "output"), want["output"].numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(_out(resp, "slots"), want["slots"].numpy())
+
+
+def test_grpc_version_and_label_select_the_version(stub, in_process):
+    by_version = stub.Predict(_request(query=QUERIES, version=1), timeout=30)
+    by_label = stub.Predict(_request(query=QUERIES, label="stable"), timeout=30)
+    want = in_process[1].signatures["serving_default"](query=QUERIES)["output"].numpy()
+    for resp in (by_version, by_label):
+        assert resp.model_spec.version.value == 1
+        np.testing.assert_allclose(_out(resp, "output"), want, rtol=1e-6, atol=1e-7)
+    v2 = in_process[2].signatures["serving_default"](query=QUERIES)["output"].numpy()
+    assert not np.allclose(want, v2), "versions 1 and 2 must differ for this test to mean anything"
+
+
+def test_grpc_lookup_signature_matches_numpy_embedding_bag(stub, in_process):
+    rng = np.random.default_rng(1)
+    indices = rng.integers(-1, 4096, size=(6, 7)).astype(np.int64)   # -1 = padding
+    weights = rng.standard_normal((6, 7)).astype(np.float32)
+    resp = stub.Predict(_request(signature="lookup", indices=indices, weights=weights), timeout=30)
+    table = in_process[2].values.numpy()
+    np.testing.assert_allclose(_out(resp, "output"), reference_embedding_bag(table, indices, weights),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_grpc_output_filter(stub):
+    req = _request(query=QUERIES)
+    req.output_filter.append("slots")
+    resp = stub.Predict(req, timeout=30)
+    assert set(resp.outputs) == {"slots"}
+
+
+def test_rest_row_and_columnar_predict_equal_in_process(server, in_process):
+    want = in_process[2].signatures["serving_default"](query=QUERIES)
+    status, body = _rest(server, "/v1/models/pkm:predict", {"instances": QUERIES.tolist()})
+    assert status == 200, body
+    assert len(body["predictions"]) == len(QUERIES)
+    np.testing.assert_allclose(np.array([p["output"] for p in body["predictions"]]),
+                               want["output"].numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(np.array([p["slots"] for p in body["predictions"]]), want["slots"].numpy())
+
+    status, body = _rest(server, "/v1/models/pkm/versions/2:predict", {"inputs": {"query": QUERIES.tolist()}})
+    assert status == 200, body
+    np.testing.assert_allclose(np.array(body["outputs"]["output"]), want["output"].numpy(), rtol=1e-6, atol=1e-7)
+
+    want1 = in_process[1].signatures["lookup"](indices=np.array([[3, -1]]), weights=np.array([[0.5, 2.0]], np.float32))
+    status, body = _rest(server, "/v1/models/pkm/labels/stable:predict",
+                         {"signature_name": "lookup", "instances": [{"indices": [3, -1], "weights": [0.5, 2.0]}]})
+    assert status == 200, body
+    np.testing.assert_allclose(np.array(body["predictions"]), want1["output"].numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_metadata_and_status_over_grpc_and_rest(server, channel, stub):
+    req = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=["signature_def"])
+    req.model_spec.name = "pkm"
+    resp = stub.GetModelMetadata(req, timeout=30)
+    sig_map = get_model_metadata_pb2.SignatureDefMap()
+    resp.metadata["signature_def"].Unpack(sig_map)
+    assert set(sig_map.signature_def) == {"serving_default", "lookup"}
+    assert set(sig_map.signature_def["serving_default"].inputs) == {"query"}
+    assert set(sig_map.signature_def["serving_default"].outputs) == {"output", "slots"}
+    assert resp.model_spec.version.value == 2
+
+    status, body = _rest(server, "/v1/models/pkm/versions/1/metadata")
+    assert status == 200, body
+    assert body["model_spec"]["version"] == "1"
+    assert set(body["metadata"]["signature_def"]["signature_def"]) == {"serving_default", "lookup"}
+
+    models = model_service_pb2_grpc.ModelServiceStub(channel)
+    st = models.GetModelStatus(get_model_status_pb2.GetModelStatusRequest(model_spec={"name": "pkm"}), timeout=30)
+    assert [(s.version, s.state) for s in st.model_version_status] == [
+        (2, get_model_status_pb2.ModelVersionStatus.AVAILABLE),
+        (1, get_model_status_pb2.ModelVersionStatus.AVAILABLE)]
+    status, body = _rest(server, "/v1/models/pkm")
+    assert status == 200
+    assert [(s["version"], s["state"]) for s in body["model_version_status"]] == [("2", "AVAILABLE"), ("1", "AVAILABLE")]
+
+
+def test_health_service_reports_serving(channel):
+    h = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "tensorflow.serving.PredictionService"):
+        r = h.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.mark.parametrize("make_request, code, needle", [
+    (lambda: _request(name="nope", query=QUERIES), grpc.StatusCode.NOT_FOUND, "nope"),
+    (lambda: _request(version=7, query=QUERIES), grpc.StatusCode.NOT_FOUND, "version 7"),
+    (lambda: _request(label="canary", query=QUERIES), grpc.StatusCode.INVALID_ARGUMENT, "canary"),
+    (lambda: _request(signature="nosuch", query=QUERIES), grpc.StatusCode.INVALID_ARGUMENT, "nosuch"),
+    (lambda: _request(), grpc.StatusCode.INVALID_ARGUMENT, "missing input(s) ['query']"),
+    (lambda: _request(query=QUERIES, extra=QUERIES), grpc.StatusCode.INVALID_ARGUMENT, "unknown input(s) ['extra']"),
+    (lambda: _request(query=QUERIES.astype(np.float64)), grpc.StatusCode.INVALID_ARGUMENT, "dtype float64 but signature 'serving_default' expects float32"),
+    (lambda: _request(query=QUERIES[:, :5]), grpc.StatusCode.INVALID_ARGUMENT, "expects [?, 32]"),
+    (lambda: _request(signature="lookup", indices=np.array([[1, 5000]]), weights=np.ones((1, 2), np.float32)),
+     grpc.StatusCode.INVALID_ARGUMENT, "5000 is out of range [0, 4096)"),
+    (lambda: _request(query=np.zeros((MAX_REQUEST_BYTES // 128 + 8, 32), np.float32)),
+     grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+])
+def test_grpc_malformed_requests_fail_cleanly_and_server_stays_up(stub, make_request, code, needle):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Predict(make_request(), timeout=30)
+    assert err.value.code() == code, err.value.details()
+    assert needle in err.value.details()
+    assert stub.Predict(_request(query=QUERIES[:1]), timeout=30).outputs["output"].tensor_shape.dim[1].size == 64
+
+
+def test_grpc_bad_tensor_proto_is_invalid_argument(stub):
+    req = _request(query=QUERIES[:1])
+    req.inputs["query"].tensor_content = b"\x00" * 7    # not 32 floats
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Predict(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_classify_regress_multi_inference_on_a_predict_signature(stub):
+    req = classification_pb2.ClassificationRequest()
+    req.model_spec.name = "pkm"
+    req.input.example_list.examples.add()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Classify(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tensorflow/serving/classify" in err.value.details()
+    multi = inference_pb2.MultiInferenceRequest()
+    task = multi.tasks.add()
+    task.model_spec.name = "pkm"
+    task.method_name = "tensorflow/serving/predict"
+    multi.input.example_list.examples.add()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.MultiInference(multi, timeout=30)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize("path, body, raw, status, needle", [
+    ("/v1/models/pkm:predict", None, b"{not json", 400, "JSON Parse error"),
+    ("/v1/models/pkm:predict", [1, 2], None, 400, "JSON object"),
+    ("/v1/models/nope:predict", {"instances": [[0.0] * 32]}, None, 404, "nope"),
+    ("/v1/models/pkm/versions/9:predict", {"instances": [[0.0] * 32]}, None, 404, "version 9"),
+    ("/v1/models/pkm:predict", {"signature_name": "x", "instances": [[0.0] * 32]}, None, 400, "\"x\" not found"),
+    ("/v1/models/pkm:predict", {"instances": [[0.0] * 32], "inputs": [[0.0] * 32]}, None, 400, "exactly one"),
+    ("/v1/models/pkm:predict", {"instances": [[0.0] * 31]}, None, 400, "expects [?, 32]"),
+    ("/v1/models/pkm:predict", {"instances": [[0.0] * 32, [0.0] * 31]}, None, 400, "ragged"),
+    ("/v1/models/pkm:predict", {"instances": [["a"] * 32]}, None, 400, "strings"),
+    ("/v1/models/pkm:predict", {"signature_name": "lookup", "instances": [{"indices": [1]}]}, None, 400,
+     "missing input(s) ['weights']"),
+    ("/v1/models/pkm:predict", {"signature_name": "lookup",
+                                "instances": [{"indices": [1.5], "weights": [1.0]}]}, None, 400, "non-integer"),
+    ("/v1/models/pkm:predict", {"signature_name": "lookup",
+                                "instances": [{"indices": [99999], "weights": [1.0]}]}, None, 400, "out of range"),
+    ("/v1/models/pkm:predict", None, b"[" + b"0.0," * (MAX_REQUEST_BYTES // 4) + b"0.0]", 413, "larger than"),
+    ("/v1/nothing", None, None, 404, "no such endpoint"),
+])
+def test_rest_malformed_requests_get_4xx_and_server_stays_up(server, path, body, raw, status, needle):
+    got, answer = _rest(server, path, body, raw)
+    assert got == status, answer
+    assert needle in answer["error"]
+    ok, _ = _rest(server, "/v1/models/pkm:predict", {"instances": QUERIES[:1].tolist()})
+    assert ok == 200
+
+
+def test_prometheus_metrics(server, stub):
+    stub.Predict(_request(query=QUERIES[:1]), timeout=30)
+    with pytest.raises(grpc.RpcError):
+        stub.Predict(_request(name="nope", query=QUERIES[:1]), timeout=30)
+    with urllib.request.urlopen(server.rest_url + "/monitoring/prometheus/metrics", timeout=30) as r:
+        text = r.read().decode()
+    assert ':tensorflow:serving:request_count_total{model_name="pkm",status="OK"}' in text
+    assert ':tensorflow:serving:request_count_total{model_name="nope",status="NOT_FOUND"}' in text
+    assert ':tensorflow:serving:model_version_available{model_name="pkm",version="2"} 1.0' in text
+
+
+def test_reload_config_adds_and_removes_models(server, channel, stub, saved_models, tf_with_ops):
+    from pkm_serve.serving.config import read_model_config_file
+    original = read_model_config_file(server.config_path)
+    composite_base = saved_models["composite"].rsplit("/", 1)[0]
+    cfg = model_server_config_pb2.ModelServerConfig()
+    cfg.CopyFrom(original)
+    cfg.model_config_list.config.add(name="composite", base_path=composite_base, model_platform="tensorflow")
+    models = model_service_pb2_grpc.ModelServiceStub(channel)
+
+    def reload(config):
+        return models.HandleReloadConfigRequest(model_management_pb2.ReloadConfigRequest(config=config),
+                                                timeout=60).status
+
+    try:
+        status = reload(cfg)
+        assert status.error_code == 0, status.error_message
+        out = stub.Predict(_request(name="composite", query=QUERIES), timeout=30)
+        want = tf_with_ops.saved_model.load(saved_models["composite"]).signatures["serving_default"](query=QUERIES)
+        np.testing.assert_allclose(_out(out, "output"), want["output"].numpy(), rtol=1e-6, atol=1e-7)
+
+        bad = model_server_config_pb2.ModelServerConfig()
+        bad.model_config_list.config.add(name="x", base_path="/tmp", model_platform="pytorch")
+        status = reload(bad)
+        assert status.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "pytorch" in status.error_message
+        assert stub.Predict(_request(name="composite", query=QUERIES[:1]), timeout=30)   # unchanged
+    finally:
+        assert reload(original).error_code == 0
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Predict(_request(name="composite", query=QUERIES[:1]), timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert stub.Predict(_request(query=QUERIES[:1]), timeout=30).model_spec.version.value == 2
+
+
+def _examples(request_input, rows):
+    for a, b in rows:
+        ex = request_input.example_list.examples.add()
+        ex.features.feature["x"].float_list.value.extend([a, b])
+
+
+def test_classify_regress_and_multi_inference_on_example_signatures(stub, server):
+    rows = [(0.0, 1.0), (2.0, -1.0)]
+    req = classification_pb2.ClassificationRequest()
+    req.model_spec.name = "classifier"
+    _examples(req.input, rows)
+    resp = stub.Classify(req, timeout=30)
+    for (a, b), c in zip(rows, resp.result.classifications):
+        want = np.exp([a, b]) / np.exp([a, b]).sum()
+        assert [x.label for x in c.classes] == ["a", "b"]
+        np.testing.assert_allclose([x.score for x in c.classes], want, rtol=1e-5)
+
+    from tensorflow_serving.apis import regression_pb2
+    rreq = regression_pb2.RegressionRequest()
+    rreq.model_spec.name = "classifier"
+    rreq.model_spec.signature_name = "regress"
+    _examples(rreq.input, rows)
+    rresp = stub.Regress(rreq, timeout=30)
+    np.testing.assert_allclose([r.value for r in rresp.result.regressions], [1.0, 1.0])
+
+    multi = inference_pb2.MultiInferenceRequest()
+    for method, sig in (("tensorflow/serving/classify", ""), ("tensorflow/serving/regress", "regress")):
+        t = multi.tasks.add(method_name=method)
+        t.model_spec.name = "classifier"
+        t.model_spec.signature_name = sig
+    _examples(multi.input, rows)
+    mresp = stub.MultiInference(multi, timeout=30)
+    assert len(mresp.results) == 2
+    assert mresp.results[0].classification_result.classifications[1].classes[0].label == "a"
+    np.testing.assert_allclose([r.value for r in mresp.results[1].regression_result.regressions], [1.0, 1.0])
+
+    with pytest.raises(grpc.RpcError) as err:   # a regress request on the classify signature
+        rreq.model_spec.signature_name = ""
+        stub.Regress(rreq, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tensorflow/serving/regress" in err.value.details()
+
+    status, body = _rest(server, "/v1/models/classifier:classify", {"examples": [{"x": [0.0, 1.0]}]})
+    assert status == 200, body
+    assert [c[0] for c in body["result"][0]] == ["a", "b"]
+    status, body = _rest(server, "/v1/models/classifier:regress",
+                         {"signature_name": "regress", "examples": [{"x": [2.0, 3.5]}]})
+    assert status == 200, body
+    np.testing.assert_allclose(body["result"], [5.5])

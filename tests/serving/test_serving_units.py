@@ -1,0 +1,251 @@
+"""Fast in-process tests: flags, the shipped example configs, version policies,
+the batch scheduler, REST JSON conversion and the TF Serving staging script."""
+import os
+import subprocess
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from serving_helpers import REPO
+from pkm_serve.serving import config, protos, tensors
+from pkm_serve.serving.batching import BatchScheduler
+from pkm_serve.serving.errors import ServingError
+from pkm_serve.serving.manager import aspired_versions
+
+
+def _args(*argv):
+    return config.parse_args(list(argv))
+
+
+def test_flags_use_tf_serving_names_and_safe_defaults():
+    a = _args("--model_base_path=/m", "--rest_api_port=8501", "--enable_batching",
+              "--op_library=/a.so,/b.so", "--op_library", "/c.so")
+    assert (a.port, a.rest_api_port, a.model_name, a.bind_address) == (8500, 8501, "default", "127.0.0.1")
+    assert a.enable_batching is True and a.file_system_poll_wait_seconds == 1.0
+    assert a.op_library == ["/a.so", "/b.so", "/c.so"]
+    assert _args("--model_base_path=/m", "--enable_batching=false").enable_batching is False
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([], "exactly one of --model_base_path"),
+    (["--model_base_path=/m", "--model_config_file=/c"], "exactly one of"),
+    (["--model_base_path=/m", "--port=0"], "nothing to serve"),
+    (["--model_base_path=/m", "--batching_parameters_file=/b"], "needs --enable_batching"),
+    (["--model_base_path=/m", "--enable_batching=maybe"], "expected true or false"),
+])
+def test_bad_flags_are_rejected_with_a_message(capsys, argv, needle):
+    with pytest.raises(SystemExit) as e:
+        config.parse_args(argv)
+    assert e.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_shipped_example_configs_parse():
+    cfg = config.read_model_config_file(os.path.join(REPO, "serving/configs/models.config"))
+    names = [c.name for c in cfg.model_config_list.config]
+    assert names == ["pkm", "pkm_pinned"]
+    assert cfg.model_config_list.config[1].version_labels["canary"] == 2
+    b = protos.parse_text_file(os.path.join(REPO, "serving/configs/batching.config"),
+                               protos.BatchingParameters, "batching")
+    assert b.max_batch_size.value == 32 and b.HasField("batch_timeout_micros")
+    m = protos.parse_text_file(os.path.join(REPO, "serving/configs/monitoring.config"),
+                               protos.MonitoringConfig, "monitoring")
+    assert m.prometheus_config.enable and m.prometheus_config.path == "/monitoring/prometheus/metrics"
+
+
+def test_bad_config_file_names_file_and_problem(tmp_path):
+    bad = tmp_path / "models.config"
+    bad.write_text("model_config_list { config { nmae: 'x' } }")
+    with pytest.raises(ValueError, match=r"models.config.*not a valid text-format.*nmae"):
+        config.read_model_config_file(str(bad))
+    with pytest.raises(ValueError, match="cannot read"):
+        config.read_model_config_file(str(tmp_path / "missing"))
+
+
+def test_version_policies():
+    from tensorflow_serving.config import model_server_config_pb2 as m
+    present = {1: "", 2: "", 3: "", 5: ""}
+    policy = m.ModelConfig().model_version_policy
+    assert aspired_versions(policy, present, set()) == {5}                    # default: latest 1
+    assert aspired_versions(policy, present, {5}) == {3}                      # broken newest: fall back
+    policy.latest.num_versions = 2
+    assert aspired_versions(policy, present, set()) == {3, 5}
+    policy.all.SetInParent()
+    assert aspired_versions(policy, present, {2}) == {1, 3, 5}
+    policy.specific.versions.extend([2, 4])
+    assert aspired_versions(policy, present, set()) == {2}                    # 4 does not exist
+
+
+class _FakeSignature:
+    """Records the batch sizes it runs; output = input * 2 plus a per-row id check."""
+    name = "serving_default"
+
+    def __init__(self):
+        self.batches = []
+        self.lock = threading.Lock()
+
+    def run(self, inputs, output_filter=()):
+        x = inputs["x"]
+        with self.lock:
+            self.batches.append(x.shape[0])
+        if np.any(x < 0):
+            raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, "negative input")
+        return {"y": x * 2}
+
+
+def _params(text):
+    from google.protobuf import text_format
+    return text_format.Parse(text, protos.BatchingParameters())
+
+
+def test_batch_scheduler_merges_and_splits_back():
+    sched = BatchScheduler(_params("max_batch_size { value: 8 } batch_timeout_micros { value: 200000 } "
+                                   "num_batch_threads { value: 1 }"))
+    sig = _FakeSignature()
+    results = {}
+
+    def call(i):
+        results[i] = sched.run("servable", sig, {"x": np.full((1, 3), i, np.float32)})
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sched.stop()
+    assert sig.batches == [8]
+    for i in range(8):
+        np.testing.assert_array_equal(results[i]["y"], np.full((1, 3), 2 * i, np.float32))
+
+
+def test_batch_scheduler_pads_to_allowed_sizes_and_isolates_bad_requests():
+    sched = BatchScheduler(_params("max_batch_size { value: 8 } batch_timeout_micros { value: 200000 } "
+                                   "num_batch_threads { value: 1 } allowed_batch_sizes: 4 allowed_batch_sizes: 8"))
+    sig = _FakeSignature()
+    out = {}
+
+    def call(i, value):
+        try:
+            out[i] = sched.run("servable", sig, {"x": np.full((1, 2), value, np.float32)})
+        except ServingError as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=call, args=(i, -1.0 if i == 1 else float(i))) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sched.stop()
+    assert sig.batches[0] == 4                      # 3 rows padded up to the allowed size 4
+    assert isinstance(out[1], ServingError) and out[1].code == grpc.StatusCode.INVALID_ARGUMENT
+    np.testing.assert_array_equal(out[0]["y"], [[0.0, 0.0]])
+    np.testing.assert_array_equal(out[2]["y"], [[4.0, 4.0]])
+
+
+def test_batch_scheduler_queue_is_bounded():
+    sched = BatchScheduler(_params("max_batch_size { value: 1 } num_batch_threads { value: 1 } "
+                                   "max_enqueued_batches { value: 1 }"))
+    gate = threading.Event()
+    sig = _FakeSignature()
+    plain_run = sig.run
+    sig.run = lambda inputs, output_filter=(): (gate.wait(10), plain_run(inputs))[1]
+    one = {"x": np.ones((1, 1), np.float32)}
+    running = threading.Thread(target=sched.run, args=("s", sig, one))   # occupies the only batch thread
+    running.start()
+    time.sleep(0.3)
+    queued = threading.Thread(target=sched.run, args=("s", sig, one))    # fills the only queue slot
+    queued.start()
+    time.sleep(0.3)
+    with pytest.raises(ServingError) as err:
+        sched.run("s", sig, one)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE and "full" in err.value.message
+    gate.set()
+    running.join(10)
+    queued.join(10)
+    sched.stop()
+    assert sig.batches == [1, 1]
+
+
+@pytest.mark.parametrize("value, dtype, needle", [
+    ([[1, 2], [3]], "float32", "ragged"),
+    ([1.5], "int64", "non-integer"),
+    ([2 ** 40], "int32", "outside the range"),
+    (["a"], "float32", "strings"),
+    ([True], "float32", "booleans"),
+])
+def test_rest_json_conversion_refuses_lossy_casts(value, dtype, needle):
+    import tensorflow as tf
+    with pytest.raises(ServingError, match=needle):
+        tensors.from_json("x", value, tf.TensorSpec([None], getattr(tf, dtype)))
+
+
+def test_rest_json_b64_round_trip():
+    import tensorflow as tf
+    arr = tensors.from_json("s", [{"b64": "AAE="}, "text"], tf.TensorSpec([None], tf.string))
+    assert list(arr) == [b"\x00\x01", b"text"]
+    assert tensors.to_json("s_bytes", arr) == [{"b64": "AAE="}, {"b64": "dGV4dA=="}]
+
+
+def test_tensor_proto_fast_path_matches_tensorflow():
+    import tensorflow as tf
+    for a in (np.arange(12, dtype=np.float32).reshape(3, 4), np.arange(5, dtype=np.int64),
+              np.zeros((0, 3), np.int32), np.array([True, False])):
+        p = tensors.to_proto(a)
+        np.testing.assert_array_equal(tf.make_ndarray(p), a)
+        np.testing.assert_array_equal(tensors.from_proto("x", tf.make_tensor_proto(a)), a)
+    bad = tf.make_tensor_proto(np.ones((2, 2), np.float32))
+    bad.tensor_content = bad.tensor_content[:-1]
+    with pytest.raises(ServingError, match="holds 15 bytes"):
+        tensors.from_proto("x", bad)
+
+
+def test_stage_script_links_the_op_into_a_tf_serving_tree(tmp_path):
+    servers = tmp_path / "tensorflow_serving" / "model_servers"
+    servers.mkdir(parents=True)
+    (servers / "BUILD").write_text('SUPPORTED_TENSORFLOW_OPS = if_v2([]) + [\n    "@org_tensorflow_text//x:y",\n]\n')
+    script = os.path.join(REPO, "serving/tf_serving/stage_into_tf_serving.sh")
+    for _ in range(2):   # idempotent
+        subprocess.run([script, REPO, str(tmp_path)], check=True, capture_output=True)
+    text = (servers / "BUILD").read_text()
+    assert text.count('"//tensorflow_serving/custom_ops/pkm:pkm_ops"') == 1
+    assert text.startswith('SUPPORTED_TENSORFLOW_OPS = ["//tensorflow_serving/custom_ops/pkm:pkm_ops"] + if_v2([])')
+    ops = tmp_path / "tensorflow_serving" / "custom_ops" / "pkm"
+    assert (ops / "BUILD").read_text() == open(os.path.join(REPO, "serving/tf_serving/BUILD.pkm_ops")).read()
+    for rel in ("kernels/core/embedding_bag.h", "kernels/tf/embedding_bag_ops.cc", "kernels/cuda/forward.cu"):
+        assert (ops / rel).exists(), rel
+    assert not list(ops.glob("kernels/*/*_test.cc")) and not list(ops.glob("kernels/*/*.mk"))
+    bad = subprocess.run([script, REPO, str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert bad.returncode != 0
+
+
+def test_startup_errors_are_one_clear_line_and_exit_code_2(tmp_path):
+    import sys
+    env = dict(os.environ, PYTHONPATH=REPO)
+    proc = subprocess.run([sys.executable, "-m", "pkm_serve.cli", "serve", f"--model_base_path={tmp_path}",
+                           "--op_library=/nonexistent/libfoo.so", "--port=0", "--rest_api_port=1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "pkm-serve serve: error: --op_library '/nonexistent/libfoo.so' does not exist" in proc.stderr
+
+
+@pytest.mark.parametrize("files, needle", [
+    ({"batching.config": "max_batch_size { value: 0 }"}, "must be positive"),
+    ({"batching.config": "max_batch_size { value: 8 } allowed_batch_sizes: 4"}, "must equal max_batch_size"),
+    ({"monitoring.config": "prometheus_config { enabel: true }"}, "enabel"),
+    ({"ssl.config": "server_key: 'k'"}, "needs server_key and server_cert"),
+])
+def test_bad_config_files_fail_startup_with_a_message(tmp_path, files, needle):
+    from pkm_serve.serving.server import Server, StartupError
+    argv = [f"--model_base_path={tmp_path}", "--port=0", "--rest_api_port=1", "--load_pkm_ops=false"]
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+        flag = {"batching.config": "--batching_parameters_file", "monitoring.config": "--monitoring_config_file",
+                "ssl.config": "--ssl_config_file"}[name]
+        argv.append(f"{flag}={tmp_path / name}")
+        if name == "batching.config":
+            argv.append("--enable_batching")
+    with pytest.raises(StartupError, match=needle):
+        Server(config.parse_args(argv))
