@@ -135,15 +135,23 @@ def layer_rows(results):
 
 
 def serving_rows(results):
-    path = _latest(results, "serving_load*.json")
+    path = _latest(results, "serving_2*.json")
     if not path:
         return None, []
     data = _load(path)
-    rows = []
-    for r in data.get("comparisons", []):
-        rows.append({"runtime": "Serving (gRPC)", "case": r["case"], "peer": r["peer"],
-                     "ours_ms": r.get("ours_ms"), "peer_ms": r.get("peer_ms"),
-                     "speedup": r.get("speedup"), "memory_ratio": None})
+    inproc, grpc_ = data["in_process"], data["grpc"]
+    rows = [{"runtime": "Serving: pkm-serve serve (gRPC, loopback)", "case": "batch-1 p50 latency, batching off",
+             "peer": "in-process SavedModel call", "ours_ms": grpc_["batching_off"]["batch1"]["p50_ms"],
+             "peer_ms": inproc["batch1"]["p50_ms"],
+             "speedup": _ratio(inproc["batch1"]["p50_ms"], grpc_["batching_off"]["batch1"]["p50_ms"]),
+             "memory_ratio": None}]
+    # Throughput as a time ratio: rows/s of ours over rows/s of the peer.
+    for peer, key in (("in-process, saturated", "saturated_rows_per_s"),
+                      ("in-process, 32 threads x batch 1", "batch1_concurrent_rows_per_s")):
+        ours = grpc_["batching_on"]["concurrent"]["rows_per_s"]
+        rows.append({"runtime": "Serving: pkm-serve serve (gRPC, loopback)",
+                     "case": "32 clients x batch 1, batching on: throughput", "peer": peer,
+                     "ours_ms": None, "peer_ms": None, "speedup": _ratio(ours, inproc[key]), "memory_ratio": None})
     return path, rows
 
 

@@ -131,18 +131,19 @@ def main(argv=None) -> int:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     workdir = args.workdir or tempfile.mkdtemp(prefix="pkm_demo_")
     os.makedirs(workdir, exist_ok=True)
-    server = None
+    children = []  # processes to stop whatever happens
     try:
-        ok, server = _run(args, workdir)
-        return 0 if ok else 1
+        return 0 if _run(args, workdir, children) else 1
     finally:
-        if server is not None and server.poll() is None:
-            server.kill()
+        for proc in children:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         if not args.keep and not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _run(args, workdir):
+def _run(args, workdir, children) -> bool:
     t_start = time.perf_counter()
     import tensorflow as tf
 
@@ -172,7 +173,7 @@ def _run(args, workdir):
     print(exporter.format_report(result))
     if not result.fused:
         print("FAILED: the export fused no site")
-        return False, None
+        return False
     with open(tflite_fp32, "rb") as f:
         int8_bytes = pkm_tflite.quantize_table_int8(f.read())
     with open(tflite_int8, "wb") as f:
@@ -193,11 +194,15 @@ def _run(args, workdir):
 
     _step(3, "pkm-serve serve on free localhost ports; query it with TF Serving's client stubs and REST")
     grpc_port, rest_port = _free_port(), _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "pkm_serve.serving", f"--port={grpc_port}", f"--rest_api_port={rest_port}",
-         "--model_name=pkm", f"--model_base_path={models_dir}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    served, served_ms, rest_out = _query_server(tf, server, grpc_port, rest_port, query, args.repeats)
+    server_log_path = os.path.join(workdir, "server.log")
+    with open(server_log_path, "w") as server_log:  # a file, not a pipe nobody drains
+        server = subprocess.Popen(
+            [sys.executable, "-m", "pkm_serve.serving", f"--port={grpc_port}", f"--rest_api_port={rest_port}",
+             "--model_name=pkm", f"--model_base_path={models_dir}"],
+            stdout=server_log, stderr=subprocess.STDOUT)
+    children.append(server)
+    served, served_ms, rest_out = _query_server(tf, server, server_log_path, grpc_port, rest_port, query,
+                                                args.repeats)
     server_rss = _process_peak_rss(server.pid)
     rows.append(("served: gRPC Predict", served, served_ms, server_rss, "server process peak RSS"))
     rows.append(("served: REST :predict", rest_out, float("nan"), None, "same server"))
@@ -237,10 +242,10 @@ def _run(args, workdir):
     ok = ok and code == 0
     print(f"\nDemo {'PASSED' if ok else 'FAILED'} in {time.perf_counter() - t_start:.0f} s "
           f"(work directory {workdir})")
-    return ok, server
+    return ok
 
 
-def _query_server(tf, server, grpc_port, rest_port, query, repeats):
+def _query_server(tf, server, server_log_path, grpc_port, rest_port, query, repeats):
     import grpc
     from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc
     from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
@@ -251,7 +256,8 @@ def _query_server(tf, server, grpc_port, rest_port, query, repeats):
     deadline = time.time() + 120
     while True:  # wait until the model is AVAILABLE
         if server.poll() is not None:
-            raise RuntimeError("the server exited during start-up:\n" + server.stdout.read())
+            with open(server_log_path) as f:
+                raise RuntimeError("the server exited during start-up:\n" + f.read())
         try:
             req = get_model_status_pb2.GetModelStatusRequest()
             req.model_spec.name = "pkm"

@@ -106,6 +106,9 @@ def _as_weights(weights, dtype, like):
     return tf.cast(weights, dtype), True
 
 
+# Plain Python with no tensor-dependent control flow: AutoGraph has nothing to
+# convert, and converting would trace through the library loader.
+@tf.autograph.experimental.do_not_convert
 def embedding_bag(params, indices, weights=None, combiner="sum", name=None):
     """Fused gather + weighted reduce over the last axis of ``indices``.
 
@@ -191,6 +194,7 @@ _register_gradients()
 
 # ---- the composite: stock TF ops, identical semantics -------------------------
 
+@tf.autograph.experimental.do_not_convert
 def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=None):
     """``embedding_bag`` written as gather -> multiply -> reduce_sum.
 

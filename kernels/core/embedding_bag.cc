@@ -128,20 +128,6 @@ Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf)
   return Status::Ok();
 }
 
-namespace {
-
-#ifndef PKM_PREFETCH_DISTANCE
-#define PKM_PREFETCH_DISTANCE 8
-#endif
-constexpr int64_t kPrefetchDistance = PKM_PREFETCH_DISTANCE;  // rows ahead: covers DRAM latency at ~2 KB rows
-
-inline void PrefetchRow(const Table& t, int64_t row, int64_t row_bytes) {
-  const char* p = static_cast<const char*>(t.data) + row * row_bytes;
-  for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 0);
-}
-
-}  // namespace
-
 Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* out,
                ElemType out_type, const ParallelFor& pf) {
   Status s = internal::CheckTypes(table, bags, out_type, /*for_gradient=*/false);
@@ -149,35 +135,30 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
   s = ValidateBags(table, bags, pf);
   if (!s.ok) return s;
   const int64_t dim = table.dim;
-  const int64_t row_bytes = dim * ElemSize(table.type);
   const int64_t out_row_bytes = dim * ElemSize(out_type);
   const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;
   pf(bags.num_bags, avg_bag * (dim + 16), [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(dim);
+    int64_t group_rows[vec::kRowGroup];
+    float group_weights[vec::kRowGroup];
     for (int64_t b = b0; b < b1; ++b) {
       std::fill(acc.begin(), acc.end(), 0.f);
-      const int64_t begin = bags.Begin(b), end = bags.End(b);
       float weight_sum = 0.f, weight_sq_sum = 0.f;
-      for (int64_t j = begin; j < end; ++j) {
-        if (j + kPrefetchDistance < end) {
-          const int64_t ahead = IndexAt(bags, j + kPrefetchDistance);
-          if (ahead >= 0) PrefetchRow(table, ahead, row_bytes);
-        }
+      int pending = 0;
+      for (int64_t j = bags.Begin(b), end = bags.End(b); j < end; ++j) {
         const int64_t idx = IndexAt(bags, j);
         if (idx < 0) continue;  // padding
         const float w = WeightAt(bags, j);
-        vec::AxpyRow(table, idx, w, acc.data());
         weight_sum += w;
         weight_sq_sum += w * w;
-      }
-      // Start the next bag's first rows while this one is stored.
-      if (b + 1 < b1) {
-        const int64_t next_end = std::min(bags.End(b + 1), bags.Begin(b + 1) + kPrefetchDistance);
-        for (int64_t j = bags.Begin(b + 1); j < next_end; ++j) {
-          const int64_t ahead = IndexAt(bags, j);
-          if (ahead >= 0) PrefetchRow(table, ahead, row_bytes);
+        group_rows[pending] = idx;
+        group_weights[pending] = w;
+        if (++pending == vec::kRowGroup) {
+          vec::AxpyRowGroup(table, group_rows, group_weights, acc.data());
+          pending = 0;
         }
       }
+      for (int r = 0; r < pending; ++r) vec::AxpyRow(table, group_rows[r], group_weights[r], acc.data());
       vec::FromFloat(acc.data(), internal::CombinerScale(combiner, weight_sum, weight_sq_sum),
                      out_type, static_cast<char*>(out) + b * out_row_bytes, dim);
     }

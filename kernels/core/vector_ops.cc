@@ -53,6 +53,101 @@ void AxpyI8(float a, const int8_t* __restrict q, int32_t zero_point, float* __re
   for (int64_t i = 0; i < n; ++i) acc[i] += a * (static_cast<float>(q[i]) - bias);
 }
 
+namespace {
+
+// Element loaders: the row-group kernels below are one template, inlined into
+// each CPU-specific clone.
+struct LoadF32 {
+  using Elem = float;
+  static inline float Get(const float* p, int64_t i) { return p[i]; }
+};
+struct LoadBF16 {
+  using Elem = uint16_t;
+  static inline float Get(const uint16_t* p, int64_t i) { return BF16Bits(p[i]); }
+};
+#if defined(__FLT16_MAX__)
+struct LoadF16 {
+  using Elem = uint16_t;
+  static inline float Get(const uint16_t* p, int64_t i) {
+    return static_cast<float>(reinterpret_cast<const _Float16*>(p)[i]);
+  }
+};
+#else
+struct LoadF16 {
+  using Elem = uint16_t;
+  static inline float Get(const uint16_t* p, int64_t i) { return HalfToFloat(p[i]); }
+};
+#endif
+struct LoadI8 {
+  using Elem = int8_t;
+  static inline float Get(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
+};
+
+template <typename L>
+__attribute__((always_inline)) inline void AxpyGroupImpl(const float* a, const void* const* rows, float bias,
+                                                          float* __restrict acc, int64_t n) {
+  using E = typename L::Elem;
+  const E* __restrict r0 = static_cast<const E*>(rows[0]);
+  const E* __restrict r1 = static_cast<const E*>(rows[1]);
+  const E* __restrict r2 = static_cast<const E*>(rows[2]);
+  const E* __restrict r3 = static_cast<const E*>(rows[3]);
+  const E* __restrict r4 = static_cast<const E*>(rows[4]);
+  const E* __restrict r5 = static_cast<const E*>(rows[5]);
+  const E* __restrict r6 = static_cast<const E*>(rows[6]);
+  const E* __restrict r7 = static_cast<const E*>(rows[7]);
+  const float a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3], a4 = a[4], a5 = a[5], a6 = a[6], a7 = a[7];
+  if (bias == 0.f) {
+    for (int64_t i = 0; i < n; ++i)
+      acc[i] += a0 * L::Get(r0, i) + a1 * L::Get(r1, i) + a2 * L::Get(r2, i) + a3 * L::Get(r3, i) +
+                a4 * L::Get(r4, i) + a5 * L::Get(r5, i) + a6 * L::Get(r6, i) + a7 * L::Get(r7, i);
+  } else {
+    for (int64_t i = 0; i < n; ++i)
+      acc[i] += a0 * L::Get(r0, i) + a1 * L::Get(r1, i) + a2 * L::Get(r2, i) + a3 * L::Get(r3, i) +
+                a4 * L::Get(r4, i) + a5 * L::Get(r5, i) + a6 * L::Get(r6, i) + a7 * L::Get(r7, i) - bias;
+  }
+}
+
+PKM_MULTIVERSION
+void AxpyGroupF32(const float* a, const void* const* rows, float* acc, int64_t n) {
+  AxpyGroupImpl<LoadF32>(a, rows, 0.f, acc, n);
+}
+PKM_MULTIVERSION
+void AxpyGroupF16(const float* a, const void* const* rows, float* acc, int64_t n) {
+  AxpyGroupImpl<LoadF16>(a, rows, 0.f, acc, n);
+}
+PKM_MULTIVERSION
+void AxpyGroupBF16(const float* a, const void* const* rows, float* acc, int64_t n) {
+  AxpyGroupImpl<LoadBF16>(a, rows, 0.f, acc, n);
+}
+PKM_MULTIVERSION
+void AxpyGroupI8(const float* a, const void* const* rows, float bias, float* acc, int64_t n) {
+  AxpyGroupImpl<LoadI8>(a, rows, bias, acc, n);
+}
+
+}  // namespace
+
+void AxpyRowGroup(const Table& t, const int64_t* rows, const float* a, float* acc) {
+  const void* ptrs[kRowGroup];
+  const int64_t row_bytes = t.dim * ElemSize(t.type);
+  for (int r = 0; r < kRowGroup; ++r) ptrs[r] = static_cast<const char*>(t.data) + rows[r] * row_bytes;
+  switch (t.type) {
+    case ElemType::kFloat32: AxpyGroupF32(a, ptrs, acc, t.dim); break;
+    case ElemType::kFloat16: AxpyGroupF16(a, ptrs, acc, t.dim); break;
+    case ElemType::kBFloat16: AxpyGroupBF16(a, ptrs, acc, t.dim); break;
+    case ElemType::kInt8: {
+      // scale * (q - zp) summed over rows = sum(a*scale*q) - sum(a*scale*zp)
+      float scaled[kRowGroup];
+      float bias = 0.f;
+      for (int r = 0; r < kRowGroup; ++r) {
+        scaled[r] = a[r] * t.row_scales[rows[r]];
+        if (t.row_zero_points) bias += scaled[r] * static_cast<float>(t.row_zero_points[rows[r]]);
+      }
+      AxpyGroupI8(scaled, ptrs, bias, acc, t.dim);
+      break;
+    }
+  }
+}
+
 void AxpyRow(const Table& t, int64_t r, float a, float* acc) {
   const int64_t off = r * t.dim;  // 64-bit: tables may exceed 2^31 elements
   switch (t.type) {

