@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernels/core/internal.h"
@@ -169,56 +170,61 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
 namespace {
 
 // Entries with a valid index, grouped by table row: entries of row
-// rows[u] are order[starts[u] .. starts[u+1]). With `all_rows`, u == row for
+// Row(u) are order[starts[u] .. starts[u+1]). With `all_rows`, u == row for
 // every table row (empty groups included) — counting sort, used when the table
 // is not much larger than the number of entries; otherwise only rows that
 // occur are listed (comparison sort), so temporaries stay O(entries).
+// Pos is int32_t whenever the entry count allows: half the temporary memory.
+template <typename Pos>
 struct RowGroups {
   bool all_rows = false;
   std::vector<int64_t> rows;
-  std::vector<int64_t> starts;
-  std::vector<int64_t> order;
+  std::vector<Pos> starts;
+  std::vector<Pos> order;
   int64_t NumGroups() const { return static_cast<int64_t>(starts.size()) - 1; }
   int64_t Row(int64_t u) const { return all_rows ? u : rows[u]; }
 };
 
-RowGroups GroupByRow(const Bags& bags, int64_t num_rows) {
+template <typename Pos>
+RowGroups<Pos> GroupByRow(const Bags& bags, int64_t num_rows) {
   const int64_t n = bags.NumIndices();
-  RowGroups g;
+  RowGroups<Pos> g;
   int64_t valid = 0;
   for (int64_t j = 0; j < n; ++j) valid += IndexAt(bags, j) >= 0;
+  g.order.resize(valid);
   if (num_rows <= 4 * n + (int64_t{1} << 20)) {
+    // Counting sort: count, prefix-sum to group ends, then place entries from
+    // the back so each group keeps ascending positions and starts[r] ends up
+    // at the group's start.
     g.all_rows = true;
     g.starts.assign(num_rows + 1, 0);
     for (int64_t j = 0; j < n; ++j) {
       const int64_t r = IndexAt(bags, j);
-      if (r >= 0) ++g.starts[r + 1];
+      if (r >= 0) ++g.starts[r];
     }
-    for (int64_t r = 0; r < num_rows; ++r) g.starts[r + 1] += g.starts[r];
-    g.order.resize(valid);
-    std::vector<int64_t> cursor(g.starts.begin(), g.starts.end() - 1);
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t r = 1; r < num_rows; ++r) g.starts[r] += g.starts[r - 1];
+    g.starts[num_rows] = static_cast<Pos>(valid);
+    for (int64_t j = n - 1; j >= 0; --j) {
       const int64_t r = IndexAt(bags, j);
-      if (r >= 0) g.order[cursor[r]++] = j;
+      if (r >= 0) g.order[--g.starts[r]] = static_cast<Pos>(j);
     }
     return g;
   }
-  std::vector<std::pair<int64_t, int64_t>> pairs;
+  std::vector<std::pair<int64_t, Pos>> pairs;
   pairs.reserve(valid);
   for (int64_t j = 0; j < n; ++j) {
     const int64_t r = IndexAt(bags, j);
-    if (r >= 0) pairs.emplace_back(r, j);
+    if (r >= 0) pairs.emplace_back(r, static_cast<Pos>(j));
   }
   std::sort(pairs.begin(), pairs.end());
-  g.order.resize(valid);
   for (int64_t i = 0; i < valid; ++i) {
     g.order[i] = pairs[i].second;
     if (i == 0 || pairs[i].first != pairs[i - 1].first) {
       g.rows.push_back(pairs[i].first);
-      g.starts.push_back(i);
+      g.starts.push_back(static_cast<Pos>(i));
     }
   }
-  g.starts.push_back(valid);
+  g.starts.push_back(static_cast<Pos>(valid));
   return g;
 }
 
@@ -262,8 +268,18 @@ Status Backward(const Table& table, const Bags& bags, Combiner combiner, const v
   }
   auto bag_of = [&](int64_t j) { return bags.row_splits ? ragged_bag_of[j] : j / bags.bag_size; };
 
-  // grad . row for each entry; turned into d_weights by the per-bag fix-up below.
-  std::vector<float> grad_dot_row(d_weights ? n : 0, 0.f);
+  // grad . row for each valid entry, turned into d_weights by the per-bag
+  // fix-up below: in place for float32 weights, else through a scratch.
+  std::vector<float> grad_dot_scratch;
+  float* grad_dot_row = nullptr;
+  if (d_weights != nullptr) {
+    if (bags.weights_type == ElemType::kFloat32) {
+      grad_dot_row = static_cast<float*>(d_weights);
+    } else {
+      grad_dot_scratch.assign(n, 0.f);
+      grad_dot_row = grad_dot_scratch.data();
+    }
+  }
 
   // Gradient rows are read once per entry: convert half-type gradients to
   // float32 once (an output-sized buffer) rather than at every read.
@@ -278,8 +294,9 @@ Status Backward(const Table& table, const Bags& bags, Combiner combiner, const v
     grad_rows = grad_f.data();
   }
 
-  if (d_table != nullptr) {
-    const RowGroups groups = GroupByRow(bags, table.num_rows);
+  // Rows of the table in group order: each row read once, its gradient row
+  // written once, by one thread.
+  auto table_gradient = [&](const auto& groups) {
     if (!groups.all_rows) {  // rows nobody looked up get zero gradient
       pf(table.num_rows, dim, [&](int64_t r0, int64_t r1) {
         std::vector<float> zeros(dim, 0.f);
@@ -316,6 +333,12 @@ Status Backward(const Table& table, const Bags& bags, Combiner combiner, const v
         if (!direct) vec::FromFloat(acc, 1.f, d_table_type, d_row, dim);
       }
     });
+  };
+  if (d_table != nullptr) {
+    if (n <= std::numeric_limits<int32_t>::max())
+      table_gradient(GroupByRow<int32_t>(bags, table.num_rows));
+    else
+      table_gradient(GroupByRow<int64_t>(bags, table.num_rows));
   } else if (d_weights != nullptr) {
     pf(num_bags, (n / std::max<int64_t>(num_bags, 1) + 1) * dim * 2, [&](int64_t b0, int64_t b1) {
       std::vector<float> row_f(dim);

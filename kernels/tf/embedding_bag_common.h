@@ -103,6 +103,27 @@ inline ::tensorflow::Status ToTf(const pkm::Status& s) {
   return s.ok ? ::tensorflow::Status() : ::tensorflow::errors::InvalidArgument(s.message);
 }
 
+// A kernel class taking (ctx, ragged) bound to one layout, as
+// REGISTER_KERNEL_BUILDER needs a constructor of ctx alone.
+template <class Kernel, bool kRagged>
+class WithLayout : public Kernel {
+ public:
+  explicit WithLayout(::tensorflow::OpKernelConstruction* ctx) : Kernel(ctx, kRagged) {}
+};
+
+// Registers a device's forward and gradient kernel classes for the dense and
+// the ragged ops, for table type T. One class serves every dtype: the core and
+// the CUDA launchers dispatch on runtime element types.
+#define PKM_REGISTER_EMBEDDING_BAG_KERNELS(DEVICE, FORWARD, GRAD, T)                               \
+  REGISTER_KERNEL_BUILDER(Name("PkmEmbeddingBag").Device(DEVICE).TypeConstraint<T>("T"),          \
+                          ::pkm_tf::WithLayout<FORWARD, false>);                                  \
+  REGISTER_KERNEL_BUILDER(Name("PkmEmbeddingBagGrad").Device(DEVICE).TypeConstraint<T>("T"),      \
+                          ::pkm_tf::WithLayout<GRAD, false>);                                     \
+  REGISTER_KERNEL_BUILDER(Name("PkmRaggedEmbeddingBag").Device(DEVICE).TypeConstraint<T>("T"),    \
+                          ::pkm_tf::WithLayout<FORWARD, true>);                                   \
+  REGISTER_KERNEL_BUILDER(Name("PkmRaggedEmbeddingBagGrad").Device(DEVICE).TypeConstraint<T>("T"), \
+                          ::pkm_tf::WithLayout<GRAD, true>)
+
 }  // namespace pkm_tf
 
 #endif  // PKM_KERNELS_TF_EMBEDDING_BAG_COMMON_H_

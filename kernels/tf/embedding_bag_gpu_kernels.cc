@@ -120,41 +120,13 @@ class GpuEmbeddingBagGradOp : public OpKernel {
   OpAttrs attrs_;
 };
 
-template <bool kRagged>
-class GpuDenseOrRagged : public GpuEmbeddingBagOp {
- public:
-  explicit GpuDenseOrRagged(OpKernelConstruction* ctx) : GpuEmbeddingBagOp(ctx, kRagged) {}
-};
-
-template <bool kRagged>
-class GpuDenseOrRaggedGrad : public GpuEmbeddingBagGradOp {
- public:
-  explicit GpuDenseOrRaggedGrad(OpKernelConstruction* ctx) : GpuEmbeddingBagGradOp(ctx, kRagged) {}
-};
-
 }  // namespace
 
-// One kernel class per op serves every dtype: the launchers dispatch on the
-// runtime element type.
-#define PKM_REGISTER_GPU(T)                                                                  \
-  REGISTER_KERNEL_BUILDER(                                                                   \
-      Name("PkmEmbeddingBag").Device(::tensorflow::DEVICE_GPU).TypeConstraint<T>("T"),       \
-      GpuDenseOrRagged<false>);                                                              \
-  REGISTER_KERNEL_BUILDER(                                                                   \
-      Name("PkmEmbeddingBagGrad").Device(::tensorflow::DEVICE_GPU).TypeConstraint<T>("T"),   \
-      GpuDenseOrRaggedGrad<false>);                                                          \
-  REGISTER_KERNEL_BUILDER(                                                                   \
-      Name("PkmRaggedEmbeddingBag").Device(::tensorflow::DEVICE_GPU).TypeConstraint<T>("T"), \
-      GpuDenseOrRagged<true>);                                                               \
-  REGISTER_KERNEL_BUILDER(Name("PkmRaggedEmbeddingBagGrad")                                  \
-                              .Device(::tensorflow::DEVICE_GPU)                              \
-                              .TypeConstraint<T>("T"),                                       \
-                          GpuDenseOrRaggedGrad<true>);
-
-PKM_REGISTER_GPU(float);
-PKM_REGISTER_GPU(::Eigen::half);
-PKM_REGISTER_GPU(::tensorflow::bfloat16);
-#undef PKM_REGISTER_GPU
+PKM_REGISTER_EMBEDDING_BAG_KERNELS(::tensorflow::DEVICE_GPU, GpuEmbeddingBagOp, GpuEmbeddingBagGradOp, float);
+PKM_REGISTER_EMBEDDING_BAG_KERNELS(::tensorflow::DEVICE_GPU, GpuEmbeddingBagOp, GpuEmbeddingBagGradOp,
+                                   ::Eigen::half);
+PKM_REGISTER_EMBEDDING_BAG_KERNELS(::tensorflow::DEVICE_GPU, GpuEmbeddingBagOp, GpuEmbeddingBagGradOp,
+                                   ::tensorflow::bfloat16);
 
 }  // namespace pkm_tf
 

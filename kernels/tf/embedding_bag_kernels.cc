@@ -69,39 +69,11 @@ class EmbeddingBagGradOp : public OpKernel {
   OpAttrs attrs_;
 };
 
-template <bool kRagged>
-class DenseOrRagged : public EmbeddingBagOp {
- public:
-  explicit DenseOrRagged(OpKernelConstruction* ctx) : EmbeddingBagOp(ctx, kRagged) {}
-};
-
-template <bool kRagged>
-class DenseOrRaggedGrad : public EmbeddingBagGradOp {
- public:
-  explicit DenseOrRaggedGrad(OpKernelConstruction* ctx) : EmbeddingBagGradOp(ctx, kRagged) {}
-};
-
 }  // namespace
 
-// One kernel class serves every dtype: the core dispatches on runtime types.
-#define PKM_REGISTER_CPU(T)                                                                  \
-  REGISTER_KERNEL_BUILDER(                                                                   \
-      Name("PkmEmbeddingBag").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"),       \
-      DenseOrRagged<false>);                                                                 \
-  REGISTER_KERNEL_BUILDER(                                                                   \
-      Name("PkmEmbeddingBagGrad").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"),   \
-      DenseOrRaggedGrad<false>);                                                             \
-  REGISTER_KERNEL_BUILDER(                                                                   \
-      Name("PkmRaggedEmbeddingBag").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"), \
-      DenseOrRagged<true>);                                                                  \
-  REGISTER_KERNEL_BUILDER(Name("PkmRaggedEmbeddingBagGrad")                                  \
-                              .Device(::tensorflow::DEVICE_CPU)                              \
-                              .TypeConstraint<T>("T"),                                       \
-                          DenseOrRaggedGrad<true>);
-
-PKM_REGISTER_CPU(float);
-PKM_REGISTER_CPU(::Eigen::half);
-PKM_REGISTER_CPU(::tensorflow::bfloat16);
-#undef PKM_REGISTER_CPU
+PKM_REGISTER_EMBEDDING_BAG_KERNELS(::tensorflow::DEVICE_CPU, EmbeddingBagOp, EmbeddingBagGradOp, float);
+PKM_REGISTER_EMBEDDING_BAG_KERNELS(::tensorflow::DEVICE_CPU, EmbeddingBagOp, EmbeddingBagGradOp, ::Eigen::half);
+PKM_REGISTER_EMBEDDING_BAG_KERNELS(::tensorflow::DEVICE_CPU, EmbeddingBagOp, EmbeddingBagGradOp,
+                                   ::tensorflow::bfloat16);
 
 }  // namespace pkm_tf
