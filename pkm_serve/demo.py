@@ -247,11 +247,17 @@ def _run(args, workdir, children) -> bool:
 
 def _query_server(tf, server, server_log_path, grpc_port, rest_port, query, repeats):
     import grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}",
+                               options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        return _query_over_channel(tf, server, server_log_path, channel, rest_port, query, repeats)
+
+
+def _query_over_channel(tf, server, server_log_path, channel, rest_port, query, repeats):
+    import grpc
     from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc
     from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}",
-                                    options=[("grpc.max_receive_message_length", 64 << 20)])
     status_stub = model_service_pb2_grpc.ModelServiceStub(channel)
     deadline = time.time() + 120
     while True:  # wait until the model is AVAILABLE
@@ -269,7 +275,7 @@ def _query_server(tf, server, server_log_path, grpc_port, rest_port, query, repe
         if time.time() > deadline:
             raise RuntimeError("the server did not make the model available within 120 s")
         time.sleep(0.3)
-    print(f"      model 'pkm' version 1 AVAILABLE on 127.0.0.1:{grpc_port} (gRPC), :{rest_port} (REST)")
+    print(f"      model 'pkm' version 1 AVAILABLE (gRPC and REST on :{rest_port})")
 
     stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
     request = predict_pb2.PredictRequest()
@@ -289,7 +295,6 @@ def _query_server(tf, server, server_log_path, grpc_port, rest_port, query, repe
         payload = json.loads(resp.read())
     outputs = payload["outputs"]
     rest_out = np.asarray(outputs["output"] if isinstance(outputs, dict) else outputs, np.float32)
-    channel.close()
     return served, ms, rest_out
 
 

@@ -145,13 +145,24 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None):
                                      has_weights=has_weights)
 
 
+def _ragged_weight_values(indices, weights):
+    """The flat weights of ragged bags, after checking that they partition
+    like the indices (else weights would silently land in the wrong bags)."""
+    if weights is None:
+        return None
+    if not isinstance(weights, tf.RaggedTensor):
+        raise TypeError("indices is ragged: weights must be a RaggedTensor with the same row partition")
+    if weights.ragged_rank != indices.ragged_rank:
+        raise ValueError(f"weights have ragged rank {weights.ragged_rank}, indices {indices.ragged_rank}")
+    checks = [tf.debugging.assert_equal(tf.cast(w, tf.int64), tf.cast(i, tf.int64),
+                                        message="weights must have the row partition of indices")
+              for w, i in zip(weights.nested_row_splits, indices.nested_row_splits)]
+    with tf.control_dependencies(checks):
+        return tf.identity(weights.flat_values)
+
+
 def _ragged_embedding_bag(lib, params, indices, weights, combiner):
-    if weights is not None:
-        if not isinstance(weights, tf.RaggedTensor):
-            raise TypeError("indices is ragged: weights must be a RaggedTensor with the same row partition")
-        weight_values = weights.flat_values
-    else:
-        weight_values = None
+    weight_values = _ragged_weight_values(indices, weights)
     values = indices.flat_values
     if values.shape.rank is not None and values.shape.rank > 1:
         # Ragged outer dims, uniform bag axis: the dense op on the flat values.
@@ -227,7 +238,7 @@ def _combine(summed, w, combiner, axis):
 
 def _ragged_composite(params, indices, weights, combiner):
     values = indices.flat_values
-    w_values = None if weights is None else weights.flat_values
+    w_values = _ragged_weight_values(indices, weights)
     if values.shape.rank is not None and values.shape.rank > 1:
         return indices.with_flat_values(embedding_bag_composite(params, values, w_values, combiner))
     splits = indices.nested_row_splits

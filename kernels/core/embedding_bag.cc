@@ -95,6 +95,8 @@ using internal::WeightAt;
 
 Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf) {
   if (bags.row_splits != nullptr) {
+    // Without the values' length, row_splits could point past the buffers.
+    if (bags.num_values < 0) return Status::Error("ragged bags need num_values (the length of indices)");
     if (bags.num_bags >= 0 && internal::ReadInt(bags.row_splits, bags.row_splits_int64, 0) != 0)
       return Status::Error("row_splits[0] must be 0, got " +
                            std::to_string(internal::ReadInt(bags.row_splits, bags.row_splits_int64, 0)));
@@ -104,7 +106,7 @@ Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf)
                              "] = " + std::to_string(bags.End(b)) + " < row_splits[" +
                              std::to_string(b) + "] = " + std::to_string(bags.Begin(b)));
     }
-    if (bags.num_values >= 0 && bags.NumIndices() != bags.num_values)
+    if (bags.NumIndices() != bags.num_values)
       return Status::Error("row_splits[-1] = " + std::to_string(bags.NumIndices()) +
                            " must equal the number of values (" + std::to_string(bags.num_values) + ")");
   }

@@ -70,8 +70,8 @@ struct Bags {
   int64_t bag_size = 0;              // dense layout
   const void* row_splits = nullptr;  // ragged layout when non-null
   bool row_splits_int64 = false;
-  int64_t num_values = -1;           // ragged: length of indices (checked
-                                     // against row_splits[num_bags]); -1 = unchecked
+  int64_t num_values = -1;           // ragged (required): length of indices,
+                                     // checked against row_splits[num_bags]
   const void* weights = nullptr;     // null = all ones; else one per index
   ElemType weights_type = ElemType::kFloat32;  // kFloat32/kFloat16/kBFloat16
   int64_t NumIndices() const;        // total entries (ragged: row_splits[num_bags])

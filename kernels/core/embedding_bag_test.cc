@@ -1,6 +1,7 @@
 // Fast core vs reference on random shapes, every type combination, dense and
 // ragged bags, padding and empty bags; plus the error paths. Plain asserts so
 // it builds with nothing but the compiler; prints a ctest-like summary.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -163,7 +164,9 @@ void RandomCase(std::mt19937_64& rng, int case_id) {
 }
 
 void ErrorCases() {
-  std::vector<float> table_buf(10 * 4, 1.f), out(2 * 4);
+  std::vector<float> table_buf(10 * 4, 1.f);
+  const float sentinel = -12345.f;
+  std::vector<float> out(2 * 4, sentinel);
   std::vector<int32_t> idx = {0, 1, 2, 10};
   pkm::Table table{table_buf.data(), pkm::ElemType::kFloat32, 10, 4};
   pkm::Bags bags;
@@ -172,15 +175,26 @@ void ErrorCases() {
   bags.bag_size = 2;
   auto s = pkm::Forward(table, bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
   EXPECT(!s.ok && s.message.find("indices[3] = 10") != std::string::npos, "out of range message: %s", s.message.c_str());
-  std::vector<float> before = out;
-  EXPECT(out == before, "nothing written on error");
+  EXPECT(std::all_of(out.begin(), out.end(), [&](float v) { return v == sentinel; }), "forward wrote on error");
+  std::vector<float> grad(2 * 4, 1.f), d_table(10 * 4, sentinel);
+  s = pkm::Backward(table, bags, pkm::Combiner::kSum, grad.data(), pkm::ElemType::kFloat32, d_table.data(),
+                    pkm::ElemType::kFloat32, nullptr, pkm::SerialFor());
+  EXPECT(!s.ok && std::all_of(d_table.begin(), d_table.end(), [&](float v) { return v == sentinel; }),
+         "backward must fail before writing: %s", s.message.c_str());
 
   std::vector<int64_t> bad_splits = {0, 3, 2};
   bags.row_splits = bad_splits.data();
   bags.row_splits_int64 = true;
   idx[3] = 1;
   s = pkm::Forward(table, bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
+  EXPECT(!s.ok && s.message.find("num_values") != std::string::npos, "ragged without num_values: %s", s.message.c_str());
+  bags.num_values = 2;
+  s = pkm::Forward(table, bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
   EXPECT(!s.ok && s.message.find("non-decreasing") != std::string::npos, "splits message: %s", s.message.c_str());
+  std::vector<int64_t> nonzero_start = {1, 2, 2};
+  bags.row_splits = nonzero_start.data();
+  s = pkm::Forward(table, bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
+  EXPECT(!s.ok && s.message.find("row_splits[0] must be 0") != std::string::npos, "splits start: %s", s.message.c_str());
   std::vector<int64_t> short_splits = {0, 2, 4};
   bags.row_splits = short_splits.data();
   bags.num_values = 3;
@@ -209,8 +223,30 @@ void HalfConversions() {
     if (pkm::FloatToHalf(f) != h) ++bad;
   }
   EXPECT(bad == 0, "%d half patterns did not round-trip", bad);
+#if defined(__FLT16_MAX__)
+  // Against the compiler's own IEEE binary16 conversions, on every half value
+  // and on floats between them (round-to-nearest-even ties included).
+  int mismatches = 0;
+  std::mt19937 rng(5);
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    _Float16 x;
+    const uint16_t bits = static_cast<uint16_t>(h);
+    std::memcpy(&x, &bits, 2);
+    const float f = static_cast<float>(x);
+    if (std::isnan(f)) continue;
+    if (pkm::HalfToFloat(bits) != f) ++mismatches;
+    const float between = f * (1.f + (rng() % 2048) / 4096.f / 1024.f);
+    const _Float16 rounded = static_cast<_Float16>(between);
+    uint16_t expected;
+    std::memcpy(&expected, &rounded, 2);
+    if (pkm::FloatToHalf(between) != expected) ++mismatches;
+  }
+  EXPECT(mismatches == 0, "%d conversions differ from _Float16", mismatches);
+#endif
   EXPECT(pkm::FloatToHalf(65520.f) == 0x7c00 && pkm::FloatToHalf(65519.f) == 0x7bff, "half overflow rounding");
   EXPECT(pkm::FloatToBFloat16(1.00390625f) == 0x3f80, "bf16 ties to even");  // 1 + 2^-8 -> 1.0
+  EXPECT(pkm::FloatToBFloat16(1.01171875f) == 0x3f82, "bf16 tie rounds to even upward");  // 1 + 3*2^-8
+  EXPECT(pkm::BFloat16ToFloat(0x3f81) == 1.0078125f, "bf16 to float");
 }
 
 }  // namespace

@@ -1,18 +1,35 @@
 // The slow, obviously-correct EmbeddingBag: serial loops straight from the
 // definition, with gradients from the textbook derivatives. Tests pit the fast
-// core (and the GPU kernels) against it.
+// core (and the GPU kernels) against it, so it shares none of the fast path's
+// layout, validation or gather code: it reads indices, row_splits and weights
+// itself, and checks them itself. (Scalar float conversions are shared; the
+// core test checks those against the compiler's own _Float16.)
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "kernels/core/embedding_bag.h"
-#include "kernels/core/internal.h"
 
 namespace pkm {
 
-using internal::IndexAt;
-using internal::WeightAt;
-
 namespace {
+
+int64_t ReadInteger(const void* p, bool is_int64, int64_t i) {
+  if (is_int64) return static_cast<const int64_t*>(p)[i];
+  return static_cast<const int32_t*>(p)[i];
+}
+
+float ReadFloat(const void* p, ElemType type, int64_t i) {
+  if (type == ElemType::kFloat32) return static_cast<const float*>(p)[i];
+  if (type == ElemType::kFloat16) return HalfToFloat(static_cast<const uint16_t*>(p)[i]);
+  return BFloat16ToFloat(static_cast<const uint16_t*>(p)[i]);
+}
+
+void WriteFloat(void* p, ElemType type, int64_t i, float v) {
+  if (type == ElemType::kFloat32) static_cast<float*>(p)[i] = v;
+  else if (type == ElemType::kFloat16) static_cast<uint16_t*>(p)[i] = FloatToHalf(v);
+  else static_cast<uint16_t*>(p)[i] = FloatToBFloat16(v);
+}
 
 float TableAt(const Table& t, int64_t row, int64_t d) {
   const int64_t i = row * t.dim + d;
@@ -20,44 +37,73 @@ float TableAt(const Table& t, int64_t row, int64_t d) {
     const float zp = t.row_zero_points ? static_cast<float>(t.row_zero_points[row]) : 0.f;
     return t.row_scales[row] * (static_cast<float>(static_cast<const int8_t*>(t.data)[i]) - zp);
   }
-  return vec::LoadElem(t.data, t.type, i);
+  return ReadFloat(t.data, t.type, i);
 }
 
-// The combined output of one bag, in float32, before storing.
-void BagOutput(const Table& t, const Bags& bags, Combiner c, int64_t b, std::vector<float>* out,
-               float* weight_sum, float* weight_sq_sum) {
+// The bags as plain lists of entry positions.
+struct BagList {
+  std::vector<std::vector<int64_t>> entries;
+  int64_t total = 0;  // entries including padding
+};
+
+Status ListBags(const Table& t, const Bags& b, BagList* out) {
+  if (b.num_bags < 0 || b.bag_size < 0) return Status::Error("bag shape must be non-negative");
+  if (t.type == ElemType::kInt8 && t.row_scales == nullptr) return Status::Error("int8 table needs per-row scales");
+  out->entries.assign(b.num_bags, {});
+  int64_t total = b.num_bags * b.bag_size;
+  if (b.row_splits != nullptr) {
+    total = ReadInteger(b.row_splits, b.row_splits_int64, b.num_bags);
+    if (ReadInteger(b.row_splits, b.row_splits_int64, 0) != 0 || total != b.num_values)
+      return Status::Error("bad row_splits");
+  }
+  for (int64_t bag = 0; bag < b.num_bags; ++bag) {
+    int64_t first = bag * b.bag_size, last = first + b.bag_size;
+    if (b.row_splits != nullptr) {
+      first = ReadInteger(b.row_splits, b.row_splits_int64, bag);
+      last = ReadInteger(b.row_splits, b.row_splits_int64, bag + 1);
+      if (last < first) return Status::Error("row_splits must be non-decreasing");
+    }
+    for (int64_t j = first; j < last; ++j) {
+      const int64_t r = ReadInteger(b.indices, b.indices_int64, j);
+      if (r >= t.num_rows) return Status::Error("index out of range at " + std::to_string(j));
+      if (r >= 0) out->entries[bag].push_back(j);  // negative: padding
+    }
+  }
+  out->total = total;
+  return Status::Ok();
+}
+
+float Weight(const Bags& b, int64_t j) { return b.weights ? ReadFloat(b.weights, b.weights_type, j) : 1.f; }
+
+int64_t Row(const Bags& b, int64_t j) { return ReadInteger(b.indices, b.indices_int64, j); }
+
+// One bag's combined output (float32) and its denominator.
+void BagOutput(const Table& t, const Bags& b, Combiner c, const std::vector<int64_t>& entries,
+               std::vector<float>* out, float* denom) {
   out->assign(t.dim, 0.f);
   float ws = 0.f, wq = 0.f;
-  for (int64_t j = bags.Begin(b); j < bags.End(b); ++j) {
-    const int64_t r = IndexAt(bags, j);
-    if (r < 0) continue;
-    const float w = WeightAt(bags, j);
+  for (int64_t j : entries) {
+    const float w = Weight(b, j);
     ws += w;
     wq += w * w;
-    for (int64_t d = 0; d < t.dim; ++d) (*out)[d] += w * TableAt(t, r, d);
+    for (int64_t d = 0; d < t.dim; ++d) (*out)[d] += w * TableAt(t, Row(b, j), d);
   }
-  float denom = 1.f;
-  if (c == Combiner::kMean) denom = ws;
-  if (c == Combiner::kSqrtn) denom = std::sqrt(wq);
-  for (int64_t d = 0; d < t.dim; ++d) (*out)[d] = denom != 0.f ? (*out)[d] / denom : 0.f;
-  *weight_sum = ws;
-  *weight_sq_sum = wq;
+  *denom = c == Combiner::kMean ? ws : c == Combiner::kSqrtn ? std::sqrt(wq) : 1.f;
+  for (int64_t d = 0; d < t.dim; ++d) (*out)[d] = *denom != 0.f ? (*out)[d] / *denom : 0.f;
 }
 
 }  // namespace
 
 Status ReferenceForward(const Table& table, const Bags& bags, Combiner combiner, void* out,
                         ElemType out_type) {
-  Status s = internal::CheckTypes(table, bags, out_type, false);
-  if (!s.ok) return s;
-  s = ValidateBags(table, bags, SerialFor());
+  BagList list;
+  Status s = ListBags(table, bags, &list);
   if (!s.ok) return s;
   std::vector<float> row;
   for (int64_t b = 0; b < bags.num_bags; ++b) {
-    float ws, wq;
-    BagOutput(table, bags, combiner, b, &row, &ws, &wq);
-    for (int64_t d = 0; d < table.dim; ++d)
-      internal::StoreElem(out, out_type, b * table.dim + d, row[d]);
+    float denom;
+    BagOutput(table, bags, combiner, list.entries[b], &row, &denom);
+    for (int64_t d = 0; d < table.dim; ++d) WriteFloat(out, out_type, b * table.dim + d, row[d]);
   }
   return Status::Ok();
 }
@@ -65,40 +111,36 @@ Status ReferenceForward(const Table& table, const Bags& bags, Combiner combiner,
 Status ReferenceBackward(const Table& table, const Bags& bags, Combiner combiner,
                          const void* grad_out, ElemType grad_type, void* d_table,
                          ElemType d_table_type, void* d_weights) {
-  Status s = internal::CheckTypes(table, bags, d_table_type, true);
-  if (!s.ok) return s;
-  s = ValidateBags(table, bags, SerialFor());
+  if (table.type == ElemType::kInt8) return Status::Error("no gradient for int8 tables");
+  BagList list;
+  Status s = ListBags(table, bags, &list);
   if (!s.ok) return s;
   const int64_t dim = table.dim;
   std::vector<float> d_table_f(d_table ? table.num_rows * dim : 0, 0.f);
+  std::vector<float> d_weights_f(d_weights && bags.weights ? list.total : 0, 0.f);
   std::vector<float> out;
   for (int64_t b = 0; b < bags.num_bags; ++b) {
-    float ws, wq;
-    BagOutput(table, bags, combiner, b, &out, &ws, &wq);
-    // d out / d x_k = w_k / denom ;  d out / d w_k = x_k / denom - out * d(denom)/d(w_k) / denom
-    float denom = 1.f;
-    if (combiner == Combiner::kMean) denom = ws;
-    if (combiner == Combiner::kSqrtn) denom = std::sqrt(wq);
-    for (int64_t j = bags.Begin(b); j < bags.End(b); ++j) {
-      const int64_t r = IndexAt(bags, j);
+    float denom;
+    BagOutput(table, bags, combiner, list.entries[b], &out, &denom);
+    if (denom == 0.f) continue;  // the output is constant 0: zero gradients
+    // out = sum_k w_k x_k / denom(w):
+    //   d out / d x_k = w_k / denom
+    //   d out / d w_k = (x_k - out * d denom / d w_k) / denom,
+    //   with d denom / d w_k = 0 (sum), 1 (mean), w_k / denom (sqrtn).
+    for (int64_t j : list.entries[b]) {
+      const float w = Weight(bags, j);
+      const float d_denom = combiner == Combiner::kMean ? 1.f : combiner == Combiner::kSqrtn ? w / denom : 0.f;
       float dw = 0.f;
-      if (r >= 0 && denom != 0.f) {
-        const float w = WeightAt(bags, j);
-        float d_denom = 0.f;
-        if (combiner == Combiner::kMean) d_denom = 1.f;
-        if (combiner == Combiner::kSqrtn) d_denom = w / denom;
-        for (int64_t d = 0; d < dim; ++d) {
-          const float g = vec::LoadElem(grad_out, grad_type, b * dim + d);
-          if (d_table) d_table_f[r * dim + d] += g * w / denom;
-          dw += g * (TableAt(table, r, d) - out[d] * d_denom) / denom;
-        }
+      for (int64_t d = 0; d < dim; ++d) {
+        const float g = ReadFloat(grad_out, grad_type, b * dim + d);
+        if (d_table) d_table_f[Row(bags, j) * dim + d] += g * w / denom;
+        dw += g * (TableAt(table, Row(bags, j), d) - out[d] * d_denom) / denom;
       }
-      if (d_weights && bags.weights) internal::StoreElem(d_weights, bags.weights_type, j, dw);
+      if (!d_weights_f.empty()) d_weights_f[j] = dw;
     }
   }
-  if (d_table)
-    for (int64_t i = 0; i < table.num_rows * dim; ++i)
-      internal::StoreElem(d_table, d_table_type, i, d_table_f[i]);
+  for (size_t i = 0; i < d_table_f.size(); ++i) WriteFloat(d_table, d_table_type, i, d_table_f[i]);
+  for (size_t i = 0; i < d_weights_f.size(); ++i) WriteFloat(d_weights, bags.weights_type, i, d_weights_f[i]);
   return Status::Ok();
 }
 

@@ -65,6 +65,11 @@ inline ::tensorflow::Status BuildCoreArgs(::tensorflow::OpKernelContext* ctx, co
   if (attrs.has_weights && weights.shape() != indices.shape())
     return InvalidArgument("weights must have the shape of indices ", indices.shape().DebugString(),
                            ", got ", weights.shape().DebugString());
+  // An unused weights input must be empty, so the gradient op's d_weights
+  // (shaped like weights) has nothing to leave unwritten.
+  if (!attrs.has_weights && weights.NumElements() != 0)
+    return InvalidArgument("weights must be empty (e.g. shape [0]) when has_weights is false, got shape ",
+                           weights.shape().DebugString());
   pkm::Table& t = args->table;
   t.data = params.data();
   t.type = ElemTypeOf(params.dtype());
@@ -87,16 +92,30 @@ inline ::tensorflow::Status BuildCoreArgs(::tensorflow::OpKernelContext* ctx, co
     b.num_values = indices.dim_size(0);
     TF_RETURN_IF_ERROR(args->out_shape.AddDimWithStatus(b.num_bags));
   } else {
-    int64_t num_bags = 1;
-    for (int i = 0; i + 1 < indices.dims(); ++i) {
-      num_bags *= indices.dim_size(i);
+    for (int i = 0; i + 1 < indices.dims(); ++i)
       TF_RETURN_IF_ERROR(args->out_shape.AddDimWithStatus(indices.dim_size(i)));
-    }
-    b.num_bags = num_bags;
+    // Leading dims multiply without overflow: out_shape checked them above.
+    b.num_bags = args->out_shape.num_elements();
     b.bag_size = indices.dim_size(indices.dims() - 1);
   }
   TF_RETURN_IF_ERROR(args->out_shape.AddDimWithStatus(t.dim));
   return ::tensorflow::Status();
+}
+
+// The gradient ops' extra checks and outputs, shared by both devices:
+// grad must be shaped like the forward output; d_params like params and
+// d_weights like weights.
+inline ::tensorflow::Status BuildGradArgs(::tensorflow::OpKernelContext* ctx, const OpAttrs& attrs,
+                                          CoreArgs* args, ::tensorflow::Tensor** d_params,
+                                          ::tensorflow::Tensor** d_weights) {
+  TF_RETURN_IF_ERROR(BuildCoreArgs(ctx, attrs, /*first=*/1, args));
+  const ::tensorflow::Tensor& grad = ctx->input(0);
+  if (grad.shape() != args->out_shape)
+    return ::tensorflow::errors::InvalidArgument("grad must have the forward output's shape ",
+                                                 args->out_shape.DebugString(), ", got ",
+                                                 grad.shape().DebugString());
+  TF_RETURN_IF_ERROR(ctx->allocate_output(0, ctx->input(1).shape(), d_params));
+  return ctx->allocate_output(1, args->weights->shape(), d_weights);
 }
 
 inline ::tensorflow::Status ToTf(const pkm::Status& s) {

@@ -50,15 +50,9 @@ class EmbeddingBagGradOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     CoreArgs args;
-    OP_REQUIRES_OK(ctx, BuildCoreArgs(ctx, attrs_, /*first=*/1, &args));
-    const Tensor& grad = ctx->input(0);
-    OP_REQUIRES(ctx, grad.shape() == args.out_shape,
-                ::tensorflow::errors::InvalidArgument("grad must have the forward output's shape ",
-                                                      args.out_shape.DebugString(), ", got ",
-                                                      grad.shape().DebugString()));
     Tensor *d_params = nullptr, *d_weights = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, ctx->input(1).shape(), &d_params));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, args.weights->shape(), &d_weights));
+    OP_REQUIRES_OK(ctx, BuildGradArgs(ctx, attrs_, &args, &d_params, &d_weights));
+    const Tensor& grad = ctx->input(0);
     OP_REQUIRES_OK(ctx, ToTf(pkm::Backward(args.table, args.bags, attrs_.combiner, grad.data(),
                                            args.table.type, d_params->data(), args.table.type,
                                            attrs_.has_weights ? d_weights->data() : nullptr,

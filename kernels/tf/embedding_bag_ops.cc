@@ -68,7 +68,7 @@ REGISTER_OP("PkmEmbeddingBag")
     .Doc(R"doc(
 Fused gather + weighted reduce: output[..., :] = combine_k weights[..., k] * params[indices[..., k], :].
 params: [N, D] table. indices: [..., K]; negative entries are padding (skipped and not counted).
-weights: same shape as indices (ignored, and may be empty, when has_weights is false).
+weights: same shape as indices; must be empty (e.g. shape [0]) when has_weights is false.
 combiner: sum, mean (divide by sum of weights) or sqrtn (divide by sqrt of sum of squared weights).
 output: [..., D]. Accumulates in float32; never materialises the [..., K, D] gather.
 )doc");

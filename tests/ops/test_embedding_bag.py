@@ -260,6 +260,33 @@ def test_shape_and_dtype_errors():
                                      tf.ones([3]))
 
 
+def test_ragged_weights_must_partition_like_indices():
+    params = tf.random.normal([10, 4])
+    indices = tf.ragged.constant([[1, 2], [3]])
+    shifted = tf.ragged.constant([[1.0], [2.0, 3.0]])  # same 3 values, other bags
+    for fn in (ops.embedding_bag, ops.embedding_bag_composite):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="row partition of indices"):
+            fn(params, indices, shifted)
+    with pytest.raises(TypeError, match="RaggedTensor"):
+        ops.embedding_bag(params, indices, tf.ones([3]))
+
+
+def test_unused_weights_input_must_be_empty():
+    lib = ops.load_library()
+    params = tf.random.normal([10, 4])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must be empty"):
+        lib.pkm_embedding_bag(params, tf.constant([[1, 2]]), tf.ones([1, 2]), has_weights=False)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must be empty"):
+        lib.pkm_embedding_bag_grad(tf.ones([1, 4]), params, tf.constant([[1, 2]]), tf.ones([1, 2]),
+                                   has_weights=False)
+    d_params, d_weights = lib.pkm_embedding_bag_grad(tf.ones([1, 4]), params, tf.constant([[1, 2]]),
+                                                     tf.zeros([0]), has_weights=False)
+    assert d_weights.shape == (0,)
+    expected = np.zeros((10, 4))
+    expected[[1, 2]] = 1.0
+    np.testing.assert_array_equal(d_params.numpy(), expected)
+
+
 def test_missing_library_error_is_clear(monkeypatch, tmp_path):
     monkeypatch.setenv("PKM_SERVE_OPS_LIB", str(tmp_path / "nope.so"))
     monkeypatch.setattr(ops, "_lib", None)
