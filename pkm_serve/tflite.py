@@ -136,9 +136,16 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
             raise ValueError(f"model has {len(details)} inputs, got {len(inputs)} arrays")
         pairs = [(d, np.asarray(v)) for d, v in zip(details, inputs)]
     for d, value in pairs:
-        if np.issubdtype(d["dtype"], np.integer) and not np.issubdtype(value.dtype, np.integer):
-            raise ValueError(f"input {d['name']!r} expects {np.dtype(d['dtype']).name} indices, "
-                             f"got {value.dtype}")
+        if np.issubdtype(d["dtype"], np.integer):
+            if not np.issubdtype(value.dtype, np.integer):
+                raise ValueError(f"input {d['name']!r} expects {np.dtype(d['dtype']).name} "
+                                 f"indices, got {value.dtype}")
+            # astype() below would wrap e.g. int64 indices >= 2**31 into int32.
+            info = np.iinfo(d["dtype"])
+            if value.size and (value.min() < info.min or value.max() > info.max):
+                raise ValueError(f"input {d['name']!r} is {np.dtype(d['dtype']).name}; values "
+                                 f"[{value.min()}, {value.max()}] do not fit "
+                                 f"[{info.min}, {info.max}]")
         if tuple(d["shape"]) != value.shape:
             interp.resize_tensor_input(d["index"], list(value.shape))
     interp.allocate_tensors()
@@ -239,39 +246,69 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     custom op as an int8 tensor with per-row (axis 0) symmetric quantisation.
 
     The op keeps producing float32: the kernel dequantises rows as it sums.
-    Raises ValueError if the model has no such table.
+    A table that anything else also reads (another operator such as a stock
+    GATHER, a PkmEmbeddingBag input other than params, a subgraph output;
+    directly or through another tensor sharing its buffer) is left float32:
+    that reader would otherwise get int8 data as if it were float. Raises
+    ValueError if no table could be quantised.
     """
     schema = _schema()
     model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
-    rewritten = 0
-    for subgraph in model.subgraphs:
-        seen = set()
-        for op in subgraph.operators:
-            if _custom_code(model, op.opcodeIndex) != CUSTOM_OP_NAME:
+
+    def ints(xs):
+        return [] if xs is None else [int(x) for x in xs]
+
+    # (subgraph, tensor) pairs per buffer, and whether every read of each
+    # tensor is as input 0 of a PkmEmbeddingBag op (unread: True).
+    tensors_of_buffer: Dict[int, List[tuple]] = {}
+    only_params: Dict[tuple, bool] = {}
+    for si, subgraph in enumerate(model.subgraphs):
+        for ti, tensor in enumerate(subgraph.tensors or []):
+            tensors_of_buffer.setdefault(int(tensor.buffer), []).append((si, ti))
+        for ti in ints(subgraph.inputs) + ints(subgraph.outputs):
+            only_params[(si, ti)] = False
+        for op in subgraph.operators or []:
+            is_bag = _custom_code(model, op.opcodeIndex) == CUSTOM_OP_NAME
+            for pos, ti in enumerate(ints(op.inputs)):
+                if ti >= 0:
+                    key = (si, ti)
+                    only_params[key] = only_params.get(key, True) and is_bag and pos == 0
+    rewritten = shared = 0
+    done = set()
+    for si, subgraph in enumerate(model.subgraphs):
+        for op in subgraph.operators or []:
+            if _custom_code(model, op.opcodeIndex) != CUSTOM_OP_NAME or not ints(op.inputs):
                 continue
-            tensor_index = int(op.inputs[0])
-            if tensor_index in seen:
+            tensor = subgraph.tensors[int(op.inputs[0])]
+            buffer_index = int(tensor.buffer)
+            if buffer_index in done or tensor.type != schema.TensorType.FLOAT32:
                 continue
-            tensor = subgraph.tensors[tensor_index]
-            if tensor.type != schema.TensorType.FLOAT32:
-                continue
-            buffer = model.buffers[tensor.buffer]
+            done.add(buffer_index)
+            buffer = model.buffers[buffer_index]
             if buffer.data is None or len(buffer.data) == 0:
                 continue  # not a constant table (e.g. a model input): leave it float
+            users = tensors_of_buffer[buffer_index]
+            same = [model.subgraphs[ui].tensors[uti] for ui, uti in users]
+            if not all(only_params.get(key, True) for key in users) or any(
+                    u.type != tensor.type or ints(u.shape) != ints(tensor.shape) for u in same):
+                shared += 1
+                continue  # read as float32 elsewhere: leave it float
             table = np.frombuffer(bytes(np.asarray(buffer.data, dtype=np.uint8)),
                                   dtype=np.float32).reshape([int(d) for d in tensor.shape])
             q, scales = quantize_rows_int8(table)
             buffer.data = np.frombuffer(q.tobytes(), dtype=np.uint8)
-            tensor.type = schema.TensorType.INT8
-            quant = schema.QuantizationParametersT()
-            quant.scale = scales.tolist()
-            quant.zeroPoint = [0] * len(scales)
-            quant.quantizedDimension = 0
-            tensor.quantization = quant
-            seen.add(tensor_index)
+            for user in same:
+                user.type = schema.TensorType.INT8
+                quant = schema.QuantizationParametersT()
+                quant.scale = scales.tolist()
+                quant.zeroPoint = [0] * len(scales)
+                quant.quantizedDimension = 0
+                user.quantization = quant
             rewritten += 1
     if not rewritten:
-        raise ValueError("no constant float32 params table of a PkmEmbeddingBag op found")
+        raise ValueError("no constant float32 params table of a PkmEmbeddingBag op found" +
+                         (f" that only PkmEmbeddingBag reads ({shared} read elsewhere too, "
+                          "left float32)" if shared else ""))
     import flatbuffers  # the schema modules depend on it
     builder = flatbuffers.Builder(len(model_bytes) // 4 + 1024)
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")

@@ -108,10 +108,12 @@ bool ConstAxis(const Graph& g, int tensor, int* axis) {
   return true;
 }
 
-int64_t NumElements(const TfLiteTensor* t) {
-  int64_t n = 1;
-  for (int i = 0; t->dims && i < t->dims->size; ++i) n *= t->dims->data[i];
-  return n;
+// Element count of a tensor; false for no shape or one whose count
+// overflows (never matched, so the stock ops keep it and report it).
+bool NumElements(const TfLiteTensor* t, int64_t* n) {
+  if (t->dims == nullptr || t->dims->size < 0) return false;
+  const std::vector<int64_t> dims(t->dims->data, t->dims->data + t->dims->size);
+  return CheckedNumElements(dims, n);
 }
 
 // True if `node` only re-shapes its first input (same elements, same order):
@@ -126,8 +128,9 @@ bool IsReshapeLike(const Graph& g, int node_index, int* source) {
     return false;
   const TfLiteTensor* in = g.Tensor(node->inputs->data[0]);
   const TfLiteTensor* out = g.Tensor(node->outputs->data[0]);
+  int64_t in_elems, out_elems;
   if (!in || !out || in->type != kTfLiteFloat32 || out->type != kTfLiteFloat32 ||
-      !in->dims || !out->dims || NumElements(in) != NumElements(out))
+      !NumElements(in, &in_elems) || !NumElements(out, &out_elems) || in_elems != out_elems)
     return false;
   const int code = reg->builtin_code;
   if (code == kTfLiteBuiltinStridedSlice) {

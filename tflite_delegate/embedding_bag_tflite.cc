@@ -1,6 +1,8 @@
 #include "tflite_delegate/embedding_bag_tflite.h"
 
+#include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -46,6 +48,7 @@ struct Bound {
   Bags bags;
   ElemType out_type = ElemType::kFloat32;
   std::vector<int64_t> out_dims;
+  int64_t out_bytes = 0;
   TfLiteTensor* output = nullptr;
 };
 
@@ -69,17 +72,21 @@ class Checker {
       if (v < 0) return Fail(std::string(role) + " has a negative dimension " + ShapeString(*dims));
     return kTfLiteOk;
   }
+  // Element count and byte size of a shape; error if either overflows int64.
+  TfLiteStatus Size(const char* role, const std::vector<int64_t>& dims, int64_t elem_size,
+                    int64_t* elems, int64_t* bytes) {
+    if (CheckedNumElements(dims, elems) && CheckedBytes(*elems, elem_size, bytes)) return kTfLiteOk;
+    return Fail(std::string(role) + " shape too large: " + ShapeString(dims) +
+                " (its size overflows int64)");
+  }
 
  private:
   TfLiteContext* context_;
   const BagSpec& spec_;
 };
 
-int64_t NumElements(const std::vector<int64_t>& dims) {
-  int64_t n = 1;
-  for (int64_t d : dims) n *= d;
-  return n;
-}
+// A usable dequantisation scale.
+bool ValidScale(float s) { return s > 0.f && std::isfinite(s); }
 
 // Reads per-row (axis 0) scales of an int8 table. TfLiteFloatArray changed
 // layout across releases ({int size; float data[]} -> {float* data; int size;
@@ -87,22 +94,20 @@ int64_t NumElements(const std::vector<int64_t>& dims) {
 // zero-point TfLiteIntArray, whose layout never changed) is stored.
 bool ReadAffineScales(const TfLiteTensor* t, int64_t rows, BagState* state,
                       std::string* error) {
-  state->row_scales.assign(rows, 0.f);
-  state->row_zero_points.assign(rows, 0);
+  state->row_scales.clear();
+  state->row_zero_points.clear();
   const auto* aq = t->quantization.type == kTfLiteAffineQuantization
                        ? static_cast<const TfLiteAffineQuantization*>(t->quantization.params)
                        : nullptr;
   const int count = (aq != nullptr && aq->zero_point != nullptr) ? aq->zero_point->size : 0;
   if (aq == nullptr || aq->scale == nullptr || count <= 1) {
     // Per-tensor: the runtime mirrors a single scale into the legacy params.
-    if (!(t->params.scale > 0.f) || !std::isfinite(t->params.scale)) {
+    if (!ValidScale(t->params.scale)) {
       *error = "int8 params need per-row (axis 0) quantisation scales; the tensor has none";
       return false;
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      state->row_scales[r] = t->params.scale;
-      state->row_zero_points[r] = t->params.zero_point;
-    }
+    state->row_scales.assign(rows, t->params.scale);
+    state->row_zero_points.assign(rows, t->params.zero_point);
     return true;
   }
   if (count != rows || aq->quantized_dimension != 0) {
@@ -117,18 +122,28 @@ bool ReadAffineScales(const TfLiteTensor* t, int64_t rows, BagState* state,
   std::memcpy(&legacy_size, raw, 4);
   std::memcpy(&new_size, raw + 8, 4);
   const float* scales = nullptr;
-  if (new_size == count) {
-    std::memcpy(&scales, raw, sizeof(scales));
-  } else if (legacy_size == count) {
+  if (legacy_size == count && new_size != count) {
     scales = reinterpret_cast<const float*>(raw + 4);
+  } else if (new_size == count && legacy_size != count) {
+    // A legacy array always has its count at offset 0, so this is the new
+    // layout; still, only follow a plausible pointer.
+    std::memcpy(&scales, raw, sizeof(scales));
+    if (reinterpret_cast<uintptr_t>(scales) % alignof(float) != 0) scales = nullptr;
   }
+  // Neither or both counts match: the pointer would be a guess (in the legacy
+  // layout, both matching means a scale with the bits of a small integer).
   if (scales == nullptr) {
-    *error = "int8 params: unrecognised quantisation scale array";
+    *error = "int8 params: unrecognised quantisation scale array layout";
     return false;
   }
+  state->row_scales.resize(rows);
+  state->row_zero_points.resize(rows);
   for (int64_t r = 0; r < rows; ++r) {
-    if (!std::isfinite(scales[r])) {
-      *error = "int8 params: scale of row " + std::to_string(r) + " is not finite";
+    if (!ValidScale(scales[r])) {
+      *error = "int8 params: scale of row " + std::to_string(r) + " is " +
+               std::to_string(scales[r]) + "; scales must be positive and finite";
+      state->row_scales.clear();
+      state->row_zero_points.clear();
       return false;
     }
     state->row_scales[r] = scales[r];
@@ -177,11 +192,19 @@ TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* s
     t.row_zero_points = state->row_zero_points.data();
   }
 
+  // Every count and byte size below is overflow-checked: a wrapped product
+  // would make the buffer checks pass on a malformed shape.
+  const int64_t index_size = indices->type == kTfLiteInt64 ? 8 : 4;
+  int64_t table_elems, table_bytes, num_indices, index_bytes;
+  if (c.Size("params", tdims, ElemSize(table_type), &table_elems, &table_bytes) != kTfLiteOk ||
+      c.Size("indices", idims, index_size, &num_indices, &index_bytes) != kTfLiteOk)
+    return kTfLiteError;
   Bags& b = bound->bags;
   b.indices = indices->data.data;
   b.indices_int64 = indices->type == kTfLiteInt64;
   b.bag_size = idims.back();
-  b.num_bags = NumElements(std::vector<int64_t>(idims.begin(), idims.end() - 1));
+  if (!CheckedNumElements(idims.data(), idims.size() - 1, &b.num_bags))
+    return c.Fail("indices shape too large: " + ShapeString(idims));
   if (spec.weights >= 0) {
     TfLiteTensor* weights;
     std::vector<int64_t> wdims;
@@ -189,31 +212,34 @@ TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* s
     if (weights->type != kTfLiteFloat32 && weights->type != kTfLiteFloat16 &&
         weights->type != kTfLiteBFloat16)
       return c.Fail("weights must be float32, float16 or bfloat16, got " + TypeName(weights->type));
+    ToElemType(weights->type, &b.weights_type);
+    int64_t weight_elems, weight_bytes;
+    if (c.Size("weights", wdims, ElemSize(b.weights_type), &weight_elems, &weight_bytes) != kTfLiteOk)
+      return kTfLiteError;
     // A fused composite's weights may be any reshape of [..., K] (the
     // delegate checked the chain only re-shapes them).
-    if (spec.composite ? NumElements(wdims) != NumElements(idims) : wdims != idims)
+    if (spec.composite ? weight_elems != num_indices : wdims != idims)
       return c.Fail("weights shape " + ShapeString(wdims) + " must " +
                     (spec.composite ? "have as many elements as indices " : "equal indices shape ") +
                     ShapeString(idims));
-    ToElemType(weights->type, &b.weights_type);
     b.weights = weights->data.data;
-    if (check_buffers && NumElements(wdims) > 0 &&
-        (b.weights == nullptr ||
-         weights->bytes < static_cast<size_t>(NumElements(wdims) * ElemSize(b.weights_type))))
+    if (check_buffers && weight_bytes > 0 &&
+        (b.weights == nullptr || weights->bytes < static_cast<size_t>(weight_bytes)))
       return c.Fail("weights buffer is smaller than its shape " + ShapeString(wdims));
   }
 
-  // 64-bit sizes; a tensor whose buffer is smaller than its shape is malformed.
-  const int64_t table_bytes = t.num_rows * t.dim * ElemSize(table_type);
+  // A tensor whose buffer is smaller than its shape is malformed.
   if (check_buffers && table_bytes > 0 && (t.data == nullptr || table->bytes < static_cast<size_t>(table_bytes)))
     return c.Fail("params buffer is smaller than its shape " + ShapeString(tdims));
-  const int64_t index_bytes = NumElements(idims) * (b.indices_int64 ? 8 : 4);
   if (check_buffers && index_bytes > 0 && (b.indices == nullptr || indices->bytes < static_cast<size_t>(index_bytes)))
     return c.Fail("indices buffer is smaller than its shape " + ShapeString(idims));
 
   bound->out_dims.assign(idims.begin(), idims.end() - 1);
   if (spec.composite && spec.keep_dims) bound->out_dims.push_back(1);
   bound->out_dims.push_back(t.dim);
+  int64_t out_elems;
+  if (c.Size("output", bound->out_dims, ElemSize(out_type), &out_elems, &bound->out_bytes) != kTfLiteOk)
+    return kTfLiteError;
   bound->out_type = out_type;
   bound->output = output;
   return kTfLiteOk;
@@ -238,6 +264,34 @@ TfLiteStatus ResizeOutput(TfLiteContext* context, const Bound& bound) {
   dims->size = static_cast<int>(bound.out_dims.size());
   for (size_t i = 0; i < bound.out_dims.size(); ++i) dims->data[i] = static_cast<int>(bound.out_dims[i]);
   return context->ResizeTensor(context, bound.output, dims);
+}
+
+// Stock GATHER fails on any index outside [0, N) while the core treats
+// negatives as padding, so a fused chain checks for them itself: the fused
+// model must fail where the stock one does, not silently differ.
+Status CheckGatherIndices(const Table& table, const Bags& bags, const ParallelFor& pf) {
+  const int64_t n = bags.num_bags * bags.bag_size;  // overflow-checked in Bind
+  auto at = [&](int64_t j) {
+    return bags.indices_int64 ? static_cast<const int64_t*>(bags.indices)[j]
+                              : static_cast<const int32_t*>(bags.indices)[j];
+  };
+  std::atomic<int64_t> first_bad{n};
+  pf(n, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t v = at(j);
+      if (v < 0 || v >= table.num_rows) {
+        int64_t cur = first_bad.load();
+        while (j < cur && !first_bad.compare_exchange_weak(cur, j)) {
+        }
+        return;  // later entries of this range cannot beat j
+      }
+    }
+  });
+  const int64_t j = first_bad.load();
+  if (j == n) return Status::Ok();
+  return Status::Error("indices[" + std::to_string(j) + "] = " + std::to_string(at(j)) +
+                       " is out of range [0, " + std::to_string(table.num_rows) +
+                       ") (stock GATHER allows no padding)");
 }
 
 }  // namespace
@@ -320,7 +374,14 @@ TfLiteStatus InvokeBag(TfLiteContext* context, const BagSpec& spec, const BagSta
                          spec.what, ShapeString(bound.out_dims).c_str());
     return kTfLiteError;
   }
-  const int64_t out_bytes = NumElements(bound.out_dims) * ElemSize(bound.out_type);
+  if (spec.composite) {
+    const Status s = CheckGatherIndices(bound.table, bound.bags, pf);
+    if (!s.ok) {
+      context->ReportError(context, "%s: %s", spec.what, s.message.c_str());
+      return kTfLiteError;
+    }
+  }
+  const int64_t out_bytes = bound.out_bytes;
   if (out_bytes == 0) {
     // Nothing to write (D == 0 or no bags), but bad indices are still an error.
     const Status s = ValidateBags(bound.table, bound.bags, pf);
@@ -383,7 +444,7 @@ struct CustomOpData {
   std::string options_error;
   BagSpec spec;
   BagState state;
-  std::unique_ptr<pkm::tflite::ThreadPool> pool;
+  std::shared_ptr<pkm::tflite::ThreadPool> pool;  // shared by all nodes with this thread count
 };
 
 void* CustomInit(TfLiteContext* context, const char* buffer, size_t length) {
@@ -407,7 +468,7 @@ TfLiteStatus CustomPrepare(TfLiteContext* context, TfLiteNode* node) {
     return kTfLiteError;
   const int threads = context->recommended_num_threads > 0 ? context->recommended_num_threads : 1;
   if (!data->pool || data->pool->num_threads() != threads)
-    data->pool.reset(new pkm::tflite::ThreadPool(threads));
+    data->pool = pkm::tflite::SharedThreadPool(threads);
   return pkm::tflite::PrepareBag(context, data->spec, &data->state);
 }
 

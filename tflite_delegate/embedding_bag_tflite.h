@@ -6,6 +6,7 @@
 #define PKM_TFLITE_DELEGATE_EMBEDDING_BAG_TFLITE_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,23 @@ struct OpOptions {
 // means the defaults. Returns false with a message for anything malformed.
 bool ParseOpOptions(const void* data, size_t size, OpOptions* options,
                     std::string* error);
+
+// Product of dims (each must be >= 0), or false if it exceeds int64: a
+// wrapped count would let buffer-size checks pass on a malformed shape.
+inline bool CheckedNumElements(const int64_t* dims, size_t rank, int64_t* out) {
+  int64_t n = 1;
+  for (size_t i = 0; i < rank; ++i)
+    if (dims[i] < 0 || __builtin_mul_overflow(n, dims[i], &n)) return false;
+  *out = n;
+  return true;
+}
+inline bool CheckedNumElements(const std::vector<int64_t>& dims, int64_t* out) {
+  return CheckedNumElements(dims.data(), dims.size(), out);
+}
+// num_elements * elem_size bytes, or false on int64 overflow.
+inline bool CheckedBytes(int64_t num_elements, int64_t elem_size, int64_t* out) {
+  return !__builtin_mul_overflow(num_elements, elem_size, out);
+}
 
 // One embedding bag bound to tensor indices of a subgraph.
 struct BagSpec {

@@ -209,9 +209,241 @@ bool CheckAgainstReference(Fixture& f, const pkm::tflite::OpOptions& opts, int n
   return true;
 }
 
+// ---- deterministic cases ---------------------------------------------------
+
+#define EXPECT(cond, ...)                                  \
+  do {                                                     \
+    if (!(cond)) {                                         \
+      std::fprintf(stderr, "FAILED %s: ", #cond);          \
+      std::fprintf(stderr, __VA_ARGS__);                   \
+      std::fprintf(stderr, "\n");                          \
+      return false;                                        \
+    }                                                      \
+  } while (0)
+
+// A tensor with the given shape but a small buffer (a huge shape cannot be
+// allocated, which is the point: the kernel must not trust it).
+void SmallTensor(Fixture* f, int i, TfLiteType type, const std::vector<int>& dims,
+                 TfLiteAllocationType alloc = kTfLiteArenaRw) {
+  TfLiteTensor& t = f->tensors[i];
+  std::memset(&t, 0, sizeof(t));
+  t.type = type;
+  t.dims = IntArray(dims);
+  t.allocation_type = alloc;
+  t.bytes = 64;
+  t.data.raw = static_cast<char*>(std::calloc(1, t.bytes));
+  f->owned.push_back(t.data.raw);
+}
+
+// Prepare (then Invoke if Prepare passed) of a 3-input custom node on
+// tensors 0..3; returns the first status, the message in g_last_error.
+TfLiteStatus RunNode(Fixture* f) {
+  f->context.ReportError = ReportError;
+  f->context.ResizeTensor = ResizeTensor;
+  f->context.recommended_num_threads = 1;
+  f->context.tensors = f->tensors.data();
+  f->context.tensors_size = f->tensors.size();
+  TfLiteRegistration* reg = PkmEmbeddingBagRegistration();
+  TfLiteNode node;
+  std::memset(&node, 0, sizeof(node));
+  node.inputs = IntArray({0, 1, 2});
+  node.outputs = IntArray({3});
+  node.user_data = reg->init(&f->context, nullptr, 0);
+  g_last_error.clear();
+  TfLiteStatus st = reg->prepare(&f->context, &node);
+  if (st == kTfLiteOk) st = reg->invoke(&f->context, &node);
+  reg->free(&f->context, node.user_data);
+  std::free(node.inputs);
+  std::free(node.outputs);
+  return st;
+}
+
+bool HugeShapesAreRejected() {
+  const int big = 0x7fffffff;
+  struct Case {
+    const char* what;
+    std::vector<int> table, indices;
+    bool dynamic;  // shapes known only at Invoke
+  };
+  const Case cases[] = {
+      {"params bytes", {big, big}, {2, 2}, false},
+      {"params bytes at Invoke", {big, big}, {2, 2}, true},
+      {"indices elements", {4, 2}, {65536, 65536, 65536, 65536, 2}, false},
+      {"indices bytes", {4, 2}, {big, big, 4}, false},
+      {"output elements", {1, big}, {1 << 30, 1 << 30, 1}, false},
+  };
+  for (const Case& c : cases) {
+    Fixture f;
+    f.tensors.resize(4);
+    SmallTensor(&f, 0, kTfLiteFloat32, c.table, c.dynamic ? kTfLiteDynamic : kTfLiteArenaRw);
+    SmallTensor(&f, 1, kTfLiteInt32, c.indices);
+    SmallTensor(&f, 2, kTfLiteFloat32, c.indices);
+    SmallTensor(&f, 3, kTfLiteFloat32, {});
+    const TfLiteStatus st = RunNode(&f);
+    EXPECT(st == kTfLiteError && g_last_error.find("shape too large") != std::string::npos,
+           "%s: status %d, message '%s'", c.what, static_cast<int>(st), g_last_error.c_str());
+  }
+  return true;
+}
+
+// int8 table [3, 2] with per-row scales in a chosen layout.
+bool BadScalesAreRejected() {
+  struct NewFloatArray { float* data; int size; bool owning; };
+  const float nan = std::nanf("");
+  struct Case {
+    const char* what;
+    bool legacy;
+    std::vector<float> scales;
+    const char* message;  // nullptr: must succeed
+  };
+  float int_bits;  // in the legacy layout, a scale[1] with the bits of the count (3)
+  const int three = 3;
+  std::memcpy(&int_bits, &three, 4);
+  const Case cases[] = {
+      {"legacy ok", true, {0.1f, 0.2f, 0.3f}, nullptr},
+      {"new ok", false, {0.1f, 0.2f, 0.3f}, nullptr},
+      {"legacy negative", true, {0.1f, -0.2f, 0.3f}, "positive and finite"},
+      {"legacy zero", true, {0.1f, 0.2f, 0.f}, "positive and finite"},
+      {"new nan", false, {nan, 0.2f, 0.3f}, "positive and finite"},
+      {"new inf", false, {0.1f, INFINITY, 0.3f}, "positive and finite"},
+      {"legacy ambiguous", true, {0.1f, int_bits, 0.3f}, "unrecognised quantisation scale array"},
+  };
+  for (const Case& c : cases) {
+    Fixture f;
+    f.tensors.resize(4);
+    SmallTensor(&f, 0, kTfLiteInt8, {3, 2});
+    SmallTensor(&f, 1, kTfLiteInt32, {2, 2});
+    SmallTensor(&f, 2, kTfLiteFloat32, {2, 2});
+    SmallTensor(&f, 3, kTfLiteFloat32, {});
+    TfLiteTensor& t = f.tensors[0];
+    auto* aq = new TfLiteAffineQuantization;
+    std::memset(aq, 0, sizeof(*aq));
+    t.quantization.type = kTfLiteAffineQuantization;
+    t.quantization.params = aq;
+    aq->zero_point = IntArray({0, 0, 0});
+    f.owned.push_back(aq->zero_point);
+    const int count = 3;
+    if (c.legacy) {
+      char* raw = static_cast<char*>(std::malloc(4 + 4 * count));
+      std::memcpy(raw, &count, 4);
+      std::memcpy(raw + 4, c.scales.data(), 4 * count);
+      aq->scale = reinterpret_cast<TfLiteFloatArray*>(raw);
+      f.owned.push_back(raw);
+    } else {
+      auto* arr = static_cast<NewFloatArray*>(std::calloc(1, sizeof(NewFloatArray)));
+      arr->data = static_cast<float*>(std::malloc(4 * count));
+      std::memcpy(arr->data, c.scales.data(), 4 * count);
+      arr->size = count;
+      arr->owning = true;
+      aq->scale = reinterpret_cast<TfLiteFloatArray*>(arr);
+      f.owned.push_back(arr->data);
+      f.owned.push_back(arr);
+    }
+    const TfLiteStatus st = RunNode(&f);
+    if (c.message == nullptr) {
+      EXPECT(st == kTfLiteOk, "%s: '%s'", c.what, g_last_error.c_str());
+    } else {
+      EXPECT(st == kTfLiteError && g_last_error.find(c.message) != std::string::npos,
+             "%s: status %d, message '%s'", c.what, static_cast<int>(st), g_last_error.c_str());
+    }
+  }
+  return true;
+}
+
+// A fused stock chain must reject what stock GATHER rejects (negative
+// indices included); the custom op keeps padding semantics.
+bool FusedChainRejectsNegativeIndices() {
+  for (bool composite : {false, true}) {
+    for (int bad : {-1, 4}) {
+      Fixture f;
+      f.tensors.resize(4);
+      SmallTensor(&f, 0, kTfLiteFloat32, {4, 2});
+      SmallTensor(&f, 1, kTfLiteInt32, {2, 2});
+      SmallTensor(&f, 2, kTfLiteFloat32, {2, 2, 1});
+      SmallTensor(&f, 3, kTfLiteFloat32, {});
+      f.tensors[1].data.i32[0] = 1;
+      f.tensors[1].data.i32[3] = bad;
+      f.context.ReportError = ReportError;
+      f.context.ResizeTensor = ResizeTensor;
+      f.context.tensors = f.tensors.data();
+      f.context.tensors_size = f.tensors.size();
+      pkm::tflite::BagSpec spec;
+      spec.table = 0;
+      spec.indices = 1;
+      spec.weights = composite ? 2 : -1;
+      spec.output = 3;
+      spec.composite = composite;
+      pkm::tflite::BagState state;
+      g_last_error.clear();
+      TfLiteStatus st = pkm::tflite::PrepareBag(&f.context, spec, &state);
+      if (st == kTfLiteOk) st = pkm::tflite::InvokeBag(&f.context, spec, state, pkm::SerialFor());
+      const std::string want = "indices[3] = " + std::to_string(bad) + " is out of range [0, 4)";
+      if (!composite && bad < 0) {
+        EXPECT(st == kTfLiteOk, "custom op, padding: '%s'", g_last_error.c_str());
+      } else {
+        EXPECT(st == kTfLiteError && g_last_error.find(want) != std::string::npos,
+               "composite=%d index %d: status %d, message '%s'", composite, bad,
+               static_cast<int>(st), g_last_error.c_str());
+      }
+    }
+  }
+  return true;
+}
+
+int CountThreads() {
+  int n = 0;
+  if (FILE* fp = std::fopen("/proc/self/status", "r")) {
+    char line[256];
+    while (std::fgets(line, sizeof(line), fp))
+      if (std::sscanf(line, "Threads: %d", &n) == 1) break;
+    std::fclose(fp);
+  }
+  return n;
+}
+
+// Nodes asking for the same thread count share one pool.
+bool NodesShareOnePool() {
+  Fixture f;
+  f.tensors.resize(4);
+  SmallTensor(&f, 0, kTfLiteFloat32, {4, 2});
+  SmallTensor(&f, 1, kTfLiteInt32, {2, 2});
+  SmallTensor(&f, 2, kTfLiteFloat32, {2, 2});
+  SmallTensor(&f, 3, kTfLiteFloat32, {});
+  f.context.ReportError = ReportError;
+  f.context.ResizeTensor = ResizeTensor;
+  f.context.recommended_num_threads = 3;
+  f.context.tensors = f.tensors.data();
+  f.context.tensors_size = f.tensors.size();
+  TfLiteRegistration* reg = PkmEmbeddingBagRegistration();
+  const int before = CountThreads();
+  std::vector<TfLiteNode> nodes(8);
+  for (TfLiteNode& node : nodes) {
+    std::memset(&node, 0, sizeof(node));
+    node.inputs = IntArray({0, 1, 2});
+    node.outputs = IntArray({3});
+    node.user_data = reg->init(&f.context, nullptr, 0);
+    EXPECT(reg->prepare(&f.context, &node) == kTfLiteOk, "prepare: '%s'", g_last_error.c_str());
+  }
+  const int during = CountThreads();
+  for (TfLiteNode& node : nodes) {
+    EXPECT(reg->invoke(&f.context, &node) == kTfLiteOk, "invoke: '%s'", g_last_error.c_str());
+    reg->free(&f.context, node.user_data);
+    std::free(node.inputs);
+    std::free(node.outputs);
+  }
+  const int after = CountThreads();
+  EXPECT(during - before == 2 && after == before,
+         "threads: %d before, %d with 8 nodes of 3 threads, %d after", before, during, after);
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (!HugeShapesAreRejected() || !BadScalesAreRejected() || !FusedChainRejectsNegativeIndices() ||
+      !NodesShareOnePool())
+    return 1;
+  std::printf("deterministic cases passed\n");
   const int iterations = argc > 1 ? std::atoi(argv[1]) : 2000;
   // Options as the converter writes them (flexbuffers maps of the TF attrs).
   const std::vector<std::vector<uint8_t>> valid = {

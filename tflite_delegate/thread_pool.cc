@@ -1,6 +1,7 @@
 #include "tflite_delegate/thread_pool.h"
 
 #include <algorithm>
+#include <map>
 
 namespace pkm {
 namespace tflite {
@@ -8,7 +9,8 @@ namespace tflite {
 // Below this many estimated cycles a job runs inline: waking threads costs more.
 constexpr int64_t kMinParallelCost = 200000;
 
-ThreadPool::ThreadPool(int num_threads) {
+ThreadPool::ThreadPool(int num_threads, bool inline_when_busy)
+    : inline_when_busy_(inline_when_busy) {
   for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
 }
 
@@ -54,7 +56,13 @@ void ThreadPool::Run(int64_t total, int64_t cost_per_unit, const RangeFn& fn) {
     fn(0, total);
     return;
   }
-  std::lock_guard<std::mutex> job_lock(job_mutex_);
+  std::unique_lock<std::mutex> job_lock(job_mutex_, std::defer_lock);
+  if (!inline_when_busy_) {
+    job_lock.lock();
+  } else if (!job_lock.try_lock()) {
+    fn(0, total);
+    return;
+  }
   fn_ = &fn;
   total_ = total;
   // A few chunks per thread balance uneven bags without much overhead.
@@ -76,6 +84,18 @@ ParallelFor ThreadPool::AsParallelFor() {
   return [this](int64_t total, int64_t cost_per_unit, const RangeFn& fn) {
     Run(total, cost_per_unit, fn);
   };
+}
+
+std::shared_ptr<ThreadPool> SharedThreadPool(int num_threads) {
+  static std::mutex mutex;
+  static std::map<int, std::weak_ptr<ThreadPool>> pools;  // weak: no threads outlive their users
+  std::lock_guard<std::mutex> lock(mutex);
+  std::shared_ptr<ThreadPool> pool = pools[num_threads].lock();
+  if (!pool) {
+    pool = std::make_shared<ThreadPool>(num_threads, /*inline_when_busy=*/true);
+    pools[num_threads] = pool;
+  }
+  return pool;
 }
 
 }  // namespace tflite

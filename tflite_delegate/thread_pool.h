@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -18,7 +19,10 @@ namespace tflite {
 class ThreadPool {
  public:
   // num_threads counts the calling thread: 1 means everything runs inline.
-  explicit ThreadPool(int num_threads);
+  // inline_when_busy: a caller finding the pool running another caller's job
+  // runs its job alone instead of waiting (for pools shared between
+  // interpreters that may run concurrently).
+  explicit ThreadPool(int num_threads, bool inline_when_busy = false);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -37,6 +41,7 @@ class ThreadPool {
   std::mutex mutex_;
   std::condition_variable wake_;
   std::condition_variable done_;
+  const bool inline_when_busy_;
   bool stop_ = false;
   uint64_t generation_ = 0;
   int busy_workers_ = 0;
@@ -46,6 +51,12 @@ class ThreadPool {
   int64_t chunk_ = 1;
   std::atomic<int64_t> next_{0};
 };
+
+// The process-wide pool of num_threads threads, created on first use and
+// shared by all its users (one pool per node would start threads per node);
+// it is destroyed, and its threads joined, when the last user drops it.
+// Thread-safe. Jobs run inline while another user's job holds the pool.
+std::shared_ptr<ThreadPool> SharedThreadPool(int num_threads);
 
 }  // namespace tflite
 }  // namespace pkm

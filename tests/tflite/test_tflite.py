@@ -5,6 +5,7 @@ allow_custom_ops, and the stock composite gather*w -> reduce_sum), plus
 hand-built flatbuffers for malformed cases. References: numpy and the TF op.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -373,3 +374,64 @@ def test_indices_with_data_dependent_shape(tmp_path):
         for interp in ALL_INTERPRETERS:
             (out,) = run_in(interp, str(path), [ids], tmp_path)
             np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-6, err_msg=interp)
+
+
+# ---- review fixes: stock-equivalent errors, input ranges, shared tables -------------
+
+@pytest.mark.parametrize("bad", [-1, N + 5])
+def test_fused_chain_rejects_indices_stock_gather_rejects(models, bad, tmp_path):
+    """Stock GATHER has no padding: the fused chain must fail where it fails."""
+    idx, w = bags(3, pad=False)
+    idx[1, 2] = bad
+    with pytest.raises(RuntimeError):
+        tflite.run_tflite(models["composite"], [idx, w], use_delegate=False)
+    message = rf"indices\[{K + 2}\] = {bad} is out of range \[0, {N}\)"
+    for interp in ALL_INTERPRETERS:
+        with pytest.raises(RuntimeError, match=message):
+            run_in(interp, models["composite"], [idx, w], tmp_path, fuse_composites=True)
+    # The custom op keeps its padding semantics.
+    if bad < 0:
+        (out,) = tflite.run_tflite(models["sum"], [idx, w])
+        np.testing.assert_allclose(out, numpy_bag(TABLE, idx, w), rtol=1e-5, atol=1e-5)
+
+
+def test_run_tflite_rejects_indices_that_do_not_fit_the_input_type(models):
+    idx, w = bags(2, int64=True, pad=False)
+    name = tflite.make_interpreter(models["sum"]).get_input_details()[0]["name"]
+    idx[0, 0] = 2 ** 31  # would wrap to -2**31 (padding) in the int32 model
+    with pytest.raises(ValueError, match=rf"input '{re.escape(name)}' is int32; values .* do not fit"):
+        tflite.run_tflite(models["sum"], [idx, w])
+    idx[0, 0] = 7  # in range: int64 arrays are still accepted
+    (out,) = tflite.run_tflite(models["sum"], [idx, w])
+    np.testing.assert_allclose(out, numpy_bag(TABLE, idx, w), rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_leaves_a_table_that_gather_also_reads_float():
+    """A table also read by a stock GATHER keeps float32; a table only the op
+    reads is quantised. With no quantisable table left, a clear ValueError."""
+    shared, private = tf.constant(TABLE), tf.constant(TABLE[::-1].copy())
+    model = convert(lambda i, w: (tf_op(shared, i, w, "sum"), tf.gather(shared, i),
+                                  tf_op(private, i, w, "mean")),
+                    [tf.TensorSpec([None, K], tf.int32), tf.TensorSpec([None, K], tf.float32)])
+    quantized = tflite.quantize_table_int8(model)
+    from ai_edge_litert import schema_py_generated as schema
+    m = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(quantized), 0))
+    sub = m.subgraphs[0]
+    params = [sub.tensors[op.inputs[0]] for op in sub.operators
+              if m.operatorCodes[op.opcodeIndex].customCode == b"PkmEmbeddingBag"]
+    assert sorted(t.type for t in params) == sorted([schema.TensorType.FLOAT32,
+                                                     schema.TensorType.INT8])
+    idx, w = bags(4, pad=False)  # stock GATHER rejects padding
+    ref = tflite.run_tflite(model, [idx, w])
+    out = tflite.run_tflite(quantized, [idx, w])
+    # Same graph, so the same output order; the GATHER output is the rank-3 one.
+    (gathered,) = [o for o in out if o.ndim == 3]
+    np.testing.assert_array_equal(gathered, TABLE[idx])
+    exact = [np.array_equal(r, o) for r, o in zip(ref, out)]
+    assert sorted(exact) == [False, True, True], exact  # only the private table changed
+    for r, o in zip(ref, out):
+        assert np.linalg.norm(o - r) <= 0.01 * np.linalg.norm(r)
+    only_shared = convert(lambda i: (tf_op(shared, i, None, "sum"), tf.gather(shared, i)),
+                          [tf.TensorSpec([None, K], tf.int32)])
+    with pytest.raises(ValueError, match="read elsewhere too, left float32"):
+        tflite.quantize_table_int8(only_shared)
