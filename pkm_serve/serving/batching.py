@@ -9,6 +9,7 @@ max_enqueued_batches batches wait per queue; beyond that a request is refused
 with UNAVAILABLE rather than queued without bound.
 """
 import collections
+import logging
 import os
 import threading
 import time
@@ -18,9 +19,15 @@ import numpy as np
 
 from pkm_serve.serving.errors import ServingError
 
+log = logging.getLogger("pkm_serve.serving")
+
 
 def _value(wrapper_msg, field, default):
     return getattr(wrapper_msg, field).value if wrapper_msg.HasField(field) else default
+
+
+def _internal(e):
+    return ServingError(grpc.StatusCode.INTERNAL, f"batched run failed: {type(e).__name__}: {e}")
 
 
 class BatchOptions:
@@ -155,10 +162,23 @@ class BatchScheduler:
                     if self._stopping:
                         return
                     self._cv.wait(wait)
-            self._execute(q, batch)
+            try:
+                self._execute(q, batch)
+            except Exception:  # noqa: BLE001 - a dead worker would stall its queue for good
+                log.exception("batch worker: unexpected error")
 
     def _execute(self, q, batch):
         tasks = [t for t in batch.tasks if not t.cancelled]
+        try:
+            self._run_batch(q, tasks)
+        finally:
+            # Whatever happened, no request may be left waiting without an answer.
+            for t in tasks:
+                if t.result is None and t.error is None:
+                    t.error = ServingError(grpc.StatusCode.INTERNAL, "batched run ended without a result")
+                t.done.set()
+
+    def _run_batch(self, q, tasks):
         if not tasks:
             return
         rows = sum(t.rows for t in tasks)
@@ -196,15 +216,15 @@ class BatchScheduler:
                         t.result = q.run_fn(t.inputs)
                     except ServingError as single:
                         t.error = single
+                    except Exception as single:  # noqa: BLE001 - e.g. a model bug: answer, go on
+                        t.error = _internal(single)
             else:
                 for t in tasks:
                     t.error = e
         except Exception as e:  # noqa: BLE001 - delivered to every waiting request
-            err = ServingError(grpc.StatusCode.INTERNAL, f"batched run failed: {type(e).__name__}: {e}")
+            err = _internal(e)
             for t in tasks:
                 t.error = err
-        for t in tasks:
-            t.done.set()
 
     def stop(self, timeout=30.0):
         """Runs what is queued, then stops the batch threads."""

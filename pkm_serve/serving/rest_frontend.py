@@ -8,7 +8,6 @@
 Errors are {"error": "..."} with the HTTP status TF Serving uses for the gRPC code.
 """
 import asyncio
-import base64
 import json
 import logging
 import re
@@ -51,15 +50,26 @@ def _feature(value):
     f = feature_pb2.Feature()
     if not values:
         return f
-    if all(isinstance(v, bool) for v in values) or all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        f.int64_list.value.extend(int(v) for v in values)
-    elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        f.float_list.value.extend(float(v) for v in values)
-    elif all(isinstance(v, str) or _is_b64(v) for v in values):
-        f.bytes_list.value.extend(base64.b64decode(v["b64"]) if _is_b64(v) else v.encode() for v in values)
-    else:
-        raise invalid(f"feature value {json.dumps(value)[:100]} mixes types or is not a number/string list")
+    try:
+        if all(isinstance(v, bool) for v in values) or \
+                all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            f.int64_list.value.extend(int(v) for v in values)
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            f.float_list.value.extend(float(v) for v in values)
+        elif all(isinstance(v, str) or _is_b64(v) for v in values):
+            f.bytes_list.value.extend(tensors.decode_b64(v) for v in values)   # validated base64
+        else:
+            raise invalid(f"feature value {json.dumps(value)[:100]} mixes types or is not a number/string list")
+    except (ValueError, OverflowError):   # JSON integers have no bound; int64/float do
+        raise invalid(f"feature value {json.dumps(value)[:100]} is out of range") from None
     return f
+
+
+def _signature_name(doc):
+    name = doc.get("signature_name", "")
+    if not isinstance(name, str):
+        raise invalid("signature_name must be a string")
+    return name
 
 
 def _example(obj):
@@ -236,9 +246,7 @@ class RestFrontend:
         if ("instances" in doc) == ("inputs" in doc):
             raise invalid("request must have exactly one of \"instances\" (row format) or \"inputs\" "
                           "(columnar format)")
-        sig_name = doc.get("signature_name", "")
-        if not isinstance(sig_name, str):
-            raise invalid("signature_name must be a string")
+        sig_name = _signature_name(doc)
         spec.signature_name = sig_name
         servable = self.service.manager.resolve(spec)
         sig = servable.signature(sig_name)
@@ -317,14 +325,14 @@ class RestFrontend:
 
     def _classify(self, spec, doc, deadline):
         from tensorflow_serving.apis import classification_pb2
-        spec.signature_name = doc.get("signature_name", "")
+        spec.signature_name = _signature_name(doc)
         req = classification_pb2.ClassificationRequest(model_spec=spec, input=self._example_input(doc))
         resp = self.service.classify(req, deadline)
         return {"result": [[[c.label, c.score] for c in cl.classes] for cl in resp.result.classifications]}
 
     def _regress(self, spec, doc, deadline):
         from tensorflow_serving.apis import regression_pb2
-        spec.signature_name = doc.get("signature_name", "")
+        spec.signature_name = _signature_name(doc)
         req = regression_pb2.RegressionRequest(model_spec=spec, input=self._example_input(doc))
         resp = self.service.regress(req, deadline)
         return {"result": [r.value for r in resp.result.regressions]}

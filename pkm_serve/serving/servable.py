@@ -126,7 +126,7 @@ class Servable:
                     raise invalid(f"{warmup_path}: only predict_log warmup records are supported")
                 req = entry.predict_log.request
                 sig = self.signature(req.model_spec.signature_name)
-                inputs = {k: tensors.from_proto(k, v) for k, v in req.inputs.items()}
+                inputs = tensors.from_protos(req.inputs)
                 sig.validate(inputs)
                 sig.run(inputs)
                 count += 1

@@ -82,7 +82,8 @@ class Server:
             warmup=args.enable_model_warmup, metrics=self.metrics,
             config_file=args.model_config_file or None,
             config_poll_seconds=args.model_config_file_poll_wait_seconds)
-        self.service = InferenceService(self.manager, self.batcher, self.metrics)
+        self.service = InferenceService(self.manager, self.batcher, self.metrics,
+                                        max_request_bytes=args.max_request_bytes)
         self.grpc = None
         self.rest = None
         try:

@@ -13,15 +13,18 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
 from tensorflow_serving.apis import status_pb2
 
 from pkm_serve.serving import tensors
+from pkm_serve.serving.config import DEFAULT_MAX_REQUEST_BYTES
 from pkm_serve.serving.errors import ServingError, invalid
 from pkm_serve.serving.servable import CLASSIFY_METHOD, REGRESS_METHOD
 
 
 class InferenceService:
-    def __init__(self, manager, batcher=None, metrics=None):
+    def __init__(self, manager, batcher=None, metrics=None, max_request_bytes=None):
         self.manager = manager
         self.batcher = batcher
         self.metrics = metrics
+        # Also bounds what a request's inputs decode to (a proto's shape can claim far more).
+        self.max_request_bytes = max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
 
     # ------------------------------------------------------------ helpers
     def _run(self, servable, sig, inputs, deadline, api, output_filter=()):
@@ -59,7 +62,7 @@ class InferenceService:
     def predict(self, request, deadline=None):
         if len(set(request.output_filter)) != len(request.output_filter):
             raise invalid("output_filter lists an output more than once")
-        inputs = {k: tensors.from_proto(k, v) for k, v in request.inputs.items()}
+        inputs = tensors.from_protos(request.inputs, self.max_request_bytes)
         servable, sig, outputs = self.predict_arrays(request.model_spec, inputs, deadline,
                                                      tuple(request.output_filter))
         resp = predict_pb2.PredictResponse()

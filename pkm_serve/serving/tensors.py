@@ -1,10 +1,12 @@
 """TensorProto <-> numpy and TF Serving's REST JSON <-> numpy."""
 import base64
+import math
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2, types_pb2
 
+from pkm_serve.serving.config import DEFAULT_MAX_REQUEST_BYTES
 from pkm_serve.serving.errors import invalid
 
 
@@ -21,24 +23,88 @@ _FAST_DTYPES = {
 _FAST_ENUMS = {v: k for k, v in _FAST_DTYPES.items()}
 
 
-def from_proto(name: str, proto) -> np.ndarray:
-    """Decodes a request TensorProto; malformed protos become INVALID_ARGUMENT."""
+# The repeated field tf.make_ndarray reads for each dtype when tensor_content is empty.
+_VALUE_FIELDS = {
+    getattr(types_pb2, "DT_" + t): field
+    for field, types in (
+        ("float_val", "FLOAT"), ("double_val", "DOUBLE"), ("half_val", "HALF BFLOAT16"),
+        ("float8_val", "FLOAT8_E5M2 FLOAT8_E4M3FN FLOAT4_E2M1FN"),
+        ("int_val", "INT32 UINT8 UINT16 INT16 INT8 QINT32 QUINT8 QINT8 QINT16 QUINT16 INT4 UINT4 INT2 UINT2"),
+        ("int64_val", "INT64"), ("uint32_val", "UINT32"), ("uint64_val", "UINT64"),
+        ("scomplex_val", "COMPLEX64"), ("dcomplex_val", "COMPLEX128"), ("bool_val", "BOOL"),
+        ("string_val", "STRING"))
+    for t in types.split() if hasattr(types_pb2, "DT_" + t)}
+_MAX_RANK = 254  # TensorShape::MaxDimensions() in TF
+
+
+def from_protos(protos, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> dict:
+    """Decodes a request's input TensorProtos; malformed ones become INVALID_ARGUMENT.
+
+    Shapes are checked against the values actually sent before anything is allocated: a
+    few-byte proto must not expand into gigabytes, so all inputs together may decode to at
+    most max_bytes (the request size limit)."""
+    left = max_bytes
+    arrays = {}
+    for name, proto in protos.items():
+        left -= _check(name, proto, left, max_bytes)
+        arrays[name] = _decode(name, proto)
+    return arrays
+
+
+def from_proto(name: str, proto, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> np.ndarray:
+    """One input, as from_protos."""
+    return from_protos({name: proto}, max_bytes)[name]
+
+
+def _check(name, proto, budget, limit) -> int:
+    """Validates proto; returns the bytes it decodes to, which must not exceed budget."""
     if proto.dtype == types_pb2.DT_INVALID:
         raise invalid(f"input '{name}' has no dtype (DT_INVALID)")
-    dtype = _FAST_DTYPES.get(proto.dtype)
-    if dtype is not None and proto.tensor_content and not proto.tensor_shape.unknown_rank:
-        shape = [d.size for d in proto.tensor_shape.dim]
-        if any(d < 0 for d in shape):
-            raise invalid(f"input '{name}' has a negative dimension in its shape {shape}")
-        count = int(np.prod(shape, dtype=np.int64))
-        if count * dtype.itemsize != len(proto.tensor_content):
-            raise invalid(f"input '{name}': tensor_content holds {len(proto.tensor_content)} bytes but "
-                          f"shape {shape} of {tf.dtypes.as_dtype(proto.dtype).name} needs "
-                          f"{count * dtype.itemsize}")
-        return np.frombuffer(proto.tensor_content, dtype=dtype).reshape(shape)
     try:
+        tf_dtype = tf.dtypes.as_dtype(proto.dtype)
+        itemsize = np.dtype(tf_dtype.as_numpy_dtype).itemsize   # object (strings): one pointer
+    except TypeError:
+        raise invalid(f"input '{name}' has an unsupported dtype ({proto.dtype})") from None
+    shape = [d.size for d in proto.tensor_shape.dim]
+    text = str(shape[:8])[:-1] + ", ...]" if len(shape) > 8 else str(shape)
+    if len(shape) > _MAX_RANK or any(d < 0 for d in shape):
+        raise invalid(f"input '{name}' has an invalid shape {text} (rank {len(shape)})")
+    count = math.prod(shape)   # Python ints: exact, cannot wrap around as np.prod can
+    too_big = invalid(f"input '{name}' of shape {text} and dtype {tf_dtype.name} would take the decoded "
+                      f"request past the limit of {limit} bytes (--max_request_bytes)")
+    size = count * itemsize
+    if size > budget:   # (size itself may have thousands of digits: not printed)
+        raise too_big
+    if proto.tensor_content:
+        if size != len(proto.tensor_content):
+            raise invalid(f"input '{name}': tensor_content holds {len(proto.tensor_content)} bytes but "
+                          f"shape {text} of {tf_dtype.name} needs {size}")
+    else:
+        field = _VALUE_FIELDS.get(proto.dtype)
+        if field is None:
+            raise invalid(f"input '{name}' has dtype {tf_dtype.name}, which a request cannot carry")
+        values = getattr(proto, field)
+        sent = len(values) // 2 if field.endswith("complex_val") else len(values)
+        # TF fills a tensor from a single value (make_tensor_proto(1.0, shape=...)); any other
+        # count must match the shape (make_ndarray would silently pad with the last value).
+        if sent != count and not (sent == 1 and count > 0):
+            raise invalid(f"input '{name}' holds {sent} values but its shape {text} needs {count}")
+        if sent == 1 and field == "string_val":
+            size += count * len(values[0])   # each element becomes its own copy in the tensor
+            if size > budget:
+                raise too_big
+    return size
+
+
+def _decode(name, proto) -> np.ndarray:
+    """Decodes a proto that passed _check."""
+    fast = _FAST_DTYPES.get(proto.dtype)
+    try:
+        if fast is not None and proto.tensor_content:
+            return np.frombuffer(proto.tensor_content, dtype=fast).reshape(
+                [d.size for d in proto.tensor_shape.dim])
         return tf.make_ndarray(proto)
-    except Exception as e:  # make_ndarray raises TypeError/ValueError on bad content
+    except Exception as e:  # make_ndarray/reshape raise TypeError/ValueError on bad content
         raise invalid(f"input '{name}' is not a valid TensorProto: {e}") from None
 
 
@@ -72,8 +138,9 @@ def check_against_spec(name: str, array: np.ndarray, spec: tf.TensorSpec, signat
 
 
 # ---------------------------------------------------------------- REST JSON
-def _decode_b64(value):
-    """{"b64": "..."} objects become bytes (TF Serving's binary encoding)."""
+def decode_b64(value):
+    """{"b64": "..."} objects become bytes (TF Serving's binary encoding), strings UTF-8;
+    anything malformed is INVALID_ARGUMENT."""
     if isinstance(value, dict):
         if set(value) != {"b64"}:
             raise invalid(f"a JSON object inside a tensor value must be {{\"b64\": ...}}, got keys {sorted(value)}")
@@ -82,9 +149,12 @@ def _decode_b64(value):
         except Exception:
             raise invalid("a \"b64\" value is not valid base64") from None
     if isinstance(value, list):
-        return [_decode_b64(v) for v in value]
+        return [decode_b64(v) for v in value]
     if isinstance(value, str):
-        return value.encode("utf-8")
+        try:
+            return value.encode("utf-8")
+        except UnicodeEncodeError:   # JSON can spell a lone surrogate ("\ud800")
+            raise invalid("a string value is not valid Unicode (lone surrogate)") from None
     return value
 
 
@@ -92,7 +162,7 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
     """Converts a JSON value to an array of the signature's dtype, refusing lossy casts."""
     dtype = spec.dtype
     if dtype == tf.string:
-        raw = _decode_b64(value)
+        raw = decode_b64(value)
         try:
             arr = np.array(raw, dtype=object)
         except ValueError:

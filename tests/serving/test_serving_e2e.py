@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2,
                                      inference_pb2, model_management_pb2, model_service_pb2_grpc,
                                      predict_pb2, prediction_service_pb2_grpc)
+from tensorflow.core.framework import types_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
 from serving_helpers import ServerProcess, reference_embedding_bag, write_example_model
@@ -219,6 +220,63 @@ def test_grpc_bad_tensor_proto_is_invalid_argument(stub):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _raw_query(shape, dtype=None, content=None, req=None, key="query", **vals):
+    """A hand-made TensorProto for input `key` (shape and values need not agree)."""
+    req = req or _request()
+    p = req.inputs[key]
+    p.dtype = dtype or types_pb2.DT_FLOAT
+    for d in shape:
+        p.tensor_shape.dim.add(size=d)
+    if content is not None:
+        p.tensor_content = content
+    for field, values in vals.items():
+        getattr(p, field).extend(values)
+    return req
+
+
+@pytest.mark.parametrize("make_request, needle", [
+    # A few bytes that claim a 4 GiB tensor (one value broadcast): refused before decoding.
+    (lambda: _raw_query([1 << 25, 32], float_val=[1.0]), "past the limit"),
+    (lambda: _raw_query([4, 32], float_val=[]), "holds 0 values"),
+    (lambda: _raw_query([2, 32], float_val=[1.0] * 3), "holds 3 values"),
+    (lambda: _raw_query([-1, 32], float_val=[1.0]), "invalid shape"),
+    # One short string repeated per element: the copies count against the limit too.
+    (lambda: _raw_query([1 << 11, 32], dtype=types_pb2.DT_STRING, string_val=[b"x" * 64]),
+     "past the limit"),
+    # Fast path: (2**62 + 1) * 4 wraps to 4 in int64, which 16 bytes of content would match.
+    (lambda: _raw_query([(1 << 62) + 1, 4], content=b"\0" * 16), "past the limit"),
+    (lambda: _raw_query([2, 32], content=b"\0" * 8), "tensor_content holds 8 bytes"),
+    # An element count of ~4800 digits (more than Python converts to text by default).
+    (lambda: _raw_query([1 << 62] * 254, float_val=[1.0]), "past the limit"),
+    (lambda: _raw_query([1] * 255, float_val=[1.0]), "rank 255"),
+    # Rank beyond numpy's limit: the reshape fails.
+    (lambda: _raw_query([1] * 70, content=b"\0" * 4), "not a valid TensorProto"),
+])
+def test_grpc_oversized_or_inconsistent_tensor_protos_are_invalid_argument(stub, make_request, needle):
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Predict(make_request(), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert needle in err.value.details()
+    assert stub.Predict(_request(query=QUERIES[:1]), timeout=30).outputs["output"].tensor_shape.dim[1].size == 64
+
+
+def test_grpc_inputs_decoded_size_is_bounded_together(stub):
+    # 800 KB + 400 KB: each input alone is under the 1 MiB limit, the two together are not.
+    req = _raw_query([1, 100_000], dtype=types_pb2.DT_INT64, key="indices", int64_val=[1])
+    req = _raw_query([1, 100_000], key="weights", req=req, float_val=[1.0])
+    req.model_spec.signature_name = "lookup"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Predict(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    assert "past the limit of 1048576 bytes" in err.value.details()
+
+
+def test_grpc_single_value_broadcast_is_still_accepted(stub):
+    resp = stub.Predict(_raw_query([2, 32], float_val=[0.5]), timeout=30)
+    want = stub.Predict(_request(query=np.full((2, 32), 0.5, np.float32)), timeout=30)
+    np.testing.assert_array_equal(_out(resp, "output"), _out(want, "output"))
+
+
 def test_classify_regress_multi_inference_on_a_predict_signature(stub):
     req = classification_pb2.ClassificationRequest()
     req.model_spec.name = "pkm"
@@ -255,6 +313,17 @@ def test_classify_regress_multi_inference_on_a_predict_signature(stub):
                                 "instances": [{"indices": [99999], "weights": [1.0]}]}, None, 400, "out of range"),
     ("/v1/models/pkm:predict", None, b"[" + b"0.0," * (MAX_REQUEST_BYTES // 4) + b"0.0]", 413, "larger than"),
     ("/v1/nothing", None, None, 404, "no such endpoint"),
+    ("/v1/models/pkm:predict", {"signature_name": 5, "instances": [[0.0] * 32]}, None, 400, "signature_name must"),
+    ("/v1/models/classifier:classify", {"signature_name": 5, "examples": [{"x": [0.0, 1.0]}]}, None, 400,
+     "signature_name must"),
+    ("/v1/models/classifier:regress", {"signature_name": ["regress"], "examples": [{"x": [0.0, 1.0]}]}, None,
+     400, "signature_name must"),
+    ("/v1/models/classifier:classify", {"examples": [{"x": {"b64": "!!"}}]}, None, 400, "not valid base64"),
+    ("/v1/models/classifier:classify", {"examples": [{"x": {"b64": 5}}]}, None, 400, "not valid base64"),
+    ("/v1/models/classifier:classify", {"examples": [{"x": 2 ** 70}]}, None, 400, "out of range"),
+    ("/v1/models/classifier:classify", {"examples": [{"x": [0.5, 10 ** 400]}]}, None, 400, "out of range"),
+    ("/v1/models/classifier:classify", {"examples": [{"x": "\ud800"}]}, None, 400, "not valid Unicode"),
+    ("/v1/models/classifier:predict", {"instances": ["\ud800"]}, None, 400, "not valid Unicode"),
 ])
 def test_rest_malformed_requests_get_4xx_and_server_stays_up(server, path, body, raw, status, needle):
     got, answer = _rest(server, path, body, raw)

@@ -1,4 +1,5 @@
 """--ssl_config_file (TF Serving's SSLConfig): gRPC and REST over TLS; plaintext refused."""
+import http.client
 import json
 import shutil
 import ssl
@@ -45,5 +46,8 @@ def test_tls_for_grpc_and_rest(tmp_path, saved_models, tf_with_ops):
         https = f"https://127.0.0.1:{srv.rest_port}/v1/models/pkm"
         with urllib.request.urlopen(https, context=ctx, timeout=30) as r:
             assert json.loads(r.read())["model_version_status"][0]["state"] == "AVAILABLE"
+        # Plaintext HTTP to the TLS port: the handshake fails, no response is served.
+        with pytest.raises((OSError, http.client.HTTPException)):   # URLError/reset/bad status line
+            urllib.request.urlopen(f"http://127.0.0.1:{srv.rest_port}/v1/models/pkm", timeout=10).close()
     finally:
         assert srv.terminate() == 0

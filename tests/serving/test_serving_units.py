@@ -145,6 +145,58 @@ def test_batch_scheduler_pads_to_allowed_sizes_and_isolates_bad_requests():
     np.testing.assert_array_equal(out[2]["y"], [[4.0, 4.0]])
 
 
+class _BuggySignature(_FakeSignature):
+    """A negative row fails its batch with INVALID_ARGUMENT (so each request is rerun alone),
+    and fails alone with a KeyError: a model bug, not a ServingError."""
+
+    def run(self, inputs, output_filter=()):
+        x = inputs["x"]
+        with self.lock:
+            self.batches.append(x.shape[0])
+        if np.any(x < 0):
+            if x.shape[0] > 1:
+                raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, "negative input")
+            raise KeyError("model bug")
+        return {"y": x * 2}
+
+
+def test_batch_scheduler_survives_non_serving_errors():
+    sched = BatchScheduler(_params("max_batch_size { value: 8 } batch_timeout_micros { value: 200000 } "
+                                   "num_batch_threads { value: 1 }"))
+    sig = _BuggySignature()
+
+    def round_of(values):
+        out = {}
+
+        def call(i, value):
+            try:   # the deadline only keeps a regression from hanging the test
+                out[i] = sched.run("servable", sig, {"x": np.full((1, 2), value, np.float32)},
+                                   deadline=time.monotonic() + 10)
+            except ServingError as e:
+                out[i] = e
+
+        threads = [threading.Thread(target=call, args=(i, v)) for i, v in enumerate(values)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        return out
+
+    out = round_of([0.0, -1.0, 2.0])            # batch fails, the reruns: ok, KeyError, ok
+    assert sig.batches[0] == 3
+    assert isinstance(out[1], ServingError) and out[1].code == grpc.StatusCode.INTERNAL, out[1]
+    assert "KeyError" in out[1].message
+    np.testing.assert_array_equal(out[0]["y"], [[0.0, 0.0]])
+    np.testing.assert_array_equal(out[2]["y"], [[4.0, 4.0]])
+    out = round_of([-1.0])                      # a lone request's KeyError
+    assert isinstance(out[0], ServingError) and out[0].code == grpc.StatusCode.INTERNAL, out[0]
+    out = round_of([3.0, 4.0])                  # the (only) batch thread is still alive
+    np.testing.assert_array_equal(out[0]["y"], [[6.0, 6.0]])
+    np.testing.assert_array_equal(out[1]["y"], [[8.0, 8.0]])
+    sched.stop()
+    assert all(t.is_alive() is False for t in sched._threads)
+
+
 def test_batch_scheduler_queue_is_bounded():
     sched = BatchScheduler(_params("max_batch_size { value: 1 } num_batch_threads { value: 1 } "
                                    "max_enqueued_batches { value: 1 }"))
