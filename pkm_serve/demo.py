@@ -226,7 +226,8 @@ def _run(args, workdir, children) -> bool:
 
         ms = _median_ms(invoke, args.repeats)
         size = os.path.getsize(path)
-        rows.append((label, interp.get_tensor(out_index).copy(), ms, mem["tfl"], f"model file {size / 2**20:.0f} MiB"))
+        rows.append((label, interp.get_tensor(out_index).copy(), ms, mem["tfl"],
+                     f"model file {size / 2**20:.0f} MiB (memory-mapped: table pages count once read)"))
 
     _step(5, "compare")
     ok = _print_table(rows, ref, result)
@@ -250,10 +251,10 @@ def _query_server(tf, server, server_log_path, grpc_port, rest_port, query, repe
 
     with grpc.insecure_channel(f"127.0.0.1:{grpc_port}",
                                options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
-        return _query_over_channel(tf, server, server_log_path, channel, rest_port, query, repeats)
+        return _query_over_channel(tf, server, server_log_path, channel, grpc_port, rest_port, query, repeats)
 
 
-def _query_over_channel(tf, server, server_log_path, channel, rest_port, query, repeats):
+def _query_over_channel(tf, server, server_log_path, channel, grpc_port, rest_port, query, repeats):
     import grpc
     from tensorflow_serving.apis import get_model_status_pb2, model_service_pb2_grpc
     from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
@@ -275,7 +276,7 @@ def _query_over_channel(tf, server, server_log_path, channel, rest_port, query, 
         if time.time() > deadline:
             raise RuntimeError("the server did not make the model available within 120 s")
         time.sleep(0.3)
-    print(f"      model 'pkm' version 1 AVAILABLE (gRPC and REST on :{rest_port})")
+    print(f"      model 'pkm' version 1 AVAILABLE on 127.0.0.1:{grpc_port} (gRPC) and :{rest_port} (REST)")
 
     stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
     request = predict_pb2.PredictRequest()
