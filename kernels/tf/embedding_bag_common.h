@@ -122,6 +122,17 @@ inline ::tensorflow::Status ToTf(const pkm::Status& s) {
   return s.ok ? ::tensorflow::Status() : ::tensorflow::errors::InvalidArgument(s.message);
 }
 
+// Base of the forward and gradient kernels on every device: reads the attrs.
+class EmbeddingBagKernelBase : public ::tensorflow::OpKernel {
+ public:
+  EmbeddingBagKernelBase(::tensorflow::OpKernelConstruction* ctx, bool ragged) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadAttrs(ctx, ragged, &attrs_));
+  }
+
+ protected:
+  OpAttrs attrs_;
+};
+
 // A kernel class taking (ctx, ragged) bound to one layout, as
 // REGISTER_KERNEL_BUILDER needs a constructor of ctx alone.
 template <class Kernel, bool kRagged>

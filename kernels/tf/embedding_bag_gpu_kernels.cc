@@ -19,8 +19,6 @@
 
 namespace pkm_tf {
 
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
 using ::tensorflow::OpKernelContext;
 using ::tensorflow::Tensor;
 
@@ -62,11 +60,9 @@ PkmBags ToLauncherBags(const CoreArgs& args, pkm::Combiner combiner) {
   return b;
 }
 
-class GpuEmbeddingBagOp : public OpKernel {
+class GpuEmbeddingBagOp : public EmbeddingBagKernelBase {
  public:
-  GpuEmbeddingBagOp(OpKernelConstruction* ctx, bool ragged) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ReadAttrs(ctx, ragged, &attrs_));
-  }
+  using EmbeddingBagKernelBase::EmbeddingBagKernelBase;
 
   void Compute(OpKernelContext* ctx) override {
     CoreArgs args;
@@ -79,16 +75,11 @@ class GpuEmbeddingBagOp : public OpKernel {
     const PkmBags bags = ToLauncherBags(args, attrs_.combiner);
     OP_REQUIRES_OK(ctx, FromLauncher(pkm_cuda_forward(&bags, out->data(), nullptr, stream)));
   }
-
- private:
-  OpAttrs attrs_;
 };
 
-class GpuEmbeddingBagGradOp : public OpKernel {
+class GpuEmbeddingBagGradOp : public EmbeddingBagKernelBase {
  public:
-  GpuEmbeddingBagGradOp(OpKernelConstruction* ctx, bool ragged) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ReadAttrs(ctx, ragged, &attrs_));
-  }
+  using EmbeddingBagKernelBase::EmbeddingBagKernelBase;
 
   void Compute(OpKernelContext* ctx) override {
     CoreArgs args;
@@ -109,9 +100,6 @@ class GpuEmbeddingBagGradOp : public OpKernel {
                                                        workspace.data(), workspace_bytes, nullptr,
                                                        stream)));
   }
-
- private:
-  OpAttrs attrs_;
 };
 
 }  // namespace

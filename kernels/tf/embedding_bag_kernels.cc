@@ -8,8 +8,6 @@
 
 namespace pkm_tf {
 
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
 using ::tensorflow::OpKernelContext;
 using ::tensorflow::Tensor;
 
@@ -23,11 +21,9 @@ pkm::ParallelFor TfParallelFor(OpKernelContext* ctx) {
   };
 }
 
-class EmbeddingBagOp : public OpKernel {
+class EmbeddingBagOp : public EmbeddingBagKernelBase {
  public:
-  EmbeddingBagOp(OpKernelConstruction* ctx, bool ragged) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ReadAttrs(ctx, ragged, &attrs_));
-  }
+  using EmbeddingBagKernelBase::EmbeddingBagKernelBase;
 
   void Compute(OpKernelContext* ctx) override {
     CoreArgs args;
@@ -37,16 +33,11 @@ class EmbeddingBagOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ToTf(pkm::Forward(args.table, args.bags, attrs_.combiner, out->data(),
                                           args.table.type, TfParallelFor(ctx))));
   }
-
- private:
-  OpAttrs attrs_;
 };
 
-class EmbeddingBagGradOp : public OpKernel {
+class EmbeddingBagGradOp : public EmbeddingBagKernelBase {
  public:
-  EmbeddingBagGradOp(OpKernelConstruction* ctx, bool ragged) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ReadAttrs(ctx, ragged, &attrs_));
-  }
+  using EmbeddingBagKernelBase::EmbeddingBagKernelBase;
 
   void Compute(OpKernelContext* ctx) override {
     CoreArgs args;
@@ -58,9 +49,6 @@ class EmbeddingBagGradOp : public OpKernel {
                                            attrs_.has_weights ? d_weights->data() : nullptr,
                                            TfParallelFor(ctx))));
   }
-
- private:
-  OpAttrs attrs_;
 };
 
 }  // namespace
