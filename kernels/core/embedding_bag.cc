@@ -1,6 +1,7 @@
-// Fast CPU EmbeddingBag: forward gathers rows straight into a float32
-// accumulator per bag; backward sorts the (index, position) pairs so every
-// table row is read once and its gradient written once, by one thread.
+// Fast CPU EmbeddingBag: forward accumulates each bag's rows, eight at a
+// time, straight into one float32 row (no [K, D] gather); backward groups the
+// (index, position) pairs by row so every table row is read once and its
+// gradient written once, by one thread (no atomics, no [B*K, D] buffer).
 #include "kernels/core/embedding_bag.h"
 
 #include <algorithm>
