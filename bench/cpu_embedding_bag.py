@@ -31,6 +31,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+from pkm_serve._memory import peak_rss_growth  # noqa: E402
 RESULTS = os.path.join(HERE, "results")
 
 SHAPES = [  # (B, K, D, N, dtype): the PKM-like shape scaled to 2 cores
@@ -43,19 +45,6 @@ SYSTEMS = ["fused", "composite", "sparse", "torch"]
 
 
 # ---- child: one measurement -------------------------------------------------
-
-def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
-
-
-def _reset_peak():
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-
 
 def child(system: str, b: int, k: int, d: int, n: int, dtype: str, mode: str, repeats: int) -> dict:
     import numpy as np
@@ -70,10 +59,10 @@ def child(system: str, b: int, k: int, d: int, n: int, dtype: str, mode: str, re
     build_run(system, dtype, mode, *inputs(8, 4, d, 16))()
     run = build_run(system, dtype, mode, *inputs(b, k, d, n))
     # Peak memory of the first call (nothing cached from an earlier one).
-    base = _rss_bytes("VmRSS")
-    _reset_peak()
-    res = run()
-    peak_growth = _rss_bytes("VmHWM") - base
+    memory = {}
+    with peak_rss_growth(memory, "growth"):
+        res = run()
+    peak_growth = memory["growth"]
     del res
     run()  # warm
     times = []
@@ -110,7 +99,6 @@ def build_run(system, dtype, mode, idx_np, w_np, table_np, grad_np):
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
         import tensorflow as tf
 
-        sys.path.insert(0, ROOT)
         from pkm_serve import ops
 
         tdt = {"float32": tf.float32, "bfloat16": tf.bfloat16}[dtype]

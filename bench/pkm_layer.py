@@ -42,6 +42,7 @@ def run_one(args):
     import numpy as np
     import tensorflow as tf
 
+    from pkm_serve._memory import reset_peak_rss
     from pkm_serve.layers import ProductKeyMemory
 
     keras.utils.set_random_seed(0)
@@ -83,8 +84,7 @@ def run_one(args):
     # RSS high-water mark from before the first step: TF's allocator keeps freed
     # buffers, so a reset after warm-up would hide them.
     rss_before = rss_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
+    reset_peak_rss()
     for _ in range(args.warmup):
         step().numpy()
     # Bytes held by live tensors, from TF's own allocator (steady-state steps only).

@@ -16,7 +16,6 @@ Exit code 0 only if every path agrees with the original model.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -30,29 +29,13 @@ import urllib.request
 
 import numpy as np
 
+from pkm_serve._memory import peak_rss_growth
+
 STEPS = 6
 
 
 def _step(i: int, text: str):
     print(f"\n[{i}/{STEPS}] {text}", flush=True)
-
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-@contextlib.contextmanager
-def _peak_growth(result: dict, key: str):
-    """Records how much the process's peak RSS grows inside the block."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    base = _rss("VmRSS")
-    yield
-    result[key] = _rss("VmHWM") - base
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -182,9 +165,9 @@ def _run(args, workdir, children) -> bool:
     original = tf.saved_model.load(original_dir).signatures["serving_default"]
     fused = tf.saved_model.load(result.dst).signatures["serving_default"]
     memory = {}
-    with _peak_growth(memory, "original"):
+    with peak_rss_growth(memory, "original"):
         original(query=tf.constant(big_query))
-    with _peak_growth(memory, "fused"):
+    with peak_rss_growth(memory, "fused"):
         fused(query=tf.constant(big_query))
     ref = original(query=tf.constant(query))["output"].numpy()
     rows.append(("original composite (TF)", ref,
@@ -214,7 +197,7 @@ def _run(args, workdir, children) -> bool:
         inp = interp.get_input_details()[0]
         interp.resize_tensor_input(inp["index"], list(query.shape))
         mem = {}
-        with _peak_growth(mem, "tfl"):
+        with peak_rss_growth(mem, "tfl"):
             interp.allocate_tensors()
             interp.set_tensor(inp["index"], query)
             interp.invoke()

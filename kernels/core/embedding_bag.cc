@@ -439,19 +439,4 @@ uint16_t FloatToHalf(float f) {
   return sign | static_cast<uint16_t>(half);
 }
 
-float BFloat16ToFloat(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-uint16_t FloatToBFloat16(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);  // quiet nan
-  const uint32_t rounding = 0x7fff + ((x >> 16) & 1);
-  return static_cast<uint16_t>((x + rounding) >> 16);
-}
-
 }  // namespace pkm

@@ -16,6 +16,7 @@
 #define PKM_KERNELS_CORE_EMBEDDING_BAG_H_
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <string>
 
@@ -113,8 +114,21 @@ Status ReferenceBackward(const Table& table, const Bags& bags, Combiner combiner
 // Scalar conversions shared by adapters and tests.
 float HalfToFloat(uint16_t h);
 uint16_t FloatToHalf(float f);          // round to nearest even
-float BFloat16ToFloat(uint16_t h);
-uint16_t FloatToBFloat16(float f);      // round to nearest even
+// bfloat16 is the top half of a float32: inline and branch-free, so the
+// vector loops that use them vectorise.
+inline float BFloat16ToFloat(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline uint16_t FloatToBFloat16(float f) {  // round to nearest even; nan stays (quiet) nan
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof(x));
+  const bool is_nan = (x & 0x7fffffffu) > 0x7f800000u;
+  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(is_nan ? ((x >> 16) | 0x40u) : rounded);
+}
 
 }  // namespace pkm
 

@@ -12,16 +12,6 @@
 
 namespace pkm {
 namespace vec {
-namespace {
-
-inline float BF16Bits(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-}  // namespace
 
 PKM_MULTIVERSION
 void AxpyF32(float a, const float* __restrict row, float* __restrict acc, int64_t n) {
@@ -43,7 +33,7 @@ void AxpyF16(float a, const uint16_t* row, float* acc, int64_t n) {
 
 PKM_MULTIVERSION
 void AxpyBF16(float a, const uint16_t* __restrict row, float* __restrict acc, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += a * BF16Bits(row[i]);
+  for (int64_t i = 0; i < n; ++i) acc[i] += a * BFloat16ToFloat(row[i]);
 }
 
 PKM_MULTIVERSION
@@ -63,7 +53,7 @@ struct LoadF32 {
 };
 struct LoadBF16 {
   using Elem = uint16_t;
-  static inline float Get(const uint16_t* p, int64_t i) { return BF16Bits(p[i]); }
+  static inline float Get(const uint16_t* p, int64_t i) { return BFloat16ToFloat(p[i]); }
 };
 #if defined(__FLT16_MAX__)
 struct LoadF16 {
@@ -179,7 +169,7 @@ static void F16ToFloat(const uint16_t* __restrict src, float* __restrict dst, in
 
 PKM_MULTIVERSION
 static void BF16ToFloatN(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = BF16Bits(src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = BFloat16ToFloat(src[i]);
 }
 
 void ToFloat(const void* src, ElemType type, float* dst, int64_t n) {
@@ -214,17 +204,9 @@ static void ScaleToF16(const float* __restrict src, float scale, uint16_t* __res
 #endif
 }
 
-// Round to nearest even on the bit pattern; written branch-free so it vectorises.
 PKM_MULTIVERSION
 static void ScaleToBF16(const float* __restrict src, float scale, uint16_t* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = scale * src[i];
-    uint32_t x;
-    std::memcpy(&x, &v, 4);
-    const bool is_nan = (x & 0x7fffffffu) > 0x7f800000u;
-    const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-    dst[i] = static_cast<uint16_t>(is_nan ? ((x >> 16) | 0x40u) : rounded);
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = FloatToBFloat16(scale * src[i]);
 }
 
 void FromFloat(const float* src, float scale, ElemType type, void* dst, int64_t n) {

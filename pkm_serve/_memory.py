@@ -1,0 +1,29 @@
+"""Process memory readings (Linux /proc) for the demo and the benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+
+
+def status_bytes(field: str) -> int:
+    """A size field of /proc/self/status (e.g. VmRSS, VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> None:
+    """Resets the process's peak RSS (VmHWM) to its current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+@contextlib.contextmanager
+def peak_rss_growth(result: dict, key: str):
+    """Records in result[key] how much the peak RSS grows inside the block."""
+    reset_peak_rss()
+    base = status_bytes("VmRSS")
+    yield
+    result[key] = status_bytes("VmHWM") - base
