@@ -1,7 +1,8 @@
 # libpkm_tflite.so cross-built for aarch64 Linux, and its tests in aarch64
 # TFLite interpreters under qemu-user emulation. Included by Makefile.
 #   make tflite-aarch64   cross-build build/aarch64/libpkm_tflite.so
-#   make test-aarch64     arm64 Debian root + aarch64 wheels (cached under .cache/), then tests/aarch64
+#   make test-aarch64     arm64 Debian root + aarch64 wheels (cached under .cache/), then the
+#                         core's C++ test and tests/aarch64 in them under qemu-aarch64
 # Same sources and flags as tflite.mk (its TFLITE_SRCS / TFLITE_CXXFLAGS, the
 # core's CORE_SRCS / CORE_CXXFLAGS); only the compiler differs.
 A64_CXX      := aarch64-linux-gnu-g++
@@ -32,12 +33,22 @@ aarch64-tools:
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(A64_DEBS); \
 	fi
 
-$(A64_BUILD)/%.o: %.cc $(TFLITE_HDRS) $(CORE_HDRS) | aarch64-tools
+$(A64_BUILD)/$(CORE_DIR)/%.o: $(CORE_DIR)/%.cc $(CORE_HDRS) | aarch64-tools
+	@mkdir -p $(dir $@)
+	$(A64_CXX) $(CORE_CXXFLAGS) -c $< -o $@
+
+$(A64_BUILD)/$(TFLITE_DIR)/%.o: $(TFLITE_DIR)/%.cc $(TFLITE_HDRS) $(CORE_HDRS) | aarch64-tools
 	@mkdir -p $(dir $@)
 	$(A64_CXX) $(TFLITE_CXXFLAGS) -c $< -o $@
 
 $(A64_LIB): $(A64_OBJS)
 	$(A64_CXX) -shared $^ -o $@ -Wl,--no-undefined -Wl,-z,defs -lpthread
+
+# The core's own C++ test (fast kernels vs reference, half conversions), for aarch64.
+A64_CORE_OBJS := $(patsubst %.cc,$(A64_BUILD)/%.o,$(CORE_SRCS))
+A64_CORE_TEST := $(A64_BUILD)/core_test
+$(A64_CORE_TEST): $(CORE_DIR)/embedding_bag_test.cc $(A64_CORE_OBJS) $(CORE_HDRS)
+	$(A64_CXX) $(CXXSTD) -O2 -I. $< $(A64_CORE_OBJS) -o $@ -lpthread
 
 tflite-aarch64: $(A64_LIB)
 	file -L $(A64_LIB)
@@ -70,9 +81,15 @@ $(A64_CACHE)/site-%/.installed: tests/aarch64/requirements-%.txt | aarch64-tools
 
 aarch64-env: $(A64_ROOT_STAMP) $(foreach r,$(A64_RUNTIMES),$(A64_CACHE)/site-$(r)/.installed)
 
-test-aarch64: $(STAMP) $(TFLITE_LIB) $(A64_LIB) aarch64-env
+# QEMU_CPU: the oldest core qemu models (ARMv8.0-A + NEON); the library must run there.
+A64_RUN := QEMU_CPU=cortex-a53 $(A64_QEMU) -L $(A64_ROOT)
+
+core-test-aarch64: $(A64_CORE_TEST) $(A64_ROOT_STAMP)
+	$(A64_RUN) $(A64_CORE_TEST)
+
+test-aarch64: $(STAMP) $(TFLITE_LIB) $(A64_LIB) aarch64-env core-test-aarch64
 	file -L $(A64_LIB)
 	PKM_AARCH64_LIB=$(A64_LIB) PKM_AARCH64_CACHE=$(A64_CACHE) PKM_AARCH64_QEMU=$(A64_QEMU) \
 	  $(PY) -m pytest -q tests/aarch64 $(PYTEST_ARGS)
 
-.PHONY: aarch64-tools tflite-aarch64 disasm-aarch64 aarch64-env test-aarch64
+.PHONY: aarch64-tools tflite-aarch64 core-test-aarch64 disasm-aarch64 aarch64-env test-aarch64
