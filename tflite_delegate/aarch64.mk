@@ -63,9 +63,9 @@ disasm-aarch64: $(A64_LIB)
 # cannot run arm64 binaries, and Python needs none of them). qemu runs the
 # binaries with -L $(A64_ROOT) so absolute paths resolve inside the root.
 $(A64_ROOT_STAMP): tests/aarch64/cpuinfo-cortex-a53 | aarch64-tools
-	rm -rf $(A64_ROOT)
+	rm -rf $(A64_ROOT) && mkdir -p $(A64_ROOT)
 	debootstrap --foreign --arch=arm64 --variant=minbase \
-	  --include=python3.11-minimal,libpython3.11-stdlib $(A64_SUITE) $(A64_ROOT) $(A64_MIRROR)
+	  --include=python3.11-minimal,libpython3.11-stdlib $(A64_SUITE) $(abspath $(A64_ROOT)) $(A64_MIRROR)
 	for deb in $(A64_ROOT)/var/cache/apt/archives/*.deb; do dpkg -x "$$deb" $(A64_ROOT); done
 	rm -f $(A64_ROOT)/var/cache/apt/archives/*.deb
 	# qemu-user 7.2 shows the host's /proc/cpuinfo, which XNNPACK's CPU
@@ -92,4 +92,9 @@ test-aarch64: $(STAMP) $(TFLITE_LIB) $(A64_LIB) aarch64-env core-test-aarch64
 	PKM_AARCH64_LIB=$(A64_LIB) PKM_AARCH64_CACHE=$(A64_CACHE) PKM_AARCH64_QEMU=$(A64_QEMU) \
 	  $(PY) -m pytest -q tests/aarch64 $(PYTEST_ARGS)
 
-.PHONY: aarch64-tools tflite-aarch64 core-test-aarch64 disasm-aarch64 aarch64-env test-aarch64
+# `make test` runs tests/aarch64 with the rest of the suite; this prepares them
+# (first run on a fresh machine: about 2 minutes, see docs/AARCH64.md).
+aarch64-test-deps: $(A64_LIB) aarch64-env core-test-aarch64
+TEST_DEPS += aarch64-test-deps
+
+.PHONY: aarch64-test-deps aarch64-tools tflite-aarch64 core-test-aarch64 disasm-aarch64 aarch64-env test-aarch64

@@ -3,8 +3,9 @@
 x86 outputs of the same .tflite files (tests/aarch64/fixtures, written on x86
 by make_fixtures.py).
 
-The aarch64 tests need the environment `make test-aarch64` prepares (it sets
-PKM_AARCH64_CACHE and PKM_AARCH64_LIB); without it they are skipped. The
+The aarch64 tests need the environment `make test-aarch64` prepares (the arm64
+root and wheels under .cache/aarch64, build/aarch64/libpkm_tflite.so; or
+$PKM_AARCH64_CACHE and $PKM_AARCH64_LIB); without it they are skipped. The
 fixture checks at the top run everywhere: they keep the stored x86 outputs
 honest (numpy float64 reference) and current (the x86 build reproduces them).
 """
@@ -35,8 +36,17 @@ OUTPUT_CASES = sorted(n for n, c in CASES.items() if c["error"] is None)
 ERROR_CASES = sorted(n for n, c in CASES.items() if c["error"] is not None)
 REGENERATE = "regenerate with `.venv/bin/python tests/aarch64/make_fixtures.py` if the change is intended"
 
-A64_CACHE = os.environ.get("PKM_AARCH64_CACHE")
-A64_LIB = os.environ.get("PKM_AARCH64_LIB")
+def _prepared(path, *stamps):
+    return path if all(os.path.exists(os.path.join(path, s)) for s in stamps) else None
+
+
+# What `make test-aarch64` (or `make test`, through TEST_DEPS) prepares; the
+# variables override the default places.
+A64_CACHE = os.environ.get("PKM_AARCH64_CACHE") or _prepared(
+    os.path.join(ROOT, ".cache", "aarch64"), "root/.unpacked", "site-tflite_runtime/.installed",
+    "site-litert/.installed")
+_DEFAULT_LIB = os.path.join(ROOT, "build", "aarch64", "libpkm_tflite.so")
+A64_LIB = os.environ.get("PKM_AARCH64_LIB") or (_DEFAULT_LIB if os.path.isfile(_DEFAULT_LIB) else None)
 # The oldest core qemu models: ARMv8.0-A with NEON, no dot product, fp16
 # arithmetic or SVE. The library must run there; the root's /proc/cpuinfo says
 # the same (tests/aarch64/cpuinfo-cortex-a53), for XNNPACK's CPU detection.
