@@ -169,6 +169,20 @@ def test_library_is_an_aarch64_elf_linking_only_libc_and_libstdcxx():
         assert re.search(rf"FUNC\s+GLOBAL\s+DEFAULT\s+\d+\s+{symbol}\b", dynamic), symbol
 
 
+@needs_aarch64
+def test_library_needs_at_most_glibc_2_34_and_gcc12_libstdcxx():
+    """The device floor docs/AARCH64.md states (Debian 12, Ubuntu 22.04)."""
+    symbols = subprocess.run([_tool("aarch64-linux-gnu-objdump"), "-T", A64_LIB],
+                             capture_output=True, text=True, check=True).stdout
+
+    def newest(prefix):
+        found = re.findall(rf"\b{prefix}_([0-9.]+)\b", symbols)
+        return max(tuple(int(x) for x in v.split(".")) for v in found)
+
+    assert newest("GLIBC") <= (2, 34), newest("GLIBC")
+    assert newest("GLIBCXX") <= (3, 4, 30), newest("GLIBCXX")
+
+
 def _disassembly(function):
     out = subprocess.run([_tool("aarch64-linux-gnu-objdump"), "-d", "-C", "--no-show-raw-insn",
                           A64_LIB], capture_output=True, text=True, check=True).stdout
