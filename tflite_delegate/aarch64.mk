@@ -93,7 +93,7 @@ test-aarch64: $(STAMP) $(TFLITE_LIB) $(A64_LIB) aarch64-env core-test-aarch64
 	  $(PY) -m pytest -q tests/aarch64 $(PYTEST_ARGS)
 
 # `make test` runs tests/aarch64 with the rest of the suite; this prepares them
-# (first run on a fresh machine: about 2 minutes, see docs/AARCH64.md).
+# (first run on a fresh machine: 3-4 minutes, see docs/AARCH64.md).
 aarch64-test-deps: $(A64_LIB) aarch64-env core-test-aarch64
 TEST_DEPS += aarch64-test-deps
 
