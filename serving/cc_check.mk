@@ -33,4 +33,9 @@ serving-cc-program: $(CC_CHECK_BIN)
 serving-cc-check: $(CC_CHECK_BIN) $(TF_OP_LIB)
 	$(PY) -m pytest -q tests/serving_cc $(PYTEST_ARGS)
 
+# `make -s print-VAR`: a variable as make resolves it (tests/serving_cc checks
+# the Makefile reads kernels/sources.bzl).
+print-%:
+	@echo $($*)
+
 .PHONY: serving-cc-program serving-cc-check

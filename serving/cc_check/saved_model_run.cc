@@ -19,6 +19,7 @@
 // e.g. "INVALID_ARGUMENT: indices[3] = ..."); 2 a bad command line.
 #include <algorithm>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +27,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <unordered_set>
 #include <vector>
 
@@ -89,9 +91,11 @@ long long ParseInt(const std::string& text, const std::string& what) {
   return v;
 }
 
-double ParseFloat(const std::string& text, const std::string& what) {
+// strtof for float32, so a shortest round-trip float32 string reads back exactly.
+template <typename T>
+T ParseFloat(const std::string& text, const std::string& what) {
   char* end = nullptr;
-  const double v = std::strtod(text.c_str(), &end);
+  const T v = std::is_same<T, float>::value ? std::strtof(text.c_str(), &end) : std::strtod(text.c_str(), &end);
   if (text.empty() || *end != '\0') throw UsageError(what + ": '" + text + "' is not a number");
   return v;
 }
@@ -155,7 +159,8 @@ Tensor TensorFromText(const std::string& name, const std::string& spec) {
   if (static_cast<long long>(values.size()) != shape.num_elements())
     throw UsageError(where + ": shape " + shape.DebugString() + " needs " + std::to_string(shape.num_elements()) +
                      " values, got " + std::to_string(values.size()));
-  auto as_float = [&](const std::string& v) { return ParseFloat(v, where); };
+  auto as_float = [&](const std::string& v) { return ParseFloat<float>(v, where); };
+  auto as_double = [&](const std::string& v) { return ParseFloat<double>(v, where); };
   auto as_int = [&](const std::string& v) { return ParseInt(v, where); };
   if (dtype == "float32") {
     Tensor t(tensorflow::DT_FLOAT, shape);
@@ -164,7 +169,7 @@ Tensor TensorFromText(const std::string& name, const std::string& spec) {
   }
   if (dtype == "float64") {
     Tensor t(tensorflow::DT_DOUBLE, shape);
-    FillFlat<double>(&t, values, as_float);
+    FillFlat<double>(&t, values, as_double);
     return t;
   }
   if (dtype == "int32") {
