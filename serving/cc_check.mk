@@ -30,6 +30,10 @@ $(CC_CHECK_BIN): $(CC_CHECK_DIR)/saved_model_run.o $(CC_CHECK_OPS_LIB)
 
 serving-cc-program: $(CC_CHECK_BIN)
 
+# In `make test` too: compiling and linking the program takes ~30 s on 2 cores,
+# and pytest then runs tests/serving_cc with the rest of the suite.
+TEST_DEPS += $(CC_CHECK_BIN)
+
 serving-cc-check: $(CC_CHECK_BIN) $(TF_OP_LIB)
 	$(PY) -m pytest -q tests/serving_cc $(PYTEST_ARGS)
 
