@@ -28,6 +28,15 @@ $(CC_CHECK_BIN): $(CC_CHECK_DIR)/saved_model_run.o $(CC_CHECK_OPS_LIB)
 	    -Wl,--no-as-needed -L$(TF_LIBDIR) -l:libtensorflow_cc.so.2 $(TF_LFLAGS) -Wl,-rpath,$(TF_LIBDIR) \
 	    -lpthread -o $@
 
+# The control: the same link without --whole-archive. Nothing references the
+# kernels' objects by name, so the linker drops them and the ops never
+# register; tests/serving_cc builds it to show the check above can fail.
+CC_CHECK_CONTROL_BIN := $(CC_CHECK_DIR)/pkm_saved_model_run_no_whole_archive
+$(CC_CHECK_CONTROL_BIN): $(CC_CHECK_DIR)/saved_model_run.o $(CC_CHECK_OPS_LIB)
+	$(CXX) $< $(CC_CHECK_OPS_LIB) \
+	    -Wl,--no-as-needed -L$(TF_LIBDIR) -l:libtensorflow_cc.so.2 $(TF_LFLAGS) -Wl,-rpath,$(TF_LIBDIR) \
+	    -lpthread -o $@
+
 serving-cc-program: $(CC_CHECK_BIN)
 
 # In `make test` too: compiling and linking the program takes ~30 s on 2 cores,

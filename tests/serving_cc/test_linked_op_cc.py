@@ -10,7 +10,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from serving_cc_helpers import (INT64_MODEL_ROWS, PROGRAM, export_demo_pkm, graph_ops, reference_bag,
+from serving_cc_helpers import (INT64_MODEL_ROWS, PROGRAM, REPO, export_demo_pkm, graph_ops, reference_bag,
                                 require_program, run_cc, save_int64_model, save_ragged_model, tensor_arg,
                                 tensor_file_arg)
 
@@ -79,6 +79,20 @@ def test_ops_registered_at_start_and_no_op_library_opened(models):
     result = json.loads(proc.stdout)
     assert result["linked_ops"] == ["PkmEmbeddingBag", "PkmEmbeddingBagGrad", "PkmRaggedEmbeddingBag",
                                     "PkmRaggedEmbeddingBagGrad"]
+
+
+def test_without_whole_archive_the_ops_are_missing(models):
+    """The control program: the same objects linked as a plain archive."""
+    control = PROGRAM + "_no_whole_archive"
+    make = subprocess.run(["make", "--no-print-directory", "-s", "-C", REPO, os.path.relpath(control, REPO)],
+                          capture_output=True, text=True, timeout=600)
+    assert make.returncode == 0, make.stderr[-2000:]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([control, f"--model_dir={models['int64']}", "--signature=lookup",
+                           tensor_arg("indices", np.array([[1]], np.int64)),
+                           tensor_arg("weights", np.ones((1, 1), np.float32))],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1 and "Op type not registered 'PkmEmbeddingBag'" in proc.stderr
 
 
 # ---- the three models --------------------------------------------------------------------
