@@ -43,7 +43,7 @@ serving-cc-program: $(CC_CHECK_BIN)
 # and pytest then runs tests/serving_cc with the rest of the suite.
 TEST_DEPS += $(CC_CHECK_BIN)
 
-serving-cc-check: $(CC_CHECK_BIN) $(TF_OP_LIB)
+serving-cc-check: build $(CC_CHECK_BIN)
 	$(PY) -m pytest -q tests/serving_cc $(PYTEST_ARGS)
 
 # `make -s print-VAR`: a variable as make resolves it (tests/serving_cc checks
