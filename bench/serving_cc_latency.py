@@ -16,7 +16,7 @@ three alike:
   gRPC          `pkm-serve serve` over loopback gRPC, TF Serving's
                 PredictionService stub (request encode + RPC + decode).
 Reports medians and p90 per path, ratios to the C++ session run, and saves
-JSON + Markdown under --out (serving_cc_latency.{json,md}).
+JSON + Markdown under --out (serving_cc_latency_<UTC stamp>.{json,md}).
 """
 import argparse
 import json
@@ -159,14 +159,16 @@ def main(argv=None):
              f"1-minute load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after. "
              f"{args.rounds} interleaved rounds; each cell is the median over rounds of the round's median (p90).",
              "", "Command: `.venv/bin/python bench/serving_cc_latency.py " + " ".join(argv or sys.argv[1:]) + "`",
-             "", "| batch | path | median µs | p90 µs | × C++ session |", "|---|---|---|---|---|"]
+             "", "| batch | path | median µs | p90 µs | × C++ session | round medians, min-max µs |",
+             "|---|---|---|---|---|---|"]
     names = {"cc_session": "C++ Session::Run (op linked, LoadSavedModel)",
              "python_call": "Python signature call in-process",
              "grpc": "`pkm-serve serve`, gRPC Predict over loopback"}
     for b in batches:
         for path, v in summary[b].items():
+            spread = [r["median_us"] for r in rounds[b][path]]
             lines.append(f"| {b} | {names[path]} | {v['median_us']:.0f} | {v['p90_us']:.0f} | "
-                         f"{v['ratio_to_cc']:.2f} |")
+                         f"{v['ratio_to_cc']:.2f} | {min(spread):.0f}-{max(spread):.0f} |")
     lines += ["", "C++ outputs vs Python's, max |diff|: " +
               ", ".join(f"batch {b}: {d:.2e}" for b, d in max_diff.items()), "",
               "The C++ row is TensorFlow's time alone (no RPC); a linked `tensorflow_model_server` adds its own "
@@ -175,9 +177,10 @@ def main(argv=None):
     report = "\n".join(lines)
     print(report)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "serving_cc_latency.json"), "w") as f:
+    stamp = time.strftime("%Y%m%d_%H%M%S", time.gmtime())
+    with open(os.path.join(args.out, f"serving_cc_latency_{stamp}.json"), "w") as f:
         json.dump(results, f, indent=2)
-    with open(os.path.join(args.out, "serving_cc_latency.md"), "w") as f:
+    with open(os.path.join(args.out, f"serving_cc_latency_{stamp}.md"), "w") as f:
         f.write(report)
     return 0
 
