@@ -43,6 +43,10 @@ serving-cc-program: $(CC_CHECK_BIN)
 # and pytest then runs tests/serving_cc with the rest of the suite.
 TEST_DEPS += $(CC_CHECK_BIN)
 
+# Latency of the C++ session run beside the Python paths (results: bench/results/serving_cc_latency_*).
+bench-serving-cc: build $(CC_CHECK_BIN)
+	$(PY) bench/serving_cc_latency.py
+
 serving-cc-check: build $(CC_CHECK_BIN)
 	$(PY) -m pytest -q tests/serving_cc $(PYTEST_ARGS)
 
@@ -51,4 +55,4 @@ serving-cc-check: build $(CC_CHECK_BIN)
 print-%:
 	@echo $($*)
 
-.PHONY: serving-cc-program serving-cc-check
+.PHONY: serving-cc-program serving-cc-check bench-serving-cc

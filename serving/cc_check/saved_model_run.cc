@@ -11,7 +11,8 @@
 //       --input=NAME=@FILE                           a binary TensorProto
 //       [--repeat=N] [--warmup=W]                    time N session runs
 //       [--intra_op_parallelism=0] [--inter_op_parallelism=0]
-//       [--model_name=NAME] [--model_version=N]
+//       [--model_name=NAME] [--model_version=N]      session metadata (default: pkm, the
+//                                                    directory's name when it is a number)
 //
 // Prints one JSON object on stdout: the outputs (dtype, shape, values), the
 // pkm ops found in the op registry, and with --repeat the run latencies.
@@ -57,7 +58,7 @@ struct Options {
   std::string signature = "serving_default";
   std::string tags = "serve";  // tensorflow::kSavedModelTagServe; its header is not in the pip TF
   std::string model_name = "pkm";
-  long long model_version = 0;
+  long long model_version = -1;  // -1: the model directory's name if it is a number (TF Serving's layout), else 0
   int intra_op_parallelism = 0;  // 0: TF picks, as tensorflow_model_server's default
   int inter_op_parallelism = 0;
   int repeat = 0;
@@ -127,6 +128,14 @@ Options ParseFlags(int argc, char** argv) {
   }
   if (o.model_dir.empty()) throw UsageError("--model_dir is required");
   if (o.repeat < 0 || o.warmup < 0) throw UsageError("--repeat and --warmup must be >= 0");
+  if (o.model_version < 0) {
+    std::string dir = o.model_dir;
+    while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+    const std::string base = dir.substr(dir.find_last_of('/') + 1);
+    const bool numeric = !base.empty() && base.size() < 19 &&
+                         std::all_of(base.begin(), base.end(), [](char c) { return c >= '0' && c <= '9'; });
+    o.model_version = numeric ? std::stoll(base) : 0;
+  }
   return o;
 }
 
@@ -340,7 +349,9 @@ int Run(const Options& o) {
     }
   }
 
-  std::printf("{\"signature\":\"%s\",\"load_seconds\":%.3f,\"linked_ops\":[", o.signature.c_str(), load_s);
+  std::printf("{\"signature\":\"%s\",\"session_metadata\":{\"name\":\"%s\",\"version\":%lld},"
+              "\"load_seconds\":%.3f,\"linked_ops\":[",
+              o.signature.c_str(), metadata->name().c_str(), static_cast<long long>(metadata->version()), load_s);
   for (size_t i = 0; i < linked_ops.size(); ++i) std::printf(i ? ",\"%s\"" : "\"%s\"", linked_ops[i].c_str());
   std::printf("],\"outputs\":{");
   for (size_t i = 0; i < output_keys.size(); ++i) {

@@ -104,6 +104,8 @@ def test_demo_fused_pkm_matches_python(tf, models, batch):
     run = run_cc(models["demo"], "serving_default", [tensor_arg("query", query)])
     expected = assert_same_as_python(tf, run, models["demo"], "serving_default", {"query": query})
     assert expected["output"].shape == (batch, 256) and np.abs(expected["output"]).max() > 0
+    # As TF Serving names the session: the model, and the version directory it loaded.
+    assert run.result["session_metadata"] == {"name": "pkm", "version": 1}
 
 
 def test_ragged_model_matches_python_and_numpy(tf, models, tmp_path):
