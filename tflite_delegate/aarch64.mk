@@ -45,9 +45,9 @@ $(A64_LIB): $(A64_OBJS)
 	$(A64_CXX) -shared $^ -o $@ -Wl,--no-undefined -Wl,-z,defs -lpthread
 
 # The core's own C++ test (fast kernels vs reference, half conversions), for aarch64.
-A64_CORE_OBJS := $(patsubst %.cc,$(A64_BUILD)/%.o,$(CORE_SRCS))
+A64_CORE_OBJS := $(patsubst %.cc,$(A64_BUILD)/%.o,$(CORE_SRCS) $(PKM_CORE_REFERENCE_SRCS))
 A64_CORE_TEST := $(A64_BUILD)/core_test
-$(A64_CORE_TEST): $(CORE_DIR)/embedding_bag_test.cc $(A64_CORE_OBJS) $(CORE_HDRS)
+$(A64_CORE_TEST): $(PKM_CORE_TEST_SRCS) $(A64_CORE_OBJS) $(CORE_HDRS)
 	$(A64_CXX) $(CXXSTD) -O2 -I. $< $(A64_CORE_OBJS) -o $@ -lpthread
 
 tflite-aarch64: $(A64_LIB)
