@@ -30,6 +30,9 @@ _MODULES = {
 }
 _LIB_NAME = "libpkm_tflite.so"
 CUSTOM_OP_NAME = "PkmEmbeddingBag"
+# Ragged bags (values + row_splits), fused from embedding_lookup_sparse sites.
+RAGGED_CUSTOM_OP_NAME = "PkmRaggedEmbeddingBag"
+CUSTOM_OP_NAMES = (CUSTOM_OP_NAME, RAGGED_CUSTOM_OP_NAME)
 
 
 def delegate_path() -> str:
@@ -208,6 +211,11 @@ def execution_plan(interp) -> List[Dict[str, Any]]:
 
 
 # ---- model post-processing (needs a flatbuffer schema module) ----------------
+
+def flatbuffer_schema():
+    """The TFLite flatbuffer schema module (LiteRT's, else TensorFlow's)."""
+    return _schema()
+
 
 def _schema():
     for name in ("ai_edge_litert.schema_py_generated",

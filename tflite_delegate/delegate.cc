@@ -1,5 +1,5 @@
-// External TFLite delegate: claims PkmEmbeddingBag custom nodes (which stock
-// interpreters keep as unresolved placeholders) and, with
+// External TFLite delegate: claims PkmEmbeddingBag and PkmRaggedEmbeddingBag
+// custom nodes (which stock interpreters keep as unresolved placeholders) and, with
 // fuse_composites=true, stock GATHER -> [MUL] -> SUM chains, and runs them on
 // the kernel core. Loaded with tflite.load_delegate(path, options).
 #include <cstdlib>
@@ -36,9 +36,13 @@ DelegateData* GetData(TfLiteDelegate* delegate) {
   return static_cast<DelegateData*>(delegate->data_);
 }
 
-bool IsCustomBag(const TfLiteRegistration* reg) {
-  return reg->builtin_code == kTfLiteBuiltinCustom && reg->custom_name != nullptr &&
-         std::strcmp(reg->custom_name, kCustomOpName) == 0;
+// A PkmEmbeddingBag or PkmRaggedEmbeddingBag custom node; *ragged says which.
+bool IsCustomBag(const TfLiteRegistration* reg, bool* ragged = nullptr) {
+  bool is_ragged = false;
+  const bool yes = reg->builtin_code == kTfLiteBuiltinCustom &&
+                   IsBagCustomOpName(reg->custom_name, &is_ragged);
+  if (ragged != nullptr) *ragged = is_ragged;
+  return yes;
 }
 
 // A stock composite chain found in the graph.
@@ -274,7 +278,8 @@ void* KernelInit(TfLiteContext* context, const char* buffer, size_t length) {
       return kd;
     }
     Unit unit;
-    if (IsCustomBag(reg)) {
+    bool ragged = false;
+    if (IsCustomBag(reg, &ragged)) {
       OpOptions options;
       std::string err;
       if (!ParseOpOptions(node->custom_initial_data,
@@ -283,7 +288,7 @@ void* KernelInit(TfLiteContext* context, const char* buffer, size_t length) {
         kd->error = "node " + std::to_string(n) + ": " + err;
         return kd;
       }
-      if (SpecFromCustomNode(context, node, options, &unit.spec) != kTfLiteOk) {
+      if (SpecFromCustomNode(context, node, options, ragged, &unit.spec) != kTfLiteOk) {
         kd->error = "node " + std::to_string(n) + " is malformed (see above)";
         return kd;
       }

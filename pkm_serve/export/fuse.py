@@ -1,0 +1,181 @@
+"""Rewrites one matched site into PkmEmbeddingBag / PkmRaggedEmbeddingBag.
+
+The node that ends the site keeps its name (so every consumer and the
+function's outputs keep pointing at it): it becomes the fused op, or, when
+the composite casts or divides after the bag, the last of those steps with
+the fused op as a new node before it. Helpers are built only from ops that
+TFLite has as builtins, so a fused model converts.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import numpy as np
+from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import dtypes, op_def_registry
+
+from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site, tensor_dtype
+
+I32 = DType(types_pb2.DT_INT32)
+I64 = DType(types_pb2.DT_INT64)
+
+
+def _op_attrs(op_name: str, typed_inputs: Dict[str, int], combiner: str,
+              has_weights: bool) -> dict:
+    """Attrs for the fused node, read off the registered OpDef so type-attr
+    names follow the op library (T, Tindices, Tsplits...)."""
+    op_def = op_def_registry.get(op_name)
+    if op_def is None:
+        raise RuntimeError(f"op {op_name} is not registered: load the pkm_serve op "
+                           "library (pkm_serve.ops.load_library()) first")
+    attrs = {}
+    for arg in op_def.input_arg:
+        if arg.type_attr and arg.name in typed_inputs:
+            attrs[arg.type_attr] = DType(typed_inputs[arg.name])
+    names = {a.name for a in op_def.attr}
+    if "combiner" in names:
+        attrs["combiner"] = combiner
+    if "has_weights" in names:
+        attrs["has_weights"] = has_weights
+    missing = [a.name for a in op_def.attr if a.name not in attrs and
+               not a.HasField("default_value")]
+    if missing:
+        raise RuntimeError(f"cannot set attrs {missing} of {op_name}")
+    return attrs
+
+
+def _input_names(op_name: str) -> List[str]:
+    return [a.name for a in op_def_registry.get(op_name).input_arg]
+
+
+def _root_shape(fg: FunctionGraph, site: Site):
+    shape = fg.shape(Ref(site.root, 0))
+    return [None if shape.rank is None else shape.as_list()]
+
+
+def _cast(fg: FunctionGraph, name: str, ref: Ref, src: int, dst: int, shape) -> Ref:
+    return fg.add_op(name, "Cast", [ref], {"SrcT": DType(src), "DstT": DType(dst),
+                                           "Truncate": False}, shapes=[shape])
+
+
+def _masked_indices(fg: FunctionGraph, site: Site) -> Ref:
+    """tf.where(mask, rows, 0) == the bag of where(mask, ids, -1): masked
+    entries become padding, which the op skips (and mean does not count)."""
+    pad = fg.add_const(site.root + "/pkm_padding_id",
+                       np.array(-1, dtypes.as_dtype(site.index_dtype).as_numpy_dtype))
+    then_ref, else_ref = (site.indices, pad) if site.mask_keeps_true else (pad, site.indices)
+    shape = fg.shape(site.indices)
+    return fg.add_op(site.root + "/pkm_masked_ids", "SelectV2",
+                     [site.mask, then_ref, else_ref], {"T": DType(site.index_dtype)},
+                     shapes=[None if shape.rank is None else shape.as_list()])
+
+
+def fuse_site(fg: FunctionGraph, site: Site) -> None:
+    """Replaces the site's root with the fused op (graph left for remove_dead)."""
+    control = set()
+    for name in site.internal:
+        control.update(fg.control_inputs(fg.nodes[name]))
+    control.update(fg.control_inputs(fg.nodes[site.root]))
+    control -= set(site.internal) | {site.root}
+    control = sorted(control)
+    if site.params_is_resource:
+        params = fg.add_op(site.root + "/pkm_params", "ReadVariableOp", [site.params],
+                           {"dtype": DType(site.table_dtype)},
+                           shapes=[site.table_shape], control=control)
+    else:
+        params = site.params
+    np_dtype = dtypes.as_dtype(site.table_dtype).as_numpy_dtype
+    weights = site.weights
+    if weights is None:
+        weights = fg.add_const(site.root + "/pkm_no_weights", np.zeros([0], np_dtype))
+    else:
+        w_dtype = tensor_dtype(fg, weights)
+        if w_dtype != site.table_dtype:  # mixed precision: weights in the compute dtype
+            w_shape = fg.shape(weights)
+            weights = _cast(fg, site.root + "/pkm_weights", weights, w_dtype,
+                            site.table_dtype, None if w_shape.rank is None
+                            else w_shape.as_list())
+    indices = _masked_indices(fg, site) if site.mask is not None else site.indices
+    if site.segment_ids is None and site.sparse_indices is None:
+        op, inputs = DENSE_OP, [params, indices, weights]
+        types = [site.table_dtype, site.index_dtype, site.table_dtype]
+    else:
+        op, inputs = RAGGED_OP, [params, indices, row_splits(fg, site), weights]
+        types = [site.table_dtype, site.index_dtype, types_pb2.DT_INT32, site.table_dtype]
+    attrs = _op_attrs(op, dict(zip(_input_names(op), types)), site.combiner,
+                      site.weights is not None)
+    # What the composite does after the bag: cast it, divide it by K.
+    after = []
+    out_dtype = site.table_dtype
+    if site.cast_enum:
+        after.append(("Cast", {"SrcT": DType(out_dtype), "DstT": DType(site.cast_enum),
+                               "Truncate": False}, []))
+        out_dtype = site.cast_enum
+    if site.divisor:
+        k = fg.add_const(site.root + "/pkm_bag_size",
+                         np.array(site.divisor, dtypes.as_dtype(out_dtype).as_numpy_dtype))
+        after.append(("RealDiv", {"T": DType(out_dtype)}, [k]))
+    if not after:
+        fg.replace_node(site.root, op, inputs, attrs, control=control)
+    else:
+        ref = fg.add_op(site.root + "/pkm_bag", op, inputs, attrs,
+                        shapes=_root_shape(fg, site), control=control)
+        for i, (step, step_attrs, extra) in enumerate(after):
+            if i == len(after) - 1:
+                fg.replace_node(site.root, step, [ref] + extra, step_attrs)
+            else:
+                ref = fg.add_op(f"{site.root}/pkm_{step.lower()}", step, [ref] + extra,
+                                step_attrs, shapes=_root_shape(fg, site))
+    for name in site.internal:
+        fg.redirect_control(name, site.root)
+
+
+def row_splits(fg: FunctionGraph, site: Site) -> Ref:
+    """int32 row_splits [rows + 1] from the bag id of each value (sorted, as
+    in every SparseTensor): counts by UnsortedSegmentSum, then a cumulative
+    sum. rows is dense_shape[0] for safe_ sites and last id + 1 otherwise (as
+    the segment ops of embedding_lookup_sparse produce). int32 limits a
+    request to 2^31 - 1 ids, far above what fits in one batch."""
+    prefix = site.root + "/pkm_row_splits"
+    axis0 = fg.add_const(prefix + "/axis0", np.array(0, np.int32))
+    if site.sparse_indices is not None:
+        column = fg.add_const(prefix + "/row_column", np.array(0, np.int32))
+        axis1 = fg.add_const(prefix + "/axis1", np.array(1, np.int32))
+        rows_of_ids = fg.add_op(prefix + "/ids_row", "GatherV2",
+                                [site.sparse_indices, column, axis1],
+                                {"Tparams": I64, "Tindices": I32, "Taxis": I32,
+                                 "batch_dims": 0}, shapes=[[None]])
+        seg = _cast(fg, prefix + "/ids_row32", rows_of_ids, types_pb2.DT_INT64,
+                    types_pb2.DT_INT32, [None])
+        first = fg.add_op(prefix + "/rows64", "GatherV2", [site.dense_shape, axis0, axis0],
+                          {"Tparams": I64, "Tindices": I32, "Taxis": I32, "batch_dims": 0},
+                          shapes=[[]])
+        num_rows = _cast(fg, prefix + "/rows", first, types_pb2.DT_INT64,
+                         types_pb2.DT_INT32, [])
+    else:
+        seg = site.segment_ids
+        seg_dtype = tensor_dtype(fg, seg)
+        if seg_dtype != types_pb2.DT_INT32:
+            seg = _cast(fg, prefix + "/ids32", seg, seg_dtype, types_pb2.DT_INT32, [None])
+        minus_one = fg.add_const(prefix + "/minus_one", np.array([-1], np.int32))
+        padded = fg.add_op(prefix + "/padded", "ConcatV2", [seg, minus_one, axis0],
+                           {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
+        last = fg.add_op(prefix + "/last", "Max", [padded, axis0],
+                         {"T": I32, "Tidx": I32, "keep_dims": False}, shapes=[[]])
+        one = fg.add_const(prefix + "/one", np.array(1, np.int32))
+        num_rows = fg.add_op(prefix + "/rows", "AddV2", [last, one], {"T": I32},
+                             shapes=[[]])
+    seg_shape = fg.add_op(prefix + "/ids_shape", "Shape", [seg],
+                          {"T": I32, "out_type": I32}, shapes=[[1]])
+    one_each = fg.add_const(prefix + "/one_each", np.array(1, np.int32))
+    ones = fg.add_op(prefix + "/ones", "Fill", [seg_shape, one_each],
+                     {"T": I32, "index_type": I32}, shapes=[[None]])
+    counts = fg.add_op(prefix + "/counts", "UnsortedSegmentSum", [ones, seg, num_rows],
+                       {"T": I32, "Tindices": I32, "Tnumsegments": I32}, shapes=[[None]])
+    ends = fg.add_op(prefix + "/ends", "Cumsum", [counts, axis0],
+                     {"T": I32, "Tidx": I32, "exclusive": False, "reverse": False},
+                     shapes=[[None]])
+    zero = fg.add_const(prefix + "/zero", np.array([0], np.int32))
+    return fg.add_op(prefix, "ConcatV2", [zero, ends, axis0],
+                     {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
