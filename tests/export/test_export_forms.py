@@ -118,6 +118,7 @@ def exported(tmp_path_factory):
                 "litert": _outputs(litert.get_signature_runner(sig)(**x)),
                 "runtime_npz": out_npz}
         results[name] = {"report": json.loads(report.read_text()), "dst": str(dst / "1"),
+                         "src": str(src),
                          "tflite": str(tfl), "runs": runs, "tol": tol, "op": op}
     if not os.path.exists(RUNTIME_PY):
         pytest.fail(f"{RUNTIME_PY} missing: `make test` builds .venv-tflite-runtime")
@@ -200,3 +201,17 @@ def test_report_describes_each_form(exported):
         for s in form:
             assert s["reason"] == "" and s["status"] == "fused"
             assert s["bytes_per_index"] > 0
+
+
+def _stock_convert(saved_model_dir):
+    converter = tf.lite.TFLiteConverter.from_saved_model(saved_model_dir)
+    return converter.convert()  # builtins only: no custom ops allowed
+
+
+@pytest.mark.parametrize("name", ["keras_mixed_precision", "cast_forms", "safe_sparse"])
+def test_fusion_makes_unconvertible_models_convertible(exported, name):
+    """The stock converter rejects these sources (float16 Sum, SparseSegment*,
+    SparseFillEmptyRows); their fused export converted (checked above)."""
+    with pytest.raises(Exception, match="not supported|failed|Failed"):
+        _stock_convert(exported[name]["src"])
+    assert os.path.getsize(exported[name]["tflite"]) > 0
