@@ -101,7 +101,8 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
         op, inputs = DENSE_OP, [params, indices, weights]
         types = [site.table_dtype, site.index_dtype, site.table_dtype]
     else:
-        op, inputs = RAGGED_OP, [params, indices, row_splits(fg, site), weights]
+        splits = row_splits(fg, site)
+        op, inputs = RAGGED_OP, [params, indices, splits, weights]
         types = [site.table_dtype, site.index_dtype, types_pb2.DT_INT32, site.table_dtype]
     attrs = _op_attrs(op, dict(zip(_input_names(op), types)), site.combiner,
                       site.weights is not None)
@@ -116,7 +117,20 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
         k = fg.add_const(site.root + "/pkm_bag_size",
                          np.array(site.divisor, dtypes.as_dtype(out_dtype).as_numpy_dtype))
         after.append(("RealDiv", {"T": DType(out_dtype)}, [k]))
-    if not after:
+    if site.default_id is not None:
+        # safe_ with default_id: an empty bag is table[default_id], weight 1.
+        bag = fg.add_op(site.root + "/pkm_bag", op, inputs, attrs,
+                        shapes=_root_shape(fg, site), control=control)
+        default_row = fg.add_op(
+            site.root + "/pkm_default_row", "GatherV2",
+            [params, fg.add_const(site.root + "/pkm_default_id",
+                                  np.array([site.default_id], np.int32)),
+             fg.add_const(site.root + "/pkm_axis0", np.array(0, np.int32))],
+            {"Tparams": DType(site.table_dtype), "Tindices": I32, "Taxis": I32,
+             "batch_dims": 0}, shapes=[[1, site.table_shape[1]]])
+        fg.replace_node(site.root, "SelectV2", [_empty_bags(fg, site, splits), default_row,
+                                                bag], {"T": DType(site.table_dtype)})
+    elif not after:
         fg.replace_node(site.root, op, inputs, attrs, control=control)
     else:
         ref = fg.add_op(site.root + "/pkm_bag", op, inputs, attrs,
@@ -129,6 +143,28 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
                                 step_attrs, shapes=_root_shape(fg, site))
     for name in site.internal:
         fg.redirect_control(name, site.root)
+
+
+def _empty_bags(fg: FunctionGraph, site: Site, splits: Ref) -> Ref:
+    """[rows, 1] bool: row_splits[1:] == row_splits[:-1]."""
+    prefix = site.root + "/pkm_empty_bags"
+
+    def const(name, value):
+        return fg.add_const(f"{prefix}/{name}", np.array(value, np.int32))
+
+    def strided(name, begin, end, begin_mask, end_mask):
+        return fg.add_op(f"{prefix}/{name}", "StridedSlice",
+                         [splits, const(name + "_begin", [begin]), const(name + "_end", [end]),
+                          const(name + "_strides", [1])],
+                         {"T": I32, "Index": I32, "begin_mask": begin_mask,
+                          "end_mask": end_mask, "ellipsis_mask": 0, "new_axis_mask": 0,
+                          "shrink_axis_mask": 0}, shapes=[[None]])
+    ends = strided("ends", 1, 0, 0, 1)
+    starts = strided("starts", 0, -1, 1, 0)
+    same = fg.add_op(prefix + "/same", "Equal", [ends, starts],
+                     {"T": I32, "incompatible_shape_error": True}, shapes=[[None]])
+    return fg.add_op(prefix, "ExpandDims", [same, const("last_axis", -1)],
+                     {"T": DType(types_pb2.DT_BOOL), "Tdim": I32}, shapes=[[None, 1]])
 
 
 def row_splits(fg: FunctionGraph, site: Site) -> Ref:

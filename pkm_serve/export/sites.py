@@ -64,6 +64,7 @@ class Site:
     segment_ids: Optional[Ref] = None  # sparse: sorted bag id of each value
     sparse_indices: Optional[Ref] = None  # safe_: [nnz, 2] ids before the fill
     dense_shape: Optional[Ref] = None     # safe_: [2]; dense_shape[0] bags
+    default_id: Optional[int] = None      # safe_: row an empty bag gets (None: zeros)
     internal: Tuple[str, ...] = ()     # nodes only the site uses (removed on fusion)
     dead_after: Tuple[str, ...] = ()   # nodes that become unused once fused
     intermediate_itemsizes: Tuple[int, ...] = ()  # one per [..., K, D] tensor built

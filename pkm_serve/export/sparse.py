@@ -170,31 +170,28 @@ def match_division(fg: FunctionGraph, node, site: Site) -> Site:
 
 
 def extend_to_safe(fg: FunctionGraph, site: Site) -> Site:
-    """A lookup on SparseFillEmptyRows outputs whose empty rows are then
-    zeroed by Select is safe_embedding_lookup_sparse(default_id=None): the
-    site grows to that Select and reads the ids (and weights) before the fill.
-    With a default_id (no Select) the site stays the inner lookup."""
+    """A lookup on SparseFillEmptyRows outputs is safe_embedding_lookup_sparse:
+    the site reads the ids (and weights) from before the fill. With
+    default_id=None the empty rows are then zeroed by a Select, which the site
+    grows to (the op gives empty bags zeros itself); with a default_id the
+    fused op's empty bags get that table row instead (fuse.py)."""
     fill = fg.producer(site.indices)
     if fill is None or fill.op != "SparseFillEmptyRows" or site.indices.index != 1:
         return site
     inner = site.root
-    selects = [c for c, pos in fg.consumers(Ref(inner, 0))
-               if fg.nodes[c].op in ("Select", "SelectV2") and pos == 2]
-    if len(selects) != 1:
-        return site
-    select = fg.nodes[selects[0]]
-    cond, zeros, _ = fg.inputs(select)
-    zeros_like = fg.producer(zeros)
-    tile = fg.producer(cond)
-    reshape = fg.producer(fg.inputs(tile)[0]) if tile is not None and tile.op == "Tile" \
-        else None
-    if zeros_like is None or zeros_like.op != "ZerosLike" or \
-            fg.inputs(zeros_like)[0] != Ref(inner, 0) or reshape is None or \
-            reshape.op != "Reshape" or fg.inputs(reshape)[0] != Ref(fill.name, 2):
-        return site
     fill_in = fg.inputs(fill)  # indices, values, dense_shape, default_value
     if fg.shape(fill_in[0]).rank != 2 or fg.shape(fill_in[0])[1] != 2:
         return site  # SparseFillEmptyRows always sees the ids reshaped to 2-D
+    selects = [c for c, pos in fg.consumers(Ref(inner, 0))
+               if fg.nodes[c].op in ("Select", "SelectV2") and pos == 2]
+    zeroing = _zeroing_select(fg, selects, inner, fill) if len(selects) == 1 else None
+    default_id = None
+    if zeroing is None:
+        # default_id given: empty rows hold one id, default_id, with weight 1.
+        value = fg.const_value(fill_in[3])
+        if value is None or value.size != 1 or fg.consumers(Ref(fill.name, 2)):
+            return site
+        default_id = int(np.reshape(value, []))
     dead = [fill.name]
     weights = site.weights
     if weights is not None:
@@ -209,12 +206,32 @@ def extend_to_safe(fg: FunctionGraph, site: Site) -> Site:
         dead.append(seg.name)
         seg = fg.producer(fg.inputs(seg)[0])
     site.pattern = "safe_embedding_lookup_sparse"
-    site.root = select.name
     site.indices, site.weights = fill_in[1], weights
     site.sparse_indices, site.dense_shape = fill_in[0], fill_in[2]
-    site.internal += (inner, zeros_like.name, tile.name)
-    site.dead_after += tuple(dead) + (reshape.name,)
+    site.default_id = default_id
+    if zeroing is not None:
+        select, zeros_like, tile, reshape = zeroing
+        site.root = select.name
+        site.internal += (inner, zeros_like.name, tile.name)
+        dead.append(reshape.name)
+    site.dead_after += tuple(dead)
     return site
+
+
+def _zeroing_select(fg: FunctionGraph, selects: List[str], inner: str, fill):
+    """Select(Tile(Reshape(fill.empty_row_indicator)), ZerosLike(inner), inner):
+    how safe_ with default_id=None zeroes the filled rows. Returns its nodes."""
+    select = fg.nodes[selects[0]]
+    cond, zeros, _ = fg.inputs(select)
+    zeros_like = fg.producer(zeros)
+    tile = fg.producer(cond)
+    reshape = fg.producer(fg.inputs(tile)[0]) if tile is not None and tile.op == "Tile" \
+        else None
+    if zeros_like is None or zeros_like.op != "ZerosLike" or \
+            fg.inputs(zeros_like)[0] != Ref(inner, 0) or reshape is None or \
+            reshape.op != "Reshape" or fg.inputs(reshape)[0] != Ref(fill.name, 2):
+        return None
+    return select, zeros_like, tile, reshape
 
 
 def bypass_identity_sparse_reshapes(fg: FunctionGraph) -> List[str]:

@@ -388,10 +388,11 @@ def keras_ops_forms(path):
                              "nested": np_bag(table, x["idx"], combiner="mean")}
 
 
-def np_safe_sparse_bag(table, indices, values, dense_shape, weights=None, combiner="sum"):
-    """Reference for safe_embedding_lookup_sparse(default_id=None) on 2-D ids:
-    ids < 0 pruned (and weights <= 0 unless sum), dense_shape[0] rows, empty
-    rows zero."""
+def np_safe_sparse_bag(table, indices, values, dense_shape, weights=None, combiner="sum",
+                       default_id=None):
+    """Reference for safe_embedding_lookup_sparse on 2-D ids: ids < 0 pruned
+    (and weights <= 0 unless sum), dense_shape[0] rows; a row left empty is
+    zeros, or table[default_id]."""
     keep = values >= 0
     if weights is not None and combiner != "sum":
         keep &= weights > 0
@@ -401,6 +402,9 @@ def np_safe_sparse_bag(table, indices, values, dense_shape, weights=None, combin
         got = np_sparse_bag(table, indices[keep], values[keep], dense_shape,
                             None if weights is None else weights[keep], combiner)
         out[:len(got)] = got
+    if default_id is not None:
+        empty = ~np.isin(np.arange(rows), indices[keep][:, 0])
+        out[empty] = table[default_id]
     return out
 
 
@@ -425,15 +429,30 @@ def sparse_all_combiners(path, safe=False):
             return {c: lookup(self.table, ids, None, combiner=c)
                     for c in ("sum", "mean", "sqrtn")}
 
-    m = Mod()
-    _save(m, path, {"weighted": m.weighted, "unweighted": m.unweighted})
-    ref_fn = np_safe_sparse_bag if safe else np_sparse_bag
+        if safe:  # embedding_lookup_sparse has no default_id
+            @tf.function(input_signature=[ids_spec, w_spec])
+            def default_id(self, ids, w):
+                return {c: lookup(self.table, ids, w, combiner=c, default_id=DEFAULT_ID)
+                        for c in ("sum", "mean", "sqrtn")}
 
-    def reference(x):
+    m = Mod()
+    signatures = {"weighted": m.weighted, "unweighted": m.unweighted}
+    if safe:
+        signatures["default_id"] = m.default_id
+    _save(m, path, signatures)
+
+    def reference(x, signature=None):
         w = x.get("w_1")
-        return {c: ref_fn(table, x["ids"], x["ids_1"], x["ids_2"], w, c)
+        if not safe:
+            return {c: np_sparse_bag(table, x["ids"], x["ids_1"], x["ids_2"], w, c)
+                    for c in ("sum", "mean", "sqrtn")}
+        default = DEFAULT_ID if signature == "default_id" else None
+        return {c: np_safe_sparse_bag(table, x["ids"], x["ids_1"], x["ids_2"], w, c, default)
                 for c in ("sum", "mean", "sqrtn")}
     return table, reference
+
+
+DEFAULT_ID = 7
 
 
 def sparse_inputs(rng, weighted, safe, batch=6):

@@ -7,6 +7,7 @@ and the original SavedModel itself.
 Every model is built and exported once per module (fixtures below); the
 tests only read the results.
 """
+import inspect
 import json
 import os
 import subprocess
@@ -61,7 +62,8 @@ FORMS = {
         "PkmRaggedEmbeddingBag"),
     "safe_sparse": (lambda p: M.sparse_all_combiners(p, safe=True), {
         "weighted": lambda rng: M.sparse_inputs(rng, True, True),
-        "unweighted": lambda rng: M.sparse_inputs(rng, False, True)}, FP32,
+        "unweighted": lambda rng: M.sparse_inputs(rng, False, True),
+        "default_id": lambda rng: M.sparse_inputs(rng, True, True)}, FP32,
         "PkmRaggedEmbeddingBag"),
 }
 
@@ -72,8 +74,9 @@ def _outputs(out):
     return {"out": out["output_0"]} if list(out) == ["output_0"] else out
 
 
-def _reference(ref, x):
-    want = ref(x)
+def _reference(ref, x, signature):
+    takes_signature = len(inspect.signature(ref).parameters) == 2
+    want = ref(x, signature) if takes_signature else ref(x)
     return want if isinstance(want, dict) else {"out": want}
 
 
@@ -112,7 +115,7 @@ def exported(tmp_path_factory):
                          "outputs": str(out_npz)})
             litert = tflite.make_interpreter(str(tfl), interpreter="litert")
             runs[sig] = {
-                "inputs": x, "reference": _reference(ref, x),
+                "inputs": x, "reference": _reference(ref, x, sig),
                 "original": _outputs(original.signatures[sig](**x)),
                 "fused": _outputs(fused.signatures[sig](**x)),
                 "litert": _outputs(litert.get_signature_runner(sig)(**x)),
