@@ -27,8 +27,8 @@ from pkm_serve.export.files import FINGERPRINT_PB, SAVED_MODEL_PB
 from pkm_serve.export.patterns import Site, rewrite_function
 from pkm_serve.export.progress import Progress
 
-__all__ = ["ExportError", "ExportResult", "export_saved_model", "format_report", "main",
-           "read_saved_model", "verify_signatures"]
+__all__ = ["ExportError", "ExportResult", "build_parser", "export_saved_model",
+           "format_report", "main", "read_saved_model", "verify_signatures"]
 
 # Version of the --report JSON layout (bumped when a key changes).
 REPORT_SCHEMA_VERSION = 2

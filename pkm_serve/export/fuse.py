@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 import numpy as np
-from tensorflow.core.framework import types_pb2
+from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import dtypes, op_def_registry
 
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
@@ -101,7 +101,8 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
         op, inputs = DENSE_OP, [params, indices, weights]
         types = [site.table_dtype, site.index_dtype, site.table_dtype]
     else:
-        splits = row_splits(fg, site)
+        splits, sorted_check = row_splits(fg, site)
+        control = sorted(set(control) | {sorted_check})
         op, inputs = RAGGED_OP, [params, indices, splits, weights]
         types = [site.table_dtype, site.index_dtype, types_pb2.DT_INT32, site.table_dtype]
     attrs = _op_attrs(op, dict(zip(_input_names(op), types)), site.combiner,
@@ -167,12 +168,13 @@ def _empty_bags(fg: FunctionGraph, site: Site, splits: Ref) -> Ref:
                      {"T": DType(types_pb2.DT_BOOL), "Tdim": I32}, shapes=[[None, 1]])
 
 
-def row_splits(fg: FunctionGraph, site: Site) -> Ref:
+def row_splits(fg: FunctionGraph, site: Site):
     """int32 row_splits [rows + 1] from the bag id of each value (sorted, as
     in every SparseTensor): counts by UnsortedSegmentSum, then a cumulative
     sum. rows is dense_shape[0] for safe_ sites and last id + 1 otherwise (as
     the segment ops of embedding_lookup_sparse produce). int32 limits a
-    request to 2^31 - 1 ids, far above what fits in one batch."""
+    request to 2^31 - 1 ids, far above what fits in one batch.
+    Returns (row_splits, name of the Assert that the ids are sorted)."""
     prefix = site.root + "/pkm_row_splits"
     axis0 = fg.add_const(prefix + "/axis0", np.array(0, np.int32))
     if site.sparse_indices is not None:
@@ -202,6 +204,7 @@ def row_splits(fg: FunctionGraph, site: Site) -> Ref:
         one = fg.add_const(prefix + "/one", np.array(1, np.int32))
         num_rows = fg.add_op(prefix + "/rows", "AddV2", [last, one], {"T": I32},
                              shapes=[[]])
+    sorted_check = _assert_sorted(fg, prefix, seg)
     seg_shape = fg.add_op(prefix + "/ids_shape", "Shape", [seg],
                           {"T": I32, "out_type": I32}, shapes=[[1]])
     one_each = fg.add_const(prefix + "/one_each", np.array(1, np.int32))
@@ -213,5 +216,36 @@ def row_splits(fg: FunctionGraph, site: Site) -> Ref:
                      {"T": I32, "Tidx": I32, "exclusive": False, "reverse": False},
                      shapes=[[None]])
     zero = fg.add_const(prefix + "/zero", np.array([0], np.int32))
-    return fg.add_op(prefix, "ConcatV2", [zero, ends, axis0],
-                     {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
+    splits = fg.add_op(prefix, "ConcatV2", [zero, ends, axis0],
+                       {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
+    return splits, sorted_check
+
+
+def _assert_sorted(fg: FunctionGraph, prefix: str, seg: Ref) -> str:
+    """An Assert that the row ids are non-decreasing, which the segment ops
+    of the composite require ("segment ids are not increasing") and the
+    counts above assume. Returns its name (a control input of the fused op).
+    The TFLite converter drops Asserts: there the order is the caller's duty."""
+    def const(name, value):
+        return fg.add_const(f"{prefix}/sorted/{name}", np.array(value, np.int32))
+
+    def strided(name, begin, end, begin_mask, end_mask):
+        return fg.add_op(f"{prefix}/sorted/{name}", "StridedSlice",
+                         [seg, const(name + "_begin", [begin]), const(name + "_end", [end]),
+                          const(name + "_strides", [1])],
+                         {"T": I32, "Index": I32, "begin_mask": begin_mask,
+                          "end_mask": end_mask, "ellipsis_mask": 0, "new_axis_mask": 0,
+                          "shrink_axis_mask": 0}, shapes=[[None]])
+    later, earlier = strided("later", 1, 0, 0, 1), strided("earlier", 0, -1, 1, 0)
+    ordered = fg.add_op(prefix + "/sorted/pairs", "GreaterEqual", [later, earlier],
+                        {"T": I32}, shapes=[[None]])
+    all_ordered = fg.add_op(prefix + "/sorted/all", "All", [ordered, const("axis", 0)],
+                            {"Tidx": I32, "keep_dims": False}, shapes=[[]])
+    message = fg.add_const(prefix + "/sorted/message", np.array(
+        b"PkmRaggedEmbeddingBag (fused embedding_lookup_sparse): the sparse ids' row "
+        b"indices must be sorted (canonical SparseTensor order; tf.sparse.reorder "
+        b"sorts them)"))
+    check = fg.add_op(prefix + "/sorted", "Assert", [all_ordered, message],
+                      {"T": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+                          type=[types_pb2.DT_STRING])), "summarize": 3})
+    return check.node

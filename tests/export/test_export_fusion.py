@@ -301,3 +301,20 @@ def test_project_composite_with_padding(tmp_path):
         if keep.any():
             want[b] = M.np_bag(table, idx[b][keep], w[b][keep], "mean")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_unsorted_sparse_ids_fail_like_the_composite(tmp_path):
+    """The composite's segment ops reject ids out of row order; so does the
+    fused site (an Assert on the row ids), naming the problem."""
+    M.sparse_lookup(tmp_path / "m", True, "mean")
+    result = export(tmp_path / "m", tmp_path / "out")
+    x = sparse_inputs(True)
+    order = [2, 3, 4, 0, 1, 5]  # bag 2's entries before bag 0's
+    for key in ("ids", "w"):
+        x[key] = x[key][order]
+    for key in ("ids_1", "w_1"):
+        x[key] = x[key][order]
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        run(tmp_path / "m", "serving_default", x)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must be sorted"):
+        run(result.dst, "serving_default", x)
