@@ -175,14 +175,14 @@ def verify_signatures(src: str, fused_dir: str, signatures: Sequence[str],
     name) widens the tolerance where a fused site computes in half precision."""
     import tensorflow as tf
 
-    original = tf.saved_model.load(src)
-    try:
-        fused = tf.saved_model.load(fused_dir)
-    except Exception as e:  # noqa: BLE001 - any load failure means a bad rewrite
-        raise V.VerificationError(f"the fused SavedModel does not load: {e}") from None
     rows = []
     with progress.phase("verifying signatures", total=len(signatures),
                         unit="signatures") as phase:
+        original = tf.saved_model.load(src)
+        try:
+            fused = tf.saved_model.load(fused_dir)
+        except Exception as e:  # noqa: BLE001 - any load failure means a bad rewrite
+            raise V.VerificationError(f"the fused SavedModel does not load: {e}") from None
         for name in signatures:
             rows.extend(_verify_one(original, fused, name, index_limit, samples,
                                     batch_size, rtol, precision))
