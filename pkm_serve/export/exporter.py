@@ -363,6 +363,14 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
         raise
 
 
+def _site_steps(site: Site) -> str:
+    """What the fused site keeps of the composite besides the bag."""
+    steps = (["masked"] if site.masked else []) + (
+        [f"cast to {site.cast_to}"] if site.cast_to else []) + (
+        [f"/ {site.divisor}"] if site.divisor else [])
+    return f" ({', '.join(steps)})" if steps else ""
+
+
 def format_report(result: ExportResult) -> str:
     lines = [f"exported {result.src}\n      -> {result.dst}"]
     if result.message:
@@ -377,9 +385,9 @@ def format_report(result: ExportResult) -> str:
                      f"{s.bytes_per_index} B per looked-up id" if s.bytes_per_index
                      else "unknown")
             lines.append(f"  fused    {s.pattern:<24} {s.combiner:<5} "
-                         f"{'weighted' if s.weighted else 'unweighted':<10} table "
-                         f"{s.table} {s.table_shape} {s.dtype}; no longer materialised: "
-                         f"{saved}  [{where}]")
+                         f"{'weighted' if s.weighted else 'unweighted':<10}"
+                         f"{_site_steps(s)} table {s.table} {s.table_shape} {s.dtype}; "
+                         f"no longer materialised: {saved}  [{where}]")
         else:
             lines.append(f"  skipped  {s.pattern:<24} {s.reason}  [{where}]")
     total = result.to_json()["saved_bytes_at_batch"]

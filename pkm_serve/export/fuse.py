@@ -8,7 +8,7 @@ TFLite has as builtins, so a fused model converts.
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 from tensorflow.core.framework import attr_value_pb2, types_pb2
@@ -73,22 +73,51 @@ def _masked_indices(fg: FunctionGraph, site: Site) -> Ref:
 
 def fuse_site(fg: FunctionGraph, site: Site) -> None:
     """Replaces the site's root with the fused op (graph left for remove_dead)."""
+    control = _site_control(fg, site)
+    params = site.params
+    if site.params_is_resource:
+        params = fg.add_op(site.root + "/pkm_params", "ReadVariableOp", [site.params],
+                           {"dtype": DType(site.table_dtype)},
+                           shapes=[site.table_shape], control=control)
+    op, inputs, splits, sorted_check = _bag_inputs(fg, site, params)
+    if sorted_check:
+        control = sorted(set(control) | {sorted_check})
+    types = [site.table_dtype, site.index_dtype] + (
+        [types_pb2.DT_INT32] if splits is not None else []) + [site.table_dtype]
+    attrs = _op_attrs(op, dict(zip(_input_names(op), types)), site.combiner,
+                      site.weights is not None)
+    steps = _steps_after_bag(fg, site, params, splits)
+    if not steps:
+        fg.replace_node(site.root, op, inputs, attrs, control=control)
+    else:
+        ref = fg.add_op(site.root + "/pkm_bag", op, inputs, attrs,
+                        shapes=_root_shape(fg, site), control=control)
+        for i, (step, step_attrs, step_inputs) in enumerate(steps):
+            if i == len(steps) - 1:
+                fg.replace_node(site.root, step, step_inputs(ref), step_attrs)
+            else:
+                ref = fg.add_op(f"{site.root}/pkm_{step.lower()}", step, step_inputs(ref),
+                                step_attrs, shapes=_root_shape(fg, site))
+    for name in site.internal:
+        fg.redirect_control(name, site.root)
+
+
+def _site_control(fg: FunctionGraph, site: Site) -> List[str]:
+    """Control inputs of the site's nodes from outside it: the fused op keeps them."""
     control = set()
     for name in site.internal:
         control.update(fg.control_inputs(fg.nodes[name]))
     control.update(fg.control_inputs(fg.nodes[site.root]))
     control -= set(site.internal) | {site.root}
-    control = sorted(control)
-    if site.params_is_resource:
-        params = fg.add_op(site.root + "/pkm_params", "ReadVariableOp", [site.params],
-                           {"dtype": DType(site.table_dtype)},
-                           shapes=[site.table_shape], control=control)
-    else:
-        params = site.params
-    np_dtype = dtypes.as_dtype(site.table_dtype).as_numpy_dtype
+    return sorted(control)
+
+
+def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
+    """(op, inputs, row_splits or None, sorted-ids Assert or None)."""
     weights = site.weights
     if weights is None:
-        weights = fg.add_const(site.root + "/pkm_no_weights", np.zeros([0], np_dtype))
+        weights = fg.add_const(site.root + "/pkm_no_weights", np.zeros(
+            [0], dtypes.as_dtype(site.table_dtype).as_numpy_dtype))
     else:
         w_dtype = tensor_dtype(fg, weights)
         if w_dtype != site.table_dtype:  # mixed precision: weights in the compute dtype
@@ -98,30 +127,26 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
                             else w_shape.as_list())
     indices = _masked_indices(fg, site) if site.mask is not None else site.indices
     if site.segment_ids is None and site.sparse_indices is None:
-        op, inputs = DENSE_OP, [params, indices, weights]
-        types = [site.table_dtype, site.index_dtype, site.table_dtype]
-    else:
-        splits, sorted_check = row_splits(fg, site)
-        control = sorted(set(control) | {sorted_check})
-        op, inputs = RAGGED_OP, [params, indices, splits, weights]
-        types = [site.table_dtype, site.index_dtype, types_pb2.DT_INT32, site.table_dtype]
-    attrs = _op_attrs(op, dict(zip(_input_names(op), types)), site.combiner,
-                      site.weights is not None)
-    # What the composite does after the bag: cast it, divide it by K.
-    after = []
+        return DENSE_OP, [params, indices, weights], None, None
+    splits, sorted_check = row_splits(fg, site)
+    return RAGGED_OP, [params, indices, splits, weights], splits, sorted_check
+
+
+def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optional[Ref]):
+    """What the composite does after the bag, as [(op, attrs, inputs(bag))]:
+    cast it, divide it by K, or give empty bags table[default_id]."""
+    steps = []
     out_dtype = site.table_dtype
     if site.cast_enum:
-        after.append(("Cast", {"SrcT": DType(out_dtype), "DstT": DType(site.cast_enum),
-                               "Truncate": False}, []))
+        steps.append(("Cast", {"SrcT": DType(out_dtype), "DstT": DType(site.cast_enum),
+                               "Truncate": False}, lambda bag: [bag]))
         out_dtype = site.cast_enum
     if site.divisor:
         k = fg.add_const(site.root + "/pkm_bag_size",
                          np.array(site.divisor, dtypes.as_dtype(out_dtype).as_numpy_dtype))
-        after.append(("RealDiv", {"T": DType(out_dtype)}, [k]))
+        steps.append(("RealDiv", {"T": DType(out_dtype)}, lambda bag: [bag, k]))
     if site.default_id is not None:
-        # safe_ with default_id: an empty bag is table[default_id], weight 1.
-        bag = fg.add_op(site.root + "/pkm_bag", op, inputs, attrs,
-                        shapes=_root_shape(fg, site), control=control)
+        # safe_ with default_id: an empty bag is table[default_id] (weight 1).
         default_row = fg.add_op(
             site.root + "/pkm_default_row", "GatherV2",
             [params, fg.add_const(site.root + "/pkm_default_id",
@@ -129,42 +154,35 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
              fg.add_const(site.root + "/pkm_axis0", np.array(0, np.int32))],
             {"Tparams": DType(site.table_dtype), "Tindices": I32, "Taxis": I32,
              "batch_dims": 0}, shapes=[[1, site.table_shape[1]]])
-        fg.replace_node(site.root, "SelectV2", [_empty_bags(fg, site, splits), default_row,
-                                                bag], {"T": DType(site.table_dtype)})
-    elif not after:
-        fg.replace_node(site.root, op, inputs, attrs, control=control)
-    else:
-        ref = fg.add_op(site.root + "/pkm_bag", op, inputs, attrs,
-                        shapes=_root_shape(fg, site), control=control)
-        for i, (step, step_attrs, extra) in enumerate(after):
-            if i == len(after) - 1:
-                fg.replace_node(site.root, step, [ref] + extra, step_attrs)
-            else:
-                ref = fg.add_op(f"{site.root}/pkm_{step.lower()}", step, [ref] + extra,
-                                step_attrs, shapes=_root_shape(fg, site))
-    for name in site.internal:
-        fg.redirect_control(name, site.root)
+        empty = _empty_bags(fg, site, splits)
+        steps.append(("SelectV2", {"T": DType(site.table_dtype)},
+                      lambda bag: [empty, default_row, bag]))
+    return steps
 
 
-def _empty_bags(fg: FunctionGraph, site: Site, splits: Ref) -> Ref:
-    """[rows, 1] bool: row_splits[1:] == row_splits[:-1]."""
-    prefix = site.root + "/pkm_empty_bags"
-
+def _neighbours(fg: FunctionGraph, prefix: str, ref: Ref):
+    """(v[1:], v[:-1]) of an int32 vector."""
     def const(name, value):
         return fg.add_const(f"{prefix}/{name}", np.array(value, np.int32))
 
     def strided(name, begin, end, begin_mask, end_mask):
         return fg.add_op(f"{prefix}/{name}", "StridedSlice",
-                         [splits, const(name + "_begin", [begin]), const(name + "_end", [end]),
+                         [ref, const(name + "_begin", [begin]), const(name + "_end", [end]),
                           const(name + "_strides", [1])],
                          {"T": I32, "Index": I32, "begin_mask": begin_mask,
                           "end_mask": end_mask, "ellipsis_mask": 0, "new_axis_mask": 0,
                           "shrink_axis_mask": 0}, shapes=[[None]])
-    ends = strided("ends", 1, 0, 0, 1)
-    starts = strided("starts", 0, -1, 1, 0)
+    return strided("later", 1, 0, 0, 1), strided("earlier", 0, -1, 1, 0)
+
+
+def _empty_bags(fg: FunctionGraph, site: Site, splits: Ref) -> Ref:
+    """[rows, 1] bool: row_splits[1:] == row_splits[:-1]."""
+    prefix = site.root + "/pkm_empty_bags"
+    ends, starts = _neighbours(fg, prefix, splits)
     same = fg.add_op(prefix + "/same", "Equal", [ends, starts],
                      {"T": I32, "incompatible_shape_error": True}, shapes=[[None]])
-    return fg.add_op(prefix, "ExpandDims", [same, const("last_axis", -1)],
+    last_axis = fg.add_const(prefix + "/last_axis", np.array(-1, np.int32))
+    return fg.add_op(prefix, "ExpandDims", [same, last_axis],
                      {"T": DType(types_pb2.DT_BOOL), "Tdim": I32}, shapes=[[None, 1]])
 
 
@@ -226,20 +244,11 @@ def _assert_sorted(fg: FunctionGraph, prefix: str, seg: Ref) -> str:
     of the composite require ("segment ids are not increasing") and the
     counts above assume. Returns its name (a control input of the fused op).
     The TFLite converter drops Asserts: there the order is the caller's duty."""
-    def const(name, value):
-        return fg.add_const(f"{prefix}/sorted/{name}", np.array(value, np.int32))
-
-    def strided(name, begin, end, begin_mask, end_mask):
-        return fg.add_op(f"{prefix}/sorted/{name}", "StridedSlice",
-                         [seg, const(name + "_begin", [begin]), const(name + "_end", [end]),
-                          const(name + "_strides", [1])],
-                         {"T": I32, "Index": I32, "begin_mask": begin_mask,
-                          "end_mask": end_mask, "ellipsis_mask": 0, "new_axis_mask": 0,
-                          "shrink_axis_mask": 0}, shapes=[[None]])
-    later, earlier = strided("later", 1, 0, 0, 1), strided("earlier", 0, -1, 1, 0)
+    later, earlier = _neighbours(fg, prefix + "/sorted", seg)
     ordered = fg.add_op(prefix + "/sorted/pairs", "GreaterEqual", [later, earlier],
                         {"T": I32}, shapes=[[None]])
-    all_ordered = fg.add_op(prefix + "/sorted/all", "All", [ordered, const("axis", 0)],
+    axis = fg.add_const(prefix + "/sorted/axis", np.array(0, np.int32))
+    all_ordered = fg.add_op(prefix + "/sorted/all", "All", [ordered, axis],
                             {"Tidx": I32, "keep_dims": False}, shapes=[[]])
     message = fg.add_const(prefix + "/sorted/message", np.array(
         b"PkmRaggedEmbeddingBag (fused embedding_lookup_sparse): the sparse ids' row "

@@ -476,3 +476,39 @@ def sparse_inputs(rng, weighted, safe, batch=6):
     if weighted:
         x.update(w=x["ids"], w_1=weights, w_2=x["ids_2"])
     return x
+
+
+def unfusable_reductions(path):
+    """Gathered rows reduced in ways that cannot be fused, one per reason;
+    nothing in this model is fused."""
+    table = np.arange(20 * 4, dtype=np.float32).reshape(20, 4)
+
+    class Mod(tf.Module):
+        def __init__(self):
+            self.t = tf.Variable(table)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int32),
+                                      tf.TensorSpec([None, 3], tf.float32)])
+        def serve(self, idx, w):
+            rows = lambda: tf.gather(self.t, idx)  # noqa: E731 - a fresh gather each
+            keep = tf.not_equal(idx, 0)[..., None]
+            return {"over_batch": tf.reduce_sum(rows(), axis=0),
+                    "keepdims": tf.reduce_sum(rows(), axis=1, keepdims=True),
+                    "per_bag_weight": tf.reduce_sum(rows() * w[:, :1, None], axis=1),
+                    "exp": tf.reduce_sum(tf.exp(rows()), axis=1),
+                    "where_one": tf.reduce_sum(tf.where(keep, rows(), 1.0), axis=1)}
+
+    m = Mod()
+    _save(m, str(path), {"serving_default": m.serve})
+    return table, None
+
+
+def op_counts(saved_model_dir):
+    """{op: count} over every function body of the SavedModel."""
+    from pkm_serve.export.exporter import read_saved_model
+    counts = {}
+    for mg in read_saved_model(str(saved_model_dir)).meta_graphs:
+        for fdef in mg.graph_def.library.function:
+            for node in fdef.node_def:
+                counts[node.op] = counts.get(node.op, 0) + 1
+    return counts

@@ -23,7 +23,6 @@ import export_models as M  # noqa: E402
 from pkm_serve import ops  # noqa: E402
 from pkm_serve import tflite  # noqa: E402
 from pkm_serve.export import main  # noqa: E402
-from pkm_serve.export.exporter import read_saved_model  # noqa: E402
 
 ops.load_library()
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -78,15 +77,6 @@ def _reference(ref, x, signature):
     takes_signature = len(inspect.signature(ref).parameters) == 2
     want = ref(x, signature) if takes_signature else ref(x)
     return want if isinstance(want, dict) else {"out": want}
-
-
-def _fused_counts(saved_model_dir):
-    counts = {}
-    for mg in read_saved_model(saved_model_dir).meta_graphs:
-        for fdef in mg.graph_def.library.function:
-            for node in fdef.node_def:
-                counts[node.op] = counts.get(node.op, 0) + 1
-    return counts
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +144,7 @@ def _close(got, want, tol, what):
 def test_fused_in_report_and_savedmodel(exported, name):
     res = exported[name]
     report = res["report"]
-    counts = _fused_counts(res["dst"])
+    counts = M.op_counts(res["dst"])
     assert report["sites_fused"] >= 1 and report["sites_skipped"] == 0, report["sites"]
     assert report["sites_fused"] == sum(counts.get(op, 0) for op in FUSED_OPS)
     assert counts.get(res["op"], 0) >= 1

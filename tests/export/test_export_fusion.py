@@ -23,14 +23,7 @@ COMPOSITE_OPS = ("ResourceGather", "GatherV2", "Einsum", "SegmentSum", "SparseSe
                  "SparseSegmentMean", "SparseSegmentSqrtN")
 
 
-def op_counts(saved_model_dir):
-    """{op: count} over every function body of the SavedModel."""
-    counts = {}
-    for mg in read_saved_model(saved_model_dir).meta_graphs:
-        for fdef in mg.graph_def.library.function:
-            for node in fdef.node_def:
-                counts[node.op] = counts.get(node.op, 0) + 1
-    return counts
+op_counts = M.op_counts
 
 
 def table_gathers(saved_model_dir):
@@ -205,25 +198,7 @@ def test_two_sites_and_one_that_must_stay(tmp_path):
 
 
 def test_unfusable_reductions_are_reported_not_fused(tmp_path):
-    table = np.arange(20 * 4, dtype=np.float32).reshape(20, 4)
-
-    class Mod(tf.Module):
-        def __init__(self):
-            self.t = tf.Variable(table)
-
-        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int32),
-                                      tf.TensorSpec([None, 3], tf.float32)])
-        def serve(self, idx, w):
-            rows = lambda: tf.gather(self.t, idx)  # noqa: E731 - a fresh gather each
-            keep = tf.not_equal(idx, 0)[..., None]
-            return {"over_batch": tf.reduce_sum(rows(), axis=0),
-                    "keepdims": tf.reduce_sum(rows(), axis=1, keepdims=True),
-                    "per_bag_weight": tf.reduce_sum(rows() * w[:, :1, None], axis=1),
-                    "exp": tf.reduce_sum(tf.exp(rows()), axis=1),
-                    "where_one": tf.reduce_sum(tf.where(keep, rows(), 1.0), axis=1)}
-
-    m = Mod()
-    tf.saved_model.save(m, str(tmp_path / "m"), signatures={"serving_default": m.serve})
+    M.unfusable_reductions(tmp_path / "m")
     result = export(tmp_path / "m", tmp_path / "out")
     assert all(s.status == "skipped" for s in result.sites) and len(result.sites) == 5
     by_reason = {s.reason: s for s in result.sites}

@@ -8,7 +8,6 @@ import re
 import sys
 import time
 
-import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -25,29 +24,6 @@ GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden",
                       "report_schema.json")
 
 
-def unfusable(path):
-    """Gather-then-reduce sites that cannot be fused, one per reason, next to
-    a dense layer (nothing here is fused)."""
-    table = np.arange(20 * 4, dtype=np.float32).reshape(20, 4)
-
-    class Mod(tf.Module):
-        def __init__(self):
-            self.t = tf.Variable(table)
-
-        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int32),
-                                      tf.TensorSpec([None, 3], tf.float32)])
-        def serve(self, idx, w):
-            rows = lambda: tf.gather(self.t, idx)  # noqa: E731 - a fresh gather each
-            keep = tf.not_equal(idx, 0)[..., None]
-            return {"over_batch": tf.reduce_sum(rows(), axis=0),
-                    "per_bag_weight": tf.reduce_sum(rows() * w[:, :1, None], axis=1),
-                    "exp": tf.reduce_sum(tf.exp(rows()), axis=1),
-                    "where_one": tf.reduce_sum(tf.where(keep, rows(), 1.0), axis=1)}
-
-    m = Mod()
-    tf.saved_model.save(m, str(path), signatures={"serving_default": m.serve})
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """Reports of: a fused model with --tflite, sparse sites, an unfusable one."""
@@ -56,7 +32,7 @@ def reports(tmp_path_factory):
     for name, build, extra in [
             ("fused", M.gather_weighted_sum, ["--tflite", str(base / "fused.tflite")]),
             ("sparse", lambda p: M.sparse_all_combiners(p, safe=True), []),
-            ("unfusable", unfusable, ["--tflite", str(base / "unfusable.tflite")])]:
+            ("unfusable", M.unfusable_reductions, ["--tflite", str(base / "unfusable.tflite")])]:
         build(base / name)
         report = base / f"{name}.json"
         assert main([str(base / name), str(base / (name + "_out")), "--report", str(report),
@@ -118,7 +94,7 @@ def test_report_fields_agree_with_reasons(reports):
             if s["status"] == "fused":
                 assert s["bytes_per_index"], s
     unfusable_sites = reports["unfusable"]["json"]["sites"]
-    assert len(unfusable_sites) == 4 and not any(s["status"] == "fused"
+    assert len(unfusable_sites) == 5 and not any(s["status"] == "fused"
                                                  for s in unfusable_sites)
     assert reports["unfusable"]["json"]["message"].endswith("exported unchanged")
 

@@ -14,8 +14,9 @@ import tensorflow as tf
 
 from pkm_serve import ops, tflite
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUNTIME_PY = os.path.join(ROOT, ".venv-tflite-runtime", "bin", "python")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_tflite import run_in  # noqa: E402  (in-process, or the TF-free venv)
+
 N, D = 40, 6
 RNG = np.random.default_rng(21)
 TABLE = RNG.standard_normal((N, D)).astype(np.float32)
@@ -72,33 +73,9 @@ def bags(splits_dtype=np.int64):
     return values, splits, weights
 
 
-def run_litert_or_tf(interpreter, path, inputs):
-    return tflite.run_tflite(path, inputs, interpreter=interpreter)[0]
-
-
-def run_runtime_venv(path, inputs, tmp_path):
-    """Runs the model in the TF-free venv (tests/tflite/run_in_runtime.py)."""
-    if not os.path.exists(RUNTIME_PY):
-        pytest.fail(f"{RUNTIME_PY} missing: `make test` builds .venv-tflite-runtime")
-    job, result = tmp_path / "job.npz", tmp_path / "out.npz"
-    np.savez(job, model_path=np.array(path), interpreter=np.array("tflite_runtime"),
-             num_threads=np.array(1), fuse_composites=np.array(False),
-             **{f"input_{i}": x for i, x in enumerate(inputs)})
-    env = dict(os.environ, PYTHONPATH=ROOT, PKM_TFLITE_DELEGATE=tflite.delegate_path())
-    proc = subprocess.run([RUNTIME_PY, os.path.join(ROOT, "tests", "tflite", "run_in_runtime.py"),
-                           str(job), str(result)], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    res = np.load(result)
-    if "error" in res.files:
-        raise RuntimeError(str(res["error"]))
-    return res["output_0"]
-
-
 def run(interpreter, path, inputs, tmp_path):
-    if interpreter == "tflite_runtime":
-        return run_runtime_venv(path, inputs, tmp_path)
-    return run_litert_or_tf(interpreter, path, inputs)
+    """The model's single output, from LiteRT / tf.lite in-process or the venv."""
+    return run_in(interpreter, path, inputs, tmp_path)[0]
 
 
 def ordered_inputs(path, values, splits, weights):
