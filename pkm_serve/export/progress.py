@@ -33,11 +33,13 @@ class Phase:
         return f" {_amount(self.done, self.unit)} / {_amount(self.total, self.unit)}"
 
     def advance(self, n: float = 1) -> None:
+        """Counts n more units; prints the count at most once per interval
+        (the final count goes on the phase's "done" line)."""
         with self._lock:
             self.done += n
             now = time.monotonic()
             finished = self.total is not None and self.done >= self.total
-            if now - self._last_print >= self.progress.interval_s or finished:
+            if now - self._last_print >= self.progress.interval_s and not finished:
                 self._last_print = now
                 self.progress.emit(f"  {self.text}:{self.counted()}")
 
@@ -87,4 +89,5 @@ class Progress:
             stop.set()
             if thread is not None:
                 thread.join()
-        self.emit(f"{text}: done in {time.monotonic() - phase.start:.1f} s")
+        self.emit(f"{text}: done in {time.monotonic() - phase.start:.1f} s"
+                  + (f" ({phase.counted().strip()})" if total is not None else ""))

@@ -128,12 +128,12 @@ def test_export_progress_names_phases_with_elapsed_time(tmp_path, capsys):
         assert any(t.startswith(phase) and t.endswith("...") for t in texts), phase
         assert any(t.startswith(phase) and "done in" in t for t in texts), phase
     # Counted units reach their totals (the old bars stayed at 0/4).
-    counted = [t for t in texts if re.match(r"\s+rewriting functions: \d+", t)]
-    assert counted and re.search(r": (\d+) functions / \1 functions$", counted[-1])
-    assert any(re.search(r"verifying signatures: 1 signatures / 1 signatures", t)
-               for t in texts)
-    copied = [t for t in texts if t.startswith("  copying variables and assets:")]
-    assert copied and re.search(r"([\d.]+) MiB / \1 MiB$", copied[-1])
+    def done(phase):
+        [line] = [t for t in texts if t.startswith(phase + ": done in")]
+        return line
+    assert re.search(r"\((\d+) functions / \1 functions\)$", done("rewriting functions"))
+    assert done("verifying signatures").endswith("(1 signatures / 1 signatures)")
+    assert re.search(r"\(([\d.]+) MiB / \1 MiB\)$", done("copying variables and assets"))
 
 
 def test_long_phase_prints_lines_that_move():
@@ -151,3 +151,16 @@ def test_long_phase_prints_lines_that_move():
     with Progress(quiet=True, stream=quiet, heartbeat_s=0.01).phase("x"):
         time.sleep(0.05)
     assert quiet.getvalue() == ""
+
+
+def test_counted_phase_prints_its_count_while_running():
+    stream = io.StringIO()
+    progress = Progress(stream=stream, interval_s=0.05, heartbeat_s=60)
+    with progress.phase("copying variables and assets", total=4 * 2 ** 20, unit="B") as phase:
+        for _ in range(4):
+            time.sleep(0.06)
+            phase.advance(2 ** 20)
+    lines = stream.getvalue().splitlines()
+    counts = [line for line in lines if line.split("] ", 1)[1].startswith("  copying")]
+    assert counts and all(re.search(r": [123]\.0 MiB / 4\.0 MiB$", line) for line in counts)
+    assert lines[-1].endswith("(4.0 MiB / 4.0 MiB)")
