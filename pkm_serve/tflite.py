@@ -276,7 +276,7 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
         for ti in ints(subgraph.inputs) + ints(subgraph.outputs):
             only_params[(si, ti)] = False
         for op in subgraph.operators or []:
-            is_bag = _custom_code(model, op.opcodeIndex) == CUSTOM_OP_NAME
+            is_bag = _custom_code(model, op.opcodeIndex) in CUSTOM_OP_NAMES
             for pos, ti in enumerate(ints(op.inputs)):
                 if ti >= 0:
                     key = (si, ti)
@@ -285,7 +285,7 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     done = set()
     for si, subgraph in enumerate(model.subgraphs):
         for op in subgraph.operators or []:
-            if _custom_code(model, op.opcodeIndex) != CUSTOM_OP_NAME or not ints(op.inputs):
+            if _custom_code(model, op.opcodeIndex) not in CUSTOM_OP_NAMES or not ints(op.inputs):
                 continue
             tensor = subgraph.tensors[int(op.inputs[0])]
             buffer_index = int(tensor.buffer)

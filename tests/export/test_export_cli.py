@@ -225,3 +225,21 @@ def test_pkm_serve_cli_dispatch_and_tf_serving_style_session_load(weighted_model
         got = sess.run(sig.outputs["out"].name,
                        {sig.inputs[k].name: v for k, v in x.items()})
     np.testing.assert_allclose(got, M.np_bag(table, x["idx"], x["w"]), rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_sites_convert_with_int8_tables(tmp_path):
+    """--quantize-table int8 also covers PkmRaggedEmbeddingBag tables."""
+    table, ref = M.sparse_all_combiners(tmp_path / "m")
+    out = tmp_path / "m.tflite"
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "dst"), tflite=str(out),
+                                quantize_table="int8", quiet=True)
+    assert result.tflite["custom_ops"] == ["PkmRaggedEmbeddingBag"]
+    from pkm_serve import tflite
+    interp = tflite.make_interpreter(str(out))
+    tables = [t for t in interp.get_tensor_details() if list(t["shape"]) == [M.N, M.D]]
+    assert tables and all(t["dtype"] == np.int8 for t in tables)
+    x = M.sparse_inputs(np.random.default_rng(3), True, False)
+    got = interp.get_signature_runner("weighted")(**x)
+    for combiner, want in ref(x).items():
+        np.testing.assert_allclose(got[combiner], want, rtol=2e-2,
+                                   atol=2e-2 * np.abs(want).max(), err_msg=combiner)
