@@ -349,13 +349,15 @@ def match_einsum(fg: FunctionGraph, node, site: Site) -> Site:
 
 
 def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str]:
-    """For a Sum/Mean that is not a site: if float rows of a table are
-    gathered a few same-rank steps above it ([..., K, D] all the way), the
-    reason it was not taken, so nothing that gathers and reduces is silent."""
-    x = fg.inputs(node)[0]
+    """For a Sum/Mean over axis -2 that is not a site: if float rows of a
+    table are gathered a few same-rank steps above it ([..., K, D] all the
+    way), the reason it was not taken, so no bag-like reduction is silent."""
+    x, axis_ref = fg.inputs(node)[:2]
     rank = fg.shape(x).rank
-    if rank is None or rank < 2:
-        return None
+    axes = fg.const_value(axis_ref)
+    if rank is None or rank < 2 or axes is None or np.size(axes) != 1 or \
+            int(np.reshape(axes, [])) % rank != rank - 2:
+        return None  # not over a bag axis: e.g. a LayerNorm mean over D after an embedding
     frontier = [(x, [])]
     for _ in range(depth):
         next_frontier = []

@@ -293,3 +293,22 @@ def test_unsorted_sparse_ids_fail_like_the_composite(tmp_path):
         run(tmp_path / "m", "serving_default", x)
     with pytest.raises(tf.errors.InvalidArgumentError, match="must be sorted"):
         run(result.dst, "serving_default", x)
+
+
+def test_reductions_over_the_feature_axis_are_not_bag_sites(tmp_path):
+    """A LayerNorm-style mean over D of embedded tokens is no bag: not reported."""
+    table = M._table(20)
+
+    class Mod(tf.Module):
+        def __init__(self):
+            self.t = tf.Variable(table)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, M.K], tf.int32)])
+        def serve(self, idx):
+            x = tf.gather(self.t, idx) + 1.0
+            return {"centered": x - tf.reduce_mean(x, axis=-1, keepdims=True)}
+
+    m = Mod()
+    tf.saved_model.save(m, str(tmp_path / "m"), signatures={"serving_default": m.serve})
+    result = export(tmp_path / "m", tmp_path / "out")
+    assert result.sites == [] and "no composite gather-sum sites found" in result.message
