@@ -1,11 +1,16 @@
 """How much a served model grows per request, composite vs fused by `pkm-serve export`.
 
-Builds a SavedModel with one composite site (gather * w[..., None] -> reduce_sum),
-exports it, then serves each version in its own process: load, warm up on a
-tiny batch, reset the peak-RSS counter, run B=4096 K=128 D=512 requests, and
-record peak RSS growth and latency. Writes bench/results/export_memory.{json,md}.
+Two models, each with one composite site:
+  weighted  tf.gather(table, idx) * w[..., None] -> reduce_sum(axis=1)
+  masked    a Keras text model: Embedding(mask_zero=True) -> GlobalAveragePooling1D
+            (the masked mean: tf.where(mask, rows, 0) summed, divided by the mask sum)
+Each is exported, then each version is served in its own process: load, warm
+up on a tiny batch, reset the peak-RSS counter, run B=4096 K=128 D=512
+requests, and record peak RSS growth and latency. Writes
+bench/results/export_memory.{json,md}.
 
     .venv/bin/python bench/export_memory.py [--batch 4096 --bag 128 --dim 512 --rows 65536]
+        [--models weighted,masked] [--machine "2-core ... VM"]
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 SERVE_CHILD = r"""
 import json, os, resource, sys, time
 import numpy as np, tensorflow as tf
-lib, model_dir, batch, bag, rows, repeats = sys.argv[1:]
+lib, model_dir, kind, batch, bag, rows, repeats = sys.argv[1:]
 batch, bag, rows, repeats = int(batch), int(bag), int(rows), int(repeats)
 
 def status(key):
@@ -32,21 +37,30 @@ def status(key):
         for line in f:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
+
+def inputs(rng, n):
+    if kind == "weighted":
+        return {"idx": rng.integers(0, rows, (n, bag)).astype(np.int32),
+                "w": rng.uniform(size=(n, bag)).astype(np.float32)}
+    # Text: 1..bag real ids per row, then 0 padding (the mask).
+    ids = rng.integers(1, rows, (n, bag)).astype(np.int32)
+    lengths = rng.integers(1, bag + 1, n)
+    ids[np.arange(bag)[None, :] >= lengths[:, None]] = 0
+    return {"ids": ids}
+
 tf.load_op_library(lib)
 fn = tf.saved_model.load(model_dir).signatures["serving_default"]
 rng = np.random.default_rng(0)
-small = {"idx": rng.integers(0, rows, (8, bag)).astype(np.int32),
-         "w": rng.uniform(size=(8, bag)).astype(np.float32)}
-fn(**small)["out"].numpy()
-x = {"idx": tf.constant(rng.integers(0, rows, (batch, bag)).astype(np.int32)),
-     "w": tf.constant(rng.uniform(size=(batch, bag)).astype(np.float32))}
+first = lambda out: next(iter(out.values())).numpy()
+first(fn(**inputs(rng, 8)))
+x = {k: tf.constant(v) for k, v in inputs(rng, batch).items()}
 rss_before = status("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM (peak RSS) to now
     f.write("5")
 times = []
 for _ in range(repeats):
     t0 = time.perf_counter()
-    out = fn(**x)["out"].numpy()
+    out = first(fn(**x))
     times.append(time.perf_counter() - t0)
 peak = status("VmHWM")
 print(json.dumps({"rss_before": rss_before, "peak_rss": peak,
@@ -54,12 +68,25 @@ print(json.dumps({"rss_before": rss_before, "peak_rss": peak,
                   "checksum": float(np.abs(out).sum())}))
 """
 
+MODELS = {
+    "weighted": "tf.gather(table, idx) * w[..., None] -> reduce_sum(axis=1)",
+    "masked": "Keras Embedding(mask_zero=True) -> GlobalAveragePooling1D (masked mean)",
+}
 
-def build_model(path: str, rows: int, bag: int, dim: int) -> None:
+
+def build_model(path: str, kind: str, rows: int, bag: int, dim: int) -> None:
     import numpy as np
     import tensorflow as tf
 
     table = np.random.default_rng(1).normal(size=(rows, dim)).astype(np.float32)
+    if kind == "masked":
+        import keras
+        ids = keras.Input(shape=(bag,), dtype="int32", name="ids")
+        emb = keras.layers.Embedding(rows, dim, mask_zero=True)
+        model = keras.Model(ids, keras.layers.GlobalAveragePooling1D()(emb(ids)))
+        emb.embeddings.assign(table)
+        model.export(path, format="tf_saved_model", verbose=False)
+        return
 
     class Model(tf.Module):
         def __init__(self):
@@ -74,15 +101,40 @@ def build_model(path: str, rows: int, bag: int, dim: int) -> None:
     tf.saved_model.save(model, path, signatures={"serving_default": model.serve})
 
 
-def serve_once(lib: str, model_dir: str, args) -> dict:
+def serve_once(lib: str, model_dir: str, kind: str, args) -> dict:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
-        [sys.executable, "-c", SERVE_CHILD, lib, model_dir, str(args.batch), str(args.bag),
+        [sys.executable, "-c", SERVE_CHILD, lib, model_dir, kind, str(args.batch), str(args.bag),
          str(args.rows), str(args.repeats)], capture_output=True, text=True, env=env,
         check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"serving {model_dir} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def bench_model(kind: str, lib: str, tmp: str, args) -> dict:
+    from pkm_serve.export import export_saved_model
+
+    src = os.path.join(tmp, kind)
+    build_model(src, kind, args.rows, args.bag, args.dim)
+    t0 = time.perf_counter()
+    result = export_saved_model(src, os.path.join(tmp, kind + "_fused"),
+                                batch_size=args.batch, quiet=True)
+    export_s = time.perf_counter() - t0
+    runs = {"composite": serve_once(lib, src, kind, args),
+            "fused": serve_once(lib, result.dst, kind, args)}
+    same = abs(runs["composite"]["checksum"] - runs["fused"]["checksum"]) <= \
+        1e-4 * runs["composite"]["checksum"]
+    median = {k: sorted(r["ms"])[len(r["ms"]) // 2] for k, r in runs.items()}
+    return {
+        "form": MODELS[kind], "export_seconds": round(export_s, 2),
+        "sites_fused": len(result.fused),
+        "reported_saved_bytes_at_batch": result.to_json()["saved_bytes_at_batch"],
+        "runs": runs, "median_ms": median,
+        "growth_ratio_composite_over_fused": runs["composite"]["growth"] /
+        max(runs["fused"]["growth"], 1),
+        "latency_ratio_composite_over_fused": median["composite"] / median["fused"],
+        "outputs_match_checksum": bool(same)}
 
 
 def main(argv=None) -> int:
@@ -92,37 +144,31 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--rows", type=int, default=65536)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--models", default="weighted,masked")
+    p.add_argument("--machine", default=f"{os.cpu_count()}-core {platform.processor() or platform.machine()}",
+                   help="machine description written into the results")
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
     from pkm_serve import ops
-    from pkm_serve.export import export_saved_model
 
+    kinds = [k for k in args.models.split(",") if k]
+    unknown = [k for k in kinds if k not in MODELS]
+    if unknown:
+        p.error(f"unknown --models {unknown}; choose from {sorted(MODELS)}")
     lib = ops.library_path()
     with tempfile.TemporaryDirectory(prefix="pkm-export-bench-") as tmp:
-        src = os.path.join(tmp, "composite")
-        build_model(src, args.rows, args.bag, args.dim)
-        t0 = time.perf_counter()
-        result = export_saved_model(src, os.path.join(tmp, "fused"), batch_size=args.batch,
-                                    quiet=True)
-        export_s = time.perf_counter() - t0
-        runs = {"composite": serve_once(lib, src, args),
-                "fused": serve_once(lib, result.dst, args)}
+        models = {kind: bench_model(kind, lib, tmp, args) for kind in kinds}
     gathered = args.batch * args.bag * args.dim * 4
     report = {
         "shape": {"batch": args.batch, "bag": args.bag, "dim": args.dim, "rows": args.rows,
                   "dtype": "float32"},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "export_seconds": round(export_s, 2),
-        "reported_saved_bytes_at_batch": result.to_json()["saved_bytes_at_batch"],
-        "gathered_bytes": gathered,
-        "runs": runs,
-        "growth_ratio_composite_over_fused": runs["composite"]["growth"] /
-        max(runs["fused"]["growth"], 1),
+        "machine": {"description": args.machine, "cpus": os.cpu_count(),
+                    "platform": platform.platform()},
+        "gathered_bytes": gathered, "models": models,
     }
-    same = abs(runs["composite"]["checksum"] - runs["fused"]["checksum"]) <= \
-        1e-4 * runs["composite"]["checksum"]
-    report["outputs_match_checksum"] = bool(same)
+    if "weighted" in models:  # the layout bench/report.py reads
+        report["runs"] = models["weighted"]["runs"]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "export_memory.json"), "w") as f:
         json.dump(report, f, indent=2)
@@ -130,29 +176,36 @@ def main(argv=None) -> int:
     lines = [
         "# Serving memory: composite SavedModel vs `pkm-serve export` output",
         "",
-        f"B={args.batch} K={args.bag} D={args.dim} N={args.rows} float32, weighted sum; "
-        f"{args.repeats} requests per process after a warm-up; peak RSS growth measured "
-        "from just before the first request (VmHWM reset via /proc/self/clear_refs).",
-        f"The gather alone is {gathered / mib:.0f} MiB; export reported "
-        f"{report['reported_saved_bytes_at_batch'] / mib:.0f} MiB of intermediates no "
-        "longer materialised (gather + weighted product; an upper bound, since TF "
-        "reuses the gather's buffer for the product when it can).",
+        f"Machine: {args.machine}. B={args.batch} K={args.bag} D={args.dim} N={args.rows} "
+        f"float32; {args.repeats} requests per process after a warm-up; peak RSS growth "
+        "measured from just before the first request (VmHWM reset via "
+        "/proc/self/clear_refs); composite and fused served in separate processes of "
+        "the same run.",
+        f"The gather alone is {gathered / mib:.0f} MiB per request. \"No longer "
+        "materialised\" is what export reports: every [B, K, D] intermediate of the site "
+        "(an upper bound, since TF reuses a buffer for the next step when it can).",
         "",
-        "| model | RSS before | peak RSS | growth | request ms (median) |",
-        "|---|---|---|---|---|",
+        "| model | form | no longer materialised | version | RSS before | peak RSS | growth | "
+        "request ms (median) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for name, run in runs.items():
-        ms = sorted(run["ms"])[len(run["ms"]) // 2]
-        lines.append(f"| {name} | {run['rss_before'] / mib:.0f} MiB | "
-                     f"{run['peak_rss'] / mib:.0f} MiB | {run['growth'] / mib:.0f} MiB | "
-                     f"{ms:.0f} |")
-    lines += ["", f"Growth ratio composite/fused: "
-              f"{report['growth_ratio_composite_over_fused']:.1f}x; outputs agree: {same}; "
-              f"export took {export_s:.1f} s.", ""]
+    for kind, m in models.items():
+        for name, run in m["runs"].items():
+            lines.append(f"| {kind} | {m['form']} | "
+                         f"{m['reported_saved_bytes_at_batch'] / mib:.0f} MiB | {name} | "
+                         f"{run['rss_before'] / mib:.0f} MiB | {run['peak_rss'] / mib:.0f} MiB"
+                         f" | {run['growth'] / mib:.0f} MiB | {m['median_ms'][name]:.0f} |")
+    lines.append("")
+    for kind, m in models.items():
+        lines.append(f"- {kind}: growth composite/fused {m['growth_ratio_composite_over_fused']:.1f}x,"
+                     f" latency composite/fused {m['latency_ratio_composite_over_fused']:.2f}x, "
+                     f"outputs agree: {m['outputs_match_checksum']}, {m['sites_fused']} site(s) "
+                     f"fused, export took {m['export_seconds']:.1f} s.")
+    lines.append("")
     with open(os.path.join(args.out, "export_memory.md"), "w") as f:
         f.write("\n".join(lines))
     print("\n".join(lines))
-    return 0 if same else 1
+    return 0 if all(m["outputs_match_checksum"] for m in models.values()) else 1
 
 
 if __name__ == "__main__":

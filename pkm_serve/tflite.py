@@ -30,6 +30,9 @@ _MODULES = {
 }
 _LIB_NAME = "libpkm_tflite.so"
 CUSTOM_OP_NAME = "PkmEmbeddingBag"
+# Ragged bags (values + row_splits), fused from embedding_lookup_sparse sites.
+RAGGED_CUSTOM_OP_NAME = "PkmRaggedEmbeddingBag"
+CUSTOM_OP_NAMES = (CUSTOM_OP_NAME, RAGGED_CUSTOM_OP_NAME)
 
 
 def delegate_path() -> str:
@@ -209,6 +212,11 @@ def execution_plan(interp) -> List[Dict[str, Any]]:
 
 # ---- model post-processing (needs a flatbuffer schema module) ----------------
 
+def flatbuffer_schema():
+    """The TFLite flatbuffer schema module (LiteRT's, else TensorFlow's)."""
+    return _schema()
+
+
 def _schema():
     for name in ("ai_edge_litert.schema_py_generated",
                  "tensorflow.lite.python.schema_py_generated"):
@@ -268,7 +276,7 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
         for ti in ints(subgraph.inputs) + ints(subgraph.outputs):
             only_params[(si, ti)] = False
         for op in subgraph.operators or []:
-            is_bag = _custom_code(model, op.opcodeIndex) == CUSTOM_OP_NAME
+            is_bag = _custom_code(model, op.opcodeIndex) in CUSTOM_OP_NAMES
             for pos, ti in enumerate(ints(op.inputs)):
                 if ti >= 0:
                     key = (si, ti)
@@ -277,7 +285,7 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     done = set()
     for si, subgraph in enumerate(model.subgraphs):
         for op in subgraph.operators or []:
-            if _custom_code(model, op.opcodeIndex) != CUSTOM_OP_NAME or not ints(op.inputs):
+            if _custom_code(model, op.opcodeIndex) not in CUSTOM_OP_NAMES or not ints(op.inputs):
                 continue
             tensor = subgraph.tensors[int(op.inputs[0])]
             buffer_index = int(tensor.buffer)

@@ -1,5 +1,5 @@
-// External TFLite delegate: claims PkmEmbeddingBag custom nodes (which stock
-// interpreters keep as unresolved placeholders) and, with
+// External TFLite delegate: claims PkmEmbeddingBag and PkmRaggedEmbeddingBag
+// custom nodes (which stock interpreters keep as unresolved placeholders) and, with
 // fuse_composites=true, stock GATHER -> [MUL] -> SUM chains, and runs them on
 // the kernel core. Loaded with tflite.load_delegate(path, options).
 #include <cstdlib>
@@ -36,9 +36,13 @@ DelegateData* GetData(TfLiteDelegate* delegate) {
   return static_cast<DelegateData*>(delegate->data_);
 }
 
-bool IsCustomBag(const TfLiteRegistration* reg) {
-  return reg->builtin_code == kTfLiteBuiltinCustom && reg->custom_name != nullptr &&
-         std::strcmp(reg->custom_name, kCustomOpName) == 0;
+// A PkmEmbeddingBag or PkmRaggedEmbeddingBag custom node; *ragged says which.
+bool IsCustomBag(const TfLiteRegistration* reg, bool* ragged = nullptr) {
+  bool is_ragged = false;
+  const bool yes = reg->builtin_code == kTfLiteBuiltinCustom &&
+                   IsBagCustomOpName(reg->custom_name, &is_ragged);
+  if (ragged != nullptr) *ragged = is_ragged;
+  return yes;
 }
 
 // A stock composite chain found in the graph.
@@ -149,10 +153,14 @@ bool IsReshapeLike(const Graph& g, int node_index, int* source) {
   return true;
 }
 
-// Matches GATHER(params[N,D] float32, indices) -> [MUL(x, w[...,K,1])] ->
-// SUM(axis = bag axis), the sequence the converter emits for
-// reduce_sum(gather(table, idx) * w[..., None], axis=-2).
-bool MatchChain(const Graph& g, int gather_node, Chain* chain) {
+// The GATHER a chain starts with: rows of a rank-2 float32 table on axis 0.
+struct ChainGather {
+  int params = -1, indices = -1, gathered = -1;
+  int bag_axis = 0;       // axis of K in the gathered [..., K, D]
+  int gathered_rank = 0;
+};
+
+bool MatchGather(const Graph& g, int gather_node, ChainGather* out) {
   TfLiteContext* ctx = g.context;
   TfLiteNode* gn;
   TfLiteRegistration* greg;
@@ -162,74 +170,110 @@ bool MatchChain(const Graph& g, int gather_node, Chain* chain) {
     return false;
   const auto* gp = static_cast<const TfLiteGatherParams*>(gn->builtin_data);
   if (gp->axis != 0 || gp->batch_dims != 0) return false;
-  const int params = gn->inputs->data[0], indices = gn->inputs->data[1];
-  const int gathered = gn->outputs->data[0];
-  const TfLiteTensor* pt = g.Tensor(params);
-  const TfLiteTensor* it = g.Tensor(indices);
-  if (!pt || !it || pt->type != kTfLiteFloat32 || g.Rank(params) != 2 ||
-      (it->type != kTfLiteInt32 && it->type != kTfLiteInt64) || g.Rank(indices) < 1)
+  out->params = gn->inputs->data[0];
+  out->indices = gn->inputs->data[1];
+  out->gathered = gn->outputs->data[0];
+  const TfLiteTensor* pt = g.Tensor(out->params);
+  const TfLiteTensor* it = g.Tensor(out->indices);
+  if (!pt || !it || pt->type != kTfLiteFloat32 || g.Rank(out->params) != 2 ||
+      (it->type != kTfLiteInt32 && it->type != kTfLiteInt64) || g.Rank(out->indices) < 1)
     return false;
-  const int bag_axis = g.Rank(indices) - 1;  // axis of K in the gathered [..., K, D]
-  const int gathered_rank = g.Rank(indices) + 1;
+  out->bag_axis = g.Rank(out->indices) - 1;
+  out->gathered_rank = g.Rank(out->indices) + 1;
+  return true;
+}
 
-  int next = g.SoleConsumer(gathered);
-  if (next < 0) return false;
+// MUL node `mul` of the gathered rows by per-index weights [..., K, 1]:
+// records it (and the reshape-likes the weights come through) in the chain;
+// *weights is the tensor the kernel reads, *product the MUL's output.
+bool MatchWeightMul(const Graph& g, const ChainGather& gather, int mul, Chain* chain,
+                    int* weights, int* product) {
   TfLiteNode* nn;
   TfLiteRegistration* nreg;
-  if (ctx->GetNodeAndRegistration(ctx, next, &nn, &nreg) != kTfLiteOk) return false;
-  *chain = Chain();
-  chain->gather = gather_node;
-  chain->intermediates.push_back(gathered);
-  int reduced = gathered;
-  int weights = -1;
-  if (nreg->builtin_code == kTfLiteBuiltinMul) {
-    if (!nn->inputs || nn->inputs->size != 2 || !nn->outputs || nn->outputs->size != 1 ||
-        nn->builtin_data == nullptr ||
-        static_cast<const TfLiteMulParams*>(nn->builtin_data)->activation != kTfLiteActNone)
-      return false;
-    weights = nn->inputs->data[0] == gathered ? nn->inputs->data[1] : nn->inputs->data[0];
-    if (weights == gathered) return false;  // x * x is not a bag
-    const TfLiteTensor* wt = g.Tensor(weights);
-    if (!wt || wt->type != kTfLiteFloat32 || g.Rank(weights) != gathered_rank ||
-        wt->dims->data[gathered_rank - 1] != 1)
-      return false;
-    for (int d = 0; d < gathered_rank - 1; ++d)
-      if (wt->dims->data[d] != it->dims->data[d]) return false;
-    chain->mul = next;
-    // Walk back over reshape-likes of the weights so the partition holds the
-    // whole chain (else the partitioner splits GATHER from MUL).
-    for (int depth = 0; depth < 4; ++depth) {
-      auto p = g.producer.find(weights);
-      int source;
-      if (p == g.producer.end() || g.SoleConsumer(weights) < 0 ||
-          !IsReshapeLike(g, p->second, &source))
-        break;
-      chain->weight_reshapes.insert(chain->weight_reshapes.begin(), p->second);
-      chain->intermediates.push_back(weights);
-      weights = source;
-    }
-    reduced = nn->outputs->data[0];
-    chain->intermediates.push_back(reduced);
-    next = g.SoleConsumer(reduced);
-    if (next < 0 || ctx->GetNodeAndRegistration(ctx, next, &nn, &nreg) != kTfLiteOk) return false;
+  if (g.context->GetNodeAndRegistration(g.context, mul, &nn, &nreg) != kTfLiteOk) return false;
+  if (!nn->inputs || nn->inputs->size != 2 || !nn->outputs || nn->outputs->size != 1 ||
+      nn->builtin_data == nullptr ||
+      static_cast<const TfLiteMulParams*>(nn->builtin_data)->activation != kTfLiteActNone)
+    return false;
+  const int gathered = gather.gathered;
+  int w = nn->inputs->data[0] == gathered ? nn->inputs->data[1] : nn->inputs->data[0];
+  if (w == gathered) return false;  // x * x is not a bag
+  const TfLiteTensor* wt = g.Tensor(w);
+  const TfLiteTensor* it = g.Tensor(gather.indices);
+  const int rank = gather.gathered_rank;
+  if (!wt || wt->type != kTfLiteFloat32 || g.Rank(w) != rank || wt->dims->data[rank - 1] != 1)
+    return false;
+  for (int d = 0; d < rank - 1; ++d)
+    if (wt->dims->data[d] != it->dims->data[d]) return false;
+  chain->mul = mul;
+  // Walk back over reshape-likes of the weights so the partition holds the
+  // whole chain (else the partitioner splits GATHER from MUL).
+  for (int depth = 0; depth < 4; ++depth) {
+    auto p = g.producer.find(w);
+    int source;
+    if (p == g.producer.end() || g.SoleConsumer(w) < 0 || !IsReshapeLike(g, p->second, &source))
+      break;
+    chain->weight_reshapes.insert(chain->weight_reshapes.begin(), p->second);
+    chain->intermediates.push_back(w);
+    w = source;
   }
+  *weights = w;
+  *product = nn->outputs->data[0];
+  chain->intermediates.push_back(*product);
+  return true;
+}
+
+// SUM node `sum` of `reduced` over the bag axis; returns its keep_dims.
+bool MatchBagSum(const Graph& g, const ChainGather& gather, int sum, int reduced,
+                 bool* keep_dims, int* output) {
+  TfLiteNode* nn;
+  TfLiteRegistration* nreg;
+  if (g.context->GetNodeAndRegistration(g.context, sum, &nn, &nreg) != kTfLiteOk) return false;
   if (nreg->builtin_code != kTfLiteBuiltinSum || !nn->inputs || nn->inputs->size != 2 ||
       nn->inputs->data[0] != reduced || !nn->outputs || nn->outputs->size != 1 ||
       nn->builtin_data == nullptr)
     return false;
   int axis;
   if (!ConstAxis(g, nn->inputs->data[1], &axis)) return false;
-  if (axis < 0) axis += gathered_rank;
-  if (axis != bag_axis) return false;
+  if (axis < 0) axis += gather.gathered_rank;
+  if (axis != gather.bag_axis) return false;
+  *keep_dims = static_cast<const TfLiteReducerParams*>(nn->builtin_data)->keep_dims;
+  *output = nn->outputs->data[0];
+  return true;
+}
+
+// Matches GATHER(params[N,D] float32, indices) -> [MUL(x, w[...,K,1])] ->
+// SUM(axis = bag axis), the sequence the converter emits for
+// reduce_sum(gather(table, idx) * w[..., None], axis=-2).
+bool MatchChain(const Graph& g, int gather_node, Chain* chain) {
+  ChainGather gather;
+  if (!MatchGather(g, gather_node, &gather)) return false;
+  *chain = Chain();
+  chain->gather = gather_node;
+  chain->intermediates.push_back(gather.gathered);
+  int next = g.SoleConsumer(gather.gathered);
+  TfLiteNode* nn;
+  TfLiteRegistration* nreg;
+  if (next < 0 || g.context->GetNodeAndRegistration(g.context, next, &nn, &nreg) != kTfLiteOk)
+    return false;
+  int reduced = gather.gathered, weights = -1;
+  if (nreg->builtin_code == kTfLiteBuiltinMul) {
+    if (!MatchWeightMul(g, gather, next, chain, &weights, &reduced)) return false;
+    next = g.SoleConsumer(reduced);
+    if (next < 0) return false;
+  }
+  bool keep_dims;
+  int output;
+  if (!MatchBagSum(g, gather, next, reduced, &keep_dims, &output)) return false;
   chain->sum = next;
   BagSpec& s = chain->spec;
-  s.table = params;
-  s.indices = indices;
+  s.table = gather.params;
+  s.indices = gather.indices;
   s.weights = weights;
-  s.output = nn->outputs->data[0];
+  s.output = output;
   s.combiner = Combiner::kSum;
   s.composite = true;
-  s.keep_dims = static_cast<const TfLiteReducerParams*>(nn->builtin_data)->keep_dims;
+  s.keep_dims = keep_dims;
   s.what = "PkmEmbeddingBag (fused GATHER/MUL/SUM)";
   return true;
 }
@@ -274,7 +318,8 @@ void* KernelInit(TfLiteContext* context, const char* buffer, size_t length) {
       return kd;
     }
     Unit unit;
-    if (IsCustomBag(reg)) {
+    bool ragged = false;
+    if (IsCustomBag(reg, &ragged)) {
       OpOptions options;
       std::string err;
       if (!ParseOpOptions(node->custom_initial_data,
@@ -283,7 +328,7 @@ void* KernelInit(TfLiteContext* context, const char* buffer, size_t length) {
         kd->error = "node " + std::to_string(n) + ": " + err;
         return kd;
       }
-      if (SpecFromCustomNode(context, node, options, &unit.spec) != kTfLiteOk) {
+      if (SpecFromCustomNode(context, node, options, ragged, &unit.spec) != kTfLiteOk) {
         kd->error = "node " + std::to_string(n) + " is malformed (see above)";
         return kd;
       }

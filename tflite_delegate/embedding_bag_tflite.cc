@@ -169,8 +169,13 @@ TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* s
   if (!ToElemType(table->type, &table_type))
     return c.Fail("params must be float32, float16, bfloat16 or int8 (per-row quantised), got " +
                   TypeName(table->type));
+  const bool ragged = spec.row_splits >= 0;
+  const std::string ids_role = ragged ? "values" : "indices";
   if (indices->type != kTfLiteInt32 && indices->type != kTfLiteInt64)
-    return c.Fail("indices must be int32 or int64, got " + TypeName(indices->type));
+    return c.Fail(ids_role + " must be int32 or int64, got " + TypeName(indices->type));
+  if (ragged && idims.size() != 1)
+    return c.Fail("values must be rank 1 (the flat ids of all bags), got shape " +
+                  ShapeString(idims));
   if (idims.empty()) return c.Fail("indices must have rank >= 1 ([..., K]), got a scalar");
   ElemType out_type;
   if (!ToElemType(output->type, &out_type) || out_type == ElemType::kInt8)
@@ -197,14 +202,34 @@ TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* s
   const int64_t index_size = indices->type == kTfLiteInt64 ? 8 : 4;
   int64_t table_elems, table_bytes, num_indices, index_bytes;
   if (c.Size("params", tdims, ElemSize(table_type), &table_elems, &table_bytes) != kTfLiteOk ||
-      c.Size("indices", idims, index_size, &num_indices, &index_bytes) != kTfLiteOk)
+      c.Size(ids_role.c_str(), idims, index_size, &num_indices, &index_bytes) != kTfLiteOk)
     return kTfLiteError;
   Bags& b = bound->bags;
   b.indices = indices->data.data;
   b.indices_int64 = indices->type == kTfLiteInt64;
-  b.bag_size = idims.back();
-  if (!CheckedNumElements(idims.data(), idims.size() - 1, &b.num_bags))
-    return c.Fail("indices shape too large: " + ShapeString(idims));
+  if (ragged) {
+    // Only the layout is read here; the core checks the splits' values
+    // (start at 0, non-decreasing, end at num_values) before using them.
+    TfLiteTensor* splits;
+    std::vector<int64_t> sdims;
+    if (c.Get(spec.row_splits, "row_splits", &splits, &sdims) != kTfLiteOk) return kTfLiteError;
+    if (splits->type != kTfLiteInt32 && splits->type != kTfLiteInt64)
+      return c.Fail("row_splits must be int32 or int64, got " + TypeName(splits->type));
+    if (sdims.size() != 1 || sdims[0] < 1)
+      return c.Fail("row_splits must be rank 1 with at least one element ([num_bags + 1]), got shape " +
+                    ShapeString(sdims));
+    const int64_t split_bytes = sdims[0] * (splits->type == kTfLiteInt64 ? 8 : 4);
+    if (check_buffers && (splits->data.data == nullptr || splits->bytes < static_cast<size_t>(split_bytes)))
+      return c.Fail("row_splits buffer is smaller than its shape " + ShapeString(sdims));
+    b.row_splits = splits->data.data;
+    b.row_splits_int64 = splits->type == kTfLiteInt64;
+    b.num_bags = sdims[0] - 1;
+    b.num_values = idims[0];
+  } else {
+    b.bag_size = idims.back();
+    if (!CheckedNumElements(idims.data(), idims.size() - 1, &b.num_bags))
+      return c.Fail("indices shape too large: " + ShapeString(idims));
+  }
   if (spec.weights >= 0) {
     TfLiteTensor* weights;
     std::vector<int64_t> wdims;
@@ -232,9 +257,12 @@ TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* s
   if (check_buffers && table_bytes > 0 && (t.data == nullptr || table->bytes < static_cast<size_t>(table_bytes)))
     return c.Fail("params buffer is smaller than its shape " + ShapeString(tdims));
   if (check_buffers && index_bytes > 0 && (b.indices == nullptr || indices->bytes < static_cast<size_t>(index_bytes)))
-    return c.Fail("indices buffer is smaller than its shape " + ShapeString(idims));
+    return c.Fail(ids_role + " buffer is smaller than its shape " + ShapeString(idims));
 
-  bound->out_dims.assign(idims.begin(), idims.end() - 1);
+  if (ragged)
+    bound->out_dims.assign(1, b.num_bags);
+  else
+    bound->out_dims.assign(idims.begin(), idims.end() - 1);
   if (spec.composite && spec.keep_dims) bound->out_dims.push_back(1);
   bound->out_dims.push_back(t.dim);
   int64_t out_elems;
@@ -296,6 +324,12 @@ Status CheckGatherIndices(const Table& table, const Bags& bags, const ParallelFo
 
 }  // namespace
 
+bool IsBagCustomOpName(const char* name, bool* ragged) {
+  if (name == nullptr) return false;
+  *ragged = std::strcmp(name, kRaggedCustomOpName) == 0;
+  return *ragged || std::strcmp(name, kCustomOpName) == 0;
+}
+
 bool ParseOpOptions(const void* data, size_t size, OpOptions* options, std::string* error) {
   *options = OpOptions();
   if (data == nullptr || size == 0) return true;
@@ -341,7 +375,7 @@ TfLiteStatus PrepareBag(TfLiteContext* context, const BagSpec& spec, BagState* s
   // output is made dynamic (as SetTensorToDynamic does: the arena keeps its
   // memory, so the pointer is dropped rather than realloc()ed later).
   bool dynamic_input = false;
-  for (int idx : {spec.table, spec.indices, spec.weights})
+  for (int idx : {spec.table, spec.indices, spec.row_splits, spec.weights})
     if (idx >= 0 && static_cast<size_t>(idx) < context->tensors_size &&
         context->tensors[idx].allocation_type == kTfLiteDynamic)
       dynamic_input = true;
@@ -406,9 +440,30 @@ TfLiteStatus InvokeBag(TfLiteContext* context, const BagSpec& spec, const BagSta
 }
 
 TfLiteStatus SpecFromCustomNode(TfLiteContext* context, const TfLiteNode* node,
-                                const OpOptions& options, BagSpec* spec) {
+                                const OpOptions& options, bool ragged, BagSpec* spec) {
   const int num_inputs = node->inputs ? node->inputs->size : 0;
   const int num_outputs = node->outputs ? node->outputs->size : 0;
+  if (ragged) {
+    if (num_inputs != 3 && num_inputs != 4) {
+      context->ReportError(context,
+                           "%s: expects 3 or 4 inputs (params, values, row_splits[, weights]), got %d",
+                           kRaggedCustomOpName, num_inputs);
+      return kTfLiteError;
+    }
+    if (num_outputs != 1) {
+      context->ReportError(context, "%s: expects 1 output, got %d", kRaggedCustomOpName, num_outputs);
+      return kTfLiteError;
+    }
+    *spec = BagSpec();
+    spec->what = kRaggedCustomOpName;
+    spec->table = node->inputs->data[0];
+    spec->indices = node->inputs->data[1];
+    spec->row_splits = node->inputs->data[2];
+    spec->output = node->outputs->data[0];
+    spec->combiner = options.combiner;
+    if (num_inputs == 4 && options.has_weights) spec->weights = node->inputs->data[3];
+    return kTfLiteOk;
+  }
   if (num_inputs != 2 && num_inputs != 3) {
     context->ReportError(context,
                          "PkmEmbeddingBag: expects 2 or 3 inputs (params, indices[, weights]), got %d",
@@ -440,6 +495,7 @@ using pkm::tflite::OpOptions;
 
 // Per-node data of the plain custom-op registration.
 struct CustomOpData {
+  bool ragged = false;
   OpOptions options;
   std::string options_error;
   BagSpec spec;
@@ -447,12 +503,19 @@ struct CustomOpData {
   std::shared_ptr<pkm::tflite::ThreadPool> pool;  // shared by all nodes with this thread count
 };
 
-void* CustomInit(TfLiteContext* context, const char* buffer, size_t length) {
+void* CustomInit(TfLiteContext* context, const char* buffer, size_t length, bool ragged) {
   auto* data = new CustomOpData;
+  data->ragged = ragged;
   if (!pkm::tflite::ParseOpOptions(buffer, length, &data->options, &data->options_error) &&
       data->options_error.empty())
     data->options_error = "invalid custom_options";
   return data;
+}
+void* CustomInitDense(TfLiteContext* context, const char* buffer, size_t length) {
+  return CustomInit(context, buffer, length, false);
+}
+void* CustomInitRagged(TfLiteContext* context, const char* buffer, size_t length) {
+  return CustomInit(context, buffer, length, true);
 }
 
 void CustomFree(TfLiteContext* context, void* buffer) { delete static_cast<CustomOpData*>(buffer); }
@@ -461,10 +524,13 @@ TfLiteStatus CustomPrepare(TfLiteContext* context, TfLiteNode* node) {
   auto* data = static_cast<CustomOpData*>(node->user_data);
   if (data == nullptr) return kTfLiteError;
   if (!data->options_error.empty()) {
-    context->ReportError(context, "PkmEmbeddingBag: %s", data->options_error.c_str());
+    context->ReportError(context, "%s: %s",
+                         data->ragged ? pkm::tflite::kRaggedCustomOpName : pkm::tflite::kCustomOpName,
+                         data->options_error.c_str());
     return kTfLiteError;
   }
-  if (pkm::tflite::SpecFromCustomNode(context, node, data->options, &data->spec) != kTfLiteOk)
+  if (pkm::tflite::SpecFromCustomNode(context, node, data->options, data->ragged, &data->spec) !=
+      kTfLiteOk)
     return kTfLiteError;
   const int threads = context->recommended_num_threads > 0 ? context->recommended_num_threads : 1;
   if (!data->pool || data->pool->num_threads() != threads)
@@ -480,18 +546,27 @@ TfLiteStatus CustomInvoke(TfLiteContext* context, TfLiteNode* node) {
 
 }  // namespace
 
+namespace {
+TfLiteRegistration MakeRegistration(bool ragged) {
+  TfLiteRegistration r;
+  std::memset(&r, 0, sizeof(r));  // fields a newer runtime reads must be zero
+  r.init = ragged ? CustomInitRagged : CustomInitDense;
+  r.free = CustomFree;
+  r.prepare = CustomPrepare;
+  r.invoke = CustomInvoke;
+  r.builtin_code = kTfLiteBuiltinCustom;
+  r.custom_name = ragged ? pkm::tflite::kRaggedCustomOpName : pkm::tflite::kCustomOpName;
+  r.version = 1;
+  return r;
+}
+}  // namespace
+
 extern "C" TfLiteRegistration* PkmEmbeddingBagRegistration() {
-  static TfLiteRegistration registration = [] {
-    TfLiteRegistration r;
-    std::memset(&r, 0, sizeof(r));  // fields a newer runtime reads must be zero
-    r.init = CustomInit;
-    r.free = CustomFree;
-    r.prepare = CustomPrepare;
-    r.invoke = CustomInvoke;
-    r.builtin_code = kTfLiteBuiltinCustom;
-    r.custom_name = pkm::tflite::kCustomOpName;
-    r.version = 1;
-    return r;
-  }();
+  static TfLiteRegistration registration = MakeRegistration(false);
+  return &registration;
+}
+
+extern "C" TfLiteRegistration* PkmRaggedEmbeddingBagRegistration() {
+  static TfLiteRegistration registration = MakeRegistration(true);
   return &registration;
 }

@@ -17,6 +17,11 @@ namespace pkm {
 namespace tflite {
 
 constexpr const char kCustomOpName[] = "PkmEmbeddingBag";
+// Ragged bags (values + row_splits), as fused from embedding_lookup_sparse.
+constexpr const char kRaggedCustomOpName[] = "PkmRaggedEmbeddingBag";
+
+// True if `name` is one of the two custom ops; *ragged says which.
+bool IsBagCustomOpName(const char* name, bool* ragged);
 
 struct OpOptions {
   Combiner combiner = Combiner::kSum;
@@ -49,8 +54,9 @@ inline bool CheckedBytes(int64_t num_elements, int64_t elem_size, int64_t* out) 
 // One embedding bag bound to tensor indices of a subgraph.
 struct BagSpec {
   int table = -1;
-  int indices = -1;
-  int weights = -1;  // -1: all ones
+  int indices = -1;     // dense: [..., K]; ragged: the flat values [num_values]
+  int row_splits = -1;  // ragged layout when >= 0: [num_bags + 1], int32 or int64
+  int weights = -1;     // -1: all ones; else shaped like indices
   int output = -1;
   Combiner combiner = Combiner::kSum;
   // Stock composite: weights are the MUL operand shaped [..., K, 1] and the
@@ -72,9 +78,10 @@ TfLiteStatus PrepareBag(TfLiteContext* context, const BagSpec& spec, BagState* s
 TfLiteStatus InvokeBag(TfLiteContext* context, const BagSpec& spec,
                        const BagState& state, const ParallelFor& pf);
 
-// Builds the spec of a PkmEmbeddingBag custom node. Errors via context.
+// Builds the spec of a PkmEmbeddingBag (ragged: PkmRaggedEmbeddingBag)
+// custom node. Errors via context.
 TfLiteStatus SpecFromCustomNode(TfLiteContext* context, const TfLiteNode* node,
-                                const OpOptions& options, BagSpec* spec);
+                                const OpOptions& options, bool ragged, BagSpec* spec);
 
 }  // namespace tflite
 }  // namespace pkm
@@ -82,6 +89,8 @@ TfLiteStatus SpecFromCustomNode(TfLiteContext* context, const TfLiteNode* node,
 extern "C" {
 // For C++ apps: resolver.AddCustom("PkmEmbeddingBag", PkmEmbeddingBagRegistration()).
 __attribute__((visibility("default"))) TfLiteRegistration* PkmEmbeddingBagRegistration();
+// resolver.AddCustom("PkmRaggedEmbeddingBag", PkmRaggedEmbeddingBagRegistration()).
+__attribute__((visibility("default"))) TfLiteRegistration* PkmRaggedEmbeddingBagRegistration();
 }
 
 #endif  // PKM_TFLITE_DELEGATE_EMBEDDING_BAG_TFLITE_H_

@@ -439,9 +439,149 @@ bool NodesShareOnePool() {
 
 }  // namespace
 
+// PkmRaggedEmbeddingBag (params, values, row_splits, weights) on random,
+// mostly well-formed ragged bags: runs must match the core's reference, and
+// every rejection (bad splits, types, shapes) must carry a message.
+bool RaggedFuzz(int iterations, int* ok_runs, int* checked, int* errors) {
+  TfLiteRegistration* reg = PkmRaggedEmbeddingBagRegistration();
+  for (int it = 0; it < iterations; ++it) {
+    Fixture f;
+    f.context.ReportError = ReportError;
+    f.context.ResizeTensor = ResizeTensor;
+    f.context.recommended_num_threads = Rand(1, 3);
+    f.tensors.resize(5);
+    for (auto& t : f.tensors) std::memset(&t, 0, sizeof(t));
+    const int rows = Rand(0, 30), dim = Rand(0, 7), bags = Rand(0, 6);
+    std::vector<int64_t> splits(1, 0);
+    for (int b = 0; b < bags; ++b) splits.push_back(splits.back() + Rand(0, 4));
+    int nnz = static_cast<int>(splits.back());
+    const int corrupt = Rand(0, 9);  // 0..3: malformed in one way; else well formed
+    if (corrupt == 0 && splits.size() > 1) splits[0] = 1;
+    if (corrupt == 1 && splits.size() > 2) std::swap(splits[1], splits.back());
+    if (corrupt == 2) nnz += 1;  // values longer than the splits say
+    const bool splits64 = Coin();
+    const TfLiteType types[5] = {RandType(kTfLiteFloat32, 0.9),
+                                 RandType(Coin() ? kTfLiteInt32 : kTfLiteInt64, 0.9),
+                                 splits64 ? kTfLiteInt64 : RandType(kTfLiteInt32, 0.95),
+                                 RandType(kTfLiteFloat32, 0.9), kTfLiteFloat32};
+    const std::vector<int> dims[5] = {
+        Coin(0.95) ? std::vector<int>{rows, dim} : RandDims(3, 4),
+        corrupt == 3 ? std::vector<int>{nnz, 1} : std::vector<int>{nnz},
+        Coin(0.97) ? std::vector<int>{static_cast<int>(splits.size())} : RandDims(2, 3),
+        Coin(0.95) ? std::vector<int>{nnz} : RandDims(2, 4), {}};
+    for (int i = 0; i < 5; ++i) {
+      f.tensors[i].type = types[i];
+      f.tensors[i].dims = IntArray(dims[i]);
+      f.tensors[i].allocation_type = (i < 4 && Coin(0.1)) ? kTfLiteDynamic : kTfLiteArenaRw;
+      SetData(&f.tensors[i]);
+      FillRandom(&f.tensors[i], rows);
+    }
+    TfLiteTensor& st_splits = f.tensors[2];
+    for (int64_t i = 0; i < Count(st_splits.dims) && i < static_cast<int64_t>(splits.size()); ++i) {
+      if (st_splits.type == kTfLiteInt64) reinterpret_cast<int64_t*>(st_splits.data.raw)[i] = splits[i];
+      if (st_splits.type == kTfLiteInt32) reinterpret_cast<int32_t*>(st_splits.data.raw)[i] = static_cast<int32_t>(splits[i]);
+    }
+    f.context.tensors = f.tensors.data();
+    f.context.tensors_size = f.tensors.size();
+    TfLiteNode node;
+    std::memset(&node, 0, sizeof(node));
+    node.inputs = IntArray(Coin(0.95) ? std::vector<int>{0, 1, 2, 3} : std::vector<int>{0, 1, 2});
+    node.outputs = IntArray({4});
+    node.user_data = reg->init(&f.context, nullptr, 0);
+    g_last_error.clear();
+    TfLiteStatus st = reg->prepare(&f.context, &node);
+    if (st == kTfLiteOk) st = reg->invoke(&f.context, &node);
+    if (st == kTfLiteOk) {
+      ++*ok_runs;
+      const bool reference_checkable = types[0] == kTfLiteFloat32 && dims[0].size() == 2 &&
+                                       f.tensors[4].type == kTfLiteFloat32;
+      if (reference_checkable) {
+        ++*checked;
+        pkm::Table t;
+        t.data = f.tensors[0].data.raw;
+        t.num_rows = dims[0][0];
+        t.dim = dims[0][1];
+        pkm::Bags b;
+        b.indices = f.tensors[1].data.raw;
+        b.indices_int64 = types[1] == kTfLiteInt64;
+        b.row_splits = st_splits.data.raw;
+        b.row_splits_int64 = st_splits.type == kTfLiteInt64;
+        b.num_bags = Count(st_splits.dims) - 1;
+        b.num_values = Count(f.tensors[1].dims);
+        if (node.inputs->size == 4) {
+          b.weights = f.tensors[3].data.raw;
+          if (types[3] == kTfLiteFloat16) b.weights_type = pkm::ElemType::kFloat16;
+          if (types[3] == kTfLiteBFloat16) b.weights_type = pkm::ElemType::kBFloat16;
+        }
+        std::vector<float> expect(static_cast<size_t>(b.num_bags * t.dim) + 1);
+        const pkm::Status s = pkm::ReferenceForward(t, b, pkm::Combiner::kSum, expect.data(),
+                                                    pkm::ElemType::kFloat32);
+        EXPECT(s.ok, "ragged reference failed where the kernel succeeded: %s", s.message.c_str());
+        const float* got = reinterpret_cast<const float*>(f.tensors[4].data.raw);
+        for (int64_t i = 0; i < b.num_bags * t.dim; ++i)
+          EXPECT(std::fabs(got[i] - expect[i]) <= 1e-4f * (1.f + std::fabs(expect[i])),
+                 "ragged mismatch at %lld: %g vs %g", static_cast<long long>(i), got[i], expect[i]);
+      }
+    } else {
+      ++*errors;
+      EXPECT(!g_last_error.empty(), "ragged iteration %d: kTfLiteError without a message", it);
+    }
+    reg->free(&f.context, node.user_data);
+    std::free(node.inputs);
+    std::free(node.outputs);
+  }
+  return true;
+}
+
+// Malformed row_splits are errors that name the problem.
+bool BadRowSplitsAreRejected() {
+  struct Case { std::vector<int64_t> splits; int nnz; const char* message; };
+  const Case cases[] = {
+      {{0, 2, 3}, 3, nullptr},
+      {{1, 2, 3}, 3, "row_splits"},
+      {{0, 3, 2}, 3, "row_splits"},
+      {{0, 1, 2}, 3, "row_splits"},
+      {{}, 3, "row_splits must be rank 1 with at least one element"},
+  };
+  TfLiteRegistration* reg = PkmRaggedEmbeddingBagRegistration();
+  for (const Case& c : cases) {
+    Fixture f;
+    f.tensors.resize(5);
+    SmallTensor(&f, 0, kTfLiteFloat32, {4, 2});
+    SmallTensor(&f, 1, kTfLiteInt64, {c.nnz});
+    SmallTensor(&f, 2, kTfLiteInt64, {static_cast<int>(c.splits.size())});
+    SmallTensor(&f, 3, kTfLiteFloat32, {c.nnz});
+    SmallTensor(&f, 4, kTfLiteFloat32, {});
+    for (size_t i = 0; i < c.splits.size(); ++i) f.tensors[2].data.i64[i] = c.splits[i];
+    f.context.ReportError = ReportError;
+    f.context.ResizeTensor = ResizeTensor;
+    f.context.tensors = f.tensors.data();
+    f.context.tensors_size = f.tensors.size();
+    TfLiteNode node;
+    std::memset(&node, 0, sizeof(node));
+    node.inputs = IntArray({0, 1, 2, 3});
+    node.outputs = IntArray({4});
+    node.user_data = reg->init(&f.context, nullptr, 0);
+    g_last_error.clear();
+    TfLiteStatus st = reg->prepare(&f.context, &node);
+    if (st == kTfLiteOk) st = reg->invoke(&f.context, &node);
+    reg->free(&f.context, node.user_data);
+    std::free(node.inputs);
+    std::free(node.outputs);
+    if (c.message == nullptr) {
+      EXPECT(st == kTfLiteOk, "ragged splits ok: '%s'", g_last_error.c_str());
+    } else {
+      EXPECT(st == kTfLiteError && g_last_error.find(c.message) != std::string::npos &&
+                 g_last_error.find("PkmRaggedEmbeddingBag") != std::string::npos,
+             "bad splits: status %d, message '%s'", static_cast<int>(st), g_last_error.c_str());
+    }
+  }
+  return true;
+}
+
 int main(int argc, char** argv) {
   if (!HugeShapesAreRejected() || !BadScalesAreRejected() || !FusedChainRejectsNegativeIndices() ||
-      !NodesShareOnePool())
+      !NodesShareOnePool() || !BadRowSplitsAreRejected())
     return 1;
   std::printf("deterministic cases passed\n");
   const int iterations = argc > 1 ? std::atoi(argv[1]) : 2000;
@@ -544,5 +684,10 @@ int main(int argc, char** argv) {
   std::printf("fuzz: %d iterations, %d ran ok (%d checked against the reference), %d rejected "
               "with a message; flexbuffer: %d/%d parsed\n",
               iterations, ok_runs, checked, errors, parsed, iterations * 5);
-  return ok_runs > 0 && errors > 0 && checked > 0 ? 0 : 1;
+  int ragged_ok = 0, ragged_checked = 0, ragged_errors = 0;
+  if (!RaggedFuzz(iterations, &ragged_ok, &ragged_checked, &ragged_errors)) return 1;
+  std::printf("ragged fuzz: %d iterations, %d ran ok (%d checked against the reference), %d "
+              "rejected with a message\n", iterations, ragged_ok, ragged_checked, ragged_errors);
+  return ok_runs > 0 && errors > 0 && checked > 0 && ragged_checked > 0 && ragged_errors > 0
+             ? 0 : 1;
 }

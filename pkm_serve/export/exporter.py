@@ -20,14 +20,18 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from pkm_serve.export import files, tflite_export
+from pkm_serve.export import verify as V
+from pkm_serve.export.errors import ExportError
+from pkm_serve.export.files import FINGERPRINT_PB, SAVED_MODEL_PB
 from pkm_serve.export.patterns import Site, rewrite_function
+from pkm_serve.export.progress import Progress
 
-SAVED_MODEL_PB = "saved_model.pb"
-FINGERPRINT_PB = "fingerprint.pb"
+__all__ = ["ExportError", "ExportResult", "build_parser", "export_saved_model",
+           "format_report", "main", "read_saved_model", "verify_signatures"]
 
-
-class ExportError(Exception):
-    """A problem the user can fix; the message says what it is."""
+# Version of the --report JSON layout (bumped when a key changes).
+REPORT_SCHEMA_VERSION = 2
 
 
 @dataclasses.dataclass
@@ -52,6 +56,7 @@ class ExportResult:
     def to_json(self) -> dict:
         saved = [s.saved_bytes_at_batch for s in self.fused if s.saved_bytes_at_batch]
         return {
+            "schema_version": REPORT_SCHEMA_VERSION,
             "src": self.src, "dst": self.dst, "version": self.version,
             "batch_size": self.batch_size, "message": self.message,
             "sites_found": len(self.sites), "sites_fused": len(self.fused),
@@ -60,17 +65,6 @@ class ExportResult:
             "sites": [s.to_json() for s in self.sites],
             "verification": self.verification, "tflite": self.tflite,
         }
-
-
-def _log(msg: str, quiet: bool) -> None:
-    if not quiet:
-        print(msg, file=sys.stderr, flush=True)
-
-
-def _progress(iterable, desc: str, quiet: bool, total: Optional[int] = None):
-    from tqdm import tqdm
-    return tqdm(iterable, desc=desc, total=total, disable=quiet, leave=False,
-                file=sys.stderr, unit="fn" if desc.startswith("rewrit") else "it")
 
 
 def read_saved_model(src: str):
@@ -103,16 +97,26 @@ def read_saved_model(src: str):
     return proto
 
 
-def fuse_saved_model_proto(proto, batch_size: int, quiet: bool = True,
-                           fuse: bool = True) -> List[Site]:
-    """Rewrites every function of every MetaGraph in place; returns the sites."""
+def fuse_saved_model_proto(proto, batch_size: int, fuse: bool = True,
+                           progress: Optional[Progress] = None) -> List[Site]:
+    """Rewrites every function of every MetaGraph in place; returns the sites.
+    The MetaGraph's op list is only touched where a site was fused, so a
+    model without one keeps its exact graph (and its convertibility)."""
+    progress = progress or Progress(quiet=True)
     sites: List[Site] = []
-    for meta_graph in proto.meta_graphs:
-        library = meta_graph.graph_def.library
-        sigs = {f.signature.name: f.signature for f in library.function}
-        for fdef in _progress(library.function, "rewriting functions", quiet):
-            sites.extend(rewrite_function(fdef, sigs, batch_size, fuse=fuse))
-        _record_new_ops(meta_graph)
+    total = sum(len(mg.graph_def.library.function) for mg in proto.meta_graphs)
+    with progress.phase("rewriting functions", total=total, unit="functions") as phase:
+        for meta_graph in proto.meta_graphs:
+            library = meta_graph.graph_def.library
+            sigs = {f.signature.name: f.signature for f in library.function}
+            fused_here = False
+            for fdef in library.function:
+                found = rewrite_function(fdef, sigs, batch_size, fuse_sites=fuse)
+                fused_here |= any(s.status == "fused" for s in found)
+                sites.extend(found)
+                phase.advance()
+            if fuse and fused_here:
+                _record_new_ops(meta_graph)
     return sites
 
 
@@ -133,31 +137,6 @@ def _record_new_ops(meta_graph) -> None:
 def _serving_signatures(proto) -> List[str]:
     return sorted(k for k in proto.meta_graphs[0].signature_def
                   if not k.startswith("__"))
-
-
-def _next_version(dst: str) -> int:
-    if not os.path.isdir(dst):
-        return 1
-    versions = [int(d) for d in os.listdir(dst) if d.isdigit()]
-    return max(versions) + 1 if versions else 1
-
-
-def _copy_tree(src: str, dst: str) -> None:
-    """Copies SRC except saved_model.pb and fingerprint.pb (both rewritten)."""
-    os.makedirs(dst, exist_ok=True)
-    for entry in os.listdir(src):
-        if entry in (SAVED_MODEL_PB, FINGERPRINT_PB):
-            continue
-        from_path, to_path = os.path.join(src, entry), os.path.join(dst, entry)
-        if os.path.isdir(from_path):
-            shutil.copytree(from_path, to_path)
-        else:
-            shutil.copy2(from_path, to_path)
-
-
-def _tree_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, f))
-               for root, _, files in os.walk(path) for f in files)
 
 
 def _write_fingerprint(export_dir: str) -> None:
@@ -187,53 +166,57 @@ def _load_op_library():
             from None
 
 
-def verify(src: str, fused_dir: str, signatures: Sequence[str], index_limit: int,
-           samples: Optional[Dict[str, np.ndarray]], batch_size: int, quiet: bool,
-           rtol: Optional[float] = None) -> List[dict]:
+def verify_signatures(src: str, fused_dir: str, signatures: Sequence[str],
+                      index_limit: int, samples: Optional[Dict[str, np.ndarray]],
+                      batch_size: int, progress: Progress, rtol: Optional[float] = None,
+                      precision: Optional[str] = None) -> List[dict]:
     """Runs every signature of the original and the fused model on the same
-    inputs; raises VerificationError past tolerance."""
+    inputs; raises VerificationError past tolerance. `precision` (a dtype
+    name) widens the tolerance where a fused site computes in half precision."""
     import tensorflow as tf
-    from pkm_serve.export import verify as V
 
-    original = tf.saved_model.load(src)
-    try:
-        fused = tf.saved_model.load(fused_dir)
-    except Exception as e:  # noqa: BLE001 - any load failure means a bad rewrite
-        raise V.VerificationError(f"the fused SavedModel does not load: {e}") from None
     rows = []
-    for name in _progress(signatures, "verifying signatures", quiet):
-        fn_orig, fn_fused = original.signatures[name], fused.signatures[name]
-        specs = V.signature_input_specs(fn_orig)
-        if samples is not None:
-            inputs = V.sample_inputs_for(name, specs, samples)
-        else:
-            inputs = V.generate_inputs(specs, index_limit, batch_size)
+    with progress.phase("verifying signatures", total=len(signatures),
+                        unit="signatures") as phase:
+        original = tf.saved_model.load(src)
         try:
-            want = {k: v.numpy() for k, v in fn_orig(**inputs).items()}
-        except tf.errors.OpError as e:
-            raise V.VerificationError(
-                f"the original model fails on the {'sample' if samples else 'generated'} "
-                f"inputs of signature {name!r}: {e.message}") from None
-        try:
-            got = {k: v.numpy() for k, v in fn_fused(**inputs).items()}
-        except tf.errors.OpError as e:
-            raise V.VerificationError(f"the fused signature {name!r} fails where the "
-                                      f"original runs: {e.message}") from None
-        rows.extend(V.compare_outputs(name, want, got, rtol))
+            fused = tf.saved_model.load(fused_dir)
+        except Exception as e:  # noqa: BLE001 - any load failure means a bad rewrite
+            raise V.VerificationError(f"the fused SavedModel does not load: {e}") from None
+        for name in signatures:
+            rows.extend(_verify_one(original, fused, name, index_limit, samples,
+                                    batch_size, rtol, precision))
+            phase.advance()
     return rows
 
 
-def export_saved_model(src: str, dst: str, version: Optional[int] = None,
-                       signatures: Optional[Sequence[str]] = None,
-                       tflite: Optional[str] = None, quantize_table: Optional[str] = None,
-                       sample_inputs: Optional[str] = None, batch_size: int = 4096,
-                       verify_batch_size: int = 8, rtol: Optional[float] = None,
-                       quiet: bool = False, report: Optional[str] = None) -> ExportResult:
-    """Fuses SRC into DST/<version>/ (and optionally a .tflite). See module doc."""
-    from pkm_serve.export import verify as V
+def _verify_one(original, fused, name: str, index_limit: int, samples, batch_size: int,
+                rtol: Optional[float], precision: Optional[str]) -> List[dict]:
+    """Runs one signature of both models on the same inputs and compares."""
+    import tensorflow as tf
 
-    src = os.path.abspath(src)
-    dst = os.path.abspath(dst)
+    fn_orig, fn_fused = original.signatures[name], fused.signatures[name]
+    specs = V.signature_input_specs(fn_orig)
+    if samples is not None:
+        inputs = V.sample_inputs_for(name, specs, samples)
+    else:
+        inputs = V.generate_inputs(specs, index_limit, batch_size)
+    try:
+        want = {k: v.numpy() for k, v in fn_orig(**inputs).items()}
+    except tf.errors.OpError as e:
+        raise V.VerificationError(
+            f"the original model fails on the {'sample' if samples else 'generated'} "
+            f"inputs of signature {name!r}: {e.message}") from None
+    try:
+        got = {k: v.numpy() for k, v in fn_fused(**inputs).items()}
+    except tf.errors.OpError as e:
+        raise V.VerificationError(f"the fused signature {name!r} fails where the "
+                                  f"original runs: {e.message}") from None
+    return V.compare_outputs(name, want, got, rtol, precision=precision)
+
+
+def _check_arguments(src: str, dst: str, batch_size: int, quantize_table: Optional[str],
+                     tflite: Optional[str]) -> None:
     if dst == src or dst.startswith(src + os.sep):
         raise ExportError(f"DST {dst} must not be SRC or inside it")
     if os.path.exists(dst) and not os.path.isdir(dst):
@@ -244,68 +227,129 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
         raise ExportError(f"--quantize-table supports only 'int8', got {quantize_table!r}")
     if quantize_table and not tflite:
         raise ExportError("--quantize-table applies to the .tflite: pass --tflite FILE too")
-    _log(f"loading {src}", quiet)
-    proto = read_saved_model(src)
+
+
+def _choose_signatures(proto, src: str, signatures: Optional[Sequence[str]]) -> List[str]:
     available = _serving_signatures(proto)
     # Accept "--signatures a b" and "--signatures a,b".
     chosen = [n for s in (signatures or []) for n in s.split(",") if n] or available
     unknown = [s for s in chosen if s not in available]
     if unknown:
         raise ExportError(f"unknown signature(s) {unknown}; {src} has {available}")
-    samples = None
-    if sample_inputs is not None:
-        try:
-            with np.load(sample_inputs, allow_pickle=False) as npz:
-                samples = {k: npz[k] for k in npz.files}
-        except (OSError, ValueError) as e:
-            raise ExportError(f"--sample-inputs {sample_inputs} is not a readable .npz: "
-                              f"{e}") from None
+    return chosen
+
+
+def _read_samples(sample_inputs: Optional[str]) -> Optional[Dict[str, np.ndarray]]:
+    if sample_inputs is None:
+        return None
+    try:
+        with np.load(sample_inputs, allow_pickle=False) as npz:
+            return {k: npz[k] for k in npz.files}
+    except (OSError, ValueError) as e:
+        raise ExportError(f"--sample-inputs {sample_inputs} is not a readable .npz: "
+                          f"{e}") from None
+
+
+def _final_dir(dst: str, version: Optional[int]) -> tuple:
     if version is None:
-        version = _next_version(dst)
+        version = files.next_version(dst)
     if version < 0:
         raise ExportError(f"--version must be >= 0, got {version}")
     final_dir = os.path.join(dst, str(version))
     if os.path.exists(final_dir):
         raise ExportError(f"{final_dir} already exists: pick another --version "
                           "(versions are never overwritten: a server may be serving it)")
+    return version, final_dir
+
+
+def _lowest_fused_precision(sites: Sequence[Site]) -> Optional[str]:
+    """float16/bfloat16 if a fused site computes in it (its outputs then carry
+    half-precision rounding even where the signature returns float32)."""
+    halves = {s.dtype for s in sites if s.status == "fused"} | {
+        s.cast_to for s in sites if s.status == "fused" and s.cast_to}
+    for name in ("bfloat16", "float16"):
+        if name in halves:
+            return name
+    return None
+
+
+def _no_site_message(sites: Sequence[Site]) -> str:
+    if sites:
+        return "no composite gather-sum site could be fused: the model is exported unchanged"
+    return "no composite gather-sum sites found: the model is exported unchanged"
+
+
+def export_saved_model(src: str, dst: str, version: Optional[int] = None,
+                       signatures: Optional[Sequence[str]] = None,
+                       tflite: Optional[str] = None, quantize_table: Optional[str] = None,
+                       sample_inputs: Optional[str] = None, batch_size: int = 4096,
+                       verify_batch_size: int = 8, rtol: Optional[float] = None,
+                       quiet: bool = False, report: Optional[str] = None,
+                       progress: Optional[Progress] = None) -> ExportResult:
+    """Fuses SRC into DST/<version>/ (and optionally a .tflite). See module doc."""
+    src, dst = os.path.abspath(src), os.path.abspath(dst)
+    _check_arguments(src, dst, batch_size, quantize_table, tflite)
+    progress = progress or Progress(quiet=quiet)
+    progress.note(f"loading {src}")
+    proto = read_saved_model(src)
+    chosen = _choose_signatures(proto, src, signatures)
+    samples = _read_samples(sample_inputs)
+    version, final_dir = _final_dir(dst, version)
 
     _load_op_library()
-    _log("rewriting functions", quiet)
-    sites = fuse_saved_model_proto(proto, batch_size, quiet=quiet)
+    sites = fuse_saved_model_proto(proto, batch_size, progress=progress)
     result = ExportResult(src=src, dst=final_dir, version=version, sites=sites,
                           batch_size=batch_size)
     if not result.fused:
-        result.message = ("no composite gather-sum site could be fused: the model is "
-                          "exported unchanged" if sites else
-                          "no composite gather-sum sites found: the model is exported "
-                          "unchanged")
+        result.message = _no_site_message(sites)
+    _write_version(result, proto, chosen, samples, tflite, quantize_table,
+                   verify_batch_size, rtol, progress)
+    if report:
+        with open(report, "w") as f:
+            json.dump(result.to_json(), f, indent=2)
+    return result
+
+
+def _write_version(result: ExportResult, proto, chosen: List[str], samples, tflite,
+                   quantize_table, verify_batch_size: int, rtol, progress: Progress) -> None:
+    """Writes DST/<version> (and the .tflite) through temporaries renamed into
+    place only once everything has been verified; on any error nothing is
+    left behind."""
+    src, dst, final_dir = result.src, os.path.dirname(result.dst), result.dst
     created_dst = not os.path.exists(dst)
     os.makedirs(dst, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(prefix=f".{version}.tmp-", dir=dst)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{result.version}.tmp-", dir=dst)
     tmp_tflite = None
+    index_limit = _index_limit(result.sites, proto)
     try:
-        _log(f"copying variables and assets ({_tree_bytes(src) / 2**20:.1f} MiB)", quiet)
-        _copy_tree(src, tmp_dir)
-        with open(os.path.join(tmp_dir, SAVED_MODEL_PB), "wb") as f:
-            f.write(proto.SerializeToString(deterministic=True))
-        _write_fingerprint(tmp_dir)
+        with progress.phase("copying variables and assets", total=files.tree_bytes(src),
+                            unit="B") as phase:
+            files.copy_tree(src, tmp_dir, on_bytes=phase.advance)
+        if result.fused:
+            with open(os.path.join(tmp_dir, SAVED_MODEL_PB), "wb") as f:
+                f.write(proto.SerializeToString(deterministic=True))
+            _write_fingerprint(tmp_dir)
+        else:
+            # Nothing fused: the source's own bytes, so the copy converts and
+            # loads exactly as the source does.
+            for name in (SAVED_MODEL_PB, FINGERPRINT_PB):
+                if os.path.exists(os.path.join(src, name)):
+                    shutil.copy2(os.path.join(src, name), os.path.join(tmp_dir, name))
         if result.fused or samples is not None:
-            _log(f"verifying {len(chosen)} signature(s) against the original", quiet)
             try:
-                result.verification = verify(
-                    src, tmp_dir, chosen, _index_limit(sites, proto), samples,
-                    verify_batch_size, quiet, rtol)
+                result.verification = verify_signatures(
+                    src, tmp_dir, chosen, index_limit, samples, verify_batch_size, progress,
+                    rtol, precision=_lowest_fused_precision(result.sites))
             except V.VerificationError as e:
                 raise ExportError(f"verification failed: {e}") from None
         if tflite:
-            from pkm_serve.export import tflite_export
-            _log(f"converting to TFLite: {tflite}", quiet)
             tmp_tflite, result.tflite = tflite_export.convert_and_verify(
                 tmp_dir, chosen, os.path.abspath(tflite), quantize_table, src,
-                _index_limit(sites, proto), samples, verify_batch_size, quiet)
+                index_limit, samples, verify_batch_size, progress,
+                precision=_lowest_fused_precision(result.sites))
         # mkdtemp makes the directory owner-only; a model server may run as
         # another user.
-        os.chmod(tmp_dir, 0o777 & ~_umask())
+        os.chmod(tmp_dir, 0o777 & ~files.current_umask())
         os.rename(tmp_dir, final_dir)
         if tmp_tflite:
             os.replace(tmp_tflite, os.path.abspath(tflite))
@@ -317,16 +361,14 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
         if created_dst and os.path.isdir(dst) and not os.listdir(dst):
             os.rmdir(dst)
         raise
-    if report:
-        with open(report, "w") as f:
-            json.dump(result.to_json(), f, indent=2)
-    return result
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _site_steps(site: Site) -> str:
+    """What the fused site keeps of the composite besides the bag."""
+    steps = (["masked"] if site.masked else []) + (
+        [f"cast to {site.cast_to}"] if site.cast_to else []) + (
+        [f"/ {site.divisor}"] if site.divisor else [])
+    return f" ({', '.join(steps)})" if steps else ""
 
 
 def format_report(result: ExportResult) -> str:
@@ -343,9 +385,9 @@ def format_report(result: ExportResult) -> str:
                      f"{s.bytes_per_index} B per looked-up id" if s.bytes_per_index
                      else "unknown")
             lines.append(f"  fused    {s.pattern:<24} {s.combiner:<5} "
-                         f"{'weighted' if s.weighted else 'unweighted':<10} table "
-                         f"{s.table} {s.table_shape} {s.dtype}; no longer materialised: "
-                         f"{saved}  [{where}]")
+                         f"{'weighted' if s.weighted else 'unweighted':<10}"
+                         f"{_site_steps(s)} table {s.table} {s.table_shape} {s.dtype}; "
+                         f"no longer materialised: {saved}  [{where}]")
         else:
             lines.append(f"  skipped  {s.pattern:<24} {s.reason}  [{where}]")
     total = result.to_json()["saved_bytes_at_batch"]

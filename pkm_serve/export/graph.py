@@ -214,6 +214,17 @@ class FunctionGraph:
             if text.split(":")[0] == name:
                 self.fdef.ret[key] = new_text
 
+    def redirect(self, old: Ref, new: Ref) -> None:
+        """Points every data input (and function output) reading `old` at `new`."""
+        old_text, new_text = self.render(old), self.render(new)
+        for node in self.fdef.node_def:
+            for pos, text in enumerate(node.input):
+                if text == old_text:
+                    node.input[pos] = new_text
+        for key, text in list(self.fdef.ret.items()):
+            if text == old_text:
+                self.fdef.ret[key] = new_text
+
     def redirect_control(self, old: str, new: str) -> None:
         for node in self.fdef.node_def:
             if node.name == new:

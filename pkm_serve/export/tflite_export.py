@@ -1,7 +1,9 @@
-"""`--tflite FILE`: convert the fused SavedModel to TFLite and verify it.
+"""`--tflite FILE`: convert the exported SavedModel to TFLite and verify it.
 
-The converter keeps `PkmEmbeddingBag` as a custom op (attrs in a flexbuffer
-map, `allow_custom_ops=True`); `libpkm_tflite.so` (pkm_serve.tflite) runs it.
+The converter keeps `PkmEmbeddingBag` / `PkmRaggedEmbeddingBag` as custom
+ops (attrs in a flexbuffer map, `allow_custom_ops=True`); `libpkm_tflite.so`
+(pkm_serve.tflite) runs them. Every other op must be a TFLite builtin: a
+.tflite that would need any other custom (or Flex) op is refused, naming it.
 TFLite stores tables as constants inside the FlatBuffer, which cannot exceed
 2 GB: bigger models are refused up front with an explanation (int8
 quantisation happens after conversion, so it cannot rescue them).
@@ -9,14 +11,22 @@ quantisation happens after conversion, so it cannot rescue them).
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from pkm_serve import tflite as pkm_tflite
+from pkm_serve.export import verify as V
+from pkm_serve.export.errors import ExportError
+from pkm_serve.export.files import current_umask
+from pkm_serve.export.progress import Progress
+
 FLATBUFFER_LIMIT = 2 ** 31 - 1
 # Graph, signatures and FlatBuffer bookkeeping besides the tables.
 _HEADROOM = 64 * 2 ** 20
+SUPPORTED_CUSTOM_OPS = pkm_tflite.CUSTOM_OP_NAMES
 
 
 def variable_bytes(saved_model_dir: str) -> int:
@@ -39,7 +49,6 @@ def variable_bytes(saved_model_dir: str) -> int:
 def check_size(saved_model_dir: str) -> int:
     size = variable_bytes(saved_model_dir)
     if size + _HEADROOM > FLATBUFFER_LIMIT:
-        from pkm_serve.export.exporter import ExportError
         raise ExportError(
             f"the model's variables take {size / 2**30:.2f} GiB: a .tflite FlatBuffer "
             "holds its tables as constants and cannot exceed 2 GB (int8 quantisation "
@@ -50,7 +59,6 @@ def check_size(saved_model_dir: str) -> int:
 
 def convert(saved_model_dir: str, signatures: Sequence[str]) -> bytes:
     import tensorflow as tf
-    from pkm_serve.export.exporter import ExportError
 
     converter = tf.lite.TFLiteConverter.from_saved_model(
         saved_model_dir, signature_keys=list(signatures))
@@ -58,20 +66,24 @@ def convert(saved_model_dir: str, signatures: Sequence[str]) -> bytes:
     try:
         return converter.convert()
     except Exception as e:  # noqa: BLE001 - the converter raises many types
-        first = str(e).strip().splitlines()
+        lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+        # The converter names each op it cannot lower as tf.OpName.
+        ops = sorted(set(re.findall(r"\btf\.([A-Z][A-Za-z0-9]+)", str(e))))
+        detail = f"ops with no TFLite builtin: {ops}; " if ops else ""
         raise ExportError(
-            f"TFLite conversion of signatures {list(signatures)} failed: "
-            f"{' / '.join(first[:6])} (pick convertible signatures with --signatures)"
+            f"TFLite conversion of signatures {list(signatures)} failed: {detail}"
+            f"{' / '.join(lines[:4])} (pick convertible signatures with --signatures)"
         ) from None
+
+
+def _model(model: bytes):
+    schema = pkm_tflite.flatbuffer_schema()
+    return schema.Model.GetRootAsModel(bytearray(model), 0)
 
 
 def custom_ops(model: bytes) -> List[str]:
     """Names of the custom ops a .tflite uses."""
-    try:
-        from tensorflow.lite.python import schema_py_generated as schema
-    except ImportError:  # pragma: no cover - LiteRT ships the same module
-        from ai_edge_litert import schema_py_generated as schema
-    root = schema.Model.GetRootAsModel(bytearray(model), 0)
+    root = _model(model)
     names = set()
     for i in range(root.OperatorCodesLength()):
         code = root.OperatorCodes(i).CustomCode()
@@ -80,36 +92,24 @@ def custom_ops(model: bytes) -> List[str]:
     return sorted(names)
 
 
-SUPPORTED_CUSTOM_OPS = ("PkmEmbeddingBag",)
-
-
-def _tflite_module():
-    """pkm_serve.tflite (the TFLite part) when present, else None."""
-    try:
-        from pkm_serve import tflite
-    except ImportError:
-        return None
-    needed = ("make_interpreter", "delegate_path")
-    if not all(hasattr(tflite, n) for n in needed):
-        return None
-    return tflite
+def _tflite_signatures(model: bytes) -> List[str]:
+    root = _model(model)
+    keys = [root.SignatureDefs(i).SignatureKey() for i in range(root.SignatureDefsLength())]
+    return [k.decode() if isinstance(k, bytes) else k for k in keys]
 
 
 def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
                   index_limit: int, samples: Optional[Dict[str, np.ndarray]],
-                  batch_size: int, quantized: bool) -> Tuple[str, List[dict]]:
+                  batch_size: int, quantized: bool, precision: Optional[str] = None
+                  ) -> Tuple[str, List[dict]]:
     """Runs each signature in the TFLite interpreter with the pkm delegate and
-    compares with the fused SavedModel. Returns (status, rows)."""
+    compares with the exported SavedModel. Returns (status, rows)."""
     import tensorflow as tf
-    from pkm_serve.export import verify as V
 
-    tflite = _tflite_module()
-    if tflite is None:
-        return "not verified: pkm_serve.tflite (the delegate helpers) is not available", []
-    if not os.path.exists(tflite.delegate_path()):
-        return (f"not verified: the delegate {tflite.delegate_path()} is not built "
+    if not os.path.exists(pkm_tflite.delegate_path()):
+        return (f"not verified: the delegate {pkm_tflite.delegate_path()} is not built "
                 "(make build)"), []
-    interp = tflite.make_interpreter(model)
+    interp = pkm_tflite.make_interpreter(model)
     loaded = tf.saved_model.load(saved_model_dir)
     rows = []
     # The converter keeps one signature per function: aliases such as Keras'
@@ -121,86 +121,62 @@ def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
         inputs = (V.sample_inputs_for(name, specs, samples) if samples is not None
                   else V.generate_inputs(specs, index_limit, batch_size))
         want = {k: v.numpy() for k, v in fn(**inputs).items()}
-        runner = interp.get_signature_runner(name)
-        got = runner(**inputs)
+        got = interp.get_signature_runner(name)(**inputs)
         if quantized:
             # Per-row int8 rounds each element by up to max|row|/254; summed over
             # a bag that is ~1% of the output's scale.
             rows.extend(V.compare_outputs(name, want, got, rtol=2e-2, atol_rel=2e-2))
         else:
-            rows.extend(V.compare_outputs(name, want, got))
+            rows.extend(V.compare_outputs(name, want, got, precision=precision))
     return "verified with the pkm delegate", rows
 
 
 def _check_custom_ops(model: bytes) -> List[str]:
-    from pkm_serve.export.exporter import ExportError
     found = custom_ops(model)
     unsupported = [op for op in found if op not in SUPPORTED_CUSTOM_OPS]
     if unsupported:
-        hint = ""
-        if "PkmRaggedEmbeddingBag" in unsupported or "LowerBound" in unsupported:
-            hint = (" (sparse/ragged lookups fused from embedding_lookup_sparse have no "
-                    "TFLite kernel: convert the dense signatures only, with --signatures)")
         raise ExportError(f"the .tflite would need custom ops {unsupported} that no TFLite "
-                          f"runtime here provides{hint}")
+                          "runtime here provides (only builtins and "
+                          f"{list(SUPPORTED_CUSTOM_OPS)} run with the pkm delegate)")
     return found
 
 
-def convert_and_verify(fused_dir: str, signatures: Sequence[str], out_path: str,
+def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str,
                        quantize: Optional[str], src: str, index_limit: int,
-                       samples, batch_size: int, quiet: bool):
+                       samples, batch_size: int, progress: Optional[Progress] = None,
+                       precision: Optional[str] = None):
     """Writes the .tflite to a temporary file beside out_path (renamed by the
     caller once everything passed). Returns (tmp_path, report dict)."""
-    from pkm_serve.export import verify as V
-    from pkm_serve.export.exporter import ExportError
-
-    size = check_size(fused_dir)
-    model = convert(fused_dir, signatures)
+    progress = progress or Progress(quiet=True)
+    size = check_size(export_dir)
+    with progress.phase(f"converting to TFLite ({size / 2**20:.1f} MiB of variables)"):
+        model = convert(export_dir, signatures)
     if quantize == "int8":
-        tflite = _tflite_module()
-        if tflite is None or not hasattr(tflite, "quantize_table_int8"):
-            raise ExportError("--quantize-table int8 needs "
-                              "pkm_serve.tflite.quantize_table_int8, which is not available")
-        try:
-            model = tflite.quantize_table_int8(model)
-        except ValueError as e:
-            raise ExportError(f"--quantize-table int8: {e}") from None
+        with progress.phase("quantising tables to per-row int8"):
+            try:
+                model = pkm_tflite.quantize_table_int8(model)
+            except ValueError as e:
+                raise ExportError(f"--quantize-table int8: {e}") from None
     found_ops = _check_custom_ops(model)
     if len(model) > FLATBUFFER_LIMIT:
         raise ExportError(f"the .tflite would be {len(model)} bytes, over the 2 GB "
                           "FlatBuffer limit")
-    try:
-        status, rows = verify_tflite(model, fused_dir, signatures, index_limit, samples,
-                                     batch_size, quantize == "int8")
-    except V.VerificationError as e:
-        raise ExportError(f"TFLite verification failed: {e}") from None
-    except (RuntimeError, ValueError) as e:
-        raise ExportError(f"the .tflite does not run in the interpreter with the pkm "
-                          f"delegate: {str(e).strip().splitlines()[0]}") from None
+    with progress.phase("verifying the .tflite through the pkm delegate"):
+        try:
+            status, rows = verify_tflite(model, export_dir, signatures, index_limit,
+                                         samples, batch_size, quantize == "int8", precision)
+        except V.VerificationError as e:
+            raise ExportError(f"TFLite verification failed: {e}") from None
+        except (RuntimeError, ValueError) as e:
+            raise ExportError(f"the .tflite does not run in the interpreter with the pkm "
+                              f"delegate: {str(e).strip().splitlines()[0]}") from None
     out_dir = os.path.dirname(out_path) or "."
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".tflite", dir=out_dir)
     with os.fdopen(fd, "wb") as f:
         f.write(model)
-    os.chmod(tmp, 0o666 & ~_umask())
+    os.chmod(tmp, 0o666 & ~current_umask())
     info = {"file": out_path, "bytes": len(model), "table_bytes_in_savedmodel": size,
-            "custom_ops": found_ops,
-            "signatures": _tflite_signatures(model, signatures),
+            "custom_ops": found_ops, "signatures": _tflite_signatures(model),
             "quantize_table": quantize, "status": status, "verification": rows}
     return tmp, info
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _tflite_signatures(model: bytes, requested: Sequence[str]) -> List[str]:
-    try:
-        from tensorflow.lite.python import schema_py_generated as schema
-    except ImportError:  # pragma: no cover
-        from ai_edge_litert import schema_py_generated as schema
-    root = schema.Model.GetRootAsModel(bytearray(model), 0)
-    keys = [root.SignatureDefs(i).SignatureKey() for i in range(root.SignatureDefsLength())]
-    return [k.decode() if isinstance(k, bytes) else k for k in keys]

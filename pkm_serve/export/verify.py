@@ -119,8 +119,13 @@ def sample_inputs_for(signature: str, specs, samples) -> Dict[str, np.ndarray]:
 
 def compare_outputs(signature: str, expected: dict, actual: dict,
                     rtol: Optional[float] = None,
-                    atol_rel: Optional[float] = None) -> List[dict]:
-    """Per output: max abs/rel error; raises VerificationError past tolerance."""
+                    atol_rel: Optional[float] = None,
+                    precision: Optional[str] = None) -> List[dict]:
+    """Per output: max abs/rel error; raises VerificationError past tolerance.
+    Default tolerances follow the output dtype, or `precision` (a dtype name)
+    when that is coarser: a float32 output of a float16 bag carries float16
+    rounding. NaN where the original has NaN (a masked mean of an empty bag)
+    counts as equal."""
     rows = []
     if set(expected) != set(actual):
         raise VerificationError(f"signature {signature!r}: outputs differ: "
@@ -138,13 +143,20 @@ def compare_outputs(signature: str, expected: dict, actual: dict,
             continue
         want64, got64 = want.astype(np.float64), got.astype(np.float64)
         default_rtol, default_atol_rel = TOLERANCES.get(want.dtype.name, (1e-4, 1e-5))
+        if precision in TOLERANCES:
+            default_rtol = max(default_rtol, TOLERANCES[precision][0])
+            default_atol_rel = max(default_atol_rel, TOLERANCES[precision][1])
         use_rtol = default_rtol if rtol is None else rtol
         atol_rel_used = default_atol_rel if atol_rel is None else atol_rel
-        scale = float(np.max(np.abs(want64))) if want64.size else 0.0
+        both_nan = np.isnan(want64) & np.isnan(got64)
+        want64, got64 = np.where(both_nan, 0.0, want64), np.where(both_nan, 0.0, got64)
+        finite = want64[np.isfinite(want64)]
+        scale = float(np.max(np.abs(finite))) if finite.size else 0.0
         atol = atol_rel_used * max(scale, 1.0)
         err = np.abs(want64 - got64)
-        max_abs = float(err.max()) if err.size else 0.0
-        ok = np.all(err <= atol + use_rtol * np.abs(want64))
+        err = np.where(want64 == got64, 0.0, err)  # equal infinities
+        max_abs = float(np.nanmax(err)) if err.size else 0.0
+        ok = np.all(err <= atol + use_rtol * np.abs(want64))  # False on any new NaN
         rows.append({"signature": signature, "output": key, "shape": list(want.shape),
                      "max_abs_err": max_abs, "rtol": use_rtol, "atol": atol})
         if not ok:

@@ -12,7 +12,7 @@ import export_models as M  # noqa: E402
 
 from pkm_serve import ops  # noqa: E402
 from pkm_serve.export import ExportError, export_saved_model, main  # noqa: E402
-from pkm_serve.export import patterns, tflite_export  # noqa: E402
+from pkm_serve.export import fuse, tflite_export  # noqa: E402
 from pkm_serve.export.exporter import read_saved_model  # noqa: E402
 
 ops.load_library()
@@ -134,12 +134,12 @@ def test_wrong_fusion_fails_verification_and_leaves_nothing(weighted_model, tmp_
     src, _ = weighted_model
     dst = tmp_path / "dst"
     export_saved_model(src, str(dst), quiet=True)
-    real_fuse = patterns.fuse_site
+    real_fuse = fuse.fuse_site
 
     def wrong_combiner(fg, site):
         site.combiner = "mean"
         real_fuse(fg, site)
-    monkeypatch.setattr(patterns, "fuse_site", wrong_combiner)
+    monkeypatch.setattr(fuse, "fuse_site", wrong_combiner)
     with pytest.raises(ExportError, match="fused differs from original"):
         export_saved_model(src, str(dst), quiet=True)
     assert entries(dst) == ["1"]
@@ -227,10 +227,19 @@ def test_pkm_serve_cli_dispatch_and_tf_serving_style_session_load(weighted_model
     np.testing.assert_allclose(got, M.np_bag(table, x["idx"], x["w"]), rtol=1e-5, atol=1e-5)
 
 
-def test_tflite_of_sparse_sites_is_refused_clearly(tmp_path):
-    M.sparse_lookup(tmp_path / "m", True, "sum")
-    with pytest.raises(ExportError, match="PkmRaggedEmbeddingBag.*--signatures"):
-        export_saved_model(str(tmp_path / "m"), str(tmp_path / "dst"),
-                           tflite=str(tmp_path / "m.tflite"), quiet=True)
-    assert entries(tmp_path / "dst") is None
-    assert not os.path.exists(tmp_path / "m.tflite")
+def test_sparse_sites_convert_with_int8_tables(tmp_path):
+    """--quantize-table int8 also covers PkmRaggedEmbeddingBag tables."""
+    table, ref = M.sparse_all_combiners(tmp_path / "m")
+    out = tmp_path / "m.tflite"
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "dst"), tflite=str(out),
+                                quantize_table="int8", quiet=True)
+    assert result.tflite["custom_ops"] == ["PkmRaggedEmbeddingBag"]
+    from pkm_serve import tflite
+    interp = tflite.make_interpreter(str(out))
+    tables = [t for t in interp.get_tensor_details() if list(t["shape"]) == [M.N, M.D]]
+    assert tables and all(t["dtype"] == np.int8 for t in tables)
+    x = M.sparse_inputs(np.random.default_rng(3), True, False)
+    got = interp.get_signature_runner("weighted")(**x)
+    for combiner, want in ref(x).items():
+        np.testing.assert_allclose(got[combiner], want, rtol=2e-2,
+                                   atol=2e-2 * np.abs(want).max(), err_msg=combiner)

@@ -23,14 +23,7 @@ COMPOSITE_OPS = ("ResourceGather", "GatherV2", "Einsum", "SegmentSum", "SparseSe
                  "SparseSegmentMean", "SparseSegmentSqrtN")
 
 
-def op_counts(saved_model_dir):
-    """{op: count} over every function body of the SavedModel."""
-    counts = {}
-    for mg in read_saved_model(saved_model_dir).meta_graphs:
-        for fdef in mg.graph_def.library.function:
-            for node in fdef.node_def:
-                counts[node.op] = counts.get(node.op, 0) + 1
-    return counts
+op_counts = M.op_counts
 
 
 def table_gathers(saved_model_dir):
@@ -205,31 +198,22 @@ def test_two_sites_and_one_that_must_stay(tmp_path):
 
 
 def test_unfusable_reductions_are_reported_not_fused(tmp_path):
-    table = np.arange(20 * 4, dtype=np.float32).reshape(20, 4)
-
-    class Mod(tf.Module):
-        def __init__(self):
-            self.t = tf.Variable(table)
-
-        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int32),
-                                      tf.TensorSpec([None, 3], tf.float32)])
-        def serve(self, idx, w):
-            rows = lambda: tf.gather(self.t, idx)  # noqa: E731 - a fresh gather each
-            return {"over_batch": tf.reduce_sum(rows(), axis=0),
-                    "keepdims": tf.reduce_sum(rows(), axis=1, keepdims=True),
-                    "weighted_mean": tf.reduce_mean(rows() * w[..., None], axis=1),
-                    "per_bag_weight": tf.reduce_sum(rows() * w[:, :1, None], axis=1)}
-
-    m = Mod()
-    tf.saved_model.save(m, str(tmp_path / "m"), signatures={"serving_default": m.serve})
+    M.unfusable_reductions(tmp_path / "m")
     result = export(tmp_path / "m", tmp_path / "out")
-    reasons = sorted(s.reason for s in result.sites)
-    assert all(s.status == "skipped" for s in result.sites) and len(reasons) == 4
-    assert any("not the bag axis" in r for r in reasons)
-    assert any("keepdims" in r for r in reasons)
-    assert any("weighted Mean" in r for r in reasons)
-    assert any("does not match indices shape" in r or "broadcast on the last axis" in r
-               for r in reasons)
+    assert all(s.status == "skipped" for s in result.sites) and len(result.sites) == 5
+    by_reason = {s.reason: s for s in result.sites}
+
+    def site(text):
+        [match] = [s for r, s in by_reason.items() if text in r]
+        return match
+    assert site("not the bag axis").combiner == "sum"
+    assert site("keepdims")
+    # The report's flags describe what the reason talks about.
+    assert site("multiplier is not per-index").weighted
+    assert site("other than a constant 0").masked
+    assert not site("other than a constant 0").weighted
+    exp = site("Exp between the gather and the reduction")
+    assert not exp.weighted and not exp.masked
     assert "unchanged" in result.message
     assert not op_counts(result.dst).get("PkmEmbeddingBag")
 
@@ -292,3 +276,39 @@ def test_project_composite_with_padding(tmp_path):
         if keep.any():
             want[b] = M.np_bag(table, idx[b][keep], w[b][keep], "mean")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_unsorted_sparse_ids_fail_like_the_composite(tmp_path):
+    """The composite's segment ops reject ids out of row order; so does the
+    fused site (an Assert on the row ids), naming the problem."""
+    M.sparse_lookup(tmp_path / "m", True, "mean")
+    result = export(tmp_path / "m", tmp_path / "out")
+    x = sparse_inputs(True)
+    order = [2, 3, 4, 0, 1, 5]  # bag 2's entries before bag 0's
+    for key in ("ids", "w"):
+        x[key] = x[key][order]
+    for key in ("ids_1", "w_1"):
+        x[key] = x[key][order]
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        run(tmp_path / "m", "serving_default", x)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must be sorted"):
+        run(result.dst, "serving_default", x)
+
+
+def test_reductions_over_the_feature_axis_are_not_bag_sites(tmp_path):
+    """A LayerNorm-style mean over D of embedded tokens is no bag: not reported."""
+    table = M._table(20)
+
+    class Mod(tf.Module):
+        def __init__(self):
+            self.t = tf.Variable(table)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, M.K], tf.int32)])
+        def serve(self, idx):
+            x = tf.gather(self.t, idx) + 1.0
+            return {"centered": x - tf.reduce_mean(x, axis=-1, keepdims=True)}
+
+    m = Mod()
+    tf.saved_model.save(m, str(tmp_path / "m"), signatures={"serving_default": m.serve})
+    result = export(tmp_path / "m", tmp_path / "out")
+    assert result.sites == [] and "no composite gather-sum sites found" in result.message

@@ -1,0 +1,260 @@
+"""Rewrites one matched site into PkmEmbeddingBag / PkmRaggedEmbeddingBag.
+
+The node that ends the site keeps its name (so every consumer and the
+function's outputs keep pointing at it): it becomes the fused op, or, when
+the composite casts or divides after the bag, the last of those steps with
+the fused op as a new node before it. Helpers are built only from ops that
+TFLite has as builtins, so a fused model converts.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+from tensorflow.core.framework import attr_value_pb2, types_pb2
+from tensorflow.python.framework import dtypes, op_def_registry
+
+from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site, tensor_dtype
+
+I32 = DType(types_pb2.DT_INT32)
+I64 = DType(types_pb2.DT_INT64)
+
+
+def _op_attrs(op_name: str, typed_inputs: Dict[str, int], combiner: str,
+              has_weights: bool) -> dict:
+    """Attrs for the fused node, read off the registered OpDef so type-attr
+    names follow the op library (T, Tindices, Tsplits...)."""
+    op_def = op_def_registry.get(op_name)
+    if op_def is None:
+        raise RuntimeError(f"op {op_name} is not registered: load the pkm_serve op "
+                           "library (pkm_serve.ops.load_library()) first")
+    attrs = {}
+    for arg in op_def.input_arg:
+        if arg.type_attr and arg.name in typed_inputs:
+            attrs[arg.type_attr] = DType(typed_inputs[arg.name])
+    names = {a.name for a in op_def.attr}
+    if "combiner" in names:
+        attrs["combiner"] = combiner
+    if "has_weights" in names:
+        attrs["has_weights"] = has_weights
+    missing = [a.name for a in op_def.attr if a.name not in attrs and
+               not a.HasField("default_value")]
+    if missing:
+        raise RuntimeError(f"cannot set attrs {missing} of {op_name}")
+    return attrs
+
+
+def _input_names(op_name: str) -> List[str]:
+    return [a.name for a in op_def_registry.get(op_name).input_arg]
+
+
+def _root_shape(fg: FunctionGraph, site: Site):
+    shape = fg.shape(Ref(site.root, 0))
+    return [None if shape.rank is None else shape.as_list()]
+
+
+def _cast(fg: FunctionGraph, name: str, ref: Ref, src: int, dst: int, shape) -> Ref:
+    return fg.add_op(name, "Cast", [ref], {"SrcT": DType(src), "DstT": DType(dst),
+                                           "Truncate": False}, shapes=[shape])
+
+
+def _masked_indices(fg: FunctionGraph, site: Site) -> Ref:
+    """tf.where(mask, rows, 0) == the bag of where(mask, ids, -1): masked
+    entries become padding, which the op skips (and mean does not count)."""
+    pad = fg.add_const(site.root + "/pkm_padding_id",
+                       np.array(-1, dtypes.as_dtype(site.index_dtype).as_numpy_dtype))
+    then_ref, else_ref = (site.indices, pad) if site.mask_keeps_true else (pad, site.indices)
+    shape = fg.shape(site.indices)
+    return fg.add_op(site.root + "/pkm_masked_ids", "SelectV2",
+                     [site.mask, then_ref, else_ref], {"T": DType(site.index_dtype)},
+                     shapes=[None if shape.rank is None else shape.as_list()])
+
+
+def fuse_site(fg: FunctionGraph, site: Site) -> None:
+    """Replaces the site's root with the fused op (graph left for remove_dead)."""
+    control = _site_control(fg, site)
+    params = site.params
+    if site.params_is_resource:
+        params = fg.add_op(site.root + "/pkm_params", "ReadVariableOp", [site.params],
+                           {"dtype": DType(site.table_dtype)},
+                           shapes=[site.table_shape], control=control)
+    op, inputs, splits, sorted_check = _bag_inputs(fg, site, params)
+    if sorted_check:
+        control = sorted(set(control) | {sorted_check})
+    types = [site.table_dtype, site.index_dtype] + (
+        [types_pb2.DT_INT32] if splits is not None else []) + [site.table_dtype]
+    attrs = _op_attrs(op, dict(zip(_input_names(op), types)), site.combiner,
+                      site.weights is not None)
+    steps = _steps_after_bag(fg, site, params, splits)
+    if not steps:
+        fg.replace_node(site.root, op, inputs, attrs, control=control)
+    else:
+        ref = fg.add_op(site.root + "/pkm_bag", op, inputs, attrs,
+                        shapes=_root_shape(fg, site), control=control)
+        for i, (step, step_attrs, step_inputs) in enumerate(steps):
+            if i == len(steps) - 1:
+                fg.replace_node(site.root, step, step_inputs(ref), step_attrs)
+            else:
+                ref = fg.add_op(f"{site.root}/pkm_{step.lower()}", step, step_inputs(ref),
+                                step_attrs, shapes=_root_shape(fg, site))
+    for name in site.internal:
+        fg.redirect_control(name, site.root)
+
+
+def _site_control(fg: FunctionGraph, site: Site) -> List[str]:
+    """Control inputs of the site's nodes from outside it: the fused op keeps them."""
+    control = set()
+    for name in site.internal:
+        control.update(fg.control_inputs(fg.nodes[name]))
+    control.update(fg.control_inputs(fg.nodes[site.root]))
+    control -= set(site.internal) | {site.root}
+    return sorted(control)
+
+
+def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
+    """(op, inputs, row_splits or None, sorted-ids Assert or None)."""
+    weights = site.weights
+    if weights is None:
+        weights = fg.add_const(site.root + "/pkm_no_weights", np.zeros(
+            [0], dtypes.as_dtype(site.table_dtype).as_numpy_dtype))
+    else:
+        w_dtype = tensor_dtype(fg, weights)
+        if w_dtype != site.table_dtype:  # mixed precision: weights in the compute dtype
+            w_shape = fg.shape(weights)
+            weights = _cast(fg, site.root + "/pkm_weights", weights, w_dtype,
+                            site.table_dtype, None if w_shape.rank is None
+                            else w_shape.as_list())
+    indices = _masked_indices(fg, site) if site.mask is not None else site.indices
+    if site.segment_ids is None and site.sparse_indices is None:
+        return DENSE_OP, [params, indices, weights], None, None
+    splits, sorted_check = row_splits(fg, site)
+    return RAGGED_OP, [params, indices, splits, weights], splits, sorted_check
+
+
+def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optional[Ref]):
+    """What the composite does after the bag, as [(op, attrs, inputs(bag))]:
+    cast it, divide it by K, or give empty bags table[default_id]."""
+    steps = []
+    out_dtype = site.table_dtype
+    if site.cast_enum:
+        steps.append(("Cast", {"SrcT": DType(out_dtype), "DstT": DType(site.cast_enum),
+                               "Truncate": False}, lambda bag: [bag]))
+        out_dtype = site.cast_enum
+    if site.divisor:
+        k = fg.add_const(site.root + "/pkm_bag_size",
+                         np.array(site.divisor, dtypes.as_dtype(out_dtype).as_numpy_dtype))
+        steps.append(("RealDiv", {"T": DType(out_dtype)}, lambda bag: [bag, k]))
+    if site.default_id is not None:
+        # safe_ with default_id: an empty bag is table[default_id] (weight 1).
+        default_row = fg.add_op(
+            site.root + "/pkm_default_row", "GatherV2",
+            [params, fg.add_const(site.root + "/pkm_default_id",
+                                  np.array([site.default_id], np.int32)),
+             fg.add_const(site.root + "/pkm_axis0", np.array(0, np.int32))],
+            {"Tparams": DType(site.table_dtype), "Tindices": I32, "Taxis": I32,
+             "batch_dims": 0}, shapes=[[1, site.table_shape[1]]])
+        empty = _empty_bags(fg, site, splits)
+        steps.append(("SelectV2", {"T": DType(site.table_dtype)},
+                      lambda bag: [empty, default_row, bag]))
+    return steps
+
+
+def _neighbours(fg: FunctionGraph, prefix: str, ref: Ref):
+    """(v[1:], v[:-1]) of an int32 vector."""
+    def const(name, value):
+        return fg.add_const(f"{prefix}/{name}", np.array(value, np.int32))
+
+    def strided(name, begin, end, begin_mask, end_mask):
+        return fg.add_op(f"{prefix}/{name}", "StridedSlice",
+                         [ref, const(name + "_begin", [begin]), const(name + "_end", [end]),
+                          const(name + "_strides", [1])],
+                         {"T": I32, "Index": I32, "begin_mask": begin_mask,
+                          "end_mask": end_mask, "ellipsis_mask": 0, "new_axis_mask": 0,
+                          "shrink_axis_mask": 0}, shapes=[[None]])
+    return strided("later", 1, 0, 0, 1), strided("earlier", 0, -1, 1, 0)
+
+
+def _empty_bags(fg: FunctionGraph, site: Site, splits: Ref) -> Ref:
+    """[rows, 1] bool: row_splits[1:] == row_splits[:-1]."""
+    prefix = site.root + "/pkm_empty_bags"
+    ends, starts = _neighbours(fg, prefix, splits)
+    same = fg.add_op(prefix + "/same", "Equal", [ends, starts],
+                     {"T": I32, "incompatible_shape_error": True}, shapes=[[None]])
+    last_axis = fg.add_const(prefix + "/last_axis", np.array(-1, np.int32))
+    return fg.add_op(prefix, "ExpandDims", [same, last_axis],
+                     {"T": DType(types_pb2.DT_BOOL), "Tdim": I32}, shapes=[[None, 1]])
+
+
+def row_splits(fg: FunctionGraph, site: Site):
+    """int32 row_splits [rows + 1] from the bag id of each value (sorted, as
+    in every SparseTensor): counts by UnsortedSegmentSum, then a cumulative
+    sum. rows is dense_shape[0] for safe_ sites and last id + 1 otherwise (as
+    the segment ops of embedding_lookup_sparse produce). int32 limits a
+    request to 2^31 - 1 ids, far above what fits in one batch.
+    Returns (row_splits, name of the Assert that the ids are sorted)."""
+    prefix = site.root + "/pkm_row_splits"
+    axis0 = fg.add_const(prefix + "/axis0", np.array(0, np.int32))
+    if site.sparse_indices is not None:
+        column = fg.add_const(prefix + "/row_column", np.array(0, np.int32))
+        axis1 = fg.add_const(prefix + "/axis1", np.array(1, np.int32))
+        rows_of_ids = fg.add_op(prefix + "/ids_row", "GatherV2",
+                                [site.sparse_indices, column, axis1],
+                                {"Tparams": I64, "Tindices": I32, "Taxis": I32,
+                                 "batch_dims": 0}, shapes=[[None]])
+        seg = _cast(fg, prefix + "/ids_row32", rows_of_ids, types_pb2.DT_INT64,
+                    types_pb2.DT_INT32, [None])
+        first = fg.add_op(prefix + "/rows64", "GatherV2", [site.dense_shape, axis0, axis0],
+                          {"Tparams": I64, "Tindices": I32, "Taxis": I32, "batch_dims": 0},
+                          shapes=[[]])
+        num_rows = _cast(fg, prefix + "/rows", first, types_pb2.DT_INT64,
+                         types_pb2.DT_INT32, [])
+    else:
+        seg = site.segment_ids
+        seg_dtype = tensor_dtype(fg, seg)
+        if seg_dtype != types_pb2.DT_INT32:
+            seg = _cast(fg, prefix + "/ids32", seg, seg_dtype, types_pb2.DT_INT32, [None])
+        minus_one = fg.add_const(prefix + "/minus_one", np.array([-1], np.int32))
+        padded = fg.add_op(prefix + "/padded", "ConcatV2", [seg, minus_one, axis0],
+                           {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
+        last = fg.add_op(prefix + "/last", "Max", [padded, axis0],
+                         {"T": I32, "Tidx": I32, "keep_dims": False}, shapes=[[]])
+        one = fg.add_const(prefix + "/one", np.array(1, np.int32))
+        num_rows = fg.add_op(prefix + "/rows", "AddV2", [last, one], {"T": I32},
+                             shapes=[[]])
+    sorted_check = _assert_sorted(fg, prefix, seg)
+    seg_shape = fg.add_op(prefix + "/ids_shape", "Shape", [seg],
+                          {"T": I32, "out_type": I32}, shapes=[[1]])
+    one_each = fg.add_const(prefix + "/one_each", np.array(1, np.int32))
+    ones = fg.add_op(prefix + "/ones", "Fill", [seg_shape, one_each],
+                     {"T": I32, "index_type": I32}, shapes=[[None]])
+    counts = fg.add_op(prefix + "/counts", "UnsortedSegmentSum", [ones, seg, num_rows],
+                       {"T": I32, "Tindices": I32, "Tnumsegments": I32}, shapes=[[None]])
+    ends = fg.add_op(prefix + "/ends", "Cumsum", [counts, axis0],
+                     {"T": I32, "Tidx": I32, "exclusive": False, "reverse": False},
+                     shapes=[[None]])
+    zero = fg.add_const(prefix + "/zero", np.array([0], np.int32))
+    splits = fg.add_op(prefix, "ConcatV2", [zero, ends, axis0],
+                       {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
+    return splits, sorted_check
+
+
+def _assert_sorted(fg: FunctionGraph, prefix: str, seg: Ref) -> str:
+    """An Assert that the row ids are non-decreasing, which the segment ops
+    of the composite require ("segment ids are not increasing") and the
+    counts above assume. Returns its name (a control input of the fused op).
+    The TFLite converter drops Asserts: there the order is the caller's duty."""
+    later, earlier = _neighbours(fg, prefix + "/sorted", seg)
+    ordered = fg.add_op(prefix + "/sorted/pairs", "GreaterEqual", [later, earlier],
+                        {"T": I32}, shapes=[[None]])
+    axis = fg.add_const(prefix + "/sorted/axis", np.array(0, np.int32))
+    all_ordered = fg.add_op(prefix + "/sorted/all", "All", [ordered, axis],
+                            {"Tidx": I32, "keep_dims": False}, shapes=[[]])
+    message = fg.add_const(prefix + "/sorted/message", np.array(
+        b"PkmRaggedEmbeddingBag (fused embedding_lookup_sparse): the sparse ids' row "
+        b"indices must be sorted (canonical SparseTensor order; tf.sparse.reorder "
+        b"sorts them)"))
+    check = fg.add_op(prefix + "/sorted", "Assert", [all_ordered, message],
+                      {"T": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+                          type=[types_pb2.DT_STRING])), "summarize": 3})
+    return check.node

@@ -1,0 +1,146 @@
+"""What a composite site is: the record the matchers fill and the report
+prints, the two ways a match ends early, and small graph/dtype helpers the
+matchers share."""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Tuple
+
+from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import dtypes, op_def_registry
+
+from pkm_serve.export.graph import FunctionGraph, Ref
+from pkm_serve.tflite import CUSTOM_OP_NAME as DENSE_OP
+from pkm_serve.tflite import RAGGED_CUSTOM_OP_NAME as RAGGED_OP
+
+__all__ = ["DENSE_OP", "RAGGED_OP", "Site", "NotASite", "Skip"]
+
+TABLE_DTYPES = (types_pb2.DT_FLOAT, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16)
+INDEX_DTYPES = (types_pb2.DT_INT32, types_pb2.DT_INT64)
+GATHER_OPS = ("ResourceGather", "GatherV2")
+
+# The keys of Site.to_json(), in report order (pinned by a golden test).
+REPORT_KEYS = ("function", "root", "pattern", "combiner", "weighted", "masked",
+               "cast_to", "divisor", "table", "table_shape", "dtype", "gathered_shape",
+               "status", "reason", "bytes_per_index", "saved_bytes_at_batch")
+
+
+@dataclasses.dataclass
+class Site:
+    """One composite site: what was found, and whether it was fused.
+
+    Reported fields describe the composite as written: `combiner` is the
+    fused op's combiner, `weighted` whether a per-index multiplier is
+    applied, `masked` whether rows are masked with tf.where (fused as padding
+    ids), `cast_to` the dtype the rows are cast to before the reduction,
+    `divisor` the bag size a weighted/masked reduce_mean divides by.
+    """
+
+    function: str
+    root: str                 # name of the node the fused op replaces
+    pattern: str              # gather-reduce | einsum | embedding_lookup_sparse
+                              # | safe_embedding_lookup_sparse
+    combiner: str = "sum"
+    weighted: bool = False
+    masked: bool = False
+    cast_to: Optional[str] = None
+    divisor: Optional[int] = None
+    table: str = ""           # resource arg or tensor feeding the gather
+    table_shape: Optional[List[Optional[int]]] = None
+    dtype: str = ""           # table dtype
+    gathered_shape: Optional[List[Optional[int]]] = None
+    status: str = "skipped"   # fused | skipped
+    reason: str = ""
+    bytes_per_index: Optional[int] = None   # intermediates per looked-up row
+    saved_bytes_at_batch: Optional[int] = None
+    # Internal, not reported:
+    params: Optional[Ref] = None
+    params_is_resource: bool = False
+    indices: Optional[Ref] = None
+    weights: Optional[Ref] = None
+    mask: Optional[Ref] = None        # bool [..., K]: False entries become padding
+    mask_keeps_true: bool = True      # where(mask, rows, 0) vs where(mask, 0, rows)
+    cast_enum: int = 0                # DstT of the cast, 0 = none
+    segment_ids: Optional[Ref] = None  # sparse: sorted bag id of each value
+    sparse_indices: Optional[Ref] = None  # safe_: [nnz, 2] ids before the fill
+    dense_shape: Optional[Ref] = None     # safe_: [2]; dense_shape[0] bags
+    default_id: Optional[int] = None      # safe_: row an empty bag gets (None: zeros)
+    internal: Tuple[str, ...] = ()     # nodes only the site uses (removed on fusion)
+    dead_after: Tuple[str, ...] = ()   # nodes that become unused once fused
+    intermediate_itemsizes: Tuple[int, ...] = ()  # one per [..., K, D] tensor built
+    index_dtype: int = 0
+    table_dtype: int = 0
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in REPORT_KEYS}
+
+
+class NotASite(Exception):
+    """The candidate node is not fed by a row gather at all (not reported)."""
+
+
+class Skip(Exception):
+    """A site was found but cannot be fused; the message is the reason."""
+
+
+def dims(shape) -> Optional[List[Optional[int]]]:
+    return None if shape.rank is None else shape.as_list()
+
+
+def same_dims(a, b) -> bool:
+    """Equal rank and, per dim, both known and equal or both unknown: anything
+    looser could hide a runtime broadcast that the fused op would not do."""
+    if a.rank is None or b.rank is None or a.rank != b.rank:
+        return False
+    return all(x == y for x, y in zip(a.as_list(), b.as_list()))
+
+
+def dtype_name(enum: int) -> str:
+    return dtypes.as_dtype(enum).name
+
+
+def itemsize(enum: int) -> int:
+    return dtypes.as_dtype(enum).size
+
+
+def tensor_dtype(fg: FunctionGraph, ref: Ref) -> int:
+    """dtype enum of a tensor, from its producer's OpDef and attrs."""
+    node = fg.producer(ref)
+    if node is None:
+        return fg.args[ref.node][1].type
+    op_def = op_def_registry.get(node.op)
+    if op_def is None:
+        raise KeyError(f"op {node.op} of {node.name} is not registered")
+    flat = ref.index
+    for arg in op_def.output_arg:
+        count = (node.attr[arg.number_attr].i if arg.number_attr else
+                 len(node.attr[arg.type_list_attr].list.type) if arg.type_list_attr else 1)
+        if flat < count:
+            if arg.type != types_pb2.DT_INVALID:
+                return arg.type
+            if arg.type_attr:
+                return node.attr[arg.type_attr].type
+            return node.attr[arg.type_list_attr].list.type[flat]
+        flat -= count
+    raise KeyError(f"no output #{ref.index} on {ref.node}")
+
+
+def through_identity(fg: FunctionGraph, ref: Ref, nodes: List[str]) -> Ref:
+    """Follows Identity nodes up from `ref`, appending their names to nodes."""
+    node = fg.producer(ref)
+    while node is not None and node.op == "Identity":
+        nodes.append(node.name)
+        ref = fg.inputs(node)[0]
+        node = fg.producer(ref)
+    return ref
+
+
+def check_private(fg: FunctionGraph, refs: List[Ref], site_nodes: set) -> None:
+    """Each intermediate must be used by the site alone, or fusing saves nothing."""
+    for ref in refs:
+        if ref in fg.returned:
+            raise Skip(f"intermediate {fg.render(ref)} is also a function output")
+        for consumer, _ in fg.consumers(ref):
+            if consumer not in site_nodes:
+                raise Skip(f"gathered tensor {fg.render(ref)} has another consumer "
+                           f"({consumer}); fusing it would not save memory")

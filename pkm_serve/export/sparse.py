@@ -1,0 +1,276 @@
+"""Sparse sites: tf.nn.embedding_lookup_sparse and safe_embedding_lookup_sparse.
+
+  unweighted  Unique -> gather(table, unique.y) -> SparseSegmentSum/Mean/SqrtN(.., unique.idx, seg)
+  weighted    gather [-> re-gather by unique.idx] -> Mul by reshaped weights -> SegmentSum
+              [-> DivNoNan by SegmentSum(w) (mean) or Sqrt(SegmentSum(w^2)) (sqrtn)]
+  safe_       the above on SparseFillEmptyRows outputs, then Select(empty rows, 0, result)
+
+All become PkmRaggedEmbeddingBag. A safe_ site with default_id=None is fused
+from the pruned ids *before* SparseFillEmptyRows (the op gives empty bags
+zeros, which is what the Select writes), so SparseFillEmptyRows and the
+Select leave the graph: that is what makes the site convertible to TFLite.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+
+from pkm_serve.export.dense import Gather, fill_from_gather, resolve_gather, \
+    strip_trailing_unit_axis
+from pkm_serve.export.graph import FunctionGraph, Ref
+from pkm_serve.export.sites import (INDEX_DTYPES, NotASite, Site, Skip, check_private,
+                                    dtype_name, itemsize, through_identity)
+
+SPARSE_SEGMENT_COMBINERS = {
+    "SparseSegmentSum": "sum", "SparseSegmentMean": "mean", "SparseSegmentSqrtN": "sqrtn"}
+DIVISION_OPS = ("DivNoNan", "RealDiv", "Div")
+
+
+def _resolve_sparse_rows(fg: FunctionGraph, ref: Ref):
+    """Rows `table[ids]` as built by embedding_lookup_sparse: either a direct
+    gather, or gather(table, unique.y) re-gathered by unique.idx.
+    Returns (gather, ids, nodes, private refs)."""
+    nodes: List[str] = []
+    ref = through_identity(fg, ref, nodes)
+    node = fg.producer(ref)
+    if node is not None and node.op == "GatherV2":
+        ins = fg.inputs(node)
+        axis = fg.const_value(ins[2])
+        unique = fg.producer(ins[1])
+        if unique is not None and unique.op == "Unique" and ins[1].index == 1 and \
+                axis is not None and int(axis) == 0:
+            inner = resolve_gather(fg, ins[0])
+            if inner.indices == Ref(unique.name, 0):
+                private = [ref, inner.output] + [Ref(n, 0) for n in nodes + inner.nodes]
+                return inner, fg.inputs(unique)[0], nodes + [node.name] + inner.nodes, \
+                    private
+    gathered = resolve_gather(fg, ref)
+    private = [gathered.output] + [Ref(n, 0) for n in nodes + gathered.nodes[:-1]]
+    return gathered, gathered.indices, nodes + gathered.nodes, private
+
+
+def match_sparse_segment(fg: FunctionGraph, node, site: Site) -> Site:
+    data, seg_indices, segment_ids = fg.inputs(node)
+    nodes: List[str] = []
+    data = through_identity(fg, data, nodes)
+    gathered = resolve_gather(fg, data)
+    site.combiner = SPARSE_SEGMENT_COMBINERS[node.op]
+    fill_from_gather(site, gathered, fg)
+    unique = fg.producer(seg_indices)
+    if unique is None or unique.op != "Unique" or seg_indices.index != 1 or \
+            gathered.indices != Ref(unique.name, 0):
+        raise Skip("sparse segment indices are not the unique-inverse of the "
+                   "gathered ids")
+    site.indices = fg.inputs(unique)[0]
+    site.index_dtype = unique.attr["T"].type
+    if site.index_dtype not in INDEX_DTYPES:
+        raise Skip(f"index dtype {dtype_name(site.index_dtype)} is not int32/int64")
+    site.segment_ids = segment_ids
+    site.internal = tuple(nodes + gathered.nodes)
+    site.intermediate_itemsizes = (itemsize(gathered.dtype),)
+    private = [gathered.output, data] + [Ref(n, 0) for n in nodes + gathered.nodes]
+    check_private(fg, private, set(site.internal) | {node.name})
+    return extend_to_safe(fg, site)
+
+
+def _match_segment_sum(fg: FunctionGraph, node, site: Site, extra: List[str]):
+    """Weighted embedding_lookup_sparse: SegmentSum(Mul(rows, reshape(w)), seg).
+    Returns (site, the reshaped weights)."""
+    mul_ref, segment_ids = fg.inputs(node)
+    mul = fg.producer(mul_ref)
+    if mul is None or mul.op != "Mul":
+        raise NotASite()
+    a, b = fg.inputs(mul)
+    for rows_ref, w_ref in ((a, b), (b, a)):
+        try:
+            gathered, ids, rows_nodes, private = _resolve_sparse_rows(fg, rows_ref)
+            break
+        except NotASite:
+            continue
+    else:
+        raise NotASite()
+    site.weighted = True
+    fill_from_gather(site, gathered, fg)
+    site.indices = ids
+    site.index_dtype = _ids_dtype(fg, ids, gathered)
+    weights, strip_nodes = strip_trailing_unit_axis(fg, w_ref)
+    if fg.shape(weights).rank != 1:
+        raise Skip("sparse weights are not one per id")
+    site.weights, site.segment_ids = weights, segment_ids
+    internal = rows_nodes + [mul.name, node.name] + strip_nodes + extra
+    site.internal = tuple(n for n in internal if n != site.root)
+    # gathered rows, re-gathered rows (when unique), weighted product
+    copies = 2 + (len([n for n in rows_nodes if fg.nodes[n].op == "GatherV2"]) > 1)
+    site.intermediate_itemsizes = (itemsize(gathered.dtype),) * copies
+    private = private + [mul_ref, rows_ref]
+    check_private(fg, private, set(internal) | {site.root})
+    if site.index_dtype not in INDEX_DTYPES:
+        raise Skip(f"index dtype {dtype_name(site.index_dtype)} is not int32/int64")
+    return site, w_ref
+
+
+def match_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
+    site = _match_segment_sum(fg, node, site, [])[0]
+    return extend_to_safe(fg, site)
+
+
+def _ids_dtype(fg: FunctionGraph, ids: Ref, gathered: Gather) -> int:
+    producer = fg.producer(ids)
+    if producer is not None and producer.op == "Unique":
+        return producer.attr["T"].type
+    if ids == gathered.indices:
+        return gathered.index_dtype
+    unique_input_of = [n for n in fg.nodes.values()
+                       if n.op == "Unique" and fg.inputs(n)[0] == ids]
+    if unique_input_of:
+        return unique_input_of[0].attr["T"].type
+    return gathered.index_dtype
+
+
+def match_division(fg: FunctionGraph, node, site: Site) -> Site:
+    """mean: DivNoNan(SegmentSum(w*rows), SegmentSum(w)); sqrtn: the divisor is
+    Sqrt(SegmentSum(Pow(w, 2)))."""
+    num_ref, den_ref = fg.inputs(node)
+    num = fg.producer(num_ref)
+    den = fg.producer(den_ref)
+    if num is None or num.op != "SegmentSum" or den is None:
+        raise NotASite()
+    extra = [num.name]
+    combiner = "mean"
+    if den.op == "Sqrt":
+        combiner = "sqrtn"
+        extra.append(den.name)
+        den = fg.producer(fg.inputs(den)[0])
+        if den is None:
+            raise NotASite()
+    if den.op != "SegmentSum":
+        raise NotASite()
+    extra.append(den.name)
+    site.combiner = combiner
+    site, w_reshaped = _match_segment_sum(fg, num, site, extra)
+    den_data, den_seg = fg.inputs(den)
+    if combiner == "sqrtn":
+        power = fg.producer(den_data)
+        if power is None or power.op != "Pow" or fg.inputs(power)[0] != w_reshaped:
+            raise Skip("sqrtn divisor is not sqrt(segment_sum(w^2))")
+        exponent = fg.const_value(fg.inputs(power)[1])
+        if exponent is None or float(exponent) != 2.0:
+            raise Skip("sqrtn divisor is not sqrt(segment_sum(w^2))")
+        site.internal += (power.name,)
+    elif den_data != w_reshaped:
+        raise Skip("mean divisor is not segment_sum(w)")
+    if den_seg != site.segment_ids:
+        raise Skip("numerator and divisor use different segment ids")
+    intermediates = [num_ref, den_ref] + [Ref(n, 0) for n in site.internal]
+    check_private(fg, [r for r in intermediates if r.node in fg.nodes and
+                       fg.nodes[r.node].op not in ("Reshape",)],
+                  set(site.internal) | {node.name})
+    return extend_to_safe(fg, site)
+
+
+def extend_to_safe(fg: FunctionGraph, site: Site) -> Site:
+    """A lookup on SparseFillEmptyRows outputs is safe_embedding_lookup_sparse:
+    the site reads the ids (and weights) from before the fill. With
+    default_id=None the empty rows are then zeroed by a Select, which the site
+    grows to (the op gives empty bags zeros itself); with a default_id the
+    fused op's empty bags get that table row instead (fuse.py)."""
+    fill = fg.producer(site.indices)
+    if fill is None or fill.op != "SparseFillEmptyRows" or site.indices.index != 1:
+        return site
+    inner = site.root
+    fill_in = fg.inputs(fill)  # indices, values, dense_shape, default_value
+    if fg.shape(fill_in[0]).rank != 2 or fg.shape(fill_in[0])[1] != 2:
+        return site  # SparseFillEmptyRows always sees the ids reshaped to 2-D
+    selects = [c for c, pos in fg.consumers(Ref(inner, 0))
+               if fg.nodes[c].op in ("Select", "SelectV2") and pos == 2]
+    zeroing = _zeroing_select(fg, selects, inner, fill) if len(selects) == 1 else None
+    default_id = None
+    if zeroing is None:
+        # default_id given: empty rows hold one id, default_id, with weight 1.
+        value = fg.const_value(fill_in[3])
+        if value is None or value.size != 1 or fg.consumers(Ref(fill.name, 2)):
+            return site
+        default_id = int(np.reshape(value, []))
+    dead = [fill.name]
+    weights = site.weights
+    if weights is not None:
+        weights_fill = fg.producer(weights)
+        if weights_fill is None or weights_fill.op != "SparseFillEmptyRows" or \
+                weights.index != 1:
+            return site
+        weights = fg.inputs(weights_fill)[1]
+        dead.append(weights_fill.name)
+    seg = fg.producer(site.segment_ids)
+    while seg is not None and seg.op in ("Cast", "StridedSlice", "Identity"):
+        dead.append(seg.name)
+        seg = fg.producer(fg.inputs(seg)[0])
+    site.pattern = "safe_embedding_lookup_sparse"
+    site.indices, site.weights = fill_in[1], weights
+    site.sparse_indices, site.dense_shape = fill_in[0], fill_in[2]
+    site.default_id = default_id
+    if zeroing is not None:
+        select, zeros_like, tile, reshape = zeroing
+        site.root = select.name
+        site.internal += (inner, zeros_like.name, tile.name)
+        dead.append(reshape.name)
+    site.dead_after += tuple(dead)
+    return site
+
+
+def _zeroing_select(fg: FunctionGraph, selects: List[str], inner: str, fill):
+    """Select(Tile(Reshape(fill.empty_row_indicator)), ZerosLike(inner), inner):
+    how safe_ with default_id=None zeroes the filled rows. Returns its nodes."""
+    select = fg.nodes[selects[0]]
+    cond, zeros, _ = fg.inputs(select)
+    zeros_like = fg.producer(zeros)
+    tile = fg.producer(cond)
+    reshape = fg.producer(fg.inputs(tile)[0]) if tile is not None and tile.op == "Tile" \
+        else None
+    if zeros_like is None or zeros_like.op != "ZerosLike" or \
+            fg.inputs(zeros_like)[0] != Ref(inner, 0) or reshape is None or \
+            reshape.op != "Reshape" or fg.inputs(reshape)[0] != Ref(fill.name, 2):
+        return None
+    return select, zeros_like, tile, reshape
+
+
+def bypass_identity_sparse_reshapes(fg: FunctionGraph) -> List[str]:
+    """safe_embedding_lookup_sparse first reshapes the ids to 2-D with
+    SparseReshape(ids, shape, [prod(shape[:-1]), shape[-1]]), which TFLite has
+    no builtin for. For ids that are already 2-D that reshape is the identity:
+    its consumers read the input indices and the new shape instead. Returns
+    the bypassed nodes (left for remove_dead)."""
+    bypassed = []
+    for node in list(fg.nodes.values()):
+        if node.op != "SparseReshape":
+            continue
+        indices, shape, new_shape = fg.inputs(node)
+        if fg.shape(indices).rank != 2 or fg.shape(indices)[1] != 2 or \
+                not _is_flattened_shape(fg, new_shape, shape):
+            continue
+        fg.redirect(Ref(node.name, 0), indices)
+        fg.redirect(Ref(node.name, 1), new_shape)
+        bypassed.append(node.name)
+    if bypassed:
+        fg.reindex()
+    return bypassed
+
+
+def _is_flattened_shape(fg: FunctionGraph, new_shape: Ref, shape: Ref) -> bool:
+    """new_shape == stack([reduce_prod(shape[:1]), shape[1]]) of a [2] shape."""
+    if fg.shape(shape).rank != 1 or fg.shape(shape).as_list() != [2]:
+        return False
+    pack = fg.producer(new_shape)
+    if pack is None or pack.op != "Pack" or len(fg.inputs(pack)) != 2:
+        return False
+    prod, last = (fg.producer(r) for r in fg.inputs(pack))
+    if prod is None or prod.op != "Prod" or last is None or last.op != "GatherV2":
+        return False
+    head = fg.producer(fg.inputs(prod)[0])
+    if head is None or head.op != "Slice" or fg.inputs(head)[0] != shape or \
+            fg.inputs(last)[0] != shape:
+        return False
+    begin, size = (fg.const_value(r) for r in fg.inputs(head)[1:])
+    index = fg.const_value(fg.inputs(last)[1])
+    return begin is not None and size is not None and index is not None and \
+        list(np.ravel(begin)) == [0] and list(np.ravel(size)) == [1] and int(index) == 1
