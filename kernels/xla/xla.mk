@@ -1,0 +1,26 @@
+# XLA lowering of the PkmEmbeddingBag ops (included by the top-level Makefile).
+#  - embedding_bag_xla_cpu.cc: tf2xla kernels for XLA_CPU_JIT + the "Host"
+#    custom-call targets; linked into the op library _pkm_ops.so, which then
+#    also links libtensorflow_cc.so.2 (XlaOpKernel, XlaOpRegistrar live there;
+#    the Python process has it loaded already through TF's pywrap module).
+#  - embedding_bag_xla_gpu.cc: XLA_GPU_JIT kernels + "CUDA" targets on the
+#    CUDA launchers; only in _pkm_ops_gpu.so (`make gpu`).
+XLA_DIR     := kernels/xla
+XLA_HDRS    := $(wildcard $(XLA_DIR)/*.h) $(wildcard kernels/tf/*.h) $(CORE_HDRS)
+XLA_CPU_OBJ := $(BUILDDIR)/xla/embedding_bag_xla_cpu.o
+XLA_GPU_OBJ := $(BUILDDIR)/xla/embedding_bag_xla_gpu.o
+XLA_LFLAGS   = -l:libtensorflow_cc.so.2
+# XLA's headers include highwayhash and farmhash, which the pip TF ships
+# under include/external/.
+TF_INCLUDE   = $(patsubst -I%,%,$(filter -I%,$(TF_CFLAGS)))
+XLA_CFLAGS   = $(TF_CFLAGS) -I$(TF_INCLUDE)/external/highwayhash -I$(TF_INCLUDE)/external/farmhash_archive/src
+
+$(BUILDDIR)/xla/%.o: $(XLA_DIR)/%.cc $(XLA_HDRS) $(STAMP)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXSTD) -O2 -DNDEBUG $(PIC) -Wno-deprecated-declarations -I. $(XLA_CFLAGS) -c $< -o $@
+
+$(TF_OP_LIB): $(XLA_CPU_OBJ)
+$(TF_OP_LIB): TF_LFLAGS += $(XLA_LFLAGS)
+
+$(TF_GPU_OP_LIB): $(XLA_CPU_OBJ) $(XLA_GPU_OBJ)
+$(TF_GPU_OP_LIB): TF_LFLAGS += $(XLA_LFLAGS)
