@@ -177,6 +177,13 @@ XLA_FFI_REGISTER_HANDLER(::xla::ffi::GetXlaFfiApi(), kRaggedBackwardTarget, "Hos
 
 PKM_REGISTER_XLA_LOWERINGS(::tensorflow::DEVICE_CPU_XLA_JIT);
 
-// Marker read by pkm_serve.ops (ctypes): this library lowers the ops for
-// XLA's CPU backend. The GPU library also exports pkm_xla_has_gpu_target.
+// Marker read by pkm_serve (ctypes): this library lowers the ops for XLA's
+// CPU backend. The GPU library also exports pkm_xla_has_gpu_target.
 extern "C" __attribute__((visibility("default"))) int pkm_xla_has_cpu_target() { return 1; }
+
+// See RegisterLoweringsLate (embedding_bag_xla_lowering.h). Called by
+// pkm_serve after tf.load_op_library; returns 1 when it had to add the kernels.
+extern "C" __attribute__((visibility("default"))) int pkm_xla_register_late() {
+  static const int added = pkm_xla::RegisterLoweringsLate(::tensorflow::DEVICE_CPU_XLA_JIT);
+  return added;
+}

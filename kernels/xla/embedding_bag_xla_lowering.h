@@ -26,6 +26,8 @@
 #include "kernels/tf/embedding_bag_common.h"
 #include "tensorflow/compiler/tf2xla/xla_op_kernel.h"
 #include "tensorflow/compiler/tf2xla/xla_op_registry.h"
+#include "tensorflow/core/framework/kernel_def_builder.h"
+#include "tensorflow/core/framework/op_kernel.h"
 #include "xla/hlo/builder/xla_builder.h"
 #include "xla/shape_util.h"
 
@@ -136,6 +138,43 @@ using ForwardLowering = Lowering<false, false>;
 using GradLowering = Lowering<false, true>;
 using RaggedForwardLowering = Lowering<true, false>;
 using RaggedGradLowering = Lowering<true, true>;
+
+// From TF's human-readable kernel list ("  device='XLA_CPU_JIT'; T in [...]"),
+// which needs no protobuf code of ours.
+inline bool HasKernelFor(const char* op, const char* device) {
+  return ::tensorflow::KernelsRegisteredForOp(op).find("device='" + std::string(device) + "'") !=
+         std::string::npos;
+}
+
+template <class L>
+void RegisterJitKernel(const char* op, const char* device, bool ragged) {
+  ::tensorflow::KernelDefBuilder def(op);
+  def.Device(device)
+      .TypeConstraint("T", {::tensorflow::DT_FLOAT, ::tensorflow::DT_HALF, ::tensorflow::DT_BFLOAT16})
+      .TypeConstraint("Tindices", {::tensorflow::DT_INT32, ::tensorflow::DT_INT64});
+  if (ragged) def.TypeConstraint("Tsplits", {::tensorflow::DT_INT32, ::tensorflow::DT_INT64});
+  // Lives as long as the process, like every static kernel registrar.
+  new ::tensorflow::kernel_factory::OpKernelRegistrar(
+      def.Build(), "PkmXlaLowering",
+      [](::tensorflow::OpKernelConstruction* ctx) -> ::tensorflow::OpKernel* { return new L(ctx); });
+}
+
+// TF turns the XLA op registry into JIT-device kernels once per process
+// (XlaOpRegistry::RegisterCompilationKernels). A library loaded after that
+// (e.g. `import pkm_serve` after TF already compiled something) would have its
+// REGISTER_XLA_OPs ignored: "No registered 'PkmEmbeddingBag' OpKernel for
+// XLA_CPU_JIT devices". Must run after the op defs are registered (not from a
+// static initialiser): runs TF's registration if it has not run yet, else adds
+// our four kernels for `device` itself. Returns 1 when it added them.
+inline int RegisterLoweringsLate(const char* device) {
+  ::tensorflow::XlaOpRegistry::RegisterCompilationKernels();
+  if (HasKernelFor("PkmEmbeddingBag", device)) return 0;
+  RegisterJitKernel<ForwardLowering>("PkmEmbeddingBag", device, false);
+  RegisterJitKernel<GradLowering>("PkmEmbeddingBagGrad", device, false);
+  RegisterJitKernel<RaggedForwardLowering>("PkmRaggedEmbeddingBag", device, true);
+  RegisterJitKernel<RaggedGradLowering>("PkmRaggedEmbeddingBagGrad", device, true);
+  return 1;
+}
 
 }  // namespace pkm_xla
 

@@ -3,6 +3,7 @@ d_weights against a float64 numpy reference and against the op outside XLA,
 the compiled HLO (our custom calls, no gather), errors, and the composite
 fallback for a backend without a target."""
 
+import os
 import warnings
 
 import numpy as np
@@ -193,3 +194,24 @@ def test_compile_device_is_seen_only_while_tracing_for_xla():
     with tf.device("/CPU:0"):
         tf.function(lambda: tf.function(probe)(), jit_compile=True)()  # nested in a jit function
     assert seen == [None, None, "CPU", "CPU"]
+
+
+def test_library_loaded_after_tf_ran_xla_still_lowers():
+    """TF builds its XLA JIT kernels once per process; a library loaded after
+    that must still register its lowering (pkm_xla_register_late)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import tensorflow as tf\n"
+        "tf.function(lambda x: x * 2, jit_compile=True)(tf.constant(1.0))\n"  # TF's registration runs here
+        "from pkm_serve import ops\n"
+        "t = tf.constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])\n"
+        "f = tf.function(lambda i: ops.embedding_bag(t, i, combiner='mean'), jit_compile=True)\n"
+        "print(f(tf.constant([[0, 2], [1, -1]])).numpy().tolist())\n"
+        "print('pkm_embedding_bag_forward' in f.experimental_get_compiler_ir(tf.constant([[0, 2]]))('hlo'))\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-2] == "[[3.0, 4.0], [3.0, 4.0]]" and lines[-1] == "True", proc.stdout
