@@ -24,3 +24,10 @@ $(TF_OP_LIB): TF_LFLAGS += $(XLA_LFLAGS)
 
 $(TF_GPU_OP_LIB): $(XLA_CPU_OBJ) $(XLA_GPU_OBJ)
 $(TF_GPU_OP_LIB): TF_LFLAGS += $(XLA_LFLAGS)
+
+# The XLA benchmark (fused under XLA vs fused outside XLA vs composite under
+# XLA; a few minutes): writes bench/results/xla_embedding_bag.{json,md}.
+bench-xla: setup
+	$(PY) bench/xla_embedding_bag.py
+
+.PHONY: bench-xla
