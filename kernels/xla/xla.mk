@@ -3,12 +3,18 @@
 #    custom-call targets; linked into the op library _pkm_ops.so, which then
 #    also links libtensorflow_cc.so.2 (XlaOpKernel, XlaOpRegistrar live there;
 #    the Python process has it loaded already through TF's pywrap module).
-#  - embedding_bag_xla_gpu.cc: XLA_GPU_JIT kernels + "CUDA" targets on the
-#    CUDA launchers; only in _pkm_ops_gpu.so (`make gpu`).
+#  - embedding_bag_xla_gpu_targets.cc: the "CUDA" targets (typed FFI on the
+#    CUDA launchers; XLA's public FFI header only, no TF) and
+#    embedding_bag_xla_gpu.cc: XLA_GPU_JIT kernels + their registration with
+#    TF's XLA; both only in _pkm_ops_gpu.so (`make gpu`). `make gpu` also
+#    builds libpkm_xla_gpu.so: the targets alone (no TF), for the GPU test
+#    that runs them under JAX's XLA (tests/xla/test_xla_gpu_targets.py).
 XLA_DIR     := kernels/xla
 XLA_HDRS    := $(wildcard $(XLA_DIR)/*.h) $(wildcard kernels/tf/*.h) $(CORE_HDRS)
 XLA_CPU_OBJ := $(BUILDDIR)/xla/embedding_bag_xla_cpu.o
 XLA_GPU_OBJ := $(BUILDDIR)/xla/embedding_bag_xla_gpu.o
+XLA_GPU_TARGETS_OBJ := $(BUILDDIR)/xla/embedding_bag_xla_gpu_targets.o
+XLA_GPU_TARGETS_LIB := $(LIBDIR)/libpkm_xla_gpu.so
 XLA_LFLAGS   = -l:libtensorflow_cc.so.2
 # XLA's headers include highwayhash and farmhash, which the pip TF ships
 # under include/external/.
@@ -22,8 +28,14 @@ $(BUILDDIR)/xla/%.o: $(XLA_DIR)/%.cc $(XLA_HDRS) $(STAMP)
 $(TF_OP_LIB): $(XLA_CPU_OBJ)
 $(TF_OP_LIB): TF_LFLAGS += $(XLA_LFLAGS)
 
-$(TF_GPU_OP_LIB): $(XLA_CPU_OBJ) $(XLA_GPU_OBJ)
+$(TF_GPU_OP_LIB): $(XLA_CPU_OBJ) $(XLA_GPU_OBJ) $(XLA_GPU_TARGETS_OBJ)
 $(TF_GPU_OP_LIB): TF_LFLAGS += $(XLA_LFLAGS)
+
+$(XLA_GPU_TARGETS_LIB): $(XLA_GPU_TARGETS_OBJ) $(CUDA_OBJS) $(CORE_OBJS)
+	@mkdir -p $(LIBDIR)
+	$(CXX) -shared $^ -o $@ $(CUDA_LIBS) -Wl,--no-undefined
+
+gpu: $(XLA_GPU_TARGETS_LIB)
 
 # The XLA benchmark (fused under XLA vs fused outside XLA vs composite under
 # XLA; a few minutes): writes bench/results/xla_embedding_bag.{json,md}.
