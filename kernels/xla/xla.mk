@@ -1,6 +1,8 @@
 # XLA lowering of the PkmEmbeddingBag ops (included by the top-level Makefile).
-#  - embedding_bag_xla_cpu.cc: tf2xla kernels for XLA_CPU_JIT + the "Host"
-#    custom-call targets; linked into the op library _pkm_ops.so, which then
+#  - embedding_bag_xla_cpu_targets.cc: the "Host" custom-call targets (typed
+#    FFI on the core; XLA's public FFI header only, no TF) and
+#    embedding_bag_xla_cpu.cc: tf2xla kernels for XLA_CPU_JIT + their
+#    registration with TF's XLA; both linked into the op library _pkm_ops.so, which then
 #    also links libtensorflow_cc.so.2 (XlaOpKernel, XlaOpRegistrar live there;
 #    the Python process has it loaded already through TF's pywrap module).
 #  - embedding_bag_xla_gpu_targets.cc: the "CUDA" targets (typed FFI on the
@@ -8,10 +10,11 @@
 #    embedding_bag_xla_gpu.cc: XLA_GPU_JIT kernels + their registration with
 #    TF's XLA; both only in _pkm_ops_gpu.so (`make gpu`). `make gpu` also
 #    builds libpkm_xla_gpu.so: the targets alone (no TF), for the GPU test
-#    that runs them under JAX's XLA (tests/xla/test_xla_gpu_targets.py).
+#    that runs them under JAX's XLA (tests/xla/test_xla_ffi_targets.py).
 XLA_DIR     := kernels/xla
 XLA_HDRS    := $(wildcard $(XLA_DIR)/*.h) $(wildcard kernels/tf/*.h) $(CORE_HDRS)
-XLA_CPU_OBJ := $(BUILDDIR)/xla/embedding_bag_xla_cpu.o
+XLA_CPU_OBJ := $(BUILDDIR)/xla/embedding_bag_xla_cpu.o $(BUILDDIR)/xla/embedding_bag_xla_cpu_targets.o
+XLA_CPU_TARGETS_LIB := $(LIBDIR)/libpkm_xla_cpu.so
 XLA_GPU_OBJ := $(BUILDDIR)/xla/embedding_bag_xla_gpu.o
 XLA_GPU_TARGETS_OBJ := $(BUILDDIR)/xla/embedding_bag_xla_gpu_targets.o
 XLA_GPU_TARGETS_LIB := $(LIBDIR)/libpkm_xla_gpu.so
@@ -36,6 +39,15 @@ $(XLA_GPU_TARGETS_LIB): $(XLA_GPU_TARGETS_OBJ) $(CUDA_OBJS) $(CORE_OBJS)
 	$(CXX) -shared $^ -o $@ $(CUDA_LIBS) -Wl,--no-undefined
 
 gpu: $(XLA_GPU_TARGETS_LIB)
+
+# The Host targets alone (no TF), for running them under another XLA runtime
+# (tests/xla/test_xla_ffi_targets.py does on "cpu" where JAX is installed).
+$(XLA_CPU_TARGETS_LIB): $(BUILDDIR)/xla/embedding_bag_xla_cpu_targets.o $(CORE_OBJS)
+	@mkdir -p $(LIBDIR)
+	$(CXX) -shared $^ -o $@ -lpthread -Wl,--no-undefined
+
+xla-targets-cpu: $(XLA_CPU_TARGETS_LIB)
+.PHONY: xla-targets-cpu
 
 # The XLA benchmark (fused under XLA vs fused outside XLA vs composite under
 # XLA; a few minutes): writes bench/results/xla_embedding_bag.{json,md}.

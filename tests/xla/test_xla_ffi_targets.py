@@ -1,12 +1,15 @@
-"""The CUDA custom-call targets (typed FFI, embedding_bag_xla_gpu_targets.cc)
-run inside XLA on a GPU, against the float64 numpy reference.
+"""The custom-call targets (typed FFI handlers) run inside another XLA
+runtime, JAX's, against the float64 numpy reference: the CUDA handlers of
+embedding_bag_xla_gpu_targets.cc on a GPU (libpkm_xla_gpu.so, `make gpu`) and
+the Host handlers of embedding_bag_xla_cpu_targets.cc on the CPU
+(libpkm_xla_cpu.so, `make xla-targets-cpu`).
 
-The lent GPU machine has no TensorFlow with GPU support, so this runs the very
-handlers that _pkm_ops_gpu.so registers with TF's XLA, from libpkm_xla_gpu.so
-(`make gpu`), under JAX's XLA instead: same FFI ABI, XLA's own stream and
-scratch allocator. Skipped without JAX, a CUDA device or the library:
+The lent GPU machine has no TensorFlow with GPU support, so this is how the
+very handlers that _pkm_ops_gpu.so registers with TF's XLA run on a GPU: same
+FFI ABI, XLA's own stream and scratch allocator. Each platform is skipped
+without JAX, its device or its library (JAX is not a project dependency):
 
-    CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q tests/xla/test_xla_gpu_targets.py
+    CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q tests/xla/test_xla_ffi_targets.py
 """
 
 import ctypes
@@ -18,33 +21,47 @@ import pytest
 from tests.xla.reference import bag_forward_backward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LIB = os.path.join(ROOT, "pkm_serve", "lib", "libpkm_xla_gpu.so")
-TARGETS = {
-    "pkm_embedding_bag_forward": "pkm_xla_gpu_forward",
-    "pkm_embedding_bag_backward": "pkm_xla_gpu_backward",
-    "pkm_ragged_embedding_bag_forward": "pkm_xla_gpu_ragged_forward",
-    "pkm_ragged_embedding_bag_backward": "pkm_xla_gpu_ragged_backward",
+PLATFORMS = {  # JAX device kind -> (library, symbol prefix, XLA platform name)
+    "cpu": ("libpkm_xla_cpu.so", "pkm_xla_cpu", "cpu"),
+    "gpu": ("libpkm_xla_gpu.so", "pkm_xla_gpu", "CUDA"),
+}
+TARGETS = {  # custom-call target -> exported handler, after the prefix
+    "pkm_embedding_bag_forward": "forward",
+    "pkm_embedding_bag_backward": "backward",
+    "pkm_ragged_embedding_bag_forward": "ragged_forward",
+    "pkm_ragged_embedding_bag_backward": "ragged_backward",
 }
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 TOL = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 2e-2}
 N, D = 300, 40
 
 
-@pytest.fixture(scope="module")
-def jax_gpu():
+class Runtime:
+    def __init__(self, jax, device, kind):
+        self.jax, self.device, self.kind = jax, device, kind
+
+
+@pytest.fixture(scope="module", params=sorted(PLATFORMS))
+def xla_runtime(request):
+    """JAX on one device kind, with our handlers registered for its platform."""
     jax = pytest.importorskip("jax")
+    jax.config.update("jax_enable_x64", True)  # int64 indices and row_splits stay int64
+    kind = request.param
+    library, prefix, platform = PLATFORMS[kind]
     try:
-        gpus = jax.devices("gpu")
+        devices = jax.devices(kind)
     except RuntimeError:
-        gpus = []
-    if not gpus:
-        pytest.skip("no CUDA device visible to JAX")
-    if not os.path.exists(LIB):
-        pytest.skip(f"{LIB} not built (make gpu)")
-    lib = ctypes.CDLL(LIB)
-    for target, symbol in TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
-    return jax
+        devices = []
+    if not devices:
+        pytest.skip(f"no {kind} device visible to JAX")
+    path = os.path.join(ROOT, "pkm_serve", "lib", library)
+    if not os.path.exists(path):
+        pytest.skip(f"{path} not built")
+    lib = ctypes.CDLL(path)
+    for target, handler in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, f"{prefix}_{handler}")),
+                                    platform=platform)
+    return Runtime(jax, devices[0], kind)
 
 
 def assert_close(actual, expected, dtype_name, what):
@@ -55,12 +72,16 @@ def assert_close(actual, expected, dtype_name, what):
     assert err <= TOL[dtype_name], f"{what}: max relative error {err:.3g} > {TOL[dtype_name]}"
 
 
-def run_targets(jax, table, index_args, weights, combiner, grad, ragged):
-    """Forward and backward custom calls inside one jitted XLA computation."""
+def run_targets(rt, table, index_args, weights, combiner, grad, ragged):
+    """Forward and backward custom calls inside one jitted XLA computation on rt's device."""
     import jax.numpy as jnp
 
+    jax = rt.jax
+    put = lambda x: jax.device_put(x, rt.device)  # noqa: E731
+    table, grad, index_args = put(table), put(grad), tuple(put(x) for x in index_args)
+    weights = None if weights is None else put(weights)
     has_weights = weights is not None
-    w = weights if has_weights else jnp.zeros([0], table.dtype)
+    w = weights if has_weights else put(jnp.zeros([0], table.dtype))
     num_bags = grad.shape[0]
     attrs = dict(combiner=np.int32(COMBINERS[combiner]), has_weights=np.int32(has_weights))
     prefix = "pkm_ragged_embedding_bag" if ragged else "pkm_embedding_bag"
@@ -81,7 +102,7 @@ def run_targets(jax, table, index_args, weights, combiner, grad, ragged):
 @pytest.mark.parametrize("with_weights", [True, False])
 @pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("combiner", COMBINERS)
-def test_dense_targets_match_reference(jax_gpu, combiner, dtype_name, with_weights):
+def test_dense_targets_match_reference(xla_runtime, combiner, dtype_name, with_weights):
     import jax.numpy as jnp
 
     rng = np.random.default_rng([len(combiner), len(dtype_name), with_weights])
@@ -95,7 +116,7 @@ def test_dense_targets_match_reference(jax_gpu, combiner, dtype_name, with_weigh
     weights = jnp.asarray(rng.uniform(0.1, 2.0, size=(b, k)), dtype) if with_weights else None
     grad = jnp.asarray(rng.normal(size=(b, D)), dtype)
     idx = jnp.asarray(indices, jnp.int32 if with_weights else jnp.int64)
-    got = run_targets(jax_gpu, table, (idx,), weights, combiner, grad, ragged=False)
+    got = run_targets(xla_runtime, table, (idx,), weights, combiner, grad, ragged=False)
     f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
     w_rows = f64(weights).tolist() if with_weights else None
     ref_out, ref_dt, ref_dw = bag_forward_backward(f64(table), indices.tolist(), w_rows, combiner, f64(grad))
@@ -106,7 +127,7 @@ def test_dense_targets_match_reference(jax_gpu, combiner, dtype_name, with_weigh
 
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
 @pytest.mark.parametrize("combiner", COMBINERS)
-def test_ragged_targets_match_reference(jax_gpu, combiner, dtype_name):
+def test_ragged_targets_match_reference(xla_runtime, combiner, dtype_name):
     import jax.numpy as jnp
 
     rng = np.random.default_rng(len(combiner) + 10 * len(dtype_name))
@@ -119,7 +140,7 @@ def test_ragged_targets_match_reference(jax_gpu, combiner, dtype_name):
     table = jnp.asarray(rng.normal(size=(N, D)), dtype)
     w_values = jnp.asarray(rng.uniform(0.1, 2.0, size=values.shape), dtype)
     grad = jnp.asarray(rng.normal(size=(len(rows), D)), dtype)
-    got = run_targets(jax_gpu, table, (jnp.asarray(values), jnp.asarray(splits)), w_values, combiner, grad,
+    got = run_targets(xla_runtime, table, (jnp.asarray(values), jnp.asarray(splits)), w_values, combiner, grad,
                       ragged=True)
     f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)  # noqa: E731
     w_flat = f64(w_values)
@@ -130,8 +151,7 @@ def test_ragged_targets_match_reference(jax_gpu, combiner, dtype_name):
     assert_close(got[2], np.concatenate(ref_dw), dtype_name, "ragged d_weights")
 
 
-def test_out_of_range_index_is_padding_on_the_gpu(jax_gpu):
-    """The documented GPU behaviour (as the TF GPU kernel): never read, not counted, d_weight 0."""
+def _out_of_range_case():
     import jax.numpy as jnp
 
     rng = np.random.default_rng(9)
@@ -141,7 +161,20 @@ def test_out_of_range_index_is_padding_on_the_gpu(jax_gpu):
     table = jnp.asarray(rng.normal(size=(N, D)), jnp.float32)
     weights = jnp.asarray(rng.uniform(0.1, 2.0, size=indices.shape), jnp.float32)
     grad = jnp.asarray(rng.normal(size=(8, D)), jnp.float32)
-    got = run_targets(jax_gpu, table, (jnp.asarray(indices),), weights, "mean", grad, ragged=False)
+    return indices, table, weights, grad
+
+
+def test_out_of_range_index(xla_runtime):
+    """CPU: the core's InvalidArgument, through XLA. GPU: the documented device
+    behaviour (as the TF GPU kernel): treated as padding, never read."""
+    import jax.numpy as jnp
+
+    indices, table, weights, grad = _out_of_range_case()
+    if xla_runtime.kind == "cpu":
+        with pytest.raises(Exception, match=r"indices\[11\] = 300 is out of range \[0, 300\)"):
+            run_targets(xla_runtime, table, (jnp.asarray(indices),), weights, "mean", grad, ragged=False)
+        return
+    got = run_targets(xla_runtime, table, (jnp.asarray(indices),), weights, "mean", grad, ragged=False)
     as_padding = np.where(indices >= N, -1, indices)
     ref = bag_forward_backward(np.asarray(table, np.float64), as_padding.tolist(),
                                np.asarray(weights, np.float64).tolist(), "mean", np.asarray(grad, np.float64))
