@@ -50,6 +50,24 @@ PKM_TF_HDRS = [
     "kernels/tf/embedding_bag_common.h",
 ]
 
+# XLA lowering of the ops (tf2xla kernels) and their Host custom-call targets
+# (typed FFI on the core): in the op library, which then links libtensorflow_cc.
+PKM_XLA_SRCS = [
+    "kernels/xla/embedding_bag_xla_cpu.cc",
+    "kernels/xla/embedding_bag_xla_cpu_targets.cc",
+]
+
+# The same for XLA_GPU_JIT on the CUDA launchers: GPU builds only.
+PKM_XLA_GPU_SRCS = [
+    "kernels/xla/embedding_bag_xla_gpu.cc",
+    "kernels/xla/embedding_bag_xla_gpu_targets.cc",
+]
+
+PKM_XLA_HDRS = [
+    "kernels/xla/embedding_bag_xla_ffi.h",
+    "kernels/xla/embedding_bag_xla_lowering.h",
+]
+
 # ---- CUDA launchers (no TensorFlow header) --------------------------------
 PKM_CUDA_SRCS = [
     "kernels/cuda/common.cu",

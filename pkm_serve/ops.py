@@ -17,6 +17,8 @@ import threading
 
 import tensorflow as tf
 
+from pkm_serve import _xla
+
 COMBINERS = ("sum", "mean", "sqrtn")
 TABLE_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 INDEX_DTYPES = (tf.int32, tf.int64)
@@ -131,6 +133,8 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None):
     """
     _check_combiner(combiner)
     lib = load_library()
+    if _xla.composite_under_xla(params, indices):  # XLA for a backend without our custom-call target
+        return embedding_bag_composite(params, indices, weights, combiner, name=name)
     with tf.name_scope(name or "embedding_bag"):
         params = _as_table(params)
         if isinstance(indices, tf.RaggedTensor):

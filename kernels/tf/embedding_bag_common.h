@@ -51,25 +51,51 @@ struct CoreArgs {
   const ::tensorflow::Tensor* weights = nullptr;
 };
 
+// Every shape rule of the ops, on shapes alone, so the TF kernels and the XLA
+// lowering (kernels/xla, which sees shapes at compile time) reject the same
+// inputs with the same messages. `splits` is null for the dense layout.
+// Fills out_shape: the forward output (leading dims of indices, or the bag
+// count of the ragged layout, then D).
+inline ::tensorflow::Status CheckShapes(const OpAttrs& attrs, const ::tensorflow::TensorShape& params,
+                                        const ::tensorflow::TensorShape& indices,
+                                        const ::tensorflow::TensorShape* splits,
+                                        const ::tensorflow::TensorShape& weights,
+                                        ::tensorflow::TensorShape* out_shape) {
+  using ::tensorflow::errors::InvalidArgument;
+  if (params.dims() != 2)
+    return InvalidArgument("params must be a [N, D] matrix, got shape ", params.DebugString());
+  if (attrs.ragged ? indices.dims() != 1 : indices.dims() < 1)
+    return InvalidArgument(attrs.ragged ? "values must be a vector" : "indices must have rank >= 1 ([..., K])",
+                           ", got shape ", indices.DebugString());
+  if (attrs.has_weights && weights != indices)
+    return InvalidArgument("weights must have the shape of indices ", indices.DebugString(), ", got ",
+                           weights.DebugString());
+  // An unused weights input must be empty, so the gradient op's d_weights
+  // (shaped like weights) has nothing to leave unwritten.
+  if (!attrs.has_weights && weights.num_elements() != 0)
+    return InvalidArgument("weights must be empty (e.g. shape [0]) when has_weights is false, got shape ",
+                           weights.DebugString());
+  *out_shape = ::tensorflow::TensorShape();
+  if (attrs.ragged) {
+    if (splits == nullptr || splits->dims() != 1 || splits->dim_size(0) < 1)
+      return InvalidArgument("row_splits must be a non-empty vector, got shape ",
+                             splits ? splits->DebugString() : "none");
+    TF_RETURN_IF_ERROR(out_shape->AddDimWithStatus(splits->dim_size(0) - 1));
+  } else {
+    for (int i = 0; i + 1 < indices.dims(); ++i) TF_RETURN_IF_ERROR(out_shape->AddDimWithStatus(indices.dim_size(i)));
+  }
+  return out_shape->AddDimWithStatus(params.dim_size(1));
+}
+
 inline ::tensorflow::Status BuildCoreArgs(::tensorflow::OpKernelContext* ctx, const OpAttrs& attrs,
                                           int first, CoreArgs* args) {
   using ::tensorflow::errors::InvalidArgument;
   const ::tensorflow::Tensor& params = ctx->input(first);
   const ::tensorflow::Tensor& indices = ctx->input(first + 1);
   const ::tensorflow::Tensor& weights = ctx->input(first + (attrs.ragged ? 3 : 2));
-  if (params.dims() != 2)
-    return InvalidArgument("params must be a [N, D] matrix, got shape ", params.shape().DebugString());
-  if (attrs.ragged ? indices.dims() != 1 : indices.dims() < 1)
-    return InvalidArgument(attrs.ragged ? "values must be a vector" : "indices must have rank >= 1 ([..., K])",
-                           ", got shape ", indices.shape().DebugString());
-  if (attrs.has_weights && weights.shape() != indices.shape())
-    return InvalidArgument("weights must have the shape of indices ", indices.shape().DebugString(),
-                           ", got ", weights.shape().DebugString());
-  // An unused weights input must be empty, so the gradient op's d_weights
-  // (shaped like weights) has nothing to leave unwritten.
-  if (!attrs.has_weights && weights.NumElements() != 0)
-    return InvalidArgument("weights must be empty (e.g. shape [0]) when has_weights is false, got shape ",
-                           weights.shape().DebugString());
+  const ::tensorflow::Tensor* splits = attrs.ragged ? &ctx->input(first + 2) : nullptr;
+  TF_RETURN_IF_ERROR(CheckShapes(attrs, params.shape(), indices.shape(), splits ? &splits->shape() : nullptr,
+                                 weights.shape(), &args->out_shape));
   pkm::Table& t = args->table;
   t.data = params.data();
   t.type = ElemTypeOf(params.dtype());
@@ -81,24 +107,17 @@ inline ::tensorflow::Status BuildCoreArgs(::tensorflow::OpKernelContext* ctx, co
   b.weights = attrs.has_weights ? weights.data() : nullptr;
   b.weights_type = ElemTypeOf(weights.dtype());
   args->weights = &weights;
-  args->out_shape = ::tensorflow::TensorShape();
   if (attrs.ragged) {
-    const ::tensorflow::Tensor& splits = ctx->input(first + 2);
-    if (splits.dims() != 1 || splits.dim_size(0) < 1)
-      return InvalidArgument("row_splits must be a non-empty vector, got shape ", splits.shape().DebugString());
-    b.row_splits = splits.data();
-    b.row_splits_int64 = splits.dtype() == ::tensorflow::DT_INT64;
-    b.num_bags = splits.dim_size(0) - 1;
+    b.row_splits = splits->data();
+    b.row_splits_int64 = splits->dtype() == ::tensorflow::DT_INT64;
+    b.num_bags = splits->dim_size(0) - 1;
     b.num_values = indices.dim_size(0);
-    TF_RETURN_IF_ERROR(args->out_shape.AddDimWithStatus(b.num_bags));
   } else {
-    for (int i = 0; i + 1 < indices.dims(); ++i)
-      TF_RETURN_IF_ERROR(args->out_shape.AddDimWithStatus(indices.dim_size(i)));
-    // Leading dims multiply without overflow: out_shape checked them above.
-    b.num_bags = args->out_shape.num_elements();
+    ::tensorflow::TensorShape leading = indices.shape();  // a valid shape: no overflow
+    leading.RemoveLastDims(1);
+    b.num_bags = leading.num_elements();
     b.bag_size = indices.dim_size(indices.dims() - 1);
   }
-  TF_RETURN_IF_ERROR(args->out_shape.AddDimWithStatus(t.dim));
   return ::tensorflow::Status();
 }
 

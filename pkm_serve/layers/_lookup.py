@@ -66,3 +66,26 @@ def resolve_lookup(implementation, fallback, layer_name):
             "slower pure-TensorFlow composite instead."
         ) from err
     return ops.embedding_bag
+
+
+def lookup_supports_jit(lookup):
+    """A layer's `supports_jit` for the lookup `resolve_lookup` chose.
+
+    True when XLA compilation on this machine keeps the lookup's memory and
+    speed: the composite (stock ops), or the fused op where the op library
+    has an XLA custom-call target for the device Keras compiles for (a
+    non-CPU device when TF sees one, as Keras' jit_compile="auto" assumes).
+    Otherwise False, so "auto" runs the fused op outside XLA; an explicit
+    jit_compile=True still works, through the composite (ops.embedding_bag
+    warns once).
+    """
+    ops = _ops_module()
+    if lookup is ops.embedding_bag_composite:
+        return True
+    import tensorflow as tf
+
+    from pkm_serve import _xla
+
+    accelerators = {d.device_type for d in tf.config.list_physical_devices() if d.device_type != "CPU"}
+    wanted = accelerators or {"CPU"}
+    return wanted <= _xla.xla_device_types()

@@ -2,7 +2,7 @@
 import keras
 import tensorflow as tf
 
-from pkm_serve.layers._lookup import check_tensorflow_backend, resolve_lookup
+from pkm_serve.layers._lookup import check_tensorflow_backend, lookup_supports_jit, resolve_lookup
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -75,6 +75,7 @@ class EmbeddingBag(keras.layers.Layer):
         self.implementation = implementation
         self.fallback = fallback
         self._lookup = resolve_lookup(implementation, fallback, "EmbeddingBag")
+        self.supports_jit = lookup_supports_jit(self._lookup)
         # The table is read in its stored dtype (see the class docstring).
         self.autocast = False
 

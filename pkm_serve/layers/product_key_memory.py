@@ -14,7 +14,7 @@ import warnings
 import keras
 import tensorflow as tf
 
-from pkm_serve.layers._lookup import check_tensorflow_backend, resolve_lookup
+from pkm_serve.layers._lookup import check_tensorflow_backend, lookup_supports_jit, resolve_lookup
 from pkm_serve.layers.embedding_bag import EmbeddingBag
 
 
@@ -65,8 +65,9 @@ class ProductKeyMemory(keras.layers.Layer):
             raise ValueError(f"ProductKeyMemory: knn ({knn}) must not exceed n_keys ({n_keys})")
         check_tensorflow_backend("ProductKeyMemory")
         # Fail at construction, not at first call, when the op library is missing.
-        resolve_lookup(implementation, fallback, "ProductKeyMemory")
+        lookup = resolve_lookup(implementation, fallback, "ProductKeyMemory")
         super().__init__(**kwargs)
+        self.supports_jit = lookup_supports_jit(lookup)
         self.v_dim = v_dim
         self.k_dim = k_dim
         self.n_keys = n_keys

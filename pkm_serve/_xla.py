@@ -1,0 +1,94 @@
+"""Where the fused op runs under XLA (``jit_compile=True``).
+
+The op library lowers the ops to XLA custom calls into our kernels for the
+backends it has a target for (kernels/xla, docs/XLA.md). Under XLA for any
+other backend (TPU, a GPU with the CPU-only library) ``ops.embedding_bag``
+uses the composite instead, which XLA compiles everywhere, and says once what
+that costs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+
+import tensorflow as tf
+
+# Exported by the op library per backend it has custom-call targets for.
+_XLA_TARGET_SYMBOLS = {"CPU": "pkm_xla_has_cpu_target", "GPU": "pkm_xla_has_gpu_target"}
+_xla_fallback_warned = set()
+_xla_device_types = None
+
+
+def xla_device_types() -> frozenset:
+    """XLA device types ("CPU", "GPU") the loaded op library has custom-call
+    targets for; empty when the library is missing or predates the lowering."""
+    global _xla_device_types
+    from pkm_serve import ops  # ops imports this module
+
+    if _xla_device_types is None:
+        try:
+            ops.load_library()
+            # The library is loaded already: NOLOAD returns its handle.
+            handle = ctypes.CDLL(ops.library_path(), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except (ops.OpLibraryNotFoundError, tf.errors.NotFoundError, OSError):
+            return frozenset()
+        # Make the lowering visible even when TF set up its XLA kernels before
+        # the library was loaded (RegisterLoweringsLate in kernels/xla).
+        for register in ("pkm_xla_register_late", "pkm_xla_register_late_gpu"):
+            if hasattr(handle, register):
+                getattr(handle, register)()
+        _xla_device_types = frozenset(
+            dev for dev, symbol in _XLA_TARGET_SYMBOLS.items() if hasattr(handle, symbol))
+    return _xla_device_types
+
+
+def compile_device_type():
+    """The device XLA compiles the graph being built for, or None outside XLA.
+
+    A jit_compile=True tf.function traces inside an XLA control-flow context;
+    TPU replication uses one too. The device is the innermost tf.device scope,
+    else the GPU when TF sees one (where tf.function places jit code), else CPU.
+    """
+    from tensorflow.python.ops import control_flow_util  # no public API for the XLA context
+
+    graph = tf.compat.v1.get_default_graph()
+    if not control_flow_util.GraphOrParentsInXlaContext(graph):
+        return None
+    g = graph
+    while g is not None:
+        ctxt = g._get_control_flow_context()  # pylint: disable=protected-access
+        while ctxt is not None:
+            if type(ctxt).__name__ == "TPUReplicateContext":
+                return "TPU"
+            ctxt = ctxt.outer_context
+        g = getattr(g, "outer_graph", None)
+    try:
+        requested = graph._device_function_stack.peek_top_obj().display_name  # pylint: disable=protected-access
+        device_type = tf.DeviceSpec.from_string(requested).device_type
+    except Exception:  # no device scope
+        device_type = None
+    if device_type:
+        return device_type.upper()
+    return "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+
+
+def composite_under_xla(params, indices):
+    """True (after a one-time warning) when the graph being built is compiled
+    by XLA for a backend the op library has no custom-call target for."""
+    device = compile_device_type()
+    if device is None or device in xla_device_types():
+        return False
+    if device not in _xla_fallback_warned:
+        _xla_fallback_warned.add(device)
+        shape = getattr(indices, "shape", None)
+        dim = getattr(params, "shape", [None])[-1]
+        warnings.warn(
+            f"pkm_serve.embedding_bag: the op library has no XLA custom-call target for {device} "
+            f"(it has: {', '.join(sorted(xla_device_types())) or 'none'}); under jit_compile it uses "
+            "the composite gather-multiply-reduce, which materialises the [..., K, D] gather in the "
+            f"forward and backward (indices {shape} x D = {dim} elements per call) "
+            "instead of running the fused kernel.",
+            RuntimeWarning, stacklevel=3)
+    return True
