@@ -86,8 +86,8 @@ core-test: $(CORE_TEST)
 -include kernels/cuda/cuda.mk
 -include tflite_delegate/tflite.mk
 -include tflite_delegate/aarch64.mk
--include serving/cc_check.mk
 -include kernels/xla/xla.mk
+-include serving/cc_check.mk
 
 # ---- entry points -----------------------------------------------------------
 build: $(STAMP) $(BUILD_TARGETS)

@@ -5,7 +5,7 @@
 #                           (C++ outputs vs Python's on exported models)
 #
 # The op's objects are the very ones in _pkm_ops.so (same sources and flags,
-# kernels/sources.bzl), put in an archive and linked with --whole-archive:
+# kernels/sources.bzl; the XLA lowering included), put in an archive and linked with --whole-archive:
 # what cc_library(alwayslink = 1) does in tensorflow_model_server. Nothing
 # dlopens an op library; `ldd` of the program shows no _pkm_ops.so.
 CC_CHECK_DIR     := $(BUILDDIR)/serving_cc
@@ -13,7 +13,7 @@ CC_CHECK_BIN     := $(CC_CHECK_DIR)/pkm_saved_model_run
 CC_CHECK_OPS_LIB := $(CC_CHECK_DIR)/libpkm_ops.a
 TF_LIBDIR         = $(shell $(PY) -c 'import tensorflow as tf; print(tf.sysconfig.get_lib())' 2>/dev/null)
 
-$(CC_CHECK_OPS_LIB): $(TF_OBJS) $(CORE_OBJS)
+$(CC_CHECK_OPS_LIB): $(TF_OBJS) $(XLA_CPU_OBJ) $(CORE_OBJS)
 	@mkdir -p $(dir $@)
 	rm -f $@ && ar rcs $@ $^
 

@@ -17,7 +17,7 @@ if [[ ! -f "$servers_build" ]]; then
   echo "error: $servers_build not found: is $dst a TensorFlow Serving checkout?" >&2
   exit 1
 fi
-for d in core tf cuda; do
+for d in core tf xla cuda; do
   if [[ ! -d "$src/kernels/$d" ]]; then
     echo "error: $src/kernels/$d not found: is $src the pkm_serve repository?" >&2
     exit 1
@@ -27,7 +27,7 @@ done
 ops="$dst/tensorflow_serving/custom_ops/pkm"
 rm -rf "$ops"
 mkdir -p "$ops/kernels"
-for d in core tf cuda; do
+for d in core tf xla cuda; do
   mkdir -p "$ops/kernels/$d"
   # Sources and headers only: no Makefile fragments, no tests.
   find "$src/kernels/$d" -maxdepth 1 -type f \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) \

@@ -18,7 +18,7 @@ from bzl_to_make import read_lists  # noqa: E402
 
 SOURCES = os.path.join(REPO, "kernels", "sources.bzl")
 LISTS = read_lists(SOURCES)
-NATIVE_DIRS = ["kernels/core", "kernels/tf", "kernels/cuda", "kernels/capi", "tflite_delegate"]
+NATIVE_DIRS = ["kernels/core", "kernels/tf", "kernels/xla", "kernels/cuda", "kernels/capi", "tflite_delegate"]
 
 
 def _make_value(var):
