@@ -59,3 +59,55 @@ PKM_REGISTER_EMBEDDING_BAG_KERNELS(::tensorflow::DEVICE_CPU, EmbeddingBagOp, Emb
                                    ::tensorflow::bfloat16);
 
 }  // namespace pkm_tf
+
+// ---- row-sparse gradient kernels ----------------------------------------------
+
+namespace pkm_tf {
+namespace {
+
+class EmbeddingBagSparseGradOp : public EmbeddingBagKernelBase {
+ public:
+  using EmbeddingBagKernelBase::EmbeddingBagKernelBase;
+
+  void Compute(OpKernelContext* ctx) override {
+    CoreArgs args;
+    OP_REQUIRES_OK(ctx, BuildCoreArgs(ctx, attrs_, /*first=*/1, &args));
+    const Tensor& grad = ctx->input(0);
+    OP_REQUIRES(ctx, grad.shape() == args.out_shape,
+                ::tensorflow::errors::InvalidArgument("grad must have the forward output's shape ",
+                                                      args.out_shape.DebugString(), ", got ",
+                                                      grad.shape().DebugString()));
+    Tensor* d_weights = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, args.weights->shape(), &d_weights));
+    const int64_t dim = args.table.dim;
+    // The core knows the number of touched rows only after grouping.
+    auto alloc = [ctx, dim](int64_t num_rows, int64_t** rows, void** row_grads) {
+      Tensor *rows_t = nullptr, *grads_t = nullptr;
+      ::tensorflow::Status s = ctx->allocate_output(0, ::tensorflow::TensorShape({num_rows}), &rows_t);
+      if (s.ok()) s = ctx->allocate_output(1, ::tensorflow::TensorShape({num_rows, dim}), &grads_t);
+      if (!s.ok()) return pkm::Status::Error(std::string(s.message()));
+      *rows = reinterpret_cast<int64_t*>(rows_t->data());
+      *row_grads = grads_t->data();
+      return pkm::Status::Ok();
+    };
+    OP_REQUIRES_OK(ctx, ToTf(pkm::SparseBackward(args.table, args.bags, attrs_.combiner, grad.data(),
+                                                 args.table.type, alloc, args.table.type,
+                                                 attrs_.has_weights ? d_weights->data() : nullptr,
+                                                 TfParallelFor(ctx))));
+  }
+};
+
+}  // namespace
+
+#define PKM_REGISTER_SPARSE_GRAD_KERNELS(DEVICE, KERNEL, T)                                          \
+  REGISTER_KERNEL_BUILDER(Name("PkmEmbeddingBagSparseGrad").Device(DEVICE).TypeConstraint<T>("T"),   \
+                          ::pkm_tf::WithLayout<KERNEL, false>);                                      \
+  REGISTER_KERNEL_BUILDER(                                                                           \
+      Name("PkmRaggedEmbeddingBagSparseGrad").Device(DEVICE).TypeConstraint<T>("T"),                 \
+      ::pkm_tf::WithLayout<KERNEL, true>)
+
+PKM_REGISTER_SPARSE_GRAD_KERNELS(::tensorflow::DEVICE_CPU, EmbeddingBagSparseGradOp, float);
+PKM_REGISTER_SPARSE_GRAD_KERNELS(::tensorflow::DEVICE_CPU, EmbeddingBagSparseGradOp, ::Eigen::half);
+PKM_REGISTER_SPARSE_GRAD_KERNELS(::tensorflow::DEVICE_CPU, EmbeddingBagSparseGradOp, ::tensorflow::bfloat16);
+
+}  // namespace pkm_tf

@@ -114,3 +114,59 @@ REGISTER_OP("PkmRaggedEmbeddingBagGrad")
 #undef PKM_COMMON_ATTRS
 
 }  // namespace pkm_tf
+
+// ---- row-sparse gradients (sparse_gradient=True) ------------------------------
+
+namespace pkm_tf {
+namespace {
+
+Status SparseGradShape(InferenceContext* c, int params_input, int weights_input) {
+  ShapeHandle params;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(params_input), 2, &params));
+  c->set_output(0, c->Vector(c->UnknownDim()));
+  c->set_output(1, c->Matrix(c->UnknownDim(), c->Dim(params, 1)));
+  c->set_output(2, c->input(weights_input));
+  return Status();
+}
+
+}  // namespace
+
+#define PKM_SPARSE_GRAD_ATTRS                                \
+  Attr("T: {float, half, bfloat16}")                         \
+      .Attr("Tindices: {int32, int64}")                      \
+      .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")    \
+      .Attr("has_weights: bool = true")
+
+REGISTER_OP("PkmEmbeddingBagSparseGrad")
+    .Input("grad: T")
+    .Input("params: T")
+    .Input("indices: Tindices")
+    .Input("weights: T")
+    .Output("rows: int64")
+    .Output("row_grads: T")
+    .Output("d_weights: T")
+    .PKM_SPARSE_GRAD_ATTRS
+    .SetShapeFn([](InferenceContext* c) { return SparseGradShape(c, 1, 3); })
+    .Doc(R"doc(
+Row-sparse gradient of PkmEmbeddingBag: rows [U] are the distinct rows that valid indices touch
+(ascending, U <= min(N, number of indices)), row_grads [U, D] their gradient rows; d_weights as in
+PkmEmbeddingBagGrad. Together rows/row_grads form the IndexedSlices of d_params.
+)doc");
+
+REGISTER_OP("PkmRaggedEmbeddingBagSparseGrad")
+    .Input("grad: T")
+    .Input("params: T")
+    .Input("values: Tindices")
+    .Input("row_splits: Tsplits")
+    .Input("weights: T")
+    .Output("rows: int64")
+    .Output("row_grads: T")
+    .Output("d_weights: T")
+    .PKM_SPARSE_GRAD_ATTRS
+    .Attr("Tsplits: {int32, int64} = DT_INT64")
+    .SetShapeFn([](InferenceContext* c) { return SparseGradShape(c, 1, 4); })
+    .Doc("Row-sparse gradient of PkmRaggedEmbeddingBag (see PkmEmbeddingBagSparseGrad).");
+
+#undef PKM_SPARSE_GRAD_ATTRS
+
+}  // namespace pkm_tf
