@@ -333,11 +333,15 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
 # ---- the composite: stock TF ops, identical semantics -------------------------
 
 @tf.autograph.experimental.do_not_convert
-def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=None):
+def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=None,
+                            sparse_gradient=False):
     """``embedding_bag`` written as gather -> multiply -> reduce_sum.
 
     Materialises the ``[..., K, D]`` gather; use it as a reference, or where
     the op library is unavailable. Accumulates in float32 like the fused op.
+    ``sparse_gradient`` is accepted for parity with ``embedding_bag``: the
+    gather's gradient is an ``IndexedSlices`` either way (one row per index,
+    not row-unique).
     """
     _check_combiner(combiner)
     with tf.name_scope(name or "embedding_bag_composite"):
