@@ -139,7 +139,8 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None, spar
         return sharded_embedding_bag(params, indices, weights, combiner, name, sparse_gradient)
     lib = load_library()
     with tf.name_scope(name or "embedding_bag"):
-        params = _as_table(params)
+        variable = _sparse_read_variable(params, indices) if sparse_gradient else None
+        params = variable if variable is not None else _as_table(params)
         if isinstance(indices, tf.RaggedTensor):
             return _ragged_embedding_bag(lib, params, indices, weights, combiner, sparse_gradient)
         if isinstance(weights, tf.RaggedTensor):
@@ -148,6 +149,12 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None, spar
         if indices.shape.rank == 0:
             raise ValueError("indices must have rank >= 1 ([..., K])")
         weights, has_weights = _as_weights(weights, params.dtype, indices)
+        if variable is not None:
+            from tensorflow.python.ops import resource_variable_ops
+
+            resource_variable_ops.variable_accessed(variable)  # what a read tells the tape
+            return lib.pkm_resource_embedding_bag(variable.handle, indices, weights, combiner=combiner,
+                                                  has_weights=has_weights)
         if sparse_gradient:
             return _with_sparse_gradient(lib, params, (indices,), weights, combiner, has_weights)
         return lib.pkm_embedding_bag(params, indices, weights, combiner=combiner,
@@ -208,6 +215,19 @@ def _register_gradients():
             combiner=op.get_attr("combiner"), has_weights=has_weights)
         return [d_params, None, None, d_weights if has_weights else None]
 
+    @tf.RegisterGradient("PkmResourceEmbeddingBag")
+    def _resource_embedding_bag_grad(op, grad):
+        has_weights = op.get_attr("has_weights")
+        rows, row_grads, d_weights = load_library().pkm_resource_embedding_bag_sparse_grad(
+            grad, op.inputs[0], op.inputs[1], op.inputs[2],
+            combiner=op.get_attr("combiner"), has_weights=has_weights)
+        from tensorflow.python.ops import resource_variable_ops
+
+        shape = resource_variable_ops.variable_shape(op.inputs[0], out_type=tf.int64)
+        return [tf.IndexedSlices(row_grads, rows, dense_shape=shape), None,
+                d_weights if has_weights else None]
+
+    tf.no_gradient("PkmResourceEmbeddingBagSparseGrad")
     # Gradient ops are not differentiated again (no second derivatives).
     tf.no_gradient("PkmEmbeddingBagGrad")
     tf.no_gradient("PkmRaggedEmbeddingBagGrad")
@@ -217,6 +237,27 @@ _register_gradients()
 
 
 # ---- row-sparse gradients and sharded tables ------------------------------------
+
+def _sparse_read_variable(params, indices):
+    """The resource variable to read inside the kernel while a tape records, else None.
+
+    After its first sparse update (scatter_* of IndexedSlices), TF keeps a
+    variable in copy-on-read mode: every dense read copies the whole table.
+    ``PkmResourceEmbeddingBag`` reads it under its lock instead, as
+    ``ResourceGather`` does. Used only when a gradient can be recorded (so
+    exported inference graphs keep the plain op) for dense-layout bags of a
+    CPU variable (the resource op has CPU kernels only).
+    """
+    if not isinstance(params, tf.Variable) or type(params).__name__ == "AutoCastVariable":
+        return None
+    if isinstance(indices, tf.RaggedTensor) or "GPU" in (params.device or "").upper():
+        return None
+    if params.dtype not in TABLE_DTYPES or params.shape.rank != 2 or not hasattr(params, "handle"):
+        return None
+    from tensorflow.python.eager import record  # no public "is a tape recording" query
+
+    return params if record.could_possibly_record() else None
+
 
 def _with_sparse_gradient(lib, params, bag_inputs, weights, combiner, has_weights):
     """The forward op whose params-gradient is an IndexedSlices of unique rows.

@@ -51,10 +51,13 @@ struct CoreArgs {
   const ::tensorflow::Tensor* weights = nullptr;
 };
 
+// `variable_params`, when set, is the table read from a resource variable
+// (input `first` is then the variable's handle).
 inline ::tensorflow::Status BuildCoreArgs(::tensorflow::OpKernelContext* ctx, const OpAttrs& attrs,
-                                          int first, CoreArgs* args) {
+                                          int first, CoreArgs* args,
+                                          const ::tensorflow::Tensor* variable_params = nullptr) {
   using ::tensorflow::errors::InvalidArgument;
-  const ::tensorflow::Tensor& params = ctx->input(first);
+  const ::tensorflow::Tensor& params = variable_params ? *variable_params : ctx->input(first);
   const ::tensorflow::Tensor& indices = ctx->input(first + 1);
   const ::tensorflow::Tensor& weights = ctx->input(first + (attrs.ragged ? 3 : 2));
   if (params.dims() != 2)

@@ -5,6 +5,8 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/util/work_sharder.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 
 namespace pkm_tf {
 
@@ -65,13 +67,12 @@ PKM_REGISTER_EMBEDDING_BAG_KERNELS(::tensorflow::DEVICE_CPU, EmbeddingBagOp, Emb
 namespace pkm_tf {
 namespace {
 
-class EmbeddingBagSparseGradOp : public EmbeddingBagKernelBase {
- public:
-  using EmbeddingBagKernelBase::EmbeddingBagKernelBase;
-
-  void Compute(OpKernelContext* ctx) override {
+// The sparse gradient from the table in input 1; `variable_params` when it
+// was read from a resource variable.
+void SparseGradCompute(OpKernelContext* ctx, const OpAttrs& attrs, const Tensor* variable_params) {
+  {
     CoreArgs args;
-    OP_REQUIRES_OK(ctx, BuildCoreArgs(ctx, attrs_, /*first=*/1, &args));
+    OP_REQUIRES_OK(ctx, BuildCoreArgs(ctx, attrs, /*first=*/1, &args, variable_params));
     const Tensor& grad = ctx->input(0);
     OP_REQUIRES(ctx, grad.shape() == args.out_shape,
                 ::tensorflow::errors::InvalidArgument("grad must have the forward output's shape ",
@@ -90,11 +91,69 @@ class EmbeddingBagSparseGradOp : public EmbeddingBagKernelBase {
       *row_grads = grads_t->data();
       return pkm::Status::Ok();
     };
-    OP_REQUIRES_OK(ctx, ToTf(pkm::SparseBackward(args.table, args.bags, attrs_.combiner, grad.data(),
+    OP_REQUIRES_OK(ctx, ToTf(pkm::SparseBackward(args.table, args.bags, attrs.combiner, grad.data(),
                                                  args.table.type, alloc, args.table.type,
-                                                 attrs_.has_weights ? d_weights->data() : nullptr,
+                                                 attrs.has_weights ? d_weights->data() : nullptr,
                                                  TfParallelFor(ctx))));
   }
+}
+
+class EmbeddingBagSparseGradOp : public EmbeddingBagKernelBase {
+ public:
+  using EmbeddingBagKernelBase::EmbeddingBagKernelBase;
+  void Compute(OpKernelContext* ctx) override { SparseGradCompute(ctx, attrs_, nullptr); }
+};
+
+// Runs fn(table) on the variable behind input `input`, under its shared lock
+// (as ResourceGather reads: no copy of the table, whatever its copy-on-read mode).
+template <typename Fn>
+void WithVariableTable(OpKernelContext* ctx, int input, ::tensorflow::DataType dtype, Fn fn) {
+  ::tensorflow::core::RefCountPtr<::tensorflow::Var> var;
+  OP_REQUIRES_OK(ctx, ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, input), &var));
+  ::tensorflow::tf_shared_lock lock(*var->mu());
+  const Tensor* params = var->tensor();
+  OP_REQUIRES(ctx, var->is_initialized && params->IsInitialized(),
+              ::tensorflow::errors::FailedPrecondition("the table variable is not initialised"));
+  OP_REQUIRES(ctx, params->dtype() == dtype,
+              ::tensorflow::errors::InvalidArgument("the table variable holds ",
+                                                    ::tensorflow::DataTypeString(params->dtype()),
+                                                    ", the op expects ", ::tensorflow::DataTypeString(dtype)));
+  fn(params);
+}
+
+class ResourceEmbeddingBagOp : public EmbeddingBagKernelBase {
+ public:
+  explicit ResourceEmbeddingBagOp(::tensorflow::OpKernelConstruction* ctx)
+      : EmbeddingBagKernelBase(ctx, /*ragged=*/false) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dtype", &dtype_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    WithVariableTable(ctx, 0, dtype_, [&](const Tensor* params) {
+      CoreArgs args;
+      OP_REQUIRES_OK(ctx, BuildCoreArgs(ctx, attrs_, /*first=*/0, &args, params));
+      Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, args.out_shape, &out));
+      OP_REQUIRES_OK(ctx, ToTf(pkm::Forward(args.table, args.bags, attrs_.combiner, out->data(),
+                                            args.table.type, TfParallelFor(ctx))));
+    });
+  }
+
+ private:
+  ::tensorflow::DataType dtype_;
+};
+
+class ResourceEmbeddingBagSparseGradOp : public EmbeddingBagKernelBase {
+ public:
+  explicit ResourceEmbeddingBagSparseGradOp(::tensorflow::OpKernelConstruction* ctx)
+      : EmbeddingBagKernelBase(ctx, /*ragged=*/false) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dtype", &dtype_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    WithVariableTable(ctx, 1, dtype_, [&](const Tensor* params) { SparseGradCompute(ctx, attrs_, params); });
+  }
+
+ private:
+  ::tensorflow::DataType dtype_;
 };
 
 }  // namespace
@@ -109,5 +168,18 @@ class EmbeddingBagSparseGradOp : public EmbeddingBagKernelBase {
 PKM_REGISTER_SPARSE_GRAD_KERNELS(::tensorflow::DEVICE_CPU, EmbeddingBagSparseGradOp, float);
 PKM_REGISTER_SPARSE_GRAD_KERNELS(::tensorflow::DEVICE_CPU, EmbeddingBagSparseGradOp, ::Eigen::half);
 PKM_REGISTER_SPARSE_GRAD_KERNELS(::tensorflow::DEVICE_CPU, EmbeddingBagSparseGradOp, ::tensorflow::bfloat16);
+
+#define PKM_REGISTER_RESOURCE_KERNELS(T)                                                             \
+  REGISTER_KERNEL_BUILDER(                                                                           \
+      Name("PkmResourceEmbeddingBag").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("dtype"),   \
+      ResourceEmbeddingBagOp);                                                                       \
+  REGISTER_KERNEL_BUILDER(Name("PkmResourceEmbeddingBagSparseGrad")                                  \
+                              .Device(::tensorflow::DEVICE_CPU)                                      \
+                              .TypeConstraint<T>("dtype"),                                           \
+                          ResourceEmbeddingBagSparseGradOp)
+
+PKM_REGISTER_RESOURCE_KERNELS(float);
+PKM_REGISTER_RESOURCE_KERNELS(::Eigen::half);
+PKM_REGISTER_RESOURCE_KERNELS(::tensorflow::bfloat16);
 
 }  // namespace pkm_tf

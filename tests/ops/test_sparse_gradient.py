@@ -188,3 +188,44 @@ def test_sharded_variable_and_errors():
         ops.embedding_bag([tf.ones([2, 3]), tf.ones([2, 4])], idx)
     with pytest.raises(ValueError, match="at least one shard"):
         ops.embedding_bag([], idx)
+
+
+@pytest.mark.parametrize("combiner", ops.COMBINERS)
+def test_variable_table_reads_in_kernel_and_matches_tensor_path(combiner):
+    # A variable under a tape goes through PkmResourceEmbeddingBag (no dense
+    # read, which copies the table once the variable has had a sparse update).
+    rng = np.random.default_rng(5)
+    init = rng.standard_normal((30, 4)).astype(np.float32)
+    var = tf.Variable(init)
+    var.scatter_sub(tf.IndexedSlices(tf.zeros([1, 4]), tf.constant([0])))  # copy-on-read mode from here on
+    idx = tf.constant(rng.integers(-1, 30, size=(6, 5)))
+    w = tf.constant(rng.uniform(0.1, 1, size=(6, 5)).astype(np.float32))
+
+    @tf.function
+    def via_variable():
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            out = ops.embedding_bag(var, idx, w, combiner, sparse_gradient=True)
+            loss = tf.reduce_sum(out * out)
+        ops_used = {op.type for op in tf.compat.v1.get_default_graph().get_operations()}
+        assert "PkmResourceEmbeddingBag" in ops_used and "ReadVariableOp" not in ops_used
+        return (out,) + tuple(tape.gradient(loss, [var, w]))
+
+    out, g, dw = via_variable()
+    table = tf.constant(init)
+    with tf.GradientTape() as tape:
+        tape.watch([table, w])
+        ref = ops.embedding_bag(table, idx, w, combiner, sparse_gradient=True)
+        ref_loss = tf.reduce_sum(ref * ref)
+    g_ref, dw_ref = tape.gradient(ref_loss, [table, w])
+    np.testing.assert_array_equal(out.numpy(), ref.numpy())
+    np.testing.assert_array_equal(g.indices.numpy(), g_ref.indices.numpy())
+    np.testing.assert_allclose(g.values.numpy(), g_ref.values.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(dw.numpy(), dw_ref.numpy(), rtol=1e-6)
+    # Without a tape (inference, export) the plain op reads the variable.
+    assert "PkmResourceEmbeddingBag" not in {
+        op.type for op in tf.function(lambda: ops.embedding_bag(var, idx, sparse_gradient=True))
+        .get_concrete_function().graph.get_operations()}
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[0\] = 30 is out of range"):
+        with tf.GradientTape():
+            ops.embedding_bag(var, tf.constant([[30]]), sparse_gradient=True)
