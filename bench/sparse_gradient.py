@@ -134,7 +134,7 @@ def markdown(report):
                   f"Table {report['args']['ps_rows']} x {report['args']['ps_dim']}, batch 256 bags of 32, "
                   "SGD on the PS; all tasks share this machine's cores, so this measures the sharding overhead, "
                   "not the scaling a cluster of machines would give.", "",
-                  "| gradient | shards | steps/s | loss before -> after |", "|---|---|---|---|"]
+                  "| gradient | shards | steps/s | eval loss before -> after (few steps: this measures throughput) |", "|---|---|---|---|"]
         for r in p:
             lines.append(f"| {'sparse' if r['sparse_gradient'] else 'dense'} | {r['shards']} | "
                          f"{r['steps_per_s']:.1f} | {r['loss_before']:.3f} -> {r['loss_after']:.3f} |")

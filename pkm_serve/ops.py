@@ -252,7 +252,11 @@ def _sparse_read_variable(params, indices):
         return None
     if isinstance(indices, tf.RaggedTensor) or "GPU" in (params.device or "").upper():
         return None
-    if params.dtype not in TABLE_DTYPES or params.shape.rank != 2 or not hasattr(params, "handle"):
+    if params.dtype not in TABLE_DTYPES or params.shape.rank != 2:
+        return None
+    try:  # a distributed variable has a handle only inside a replica context
+        params.handle
+    except (AttributeError, ValueError):
         return None
     from tensorflow.python.eager import record  # no public "is a tape recording" query
 
@@ -287,17 +291,26 @@ def _with_sparse_gradient(lib, params, bag_inputs, weights, combiner, has_weight
 
 
 def is_sharded(params) -> bool:
-    """A row-partitioned table: a ``ShardedVariable`` or a list/tuple of shards."""
-    return isinstance(params, (list, tuple)) or type(params).__name__ == "ShardedVariable"
+    """A row-partitioned table: a ``ShardedVariable``, or a list/tuple of
+    ``[N_i, D]`` shards (tensors, variables or arrays). A nested list of
+    numbers is one table, not shards."""
+    if type(params).__name__ == "ShardedVariable":
+        return True
+    return isinstance(params, (list, tuple)) and len(params) > 0 and all(
+        hasattr(p, "shape") and hasattr(p, "dtype") and len(p.shape) == 2 for p in params)
 
 
 def _table_shards(params):
     shards = list(params.variables) if type(params).__name__ == "ShardedVariable" else list(params)
     if not shards:
         raise ValueError("a sharded table needs at least one shard")
+    shards = [s if isinstance(s, (tf.Variable, tf.Tensor)) else tf.convert_to_tensor(s) for s in shards]
     for i, shard in enumerate(shards):
         if shard.shape.rank is not None and shard.shape.rank != 2:
             raise ValueError(f"table shard {i} must be a [N_i, D] matrix, got shape {shard.shape}")
+        if shard.dtype != shards[0].dtype:
+            raise TypeError(f"table shards must share one dtype: shard {i} is {shard.dtype.name}, "
+                            f"shard 0 {shards[0].dtype.name}")
     dims = {int(s.shape[1]) for s in shards if s.shape[1] is not None}
     if len(dims) > 1:
         raise ValueError(f"table shards must all have the same width, got widths {sorted(dims)}")

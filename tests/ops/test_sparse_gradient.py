@@ -186,8 +186,12 @@ def test_sharded_variable_and_errors():
         ops.embedding_bag(sv, tf.constant([[10]]))
     with pytest.raises(ValueError, match="same width"):
         ops.embedding_bag([tf.ones([2, 3]), tf.ones([2, 4])], idx)
-    with pytest.raises(ValueError, match="at least one shard"):
-        ops.embedding_bag([], idx)
+    with pytest.raises(TypeError, match="share one dtype"):
+        ops.embedding_bag([tf.ones([2, 4]), tf.ones([2, 4], tf.float16)], idx)
+    assert ops.is_sharded([np.ones((2, 4)), np.ones((3, 4))])
+    # A nested list of numbers is one table, not shards.
+    assert not ops.is_sharded([[1.0, 2.0], [3.0, 4.0]])
+    np.testing.assert_allclose(ops.embedding_bag([[1.0, 2.0], [3.0, 4.0]], [[0, 1]]).numpy(), [[4.0, 6.0]])
 
 
 @pytest.mark.parametrize("combiner", ops.COMBINERS)
