@@ -194,16 +194,17 @@ def test_sharded_variable_and_errors():
     np.testing.assert_allclose(ops.embedding_bag([[1.0, 2.0], [3.0, 4.0]], [[0, 1]]).numpy(), [[4.0, 6.0]])
 
 
-@pytest.mark.parametrize("combiner", ops.COMBINERS)
-def test_variable_table_reads_in_kernel_and_matches_tensor_path(combiner):
+@pytest.mark.parametrize("combiner,dtype_name", list(itertools.product(ops.COMBINERS, DTYPES)))
+def test_variable_table_reads_in_kernel_and_matches_tensor_path(combiner, dtype_name):
     # A variable under a tape goes through PkmResourceEmbeddingBag (no dense
     # read, which copies the table once the variable has had a sparse update).
     rng = np.random.default_rng(5)
-    init = rng.standard_normal((30, 4)).astype(np.float32)
+    dtype = DTYPES[dtype_name]
+    init = tf.cast(rng.standard_normal((30, 4)), dtype).numpy()
     var = tf.Variable(init)
-    var.scatter_sub(tf.IndexedSlices(tf.zeros([1, 4]), tf.constant([0])))  # copy-on-read mode from here on
+    var.scatter_sub(tf.IndexedSlices(tf.zeros([1, 4], dtype), tf.constant([0])))  # copy-on-read mode from here on
     idx = tf.constant(rng.integers(-1, 30, size=(6, 5)))
-    w = tf.constant(rng.uniform(0.1, 1, size=(6, 5)).astype(np.float32))
+    w = tf.cast(rng.uniform(0.1, 1, size=(6, 5)), dtype)
 
     @tf.function
     def via_variable():
@@ -222,10 +223,11 @@ def test_variable_table_reads_in_kernel_and_matches_tensor_path(combiner):
         ref = ops.embedding_bag(table, idx, w, combiner, sparse_gradient=True)
         ref_loss = tf.reduce_sum(ref * ref)
     g_ref, dw_ref = tape.gradient(ref_loss, [table, w])
-    np.testing.assert_array_equal(out.numpy(), ref.numpy())
+    assert out.dtype == dtype and g.values.dtype == dtype
+    np.testing.assert_array_equal(densify(out), densify(ref))  # the same kernel on the same bytes
     np.testing.assert_array_equal(g.indices.numpy(), g_ref.indices.numpy())
-    np.testing.assert_allclose(g.values.numpy(), g_ref.values.numpy(), rtol=1e-6)
-    np.testing.assert_allclose(dw.numpy(), dw_ref.numpy(), rtol=1e-6)
+    np.testing.assert_array_equal(densify(g.values), densify(g_ref.values))
+    np.testing.assert_array_equal(densify(dw), densify(dw_ref))
     # Without a tape (inference, export) the plain op reads the variable.
     assert "PkmResourceEmbeddingBag" not in {
         op.type for op in tf.function(lambda: ops.embedding_bag(var, idx, sparse_gradient=True))
