@@ -88,6 +88,7 @@ core-test: $(CORE_TEST)
 -include tflite_delegate/aarch64.mk
 -include kernels/xla/xla.mk
 -include serving/cc_check.mk
+-include bench/scale.mk
 
 # ---- entry points -----------------------------------------------------------
 build: $(STAMP) $(BUILD_TARGETS)

@@ -111,7 +111,7 @@ def _as_weights(weights, dtype, like):
 # Plain Python with no tensor-dependent control flow: AutoGraph has nothing to
 # convert, and converting would trace through the library loader.
 @tf.autograph.experimental.do_not_convert
-def embedding_bag(params, indices, weights=None, combiner="sum", name=None):
+def embedding_bag(params, indices, weights=None, combiner="sum", name=None, sparse_gradient=False):
     """Fused gather + weighted reduce over the last axis of ``indices``.
 
     Args:
@@ -125,6 +125,11 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None):
         partition), or None for all ones. Cast to ``params``' dtype.
       combiner: ``"sum"``, ``"mean"`` (divide by the sum of weights) or
         ``"sqrtn"`` (divide by sqrt of the sum of squared weights).
+      sparse_gradient: if True, the gradient w.r.t. ``params`` is a
+        ``tf.IndexedSlices`` of the distinct rows touched (at most
+        ``min(N, number of indices)`` rows) instead of a dense ``[N, D]``
+        tensor. ``params`` may also be a ``ShardedVariable`` or a list of row
+        shards (see ``sharded_embedding_bag``).
 
     Returns:
       ``[..., D]`` in ``params``' dtype (accumulated in float32). For ragged
@@ -132,19 +137,35 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None):
       indices a RaggedTensor with the outer partitions of ``indices``.
     """
     _check_combiner(combiner)
+    if is_sharded(params):
+        return sharded_embedding_bag(params, indices, weights, combiner, name, sparse_gradient)
     lib = load_library()
     if _xla.composite_under_xla(params, indices):  # XLA for a backend without our custom-call target
         return embedding_bag_composite(params, indices, weights, combiner, name=name)
+    if sparse_gradient and _xla.compile_device_type() is not None:
+        # XLA needs static shapes; the number of distinct rows depends on the data.
+        raise ValueError("embedding_bag: sparse_gradient=True cannot be compiled by XLA (the number of "
+                         "distinct rows touched is only known at run time); use sparse_gradient=False "
+                         "under jit_compile, or compile without XLA (model.compile(jit_compile=False))")
     with tf.name_scope(name or "embedding_bag"):
-        params = _as_table(params)
+        variable = _sparse_read_variable(params, indices) if sparse_gradient else None
+        params = variable if variable is not None else _as_table(params)
         if isinstance(indices, tf.RaggedTensor):
-            return _ragged_embedding_bag(lib, params, indices, weights, combiner)
+            return _ragged_embedding_bag(lib, params, indices, weights, combiner, sparse_gradient)
         if isinstance(weights, tf.RaggedTensor):
             raise TypeError("weights is ragged but indices is not")
         indices = _as_indices(indices)
         if indices.shape.rank == 0:
             raise ValueError("indices must have rank >= 1 ([..., K])")
         weights, has_weights = _as_weights(weights, params.dtype, indices)
+        if variable is not None:
+            from tensorflow.python.ops import resource_variable_ops
+
+            resource_variable_ops.variable_accessed(variable)  # what a read tells the tape
+            return lib.pkm_resource_embedding_bag(variable.handle, indices, weights, combiner=combiner,
+                                                  has_weights=has_weights)
+        if sparse_gradient:
+            return _with_sparse_gradient(lib, params, (indices,), weights, combiner, has_weights)
         return lib.pkm_embedding_bag(params, indices, weights, combiner=combiner,
                                      has_weights=has_weights)
 
@@ -165,18 +186,22 @@ def _ragged_weight_values(indices, weights):
         return tf.identity(weights.flat_values)
 
 
-def _ragged_embedding_bag(lib, params, indices, weights, combiner):
+def _ragged_embedding_bag(lib, params, indices, weights, combiner, sparse_gradient=False):
     weight_values = _ragged_weight_values(indices, weights)
     values = indices.flat_values
     if values.shape.rank is not None and values.shape.rank > 1:
         # Ragged outer dims, uniform bag axis: the dense op on the flat values.
-        out = embedding_bag(params, values, weight_values, combiner)
+        out = embedding_bag(params, values, weight_values, combiner, sparse_gradient=sparse_gradient)
         return indices.with_flat_values(out)
     values = _as_indices(values)
     weight_values, has_weights = _as_weights(weight_values, params.dtype, values)
     splits = indices.nested_row_splits
-    out = lib.pkm_ragged_embedding_bag(params, values, splits[-1], weight_values, combiner=combiner,
-                                       has_weights=has_weights)
+    if sparse_gradient:
+        out = _with_sparse_gradient(lib, params, (values, splits[-1]), weight_values, combiner,
+                                    has_weights)
+    else:
+        out = lib.pkm_ragged_embedding_bag(params, values, splits[-1], weight_values,
+                                           combiner=combiner, has_weights=has_weights)
     if len(splits) == 1:
         return out
     return tf.RaggedTensor.from_nested_row_splits(out, splits[:-1], validate=False)
@@ -199,6 +224,19 @@ def _register_gradients():
             combiner=op.get_attr("combiner"), has_weights=has_weights)
         return [d_params, None, None, d_weights if has_weights else None]
 
+    @tf.RegisterGradient("PkmResourceEmbeddingBag")
+    def _resource_embedding_bag_grad(op, grad):
+        has_weights = op.get_attr("has_weights")
+        rows, row_grads, d_weights = load_library().pkm_resource_embedding_bag_sparse_grad(
+            grad, op.inputs[0], op.inputs[1], op.inputs[2],
+            combiner=op.get_attr("combiner"), has_weights=has_weights)
+        from tensorflow.python.ops import resource_variable_ops
+
+        shape = resource_variable_ops.variable_shape(op.inputs[0], out_type=tf.int64)
+        return [tf.IndexedSlices(row_grads, rows, dense_shape=shape), None,
+                d_weights if has_weights else None]
+
+    tf.no_gradient("PkmResourceEmbeddingBagSparseGrad")
     # Gradient ops are not differentiated again (no second derivatives).
     tf.no_gradient("PkmEmbeddingBagGrad")
     tf.no_gradient("PkmRaggedEmbeddingBagGrad")
@@ -207,14 +245,166 @@ def _register_gradients():
 _register_gradients()
 
 
+# ---- row-sparse gradients and sharded tables ------------------------------------
+
+def _sparse_read_variable(params, indices):
+    """The resource variable to read inside the kernel while a tape records, else None.
+
+    After its first sparse update (scatter_* of IndexedSlices), TF keeps a
+    variable in copy-on-read mode: every dense read copies the whole table.
+    ``PkmResourceEmbeddingBag`` reads it under its lock instead, as
+    ``ResourceGather`` does. Used only when a gradient can be recorded (so
+    exported inference graphs keep the plain op) for dense-layout bags of a
+    CPU variable (the resource op has CPU kernels only).
+    """
+    if not isinstance(params, tf.Variable) or type(params).__name__ == "AutoCastVariable":
+        return None
+    if isinstance(indices, tf.RaggedTensor) or "GPU" in (params.device or "").upper():
+        return None
+    if params.dtype not in TABLE_DTYPES or params.shape.rank != 2:
+        return None
+    try:  # a distributed variable has a handle only inside a replica context
+        params.handle
+    except (AttributeError, ValueError):
+        return None
+    from tensorflow.python.eager import record  # no public "is a tape recording" query
+
+    return params if record.could_possibly_record() else None
+
+
+def _with_sparse_gradient(lib, params, bag_inputs, weights, combiner, has_weights):
+    """The forward op whose params-gradient is an IndexedSlices of unique rows.
+
+    ``bag_inputs`` is ``(indices,)`` or ``(values, row_splits)``. The registered
+    gradient of the forward op stays dense; this path pairs the same forward
+    with ``Pkm*SparseGrad`` through ``tf.custom_gradient``. A variable's read
+    passes the IndexedSlices through to the variable unchanged.
+    """
+    ragged = len(bag_inputs) == 2
+    forward_op = lib.pkm_ragged_embedding_bag if ragged else lib.pkm_embedding_bag
+    grad_op = lib.pkm_ragged_embedding_bag_sparse_grad if ragged else lib.pkm_embedding_bag_sparse_grad
+
+    @tf.custom_gradient
+    def fused(table, bag_weights):
+        out = forward_op(table, *bag_inputs, bag_weights, combiner=combiner, has_weights=has_weights)
+
+        def grad(d_out):
+            rows, row_grads, d_weights = grad_op(d_out, table, *bag_inputs, bag_weights,
+                                                 combiner=combiner, has_weights=has_weights)
+            d_table = tf.IndexedSlices(row_grads, rows, dense_shape=tf.shape(table, out_type=tf.int64))
+            return d_table, (d_weights if has_weights else tf.zeros_like(bag_weights))
+
+        return out, grad
+
+    return fused(params, weights)
+
+
+def is_sharded(params) -> bool:
+    """A row-partitioned table: a ``ShardedVariable``, or a list/tuple of
+    ``[N_i, D]`` shards (tensors, variables or arrays). A nested list of
+    numbers is one table, not shards."""
+    if type(params).__name__ == "ShardedVariable":
+        return True
+    return isinstance(params, (list, tuple)) and len(params) > 0 and all(
+        hasattr(p, "shape") and hasattr(p, "dtype") and len(p.shape) == 2 for p in params)
+
+
+def _table_shards(params):
+    shards = list(params.variables) if type(params).__name__ == "ShardedVariable" else list(params)
+    if not shards:
+        raise ValueError("a sharded table needs at least one shard")
+    shards = [s if isinstance(s, (tf.Variable, tf.Tensor)) else tf.convert_to_tensor(s) for s in shards]
+    for i, shard in enumerate(shards):
+        if shard.shape.rank is not None and shard.shape.rank != 2:
+            raise ValueError(f"table shard {i} must be a [N_i, D] matrix, got shape {shard.shape}")
+        if shard.dtype != shards[0].dtype:
+            raise TypeError(f"table shards must share one dtype: shard {i} is {shard.dtype.name}, "
+                            f"shard 0 {shards[0].dtype.name}")
+    dims = {int(s.shape[1]) for s in shards if s.shape[1] is not None}
+    if len(dims) > 1:
+        raise ValueError(f"table shards must all have the same width, got widths {sorted(dims)}")
+    return shards
+
+
+@tf.autograph.experimental.do_not_convert
+def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=None,
+                          sparse_gradient=False):
+    """``embedding_bag`` over a row-partitioned table, one fused lookup per shard.
+
+    ``params`` is a ``ShardedVariable`` (e.g. from ``ParameterServerStrategy``'s
+    ``variable_partitioner``) or a list of ``[N_i, D]`` shards holding
+    consecutive rows: shard ``i`` holds global rows ``[sum(N_<i), sum(N_<=i))``
+    (the "div" partitioning of ``embedding_lookup``/``ShardedVariable``). Each
+    shard runs the fused op, on the shard's device, over the indices that fall
+    into it (the others become padding) with combiner ``sum``; the partial
+    bags are added and divided once by the combiner's denominator over all
+    valid entries, so mean/sqrtn equal the unsharded op. Gradients reach each
+    shard (row-sparse with ``sparse_gradient=True``).
+    """
+    _check_combiner(combiner)
+    shards = _table_shards(params)
+    with tf.name_scope(name or "sharded_embedding_bag"):
+        if isinstance(indices, tf.RaggedTensor):
+            flat = indices.flat_values
+            w_flat = _ragged_weight_values(indices, weights)
+        else:
+            if isinstance(weights, tf.RaggedTensor):
+                raise TypeError("weights is ragged but indices is not")
+            flat = indices
+            w_flat = weights
+        flat = _as_indices(flat)
+        dtype = shards[0].dtype
+        if w_flat is None:
+            w_flat = tf.ones(tf.shape(flat), dtype)
+        else:
+            w_flat = tf.convert_to_tensor(w_flat)
+            if not w_flat.dtype.is_floating:
+                raise TypeError(f"weights must be a float tensor, got {w_flat.dtype.name}")
+            w_flat = tf.cast(w_flat, dtype)
+        sizes = [tf.shape(s, out_type=flat.dtype)[0] for s in shards]
+        total = tf.add_n(sizes)
+        check = tf.debugging.assert_less(
+            flat, total, message="embedding_bag: an index is out of range of the sharded table "
+            "(negative indices are padding)")
+        with tf.control_dependencies([check]):
+            flat = tf.identity(flat)
+        partial = None
+        offset = tf.zeros([], flat.dtype)
+        for shard, size in zip(shards, sizes):
+            local = flat - offset
+            mine = (local >= 0) & (local < size)
+            local = tf.where(mine, local, -tf.ones_like(local))
+            bags = indices.with_flat_values(local) if isinstance(indices, tf.RaggedTensor) else local
+            bag_w = indices.with_flat_values(w_flat) if isinstance(indices, tf.RaggedTensor) else w_flat
+            with tf.device(shard.device):
+                part = embedding_bag(shard, bags, bag_w, "sum", sparse_gradient=sparse_gradient)
+            part = tf.cast(part, tf.float32)
+            partial = part if partial is None else partial + part
+            offset = offset + size
+        if combiner == "sum":
+            return tf.cast(partial, dtype)
+        # The denominator over every valid entry, as the unsharded op counts it.
+        valid_w = tf.where(flat >= 0, tf.cast(w_flat, tf.float32), tf.zeros_like(w_flat, tf.float32))
+        if isinstance(indices, tf.RaggedTensor):
+            valid_w = indices.with_flat_values(valid_w)
+        denom = tf.reduce_sum(valid_w if combiner == "mean" else valid_w * valid_w, axis=-1)
+        if combiner == "sqrtn":
+            denom = tf.sqrt(denom)
+        return tf.cast(tf.math.divide_no_nan(partial, tf.expand_dims(denom, -1)), dtype)
+
+
 # ---- the composite: stock TF ops, identical semantics -------------------------
 
 @tf.autograph.experimental.do_not_convert
-def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=None):
+def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=None,
+                            sparse_gradient=False):
     """``embedding_bag`` written as gather -> multiply -> reduce_sum.
 
     Materialises the ``[..., K, D]`` gather; use it as a reference, or where
     the op library is unavailable. Accumulates in float32 like the fused op.
+    ``sparse_gradient`` is accepted for parity with ``embedding_bag``: the
+    gather's gradient is an ``IndexedSlices`` either way (one row per index,
+    not row-unique).
     """
     _check_combiner(combiner)
     with tf.name_scope(name or "embedding_bag_composite"):

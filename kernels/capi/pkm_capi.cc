@@ -89,4 +89,21 @@ int pkm_cpu_backward(const PkmBags* in, const void* grad_out, void* d_table, voi
                 err, err_len);
 }
 
+int pkm_cpu_sparse_backward(const PkmBags* in, const void* grad_out, pkm_cuda_sparse_alloc_fn alloc,
+                            void* alloc_ctx, void* d_weights, char* err, size_t err_len) {
+  pkm::Table table;
+  pkm::Bags bags;
+  std::string error;
+  if (!ToCore(in, &table, &bags, &error)) return Fail(error, err, err_len);
+  if (alloc == nullptr) return Fail("alloc is null", err, err_len);
+  auto core_alloc = [&](int64_t num_rows, int64_t** rows, void** row_grads) {
+    if (alloc(alloc_ctx, num_rows, rows, row_grads) != 0)
+      return pkm::Status::Error("the output allocation callback failed for " + std::to_string(num_rows) + " rows");
+    return pkm::Status::Ok();
+  };
+  return Finish(pkm::SparseBackward(table, bags, static_cast<pkm::Combiner>(in->combiner), grad_out, table.type,
+                                    core_alloc, table.type, d_weights, pkm::SerialFor()),
+                err, err_len);
+}
+
 }  // extern "C"

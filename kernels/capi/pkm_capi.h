@@ -27,6 +27,13 @@ PKM_CUDA_API int pkm_cpu_forward(const PkmBags* bags, void* out, int reference, 
 PKM_CUDA_API int pkm_cpu_backward(const PkmBags* bags, const void* grad_out, void* d_table, void* d_weights,
                      int reference, char* err, size_t err_len);
 
+// The core's row-sparse backward (pkm::SparseBackward) on host pointers:
+// alloc is called once with the touched-row count and must set host buffers
+// rows (U int64) and row_grads (U * dim of elem_type); non-zero aborts.
+PKM_CUDA_API int pkm_cpu_sparse_backward(const PkmBags* bags, const void* grad_out,
+                            pkm_cuda_sparse_alloc_fn alloc, void* alloc_ctx, void* d_weights,
+                            char* err, size_t err_len);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif

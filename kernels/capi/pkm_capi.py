@@ -100,6 +100,30 @@ def make_bags(table, indices, weights=None, combiner="sum", row_splits=None, inv
     return bags
 
 
+# int alloc(void* ctx, int64_t num_rows_touched, int64_t** rows, void** row_grads)
+SPARSE_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                   ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p))
+
+
+def _sparse_alloc(table, keep):
+    """A callback that allocates rows [U] int64 and row_grads [U, D] like
+    `table` (same device and dtype) and keeps them in keep["rows"/"row_grads"]."""
+    import torch
+
+    def alloc(_ctx, num_rows, rows_p, grads_p):
+        try:
+            keep["rows"] = torch.empty(num_rows, dtype=torch.int64, device=table.device)
+            keep["row_grads"] = torch.empty((num_rows, table.shape[1]), dtype=table.dtype, device=table.device)
+            rows_p[0] = keep["rows"].data_ptr() if num_rows else None
+            grads_p[0] = keep["row_grads"].data_ptr() if num_rows and table.shape[1] else None
+            return 0
+        except Exception as e:  # an exception must not unwind through C
+            keep["error"] = e
+            return 1
+
+    return SPARSE_ALLOC_FN(alloc)
+
+
 class PkmLib:
     """The loaded library, with torch-tensor wrappers around its C functions."""
 
@@ -114,12 +138,17 @@ class PkmLib:
         vp, err_args = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_size_t]
         lib.pkm_cpu_forward.argtypes = [bags_p, vp, ctypes.c_int] + err_args
         lib.pkm_cpu_backward.argtypes = [bags_p, vp, vp, vp, ctypes.c_int] + err_args
+        lib.pkm_cpu_sparse_backward.argtypes = [bags_p, vp, SPARSE_ALLOC_FN, vp, vp] + err_args
         if self.has_cuda:
             lib.pkm_cuda_forward.argtypes = [bags_p, vp, opts_p, vp]
             lib.pkm_cuda_backward_workspace_bytes.argtypes = [bags_p, opts_p]
             lib.pkm_cuda_backward_workspace_bytes.restype = ctypes.c_size_t
             lib.pkm_cuda_backward.argtypes = [bags_p, vp, vp, vp, vp, ctypes.c_size_t, opts_p, vp]
             lib.pkm_cuda_last_error.restype = ctypes.c_char_p
+            lib.pkm_cuda_sparse_backward_workspace_bytes.argtypes = [bags_p, opts_p]
+            lib.pkm_cuda_sparse_backward_workspace_bytes.restype = ctypes.c_size_t
+            lib.pkm_cuda_sparse_backward.argtypes = [bags_p, vp, SPARSE_ALLOC_FN, vp, vp, vp, ctypes.c_size_t,
+                                                     opts_p, vp]
 
     # ---- CUDA (torch CUDA tensors) -------------------------------------------
     def _check_cuda(self, rc, what):
@@ -172,6 +201,24 @@ class PkmLib:
         self._check_cuda(rc, "pkm_cuda_backward")
         return d_table, d_weights
 
+    def cuda_sparse_backward(self, table, indices, grad, weights=None, combiner="sum", row_splits=None,
+                             want_d_weights=True, options=None):
+        """Returns (rows [U] int64, row_grads [U, D], d_weights or None)."""
+        import torch
+
+        bags = make_bags(table, indices, weights, combiner, row_splits)
+        opts = self._options(options)
+        d_weights = torch.empty_like(weights) if (want_d_weights and weights is not None) else None
+        ws_bytes = self.lib.pkm_cuda_sparse_backward_workspace_bytes(ctypes.byref(bags), opts)
+        workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=table.device)
+        keep = {}
+        callback = _sparse_alloc(table, keep)
+        stream = torch.cuda.current_stream(table.device).cuda_stream
+        rc = self.lib.pkm_cuda_sparse_backward(ctypes.byref(bags), _ptr(grad), callback, None, _ptr(d_weights),
+                                               _ptr(workspace), workspace.numel(), opts, stream)
+        self._check_cuda(rc, "pkm_cuda_sparse_backward")
+        return keep["rows"], keep["row_grads"], d_weights
+
     # ---- core CPU (torch CPU tensors) -----------------------------------------
     def _check_cpu(self, rc, err, what):
         if rc != 0:
@@ -198,3 +245,17 @@ class PkmLib:
                                        int(reference), err, len(err))
         self._check_cpu(rc, err, "pkm_cpu_backward")
         return d_table, d_weights
+
+    def cpu_sparse_backward(self, table, indices, grad, weights=None, combiner="sum", row_splits=None):
+        """Returns (rows [U] int64, row_grads [U, D], d_weights or None)."""
+        import torch
+
+        bags = make_bags(table, indices, weights, combiner, row_splits)
+        d_weights = torch.empty_like(weights) if weights is not None else None
+        keep = {}
+        callback = _sparse_alloc(table, keep)
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.pkm_cpu_sparse_backward(ctypes.byref(bags), _ptr(grad), callback, None, _ptr(d_weights),
+                                              err, len(err))
+        self._check_cpu(rc, err, "pkm_cpu_sparse_backward")
+        return keep["rows"], keep["row_grads"], d_weights

@@ -386,6 +386,154 @@ Status Backward(const Table& table, const Bags& bags, Combiner combiner, const v
   return Status::Ok();
 }
 
+// ---- row-sparse backward ------------------------------------------------------
+
+namespace {
+
+// Per-bag combiner scale: 1, 1/sum(w) or 1/sqrt(sum w^2) over valid entries.
+std::vector<float> BagScales(const Bags& bags, Combiner combiner, const ParallelFor& pf) {
+  const int64_t num_bags = bags.num_bags, n = bags.NumIndices();
+  std::vector<float> bag_scale(num_bags);
+  pf(num_bags, 8 * (n / std::max<int64_t>(num_bags, 1) + 1), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      float ws = 0.f, wq = 0.f;
+      for (int64_t j = bags.Begin(b); j < bags.End(b); ++j) {
+        if (IndexAt(bags, j) < 0) continue;
+        const float w = WeightAt(bags, j);
+        ws += w;
+        wq += w * w;
+      }
+      bag_scale[b] = internal::CombinerScale(combiner, ws, wq);
+    }
+  });
+  return bag_scale;
+}
+
+// Turns grad . row of each valid entry into d out / d w (see Backward).
+void WeightGradFromDots(const Bags& bags, Combiner combiner, const std::vector<float>& bag_scale,
+                        const float* grad_dot_row, void* d_weights, const ParallelFor& pf) {
+  const int64_t num_bags = bags.num_bags, n = bags.NumIndices();
+  pf(num_bags, 8 * (n / std::max<int64_t>(num_bags, 1) + 1), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t begin = bags.Begin(b), end = bags.End(b);
+      float weighted = 0.f;
+      if (combiner != Combiner::kSum)
+        for (int64_t j = begin; j < end; ++j)
+          if (IndexAt(bags, j) >= 0) weighted += WeightAt(bags, j) * grad_dot_row[j];
+      const float scale = bag_scale[b];
+      for (int64_t j = begin; j < end; ++j) {
+        float dw = 0.f;
+        if (IndexAt(bags, j) >= 0 && scale != 0.f) {
+          const float gx = grad_dot_row[j];
+          switch (combiner) {
+            case Combiner::kSum: dw = gx; break;
+            case Combiner::kMean: dw = (gx - weighted * scale) * scale; break;
+            case Combiner::kSqrtn: dw = (gx - WeightAt(bags, j) * weighted * scale * scale) * scale; break;
+          }
+        }
+        internal::StoreElem(d_weights, bags.weights_type, j, dw);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+Status SparseBackward(const Table& table, const Bags& bags, Combiner combiner, const void* grad_out,
+                      ElemType grad_type, const SparseRowsAlloc& alloc, ElemType row_grads_type,
+                      void* d_weights, const ParallelFor& pf) {
+  Status s = internal::CheckTypes(table, bags, row_grads_type, /*for_gradient=*/true);
+  if (!s.ok) return s;
+  if (grad_type == ElemType::kInt8) return Status::Error("gradient must be a float type");
+  s = ValidateBags(table, bags, pf);
+  if (!s.ok) return s;
+  if (bags.weights == nullptr) d_weights = nullptr;
+  const int64_t dim = table.dim, num_bags = bags.num_bags, n = bags.NumIndices();
+  const int64_t table_row_bytes = dim * ElemSize(table.type);
+  const int64_t out_row_bytes = dim * ElemSize(row_grads_type);
+  const std::vector<float> bag_scale = BagScales(bags, combiner, pf);
+
+  std::vector<int64_t> ragged_bag_of;
+  if (bags.row_splits != nullptr) {
+    ragged_bag_of.resize(n);
+    for (int64_t b = 0; b < num_bags; ++b)
+      for (int64_t j = bags.Begin(b); j < bags.End(b); ++j) ragged_bag_of[j] = b;
+  }
+  auto bag_of = [&](int64_t j) { return bags.row_splits ? ragged_bag_of[j] : j / bags.bag_size; };
+
+  std::vector<float> grad_dot_scratch;
+  float* grad_dot_row = nullptr;
+  if (d_weights != nullptr) {
+    if (bags.weights_type == ElemType::kFloat32) {
+      grad_dot_row = static_cast<float*>(d_weights);
+    } else {
+      grad_dot_scratch.assign(n, 0.f);
+      grad_dot_row = grad_dot_scratch.data();
+    }
+  }
+  std::vector<float> grad_f;
+  const float* grad_rows = static_cast<const float*>(grad_out);
+  if (grad_type != ElemType::kFloat32) {
+    const int64_t grad_row_bytes = dim * ElemSize(grad_type);
+    grad_f.resize(num_bags * dim);
+    pf(num_bags, dim, [&](int64_t b0, int64_t b1) {
+      vec::ToFloat(static_cast<const char*>(grad_out) + b0 * grad_row_bytes, grad_type,
+                   grad_f.data() + b0 * dim, (b1 - b0) * dim);
+    });
+    grad_rows = grad_f.data();
+  }
+
+  auto row_gradients = [&](const auto& groups) -> Status {
+    // Counting-sort groups cover every table row: keep the non-empty ones.
+    std::vector<int64_t> touched;
+    if (groups.all_rows) {
+      for (int64_t r = 0; r < groups.NumGroups(); ++r)
+        if (groups.starts[r] < groups.starts[r + 1]) touched.push_back(r);
+    }
+    const int64_t num_touched = groups.all_rows ? static_cast<int64_t>(touched.size()) : groups.NumGroups();
+    int64_t* rows = nullptr;
+    void* row_grads = nullptr;
+    Status st = alloc(num_touched, &rows, &row_grads);
+    if (!st.ok) return st;
+    if (num_touched > 0 && (rows == nullptr || (row_grads == nullptr && dim > 0)))
+      return Status::Error("SparseBackward: the allocator returned null outputs");
+    const int64_t cost = (static_cast<int64_t>(groups.order.size()) / std::max<int64_t>(num_touched, 1) + 1) * dim * 3;
+    const bool direct = table.type == ElemType::kFloat32 && row_grads_type == ElemType::kFloat32;
+    pf(num_touched, cost, [&](int64_t k0, int64_t k1) {
+      std::vector<float> acc_buf(direct ? 0 : dim), row_buf(direct ? 0 : dim);
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t u = groups.all_rows ? touched[k] : k;
+        const int64_t r = groups.Row(u);
+        rows[k] = r;
+        char* out_row = static_cast<char*>(row_grads) + k * out_row_bytes;
+        float* acc = direct ? reinterpret_cast<float*>(out_row) : acc_buf.data();
+        std::fill(acc, acc + dim, 0.f);
+        const char* row_ptr = static_cast<const char*>(table.data) + r * table_row_bytes;
+        const float* row_f = reinterpret_cast<const float*>(row_ptr);
+        if (!direct && d_weights) {
+          vec::ToFloat(row_ptr, table.type, row_buf.data(), dim);
+          row_f = row_buf.data();
+        }
+        for (int64_t i = groups.starts[u]; i < groups.starts[u + 1]; ++i) {
+          const int64_t j = groups.order[i];
+          const int64_t b = bag_of(j);
+          const float* g = grad_rows + b * dim;
+          const float c = WeightAt(bags, j) * bag_scale[b];
+          if (d_weights) grad_dot_row[j] = vec::AxpyDot(c, g, row_f, acc, dim);
+          else vec::AxpyF32(c, g, acc, dim);
+        }
+        if (!direct) vec::FromFloat(acc, 1.f, row_grads_type, out_row, dim);
+      }
+    });
+    return Status::Ok();
+  };
+  s = n <= std::numeric_limits<int32_t>::max() ? row_gradients(GroupByRow<int32_t>(bags, table.num_rows))
+                                               : row_gradients(GroupByRow<int64_t>(bags, table.num_rows));
+  if (!s.ok) return s;
+  if (d_weights != nullptr) WeightGradFromDots(bags, combiner, bag_scale, grad_dot_row, d_weights, pf);
+  return Status::Ok();
+}
+
 // ---- scalar conversions -----------------------------------------------------
 
 float HalfToFloat(uint16_t h) {

@@ -103,6 +103,20 @@ Status Backward(const Table& table, const Bags& bags, Combiner combiner,
                 const void* grad_out, ElemType grad_type, void* d_table,
                 ElemType d_table_type, void* d_weights, const ParallelFor& pf);
 
+// Row-sparse gradient w.r.t. the table, from the same row-grouped pass as
+// Backward: the U distinct rows that valid indices touch (ascending) and one
+// gradient row each, U <= min(num_rows, valid indices). U is known only after
+// grouping, so the caller allocates the outputs through `alloc`, which must set
+// *rows to U int64 and *row_grads to U * dim elements of row_grads_type (both
+// may be null when U == 0) or return an error that SparseBackward passes on.
+// d_weights as in Backward (may be null). No [indices, dim] buffer; temporaries
+// are O(number of indices) integers (O(num_rows) when the table is not much
+// larger than the number of indices, as in Backward).
+using SparseRowsAlloc = std::function<Status(int64_t num_rows_touched, int64_t** rows, void** row_grads)>;
+Status SparseBackward(const Table& table, const Bags& bags, Combiner combiner, const void* grad_out,
+                      ElemType grad_type, const SparseRowsAlloc& alloc, ElemType row_grads_type,
+                      void* d_weights, const ParallelFor& pf);
+
 // Slow, obviously-correct versions of the two, for tests (serial, double
 // accumulation is not used on purpose: float32 like the contract).
 Status ReferenceForward(const Table& table, const Bags& bags, Combiner combiner,

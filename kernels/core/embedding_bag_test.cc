@@ -76,6 +76,50 @@ bool Close(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, pkm::El
   return true;
 }
 
+// SparseBackward scattered into a zero table equals the dense reference
+// gradient; its rows are exactly the distinct rows of valid indices, ascending.
+void SparseCase(const pkm::Table& table, const pkm::Bags& bags, pkm::Combiner combiner,
+                const std::vector<uint8_t>& grad, pkm::ElemType value_type, const std::vector<uint8_t>& dt_ref,
+                const std::vector<uint8_t>& dw_ref, bool weighted, float rtol, const std::string& what) {
+  const int64_t dim = table.dim, nnz = bags.NumIndices(), elem = pkm::ElemSize(table.type);
+  std::vector<int64_t> rows;
+  std::vector<uint8_t> row_grads;
+  auto alloc = [&](int64_t u, int64_t** r, void** g) {
+    rows.assign(u, -7);
+    row_grads.assign(u * dim * elem, 0xEF);
+    *r = rows.data();
+    *g = row_grads.data();
+    return pkm::Status::Ok();
+  };
+  std::vector<uint8_t> dw(nnz * pkm::ElemSize(value_type), 0xCD);
+  auto s = pkm::SparseBackward(table, bags, combiner, grad.data(), value_type, alloc, table.type,
+                               weighted ? dw.data() : nullptr, TwoThreads());
+  EXPECT(s.ok, "%s sparse backward failed: %s", what.c_str(), s.message.c_str());
+  std::vector<int64_t> expect_rows;
+  for (int64_t j = 0; j < nnz; ++j) {
+    const int64_t r = bags.indices_int64 ? static_cast<const int64_t*>(bags.indices)[j]
+                                         : static_cast<const int32_t*>(bags.indices)[j];
+    if (r >= 0) expect_rows.push_back(r);
+  }
+  std::sort(expect_rows.begin(), expect_rows.end());
+  expect_rows.erase(std::unique(expect_rows.begin(), expect_rows.end()), expect_rows.end());
+  EXPECT(rows == expect_rows, "%s sparse rows: %zu rows, expected the %zu distinct valid indices", what.c_str(),
+         rows.size(), expect_rows.size());
+  std::vector<uint8_t> dense(table.num_rows * dim * elem, 0);
+  for (size_t k = 0; k < rows.size() && rows == expect_rows; ++k)
+    std::memcpy(dense.data() + rows[k] * dim * elem, row_grads.data() + k * dim * elem, dim * elem);
+  std::string where;
+  EXPECT(Close(dense, dt_ref, table.type, table.num_rows * dim, rtol, &where), "%s sparse d_table: %s",
+         what.c_str(), where.c_str());
+  if (weighted)
+    EXPECT(Close(dw, dw_ref, value_type, nnz, rtol * 4, &where), "%s sparse d_weights: %s", what.c_str(),
+           where.c_str());
+  // An allocator error is passed on, nothing else happens.
+  auto refuse = [](int64_t, int64_t**, void**) { return pkm::Status::Error("no memory for you"); };
+  s = pkm::SparseBackward(table, bags, combiner, grad.data(), value_type, refuse, table.type, nullptr, TwoThreads());
+  EXPECT(!s.ok && s.message == "no memory for you", "%s: allocator error not passed on", what.c_str());
+}
+
 void RandomCase(std::mt19937_64& rng, int case_id) {
   using pkm::ElemType;
   const ElemType float_types[] = {ElemType::kFloat32, ElemType::kFloat16, ElemType::kBFloat16, ElemType::kInt8};
@@ -155,6 +199,7 @@ void RandomCase(std::mt19937_64& rng, int case_id) {
   EXPECT(Close(dt_fast, dt_ref, table_type, num_rows * table_dim, rtol, &where), "%s d_table: %s", what.c_str(), where.c_str());
   if (weighted)
     EXPECT(Close(dw_fast, dw_ref, value_type, nnz, rtol * 4, &where), "%s d_weights: %s", what.c_str(), where.c_str());
+  SparseCase(table, bags, combiner, grad, value_type, dt_ref, dw_ref, weighted, rtol, what);
   // Weights gradient alone (no d_table) takes another path.
   if (weighted) {
     std::vector<uint8_t> dw_only(dw_fast.size());

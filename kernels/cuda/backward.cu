@@ -16,7 +16,13 @@
 //  5. a warp per bag turns the raw dots into d_weights with the combiner's
 //     correction (mean: (d_k - sum_j w_j d_j / S) / S; sqrtn:
 //     (d_k - w_k sum_j w_j d_j / R^2) / R).
+//
+// The row-sparse variant (pkm_cuda_sparse_backward) runs the same passes; after
+// step 2 a flag per row (segment not empty) is prefix-summed into each touched
+// row's output slot, the host reads the count, has the caller allocate
+// rows [U] / row_grads [U, dim], and step 3 writes touched rows only, to their slot.
 #include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
 
 #include <algorithm>
 #include <string>
@@ -75,7 +81,8 @@ struct BackwardArgs {
   const float* bag_scale;        // [num_bags]; null for sum (scale 1)
   const uint32_t* bag_of_entry;  // ragged only; dense uses entry / bag_size
   const void* grad;
-  void* d_table;                 // may be null
+  void* d_table;                 // may be null; row_grads [U, dim] when slot_of_row is set
+  const uint32_t* slot_of_row;   // sparse: output row of each touched table row; null = dense
   float* dots;                   // [tiles, num_indices]; null when d_weights is not wanted
   int32_t* piece_row;            // [2 * pieces]
   float* piece_sum;              // [2 * pieces, dim]
@@ -334,8 +341,8 @@ __global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC)) Row
         }
       }
     }
-    if (a.d_table != nullptr) {
-      T* out = static_cast<T*>(a.d_table) + row * dim;
+    if (a.d_table != nullptr && (a.slot_of_row == nullptr || hi > lo)) {
+      T* out = static_cast<T*>(a.d_table) + (a.slot_of_row ? a.slot_of_row[row] : row) * dim;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
@@ -394,6 +401,20 @@ __global__ void WeightsGradKernel(PkmBags bags, int64_t num_indices, int64_t til
   }
 }
 
+// Sparse: flags[row] = 1 when the row has entries (flags[num_rows] = 0), to
+// be prefix-summed into output slots.
+__global__ void TouchedFlagsKernel(const uint32_t* seg_begin, int64_t num_rows, uint32_t* flags) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row > num_rows) return;
+  flags[row] = row < num_rows && seg_begin[row + 1] > seg_begin[row] ? 1u : 0u;
+}
+
+__global__ void TouchedRowsKernel(const uint32_t* seg_begin, const uint32_t* slot_of_row, int64_t num_rows,
+                                  int64_t* rows) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row < num_rows && seg_begin[row + 1] > seg_begin[row]) rows[slot_of_row[row]] = row;
+}
+
 // ---- workspace ------------------------------------------------------------
 
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -408,10 +429,12 @@ struct Layout {
   int64_t num_indices = 0, tiles = 0, long_segment = 0, pieces = 0;
   size_t keys[2] = {0, 0}, entries[2] = {0, 0}, cub_temp = 0, cub_bytes = 0, seg_begin = 0,
          bag_scale = 0, bag_of_entry = 0, dots = 0, piece_row = 0, piece_sum = 0, total = 0;
+  // Sparse only: touched flags, their exclusive scan (output slots), scan scratch.
+  size_t flags = 0, slot_of_row = 0, scan_temp = 0, scan_bytes = 0;
   bool dots_in_spare_keys = false, pieces_in_spare_entries = false;
 };
 
-int MakeLayout(const PkmBags& bags, const PkmCudaOptions* options, Layout* layout) {
+int MakeLayout(const PkmBags& bags, const PkmCudaOptions* options, Layout* layout, bool sparse = false) {
   Layout& l = *layout;
   l.num_indices = NumIndices(bags);
   if (l.num_indices > INT32_MAX)
@@ -454,9 +477,27 @@ int MakeLayout(const PkmBags& bags, const PkmCudaOptions* options, Layout* layou
   const size_t piece_floats = static_cast<size_t>(2 * l.pieces) * static_cast<size_t>(bags.dim);
   l.pieces_in_spare_entries = piece_floats <= n;
   if (!l.pieces_in_spare_entries) l.piece_sum = take(piece_floats * 4);
+  if (sparse) {
+    const size_t slots = static_cast<size_t>(bags.num_rows) + 1;
+    if (slots > static_cast<size_t>(INT32_MAX))
+      return SetInvalid("sparse backward: at most 2^31-2 table rows on the GPU, got " +
+                        std::to_string(bags.num_rows));
+    err = cub::DeviceScan::ExclusiveSum(nullptr, l.scan_bytes, static_cast<const uint32_t*>(nullptr),
+                                        static_cast<uint32_t*>(nullptr), static_cast<int>(slots));
+    if (err != cudaSuccess) return CheckCuda(err, "cub::DeviceScan size query");
+    l.flags = take(slots * 4);
+    l.slot_of_row = take(slots * 4);
+    l.scan_temp = take(l.scan_bytes);
+  }
   l.total = offset;
   return PKM_CUDA_OK;
 }
+
+// Where the sparse backward gets its outputs once it knows how many rows.
+struct SparseOutputs {
+  pkm_cuda_sparse_alloc_fn alloc = nullptr;
+  void* alloc_ctx = nullptr;
+};
 
 unsigned Blocks(int64_t items, int per_block) {
   return static_cast<unsigned>((items + per_block - 1) / per_block);
@@ -491,7 +532,7 @@ int LaunchRowPasses(const BackwardArgs& args, int64_t pieces, cudaStream_t strea
 
 template <typename IdxT>
 int LaunchBackward(const PkmBags& bags, const Layout& l, const void* grad_out, void* d_table,
-                   void* d_weights, char* ws, cudaStream_t stream) {
+                   void* d_weights, char* ws, cudaStream_t stream, const SparseOutputs* sparse = nullptr) {
   const int64_t n = l.num_indices;
   const bool ragged = bags.row_splits != nullptr;
   uint32_t* keys0 = reinterpret_cast<uint32_t*>(ws + l.keys[0]);
@@ -525,6 +566,39 @@ int LaunchBackward(const PkmBags& bags, const Layout& l, const void* grad_out, v
   SegmentBeginKernel<<<Blocks(bags.num_rows + 1, 256), 256, 0, stream>>>(keys.Current(), n,
                                                                          bags.num_rows, seg_begin);
   if (int status = CheckLaunch("backward segments")) return status;
+  const uint32_t* slot_of_row = nullptr;
+  if (sparse != nullptr) {
+    uint32_t* flags = reinterpret_cast<uint32_t*>(ws + l.flags);
+    uint32_t* slots = reinterpret_cast<uint32_t*>(ws + l.slot_of_row);
+    TouchedFlagsKernel<<<Blocks(bags.num_rows + 1, 256), 256, 0, stream>>>(seg_begin, bags.num_rows, flags);
+    if (int status = CheckLaunch("sparse backward flags")) return status;
+    size_t scan_bytes = l.scan_bytes;
+    if (int status = CheckCuda(cub::DeviceScan::ExclusiveSum(ws + l.scan_temp, scan_bytes, flags, slots,
+                                                             static_cast<int>(bags.num_rows + 1), stream),
+                               "cub::DeviceScan::ExclusiveSum"))
+      return status;
+    // The caller sizes its outputs by the count: one device-to-host read.
+    uint32_t touched = 0;
+    if (int status = CheckCuda(cudaMemcpyAsync(&touched, slots + bags.num_rows, sizeof(touched),
+                                               cudaMemcpyDeviceToHost, stream),
+                               "read the touched-row count"))
+      return status;
+    if (int status = CheckCuda(cudaStreamSynchronize(stream), "synchronise for the touched-row count"))
+      return status;
+    int64_t* rows = nullptr;
+    void* row_grads = nullptr;
+    if (sparse->alloc(sparse->alloc_ctx, touched, &rows, &row_grads) != 0)
+      return SetInvalid("sparse backward: the output allocation callback failed for " +
+                        std::to_string(touched) + " rows");
+    if (touched > 0 && (rows == nullptr || (row_grads == nullptr && bags.dim > 0)))
+      return SetInvalid("sparse backward: the allocation callback returned null outputs");
+    if (touched > 0) {
+      TouchedRowsKernel<<<Blocks(bags.num_rows, 256), 256, 0, stream>>>(seg_begin, slots, bags.num_rows, rows);
+      if (int status = CheckLaunch("sparse backward rows")) return status;
+    }
+    d_table = touched > 0 ? row_grads : nullptr;
+    slot_of_row = slots;
+  }
   float* bag_scale = nullptr;
   if (bags.combiner != PKM_SUM && bags.num_bags > 0) {
     bag_scale = reinterpret_cast<float*>(ws + l.bag_scale);
@@ -548,6 +622,7 @@ int LaunchBackward(const PkmBags& bags, const Layout& l, const void* grad_out, v
   args.bag_of_entry = bag_of_entry;
   args.grad = grad_out;
   args.d_table = d_table;
+  args.slot_of_row = slot_of_row;
   args.dots = dots;
   args.piece_row = reinterpret_cast<int32_t*>(ws + l.piece_row);
   args.piece_sum = reinterpret_cast<float*>(
@@ -616,4 +691,52 @@ extern "C" int pkm_cuda_backward(const PkmBags* bags, const void* grad_out, void
   return bags->indices_int64
              ? LaunchBackward<int64_t>(*bags, layout, grad_out, d_table, d_weights, ws, stream)
              : LaunchBackward<int32_t>(*bags, layout, grad_out, d_table, d_weights, ws, stream);
+}
+
+extern "C" size_t pkm_cuda_sparse_backward_workspace_bytes(const PkmBags* bags,
+                                                           const PkmCudaOptions* options) {
+  using namespace pkm_cuda;
+  if (ValidateCommon(bags) != PKM_CUDA_OK) return 0;
+  Layout layout;
+  if (MakeLayout(*bags, options, &layout, /*sparse=*/true) != PKM_CUDA_OK) return 0;
+  return layout.total;
+}
+
+extern "C" int pkm_cuda_sparse_backward(const PkmBags* bags, const void* grad_out,
+                                        pkm_cuda_sparse_alloc_fn alloc, void* alloc_ctx, void* d_weights,
+                                        void* workspace, size_t workspace_bytes,
+                                        const PkmCudaOptions* options, pkm_cuda_stream_t stream) {
+  using namespace pkm_cuda;
+  int status = ValidateCommon(bags);
+  if (status != PKM_CUDA_OK) return status;
+  if (alloc == nullptr) return SetInvalid("sparse backward: alloc is null");
+  if (d_weights != nullptr && bags->weights == nullptr)
+    return SetInvalid("sparse backward: d_weights requested but the bags have no weights");
+  Layout layout;
+  status = MakeLayout(*bags, options, &layout, /*sparse=*/true);
+  if (status != PKM_CUDA_OK) return status;
+  const int64_t n = layout.num_indices;
+  if (n == 0 || bags->num_rows == 0) {  // nothing touched
+    int64_t* rows = nullptr;
+    void* row_grads = nullptr;
+    if (alloc(alloc_ctx, 0, &rows, &row_grads) != 0)
+      return SetInvalid("sparse backward: the output allocation callback failed for 0 rows");
+    if (d_weights != nullptr && n > 0) {
+      const size_t wsize = bags->weights_type == PKM_FLOAT32 ? 4 : 2;
+      return CheckCuda(cudaMemsetAsync(d_weights, 0, n * wsize, stream), "memset d_weights");
+    }
+    return PKM_CUDA_OK;
+  }
+  if (grad_out == nullptr && bags->dim > 0) return SetInvalid("sparse backward: grad_out is null");
+  if (workspace_bytes < layout.total || (layout.total > 0 && workspace == nullptr))
+    return SetInvalid("sparse backward: workspace of " + std::to_string(workspace_bytes) +
+                      " bytes is too small, need " + std::to_string(layout.total) +
+                      " (pkm_cuda_sparse_backward_workspace_bytes)");
+  SparseOutputs out;
+  out.alloc = alloc;
+  out.alloc_ctx = alloc_ctx;
+  char* ws = static_cast<char*>(workspace);
+  return bags->indices_int64
+             ? LaunchBackward<int64_t>(*bags, layout, grad_out, nullptr, d_weights, ws, stream, &out)
+             : LaunchBackward<int32_t>(*bags, layout, grad_out, nullptr, d_weights, ws, stream, &out);
 }

@@ -96,6 +96,23 @@ PKM_CUDA_API int pkm_cuda_backward(const PkmBags* bags, const void* grad_out, vo
                       void* d_weights, void* workspace, size_t workspace_bytes,
                       const PkmCudaOptions* options, pkm_cuda_stream_t stream);
 
+// Row-sparse backward: the table gradient as the U distinct rows that valid
+// entries touch (ascending) and their gradient rows, from the same sorted
+// passes (no [indices, dim] buffer). U is known only after the sort, so the
+// call synchronises `stream` once to read it and then calls
+// alloc(alloc_ctx, U, &rows, &row_grads) on the calling thread; the callback
+// returns 0 and sets device pointers rows (U int64) and row_grads (U * dim
+// elements of elem_type), or returns non-zero to abort. d_weights as in
+// pkm_cuda_backward (may be NULL). Deterministic like pkm_cuda_backward.
+typedef int (*pkm_cuda_sparse_alloc_fn)(void* alloc_ctx, int64_t num_rows_touched, int64_t** rows,
+                                        void** row_grads);
+PKM_CUDA_API size_t pkm_cuda_sparse_backward_workspace_bytes(const PkmBags* bags,
+                                                const PkmCudaOptions* options);
+PKM_CUDA_API int pkm_cuda_sparse_backward(const PkmBags* bags, const void* grad_out,
+                             pkm_cuda_sparse_alloc_fn alloc, void* alloc_ctx, void* d_weights,
+                             void* workspace, size_t workspace_bytes, const PkmCudaOptions* options,
+                             pkm_cuda_stream_t stream);
+
 // Message for the last PKM_CUDA_INVALID_ARGUMENT / CUDA error on this thread.
 PKM_CUDA_API const char* pkm_cuda_last_error(void);
 

@@ -87,10 +87,13 @@ inline ::tensorflow::Status CheckShapes(const OpAttrs& attrs, const ::tensorflow
   return out_shape->AddDimWithStatus(params.dim_size(1));
 }
 
+// `variable_params`, when set, is the table read from a resource variable
+// (input `first` is then the variable's handle).
 inline ::tensorflow::Status BuildCoreArgs(::tensorflow::OpKernelContext* ctx, const OpAttrs& attrs,
-                                          int first, CoreArgs* args) {
+                                          int first, CoreArgs* args,
+                                          const ::tensorflow::Tensor* variable_params = nullptr) {
   using ::tensorflow::errors::InvalidArgument;
-  const ::tensorflow::Tensor& params = ctx->input(first);
+  const ::tensorflow::Tensor& params = variable_params ? *variable_params : ctx->input(first);
   const ::tensorflow::Tensor& indices = ctx->input(first + 1);
   const ::tensorflow::Tensor& weights = ctx->input(first + (attrs.ragged ? 3 : 2));
   const ::tensorflow::Tensor* splits = attrs.ragged ? &ctx->input(first + 2) : nullptr;

@@ -102,7 +102,69 @@ class GpuEmbeddingBagGradOp : public EmbeddingBagKernelBase {
   }
 };
 
+// Row-sparse gradient: the launcher reads the touched-row count (one stream
+// synchronisation) and allocates rows / row_grads through this callback.
+class GpuEmbeddingBagSparseGradOp : public EmbeddingBagKernelBase {
+ public:
+  using EmbeddingBagKernelBase::EmbeddingBagKernelBase;
+
+  void Compute(OpKernelContext* ctx) override {
+    CoreArgs args;
+    OP_REQUIRES_OK(ctx, BuildCoreArgs(ctx, attrs_, /*first=*/1, &args));
+    const Tensor& grad = ctx->input(0);
+    OP_REQUIRES(ctx, grad.shape() == args.out_shape,
+                ::tensorflow::errors::InvalidArgument("grad must have the forward output's shape ",
+                                                      args.out_shape.DebugString(), ", got ",
+                                                      grad.shape().DebugString()));
+    Tensor* d_weights = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, args.weights->shape(), &d_weights));
+    pkm_cuda_stream_t stream;
+    OP_REQUIRES_OK(ctx, GpuStream(ctx, &stream));
+    const PkmBags bags = ToLauncherBags(args, attrs_.combiner);
+    const size_t workspace_bytes = pkm_cuda_sparse_backward_workspace_bytes(&bags, nullptr);
+    Tensor workspace;
+    OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
+                                           ::tensorflow::TensorShape({static_cast<int64_t>(workspace_bytes)}),
+                                           &workspace));
+    AllocContext alloc_ctx{ctx, args.table.dim, ::tensorflow::Status()};
+    void* d_weights_data = attrs_.has_weights && d_weights->NumElements() > 0 ? d_weights->data() : nullptr;
+    const int code = pkm_cuda_sparse_backward(&bags, grad.data(), &AllocOutputs, &alloc_ctx, d_weights_data,
+                                              workspace.data(), workspace_bytes, nullptr, stream);
+    OP_REQUIRES_OK(ctx, alloc_ctx.status);
+    OP_REQUIRES_OK(ctx, FromLauncher(code));
+  }
+
+ private:
+  struct AllocContext {
+    OpKernelContext* ctx;
+    int64_t dim;
+    ::tensorflow::Status status;
+  };
+  static int AllocOutputs(void* opaque, int64_t num_rows, int64_t** rows, void** row_grads) {
+    auto* a = static_cast<AllocContext*>(opaque);
+    Tensor *rows_t = nullptr, *grads_t = nullptr;
+    a->status = a->ctx->allocate_output(0, ::tensorflow::TensorShape({num_rows}), &rows_t);
+    if (a->status.ok())
+      a->status = a->ctx->allocate_output(1, ::tensorflow::TensorShape({num_rows, a->dim}), &grads_t);
+    if (!a->status.ok()) return 1;
+    *rows = num_rows > 0 ? reinterpret_cast<int64_t*>(rows_t->data()) : nullptr;
+    *row_grads = grads_t->NumElements() > 0 ? grads_t->data() : nullptr;
+    return 0;
+  }
+};
+
 }  // namespace
+
+#define PKM_REGISTER_GPU_SPARSE_GRAD(T)                                                                \
+  REGISTER_KERNEL_BUILDER(                                                                             \
+      Name("PkmEmbeddingBagSparseGrad").Device(::tensorflow::DEVICE_GPU).TypeConstraint<T>("T"),       \
+      ::pkm_tf::WithLayout<GpuEmbeddingBagSparseGradOp, false>);                                       \
+  REGISTER_KERNEL_BUILDER(                                                                             \
+      Name("PkmRaggedEmbeddingBagSparseGrad").Device(::tensorflow::DEVICE_GPU).TypeConstraint<T>("T"), \
+      ::pkm_tf::WithLayout<GpuEmbeddingBagSparseGradOp, true>)
+PKM_REGISTER_GPU_SPARSE_GRAD(float);
+PKM_REGISTER_GPU_SPARSE_GRAD(::Eigen::half);
+PKM_REGISTER_GPU_SPARSE_GRAD(::tensorflow::bfloat16);
 
 PKM_REGISTER_EMBEDDING_BAG_KERNELS(::tensorflow::DEVICE_GPU, GpuEmbeddingBagOp, GpuEmbeddingBagGradOp, float);
 PKM_REGISTER_EMBEDDING_BAG_KERNELS(::tensorflow::DEVICE_GPU, GpuEmbeddingBagOp, GpuEmbeddingBagGradOp,

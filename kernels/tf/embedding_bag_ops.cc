@@ -114,3 +114,118 @@ REGISTER_OP("PkmRaggedEmbeddingBagGrad")
 #undef PKM_COMMON_ATTRS
 
 }  // namespace pkm_tf
+
+// ---- row-sparse gradients (sparse_gradient=True) ------------------------------
+
+namespace pkm_tf {
+namespace {
+
+Status SparseGradShape(InferenceContext* c, int params_input, int weights_input) {
+  ShapeHandle params;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(params_input), 2, &params));
+  c->set_output(0, c->Vector(c->UnknownDim()));
+  c->set_output(1, c->Matrix(c->UnknownDim(), c->Dim(params, 1)));
+  c->set_output(2, c->input(weights_input));
+  return Status();
+}
+
+}  // namespace
+
+#define PKM_SPARSE_GRAD_ATTRS                                \
+  Attr("T: {float, half, bfloat16}")                         \
+      .Attr("Tindices: {int32, int64}")                      \
+      .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")    \
+      .Attr("has_weights: bool = true")
+
+REGISTER_OP("PkmEmbeddingBagSparseGrad")
+    .Input("grad: T")
+    .Input("params: T")
+    .Input("indices: Tindices")
+    .Input("weights: T")
+    .Output("rows: int64")
+    .Output("row_grads: T")
+    .Output("d_weights: T")
+    .PKM_SPARSE_GRAD_ATTRS
+    .SetShapeFn([](InferenceContext* c) { return SparseGradShape(c, 1, 3); })
+    .Doc(R"doc(
+Row-sparse gradient of PkmEmbeddingBag: rows [U] are the distinct rows that valid indices touch
+(ascending, U <= min(N, number of indices)), row_grads [U, D] their gradient rows; d_weights as in
+PkmEmbeddingBagGrad. Together rows/row_grads form the IndexedSlices of d_params.
+)doc");
+
+REGISTER_OP("PkmRaggedEmbeddingBagSparseGrad")
+    .Input("grad: T")
+    .Input("params: T")
+    .Input("values: Tindices")
+    .Input("row_splits: Tsplits")
+    .Input("weights: T")
+    .Output("rows: int64")
+    .Output("row_grads: T")
+    .Output("d_weights: T")
+    .PKM_SPARSE_GRAD_ATTRS
+    .Attr("Tsplits: {int32, int64} = DT_INT64")
+    .SetShapeFn([](InferenceContext* c) { return SparseGradShape(c, 1, 4); })
+    .Doc("Row-sparse gradient of PkmRaggedEmbeddingBag (see PkmEmbeddingBagSparseGrad).");
+
+#undef PKM_SPARSE_GRAD_ATTRS
+
+}  // namespace pkm_tf
+
+// ---- the table as a resource variable (training with sparse_gradient=True) ------
+// Reading the variable inside the kernel, under its lock, is a sparse read:
+// once a variable has had a sparse update (scatter_*), TF copies the whole
+// table on every dense ReadVariableOp, which would cost O(N * D) per step.
+
+namespace pkm_tf {
+
+#define PKM_RESOURCE_ATTRS                                   \
+  Attr("dtype: {float, half, bfloat16}")                     \
+      .Attr("Tindices: {int32, int64}")                      \
+      .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")    \
+      .Attr("has_weights: bool = true")
+
+REGISTER_OP("PkmResourceEmbeddingBag")
+    .Input("resource: resource")
+    .Input("indices: Tindices")
+    .Input("weights: dtype")
+    .Output("output: dtype")
+    .PKM_RESOURCE_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle indices, leading, out;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(1), 1, &indices));
+      DimensionHandle dim = c->UnknownDim();
+      auto* handle_data = c->input_handle_shapes_and_types(0);
+      if (handle_data != nullptr && handle_data->size() == 1) {
+        ShapeHandle params;
+        TF_RETURN_IF_ERROR(c->WithRank((*handle_data)[0].shape, 2, &params));
+        dim = c->Dim(params, 1);
+      }
+      TF_RETURN_IF_ERROR(c->Subshape(indices, 0, -1, &leading));
+      TF_RETURN_IF_ERROR(c->Concatenate(leading, c->Vector(dim), &out));
+      c->set_output(0, out);
+      return Status();
+    })
+    .Doc("PkmEmbeddingBag reading params from a resource variable (no dense read of the table).");
+
+REGISTER_OP("PkmResourceEmbeddingBagSparseGrad")
+    .Input("grad: dtype")
+    .Input("resource: resource")
+    .Input("indices: Tindices")
+    .Input("weights: dtype")
+    .Output("rows: int64")
+    .Output("row_grads: dtype")
+    .Output("d_weights: dtype")
+    .PKM_RESOURCE_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle grad;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &grad));
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Matrix(c->UnknownDim(), c->Dim(grad, -1)));
+      c->set_output(2, c->input(3));
+      return Status();
+    })
+    .Doc("Row-sparse gradient of PkmResourceEmbeddingBag (see PkmEmbeddingBagSparseGrad).");
+
+#undef PKM_RESOURCE_ATTRS
+
+}  // namespace pkm_tf

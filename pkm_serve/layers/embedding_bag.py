@@ -24,6 +24,10 @@ class EmbeddingBag(keras.layers.Layer):
         implementation: "fused" (the custom op) or "composite" (stock TF ops).
         fallback: None (a missing op library is an error) or "composite" (use
             the composite when the op library does not load).
+        sparse_gradient: if True, the table's gradient is a `tf.IndexedSlices`
+            of the distinct rows touched (pair it with
+            `pkm_serve.optimizers.LazyAdam` / `RowwiseAdagrad` to update only
+            those rows); default False, a dense gradient.
 
     Call:
         indices: int `[..., K]`, or a `tf.RaggedTensor` whose last dimension is
@@ -53,6 +57,7 @@ class EmbeddingBag(keras.layers.Layer):
         embeddings_constraint=None,
         implementation="fused",
         fallback=None,
+        sparse_gradient=False,
         **kwargs,
     ):
         for arg_name, value in (("input_dim", input_dim), ("output_dim", output_dim)):
@@ -74,8 +79,10 @@ class EmbeddingBag(keras.layers.Layer):
         self.embeddings_constraint = keras.constraints.get(embeddings_constraint)
         self.implementation = implementation
         self.fallback = fallback
+        self.sparse_gradient = bool(sparse_gradient)
         self._lookup = resolve_lookup(implementation, fallback, "EmbeddingBag")
-        self.supports_jit = lookup_supports_jit(self._lookup)
+        # The sparse gradient's row count is data-dependent: XLA cannot compile it.
+        self.supports_jit = lookup_supports_jit(self._lookup) and not self.sparse_gradient
         # The table is read in its stored dtype (see the class docstring).
         self.autocast = False
 
@@ -120,7 +127,8 @@ class EmbeddingBag(keras.layers.Layer):
                             "EmbeddingBag: weights must have the shape of indices, got "
                             f"weights {weights.shape} and indices {indices.shape}"
                         )
-        outputs = self._lookup(table, indices, weights, combiner=self.combiner)
+        outputs = self._lookup(table, indices, weights, combiner=self.combiner,
+                               sparse_gradient=self.sparse_gradient)
         return tf.cast(outputs, self.compute_dtype)
 
     def compute_output_shape(self, input_shape):
@@ -144,6 +152,7 @@ class EmbeddingBag(keras.layers.Layer):
                 ),
                 "implementation": self.implementation,
                 "fallback": self.fallback,
+                "sparse_gradient": self.sparse_gradient,
             }
         )
         return config

@@ -32,7 +32,8 @@ class ProductKeyMemory(keras.layers.Layer):
         input_dropout / query_dropout / value_dropout: dropout rates.
         keys_initializer: default uniform(+-1/sqrt(k_dim/2)), as in the paper's code.
         values_initializer: default normal(0, v_dim**-0.5), as in the paper's code.
-        implementation / fallback: as for `EmbeddingBag`.
+        implementation / fallback / sparse_gradient: as for `EmbeddingBag`
+            (sparse_gradient applies to the value table).
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class ProductKeyMemory(keras.layers.Layer):
         values_initializer=None,
         implementation="fused",
         fallback=None,
+        sparse_gradient=False,
         **kwargs,
     ):
         for arg_name, value in (("k_dim", k_dim), ("n_keys", n_keys), ("heads", heads), ("knn", knn)):
@@ -67,7 +69,8 @@ class ProductKeyMemory(keras.layers.Layer):
         # Fail at construction, not at first call, when the op library is missing.
         lookup = resolve_lookup(implementation, fallback, "ProductKeyMemory")
         super().__init__(**kwargs)
-        self.supports_jit = lookup_supports_jit(lookup)
+        # The sparse gradient's row count is data-dependent: XLA cannot compile it.
+        self.supports_jit = lookup_supports_jit(lookup) and not sparse_gradient
         self.v_dim = v_dim
         self.k_dim = k_dim
         self.n_keys = n_keys
@@ -87,6 +90,7 @@ class ProductKeyMemory(keras.layers.Layer):
         )
         self.implementation = implementation
         self.fallback = fallback
+        self.sparse_gradient = bool(sparse_gradient)
 
         self.query_proj = keras.layers.Dense(heads * k_dim, name="query_proj", dtype=self.dtype_policy)
         self.query_bn = (
@@ -130,6 +134,7 @@ class ProductKeyMemory(keras.layers.Layer):
             or keras.initializers.RandomNormal(stddev=v_dim**-0.5),
             implementation=self.implementation,
             fallback=self.fallback,
+            sparse_gradient=self.sparse_gradient,
             name="values",
             dtype=self.dtype_policy,
         )
@@ -195,6 +200,7 @@ class ProductKeyMemory(keras.layers.Layer):
                 else keras.initializers.serialize(self.values_initializer),
                 "implementation": self.implementation,
                 "fallback": self.fallback,
+                "sparse_gradient": self.sparse_gradient,
             }
         )
         return config

@@ -215,3 +215,21 @@ def test_library_loaded_after_tf_ran_xla_still_lowers():
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[-2] == "[[3.0, 4.0], [3.0, 4.0]]" and lines[-1] == "True", proc.stdout
+
+
+def test_sparse_gradient_under_xla_is_a_clear_error_and_layers_opt_out_of_jit():
+    from pkm_serve.layers import EmbeddingBag
+
+    table = tf.Variable(np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32))
+
+    @tf.function(jit_compile=True)
+    def step(idx):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(ops.embedding_bag(table, idx, sparse_gradient=True))
+        return tape.gradient(loss, table)
+
+    with pytest.raises(ValueError, match="sparse_gradient=True cannot be compiled by XLA"):
+        step(tf.constant([[1, 2]]))
+    # Keras' jit_compile="auto" must keep such a layer outside XLA.
+    assert EmbeddingBag(16, 4, sparse_gradient=True).supports_jit is False
+    assert EmbeddingBag(16, 4).supports_jit is True

@@ -1,0 +1,151 @@
+"""Keras 3 optimizers that update only the rows a sparse gradient touches.
+
+Keras' own optimizers, handed a ``tf.IndexedSlices`` gradient (what
+``embedding_bag(..., sparse_gradient=True)`` produces), update their slots
+densely (keras-team/keras#19992): every step reads and writes the whole table
+and both Adam slots, which throws the sparse gradient's saving away. These two
+keep Keras' optimizer API (``compile(optimizer=...)``, ``apply_gradients``,
+schedules, serialisation, tf.distribute) and, for ``IndexedSlices``
+gradients, read and write only the touched rows of the variable and its slots:
+
+* ``LazyAdam``: Keras' Adam on dense gradients; on sparse ones the "lazy"
+  variant of TF Addons' LazyAdam / ``torch.optim.SparseAdam``: the moments of
+  touched rows are updated with the step's bias correction, untouched rows and
+  their moments stay as they are.
+* ``RowwiseAdagrad``: Adagrad with one accumulator per row (the mean of the
+  row's squared gradient, as FBGEMM's row-wise Adagrad), so its slot is ``[N]``
+  instead of ``[N, D]``. Rows with zero gradient do not move, so the sparse and
+  the dense update are the same function.
+
+Duplicate indices (e.g. IndexedSlices gathered from several replicas) are
+summed first.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+
+def _unique_rows(gradient: tf.IndexedSlices):
+    """(rows, summed gradient rows): each row once."""
+    rows, position = tf.unique(gradient.indices)
+    values = tf.math.unsorted_segment_sum(gradient.values, position, tf.shape(rows)[0])
+    return rows, values
+
+
+def _scatter_update(variable, rows, values):
+    variable = variable.value if isinstance(variable, keras.Variable) else variable
+    variable.scatter_update(tf.IndexedSlices(values, rows))
+
+
+def _gather(variable, rows):
+    variable = variable.value if isinstance(variable, keras.Variable) else variable
+    return tf.gather(variable, rows)
+
+
+@keras.saving.register_keras_serializable(package="pkm_serve")
+class LazyAdam(keras.optimizers.Adam):
+    """Adam that, for ``IndexedSlices`` gradients, updates only the touched
+    rows of the variable and of its two moments (arguments as
+    ``keras.optimizers.Adam``; dense gradients get Keras' Adam unchanged)."""
+
+    def update_step(self, gradient, variable, learning_rate):
+        if not isinstance(gradient, tf.IndexedSlices):
+            return super().update_step(gradient, variable, learning_rate)
+        dtype = variable.dtype
+        lr = tf.cast(learning_rate, dtype)
+        step = tf.cast(self.iterations + 1, dtype)
+        beta_1, beta_2 = tf.cast(self.beta_1, dtype), tf.cast(self.beta_2, dtype)
+        alpha = lr * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
+        index = self._get_variable_index(variable)
+        m, v = self._momentums[index], self._velocities[index]
+        rows, g = _unique_rows(gradient)
+        g = tf.cast(g, dtype)
+        m_rows = _gather(m, rows)
+        v_rows = _gather(v, rows)
+        m_rows = m_rows + (g - m_rows) * (1 - beta_1)
+        v_rows = v_rows + (tf.square(g) - v_rows) * (1 - beta_2)
+        _scatter_update(m, rows, m_rows)
+        _scatter_update(v, rows, v_rows)
+        if self.amsgrad:
+            v_hat = self._velocity_hats[index]
+            v_rows = tf.maximum(_gather(v_hat, rows), v_rows)
+            _scatter_update(v_hat, rows, v_rows)
+        new_rows = _gather(variable, rows) - alpha * m_rows / (tf.sqrt(v_rows) + self.epsilon)
+        _scatter_update(variable, rows, new_rows)
+
+
+@keras.saving.register_keras_serializable(package="pkm_serve")
+class RowwiseAdagrad(keras.optimizers.Optimizer):
+    """Adagrad with one accumulator per row of each variable of rank >= 2
+    (elementwise for vectors and scalars):
+
+        acc[r] += mean(g[r]**2);   var[r] -= lr * g[r] / sqrt(acc[r] + epsilon)
+
+    For ``IndexedSlices`` gradients only the touched rows of the variable and
+    of its accumulator are read and written.
+
+    Args:
+        learning_rate, initial_accumulator_value, epsilon: as
+            ``keras.optimizers.Adagrad``. The rest as ``keras.optimizers.Optimizer``.
+    """
+
+    def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
+                 weight_decay=None, clipnorm=None, clipvalue=None, global_clipnorm=None,
+                 use_ema=False, ema_momentum=0.99, ema_overwrite_frequency=None,
+                 loss_scale_factor=None, gradient_accumulation_steps=None,
+                 name="rowwise_adagrad", **kwargs):
+        super().__init__(learning_rate=learning_rate, name=name, weight_decay=weight_decay,
+                         clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm,
+                         use_ema=use_ema, ema_momentum=ema_momentum,
+                         ema_overwrite_frequency=ema_overwrite_frequency,
+                         loss_scale_factor=loss_scale_factor,
+                         gradient_accumulation_steps=gradient_accumulation_steps, **kwargs)
+        self.initial_accumulator_value = initial_accumulator_value
+        self.epsilon = epsilon
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._accumulators = []
+        init = keras.initializers.Constant(self.initial_accumulator_value)
+        for var in var_list:
+            shape = tuple(var.shape[:1]) if len(var.shape) >= 2 else tuple(var.shape)
+            colocate = var.value if isinstance(var, keras.Variable) else var
+            with self._distribution_strategy.extended.colocate_vars_with(colocate):
+                self._accumulators.append(self.add_variable(
+                    shape=shape, initializer=init, dtype=var.dtype,
+                    name=f"{var.name.replace('/', '_').replace(':', '_')}_rowwise_accumulator"))
+
+    def update_step(self, gradient, variable, learning_rate):
+        dtype = variable.dtype
+        lr = tf.cast(learning_rate, dtype)
+        acc = self._accumulators[self._get_variable_index(variable)]
+        rank = len(variable.shape)
+        if isinstance(gradient, tf.IndexedSlices):
+            rows, g = _unique_rows(gradient)
+        else:
+            rows, g = None, tf.convert_to_tensor(gradient)
+        g = tf.cast(g, dtype)
+        if rank >= 2:
+            sq = tf.reduce_mean(tf.square(g), axis=list(range(1, rank)))
+            expand = (slice(None),) + (None,) * (rank - 1)
+        else:
+            sq, expand = tf.square(g), (Ellipsis,)
+        if rows is None:
+            acc_value = acc + sq
+            self.assign(acc, acc_value)
+            self.assign_sub(variable, lr * g / tf.sqrt(acc_value + self.epsilon)[expand])
+            return
+        acc_rows = _gather(acc, rows) + sq
+        _scatter_update(acc, rows, acc_rows)
+        new_rows = _gather(variable, rows) - lr * g / tf.sqrt(acc_rows + self.epsilon)[expand]
+        _scatter_update(variable, rows, new_rows)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({"initial_accumulator_value": self.initial_accumulator_value,
+                       "epsilon": self.epsilon})
+        return config

@@ -1,0 +1,36 @@
+"""MirroredStrategy: EmbeddingBag and ProductKeyMemory models train to the
+same weights on 1 and on 2 replicas (2 logical CPU devices, same global
+batch), with dense and with row-sparse table gradients."""
+
+import itertools
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mirrored") / "weights.npz"
+    # A fresh interpreter: logical devices must be set before TF initialises.
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "mirrored_train.py"), str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(np.load(out))
+
+
+@pytest.mark.parametrize("kind,gradient,optimizer", list(itertools.product(
+    ("embedding_bag", "pkm"), ("dense", "sparse"), ("sgd", "lazy_adam"))))
+def test_one_and_two_replicas_train_to_equal_weights(trained, kind, gradient, optimizer):
+    key = f"{kind}-{gradient}-{optimizer}"
+    count = sum(1 for k in trained if k.startswith(f"{key}/one/"))
+    assert count >= 3  # table (and keys for pkm), head kernel, head bias
+    for i in range(count):
+        one, two, init = (trained[f"{key}/{which}/{i}"] for which in ("one", "two", "init"))
+        assert np.max(np.abs(one - init)) > 1e-3, f"{key} weight {i} did not train"
+        rel = np.max(np.abs(one - two)) / np.max(np.abs(one))
+        assert rel <= 1e-5, f"{key} weight {i}: 1 vs 2 replicas differ by {rel:.3g} (relative)"
