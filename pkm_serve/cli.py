@@ -12,17 +12,20 @@ Errors are one line, `pkm-serve <command>: error: ...`, exit status 1;
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import tempfile
 
 # name -> (module whose main(argv) runs it, module whose build_parser() is TF-free or None,
-#          one-line help)
+#          whether it imports TensorFlow, one-line help)
 COMMANDS = {
-    "demo": ("pkm_serve.demo", None,
+    "demo": ("pkm_serve.demo", None, True,
              "run the whole path end to end: export, serve, TFLite, compare"),
-    "export": ("pkm_serve.export.exporter", "pkm_serve.export.arguments",
+    "export": ("pkm_serve.export.exporter", "pkm_serve.export.arguments", True,
                "fuse composite gather-sum sites of a SavedModel into the op"),
-    "serve": ("pkm_serve.serving", None, "serve SavedModels over TF Serving's gRPC and REST APIs"),
-    "tflite": ("pkm_serve.tflite", None,
+    "serve": ("pkm_serve.serving", None, True,
+              "serve SavedModels over TF Serving's gRPC and REST APIs"),
+    "tflite": ("pkm_serve.tflite", None, False,
                "run a .tflite with the pkm_serve delegate; show which ops it claimed"),
 }
 
@@ -38,7 +41,7 @@ _EXTRA_OF_MODULE = {
 
 def _usage() -> str:
     lines = ["usage: pkm-serve [--verbose] <command> [args...]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += [f"  {name:<8} {help_}" for name, (_, _, _, help_) in COMMANDS.items()]
     lines += ["", "options:",
               "  -v, --verbose  show the full traceback of an error (default: one line)",
               "", "`pkm-serve <command> --help` describes a command's arguments."]
@@ -70,13 +73,37 @@ def one_line(err: BaseException) -> str:
     return first
 
 
+def import_tensorflow_quietly():
+    """Imports TensorFlow with its start-up lines (oneDNN notice, CUDA probing)
+    held back: TF writes them to fd 2 before its logging is configured, so
+    TF_CPP_MIN_LOG_LEVEL cannot hide them. They are replayed if the import fails."""
+    if "tensorflow" in sys.modules:
+        return
+    sys.stderr.flush()
+    saved_fd = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            import tensorflow  # noqa: F401
+        except BaseException:
+            os.dup2(saved_fd, 2)
+            captured.seek(0)
+            sys.stderr.write(captured.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved_fd, 2)
+            os.close(saved_fd)
+
+
 def run_command(name: str, argv, verbose: bool = False) -> int:
     """Runs one sub-command; an error becomes one line on stderr and status 1."""
-    runner, parser_module, _ = COMMANDS[name]
+    runner, parser_module, imports_tensorflow, _ = COMMANDS[name]
     try:
         if parser_module is not None:
             # Exits with argparse's usage error or the help text, without TensorFlow.
             importlib.import_module(parser_module).build_parser().parse_args(argv)
+        if imports_tensorflow and not verbose and not any(a in ("-h", "--help") for a in argv):
+            import_tensorflow_quietly()
         return int(importlib.import_module(runner).main(argv) or 0)
     except KeyboardInterrupt:
         print(f"pkm-serve {name}: interrupted", file=sys.stderr)

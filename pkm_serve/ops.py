@@ -163,7 +163,8 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None):
                                      has_weights=has_weights)
 
 
-_ROW_PARTITION_ERROR = "weights must share the indices' row partition"
+# No quote characters: TF escapes them in a run-time assertion's message.
+_ROW_PARTITION_ERROR = "weights must share the row partition of the indices"
 
 
 def _summary(values, limit=8):
@@ -182,7 +183,7 @@ def _ragged_weight_values(indices, weights):
     if weights is None:
         return None
     if not isinstance(weights, tf.RaggedTensor):
-        raise TypeError(f"indices is ragged, weights is not: {_ROW_PARTITION_ERROR}")
+        raise TypeError(f"indices is a RaggedTensor, weights is not: {_ROW_PARTITION_ERROR}")
     if weights.ragged_rank != indices.ragged_rank:
         raise ValueError(f"{_ROW_PARTITION_ERROR}: weights have ragged rank {weights.ragged_rank}, "
                          f"indices {indices.ragged_rank}")
@@ -205,8 +206,8 @@ def _ragged_weight_values(indices, weights):
         same = tf.cond(tf.equal(tf.size(w_splits), tf.size(i_splits)),
                        lambda w=w_splits, i=i_splits: tf.reduce_all(tf.equal(w, i)),
                        lambda: tf.constant(False))
-        checks.append(tf.debugging.assert_equal(
-            same, True, message=f"{_ROW_PARTITION_ERROR} (ragged dimension {dim})"))
+        checks.append(tf.debugging.Assert(
+            same, [f"{_ROW_PARTITION_ERROR} (ragged dimension {dim} differs)"]))
     with tf.control_dependencies(checks):
         return tf.identity(weights.flat_values)
 
