@@ -30,7 +30,7 @@ wheel-check: wheel-tf
 	$(PYTHON_BOOT) -m venv $(WHEEL_CHECK_VENV)
 	$(WHEEL_CHECK_VENV)/bin/pip install -q --disable-pip-version-check \
 		"$$(ls $(DIST)/pkm_serve-*.whl)[serving,tflite]"
-	cd $(WHEEL_CHECK_VENV) && env -u PYTHONPATH $(abspath $(WHEEL_CHECK_VENV))/bin/python \
+	cd $(WHEEL_CHECK_VENV) && env -u PYTHONPATH $(abspath $(WHEEL_CHECK_VENV))/bin/python -I \
 		$(abspath packaging/check_installed_wheel.py)
 
 TEST_DEPS += $(DEVICE_WHEEL_STAMP)
