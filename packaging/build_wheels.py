@@ -71,12 +71,13 @@ def _check_tf_abi():
 
 
 def _copy_package(dst, modules=None):
-    """Copies pkm_serve's .py files (all, or the named ones); no caches, no libraries."""
+    """Copies pkm_serve's files (all, or the named top-level modules); no caches, no
+    libraries (those are copied by name)."""
     for dirpath, dirnames, filenames in os.walk(PACKAGE):
         dirnames[:] = [d for d in dirnames if d not in ("__pycache__", "lib")]
         rel = os.path.relpath(dirpath, PACKAGE)
         for name in filenames:
-            if not name.endswith(".py"):
+            if name.endswith((".pyc", ".pyo")):
                 continue
             if modules is not None and (rel != "." or name not in modules):
                 continue
@@ -84,8 +85,22 @@ def _copy_package(dst, modules=None):
             shutil.copy2(os.path.join(dirpath, name), os.path.join(dst, rel, name))
 
 
+def _check_complete(wheel, stage):
+    """Every staged package file is in the wheel (a data file setuptools was not
+    told about would silently be left out)."""
+    import zipfile
+    staged = {os.path.relpath(os.path.join(d, f), stage)
+              for d, _, files in os.walk(os.path.join(stage, "pkm_serve")) for f in files}
+    packed = set(zipfile.ZipFile(wheel).namelist())
+    missing = sorted(staged - packed)
+    if missing:
+        raise PackagingError(f"{wheel} lacks {missing}: declare them in "
+                             "[tool.setuptools.package-data]")
+
+
 def _build(stage, dist_tmp):
-    _run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", dist_tmp, stage])
+    _run([sys.executable, "-m", "build", "--quiet", "--wheel", "--no-isolation", "--outdir", dist_tmp,
+          stage])
     wheels = glob.glob(os.path.join(dist_tmp, "*.whl"))
     if len(wheels) != 1:
         raise PackagingError(f"expected one wheel in {dist_tmp}, found {wheels}")
@@ -134,6 +149,7 @@ def build_tf_wheel(dist, stage_root):
         shutil.copy2(os.path.join(ROOT, name), stage)
     with tempfile.TemporaryDirectory() as tmp:
         raw = _build(stage, os.path.join(tmp, "raw"))
+        _check_complete(raw, stage)
         import tensorflow as tf  # its library directory, so auditwheel can resolve TF_LIBRARY
         tf_dir = tf.sysconfig.get_lib()
         repaired_dir = os.path.join(tmp, "repaired")
@@ -161,6 +177,7 @@ def build_device_wheel(dist, stage_root):
         shutil.copy2(os.path.join(ROOT, "packaging", "device", name), stage)
     with tempfile.TemporaryDirectory() as tmp:
         raw = _build(stage, os.path.join(tmp, "raw"))
+        _check_complete(raw, stage)
         repaired_dir = os.path.join(tmp, "repaired")
         _run([sys.executable, "-m", "auditwheel", "repair", "--wheel-dir", repaired_dir, raw])
         wheel = glob.glob(os.path.join(repaired_dir, "*.whl"))[0]
