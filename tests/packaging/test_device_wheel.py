@@ -1,8 +1,9 @@
 """The TF-free device wheel (dist/pkm_serve_device-*.whl, `make wheel-device`)
-installed with pip into a fresh venv that has only tflite-runtime 2.14 and
-numpy < 2: TensorFlow is not importable there, the installed package (not the
-checkout) runs a .tflite through its delegate, and the outputs match a numpy
-float64 reference. About 10 s, most of it `python -m venv` and pip."""
+installed with pip into fresh venvs that have only a TFLite runtime and numpy
+(tflite-runtime 2.14 with numpy < 2; LiteRT): TensorFlow is not importable
+there, the installed package (not the checkout) runs a .tflite through its
+delegate, and the outputs match a numpy float64 reference. About 10 s per
+runtime, most of it `python -m venv` and pip."""
 import glob
 import os
 import subprocess
@@ -13,7 +14,20 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUNTIME_REQUIREMENTS = os.path.join(ROOT, "requirements-tflite-runtime.txt")
+
+def _locked(*names):
+    """The pins requirements.lock gives ``names``."""
+    with open(os.path.join(ROOT, "requirements.lock")) as f:
+        pins = [line.strip() for line in f if line.split("==")[0].strip().lower() in names]
+    assert len(pins) == len(names), pins
+    return pins
+
+
+# runtime -> its pip requirements; the module name run_tflite's `interpreter` takes
+RUNTIMES = {
+    "tflite_runtime": ["-r", os.path.join(ROOT, "requirements-tflite-runtime.txt")],
+    "litert": _locked("ai-edge-litert", "numpy"),
+}
 
 from pkm_serve import tflite  # noqa: E402  (builds the model: needs a flatbuffer schema)
 
@@ -32,14 +46,14 @@ def _isolated_env():
     return env
 
 
-@pytest.fixture(scope="module")
-def device_venv(tmp_path_factory):
+@pytest.fixture(scope="module", params=sorted(RUNTIMES))
+def device_venv(request, tmp_path_factory):
     venv = tmp_path_factory.mktemp("device") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run(pip + ["-r", RUNTIME_REQUIREMENTS, _device_wheel()], check=True,
+    subprocess.run(pip + RUNTIMES[request.param] + [_device_wheel()], check=True,
                    env=_isolated_env(), cwd=str(venv))
-    return venv
+    return venv, request.param
 
 
 def numpy_bag(table, idx, w, combiner):
@@ -59,18 +73,18 @@ DEVICE_SCRIPT = textwrap.dedent("""
     assert importlib.util.find_spec("tensorflow") is None, "tensorflow is importable"
     import pkm_serve
     from pkm_serve import tflite
-    from tflite_runtime.interpreter import Interpreter, load_delegate
-    work = sys.argv[1]
+    work, runtime = sys.argv[1], sys.argv[2]
+    interpreter = tflite.interpreter_module(runtime)
     idx, w = np.load(os.path.join(work, "idx.npy")), np.load(os.path.join(work, "w.npy"))
     results = {"package": pkm_serve.__file__, "delegate": tflite.delegate_path(),
                "tensorflow_loaded": "tensorflow" in sys.modules}
     for name in ("sum", "mean"):
         model = os.path.join(work, name + ".tflite")
-        out = tflite.run_tflite(model, [idx, w], interpreter="tflite_runtime", num_threads=2)
+        out = tflite.run_tflite(model, [idx, w], interpreter=runtime, num_threads=2)
         np.save(os.path.join(work, name + "_helper.npy"), out[0])
         # The stock interpreter API with the delegate path, as the README shows.
-        interp = Interpreter(model_path=model, experimental_delegates=[
-            load_delegate(tflite.delegate_path(), {"num_threads": "1"})])
+        interp = interpreter.Interpreter(model_path=model, experimental_delegates=[
+            interpreter.load_delegate(tflite.delegate_path(), {"num_threads": "1"})])
         ins = interp.get_input_details()
         interp.resize_tensor_input(ins[0]["index"], idx.shape)
         interp.resize_tensor_input(ins[1]["index"], w.shape)
@@ -92,6 +106,7 @@ DEVICE_SCRIPT = textwrap.dedent("""
 
 def test_device_wheel_runs_tflite_without_tensorflow(device_venv, tmp_path):
     import json
+    device_venv, runtime = device_venv
     rng = np.random.default_rng(3)
     table = rng.standard_normal((N, D)).astype(np.float32)
     idx = rng.integers(-1, N, size=(B, K)).astype(np.int32)  # -1 = padding
@@ -104,7 +119,8 @@ def test_device_wheel_runs_tflite_without_tensorflow(device_venv, tmp_path):
         (tmp_path / f"{combiner}.tflite").write_bytes(
             tflite.build_embedding_bag_model(table, K, combiner=combiner))
     proc = subprocess.run([str(device_venv / "bin" / "python"), "-I", "-c", DEVICE_SCRIPT,
-                           str(tmp_path)], capture_output=True, text=True, cwd=str(tmp_path),
+                           str(tmp_path), runtime], capture_output=True, text=True,
+                          cwd=str(tmp_path),
                           env=_isolated_env())
     assert proc.returncode == 0, proc.stderr
     results = json.loads(proc.stdout.strip().splitlines()[-1])
