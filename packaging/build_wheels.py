@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import re
@@ -150,8 +151,8 @@ def build_tf_wheel(dist, stage_root):
     with tempfile.TemporaryDirectory() as tmp:
         raw = _build(stage, os.path.join(tmp, "raw"))
         _check_complete(raw, stage)
-        import tensorflow as tf  # its library directory, so auditwheel can resolve TF_LIBRARY
-        tf_dir = tf.sysconfig.get_lib()
+        # TF's package directory holds TF_LIBRARY (tf.sysconfig.get_lib(), without importing TF).
+        tf_dir = importlib.util.find_spec("tensorflow").submodule_search_locations[0]
         repaired_dir = os.path.join(tmp, "repaired")
         _run([sys.executable, "-m", "auditwheel", "repair", "--exclude", TF_LIBRARY,
               "--wheel-dir", repaired_dir, raw],
