@@ -41,7 +41,9 @@ def delegate_path() -> str:
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", _LIB_NAME)
     if not os.path.exists(path):
         raise FileNotFoundError(
-            f"{path} does not exist; build it with `make build` in the repository root")
+            f"pkm_serve's TFLite delegate {path} does not exist: install a wheel (`make wheel`, "
+            "then `pip install dist/pkm_serve_device-*.whl` on a device or dist/pkm_serve-*.whl "
+            "with TensorFlow), or run `make build` in a source checkout")
     return path
 
 

@@ -218,3 +218,11 @@ def test_a_missing_library_points_to_the_wheel(monkeypatch, tmp_path):
     monkeypatch.setenv("PKM_SERVE_OPS_LIB", str(tmp_path / "absent.so"))
     with pytest.raises(ops.OpLibraryNotFoundError, match=r"make build.*make wheel"):
         ops.load_library()
+
+
+def test_a_missing_delegate_points_to_the_wheels(monkeypatch, tmp_path):
+    from pkm_serve import tflite
+    monkeypatch.delenv("PKM_TFLITE_DELEGATE", raising=False)
+    monkeypatch.setattr(tflite, "__file__", str(tmp_path / "tflite.py"))  # an install without lib/
+    with pytest.raises(FileNotFoundError, match=r"pkm_serve_device-\*\.whl.*make build"):
+        tflite.delegate_path()
