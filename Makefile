@@ -19,11 +19,19 @@ OPT      := -O3 -DNDEBUG
 WARN     := -Wall -Wextra -Wno-unused-parameter
 PIC      := -fPIC
 
+# ---- the one list of native sources and flags ----------------------------
+# kernels/sources.bzl, which the root BUILD and serving/tf_serving/BUILD.pkm_ops
+# load too; its lists become the PKM_* make variables here.
+include $(BUILDDIR)/sources.mk
+$(BUILDDIR)/sources.mk: kernels/sources.bzl kernels/bzl_to_make.py
+	@mkdir -p $(dir $@)
+	$(PYTHON_BOOT) kernels/bzl_to_make.py $< > $@.tmp && mv $@.tmp $@
+
 # ---- the framework-free kernel core (shared by every runtime) -------------
 CORE_DIR  := kernels/core
-CORE_SRCS := $(CORE_DIR)/embedding_bag.cc $(CORE_DIR)/reference.cc $(CORE_DIR)/vector_ops.cc
-CORE_HDRS := $(wildcard $(CORE_DIR)/*.h)
-CORE_CXXFLAGS := $(CXXSTD) $(OPT) $(WARN) $(PIC) -fvisibility=hidden -I.
+CORE_SRCS := $(PKM_CORE_SRCS)
+CORE_HDRS := $(PKM_CORE_HDRS)
+CORE_CXXFLAGS := $(PKM_CXXSTD) $(PKM_CORE_COPTS) $(PIC) -I.
 
 # Fragments add their libraries to BUILD_TARGETS and what tests need to TEST_DEPS.
 BUILD_TARGETS :=
@@ -42,7 +50,7 @@ venv: $(STAMP)
 TF_CFLAGS = $(shell $(PY) -c 'import tensorflow as tf; print(" ".join(tf.sysconfig.get_compile_flags()))' 2>/dev/null)
 TF_LFLAGS = $(shell $(PY) -c 'import tensorflow as tf; print(" ".join(tf.sysconfig.get_link_flags()))' 2>/dev/null)
 # CPU kernels only; the GPU kernels (*_gpu_kernels.cc) are built by `make gpu`.
-TF_OP_SRCS := $(wildcard kernels/tf/*_ops.cc) $(filter-out %_gpu_kernels.cc,$(wildcard kernels/tf/*_kernels.cc))
+TF_OP_SRCS := $(PKM_TF_SRCS)
 TF_OP_LIB  := $(LIBDIR)/_pkm_ops.so
 
 $(BUILDDIR)/core/%.o: $(CORE_DIR)/%.cc $(CORE_HDRS)
@@ -50,10 +58,12 @@ $(BUILDDIR)/core/%.o: $(CORE_DIR)/%.cc $(CORE_HDRS)
 	$(CXX) $(CORE_CXXFLAGS) -c $< -o $@
 
 CORE_OBJS := $(patsubst $(CORE_DIR)/%.cc,$(BUILDDIR)/core/%.o,$(CORE_SRCS))
+# The reference implementation: linked into test programs only.
+CORE_REFERENCE_OBJS := $(patsubst $(CORE_DIR)/%.cc,$(BUILDDIR)/core/%.o,$(PKM_CORE_REFERENCE_SRCS))
 
-$(BUILDDIR)/tf/%.o: kernels/tf/%.cc $(CORE_HDRS) $(wildcard kernels/tf/*.h) $(STAMP)
+$(BUILDDIR)/tf/%.o: kernels/tf/%.cc $(CORE_HDRS) $(PKM_TF_HDRS) $(STAMP)
 	@mkdir -p $(dir $@)
-	$(CXX) $(CXXSTD) -O2 -DNDEBUG $(PIC) -Wno-deprecated-declarations -I. $(TF_CFLAGS) -c $< -o $@
+	$(CXX) $(PKM_CXXSTD) $(PKM_TF_COPTS) $(PIC) -I. $(TF_CFLAGS) -c $< -o $@
 
 TF_OBJS := $(patsubst kernels/tf/%.cc,$(BUILDDIR)/tf/%.o,$(TF_OP_SRCS))
 
@@ -66,8 +76,8 @@ TEST_DEPS += $(TF_OP_LIB)
 
 # ---- core C++ tests (reference vs fast on random shapes) --------------------
 CORE_TEST := $(BUILDDIR)/core_test
-$(CORE_TEST): $(CORE_DIR)/embedding_bag_test.cc $(CORE_OBJS) $(CORE_HDRS)
-	$(CXX) $(CXXSTD) -O2 -I. $< $(CORE_OBJS) -o $@ -lpthread
+$(CORE_TEST): $(PKM_CORE_TEST_SRCS) $(CORE_OBJS) $(CORE_REFERENCE_OBJS) $(CORE_HDRS)
+	$(CXX) $(CXXSTD) -O2 -I. $< $(CORE_OBJS) $(CORE_REFERENCE_OBJS) -o $@ -lpthread
 
 core-test: $(CORE_TEST)
 	$(CORE_TEST)
@@ -75,6 +85,8 @@ core-test: $(CORE_TEST)
 # ---- fragments owned by the GPU and TFLite parts --------------------------
 -include kernels/cuda/cuda.mk
 -include tflite_delegate/tflite.mk
+-include tflite_delegate/aarch64.mk
+-include serving/cc_check.mk
 -include packaging.mk
 
 # ---- entry points -----------------------------------------------------------

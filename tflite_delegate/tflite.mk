@@ -1,12 +1,11 @@
 # TFLite kernel + external delegate (libpkm_tflite.so), its ASan fuzz test and
 # the TF-free device-like venv the tests run models in. Included by Makefile.
 TFLITE_DIR     := tflite_delegate
-TFLITE_SRCS    := $(TFLITE_DIR)/flexbuffer_map.cc $(TFLITE_DIR)/thread_pool.cc \
-                  $(TFLITE_DIR)/embedding_bag_tflite.cc $(TFLITE_DIR)/delegate.cc
+TFLITE_SRCS    := $(PKM_TFLITE_SRCS)
 TFLITE_HDRS    := $(wildcard $(TFLITE_DIR)/*.h)
 TFLITE_LIB     := $(LIBDIR)/libpkm_tflite.so
 TFLITE_OBJS    := $(patsubst $(TFLITE_DIR)/%.cc,$(BUILDDIR)/tflite/%.o,$(TFLITE_SRCS))
-TFLITE_CXXFLAGS := $(CXXSTD) $(OPT) $(WARN) $(PIC) -fvisibility=hidden -I.
+TFLITE_CXXFLAGS := $(PKM_CXXSTD) $(PKM_CORE_COPTS) $(PIC) -I.
 
 $(BUILDDIR)/tflite/%.o: $(TFLITE_DIR)/%.cc $(TFLITE_HDRS) $(CORE_HDRS)
 	@mkdir -p $(dir $@)
@@ -20,9 +19,9 @@ $(TFLITE_LIB): $(TFLITE_OBJS) $(CORE_OBJS)
 # Fuzz test of Prepare/Invoke on random tensors, under AddressSanitizer + UBSan.
 TFLITE_FUZZ   := $(BUILDDIR)/tflite/fuzz_asan
 SAN_FLAGS     := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
-$(TFLITE_FUZZ): $(TFLITE_DIR)/fuzz_test.cc $(TFLITE_SRCS) $(TFLITE_HDRS) $(CORE_SRCS) $(CORE_HDRS)
+$(TFLITE_FUZZ): $(TFLITE_DIR)/fuzz_test.cc $(TFLITE_SRCS) $(TFLITE_HDRS) $(CORE_SRCS) $(PKM_CORE_REFERENCE_SRCS) $(CORE_HDRS)
 	@mkdir -p $(dir $@)
-	$(CXX) $(CXXSTD) -O1 -g $(SAN_FLAGS) -I. $(TFLITE_DIR)/fuzz_test.cc $(TFLITE_SRCS) $(CORE_SRCS) -o $@ -lpthread
+	$(CXX) $(CXXSTD) -O1 -g $(SAN_FLAGS) -I. $(TFLITE_DIR)/fuzz_test.cc $(TFLITE_SRCS) $(CORE_SRCS) $(PKM_CORE_REFERENCE_SRCS) -o $@ -lpthread
 
 FUZZ_ITERS ?= 20000
 asan-tflite: $(TFLITE_FUZZ)

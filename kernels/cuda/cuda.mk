@@ -16,8 +16,8 @@ CUDA_ARCH  ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=
 NVCC_FLAGS := -std=c++17 -O3 -DNDEBUG $(CUDA_ARCH) -I. -Xcompiler -fPIC,-fvisibility=hidden \
               -Xptxas -warn-spills $(NVCC_EXTRA)
 CUDA_DIR   := kernels/cuda
-CUDA_SRCS  := $(CUDA_DIR)/common.cu $(CUDA_DIR)/forward.cu $(CUDA_DIR)/backward.cu
-CUDA_HDRS  := $(CUDA_DIR)/embedding_bag_cuda.h $(CUDA_DIR)/common.cuh
+CUDA_SRCS  := $(PKM_CUDA_SRCS)
+CUDA_HDRS  := $(PKM_CUDA_HDRS) $(PKM_CUDA_TEXTUAL_HDRS)
 CUDA_OBJS  := $(patsubst $(CUDA_DIR)/%.cu,$(BUILDDIR)/cuda/%.o,$(CUDA_SRCS))
 # cudart is linked statically: the libraries then load next to any CUDA
 # runtime (TF's, PyTorch's) and share the driver's primary context.
@@ -40,11 +40,11 @@ $(BUILDDIR)/capi/pkm_capi_cpu.o: kernels/capi/pkm_capi.cc kernels/capi/pkm_capi.
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXSTD) $(OPT) $(WARN) $(PIC) -I. -c $< -o $@
 
-$(PKM_CUDA_LIB): $(BUILDDIR)/capi/pkm_capi_cuda.o $(CUDA_OBJS) $(CORE_OBJS)
+$(PKM_CUDA_LIB): $(BUILDDIR)/capi/pkm_capi_cuda.o $(CUDA_OBJS) $(CORE_OBJS) $(CORE_REFERENCE_OBJS)
 	@mkdir -p $(LIBDIR)
 	$(CXX) -shared $^ -o $@ $(CUDA_LIBS) -Wl,--no-undefined
 
-$(PKM_CAPI_CPU_LIB): $(BUILDDIR)/capi/pkm_capi_cpu.o $(CORE_OBJS)
+$(PKM_CAPI_CPU_LIB): $(BUILDDIR)/capi/pkm_capi_cpu.o $(CORE_OBJS) $(CORE_REFERENCE_OBJS)
 	@mkdir -p $(LIBDIR)
 	$(CXX) -shared $^ -o $@ -Wl,--no-undefined
 
@@ -52,7 +52,7 @@ $(PKM_CAPI_CPU_LIB): $(BUILDDIR)/capi/pkm_capi_cpu.o $(CORE_OBJS)
 # translation units above never see a TF header.
 $(TF_GPU_KERNEL_OBJ): kernels/tf/embedding_bag_gpu_kernels.cc $(CORE_HDRS) $(wildcard kernels/tf/*.h) $(CUDA_DIR)/embedding_bag_cuda.h $(STAMP)
 	@mkdir -p $(dir $@)
-	$(CXX) $(CXXSTD) -O2 -DNDEBUG $(PIC) -DGOOGLE_CUDA=1 -Wno-deprecated-declarations -I. $(TF_CFLAGS) -c $< -o $@
+	$(CXX) $(PKM_CXXSTD) $(PKM_TF_COPTS) $(PIC) -DGOOGLE_CUDA=1 -I. $(TF_CFLAGS) -c $< -o $@
 
 $(TF_GPU_OP_LIB): $(TF_GPU_KERNEL_OBJ) $(filter-out $(BUILDDIR)/tf/embedding_bag_gpu_kernels.o,$(TF_OBJS)) $(CUDA_OBJS) $(CORE_OBJS)
 	@mkdir -p $(LIBDIR)

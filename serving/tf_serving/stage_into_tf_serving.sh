@@ -33,6 +33,8 @@ for d in core tf cuda; do
   find "$src/kernels/$d" -maxdepth 1 -type f \( -name '*.cc' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) \
     ! -name '*_test.cc' -exec cp {} "$ops/kernels/$d/" \;
 done
+# The source and flag lists BUILD loads (the same file the Makefile and the root BUILD read).
+cp "$src/kernels/sources.bzl" "$ops/kernels/sources.bzl"
 cp "$src/serving/tf_serving/BUILD.pkm_ops" "$ops/BUILD"
 
 label='"//tensorflow_serving/custom_ops/pkm:pkm_ops"'
