@@ -89,6 +89,7 @@ core-test: $(CORE_TEST)
 -include kernels/xla/xla.mk
 -include serving/cc_check.mk
 -include bench/scale.mk
+-include packaging.mk
 
 # ---- entry points -----------------------------------------------------------
 build: $(STAMP) $(BUILD_TARGETS)

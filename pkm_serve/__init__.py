@@ -4,8 +4,112 @@ TF Serving and TFLite.
 The TF op lives in ``pkm_serve.ops``; Keras layers in ``pkm_serve.layers``;
 export (fusion) in ``pkm_serve.export``; the model server in
 ``pkm_serve.serving``; the TFLite delegate helpers in ``pkm_serve.tflite``.
-Submodules are imported lazily so that, e.g., ``pkm_serve.tflite`` works in an
-environment that has a TFLite runtime but no TensorFlow.
+
+Importing ``pkm_serve`` registers the op library with TensorFlow and the
+layers with Keras (the tensorflow_text convention), so ``tf.saved_model.load``
+and ``keras.models.load_model`` work after it. It does so without importing
+TensorFlow itself: registration happens as soon as ``tensorflow`` (or
+``keras``) has been imported, now if it already was, or right after its import
+finishes. That keeps ``pkm-serve <command> --help`` instant and lets the
+device part (``pkm_serve.tflite``) run where TensorFlow is not installed.
 """
 
+import importlib.abc
+import importlib.util
+import sys
+import threading
+import warnings
+
 __version__ = "0.1.0"
+
+
+def _register_ops():
+    # pkm_serve.ops loads the op library when imported. The device wheel ships
+    # no pkm_serve.ops: a tf.lite interpreter there needs no TF op.
+    if importlib.util.find_spec("pkm_serve.ops") is not None:
+        importlib.import_module("pkm_serve.ops")
+
+
+def _register_keras_objects():
+    keras = sys.modules["keras"]
+    # The layers run the TF op; under another Keras backend they cannot load.
+    if keras.backend.backend() == "tensorflow" and importlib.util.find_spec("pkm_serve.layers"):
+        importlib.import_module("pkm_serve.layers")
+
+
+def _imported(name):
+    """``name`` is in sys.modules and not half-way through its own import."""
+    module = sys.modules.get(name)
+    return module is not None and not getattr(getattr(module, "__spec__", None), "_initializing",
+                                              False)
+
+
+# top-level module -> what to register once it is imported
+_REGISTRATIONS = {"tensorflow": _register_ops, "keras": _register_keras_objects}
+_registered = set()
+_registration_lock = threading.RLock()
+
+
+def _register(module_name):
+    """Runs the registration for ``module_name`` once (thread-safe); a failure
+    warns instead of breaking the user's ``import tensorflow``."""
+    with _registration_lock:
+        if module_name in _registered:
+            return
+        if module_name == "keras" and "tensorflow" in sys.modules \
+                and "tensorflow" not in _registered and not _imported("tensorflow"):
+            return  # keras imported from inside TF's import: registered when TF's import ends
+        _registered.add(module_name)
+        try:
+            _REGISTRATIONS[module_name]()
+        except Exception as err:  # noqa: BLE001 - reported, and load_library() raises it again
+            warnings.warn(f"pkm_serve: registration after importing {module_name} failed: {err}",
+                          RuntimeWarning, stacklevel=2)
+        if module_name == "tensorflow" and _imported("keras"):
+            _register("keras")
+
+
+class _RegisterAfterLoad(importlib.abc.Loader):
+    """Wraps a module's real loader: executes the module, then registers."""
+
+    def __init__(self, loader, module_name):
+        self._loader = loader
+        self._module_name = module_name
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        # The module sees its own loader, as without us.
+        module.__loader__ = module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _register(self._module_name)
+
+
+class _RegistrationFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for a watched module it asks the finders after it
+    and wraps the loader they return."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in _REGISTRATIONS or name in _registered:
+            return None
+        finders = sys.meta_path[sys.meta_path.index(self) + 1:] if self in sys.meta_path else []
+        for finder in finders:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RegisterAfterLoad(spec.loader, name)
+                return spec
+        return None
+
+
+def _install_registration():
+    if not any(isinstance(f, _RegistrationFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegistrationFinder())
+    for name in _REGISTRATIONS:
+        if _imported(name):  # imported before pkm_serve: register now
+            _register(name)
+
+
+_install_registration()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import tensorflow as tf
 
@@ -57,8 +58,10 @@ def load_library():
             path = library_path()
             if not os.path.exists(path):
                 raise OpLibraryNotFoundError(
-                    f"pkm_serve op library not found at {path}: build it with `make build`, "
-                    "or use pkm_serve.ops.embedding_bag_composite (pure TF) instead")
+                    f"pkm_serve op library not found at {path}. In a source checkout run "
+                    "`make build`; to install, use the TF wheel (`make wheel`, then "
+                    "`pip install dist/pkm_serve-*.whl`) rather than `pip install .`; the device "
+                    "wheel has no TF op. pkm_serve.ops.embedding_bag_composite needs no library.")
             _lib = tf.load_op_library(path)
         return _lib
 
@@ -69,6 +72,21 @@ def is_available() -> bool:
         return True
     except (OpLibraryNotFoundError, tf.errors.NotFoundError):
         return False
+
+
+def _register_at_import():
+    """Importing this module registers the ops (so SavedModels using them
+    load); a missing library is only an error when the op is used."""
+    try:
+        load_library()
+    except OpLibraryNotFoundError:
+        pass
+    except tf.errors.NotFoundError as err:  # e.g. built against another TF (undefined symbols)
+        warnings.warn(f"pkm_serve: the op library at {library_path()} does not load into "
+                      f"TensorFlow {tf.__version__}: {err}", RuntimeWarning, stacklevel=3)
+
+
+_register_at_import()
 
 
 def _check_combiner(combiner):
@@ -170,18 +188,51 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None, spar
                                      has_weights=has_weights)
 
 
+# No quote characters: TF escapes them in a run-time assertion's message.
+_ROW_PARTITION_ERROR = "weights must share the row partition of the indices"
+
+
+def _summary(values, limit=8):
+    values = values.tolist()
+    return str(values) if len(values) <= limit else f"{values[:limit]}... ({len(values)} splits)"
+
+
 def _ragged_weight_values(indices, weights):
     """The flat weights of ragged bags, after checking that they partition
-    like the indices (else weights would silently land in the wrong bags)."""
+    like the indices (else weights would silently land in the wrong bags).
+
+    As ``embedding_lookup_sparse`` does, a mismatch is a ValueError when the
+    partitions are known while tracing (eager, constants, static shapes), else
+    an InvalidArgumentError with the same message when the graph runs.
+    """
     if weights is None:
         return None
     if not isinstance(weights, tf.RaggedTensor):
-        raise TypeError("indices is ragged: weights must be a RaggedTensor with the same row partition")
+        raise TypeError(f"indices is a RaggedTensor, weights is not: {_ROW_PARTITION_ERROR}")
     if weights.ragged_rank != indices.ragged_rank:
-        raise ValueError(f"weights have ragged rank {weights.ragged_rank}, indices {indices.ragged_rank}")
-    checks = [tf.debugging.assert_equal(tf.cast(w, tf.int64), tf.cast(i, tf.int64),
-                                        message="weights must have the row partition of indices")
-              for w, i in zip(weights.nested_row_splits, indices.nested_row_splits)]
+        raise ValueError(f"{_ROW_PARTITION_ERROR}: weights have ragged rank {weights.ragged_rank}, "
+                         f"indices {indices.ragged_rank}")
+    checks = []
+    for dim, (w_splits, i_splits) in enumerate(
+            zip(weights.nested_row_splits, indices.nested_row_splits), start=1):
+        w_splits, i_splits = tf.cast(w_splits, tf.int64), tf.cast(i_splits, tf.int64)
+        w_known, i_known = tf.get_static_value(w_splits), tf.get_static_value(i_splits)
+        if w_known is not None and i_known is not None:
+            if w_known.tolist() != i_known.tolist():
+                raise ValueError(f"{_ROW_PARTITION_ERROR}: ragged dimension {dim} has row_splits "
+                                 f"{_summary(w_known)} in weights, {_summary(i_known)} in indices")
+            continue
+        if w_splits.shape.is_fully_defined() and i_splits.shape.is_fully_defined() \
+                and w_splits.shape != i_splits.shape:
+            raise ValueError(f"{_ROW_PARTITION_ERROR}: ragged dimension {dim} has "
+                             f"{w_splits.shape[0] - 1} rows in weights, {i_splits.shape[0] - 1} "
+                             "in indices")
+        # Equal() needs equal sizes: compare the values only when they are.
+        same = tf.cond(tf.equal(tf.size(w_splits), tf.size(i_splits)),
+                       lambda w=w_splits, i=i_splits: tf.reduce_all(tf.equal(w, i)),
+                       lambda: tf.constant(False))
+        checks.append(tf.debugging.Assert(
+            same, [f"{_ROW_PARTITION_ERROR} (ragged dimension {dim} differs)"]))
     with tf.control_dependencies(checks):
         return tf.identity(weights.flat_values)
 

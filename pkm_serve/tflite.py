@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -43,7 +44,9 @@ def delegate_path() -> str:
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", _LIB_NAME)
     if not os.path.exists(path):
         raise FileNotFoundError(
-            f"{path} does not exist; build it with `make build` in the repository root")
+            f"pkm_serve's TFLite delegate {path} does not exist: install a wheel (`make wheel`, "
+            "then `pip install dist/pkm_serve_device-*.whl` on a device or dist/pkm_serve-*.whl "
+            "with TensorFlow), or run `make build` in a source checkout")
     return path
 
 
@@ -393,16 +396,35 @@ def build_embedding_bag_model(table: np.ndarray, bag_size: int, combiner: str = 
     return bytes(builder.Output())
 
 
-def main(argv=None) -> int:
-    """`python -m pkm_serve.tflite MODEL [--fuse-composites]`: print the
-    execution plan with the delegate applied and the delegate path."""
+def build_parser():
     import argparse
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("model")
-    parser.add_argument("--interpreter", default="auto", choices=("auto",) + INTERPRETERS)
-    parser.add_argument("--num-threads", type=int, default=1)
-    parser.add_argument("--fuse-composites", action="store_true")
+    parser = argparse.ArgumentParser(
+        prog="pkm-serve tflite",
+        description="Load a .tflite model in a TFLite interpreter with the pkm_serve delegate "
+                    "and print the execution plan: which nodes the delegate claimed and which "
+                    "run in the interpreter. Needs no TensorFlow (LiteRT or tflite_runtime do).")
+    parser.add_argument("model", metavar="MODEL", help="path of the .tflite file")
+    parser.add_argument("--interpreter", default="auto", choices=("auto",) + INTERPRETERS,
+                        help="TFLite runtime to use (default: the first installed of "
+                             f"{', '.join(INTERPRETERS)})")
+    parser.add_argument("--num-threads", type=int, default=1, metavar="N",
+                        help="threads of the interpreter and of the delegate's kernel (default 1)")
+    parser.add_argument("--fuse-composites", action="store_true",
+                        help="let the delegate also claim stock GATHER -> MUL -> SUM chains "
+                             "(models converted without the custom op)")
+    return parser
+
+
+def main(argv=None) -> int:
+    """`pkm-serve tflite MODEL [--fuse-composites]` (also `python -m
+    pkm_serve.tflite`): print the delegate path and the execution plan."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if not os.path.isfile(args.model):
+        print(f"{parser.prog}: error: {args.model}: no such file", file=sys.stderr)
+        return 1
+    if args.num_threads < 1:
+        parser.error(f"--num-threads must be >= 1, got {args.num_threads}")
     interp = make_interpreter(args.model, args.interpreter, args.num_threads,
                               args.fuse_composites)
     print("delegate:", delegate_path())

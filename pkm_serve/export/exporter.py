@@ -9,7 +9,6 @@ place only after the fused signatures have been verified.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -22,6 +21,7 @@ import numpy as np
 
 from pkm_serve.export import files, tflite_export
 from pkm_serve.export import verify as V
+from pkm_serve.export.arguments import build_parser
 from pkm_serve.export.errors import ExportError
 from pkm_serve.export.files import FINGERPRINT_PB, SAVED_MODEL_PB
 from pkm_serve.export.patterns import Site, rewrite_function
@@ -409,34 +409,6 @@ def format_report(result: ExportResult) -> str:
             lines.append(f"  verified tflite {row['signature']}:{row['output']} max |err| "
                          f"{row['max_abs_err']:.3g}")
     return "\n".join(lines)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pkm-serve export",
-        description="Fuse composite gather-sum sites of a TF2 SavedModel into "
-                    "PkmEmbeddingBag ops and write DST/<version>/ for serving.")
-    p.add_argument("src", metavar="SRC", help="SavedModel directory")
-    p.add_argument("dst", metavar="DST", help="model base directory; the result goes "
-                   "to DST/<version>/")
-    p.add_argument("--version", type=int, default=None,
-                   help="version number (default: one above the highest in DST)")
-    p.add_argument("--signatures", nargs="+", default=None, metavar="NAME",
-                   help="signatures to verify and convert (default: all); every "
-                        "function of the model is rewritten either way")
-    p.add_argument("--tflite", metavar="FILE", help="also write a .tflite with the "
-                   "PkmEmbeddingBag custom op")
-    p.add_argument("--quantize-table", choices=["int8"], default=None,
-                   help="store tables in the .tflite as per-row int8")
-    p.add_argument("--report", metavar="FILE", help="write the report as JSON")
-    p.add_argument("--sample-inputs", metavar="FILE", help=".npz of signature inputs "
-                   "(keys NAME or SIGNATURE/NAME) to verify on instead of random ones")
-    p.add_argument("--batch-size", type=int, default=4096,
-                   help="batch size for the bytes-saved figures (default 4096)")
-    p.add_argument("--rtol", type=float, default=None,
-                   help="relative tolerance of verification (default by dtype)")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
-    return p
 
 
 def main(argv=None) -> int:

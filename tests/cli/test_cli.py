@@ -1,0 +1,129 @@
+"""`pkm-serve`: help texts, TF-free `--help`, one-line errors (traceback only
+with --verbose). The console script is run as a user runs it."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PKM_SERVE = os.path.join(os.path.dirname(sys.executable), "pkm-serve")
+
+
+def run(*args, cwd=None, timeout=120):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_CPP")}
+    return subprocess.run([PKM_SERVE, *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=timeout)
+
+
+def stderr_lines(proc):
+    return [line for line in proc.stderr.splitlines() if line.strip()]
+
+
+def test_top_level_help_lists_commands_and_verbose():
+    proc = run("--help")
+    assert proc.returncode == 0
+    for name in ("demo", "export", "serve", "tflite", "--verbose"):
+        assert name in proc.stdout
+    assert run().returncode == 2
+    unknown = run("exprot")
+    assert unknown.returncode == 2 and "unknown command 'exprot'" in unknown.stderr
+
+
+def test_tflite_help_is_its_own_with_option_help():
+    proc = run("tflite", "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: pkm-serve tflite ")
+    for option, words in (("--interpreter", "runtime"), ("--num-threads", "threads"),
+                          ("--fuse-composites", "GATHER")):
+        line = next(line for line in proc.stdout.splitlines() if line.strip().startswith(option))
+        rest = proc.stdout[proc.stdout.index(line):]
+        assert words in rest.split("\n  -")[0], (option, rest[:200])
+    assert "python -m" not in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["demo", "export", "serve", "tflite"])
+def test_help_of_every_command_does_not_import_tensorflow(command):
+    script = textwrap.dedent(f"""
+        import json, sys
+        from pkm_serve import cli
+        try:
+            cli.main([{command!r}, "--help"])
+            code = None
+        except SystemExit as e:
+            code = e.code
+        print(json.dumps({{"code": code, "tf": "tensorflow" in sys.modules}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"code": 0, "tf": False}
+    assert f"usage: pkm-serve {command}" in proc.stdout
+
+
+def test_export_help_prints_no_tensorflow_log_lines():
+    proc = run("export", "--help")
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("usage: pkm-serve export ")
+    assert proc.stderr == ""
+
+
+def test_tflite_missing_model_is_one_line(tmp_path):
+    proc = run("tflite", "missing.tflite", cwd=str(tmp_path))
+    assert proc.returncode == 1
+    assert stderr_lines(proc) == ["pkm-serve tflite: error: missing.tflite: no such file"]
+    assert proc.stdout == ""
+
+
+def test_tflite_invalid_model_is_one_line_and_verbose_shows_the_traceback(tmp_path):
+    bad = tmp_path / "bad.tflite"
+    bad.write_bytes(b"this is not a flatbuffer" * 4)
+    proc = run("tflite", str(bad))
+    lines = stderr_lines(proc)
+    assert proc.returncode == 1 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("pkm-serve tflite: error: ") and "--verbose" in lines[0]
+    for args in (("--verbose", "tflite", str(bad)), ("tflite", str(bad), "--verbose")):
+        verbose = run(*args)
+        assert verbose.returncode != 0 and "Traceback (most recent call last)" in verbose.stderr
+
+
+def test_tflite_usage_error_names_the_option(tmp_path):
+    model = tmp_path / "m.tflite"
+    model.write_bytes(b"x")
+    proc = run("tflite", str(model), "--num-threads", "0")
+    assert proc.returncode == 2
+    assert stderr_lines(proc)[-1] == "pkm-serve tflite: error: --num-threads must be >= 1, got 0"
+
+
+def test_export_error_is_one_line_without_tensorflow_start_up_lines(tmp_path):
+    proc = run("export", str(tmp_path / "no_such_model"), str(tmp_path / "out"))
+    assert proc.returncode == 1
+    errors = [line for line in stderr_lines(proc) if ": error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("pkm-serve export: error: "), proc.stderr
+    assert "no_such_model" in errors[0] and stderr_lines(proc)[-1] == errors[0]
+    for noise in ("Traceback", "I0000", "absl::InitializeLog", "cuda"):
+        assert noise not in proc.stderr, proc.stderr
+
+
+def test_serve_error_is_one_line(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = run("serve", "--port=0", f"--rest_api_port={port}",
+               f"--model_config_file={tmp_path / 'missing.config'}", timeout=60)
+    assert proc.returncode != 0
+    lines = stderr_lines(proc)
+    assert len(lines) == 1 and lines[0].startswith("pkm-serve serve: error: "), proc.stderr
+    assert "missing.config" in lines[0]
+
+
+def test_one_line_of_library_errors():
+    from pkm_serve import cli
+    assert "pkm_serve[serving]" in cli.one_line(ModuleNotFoundError("x", name="grpc"))
+    assert "TF wheel" in cli.one_line(ModuleNotFoundError("x", name="tensorflow.python"))
+    assert cli.one_line(ValueError("first\n  graph traceback\n")) == "first"
+    assert cli.one_line(KeyError("sig")) == "KeyError: 'sig'"
+    assert cli.one_line(RuntimeError("")) == "RuntimeError"
