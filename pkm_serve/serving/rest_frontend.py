@@ -5,7 +5,8 @@
   POST /v1/models/NAME[/versions/N | /labels/L]:predict     {"instances": [...]} or {"inputs": ...}
   POST ...:classify / ...:regress                           {"examples": [...], "context": {...}}
   GET  <prometheus path>                                    metrics (when monitoring is enabled)
-Errors are {"error": "..."} with the HTTP status TF Serving uses for the gRPC code.
+Errors are {"error": "..."} with the HTTP status TF Serving uses for the gRPC code;
+a malformed /v1/ URL is 400 (as TF Serving's handler answers), any other path 404.
 """
 import asyncio
 import json
@@ -30,6 +31,11 @@ log = logging.getLogger("pkm_serve.serving")
 _URL = re.compile(r"^/v1/models/(?P<name>[^/:]+)"
                   r"(?:/versions/(?P<version>-?\d+)|/labels/(?P<label>[^/:]+))?"
                   r"(?P<rest>/metadata|:predict|:classify|:regress)?/?$")
+
+
+def _to_dict(message):
+    return json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
 
 
 def _json_response(obj, status=200):
@@ -146,7 +152,7 @@ class RestFrontend:
         site = web.TCPSite(self._runner, self.address, self.requested_port, ssl_context=ssl_ctx,
                            reuse_port=False)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]   # the bound port (requested 0 = any)
 
     def stop(self):
         """Stops accepting, lets in-flight requests finish (up to drain_seconds)."""
@@ -169,8 +175,12 @@ class RestFrontend:
             return web.Response(body=body, headers={"Content-Type": ctype})
         m = _URL.match(path)
         if m is None:
-            return _error(grpc.StatusCode.NOT_FOUND, f"no such endpoint: {request.method} {path} "
-                          "(expected /v1/models/NAME[/versions/N|/labels/L][/metadata|:predict|:classify|:regress])")
+            # TF Serving hands every /v1/ path to its API handler, which calls one it cannot
+            # parse InvalidArgument ("Malformed request"); other paths have no handler (404).
+            code = grpc.StatusCode.INVALID_ARGUMENT if path.lower().startswith("/v1/") \
+                else grpc.StatusCode.NOT_FOUND
+            return _error(code, f"Malformed request: {request.method} {path} (expected "
+                          "/v1/models/NAME[/versions/N|/labels/L][/metadata|:predict|:classify|:regress])")
         spec = model_pb2.ModelSpec(name=m["name"])
         if m["version"] is not None:
             spec.version.value = int(m["version"])
@@ -224,19 +234,18 @@ class RestFrontend:
                 self.metrics.request(spec.name, api, "REST", code.name, time.monotonic() - t0)
 
     # ------------------------------------------------------------ handlers (run in executor)
+    # TF Serving prints its status and metadata JSON with default-valued fields included
+    # ("status": {"error_code": "OK", "error_message": ""}, "signature_name": "", ...).
     def _get_model_status(self, spec, _doc, _deadline):
         resp = self.service.get_model_status(get_model_status_pb2.GetModelStatusRequest(model_spec=spec))
-        return json_format.MessageToDict(resp, preserving_proto_field_name=True,
-                                         always_print_fields_with_no_presence=True)
+        return _to_dict(resp)
 
     def _get_model_metadata(self, spec, _doc, _deadline):
         resp = self.service.get_model_metadata(get_model_metadata_pb2.GetModelMetadataRequest(
             model_spec=spec, metadata_field=["signature_def"]))
         sig_map = get_model_metadata_pb2.SignatureDefMap()
         resp.metadata["signature_def"].Unpack(sig_map)
-        return {"model_spec": json_format.MessageToDict(resp.model_spec, preserving_proto_field_name=True),
-                "metadata": {"signature_def": json_format.MessageToDict(
-                    sig_map, preserving_proto_field_name=True)}}
+        return {"model_spec": _to_dict(resp.model_spec), "metadata": {"signature_def": _to_dict(sig_map)}}
 
     def _predict(self, spec, doc, deadline):
         unknown = set(doc) - {"signature_name", "instances", "inputs"}
@@ -248,14 +257,18 @@ class RestFrontend:
                           "(columnar format)")
         sig_name = _signature_name(doc)
         spec.signature_name = sig_name
-        servable = self.service.manager.resolve(spec)
-        sig = servable.signature(sig_name)
-        specs = sig.input_specs
-        if "instances" in doc:
-            inputs = self._rows_to_inputs(doc["instances"], specs)
-        else:
-            inputs = self._columns_to_inputs(doc["inputs"], specs)
-        _, sig, outputs = self.service.predict_arrays(spec, inputs, deadline)
+        # One resolution: the version whose signature decodes the JSON is the one that runs it.
+        with self.service.serving(spec) as servable:
+            sig = servable.signature(sig_name)
+            if "instances" in doc:
+                inputs = self._rows_to_inputs(doc["instances"], sig.input_specs)
+            else:
+                inputs = self._columns_to_inputs(doc["inputs"], sig.input_specs)
+            outputs = self.service.predict_on(servable, sig, inputs, deadline)
+        return self._predict_json(doc, outputs)
+
+    @staticmethod
+    def _predict_json(doc, outputs):
         if "inputs" in doc:
             if len(outputs) == 1:
                 return {"outputs": tensors.to_json(*next(iter(outputs.items())))}
@@ -328,11 +341,11 @@ class RestFrontend:
         spec.signature_name = _signature_name(doc)
         req = classification_pb2.ClassificationRequest(model_spec=spec, input=self._example_input(doc))
         resp = self.service.classify(req, deadline)
-        return {"result": [[[c.label, c.score] for c in cl.classes] for cl in resp.result.classifications]}
+        return {"results": [[[c.label, c.score] for c in cl.classes] for cl in resp.result.classifications]}
 
     def _regress(self, spec, doc, deadline):
         from tensorflow_serving.apis import regression_pb2
         spec.signature_name = _signature_name(doc)
         req = regression_pb2.RegressionRequest(model_spec=spec, input=self._example_input(doc))
         resp = self.service.regress(req, deadline)
-        return {"result": [r.value for r in resp.result.regressions]}
+        return {"results": [r.value for r in resp.result.regressions]}
