@@ -74,6 +74,7 @@ def _cls(name):
 
 
 BatchingParameters = _cls("BatchingParameters")
+PrometheusConfig = _cls("PrometheusConfig")
 MonitoringConfig = _cls("MonitoringConfig")
 SSLConfig = _cls("SSLConfig")
 
