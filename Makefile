@@ -75,6 +75,7 @@ core-test: $(CORE_TEST)
 # ---- fragments owned by the GPU and TFLite parts --------------------------
 -include kernels/cuda/cuda.mk
 -include tflite_delegate/tflite.mk
+-include pkm_serve/serving/serving.mk
 
 # ---- entry points -----------------------------------------------------------
 build: $(STAMP) $(BUILD_TARGETS)
