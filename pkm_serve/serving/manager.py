@@ -203,17 +203,11 @@ class ModelManager:
             servable = Servable(m.name, version, path, warmup=self._warmup)
         except ServingError as e:
             log.error("model %s: version %d failed to load: %s", m.name, version, e.message)
-            with self._lock:
-                r.state, r.error = State.END, e
-            if self._metrics:
-                self._metrics.load_attempt(m.name, path, ok=False, seconds=time.perf_counter() - t0)
+            self._load_failed(m, r, path, e, t0)
             return
         except Exception as e:  # noqa: BLE001 - any loader failure is a failed version, not a crash
             log.exception("model %s: version %d failed to load", m.name, version)
-            with self._lock:
-                r.state, r.error = State.END, ServingError(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
-            if self._metrics:
-                self._metrics.load_attempt(m.name, path, ok=False, seconds=time.perf_counter() - t0)
+            self._load_failed(m, r, path, ServingError(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}"), t0)
             return
         with self._lock:
             r.servable, r.state = servable, State.AVAILABLE
@@ -222,6 +216,13 @@ class ModelManager:
             self._metrics.version_available(m.name, version, True)
         log.info("model %s: version %d available (load %.2fs, warmup %.2fs)", m.name, version,
                  servable.load_seconds, servable.warmup_seconds)
+
+    def _load_failed(self, m, r, path, error, t0):
+        """END with the error: reported by GetModelStatus, not retried until the files change."""
+        with self._lock:
+            r.state, r.error = State.END, error
+        if self._metrics:
+            self._metrics.load_attempt(m.name, path, ok=False, seconds=time.perf_counter() - t0)
 
     def _unload(self, m, r):
         """UNLOADING: no new request gets the version; the ones that have it finish (up to

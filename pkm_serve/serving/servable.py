@@ -106,6 +106,20 @@ class Signature:
             self._runners.clear()   # each callable's handle is freed while the session is open
 
 
+class _quiet_tf_logger:
+    """The Session loader is TF Serving's own way in (SavedModelBundle) and the one way to
+    feed by tensor name, but TF 2 logs it as deprecated in favour of tf.saved_model.load,
+    which cannot do that: the advice would only mislead whoever reads the server log."""
+
+    def __enter__(self):
+        self._logger = tf.get_logger()
+        self._level = self._logger.level
+        self._logger.setLevel("ERROR")
+
+    def __exit__(self, *exc):
+        self._logger.setLevel(self._level)
+
+
 def _spec_of(tensor_info) -> tf.TensorSpec:
     dims = tensor_info.tensor_shape
     shape = None if dims.unknown_rank else [None if d.size < 0 else d.size for d in dims.dim]
@@ -128,7 +142,7 @@ class Servable:
         self._graph = tf.Graph()
         self._session = tf.compat.v1.Session(graph=self._graph)
         try:
-            with self._graph.as_default():
+            with self._graph.as_default(), _quiet_tf_logger():
                 meta = tf.compat.v1.saved_model.loader.load(self._session, SERVE_TAGS, path)
         except Exception as e:
             self._session.close()

@@ -158,6 +158,7 @@ def test_private_tf_apis_still_exist(base):
     from pkm_serve.serving.servable import make_session_callable
     assert callable(getattr(tf.compat.v1.Session, "_make_callable_from_options", None)), \
         "tf.compat.v1.Session._make_callable_from_options is gone: servable.py needs another runner"
+    assert callable(tf.compat.v1.saved_model.loader.load), "the Session SavedModel loader is gone"
     g = tf.Graph()
     with g.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 1], name="x")
