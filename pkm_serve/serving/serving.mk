@@ -18,3 +18,6 @@ bench-serving: setup serving-load-tools
 	$(PY) bench/serving_load.py $(SERVING_BENCH_ARGS)
 
 .PHONY: serving-load-tools bench-serving
+
+# `make bench` runs bench/serving_load.py too: it needs the load generators first.
+bench: serving-load-tools
