@@ -149,10 +149,6 @@ def to_proto(array: np.ndarray, as_tensor_content: bool = False):
     return proto
 
 
-def describe_shape(shape) -> str:
-    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
-
-
 def check_dtype(name: str, array: np.ndarray, expected: tf.DType, signature: str):
     """The input's dtype must be the signature's (TF does not cast fed tensors)."""
     try:
