@@ -173,3 +173,21 @@ def test_private_tf_apis_still_exist(base):
 def test_rest_port_comes_from_public_aiohttp_api():
     from aiohttp import web
     assert isinstance(web.AppRunner.addresses, property)
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_signature_method_name_check_flag(base, check):
+    """TF Serving's --enable_signature_method_name_check (default false): off, Regress runs
+    a TF2 signature (method_name .../predict); on, it is refused with the method named."""
+    from tensorflow_serving.apis import regression_pb2
+    manager = _manager(base)
+    service = InferenceService(manager, check_signature_method_name=check)
+    req = regression_pb2.RegressionRequest()
+    req.model_spec.name, req.model_spec.signature_name = "m", "regress_x_to_y"
+    req.input.example_list.examples.add().features.feature["x"].float_list.value.append(2.0)
+    if check:
+        with pytest.raises(ServingError, match="method_name to be tensorflow/serving/regress"):
+            service.regress(req)
+    else:
+        assert [r.value for r in service.regress(req).result.regressions] == [SCALE[1] * 2.0 + 2]
+    manager.stop()

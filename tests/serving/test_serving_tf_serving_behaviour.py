@@ -24,6 +24,8 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
                                      inference_pb2, model_service_pb2_grpc, predict_pb2,
                                      prediction_service_pb2_grpc, regression_pb2)
 
+from tensorflow.core.framework import types_pb2
+
 import half_plus_two as hpt
 from serving_helpers import ServerProcess
 
@@ -98,12 +100,19 @@ def _rest(server, path, body=None, method=None):
 # ------------------------------------------------------------------ gRPC Predict
 @pytest.mark.parametrize("model, version", [("half_plus_two", 1), ("half_plus_two_tf2", 123)])
 def test_predict_answer_in_float_val(stub, model, version):
-    """server_test testPredict: a client reads result.outputs['y'].float_val and the model
-    spec it was answered with (TF Serving fills the typed field, not tensor_content)."""
-    resp = _predict(stub, model, [2.0], [1, 1])
+    """server_test VerifyPredictRequest (testPredict...): x = float_val [2.0] of shape [1],
+    output_filter ['y']; the client reads result.outputs['y'].float_val (TF Serving fills
+    the typed field, not tensor_content) and the model spec it was answered with."""
+    req = predict_pb2.PredictRequest()
+    req.model_spec.name = model
+    req.inputs["x"].dtype = types_pb2.DT_FLOAT
+    req.inputs["x"].float_val.append(2.0)
+    req.inputs["x"].tensor_shape.dim.add().size = 1
+    req.output_filter.append("y")
+    resp = stub.Predict(req, timeout=30)
+    assert resp.outputs["y"].dtype == types_pb2.DT_FLOAT
     assert list(resp.outputs["y"].float_val) == [3.0]
     assert resp.outputs["y"].tensor_content == b""
-    assert [d.size for d in resp.outputs["y"].tensor_shape.dim] == [1, 1]
     assert (resp.model_spec.name, resp.model_spec.version.value,
             resp.model_spec.signature_name) == (model, version, "serving_default")
 
