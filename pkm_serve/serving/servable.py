@@ -140,7 +140,12 @@ class Servable:
         self.path = path
         t0 = time.perf_counter()
         self._graph = tf.Graph()
-        self._session = tf.compat.v1.Session(graph=self._graph)
+        # A Session does not read tf.config.threading (eager's settings) by itself: pass on
+        # what --tensorflow_intra_op_parallelism / --tensorflow_inter_op_parallelism set.
+        config = tf.compat.v1.ConfigProto(
+            intra_op_parallelism_threads=tf.config.threading.get_intra_op_parallelism_threads(),
+            inter_op_parallelism_threads=tf.config.threading.get_inter_op_parallelism_threads())
+        self._session = tf.compat.v1.Session(graph=self._graph, config=config)
         try:
             with self._graph.as_default(), _quiet_tf_logger():
                 meta = tf.compat.v1.saved_model.loader.load(self._session, SERVE_TAGS, path)
