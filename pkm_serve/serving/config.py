@@ -1,12 +1,12 @@
 """Command-line flags (TF Serving's names and meanings) and config files."""
 import argparse
+import collections
 import os
 
 from tensorflow_serving.config import model_server_config_pb2
 
 from pkm_serve.serving import protos
-
-DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
 
 
 def _bool(text):
@@ -47,6 +47,17 @@ def build_parser():
          help="Text-format MonitoringConfig; prometheus_config serves metrics on the REST port.")
     flag("--ssl_config_file", default="", help="Text-format SSLConfig (server_key, server_cert, "
                                                 "custom_ca, client_verify) for gRPC and REST.")
+    boolflag("--enable_serialization_as_tensor_content", False,
+             "Answer gRPC outputs in tensor_content (raw bytes) instead of the typed value fields "
+             "(float_val, ...) that TF Serving fills by default.")
+    boolflag("--enable_signature_method_name_check", False,
+             "Refuse Classify/Regress on signatures whose method_name is not "
+             "tensorflow/serving/classify or /regress (TF Serving's default: false).")
+    flag("--grpc_socket_path", default="",
+         help="Also serve gRPC on this UNIX domain socket.")
+    flag("--grpc_channel_arguments", default="",
+         help="gRPC server channel arguments, comma-separated key=value "
+              "(e.g. grpc.max_connection_age_ms=60000); integer values are passed as integers.")
     flag("--op_library", action="append", default=[],
          help="Extra custom-op library (.so) to load before any model; repeatable or comma-separated.")
     boolflag("--load_pkm_ops", True,
@@ -81,7 +92,37 @@ def parse_args(argv):
         p.error("--max_request_bytes must be positive")
     if args.batching_parameters_file and not args.enable_batching:
         p.error("--batching_parameters_file needs --enable_batching")
+    try:
+        args.grpc_channel_arguments = parse_channel_arguments(args.grpc_channel_arguments)
+    except ValueError as e:
+        p.error(str(e))
     return args
+
+
+def parse_channel_arguments(text):
+    """"k1=v1,k2=v2" -> [(k1, v1), ...] with integer values as ints (TF Serving's format)."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--grpc_channel_arguments: {item!r} is not key=value")
+        value = value.strip()
+        try:
+            out.append((key.strip(), int(value)))
+        except ValueError:
+            out.append((key.strip(), value))
+    return out
+
+
+ServerConfigs = collections.namedtuple("ServerConfigs", "models batching monitoring ssl")
+
+
+def load_configs(args) -> ServerConfigs:
+    """Reads every config file the flags name, once; raises ValueError naming the file."""
+    return ServerConfigs(models=model_server_config(args), batching=batching_parameters(args),
+                         monitoring=monitoring_config(args), ssl=ssl_config(args))
 
 
 def read_model_config_file(path):

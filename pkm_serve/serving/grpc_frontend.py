@@ -90,11 +90,13 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
 
 class GrpcFrontend:
     def __init__(self, service, metrics, *, address, port, max_threads, max_message_bytes,
-                 ssl_config=None):
+                 ssl_config=None, socket_path="", channel_arguments=()):
         self.health = health.HealthServicer()
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.so_reuseport", 0)]
+        # --grpc_channel_arguments come last so that they override the defaults above.
+        options = [o for o in options if o[0] not in dict(channel_arguments)] + list(channel_arguments)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_threads,
                                                              thread_name_prefix="grpc"),
                                   options=options, maximum_concurrent_rpcs=max_threads * 4)
@@ -117,6 +119,11 @@ class GrpcFrontend:
             self.port = self.server.add_insecure_port(target)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC to {target}")
+        self.socket_path = socket_path
+        if socket_path:
+            # A UNIX socket is local: served without TLS, as TF Serving does.
+            if self.server.add_insecure_port(f"unix:{socket_path}") == 0:
+                raise OSError(f"cannot bind gRPC to the UNIX socket {socket_path}")
 
     def start(self):
         self.server.start()

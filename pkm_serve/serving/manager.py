@@ -8,6 +8,7 @@ longer aspired: serving never drops to zero versions during a transition
 reported (state END with the error) and is not retried until its files change;
 the `latest` policy then falls back to the newest version that does load.
 """
+import contextlib
 import logging
 import os
 import threading
@@ -24,8 +25,12 @@ log = logging.getLogger("pkm_serve.serving")
 State = get_model_status_pb2.ModelVersionStatus.State
 
 
+NO_VERSIONS_MESSAGE = ("No versions of servable {name} found under base path {path}. "
+                       "Did you forget to name your leaf directory as a number (eg. '/1/')?")
+
+
 class VersionRecord:
-    __slots__ = ("version", "state", "error", "servable", "fingerprint")
+    __slots__ = ("version", "state", "error", "servable", "fingerprint", "in_flight")
 
     def __init__(self, version):
         self.version = version
@@ -33,6 +38,7 @@ class VersionRecord:
         self.error = None
         self.servable = None
         self.fingerprint = None
+        self.in_flight = 0   # requests between acquire and release of this version
 
 
 def _fingerprint(path):
@@ -80,6 +86,7 @@ class ManagedModel:
         self.name = config.name
         self.records = {}          # version -> VersionRecord
         self.base_path_missing = False
+        self.no_versions_logged = False
 
     def available_versions(self):
         return sorted(v for v, r in self.records.items() if r.state == State.AVAILABLE)
@@ -87,8 +94,10 @@ class ManagedModel:
 
 class ModelManager:
     def __init__(self, server_config, *, poll_seconds=1.0, warmup=True, metrics=None,
-                 config_file=None, config_poll_seconds=0.0):
+                 config_file=None, config_poll_seconds=0.0, unload_drain_seconds=30.0):
         self._lock = threading.RLock()       # guards the model table and records
+        self._idle = threading.Condition(self._lock)   # a version's last request finished
+        self._unload_drain_seconds = unload_drain_seconds
         self._poll_lock = threading.Lock()   # one poll (load/unload) at a time
         self._models = {}
         self._poll_seconds = poll_seconds
@@ -96,7 +105,7 @@ class ModelManager:
         self._metrics = metrics
         self._config_file = config_file
         self._config_poll_seconds = config_poll_seconds
-        self._config_mtime = None
+        self._config = None                  # the ModelServerConfig applied last
         self._stop = threading.Event()
         self._thread = None
         self.apply_config(server_config, poll=False)
@@ -123,6 +132,7 @@ class ModelManager:
         """Installs a new model list (HandleReloadConfigRequest); removed models are unloaded."""
         self.validate_config(server_config)
         with self._poll_lock:
+            self._config = server_config
             with self._lock:
                 wanted = {c.name: c for c in server_config.model_config_list.config}
                 removed = [self._models.pop(n) for n in list(self._models) if n not in wanted]
@@ -133,7 +143,8 @@ class ModelManager:
                         self._models[name] = ManagedModel(c)
             for m in removed:
                 for r in list(m.records.values()):
-                    self._unload(m, r)
+                    if r.state == State.AVAILABLE:
+                        self._unload(m, r)
             if poll:
                 self._poll_locked()
 
@@ -160,6 +171,9 @@ class ModelManager:
             present = {}
         else:
             m.base_path_missing = False
+            if not present and not m.no_versions_logged:
+                log.warning(NO_VERSIONS_MESSAGE.format(name=m.name, path=m.config.base_path))
+            m.no_versions_logged = not present
         prints = {v: _fingerprint(p) for v, p in present.items()}
         failed = set()
         for v, r in m.records.items():
@@ -189,17 +203,11 @@ class ModelManager:
             servable = Servable(m.name, version, path, warmup=self._warmup)
         except ServingError as e:
             log.error("model %s: version %d failed to load: %s", m.name, version, e.message)
-            with self._lock:
-                r.state, r.error = State.END, e
-            if self._metrics:
-                self._metrics.load_attempt(m.name, path, ok=False, seconds=time.perf_counter() - t0)
+            self._load_failed(m, r, path, e, t0)
             return
         except Exception as e:  # noqa: BLE001 - any loader failure is a failed version, not a crash
             log.exception("model %s: version %d failed to load", m.name, version)
-            with self._lock:
-                r.state, r.error = State.END, ServingError(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}")
-            if self._metrics:
-                self._metrics.load_attempt(m.name, path, ok=False, seconds=time.perf_counter() - t0)
+            self._load_failed(m, r, path, ServingError(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}"), t0)
             return
         with self._lock:
             r.servable, r.state = servable, State.AVAILABLE
@@ -209,35 +217,44 @@ class ModelManager:
         log.info("model %s: version %d available (load %.2fs, warmup %.2fs)", m.name, version,
                  servable.load_seconds, servable.warmup_seconds)
 
+    def _load_failed(self, m, r, path, error, t0):
+        """END with the error: reported by GetModelStatus, not retried until the files change."""
+        with self._lock:
+            r.state, r.error = State.END, error
+        if self._metrics:
+            self._metrics.load_attempt(m.name, path, ok=False, seconds=time.perf_counter() - t0)
+
     def _unload(self, m, r):
+        """UNLOADING: no new request gets the version; the ones that have it finish (up to
+        unload_drain_seconds), then its session, variables and batching queues are freed."""
         with self._lock:
             r.state = State.UNLOADING
-            # In-flight requests hold their own reference to the servable; dropping ours
-            # lets it be freed once they finish.
-            r.servable = None
+            servable, r.servable = r.servable, None
+            drained = self._idle.wait_for(lambda: r.in_flight == 0, self._unload_drain_seconds)
+        if not drained:
+            log.warning("model %s: version %d still had %d request(s) after %.0fs; unloading anyway",
+                        m.name, r.version, r.in_flight, self._unload_drain_seconds)
+        if servable is not None:
+            servable.release()
+        with self._lock:
             r.state = State.END
         if self._metrics:
             self._metrics.version_available(m.name, r.version, False)
         log.info("model %s: version %d unloaded", m.name, r.version)
 
     def _maybe_reload_config_file(self):
-        if not self._config_file or self._config_poll_seconds <= 0:
-            return
+        """Re-reads the config file on every poll (as TF Serving does) and applies it when
+        it differs from what is served: a change at any moment, even one written before
+        the first poll, is picked up."""
+        from pkm_serve.serving.config import read_model_config_file
         try:
-            mtime = os.stat(self._config_file).st_mtime_ns
-        except OSError:
-            return
-        if self._config_mtime is None:
-            self._config_mtime = mtime
-            return
-        if mtime != self._config_mtime:
-            self._config_mtime = mtime
-            from pkm_serve.serving.config import read_model_config_file
-            try:
-                self.apply_config(read_model_config_file(self._config_file))
-                log.info("reloaded model config from %s", self._config_file)
-            except (ValueError, ServingError) as e:
-                log.error("ignoring new model config %s: %s", self._config_file, e)
+            new = read_model_config_file(self._config_file)
+            if new == self._config:
+                return
+            self.apply_config(new)
+            log.info("reloaded model config from %s", self._config_file)
+        except (ValueError, ServingError) as e:
+            log.error("ignoring model config %s: %s", self._config_file, e)
 
     def start(self):
         """Polls once (synchronously, so models are up before the server answers), then in
@@ -249,11 +266,13 @@ class ModelManager:
             self._thread.start()
 
     def _loop(self):
-        period = min(p for p in (self._poll_seconds, self._config_poll_seconds) if p > 0)
+        periods = [self._poll_seconds] + ([self._config_poll_seconds] if self._config_file else [])
+        period = min(p for p in periods if p > 0)
         last_versions = last_config = time.monotonic()
         while not self._stop.wait(period):
             now = time.monotonic()
-            if self._config_poll_seconds > 0 and now - last_config >= self._config_poll_seconds:
+            if self._config_file and self._config_poll_seconds > 0 \
+                    and now - last_config >= self._config_poll_seconds:
                 last_config = now
                 self._maybe_reload_config_file()
             if self._poll_seconds > 0 and now - last_versions >= self._poll_seconds:
@@ -266,10 +285,6 @@ class ModelManager:
             self._thread.join(timeout=30)
 
     # ------------------------------------------------------------ lookups
-    def model_names(self):
-        with self._lock:
-            return sorted(self._models)
-
     def _model(self, name):
         m = self._models.get(name)
         if m is None:
@@ -277,31 +292,46 @@ class ModelManager:
                             f"(served models: {sorted(self._models)})")
         return m
 
-    def resolve(self, model_spec) -> Servable:
-        """model_spec (ModelSpec proto) -> the servable to run."""
+    @contextlib.contextmanager
+    def serving(self, model_spec):
+        """The servable for model_spec, held for the whole request: it stays loaded (an
+        unload waits for it) until the block exits, so the version a request was validated
+        against is the one that runs it."""
         with self._lock:
-            m = self._model(model_spec.name)
-            available = m.available_versions()
-            choice = model_spec.WhichOneof("version_choice")
-            if choice == "version":
-                v = model_spec.version.value
-            elif choice == "version_label":
-                label = model_spec.version_label
-                if label not in m.config.version_labels:
-                    raise invalid(f"model '{m.name}' has no version label '{label}' "
-                                  f"(labels: {sorted(m.config.version_labels)})")
-                v = m.config.version_labels[label]
-            else:
-                if not available:
-                    raise ServingError(grpc.StatusCode.UNAVAILABLE,
-                                       f"model '{m.name}' has no available version yet "
-                                       f"({self._describe(m)})")
-                v = available[-1]
-            r = m.records.get(v)
-            if r is None or r.state != State.AVAILABLE or r.servable is None:
-                raise not_found(f"Servable not found for request: model '{m.name}' version {v} "
-                                f"is not available (available versions: {available})")
-            return r.servable
+            r = self._resolve_record(model_spec)
+            r.in_flight += 1
+            servable = r.servable
+        try:
+            yield servable
+        finally:
+            with self._lock:
+                r.in_flight -= 1
+                if r.in_flight == 0:
+                    self._idle.notify_all()
+
+    def _resolve_record(self, model_spec) -> VersionRecord:
+        m = self._model(model_spec.name)
+        available = m.available_versions()
+        choice = model_spec.WhichOneof("version_choice")
+        if choice == "version":
+            v = model_spec.version.value
+        elif choice == "version_label":
+            label = model_spec.version_label
+            if label not in m.config.version_labels:
+                raise invalid(f"model '{m.name}' has no version label '{label}' "
+                              f"(labels: {sorted(m.config.version_labels)})")
+            v = m.config.version_labels[label]
+        else:
+            if not available:
+                raise ServingError(grpc.StatusCode.UNAVAILABLE,
+                                   f"model '{m.name}' has no available version yet "
+                                   f"({self._describe(m)})")
+            v = available[-1]
+        r = m.records.get(v)
+        if r is None or r.state != State.AVAILABLE or r.servable is None:
+            raise not_found(f"Servable not found for request: model '{m.name}' version {v} "
+                            f"is not available (available versions: {available})")
+        return r
 
     def _describe(self, m):
         if m.base_path_missing:
@@ -330,9 +360,12 @@ class ModelManager:
                 records = [r for r in records if r.version == m.config.version_labels[label]]
             out = []
             for r in records:
+                # TF Serving fills status for every version (error_code OK when healthy).
                 s = get_model_status_pb2.ModelVersionStatus(version=r.version, state=r.state)
                 if r.error is not None:
                     s.status.CopyFrom(status_pb2.StatusProto(error_code=r.error.code.value[0],
                                                              error_message=r.error.message))
+                else:
+                    s.status.CopyFrom(status_pb2.StatusProto(error_code=0, error_message=""))
                 out.append(s)
             return out

@@ -28,39 +28,39 @@ def _build_pool():
 
     def msg(name, fields):
         m = f.message_type.add(name=name)
-        for number, (fname, ftype, type_name, repeated) in enumerate(fields, start=1):
-            if fname is None:
-                continue
+        for number, fname, ftype, type_name, repeated in fields:
             fd = m.field.add(name=fname, number=number, type=ftype,
                              label=_F.LABEL_REPEATED if repeated else _F.LABEL_OPTIONAL)
             if type_name:
                 fd.type_name = type_name
 
     i64 = (_F.TYPE_MESSAGE, ".google.protobuf.Int64Value")
-    # Field numbers follow tensorflow_serving/servables/tensorflow/session_bundle_config.proto.
+    # Field numbers written out from TF Serving's .proto files (never derived from the
+    # order here); tests/serving/test_serving_protos.py checks the binary encoding of each.
+    # tensorflow_serving/servables/tensorflow/session_bundle_config.proto:
     msg("BatchingParameters", [
-        ("max_batch_size", *i64, False),
-        ("batch_timeout_micros", *i64, False),
-        ("thread_pool_name", _F.TYPE_MESSAGE, ".google.protobuf.StringValue", False),
-        ("num_batch_threads", *i64, False),
-        ("max_enqueued_batches", *i64, False),
-        ("allowed_batch_sizes", _F.TYPE_INT64, None, True),
-        ("pad_variable_length_inputs", _F.TYPE_BOOL, None, False),
-        ("enable_large_batch_splitting", _F.TYPE_MESSAGE, ".google.protobuf.BoolValue", False),
-        ("max_execution_batch_size", *i64, False),
+        (1, "max_batch_size", *i64, False),
+        (2, "batch_timeout_micros", *i64, False),
+        (3, "max_enqueued_batches", *i64, False),
+        (4, "num_batch_threads", *i64, False),
+        (5, "thread_pool_name", _F.TYPE_MESSAGE, ".google.protobuf.StringValue", False),
+        (6, "allowed_batch_sizes", _F.TYPE_INT64, None, True),
+        (7, "pad_variable_length_inputs", _F.TYPE_BOOL, None, False),
     ])
+    # tensorflow_serving/config/monitoring_config.proto:
     msg("PrometheusConfig", [
-        ("enable", _F.TYPE_BOOL, None, False),
-        ("path", _F.TYPE_STRING, None, False),
+        (1, "enable", _F.TYPE_BOOL, None, False),
+        (2, "path", _F.TYPE_STRING, None, False),
     ])
     msg("MonitoringConfig", [
-        ("prometheus_config", _F.TYPE_MESSAGE, ".tensorflow.serving.PrometheusConfig", False),
+        (1, "prometheus_config", _F.TYPE_MESSAGE, ".tensorflow.serving.PrometheusConfig", False),
     ])
+    # tensorflow_serving/config/ssl_config.proto:
     msg("SSLConfig", [
-        ("server_key", _F.TYPE_STRING, None, False),
-        ("server_cert", _F.TYPE_STRING, None, False),
-        ("custom_ca", _F.TYPE_STRING, None, False),
-        ("client_verify", _F.TYPE_BOOL, None, False),
+        (1, "server_key", _F.TYPE_STRING, None, False),
+        (2, "server_cert", _F.TYPE_STRING, None, False),
+        (3, "custom_ca", _F.TYPE_STRING, None, False),
+        (4, "client_verify", _F.TYPE_BOOL, None, False),
     ])
     pool.Add(f)
     return pool
@@ -74,6 +74,7 @@ def _cls(name):
 
 
 BatchingParameters = _cls("BatchingParameters")
+PrometheusConfig = _cls("PrometheusConfig")
 MonitoringConfig = _cls("MonitoringConfig")
 SSLConfig = _cls("SSLConfig")
 

@@ -5,7 +5,8 @@
   POST /v1/models/NAME[/versions/N | /labels/L]:predict     {"instances": [...]} or {"inputs": ...}
   POST ...:classify / ...:regress                           {"examples": [...], "context": {...}}
   GET  <prometheus path>                                    metrics (when monitoring is enabled)
-Errors are {"error": "..."} with the HTTP status TF Serving uses for the gRPC code.
+Errors are {"error": "..."} with the HTTP status TF Serving uses for the gRPC code;
+a malformed /v1/ URL is 400 (as TF Serving's handler answers), any other path 404.
 """
 import asyncio
 import json
@@ -16,6 +17,7 @@ import time
 from concurrent import futures
 
 import grpc
+import orjson
 from aiohttp import web
 from google.protobuf import json_format
 from tensorflow_serving.apis import (get_model_metadata_pb2, get_model_status_pb2, input_pb2,
@@ -32,8 +34,48 @@ _URL = re.compile(r"^/v1/models/(?P<name>[^/:]+)"
                   r"(?P<rest>/metadata|:predict|:classify|:regress)?/?$")
 
 
+def _to_dict(message):
+    return json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+
+
+# JSON goes through orjson (C): with the stdlib json, encoding and decoding took 85% of the
+# server's Python time for a batch-64 REST predict (py-spy, bench/serving_load.py). The
+# stdlib stays the fallback for what orjson does differently: it writes NaN/Infinity as
+# null and refuses them on input, and reads integers beyond 64 bits as floats (which
+# would turn an out-of-range error into a silently rounded value).
+def dumps(obj) -> bytes:
+    try:
+        data = orjson.dumps(obj)
+    except TypeError:            # e.g. an integer beyond 64 bits
+        return json.dumps(obj).encode()
+    if b"null" in data:          # none of our bodies holds None: a NaN/Infinity was nulled
+        return json.dumps(obj).encode()
+    return data
+
+
+# Finds a number of 20+ leading digits (an integer maybe beyond 64 bits), never the digits
+# of a fraction, at C speed (a regex took longer than orjson's whole parse): digits become
+# 0, the three characters a JSON value can follow become S, blanks and signs go.
+_DIGITS_TABLE = bytes.maketrans(b"0123456789[,:", b"0000000000SSS")
+_LONG_NUMBER = b"S" + b"0" * 20
+
+
+def has_long_integer(body: bytes) -> bool:
+    return _LONG_NUMBER in body.translate(_DIGITS_TABLE, b" \t\n\r-")
+
+
+def loads(body: bytes):
+    if not has_long_integer(body):
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(body)   # NaN/Infinity literals, huge integers -- or the error to report
+
+
 def _json_response(obj, status=200):
-    return web.Response(text=json.dumps(obj), status=status, content_type="application/json")
+    return web.Response(body=dumps(obj), status=status, content_type="application/json")
 
 
 def _error(code: grpc.StatusCode, message: str):
@@ -146,7 +188,7 @@ class RestFrontend:
         site = web.TCPSite(self._runner, self.address, self.requested_port, ssl_context=ssl_ctx,
                            reuse_port=False)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]   # the bound port (requested 0 = any)
 
     def stop(self):
         """Stops accepting, lets in-flight requests finish (up to drain_seconds)."""
@@ -169,8 +211,12 @@ class RestFrontend:
             return web.Response(body=body, headers={"Content-Type": ctype})
         m = _URL.match(path)
         if m is None:
-            return _error(grpc.StatusCode.NOT_FOUND, f"no such endpoint: {request.method} {path} "
-                          "(expected /v1/models/NAME[/versions/N|/labels/L][/metadata|:predict|:classify|:regress])")
+            # TF Serving hands every /v1/ path to its API handler, which calls one it cannot
+            # parse InvalidArgument ("Malformed request"); other paths have no handler (404).
+            code = grpc.StatusCode.INVALID_ARGUMENT if path.lower().startswith("/v1/") \
+                else grpc.StatusCode.NOT_FOUND
+            return _error(code, f"Malformed request: {request.method} {path} (expected "
+                          "/v1/models/NAME[/versions/N|/labels/L][/metadata|:predict|:classify|:regress])")
         spec = model_pb2.ModelSpec(name=m["name"])
         if m["version"] is not None:
             spec.version.value = int(m["version"])
@@ -194,7 +240,7 @@ class RestFrontend:
                                                     f"{self.max_body_bytes} bytes (--max_request_bytes)"},
                                           status=413)
                 try:
-                    doc = json.loads(body)
+                    doc = loads(body)
                 except (UnicodeDecodeError, json.JSONDecodeError) as e:
                     raise invalid(f"JSON Parse error: {e}") from None
                 if not isinstance(doc, dict):
@@ -224,19 +270,18 @@ class RestFrontend:
                 self.metrics.request(spec.name, api, "REST", code.name, time.monotonic() - t0)
 
     # ------------------------------------------------------------ handlers (run in executor)
+    # TF Serving prints its status and metadata JSON with default-valued fields included
+    # ("status": {"error_code": "OK", "error_message": ""}, "signature_name": "", ...).
     def _get_model_status(self, spec, _doc, _deadline):
         resp = self.service.get_model_status(get_model_status_pb2.GetModelStatusRequest(model_spec=spec))
-        return json_format.MessageToDict(resp, preserving_proto_field_name=True,
-                                         always_print_fields_with_no_presence=True)
+        return _to_dict(resp)
 
     def _get_model_metadata(self, spec, _doc, _deadline):
         resp = self.service.get_model_metadata(get_model_metadata_pb2.GetModelMetadataRequest(
             model_spec=spec, metadata_field=["signature_def"]))
         sig_map = get_model_metadata_pb2.SignatureDefMap()
         resp.metadata["signature_def"].Unpack(sig_map)
-        return {"model_spec": json_format.MessageToDict(resp.model_spec, preserving_proto_field_name=True),
-                "metadata": {"signature_def": json_format.MessageToDict(
-                    sig_map, preserving_proto_field_name=True)}}
+        return {"model_spec": _to_dict(resp.model_spec), "metadata": {"signature_def": _to_dict(sig_map)}}
 
     def _predict(self, spec, doc, deadline):
         unknown = set(doc) - {"signature_name", "instances", "inputs"}
@@ -248,14 +293,18 @@ class RestFrontend:
                           "(columnar format)")
         sig_name = _signature_name(doc)
         spec.signature_name = sig_name
-        servable = self.service.manager.resolve(spec)
-        sig = servable.signature(sig_name)
-        specs = sig.input_specs
-        if "instances" in doc:
-            inputs = self._rows_to_inputs(doc["instances"], specs)
-        else:
-            inputs = self._columns_to_inputs(doc["inputs"], specs)
-        _, sig, outputs = self.service.predict_arrays(spec, inputs, deadline)
+        # One resolution: the version whose signature decodes the JSON is the one that runs it.
+        with self.service.serving(spec) as servable:
+            sig = servable.signature(sig_name)
+            if "instances" in doc:
+                inputs = self._rows_to_inputs(doc["instances"], sig.input_specs)
+            else:
+                inputs = self._columns_to_inputs(doc["inputs"], sig.input_specs)
+            outputs = self.service.predict_on(servable, sig, inputs, deadline)
+        return self._predict_json(doc, outputs)
+
+    @staticmethod
+    def _predict_json(doc, outputs):
         if "inputs" in doc:
             if len(outputs) == 1:
                 return {"outputs": tensors.to_json(*next(iter(outputs.items())))}
@@ -328,11 +377,11 @@ class RestFrontend:
         spec.signature_name = _signature_name(doc)
         req = classification_pb2.ClassificationRequest(model_spec=spec, input=self._example_input(doc))
         resp = self.service.classify(req, deadline)
-        return {"result": [[[c.label, c.score] for c in cl.classes] for cl in resp.result.classifications]}
+        return {"results": [[[c.label, c.score] for c in cl.classes] for cl in resp.result.classifications]}
 
     def _regress(self, spec, doc, deadline):
         from tensorflow_serving.apis import regression_pb2
         spec.signature_name = _signature_name(doc)
         req = regression_pb2.RegressionRequest(model_spec=spec, input=self._example_input(doc))
         resp = self.service.regress(req, deadline)
-        return {"result": [r.value for r in resp.result.regressions]}
+        return {"results": [r.value for r in resp.result.regressions]}

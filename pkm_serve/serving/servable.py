@@ -1,11 +1,22 @@
-"""One loaded SavedModel version: its signatures, metadata and warmup."""
+"""One loaded SavedModel version: a TF Session over its MetaGraph, as TF Serving's
+SavedModelBundle is, with its signatures, metadata and warmup.
+
+Why a Session rather than `tf.saved_model.load`: TF Serving feeds the request's
+tensors to the signature's tensors by name and lets the graph decide which shapes
+it accepts (its own tests send `[1]` and `[2, 3, 4]` to an `x` declared `[-1, 1]`);
+a tf.function signature refuses any shape that differs from its spec before the
+graph runs. A Session also owns the version's variables, so closing it on unload
+frees them however many Python references are left.
+"""
 import logging
 import os
+import threading
 import time
 
+import grpc
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.saved_model import loader_impl  # parses .pb and .pbtxt alike
+from tensorflow.core.protobuf import config_pb2
 
 from pkm_serve.serving import tensors
 from pkm_serve.serving.errors import ServingError, from_tf_error, invalid
@@ -16,26 +27,38 @@ DEFAULT_SIGNATURE = "serving_default"
 PREDICT_METHOD = "tensorflow/serving/predict"
 CLASSIFY_METHOD = "tensorflow/serving/classify"
 REGRESS_METHOD = "tensorflow/serving/regress"
+SERVE_TAGS = ["serve"]
 WARMUP_FILE = os.path.join("assets.extra", "tf_serving_warmup_requests")
 
 
-class Signature:
-    """A callable signature with its input specs and the SignatureDef it came from."""
+def make_session_callable(session, feeds, fetches):
+    """Session::MakeCallable over tensor names.
 
-    def __init__(self, name, function, signature_def):
+    `Session._make_callable_from_options` is private: the public `make_callable`
+    with a feed list goes through `Session.run`, which refuses any fed shape that
+    differs from the tensor's static shape (TF Serving does not) and costs ~20x more
+    per call. tests/serving/test_serving_units.py::test_private_tf_apis_still_exist
+    fails loudly if a TF upgrade moves it."""
+    options = config_pb2.CallableOptions(feed=list(feeds), fetch=list(fetches))
+    return session._make_callable_from_options(options)  # noqa: SLF001 - see docstring
+
+
+class Signature:
+    """One SignatureDef of a loaded version: its tensors by alias and a runner."""
+
+    def __init__(self, name, signature_def, session):
         self.name = name
-        self.function = function
         self.signature_def = signature_def
-        self.method_name = signature_def.method_name if signature_def is not None else PREDICT_METHOD
-        self.input_specs = dict(function.structured_input_signature[1])
-        self._fast_checks = {
-            k: (np.dtype(spec.dtype.as_numpy_dtype) if spec.dtype != tf.string else None,
-                spec.shape.as_list() if spec.shape.rank is not None else None)
-            for k, spec in self.input_specs.items()}
-        outputs = function.structured_outputs
-        self.output_keys = sorted(outputs) if isinstance(outputs, dict) else []
+        self.method_name = signature_def.method_name
+        self.input_specs = {k: _spec_of(v) for k, v in signature_def.inputs.items()}
+        self._input_dtypes = {k: (None if s.dtype == tf.string else np.dtype(s.dtype.as_numpy_dtype))
+                              for k, s in self.input_specs.items()}
+        self._session = session
+        self._runners = {}            # (feed aliases, fetch aliases) -> session callable
+        self._runners_lock = threading.Lock()
 
     def validate(self, inputs: dict):
+        """Names and dtypes; shapes are the graph's to judge (TF Serving feeds any shape)."""
         missing = sorted(set(self.input_specs) - set(inputs))
         extra = sorted(set(inputs) - set(self.input_specs))
         if missing or extra:
@@ -47,28 +70,60 @@ class Signature:
             raise invalid(f"{' and '.join(parts)} for signature '{self.name}'; "
                           f"it expects exactly {sorted(self.input_specs)}")
         for key, array in inputs.items():
-            expected_dtype, expected_shape = self._fast_checks[key]
-            if array.dtype == expected_dtype and expected_shape is not None \
-                    and len(array.shape) == len(expected_shape) \
-                    and all(e is None or e == d for e, d in zip(expected_shape, array.shape)):
-                continue  # the common case, without TensorShape/DType objects
-            tensors.check_against_spec(key, array, self.input_specs[key], self.name)
+            if array.dtype != self._input_dtypes[key]:
+                tensors.check_dtype(key, array, self.input_specs[key].dtype, self.name)
+
+    def _runner(self, feeds, fetches):
+        key = (feeds, fetches)
+        runner = self._runners.get(key)
+        if runner is None:
+            with self._runners_lock:
+                runner = self._runners.get(key)
+                if runner is None:
+                    sdef = self.signature_def
+                    runner = make_session_callable(self._session, [sdef.inputs[k].name for k in feeds],
+                                                   [sdef.outputs[k].name for k in fetches])
+                    self._runners[key] = runner
+        return runner
 
     def run(self, inputs: dict, output_filter=()) -> dict:
-        try:
-            result = self.function(**{k: tf.convert_to_tensor(v) for k, v in inputs.items()})
-        except tf.errors.OpError as e:
-            raise from_tf_error(e) from None
-        except (TypeError, ValueError) as e:
-            raise invalid(f"signature '{self.name}' rejected the inputs: {e}") from None
-        if not isinstance(result, dict):
-            result = {"output_0": result}
-        keys = list(output_filter) or list(result)
-        unknown = [k for k in keys if k not in result]
+        fetches = tuple(output_filter) or tuple(sorted(self.signature_def.outputs))
+        unknown = [k for k in fetches if k not in self.signature_def.outputs]
         if unknown:
             raise invalid(f"output_filter names unknown output(s) {unknown}; signature "
-                          f"'{self.name}' has {sorted(result)}")
-        return {k: result[k].numpy() for k in keys}
+                          f"'{self.name}' has {sorted(self.signature_def.outputs)}")
+        feeds = tuple(sorted(inputs))
+        try:
+            values = self._runner(feeds, fetches)(*[inputs[k] for k in feeds])
+        except tf.errors.OpError as e:
+            raise from_tf_error(e) from None
+        except (TypeError, ValueError) as e:   # e.g. a value numpy cannot hand to TF
+            raise invalid(f"signature '{self.name}' rejected the inputs: {e}") from None
+        return dict(zip(fetches, values))
+
+    def release(self):
+        with self._runners_lock:
+            self._runners.clear()   # each callable's handle is freed while the session is open
+
+
+class _quiet_tf_logger:
+    """The Session loader is TF Serving's own way in (SavedModelBundle) and the one way to
+    feed by tensor name, but TF 2 logs it as deprecated in favour of tf.saved_model.load,
+    which cannot do that: the advice would only mislead whoever reads the server log."""
+
+    def __enter__(self):
+        self._logger = tf.get_logger()
+        self._level = self._logger.level
+        self._logger.setLevel("ERROR")
+
+    def __exit__(self, *exc):
+        self._logger.setLevel(self._level)
+
+
+def _spec_of(tensor_info) -> tf.TensorSpec:
+    dims = tensor_info.tensor_shape
+    shape = None if dims.unknown_rank else [None if d.size < 0 else d.size for d in dims.dim]
+    return tf.TensorSpec(shape, tf.as_dtype(tensor_info.dtype))
 
 
 def _synthetic_input(spec: tf.TensorSpec):
@@ -84,53 +139,58 @@ class Servable:
         self.version = version
         self.path = path
         t0 = time.perf_counter()
+        self._graph = tf.Graph()
+        # A Session does not read tf.config.threading (eager's settings) by itself: pass on
+        # what --tensorflow_intra_op_parallelism / --tensorflow_inter_op_parallelism set.
+        config = tf.compat.v1.ConfigProto(
+            intra_op_parallelism_threads=tf.config.threading.get_intra_op_parallelism_threads(),
+            inter_op_parallelism_threads=tf.config.threading.get_inter_op_parallelism_threads())
+        self._session = tf.compat.v1.Session(graph=self._graph, config=config)
         try:
-            saved_model = loader_impl.parse_saved_model(path)
+            with self._graph.as_default(), _quiet_tf_logger():
+                meta = tf.compat.v1.saved_model.loader.load(self._session, SERVE_TAGS, path)
         except Exception as e:
+            self._session.close()
             raise ServingError(_code_of(e), f"cannot read SavedModel at {path}: {_short(e)}") from None
-        meta = saved_model.meta_graphs[0] if saved_model.meta_graphs else None
-        self.signature_defs = {k: v for k, v in (meta.signature_def.items() if meta else [])
-                               if not k.startswith("__")}
-        try:
-            self._loaded = tf.saved_model.load(path)
-        except Exception as e:
-            raise ServingError(_code_of(e), f"cannot load SavedModel at {path}: {_short(e)}") from None
-        self.signatures = {k: Signature(k, fn, self.signature_defs.get(k))
-                           for k, fn in self._loaded.signatures.items()}
+        self.signature_defs = {k: v for k, v in meta.signature_def.items() if not k.startswith("__")}
+        self.signatures = {k: Signature(k, v, self._session) for k, v in self.signature_defs.items()}
         if not self.signatures:
+            self.release()
             raise invalid(f"SavedModel at {path} has no serving signatures")
         self.load_seconds = time.perf_counter() - t0
-        self.warmup_seconds = self._warmup() if warmup else 0.0
+        try:
+            self.warmup_seconds = self._warmup() if warmup else 0.0
+        except Exception:
+            self.release()
+            raise
 
     def signature(self, name: str) -> Signature:
         key = name or DEFAULT_SIGNATURE
         sig = self.signatures.get(key)
         if sig is None:
-            raise invalid(f"Serving signature name: \"{key}\" not found in signature def; "
-                          f"model '{self.name}' version {self.version} has {sorted(self.signatures)}")
+            # TF Serving answers FAILED_PRECONDITION here (its predict_util.cc).
+            raise ServingError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"Serving signature name: \"{key}\" not found in signature def; "
+                               f"model '{self.name}' version {self.version} has {sorted(self.signatures)}")
         return sig
+
+    def release(self):
+        """Frees the version's graph, variables and callables (unload)."""
+        for sig in self.signatures.values() if hasattr(self, "signatures") else ():
+            sig.release()
+        self._session.close()
+        self._graph = None
 
     def _warmup(self) -> float:
         """Replays assets.extra/tf_serving_warmup_requests if present (failure fails the load,
         as in TF Serving); otherwise runs every signature once on synthetic inputs so the
-        first real request does not pay for tracing/allocation (failures there are only
-        logged: zeros are not valid input for every model)."""
+        first real request does not pay for graph set-up (failures there are only logged:
+        zeros are not valid input for every model)."""
         t0 = time.perf_counter()
         warmup_path = os.path.join(self.path, WARMUP_FILE)
         if tf.io.gfile.exists(warmup_path):
-            from tensorflow_serving.apis import prediction_log_pb2
-            count = 0
-            for record in tf.data.TFRecordDataset(warmup_path):
-                entry = prediction_log_pb2.PredictionLog.FromString(record.numpy())
-                if not entry.HasField("predict_log"):
-                    raise invalid(f"{warmup_path}: only predict_log warmup records are supported")
-                req = entry.predict_log.request
-                sig = self.signature(req.model_spec.signature_name)
-                inputs = tensors.from_protos(req.inputs)
-                sig.validate(inputs)
-                sig.run(inputs)
-                count += 1
-            log.info("model %s version %d: replayed %d warmup requests", self.name, self.version, count)
+            log.info("model %s version %d: replayed %d warmup requests", self.name, self.version,
+                     self._replay_warmup_file(warmup_path))
         else:
             for sig in self.signatures.values():
                 try:
@@ -139,6 +199,21 @@ class Servable:
                     log.info("model %s version %d: synthetic warmup of '%s' skipped: %s",
                              self.name, self.version, sig.name, _short(e))
         return time.perf_counter() - t0
+
+    def _replay_warmup_file(self, warmup_path) -> int:
+        from tensorflow_serving.apis import prediction_log_pb2
+        count = 0
+        for record in tf.data.TFRecordDataset(warmup_path):
+            entry = prediction_log_pb2.PredictionLog.FromString(record.numpy())
+            if not entry.HasField("predict_log"):
+                raise invalid(f"{warmup_path}: only predict_log warmup records are supported")
+            req = entry.predict_log.request
+            sig = self.signature(req.model_spec.signature_name)
+            inputs = tensors.from_protos(req.inputs)
+            sig.validate(inputs)
+            sig.run(inputs)
+            count += 1
+        return count
 
 
 def _short(e) -> str:
@@ -152,6 +227,5 @@ def _code_of(e):
         return e.code
     if isinstance(e, tf.errors.OpError):
         return from_tf_error(e).code
-    import grpc
     return grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, (OSError, ValueError)) \
         else grpc.StatusCode.UNKNOWN

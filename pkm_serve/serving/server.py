@@ -50,57 +50,73 @@ class Server:
 
     def __init__(self, args):
         from pkm_serve.serving import config as cfg
-        from pkm_serve.serving.batching import BatchScheduler
-        from pkm_serve.serving.grpc_frontend import GrpcFrontend
-        from pkm_serve.serving.manager import ModelManager
-        from pkm_serve.serving.metrics import Metrics
-        from pkm_serve.serving.rest_frontend import RestFrontend
-        from pkm_serve.serving.service import InferenceService
-        import tensorflow as tf
-
         try:
-            server_config = cfg.model_server_config(args)
-            ModelManager.validate_config(server_config)
-            batching = cfg.batching_parameters(args)
-            monitoring = cfg.monitoring_config(args)
-            ssl = cfg.ssl_config(args)
-        except Exception as e:  # noqa: BLE001 - config errors are startup errors
+            configs = cfg.load_configs(args)   # every config file read once, here
+        except ValueError as e:
             raise StartupError(str(e)) from None
+        self.args = args
+        self._set_tf_threads(args)
+        self.op_libraries = load_op_libraries(args.load_pkm_ops, args.op_library)
+        self._make_model_side(args, configs)
+        self._make_front_ends(args, configs)
+
+    @staticmethod
+    def _set_tf_threads(args):
+        import tensorflow as tf
         if args.tensorflow_intra_op_parallelism:
             tf.config.threading.set_intra_op_parallelism_threads(args.tensorflow_intra_op_parallelism)
         if args.tensorflow_inter_op_parallelism:
             tf.config.threading.set_inter_op_parallelism_threads(args.tensorflow_inter_op_parallelism)
-        self.op_libraries = load_op_libraries(args.load_pkm_ops, args.op_library)
-        self.args = args
+
+    def _make_model_side(self, args, configs):
+        from pkm_serve.serving.batching import BatchScheduler
+        from pkm_serve.serving.errors import ServingError
+        from pkm_serve.serving.manager import ModelManager
+        from pkm_serve.serving.metrics import Metrics
+        from pkm_serve.serving.service import InferenceService
         self.metrics = Metrics()
         try:
-            self.batcher = BatchScheduler(batching, self.metrics) if batching is not None else None
+            self.batcher = BatchScheduler(configs.batching, self.metrics) \
+                if configs.batching is not None else None
         except ValueError as e:
             raise StartupError(str(e)) from None
-        self.manager = ModelManager(
-            server_config, poll_seconds=args.file_system_poll_wait_seconds,
-            warmup=args.enable_model_warmup, metrics=self.metrics,
-            config_file=args.model_config_file or None,
-            config_poll_seconds=args.model_config_file_poll_wait_seconds)
-        self.service = InferenceService(self.manager, self.batcher, self.metrics,
-                                        max_request_bytes=args.max_request_bytes)
+        try:   # the manager validates the model config (once)
+            self.manager = ModelManager(
+                configs.models, poll_seconds=args.file_system_poll_wait_seconds,
+                warmup=args.enable_model_warmup, metrics=self.metrics,
+                config_file=args.model_config_file or None,
+                config_poll_seconds=args.model_config_file_poll_wait_seconds,
+                unload_drain_seconds=args.drain_seconds)
+        except ServingError as e:
+            raise StartupError(e.message) from None
+        self.service = InferenceService(
+            self.manager, self.batcher, self.metrics, max_request_bytes=args.max_request_bytes,
+            outputs_as_tensor_content=args.enable_serialization_as_tensor_content,
+            check_signature_method_name=args.enable_signature_method_name_check)
+
+    def _make_front_ends(self, args, configs):
+        from pkm_serve.serving.grpc_frontend import GrpcFrontend
+        from pkm_serve.serving.rest_frontend import RestFrontend
         self.grpc = None
         self.rest = None
+        monitoring = configs.monitoring
+        if monitoring is not None and monitoring.prometheus_config.enable and not args.rest_api_port:
+            raise StartupError("prometheus metrics are served on the REST port: set --rest_api_port")
         try:
             if args.port:
                 self.grpc = GrpcFrontend(self.service, self.metrics, address=args.bind_address,
                                          port=args.port, max_threads=args.grpc_max_threads,
-                                         max_message_bytes=args.max_request_bytes, ssl_config=ssl)
+                                         max_message_bytes=args.max_request_bytes, ssl_config=configs.ssl,
+                                         socket_path=args.grpc_socket_path,
+                                         channel_arguments=args.grpc_channel_arguments)
             if args.rest_api_port:
                 self.rest = RestFrontend(self.service, self.metrics, monitoring, address=args.bind_address,
                                          port=args.rest_api_port, num_threads=args.rest_api_num_threads,
                                          timeout_ms=args.rest_api_timeout_in_ms,
                                          max_body_bytes=args.max_request_bytes,
-                                         drain_seconds=args.drain_seconds, ssl_config=ssl)
+                                         drain_seconds=args.drain_seconds, ssl_config=configs.ssl)
         except (OSError, RuntimeError) as e:
             raise StartupError(f"cannot bind: {e}") from None
-        if monitoring is not None and monitoring.prometheus_config.enable and self.rest is None:
-            raise StartupError("prometheus metrics are served on the REST port: set --rest_api_port")
 
     def start(self):
         # Models first (as TF Serving does): by the time a port answers, the models it
@@ -110,6 +126,8 @@ class Server:
             self.grpc.start()
             self.grpc.set_serving(True)
             _say(f"pkm-serve: gRPC listening on {self.args.bind_address}:{self.grpc.port}")
+            if self.grpc.socket_path:
+                _say(f"pkm-serve: gRPC listening on unix:{self.grpc.socket_path}")
         if self.rest:
             self.rest.start()
             _say(f"pkm-serve: REST listening on {self.args.bind_address}:{self.rest.port}")

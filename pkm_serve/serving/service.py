@@ -7,24 +7,32 @@ import time
 
 import grpc
 import numpy as np
+import tensorflow as tf
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2,
                                      inference_pb2, model_management_pb2, predict_pb2,
                                      regression_pb2)
 from tensorflow_serving.apis import status_pb2
 
 from pkm_serve.serving import tensors
-from pkm_serve.serving.config import DEFAULT_MAX_REQUEST_BYTES
 from pkm_serve.serving.errors import ServingError, invalid
+from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
 from pkm_serve.serving.servable import CLASSIFY_METHOD, REGRESS_METHOD
 
 
 class InferenceService:
-    def __init__(self, manager, batcher=None, metrics=None, max_request_bytes=None):
+    def __init__(self, manager, batcher=None, metrics=None, max_request_bytes=None,
+                 outputs_as_tensor_content=False, check_signature_method_name=False):
         self.manager = manager
         self.batcher = batcher
         self.metrics = metrics
         # Also bounds what a request's inputs decode to (a proto's shape can claim far more).
         self.max_request_bytes = max_request_bytes or DEFAULT_MAX_REQUEST_BYTES
+        self.outputs_as_tensor_content = outputs_as_tensor_content
+        self.check_signature_method_name = check_signature_method_name
+
+    def serving(self, model_spec):
+        """Context manager: the servable for model_spec, held until the request is done."""
+        return self.manager.serving(model_spec)
 
     # ------------------------------------------------------------ helpers
     def _run(self, servable, sig, inputs, deadline, api, output_filter=()):
@@ -52,23 +60,22 @@ class InferenceService:
         spec_proto.signature_name = signature_name
 
     # ------------------------------------------------------------ Predict
-    def predict_arrays(self, model_spec, inputs, deadline=None, output_filter=()):
-        """Resolves and runs; returns (servable, signature, outputs). Used by REST directly."""
-        servable = self.manager.resolve(model_spec)
-        sig = servable.signature(model_spec.signature_name)
+    def predict_on(self, servable, sig, inputs, deadline=None, output_filter=()):
+        """Validates and runs on the servable the caller holds (see serving())."""
         sig.validate(inputs)
-        return servable, sig, self._run(servable, sig, inputs, deadline, "predict", output_filter)
+        return self._run(servable, sig, inputs, deadline, "predict", output_filter)
 
     def predict(self, request, deadline=None):
         if len(set(request.output_filter)) != len(request.output_filter):
             raise invalid("output_filter lists an output more than once")
         inputs = tensors.from_protos(request.inputs, self.max_request_bytes)
-        servable, sig, outputs = self.predict_arrays(request.model_spec, inputs, deadline,
-                                                     tuple(request.output_filter))
-        resp = predict_pb2.PredictResponse()
-        self._fill_spec(resp.model_spec, servable, sig.name)
+        with self.serving(request.model_spec) as servable:
+            sig = servable.signature(request.model_spec.signature_name)
+            outputs = self.predict_on(servable, sig, inputs, deadline, tuple(request.output_filter))
+            resp = predict_pb2.PredictResponse()
+            self._fill_spec(resp.model_spec, servable, sig.name)
         for k, v in outputs.items():
-            resp.outputs[k].CopyFrom(tensors.to_proto(v))
+            resp.outputs[k].CopyFrom(tensors.to_proto(v, self.outputs_as_tensor_content))
         return resp
 
     # ------------------------------------------------------------ metadata/status
@@ -77,12 +84,12 @@ class InferenceService:
         if fields != ["signature_def"]:
             raise invalid(f"metadata_field must be exactly ['signature_def'] (the only metadata "
                           f"TF Serving serves); got {fields}")
-        servable = self.manager.resolve(request.model_spec)
         resp = get_model_metadata_pb2.GetModelMetadataResponse()
-        self._fill_spec(resp.model_spec, servable, "")
         sig_map = get_model_metadata_pb2.SignatureDefMap()
-        for k, v in servable.signature_defs.items():
-            sig_map.signature_def[k].CopyFrom(v)
+        with self.serving(request.model_spec) as servable:
+            self._fill_spec(resp.model_spec, servable, "")
+            for k, v in servable.signature_defs.items():
+                sig_map.signature_def[k].CopyFrom(v)
         resp.metadata["signature_def"].Pack(sig_map)
         return resp
 
@@ -120,19 +127,21 @@ class InferenceService:
             raise invalid("request input holds no examples")
         return np.array([e.SerializeToString() for e in examples], dtype=object)
 
-    def _example_signature(self, model_spec, method, what):
-        servable = self.manager.resolve(model_spec)
+    def _example_signature(self, servable, model_spec, method, what):
         sig = servable.signature(model_spec.signature_name)
-        if sig.method_name != method:
+        # TF Serving checks the method name only with --enable_signature_method_name_check:
+        # tf.saved_model.save writes .../predict for every signature, Classify works on them.
+        if self.check_signature_method_name and sig.method_name != method:
             raise invalid(f"Expected {what} signature method_name to be {method}. Was: {sig.method_name} "
                           f"(signature '{sig.name}' of model '{servable.name}'; use Predict for it)")
-        sdef = sig.signature_def
-        if len(sdef.inputs) != 1:
-            raise invalid(f"{what} signature '{sig.name}' must have exactly one (serialized tf.Example) input")
-        return servable, sig, next(iter(sdef.inputs))
+        if len(sig.input_specs) != 1 or next(iter(sig.input_specs.values())).dtype != tf.string:
+            found = ", ".join(f"'{k}' is {s.dtype.name}" for k, s in sorted(sig.input_specs.items()))
+            raise invalid(f"{what} signature '{sig.name}' needs one string input (serialized "
+                          f"tf.Example); its input {found}")
+        return sig, next(iter(sig.input_specs))
 
-    def _classify_outputs(self, model_spec, input_proto, deadline):
-        servable, sig, in_key = self._example_signature(model_spec, CLASSIFY_METHOD, "classification")
+    def _classify_outputs(self, servable, model_spec, input_proto, deadline):
+        sig, in_key = self._example_signature(servable, model_spec, CLASSIFY_METHOD, "classification")
         examples = self._serialized_examples(input_proto)
         outputs = self._run(servable, sig, {in_key: examples}, deadline, "classify")
         result = classification_pb2.ClassificationResult()
@@ -150,10 +159,10 @@ class InferenceService:
                     cls.label = label.decode("utf-8", "replace") if isinstance(label, bytes) else str(label)
                 if scores is not None:
                     cls.score = float(scores.reshape(n, -1)[i, j])
-        return servable, sig, result
+        return sig, result
 
-    def _regress_outputs(self, model_spec, input_proto, deadline):
-        servable, sig, in_key = self._example_signature(model_spec, REGRESS_METHOD, "regression")
+    def _regress_outputs(self, servable, model_spec, input_proto, deadline):
+        sig, in_key = self._example_signature(servable, model_spec, REGRESS_METHOD, "regression")
         examples = self._serialized_examples(input_proto)
         outputs = self._run(servable, sig, {in_key: examples}, deadline, "regress")
         if "outputs" not in outputs:
@@ -164,18 +173,20 @@ class InferenceService:
         result = regression_pb2.RegressionResult()
         for v in values[:, 0]:
             result.regressions.add(value=float(v))
-        return servable, sig, result
+        return sig, result
 
     def classify(self, request, deadline=None):
-        servable, sig, result = self._classify_outputs(request.model_spec, request.input, deadline)
-        resp = classification_pb2.ClassificationResponse(result=result)
-        self._fill_spec(resp.model_spec, servable, sig.name)
+        with self.serving(request.model_spec) as servable:
+            sig, result = self._classify_outputs(servable, request.model_spec, request.input, deadline)
+            resp = classification_pb2.ClassificationResponse(result=result)
+            self._fill_spec(resp.model_spec, servable, sig.name)
         return resp
 
     def regress(self, request, deadline=None):
-        servable, sig, result = self._regress_outputs(request.model_spec, request.input, deadline)
-        resp = regression_pb2.RegressionResponse(result=result)
-        self._fill_spec(resp.model_spec, servable, sig.name)
+        with self.serving(request.model_spec) as servable:
+            sig, result = self._regress_outputs(servable, request.model_spec, request.input, deadline)
+            resp = regression_pb2.RegressionResponse(result=result)
+            self._fill_spec(resp.model_spec, servable, sig.name)
         return resp
 
     def multi_inference(self, request, deadline=None):
@@ -187,15 +198,16 @@ class InferenceService:
         resp = inference_pb2.MultiInferenceResponse()
         for task in request.tasks:
             out = resp.results.add()
-            if task.method_name == CLASSIFY_METHOD:
-                servable, sig, result = self._classify_outputs(task.model_spec, request.input, deadline)
-                out.classification_result.CopyFrom(result)
-            elif task.method_name == REGRESS_METHOD:
-                servable, sig, result = self._regress_outputs(task.model_spec, request.input, deadline)
-                out.regression_result.CopyFrom(result)
-            else:
-                raise ServingError(grpc.StatusCode.UNIMPLEMENTED,
-                                   f"MultiInference supports {CLASSIFY_METHOD} and {REGRESS_METHOD} "
-                                   f"tasks, not '{task.method_name}'")
-            self._fill_spec(out.model_spec, servable, sig.name)
+            with self.serving(task.model_spec) as servable:
+                if task.method_name == CLASSIFY_METHOD:
+                    sig, result = self._classify_outputs(servable, task.model_spec, request.input, deadline)
+                    out.classification_result.CopyFrom(result)
+                elif task.method_name == REGRESS_METHOD:
+                    sig, result = self._regress_outputs(servable, task.model_spec, request.input, deadline)
+                    out.regression_result.CopyFrom(result)
+                else:
+                    raise ServingError(grpc.StatusCode.UNIMPLEMENTED,
+                                       f"MultiInference supports {CLASSIFY_METHOD} and {REGRESS_METHOD} "
+                                       f"tasks, not '{task.method_name}'")
+                self._fill_spec(out.model_spec, servable, sig.name)
         return resp

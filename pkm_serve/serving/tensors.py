@@ -6,8 +6,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2, types_pb2
 
-from pkm_serve.serving.config import DEFAULT_MAX_REQUEST_BYTES
 from pkm_serve.serving.errors import invalid
+from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
 
 
 # Fixed-width dtypes whose tensor_content is the raw little-endian array (the common
@@ -108,33 +108,56 @@ def _decode(name, proto) -> np.ndarray:
         raise invalid(f"input '{name}' is not a valid TensorProto: {e}") from None
 
 
-def to_proto(array: np.ndarray):
-    enum = _FAST_ENUMS.get(array.dtype) if array.dtype.byteorder != ">" else None
-    if enum is not None:
+# How each dtype's values go into its typed field (TF's Tensor::AsProtoField): the
+# 16-bit floats as their bit patterns, complex numbers as (real, imaginary) pairs.
+def _typed_values(array):
+    flat = np.ascontiguousarray(array).reshape(-1)
+    if array.dtype == np.float16 or array.dtype.name == "bfloat16":
+        return flat.view(np.uint16).tolist()
+    if array.dtype.kind == "c":
+        return flat.view(np.float32 if array.dtype.itemsize == 8 else np.float64).tolist()
+    return flat.tolist()
+
+
+def to_proto(array: np.ndarray, as_tensor_content: bool = False):
+    """An output TensorProto. By default its values go in the typed field (float_val, ...),
+    as TF Serving answers unless --enable_serialization_as_tensor_content is given."""
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    enum = _FAST_ENUMS.get(array.dtype)
+    if as_tensor_content and enum is not None:
         proto = tensor_pb2.TensorProto(dtype=enum)
         for d in array.shape:
             proto.tensor_shape.dim.add(size=d)
         proto.tensor_content = np.ascontiguousarray(array).tobytes()
         return proto
-    return tf.make_tensor_proto(array)
+    if array.dtype == object or array.dtype.kind in "SU":
+        return tf.make_tensor_proto(array)   # strings always go in string_val
+    try:
+        enum = tf.as_dtype(array.dtype).as_datatype_enum
+    except TypeError:
+        raise invalid(f"the model returned an output of dtype {array.dtype}, which a TensorProto "
+                      "cannot carry") from None
+    proto = tensor_pb2.TensorProto(dtype=enum)
+    for d in array.shape:
+        proto.tensor_shape.dim.add(size=d)
+    field = _VALUE_FIELDS.get(enum)
+    if field is None:   # dtypes without a typed field (e.g. resource): raw bytes
+        proto.tensor_content = np.ascontiguousarray(array).tobytes()
+    else:
+        getattr(proto, field).extend(_typed_values(array))
+    return proto
 
 
-def describe_shape(shape) -> str:
-    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
-
-
-def check_against_spec(name: str, array: np.ndarray, spec: tf.TensorSpec, signature: str):
-    """Strict check used for gRPC: dtype must match exactly, shape be compatible."""
+def check_dtype(name: str, array: np.ndarray, expected: tf.DType, signature: str):
+    """The input's dtype must be the signature's (TF does not cast fed tensors)."""
     try:
         got = tf.as_dtype(array.dtype)
     except TypeError:
         raise invalid(f"input '{name}' has unsupported dtype {array.dtype}") from None
-    if got != spec.dtype:
+    if got != expected:
         raise invalid(f"input '{name}' has dtype {got.name} but signature '{signature}' "
-                      f"expects {spec.dtype.name}")
-    if not spec.shape.is_compatible_with(array.shape):  # (never for an unknown-rank spec)
-        raise invalid(f"input '{name}' has shape {describe_shape(array.shape)} but signature "
-                      f"'{signature}' expects {describe_shape(spec.shape.as_list())}")
+                      f"expects {expected.name}")
 
 
 # ---------------------------------------------------------------- REST JSON
@@ -158,6 +181,12 @@ def decode_b64(value):
     return value
 
 
+def _holds_b64(value) -> bool:
+    if isinstance(value, dict):
+        return "b64" in value
+    return isinstance(value, list) and any(_holds_b64(v) for v in value)
+
+
 def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
     """Converts a JSON value to an array of the signature's dtype, refusing lossy casts."""
     dtype = spec.dtype
@@ -173,6 +202,9 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
     except ValueError:
         raise invalid(f"input '{name}' is ragged: all rows must have the same shape") from None
     if arr.dtype == object:
+        if _holds_b64(value):
+            raise invalid(f"input '{name}' holds a {{\"b64\": ...}} value but the signature expects "
+                          f"{dtype.name}: base64 encodes only string (DT_STRING) inputs")
         raise invalid(f"input '{name}' is ragged or mixes types: all rows must have the same shape")
     if arr.dtype.kind in "US":
         raise invalid(f"input '{name}' holds strings but the signature expects {dtype.name}")
@@ -215,11 +247,47 @@ def _json_scalar_list(arr: np.ndarray, name: str):
         return np.array(flat, dtype=object).reshape(arr.shape).tolist() if arr.ndim else flat[0]
     if arr.dtype.name == "bfloat16" or (arr.dtype.kind == "f" and arr.dtype.itemsize < 8):
         # Print float32/16 values by their own shortest repr, not float64 noise.
-        as32 = arr.astype(np.float32)
-        if not as32.ndim:
-            return float(str(as32[()]))
-        return np.array([float(str(x)) for x in as32.reshape(-1)], dtype=object).reshape(arr.shape).tolist()
+        return shortest_float32_as_float64(arr.astype(np.float32)).tolist()
     return arr.tolist()
+
+
+_EXACT_POWERS_OF_TEN = 22   # 10**k is exact in float64 up to k = 22
+
+
+def shortest_float32_as_float64(values: np.ndarray) -> np.ndarray:
+    """For float32 values, the float64 nearest to each one's shortest round-trip decimal
+    (what str(np.float32(x)) prints), so that JSON shows 0.1, not 0.10000000149011612.
+
+    Vectorised because per-element str() dominated the REST cost of a response: the
+    decimal with p significant digits is m * 10**-k for an integer m; while 10**|k| is
+    exact in float64 the quotient (or product) is correctly rounded, i.e. the float64
+    nearest the decimal. p grows from 1 until the candidate rounds back to the float32.
+    Values beyond exact powers of ten (|x| < 1e-14 or >= 1e23) take the per-element path."""
+    flat = values.astype(np.float64).reshape(-1)
+    out = flat.copy()                                   # zeros, infinities, NaN stay as they are
+    todo = np.isfinite(flat) & (flat != 0)
+    exponent = np.floor(np.log10(np.abs(np.where(todo, flat, 1.0))))
+    # Every digit count 1..9 must have an exact scale, else a longer decimal could be taken
+    # for the shortest: k = digits - 1 - exponent spans [-exponent, 8 - exponent].
+    vector = todo & (exponent >= -_EXACT_POWERS_OF_TEN + 8) & (exponent <= _EXACT_POWERS_OF_TEN)
+    per_element, todo = todo & ~vector, vector
+    for digits in range(1, 10):
+        k = digits - 1 - exponent
+        now = todo
+        if not now.any():
+            break
+        v, kk = flat[now], k[now]
+        scale = 10.0 ** np.abs(kk)
+        up = kk >= 0
+        m = np.rint(np.where(up, v * scale, v / scale))
+        candidate = np.where(up, m / scale, m * scale)
+        ok = candidate.astype(np.float32) == v.astype(np.float32)
+        where = np.flatnonzero(now)[ok]
+        out[where] = candidate[ok]
+        todo[where] = False
+    for i in np.flatnonzero(todo | per_element):
+        out[i] = float(str(np.float32(flat[i])))
+    return out.reshape(values.shape)
 
 
 def to_json(name: str, arr: np.ndarray):

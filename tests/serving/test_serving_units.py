@@ -27,6 +27,9 @@ def test_flags_use_tf_serving_names_and_safe_defaults():
     assert a.enable_batching is True and a.file_system_poll_wait_seconds == 1.0
     assert a.op_library == ["/a.so", "/b.so", "/c.so"]
     assert _args("--model_base_path=/m", "--enable_batching=false").enable_batching is False
+    assert _args("--model_base_path=/m", "--grpc_channel_arguments=grpc.max_send_message_length=9, "
+                 "grpc.primary_user_agent=x").grpc_channel_arguments == \
+        [("grpc.max_send_message_length", 9), ("grpc.primary_user_agent", "x")]
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -35,6 +38,7 @@ def test_flags_use_tf_serving_names_and_safe_defaults():
     (["--model_base_path=/m", "--port=0"], "nothing to serve"),
     (["--model_base_path=/m", "--batching_parameters_file=/b"], "needs --enable_batching"),
     (["--model_base_path=/m", "--enable_batching=maybe"], "expected true or false"),
+    (["--model_base_path=/m", "--grpc_channel_arguments=a=1,foo"], "'foo' is not key=value"),
 ])
 def test_bad_flags_are_rejected_with_a_message(capsys, argv, needle):
     with pytest.raises(SystemExit) as e:
