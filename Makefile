@@ -90,7 +90,7 @@ core-test: $(CORE_TEST)
 -include serving/cc_check.mk
 -include bench/scale.mk
 -include packaging.mk
--include pkm_serve/serving/serving.mk
+-include bench/serving.mk
 
 # ---- entry points -----------------------------------------------------------
 build: $(STAMP) $(BUILD_TARGETS)
