@@ -440,44 +440,30 @@ TfLiteStatus SpecFromCustomNode(TfLiteContext* context, const TfLiteNode* node,
                                 const OpOptions& options, bool ragged, BagSpec* spec) {
   const int num_inputs = node->inputs ? node->inputs->size : 0;
   const int num_outputs = node->outputs ? node->outputs->size : 0;
-  if (ragged) {
-    if (num_inputs != 3 && num_inputs != 4) {
-      context->ReportError(context,
-                           "%s: expects 3 or 4 inputs (params, values, row_splits[, weights]), got %d",
-                           kRaggedCustomOpName, num_inputs);
-      return kTfLiteError;
-    }
-    if (num_outputs != 1) {
-      context->ReportError(context, "%s: expects 1 output, got %d", kRaggedCustomOpName, num_outputs);
-      return kTfLiteError;
-    }
-    *spec = BagSpec();
-    spec->what = kRaggedCustomOpName;
-    spec->table = node->inputs->data[0];
-    spec->indices = node->inputs->data[1];
-    spec->row_splits = node->inputs->data[2];
-    spec->output = node->outputs->data[0];
-    spec->combiner = options.combiner;
-    if (num_inputs == 4 && options.has_weights) spec->weights = node->inputs->data[3];
-    return kTfLiteOk;
-  }
-  if (num_inputs != 2 && num_inputs != 3) {
-    context->ReportError(context,
-                         "PkmEmbeddingBag: expects 2 or 3 inputs (params, indices[, weights]), got %d",
+  // Inputs: params, indices (ragged: values, row_splits)[, weights].
+  const int first_optional = ragged ? 3 : 2;
+  const char* what = ragged ? kRaggedCustomOpName : kCustomOpName;
+  if (num_inputs != first_optional && num_inputs != first_optional + 1) {
+    context->ReportError(context, "%s: expects %d or %d inputs (%s), got %d", what, first_optional,
+                         first_optional + 1,
+                         ragged ? "params, values, row_splits[, weights]" : "params, indices[, weights]",
                          num_inputs);
     return kTfLiteError;
   }
   if (num_outputs != 1) {
-    context->ReportError(context, "PkmEmbeddingBag: expects 1 output, got %d", num_outputs);
+    context->ReportError(context, "%s: expects 1 output, got %d", what, num_outputs);
     return kTfLiteError;
   }
   *spec = BagSpec();
+  spec->what = what;
   spec->table = node->inputs->data[0];
   spec->indices = node->inputs->data[1];
+  if (ragged) spec->row_splits = node->inputs->data[2];
   spec->output = node->outputs->data[0];
   spec->combiner = options.combiner;
-  // has_weights=false: the third input is a placeholder (may be shape [0]).
-  if (num_inputs == 3 && options.has_weights) spec->weights = node->inputs->data[2];
+  // has_weights=false: the weights input is a placeholder (may be shape [0]).
+  if (num_inputs > first_optional && options.has_weights)
+    spec->weights = node->inputs->data[first_optional];
   return kTfLiteOk;
 }
 
