@@ -219,11 +219,12 @@ TfLiteStatus BindIds(Binder& c, const BagSpec& spec, Bags* b, std::vector<int64_
   int64_t index_bytes;
   if (c.Size(role, *idims, b->indices_int64 ? 8 : 4, num_indices, &index_bytes) != kTfLiteOk)
     return kTfLiteError;
+  if (c.Buffer(role, indices, index_bytes, *idims) != kTfLiteOk) return kTfLiteError;
   if (!ragged) {
     b->bag_size = idims->back();
     if (!CheckedNumElements(idims->data(), idims->size() - 1, &b->num_bags))
       return c.Fail("indices shape too large: " + ShapeString(*idims));
-    return c.Buffer(role, indices, index_bytes, *idims);
+    return kTfLiteOk;
   }
   TfLiteTensor* splits;
   std::vector<int64_t> sdims;

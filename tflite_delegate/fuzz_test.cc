@@ -579,9 +579,80 @@ bool BadRowSplitsAreRejected() {
   return true;
 }
 
+// Prepare, then Invoke if Prepare passed, of a custom node on tensors
+// 0..num_inputs-1 with output tensor num_inputs; the message in g_last_error.
+TfLiteStatus RunCustomNode(Fixture* f, TfLiteRegistration* reg, int num_inputs) {
+  f->context.ReportError = ReportError;
+  f->context.ResizeTensor = ResizeTensor;
+  f->context.recommended_num_threads = 1;
+  f->context.tensors = f->tensors.data();
+  f->context.tensors_size = f->tensors.size();
+  std::vector<int> inputs(num_inputs);
+  for (int i = 0; i < num_inputs; ++i) inputs[i] = i;
+  TfLiteNode node;
+  std::memset(&node, 0, sizeof(node));
+  node.inputs = IntArray(inputs);
+  node.outputs = IntArray({num_inputs});
+  node.user_data = reg->init(&f->context, nullptr, 0);
+  g_last_error.clear();
+  TfLiteStatus st = reg->prepare(&f->context, &node);
+  if (st == kTfLiteOk) st = reg->invoke(&f->context, &node);
+  reg->free(&f->context, node.user_data);
+  std::free(node.inputs);
+  std::free(node.outputs);
+  return st;
+}
+
+// An input whose buffer is one byte short of its shape is an error naming
+// that input, for every input of both ops; the same node with full buffers runs.
+bool ShortBuffersAreRejected() {
+  struct Case { bool ragged; int input; const char* message; };
+  const Case cases[] = {
+      {false, -1, nullptr},
+      {false, 0, "PkmEmbeddingBag: params buffer is smaller than its shape [4, 2]"},
+      {false, 1, "PkmEmbeddingBag: indices buffer is smaller than its shape [2, 2]"},
+      {false, 2, "PkmEmbeddingBag: weights buffer is smaller than its shape [2, 2]"},
+      {true, -1, nullptr},
+      {true, 0, "PkmRaggedEmbeddingBag: params buffer is smaller than its shape [4, 2]"},
+      {true, 1, "PkmRaggedEmbeddingBag: values buffer is smaller than its shape [3]"},
+      {true, 2, "PkmRaggedEmbeddingBag: row_splits buffer is smaller than its shape [3]"},
+      {true, 3, "PkmRaggedEmbeddingBag: weights buffer is smaller than its shape [3]"},
+  };
+  for (const Case& c : cases) {
+    Fixture f;
+    const int num_inputs = c.ragged ? 4 : 3;
+    f.tensors.resize(num_inputs + 1);
+    SmallTensor(&f, 0, kTfLiteFloat32, {4, 2});
+    if (c.ragged) {
+      SmallTensor(&f, 1, kTfLiteInt64, {3});  // values (zeros: row 0)
+      SmallTensor(&f, 2, kTfLiteInt64, {3});  // row_splits {0, 2, 3}
+      f.tensors[2].data.i64[1] = 2;
+      f.tensors[2].data.i64[2] = 3;
+      SmallTensor(&f, 3, kTfLiteFloat32, {3});
+    } else {
+      SmallTensor(&f, 1, kTfLiteInt32, {2, 2});
+      SmallTensor(&f, 2, kTfLiteFloat32, {2, 2});
+    }
+    SmallTensor(&f, num_inputs, kTfLiteFloat32, {});
+    for (int i = 0; i < num_inputs; ++i)  // exact sizes, so one byte less is short
+      f.tensors[i].bytes = Count(f.tensors[i].dims) * ElemBytes(f.tensors[i].type);
+    if (c.input >= 0) f.tensors[c.input].bytes -= 1;
+    TfLiteRegistration* reg =
+        c.ragged ? PkmRaggedEmbeddingBagRegistration() : PkmEmbeddingBagRegistration();
+    const TfLiteStatus st = RunCustomNode(&f, reg, num_inputs);
+    if (c.message == nullptr) {
+      EXPECT(st == kTfLiteOk, "full buffers (ragged=%d): '%s'", c.ragged, g_last_error.c_str());
+    } else {
+      EXPECT(st == kTfLiteError && g_last_error == c.message, "input %d short (ragged=%d): status %d, message '%s'",
+             c.input, c.ragged, static_cast<int>(st), g_last_error.c_str());
+    }
+  }
+  return true;
+}
+
 int main(int argc, char** argv) {
   if (!HugeShapesAreRejected() || !BadScalesAreRejected() || !FusedChainRejectsNegativeIndices() ||
-      !NodesShareOnePool() || !BadRowSplitsAreRejected())
+      !NodesShareOnePool() || !BadRowSplitsAreRejected() || !ShortBuffersAreRejected())
     return 1;
   std::printf("deterministic cases passed\n");
   const int iterations = argc > 1 ? std::atoi(argv[1]) : 2000;
