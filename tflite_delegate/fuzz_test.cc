@@ -235,19 +235,20 @@ void SmallTensor(Fixture* f, int i, TfLiteType type, const std::vector<int>& dim
   f->owned.push_back(t.data.raw);
 }
 
-// Prepare (then Invoke if Prepare passed) of a 3-input custom node on
-// tensors 0..3; returns the first status, the message in g_last_error.
-TfLiteStatus RunNode(Fixture* f) {
+// Prepare, then Invoke if Prepare passed, of a custom node on tensors
+// 0..num_inputs-1 with output tensor num_inputs; the message in g_last_error.
+TfLiteStatus RunCustomNode(Fixture* f, TfLiteRegistration* reg, int num_inputs) {
   f->context.ReportError = ReportError;
   f->context.ResizeTensor = ResizeTensor;
   f->context.recommended_num_threads = 1;
   f->context.tensors = f->tensors.data();
   f->context.tensors_size = f->tensors.size();
-  TfLiteRegistration* reg = PkmEmbeddingBagRegistration();
+  std::vector<int> inputs(num_inputs);
+  for (int i = 0; i < num_inputs; ++i) inputs[i] = i;
   TfLiteNode node;
   std::memset(&node, 0, sizeof(node));
-  node.inputs = IntArray({0, 1, 2});
-  node.outputs = IntArray({3});
+  node.inputs = IntArray(inputs);
+  node.outputs = IntArray({num_inputs});
   node.user_data = reg->init(&f->context, nullptr, 0);
   g_last_error.clear();
   TfLiteStatus st = reg->prepare(&f->context, &node);
@@ -257,6 +258,9 @@ TfLiteStatus RunNode(Fixture* f) {
   std::free(node.outputs);
   return st;
 }
+
+// The dense op with 3 inputs.
+TfLiteStatus RunNode(Fixture* f) { return RunCustomNode(f, PkmEmbeddingBagRegistration(), 3); }
 
 bool HugeShapesAreRejected() {
   const int big = 0x7fffffff;
@@ -553,21 +557,7 @@ bool BadRowSplitsAreRejected() {
     SmallTensor(&f, 3, kTfLiteFloat32, {c.nnz});
     SmallTensor(&f, 4, kTfLiteFloat32, {});
     for (size_t i = 0; i < c.splits.size(); ++i) f.tensors[2].data.i64[i] = c.splits[i];
-    f.context.ReportError = ReportError;
-    f.context.ResizeTensor = ResizeTensor;
-    f.context.tensors = f.tensors.data();
-    f.context.tensors_size = f.tensors.size();
-    TfLiteNode node;
-    std::memset(&node, 0, sizeof(node));
-    node.inputs = IntArray({0, 1, 2, 3});
-    node.outputs = IntArray({4});
-    node.user_data = reg->init(&f.context, nullptr, 0);
-    g_last_error.clear();
-    TfLiteStatus st = reg->prepare(&f.context, &node);
-    if (st == kTfLiteOk) st = reg->invoke(&f.context, &node);
-    reg->free(&f.context, node.user_data);
-    std::free(node.inputs);
-    std::free(node.outputs);
+    const TfLiteStatus st = RunCustomNode(&f, reg, 4);
     if (c.message == nullptr) {
       EXPECT(st == kTfLiteOk, "ragged splits ok: '%s'", g_last_error.c_str());
     } else {
@@ -577,30 +567,6 @@ bool BadRowSplitsAreRejected() {
     }
   }
   return true;
-}
-
-// Prepare, then Invoke if Prepare passed, of a custom node on tensors
-// 0..num_inputs-1 with output tensor num_inputs; the message in g_last_error.
-TfLiteStatus RunCustomNode(Fixture* f, TfLiteRegistration* reg, int num_inputs) {
-  f->context.ReportError = ReportError;
-  f->context.ResizeTensor = ResizeTensor;
-  f->context.recommended_num_threads = 1;
-  f->context.tensors = f->tensors.data();
-  f->context.tensors_size = f->tensors.size();
-  std::vector<int> inputs(num_inputs);
-  for (int i = 0; i < num_inputs; ++i) inputs[i] = i;
-  TfLiteNode node;
-  std::memset(&node, 0, sizeof(node));
-  node.inputs = IntArray(inputs);
-  node.outputs = IntArray({num_inputs});
-  node.user_data = reg->init(&f->context, nullptr, 0);
-  g_last_error.clear();
-  TfLiteStatus st = reg->prepare(&f->context, &node);
-  if (st == kTfLiteOk) st = reg->invoke(&f->context, &node);
-  reg->free(&f->context, node.user_data);
-  std::free(node.inputs);
-  std::free(node.outputs);
-  return st;
 }
 
 // An input whose buffer is one byte short of its shape is an error naming
