@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 
 
-def status_bytes(field: str) -> int:
-    """A size field of /proc/self/status (e.g. VmRSS, VmHWM), in bytes."""
-    with open("/proc/self/status") as f:
+def status_bytes(field: str, pid: int | str = "self") -> int:
+    """A size field of /proc/<pid>/status (e.g. VmRSS, VmHWM), in bytes; this
+    process by default. OSError if that process is gone."""
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise KeyError(f"/proc/self/status has no {field}")
+    raise KeyError(f"/proc/{pid}/status has no {field}")
 
 
 def reset_peak_rss() -> None:

@@ -29,7 +29,8 @@ import urllib.request
 
 import numpy as np
 
-from pkm_serve._memory import peak_rss_growth
+from pkm_serve._memory import peak_rss_growth, status_bytes
+from pkm_serve.product_keys import product_key_search
 
 STEPS = 6
 
@@ -77,18 +78,7 @@ def build_composite_pkm(tf, d_model=64, k_dim=32, n_keys=256, heads=4, knn=32, v
         def serve(self, query):
             batch = tf.shape(query)[0]
             q = tf.reshape(tf.matmul(query, self.query_proj), [batch, heads, 2, half])
-            # scores of each half-query against its sub-keys: [batch, heads, 2, n_keys]
-            sub_scores = tf.einsum("bhsk,hsnk->bhsn", q, self.sub_keys)
-            s, i = tf.math.top_k(sub_scores, knn)                         # [b, h, 2, knn]
-            scores = s[:, :, 0, :, None] + s[:, :, 1, None, :]            # [b, h, knn, knn]
-            slots = i[:, :, 0, :, None] * n_keys + i[:, :, 1, None, :]
-            scores = tf.reshape(scores, [batch, heads, knn * knn])
-            slots = tf.reshape(slots, [batch, heads, knn * knn])
-            best, pos = tf.math.top_k(scores, knn)                        # [b, h, knn]
-            chosen = tf.gather(slots, pos, batch_dims=2)
-            weights = tf.nn.softmax(best, axis=-1)
-            indices = tf.reshape(chosen, [batch, heads * knn])
-            weights = tf.reshape(weights, [batch, heads * knn])
+            indices, weights = product_key_search(tf, q, self.sub_keys, knn)   # [b, heads*knn] each
             # The composite EmbeddingBag: materialises [batch, heads*knn, v_dim].
             rows = tf.gather(self.values, indices)
             return {"output": tf.reduce_sum(rows * weights[..., None], axis=-2)}
@@ -131,51 +121,91 @@ def _run(args, workdir, children) -> bool:
     import tensorflow as tf
 
     from pkm_serve import ops
-    from pkm_serve.export import exporter
-    from pkm_serve import tflite as pkm_tflite
 
     ops.load_library()
     rng = np.random.default_rng(1)
     query = rng.standard_normal((args.batch, 64)).astype(np.float32)
     big_query = rng.standard_normal((args.memory_batch, 64)).astype(np.float32)
-    rows = []  # (path, outputs, latency ms, memory bytes, note)
 
     _step(1, "build a PKM model written with the composite gather -> multiply -> reduce_sum, and save it")
+    original_dir = _save_composite_model(tf, workdir)
+
+    _step(2, "pkm-serve export: fuse the composite sites, verify, write the serving SavedModel and .tflite files")
+    exported = _export(original_dir, workdir, args.memory_batch)
+    if exported is None:
+        return False
+    result, models_dir, tflite_paths = exported
+    ref, rows = _tf_rows(tf, original_dir, result.dst, query, big_query, args.repeats)
+
+    _step(3, "pkm-serve serve on free localhost ports; query it with TF Serving's client stubs and REST")
+    server, served_rows = _serve_rows(tf, models_dir, workdir, children, query, args.repeats)
+    rows += served_rows
+
+    _step(4, "LiteRT runs the .tflite files with the pkm_serve delegate (fp32 and int8 table)")
+    rows += _tflite_rows(tflite_paths, query, args.repeats)
+
+    _step(5, "compare")
+    ok = _print_table(rows, ref, result)
+
+    _step(6, "shut the server down (SIGTERM: drains in-flight requests)")
+    ok = _shut_down(server) and ok
+    print(f"\nDemo {'PASSED' if ok else 'FAILED'} in {time.perf_counter() - t_start:.0f} s "
+          f"(work directory {workdir})")
+    return ok
+
+
+# Each phase below returns its table rows: (path, outputs, latency ms, memory bytes, note).
+
+def _save_composite_model(tf, workdir) -> str:
     original_dir = os.path.join(workdir, "original")
     model = build_composite_pkm(tf)
     tf.saved_model.save(model, original_dir, signatures={"serving_default": model.serve})
-    del model
     print(f"      saved {original_dir} (value table 65536 x 256 float32, 4 heads x top-32 = 128 rows per query)")
+    return original_dir
 
-    _step(2, "pkm-serve export: fuse the composite sites, verify, write the serving SavedModel and .tflite files")
+
+def _export(original_dir, workdir, batch_size):
+    """-> (export result, serving models dir, [(label, .tflite path)]), or None if nothing fused."""
+    from pkm_serve import tflite as pkm_tflite
+    from pkm_serve.export import exporter
+
     models_dir = os.path.join(workdir, "models", "pkm")
     tflite_fp32 = os.path.join(workdir, "pkm_fp32.tflite")
     tflite_int8 = os.path.join(workdir, "pkm_int8.tflite")
     result = exporter.export_saved_model(original_dir, models_dir, version=1, tflite=tflite_fp32,
-                                         batch_size=args.memory_batch)
+                                         batch_size=batch_size)
     print(exporter.format_report(result))
     if not result.fused:
         print("FAILED: the export fused no site")
-        return False
+        return None
     with open(tflite_fp32, "rb") as f:
         int8_bytes = pkm_tflite.quantize_table_int8(f.read())
     with open(tflite_int8, "wb") as f:
         f.write(int8_bytes)
+    return result, models_dir, [("TFLite fp32 (LiteRT + delegate)", tflite_fp32),
+                                ("TFLite int8 table (LiteRT + delegate)", tflite_int8)]
 
+
+def _tf_rows(tf, original_dir, fused_dir, query, big_query, repeats):
+    """The original and the fused SavedModel in this process -> (reference output, rows)."""
     original = tf.saved_model.load(original_dir).signatures["serving_default"]
-    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    fused = tf.saved_model.load(fused_dir).signatures["serving_default"]
     memory = {}
     with peak_rss_growth(memory, "original"):
         original(query=tf.constant(big_query))
     with peak_rss_growth(memory, "fused"):
         fused(query=tf.constant(big_query))
     ref = original(query=tf.constant(query))["output"].numpy()
-    rows.append(("original composite (TF)", ref,
-                 _median_ms(lambda: original(query=tf.constant(query)), args.repeats), memory["original"], ""))
-    rows.append(("fused op (TF SavedModel)", fused(query=tf.constant(query))["output"].numpy(),
-                 _median_ms(lambda: fused(query=tf.constant(query)), args.repeats), memory["fused"], ""))
+    return ref, [
+        ("original composite (TF)", ref,
+         _median_ms(lambda: original(query=tf.constant(query)), repeats), memory["original"], ""),
+        ("fused op (TF SavedModel)", fused(query=tf.constant(query))["output"].numpy(),
+         _median_ms(lambda: fused(query=tf.constant(query)), repeats), memory["fused"], ""),
+    ]
 
-    _step(3, "pkm-serve serve on free localhost ports; query it with TF Serving's client stubs and REST")
+
+def _serve_rows(tf, models_dir, workdir, children, query, repeats):
+    """Starts the server (left running, in `children`) and queries it -> (server, rows)."""
     grpc_port, rest_port = _free_port(), _free_port()
     server_log_path = os.path.join(workdir, "server.log")
     with open(server_log_path, "w") as server_log:  # a file, not a pipe nobody drains
@@ -185,14 +215,20 @@ def _run(args, workdir, children) -> bool:
             stdout=server_log, stderr=subprocess.STDOUT)
     children.append(server)
     served, served_ms, rest_out = _query_server(tf, server, server_log_path, grpc_port, rest_port, query,
-                                                args.repeats)
-    server_rss = _process_peak_rss(server.pid)
-    rows.append(("served: gRPC Predict", served, served_ms, server_rss, "server process peak RSS"))
-    rows.append(("served: REST :predict", rest_out, float("nan"), None, "same server"))
+                                                repeats)
+    try:
+        server_rss = status_bytes("VmHWM", pid=server.pid)
+    except (OSError, KeyError):
+        server_rss = None
+    return server, [("served: gRPC Predict", served, served_ms, server_rss, "server process peak RSS"),
+                    ("served: REST :predict", rest_out, float("nan"), None, "same server")]
 
-    _step(4, "LiteRT runs the .tflite files with the pkm_serve delegate (fp32 and int8 table)")
-    for label, path in (("TFLite fp32 (LiteRT + delegate)", tflite_fp32),
-                        ("TFLite int8 table (LiteRT + delegate)", tflite_int8)):
+
+def _tflite_rows(tflite_paths, query, repeats):
+    from pkm_serve import tflite as pkm_tflite
+
+    rows = []
+    for label, path in tflite_paths:
         interp = pkm_tflite.make_interpreter(path, interpreter="litert", num_threads=2)
         inp = interp.get_input_details()[0]
         interp.resize_tensor_input(inp["index"], list(query.shape))
@@ -207,15 +243,14 @@ def _run(args, workdir, children) -> bool:
             interp.set_tensor(inp["index"], query)
             interp.invoke()
 
-        ms = _median_ms(invoke, args.repeats)
+        ms = _median_ms(invoke, repeats)
         size = os.path.getsize(path)
         rows.append((label, interp.get_tensor(out_index).copy(), ms, mem["tfl"],
                      f"model file {size / 2**20:.0f} MiB (memory-mapped: table pages count once read)"))
+    return rows
 
-    _step(5, "compare")
-    ok = _print_table(rows, ref, result)
 
-    _step(6, "shut the server down (SIGTERM: drains in-flight requests)")
+def _shut_down(server) -> bool:
     server.terminate()
     try:
         code = server.wait(timeout=30)
@@ -223,10 +258,7 @@ def _run(args, workdir, children) -> bool:
         server.kill()
         code = "killed after 30 s"
     print(f"      server exited with {code}")
-    ok = ok and code == 0
-    print(f"\nDemo {'PASSED' if ok else 'FAILED'} in {time.perf_counter() - t_start:.0f} s "
-          f"(work directory {workdir})")
-    return ok
+    return code == 0
 
 
 def _query_server(tf, server, server_log_path, grpc_port, rest_port, query, repeats):
@@ -280,17 +312,6 @@ def _query_over_channel(tf, server, server_log_path, channel, grpc_port, rest_po
     outputs = payload["outputs"]
     rest_out = np.asarray(outputs["output"] if isinstance(outputs, dict) else outputs, np.float32)
     return served, ms, rest_out
-
-
-def _process_peak_rss(pid: int):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def _print_table(rows, ref, result) -> bool:

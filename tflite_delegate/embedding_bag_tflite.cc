@@ -7,6 +7,7 @@
 #include <cstring>
 #include <memory>
 
+#include "kernels/core/internal.h"
 #include "tflite_delegate/flexbuffer_map.h"
 #include "tflite_delegate/thread_pool.h"
 
@@ -42,7 +43,7 @@ std::string ShapeString(const std::vector<int64_t>& dims) {
   return s + "]";
 }
 
-// Everything needed to call the core, derived from the tensors.
+// The core's call, mapped from the tensors: Table/Bags plus the output.
 struct Bound {
   Table table;
   Bags bags;
@@ -52,9 +53,13 @@ struct Bound {
   TfLiteTensor* output = nullptr;
 };
 
-class Checker {
+// Reads tensors of one node and reports what is wrong with them, prefixed by
+// the op's name. Buffers are checked only at Invoke (check_buffers): the arena
+// is allocated after Prepare.
+class Binder {
  public:
-  Checker(TfLiteContext* context, const BagSpec& spec) : context_(context), spec_(spec) {}
+  Binder(TfLiteContext* context, const BagSpec& spec, bool check_buffers)
+      : context_(context), spec_(spec), check_buffers_(check_buffers) {}
   TfLiteStatus Fail(const std::string& msg) {
     context_->ReportError(context_, "%s: %s", spec_.what, msg.c_str());
     return kTfLiteError;
@@ -72,17 +77,26 @@ class Checker {
       if (v < 0) return Fail(std::string(role) + " has a negative dimension " + ShapeString(*dims));
     return kTfLiteOk;
   }
-  // Element count and byte size of a shape; error if either overflows int64.
-  TfLiteStatus Size(const char* role, const std::vector<int64_t>& dims, int64_t elem_size,
+  // Element count and byte size of a shape; error if either overflows int64
+  // (a wrapped product would let the buffer checks pass on a malformed shape).
+  TfLiteStatus Size(const std::string& role, const std::vector<int64_t>& dims, int64_t elem_size,
                     int64_t* elems, int64_t* bytes) {
     if (CheckedNumElements(dims, elems) && CheckedBytes(*elems, elem_size, bytes)) return kTfLiteOk;
-    return Fail(std::string(role) + " shape too large: " + ShapeString(dims) +
-                " (its size overflows int64)");
+    return Fail(role + " shape too large: " + ShapeString(dims) + " (its size overflows int64)");
+  }
+  // A tensor whose buffer is smaller than its shape is malformed.
+  TfLiteStatus Buffer(const std::string& role, const TfLiteTensor* t, int64_t bytes,
+                      const std::vector<int64_t>& dims) {
+    if (!check_buffers_ || bytes == 0 ||
+        (t->data.data != nullptr && t->bytes >= static_cast<size_t>(bytes)))
+      return kTfLiteOk;
+    return Fail(role + " buffer is smaller than its shape " + ShapeString(dims));
   }
 
  private:
   TfLiteContext* context_;
   const BagSpec& spec_;
+  const bool check_buffers_;
 };
 
 // A usable dequantisation scale.
@@ -152,132 +166,139 @@ bool ReadAffineScales(const TfLiteTensor* t, int64_t rows, BagState* state,
   return true;
 }
 
-// Shared by Prepare and Invoke: validates every tensor and fills `bound`.
-// Buffers are checked only at Invoke: the arena is allocated after Prepare.
-TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* state,
-                  bool check_buffers, Bound* bound) {
-  Checker c(context, spec);
-  TfLiteTensor *table, *indices, *output;
-  std::vector<int64_t> tdims, idims, odims;
-  if (c.Get(spec.table, "params", &table, &tdims) != kTfLiteOk ||
-      c.Get(spec.indices, "indices", &indices, &idims) != kTfLiteOk ||
-      c.Get(spec.output, "output", &output, &odims) != kTfLiteOk)
-    return kTfLiteError;
+// Params -> Table. The int8 row scales come from Prepare (state).
+TfLiteStatus BindTable(Binder& c, const BagSpec& spec, const BagState* state, Table* t,
+                       ElemType* out_type, Bound* bound) {
+  TfLiteTensor *table, *output;
+  std::vector<int64_t> tdims, odims;
+  if (c.Get(spec.table, "params", &table, &tdims) != kTfLiteOk) return kTfLiteError;
   if (tdims.size() != 2)
     return c.Fail("params must be rank 2 [N, D], got shape " + ShapeString(tdims));
-  ElemType table_type;
-  if (!ToElemType(table->type, &table_type))
+  if (!ToElemType(table->type, &t->type))
     return c.Fail("params must be float32, float16, bfloat16 or int8 (per-row quantised), got " +
                   TypeName(table->type));
-  const bool ragged = spec.row_splits >= 0;
-  const std::string ids_role = ragged ? "values" : "indices";
-  if (indices->type != kTfLiteInt32 && indices->type != kTfLiteInt64)
-    return c.Fail(ids_role + " must be int32 or int64, got " + TypeName(indices->type));
-  if (ragged && idims.size() != 1)
-    return c.Fail("values must be rank 1 (the flat ids of all bags), got shape " +
-                  ShapeString(idims));
-  if (idims.empty()) return c.Fail("indices must have rank >= 1 ([..., K]), got a scalar");
-  ElemType out_type;
-  if (!ToElemType(output->type, &out_type) || out_type == ElemType::kInt8)
+  if (c.Get(spec.output, "output", &output, &odims) != kTfLiteOk) return kTfLiteError;
+  if (!ToElemType(output->type, out_type) || *out_type == ElemType::kInt8)
     return c.Fail("output must be float32, float16 or bfloat16, got " + TypeName(output->type));
-  if (table_type != ElemType::kInt8 && out_type != table_type)
+  if (t->type != ElemType::kInt8 && *out_type != t->type)
     return c.Fail("output type " + TypeName(output->type) + " differs from params type " +
                   TypeName(table->type));
-
-  Table& t = bound->table;
-  t.data = table->data.data;
-  t.type = table_type;
-  t.num_rows = tdims[0];
-  t.dim = tdims[1];
-  if (table_type == ElemType::kInt8) {
-    if (state == nullptr || static_cast<int64_t>(state->row_scales.size()) != t.num_rows)
+  t->data = table->data.data;
+  t->num_rows = tdims[0];
+  t->dim = tdims[1];
+  if (t->type == ElemType::kInt8) {
+    if (state == nullptr || static_cast<int64_t>(state->row_scales.size()) != t->num_rows)
       return c.Fail("int8 params: row scales were not prepared for " +
-                    std::to_string(t.num_rows) + " rows");
-    t.row_scales = state->row_scales.data();
-    t.row_zero_points = state->row_zero_points.data();
+                    std::to_string(t->num_rows) + " rows");
+    t->row_scales = state->row_scales.data();
+    t->row_zero_points = state->row_zero_points.data();
   }
+  int64_t elems, bytes;
+  if (c.Size("params", tdims, ElemSize(t->type), &elems, &bytes) != kTfLiteOk) return kTfLiteError;
+  bound->output = output;
+  return c.Buffer("params", table, bytes, tdims);
+}
 
-  // Every count and byte size below is overflow-checked: a wrapped product
-  // would make the buffer checks pass on a malformed shape.
-  const int64_t index_size = indices->type == kTfLiteInt64 ? 8 : 4;
-  int64_t table_elems, table_bytes, num_indices, index_bytes;
-  if (c.Size("params", tdims, ElemSize(table_type), &table_elems, &table_bytes) != kTfLiteOk ||
-      c.Size(ids_role.c_str(), idims, index_size, &num_indices, &index_bytes) != kTfLiteOk)
+// Indices (dense [..., K]) or values + row_splits (ragged) -> Bags. Only the
+// layout is read: the core's ValidateBags checks the values (indices in range,
+// splits from 0, non-decreasing, ending at num_values) before using them.
+TfLiteStatus BindIds(Binder& c, const BagSpec& spec, Bags* b, std::vector<int64_t>* idims,
+                     int64_t* num_indices) {
+  const bool ragged = spec.row_splits >= 0;
+  const std::string role = ragged ? "values" : "indices";
+  TfLiteTensor* indices;
+  if (c.Get(spec.indices, "indices", &indices, idims) != kTfLiteOk) return kTfLiteError;
+  if (indices->type != kTfLiteInt32 && indices->type != kTfLiteInt64)
+    return c.Fail(role + " must be int32 or int64, got " + TypeName(indices->type));
+  if (ragged && idims->size() != 1)
+    return c.Fail("values must be rank 1 (the flat ids of all bags), got shape " +
+                  ShapeString(*idims));
+  if (idims->empty()) return c.Fail("indices must have rank >= 1 ([..., K]), got a scalar");
+  b->indices = indices->data.data;
+  b->indices_int64 = indices->type == kTfLiteInt64;
+  int64_t index_bytes;
+  if (c.Size(role, *idims, b->indices_int64 ? 8 : 4, num_indices, &index_bytes) != kTfLiteOk)
     return kTfLiteError;
-  Bags& b = bound->bags;
-  b.indices = indices->data.data;
-  b.indices_int64 = indices->type == kTfLiteInt64;
-  if (ragged) {
-    // Only the layout is read here; the core checks the splits' values
-    // (start at 0, non-decreasing, end at num_values) before using them.
-    TfLiteTensor* splits;
-    std::vector<int64_t> sdims;
-    if (c.Get(spec.row_splits, "row_splits", &splits, &sdims) != kTfLiteOk) return kTfLiteError;
-    if (splits->type != kTfLiteInt32 && splits->type != kTfLiteInt64)
-      return c.Fail("row_splits must be int32 or int64, got " + TypeName(splits->type));
-    if (sdims.size() != 1 || sdims[0] < 1)
-      return c.Fail("row_splits must be rank 1 with at least one element ([num_bags + 1]), got shape " +
-                    ShapeString(sdims));
-    const int64_t split_bytes = sdims[0] * (splits->type == kTfLiteInt64 ? 8 : 4);
-    if (check_buffers && (splits->data.data == nullptr || splits->bytes < static_cast<size_t>(split_bytes)))
-      return c.Fail("row_splits buffer is smaller than its shape " + ShapeString(sdims));
-    b.row_splits = splits->data.data;
-    b.row_splits_int64 = splits->type == kTfLiteInt64;
-    b.num_bags = sdims[0] - 1;
-    b.num_values = idims[0];
-  } else {
-    b.bag_size = idims.back();
-    if (!CheckedNumElements(idims.data(), idims.size() - 1, &b.num_bags))
-      return c.Fail("indices shape too large: " + ShapeString(idims));
+  if (c.Buffer(role, indices, index_bytes, *idims) != kTfLiteOk) return kTfLiteError;
+  if (!ragged) {
+    b->bag_size = idims->back();
+    if (!CheckedNumElements(idims->data(), idims->size() - 1, &b->num_bags))
+      return c.Fail("indices shape too large: " + ShapeString(*idims));
+    return kTfLiteOk;
   }
-  if (spec.weights >= 0) {
-    TfLiteTensor* weights;
-    std::vector<int64_t> wdims;
-    if (c.Get(spec.weights, "weights", &weights, &wdims) != kTfLiteOk) return kTfLiteError;
-    if (weights->type != kTfLiteFloat32 && weights->type != kTfLiteFloat16 &&
-        weights->type != kTfLiteBFloat16)
-      return c.Fail("weights must be float32, float16 or bfloat16, got " + TypeName(weights->type));
-    ToElemType(weights->type, &b.weights_type);
-    int64_t weight_elems, weight_bytes;
-    if (c.Size("weights", wdims, ElemSize(b.weights_type), &weight_elems, &weight_bytes) != kTfLiteOk)
-      return kTfLiteError;
-    // A fused composite's weights may be any reshape of [..., K] (the
-    // delegate checked the chain only re-shapes them).
-    if (spec.composite ? weight_elems != num_indices : wdims != idims)
-      return c.Fail("weights shape " + ShapeString(wdims) + " must " +
-                    (spec.composite ? "have as many elements as indices " : "equal indices shape ") +
-                    ShapeString(idims));
-    b.weights = weights->data.data;
-    if (check_buffers && weight_bytes > 0 &&
-        (b.weights == nullptr || weights->bytes < static_cast<size_t>(weight_bytes)))
-      return c.Fail("weights buffer is smaller than its shape " + ShapeString(wdims));
-  }
+  TfLiteTensor* splits;
+  std::vector<int64_t> sdims;
+  if (c.Get(spec.row_splits, "row_splits", &splits, &sdims) != kTfLiteOk) return kTfLiteError;
+  if (splits->type != kTfLiteInt32 && splits->type != kTfLiteInt64)
+    return c.Fail("row_splits must be int32 or int64, got " + TypeName(splits->type));
+  if (sdims.size() != 1 || sdims[0] < 1)
+    return c.Fail("row_splits must be rank 1 with at least one element ([num_bags + 1]), got shape " +
+                  ShapeString(sdims));
+  b->row_splits = splits->data.data;
+  b->row_splits_int64 = splits->type == kTfLiteInt64;
+  b->num_bags = sdims[0] - 1;
+  b->num_values = (*idims)[0];
+  return c.Buffer("row_splits", splits, sdims[0] * (b->row_splits_int64 ? 8 : 4), sdims);
+}
 
-  // A tensor whose buffer is smaller than its shape is malformed.
-  if (check_buffers && table_bytes > 0 && (t.data == nullptr || table->bytes < static_cast<size_t>(table_bytes)))
-    return c.Fail("params buffer is smaller than its shape " + ShapeString(tdims));
-  if (check_buffers && index_bytes > 0 && (b.indices == nullptr || indices->bytes < static_cast<size_t>(index_bytes)))
-    return c.Fail(ids_role + " buffer is smaller than its shape " + ShapeString(idims));
+// Optional weights -> Bags::weights. A fused composite's weights may be any
+// reshape of [..., K] (the delegate checked that the chain only re-shapes them).
+TfLiteStatus BindWeights(Binder& c, const BagSpec& spec, const std::vector<int64_t>& idims,
+                         int64_t num_indices, Bags* b) {
+  if (spec.weights < 0) return kTfLiteOk;
+  TfLiteTensor* weights;
+  std::vector<int64_t> wdims;
+  if (c.Get(spec.weights, "weights", &weights, &wdims) != kTfLiteOk) return kTfLiteError;
+  if (!ToElemType(weights->type, &b->weights_type) || b->weights_type == ElemType::kInt8)
+    return c.Fail("weights must be float32, float16 or bfloat16, got " + TypeName(weights->type));
+  int64_t weight_elems, weight_bytes;
+  if (c.Size("weights", wdims, ElemSize(b->weights_type), &weight_elems, &weight_bytes) != kTfLiteOk)
+    return kTfLiteError;
+  if (spec.composite ? weight_elems != num_indices : wdims != idims)
+    return c.Fail("weights shape " + ShapeString(wdims) + " must " +
+                  (spec.composite ? "have as many elements as indices " : "equal indices shape ") +
+                  ShapeString(idims));
+  b->weights = weights->data.data;
+  return c.Buffer("weights", weights, weight_bytes, wdims);
+}
 
-  if (ragged)
-    bound->out_dims.assign(1, b.num_bags);
+// Shared by Prepare and Invoke: maps every tensor onto the core's Table/Bags
+// and works out the output shape.
+TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* state,
+                  bool check_buffers, Bound* bound) {
+  Binder c(context, spec, check_buffers);
+  std::vector<int64_t> idims;
+  int64_t num_indices;
+  if (BindTable(c, spec, state, &bound->table, &bound->out_type, bound) != kTfLiteOk ||
+      BindIds(c, spec, &bound->bags, &idims, &num_indices) != kTfLiteOk ||
+      BindWeights(c, spec, idims, num_indices, &bound->bags) != kTfLiteOk)
+    return kTfLiteError;
+  if (spec.row_splits >= 0)
+    bound->out_dims.assign(1, bound->bags.num_bags);
   else
     bound->out_dims.assign(idims.begin(), idims.end() - 1);
   if (spec.composite && spec.keep_dims) bound->out_dims.push_back(1);
-  bound->out_dims.push_back(t.dim);
+  bound->out_dims.push_back(bound->table.dim);
   int64_t out_elems;
-  if (c.Size("output", bound->out_dims, ElemSize(out_type), &out_elems, &bound->out_bytes) != kTfLiteOk)
-    return kTfLiteError;
-  bound->out_type = out_type;
-  bound->output = output;
-  return kTfLiteOk;
+  return c.Size("output", bound->out_dims, ElemSize(bound->out_type), &out_elems, &bound->out_bytes);
+}
+
+bool SameDims(const TfLiteIntArray* dims, const std::vector<int64_t>& want) {
+  if (dims == nullptr || dims->size != static_cast<int>(want.size())) return false;
+  for (size_t i = 0; i < want.size(); ++i)
+    if (dims->data[i] != want[i]) return false;
+  return true;
+}
+
+// The core's status as a TFLite error naming the op.
+TfLiteStatus Report(TfLiteContext* context, const BagSpec& spec, const Status& s) {
+  if (s.ok) return kTfLiteOk;
+  context->ReportError(context, "%s: %s", spec.what, s.message.c_str());
+  return kTfLiteError;
 }
 
 TfLiteStatus ResizeOutput(TfLiteContext* context, const Bound& bound) {
-  const TfLiteIntArray* cur = bound.output->dims;
-  bool same = cur != nullptr && cur->size == static_cast<int>(bound.out_dims.size());
-  for (size_t i = 0; same && i < bound.out_dims.size(); ++i) same = cur->data[i] == bound.out_dims[i];
-  if (same) return kTfLiteOk;
+  if (SameDims(bound.output->dims, bound.out_dims)) return kTfLiteOk;
   for (int64_t d : bound.out_dims) {
     if (d > 0x7fffffff) {
       context->ReportError(context, "PkmEmbeddingBag: output dimension %lld exceeds int32",
@@ -295,18 +316,17 @@ TfLiteStatus ResizeOutput(TfLiteContext* context, const Bound& bound) {
 }
 
 // Stock GATHER fails on any index outside [0, N) while the core treats
-// negatives as padding, so a fused chain checks for them itself: the fused
-// model must fail where the stock one does, not silently differ.
+// negatives as padding, so a fused chain also rejects those: the fused model
+// must fail where the stock one does, not silently differ. The first bad
+// position over both kinds is reported, as GATHER would. Reads indices with
+// the core's reader. (The core's ValidateBags has no "no padding" policy yet;
+// once it has, this scan goes.)
 Status CheckGatherIndices(const Table& table, const Bags& bags, const ParallelFor& pf) {
-  const int64_t n = bags.num_bags * bags.bag_size;  // overflow-checked in Bind
-  auto at = [&](int64_t j) {
-    return bags.indices_int64 ? static_cast<const int64_t*>(bags.indices)[j]
-                              : static_cast<const int32_t*>(bags.indices)[j];
-  };
+  const int64_t n = bags.NumIndices();  // dense: overflow-checked in Bind
   std::atomic<int64_t> first_bad{n};
   pf(n, 2, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      const int64_t v = at(j);
+      const int64_t v = internal::IndexAt(bags, j);
       if (v < 0 || v >= table.num_rows) {
         int64_t cur = first_bad.load();
         while (j < cur && !first_bad.compare_exchange_weak(cur, j)) {
@@ -317,9 +337,9 @@ Status CheckGatherIndices(const Table& table, const Bags& bags, const ParallelFo
   });
   const int64_t j = first_bad.load();
   if (j == n) return Status::Ok();
-  return Status::Error("indices[" + std::to_string(j) + "] = " + std::to_string(at(j)) +
-                       " is out of range [0, " + std::to_string(table.num_rows) +
-                       ") (stock GATHER allows no padding)");
+  return Status::Error("indices[" + std::to_string(j) + "] = " +
+                       std::to_string(internal::IndexAt(bags, j)) + " is out of range [0, " +
+                       std::to_string(table.num_rows) + ") (stock GATHER allows no padding)");
 }
 
 }  // namespace
@@ -400,87 +420,51 @@ TfLiteStatus InvokeBag(TfLiteContext* context, const BagSpec& spec, const BagSta
   if (bound.output->allocation_type == kTfLiteDynamic &&
       ResizeOutput(context, bound) != kTfLiteOk)
     return kTfLiteError;
-  const TfLiteIntArray* od = bound.output->dims;
-  bool same = od != nullptr && od->size == static_cast<int>(bound.out_dims.size());
-  for (size_t i = 0; same && i < bound.out_dims.size(); ++i) same = od->data[i] == bound.out_dims[i];
-  if (!same) {
+  if (!SameDims(bound.output->dims, bound.out_dims)) {
     context->ReportError(context, "%s: output shape does not match %s (inputs changed after Prepare)",
                          spec.what, ShapeString(bound.out_dims).c_str());
     return kTfLiteError;
   }
-  if (spec.composite) {
-    const Status s = CheckGatherIndices(bound.table, bound.bags, pf);
-    if (!s.ok) {
-      context->ReportError(context, "%s: %s", spec.what, s.message.c_str());
-      return kTfLiteError;
-    }
-  }
-  const int64_t out_bytes = bound.out_bytes;
-  if (out_bytes == 0) {
-    // Nothing to write (D == 0 or no bags), but bad indices are still an error.
-    const Status s = ValidateBags(bound.table, bound.bags, pf);
-    if (!s.ok) {
-      context->ReportError(context, "%s: %s", spec.what, s.message.c_str());
-      return kTfLiteError;
-    }
-    return kTfLiteOk;
-  }
-  if (bound.output->data.data == nullptr ||
-      bound.output->bytes < static_cast<size_t>(out_bytes)) {
+  if (spec.composite && Report(context, spec, CheckGatherIndices(bound.table, bound.bags, pf)) != kTfLiteOk)
+    return kTfLiteError;
+  // Nothing to write (D == 0 or no bags), but bad indices are still an error.
+  if (bound.out_bytes == 0) return Report(context, spec, ValidateBags(bound.table, bound.bags, pf));
+  if (bound.output->data.data == nullptr || bound.output->bytes < static_cast<size_t>(bound.out_bytes)) {
     context->ReportError(context, "%s: output buffer is not allocated", spec.what);
     return kTfLiteError;
   }
-  const Status s = Forward(bound.table, bound.bags, spec.combiner, bound.output->data.data,
-                           bound.out_type, pf);
-  if (!s.ok) {
-    context->ReportError(context, "%s: %s", spec.what, s.message.c_str());
-    return kTfLiteError;
-  }
-  return kTfLiteOk;
+  return Report(context, spec, Forward(bound.table, bound.bags, spec.combiner, bound.output->data.data,
+                                       bound.out_type, pf));
 }
 
 TfLiteStatus SpecFromCustomNode(TfLiteContext* context, const TfLiteNode* node,
                                 const OpOptions& options, bool ragged, BagSpec* spec) {
   const int num_inputs = node->inputs ? node->inputs->size : 0;
   const int num_outputs = node->outputs ? node->outputs->size : 0;
-  if (ragged) {
-    if (num_inputs != 3 && num_inputs != 4) {
-      context->ReportError(context,
-                           "%s: expects 3 or 4 inputs (params, values, row_splits[, weights]), got %d",
-                           kRaggedCustomOpName, num_inputs);
-      return kTfLiteError;
-    }
-    if (num_outputs != 1) {
-      context->ReportError(context, "%s: expects 1 output, got %d", kRaggedCustomOpName, num_outputs);
-      return kTfLiteError;
-    }
-    *spec = BagSpec();
-    spec->what = kRaggedCustomOpName;
-    spec->table = node->inputs->data[0];
-    spec->indices = node->inputs->data[1];
-    spec->row_splits = node->inputs->data[2];
-    spec->output = node->outputs->data[0];
-    spec->combiner = options.combiner;
-    if (num_inputs == 4 && options.has_weights) spec->weights = node->inputs->data[3];
-    return kTfLiteOk;
-  }
-  if (num_inputs != 2 && num_inputs != 3) {
-    context->ReportError(context,
-                         "PkmEmbeddingBag: expects 2 or 3 inputs (params, indices[, weights]), got %d",
+  // Inputs: params, indices (ragged: values, row_splits)[, weights].
+  const int first_optional = ragged ? 3 : 2;
+  const char* what = ragged ? kRaggedCustomOpName : kCustomOpName;
+  if (num_inputs != first_optional && num_inputs != first_optional + 1) {
+    context->ReportError(context, "%s: expects %d or %d inputs (%s), got %d", what, first_optional,
+                         first_optional + 1,
+                         ragged ? "params, values, row_splits[, weights]" : "params, indices[, weights]",
                          num_inputs);
     return kTfLiteError;
   }
   if (num_outputs != 1) {
-    context->ReportError(context, "PkmEmbeddingBag: expects 1 output, got %d", num_outputs);
+    context->ReportError(context, "%s: expects 1 output, got %d", what, num_outputs);
     return kTfLiteError;
   }
   *spec = BagSpec();
+  spec->what = what;
   spec->table = node->inputs->data[0];
   spec->indices = node->inputs->data[1];
+  if (ragged) spec->row_splits = node->inputs->data[2];
   spec->output = node->outputs->data[0];
   spec->combiner = options.combiner;
-  // has_weights=false: the third input is a placeholder (may be shape [0]).
-  if (num_inputs == 3 && options.has_weights) spec->weights = node->inputs->data[2];
+  // has_weights=false: the weights input is a placeholder (may be shape [0]).
+  if (num_inputs > first_optional && options.has_weights)
+    spec->weights = node->inputs->data[first_optional];
   return kTfLiteOk;
 }
 

@@ -235,19 +235,20 @@ void SmallTensor(Fixture* f, int i, TfLiteType type, const std::vector<int>& dim
   f->owned.push_back(t.data.raw);
 }
 
-// Prepare (then Invoke if Prepare passed) of a 3-input custom node on
-// tensors 0..3; returns the first status, the message in g_last_error.
-TfLiteStatus RunNode(Fixture* f) {
+// Prepare, then Invoke if Prepare passed, of a custom node on tensors
+// 0..num_inputs-1 with output tensor num_inputs; the message in g_last_error.
+TfLiteStatus RunCustomNode(Fixture* f, TfLiteRegistration* reg, int num_inputs) {
   f->context.ReportError = ReportError;
   f->context.ResizeTensor = ResizeTensor;
   f->context.recommended_num_threads = 1;
   f->context.tensors = f->tensors.data();
   f->context.tensors_size = f->tensors.size();
-  TfLiteRegistration* reg = PkmEmbeddingBagRegistration();
+  std::vector<int> inputs(num_inputs);
+  for (int i = 0; i < num_inputs; ++i) inputs[i] = i;
   TfLiteNode node;
   std::memset(&node, 0, sizeof(node));
-  node.inputs = IntArray({0, 1, 2});
-  node.outputs = IntArray({3});
+  node.inputs = IntArray(inputs);
+  node.outputs = IntArray({num_inputs});
   node.user_data = reg->init(&f->context, nullptr, 0);
   g_last_error.clear();
   TfLiteStatus st = reg->prepare(&f->context, &node);
@@ -257,6 +258,9 @@ TfLiteStatus RunNode(Fixture* f) {
   std::free(node.outputs);
   return st;
 }
+
+// The dense op with 3 inputs.
+TfLiteStatus RunNode(Fixture* f) { return RunCustomNode(f, PkmEmbeddingBagRegistration(), 3); }
 
 bool HugeShapesAreRejected() {
   const int big = 0x7fffffff;
@@ -553,21 +557,7 @@ bool BadRowSplitsAreRejected() {
     SmallTensor(&f, 3, kTfLiteFloat32, {c.nnz});
     SmallTensor(&f, 4, kTfLiteFloat32, {});
     for (size_t i = 0; i < c.splits.size(); ++i) f.tensors[2].data.i64[i] = c.splits[i];
-    f.context.ReportError = ReportError;
-    f.context.ResizeTensor = ResizeTensor;
-    f.context.tensors = f.tensors.data();
-    f.context.tensors_size = f.tensors.size();
-    TfLiteNode node;
-    std::memset(&node, 0, sizeof(node));
-    node.inputs = IntArray({0, 1, 2, 3});
-    node.outputs = IntArray({4});
-    node.user_data = reg->init(&f.context, nullptr, 0);
-    g_last_error.clear();
-    TfLiteStatus st = reg->prepare(&f.context, &node);
-    if (st == kTfLiteOk) st = reg->invoke(&f.context, &node);
-    reg->free(&f.context, node.user_data);
-    std::free(node.inputs);
-    std::free(node.outputs);
+    const TfLiteStatus st = RunCustomNode(&f, reg, 4);
     if (c.message == nullptr) {
       EXPECT(st == kTfLiteOk, "ragged splits ok: '%s'", g_last_error.c_str());
     } else {
@@ -579,9 +569,56 @@ bool BadRowSplitsAreRejected() {
   return true;
 }
 
+// An input whose buffer is one byte short of its shape is an error naming
+// that input, for every input of both ops; the same node with full buffers runs.
+bool ShortBuffersAreRejected() {
+  struct Case { bool ragged; int input; const char* message; };
+  const Case cases[] = {
+      {false, -1, nullptr},
+      {false, 0, "PkmEmbeddingBag: params buffer is smaller than its shape [4, 2]"},
+      {false, 1, "PkmEmbeddingBag: indices buffer is smaller than its shape [2, 2]"},
+      {false, 2, "PkmEmbeddingBag: weights buffer is smaller than its shape [2, 2]"},
+      {true, -1, nullptr},
+      {true, 0, "PkmRaggedEmbeddingBag: params buffer is smaller than its shape [4, 2]"},
+      {true, 1, "PkmRaggedEmbeddingBag: values buffer is smaller than its shape [3]"},
+      {true, 2, "PkmRaggedEmbeddingBag: row_splits buffer is smaller than its shape [3]"},
+      {true, 3, "PkmRaggedEmbeddingBag: weights buffer is smaller than its shape [3]"},
+  };
+  for (const Case& c : cases) {
+    Fixture f;
+    const int num_inputs = c.ragged ? 4 : 3;
+    f.tensors.resize(num_inputs + 1);
+    SmallTensor(&f, 0, kTfLiteFloat32, {4, 2});
+    if (c.ragged) {
+      SmallTensor(&f, 1, kTfLiteInt64, {3});  // values (zeros: row 0)
+      SmallTensor(&f, 2, kTfLiteInt64, {3});  // row_splits {0, 2, 3}
+      f.tensors[2].data.i64[1] = 2;
+      f.tensors[2].data.i64[2] = 3;
+      SmallTensor(&f, 3, kTfLiteFloat32, {3});
+    } else {
+      SmallTensor(&f, 1, kTfLiteInt32, {2, 2});
+      SmallTensor(&f, 2, kTfLiteFloat32, {2, 2});
+    }
+    SmallTensor(&f, num_inputs, kTfLiteFloat32, {});
+    for (int i = 0; i < num_inputs; ++i)  // exact sizes, so one byte less is short
+      f.tensors[i].bytes = Count(f.tensors[i].dims) * ElemBytes(f.tensors[i].type);
+    if (c.input >= 0) f.tensors[c.input].bytes -= 1;
+    TfLiteRegistration* reg =
+        c.ragged ? PkmRaggedEmbeddingBagRegistration() : PkmEmbeddingBagRegistration();
+    const TfLiteStatus st = RunCustomNode(&f, reg, num_inputs);
+    if (c.message == nullptr) {
+      EXPECT(st == kTfLiteOk, "full buffers (ragged=%d): '%s'", c.ragged, g_last_error.c_str());
+    } else {
+      EXPECT(st == kTfLiteError && g_last_error == c.message, "input %d short (ragged=%d): status %d, message '%s'",
+             c.input, c.ragged, static_cast<int>(st), g_last_error.c_str());
+    }
+  }
+  return true;
+}
+
 int main(int argc, char** argv) {
   if (!HugeShapesAreRejected() || !BadScalesAreRejected() || !FusedChainRejectsNegativeIndices() ||
-      !NodesShareOnePool() || !BadRowSplitsAreRejected())
+      !NodesShareOnePool() || !BadRowSplitsAreRejected() || !ShortBuffersAreRejected())
     return 1;
   std::printf("deterministic cases passed\n");
   const int iterations = argc > 1 ? std::atoi(argv[1]) : 2000;

@@ -31,7 +31,8 @@ void AxpyF32(float a, const float* __restrict row, float* __restrict acc, int64_
 }
 
 #if defined(PKM_HAS_HALF)
-// HalfType lets the compiler use F16C (vcvtph2ps) in the AVX2/AVX-512 clones.
+// HalfType lets the compiler use F16C (vcvtph2ps) in the AVX2/AVX-512 clones
+// (GCC builds; a clang build has only the baseline copy).
 PKM_MULTIVERSION
 void AxpyF16(float a, const uint16_t* __restrict row, float* __restrict acc, int64_t n) {
   const HalfType* h = reinterpret_cast<const HalfType*>(row);

@@ -1,8 +1,9 @@
-// Row-wise vector primitives of the CPU core. On x86-64 each is compiled
-// several times (AVX-512, AVX2+FMA+F16C, baseline) and picked at load time by
-// the CPU, so the library is fast on new CPUs and still loads on old ones.
-// Elsewhere they are compiled once for the baseline ISA (aarch64: NEON/ASIMD,
-// which every ARMv8-A CPU has).
+// Row-wise vector primitives of the CPU core. Built by GCC for x86-64, each is
+// compiled several times (AVX-512, AVX2+FMA+F16C, baseline) and picked at load
+// time by the CPU, so the library is fast on new CPUs and still loads on old
+// ones. Clang builds, -DPKM_NO_MULTIVERSION builds and other architectures get
+// one baseline copy (x86-64: SSE2 only; aarch64: NEON/ASIMD, which every
+// ARMv8-A CPU has).
 #ifndef PKM_KERNELS_CORE_VECTOR_OPS_H_
 #define PKM_KERNELS_CORE_VECTOR_OPS_H_
 

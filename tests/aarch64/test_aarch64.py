@@ -25,6 +25,7 @@ FIXTURES = os.path.join(HERE, "fixtures")
 sys.path.insert(0, HERE)
 
 from run_on_device import run_case  # noqa: E402
+from tests.reference import embedding_bag  # noqa: E402
 
 with open(os.path.join(FIXTURES, "manifest.json")) as _f:
     MANIFEST = json.load(_f)
@@ -62,19 +63,6 @@ def inputs_of(name):
 
 def x86_outputs(name):
     return [ARRAYS[f"{name}/x86_output_{i}"] for i in range(CASES[name]["n_outputs"])]
-
-
-def numpy_bag(table, idx, w=None, combiner="sum"):
-    """Independent reference in float64: negative index = padding."""
-    w = np.ones(idx.shape) if w is None else np.asarray(w, np.float64)
-    out = np.zeros((idx.shape[0], table.shape[1]))
-    for b in range(idx.shape[0]):
-        keep = idx[b] >= 0
-        rows, ws = idx[b][keep], w[b][keep]
-        s = (ws[:, None] * table[rows].astype(np.float64)).sum(0)
-        denom = {"sum": 1.0, "mean": ws.sum(), "sqrtn": np.sqrt((ws ** 2).sum())}[combiner]
-        out[b] = s / denom if denom != 0 else 0.0
-    return out
 
 
 def dequantised_table():
@@ -116,7 +104,7 @@ def test_stored_x86_outputs_match_numpy_float64(name):
     else:
         table = TABLE
     combiner = next((c for c in ("mean", "sqrtn") if c in name), "sum")
-    expect = numpy_bag(table, idx, w, combiner)
+    expect = embedding_bag(table, idx, w, combiner)
     if case["compare"] == "exact":
         # One index of weight 1 per bag: the output is exactly the dequantised row.
         assert (np.sum(idx >= 0, axis=1) == 1).all() and (w == 1).all()

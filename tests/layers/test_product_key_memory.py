@@ -6,7 +6,7 @@ import tensorflow as tf
 
 from pkm_serve import ops
 from pkm_serve.layers import OpLibraryUnavailableError, ProductKeyMemory
-from tests.layers.reference import product_key_memory_numpy
+from tests.reference import product_key_memory
 
 D_MODEL = 24
 SMALL = dict(v_dim=20, k_dim=16, n_keys=12, heads=3, knn=5)
@@ -46,7 +46,7 @@ def test_matches_numpy_reference(query_batchnorm, x_shape):
     x = rng.standard_normal(x_shape).astype(np.float32)
     out = layer(x, training=False)
     assert out.shape == x_shape[:-1] + (SMALL["v_dim"],)
-    np.testing.assert_allclose(out.numpy(), product_key_memory_numpy(layer, x), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out.numpy(), product_key_memory(layer, x), rtol=1e-4, atol=1e-5)
 
 
 def test_v_dim_defaults_to_input_dim_and_paper_defaults():
@@ -158,5 +158,5 @@ def test_missing_op_library_is_a_clear_error_unless_fallback(monkeypatch):
         layer = ProductKeyMemory(fallback="composite", **SMALL)
     x = np.random.default_rng(5).standard_normal((4, D_MODEL)).astype(np.float32)
     np.testing.assert_allclose(
-        layer(x).numpy(), product_key_memory_numpy(layer, x), rtol=1e-4, atol=1e-5
+        layer(x).numpy(), product_key_memory(layer, x), rtol=1e-4, atol=1e-5
     )

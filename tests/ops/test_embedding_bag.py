@@ -9,23 +9,10 @@ import pytest
 import tensorflow as tf
 
 from pkm_serve import ops
+from tests import reference
 
 DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
 RTOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
-
-
-def np_embedding_bag(params, bags, weights, combiner):
-    """float64 reference over a list of bags (each a list of indices)."""
-    params = np.asarray(params, np.float64)
-    out = np.zeros((len(bags), params.shape[1]))
-    for b, bag in enumerate(bags):
-        ws = np.ones(len(bag)) if weights is None else np.asarray(weights[b], np.float64)
-        keep = np.asarray(bag, np.int64) >= 0
-        idx, w = np.asarray(bag, np.int64)[keep], ws[keep]
-        s = (w[:, None] * params[idx]).sum(0) if len(idx) else np.zeros(params.shape[1])
-        denom = {"sum": 1.0, "mean": w.sum(), "sqrtn": np.sqrt((w * w).sum())}[combiner]
-        out[b] = s / denom if denom != 0 else 0.0
-    return out
 
 
 def to_np(x):
@@ -76,7 +63,7 @@ def test_forward_and_gradients_match_references(dtype_name, index_dtype, combine
     assert fused.dtype == dtype and fused.shape == indices.shape[:-1] + [16]
     flat_idx = indices.numpy().reshape(-1, k)
     flat_w = None if w is None else to_np(weights).reshape(-1, k)
-    expected = np_embedding_bag(to_np(params), flat_idx.tolist(), flat_w, combiner)
+    expected = reference.bag_list(to_np(params), flat_idx.tolist(), flat_w, combiner)
     assert_close(to_np(fused).reshape(-1, 16), expected, dtype_name, "forward")
 
     d_fused = tape.gradient(loss_fused, [params_var, weights])
@@ -111,10 +98,10 @@ def test_ragged_bags(combiner, dtype_name, ragged_rank):
         lf = tf.reduce_sum(tf.cast(fused.flat_values if ragged_rank == 2 else fused, tf.float32) ** 2)
         lc = tf.reduce_sum(tf.cast(composite.flat_values if ragged_rank == 2 else composite, tf.float32) ** 2)
     got = fused.flat_values if ragged_rank == 2 else fused
-    expected = np_embedding_bag(to_np(params), bags, [np.float32(x).tolist() for x in wts], combiner)
+    expected = reference.bag_list(to_np(params), bags, [np.float32(x).tolist() for x in wts], combiner)
     # weights were cast to the table dtype by the op: compare with those values
     w_cast = [to_np(tf.cast(tf.constant(x, tf.float32), dtype)).tolist() for x in wts]
-    expected = np_embedding_bag(to_np(params), bags, w_cast, combiner)
+    expected = reference.bag_list(to_np(params), bags, w_cast, combiner)
     assert_close(to_np(got), expected, dtype_name, "ragged forward")
     assert np.all(to_np(got)[2] == 0), "empty bag must give zeros"
     gf = tape.gradient(lf, [params, weights.flat_values])

@@ -123,15 +123,3 @@ def graph_ops(model_dir):
     for fn in graph.library.function:
         found.update(n.op for n in fn.node_def)
     return found
-
-
-def reference_bag(table, indices, weights, combiner="sum"):
-    """numpy float64 EmbeddingBag over the last axis; negative index = padding."""
-    table = np.asarray(table, np.float64)
-    idx = np.asarray(indices)
-    w = np.where(idx >= 0, np.asarray(weights, np.float64), 0.0)
-    out = (table[np.maximum(idx, 0)] * w[..., None]).sum(axis=-2)
-    if combiner == "mean":
-        den = w.sum(axis=-1, keepdims=True)
-        out = np.divide(out, den, out=np.zeros_like(out), where=den != 0)
-    return out

@@ -10,9 +10,10 @@ import subprocess
 import numpy as np
 import pytest
 
-from serving_cc_helpers import (INT64_MODEL_ROWS, PROGRAM, REPO, export_demo_pkm, graph_ops, reference_bag,
+from serving_cc_helpers import (INT64_MODEL_ROWS, PROGRAM, REPO, export_demo_pkm, graph_ops,
                                 require_program, run_cc, save_int64_model, save_ragged_model, tensor_arg,
                                 tensor_file_arg)
+from tests.reference import embedding_bag
 
 TOL = 1e-6
 
@@ -124,7 +125,7 @@ def test_ragged_model_matches_python_and_numpy(tf, models, tmp_path):
     for b in range(len(lengths)):
         dense_idx[b, :lengths[b]] = values[row_splits[b]:row_splits[b + 1]]
         dense_w[b, :lengths[b]] = weights[row_splits[b]:row_splits[b + 1]]
-    want = reference_bag(models["ragged_table"], dense_idx, dense_w, combiner="mean")
+    want = embedding_bag(models["ragged_table"], dense_idx, dense_w, combiner="mean")
     np.testing.assert_allclose(run.output("output"), want, rtol=1e-5, atol=1e-6)
     assert not run.output("output")[1].any()
 
@@ -136,7 +137,7 @@ def test_int64_model_matches_python_and_numpy(tf, models):
     run = run_cc(models["int64"], "lookup", [tensor_arg("indices", idx), tensor_arg("weights", w)])
     assert_same_as_python(tf, run, models["int64"], "lookup", {"indices": idx, "weights": w})
     table = tf.saved_model.load(models["int64"]).values.numpy()
-    np.testing.assert_allclose(run.output("output"), reference_bag(table, idx, w), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(run.output("output"), embedding_bag(table, idx, w), rtol=1e-5, atol=1e-6)
     # The full PKM read of the same model: int64 slots come back exactly.
     query = rng.standard_normal((3, 32)).astype(np.float32)
     run = run_cc(models["int64"], "serving_default", [tensor_arg("query", query)])

@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RUNTIME_PY = os.path.join(ROOT, ".venv-tflite-runtime", "bin", "python")
 
 from pkm_serve import tflite  # noqa: E402
+from tests.reference import embedding_bag  # noqa: E402
 
 import tensorflow as tf  # noqa: E402  (converter + reference op)
 from flatbuffers import flexbuffers  # noqa: E402
@@ -24,22 +25,6 @@ from flatbuffers import flexbuffers  # noqa: E402
 N, D, K = 300, 24, 6
 RNG = np.random.default_rng(7)
 TABLE = RNG.standard_normal((N, D)).astype(np.float32)
-
-
-def numpy_bag(table, idx, w=None, combiner="sum"):
-    """Independent reference: loops over bags, negative index = padding."""
-    idx = np.asarray(idx)
-    w = np.ones(idx.shape, np.float64) if w is None else np.asarray(w, np.float64)
-    flat_i = idx.reshape(-1, idx.shape[-1])
-    flat_w = w.reshape(-1, idx.shape[-1])
-    out = np.zeros((flat_i.shape[0], table.shape[1]), np.float64)
-    for b in range(flat_i.shape[0]):
-        keep = flat_i[b] >= 0
-        rows, ws = flat_i[b][keep], flat_w[b][keep]
-        s = (ws[:, None] * table[rows].astype(np.float64)).sum(0)
-        denom = {"sum": 1.0, "mean": ws.sum(), "sqrtn": np.sqrt((ws ** 2).sum())}[combiner]
-        out[b] = s / denom if denom != 0 else 0.0
-    return out.reshape(idx.shape[:-1] + (table.shape[1],))
 
 
 def tf_op(params, idx, w, combiner):
@@ -153,7 +138,7 @@ def test_custom_options_are_the_converters_attr_map(models):
 def test_converted_op_matches_tf_and_numpy_in_every_interpreter(models, combiner, tmp_path):
     idx, w = bags(9)
     expect_tf = tf_op(tf.constant(TABLE), idx, w, combiner).numpy()
-    expect_np = numpy_bag(TABLE, idx, w, combiner)
+    expect_np = embedding_bag(TABLE, idx, w, combiner)
     np.testing.assert_allclose(expect_tf, expect_np, rtol=1e-5, atol=1e-5)
     outs = {}
     for interp in ALL_INTERPRETERS:
@@ -166,7 +151,7 @@ def test_converted_op_matches_tf_and_numpy_in_every_interpreter(models, combiner
 def test_dynamic_batch_and_int64_unweighted(models, tmp_path):
     for batch in (1, 17, 0):
         idx, _ = bags(batch, int64=True)
-        expect = numpy_bag(TABLE, idx)
+        expect = embedding_bag(TABLE, idx)
         for interp in ALL_INTERPRETERS:
             (out,) = run_in(interp, models["int64_noweights"], [idx], tmp_path)
             assert out.shape == (batch, D)
@@ -185,7 +170,7 @@ def test_int8_table_within_one_percent_of_fp32_everywhere(models, tmp_path):
         np.testing.assert_array_equal(out, outs[0])
     # Exactly the dequantised table: the kernel uses the per-row scales.
     q, scales = tflite.quantize_rows_int8(TABLE)
-    np.testing.assert_allclose(outs[0], numpy_bag(q * scales[:, None], idx, w), rtol=1e-5,
+    np.testing.assert_allclose(outs[0], embedding_bag(q * scales[:, None], idx, w), rtol=1e-5,
                                atol=1e-5)
 
 
@@ -195,7 +180,7 @@ def test_float16_table(tmp_path):
     path = tmp_path / "fp16.tflite"
     path.write_bytes(model)
     idx, w = bags(5)
-    expect = numpy_bag(table16.astype(np.float32), idx, w.astype(np.float16).astype(np.float32),
+    expect = embedding_bag(table16.astype(np.float32), idx, w.astype(np.float16).astype(np.float32),
                        "mean")
     for interp in ALL_INTERPRETERS:
         (out,) = run_in(interp, str(path), [idx, w.astype(np.float16)], tmp_path)
@@ -211,7 +196,7 @@ def test_fuse_composites_claims_the_chain(models, name, tmp_path):
     idx, w = bags(8, pad=False)  # stock GATHER rejects negative indices
     inputs = [idx, w] if weighted else [idx]
     (stock,) = tflite.run_tflite(models[name], inputs, use_delegate=False)
-    np.testing.assert_allclose(stock, numpy_bag(TABLE, idx, w if weighted else None), rtol=1e-5,
+    np.testing.assert_allclose(stock, embedding_bag(TABLE, idx, w if weighted else None), rtol=1e-5,
                                atol=1e-5)
     for interp in ("litert", "tf"):
         it = tflite.make_interpreter(models[name], interp, fuse_composites=True)
@@ -370,7 +355,7 @@ def test_indices_with_data_dependent_shape(tmp_path):
     path.write_bytes(model)
     for ids in (np.array([3, 3, 5, 7, 7, 9, 1, 2], np.int32), np.arange(8, dtype=np.int32) * 11):
         _, first = np.unique(ids, return_index=True)
-        expect = numpy_bag(TABLE, ids[np.sort(first)].reshape(-1, 2), None, "mean")
+        expect = embedding_bag(TABLE, ids[np.sort(first)].reshape(-1, 2), None, "mean")
         for interp in ALL_INTERPRETERS:
             (out,) = run_in(interp, str(path), [ids], tmp_path)
             np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-6, err_msg=interp)
@@ -392,7 +377,7 @@ def test_fused_chain_rejects_indices_stock_gather_rejects(models, bad, tmp_path)
     # The custom op keeps its padding semantics.
     if bad < 0:
         (out,) = tflite.run_tflite(models["sum"], [idx, w])
-        np.testing.assert_allclose(out, numpy_bag(TABLE, idx, w), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(out, embedding_bag(TABLE, idx, w), rtol=1e-5, atol=1e-5)
 
 
 def test_run_tflite_rejects_indices_that_do_not_fit_the_input_type(models):
@@ -403,7 +388,7 @@ def test_run_tflite_rejects_indices_that_do_not_fit_the_input_type(models):
         tflite.run_tflite(models["sum"], [idx, w])
     idx[0, 0] = 7  # in range: int64 arrays are still accepted
     (out,) = tflite.run_tflite(models["sum"], [idx, w])
-    np.testing.assert_allclose(out, numpy_bag(TABLE, idx, w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, embedding_bag(TABLE, idx, w), rtol=1e-5, atol=1e-5)
 
 
 def test_quantize_leaves_a_table_that_gather_also_reads_float():

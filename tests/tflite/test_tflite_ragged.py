@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 from pkm_serve import ops, tflite
+from tests.reference import ragged_embedding_bag
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_tflite import run_in  # noqa: E402  (in-process, or the TF-free venv)
@@ -21,19 +22,6 @@ N, D = 40, 6
 RNG = np.random.default_rng(21)
 TABLE = RNG.standard_normal((N, D)).astype(np.float32)
 INTERPRETERS = ("litert", "tf", "tflite_runtime")
-
-
-def numpy_ragged_bag(table, values, splits, weights=None, combiner="sum"):
-    w = np.ones(len(values)) if weights is None else np.asarray(weights, np.float64)
-    out = np.zeros((len(splits) - 1, table.shape[1]))
-    for b in range(len(splits) - 1):
-        ids, ws = values[splits[b]:splits[b + 1]], w[splits[b]:splits[b + 1]]
-        keep = ids >= 0
-        ids, ws = ids[keep], ws[keep]
-        total = (ws[:, None] * table[ids].astype(np.float64)).sum(0)
-        den = {"sum": 1.0, "mean": ws.sum(), "sqrtn": np.sqrt((ws ** 2).sum())}[combiner]
-        out[b] = total / den if den != 0 else 0.0
-    return out
 
 
 def convert(combiner, weighted, splits_dtype):
@@ -91,7 +79,7 @@ def test_ragged_bags_match_numpy(models, interpreter, tmp_path):
     for (combiner, weighted, splits_dtype), path in models.items():
         values, splits, weights = bags(splits_dtype.as_numpy_dtype)
         got = run(interpreter, path, ordered_inputs(path, values, splits, weights), tmp_path)
-        want = numpy_ragged_bag(TABLE, values, splits, weights if weighted else None, combiner)
+        want = ragged_embedding_bag(TABLE, values, splits, weights if weighted else None, combiner)
         assert got.shape == (len(splits) - 1, D)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,
                                    err_msg=f"{interpreter} {combiner} weighted={weighted}")

@@ -4,7 +4,7 @@ libpkm_capi_cpu.so (`make capi-cpu`, a TEST_DEPS of `make test`; or
 libpkm_cuda.so where only that was built) exports the
 core's CPU forward/backward behind the same PkmBags struct that the GPU tests
 hand to the CUDA launchers; this checks the struct layout and the error path
-through ctypes on numpy arrays, against a numpy reference.
+through ctypes on numpy arrays, against the numpy reference (tests/reference.py).
 """
 
 import ctypes
@@ -17,6 +17,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "kernels", "capi"))
 import pkm_capi  # noqa: E402
+
+from tests.reference import embedding_bag, embedding_bag_sum_grads  # noqa: E402
 
 LIB_PATH = os.path.join(ROOT, "pkm_serve", "lib", "libpkm_capi_cpu.so")
 
@@ -50,17 +52,6 @@ def bags_for(table, indices, weights, combiner, row_splits=None):
     return bags
 
 
-def numpy_forward(table, indices, weights, combiner):
-    out = np.zeros((indices.shape[0], table.shape[1]), np.float64)
-    for b in range(indices.shape[0]):
-        valid = indices[b] >= 0
-        w = (weights[b] if weights is not None else np.ones(indices.shape[1]))[valid].astype(np.float64)
-        s = (w[:, None] * table[indices[b][valid]]).sum(0)
-        denom = {"sum": 1.0, "mean": w.sum(), "sqrtn": np.sqrt((w * w).sum())}[combiner]
-        out[b] = s / denom if denom != 0 else 0.0
-    return out
-
-
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("idx_dtype", [np.int32, np.int64])
 def test_cpu_forward_and_backward_through_the_c_abi(lib, combiner, idx_dtype):
@@ -69,7 +60,7 @@ def test_cpu_forward_and_backward_through_the_c_abi(lib, combiner, idx_dtype):
     indices = rng.integers(-1, 50, size=(9, 6)).astype(idx_dtype)
     weights = rng.uniform(0.5, 1.5, size=indices.shape).astype(np.float32)
     err = ctypes.create_string_buffer(256)
-    want = numpy_forward(table, indices, weights, combiner)
+    want = embedding_bag(table, indices, weights, combiner)
     for reference in (0, 1):
         out = np.full((9, 24), np.nan, np.float32)
         rc = lib.pkm_cpu_forward(ctypes.byref(bags_for(table, indices, weights, combiner)), out.ctypes.data,
@@ -84,14 +75,7 @@ def test_cpu_forward_and_backward_through_the_c_abi(lib, combiner, idx_dtype):
         rc = lib.pkm_cpu_backward(ctypes.byref(bags_for(table, indices, weights, combiner)), grad.ctypes.data,
                                   d_table.ctypes.data, d_weights.ctypes.data, 0, err, len(err))
         assert rc == 0, err.value
-        want_dt = np.zeros_like(table, dtype=np.float64)
-        want_dw = np.zeros(indices.shape)
-        for b in range(9):
-            for k in range(6):
-                r = indices[b, k]
-                if r >= 0:
-                    want_dt[r] += weights[b, k] * grad[b]
-                    want_dw[b, k] = grad[b] @ table[r]
+        want_dt, want_dw = embedding_bag_sum_grads(table, indices, weights, grad)
         np.testing.assert_allclose(d_table, want_dt, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(d_weights, want_dw, rtol=1e-5, atol=1e-5)
 

@@ -1,0 +1,35 @@
+"""The product-key search of a PKM read (Lample et al. 2019), as one TF function.
+
+Each head splits its query in two halves, scores each half against its own
+n_keys sub-keys, keeps the top knn of each, and ranks the knn x knn sums; slot
+i * n_keys + j of the n_keys^2 value table gets the softmax of its score. The
+value lookup itself (an EmbeddingBag over the slots) is left to the caller:
+the fused op, the Keras layer or a composite gather.
+"""
+
+from __future__ import annotations
+
+
+def product_key_search(tf, query, sub_keys, knn: int):
+    """query [B, heads, 2, half], sub_keys [heads, 2, n_keys, half] ->
+    (slots int64 [B, heads*knn], softmax weights float32 [B, heads*knn]).
+
+    `tf` is the tensorflow module (passed in so that importing pkm_serve stays
+    free of TensorFlow)."""
+    num_rows = tf.shape(query)[0]
+    heads, n_keys = sub_keys.shape[0], sub_keys.shape[2]
+    keys = tf.cast(sub_keys, query.dtype)
+    # [B, heads, 2 halves, n_keys] scores against each half's sub-keys.
+    sub_scores = tf.einsum("bhsd,hsnd->bhsn", query, keys)
+    sub_best, sub_index = tf.math.top_k(sub_scores, k=knn, sorted=False)
+    sub_index = tf.cast(sub_index, tf.int64)  # slot = i * n_keys + j can exceed 2^31
+    # knn x knn candidates per head: score s1[i] + s2[j], slot i * n_keys + j.
+    pair_scores = sub_best[:, :, 0, :, None] + sub_best[:, :, 1, None, :]
+    pair_index = sub_index[:, :, 0, :, None] * n_keys + sub_index[:, :, 1, None, :]
+    pair_scores = tf.reshape(pair_scores, [num_rows, heads, knn * knn])
+    pair_index = tf.reshape(pair_index, [num_rows, heads, knn * knn])
+    best_scores, best_pos = tf.math.top_k(pair_scores, k=knn, sorted=False)
+    best_index = tf.gather(pair_index, best_pos, batch_dims=2)
+    weights = tf.nn.softmax(tf.cast(best_scores, tf.float32), axis=-1)
+    return (tf.reshape(best_index, [num_rows, heads * knn]),
+            tf.reshape(weights, [num_rows, heads * knn]))
