@@ -7,7 +7,7 @@
 #   make gpu-standalone only libpkm_cuda.so (what tests/gpu and the bench need;
 #                       no TensorFlow required)
 #   make capi-cpu       libpkm_capi_cpu.so: the C ABI without CUDA (no nvcc;
-#                       in TEST_DEPS for tests/gpu/test_capi_cpu_abi.py)
+#                       in TEST_DEPS for tests/capi/test_capi_cpu_abi.py)
 NVCC       ?= nvcc
 # Ask nvcc where its toolkit is (it may be a wrapper script on the PATH).
 CUDA_HOME  ?= $(shell $(NVCC) --dryrun -c -x cu /dev/null 2>&1 | sed -n 's/^\#\$$ TOP=//p' | head -n1)
