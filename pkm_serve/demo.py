@@ -78,7 +78,7 @@ def build_composite_pkm(tf, d_model=64, k_dim=32, n_keys=256, heads=4, knn=32, v
         def serve(self, query):
             batch = tf.shape(query)[0]
             q = tf.reshape(tf.matmul(query, self.query_proj), [batch, heads, 2, half])
-            indices, weights = product_key_search(tf, q, self.sub_keys, knn)   # [b, heads*knn] each
+            indices, weights = product_key_search(q, self.sub_keys, knn)   # [b, heads*knn] each
             # The composite EmbeddingBag: materialises [batch, heads*knn, v_dim].
             rows = tf.gather(self.values, indices)
             return {"output": tf.reduce_sum(rows * weights[..., None], axis=-2)}

@@ -10,12 +10,11 @@ the fused op, the Keras layer or a composite gather.
 from __future__ import annotations
 
 
-def product_key_search(tf, query, sub_keys, knn: int):
+def product_key_search(query, sub_keys, knn: int):
     """query [B, heads, 2, half], sub_keys [heads, 2, n_keys, half] ->
-    (slots int64 [B, heads*knn], softmax weights float32 [B, heads*knn]).
+    (slots int64 [B, heads*knn], softmax weights float32 [B, heads*knn])."""
+    import tensorflow as tf  # here, so that importing pkm_serve stays free of TensorFlow
 
-    `tf` is the tensorflow module (passed in so that importing pkm_serve stays
-    free of TensorFlow)."""
     num_rows = tf.shape(query)[0]
     heads, n_keys = sub_keys.shape[0], sub_keys.shape[2]
     keys = tf.cast(sub_keys, query.dtype)

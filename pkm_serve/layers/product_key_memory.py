@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from pkm_serve.layers._lookup import check_tensorflow_backend, lookup_supports_jit, resolve_lookup
 from pkm_serve.layers.embedding_bag import EmbeddingBag
+from pkm_serve.product_keys import product_key_search
 
 
 @keras.saving.register_keras_serializable(package="pkm_serve")
@@ -157,26 +158,9 @@ class ProductKeyMemory(keras.layers.Layer):
     def select_slots(self, query):
         """Product-key search: query [B, heads*k_dim] -> (slot indices int64
         [B, heads*knn], softmax scores float32 [B, heads*knn])."""
-        knn, heads, n_keys = self.knn, self.heads, self.n_keys
         num_rows = tf.shape(query)[0]
-        query = tf.reshape(query, [num_rows, heads, 2, self.k_dim // 2])
-        keys = tf.cast(self.keys.value, query.dtype)
-        # [B, heads, 2 halves, n_keys] scores against each half's sub-keys.
-        sub_scores = tf.einsum("bhsd,hsnd->bhsn", query, keys)
-        sub_best, sub_index = tf.math.top_k(sub_scores, k=knn, sorted=False)
-        sub_index = tf.cast(sub_index, tf.int64)  # slot = i * n_keys + j can exceed 2^31
-        # knn x knn candidates per head: score s1[i] + s2[j], slot i * n_keys + j.
-        pair_scores = sub_best[:, :, 0, :, None] + sub_best[:, :, 1, None, :]
-        pair_index = sub_index[:, :, 0, :, None] * n_keys + sub_index[:, :, 1, None, :]
-        pair_scores = tf.reshape(pair_scores, [num_rows, heads, knn * knn])
-        pair_index = tf.reshape(pair_index, [num_rows, heads, knn * knn])
-        best_scores, best_pos = tf.math.top_k(pair_scores, k=knn, sorted=False)
-        best_index = tf.gather(pair_index, best_pos, batch_dims=2)
-        weights = tf.nn.softmax(tf.cast(best_scores, tf.float32), axis=-1)
-        return (
-            tf.reshape(best_index, [num_rows, heads * knn]),
-            tf.reshape(weights, [num_rows, heads * knn]),
-        )
+        query = tf.reshape(query, [num_rows, self.heads, 2, self.k_dim // 2])
+        return product_key_search(query, self.keys.value, self.knn)
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape[:-1]) + (self.v_dim or input_shape[-1],)

@@ -12,6 +12,8 @@ serving it needs the op library loaded); otherwise the stock-TF composite.
 import numpy as np
 import tensorflow as tf
 
+from pkm_serve.product_keys import product_key_search
+
 
 def _composite_bag(table, indices, weights):
     rows = tf.gather(table, tf.maximum(indices, 0))
@@ -44,15 +46,9 @@ class PkmModel(tf.Module):
         return _composite_bag(self.values, indices, weights)
 
     def _serve(self, query):
-        q1, q2 = tf.split(tf.matmul(query, self.query_proj), 2, axis=-1)
-        s1, i1 = tf.math.top_k(tf.matmul(q1, self.sub_keys[0], transpose_b=True), self.knn)
-        s2, i2 = tf.math.top_k(tf.matmul(q2, self.sub_keys[1], transpose_b=True), self.knn)
-        batch = tf.shape(query)[0]
-        scores = tf.reshape(s1[:, :, None] + s2[:, None, :], [batch, self.knn * self.knn])
-        slots = tf.reshape(i1[:, :, None] * self.n_keys + i2[:, None, :], [batch, self.knn * self.knn])
-        best, pos = tf.math.top_k(scores, self.knn)
-        chosen = tf.cast(tf.gather(slots, pos, batch_dims=1), tf.int64)
-        weights = tf.nn.softmax(best, axis=-1)
+        # One head: the projected query's two halves against the two sub-key sets.
+        q = tf.reshape(tf.matmul(query, self.query_proj), [tf.shape(query)[0], 1, 2, -1])
+        chosen, weights = product_key_search(q, self.sub_keys[None], self.knn)
         return {"output": self._bag(chosen, weights), "slots": chosen}
 
     def _lookup(self, indices, weights):

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -78,16 +77,6 @@ def write_model(base, version, seed, fused=True):
     save_pkm_model(tmp, seed=seed, fused=fused)
     os.rename(tmp, os.path.join(base, str(version)))
     return os.path.join(base, str(version))
-
-
-def reference_embedding_bag(table, indices, weights):
-    """numpy sum-combiner EmbeddingBag with negative indices as padding."""
-    out = np.zeros((indices.shape[0], table.shape[1]), np.float64)
-    for b in range(indices.shape[0]):
-        for k in range(indices.shape[1]):
-            if indices[b, k] >= 0:
-                out[b] += weights[b, k] * table[indices[b, k]].astype(np.float64)
-    return out
 
 
 def write_example_model(path):

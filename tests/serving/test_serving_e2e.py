@@ -18,7 +18,9 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
 from tensorflow.core.framework import types_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
-from serving_helpers import ServerProcess, reference_embedding_bag, write_example_model
+from serving_helpers import ServerProcess, write_example_model
+
+from tests import reference
 
 MAX_REQUEST_BYTES = 1 << 20
 
@@ -126,7 +128,7 @@ def test_grpc_lookup_signature_matches_numpy_embedding_bag(stub, in_process):
     weights = rng.standard_normal((6, 7)).astype(np.float32)
     resp = stub.Predict(_request(signature="lookup", indices=indices, weights=weights), timeout=30)
     table = in_process[2].values.numpy()
-    np.testing.assert_allclose(_out(resp, "output"), reference_embedding_bag(table, indices, weights),
+    np.testing.assert_allclose(_out(resp, "output"), reference.embedding_bag(table, indices, weights),
                                rtol=1e-5, atol=1e-6)
 
 
