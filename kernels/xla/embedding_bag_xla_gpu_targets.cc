@@ -74,7 +74,9 @@ ffi::Error Backward(pkm_cuda_stream_t stream, ffi::ScratchAllocator& scratch, co
   const size_t workspace_bytes = pkm_cuda_backward_workspace_bytes(&b, nullptr);
   void* workspace = nullptr;
   if (workspace_bytes > 0) {
-    std::optional<void*> allocated = scratch.Allocate(workspace_bytes, 256);
+    // XLA's FFI refuses alignments above 16 ("Unsupported alignment"); 16 is
+    // all the launcher needs (its sub-buffers sit at multiples of 256 past the base).
+    std::optional<void*> allocated = scratch.Allocate(workspace_bytes, 16);
     if (!allocated) return ffi::Error::Internal("PkmEmbeddingBag backward: could not allocate its workspace");
     workspace = *allocated;
   }
