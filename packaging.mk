@@ -41,3 +41,16 @@ wheel-check: $(TF_WHEEL_STAMP)
 TEST_DEPS += $(TF_WHEEL_STAMP) $(DEVICE_WHEEL_STAMP)
 
 .PHONY: wheel wheel-tf wheel-device wheel-check
+
+# The device wheel for aarch64, from the cross-built delegate (tflite_delegate/aarch64.mk);
+# tests/aarch64 installs it in the emulated aarch64 interpreter and runs the fixtures through it.
+A64_DEVICE_WHEEL_STAMP := $(BUILDDIR)/wheel/.device-aarch64-built
+$(A64_DEVICE_WHEEL_STAMP): $(PACKAGING_STAMP) $(A64_LIB) pkm_serve/__init__.py pkm_serve/tflite.py \
+		packaging/device/pyproject.toml packaging/device/setup.py packaging/build_wheels.py
+	$(PY) packaging/build_wheels.py device-aarch64 --dist $(DIST)
+	@mkdir -p $(dir $@) && touch $@
+
+wheel-device-aarch64: $(A64_DEVICE_WHEEL_STAMP)
+test-aarch64 aarch64-test-deps: $(A64_DEVICE_WHEEL_STAMP)
+
+.PHONY: wheel-device-aarch64

@@ -9,6 +9,9 @@ tf:     pkm_serve (the whole package) + lib/_pkm_ops.so + lib/libpkm_tflite.so, 
 device: pkm_serve/{__init__,tflite}.py + lib/libpkm_tflite.so, numpy only (packaging/device/).
         The delegate links only libc/libstdc++/libm: `auditwheel show` must accept it as
         manylinux with no external library at all.
+device-aarch64: the same with the cross-built build/aarch64/libpkm_tflite.so (`make
+        tflite-aarch64`), tagged manylinux_2_35_aarch64 (glibc 2.34, GCC 12's
+        libstdc++: the floor docs/AARCH64.md states); tests/aarch64 installs and runs it in the emulated aarch64 interpreters.
 
 Each wheel is staged in a fresh directory from the working tree's files (so nothing stale
 from an earlier build is packed) and built with `python -m build --no-isolation` in this
@@ -99,9 +102,11 @@ def _check_complete(wheel, stage):
                              "[tool.setuptools.package-data]")
 
 
-def _build(stage, dist_tmp):
-    _run([sys.executable, "-m", "build", "--quiet", "--wheel", "--no-isolation", "--outdir", dist_tmp,
-          stage])
+def _build(stage, dist_tmp, plat_name=None):
+    cmd = [sys.executable, "-m", "build", "--quiet", "--wheel", "--no-isolation", "--outdir", dist_tmp]
+    if plat_name:  # a cross-built library: the platform is not this machine's
+        cmd.append(f"--config-setting=--build-option=--plat-name={plat_name}")
+    _run(cmd + [stage])
     wheels = glob.glob(os.path.join(dist_tmp, "*.whl"))
     if len(wheels) != 1:
         raise PackagingError(f"expected one wheel in {dist_tmp}, found {wheels}")
@@ -129,11 +134,16 @@ def _stage_dir(stage_root, name):
     return path
 
 
-def _publish(wheel, dist, prefix):
+def _publish(wheel, dist):
+    """Copies the wheel to dist/, replacing older builds of the same distribution for
+    the same architecture (the device wheels for x86-64 and aarch64 sit side by side)."""
     os.makedirs(dist, exist_ok=True)
-    for old in glob.glob(os.path.join(dist, f"{prefix}-*.whl")):
+    base = os.path.basename(wheel)
+    name = base.split("-", 1)[0]
+    arch = "aarch64.whl" if base.endswith("aarch64.whl") else "x86_64.whl"
+    for old in glob.glob(os.path.join(dist, f"{name}-*{arch}")):
         os.remove(old)
-    target = os.path.join(dist, os.path.basename(wheel))
+    target = os.path.join(dist, base)
     shutil.copy2(wheel, target)
     return target
 
@@ -165,34 +175,58 @@ def build_tf_wheel(dist, stage_root):
                                  f"{sorted(external)}")
         if "manylinux" not in os.path.basename(wheel):
             raise PackagingError(f"auditwheel did not retag {wheel} manylinux")
-        return _publish(wheel, dist, "pkm_serve")
+        return _publish(wheel, dist)
 
 
-def build_device_wheel(dist, stage_root):
-    _require_libs(DELEGATE_LIB)
-    stage = _stage_dir(stage_root, "device")
+AARCH64_DELEGATE = os.path.join(ROOT, "build", "aarch64", DELEGATE_LIB)
+# What auditwheel finds the cross-built library consistent with (glibc 2.34 symbols, but
+# GCC 12's libstdc++: GLIBCXX_3.4.30, newer than manylinux_2_34 allows).
+AARCH64_PLATFORM = "manylinux_2_35_aarch64"
+
+
+def build_device_wheel(dist, stage_root, arch="x86_64"):
+    """The TF-free wheel: for this machine, or (arch="aarch64") for ARM devices."""
+    if arch == "aarch64":
+        library, stage_name, plat_name = AARCH64_DELEGATE, "device-aarch64", AARCH64_PLATFORM
+        if not os.path.exists(library):
+            raise PackagingError(f"{library} is missing: run `make tflite-aarch64` first")
+    else:
+        _require_libs(DELEGATE_LIB)
+        library, stage_name, plat_name = os.path.join(PACKAGE, "lib", DELEGATE_LIB), "device", None
+    stage = _stage_dir(stage_root, stage_name)
     _copy_package(os.path.join(stage, "pkm_serve"), modules=DEVICE_MODULES)
     os.makedirs(os.path.join(stage, "pkm_serve", "lib"))
-    shutil.copy2(os.path.join(PACKAGE, "lib", DELEGATE_LIB), os.path.join(stage, "pkm_serve", "lib"))
+    shutil.copy2(library, os.path.join(stage, "pkm_serve", "lib", DELEGATE_LIB))
     for name in ("pyproject.toml", "setup.py"):
         shutil.copy2(os.path.join(ROOT, "packaging", "device", name), stage)
     with tempfile.TemporaryDirectory() as tmp:
-        raw = _build(stage, os.path.join(tmp, "raw"))
+        raw = _build(stage, os.path.join(tmp, "raw"), plat_name)
         _check_complete(raw, stage)
-        repaired_dir = os.path.join(tmp, "repaired")
-        _run([sys.executable, "-m", "auditwheel", "repair", "--wheel-dir", repaired_dir, raw])
-        wheel = glob.glob(os.path.join(repaired_dir, "*.whl"))[0]
-        external = _external_libs(_show(wheel))
+        if arch == "aarch64":
+            # auditwheel repairs only wheels of the machine it runs on: the tag is set at
+            # build time, and `auditwheel show` must confirm the library meets it.
+            wheel = raw
+            report = _show(wheel)
+            if report.get("overall_tag") != AARCH64_PLATFORM:
+                raise PackagingError(f"{wheel}: auditwheel finds it consistent with "
+                                     f"{report.get('overall_tag')}, not {AARCH64_PLATFORM}")
+        else:
+            repaired_dir = os.path.join(tmp, "repaired")
+            _run([sys.executable, "-m", "auditwheel", "repair", "--wheel-dir", repaired_dir, raw])
+            wheel = glob.glob(os.path.join(repaired_dir, "*.whl"))[0]
+            report = _show(wheel)
+        external = _external_libs(report)
         if external:
             raise PackagingError(f"{wheel} needs external libraries: {sorted(external)}")
-        if "manylinux" not in os.path.basename(wheel):
-            raise PackagingError(f"auditwheel did not retag {wheel} manylinux")
-        return _publish(wheel, dist, "pkm_serve_device")
+        expected_tag = AARCH64_PLATFORM if arch == "aarch64" else "manylinux"
+        if expected_tag not in os.path.basename(wheel):
+            raise PackagingError(f"{wheel} is not tagged {expected_tag}")
+        return _publish(wheel, dist)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("which", choices=("tf", "device", "all"))
+    ap.add_argument("which", choices=("tf", "device", "device-aarch64", "all"))
     ap.add_argument("--dist", default=os.path.join(ROOT, "dist"))
     ap.add_argument("--stage", default=os.path.join(ROOT, "build", "wheel"))
     args = ap.parse_args(argv)
@@ -201,6 +235,8 @@ def main(argv=None) -> int:
             print("wrote", build_tf_wheel(args.dist, args.stage))
         if args.which in ("device", "all"):
             print("wrote", build_device_wheel(args.dist, args.stage))
+        if args.which == "device-aarch64":
+            print("wrote", build_device_wheel(args.dist, args.stage, arch="aarch64"))
     except (PackagingError, subprocess.CalledProcessError) as err:
         print(f"build_wheels: error: {err}", file=sys.stderr)
         return 1

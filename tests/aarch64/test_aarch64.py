@@ -255,3 +255,51 @@ def test_aarch64_errors_name_the_problem_like_x86(device_run, name):
     # Our library's message is the same text on both machines.
     ours = case["x86_error"].split("Node number")[0]
     assert ours in error, (ours, error)
+
+
+# ---- the aarch64 device wheel (dist/pkm_serve_device-*aarch64.whl) -------------------
+
+@pytest.fixture(scope="module")
+def wheel_run(tmp_path_factory):
+    """The fixtures through the installed aarch64 device wheel: pip (here) installs it for
+    the aarch64 platform into a directory that is then the only pkm_serve the emulated
+    tflite_runtime process sees (no checkout on its path, no $PKM_TFLITE_DELEGATE)."""
+    import glob
+    wheels = glob.glob(os.path.join(ROOT, "dist", "pkm_serve_device-*aarch64.whl"))
+    if len(wheels) != 1:
+        pytest.fail(f"expected one aarch64 device wheel in dist/, found {wheels}: "
+                    "run `make wheel-device-aarch64`")
+    target = tmp_path_factory.mktemp("aarch64-wheel") / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    "--no-deps", "--no-index", "--only-binary=:all:", "--platform",
+                    "manylinux_2_35_aarch64", "--python-version", "3.11", "--implementation", "cp",
+                    "--target", str(target), wheels[0]], check=True)
+    root = os.path.join(A64_CACHE, "root")
+    site = os.path.abspath(os.path.join(A64_CACHE, "site-tflite_runtime"))
+    out = tmp_path_factory.mktemp("aarch64-wheel-run") / "results.npz"
+    env = {k: v for k, v in os.environ.items() if k not in ("PKM_TFLITE_DELEGATE", "PYTHONPATH")}
+    env.update(QEMU_CPU=A64_CPU, PYTHONPATH=f"{site}:{target}", PYTHONDONTWRITEBYTECODE="1")
+    cmd = [os.environ.get("PKM_AARCH64_QEMU", "qemu-aarch64-static"), "-L", root,
+           os.path.join(root, "usr", "bin", "python3.11"), os.path.join(HERE, "run_on_device.py"),
+           FIXTURES, "tflite_runtime", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"rc {proc.returncode}; last case started: " + proc.stderr[-3000:]
+    results = np.load(out)
+    meta = json.loads(str(results["meta"]))
+    return str(target), meta, {k: results[k] for k in results.files if k != "meta"}
+
+
+@needs_aarch64
+def test_aarch64_device_wheel_runs_the_fixtures_like_x86(wheel_run):
+    target, meta, outputs = wheel_run
+    assert meta["machine"] == "aarch64"
+    # The delegate the wheel installed, not the build tree's or the checkout's.
+    assert meta["delegate"] == os.path.join(target, "pkm_serve", "lib", "libpkm_tflite.so")
+    assert meta["delegate"] in meta["mapped"], meta["mapped"]
+    ran = [n for n in OUTPUT_CASES if "tflite_runtime" in CASES[n]["interpreters"]]
+    assert ran
+    for name in ran:
+        assert meta["cases"][name]["error"] is None, (name, meta["cases"][name]["error"])
+        expected = x86_outputs(name)
+        for i, e in enumerate(expected):
+            assert_same_as_x86(name, outputs[f"{name}/output_{i}"], e)

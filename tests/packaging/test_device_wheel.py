@@ -35,7 +35,7 @@ N, D, K, B = 257, 16, 5, 9
 
 
 def _device_wheel():
-    wheels = glob.glob(os.path.join(ROOT, "dist", "pkm_serve_device-*.whl"))
+    wheels = glob.glob(os.path.join(ROOT, "dist", "pkm_serve_device-*x86_64.whl"))
     if len(wheels) != 1:
         pytest.fail(f"expected one device wheel in dist/, found {wheels}: run `make wheel-device`")
     return wheels[0]
