@@ -7,7 +7,8 @@
 // and errors. All element offsets are int64_t: tables over 2^31 elements work.
 //
 // Semantics (see DESIGN.md "The op"):
-//  - negative index = padding: contributes nothing, not counted by mean/sqrtn;
+//  - negative index = padding: contributes nothing, not counted by mean/sqrtn
+//    (Bags::index_policy can make it an error instead, see IndexPolicy);
 //  - index >= num_rows is an error (reported before anything is written);
 //  - combiner sum: sum w*x; mean: sum(w*x)/sum(w); sqrtn: sum(w*x)/sqrt(sum w^2);
 //    a zero denominator (empty bag, all padding, weights summing to 0) gives 0;
@@ -61,6 +62,21 @@ struct Table {
   const int32_t* row_zero_points = nullptr;
 };
 
+// Which indices ValidateBags accepts. An index in [0, num_rows) is always a
+// row; the policy decides what the others are.
+enum class IndexPolicy : int {
+  // Negative = padding (the op's contract); >= num_rows is an error.
+  kNegativeIsPadding = 0,
+  // Anything outside [0, num_rows) is an error, as stock TFLite GATHER: a
+  // fused GATHER chain must fail where the stock graph does.
+  kNoPadding = 1,
+  // Anything outside [0, num_rows) is padding: the CUDA launchers' rule, as a
+  // device cannot raise an error (it counts such entries instead). ValidateBags
+  // then checks only the layout; the CPU Forward/Backward reject this policy
+  // (their loops skip negatives only, so an index >= num_rows would be read).
+  kOutOfRangeIsPadding = 2,
+};
+
 // The bags. Dense: num_bags bags of bag_size each (indices [num_bags*bag_size]).
 // Ragged: row_splits[num_bags + 1] (non-decreasing, row_splits[0] == 0), bag b
 // holds entries [row_splits[b], row_splits[b+1]) of indices/weights.
@@ -75,14 +91,17 @@ struct Bags {
                                      // checked against row_splits[num_bags]
   const void* weights = nullptr;     // null = all ones; else one per index
   ElemType weights_type = ElemType::kFloat32;  // kFloat32/kFloat16/kBFloat16
+  IndexPolicy index_policy = IndexPolicy::kNegativeIsPadding;
   int64_t NumIndices() const;        // total entries (ragged: row_splits[num_bags])
   int64_t Begin(int64_t bag) const;  // first entry of a bag
   int64_t End(int64_t bag) const;    // one past its last entry
 };
 
-// Checks layout and indices: row_splits well formed, every index < num_rows.
-// The message names the first offending position and value, e.g.
-// "indices[3] = 70000 is out of range [0, 65536) (negative indices are padding)".
+// Checks layout and indices: row_splits well formed, every index valid under
+// bags.index_policy. The message names the first offending position and value
+// and the policy, e.g.
+// "indices[3] = 70000 is out of range [0, 65536) (negative indices are padding)"
+// or "indices[40] = -1 is out of range [0, 200) (stock GATHER allows no padding)".
 // Forward/Backward call it themselves; exposed for adapters that want to fail
 // early (and for the GPU path, which cannot report errors from the device).
 Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf);
