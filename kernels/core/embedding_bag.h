@@ -21,14 +21,22 @@
 #include <functional>
 #include <string>
 
+#include "kernels/core/bag_problem.h"
+
 namespace pkm {
 
-enum class Combiner : int { kSum = 0, kMean = 1, kSqrtn = 2 };
+// The values come from the C descriptor (bag_problem.h), defined there once.
+enum class Combiner : int { kSum = PKM_SUM, kMean = PKM_MEAN, kSqrtn = PKM_SQRTN };
 
 // Storage type of a table, of weights, of outputs. Half types are raw 16-bit
 // patterns (IEEE binary16 / bfloat16); kInt8 is only valid for tables and
 // needs per-row scales (dequantised value = scale[row] * (q - zero_point[row])).
-enum class ElemType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt8 = 3 };
+enum class ElemType : int {
+  kFloat32 = PKM_FLOAT32,
+  kFloat16 = PKM_FLOAT16,
+  kBFloat16 = PKM_BFLOAT16,
+  kInt8 = PKM_INT8,
+};
 
 // Parses "sum" | "mean" | "sqrtn"; returns false for anything else.
 bool ParseCombiner(const std::string& name, Combiner* out);
@@ -66,15 +74,15 @@ struct Table {
 // row; the policy decides what the others are.
 enum class IndexPolicy : int {
   // Negative = padding (the op's contract); >= num_rows is an error.
-  kNegativeIsPadding = 0,
+  kNegativeIsPadding = PKM_NEGATIVE_IS_PADDING,
   // Anything outside [0, num_rows) is an error, as stock TFLite GATHER: a
   // fused GATHER chain must fail where the stock graph does.
-  kNoPadding = 1,
+  kNoPadding = PKM_NO_PADDING,
   // Anything outside [0, num_rows) is padding: the CUDA launchers' rule, as a
   // device cannot raise an error (it counts such entries instead). ValidateBags
   // then checks only the layout; the CPU Forward/Backward reject this policy
   // (their loops skip negatives only, so an index >= num_rows would be read).
-  kOutOfRangeIsPadding = 2,
+  kOutOfRangeIsPadding = PKM_OUT_OF_RANGE_IS_PADDING,
 };
 
 // The bags. Dense: num_bags bags of bag_size each (indices [num_bags*bag_size]).
@@ -96,6 +104,15 @@ struct Bags {
   int64_t Begin(int64_t bag) const;  // first entry of a bag
   int64_t End(int64_t bag) const;    // one past its last entry
 };
+
+// The C descriptor (bag_problem.h) <-> Table/Bags/Combiner: the only two
+// translations between them. FromBagProblem checks the enum values (float
+// element types only: the struct has no int8 scales) and gives ragged bags
+// num_values = num_indices. ToBagProblem fills every field for the CUDA
+// launchers without reading the buffers (they may be device pointers):
+// num_indices = num_values (ragged) or num_bags * bag_size, no counter.
+Status FromBagProblem(const PkmBags& problem, Table* table, Bags* bags, Combiner* combiner);
+PkmBags ToBagProblem(const Table& table, const Bags& bags, Combiner combiner);
 
 // Checks layout and indices: row_splits well formed, every index valid under
 // bags.index_policy. The message names the first offending position and value
