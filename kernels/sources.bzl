@@ -14,11 +14,13 @@ a .cc/.cu under kernels/ or tflite_delegate/ is in no list.
 
 # ---- the framework-free kernel core: in every production library ----------
 PKM_CORE_SRCS = [
+    "kernels/core/bag_problem.cc",
     "kernels/core/embedding_bag.cc",
     "kernels/core/vector_ops.cc",
 ]
 
 PKM_CORE_HDRS = [
+    "kernels/core/bag_problem.h",
     "kernels/core/embedding_bag.h",
     "kernels/core/internal.h",
     "kernels/core/vector_ops.h",

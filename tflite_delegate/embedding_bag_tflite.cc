@@ -1,13 +1,12 @@
 #include "tflite_delegate/embedding_bag_tflite.h"
 
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 
-#include "kernels/core/internal.h"
+#include "kernels/core/embedding_bag.h"
 #include "tflite_delegate/flexbuffer_map.h"
 #include "tflite_delegate/thread_pool.h"
 
@@ -273,6 +272,9 @@ TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* s
       BindIds(c, spec, &bound->bags, &idims, &num_indices) != kTfLiteOk ||
       BindWeights(c, spec, idims, num_indices, &bound->bags) != kTfLiteOk)
     return kTfLiteError;
+  // Stock GATHER fails on any index outside [0, N) while the op treats
+  // negatives as padding: a fused chain must fail where the stock one does.
+  if (spec.composite) bound->bags.index_policy = IndexPolicy::kNoPadding;
   if (spec.row_splits >= 0)
     bound->out_dims.assign(1, bound->bags.num_bags);
   else
@@ -313,33 +315,6 @@ TfLiteStatus ResizeOutput(TfLiteContext* context, const Bound& bound) {
   dims->size = static_cast<int>(bound.out_dims.size());
   for (size_t i = 0; i < bound.out_dims.size(); ++i) dims->data[i] = static_cast<int>(bound.out_dims[i]);
   return context->ResizeTensor(context, bound.output, dims);
-}
-
-// Stock GATHER fails on any index outside [0, N) while the core treats
-// negatives as padding, so a fused chain also rejects those: the fused model
-// must fail where the stock one does, not silently differ. The first bad
-// position over both kinds is reported, as GATHER would. Reads indices with
-// the core's reader. (The core's ValidateBags has no "no padding" policy yet;
-// once it has, this scan goes.)
-Status CheckGatherIndices(const Table& table, const Bags& bags, const ParallelFor& pf) {
-  const int64_t n = bags.NumIndices();  // dense: overflow-checked in Bind
-  std::atomic<int64_t> first_bad{n};
-  pf(n, 2, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t v = internal::IndexAt(bags, j);
-      if (v < 0 || v >= table.num_rows) {
-        int64_t cur = first_bad.load();
-        while (j < cur && !first_bad.compare_exchange_weak(cur, j)) {
-        }
-        return;  // later entries of this range cannot beat j
-      }
-    }
-  });
-  const int64_t j = first_bad.load();
-  if (j == n) return Status::Ok();
-  return Status::Error("indices[" + std::to_string(j) + "] = " +
-                       std::to_string(internal::IndexAt(bags, j)) + " is out of range [0, " +
-                       std::to_string(table.num_rows) + ") (stock GATHER allows no padding)");
 }
 
 }  // namespace
@@ -425,8 +400,6 @@ TfLiteStatus InvokeBag(TfLiteContext* context, const BagSpec& spec, const BagSta
                          spec.what, ShapeString(bound.out_dims).c_str());
     return kTfLiteError;
   }
-  if (spec.composite && Report(context, spec, CheckGatherIndices(bound.table, bound.bags, pf)) != kTfLiteOk)
-    return kTfLiteError;
   // Nothing to write (D == 0 or no bags), but bad indices are still an error.
   if (bound.out_bytes == 0) return Report(context, spec, ValidateBags(bound.table, bound.bags, pf));
   if (bound.output->data.data == nullptr || bound.output->bytes < static_cast<size_t>(bound.out_bytes)) {

@@ -1,7 +1,8 @@
-// C ABI over the kernel core for ctypes callers: translates PkmBags into the
-// core's Table/Bags and its Status into (return code, message).
+// C ABI over the kernel core for ctypes callers: hands PkmBags to the core's
+// FromBagProblem and its Status back as (return code, message).
 #include "kernels/capi/pkm_capi.h"
 
+#include <cstddef>
 #include <cstring>
 #include <string>
 
@@ -22,34 +23,17 @@ int Finish(const pkm::Status& status, char* err, size_t err_len) {
   return status.ok ? 0 : Fail(status.message, err, err_len);
 }
 
-bool ToCore(const PkmBags* in, pkm::Table* table, pkm::Bags* bags, std::string* error) {
+// The descriptor -> the core's Table/Bags/Combiner (the core's one
+// translation; it checks the enum values).
+bool ToCore(const PkmBags* in, pkm::Table* table, pkm::Bags* bags, pkm::Combiner* combiner,
+            std::string* error) {
   if (in == nullptr) {
     *error = "bags is null";
     return false;
   }
-  if (in->elem_type < PKM_FLOAT32 || in->elem_type > PKM_BFLOAT16 ||
-      (in->weights != nullptr && (in->weights_type < PKM_FLOAT32 || in->weights_type > PKM_BFLOAT16))) {
-    *error = "elem_type and weights_type must be 0 (float32), 1 (float16) or 2 (bfloat16)";
-    return false;
-  }
-  if (in->combiner < PKM_SUM || in->combiner > PKM_SQRTN) {
-    *error = "combiner must be 0 (sum), 1 (mean) or 2 (sqrtn), got " + std::to_string(in->combiner);
-    return false;
-  }
-  table->data = in->table;
-  table->type = static_cast<pkm::ElemType>(in->elem_type);
-  table->num_rows = in->num_rows;
-  table->dim = in->dim;
-  bags->indices = in->indices;
-  bags->indices_int64 = in->indices_int64 != 0;
-  bags->num_bags = in->num_bags;
-  bags->bag_size = in->bag_size;
-  bags->row_splits = in->row_splits;
-  bags->row_splits_int64 = in->row_splits_int64 != 0;
-  if (in->row_splits != nullptr) bags->num_values = in->num_indices;
-  bags->weights = in->weights;
-  bags->weights_type = static_cast<pkm::ElemType>(in->weights_type);
-  return true;
+  const pkm::Status s = pkm::FromBagProblem(*in, table, bags, combiner);
+  if (!s.ok) *error = s.message;
+  return s.ok;
 }
 
 }  // namespace
@@ -67,9 +51,9 @@ int pkm_capi_has_cuda(void) {
 int pkm_cpu_forward(const PkmBags* in, void* out, int reference, char* err, size_t err_len) {
   pkm::Table table;
   pkm::Bags bags;
+  pkm::Combiner combiner;
   std::string error;
-  if (!ToCore(in, &table, &bags, &error)) return Fail(error, err, err_len);
-  const auto combiner = static_cast<pkm::Combiner>(in->combiner);
+  if (!ToCore(in, &table, &bags, &combiner, &error)) return Fail(error, err, err_len);
   return Finish(reference ? pkm::ReferenceForward(table, bags, combiner, out, table.type)
                           : pkm::Forward(table, bags, combiner, out, table.type, pkm::SerialFor()),
                 err, err_len);
@@ -79,9 +63,9 @@ int pkm_cpu_backward(const PkmBags* in, const void* grad_out, void* d_table, voi
                      int reference, char* err, size_t err_len) {
   pkm::Table table;
   pkm::Bags bags;
+  pkm::Combiner combiner;
   std::string error;
-  if (!ToCore(in, &table, &bags, &error)) return Fail(error, err, err_len);
-  const auto combiner = static_cast<pkm::Combiner>(in->combiner);
+  if (!ToCore(in, &table, &bags, &combiner, &error)) return Fail(error, err, err_len);
   return Finish(reference ? pkm::ReferenceBackward(table, bags, combiner, grad_out, table.type,
                                                    d_table, table.type, d_weights)
                           : pkm::Backward(table, bags, combiner, grad_out, table.type, d_table,
@@ -93,17 +77,35 @@ int pkm_cpu_sparse_backward(const PkmBags* in, const void* grad_out, pkm_cuda_sp
                             void* alloc_ctx, void* d_weights, char* err, size_t err_len) {
   pkm::Table table;
   pkm::Bags bags;
+  pkm::Combiner combiner;
   std::string error;
-  if (!ToCore(in, &table, &bags, &error)) return Fail(error, err, err_len);
+  if (!ToCore(in, &table, &bags, &combiner, &error)) return Fail(error, err, err_len);
   if (alloc == nullptr) return Fail("alloc is null", err, err_len);
   auto core_alloc = [&](int64_t num_rows, int64_t** rows, void** row_grads) {
     if (alloc(alloc_ctx, num_rows, rows, row_grads) != 0)
       return pkm::Status::Error("the output allocation callback failed for " + std::to_string(num_rows) + " rows");
     return pkm::Status::Ok();
   };
-  return Finish(pkm::SparseBackward(table, bags, static_cast<pkm::Combiner>(in->combiner), grad_out, table.type,
+  return Finish(pkm::SparseBackward(table, bags, combiner, grad_out, table.type,
                                     core_alloc, table.type, d_weights, pkm::SerialFor()),
                 err, err_len);
+}
+
+size_t pkm_bags_layout(size_t* size, size_t* offsets, size_t num_offsets) {
+  const size_t fields[] = {
+      offsetof(PkmBags, table),        offsetof(PkmBags, elem_type),
+      offsetof(PkmBags, num_rows),     offsetof(PkmBags, dim),
+      offsetof(PkmBags, indices),      offsetof(PkmBags, indices_int64),
+      offsetof(PkmBags, num_bags),     offsetof(PkmBags, bag_size),
+      offsetof(PkmBags, row_splits),   offsetof(PkmBags, row_splits_int64),
+      offsetof(PkmBags, num_indices),  offsetof(PkmBags, weights),
+      offsetof(PkmBags, weights_type), offsetof(PkmBags, combiner),
+      offsetof(PkmBags, invalid_index_count), offsetof(PkmBags, index_policy),
+  };
+  const size_t count = sizeof(fields) / sizeof(fields[0]);
+  if (size != nullptr) *size = sizeof(PkmBags);
+  for (size_t i = 0; offsets != nullptr && i < num_offsets && i < count; ++i) offsets[i] = fields[i];
+  return count;
 }
 
 }  // extern "C"

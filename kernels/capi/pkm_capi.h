@@ -11,7 +11,7 @@
 
 #include <stddef.h>
 
-#include "kernels/cuda/embedding_bag_cuda.h"  // PkmBags; includes no CUDA header
+#include "kernels/cuda/embedding_bag_cuda.h"  // PkmBags (kernels/core/bag_problem.h); no CUDA header
 
 #ifdef __cplusplus
 extern "C" {
@@ -21,8 +21,10 @@ extern "C" {
 PKM_CUDA_API int pkm_capi_has_cuda(void);
 
 // Host-pointer versions. bags->num_indices is checked against
-// row_splits[num_bags] for ragged bags; an index >= num_rows is an error.
-// `reference` = 1 runs the slow obviously-correct core version.
+// row_splits[num_bags] for ragged bags; an index the bags->index_policy does
+// not allow is an error (default: >= num_rows). The fast path refuses
+// PKM_OUT_OF_RANGE_IS_PADDING; `reference` = 1 runs the slow obviously-correct
+// core version, which implements every policy (the GPU tests' reference).
 PKM_CUDA_API int pkm_cpu_forward(const PkmBags* bags, void* out, int reference, char* err, size_t err_len);
 PKM_CUDA_API int pkm_cpu_backward(const PkmBags* bags, const void* grad_out, void* d_table, void* d_weights,
                      int reference, char* err, size_t err_len);
@@ -33,6 +35,12 @@ PKM_CUDA_API int pkm_cpu_backward(const PkmBags* bags, const void* grad_out, voi
 PKM_CUDA_API int pkm_cpu_sparse_backward(const PkmBags* bags, const void* grad_out,
                             pkm_cuda_sparse_alloc_fn alloc, void* alloc_ctx, void* d_weights,
                             char* err, size_t err_len);
+
+// The layout of PkmBags as this library was compiled: writes sizeof(PkmBags)
+// to *size and the offsetof of its first min(num_offsets, fields) fields, in
+// declaration order, to offsets; returns the number of fields. Lets a ctypes
+// mirror (kernels/capi/pkm_capi.py) check itself against the C struct.
+PKM_CUDA_API size_t pkm_bags_layout(size_t* size, size_t* offsets, size_t num_offsets);
 
 #ifdef __cplusplus
 }  // extern "C"

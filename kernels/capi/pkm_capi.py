@@ -14,11 +14,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DEFAULT_CUDA_LIB = os.environ.get("PKM_CUDA_LIB") or os.path.join(ROOT, "pkm_serve", "lib", "libpkm_cuda.so")
 
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
+# PKM_NEGATIVE_IS_PADDING / PKM_NO_PADDING / PKM_OUT_OF_RANGE_IS_PADDING.
+INDEX_POLICIES = {"negative_is_padding": 0, "no_padding": 1, "out_of_range_is_padding": 2}
 INVALID_ARGUMENT = -1
 
 
 class PkmBags(ctypes.Structure):
-    """Mirror of PkmBags in kernels/cuda/embedding_bag_cuda.h."""
+    """Mirror of PkmBags in kernels/core/bag_problem.h (PkmLib checks it
+    against the library's pkm_bags_layout)."""
 
     _fields_ = [
         ("table", ctypes.c_void_p),
@@ -36,6 +39,7 @@ class PkmBags(ctypes.Structure):
         ("weights_type", ctypes.c_int32),
         ("combiner", ctypes.c_int32),
         ("invalid_index_count", ctypes.c_void_p),
+        ("index_policy", ctypes.c_int32),
     ]
 
 
@@ -60,7 +64,21 @@ def _ptr(tensor):
     return ctypes.c_void_p(tensor.data_ptr()) if tensor is not None and tensor.numel() > 0 else None
 
 
-def make_bags(table, indices, weights=None, combiner="sum", row_splits=None, invalid_counter=None):
+def check_layout(lib):
+    """Raises PkmError unless PkmBags above has the library's size and offsets."""
+    fields = [name for name, _ in PkmBags._fields_]
+    size = ctypes.c_size_t()
+    offsets = (ctypes.c_size_t * len(fields))()
+    count = lib.pkm_bags_layout(ctypes.byref(size), offsets, len(fields))
+    want = (ctypes.sizeof(PkmBags), [getattr(PkmBags, f).offset for f in fields])
+    got = (size.value, list(offsets))
+    if count != len(fields) or got != want:
+        raise PkmError(f"PkmBags mirror differs from the library: {count} fields, size and offsets {got}; "
+                       f"the mirror has {len(fields)}, {want}")
+
+
+def make_bags(table, indices, weights=None, combiner="sum", row_splits=None, invalid_counter=None,
+              index_policy="negative_is_padding"):
     """PkmBags over torch tensors (all on one device, contiguous).
 
     Dense: indices [B, K]. Ragged: indices [nnz] values and row_splits [B + 1].
@@ -97,6 +115,9 @@ def make_bags(table, indices, weights=None, combiner="sum", row_splits=None, inv
         raise PkmError(f"combiner must be one of {sorted(COMBINERS)}, got {combiner!r}")
     bags.combiner = COMBINERS[combiner]
     bags.invalid_index_count = _ptr(invalid_counter)
+    if index_policy not in INDEX_POLICIES:
+        raise PkmError(f"index_policy must be one of {sorted(INDEX_POLICIES)}, got {index_policy!r}")
+    bags.index_policy = INDEX_POLICIES[index_policy]
     return bags
 
 
@@ -136,6 +157,10 @@ class PkmLib:
         self.has_cuda = bool(lib.pkm_capi_has_cuda())
         bags_p, opts_p = ctypes.POINTER(PkmBags), ctypes.POINTER(PkmCudaOptions)
         vp, err_args = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_size_t]
+        size_p = ctypes.POINTER(ctypes.c_size_t)
+        lib.pkm_bags_layout.argtypes = [size_p, size_p, ctypes.c_size_t]
+        lib.pkm_bags_layout.restype = ctypes.c_size_t
+        check_layout(lib)
         lib.pkm_cpu_forward.argtypes = [bags_p, vp, ctypes.c_int] + err_args
         lib.pkm_cpu_backward.argtypes = [bags_p, vp, vp, vp, ctypes.c_int] + err_args
         lib.pkm_cpu_sparse_backward.argtypes = [bags_p, vp, SPARSE_ALLOC_FN, vp, vp] + err_args

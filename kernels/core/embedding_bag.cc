@@ -77,6 +77,9 @@ Status CheckTypes(const Table& t, const Bags& bags, ElemType out_type, bool for_
   if (bags.weights != nullptr && bags.weights_type == ElemType::kInt8)
     return Status::Error("weights must be a float type");
   if (bags.num_bags < 0 || bags.bag_size < 0) return Status::Error("bag shape must be non-negative");
+  if (bags.index_policy == IndexPolicy::kOutOfRangeIsPadding)
+    return Status::Error("index policy 'out of range is padding' is the GPU launchers' only: the CPU "
+                         "kernels need indices < num_rows");
   return Status::Ok();
 }
 
@@ -111,11 +114,16 @@ Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf)
       return Status::Error("row_splits[-1] = " + std::to_string(bags.NumIndices()) +
                            " must equal the number of values (" + std::to_string(bags.num_values) + ")");
   }
+  if (bags.index_policy == IndexPolicy::kOutOfRangeIsPadding) return Status::Ok();
+  if (bags.index_policy != IndexPolicy::kNegativeIsPadding && bags.index_policy != IndexPolicy::kNoPadding)
+    return Status::Error("unknown index policy " + std::to_string(static_cast<int>(bags.index_policy)));
+  const bool negative_is_padding = bags.index_policy == IndexPolicy::kNegativeIsPadding;
   const int64_t n = bags.NumIndices();
   std::atomic<int64_t> first_bad{n};
   pf(n, 4, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
-      if (IndexAt(bags, j) >= table.num_rows) {
+      const int64_t v = IndexAt(bags, j);
+      if (v >= table.num_rows || (v < 0 && !negative_is_padding)) {
         int64_t cur = first_bad.load();
         while (j < cur && !first_bad.compare_exchange_weak(cur, j)) {
         }
@@ -127,7 +135,8 @@ Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf)
   if (j < n) {
     return Status::Error("indices[" + std::to_string(j) + "] = " + std::to_string(IndexAt(bags, j)) +
                          " is out of range [0, " + std::to_string(table.num_rows) +
-                         ") (negative indices are padding)");
+                         (negative_is_padding ? ") (negative indices are padding)"
+                                              : ") (stock GATHER allows no padding)"));
   }
   return Status::Ok();
 }

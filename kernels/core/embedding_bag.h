@@ -7,7 +7,8 @@
 // and errors. All element offsets are int64_t: tables over 2^31 elements work.
 //
 // Semantics (see DESIGN.md "The op"):
-//  - negative index = padding: contributes nothing, not counted by mean/sqrtn;
+//  - negative index = padding: contributes nothing, not counted by mean/sqrtn
+//    (Bags::index_policy can make it an error instead, see IndexPolicy);
 //  - index >= num_rows is an error (reported before anything is written);
 //  - combiner sum: sum w*x; mean: sum(w*x)/sum(w); sqrtn: sum(w*x)/sqrt(sum w^2);
 //    a zero denominator (empty bag, all padding, weights summing to 0) gives 0;
@@ -20,14 +21,22 @@
 #include <functional>
 #include <string>
 
+#include "kernels/core/bag_problem.h"
+
 namespace pkm {
 
-enum class Combiner : int { kSum = 0, kMean = 1, kSqrtn = 2 };
+// The values come from the C descriptor (bag_problem.h), defined there once.
+enum class Combiner : int { kSum = PKM_SUM, kMean = PKM_MEAN, kSqrtn = PKM_SQRTN };
 
 // Storage type of a table, of weights, of outputs. Half types are raw 16-bit
 // patterns (IEEE binary16 / bfloat16); kInt8 is only valid for tables and
 // needs per-row scales (dequantised value = scale[row] * (q - zero_point[row])).
-enum class ElemType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt8 = 3 };
+enum class ElemType : int {
+  kFloat32 = PKM_FLOAT32,
+  kFloat16 = PKM_FLOAT16,
+  kBFloat16 = PKM_BFLOAT16,
+  kInt8 = PKM_INT8,
+};
 
 // Parses "sum" | "mean" | "sqrtn"; returns false for anything else.
 bool ParseCombiner(const std::string& name, Combiner* out);
@@ -61,6 +70,21 @@ struct Table {
   const int32_t* row_zero_points = nullptr;
 };
 
+// Which indices ValidateBags accepts. An index in [0, num_rows) is always a
+// row; the policy decides what the others are.
+enum class IndexPolicy : int {
+  // Negative = padding (the op's contract); >= num_rows is an error.
+  kNegativeIsPadding = PKM_NEGATIVE_IS_PADDING,
+  // Anything outside [0, num_rows) is an error, as stock TFLite GATHER: a
+  // fused GATHER chain must fail where the stock graph does.
+  kNoPadding = PKM_NO_PADDING,
+  // Anything outside [0, num_rows) is padding: the CUDA launchers' rule, as a
+  // device cannot raise an error (it counts such entries instead). ValidateBags
+  // then checks only the layout; the CPU Forward/Backward reject this policy
+  // (their loops skip negatives only, so an index >= num_rows would be read).
+  kOutOfRangeIsPadding = PKM_OUT_OF_RANGE_IS_PADDING,
+};
+
 // The bags. Dense: num_bags bags of bag_size each (indices [num_bags*bag_size]).
 // Ragged: row_splits[num_bags + 1] (non-decreasing, row_splits[0] == 0), bag b
 // holds entries [row_splits[b], row_splits[b+1]) of indices/weights.
@@ -75,14 +99,26 @@ struct Bags {
                                      // checked against row_splits[num_bags]
   const void* weights = nullptr;     // null = all ones; else one per index
   ElemType weights_type = ElemType::kFloat32;  // kFloat32/kFloat16/kBFloat16
+  IndexPolicy index_policy = IndexPolicy::kNegativeIsPadding;
   int64_t NumIndices() const;        // total entries (ragged: row_splits[num_bags])
   int64_t Begin(int64_t bag) const;  // first entry of a bag
   int64_t End(int64_t bag) const;    // one past its last entry
 };
 
-// Checks layout and indices: row_splits well formed, every index < num_rows.
-// The message names the first offending position and value, e.g.
-// "indices[3] = 70000 is out of range [0, 65536) (negative indices are padding)".
+// The C descriptor (bag_problem.h) <-> Table/Bags/Combiner: the only two
+// translations between them. FromBagProblem checks the enum values (float
+// element types only: the struct has no int8 scales) and gives ragged bags
+// num_values = num_indices. ToBagProblem fills every field for the CUDA
+// launchers without reading the buffers (they may be device pointers):
+// num_indices = num_values (ragged) or num_bags * bag_size, no counter.
+Status FromBagProblem(const PkmBags& problem, Table* table, Bags* bags, Combiner* combiner);
+PkmBags ToBagProblem(const Table& table, const Bags& bags, Combiner combiner);
+
+// Checks layout and indices: row_splits well formed, every index valid under
+// bags.index_policy. The message names the first offending position and value
+// and the policy, e.g.
+// "indices[3] = 70000 is out of range [0, 65536) (negative indices are padding)"
+// or "indices[40] = -1 is out of range [0, 200) (stock GATHER allows no padding)".
 // Forward/Backward call it themselves; exposed for adapters that want to fail
 // early (and for the GPU path, which cannot report errors from the device).
 Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf);

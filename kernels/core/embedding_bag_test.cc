@@ -246,6 +246,36 @@ void ErrorCases() {
   s = pkm::Forward(table, bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
   EXPECT(!s.ok && s.message.find("must equal the number of values") != std::string::npos, "nnz message: %s", s.message.c_str());
 
+  // Index policies: the same bags under each, first offending position wins.
+  std::vector<int32_t> mixed = {3, -1, 12, 0};  // -1 at [1], 12 (>= 10) at [2]
+  pkm::Bags policy_bags;
+  policy_bags.indices = mixed.data();
+  policy_bags.num_bags = 2;
+  policy_bags.bag_size = 2;
+  s = pkm::ValidateBags(table, policy_bags, TwoThreads());
+  EXPECT(!s.ok && s.message == "indices[2] = 12 is out of range [0, 10) (negative indices are padding)",
+         "negative-is-padding message: %s", s.message.c_str());
+  policy_bags.index_policy = pkm::IndexPolicy::kNoPadding;
+  s = pkm::ValidateBags(table, policy_bags, TwoThreads());
+  EXPECT(!s.ok && s.message == "indices[1] = -1 is out of range [0, 10) (stock GATHER allows no padding)",
+         "no-padding message: %s", s.message.c_str());
+  mixed[1] = 4;
+  mixed[2] = 9;
+  s = pkm::Forward(table, policy_bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
+  EXPECT(s.ok && out[0] == 2.f && out[4] == 2.f, "no-padding forward of valid indices: %s", s.message.c_str());
+  mixed[2] = 10;
+  policy_bags.index_policy = pkm::IndexPolicy::kOutOfRangeIsPadding;
+  s = pkm::ValidateBags(table, policy_bags, TwoThreads());
+  EXPECT(s.ok, "out-of-range-is-padding checks only the layout: %s", s.message.c_str());
+  std::fill(out.begin(), out.end(), sentinel);
+  s = pkm::Forward(table, policy_bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
+  EXPECT(!s.ok && s.message.find("GPU") != std::string::npos &&
+             std::all_of(out.begin(), out.end(), [&](float v) { return v == sentinel; }),
+         "CPU forward must refuse the GPU policy: %s", s.message.c_str());
+  policy_bags.index_policy = static_cast<pkm::IndexPolicy>(7);
+  s = pkm::ValidateBags(table, policy_bags, TwoThreads());
+  EXPECT(!s.ok && s.message.find("unknown index policy 7") != std::string::npos, "bad policy: %s", s.message.c_str());
+
   pkm::Combiner c;
   EXPECT(!pkm::ParseCombiner("max", &c) && pkm::ParseCombiner("sqrtn", &c) && c == pkm::Combiner::kSqrtn, "combiner parse");
 

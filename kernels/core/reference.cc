@@ -65,8 +65,14 @@ Status ListBags(const Table& t, const Bags& b, BagList* out) {
     }
     for (int64_t j = first; j < last; ++j) {
       const int64_t r = ReadInteger(b.indices, b.indices_int64, j);
-      if (r >= t.num_rows) return Status::Error("index out of range at " + std::to_string(j));
-      if (r >= 0) out->entries[bag].push_back(j);  // negative: padding
+      if (r >= 0 && r < t.num_rows) {
+        out->entries[bag].push_back(j);
+        continue;
+      }
+      // Outside [0, num_rows): padding or an error, as the policy says.
+      const bool padding = b.index_policy == IndexPolicy::kOutOfRangeIsPadding ||
+                           (r < 0 && b.index_policy == IndexPolicy::kNegativeIsPadding);
+      if (!padding) return Status::Error("index out of range at " + std::to_string(j));
     }
   }
   out->total = total;

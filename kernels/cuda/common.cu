@@ -44,6 +44,9 @@ int ValidateCommon(const PkmBags* bags) {
   if (b.combiner != PKM_SUM && b.combiner != PKM_MEAN && b.combiner != PKM_SQRTN)
     return SetInvalid("combiner must be sum (0), mean (1) or sqrtn (2), got " +
                       std::to_string(b.combiner));
+  if (b.index_policy != PKM_NEGATIVE_IS_PADDING && b.index_policy != PKM_OUT_OF_RANGE_IS_PADDING)
+    return SetInvalid("index_policy must be negative-is-padding (0) or out-of-range-is-padding (2) on the "
+                      "GPU (the device cannot report an index error), got " + std::to_string(b.index_policy));
   if (b.num_rows < 0 || b.dim < 0 || b.num_bags < 0)
     return SetInvalid("num_rows, dim and num_bags must be >= 0, got " + std::to_string(b.num_rows) +
                       ", " + std::to_string(b.dim) + ", " + std::to_string(b.num_bags));

@@ -17,7 +17,7 @@ NVCC_FLAGS := -std=c++17 -O3 -DNDEBUG $(CUDA_ARCH) -I. -Xcompiler -fPIC,-fvisibi
               -Xptxas -warn-spills $(NVCC_EXTRA)
 CUDA_DIR   := kernels/cuda
 CUDA_SRCS  := $(PKM_CUDA_SRCS)
-CUDA_HDRS  := $(PKM_CUDA_HDRS) $(PKM_CUDA_TEXTUAL_HDRS)
+CUDA_HDRS  := $(PKM_CUDA_HDRS) $(PKM_CUDA_TEXTUAL_HDRS) kernels/core/bag_problem.h
 CUDA_OBJS  := $(patsubst $(CUDA_DIR)/%.cu,$(BUILDDIR)/cuda/%.o,$(CUDA_SRCS))
 # cudart is linked statically: the libraries then load next to any CUDA
 # runtime (TF's, PyTorch's) and share the driver's primary context.

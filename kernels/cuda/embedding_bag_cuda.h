@@ -2,12 +2,16 @@
 //
 //   out[b, :] = combine_k  w[b, k] * table[idx[b, k], :]
 //
+// The problem is the core's C descriptor PkmBags (kernels/core/bag_problem.h).
 // Same contract as kernels/core/embedding_bag.h (negative index = padding,
 // combiners sum/mean/sqrtn, float32 accumulation, empty bag -> zeros), with one
 // GPU-specific rule: the device cannot raise an error, so an index >= num_rows
 // is treated like padding (never read, contributes nothing, not counted by
 // mean/sqrtn, gets d_weight 0) and, when `invalid_index_count` is set, adds 1
-// to that device counter per offending entry. Callers that need the CPU's
+// to that device counter per offending entry: index_policy
+// PKM_OUT_OF_RANGE_IS_PADDING, whether the struct says that or
+// PKM_NEGATIVE_IS_PADDING; PKM_NO_PADDING is refused (INVALID_ARGUMENT), as
+// it needs an error from the device. Callers that need the CPU's
 // InvalidArgument check the counter (or validate on the host first).
 //
 // No CUDA or TensorFlow header is needed to include this file: the stream is
@@ -17,6 +21,8 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+#include "kernels/core/bag_problem.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -31,41 +37,10 @@ typedef struct CUstream_st* pkm_cuda_stream_t;
 #define PKM_CUDA_API
 #endif
 
-// Element types; values equal pkm::ElemType so adapters can cast.
-enum { PKM_FLOAT32 = 0, PKM_FLOAT16 = 1, PKM_BFLOAT16 = 2 };
-// Combiners; values equal pkm::Combiner.
-enum { PKM_SUM = 0, PKM_MEAN = 1, PKM_SQRTN = 2 };
-
 // Return codes: 0 ok, PKM_CUDA_INVALID_ARGUMENT for a bad call (see
 // pkm_cuda_last_error()), any positive value is the cudaError_t of a failed
 // CUDA call or launch.
 enum { PKM_CUDA_OK = 0, PKM_CUDA_INVALID_ARGUMENT = -1 };
-
-typedef struct PkmBags {
-  // Table [num_rows, dim], row-major, of elem_type. Outputs, the upstream
-  // gradient and d_table share elem_type.
-  const void* table;
-  int32_t elem_type;
-  int64_t num_rows;
-  int64_t dim;
-  // Indices: int32 or int64. Dense layout: num_bags * bag_size entries.
-  // Ragged layout (row_splits != NULL): row_splits[num_bags + 1], bag b holds
-  // entries [row_splits[b], row_splits[b+1]); num_indices is the length of
-  // `indices` (splits are clamped to it: a malformed split never reads past).
-  const void* indices;
-  int32_t indices_int64;
-  int64_t num_bags;
-  int64_t bag_size;
-  const void* row_splits;
-  int32_t row_splits_int64;
-  int64_t num_indices;  // dense: ignored (num_bags * bag_size)
-  // Optional per-entry weights (NULL = all ones) of weights_type.
-  const void* weights;
-  int32_t weights_type;
-  int32_t combiner;
-  // Optional device int32 counter, incremented once per index >= num_rows.
-  int32_t* invalid_index_count;
-} PkmBags;
 
 // Tuning knobs; pass NULL for the defaults (what the benchmark picked).
 typedef struct PkmCudaOptions {

@@ -40,26 +40,6 @@ namespace {
   return ::tensorflow::errors::Internal("PkmEmbeddingBag CUDA launch failed: ", pkm_cuda_last_error());
 }
 
-PkmBags ToLauncherBags(const CoreArgs& args, pkm::Combiner combiner) {
-  PkmBags b{};
-  b.table = args.table.data;
-  b.elem_type = static_cast<int32_t>(args.table.type);
-  b.num_rows = args.table.num_rows;
-  b.dim = args.table.dim;
-  b.indices = args.bags.indices;
-  b.indices_int64 = args.bags.indices_int64;
-  b.num_bags = args.bags.num_bags;
-  b.bag_size = args.bags.bag_size;
-  b.row_splits = args.bags.row_splits;
-  b.row_splits_int64 = args.bags.row_splits_int64;
-  b.num_indices = args.bags.row_splits ? args.bags.num_values : args.bags.num_bags * args.bags.bag_size;
-  b.weights = args.bags.weights;
-  b.weights_type = static_cast<int32_t>(args.bags.weights_type);
-  b.combiner = static_cast<int32_t>(combiner);
-  b.invalid_index_count = nullptr;
-  return b;
-}
-
 class GpuEmbeddingBagOp : public EmbeddingBagKernelBase {
  public:
   using EmbeddingBagKernelBase::EmbeddingBagKernelBase;
@@ -72,7 +52,7 @@ class GpuEmbeddingBagOp : public EmbeddingBagKernelBase {
     if (out->NumElements() == 0) return;
     pkm_cuda_stream_t stream;
     OP_REQUIRES_OK(ctx, GpuStream(ctx, &stream));
-    const PkmBags bags = ToLauncherBags(args, attrs_.combiner);
+    const PkmBags bags = pkm::ToBagProblem(args.table, args.bags, attrs_.combiner);
     OP_REQUIRES_OK(ctx, FromLauncher(pkm_cuda_forward(&bags, out->data(), nullptr, stream)));
   }
 };
@@ -88,7 +68,7 @@ class GpuEmbeddingBagGradOp : public EmbeddingBagKernelBase {
     const Tensor& grad = ctx->input(0);
     pkm_cuda_stream_t stream;
     OP_REQUIRES_OK(ctx, GpuStream(ctx, &stream));
-    const PkmBags bags = ToLauncherBags(args, attrs_.combiner);
+    const PkmBags bags = pkm::ToBagProblem(args.table, args.bags, attrs_.combiner);
     const size_t workspace_bytes = pkm_cuda_backward_workspace_bytes(&bags, nullptr);
     Tensor workspace;
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
@@ -120,7 +100,7 @@ class GpuEmbeddingBagSparseGradOp : public EmbeddingBagKernelBase {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, args.weights->shape(), &d_weights));
     pkm_cuda_stream_t stream;
     OP_REQUIRES_OK(ctx, GpuStream(ctx, &stream));
-    const PkmBags bags = ToLauncherBags(args, attrs_.combiner);
+    const PkmBags bags = pkm::ToBagProblem(args.table, args.bags, attrs_.combiner);
     const size_t workspace_bytes = pkm_cuda_sparse_backward_workspace_bytes(&bags, nullptr);
     Tensor workspace;
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,

@@ -20,26 +20,6 @@
 namespace pkm_xla {
 namespace {
 
-PkmBags ToLauncherBags(const pkm::Table& t, const pkm::Bags& b, pkm::Combiner combiner) {
-  PkmBags out{};
-  out.table = t.data;
-  out.elem_type = static_cast<int32_t>(t.type);
-  out.num_rows = t.num_rows;
-  out.dim = t.dim;
-  out.indices = b.indices;
-  out.indices_int64 = b.indices_int64;
-  out.num_bags = b.num_bags;
-  out.bag_size = b.bag_size;
-  out.row_splits = b.row_splits;
-  out.row_splits_int64 = b.row_splits_int64;
-  out.num_indices = b.row_splits ? b.num_values : b.num_bags * b.bag_size;
-  out.weights = b.weights;
-  out.weights_type = static_cast<int32_t>(b.weights_type);
-  out.combiner = static_cast<int32_t>(combiner);
-  out.invalid_index_count = nullptr;
-  return out;
-}
-
 ffi::Error FromLauncher(int code) {
   if (code == PKM_CUDA_OK) return ffi::Error::Success();
   if (code == PKM_CUDA_INVALID_ARGUMENT) return ffi::Error::InvalidArgument(pkm_cuda_last_error());
@@ -56,7 +36,7 @@ ffi::Error Forward(pkm_cuda_stream_t stream, const ffi::AnyBuffer& params, const
       e.failure())
     return e;
   if (out->element_count() == 0) return ffi::Error::Success();
-  const PkmBags b = ToLauncherBags(table, bags, comb);
+  const PkmBags b = pkm::ToBagProblem(table, bags, comb);
   return FromLauncher(pkm_cuda_forward(&b, out->untyped_data(), nullptr, stream));
 }
 
@@ -70,7 +50,7 @@ ffi::Error Backward(pkm_cuda_stream_t stream, ffi::ScratchAllocator& scratch, co
   if (ffi::Error e = ToCoreArgs(params, indices, splits, weights, combiner, has_weights, &table, &bags, &comb);
       e.failure())
     return e;
-  const PkmBags b = ToLauncherBags(table, bags, comb);
+  const PkmBags b = pkm::ToBagProblem(table, bags, comb);
   const size_t workspace_bytes = pkm_cuda_backward_workspace_bytes(&b, nullptr);
   void* workspace = nullptr;
   if (workspace_bytes > 0) {

@@ -96,3 +96,51 @@ def test_errors_name_the_problem(lib):
     rc = lib.pkm_cpu_forward(ctypes.byref(bags_for(table, np.array([0, 1], np.int64), None, "sum", splits)),
                              np.empty((2, 3), np.float32).ctypes.data, 0, err, len(err))
     assert rc == -1 and err.value, "mismatched row_splits accepted"
+
+
+def test_ctypes_mirror_matches_the_c_struct_layout(lib, monkeypatch):
+    pkm_capi.check_layout(lib)  # PkmLib ran it too; explicit here
+    size = ctypes.c_size_t()
+    assert lib.pkm_bags_layout(ctypes.byref(size), None, 0) == len(pkm_capi.PkmBags._fields_)
+    assert size.value == ctypes.sizeof(pkm_capi.PkmBags)
+
+    # A mirror without the last field (the layout before index_policy) is caught.
+    class OldPkmBags(ctypes.Structure):
+        _fields_ = pkm_capi.PkmBags._fields_[:-1]
+
+    monkeypatch.setattr(pkm_capi, "PkmBags", OldPkmBags)
+    with pytest.raises(pkm_capi.PkmError, match="mirror differs"):
+        pkm_capi.check_layout(lib)
+
+
+@pytest.mark.parametrize("reference", [0, 1])
+def test_index_policies_through_the_c_abi(lib, reference):
+    rng = np.random.default_rng(7 + reference)
+    table = rng.standard_normal((6, 5)).astype(np.float32)
+    indices = np.array([[0, -1, 3], [5, 9, 2]], np.int64)  # -1 at [1], 9 (>= 6) at [4]
+    weights = rng.uniform(0.5, 1.5, size=indices.shape).astype(np.float32)
+    err = ctypes.create_string_buffer(256)
+    out = np.full((2, 5), np.nan, np.float32)
+
+    def forward(policy):
+        bags = bags_for(table, indices, weights, "mean")
+        bags.index_policy = policy
+        return lib.pkm_cpu_forward(ctypes.byref(bags), out.ctypes.data, reference, err, len(err))
+
+    policies = pkm_capi.INDEX_POLICIES
+    assert forward(policies["negative_is_padding"]) == -1
+    if not reference:
+        assert err.value == b"indices[4] = 9 is out of range [0, 6) (negative indices are padding)"
+    assert forward(policies["no_padding"]) == -1
+    if not reference:
+        assert err.value == b"indices[1] = -1 is out of range [0, 6) (stock GATHER allows no padding)"
+    assert np.isnan(out).all(), "written on error"
+    rc = forward(policies["out_of_range_is_padding"])
+    if reference:
+        # The device's rule, as the reference the GPU tests compare against.
+        assert rc == 0, err.value
+        padded = np.where((indices >= 0) & (indices < 6), indices, -1)
+        np.testing.assert_allclose(out, embedding_bag(table, padded, weights, "mean"), rtol=1e-5, atol=1e-6)
+    else:
+        assert rc == -1 and b"GPU" in err.value
+    assert forward(5) == -1 and b"index_policy must be" in err.value

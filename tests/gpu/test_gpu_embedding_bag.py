@@ -234,6 +234,31 @@ def test_out_of_range_indices_are_padding_and_counted(lib):
         lib.cpu_forward(table, indices_oob, weights, "mean", reference=True)
 
 
+def test_index_policy_out_of_range_is_padding_is_the_devices_rule(lib):
+    """Policy 2 gives the device's default result; the CPU reference under
+    policy 2 agrees; PKM_NO_PADDING is refused (the device cannot raise it)."""
+    rng = np.random.default_rng(4)
+    table, indices, weights, _ = random_case(rng, torch.float32, False, "sqrtn", True, torch.int64, 80, 32, 24, 8)
+    bad = torch.from_numpy(rng.random(indices.shape) < 0.15)
+    indices = torch.where(bad, torch.full_like(indices, 80) + indices.abs(), indices)
+    stream = torch.cuda.current_stream().cuda_stream
+    d_table, d_indices, d_weights = to_dev(table, indices, weights)
+    default = lib.cuda_forward(d_table, d_indices, d_weights, "sqrtn")
+    out = torch.full_like(default, float("nan"))
+    bags = pkm_capi.make_bags(d_table, d_indices, d_weights, "sqrtn", index_policy="out_of_range_is_padding")
+    lib._check_cuda(lib.lib.pkm_cuda_forward(pkm_capi.ctypes.byref(bags), out.data_ptr(), None, stream), "forward")
+    assert torch.equal(out, default)
+    want = torch.full((24, 32), float("nan"))
+    host = pkm_capi.make_bags(table, indices, weights, "sqrtn", index_policy="out_of_range_is_padding")
+    err = pkm_capi.ctypes.create_string_buffer(256)
+    assert lib.lib.pkm_cpu_forward(pkm_capi.ctypes.byref(host), want.data_ptr(), 1, err, len(err)) == 0, err.value
+    assert_close(out, want, torch.float32, "forward under out-of-range-is-padding")
+    bags.index_policy = pkm_capi.INDEX_POLICIES["no_padding"]
+    with pytest.raises(pkm_capi.PkmError, match="index_policy must be"):
+        lib._check_cuda(lib.lib.pkm_cuda_forward(pkm_capi.ctypes.byref(bags), out.data_ptr(), None, stream),
+                        "forward")
+
+
 def test_poisoned_outputs_are_fully_overwritten(lib):
     """Rows nobody references get zeros in d_table; empty bags give zeros."""
     table = torch.randn(64, 128, device=DEV)
