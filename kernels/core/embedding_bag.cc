@@ -242,161 +242,6 @@ RowGroups<Pos> GroupByRow(const Bags& bags, int64_t num_rows) {
 
 }  // namespace
 
-Status Backward(const Table& table, const Bags& bags, Combiner combiner, const void* grad_out,
-                ElemType grad_type, void* d_table, ElemType d_table_type, void* d_weights,
-                const ParallelFor& pf) {
-  Status s = internal::CheckTypes(table, bags, d_table_type, /*for_gradient=*/true);
-  if (!s.ok) return s;
-  if (grad_type == ElemType::kInt8) return Status::Error("gradient must be a float type");
-  s = ValidateBags(table, bags, pf);
-  if (!s.ok) return s;
-  if (bags.weights == nullptr) d_weights = nullptr;  // nothing to differentiate
-  const int64_t dim = table.dim, num_bags = bags.num_bags, n = bags.NumIndices();
-  const int64_t grad_row_bytes = dim * ElemSize(grad_type);
-  const int64_t table_row_bytes = dim * ElemSize(table.type);
-  const int64_t d_row_bytes = dim * ElemSize(d_table_type);
-
-  // Per-bag combiner scale.
-  std::vector<float> bag_scale(num_bags);
-  pf(num_bags, 8 * (n / std::max<int64_t>(num_bags, 1) + 1), [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      float ws = 0.f, wq = 0.f;
-      for (int64_t j = bags.Begin(b); j < bags.End(b); ++j) {
-        if (IndexAt(bags, j) < 0) continue;
-        const float w = WeightAt(bags, j);
-        ws += w;
-        wq += w * w;
-      }
-      bag_scale[b] = internal::CombinerScale(combiner, ws, wq);
-    }
-  });
-
-  // The bag of each entry: a division for dense bags, a table for ragged ones.
-  std::vector<int64_t> ragged_bag_of;
-  if (bags.row_splits != nullptr) {
-    ragged_bag_of.resize(n);
-    for (int64_t b = 0; b < num_bags; ++b)
-      for (int64_t j = bags.Begin(b); j < bags.End(b); ++j) ragged_bag_of[j] = b;
-  }
-  auto bag_of = [&](int64_t j) { return bags.row_splits ? ragged_bag_of[j] : j / bags.bag_size; };
-
-  // grad . row for each valid entry, turned into d_weights by the per-bag
-  // fix-up below: in place for float32 weights, else through a scratch.
-  std::vector<float> grad_dot_scratch;
-  float* grad_dot_row = nullptr;
-  if (d_weights != nullptr) {
-    if (bags.weights_type == ElemType::kFloat32) {
-      grad_dot_row = static_cast<float*>(d_weights);
-    } else {
-      grad_dot_scratch.assign(n, 0.f);
-      grad_dot_row = grad_dot_scratch.data();
-    }
-  }
-
-  // Gradient rows are read once per entry: convert half-type gradients to
-  // float32 once (an output-sized buffer) rather than at every read.
-  std::vector<float> grad_f;
-  const float* grad_rows = static_cast<const float*>(grad_out);
-  if (grad_type != ElemType::kFloat32) {
-    grad_f.resize(num_bags * dim);
-    pf(num_bags, dim, [&](int64_t b0, int64_t b1) {
-      vec::ToFloat(static_cast<const char*>(grad_out) + b0 * grad_row_bytes, grad_type,
-                   grad_f.data() + b0 * dim, (b1 - b0) * dim);
-    });
-    grad_rows = grad_f.data();
-  }
-
-  // Rows of the table in group order: each row read once, its gradient row
-  // written once, by one thread.
-  auto table_gradient = [&](const auto& groups) {
-    if (!groups.all_rows) {  // rows nobody looked up get zero gradient
-      pf(table.num_rows, dim, [&](int64_t r0, int64_t r1) {
-        std::vector<float> zeros(dim, 0.f);
-        for (int64_t r = r0; r < r1; ++r)
-          vec::FromFloat(zeros.data(), 1.f, d_table_type, static_cast<char*>(d_table) + r * d_row_bytes, dim);
-      });
-    }
-    const int64_t groups_n = groups.NumGroups();
-    const int64_t cost = (groups.order.size() / std::max<int64_t>(groups_n, 1) + 1) * dim * 3;
-    // float32 tables accumulate straight into d_table and read rows in place;
-    // half types go through float scratch rows.
-    const bool direct = table.type == ElemType::kFloat32 && d_table_type == ElemType::kFloat32;
-    pf(groups_n, cost, [&](int64_t u0, int64_t u1) {
-      std::vector<float> acc_buf(direct ? 0 : dim), row_buf(direct ? 0 : dim);
-      for (int64_t u = u0; u < u1; ++u) {
-        const int64_t r = groups.Row(u);
-        char* d_row = static_cast<char*>(d_table) + r * d_row_bytes;
-        float* acc = direct ? reinterpret_cast<float*>(d_row) : acc_buf.data();
-        std::fill(acc, acc + dim, 0.f);
-        const char* row_ptr = static_cast<const char*>(table.data) + r * table_row_bytes;
-        const float* row_f = reinterpret_cast<const float*>(row_ptr);
-        if (!direct && d_weights && groups.starts[u] < groups.starts[u + 1]) {
-          vec::ToFloat(row_ptr, table.type, row_buf.data(), dim);
-          row_f = row_buf.data();
-        }
-        for (int64_t i = groups.starts[u]; i < groups.starts[u + 1]; ++i) {
-          const int64_t j = groups.order[i];
-          const int64_t b = bag_of(j);
-          const float* g = grad_rows + b * dim;
-          const float c = WeightAt(bags, j) * bag_scale[b];
-          if (d_weights) grad_dot_row[j] = vec::AxpyDot(c, g, row_f, acc, dim);
-          else vec::AxpyF32(c, g, acc, dim);
-        }
-        if (!direct) vec::FromFloat(acc, 1.f, d_table_type, d_row, dim);
-      }
-    });
-  };
-  if (d_table != nullptr) {
-    if (n <= std::numeric_limits<int32_t>::max())
-      table_gradient(GroupByRow<int32_t>(bags, table.num_rows));
-    else
-      table_gradient(GroupByRow<int64_t>(bags, table.num_rows));
-  } else if (d_weights != nullptr) {
-    pf(num_bags, (n / std::max<int64_t>(num_bags, 1) + 1) * dim * 2, [&](int64_t b0, int64_t b1) {
-      std::vector<float> row_f(dim);
-      for (int64_t b = b0; b < b1; ++b) {
-        const float* g = grad_rows + b * dim;
-        for (int64_t j = bags.Begin(b); j < bags.End(b); ++j) {
-          const int64_t r = IndexAt(bags, j);
-          if (r < 0) continue;
-          vec::ToFloat(static_cast<const char*>(table.data) + r * table_row_bytes, table.type, row_f.data(), dim);
-          grad_dot_row[j] = vec::Dot(g, row_f.data(), dim);
-        }
-      }
-    });
-  }
-
-  if (d_weights != nullptr) {
-    // d out / d w_k:  sum: x_k;  mean: (x_k - out) / S;  sqrtn: (x_k - out * w_k / R) / R,
-    // where out . g = sum_j w_j (g . x_j) * scale.
-    pf(num_bags, 8 * (n / std::max<int64_t>(num_bags, 1) + 1), [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const int64_t begin = bags.Begin(b), end = bags.End(b);
-        float weighted = 0.f;
-        if (combiner != Combiner::kSum)
-          for (int64_t j = begin; j < end; ++j)
-            if (IndexAt(bags, j) >= 0) weighted += WeightAt(bags, j) * grad_dot_row[j];
-        const float scale = bag_scale[b];
-        for (int64_t j = begin; j < end; ++j) {
-          float dw = 0.f;
-          if (IndexAt(bags, j) >= 0 && scale != 0.f) {
-            const float gx = grad_dot_row[j];
-            switch (combiner) {
-              case Combiner::kSum: dw = gx; break;
-              case Combiner::kMean: dw = (gx - weighted * scale) * scale; break;
-              case Combiner::kSqrtn: dw = (gx - WeightAt(bags, j) * weighted * scale * scale) * scale; break;
-            }
-          }
-          internal::StoreElem(d_weights, bags.weights_type, j, dw);
-        }
-      }
-    });
-  }
-  return Status::Ok();
-}
-
-// ---- row-sparse backward ------------------------------------------------------
-
 namespace {
 
 // Per-bag combiner scale: 1, 1/sum(w) or 1/sqrt(sum w^2) over valid entries.
@@ -418,7 +263,83 @@ std::vector<float> BagScales(const Bags& bags, Combiner combiner, const Parallel
   return bag_scale;
 }
 
-// Turns grad . row of each valid entry into d out / d w (see Backward).
+// What both backward passes (dense d_table, row-sparse) need before they walk
+// the row groups: the per-bag scale, each entry's bag, the upstream gradient
+// as float32 rows, and where grad . row of each entry goes on its way to
+// d_weights.
+struct BackwardInputs {
+  BackwardInputs(const Bags& b, Combiner combiner, const void* grad_out, ElemType grad_type, int64_t dim_,
+                 void* d_weights, const ParallelFor& pf)
+      : bags(b), dim(dim_), bag_scale(BagScales(b, combiner, pf)) {
+    const int64_t num_bags = bags.num_bags, n = bags.NumIndices();
+    if (bags.row_splits != nullptr) {  // a division serves dense bags
+      ragged_bag_of.resize(n);
+      for (int64_t bag = 0; bag < num_bags; ++bag)
+        for (int64_t j = bags.Begin(bag); j < bags.End(bag); ++j) ragged_bag_of[j] = bag;
+    }
+    // grad . row lands in place for float32 weights, else in a scratch.
+    if (d_weights != nullptr) {
+      if (bags.weights_type == ElemType::kFloat32) {
+        grad_dot_row = static_cast<float*>(d_weights);
+      } else {
+        grad_dot_scratch.assign(n, 0.f);
+        grad_dot_row = grad_dot_scratch.data();
+      }
+    }
+    // Gradient rows are read once per entry: convert half-type gradients to
+    // float32 once (an output-sized buffer) rather than at every read.
+    grad_rows = static_cast<const float*>(grad_out);
+    if (grad_type != ElemType::kFloat32) {
+      const int64_t grad_row_bytes = dim * ElemSize(grad_type);
+      grad_f.resize(num_bags * dim);
+      pf(num_bags, dim, [&](int64_t b0, int64_t b1) {
+        vec::ToFloat(static_cast<const char*>(grad_out) + b0 * grad_row_bytes, grad_type,
+                     grad_f.data() + b0 * dim, (b1 - b0) * dim);
+      });
+      grad_rows = grad_f.data();
+    }
+  }
+
+  int64_t BagOf(int64_t j) const { return bags.row_splits ? ragged_bag_of[j] : j / bags.bag_size; }
+
+  const Bags& bags;
+  const int64_t dim;
+  const std::vector<float> bag_scale;
+  std::vector<int64_t> ragged_bag_of;
+  std::vector<float> grad_dot_scratch;
+  float* grad_dot_row = nullptr;  // null without d_weights
+  std::vector<float> grad_f;
+  const float* grad_rows = nullptr;
+};
+
+// The gradient of table row `row` from its group's entries order[begin, end),
+// accumulated into acc[dim] (float32); with d_weights, also grad . row of each
+// entry. row_buf[dim] holds the row as float32 for half-type tables.
+template <typename Pos>
+void AccumulateRowGradient(const Table& table, const BackwardInputs& in, const Pos* order, int64_t begin,
+                           int64_t end, int64_t row, float* acc, float* row_buf) {
+  const int64_t dim = in.dim;
+  const char* row_ptr = static_cast<const char*>(table.data) + row * dim * ElemSize(table.type);
+  const float* row_f = reinterpret_cast<const float*>(row_ptr);
+  const bool with_dots = in.grad_dot_row != nullptr;
+  if (with_dots && table.type != ElemType::kFloat32 && begin < end) {
+    vec::ToFloat(row_ptr, table.type, row_buf, dim);
+    row_f = row_buf;
+  }
+  std::fill(acc, acc + dim, 0.f);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t j = order[i];
+    const int64_t b = in.BagOf(j);
+    const float* g = in.grad_rows + b * dim;
+    const float c = WeightAt(in.bags, j) * in.bag_scale[b];
+    if (with_dots) in.grad_dot_row[j] = vec::AxpyDot(c, g, row_f, acc, dim);
+    else vec::AxpyF32(c, g, acc, dim);
+  }
+}
+
+// Turns grad . row of each valid entry into d out / d w:
+//   sum: x_k;  mean: (x_k - out) / S;  sqrtn: (x_k - out * w_k / R) / R,
+// where out . g = sum_j w_j (g . x_j) * scale.
 void WeightGradFromDots(const Bags& bags, Combiner combiner, const std::vector<float>& bag_scale,
                         const float* grad_dot_row, void* d_weights, const ParallelFor& pf) {
   const int64_t num_bags = bags.num_bags, n = bags.NumIndices();
@@ -446,51 +367,89 @@ void WeightGradFromDots(const Bags& bags, Combiner combiner, const std::vector<f
   });
 }
 
+// Checks shared by both backward passes.
+Status CheckBackward(const Table& table, const Bags& bags, ElemType grad_type, ElemType out_type,
+                     const ParallelFor& pf) {
+  Status s = internal::CheckTypes(table, bags, out_type, /*for_gradient=*/true);
+  if (!s.ok) return s;
+  if (grad_type == ElemType::kInt8) return Status::Error("gradient must be a float type");
+  return ValidateBags(table, bags, pf);
+}
+
 }  // namespace
+
+Status Backward(const Table& table, const Bags& bags, Combiner combiner, const void* grad_out,
+                ElemType grad_type, void* d_table, ElemType d_table_type, void* d_weights,
+                const ParallelFor& pf) {
+  Status s = CheckBackward(table, bags, grad_type, d_table_type, pf);
+  if (!s.ok) return s;
+  if (bags.weights == nullptr) d_weights = nullptr;  // nothing to differentiate
+  const int64_t dim = table.dim, num_bags = bags.num_bags, n = bags.NumIndices();
+  const int64_t table_row_bytes = dim * ElemSize(table.type);
+  const int64_t d_row_bytes = dim * ElemSize(d_table_type);
+  const BackwardInputs in(bags, combiner, grad_out, grad_type, dim, d_weights, pf);
+
+  // Rows of the table in group order: each row read once, its gradient row
+  // written once, by one thread.
+  auto table_gradient = [&](const auto& groups) {
+    if (!groups.all_rows) {  // rows nobody looked up get zero gradient
+      pf(table.num_rows, dim, [&](int64_t r0, int64_t r1) {
+        std::vector<float> zeros(dim, 0.f);
+        for (int64_t r = r0; r < r1; ++r)
+          vec::FromFloat(zeros.data(), 1.f, d_table_type, static_cast<char*>(d_table) + r * d_row_bytes, dim);
+      });
+    }
+    const int64_t groups_n = groups.NumGroups();
+    const int64_t cost = (groups.order.size() / std::max<int64_t>(groups_n, 1) + 1) * dim * 3;
+    // float32 tables accumulate straight into d_table; half types go through
+    // a float scratch row.
+    const bool direct = table.type == ElemType::kFloat32 && d_table_type == ElemType::kFloat32;
+    pf(groups_n, cost, [&](int64_t u0, int64_t u1) {
+      std::vector<float> acc_buf(direct ? 0 : dim), row_buf(table.type == ElemType::kFloat32 ? 0 : dim);
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t r = groups.Row(u);
+        char* d_row = static_cast<char*>(d_table) + r * d_row_bytes;
+        float* acc = direct ? reinterpret_cast<float*>(d_row) : acc_buf.data();
+        AccumulateRowGradient(table, in, groups.order.data(), groups.starts[u], groups.starts[u + 1], r, acc,
+                              row_buf.data());
+        if (!direct) vec::FromFloat(acc, 1.f, d_table_type, d_row, dim);
+      }
+    });
+  };
+  if (d_table != nullptr) {
+    if (n <= std::numeric_limits<int32_t>::max())
+      table_gradient(GroupByRow<int32_t>(bags, table.num_rows));
+    else
+      table_gradient(GroupByRow<int64_t>(bags, table.num_rows));
+  } else if (d_weights != nullptr) {  // d_weights alone: bag order, no grouping
+    pf(num_bags, (n / std::max<int64_t>(num_bags, 1) + 1) * dim * 2, [&](int64_t b0, int64_t b1) {
+      std::vector<float> row_f(dim);
+      for (int64_t b = b0; b < b1; ++b) {
+        const float* g = in.grad_rows + b * dim;
+        for (int64_t j = bags.Begin(b); j < bags.End(b); ++j) {
+          const int64_t r = IndexAt(bags, j);
+          if (r < 0) continue;
+          vec::ToFloat(static_cast<const char*>(table.data) + r * table_row_bytes, table.type, row_f.data(), dim);
+          in.grad_dot_row[j] = vec::Dot(g, row_f.data(), dim);
+        }
+      }
+    });
+  }
+  if (d_weights != nullptr) WeightGradFromDots(bags, combiner, in.bag_scale, in.grad_dot_row, d_weights, pf);
+  return Status::Ok();
+}
+
+// ---- row-sparse backward ------------------------------------------------------
 
 Status SparseBackward(const Table& table, const Bags& bags, Combiner combiner, const void* grad_out,
                       ElemType grad_type, const SparseRowsAlloc& alloc, ElemType row_grads_type,
                       void* d_weights, const ParallelFor& pf) {
-  Status s = internal::CheckTypes(table, bags, row_grads_type, /*for_gradient=*/true);
-  if (!s.ok) return s;
-  if (grad_type == ElemType::kInt8) return Status::Error("gradient must be a float type");
-  s = ValidateBags(table, bags, pf);
+  Status s = CheckBackward(table, bags, grad_type, row_grads_type, pf);
   if (!s.ok) return s;
   if (bags.weights == nullptr) d_weights = nullptr;
-  const int64_t dim = table.dim, num_bags = bags.num_bags, n = bags.NumIndices();
-  const int64_t table_row_bytes = dim * ElemSize(table.type);
+  const int64_t dim = table.dim, n = bags.NumIndices();
   const int64_t out_row_bytes = dim * ElemSize(row_grads_type);
-  const std::vector<float> bag_scale = BagScales(bags, combiner, pf);
-
-  std::vector<int64_t> ragged_bag_of;
-  if (bags.row_splits != nullptr) {
-    ragged_bag_of.resize(n);
-    for (int64_t b = 0; b < num_bags; ++b)
-      for (int64_t j = bags.Begin(b); j < bags.End(b); ++j) ragged_bag_of[j] = b;
-  }
-  auto bag_of = [&](int64_t j) { return bags.row_splits ? ragged_bag_of[j] : j / bags.bag_size; };
-
-  std::vector<float> grad_dot_scratch;
-  float* grad_dot_row = nullptr;
-  if (d_weights != nullptr) {
-    if (bags.weights_type == ElemType::kFloat32) {
-      grad_dot_row = static_cast<float*>(d_weights);
-    } else {
-      grad_dot_scratch.assign(n, 0.f);
-      grad_dot_row = grad_dot_scratch.data();
-    }
-  }
-  std::vector<float> grad_f;
-  const float* grad_rows = static_cast<const float*>(grad_out);
-  if (grad_type != ElemType::kFloat32) {
-    const int64_t grad_row_bytes = dim * ElemSize(grad_type);
-    grad_f.resize(num_bags * dim);
-    pf(num_bags, dim, [&](int64_t b0, int64_t b1) {
-      vec::ToFloat(static_cast<const char*>(grad_out) + b0 * grad_row_bytes, grad_type,
-                   grad_f.data() + b0 * dim, (b1 - b0) * dim);
-    });
-    grad_rows = grad_f.data();
-  }
+  const BackwardInputs in(bags, combiner, grad_out, grad_type, dim, d_weights, pf);
 
   auto row_gradients = [&](const auto& groups) -> Status {
     // Counting-sort groups cover every table row: keep the non-empty ones.
@@ -509,28 +468,15 @@ Status SparseBackward(const Table& table, const Bags& bags, Combiner combiner, c
     const int64_t cost = (static_cast<int64_t>(groups.order.size()) / std::max<int64_t>(num_touched, 1) + 1) * dim * 3;
     const bool direct = table.type == ElemType::kFloat32 && row_grads_type == ElemType::kFloat32;
     pf(num_touched, cost, [&](int64_t k0, int64_t k1) {
-      std::vector<float> acc_buf(direct ? 0 : dim), row_buf(direct ? 0 : dim);
+      std::vector<float> acc_buf(direct ? 0 : dim), row_buf(table.type == ElemType::kFloat32 ? 0 : dim);
       for (int64_t k = k0; k < k1; ++k) {
         const int64_t u = groups.all_rows ? touched[k] : k;
         const int64_t r = groups.Row(u);
         rows[k] = r;
         char* out_row = static_cast<char*>(row_grads) + k * out_row_bytes;
         float* acc = direct ? reinterpret_cast<float*>(out_row) : acc_buf.data();
-        std::fill(acc, acc + dim, 0.f);
-        const char* row_ptr = static_cast<const char*>(table.data) + r * table_row_bytes;
-        const float* row_f = reinterpret_cast<const float*>(row_ptr);
-        if (!direct && d_weights) {
-          vec::ToFloat(row_ptr, table.type, row_buf.data(), dim);
-          row_f = row_buf.data();
-        }
-        for (int64_t i = groups.starts[u]; i < groups.starts[u + 1]; ++i) {
-          const int64_t j = groups.order[i];
-          const int64_t b = bag_of(j);
-          const float* g = grad_rows + b * dim;
-          const float c = WeightAt(bags, j) * bag_scale[b];
-          if (d_weights) grad_dot_row[j] = vec::AxpyDot(c, g, row_f, acc, dim);
-          else vec::AxpyF32(c, g, acc, dim);
-        }
+        AccumulateRowGradient(table, in, groups.order.data(), groups.starts[u], groups.starts[u + 1], r, acc,
+                              row_buf.data());
         if (!direct) vec::FromFloat(acc, 1.f, row_grads_type, out_row, dim);
       }
     });
@@ -539,7 +485,7 @@ Status SparseBackward(const Table& table, const Bags& bags, Combiner combiner, c
   s = n <= std::numeric_limits<int32_t>::max() ? row_gradients(GroupByRow<int32_t>(bags, table.num_rows))
                                                : row_gradients(GroupByRow<int64_t>(bags, table.num_rows));
   if (!s.ok) return s;
-  if (d_weights != nullptr) WeightGradFromDots(bags, combiner, bag_scale, grad_dot_row, d_weights, pf);
+  if (d_weights != nullptr) WeightGradFromDots(bags, combiner, in.bag_scale, in.grad_dot_row, d_weights, pf);
   return Status::Ok();
 }
 
