@@ -98,14 +98,7 @@ XLA_FFI_DEFINE_HANDLER(kForwardHandler,
                           int32_t has_weights) {
                          return Forward(pool, params, indices, nullptr, weights, &*out, combiner, has_weights);
                        },
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::ThreadPool>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<int32_t>("combiner")
-                           .Attr<int32_t>("has_weights"));
+                       (BindOperands<3, 1>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
 XLA_FFI_DEFINE_HANDLER(kRaggedForwardHandler,
                        [](ffi::ThreadPool pool, ffi::AnyBuffer params, ffi::AnyBuffer values,
@@ -113,15 +106,7 @@ XLA_FFI_DEFINE_HANDLER(kRaggedForwardHandler,
                           int32_t combiner, int32_t has_weights) {
                          return Forward(pool, params, values, &splits, weights, &*out, combiner, has_weights);
                        },
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::ThreadPool>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<int32_t>("combiner")
-                           .Attr<int32_t>("has_weights"));
+                       (BindOperands<4, 1>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
 XLA_FFI_DEFINE_HANDLER(kBackwardHandler,
                        [](ffi::ThreadPool pool, ffi::AnyBuffer grad, ffi::AnyBuffer params,
@@ -130,16 +115,7 @@ XLA_FFI_DEFINE_HANDLER(kBackwardHandler,
                          return Backward(pool, grad, params, indices, nullptr, weights, &*d_params,
                                          &*d_weights, combiner, has_weights);
                        },
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::ThreadPool>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<int32_t>("combiner")
-                           .Attr<int32_t>("has_weights"));
+                       (BindOperands<4, 2>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
 XLA_FFI_DEFINE_HANDLER(kRaggedBackwardHandler,
                        [](ffi::ThreadPool pool, ffi::AnyBuffer grad, ffi::AnyBuffer params,
@@ -149,17 +125,7 @@ XLA_FFI_DEFINE_HANDLER(kRaggedBackwardHandler,
                          return Backward(pool, grad, params, values, &splits, weights, &*d_params,
                                          &*d_weights, combiner, has_weights);
                        },
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::ThreadPool>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<int32_t>("combiner")
-                           .Attr<int32_t>("has_weights"));
+                       (BindOperands<5, 2>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 
 }  // namespace
 }  // namespace pkm_xla

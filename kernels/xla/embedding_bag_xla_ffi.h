@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "kernels/core/embedding_bag.h"
 #include "xla/ffi/api/ffi.h"
@@ -69,6 +70,23 @@ inline ffi::Error ToCoreArgs(const ffi::AnyBuffer& params, const ffi::AnyBuffer&
     bags->weights_type = table->type;
   }
   return ffi::Error::Success();
+}
+
+// The custom calls' buffers and attributes (the lowering's contract,
+// embedding_bag_xla_lowering.h) appended to a binding that already holds the
+// platform's context arguments: kArgs operands, kRets results, then the
+// attributes. Operands: forward (params, indices, weights), ragged forward
+// (params, values, row_splits, weights); the backward ones have grad first and
+// return (d_params, d_weights). (Binding's methods take an rvalue: hence the moves.)
+template <int kArgs, int kRets, typename Binding>
+auto BindOperands(Binding binding) {
+  if constexpr (kArgs > 0) {
+    return BindOperands<kArgs - 1, kRets>(std::move(binding).template Arg<ffi::AnyBuffer>());
+  } else if constexpr (kRets > 0) {
+    return BindOperands<0, kRets - 1>(std::move(binding).template Ret<ffi::AnyBuffer>());
+  } else {
+    return std::move(binding).template Attr<int32_t>("combiner").template Attr<int32_t>("has_weights");
+  }
 }
 
 }  // namespace pkm_xla

@@ -66,20 +66,17 @@ ffi::Error Backward(pkm_cuda_stream_t stream, ffi::ScratchAllocator& scratch, co
                                         workspace_bytes, nullptr, stream));
 }
 
+// Every handler runs on XLA's CUDA stream; the backward ones also take its
+// scratch allocator (for the launcher's workspace).
+auto StreamBinding() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<pkm_cuda_stream_t>>(); }
+
 XLA_FFI_DEFINE_HANDLER(kForwardHandler,
                        [](pkm_cuda_stream_t stream, ffi::AnyBuffer params, ffi::AnyBuffer indices,
                           ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> out, int32_t combiner,
                           int32_t has_weights) {
                          return Forward(stream, params, indices, nullptr, weights, &*out, combiner, has_weights);
                        },
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<pkm_cuda_stream_t>>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<int32_t>("combiner")
-                           .Attr<int32_t>("has_weights"));
+                       (BindOperands<3, 1>(StreamBinding())));
 
 XLA_FFI_DEFINE_HANDLER(kRaggedForwardHandler,
                        [](pkm_cuda_stream_t stream, ffi::AnyBuffer params, ffi::AnyBuffer values,
@@ -87,15 +84,7 @@ XLA_FFI_DEFINE_HANDLER(kRaggedForwardHandler,
                           int32_t combiner, int32_t has_weights) {
                          return Forward(stream, params, values, &splits, weights, &*out, combiner, has_weights);
                        },
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<pkm_cuda_stream_t>>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<int32_t>("combiner")
-                           .Attr<int32_t>("has_weights"));
+                       (BindOperands<4, 1>(StreamBinding())));
 
 XLA_FFI_DEFINE_HANDLER(kBackwardHandler,
                        [](pkm_cuda_stream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer grad,
@@ -105,17 +94,7 @@ XLA_FFI_DEFINE_HANDLER(kBackwardHandler,
                          return Backward(stream, scratch, grad, params, indices, nullptr, weights, &*d_params,
                                          &*d_weights, combiner, has_weights);
                        },
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<pkm_cuda_stream_t>>()
-                           .Ctx<ffi::ScratchAllocator>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<int32_t>("combiner")
-                           .Attr<int32_t>("has_weights"));
+                       (BindOperands<4, 2>(StreamBinding().Ctx<ffi::ScratchAllocator>())));
 
 XLA_FFI_DEFINE_HANDLER(kRaggedBackwardHandler,
                        [](pkm_cuda_stream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer grad,
@@ -125,18 +104,7 @@ XLA_FFI_DEFINE_HANDLER(kRaggedBackwardHandler,
                          return Backward(stream, scratch, grad, params, values, &splits, weights, &*d_params,
                                          &*d_weights, combiner, has_weights);
                        },
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<pkm_cuda_stream_t>>()
-                           .Ctx<ffi::ScratchAllocator>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Attr<int32_t>("combiner")
-                           .Attr<int32_t>("has_weights"));
+                       (BindOperands<5, 2>(StreamBinding().Ctx<ffi::ScratchAllocator>())));
 
 }  // namespace
 }  // namespace pkm_xla
