@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/core/embedding_bag.h"
+#include "kernels/core/vector_ops.h"
 
 namespace {
 
@@ -289,16 +290,6 @@ void ErrorCases() {
   EXPECT(!s.ok && s.message.find("scales") != std::string::npos, "int8 without scales: %s", s.message.c_str());
 }
 
-// The compiler's IEEE half type: GCC 12's C++ has no _Float16 on aarch64,
-// where __fp16 is that type.
-#if defined(__aarch64__) && defined(__GNUC__)
-#define PKM_TEST_COMPILER_HALF 1
-using CompilerHalf = __fp16;
-#elif defined(__FLT16_MAX__)
-#define PKM_TEST_COMPILER_HALF 1
-using CompilerHalf = _Float16;
-#endif
-
 void HalfConversions() {
   // Every half bit pattern survives half -> float -> half.
   int bad = 0;
@@ -308,20 +299,20 @@ void HalfConversions() {
     if (pkm::FloatToHalf(f) != h) ++bad;
   }
   EXPECT(bad == 0, "%d half patterns did not round-trip", bad);
-#if defined(PKM_TEST_COMPILER_HALF)
+#if defined(PKM_HAS_COMPILER_HALF)
   // Against the compiler's own IEEE binary16 conversions, on every half value
   // and on floats between them (round-to-nearest-even ties included).
   int mismatches = 0;
   std::mt19937 rng(5);
   for (uint32_t h = 0; h < 0x10000; ++h) {
-    CompilerHalf x;
+    pkm::vec::CompilerHalf x;
     const uint16_t bits = static_cast<uint16_t>(h);
     std::memcpy(&x, &bits, 2);
     const float f = static_cast<float>(x);
     if (std::isnan(f)) continue;
     if (pkm::HalfToFloat(bits) != f) ++mismatches;
     const float between = f * (1.f + (rng() % 2048) / 4096.f / 1024.f);
-    const CompilerHalf rounded = static_cast<CompilerHalf>(between);
+    const pkm::vec::CompilerHalf rounded = static_cast<pkm::vec::CompilerHalf>(between);
     uint16_t expected;
     std::memcpy(&expected, &rounded, 2);
     if (pkm::FloatToHalf(between) != expected) ++mismatches;

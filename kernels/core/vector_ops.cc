@@ -10,18 +10,6 @@
 #define PKM_MULTIVERSION
 #endif
 
-// The compiler's half type, where it has one, converts with hardware
-// instructions (F16C in the x86 clones; FCVTL/FCVTN, base ARMv8-A, on aarch64).
-// GCC 12's C++ front end has no _Float16 on aarch64, so there it is __fp16,
-// ARM's IEEE half storage type (arithmetic promotes to float either way).
-#if defined(__aarch64__) && defined(__GNUC__)
-#define PKM_HAS_HALF 1
-using HalfType = __fp16;
-#elif defined(__FLT16_MAX__)
-#define PKM_HAS_HALF 1
-using HalfType = _Float16;
-#endif
-
 namespace pkm {
 namespace vec {
 
@@ -30,12 +18,12 @@ void AxpyF32(float a, const float* __restrict row, float* __restrict acc, int64_
   for (int64_t i = 0; i < n; ++i) acc[i] += a * row[i];
 }
 
-#if defined(PKM_HAS_HALF)
-// HalfType lets the compiler use F16C (vcvtph2ps) in the AVX2/AVX-512 clones
+#if defined(PKM_HAS_COMPILER_HALF)
+// CompilerHalf lets the compiler use F16C (vcvtph2ps) in the AVX2/AVX-512 clones
 // (GCC builds; a clang build has only the baseline copy).
 PKM_MULTIVERSION
 void AxpyF16(float a, const uint16_t* __restrict row, float* __restrict acc, int64_t n) {
-  const HalfType* h = reinterpret_cast<const HalfType*>(row);
+  const CompilerHalf* h = reinterpret_cast<const CompilerHalf*>(row);
   for (int64_t i = 0; i < n; ++i) acc[i] += a * static_cast<float>(h[i]);
 }
 #else
@@ -68,11 +56,11 @@ struct LoadBF16 {
   using Elem = uint16_t;
   static inline float Get(const uint16_t* p, int64_t i) { return BFloat16ToFloat(p[i]); }
 };
-#if defined(PKM_HAS_HALF)
+#if defined(PKM_HAS_COMPILER_HALF)
 struct LoadF16 {
   using Elem = uint16_t;
   static inline float Get(const uint16_t* p, int64_t i) {
-    return static_cast<float>(reinterpret_cast<const HalfType*>(p)[i]);
+    return static_cast<float>(reinterpret_cast<const CompilerHalf*>(p)[i]);
   }
 };
 #else
@@ -172,8 +160,8 @@ void AxpyRow(const Table& t, int64_t r, float a, float* acc) {
 
 PKM_MULTIVERSION
 static void F16ToFloat(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
-#if defined(PKM_HAS_HALF)
-  const HalfType* h = reinterpret_cast<const HalfType*>(src);
+#if defined(PKM_HAS_COMPILER_HALF)
+  const CompilerHalf* h = reinterpret_cast<const CompilerHalf*>(src);
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(h[i]);
 #else
   for (int64_t i = 0; i < n; ++i) dst[i] = HalfToFloat(src[i]);
@@ -209,9 +197,9 @@ static void ScaleF32(const float* __restrict src, float scale, float* __restrict
 
 PKM_MULTIVERSION
 static void ScaleToF16(const float* __restrict src, float scale, uint16_t* __restrict dst, int64_t n) {
-#if defined(PKM_HAS_HALF)
-  HalfType* h = reinterpret_cast<HalfType*>(dst);
-  for (int64_t i = 0; i < n; ++i) h[i] = static_cast<HalfType>(scale * src[i]);
+#if defined(PKM_HAS_COMPILER_HALF)
+  CompilerHalf* h = reinterpret_cast<CompilerHalf*>(dst);
+  for (int64_t i = 0; i < n; ++i) h[i] = static_cast<CompilerHalf>(scale * src[i]);
 #else
   for (int64_t i = 0; i < n; ++i) dst[i] = FloatToHalf(scale * src[i]);
 #endif

@@ -11,6 +11,18 @@
 
 #include "kernels/core/embedding_bag.h"
 
+// The compiler's IEEE binary16 type, where it has one: it converts with
+// hardware instructions (F16C in the x86 clones; FCVTL/FCVTN, base ARMv8-A, on
+// aarch64). GCC 12's C++ front end has no _Float16 on aarch64, so there it is
+// __fp16, ARM's IEEE half storage type (arithmetic promotes to float either way).
+#if defined(__aarch64__) && defined(__GNUC__)
+#define PKM_HAS_COMPILER_HALF 1
+namespace pkm::vec { using CompilerHalf = __fp16; }
+#elif defined(__FLT16_MAX__)
+#define PKM_HAS_COMPILER_HALF 1
+namespace pkm::vec { using CompilerHalf = _Float16; }
+#endif
+
 namespace pkm {
 namespace vec {
 
