@@ -8,24 +8,10 @@ import pytest
 import tensorflow as tf
 
 from pkm_serve import ops
+from tests.reference import bag_forward_backward
 
 DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
 RTOL = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 2e-2}
-
-
-def np_bag_grads(n, d, bags, weights, combiner, d_out):
-    """float64 d_table of sum(out * d_out) for bags given as lists of indices."""
-    d_table = np.zeros((n, d))
-    for b, bag in enumerate(bags):
-        bag = np.asarray(bag, np.int64)
-        w = np.ones(len(bag)) if weights is None else np.asarray(weights[b], np.float64)
-        keep = bag >= 0
-        ws = w[keep]
-        denom = {"sum": 1.0, "mean": ws.sum(), "sqrtn": np.sqrt((ws * ws).sum())}[combiner]
-        scale = 1.0 / denom if denom != 0 else 0.0
-        for i, wi in zip(bag[keep], ws):
-            d_table[i] += scale * wi * d_out[b]
-    return d_table
 
 
 def rel_err(a, b):
@@ -88,7 +74,8 @@ def test_sparse_gradient_densifies_to_dense_and_reference(dtype_name, index_dtyp
     assert len(rows) <= min(n, len(valid))
     assert g_sparse.values.dtype == dtype and g_sparse.values.shape == (len(rows), d)
     assert rel_err(densify(g_sparse), densify(g_dense)) <= RTOL[dtype_name]
-    ref = np_bag_grads(n, d, bags, w_bags if weighted else None, combiner, d_out)
+    _, ref, _ = bag_forward_backward(tf.cast(table, tf.float32).numpy(), bags, w_bags if weighted else None,
+                                     combiner, d_out)
     assert rel_err(densify(g_sparse), ref) <= RTOL[dtype_name] * 4
     if weighted:
         assert rel_err(densify(dw_sparse), densify(dw_dense)) <= RTOL[dtype_name]

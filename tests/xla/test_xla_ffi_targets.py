@@ -18,7 +18,7 @@ import os
 import numpy as np
 import pytest
 
-from tests.xla.reference import bag_forward_backward
+from tests.reference import bag_forward_backward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLATFORMS = {  # JAX device kind -> (library, symbol prefix, XLA platform name)

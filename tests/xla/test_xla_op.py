@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 from pkm_serve import _xla, ops
-from tests.xla.reference import bag_forward_backward
+from tests.reference import bag_forward_backward
 
 DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
 TOL = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 2e-2}
