@@ -30,6 +30,7 @@ RUNTIMES = {
 }
 
 from pkm_serve import tflite  # noqa: E402  (builds the model: needs a flatbuffer schema)
+from tests import reference  # noqa: E402
 
 N, D, K, B = 257, 16, 5, 9
 
@@ -54,17 +55,6 @@ def device_venv(request, tmp_path_factory):
     subprocess.run(pip + RUNTIMES[request.param] + [_device_wheel()], check=True,
                    env=_isolated_env(), cwd=str(venv))
     return venv, request.param
-
-
-def numpy_bag(table, idx, w, combiner):
-    out = np.zeros((idx.shape[0], table.shape[1]), np.float64)
-    for b in range(idx.shape[0]):
-        keep = idx[b] >= 0
-        rows, ws = idx[b][keep], w[b][keep].astype(np.float64)
-        s = (ws[:, None] * table[rows].astype(np.float64)).sum(0)
-        denom = {"sum": 1.0, "mean": ws.sum()}[combiner]
-        out[b] = s / denom if denom else 0.0
-    return out
 
 
 DEVICE_SCRIPT = textwrap.dedent("""
@@ -129,7 +119,7 @@ def test_device_wheel_runs_tflite_without_tensorflow(device_venv, tmp_path):
     assert results["delegate"].startswith(str(device_venv)), results["delegate"]
     assert not results["tensorflow_loaded"]
     for combiner in ("sum", "mean"):
-        want = numpy_bag(table, idx, w, combiner)
+        want = reference.embedding_bag(table, idx, w, combiner)
         for how in ("helper", "stock"):
             got = np.load(tmp_path / f"{combiner}_{how}.npy")
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5,

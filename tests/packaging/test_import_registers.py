@@ -18,16 +18,10 @@ import pkm_serve
 from pkm_serve import ops
 from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
 
+from tests import reference
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N, D, K = 50, 8, 4
-
-
-def numpy_bag(table, idx, w):
-    out = np.zeros((idx.shape[0], table.shape[1]), np.float64)
-    for b in range(idx.shape[0]):
-        keep = idx[b] >= 0
-        out[b] = (w[b][keep, None].astype(np.float64) * table[idx[b][keep]]).sum(0)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +55,7 @@ def saved(tmp_path_factory):
     x = rng.standard_normal((6, 12)).astype(np.float32)
     model.save(str(d / "model.keras"))
     np.savez(d / "inputs.npz", idx=idx, w=w, x=x)
-    return {"dir": d, "bag_expected": numpy_bag(table, idx, w),
+    return {"dir": d, "bag_expected": reference.embedding_bag(table, idx, w),
             "keras_expected": model([x, idx], training=False).numpy()}
 
 
