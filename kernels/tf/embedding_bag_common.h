@@ -124,18 +124,26 @@ inline ::tensorflow::Status BuildCoreArgs(::tensorflow::OpKernelContext* ctx, co
   return ::tensorflow::Status();
 }
 
-// The gradient ops' extra checks and outputs, shared by both devices:
-// grad must be shaped like the forward output; d_params like params and
-// d_weights like weights.
-inline ::tensorflow::Status BuildGradArgs(::tensorflow::OpKernelContext* ctx, const OpAttrs& attrs,
-                                          CoreArgs* args, ::tensorflow::Tensor** d_params,
-                                          ::tensorflow::Tensor** d_weights) {
-  TF_RETURN_IF_ERROR(BuildCoreArgs(ctx, attrs, /*first=*/1, args));
+// Every gradient op's arguments (input 0 is grad, params follow): the core
+// arguments, and grad shaped like the forward output.
+inline ::tensorflow::Status BuildGradCoreArgs(::tensorflow::OpKernelContext* ctx, const OpAttrs& attrs,
+                                              CoreArgs* args,
+                                              const ::tensorflow::Tensor* variable_params = nullptr) {
+  TF_RETURN_IF_ERROR(BuildCoreArgs(ctx, attrs, /*first=*/1, args, variable_params));
   const ::tensorflow::Tensor& grad = ctx->input(0);
   if (grad.shape() != args->out_shape)
     return ::tensorflow::errors::InvalidArgument("grad must have the forward output's shape ",
                                                  args->out_shape.DebugString(), ", got ",
                                                  grad.shape().DebugString());
+  return ::tensorflow::Status();
+}
+
+// The dense gradient ops' arguments and outputs, shared by both devices:
+// d_params shaped like params and d_weights like weights.
+inline ::tensorflow::Status BuildGradArgs(::tensorflow::OpKernelContext* ctx, const OpAttrs& attrs,
+                                          CoreArgs* args, ::tensorflow::Tensor** d_params,
+                                          ::tensorflow::Tensor** d_weights) {
+  TF_RETURN_IF_ERROR(BuildGradCoreArgs(ctx, attrs, args));
   TF_RETURN_IF_ERROR(ctx->allocate_output(0, ctx->input(1).shape(), d_params));
   return ctx->allocate_output(1, args->weights->shape(), d_weights);
 }

@@ -90,12 +90,8 @@ class GpuEmbeddingBagSparseGradOp : public EmbeddingBagKernelBase {
 
   void Compute(OpKernelContext* ctx) override {
     CoreArgs args;
-    OP_REQUIRES_OK(ctx, BuildCoreArgs(ctx, attrs_, /*first=*/1, &args));
+    OP_REQUIRES_OK(ctx, BuildGradCoreArgs(ctx, attrs_, &args));
     const Tensor& grad = ctx->input(0);
-    OP_REQUIRES(ctx, grad.shape() == args.out_shape,
-                ::tensorflow::errors::InvalidArgument("grad must have the forward output's shape ",
-                                                      args.out_shape.DebugString(), ", got ",
-                                                      grad.shape().DebugString()));
     Tensor* d_weights = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, args.weights->shape(), &d_weights));
     pkm_cuda_stream_t stream;

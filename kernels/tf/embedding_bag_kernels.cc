@@ -72,12 +72,8 @@ namespace {
 void SparseGradCompute(OpKernelContext* ctx, const OpAttrs& attrs, const Tensor* variable_params) {
   {
     CoreArgs args;
-    OP_REQUIRES_OK(ctx, BuildCoreArgs(ctx, attrs, /*first=*/1, &args, variable_params));
+    OP_REQUIRES_OK(ctx, BuildGradCoreArgs(ctx, attrs, &args, variable_params));
     const Tensor& grad = ctx->input(0);
-    OP_REQUIRES(ctx, grad.shape() == args.out_shape,
-                ::tensorflow::errors::InvalidArgument("grad must have the forward output's shape ",
-                                                      args.out_shape.DebugString(), ", got ",
-                                                      grad.shape().DebugString()));
     Tensor* d_weights = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, args.weights->shape(), &d_weights));
     const int64_t dim = args.table.dim;
