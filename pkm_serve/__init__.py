@@ -31,9 +31,8 @@ def _register_ops():
 
 
 def _register_keras_objects():
-    keras = sys.modules["keras"]
-    # The layers run the TF op; under another Keras backend they cannot load.
-    if keras.backend.backend() == "tensorflow" and importlib.util.find_spec("pkm_serve.layers"):
+    # The layers run on every Keras backend (TF op; JAX and PyTorch: pkm_serve.backends).
+    if importlib.util.find_spec("pkm_serve.layers"):
         importlib.import_module("pkm_serve.layers")
 
 

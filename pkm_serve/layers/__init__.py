@@ -4,7 +4,8 @@
 
 Both are registered for `.keras` serialisation under the package name
 ``pkm_serve`` (importing this module is enough for `keras.models.load_model`).
-Keras must run on the TensorFlow backend: the fused op is a TF op.
+They run on the TensorFlow, JAX and PyTorch Keras backends (pkm_serve.backends
+holds the JAX and PyTorch kernels' bindings); the same `.keras` file loads on each.
 """
 from pkm_serve.layers._lookup import OpLibraryUnavailableError
 from pkm_serve.layers.embedding_bag import EmbeddingBag

@@ -1,4 +1,5 @@
-"""Chooses the bag-lookup function a layer calls: the fused op or the composite."""
+"""Chooses the bag-lookup function a layer calls: the fused op or the composite,
+for the Keras backend in use (TF: pkm_serve.ops; JAX, PyTorch: pkm_serve.backends)."""
 import warnings
 
 import keras
@@ -11,13 +12,8 @@ class OpLibraryUnavailableError(RuntimeError):
     """The fused op library could not be loaded and no fallback was asked for."""
 
 
-def check_tensorflow_backend(layer_name):
-    if keras.backend.backend() != "tensorflow":
-        raise RuntimeError(
-            f"{layer_name} needs the TensorFlow Keras backend (the fused op is a TF "
-            f"op), but KERAS_BACKEND is {keras.backend.backend()!r}. Set "
-            "KERAS_BACKEND=tensorflow before importing keras."
-        )
+def is_tensorflow_backend():
+    return keras.backend.backend() == "tensorflow"
 
 
 def _ops_module():
@@ -44,6 +40,8 @@ def resolve_lookup(implementation, fallback, layer_name):
         raise ValueError(
             f"{layer_name}: fallback must be None or 'composite', got {fallback!r}"
         )
+    if not is_tensorflow_backend():
+        return _resolve_native_lookup(implementation, fallback, layer_name)
     ops = _ops_module()
     if implementation == "composite":
         return ops.embedding_bag_composite
@@ -68,6 +66,39 @@ def resolve_lookup(implementation, fallback, layer_name):
     return ops.embedding_bag
 
 
+def _resolve_native_lookup(implementation, fallback, layer_name):
+    """resolve_lookup under JAX / PyTorch: the backend's kernels (pkm_serve.backends)."""
+    from pkm_serve import backends
+
+    def composite(params, indices, weights, combiner, sparse_gradient=False):
+        return backends.embedding_bag_composite(params, indices, weights, combiner)
+
+    def fused(params, indices, weights, combiner, sparse_gradient=False):
+        return backends.embedding_bag(params, indices, weights, combiner)
+
+    if implementation == "composite":
+        return composite
+    backend = keras.backend.backend()
+    try:
+        device = backends.kernel_device()
+    except ImportError as err:  # the backend's module or library does not import
+        device, reason = None, err
+    else:
+        reason = None if device else backends.backend_module().unavailable_reason()
+    if device is not None:
+        return fused
+    if fallback == "composite":
+        warnings.warn(
+            f"{layer_name}: no fused kernel for the Keras {backend} backend's device ({reason}); using "
+            "the composite gather-multiply-reduce implementation (slower, materialises a [..., K, D] "
+            "buffer).", RuntimeWarning, stacklevel=4)
+        return composite
+    raise OpLibraryUnavailableError(
+        f"{layer_name}: no fused kernel for the Keras {backend} backend's device ({reason}). Build the "
+        "native libraries (`make build`; `make gpu` for CUDA), or pass fallback='composite' to run "
+        "the slower keras.ops composite instead.")
+
+
 def lookup_supports_jit(lookup):
     """A layer's `supports_jit` for the lookup `resolve_lookup` chose.
 
@@ -79,6 +110,8 @@ def lookup_supports_jit(lookup):
     jit_compile=True still works, through the composite (ops.embedding_bag
     warns once).
     """
+    if not is_tensorflow_backend():
+        return True  # jax.jit traces the FFI calls; torch.compile the op's fake kernel
     ops = _ops_module()
     if lookup is ops.embedding_bag_composite:
         return True

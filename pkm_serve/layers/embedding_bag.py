@@ -1,8 +1,7 @@
 """`EmbeddingBag`: a Keras layer over the fused PkmEmbeddingBag op."""
 import keras
-import tensorflow as tf
 
-from pkm_serve.layers._lookup import check_tensorflow_backend, lookup_supports_jit, resolve_lookup
+from pkm_serve.layers._lookup import is_tensorflow_backend, lookup_supports_jit, resolve_lookup
 
 COMBINERS = ("sum", "mean", "sqrtn")
 
@@ -69,7 +68,11 @@ class EmbeddingBag(keras.layers.Layer):
             raise ValueError(
                 f"EmbeddingBag: combiner must be one of {COMBINERS}, got {combiner!r}"
             )
-        check_tensorflow_backend("EmbeddingBag")
+        if sparse_gradient and not is_tensorflow_backend():
+            raise ValueError(
+                "EmbeddingBag: sparse_gradient=True needs the TensorFlow backend (its gradient is a "
+                f"tf.IndexedSlices); under {keras.backend.backend()!r} the table's gradient is dense"
+            )
         super().__init__(**kwargs)
         self.input_dim = input_dim
         self.output_dim = output_dim
@@ -101,6 +104,10 @@ class EmbeddingBag(keras.layers.Layer):
 
     def call(self, indices, weights=None):
         table = self.embeddings.value
+        if not is_tensorflow_backend():
+            return self._call_keras_ops(table, indices, weights)
+        import tensorflow as tf
+
         if isinstance(indices, tf.RaggedTensor):
             indices = indices.with_flat_values(_as_index_dtype(indices.flat_values))
             if weights is not None:
@@ -131,6 +138,31 @@ class EmbeddingBag(keras.layers.Layer):
                                sparse_gradient=self.sparse_gradient)
         return tf.cast(outputs, self.compute_dtype)
 
+    def _call_keras_ops(self, table, indices, weights):
+        """call() under JAX / PyTorch: dense [..., K] bags (ragged bags: pkm_serve.backends.embedding_bag)."""
+        ops = keras.ops
+        indices = ops.convert_to_tensor(indices)
+        if len(indices.shape) == 0:
+            raise ValueError(
+                "EmbeddingBag: indices must have at least one dimension (the bag "
+                "axis, [..., K]); got a scalar"
+            )
+        dtype = keras.backend.standardize_dtype(indices.dtype)
+        if dtype not in ("int32", "int64"):
+            if not (dtype.startswith(("int", "uint", "float", "bfloat"))):
+                raise TypeError(f"EmbeddingBag: indices must be integers (int32/int64), got {dtype}")
+            indices = ops.cast(indices, "int32" if keras.backend.backend() == "jax" else "int64")
+        if weights is not None:
+            weights = ops.convert_to_tensor(weights)
+            if tuple(weights.shape) != tuple(indices.shape):
+                raise ValueError(
+                    "EmbeddingBag: weights must have the shape of indices, got "
+                    f"weights {tuple(weights.shape)} and indices {tuple(indices.shape)}"
+                )
+            weights = ops.cast(weights, table.dtype)
+        outputs = self._lookup(table, indices, weights, combiner=self.combiner)
+        return ops.cast(outputs, self.compute_dtype)
+
     def compute_output_shape(self, input_shape):
         return tuple(input_shape[:-1]) + (self.output_dim,)
 
@@ -159,6 +191,8 @@ class EmbeddingBag(keras.layers.Layer):
 
 
 def _as_index_dtype(indices):
+    import tensorflow as tf
+
     if indices.dtype in (tf.int32, tf.int64):
         return indices
     if indices.dtype.is_integer or indices.dtype.is_floating:

@@ -12,9 +12,8 @@ import math
 import warnings
 
 import keras
-import tensorflow as tf
 
-from pkm_serve.layers._lookup import check_tensorflow_backend, lookup_supports_jit, resolve_lookup
+from pkm_serve.layers._lookup import is_tensorflow_backend, lookup_supports_jit, resolve_lookup
 from pkm_serve.layers.embedding_bag import EmbeddingBag
 from pkm_serve.product_keys import product_key_search
 
@@ -66,7 +65,11 @@ class ProductKeyMemory(keras.layers.Layer):
             raise ValueError(f"ProductKeyMemory: k_dim must be even (two sub-keys), got {k_dim}")
         if knn > n_keys:
             raise ValueError(f"ProductKeyMemory: knn ({knn}) must not exceed n_keys ({n_keys})")
-        check_tensorflow_backend("ProductKeyMemory")
+        if sparse_gradient and not is_tensorflow_backend():
+            raise ValueError(
+                "ProductKeyMemory: sparse_gradient=True needs the TensorFlow backend (its gradient is "
+                f"a tf.IndexedSlices); under {keras.backend.backend()!r} the table's gradient is dense"
+            )
         # Fail at construction, not at first call, when the op library is missing.
         lookup = resolve_lookup(implementation, fallback, "ProductKeyMemory")
         super().__init__(**kwargs)
@@ -141,6 +144,10 @@ class ProductKeyMemory(keras.layers.Layer):
         )
 
     def call(self, inputs, training=None):
+        if not is_tensorflow_backend():
+            return self._call_keras_ops(inputs, training)
+        import tensorflow as tf
+
         d_model = inputs.shape[-1]
         leading_shape = tf.shape(inputs)[:-1]
         x = tf.reshape(inputs, [-1, d_model])
@@ -155,9 +162,30 @@ class ProductKeyMemory(keras.layers.Layer):
         outputs = self.value_dropout_layer(outputs, training=training)
         return tf.reshape(outputs, tf.concat([leading_shape, [self.memory.output_dim]], 0))
 
+    def _call_keras_ops(self, inputs, training):
+        """call() under JAX / PyTorch, where shapes are static."""
+        ops = keras.ops
+        x = ops.reshape(inputs, (-1, inputs.shape[-1]))
+        x = self.input_dropout_layer(x, training=training)
+        query = self.query_proj(x)
+        if self.query_bn is not None:
+            query = self.query_bn(query, training=training)
+        query = self.query_dropout_layer(query, training=training)
+        indices, scores = self.select_slots(query)
+        outputs = self.value_dropout_layer(self.memory(indices, weights=scores), training=training)
+        return ops.reshape(outputs, tuple(inputs.shape[:-1]) + (self.memory.output_dim,))
+
     def select_slots(self, query):
         """Product-key search: query [B, heads*k_dim] -> (slot indices int64
-        [B, heads*knn], softmax scores float32 [B, heads*knn])."""
+        (int32 under JAX/PyTorch when n_keys**2 fits) [B, heads*knn], softmax
+        scores float32 [B, heads*knn])."""
+        if not is_tensorflow_backend():
+            from pkm_serve.backends.product_keys import product_key_search as keras_ops_search
+
+            query = keras.ops.reshape(query, (query.shape[0], self.heads, 2, self.k_dim // 2))
+            return keras_ops_search(query, self.keys.value, self.knn)
+        import tensorflow as tf
+
         num_rows = tf.shape(query)[0]
         query = tf.reshape(query, [num_rows, self.heads, 2, self.k_dim // 2])
         return product_key_search(query, self.keys.value, self.knn)

@@ -1,0 +1,68 @@
+"""The bag lookup on every Keras backend, through our kernels.
+
+    from pkm_serve.backends import embedding_bag
+    out = embedding_bag(table, indices, weights=None, combiner="sum", row_splits=None)
+
+dispatches on `keras.backend.backend()`: TensorFlow -> the TF op
+(`pkm_serve.ops`), JAX -> `jax.ffi` into the typed-FFI handlers
+(`jax_ops`), PyTorch -> the `torch.library` op over the C ABI (`torch_ops`).
+Ragged bags are values [V] + row_splits [B+1] (a `tf.RaggedTensor` on TF).
+Each backend module is imported only when used, so that importing this
+package under JAX or PyTorch never imports TensorFlow.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from pkm_serve.backends._native import NativeLibraryUnavailableError
+
+_MODULES = {"jax": "pkm_serve.backends.jax_ops", "torch": "pkm_serve.backends.torch_ops"}
+
+__all__ = ["embedding_bag", "embedding_bag_composite", "kernel_device", "NativeLibraryUnavailableError"]
+
+
+def backend_module(backend=None):
+    """The module (jax_ops / torch_ops) of `backend` (default: Keras')."""
+    import keras
+
+    backend = backend or keras.backend.backend()
+    if backend not in _MODULES:
+        raise ValueError(f"pkm_serve.backends: no native lookup for Keras backend {backend!r} "
+                         f"(TensorFlow uses pkm_serve.ops; JAX and PyTorch this package)")
+    return importlib.import_module(_MODULES[backend])
+
+
+def kernel_device(backend=None):
+    """'cpu'/'cuda' when our kernels serve `backend`'s default device, else None."""
+    import keras
+
+    backend = backend or keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        return backend_module("torch").kernel_device("cuda" if torch.cuda.is_available() else "cpu")
+    return backend_module(backend).kernel_device()
+
+
+def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None):
+    """Fused bag lookup on the current Keras backend (see the module docstring)."""
+    import keras
+
+    if keras.backend.backend() == "tensorflow":
+        from pkm_serve import ops
+
+        if row_splits is not None:
+            import tensorflow as tf
+
+            indices = tf.RaggedTensor.from_row_splits(indices, row_splits)
+            weights = None if weights is None else tf.RaggedTensor.from_row_splits(weights, row_splits)
+        return ops.embedding_bag(params, indices, weights, combiner=combiner)
+    return backend_module().embedding_bag(params, indices, weights, combiner, row_splits)
+
+
+def embedding_bag_composite(params, indices, weights=None, combiner="sum", row_splits=None):
+    """The same lookup in stock keras.ops (materialises the [..., K, D] gather)."""
+    from pkm_serve.backends.composite import embedding_bag_composite as composite
+
+    return composite(params, indices, weights, combiner, row_splits)

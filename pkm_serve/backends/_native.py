@@ -1,0 +1,58 @@
+"""Where the TF-free native libraries live, and what the kernels accept.
+
+Both are plain C shared objects that link no framework: the XLA typed-FFI
+handlers (kernels/xla/*_targets.cc) for JAX, the C ABI (kernels/capi) for
+PyTorch. Each holds the one kernel core; the CUDA ones also the launchers.
+"""
+
+from __future__ import annotations
+
+import os
+
+LIB_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lib")
+
+# Library per (runtime, device), built by: make xla-targets-cpu | make gpu | make capi-cpu |
+# make gpu-standalone. PKM_SERVE_LIB_DIR points every one of them at another folder.
+LIBRARIES = {
+    ("jax", "cpu"): "libpkm_xla_cpu.so",
+    ("jax", "cuda"): "libpkm_xla_gpu.so",
+    ("torch", "cpu"): "libpkm_capi_cpu.so",
+    ("torch", "cuda"): "libpkm_cuda.so",
+}
+MAKE_TARGETS = {
+    "libpkm_xla_cpu.so": "make xla-targets-cpu",
+    "libpkm_xla_gpu.so": "make gpu",
+    "libpkm_capi_cpu.so": "make capi-cpu",
+    "libpkm_cuda.so": "make gpu-standalone",
+}
+
+# The kernels' combiner codes (PKM_SUM.. in kernels/core/bag_problem.h).
+COMBINER_CODES = {"sum": 0, "mean": 1, "sqrtn": 2}
+# Combiners the TF op knows that the kernels these backends load do not (yet).
+PENDING_COMBINERS = ("max",)
+
+
+class NativeLibraryUnavailableError(ImportError):
+    """The backend's native library for this device is not built or not shipped."""
+
+
+def library_path(runtime: str, device: str) -> str:
+    """Path of the library for `runtime` ("jax"/"torch") on `device`
+    ("cpu"/"cuda"); raises NativeLibraryUnavailableError when it is missing."""
+    name = LIBRARIES[(runtime, device)]
+    path = os.path.join(os.environ.get("PKM_SERVE_LIB_DIR") or LIB_DIR, name)
+    if not os.path.exists(path):
+        raise NativeLibraryUnavailableError(
+            f"pkm_serve: {name} (the {runtime} kernels for {device}) not found at {path}; in a "
+            f"source checkout run `{MAKE_TARGETS[name]}`, or install the pkm_serve_keras wheel")
+    return path
+
+
+def combiner_code(combiner: str) -> int:
+    if combiner in PENDING_COMBINERS:
+        raise ValueError(
+            f"combiner {combiner!r} is not supported by the JAX/PyTorch kernels yet; use one of "
+            f"{tuple(COMBINER_CODES)} on this backend")
+    if combiner not in COMBINER_CODES:
+        raise ValueError(f"combiner must be one of {tuple(COMBINER_CODES)}, got {combiner!r}")
+    return COMBINER_CODES[combiner]

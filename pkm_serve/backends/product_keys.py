@@ -1,0 +1,29 @@
+"""The product-key search of a PKM read in `keras.ops`, for the JAX and
+PyTorch backends (TF keeps pkm_serve.product_keys, which export and serving
+share). Same arithmetic: per head, the top knn of each half's sub-key scores,
+their knn x knn sums, the best knn slots i * n_keys + j with softmax weights."""
+
+from __future__ import annotations
+
+from keras import ops
+
+
+def product_key_search(query, sub_keys, knn: int):
+    """query [B, heads, 2, half], sub_keys [heads, 2, n_keys, half] ->
+    (slots [B, heads*knn] int32, or int64 when n_keys**2 needs it; softmax
+    weights float32 [B, heads*knn])."""
+    num_rows = query.shape[0]
+    heads, n_keys = sub_keys.shape[0], sub_keys.shape[2]
+    index_dtype = "int32" if n_keys * n_keys < 2**31 else "int64"
+    sub_scores = ops.einsum("bhsd,hsnd->bhsn", query, ops.cast(sub_keys, query.dtype))
+    sub_best, sub_index = ops.top_k(sub_scores, k=knn, sorted=False)
+    sub_index = ops.cast(sub_index, index_dtype)
+    pair_scores = sub_best[:, :, 0, :, None] + sub_best[:, :, 1, None, :]
+    pair_index = sub_index[:, :, 0, :, None] * n_keys + sub_index[:, :, 1, None, :]
+    pair_scores = ops.reshape(pair_scores, (num_rows, heads, knn * knn))
+    pair_index = ops.reshape(pair_index, (num_rows, heads, knn * knn))
+    best_scores, best_pos = ops.top_k(pair_scores, k=knn, sorted=False)
+    best_index = ops.take_along_axis(pair_index, ops.cast(best_pos, index_dtype), axis=-1)
+    weights = ops.softmax(ops.cast(best_scores, "float32"), axis=-1)
+    return (ops.reshape(best_index, (num_rows, heads * knn)),
+            ops.reshape(weights, (num_rows, heads * knn)))
