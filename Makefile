@@ -87,6 +87,7 @@ core-test: $(CORE_TEST)
 -include tflite_delegate/tflite.mk
 -include tflite_delegate/aarch64.mk
 -include kernels/xla/xla.mk
+-include backends.mk
 -include serving/cc_check.mk
 -include bench/scale.mk
 -include packaging.mk

@@ -1,0 +1,292 @@
+"""Checks that run inside one process with KERAS_BACKEND set (jax or torch).
+
+    KERAS_BACKEND=jax python -m tests.backends.backend_checks ops fit no_tf
+    KERAS_BACKEND=torch python -m tests.backends.backend_checks memory
+    ... save PATH.keras OUT.npy | load PATH.keras OUT.npy
+
+Each check raises AssertionError with a message on failure; the process exits
+non-zero. test_backends.py runs them in subprocesses (a backend is fixed per
+process). PKM_TEST_DEVICE=cuda runs the op checks on the GPU (the H200 run).
+"""
+
+import json
+import os
+import resource
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from tests.reference import bag_forward_backward  # noqa: E402
+
+BACKEND = os.environ["KERAS_BACKEND"]
+DEVICE = os.environ.get("PKM_TEST_DEVICE", "cpu")
+TOL = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 2e-2}
+N, D = 300, 24
+
+
+def assert_close(actual, expected, dtype_name, what):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} vs {expected.shape}"
+    err = np.max(np.abs(actual - expected) / (1.0 + np.abs(expected))) if actual.size else 0.0
+    assert err <= TOL[dtype_name], f"{what}: max relative error {err:.3g} > {TOL[dtype_name]}"
+
+
+class Jax:
+    def __init__(self):
+        import jax
+        import jax.numpy as jnp
+
+        from pkm_serve.backends import jax_ops
+
+        self.jax, self.jnp, self.ops = jax, jnp, jax_ops
+        assert jax_ops.kernel_device() == DEVICE, f"JAX kernels on {jax_ops.kernel_device()}, want {DEVICE}"
+
+    def tensor(self, x, dtype):
+        return self.jnp.asarray(np.asarray(x, np.float32) if "float" in dtype else x, dtype)
+
+    def numpy(self, x):
+        return np.asarray(x.astype(self.jnp.float32) if self.jnp.issubdtype(x.dtype, self.jnp.floating) else x)
+
+    def fwd_bwd(self, table, indices, weights, combiner, grad, row_splits=None):
+        f = lambda t, w: self.ops.embedding_bag(t, indices, w, combiner, row_splits)  # noqa: E731
+        out, vjp = self.jax.vjp(self.jax.jit(f), table, weights)
+        d_table, d_w = vjp(grad)
+        return out, d_table, d_w
+
+
+class Torch:
+    def __init__(self):
+        import torch
+
+        from pkm_serve.backends import torch_ops
+
+        self.torch, self.ops = torch, torch_ops
+        assert torch_ops.kernel_device(DEVICE) == DEVICE, f"no torch kernels on {DEVICE}"
+
+    def tensor(self, x, dtype):
+        return self.torch.as_tensor(np.asarray(x, np.float32) if "float" in dtype else np.asarray(x),
+                                    device=DEVICE).to(getattr(self.torch, dtype))
+
+    def numpy(self, x):
+        x = x.detach()
+        return (x.float() if x.is_floating_point() else x).cpu().numpy()
+
+    def fwd_bwd(self, table, indices, weights, combiner, grad, row_splits=None):
+        table = table.clone().requires_grad_(True)
+        weights = None if weights is None else weights.clone().requires_grad_(True)
+        out = self.ops.embedding_bag(table, indices, weights, combiner, row_splits)
+        out.backward(grad)
+        return out, table.grad, None if weights is None else weights.grad
+
+
+def runtime():
+    return Jax() if BACKEND == "jax" else Torch()
+
+
+def check_ops():
+    """Forward, d_table, d_weights vs the float64 reference: dtypes, combiners,
+    int32/int64, 3-D indices with padding, ragged bags."""
+    rt = runtime()
+    rng = np.random.default_rng(7)
+    cases = 0
+    for dtype in ("float32", "float16", "bfloat16"):
+        for combiner in ("sum", "mean", "sqrtn"):
+            for weighted in (True, False):
+                idx = rng.integers(0, N, size=(3, 9, 7))
+                idx[rng.random(idx.shape) < 0.2] = -1
+                idx[1, 2] = -1  # an empty bag
+                table = rng.normal(size=(N, D))
+                w = rng.uniform(0.1, 2.0, size=idx.shape) if weighted else None
+                grad = rng.normal(size=(3, 9, D))
+                itype = "int32" if weighted else ("int64" if BACKEND == "torch" else "int32")
+                got = rt.fwd_bwd(rt.tensor(table, dtype), rt.tensor(idx, itype),
+                                 None if w is None else rt.tensor(w, dtype), combiner, rt.tensor(grad, dtype))
+                # The reference sees the values the backend saw (rounded to dtype).
+                t64, g64 = rt.numpy(rt.tensor(table, dtype)), rt.numpy(rt.tensor(grad, dtype))
+                w64 = None if w is None else rt.numpy(rt.tensor(w, dtype)).reshape(-1, 7).tolist()
+                ref = bag_forward_backward(t64, idx.reshape(-1, 7).tolist(), w64, combiner, g64.reshape(-1, D))
+                what = f"{dtype} {combiner} weighted={weighted}"
+                assert_close(rt.numpy(got[0]).reshape(-1, D), ref[0], dtype, f"{what}: output")
+                assert_close(rt.numpy(got[1]), ref[1], dtype, f"{what}: d_table")
+                if weighted:
+                    assert_close(rt.numpy(got[2]).reshape(-1, 7), np.asarray(ref[2]), dtype, f"{what}: d_weights")
+                cases += 1
+    lengths = rng.integers(0, 10, size=40)
+    lengths[3] = 0
+    bags = [list(rng.integers(-1, N, size=n)) for n in lengths]
+    splits = np.concatenate([[0], np.cumsum(lengths)])
+    values = np.concatenate(bags)
+    w = rng.uniform(0.1, 2.0, size=values.shape)
+    table, grad = rng.normal(size=(N, D)), rng.normal(size=(len(bags), D))
+    for combiner in ("sum", "mean", "sqrtn"):
+        got = rt.fwd_bwd(rt.tensor(table, "float32"), rt.tensor(values, "int32"), rt.tensor(w, "float32"),
+                         combiner, rt.tensor(grad, "float32"), row_splits=rt.tensor(splits, "int32"))
+        w_rows = [list(w[splits[i]:splits[i + 1]]) for i in range(len(bags))]
+        ref = bag_forward_backward(table, bags, w_rows, combiner, grad)
+        assert_close(rt.numpy(got[0]), ref[0], "float32", f"ragged {combiner}: output")
+        assert_close(rt.numpy(got[1]), ref[1], "float32", f"ragged {combiner}: d_table")
+        assert_close(rt.numpy(got[2]), np.concatenate(ref[2]), "float32", f"ragged {combiner}: d_weights")
+        cases += 1
+    print(json.dumps({"ops_cases": cases}))
+
+
+def check_errors():
+    """Bad input gets a clear error, as under TF."""
+    rt = runtime()
+    table = rt.tensor(np.ones((N, D)), "float32")
+    idx = np.zeros((4, 3), np.int64)
+    idx[2, 1] = N + 5
+    try:
+        rt.ops.embedding_bag(table, rt.tensor([[0, 1]], "int32"), None, "max")
+        raise AssertionError("combiner='max' was accepted")
+    except ValueError as err:
+        assert "not supported by the JAX/PyTorch kernels yet" in str(err), err
+    try:
+        rt.ops.embedding_bag(rt.tensor(np.ones((N, D)), "float32"), rt.tensor([[0.0]], "float32"))
+        raise AssertionError("float indices were accepted by the op")
+    except TypeError as err:
+        assert "indices must be int32 or int64" in str(err), err
+    out = None
+    try:
+        out = rt.numpy(rt.ops.embedding_bag(table, rt.tensor(idx, "int32"), None, "sum"))
+    except Exception as err:  # noqa: BLE001 - CPU: the core's InvalidArgument, through XLA or ctypes
+        assert DEVICE == "cpu", f"GPU raised for an out-of-range index: {err}"
+        assert f"indices[7] = {N + 5} is out of range [0, {N})" in str(err), err
+    if DEVICE == "cuda":  # read as padding on the GPU, as the TF GPU kernel does
+        assert out is not None and np.allclose(out[2], 2.0), out  # rows 0 + 0, the bad one skipped
+    else:
+        assert out is None, "an out-of-range index gave no error on the CPU"
+    print(json.dumps({"errors": "ok"}))
+
+
+def check_transforms():
+    """jit/vmap (JAX) and opcheck + torch.compile (PyTorch) keep the numbers."""
+    rt = runtime()
+    rng = np.random.default_rng(3)
+    table = rng.normal(size=(N, D)).astype(np.float32)
+    idx = rng.integers(-1, N, size=(5, 6, 4)).astype(np.int32)
+    ref = np.stack([bag_forward_backward(table, i.tolist(), None, "mean", np.zeros((6, D)))[0] for i in idx])
+    if BACKEND == "jax":
+        f = rt.jax.jit(rt.jax.vmap(lambda i: rt.ops.embedding_bag(table, i, None, "mean")))
+        assert_close(rt.numpy(f(idx)), ref, "float32", "jit(vmap)")
+    else:
+        torch = rt.torch
+        t = rt.tensor(table, "float32").requires_grad_(True)
+        i2 = rt.tensor(idx.reshape(-1, 4), "int32")
+        w = rt.tensor(rng.uniform(0.5, 1.5, size=(30, 4)), "float32").requires_grad_(True)
+        torch.library.opcheck(torch.ops.pkm_serve.embedding_bag.default, (t, i2, w, None, 1))
+        f = torch.compile(lambda t, i: rt.ops.embedding_bag(t, i, None, "mean"), fullgraph=True)
+        assert_close(rt.numpy(f(t, rt.tensor(idx, "int32"))), ref, "float32", "torch.compile")
+    print(json.dumps({"transforms": "ok"}))
+
+
+def check_no_tf():
+    import keras
+
+    import pkm_serve  # noqa: F401
+    from pkm_serve import backends  # noqa: F401
+    from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
+
+    ProductKeyMemory(v_dim=8, k_dim=8, n_keys=8, heads=1, knn=2)(np.zeros((2, 8), "float32"))
+    EmbeddingBag(10, 4)(np.zeros((2, 3), "int32"))
+    assert keras.backend.backend() == BACKEND
+    assert "tensorflow" not in sys.modules, "importing/using pkm_serve under this backend imported TensorFlow"
+    print(json.dumps({"no_tf": "ok"}))
+
+
+def check_fit():
+    """EmbeddingBag and ProductKeyMemory models learn a target under model.fit."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    idx = rng.integers(-1, 64, size=(512, 5)).astype("int32")
+    target = bag_forward_backward(rng.normal(size=(64, 8)), idx.tolist(), None, "mean", np.zeros((512, 8)))[0]
+    bag = keras.Sequential([keras.Input((5,), dtype="int32"), EmbeddingBag(64, 8, combiner="mean")])
+    bag.compile(keras.optimizers.Adam(0.05), "mse")
+    hist = bag.fit(idx, target.astype("float32"), epochs=30, batch_size=128, verbose=0).history["loss"]
+    assert hist[-1] < 0.05 * hist[0], f"EmbeddingBag did not learn: loss {hist[0]:.4f} -> {hist[-1]:.4f}"
+    x = rng.normal(size=(512, 16)).astype("float32")
+    y = np.tanh(x[:, :8] * 2).astype("float32")
+    pkm = keras.Sequential([keras.Input((16,)), ProductKeyMemory(v_dim=8, k_dim=8, n_keys=16, heads=2, knn=4)])
+    pkm.compile(keras.optimizers.Adam(0.01), "mse")
+    hist2 = pkm.fit(x, y, epochs=15, batch_size=64, verbose=0).history["loss"]
+    assert hist2[-1] < 0.7 * hist2[0], f"ProductKeyMemory did not learn: loss {hist2[0]:.4f} -> {hist2[-1]:.4f}"
+    print(json.dumps({"fit_embedding_bag": [hist[0], hist[-1]], "fit_pkm": [hist2[0], hist2[-1]]}))
+
+
+def _max_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def check_memory():
+    """fwd+bwd at B=4096 K=128 D=512 grows the process < 600 MB (the composite's
+    [B, K, D] float32 gather alone is 1 GiB)."""
+    rt = runtime()
+    b, k, d, n = 4096, 128, 512, 20000
+    rng = np.random.default_rng(1)
+    table = rt.tensor(rng.normal(size=(n, d)).astype(np.float32), "float32")
+    idx = rt.tensor(rng.integers(-1, n, size=(b, k)), "int32")
+    w = rt.tensor(rng.uniform(0.5, 1.5, size=(b, k)).astype(np.float32), "float32")
+    grad = rt.tensor(np.ones((b, d), np.float32), "float32")
+    small = [rt.tensor(np.zeros((8, d), np.float32), "float32"), rt.tensor(np.zeros((8, k)), "int32"),
+             rt.tensor(np.ones((8, k), np.float32), "float32")]
+    rt.fwd_bwd(table, small[1], small[2], "sum", small[0])  # libraries loaded, code paths warm
+    before = _max_rss_mb()
+    out, d_table, d_w = rt.fwd_bwd(table, idx, w, "sum", grad)
+    assert rt.numpy(d_table).shape == (n, d)
+    grew = _max_rss_mb() - before
+    print(json.dumps({"memory_growth_mb": round(grew, 1)}))
+    assert grew < 600, f"fwd+bwd at B={b} K={k} D={d} grew the process by {grew:.0f} MB (>= 600)"
+
+
+def _pkm_model():
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
+
+    keras.utils.set_random_seed(5)
+    x = keras.Input((16,))
+    ids = keras.Input((4,), dtype="int32")
+    y = ProductKeyMemory(v_dim=8, k_dim=8, n_keys=8, heads=2, knn=3, name="pkm")(x)
+    z = EmbeddingBag(30, 8, combiner="sqrtn", name="bag")(ids)
+    return keras.Model([x, ids], keras.layers.Add()([y, z]))
+
+
+def _inputs():
+    rng = np.random.default_rng(11)
+    return [rng.normal(size=(6, 16)).astype("float32"), rng.integers(-1, 30, size=(6, 4)).astype("int32")]
+
+
+def check_save(path, out_path):
+    import keras
+
+    model = _pkm_model()
+    model.save(path)
+    np.save(out_path, keras.ops.convert_to_numpy(model(_inputs())))
+
+
+def check_load(path, out_path):
+    import keras
+
+    import pkm_serve.layers  # noqa: F401  (registers the layers)
+
+    model = keras.models.load_model(path)
+    np.save(out_path, keras.ops.convert_to_numpy(model(_inputs())))
+
+
+CHECKS = {"ops": check_ops, "errors": check_errors, "transforms": check_transforms, "no_tf": check_no_tf,
+          "fit": check_fit, "memory": check_memory}
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if args and args[0] in ("save", "load"):
+        (check_save if args[0] == "save" else check_load)(args[1], args[2])
+    else:
+        for name in args:
+            CHECKS[name]()
