@@ -3,7 +3,7 @@
     python packaging/build_keras_wheel.py [--dist dist] [--stage build/wheel/keras]
 
 Stages pkm_serve/{__init__,product_keys,tflite}.py, pkm_serve/layers (without the
-TF-only recall_task), pkm_serve/backends and the TF-free libraries: always
+TF-only recall_task), pkm_serve/backends and the TF-free libraries (a manylinux wheel, `auditwheel repair` grafting nothing): always
 libpkm_xla_cpu.so (JAX) and libpkm_capi_cpu.so (PyTorch); libpkm_xla_gpu.so and
 libpkm_cuda.so when `make gpu` built them (CUDA: cudart static, the driver at run
 time). Then checks that no packed library needs a TensorFlow library.
@@ -63,6 +63,20 @@ def _check_no_tensorflow(path):
         raise PackagingError(f"{path} needs a TensorFlow library:\n{needed}")
 
 
+def _repair(wheel, out):
+    """Retags the wheel manylinux: `auditwheel repair` must find no library to graft
+    (the libraries need only libc/libstdc++/libm/libgcc; cudart is linked statically)."""
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    subprocess.run([sys.executable, "-m", "auditwheel", "repair", "--plat", "auto", "-w", out, wheel],
+                   check=True, env=env)
+    (repaired,) = glob.glob(os.path.join(out, "pkm_serve_keras-*.whl"))
+    with zipfile.ZipFile(repaired) as zf:
+        grafted = [n for n in zf.namelist() if ".libs/" in n]
+    if grafted:
+        raise PackagingError(f"auditwheel grafted libraries into {repaired}: {grafted}")
+    return repaired
+
+
 def build(dist, stage):
     libs = stage_tree(stage)
     out = os.path.join(stage, "dist")
@@ -75,6 +89,7 @@ def build(dist, stage):
                                                   "pkm_serve/backends/torch_ops.py"}
     if not want <= names:
         raise PackagingError(f"{wheel} lacks {sorted(want - names)}")
+    wheel = _repair(wheel, os.path.join(stage, "repaired"))
     os.makedirs(dist, exist_ok=True)
     for old in glob.glob(os.path.join(dist, "pkm_serve_keras-*.whl")):
         os.remove(old)

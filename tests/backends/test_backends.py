@@ -1,13 +1,13 @@
 """The layers and ops on the JAX and PyTorch Keras backends, each in its own
-process (a Keras backend is fixed per process): numbers vs the float64
-reference, errors, jit/vmap and torch.compile, fit, memory, no TensorFlow
-import, and .keras files moving between backends (TF included).
-
-The checks themselves are in backend_checks.py; jax and torch come from
-requirements-backends.lock. A backend that is not installed is skipped.
+process (a Keras backend is fixed per process; the two run side by side):
+numbers vs the float64 reference, errors, jit/vmap and torch.compile, fit,
+memory, no TensorFlow import, and .keras files moving between backends (TF
+included). The checks themselves are in backend_checks.py; jax and torch come
+from requirements-backends.lock. A backend that is not installed is skipped.
 """
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -17,42 +17,75 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BACKENDS = ["jax", "torch"]
+# `memory` first (it measures peak-RSS growth); `no_tf` before `save` (Keras' saving may import TF).
+CHECKS = {"jax": ["memory", "no_tf", "ops", "errors", "transforms", "fit"],
+          "torch": ["memory", "memory_composite", "no_tf", "ops", "errors", "transforms", "fit"]}
 
 
-def run_checks(backend, *args, timeout=240):
-    if importlib.util.find_spec(backend) is None:
-        pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
+def start(backend, args):
     env = dict(os.environ, KERAS_BACKEND=backend, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "tests.backends.backend_checks", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{backend} {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    return subprocess.Popen([sys.executable, "-m", "tests.backends.backend_checks", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_ops_layers_and_fit(backend):
-    """Forward/d_table/d_weights vs float64 (fp32/fp16/bf16, 3 combiners, ragged),
-    clear errors, jit/vmap or opcheck + torch.compile, no TF import, fit learns."""
-    out = run_checks(backend, "no_tf", "ops", "errors", "transforms", "fit")
-    assert '"ops_cases": 21' in out, out
+def finish(proc, what, timeout=300):
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"{what} failed:\n{out[-3000:]}\n{err[-3000:]}"
+    results = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            results.update(json.loads(line))
+    return results
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_forward_backward_memory(backend):
-    """fwd+bwd at B=4096 K=128 D=512 grows the process < 600 MB (asserted in the check)."""
-    assert "memory_growth_mb" in run_checks(backend, "memory")
+def installed(backend):
+    return importlib.util.find_spec(backend) is not None
 
 
-def test_keras_file_moves_between_backends(tmp_path):
-    """One .keras file saved under JAX loads under PyTorch and TensorFlow (and one
-    saved under PyTorch under JAX) with the same outputs."""
-    saved = {}
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both backends' check processes, run side by side; each saves a .keras file last."""
+    tmp = tmp_path_factory.mktemp("backends")
+    procs = {}
     for backend in BACKENDS:
-        path, out = tmp_path / f"{backend}.keras", tmp_path / f"{backend}_out.npy"
-        run_checks(backend, "save", str(path), str(out))
-        saved[backend] = (path, np.load(out))
-    for source, target in [("jax", "torch"), ("jax", "tensorflow"), ("torch", "jax")]:
-        out = tmp_path / f"{source}_in_{target}.npy"
-        run_checks(target, "load", str(saved[source][0]), str(out))
-        np.testing.assert_allclose(np.load(out), saved[source][1], rtol=1e-5, atol=1e-5,
-                                   err_msg=f"saved under {source}, loaded under {target}")
+        if installed(backend):
+            save = ["save", str(tmp / f"{backend}.keras"), str(tmp / f"{backend}_out.npy")]
+            procs[backend] = start(backend, CHECKS[backend] + save)
+    done = {}
+
+    def result(backend):  # each process is waited for once, by whichever test needs it first
+        if backend not in done:
+            done[backend] = finish(procs[backend], f"{backend} checks")
+        return done[backend]
+
+    return tmp, {b: (lambda b=b: result(b)) for b in procs}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ops_layers_fit_and_memory(runs, backend):
+    """Forward/d_table/d_weights vs float64 (fp32/fp16/bf16, 3 combiners, int32/int64,
+    3-D indices with padding, ragged), clear errors, jit+vmap / opcheck + torch.compile,
+    no TF import, fit learns, fwd+bwd at B=4096 K=128 D=512 grows the process < 600 MB."""
+    tmp, results = runs
+    if backend not in results:
+        pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
+    got = results[backend]()
+    assert got["ops_cases"] == 21 and got["no_tf"] == "ok" and got["transforms"] == "ok", got
+    assert got["memory_growth_mb"] < 600, got
+
+
+def test_keras_file_moves_between_backends(runs):
+    """A .keras file saved under JAX loads under PyTorch and TensorFlow, one saved
+    under PyTorch under JAX, each with the saving backend's outputs."""
+    tmp, results = runs
+    if set(results) != set(BACKENDS):
+        pytest.skip("needs both jax and torch")
+    for backend in BACKENDS:
+        results[backend]()
+    loads = [("jax", "torch"), ("torch", "jax")] + ([("jax", "tensorflow")] if installed("tensorflow") else [])
+    procs = [(src, dst, start(dst, ["load", str(tmp / f"{src}.keras"), str(tmp / f"{src}_in_{dst}.npy")]))
+             for src, dst in loads]
+    for src, dst, proc in procs:
+        finish(proc, f"loading the {src} file under {dst}")
+        np.testing.assert_allclose(np.load(tmp / f"{src}_in_{dst}.npy"), np.load(tmp / f"{src}_out.npy"),
+                                   rtol=1e-5, atol=1e-5, err_msg=f"saved under {src}, loaded under {dst}")
