@@ -294,7 +294,29 @@ def check_load(path, out_path):
     import pkm_serve.layers  # noqa: F401  (registers the layers)
 
     model = keras.models.load_model(path)
-    np.save(out_path, keras.ops.convert_to_numpy(model(_inputs())))
+    out = keras.ops.convert_to_numpy(model(_inputs()))
+    np.save(out_path, out)
+    if BACKEND == "tensorflow":
+        _check_tf_export(model, out, out_path + ".savedmodel")
+
+
+def _check_tf_export(model, expected, directory):
+    """Under TF the reloaded model exports a SavedModel with the fused op in its graph,
+    whose serving signature (what pkm-serve serve and TF Serving call) gives the same outputs."""
+    import tensorflow as tf
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    model.export(directory, format="tf_saved_model", verbose=False)
+    proto = saved_model_pb2.SavedModel()
+    with open(os.path.join(directory, "saved_model.pb"), "rb") as f:
+        proto.ParseFromString(f.read())
+    graph = proto.meta_graphs[0].graph_def
+    op_types = {n.op for n in graph.node} | {n.op for fn in graph.library.function for n in fn.node_def}
+    assert "PkmEmbeddingBag" in op_types, f"no fused op in the exported graph: {sorted(op_types)[:30]}"
+    serve = tf.saved_model.load(directory).signatures["serving_default"]
+    names = [i.name for i in model.inputs]
+    (served,) = serve(**{n: tf.constant(v) for n, v in zip(names, _inputs())}).values()
+    np.testing.assert_allclose(served.numpy(), expected, rtol=1e-6, atol=1e-6)
 
 
 CHECKS = {"ops": check_ops, "errors": check_errors, "transforms": check_transforms, "no_tf": check_no_tf,
