@@ -10,6 +10,7 @@ Session servable or, with --prefer_tflite_model, the TFLite servable.
 import os
 
 from pkm_serve.serving.servable import Servable
+from pkm_serve.serving.tflite_servable import TFLITE_MODEL_FILE, TfLiteServable
 
 
 class Loader:
@@ -48,9 +49,6 @@ class ServableLoader(Loader):
             servable.release()
 
 
-TFLITE_MODEL_FILE = "model.tflite"
-
-
 def make_loader_factory(warmup=True, prefer_tflite_model=False, num_tflite_interpreters=1,
                         tflite_threads=1):
     """factory(model_name, version, path) -> Loader, as the server configures it.
@@ -60,8 +58,6 @@ def make_loader_factory(warmup=True, prefer_tflite_model=False, num_tflite_inter
 
     def factory(name, version, path):
         if prefer_tflite_model and os.path.isfile(os.path.join(path, TFLITE_MODEL_FILE)):
-            # Imported here: it needs a TFLite runtime, which SavedModel-only serving does not.
-            from pkm_serve.serving.tflite_servable import TfLiteServable
             return ServableLoader(lambda: TfLiteServable(
                 name, version, path, warmup=warmup, num_interpreters=num_tflite_interpreters,
                 num_threads=tflite_threads))

@@ -108,9 +108,11 @@ def _feature(value):
 
 
 def _signature_name(doc):
+    """Checked before any other field, as TF Serving's handler does."""
     name = doc.get("signature_name", "")
     if not isinstance(name, str):
-        raise invalid("signature_name must be a string")
+        raise invalid(f"JSON Value: {json.dumps(name)[:200]} not formatted correctly. "
+                      "'signature_name' key must be a string value.")
     return name
 
 
@@ -284,6 +286,7 @@ class RestFrontend:
         return {"model_spec": _to_dict(resp.model_spec), "metadata": {"signature_def": _to_dict(sig_map)}}
 
     def _predict(self, spec, doc, deadline):
+        sig_name = _signature_name(doc)
         unknown = set(doc) - {"signature_name", "instances", "inputs"}
         if unknown:
             raise invalid(f"unknown request field(s) {sorted(unknown)}; expected signature_name and "
@@ -291,7 +294,6 @@ class RestFrontend:
         if ("instances" in doc) == ("inputs" in doc):
             raise invalid("request must have exactly one of \"instances\" (row format) or \"inputs\" "
                           "(columnar format)")
-        sig_name = _signature_name(doc)
         spec.signature_name = sig_name
         # One resolution: the version whose signature decodes the JSON is the one that runs it.
         with self.service.serving(spec) as servable:
