@@ -65,13 +65,19 @@ def has_long_integer(body: bytes) -> bool:
     return _LONG_NUMBER in body.translate(_DIGITS_TABLE, b" \t\n\r-")
 
 
+TOO_DEEP = "JSON Parse error: the document is nested too deeply"
+
+
 def loads(body: bytes):
     if not has_long_integer(body):
         try:
             return orjson.loads(body)
         except orjson.JSONDecodeError:
             pass
-    return json.loads(body)   # NaN/Infinity literals, huge integers -- or the error to report
+    try:
+        return json.loads(body)   # NaN/Infinity literals, huge integers -- or the error to report
+    except RecursionError:        # deeper than Python's stack (orjson stops at 1024 levels)
+        raise invalid(TOO_DEEP) from None
 
 
 def _json_response(obj, status=200):
@@ -263,6 +269,9 @@ class RestFrontend:
         except ServingError as e:
             code = e.code
             return _error(e.code, e.message)
+        except RecursionError:   # a value nested deeper than any tensor can be (max rank 254)
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            return _error(code, TOO_DEEP)
         except Exception as e:  # noqa: BLE001
             log.exception("REST %s failed", api)
             code = grpc.StatusCode.INTERNAL
