@@ -254,3 +254,24 @@ def test_version_swap_to_an_int8_table(stub, server, models):
     np.testing.assert_allclose(got, _pkm_reference(2, idx, w), rtol=1e-5, atol=1e-5)
     # int8 rows are not the fp32 table: the answer really comes from the new version
     assert not np.allclose(got, reference.embedding_bag(TABLES[2].astype(np.float64), idx, w), atol=1e-6)
+
+
+def test_broken_tflite_fails_the_load_with_a_clear_error(tmp_path):
+    from pkm_serve.serving.errors import ServingError
+    from pkm_serve.serving.tflite_servable import TfLiteServable
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "model.tflite").write_bytes(b"TFL3 not a flatbuffer")
+    with pytest.raises(ServingError) as err:
+        TfLiteServable("m", 1, str(tmp_path / "1"))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "cannot load" in err.value.message and "model.tflite" in err.value.message
+
+
+def test_tflite_flags():
+    from pkm_serve.serving import config
+    a = config.parse_args(["--model_base_path=/m"])
+    assert (a.prefer_tflite_model, a.num_tflite_pools, a.tflite_num_threads) == (False, 0, 1)
+    a = config.parse_args(["--model_base_path=/m", "--prefer_tflite_model=true", "--num_tflite_pools=3"])
+    assert (a.prefer_tflite_model, a.num_tflite_pools) == (True, 3)
+    with pytest.raises(SystemExit):
+        config.parse_args(["--model_base_path=/m", "--num_tflite_pools=-1"])
