@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -185,8 +186,7 @@ def measure(config, base, extra, args, req, want, work):
 
 def render(result):
     lines = [f"# Server memory, one {result['table_mib']:.0f} MiB-table model served three ways",
-             "", f"Machine: {result['machine']} (shared with other engineers' builds and tests: "
-             "latencies are noisy; RSS is not).",
+             "", f"Machine: {result['machine']}. Latencies on a shared machine are noisy; RSS is not.",
              f"Model: N={result['rows']} D={result['dim']} fp32 table, K={result['bag']}; "
              f"{result['requests']} gRPC Predict calls of batch {result['batch']} per run; "
              f"{result['repeats']} interleaved rounds. Command: `{result['command']}`.", "",
@@ -200,6 +200,12 @@ def render(result):
         lines.append(f"| {r['config']} | {r['round']} | {r['ready_s']:.1f} | {r['idle']['VmRSS'] / MiB:.0f} | "
                      f"{a['VmRSS'] / MiB:.0f} | {a['VmHWM'] / MiB:.0f} | {a['RssAnon'] / MiB:.0f} / "
                      f"{a['RssFile'] / MiB:.0f} | {r['p50_ms']:.2f} | {r['max_err_rel']:.1e} |")
+    base = [r for r in result["runs"] if r["config"] == "baseline" and "skipped" not in r]
+    if base:
+        b = base[-1]["after_requests"]["VmRSS"]
+        lines += ["", "Model cost (RSS after requests minus the baseline's, last round): " + ", ".join(
+            f"{r['config']} {(r['after_requests']['VmRSS'] - b) / MiB:.0f} MiB"
+            for r in result["runs"] if r.get("round") == result["repeats"] and r["config"] != "baseline")]
     lines += ["", "Sizes on disk: " + ", ".join(f"{k} {v / MiB:.0f} MiB" for k, v in result["sizes"].items()),
               "", "Baseline is a 16-row model: the server's own cost (Python, TensorFlow, gRPC)."]
     return "\n".join(lines) + "\n"
@@ -259,10 +265,11 @@ def main(argv=None):
     result = {"machine": machine, "rows": args.rows, "dim": args.dim, "bag": args.bag, "batch": args.batch,
               "requests": args.requests, "repeats": args.repeats, "table_mib": args.rows * args.dim * 4 / MiB,
               "export_seconds": dirs["_export_seconds"], "sizes": sizes, "runs": runs,
-              "command": "python bench/serving_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+              "command": "python bench/serving_memory.py " + " ".join(
+                  shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))}
     os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y%m%d_%H%M%S", time.gmtime())
-    stem = os.path.join(args.out, f"serving_memory_{slug(machine)}_{stamp}")
+    stem = os.path.join(args.out, f"serving_memory_{slug(machine.split(',')[0])}_{stamp}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(stem + ".md", "w") as f:
