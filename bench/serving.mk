@@ -17,7 +17,12 @@ bench-serving: setup serving-load-tools
 	$(PIP) install -q --disable-pip-version-check -r bench/requirements.txt
 	$(PY) bench/serving_load.py $(SERVING_BENCH_ARGS)
 
-.PHONY: serving-load-tools bench-serving
+# Server RSS of a 512 MiB-table model: fp32 SavedModel, int8 .tflite, int8 SavedModel
+# (bench/serving_memory.py; ~10 min, mostly the .tflite conversion; not part of `make test`)
+bench-serving-memory: setup
+	$(PY) bench/serving_memory.py $(SERVING_MEMORY_ARGS)
+
+.PHONY: serving-load-tools bench-serving bench-serving-memory
 
 # `make bench` runs bench/serving_load.py too: it needs the load generators first.
 bench: serving-load-tools

@@ -23,7 +23,7 @@ COMMANDS = {
              "run the whole path end to end: export, serve, TFLite, compare"),
     "export": ("pkm_serve.export.exporter", "pkm_serve.export.arguments", True,
                "fuse composite gather-sum sites of a SavedModel into the op"),
-    "serve": ("pkm_serve.serving", None, True,
+    "serve": ("pkm_serve.serving.server", None, True,
               "serve SavedModels over TF Serving's gRPC and REST APIs"),
     "tflite": ("pkm_serve.tflite", None, False,
                "run a .tflite with the pkm_serve delegate; show which ops it claimed"),

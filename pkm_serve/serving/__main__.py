@@ -1,5 +1,5 @@
 import sys
 
-from pkm_serve.serving import main
+from pkm_serve.serving.server import main
 
 sys.exit(main())

@@ -53,6 +53,15 @@ def build_parser():
     boolflag("--enable_signature_method_name_check", False,
              "Refuse Classify/Regress on signatures whose method_name is not "
              "tensorflow/serving/classify or /regress (TF Serving's default: false).")
+    boolflag("--prefer_tflite_model", False,
+             "Serve a version directory that holds model.tflite from that file (LiteRT with the "
+             "pkm_serve delegate) instead of its SavedModel; directories without one are served "
+             "from the SavedModel (TF Serving's flag).")
+    flag("--num_tflite_pools", type=int, default=0,
+         help="TFLite interpreters per served .tflite version; each runs one request at a time "
+              "(TF Serving's flag; here every pool is one interpreter). 0 = number of CPUs.")
+    flag("--tflite_num_threads", type=int, default=1,
+         help="Threads of each TFLite interpreter and of its pkm_serve delegate. Default 1.")
     flag("--grpc_socket_path", default="",
          help="Also serve gRPC on this UNIX domain socket.")
     flag("--grpc_channel_arguments", default="",
@@ -90,6 +99,8 @@ def parse_args(argv):
         p.error("both --port and --rest_api_port are 0: nothing to serve on")
     if args.max_request_bytes <= 0:
         p.error("--max_request_bytes must be positive")
+    if args.num_tflite_pools < 0 or args.tflite_num_threads < 1:
+        p.error("--num_tflite_pools must be >= 0 and --tflite_num_threads >= 1")
     if args.batching_parameters_file and not args.enable_batching:
         p.error("--batching_parameters_file needs --enable_batching")
     try:

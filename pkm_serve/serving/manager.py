@@ -7,6 +7,10 @@ longer aspired: serving never drops to zero versions during a transition
 (TF Serving's availability-preserving policy). A version that fails to load is
 reported (state END with the error) and is not retried until its files change;
 the `latest` policy then falls back to the newest version that does load.
+
+What a version *is* stays behind the Loader seam (loader.py, TF Serving's
+core/loader.h): the transitions here only call load(), servable() and unload(),
+so tests run them on fake loaders.
 """
 import contextlib
 import logging
@@ -19,7 +23,7 @@ import tensorflow as tf
 from tensorflow_serving.apis import get_model_status_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid, not_found
-from pkm_serve.serving.servable import Servable
+from pkm_serve.serving.loader import make_loader_factory
 
 log = logging.getLogger("pkm_serve.serving")
 State = get_model_status_pb2.ModelVersionStatus.State
@@ -30,12 +34,13 @@ NO_VERSIONS_MESSAGE = ("No versions of servable {name} found under base path {pa
 
 
 class VersionRecord:
-    __slots__ = ("version", "state", "error", "servable", "fingerprint", "in_flight")
+    __slots__ = ("version", "state", "error", "loader", "servable", "fingerprint", "in_flight")
 
     def __init__(self, version):
         self.version = version
         self.state = State.START
         self.error = None
+        self.loader = None
         self.servable = None
         self.fingerprint = None
         self.in_flight = 0   # requests between acquire and release of this version
@@ -94,14 +99,17 @@ class ManagedModel:
 
 class ModelManager:
     def __init__(self, server_config, *, poll_seconds=1.0, warmup=True, metrics=None,
-                 config_file=None, config_poll_seconds=0.0, unload_drain_seconds=30.0):
+                 config_file=None, config_poll_seconds=0.0, unload_drain_seconds=30.0,
+                 loader_factory=None):
+        """loader_factory(model_name, version, path) -> loader.Loader; by default the
+        SavedModel servable (warmed up if `warmup`)."""
+        self._loader_factory = loader_factory or make_loader_factory(warmup=warmup)
         self._lock = threading.RLock()       # guards the model table and records
         self._idle = threading.Condition(self._lock)   # a version's last request finished
         self._unload_drain_seconds = unload_drain_seconds
         self._poll_lock = threading.Lock()   # one poll (load/unload) at a time
         self._models = {}
         self._poll_seconds = poll_seconds
-        self._warmup = warmup
         self._metrics = metrics
         self._config_file = config_file
         self._config_poll_seconds = config_poll_seconds
@@ -200,7 +208,9 @@ class ModelManager:
         log.info("model %s: loading version %d from %s", m.name, version, path)
         t0 = time.perf_counter()
         try:
-            servable = Servable(m.name, version, path, warmup=self._warmup)
+            loader = self._loader_factory(m.name, version, path)
+            loader.load()
+            servable = loader.servable()
         except ServingError as e:
             log.error("model %s: version %d failed to load: %s", m.name, version, e.message)
             self._load_failed(m, r, path, e, t0)
@@ -210,12 +220,12 @@ class ModelManager:
             self._load_failed(m, r, path, ServingError(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}"), t0)
             return
         with self._lock:
-            r.servable, r.state = servable, State.AVAILABLE
+            r.loader, r.servable, r.state = loader, servable, State.AVAILABLE
         if self._metrics:
             self._metrics.load_attempt(m.name, path, ok=True, seconds=time.perf_counter() - t0)
             self._metrics.version_available(m.name, version, True)
         log.info("model %s: version %d available (load %.2fs, warmup %.2fs)", m.name, version,
-                 servable.load_seconds, servable.warmup_seconds)
+                 getattr(servable, "load_seconds", 0.0), getattr(servable, "warmup_seconds", 0.0))
 
     def _load_failed(self, m, r, path, error, t0):
         """END with the error: reported by GetModelStatus, not retried until the files change."""
@@ -229,13 +239,16 @@ class ModelManager:
         unload_drain_seconds), then its session, variables and batching queues are freed."""
         with self._lock:
             r.state = State.UNLOADING
-            servable, r.servable = r.servable, None
+            loader, r.loader, r.servable = r.loader, None, None
             drained = self._idle.wait_for(lambda: r.in_flight == 0, self._unload_drain_seconds)
         if not drained:
             log.warning("model %s: version %d still had %d request(s) after %.0fs; unloading anyway",
                         m.name, r.version, r.in_flight, self._unload_drain_seconds)
-        if servable is not None:
-            servable.release()
+        if loader is not None:
+            try:
+                loader.unload()
+            except Exception:  # noqa: BLE001 - a failed free must not stop the transition
+                log.exception("model %s: version %d failed to unload cleanly", m.name, r.version)
         with self._lock:
             r.state = State.END
         if self._metrics:

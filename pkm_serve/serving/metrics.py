@@ -49,8 +49,8 @@ class Metrics:
         self.request_count.labels(model, code_name).inc()
         self.request_latency.labels(model, api, entrypoint).observe(seconds * 1e6)
 
-    def runtime(self, model, api, seconds):
-        self.runtime_latency.labels(model, api, "TF").observe(seconds * 1e6)
+    def runtime(self, model, api, seconds, runtime="TF"):
+        self.runtime_latency.labels(model, api, runtime).observe(seconds * 1e6)
 
     def load_attempt(self, model, path, ok, seconds):
         self.load_attempts.labels(path, "success" if ok else "fail").inc()

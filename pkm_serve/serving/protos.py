@@ -90,6 +90,7 @@ def parse_text_file(path, message_cls, what):
     try:
         text_format.Parse(text, msg)
     except text_format.ParseError as e:
-        raise ValueError(f"{what} file {path!r} is not a valid text-format "
-                         f"{message_cls.DESCRIPTOR.full_name}: {e}") from None
+        # TF Serving's wording (tensorflow_model_server_test.py testBadModelConfig greps it).
+        raise ValueError(f"Error parsing text-format {message_cls.DESCRIPTOR.full_name} from "
+                         f"{what} file {path!r}: {e}") from None
     return msg

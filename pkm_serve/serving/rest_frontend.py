@@ -65,13 +65,19 @@ def has_long_integer(body: bytes) -> bool:
     return _LONG_NUMBER in body.translate(_DIGITS_TABLE, b" \t\n\r-")
 
 
+TOO_DEEP = "JSON Parse error: the document is nested too deeply"
+
+
 def loads(body: bytes):
     if not has_long_integer(body):
         try:
             return orjson.loads(body)
         except orjson.JSONDecodeError:
             pass
-    return json.loads(body)   # NaN/Infinity literals, huge integers -- or the error to report
+    try:
+        return json.loads(body)   # NaN/Infinity literals, huge integers -- or the error to report
+    except RecursionError:        # deeper than Python's stack (orjson stops at 1024 levels)
+        raise invalid(TOO_DEEP) from None
 
 
 def _json_response(obj, status=200):
@@ -108,9 +114,11 @@ def _feature(value):
 
 
 def _signature_name(doc):
+    """Checked before any other field, as TF Serving's handler does."""
     name = doc.get("signature_name", "")
     if not isinstance(name, str):
-        raise invalid("signature_name must be a string")
+        raise invalid(f"JSON Value: {json.dumps(name)[:200]} not formatted correctly. "
+                      "'signature_name' key must be a string value.")
     return name
 
 
@@ -261,6 +269,9 @@ class RestFrontend:
         except ServingError as e:
             code = e.code
             return _error(e.code, e.message)
+        except RecursionError:   # a value nested deeper than any tensor can be (max rank 254)
+            code = grpc.StatusCode.INVALID_ARGUMENT
+            return _error(code, TOO_DEEP)
         except Exception as e:  # noqa: BLE001
             log.exception("REST %s failed", api)
             code = grpc.StatusCode.INTERNAL
@@ -284,6 +295,7 @@ class RestFrontend:
         return {"model_spec": _to_dict(resp.model_spec), "metadata": {"signature_def": _to_dict(sig_map)}}
 
     def _predict(self, spec, doc, deadline):
+        sig_name = _signature_name(doc)
         unknown = set(doc) - {"signature_name", "instances", "inputs"}
         if unknown:
             raise invalid(f"unknown request field(s) {sorted(unknown)}; expected signature_name and "
@@ -291,7 +303,6 @@ class RestFrontend:
         if ("instances" in doc) == ("inputs" in doc):
             raise invalid("request must have exactly one of \"instances\" (row format) or \"inputs\" "
                           "(columnar format)")
-        sig_name = _signature_name(doc)
         spec.signature_name = sig_name
         # One resolution: the version whose signature decodes the JSON is the one that runs it.
         with self.service.serving(spec) as servable:

@@ -43,22 +43,20 @@ def make_session_callable(session, feeds, fetches):
     return session._make_callable_from_options(options)  # noqa: SLF001 - see docstring
 
 
-class Signature:
-    """One SignatureDef of a loaded version: its tensors by alias and a runner."""
+class SignatureBase:
+    """What every runtime's signature shares: its SignatureDef, input specs by alias and
+    request validation (names and dtypes; shapes are the model's to judge, as TF Serving
+    feeds any shape). Subclasses add run(inputs, output_filter=()) and release()."""
 
-    def __init__(self, name, signature_def, session):
+    def __init__(self, name, signature_def):
         self.name = name
         self.signature_def = signature_def
         self.method_name = signature_def.method_name
         self.input_specs = {k: _spec_of(v) for k, v in signature_def.inputs.items()}
         self._input_dtypes = {k: (None if s.dtype == tf.string else np.dtype(s.dtype.as_numpy_dtype))
                               for k, s in self.input_specs.items()}
-        self._session = session
-        self._runners = {}            # (feed aliases, fetch aliases) -> session callable
-        self._runners_lock = threading.Lock()
 
     def validate(self, inputs: dict):
-        """Names and dtypes; shapes are the graph's to judge (TF Serving feeds any shape)."""
         missing = sorted(set(self.input_specs) - set(inputs))
         extra = sorted(set(inputs) - set(self.input_specs))
         if missing or extra:
@@ -72,6 +70,25 @@ class Signature:
         for key, array in inputs.items():
             if array.dtype != self._input_dtypes[key]:
                 tensors.check_dtype(key, array, self.input_specs[key].dtype, self.name)
+
+    def fetches(self, output_filter):
+        """The output aliases to return: output_filter (checked) or all of them, sorted."""
+        fetches = tuple(output_filter) or tuple(sorted(self.signature_def.outputs))
+        unknown = [k for k in fetches if k not in self.signature_def.outputs]
+        if unknown:
+            raise invalid(f"output_filter names unknown output(s) {unknown}; signature "
+                          f"'{self.name}' has {sorted(self.signature_def.outputs)}")
+        return fetches
+
+
+class Signature(SignatureBase):
+    """One SignatureDef of a loaded SavedModel version, run through the Session."""
+
+    def __init__(self, name, signature_def, session):
+        super().__init__(name, signature_def)
+        self._session = session
+        self._runners = {}            # (feed aliases, fetch aliases) -> session callable
+        self._runners_lock = threading.Lock()
 
     def _runner(self, feeds, fetches):
         key = (feeds, fetches)
@@ -87,11 +104,7 @@ class Signature:
         return runner
 
     def run(self, inputs: dict, output_filter=()) -> dict:
-        fetches = tuple(output_filter) or tuple(sorted(self.signature_def.outputs))
-        unknown = [k for k in fetches if k not in self.signature_def.outputs]
-        if unknown:
-            raise invalid(f"output_filter names unknown output(s) {unknown}; signature "
-                          f"'{self.name}' has {sorted(self.signature_def.outputs)}")
+        fetches = self.fetches(output_filter)
         feeds = tuple(sorted(inputs))
         try:
             values = self._runner(feeds, fetches)(*[inputs[k] for k in feeds])
@@ -133,38 +146,30 @@ def _synthetic_input(spec: tf.TensorSpec):
     return np.zeros(shape, dtype=spec.dtype.as_numpy_dtype)
 
 
-class Servable:
-    def __init__(self, name: str, version: int, path: str, warmup: bool = True):
-        self.name = name
-        self.version = version
-        self.path = path
-        t0 = time.perf_counter()
-        self._graph = tf.Graph()
-        # A Session does not read tf.config.threading (eager's settings) by itself: pass on
-        # what --tensorflow_intra_op_parallelism / --tensorflow_inter_op_parallelism set.
-        config = tf.compat.v1.ConfigProto(
-            intra_op_parallelism_threads=tf.config.threading.get_intra_op_parallelism_threads(),
-            inter_op_parallelism_threads=tf.config.threading.get_inter_op_parallelism_threads())
-        self._session = tf.compat.v1.Session(graph=self._graph, config=config)
-        try:
-            with self._graph.as_default(), _quiet_tf_logger():
-                meta = tf.compat.v1.saved_model.loader.load(self._session, SERVE_TAGS, path)
-        except Exception as e:
-            self._session.close()
-            raise ServingError(_code_of(e), f"cannot read SavedModel at {path}: {_short(e)}") from None
-        self.signature_defs = {k: v for k, v in meta.signature_def.items() if not k.startswith("__")}
-        self.signatures = {k: Signature(k, v, self._session) for k, v in self.signature_defs.items()}
+class ServableBase:
+    """What every runtime's loaded version shares: its name and version, its signatures
+    (runnable, by key) and signature_defs (what metadata lists), lookup, and warmup.
+    Subclasses set those in __init__, then call _finish_load, and implement release()."""
+
+    runtime = "TF"            # the runtime label of :tensorflow:serving:runtime_latency
+
+    def __init__(self, name: str, version: int, path: str):
+        self.name, self.version, self.path = name, version, path
+        self.signature_defs, self.signatures = {}, {}
+        self.load_seconds = self.warmup_seconds = 0.0
+
+    def _finish_load(self, t0, warmup, rounds=1):
         if not self.signatures:
             self.release()
-            raise invalid(f"SavedModel at {path} has no serving signatures")
+            raise invalid(f"the model at {self.path} has no serving signatures")
         self.load_seconds = time.perf_counter() - t0
         try:
-            self.warmup_seconds = self._warmup() if warmup else 0.0
+            self.warmup_seconds = self._warmup(rounds) if warmup else 0.0
         except Exception:
             self.release()
             raise
 
-    def signature(self, name: str) -> Signature:
+    def signature(self, name: str):
         key = name or DEFAULT_SIGNATURE
         sig = self.signatures.get(key)
         if sig is None:
@@ -175,29 +180,26 @@ class Servable:
         return sig
 
     def release(self):
-        """Frees the version's graph, variables and callables (unload)."""
-        for sig in self.signatures.values() if hasattr(self, "signatures") else ():
-            sig.release()
-        self._session.close()
-        self._graph = None
+        raise NotImplementedError
 
-    def _warmup(self) -> float:
+    def _warmup(self, rounds=1) -> float:
         """Replays assets.extra/tf_serving_warmup_requests if present (failure fails the load,
-        as in TF Serving); otherwise runs every signature once on synthetic inputs so the
-        first real request does not pay for graph set-up (failures there are only logged:
+        as in TF Serving); otherwise runs every signature `rounds` times on synthetic inputs
+        so the first real request does not pay for set-up (failures there are only logged:
         zeros are not valid input for every model)."""
         t0 = time.perf_counter()
         warmup_path = os.path.join(self.path, WARMUP_FILE)
         if tf.io.gfile.exists(warmup_path):
             log.info("model %s version %d: replayed %d warmup requests", self.name, self.version,
                      self._replay_warmup_file(warmup_path))
-        else:
-            for sig in self.signatures.values():
-                try:
+            return time.perf_counter() - t0
+        for sig in self.signatures.values():
+            try:
+                for _ in range(rounds):
                     sig.run({k: _synthetic_input(s) for k, s in sig.input_specs.items()})
-                except Exception as e:  # noqa: BLE001 - logged, see docstring
-                    log.info("model %s version %d: synthetic warmup of '%s' skipped: %s",
-                             self.name, self.version, sig.name, _short(e))
+            except Exception as e:  # noqa: BLE001 - logged, see docstring
+                log.info("model %s version %d: synthetic warmup of '%s' skipped: %s",
+                         self.name, self.version, sig.name, _short(e))
         return time.perf_counter() - t0
 
     def _replay_warmup_file(self, warmup_path) -> int:
@@ -214,6 +216,38 @@ class Servable:
             sig.run(inputs)
             count += 1
         return count
+
+
+class Servable(ServableBase):
+    def __init__(self, name: str, version: int, path: str, warmup: bool = True):
+        super().__init__(name, version, path)
+        t0 = time.perf_counter()
+        self._graph = tf.Graph()
+        # A Session does not read tf.config.threading (eager's settings) by itself: pass on
+        # what --tensorflow_intra_op_parallelism / --tensorflow_inter_op_parallelism set.
+        config = tf.compat.v1.ConfigProto(
+            intra_op_parallelism_threads=tf.config.threading.get_intra_op_parallelism_threads(),
+            inter_op_parallelism_threads=tf.config.threading.get_inter_op_parallelism_threads())
+        self._session = tf.compat.v1.Session(graph=self._graph, config=config)
+        try:
+            with self._graph.as_default(), _quiet_tf_logger():
+                meta = tf.compat.v1.saved_model.loader.load(self._session, SERVE_TAGS, path)
+        except Exception as e:
+            self._session.close()
+            raise ServingError(_code_of(e), f"cannot read SavedModel at {path}: {_short(e)}") from None
+        # Metadata lists every SignatureDef, __saved_model_init_op included (as TF Serving's
+        # does); the "__" ones are graph plumbing, not something a request can run.
+        self.signature_defs = dict(meta.signature_def)
+        self.signatures = {k: Signature(k, v, self._session) for k, v in self.signature_defs.items()
+                           if not k.startswith("__")}
+        self._finish_load(t0, warmup)
+
+    def release(self):
+        """Frees the version's graph, variables and callables (unload)."""
+        for sig in self.signatures.values():
+            sig.release()
+        self._session.close()
+        self._graph = None
 
 
 def _short(e) -> str:

@@ -71,6 +71,7 @@ class Server:
     def _make_model_side(self, args, configs):
         from pkm_serve.serving.batching import BatchScheduler
         from pkm_serve.serving.errors import ServingError
+        from pkm_serve.serving.loader import make_loader_factory
         from pkm_serve.serving.manager import ModelManager
         from pkm_serve.serving.metrics import Metrics
         from pkm_serve.serving.service import InferenceService
@@ -80,10 +81,14 @@ class Server:
                 if configs.batching is not None else None
         except ValueError as e:
             raise StartupError(str(e)) from None
+        loaders = make_loader_factory(
+            warmup=args.enable_model_warmup, prefer_tflite_model=args.prefer_tflite_model,
+            num_tflite_interpreters=args.num_tflite_pools or os.cpu_count() or 1,
+            tflite_threads=args.tflite_num_threads)
         try:   # the manager validates the model config (once)
             self.manager = ModelManager(
                 configs.models, poll_seconds=args.file_system_poll_wait_seconds,
-                warmup=args.enable_model_warmup, metrics=self.metrics,
+                loader_factory=loaders, metrics=self.metrics,
                 config_file=args.model_config_file or None,
                 config_poll_seconds=args.model_config_file_poll_wait_seconds,
                 unload_drain_seconds=args.drain_seconds)

@@ -16,7 +16,7 @@ from tensorflow_serving.apis import status_pb2
 from pkm_serve.serving import tensors
 from pkm_serve.serving.errors import ServingError, invalid
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
-from pkm_serve.serving.servable import CLASSIFY_METHOD, REGRESS_METHOD
+from pkm_serve.serving.servable import CLASSIFY_METHOD, DEFAULT_SIGNATURE, REGRESS_METHOD
 
 
 class InferenceService:
@@ -50,7 +50,8 @@ class InferenceService:
         if deadline is not None and time.monotonic() > deadline:
             raise ServingError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded while the model ran")
         if self.metrics:
-            self.metrics.runtime(servable.name, api, time.monotonic() - t0)
+            self.metrics.runtime(servable.name, api, time.monotonic() - t0,
+                                 getattr(servable, "runtime", "TF"))
         return outputs
 
     @staticmethod
@@ -128,7 +129,11 @@ class InferenceService:
         return np.array([e.SerializeToString() for e in examples], dtype=object)
 
     def _example_signature(self, servable, model_spec, method, what):
-        sig = servable.signature(model_spec.signature_name)
+        key = model_spec.signature_name or DEFAULT_SIGNATURE
+        if key not in servable.signatures:   # classifier.cc / regressor.cc: InvalidArgument
+            raise invalid(f"No signature was found with the name: {key} (model '{servable.name}' "
+                          f"version {servable.version} has {sorted(servable.signatures)})")
+        sig = servable.signatures[key]
         # TF Serving checks the method name only with --enable_signature_method_name_check:
         # tf.saved_model.save writes .../predict for every signature, Classify works on them.
         if self.check_signature_method_name and sig.method_name != method:

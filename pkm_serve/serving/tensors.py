@@ -35,6 +35,15 @@ _VALUE_FIELDS = {
         ("string_val", "STRING"))
     for t in types.split() if hasattr(types_pb2, "DT_" + t)}
 _MAX_RANK = 254  # TensorShape::MaxDimensions() in TF
+_NOT_IN_REQUESTS = {types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT}
+_LAST_VALUE_DTYPE = 100   # 101 and up are the DT_*_REF reference types
+
+
+def _dtype_name(enum):
+    try:
+        return types_pb2.DataType.Name(enum)
+    except ValueError:   # a number no DataType has
+        return str(enum)
 
 
 def from_protos(protos, max_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> dict:
@@ -60,11 +69,14 @@ def _check(name, proto, budget, limit) -> int:
     """Validates proto; returns the bytes it decodes to, which must not exceed budget."""
     if proto.dtype == types_pb2.DT_INVALID:
         raise invalid(f"input '{name}' has no dtype (DT_INVALID)")
+    if proto.dtype in _NOT_IN_REQUESTS or proto.dtype > _LAST_VALUE_DTYPE:
+        raise invalid(f"input '{name}' has dtype {_dtype_name(proto.dtype)}, which a request cannot "
+                      "carry (resource handles, variants and reference types live only inside a graph)")
     try:
         tf_dtype = tf.dtypes.as_dtype(proto.dtype)
         itemsize = np.dtype(tf_dtype.as_numpy_dtype).itemsize   # object (strings): one pointer
-    except TypeError:
-        raise invalid(f"input '{name}' has an unsupported dtype ({proto.dtype})") from None
+    except (TypeError, KeyError, ValueError):
+        raise invalid(f"input '{name}' has an unsupported dtype ({_dtype_name(proto.dtype)})") from None
     shape = [d.size for d in proto.tensor_shape.dim]
     text = str(shape[:8])[:-1] + ", ...]" if len(shape) > 8 else str(shape)
     if len(shape) > _MAX_RANK or any(d < 0 for d in shape):
@@ -187,9 +199,24 @@ def _holds_b64(value) -> bool:
     return isinstance(value, list) and any(_holds_b64(v) for v in value)
 
 
+_MAX_JSON_RANK = 64   # numpy, which decodes the value, allows 64 dimensions (TF 254)
+
+
+def _nesting(value) -> int:
+    """How deep the first element's chain of lists goes (the rank the value claims)."""
+    depth = 0
+    while isinstance(value, list) and depth <= _MAX_JSON_RANK:
+        depth += 1
+        value = value[0] if value else None
+    return depth
+
+
 def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
     """Converts a JSON value to an array of the signature's dtype, refusing lossy casts."""
     dtype = spec.dtype
+    if _nesting(value) > _MAX_JSON_RANK:
+        raise invalid(f"input '{name}' is nested more than {_MAX_JSON_RANK} lists deep: more "
+                      "dimensions than a served tensor may have")
     if dtype == tf.string:
         raw = decode_b64(value)
         try:

@@ -165,7 +165,8 @@ def test_metadata_and_status_over_grpc_and_rest(server, channel, stub):
     resp = stub.GetModelMetadata(req, timeout=30)
     sig_map = get_model_metadata_pb2.SignatureDefMap()
     resp.metadata["signature_def"].Unpack(sig_map)
-    assert set(sig_map.signature_def) == {"serving_default", "lookup"}
+    # a TF2 SavedModel: __saved_model_init_op is listed too, as TF Serving lists it
+    assert set(sig_map.signature_def) == {"serving_default", "lookup", "__saved_model_init_op"}
     assert set(sig_map.signature_def["serving_default"].inputs) == {"query"}
     assert set(sig_map.signature_def["serving_default"].outputs) == {"output", "slots"}
     assert resp.model_spec.version.value == 2
@@ -173,7 +174,8 @@ def test_metadata_and_status_over_grpc_and_rest(server, channel, stub):
     status, body = _rest(server, "/v1/models/pkm/versions/1/metadata")
     assert status == 200, body
     assert body["model_spec"]["version"] == "1"
-    assert set(body["metadata"]["signature_def"]["signature_def"]) == {"serving_default", "lookup"}
+    assert set(body["metadata"]["signature_def"]["signature_def"]) == {"serving_default", "lookup",
+                                                                       "__saved_model_init_op"}
 
     models = model_service_pb2_grpc.ModelServiceStub(channel)
     st = models.GetModelStatus(get_model_status_pb2.GetModelStatusRequest(model_spec={"name": "pkm"}), timeout=30)
@@ -318,11 +320,11 @@ def test_classify_regress_multi_inference_on_a_predict_signature(stub):
     ("/v1/models/pkm:predict", None, b"[" + b"0.0," * (MAX_REQUEST_BYTES // 4) + b"0.0]", 413, "larger than"),
     ("/v1/nothing", None, None, 400, "Malformed request"),
     ("/v2/models/pkm", None, None, 404, "Malformed request"),
-    ("/v1/models/pkm:predict", {"signature_name": 5, "instances": [[0.0] * 32]}, None, 400, "signature_name must"),
+    ("/v1/models/pkm:predict", {"signature_name": 5, "instances": [[0.0] * 32]}, None, 400, "'signature_name' key must be a string"),
     ("/v1/models/classifier:classify", {"signature_name": 5, "examples": [{"x": [0.0, 1.0]}]}, None, 400,
-     "signature_name must"),
+     "'signature_name' key must be a string"),
     ("/v1/models/classifier:regress", {"signature_name": ["regress"], "examples": [{"x": [0.0, 1.0]}]}, None,
-     400, "signature_name must"),
+     400, "'signature_name' key must be a string"),
     ("/v1/models/classifier:classify", {"examples": [{"x": {"b64": "!!"}}]}, None, 400, "not valid base64"),
     ("/v1/models/classifier:classify", {"examples": [{"x": {"b64": 5}}]}, None, 400, "not valid base64"),
     ("/v1/models/classifier:classify", {"examples": [{"x": 2 ** 70}]}, None, 400, "out of range"),

@@ -197,14 +197,69 @@ def test_get_model_status_carries_ok_status(server):
 
 
 def test_get_model_metadata(stub):
-    """server_test testGetModelMetadata: the signature_def map of the version."""
+    """server_test testGetModelMetadata: the signature_def map of the version. A TF2 model's
+    map holds every SignatureDef, __saved_model_init_op included, as TF Serving's testdata
+    saved_model_half_plus_two_tf2_2_versions_metadata.json shows."""
     req = get_model_metadata_pb2.GetModelMetadataRequest(metadata_field=["signature_def"])
     req.model_spec.name = "half_plus_two_tf2"
     resp = stub.GetModelMetadata(req, timeout=30)
     sig_map = get_model_metadata_pb2.SignatureDefMap()
     resp.metadata["signature_def"].Unpack(sig_map)
-    assert sorted(sig_map.signature_def) == ["classify_x_to_y", "regress_x_to_y", "serving_default"]
+    assert sorted(sig_map.signature_def) == ["__saved_model_init_op", "classify_x_to_y", "regress_x_to_y",
+                                             "serving_default"]
     assert resp.model_spec.version.value == 123
+
+
+def test_rest_tf2_metadata_lists_the_init_op_signature(server):
+    """servables/tensorflow/testdata/saved_model_half_plus_two_tf2_2_versions_metadata.json
+    (http_rest_api_handler_test GetModelMetadata): the __saved_model_init_op entry exactly."""
+    status, body = _rest(server, "/v1/models/half_plus_two_tf2/metadata")
+    assert status == 200, body
+    init = body["metadata"]["signature_def"]["signature_def"]["__saved_model_init_op"]
+    assert (init["inputs"], init["method_name"]) == ({}, "")
+    assert init["outputs"] == {"__saved_model_init_op": {
+        "dtype": "DT_INVALID", "tensor_shape": {"dim": [], "unknown_rank": True}, "name": "NoOp"}}
+
+
+@pytest.mark.parametrize("method", ["Classify", "Regress"])
+def test_classify_and_regress_on_a_bad_signature_are_invalid_argument(stub, method):
+    """servables/tensorflow/classifier.cc (and regressor.cc) GetClassificationSignatureDef:
+    a signature name the model lacks is InvalidArgument "No signature was found with the
+    name: ..." (Predict's predict_util.cc answers FAILED_PRECONDITION instead)."""
+    req = (classification_pb2.ClassificationRequest() if method == "Classify"
+           else regression_pb2.RegressionRequest())
+    req.model_spec.name, req.model_spec.signature_name = "half_plus_two", "nosuch"
+    _example_input(req.input, [2.0])
+    with pytest.raises(grpc.RpcError) as err:
+        getattr(stub, method)(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("No signature was found with the name: nosuch")
+
+
+@pytest.mark.parametrize("body", [{"signature_name": 100},
+                                  {"signature_name": ["x"], "instances": "not a list", "bogus": 1}])
+def test_rest_signature_name_type_is_checked_first(server, body):
+    """handler_test PredictRequestErrors "Incorrect signature_name type": {"signature_name":
+    100} (no instances/inputs at all) is InvalidArgument "'signature_name' key must be a
+    string value." -- the type is checked before any other field."""
+    status, resp = _rest(server, "/v1/models/half_plus_two:predict", body)
+    assert status == 400
+    assert "'signature_name' key must be a string value." in resp["error"]
+
+
+def test_bad_model_config_error_text(tmp_path):
+    """server_test testBadModelConfig: the server fails to start and its stderr holds
+    "Error parsing text-format tensorflow.serving.ModelServerConfig"."""
+    import subprocess
+    import sys
+    from serving_helpers import REPO
+    bad = tmp_path / "bad_model_config.txt"
+    bad.write_text("improperly formatted file\n")
+    proc = subprocess.run([sys.executable, "-m", "pkm_serve.serving", f"--model_config_file={bad}",
+                           "--port=0", "--rest_api_port=1"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    assert proc.returncode == 2
+    assert "Error parsing text-format tensorflow.serving.ModelServerConfig" in proc.stderr
 
 
 # ------------------------------------------------------------------ REST (api_rest.md)

@@ -63,7 +63,7 @@ def test_shipped_example_configs_parse():
 def test_bad_config_file_names_file_and_problem(tmp_path):
     bad = tmp_path / "models.config"
     bad.write_text("model_config_list { config { nmae: 'x' } }")
-    with pytest.raises(ValueError, match=r"models.config.*not a valid text-format.*nmae"):
+    with pytest.raises(ValueError, match=r"Error parsing text-format tensorflow.serving.ModelServerConfig from model config file .*models.config.*nmae"):
         config.read_model_config_file(str(bad))
     with pytest.raises(ValueError, match="cannot read"):
         config.read_model_config_file(str(tmp_path / "missing"))

@@ -1,0 +1,66 @@
+"""The seam between the model manager and what it loads (TF Serving's core/loader.h).
+
+The manager decides *when* a version loads, serves and unloads (manager.py);
+a Loader knows *how*: `load()` once (raising on failure), then `servable()`
+while the version is AVAILABLE, then `unload()` once after the last request
+that holds the version has finished. Tests drive the manager with fake
+loaders; the server uses `make_loader_factory`, which picks the SavedModel
+Session servable or, with --prefer_tflite_model, the TFLite servable.
+"""
+import os
+
+from pkm_serve.serving.servable import Servable
+from pkm_serve.serving.tflite_servable import TFLITE_MODEL_FILE, TfLiteServable
+
+
+class Loader:
+    """One version's lifecycle; subclasses implement the three steps."""
+
+    def load(self):
+        """Makes the servable; raises ServingError (or any exception) on failure."""
+        raise NotImplementedError
+
+    def servable(self):
+        """The loaded object requests run on (valid between load() and unload())."""
+        raise NotImplementedError
+
+    def unload(self):
+        """Frees what load() made; called once, when no request holds the servable."""
+        raise NotImplementedError
+
+
+class ServableLoader(Loader):
+    """A Loader over a constructor whose result has release() (servable.Servable,
+    tflite_servable.TfLiteServable)."""
+
+    def __init__(self, make):
+        self._make = make
+        self._servable = None
+
+    def load(self):
+        self._servable = self._make()
+
+    def servable(self):
+        return self._servable
+
+    def unload(self):
+        servable, self._servable = self._servable, None
+        if servable is not None:
+            servable.release()
+
+
+def make_loader_factory(warmup=True, prefer_tflite_model=False, num_tflite_interpreters=1,
+                        tflite_threads=1):
+    """factory(model_name, version, path) -> Loader, as the server configures it.
+
+    With prefer_tflite_model a version directory holding model.tflite is served from
+    it (TF Serving's --prefer_tflite_model); any other directory is a SavedModel."""
+
+    def factory(name, version, path):
+        if prefer_tflite_model and os.path.isfile(os.path.join(path, TFLITE_MODEL_FILE)):
+            return ServableLoader(lambda: TfLiteServable(
+                name, version, path, warmup=warmup, num_interpreters=num_tflite_interpreters,
+                num_threads=tflite_threads))
+        return ServableLoader(lambda: Servable(name, version, path, warmup=warmup))
+
+    return factory

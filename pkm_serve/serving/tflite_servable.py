@@ -1,0 +1,175 @@
+"""One version served from its model.tflite (TF Serving's TFLite servable,
+`--prefer_tflite_model=true`), through LiteRT with the pkm_serve delegate
+(pkm_serve/tflite.py), so PkmEmbeddingBag custom ops and int8 tables run.
+
+Signatures come from the .tflite's signature runner: each SignatureDef the
+converter wrote becomes one, its inputs and outputs by their signature names;
+a .tflite without any gets one `serving_default` whose aliases are the
+interpreter's input and output tensor names (TF Serving's tflite_session.cc).
+Every TensorInfo carries the tensor's name, dtype and shape signature (-1 for
+a dynamic dimension).
+
+Threads: a TFLite interpreter is not thread-safe. Each version owns a pool of
+`num_interpreters` interpreters over one copy of the model bytes (constant
+tensors, the tables included, are read from that buffer: a pool costs its
+activation arenas, not N tables); a request takes an interpreter from the pool
+for one invoke and puts it back, so at most `num_interpreters` requests run at
+once and never two on one interpreter. Outputs are copied out before the
+interpreter is returned.
+"""
+import contextlib
+import logging
+import queue
+import time
+
+import grpc
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.protobuf import meta_graph_pb2
+
+from pkm_serve import tflite
+from pkm_serve.serving.errors import ServingError, invalid
+from pkm_serve.serving.servable import (DEFAULT_SIGNATURE, PREDICT_METHOD, ServableBase,
+                                        SignatureBase)
+
+log = logging.getLogger("pkm_serve.serving")
+
+TFLITE_MODEL_FILE = "model.tflite"
+
+
+def _tensor_info(detail) -> meta_graph_pb2.TensorInfo:
+    info = meta_graph_pb2.TensorInfo(name=detail["name"],
+                                     dtype=tf.as_dtype(detail["dtype"]).as_datatype_enum)
+    for d in detail["shape_signature"]:
+        info.tensor_shape.dim.add(size=int(d))
+    return info
+
+
+def _bindings(interp):
+    """{signature key: (SignatureDef, input alias -> tensor index, output alias -> index,
+    whether it runs through a signature runner)} for one interpreter."""
+    out = {}
+    keys = list(interp.get_signature_list())
+    if not keys:   # no SignatureDef in the .tflite: one by tensor names (tflite_session.cc)
+        ins = {d["name"]: d for d in interp.get_input_details()}
+        outs = {d["name"]: d for d in interp.get_output_details()}
+        keys, by_runner = [DEFAULT_SIGNATURE], False
+        details = {DEFAULT_SIGNATURE: (ins, outs)}
+    else:
+        by_runner = True
+        details = {}
+        for key in keys:
+            runner = interp.get_signature_runner(key)
+            details[key] = (runner.get_input_details(), runner.get_output_details())
+    for key in keys:
+        ins, outs = details[key]
+        sdef = meta_graph_pb2.SignatureDef(method_name=PREDICT_METHOD)
+        for alias, d in ins.items():
+            sdef.inputs[alias].CopyFrom(_tensor_info(d))
+        for alias, d in outs.items():
+            sdef.outputs[alias].CopyFrom(_tensor_info(d))
+        out[key] = (sdef, {a: d["index"] for a, d in ins.items()},
+                    {a: d["index"] for a, d in outs.items()}, by_runner)
+    return out
+
+
+class _Interpreter:
+    """One interpreter of the pool; used by one request at a time."""
+
+    def __init__(self, model_bytes, num_threads):
+        self.interp = tflite.make_interpreter(model_bytes, num_threads=num_threads)
+        self.bindings = _bindings(self.interp)
+        self._runners = {}
+
+    def run(self, key, inputs):
+        _sdef, in_index, out_index, by_runner = self.bindings[key]
+        if by_runner:
+            runner = self._runners.get(key)
+            if runner is None:
+                runner = self._runners[key] = self.interp.get_signature_runner(key)
+            return runner(**inputs)
+        interp = self.interp
+        for alias, value in inputs.items():
+            interp.resize_tensor_input(in_index[alias], list(value.shape), strict=False)
+        interp.allocate_tensors()
+        for alias, value in inputs.items():
+            interp.set_tensor(in_index[alias], value)
+        interp.invoke()
+        return {alias: interp.get_tensor(i) for alias, i in out_index.items()}
+
+
+class TfLiteSignature(SignatureBase):
+    def __init__(self, name, signature_def, pool):
+        super().__init__(name, signature_def)
+        self._pool = pool
+
+    def run(self, inputs: dict, output_filter=()) -> dict:
+        fetches = self.fetches(output_filter)
+        arrays = {k: np.ascontiguousarray(v) for k, v in inputs.items()}
+        with self._pool.take() as interp:
+            try:
+                outputs = interp.run(self.name, arrays)
+            except (ValueError, RuntimeError) as e:   # resize, allocate or invoke refused them
+                raise invalid(f"signature '{self.name}' rejected the inputs: "
+                              f"{' '.join(str(e).split())[:2000]}") from None
+        return {k: outputs[k] for k in fetches}
+
+    def release(self):
+        pass
+
+
+class _Pool:
+    def __init__(self, interpreters):
+        self._free = queue.SimpleQueue()   # FIFO: consecutive takes visit every interpreter
+        for i in interpreters:
+            self._free.put(i)
+        self.size = len(interpreters)
+        self.closed = False
+
+    @contextlib.contextmanager
+    def take(self):
+        while True:   # (an unload that gave up draining must not leave a request waiting)
+            if self.closed:
+                raise ServingError(grpc.StatusCode.UNAVAILABLE, "this model version was unloaded")
+            try:
+                interp = self._free.get(timeout=1.0)
+                break
+            except queue.Empty:
+                continue
+        try:
+            yield interp
+        finally:
+            self._free.put(interp)
+
+    def close(self):
+        self.closed = True
+        while True:   # drop the interpreters (requests that held one have finished: unload)
+            try:
+                self._free.get_nowait()
+            except queue.Empty:
+                return
+
+
+class TfLiteServable(ServableBase):
+    runtime = "TFLite"
+
+    def __init__(self, name, version, path, warmup=True, num_interpreters=1, num_threads=1):
+        super().__init__(name, version, path)
+        t0 = time.perf_counter()
+        model_path = f"{path}/{TFLITE_MODEL_FILE}"
+        try:
+            with open(model_path, "rb") as f:
+                model_bytes = f.read()
+            interpreters = [_Interpreter(model_bytes, num_threads) for _ in range(max(1, num_interpreters))]
+        except (OSError, ValueError, RuntimeError) as e:
+            raise invalid(f"cannot load {model_path} in LiteRT with the pkm_serve delegate: "
+                          f"{' '.join(str(e).split())[:2000]}") from None
+        self._pool = _Pool(interpreters)
+        self.signature_defs = {k: b[0] for k, b in interpreters[0].bindings.items()}
+        self.signatures = {k: TfLiteSignature(k, sdef, self._pool) for k, sdef in self.signature_defs.items()}
+        log.info("model %s version %d: serving %s with %d TFLite interpreter(s)", name, version,
+                 model_path, self._pool.size)
+        self._finish_load(t0, warmup, rounds=self._pool.size)
+
+    def release(self):
+        self._pool.close()

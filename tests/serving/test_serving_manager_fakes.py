@@ -1,0 +1,243 @@
+"""The manager's version transitions on fake loaders (the loader.py seam, TF Serving's
+core/loader.h idea): availability-preserving swaps, unload only after in-flight
+requests, failed loads, and no import circle in pkm_serve/serving."""
+import ast
+import os
+import threading
+import time
+
+import grpc
+import pytest
+from tensorflow_serving.apis import get_model_status_pb2, model_pb2
+from tensorflow_serving.config import model_server_config_pb2
+
+from serving_helpers import REPO
+from pkm_serve.serving.errors import ServingError
+from pkm_serve.serving.loader import Loader
+from pkm_serve.serving.manager import ModelManager
+
+State = get_model_status_pb2.ModelVersionStatus.State
+
+
+class FakeServable:
+    def __init__(self, version):
+        self.name, self.version = "m", version
+        self.released = False
+
+
+class FakeLoader(Loader):
+    """Records every step in `events`; load() may wait on a gate or fail."""
+
+    def __init__(self, version, events, gates, failures):
+        self.version, self.events = version, events
+        self._gate, self._failure = gates.get(version), failures.get(version)
+        self._servable = None
+
+    def load(self):
+        self.events.append(("load-start", self.version))
+        if self._gate is not None:
+            assert self._gate.wait(30), "test never opened the load gate"
+        if self._failure is not None:
+            self.events.append(("load-failed", self.version))
+            raise self._failure
+        self._servable = FakeServable(self.version)
+        self.events.append(("loaded", self.version))
+
+    def servable(self):
+        return self._servable
+
+    def unload(self):
+        self.events.append(("unload", self.version))
+        self._servable.released = True
+        self._servable = None
+
+
+class Fakes:
+    def __init__(self, base):
+        self.base = base
+        self.events, self.gates, self.failures = [], {}, {}
+
+    def factory(self, name, version, path):
+        assert (name, path) == ("m", os.path.join(str(self.base), str(version)))
+        return FakeLoader(version, self.events, self.gates, self.failures)
+
+    def add_version(self, version):
+        os.makedirs(os.path.join(str(self.base), str(version)))
+        with open(os.path.join(str(self.base), str(version), "saved_model.pb"), "w") as f:
+            f.write(str(version))
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    f = Fakes(tmp_path / "m")
+    f.add_version(1)
+    return f
+
+
+def _manager(fakes):
+    cfg = model_server_config_pb2.ModelServerConfig()
+    cfg.model_config_list.config.add(name="m", base_path=str(fakes.base), model_platform="tensorflow")
+    manager = ModelManager(cfg, poll_seconds=-1, loader_factory=fakes.factory)
+    manager.poll_once()
+    return manager
+
+
+def _states(manager):
+    return {s.version: s.state for s in manager.status(model_pb2.ModelSpec(name="m"))}
+
+
+def _wait(predicate, seconds=30):
+    end = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def _served_version(manager):
+    with manager.serving(model_pb2.ModelSpec(name="m")) as servable:
+        assert not servable.released
+        return servable.version
+
+
+def test_new_version_loads_before_the_old_one_unloads(fakes):
+    """Availability-preserving transition: while version 2 loads, version 1 serves; 1 is
+    unloaded only once 2 is AVAILABLE; at no moment is no version available."""
+    manager = _manager(fakes)
+    assert _states(manager) == {1: State.AVAILABLE}
+    fakes.gates[2] = threading.Event()
+    fakes.add_version(2)
+    poller = threading.Thread(target=manager.poll_once)
+    poller.start()
+    _wait(lambda: ("load-start", 2) in fakes.events)
+    assert _states(manager) == {2: State.LOADING, 1: State.AVAILABLE}
+    assert _served_version(manager) == 1
+    fakes.gates[2].set()
+    poller.join(30)
+    assert _states(manager) == {2: State.AVAILABLE, 1: State.END}
+    assert _served_version(manager) == 2
+    assert fakes.events == [("load-start", 1), ("loaded", 1), ("load-start", 2), ("loaded", 2),
+                            ("unload", 1)]
+
+
+def test_unload_waits_for_the_requests_that_hold_the_version(fakes):
+    manager = _manager(fakes)
+    fakes.add_version(2)
+    with manager.serving(model_pb2.ModelSpec(name="m")) as v1:
+        poller = threading.Thread(target=manager.poll_once)
+        poller.start()
+        _wait(lambda: _states(manager) == {2: State.AVAILABLE, 1: State.UNLOADING})
+        time.sleep(0.2)
+        assert ("unload", 1) not in fakes.events and not v1.released   # still held here
+        assert _served_version(manager) == 2                             # new requests get 2
+    poller.join(30)
+    assert fakes.events[-1] == ("unload", 1) and v1.released
+    assert _states(manager) == {2: State.AVAILABLE, 1: State.END}
+
+
+def test_unload_gives_up_waiting_after_the_drain_time(fakes):
+    cfg = model_server_config_pb2.ModelServerConfig()
+    cfg.model_config_list.config.add(name="m", base_path=str(fakes.base))
+    manager = ModelManager(cfg, poll_seconds=-1, loader_factory=fakes.factory, unload_drain_seconds=0.2)
+    manager.poll_once()
+    fakes.add_version(2)
+    with manager.serving(model_pb2.ModelSpec(name="m")):
+        t0 = time.monotonic()
+        manager.poll_once()   # returns although this request still holds version 1
+        assert time.monotonic() - t0 < 5
+    assert ("unload", 1) in fakes.events
+
+
+@pytest.mark.parametrize("failure, code", [
+    (ServingError(grpc.StatusCode.INVALID_ARGUMENT, "bad graph"), grpc.StatusCode.INVALID_ARGUMENT),
+    (RuntimeError("loader bug"), grpc.StatusCode.UNKNOWN),
+])
+def test_failed_load_is_reported_keeps_the_old_version_and_is_retried_on_change(fakes, failure, code):
+    manager = _manager(fakes)
+    fakes.failures[2] = failure
+    fakes.add_version(2)
+    manager.poll_once()
+    status = {s.version: s for s in manager.status(model_pb2.ModelSpec(name="m"))}
+    assert status[2].state == State.END and status[2].status.error_code == code.value[0]
+    assert ("bad graph" if code == grpc.StatusCode.INVALID_ARGUMENT else "RuntimeError: loader bug") \
+        in status[2].status.error_message
+    assert status[1].state == State.AVAILABLE and _served_version(manager) == 1
+    manager.poll_once()                        # same files: not retried
+    assert fakes.events.count(("load-start", 2)) == 1
+    del fakes.failures[2]
+    with open(os.path.join(str(fakes.base), "2", "fixed"), "w") as f:
+        f.write("x")                           # the directory changed: retried, and now it loads
+    manager.poll_once()
+    assert fakes.events.count(("load-start", 2)) == 2
+    assert _states(manager) == {2: State.AVAILABLE, 1: State.END} and _served_version(manager) == 2
+
+
+def test_only_version_failing_leaves_the_model_unavailable_with_the_reason(tmp_path):
+    fakes = Fakes(tmp_path / "m")
+    fakes.add_version(3)
+    fakes.failures[3] = ServingError(grpc.StatusCode.INVALID_ARGUMENT, "no signatures")
+    manager = _manager(fakes)
+    with pytest.raises(ServingError) as err:
+        _served_version(manager)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "version 3: END (no signatures)" in err.value.message
+
+
+def test_a_factory_that_raises_is_a_failed_load(fakes):
+    def factory(name, version, path):
+        raise OSError("cannot open")
+    cfg = model_server_config_pb2.ModelServerConfig()
+    cfg.model_config_list.config.add(name="m", base_path=str(fakes.base))
+    manager = ModelManager(cfg, poll_seconds=-1, loader_factory=factory)
+    manager.poll_once()
+    (s,) = manager.status(model_pb2.ModelSpec(name="m"))
+    assert s.state == State.END and "OSError: cannot open" in s.status.error_message
+
+
+def _imports(path, package):
+    """Modules of pkm_serve.serving that the file at path imports (at any level)."""
+    tree = ast.parse(open(path).read())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module if node.level == 0 else package
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.add(sub if os.path.exists(_module_path(sub) or "") else base)
+    out = {m for m in out if m.startswith("pkm_serve.serving")}
+    # Importing pkm_serve.serving.X runs the package's __init__ first: an edge to it too
+    # (which is how __init__ importing server.py made a circle).
+    return out | ({package} if any(m != package for m in out) else set())
+
+
+def _module_path(module):
+    rel = os.path.join(REPO, *module.split("."))
+    for candidate in (rel + ".py", os.path.join(rel, "__init__.py")):
+        if os.path.exists(candidate):
+            return candidate
+    return None
+
+
+def test_no_import_circle_in_pkm_serve_serving():
+    """issue #24: pkm_serve/serving/__init__.py <-> server.py was a circle; no module of the
+    package may reach itself through imports (function-level ones included)."""
+    pkg_dir = os.path.join(REPO, "pkm_serve", "serving")
+    graph = {}
+    for f in sorted(os.listdir(pkg_dir)):
+        if f.endswith(".py"):
+            mod = "pkm_serve.serving" + ("" if f == "__init__.py" else "." + f[:-3])
+            graph[mod] = _imports(os.path.join(pkg_dir, f), "pkm_serve.serving")
+    assert graph["pkm_serve.serving.__main__"] == {"pkm_serve.serving.server", "pkm_serve.serving"}
+
+    def reach(start):
+        seen, todo = set(), list(graph.get(start, ()))
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph.get(m, ()))
+        return seen
+
+    circles = sorted(m for m in graph if m in reach(m))
+    assert circles == [], f"modules that import themselves through others: {circles}"
