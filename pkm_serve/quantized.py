@@ -28,6 +28,7 @@ from pkm_serve import ops
 ROW_PARAM_DTYPES = ("float32", "float16")
 _OUTPUT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 _xla_registered = False
+_CHUNK_ROWS = 16384
 
 
 class QuantizedTable(NamedTuple):
@@ -48,9 +49,20 @@ def quantize_rows(table, row_param_dtype: str = "float32"):
     """
     if row_param_dtype not in ROW_PARAM_DTYPES:
         raise ValueError(f"row_param_dtype must be one of {ROW_PARAM_DTYPES}, got {row_param_dtype!r}")
-    x = np.asarray(table, dtype=np.float64)
-    if x.ndim != 2:
-        raise ValueError(f"table must be [N, D], got shape {x.shape}")
+    table = np.asarray(table)
+    if table.ndim != 2:
+        raise ValueError(f"table must be [N, D], got shape {table.shape}")
+    n = table.shape[0]
+    values = np.empty(table.shape, np.int8)
+    scales, biases = np.empty(n, row_param_dtype), np.empty(n, row_param_dtype)
+    for start in range(0, n, _CHUNK_ROWS):  # float64 temporaries for a chunk, not the table
+        stop = min(start + _CHUNK_ROWS, n)
+        values[start:stop], scales[start:stop], biases[start:stop] = _quantize_chunk(
+            np.asarray(table[start:stop], np.float64), row_param_dtype)
+    return values, scales, biases
+
+
+def _quantize_chunk(x, row_param_dtype):
     if not np.all(np.isfinite(x)):
         raise ValueError("table has non-finite values: int8 rows cannot represent them")
     lo = x.min(axis=1) if x.shape[1] else np.zeros(x.shape[0])
@@ -59,8 +71,7 @@ def quantize_rows(table, row_param_dtype: str = "float32"):
     scales = np.where(flat, 1.0, (hi - lo) / 255.0).astype(row_param_dtype)
     biases = np.where(flat, lo, lo + 128.0 * scales.astype(np.float64)).astype(row_param_dtype)
     s64, b64 = scales.astype(np.float64)[:, None], biases.astype(np.float64)[:, None]
-    values = np.clip(np.rint((x - b64) / s64), -128, 127).astype(np.int8)
-    return values, scales, biases
+    return np.clip(np.rint((x - b64) / s64), -128, 127).astype(np.int8), scales, biases
 
 
 def quantize_table(table, row_param_dtype: str = "float32") -> QuantizedTable:
@@ -113,7 +124,7 @@ def _table_tensors(table: QuantizedTable):
     return values, scales, biases
 
 
-def _weights(weights, dtype, like):
+def _weights(weights, dtype):
     if weights is None:
         return tf.zeros([0], dtype), False
     weights = tf.convert_to_tensor(weights)
@@ -144,7 +155,7 @@ def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", 
             if flat.shape.rank is not None and flat.shape.rank > 1:
                 return indices.with_flat_values(
                     embedding_bag(table, flat, weight_values, combiner, output_dtype))
-            w, has_w = _weights(weight_values, output_dtype, flat)
+            w, has_w = _weights(weight_values, output_dtype)
             splits = indices.nested_row_splits
             out = lib.pkm_quantized_ragged_embedding_bag(values, scales, biases, flat, splits[-1], w,
                                                          combiner=combiner, has_weights=has_w)
@@ -154,7 +165,7 @@ def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", 
         indices = tf.convert_to_tensor(indices)
         if indices.dtype not in (tf.int32, tf.int64):
             raise TypeError(f"indices must be int32 or int64, got {indices.dtype.name}")
-        w, has_w = _weights(weights, output_dtype, indices)
+        w, has_w = _weights(weights, output_dtype)
         return lib.pkm_quantized_embedding_bag(values, scales, biases, indices, w, combiner=combiner,
                                                has_weights=has_w)
 

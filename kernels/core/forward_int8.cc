@@ -8,6 +8,10 @@
 #include <algorithm>
 #include <vector>
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(PKM_NO_MULTIVERSION)
+#include <immintrin.h>
+#endif
+
 #include "kernels/core/internal.h"
 #include "kernels/core/vector_ops.h"
 
@@ -43,10 +47,68 @@ void AccumulateGroup(const float* c, const int8_t* const* q, float* __restrict a
   }
 }
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(PKM_NO_MULTIVERSION)
+// The same for AVX2 + FMA, spelled out: one sign-extending load per eight
+// values (vpmovsxbd), a convert and an FMA, two partial sums per eight columns
+// so the FMA chain is four rows long. The compiler's own vectorisation of the
+// loop above spends most of its time shuffling bytes into lanes (measured
+// ~2x slower on cached rows).
+__attribute__((target("avx2,fma"))) void AccumulateGroupAvx2(const float* c, const int8_t* const* q,
+                                                              float* __restrict acc, int64_t n) {
+  __m256 coef[kGroup];
+  for (int r = 0; r < kGroup; ++r) coef[r] = _mm256_set1_ps(c[r]);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 even = _mm256_loadu_ps(acc + i), odd = _mm256_setzero_ps();
+    for (int r = 0; r < kGroup; r += 2) {
+      const __m256 x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(q[r] + i))));
+      const __m256 x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(q[r + 1] + i))));
+      even = _mm256_fmadd_ps(coef[r], x0, even);
+      odd = _mm256_fmadd_ps(coef[r + 1], x1, odd);
+    }
+    _mm256_storeu_ps(acc + i, _mm256_add_ps(even, odd));
+  }
+  for (; i < n; ++i)
+    for (int r = 0; r < kGroup; ++r) acc[i] += c[r] * static_cast<float>(q[r][i]);
+}
+
+using GroupFn = void (*)(const float*, const int8_t* const*, float*, int64_t);
+GroupFn PickGroupFn() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? AccumulateGroupAvx2 : AccumulateGroup;
+}
+const GroupFn kAccumulateGroup = PickGroupFn();
+#else
+constexpr void (*kAccumulateGroup)(const float*, const int8_t* const*, float*, int64_t) = AccumulateGroup;
+#endif
+
 // acc[i] += c * q[i]: the rows left over after the groups of eight.
 PKM_INT8_MULTIVERSION
 void AccumulateRow(float c, const int8_t* __restrict q, float* __restrict acc, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += c * static_cast<float>(q[i]);
+}
+
+// Rows this far ahead of the group being summed are requested from memory:
+// an int8 row is only a few cache lines, too short for the hardware
+// prefetchers to get ahead of a random row (measured: without it int8 took as
+// long as float32, both waiting on one row's latency after another).
+constexpr int64_t kPrefetchRows = 4 * kGroup;
+
+inline void PrefetchRow(const int8_t* row, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
+}
+
+// acc += sum_k coefs[k] * rows[k], eight rows at a time.
+void AccumulateBag(const int8_t* const* rows, const float* coefs, int64_t count, float* acc, int64_t dim) {
+  for (int64_t k = 0; k < std::min(kPrefetchRows, count); ++k) PrefetchRow(rows[k], dim);
+  int64_t k = 0;
+  for (; k + kGroup <= count; k += kGroup) {
+    for (int64_t p = k + kPrefetchRows; p < std::min(k + kPrefetchRows + kGroup, count); ++p) PrefetchRow(rows[p], dim);
+    kAccumulateGroup(coefs + k, rows + k, acc, dim);
+  }
+  for (; k < count; ++k) AccumulateRow(coefs[k], rows[k], acc, dim);
 }
 
 // acc[i] = (acc[i] + bias) * scale, written as out_type.
@@ -78,12 +140,13 @@ Status ForwardInt8(const Table& table, const Bags& bags, Combiner combiner, void
   const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;
   pf(bags.num_bags, avg_bag * (dim / 4 + 16), [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(dim);
-    const int8_t* rows[kGroup];
-    float coefs[kGroup];
+    std::vector<const int8_t*> rows;
+    std::vector<float> coefs;
     for (int64_t b = b0; b < b1; ++b) {
       std::fill(acc.begin(), acc.end(), 0.f);
       float weight_sum = 0.f, weight_sq_sum = 0.f, bias_sum = 0.f;
-      int pending = 0;
+      rows.clear();
+      coefs.clear();
       for (int64_t j = bags.Begin(b), end = bags.End(b); j < end; ++j) {
         const int64_t r = IndexAt(bags, j);
         if (r < 0) continue;  // padding
@@ -91,14 +154,10 @@ Status ForwardInt8(const Table& table, const Bags& bags, Combiner combiner, void
         weight_sum += w;
         weight_sq_sum += w * w;
         if (table.row_biases != nullptr) bias_sum += w * RowParam(table.row_biases, table.row_params_type, r);
-        rows[pending] = data + r * dim;
-        coefs[pending] = w * RowParam(table.row_scales, table.row_params_type, r);
-        if (++pending == kGroup) {
-          AccumulateGroup(coefs, rows, acc.data(), dim);
-          pending = 0;
-        }
+        rows.push_back(data + r * dim);
+        coefs.push_back(w * RowParam(table.row_scales, table.row_params_type, r));
       }
-      for (int k = 0; k < pending; ++k) AccumulateRow(coefs[k], rows[k], acc.data(), dim);
+      AccumulateBag(rows.data(), coefs.data(), static_cast<int64_t>(rows.size()), acc.data(), dim);
       Finish(acc.data(), bias_sum, CombinerScale(combiner, weight_sum, weight_sq_sum), out_type,
              static_cast<char*>(out) + b * out_row_bytes, dim);
     }
