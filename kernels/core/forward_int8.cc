@@ -134,6 +134,9 @@ Status CheckInt8Table(const Table& t) {
 
 Status ForwardInt8(const Table& table, const Bags& bags, Combiner combiner, void* out, ElemType out_type,
                    const ParallelFor& pf) {
+  if (combiner != Combiner::kSum && combiner != Combiner::kMean && combiner != Combiner::kSqrtn)
+    return Status::Error(std::string("combiner ") + CombinerName(combiner) +
+                         " is not supported for int8 tables (sum, mean, sqrtn)");
   const int64_t dim = table.dim;
   const int64_t out_row_bytes = dim * ElemSize(out_type);
   const int8_t* data = static_cast<const int8_t*>(table.data);
