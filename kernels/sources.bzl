@@ -16,12 +16,14 @@ a .cc/.cu under kernels/ or tflite_delegate/ is in no list.
 PKM_CORE_SRCS = [
     "kernels/core/bag_problem.cc",
     "kernels/core/embedding_bag.cc",
+    "kernels/core/forward_int8.cc",
     "kernels/core/vector_ops.cc",
 ]
 
 PKM_CORE_HDRS = [
     "kernels/core/bag_problem.h",
     "kernels/core/embedding_bag.h",
+    "kernels/core/forward_int8.h",
     "kernels/core/internal.h",
     "kernels/core/vector_ops.h",
 ]
@@ -40,6 +42,8 @@ PKM_CORE_TEST_SRCS = [
 PKM_TF_SRCS = [
     "kernels/tf/embedding_bag_ops.cc",
     "kernels/tf/embedding_bag_kernels.cc",
+    "kernels/tf/quantized_embedding_bag_ops.cc",
+    "kernels/tf/quantized_embedding_bag_kernels.cc",
 ]
 
 # GPU kernels: compiled with -DGOOGLE_CUDA=1 (`make gpu`, --config=cuda); the
@@ -50,6 +54,7 @@ PKM_TF_GPU_SRCS = [
 
 PKM_TF_HDRS = [
     "kernels/tf/embedding_bag_common.h",
+    "kernels/tf/quantized_embedding_bag_common.h",
 ]
 
 # XLA lowering of the ops (tf2xla kernels) and their Host custom-call targets
@@ -57,6 +62,8 @@ PKM_TF_HDRS = [
 PKM_XLA_SRCS = [
     "kernels/xla/embedding_bag_xla_cpu.cc",
     "kernels/xla/embedding_bag_xla_cpu_targets.cc",
+    "kernels/xla/quantized_xla_cpu.cc",
+    "kernels/xla/quantized_xla_cpu_targets.cc",
 ]
 
 # The same for XLA_GPU_JIT on the CUDA launchers: GPU builds only.
@@ -74,6 +81,7 @@ PKM_XLA_HDRS = [
 PKM_CUDA_SRCS = [
     "kernels/cuda/common.cu",
     "kernels/cuda/forward.cu",
+    "kernels/cuda/forward_int8.cu",
     "kernels/cuda/backward.cu",
 ]
 

@@ -136,3 +136,11 @@ def bag_forward_backward(table, bags, weights, combiner, grad):
                     dw[j] = (grad[b] @ x - (grad[b] @ out[b]) * ws[j] / denom) / denom
         d_weights.append(dw)
     return out, d_table, d_weights
+
+
+def dequantize_rows(q, scales, biases=None):
+    """A row-wise int8 table as float64: row r = scales[r] * q[r] + biases[r]."""
+    q = np.asarray(q, np.float64)
+    scales = np.asarray(scales, np.float64).reshape(-1, 1)
+    biases = np.zeros_like(scales) if biases is None else np.asarray(biases, np.float64).reshape(-1, 1)
+    return scales * q + biases

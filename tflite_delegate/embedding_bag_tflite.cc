@@ -101,14 +101,16 @@ class Binder {
 // A usable dequantisation scale.
 bool ValidScale(float s) { return s > 0.f && std::isfinite(s); }
 
-// Reads per-row (axis 0) scales of an int8 table. TfLiteFloatArray changed
+// Reads per-row (axis 0) scales of an int8 table into the core's layout:
+// TFLite's scale * (q - zero_point) is scale * q + bias with
+// bias = -scale * zero_point. TfLiteFloatArray changed
 // layout across releases ({int size; float data[]} -> {float* data; int size;
 // bool owning}), so both are recognised by where the count (known from the
 // zero-point TfLiteIntArray, whose layout never changed) is stored.
 bool ReadAffineScales(const TfLiteTensor* t, int64_t rows, BagState* state,
                       std::string* error) {
   state->row_scales.clear();
-  state->row_zero_points.clear();
+  state->row_biases.clear();
   const auto* aq = t->quantization.type == kTfLiteAffineQuantization
                        ? static_cast<const TfLiteAffineQuantization*>(t->quantization.params)
                        : nullptr;
@@ -120,7 +122,7 @@ bool ReadAffineScales(const TfLiteTensor* t, int64_t rows, BagState* state,
       return false;
     }
     state->row_scales.assign(rows, t->params.scale);
-    state->row_zero_points.assign(rows, t->params.zero_point);
+    state->row_biases.assign(rows, -t->params.scale * static_cast<float>(t->params.zero_point));
     return true;
   }
   if (count != rows || aq->quantized_dimension != 0) {
@@ -150,17 +152,17 @@ bool ReadAffineScales(const TfLiteTensor* t, int64_t rows, BagState* state,
     return false;
   }
   state->row_scales.resize(rows);
-  state->row_zero_points.resize(rows);
+  state->row_biases.resize(rows);
   for (int64_t r = 0; r < rows; ++r) {
     if (!ValidScale(scales[r])) {
       *error = "int8 params: scale of row " + std::to_string(r) + " is " +
                std::to_string(scales[r]) + "; scales must be positive and finite";
       state->row_scales.clear();
-      state->row_zero_points.clear();
+      state->row_biases.clear();
       return false;
     }
     state->row_scales[r] = scales[r];
-    state->row_zero_points[r] = aq->zero_point->data[r];
+    state->row_biases[r] = -scales[r] * static_cast<float>(aq->zero_point->data[r]);
   }
   return true;
 }
@@ -190,7 +192,8 @@ TfLiteStatus BindTable(Binder& c, const BagSpec& spec, const BagState* state, Ta
       return c.Fail("int8 params: row scales were not prepared for " +
                     std::to_string(t->num_rows) + " rows");
     t->row_scales = state->row_scales.data();
-    t->row_zero_points = state->row_zero_points.data();
+    t->row_biases = state->row_biases.data();
+    t->row_params_type = ElemType::kFloat32;
   }
   int64_t elems, bytes;
   if (c.Size("params", tdims, ElemSize(t->type), &elems, &bytes) != kTfLiteOk) return kTfLiteError;

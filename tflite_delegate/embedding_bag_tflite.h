@@ -66,10 +66,11 @@ struct BagSpec {
   const char* what = kCustomOpName;  // names the op in error messages
 };
 
-// Per-node state computed in Prepare (int8 row scales).
+// Per-node state computed in Prepare: an int8 table's row scales and biases
+// (pkm::Table's layout, from the tensor's scales and zero points).
 struct BagState {
   std::vector<float> row_scales;
-  std::vector<int32_t> row_zero_points;
+  std::vector<float> row_biases;
 };
 
 // Validates tensors and resizes the output. Reports errors through context.

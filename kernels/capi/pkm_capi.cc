@@ -54,8 +54,10 @@ int pkm_cpu_forward(const PkmBags* in, void* out, int reference, char* err, size
   pkm::Combiner combiner;
   std::string error;
   if (!ToCore(in, &table, &bags, &combiner, &error)) return Fail(error, err, err_len);
-  return Finish(reference ? pkm::ReferenceForward(table, bags, combiner, out, table.type)
-                          : pkm::Forward(table, bags, combiner, out, table.type, pkm::SerialFor()),
+  // Outputs share the table's type; an int8 table's are float32.
+  const pkm::ElemType out_type = table.type == pkm::ElemType::kInt8 ? pkm::ElemType::kFloat32 : table.type;
+  return Finish(reference ? pkm::ReferenceForward(table, bags, combiner, out, out_type)
+                          : pkm::Forward(table, bags, combiner, out, out_type, pkm::SerialFor()),
                 err, err_len);
 }
 
@@ -101,6 +103,8 @@ size_t pkm_bags_layout(size_t* size, size_t* offsets, size_t num_offsets) {
       offsetof(PkmBags, num_indices),  offsetof(PkmBags, weights),
       offsetof(PkmBags, weights_type), offsetof(PkmBags, combiner),
       offsetof(PkmBags, invalid_index_count), offsetof(PkmBags, index_policy),
+      offsetof(PkmBags, row_scales),   offsetof(PkmBags, row_biases),
+      offsetof(PkmBags, row_params_type),
   };
   const size_t count = sizeof(fields) / sizeof(fields[0]);
   if (size != nullptr) *size = sizeof(PkmBags);

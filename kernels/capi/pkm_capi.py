@@ -40,6 +40,9 @@ class PkmBags(ctypes.Structure):
         ("combiner", ctypes.c_int32),
         ("invalid_index_count", ctypes.c_void_p),
         ("index_policy", ctypes.c_int32),
+        ("row_scales", ctypes.c_void_p),
+        ("row_biases", ctypes.c_void_p),
+        ("row_params_type", ctypes.c_int32),
     ]
 
 
@@ -51,13 +54,38 @@ class PkmError(RuntimeError):
     pass
 
 
-def _elem_type(dtype):
+def _elem_type(dtype, allow_int8=False):
     import torch
 
     types = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+    if allow_int8:
+        types[torch.int8] = 3
     if dtype not in types:
-        raise PkmError(f"element type must be float32, float16 or bfloat16, got {dtype}")
+        kinds = "float32, float16, bfloat16" + (" or int8 (with row_scales)" if allow_int8 else "")
+        raise PkmError(f"element type must be {kinds}, got {dtype}")
     return types[dtype]
+
+
+def _set_int8_rows(bags, table, row_scales, row_biases):
+    """The int8-row fields of PkmBags: row r of an int8 table is
+    row_scales[r] * q + row_biases[r] (both [N], float32 or float16)."""
+    import torch
+
+    if (table.dtype == torch.int8) != (row_scales is not None):
+        raise PkmError("row_scales are needed for an int8 table, and only for one")
+    if row_scales is None:
+        return
+    for name, t in (("row_scales", row_scales), ("row_biases", row_biases)):
+        if t is None:
+            continue
+        if t.shape != (table.shape[0],) or t.dtype != row_scales.dtype or not t.is_contiguous():
+            raise PkmError(f"{name} must be a contiguous [{table.shape[0]}] vector of row_scales' dtype, "
+                           f"got {tuple(t.shape)} {t.dtype}")
+    if row_scales.dtype not in (torch.float32, torch.float16):
+        raise PkmError(f"row_scales must be float32 or float16, got {row_scales.dtype}")
+    bags.row_scales = _ptr(row_scales)
+    bags.row_biases = _ptr(row_biases)
+    bags.row_params_type = _elem_type(row_scales.dtype)
 
 
 def _ptr(tensor):
@@ -78,10 +106,11 @@ def check_layout(lib):
 
 
 def make_bags(table, indices, weights=None, combiner="sum", row_splits=None, invalid_counter=None,
-              index_policy="negative_is_padding"):
+              index_policy="negative_is_padding", row_scales=None, row_biases=None):
     """PkmBags over torch tensors (all on one device, contiguous).
 
     Dense: indices [B, K]. Ragged: indices [nnz] values and row_splits [B + 1].
+    An int8 table needs row_scales (and optionally row_biases), [N] each.
     The tensors must outlive every call that uses the returned struct.
     """
     import torch
@@ -95,8 +124,9 @@ def make_bags(table, indices, weights=None, combiner="sum", row_splits=None, inv
         raise PkmError(f"weights must have the shape of indices {tuple(indices.shape)}, got {tuple(weights.shape)}")
     bags = PkmBags()
     bags.table = _ptr(table)
-    bags.elem_type = _elem_type(table.dtype)
+    bags.elem_type = _elem_type(table.dtype, allow_int8=True)
     bags.num_rows, bags.dim = table.shape
+    _set_int8_rows(bags, table, row_scales, row_biases)
     bags.indices = _ptr(indices)
     bags.indices_int64 = int(indices.dtype == torch.int64)
     if row_splits is None:
@@ -170,6 +200,7 @@ class PkmLib:
             lib.pkm_cuda_backward_workspace_bytes.restype = ctypes.c_size_t
             lib.pkm_cuda_backward.argtypes = [bags_p, vp, vp, vp, vp, ctypes.c_size_t, opts_p, vp]
             lib.pkm_cuda_last_error.restype = ctypes.c_char_p
+            lib.pkm_cuda_forward_int8.argtypes = [bags_p, vp, vp]
             lib.pkm_cuda_sparse_backward_workspace_bytes.argtypes = [bags_p, opts_p]
             lib.pkm_cuda_sparse_backward_workspace_bytes.restype = ctypes.c_size_t
             lib.pkm_cuda_sparse_backward.argtypes = [bags_p, vp, SPARSE_ALLOC_FN, vp, vp, vp, ctypes.c_size_t,
@@ -200,6 +231,20 @@ class PkmLib:
         stream = torch.cuda.current_stream(table.device).cuda_stream
         rc = self.lib.pkm_cuda_forward(ctypes.byref(bags), _ptr(out), self._options(options), stream)
         self._check_cuda(rc, "pkm_cuda_forward")
+        return out
+
+    def cuda_forward_int8(self, table, row_scales, indices, weights=None, combiner="sum", row_splits=None,
+                          row_biases=None, invalid_counter=None, out=None):
+        """Forward over a row-wise int8 table (int8 [N, D], row_scales/row_biases [N]): float32 out."""
+        import torch
+
+        bags = make_bags(table, indices, weights, combiner, row_splits, invalid_counter,
+                         row_scales=row_scales, row_biases=row_biases)
+        if out is None:
+            out = torch.empty((bags.num_bags, bags.dim), dtype=torch.float32, device=table.device)
+        stream = torch.cuda.current_stream(table.device).cuda_stream
+        rc = self.lib.pkm_cuda_forward_int8(ctypes.byref(bags), _ptr(out), stream)
+        self._check_cuda(rc, "pkm_cuda_forward_int8")
         return out
 
     def cuda_backward_workspace_bytes(self, table, indices, weights=None, combiner="sum", row_splits=None,
@@ -249,11 +294,14 @@ class PkmLib:
         if rc != 0:
             raise PkmError(f"{what}: {err.value.decode()}")
 
-    def cpu_forward(self, table, indices, weights=None, combiner="sum", row_splits=None, reference=True):
+    def cpu_forward(self, table, indices, weights=None, combiner="sum", row_splits=None, reference=True,
+                    row_scales=None, row_biases=None):
         import torch
 
-        bags = make_bags(table, indices, weights, combiner, row_splits)
-        out = torch.empty((bags.num_bags, bags.dim), dtype=table.dtype)
+        bags = make_bags(table, indices, weights, combiner, row_splits, row_scales=row_scales,
+                         row_biases=row_biases)
+        out_dtype = torch.float32 if table.dtype == torch.int8 else table.dtype
+        out = torch.empty((bags.num_bags, bags.dim), dtype=out_dtype)
         err = ctypes.create_string_buffer(512)
         rc = self.lib.pkm_cpu_forward(ctypes.byref(bags), _ptr(out), int(reference), err, len(err))
         self._check_cpu(rc, err, "pkm_cpu_forward")

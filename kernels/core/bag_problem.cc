@@ -21,8 +21,13 @@ static_assert(static_cast<int>(IndexPolicy::kNegativeIsPadding) == PKM_NEGATIVE_
 
 Status FromBagProblem(const PkmBags& in, Table* table, Bags* bags, Combiner* combiner) {
   auto float_type = [](int32_t t) { return t == PKM_FLOAT32 || t == PKM_FLOAT16 || t == PKM_BFLOAT16; };
-  if (!float_type(in.elem_type) || (in.weights != nullptr && !float_type(in.weights_type)))
-    return Status::Error("elem_type and weights_type must be 0 (float32), 1 (float16) or 2 (bfloat16)");
+  const bool int8_table = in.elem_type == PKM_INT8;
+  if ((!float_type(in.elem_type) && !int8_table) || (in.weights != nullptr && !float_type(in.weights_type)))
+    return Status::Error("elem_type must be 0 (float32), 1 (float16), 2 (bfloat16) or 3 (int8 rows) and "
+                         "weights_type 0, 1 or 2");
+  if (int8_table && (in.row_scales == nullptr || (in.row_params_type != PKM_FLOAT32 &&
+                                                  in.row_params_type != PKM_FLOAT16)))
+    return Status::Error("an int8 table needs row_scales, with row_params_type 0 (float32) or 1 (float16)");
   if (in.combiner < PKM_SUM || in.combiner > PKM_SQRTN)
     return Status::Error("combiner must be 0 (sum), 1 (mean) or 2 (sqrtn), got " + std::to_string(in.combiner));
   if (in.index_policy < PKM_NEGATIVE_IS_PADDING || in.index_policy > PKM_OUT_OF_RANGE_IS_PADDING)
@@ -33,6 +38,11 @@ Status FromBagProblem(const PkmBags& in, Table* table, Bags* bags, Combiner* com
   table->type = static_cast<ElemType>(in.elem_type);
   table->num_rows = in.num_rows;
   table->dim = in.dim;
+  if (int8_table) {
+    table->row_scales = in.row_scales;
+    table->row_biases = in.row_biases;
+    table->row_params_type = static_cast<ElemType>(in.row_params_type);
+  }
   *bags = Bags();
   bags->indices = in.indices;
   bags->indices_int64 = in.indices_int64 != 0;
@@ -66,6 +76,9 @@ PkmBags ToBagProblem(const Table& table, const Bags& bags, Combiner combiner) {
   out.combiner = static_cast<int32_t>(combiner);
   out.invalid_index_count = nullptr;
   out.index_policy = static_cast<int32_t>(bags.index_policy);
+  out.row_scales = table.row_scales;
+  out.row_biases = table.row_biases;
+  out.row_params_type = static_cast<int32_t>(table.row_params_type);
   return out;
 }
 

@@ -19,9 +19,8 @@ extern "C" {
 #endif
 
 /* Element types of tables, weights, outputs. Half types are raw 16-bit
- * patterns; PKM_INT8 is a table type of the core only (it needs per-row
- * scales, which this struct does not carry: the C ABI and the CUDA launchers
- * take the three float types). */
+ * patterns; PKM_INT8 is a table type only (row-wise quantised: it needs
+ * row_scales below; forward only, outputs are a float type). */
 enum { PKM_FLOAT32 = 0, PKM_FLOAT16 = 1, PKM_BFLOAT16 = 2, PKM_INT8 = 3 };
 
 /* Combiners. */
@@ -66,6 +65,13 @@ typedef struct PkmBags {
   /* PKM_NEGATIVE_IS_PADDING (0, what a zeroed struct gets) or another policy
    * above. Last, so the fields before keep their offsets. */
   int32_t index_policy;
+  /* Row-wise int8 tables (elem_type PKM_INT8) only: row r dequantises as
+   * row_scales[r] * q + row_biases[r], both [num_rows] of row_params_type
+   * (PKM_FLOAT32 or PKM_FLOAT16); row_biases may be NULL (= 0). Appended, so
+   * the fields before keep their offsets. */
+  const void* row_scales;
+  const void* row_biases;
+  int32_t row_params_type;
 } PkmBags;
 
 #ifdef __cplusplus

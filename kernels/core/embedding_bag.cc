@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/core/forward_int8.h"
 #include "kernels/core/internal.h"
 #include "kernels/core/vector_ops.h"
 
@@ -71,7 +72,8 @@ Status CheckTypes(const Table& t, const Bags& bags, ElemType out_type, bool for_
   if (t.data == nullptr && t.num_rows * t.dim > 0) return Status::Error("table data is null");
   if (t.type == ElemType::kInt8) {
     if (for_gradient) return Status::Error("no gradient for int8 (quantised) tables");
-    if (t.row_scales == nullptr) return Status::Error("int8 table needs per-row scales");
+    Status s = CheckInt8Table(t);
+    if (!s.ok) return s;
   }
   if (out_type == ElemType::kInt8) return Status::Error("output type must be a float type");
   if (bags.weights != nullptr && bags.weights_type == ElemType::kInt8)
@@ -147,6 +149,7 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
   if (!s.ok) return s;
   s = ValidateBags(table, bags, pf);
   if (!s.ok) return s;
+  if (table.type == ElemType::kInt8) return internal::ForwardInt8(table, bags, combiner, out, out_type, pf);
   const int64_t dim = table.dim;
   const int64_t out_row_bytes = dim * ElemSize(out_type);
   const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;

@@ -30,7 +30,7 @@ enum class Combiner : int { kSum = PKM_SUM, kMean = PKM_MEAN, kSqrtn = PKM_SQRTN
 
 // Storage type of a table, of weights, of outputs. Half types are raw 16-bit
 // patterns (IEEE binary16 / bfloat16); kInt8 is only valid for tables and
-// needs per-row scales (dequantised value = scale[row] * (q - zero_point[row])).
+// needs per-row scales (dequantised value = scale[row] * q + bias[row]).
 enum class ElemType : int {
   kFloat32 = PKM_FLOAT32,
   kFloat16 = PKM_FLOAT16,
@@ -65,9 +65,14 @@ struct Table {
   ElemType type = ElemType::kFloat32;
   int64_t num_rows = 0;
   int64_t dim = 0;
-  // kInt8 only (per-row / axis-0 quantisation). zero_points may be null (= 0).
-  const float* row_scales = nullptr;
-  const int32_t* row_zero_points = nullptr;
+  // kInt8 only (row-wise / axis-0 quantisation): row r dequantises as
+  // row_scales[r] * q + row_biases[r], both of row_params_type (kFloat32 or
+  // kFloat16); row_biases may be null (= 0). The layout of PkmBags'
+  // row_scales / row_biases / row_params_type, shared by every runtime
+  // (TFLite's scale * (q - zero_point) becomes bias = -scale * zero_point).
+  const void* row_scales = nullptr;
+  const void* row_biases = nullptr;
+  ElemType row_params_type = ElemType::kFloat32;
 };
 
 // Which indices ValidateBags accepts. An index in [0, num_rows) is always a
@@ -106,8 +111,8 @@ struct Bags {
 };
 
 // The C descriptor (bag_problem.h) <-> Table/Bags/Combiner: the only two
-// translations between them. FromBagProblem checks the enum values (float
-// element types only: the struct has no int8 scales) and gives ragged bags
+// translations between them. FromBagProblem checks the enum values (int8
+// tables need row_scales) and gives ragged bags
 // num_values = num_indices. ToBagProblem fills every field for the CUDA
 // launchers without reading the buffers (they may be device pointers):
 // num_indices = num_values (ragged) or num_bags * bag_size, no counter.

@@ -147,9 +147,17 @@ void RandomCase(std::mt19937_64& rng, int case_id) {
   // buffer must exist; keep it small-dim.
   const int64_t table_dim = large_table ? std::min<int64_t>(dim, 2) : dim;
   auto table_buf = RandomBuffer(rng, table_type, num_rows * table_dim);
-  std::vector<float> scales(num_rows);
-  std::vector<int32_t> zps(num_rows);
-  for (int64_t r = 0; r < num_rows; ++r) { scales[r] = 0.01f + (rng() % 100) / 1000.f; zps[r] = static_cast<int32_t>(rng() % 7) - 3; }
+  // int8 rows: scale and bias per row, float32 or float16 (then the halves'
+  // bit patterns), bias absent a quarter of the time.
+  const bool half_row_params = rng() % 2, with_biases = rng() % 4 != 0;
+  std::vector<float> scales(num_rows), biases(num_rows);
+  std::vector<uint16_t> scales16(num_rows), biases16(num_rows);
+  for (int64_t r = 0; r < num_rows; ++r) {
+    scales[r] = 0.01f + (rng() % 100) / 1000.f;
+    biases[r] = (static_cast<float>(rng() % 200) - 100.f) / 256.f;
+    scales16[r] = pkm::FloatToHalf(scales[r]);
+    biases16[r] = pkm::FloatToHalf(biases[r]);
+  }
   auto weights = RandomBuffer(rng, value_type, nnz);
   if (combiner == pkm::Combiner::kMean) {
     // mean divides by sum(w): keep weights positive (softmax-like) so the
@@ -165,8 +173,12 @@ void RandomCase(std::mt19937_64& rng, int case_id) {
     }
   }
 
-  pkm::Table table{table_buf.data(), table_type, num_rows, table_dim, quantised ? scales.data() : nullptr,
-                   quantised ? zps.data() : nullptr};
+  pkm::Table table{table_buf.data(), table_type, num_rows, table_dim};
+  if (quantised) {
+    table.row_scales = half_row_params ? static_cast<const void*>(scales16.data()) : scales.data();
+    table.row_biases = !with_biases ? nullptr : half_row_params ? static_cast<const void*>(biases16.data()) : biases.data();
+    table.row_params_type = half_row_params ? ElemType::kFloat16 : ElemType::kFloat32;
+  }
   pkm::Bags bags;
   bags.indices = idx64 ? static_cast<const void*>(idx.data()) : idx32.data();
   bags.indices_int64 = idx64;
@@ -288,6 +300,33 @@ void ErrorCases() {
   ok_bags.bag_size = 2;
   s = pkm::Forward(qt, ok_bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
   EXPECT(!s.ok && s.message.find("scales") != std::string::npos, "int8 without scales: %s", s.message.c_str());
+  std::vector<float> q_scales(10, 0.5f);
+  qt.row_scales = q_scales.data();
+  qt.row_params_type = pkm::ElemType::kBFloat16;
+  s = pkm::Forward(qt, ok_bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
+  EXPECT(!s.ok && s.message.find("float32 or float16") != std::string::npos, "int8 bf16 scales: %s", s.message.c_str());
+  qt.row_params_type = pkm::ElemType::kFloat32;
+  std::vector<float> grad8(2 * 4, 1.f), d8(40);
+  s = pkm::Backward(qt, ok_bags, pkm::Combiner::kSum, grad8.data(), pkm::ElemType::kFloat32, d8.data(),
+                    pkm::ElemType::kFloat32, nullptr, pkm::SerialFor());
+  EXPECT(!s.ok && s.message.find("no gradient for int8") != std::string::npos, "int8 gradient: %s", s.message.c_str());
+  // The C descriptor carries the int8 rows: FromBagProblem(ToBagProblem(x)) == x.
+  std::vector<float> q_biases(10, -0.25f);
+  qt.row_biases = q_biases.data();
+  PkmBags problem = pkm::ToBagProblem(qt, ok_bags, pkm::Combiner::kSum);
+  pkm::Table back;
+  pkm::Bags back_bags;
+  pkm::Combiner back_c;
+  s = pkm::FromBagProblem(problem, &back, &back_bags, &back_c);
+  EXPECT(s.ok && back.type == pkm::ElemType::kInt8 && back.row_scales == q_scales.data() &&
+             back.row_biases == q_biases.data() && back.row_params_type == pkm::ElemType::kFloat32,
+         "int8 descriptor round trip: %s", s.message.c_str());
+  s = pkm::Forward(back, back_bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
+  // Row value 0.5 * 1 - 0.25 = 0.25, two rows per bag.
+  EXPECT(s.ok && out[0] == 0.5f && out[7] == 0.5f, "int8 forward through the descriptor: %s %f", s.message.c_str(), out[0]);
+  problem.row_scales = nullptr;
+  s = pkm::FromBagProblem(problem, &back, &back_bags, &back_c);
+  EXPECT(!s.ok && s.message.find("row_scales") != std::string::npos, "descriptor int8 without scales: %s", s.message.c_str());
 }
 
 void HalfConversions() {

@@ -34,8 +34,8 @@ void WriteFloat(void* p, ElemType type, int64_t i, float v) {
 float TableAt(const Table& t, int64_t row, int64_t d) {
   const int64_t i = row * t.dim + d;
   if (t.type == ElemType::kInt8) {
-    const float zp = t.row_zero_points ? static_cast<float>(t.row_zero_points[row]) : 0.f;
-    return t.row_scales[row] * (static_cast<float>(static_cast<const int8_t*>(t.data)[i]) - zp);
+    const float bias = t.row_biases ? ReadFloat(t.row_biases, t.row_params_type, row) : 0.f;
+    return ReadFloat(t.row_scales, t.row_params_type, row) * static_cast<const int8_t*>(t.data)[i] + bias;
   }
   return ReadFloat(t.data, t.type, i);
 }
@@ -48,7 +48,9 @@ struct BagList {
 
 Status ListBags(const Table& t, const Bags& b, BagList* out) {
   if (b.num_bags < 0 || b.bag_size < 0) return Status::Error("bag shape must be non-negative");
-  if (t.type == ElemType::kInt8 && t.row_scales == nullptr) return Status::Error("int8 table needs per-row scales");
+  if (t.type == ElemType::kInt8 && (t.row_scales == nullptr || (t.row_params_type != ElemType::kFloat32 &&
+                                                               t.row_params_type != ElemType::kFloat16)))
+    return Status::Error("int8 table needs per-row float32 or float16 scales");
   out->entries.assign(b.num_bags, {});
   int64_t total = b.num_bags * b.bag_size;
   if (b.row_splits != nullptr) {

@@ -37,13 +37,6 @@ void AxpyBF16(float a, const uint16_t* __restrict row, float* __restrict acc, in
   for (int64_t i = 0; i < n; ++i) acc[i] += a * BFloat16ToFloat(row[i]);
 }
 
-PKM_MULTIVERSION
-void AxpyI8(float a, const int8_t* __restrict q, int32_t zero_point, float* __restrict acc,
-            int64_t n) {
-  const float bias = static_cast<float>(zero_point);
-  for (int64_t i = 0; i < n; ++i) acc[i] += a * (static_cast<float>(q[i]) - bias);
-}
-
 namespace {
 
 // Element loaders: the row-group kernels below are one template, inlined into
@@ -69,10 +62,6 @@ struct LoadF16 {
   static inline float Get(const uint16_t* p, int64_t i) { return HalfToFloat(p[i]); }
 };
 #endif
-struct LoadI8 {
-  using Elem = int8_t;
-  static inline float Get(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
-};
 
 template <typename L>
 __attribute__((always_inline)) inline void AxpyGroupImpl(const float* a, const void* const* rows, float bias,
@@ -110,10 +99,6 @@ PKM_MULTIVERSION
 void AxpyGroupBF16(const float* a, const void* const* rows, float* acc, int64_t n) {
   AxpyGroupImpl<LoadBF16>(a, rows, 0.f, acc, n);
 }
-PKM_MULTIVERSION
-void AxpyGroupI8(const float* a, const void* const* rows, float bias, float* acc, int64_t n) {
-  AxpyGroupImpl<LoadI8>(a, rows, bias, acc, n);
-}
 
 }  // namespace
 
@@ -125,17 +110,7 @@ void AxpyRowGroup(const Table& t, const int64_t* rows, const float* a, float* ac
     case ElemType::kFloat32: AxpyGroupF32(a, ptrs, acc, t.dim); break;
     case ElemType::kFloat16: AxpyGroupF16(a, ptrs, acc, t.dim); break;
     case ElemType::kBFloat16: AxpyGroupBF16(a, ptrs, acc, t.dim); break;
-    case ElemType::kInt8: {
-      // scale * (q - zp) summed over rows = sum(a*scale*q) - sum(a*scale*zp)
-      float scaled[kRowGroup];
-      float bias = 0.f;
-      for (int r = 0; r < kRowGroup; ++r) {
-        scaled[r] = a[r] * t.row_scales[rows[r]];
-        if (t.row_zero_points) bias += scaled[r] * static_cast<float>(t.row_zero_points[rows[r]]);
-      }
-      AxpyGroupI8(scaled, ptrs, bias, acc, t.dim);
-      break;
-    }
+    case ElemType::kInt8: break;  // int8 tables: forward_int8.cc
   }
 }
 
@@ -151,10 +126,7 @@ void AxpyRow(const Table& t, int64_t r, float a, float* acc) {
     case ElemType::kBFloat16:
       AxpyBF16(a, static_cast<const uint16_t*>(t.data) + off, acc, t.dim);
       break;
-    case ElemType::kInt8:
-      AxpyI8(a * t.row_scales[r], static_cast<const int8_t*>(t.data) + off,
-             t.row_zero_points ? t.row_zero_points[r] : 0, acc, t.dim);
-      break;
+    case ElemType::kInt8: break;  // int8 tables: forward_int8.cc
   }
 }
 

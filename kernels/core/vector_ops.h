@@ -30,10 +30,8 @@ namespace vec {
 void AxpyF32(float a, const float* row, float* acc, int64_t n);
 void AxpyF16(float a, const uint16_t* row, float* acc, int64_t n);
 void AxpyBF16(float a, const uint16_t* row, float* acc, int64_t n);
-// acc[i] += a * (q[i] - zero_point): the caller folds the row scale into a.
-void AxpyI8(float a, const int8_t* q, int32_t zero_point, float* acc, int64_t n);
-
-// Typed dispatch over the four above.
+// Typed dispatch over the three above (float tables; int8 tables have their
+// own forward, forward_int8.cc).
 void AxpyRow(const Table& table, int64_t row_index, float a, float* acc);
 
 // acc[i] += sum_r a[r] * table[rows[r], i] over kRowGroup rows at once. Eight

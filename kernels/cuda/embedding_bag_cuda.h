@@ -88,6 +88,12 @@ PKM_CUDA_API int pkm_cuda_sparse_backward(const PkmBags* bags, const void* grad_
                              void* workspace, size_t workspace_bytes, const PkmCudaOptions* options,
                              pkm_cuda_stream_t stream);
 
+// Forward over a row-wise int8 table (elem_type PKM_INT8; row r is
+// row_scales[r] * q + row_biases[r], PkmBags' int8-row fields): out
+// [num_bags, dim] float32. Same bag, weight and index rules as
+// pkm_cuda_forward; forward only (kernels/cuda/forward_int8.cu).
+PKM_CUDA_API int pkm_cuda_forward_int8(const PkmBags* bags, float* out, pkm_cuda_stream_t stream);
+
 // Message for the last PKM_CUDA_INVALID_ARGUMENT / CUDA error on this thread.
 PKM_CUDA_API const char* pkm_cuda_last_error(void);
 

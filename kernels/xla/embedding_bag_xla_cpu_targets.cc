@@ -16,7 +16,6 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace pkm_xla {
-namespace {
 
 // Splits [0, total) into blocks that the calling thread and XLA's intra-op
 // pool claim from a shared counter. The caller claims blocks too, so it only
@@ -61,6 +60,8 @@ pkm::ParallelFor PoolParallelFor(ffi::ThreadPool* pool) {
     state->cv.wait(lock, [&] { return state->done == state->blocks; });
   };
 }
+
+namespace {
 
 ffi::Error FromCore(const pkm::Status& s) {
   return s.ok ? ffi::Error::Success() : ffi::Error::InvalidArgument(s.message);

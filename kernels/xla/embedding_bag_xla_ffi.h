@@ -28,6 +28,10 @@ inline bool ToElemType(ffi::DataType t, pkm::ElemType* out) {
 
 inline bool IsIndexType(ffi::DataType t) { return t == ffi::DataType::S32 || t == ffi::DataType::S64; }
 
+// The core's ParallelFor on XLA's intra-op pool (Host targets only; defined in
+// embedding_bag_xla_cpu_targets.cc, shared with quantized_xla_cpu_targets.cc).
+pkm::ParallelFor PoolParallelFor(ffi::ThreadPool* pool);
+
 // params [N, D]; indices [B, K] (dense) or values [V] + row_splits [B+1]
 // (ragged, splits non-null); weights like indices, or [0] when has_weights == 0.
 inline ffi::Error ToCoreArgs(const ffi::AnyBuffer& params, const ffi::AnyBuffer& indices,

@@ -19,7 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tflite", metavar="FILE", help="also write a .tflite with the "
                    "PkmEmbeddingBag custom op")
     p.add_argument("--quantize-table", choices=["int8"], default=None,
-                   help="store tables in the .tflite as per-row int8")
+                   help="store fused tables as row-wise int8, in the SavedModel and the .tflite")
+    p.add_argument("--quantize-tolerance", type=float, default=None, metavar="REL",
+                   help="refuse --quantize-table when an output differs from the float model by "
+                        "more than REL of its scale (max |output|) (default 1e-2)")
     p.add_argument("--report", metavar="FILE", help="write the report as JSON")
     p.add_argument("--sample-inputs", metavar="FILE", help=".npz of signature inputs "
                    "(keys NAME or SIGNATURE/NAME) to verify on instead of random ones")

@@ -43,6 +43,7 @@ class ExportResult:
     batch_size: int
     verification: List[dict] = dataclasses.field(default_factory=list)
     tflite: Optional[dict] = None
+    quantization: Optional[dict] = None   # --quantize-table int8 (export/quantize.py)
     message: str = ""
 
     @property
@@ -64,6 +65,7 @@ class ExportResult:
             "saved_bytes_at_batch": int(sum(saved)),
             "sites": [s.to_json() for s in self.sites],
             "verification": self.verification, "tflite": self.tflite,
+            "quantization": self.quantization,
         }
 
 
@@ -225,8 +227,6 @@ def _check_arguments(src: str, dst: str, batch_size: int, quantize_table: Option
         raise ExportError(f"--batch-size must be >= 1, got {batch_size}")
     if quantize_table not in (None, "int8"):
         raise ExportError(f"--quantize-table supports only 'int8', got {quantize_table!r}")
-    if quantize_table and not tflite:
-        raise ExportError("--quantize-table applies to the .tflite: pass --tflite FILE too")
 
 
 def _choose_signatures(proto, src: str, signatures: Optional[Sequence[str]]) -> List[str]:
@@ -285,7 +285,8 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
                        sample_inputs: Optional[str] = None, batch_size: int = 4096,
                        verify_batch_size: int = 8, rtol: Optional[float] = None,
                        quiet: bool = False, report: Optional[str] = None,
-                       progress: Optional[Progress] = None) -> ExportResult:
+                       progress: Optional[Progress] = None,
+                       quantize_tolerance: Optional[float] = None) -> ExportResult:
     """Fuses SRC into DST/<version>/ (and optionally a .tflite). See module doc."""
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     _check_arguments(src, dst, batch_size, quantize_table, tflite)
@@ -302,8 +303,10 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
                           batch_size=batch_size)
     if not result.fused:
         result.message = _no_site_message(sites)
+    if quantize_table and not result.fused:
+        raise ExportError(f"--quantize-table {quantize_table}: {result.message}, so no table to quantize")
     _write_version(result, proto, chosen, samples, tflite, quantize_table,
-                   verify_batch_size, rtol, progress)
+                   verify_batch_size, rtol, progress, quantize_tolerance)
     if report:
         with open(report, "w") as f:
             json.dump(result.to_json(), f, indent=2)
@@ -311,7 +314,8 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
 
 
 def _write_version(result: ExportResult, proto, chosen: List[str], samples, tflite,
-                   quantize_table, verify_batch_size: int, rtol, progress: Progress) -> None:
+                   quantize_table, verify_batch_size: int, rtol, progress: Progress,
+                   quantize_tolerance: Optional[float] = None) -> None:
     """Writes DST/<version> (and the .tflite) through temporaries renamed into
     place only once everything has been verified; on any error nothing is
     left behind."""
@@ -347,6 +351,13 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
                 tmp_dir, chosen, os.path.abspath(tflite), quantize_table, src,
                 index_limit, samples, verify_batch_size, progress,
                 precision=_lowest_fused_precision(result.sites))
+        if quantize_table:  # after the .tflite, which converts the float graph
+            from pkm_serve.export import quantize
+            with progress.phase("quantizing tables to int8", total=1, unit="models") as phase:
+                result.quantization = quantize.quantize_version(
+                    tmp_dir, src, chosen, index_limit, samples, verify_batch_size,
+                    quantize_tolerance)
+                phase.advance()
         # mkdtemp makes the directory owner-only; a model server may run as
         # another user.
         os.chmod(tmp_dir, 0o777 & ~files.current_umask())
@@ -408,6 +419,9 @@ def format_report(result: ExportResult) -> str:
         for row in t["verification"]:
             lines.append(f"  verified tflite {row['signature']}:{row['output']} max |err| "
                          f"{row['max_abs_err']:.3g}")
+    if result.quantization:
+        from pkm_serve.export.quantize import format_quantization
+        lines.extend(format_quantization(result.quantization))
     return "\n".join(lines)
 
 
@@ -418,7 +432,8 @@ def main(argv=None) -> int:
             args.src, args.dst, version=args.version, signatures=args.signatures,
             tflite=args.tflite, quantize_table=args.quantize_table,
             sample_inputs=args.sample_inputs, batch_size=args.batch_size,
-            rtol=args.rtol, quiet=args.quiet, report=args.report)
+            rtol=args.rtol, quiet=args.quiet, report=args.report,
+            quantize_tolerance=args.quantize_tolerance)
     except ExportError as e:
         print(f"pkm-serve export: error: {e}", file=sys.stderr)
         return 1

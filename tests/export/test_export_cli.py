@@ -203,10 +203,11 @@ def test_tflite_over_flatbuffer_limit_is_refused(weighted_model, tmp_path, monke
     assert not os.path.exists(tmp_path / "m.tflite")
 
 
-def test_quantize_needs_tflite(weighted_model, tmp_path):
+def test_quantize_without_tflite_quantizes_the_savedmodel(weighted_model, tmp_path):
+    # --quantize-table applies to the SavedModel too (tests/int8 has the details).
     src, _ = weighted_model
-    with pytest.raises(ExportError, match="pass --tflite"):
-        export_saved_model(src, str(tmp_path / "dst"), quantize_table="int8", quiet=True)
+    result = export_saved_model(src, str(tmp_path / "dst"), quantize_table="int8", quiet=True)
+    assert result.tflite is None and result.quantization["tables"][0]["int8_bytes"] == M.N * M.D
 
 
 def test_pkm_serve_cli_dispatch_and_tf_serving_style_session_load(weighted_model, tmp_path):

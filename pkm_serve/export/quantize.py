@@ -1,0 +1,196 @@
+"""`pkm-serve export --quantize-table int8` for the SavedModel: every fused
+site's table becomes a row-wise int8 variable read by PkmQuantizedEmbeddingBag.
+
+What changes in DST/<version> (after fusion and its verification):
+  - the table variable keeps its place (object-graph node, checkpoint key,
+    every handle and capture) but holds int8 [N, D]: the float table is gone
+    from variables/;
+  - its per-row scales and biases (float32 [N] each, 8 bytes a row, i.e. 8/D of
+    the int8 table) are constants of the functions holding the fused sites:
+    no function signature, capture list or loader path changes, so
+    `tf.saved_model.load`, the Session loader (TF Serving, `pkm-serve serve`)
+    and a linked tensorflow_model_server all load it as they loaded the float one;
+  - the fused ops become PkmQuantizedEmbeddingBag / PkmQuantizedRaggedEmbeddingBag.
+The result is verified against the original SavedModel on the verification
+inputs: the worst error relative to each output's scale (max |original|) must
+stay within --quantize-tolerance (default 1e-2), else the export is refused.
+
+For a trained Keras model: `quantize_tables(model, dst)` exports it, fuses it
+and quantizes it in one call.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from pkm_serve.export import files
+from pkm_serve.export import quantize_graph as QG
+from pkm_serve.export import verify as V
+from pkm_serve.export.errors import ExportError
+from pkm_serve.export.files import SAVED_MODEL_PB
+
+DEFAULT_TOLERANCE = 1e-2
+_OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+
+
+def _variables_prefix(export_dir: str) -> str:
+    return os.path.join(export_dir, "variables", "variables")
+
+
+def _variables_bytes(export_dir: str) -> int:
+    return files.tree_bytes(os.path.join(export_dir, "variables"), skip=())
+
+
+def _key_by_node(reader) -> Dict[int, str]:
+    """Object-graph node id -> checkpoint key of its variable value (the
+    checkpoint's object graph numbers nodes as the SavedModel's does)."""
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+    graph = trackable_object_graph_pb2.TrackableObjectGraph()
+    graph.ParseFromString(reader.get_tensor(_OBJECT_GRAPH_KEY))
+    return {i: a.checkpoint_key for i, node in enumerate(graph.nodes) for a in node.attributes
+            if a.name == "VARIABLE_VALUE"}
+
+
+def _rewrite_checkpoint(export_dir: str, reader, new_values: Dict[str, np.ndarray]) -> None:
+    """Writes variables/ again with `new_values` in place of those keys' tensors."""
+    import tensorflow as tf
+
+    names = sorted(reader.get_variable_to_dtype_map())
+    tensors = [new_values[n] if n in new_values else reader.get_tensor(n) for n in names]
+    tmp = tempfile.mkdtemp(prefix=".quantize-", dir=export_dir)
+    try:
+        tf.raw_ops.SaveV2(prefix=os.path.join(tmp, "variables"), tensor_names=names,
+                          shape_and_slices=[""] * len(names), tensors=tensors)
+        var_dir = os.path.join(export_dir, "variables")
+        for name in os.listdir(var_dir):
+            if name.startswith("variables."):
+                os.remove(os.path.join(var_dir, name))
+        for name in os.listdir(tmp):
+            shutil.move(os.path.join(tmp, name), os.path.join(var_dir, name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def quantize_export_dir(export_dir: str) -> List[dict]:
+    """Rewrites export_dir (a fused SavedModel) in place; returns one row per
+    quantized table. ExportError (nothing changed) when a fused table cannot be."""
+    import tensorflow as tf
+
+    from pkm_serve import quantized
+    from pkm_serve.export import exporter
+
+    path = os.path.join(export_dir, SAVED_MODEL_PB)
+    proto = exporter.read_saved_model(export_dir)
+    reader = tf.train.load_checkpoint(_variables_prefix(export_dir))
+    key_by_node = _key_by_node(reader)
+    planned = [(mg, *QG.quantize_graph(mg, key_by_node)) for mg in proto.meta_graphs]
+    if not any(plans for _, plans, _ in planned):
+        raise ExportError("--quantize-table int8: no fused site reads a table variable, nothing to quantize")
+    new_values, rows = {}, []
+    for meta_graph, plans, all_bodies in planned:
+        for key, plan in plans.items():
+            if key not in new_values:
+                table = reader.get_tensor(key)
+                if table.ndim != 2 or not np.issubdtype(table.dtype, np.floating):
+                    raise ExportError(f"cannot quantize table {key!r}: it is {table.dtype} {list(table.shape)}, "
+                                      "not a float [N, D] matrix")
+                values, scales, biases = quantized.quantize_rows(table)
+                new_values[key] = (values, scales, biases)
+                rows.append({"table": key, "copy_of": plan.copy_of, "shape": list(table.shape),
+                             "dtype": str(table.dtype),
+                             "float_bytes": int(table.nbytes), "int8_bytes": int(values.nbytes),
+                             "row_param_bytes": int(scales.nbytes + biases.nbytes),
+                             "sites": [f"{b}/{n}" for b, n in plan.sites]})
+            values, scales, biases = new_values[key]
+            QG.rewrite(all_bodies, plan, scales, biases)
+            for node in QG.variable_nodes(meta_graph, key_by_node, key):
+                node.variable.dtype = tf.int8.as_datatype_enum
+        exporter._record_new_ops(meta_graph)  # pylint: disable=protected-access
+    _rewrite_checkpoint(export_dir, reader, {k: v[0] for k, v in new_values.items()})
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString(deterministic=True))
+    exporter._write_fingerprint(export_dir)  # pylint: disable=protected-access
+    return rows
+
+
+def verify_quantized(src: str, quantized_dir: str, signatures, index_limit: int, samples,
+                     batch_size: int, tolerance: float) -> List[dict]:
+    """Worst error of every output of the quantized model against the original,
+    relative to the output's scale; ExportError past `tolerance`."""
+    import tensorflow as tf
+
+    original, quantized = tf.saved_model.load(src), tf.saved_model.load(quantized_dir)
+    rows = []
+    for name in signatures:
+        fn_orig, fn_q = original.signatures[name], quantized.signatures[name]
+        specs = V.signature_input_specs(fn_orig)
+        inputs = (V.sample_inputs_for(name, specs, samples) if samples is not None
+                  else V.generate_inputs(specs, index_limit, batch_size))
+        want = {k: v.numpy() for k, v in fn_orig(**inputs).items()}
+        got = {k: v.numpy() for k, v in fn_q(**inputs).items()}
+        for key in sorted(want):
+            w, g = want[key].astype(np.float64), got[key].astype(np.float64)
+            both_nan = np.isnan(w) & np.isnan(g)
+            w, g = np.where(both_nan, 0.0, w), np.where(both_nan, 0.0, g)
+            scale = float(np.max(np.abs(w))) if w.size else 0.0
+            err = float(np.max(np.abs(w - g))) if w.size else 0.0
+            relative = err / scale if scale > 0 else err
+            rows.append({"signature": name, "output": key, "max_abs_err": err, "output_scale": scale,
+                         "relative_err": relative})
+            if not relative <= tolerance:  # also refuses NaN
+                raise ExportError(f"--quantize-table int8: signature {name!r} output {key!r} differs from the "
+                                  f"float model by {err:.3g} = {relative:.3g} of its scale {scale:.3g}, over "
+                                  f"--quantize-tolerance {tolerance:g}")
+    return rows
+
+
+def quantize_version(tmp_dir: str, src: str, signatures, index_limit: int, samples, batch_size: int,
+                     tolerance: Optional[float]) -> dict:
+    """The exporter's hook: quantizes tmp_dir, verifies it, reports sizes and errors."""
+    tolerance = DEFAULT_TOLERANCE if tolerance is None else tolerance
+    if not tolerance > 0:
+        raise ExportError(f"--quantize-tolerance must be > 0, got {tolerance}")
+    before = _variables_bytes(tmp_dir)
+    tables = quantize_export_dir(tmp_dir)
+    after = _variables_bytes(tmp_dir)
+    verification = verify_quantized(src, tmp_dir, signatures, index_limit, samples, batch_size, tolerance)
+    return {"tables": tables, "variables_bytes_before": before, "variables_bytes_after": after,
+            "tolerance": tolerance, "worst_relative_err": max((r["relative_err"] for r in verification),
+                                                              default=0.0),
+            "verification": verification}
+
+
+def format_quantization(q: dict) -> List[str]:
+    lines = [f"int8 tables: variables {q['variables_bytes_before']} -> {q['variables_bytes_after']} bytes "
+             f"({q['variables_bytes_after'] / max(q['variables_bytes_before'], 1):.2f}x); worst output error "
+             f"{q['worst_relative_err']:.3g} of the output scale (tolerance {q['tolerance']:g})"]
+    for t in q["tables"]:
+        copy = f" (the saved copy of {t['copy_of']})" if t.get("copy_of") else ""
+        lines.append(f"  quantized {t['table']}{copy} {t['shape']} {t['dtype']}: {t['float_bytes']} -> "
+                     f"{t['int8_bytes']} bytes (+ {t['row_param_bytes']} of row scales/biases in the graph)")
+    return lines
+
+
+def quantize_tables(model, dst: str, version: Optional[int] = None, tolerance: Optional[float] = None,
+                    **export_kwargs):
+    """A trained Keras model -> DST/<version>/, fused and with int8 tables.
+
+    Exports the model as a SavedModel (`model.export`), then runs
+    `export_saved_model(..., quantize_table="int8")` on it; returns its
+    ExportResult (result.quantization holds sizes and errors).
+    """
+    from pkm_serve.export.exporter import export_saved_model
+
+    with tempfile.TemporaryDirectory(prefix="pkm-quantize-") as tmp:
+        saved = os.path.join(tmp, "saved_model")
+        try:
+            model.export(saved, format="tf_saved_model", verbose=False)
+        except TypeError:  # Keras versions without the verbose argument
+            model.export(saved, format="tf_saved_model")
+        return export_saved_model(saved, dst, version=version, quantize_table="int8",
+                                  quantize_tolerance=tolerance, **export_kwargs)
