@@ -16,13 +16,16 @@ a .cc/.cu under kernels/ or tflite_delegate/ is in no list.
 PKM_CORE_SRCS = [
     "kernels/core/bag_problem.cc",
     "kernels/core/embedding_bag.cc",
+    "kernels/core/fused_optimizer.cc",
     "kernels/core/vector_ops.cc",
 ]
 
 PKM_CORE_HDRS = [
     "kernels/core/bag_problem.h",
     "kernels/core/embedding_bag.h",
+    "kernels/core/fused_optimizer.h",
     "kernels/core/internal.h",
+    "kernels/core/row_optimizer.h",
     "kernels/core/vector_ops.h",
 ]
 

@@ -153,6 +153,17 @@ Status SparseBackward(const Table& table, const Bags& bags, Combiner combiner, c
                       ElemType grad_type, const SparseRowsAlloc& alloc, ElemType row_grads_type,
                       void* d_weights, const ParallelFor& pf);
 
+// The row-grouped backward with the table gradient handed out row by row:
+// fn(row, grad) is called once per distinct row that valid indices touch, with
+// grad[dim] that row's float32 gradient (fn may overwrite it). Calls for
+// different rows may run concurrently (one row on one thread); each row's
+// grad . row products for d_weights are taken before fn sees the row, so fn
+// may update table row `row` in place (the fused optimizer does). d_weights
+// as in Backward (may be null). No [indices, dim] buffer.
+using RowGradientFn = std::function<void(int64_t row, float* grad)>;
+Status RowGradients(const Table& table, const Bags& bags, Combiner combiner, const void* grad_out,
+                    ElemType grad_type, void* d_weights, const ParallelFor& pf, const RowGradientFn& fn);
+
 // Slow, obviously-correct versions of the two, for tests (serial, double
 // accumulation is not used on purpose: float32 like the contract).
 Status ReferenceForward(const Table& table, const Bags& bags, Combiner combiner,
