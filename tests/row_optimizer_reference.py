@@ -16,6 +16,9 @@ def touched_rows(indices, num_rows):
 def apply_rows(kind, table, grad_rows, rows, state, lr, epsilon=1e-7, beta_1=0.9, beta_2=0.999, step=1):
     """Updates float64 copies of table/state at `rows` with gradient rows
     grad_rows [len(rows), D]; returns (table, state)."""
+    # The hyperparameters are float32 in every implementation (Keras casts them
+    # to the variable's dtype): 1 - float32(0.999) is 1.3e-5 off 0.001.
+    lr, epsilon, beta_1, beta_2 = (float(np.float32(x)) for x in (lr, epsilon, beta_1, beta_2))
     table = np.array(table, np.float64)
     state = tuple(np.array(s, np.float64) for s in state)
     g = np.asarray(grad_rows, np.float64)

@@ -87,8 +87,9 @@ def unfused(lib, kind, table, indices, weights, combiner, grad, state):
 
     callback = pkm_capi.SPARSE_ALLOC_FN(alloc)
     err = ctypes.create_string_buffer(512)
+    d_weights = np.empty_like(weights)  # the same row pass as the fused one (gradient and dots)
     rc = lib.pkm_cpu_sparse_backward(ctypes.byref(bags_for(table, indices, weights, combiner)), grad.ctypes.data,
-                                     callback, None, None, err, len(err))
+                                     callback, None, d_weights.ctypes.data, err, len(err))
     assert rc == 0, err.value
     new_table, new_state = apply_rows(kind, table, keep["grads"], keep["rows"], state, **HYPER[kind])
     return new_table.astype(np.float32), tuple(s.astype(np.float32) for s in new_state)
