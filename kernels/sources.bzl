@@ -78,6 +78,10 @@ PKM_CUDA_SRCS = [
     "kernels/cuda/common.cu",
     "kernels/cuda/forward.cu",
     "kernels/cuda/backward.cu",
+    "kernels/cuda/backward_rows.cu",
+    "kernels/cuda/backward_sort.cu",
+    "kernels/cuda/backward_weights.cu",
+    "kernels/cuda/fused_optimizer.cu",
 ]
 
 PKM_CUDA_HDRS = [
@@ -86,6 +90,8 @@ PKM_CUDA_HDRS = [
 
 # Included by the .cu files only.
 PKM_CUDA_TEXTUAL_HDRS = [
+    "kernels/cuda/backward.cuh",
+    "kernels/cuda/backward_rows.cuh",
     "kernels/cuda/common.cuh",
 ]
 
