@@ -43,16 +43,19 @@ PKM_CORE_TEST_SRCS = [
 PKM_TF_SRCS = [
     "kernels/tf/embedding_bag_ops.cc",
     "kernels/tf/embedding_bag_kernels.cc",
+    "kernels/tf/fused_optimizer_ops.cc",
 ]
 
 # GPU kernels: compiled with -DGOOGLE_CUDA=1 (`make gpu`, --config=cuda); the
 # file is empty without it.
 PKM_TF_GPU_SRCS = [
     "kernels/tf/embedding_bag_gpu_kernels.cc",
+    "kernels/tf/fused_optimizer_gpu_kernels.cc",
 ]
 
 PKM_TF_HDRS = [
     "kernels/tf/embedding_bag_common.h",
+    "kernels/tf/fused_optimizer_common.h",
 ]
 
 # XLA lowering of the ops (tf2xla kernels) and their Host custom-call targets
