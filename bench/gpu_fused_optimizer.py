@@ -12,6 +12,9 @@ MSE loss + backward + Adam on every parameter (lr 1e-3). Variants, each in a fre
   torch-dense   nn.EmbeddingBag(mode="sum", per_sample_weights) + torch.optim.Adam
   torch-fused   the same with Adam(fused=True)
   torch-sparse  nn.EmbeddingBag(sparse=True) + SparseAdam on the values, Adam on the rest
+  values-*      the value memory alone (lookup of 128 random rows per query with softmax-like
+                weights, backward, Adam on the table): ours-fused vs nn.EmbeddingBag + Adam(fused),
+                whose peak shows what the op itself holds beyond table + Adam state
 
     make gpu-standalone && python bench/gpu_fused_optimizer.py      # on a CUDA machine
 
@@ -27,7 +30,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "kernels", "capi"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-VARIANTS = ("ours-fused", "ours-unfused", "torch-dense", "torch-fused", "torch-sparse")
+VARIANTS = ("ours-fused", "ours-unfused", "torch-dense", "torch-fused", "torch-sparse",
+            "values-ours-fused", "values-torch-fused")
 CONFIG = dict(n_keys=512, v_dim=1024, k_dim=1024, d_model=1024, heads=4, knn=32)
 
 
@@ -103,14 +107,22 @@ def child(variant, batch, steps):
     import torch
 
     torch.manual_seed(0)
-    query, keys, lookup, opts = build_model(torch, variant, lr=1e-3)
+    values_only = variant.startswith("values-")
+    query, keys, lookup, opts = build_model(torch, variant.replace("values-", ""), lr=1e-3)
     x = torch.randn(batch, CONFIG["d_model"], device="cuda")
     target = torch.randn(batch, CONFIG["v_dim"], device="cuda")
+    k = CONFIG["heads"] * CONFIG["knn"]
+    idx = torch.randint(0, CONFIG["n_keys"] ** 2, (batch, k), device="cuda")
+    w = torch.softmax(torch.randn(batch, k, device="cuda"), -1).requires_grad_(True)
+    if values_only:
+        del query, keys
+        opts = opts[1:] if variant == "values-torch-sparse" else opts
+        torch.cuda.empty_cache()
 
     def step():
         for o in opts:
             o.zero_grad(set_to_none=True)
-        out = pkm_forward(torch, query, keys, lookup, x)
+        out = lookup(idx, w) if values_only else pkm_forward(torch, query, keys, lookup, x)
         loss = torch.nn.functional.mse_loss(out, target)
         loss.backward()
         for o in opts:

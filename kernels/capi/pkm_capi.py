@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # PKM_CUDA_LIB selects another build (e.g. a tuning variant) for tests and benchmarks.
 DEFAULT_CUDA_LIB = os.environ.get("PKM_CUDA_LIB") or os.path.join(ROOT, "pkm_serve", "lib", "libpkm_cuda.so")
 
-COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
+COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2, "max": 3}
 # PKM_NEGATIVE_IS_PADDING / PKM_NO_PADDING / PKM_OUT_OF_RANGE_IS_PADDING.
 INDEX_POLICIES = {"negative_is_padding": 0, "no_padding": 1, "out_of_range_is_padding": 2}
 INVALID_ARGUMENT = -1

@@ -26,7 +26,7 @@
 namespace pkm {
 
 // The values come from the C descriptor (bag_problem.h), defined there once.
-enum class Combiner : int { kSum = PKM_SUM, kMean = PKM_MEAN, kSqrtn = PKM_SQRTN };
+enum class Combiner : int { kSum = PKM_SUM, kMean = PKM_MEAN, kSqrtn = PKM_SQRTN, kMax = PKM_MAX };
 
 // Storage type of a table, of weights, of outputs. Half types are raw 16-bit
 // patterns (IEEE binary16 / bfloat16); kInt8 is only valid for tables and

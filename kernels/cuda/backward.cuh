@@ -84,6 +84,9 @@ struct BackwardArgs {
   float* dots;                   // [tiles, num_indices]; null when d_weights is not wanted
   int32_t* piece_row;            // [2 * pieces]
   float* piece_sum;              // [2 * pieces, dim]
+  // max combiner: [num_bags, dim], the entry holding each column's maximum
+  // (the first on ties; -1 for an empty bag); the gradient goes to it alone.
+  const int32_t* max_entry;
 };
 
 template <typename IdxT>
@@ -149,11 +152,17 @@ __device__ __forceinline__ void AccumulateRange(const BackwardArgs& a, int64_t r
         const bool active = k + j < count;  // warp-uniform
         const int64_t bag = __shfl_sync(kFullMask, my_bag, k + j);
         coef[j] = __shfl_sync(kFullMask, my_coef, k + j);
+        const int32_t entry = static_cast<int32_t>(__shfl_sync(kFullMask, my_entry, k + j));
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
           if (active && col < dim) {
             LoadFloats<T, VEC>(grad + bag * dim + col, g[j][u]);
+            if (a.max_entry != nullptr) {
+#pragma unroll
+              for (int v = 0; v < VEC; ++v)
+                if (a.max_entry[bag * dim + col + v] != entry) g[j][u][v] = 0.f;
+            }
           } else {
 #pragma unroll
             for (int v = 0; v < VEC; ++v) g[j][u][v] = 0.f;
@@ -201,6 +210,8 @@ struct Layout {
   size_t flags = 0, slot_of_row = 0, scan_temp = 0, scan_bytes = 0;
   // Fused row-wise Adagrad over several tiles: per (row, tile) sums of squares.
   size_t row_partials = 0;
+  // max combiner: the max_entry table.
+  size_t max_entry = 0;
   bool dots_in_spare_keys = false, pieces_in_spare_entries = false;
 };
 

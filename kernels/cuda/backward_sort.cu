@@ -76,6 +76,44 @@ __global__ void BagScaleKernel(PkmBags bags, int64_t num_indices, float* bag_sca
   if (threadIdx.x % kWarp == 0) bag_scale[bag] = CombinerScale(bags.combiner, weight_sum, weight_sq_sum);
 }
 
+// max combiner: one thread per (bag, column) finds the entry holding the
+// column's maximum, the first on ties (strict >), skipping padding.
+template <typename T, typename IdxT>
+__global__ void MaxEntryKernel(PkmBags bags, int64_t num_indices, int32_t* max_entry) {
+  const int64_t id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (id >= bags.num_bags * bags.dim) return;
+  const int64_t bag = id / bags.dim, col = id % bags.dim;
+  int64_t begin, end;
+  BagRange(bags, num_indices, bag, &begin, &end);
+  float best = -INFINITY;
+  int32_t best_entry = -1;
+  for (int64_t entry = begin; entry < end; ++entry) {
+    const int64_t row = static_cast<int64_t>(static_cast<const IdxT*>(bags.indices)[entry]);
+    if (row < 0 || row >= bags.num_rows) continue;
+    const float v = ToFloat<T>(static_cast<const T*>(bags.table)[row * bags.dim + col]);
+    if (best_entry < 0 || v > best) {
+      best = v;
+      best_entry = static_cast<int32_t>(entry);
+    }
+  }
+  max_entry[id] = best_entry;
+}
+
+template <typename IdxT>
+int LaunchMaxEntry(const PkmBags& bags, int64_t n, int32_t* max_entry, cudaStream_t stream) {
+  const int64_t items = bags.num_bags * bags.dim;
+  if (items == 0) return PKM_CUDA_OK;
+  if (items / 256 >= INT32_MAX) return SetInvalid("backward: too many bags for the max combiner's launch");
+  switch (bags.elem_type) {
+    case PKM_FLOAT16: MaxEntryKernel<__half, IdxT><<<Blocks(items, 256), 256, 0, stream>>>(bags, n, max_entry); break;
+    case PKM_BFLOAT16:
+      MaxEntryKernel<__nv_bfloat16, IdxT><<<Blocks(items, 256), 256, 0, stream>>>(bags, n, max_entry);
+      break;
+    default: MaxEntryKernel<float, IdxT><<<Blocks(items, 256), 256, 0, stream>>>(bags, n, max_entry);
+  }
+  return CheckLaunch("backward max entries");
+}
+
 // Sparse: flags[row] = 1 when the row has entries (flags[num_rows] = 0), to
 // be prefix-summed into output slots.
 __global__ void TouchedFlagsKernel(const uint32_t* seg_begin, int64_t num_rows, uint32_t* flags) {
@@ -133,7 +171,10 @@ int MakeLayout(const PkmBags& bags, const PkmCudaOptions* options, Layout* layou
   l.entries[1] = take(n * 4);
   l.cub_temp = take(l.cub_bytes);
   l.seg_begin = take((static_cast<size_t>(bags.num_rows) + 1) * 4);
-  if (bags.combiner != PKM_SUM) l.bag_scale = take(static_cast<size_t>(bags.num_bags) * 4);
+  if (bags.combiner == PKM_MEAN || bags.combiner == PKM_SQRTN)
+    l.bag_scale = take(static_cast<size_t>(bags.num_bags) * 4);
+  if (bags.combiner == PKM_MAX)
+    l.max_entry = take(static_cast<size_t>(bags.num_bags) * static_cast<size_t>(bags.dim) * 4);
   if (bags.row_splits != nullptr) l.bag_of_entry = take(n * 4);
   // After the sort the spare halves of the double buffers are free: the dots
   // and the piece sums live there when they fit.
@@ -223,8 +264,13 @@ int SortEntriesByRow(const PkmBags& bags, const Layout& l, void* d_weights, char
   uint32_t* seg_begin = reinterpret_cast<uint32_t*>(ws + l.seg_begin);
   SegmentBeginKernel<<<Blocks(bags.num_rows + 1, 256), 256, 0, stream>>>(keys.Current(), n, bags.num_rows, seg_begin);
   if (int status = CheckLaunch("backward segments")) return status;
+  int32_t* max_entry = nullptr;
+  if (bags.combiner == PKM_MAX) {
+    max_entry = reinterpret_cast<int32_t*>(ws + l.max_entry);
+    if (int status = LaunchMaxEntry<IdxT>(bags, n, max_entry, stream)) return status;
+  }
   float* bag_scale = nullptr;
-  if (bags.combiner != PKM_SUM && bags.num_bags > 0) {
+  if ((bags.combiner == PKM_MEAN || bags.combiner == PKM_SQRTN) && bags.num_bags > 0) {
     bag_scale = reinterpret_cast<float*>(ws + l.bag_scale);
     BagScaleKernel<IdxT><<<Blocks(bags.num_bags, kWarpsPerBlock), kBackwardThreads, 0, stream>>>(bags, n, bag_scale);
     if (int status = CheckLaunch("backward bag scales")) return status;
@@ -240,6 +286,7 @@ int SortEntriesByRow(const PkmBags& bags, const Layout& l, void* d_weights, char
   a.seg_begin = seg_begin;
   a.bag_scale = bag_scale;
   a.bag_of_entry = bag_of_entry;
+  a.max_entry = max_entry;
   a.piece_row = reinterpret_cast<int32_t*>(ws + l.piece_row);
   a.piece_sum = reinterpret_cast<float*>(l.pieces_in_spare_entries ? reinterpret_cast<char*>(entries.Alternate())
                                                                    : ws + l.piece_sum);
