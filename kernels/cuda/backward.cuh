@@ -118,7 +118,9 @@ __device__ __forceinline__ EntryMeta LoadEntryMeta(const BackwardArgs& a, int64_
 // raw dot grad[bag] . table[row] (this tile's part) of every entry to dots.
 // `first` is this lane's metadata for sorted position s0 + lane (loaded early
 // by the caller, so its latency hides behind the previous row).
-template <typename T, int VEC, int U>
+// kMax: the max combiner's mask (a.max_entry) applies; a template flag so the
+// sum/mean/sqrtn loop carries none of it.
+template <typename T, int VEC, int U, bool kMax>
 __device__ __forceinline__ void AccumulateRange(const BackwardArgs& a, int64_t row, int64_t s0,
                                                 int64_t s1, int64_t tile, int lane,
                                                 const EntryMeta& first, float (&acc)[U][VEC]) {
@@ -152,13 +154,13 @@ __device__ __forceinline__ void AccumulateRange(const BackwardArgs& a, int64_t r
         const bool active = k + j < count;  // warp-uniform
         const int64_t bag = __shfl_sync(kFullMask, my_bag, k + j);
         coef[j] = __shfl_sync(kFullMask, my_coef, k + j);
-        const int32_t entry = static_cast<int32_t>(__shfl_sync(kFullMask, my_entry, k + j));
+        const int32_t entry = kMax ? static_cast<int32_t>(__shfl_sync(kFullMask, my_entry, k + j)) : 0;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
           if (active && col < dim) {
             LoadFloats<T, VEC>(grad + bag * dim + col, g[j][u]);
-            if (a.max_entry != nullptr) {
+            if (kMax) {
 #pragma unroll
               for (int v = 0; v < VEC; ++v)
                 if (a.max_entry[bag * dim + col + v] != entry) g[j][u][v] = 0.f;

@@ -16,7 +16,7 @@ namespace pkm_cuda {
 // One warp per (piece, tile): the parts of long rows inside sorted positions
 // [piece * L, piece * L + L). A range of L positions meets at most two rows
 // longer than L: the one at its first position and the one at its last.
-template <typename T, int VEC, int U>
+template <typename T, int VEC, int U, bool kMax>
 __global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC))
     PiecesKernel(BackwardArgs a, int64_t pieces) {
   const int lane = threadIdx.x % kWarp;
@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC))
     float acc[U][VEC];
     ZeroAcc<VEC, U>(acc);
     const int64_t r0 = max(lo, s_begin), r1 = min(hi, s_end);
-    AccumulateRange<T, VEC, U>(a, row, r0, r1, tile, lane, LoadEntryMeta(a, r0 + lane, r0 + lane < r1), acc);
+    AccumulateRange<T, VEC, U, kMax>(a, row, r0, r1, tile, lane, LoadEntryMeta(a, r0 + lane, r0 + lane < r1), acc);
     float* out = a.piece_sum + (2 * piece + slot) * dim;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -77,7 +77,7 @@ __device__ __forceinline__ void AddPieces(const BackwardArgs& a, int64_t row, in
 // One warp per (kRowsPerWarp consecutive table rows, tile): each row tile's
 // gradient is summed once and handed to the epilogue. While a row is summed,
 // the next row's segment bounds and first entries are already being fetched.
-template <typename T, int VEC, int U, class Epilogue>
+template <typename T, int VEC, int U, bool kMax, class Epilogue>
 __global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC))
     RowsKernel(BackwardArgs a, Epilogue epilogue) {
   const int lane = threadIdx.x % kWarp;
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC))
     float acc[U][VEC];
     ZeroAcc<VEC, U>(acc);
     if (hi - lo <= a.long_segment) {
-      AccumulateRange<T, VEC, U>(a, row, lo, hi, tile, lane, meta, acc);
+      AccumulateRange<T, VEC, U, kMax>(a, row, lo, hi, tile, lane, meta, acc);
     } else if (wants_gradient) {
       AddPieces<VEC, U>(a, row, lo, hi, lane_col, acc);
     }
@@ -115,19 +115,19 @@ __global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC))
 }
 
 // The pieces pass (when there are long rows), then the row pass.
-template <typename T, int VEC, int U, class Epilogue>
+template <typename T, int VEC, int U, bool kMax, class Epilogue>
 int LaunchRowPassesAs(const BackwardArgs& args, int64_t pieces, const Epilogue& epilogue, cudaStream_t stream) {
   constexpr int kThreads = RowPassThreads(sizeof(T));
   if (pieces > 0) {
     const int64_t warps = pieces * args.tiles;
     if (warps / (kThreads / kWarp) >= INT32_MAX) return SetInvalid("backward: too many pieces for one launch");
-    PiecesKernel<T, VEC, U><<<Blocks(warps, kThreads / kWarp), kThreads, 0, stream>>>(args, pieces);
+    PiecesKernel<T, VEC, U, kMax><<<Blocks(warps, kThreads / kWarp), kThreads, 0, stream>>>(args, pieces);
     if (int status = CheckLaunch("backward pieces pass")) return status;
   }
   const int64_t warps = (args.bags.num_rows + kRowsPerWarp - 1) / kRowsPerWarp * args.tiles;
   if (warps / (kThreads / kWarp) >= INT32_MAX) return SetInvalid("backward: too many table rows for one launch");
   if (warps > 0) {
-    RowsKernel<T, VEC, U, Epilogue><<<Blocks(warps, kThreads / kWarp), kThreads, 0, stream>>>(args, epilogue);
+    RowsKernel<T, VEC, U, kMax, Epilogue><<<Blocks(warps, kThreads / kWarp), kThreads, 0, stream>>>(args, epilogue);
     if (int status = CheckLaunch("backward row pass")) return status;
   }
   return PKM_CUDA_OK;
@@ -139,8 +139,13 @@ int LaunchRowPasses(const BackwardArgs& args, int64_t pieces, const Epilogue& ep
                     cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
   const bool vector_ok = aligned && args.bags.dim % kVec == 0 && Aligned16(args.bags.table) && Aligned16(args.grad);
-  if (vector_ok) return LaunchRowPassesAs<T, kVec, kTileCols / (kWarp * kVec)>(args, pieces, epilogue, stream);
-  return LaunchRowPassesAs<T, 1, kTileCols / kWarp>(args, pieces, epilogue, stream);
+  constexpr int kU = kTileCols / (kWarp * kVec);
+  const bool max = args.max_entry != nullptr;
+  if (vector_ok)
+    return max ? LaunchRowPassesAs<T, kVec, kU, true>(args, pieces, epilogue, stream)
+               : LaunchRowPassesAs<T, kVec, kU, false>(args, pieces, epilogue, stream);
+  return max ? LaunchRowPassesAs<T, 1, kTileCols / kWarp, true>(args, pieces, epilogue, stream)
+             : LaunchRowPassesAs<T, 1, kTileCols / kWarp, false>(args, pieces, epilogue, stream);
 }
 
 }  // namespace pkm_cuda
