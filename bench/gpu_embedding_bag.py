@@ -31,8 +31,10 @@ DEV = "cuda"
 SHAPES = [  # (B, K, D, N)
     (16384, 128, 1024, 262144),  # the seed's BERT shape
     (8192, 128, 4096, 1048576),
+    (65536, 32, 256, 4194304),  # 512-byte half rows; the huge-table backward (N=4M, B*K=2M)
+    (512, 128, 1024, 262144),  # a small batch: launch- and tail-bound
 ]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def time_ms(fn, iters, warmup=3):
@@ -73,7 +75,7 @@ def copy_bandwidth_tbps():
     return 2 * 2 * 1024**3 / (ms * 1e-3) / 1e12  # read + write
 
 
-def bench_case(lib, B, K, D, N, dtype_name, iters, variants, with_peers=True):
+def bench_case(lib, B, K, D, N, dtype_name, iters, variants, with_peers=True, with_composite=True):
     dtype = DTYPES[dtype_name]
     elem = torch.finfo(dtype).bits // 8
     gen = torch.Generator(device=DEV).manual_seed(1234)
@@ -108,6 +110,20 @@ def bench_case(lib, B, K, D, N, dtype_name, iters, variants, with_peers=True):
         y = lib.cuda_forward(table, indices, weights, "sum")
         return y, lib.cuda_backward(table, indices, grad, weights, "sum")
 
+    # Floors: writing d_table once (dense); writing the touched rows (row-sparse).
+    d_table_buf = torch.empty(N, D, device=DEV, dtype=dtype)
+    write_ms = time_ms(lambda: d_table_buf.zero_(), iters)
+    del d_table_buf
+    ours_sparse = time_ms(lambda: lib.cuda_sparse_backward(table, indices, grad, weights, "sum"), iters)
+    touched = int(torch.unique(indices).numel())
+    rows_buf = torch.empty(touched, D, device=DEV, dtype=dtype)
+    write_rows_ms = time_ms(lambda: rows_buf.zero_(), iters)
+    del rows_buf
+    tiny = torch.empty(1, device=DEV)
+    launch_ms = time_ms(lambda: tiny.zero_(), iters)
+    row.update(write_d_table_ms=write_ms, ours_bwd_TBps_written=d_params_bytes / (ours_bwd * 1e-3) / 1e12,
+               ours_sparse_bwd_ms=ours_sparse, touched_rows=touched, write_touched_rows_ms=write_rows_ms,
+               launch_floor_ms=launch_ms)
     ours_peak = peak_extra_bytes(ours_step_own_workspace)
     ours_bwd_peak = peak_extra_bytes(lambda: lib.cuda_backward(table, indices, grad, weights, "sum"))
     # correctness spot check against torch's forward on a few bags (fp32 math)
@@ -158,6 +174,10 @@ def bench_case(lib, B, K, D, N, dtype_name, iters, variants, with_peers=True):
     def composite():
         return (table[indices] * weights.unsqueeze(-1)).sum(1)
 
+    if not with_composite or B * K * D * 4 > 40e9:
+        del t_table, t_weights, table, indices, weights, grad, out
+        torch.cuda.empty_cache()
+        return row
     row["composite_fwd_ms"] = time_ms(composite, max(3, iters // 4))
 
     def composite_step():
@@ -208,6 +228,19 @@ def markdown(meta, rows):
             f"{r['ours_peak_GB']:.3f} / {r['ours_bwd_peak_GB']:.3f} ({r['d_params_GB']:.3f}) | "
             f"{fmt(r.get('torch_peak_GB'), '.3f')} / {fmt(r.get('torch_bwd_peak_GB'), '.3f')} | "
             f"{fmt(r.get('composite_peak_GB'), '.2f')} |")
+    lines += ["", "Issue 25 view: forward TB/s gathered and ratio to torch; backward TB/s of d_table bytes written, "
+              "against writing d_table once (`zero_`); row-sparse backward against writing the touched rows; "
+              "launch floor = one tiny kernel (`zero_` of 1 element), CUDA-event timed.", "",
+              "| shape B,K,D,N | dtype | fwd TB/s (x torch) | fwd ms / launch floor ms | bwd ms (TB/s written) | "
+              "write d_table ms | bwd / write | sparse bwd ms | write touched rows ms | sparse / write |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['B']},{r['K']},{r['D']},{r['N']} | {r['dtype']} | {r['ours_fwd_TBps']:.2f} "
+            f"({r['torch_fwd_ms'] / r['ours_fwd_ms']:.2f}x) | {r['ours_fwd_ms']:.3f} / {r['launch_floor_ms']:.3f} | "
+            f"{r['ours_bwd_ms']:.3f} ({r['ours_bwd_TBps_written']:.2f}) | {r['write_d_table_ms']:.3f} | "
+            f"{r['ours_bwd_ms'] / r['write_d_table_ms']:.2f} | {r['ours_sparse_bwd_ms']:.3f} | "
+            f"{r['write_touched_rows_ms']:.3f} | {r['ours_sparse_bwd_ms'] / r['write_touched_rows_ms']:.2f} |")
     lines += ["", "Targets (issue 3, seed shape 16384,128,1024,262144):", ""]
     seed = {r["dtype"]: r for r in rows if (r["B"], r["K"], r["D"], r["N"]) == SHAPES[0]}
     if "fp32" in seed:
@@ -248,6 +281,9 @@ def main(argv=None):
     parser.add_argument("--variants", default="1,2,4", help="forward_vecs_per_lane values to time")
     parser.add_argument("--lib", default=None, help="libpkm_cuda.so to load (default: pkm_serve/lib or $PKM_CUDA_LIB)")
     parser.add_argument("--no-peers", action="store_true", help="time only ours (for comparing builds)")
+    parser.add_argument("--no-composite", action="store_true", help="skip the composite peer")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="table dtypes to time")
+    parser.add_argument("--shapes", default=None, help="indices into SHAPES to time (default: all)")
     parser.add_argument("--tag", default=None, help="results file suffix (default: from the GPU name)")
     args = parser.parse_args(argv)
     lib = pkm_capi.PkmLib(args.lib)
@@ -260,9 +296,12 @@ def main(argv=None):
     variants = [int(v) for v in args.variants.split(",") if v]
     rows = []
     shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [SHAPES[int(i)] for i in args.shapes.split(",")]
     for B, K, D, N in shapes:
-        for dtype_name in DTYPES:
-            row = bench_case(lib, B, K, D, N, dtype_name, args.iters, variants, not args.no_peers)
+        for dtype_name in args.dtypes.split(","):
+            row = bench_case(lib, B, K, D, N, dtype_name, args.iters, variants, not args.no_peers,
+                             not args.no_composite)
             rows.append(row)
             print(json.dumps(row), flush=True)
     os.makedirs(args.out, exist_ok=True)

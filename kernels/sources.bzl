@@ -17,6 +17,7 @@ PKM_CORE_SRCS = [
     "kernels/core/bag_problem.cc",
     "kernels/core/embedding_bag.cc",
     "kernels/core/forward_int8.cc",
+    "kernels/core/fused_optimizer.cc",
     "kernels/core/vector_ops.cc",
 ]
 
@@ -24,7 +25,9 @@ PKM_CORE_HDRS = [
     "kernels/core/bag_problem.h",
     "kernels/core/embedding_bag.h",
     "kernels/core/forward_int8.h",
+    "kernels/core/fused_optimizer.h",
     "kernels/core/internal.h",
+    "kernels/core/row_optimizer.h",
     "kernels/core/vector_ops.h",
 ]
 
@@ -44,17 +47,20 @@ PKM_TF_SRCS = [
     "kernels/tf/embedding_bag_kernels.cc",
     "kernels/tf/quantized_embedding_bag_ops.cc",
     "kernels/tf/quantized_embedding_bag_kernels.cc",
+    "kernels/tf/fused_optimizer_ops.cc",
 ]
 
 # GPU kernels: compiled with -DGOOGLE_CUDA=1 (`make gpu`, --config=cuda); the
 # file is empty without it.
 PKM_TF_GPU_SRCS = [
     "kernels/tf/embedding_bag_gpu_kernels.cc",
+    "kernels/tf/fused_optimizer_gpu_kernels.cc",
 ]
 
 PKM_TF_HDRS = [
     "kernels/tf/embedding_bag_common.h",
     "kernels/tf/quantized_embedding_bag_common.h",
+    "kernels/tf/fused_optimizer_common.h",
 ]
 
 # XLA lowering of the ops (tf2xla kernels) and their Host custom-call targets
@@ -83,6 +89,10 @@ PKM_CUDA_SRCS = [
     "kernels/cuda/forward.cu",
     "kernels/cuda/forward_int8.cu",
     "kernels/cuda/backward.cu",
+    "kernels/cuda/backward_rows.cu",
+    "kernels/cuda/backward_sort.cu",
+    "kernels/cuda/backward_weights.cu",
+    "kernels/cuda/fused_optimizer.cu",
 ]
 
 PKM_CUDA_HDRS = [
@@ -91,6 +101,8 @@ PKM_CUDA_HDRS = [
 
 # Included by the .cu files only.
 PKM_CUDA_TEXTUAL_HDRS = [
+    "kernels/cuda/backward.cuh",
+    "kernels/cuda/backward_rows.cuh",
     "kernels/cuda/common.cuh",
 ]
 

@@ -19,12 +19,23 @@ gradients, read and write only the touched rows of the variable and its slots:
 
 Duplicate indices (e.g. IndexedSlices gathered from several replicas) are
 summed first.
+
+Fused: for a table whose layer asks for it (``fused_optimizer=True`` on
+``EmbeddingBag`` / ``ProductKeyMemory``), both optimizers claim the table in
+``build`` and apply their update inside the backward pass through one op
+(``PkmEmbeddingBagFusedUpdate``: the row-grouped backward hands each touched
+row's gradient straight to the update, no table gradient is formed), with the
+same result as the sparse path (pkm_serve/_fused_update.py). Options that need
+the gradient itself (clipping, weight decay, EMA, gradient accumulation, loss
+scaling, amsgrad) are refused for fused tables.
 """
 
 from __future__ import annotations
 
 import keras
 import tensorflow as tf
+
+from pkm_serve import _fused_update
 
 
 def _unique_rows(gradient: tf.IndexedSlices):
@@ -44,13 +55,51 @@ def _gather(variable, rows):
     return tf.gather(variable, rows)
 
 
+def _claim_fused_tables(optimizer, var_list):
+    """Claims the tables whose layers asked for the fused update (see module doc)."""
+    for var in var_list:
+        if not _fused_update.wants_fused(var):
+            continue
+        blocking = [name for name in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm",
+                                      "loss_scale_factor", "gradient_accumulation_steps")
+                    if getattr(optimizer, name, None)]
+        if getattr(optimizer, "use_ema", False):
+            blocking.append("use_ema")
+        if getattr(optimizer, "amsgrad", False):
+            blocking.append("amsgrad")
+        if blocking:
+            raise ValueError(f"{type(optimizer).__name__}: the fused update of {var.path} does not support "
+                             f"{', '.join(blocking)} (it never forms the gradient); drop them or build the "
+                             "layer with fused_optimizer=False")
+        _fused_update.claim(var, optimizer)
+
+
+def _fused_step(optimizer):
+    return optimizer.iterations + 1  # the step apply_gradients is about to count
+
+
 @keras.saving.register_keras_serializable(package="pkm_serve")
 class LazyAdam(keras.optimizers.Adam):
     """Adam that, for ``IndexedSlices`` gradients, updates only the touched
     rows of the variable and of its two moments (arguments as
     ``keras.optimizers.Adam``; dense gradients get Keras' Adam unchanged)."""
 
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        _claim_fused_tables(self, var_list)
+
+    def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
+        index = self._get_variable_index(variable)
+        state = (self._momentums[index], self._velocities[index])
+        return _fused_update.run_update(variable, d_out, indices, weights, combiner, has_weights, "adam", state,
+                                        self.learning_rate, _fused_step(self), epsilon=float(self.epsilon),
+                                        beta_1=float(self.beta_1), beta_2=float(self.beta_2))
+
     def update_step(self, gradient, variable, learning_rate):
+        if _fused_update.claimed_by(variable) is self:
+            return  # updated in the backward pass
         if not isinstance(gradient, tf.IndexedSlices):
             return super().update_step(gradient, variable, learning_rate)
         dtype = variable.dtype
@@ -118,8 +167,17 @@ class RowwiseAdagrad(keras.optimizers.Optimizer):
                 self._accumulators.append(self.add_variable(
                     shape=shape, initializer=init, dtype=var.dtype,
                     name=f"{var.name.replace('/', '_').replace(':', '_')}_rowwise_accumulator"))
+        _claim_fused_tables(self, var_list)
+
+    def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
+        acc = self._accumulators[self._get_variable_index(variable)]
+        return _fused_update.run_update(variable, d_out, indices, weights, combiner, has_weights,
+                                        "rowwise_adagrad", (acc,), self.learning_rate, _fused_step(self),
+                                        epsilon=float(self.epsilon))
 
     def update_step(self, gradient, variable, learning_rate):
+        if _fused_update.claimed_by(variable) is self:
+            return  # updated in the backward pass
         dtype = variable.dtype
         lr = tf.cast(learning_rate, dtype)
         acc = self._accumulators[self._get_variable_index(variable)]

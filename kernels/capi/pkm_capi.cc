@@ -5,8 +5,11 @@
 #include <cstddef>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "kernels/core/embedding_bag.h"
+#include "kernels/core/fused_optimizer.h"
 
 namespace {
 
@@ -34,6 +37,18 @@ bool ToCore(const PkmBags* in, pkm::Table* table, pkm::Bags* bags, pkm::Combiner
   const pkm::Status s = pkm::FromBagProblem(*in, table, bags, combiner);
   if (!s.ok) *error = s.message;
   return s.ok;
+}
+
+// Splits [0, total) into num_threads contiguous ranges on std::threads.
+pkm::ParallelFor ThreadsFor(int num_threads) {
+  if (num_threads <= 1) return pkm::SerialFor();
+  return [num_threads](int64_t total, int64_t, const pkm::RangeFn& fn) {
+    std::vector<std::thread> threads;
+    const int64_t chunk = (total + num_threads - 1) / num_threads;
+    for (int64_t begin = 0; begin < total; begin += chunk)
+      threads.emplace_back([&fn, begin, chunk, total] { fn(begin, begin + chunk < total ? begin + chunk : total); });
+    for (auto& t : threads) t.join();
+  };
 }
 
 }  // namespace
@@ -90,6 +105,19 @@ int pkm_cpu_sparse_backward(const PkmBags* in, const void* grad_out, pkm_cuda_sp
   };
   return Finish(pkm::SparseBackward(table, bags, combiner, grad_out, table.type,
                                     core_alloc, table.type, d_weights, pkm::SerialFor()),
+                err, err_len);
+}
+
+int pkm_cpu_fused_update(const PkmBags* in, const void* grad_out, const PkmRowOptimizer* opt, void* d_weights,
+                         int num_threads, char* err, size_t err_len) {
+  pkm::Table table;
+  pkm::Bags bags;
+  pkm::Combiner combiner;
+  std::string error;
+  if (!ToCore(in, &table, &bags, &combiner, &error)) return Fail(error, err, err_len);
+  if (opt == nullptr) return Fail("opt is null", err, err_len);
+  return Finish(pkm::FusedBackwardUpdate(table, bags, combiner, grad_out, table.type, *opt, d_weights,
+                                         ThreadsFor(num_threads)),
                 err, err_len);
 }
 

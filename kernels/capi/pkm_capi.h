@@ -37,6 +37,14 @@ PKM_CUDA_API int pkm_cpu_sparse_backward(const PkmBags* bags, const void* grad_o
                             pkm_cuda_sparse_alloc_fn alloc, void* alloc_ctx, void* d_weights,
                             char* err, size_t err_len);
 
+// The core's fused backward + row-wise optimizer (pkm::FusedBackwardUpdate)
+// on host pointers: bags->table is updated in place (the caller's buffer is
+// writable), with opt's state; d_weights as in pkm_cpu_backward (may be NULL).
+// num_threads > 1 splits the rows over that many threads (the result is
+// bitwise the same for any count).
+PKM_CUDA_API int pkm_cpu_fused_update(const PkmBags* bags, const void* grad_out, const PkmRowOptimizer* opt,
+                                      void* d_weights, int num_threads, char* err, size_t err_len);
+
 // The layout of PkmBags as this library was compiled: writes sizeof(PkmBags)
 // to *size and the offsetof of its first min(num_offsets, fields) fields, in
 // declaration order, to offsets; returns the number of fields. Lets a ctypes

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # PKM_CUDA_LIB selects another build (e.g. a tuning variant) for tests and benchmarks.
 DEFAULT_CUDA_LIB = os.environ.get("PKM_CUDA_LIB") or os.path.join(ROOT, "pkm_serve", "lib", "libpkm_cuda.so")
 
-COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
+COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2, "max": 3}
 # PKM_NEGATIVE_IS_PADDING / PKM_NO_PADDING / PKM_OUT_OF_RANGE_IS_PADDING.
 INDEX_POLICIES = {"negative_is_padding": 0, "no_padding": 1, "out_of_range_is_padding": 2}
 INVALID_ARGUMENT = -1
@@ -44,6 +44,42 @@ class PkmBags(ctypes.Structure):
         ("row_biases", ctypes.c_void_p),
         ("row_params_type", ctypes.c_int32),
     ]
+
+
+OPTIMIZERS = {"sgd": 0, "rowwise_adagrad": 1, "adam": 2}
+
+
+class PkmRowOptimizer(ctypes.Structure):
+    """Mirror of PkmRowOptimizer in kernels/core/row_optimizer.h."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("learning_rate", ctypes.c_float),
+        ("epsilon", ctypes.c_float),
+        ("beta_1", ctypes.c_float),
+        ("beta_2", ctypes.c_float),
+        ("step", ctypes.c_int64),
+        ("state0", ctypes.c_void_p),
+        ("state1", ctypes.c_void_p),
+    ]
+
+
+def make_row_optimizer(kind, learning_rate, state=(), epsilon=1e-7, beta_1=0.9, beta_2=0.999, step=1):
+    """PkmRowOptimizer over float32 torch tensors `state`: () for sgd,
+    (accumulator [N],) for rowwise_adagrad, (m [N, D], v [N, D]) for adam."""
+    import torch
+
+    if kind not in OPTIMIZERS:
+        raise PkmError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {kind!r}")
+    for t in state:
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise PkmError("optimizer state must be contiguous float32 tensors")
+    opt = PkmRowOptimizer()
+    opt.kind = OPTIMIZERS[kind]
+    opt.learning_rate, opt.epsilon, opt.beta_1, opt.beta_2, opt.step = learning_rate, epsilon, beta_1, beta_2, step
+    opt.state0 = _ptr(state[0]) if len(state) > 0 else None
+    opt.state1 = _ptr(state[1]) if len(state) > 1 else None
+    return opt
 
 
 class PkmCudaOptions(ctypes.Structure):
@@ -194,6 +230,8 @@ class PkmLib:
         lib.pkm_cpu_forward.argtypes = [bags_p, vp, ctypes.c_int] + err_args
         lib.pkm_cpu_backward.argtypes = [bags_p, vp, vp, vp, ctypes.c_int] + err_args
         lib.pkm_cpu_sparse_backward.argtypes = [bags_p, vp, SPARSE_ALLOC_FN, vp, vp] + err_args
+        opt_p = ctypes.POINTER(PkmRowOptimizer)
+        lib.pkm_cpu_fused_update.argtypes = [bags_p, vp, opt_p, vp, ctypes.c_int] + err_args
         if self.has_cuda:
             lib.pkm_cuda_forward.argtypes = [bags_p, vp, opts_p, vp]
             lib.pkm_cuda_backward_workspace_bytes.argtypes = [bags_p, opts_p]
@@ -205,6 +243,9 @@ class PkmLib:
             lib.pkm_cuda_sparse_backward_workspace_bytes.restype = ctypes.c_size_t
             lib.pkm_cuda_sparse_backward.argtypes = [bags_p, vp, SPARSE_ALLOC_FN, vp, vp, vp, ctypes.c_size_t,
                                                      opts_p, vp]
+            lib.pkm_cuda_fused_update_workspace_bytes.argtypes = [bags_p, opts_p]
+            lib.pkm_cuda_fused_update_workspace_bytes.restype = ctypes.c_size_t
+            lib.pkm_cuda_fused_update.argtypes = [bags_p, vp, opt_p, vp, vp, ctypes.c_size_t, opts_p, vp]
 
     # ---- CUDA (torch CUDA tensors) -------------------------------------------
     def _check_cuda(self, rc, what):
@@ -289,6 +330,25 @@ class PkmLib:
         self._check_cuda(rc, "pkm_cuda_sparse_backward")
         return keep["rows"], keep["row_grads"], d_weights
 
+    def cuda_fused_update(self, table, indices, grad, optimizer, state=(), weights=None, combiner="sum",
+                          row_splits=None, want_d_weights=True, options=None, workspace=None, **hyper):
+        """Updates `table` (and `state`) in place; returns d_weights or None.
+        `hyper`: learning_rate, epsilon, beta_1, beta_2, step (make_row_optimizer)."""
+        import torch
+
+        bags = make_bags(table, indices, weights, combiner, row_splits)
+        opt = make_row_optimizer(optimizer, state=state, **hyper)
+        opts = self._options(options)
+        d_weights = torch.empty_like(weights) if (want_d_weights and weights is not None) else None
+        if workspace is None:
+            ws_bytes = self.lib.pkm_cuda_fused_update_workspace_bytes(ctypes.byref(bags), opts)
+            workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=table.device)
+        stream = torch.cuda.current_stream(table.device).cuda_stream
+        rc = self.lib.pkm_cuda_fused_update(ctypes.byref(bags), _ptr(grad), ctypes.byref(opt), _ptr(d_weights),
+                                            _ptr(workspace), workspace.numel(), opts, stream)
+        self._check_cuda(rc, "pkm_cuda_fused_update")
+        return d_weights
+
     # ---- core CPU (torch CPU tensors) -----------------------------------------
     def _check_cpu(self, rc, err, what):
         if rc != 0:
@@ -332,3 +392,18 @@ class PkmLib:
                                               err, len(err))
         self._check_cpu(rc, err, "pkm_cpu_sparse_backward")
         return keep["rows"], keep["row_grads"], d_weights
+
+    def cpu_fused_update(self, table, indices, grad, optimizer, state=(), weights=None, combiner="sum",
+                         row_splits=None, num_threads=1, **hyper):
+        """The core's fused backward + optimizer: updates `table` and `state`
+        in place; returns d_weights or None."""
+        import torch
+
+        bags = make_bags(table, indices, weights, combiner, row_splits)
+        opt = make_row_optimizer(optimizer, state=state, **hyper)
+        d_weights = torch.empty_like(weights) if weights is not None else None
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.pkm_cpu_fused_update(ctypes.byref(bags), _ptr(grad), ctypes.byref(opt), _ptr(d_weights),
+                                           num_threads, err, len(err))
+        self._check_cpu(rc, err, "pkm_cpu_fused_update")
+        return d_weights

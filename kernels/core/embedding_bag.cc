@@ -492,6 +492,35 @@ Status SparseBackward(const Table& table, const Bags& bags, Combiner combiner, c
   return Status::Ok();
 }
 
+// ---- row gradients handed to a callback (the fused optimizer) ------------------
+
+Status RowGradients(const Table& table, const Bags& bags, Combiner combiner, const void* grad_out,
+                    ElemType grad_type, void* d_weights, const ParallelFor& pf, const RowGradientFn& fn) {
+  Status s = CheckBackward(table, bags, grad_type, ElemType::kFloat32, pf);
+  if (!s.ok) return s;
+  if (bags.weights == nullptr) d_weights = nullptr;
+  const int64_t dim = table.dim, n = bags.NumIndices();
+  const BackwardInputs in(bags, combiner, grad_out, grad_type, dim, d_weights, pf);
+  auto visit = [&](const auto& groups) {
+    const int64_t groups_n = groups.NumGroups();
+    const int64_t cost = (static_cast<int64_t>(groups.order.size()) / std::max<int64_t>(groups_n, 1) + 1) * dim * 4;
+    pf(groups_n, cost, [&](int64_t u0, int64_t u1) {
+      std::vector<float> acc(dim), row_buf(table.type == ElemType::kFloat32 ? 0 : dim);
+      for (int64_t u = u0; u < u1; ++u) {
+        if (groups.starts[u] == groups.starts[u + 1]) continue;  // counting sort lists every row
+        const int64_t r = groups.Row(u);
+        AccumulateRowGradient(table, in, groups.order.data(), groups.starts[u], groups.starts[u + 1], r,
+                              acc.data(), row_buf.data());
+        fn(r, acc.data());
+      }
+    });
+  };
+  if (n <= std::numeric_limits<int32_t>::max()) visit(GroupByRow<int32_t>(bags, table.num_rows));
+  else visit(GroupByRow<int64_t>(bags, table.num_rows));
+  if (d_weights != nullptr) WeightGradFromDots(bags, combiner, in.bag_scale, in.grad_dot_row, d_weights, pf);
+  return Status::Ok();
+}
+
 // ---- scalar conversions -----------------------------------------------------
 
 float HalfToFloat(uint16_t h) {

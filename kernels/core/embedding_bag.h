@@ -26,7 +26,7 @@
 namespace pkm {
 
 // The values come from the C descriptor (bag_problem.h), defined there once.
-enum class Combiner : int { kSum = PKM_SUM, kMean = PKM_MEAN, kSqrtn = PKM_SQRTN };
+enum class Combiner : int { kSum = PKM_SUM, kMean = PKM_MEAN, kSqrtn = PKM_SQRTN, kMax = PKM_MAX };
 
 // Storage type of a table, of weights, of outputs. Half types are raw 16-bit
 // patterns (IEEE binary16 / bfloat16); kInt8 is only valid for tables and
@@ -157,6 +157,17 @@ using SparseRowsAlloc = std::function<Status(int64_t num_rows_touched, int64_t**
 Status SparseBackward(const Table& table, const Bags& bags, Combiner combiner, const void* grad_out,
                       ElemType grad_type, const SparseRowsAlloc& alloc, ElemType row_grads_type,
                       void* d_weights, const ParallelFor& pf);
+
+// The row-grouped backward with the table gradient handed out row by row:
+// fn(row, grad) is called once per distinct row that valid indices touch, with
+// grad[dim] that row's float32 gradient (fn may overwrite it). Calls for
+// different rows may run concurrently (one row on one thread); each row's
+// grad . row products for d_weights are taken before fn sees the row, so fn
+// may update table row `row` in place (the fused optimizer does). d_weights
+// as in Backward (may be null). No [indices, dim] buffer.
+using RowGradientFn = std::function<void(int64_t row, float* grad)>;
+Status RowGradients(const Table& table, const Bags& bags, Combiner combiner, const void* grad_out,
+                    ElemType grad_type, void* d_weights, const ParallelFor& pf, const RowGradientFn& fn);
 
 // Slow, obviously-correct versions of the two, for tests (serial, double
 // accumulation is not used on purpose: float32 like the contract).

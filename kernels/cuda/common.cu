@@ -41,9 +41,11 @@ int ValidateCommon(const PkmBags* bags) {
   if (b.weights != nullptr && !type_ok(b.weights_type))
     return SetInvalid("weights_type must be float32 (0), float16 (1) or bfloat16 (2), got " +
                       std::to_string(b.weights_type));
-  if (b.combiner != PKM_SUM && b.combiner != PKM_MEAN && b.combiner != PKM_SQRTN)
-    return SetInvalid("combiner must be sum (0), mean (1) or sqrtn (2), got " +
+  if (b.combiner != PKM_SUM && b.combiner != PKM_MEAN && b.combiner != PKM_SQRTN && b.combiner != PKM_MAX)
+    return SetInvalid("combiner must be sum (0), mean (1), sqrtn (2) or max (3), got " +
                       std::to_string(b.combiner));
+  if (b.combiner == PKM_MAX && b.weights != nullptr)
+    return SetInvalid("the max combiner takes no weights (as torch's mode='max'); pass weights = NULL");
   if (b.index_policy != PKM_NEGATIVE_IS_PADDING && b.index_policy != PKM_OUT_OF_RANGE_IS_PADDING)
     return SetInvalid("index_policy must be negative-is-padding (0) or out-of-range-is-padding (2) on the "
                       "GPU (the device cannot report an index error), got " + std::to_string(b.index_policy));

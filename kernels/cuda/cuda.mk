@@ -26,7 +26,7 @@ CUDA_LIBS   = -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/targets/x86_64-linux/lib -lcud
 PKM_CUDA_LIB := $(LIBDIR)/libpkm_cuda.so
 PKM_CAPI_CPU_LIB := $(LIBDIR)/libpkm_capi_cpu.so
 TF_GPU_OP_LIB := $(LIBDIR)/_pkm_ops_gpu.so
-TF_GPU_KERNEL_OBJ := $(BUILDDIR)/tf_gpu/embedding_bag_gpu_kernels.o
+TF_GPU_KERNEL_OBJS := $(patsubst kernels/tf/%.cc,$(BUILDDIR)/tf_gpu/%.o,$(PKM_TF_GPU_SRCS))
 
 $(BUILDDIR)/cuda/%.o: $(CUDA_DIR)/%.cu $(CUDA_HDRS)
 	@mkdir -p $(dir $@)
@@ -50,11 +50,11 @@ $(PKM_CAPI_CPU_LIB): $(BUILDDIR)/capi/pkm_capi_cpu.o $(CORE_OBJS) $(CORE_REFEREN
 
 # The TF GPU kernels: g++ with TF's headers and GOOGLE_CUDA=1; the CUDA
 # translation units above never see a TF header.
-$(TF_GPU_KERNEL_OBJ): kernels/tf/embedding_bag_gpu_kernels.cc $(CORE_HDRS) $(wildcard kernels/tf/*.h) $(CUDA_DIR)/embedding_bag_cuda.h $(STAMP)
+$(BUILDDIR)/tf_gpu/%.o: kernels/tf/%.cc $(CORE_HDRS) $(wildcard kernels/tf/*.h) $(CUDA_DIR)/embedding_bag_cuda.h $(STAMP)
 	@mkdir -p $(dir $@)
 	$(CXX) $(PKM_CXXSTD) $(PKM_TF_COPTS) $(PIC) -DGOOGLE_CUDA=1 -I. $(TF_CFLAGS) -c $< -o $@
 
-$(TF_GPU_OP_LIB): $(TF_GPU_KERNEL_OBJ) $(filter-out $(BUILDDIR)/tf/embedding_bag_gpu_kernels.o,$(TF_OBJS)) $(CUDA_OBJS) $(CORE_OBJS)
+$(TF_GPU_OP_LIB): $(TF_GPU_KERNEL_OBJS) $(TF_OBJS) $(CUDA_OBJS) $(CORE_OBJS)
 	@mkdir -p $(LIBDIR)
 	$(CXX) -shared $^ -o $@ $(TF_LFLAGS) $(CUDA_LIBS) -Wl,--no-undefined
 

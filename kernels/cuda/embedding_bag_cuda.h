@@ -23,6 +23,7 @@
 #include <stdint.h>
 
 #include "kernels/core/bag_problem.h"
+#include "kernels/core/row_optimizer.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -93,6 +94,19 @@ PKM_CUDA_API int pkm_cuda_sparse_backward(const PkmBags* bags, const void* grad_
 // [num_bags, dim] float32. Same bag, weight and index rules as
 // pkm_cuda_forward; forward only (kernels/cuda/forward_int8.cu).
 PKM_CUDA_API int pkm_cuda_forward_int8(const PkmBags* bags, float* out, pkm_cuda_stream_t stream);
+
+// Fused backward + row-wise optimizer (kernels/core/row_optimizer.h): the
+// backward's sorted passes, but each touched row's gradient tile is applied to
+// bags->table in place (the table pointer is written through) and to opt's
+// state (device pointers, float32) instead of being stored: no d_table, no
+// [indices, dim] buffer. Untouched rows and their state do not move.
+// d_weights as in pkm_cuda_backward (taken against the table before the
+// update; may be NULL). `opt` is read on the host at the call. No host
+// synchronisation. Deterministic like pkm_cuda_backward.
+PKM_CUDA_API size_t pkm_cuda_fused_update_workspace_bytes(const PkmBags* bags, const PkmCudaOptions* options);
+PKM_CUDA_API int pkm_cuda_fused_update(const PkmBags* bags, const void* grad_out, const PkmRowOptimizer* opt,
+                                       void* d_weights, void* workspace, size_t workspace_bytes,
+                                       const PkmCudaOptions* options, pkm_cuda_stream_t stream);
 
 // Message for the last PKM_CUDA_INVALID_ARGUMENT / CUDA error on this thread.
 PKM_CUDA_API const char* pkm_cuda_last_error(void);

@@ -17,13 +17,21 @@ namespace pkm_cuda {
 namespace {
 
 constexpr int kForwardThreads = 256;
-constexpr int kRowsInFlight = 4;
+// With one vector per lane (narrow tiles) twice as many rows are in flight, so
+// every lane still keeps 8 loads outstanding.
+__host__ __device__ constexpr int RowsInFlight(int u) { return u == 1 ? 8 : 4; }
 constexpr int kDefaultForwardVecsPerLane = 2;
+// Below this many warps the default drops to one vector per lane (twice the
+// warps): small batches are latency-bound, not bandwidth-bound.
+constexpr int64_t kFewWarps = 132 * 64;
 
-template <typename T, typename IdxT, int VEC, int U>
+// kMax: elementwise max over the bag's valid rows (an empty bag gives 0)
+// instead of the weighted sum.
+template <typename T, typename IdxT, int VEC, int U, bool kMax>
 __global__ void __launch_bounds__(kForwardThreads)
     ForwardKernel(PkmBags bags, int64_t num_indices, int64_t tiles, T* __restrict__ out) {
   constexpr int kTileCols = kWarp * VEC * U;
+  constexpr int kRowsInFlight = RowsInFlight(U);
   const int lane = threadIdx.x % kWarp;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kForwardThreads / kWarp) +
                        threadIdx.x / kWarp;
@@ -43,7 +51,7 @@ __global__ void __launch_bounds__(kForwardThreads)
 #pragma unroll
   for (int u = 0; u < U; ++u)
 #pragma unroll
-    for (int v = 0; v < VEC; ++v) acc[u][v] = 0.f;
+    for (int v = 0; v < VEC; ++v) acc[u][v] = kMax ? -INFINITY : 0.f;
   float weight_sum = 0.f, weight_sq_sum = 0.f;  // lane-partial, valid entries only
 
   for (int64_t chunk = begin; chunk < end; chunk += kWarp) {
@@ -83,15 +91,21 @@ __global__ void __launch_bounds__(kForwardThreads)
         }
       }
 #pragma unroll
-      for (int j = 0; j < kRowsInFlight; ++j)
+      for (int j = 0; j < kRowsInFlight; ++j) {
+        if (kMax && __shfl_sync(kFullMask, my_row, k + j) < 0) continue;  // padding: not a candidate
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
-          for (int v = 0; v < VEC; ++v) acc[u][v] = fmaf(weight[j], rows[j][u][v], acc[u][v]);
+          for (int v = 0; v < VEC; ++v)
+            acc[u][v] = kMax ? fmaxf(acc[u][v], rows[j][u][v]) : fmaf(weight[j], rows[j][u][v], acc[u][v]);
+      }
     }
   }
 
-  const float scale = CombinerScale(bags.combiner, WarpSum(weight_sum), WarpSum(weight_sq_sum));
+  const float weight_total = WarpSum(weight_sum);
+  // max: weight_sum counts the valid entries (weights are refused, so 1 each).
+  const float scale = kMax ? (weight_total > 0.f ? 1.f : 0.f)
+                           : CombinerScale(bags.combiner, weight_total, WarpSum(weight_sq_sum));
   T* out_row = out + bag * dim;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -99,7 +113,7 @@ __global__ void __launch_bounds__(kForwardThreads)
     if (col < dim) {
       float scaled[VEC];
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) scaled[v] = acc[u][v] * scale;
+      for (int v = 0; v < VEC; ++v) scaled[v] = kMax ? (scale > 0.f ? acc[u][v] : 0.f) : acc[u][v] * scale;
       StoreFloats<T, VEC>(out_row + col, scaled);
     }
   }
@@ -112,9 +126,23 @@ int LaunchForward(const PkmBags& bags, int64_t num_indices, void* out, cudaStrea
   const int64_t warps = bags.num_bags * tiles;
   const int64_t blocks = (warps + kForwardThreads / kWarp - 1) / (kForwardThreads / kWarp);
   if (blocks > 0x7fffffffLL) return SetInvalid("forward: too many bags for one launch");
-  ForwardKernel<T, IdxT, VEC, U><<<static_cast<unsigned>(blocks), kForwardThreads, 0, stream>>>(
-      bags, num_indices, tiles, static_cast<T*>(out));
+  if (bags.combiner == PKM_MAX)
+    ForwardKernel<T, IdxT, VEC, U, true><<<static_cast<unsigned>(blocks), kForwardThreads, 0, stream>>>(
+        bags, num_indices, tiles, static_cast<T*>(out));
+  else
+    ForwardKernel<T, IdxT, VEC, U, false><<<static_cast<unsigned>(blocks), kForwardThreads, 0, stream>>>(
+        bags, num_indices, tiles, static_cast<T*>(out));
   return CheckLaunch("pkm_cuda_forward");
+}
+
+// The default vectors per lane: one when a single vector per lane already
+// covers the row (rows of 32 * 16 bytes or less: no idle lanes) or when the
+// launch would have few warps; else two.
+int DefaultVecsPerLane(const PkmBags& bags, int vec) {
+  const int64_t cols_per_tile = static_cast<int64_t>(kWarp) * vec * kDefaultForwardVecsPerLane;
+  const int64_t tiles = (bags.dim + cols_per_tile - 1) / cols_per_tile;
+  if (bags.dim <= static_cast<int64_t>(kWarp) * vec || bags.num_bags * tiles < kFewWarps) return 1;
+  return kDefaultForwardVecsPerLane;
 }
 
 template <typename T, typename IdxT>
@@ -123,6 +151,7 @@ int DispatchVec(const PkmBags& bags, int64_t num_indices, void* out, int vecs_pe
   constexpr int kVec = 16 / sizeof(T);
   const bool vector_ok = bags.dim % kVec == 0 && Aligned16(bags.table) && Aligned16(out);
   if (!vector_ok) return LaunchForward<T, IdxT, 1, 4>(bags, num_indices, out, stream);
+  if (vecs_per_lane == 0) vecs_per_lane = DefaultVecsPerLane(bags, kVec);
   switch (vecs_per_lane) {
     case 1: return LaunchForward<T, IdxT, kVec, 1>(bags, num_indices, out, stream);
     case 4: return LaunchForward<T, IdxT, kVec, 4>(bags, num_indices, out, stream);
@@ -148,7 +177,7 @@ extern "C" int pkm_cuda_forward(const PkmBags* bags, void* out, const PkmCudaOpt
   if (status != PKM_CUDA_OK) return status;
   if (bags->num_bags == 0 || bags->dim == 0) return PKM_CUDA_OK;
   if (out == nullptr) return SetInvalid("forward: out is null");
-  int vecs_per_lane = kDefaultForwardVecsPerLane;
+  int vecs_per_lane = 0;  // DefaultVecsPerLane
   if (options != nullptr && options->forward_vecs_per_lane != 0) {
     vecs_per_lane = options->forward_vecs_per_lane;
     if (vecs_per_lane != 1 && vecs_per_lane != 2 && vecs_per_lane != 4)

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "kernels/core/embedding_bag.h"
+#include "tensorflow/core/framework/device_base.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -146,6 +147,15 @@ inline ::tensorflow::Status BuildGradArgs(::tensorflow::OpKernelContext* ctx, co
   TF_RETURN_IF_ERROR(BuildGradCoreArgs(ctx, attrs, args));
   TF_RETURN_IF_ERROR(ctx->allocate_output(0, ctx->input(1).shape(), d_params));
   return ctx->allocate_output(1, args->weights->shape(), d_weights);
+}
+
+// The core's ParallelFor on TF's intra-op CPU thread pool.
+inline pkm::ParallelFor TfParallelFor(::tensorflow::OpKernelContext* ctx) {
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return [workers](int64_t total, int64_t cost_per_unit, const pkm::RangeFn& fn) {
+    if (total <= 0) return;
+    workers->ParallelFor(total, cost_per_unit, [&fn](int64_t begin, int64_t end) { fn(begin, end); });
+  };
 }
 
 inline ::tensorflow::Status ToTf(const pkm::Status& s) {

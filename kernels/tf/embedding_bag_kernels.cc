@@ -15,14 +15,6 @@ using ::tensorflow::Tensor;
 
 namespace {
 
-pkm::ParallelFor TfParallelFor(OpKernelContext* ctx) {
-  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  return [workers](int64_t total, int64_t cost_per_unit, const pkm::RangeFn& fn) {
-    if (total <= 0) return;
-    workers->ParallelFor(total, cost_per_unit, [&fn](int64_t begin, int64_t end) { fn(begin, end); });
-  };
-}
-
 class EmbeddingBagOp : public EmbeddingBagKernelBase {
  public:
   using EmbeddingBagKernelBase::EmbeddingBagKernelBase;

@@ -27,6 +27,10 @@ class EmbeddingBag(keras.layers.Layer):
             of the distinct rows touched (pair it with
             `pkm_serve.optimizers.LazyAdam` / `RowwiseAdagrad` to update only
             those rows); default False, a dense gradient.
+        fused_optimizer: if True (float32 table, dense indices, the fused
+            op), `pkm_serve.optimizers.LazyAdam` / `RowwiseAdagrad` apply
+            their update to the table inside the backward pass, never forming
+            its gradient (pkm_serve/_fused_update.py); default False.
 
     Call:
         indices: int `[..., K]`, or a `tf.RaggedTensor` whose last dimension is
@@ -57,6 +61,7 @@ class EmbeddingBag(keras.layers.Layer):
         implementation="fused",
         fallback=None,
         sparse_gradient=False,
+        fused_optimizer=False,
         **kwargs,
     ):
         for arg_name, value in (("input_dim", input_dim), ("output_dim", output_dim)):
@@ -83,9 +88,13 @@ class EmbeddingBag(keras.layers.Layer):
         self.implementation = implementation
         self.fallback = fallback
         self.sparse_gradient = bool(sparse_gradient)
+        self.fused_optimizer = bool(fused_optimizer)
+        if self.fused_optimizer and implementation != "fused":
+            raise ValueError("EmbeddingBag: fused_optimizer=True needs implementation='fused'")
         self._lookup = resolve_lookup(implementation, fallback, "EmbeddingBag")
         # The sparse gradient's row count is data-dependent: XLA cannot compile it.
-        self.supports_jit = lookup_supports_jit(self._lookup) and not self.sparse_gradient
+        self.supports_jit = (lookup_supports_jit(self._lookup) and not self.sparse_gradient
+                             and not self.fused_optimizer)
         # The table is read in its stored dtype (see the class docstring).
         self.autocast = False
 
@@ -100,6 +109,10 @@ class EmbeddingBag(keras.layers.Layer):
             name="embeddings",
             trainable=True,
         )
+        if self.fused_optimizer:
+            from pkm_serve import _fused_update
+
+            _fused_update.request(self.embeddings)
         self.built = True
 
     def call(self, indices, weights=None):
@@ -134,8 +147,13 @@ class EmbeddingBag(keras.layers.Layer):
                             "EmbeddingBag: weights must have the shape of indices, got "
                             f"weights {weights.shape} and indices {indices.shape}"
                         )
-        outputs = self._lookup(table, indices, weights, combiner=self.combiner,
-                               sparse_gradient=self.sparse_gradient)
+        if self.fused_optimizer:
+            from pkm_serve import _fused_update
+
+            outputs = _fused_update.fused_embedding_bag(self.embeddings, indices, weights, self.combiner)
+        else:
+            outputs = self._lookup(table, indices, weights, combiner=self.combiner,
+                                   sparse_gradient=self.sparse_gradient)
         return tf.cast(outputs, self.compute_dtype)
 
     def _call_keras_ops(self, table, indices, weights):
@@ -185,6 +203,7 @@ class EmbeddingBag(keras.layers.Layer):
                 "implementation": self.implementation,
                 "fallback": self.fallback,
                 "sparse_gradient": self.sparse_gradient,
+                "fused_optimizer": self.fused_optimizer,
             }
         )
         return config

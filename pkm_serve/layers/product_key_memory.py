@@ -32,8 +32,8 @@ class ProductKeyMemory(keras.layers.Layer):
         input_dropout / query_dropout / value_dropout: dropout rates.
         keys_initializer: default uniform(+-1/sqrt(k_dim/2)), as in the paper's code.
         values_initializer: default normal(0, v_dim**-0.5), as in the paper's code.
-        implementation / fallback / sparse_gradient: as for `EmbeddingBag`
-            (sparse_gradient applies to the value table).
+        implementation / fallback / sparse_gradient / fused_optimizer: as for
+            `EmbeddingBag` (they apply to the value table).
     """
 
     def __init__(
@@ -52,6 +52,7 @@ class ProductKeyMemory(keras.layers.Layer):
         implementation="fused",
         fallback=None,
         sparse_gradient=False,
+        fused_optimizer=False,
         **kwargs,
     ):
         for arg_name, value in (("k_dim", k_dim), ("n_keys", n_keys), ("heads", heads), ("knn", knn)):
@@ -74,7 +75,7 @@ class ProductKeyMemory(keras.layers.Layer):
         lookup = resolve_lookup(implementation, fallback, "ProductKeyMemory")
         super().__init__(**kwargs)
         # The sparse gradient's row count is data-dependent: XLA cannot compile it.
-        self.supports_jit = lookup_supports_jit(lookup) and not sparse_gradient
+        self.supports_jit = lookup_supports_jit(lookup) and not sparse_gradient and not fused_optimizer
         self.v_dim = v_dim
         self.k_dim = k_dim
         self.n_keys = n_keys
@@ -95,6 +96,7 @@ class ProductKeyMemory(keras.layers.Layer):
         self.implementation = implementation
         self.fallback = fallback
         self.sparse_gradient = bool(sparse_gradient)
+        self.fused_optimizer = bool(fused_optimizer)
 
         self.query_proj = keras.layers.Dense(heads * k_dim, name="query_proj", dtype=self.dtype_policy)
         self.query_bn = (
@@ -139,6 +141,7 @@ class ProductKeyMemory(keras.layers.Layer):
             implementation=self.implementation,
             fallback=self.fallback,
             sparse_gradient=self.sparse_gradient,
+            fused_optimizer=self.fused_optimizer,
             name="values",
             dtype=self.dtype_policy,
         )
@@ -213,6 +216,7 @@ class ProductKeyMemory(keras.layers.Layer):
                 "implementation": self.implementation,
                 "fallback": self.fallback,
                 "sparse_gradient": self.sparse_gradient,
+                "fused_optimizer": self.fused_optimizer,
             }
         )
         return config

@@ -1,0 +1,145 @@
+"""The fused backward + row-wise optimizer in TF: the op PkmEmbeddingBagFusedUpdate
+against the float64 reference (tests/row_optimizer_reference.py), and layers built
+with fused_optimizer=True trained by LazyAdam / RowwiseAdagrad against the same
+layers on the unfused path (sparse_gradient=True: IndexedSlices, then the
+optimizer's sparse update), in eager mode and in tf.function."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from pkm_serve import ops  # noqa: E402
+from pkm_serve.layers import EmbeddingBag  # noqa: E402
+from pkm_serve.optimizers import LazyAdam, RowwiseAdagrad  # noqa: E402
+from tests.row_optimizer_reference import fused_update, initial_state, touched_rows  # noqa: E402
+
+HYPER = {"sgd": dict(lr=0.05), "rowwise_adagrad": dict(lr=0.05, epsilon=1e-7),
+         "adam": dict(lr=0.01, epsilon=1e-7, beta_1=0.9, beta_2=0.999, step=2)}
+
+
+def run_op(kind, table, idx, weights, grad, state, combiner):
+    lib = ops.load_library()
+    var = tf.Variable(table)
+    state_vars = [tf.Variable(s) for s in state]
+    h = HYPER[kind]
+    attrs = {k: v for k, v in h.items() if k in ("epsilon", "beta_1", "beta_2")}
+    d_w = lib.pkm_embedding_bag_fused_update(grad, var.handle, idx, weights, [s.handle for s in state_vars],
+                                             h["lr"], h.get("step", 1), combiner=combiner, optimizer=kind,
+                                             **attrs)
+    return var.numpy(), [s.numpy() for s in state_vars], d_w.numpy()
+
+
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_op_matches_float64_reference(kind, combiner):
+    rng = np.random.default_rng(len(kind) + len(combiner))
+    table = rng.standard_normal((50, 16)).astype(np.float32)
+    idx = rng.integers(-1, 50, size=(12, 6)).astype(np.int64)
+    weights = rng.uniform(0.3, 1.4, size=idx.shape).astype(np.float32)
+    grad = rng.standard_normal((12, 16)).astype(np.float32)
+    state = initial_state(kind, 50, 16)
+    got_t, got_s, got_dw = run_op(kind, table, idx, weights, grad, state, combiner)
+    want_t, want_s, want_dw = fused_update(kind, table, idx, weights, combiner, grad, state, **HYPER[kind])
+    np.testing.assert_allclose(got_t, want_t, rtol=1e-6, atol=1e-6)
+    for g, w in zip(got_s, want_s):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
+    np.testing.assert_allclose(got_dw[idx >= 0], want_dw[idx >= 0], rtol=1e-5, atol=1e-5)
+    untouched = np.setdiff1d(np.arange(50), touched_rows(idx, 50))
+    np.testing.assert_array_equal(got_t[untouched], table[untouched])
+
+
+def test_op_rejects_bad_state_and_index():
+    lib = ops.load_library()
+    var = tf.Variable(tf.zeros([10, 4]))
+    m = tf.Variable(tf.zeros([10, 3]))
+    idx = tf.constant([[1, 2]], tf.int64)
+    w = tf.ones([1, 2])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"optimizer state 0 must be float32 \[10,4\]"):
+        lib.pkm_embedding_bag_fused_update(tf.ones([1, 4]), var.handle, idx, w, [m.handle, m.handle], 0.1, 1,
+                                           optimizer="adam")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="takes 1 state variables"):
+        lib.pkm_embedding_bag_fused_update(tf.ones([1, 4]), var.handle, idx, w, [], 0.1, 1,
+                                           optimizer="rowwise_adagrad")
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[1\] = 12"):
+        lib.pkm_embedding_bag_fused_update(tf.ones([1, 4]), var.handle, tf.constant([[1, 12]], tf.int64), w, [],
+                                           0.1, 1, optimizer="sgd")
+    np.testing.assert_array_equal(var.numpy(), 0)
+
+
+def make_model(fused, seed=0):
+    keras.utils.set_random_seed(seed)
+    ids = keras.Input((8,), dtype="int64")
+    w = keras.Input((8,))
+    bag = EmbeddingBag(300, 24, combiner="mean", sparse_gradient=not fused, fused_optimizer=fused,
+                       embeddings_initializer="glorot_uniform", name="bag")
+    out = keras.layers.Dense(3, name="head")(bag(ids, w))
+    return keras.Model([ids, w], out)
+
+
+def train(fused, make_opt, steps, compiled):
+    model = make_model(fused)
+    opt = make_opt()
+    opt.build(model.trainable_variables)
+    rng = np.random.default_rng(1)
+
+    def step(ids, w, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model([ids, w]) - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    run = tf.function(step) if compiled else step
+    for _ in range(steps):
+        ids = rng.integers(-1, 150, size=(32, 8))  # rows >= 150 are never touched
+        run(tf.constant(ids), tf.constant(rng.uniform(0.5, 1.5, (32, 8)), tf.float32),
+            tf.constant(rng.standard_normal((32, 3)), tf.float32))
+    return model, opt
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("make_opt", [lambda: LazyAdam(0.01), lambda: RowwiseAdagrad(0.05)],
+                         ids=["LazyAdam", "RowwiseAdagrad"])
+def test_fused_layer_trains_like_the_unfused_sparse_path(make_opt, compiled):
+    fused, fused_opt = train(True, make_opt, 4, compiled)
+    plain, plain_opt = train(False, make_opt, 4, compiled)
+    for a, b in zip(fused.trainable_variables, plain.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path)
+    for a, b in zip(fused_opt.variables, plain_opt.variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7, err_msg=a.path)
+    table = fused.get_layer("bag").embeddings.numpy()
+    initial = make_model(True).get_layer("bag").embeddings.numpy()
+    np.testing.assert_array_equal(table[150:], initial[150:])  # untouched rows never move
+    assert not np.array_equal(table[:150], initial[:150])
+
+
+def test_fused_refuses_gradient_options_and_round_trips_config():
+    model = make_model(True)
+    with pytest.raises(ValueError, match="does not support clipnorm"):
+        LazyAdam(0.01, clipnorm=1.0).build(model.trainable_variables)
+    layer = model.get_layer("bag")
+    assert EmbeddingBag.from_config(layer.get_config()).fused_optimizer
+
+
+def test_the_update_happens_in_the_backward_and_no_table_gradient_is_formed():
+    model = make_model(True)
+    opt = LazyAdam(0.01)
+    opt.build(model.trainable_variables)
+    table = model.get_layer("bag").embeddings
+    before = table.numpy()
+    ids = tf.constant([[1, 2, 3, -1, 4, 5, 6, 7]] * 4, tf.int64)
+    w = tf.ones([4, 8])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model([ids, w]))
+    grads = tape.gradient(loss, model.trainable_variables)
+    table_grad = grads[[v.path for v in model.trainable_variables].index(table.path)]
+    assert isinstance(table_grad, tf.IndexedSlices) and table_grad.values.shape[0] == 0
+    moved = np.flatnonzero(np.any(table.numpy() != before, axis=1))
+    np.testing.assert_array_equal(moved, [1, 2, 3, 4, 5, 6, 7])  # updated by tape.gradient itself
+    opt.apply_gradients(zip(grads, model.trainable_variables))
+    assert int(opt.iterations) == 1
