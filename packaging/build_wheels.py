@@ -46,7 +46,14 @@ TF_LIBRARY_PATTERN = "libtensorflow*"
 # From site-packages/pkm_serve/lib/ to site-packages/tensorflow/, where TF's libraries are.
 OP_LIB_RUNPATH = "$ORIGIN/../../tensorflow"
 MAX_TF_WHEEL_BYTES = 20 * 2**20  # ours is < 1 MB; a grafted TF library is hundreds of MB
+# The x86-64 wheels' tag, fixed (auditwheel fails if the libraries need more) so that the
+# wheel file names are known before building: `make wheel`'s targets are those files.
+X86_64_PLATFORM = "manylinux_2_35_x86_64"
 DEVICE_MODULES = ("__init__.py", "tflite.py")
+AARCH64_DELEGATE = os.path.join(ROOT, "build", "aarch64", DELEGATE_LIB)
+# What auditwheel finds the cross-built library consistent with (glibc 2.34 symbols, but
+# GCC 12's libstdc++: GLIBCXX_3.4.30, newer than manylinux_2_34 allows).
+AARCH64_PLATFORM = "manylinux_2_35_aarch64"
 
 
 class PackagingError(RuntimeError):
@@ -73,6 +80,27 @@ def _tf_pin() -> str:
     if not match:
         raise PackagingError("pyproject.toml does not pin tensorflow==X.Y.Z")
     return match.group(1)
+
+
+def _project_version(pyproject):
+    with open(pyproject) as f:
+        match = re.search(r'^version = "([^"]+)"', f.read(), re.MULTILINE)
+    if not match:
+        raise PackagingError(f"{pyproject} has no version")
+    return match.group(1)
+
+
+def wheel_name(which):
+    """The file name `which` ("tf", "device", "device-aarch64") is written under: the TF
+    wheel is tagged with this interpreter's CPython version (the venv's: both come from
+    the Makefile's PYTHON_BOOT)."""
+    if which == "tf":
+        py = f"cp{sys.version_info.major}{sys.version_info.minor}"
+        return (f"pkm_serve-{_project_version(os.path.join(ROOT, 'pyproject.toml'))}-"
+                f"{py}-{py}-{X86_64_PLATFORM}.whl")
+    platform = AARCH64_PLATFORM if which == "device-aarch64" else X86_64_PLATFORM
+    version = _project_version(os.path.join(ROOT, "packaging", "device", "pyproject.toml"))
+    return f"pkm_serve_device-{version}-py3-none-{platform}.whl"
 
 
 def _check_tf_abi():
@@ -143,11 +171,13 @@ def _stage_dir(stage_root, name):
     return path
 
 
-def _publish(wheel, dist):
+def _publish(wheel, dist, which):
     """Copies the wheel to dist/, replacing older builds of the same distribution for
     the same architecture (the device wheels for x86-64 and aarch64 sit side by side)."""
     os.makedirs(dist, exist_ok=True)
     base = os.path.basename(wheel)
+    if base != wheel_name(which):
+        raise PackagingError(f"built {base}, but `make wheel` expects {wheel_name(which)}")
     name = base.split("-", 1)[0]
     arch = "aarch64.whl" if base.endswith("aarch64.whl") else "x86_64.whl"
     for old in glob.glob(os.path.join(dist, f"{name}-*{arch}")):
@@ -224,22 +254,17 @@ def build_tf_wheel(dist, stage_root):
         # and anything else found there, stay out of the wheel.
         tf_dir = importlib.util.find_spec("tensorflow").submodule_search_locations[0]
         repaired_dir = os.path.join(tmp, "repaired")
-        _run([sys.executable, "-m", "auditwheel", "repair", "--exclude", TF_LIBRARY_PATTERN,
+        _run([sys.executable, "-m", "auditwheel", "repair", "--plat", X86_64_PLATFORM,
+              "--only-plat", "--exclude", TF_LIBRARY_PATTERN,
               "--exclude", os.path.join(os.path.realpath(tf_dir), "*"),
               "--wheel-dir", repaired_dir, raw],
              env={**os.environ, "AUDITWHEEL_LD_LIBRARY_PATH": tf_dir})
         wheel = glob.glob(os.path.join(repaired_dir, "*.whl"))[0]
         report = _show(wheel, ldpaths=f"{tf_dir}:/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu")
         _check_tf_wheel(wheel, tf_needed, report)
-        if "manylinux" not in os.path.basename(wheel):
-            raise PackagingError(f"auditwheel did not retag {wheel} manylinux")
-        return _publish(wheel, dist)
+        return _publish(wheel, dist, "tf")
 
 
-AARCH64_DELEGATE = os.path.join(ROOT, "build", "aarch64", DELEGATE_LIB)
-# What auditwheel finds the cross-built library consistent with (glibc 2.34 symbols, but
-# GCC 12's libstdc++: GLIBCXX_3.4.30, newer than manylinux_2_34 allows).
-AARCH64_PLATFORM = "manylinux_2_35_aarch64"
 
 
 def build_device_wheel(dist, stage_root, arch="x86_64"):
@@ -270,25 +295,28 @@ def build_device_wheel(dist, stage_root, arch="x86_64"):
                                      f"{report.get('overall_tag')}, not {AARCH64_PLATFORM}")
         else:
             repaired_dir = os.path.join(tmp, "repaired")
-            _run([sys.executable, "-m", "auditwheel", "repair", "--wheel-dir", repaired_dir, raw])
+            _run([sys.executable, "-m", "auditwheel", "repair", "--plat", X86_64_PLATFORM,
+                  "--only-plat", "--wheel-dir", repaired_dir, raw])
             wheel = glob.glob(os.path.join(repaired_dir, "*.whl"))[0]
             report = _show(wheel)
         external = _external_libs(report)
         if external:
             raise PackagingError(f"{wheel} needs external libraries: {sorted(external)}")
-        expected_tag = AARCH64_PLATFORM if arch == "aarch64" else "manylinux"
-        if expected_tag not in os.path.basename(wheel):
-            raise PackagingError(f"{wheel} is not tagged {expected_tag}")
-        return _publish(wheel, dist)
+        return _publish(wheel, dist, "device-aarch64" if arch == "aarch64" else "device")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("which", choices=("tf", "device", "device-aarch64", "all"))
+    ap.add_argument("which", choices=("tf", "device", "device-aarch64", "all", "names"),
+                    help="names: print the paths the tf, device and device-aarch64 wheels are "
+                         "written to, one per line, and build nothing")
     ap.add_argument("--dist", default=os.path.join(ROOT, "dist"))
     ap.add_argument("--stage", default=os.path.join(ROOT, "build", "wheel"))
     args = ap.parse_args(argv)
     try:
+        if args.which == "names":
+            for which in ("tf", "device", "device-aarch64"):
+                print(os.path.join(args.dist, wheel_name(which)))
         if args.which in ("tf", "all"):
             print("wrote", build_tf_wheel(args.dist, args.stage))
         if args.which in ("device", "all"):

@@ -6,9 +6,9 @@ export (fusion) in ``pkm_serve.export``; the model server in
 ``pkm_serve.serving``; the TFLite delegate helpers in ``pkm_serve.tflite``.
 
 Importing ``pkm_serve`` registers the op library with TensorFlow and the
-layers with Keras (the tensorflow_text convention), so ``tf.saved_model.load``
-and ``keras.models.load_model`` work after it. It does so without importing
-TensorFlow itself: registration happens as soon as ``tensorflow`` (or
+layers and optimizers with Keras (the tensorflow_text convention), so
+``tf.saved_model.load`` and ``keras.models.load_model`` work after it. It does
+so without importing TensorFlow itself: registration happens as soon as ``tensorflow`` (or
 ``keras``) has been imported, now if it already was, or right after its import
 finishes. That keeps ``pkm-serve <command> --help`` instant and lets the
 device part (``pkm_serve.tflite``) run where TensorFlow is not installed.
@@ -30,11 +30,19 @@ def _register_ops():
         importlib.import_module("pkm_serve.ops")
 
 
+# Modules whose import registers their classes for `.keras` files (register_keras_serializable).
+_KERAS_MODULES = ("pkm_serve.layers", "pkm_serve.optimizers")
+
+
 def _register_keras_objects():
     keras = sys.modules["keras"]
-    # The layers run the TF op; under another Keras backend they cannot load.
-    if keras.backend.backend() == "tensorflow" and importlib.util.find_spec("pkm_serve.layers"):
-        importlib.import_module("pkm_serve.layers")
+    # The layers and optimizers run TF ops; under another Keras backend they cannot load.
+    # The device wheel ships neither.
+    if keras.backend.backend() != "tensorflow":
+        return
+    for module in _KERAS_MODULES:
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
 
 
 def _imported(name):
