@@ -14,6 +14,7 @@ finishes. That keeps ``pkm-serve <command> --help`` instant and lets the
 device part (``pkm_serve.tflite``) run where TensorFlow is not installed.
 """
 
+import contextlib
 import importlib.abc
 import importlib.util
 import sys
@@ -56,13 +57,14 @@ def _imported(name):
 _REGISTRATIONS = {"tensorflow": _register_ops, "keras": _register_keras_objects}
 _registered = set()
 _registration_lock = threading.RLock()
+_deferrals = 0  # > 0: inside _registration_deferred(), imports register nothing yet
 
 
 def _register(module_name):
     """Runs the registration for ``module_name`` once (thread-safe); a failure
     warns instead of breaking the user's ``import tensorflow``."""
     with _registration_lock:
-        if module_name in _registered:
+        if module_name in _registered or _deferrals:
             return
         if module_name == "keras" and "tensorflow" in sys.modules \
                 and "tensorflow" not in _registered and not _imported("tensorflow"):
@@ -112,12 +114,34 @@ class _RegistrationFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+def _register_imported():
+    for name in _REGISTRATIONS:
+        if _imported(name):
+            _register(name)
+
+
+@contextlib.contextmanager
+def _registration_deferred(before_registering=None):
+    """Imports inside the block register nothing; after it, ``before_registering()`` runs and
+    then what was imported registers. The CLI announces the op library's load apart from
+    TensorFlow's import this way, so that a native crash in either names its step."""
+    global _deferrals
+    with _registration_lock:
+        _deferrals += 1
+    try:
+        yield
+    finally:
+        with _registration_lock:
+            _deferrals -= 1
+    if before_registering is not None:
+        before_registering()
+    _register_imported()
+
+
 def _install_registration():
     if not any(isinstance(f, _RegistrationFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegistrationFinder())
-    for name in _REGISTRATIONS:
-        if _imported(name):  # imported before pkm_serve: register now
-            _register(name)
+    _register_imported()  # what was imported before pkm_serve registers now
 
 
 _install_registration()
