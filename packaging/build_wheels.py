@@ -1,6 +1,9 @@
 """Builds and checks the two wheels from the tree `make build` produced.
 
-    python packaging/build_wheels.py tf|device|all [--dist dist] [--stage build/wheel]
+    python packaging/build_wheels.py tf|device|device-aarch64|all|names [--dist dist]
+                                     [--stage build/wheel]
+
+names: print the three wheels' paths (fixed platform tags: `make wheel`'s targets are those files).
 
 tf:     pkm_serve (the whole package) + lib/_pkm_ops.so + lib/libpkm_tflite.so, depending on
         the TensorFlow the op library was compiled against. The op library finds TF's own
@@ -15,7 +18,8 @@ device: pkm_serve/{__init__,tflite}.py + lib/libpkm_tflite.so, numpy only (packa
         manylinux with no external library at all.
 device-aarch64: the same with the cross-built build/aarch64/libpkm_tflite.so (`make
         tflite-aarch64`), tagged manylinux_2_35_aarch64 (glibc 2.34, GCC 12's
-        libstdc++: the floor docs/AARCH64.md states); tests/aarch64 installs and runs it in the emulated aarch64 interpreters.
+        libstdc++: the floor docs/AARCH64.md states); tests/aarch64 installs and runs it in
+        the emulated aarch64 interpreters.
 
 Each wheel is staged in a fresh directory from the working tree's files (so nothing stale
 from an earlier build is packed) and built with `python -m build --no-isolation` in this

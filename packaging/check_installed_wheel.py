@@ -1,6 +1,6 @@
 """Runs in a fresh venv where `pip install dist/pkm_serve-*.whl[serving,tflite]` is the only
-install of pkm_serve (tests/packaging/test_installed_wheel.py, `make wheel-check`): the README's habits must work there, with nothing
-of the checkout on sys.path.
+install of pkm_serve (tests/packaging/test_installed_wheel.py, `make wheel-check`): the
+README's habits must work there, with nothing of the checkout on sys.path.
 
 0. the op library resolves TF's libraries in the installed tensorflow package, and a fresh
    `import pkm_serve, keras` does not abort;
