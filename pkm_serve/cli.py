@@ -6,11 +6,14 @@ whose runner imports TensorFlow names a TF-free parser too: `--help` and usage
 errors are answered from it before TensorFlow is imported.
 
 Errors are one line, `pkm-serve <command>: error: ...`, exit status 1;
-`--verbose` (before or after the command) shows the traceback instead.
+`--verbose` (before or after the command) shows the traceback instead. Before a command
+hands control to TensorFlow it says so on stderr ("importing TensorFlow", "loading the op
+library from ..."), so a process that aborts in native code is never silent.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
 import sys
@@ -73,26 +76,60 @@ def one_line(err: BaseException) -> str:
     return first
 
 
-def import_tensorflow_quietly():
+def progress(command: str, text: str) -> None:
+    """A status line on stderr, flushed: printed before each step that hands control to
+    TensorFlow's native code, so that a process that aborts there still names the step."""
+    print(f"pkm-serve {command}: {text}", file=sys.stderr, flush=True)
+
+
+def import_tensorflow_quietly(announce=None):
     """Imports TensorFlow with its start-up lines (oneDNN notice, CUDA probing)
     held back: TF writes them to fd 2 before its logging is configured, so
-    TF_CPP_MIN_LOG_LEVEL cannot hide them. They are replayed if the import fails."""
+    TF_CPP_MIN_LOG_LEVEL cannot hide them. They go to a log file, replayed and removed if the
+    import raises, removed if it succeeds, and left behind if the process dies in native code
+    (``announce(path)`` is called first, to name it). A fatal signal meanwhile prints the
+    Python stack to the real stderr (faulthandler)."""
     if "tensorflow" in sys.modules:
         return
     sys.stderr.flush()
     saved_fd = os.dup(2)
-    with tempfile.TemporaryFile() as captured:
-        os.dup2(captured.fileno(), 2)
-        try:
+    log_fd, log_path = tempfile.mkstemp(prefix="pkm-serve-tensorflow-import-", suffix=".log")
+    if announce is not None:
+        announce(log_path)
+    faulthandler.enable(file=saved_fd)
+    os.dup2(log_fd, 2)
+    try:
+        import tensorflow  # noqa: F401
+    except BaseException:
+        os.dup2(saved_fd, 2)
+        os.lseek(log_fd, 0, os.SEEK_SET)
+        sys.stderr.write(os.read(log_fd, 1 << 20).decode(errors="replace"))
+        raise
+    finally:
+        os.dup2(saved_fd, 2)
+        faulthandler.enable(file=sys.stderr)
+        os.close(saved_fd)
+        os.close(log_fd)
+        os.unlink(log_path)
+
+
+def prepare_tensorflow(command: str, quiet: bool) -> None:
+    """Imports TensorFlow, then loads the op library (pkm_serve's registration, held back
+    until TF's import is done), each announced on stderr first."""
+    if "tensorflow" in sys.modules:
+        return
+    import pkm_serve
+    lib = os.environ.get("PKM_SERVE_OPS_LIB") or os.path.join(
+        os.path.dirname(os.path.abspath(pkm_serve.__file__)), "lib")
+    with pkm_serve._registration_deferred(
+            before_registering=lambda: progress(command, f"loading the op library from {lib}")):
+        if quiet:
+            import_tensorflow_quietly(lambda log: progress(
+                command, f"importing TensorFlow (its start-up messages go to {log}, "
+                         "removed once the import succeeds)"))
+        else:
+            progress(command, "importing TensorFlow")
             import tensorflow  # noqa: F401
-        except BaseException:
-            os.dup2(saved_fd, 2)
-            captured.seek(0)
-            sys.stderr.write(captured.read().decode(errors="replace"))
-            raise
-        finally:
-            os.dup2(saved_fd, 2)
-            os.close(saved_fd)
 
 
 def run_command(name: str, argv, verbose: bool = False) -> int:
@@ -102,8 +139,9 @@ def run_command(name: str, argv, verbose: bool = False) -> int:
         if parser_module is not None:
             # Exits with argparse's usage error or the help text, without TensorFlow.
             importlib.import_module(parser_module).build_parser().parse_args(argv)
-        if imports_tensorflow and not verbose and not any(a in ("-h", "--help") for a in argv):
-            import_tensorflow_quietly()
+        if imports_tensorflow and not any(a in ("-h", "--help") for a in argv):
+            faulthandler.enable()  # a native crash prints the Python stack
+            prepare_tensorflow(name, quiet=not verbose)
         return int(importlib.import_module(runner).main(argv) or 0)
     except KeyboardInterrupt:
         print(f"pkm-serve {name}: interrupted", file=sys.stderr)

@@ -98,15 +98,17 @@ class ProductKeyMemory(keras.layers.Layer):
         self.sparse_gradient = bool(sparse_gradient)
         self.fused_optimizer = bool(fused_optimizer)
 
+        # Every sub-layer takes this layer's policy (saved in get_config's "dtype"), not the
+        # global one: a reloaded model then computes what the saved one did.
         self.query_proj = keras.layers.Dense(heads * k_dim, name="query_proj", dtype=self.dtype_policy)
         self.query_bn = (
             keras.layers.BatchNormalization(name="query_bn", dtype=self.dtype_policy)
             if query_batchnorm
             else None
         )
-        self.input_dropout_layer = keras.layers.Dropout(input_dropout)
-        self.query_dropout_layer = keras.layers.Dropout(query_dropout)
-        self.value_dropout_layer = keras.layers.Dropout(value_dropout)
+        self.input_dropout_layer = keras.layers.Dropout(input_dropout, dtype=self.dtype_policy)
+        self.query_dropout_layer = keras.layers.Dropout(query_dropout, dtype=self.dtype_policy)
+        self.value_dropout_layer = keras.layers.Dropout(value_dropout, dtype=self.dtype_policy)
         self.memory = None  # the EmbeddingBag over n_keys**2 values; made in build()
 
     def build(self, input_shape):

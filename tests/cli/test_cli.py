@@ -116,8 +116,12 @@ def test_serve_error_is_one_line(tmp_path):
                f"--model_config_file={tmp_path / 'missing.config'}", timeout=60)
     assert proc.returncode != 0
     lines = stderr_lines(proc)
-    assert len(lines) == 1 and lines[0].startswith("pkm-serve serve: error: "), proc.stderr
-    assert "missing.config" in lines[0]
+    # The steps before it (see test_cli_progress.py), then the one error line.
+    assert [line.split(" (")[0] for line in lines[:-1]] == [
+        "pkm-serve serve: importing TensorFlow",
+        f"pkm-serve serve: loading the op library from {os.path.join(ROOT, 'pkm_serve', 'lib')}",
+    ], proc.stderr
+    assert lines[-1].startswith("pkm-serve serve: error: ") and "missing.config" in lines[-1]
 
 
 def test_one_line_of_library_errors():

@@ -1,10 +1,12 @@
 """The TF wheel `make wheel-tf` wrote (dist/pkm_serve-*.whl): what it holds,
-what it declares, how auditwheel sees it. Installing it in a fresh venv and
-running the README's habits is `make wheel-check` (about 4 minutes, most of it
-pip installing TensorFlow)."""
+what it declares, how auditwheel sees it, and that the build refuses a wheel
+that carries a copy of TensorFlow's libraries. Installing it in a fresh venv and
+running the README's habits is tests/packaging/test_installed_wheel.py."""
 import glob
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -64,4 +66,72 @@ def test_is_platform_tagged_and_only_tensorflow_is_external(wheel):
     report = json.loads(subprocess.run(
         [sys.executable, "-m", "auditwheel", "show", "--json", wheel], capture_output=True,
         text=True, check=True).stdout)
-    assert set(report["external_libs"]) == {"libtensorflow_framework.so.2"}, report
+    assert set(report["external_libs"]) == TF_LIBRARIES, report["external_libs"]
+
+
+TF_LIBRARIES = {"libtensorflow_framework.so.2", "libtensorflow_cc.so.2"}
+
+
+def _readelf_dynamic(path):
+    out = subprocess.run(["readelf", "-d", path], capture_output=True, text=True,
+                         check=True).stdout
+    needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out))
+    runpath = re.findall(r"\((?:RUNPATH|RPATH)\)\s+Library r(?:un)?path: \[([^\]]*)\]", out)
+    return needed, runpath
+
+
+def test_bundles_no_tensorflow_library_and_stays_small(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not [n for n in names if ".libs/" in n or "libtensorflow" in n], names
+    so_files = sorted(n for n in names if ".so" in n)
+    assert so_files == ["pkm_serve/lib/_pkm_ops.so", "pkm_serve/lib/libpkm_tflite.so"], so_files
+    assert os.path.getsize(wheel) < 20 * 2**20, os.path.getsize(wheel)
+
+
+def test_op_library_finds_tensorflow_in_the_installed_tensorflow_package(wheel, tmp_path):
+    op_lib = zipfile.ZipFile(wheel).extract("pkm_serve/lib/_pkm_ops.so", tmp_path)
+    needed, runpath = _readelf_dynamic(op_lib)
+    assert TF_LIBRARIES <= needed, needed
+    # site-packages/pkm_serve/lib/ -> site-packages/tensorflow/
+    assert runpath == ["$ORIGIN/../../tensorflow"], runpath
+    # Laid out as pip installs it, next to this venv's tensorflow, the loader resolves TF's
+    # libraries there (ldd loads nothing: it only reports the resolution).
+    import tensorflow as tf
+    site = tmp_path / "site-packages"
+    shutil.copytree(tmp_path / "pkm_serve", site / "pkm_serve")
+    os.symlink(tf.sysconfig.get_lib(), site / "tensorflow")
+    ldd = subprocess.run(["ldd", str(site / "pkm_serve/lib/_pkm_ops.so")], capture_output=True,
+                         text=True, check=True).stdout
+    for lib in TF_LIBRARIES:
+        line = next(x for x in ldd.splitlines() if x.strip().startswith(lib))
+        assert f"pkm_serve/lib/../../tensorflow/{lib}" in line, ldd
+
+
+def _build_wheels_module():
+    sys.path.insert(0, os.path.join(ROOT, "packaging"))
+    try:
+        import build_wheels
+    finally:
+        sys.path.pop(0)
+    return build_wheels
+
+
+def test_build_refuses_a_wheel_with_a_grafted_tensorflow_library(wheel, tmp_path):
+    build_wheels = _build_wheels_module()
+    good_report = {"external_libs": dict.fromkeys(TF_LIBRARIES)}
+    build_wheels._check_tf_wheel(wheel, TF_LIBRARIES, good_report)  # the real one passes
+    # What `auditwheel repair --exclude libtensorflow_framework.so.2` alone made: the other TF
+    # library copied in (a stand-in file here), and no longer external for `auditwheel show`.
+    grafted = str(tmp_path / os.path.basename(wheel))
+    shutil.copy(wheel, grafted)
+    with zipfile.ZipFile(grafted, "a") as z:
+        z.writestr("pkm_serve.libs/libtensorflow_cc-2889ecc9.so.2", b"\x7fELF")
+    with pytest.raises(build_wheels.PackagingError, match="grafted libraries"):
+        build_wheels._check_tf_wheel(grafted, TF_LIBRARIES, good_report)
+    with pytest.raises(build_wheels.PackagingError,
+                       match=r"auditwheel show finds \['libtensorflow_cc.so.2'\] inside"):
+        build_wheels._check_tf_wheel(
+            wheel, TF_LIBRARIES, {"external_libs": {"libtensorflow_framework.so.2": None}})
+    with pytest.raises(build_wheels.PackagingError, match="besides TensorFlow's.*libfoo"):
+        build_wheels._check_tf_wheel(
+            wheel, TF_LIBRARIES, {"external_libs": {**good_report["external_libs"], "libfoo.so": None}})

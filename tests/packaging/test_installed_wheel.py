@@ -1,0 +1,56 @@
+"""The pip user's path, as `make test` runs it: a real fresh venv (no system site-packages)
+pip-installs the built TF wheel with [serving,tflite] (pinned like requirements.lock; pip's
+cache allowed), then packaging/check_installed_wheel.py runs from another directory with
+`python -I`, so nothing of the checkout is on sys.path: the op library's TF libraries, `import
+pkm_serve, keras`, the README tour, .keras round trips (custom optimizers, a mixed_bfloat16
+PKM reloaded under float32), `pkm-serve export --tflite` of a composite model and `pkm-serve
+serve` answering REST and gRPC Predict. Took 2-4 min here, most of it pip installing
+TensorFlow from the cache."""
+import glob
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _tf_wheel():
+    wheels = glob.glob(os.path.join(ROOT, "dist", "pkm_serve-*.whl"))
+    if len(wheels) != 1:
+        pytest.fail(f"expected one TF wheel in dist/, found {wheels}: run `make wheel-tf`")
+    return wheels[0]
+
+
+def _clean_env():
+    return {k: v for k, v in os.environ.items()
+            if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV") and not k.startswith("TF_CPP")}
+
+
+@pytest.mark.slow
+def test_fresh_venv_with_the_installed_tf_wheel_runs_the_users_journey(tmp_path):
+    wheel = _tf_wheel()
+    venv = tmp_path / "venv"
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    with open(venv / "pyvenv.cfg") as f:
+        assert "include-system-site-packages = false" in f.read()
+    pip = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+         "-c", os.path.join(ROOT, "requirements.lock"), f"{wheel}[serving,tflite]"],
+        capture_output=True, text=True, env=_clean_env(), timeout=900)
+    assert pip.returncode == 0, pip.stderr[-4000:]
+    installed = time.monotonic()
+    work = tmp_path / "elsewhere"  # not the checkout: -I keeps its cwd off sys.path anyway
+    work.mkdir()
+    check = subprocess.run(
+        [str(venv / "bin" / "python"), "-I", os.path.join(ROOT, "packaging",
+                                                          "check_installed_wheel.py")],
+        capture_output=True, text=True, cwd=str(work), env=_clean_env(), timeout=900)
+    done = time.monotonic()
+    print(f"venv + pip install {installed - started:.0f} s, journey {done - installed:.0f} s")
+    assert check.returncode == 0, (check.returncode, check.stdout[-4000:], check.stderr[-6000:])
+    steps = [line for line in check.stdout.splitlines() if line.startswith("[wheel-check]")]
+    assert len(steps) == 6 and steps[-1].startswith("[wheel-check] PASSED"), check.stdout
