@@ -115,21 +115,25 @@ def _timed(fn: Callable, sync: Callable | None) -> float:
     return time.perf_counter() - t0
 
 
-def time_calls(fn: Callable, repeats: int, warmup: int = 1, sync: Callable | None = None) -> dict:
-    """One system alone: median_ms, min_ms, max_ms, times_ms over `repeats` calls after `warmup`."""
+def time_calls(fn: Callable, repeats: int, warmup: int = 1, sync: Callable | None = None, *,
+               budget_s: float | None = None) -> dict:
+    """One system alone: median_ms, min_ms, max_ms, times_ms over `repeats` calls after `warmup`
+    (with budget_s, `repeats` is a minimum and calls go on until budget_s seconds have passed)."""
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
-    for _ in range(warmup):
-        _timed(fn, sync)
-    return _summary([_timed(fn, sync) for _ in range(repeats)])
+    return interleaved({"fn": fn}, repeats, warmup, sync, budget_s=budget_s)["systems"]["fn"]
 
 
 def interleaved(systems: Mapping[str, Callable], rounds: int, warmup: int = 1,
-                sync: Callable | None = None, baseline: str | None = None) -> dict:
+                sync: Callable | None = None, baseline: str | None = None, *,
+                before_round: Callable[[int], None] | None = None,
+                budget_s: float | None = None, max_rounds: int | None = None) -> dict:
     """Call every system once per round, the order rotating each round (so no
     system always runs right after another's cache damage). Returns
-    {"rounds", "systems": {name: summary}, "ratios": {"other/baseline": {median, min, max, per_round}}};
-    the baseline is the first system unless named. A ratio > 1 means `other` is slower."""
+    {"rounds", "baseline", "systems": {name: summary}, "ratios": {"other/baseline": {median, min, max,
+    per_round}}}; the baseline is the first system unless named. A ratio > 1 means `other` is slower.
+    before_round(r), untimed, runs before round r (e.g. to feed round r's inputs). With budget_s,
+    `rounds` is a minimum: rounds go on until budget_s seconds have passed or max_rounds are done."""
     names = list(systems)
     if not names or rounds < 1:
         raise ValueError("interleaved needs at least one system and one round")
@@ -140,9 +144,14 @@ def interleaved(systems: Mapping[str, Callable], rounds: int, warmup: int = 1,
         for name in names:
             _timed(systems[name], sync)
     times = {name: [] for name in names}
-    for r in range(rounds):
+    start, r = time.perf_counter(), 0
+    while r < rounds or (budget_s is not None and time.perf_counter() - start < budget_s
+                         and (max_rounds is None or r < max_rounds)):
+        if before_round is not None:
+            before_round(r)
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(_timed(systems[name], sync))
+        r += 1
     ratios = {}
     for name in names:
         if name == baseline:
@@ -150,7 +159,7 @@ def interleaved(systems: Mapping[str, Callable], rounds: int, warmup: int = 1,
         per_round = [a / b for a, b in zip(times[name], times[baseline])]
         ratios[f"{name}/{baseline}"] = {"median": statistics.median(per_round), "min": min(per_round),
                                         "max": max(per_round), "per_round": per_round}
-    return {"rounds": rounds, "baseline": baseline,
+    return {"rounds": r, "baseline": baseline,
             "systems": {name: _summary(times[name]) for name in names}, "ratios": ratios}
 
 

@@ -73,3 +73,19 @@ def test_write_results_writes_json_and_markdown(tmp_path):
     assert json.loads(open(paths["json"]).read()) == {"a": 1}
     assert open(paths["md"]).read() == "# T\n"
     assert set(harness.write_results("u", {}, out_dir=str(tmp_path))) == {"json"}
+
+
+def test_interleaved_before_round_and_budget():
+    seen = []
+    res = harness.interleaved({"a": sleeper(0.001)}, rounds=2, warmup=0, before_round=seen.append,
+                              budget_s=0.03, max_rounds=50)
+    assert seen == list(range(res["rounds"])) and 2 <= res["rounds"] <= 50
+    assert len(res["systems"]["a"]["times_ms"]) == res["rounds"]
+    capped = harness.interleaved({"a": sleeper(0)}, rounds=1, warmup=0, budget_s=10, max_rounds=3)
+    assert capped["rounds"] == 3
+
+
+def test_time_calls_budget_keeps_calling():
+    calls = []
+    res = harness.time_calls(lambda: calls.append(time.sleep(0.001)), repeats=1, warmup=0, budget_s=0.03)
+    assert len(res["times_ms"]) == len(calls) >= 5
