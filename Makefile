@@ -82,15 +82,15 @@ $(CORE_TEST): $(PKM_CORE_TEST_SRCS) $(CORE_OBJS) $(CORE_REFERENCE_OBJS) $(CORE_H
 core-test: $(CORE_TEST)
 	$(CORE_TEST)
 
-# ---- fragments owned by the GPU and TFLite parts --------------------------
--include kernels/cuda/cuda.mk
--include tflite_delegate/tflite.mk
--include tflite_delegate/aarch64.mk
--include kernels/xla/xla.mk
--include serving/cc_check.mk
--include bench/scale.mk
--include packaging.mk
--include bench/serving.mk
+# ---- fragments owned by the GPU and TFLite parts (`include`: a missing one is an error) ---
+include kernels/cuda/cuda.mk
+include tflite_delegate/tflite.mk
+include tflite_delegate/aarch64.mk
+include kernels/xla/xla.mk
+include serving/cc_check.mk
+include bench/scale.mk
+include packaging.mk
+include bench/serving.mk
 
 # ---- entry points -----------------------------------------------------------
 build: $(STAMP) $(BUILD_TARGETS)
