@@ -16,6 +16,7 @@ a .cc/.cu under kernels/ or tflite_delegate/ is in no list.
 PKM_CORE_SRCS = [
     "kernels/core/bag_problem.cc",
     "kernels/core/embedding_bag.cc",
+    "kernels/core/shape_rules.cc",
     "kernels/core/vector_ops.cc",
 ]
 
@@ -23,6 +24,7 @@ PKM_CORE_HDRS = [
     "kernels/core/bag_problem.h",
     "kernels/core/embedding_bag.h",
     "kernels/core/internal.h",
+    "kernels/core/shape_rules.h",
     "kernels/core/vector_ops.h",
 ]
 
@@ -34,6 +36,11 @@ PKM_CORE_REFERENCE_SRCS = [
 
 PKM_CORE_TEST_SRCS = [
     "kernels/core/embedding_bag_test.cc",
+]
+
+# The shape/dtype rule set's own test program (make core-test runs both).
+PKM_SHAPE_RULES_TEST_SRCS = [
+    "kernels/core/shape_rules_test.cc",
 ]
 
 # ---- TF op library (_pkm_ops.so; the cc_library linked into TF Serving) ----

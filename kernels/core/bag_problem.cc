@@ -3,6 +3,7 @@
 #include <string>
 
 #include "kernels/core/embedding_bag.h"
+#include "kernels/core/shape_rules.h"
 
 namespace pkm {
 
@@ -20,14 +21,8 @@ static_assert(static_cast<int>(IndexPolicy::kNegativeIsPadding) == PKM_NEGATIVE_
               "pkm::IndexPolicy must equal the PKM_* index policies");
 
 Status FromBagProblem(const PkmBags& in, Table* table, Bags* bags, Combiner* combiner) {
-  auto float_type = [](int32_t t) { return t == PKM_FLOAT32 || t == PKM_FLOAT16 || t == PKM_BFLOAT16; };
-  if (!float_type(in.elem_type) || (in.weights != nullptr && !float_type(in.weights_type)))
-    return Status::Error("elem_type and weights_type must be 0 (float32), 1 (float16) or 2 (bfloat16)");
-  if (in.combiner < PKM_SUM || in.combiner > PKM_SQRTN)
-    return Status::Error("combiner must be 0 (sum), 1 (mean) or 2 (sqrtn), got " + std::to_string(in.combiner));
-  if (in.index_policy < PKM_NEGATIVE_IS_PADDING || in.index_policy > PKM_OUT_OF_RANGE_IS_PADDING)
-    return Status::Error("index_policy must be 0 (negative is padding), 1 (no padding) or 2 (out of range is "
-                         "padding), got " + std::to_string(in.index_policy));
+  const Status rule = BagProblemRule(in);
+  if (!rule.ok) return rule;
   *table = Table();
   table->data = in.table;
   table->type = static_cast<ElemType>(in.elem_type);

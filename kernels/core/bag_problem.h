@@ -25,7 +25,7 @@ extern "C" {
 enum { PKM_FLOAT32 = 0, PKM_FLOAT16 = 1, PKM_BFLOAT16 = 2, PKM_INT8 = 3 };
 
 /* Combiners. */
-enum { PKM_SUM = 0, PKM_MEAN = 1, PKM_SQRTN = 2 };
+enum { PKM_SUM = 0, PKM_MEAN = 1, PKM_SQRTN = 2, PKM_MAX = 3 };
 
 /* What an index outside [0, num_rows) is (see pkm::IndexPolicy):
  * NEGATIVE_IS_PADDING: negative = padding, >= num_rows an error (the op);
