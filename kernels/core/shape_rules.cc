@@ -133,6 +133,10 @@ Status ForwardShape(const BagShapes& s, MaybeDims* out) {
   }
   if (!s.indices) return Status::Ok();
   Dims result(s.indices->begin(), s.indices->end() - 1);
+  // Shape inference: weights shaped like indices may know a dim indices does not.
+  if (s.has_weights && !s.weights_any_shape && s.weights)
+    for (size_t i = 0; i < result.size(); ++i)
+      if (!Known(result[i])) result[i] = (*s.weights)[i];
   result.push_back(dim);
   int64_t n;
   if (!Product(result, 0, result.size(), &n)) return TooLarge("output", result);

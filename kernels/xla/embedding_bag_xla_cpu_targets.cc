@@ -87,6 +87,7 @@ ffi::Error Backward(ffi::ThreadPool pool, const ffi::AnyBuffer& grad, const ffi:
   if (ffi::Error e = ToCoreArgs(params, indices, splits, weights, combiner, has_weights, &table, &bags, &comb);
       e.failure())
     return e;
+  if (ffi::Error e = CheckGrad(grad, indices, splits, table); e.failure()) return e;
   return FromCore(pkm::Backward(table, bags, comb, grad.untyped_data(), table.type, d_params->untyped_data(),
                                 table.type, has_weights ? d_weights->untyped_data() : nullptr,
                                 PoolParallelFor(&pool)));
