@@ -36,7 +36,8 @@ bool Product(const Dims& dims, size_t begin, size_t end, int64_t* out) {
 }
 
 Status TooLarge(const char* role, const Dims& dims) {
-  return Status::Error(std::string(role) + " shape " + DimsString(dims) + " has more elements than int64 counts");
+  return Status::Error(std::string(role) + " shape too large: " + DimsString(dims) +
+                       " (more elements than int64 counts)");
 }
 
 Status ParamsRule(const MaybeDims& params) {

@@ -122,4 +122,16 @@ auto BindOperands(Binding binding) {
 
 }  // namespace pkm_xla
 
+// The four handlers of a platform's targets file (kForwardHandler, ...) as C
+// symbols (XLA_FFI_Handler) pkm_xla_<PLATFORM>_{forward,backward,ragged_forward,ragged_backward}.
+#define PKM_XLA_EXPORT_HANDLERS(PLATFORM)                                                            \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##PLATFORM##_forward(        \
+      XLA_FFI_CallFrame* f) { return pkm_xla::kForwardHandler(f); }                                \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##PLATFORM##_backward(       \
+      XLA_FFI_CallFrame* f) { return pkm_xla::kBackwardHandler(f); }                               \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##PLATFORM##_ragged_forward( \
+      XLA_FFI_CallFrame* f) { return pkm_xla::kRaggedForwardHandler(f); }                          \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##PLATFORM##_ragged_backward(\
+      XLA_FFI_CallFrame* f) { return pkm_xla::kRaggedBackwardHandler(f); }
+
 #endif  // PKM_KERNELS_XLA_EMBEDDING_BAG_XLA_FFI_H_
