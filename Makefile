@@ -79,26 +79,32 @@ CORE_TEST := $(BUILDDIR)/core_test
 $(CORE_TEST): $(PKM_CORE_TEST_SRCS) $(CORE_OBJS) $(CORE_REFERENCE_OBJS) $(CORE_HDRS)
 	$(CXX) $(CXXSTD) -O2 -I. $< $(CORE_OBJS) $(CORE_REFERENCE_OBJS) -o $@ -lpthread
 
-core-test: $(CORE_TEST)
-	$(CORE_TEST)
+SHAPE_RULES_TEST := $(BUILDDIR)/shape_rules_test
+$(SHAPE_RULES_TEST): $(PKM_SHAPE_RULES_TEST_SRCS) $(CORE_OBJS) $(CORE_HDRS)
+	$(CXX) $(CXXSTD) -O2 -I. $< $(CORE_OBJS) -o $@ -lpthread
 
-# ---- fragments owned by the GPU and TFLite parts --------------------------
--include kernels/cuda/cuda.mk
--include tflite_delegate/tflite.mk
--include tflite_delegate/aarch64.mk
--include kernels/xla/xla.mk
--include backends.mk
--include serving/cc_check.mk
--include bench/scale.mk
--include packaging.mk
--include bench/serving.mk
+core-test: $(CORE_TEST) $(SHAPE_RULES_TEST)
+	$(CORE_TEST)
+	$(SHAPE_RULES_TEST)
+
+# ---- fragments owned by the GPU and TFLite parts (`include`: a missing one is an error) ---
+include kernels/cuda/cuda.mk
+include tflite_delegate/tflite.mk
+include tflite_delegate/aarch64.mk
+include kernels/xla/xla.mk
+include backends.mk
+include serving/cc_check.mk
+include bench/scale.mk
+include packaging.mk
+include bench/serving.mk
 
 # ---- entry points -----------------------------------------------------------
 build: $(STAMP) $(BUILD_TARGETS)
 setup: build
 
-test: setup $(TEST_DEPS) $(CORE_TEST)
+test: setup $(TEST_DEPS) $(CORE_TEST) $(SHAPE_RULES_TEST)
 	$(CORE_TEST)
+	$(SHAPE_RULES_TEST)
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
 
 demo: setup

@@ -15,20 +15,17 @@ bench/results/export_memory.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results")
+from harness import HERE, RESULTS_DIR as RESULTS, ROOT, machine_info, machine_name, run_child, write_results
 
 SERVE_CHILD = r"""
-import json, os, resource, sys, time
+import json, os, resource, sys
 import numpy as np, tensorflow as tf
+from harness import time_calls
 lib, model_dir, kind, batch, bag, rows, repeats = sys.argv[1:]
 batch, bag, rows, repeats = int(batch), int(bag), int(rows), int(repeats)
 
@@ -57,14 +54,12 @@ x = {k: tf.constant(v) for k, v in inputs(rng, batch).items()}
 rss_before = status("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM (peak RSS) to now
     f.write("5")
-times = []
-for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = first(fn(**x))
-    times.append(time.perf_counter() - t0)
+last = [None]  # only the latest output stays alive, as the peak RSS should see it
+timing = time_calls(lambda: last.__setitem__(0, first(fn(**x))), repeats, warmup=0)
+out = last[0]
 peak = status("VmHWM")
 print(json.dumps({"rss_before": rss_before, "peak_rss": peak,
-                  "growth": peak - rss_before, "ms": [t * 1e3 for t in times],
+                  "growth": peak - rss_before, "ms": timing["times_ms"],
                   "checksum": float(np.abs(out).sum())}))
 """
 
@@ -102,14 +97,13 @@ def build_model(path: str, kind: str, rows: int, bag: int, dim: int) -> None:
 
 
 def serve_once(lib: str, model_dir: str, kind: str, args) -> dict:
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-c", SERVE_CHILD, lib, model_dir, kind, str(args.batch), str(args.bag),
-         str(args.rows), str(args.repeats)], capture_output=True, text=True, env=env,
-        check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"serving {model_dir} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": HERE}
+    # "-c" as the script: the child is the program text above, in a fresh process.
+    res = run_child("-c", [SERVE_CHILD, lib, model_dir, kind, args.batch, args.bag, args.rows, args.repeats],
+                    env=env)
+    if "error" in res:
+        raise RuntimeError(f"serving {model_dir} failed: {res['error']}")
+    return res
 
 
 def bench_model(kind: str, lib: str, tmp: str, args) -> dict:
@@ -145,7 +139,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=65536)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--models", default="weighted,masked")
-    p.add_argument("--machine", default=f"{os.cpu_count()}-core {platform.processor() or platform.machine()}",
+    p.add_argument("--machine", default=machine_name(),
                    help="machine description written into the results")
     p.add_argument("--out", default=RESULTS)
     args = p.parse_args(argv)
@@ -163,15 +157,11 @@ def main(argv=None) -> int:
     report = {
         "shape": {"batch": args.batch, "bag": args.bag, "dim": args.dim, "rows": args.rows,
                   "dtype": "float32"},
-        "machine": {"description": args.machine, "cpus": os.cpu_count(),
-                    "platform": platform.platform()},
+        "machine": {"description": args.machine, **machine_info()},
         "gathered_bytes": gathered, "models": models,
     }
     if "weighted" in models:  # the layout bench/report.py reads
         report["runs"] = models["weighted"]["runs"]
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "export_memory.json"), "w") as f:
-        json.dump(report, f, indent=2)
     mib = 2 ** 20
     lines = [
         "# Serving memory: composite SavedModel vs `pkm-serve export` output",
@@ -201,9 +191,7 @@ def main(argv=None) -> int:
                      f" latency composite/fused {m['latency_ratio_composite_over_fused']:.2f}x, "
                      f"outputs agree: {m['outputs_match_checksum']}, {m['sites_fused']} site(s) "
                      f"fused, export took {m['export_seconds']:.1f} s.")
-    lines.append("")
-    with open(os.path.join(args.out, "export_memory.md"), "w") as f:
-        f.write("\n".join(lines))
+    write_results("export_memory", report, "\n".join(lines), out_dir=args.out)
     print("\n".join(lines))
     return 0 if all(m["outputs_match_checksum"] for m in models.values()) else 1
 

@@ -17,11 +17,9 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
+
+from harness import ROOT, machine_info, run_child, time_calls, write_results
 
 MODES = ("forward", "train", "read")
 DEFAULTS = dict(batch=1024, d_model=256, v_dim=256, k_dim=128, n_keys=256, heads=4, knn=32)
@@ -90,19 +88,15 @@ def run_one(args):
     # Bytes held by live tensors, from TF's own allocator (steady-state steps only).
     tf.config.experimental.reset_memory_stats("CPU:0")
     tensors_before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    times = []
-    for _ in range(args.repeats):
-        began = time.perf_counter()
-        step().numpy()
-        times.append(time.perf_counter() - began)
+    timing = time_calls(lambda: step().numpy(), args.repeats, warmup=0)
     peak = rss_kib("VmHWM")
     tensor_peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     print(json.dumps({
         "implementation": args.implementation,
         "mode": args.mode,
-        "median_ms": 1e3 * statistics.median(times),
-        "min_ms": 1e3 * min(times),
-        "times_ms": [1e3 * t for t in times],
+        "median_ms": timing["median_ms"],
+        "min_ms": timing["min_ms"],
+        "times_ms": timing["times_ms"],
         "peak_rss_above_baseline_mb": (peak - rss_before) / 1024,
         "rss_before_mb": rss_before / 1024,
         "tensor_peak_above_baseline_mb": (tensor_peak - tensors_before) / 2**20,
@@ -123,19 +117,17 @@ def main(argv=None):
         return run_one(args)
 
     config = {key: getattr(args, key) for key in DEFAULTS}
-    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=repo_root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     rows = []
     for mode in MODES:
         for implementation in ("fused", "composite"):
-            command = [sys.executable, os.path.abspath(__file__), "--implementation", implementation,
-                       "--mode", mode, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+            command = ["--implementation", implementation, "--mode", mode, "--repeats", args.repeats,
+                       "--warmup", args.warmup]
             for key, value in config.items():
-                command += ["--" + key.replace("_", "-"), str(value)]
-            result = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-            if result.returncode != 0:
-                sys.exit(f"{implementation}/{mode} failed:\n{result.stderr[-4000:]}")
-            row = json.loads(result.stdout.strip().splitlines()[-1])
+                command += ["--" + key.replace("_", "-"), value]
+            row = run_child(os.path.abspath(__file__), command, timeout=3600, env=env)
+            if "error" in row:
+                sys.exit(f"{implementation}/{mode} failed: {row['error']}")
             rows.append(row)
             print(f"{mode:8s} {implementation:9s} median {row['median_ms']:8.2f} ms  "
                   f"tensor peak +{row['tensor_peak_above_baseline_mb']:7.1f} MB  "
@@ -158,8 +150,7 @@ def main(argv=None):
     gathered_mb = config["batch"] * bag_size * config["v_dim"] * 4 / 2**20
     report = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "python": platform.python_version()},
+        "machine": machine_info(),
         "config": config,
         "bag_size": bag_size,
         "memory_slots": config["n_keys"] ** 2,
@@ -167,12 +158,8 @@ def main(argv=None):
         "rows": rows,
         "ratios": ratios,
     }
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "pkm_layer_" + datetime.date.today().isoformat())
-    with open(stem + ".json", "w") as f:
-        json.dump(report, f, indent=2)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(report))
+    write_results(os.path.basename(stem), report, markdown(report), out_dir=args.out)
     print(f"composite/fused: forward time x{ratios['forward']['composite_over_fused_time']:.2f}, "
           f"train time x{ratios['train']['composite_over_fused_time']:.2f}, "
           f"read time x{ratios['read']['composite_over_fused_time']:.2f}, "

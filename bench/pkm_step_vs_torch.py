@@ -23,13 +23,11 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT, machine_name, run_child, time_calls, utc_date, write_results
+
 VARIANTS = ("ours-lazy", "ours-dense", "torch-dense", "torch-fused", "torch-sparse")
 CONFIG = dict(n_keys=512, v_dim=512, k_dim=512, d_model=512, heads=4, knn=32, batch=256)
 
@@ -43,13 +41,9 @@ def rss_peak_mb():
 
 
 def time_steps(step, warmup, repeats):
-    losses = [step() for _ in range(warmup)]
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t0)
-    return times, losses
+    losses = []
+    timing = time_calls(lambda: losses.append(step()), repeats, warmup=warmup)
+    return [t / 1e3 for t in timing["times_ms"]], losses
 
 
 def run_ours(args, sparse):
@@ -159,16 +153,6 @@ def child(args):
                       "params": n_params, "peak_rss_mb": rss_peak_mb()}))
 
 
-def cpu_name():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def markdown(report):
     med = report["median_ms"]
     lines = [f"# PKM training step with Adam, ours vs PyTorch ({report['date']})", "",
@@ -206,17 +190,15 @@ def main():
     if args.child:
         return child(args)
     runs = {v: [] for v in VARIANTS}
-    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": f"{cpu_name()}, {os.cpu_count()} cores", "note": args.note, "args": vars(args),
+    report = {"date": utc_date(), "machine": machine_name(), "note": args.note, "args": vars(args),
               "config": CONFIG}
     for r in range(args.rounds):
         for v in VARIANTS:
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", v, "--repeats", str(args.repeats),
-                   "--warmup", str(args.warmup), "--threads", str(args.threads)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-            if proc.returncode != 0:
-                raise SystemExit(f"{v} failed:\n{proc.stderr[-3000:]}")
-            res = json.loads(proc.stdout.strip().splitlines()[-1])
+            res = run_child(os.path.abspath(__file__), ["--child", v, "--repeats", args.repeats,
+                                                        "--warmup", args.warmup, "--threads", args.threads],
+                            timeout=1800)
+            if "error" in res:
+                raise SystemExit(f"{v} failed: {res['error']}")
             print(f"round {r} {v}: median {statistics.median(res['times_ms']):.1f} ms, "
                   f"peak RSS {res['peak_rss_mb']:.0f} MB, loss {res['losses'][0]:.4f} -> {res['losses'][-1]:.4f}",
                   flush=True)
@@ -226,11 +208,7 @@ def main():
     report["min_ms"] = {v: min(t for r in rs for t in r["times_ms"]) for v, rs in runs.items()}
     report["peak_rss_mb"] = {v: max(r["peak_rss_mb"] for r in rs) for v, rs in runs.items()}
     report["params"] = runs["ours-lazy"][0]["params"]
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "pkm_step_vs_torch.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, "pkm_step_vs_torch.md"), "w") as f:
-        f.write(markdown(report))
+    write_results("pkm_step_vs_torch", report, markdown(report), out_dir=args.out)
     print(markdown(report))
 
 

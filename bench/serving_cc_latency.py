@@ -21,7 +21,6 @@ JSON + Markdown under --out (serving_cc_latency_<UTC stamp>.{json,md}).
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -29,10 +28,10 @@ import time
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT as REPO, machine_info, machine_name, time_calls, write_results
+
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests", "serving_cc"))
-sys.path.insert(0, os.path.join(REPO, "bench"))
 
 from serving_cc_helpers import export_demo_pkm, require_program, tensor_file_arg  # noqa: E402
 from serving_load import Server  # noqa: E402
@@ -57,15 +56,8 @@ def cc_session(model_dir, query, repeat, warmup, workdir):
 
 
 def python_call(fn, tf, query, repeat, warmup):
-    q = tf.constant(query)
-    for _ in range(warmup):
-        fn(query=q)["output"].numpy()
-    lat = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn(query=tf.constant(query))["output"].numpy()
-        lat.append((time.perf_counter() - t0) * 1e6)
-    return stats_us(lat)
+    timing = time_calls(lambda: fn(query=tf.constant(query))["output"].numpy(), repeat, warmup=warmup)
+    return stats_us([1e3 * ms for ms in timing["times_ms"]])
 
 
 def grpc_call(stub, tf, predict_pb2, query, repeat, warmup):
@@ -74,15 +66,15 @@ def grpc_call(stub, tf, predict_pb2, query, repeat, warmup):
     req.inputs["query"].CopyFrom(tf.make_tensor_proto(query))
     for _ in range(warmup):
         stub.Predict(req, timeout=60)
-    lat = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
+
+    def request():  # encode, call, decode: what a client pays
         r = predict_pb2.PredictRequest()
         r.model_spec.name = "pkm"
         r.inputs["query"].CopyFrom(tf.make_tensor_proto(query))
         tf.make_ndarray(stub.Predict(r, timeout=60).outputs["output"])
-        lat.append((time.perf_counter() - t0) * 1e6)
-    return stats_us(lat)
+
+    timing = time_calls(request, repeat, warmup=0)
+    return stats_us([1e3 * ms for ms in timing["times_ms"]])
 
 
 def main(argv=None):
@@ -92,7 +84,7 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=200, help="timed calls per path, round and batch (batch 1)")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
-    p.add_argument("--machine", default="2-core VM, shared with other engineers' parallel builds and tests",
+    p.add_argument("--machine", default=machine_name() + ", shared with other engineers' parallel builds and tests",
                    help="how to describe this machine in the report")
     args = p.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -149,13 +141,12 @@ def main(argv=None):
         "rounds": {str(b): v for b, v in rounds.items()},
         "cc_vs_python_max_abs_diff": {str(b): v for b, v in max_diff.items()},
         "config": vars(args),
-        "machine": {"description": args.machine, "cpus": os.cpu_count(), "platform": platform.platform(),
-                    "cpu": _cpu_model(), "python": platform.python_version(), "tensorflow": tf.__version__,
+        "machine": {"description": args.machine, "cpus": os.cpu_count(), **machine_info(), "tensorflow": tf.__version__,
                     "loadavg_1m_before": load_before[0], "loadavg_1m_after": os.getloadavg()[0]},
     }
 
     lines = [f"# Linked-op C++ session run vs the Python serving paths ({results['date']})", "",
-             f"Model: {results['model']}. Machine: {args.machine} ({os.cpu_count()} CPUs, {_cpu_model()}); "
+             f"Model: {results['model']}. Machine: {args.machine}; "
              f"1-minute load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after. "
              f"{args.rounds} interleaved rounds; each cell is the median over rounds of the round's median (p90).",
              "", "Command: `.venv/bin/python bench/serving_cc_latency.py " + " ".join(argv or sys.argv[1:]) + "`",
@@ -176,24 +167,9 @@ def main(argv=None):
               ""]
     report = "\n".join(lines)
     print(report)
-    os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y%m%d_%H%M%S", time.gmtime())
-    with open(os.path.join(args.out, f"serving_cc_latency_{stamp}.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    with open(os.path.join(args.out, f"serving_cc_latency_{stamp}.md"), "w") as f:
-        f.write(report)
+    write_results(f"serving_cc_latency_{stamp}", results, report, out_dir=args.out)
     return 0
-
-
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import re
 import resource
 import shutil
@@ -38,7 +37,8 @@ import urllib.request
 
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT as REPO, machine_info, machine_name, time_calls, write_results
+
 sys.path.insert(0, REPO)
 PREDICT_PATH = "/tensorflow.serving.PredictionService/Predict"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -82,15 +82,8 @@ def in_process(model_path, queries, seconds):
     result = {}
     for batch, q in queries.items():
         inputs = {"query": q}
-        for _ in range(20):
-            sig.run(inputs)
-        lat = []
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            t0 = time.perf_counter()
-            sig.run(inputs)
-            lat.append(time.perf_counter() - t0)
-        r = {"latency": percentiles_ms(lat)}
+        timing = time_calls(lambda: sig.run(inputs), 1, warmup=20, budget_s=seconds)
+        r = {"latency": percentiles_ms([ms / 1e3 for ms in timing["times_ms"]])}
         for threads in (1, 2, 32):
             count = [0]
             lock = threading.Lock()
@@ -304,7 +297,7 @@ def main(argv=None):
     p.add_argument("--n_keys", type=int, default=512)
     p.add_argument("--knn", type=int, default=32)
     p.add_argument("--v_dim", type=int, default=512)
-    p.add_argument("--machine", default="2-core VM shared with parallel builds and tests",
+    p.add_argument("--machine", default=machine_name() + ", shared with parallel builds and tests",
                    help="how to describe the machine in the report")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results"))
     args = p.parse_args(argv)
@@ -380,19 +373,14 @@ def main(argv=None):
             server.stop()
     results = {
         "runs": runs, "in_process": local, "profiles": profiles, "config": vars(args), "model_shape": shape,
-        "machine": {"description": args.machine, "cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "loadavg_1m_before": load_before[0],
+        "machine": {"description": args.machine, "cpus": os.cpu_count(), **machine_info(), "loadavg_1m_before": load_before[0],
                     "loadavg_1m_after": os.getloadavg()[0]},
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     results.update(_legacy_summary(results))
     report = render(results)
     print(report)
-    os.makedirs(args.out, exist_ok=True)
     stamp = time.strftime("%Y%m%d_%H%M%S", time.gmtime())
-    with open(os.path.join(args.out, f"serving_{stamp}.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    with open(os.path.join(args.out, f"serving_{stamp}.md"), "w") as f:
-        f.write(report)
+    write_results(f"serving_{stamp}", results, report, out_dir=args.out)
     shutil.rmtree(work, ignore_errors=True)
     return 1 if any(r["failed"] for r in runs) else 0
 

@@ -17,13 +17,11 @@ Results: bench/results/sparse_gradient.{json,md}.
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT, interleaved, machine_name, utc_date, write_results
+
 sys.path.insert(0, ROOT)
 
 
@@ -59,15 +57,12 @@ def gradient_part(args):
         idx = tf.constant(rng.integers(0, n, size=(lookups // k, k)), tf.int64)
         row = {"lookups": lookups, "log2_lookups": log2}
         touched = {mode: int(steps[mode](idx)) for mode in steps}  # warm-up (and trace)
-        times = {mode: [] for mode in steps}
-        for _ in range(args.repeats):  # dense and sparse alternate: machine noise hits both
-            for mode in steps:
-                t0 = time.perf_counter()
-                steps[mode](idx).numpy()
-                times[mode].append(time.perf_counter() - t0)
+        # dense and sparse alternate: machine noise hits both
+        timing = interleaved({mode: (lambda s=steps[mode]: s(idx).numpy()) for mode in steps}, args.repeats,
+                             warmup=0)["systems"]
         for mode in ("dense", "sparse"):
-            row[f"{mode}_ms"] = 1e3 * statistics.median(times[mode])
-            row[f"{mode}_times_ms"] = [1e3 * t for t in times[mode]]
+            row[f"{mode}_ms"] = timing[mode]["median_ms"]
+            row[f"{mode}_times_ms"] = timing[mode]["times_ms"]
             if mode == "sparse":
                 row["rows_touched"] = touched["sparse"]
                 row["touched_fraction"] = touched["sparse"] / n
@@ -99,16 +94,6 @@ def ps_part(args):
             print(json.dumps(row), flush=True)
             out.append(row)
     return out
-
-
-def cpu_name():
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def markdown(report):
@@ -162,8 +147,7 @@ def main():
     ap.add_argument("--note", default="2-core AMD EPYC VM shared with parallel builds and tests: expect noise.")
     args = ap.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "machine": f"{cpu_name()}, {os.cpu_count()} cores", "note": args.note, "args": vars(args)}
+    report = {"date": utc_date(), "machine": machine_name(), "note": args.note, "args": vars(args)}
     json_path = os.path.join(args.out, "sparse_gradient.json")
     if args.part != "all" and os.path.exists(json_path):  # keep the other part's last results
         with open(json_path) as f:
@@ -174,11 +158,7 @@ def main():
         report["gradient"] = gradient_part(args)
     if args.part in ("all", "ps"):
         report["ps"] = ps_part(args)
-    os.makedirs(args.out, exist_ok=True)
-    with open(json_path, "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(args.out, "sparse_gradient.md"), "w") as f:
-        f.write(markdown(report))
+    write_results("sparse_gradient", report, markdown(report), out_dir=args.out)
     print(markdown(report))
 
 

@@ -18,16 +18,13 @@ Writes bench/results/tflite_embedding_bag.{json,md}.
 import argparse
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from harness import ROOT, interleaved, machine_info, machine_name, run_child, utc_date, write_results
+
 sys.path.insert(0, ROOT)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
@@ -104,21 +101,16 @@ def time_interleaved(interps, input_sets, budget_s, min_rounds=5, max_rounds=400
     (the machine is shared and noisy: every variant sees the same background
     load) and with rotating index batches (requests differ, so the gathered
     rows are not all cache-resident from the previous invoke)."""
-    times = {key: [] for key in interps}
-    for key, interp in interps.items():  # warm-up
-        interp.invoke()
-    start = time.perf_counter()
-    rounds = 0
-    while rounds < min_rounds or (time.perf_counter() - start < budget_s and rounds < max_rounds):
-        inputs = input_sets[rounds % len(input_sets)]
-        for key, interp in interps.items():
-            for d, x in zip(interp.get_input_details(), inputs):
+    keys = list(interps)
+
+    def feed(r):
+        for interp in interps.values():
+            for d, x in zip(interp.get_input_details(), input_sets[r % len(input_sets)]):
                 interp.set_tensor(d["index"], x)
-            t0 = time.perf_counter()
-            interp.invoke()
-            times[key].append(time.perf_counter() - t0)
-        rounds += 1
-    return {key: statistics.median(v) * 1e3 for key, v in times.items()}
+
+    res = interleaved({i: interps[key].invoke for i, key in enumerate(keys)}, min_rounds, warmup=1,
+                      before_round=feed, budget_s=budget_s, max_rounds=max_rounds)
+    return {key: res["systems"][i]["median_ms"] for i, key in enumerate(keys)}
 
 
 def memory_child(path, variant, batch, n):
@@ -203,10 +195,10 @@ def main():
                 row["rel_err_vs_fused"] = max(
                     float(np.linalg.norm(outs[(variant, t)] - ref) / max(np.linalg.norm(ref), 1e-30))
                     for t in (1, 2))
-                child = subprocess.run(
-                    [sys.executable, __file__, "--memory-child", paths[variant], variant,
-                     str(batch), str(n)], capture_output=True, text=True, check=True)
-                row["peak_growth_bytes"] = json.loads(child.stdout.strip().splitlines()[-1])["bytes"]
+                child = run_child(__file__, ["--memory-child", paths[variant], variant, batch, n])
+                if "error" in child:
+                    raise SystemExit(f"memory child {variant} B={batch}: {child['error']}")
+                row["peak_growth_bytes"] = child["bytes"]
                 results.append(row)
                 print(f"D={d:5d} B={batch:4d} {variant:<30} 1t {row['ms_1t']:9.3f} ms  "
                       f"2t {row['ms_2t']:9.3f} ms  hot 1t {row['ms_1t_hot']:9.3f} ms  peak+ {row['peak_growth_bytes'] / 2**20:8.1f} MiB  "
@@ -219,25 +211,20 @@ def main():
 
 
 def write_report(results, quick):
-    out_dir = os.path.join(ROOT, "bench", "results")
-    os.makedirs(out_dir, exist_ok=True)
     stem = "tflite_embedding_bag" + ("_quick" if quick else "")
-    meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-            "load_average_at_end": os.getloadavg()[0]}
+    info = machine_info()
+    meta = {"machine": machine_name(info), "cpus": info["cores"], "python": info["python"],
+            "date_utc": utc_date(), "load_average_at_end": os.getloadavg()[0]}
     try:
         import ai_edge_litert
         meta["litert"] = getattr(ai_edge_litert, "__version__", "2.3.0")
     except ImportError:
         pass
-    with open(os.path.join(out_dir, stem + ".json"), "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-
     def find(d, b, variant):
         return next(r for r in results if r["D"] == d and r["B"] == b and r["variant"] == variant)
 
-    lines = [f"# TFLite EmbeddingBag: fused custom op vs stock composite ({meta['date_utc']} UTC)", "",
-             f"LiteRT {meta.get('litert', '?')}, {meta['cpus']} CPUs. K={K}, fp32 unless noted. "
+    lines = [f"# TFLite EmbeddingBag: fused custom op vs stock composite ({meta['date_utc']})", "",
+             f"LiteRT {meta.get('litert', '?')}, {meta['machine']}. K={K}, fp32 unless noted. "
              "Latency = median invoke, variants interleaved on rotating index batches; peak+ = growth of peak RSS when the interpreter, already "
              "run at B=1, is resized to B, allocated and invoked (the arena and scratch that scale "
              "with B; the model and runtime set-up excluded). Produced by "
@@ -265,8 +252,7 @@ def write_report(results, quick):
                          f"{stock['ms_2t'] / fused['ms_2t']:.1f}x | "
                          f"{stock['ms_1t_hot'] / fused['ms_1t_hot']:.1f}x | "
                          f"{stock['ms_2t_hot'] / fused['ms_2t_hot']:.1f}x | {mem_text} |")
-    with open(os.path.join(out_dir, stem + ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(stem, {"meta": meta, "results": results}, "\n".join(lines))
     print("\n".join(lines))
 
 

@@ -21,17 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from harness import RESULTS_DIR, ROOT, ab, machine_info, run_child, time_calls, utc_date, write_results
+
 sys.path.insert(0, ROOT)
 from pkm_serve._memory import peak_rss_growth  # noqa: E402
 
-RESULTS = os.path.join(HERE, "results")
+RESULTS = RESULTS_DIR
 SHAPE = (4096, 128, 512, 65536)
 QUICK_SHAPE = (256, 32, 64, 4096)
 SYSTEMS = {  # name -> (lookup, jit_compile)
@@ -84,43 +81,19 @@ def child(system, b, k, d, n, repeats):
     with peak_rss_growth(memory, "steady"):
         res = run()
     del res
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        res = run()
-        times.append(time.perf_counter() - t0)
-        del res
-    out = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
-           "growth_first_call_bytes": memory["first"], "growth_steady_bytes": memory["steady"]}
-    return out
+    timing = time_calls(run, repeats, warmup=0)
+    return {"median_ms": timing["median_ms"], "min_ms": timing["min_ms"],
+            "growth_first_call_bytes": memory["first"], "growth_steady_bytes": memory["steady"]}
 
 
 def interleaved(b, k, d, n, rounds):
     fused, _ = build_run("fused", b, k, d, n)
     jit, _ = build_run("fused_xla", b, k, d, n)
-    fused(), jit(), fused(), jit()
-    ratios, ours, base = [], [], []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        jit()
-        t1 = time.perf_counter()
-        fused()
-        t2 = time.perf_counter()
-        ours.append(1e3 * (t1 - t0))
-        base.append(1e3 * (t2 - t1))
-        ratios.append((t1 - t0) / (t2 - t1))
-    return {"fused_xla_median_ms": statistics.median(ours), "fused_median_ms": statistics.median(base),
-            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "rounds": rounds}
+    return ab(jit, fused, rounds, warmup=2, names=("fused_xla", "fused"))
 
 
-def run_child(args):
-    proc = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], capture_output=True, text=True,
-                          timeout=1200)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["failed"]
-        return {"error": tail[0][:300]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def child_result(args):
+    return run_child(__file__, ["--child", *args])
 
 
 def main():
@@ -149,22 +122,16 @@ def main():
     budget = int(1.1 * (n * d * 4 + b * d * 4))  # d_table + output + 10%
     results = {}
     for system in SYSTEMS:
-        results[system] = run_child([system, b, k, d, n, args.repeats])
+        results[system] = child_result([system, b, k, d, n, args.repeats])
         print(system, results[system], flush=True)
-    results["interleaved"] = run_child(["interleaved", b, k, d, n, args.rounds])
+    results["interleaved"] = child_result(["interleaved", b, k, d, n, args.rounds])
     print("interleaved", results["interleaved"], flush=True)
-    from bench.cpu_embedding_bag import machine_info
-
     report = {"shape": {"B": b, "K": k, "D": d, "N": n, "dtype": "float32", "mode": "fwd+bwd"},
               "machine": machine_info(), "memory_budget_bytes": budget, "results": results,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+              "date": utc_date()}
     if args.quick:
         return
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "xla_embedding_bag.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(RESULTS, "xla_embedding_bag.md"), "w") as f:
-        f.write(render(report))
+    write_results("xla_embedding_bag", report, render(report))
     print(render(report))
 
 

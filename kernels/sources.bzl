@@ -18,6 +18,7 @@ PKM_CORE_SRCS = [
     "kernels/core/embedding_bag.cc",
     "kernels/core/forward_int8.cc",
     "kernels/core/fused_optimizer.cc",
+    "kernels/core/shape_rules.cc",
     "kernels/core/vector_ops.cc",
 ]
 
@@ -28,6 +29,7 @@ PKM_CORE_HDRS = [
     "kernels/core/fused_optimizer.h",
     "kernels/core/internal.h",
     "kernels/core/row_optimizer.h",
+    "kernels/core/shape_rules.h",
     "kernels/core/vector_ops.h",
 ]
 
@@ -39,6 +41,11 @@ PKM_CORE_REFERENCE_SRCS = [
 
 PKM_CORE_TEST_SRCS = [
     "kernels/core/embedding_bag_test.cc",
+]
+
+# The shape/dtype rule set's own test program (make core-test runs both).
+PKM_SHAPE_RULES_TEST_SRCS = [
+    "kernels/core/shape_rules_test.cc",
 ]
 
 # ---- TF op library (_pkm_ops.so; the cc_library linked into TF Serving) ----
@@ -120,10 +127,13 @@ PKM_TFLITE_SRCS = [
     "tflite_delegate/flexbuffer_map.cc",
     "tflite_delegate/thread_pool.cc",
     "tflite_delegate/embedding_bag_tflite.cc",
+    "tflite_delegate/custom_op.cc",
+    "tflite_delegate/composite_chain.cc",
     "tflite_delegate/delegate.cc",
 ]
 
 PKM_TFLITE_HDRS = [
+    "tflite_delegate/composite_chain.h",
     "tflite_delegate/embedding_bag_tflite.h",
     "tflite_delegate/flexbuffer_map.h",
     "tflite_delegate/thread_pool.h",

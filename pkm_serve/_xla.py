@@ -15,6 +15,8 @@ import warnings
 
 import tensorflow as tf
 
+from pkm_serve import _library
+
 # Exported by the op library per backend it has custom-call targets for.
 _XLA_TARGET_SYMBOLS = {"CPU": "pkm_xla_has_cpu_target", "GPU": "pkm_xla_has_gpu_target"}
 _xla_fallback_warned = set()
@@ -25,14 +27,12 @@ def xla_device_types() -> frozenset:
     """XLA device types ("CPU", "GPU") the loaded op library has custom-call
     targets for; empty when the library is missing or predates the lowering."""
     global _xla_device_types
-    from pkm_serve import ops  # ops imports this module
-
     if _xla_device_types is None:
         try:
-            ops.load_library()
+            _library.load_library()
             # The library is loaded already: NOLOAD returns its handle.
-            handle = ctypes.CDLL(ops.library_path(), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        except (ops.OpLibraryNotFoundError, tf.errors.NotFoundError, OSError):
+            handle = ctypes.CDLL(_library.library_path(), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except (_library.OpLibraryNotFoundError, tf.errors.NotFoundError, OSError):
             return frozenset()
         # Make the lowering visible even when TF set up its XLA kernels before
         # the library was loaded (RegisterLoweringsLate in kernels/xla).

@@ -4,11 +4,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 
 #include "kernels/core/embedding_bag.h"
+#include "kernels/core/shape_rules.h"
 #include "tflite_delegate/flexbuffer_map.h"
-#include "tflite_delegate/thread_pool.h"
 
 namespace pkm {
 namespace tflite {
@@ -24,22 +23,26 @@ bool ToElemType(TfLiteType t, ElemType* out) {
   }
 }
 
-std::string TypeName(TfLiteType t) {
+DType DTypeOfTfLite(TfLiteType t) {
   switch (t) {
-    case kTfLiteFloat32: return "float32";
-    case kTfLiteFloat16: return "float16";
-    case kTfLiteBFloat16: return "bfloat16";
-    case kTfLiteInt8: return "int8";
-    case kTfLiteInt32: return "int32";
-    case kTfLiteInt64: return "int64";
-    default: return "type#" + std::to_string(static_cast<int>(t));
+    case kTfLiteFloat32: return DType::kFloat32;
+    case kTfLiteFloat16: return DType::kFloat16;
+    case kTfLiteBFloat16: return DType::kBFloat16;
+    case kTfLiteInt8: return DType::kInt8;
+    case kTfLiteInt32: return DType::kInt32;
+    case kTfLiteInt64: return DType::kInt64;
+    case kTfLiteFloat64: return DType::kFloat64;
+    default: return DType::kOther;
   }
 }
 
-std::string ShapeString(const std::vector<int64_t>& dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
+// The params rank rule alone: BindTable reads N and D before the others.
+Status ParamsShape(const Dims& params) {
+  BagShapes shapes;
+  shapes.params = params;
+  shapes.has_weights = false;
+  MaybeDims out;
+  return ForwardShape(shapes, &out);
 }
 
 // The core's call, mapped from the tensors: Table/Bags plus the output.
@@ -72,24 +75,23 @@ class Binder {
     const TfLiteIntArray* d = (*t)->dims;
     if (d == nullptr || d->size < 0) return Fail(std::string(role) + " has no shape");
     dims->assign(d->data, d->data + d->size);
-    for (int64_t v : *dims)
-      if (v < 0) return Fail(std::string(role) + " has a negative dimension " + ShapeString(*dims));
-    return kTfLiteOk;
+    return Rule(ConcreteDims(role, *dims));
   }
+  // The core's rule: ok, or its message as this op's error.
+  TfLiteStatus Rule(const Status& s) { return s.ok ? kTfLiteOk : Fail(s.message); }
   // Element count and byte size of a shape; error if either overflows int64
   // (a wrapped product would let the buffer checks pass on a malformed shape).
-  TfLiteStatus Size(const std::string& role, const std::vector<int64_t>& dims, int64_t elem_size,
-                    int64_t* elems, int64_t* bytes) {
-    if (CheckedNumElements(dims, elems) && CheckedBytes(*elems, elem_size, bytes)) return kTfLiteOk;
-    return Fail(role + " shape too large: " + ShapeString(dims) + " (its size overflows int64)");
+  TfLiteStatus Size(const std::string& role, const Dims& dims, int64_t elem_size, int64_t* elems, int64_t* bytes) {
+    if (Rule(ConcreteDims(role.c_str(), dims, elems)) != kTfLiteOk) return kTfLiteError;
+    if (CheckedBytes(*elems, elem_size, bytes)) return kTfLiteOk;
+    return Fail(role + " shape too large: " + DimsString(dims) + " (its size in bytes overflows int64)");
   }
   // A tensor whose buffer is smaller than its shape is malformed.
-  TfLiteStatus Buffer(const std::string& role, const TfLiteTensor* t, int64_t bytes,
-                      const std::vector<int64_t>& dims) {
+  TfLiteStatus Buffer(const std::string& role, const TfLiteTensor* t, int64_t bytes, const Dims& dims) {
     if (!check_buffers_ || bytes == 0 ||
         (t->data.data != nullptr && t->bytes >= static_cast<size_t>(bytes)))
       return kTfLiteOk;
-    return Fail(role + " buffer is smaller than its shape " + ShapeString(dims));
+    return Fail(role + " buffer is smaller than its shape " + DimsString(dims));
   }
 
  private:
@@ -167,26 +169,23 @@ bool ReadAffineScales(const TfLiteTensor* t, int64_t rows, BagState* state,
   return true;
 }
 
-// Params -> Table. The int8 row scales come from Prepare (state).
-TfLiteStatus BindTable(Binder& c, const BagSpec& spec, const BagState* state, Table* t,
-                       ElemType* out_type, Bound* bound) {
+// Params -> Table (its type; its shape is ForwardShape's). The int8 row
+// scales come from Prepare (state).
+TfLiteStatus BindTable(Binder& c, const BagSpec& spec, const BagState* state, Bound* bound, Dims* tdims) {
   TfLiteTensor *table, *output;
-  std::vector<int64_t> tdims, odims;
-  if (c.Get(spec.table, "params", &table, &tdims) != kTfLiteOk) return kTfLiteError;
-  if (tdims.size() != 2)
-    return c.Fail("params must be rank 2 [N, D], got shape " + ShapeString(tdims));
-  if (!ToElemType(table->type, &t->type))
-    return c.Fail("params must be float32, float16, bfloat16 or int8 (per-row quantised), got " +
-                  TypeName(table->type));
+  Dims odims;
+  Table* t = &bound->table;
+  if (c.Get(spec.table, "params", &table, tdims) != kTfLiteOk) return kTfLiteError;
   if (c.Get(spec.output, "output", &output, &odims) != kTfLiteOk) return kTfLiteError;
-  if (!ToElemType(output->type, out_type) || *out_type == ElemType::kInt8)
-    return c.Fail("output must be float32, float16 or bfloat16, got " + TypeName(output->type));
-  if (t->type != ElemType::kInt8 && *out_type != t->type)
-    return c.Fail("output type " + TypeName(output->type) + " differs from params type " +
-                  TypeName(table->type));
+  if (c.Rule(ParamsType(DTypeOfTfLite(table->type), /*int8_allowed=*/true)) != kTfLiteOk ||
+      c.Rule(OutputType(DTypeOfTfLite(output->type), DTypeOfTfLite(table->type))) != kTfLiteOk ||
+      c.Rule(ParamsShape(*tdims)) != kTfLiteOk)
+    return kTfLiteError;
+  ToElemType(table->type, &t->type);
+  ToElemType(output->type, &bound->out_type);
   t->data = table->data.data;
-  t->num_rows = tdims[0];
-  t->dim = tdims[1];
+  t->num_rows = (*tdims)[0];
+  t->dim = (*tdims)[1];
   if (t->type == ElemType::kInt8) {
     if (state == nullptr || static_cast<int64_t>(state->row_scales.size()) != t->num_rows)
       return c.Fail("int8 params: row scales were not prepared for " +
@@ -196,94 +195,90 @@ TfLiteStatus BindTable(Binder& c, const BagSpec& spec, const BagState* state, Ta
     t->row_params_type = ElemType::kFloat32;
   }
   int64_t elems, bytes;
-  if (c.Size("params", tdims, ElemSize(t->type), &elems, &bytes) != kTfLiteOk) return kTfLiteError;
+  if (c.Size("params", *tdims, ElemSize(t->type), &elems, &bytes) != kTfLiteOk) return kTfLiteError;
   bound->output = output;
-  return c.Buffer("params", table, bytes, tdims);
+  return c.Buffer("params", table, bytes, *tdims);
 }
 
 // Indices (dense [..., K]) or values + row_splits (ragged) -> Bags. Only the
 // layout is read: the core's ValidateBags checks the values (indices in range,
 // splits from 0, non-decreasing, ending at num_values) before using them.
-TfLiteStatus BindIds(Binder& c, const BagSpec& spec, Bags* b, std::vector<int64_t>* idims,
-                     int64_t* num_indices) {
+TfLiteStatus BindIds(Binder& c, const BagSpec& spec, Bags* b, BagShapes* shapes) {
   const bool ragged = spec.row_splits >= 0;
-  const std::string role = ragged ? "values" : "indices";
+  const char* role = ragged ? "values" : "indices";
   TfLiteTensor* indices;
-  if (c.Get(spec.indices, "indices", &indices, idims) != kTfLiteOk) return kTfLiteError;
-  if (indices->type != kTfLiteInt32 && indices->type != kTfLiteInt64)
-    return c.Fail(role + " must be int32 or int64, got " + TypeName(indices->type));
-  if (ragged && idims->size() != 1)
-    return c.Fail("values must be rank 1 (the flat ids of all bags), got shape " +
-                  ShapeString(*idims));
-  if (idims->empty()) return c.Fail("indices must have rank >= 1 ([..., K]), got a scalar");
+  Dims idims;
+  MaybeDims ignored;  // the output: Bind works it out once the weights are known
+  if (c.Get(spec.indices, role, &indices, &idims) != kTfLiteOk) return kTfLiteError;
+  if (c.Rule(IndexType(role, DTypeOfTfLite(indices->type))) != kTfLiteOk) return kTfLiteError;
+  shapes->indices = idims;
   b->indices = indices->data.data;
   b->indices_int64 = indices->type == kTfLiteInt64;
-  int64_t index_bytes;
-  if (c.Size(role, *idims, b->indices_int64 ? 8 : 4, num_indices, &index_bytes) != kTfLiteOk)
-    return kTfLiteError;
-  if (c.Buffer(role, indices, index_bytes, *idims) != kTfLiteOk) return kTfLiteError;
-  if (!ragged) {
-    b->bag_size = idims->back();
-    if (!CheckedNumElements(idims->data(), idims->size() - 1, &b->num_bags))
-      return c.Fail("indices shape too large: " + ShapeString(*idims));
-    return kTfLiteOk;
+  if (ragged) {
+    TfLiteTensor* splits;
+    Dims sdims;
+    if (c.Get(spec.row_splits, "row_splits", &splits, &sdims) != kTfLiteOk ||
+        c.Rule(IndexType("row_splits", DTypeOfTfLite(splits->type))) != kTfLiteOk)
+      return kTfLiteError;
+    shapes->row_splits = sdims;
+    if (c.Rule(ForwardShape(*shapes, &ignored)) != kTfLiteOk) return kTfLiteError;  // ids and splits
+    b->row_splits = splits->data.data;
+    b->row_splits_int64 = splits->type == kTfLiteInt64;
+    b->num_bags = sdims[0] - 1;
+    b->num_values = idims[0];
+    if (c.Buffer("row_splits", splits, sdims[0] * (b->row_splits_int64 ? 8 : 4), sdims) != kTfLiteOk)
+      return kTfLiteError;
+  } else {
+    if (c.Rule(ForwardShape(*shapes, &ignored)) != kTfLiteOk) return kTfLiteError;  // ids alone
+    b->bag_size = idims.back();
+    CheckedNumElements(idims.data(), idims.size() - 1, &b->num_bags);  // within int64: ForwardShape checked
   }
-  TfLiteTensor* splits;
-  std::vector<int64_t> sdims;
-  if (c.Get(spec.row_splits, "row_splits", &splits, &sdims) != kTfLiteOk) return kTfLiteError;
-  if (splits->type != kTfLiteInt32 && splits->type != kTfLiteInt64)
-    return c.Fail("row_splits must be int32 or int64, got " + TypeName(splits->type));
-  if (sdims.size() != 1 || sdims[0] < 1)
-    return c.Fail("row_splits must be rank 1 with at least one element ([num_bags + 1]), got shape " +
-                  ShapeString(sdims));
-  b->row_splits = splits->data.data;
-  b->row_splits_int64 = splits->type == kTfLiteInt64;
-  b->num_bags = sdims[0] - 1;
-  b->num_values = (*idims)[0];
-  return c.Buffer("row_splits", splits, sdims[0] * (b->row_splits_int64 ? 8 : 4), sdims);
+  int64_t num_indices, index_bytes;
+  if (c.Size(role, idims, b->indices_int64 ? 8 : 4, &num_indices, &index_bytes) != kTfLiteOk) return kTfLiteError;
+  return c.Buffer(role, indices, index_bytes, idims);
 }
 
 // Optional weights -> Bags::weights. A fused composite's weights may be any
 // reshape of [..., K] (the delegate checked that the chain only re-shapes them).
-TfLiteStatus BindWeights(Binder& c, const BagSpec& spec, const std::vector<int64_t>& idims,
-                         int64_t num_indices, Bags* b) {
-  if (spec.weights < 0) return kTfLiteOk;
+TfLiteStatus BindWeights(Binder& c, const BagSpec& spec, Bags* b, BagShapes* shapes) {
+  shapes->has_weights = spec.weights >= 0;
+  shapes->weights_any_shape = spec.composite;
+  if (spec.weights < 0) return kTfLiteOk;  // has_weights=false: the input is a placeholder
   TfLiteTensor* weights;
-  std::vector<int64_t> wdims;
-  if (c.Get(spec.weights, "weights", &weights, &wdims) != kTfLiteOk) return kTfLiteError;
-  if (!ToElemType(weights->type, &b->weights_type) || b->weights_type == ElemType::kInt8)
-    return c.Fail("weights must be float32, float16 or bfloat16, got " + TypeName(weights->type));
+  Dims wdims;
+  if (c.Get(spec.weights, "weights", &weights, &wdims) != kTfLiteOk ||
+      c.Rule(WeightsType(DTypeOfTfLite(weights->type))) != kTfLiteOk)
+    return kTfLiteError;
+  ToElemType(weights->type, &b->weights_type);
+  shapes->weights = wdims;
   int64_t weight_elems, weight_bytes;
   if (c.Size("weights", wdims, ElemSize(b->weights_type), &weight_elems, &weight_bytes) != kTfLiteOk)
     return kTfLiteError;
-  if (spec.composite ? weight_elems != num_indices : wdims != idims)
-    return c.Fail("weights shape " + ShapeString(wdims) + " must " +
-                  (spec.composite ? "have as many elements as indices " : "equal indices shape ") +
-                  ShapeString(idims));
   b->weights = weights->data.data;
   return c.Buffer("weights", weights, weight_bytes, wdims);
 }
 
 // Shared by Prepare and Invoke: maps every tensor onto the core's Table/Bags
-// and works out the output shape.
+// and works out the output shape with the core's shape rules.
 TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* state,
                   bool check_buffers, Bound* bound) {
   Binder c(context, spec, check_buffers);
-  std::vector<int64_t> idims;
-  int64_t num_indices;
-  if (BindTable(c, spec, state, &bound->table, &bound->out_type, bound) != kTfLiteOk ||
-      BindIds(c, spec, &bound->bags, &idims, &num_indices) != kTfLiteOk ||
-      BindWeights(c, spec, idims, num_indices, &bound->bags) != kTfLiteOk)
+  BagShapes shapes;
+  Dims tdims;
+  shapes.ragged = spec.row_splits >= 0;
+  shapes.combiner = spec.combiner;
+  if (BindTable(c, spec, state, bound, &tdims) != kTfLiteOk) return kTfLiteError;
+  shapes.params = tdims;
+  if (BindIds(c, spec, &bound->bags, &shapes) != kTfLiteOk ||
+      BindWeights(c, spec, &bound->bags, &shapes) != kTfLiteOk)
     return kTfLiteError;
+  MaybeDims out;
+  if (c.Rule(ForwardShape(shapes, &out)) != kTfLiteOk) return kTfLiteError;
   // Stock GATHER fails on any index outside [0, N) while the op treats
   // negatives as padding: a fused chain must fail where the stock one does.
   if (spec.composite) bound->bags.index_policy = IndexPolicy::kNoPadding;
-  if (spec.row_splits >= 0)
-    bound->out_dims.assign(1, bound->bags.num_bags);
-  else
-    bound->out_dims.assign(idims.begin(), idims.end() - 1);
-  if (spec.composite && spec.keep_dims) bound->out_dims.push_back(1);
-  bound->out_dims.push_back(bound->table.dim);
+  bound->out_dims = *out;
+  if (spec.composite && spec.keep_dims) bound->out_dims.insert(bound->out_dims.end() - 1, 1);
   int64_t out_elems;
   return c.Size("output", bound->out_dims, ElemSize(bound->out_type), &out_elems, &bound->out_bytes);
 }
@@ -400,7 +395,7 @@ TfLiteStatus InvokeBag(TfLiteContext* context, const BagSpec& spec, const BagSta
     return kTfLiteError;
   if (!SameDims(bound.output->dims, bound.out_dims)) {
     context->ReportError(context, "%s: output shape does not match %s (inputs changed after Prepare)",
-                         spec.what, ShapeString(bound.out_dims).c_str());
+                         spec.what, DimsString(bound.out_dims).c_str());
     return kTfLiteError;
   }
   // Nothing to write (D == 0 or no bags), but bad indices are still an error.
@@ -446,87 +441,3 @@ TfLiteStatus SpecFromCustomNode(TfLiteContext* context, const TfLiteNode* node,
 
 }  // namespace tflite
 }  // namespace pkm
-
-namespace {
-
-using pkm::tflite::BagSpec;
-using pkm::tflite::BagState;
-using pkm::tflite::OpOptions;
-
-// Per-node data of the plain custom-op registration.
-struct CustomOpData {
-  bool ragged = false;
-  OpOptions options;
-  std::string options_error;
-  BagSpec spec;
-  BagState state;
-  std::shared_ptr<pkm::tflite::ThreadPool> pool;  // shared by all nodes with this thread count
-};
-
-void* CustomInit(TfLiteContext* context, const char* buffer, size_t length, bool ragged) {
-  auto* data = new CustomOpData;
-  data->ragged = ragged;
-  if (!pkm::tflite::ParseOpOptions(buffer, length, &data->options, &data->options_error) &&
-      data->options_error.empty())
-    data->options_error = "invalid custom_options";
-  return data;
-}
-void* CustomInitDense(TfLiteContext* context, const char* buffer, size_t length) {
-  return CustomInit(context, buffer, length, false);
-}
-void* CustomInitRagged(TfLiteContext* context, const char* buffer, size_t length) {
-  return CustomInit(context, buffer, length, true);
-}
-
-void CustomFree(TfLiteContext* context, void* buffer) { delete static_cast<CustomOpData*>(buffer); }
-
-TfLiteStatus CustomPrepare(TfLiteContext* context, TfLiteNode* node) {
-  auto* data = static_cast<CustomOpData*>(node->user_data);
-  if (data == nullptr) return kTfLiteError;
-  if (!data->options_error.empty()) {
-    context->ReportError(context, "%s: %s",
-                         data->ragged ? pkm::tflite::kRaggedCustomOpName : pkm::tflite::kCustomOpName,
-                         data->options_error.c_str());
-    return kTfLiteError;
-  }
-  if (pkm::tflite::SpecFromCustomNode(context, node, data->options, data->ragged, &data->spec) !=
-      kTfLiteOk)
-    return kTfLiteError;
-  const int threads = context->recommended_num_threads > 0 ? context->recommended_num_threads : 1;
-  if (!data->pool || data->pool->num_threads() != threads)
-    data->pool = pkm::tflite::SharedThreadPool(threads);
-  return pkm::tflite::PrepareBag(context, data->spec, &data->state);
-}
-
-TfLiteStatus CustomInvoke(TfLiteContext* context, TfLiteNode* node) {
-  auto* data = static_cast<CustomOpData*>(node->user_data);
-  if (data == nullptr || !data->pool) return kTfLiteError;
-  return pkm::tflite::InvokeBag(context, data->spec, data->state, data->pool->AsParallelFor());
-}
-
-}  // namespace
-
-namespace {
-TfLiteRegistration MakeRegistration(bool ragged) {
-  TfLiteRegistration r;
-  std::memset(&r, 0, sizeof(r));  // fields a newer runtime reads must be zero
-  r.init = ragged ? CustomInitRagged : CustomInitDense;
-  r.free = CustomFree;
-  r.prepare = CustomPrepare;
-  r.invoke = CustomInvoke;
-  r.builtin_code = kTfLiteBuiltinCustom;
-  r.custom_name = ragged ? pkm::tflite::kRaggedCustomOpName : pkm::tflite::kCustomOpName;
-  r.version = 1;
-  return r;
-}
-}  // namespace
-
-extern "C" TfLiteRegistration* PkmEmbeddingBagRegistration() {
-  static TfLiteRegistration registration = MakeRegistration(false);
-  return &registration;
-}
-
-extern "C" TfLiteRegistration* PkmRaggedEmbeddingBagRegistration() {
-  static TfLiteRegistration registration = MakeRegistration(true);
-  return &registration;
-}

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,25 @@ inline bool CheckedNumElements(const std::vector<int64_t>& dims, int64_t* out) {
 // num_elements * elem_size bytes, or false on int64 overflow.
 inline bool CheckedBytes(int64_t num_elements, int64_t elem_size, int64_t* out) {
   return !__builtin_mul_overflow(num_elements, elem_size, out);
+}
+
+// A kernel registration (version 1) with every other field zeroed: a newer
+// runtime reads fields this ABI does not set.
+inline TfLiteRegistration NewRegistration(decltype(TfLiteRegistration::init) init,
+                                          decltype(TfLiteRegistration::free) free_fn,
+                                          decltype(TfLiteRegistration::prepare) prepare,
+                                          decltype(TfLiteRegistration::invoke) invoke, int32_t builtin_code,
+                                          const char* custom_name) {
+  TfLiteRegistration r;
+  std::memset(&r, 0, sizeof(r));
+  r.init = init;
+  r.free = free_fn;
+  r.prepare = prepare;
+  r.invoke = invoke;
+  r.builtin_code = builtin_code;
+  r.custom_name = custom_name;
+  r.version = 1;
+  return r;
 }
 
 // One embedding bag bound to tensor indices of a subgraph.

@@ -79,6 +79,70 @@ class Reader {
 
 bool ValidWidth(int w) { return w == 1 || w == 2 || w == 4 || w == 8; }
 
+// One map value at `pos` (inline, `width` bytes) with its packed type byte.
+bool ReadValue(const Reader& r, const uint8_t* data, uint64_t pos, int width, int packed,
+               FlexbufferMap::Entry* e) {
+  using Kind = FlexbufferMap::Kind;
+  const int type = packed >> 2;
+  const int child_width = 1 << (packed & 3);
+  bool ok = true;
+  switch (type) {
+    case kTypeNull:
+      e->kind = Kind::kNull;
+      break;
+    case kTypeInt:
+      e->kind = Kind::kInt;
+      ok = r.ReadInt(pos, width, &e->int_value);
+      break;
+    case kTypeUInt:
+    case kTypeBool: {
+      uint64_t u = 0;
+      ok = r.ReadUInt(pos, width, &u);
+      e->kind = type == kTypeBool ? Kind::kBool : Kind::kUInt;
+      e->int_value = static_cast<int64_t>(u);
+      break;
+    }
+    case kTypeFloat:
+      e->kind = Kind::kFloat;
+      ok = r.ReadFloat(pos, width, &e->float_value);
+      break;
+    case kTypeIndirectInt:
+    case kTypeIndirectUInt:
+    case kTypeIndirectFloat: {
+      uint64_t target;
+      ok = r.Deref(pos, width, &target);
+      if (ok && type == kTypeIndirectFloat) {
+        e->kind = Kind::kFloat;
+        ok = r.ReadFloat(target, child_width, &e->float_value);
+      } else if (ok) {
+        e->kind = type == kTypeIndirectInt ? Kind::kInt : Kind::kUInt;
+        ok = r.ReadInt(target, child_width, &e->int_value);
+      }
+      break;
+    }
+    case kTypeString:
+    case kTypeKey: {
+      uint64_t target;
+      e->kind = Kind::kString;
+      ok = r.Deref(pos, width, &target);
+      if (ok && type == kTypeKey) {
+        ok = r.ReadCString(target, &e->string_value);
+      } else if (ok) {
+        uint64_t len;
+        ok = target >= static_cast<uint64_t>(child_width) &&
+             r.ReadUInt(target - child_width, child_width, &len) &&
+             r.InRange(target, len);
+        if (ok) e->string_value.assign(reinterpret_cast<const char*>(data + target), len);
+      }
+      break;
+    }
+    default:
+      e->kind = Kind::kOther;  // vectors, maps, blobs: not needed, skipped
+      break;
+  }
+  return ok;
+}
+
 }  // namespace
 
 bool FlexbufferMap::Parse(const uint8_t* data, size_t size, std::string* error) {
@@ -126,63 +190,7 @@ bool FlexbufferMap::Parse(const uint8_t* data, size_t size, std::string* error) 
       return fail("key " + std::to_string(i) + " out of range");
     const uint64_t pos = values + i * width;
     const int packed = data[values + count * width + i];
-    const int type = packed >> 2;
-    const int child_width = 1 << (packed & 3);
-    bool ok = true;
-    switch (type) {
-      case kTypeNull:
-        e.kind = Kind::kNull;
-        break;
-      case kTypeInt:
-        e.kind = Kind::kInt;
-        ok = r.ReadInt(pos, width, &e.int_value);
-        break;
-      case kTypeUInt:
-      case kTypeBool: {
-        uint64_t u = 0;
-        ok = r.ReadUInt(pos, width, &u);
-        e.kind = type == kTypeBool ? Kind::kBool : Kind::kUInt;
-        e.int_value = static_cast<int64_t>(u);
-        break;
-      }
-      case kTypeFloat:
-        e.kind = Kind::kFloat;
-        ok = r.ReadFloat(pos, width, &e.float_value);
-        break;
-      case kTypeIndirectInt:
-      case kTypeIndirectUInt:
-      case kTypeIndirectFloat: {
-        uint64_t target;
-        ok = r.Deref(pos, width, &target);
-        if (ok && type == kTypeIndirectFloat) {
-          e.kind = Kind::kFloat;
-          ok = r.ReadFloat(target, child_width, &e.float_value);
-        } else if (ok) {
-          e.kind = type == kTypeIndirectInt ? Kind::kInt : Kind::kUInt;
-          ok = r.ReadInt(target, child_width, &e.int_value);
-        }
-        break;
-      }
-      case kTypeString:
-      case kTypeKey: {
-        uint64_t target;
-        e.kind = Kind::kString;
-        ok = r.Deref(pos, width, &target);
-        if (ok && type == kTypeKey) {
-          ok = r.ReadCString(target, &e.string_value);
-        } else if (ok) {
-          uint64_t len;
-          ok = target >= static_cast<uint64_t>(child_width) &&
-               r.ReadUInt(target - child_width, child_width, &len) &&
-               r.InRange(target, len);
-          if (ok) e.string_value.assign(reinterpret_cast<const char*>(data + target), len);
-        }
-        break;
-      }
-      default:
-        e.kind = Kind::kOther;  // vectors, maps, blobs: not needed, skipped
-        break;
-    }
+    const bool ok = ReadValue(r, data, pos, width, packed, &e);
     if (!ok) return fail("value of key '" + e.key + "' out of range");
     entries_.push_back(std::move(e));
   }

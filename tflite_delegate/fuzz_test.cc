@@ -545,7 +545,7 @@ bool BadRowSplitsAreRejected() {
       {{1, 2, 3}, 3, "row_splits"},
       {{0, 3, 2}, 3, "row_splits"},
       {{0, 1, 2}, 3, "row_splits"},
-      {{}, 3, "row_splits must be rank 1 with at least one element"},
+      {{}, 3, "row_splits must be a non-empty vector ([num_bags + 1]), got shape [0]"},
   };
   TfLiteRegistration* reg = PkmRaggedEmbeddingBagRegistration();
   for (const Case& c : cases) {

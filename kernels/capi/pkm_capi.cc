@@ -6,10 +6,12 @@
 #include <cstring>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "kernels/core/embedding_bag.h"
 #include "kernels/core/fused_optimizer.h"
+#include "kernels/core/shape_rules.h"
 
 namespace {
 
@@ -119,6 +121,33 @@ int pkm_cpu_fused_update(const PkmBags* in, const void* grad_out, const PkmRowOp
   return Finish(pkm::FusedBackwardUpdate(table, bags, combiner, grad_out, table.type, *opt, d_weights,
                                          ThreadsFor(num_threads)),
                 err, err_len);
+}
+
+int pkm_check_shapes(const int64_t* params_dims, int params_rank, const int64_t* indices_dims, int indices_rank,
+                     const int64_t* row_splits_dims, int row_splits_rank, const int64_t* weights_dims,
+                     int weights_rank, int32_t combiner, int64_t* out_dims, int* out_rank, char* err,
+                     size_t err_len) {
+  auto dims = [](const int64_t* d, int rank) { return pkm::Dims(d, d + (d != nullptr && rank > 0 ? rank : 0)); };
+  pkm::BagShapes shapes;
+  shapes.params = dims(params_dims, params_rank);
+  shapes.indices = dims(indices_dims, indices_rank);
+  shapes.ragged = row_splits_dims != nullptr;
+  if (shapes.ragged) shapes.row_splits = dims(row_splits_dims, row_splits_rank);
+  shapes.has_weights = weights_dims != nullptr;
+  shapes.weights = shapes.has_weights ? dims(weights_dims, weights_rank) : pkm::Dims{0};
+  shapes.combiner = static_cast<pkm::Combiner>(combiner);
+  pkm::Status s;
+  for (const auto& [role, d] : {std::pair<const char*, const pkm::MaybeDims*>{"params", &shapes.params},
+                                {shapes.ragged ? "values" : "indices", &shapes.indices},
+                                {"row_splits", &shapes.row_splits}, {"weights", &shapes.weights}})
+    if (s.ok && *d) s = pkm::ConcreteDims(role, **d);
+  pkm::MaybeDims out;
+  if (s.ok) s = pkm::ForwardShape(shapes, &out);
+  if (s.ok) s = pkm::CombinerValueRule(combiner);
+  if (!s.ok) return Fail(s.message, err, err_len);
+  if (out_rank != nullptr) *out_rank = static_cast<int>(out->size());
+  for (size_t i = 0; out_dims != nullptr && i < out->size(); ++i) out_dims[i] = (*out)[i];
+  return 0;
 }
 
 size_t pkm_bags_layout(size_t* size, size_t* offsets, size_t num_offsets) {

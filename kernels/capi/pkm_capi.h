@@ -51,6 +51,18 @@ PKM_CUDA_API int pkm_cpu_fused_update(const PkmBags* bags, const void* grad_out,
 // mirror (kernels/capi/pkm_capi.py) check itself against the C struct.
 PKM_CUDA_API size_t pkm_bags_layout(size_t* size, size_t* offsets, size_t num_offsets);
 
+// The core's shape rule set (kernels/core/shape_rules.h) on shapes alone, for
+// front ends that hold tensors (ctypes, JAX, PyTorch) and want the op's
+// messages before building a PkmBags: params [N, D], indices [..., K] (ragged:
+// values [V] with row_splits [B + 1]; row_splits_dims NULL = dense), weights
+// (NULL = has_weights false). combiner is a PKM_* value. On success writes the
+// output shape to out_dims (room for indices_rank + 1) and *out_rank; returns
+// 0, or -1 with the rule's message in err.
+PKM_CUDA_API int pkm_check_shapes(const int64_t* params_dims, int params_rank, const int64_t* indices_dims,
+                                  int indices_rank, const int64_t* row_splits_dims, int row_splits_rank,
+                                  const int64_t* weights_dims, int weights_rank, int32_t combiner,
+                                  int64_t* out_dims, int* out_rank, char* err, size_t err_len);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif

@@ -227,6 +227,9 @@ class PkmLib:
         lib.pkm_bags_layout.argtypes = [size_p, size_p, ctypes.c_size_t]
         lib.pkm_bags_layout.restype = ctypes.c_size_t
         check_layout(lib)
+        i64_p = ctypes.POINTER(ctypes.c_int64)
+        lib.pkm_check_shapes.argtypes = [i64_p, ctypes.c_int] * 4 + [ctypes.c_int32, i64_p,
+                                                                       ctypes.POINTER(ctypes.c_int)] + err_args
         lib.pkm_cpu_forward.argtypes = [bags_p, vp, ctypes.c_int] + err_args
         lib.pkm_cpu_backward.argtypes = [bags_p, vp, vp, vp, ctypes.c_int] + err_args
         lib.pkm_cpu_sparse_backward.argtypes = [bags_p, vp, SPARSE_ALLOC_FN, vp, vp] + err_args
@@ -353,6 +356,18 @@ class PkmLib:
     def _check_cpu(self, rc, err, what):
         if rc != 0:
             raise PkmError(f"{what}: {err.value.decode()}")
+
+    def check_shapes(self, params, indices, weights=None, combiner="sum", row_splits=None):
+        """The core's shape rules on shapes (tuples of ints): the forward output's shape, or PkmError."""
+        def arr(shape):
+            return (None, 0) if shape is None else ((ctypes.c_int64 * max(len(shape), 1))(*shape), len(shape))
+
+        args = [x for shape in (params, indices, row_splits, weights) for x in arr(shape)]
+        out = (ctypes.c_int64 * (len(indices) + 1))()
+        rank, err = ctypes.c_int(), ctypes.create_string_buffer(512)
+        rc = self.lib.pkm_check_shapes(*args, COMBINERS[combiner], out, ctypes.byref(rank), err, len(err))
+        self._check_cpu(rc, err, "pkm_check_shapes")
+        return tuple(out[:rank.value])
 
     def cpu_forward(self, table, indices, weights=None, combiner="sum", row_splits=None, reference=True,
                     row_scales=None, row_biases=None):

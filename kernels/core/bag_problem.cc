@@ -3,6 +3,7 @@
 #include <string>
 
 #include "kernels/core/embedding_bag.h"
+#include "kernels/core/shape_rules.h"
 
 namespace pkm {
 
@@ -20,19 +21,16 @@ static_assert(static_cast<int>(IndexPolicy::kNegativeIsPadding) == PKM_NEGATIVE_
               "pkm::IndexPolicy must equal the PKM_* index policies");
 
 Status FromBagProblem(const PkmBags& in, Table* table, Bags* bags, Combiner* combiner) {
-  auto float_type = [](int32_t t) { return t == PKM_FLOAT32 || t == PKM_FLOAT16 || t == PKM_BFLOAT16; };
+  // An int8 table is the descriptor's one non-float table type: its row parameters are checked
+  // here, the rest by the shared rule set (which knows float tables only).
   const bool int8_table = in.elem_type == PKM_INT8;
-  if ((!float_type(in.elem_type) && !int8_table) || (in.weights != nullptr && !float_type(in.weights_type)))
-    return Status::Error("elem_type must be 0 (float32), 1 (float16), 2 (bfloat16) or 3 (int8 rows) and "
-                         "weights_type 0, 1 or 2");
   if (int8_table && (in.row_scales == nullptr || (in.row_params_type != PKM_FLOAT32 &&
                                                   in.row_params_type != PKM_FLOAT16)))
     return Status::Error("an int8 table needs row_scales, with row_params_type 0 (float32) or 1 (float16)");
-  if (in.combiner < PKM_SUM || in.combiner > PKM_SQRTN)
-    return Status::Error("combiner must be 0 (sum), 1 (mean) or 2 (sqrtn), got " + std::to_string(in.combiner));
-  if (in.index_policy < PKM_NEGATIVE_IS_PADDING || in.index_policy > PKM_OUT_OF_RANGE_IS_PADDING)
-    return Status::Error("index_policy must be 0 (negative is padding), 1 (no padding) or 2 (out of range is "
-                         "padding), got " + std::to_string(in.index_policy));
+  PkmBags as_float = in;
+  if (int8_table) as_float.elem_type = PKM_FLOAT32;
+  const Status rule = BagProblemRule(as_float);
+  if (!rule.ok) return rule;
   *table = Table();
   table->data = in.table;
   table->type = static_cast<ElemType>(in.elem_type);

@@ -13,6 +13,7 @@
 
 #include "kernels/core/forward_int8.h"
 #include "kernels/core/internal.h"
+#include "kernels/core/shape_rules.h"
 #include "kernels/core/vector_ops.h"
 
 namespace pkm {
@@ -68,17 +69,17 @@ int64_t Bags::End(int64_t bag) const {
 namespace internal {
 
 Status CheckTypes(const Table& t, const Bags& bags, ElemType out_type, bool for_gradient) {
-  if (t.num_rows < 0 || t.dim < 0) return Status::Error("table shape must be non-negative");
+  Status st = ConcreteDims("params", {t.num_rows, t.dim});
+  if (!st.ok) return st;
   if (t.data == nullptr && t.num_rows * t.dim > 0) return Status::Error("table data is null");
   if (t.type == ElemType::kInt8) {
     if (for_gradient) return Status::Error("no gradient for int8 (quantised) tables");
     Status s = CheckInt8Table(t);
     if (!s.ok) return s;
   }
-  if (out_type == ElemType::kInt8) return Status::Error("output type must be a float type");
-  if (bags.weights != nullptr && bags.weights_type == ElemType::kInt8)
-    return Status::Error("weights must be a float type");
-  if (bags.num_bags < 0 || bags.bag_size < 0) return Status::Error("bag shape must be non-negative");
+  if (out_type == ElemType::kInt8) return Status::Error("output must be float32, float16 or bfloat16, got int8");
+  if (bags.weights != nullptr && !(st = WeightsType(DTypeOf(bags.weights_type))).ok) return st;
+  if (!(st = ConcreteDims("indices", {bags.num_bags, bags.bag_size})).ok) return st;
   if (bags.index_policy == IndexPolicy::kOutOfRangeIsPadding)
     return Status::Error("index policy 'out of range is padding' is the GPU launchers' only: the CPU "
                          "kernels need indices < num_rows");

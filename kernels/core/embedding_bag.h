@@ -138,7 +138,9 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner,
 //                may be null to skip
 //  d_weights:    one per index, of bags.weights_type; may be null to skip.
 //                Padding entries get 0.
-// Temporaries are O(number of indices) integers: no [indices, dim] buffer.
+// No [indices, dim] buffer; temporaries: DESIGN.md "The op" (row groups sized
+// by the indices or, for a counting sort, by num_rows; a [num_bags, dim]
+// float32 copy of a half-type grad_out).
 // table.type must be a float type (no gradients for int8 tables).
 Status Backward(const Table& table, const Bags& bags, Combiner combiner,
                 const void* grad_out, ElemType grad_type, void* d_table,
@@ -150,9 +152,8 @@ Status Backward(const Table& table, const Bags& bags, Combiner combiner,
 // grouping, so the caller allocates the outputs through `alloc`, which must set
 // *rows to U int64 and *row_grads to U * dim elements of row_grads_type (both
 // may be null when U == 0) or return an error that SparseBackward passes on.
-// d_weights as in Backward (may be null). No [indices, dim] buffer; temporaries
-// are O(number of indices) integers (O(num_rows) when the table is not much
-// larger than the number of indices, as in Backward).
+// d_weights as in Backward (may be null). No [indices, dim] buffer;
+// temporaries as in Backward.
 using SparseRowsAlloc = std::function<Status(int64_t num_rows_touched, int64_t** rows, void** row_grads)>;
 Status SparseBackward(const Table& table, const Bags& bags, Combiner combiner, const void* grad_out,
                       ElemType grad_type, const SparseRowsAlloc& alloc, ElemType row_grads_type,

@@ -8,6 +8,7 @@
 
 #include "kernels/core/embedding_bag.h"
 #include "tensorflow/core/framework/device_base.h"
+#include "kernels/core/shape_rules.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -52,40 +53,39 @@ struct CoreArgs {
   const ::tensorflow::Tensor* weights = nullptr;
 };
 
-// Every shape rule of the ops, on shapes alone, so the TF kernels and the XLA
-// lowering (kernels/xla, which sees shapes at compile time) reject the same
-// inputs with the same messages. `splits` is null for the dense layout.
-// Fills out_shape: the forward output (leading dims of indices, or the bag
-// count of the ragged layout, then D).
+inline ::tensorflow::Status ToTf(const pkm::Status& s) {
+  return s.ok ? ::tensorflow::Status() : ::tensorflow::errors::InvalidArgument(s.message);
+}
+
+inline pkm::Dims DimsOf(const ::tensorflow::TensorShape& shape) {
+  pkm::Dims dims(shape.dims());
+  for (int i = 0; i < shape.dims(); ++i) dims[i] = shape.dim_size(i);
+  return dims;
+}
+
+// The core's shape rules (kernels/core/shape_rules.h) on the tensors' shapes,
+// so the TF kernels, the shape functions and the XLA lowering (kernels/xla,
+// which sees shapes at compile time) reject the same inputs with the same
+// messages as every other runtime. `splits` is null for the dense layout.
+// Fills out_shape: the forward output.
 inline ::tensorflow::Status CheckShapes(const OpAttrs& attrs, const ::tensorflow::TensorShape& params,
                                         const ::tensorflow::TensorShape& indices,
                                         const ::tensorflow::TensorShape* splits,
                                         const ::tensorflow::TensorShape& weights,
                                         ::tensorflow::TensorShape* out_shape) {
-  using ::tensorflow::errors::InvalidArgument;
-  if (params.dims() != 2)
-    return InvalidArgument("params must be a [N, D] matrix, got shape ", params.DebugString());
-  if (attrs.ragged ? indices.dims() != 1 : indices.dims() < 1)
-    return InvalidArgument(attrs.ragged ? "values must be a vector" : "indices must have rank >= 1 ([..., K])",
-                           ", got shape ", indices.DebugString());
-  if (attrs.has_weights && weights != indices)
-    return InvalidArgument("weights must have the shape of indices ", indices.DebugString(), ", got ",
-                           weights.DebugString());
-  // An unused weights input must be empty, so the gradient op's d_weights
-  // (shaped like weights) has nothing to leave unwritten.
-  if (!attrs.has_weights && weights.num_elements() != 0)
-    return InvalidArgument("weights must be empty (e.g. shape [0]) when has_weights is false, got shape ",
-                           weights.DebugString());
-  *out_shape = ::tensorflow::TensorShape();
-  if (attrs.ragged) {
-    if (splits == nullptr || splits->dims() != 1 || splits->dim_size(0) < 1)
-      return InvalidArgument("row_splits must be a non-empty vector, got shape ",
-                             splits ? splits->DebugString() : "none");
-    TF_RETURN_IF_ERROR(out_shape->AddDimWithStatus(splits->dim_size(0) - 1));
-  } else {
-    for (int i = 0; i + 1 < indices.dims(); ++i) TF_RETURN_IF_ERROR(out_shape->AddDimWithStatus(indices.dim_size(i)));
-  }
-  return out_shape->AddDimWithStatus(params.dim_size(1));
+  pkm::BagShapes shapes;
+  shapes.params = DimsOf(params);
+  shapes.indices = DimsOf(indices);
+  if (splits != nullptr) shapes.row_splits = DimsOf(*splits);
+  shapes.weights = DimsOf(weights);
+  shapes.ragged = attrs.ragged;
+  shapes.has_weights = attrs.has_weights;
+  shapes.combiner = attrs.combiner;
+  if (attrs.ragged && splits == nullptr)
+    return ::tensorflow::errors::InvalidArgument("row_splits must be a non-empty vector ([num_bags + 1]), got none");
+  pkm::MaybeDims out;
+  TF_RETURN_IF_ERROR(ToTf(pkm::ForwardShape(shapes, &out)));
+  return ::tensorflow::TensorShape::BuildTensorShape(*out, out_shape);
 }
 
 // `variable_params`, when set, is the table read from a resource variable
@@ -131,12 +131,7 @@ inline ::tensorflow::Status BuildGradCoreArgs(::tensorflow::OpKernelContext* ctx
                                               CoreArgs* args,
                                               const ::tensorflow::Tensor* variable_params = nullptr) {
   TF_RETURN_IF_ERROR(BuildCoreArgs(ctx, attrs, /*first=*/1, args, variable_params));
-  const ::tensorflow::Tensor& grad = ctx->input(0);
-  if (grad.shape() != args->out_shape)
-    return ::tensorflow::errors::InvalidArgument("grad must have the forward output's shape ",
-                                                 args->out_shape.DebugString(), ", got ",
-                                                 grad.shape().DebugString());
-  return ::tensorflow::Status();
+  return ToTf(pkm::GradShape(DimsOf(ctx->input(0).shape()), DimsOf(args->out_shape)));
 }
 
 // The dense gradient ops' arguments and outputs, shared by both devices:
@@ -156,10 +151,6 @@ inline pkm::ParallelFor TfParallelFor(::tensorflow::OpKernelContext* ctx) {
     if (total <= 0) return;
     workers->ParallelFor(total, cost_per_unit, [&fn](int64_t begin, int64_t end) { fn(begin, end); });
   };
-}
-
-inline ::tensorflow::Status ToTf(const pkm::Status& s) {
-  return s.ok ? ::tensorflow::Status() : ::tensorflow::errors::InvalidArgument(s.message);
 }
 
 // Base of the forward and gradient kernels on every device: reads the attrs.

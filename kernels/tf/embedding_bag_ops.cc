@@ -1,6 +1,11 @@
 // Op definitions and shape functions of the fused EmbeddingBag ops.
 // Kernels live in embedding_bag_kernels.cc (CPU) and
 // embedding_bag_gpu_kernels.cc (GPU).
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kernels/tf/embedding_bag_common.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -14,39 +19,61 @@ using ::tensorflow::shape_inference::ShapeHandle;
 
 namespace {
 
-Status DenseForwardShape(InferenceContext* c) {
-  ShapeHandle params, indices, leading, out;
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &params));
-  TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(1), 1, &indices));
-  bool has_weights;
-  TF_RETURN_IF_ERROR(c->GetAttr("has_weights", &has_weights));
-  if (has_weights) TF_RETURN_IF_ERROR(c->Merge(indices, c->input(2), &indices));
-  TF_RETURN_IF_ERROR(c->Subshape(indices, 0, -1, &leading));
-  TF_RETURN_IF_ERROR(c->Concatenate(leading, c->Vector(c->Dim(params, 1)), &out));
-  c->set_output(0, out);
+// Shape inference through the core's rule set (kernels/core/shape_rules.h):
+// the same rules and messages as the kernels, on what is known at graph time.
+pkm::MaybeDims DimsOf(InferenceContext* c, ShapeHandle shape) {
+  if (!c->RankKnown(shape)) return std::nullopt;
+  pkm::Dims dims(c->Rank(shape));
+  for (int i = 0; i < c->Rank(shape); ++i) dims[i] = c->Value(c->Dim(shape, i));  // -1 when unknown
+  return dims;
+}
+
+ShapeHandle HandleOf(InferenceContext* c, const pkm::MaybeDims& dims) {
+  if (!dims) return c->UnknownShape();
+  std::vector<DimensionHandle> handles;
+  for (int64_t d : *dims) handles.push_back(d < 0 ? c->UnknownDim() : c->MakeDim(d));
+  return c->MakeShape(handles);
+}
+
+// The forward rules on inputs [params, ids, (row_splits,) weights] from
+// `first`; *out is the forward output. `params` overrides input `first`
+// (the resource ops read it from the variable's handle data).
+Status ForwardShapeFrom(InferenceContext* c, int first, bool ragged, pkm::MaybeDims* out,
+                        const pkm::MaybeDims* params = nullptr) {
+  pkm::BagShapes shapes;
+  shapes.ragged = ragged;
+  shapes.params = params ? *params : DimsOf(c, c->input(first));
+  shapes.indices = DimsOf(c, c->input(first + 1));
+  if (ragged) shapes.row_splits = DimsOf(c, c->input(first + 2));
+  shapes.weights = DimsOf(c, c->input(first + (ragged ? 3 : 2)));
+  TF_RETURN_IF_ERROR(c->GetAttr("has_weights", &shapes.has_weights));
+  std::string combiner;
+  TF_RETURN_IF_ERROR(c->GetAttr("combiner", &combiner));
+  if (!pkm::ParseCombiner(combiner, &shapes.combiner)) shapes.combiner = pkm::Combiner::kSum;  // the kernel reports it
+  return ToTf(pkm::ForwardShape(shapes, out));
+}
+
+// The table's shape from a resource variable's handle data (unknown without).
+pkm::MaybeDims VariableDims(InferenceContext* c, int input) {
+  const auto* handle_data = c->input_handle_shapes_and_types(input);
+  if (handle_data == nullptr || handle_data->size() != 1) return std::nullopt;
+  return DimsOf(c, (*handle_data)[0].shape);
+}
+
+Status ForwardShape(InferenceContext* c, bool ragged) {
+  pkm::MaybeDims out;
+  TF_RETURN_IF_ERROR(ForwardShapeFrom(c, 0, ragged, &out));
+  c->set_output(0, HandleOf(c, out));
   return Status();
 }
 
-Status RaggedForwardShape(InferenceContext* c) {
-  ShapeHandle params, values, splits;
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &params));
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &values));
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &splits));
-  bool has_weights;
-  TF_RETURN_IF_ERROR(c->GetAttr("has_weights", &has_weights));
-  if (has_weights) TF_RETURN_IF_ERROR(c->Merge(values, c->input(3), &values));
-  DimensionHandle num_bags;
-  TF_RETURN_IF_ERROR(c->Subtract(c->Dim(splits, 0), 1, &num_bags));
-  c->set_output(0, c->Matrix(num_bags, c->Dim(params, 1)));
-  return Status();
-}
-
-// Gradient ops: d_params is shaped like params, d_weights like weights.
-Status GradShape(InferenceContext* c, int params_input, int weights_input) {
-  ShapeHandle params;
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(params_input), 2, &params));
-  c->set_output(0, params);
-  c->set_output(1, c->input(weights_input));
+// Gradient ops (grad first): d_params is shaped like params, d_weights like weights.
+Status GradShape(InferenceContext* c, bool ragged) {
+  pkm::MaybeDims out;
+  TF_RETURN_IF_ERROR(ForwardShapeFrom(c, 1, ragged, &out));
+  TF_RETURN_IF_ERROR(ToTf(pkm::GradShape(DimsOf(c, c->input(0)), out)));
+  c->set_output(0, c->input(1));
+  c->set_output(1, c->input(ragged ? 4 : 3));
   return Status();
 }
 
@@ -64,7 +91,7 @@ REGISTER_OP("PkmEmbeddingBag")
     .Input("weights: T")
     .Output("output: T")
     .PKM_COMMON_ATTRS
-    .SetShapeFn(DenseForwardShape)
+    .SetShapeFn([](InferenceContext* c) { return ForwardShape(c, false); })
     .Doc(R"doc(
 Fused gather + weighted reduce: output[..., :] = combine_k weights[..., k] * params[indices[..., k], :].
 params: [N, D] table. indices: [..., K]; negative entries are padding (skipped and not counted).
@@ -81,7 +108,7 @@ REGISTER_OP("PkmEmbeddingBagGrad")
     .Output("d_params: T")
     .Output("d_weights: T")
     .PKM_COMMON_ATTRS
-    .SetShapeFn([](InferenceContext* c) { return GradShape(c, 1, 3); })
+    .SetShapeFn([](InferenceContext* c) { return GradShape(c, false); })
     .Doc("Gradient of PkmEmbeddingBag: dense d_params [N, D] and d_weights shaped like weights.");
 
 REGISTER_OP("PkmRaggedEmbeddingBag")
@@ -92,7 +119,7 @@ REGISTER_OP("PkmRaggedEmbeddingBag")
     .Output("output: T")
     .PKM_COMMON_ATTRS
     .Attr("Tsplits: {int32, int64} = DT_INT64")
-    .SetShapeFn(RaggedForwardShape)
+    .SetShapeFn([](InferenceContext* c) { return ForwardShape(c, true); })
     .Doc(R"doc(
 PkmEmbeddingBag over ragged bags: bag b holds values[row_splits[b]:row_splits[b+1]].
 output: [len(row_splits) - 1, D].
@@ -108,7 +135,7 @@ REGISTER_OP("PkmRaggedEmbeddingBagGrad")
     .Output("d_weights: T")
     .PKM_COMMON_ATTRS
     .Attr("Tsplits: {int32, int64} = DT_INT64")
-    .SetShapeFn([](InferenceContext* c) { return GradShape(c, 1, 4); })
+    .SetShapeFn([](InferenceContext* c) { return GradShape(c, true); })
     .Doc("Gradient of PkmRaggedEmbeddingBag: dense d_params [N, D] and d_weights shaped like weights.");
 
 #undef PKM_COMMON_ATTRS
@@ -120,12 +147,13 @@ REGISTER_OP("PkmRaggedEmbeddingBagGrad")
 namespace pkm_tf {
 namespace {
 
-Status SparseGradShape(InferenceContext* c, int params_input, int weights_input) {
-  ShapeHandle params;
-  TF_RETURN_IF_ERROR(c->WithRank(c->input(params_input), 2, &params));
+Status SparseGradShape(InferenceContext* c, bool ragged) {
+  pkm::MaybeDims out;
+  TF_RETURN_IF_ERROR(ForwardShapeFrom(c, 1, ragged, &out));
+  TF_RETURN_IF_ERROR(ToTf(pkm::GradShape(DimsOf(c, c->input(0)), out)));
   c->set_output(0, c->Vector(c->UnknownDim()));
-  c->set_output(1, c->Matrix(c->UnknownDim(), c->Dim(params, 1)));
-  c->set_output(2, c->input(weights_input));
+  c->set_output(1, c->Matrix(c->UnknownDim(), c->Dim(c->input(1), 1)));
+  c->set_output(2, c->input(ragged ? 4 : 3));
   return Status();
 }
 
@@ -146,7 +174,7 @@ REGISTER_OP("PkmEmbeddingBagSparseGrad")
     .Output("row_grads: T")
     .Output("d_weights: T")
     .PKM_SPARSE_GRAD_ATTRS
-    .SetShapeFn([](InferenceContext* c) { return SparseGradShape(c, 1, 3); })
+    .SetShapeFn([](InferenceContext* c) { return SparseGradShape(c, false); })
     .Doc(R"doc(
 Row-sparse gradient of PkmEmbeddingBag: rows [U] are the distinct rows that valid indices touch
 (ascending, U <= min(N, number of indices)), row_grads [U, D] their gradient rows; d_weights as in
@@ -164,7 +192,7 @@ REGISTER_OP("PkmRaggedEmbeddingBagSparseGrad")
     .Output("d_weights: T")
     .PKM_SPARSE_GRAD_ATTRS
     .Attr("Tsplits: {int32, int64} = DT_INT64")
-    .SetShapeFn([](InferenceContext* c) { return SparseGradShape(c, 1, 4); })
+    .SetShapeFn([](InferenceContext* c) { return SparseGradShape(c, true); })
     .Doc("Row-sparse gradient of PkmRaggedEmbeddingBag (see PkmEmbeddingBagSparseGrad).");
 
 #undef PKM_SPARSE_GRAD_ATTRS
@@ -191,18 +219,10 @@ REGISTER_OP("PkmResourceEmbeddingBag")
     .Output("output: dtype")
     .PKM_RESOURCE_ATTRS
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle indices, leading, out;
-      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(1), 1, &indices));
-      DimensionHandle dim = c->UnknownDim();
-      auto* handle_data = c->input_handle_shapes_and_types(0);
-      if (handle_data != nullptr && handle_data->size() == 1) {
-        ShapeHandle params;
-        TF_RETURN_IF_ERROR(c->WithRank((*handle_data)[0].shape, 2, &params));
-        dim = c->Dim(params, 1);
-      }
-      TF_RETURN_IF_ERROR(c->Subshape(indices, 0, -1, &leading));
-      TF_RETURN_IF_ERROR(c->Concatenate(leading, c->Vector(dim), &out));
-      c->set_output(0, out);
+      const pkm::MaybeDims params = VariableDims(c, 0);
+      pkm::MaybeDims out;
+      TF_RETURN_IF_ERROR(ForwardShapeFrom(c, 0, false, &out, &params));
+      c->set_output(0, HandleOf(c, out));
       return Status();
     })
     .Doc("PkmEmbeddingBag reading params from a resource variable (no dense read of the table).");
@@ -217,10 +237,12 @@ REGISTER_OP("PkmResourceEmbeddingBagSparseGrad")
     .Output("d_weights: dtype")
     .PKM_RESOURCE_ATTRS
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle grad;
-      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &grad));
+      const pkm::MaybeDims params = VariableDims(c, 1);
+      pkm::MaybeDims out;
+      TF_RETURN_IF_ERROR(ForwardShapeFrom(c, 1, false, &out, &params));
+      TF_RETURN_IF_ERROR(ToTf(pkm::GradShape(DimsOf(c, c->input(0)), out)));
       c->set_output(0, c->Vector(c->UnknownDim()));
-      c->set_output(1, c->Matrix(c->UnknownDim(), c->Dim(grad, -1)));
+      c->set_output(1, c->Matrix(c->UnknownDim(), params && (*params)[1] >= 0 ? c->MakeDim((*params)[1]) : c->UnknownDim()));
       c->set_output(2, c->input(3));
       return Status();
     })

@@ -88,6 +88,7 @@ ffi::Error Backward(ffi::ThreadPool pool, const ffi::AnyBuffer& grad, const ffi:
   if (ffi::Error e = ToCoreArgs(params, indices, splits, weights, combiner, has_weights, &table, &bags, &comb);
       e.failure())
     return e;
+  if (ffi::Error e = CheckGrad(grad, indices, splits, table); e.failure()) return e;
   return FromCore(pkm::Backward(table, bags, comb, grad.untyped_data(), table.type, d_params->untyped_data(),
                                 table.type, has_weights ? d_weights->untyped_data() : nullptr,
                                 PoolParallelFor(&pool)));
@@ -132,12 +133,4 @@ XLA_FFI_DEFINE_HANDLER(kRaggedBackwardHandler,
 }  // namespace pkm_xla
 
 // The handlers as C symbols (XLA_FFI_Handler), one per custom-call target.
-#define PKM_EXPORT extern "C" __attribute__((visibility("default")))
-PKM_EXPORT XLA_FFI_Error* pkm_xla_cpu_forward(XLA_FFI_CallFrame* f) { return pkm_xla::kForwardHandler(f); }
-PKM_EXPORT XLA_FFI_Error* pkm_xla_cpu_backward(XLA_FFI_CallFrame* f) { return pkm_xla::kBackwardHandler(f); }
-PKM_EXPORT XLA_FFI_Error* pkm_xla_cpu_ragged_forward(XLA_FFI_CallFrame* f) {
-  return pkm_xla::kRaggedForwardHandler(f);
-}
-PKM_EXPORT XLA_FFI_Error* pkm_xla_cpu_ragged_backward(XLA_FFI_CallFrame* f) {
-  return pkm_xla::kRaggedBackwardHandler(f);
-}
+PKM_XLA_EXPORT_HANDLERS(cpu)

@@ -9,71 +9,102 @@
 #include <utility>
 
 #include "kernels/core/embedding_bag.h"
+#include "kernels/core/shape_rules.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace pkm_xla {
 
 namespace ffi = ::xla::ffi;
 
-// The lowering only emits these element types; anything else is a bug in the
-// caller, reported rather than misread.
-inline bool ToElemType(ffi::DataType t, pkm::ElemType* out) {
+inline pkm::DType DTypeOfFfi(ffi::DataType t) {
   switch (t) {
-    case ffi::DataType::F32: *out = pkm::ElemType::kFloat32; return true;
-    case ffi::DataType::F16: *out = pkm::ElemType::kFloat16; return true;
-    case ffi::DataType::BF16: *out = pkm::ElemType::kBFloat16; return true;
-    default: return false;
+    case ffi::DataType::F32: return pkm::DType::kFloat32;
+    case ffi::DataType::F16: return pkm::DType::kFloat16;
+    case ffi::DataType::BF16: return pkm::DType::kBFloat16;
+    case ffi::DataType::S8: return pkm::DType::kInt8;
+    case ffi::DataType::S32: return pkm::DType::kInt32;
+    case ffi::DataType::S64: return pkm::DType::kInt64;
+    case ffi::DataType::F64: return pkm::DType::kFloat64;
+    default: return pkm::DType::kOther;
   }
 }
 
-inline bool IsIndexType(ffi::DataType t) { return t == ffi::DataType::S32 || t == ffi::DataType::S64; }
+inline pkm::ElemType ElemTypeOf(ffi::DataType t) {
+  return t == ffi::DataType::F16 ? pkm::ElemType::kFloat16
+                                 : t == ffi::DataType::BF16 ? pkm::ElemType::kBFloat16 : pkm::ElemType::kFloat32;
+}
 
 // The core's ParallelFor on XLA's intra-op pool (Host targets only; defined in
 // embedding_bag_xla_cpu_targets.cc, shared with quantized_xla_cpu_targets.cc).
 pkm::ParallelFor PoolParallelFor(ffi::ThreadPool* pool);
 
-// params [N, D]; indices [B, K] (dense) or values [V] + row_splits [B+1]
-// (ragged, splits non-null); weights like indices, or [0] when has_weights == 0.
+inline pkm::Dims DimsOf(const ffi::AnyBuffer& b) {
+  const auto d = b.dimensions();
+  return pkm::Dims(d.begin(), d.end());
+}
+
+// The core's shape and dtype rules on the buffers (the lowering applied the
+// same ones at compile time; a direct caller such as JAX gets them here).
+inline pkm::Status CheckBuffers(const ffi::AnyBuffer& params, const ffi::AnyBuffer& indices,
+                                const ffi::AnyBuffer* splits, const ffi::AnyBuffer& weights, int32_t combiner,
+                                int32_t has_weights) {
+  const char* ids = splits != nullptr ? "values" : "indices";
+  for (const pkm::Status& s :
+       {pkm::CombinerValueRule(combiner), pkm::ParamsType(DTypeOfFfi(params.element_type()), false),
+        pkm::IndexType(ids, DTypeOfFfi(indices.element_type())),
+        splits != nullptr ? pkm::IndexType("row_splits", DTypeOfFfi(splits->element_type())) : pkm::Status::Ok(),
+        has_weights ? pkm::WeightsType(DTypeOfFfi(weights.element_type())) : pkm::Status::Ok()})
+    if (!s.ok) return s;
+  pkm::BagShapes shapes;
+  shapes.params = DimsOf(params);
+  shapes.indices = DimsOf(indices);
+  if (splits != nullptr) shapes.row_splits = DimsOf(*splits);
+  shapes.weights = DimsOf(weights);
+  shapes.ragged = splits != nullptr;
+  shapes.has_weights = has_weights != 0;
+  shapes.combiner = static_cast<pkm::Combiner>(combiner);
+  pkm::MaybeDims out;
+  return pkm::ForwardShape(shapes, &out);
+}
+
+// params [N, D]; indices [..., K] (dense; the lowering passes [B, K]) or values [V] + row_splits [B+1] (ragged, splits non-null); weights like
+// indices, or [0] when has_weights == 0.
 inline ffi::Error ToCoreArgs(const ffi::AnyBuffer& params, const ffi::AnyBuffer& indices,
                              const ffi::AnyBuffer* splits, const ffi::AnyBuffer& weights, int32_t combiner,
                              int32_t has_weights, pkm::Table* table, pkm::Bags* bags, pkm::Combiner* comb) {
-  // The attribute carries pkm::Combiner's value, i.e. PKM_SUM..PKM_SQRTN (bag_problem.h).
-  if (combiner < PKM_SUM || combiner > PKM_SQRTN)
-    return ffi::Error::InvalidArgument("PkmEmbeddingBag: bad combiner attribute");
+  const pkm::Status rule = CheckBuffers(params, indices, splits, weights, combiner, has_weights);
+  if (!rule.ok) return ffi::Error::InvalidArgument(rule.message);
+  const auto idims = indices.dimensions();
   *comb = static_cast<pkm::Combiner>(combiner);
-  const auto pdims = params.dimensions();
-  if (pdims.size() != 2) return ffi::Error::InvalidArgument("PkmEmbeddingBag: params must be [N, D]");
-  if (!ToElemType(params.element_type(), &table->type) || !IsIndexType(indices.element_type()))
-    return ffi::Error::InvalidArgument("PkmEmbeddingBag: unsupported element type");
+  table->type = ElemTypeOf(params.element_type());
   table->data = params.untyped_data();
-  table->num_rows = pdims[0];
-  table->dim = pdims[1];
+  table->num_rows = params.dimensions()[0];
+  table->dim = params.dimensions()[1];
   bags->indices = indices.untyped_data();
   bags->indices_int64 = indices.element_type() == ffi::DataType::S64;
-  const auto idims = indices.dimensions();
   if (splits != nullptr) {
-    const auto sdims = splits->dimensions();
-    if (idims.size() != 1 || sdims.size() != 1 || sdims[0] < 1 || !IsIndexType(splits->element_type()))
-      return ffi::Error::InvalidArgument("PkmRaggedEmbeddingBag: values and row_splits must be vectors");
     bags->row_splits = splits->untyped_data();
     bags->row_splits_int64 = splits->element_type() == ffi::DataType::S64;
-    bags->num_bags = sdims[0] - 1;
+    bags->num_bags = splits->dimensions()[0] - 1;
     bags->num_values = idims[0];
   } else {
-    if (idims.size() != 2) return ffi::Error::InvalidArgument("PkmEmbeddingBag: indices must be [B, K]");
-    bags->num_bags = idims[0];
-    bags->bag_size = idims[1];
+    bags->bag_size = idims[idims.size() - 1];
+    bags->num_bags = 1;  // the leading dims' product: within int64, CheckBuffers checked
+    for (size_t i = 0; i + 1 < idims.size(); ++i) bags->num_bags *= idims[i];
   }
-  if (has_weights) {
-    if (!ToElemType(weights.element_type(), &bags->weights_type) ||
-        weights.element_count() != indices.element_count())
-      return ffi::Error::InvalidArgument("PkmEmbeddingBag: weights must be shaped like indices");
-    bags->weights = weights.untyped_data();
-  } else {
-    bags->weights = nullptr;
-    bags->weights_type = table->type;
-  }
+  bags->weights = has_weights ? weights.untyped_data() : nullptr;
+  bags->weights_type = has_weights ? ElemTypeOf(weights.element_type()) : table->type;
   return ffi::Error::Success();
+}
+
+// The backward's grad against the forward output's shape (after ToCoreArgs).
+inline ffi::Error CheckGrad(const ffi::AnyBuffer& grad, const ffi::AnyBuffer& indices, const ffi::AnyBuffer* splits,
+                            const pkm::Table& table) {
+  pkm::Dims out = splits != nullptr ? pkm::Dims{splits->dimensions()[0] - 1} : DimsOf(indices);
+  if (splits == nullptr) out.pop_back();
+  out.push_back(table.dim);
+  const pkm::Status s = pkm::GradShape(DimsOf(grad), out);
+  return s.ok ? ffi::Error::Success() : ffi::Error::InvalidArgument(s.message);
 }
 
 // The custom calls' buffers and attributes (the lowering's contract,
@@ -94,5 +125,17 @@ auto BindOperands(Binding binding) {
 }
 
 }  // namespace pkm_xla
+
+// The four handlers of a platform's targets file (kForwardHandler, ...) as C
+// symbols (XLA_FFI_Handler) pkm_xla_<PLATFORM>_{forward,backward,ragged_forward,ragged_backward}.
+#define PKM_XLA_EXPORT_HANDLERS(PLATFORM)                                                            \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##PLATFORM##_forward(        \
+      XLA_FFI_CallFrame* f) { return pkm_xla::kForwardHandler(f); }                                \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##PLATFORM##_backward(       \
+      XLA_FFI_CallFrame* f) { return pkm_xla::kBackwardHandler(f); }                               \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##PLATFORM##_ragged_forward( \
+      XLA_FFI_CallFrame* f) { return pkm_xla::kRaggedForwardHandler(f); }                          \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##PLATFORM##_ragged_backward(\
+      XLA_FFI_CallFrame* f) { return pkm_xla::kRaggedBackwardHandler(f); }
 
 #endif  // PKM_KERNELS_XLA_EMBEDDING_BAG_XLA_FFI_H_

@@ -110,12 +110,4 @@ XLA_FFI_DEFINE_HANDLER(kRaggedBackwardHandler,
 }  // namespace pkm_xla
 
 // The handlers as C symbols (XLA_FFI_Handler), one per custom-call target.
-#define PKM_EXPORT extern "C" __attribute__((visibility("default")))
-PKM_EXPORT XLA_FFI_Error* pkm_xla_gpu_forward(XLA_FFI_CallFrame* f) { return pkm_xla::kForwardHandler(f); }
-PKM_EXPORT XLA_FFI_Error* pkm_xla_gpu_backward(XLA_FFI_CallFrame* f) { return pkm_xla::kBackwardHandler(f); }
-PKM_EXPORT XLA_FFI_Error* pkm_xla_gpu_ragged_forward(XLA_FFI_CallFrame* f) {
-  return pkm_xla::kRaggedForwardHandler(f);
-}
-PKM_EXPORT XLA_FFI_Error* pkm_xla_gpu_ragged_backward(XLA_FFI_CallFrame* f) {
-  return pkm_xla::kRaggedBackwardHandler(f);
-}
+PKM_XLA_EXPORT_HANDLERS(gpu)

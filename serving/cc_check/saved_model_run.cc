@@ -277,34 +277,57 @@ int Fail(const Status& status) {
   return 1;
 }
 
-int Run(const Options& o) {
-  // Which pkm ops are in the registry before any model loads: linked in, not loaded.
+// Which pkm ops are in the registry before any model loads: linked in, not loaded.
+std::vector<std::string> LinkedPkmOps() {
   std::vector<std::string> linked_ops;
   for (const char* op : kPkmOps) {
     const tensorflow::OpRegistrationData* data = nullptr;
     if (tensorflow::OpRegistry::Global()->LookUp(op, &data).ok()) linked_ops.push_back(op);
   }
+  return linked_ops;
+}
 
-  // The options tensorflow_model_server gives SavedModelBundleFactory: its
-  // session_config (parallelism flags, default 0 = TF picks) with the
-  // servable's name and version as session metadata, default RunOptions,
-  // the tags of --saved_model_tags (default "serve").
+// The options tensorflow_model_server gives SavedModelBundleFactory: its
+// session_config (parallelism flags, default 0 = TF picks) with the
+// servable's name and version as session metadata.
+tensorflow::SessionOptions ServerSessionOptions(const Options& o) {
   tensorflow::SessionOptions session_options;
   session_options.config.set_intra_op_parallelism_threads(o.intra_op_parallelism);
   session_options.config.set_inter_op_parallelism_threads(o.inter_op_parallelism);
   auto* metadata = session_options.config.mutable_experimental()->mutable_session_metadata();
   metadata->set_name(o.model_name);
   metadata->set_version(o.model_version);
-  tensorflow::RunOptions run_options;
-  std::unordered_set<std::string> tags;
-  for (const std::string& tag : Split(o.tags, ','))
-    if (!tag.empty()) tags.insert(tag);
+  return session_options;
+}
 
+// The --input tensors by name (text specs, or @file for a TensorProto).
+std::map<std::string, Tensor> GivenInputs(const Options& o) {
   std::map<std::string, Tensor> given;
   for (const auto& [name, spec] : o.inputs) {
     if (given.count(name)) throw UsageError("--input " + name + " given twice");
     given[name] = spec.rfind("@", 0) == 0 ? TensorFromProtoFile(name, spec.substr(1)) : TensorFromText(name, spec);
   }
+  return given;
+}
+
+void PrintLatencies(std::vector<double> sorted) {
+  if (sorted.empty()) return;
+  std::sort(sorted.begin(), sorted.end());
+  double sum = 0;
+  for (double v : sorted) sum += v;
+  std::printf(",\"latency_us\":{\"runs\":%zu,\"median\":%.2f,\"p90\":%.2f,\"min\":%.2f,\"mean\":%.2f}",
+              sorted.size(), sorted[sorted.size() / 2], sorted[(sorted.size() * 9) / 10], sorted.front(),
+              sum / sorted.size());
+}
+
+int Run(const Options& o) {
+  const std::vector<std::string> linked_ops = LinkedPkmOps();
+  const tensorflow::SessionOptions session_options = ServerSessionOptions(o);
+  tensorflow::RunOptions run_options;  // default RunOptions, as the server's
+  std::unordered_set<std::string> tags;  // --saved_model_tags (default "serve")
+  for (const std::string& tag : Split(o.tags, ','))
+    if (!tag.empty()) tags.insert(tag);
+  const std::map<std::string, Tensor> given = GivenInputs(o);
 
   const auto t_load = std::chrono::steady_clock::now();
   tensorflow::SavedModelBundle bundle;
@@ -351,7 +374,7 @@ int Run(const Options& o) {
 
   std::printf("{\"signature\":\"%s\",\"session_metadata\":{\"name\":\"%s\",\"version\":%lld},"
               "\"load_seconds\":%.3f,\"linked_ops\":[",
-              o.signature.c_str(), metadata->name().c_str(), static_cast<long long>(metadata->version()), load_s);
+              o.signature.c_str(), o.model_name.c_str(), static_cast<long long>(o.model_version), load_s);
   for (size_t i = 0; i < linked_ops.size(); ++i) std::printf(i ? ",\"%s\"" : "\"%s\"", linked_ops[i].c_str());
   std::printf("],\"outputs\":{");
   for (size_t i = 0; i < output_keys.size(); ++i) {
@@ -363,15 +386,7 @@ int Run(const Options& o) {
     }
   }
   std::printf("}");
-  if (!latencies_us.empty()) {
-    std::vector<double> sorted = latencies_us;
-    std::sort(sorted.begin(), sorted.end());
-    double sum = 0;
-    for (double v : sorted) sum += v;
-    std::printf(",\"latency_us\":{\"runs\":%zu,\"median\":%.2f,\"p90\":%.2f,\"min\":%.2f,\"mean\":%.2f}",
-                sorted.size(), sorted[sorted.size() / 2], sorted[(sorted.size() * 9) / 10], sorted.front(),
-                sum / sorted.size());
-  }
+  PrintLatencies(latencies_us);
   std::printf("}\n");
   return 0;
 }

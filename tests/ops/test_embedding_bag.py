@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from pkm_serve import ops
+from pkm_serve import _library, ops
 from tests import reference
 
 DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
@@ -278,7 +278,7 @@ def test_unused_weights_input_must_be_empty():
 
 def test_missing_library_error_is_clear(monkeypatch, tmp_path):
     monkeypatch.setenv("PKM_SERVE_OPS_LIB", str(tmp_path / "nope.so"))
-    monkeypatch.setattr(ops, "_lib", None)
+    monkeypatch.setattr(_library, "_lib", None)
     with pytest.raises(ops.OpLibraryNotFoundError, match="make build"):
         ops.load_library()
     assert not ops.is_available()

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import pkm_serve
-from pkm_serve import ops
+from pkm_serve import _library, ops
 from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
 
 from tests import reference
@@ -170,7 +170,7 @@ def test_load_library_loads_once_under_threads(monkeypatch):
         loaded.append(path)
         return real(path)
 
-    monkeypatch.setattr(ops, "_lib", None)
+    monkeypatch.setattr(_library, "_lib", None)
     monkeypatch.setattr(tf, "load_op_library", counting_load)
     barrier = threading.Barrier(8)
     libs = []
@@ -208,7 +208,7 @@ def test_an_unloadable_library_warns_and_tensorflow_still_imports(tmp_path):
 
 
 def test_a_missing_library_points_to_the_wheel(monkeypatch, tmp_path):
-    monkeypatch.setattr(ops, "_lib", None)
+    monkeypatch.setattr(_library, "_lib", None)
     monkeypatch.setenv("PKM_SERVE_OPS_LIB", str(tmp_path / "absent.so"))
     with pytest.raises(ops.OpLibraryNotFoundError, match=r"make build.*make wheel"):
         ops.load_library()

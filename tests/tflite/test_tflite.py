@@ -266,7 +266,7 @@ MALFORMED = {
                     "params must be float32, float16, bfloat16 or int8"),
     "int8 table without scales": (lambda m, s: _int8_without_scales(m, s), "int8 params need per-row"),
     "rank-3 table": (lambda m, s: setattr(m.subgraphs[0].tensors[0], "shape", [N // 4, 4, D]),
-                     "params must be rank 2"),
+                     "params must be a [N, D] matrix, got shape [75, 4, 24]"),
     "scalar indices": (lambda m, s: [setattr(m.subgraphs[0].tensors[i], "shape", []) or
                                      setattr(m.subgraphs[0].tensors[i], "shapeSignature", None)
                                      for i in (1, 2)],

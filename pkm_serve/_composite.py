@@ -1,0 +1,69 @@
+"""The composite: ``embedding_bag`` written with stock TF ops (gather ->
+multiply -> reduce), with the fused op's semantics; the tests' reference and
+the fallback where the op library cannot run."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from pkm_serve._op_args import _as_indices, _as_table, _check_combiner, _ragged_weight_values
+
+@tf.autograph.experimental.do_not_convert
+def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=None,
+                            sparse_gradient=False):
+    """``embedding_bag`` written as gather -> multiply -> reduce_sum.
+
+    Materialises the ``[..., K, D]`` gather; use it as a reference, or where
+    the op library is unavailable. Accumulates in float32 like the fused op.
+    ``sparse_gradient`` is accepted for parity with ``embedding_bag``: the
+    gather's gradient is an ``IndexedSlices`` either way (one row per index,
+    not row-unique).
+    """
+    _check_combiner(combiner)
+    with tf.name_scope(name or "embedding_bag_composite"):
+        params = _as_table(params)
+        if isinstance(indices, tf.RaggedTensor):
+            return _ragged_composite(params, indices, weights, combiner)
+        indices = _as_indices(indices)
+        tf.debugging.assert_less(indices, tf.cast(tf.shape(params)[0], indices.dtype),
+                                 message="embedding_bag: index out of range")
+        valid = indices >= 0
+        w = tf.ones(tf.shape(indices), tf.float32) if weights is None else tf.cast(weights, tf.float32)
+        w = tf.where(valid, w, tf.zeros_like(w))
+        rows = tf.gather(params, tf.where(valid, indices, tf.zeros_like(indices)))
+        summed = tf.reduce_sum(tf.cast(rows, tf.float32) * w[..., None], axis=-2)
+        return tf.cast(_combine(summed, w, combiner, axis=-1), params.dtype)
+
+
+def _combine(summed, w, combiner, axis):
+    if combiner == "mean":
+        return tf.math.divide_no_nan(summed, tf.reduce_sum(w, axis=axis)[..., None])
+    if combiner == "sqrtn":
+        return tf.math.divide_no_nan(summed, tf.sqrt(tf.reduce_sum(w * w, axis=axis))[..., None])
+    return summed
+
+
+def _ragged_composite(params, indices, weights, combiner):
+    values = indices.flat_values
+    w_values = _ragged_weight_values(indices, weights)
+    if values.shape.rank is not None and values.shape.rank > 1:
+        return indices.with_flat_values(embedding_bag_composite(params, values, w_values, combiner))
+    splits = indices.nested_row_splits
+    inner = tf.RaggedTensor.from_row_splits(values, splits[-1], validate=False)
+    valid = values >= 0
+    w = tf.ones(tf.shape(values), tf.float32) if w_values is None else tf.cast(w_values, tf.float32)
+    w = tf.where(valid, w, tf.zeros_like(w))
+    rows = tf.cast(tf.gather(params, tf.where(valid, values, tf.zeros_like(values))), tf.float32)
+    seg = inner.value_rowids()
+    nrows = inner.nrows()
+    summed = tf.math.unsorted_segment_sum(rows * w[:, None], seg, nrows)
+    w_sum = tf.math.unsorted_segment_sum(w, seg, nrows)
+    w_sq = tf.math.unsorted_segment_sum(w * w, seg, nrows)
+    if combiner == "mean":
+        summed = tf.math.divide_no_nan(summed, w_sum[:, None])
+    elif combiner == "sqrtn":
+        summed = tf.math.divide_no_nan(summed, tf.sqrt(w_sq)[:, None])
+    out = tf.cast(summed, params.dtype)
+    if len(splits) == 1:
+        return out
+    return tf.RaggedTensor.from_nested_row_splits(out, splits[:-1], validate=False)

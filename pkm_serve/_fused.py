@@ -1,0 +1,168 @@
+"""The fused op on one table: argument checks, the dense and ragged layouts,
+the registered gradients and the row-sparse gradient path."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from pkm_serve import _xla
+from pkm_serve._composite import embedding_bag_composite
+from pkm_serve._library import load_library
+from pkm_serve._op_args import (
+    TABLE_DTYPES,
+    _as_indices,
+    _as_table,
+    _as_weights,
+    _check_combiner,
+    _ragged_weight_values,
+)
+
+
+# Plain Python with no tensor-dependent control flow: AutoGraph has nothing to
+# convert, and converting would trace through the library loader.
+@tf.autograph.experimental.do_not_convert
+def fused_embedding_bag(params, indices, weights=None, combiner="sum", name=None, sparse_gradient=False):
+    """``ops.embedding_bag`` on one table (not sharded): see its docstring."""
+    _check_combiner(combiner)
+    lib = load_library()
+    if _xla.composite_under_xla(params, indices):  # XLA for a backend without our custom-call target
+        return embedding_bag_composite(params, indices, weights, combiner, name=name)
+    if sparse_gradient and _xla.compile_device_type() is not None:
+        # XLA needs static shapes; the number of distinct rows depends on the data.
+        raise ValueError("embedding_bag: sparse_gradient=True cannot be compiled by XLA (the number of "
+                         "distinct rows touched is only known at run time); use sparse_gradient=False "
+                         "under jit_compile, or compile without XLA (model.compile(jit_compile=False))")
+    with tf.name_scope(name or "embedding_bag"):
+        variable = _sparse_read_variable(params, indices) if sparse_gradient else None
+        params = variable if variable is not None else _as_table(params)
+        if isinstance(indices, tf.RaggedTensor):
+            return _ragged_embedding_bag(lib, params, indices, weights, combiner, sparse_gradient)
+        if isinstance(weights, tf.RaggedTensor):
+            raise TypeError("weights is ragged but indices is not")
+        indices = _as_indices(indices)
+        if indices.shape.rank == 0:
+            raise ValueError("indices must have rank >= 1 ([..., K])")
+        weights, has_weights = _as_weights(weights, params.dtype, indices)
+        if variable is not None:
+            from tensorflow.python.ops import resource_variable_ops
+
+            resource_variable_ops.variable_accessed(variable)  # what a read tells the tape
+            return lib.pkm_resource_embedding_bag(variable.handle, indices, weights, combiner=combiner,
+                                                  has_weights=has_weights)
+        if sparse_gradient:
+            return _with_sparse_gradient(lib, params, (indices,), weights, combiner, has_weights)
+        return lib.pkm_embedding_bag(params, indices, weights, combiner=combiner,
+                                     has_weights=has_weights)
+
+
+def _ragged_embedding_bag(lib, params, indices, weights, combiner, sparse_gradient=False):
+    weight_values = _ragged_weight_values(indices, weights)
+    values = indices.flat_values
+    if values.shape.rank is not None and values.shape.rank > 1:
+        # Ragged outer dims, uniform bag axis: the dense op on the flat values.
+        out = fused_embedding_bag(params, values, weight_values, combiner, sparse_gradient=sparse_gradient)
+        return indices.with_flat_values(out)
+    values = _as_indices(values)
+    weight_values, has_weights = _as_weights(weight_values, params.dtype, values)
+    splits = indices.nested_row_splits
+    if sparse_gradient:
+        out = _with_sparse_gradient(lib, params, (values, splits[-1]), weight_values, combiner,
+                                    has_weights)
+    else:
+        out = lib.pkm_ragged_embedding_bag(params, values, splits[-1], weight_values,
+                                           combiner=combiner, has_weights=has_weights)
+    if len(splits) == 1:
+        return out
+    return tf.RaggedTensor.from_nested_row_splits(out, splits[:-1], validate=False)
+
+
+def _register_gradients():
+    @tf.RegisterGradient("PkmEmbeddingBag")
+    def _embedding_bag_grad(op, grad):
+        has_weights = op.get_attr("has_weights")
+        d_params, d_weights = load_library().pkm_embedding_bag_grad(
+            grad, op.inputs[0], op.inputs[1], op.inputs[2],
+            combiner=op.get_attr("combiner"), has_weights=has_weights)
+        return [d_params, None, d_weights if has_weights else None]
+
+    @tf.RegisterGradient("PkmRaggedEmbeddingBag")
+    def _ragged_embedding_bag_grad(op, grad):
+        has_weights = op.get_attr("has_weights")
+        d_params, d_weights = load_library().pkm_ragged_embedding_bag_grad(
+            grad, op.inputs[0], op.inputs[1], op.inputs[2], op.inputs[3],
+            combiner=op.get_attr("combiner"), has_weights=has_weights)
+        return [d_params, None, None, d_weights if has_weights else None]
+
+    @tf.RegisterGradient("PkmResourceEmbeddingBag")
+    def _resource_embedding_bag_grad(op, grad):
+        has_weights = op.get_attr("has_weights")
+        rows, row_grads, d_weights = load_library().pkm_resource_embedding_bag_sparse_grad(
+            grad, op.inputs[0], op.inputs[1], op.inputs[2],
+            combiner=op.get_attr("combiner"), has_weights=has_weights)
+        from tensorflow.python.ops import resource_variable_ops
+
+        shape = resource_variable_ops.variable_shape(op.inputs[0], out_type=tf.int64)
+        return [tf.IndexedSlices(row_grads, rows, dense_shape=shape), None,
+                d_weights if has_weights else None]
+
+    tf.no_gradient("PkmResourceEmbeddingBagSparseGrad")
+    # Gradient ops are not differentiated again (no second derivatives).
+    tf.no_gradient("PkmEmbeddingBagGrad")
+    tf.no_gradient("PkmRaggedEmbeddingBagGrad")
+
+
+_register_gradients()
+
+
+# ---- row-sparse gradients ----------------------------------------------------------
+
+def _sparse_read_variable(params, indices):
+    """The resource variable to read inside the kernel while a tape records, else None.
+
+    After its first sparse update (scatter_* of IndexedSlices), TF keeps a
+    variable in copy-on-read mode: every dense read copies the whole table.
+    ``PkmResourceEmbeddingBag`` reads it under its lock instead, as
+    ``ResourceGather`` does. Used only when a gradient can be recorded (so
+    exported inference graphs keep the plain op) for dense-layout bags of a
+    CPU variable (the resource op has CPU kernels only).
+    """
+    if not isinstance(params, tf.Variable) or type(params).__name__ == "AutoCastVariable":
+        return None
+    if isinstance(indices, tf.RaggedTensor) or "GPU" in (params.device or "").upper():
+        return None
+    if params.dtype not in TABLE_DTYPES or params.shape.rank != 2:
+        return None
+    try:  # a distributed variable has a handle only inside a replica context
+        params.handle
+    except (AttributeError, ValueError):
+        return None
+    from tensorflow.python.eager import record  # no public "is a tape recording" query
+
+    return params if record.could_possibly_record() else None
+
+
+def _with_sparse_gradient(lib, params, bag_inputs, weights, combiner, has_weights):
+    """The forward op whose params-gradient is an IndexedSlices of unique rows.
+
+    ``bag_inputs`` is ``(indices,)`` or ``(values, row_splits)``. The registered
+    gradient of the forward op stays dense; this path pairs the same forward
+    with ``Pkm*SparseGrad`` through ``tf.custom_gradient``. A variable's read
+    passes the IndexedSlices through to the variable unchanged.
+    """
+    ragged = len(bag_inputs) == 2
+    forward_op = lib.pkm_ragged_embedding_bag if ragged else lib.pkm_embedding_bag
+    grad_op = lib.pkm_ragged_embedding_bag_sparse_grad if ragged else lib.pkm_embedding_bag_sparse_grad
+
+    @tf.custom_gradient
+    def fused(table, bag_weights):
+        out = forward_op(table, *bag_inputs, bag_weights, combiner=combiner, has_weights=has_weights)
+
+        def grad(d_out):
+            rows, row_grads, d_weights = grad_op(d_out, table, *bag_inputs, bag_weights,
+                                                 combiner=combiner, has_weights=has_weights)
+            d_table = tf.IndexedSlices(row_grads, rows, dense_shape=tf.shape(table, out_type=tf.int64))
+            return d_table, (d_weights if has_weights else tf.zeros_like(bag_weights))
+
+        return out, grad
+
+    return fused(params, weights)

@@ -1,0 +1,74 @@
+"""Finding and loading the TF op library (once, thread-safe); importing this
+module registers the ops with TensorFlow so SavedModels using them load."""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+
+import tensorflow as tf
+
+_LIB_NAME = "_pkm_ops.so"
+_GPU_LIB_NAME = "_pkm_ops_gpu.so"  # CPU + GPU kernels, built by `make gpu` (nvcc)
+_lib = None
+_lib_lock = threading.Lock()
+
+
+class OpLibraryNotFoundError(ImportError):
+    """The compiled op library is missing (not built, or not shipped)."""
+
+
+def library_path() -> str:
+    """Path of the TF op library: ``$PKM_SERVE_OPS_LIB``, else the packaged
+    build — the one with GPU kernels when it was built and TF sees a GPU."""
+    if os.environ.get("PKM_SERVE_OPS_LIB"):
+        return os.environ["PKM_SERVE_OPS_LIB"]
+    lib_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib")
+    gpu_lib = os.path.join(lib_dir, _GPU_LIB_NAME)
+    # Both libraries register the same ops: load exactly one of them.
+    if os.path.exists(gpu_lib) and tf.config.list_physical_devices("GPU"):
+        return gpu_lib
+    return os.path.join(lib_dir, _LIB_NAME)
+
+
+def load_library():
+    """Loads (once) and returns the op library module; registers the ops with TF.
+
+    Must run before a graph or SavedModel that uses the ops is imported.
+    """
+    global _lib
+    with _lib_lock:
+        if _lib is None:
+            path = library_path()
+            if not os.path.exists(path):
+                raise OpLibraryNotFoundError(
+                    f"pkm_serve op library not found at {path}. In a source checkout run "
+                    "`make build`; to install, use the TF wheel (`make wheel`, then "
+                    "`pip install dist/pkm_serve-*.whl`) rather than `pip install .`; the device "
+                    "wheel has no TF op. pkm_serve.ops.embedding_bag_composite needs no library.")
+            _lib = tf.load_op_library(path)
+        return _lib
+
+
+def is_available() -> bool:
+    try:
+        load_library()
+        return True
+    except (OpLibraryNotFoundError, tf.errors.NotFoundError):
+        return False
+
+
+def _register_at_import():
+    """Importing this module registers the ops (so SavedModels using them
+    load); a missing library is only an error when the op is used."""
+    try:
+        load_library()
+    except OpLibraryNotFoundError:
+        pass
+    except tf.errors.NotFoundError as err:  # e.g. built against another TF (undefined symbols)
+        warnings.warn(f"pkm_serve: the op library at {library_path()} does not load into "
+                      f"TensorFlow {tf.__version__}: {err}", RuntimeWarning, stacklevel=3)
+
+
+_register_at_import()

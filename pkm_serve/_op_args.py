@@ -1,0 +1,107 @@
+"""What every front end of the op checks and converts before calling it:
+combiner names, table/index/weights dtypes, ragged weights' row partition,
+and what counts as a sharded table."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+COMBINERS = ("sum", "mean", "sqrtn")
+TABLE_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
+INDEX_DTYPES = (tf.int32, tf.int64)
+
+
+def _check_combiner(combiner):
+    if combiner not in COMBINERS:
+        raise ValueError(f"combiner must be one of {COMBINERS}, got {combiner!r}")
+
+
+def _as_table(params):
+    # Reading a (possibly autocast) variable gives a tensor that shares the
+    # variable's buffer: no copy of the table, and the gradient flows to it.
+    params = tf.convert_to_tensor(params)
+    if params.dtype not in TABLE_DTYPES:
+        raise TypeError(f"params must be float32, float16 or bfloat16, got {params.dtype.name}")
+    if params.shape.rank is not None and params.shape.rank != 2:
+        raise ValueError(f"params must be a [N, D] matrix, got shape {params.shape}")
+    return params
+
+
+def _as_indices(indices):
+    indices = tf.convert_to_tensor(indices)
+    if indices.dtype not in INDEX_DTYPES:
+        raise TypeError(f"indices must be int32 or int64, got {indices.dtype.name}")
+    return indices
+
+
+def _as_weights(weights, dtype, like):
+    """Weights in the table's dtype (mixed precision hands float32 scores to a
+    float16 table), or an empty placeholder when there are none."""
+    if weights is None:
+        return tf.zeros([0], dtype), False
+    weights = tf.convert_to_tensor(weights)
+    if not weights.dtype.is_floating:
+        raise TypeError(f"weights must be a float tensor, got {weights.dtype.name}")
+    if like is not None and weights.shape.rank is not None and like.shape.rank is not None \
+            and not weights.shape.is_compatible_with(like.shape):
+        raise ValueError(f"weights shape {weights.shape} must equal indices shape {like.shape}")
+    return tf.cast(weights, dtype), True
+
+
+# No quote characters: TF escapes them in a run-time assertion's message.
+_ROW_PARTITION_ERROR = "weights must share the row partition of the indices"
+
+
+def _summary(values, limit=8):
+    values = values.tolist()
+    return str(values) if len(values) <= limit else f"{values[:limit]}... ({len(values)} splits)"
+
+
+def _ragged_weight_values(indices, weights):
+    """The flat weights of ragged bags, after checking that they partition
+    like the indices (else weights would silently land in the wrong bags).
+
+    As ``embedding_lookup_sparse`` does, a mismatch is a ValueError when the
+    partitions are known while tracing (eager, constants, static shapes), else
+    an InvalidArgumentError with the same message when the graph runs.
+    """
+    if weights is None:
+        return None
+    if not isinstance(weights, tf.RaggedTensor):
+        raise TypeError(f"indices is a RaggedTensor, weights is not: {_ROW_PARTITION_ERROR}")
+    if weights.ragged_rank != indices.ragged_rank:
+        raise ValueError(f"{_ROW_PARTITION_ERROR}: weights have ragged rank {weights.ragged_rank}, "
+                         f"indices {indices.ragged_rank}")
+    checks = []
+    for dim, (w_splits, i_splits) in enumerate(
+            zip(weights.nested_row_splits, indices.nested_row_splits), start=1):
+        w_splits, i_splits = tf.cast(w_splits, tf.int64), tf.cast(i_splits, tf.int64)
+        w_known, i_known = tf.get_static_value(w_splits), tf.get_static_value(i_splits)
+        if w_known is not None and i_known is not None:
+            if w_known.tolist() != i_known.tolist():
+                raise ValueError(f"{_ROW_PARTITION_ERROR}: ragged dimension {dim} has row_splits "
+                                 f"{_summary(w_known)} in weights, {_summary(i_known)} in indices")
+            continue
+        if w_splits.shape.is_fully_defined() and i_splits.shape.is_fully_defined() \
+                and w_splits.shape != i_splits.shape:
+            raise ValueError(f"{_ROW_PARTITION_ERROR}: ragged dimension {dim} has "
+                             f"{w_splits.shape[0] - 1} rows in weights, {i_splits.shape[0] - 1} "
+                             "in indices")
+        # Equal() needs equal sizes: compare the values only when they are.
+        same = tf.cond(tf.equal(tf.size(w_splits), tf.size(i_splits)),
+                       lambda w=w_splits, i=i_splits: tf.reduce_all(tf.equal(w, i)),
+                       lambda: tf.constant(False))
+        checks.append(tf.debugging.Assert(
+            same, [f"{_ROW_PARTITION_ERROR} (ragged dimension {dim} differs)"]))
+    with tf.control_dependencies(checks):
+        return tf.identity(weights.flat_values)
+
+
+def is_sharded(params) -> bool:
+    """A row-partitioned table: a ``ShardedVariable``, or a list/tuple of
+    ``[N_i, D]`` shards (tensors, variables or arrays). A nested list of
+    numbers is one table, not shards."""
+    if type(params).__name__ == "ShardedVariable":
+        return True
+    return isinstance(params, (list, tuple)) and len(params) > 0 and all(
+        hasattr(p, "shape") and hasattr(p, "dtype") and len(p.shape) == 2 for p in params)

@@ -1,0 +1,92 @@
+"""``embedding_bag`` over a row-partitioned table (a ``ShardedVariable`` or a
+list of shards): one fused lookup per shard, combined once."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from pkm_serve._fused import fused_embedding_bag
+from pkm_serve._op_args import _as_indices, _check_combiner, _ragged_weight_values
+
+def _table_shards(params):
+    shards = list(params.variables) if type(params).__name__ == "ShardedVariable" else list(params)
+    if not shards:
+        raise ValueError("a sharded table needs at least one shard")
+    shards = [s if isinstance(s, (tf.Variable, tf.Tensor)) else tf.convert_to_tensor(s) for s in shards]
+    for i, shard in enumerate(shards):
+        if shard.shape.rank is not None and shard.shape.rank != 2:
+            raise ValueError(f"table shard {i} must be a [N_i, D] matrix, got shape {shard.shape}")
+        if shard.dtype != shards[0].dtype:
+            raise TypeError(f"table shards must share one dtype: shard {i} is {shard.dtype.name}, "
+                            f"shard 0 {shards[0].dtype.name}")
+    dims = {int(s.shape[1]) for s in shards if s.shape[1] is not None}
+    if len(dims) > 1:
+        raise ValueError(f"table shards must all have the same width, got widths {sorted(dims)}")
+    return shards
+
+
+@tf.autograph.experimental.do_not_convert
+def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=None,
+                          sparse_gradient=False):
+    """``embedding_bag`` over a row-partitioned table, one fused lookup per shard.
+
+    ``params`` is a ``ShardedVariable`` (e.g. from ``ParameterServerStrategy``'s
+    ``variable_partitioner``) or a list of ``[N_i, D]`` shards holding
+    consecutive rows: shard ``i`` holds global rows ``[sum(N_<i), sum(N_<=i))``
+    (the "div" partitioning of ``embedding_lookup``/``ShardedVariable``). Each
+    shard runs the fused op, on the shard's device, over the indices that fall
+    into it (the others become padding) with combiner ``sum``; the partial
+    bags are added and divided once by the combiner's denominator over all
+    valid entries, so mean/sqrtn equal the unsharded op. Gradients reach each
+    shard (row-sparse with ``sparse_gradient=True``).
+    """
+    _check_combiner(combiner)
+    shards = _table_shards(params)
+    with tf.name_scope(name or "sharded_embedding_bag"):
+        if isinstance(indices, tf.RaggedTensor):
+            flat = indices.flat_values
+            w_flat = _ragged_weight_values(indices, weights)
+        else:
+            if isinstance(weights, tf.RaggedTensor):
+                raise TypeError("weights is ragged but indices is not")
+            flat = indices
+            w_flat = weights
+        flat = _as_indices(flat)
+        dtype = shards[0].dtype
+        if w_flat is None:
+            w_flat = tf.ones(tf.shape(flat), dtype)
+        else:
+            w_flat = tf.convert_to_tensor(w_flat)
+            if not w_flat.dtype.is_floating:
+                raise TypeError(f"weights must be a float tensor, got {w_flat.dtype.name}")
+            w_flat = tf.cast(w_flat, dtype)
+        sizes = [tf.shape(s, out_type=flat.dtype)[0] for s in shards]
+        total = tf.add_n(sizes)
+        check = tf.debugging.assert_less(
+            flat, total, message="embedding_bag: an index is out of range of the sharded table "
+            "(negative indices are padding)")
+        with tf.control_dependencies([check]):
+            flat = tf.identity(flat)
+        partial = None
+        offset = tf.zeros([], flat.dtype)
+        for shard, size in zip(shards, sizes):
+            local = flat - offset
+            mine = (local >= 0) & (local < size)
+            local = tf.where(mine, local, -tf.ones_like(local))
+            bags = indices.with_flat_values(local) if isinstance(indices, tf.RaggedTensor) else local
+            bag_w = indices.with_flat_values(w_flat) if isinstance(indices, tf.RaggedTensor) else w_flat
+            with tf.device(shard.device):
+                part = fused_embedding_bag(shard, bags, bag_w, "sum", sparse_gradient=sparse_gradient)
+            part = tf.cast(part, tf.float32)
+            partial = part if partial is None else partial + part
+            offset = offset + size
+        if combiner == "sum":
+            return tf.cast(partial, dtype)
+        # The denominator over every valid entry, as the unsharded op counts it.
+        valid_w = tf.where(flat >= 0, tf.cast(w_flat, tf.float32), tf.zeros_like(w_flat, tf.float32))
+        if isinstance(indices, tf.RaggedTensor):
+            valid_w = indices.with_flat_values(valid_w)
+        denom = tf.reduce_sum(valid_w if combiner == "mean" else valid_w * valid_w, axis=-1)
+        if combiner == "sqrtn":
+            denom = tf.sqrt(denom)
+        return tf.cast(tf.math.divide_no_nan(partial, tf.expand_dims(denom, -1)), dtype)
