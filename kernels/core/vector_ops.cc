@@ -259,3 +259,80 @@ float Dot(const float* __restrict x, const float* __restrict y, int64_t n) {
 
 }  // namespace vec
 }  // namespace pkm
+
+namespace pkm {
+namespace vec {
+
+void PrefetchRow(const Table& t, int64_t row) {
+  const int64_t row_bytes = t.dim * ElemSize(t.type);
+  const char* p = static_cast<const char*>(t.data) + row * row_bytes;
+  for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+namespace {
+
+template <typename L>
+__attribute__((always_inline)) inline void MaxImpl(const typename L::Elem* __restrict row, float scale, float bias,
+                                                    float* __restrict acc, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = scale * (L::Get(row, i) - bias);
+    acc[i] = v > acc[i] ? v : acc[i];
+  }
+}
+
+PKM_MULTIVERSION
+void MaxF32(const float* row, float* acc, int64_t n) { MaxImpl<LoadF32>(row, 1.f, 0.f, acc, n); }
+PKM_MULTIVERSION
+void MaxF16(const uint16_t* row, float* acc, int64_t n) { MaxImpl<LoadF16>(row, 1.f, 0.f, acc, n); }
+PKM_MULTIVERSION
+void MaxBF16(const uint16_t* row, float* acc, int64_t n) { MaxImpl<LoadBF16>(row, 1.f, 0.f, acc, n); }
+PKM_MULTIVERSION
+void MaxI8(const int8_t* row, float scale, float bias, float* acc, int64_t n) {
+  MaxImpl<LoadI8>(row, scale, bias, acc, n);
+}
+
+}  // namespace
+
+void MaxRow(const Table& t, int64_t r, float* acc) {
+  const int64_t off = r * t.dim;
+  switch (t.type) {
+    case ElemType::kFloat32: MaxF32(static_cast<const float*>(t.data) + off, acc, t.dim); break;
+    case ElemType::kFloat16: MaxF16(static_cast<const uint16_t*>(t.data) + off, acc, t.dim); break;
+    case ElemType::kBFloat16: MaxBF16(static_cast<const uint16_t*>(t.data) + off, acc, t.dim); break;
+    case ElemType::kInt8:
+      MaxI8(static_cast<const int8_t*>(t.data) + off, t.row_scales[r],
+            t.row_zero_points ? static_cast<float>(t.row_zero_points[r]) : 0.f, acc, t.dim);
+      break;
+  }
+}
+
+void RowToFloat(const Table& t, int64_t r, float* dst) {
+  const int64_t off = r * t.dim;
+  if (t.type != ElemType::kInt8) {
+    ToFloat(static_cast<const char*>(t.data) + off * ElemSize(t.type), t.type, dst, t.dim);
+    return;
+  }
+  const int8_t* q = static_cast<const int8_t*>(t.data) + off;
+  const float scale = t.row_scales[r];
+  const float bias = t.row_zero_points ? static_cast<float>(t.row_zero_points[r]) : 0.f;
+  for (int64_t i = 0; i < t.dim; ++i) dst[i] = scale * (static_cast<float>(q[i]) - bias);
+}
+
+PKM_MULTIVERSION
+void MaxArgRow(const float* __restrict row, int32_t k, float* __restrict best, int32_t* __restrict winner,
+               int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const bool larger = row[i] > best[i];
+    best[i] = larger ? row[i] : best[i];
+    winner[i] = larger ? k : winner[i];
+  }
+}
+
+PKM_MULTIVERSION
+void AddWhereWinner(const float* __restrict g, const int32_t* __restrict winner, int32_t k, float* __restrict acc,
+                    int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += winner[i] == k ? g[i] : 0.f;
+}
+
+}  // namespace vec
+}  // namespace pkm
