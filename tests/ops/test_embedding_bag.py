@@ -39,7 +39,7 @@ def random_case(rng, lead_shape, k, n, d, dtype, index_dtype, padding=True):
 
 
 CASES = list(itertools.product(
-    DTYPES, ("int32", "int64"), ops.COMBINERS, (True, False), ((7,), (3, 5), (2, 3, 4))))
+    DTYPES, ("int32", "int64"), ops.WEIGHTED_COMBINERS, (True, False), ((7,), (3, 5), (2, 3, 4))))
 
 
 @pytest.mark.parametrize("dtype_name,index_dtype,combiner,weighted,lead_shape", CASES)
@@ -78,7 +78,7 @@ def test_forward_and_gradients_match_references(dtype_name, index_dtype, combine
         assert d_fused[1] is None
 
 
-@pytest.mark.parametrize("combiner", ops.COMBINERS)
+@pytest.mark.parametrize("combiner", ops.WEIGHTED_COMBINERS)
 @pytest.mark.parametrize("dtype_name", DTYPES)
 @pytest.mark.parametrize("ragged_rank", [1, 2])
 def test_ragged_bags(combiner, dtype_name, ragged_rank):
@@ -122,7 +122,7 @@ def test_ragged_outer_dims_with_uniform_bags():
     np.testing.assert_allclose(out.flat_values.numpy(), expected.flat_values.numpy(), rtol=1e-5)
 
 
-@pytest.mark.parametrize("combiner", ops.COMBINERS)
+@pytest.mark.parametrize("combiner", ops.WEIGHTED_COMBINERS)
 def test_finite_difference_gradients(combiner):
     rng = np.random.default_rng(3)
     params = tf.constant(rng.standard_normal((6, 5)), tf.float32)
