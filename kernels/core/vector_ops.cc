@@ -13,6 +13,27 @@
 namespace pkm {
 namespace vec {
 
+namespace {
+
+// The header's BFloat16ToFloat / FloatToBFloat16 again, always_inline: GCC
+// does not inline a default-target function into an arch= clone, and an
+// out-of-line call per element keeps the loop scalar.
+__attribute__((always_inline)) inline float Bf16ToF32(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+__attribute__((always_inline)) inline uint16_t F32ToBf16(float f) {
+  uint32_t x;
+  __builtin_memcpy(&x, &f, sizeof(x));
+  const bool is_nan = (x & 0x7fffffffu) > 0x7f800000u;
+  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(is_nan ? ((x >> 16) | 0x40u) : rounded);
+}
+
+}  // namespace
+
 PKM_MULTIVERSION
 void AxpyF32(float a, const float* __restrict row, float* __restrict acc, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += a * row[i];
@@ -34,7 +55,7 @@ void AxpyF16(float a, const uint16_t* row, float* acc, int64_t n) {
 
 PKM_MULTIVERSION
 void AxpyBF16(float a, const uint16_t* __restrict row, float* __restrict acc, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += a * BFloat16ToFloat(row[i]);
+  for (int64_t i = 0; i < n; ++i) acc[i] += a * Bf16ToF32(row[i]);
 }
 
 PKM_MULTIVERSION
@@ -47,31 +68,32 @@ void AxpyI8(float a, const int8_t* __restrict q, int32_t zero_point, float* __re
 namespace {
 
 // Element loaders: the row-group kernels below are one template, inlined into
-// each CPU-specific clone.
+// each CPU-specific clone (always_inline, for the reason above: without it the
+// bf16 forward was a scalar call per element, no faster than fp32).
 struct LoadF32 {
   using Elem = float;
-  static inline float Get(const float* p, int64_t i) { return p[i]; }
+  __attribute__((always_inline)) static inline float Get(const float* p, int64_t i) { return p[i]; }
 };
 struct LoadBF16 {
   using Elem = uint16_t;
-  static inline float Get(const uint16_t* p, int64_t i) { return BFloat16ToFloat(p[i]); }
+  __attribute__((always_inline)) static inline float Get(const uint16_t* p, int64_t i) { return Bf16ToF32(p[i]); }
 };
 #if defined(PKM_HAS_COMPILER_HALF)
 struct LoadF16 {
   using Elem = uint16_t;
-  static inline float Get(const uint16_t* p, int64_t i) {
+  __attribute__((always_inline)) static inline float Get(const uint16_t* p, int64_t i) {
     return static_cast<float>(reinterpret_cast<const CompilerHalf*>(p)[i]);
   }
 };
 #else
 struct LoadF16 {
   using Elem = uint16_t;
-  static inline float Get(const uint16_t* p, int64_t i) { return HalfToFloat(p[i]); }
+  __attribute__((always_inline)) static inline float Get(const uint16_t* p, int64_t i) { return HalfToFloat(p[i]); }
 };
 #endif
 struct LoadI8 {
   using Elem = int8_t;
-  static inline float Get(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
+  __attribute__((always_inline)) static inline float Get(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
 };
 
 template <typename L>
@@ -170,7 +192,7 @@ static void F16ToFloat(const uint16_t* __restrict src, float* __restrict dst, in
 
 PKM_MULTIVERSION
 static void BF16ToFloatN(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = BFloat16ToFloat(src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(src[i]);
 }
 
 void ToFloat(const void* src, ElemType type, float* dst, int64_t n) {
@@ -207,7 +229,7 @@ static void ScaleToF16(const float* __restrict src, float scale, uint16_t* __res
 
 PKM_MULTIVERSION
 static void ScaleToBF16(const float* __restrict src, float scale, uint16_t* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = FloatToBFloat16(scale * src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = F32ToBf16(scale * src[i]);
 }
 
 void FromFloat(const float* src, float scale, ElemType type, void* dst, int64_t n) {

@@ -230,14 +230,14 @@ def test_shape_and_dtype_errors():
     with pytest.raises(TypeError, match="int32 or int64"):
         ops.embedding_bag(params, tf.constant([[1.0, 2.0]]))
     with pytest.raises(ValueError, match="combiner must be one of"):
-        ops.embedding_bag(params, idx, combiner="max")
+        ops.embedding_bag(params, idx, combiner="min")
     # The raw op (what a graph or another front end feeds) checks too.
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="weights must have the shape|Shapes"):
         lib.pkm_embedding_bag(params, idx, tf.ones([2, 1]))
     with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="rank 2|matrix"):
         lib.pkm_embedding_bag(tf.ones([10]), idx, tf.ones([1, 2]))
     with pytest.raises((tf.errors.InvalidArgumentError, TypeError, ValueError), match="combiner|not in list"):
-        lib.pkm_embedding_bag(params, idx, tf.ones([1, 2]), combiner="max")
+        lib.pkm_embedding_bag(params, idx, tf.ones([1, 2]), combiner="min")
     with pytest.raises(tf.errors.InvalidArgumentError, match="non-decreasing"):
         lib.pkm_ragged_embedding_bag(params, tf.constant([1, 2, 3]), tf.constant([0, 2, 1, 3], tf.int64),
                                      tf.ones([3]))
