@@ -19,6 +19,7 @@ PKM_CORE_SRCS = [
     "kernels/core/embedding_bag.cc",
     "kernels/core/forward.cc",
     "kernels/core/vector_ops.cc",
+    "kernels/core/vector_ops_f16c.cc",
 ]
 
 PKM_CORE_HDRS = [

@@ -2,7 +2,7 @@
 // float32 row per thread (no [K, D] gather, no per-bag allocation).
 // sum/mean/sqrtn accumulate kRowGroup rows at a time; max keeps a running
 // elementwise maximum. The rows a bag will read are known from its indices, so
-// the loop prefetches rows a few entries ahead (vec::PrefetchRow).
+// the loop prefetches rows a few entries ahead (RowPrefetcher).
 #include <algorithm>
 #include <vector>
 
@@ -23,29 +23,31 @@ namespace {
 class RowPrefetcher {
  public:
   RowPrefetcher(const Table& table, const Bags& bags, int64_t begin, int64_t end)
-      : table_(table), bags_(bags), next_(begin), end_(end) {
-    const int64_t row_bytes = table.dim * ElemSize(table.type);
-    // Enough rows ahead to cover the memory latency, never more than ~64 KB
-    // of rows in flight (the L1/L2 must still hold what is being summed).
-    distance_ = std::clamp<int64_t>(65536 / std::max<int64_t>(row_bytes, 1), 2, 16);
-    for (int64_t i = 0; i < distance_; ++i) Advance();
+      : bags_(bags), base_(static_cast<const char*>(table.data)), row_bytes_(table.dim * ElemSize(table.type)),
+        next_(begin), end_(end) {
+    // About 8 KB of rows ahead (measured on a 2-core EPYC: further ahead
+    // evicts rows before they are summed, and the hardware prefetchers
+    // already follow each row once it is started).
+    const int64_t distance = std::clamp<int64_t>(8192 / std::max<int64_t>(row_bytes_, 1), 1, 8);
+    for (int64_t i = 0; i < distance; ++i) Advance();
   }
   // Call once per valid entry consumed.
   void Advance() {
     while (next_ < end_) {
       const int64_t idx = IndexAt(bags_, next_++);
       if (idx >= 0) {
-        vec::PrefetchRow(table_, idx);
+        const char* row = base_ + idx * row_bytes_;
+        for (int64_t off = 0; off < row_bytes_; off += 64) __builtin_prefetch(row + off, 0, 3);
         return;
       }
     }
   }
 
  private:
-  const Table& table_;
   const Bags& bags_;
+  const char* base_;
+  int64_t row_bytes_;
   int64_t next_, end_;
-  int64_t distance_ = 0;
 };
 
 // sum / mean / sqrtn of bag b into acc, returning the combiner's scale.

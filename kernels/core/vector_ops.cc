@@ -5,7 +5,7 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(PKM_NO_MULTIVERSION)
 // One clone per CPU generation; the dynamic loader picks the best (ifunc).
 #define PKM_MULTIVERSION \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=haswell", "default")))
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define PKM_MULTIVERSION
 #endif
@@ -145,7 +145,15 @@ void AxpyRowGroup(const Table& t, const int64_t* rows, const float* a, float* ac
   for (int r = 0; r < kRowGroup; ++r) ptrs[r] = static_cast<const char*>(t.data) + rows[r] * row_bytes;
   switch (t.type) {
     case ElemType::kFloat32: AxpyGroupF32(a, ptrs, acc, t.dim); break;
-    case ElemType::kFloat16: AxpyGroupF16(a, ptrs, acc, t.dim); break;
+    case ElemType::kFloat16:
+#if defined(PKM_X86_F16C)
+      if (f16c::HasF16C()) {
+        f16c::AxpyGroup(a, ptrs, acc, t.dim);
+        break;
+      }
+#endif
+      AxpyGroupF16(a, ptrs, acc, t.dim);
+      break;
     case ElemType::kBFloat16: AxpyGroupBF16(a, ptrs, acc, t.dim); break;
     case ElemType::kInt8: {
       // scale * (q - zp) summed over rows = sum(a*scale*q) - sum(a*scale*zp)
@@ -168,6 +176,12 @@ void AxpyRow(const Table& t, int64_t r, float a, float* acc) {
       AxpyF32(a, static_cast<const float*>(t.data) + off, acc, t.dim);
       break;
     case ElemType::kFloat16:
+#if defined(PKM_X86_F16C)
+      if (f16c::HasF16C()) {
+        f16c::Axpy(a, static_cast<const uint16_t*>(t.data) + off, acc, t.dim);
+        break;
+      }
+#endif
       AxpyF16(a, static_cast<const uint16_t*>(t.data) + off, acc, t.dim);
       break;
     case ElemType::kBFloat16:
@@ -201,6 +215,12 @@ void ToFloat(const void* src, ElemType type, float* dst, int64_t n) {
       std::memcpy(dst, src, n * sizeof(float));
       break;
     case ElemType::kFloat16:
+#if defined(PKM_X86_F16C)
+      if (f16c::HasF16C()) {
+        f16c::ToFloat(static_cast<const uint16_t*>(src), dst, n);
+        break;
+      }
+#endif
       F16ToFloat(static_cast<const uint16_t*>(src), dst, n);
       break;
     case ElemType::kBFloat16:
@@ -238,6 +258,12 @@ void FromFloat(const float* src, float scale, ElemType type, void* dst, int64_t 
       ScaleF32(src, scale, static_cast<float*>(dst), n);
       break;
     case ElemType::kFloat16:
+#if defined(PKM_X86_F16C)
+      if (f16c::HasF16C()) {
+        f16c::ScaleTo(src, scale, static_cast<uint16_t*>(dst), n);
+        break;
+      }
+#endif
       ScaleToF16(src, scale, static_cast<uint16_t*>(dst), n);
       break;
     case ElemType::kBFloat16:
@@ -285,12 +311,6 @@ float Dot(const float* __restrict x, const float* __restrict y, int64_t n) {
 namespace pkm {
 namespace vec {
 
-void PrefetchRow(const Table& t, int64_t row) {
-  const int64_t row_bytes = t.dim * ElemSize(t.type);
-  const char* p = static_cast<const char*>(t.data) + row * row_bytes;
-  for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
-}
-
 namespace {
 
 template <typename L>
@@ -319,7 +339,15 @@ void MaxRow(const Table& t, int64_t r, float* acc) {
   const int64_t off = r * t.dim;
   switch (t.type) {
     case ElemType::kFloat32: MaxF32(static_cast<const float*>(t.data) + off, acc, t.dim); break;
-    case ElemType::kFloat16: MaxF16(static_cast<const uint16_t*>(t.data) + off, acc, t.dim); break;
+    case ElemType::kFloat16:
+#if defined(PKM_X86_F16C)
+      if (f16c::HasF16C()) {
+        f16c::Max(static_cast<const uint16_t*>(t.data) + off, acc, t.dim);
+        break;
+      }
+#endif
+      MaxF16(static_cast<const uint16_t*>(t.data) + off, acc, t.dim);
+      break;
     case ElemType::kBFloat16: MaxBF16(static_cast<const uint16_t*>(t.data) + off, acc, t.dim); break;
     case ElemType::kInt8:
       MaxI8(static_cast<const int8_t*>(t.data) + off, t.row_scales[r],
