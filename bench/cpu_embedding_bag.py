@@ -16,6 +16,7 @@ Results: bench/results/cpu_embedding_bag.{json,md}.
 
     python bench/cpu_embedding_bag.py            # full run (a few minutes)
     python bench/cpu_embedding_bag.py --quick    # small shapes, smoke test
+    python bench/cpu_embedding_bag.py --roofline # forward GB/s vs the streaming read (cpu_roofline.py)
 """
 
 from __future__ import annotations
@@ -206,7 +207,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--child", nargs=8, help=argparse.SUPPRESS)
     ap.add_argument("--interleaved-child", nargs=7, help=argparse.SUPPRESS)
+    ap.add_argument("--roofline", action="store_true",
+                    help="forward vs a 2-thread streaming read and torch, in one process (bench/cpu_roofline.py)")
     args = ap.parse_args(argv)
+    if args.roofline:
+        import cpu_roofline
+
+        cpu_roofline.main()
+        return 0
     if args.child:
         system, b, k, d, n, dtype, mode, repeats = args.child
         print(json.dumps(child(system, int(b), int(k), int(d), int(n), dtype, mode, int(repeats))))

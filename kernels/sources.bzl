@@ -14,12 +14,15 @@ a .cc/.cu under kernels/ or tflite_delegate/ is in no list.
 
 # ---- the framework-free kernel core: in every production library ----------
 PKM_CORE_SRCS = [
+    "kernels/core/backward.cc",
     "kernels/core/bag_problem.cc",
     "kernels/core/embedding_bag.cc",
+    "kernels/core/forward.cc",
     "kernels/core/forward_int8.cc",
     "kernels/core/fused_optimizer.cc",
     "kernels/core/shape_rules.cc",
     "kernels/core/vector_ops.cc",
+    "kernels/core/vector_ops_f16c.cc",
 ]
 
 PKM_CORE_HDRS = [

@@ -19,7 +19,7 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=
     gather's gradient is an ``IndexedSlices`` either way (one row per index,
     not row-unique).
     """
-    _check_combiner(combiner)
+    _check_combiner(combiner, weights)
     with tf.name_scope(name or "embedding_bag_composite"):
         params = _as_table(params)
         if isinstance(indices, tf.RaggedTensor):
@@ -31,8 +31,19 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=
         w = tf.ones(tf.shape(indices), tf.float32) if weights is None else tf.cast(weights, tf.float32)
         w = tf.where(valid, w, tf.zeros_like(w))
         rows = tf.gather(params, tf.where(valid, indices, tf.zeros_like(indices)))
+        if combiner == "max":
+            return tf.cast(_masked_max(tf.cast(rows, tf.float32), valid, axis=-2), params.dtype)
         summed = tf.reduce_sum(tf.cast(rows, tf.float32) * w[..., None], axis=-2)
         return tf.cast(_combine(summed, w, combiner, axis=-1), params.dtype)
+
+
+def _masked_max(rows, valid, axis):
+    """reduce_max over the bag axis of the valid rows only; 0 for an empty bag.
+    (reduce_max's gradient splits ties evenly; the fused op gives them to the
+    first position.)"""
+    masked = tf.where(valid[..., None], rows, tf.fill(tf.shape(rows), float("-inf")))
+    any_valid = tf.reduce_any(valid, axis=axis + 1 if axis < 0 else axis)[..., None]
+    return tf.where(any_valid, tf.reduce_max(masked, axis=axis), tf.zeros([], rows.dtype))
 
 
 def _combine(summed, w, combiner, axis):
@@ -56,6 +67,13 @@ def _ragged_composite(params, indices, weights, combiner):
     rows = tf.cast(tf.gather(params, tf.where(valid, values, tf.zeros_like(values))), tf.float32)
     seg = inner.value_rowids()
     nrows = inner.nrows()
+    if combiner == "max":
+        # Padding goes to a segment past the last bag (dropped); empty bags get 0.
+        seg_valid = tf.where(valid, seg, tf.fill(tf.shape(seg), nrows))
+        maxed = tf.math.unsorted_segment_max(rows, seg_valid, nrows + 1)[:-1]
+        counts = tf.math.unsorted_segment_sum(tf.cast(valid, tf.int32), seg, nrows)
+        out = tf.cast(tf.where((counts > 0)[:, None], maxed, tf.zeros_like(maxed)), params.dtype)
+        return out if len(splits) == 1 else tf.RaggedTensor.from_nested_row_splits(out, splits[:-1], validate=False)
     summed = tf.math.unsorted_segment_sum(rows * w[:, None], seg, nrows)
     w_sum = tf.math.unsorted_segment_sum(w, seg, nrows)
     w_sq = tf.math.unsorted_segment_sum(w * w, seg, nrows)

@@ -23,7 +23,7 @@ from pkm_serve._op_args import (
 @tf.autograph.experimental.do_not_convert
 def fused_embedding_bag(params, indices, weights=None, combiner="sum", name=None, sparse_gradient=False):
     """``ops.embedding_bag`` on one table (not sharded): see its docstring."""
-    _check_combiner(combiner)
+    _check_combiner(combiner, weights)
     lib = load_library()
     if _xla.composite_under_xla(params, indices):  # XLA for a backend without our custom-call target
         return embedding_bag_composite(params, indices, weights, combiner, name=name)

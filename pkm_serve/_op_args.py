@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-COMBINERS = ("sum", "mean", "sqrtn")
+WEIGHTED_COMBINERS = ("sum", "mean", "sqrtn")  # the combiners that take weights
+COMBINERS = WEIGHTED_COMBINERS + ("max",)
+# The core's message (kernels/core/embedding_bag.h, kMaxWithWeightsError), word for word.
+MAX_WITH_WEIGHTS_ERROR = ("combiner 'max' takes no weights (as torch's embedding_bag mode='max' refuses "
+                          "per_sample_weights): pass weights=None")
 TABLE_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 INDEX_DTYPES = (tf.int32, tf.int64)
 
 
-def _check_combiner(combiner):
+def _check_combiner(combiner, weights=None):
     if combiner not in COMBINERS:
         raise ValueError(f"combiner must be one of {COMBINERS}, got {combiner!r}")
+    if combiner == "max" and weights is not None:
+        raise ValueError(MAX_WITH_WEIGHTS_ERROR)
 
 
 def _as_table(params):

@@ -40,7 +40,9 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
     valid entries, so mean/sqrtn equal the unsharded op. Gradients reach each
     shard (row-sparse with ``sparse_gradient=True``).
     """
-    _check_combiner(combiner)
+    _check_combiner(combiner, weights)
+    if combiner == "max":
+        raise ValueError("combiner 'max' over a sharded table is not supported: pass one [N, D] table")
     shards = _table_shards(params)
     with tf.name_scope(name or "sharded_embedding_bag"):
         if isinstance(indices, tf.RaggedTensor):

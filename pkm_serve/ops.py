@@ -22,10 +22,11 @@ import tensorflow as tf
 from pkm_serve._composite import embedding_bag_composite
 from pkm_serve._fused import fused_embedding_bag
 from pkm_serve._library import OpLibraryNotFoundError, is_available, library_path, load_library
-from pkm_serve._op_args import COMBINERS, INDEX_DTYPES, TABLE_DTYPES, _check_combiner, is_sharded
+from pkm_serve._op_args import (COMBINERS, INDEX_DTYPES, MAX_WITH_WEIGHTS_ERROR, TABLE_DTYPES, WEIGHTED_COMBINERS,
+                                _check_combiner, is_sharded)
 from pkm_serve._sharding import sharded_embedding_bag
 
-__all__ = ["COMBINERS", "INDEX_DTYPES", "TABLE_DTYPES", "OpLibraryNotFoundError", "embedding_bag",
+__all__ = ["COMBINERS", "INDEX_DTYPES", "MAX_WITH_WEIGHTS_ERROR", "TABLE_DTYPES", "WEIGHTED_COMBINERS", "OpLibraryNotFoundError", "embedding_bag",
            "embedding_bag_composite", "is_available", "is_sharded", "library_path", "load_library",
            "sharded_embedding_bag"]
 
@@ -45,8 +46,11 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None, spar
         An index >= N raises ``InvalidArgumentError``.
       weights: per-index weights shaped like ``indices`` (same ragged
         partition), or None for all ones. Cast to ``params``' dtype.
-      combiner: ``"sum"``, ``"mean"`` (divide by the sum of weights) or
-        ``"sqrtn"`` (divide by sqrt of the sum of squared weights).
+      combiner: ``"sum"``, ``"mean"`` (divide by the sum of weights),
+        ``"sqrtn"`` (divide by sqrt of the sum of squared weights) or ``"max"``
+        (torch's ``mode="max"``: elementwise max over the bag's valid rows, 0
+        for an empty bag; ``weights`` must be None; the gradient goes to the
+        row holding each maximum, ties to the first).
       sparse_gradient: if True, the gradient w.r.t. ``params`` is a
         ``tf.IndexedSlices`` of the distinct rows touched (at most
         ``min(N, number of indices)`` rows) instead of a dense ``[N, D]``
@@ -58,7 +62,7 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None, spar
       ``indices`` of ragged rank 1 a dense ``[B, D]`` tensor; for deeper ragged
       indices a RaggedTensor with the outer partitions of ``indices``.
     """
-    _check_combiner(combiner)
+    _check_combiner(combiner, weights)
     if is_sharded(params):
         return sharded_embedding_bag(params, indices, weights, combiner, name, sparse_gradient)
     return fused_embedding_bag(params, indices, weights, combiner, name, sparse_gradient)

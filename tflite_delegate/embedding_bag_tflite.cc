@@ -334,7 +334,7 @@ bool ParseOpOptions(const void* data, size_t size, OpOptions* options, std::stri
       return false;
     }
     if (!ParseCombiner(e->string_value, &options->combiner)) {
-      *error = "custom_options 'combiner' must be 'sum', 'mean' or 'sqrtn', got '" +
+      *error = "custom_options 'combiner' must be 'sum', 'mean', 'sqrtn' or 'max', got '" +
                e->string_value + "'";
       return false;
     }

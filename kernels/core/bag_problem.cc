@@ -13,7 +13,7 @@ static_assert(static_cast<int>(ElemType::kFloat32) == PKM_FLOAT32 && static_cast
                   static_cast<int>(ElemType::kBFloat16) == PKM_BFLOAT16 && static_cast<int>(ElemType::kInt8) == PKM_INT8,
               "pkm::ElemType must equal the PKM_* element types");
 static_assert(static_cast<int>(Combiner::kSum) == PKM_SUM && static_cast<int>(Combiner::kMean) == PKM_MEAN &&
-                  static_cast<int>(Combiner::kSqrtn) == PKM_SQRTN,
+                  static_cast<int>(Combiner::kSqrtn) == PKM_SQRTN && static_cast<int>(Combiner::kMax) == PKM_MAX,
               "pkm::Combiner must equal the PKM_* combiners");
 static_assert(static_cast<int>(IndexPolicy::kNegativeIsPadding) == PKM_NEGATIVE_IS_PADDING &&
                   static_cast<int>(IndexPolicy::kNoPadding) == PKM_NO_PADDING &&

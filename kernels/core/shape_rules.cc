@@ -109,15 +109,13 @@ std::string DimsString(const MaybeDims& dims) { return dims ? DimsString(*dims) 
 
 Status CombinerWeightsRule(Combiner combiner, bool has_weights) {
   if (static_cast<int>(combiner) == PKM_MAX && has_weights)
-    return Status::Error("combiner 'max' does not take weights");
+    return Status::Error(kMaxWithWeightsError);
   return Status::Ok();
 }
 
 Status CombinerValueRule(int32_t value) {
-  // The kernels' combiners: up to PKM_SQRTN until 'max' has kernels.
-  constexpr int32_t kLastCombiner = PKM_SQRTN;
-  if (value < PKM_SUM || value > kLastCombiner)
-    return Status::Error("combiner must be 0 (sum), 1 (mean) or 2 (sqrtn), got " + std::to_string(value));
+  if (value < PKM_SUM || value > PKM_MAX)
+    return Status::Error("combiner must be 0 (sum), 1 (mean), 2 (sqrtn) or 3 (max), got " + std::to_string(value));
   return Status::Ok();
 }
 

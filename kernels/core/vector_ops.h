@@ -23,6 +23,12 @@ namespace pkm::vec { using CompilerHalf = __fp16; }
 namespace pkm::vec { using CompilerHalf = _Float16; }
 #endif
 
+// x86-64 GCC builds: fp16 kernels with F16C intrinsics (vector_ops_f16c.cc),
+// used by the dispatchers in vector_ops.cc where the CPU has them.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(PKM_NO_MULTIVERSION)
+#define PKM_X86_F16C 1
+#endif
+
 namespace pkm {
 namespace vec {
 
@@ -40,6 +46,17 @@ void AxpyRow(const Table& table, int64_t row_index, float a, float* acc);
 // software prefetch), and acc is loaded and stored once per eight rows.
 constexpr int kRowGroup = 8;
 void AxpyRowGroup(const Table& table, const int64_t* rows, const float* a, float* acc);
+
+// acc[i] = table[row, i] if it is strictly greater than acc[i] (dequantised
+// for int8): the max combiner's running maximum, NaN never replacing a value.
+void MaxRow(const Table& table, int64_t row, float* acc);
+// dst[i] = table[row, i] as float32 (dequantised for int8).
+void RowToFloat(const Table& table, int64_t row, float* dst);
+
+// The max combiner's backward. MaxArgRow: where row[i] > best[i], best[i] =
+// row[i] and winner[i] = k. AddWhereWinner: acc[i] += g[i] where winner[i] == k.
+void MaxArgRow(const float* row, int32_t k, float* best, int32_t* winner, int64_t n);
+void AddWhereWinner(const float* g, const int32_t* winner, int32_t k, float* acc, int64_t n);
 
 // dst[i] = float(src[i]) for a float storage type.
 void ToFloat(const void* src, ElemType type, float* dst, int64_t n);
@@ -67,6 +84,17 @@ inline float LoadElem(const void* base, ElemType type, int64_t i) {
   }
   return 0.f;
 }
+
+#if defined(PKM_X86_F16C)
+namespace f16c {
+bool HasF16C();  // AVX2 + FMA + F16C
+void AxpyGroup(const float* a, const void* const* rows, float* acc, int64_t n);
+void Axpy(float a, const uint16_t* row, float* acc, int64_t n);
+void Max(const uint16_t* row, float* acc, int64_t n);
+void ToFloat(const uint16_t* src, float* dst, int64_t n);
+void ScaleTo(const float* src, float scale, uint16_t* dst, int64_t n);
+}  // namespace f16c
+#endif
 
 }  // namespace vec
 }  // namespace pkm

@@ -27,7 +27,7 @@ inline ::tensorflow::Status ReadAttrs(::tensorflow::OpKernelConstruction* ctx, b
   std::string combiner;
   TF_RETURN_IF_ERROR(ctx->GetAttr("combiner", &combiner));
   if (!pkm::ParseCombiner(combiner, &attrs->combiner))
-    return ::tensorflow::errors::InvalidArgument("combiner must be one of sum, mean, sqrtn; got '",
+    return ::tensorflow::errors::InvalidArgument("combiner must be one of sum, mean, sqrtn, max; got '",
                                                  combiner, "'");
   TF_RETURN_IF_ERROR(ctx->GetAttr("has_weights", &attrs->has_weights));
   attrs->ragged = ragged;

@@ -1,0 +1,151 @@
+// Native helper of bench/cpu_embedding_bag.py (bench only, not shipped):
+//   bag_bench stream THREADS MIB REPEATS
+//       streaming-read bandwidth: THREADS threads each sum their own share of
+//       a MIB buffer with 256-bit loads (no writes); prints the best GB/s.
+//   bag_bench forward B K D N DTYPE THREADS REPEATS [COMBINER]
+//       pkm::Forward on random bags (no padding) with THREADS std::threads;
+//       prints the best ms and the GB/s of gathered rows.
+// Output: one JSON line.
+#include <immintrin.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/core/embedding_bag.h"
+
+namespace {
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Splits [0, total) into `threads` contiguous ranges, one per thread.
+pkm::ParallelFor Threads(int threads) {
+  return [threads](int64_t total, int64_t, const pkm::RangeFn& fn) {
+    if (total <= 0) return;
+    std::vector<std::thread> pool;
+    for (int t = 1; t < threads; ++t) {
+      const int64_t b = total * t / threads, e = total * (t + 1) / threads;
+      if (b < e) pool.emplace_back([&fn, b, e] { fn(b, e); });
+    }
+    if (total / threads > 0) fn(0, total / threads);
+    for (auto& th : pool) th.join();
+  };
+}
+
+__attribute__((target("avx2"))) float SumRange(const float* p, int64_t n) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i + 32 <= n; i += 32) {
+    a0 = _mm256_add_ps(a0, _mm256_load_ps(p + i));
+    a1 = _mm256_add_ps(a1, _mm256_load_ps(p + i + 8));
+    a2 = _mm256_add_ps(a2, _mm256_load_ps(p + i + 16));
+    a3 = _mm256_add_ps(a3, _mm256_load_ps(p + i + 24));
+  }
+  __m256 s = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+  float out[8];
+  _mm256_storeu_ps(out, s);
+  return out[0] + out[1] + out[2] + out[3] + out[4] + out[5] + out[6] + out[7];
+}
+
+int Stream(int threads, int64_t mib, int repeats) {
+  const int64_t n = mib * 1024 * 1024 / 4;
+  float* buf = static_cast<float*>(std::aligned_alloc(64, n * 4));
+  Threads(threads)(n, 1, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) buf[i] = 1.f; });
+  double best = 1e30;
+  volatile float sink = 0;
+  for (int r = 0; r < repeats; ++r) {
+    const double t0 = Now();
+    Threads(threads)(threads, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) sink = sink + SumRange(buf + n * t / threads, n / threads);
+    });
+    best = std::min(best, Now() - t0);
+  }
+  std::printf("{\"threads\": %d, \"bytes\": %lld, \"best_s\": %.6f, \"gbps\": %.2f}\n", threads,
+              static_cast<long long>(n * 4), best, n * 4 / best / 1e9);
+  std::free(buf);
+  return 0;
+}
+
+int Forward(int64_t B, int64_t K, int64_t D, int64_t N, const std::string& dtype, int threads, int repeats,
+            const std::string& combiner_name) {
+  const pkm::ElemType type = dtype == "float16" ? pkm::ElemType::kFloat16
+                             : dtype == "bfloat16" ? pkm::ElemType::kBFloat16
+                             : dtype == "int8" ? pkm::ElemType::kInt8 : pkm::ElemType::kFloat32;
+  const int64_t elem = pkm::ElemSize(type);
+  // Values in [0.5, 1): normal numbers in every type (subnormals would time
+  // the FPU's slow path, not the memory system).
+  // Transparent huge pages on request (PKM_BENCH_THP=1), as numpy asks for
+  // its large arrays: random rows then miss the TLB far less often.
+  const size_t table_bytes = (static_cast<size_t>(N * D * elem) + (2u << 20) - 1) & ~((size_t{2} << 20) - 1);
+  uint8_t* table_mem = static_cast<uint8_t*>(std::aligned_alloc(size_t{2} << 20, table_bytes));
+  if (const char* thp = std::getenv("PKM_BENCH_THP"); thp != nullptr && thp[0] == '1') madvise(table_mem, table_bytes, MADV_HUGEPAGE);
+  struct Span {
+    uint8_t* p;
+    uint8_t& operator[](int64_t i) { return p[i]; }
+    uint8_t* data() { return p; }
+  } table{table_mem};
+  uint32_t lcg = 1;
+  for (int64_t i = 0; i < N * D; ++i) {
+    lcg = lcg * 1664525u + 1013904223u;
+    const float v = 0.5f + (lcg >> 9) * (0.5f / (1u << 23));
+    if (type == pkm::ElemType::kFloat32) std::memcpy(table.data() + 4 * i, &v, 4);
+    else if (type == pkm::ElemType::kInt8) table[i] = static_cast<uint8_t>(lcg >> 24);
+    else {
+      const uint16_t h = type == pkm::ElemType::kFloat16 ? pkm::FloatToHalf(v) : pkm::FloatToBFloat16(v);
+      std::memcpy(table.data() + 2 * i, &h, 2);
+    }
+  }
+  std::mt19937_64 rng(1);
+  std::vector<float> scales(N, 0.01f);
+  std::vector<int64_t> idx(B * K);
+  for (auto& v : idx) v = static_cast<int64_t>(rng() % N);
+  std::vector<float> w(B * K, 0.5f);
+  pkm::Combiner combiner;
+  if (!pkm::ParseCombiner(combiner_name, &combiner)) return 2;
+  pkm::Table t{table.data(), type, N, D, type == pkm::ElemType::kInt8 ? scales.data() : nullptr, nullptr};
+  pkm::Bags bags;
+  bags.indices = idx.data();
+  bags.indices_int64 = true;
+  bags.num_bags = B;
+  bags.bag_size = K;
+  const pkm::ElemType out_type = type == pkm::ElemType::kInt8 ? pkm::ElemType::kFloat32 : type;
+  bags.weights = combiner == pkm::Combiner::kMax ? nullptr : w.data();
+  std::vector<uint8_t> out(B * D * pkm::ElemSize(out_type));
+  double best = 1e30;
+  for (int r = 0; r < repeats + 1; ++r) {
+    const double t0 = Now();
+    pkm::Status s = pkm::Forward(t, bags, combiner, out.data(), out_type, Threads(threads));
+    if (!s.ok) {
+      std::fprintf(stderr, "%s\n", s.message.c_str());
+      return 1;
+    }
+    if (r > 0) best = std::min(best, Now() - t0);
+  }
+  const double gathered = static_cast<double>(B) * K * D * elem;
+  std::printf("{\"B\": %lld, \"K\": %lld, \"D\": %lld, \"N\": %lld, \"dtype\": \"%s\", \"threads\": %d, "
+              "\"best_ms\": %.3f, \"gathered_gbps\": %.2f}\n",
+              (long long)B, (long long)K, (long long)D, (long long)N, dtype.c_str(), threads, best * 1e3,
+              gathered / best / 1e9);
+  std::free(table_mem);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc >= 5 && std::strcmp(argv[1], "stream") == 0)
+    return Stream(std::atoi(argv[2]), std::atoll(argv[3]), std::atoi(argv[4]));
+  if (argc >= 9 && std::strcmp(argv[1], "forward") == 0)
+    return Forward(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5]), argv[6],
+                   std::atoi(argv[7]), std::atoi(argv[8]), argc > 9 ? argv[9] : "sum");
+  std::fprintf(stderr, "usage: bag_bench stream THREADS MIB REPEATS | forward B K D N DTYPE THREADS REPEATS [COMBINER]\n");
+  return 2;
+}

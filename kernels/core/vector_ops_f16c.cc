@@ -1,0 +1,93 @@
+// IEEE half (float16) kernels with F16C intrinsics for x86-64. GCC 12 does not
+// vectorise _Float16 <-> float conversions in loops for AVX2 (it converts one
+// element at a time, vpinsrw + vcvtph2ps), so the target_clones in
+// vector_ops.cc leave the fp16 forward scalar; these convert eight at a time.
+// Picked at run time (HasF16C) where the CPU has AVX2, FMA and F16C; on other
+// architectures this file is empty and vector_ops.cc's loops are used (aarch64
+// vectorises __fp16 conversions itself: FCVTL/FCVTN).
+#include "kernels/core/vector_ops.h"
+
+#if defined(PKM_X86_F16C)
+#include <immintrin.h>
+
+namespace pkm {
+namespace vec {
+namespace f16c {
+
+bool HasF16C() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
+  return has;
+}
+
+namespace {
+#define PKM_F16C_TARGET __attribute__((target("avx2,fma,f16c")))
+
+PKM_F16C_TARGET inline __m256 Load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+PKM_F16C_TARGET inline float Load1(const uint16_t* p) { return _cvtsh_ss(*p); }
+
+}  // namespace
+
+PKM_F16C_TARGET void AxpyGroup(const float* a, const void* const* rows, float* acc, int64_t n) {
+  const uint16_t* r[kRowGroup];
+  __m256 w[kRowGroup];
+  for (int k = 0; k < kRowGroup; ++k) {
+    r[k] = static_cast<const uint16_t*>(rows[k]);
+    w[k] = _mm256_set1_ps(a[k]);
+  }
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    // Same order as the generic loop: the group's sum, then added to acc.
+    __m256 s = _mm256_mul_ps(w[0], Load8(r[0] + i));
+    for (int k = 1; k < kRowGroup; ++k) s = _mm256_fmadd_ps(w[k], Load8(r[k] + i), s);
+    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), s));
+  }
+  for (; i < n; ++i) {
+    float s = a[0] * Load1(r[0] + i);
+    for (int k = 1; k < kRowGroup; ++k) s += a[k] * Load1(r[k] + i);
+    acc[i] += s;
+  }
+}
+
+PKM_F16C_TARGET void Axpy(float a, const uint16_t* row, float* acc, int64_t n) {
+  const __m256 w = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(w, Load8(row + i), _mm256_loadu_ps(acc + i)));
+  for (; i < n; ++i) acc[i] += a * Load1(row + i);
+}
+
+PKM_F16C_TARGET void Max(const uint16_t* row, float* acc, int64_t n) {
+  int64_t i = 0;
+  // max_ps(v, acc) is v > acc ? v : acc, NaN in v never replacing acc: the generic loop's rule.
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(acc + i, _mm256_max_ps(Load8(row + i), _mm256_loadu_ps(acc + i)));
+  for (; i < n; ++i) {
+    const float v = Load1(row + i);
+    acc[i] = v > acc[i] ? v : acc[i];
+  }
+}
+
+PKM_F16C_TARGET void ToFloat(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, Load8(src + i));
+  for (; i < n; ++i) dst[i] = Load1(src + i);
+}
+
+PKM_F16C_TARGET void ScaleTo(const float* src, float scale, uint16_t* dst, int64_t n) {
+  const __m256 s = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_mul_ps(s, _mm256_loadu_ps(src + i)), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+  for (; i < n; ++i) dst[i] = _cvtss_sh(scale * src[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
+#undef PKM_F16C_TARGET
+}  // namespace f16c
+}  // namespace vec
+}  // namespace pkm
+
+#endif  // PKM_X86_F16C
