@@ -100,8 +100,8 @@ def _tflite_signatures(model: bytes) -> List[str]:
 
 def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
                   index_limit: int, samples: Optional[Dict[str, np.ndarray]],
-                  batch_size: int, quantized: bool, precision: Optional[str] = None
-                  ) -> Tuple[str, List[dict]]:
+                  batch_size: int, quantized: bool, precision: Optional[str] = None,
+                  feeds: Optional[dict] = None) -> Tuple[str, List[dict]]:
     """Runs each signature in the TFLite interpreter with the pkm delegate and
     compares with the exported SavedModel. Returns (status, rows)."""
     import tensorflow as tf
@@ -119,7 +119,8 @@ def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
         fn = loaded.signatures[name]
         specs = V.signature_input_specs(fn)
         inputs = (V.sample_inputs_for(name, specs, samples) if samples is not None
-                  else V.generate_inputs(specs, index_limit, batch_size))
+                  else V.generate_inputs(specs, index_limit, batch_size,
+                                         feeds=(feeds or {}).get(name)))
         want = {k: v.numpy() for k, v in fn(**inputs).items()}
         got = interp.get_signature_runner(name)(**inputs)
         if quantized:
@@ -144,7 +145,7 @@ def _check_custom_ops(model: bytes) -> List[str]:
 def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str,
                        quantize: Optional[str], src: str, index_limit: int,
                        samples, batch_size: int, progress: Optional[Progress] = None,
-                       precision: Optional[str] = None):
+                       precision: Optional[str] = None, feeds: Optional[dict] = None):
     """Writes the .tflite to a temporary file beside out_path (renamed by the
     caller once everything passed). Returns (tmp_path, report dict)."""
     progress = progress or Progress(quiet=True)
@@ -164,7 +165,8 @@ def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str
     with progress.phase("verifying the .tflite through the pkm delegate"):
         try:
             status, rows = verify_tflite(model, export_dir, signatures, index_limit,
-                                         samples, batch_size, quantize == "int8", precision)
+                                         samples, batch_size, quantize == "int8", precision,
+                                         feeds)
         except V.VerificationError as e:
             raise ExportError(f"TFLite verification failed: {e}") from None
         except (RuntimeError, ValueError) as e:
