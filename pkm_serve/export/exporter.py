@@ -31,7 +31,7 @@ __all__ = ["ExportError", "ExportResult", "build_parser", "export_saved_model",
            "format_report", "main", "read_saved_model", "verify_signatures"]
 
 # Version of the --report JSON layout (bumped when a key changes).
-REPORT_SCHEMA_VERSION = 2
+REPORT_SCHEMA_VERSION = 3
 
 
 @dataclasses.dataclass
@@ -376,7 +376,8 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
             tmp_tflite, result.tflite = tflite_export.convert_and_verify(
                 tmp_dir, chosen, os.path.abspath(tflite), quantize_table, src,
                 index_limit, samples, verify_batch_size, progress,
-                precision=_lowest_fused_precision(result.sites), feeds=result.feeds)
+                precision=_lowest_fused_precision(result.sites), feeds=result.feeds,
+                not_fused=result.skipped)
         # mkdtemp makes the directory owner-only; a model server may run as
         # another user.
         os.chmod(tmp_dir, 0o777 & ~files.current_umask())
@@ -414,7 +415,7 @@ def format_report(result: ExportResult) -> str:
                      f"{result.batch_size}" if s.saved_bytes_at_batch else
                      f"{s.bytes_per_index} B per looked-up id" if s.bytes_per_index
                      else "unknown")
-            lines.append(f"  fused    {s.pattern:<24} {s.combiner:<5} "
+            lines.append(f"  fused    {s.pattern:<24} {s.computes:<13} "
                          f"{'weighted' if s.weighted else 'unweighted':<10}"
                          f"{_site_steps(s)} table {s.table} {s.table_shape} {s.dtype}; "
                          f"no longer materialised: {saved}  [{where}]")

@@ -14,7 +14,7 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
-from tensorflow.core.framework import types_pb2
+from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
 from pkm_serve.export.graph import FunctionGraph, Ref
@@ -83,7 +83,7 @@ def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth:
     # Top-level consumers are call ops into the signature function.
     work = []
     for node, pos in frontier:
-        if node.op in CALL_OPS and node.attr["f"].func.name in library:
+        if node.op in CALL_OPS and "f" in node.attr and node.attr["f"].func.name in library:
             work.append((node.attr["f"].func.name, pos, depth))
     seen = set()
     while work:
@@ -106,7 +106,8 @@ def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth:
                     found.append((fg, node))
                 elif node.op in ("Identity", "IdentityN"):
                     refs.append(Ref(consumer, cpos if node.op == "IdentityN" else 0))
-                elif node.op in CALL_OPS and node.attr["f"].func.name in library:
+                elif node.op in CALL_OPS and "f" in node.attr and \
+                        node.attr["f"].func.name in library:
                     work.append((node.attr["f"].func.name, cpos, left - 1))
     return found
 
@@ -126,7 +127,11 @@ def _strings(fg: FunctionGraph, ref: Ref) -> List[str]:
 
 def parse_op_features(fg: FunctionGraph, node) -> List[ExampleFeature]:
     """The features one parse op reads, from its attrs and constant keys."""
-    attr = node.attr
+    # Read through a copy: indexing a proto map inserts missing (default) keys.
+    attr = attr_value_pb2.NameAttrList(attr=node.attr).attr
+    for key in ("sparse_types", "Tdense", "dense_shapes", "ragged_value_types",
+                "Nsparse", "Ndense", "sparse_keys", "dense_keys"):
+        attr[key]  # noqa: B018 - defaults stripped at save time read as empty
     ins = fg.inputs(node)
     sparse_types = list(attr["sparse_types"].list.type)
     dense_types = list(attr["Tdense"].list.type)

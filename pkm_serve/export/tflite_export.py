@@ -57,7 +57,8 @@ def check_size(saved_model_dir: str) -> int:
     return size
 
 
-def convert(saved_model_dir: str, signatures: Sequence[str]) -> bytes:
+def convert(saved_model_dir: str, signatures: Sequence[str], not_fused: Sequence = ()
+            ) -> bytes:
     import tensorflow as tf
 
     converter = tf.lite.TFLiteConverter.from_saved_model(
@@ -73,7 +74,16 @@ def convert(saved_model_dir: str, signatures: Sequence[str]) -> bytes:
         raise ExportError(
             f"TFLite conversion of signatures {list(signatures)} failed: {detail}"
             f"{' / '.join(lines[:4])} (pick convertible signatures with --signatures)"
-        ) from None
+            + _not_fused_note(not_fused)) from None
+
+
+def _not_fused_note(not_fused: Sequence) -> str:
+    """The skipped sites, whose composite ops stayed in the graph."""
+    if not not_fused:
+        return ""
+    return "; sites left composite: " + "; ".join(
+        f"{s.root} ({s.reason})" for s in not_fused[:4]) + (
+        f" and {len(not_fused) - 4} more" if len(not_fused) > 4 else "")
 
 
 def _model(model: bytes):
@@ -132,33 +142,35 @@ def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
     return "verified with the pkm delegate", rows
 
 
-def _check_custom_ops(model: bytes) -> List[str]:
+def _check_custom_ops(model: bytes, not_fused: Sequence = ()) -> List[str]:
     found = custom_ops(model)
     unsupported = [op for op in found if op not in SUPPORTED_CUSTOM_OPS]
     if unsupported:
         raise ExportError(f"the .tflite would need custom ops {unsupported} that no TFLite "
                           "runtime here provides (only builtins and "
-                          f"{list(SUPPORTED_CUSTOM_OPS)} run with the pkm delegate)")
+                          f"{list(SUPPORTED_CUSTOM_OPS)} run with the pkm delegate)"
+                          + _not_fused_note(not_fused))
     return found
 
 
 def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str,
                        quantize: Optional[str], src: str, index_limit: int,
                        samples, batch_size: int, progress: Optional[Progress] = None,
-                       precision: Optional[str] = None, feeds: Optional[dict] = None):
+                       precision: Optional[str] = None, feeds: Optional[dict] = None,
+                       not_fused: Sequence = ()):
     """Writes the .tflite to a temporary file beside out_path (renamed by the
     caller once everything passed). Returns (tmp_path, report dict)."""
     progress = progress or Progress(quiet=True)
     size = check_size(export_dir)
     with progress.phase(f"converting to TFLite ({size / 2**20:.1f} MiB of variables)"):
-        model = convert(export_dir, signatures)
+        model = convert(export_dir, signatures, not_fused)
     if quantize == "int8":
         with progress.phase("quantising tables to per-row int8"):
             try:
                 model = pkm_tflite.quantize_table_int8(model)
             except ValueError as e:
                 raise ExportError(f"--quantize-table int8: {e}") from None
-    found_ops = _check_custom_ops(model)
+    found_ops = _check_custom_ops(model, not_fused)
     if len(model) > FLATBUFFER_LIMIT:
         raise ExportError(f"the .tflite would be {len(model)} bytes, over the 2 GB "
                           "FlatBuffer limit")
