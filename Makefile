@@ -91,6 +91,7 @@ core-test: $(CORE_TEST)
 -include bench/scale.mk
 -include packaging.mk
 -include bench/serving.mk
+-include tests/export/models.mk
 
 # ---- entry points -----------------------------------------------------------
 build: $(STAMP) $(BUILD_TARGETS)
