@@ -170,7 +170,7 @@ def _appends_unit_axis(fg: FunctionGraph, node, ins) -> bool:
     begin, strides = fg.const_value(ins[1]), fg.const_value(ins[3])
     if begin is None or strides is None or np.any(np.asarray(strides) != 1):
         return False
-    masks = {k: node.attr[k].i for k in (
+    masks = {k: node.attr[k].i if k in node.attr else 0 for k in (
         "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
     n = len(begin)
     if masks["shrink_axis_mask"] or masks["new_axis_mask"] != 1 << (n - 1):
