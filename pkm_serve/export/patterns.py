@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import dense, fuse, labels, ragged, sparse
+from pkm_serve.export import dense, einsum, fuse, labels, ragged, sparse
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
 
@@ -65,7 +65,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
         if node.op in ("Sum", "Mean"):
             attempt(node, dense.match_reduce)
         elif node.op == "Einsum":
-            attempt(node, dense.match_einsum)
+            attempt(node, einsum.match_einsum)
         elif node.op in sparse.SPARSE_SEGMENT_COMBINERS:
             attempt(node, sparse.match_sparse_segment)
         elif node.op == "SegmentSum":
