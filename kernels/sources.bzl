@@ -15,7 +15,9 @@ a .cc/.cu under kernels/ or tflite_delegate/ is in no list.
 # ---- the framework-free kernel core: in every production library ----------
 PKM_CORE_SRCS = [
     "kernels/core/bag_problem.cc",
+    "kernels/core/backward.cc",
     "kernels/core/embedding_bag.cc",
+    "kernels/core/forward.cc",
     "kernels/core/vector_ops.cc",
 ]
 

@@ -20,7 +20,11 @@ import tensorflow as tf
 
 from pkm_serve import _xla
 
-COMBINERS = ("sum", "mean", "sqrtn")
+WEIGHTED_COMBINERS = ("sum", "mean", "sqrtn")  # the combiners that take weights
+COMBINERS = WEIGHTED_COMBINERS + ("max",)
+# The core's message (kernels/core/embedding_bag.h, kMaxWithWeightsError), word for word.
+MAX_WITH_WEIGHTS_ERROR = ("combiner 'max' takes no weights (as torch's embedding_bag mode='max' refuses "
+                          "per_sample_weights): pass weights=None")
 TABLE_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 INDEX_DTYPES = (tf.int32, tf.int64)
 
@@ -89,9 +93,11 @@ def _register_at_import():
 _register_at_import()
 
 
-def _check_combiner(combiner):
+def _check_combiner(combiner, weights=None):
     if combiner not in COMBINERS:
         raise ValueError(f"combiner must be one of {COMBINERS}, got {combiner!r}")
+    if combiner == "max" and weights is not None:
+        raise ValueError(MAX_WITH_WEIGHTS_ERROR)
 
 
 def _as_table(params):
@@ -141,8 +147,11 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None, spar
         An index >= N raises ``InvalidArgumentError``.
       weights: per-index weights shaped like ``indices`` (same ragged
         partition), or None for all ones. Cast to ``params``' dtype.
-      combiner: ``"sum"``, ``"mean"`` (divide by the sum of weights) or
-        ``"sqrtn"`` (divide by sqrt of the sum of squared weights).
+      combiner: ``"sum"``, ``"mean"`` (divide by the sum of weights),
+        ``"sqrtn"`` (divide by sqrt of the sum of squared weights) or ``"max"``
+        (torch's ``mode="max"``: elementwise max over the bag's valid rows, 0
+        for an empty bag; ``weights`` must be None; the gradient goes to the
+        row holding each maximum, ties to the first).
       sparse_gradient: if True, the gradient w.r.t. ``params`` is a
         ``tf.IndexedSlices`` of the distinct rows touched (at most
         ``min(N, number of indices)`` rows) instead of a dense ``[N, D]``
@@ -154,7 +163,7 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None, spar
       ``indices`` of ragged rank 1 a dense ``[B, D]`` tensor; for deeper ragged
       indices a RaggedTensor with the outer partitions of ``indices``.
     """
-    _check_combiner(combiner)
+    _check_combiner(combiner, weights)
     if is_sharded(params):
         return sharded_embedding_bag(params, indices, weights, combiner, name, sparse_gradient)
     lib = load_library()
@@ -392,7 +401,9 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
     valid entries, so mean/sqrtn equal the unsharded op. Gradients reach each
     shard (row-sparse with ``sparse_gradient=True``).
     """
-    _check_combiner(combiner)
+    _check_combiner(combiner, weights)
+    if combiner == "max":
+        raise ValueError("combiner 'max' over a sharded table is not supported: pass one [N, D] table")
     shards = _table_shards(params)
     with tf.name_scope(name or "sharded_embedding_bag"):
         if isinstance(indices, tf.RaggedTensor):
@@ -457,7 +468,7 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=
     gather's gradient is an ``IndexedSlices`` either way (one row per index,
     not row-unique).
     """
-    _check_combiner(combiner)
+    _check_combiner(combiner, weights)
     with tf.name_scope(name or "embedding_bag_composite"):
         params = _as_table(params)
         if isinstance(indices, tf.RaggedTensor):
@@ -469,8 +480,19 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=
         w = tf.ones(tf.shape(indices), tf.float32) if weights is None else tf.cast(weights, tf.float32)
         w = tf.where(valid, w, tf.zeros_like(w))
         rows = tf.gather(params, tf.where(valid, indices, tf.zeros_like(indices)))
+        if combiner == "max":
+            return tf.cast(_masked_max(tf.cast(rows, tf.float32), valid, axis=-2), params.dtype)
         summed = tf.reduce_sum(tf.cast(rows, tf.float32) * w[..., None], axis=-2)
         return tf.cast(_combine(summed, w, combiner, axis=-1), params.dtype)
+
+
+def _masked_max(rows, valid, axis):
+    """reduce_max over the bag axis of the valid rows only; 0 for an empty bag.
+    (reduce_max's gradient splits ties evenly; the fused op gives them to the
+    first position.)"""
+    masked = tf.where(valid[..., None], rows, tf.fill(tf.shape(rows), float("-inf")))
+    any_valid = tf.reduce_any(valid, axis=axis + 1 if axis < 0 else axis)[..., None]
+    return tf.where(any_valid, tf.reduce_max(masked, axis=axis), tf.zeros([], rows.dtype))
 
 
 def _combine(summed, w, combiner, axis):
@@ -494,6 +516,13 @@ def _ragged_composite(params, indices, weights, combiner):
     rows = tf.cast(tf.gather(params, tf.where(valid, values, tf.zeros_like(values))), tf.float32)
     seg = inner.value_rowids()
     nrows = inner.nrows()
+    if combiner == "max":
+        # Padding goes to a segment past the last bag (dropped); empty bags get 0.
+        seg_valid = tf.where(valid, seg, tf.fill(tf.shape(seg), nrows))
+        maxed = tf.math.unsorted_segment_max(rows, seg_valid, nrows + 1)[:-1]
+        counts = tf.math.unsorted_segment_sum(tf.cast(valid, tf.int32), seg, nrows)
+        out = tf.cast(tf.where((counts > 0)[:, None], maxed, tf.zeros_like(maxed)), params.dtype)
+        return out if len(splits) == 1 else tf.RaggedTensor.from_nested_row_splits(out, splits[:-1], validate=False)
     summed = tf.math.unsorted_segment_sum(rows * w[:, None], seg, nrows)
     w_sum = tf.math.unsorted_segment_sum(w, seg, nrows)
     w_sq = tf.math.unsorted_segment_sum(w * w, seg, nrows)

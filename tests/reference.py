@@ -4,7 +4,9 @@ float64 throughout and loops over bags, so it shares nothing with the kernels
 (float32 accumulation, vector code) or with TF's composite. Semantics as in
 DESIGN.md "The op": a negative index is padding (adds nothing, not counted by
 mean/sqrtn); sum = sum w*x, mean = sum(w*x)/sum(w), sqrtn = sum(w*x)/sqrt(sum w^2);
-a zero denominator gives 0.
+a zero denominator gives 0; max = elementwise max over the valid rows (0 for an
+empty bag, no weights), its gradient to the row holding each maximum, ties to
+the first position.
 """
 
 import numpy as np
@@ -17,6 +19,8 @@ def combine_bag(table, ids, weights=None, combiner="sum"):
     w = np.ones(ids.shape) if weights is None else np.asarray(weights, np.float64).reshape(-1)
     keep = ids >= 0
     ids, w = ids[keep], w[keep]
+    if combiner == "max":
+        return table[ids].max(axis=0) if len(ids) else np.zeros(table.shape[1])
     total = np.zeros(table.shape[1])
     for index, weight in zip(ids, w):
         total += weight * table[index]
@@ -118,6 +122,15 @@ def bag_forward_backward(table, bags, weights, combiner, grad):
     for b, bag in enumerate(bags):
         ws = np.ones(len(bag)) if weights is None else np.asarray(weights[b], np.float64)
         valid = [j for j, i in enumerate(bag) if i >= 0]
+        if combiner == "max":
+            d_weights.append(np.zeros(len(bag)))
+            if valid:
+                rows = table[[bag[j] for j in valid]]
+                first_max = rows.argmax(axis=0)  # numpy's argmax: the first of equal maxima
+                out[b] = rows[first_max, np.arange(table.shape[1])]
+                for col, k in enumerate(first_max):
+                    d_table[bag[valid[k]], col] += grad[b, col]
+            continue
         s = sum((ws[j] * table[bag[j]] for j in valid), np.zeros(table.shape[1]))
         w_sum = sum(ws[j] for j in valid)
         w_sq = sum(ws[j] ** 2 for j in valid)

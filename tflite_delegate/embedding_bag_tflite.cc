@@ -272,6 +272,11 @@ TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* s
       BindIds(c, spec, &bound->bags, &idims, &num_indices) != kTfLiteOk ||
       BindWeights(c, spec, idims, num_indices, &bound->bags) != kTfLiteOk)
     return kTfLiteError;
+  const Status combiner_ok = CheckCombiner(spec.combiner, bound->bags.weights != nullptr);  // max: no weights
+  if (!combiner_ok.ok) {
+    context->ReportError(context, "%s: %s", spec.what, combiner_ok.message.c_str());
+    return kTfLiteError;
+  }
   // Stock GATHER fails on any index outside [0, N) while the op treats
   // negatives as padding: a fused chain must fail where the stock one does.
   if (spec.composite) bound->bags.index_policy = IndexPolicy::kNoPadding;
@@ -336,7 +341,7 @@ bool ParseOpOptions(const void* data, size_t size, OpOptions* options, std::stri
       return false;
     }
     if (!ParseCombiner(e->string_value, &options->combiner)) {
-      *error = "custom_options 'combiner' must be 'sum', 'mean' or 'sqrtn', got '" +
+      *error = "custom_options 'combiner' must be 'sum', 'mean', 'sqrtn' or 'max', got '" +
                e->string_value + "'";
       return false;
     }

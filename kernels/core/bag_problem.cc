@@ -12,7 +12,7 @@ static_assert(static_cast<int>(ElemType::kFloat32) == PKM_FLOAT32 && static_cast
                   static_cast<int>(ElemType::kBFloat16) == PKM_BFLOAT16 && static_cast<int>(ElemType::kInt8) == PKM_INT8,
               "pkm::ElemType must equal the PKM_* element types");
 static_assert(static_cast<int>(Combiner::kSum) == PKM_SUM && static_cast<int>(Combiner::kMean) == PKM_MEAN &&
-                  static_cast<int>(Combiner::kSqrtn) == PKM_SQRTN,
+                  static_cast<int>(Combiner::kSqrtn) == PKM_SQRTN && static_cast<int>(Combiner::kMax) == PKM_MAX,
               "pkm::Combiner must equal the PKM_* combiners");
 static_assert(static_cast<int>(IndexPolicy::kNegativeIsPadding) == PKM_NEGATIVE_IS_PADDING &&
                   static_cast<int>(IndexPolicy::kNoPadding) == PKM_NO_PADDING &&
@@ -23,8 +23,8 @@ Status FromBagProblem(const PkmBags& in, Table* table, Bags* bags, Combiner* com
   auto float_type = [](int32_t t) { return t == PKM_FLOAT32 || t == PKM_FLOAT16 || t == PKM_BFLOAT16; };
   if (!float_type(in.elem_type) || (in.weights != nullptr && !float_type(in.weights_type)))
     return Status::Error("elem_type and weights_type must be 0 (float32), 1 (float16) or 2 (bfloat16)");
-  if (in.combiner < PKM_SUM || in.combiner > PKM_SQRTN)
-    return Status::Error("combiner must be 0 (sum), 1 (mean) or 2 (sqrtn), got " + std::to_string(in.combiner));
+  Status s = CheckCombiner(static_cast<Combiner>(in.combiner), in.weights != nullptr);
+  if (!s.ok) return s;
   if (in.index_policy < PKM_NEGATIVE_IS_PADDING || in.index_policy > PKM_OUT_OF_RANGE_IS_PADDING)
     return Status::Error("index_policy must be 0 (negative is padding), 1 (no padding) or 2 (out of range is "
                          "padding), got " + std::to_string(in.index_policy));

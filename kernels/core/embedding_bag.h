@@ -12,6 +12,10 @@
 //  - index >= num_rows is an error (reported before anything is written);
 //  - combiner sum: sum w*x; mean: sum(w*x)/sum(w); sqrtn: sum(w*x)/sqrt(sum w^2);
 //    a zero denominator (empty bag, all padding, weights summing to 0) gives 0;
+//  - combiner max (torch's mode="max"): elementwise max over the bag's valid
+//    rows, 0 for an empty bag; weights are refused (CheckCombiner); the
+//    gradient goes to the row holding each maximum, ties to the first
+//    (lowest bag position);
 //  - accumulation is float32 for every element type.
 #ifndef PKM_KERNELS_CORE_EMBEDDING_BAG_H_
 #define PKM_KERNELS_CORE_EMBEDDING_BAG_H_
@@ -26,7 +30,7 @@
 namespace pkm {
 
 // The values come from the C descriptor (bag_problem.h), defined there once.
-enum class Combiner : int { kSum = PKM_SUM, kMean = PKM_MEAN, kSqrtn = PKM_SQRTN };
+enum class Combiner : int { kSum = PKM_SUM, kMean = PKM_MEAN, kSqrtn = PKM_SQRTN, kMax = PKM_MAX };
 
 // Storage type of a table, of weights, of outputs. Half types are raw 16-bit
 // patterns (IEEE binary16 / bfloat16); kInt8 is only valid for tables and
@@ -38,7 +42,7 @@ enum class ElemType : int {
   kInt8 = PKM_INT8,
 };
 
-// Parses "sum" | "mean" | "sqrtn"; returns false for anything else.
+// Parses "sum" | "mean" | "sqrtn" | "max"; returns false for anything else.
 bool ParseCombiner(const std::string& name, Combiner* out);
 const char* CombinerName(Combiner c);
 int64_t ElemSize(ElemType t);
@@ -58,6 +62,16 @@ struct Status {
   static Status Ok() { return Status(); }
   static Status Error(std::string msg) { return Status{false, std::move(msg)}; }
 };
+
+// The one rule on a combiner and weights, for every runtime (Forward,
+// Backward, SparseBackward and FromBagProblem call it; the TF/XLA shape rules
+// and the TFLite kernel call it before anything runs): the combiner is one of
+// the four, and max takes no weights (as torch refuses per_sample_weights with
+// mode="max"). Python (pkm_serve/ops.py) raises ValueError with the same text.
+inline constexpr char kMaxWithWeightsError[] =
+    "combiner 'max' takes no weights (as torch's embedding_bag mode='max' refuses per_sample_weights): "
+    "pass weights=None";
+Status CheckCombiner(Combiner combiner, bool has_weights);
 
 // The table: [num_rows, dim] row-major.
 struct Table {

@@ -127,9 +127,9 @@ void RandomCase(std::mt19937_64& rng, int case_id) {
   const ElemType table_type = float_types[rng() % 4];
   const bool quantised = table_type == ElemType::kInt8;
   const ElemType value_type = quantised ? ElemType::kFloat32 : table_type;  // weights/out/grad
-  const pkm::Combiner combiner = static_cast<pkm::Combiner>(rng() % 3);
+  const pkm::Combiner combiner = static_cast<pkm::Combiner>(rng() % 4);
   const bool ragged = rng() % 3 == 0, idx64 = rng() % 2, splits64 = rng() % 2;
-  const bool weighted = rng() % 4 != 0;
+  const bool weighted = rng() % 4 != 0 && combiner != pkm::Combiner::kMax;  // max takes no weights
   const bool large_table = rng() % 8 == 0;  // exercises the comparison-sort backward
   const int64_t num_rows = large_table ? (int64_t{1} << 20) + 5000 + rng() % 100 : 1 + rng() % 300;
   const int64_t dim = 1 + rng() % 70, num_bags = rng() % 40, bag_size = rng() % 12;
@@ -209,6 +209,44 @@ void RandomCase(std::mt19937_64& rng, int case_id) {
   }
 }
 
+// max: ties go to the first bag position (rows 1 and 2 are equal), padding
+// and empty bags, and weights refused with the one core message everywhere.
+void MaxCases() {
+  const float sentinel = -12345.f;
+  std::vector<float> table_buf = {1, -5, 3, 2, 7, -1, 2, 7, -1, -4, -4, -4};  // 4 rows x 3
+  pkm::Table table{table_buf.data(), pkm::ElemType::kFloat32, 4, 3};
+  std::vector<int32_t> idx = {2, 1, 0, -1, -1, -1, 3, -1, 3};  // 3 bags of 3
+  pkm::Bags bags;
+  bags.indices = idx.data();
+  bags.num_bags = 3;
+  bags.bag_size = 3;
+  std::vector<float> out(9, sentinel);
+  auto s = pkm::Forward(table, bags, pkm::Combiner::kMax, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
+  const std::vector<float> expect_out = {2, 7, 3, 0, 0, 0, -4, -4, -4};
+  EXPECT(s.ok && out == expect_out, "max forward: %s", s.message.c_str());
+  std::vector<float> grad = {1, 2, 3, 4, 5, 6, 7, 8, 9}, d_table(12, sentinel);
+  s = pkm::Backward(table, bags, pkm::Combiner::kMax, grad.data(), pkm::ElemType::kFloat32, d_table.data(),
+                    pkm::ElemType::kFloat32, nullptr, TwoThreads());
+  // Bag 0: column 0 and 1 tie between rows 2 (position 0) and 1: row 2 wins;
+  // column 2 is row 0's. Bag 2: row 3 twice: the first position takes it all.
+  const std::vector<float> expect_dt = {0, 0, 3, 0, 0, 0, 1, 2, 0, 7, 8, 9};
+  EXPECT(s.ok && d_table == expect_dt, "max backward (ties to the first): %s", s.message.c_str());
+  std::vector<float> w(9, 1.f);
+  bags.weights = w.data();
+  s = pkm::Forward(table, bags, pkm::Combiner::kMax, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
+  EXPECT(!s.ok && s.message == pkm::kMaxWithWeightsError, "max with weights (forward): %s", s.message.c_str());
+  s = pkm::Backward(table, bags, pkm::Combiner::kMax, grad.data(), pkm::ElemType::kFloat32, d_table.data(),
+                    pkm::ElemType::kFloat32, nullptr, pkm::SerialFor());
+  EXPECT(!s.ok && s.message == pkm::kMaxWithWeightsError, "max with weights (backward): %s", s.message.c_str());
+  PkmBags problem = pkm::ToBagProblem(table, bags, pkm::Combiner::kMax);
+  pkm::Combiner parsed;
+  s = pkm::FromBagProblem(problem, &table, &bags, &parsed);
+  EXPECT(!s.ok && s.message == pkm::kMaxWithWeightsError, "max with weights (C descriptor): %s", s.message.c_str());
+  problem.combiner = 4;
+  s = pkm::FromBagProblem(problem, &table, &bags, &parsed);
+  EXPECT(!s.ok && s.message.find("got 4") != std::string::npos, "bad combiner value: %s", s.message.c_str());
+}
+
 void ErrorCases() {
   std::vector<float> table_buf(10 * 4, 1.f);
   const float sentinel = -12345.f;
@@ -278,7 +316,10 @@ void ErrorCases() {
   EXPECT(!s.ok && s.message.find("unknown index policy 7") != std::string::npos, "bad policy: %s", s.message.c_str());
 
   pkm::Combiner c;
-  EXPECT(!pkm::ParseCombiner("max", &c) && pkm::ParseCombiner("sqrtn", &c) && c == pkm::Combiner::kSqrtn, "combiner parse");
+  EXPECT(!pkm::ParseCombiner("min", &c) && pkm::ParseCombiner("sqrtn", &c) && c == pkm::Combiner::kSqrtn &&
+             pkm::ParseCombiner("max", &c) && c == pkm::Combiner::kMax && std::string(pkm::CombinerName(c)) == "max",
+         "combiner parse");
+  MaxCases();
 
   std::vector<int8_t> q(40, 1);
   pkm::Table qt{q.data(), pkm::ElemType::kInt8, 10, 4};

@@ -32,10 +32,11 @@ inline void StoreElem(void* base, ElemType type, int64_t i, float v) {
   }
 }
 
-// Type and shape checks common to forward and backward.
-Status CheckTypes(const Table& t, const Bags& bags, ElemType out_type, bool for_gradient);
+// Type, shape and combiner checks common to forward and backward
+// (CheckCombiner included: max refuses weights).
+Status CheckTypes(const Table& t, const Bags& bags, Combiner combiner, ElemType out_type, bool for_gradient);
 
-// 1, 1/sum(w) or 1/sqrt(sum w^2); 0 where the denominator is 0.
+// 1, 1/sum(w) or 1/sqrt(sum w^2); 0 where the denominator is 0; 1 for max.
 float CombinerScale(Combiner c, float weight_sum, float weight_sq_sum);
 
 }  // namespace internal

@@ -46,8 +46,9 @@ struct BagList {
   int64_t total = 0;  // entries including padding
 };
 
-Status ListBags(const Table& t, const Bags& b, BagList* out) {
+Status ListBags(const Table& t, const Bags& b, Combiner c, BagList* out) {
   if (b.num_bags < 0 || b.bag_size < 0) return Status::Error("bag shape must be non-negative");
+  if (c == Combiner::kMax && b.weights != nullptr) return Status::Error("max takes no weights");
   if (t.type == ElemType::kInt8 && t.row_scales == nullptr) return Status::Error("int8 table needs per-row scales");
   out->entries.assign(b.num_bags, {});
   int64_t total = b.num_bags * b.bag_size;
@@ -83,10 +84,26 @@ float Weight(const Bags& b, int64_t j) { return b.weights ? ReadFloat(b.weights,
 
 int64_t Row(const Bags& b, int64_t j) { return ReadInteger(b.indices, b.indices_int64, j); }
 
-// One bag's combined output (float32) and its denominator.
+// max: for each column, the entry holding the bag's maximum (the first one
+// on ties), or -1 for an empty bag.
+std::vector<int64_t> MaxEntries(const Table& t, const Bags& b, const std::vector<int64_t>& entries) {
+  std::vector<int64_t> argmax(t.dim, -1);
+  for (int64_t d = 0; d < t.dim; ++d)
+    for (int64_t j : entries)
+      if (argmax[d] < 0 || TableAt(t, Row(b, j), d) > TableAt(t, Row(b, argmax[d]), d)) argmax[d] = j;
+  return argmax;
+}
+
+// One bag's combined output (float32) and its denominator (1 for max).
 void BagOutput(const Table& t, const Bags& b, Combiner c, const std::vector<int64_t>& entries,
                std::vector<float>* out, float* denom) {
   out->assign(t.dim, 0.f);
+  if (c == Combiner::kMax) {
+    const std::vector<int64_t> argmax = MaxEntries(t, b, entries);
+    for (int64_t d = 0; d < t.dim; ++d) (*out)[d] = argmax[d] < 0 ? 0.f : TableAt(t, Row(b, argmax[d]), d);
+    *denom = 1.f;
+    return;
+  }
   float ws = 0.f, wq = 0.f;
   for (int64_t j : entries) {
     const float w = Weight(b, j);
@@ -103,7 +120,7 @@ void BagOutput(const Table& t, const Bags& b, Combiner c, const std::vector<int6
 Status ReferenceForward(const Table& table, const Bags& bags, Combiner combiner, void* out,
                         ElemType out_type) {
   BagList list;
-  Status s = ListBags(table, bags, &list);
+  Status s = ListBags(table, bags, combiner, &list);
   if (!s.ok) return s;
   std::vector<float> row;
   for (int64_t b = 0; b < bags.num_bags; ++b) {
@@ -119,7 +136,7 @@ Status ReferenceBackward(const Table& table, const Bags& bags, Combiner combiner
                          ElemType d_table_type, void* d_weights) {
   if (table.type == ElemType::kInt8) return Status::Error("no gradient for int8 tables");
   BagList list;
-  Status s = ListBags(table, bags, &list);
+  Status s = ListBags(table, bags, combiner, &list);
   if (!s.ok) return s;
   const int64_t dim = table.dim;
   std::vector<float> d_table_f(d_table ? table.num_rows * dim : 0, 0.f);
@@ -129,6 +146,13 @@ Status ReferenceBackward(const Table& table, const Bags& bags, Combiner combiner
     float denom;
     BagOutput(table, bags, combiner, list.entries[b], &out, &denom);
     if (denom == 0.f) continue;  // the output is constant 0: zero gradients
+    if (combiner == Combiner::kMax) {  // each column's gradient to its maximum's row
+      const std::vector<int64_t> argmax = MaxEntries(table, bags, list.entries[b]);
+      for (int64_t d = 0; d < dim; ++d)
+        if (d_table && argmax[d] >= 0)
+          d_table_f[Row(bags, argmax[d]) * dim + d] += ReadFloat(grad_out, grad_type, b * dim + d);
+      continue;
+    }
     // out = sum_k w_k x_k / denom(w):
     //   d out / d x_k = w_k / denom
     //   d out / d w_k = (x_k - out * d denom / d w_k) / denom,

@@ -13,6 +13,27 @@
 namespace pkm {
 namespace vec {
 
+namespace {
+
+// The header's BFloat16ToFloat / FloatToBFloat16 again, always_inline: GCC
+// does not inline a default-target function into an arch= clone, and an
+// out-of-line call per element keeps the loop scalar.
+__attribute__((always_inline)) inline float Bf16ToF32(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+__attribute__((always_inline)) inline uint16_t F32ToBf16(float f) {
+  uint32_t x;
+  __builtin_memcpy(&x, &f, sizeof(x));
+  const bool is_nan = (x & 0x7fffffffu) > 0x7f800000u;
+  const uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(is_nan ? ((x >> 16) | 0x40u) : rounded);
+}
+
+}  // namespace
+
 PKM_MULTIVERSION
 void AxpyF32(float a, const float* __restrict row, float* __restrict acc, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += a * row[i];
@@ -34,7 +55,7 @@ void AxpyF16(float a, const uint16_t* row, float* acc, int64_t n) {
 
 PKM_MULTIVERSION
 void AxpyBF16(float a, const uint16_t* __restrict row, float* __restrict acc, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += a * BFloat16ToFloat(row[i]);
+  for (int64_t i = 0; i < n; ++i) acc[i] += a * Bf16ToF32(row[i]);
 }
 
 PKM_MULTIVERSION
@@ -47,31 +68,32 @@ void AxpyI8(float a, const int8_t* __restrict q, int32_t zero_point, float* __re
 namespace {
 
 // Element loaders: the row-group kernels below are one template, inlined into
-// each CPU-specific clone.
+// each CPU-specific clone (always_inline, for the reason above: without it the
+// bf16 forward was a scalar call per element, no faster than fp32).
 struct LoadF32 {
   using Elem = float;
-  static inline float Get(const float* p, int64_t i) { return p[i]; }
+  __attribute__((always_inline)) static inline float Get(const float* p, int64_t i) { return p[i]; }
 };
 struct LoadBF16 {
   using Elem = uint16_t;
-  static inline float Get(const uint16_t* p, int64_t i) { return BFloat16ToFloat(p[i]); }
+  __attribute__((always_inline)) static inline float Get(const uint16_t* p, int64_t i) { return Bf16ToF32(p[i]); }
 };
 #if defined(PKM_HAS_COMPILER_HALF)
 struct LoadF16 {
   using Elem = uint16_t;
-  static inline float Get(const uint16_t* p, int64_t i) {
+  __attribute__((always_inline)) static inline float Get(const uint16_t* p, int64_t i) {
     return static_cast<float>(reinterpret_cast<const CompilerHalf*>(p)[i]);
   }
 };
 #else
 struct LoadF16 {
   using Elem = uint16_t;
-  static inline float Get(const uint16_t* p, int64_t i) { return HalfToFloat(p[i]); }
+  __attribute__((always_inline)) static inline float Get(const uint16_t* p, int64_t i) { return HalfToFloat(p[i]); }
 };
 #endif
 struct LoadI8 {
   using Elem = int8_t;
-  static inline float Get(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
+  __attribute__((always_inline)) static inline float Get(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
 };
 
 template <typename L>
@@ -170,7 +192,7 @@ static void F16ToFloat(const uint16_t* __restrict src, float* __restrict dst, in
 
 PKM_MULTIVERSION
 static void BF16ToFloatN(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = BFloat16ToFloat(src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = Bf16ToF32(src[i]);
 }
 
 void ToFloat(const void* src, ElemType type, float* dst, int64_t n) {
@@ -207,7 +229,7 @@ static void ScaleToF16(const float* __restrict src, float scale, uint16_t* __res
 
 PKM_MULTIVERSION
 static void ScaleToBF16(const float* __restrict src, float scale, uint16_t* __restrict dst, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = FloatToBFloat16(scale * src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = F32ToBf16(scale * src[i]);
 }
 
 void FromFloat(const float* src, float scale, ElemType type, void* dst, int64_t n) {
@@ -255,6 +277,83 @@ float Dot(const float* __restrict x, const float* __restrict y, int64_t n) {
   float total = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
   for (; i < n; ++i) total += x[i] * y[i];
   return total;
+}
+
+}  // namespace vec
+}  // namespace pkm
+
+namespace pkm {
+namespace vec {
+
+void PrefetchRow(const Table& t, int64_t row) {
+  const int64_t row_bytes = t.dim * ElemSize(t.type);
+  const char* p = static_cast<const char*>(t.data) + row * row_bytes;
+  for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+namespace {
+
+template <typename L>
+__attribute__((always_inline)) inline void MaxImpl(const typename L::Elem* __restrict row, float scale, float bias,
+                                                    float* __restrict acc, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = scale * (L::Get(row, i) - bias);
+    acc[i] = v > acc[i] ? v : acc[i];
+  }
+}
+
+PKM_MULTIVERSION
+void MaxF32(const float* row, float* acc, int64_t n) { MaxImpl<LoadF32>(row, 1.f, 0.f, acc, n); }
+PKM_MULTIVERSION
+void MaxF16(const uint16_t* row, float* acc, int64_t n) { MaxImpl<LoadF16>(row, 1.f, 0.f, acc, n); }
+PKM_MULTIVERSION
+void MaxBF16(const uint16_t* row, float* acc, int64_t n) { MaxImpl<LoadBF16>(row, 1.f, 0.f, acc, n); }
+PKM_MULTIVERSION
+void MaxI8(const int8_t* row, float scale, float bias, float* acc, int64_t n) {
+  MaxImpl<LoadI8>(row, scale, bias, acc, n);
+}
+
+}  // namespace
+
+void MaxRow(const Table& t, int64_t r, float* acc) {
+  const int64_t off = r * t.dim;
+  switch (t.type) {
+    case ElemType::kFloat32: MaxF32(static_cast<const float*>(t.data) + off, acc, t.dim); break;
+    case ElemType::kFloat16: MaxF16(static_cast<const uint16_t*>(t.data) + off, acc, t.dim); break;
+    case ElemType::kBFloat16: MaxBF16(static_cast<const uint16_t*>(t.data) + off, acc, t.dim); break;
+    case ElemType::kInt8:
+      MaxI8(static_cast<const int8_t*>(t.data) + off, t.row_scales[r],
+            t.row_zero_points ? static_cast<float>(t.row_zero_points[r]) : 0.f, acc, t.dim);
+      break;
+  }
+}
+
+void RowToFloat(const Table& t, int64_t r, float* dst) {
+  const int64_t off = r * t.dim;
+  if (t.type != ElemType::kInt8) {
+    ToFloat(static_cast<const char*>(t.data) + off * ElemSize(t.type), t.type, dst, t.dim);
+    return;
+  }
+  const int8_t* q = static_cast<const int8_t*>(t.data) + off;
+  const float scale = t.row_scales[r];
+  const float bias = t.row_zero_points ? static_cast<float>(t.row_zero_points[r]) : 0.f;
+  for (int64_t i = 0; i < t.dim; ++i) dst[i] = scale * (static_cast<float>(q[i]) - bias);
+}
+
+PKM_MULTIVERSION
+void MaxArgRow(const float* __restrict row, int32_t k, float* __restrict best, int32_t* __restrict winner,
+               int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const bool larger = row[i] > best[i];
+    best[i] = larger ? row[i] : best[i];
+    winner[i] = larger ? k : winner[i];
+  }
+}
+
+PKM_MULTIVERSION
+void AddWhereWinner(const float* __restrict g, const int32_t* __restrict winner, int32_t k, float* __restrict acc,
+                    int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += winner[i] == k ? g[i] : 0.f;
 }
 
 }  // namespace vec

@@ -43,6 +43,21 @@ void AxpyRow(const Table& table, int64_t row_index, float a, float* acc);
 constexpr int kRowGroup = 8;
 void AxpyRowGroup(const Table& table, const int64_t* rows, const float* a, float* acc);
 
+// Prefetches every cache line of table row `row` (a hint: no fault, no
+// effect on results).
+void PrefetchRow(const Table& table, int64_t row);
+
+// acc[i] = table[row, i] if it is strictly greater than acc[i] (dequantised
+// for int8): the max combiner's running maximum, NaN never replacing a value.
+void MaxRow(const Table& table, int64_t row, float* acc);
+// dst[i] = table[row, i] as float32 (dequantised for int8).
+void RowToFloat(const Table& table, int64_t row, float* dst);
+
+// The max combiner's backward. MaxArgRow: where row[i] > best[i], best[i] =
+// row[i] and winner[i] = k. AddWhereWinner: acc[i] += g[i] where winner[i] == k.
+void MaxArgRow(const float* row, int32_t k, float* best, int32_t* winner, int64_t n);
+void AddWhereWinner(const float* g, const int32_t* winner, int32_t k, float* acc, int64_t n);
+
 // dst[i] = float(src[i]) for a float storage type.
 void ToFloat(const void* src, ElemType type, float* dst, int64_t n);
 // dst[i] = scale * src[i] converted to a float storage type.

@@ -25,7 +25,7 @@ inline ::tensorflow::Status ReadAttrs(::tensorflow::OpKernelConstruction* ctx, b
   std::string combiner;
   TF_RETURN_IF_ERROR(ctx->GetAttr("combiner", &combiner));
   if (!pkm::ParseCombiner(combiner, &attrs->combiner))
-    return ::tensorflow::errors::InvalidArgument("combiner must be one of sum, mean, sqrtn; got '",
+    return ::tensorflow::errors::InvalidArgument("combiner must be one of sum, mean, sqrtn, max; got '",
                                                  combiner, "'");
   TF_RETURN_IF_ERROR(ctx->GetAttr("has_weights", &attrs->has_weights));
   attrs->ragged = ragged;
@@ -62,6 +62,8 @@ inline ::tensorflow::Status CheckShapes(const OpAttrs& attrs, const ::tensorflow
                                         const ::tensorflow::TensorShape& weights,
                                         ::tensorflow::TensorShape* out_shape) {
   using ::tensorflow::errors::InvalidArgument;
+  const pkm::Status combiner_ok = pkm::CheckCombiner(attrs.combiner, attrs.has_weights);
+  if (!combiner_ok.ok) return InvalidArgument(combiner_ok.message);
   if (params.dims() != 2)
     return InvalidArgument("params must be a [N, D] matrix, got shape ", params.DebugString());
   if (attrs.ragged ? indices.dims() != 1 : indices.dims() < 1)

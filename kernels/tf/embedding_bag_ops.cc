@@ -55,7 +55,7 @@ Status GradShape(InferenceContext* c, int params_input, int weights_input) {
 #define PKM_COMMON_ATTRS                                     \
   Attr("T: {float, half, bfloat16}")                         \
       .Attr("Tindices: {int32, int64}")                      \
-      .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")    \
+      .Attr("combiner: {'sum', 'mean', 'sqrtn', 'max'} = 'sum'")    \
       .Attr("has_weights: bool = true")
 
 REGISTER_OP("PkmEmbeddingBag")
@@ -69,7 +69,9 @@ REGISTER_OP("PkmEmbeddingBag")
 Fused gather + weighted reduce: output[..., :] = combine_k weights[..., k] * params[indices[..., k], :].
 params: [N, D] table. indices: [..., K]; negative entries are padding (skipped and not counted).
 weights: same shape as indices; must be empty (e.g. shape [0]) when has_weights is false.
-combiner: sum, mean (divide by sum of weights) or sqrtn (divide by sqrt of sum of squared weights).
+combiner: sum, mean (divide by sum of weights), sqrtn (divide by sqrt of sum of squared weights) or
+max (elementwise max over the bag's valid rows, 0 for an empty bag; no weights; gradient to the row
+holding each maximum, ties to the first).
 output: [..., D]. Accumulates in float32; never materialises the [..., K, D] gather.
 )doc");
 
@@ -134,7 +136,7 @@ Status SparseGradShape(InferenceContext* c, int params_input, int weights_input)
 #define PKM_SPARSE_GRAD_ATTRS                                \
   Attr("T: {float, half, bfloat16}")                         \
       .Attr("Tindices: {int32, int64}")                      \
-      .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")    \
+      .Attr("combiner: {'sum', 'mean', 'sqrtn', 'max'} = 'sum'")    \
       .Attr("has_weights: bool = true")
 
 REGISTER_OP("PkmEmbeddingBagSparseGrad")
@@ -181,7 +183,7 @@ namespace pkm_tf {
 #define PKM_RESOURCE_ATTRS                                   \
   Attr("dtype: {float, half, bfloat16}")                     \
       .Attr("Tindices: {int32, int64}")                      \
-      .Attr("combiner: {'sum', 'mean', 'sqrtn'} = 'sum'")    \
+      .Attr("combiner: {'sum', 'mean', 'sqrtn', 'max'} = 'sum'")    \
       .Attr("has_weights: bool = true")
 
 REGISTER_OP("PkmResourceEmbeddingBag")

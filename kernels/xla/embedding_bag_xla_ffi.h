@@ -33,10 +33,12 @@ inline bool IsIndexType(ffi::DataType t) { return t == ffi::DataType::S32 || t =
 inline ffi::Error ToCoreArgs(const ffi::AnyBuffer& params, const ffi::AnyBuffer& indices,
                              const ffi::AnyBuffer* splits, const ffi::AnyBuffer& weights, int32_t combiner,
                              int32_t has_weights, pkm::Table* table, pkm::Bags* bags, pkm::Combiner* comb) {
-  // The attribute carries pkm::Combiner's value, i.e. PKM_SUM..PKM_SQRTN (bag_problem.h).
-  if (combiner < PKM_SUM || combiner > PKM_SQRTN)
+  // The attribute carries pkm::Combiner's value, i.e. PKM_SUM..PKM_MAX (bag_problem.h).
+  if (combiner < PKM_SUM || combiner > PKM_MAX)
     return ffi::Error::InvalidArgument("PkmEmbeddingBag: bad combiner attribute");
   *comb = static_cast<pkm::Combiner>(combiner);
+  if (const pkm::Status s = pkm::CheckCombiner(*comb, has_weights != 0); !s.ok)
+    return ffi::Error::InvalidArgument(s.message);
   const auto pdims = params.dimensions();
   if (pdims.size() != 2) return ffi::Error::InvalidArgument("PkmEmbeddingBag: params must be [N, D]");
   if (!ToElemType(params.element_type(), &table->type) || !IsIndexType(indices.element_type()))

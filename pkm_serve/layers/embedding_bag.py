@@ -4,7 +4,7 @@ import tensorflow as tf
 
 from pkm_serve.layers._lookup import check_tensorflow_backend, lookup_supports_jit, resolve_lookup
 
-COMBINERS = ("sum", "mean", "sqrtn")
+COMBINERS = ("sum", "mean", "sqrtn", "max")
 
 
 @keras.saving.register_keras_serializable(package="pkm_serve")
@@ -18,7 +18,8 @@ class EmbeddingBag(keras.layers.Layer):
     Args:
         input_dim: number of table rows (largest index + 1).
         output_dim: width of each row and of the output.
-        combiner: "sum", "mean" (sum(w*x)/sum(w)) or "sqrtn" (sum(w*x)/sqrt(sum(w^2))).
+        combiner: "sum", "mean" (sum(w*x)/sum(w)), "sqrtn" (sum(w*x)/sqrt(sum(w^2))) or "max"
+            (elementwise max over the bag, weights None; as torch's mode="max").
         embeddings_initializer / embeddings_regularizer / embeddings_constraint:
             as in `keras.layers.Embedding`.
         implementation: "fused" (the custom op) or "composite" (stock TF ops).

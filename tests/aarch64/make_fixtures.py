@@ -110,8 +110,8 @@ def main():
         "bad_rank3_table": (set_tensor(0, "shape", lambda s: [N // 4, 4, D]), "params must be rank 2"),
         "bad_garbage_options": (set_op("customOptions", np.frombuffer(b"\x07\xff\x00\x13junk", np.uint8)),
                                 "malformed flexbuffer"),
-        "bad_unknown_combiner": (set_op("customOptions", options({"combiner": "max"})),
-                                 "'combiner' must be 'sum', 'mean' or 'sqrtn', got 'max'"),
+        "bad_unknown_combiner": (set_op("customOptions", options({"combiner": "min"})),
+                                 "'combiner' must be 'sum', 'mean', 'sqrtn' or 'max', got 'min'"),
     }
     for name, (mutate, _) in malformed.items():
         models[name] = rewrite(base, mutate)

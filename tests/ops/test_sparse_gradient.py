@@ -30,7 +30,7 @@ def grads(fn, table, weights, d_out):
     return tape.gradient(out, [table, weights], output_gradients=tf.cast(d_out, out.dtype))
 
 
-CASES = list(itertools.product(DTYPES, ("int32", "int64"), ops.COMBINERS, (True, False), ("dense", "ragged")))
+CASES = list(itertools.product(DTYPES, ("int32", "int64"), ops.WEIGHTED_COMBINERS, (True, False), ("dense", "ragged")))
 
 
 @pytest.mark.parametrize("dtype_name,index_dtype,combiner,weighted,layout", CASES)
@@ -124,7 +124,7 @@ def test_sparse_grad_op_rejects_bad_inputs():
 # ---- sharded tables ------------------------------------------------------------
 
 @pytest.mark.parametrize("combiner,weighted,layout", list(itertools.product(
-    ops.COMBINERS, (True, False), ("dense", "ragged", "rank3"))))
+    ops.WEIGHTED_COMBINERS, (True, False), ("dense", "ragged", "rank3"))))
 def test_sharded_table_equals_unsharded(combiner, weighted, layout):
     rng = np.random.default_rng(abs(hash((combiner, weighted, layout))) % 2**32)
     n, d = 50, 6
@@ -181,7 +181,7 @@ def test_sharded_variable_and_errors():
     np.testing.assert_allclose(ops.embedding_bag([[1.0, 2.0], [3.0, 4.0]], [[0, 1]]).numpy(), [[4.0, 6.0]])
 
 
-@pytest.mark.parametrize("combiner,dtype_name", list(itertools.product(ops.COMBINERS, DTYPES)))
+@pytest.mark.parametrize("combiner,dtype_name", list(itertools.product(ops.WEIGHTED_COMBINERS, DTYPES)))
 def test_variable_table_reads_in_kernel_and_matches_tensor_path(combiner, dtype_name):
     # A variable under a tape goes through PkmResourceEmbeddingBag (no dense
     # read, which copies the table once the variable has had a sparse update).

@@ -55,7 +55,7 @@ def random_bags(rng, lead_shape):
 @pytest.mark.parametrize("rank", [1, 2, 3])
 @pytest.mark.parametrize("with_weights", [True, False])
 @pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
-@pytest.mark.parametrize("combiner", ops.COMBINERS)
+@pytest.mark.parametrize("combiner", ops.WEIGHTED_COMBINERS)
 def test_jit_matches_reference_and_op_outside_xla(combiner, dtype_name, with_weights, rank):
     rng = np.random.default_rng([rank, with_weights, len(combiner), len(dtype_name)])
     dtype = DTYPES[dtype_name]
@@ -83,7 +83,7 @@ def test_jit_matches_reference_and_op_outside_xla(combiner, dtype_name, with_wei
 
 
 @pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("combiner", ops.COMBINERS)
+@pytest.mark.parametrize("combiner", ops.WEIGHTED_COMBINERS)
 def test_jit_ragged_matches_reference(combiner, dtype_name):
     rng = np.random.default_rng(len(combiner) * 7 + len(dtype_name))
     dtype = DTYPES[dtype_name]
