@@ -97,6 +97,7 @@ include serving/cc_check.mk
 include bench/scale.mk
 include packaging.mk
 include bench/serving.mk
+include tests/export/models.mk
 
 # ---- entry points -----------------------------------------------------------
 build: $(STAMP) $(BUILD_TARGETS)

@@ -10,7 +10,8 @@ requests, and record peak RSS growth and latency. Writes
 bench/results/export_memory.{json,md}.
 
     .venv/bin/python bench/export_memory.py [--batch 4096 --bag 128 --dim 512 --rows 65536]
-        [--models weighted,masked] [--machine "2-core ... VM"]
+        [--models weighted,masked,tf_keras_masked,keras_rs] [--machine "2-core ... VM"]
+        [--name export_memory]
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def status(key):
                 return int(line.split()[1]) * 1024
 
 def inputs(rng, n):
-    if kind == "weighted":
+    if kind in ("weighted", "keras_rs"):
         return {"idx": rng.integers(0, rows, (n, bag)).astype(np.int32),
                 "w": rng.uniform(size=(n, bag)).astype(np.float32)}
     # Text: 1..bag real ids per row, then 0 padding (the mask).
@@ -66,6 +67,9 @@ print(json.dumps({"rss_before": rss_before, "peak_rss": peak,
 MODELS = {
     "weighted": "tf.gather(table, idx) * w[..., None] -> reduce_sum(axis=1)",
     "masked": "Keras Embedding(mask_zero=True) -> GlobalAveragePooling1D (masked mean)",
+    "tf_keras_masked": "tf_keras Embedding(mask_zero=True) -> GlobalAveragePooling1D "
+                       "(masked mean; tf.saved_model.save)",
+    "keras_rs": "keras-rs EmbedReduce(combiner='mean') with weights (weighted mean)",
 }
 
 
@@ -74,6 +78,24 @@ def build_model(path: str, kind: str, rows: int, bag: int, dim: int) -> None:
     import tensorflow as tf
 
     table = np.random.default_rng(1).normal(size=(rows, dim)).astype(np.float32)
+    if kind == "tf_keras_masked":
+        import tf_keras
+        emb = tf_keras.layers.Embedding(rows, dim, mask_zero=True)
+        model = tf_keras.Sequential([tf_keras.Input((bag,), dtype="int32", name="ids"), emb,
+                                     tf_keras.layers.GlobalAveragePooling1D()])
+        emb.embeddings.assign(table)
+        tf.saved_model.save(model, path)
+        return
+    if kind == "keras_rs":
+        import keras
+        import keras_rs
+        idx = keras.Input(shape=(bag,), dtype="int32", name="idx")
+        w = keras.Input(shape=(bag,), dtype="float32", name="w")
+        layer = keras_rs.layers.EmbedReduce(rows, dim, combiner="mean")
+        model = keras.Model([idx, w], layer(idx, w))
+        layer.embeddings.assign(table)
+        model.export(path, format="tf_saved_model", verbose=False)
+        return
     if kind == "masked":
         import keras
         ids = keras.Input(shape=(bag,), dtype="int32", name="ids")
@@ -142,6 +164,7 @@ def main(argv=None) -> int:
     p.add_argument("--machine", default=machine_name(),
                    help="machine description written into the results")
     p.add_argument("--out", default=RESULTS)
+    p.add_argument("--name", default="export_memory", help="results file stem")
     args = p.parse_args(argv)
     sys.path.insert(0, ROOT)
     from pkm_serve import ops
@@ -191,7 +214,7 @@ def main(argv=None) -> int:
                      f" latency composite/fused {m['latency_ratio_composite_over_fused']:.2f}x, "
                      f"outputs agree: {m['outputs_match_checksum']}, {m['sites_fused']} site(s) "
                      f"fused, export took {m['export_seconds']:.1f} s.")
-    write_results("export_memory", report, "\n".join(lines), out_dir=args.out)
+    write_results(args.name, report, "\n".join(lines) + "\n", out_dir=args.out)
     print("\n".join(lines))
     return 0 if all(m["outputs_match_checksum"] for m in models.values()) else 1
 

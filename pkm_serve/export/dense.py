@@ -2,7 +2,7 @@
 
   GatherV2/ResourceGather [-> Cast] [-> Mul by w[..., None]] [-> tf.where(mask, rows, 0)]
       -> Sum / Mean over axis -2          (the steps above in any order, each at most once)
-  GatherV2/ResourceGather -> Einsum('...k,...kd->...d' and equivalents)
+  (the einsum spelling is in einsum.py)
 
 Keras writes these too: `Embedding` is a gather, `mask_zero=True` +
 `GlobalAveragePooling1D` is `where(mask, rows, 0)` summed and divided by the
@@ -41,7 +41,7 @@ def resolve_gather(fg: FunctionGraph, ref: Ref) -> Gather:
         raise NotASite()
     nodes.append(node.name)
     ins = fg.inputs(node)
-    if node.attr["batch_dims"].i != 0:
+    if "batch_dims" in node.attr and node.attr["batch_dims"].i != 0:
         raise NotASite()
     if node.op == "ResourceGather":
         params, indices, is_resource = ins[0], ins[1], True
@@ -91,31 +91,77 @@ def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
 
 
 def strip_trailing_unit_axis(fg: FunctionGraph, ref: Ref, what: str = "multiplier"
-                             ) -> Tuple[Ref, List[str]]:
-    """w[..., None] / w[:, :, None] / expand_dims(w, -1) / reshape(w, shape+[1])
-    -> (w, nodes)."""
+                             ) -> Tuple[Ref, List[str], bool]:
+    """A per-index multiplier (or mask) broadcast to the rows' shape ->
+    (per-index tensor, nodes, squeeze). w[..., None], w[:, :, None],
+    expand_dims(w, -1) and reshape(w, shape + [1]) give w itself; any other
+    tensor of shape [..., K, 1] (a re-gathered or cast expansion) is per-index
+    too, and `squeeze` says the op must drop its last axis. A Tile or
+    BroadcastTo of such a tensor onto the rows' width is looked through."""
+    nodes: List[str] = []
+    ref = _through_width_broadcast(fg, ref, nodes)
     node = fg.producer(ref)
     out_shape = fg.shape(ref)
     reason = f"{what} is not per-index (broadcast on the last axis of the rows)"
-    if node is None or out_shape.rank is None or out_shape.rank == 0 or \
-            out_shape[-1] != 1:
+    if out_shape.rank is None or out_shape.rank == 0 or out_shape[-1] != 1:
         raise Skip(reason)
+    if node is not None:
+        ins = fg.inputs(node)
+        if node.op == "ExpandDims":
+            axis = fg.const_value(ins[1])
+            if axis is not None and int(axis) in (-1, out_shape.rank - 1):
+                return ins[0], nodes + [node.name], False
+        elif node.op == "StridedSlice" and _appends_unit_axis(fg, node, ins):
+            return ins[0], nodes + [node.name], False
+        elif node.op == "Reshape":
+            in_shape = fg.shape(ins[0])
+            # [n] -> [n, 1] is exact whatever n is; higher ranks only when every
+            # dim is known (a reshape could otherwise also permute the leading dims).
+            if (in_shape.rank == 1 and out_shape.rank == 2) or (
+                    out_shape.is_fully_defined() and
+                    same_dims(in_shape.concatenate([1]), out_shape)):
+                return ins[0], nodes + [node.name], False
+    return ref, nodes, True
+
+
+def _through_width_broadcast(fg: FunctionGraph, ref: Ref, nodes: List[str]) -> Ref:
+    """Tile(x, [1, .., 1, D]) / BroadcastTo(x, [..., D]) of an x whose last
+    axis is 1 and rank is the same -> x (the broadcast is what Mul does anyway)."""
+    node = fg.producer(ref)
+    while node is not None and node.op in ("Tile", "BroadcastTo", "Identity"):
+        x = fg.inputs(node)[0]
+        x_shape, out_shape = fg.shape(x), fg.shape(ref)
+        if node.op != "Identity":
+            if x_shape.rank is None or x_shape.rank != out_shape.rank or x_shape[-1] != 1:
+                return ref
+            if node.op == "Tile":
+                multiples = fg.const_value(fg.inputs(node)[1])
+                if multiples is None or np.any(np.asarray(multiples)[:-1] != 1):
+                    return ref
+        nodes.append(node.name)
+        ref, node = x, fg.producer(x)
+    return ref
+
+
+def is_ones(fg: FunctionGraph, ref: Ref, depth: int = 6) -> bool:
+    """True if `ref` is all ones whatever the input: a constant, OnesLike,
+    Fill(shape, 1), or any of those expanded, cast, reshaped or re-gathered."""
+    node = fg.producer(ref)
+    if node is None or depth == 0:
+        return False
+    value = fg.const_value(ref)
+    if value is not None:
+        return value.size > 0 and bool(np.all(value == 1))
     ins = fg.inputs(node)
-    if node.op == "ExpandDims":
-        axis = fg.const_value(ins[1])
-        if axis is not None and int(axis) in (-1, out_shape.rank - 1):
-            return ins[0], [node.name]
-    elif node.op == "StridedSlice" and _appends_unit_axis(fg, node, ins):
-        return ins[0], [node.name]
-    elif node.op == "Reshape":
-        in_shape = fg.shape(ins[0])
-        # [n] -> [n, 1] is exact whatever n is; higher ranks only when every dim
-        # is known (a reshape could otherwise also permute the leading dims).
-        if (in_shape.rank == 1 and out_shape.rank == 2) or (
-                out_shape.is_fully_defined() and
-                same_dims(in_shape.concatenate([1]), out_shape)):
-            return ins[0], [node.name]
-    raise Skip(reason)
+    if node.op == "OnesLike":
+        return True
+    if node.op == "Fill":
+        fill = fg.const_value(ins[1])
+        return fill is not None and bool(np.all(fill == 1))
+    if node.op in ("ExpandDims", "Reshape", "Cast", "Identity", "Tile", "BroadcastTo",
+                   "Squeeze", "GatherV2", "StridedSlice"):
+        return is_ones(fg, ins[0], depth - 1)
+    return False
 
 
 def _appends_unit_axis(fg: FunctionGraph, node, ins) -> bool:
@@ -124,7 +170,7 @@ def _appends_unit_axis(fg: FunctionGraph, node, ins) -> bool:
     begin, strides = fg.const_value(ins[1]), fg.const_value(ins[3])
     if begin is None or strides is None or np.any(np.asarray(strides) != 1):
         return False
-    masks = {k: node.attr[k].i for k in (
+    masks = {k: node.attr[k].i if k in node.attr else 0 for k in (
         "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
     n = len(begin)
     if masks["shrink_axis_mask"] or masks["new_axis_mask"] != 1 << (n - 1):
@@ -151,6 +197,10 @@ class Rows:
         self.mask: Optional[Ref] = None
         self.mask_keeps_true = True
         self.cast_enum = 0
+        self.weights_squeeze = self.mask_squeeze = False
+        self.ones: Optional[Ref] = None  # a multiplier that is all ones
+        self.regathers: List[Ref] = []  # GatherV2(rows, perm) steps, outermost first
+        self.as_gathered: List[Ref] = []  # refs below the last re-gather (rows as gathered)
         self.nodes: List[str] = []      # steps between gather and reduction
         self.private: List[Ref] = []    # their outputs: only the site may read them
         self.itemsizes: List[int] = []  # one per [..., K, D] tensor they build
@@ -166,7 +216,8 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
         if node is None:
             raise NotASite()
         ins = fg.inputs(node)
-        if node.op in GATHER_OPS:
+        rows.as_gathered.append(ref)
+        if node.op in GATHER_OPS and not _is_regather(fg, node, ins):
             rows.gather = resolve_gather(fg, ref)
             rows.private.append(rows.gather.output)
             rows.private.extend(Ref(n, 0) for n in rows.gather.nodes[:-1])
@@ -177,7 +228,12 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
             rows.private.append(ref)
             ref = ins[0]
             continue
-        if node.op == "Cast" and not rows.cast_enum:
+        if node.op == "GatherV2":
+            # rows[perm] = table[ids[perm]]: ragged broadcasting re-gathers the rows.
+            rows.regathers.append(ins[1])
+            rows.as_gathered = []
+            step_input = ins[0]
+        elif node.op == "Cast" and not rows.cast_enum:
             if node.attr["DstT"].type not in TABLE_DTYPES or not leads_to_gather(fg, ins[0]):
                 raise NotASite()
             # Walking down, the first cast met is the outermost: its dtype is
@@ -185,7 +241,7 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
             rows.cast_enum = node.attr["DstT"].type
             site.cast_to = dtype_name(rows.cast_enum)
             step_input = ins[0]
-        elif node.op == "Mul" and rows.weights is None:
+        elif node.op == "Mul" and rows.weights is None and rows.ones is None:
             step_input = _resolve_weights(fg, ins, rows, site)
         elif node.op == "SelectV2" and rows.mask is None:
             step_input = _resolve_mask(fg, ins, rows, site)
@@ -197,20 +253,32 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
         ref = step_input
 
 
+def _is_regather(fg: FunctionGraph, node, ins: List[Ref]) -> bool:
+    """GatherV2(rows, perm, axis 0) of rows that are themselves gathered."""
+    if node.op != "GatherV2" or ("batch_dims" in node.attr and node.attr["batch_dims"].i):
+        return False
+    axis = fg.const_value(ins[2])
+    return axis is not None and int(axis) == 0 and leads_to_gather(fg, ins[0])
+
+
 def _resolve_weights(fg: FunctionGraph, ins: List[Ref], rows: Rows, site: Site) -> Ref:
     """Mul(rows, w[..., None]): returns the rows side; records w."""
     problem = None
     for rows_ref, w_ref in ((ins[0], ins[1]), (ins[1], ins[0])):
         if not leads_to_gather(fg, rows_ref):
             continue
-        site.weighted = True
         try:
-            weights, strip_nodes = strip_trailing_unit_axis(fg, w_ref)
+            weights, strip_nodes, squeeze = strip_trailing_unit_axis(fg, w_ref)
         except Skip as e:
+            site.weighted = True
             problem = e
             continue
-        rows.weights = weights
         rows.nodes.extend(strip_nodes)
+        if is_ones(fg, weights):  # a multiply by ones (keras-rs, ragged ones_like)
+            rows.ones = weights
+            return rows_ref
+        site.weighted = True
+        rows.weights, rows.weights_squeeze = weights, squeeze
         return rows_ref
     if problem is not None:
         raise problem
@@ -230,7 +298,7 @@ def _resolve_mask(fg: FunctionGraph, ins: List[Ref], rows: Rows, site: Site) -> 
     site.masked = True
     if not _is_zero(fg, fill):
         raise Skip("tf.where fills masked rows with something other than a constant 0")
-    mask, strip_nodes = strip_trailing_unit_axis(fg, cond, what="mask")
+    mask, strip_nodes, rows.mask_squeeze = strip_trailing_unit_axis(fg, cond, what="mask")
     rows.mask, rows.mask_keeps_true = mask, keeps_true
     rows.nodes.extend(strip_nodes)
     return rows_ref
@@ -251,31 +319,53 @@ def fill_from_gather(site: Site, gathered: Gather, fg: FunctionGraph) -> None:
         raise Skip(f"index dtype {dtype_name(gathered.index_dtype)} is not int32/int64")
 
 
-def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:
-    """Sum/Mean over the bag axis of (cast, weighted, masked) gathered rows."""
-    site.combiner = "sum" if node.op == "Sum" else "mean"
-    x, axis_ref = fg.inputs(node)
-    rows = resolve_rows(fg, x, site)
+def _per_index_shape(fg: FunctionGraph, ref: Ref, squeeze: bool):
+    shape = fg.shape(ref)
+    return shape[:-1] if squeeze and shape.rank else shape
+
+
+def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) -> None:
+    """Fills `site` from the resolved rows: table, ids (re-gathered as the rows
+    were), per-index weights and mask (shapes checked against the ids), the
+    cast, the nodes the site owns; then checks that only the site reads them."""
     gathered = rows.gather
     fill_from_gather(site, gathered, fg)
+    ids_shape = fg.shape(rows.regathers[0]) if rows.regathers else fg.shape(gathered.indices)
+    site.regathers = tuple(rows.regathers)
+    site.gather_refs = tuple(rows.as_gathered) + (gathered.output,) + tuple(
+        Ref(n, 0) for n in gathered.nodes)
     if rows.weights is not None:
-        if not same_dims(fg.shape(rows.weights), fg.shape(gathered.indices)):
-            raise Skip("weights shape %s does not match indices shape %s" % (
-                fg.shape(rows.weights), fg.shape(gathered.indices)))
-        site.weights = rows.weights
+        w_shape = _per_index_shape(fg, rows.weights, rows.weights_squeeze)
+        if not same_dims(w_shape, ids_shape):
+            raise Skip("multiplier is not per-index: weights shape %s does not match "
+                       "indices shape %s" % (w_shape, ids_shape))
+        site.weights, site.weights_squeeze = rows.weights, rows.weights_squeeze
     if rows.mask is not None:
-        if not same_dims(fg.shape(rows.mask), fg.shape(gathered.indices)):
-            raise Skip("mask shape %s does not match indices shape %s" % (
-                fg.shape(rows.mask), fg.shape(gathered.indices)))
+        m_shape = _per_index_shape(fg, rows.mask, rows.mask_squeeze)
+        if not same_dims(m_shape, ids_shape):
+            raise Skip("mask is not per-index: mask shape %s does not match indices shape "
+                       "%s" % (m_shape, ids_shape))
         site.mask, site.mask_keeps_true = rows.mask, rows.mask_keeps_true
+        site.mask_squeeze = rows.mask_squeeze
     site.cast_enum = rows.cast_enum if rows.cast_enum != gathered.dtype else 0
     site.internal = tuple(rows.nodes + gathered.nodes)
     site.intermediate_itemsizes = tuple(rows.itemsizes)
-    check_private(fg, [x] + rows.private, set(site.internal) | {node.name})
+    check_private(fg, [data] + rows.private, set(site.internal) | {root}, site)
+
+
+def _not_over_features(fg: FunctionGraph, x: Ref, axis_ref: Ref) -> None:
+    """A reduction over the feature axis alone (a row norm, a LayerNorm) is no bag."""
+    rank, axes = fg.shape(x).rank, fg.const_value(axis_ref)
+    if rank is not None and rank >= 2 and axes is not None and np.size(axes) == 1 and \
+            int(np.reshape(axes, [])) % rank == rank - 1:
+        raise NotASite()
+
+
+def _check_bag_axis(fg: FunctionGraph, node, x: Ref, axis_ref: Ref) -> None:
     rank = fg.shape(x).rank
     if rank is None:
         raise Skip("rank of the gathered tensor is unknown")
-    if node.attr["keep_dims"].b:
+    if "keep_dims" in node.attr and node.attr["keep_dims"].b:
         raise Skip("reduction keeps dims (keepdims=True)")
     axes = fg.const_value(axis_ref)
     if axes is None or np.size(axes) != 1:
@@ -283,6 +373,50 @@ def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:
     if int(np.reshape(axes, [])) % rank != rank - 2:
         raise Skip(f"reduction axis {int(np.reshape(axes, []))} is not the bag axis "
                    f"(-2) of a rank-{rank} gather")
+
+
+def max_combiner_available() -> bool:
+    """Whether the loaded op library's PkmEmbeddingBag takes combiner='max'."""
+    from tensorflow.python.framework import op_def_registry
+    from pkm_serve.export.sites import DENSE_OP
+    op_def = op_def_registry.get(DENSE_OP)
+    if op_def is None:
+        return False
+    combiner = [a for a in op_def.attr if a.name == "combiner"]
+    return bool(combiner) and b"max" in combiner[0].allowed_values.list.s
+
+
+def match_reduce_max(fg: FunctionGraph, node, site: Site) -> Site:
+    """reduce_max over the bag axis of gathered rows: combiner 'max'."""
+    site.combiner = "max"
+    x, axis_ref = fg.inputs(node)
+    _not_over_features(fg, x, axis_ref)
+    rows = resolve_rows(fg, x, site)
+    if rows.regathers:
+        raise Skip("the gathered rows are re-gathered before a dense reduction")
+    apply_rows(fg, site, rows, node.name, x)
+    _check_bag_axis(fg, node, x, axis_ref)
+    if site.weights is not None:
+        raise Skip("reduce_max of weighted rows: the op's max combiner takes no weights")
+    if site.mask is not None:
+        raise Skip("reduce_max of masked rows: tf.where puts 0 rows in the max, the op's "
+                   "padding would leave them out")
+    if not max_combiner_available():
+        raise Skip("reduce_max bag: this build's PkmEmbeddingBag has no 'max' combiner "
+                   "(it takes sum, mean, sqrtn)")
+    return site
+
+
+def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:
+    """Sum/Mean over the bag axis of (cast, weighted, masked) gathered rows."""
+    site.combiner = "sum" if node.op == "Sum" else "mean"
+    x, axis_ref = fg.inputs(node)
+    _not_over_features(fg, x, axis_ref)
+    rows = resolve_rows(fg, x, site)
+    if rows.regathers:
+        raise Skip("the gathered rows are re-gathered before a dense reduction")
+    apply_rows(fg, site, rows, node.name, x)
+    _check_bag_axis(fg, node, x, axis_ref)
     if node.op == "Mean" and (site.weights is not None or site.mask is not None):
         # mean over K of w*x is the sum with weights w / K: fused as the sum,
         # then divided by K exactly as Mean does.
@@ -291,60 +425,6 @@ def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:
             raise Skip("weighted or masked reduce_mean over a bag of unknown size K "
                        "(it divides by K, which the graph does not fix)")
         site.combiner, site.divisor = "sum", int(bag_size)
-    return site
-
-
-def _einsum_labels(term: str) -> List[str]:
-    labels, i = [], 0
-    while i < len(term):
-        if term.startswith("...", i):
-            labels.append("...")
-            i += 3
-        else:
-            labels.append(term[i])
-            i += 1
-    return labels
-
-
-def match_einsum(fg: FunctionGraph, node, site: Site) -> Site:
-    equation = node.attr["equation"].s.decode().replace(" ", "")
-    ins = fg.inputs(node)
-    if "->" not in equation or len(ins) not in (1, 2):
-        raise NotASite()
-    lhs, out = equation.split("->")
-    terms = lhs.split(",")
-    for g_pos in range(len(ins)):
-        try:
-            gathered = resolve_gather(fg, ins[g_pos])
-            break
-        except NotASite:
-            continue
-    else:
-        raise NotASite()
-    fill_from_gather(site, gathered, fg)
-    g_labels = _einsum_labels(terms[g_pos])
-    out_labels = _einsum_labels(out)
-    reason = f"einsum '{equation}' is not a weighted sum over the bag axis"
-    site.weighted = len(ins) == 2
-    if len(g_labels) < 2 or len(set(g_labels)) != len(g_labels):
-        raise Skip(reason)
-    bag, dim = g_labels[-2], g_labels[-1]
-    if "..." in (bag, dim) or out_labels != g_labels[:-2] + [dim]:
-        raise Skip(reason)
-    if "..." not in g_labels and fg.shape(ins[g_pos]).rank not in (None, len(g_labels)):
-        raise Skip(reason)
-    if len(ins) == 2:
-        w_ref = ins[1 - g_pos]
-        if _einsum_labels(terms[1 - g_pos]) != g_labels[:-1]:
-            raise Skip(reason)
-        if not same_dims(fg.shape(w_ref), fg.shape(gathered.indices)):
-            raise Skip("weights shape %s does not match indices shape %s" % (
-                fg.shape(w_ref), fg.shape(gathered.indices)))
-        site.weights = w_ref
-    site.internal = tuple(gathered.nodes)
-    site.intermediate_itemsizes = (itemsize(gathered.dtype),)
-    private = [gathered.output] + [Ref(n, 0) for n in gathered.nodes[:-1]]
-    check_private(fg, private, set(site.internal) | {node.name})
     return site
 
 

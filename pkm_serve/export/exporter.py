@@ -31,7 +31,7 @@ __all__ = ["ExportError", "ExportResult", "build_parser", "export_saved_model",
            "format_report", "main", "read_saved_model", "verify_signatures"]
 
 # Version of the --report JSON layout (bumped when a key changes).
-REPORT_SCHEMA_VERSION = 2
+REPORT_SCHEMA_VERSION = 3
 
 
 @dataclasses.dataclass
@@ -45,6 +45,7 @@ class ExportResult:
     tflite: Optional[dict] = None
     quantization: Optional[dict] = None   # --quantize-table int8 (export/quantize.py)
     message: str = ""
+    feeds: Dict[str, dict] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def fused(self) -> List[Site]:
@@ -171,7 +172,8 @@ def _load_op_library():
 def verify_signatures(src: str, fused_dir: str, signatures: Sequence[str],
                       index_limit: int, samples: Optional[Dict[str, np.ndarray]],
                       batch_size: int, progress: Progress, rtol: Optional[float] = None,
-                      precision: Optional[str] = None) -> List[dict]:
+                      precision: Optional[str] = None,
+                      feeds: Optional[dict] = None) -> List[dict]:
     """Runs every signature of the original and the fused model on the same
     inputs; raises VerificationError past tolerance. `precision` (a dtype
     name) widens the tolerance where a fused site computes in half precision."""
@@ -187,13 +189,13 @@ def verify_signatures(src: str, fused_dir: str, signatures: Sequence[str],
             raise V.VerificationError(f"the fused SavedModel does not load: {e}") from None
         for name in signatures:
             rows.extend(_verify_one(original, fused, name, index_limit, samples,
-                                    batch_size, rtol, precision))
+                                    batch_size, rtol, precision, (feeds or {}).get(name)))
             phase.advance()
     return rows
 
 
 def _verify_one(original, fused, name: str, index_limit: int, samples, batch_size: int,
-                rtol: Optional[float], precision: Optional[str]) -> List[dict]:
+                rtol: Optional[float], precision: Optional[str], feeds=None) -> List[dict]:
     """Runs one signature of both models on the same inputs and compares."""
     import tensorflow as tf
 
@@ -202,7 +204,7 @@ def _verify_one(original, fused, name: str, index_limit: int, samples, batch_siz
     if samples is not None:
         inputs = V.sample_inputs_for(name, specs, samples)
     else:
-        inputs = V.generate_inputs(specs, index_limit, batch_size)
+        inputs = V.generate_inputs(specs, index_limit, batch_size, feeds=feeds)
     try:
         want = {k: v.numpy() for k, v in fn_orig(**inputs).items()}
     except tf.errors.OpError as e:
@@ -250,6 +252,31 @@ def _read_samples(sample_inputs: Optional[str]) -> Optional[Dict[str, np.ndarray
                           f"{e}") from None
 
 
+# Signature input dtypes verification can generate (DT_* enums of types.proto).
+_GENERATED_DTYPES = {1: "float32", 2: "float64", 3: "int32", 4: "uint8", 5: "int16",
+                     6: "int8", 7: "string", 9: "int64", 10: "bool", 14: "bfloat16",
+                     17: "uint16", 19: "float16", 22: "uint32", 23: "uint64"}
+
+
+def _signature_feeds(proto, chosen: Sequence[str], samples) -> Dict[str, dict]:
+    """{signature: {input: Feed}}; refuses, before anything is written, a
+    signature with an input that can be neither generated nor found in
+    --sample-inputs."""
+    from pkm_serve.export import feeds as F
+    from tensorflow.python.framework import dtypes
+
+    for name in chosen:
+        for key, info in proto.meta_graphs[0].signature_def[name].inputs.items():
+            given = samples is not None and (key in samples or f"{name}/{key}" in samples)
+            if info.dtype not in _GENERATED_DTYPES and not given:
+                raise ExportError(
+                    f"signature {name!r} input {key!r} has dtype "
+                    f"{dtypes.as_dtype(info.dtype).name}, for which no inputs can be "
+                    "generated: pass it in --sample-inputs, or leave the signature out "
+                    "with --signatures")
+    return {name: F.signature_feeds(proto, name) for name in chosen}
+
+
 def _final_dir(dst: str, version: Optional[int]) -> tuple:
     if version is None:
         version = files.next_version(dst)
@@ -295,12 +322,14 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
     proto = read_saved_model(src)
     chosen = _choose_signatures(proto, src, signatures)
     samples = _read_samples(sample_inputs)
+    feeds = _signature_feeds(proto, chosen, samples)
     version, final_dir = _final_dir(dst, version)
 
     _load_op_library()
     sites = fuse_saved_model_proto(proto, batch_size, progress=progress)
     result = ExportResult(src=src, dst=final_dir, version=version, sites=sites,
                           batch_size=batch_size)
+    result.feeds = feeds
     if not result.fused:
         result.message = _no_site_message(sites)
     if quantize_table and not result.fused:
@@ -343,14 +372,16 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
             try:
                 result.verification = verify_signatures(
                     src, tmp_dir, chosen, index_limit, samples, verify_batch_size, progress,
-                    rtol, precision=_lowest_fused_precision(result.sites))
+                    rtol, precision=_lowest_fused_precision(result.sites),
+                    feeds=result.feeds)
             except V.VerificationError as e:
                 raise ExportError(f"verification failed: {e}") from None
         if tflite:
             tmp_tflite, result.tflite = tflite_export.convert_and_verify(
                 tmp_dir, chosen, os.path.abspath(tflite), quantize_table, src,
                 index_limit, samples, verify_batch_size, progress,
-                precision=_lowest_fused_precision(result.sites))
+                precision=_lowest_fused_precision(result.sites), feeds=result.feeds,
+                not_fused=result.skipped)
         if quantize_table:  # after the .tflite, which converts the float graph
             from pkm_serve.export import quantize
             with progress.phase("quantizing tables to int8", total=1, unit="models") as phase:
@@ -395,7 +426,7 @@ def format_report(result: ExportResult) -> str:
                      f"{result.batch_size}" if s.saved_bytes_at_batch else
                      f"{s.bytes_per_index} B per looked-up id" if s.bytes_per_index
                      else "unknown")
-            lines.append(f"  fused    {s.pattern:<24} {s.combiner:<5} "
+            lines.append(f"  fused    {s.pattern:<24} {s.computes:<13} "
                          f"{'weighted' if s.weighted else 'unweighted':<10}"
                          f"{_site_steps(s)} table {s.table} {s.table_shape} {s.dtype}; "
                          f"no longer materialised: {saved}  [{where}]")

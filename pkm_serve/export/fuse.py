@@ -59,6 +59,47 @@ def _cast(fg: FunctionGraph, name: str, ref: Ref, src: int, dst: int, shape) -> 
                                            "Truncate": False}, shapes=[shape])
 
 
+def _squeeze_last(fg: FunctionGraph, name: str, ref: Ref, dtype: int) -> Ref:
+    shape = fg.shape(ref)
+    return fg.add_op(name, "Squeeze", [ref], {"T": DType(dtype), "squeeze_dims":
+                     attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(i=[-1]))},
+                     shapes=[None if shape.rank is None else shape.as_list()[:-1]])
+
+
+def _regathered_ids(fg: FunctionGraph, site: Site) -> Ref:
+    """ids[perm_inner]...[perm_outer]: the ids of rows that were re-gathered."""
+    ids = site.indices
+    for i, perm in enumerate(reversed(site.regathers)):
+        axis = fg.add_const(f"{site.root}/pkm_regather_axis{i}", np.array(0, np.int32))
+        ids = fg.add_op(f"{site.root}/pkm_regathered_ids{i}", "GatherV2", [ids, perm, axis],
+                        {"Tparams": DType(site.index_dtype),
+                         "Tindices": DType(tensor_dtype(fg, perm)), "Taxis": I32,
+                         "batch_dims": 0}, shapes=[fg.shape(perm).as_list()
+                                                   if fg.shape(perm).rank else None])
+    return ids
+
+
+def _rebuild_shape_consumers(fg: FunctionGraph, site: Site, gathered_ids: Ref) -> None:
+    """Shape(rows) == concat(Shape(ids), [D]): rebuilt so the rows can go
+    (from the ids as gathered, or as re-gathered, whichever rows it read)."""
+    width = site.table_shape[1] if site.table_shape else None
+    for name, rows_ref in site.shape_consumers:
+        ids = gathered_ids if rows_ref in site.gather_refs else site.indices
+        node = fg.nodes[name]
+        out_type = node.attr["out_type"].type if "out_type" in node.attr \
+            else types_pb2.DT_INT32
+        if width is None:
+            raise RuntimeError(f"cannot rebuild {name}: the table width is unknown")
+        ids_shape = fg.add_op(name + "/pkm_ids_shape", "Shape", [ids],
+                              {"T": DType(site.index_dtype), "out_type": DType(out_type)},
+                              shapes=[[None]])
+        np_type = dtypes.as_dtype(out_type).as_numpy_dtype
+        fg.replace_node(name, "ConcatV2", [
+            ids_shape, fg.add_const(name + "/pkm_width", np.array([width], np_type)),
+            fg.add_const(name + "/pkm_axis", np.array(0, np.int32))],
+            {"N": 2, "T": DType(out_type), "Tidx": I32})
+
+
 def _masked_indices(fg: FunctionGraph, site: Site) -> Ref:
     """tf.where(mask, rows, 0) == the bag of where(mask, ids, -1): masked
     entries become padding, which the op skips (and mean does not count)."""
@@ -66,8 +107,11 @@ def _masked_indices(fg: FunctionGraph, site: Site) -> Ref:
                        np.array(-1, dtypes.as_dtype(site.index_dtype).as_numpy_dtype))
     then_ref, else_ref = (site.indices, pad) if site.mask_keeps_true else (pad, site.indices)
     shape = fg.shape(site.indices)
+    mask = site.mask
+    if site.mask_squeeze:
+        mask = _squeeze_last(fg, site.root + "/pkm_mask_squeezed", mask, types_pb2.DT_BOOL)
     return fg.add_op(site.root + "/pkm_masked_ids", "SelectV2",
-                     [site.mask, then_ref, else_ref], {"T": DType(site.index_dtype)},
+                     [mask, then_ref, else_ref], {"T": DType(site.index_dtype)},
                      shapes=[None if shape.rank is None else shape.as_list()])
 
 
@@ -75,10 +119,17 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
     """Replaces the site's root with the fused op (graph left for remove_dead)."""
     control = _site_control(fg, site)
     params = site.params
+    reads = [n for n in site.internal if fg.nodes[n].op == "ResourceGather"]
     if site.params_is_resource:
+        # The table read takes the gather's place in the chain of stateful ops
+        # (tf.function orders them by control edges): same control inputs, and
+        # what waited for the gather waits for the read. Giving the read every
+        # control input of the site instead could close a cycle.
+        read_control = sorted({c for n in reads for c in fg.control_inputs(fg.nodes[n])} -
+                              set(site.internal))
         params = fg.add_op(site.root + "/pkm_params", "ReadVariableOp", [site.params],
                            {"dtype": DType(site.table_dtype)},
-                           shapes=[site.table_shape], control=control)
+                           shapes=[site.table_shape], control=read_control)
     op, inputs, splits, sorted_check = _bag_inputs(fg, site, params)
     if sorted_check:
         control = sorted(set(control) | {sorted_check})
@@ -99,7 +150,8 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
                 ref = fg.add_op(f"{site.root}/pkm_{step.lower()}", step, step_inputs(ref),
                                 step_attrs, shapes=_root_shape(fg, site))
     for name in site.internal:
-        fg.redirect_control(name, site.root)
+        fg.redirect_control(name, params.node if site.params_is_resource and name in reads
+                            else site.root)
 
 
 def _site_control(fg: FunctionGraph, site: Site) -> List[str]:
@@ -125,9 +177,21 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
             weights = _cast(fg, site.root + "/pkm_weights", weights, w_dtype,
                             site.table_dtype, None if w_shape.rank is None
                             else w_shape.as_list())
+        if site.weights_squeeze:
+            weights = _squeeze_last(fg, site.root + "/pkm_weights_squeezed", weights,
+                                    site.table_dtype)
+    gathered_ids = site.indices
+    site.indices = _regathered_ids(fg, site)
     indices = _masked_indices(fg, site) if site.mask is not None else site.indices
+    _rebuild_shape_consumers(fg, site, gathered_ids)
     if site.segment_ids is None and site.sparse_indices is None:
         return DENSE_OP, [params, indices, weights], None, None
+    if site.row_splits is not None:
+        splits = site.row_splits
+        if tensor_dtype(fg, splits) != types_pb2.DT_INT32:
+            splits = _cast(fg, site.root + "/pkm_row_splits32", splits,
+                           tensor_dtype(fg, splits), types_pb2.DT_INT32, [None])
+        return RAGGED_OP, [params, indices, splits, weights], splits, None
     splits, sorted_check = row_splits(fg, site)
     return RAGGED_OP, [params, indices, splits, weights], splits, sorted_check
 

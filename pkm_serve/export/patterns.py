@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import dense, fuse, sparse
+from pkm_serve.export import dense, einsum, fuse, labels, ragged, sparse
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
 
@@ -21,8 +21,10 @@ DENSE_OP, RAGGED_OP = fuse.DENSE_OP, fuse.RAGGED_OP
 def _pattern_of(node) -> str:
     if node.op == "Einsum":
         return "einsum"
-    if node.op in ("Sum", "Mean"):
+    if node.op in ("Sum", "Mean", "Max"):
         return "gather-reduce"
+    if node.op == "UnsortedSegmentSum":
+        return "ragged-reduce"
     return "embedding_lookup_sparse"
 
 
@@ -39,7 +41,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
         try:
             site = matcher(fg, node, site)
         except NotASite:
-            reason = dense.unrecognised_reason(fg, node) if node.op in ("Sum", "Mean") \
+            reason = dense.unrecognised_reason(fg, node) if node.op in ("Sum", "Mean", "Max") \
                 else None
             if reason is not None:
                 site.reason = reason
@@ -63,12 +65,17 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
         if node.op in ("Sum", "Mean"):
             attempt(node, dense.match_reduce)
         elif node.op == "Einsum":
-            attempt(node, dense.match_einsum)
+            attempt(node, einsum.match_einsum)
         elif node.op in sparse.SPARSE_SEGMENT_COMBINERS:
             attempt(node, sparse.match_sparse_segment)
         elif node.op == "SegmentSum":
             attempt(node, sparse.match_segment_sum)
+        elif node.op == "UnsortedSegmentSum":
+            attempt(node, ragged.match_unsorted_segment_sum)
+        elif node.op == "Max":
+            attempt(node, dense.match_reduce_max)
     for site in sites:
+        site.computes = labels.computes(fg, site)
         if site.status == "fused":
             _bytes(site, batch_size)
     return sites
@@ -81,7 +88,7 @@ def _bytes(site: Site, batch_size: int) -> None:
     if dim is not None:
         site.bytes_per_index = int(sum(sizes)) * dim
     shape = site.gathered_shape
-    if "sparse" in site.pattern or not shape:
+    if "sparse" in site.pattern or "ragged" in site.pattern or not shape:
         return  # the number of ids per batch depends on the input
     elems = [batch_size if (i == 0 and d is None) else d for i, d in enumerate(shape)]
     if all(d is not None for d in elems):

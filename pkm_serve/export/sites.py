@@ -20,7 +20,7 @@ INDEX_DTYPES = (types_pb2.DT_INT32, types_pb2.DT_INT64)
 GATHER_OPS = ("ResourceGather", "GatherV2")
 
 # The keys of Site.to_json(), in report order (pinned by a golden test).
-REPORT_KEYS = ("function", "root", "pattern", "combiner", "weighted", "masked",
+REPORT_KEYS = ("function", "root", "pattern", "combiner", "computes", "weighted", "masked",
                "cast_to", "divisor", "table", "table_shape", "dtype", "gathered_shape",
                "status", "reason", "bytes_per_index", "saved_bytes_at_batch")
 
@@ -41,6 +41,8 @@ class Site:
     pattern: str              # gather-reduce | einsum | embedding_lookup_sparse
                               # | safe_embedding_lookup_sparse
     combiner: str = "sum"
+    computes: str = ""        # what the model computes: sum | mean | sqrtn |
+                              # masked mean | weighted mean | max (labels.py)
     weighted: bool = False
     masked: bool = False
     cast_to: Optional[str] = None
@@ -70,6 +72,12 @@ class Site:
     intermediate_itemsizes: Tuple[int, ...] = ()  # one per [..., K, D] tensor built
     index_dtype: int = 0
     table_dtype: int = 0
+    weights_squeeze: bool = False     # weights are [..., K, 1]: squeezed for the op
+    mask_squeeze: bool = False        # mask likewise
+    regathers: Tuple[Ref, ...] = ()   # rows re-gathered by these (outermost first)
+    row_splits: Optional[Ref] = None  # ragged sites: the bags' row_splits
+    shape_consumers: Tuple[Tuple[str, Ref], ...] = ()  # Shape(rows) nodes to rebuild
+    gather_refs: Tuple[Ref, ...] = ()  # the rows as gathered (before any re-gather)
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in REPORT_KEYS}
@@ -135,12 +143,47 @@ def through_identity(fg: FunctionGraph, ref: Ref, nodes: List[str]) -> Ref:
     return ref
 
 
-def check_private(fg: FunctionGraph, refs: List[Ref], site_nodes: set) -> None:
-    """Each intermediate must be used by the site alone, or fusing saves nothing."""
+def check_private(fg: FunctionGraph, refs: List[Ref], site_nodes: set,
+                  site: Optional[Site] = None) -> None:
+    """Each intermediate must be used by the site alone, or fusing saves nothing.
+    Consumers that read no data do not count: a dead branch (tf_keras'
+    GlobalAveragePooling1D slices the rows only for their dtype) is removed
+    with the site, and a Shape of the rows is rebuilt from the ids' shape."""
     for ref in refs:
         if ref in fg.returned:
             raise Skip(f"intermediate {fg.render(ref)} is also a function output")
         for consumer, _ in fg.consumers(ref):
-            if consumer not in site_nodes:
-                raise Skip(f"gathered tensor {fg.render(ref)} has another consumer "
-                           f"({consumer}); fusing it would not save memory")
+            if consumer in site_nodes:
+                continue
+            if site is not None:
+                dead = dead_branch(fg, consumer)
+                if dead is not None:
+                    site.dead_after += tuple(dead)
+                    continue
+                if fg.nodes[consumer].op == "Shape":
+                    site.shape_consumers += ((consumer, ref),)
+                    continue
+            raise Skip(f"gathered tensor {fg.render(ref)} has another consumer "
+                       f"({consumer}); fusing it would not save memory")
+
+
+def dead_branch(fg: FunctionGraph, name: str, depth: int = 4) -> Optional[List[str]]:
+    """[name and what only it feeds] when none of it reaches an output, a
+    control edge or a stateful op; None otherwise."""
+    node = fg.nodes.get(name)
+    if node is None or depth == 0 or name in fg.control_returned or \
+            fg.control_consumers.get(name) or any(r.node == name for r in fg.returned):
+        return None
+    op_def = op_def_registry.get(node.op)
+    if op_def is None or op_def.is_stateful:
+        return None
+    branch = [name]
+    from pkm_serve.export.graph import output_arg_counts
+    outputs = sum(c for _, c in output_arg_counts(node, fg.library_sigs))
+    for i in range(outputs):
+        for consumer, _ in fg.consumers(Ref(name, i)):
+            below = dead_branch(fg, consumer, depth - 1)
+            if below is None:
+                return None
+            branch.extend(below)
+    return branch

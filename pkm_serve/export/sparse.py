@@ -16,8 +16,8 @@ from typing import List
 
 import numpy as np
 
-from pkm_serve.export.dense import Gather, fill_from_gather, resolve_gather, \
-    strip_trailing_unit_axis
+from pkm_serve.export.dense import Gather, fill_from_gather, leads_to_gather, \
+    resolve_gather, strip_trailing_unit_axis
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import (INDEX_DTYPES, NotASite, Site, Skip, check_private,
                                     dtype_name, itemsize, through_identity)
@@ -54,8 +54,14 @@ def match_sparse_segment(fg: FunctionGraph, node, site: Site) -> Site:
     data, seg_indices, segment_ids = fg.inputs(node)
     nodes: List[str] = []
     data = through_identity(fg, data, nodes)
-    gathered = resolve_gather(fg, data)
     site.combiner = SPARSE_SEGMENT_COMBINERS[node.op]
+    try:
+        gathered = resolve_gather(fg, data)
+    except NotASite:
+        reason = steps_before_segment(fg, data)
+        if reason is None:
+            raise
+        raise Skip(reason) from None
     fill_from_gather(site, gathered, fg)
     unique = fg.producer(seg_indices)
     if unique is None or unique.op != "Unique" or seg_indices.index != 1 or \
@@ -72,6 +78,39 @@ def match_sparse_segment(fg: FunctionGraph, node, site: Site) -> Site:
     private = [gathered.output, data] + [Ref(n, 0) for n in nodes + gathered.nodes]
     check_private(fg, private, set(site.internal) | {node.name})
     return extend_to_safe(fg, site)
+
+
+def _clips_rows(fg: FunctionGraph, node) -> bool:
+    """clip_by_norm(rows, max_norm): rows * max_norm / maximum(norm(rows), max_norm)."""
+    if node.op != "RealDiv":
+        return False
+    num, den = (fg.producer(r) for r in fg.inputs(node))
+    return num is not None and num.op == "Mul" and den is not None and \
+        den.op == "Maximum" and any(leads_to_gather(fg, r) for r in fg.inputs(num))
+
+
+def steps_before_segment(fg: FunctionGraph, data: Ref, depth: int = 4):
+    """Why rows reaching a sparse segment reduction were not taken, if they
+    are gathered table rows a few steps up (None if they are not)."""
+    path, ref = [], data
+    for _ in range(depth):
+        node = fg.producer(ref)
+        if node is None:
+            return None
+        if _clips_rows(fg, node):
+            return ("each gathered row is clipped to max_norm (embedding_lookup_sparse "
+                    "max_norm=, i.e. clip_by_norm) before the reduction: PkmEmbeddingBag "
+                    "has no row-norm clip, so the site stays composite")
+        if node.op in ("ResourceGather", "GatherV2"):
+            steps = " -> ".join(reversed(path)) or "a gather that is not a row gather"
+            return (f"{steps} between the gather and the sparse segment reduction: only "
+                    "the ids' unique-inverse and per-id weights are fused")
+        path.append(node.op)
+        ins = fg.inputs(node)
+        if not ins:
+            return None
+        ref = ins[0]
+    return None
 
 
 def _match_segment_sum(fg: FunctionGraph, node, site: Site, extra: List[str]):
@@ -94,10 +133,11 @@ def _match_segment_sum(fg: FunctionGraph, node, site: Site, extra: List[str]):
     fill_from_gather(site, gathered, fg)
     site.indices = ids
     site.index_dtype = _ids_dtype(fg, ids, gathered)
-    weights, strip_nodes = strip_trailing_unit_axis(fg, w_ref)
-    if fg.shape(weights).rank != 1:
+    weights, strip_nodes, squeeze = strip_trailing_unit_axis(fg, w_ref)
+    if fg.shape(weights).rank != 1 + squeeze:
         raise Skip("sparse weights are not one per id")
     site.weights, site.segment_ids = weights, segment_ids
+    site.weights_squeeze = squeeze
     internal = rows_nodes + [mul.name, node.name] + strip_nodes + extra
     site.internal = tuple(n for n in internal if n != site.root)
     # gathered rows, re-gathered rows (when unique), weighted product

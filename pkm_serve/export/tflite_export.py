@@ -57,7 +57,8 @@ def check_size(saved_model_dir: str) -> int:
     return size
 
 
-def convert(saved_model_dir: str, signatures: Sequence[str]) -> bytes:
+def convert(saved_model_dir: str, signatures: Sequence[str], not_fused: Sequence = ()
+            ) -> bytes:
     import tensorflow as tf
 
     converter = tf.lite.TFLiteConverter.from_saved_model(
@@ -73,7 +74,16 @@ def convert(saved_model_dir: str, signatures: Sequence[str]) -> bytes:
         raise ExportError(
             f"TFLite conversion of signatures {list(signatures)} failed: {detail}"
             f"{' / '.join(lines[:4])} (pick convertible signatures with --signatures)"
-        ) from None
+            + _not_fused_note(not_fused)) from None
+
+
+def _not_fused_note(not_fused: Sequence) -> str:
+    """The skipped sites, whose composite ops stayed in the graph."""
+    if not not_fused:
+        return ""
+    return "; sites left composite: " + "; ".join(
+        f"{s.root} ({s.reason})" for s in not_fused[:4]) + (
+        f" and {len(not_fused) - 4} more" if len(not_fused) > 4 else "")
 
 
 def _model(model: bytes):
@@ -100,8 +110,8 @@ def _tflite_signatures(model: bytes) -> List[str]:
 
 def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
                   index_limit: int, samples: Optional[Dict[str, np.ndarray]],
-                  batch_size: int, quantized: bool, precision: Optional[str] = None
-                  ) -> Tuple[str, List[dict]]:
+                  batch_size: int, quantized: bool, precision: Optional[str] = None,
+                  feeds: Optional[dict] = None) -> Tuple[str, List[dict]]:
     """Runs each signature in the TFLite interpreter with the pkm delegate and
     compares with the exported SavedModel. Returns (status, rows)."""
     import tensorflow as tf
@@ -119,7 +129,8 @@ def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
         fn = loaded.signatures[name]
         specs = V.signature_input_specs(fn)
         inputs = (V.sample_inputs_for(name, specs, samples) if samples is not None
-                  else V.generate_inputs(specs, index_limit, batch_size))
+                  else V.generate_inputs(specs, index_limit, batch_size,
+                                         feeds=(feeds or {}).get(name)))
         want = {k: v.numpy() for k, v in fn(**inputs).items()}
         got = interp.get_signature_runner(name)(**inputs)
         if quantized:
@@ -131,40 +142,43 @@ def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
     return "verified with the pkm delegate", rows
 
 
-def _check_custom_ops(model: bytes) -> List[str]:
+def _check_custom_ops(model: bytes, not_fused: Sequence = ()) -> List[str]:
     found = custom_ops(model)
     unsupported = [op for op in found if op not in SUPPORTED_CUSTOM_OPS]
     if unsupported:
         raise ExportError(f"the .tflite would need custom ops {unsupported} that no TFLite "
                           "runtime here provides (only builtins and "
-                          f"{list(SUPPORTED_CUSTOM_OPS)} run with the pkm delegate)")
+                          f"{list(SUPPORTED_CUSTOM_OPS)} run with the pkm delegate)"
+                          + _not_fused_note(not_fused))
     return found
 
 
 def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str,
                        quantize: Optional[str], src: str, index_limit: int,
                        samples, batch_size: int, progress: Optional[Progress] = None,
-                       precision: Optional[str] = None):
+                       precision: Optional[str] = None, feeds: Optional[dict] = None,
+                       not_fused: Sequence = ()):
     """Writes the .tflite to a temporary file beside out_path (renamed by the
     caller once everything passed). Returns (tmp_path, report dict)."""
     progress = progress or Progress(quiet=True)
     size = check_size(export_dir)
     with progress.phase(f"converting to TFLite ({size / 2**20:.1f} MiB of variables)"):
-        model = convert(export_dir, signatures)
+        model = convert(export_dir, signatures, not_fused)
     if quantize == "int8":
         with progress.phase("quantising tables to per-row int8"):
             try:
                 model = pkm_tflite.quantize_table_int8(model)
             except ValueError as e:
                 raise ExportError(f"--quantize-table int8: {e}") from None
-    found_ops = _check_custom_ops(model)
+    found_ops = _check_custom_ops(model, not_fused)
     if len(model) > FLATBUFFER_LIMIT:
         raise ExportError(f"the .tflite would be {len(model)} bytes, over the 2 GB "
                           "FlatBuffer limit")
     with progress.phase("verifying the .tflite through the pkm delegate"):
         try:
             status, rows = verify_tflite(model, export_dir, signatures, index_limit,
-                                         samples, batch_size, quantize == "int8", precision)
+                                         samples, batch_size, quantize == "int8", precision,
+                                         feeds)
         except V.VerificationError as e:
             raise ExportError(f"TFLite verification failed: {e}") from None
         except (RuntimeError, ValueError) as e:

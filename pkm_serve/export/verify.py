@@ -23,7 +23,8 @@ def signature_input_specs(fn) -> Dict[str, object]:
 
 def _sparse_groups(specs) -> Dict[str, tuple]:
     """Signature inputs that are the flat (indices, values, dense_shape) parts of
-    one SparseTensor: saved as NAME, NAME_1, NAME_2."""
+    one SparseTensor: saved as NAME, NAME_1, NAME_2 (tf.function flattening),
+    or written by hand as PREFIXindices, PREFIXvalues, PREFIX(dense_)shape."""
     groups = {}
     for name, spec in specs.items():
         values, shape = specs.get(name + "_1"), specs.get(name + "_2")
@@ -33,53 +34,121 @@ def _sparse_groups(specs) -> Dict[str, tuple]:
                 values.shape.rank == 1 and shape.dtype.name == "int64" and \
                 shape.shape.rank == 1:
             groups[name] = (name, name + "_1", name + "_2")
+    for name, spec in specs.items():
+        if not name.endswith("indices") or spec.dtype.name != "int64" or \
+                spec.shape.rank != 2:
+            continue
+        stem = name[:-len("indices")]
+        values = stem + "values"
+        shape = next((stem + s for s in ("dense_shape", "shape") if stem + s in specs), None)
+        if values in specs and shape is not None and specs[values].shape.rank == 1 and \
+                specs[shape].dtype.name == "int64":
+            groups[name] = (name, values, shape)
     return groups
 
 
-def generate_inputs(specs, index_limit: int, batch_size: int,
-                    seed: int = 0) -> Dict[str, np.ndarray]:
+def _ragged_groups(specs, taken) -> Dict[str, tuple]:
+    """Inputs NAME (flat values) and NAME_1 (row_splits) of one rank-2
+    RaggedTensor, as tf.function flattens them."""
+    groups = {}
+    for name, spec in specs.items():
+        splits = specs.get(name + "_1")
+        if name in taken or splits is None or name + "_2" in specs or \
+                spec.shape.rank != 1 or splits.shape.rank != 1 or \
+                splits.dtype.name not in ("int32", "int64"):
+            continue
+        groups[name] = (name, name + "_1")
+    return groups
+
+
+def _bag_sizes(rng, batch_size: int) -> np.ndarray:
+    """1-4 ids per bag, one empty bag in the middle."""
+    per_row = rng.integers(1, 5, size=batch_size)
+    if batch_size > 2:
+        per_row[batch_size // 2] = 0
+    return per_row
+
+
+def _sparse_layout(rng, batch_size: int, rank: int):
+    """Indices in canonical (row-major, sorted) order, as the segment ops of
+    embedding_lookup_sparse require, and the dense shape."""
+    rows = []
+    for b, count in enumerate(_bag_sizes(rng, batch_size)):
+        cols = np.sort(rng.choice(4, size=count, replace=False))
+        rows.extend([b] + [int(c)] + [0] * (rank - 2) for c in cols)
+    indices = np.array(rows, np.int64).reshape(-1, rank)
+    return indices, np.array([batch_size] + [4] * (rank - 1), np.int64)
+
+
+def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
+                    feeds: Optional[dict] = None) -> Dict[str, np.ndarray]:
     """Random inputs matching `specs`: integers in [0, index_limit) (valid row
-    ids of every table the model gathers from), floats in [0.5, 1.5)."""
+    ids of every table the model gathers from), floats in [0.5, 1.5), sparse
+    and ragged parts with valid layouts (shared by every sparse or ragged
+    input, so ids and their weights line up), strings as `feeds`
+    (pkm_serve.export.feeds) says: serialized tf.Examples or words."""
     rng = np.random.default_rng(seed)
+    feeds = feeds or {}
     out: Dict[str, np.ndarray] = {}
     sparse = _sparse_groups(specs)
     sparse_layout = {}  # dense rank -> (indices, dense_shape) shared by the groups
-    for base, (ind_name, val_name, shape_name) in sparse.items():
+    for ind_name, val_name, shape_name in sparse.values():
         rank = specs[ind_name].shape[1] or 2
         if rank not in sparse_layout:
-            dense_shape = [batch_size] + [4] * (rank - 1)
-            per_row = rng.integers(1, 5, size=batch_size)
-            if batch_size > 2:
-                per_row[batch_size // 2] = 0  # an empty bag in the middle
-            rows = []
-            for b, count in enumerate(per_row):
-                cols = np.sort(rng.choice(4, size=count, replace=False))
-                rows.extend([b] + [int(c)] + [0] * (rank - 2) for c in cols)
-            indices = np.array(rows, np.int64).reshape(-1, rank)
-            sparse_layout[rank] = (indices, np.array(dense_shape, np.int64))
+            sparse_layout[rank] = _sparse_layout(rng, batch_size, rank)
         indices, dense_shape = sparse_layout[rank]
         out[ind_name] = indices
         out[shape_name] = dense_shape
-        out[val_name] = _values(rng, specs[val_name].dtype, [len(indices)], index_limit)
+        out[val_name] = _values(rng, specs[val_name].dtype, [len(indices)], index_limit,
+                                feeds.get(val_name), val_name)
+    taken = {n for group in sparse.values() for n in group}
+    splits = np.concatenate([[0], np.cumsum(_bag_sizes(rng, batch_size))])
+    for val_name, splits_name in _ragged_groups(specs, taken).values():
+        out[splits_name] = splits.astype(specs[splits_name].dtype.as_numpy_dtype)
+        out[val_name] = _values(rng, specs[val_name].dtype, [int(splits[-1])], index_limit,
+                                feeds.get(val_name), val_name)
     for name, spec in specs.items():
         if name in out:
             continue
         shape = [batch_size if (i == 0 and d is None) else (3 if d is None else d)
                  for i, d in enumerate(spec.shape.as_list())] \
             if spec.shape.rank is not None else [batch_size]
-        out[name] = _values(rng, spec.dtype, shape, index_limit)
+        out[name] = _values(rng, spec.dtype, shape, index_limit, feeds.get(name), name)
     return out
 
 
-def _values(rng, dtype, shape, index_limit):
+def _values(rng, dtype, shape, index_limit, feed=None, name="?"):
     if dtype.is_integer:
         return rng.integers(0, max(index_limit, 1), size=shape).astype(dtype.as_numpy_dtype)
     if dtype.is_floating:
         return rng.uniform(0.5, 1.5, size=shape).astype(dtype.as_numpy_dtype)
     if dtype.is_bool:
         return rng.integers(0, 2, size=shape).astype(bool)
-    raise VerificationError(f"cannot generate inputs of dtype {dtype.name}: "
-                            "pass --sample-inputs")
+    if dtype.name == "string":
+        from pkm_serve.export import feeds as F
+        vocabulary = feed.vocabulary if feed is not None else []
+        if feed is not None and feed.features is not None:
+            if len(shape) != 1:
+                raise VerificationError(
+                    f"input {name!r} feeds a tf.Example parser but has shape {shape}: "
+                    "only a [batch] vector of serialized Examples can be generated; "
+                    "pass --sample-inputs")
+            return F.make_examples(rng, feed.features, vocabulary, shape[0], index_limit)
+        return F.make_text(rng, vocabulary, shape)
+    raise VerificationError(f"cannot generate inputs of dtype {dtype.name} (input "
+                            f"{name!r}): pass --sample-inputs")
+
+
+def _as_strings(value: np.ndarray) -> Optional[np.ndarray]:
+    """bytes (|S), str (<U) or object arrays of either -> object array of bytes."""
+    if value.dtype.kind == "S":
+        return value.astype(object)
+    if value.dtype.kind == "U":
+        return np.char.encode(value, "utf-8").astype(object)
+    if value.dtype == object and all(isinstance(v, (bytes, str)) for v in value.flat):
+        return np.array([v.encode() if isinstance(v, str) else v for v in value.flat],
+                        dtype=object).reshape(value.shape)
+    return None
 
 
 def sample_inputs_for(signature: str, specs, samples) -> Dict[str, np.ndarray]:
@@ -94,6 +163,14 @@ def sample_inputs_for(signature: str, specs, samples) -> Dict[str, np.ndarray]:
         if not spec.shape.is_compatible_with(value.shape):
             problems.append(f"input {name!r} has shape {list(value.shape)}, signature "
                             f"expects {spec.shape}")
+            continue
+        if spec.dtype.name == "string":
+            strings = _as_strings(value)
+            if strings is None:
+                problems.append(f"input {name!r} has dtype {value.dtype}, signature "
+                                "expects string (bytes |S or str <U arrays)")
+                continue
+            chosen[name] = strings
             continue
         want = spec.dtype.as_numpy_dtype
         if value.dtype != want:

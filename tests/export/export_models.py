@@ -3,8 +3,14 @@ export tests. Each builder saves to `path` and returns (table(s), reference fn)
 where reference(inputs) computes the expected outputs in numpy."""
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import reference  # noqa: E402
 
 N, D, K = 50, 8, 6
 
@@ -18,34 +24,17 @@ def _save(module, path, signatures):
 
 
 def np_bag(table, idx, w=None, combiner="sum"):
-    """Reference: combine_k w * table[idx] over the last index axis (float64)."""
-    rows = table.astype(np.float64)[idx]
-    w = np.ones(idx.shape) if w is None else w.astype(np.float64)
-    total = (rows * w[..., None]).sum(-2)
-    if combiner == "mean":
-        total = total / w.sum(-1)[..., None]
-    elif combiner == "sqrtn":
-        total = total / np.sqrt((w ** 2).sum(-1))[..., None]
-    return total
+    """Reference: combine_k w * table[idx] over the last index axis (float64),
+    tests/reference.py's dense bags."""
+    return reference.embedding_bag(table, idx, w, combiner)
 
 
 def np_sparse_bag(table, indices, values, dense_shape, weights=None, combiner="sum"):
-    """Reference for embedding_lookup_sparse: rows up to the last non-empty one."""
+    """Reference for embedding_lookup_sparse: rows up to the last non-empty
+    one (tests/reference.py's ragged bags on the ids' row order)."""
     rows = int(indices[:, 0].max()) + 1 if len(indices) else 0
-    out = np.zeros((rows, table.shape[1]))
-    wsum = np.zeros(rows)
-    w2sum = np.zeros(rows)
-    w = np.ones(len(values)) if weights is None else weights.astype(np.float64)
-    for (b, *_), v, wi in zip(indices, values, w):
-        out[b] += wi * table[v]
-        wsum[b] += wi
-        w2sum[b] += wi * wi
-    if combiner == "mean":
-        out = np.divide(out, wsum[:, None], out=np.zeros_like(out), where=wsum[:, None] != 0)
-    elif combiner == "sqrtn":
-        den = np.sqrt(w2sum)[:, None]
-        out = np.divide(out, den, out=np.zeros_like(out), where=den != 0)
-    return out
+    splits = np.searchsorted(np.asarray(indices)[:, 0], np.arange(rows + 1), side="left")
+    return reference.ragged_embedding_bag(table, values, splits, weights, combiner)
 
 
 def gather_weighted_sum(path, index_dtype=tf.int32, expand="slice", table_dtype=np.float32):

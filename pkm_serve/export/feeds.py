@@ -1,0 +1,232 @@
+"""What each signature input of a SavedModel is fed with, read off the graph.
+
+Verification needs inputs the model accepts. A string input that reaches a
+ParseExample/ParseExampleV2/ParseSingleExample op is a batch of serialized
+tf.Examples: the parse op's own keys, types and dense shapes say which
+features to write. Other string inputs (raw text) are drawn from the model's
+own vocabularies (string constants of its lookup tables), so a TextVectorization
+or StringLookup finds known tokens. Everything here reads the proto; no graph is
+built.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+from tensorflow.core.framework import attr_value_pb2, types_pb2
+from tensorflow.python.framework import tensor_util
+
+from pkm_serve.export.graph import FunctionGraph, Ref
+
+PARSE_OPS = ("ParseExampleV2", "ParseExample", "ParseSingleExample")
+CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
+TABLE_INIT_OPS = ("LookupTableImportV2", "InitializeTableV2")
+_MAX_VOCABULARY = 2000
+
+
+@dataclasses.dataclass(frozen=True)
+class ExampleFeature:
+    """One feature a parse op reads: `kind` dense | sparse | ragged."""
+
+    key: str
+    kind: str
+    dtype: int                       # DT_INT64 | DT_FLOAT | DT_STRING
+    shape: Tuple[int, ...] = ()      # dense: per-example shape (-1: variable length)
+
+
+@dataclasses.dataclass
+class Feed:
+    """How to feed one signature input: `features` for serialized tf.Examples
+    (None for any other input); `vocabulary` words for string values."""
+
+    features: Optional[List[ExampleFeature]] = None
+    vocabulary: List[bytes] = dataclasses.field(default_factory=list)
+
+
+def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
+    """{input name: Feed} for the string inputs of one signature."""
+    meta_graph = proto.meta_graphs[0]
+    sig = meta_graph.signature_def.get(signature)
+    if sig is None:
+        return {}
+    library = {f.signature.name: f for f in meta_graph.graph_def.library.function}
+    sigs = {name: f.signature for name, f in library.items()}
+    graphs: Dict[str, FunctionGraph] = {}
+    vocabulary = model_vocabulary(meta_graph)
+    feeds = {}
+    for name, info in sig.inputs.items():
+        if info.dtype != types_pb2.DT_STRING:
+            continue
+        placeholder = info.name.split(":")[0]
+        parses = _parse_ops_fed_by(meta_graph.graph_def, placeholder, library, sigs, graphs)
+        features = None
+        if parses:
+            features = []
+            for fg, node in parses:
+                for feature in parse_op_features(fg, node):
+                    if feature.key not in {f.key for f in features}:
+                        features.append(feature)
+        feeds[name] = Feed(features=features, vocabulary=vocabulary)
+    return feeds
+
+
+def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth: int = 8):
+    """Parse ops reached from a top-level placeholder through Identity and
+    function calls: [(FunctionGraph, node)]."""
+    found = []
+    frontier = []
+    for node in graph_def.node:
+        for pos, text in enumerate(i for i in node.input if not i.startswith("^")):
+            if text.split(":")[0] == placeholder:
+                frontier.append((node, pos))
+    # Top-level consumers are call ops into the signature function.
+    work = []
+    for node, pos in frontier:
+        if node.op in CALL_OPS and "f" in node.attr and node.attr["f"].func.name in library:
+            work.append((node.attr["f"].func.name, pos, depth))
+    seen = set()
+    while work:
+        fname, pos, left = work.pop()
+        if (fname, pos) in seen or left == 0:
+            continue
+        seen.add((fname, pos))
+        if fname not in graphs:
+            graphs[fname] = FunctionGraph(library[fname], sigs)
+        fg = graphs[fname]
+        args = library[fname].signature.input_arg
+        if pos >= len(args):
+            continue
+        refs = [Ref(args[pos].name, 0)]
+        while refs:
+            ref = refs.pop()
+            for consumer, cpos in fg.consumers(ref):
+                node = fg.nodes[consumer]
+                if node.op in PARSE_OPS and cpos == 0:
+                    found.append((fg, node))
+                elif node.op in ("Identity", "IdentityN"):
+                    refs.append(Ref(consumer, cpos if node.op == "IdentityN" else 0))
+                elif node.op in CALL_OPS and "f" in node.attr and \
+                        node.attr["f"].func.name in library:
+                    work.append((node.attr["f"].func.name, cpos, left - 1))
+    return found
+
+
+def _strings(fg: FunctionGraph, ref: Ref) -> List[str]:
+    nodes: List[str] = []
+    node = fg.producer(ref)
+    while node is not None and node.op == "Identity":
+        nodes.append(node.name)
+        ref = fg.inputs(node)[0]
+        node = fg.producer(ref)
+    value = fg.const_value(ref)
+    if value is None:
+        raise ValueError(f"parse keys {fg.render(ref)} are not constants")
+    return [v.decode() for v in np.ravel(value)]
+
+
+def parse_op_features(fg: FunctionGraph, node) -> List[ExampleFeature]:
+    """The features one parse op reads, from its attrs and constant keys."""
+    # Read through a copy: indexing a proto map inserts missing (default) keys.
+    attr = attr_value_pb2.NameAttrList(attr=node.attr).attr
+    for key in ("sparse_types", "Tdense", "dense_shapes", "ragged_value_types",
+                "Nsparse", "Ndense", "sparse_keys", "dense_keys"):
+        attr[key]  # noqa: B018 - defaults stripped at save time read as empty
+    ins = fg.inputs(node)
+    sparse_types = list(attr["sparse_types"].list.type)
+    dense_types = list(attr["Tdense"].list.type)
+    dense_shapes = [tuple(d.size for d in s.dim) for s in attr["dense_shapes"].list.shape]
+    ragged_types: List[int] = []
+    if node.op == "ParseExampleV2":
+        sparse_keys, dense_keys = _strings(fg, ins[2]), _strings(fg, ins[3])
+        ragged_keys = _strings(fg, ins[4])
+        ragged_types = list(attr["ragged_value_types"].list.type)
+    elif node.op == "ParseExample":
+        n_sparse, n_dense = attr["Nsparse"].i, attr["Ndense"].i
+        sparse_keys = [k for r in ins[2:2 + n_sparse] for k in _strings(fg, r)]
+        dense_keys = [k for r in ins[2 + n_sparse:2 + n_sparse + n_dense]
+                      for k in _strings(fg, r)]
+        ragged_keys = []
+    else:
+        sparse_keys = [k.decode() for k in attr["sparse_keys"].list.s]
+        dense_keys = [k.decode() for k in attr["dense_keys"].list.s]
+        ragged_keys = []
+    features = [ExampleFeature(k, "dense", t, s)
+                for k, t, s in zip(dense_keys, dense_types, dense_shapes)]
+    features += [ExampleFeature(k, "sparse", t) for k, t in zip(sparse_keys, sparse_types)]
+    features += [ExampleFeature(k, "ragged", t) for k, t in zip(ragged_keys, ragged_types)]
+    return features
+
+
+def model_vocabulary(meta_graph) -> List[bytes]:
+    """Words of the model's string lookup tables: the string constants that
+    initialise them, or, where they come in from outside a function (Keras
+    captures them), every rank-1 string constant of the model that is not a
+    list of parse keys."""
+    words: List[bytes] = []
+    candidates = [n for n in meta_graph.graph_def.node if n.op == "Const"]
+    parse_keys = set()
+    for fdef in meta_graph.graph_def.library.function:
+        consts = {n.name: n for n in fdef.node_def if n.op == "Const"}
+        for n in fdef.node_def:
+            if n.op in PARSE_OPS:
+                parse_keys.update(i.split(":")[0] for i in n.input)
+        candidates.extend(c for name, c in consts.items() if name not in parse_keys)
+    for node in candidates:
+        tensor = node.attr["value"].tensor
+        if tensor.dtype != types_pb2.DT_STRING or len(tensor.tensor_shape.dim) != 1:
+            continue
+        values = tensor_util.MakeNdarray(tensor)
+        if values.size < 2:
+            continue
+        words.extend(v for v in values.tolist() if 0 < len(v) <= 64)
+        if len(words) >= _MAX_VOCABULARY:
+            break
+    return sorted(set(words))[:_MAX_VOCABULARY]
+
+
+def _words(rng, vocabulary: List[bytes], count: int) -> List[bytes]:
+    """Mostly known words, one in five out of vocabulary (OOV buckets are real too)."""
+    out = []
+    for _ in range(count):
+        if vocabulary and rng.random() < 0.8:
+            out.append(vocabulary[int(rng.integers(len(vocabulary)))])
+        else:
+            out.append(b"w%d" % int(rng.integers(1000)))
+    return out
+
+
+def make_text(rng, vocabulary: List[bytes], shape) -> np.ndarray:
+    """Strings of 1-6 words each."""
+    flat = [b" ".join(_words(rng, vocabulary, int(rng.integers(1, 7))))
+            for _ in range(int(np.prod(shape, dtype=np.int64)))]
+    return np.array(flat, dtype=object).reshape(shape)
+
+
+def make_examples(rng, features: List[ExampleFeature], vocabulary: List[bytes],
+                  batch: int, index_limit: int) -> np.ndarray:
+    """[batch] serialized tf.Examples holding every feature. Variable-length
+    features share one count per example (weighted columns pair an id list with
+    a weight list of the same length); one example in the middle has none."""
+    from tensorflow.core.example import example_pb2, feature_pb2
+
+    out = []
+    for b in range(batch):
+        count = 0 if (batch > 2 and b == batch // 2) else int(rng.integers(1, 5))
+        example = example_pb2.Example()
+        for feature in features:
+            if feature.kind == "dense":
+                shape = [2 if d < 0 else d for d in feature.shape]
+                n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            else:
+                n = count
+            entry: feature_pb2.Feature = example.features.feature[feature.key]
+            if feature.dtype == types_pb2.DT_STRING:
+                entry.bytes_list.value.extend(_words(rng, vocabulary, n))
+            elif feature.dtype == types_pb2.DT_INT64:
+                entry.int64_list.value.extend(
+                    int(v) for v in rng.integers(0, max(index_limit, 1), n))
+            else:
+                entry.float_list.value.extend(float(v) for v in rng.uniform(0.5, 1.5, n))
+        out.append(example.SerializeToString())
+    return np.array(out, dtype=object)

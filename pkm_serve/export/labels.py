@@ -1,0 +1,133 @@
+"""What a site computes, for the report: sum, mean, sqrtn, masked mean,
+weighted mean or max.
+
+The fused op's combiner says what the op does; the label says what the model
+does with it. A bag sum that the graph then divides by the sum of the same
+per-index multiplier is a mean however it is written: `x / s`, `div_no_nan(x,
+s)`, `x * (1 / s)`, `x * reciprocal(s)`, with `s` a reduce_sum (or segment sum)
+of the multiplier, expanded, cast or not. The multiplier is a mask when it is
+a boolean (cast to a number, or a tf.where), weights otherwise; a multiply by
+ones, or a division by the bag size, makes it a plain mean. Divided by
+sqrt(sum(w^2)) it is sqrtn.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+from tensorflow.core.framework import types_pb2
+
+from pkm_serve.export.graph import FunctionGraph, Ref
+from pkm_serve.export.sites import Site
+
+_DIVISIONS = ("RealDiv", "DivNoNan", "Div")
+_REDUCTIONS = ("Sum", "UnsortedSegmentSum", "SegmentSum")
+_PASS = ("Identity", "ExpandDims", "Reshape", "Squeeze", "StridedSlice", "GatherV2",
+         "Tile", "BroadcastTo")
+
+
+def _base(fg: FunctionGraph, ref: Ref) -> Ref:
+    """The tensor `ref` was broadcast, expanded, re-gathered or cast from."""
+    node = fg.producer(ref)
+    while node is not None and (node.op in _PASS or node.op == "Cast"):
+        ref = fg.inputs(node)[0]
+        node = fg.producer(ref)
+    return ref
+
+
+def _is_mask(fg: FunctionGraph, ref: Ref) -> bool:
+    node = fg.producer(ref)
+    while node is not None and node.op in _PASS:
+        ref = fg.inputs(node)[0]
+        node = fg.producer(ref)
+    return node is not None and node.op == "Cast" and "SrcT" in node.attr and \
+        node.attr["SrcT"].type == types_pb2.DT_BOOL
+
+
+def _divisor(fg: FunctionGraph, root: str) -> Optional[Ref]:
+    """The tensor the bag is divided by, if its only use is a division."""
+    consumers = fg.consumers(Ref(root, 0))
+    if len(consumers) != 1:
+        return None
+    name, pos = consumers[0]
+    node = fg.nodes[name]
+    ins = fg.inputs(node)
+    if node.op in _DIVISIONS and pos == 0:
+        return ins[1]
+    if node.op == "Mul":
+        other = fg.producer(ins[1 - pos])
+        if other is None:
+            return None
+        if other.op == "Reciprocal":
+            return fg.inputs(other)[0]
+        if other.op in _DIVISIONS:
+            one = fg.const_value(fg.inputs(other)[0])
+            if one is not None and np.all(one == 1):
+                return fg.inputs(other)[1]
+    return None
+
+
+def _reduced(fg: FunctionGraph, ref: Ref) -> Optional[Ref]:
+    """x of reduce_sum(x) / segment_sum(x), through casts and reshapes."""
+    node = fg.producer(ref)
+    while node is not None and node.op in ("Identity", "Cast", "Reshape", "ExpandDims"):
+        ref = fg.inputs(node)[0]
+        node = fg.producer(ref)
+    if node is None or node.op not in _REDUCTIONS:
+        return None
+    return fg.inputs(node)[0]
+
+
+def _squared_base(fg: FunctionGraph, ref: Ref) -> Optional[Ref]:
+    node = fg.producer(ref)
+    if node is None:
+        return None
+    ins = fg.inputs(node)
+    if node.op == "Square":
+        return _base(fg, ins[0])
+    if node.op == "Mul" and _base(fg, ins[0]) == _base(fg, ins[1]):
+        return _base(fg, ins[0])
+    if node.op == "Pow":
+        exponent = fg.const_value(ins[1])
+        if exponent is not None and float(exponent) == 2.0:
+            return _base(fg, ins[0])
+    return None
+
+
+def _is_ones(fg: FunctionGraph, ref: Ref) -> bool:
+    from pkm_serve.export.dense import is_ones  # dense imports sites, which labels needs
+    return is_ones(fg, ref)
+
+
+def computes(fg: FunctionGraph, site: Site) -> str:
+    if site.combiner in ("max", "sqrtn"):
+        return site.combiner
+    if site.combiner == "mean" or site.divisor:
+        return "weighted mean" if (site.weights is not None and not site.divisor and
+                                   "sparse" in site.pattern) else "mean"
+    multiplier = site.weights if site.weights is not None else site.mask
+    divisor = _divisor(fg, site.root) if site.root in fg.nodes else None
+    if divisor is None:
+        return "sum"
+    divisor_node = fg.producer(divisor)
+    if divisor_node is not None and divisor_node.op == "Sqrt":
+        squared = _reduced(fg, fg.inputs(divisor_node)[0])
+        base = None if squared is None else _squared_base(fg, squared)
+        if base is not None and (base == _base(fg, multiplier) if multiplier is not None
+                                 else _is_ones(fg, base)):
+            return "sqrtn"
+        return "sum"
+    summed = _reduced(fg, divisor)
+    if summed is None:
+        value = fg.const_value(divisor)
+        bag = site.gathered_shape[-2] if site.gathered_shape else None
+        if value is not None and bag is not None and np.all(value == bag):
+            return "mean"
+        return "sum"
+    if multiplier is None:
+        return "mean" if _is_ones(fg, summed) else "sum"
+    if _base(fg, summed) != _base(fg, multiplier):
+        return "sum"
+    if site.mask is not None or _is_mask(fg, summed) or _is_mask(fg, multiplier):
+        return "masked mean"
+    return "weighted mean"
