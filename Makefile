@@ -92,10 +92,10 @@ include kernels/cuda/cuda.mk
 include tflite_delegate/tflite.mk
 include tflite_delegate/aarch64.mk
 include kernels/xla/xla.mk
-include backends.mk
 include serving/cc_check.mk
 include bench/scale.mk
 include packaging.mk
+include backends.mk
 include bench/serving.mk
 include tests/export/models.mk
 

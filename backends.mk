@@ -16,15 +16,17 @@ TEST_DEPS += $(BACKENDS_STAMP) $(XLA_CPU_TARGETS_LIB) $(PKM_CAPI_CPU_LIB)
 
 # The TF-free Keras wheel (layers + backends + these libraries; CUDA ones when built):
 # dist/pkm_serve_keras-*.whl, installed and run by tests/backends/test_keras_wheel.py.
-KERAS_WHEEL_STAMP := $(BUILDDIR)/wheel/.keras-built
+# The target is the wheel file itself (fixed platform tag), so a wheel missing from dist/ is rebuilt.
+KERAS_WHEEL := $(DIST)/pkm_serve_keras-$(shell sed -n 's/^version = "\(.*\)"/\1/p' \
+		packaging/keras/pyproject.toml)-py3-none-manylinux_2_35_x86_64.whl
 KERAS_WHEEL_LIBS := $(XLA_CPU_TARGETS_LIB) $(PKM_CAPI_CPU_LIB) $(wildcard $(XLA_GPU_TARGETS_LIB) $(PKM_CUDA_LIB))
-$(KERAS_WHEEL_STAMP): $(PACKAGING_STAMP) $(KERAS_WHEEL_LIBS) $(shell find pkm_serve/backends pkm_serve/layers \
+$(KERAS_WHEEL): $(PACKAGING_STAMP) $(KERAS_WHEEL_LIBS) $(shell find pkm_serve/backends pkm_serve/layers \
 		-name '*.py' 2>/dev/null) pkm_serve/__init__.py pkm_serve/product_keys.py pkm_serve/tflite.py \
 		packaging/keras/pyproject.toml packaging/keras/setup.py packaging/build_keras_wheel.py
 	$(PY) packaging/build_keras_wheel.py --dist $(DIST)
-	@mkdir -p $(dir $@) && touch $@
 
-wheel-keras: $(KERAS_WHEEL_STAMP)
-TEST_DEPS += $(KERAS_WHEEL_STAMP)
+wheel-keras: $(KERAS_WHEEL)
+wheel: wheel-keras
+TEST_DEPS += $(KERAS_WHEEL)
 
 .PHONY: wheel-keras

@@ -67,7 +67,7 @@ def _repair(wheel, out):
     """Retags the wheel manylinux: `auditwheel repair` must find no library to graft
     (the libraries need only libc/libstdc++/libm/libgcc; cudart is linked statically)."""
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    subprocess.run([sys.executable, "-m", "auditwheel", "repair", "--plat", "auto", "-w", out, wheel],
+    subprocess.run([sys.executable, "-m", "auditwheel", "repair", "--plat", "manylinux_2_35_x86_64", "--only-plat", "-w", out, wheel],
                    check=True, env=env)
     (repaired,) = glob.glob(os.path.join(out, "pkm_serve_keras-*.whl"))
     with zipfile.ZipFile(repaired) as zf:

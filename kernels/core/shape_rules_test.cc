@@ -62,7 +62,7 @@ void TestForwardFaults() {
   ExpectMessage(Forward(composite), "weights must have as many elements as indices [2, 3], got shape [5]", __LINE__);
   pkm::BagShapes max = Dense({10, 4}, {1, 2}, Dims{1, 2});
   max.combiner = static_cast<pkm::Combiner>(PKM_MAX);
-  ExpectMessage(Forward(max), "combiner 'max' does not take weights", __LINE__);
+  ExpectMessage(Forward(max), pkm::kMaxWithWeightsError, __LINE__);
   max.has_weights = false;
   max.weights = Dims{0};
   ExpectMessage(Forward(max), "", __LINE__);
@@ -146,11 +146,11 @@ void TestDescriptor() {
   ExpectMessage(pkm::BagProblemRule(bad), "elem_type must be 0 (float32), 1 (float16) or 2 (bfloat16), got 7", __LINE__);
   bad = b;
   bad.combiner = 9;
-  ExpectMessage(pkm::BagProblemRule(bad), "combiner must be 0 (sum), 1 (mean) or 2 (sqrtn), got 9", __LINE__);
+  ExpectMessage(pkm::BagProblemRule(bad), "combiner must be 0 (sum), 1 (mean), 2 (sqrtn) or 3 (max), got 9", __LINE__);
   bad = b;
   bad.weights = weights;
   bad.combiner = PKM_MAX;
-  ExpectMessage(pkm::BagProblemRule(bad), "combiner 'max' does not take weights", __LINE__);
+  ExpectMessage(pkm::BagProblemRule(bad), pkm::kMaxWithWeightsError, __LINE__);
   bad = b;
   bad.bag_size = -1;
   ExpectMessage(pkm::BagProblemRule(bad), "indices has a negative dimension: [1, -1]", __LINE__);

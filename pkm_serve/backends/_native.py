@@ -27,9 +27,10 @@ MAKE_TARGETS = {
 }
 
 # The kernels' combiner codes (PKM_SUM.. in kernels/core/bag_problem.h).
-COMBINER_CODES = {"sum": 0, "mean": 1, "sqrtn": 2}
-# Combiners the TF op knows that the kernels these backends load do not (yet).
-PENDING_COMBINERS = ("max",)
+COMBINER_CODES = {"sum": 0, "mean": 1, "sqrtn": 2, "max": 3}
+# The core's message (kernels/core/embedding_bag.h, kMaxWithWeightsError), word for word.
+MAX_WITH_WEIGHTS_ERROR = ("combiner 'max' takes no weights (as torch's embedding_bag mode='max' refuses "
+                          "per_sample_weights): pass weights=None")
 
 
 class NativeLibraryUnavailableError(ImportError):
@@ -48,11 +49,9 @@ def library_path(runtime: str, device: str) -> str:
     return path
 
 
-def combiner_code(combiner: str) -> int:
-    if combiner in PENDING_COMBINERS:
-        raise ValueError(
-            f"combiner {combiner!r} is not supported by the JAX/PyTorch kernels yet; use one of "
-            f"{tuple(COMBINER_CODES)} on this backend")
+def combiner_code(combiner: str, weights=None) -> int:
     if combiner not in COMBINER_CODES:
         raise ValueError(f"combiner must be one of {tuple(COMBINER_CODES)}, got {combiner!r}")
+    if combiner == "max" and weights is not None:
+        raise ValueError(MAX_WITH_WEIGHTS_ERROR)
     return COMBINER_CODES[combiner]

@@ -71,7 +71,7 @@ def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None
     values [V] with row_splits [B+1]); weights like indices or None -> [..., D]
     in params' dtype. Falls back to the composite (warning once) where the
     default device has no kernel."""
-    code = _native.combiner_code(combiner)
+    code = _native.combiner_code(combiner, weights)
     params = jnp.asarray(params)
     indices = jnp.asarray(indices)
     _check_dtypes(params, indices, weights)

@@ -90,7 +90,7 @@ def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None
     values [V] with row_splits [B+1]); weights like indices or None -> [..., D]
     in params' dtype. Falls back to the composite (warning once) on a device
     without our kernels."""
-    code = _native.combiner_code(combiner)
+    code = _native.combiner_code(combiner, weights)
     params, indices = torch.as_tensor(params), torch.as_tensor(indices, device=params.device)
     _check(params, indices, weights)
     if kernel_device(params.device) is None:

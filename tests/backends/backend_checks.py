@@ -93,8 +93,8 @@ def check_ops():
     rng = np.random.default_rng(7)
     cases = 0
     for dtype in ("float32", "float16", "bfloat16"):
-        for combiner in ("sum", "mean", "sqrtn"):
-            for weighted in (True, False):
+        for combiner in ("sum", "mean", "sqrtn", "max"):
+            for weighted in ((False,) if combiner == "max" else (True, False)):
                 idx = rng.integers(0, N, size=(3, 9, 7))
                 idx[rng.random(idx.shape) < 0.2] = -1
                 idx[1, 2] = -1  # an empty bag
@@ -130,6 +130,12 @@ def check_ops():
         assert_close(rt.numpy(got[1]), ref[1], "float32", f"ragged {combiner}: d_table")
         assert_close(rt.numpy(got[2]), np.concatenate(ref[2]), "float32", f"ragged {combiner}: d_weights")
         cases += 1
+    got = rt.fwd_bwd(rt.tensor(table, "float32"), rt.tensor(values, "int32"), None, "max",
+                     rt.tensor(grad, "float32"), row_splits=rt.tensor(splits, "int32"))
+    ref = bag_forward_backward(table, bags, None, "max", grad)
+    assert_close(rt.numpy(got[0]), ref[0], "float32", "ragged max: output")
+    assert_close(rt.numpy(got[1]), ref[1], "float32", "ragged max: d_table")
+    cases += 1
     print(json.dumps({"ops_cases": cases}))
 
 
@@ -140,10 +146,10 @@ def check_errors():
     idx = np.zeros((4, 3), np.int64)
     idx[2, 1] = N + 5
     try:
-        rt.ops.embedding_bag(table, rt.tensor([[0, 1]], "int32"), None, "max")
-        raise AssertionError("combiner='max' was accepted")
+        rt.ops.embedding_bag(table, rt.tensor([[0, 1]], "int32"), rt.tensor([[1.0, 2.0]], "float32"), "max")
+        raise AssertionError("combiner='max' with weights was accepted")
     except ValueError as err:
-        assert "not supported by the JAX/PyTorch kernels yet" in str(err), err
+        assert "combiner 'max' takes no weights" in str(err), err
     try:
         rt.ops.embedding_bag(rt.tensor(np.ones((N, D)), "float32"), rt.tensor([[0.0]], "float32"))
         raise AssertionError("float indices were accepted by the op")
