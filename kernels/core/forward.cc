@@ -105,7 +105,9 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
   if (!s.ok) return s;
   s = ValidateBags(table, bags, pf);
   if (!s.ok) return s;
-  if (table.type == ElemType::kInt8) return internal::ForwardInt8(table, bags, combiner, out, out_type, pf);
+  // int8 rows: the weighted combiners have their own loop; max dequantises row by row below.
+  if (table.type == ElemType::kInt8 && combiner != Combiner::kMax)
+    return internal::ForwardInt8(table, bags, combiner, out, out_type, pf);
   const int64_t dim = table.dim;
   const int64_t out_row_bytes = dim * ElemSize(out_type);
   const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;

@@ -16,6 +16,15 @@
 namespace pkm_xla {
 namespace {
 
+bool IsIndexType(ffi::DataType t) { return t == ffi::DataType::S32 || t == ffi::DataType::S64; }
+
+// The float types of weights and outputs (the float op takes them through CheckBuffers).
+bool ToElemType(ffi::DataType t, pkm::ElemType* out) {
+  if (t != ffi::DataType::F32 && t != ffi::DataType::F16 && t != ffi::DataType::BF16) return false;
+  *out = ElemTypeOf(t);
+  return true;
+}
+
 // The int8 table's three buffers -> pkm::Table.
 ffi::Error ToQuantizedTable(const ffi::AnyBuffer& params, const ffi::AnyBuffer& scales,
                             const ffi::AnyBuffer& biases, pkm::Table* table) {

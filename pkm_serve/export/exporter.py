@@ -377,11 +377,18 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
             except V.VerificationError as e:
                 raise ExportError(f"verification failed: {e}") from None
         if tflite:
+            # A .tflite inside DST/<version> (where --prefer_tflite_model serves it from) is
+            # written into the temporary version directory, so it arrives with the rename.
+            inside = os.path.relpath(os.path.abspath(tflite), os.path.abspath(final_dir))
+            tflite_target = (os.path.join(tmp_dir, inside) if not inside.startswith(os.pardir)
+                             else os.path.abspath(tflite))
+            os.makedirs(os.path.dirname(tflite_target), exist_ok=True)
             tmp_tflite, result.tflite = tflite_export.convert_and_verify(
-                tmp_dir, chosen, os.path.abspath(tflite), quantize_table, src,
+                tmp_dir, chosen, tflite_target, quantize_table, src,
                 index_limit, samples, verify_batch_size, progress,
                 precision=_lowest_fused_precision(result.sites), feeds=result.feeds,
                 not_fused=result.skipped)
+            result.tflite["file"] = os.path.abspath(tflite)
         if quantize_table:  # after the .tflite, which converts the float graph
             from pkm_serve.export import quantize
             with progress.phase("quantizing tables to int8", total=1, unit="models") as phase:
@@ -392,10 +399,10 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
         # mkdtemp makes the directory owner-only; a model server may run as
         # another user.
         os.chmod(tmp_dir, 0o777 & ~files.current_umask())
-        os.rename(tmp_dir, final_dir)
         if tmp_tflite:
-            os.replace(tmp_tflite, os.path.abspath(tflite))
+            os.replace(tmp_tflite, tflite_target)
             tmp_tflite = None
+        os.rename(tmp_dir, final_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         if tmp_tflite and os.path.exists(tmp_tflite):

@@ -244,3 +244,16 @@ def test_sparse_sites_convert_with_int8_tables(tmp_path):
     for combiner, want in ref(x).items():
         np.testing.assert_allclose(got[combiner], want, rtol=2e-2,
                                    atol=2e-2 * np.abs(want).max(), err_msg=combiner)
+
+
+def test_tflite_inside_the_version_directory_arrives_with_it(weighted_model, tmp_path):
+    """`--tflite DST/<version>/model.tflite` (where `--prefer_tflite_model` serves it from):
+    written into the temporary version directory and renamed into place with it."""
+    src, _ = weighted_model
+    dst = tmp_path / "dst"
+    target = dst / "1" / "model.tflite"
+    result = export_saved_model(src, str(dst), tflite=str(target), quiet=True)
+    assert result.tflite["file"] == str(target)
+    assert target.read_bytes()[4:8] == b"TFL3"
+    assert sorted(p.name for p in dst.iterdir()) == ["1"]  # no temporaries left beside it
+    assert (dst / "1" / "saved_model.pb").exists()
