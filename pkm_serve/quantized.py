@@ -23,7 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from pkm_serve import ops
+from pkm_serve import _op_args, ops
 
 ROW_PARAM_DTYPES = ("float32", "float16")
 _OUTPUT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
@@ -150,7 +150,7 @@ def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", 
         values, scales, biases = _table_tensors(table)
         output_dtype = tf.as_dtype(output_dtype)
         if isinstance(indices, tf.RaggedTensor):
-            weight_values = ops._ragged_weight_values(indices, weights)  # pylint: disable=protected-access
+            weight_values = _op_args._ragged_weight_values(indices, weights)  # pylint: disable=protected-access
             flat = tf.convert_to_tensor(indices.flat_values)
             if flat.shape.rank is not None and flat.shape.rank > 1:
                 return indices.with_flat_values(

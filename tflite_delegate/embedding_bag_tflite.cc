@@ -267,6 +267,7 @@ TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* s
   Dims tdims;
   shapes.ragged = spec.row_splits >= 0;
   shapes.combiner = spec.combiner;
+  shapes.has_weights = spec.weights >= 0;  // before BindIds' partial checks (max refuses weights)
   if (BindTable(c, spec, state, bound, &tdims) != kTfLiteOk) return kTfLiteError;
   shapes.params = tdims;
   if (BindIds(c, spec, &bound->bags, &shapes) != kTfLiteOk ||

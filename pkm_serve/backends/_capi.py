@@ -31,6 +31,7 @@ class PkmBags(ctypes.Structure):
         ("num_indices", ctypes.c_int64), ("weights", ctypes.c_void_p),
         ("weights_type", ctypes.c_int32), ("combiner", ctypes.c_int32),
         ("invalid_index_count", ctypes.c_void_p), ("index_policy", ctypes.c_int32),
+        ("row_scales", ctypes.c_void_p), ("row_biases", ctypes.c_void_p), ("row_params_type", ctypes.c_int32),
     ]
 
 

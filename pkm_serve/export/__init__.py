@@ -10,7 +10,7 @@ The names below are imported from the exporter on first use, so that
 import importlib
 
 __all__ = ["ExportError", "ExportResult", "build_parser", "export_saved_model",
-           "format_report", "main", "read_saved_model"]
+           "format_report", "main", "quantize_tables", "read_saved_model"]
 
 
 def __getattr__(name):

@@ -20,6 +20,9 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from pkm_serve.export import files, tflite_export
+from pkm_serve.export.saved_model_io import read_saved_model
+from pkm_serve.export.saved_model_io import record_new_ops as _record_new_ops
+from pkm_serve.export.saved_model_io import write_fingerprint as _write_fingerprint
 from pkm_serve.export import verify as V
 from pkm_serve.export.arguments import build_parser
 from pkm_serve.export.errors import ExportError
@@ -70,34 +73,6 @@ class ExportResult:
         }
 
 
-def read_saved_model(src: str):
-    """Parses SRC/saved_model.pb; clear errors for anything that is not a TF2
-    SavedModel directory."""
-    from tensorflow.core.protobuf import saved_model_pb2
-    from google.protobuf.message import DecodeError
-
-    if not os.path.isdir(src):
-        raise ExportError(f"{src} is not a directory: SRC must be a SavedModel directory "
-                          "(the one holding saved_model.pb and variables/)")
-    path = os.path.join(src, SAVED_MODEL_PB)
-    if not os.path.isfile(path):
-        hint = ""
-        numeric = sorted(d for d in os.listdir(src) if d.isdigit())
-        if numeric:
-            hint = f" (did you mean the version directory {os.path.join(src, numeric[-1])}?)"
-        raise ExportError(f"{src} is not a SavedModel: no {SAVED_MODEL_PB} in it{hint}")
-    proto = saved_model_pb2.SavedModel()
-    try:
-        with open(path, "rb") as f:
-            proto.ParseFromString(f.read())
-    except DecodeError as e:
-        raise ExportError(f"{path} is not a valid SavedModel protobuf: {e}") from None
-    if not proto.meta_graphs:
-        raise ExportError(f"{path} holds no MetaGraph")
-    if not any(mg.graph_def.library.function for mg in proto.meta_graphs):
-        raise ExportError(f"{src} has no TF2 functions: only TF2 SavedModels "
-                          "(tf.saved_model.save, Keras model.export) can be fused")
-    return proto
 
 
 def fuse_saved_model_proto(proto, batch_size: int, fuse: bool = True,
@@ -123,18 +98,6 @@ def fuse_saved_model_proto(proto, batch_size: int, fuse: bool = True,
     return sites
 
 
-def _record_new_ops(meta_graph) -> None:
-    """Adds the OpDefs of ops the rewrite introduced to the MetaGraph's
-    stripped_op_list, which loaders use to restore default attrs."""
-    from tensorflow.python.framework import op_def_registry
-
-    op_list = meta_graph.meta_info_def.stripped_op_list
-    listed = {op.name for op in op_list.op}
-    used = {n.op for f in meta_graph.graph_def.library.function for n in f.node_def}
-    for name in sorted(used - listed):
-        op_def = op_def_registry.get(name)
-        if op_def is not None:
-            op_list.op.add().CopyFrom(op_def)
 
 
 def _serving_signatures(proto) -> List[str]:
@@ -142,15 +105,6 @@ def _serving_signatures(proto) -> List[str]:
                   if not k.startswith("__"))
 
 
-def _write_fingerprint(export_dir: str) -> None:
-    # The fingerprint hashes saved_model.pb: recompute it for the new graph.
-    try:
-        from tensorflow.python.saved_model import fingerprinting_utils
-        fingerprinting_utils.write_fingerprint(export_dir)
-    except Exception:  # noqa: BLE001 - an old-style SavedModel without one loads too
-        path = os.path.join(export_dir, FINGERPRINT_PB)
-        if os.path.exists(path):
-            os.remove(path)
 
 
 def _index_limit(sites: Sequence[Site], proto) -> int:
@@ -477,3 +431,21 @@ def main(argv=None) -> int:
         return 1
     print(format_report(result))
     return 0
+
+
+def quantize_tables(model, dst: str, version: Optional[int] = None, tolerance: Optional[float] = None,
+                    **export_kwargs):
+    """A trained Keras model -> DST/<version>/, fused and with int8 tables.
+
+    Exports the model as a SavedModel (`model.export`), then runs
+    `export_saved_model(..., quantize_table="int8")` on it; returns its
+    ExportResult (result.quantization holds sizes and errors).
+    """
+    with tempfile.TemporaryDirectory(prefix="pkm-quantize-") as tmp:
+        saved = os.path.join(tmp, "saved_model")
+        try:
+            model.export(saved, format="tf_saved_model", verbose=False)
+        except TypeError:  # Keras versions without the verbose argument
+            model.export(saved, format="tf_saved_model")
+        return export_saved_model(saved, dst, version=version, quantize_table="int8",
+                                  quantize_tolerance=tolerance, **export_kwargs)

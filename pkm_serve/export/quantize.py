@@ -15,7 +15,7 @@ The result is verified against the original SavedModel on the verification
 inputs: the worst error relative to each output's scale (max |original|) must
 stay within --quantize-tolerance (default 1e-2), else the export is refused.
 
-For a trained Keras model: `quantize_tables(model, dst)` exports it, fuses it
+For a trained Keras model: `pkm_serve.export.quantize_tables(model, dst)` exports it, fuses it
 and quantizes it in one call.
 """
 from __future__ import annotations
@@ -82,10 +82,10 @@ def quantize_export_dir(export_dir: str) -> List[dict]:
     import tensorflow as tf
 
     from pkm_serve import quantized
-    from pkm_serve.export import exporter
+    from pkm_serve.export import saved_model_io
 
     path = os.path.join(export_dir, SAVED_MODEL_PB)
-    proto = exporter.read_saved_model(export_dir)
+    proto = saved_model_io.read_saved_model(export_dir)
     reader = tf.train.load_checkpoint(_variables_prefix(export_dir))
     key_by_node = _key_by_node(reader)
     planned = [(mg, *QG.quantize_graph(mg, key_by_node)) for mg in proto.meta_graphs]
@@ -110,11 +110,11 @@ def quantize_export_dir(export_dir: str) -> List[dict]:
             QG.rewrite(all_bodies, plan, scales, biases)
             for node in QG.variable_nodes(meta_graph, key_by_node, key):
                 node.variable.dtype = tf.int8.as_datatype_enum
-        exporter._record_new_ops(meta_graph)  # pylint: disable=protected-access
+        saved_model_io.record_new_ops(meta_graph)
     _rewrite_checkpoint(export_dir, reader, {k: v[0] for k, v in new_values.items()})
     with open(path, "wb") as f:
         f.write(proto.SerializeToString(deterministic=True))
-    exporter._write_fingerprint(export_dir)  # pylint: disable=protected-access
+    saved_model_io.write_fingerprint(export_dir)
     return rows
 
 
@@ -174,23 +174,3 @@ def format_quantization(q: dict) -> List[str]:
         lines.append(f"  quantized {t['table']}{copy} {t['shape']} {t['dtype']}: {t['float_bytes']} -> "
                      f"{t['int8_bytes']} bytes (+ {t['row_param_bytes']} of row scales/biases in the graph)")
     return lines
-
-
-def quantize_tables(model, dst: str, version: Optional[int] = None, tolerance: Optional[float] = None,
-                    **export_kwargs):
-    """A trained Keras model -> DST/<version>/, fused and with int8 tables.
-
-    Exports the model as a SavedModel (`model.export`), then runs
-    `export_saved_model(..., quantize_table="int8")` on it; returns its
-    ExportResult (result.quantization holds sizes and errors).
-    """
-    from pkm_serve.export.exporter import export_saved_model
-
-    with tempfile.TemporaryDirectory(prefix="pkm-quantize-") as tmp:
-        saved = os.path.join(tmp, "saved_model")
-        try:
-            model.export(saved, format="tf_saved_model", verbose=False)
-        except TypeError:  # Keras versions without the verbose argument
-            model.export(saved, format="tf_saved_model")
-        return export_saved_model(saved, dst, version=version, quantize_table="int8",
-                                  quantize_tolerance=tolerance, **export_kwargs)

@@ -107,7 +107,7 @@ def main():
         "bad_int32_table": (set_tensor(0, "type", lambda s: s.TensorType.INT32),
                             "params must be float32, float16, bfloat16 or int8"),
         "bad_int8_without_scales": (int8_without_scales, "int8 params need per-row"),
-        "bad_rank3_table": (set_tensor(0, "shape", lambda s: [N // 4, 4, D]), "params must be rank 2"),
+        "bad_rank3_table": (set_tensor(0, "shape", lambda s: [N // 4, 4, D]), "params must be a [N, D] matrix"),
         "bad_garbage_options": (set_op("customOptions", np.frombuffer(b"\x07\xff\x00\x13junk", np.uint8)),
                                 "malformed flexbuffer"),
         "bad_unknown_combiner": (set_op("customOptions", options({"combiner": "min"})),

@@ -70,7 +70,7 @@ def test_ops_layers_fit_and_memory(runs, backend):
     if backend not in results:
         pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
     got = results[backend]()
-    assert got["ops_cases"] == 21 and got["no_tf"] == "ok" and got["transforms"] == "ok", got
+    assert got["ops_cases"] == 25 and got["no_tf"] == "ok" and got["transforms"] == "ok", got
     assert got["memory_growth_mb"] < 600, got
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import numpy as np
+
+import pkm_serve.export as pkm_export
 import pytest
 import tensorflow as tf
 
@@ -192,7 +194,8 @@ def test_tolerance_refusal_is_one_clear_error(tmp_path):
                            "--quantize-table", "int8", "--quantize-tolerance", "1e-6", "--quiet"],
                           capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    err_lines = [line for line in proc.stderr.splitlines() if line.startswith("pkm-serve")]
+    # The CLI's progress lines ("importing TensorFlow", "loading the op library") come first.
+    err_lines = [line for line in proc.stderr.splitlines() if line.startswith("pkm-serve export: error")]
     assert proc.returncode != 0 and len(err_lines) == 1 and "--quantize-tolerance" in err_lines[0], proc.stderr[-2000:]
 
 
@@ -202,7 +205,7 @@ def test_keras_api_quantize_tables(tmp_path):
     emb = keras.layers.Embedding(N, D, name="emb")
     model = keras.Model(inp, keras.ops.sum(emb(inp), axis=1))
     emb.embeddings.assign(_table(5))
-    result = Q.quantize_tables(model, str(tmp_path / "dst"), quiet=True)
+    result = pkm_export.quantize_tables(model, str(tmp_path / "dst"), quiet=True)
     assert result.quantization["tables"][0]["int8_bytes"] == N * D
     ids = np.random.default_rng(3).integers(0, N, size=(5, K)).astype(np.int32)
     out = tf.saved_model.load(result.dst).signatures["serving_default"](ids=ids)

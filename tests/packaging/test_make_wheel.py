@@ -1,6 +1,6 @@
-"""`make wheel`'s targets are the wheel files: an empty (or deleted) dist/ gets both wheels
-written again, and a wheel missing from dist/ is rebuilt while the one present is left alone.
-Runs make on a scratch DIST so the checkout's dist/ is untouched (~30 s: two wheel builds)."""
+"""`make wheel`'s targets are the wheel files: an empty (or deleted) dist/ gets every wheel
+(TF, device, Keras) written again, and a wheel missing from dist/ is rebuilt while the ones
+present are left alone. Runs make on a scratch DIST so the checkout's dist/ is untouched."""
 import os
 import subprocess
 import zipfile
@@ -26,11 +26,12 @@ def _wheel_paths(dist):
 def test_make_wheel_writes_every_wheel_missing_from_dist(tmp_path):
     dist = tmp_path / "dist"  # does not exist: as after `rm -rf dist`
     tf_wheel, device_wheel = _wheel_paths(dist)
+    keras_wheel = os.path.join(dist, "pkm_serve_keras-0.1.0-py3-none-manylinux_2_35_x86_64.whl")
     assert os.path.basename(tf_wheel).startswith("pkm_serve-0.1.0-cp")
     built = _make("wheel", f"DIST={dist}")
     assert built.returncode == 0, built.stderr[-3000:]
-    assert sorted(os.listdir(dist)) == sorted(map(os.path.basename, (tf_wheel, device_wheel)))
-    for wheel in (tf_wheel, device_wheel):
+    assert sorted(os.listdir(dist)) == sorted(map(os.path.basename, (tf_wheel, device_wheel, keras_wheel)))
+    for wheel in (tf_wheel, device_wheel, keras_wheel):
         assert zipfile.ZipFile(wheel).testzip() is None
     # Up to date now: nothing to rebuild.
     assert _make("-q", "wheel", f"DIST={dist}").returncode == 0
