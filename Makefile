@@ -103,12 +103,23 @@ include tests/export/models.mk
 build: $(STAMP) $(BUILD_TARGETS)
 setup: build
 
-test: setup $(TEST_DEPS) $(CORE_TEST) $(SHAPE_RULES_TEST)
+# Set-up runs one make job per core and pytest one worker per core (pytest-xdist, a
+# module per worker at a time: module fixtures are built once). JOBS=1 / PYTEST_WORKERS=0
+# run them serially.
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+PYTEST_WORKERS ?= $(JOBS)
+PYTEST_PARALLEL = $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope)
+
+test-deps: setup $(TEST_DEPS) $(CORE_TEST) $(SHAPE_RULES_TEST)
+
+test:
+	$(MAKE) --no-print-directory -j$(JOBS) test-deps
 	$(CORE_TEST)
 	$(SHAPE_RULES_TEST)
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests $(PYTEST_PARALLEL) $(PYTEST_ARGS)
 
-demo: setup
+demo:
+	$(MAKE) --no-print-directory -j$(JOBS) setup
 	$(VENV)/bin/pkm-serve demo
 
 # Every CPU benchmark (the GPU one runs on a GPU machine: bench/gpu_embedding_bag.py),
@@ -128,4 +139,4 @@ bench-report: $(STAMP)
 clean:
 	rm -rf $(BUILDDIR) $(LIBDIR)
 
-.PHONY: build setup venv test demo bench bench-report clean core-test
+.PHONY: build setup venv test test-deps demo bench bench-report clean core-test

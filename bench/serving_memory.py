@@ -5,14 +5,12 @@
 
 The source is a composite SavedModel (tf.gather(table, idx) * w[..., None] -> reduce_sum)
 with an N x D fp32 table. From it:
-  fp32_savedmodel   `pkm-serve export SRC A --tflite T --quantize-table int8`, T moved to
-                    A/1/model.tflite: A/1 (the fused fp32 SavedModel) served as is
-  int8_tflite       the same A/1 served with --prefer_tflite_model=true: its model.tflite,
-                    whose table is per-row int8, through LiteRT and the pkm_serve delegate
-  int8_savedmodel   `pkm-serve export SRC B --quantize-table int8` (int8 rows in the
-                    SavedModel itself; the int8 engineer's work) or --int8-saved-model DIR
-                    (a base directory with numeric versions); skipped, with the export's
-                    one-line error, where that export does not exist yet
+  fp32_savedmodel   `pkm-serve export SRC A`: the fused fp32 SavedModel A/1
+  int8_savedmodel   `pkm-serve export SRC B --tflite T --quantize-table int8`: B/1, whose
+                    fused op reads the table as per-row int8 (or --int8-saved-model DIR,
+                    a base directory with numeric versions)
+  int8_tflite       T moved to B/1/model.tflite, served with --prefer_tflite_model=true:
+                    the per-row int8 table through LiteRT and the pkm_serve delegate
   baseline          a 16-row model: what the server process costs without a table
 Each configuration is one server process (gRPC only, batching off): RSS after load and
 warmup, then after --requests Predict calls of --batch bags (p50 latency too), and the
@@ -27,6 +25,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -103,24 +102,25 @@ def prepare(args, work, log):
         rc, _, err = run([py, "-c", WRITE_SOURCE, path, str(rows), str(args.dim), str(args.bag)], log)
         if rc:
             raise SystemExit(f"writing {path} failed: {err}")
-    fp32, tiny_out = os.path.join(work, "fp32"), os.path.join(work, "tiny")
-    # (The .tflite is written beside DST and moved into the version directory: the exporter
-    # writes DST/<version> by renaming a temporary, so that directory must not exist yet.)
-    tfl = os.path.join(work, "model.tflite")
-    rc, secs, err = run(cli + ["export", src, fp32, "--tflite", tfl, "--quantize-table", "int8"], log)
+    fp32, int8, tiny_out = (os.path.join(work, name) for name in ("fp32", "int8", "tiny"))
+    for stale in (fp32, int8, tiny_out):  # a reused --work must not serve an older version
+        shutil.rmtree(stale, ignore_errors=True)
+    rc, secs, err = run(cli + ["export", src, fp32], log)
     if rc:
-        raise SystemExit(f"export of the fp32 SavedModel + int8 .tflite failed: {err}")
-    os.replace(tfl, os.path.join(fp32, "1", "model.tflite"))
-    dirs = {"fp32_savedmodel": (fp32, []), "int8_tflite": (fp32, ["--prefer_tflite_model=true"]),
-            "_export_seconds": secs}
+        raise SystemExit(f"export of the fp32 SavedModel failed: {err}")
+    dirs = {"fp32_savedmodel": (fp32, []), "_export_seconds": secs}
+    # One int8 export gives both int8 servables: the SavedModel with int8 rows, and the
+    # .tflite (written beside DST, then moved into its version directory: the exporter
+    # writes DST/<version> by renaming a temporary, so that directory must not exist yet).
+    tfl = os.path.join(work, "model.tflite")
+    rc, _, err = run(cli + ["export", src, int8, "--tflite", tfl, "--quantize-table", "int8"], log)
+    if rc:
+        raise SystemExit(f"export of the int8 SavedModel + int8 .tflite failed: {err}")
+    os.replace(tfl, os.path.join(int8, "1", "model.tflite"))
+    dirs["int8_tflite"] = (int8, ["--prefer_tflite_model=true"])
+    dirs["int8_savedmodel"] = (os.path.abspath(args.int8_saved_model) if args.int8_saved_model else int8, [])
     if run(cli + ["export", tiny, tiny_out], log)[0] == 0:
         dirs["baseline"] = (tiny_out, [])
-    if args.int8_saved_model:
-        dirs["int8_savedmodel"] = (os.path.abspath(args.int8_saved_model), [])
-    else:
-        int8 = os.path.join(work, "int8")
-        rc, _, err = run(cli + ["export", src, int8, "--quantize-table", "int8"], log)
-        dirs["int8_savedmodel"] = (int8, []) if rc == 0 else (None, f"not run: the export said: {err}")
     return dirs
 
 
@@ -256,11 +256,10 @@ def main(argv=None):
             runs.append(r)
             print(f"{config} round {rnd}: RSS {r['after_requests']['VmRSS'] / MiB:.0f} MiB, "
                   f"p50 {r['p50_ms']:.2f} ms", flush=True)
-    fp32 = dirs["fp32_savedmodel"][0]
+    fp32, int8 = dirs["fp32_savedmodel"][0], dirs["int8_tflite"][0]
     sizes = {"fp32 variables": dir_bytes(os.path.join(fp32, "1", "variables")),
-             "int8 model.tflite": dir_bytes(fp32, "model.tflite")}
-    if dirs["int8_savedmodel"][0]:
-        sizes["int8 SavedModel variables"] = dir_bytes(dirs["int8_savedmodel"][0])
+             "int8 model.tflite": dir_bytes(int8, "model.tflite"),
+             "int8 SavedModel variables": dir_bytes(os.path.join(dirs["int8_savedmodel"][0], "1", "variables"))}
     machine = args.machine or machine_name()
     result = {"machine": machine, "rows": args.rows, "dim": args.dim, "bag": args.bag, "batch": args.batch,
               "requests": args.requests, "repeats": args.repeats, "table_mib": args.rows * args.dim * 4 / MiB,

@@ -61,6 +61,7 @@ def runs(tmp_path_factory):
     return tmp, {b: (lambda b=b: result(b)) for b in procs}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ops_layers_fit_and_memory(runs, backend):
     """Forward/d_table/d_weights vs float64 (fp32/fp16/bf16, 3 combiners, int32/int64,

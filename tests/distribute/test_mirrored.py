@@ -23,6 +23,7 @@ def trained(tmp_path_factory):
     return dict(np.load(out))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,gradient,optimizer", list(itertools.product(
     ("embedding_bag", "pkm"), ("dense", "sparse"), ("sgd", "lazy_adam"))))
 def test_one_and_two_replicas_train_to_equal_weights(trained, kind, gradient, optimizer):

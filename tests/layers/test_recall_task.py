@@ -1,5 +1,6 @@
 """The synthetic recall task: PKM training lowers the loss and beats the same-width FFN."""
 import numpy as np
+import pytest
 
 from pkm_serve.layers.recall_task import (
     RecallConfig,
@@ -26,6 +27,7 @@ def test_parameter_matched_width_matches_memory_parameters():
     assert abs(hidden * (2 * d + 1) + d - memory_params) <= 2 * d + 1
 
 
+@pytest.mark.slow
 def test_pkm_learns_recall_and_beats_same_width_feedforward():
     report = run_recall_comparison(SMALL, log=None)
     pkm, ffn = report["results"]

@@ -286,6 +286,7 @@ def test_missing_library_error_is_clear(monkeypatch, tmp_path):
 
 # ---- tables over 2^31 elements ----------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.large
 def test_table_over_2_pow_31_elements_forward_and_backward():
     """float16 table of 2^28 + 8 rows x 8 = 2^31 + 64 elements (4 GB): rows past

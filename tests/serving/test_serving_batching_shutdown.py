@@ -85,6 +85,7 @@ def test_deadline_is_honoured_while_waiting_for_a_batch(batching_server, tf_with
         assert time.monotonic() - t0 < 1.0
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests(tmp_path, saved_models, tf_with_ops):
     tf = tf_with_ops
     batching = tmp_path / "batching.config"

@@ -82,6 +82,7 @@ def test_ops_registered_at_start_and_no_op_library_opened(models):
                                     "PkmRaggedEmbeddingBagGrad"]
 
 
+@pytest.mark.slow
 def test_without_whole_archive_the_ops_are_missing(models):
     """The control program: the same objects linked as a plain archive."""
     control = PROGRAM + "_no_whole_archive"

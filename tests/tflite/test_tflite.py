@@ -331,6 +331,7 @@ def test_delegate_options_are_validated():
             litert.load_delegate(tflite.delegate_path(), options=options)
 
 
+@pytest.mark.slow
 def test_asan_fuzz_of_prepare_and_invoke():
     """`make asan-tflite`: random tensors/options under AddressSanitizer + UBSan."""
     if shutil.which("make") is None:
