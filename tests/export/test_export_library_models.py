@@ -140,7 +140,7 @@ def exported(corpus):
 
 NAMES = ["fc_examples", "fc_sparse_ids", "tf_keras_masked_mean", "keras3_text_classifier",
          "tfrs_ranking", "tfrs_tpu_embedding", "tfrs_tpu_embedding_unweighted",
-         "keras_rs_embed_reduce", "tf1_modules"]
+         "keras_rs_embed_reduce", "tf1_modules", "tfm_dlrm_ranking"]
 
 
 @pytest.mark.parametrize("name", NAMES)
