@@ -396,15 +396,20 @@ def match_reduce_max(fg: FunctionGraph, node, site: Site) -> Site:
         raise Skip("the gathered rows are re-gathered before a dense reduction")
     apply_rows(fg, site, rows, node.name, x)
     _check_bag_axis(fg, node, x, axis_ref)
+    check_max_site(site)
+    return site
+
+
+def check_max_site(site: Site) -> None:
+    """A max bag the op's 'max' combiner computes: unweighted, unmasked."""
     if site.weights is not None:
-        raise Skip("reduce_max of weighted rows: the op's max combiner takes no weights")
+        raise Skip("max of weighted rows: the op's max combiner takes no weights")
     if site.mask is not None:
-        raise Skip("reduce_max of masked rows: tf.where puts 0 rows in the max, the op's "
+        raise Skip("max of masked rows: tf.where puts 0 rows in the max, the op's "
                    "padding would leave them out")
     if not max_combiner_available():
-        raise Skip("reduce_max bag: this build's PkmEmbeddingBag has no 'max' combiner "
+        raise Skip("max bag: this build's PkmEmbeddingBag has no 'max' combiner "
                    "(it takes sum, mean, sqrtn)")
-    return site
 
 
 def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:

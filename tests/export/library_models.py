@@ -245,13 +245,11 @@ def tfrs_tpu_embedding(path, weighted=True):
     w = weights if weighted else None
     want = {c: reference.ragged_embedding_bag(layer.embedding_tables[tables[c]].numpy(),
                                               values, splits, w, c) for c in tables}
-    meta = {"pooled": {"serving_default": 3}, "inputs": real,
+    # Weighted: ragged broadcasting of ids x weights re-gathers both by
+    # RaggedRange positions, rebuilt from builtins after fusion.
+    return {"pooled": {"serving_default": 3}, "inputs": real, "tflite": "ok",
             "reference": {"serving_default": want},
             "computes": ["sum", "weighted mean" if weighted else "mean", "sqrtn"]}
-    # Ragged broadcasting of ids x weights keeps a RaggedRange (no TFLite builtin).
-    meta.update({"tflite": "refused", "refused_op": "RaggedRange"} if weighted
-                else {"tflite": "ok"})
-    return meta
 
 
 def keras_rs_embed_reduce(path):

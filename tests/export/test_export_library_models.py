@@ -9,7 +9,7 @@ equals the model's pooled sites; outputs equal the original (and the numpy
 reference where the builder restates the model) to 1e-5 on real-looking
 inputs; the .tflite converts with builtins plus our ops and matches through
 the delegate, or, where the model's own non-embedding ops have no TFLite
-builtin (tf.Example parsing, string ops, ragged broadcasting), the refusal
+builtin (tf.Example parsing, string ops), the refusal
 names that op and no SparseSegment* op is left behind.
 """
 import json
