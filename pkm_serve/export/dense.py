@@ -389,6 +389,13 @@ def max_combiner_available() -> bool:
 def match_reduce_max(fg: FunctionGraph, node, site: Site) -> Site:
     """reduce_max over the bag axis of gathered rows: combiner 'max'."""
     site.combiner = "max"
+    _bag_of_rows(fg, node, site)
+    check_max_site(site)
+    return site
+
+
+def _bag_of_rows(fg: FunctionGraph, node, site: Site) -> Ref:
+    """Fills `site` from the rows a bag-axis reduction `node` reads; returns them."""
     x, axis_ref = fg.inputs(node)
     _not_over_features(fg, x, axis_ref)
     rows = resolve_rows(fg, x, site)
@@ -396,8 +403,7 @@ def match_reduce_max(fg: FunctionGraph, node, site: Site) -> Site:
         raise Skip("the gathered rows are re-gathered before a dense reduction")
     apply_rows(fg, site, rows, node.name, x)
     _check_bag_axis(fg, node, x, axis_ref)
-    check_max_site(site)
-    return site
+    return x
 
 
 def check_max_site(site: Site) -> None:
@@ -415,13 +421,7 @@ def check_max_site(site: Site) -> None:
 def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:
     """Sum/Mean over the bag axis of (cast, weighted, masked) gathered rows."""
     site.combiner = "sum" if node.op == "Sum" else "mean"
-    x, axis_ref = fg.inputs(node)
-    _not_over_features(fg, x, axis_ref)
-    rows = resolve_rows(fg, x, site)
-    if rows.regathers:
-        raise Skip("the gathered rows are re-gathered before a dense reduction")
-    apply_rows(fg, site, rows, node.name, x)
-    _check_bag_axis(fg, node, x, axis_ref)
+    x = _bag_of_rows(fg, node, site)
     if node.op == "Mean" and (site.weights is not None or site.mask is not None):
         # mean over K of w*x is the sum with weights w / K: fused as the sum,
         # then divided by K exactly as Mean does.

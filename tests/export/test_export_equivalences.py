@@ -134,7 +134,9 @@ def test_generated_examples_follow_the_parse_op(tmp_path):
     assert all(r["max_abs_err"] < 1e-5 for r in data["verification"])
 
 
-def test_ragged_and_hand_named_sparse_inputs_are_generated_valid(tmp_path):
+def _save_ragged_and_sparse(path, body):
+    """A module over TABLE whose serving_default takes a ragged id tensor and a
+    sparse one as its three parts, returning body(table, ragged, *parts)."""
     module = tf.Module()
     module.table = tf.Variable(TABLE)
 
@@ -143,12 +145,18 @@ def test_ragged_and_hand_named_sparse_inputs_are_generated_valid(tmp_path):
                                   tf.TensorSpec([None], tf.int64),
                                   tf.TensorSpec([2], tf.int64)])
     def serve(ragged, sp_indices, sp_values, sp_dense_shape):
-        sparse = tf.SparseTensor(sp_indices, sp_values, sp_dense_shape)
-        return {"ragged": tf.reduce_sum(tf.gather(module.table, ragged), axis=1),
-                "sparse": tf.nn.embedding_lookup_sparse(module.table, sparse, None,
-                                                        combiner="mean")}
+        return body(module.table, ragged, sp_indices, sp_values, sp_dense_shape)
     module.serve = serve
-    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": serve})
+    tf.saved_model.save(module, str(path), signatures={"serving_default": serve})
+
+
+def test_ragged_and_hand_named_sparse_inputs_are_generated_valid(tmp_path):
+    def body(table, ragged, sp_indices, sp_values, sp_dense_shape):
+        sparse = tf.SparseTensor(sp_indices, sp_values, sp_dense_shape)
+        return {"ragged": tf.reduce_sum(tf.gather(table, ragged), axis=1),
+                "sparse": tf.nn.embedding_lookup_sparse(table, sparse, None,
+                                                        combiner="mean")}
+    _save_ragged_and_sparse(tmp_path / "m", body)
     report = tmp_path / "r.json"
     assert main([str(tmp_path / "m"), str(tmp_path / "out"), "--quiet", "--report",
                  str(report), "--tflite", str(tmp_path / "m.tflite")]) == 0
@@ -237,19 +245,9 @@ def test_ragged_and_sparse_max_bags_fused_with_the_max_combiner(tmp_path):
     from pkm_serve.export.dense import max_combiner_available
     if not max_combiner_available():
         pytest.skip("this op library has no max combiner")
-    module = tf.Module()
-    module.table = tf.Variable(TABLE)
-
-    @tf.function(input_signature=[tf.RaggedTensorSpec([None, None], tf.int64),
-                                  tf.TensorSpec([None, 2], tf.int64),
-                                  tf.TensorSpec([None], tf.int64),
-                                  tf.TensorSpec([2], tf.int64)])
-    def serve(ragged, sp_indices, sp_values, sp_dense_shape):
-        return {"ragged_max": tf.reduce_max(tf.gather(module.table, ragged), axis=1),
-                "sparse_max": tf.math.segment_max(tf.gather(module.table, sp_values),
-                                                  sp_indices[:, 0])}
-    module.serve = serve
-    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": serve})
+    _save_ragged_and_sparse(tmp_path / "m", lambda table, ragged, sp_indices, sp_values, _: {
+        "ragged_max": tf.reduce_max(tf.gather(table, ragged), axis=1),
+        "sparse_max": tf.math.segment_max(tf.gather(table, sp_values), sp_indices[:, 0])})
     report, tfl = tmp_path / "r.json", tmp_path / "m.tflite"
     assert main([str(tmp_path / "m"), str(tmp_path / "out"), "--quiet", "--report",
                  str(report), "--tflite", str(tfl)]) == 0
