@@ -324,6 +324,12 @@ def _per_index_shape(fg: FunctionGraph, ref: Ref, squeeze: bool):
     return shape[:-1] if squeeze and shape.rank else shape
 
 
+def _check_per_index(fg: FunctionGraph, ref: Ref, squeeze: bool, ids_shape, what: str):
+    shape = _per_index_shape(fg, ref, squeeze)
+    if not same_dims(shape, ids_shape):
+        raise Skip(f"{what} shape {shape} does not match indices shape {ids_shape}")
+
+
 def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) -> None:
     """Fills `site` from the resolved rows: table, ids (re-gathered as the rows
     were), per-index weights and mask (shapes checked against the ids), the
@@ -335,16 +341,12 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     site.gather_refs = tuple(rows.as_gathered) + (gathered.output,) + tuple(
         Ref(n, 0) for n in gathered.nodes)
     if rows.weights is not None:
-        w_shape = _per_index_shape(fg, rows.weights, rows.weights_squeeze)
-        if not same_dims(w_shape, ids_shape):
-            raise Skip("multiplier is not per-index: weights shape %s does not match "
-                       "indices shape %s" % (w_shape, ids_shape))
+        _check_per_index(fg, rows.weights, rows.weights_squeeze, ids_shape,
+                         "multiplier is not per-index: weights")
         site.weights, site.weights_squeeze = rows.weights, rows.weights_squeeze
     if rows.mask is not None:
-        m_shape = _per_index_shape(fg, rows.mask, rows.mask_squeeze)
-        if not same_dims(m_shape, ids_shape):
-            raise Skip("mask is not per-index: mask shape %s does not match indices shape "
-                       "%s" % (m_shape, ids_shape))
+        _check_per_index(fg, rows.mask, rows.mask_squeeze, ids_shape,
+                         "mask is not per-index: mask")
         site.mask, site.mask_keeps_true = rows.mask, rows.mask_keeps_true
         site.mask_squeeze = rows.mask_squeeze
     site.cast_enum = rows.cast_enum if rows.cast_enum != gathered.dtype else 0

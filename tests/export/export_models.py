@@ -209,18 +209,8 @@ def project_composite(path, combiner="mean"):
     reference users deploy where the op is missing): padding -1 ids and all."""
     from pkm_serve.ops import embedding_bag_composite
     table = _table(10)
-
-    class M(tf.Module):
-        def __init__(self):
-            self.table = tf.Variable(table)
-
-        @tf.function(input_signature=[tf.TensorSpec([None, K], tf.int64),
-                                      tf.TensorSpec([None, K], tf.float32)])
-        def serve(self, idx, w):
-            return {"out": embedding_bag_composite(self.table, idx, w, combiner=combiner)}
-
-    m = M()
-    _save(m, path, {"serving_default": m.serve})
+    save_bag_module(path, table, lambda t, idx, w: embedding_bag_composite(
+        t, idx, w, combiner=combiner), index_dtype=tf.int64)
     return table, None
 
 
