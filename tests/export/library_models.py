@@ -365,9 +365,11 @@ def tfm_dlrm_ranking(path):
     def serve_ragged(dense, cat_0, cat_1, cat_2):
         return predict(dense, [cat_0, cat_1, cat_2])
 
+    # No id 0 and no 0.0: a serialized Example ending in a NUL byte would lose it
+    # in the .npz's bytes array (numpy strips trailing NULs of |S values).
     rows = [([0.1, 2.0, 3.0], [[1, 2], [3], [4, 5, 49]]),
-            ([1.0, 1.0, 1.0], [[], [29], [0]]),      # one empty bag
-            ([-0.5, 0.0, 7.0], [[39, 39, 0], [1, 2], [7]])]
+            ([1.0, 1.0, 1.0], [[], [29], [1]]),      # one empty bag
+            ([-0.5, 0.25, 7.0], [[39, 39, 2], [1, 2], [7]])]
     real_examples = np.array([_example(dict(
         {"dense": [float(v) for v in d]}, **{k: c for k, c in zip(keys, cats) if c}))
         for d, cats in rows], dtype=object)
@@ -419,6 +421,10 @@ def main(out_dir, names):
     for name in names:
         info = BUILDERS[name](os.path.join(out_dir, name))
         inputs = info.pop("inputs")
+        for key, value in inputs.items():
+            if value.dtype == object and any(v.endswith(b"\0") for v in value.ravel()):
+                raise ValueError(f"{name} {key}: a value ends in a NUL byte, which a bytes "
+                                 "array in the .npz would drop")
         np.savez(os.path.join(out_dir, name + ".inputs.npz"),
                  **{k: (v.astype(bytes) if v.dtype == object else v) for k, v in inputs.items()})
         meta[name] = _jsonable(info)
