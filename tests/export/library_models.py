@@ -422,7 +422,8 @@ def main(out_dir, names):
         info = BUILDERS[name](os.path.join(out_dir, name))
         inputs = info.pop("inputs")
         for key, value in inputs.items():
-            if value.dtype == object and any(v.endswith(b"\0") for v in value.ravel()):
+            if value.dtype == object and any(isinstance(v, bytes) and v.endswith(b"\0")
+                                             for v in value.ravel()):
                 raise ValueError(f"{name} {key}: a value ends in a NUL byte, which a bytes "
                                  "array in the .npz would drop")
         np.savez(os.path.join(out_dir, name + ".inputs.npz"),
