@@ -104,18 +104,11 @@ def build_model(path: str, kind: str, rows: int, bag: int, dim: int) -> None:
         emb.embeddings.assign(table)
         model.export(path, format="tf_saved_model", verbose=False)
         return
-
-    class Model(tf.Module):
-        def __init__(self):
-            self.table = tf.Variable(table)
-
-        @tf.function(input_signature=[tf.TensorSpec([None, bag], tf.int32),
-                                      tf.TensorSpec([None, bag], tf.float32)])
-        def serve(self, idx, w):
-            return {"out": tf.reduce_sum(tf.gather(self.table, idx) * w[..., None], axis=1)}
-
-    model = Model()
-    tf.saved_model.save(model, path, signatures={"serving_default": model.serve})
+    # The composite weighted sum, written as the export tests write it.
+    sys.path.insert(0, os.path.join(ROOT, "tests", "export"))
+    from export_models import save_bag_module
+    save_bag_module(path, table, lambda t, idx, w: tf.reduce_sum(
+        tf.gather(t, idx) * w[..., None], axis=1), k=bag)
 
 
 def serve_once(lib: str, model_dir: str, kind: str, args) -> dict:

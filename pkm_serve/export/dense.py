@@ -324,6 +324,12 @@ def _per_index_shape(fg: FunctionGraph, ref: Ref, squeeze: bool):
     return shape[:-1] if squeeze and shape.rank else shape
 
 
+def _check_per_index(fg: FunctionGraph, ref: Ref, squeeze: bool, ids_shape, what: str):
+    shape = _per_index_shape(fg, ref, squeeze)
+    if not same_dims(shape, ids_shape):
+        raise Skip(f"{what} shape {shape} does not match indices shape {ids_shape}")
+
+
 def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) -> None:
     """Fills `site` from the resolved rows: table, ids (re-gathered as the rows
     were), per-index weights and mask (shapes checked against the ids), the
@@ -335,16 +341,12 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     site.gather_refs = tuple(rows.as_gathered) + (gathered.output,) + tuple(
         Ref(n, 0) for n in gathered.nodes)
     if rows.weights is not None:
-        w_shape = _per_index_shape(fg, rows.weights, rows.weights_squeeze)
-        if not same_dims(w_shape, ids_shape):
-            raise Skip("multiplier is not per-index: weights shape %s does not match "
-                       "indices shape %s" % (w_shape, ids_shape))
+        _check_per_index(fg, rows.weights, rows.weights_squeeze, ids_shape,
+                         "multiplier is not per-index: weights")
         site.weights, site.weights_squeeze = rows.weights, rows.weights_squeeze
     if rows.mask is not None:
-        m_shape = _per_index_shape(fg, rows.mask, rows.mask_squeeze)
-        if not same_dims(m_shape, ids_shape):
-            raise Skip("mask is not per-index: mask shape %s does not match indices shape "
-                       "%s" % (m_shape, ids_shape))
+        _check_per_index(fg, rows.mask, rows.mask_squeeze, ids_shape,
+                         "mask is not per-index: mask")
         site.mask, site.mask_keeps_true = rows.mask, rows.mask_keeps_true
         site.mask_squeeze = rows.mask_squeeze
     site.cast_enum = rows.cast_enum if rows.cast_enum != gathered.dtype else 0
@@ -389,6 +391,13 @@ def max_combiner_available() -> bool:
 def match_reduce_max(fg: FunctionGraph, node, site: Site) -> Site:
     """reduce_max over the bag axis of gathered rows: combiner 'max'."""
     site.combiner = "max"
+    _bag_of_rows(fg, node, site)
+    check_max_site(site)
+    return site
+
+
+def _bag_of_rows(fg: FunctionGraph, node, site: Site) -> Ref:
+    """Fills `site` from the rows a bag-axis reduction `node` reads; returns them."""
     x, axis_ref = fg.inputs(node)
     _not_over_features(fg, x, axis_ref)
     rows = resolve_rows(fg, x, site)
@@ -396,27 +405,25 @@ def match_reduce_max(fg: FunctionGraph, node, site: Site) -> Site:
         raise Skip("the gathered rows are re-gathered before a dense reduction")
     apply_rows(fg, site, rows, node.name, x)
     _check_bag_axis(fg, node, x, axis_ref)
+    return x
+
+
+def check_max_site(site: Site) -> None:
+    """A max bag the op's 'max' combiner computes: unweighted, unmasked."""
     if site.weights is not None:
-        raise Skip("reduce_max of weighted rows: the op's max combiner takes no weights")
+        raise Skip("max of weighted rows: the op's max combiner takes no weights")
     if site.mask is not None:
-        raise Skip("reduce_max of masked rows: tf.where puts 0 rows in the max, the op's "
+        raise Skip("max of masked rows: tf.where puts 0 rows in the max, the op's "
                    "padding would leave them out")
     if not max_combiner_available():
-        raise Skip("reduce_max bag: this build's PkmEmbeddingBag has no 'max' combiner "
+        raise Skip("max bag: this build's PkmEmbeddingBag has no 'max' combiner "
                    "(it takes sum, mean, sqrtn)")
-    return site
 
 
 def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:
     """Sum/Mean over the bag axis of (cast, weighted, masked) gathered rows."""
     site.combiner = "sum" if node.op == "Sum" else "mean"
-    x, axis_ref = fg.inputs(node)
-    _not_over_features(fg, x, axis_ref)
-    rows = resolve_rows(fg, x, site)
-    if rows.regathers:
-        raise Skip("the gathered rows are re-gathered before a dense reduction")
-    apply_rows(fg, site, rows, node.name, x)
-    _check_bag_axis(fg, node, x, axis_ref)
+    x = _bag_of_rows(fg, node, site)
     if node.op == "Mean" and (site.weights is not None or site.mask is not None):
         # mean over K of w*x is the sum with weights w / K: fused as the sum,
         # then divided by K exactly as Mean does.

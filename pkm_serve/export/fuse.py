@@ -198,7 +198,8 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
 
 def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optional[Ref]):
     """What the composite does after the bag, as [(op, attrs, inputs(bag))]:
-    cast it, divide it by K, or give empty bags table[default_id]."""
+    cast it, divide it by K, or give empty bags table[default_id] (safe_) or
+    the lowest value (ragged reduce_max)."""
     steps = []
     out_dtype = site.table_dtype
     if site.cast_enum:
@@ -221,6 +222,13 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
         empty = _empty_bags(fg, site, splits)
         steps.append(("SelectV2", {"T": DType(site.table_dtype)},
                       lambda bag: [empty, default_row, bag]))
+    if site.empty_bag_lowest:
+        out_type = dtypes.as_dtype(out_dtype)
+        lowest = fg.add_const(site.root + "/pkm_empty_max",
+                              np.array(out_type.min, out_type.as_numpy_dtype))
+        empty_rows = _empty_bags(fg, site, splits)
+        steps.append(("SelectV2", {"T": DType(out_dtype)},
+                      lambda bag: [empty_rows, lowest, bag]))
     return steps
 
 

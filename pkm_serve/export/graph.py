@@ -237,6 +237,18 @@ class FunctionGraph:
             if value == old:
                 self.fdef.control_ret[key] = new
 
+    def unused_stateless(self) -> List[str]:
+        """Side-effect-free nodes whose outputs nothing reads."""
+        self.reindex()
+        read = {r.node for r in self.data_consumers} | set(self.control_consumers) | \
+            {r.node for r in self.returned} | self.control_returned
+        unused = []
+        for node in self.fdef.node_def:
+            op_def = op_def_registry.get(node.op)
+            if node.name not in read and op_def is not None and not op_def.is_stateful:
+                unused.append(node.name)
+        return unused
+
     def remove_dead(self, seeds: Iterable[str]) -> List[str]:
         """Removes `seeds` and then any side-effect-free node left without
         consumers. Returns the removed names."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import dense, einsum, fuse, labels, ragged, sparse
+from pkm_serve.export import dense, einsum, fuse, labels, ragged, ragged_range, sparse
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
 
@@ -23,8 +23,10 @@ def _pattern_of(node) -> str:
         return "einsum"
     if node.op in ("Sum", "Mean", "Max"):
         return "gather-reduce"
-    if node.op == "UnsortedSegmentSum":
+    if node.op in ("UnsortedSegmentSum", "UnsortedSegmentMax"):
         return "ragged-reduce"
+    if node.op == "SegmentMax":
+        return "sparse-segment-max"
     return "embedding_lookup_sparse"
 
 
@@ -70,8 +72,10 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, sparse.match_sparse_segment)
         elif node.op == "SegmentSum":
             attempt(node, sparse.match_segment_sum)
-        elif node.op == "UnsortedSegmentSum":
+        elif node.op in ("UnsortedSegmentSum", "UnsortedSegmentMax"):
             attempt(node, ragged.match_unsorted_segment_sum)
+        elif node.op == "SegmentMax":
+            attempt(node, sparse.match_segment_max)
         elif node.op == "Max":
             attempt(node, dense.match_reduce_max)
     for site in sites:
@@ -118,5 +122,11 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
             fg.reindex()
         if any(s.pattern == "safe_embedding_lookup_sparse" for s in fused):
             seeds.extend(sparse.bypass_identity_sparse_reshapes(fg))
+        if any(s.pattern == "ragged-reduce" for s in fused):
+            seeds.extend(ragged_range.rewrite_ragged_ranges(
+                fg, [n.name for n in fg.fdef.node_def if n.op in (DENSE_OP, RAGGED_OP)]))
         fg.remove_dead(seeds)
+        # What fed only the removed sites through ops that are not seeds
+        # (ragged broadcasting's row partitions) is unused now too.
+        fg.remove_dead(fg.unused_stateless())
     return sites

@@ -3,7 +3,7 @@
   reduce_sum(embedding_lookup(table, ragged_ids) [* ragged_w[..., None]], axis=1)
 
 is, in the graph, UnsortedSegmentSum(rows [* w], segment_ids(row_splits),
-nrows): TF's tpu_embedding_for_serving CPU path (TFRS / tf-models-official
+nrows) (reduce_max: UnsortedSegmentMax of unweighted rows, combiner 'max'): TF's tpu_embedding_for_serving CPU path (TFRS / tf-models-official
 DLRM serving), keras-rs EmbedReduce and Keras ragged pooling write it. The
 rows and weights may be re-gathered by ragged broadcasting (rows[perm] is
 table[ids[perm]]). It becomes PkmRaggedEmbeddingBag on the row_splits the
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pkm_serve.export.dense import apply_rows, resolve_rows
+from pkm_serve.export.dense import apply_rows, check_max_site, resolve_rows
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import Site, Skip
 
@@ -67,12 +67,20 @@ def _reads_only(fg: FunctionGraph, ref: Ref, splits: Ref, seen: set) -> bool:
 
 
 def match_unsorted_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
+    """UnsortedSegmentSum (reduce_sum) or UnsortedSegmentMax (reduce_max,
+    combiner 'max') of a ragged gather over its ragged rows."""
     data, seg, _ = fg.inputs(node)
     rows = resolve_rows(fg, data, site)
     site.pattern = "ragged-reduce"
     apply_rows(fg, site, rows, node.name, data)
     if fg.shape(data).rank != 2:
-        raise Skip("segment sum of gathered rows that are not [ids, D]")
+        raise Skip("segment reduction of gathered rows that are not [ids, D]")
+    if node.op == "UnsortedSegmentMax":
+        site.combiner = "max"
+        check_max_site(site)
+        # reduce_max of an empty ragged row is the dtype's lowest value; the
+        # op gives an empty bag zeros, so the fused site writes it back.
+        site.empty_bag_lowest = True
     splits = splits_of_segment_ids(fg, seg)
     if splits is None:
         raise Skip("segment ids are not those of a ragged row partition (row_splits), "

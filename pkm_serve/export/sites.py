@@ -67,6 +67,7 @@ class Site:
     sparse_indices: Optional[Ref] = None  # safe_: [nnz, 2] ids before the fill
     dense_shape: Optional[Ref] = None     # safe_: [2]; dense_shape[0] bags
     default_id: Optional[int] = None      # safe_: row an empty bag gets (None: zeros)
+    empty_bag_lowest: bool = False        # ragged max: an empty bag is the dtype's lowest
     internal: Tuple[str, ...] = ()     # nodes only the site uses (removed on fusion)
     dead_after: Tuple[str, ...] = ()   # nodes that become unused once fused
     intermediate_itemsizes: Tuple[int, ...] = ()  # one per [..., K, D] tensor built

@@ -4,6 +4,7 @@
   weighted    gather [-> re-gather by unique.idx] -> Mul by reshaped weights -> SegmentSum
               [-> DivNoNan by SegmentSum(w) (mean) or Sqrt(SegmentSum(w^2)) (sqrtn)]
   safe_       the above on SparseFillEmptyRows outputs, then Select(empty rows, 0, result)
+  max         gather [-> re-gather by unique.idx] -> SegmentMax(rows, seg) (combiner 'max')
 
 All become PkmRaggedEmbeddingBag. A safe_ site with default_id=None is fused
 from the pruned ids *before* SparseFillEmptyRows (the op gives empty bags
@@ -16,8 +17,8 @@ from typing import List
 
 import numpy as np
 
-from pkm_serve.export.dense import Gather, fill_from_gather, leads_to_gather, \
-    resolve_gather, strip_trailing_unit_axis
+from pkm_serve.export.dense import Gather, check_max_site, fill_from_gather, \
+    leads_to_gather, resolve_gather, strip_trailing_unit_axis
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import (INDEX_DTYPES, NotASite, Site, Skip, check_private,
                                     dtype_name, itemsize, through_identity)
@@ -153,6 +154,34 @@ def _match_segment_sum(fg: FunctionGraph, node, site: Site, extra: List[str]):
 def match_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
     site = _match_segment_sum(fg, node, site, [])[0]
     return extend_to_safe(fg, site)
+
+
+def match_segment_max(fg: FunctionGraph, node, site: Site) -> Site:
+    """tf.math.segment_max(gather(table, sp.values), sp.indices[:, 0]): combiner
+    'max' on the sorted bag ids (an empty bag in between is 0, as the op gives;
+    bags after the last id are not written, as the ragged rows derived from
+    the last id + 1)."""
+    data, segment_ids = fg.inputs(node)
+    site.combiner = "max"
+    try:
+        gathered, ids, rows_nodes, private = _resolve_sparse_rows(fg, data)
+    except NotASite:
+        reason = steps_before_segment(fg, data)
+        if reason is None:
+            raise
+        raise Skip(reason.replace("sparse segment reduction", "segment_max")) from None
+    fill_from_gather(site, gathered, fg)
+    if fg.shape(gathered.output).rank != 2:
+        raise Skip("segment_max of gathered rows that are not [ids, D]")
+    site.indices, site.segment_ids = ids, segment_ids
+    site.index_dtype = _ids_dtype(fg, ids, gathered)
+    site.internal = tuple(n for n in rows_nodes if n != site.root)
+    site.intermediate_itemsizes = (itemsize(gathered.dtype),)
+    check_private(fg, private + [data], set(site.internal) | {site.root})
+    if site.index_dtype not in INDEX_DTYPES:
+        raise Skip(f"index dtype {dtype_name(site.index_dtype)} is not int32/int64")
+    check_max_site(site)
+    return site
 
 
 def _ids_dtype(fg: FunctionGraph, ids: Ref, gathered: Gather) -> int:

@@ -86,6 +86,21 @@ def _not_fused_note(not_fused: Sequence) -> str:
         f" and {len(not_fused) - 4} more" if len(not_fused) > 4 else "")
 
 
+# The model's own input preprocessing, not an embedding site.
+_PREPROCESSING_OPS = ("ParseExample", "ParseExampleV2", "ParseSingleExample",
+                      "StringSplit", "StringSplitV2", "StringToHashBucketFast",
+                      "StringLower", "StaticRegexReplace", "RegexReplace")
+
+
+def _preprocessing_note(unsupported: Sequence[str]) -> str:
+    own = [op for op in unsupported if op in _PREPROCESSING_OPS]
+    if not own:
+        return ""
+    return (f"; {own} parse or split the model's inputs (no embedding site): serve "
+            "that signature from the exported SavedModel, or convert only signatures "
+            "that take parsed features (--signatures)")
+
+
 def _model(model: bytes):
     schema = pkm_tflite.flatbuffer_schema()
     return schema.Model.GetRootAsModel(bytearray(model), 0)
@@ -149,7 +164,7 @@ def _check_custom_ops(model: bytes, not_fused: Sequence = ()) -> List[str]:
         raise ExportError(f"the .tflite would need custom ops {unsupported} that no TFLite "
                           "runtime here provides (only builtins and "
                           f"{list(SUPPORTED_CUSTOM_OPS)} run with the pkm delegate)"
-                          + _not_fused_note(not_fused))
+                          + (_not_fused_note(not_fused) or _preprocessing_note(unsupported)))
     return found
 
 

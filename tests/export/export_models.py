@@ -23,6 +23,26 @@ def _save(module, path, signatures):
     tf.saved_model.save(module, path, signatures=signatures)
 
 
+def save_bag_module(path, table, body, k=K, index_dtype=tf.int32, weight_dtype=None):
+    """Saves a tf.Module holding `table` as a variable, whose serving_default
+    takes ids and weights [None, k] and returns body(table variable, ids,
+    weights) (a dict, or one tensor named 'out')."""
+    weight_dtype = weight_dtype or tf.as_dtype(table.dtype)
+
+    class Bag(tf.Module):
+        def __init__(self):
+            self.table = tf.Variable(table)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, k], index_dtype),
+                                      tf.TensorSpec([None, k], weight_dtype)])
+        def serve(self, idx, w):
+            out = body(self.table, idx, w)
+            return out if isinstance(out, dict) else {"out": out}
+
+    module = Bag()
+    _save(module, str(path), {"serving_default": module.serve})
+
+
 def np_bag(table, idx, w=None, combiner="sum"):
     """Reference: combine_k w * table[idx] over the last index axis (float64),
     tests/reference.py's dense bags."""
@@ -41,19 +61,10 @@ def gather_weighted_sum(path, index_dtype=tf.int32, expand="slice", table_dtype=
     """tf.gather(variable) * w[..., None] -> reduce_sum(axis=1)  (ResourceGather)."""
     table = _table(1, dtype=table_dtype)
 
-    class M(tf.Module):
-        def __init__(self):
-            self.table = tf.Variable(table)
-
-        @tf.function(input_signature=[tf.TensorSpec([None, K], index_dtype),
-                                      tf.TensorSpec([None, K], table_dtype)])
-        def serve(self, idx, w):
-            rows = tf.gather(self.table, idx)
-            w_last = w[..., None] if expand == "slice" else tf.expand_dims(w, -1)
-            return {"out": tf.reduce_sum(rows * w_last, axis=1)}
-
-    m = M()
-    _save(m, path, {"serving_default": m.serve})
+    def body(t, idx, w):
+        w_last = w[..., None] if expand == "slice" else tf.expand_dims(w, -1)
+        return tf.reduce_sum(tf.gather(t, idx) * w_last, axis=1)
+    save_bag_module(path, table, body, index_dtype=index_dtype)
     return table, lambda x: {"out": np_bag(table, x["idx"], x["w"])}
 
 
@@ -198,18 +209,8 @@ def project_composite(path, combiner="mean"):
     reference users deploy where the op is missing): padding -1 ids and all."""
     from pkm_serve.ops import embedding_bag_composite
     table = _table(10)
-
-    class M(tf.Module):
-        def __init__(self):
-            self.table = tf.Variable(table)
-
-        @tf.function(input_signature=[tf.TensorSpec([None, K], tf.int64),
-                                      tf.TensorSpec([None, K], tf.float32)])
-        def serve(self, idx, w):
-            return {"out": embedding_bag_composite(self.table, idx, w, combiner=combiner)}
-
-    m = M()
-    _save(m, path, {"serving_default": m.serve})
+    save_bag_module(path, table, lambda t, idx, w: embedding_bag_composite(
+        t, idx, w, combiner=combiner), index_dtype=tf.int64)
     return table, None
 
 
@@ -276,18 +277,8 @@ def masked_forms(path):
 def mean_of_weighted(path):
     """tf.reduce_mean(tf.gather(t, ids) * w[..., None], axis=1): a sum with w / K."""
     table = _table(14)
-
-    class Mod(tf.Module):
-        def __init__(self):
-            self.table = tf.Variable(table)
-
-        @tf.function(input_signature=[tf.TensorSpec([None, K], tf.int32),
-                                      tf.TensorSpec([None, K], tf.float32)])
-        def serve(self, idx, w):
-            return {"out": tf.reduce_mean(tf.gather(self.table, idx) * w[..., None], axis=1)}
-
-    m = Mod()
-    _save(m, path, {"serving_default": m.serve})
+    save_bag_module(path, table,
+                    lambda t, idx, w: tf.reduce_mean(tf.gather(t, idx) * w[..., None], axis=1))
     return table, lambda x: {"out": np_bag(table, x["idx"], x["w"]) / K}
 
 
@@ -472,23 +463,15 @@ def unfusable_reductions(path):
     nothing in this model is fused."""
     table = np.arange(20 * 4, dtype=np.float32).reshape(20, 4)
 
-    class Mod(tf.Module):
-        def __init__(self):
-            self.t = tf.Variable(table)
-
-        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int32),
-                                      tf.TensorSpec([None, 3], tf.float32)])
-        def serve(self, idx, w):
-            rows = lambda: tf.gather(self.t, idx)  # noqa: E731 - a fresh gather each
-            keep = tf.not_equal(idx, 0)[..., None]
-            return {"over_batch": tf.reduce_sum(rows(), axis=0),
-                    "keepdims": tf.reduce_sum(rows(), axis=1, keepdims=True),
-                    "per_bag_weight": tf.reduce_sum(rows() * w[:, :1, None], axis=1),
-                    "exp": tf.reduce_sum(tf.exp(rows()), axis=1),
-                    "where_one": tf.reduce_sum(tf.where(keep, rows(), 1.0), axis=1)}
-
-    m = Mod()
-    _save(m, str(path), {"serving_default": m.serve})
+    def body(t, idx, w):
+        rows = lambda: tf.gather(t, idx)  # noqa: E731 - a fresh gather each
+        keep = tf.not_equal(idx, 0)[..., None]
+        return {"over_batch": tf.reduce_sum(rows(), axis=0),
+                "keepdims": tf.reduce_sum(rows(), axis=1, keepdims=True),
+                "per_bag_weight": tf.reduce_sum(rows() * w[:, :1, None], axis=1),
+                "exp": tf.reduce_sum(tf.exp(rows()), axis=1),
+                "where_one": tf.reduce_sum(tf.where(keep, rows(), 1.0), axis=1)}
+    save_bag_module(path, table, body, k=3)
     return table, None
 
 

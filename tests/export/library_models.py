@@ -245,13 +245,11 @@ def tfrs_tpu_embedding(path, weighted=True):
     w = weights if weighted else None
     want = {c: reference.ragged_embedding_bag(layer.embedding_tables[tables[c]].numpy(),
                                               values, splits, w, c) for c in tables}
-    meta = {"pooled": {"serving_default": 3}, "inputs": real,
+    # Weighted: ragged broadcasting of ids x weights re-gathers both by
+    # RaggedRange positions, rebuilt from builtins after fusion.
+    return {"pooled": {"serving_default": 3}, "inputs": real, "tflite": "ok",
             "reference": {"serving_default": want},
             "computes": ["sum", "weighted mean" if weighted else "mean", "sqrtn"]}
-    # Ragged broadcasting of ids x weights keeps a RaggedRange (no TFLite builtin).
-    meta.update({"tflite": "refused", "refused_op": "RaggedRange"} if weighted
-                else {"tflite": "ok"})
-    return meta
 
 
 def keras_rs_embed_reduce(path):
@@ -329,6 +327,65 @@ def tf1_modules(path):
                 "bag_max": {"max": table.astype(np.float64)[max_ids].max(axis=1)}}}
 
 
+def tfm_dlrm_ranking(path):
+    """tf-models-official's ranking task (official.recommendation.ranking):
+    RankingTask.build_model() with its own config (multi-hot, DLRM dot
+    interaction, every table through tfrs TPUEmbedding with the library's
+    'mean' combiner), built on CPU and saved with tf.saved_model.save and a
+    serving signature, as tfrs' TPUEmbedding documents: serving_default
+    parses tf.Examples (ragged categorical features), `ragged` takes them
+    already parsed (what a device is fed; this one converts to .tflite)."""
+    import tensorflow as tf
+    from official.recommendation.ranking import task as ranking_task
+    from official.recommendation.ranking.configs import config as ranking_config
+    vocab = [40, 30, 50]
+    params = ranking_config.Task(model=ranking_config.ModelConfig(
+        num_dense_features=3, vocab_sizes=vocab, embedding_dim=4, bottom_mlp=[8, 4],
+        top_mlp=[8, 1], interaction="dot", use_multi_hot=True, multi_hot_sizes=[3, 3, 3],
+        use_partial_tpu_embedding=False))
+    model = ranking_task.RankingTask(params, trainer_config=ranking_config.TrainerConfig()
+                                     ).build_model()
+    keys = [f"cat_{i}" for i in range(len(vocab))]
+    spec = {"dense": tf.io.FixedLenFeature([3], tf.float32)}
+    spec.update({k: tf.io.RaggedFeature(tf.int64) for k in keys})
+
+    def predict(dense, cats):
+        return {"ctr": model({"dense_features": dense,
+                              "sparse_features": {str(i): c for i, c in enumerate(cats)}})}
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="examples")])
+    def serve(examples):
+        parsed = tf.io.parse_example(examples, spec)
+        return predict(parsed["dense"], [parsed[k] for k in keys])
+
+    ragged_spec = tf.RaggedTensorSpec([None, None], tf.int64)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32, name="dense")] +
+                 [ragged_spec] * len(vocab))
+    def serve_ragged(dense, cat_0, cat_1, cat_2):
+        return predict(dense, [cat_0, cat_1, cat_2])
+
+    # No id 0 and no 0.0: a serialized Example ending in a NUL byte would lose it
+    # in the .npz's bytes array (numpy strips trailing NULs of |S values).
+    rows = [([0.1, 2.0, 3.0], [[1, 2], [3], [4, 5, 49]]),
+            ([1.0, 1.0, 1.0], [[], [29], [1]]),      # one empty bag
+            ([-0.5, 0.25, 7.0], [[39, 39, 2], [1, 2], [7]])]
+    real_examples = np.array([_example(dict(
+        {"dense": [float(v) for v in d]}, **{k: c for k, c in zip(keys, cats) if c}))
+        for d, cats in rows], dtype=object)
+    real = {"serving_default/examples": real_examples,
+            "ragged/dense": np.array([d for d, _ in rows], np.float32)}
+    for i, key in enumerate(keys):
+        lists = [cats[i] for _, cats in rows]
+        real[f"ragged/{key}"] = np.array([v for lst in lists for v in lst], np.int64)
+        real[f"ragged/{key}_1"] = np.cumsum([0] + [len(lst) for lst in lists]).astype(np.int64)
+    serve(real_examples)
+    tf.saved_model.save(model, path, signatures={"serving_default": serve,
+                                                 "ragged": serve_ragged})
+    return {"pooled": {"serving_default": 3, "ragged": 3}, "tflite": "ok",
+            "tflite_signatures": ["ragged"], "inputs": real, "computes": ["mean"]}
+
+
 def _only_signature(path):
     import tensorflow as tf
     return sorted(k for k in tf.saved_model.load(path).signatures)[0]
@@ -347,6 +404,7 @@ BUILDERS = {
     "tfrs_tpu_embedding": tfrs_tpu_embedding,
     "tfrs_tpu_embedding_unweighted": lambda p: tfrs_tpu_embedding(p, weighted=False),
     "keras_rs_embed_reduce": keras_rs_embed_reduce, "tf1_modules": tf1_modules,
+    "tfm_dlrm_ranking": tfm_dlrm_ranking,
 }
 
 
@@ -363,6 +421,11 @@ def main(out_dir, names):
     for name in names:
         info = BUILDERS[name](os.path.join(out_dir, name))
         inputs = info.pop("inputs")
+        for key, value in inputs.items():
+            if value.dtype == object and any(isinstance(v, bytes) and v.endswith(b"\0")
+                                             for v in value.ravel()):
+                raise ValueError(f"{name} {key}: a value ends in a NUL byte, which a bytes "
+                                 "array in the .npz would drop")
         np.savez(os.path.join(out_dir, name + ".inputs.npz"),
                  **{k: (v.astype(bytes) if v.dtype == object else v) for k, v in inputs.items()})
         meta[name] = _jsonable(info)

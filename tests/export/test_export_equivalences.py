@@ -134,7 +134,9 @@ def test_generated_examples_follow_the_parse_op(tmp_path):
     assert all(r["max_abs_err"] < 1e-5 for r in data["verification"])
 
 
-def test_ragged_and_hand_named_sparse_inputs_are_generated_valid(tmp_path):
+def _save_ragged_and_sparse(path, body):
+    """A module over TABLE whose serving_default takes a ragged id tensor and a
+    sparse one as its three parts, returning body(table, ragged, *parts)."""
     module = tf.Module()
     module.table = tf.Variable(TABLE)
 
@@ -143,12 +145,18 @@ def test_ragged_and_hand_named_sparse_inputs_are_generated_valid(tmp_path):
                                   tf.TensorSpec([None], tf.int64),
                                   tf.TensorSpec([2], tf.int64)])
     def serve(ragged, sp_indices, sp_values, sp_dense_shape):
-        sparse = tf.SparseTensor(sp_indices, sp_values, sp_dense_shape)
-        return {"ragged": tf.reduce_sum(tf.gather(module.table, ragged), axis=1),
-                "sparse": tf.nn.embedding_lookup_sparse(module.table, sparse, None,
-                                                        combiner="mean")}
+        return body(module.table, ragged, sp_indices, sp_values, sp_dense_shape)
     module.serve = serve
-    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": serve})
+    tf.saved_model.save(module, str(path), signatures={"serving_default": serve})
+
+
+def test_ragged_and_hand_named_sparse_inputs_are_generated_valid(tmp_path):
+    def body(table, ragged, sp_indices, sp_values, sp_dense_shape):
+        sparse = tf.SparseTensor(sp_indices, sp_values, sp_dense_shape)
+        return {"ragged": tf.reduce_sum(tf.gather(table, ragged), axis=1),
+                "sparse": tf.nn.embedding_lookup_sparse(table, sparse, None,
+                                                        combiner="mean")}
+    _save_ragged_and_sparse(tmp_path / "m", body)
     report = tmp_path / "r.json"
     assert main([str(tmp_path / "m"), str(tmp_path / "out"), "--quiet", "--report",
                  str(report), "--tflite", str(tmp_path / "m.tflite")]) == 0
@@ -189,3 +197,81 @@ def test_unfeedable_signature_is_one_line_and_writes_nothing(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "complex64" in err[0] and "'z'" in err[0], err
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_ragged_ids_times_ragged_weights_converts_with_builtins(tmp_path):
+    """Two RaggedTensors (ids, weights) multiplied: ragged broadcasting
+    re-gathers both by RaggedRange positions, which after fusion are rebuilt
+    from builtins, so the .tflite needs our op only; equal to numpy on bags
+    with empty first, middle and last rows."""
+    from pkm_serve import tflite
+    module = tf.Module()
+    module.table = tf.Variable(TABLE)
+
+    @tf.function(input_signature=[tf.RaggedTensorSpec([None, None], tf.int64),
+                                  tf.RaggedTensorSpec([None, None], tf.float32)])
+    def serve(ids, w):
+        rows = tf.nn.embedding_lookup(module.table, ids)
+        w3 = tf.expand_dims(w, axis=2)
+        total = tf.reduce_sum(rows * w3, axis=1)
+        return {"sum": total, "mean": tf.math.divide_no_nan(total, tf.reduce_sum(w3, axis=1))}
+    module.serve = serve
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": serve})
+    report, tfl = tmp_path / "r.json", tmp_path / "m.tflite"
+    assert main([str(tmp_path / "m"), str(tmp_path / "out"), "--quiet", "--report",
+                 str(report), "--tflite", str(tfl)]) == 0
+    data = json.loads(report.read_text())
+    assert data["sites_fused"] == 1 and data["sites_skipped"] == 0
+    assert data["tflite"]["custom_ops"] == ["PkmRaggedEmbeddingBag"]
+    runner = tflite.make_interpreter(str(tfl)).get_signature_runner("serving_default")
+    rng = np.random.default_rng(5)
+    for splits in ([0, 0, 3, 3, 7, 7], [0, 1], [0, 0], [0, 4, 9, 10]):
+        splits = np.array(splits, np.int64)
+        values = rng.integers(0, N, splits[-1]).astype(np.int64)
+        weights = rng.uniform(0.2, 2.0, splits[-1]).astype(np.float32)
+        got = runner(ids=values, ids_1=splits, w=weights, w_1=splits)
+        for combiner in ("sum", "mean"):
+            want = reference.ragged_embedding_bag(TABLE, values, splits, weights, combiner)
+            np.testing.assert_allclose(got[combiner], want, rtol=1e-5, atol=1e-5,
+                                       err_msg=f"{combiner} {splits}")
+
+
+def test_ragged_and_sparse_max_bags_fused_with_the_max_combiner(tmp_path):
+    """reduce_max over a ragged gather (UnsortedSegmentMax: an empty row is
+    the dtype's lowest value) and segment_max over sparse ids (sorted; an
+    empty bag in between is 0) are fused with combiner 'max', labelled max,
+    and equal to numpy in TF and through the delegate."""
+    from pkm_serve import tflite
+    from pkm_serve.export.dense import max_combiner_available
+    if not max_combiner_available():
+        pytest.skip("this op library has no max combiner")
+    _save_ragged_and_sparse(tmp_path / "m", lambda table, ragged, sp_indices, sp_values, _: {
+        "ragged_max": tf.reduce_max(tf.gather(table, ragged), axis=1),
+        "sparse_max": tf.math.segment_max(tf.gather(table, sp_values), sp_indices[:, 0])})
+    report, tfl = tmp_path / "r.json", tmp_path / "m.tflite"
+    assert main([str(tmp_path / "m"), str(tmp_path / "out"), "--quiet", "--report",
+                 str(report), "--tflite", str(tfl)]) == 0
+    data = json.loads(report.read_text())
+    assert data["sites_fused"] == 2 and data["sites_skipped"] == 0, data["sites"]
+    assert [s["computes"] for s in data["sites"]] == ["max", "max"]
+    assert data["tflite"]["custom_ops"] == ["PkmRaggedEmbeddingBag"]
+    fused = tf.saved_model.load(str(tmp_path / "out" / "1")).signatures["serving_default"]
+    runner = tflite.make_interpreter(str(tfl)).get_signature_runner("serving_default")
+    table = TABLE.astype(np.float64)
+    splits = np.array([0, 0, 3, 3, 7, 7], np.int64)     # empty first, middle, last rows
+    values = np.random.default_rng(8).integers(0, N, 7).astype(np.int64)
+    rows = np.repeat(np.arange(5), np.diff(splits)).astype(np.int64)
+    sp = {"sp_indices": np.stack([rows, np.zeros_like(rows)], 1),
+          "sp_values": values, "sp_dense_shape": np.array([5, 4], np.int64)}
+    lowest = np.finfo(np.float32).min
+    want_ragged = np.array([table[values[a:b]].max(0) if b > a else np.full(D, lowest)
+                            for a, b in zip(splits[:-1], splits[1:])])
+    # segment_max writes bags 0..last id; an empty one in between is 0.
+    want_sparse = np.array([table[values[a:b]].max(0) if b > a else np.zeros(D)
+                            for a, b in zip(splits[:-2], splits[1:-1])])
+    for got in (fused(ragged=values, ragged_1=splits, **sp),
+                runner(ragged=values, ragged_1=splits, **sp)):
+        np.testing.assert_allclose(np.asarray(got["ragged_max"], np.float64), want_ragged,
+                                   rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(got["sparse_max"], np.float64), want_sparse,
+                                   rtol=1e-6, atol=1e-7)
