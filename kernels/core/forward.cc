@@ -9,6 +9,7 @@
 #include "kernels/core/embedding_bag.h"
 #include "kernels/core/forward_int8.h"
 #include "kernels/core/internal.h"
+#include "kernels/core/table_pages.h"
 #include "kernels/core/vector_ops.h"
 
 namespace pkm {
@@ -105,6 +106,7 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
   if (!s.ok) return s;
   s = ValidateBags(table, bags, pf);
   if (!s.ok) return s;
+  internal::AdviseTableHugePages(table.data, static_cast<size_t>(table.num_rows * table.dim * ElemSize(table.type)));
   // int8 rows: the weighted combiners have their own loop; max dequantises row by row below.
   if (table.type == ElemType::kInt8 && combiner != Combiner::kMax)
     return internal::ForwardInt8(table, bags, combiner, out, out_type, pf);
