@@ -17,6 +17,7 @@ Results: bench/results/cpu_embedding_bag.{json,md}.
     python bench/cpu_embedding_bag.py            # full run (a few minutes)
     python bench/cpu_embedding_bag.py --quick    # small shapes, smoke test
     python bench/cpu_embedding_bag.py --roofline # forward GB/s vs the streaming read (cpu_roofline.py)
+    python bench/cpu_embedding_bag.py --roofline-key  # its main shape, three times over
 """
 
 from __future__ import annotations
@@ -169,7 +170,14 @@ def main(argv=None) -> int:
     ap.add_argument("--interleaved-child", nargs=7, help=argparse.SUPPRESS)
     ap.add_argument("--roofline", action="store_true",
                     help="forward vs a 2-thread streaming read and torch, in one process (bench/cpu_roofline.py)")
+    ap.add_argument("--roofline-key", action="store_true",
+                    help="the roofline's main shape only, three interleaved comparisons (cpu_roofline.py)")
     args = ap.parse_args(argv)
+    if args.roofline_key:
+        import cpu_roofline
+
+        cpu_roofline.key_shape_repeats()
+        return 0
     if args.roofline:
         import cpu_roofline
 

@@ -187,6 +187,45 @@ def main(rounds=11):
     return report
 
 
+def key_shape_repeats(repeats=3, rounds=11):
+    """The main shape's fp32 and bf16 forward against torch, `repeats` separate
+    interleaved comparisons in one process (how much the ratio moves on a shared
+    machine). Results: bench/results/cpu_roofline_key.{json,md}."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import tensorflow as tf
+    import torch
+
+    tf.config.threading.set_intra_op_parallelism_threads(THREADS)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    torch.set_num_threads(THREADS)
+    b, k, d, n = MAIN
+    inputs = make_inputs(b, k, d, n)
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        systems = {"ours": ours(dtype, *inputs), "torch": torch_bag(dtype, *inputs)}
+        elem = 4 if dtype == "float32" else 2
+        for rep in range(repeats):
+            stream = stream_gbps()
+            row = compare(systems, rounds, b * k * d * elem, stream)
+            row.update(dtype=dtype, repeat=rep, stream_gbps=stream)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    lines = [f"# CPU forward at B={b} K={k} D={d} N={n}, repeated ({harness.utc_date()})", "",
+             f"Machine: {harness.machine_name()}; {harness.SHARED_NOTE}. Each line: {rounds} alternating "
+             "calls of each system (medians), then a 2-thread streaming read measured just before it.", "",
+             "| dtype | repeat | ours ms (min) | torch ms (min) | ours/torch (median of per-round) | "
+             "stream GB/s | ours of stream |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['repeat']} | {r['ours_median_ms']} ({r['ours_min_ms']}) | "
+                     f"{r['torch_median_ms']} ({r['torch_min_ms']}) | {round(1 / r['ratio torch/ours'], 3)} | "
+                     f"{r['stream_gbps']} | {r['ours_of_stream']} |")
+    lines += ["", "Command: `python bench/cpu_embedding_bag.py --roofline-key`."]
+    harness.write_results("cpu_roofline_key", {"machine": harness.machine_info(), "rows": rows,
+                                               "note": harness.SHARED_NOTE}, "\n".join(lines))
+
+
 def markdown(report):
     lines = [f"# CPU forward vs the memory limit ({report['date']})", "",
              f"Machine: {harness.machine_name(report['machine'])}; shared with 4 other engineers' builds "
