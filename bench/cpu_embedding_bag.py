@@ -17,6 +17,7 @@ Results: bench/results/cpu_embedding_bag.{json,md}.
     python bench/cpu_embedding_bag.py            # full run (a few minutes)
     python bench/cpu_embedding_bag.py --quick    # small shapes, smoke test
     python bench/cpu_embedding_bag.py --roofline # forward GB/s vs the streaming read (cpu_roofline.py)
+    python bench/cpu_embedding_bag.py --roofline-key  # its main shape, three times over
 """
 
 from __future__ import annotations
@@ -24,17 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import harness  # noqa: E402
 from pkm_serve._memory import peak_rss_growth  # noqa: E402
-RESULTS = os.path.join(HERE, "results")
+RESULTS = harness.RESULTS_DIR
 
 SHAPES = [  # (B, K, D, N, dtype): the issue's PKM-like shape scaled to 2 cores
     (2048, 128, 512, 65536, "float32"),
@@ -65,15 +64,8 @@ def child(system: str, b: int, k: int, d: int, n: int, dtype: str, mode: str, re
         res = run()
     peak_growth = memory["growth"]
     del res
-    run()  # warm
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        res = run()
-        times.append(time.perf_counter() - t0)
-        del res
-    return {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
-            "peak_growth_bytes": peak_growth}
+    timing = harness.time_calls(run, repeats, warmup=1)
+    return {"median_ms": timing["median_ms"], "min_ms": timing["min_ms"], "peak_growth_bytes": peak_growth}
 
 
 def build_run(system, dtype, mode, idx_np, w_np, table_np, grad_np):
@@ -145,59 +137,28 @@ def build_run(system, dtype, mode, idx_np, w_np, table_np, grad_np):
 
 
 def interleaved(b, k, d, n, dtype, mode, rounds):
-    """Ours and torch in one process, called alternately: host noise (other
-    tenants' memory traffic) hits both alike, so the per-round ratio is the
-    fairest speed comparison this machine allows."""
+    """Ours and torch in one process, called alternately (harness.interleaved):
+    host noise (other tenants' memory traffic) hits both alike, so the
+    per-round ratio is the fairest speed comparison this machine allows."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     args = (rng.integers(0, n, size=(b, k), dtype=np.int64), rng.uniform(0.0, 1.0, size=(b, k)).astype(np.float32),
             rng.standard_normal((n, d), dtype=np.float32), rng.standard_normal((b, d), dtype=np.float32))
-    fused, torch_run = build_run("fused", dtype, mode, *args), build_run("torch", dtype, mode, *args)
-    fused(), torch_run()
-    ratios, ours, theirs = [], [], []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fused()
-        t1 = time.perf_counter()
-        torch_run()
-        t2 = time.perf_counter()
-        ours.append(1e3 * (t1 - t0))
-        theirs.append(1e3 * (t2 - t1))
-        ratios.append((t1 - t0) / (t2 - t1))
-    return {"fused_median_ms": statistics.median(ours), "torch_median_ms": statistics.median(theirs),
-            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "rounds": rounds}
+    systems = {"torch": build_run("torch", dtype, mode, *args), "fused": build_run("fused", dtype, mode, *args)}
+    res = harness.interleaved(systems, rounds=rounds, warmup=1, baseline="torch")
+    ratio = res["ratios"]["fused/torch"]
+    return {"fused_median_ms": res["systems"]["fused"]["median_ms"],
+            "torch_median_ms": res["systems"]["torch"]["median_ms"],
+            "ratio_median": ratio["median"], "ratio_min": ratio["min"], "ratio_max": ratio["max"],
+            "rounds": res["rounds"]}
 
 
 # ---- parent: orchestrate, compare, write ---------------------------------------
 
-def machine_info() -> dict:
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    flags = open("/proc/cpuinfo").read()
-    isa = [x for x in ("avx512f", "avx2", "fma", "f16c") if f" {x}" in flags]
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"cpu": model, "cores": os.cpu_count(), "isa": isa, "memory_gb": round(mem / 2**30, 1),
-            "python": platform.python_version(), "platform": platform.platform()}
-
-
 def run_child(system, shape, mode, repeats):
     b, k, d, n, dtype = shape
-    cmd = [sys.executable, __file__, "--child", system, str(b), str(k), str(d), str(n), dtype, mode,
-           str(repeats)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["failed"]
-        return {"error": tail[0][:200]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return harness.run_child(__file__, ["--child", system, b, k, d, n, dtype, mode, repeats])
 
 
 def main(argv=None) -> int:
@@ -209,7 +170,14 @@ def main(argv=None) -> int:
     ap.add_argument("--interleaved-child", nargs=7, help=argparse.SUPPRESS)
     ap.add_argument("--roofline", action="store_true",
                     help="forward vs a 2-thread streaming read and torch, in one process (bench/cpu_roofline.py)")
+    ap.add_argument("--roofline-key", action="store_true",
+                    help="the roofline's main shape only, three interleaved comparisons (cpu_roofline.py)")
     args = ap.parse_args(argv)
+    if args.roofline_key:
+        import cpu_roofline
+
+        cpu_roofline.key_shape_repeats()
+        return 0
     if args.roofline:
         import cpu_roofline
 
@@ -246,27 +214,19 @@ def main(argv=None) -> int:
     for shape in shapes[:2]:
         for mode in ("fwd", "fwd+bwd"):
             b, k, d, n, dtype = shape
-            cmd = [sys.executable, __file__, "--interleaved-child", str(b), str(k), str(d), str(n), dtype, mode,
-                   str(4 * args.repeats)]
             # torch's OpenMP workers spin after each call by default and would
             # steal the cores from the next (our) call in the same process.
-            env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
-            r = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
-                {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:200]}
+            r = harness.run_child(__file__, ["--interleaved-child", b, k, d, n, dtype, mode, 4 * args.repeats],
+                                  env={"OMP_WAIT_POLICY": "PASSIVE"})
             r.update(mode=mode, B=b, K=k, D=d, N=n, dtype=dtype)
             inter.append(r)
             print(f"interleaved {shape} {mode}: {r}", flush=True)
 
-    os.makedirs(args.out, exist_ok=True)
     name = "cpu_embedding_bag_quick" if args.quick else "cpu_embedding_bag"
-    report = {"machine": machine_info(), "date": time.strftime("%Y-%m-%d"), "repeats": args.repeats,
-              "rows": rows, "interleaved": inter}
-    with open(os.path.join(args.out, name + ".json"), "w") as f:
-        json.dump(report, f, indent=1)
+    report = {"machine": harness.machine_info(), "date": harness.utc_date(), "repeats": args.repeats,
+              "rows": rows, "interleaved": inter, "note": harness.SHARED_NOTE}
     md = render_markdown(report)
-    with open(os.path.join(args.out, name + ".md"), "w") as f:
-        f.write(md)
+    harness.write_results(name, report, md, out_dir=args.out)
     print("\n" + md)
     return 0
 
@@ -274,7 +234,7 @@ def main(argv=None) -> int:
 def render_markdown(report: dict) -> str:
     m = report["machine"]
     lines = [f"# CPU EmbeddingBag benchmark ({report['date']})", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores ({', '.join(m['isa'])}), {m['memory_gb']} GB; "
+             f"Machine: {harness.machine_name(m)} ({', '.join(m['isa'])}); {report.get('note', '')}; "
              f"median of {report['repeats']} runs, all systems with {m['cores']} threads; "
              "peak = growth of the process's peak RSS during the first call.", ""]
     by_key = {}

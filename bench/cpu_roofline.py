@@ -30,7 +30,8 @@ MAIN = (2048, 128, 512, 65536)
 SWEEP = [(2048, 128, 64, 65536), (2048, 128, 128, 65536), (2048, 128, 2048, 65536),
          (2048, 1, 512, 65536), (2048, 8, 512, 65536), (2048, 32, 512, 65536)]
 BAG_BENCH = os.path.join(ROOT, "build", "bench", "bag_bench")
-CORE_OBJS = ["bag_problem", "backward", "embedding_bag", "forward", "vector_ops", "vector_ops_f16c"]
+CORE_OBJS = ["bag_problem", "backward", "embedding_bag", "forward", "forward_int8", "shape_rules", "table_pages",
+             "vector_ops", "vector_ops_f16c"]
 
 
 def bag_bench() -> str:
@@ -43,6 +44,14 @@ def bag_bench() -> str:
         subprocess.run(["g++", "-std=c++17", "-O2", "-I", ROOT, src, *objs, "-o", BAG_BENCH, "-lpthread"],
                        check=True)
     return BAG_BENCH
+
+
+def pages_ab(dtype, shape=MAIN, rounds=8) -> dict:
+    """The core alone on one table collapsed to huge pages and one kept on 4 KB pages, alternating."""
+    b, k, d, n = shape
+    out = subprocess.run([bag_bench(), "pages-ab", str(b), str(k), str(d), str(n), dtype, str(THREADS), str(rounds)],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def stream_gbps() -> float:
@@ -80,7 +89,9 @@ def ours(dtype, idx_np, w_np, table_np, grad_np, backward=False):
         return tape.gradient(out, [table, w], output_gradients=grad)
 
     fn = forward_backward if backward else forward
-    return lambda: [t.numpy() for t in tf.nest.flatten(fn())][0].shape  # .numpy(): the work is done
+    # A CPU tf.function call returns once its kernels have run (synchronous
+    # eager), as torch's call does; no .numpy(), which would copy the output.
+    return lambda: tf.nest.flatten(fn())[0].shape
 
 
 def torch_bag(dtype, idx_np, w_np, table_np, grad_np, backward=False):
@@ -118,9 +129,12 @@ def compare(systems, rounds, gathered_bytes, stream):
     return row
 
 
-def main(rounds=5):
+def main(rounds=11):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    # torch's OpenMP workers spin after each call by default and would take the
+    # cores from our next call in this process (cpu_embedding_bag.py does the same).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import tensorflow as tf
     import torch
 
@@ -157,6 +171,9 @@ def main(rounds=5):
     for shape in SWEEP:
         for dtype in ("float32", "bfloat16"):
             forward_case(shape, dtype)
+    pages = [pages_ab(dtype) for dtype in ("float32", "bfloat16", "int8")]
+    for p in pages:
+        print(json.dumps(p), flush=True)
     stream = max(stream_before, stream_gbps())
     for row in rows:  # fractions against the better of the two stream measurements
         for key in list(row):
@@ -164,16 +181,56 @@ def main(rounds=5):
                 row[key] = round(row[key.replace("_of_stream", "_gathered_gbps")] / stream, 3)
     report = {"machine": harness.machine_info(), "date": harness.utc_date(), "threads": THREADS,
               "stream_read_gbps": {"before": stream_before, "best": stream}, "rows": rows,
+              "core_huge_vs_small_pages": pages,
               "note": "shared machine: other engineers' builds and tests ran during the measurement"}
     harness.write_results("cpu_roofline", report, markdown(report))
     return report
 
 
+def key_shape_repeats(repeats=3, rounds=11):
+    """The main shape's fp32 and bf16 forward against torch, `repeats` separate
+    interleaved comparisons in one process (how much the ratio moves on a shared
+    machine). Results: bench/results/cpu_roofline_key.{json,md}."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import tensorflow as tf
+    import torch
+
+    tf.config.threading.set_intra_op_parallelism_threads(THREADS)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    torch.set_num_threads(THREADS)
+    b, k, d, n = MAIN
+    inputs = make_inputs(b, k, d, n)
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        systems = {"ours": ours(dtype, *inputs), "torch": torch_bag(dtype, *inputs)}
+        elem = 4 if dtype == "float32" else 2
+        for rep in range(repeats):
+            stream = stream_gbps()
+            row = compare(systems, rounds, b * k * d * elem, stream)
+            row.update(dtype=dtype, repeat=rep, stream_gbps=stream)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    lines = [f"# CPU forward at B={b} K={k} D={d} N={n}, repeated ({harness.utc_date()})", "",
+             f"Machine: {harness.machine_name()}; {harness.SHARED_NOTE}. Each line: {rounds} alternating "
+             "calls of each system (medians), then a 2-thread streaming read measured just before it.", "",
+             "| dtype | repeat | ours ms (min) | torch ms (min) | ours/torch (median of per-round) | "
+             "stream GB/s | ours of stream |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['dtype']} | {r['repeat']} | {r['ours_median_ms']} ({r['ours_min_ms']}) | "
+                     f"{r['torch_median_ms']} ({r['torch_min_ms']}) | {round(1 / r['ratio torch/ours'], 3)} | "
+                     f"{r['stream_gbps']} | {r['ours_of_stream']} |")
+    lines += ["", "Command: `python bench/cpu_embedding_bag.py --roofline-key`."]
+    harness.write_results("cpu_roofline_key", {"machine": harness.machine_info(), "rows": rows,
+                                               "note": harness.SHARED_NOTE}, "\n".join(lines))
+
+
 def markdown(report):
     lines = [f"# CPU forward vs the memory limit ({report['date']})", "",
-             f"Machine: {harness.machine_name(report['machine'])}; shared with 7 other engineers' builds "
-             "and tests while this ran (load average 2-10 on 2 cores), so absolute times are noisy; the "
-             "ratios come from alternating calls in one process.",
+             f"Machine: {harness.machine_name(report['machine'])}; shared with 4 other engineers' builds "
+             "and tests while this ran, so absolute times are noisy; the ratios come from alternating "
+             "calls in one process.",
              f"Streaming read, {report['threads']} threads (bench/native/bag_bench.cc, best of before/after): "
              f"**{report['stream_read_gbps']['best']:.1f} GB/s**. Each system on {report['threads']} threads; "
              "medians; ratio < 1 means ours is faster.", "",
@@ -189,6 +246,15 @@ def markdown(report):
         lines.append(f"| {r['case']} | {r['dtype']} | {r['B']} | {r['K']} | {r['D']} | {r['ours_median_ms']} | "
                      f"{r['torch_median_ms']} | {r['ratio torch/ours'] and round(1 / r['ratio torch/ours'], 3)} | "
                      f"{r['ours_gathered_gbps']} | {r['ours_of_stream']} |")
+    lines += ["", "The core alone (bench/native/bag_bench.cc pages-ab), one table collapsed to 2 MB pages by "
+              "the forward (kernels/core/table_pages.h) against one kept on 4 KB pages (MADV_NOHUGEPAGE), "
+              "called alternately; minima (medians):", "",
+              "| dtype | B | K | D | N | huge pages ms | 4 KB pages ms | huge/4 KB | huge GB/s | AnonHugePages |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in report.get("core_huge_vs_small_pages", []):
+        lines.append(f"| {p['dtype']} | {p['B']} | {p['K']} | {p['D']} | {p['N']} | {p['huge_min_ms']} "
+                     f"({p['huge_median_ms']}) | {p['small_min_ms']} ({p['small_median_ms']}) | "
+                     f"{p['huge_min_ms'] / p['small_min_ms']:.2f} | {p['huge_gbps']} | {p['anon_huge_kb']} kB |")
     lines += ["", "Command: `python bench/cpu_embedding_bag.py --roofline` (after `make build`; torch 2.13 from "
               "bench/requirements.txt)."]
     return "\n".join(lines)

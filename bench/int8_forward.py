@@ -11,13 +11,16 @@ times one call of each, alternating which goes first; the ratio is of the median
 import argparse
 import json
 import os
-import platform
+import sys
 import time
 
 import numpy as np
 import tensorflow as tf
 
 from pkm_serve import ops, quantized
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
 SHAPES = [  # (batch, bag size K, dim D, rows N): K 128 = 4 heads x top-32 of a PKM
     (1, 128, 512, 262144),
@@ -62,8 +65,7 @@ def main():
     args = p.parse_args()
     rng = np.random.default_rng(0)
     rows = [one_shape(*s, args.reps, rng) for s in SHAPES]
-    meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores "
-                       "(shared with other jobs while measured)",
+    meta = {"machine": f"{harness.machine_name()} ({harness.SHARED_NOTE})", "date": harness.utc_date(),
             "tf": tf.__version__, "reps": args.reps, "threads": "TF default (intra-op = cores)"}
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)

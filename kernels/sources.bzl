@@ -21,6 +21,7 @@ PKM_CORE_SRCS = [
     "kernels/core/forward_int8.cc",
     "kernels/core/fused_optimizer.cc",
     "kernels/core/shape_rules.cc",
+    "kernels/core/table_pages.cc",
     "kernels/core/vector_ops.cc",
     "kernels/core/vector_ops_f16c.cc",
 ]
@@ -33,6 +34,7 @@ PKM_CORE_HDRS = [
     "kernels/core/internal.h",
     "kernels/core/row_optimizer.h",
     "kernels/core/shape_rules.h",
+    "kernels/core/table_pages.h",
     "kernels/core/vector_ops.h",
 ]
 

@@ -5,6 +5,11 @@
 //   bag_bench forward B K D N DTYPE THREADS REPEATS [COMBINER]
 //       pkm::Forward on random bags (no padding) with THREADS std::threads;
 //       prints the best ms and the GB/s of gathered rows.
+//   bag_bench pages-ab B K D N DTYPE THREADS ROUNDS
+//       the same forward on two copies of the table, called alternately: one
+//       left to the core (which collapses it to huge pages), one marked
+//       MADV_NOHUGEPAGE first (the core's collapse is then refused); prints
+//       both minima and medians and the process's AnonHugePages.
 // Output: one JSON line.
 #include <immintrin.h>
 #include <sys/mman.h>
@@ -138,6 +143,65 @@ int Forward(int64_t B, int64_t K, int64_t D, int64_t N, const std::string& dtype
   return 0;
 }
 
+
+long AnonHugeKb() {
+  FILE* f = std::fopen("/proc/self/smaps_rollup", "r");
+  if (f == nullptr) return -1;
+  char line[256];
+  long kb = -1;
+  while (std::fgets(line, sizeof(line), f))
+    if (std::sscanf(line, "AnonHugePages: %ld kB", &kb) == 1) break;
+  std::fclose(f);
+  return kb;
+}
+
+int PagesAb(int64_t B, int64_t K, int64_t D, int64_t N, const std::string& dtype, int threads, int rounds) {
+  const pkm::ElemType type = dtype == "float16" ? pkm::ElemType::kFloat16
+                             : dtype == "bfloat16" ? pkm::ElemType::kBFloat16
+                             : dtype == "int8" ? pkm::ElemType::kInt8 : pkm::ElemType::kFloat32;
+  const size_t bytes = static_cast<size_t>(N * D * pkm::ElemSize(type));
+  const size_t alloc = (bytes + (2u << 20) - 1) & ~((size_t{2} << 20) - 1);
+  uint8_t* mem[2];
+  for (int t = 0; t < 2; ++t) {
+    mem[t] = static_cast<uint8_t*>(std::aligned_alloc(size_t{2} << 20, alloc));
+    madvise(mem[t], alloc, MADV_NOHUGEPAGE);  // both start on 4 KB pages, as TF's tables do
+    for (size_t i = 0; i < bytes; ++i) mem[t][i] = static_cast<uint8_t>(0x3c + (i & 3));  // normal halves/floats
+  }
+  madvise(mem[0], alloc, MADV_HUGEPAGE);  // table 0: the core's collapse may act; table 1 stays NOHUGEPAGE
+  std::vector<float> scales(N, 0.01f);
+  std::mt19937_64 rng(1);
+  std::vector<int64_t> idx(B * K);
+  for (auto& v : idx) v = static_cast<int64_t>(rng() % N);
+  std::vector<float> w(B * K, 0.5f);
+  pkm::Bags bags;
+  bags.indices = idx.data();
+  bags.indices_int64 = true;
+  bags.num_bags = B;
+  bags.bag_size = K;
+  bags.weights = w.data();
+  const pkm::ElemType out_type = type == pkm::ElemType::kInt8 ? pkm::ElemType::kFloat32 : type;
+  std::vector<uint8_t> out(B * D * pkm::ElemSize(out_type));
+  std::vector<double> ms[2];
+  for (int r = 0; r < rounds + 1; ++r)
+    for (int k = 0; k < 2; ++k) {
+      const int t = (r + k) % 2;
+      pkm::Table table{mem[t], type, N, D, type == pkm::ElemType::kInt8 ? scales.data() : nullptr, nullptr};
+      const double t0 = Now();
+      pkm::Status s = pkm::Forward(table, bags, pkm::Combiner::kSum, out.data(), out_type, Threads(threads));
+      if (!s.ok) return 1;
+      if (r > 0) ms[t].push_back(1e3 * (Now() - t0));
+    }
+  for (auto& v : ms) std::sort(v.begin(), v.end());
+  const double gathered = static_cast<double>(B) * K * D * pkm::ElemSize(type);
+  std::printf("{\"B\": %lld, \"K\": %lld, \"D\": %lld, \"N\": %lld, \"dtype\": \"%s\", \"threads\": %d, "
+              "\"huge_min_ms\": %.3f, \"huge_median_ms\": %.3f, \"small_min_ms\": %.3f, \"small_median_ms\": %.3f, "
+              "\"huge_gbps\": %.2f, \"small_gbps\": %.2f, \"anon_huge_kb\": %ld}\n",
+              (long long)B, (long long)K, (long long)D, (long long)N, dtype.c_str(), threads, ms[0][0],
+              ms[0][ms[0].size() / 2], ms[1][0], ms[1][ms[1].size() / 2], gathered / ms[0][0] / 1e6,
+              gathered / ms[1][0] / 1e6, AnonHugeKb());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -146,6 +210,9 @@ int main(int argc, char** argv) {
   if (argc >= 9 && std::strcmp(argv[1], "forward") == 0)
     return Forward(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5]), argv[6],
                    std::atoi(argv[7]), std::atoi(argv[8]), argc > 9 ? argv[9] : "sum");
-  std::fprintf(stderr, "usage: bag_bench stream THREADS MIB REPEATS | forward B K D N DTYPE THREADS REPEATS [COMBINER]\n");
+  if (argc >= 9 && std::strcmp(argv[1], "pages-ab") == 0)
+    return PagesAb(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5]), argv[6],
+                   std::atoi(argv[7]), std::atoi(argv[8]));
+  std::fprintf(stderr, "usage: bag_bench stream THREADS MIB REPEATS | forward B K D N DTYPE THREADS REPEATS [COMBINER] | pages-ab B K D N DTYPE THREADS ROUNDS\n");
   return 2;
 }

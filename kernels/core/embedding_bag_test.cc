@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -405,12 +406,47 @@ void HalfConversions() {
   EXPECT(pkm::BFloat16ToFloat(0x3f81) == 1.0078125f, "bf16 to float");
 }
 
+
+// A table over the huge-page threshold (8 MB): the forward asks Linux to
+// collapse it to 2 MB pages (table_pages.h) before reading it. The table's
+// contents and the results must be those of the reference, on the first call
+// (collapse tried) and the second (range remembered).
+void LargeTable() {
+  const int64_t n = 8192, d = 512, b = 64, k = 16;
+  const size_t bytes = static_cast<size_t>(n * d) * sizeof(float);
+  float* data = static_cast<float*>(std::aligned_alloc(size_t{2} << 20, bytes + (size_t{4} << 20)));
+  float* table_data = data + 1024 + 3;  // not 2 MB aligned: only the interior can be collapsed
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (int64_t i = 0; i < n * d; ++i) table_data[i] = u(rng);
+  const std::vector<float> copy(table_data, table_data + n * d);
+  std::vector<int64_t> idx(b * k);
+  for (auto& v : idx) v = static_cast<int64_t>(rng() % n);
+  pkm::Table table{table_data, pkm::ElemType::kFloat32, n, d};
+  pkm::Bags bags;
+  bags.indices = idx.data();
+  bags.indices_int64 = true;
+  bags.num_bags = b;
+  bags.bag_size = k;
+  std::vector<uint8_t> out(b * d * 4), ref(b * d * 4);
+  pkm::Status s = pkm::ReferenceForward(table, bags, pkm::Combiner::kSum, ref.data(), pkm::ElemType::kFloat32);
+  for (int call = 0; call < 2; ++call) {
+    pkm::Status f = pkm::Forward(table, bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, TwoThreads());
+    std::string where;
+    EXPECT(s.ok && f.ok && Close(out, ref, pkm::ElemType::kFloat32, b * d, 1e-5, &where),
+           "large table forward (call %d): %s %s", call, f.message.c_str(), where.c_str());
+  }
+  EXPECT(std::memcmp(copy.data(), table_data, bytes) == 0, "the huge-page advice changed the table");
+  std::free(data);
+}
+
 }  // namespace
 
 int main() {
   std::mt19937_64 rng(1234);
   for (int i = 0; i < 400; ++i) RandomCase(rng, i);
   ErrorCases();
+  LargeTable();
   HalfConversions();
   std::printf("core tests: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;

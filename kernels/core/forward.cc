@@ -9,6 +9,7 @@
 #include "kernels/core/embedding_bag.h"
 #include "kernels/core/forward_int8.h"
 #include "kernels/core/internal.h"
+#include "kernels/core/table_pages.h"
 #include "kernels/core/vector_ops.h"
 
 namespace pkm {
@@ -105,6 +106,7 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
   if (!s.ok) return s;
   s = ValidateBags(table, bags, pf);
   if (!s.ok) return s;
+  internal::AdviseTableHugePages(table.data, static_cast<size_t>(table.num_rows * table.dim * ElemSize(table.type)));
   // int8 rows: the weighted combiners have their own loop; max dequantises row by row below.
   if (table.type == ElemType::kInt8 && combiner != Combiner::kMax)
     return internal::ForwardInt8(table, bags, combiner, out, out_type, pf);
@@ -115,6 +117,13 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
     std::vector<float> acc(dim);  // one per block of bags, not per bag
     RowPrefetcher prefetch(table, bags, bags.Begin(b0), bags.End(b1 - 1));
     for (int64_t b = b0; b < b1; ++b) {
+      // The next bag's output row, for writing: its lines are then owned by
+      // the time that bag is stored (measured: the stores waited on them at
+      // small K, where an output row is a large share of the bytes).
+      if (b + 1 < b1) {
+        const char* next_out = static_cast<const char*>(out) + (b + 1) * out_row_bytes;
+        for (int64_t off = 0; off < out_row_bytes; off += 64) __builtin_prefetch(next_out + off, 1, 3);
+      }
       const float scale = combiner == Combiner::kMax ? MaxBag(table, bags, b, acc.data(), &prefetch)
                                                      : WeightedBag(table, bags, combiner, b, acc.data(), &prefetch);
       vec::FromFloat(acc.data(), scale, out_type, static_cast<char*>(out) + b * out_row_bytes, dim);

@@ -113,7 +113,7 @@ void AccumulateRow(float c, const int8_t* __restrict q, float* __restrict acc, i
   for (int64_t i = 0; i < n; ++i) acc[i] += c * static_cast<float>(q[i]);
 }
 
-// Rows this far ahead of the group being summed are requested from memory:
+// Rows this far ahead of the row being summed are requested from memory:
 // an int8 row is only a few cache lines, too short for the hardware
 // prefetchers to get ahead of a random row (measured: without it int8 took as
 // long as float32, both waiting on one row's latency after another).
@@ -123,15 +123,56 @@ inline void PrefetchRow(const int8_t* row, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
 }
 
-// acc += sum_k coefs[k] * rows[k], eight rows at a time.
-void AccumulateBag(const int8_t* const* rows, const float* coefs, int64_t count, float* acc, int64_t dim) {
-  for (int64_t k = 0; k < std::min(kPrefetchRows, count); ++k) PrefetchRow(rows[k], dim);
+// One bag's valid rows, their coefficients w_j * scale[r_j], and its sums.
+struct BagRows {
+  std::vector<const int8_t*> rows;
+  std::vector<float> coefs;
+  float weight_sum = 0.f, weight_sq_sum = 0.f, bias_sum = 0.f;
+  int64_t size() const { return static_cast<int64_t>(rows.size()); }
+};
+
+float RowParam(const void* params, ElemType type, int64_t r) {
+  return type == ElemType::kFloat16 ? HalfToFloat(static_cast<const uint16_t*>(params)[r])
+                                    : static_cast<const float*>(params)[r];
+}
+
+void CollectBag(const Table& table, const Bags& bags, int64_t b, BagRows* out) {
+  const int8_t* data = static_cast<const int8_t*>(table.data);
+  out->rows.clear();
+  out->coefs.clear();
+  out->weight_sum = out->weight_sq_sum = out->bias_sum = 0.f;
+  for (int64_t j = bags.Begin(b), end = bags.End(b); j < end; ++j) {
+    const int64_t r = IndexAt(bags, j);
+    if (r < 0) continue;  // padding
+    const float w = WeightAt(bags, j);
+    out->weight_sum += w;
+    out->weight_sq_sum += w * w;
+    if (table.row_biases != nullptr) out->bias_sum += w * RowParam(table.row_biases, table.row_params_type, r);
+    out->rows.push_back(data + r * table.dim);
+    out->coefs.push_back(w * RowParam(table.row_scales, table.row_params_type, r));
+  }
+}
+
+// acc += sum_k coefs[k] * rows[k] over bag `cur`, eight rows at a time, with
+// prefetches running kPrefetchRows ahead through `cur` and on into `next` (the
+// block's next bag, or null), so a bag's first rows are already on their way
+// when it starts. `done` rows of cur were prefetched by the previous bag; the
+// return value is the same count for `next`.
+int64_t AccumulateBag(const BagRows& cur, const BagRows* next, int64_t done, float* acc, int64_t dim) {
+  const int64_t count = cur.size(), next_count = next != nullptr ? next->size() : 0;
+  int64_t q = done;  // rows of cur, then of next, prefetched so far
+  auto prefetch_to = [&](int64_t end) {
+    for (end = std::min(end, count + next_count); q < end; ++q)
+      PrefetchRow(q < count ? cur.rows[q] : next->rows[q - count], dim);
+  };
   int64_t k = 0;
   for (; k + kGroup <= count; k += kGroup) {
-    for (int64_t p = k + kPrefetchRows; p < std::min(k + kPrefetchRows + kGroup, count); ++p) PrefetchRow(rows[p], dim);
-    kAccumulateGroup(coefs + k, rows + k, acc, dim);
+    prefetch_to(k + kGroup + kPrefetchRows);
+    kAccumulateGroup(cur.coefs.data() + k, cur.rows.data() + k, acc, dim);
   }
-  for (; k < count; ++k) AccumulateRow(coefs[k], rows[k], acc, dim);
+  prefetch_to(count + kPrefetchRows);
+  for (; k < count; ++k) AccumulateRow(cur.coefs[k], cur.rows[k], acc, dim);
+  return std::max<int64_t>(q - count, 0);
 }
 
 // acc[i] = (acc[i] + bias) * scale, written as out_type.
@@ -139,11 +180,6 @@ void Finish(float* acc, float bias, float scale, ElemType out_type, void* out, i
   if (bias != 0.f)
     for (int64_t i = 0; i < n; ++i) acc[i] += bias;
   vec::FromFloat(acc, scale, out_type, out, n);
-}
-
-float RowParam(const void* params, ElemType type, int64_t r) {
-  return type == ElemType::kFloat16 ? HalfToFloat(static_cast<const uint16_t*>(params)[r])
-                                    : static_cast<const float*>(params)[r];
 }
 
 }  // namespace
@@ -162,29 +198,20 @@ Status ForwardInt8(const Table& table, const Bags& bags, Combiner combiner, void
                          " is not supported for int8 tables (sum, mean, sqrtn)");
   const int64_t dim = table.dim;
   const int64_t out_row_bytes = dim * ElemSize(out_type);
-  const int8_t* data = static_cast<const int8_t*>(table.data);
   const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;
   pf(bags.num_bags, avg_bag * (dim / 4 + 16), [&](int64_t b0, int64_t b1) {
+    if (b0 >= b1) return;
     std::vector<float> acc(dim);
-    std::vector<const int8_t*> rows;
-    std::vector<float> coefs;
+    BagRows bag_rows[2];  // this bag and the next, whose rows are prefetched during this one
+    CollectBag(table, bags, b0, &bag_rows[0]);
+    int64_t prefetched = 0;
     for (int64_t b = b0; b < b1; ++b) {
+      const BagRows& cur = bag_rows[(b - b0) % 2];
+      BagRows* next = b + 1 < b1 ? &bag_rows[(b + 1 - b0) % 2] : nullptr;
+      if (next != nullptr) CollectBag(table, bags, b + 1, next);
       std::fill(acc.begin(), acc.end(), 0.f);
-      float weight_sum = 0.f, weight_sq_sum = 0.f, bias_sum = 0.f;
-      rows.clear();
-      coefs.clear();
-      for (int64_t j = bags.Begin(b), end = bags.End(b); j < end; ++j) {
-        const int64_t r = IndexAt(bags, j);
-        if (r < 0) continue;  // padding
-        const float w = WeightAt(bags, j);
-        weight_sum += w;
-        weight_sq_sum += w * w;
-        if (table.row_biases != nullptr) bias_sum += w * RowParam(table.row_biases, table.row_params_type, r);
-        rows.push_back(data + r * dim);
-        coefs.push_back(w * RowParam(table.row_scales, table.row_params_type, r));
-      }
-      AccumulateBag(rows.data(), coefs.data(), static_cast<int64_t>(rows.size()), acc.data(), dim);
-      Finish(acc.data(), bias_sum, CombinerScale(combiner, weight_sum, weight_sq_sum), out_type,
+      prefetched = AccumulateBag(cur, next, prefetched, acc.data(), dim);
+      Finish(acc.data(), cur.bias_sum, CombinerScale(combiner, cur.weight_sum, cur.weight_sq_sum), out_type,
              static_cast<char*>(out) + b * out_row_bytes, dim);
     }
   });

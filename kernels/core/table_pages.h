@@ -1,0 +1,24 @@
+// Transparent huge pages for a table the forward reads at random rows.
+#ifndef PKM_KERNELS_CORE_TABLE_PAGES_H_
+#define PKM_KERNELS_CORE_TABLE_PAGES_H_
+
+#include <cstddef>
+
+namespace pkm {
+namespace internal {
+
+// Asks Linux once per table range (MADV_COLLAPSE, Linux >= 6.1) to back the
+// 2 MB-aligned interior of [data, data + bytes) with huge pages. Random rows of
+// a table on 4 KB pages miss the TLB on nearly every row (a page walk each,
+// costly in a VM); on 2 MB pages a 128 MB table fits the TLB. The call keeps
+// the contents, changes no mapping flags and is refused by the kernel where the
+// owner asked for no huge pages (MADV_NOHUGEPAGE) or the range cannot be
+// collapsed: then nothing changes. Tables under 8 MB are left alone. Off with
+// PKM_TABLE_HUGEPAGES=0 in the environment. Thread-safe (a mutex guards the
+// record of ranges already tried).
+void AdviseTableHugePages(const void* data, size_t bytes);
+
+}  // namespace internal
+}  // namespace pkm
+
+#endif  // PKM_KERNELS_CORE_TABLE_PAGES_H_
