@@ -124,7 +124,8 @@ template <typename T, int VEC, int U, bool kMax>
 __device__ __forceinline__ void AccumulateRange(const BackwardArgs& a, int64_t row, int64_t s0,
                                                 int64_t s1, int64_t tile, int lane,
                                                 const EntryMeta& first, float (&acc)[U][VEC]) {
-  static_assert(VEC * U * kWarp == kTileCols, "a warp owns kTileCols columns");
+  // A warp owns kTileCols columns, or (a narrow table: one tile) fewer.
+  static_assert(VEC * U * kWarp <= kTileCols, "a warp owns at most kTileCols columns");
   const int64_t dim = a.bags.dim;
   const int64_t lane_col = tile * kTileCols + static_cast<int64_t>(lane) * VEC;
   const T* __restrict__ grad = static_cast<const T*>(a.grad);
@@ -133,7 +134,7 @@ __device__ __forceinline__ void AccumulateRange(const BackwardArgs& a, int64_t r
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
-    if (want_dots && col < dim) {
+    if (want_dots && s1 > s0 && col < dim) {  // an untouched row's table row is never read
       LoadFloats<T, VEC>(static_cast<const T*>(a.bags.table) + row * dim + col, x[u]);
     } else {
 #pragma unroll

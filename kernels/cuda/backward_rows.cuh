@@ -141,6 +141,13 @@ int LaunchRowPasses(const BackwardArgs& args, int64_t pieces, const Epilogue& ep
   const bool vector_ok = aligned && args.bags.dim % kVec == 0 && Aligned16(args.bags.table) && Aligned16(args.grad);
   constexpr int kU = kTileCols / (kWarp * kVec);
   const bool max = args.max_entry != nullptr;
+  // Narrow rows (one tile of at most 2 vectors per lane: fp32 dim <= 256,
+  // 16-bit dim <= 512) get a kernel with fewer registers and so more resident
+  // warps: the row pass is latency-bound (huge tables of short rows).
+  constexpr int kNarrowU = 2;
+  if (vector_ok && args.bags.dim <= kWarp * kVec * kNarrowU)
+    return max ? LaunchRowPassesAs<T, kVec, kNarrowU, true>(args, pieces, epilogue, stream)
+               : LaunchRowPassesAs<T, kVec, kNarrowU, false>(args, pieces, epilogue, stream);
   if (vector_ok)
     return max ? LaunchRowPassesAs<T, kVec, kU, true>(args, pieces, epilogue, stream)
                : LaunchRowPassesAs<T, kVec, kU, false>(args, pieces, epilogue, stream);

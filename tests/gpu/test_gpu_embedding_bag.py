@@ -11,37 +11,14 @@ the C launchers through ctypes on torch CUDA tensors, so TensorFlow is not
 needed; a machine with CUDA but without the built library fails, not skips.
 """
 
-import os
-import sys
 import zlib
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed (GPU tests need torch with CUDA)")
-if not torch.cuda.is_available():
-    pytest.skip(
-        "no CUDA device visible to torch (CI has none; on a GPU machine set CUDA_VISIBLE_DEVICES, "
-        "which tests/conftest.py otherwise blanks)",
-        allow_module_level=True,
-    )
+from gpu_common import CONFIG_IDS, CONFIGS, DEV, DTYPES, pkm_capi, torch  # noqa: F401  (skips without CUDA)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "kernels", "capi"))
-import pkm_capi  # noqa: E402
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 RTOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-DEV = "cuda"
-
-
-@pytest.fixture(scope="module")
-def lib():
-    if not os.path.exists(pkm_capi.DEFAULT_CUDA_LIB):
-        pytest.fail(f"{pkm_capi.DEFAULT_CUDA_LIB} is missing: run `make gpu-standalone` first")
-    loaded = pkm_capi.PkmLib()
-    assert loaded.has_cuda, "libpkm_cuda.so was built without the CUDA launchers"
-    return loaded
 
 
 def assert_close(got, want, dtype, what, floor=0.0):
@@ -90,12 +67,7 @@ def to_dev(*tensors):
     return [t.to(DEV) if t is not None else None for t in tensors]
 
 
-CONFIGS = [(dtype, combiner, ragged) for dtype in DTYPES for combiner in ("sum", "mean", "sqrtn")
-           for ragged in (False, True)]
-
-
-@pytest.mark.parametrize("dtype,combiner,ragged", CONFIGS,
-                         ids=[f"{str(d).split('.')[-1]}-{c}-{'ragged' if r else 'dense'}" for d, c, r in CONFIGS])
+@pytest.mark.parametrize("dtype,combiner,ragged", CONFIGS, ids=CONFIG_IDS)
 def test_forward_and_backward_match_cpu_reference(lib, dtype, combiner, ragged):
     rng = np.random.default_rng(zlib.crc32(f"{dtype}-{combiner}-{ragged}".encode()))
     # dims: one (scalar path, tiny), odd (scalar path), vector path, > one 1024-column tile.

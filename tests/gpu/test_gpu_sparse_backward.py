@@ -3,26 +3,13 @@ CUDA backward (same passes: bitwise equal rows) and the core's CPU sparse
 backward, through the C ABI. Needs a CUDA GPU, torch with CUDA and
 `make gpu-standalone`; skips elsewhere (CI), like test_gpu_embedding_bag.py."""
 
-import os
-import sys
 import zlib
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed (GPU tests need torch with CUDA)")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device visible to torch (CI has none; on a GPU machine set CUDA_VISIBLE_DEVICES)",
-                allow_module_level=True)
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "kernels", "capi"))
-import pkm_capi  # noqa: E402
-from test_gpu_embedding_bag import DTYPES, assert_close, lib, random_case, to_dev  # noqa: E402,F401
-
-CONFIGS = [(dtype, combiner, ragged) for dtype in DTYPES for combiner in ("sum", "mean", "sqrtn")
-           for ragged in (False, True)]
+from gpu_common import CONFIG_IDS, CONFIGS, pkm_capi, torch  # noqa: F401  (skips without CUDA)
+from test_gpu_embedding_bag import assert_close, random_case, to_dev  # noqa: E402
 
 
 def valid_rows(indices, num_rows):
@@ -30,8 +17,7 @@ def valid_rows(indices, num_rows):
     return np.unique(idx[(idx >= 0) & (idx < num_rows)])
 
 
-@pytest.mark.parametrize("dtype,combiner,ragged", CONFIGS,
-                         ids=[f"{str(d).split('.')[-1]}-{c}-{'ragged' if r else 'dense'}" for d, c, r in CONFIGS])
+@pytest.mark.parametrize("dtype,combiner,ragged", CONFIGS, ids=CONFIG_IDS)
 def test_sparse_rows_equal_dense_backward_rows(lib, dtype, combiner, ragged):
     rng = np.random.default_rng(zlib.crc32(f"sparse-{dtype}-{combiner}-{ragged}".encode()))
     for dim in (1, 37, 256, 1288):
