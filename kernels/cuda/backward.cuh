@@ -87,6 +87,10 @@ struct BackwardArgs {
   // max combiner: [num_bags, dim], the entry holding each column's maximum
   // (the first on ties; -1 for an empty bag); the gradient goes to it alone.
   const int32_t* max_entry;
+  // Fewer entries than table rows: most rows are untouched, so a row's table
+  // row is loaded (for the dots) only once its range is known to be non-empty;
+  // otherwise it is loaded without waiting for the range (its latency hides).
+  bool skip_untouched_table_rows;
 };
 
 template <typename IdxT>
@@ -134,7 +138,7 @@ __device__ __forceinline__ void AccumulateRange(const BackwardArgs& a, int64_t r
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
-    if (want_dots && s1 > s0 && col < dim) {  // an untouched row's table row is never read
+    if (want_dots && (s1 > s0 || !a.skip_untouched_table_rows) && col < dim) {
       LoadFloats<T, VEC>(static_cast<const T*>(a.bags.table) + row * dim + col, x[u]);
     } else {
 #pragma unroll

@@ -90,14 +90,18 @@ __global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC))
   const int64_t tile = warp % a.tiles;
   const int64_t lane_col = tile * kTileCols + static_cast<int64_t>(lane) * VEC;
   const bool wants_gradient = epilogue.WantsGradient(a);
-  int64_t lo = a.seg_begin[first_row];
-  int64_t hi = a.seg_begin[first_row + 1];
+  // The group's segment bounds in one load: lane i holds seg_begin[first_row + i].
+  const int group_rows = static_cast<int>(last_row - first_row);
+  const uint32_t my_seg = lane <= group_rows ? a.seg_begin[first_row + lane] : 0u;
+  int64_t lo = __shfl_sync(kFullMask, my_seg, 0);
+  int64_t hi = __shfl_sync(kFullMask, my_seg, 1);
   EntryMeta meta = LoadEntryMeta(a, lo + lane, lo + lane < hi);
-  for (int64_t row = first_row; row < last_row; ++row) {
+  for (int r = 0; r < group_rows; ++r) {
+    const int64_t row = first_row + r;
     int64_t next_hi = hi;
     EntryMeta next_meta{0u, 0, 0.f};
-    if (row + 1 < last_row) {
-      next_hi = a.seg_begin[row + 2];
+    if (r + 1 < group_rows) {
+      next_hi = __shfl_sync(kFullMask, my_seg, r + 2);
       next_meta = LoadEntryMeta(a, hi + lane, hi + lane < next_hi);
     }
     float acc[U][VEC];
@@ -141,13 +145,15 @@ int LaunchRowPasses(const BackwardArgs& args, int64_t pieces, const Epilogue& ep
   const bool vector_ok = aligned && args.bags.dim % kVec == 0 && Aligned16(args.bags.table) && Aligned16(args.grad);
   constexpr int kU = kTileCols / (kWarp * kVec);
   const bool max = args.max_entry != nullptr;
-  // Narrow rows (one tile of at most 2 vectors per lane: fp32 dim <= 256,
-  // 16-bit dim <= 512) get a kernel with fewer registers and so more resident
-  // warps: the row pass is latency-bound (huge tables of short rows).
-  constexpr int kNarrowU = 2;
-  if (vector_ok && args.bags.dim <= kWarp * kVec * kNarrowU)
-    return max ? LaunchRowPassesAs<T, kVec, kNarrowU, true>(args, pieces, epilogue, stream)
-               : LaunchRowPassesAs<T, kVec, kNarrowU, false>(args, pieces, epilogue, stream);
+  // Narrow rows (one tile of 1 or 2 vectors per lane: fp32 dim <= 128 / 256,
+  // 16-bit dim <= 256 / 512) get kernels with fewer registers and so more
+  // resident warps: the row pass is latency-bound (huge tables of short rows).
+  if (vector_ok && args.bags.dim <= kWarp * kVec)
+    return max ? LaunchRowPassesAs<T, kVec, 1, true>(args, pieces, epilogue, stream)
+               : LaunchRowPassesAs<T, kVec, 1, false>(args, pieces, epilogue, stream);
+  if (vector_ok && args.bags.dim <= kWarp * kVec * 2)
+    return max ? LaunchRowPassesAs<T, kVec, 2, true>(args, pieces, epilogue, stream)
+               : LaunchRowPassesAs<T, kVec, 2, false>(args, pieces, epilogue, stream);
   if (vector_ok)
     return max ? LaunchRowPassesAs<T, kVec, kU, true>(args, pieces, epilogue, stream)
                : LaunchRowPassesAs<T, kVec, kU, false>(args, pieces, epilogue, stream);
