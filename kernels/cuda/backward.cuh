@@ -53,11 +53,17 @@ namespace pkm_cuda {
 #define PKM_BWD_TILE_COLS 1024
 #endif
 constexpr int kBackwardThreads = PKM_BWD_THREADS;
-// The scalar fallback (odd dim / unaligned) keeps 32 columns per lane: it
-// would spill under the vector path's register cap, so it gets one block/SM.
-__host__ __device__ constexpr int MinBlocks(int vec) { return vec == 1 ? 1 : PKM_BWD_MIN_BLOCKS; }
 // Block size of the row passes (PiecesKernel, RowsKernel) for element size.
 __host__ __device__ constexpr int RowPassThreads(int elem_bytes) { return elem_bytes == 4 ? PKM_BWD_THREADS_F32 : PKM_BWD_THREADS; }
+// Resident blocks the row passes ask for. The scalar fallback (odd dim /
+// unaligned) keeps 32 columns per lane: it would spill under the vector
+// path's register cap, so it gets one block/SM. Narrow rows of at most 8
+// columns per lane (fp32 dim <= 256, 16-bit dim <= 256) are capped at 64
+// registers (32 warps per SM): their pass is bound by the latency of its
+// dependent loads, so resident warps are what counts (wider lanes spill there).
+__host__ __device__ constexpr int MinBlocks(int vec, int u, int elem_bytes) {
+  return vec == 1 ? 1 : (u * vec <= 8 ? 65536 / (64 * RowPassThreads(elem_bytes)) : PKM_BWD_MIN_BLOCKS);
+}
 constexpr int kWarpsPerBlock = kBackwardThreads / kWarp;
 constexpr int kEntriesInFlight = PKM_BWD_ENTRIES_IN_FLIGHT;
 constexpr int64_t kTileCols = PKM_BWD_TILE_COLS;  // columns one warp owns in the backward
@@ -87,9 +93,9 @@ struct BackwardArgs {
   // max combiner: [num_bags, dim], the entry holding each column's maximum
   // (the first on ties; -1 for an empty bag); the gradient goes to it alone.
   const int32_t* max_entry;
-  // Fewer entries than table rows: most rows are untouched, so a row's table
-  // row is loaded (for the dots) only once its range is known to be non-empty;
-  // otherwise it is loaded without waiting for the range (its latency hides).
+  // Fewer entries than table rows (most rows untouched): the narrow row
+  // kernels load a row's table row (for the dots) only once its range is known
+  // to be non-empty (AccumulateRange).
   bool skip_untouched_table_rows;
 };
 
@@ -138,7 +144,10 @@ __device__ __forceinline__ void AccumulateRange(const BackwardArgs& a, int64_t r
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
-    if (want_dots && (s1 > s0 || !a.skip_untouched_table_rows) && col < dim) {
+    // Narrow rows over a table with more rows than entries: an untouched row's
+    // table row is not read (the wide kernels load it before the range is known).
+    const bool skip = U <= 2 && a.skip_untouched_table_rows && s1 == s0;
+    if (want_dots && !skip && col < dim) {
       LoadFloats<T, VEC>(static_cast<const T*>(a.bags.table) + row * dim + col, x[u]);
     } else {
 #pragma unroll

@@ -17,7 +17,7 @@ namespace pkm_cuda {
 // [piece * L, piece * L + L). A range of L positions meets at most two rows
 // longer than L: the one at its first position and the one at its last.
 template <typename T, int VEC, int U, bool kMax>
-__global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC))
+__global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC, U, sizeof(T)))
     PiecesKernel(BackwardArgs a, int64_t pieces) {
   const int lane = threadIdx.x % kWarp;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (RowPassThreads(sizeof(T)) / kWarp) + threadIdx.x / kWarp;
@@ -78,7 +78,7 @@ __device__ __forceinline__ void AddPieces(const BackwardArgs& a, int64_t row, in
 // gradient is summed once and handed to the epilogue. While a row is summed,
 // the next row's segment bounds and first entries are already being fetched.
 template <typename T, int VEC, int U, bool kMax, class Epilogue>
-__global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC))
+__global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC, U, sizeof(T)))
     RowsKernel(BackwardArgs a, Epilogue epilogue) {
   const int lane = threadIdx.x % kWarp;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (RowPassThreads(sizeof(T)) / kWarp) + threadIdx.x / kWarp;
