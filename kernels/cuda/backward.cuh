@@ -57,12 +57,13 @@ constexpr int kBackwardThreads = PKM_BWD_THREADS;
 __host__ __device__ constexpr int RowPassThreads(int elem_bytes) { return elem_bytes == 4 ? PKM_BWD_THREADS_F32 : PKM_BWD_THREADS; }
 // Resident blocks the row passes ask for. The scalar fallback (odd dim /
 // unaligned) keeps 32 columns per lane: it would spill under the vector
-// path's register cap, so it gets one block/SM. Narrow rows of at most 8
-// columns per lane (fp32 dim <= 256, 16-bit dim <= 256) are capped at 64
-// registers (32 warps per SM): their pass is bound by the latency of its
-// dependent loads, so resident warps are what counts (wider lanes spill there).
+// path's register cap, so it gets one block/SM. 16-bit rows of one vector per
+// lane (dim <= 256) are capped at 64 registers (32 warps per SM): their pass is
+// bound by the latency of its dependent loads, so resident warps are what
+// counts (H200: 2.93 -> 2.34 ms at N=4M, D=256; two vectors per lane, or fp32,
+// spill or slow down under that cap).
 __host__ __device__ constexpr int MinBlocks(int vec, int u, int elem_bytes) {
-  return vec == 1 ? 1 : (u * vec <= 8 ? 65536 / (64 * RowPassThreads(elem_bytes)) : PKM_BWD_MIN_BLOCKS);
+  return vec == 1 ? 1 : (elem_bytes == 2 && u == 1 ? 65536 / (64 * RowPassThreads(elem_bytes)) : PKM_BWD_MIN_BLOCKS);
 }
 constexpr int kWarpsPerBlock = kBackwardThreads / kWarp;
 constexpr int kEntriesInFlight = PKM_BWD_ENTRIES_IN_FLIGHT;

@@ -90,18 +90,32 @@ __global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC, U, s
   const int64_t tile = warp % a.tiles;
   const int64_t lane_col = tile * kTileCols + static_cast<int64_t>(lane) * VEC;
   const bool wants_gradient = epilogue.WantsGradient(a);
-  // The group's segment bounds in one load: lane i holds seg_begin[first_row + i].
+  // Narrow rows: the group's segment bounds in one load (lane i holds
+  // seg_begin[first_row + i]). The wide kernels load them row by row, which
+  // the H200 run found faster there (16-bit seed shape).
+  constexpr bool kGroupBounds = U <= 2;
   const int group_rows = static_cast<int>(last_row - first_row);
-  const uint32_t my_seg = lane <= group_rows ? a.seg_begin[first_row + lane] : 0u;
-  int64_t lo = __shfl_sync(kFullMask, my_seg, 0);
-  int64_t hi = __shfl_sync(kFullMask, my_seg, 1);
+  uint32_t my_seg = 0u;
+  int64_t lo, hi;
+  if constexpr (kGroupBounds) {
+    my_seg = lane <= group_rows ? a.seg_begin[first_row + lane] : 0u;
+    lo = __shfl_sync(kFullMask, my_seg, 0);
+    hi = __shfl_sync(kFullMask, my_seg, 1);
+  } else {
+    lo = a.seg_begin[first_row];
+    hi = a.seg_begin[first_row + 1];
+  }
   EntryMeta meta = LoadEntryMeta(a, lo + lane, lo + lane < hi);
   for (int r = 0; r < group_rows; ++r) {
     const int64_t row = first_row + r;
     int64_t next_hi = hi;
     EntryMeta next_meta{0u, 0, 0.f};
     if (r + 1 < group_rows) {
-      next_hi = __shfl_sync(kFullMask, my_seg, r + 2);
+      if constexpr (kGroupBounds) {
+        next_hi = __shfl_sync(kFullMask, my_seg, r + 2);
+      } else {
+        next_hi = a.seg_begin[row + 2];
+      }
       next_meta = LoadEntryMeta(a, hi + lane, hi + lane < next_hi);
     }
     float acc[U][VEC];
