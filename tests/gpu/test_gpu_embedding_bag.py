@@ -63,6 +63,19 @@ def random_case(rng, dtype, ragged, combiner, with_weights, idx_dtype, num_rows,
     return table, indices, weights, row_splits
 
 
+def random_cases(rng, dtype, combiner, ragged, max_rows):
+    """The grid the dense and sparse tests walk: dims of the scalar path (1: tiny, 37: odd), the
+    vector path (256) and more than one 1024-column tile (1288), with and without weights; yields
+    (what, with_weights, (table, indices, weights, splits))."""
+    for dim in (1, 37, 256, 1288):
+        for with_weights in (True, False):
+            idx_dtype = torch.int32 if rng.random() < 0.5 else torch.int64
+            num_rows = int(rng.integers(1, max_rows))
+            case = random_case(rng, dtype, ragged, combiner, with_weights, idx_dtype, num_rows=num_rows, dim=dim,
+                               num_bags=int(rng.integers(1, 70)), max_bag=int(rng.integers(0, 40)))
+            yield f"dim={dim} weights={with_weights} idx={idx_dtype} rows={num_rows}", with_weights, case
+
+
 def to_dev(*tensors):
     return [t.to(DEV) if t is not None else None for t in tensors]
 
@@ -70,27 +83,21 @@ def to_dev(*tensors):
 @pytest.mark.parametrize("dtype,combiner,ragged", CONFIGS, ids=CONFIG_IDS)
 def test_forward_and_backward_match_cpu_reference(lib, dtype, combiner, ragged):
     rng = np.random.default_rng(zlib.crc32(f"{dtype}-{combiner}-{ragged}".encode()))
-    # dims: one (scalar path, tiny), odd (scalar path), vector path, > one 1024-column tile.
-    for dim in (1, 37, 256, 1288):
-        for with_weights in (True, False):
-            idx_dtype = torch.int32 if rng.random() < 0.5 else torch.int64
-            table, indices, weights, splits = random_case(
-                rng, dtype, ragged, combiner, with_weights, idx_dtype, num_rows=int(rng.integers(1, 300)),
-                dim=dim, num_bags=int(rng.integers(1, 70)), max_bag=int(rng.integers(0, 40)))
-            what = f"dim={dim} weights={with_weights} idx={idx_dtype}"
-            want = lib.cpu_forward(table, indices, weights, combiner, splits, reference=True)
-            g_table, g_indices, g_weights, g_splits = to_dev(table, indices, weights, splits)
-            got = lib.cuda_forward(g_table, g_indices, g_weights, combiner, g_splits)
-            assert_close(got, want, dtype, "forward " + what)
+    for what, with_weights, (table, indices, weights, splits) in random_cases(rng, dtype, combiner, ragged, 300):
+        dim = table.shape[1]
+        want = lib.cpu_forward(table, indices, weights, combiner, splits, reference=True)
+        g_table, g_indices, g_weights, g_splits = to_dev(table, indices, weights, splits)
+        got = lib.cuda_forward(g_table, g_indices, g_weights, combiner, g_splits)
+        assert_close(got, want, dtype, "forward " + what)
 
-            grad = torch.from_numpy(rng.standard_normal(tuple(want.shape)).astype(np.float32)).to(dtype)
-            want_dt, want_dw = lib.cpu_backward(table, indices, grad, weights, combiner, splits, reference=True)
-            got_dt, got_dw = lib.cuda_backward(g_table, g_indices, grad.to(DEV), g_weights, combiner, g_splits)
-            assert_close(got_dt, want_dt, dtype, "d_table " + what)
-            if with_weights:
-                # d_weights are dot products of D standard-normal pairs: terms of
-                # size ~sqrt(D) that mean/sqrtn corrections can cancel to ~0.
-                assert_close(got_dw, want_dw, dtype, "d_weights " + what, floor=float(np.sqrt(dim)))
+        grad = torch.from_numpy(rng.standard_normal(tuple(want.shape)).astype(np.float32)).to(dtype)
+        want_dt, want_dw = lib.cpu_backward(table, indices, grad, weights, combiner, splits, reference=True)
+        got_dt, got_dw = lib.cuda_backward(g_table, g_indices, grad.to(DEV), g_weights, combiner, g_splits)
+        assert_close(got_dt, want_dt, dtype, "d_table " + what)
+        if with_weights:
+            # d_weights are dot products of D standard-normal pairs: terms of
+            # size ~sqrt(D) that mean/sqrtn corrections can cancel to ~0.
+            assert_close(got_dw, want_dw, dtype, "d_weights " + what, floor=float(np.sqrt(dim)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
