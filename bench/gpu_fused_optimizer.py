@@ -103,9 +103,11 @@ def pkm_forward(torch, query, keys, lookup, x):
     return lookup(idx, w)
 
 
-def child(variant, batch, steps):
+def child(variant, batch, steps, matmul_precision):
     import torch
 
+    # "high" lets float32 matmuls (the query projection, the key scores) use TF32, in every variant alike.
+    torch.set_float32_matmul_precision(matmul_precision)
     torch.manual_seed(0)
     values_only = variant.startswith("values-")
     query, keys, lookup, opts = build_model(torch, variant.replace("values-", ""), lr=1e-3)
@@ -142,7 +144,7 @@ def child(variant, batch, steps):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     n_values = CONFIG["n_keys"] ** 2 * CONFIG["v_dim"]
-    print(json.dumps({"variant": variant, "batch": batch, "min_ms": min(times),
+    print(json.dumps({"variant": variant, "batch": batch, "matmul_precision": matmul_precision, "min_ms": min(times),
                       "median_ms": sorted(times)[len(times) // 2], "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
                       "values_table_and_adam_gb": 3 * n_values * 4 / 1e9, "loss": float(loss)}))
 
@@ -153,17 +155,23 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--batches", default="16384,4096")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--matmul-precision", default="highest", choices=("highest", "high"),
+                        help="torch.set_float32_matmul_precision in every variant (high: TF32 matmuls)")
+    parser.add_argument("--tag", default=None, help="results file suffix (default: h200 / gpu)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = parser.parse_args()
     if args.child:
-        return child(args.child[0], int(args.child[1]), args.steps)
+        return child(args.child[0], int(args.child[1]), args.steps, args.matmul_precision)
+    variants = tuple(v for v in args.variants.split(",") if v)
     import harness
 
     rows = []
     for r in range(args.rounds):
         for batch in map(int, args.batches.split(",")):
-            for variant in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
-                res = harness.run_child(os.path.abspath(__file__), ["--child", variant, batch, "--steps", args.steps])
+            for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
+                res = harness.run_child(os.path.abspath(__file__), ["--child", variant, batch, "--steps", args.steps,
+                                                                     "--matmul-precision", args.matmul_precision])
                 res.setdefault("variant", variant)
                 res.setdefault("batch", batch)
                 res["round"] = r
@@ -171,7 +179,7 @@ def main():
                 rows.append(res)
     info = harness.machine_info()
     name = harness.machine_name(info)
-    tag = "h200" if any("H200" in g for g in info.get("gpus") or []) else "gpu"
+    tag = args.tag or ("h200" if any("H200" in g for g in info.get("gpus") or []) else "gpu")
     best = {}
     for row in rows:
         key = (row["batch"], row["variant"])
@@ -179,13 +187,14 @@ def main():
             best[key] = row
     lines = [f"# PKM training step on the GPU: fused Adam vs unfused vs PyTorch ({name})", "",
              f"Seed PKM (512^2 x 1024 values = 268M params, 4 heads x knn 32, query dim 1024), Adam lr 1e-3; "
-             f"min over {args.steps} steps, best of {args.rounds} interleaved rounds, each variant in a fresh process. "
+             f"min over {args.steps} steps, best of {args.rounds} interleaved rounds, each variant in a fresh process; "
+             f"float32 matmul precision {args.matmul_precision!r} in every variant. "
              f"Machine: {info}. Shared machine.", "",
              "| B | variant | min ms/step | median ms | vs torch-fused | peak GB | values table + Adam GB |",
              "|---|---|---|---|---|---|---|"]
     for batch in map(int, args.batches.split(",")):
         ref = best.get((batch, "torch-fused"))
-        for variant in VARIANTS:
+        for variant in variants:
             row = best.get((batch, variant))
             if row is None:
                 err = next((x.get("error") for x in rows if x["batch"] == batch and x["variant"] == variant), "")

@@ -12,7 +12,6 @@ peer. Writes gpu_sparse_gradient_<gpu>.{json,md}.
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -20,21 +19,14 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "kernels", "capi"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import harness  # noqa: E402
 import pkm_capi  # noqa: E402
 
 
 def timed(fn, repeats):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median ms over CUDA-event-timed calls after one warm-up call (bench/harness.py)."""
+    return harness.cuda_event_ms(fn, repeats, warmup=1)
 
 
 def main():

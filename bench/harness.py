@@ -12,7 +12,8 @@ per-round ratios; medians and minima are both kept.
     write_results("my_bench", report, markdown_text)   # bench/results/my_bench.{json,md}
 
 Stable API (other benchmarks copy it): RESULTS_DIR, utc_date, machine_info,
-machine_name, time_calls, interleaved, ab, run_child, write_results.
+machine_name, time_calls, interleaved, ab, run_child, write_results; on a CUDA
+device (through torch, imported only there): cuda_event_ms, cuda_graph_ms.
 """
 
 from __future__ import annotations
@@ -113,6 +114,43 @@ def _timed(fn: Callable, sync: Callable | None) -> float:
     if sync is not None:
         sync()  # e.g. torch.cuda.synchronize: time the work, not the launch
     return time.perf_counter() - t0
+
+
+def cuda_event_ms(fn: Callable, iters: int, warmup: int = 3) -> float:
+    """Median ms of fn() over `iters` calls, each between two CUDA events (torch's current
+    stream): device time, plus any host time inside fn() during which the GPU waits."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def cuda_graph_ms(fn: Callable, iters: int, calls_per_graph: int = 20, warmup: int = 3) -> float:
+    """Device time of one fn() without host overhead: `calls_per_graph` calls captured in one
+    CUDA graph (fn must not synchronise or allocate outside torch), median replay / calls."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_graph):
+            fn()
+    return cuda_event_ms(graph.replay, iters, warmup=2) / calls_per_graph
 
 
 def time_calls(fn: Callable, repeats: int, warmup: int = 1, sync: Callable | None = None, *,

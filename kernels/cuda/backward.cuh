@@ -53,11 +53,18 @@ namespace pkm_cuda {
 #define PKM_BWD_TILE_COLS 1024
 #endif
 constexpr int kBackwardThreads = PKM_BWD_THREADS;
-// The scalar fallback (odd dim / unaligned) keeps 32 columns per lane: it
-// would spill under the vector path's register cap, so it gets one block/SM.
-__host__ __device__ constexpr int MinBlocks(int vec) { return vec == 1 ? 1 : PKM_BWD_MIN_BLOCKS; }
 // Block size of the row passes (PiecesKernel, RowsKernel) for element size.
 __host__ __device__ constexpr int RowPassThreads(int elem_bytes) { return elem_bytes == 4 ? PKM_BWD_THREADS_F32 : PKM_BWD_THREADS; }
+// Resident blocks the row passes ask for. The scalar fallback (odd dim /
+// unaligned) keeps 32 columns per lane: it would spill under the vector
+// path's register cap, so it gets one block/SM. 16-bit rows of one vector per
+// lane (dim <= 256) are capped at 64 registers (32 warps per SM): their pass is
+// bound by the latency of its dependent loads, so resident warps are what
+// counts (H200: 2.93 -> 2.34 ms at N=4M, D=256; two vectors per lane, or fp32,
+// spill or slow down under that cap).
+__host__ __device__ constexpr int MinBlocks(int vec, int u, int elem_bytes) {
+  return vec == 1 ? 1 : (elem_bytes == 2 && u == 1 ? 65536 / (64 * RowPassThreads(elem_bytes)) : PKM_BWD_MIN_BLOCKS);
+}
 constexpr int kWarpsPerBlock = kBackwardThreads / kWarp;
 constexpr int kEntriesInFlight = PKM_BWD_ENTRIES_IN_FLIGHT;
 constexpr int64_t kTileCols = PKM_BWD_TILE_COLS;  // columns one warp owns in the backward
@@ -87,6 +94,10 @@ struct BackwardArgs {
   // max combiner: [num_bags, dim], the entry holding each column's maximum
   // (the first on ties; -1 for an empty bag); the gradient goes to it alone.
   const int32_t* max_entry;
+  // Fewer entries than table rows (most rows untouched): the narrow row
+  // kernels load a row's table row (for the dots) only once its range is known
+  // to be non-empty (AccumulateRange).
+  bool skip_untouched_table_rows;
 };
 
 template <typename IdxT>
@@ -124,7 +135,8 @@ template <typename T, int VEC, int U, bool kMax>
 __device__ __forceinline__ void AccumulateRange(const BackwardArgs& a, int64_t row, int64_t s0,
                                                 int64_t s1, int64_t tile, int lane,
                                                 const EntryMeta& first, float (&acc)[U][VEC]) {
-  static_assert(VEC * U * kWarp == kTileCols, "a warp owns kTileCols columns");
+  // A warp owns kTileCols columns, or (a narrow table: one tile) fewer.
+  static_assert(VEC * U * kWarp <= kTileCols, "a warp owns at most kTileCols columns");
   const int64_t dim = a.bags.dim;
   const int64_t lane_col = tile * kTileCols + static_cast<int64_t>(lane) * VEC;
   const T* __restrict__ grad = static_cast<const T*>(a.grad);
@@ -133,7 +145,10 @@ __device__ __forceinline__ void AccumulateRange(const BackwardArgs& a, int64_t r
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
-    if (want_dots && col < dim) {
+    // Narrow rows over a table with more rows than entries: an untouched row's
+    // table row is not read (the wide kernels load it before the range is known).
+    const bool skip = U <= 2 && a.skip_untouched_table_rows && s1 == s0;
+    if (want_dots && !skip && col < dim) {
       LoadFloats<T, VEC>(static_cast<const T*>(a.bags.table) + row * dim + col, x[u]);
     } else {
 #pragma unroll

@@ -17,7 +17,7 @@ namespace pkm_cuda {
 // [piece * L, piece * L + L). A range of L positions meets at most two rows
 // longer than L: the one at its first position and the one at its last.
 template <typename T, int VEC, int U, bool kMax>
-__global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC))
+__global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC, U, sizeof(T)))
     PiecesKernel(BackwardArgs a, int64_t pieces) {
   const int lane = threadIdx.x % kWarp;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (RowPassThreads(sizeof(T)) / kWarp) + threadIdx.x / kWarp;
@@ -74,11 +74,27 @@ __device__ __forceinline__ void AddPieces(const BackwardArgs& a, int64_t row, in
   }
 }
 
+// One row tile of the row pass: sum its entries (or add its pieces) and hand
+// the gradient to the epilogue.
+template <typename T, int VEC, int U, bool kMax, class Epilogue>
+__device__ __forceinline__ void RowStep(const BackwardArgs& a, const Epilogue& epilogue, int64_t row, int64_t lo,
+                                        int64_t hi, int64_t tile, int lane, int64_t lane_col, bool wants_gradient,
+                                        const EntryMeta& meta) {
+  float acc[U][VEC];
+  ZeroAcc<VEC, U>(acc);
+  if (hi - lo <= a.long_segment) {
+    AccumulateRange<T, VEC, U, kMax>(a, row, lo, hi, tile, lane, meta, acc);
+  } else if (wants_gradient) {
+    AddPieces<VEC, U>(a, row, lo, hi, lane_col, acc);
+  }
+  epilogue.template Apply<T, VEC, U>(a, row, lane_col, hi > lo, acc);
+}
+
 // One warp per (kRowsPerWarp consecutive table rows, tile): each row tile's
 // gradient is summed once and handed to the epilogue. While a row is summed,
 // the next row's segment bounds and first entries are already being fetched.
 template <typename T, int VEC, int U, bool kMax, class Epilogue>
-__global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC))
+__global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC, U, sizeof(T)))
     RowsKernel(BackwardArgs a, Epilogue epilogue) {
   const int lane = threadIdx.x % kWarp;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (RowPassThreads(sizeof(T)) / kWarp) + threadIdx.x / kWarp;
@@ -90,27 +106,43 @@ __global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC))
   const int64_t tile = warp % a.tiles;
   const int64_t lane_col = tile * kTileCols + static_cast<int64_t>(lane) * VEC;
   const bool wants_gradient = epilogue.WantsGradient(a);
-  int64_t lo = a.seg_begin[first_row];
-  int64_t hi = a.seg_begin[first_row + 1];
-  EntryMeta meta = LoadEntryMeta(a, lo + lane, lo + lane < hi);
-  for (int64_t row = first_row; row < last_row; ++row) {
-    int64_t next_hi = hi;
-    EntryMeta next_meta{0u, 0, 0.f};
-    if (row + 1 < last_row) {
-      next_hi = a.seg_begin[row + 2];
-      next_meta = LoadEntryMeta(a, hi + lane, hi + lane < next_hi);
+  if constexpr (U <= 2) {
+    // Narrow rows: the group's segment bounds in one load (lane i holds
+    // seg_begin[first_row + i]).
+    const int group_rows = static_cast<int>(last_row - first_row);
+    const uint32_t my_seg = lane <= group_rows ? a.seg_begin[first_row + lane] : 0u;
+    int64_t lo = __shfl_sync(kFullMask, my_seg, 0);
+    int64_t hi = __shfl_sync(kFullMask, my_seg, 1);
+    EntryMeta meta = LoadEntryMeta(a, lo + lane, lo + lane < hi);
+    for (int r = 0; r < group_rows; ++r) {
+      int64_t next_hi = hi;
+      EntryMeta next_meta{0u, 0, 0.f};
+      if (r + 1 < group_rows) {
+        next_hi = __shfl_sync(kFullMask, my_seg, r + 2);
+        next_meta = LoadEntryMeta(a, hi + lane, hi + lane < next_hi);
+      }
+      RowStep<T, VEC, U, kMax>(a, epilogue, first_row + r, lo, hi, tile, lane, lane_col, wants_gradient, meta);
+      lo = hi;
+      hi = next_hi;
+      meta = next_meta;
     }
-    float acc[U][VEC];
-    ZeroAcc<VEC, U>(acc);
-    if (hi - lo <= a.long_segment) {
-      AccumulateRange<T, VEC, U, kMax>(a, row, lo, hi, tile, lane, meta, acc);
-    } else if (wants_gradient) {
-      AddPieces<VEC, U>(a, row, lo, hi, lane_col, acc);
+  } else {
+    // Wide rows: the bounds row by row (the H200 run found this faster there).
+    int64_t lo = a.seg_begin[first_row];
+    int64_t hi = a.seg_begin[first_row + 1];
+    EntryMeta meta = LoadEntryMeta(a, lo + lane, lo + lane < hi);
+    for (int64_t row = first_row; row < last_row; ++row) {
+      int64_t next_hi = hi;
+      EntryMeta next_meta{0u, 0, 0.f};
+      if (row + 1 < last_row) {
+        next_hi = a.seg_begin[row + 2];
+        next_meta = LoadEntryMeta(a, hi + lane, hi + lane < next_hi);
+      }
+      RowStep<T, VEC, U, kMax>(a, epilogue, row, lo, hi, tile, lane, lane_col, wants_gradient, meta);
+      lo = hi;
+      hi = next_hi;
+      meta = next_meta;
     }
-    epilogue.template Apply<T, VEC, U>(a, row, lane_col, hi > lo, acc);
-    lo = hi;
-    hi = next_hi;
-    meta = next_meta;
   }
 }
 
@@ -141,6 +173,15 @@ int LaunchRowPasses(const BackwardArgs& args, int64_t pieces, const Epilogue& ep
   const bool vector_ok = aligned && args.bags.dim % kVec == 0 && Aligned16(args.bags.table) && Aligned16(args.grad);
   constexpr int kU = kTileCols / (kWarp * kVec);
   const bool max = args.max_entry != nullptr;
+  // Narrow rows (one tile of 1 or 2 vectors per lane: fp32 dim <= 128 / 256,
+  // 16-bit dim <= 256 / 512) get kernels with fewer registers and so more
+  // resident warps: the row pass is latency-bound (huge tables of short rows).
+  if (vector_ok && args.bags.dim <= kWarp * kVec)
+    return max ? LaunchRowPassesAs<T, kVec, 1, true>(args, pieces, epilogue, stream)
+               : LaunchRowPassesAs<T, kVec, 1, false>(args, pieces, epilogue, stream);
+  if (vector_ok && args.bags.dim <= kWarp * kVec * 2)
+    return max ? LaunchRowPassesAs<T, kVec, 2, true>(args, pieces, epilogue, stream)
+               : LaunchRowPassesAs<T, kVec, 2, false>(args, pieces, epilogue, stream);
   if (vector_ok)
     return max ? LaunchRowPassesAs<T, kVec, kU, true>(args, pieces, epilogue, stream)
                : LaunchRowPassesAs<T, kVec, kU, false>(args, pieces, epilogue, stream);

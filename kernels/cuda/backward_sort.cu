@@ -284,6 +284,7 @@ int SortEntriesByRow(const PkmBags& bags, const Layout& l, void* d_weights, char
   a.sorted_rows = keys.Current();
   a.sorted_entries = entries.Current();
   a.seg_begin = seg_begin;
+  a.skip_untouched_table_rows = n < bags.num_rows;
   a.bag_scale = bag_scale;
   a.bag_of_entry = bag_of_entry;
   a.max_entry = max_entry;

@@ -41,13 +41,28 @@ union Pack {
 };
 
 template <typename T, int VEC>
-__device__ __forceinline__ void LoadFloats(const T* ptr, float (&out)[VEC]) {
-  Pack<T, VEC> pack;
+__device__ __forceinline__ void LoadPack(const T* ptr, Pack<T, VEC>& pack) {
   if constexpr (VEC == 1) {
     pack.raw = ptr[0];
   } else {
     pack.raw = __ldg(reinterpret_cast<const uint4*>(ptr));
   }
+}
+
+// All-zero bits: 0.0 in float32, float16 and bfloat16.
+template <typename T, int VEC>
+__device__ __forceinline__ void ZeroPack(Pack<T, VEC>& pack) {
+  if constexpr (VEC == 1) {
+    pack.elems[0] = FromFloat<T>(0.f);
+  } else {
+    pack.raw = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void LoadFloats(const T* ptr, float (&out)[VEC]) {
+  Pack<T, VEC> pack;
+  LoadPack<T, VEC>(ptr, pack);
 #pragma unroll
   for (int i = 0; i < VEC; ++i) out[i] = ToFloat<T>(pack.elems[i]);
 }
@@ -101,6 +116,19 @@ __device__ __forceinline__ void BagRange(const PkmBags& bags, int64_t num_indice
   e = e < b ? b : (e > num_indices ? num_indices : e);
   *begin = b;
   *end = e;
+}
+
+// The forward kernels' per-lane entry load: the row of entry `pos` when it is
+// valid (0 <= index < num_rows), else -1; an index >= num_rows is counted once
+// (by the warp of tile 0) into bags.invalid_index_count when that is set.
+template <typename IdxT>
+__device__ __forceinline__ int64_t LoadEntryRow(const PkmBags& bags, const IdxT* __restrict__ indices, int64_t pos,
+                                                bool count_invalid) {
+  const int64_t idx = static_cast<int64_t>(indices[pos]);
+  if (idx >= 0 && idx < bags.num_rows) return idx;
+  if (idx >= bags.num_rows && count_invalid && bags.invalid_index_count != nullptr)
+    atomicAdd(bags.invalid_index_count, 1);
+  return -1;
 }
 
 __device__ __forceinline__ float WarpSum(float v) {

@@ -1,12 +1,16 @@
-// EmbeddingBag forward on the GPU: one warp per (bag, column tile).
+// EmbeddingBag forward on the GPU: kSplit warps per (bag, column tile).
 //
 // Each lane keeps U vectors of VEC columns (16-byte loads), so a warp covers
 // 32 * VEC * U contiguous columns of every row it gathers. The bag's indices
 // and weights are fetched 32 at a time (one per lane) and broadcast with
-// shuffles; rows are loaded kRowsInFlight at a time before they are
-// accumulated, so each lane keeps kRowsInFlight * U independent 16-byte loads
-// in flight. Accumulation is float32; the combiner's scale is computed on the
-// fly from the same weights.
+// shuffles; rows are loaded kRowsInFlight at a time, kept as raw 16-byte packs
+// (half the registers of floats for 16-bit rows) and only then accumulated, so
+// each lane keeps kRowsInFlight * U independent 16-byte loads in flight.
+// Accumulation is float32; the combiner's scale is computed on the fly from
+// the same weights. With kSplit > 1 (small batches: too few (bag, tile) pairs
+// to fill the GPU) the kSplit warps of a group take every kSplit-th chunk of 32
+// entries and warp 0 of the group adds the others' partial sums in warp order
+// through shared memory: a fixed order, so results stay bitwise reproducible.
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -17,35 +21,115 @@ namespace pkm_cuda {
 namespace {
 
 constexpr int kForwardThreads = 256;
+constexpr int kForwardWarps = kForwardThreads / kWarp;
 // With one vector per lane (narrow tiles) twice as many rows are in flight, so
 // every lane still keeps 8 loads outstanding.
-__host__ __device__ constexpr int RowsInFlight(int u) { return u == 1 ? 8 : 4; }
+#ifndef PKM_FWD_ROWS_IN_FLIGHT_U1
+#define PKM_FWD_ROWS_IN_FLIGHT_U1 8
+#endif
+__host__ __device__ constexpr int RowsInFlight(int u) { return u == 1 ? PKM_FWD_ROWS_IN_FLIGHT_U1 : 4; }
 constexpr int kDefaultForwardVecsPerLane = 2;
 // Below this many warps the default drops to one vector per lane (twice the
-// warps): small batches are latency-bound, not bandwidth-bound.
+// warps) and then splits bags over several warps: small batches are
+// latency-bound, not bandwidth-bound. 132 SMs x 64 resident warps.
 constexpr int64_t kFewWarps = 132 * 64;
+constexpr int kMaxSplit = 4;
+
+template <typename T, int VEC, int U, int R, bool kMax>
+__device__ __forceinline__ void AccumulateRows(const T* __restrict__ table, int64_t dim, int64_t lane_col,
+                                               int64_t my_row, float my_weight, int count, float (&acc)[U][VEC]) {
+  // count <= 32 and R divides 32, so k + j never leaves the warp; lanes past
+  // `count` hold row -1.
+  for (int k = 0; k < count; k += R) {
+    Pack<T, VEC> rows[R][U];
+    float weight[R];
+    bool valid[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int64_t row = __shfl_sync(kFullMask, my_row, k + j);
+      weight[j] = __shfl_sync(kFullMask, my_weight, k + j);
+      valid[j] = row >= 0;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
+        if (row >= 0 && col < dim) {
+          LoadPack<T, VEC>(table + row * dim + col, rows[j][u]);
+        } else {
+          ZeroPack<T, VEC>(rows[j][u]);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      if (kMax && !valid[j]) continue;  // padding: not a candidate
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          const float x = ToFloat<T>(rows[j][u].elems[v]);
+          acc[u][v] = kMax ? fmaxf(acc[u][v], x) : fmaf(weight[j], x, acc[u][v]);
+        }
+    }
+  }
+}
+
+// Warp 0 of a split group: acc and the weight sums += the other warps' (in
+// warp order); partial[warp][lane][U * VEC + 2] in shared memory.
+template <int VEC, int U, int kSplit, bool kMax>
+__device__ __forceinline__ void CombineSplit(float* partial, int group_warp0, int part, int lane, float (&acc)[U][VEC],
+                                             float* weight_sum, float* weight_sq_sum) {
+  constexpr int kStride = U * VEC + 2;
+  float* mine = partial + ((group_warp0 + part) * kWarp + lane) * kStride;
+  if (part != 0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) mine[u * VEC + v] = acc[u][v];
+    mine[U * VEC] = *weight_sum;
+    mine[U * VEC + 1] = *weight_sq_sum;
+  }
+  __syncthreads();
+  if (part != 0) return;
+#pragma unroll
+  for (int s = 1; s < kSplit; ++s) {
+    const float* other = mine + s * kWarp * kStride;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int v = 0; v < VEC; ++v)
+        acc[u][v] = kMax ? fmaxf(acc[u][v], other[u * VEC + v]) : acc[u][v] + other[u * VEC + v];
+    *weight_sum += other[U * VEC];
+    *weight_sq_sum += other[U * VEC + 1];
+  }
+}
 
 // kMax: elementwise max over the bag's valid rows (an empty bag gives 0)
 // instead of the weighted sum.
-template <typename T, typename IdxT, int VEC, int U, bool kMax>
-__global__ void __launch_bounds__(kForwardThreads)
+// 16-bit rows with two vectors per lane: capped at 64 registers (4 blocks of
+// 256 per SM), which the H200 run found 6-7% faster there (seed bf16, 1 KB
+// bf16 rows) and slower for the other shapes.
+__host__ __device__ constexpr int ForwardMinBlocks(int elem_bytes, int u) { return elem_bytes == 2 && u == 2 ? 4 : 1; }
+
+template <typename T, typename IdxT, int VEC, int U, int kSplit, bool kMax>
+__global__ void __launch_bounds__(kForwardThreads, ForwardMinBlocks(sizeof(T), U))
     ForwardKernel(PkmBags bags, int64_t num_indices, int64_t tiles, T* __restrict__ out) {
   constexpr int kTileCols = kWarp * VEC * U;
-  constexpr int kRowsInFlight = RowsInFlight(U);
   const int lane = threadIdx.x % kWarp;
-  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kForwardThreads / kWarp) +
-                       threadIdx.x / kWarp;
-  if (warp >= bags.num_bags * tiles) return;
-  const int64_t bag = warp / tiles;
-  const int64_t tile = warp % tiles;
+  const int warp_in_block = threadIdx.x / kWarp;
+  const int part = warp_in_block % kSplit;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * (kForwardWarps / kSplit) + warp_in_block / kSplit;
+  // A split group's warps meet at a barrier: none of them may return early.
+  const bool active = item < bags.num_bags * tiles;
+  if (kSplit == 1 && !active) return;
+  const int64_t bag = active ? item / tiles : 0;
+  const int64_t tile = item % tiles;
   const int64_t dim = bags.dim;
-  const int64_t num_rows = bags.num_rows;
   const int64_t lane_col = tile * kTileCols + static_cast<int64_t>(lane) * VEC;
   const T* __restrict__ table = static_cast<const T*>(bags.table);
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(bags.indices);
 
-  int64_t begin, end;
-  BagRange(bags, num_indices, bag, &begin, &end);
+  int64_t begin = 0, end = 0;
+  if (active) BagRange(bags, num_indices, bag, &begin, &end);
 
   float acc[U][VEC];
 #pragma unroll
@@ -54,58 +138,31 @@ __global__ void __launch_bounds__(kForwardThreads)
     for (int v = 0; v < VEC; ++v) acc[u][v] = kMax ? -INFINITY : 0.f;
   float weight_sum = 0.f, weight_sq_sum = 0.f;  // lane-partial, valid entries only
 
-  for (int64_t chunk = begin; chunk < end; chunk += kWarp) {
+  for (int64_t chunk = begin + part * kWarp; chunk < end; chunk += kSplit * kWarp) {
     const int count = static_cast<int>(min(static_cast<int64_t>(kWarp), end - chunk));
     int64_t my_row = -1;  // -1: padding, out of range, or past the chunk
     float my_weight = 0.f;
     if (lane < count) {
-      const int64_t idx = static_cast<int64_t>(indices[chunk + lane]);
-      if (idx >= 0 && idx < num_rows) {
-        my_row = idx;
+      my_row = LoadEntryRow<IdxT>(bags, indices, chunk + lane, tile == 0);
+      if (my_row >= 0) {
         my_weight = bags.weights ? LoadWeight(bags.weights, bags.weights_type, chunk + lane) : 1.f;
         weight_sum += my_weight;
         weight_sq_sum += my_weight * my_weight;
-      } else if (idx >= num_rows && tile == 0 && bags.invalid_index_count != nullptr) {
-        atomicAdd(bags.invalid_index_count, 1);
       }
     }
-    // count <= 32 and kRowsInFlight divides 32, so k + j never leaves the warp;
-    // lanes past `count` hold row -1.
-    for (int k = 0; k < count; k += kRowsInFlight) {
-      float rows[kRowsInFlight][U][VEC];
-      float weight[kRowsInFlight];
-#pragma unroll
-      for (int j = 0; j < kRowsInFlight; ++j) {
-        const int64_t row = __shfl_sync(kFullMask, my_row, k + j);
-        weight[j] = __shfl_sync(kFullMask, my_weight, k + j);
-        const T* row_ptr = table + row * dim;
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
-          if (row >= 0 && col < dim) {
-            LoadFloats<T, VEC>(row_ptr + col, rows[j][u]);
-          } else {
-#pragma unroll
-            for (int v = 0; v < VEC; ++v) rows[j][u][v] = 0.f;
-          }
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < kRowsInFlight; ++j) {
-        if (kMax && __shfl_sync(kFullMask, my_row, k + j) < 0) continue;  // padding: not a candidate
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int v = 0; v < VEC; ++v)
-            acc[u][v] = kMax ? fmaxf(acc[u][v], rows[j][u][v]) : fmaf(weight[j], rows[j][u][v], acc[u][v]);
-      }
-    }
+    AccumulateRows<T, VEC, U, RowsInFlight(U), kMax>(table, dim, lane_col, my_row, my_weight, count, acc);
   }
 
-  const float weight_total = WarpSum(weight_sum);
+  weight_sum = WarpSum(weight_sum);
+  weight_sq_sum = WarpSum(weight_sq_sum);
+  if constexpr (kSplit > 1) {
+    __shared__ float partial[kForwardWarps * kWarp * (U * VEC + 2)];
+    CombineSplit<VEC, U, kSplit, kMax>(partial, warp_in_block - part, part, lane, acc, &weight_sum, &weight_sq_sum);
+    if (part != 0 || !active) return;
+  }
   // max: weight_sum counts the valid entries (weights are refused, so 1 each).
-  const float scale = kMax ? (weight_total > 0.f ? 1.f : 0.f)
-                           : CombinerScale(bags.combiner, weight_total, WarpSum(weight_sq_sum));
+  const float scale = kMax ? (weight_sum > 0.f ? 1.f : 0.f)
+                           : CombinerScale(bags.combiner, weight_sum, weight_sq_sum);
   T* out_row = out + bag * dim;
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -119,20 +176,44 @@ __global__ void __launch_bounds__(kForwardThreads)
   }
 }
 
+template <typename T, typename IdxT, int VEC, int U, int kSplit>
+int LaunchForwardSplit(const PkmBags& bags, int64_t num_indices, int64_t tiles, void* out, cudaStream_t stream) {
+  const int64_t groups_per_block = kForwardWarps / kSplit;
+  const int64_t blocks = (bags.num_bags * tiles + groups_per_block - 1) / groups_per_block;
+  if (blocks > 0x7fffffffLL) return SetInvalid("forward: too many bags for one launch");
+  if (bags.combiner == PKM_MAX)
+    ForwardKernel<T, IdxT, VEC, U, kSplit, true><<<static_cast<unsigned>(blocks), kForwardThreads, 0, stream>>>(
+        bags, num_indices, tiles, static_cast<T*>(out));
+  else
+    ForwardKernel<T, IdxT, VEC, U, kSplit, false><<<static_cast<unsigned>(blocks), kForwardThreads, 0, stream>>>(
+        bags, num_indices, tiles, static_cast<T*>(out));
+  return CheckLaunch("pkm_cuda_forward");
+}
+
+// Warps per (bag, tile): 1, or up to kMaxSplit when the launch would leave
+// most of the GPU idle and bags have more than one chunk of 32 entries each.
+#ifndef PKM_FWD_MAX_SPLIT
+#define PKM_FWD_MAX_SPLIT kMaxSplit
+#endif
+int ForwardSplit(const PkmBags& bags, int64_t num_indices, int64_t warps) {
+  const int64_t chunks_per_bag = (num_indices / std::max<int64_t>(bags.num_bags, 1) + kWarp - 1) / kWarp;
+  int split = 1;
+  while (split < PKM_FWD_MAX_SPLIT && warps * split * 2 <= kFewWarps && chunks_per_bag >= split * 2) split *= 2;
+  return split;
+}
+
 template <typename T, typename IdxT, int VEC, int U>
 int LaunchForward(const PkmBags& bags, int64_t num_indices, void* out, cudaStream_t stream) {
   constexpr int64_t kTileCols = kWarp * VEC * U;
   const int64_t tiles = (bags.dim + kTileCols - 1) / kTileCols;
-  const int64_t warps = bags.num_bags * tiles;
-  const int64_t blocks = (warps + kForwardThreads / kWarp - 1) / (kForwardThreads / kWarp);
-  if (blocks > 0x7fffffffLL) return SetInvalid("forward: too many bags for one launch");
-  if (bags.combiner == PKM_MAX)
-    ForwardKernel<T, IdxT, VEC, U, true><<<static_cast<unsigned>(blocks), kForwardThreads, 0, stream>>>(
-        bags, num_indices, tiles, static_cast<T*>(out));
-  else
-    ForwardKernel<T, IdxT, VEC, U, false><<<static_cast<unsigned>(blocks), kForwardThreads, 0, stream>>>(
-        bags, num_indices, tiles, static_cast<T*>(out));
-  return CheckLaunch("pkm_cuda_forward");
+  if constexpr (U == 1 && VEC > 1) {  // the small-batch shape: split bags over warps
+    switch (ForwardSplit(bags, num_indices, bags.num_bags * tiles)) {
+      case 4: return LaunchForwardSplit<T, IdxT, VEC, U, 4>(bags, num_indices, tiles, out, stream);
+      case 2: return LaunchForwardSplit<T, IdxT, VEC, U, 2>(bags, num_indices, tiles, out, stream);
+      default: break;
+    }
+  }
+  return LaunchForwardSplit<T, IdxT, VEC, U, 1>(bags, num_indices, tiles, out, stream);
 }
 
 // The default vectors per lane: one when a single vector per lane already

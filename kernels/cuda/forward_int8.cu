@@ -41,7 +41,7 @@ __global__ void __launch_bounds__(kInt8Threads)
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kInt8Threads / kWarp) + threadIdx.x / kWarp;
   if (warp >= bags.num_bags * tiles) return;
   const int64_t bag = warp / tiles, tile = warp % tiles;
-  const int64_t dim = bags.dim, num_rows = bags.num_rows;
+  const int64_t dim = bags.dim;
   const int64_t lane_col = tile * kTileCols + static_cast<int64_t>(lane) * VEC;
   const int8_t* __restrict__ table = static_cast<const int8_t*>(bags.table);
   const IdxT* __restrict__ indices = static_cast<const IdxT*>(bags.indices);
@@ -59,18 +59,13 @@ __global__ void __launch_bounds__(kInt8Threads)
     const int count = static_cast<int>(min(static_cast<int64_t>(kWarp), end - chunk));
     int64_t my_row = -1;
     float my_coef = 0.f;
-    if (lane < count) {
-      const int64_t idx = static_cast<int64_t>(indices[chunk + lane]);
-      if (idx >= 0 && idx < num_rows) {
-        const float w = bags.weights ? LoadWeight(bags.weights, bags.weights_type, chunk + lane) : 1.f;
-        my_row = idx;
-        my_coef = w * LoadRowParam(bags.row_scales, bags.row_params_type, idx);
-        if (bags.row_biases != nullptr) bias_sum += w * LoadRowParam(bags.row_biases, bags.row_params_type, idx);
-        weight_sum += w;
-        weight_sq_sum += w * w;
-      } else if (idx >= num_rows && tile == 0 && bags.invalid_index_count != nullptr) {
-        atomicAdd(bags.invalid_index_count, 1);
-      }
+    if (lane < count) my_row = LoadEntryRow<IdxT>(bags, indices, chunk + lane, tile == 0);
+    if (my_row >= 0) {
+      const float w = bags.weights ? LoadWeight(bags.weights, bags.weights_type, chunk + lane) : 1.f;
+      my_coef = w * LoadRowParam(bags.row_scales, bags.row_params_type, my_row);
+      if (bags.row_biases != nullptr) bias_sum += w * LoadRowParam(bags.row_biases, bags.row_params_type, my_row);
+      weight_sum += w;
+      weight_sq_sum += w * w;
     }
     for (int k = 0; k < count; k += kInt8RowsInFlight) {
       float rows[kInt8RowsInFlight][U][VEC];

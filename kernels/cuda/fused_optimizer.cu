@@ -55,6 +55,17 @@ __device__ __forceinline__ void StoreState(float* p, const float (&x)[VEC]) {
   }
 }
 
+// The sum of squares of a row tile's gradient over the whole warp.
+template <int VEC, int U>
+__device__ __forceinline__ float WarpSumSquares(const float (&g)[U][VEC]) {
+  float sq = 0.f;
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) sq = fmaf(g[u][v], g[u][v], sq);
+  return WarpSum(sq);
+}
+
 enum class Pass { kUpdate, kSumSquares, kScaledUpdate };
 
 struct Update {
@@ -70,12 +81,7 @@ struct Update {
   // sqrt(acc + epsilon) of a touched row when the warp holds the whole row.
   template <int VEC, int U>
   __device__ float AdagradDenominator(const BackwardArgs& a, int64_t row, const float (&g)[U][VEC]) const {
-    float sq = 0.f;
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) sq = fmaf(g[u][v], g[u][v], sq);
-    sq = WarpSum(sq);
+    const float sq = WarpSumSquares<VEC, U>(g);
     float acc = 0.f;
     if (threadIdx.x % kWarp == 0) {
       acc = state0[row] + sq / static_cast<float>(a.bags.dim);
@@ -90,12 +96,7 @@ struct Update {
     if (!touched) return;  // lazy: untouched rows and their state stay
     const int64_t dim = a.bags.dim;
     if (pass == Pass::kSumSquares) {
-      float sq = 0.f;
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) sq = fmaf(g[u][v], g[u][v], sq);
-      sq = WarpSum(sq);
+      const float sq = WarpSumSquares<VEC, U>(g);
       if (threadIdx.x % kWarp == 0) row_partials[row * a.tiles + lane_col / kTileCols] = sq;
       return;
     }

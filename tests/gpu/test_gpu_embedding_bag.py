@@ -11,37 +11,14 @@ the C launchers through ctypes on torch CUDA tensors, so TensorFlow is not
 needed; a machine with CUDA but without the built library fails, not skips.
 """
 
-import os
-import sys
 import zlib
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed (GPU tests need torch with CUDA)")
-if not torch.cuda.is_available():
-    pytest.skip(
-        "no CUDA device visible to torch (CI has none; on a GPU machine set CUDA_VISIBLE_DEVICES, "
-        "which tests/conftest.py otherwise blanks)",
-        allow_module_level=True,
-    )
+from gpu_common import CONFIG_IDS, CONFIGS, DEV, DTYPES, pkm_capi, torch  # noqa: F401  (skips without CUDA)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "kernels", "capi"))
-import pkm_capi  # noqa: E402
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 RTOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-DEV = "cuda"
-
-
-@pytest.fixture(scope="module")
-def lib():
-    if not os.path.exists(pkm_capi.DEFAULT_CUDA_LIB):
-        pytest.fail(f"{pkm_capi.DEFAULT_CUDA_LIB} is missing: run `make gpu-standalone` first")
-    loaded = pkm_capi.PkmLib()
-    assert loaded.has_cuda, "libpkm_cuda.so was built without the CUDA launchers"
-    return loaded
 
 
 def assert_close(got, want, dtype, what, floor=0.0):
@@ -86,39 +63,41 @@ def random_case(rng, dtype, ragged, combiner, with_weights, idx_dtype, num_rows,
     return table, indices, weights, row_splits
 
 
+def random_cases(rng, dtype, combiner, ragged, max_rows):
+    """The grid the dense and sparse tests walk: dims of the scalar path (1: tiny, 37: odd), the
+    vector path (256) and more than one 1024-column tile (1288), with and without weights; yields
+    (what, with_weights, (table, indices, weights, splits))."""
+    for dim in (1, 37, 256, 1288):
+        for with_weights in (True, False):
+            idx_dtype = torch.int32 if rng.random() < 0.5 else torch.int64
+            num_rows = int(rng.integers(1, max_rows))
+            case = random_case(rng, dtype, ragged, combiner, with_weights, idx_dtype, num_rows=num_rows, dim=dim,
+                               num_bags=int(rng.integers(1, 70)), max_bag=int(rng.integers(0, 40)))
+            yield f"dim={dim} weights={with_weights} idx={idx_dtype} rows={num_rows}", with_weights, case
+
+
 def to_dev(*tensors):
     return [t.to(DEV) if t is not None else None for t in tensors]
 
 
-CONFIGS = [(dtype, combiner, ragged) for dtype in DTYPES for combiner in ("sum", "mean", "sqrtn")
-           for ragged in (False, True)]
-
-
-@pytest.mark.parametrize("dtype,combiner,ragged", CONFIGS,
-                         ids=[f"{str(d).split('.')[-1]}-{c}-{'ragged' if r else 'dense'}" for d, c, r in CONFIGS])
+@pytest.mark.parametrize("dtype,combiner,ragged", CONFIGS, ids=CONFIG_IDS)
 def test_forward_and_backward_match_cpu_reference(lib, dtype, combiner, ragged):
     rng = np.random.default_rng(zlib.crc32(f"{dtype}-{combiner}-{ragged}".encode()))
-    # dims: one (scalar path, tiny), odd (scalar path), vector path, > one 1024-column tile.
-    for dim in (1, 37, 256, 1288):
-        for with_weights in (True, False):
-            idx_dtype = torch.int32 if rng.random() < 0.5 else torch.int64
-            table, indices, weights, splits = random_case(
-                rng, dtype, ragged, combiner, with_weights, idx_dtype, num_rows=int(rng.integers(1, 300)),
-                dim=dim, num_bags=int(rng.integers(1, 70)), max_bag=int(rng.integers(0, 40)))
-            what = f"dim={dim} weights={with_weights} idx={idx_dtype}"
-            want = lib.cpu_forward(table, indices, weights, combiner, splits, reference=True)
-            g_table, g_indices, g_weights, g_splits = to_dev(table, indices, weights, splits)
-            got = lib.cuda_forward(g_table, g_indices, g_weights, combiner, g_splits)
-            assert_close(got, want, dtype, "forward " + what)
+    for what, with_weights, (table, indices, weights, splits) in random_cases(rng, dtype, combiner, ragged, 300):
+        dim = table.shape[1]
+        want = lib.cpu_forward(table, indices, weights, combiner, splits, reference=True)
+        g_table, g_indices, g_weights, g_splits = to_dev(table, indices, weights, splits)
+        got = lib.cuda_forward(g_table, g_indices, g_weights, combiner, g_splits)
+        assert_close(got, want, dtype, "forward " + what)
 
-            grad = torch.from_numpy(rng.standard_normal(tuple(want.shape)).astype(np.float32)).to(dtype)
-            want_dt, want_dw = lib.cpu_backward(table, indices, grad, weights, combiner, splits, reference=True)
-            got_dt, got_dw = lib.cuda_backward(g_table, g_indices, grad.to(DEV), g_weights, combiner, g_splits)
-            assert_close(got_dt, want_dt, dtype, "d_table " + what)
-            if with_weights:
-                # d_weights are dot products of D standard-normal pairs: terms of
-                # size ~sqrt(D) that mean/sqrtn corrections can cancel to ~0.
-                assert_close(got_dw, want_dw, dtype, "d_weights " + what, floor=float(np.sqrt(dim)))
+        grad = torch.from_numpy(rng.standard_normal(tuple(want.shape)).astype(np.float32)).to(dtype)
+        want_dt, want_dw = lib.cpu_backward(table, indices, grad, weights, combiner, splits, reference=True)
+        got_dt, got_dw = lib.cuda_backward(g_table, g_indices, grad.to(DEV), g_weights, combiner, g_splits)
+        assert_close(got_dt, want_dt, dtype, "d_table " + what)
+        if with_weights:
+            # d_weights are dot products of D standard-normal pairs: terms of
+            # size ~sqrt(D) that mean/sqrtn corrections can cancel to ~0.
+            assert_close(got_dw, want_dw, dtype, "d_weights " + what, floor=float(np.sqrt(dim)))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
@@ -338,3 +317,55 @@ def test_empty_bags_and_no_bags(lib):
     assert lib.cuda_forward(table, no_bags, None, "sum").shape == (0, 16)
     d_table, _ = lib.cuda_backward(table, no_bags, torch.empty(0, 16, device=DEV), None, "sum")
     assert torch.all(d_table == 0)
+
+
+SMALL_BATCH = [(dtype, combiner, ragged) for dtype in DTYPES for combiner in ("sum", "mean", "sqrtn")
+               for ragged in (False, True)]
+
+
+@pytest.mark.parametrize("dtype,combiner,ragged", SMALL_BATCH, ids=CONFIG_IDS)
+def test_small_batch_long_bags_and_narrow_rows(lib, dtype, combiner, ragged):
+    """Few bags of many entries (the forward splits each bag over 2-4 warps and adds the
+    warps' sums in a fixed order) and narrow rows over a table most of whose rows are
+    untouched (the backward's 1- and 2-vector row kernels, which skip untouched rows'
+    table loads): against the float64 reference, and bitwise equal run to run."""
+    rng = np.random.default_rng(zlib.crc32(f"small-{dtype}-{combiner}-{ragged}".encode()))
+    for dim in (64, 128, 256, 512, 1024):
+        for num_bags, max_bag, num_rows in ((3, 300, 5000), (8, 70, 5000), (40, 140, 20000)):
+            with_weights = bool(rng.random() < 0.7)
+            table, indices, weights, splits = random_case(
+                rng, dtype, ragged, combiner, with_weights, torch.int64, num_rows=num_rows, dim=dim,
+                num_bags=num_bags, max_bag=max_bag)
+            what = f"dim={dim} bags={num_bags}x{max_bag} rows={num_rows} weights={with_weights}"
+            want = lib.cpu_forward(table, indices, weights, combiner, splits, reference=True)
+            g = to_dev(table, indices, weights, splits)
+            got = lib.cuda_forward(g[0], g[1], g[2], combiner, g[3])
+            assert_close(got, want, dtype, "forward " + what)
+            assert torch.equal(got, lib.cuda_forward(g[0], g[1], g[2], combiner, g[3])), "forward not bitwise " + what
+            grad = torch.from_numpy(rng.standard_normal(tuple(want.shape)).astype(np.float32)).to(dtype)
+            want_dt, want_dw = lib.cpu_backward(table, indices, grad, weights, combiner, splits, reference=True)
+            got_dt, got_dw = lib.cuda_backward(g[0], g[1], grad.to(DEV), g[2], combiner, g[3])
+            assert_close(got_dt, want_dt, dtype, "d_table " + what)
+            if with_weights:
+                assert_close(got_dw, want_dw, dtype, "d_weights " + what, floor=float(np.sqrt(dim)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_small_batch_max_and_invalid_counter(lib, dtype):
+    """The split forward with the max combiner (partial maxima combined across warps) and
+    the invalid-index counter (each entry counted once across the split warps)."""
+    rng = np.random.default_rng(zlib.crc32(f"small-max-{dtype}".encode()))
+    num_rows, dim = 3000, 256
+    table = torch.from_numpy(rng.standard_normal((num_rows, dim)).astype(np.float32)).to(dtype)
+    idx = rng.integers(0, num_rows, size=(4, 200))
+    idx[rng.random(idx.shape) < 0.1] = -1
+    idx[2, 50:] = -1  # a bag whose valid rows all sit in the first chunks
+    bad = rng.random(idx.shape) < 0.05
+    idx[bad] = num_rows + 7
+    t, i = table.to(DEV), torch.from_numpy(idx).to(DEV)
+    counter = torch.zeros(1, dtype=torch.int32, device=DEV)
+    out = lib.cuda_forward(t, i, None, "max", invalid_counter=counter).float().cpu().numpy()
+    assert int(counter.item()) == int(bad.sum())
+    for b in range(idx.shape[0]):
+        valid = [r for r in idx[b] if 0 <= r < num_rows]
+        np.testing.assert_array_equal(out[b], table.float().numpy()[valid].max(axis=0), err_msg=f"bag {b}")

@@ -5,25 +5,12 @@ then the update in torch float32); bitwise determinism; lazy rows; hot rows cut
 into pieces; several column tiles (multi-pass row-wise Adagrad); half tables;
 errors. Needs a CUDA GPU, torch with CUDA and `make gpu-standalone`."""
 
-import os
-import sys
 import zlib
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed (GPU tests need torch with CUDA)")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device visible to torch (CI has none; on a GPU machine set CUDA_VISIBLE_DEVICES)",
-                allow_module_level=True)
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, "kernels", "capi"))
-sys.path.insert(0, ROOT)
-import pkm_capi  # noqa: E402
-from test_gpu_embedding_bag import lib  # noqa: E402,F401  (fixture)
+from gpu_common import pkm_capi, torch  # noqa: F401  (skips without CUDA)
 from tests.row_optimizer_reference import apply_rows, fused_update, initial_state, touched_rows  # noqa: E402
 
 KINDS = ["sgd", "rowwise_adagrad", "adam"]

@@ -5,31 +5,11 @@ Needs a CUDA GPU, PyTorch with CUDA and `make gpu-standalone`; skips without a G
 the other tests/gpu modules (run with CUDA_VISIBLE_DEVICES=0 python -m pytest -q tests/gpu).
 """
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed (GPU tests need torch with CUDA)")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device visible to torch (set CUDA_VISIBLE_DEVICES on a GPU machine)",
-                allow_module_level=True)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "kernels", "capi"))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-import pkm_capi  # noqa: E402
-import reference  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def lib():
-    if not os.path.exists(pkm_capi.DEFAULT_CUDA_LIB):
-        pytest.fail(f"{pkm_capi.DEFAULT_CUDA_LIB} is missing: run `make gpu-standalone` first")
-    loaded = pkm_capi.PkmLib()
-    assert loaded.has_cuda, "libpkm_cuda.so was built without the CUDA launchers"
-    return loaded
+from gpu_common import pkm_capi, torch  # noqa: F401  (skips without CUDA)
+import reference  # noqa: E402  (tests/, on the path through gpu_common)
 
 
 def quantized(rng, n, d, param_dtype):

@@ -6,25 +6,12 @@ torch.nn.functional.embedding_bag(mode="max"); dense and ragged bags, every
 table dtype, ties, hot rows in pieces, determinism, the fused optimizer.
 Needs a CUDA GPU, torch with CUDA and `make gpu-standalone`."""
 
-import os
-import sys
 import zlib
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed (GPU tests need torch with CUDA)")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device visible to torch (CI has none; on a GPU machine set CUDA_VISIBLE_DEVICES)",
-                allow_module_level=True)
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "kernels", "capi"))
-import pkm_capi  # noqa: E402
-from test_gpu_embedding_bag import lib  # noqa: E402,F401  (fixture)
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+from gpu_common import DTYPES, pkm_capi, torch  # noqa: F401  (skips without CUDA)
 
 
 def reference(table, bags, grad):

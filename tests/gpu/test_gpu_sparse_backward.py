@@ -3,26 +3,13 @@ CUDA backward (same passes: bitwise equal rows) and the core's CPU sparse
 backward, through the C ABI. Needs a CUDA GPU, torch with CUDA and
 `make gpu-standalone`; skips elsewhere (CI), like test_gpu_embedding_bag.py."""
 
-import os
-import sys
 import zlib
 
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="PyTorch is not installed (GPU tests need torch with CUDA)")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device visible to torch (CI has none; on a GPU machine set CUDA_VISIBLE_DEVICES)",
-                allow_module_level=True)
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "kernels", "capi"))
-import pkm_capi  # noqa: E402
-from test_gpu_embedding_bag import DTYPES, assert_close, lib, random_case, to_dev  # noqa: E402,F401
-
-CONFIGS = [(dtype, combiner, ragged) for dtype in DTYPES for combiner in ("sum", "mean", "sqrtn")
-           for ragged in (False, True)]
+from gpu_common import CONFIG_IDS, CONFIGS, pkm_capi, torch  # noqa: F401  (skips without CUDA)
+from test_gpu_embedding_bag import assert_close, random_cases, to_dev  # noqa: E402
 
 
 def valid_rows(indices, num_rows):
@@ -30,35 +17,28 @@ def valid_rows(indices, num_rows):
     return np.unique(idx[(idx >= 0) & (idx < num_rows)])
 
 
-@pytest.mark.parametrize("dtype,combiner,ragged", CONFIGS,
-                         ids=[f"{str(d).split('.')[-1]}-{c}-{'ragged' if r else 'dense'}" for d, c, r in CONFIGS])
+@pytest.mark.parametrize("dtype,combiner,ragged", CONFIGS, ids=CONFIG_IDS)
 def test_sparse_rows_equal_dense_backward_rows(lib, dtype, combiner, ragged):
     rng = np.random.default_rng(zlib.crc32(f"sparse-{dtype}-{combiner}-{ragged}".encode()))
-    for dim in (1, 37, 256, 1288):
-        for with_weights in (True, False):
-            idx_dtype = torch.int32 if rng.random() < 0.5 else torch.int64
-            num_rows = int(rng.integers(1, 3000))
-            table, indices, weights, splits = random_case(
-                rng, dtype, ragged, combiner, with_weights, idx_dtype, num_rows=num_rows, dim=dim,
-                num_bags=int(rng.integers(1, 70)), max_bag=int(rng.integers(0, 40)))
-            what = f"dim={dim} weights={with_weights} rows={num_rows}"
-            g = to_dev(table, indices, weights, splits)
-            grad = torch.from_numpy(rng.standard_normal((g[1].shape[0] if not ragged else len(splits) - 1, dim))
-                                    .astype(np.float32)).to(dtype).to("cuda")
-            rows, row_grads, d_w = lib.cuda_sparse_backward(g[0], g[1], grad, g[2], combiner, g[3])
-            expect = valid_rows(indices, num_rows)
-            np.testing.assert_array_equal(rows.cpu().numpy(), expect, err_msg=what)
-            assert row_grads.shape == (len(expect), dim) and row_grads.dtype == dtype
-            d_table, d_w_dense = lib.cuda_backward(g[0], g[1], grad, g[2], combiner, g[3])
-            # The same passes write the same rows: bitwise equal, untouched rows zero.
-            assert torch.equal(row_grads, d_table[rows]), what
-            untouched = np.setdiff1d(np.arange(num_rows), expect)
-            assert torch.count_nonzero(d_table[torch.from_numpy(untouched).cuda()]) == 0
-            if with_weights:
-                assert torch.equal(d_w, d_w_dense), what
-            c_rows, c_grads, c_dw = lib.cpu_sparse_backward(table, indices, grad.cpu(), weights, combiner, splits)
-            np.testing.assert_array_equal(c_rows.numpy(), expect)
-            assert_close(row_grads, c_grads, dtype, "row_grads vs CPU core " + what)
+    for what, with_weights, (table, indices, weights, splits) in random_cases(rng, dtype, combiner, ragged, 3000):
+        num_rows, dim = table.shape
+        g = to_dev(table, indices, weights, splits)
+        grad = torch.from_numpy(rng.standard_normal((g[1].shape[0] if not ragged else len(splits) - 1, dim))
+                                .astype(np.float32)).to(dtype).to("cuda")
+        rows, row_grads, d_w = lib.cuda_sparse_backward(g[0], g[1], grad, g[2], combiner, g[3])
+        expect = valid_rows(indices, num_rows)
+        np.testing.assert_array_equal(rows.cpu().numpy(), expect, err_msg=what)
+        assert row_grads.shape == (len(expect), dim) and row_grads.dtype == dtype
+        d_table, d_w_dense = lib.cuda_backward(g[0], g[1], grad, g[2], combiner, g[3])
+        # The same passes write the same rows: bitwise equal, untouched rows zero.
+        assert torch.equal(row_grads, d_table[rows]), what
+        untouched = np.setdiff1d(np.arange(num_rows), expect)
+        assert torch.count_nonzero(d_table[torch.from_numpy(untouched).cuda()]) == 0
+        if with_weights:
+            assert torch.equal(d_w, d_w_dense), what
+        c_rows, c_grads, c_dw = lib.cpu_sparse_backward(table, indices, grad.cpu(), weights, combiner, splits)
+        np.testing.assert_array_equal(c_rows.numpy(), expect)
+        assert_close(row_grads, c_grads, dtype, "row_grads vs CPU core " + what)
 
 
 def test_hot_rows_pieces_and_invalid_indices(lib):
