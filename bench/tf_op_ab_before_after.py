@@ -76,7 +76,7 @@ def main():
         *[f"| {name} | {', '.join(f'{m:.1f}' for m in ms)} |" for name, ms in medians.items()], "",
         f"after / before per round: {', '.join(f'{x:.3f}' for x in ratios)}; median {report['ratio_median']:.3f}.",
         "", f"Command: `.venv/bin/python bench/tf_op_ab_before_after.py {args.before} {args.after} "
-        f"--rounds {args.rounds} --name {args.name}`"])
+        f"--rounds {args.rounds} --repeats {args.repeats} --name {args.name}`"])
     write_results(args.name, report, md)
     print(md)
 
