@@ -28,7 +28,7 @@ $(TF_WHEEL): $(PACKAGING_STAMP) $(TF_OP_LIB) $(TFLITE_LIB) $(PACKAGE_FILES) pypr
 	$(PY) packaging/build_wheels.py tf --dist $(DIST)
 
 $(DEVICE_WHEEL): $(PACKAGING_STAMP) $(TFLITE_LIB) pkm_serve/__init__.py pkm_serve/tflite.py \
-		packaging/device/pyproject.toml packaging/device/setup.py packaging/build_wheels.py
+		packaging/device/pyproject.toml packaging/tf_free_wheel_setup.py packaging/build_wheels.py
 	$(PY) packaging/build_wheels.py device --dist $(DIST)
 
 # Fresh venv, nothing of the checkout on sys.path: pip install the TF wheel (+ serving, tflite
@@ -44,7 +44,7 @@ TEST_DEPS += $(TF_WHEEL) $(DEVICE_WHEEL)
 # The device wheel for aarch64, from the cross-built delegate (tflite_delegate/aarch64.mk);
 # tests/aarch64 installs it in the emulated aarch64 interpreter and runs the fixtures through it.
 $(A64_DEVICE_WHEEL): $(PACKAGING_STAMP) $(A64_LIB) pkm_serve/__init__.py pkm_serve/tflite.py \
-		packaging/device/pyproject.toml packaging/device/setup.py packaging/build_wheels.py
+		packaging/device/pyproject.toml packaging/tf_free_wheel_setup.py packaging/build_wheels.py
 	$(PY) packaging/build_wheels.py device-aarch64 --dist $(DIST)
 
 wheel-device-aarch64: $(A64_DEVICE_WHEEL)

@@ -3,7 +3,7 @@ _pkm_ops.so: TF loads one op library per process, so each round runs one child
 per build (PKM_SERVE_OPS_LIB), the order alternating (bench/harness.py's
 run_child); each child times --repeats calls after a warm-up.
 
-    python bench/tf_op_ab_before_after.py BEFORE.so AFTER.so [--rounds 3]
+    python bench/tf_op_ab_before_after.py BEFORE.so AFTER.so [--rounds 3] [--name tf_op_ab_struct]
 """
 import argparse
 import os
@@ -43,6 +43,7 @@ def main():
     ap.add_argument("after", nargs="?")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--name", default="tf_op_ab_before_after", help="bench/results/<name>.{json,md}")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -74,8 +75,9 @@ def main():
         "| build | per-round median ms |", "|---|---|",
         *[f"| {name} | {', '.join(f'{m:.1f}' for m in ms)} |" for name, ms in medians.items()], "",
         f"after / before per round: {', '.join(f'{x:.3f}' for x in ratios)}; median {report['ratio_median']:.3f}.",
-        "", f"Command: `.venv/bin/python bench/tf_op_ab_before_after.py {args.before} {args.after}`"])
-    write_results("tf_op_ab_struct_shape_rules", report, md)
+        "", f"Command: `.venv/bin/python bench/tf_op_ab_before_after.py {args.before} {args.after} "
+        f"--rounds {args.rounds} --repeats {args.repeats} --name {args.name}`"])
+    write_results(args.name, report, md)
     print(md)
 
 

@@ -71,6 +71,8 @@ PKM_TF_GPU_SRCS = [
 
 PKM_TF_HDRS = [
     "kernels/tf/embedding_bag_common.h",
+    "kernels/tf/embedding_bag_kernel_template.h",
+    "kernels/tf/embedding_bag_cpu_backend.h",
     "kernels/tf/quantized_embedding_bag_common.h",
     "kernels/tf/fused_optimizer_common.h",
 ]

@@ -51,8 +51,8 @@ def stage_tree(stage):
     for name in libs:
         _check_no_tensorflow(os.path.join(PACKAGE, "lib", name))
         shutil.copy2(os.path.join(PACKAGE, "lib", name), os.path.join(pkg, "lib"))
-    for name in ("pyproject.toml", "setup.py"):
-        shutil.copy2(os.path.join(ROOT, "packaging", "keras", name), stage)
+    shutil.copy2(os.path.join(ROOT, "packaging", "keras", "pyproject.toml"), stage)
+    shutil.copy2(os.path.join(ROOT, "packaging", "tf_free_wheel_setup.py"), os.path.join(stage, "setup.py"))
     shutil.copy2(os.path.join(ROOT, "README.md"), stage)
     return libs
 

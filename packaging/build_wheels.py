@@ -284,8 +284,8 @@ def build_device_wheel(dist, stage_root, arch="x86_64"):
     _copy_package(os.path.join(stage, "pkm_serve"), modules=DEVICE_MODULES)
     os.makedirs(os.path.join(stage, "pkm_serve", "lib"))
     shutil.copy2(library, os.path.join(stage, "pkm_serve", "lib", DELEGATE_LIB))
-    for name in ("pyproject.toml", "setup.py"):
-        shutil.copy2(os.path.join(ROOT, "packaging", "device", name), stage)
+    shutil.copy2(os.path.join(ROOT, "packaging", "device", "pyproject.toml"), stage)
+    shutil.copy2(os.path.join(ROOT, "packaging", "tf_free_wheel_setup.py"), os.path.join(stage, "setup.py"))
     with tempfile.TemporaryDirectory() as tmp:
         raw = _build(stage, os.path.join(tmp, "raw"), plat_name)
         _check_complete(raw, stage)

@@ -235,6 +235,16 @@ void SmallTensor(Fixture* f, int i, TfLiteType type, const std::vector<int>& dim
   f->owned.push_back(t.data.raw);
 }
 
+// A dense bag node's four tensors: the table (of `table_type`, `table_dims`),
+// int32 indices [2, 2], float32 weights [2, 2] and the float32 output.
+void DenseBagTensors(Fixture* f, TfLiteType table_type, const std::vector<int>& table_dims) {
+  f->tensors.resize(4);
+  SmallTensor(f, 0, table_type, table_dims);
+  SmallTensor(f, 1, kTfLiteInt32, {2, 2});
+  SmallTensor(f, 2, kTfLiteFloat32, {2, 2});
+  SmallTensor(f, 3, kTfLiteFloat32, {});
+}
+
 // Prepare, then Invoke if Prepare passed, of a custom node on tensors
 // 0..num_inputs-1 with output tensor num_inputs; the message in g_last_error.
 TfLiteStatus RunCustomNode(Fixture* f, TfLiteRegistration* reg, int num_inputs) {
@@ -314,11 +324,7 @@ bool BadScalesAreRejected() {
   };
   for (const Case& c : cases) {
     Fixture f;
-    f.tensors.resize(4);
-    SmallTensor(&f, 0, kTfLiteInt8, {3, 2});
-    SmallTensor(&f, 1, kTfLiteInt32, {2, 2});
-    SmallTensor(&f, 2, kTfLiteFloat32, {2, 2});
-    SmallTensor(&f, 3, kTfLiteFloat32, {});
+    DenseBagTensors(&f, kTfLiteInt8, {3, 2});
     TfLiteTensor& t = f.tensors[0];
     auto* aq = new TfLiteAffineQuantization;
     std::memset(aq, 0, sizeof(*aq));
@@ -408,11 +414,7 @@ int CountThreads() {
 // Nodes asking for the same thread count share one pool.
 bool NodesShareOnePool() {
   Fixture f;
-  f.tensors.resize(4);
-  SmallTensor(&f, 0, kTfLiteFloat32, {4, 2});
-  SmallTensor(&f, 1, kTfLiteInt32, {2, 2});
-  SmallTensor(&f, 2, kTfLiteFloat32, {2, 2});
-  SmallTensor(&f, 3, kTfLiteFloat32, {});
+  DenseBagTensors(&f, kTfLiteFloat32, {4, 2});
   f.context.ReportError = ReportError;
   f.context.ResizeTensor = ResizeTensor;
   f.context.recommended_num_threads = 3;

@@ -29,16 +29,17 @@ int Finish(const pkm::Status& status, char* err, size_t err_len) {
 }
 
 // The descriptor -> the core's Table/Bags/Combiner (the core's one
-// translation; it checks the enum values).
-bool ToCore(const PkmBags* in, pkm::Table* table, pkm::Bags* bags, pkm::Combiner* combiner,
-            std::string* error) {
-  if (in == nullptr) {
-    *error = "bags is null";
-    return false;
-  }
-  const pkm::Status s = pkm::FromBagProblem(*in, table, bags, combiner);
-  if (!s.ok) *error = s.message;
-  return s.ok;
+// translation; it checks the enum values), then run(table, bags, combiner)'s
+// Status as (return code, message).
+template <class Run>
+int OnCore(const PkmBags* in, char* err, size_t err_len, Run run) {
+  if (in == nullptr) return Fail("bags is null", err, err_len);
+  pkm::Table table;
+  pkm::Bags bags;
+  pkm::Combiner combiner;
+  const pkm::Status s = pkm::FromBagProblem(*in, &table, &bags, &combiner);
+  if (!s.ok) return Fail(s.message, err, err_len);
+  return Finish(run(table, bags, combiner), err, err_len);
 }
 
 // Splits [0, total) into num_threads contiguous ranges on std::threads.
@@ -66,61 +67,46 @@ int pkm_capi_has_cuda(void) {
 }
 
 int pkm_cpu_forward(const PkmBags* in, void* out, int reference, char* err, size_t err_len) {
-  pkm::Table table;
-  pkm::Bags bags;
-  pkm::Combiner combiner;
-  std::string error;
-  if (!ToCore(in, &table, &bags, &combiner, &error)) return Fail(error, err, err_len);
-  // Outputs share the table's type; an int8 table's are float32.
-  const pkm::ElemType out_type = table.type == pkm::ElemType::kInt8 ? pkm::ElemType::kFloat32 : table.type;
-  return Finish(reference ? pkm::ReferenceForward(table, bags, combiner, out, out_type)
-                          : pkm::Forward(table, bags, combiner, out, out_type, pkm::SerialFor()),
-                err, err_len);
+  return OnCore(in, err, err_len, [&](const pkm::Table& table, const pkm::Bags& bags, pkm::Combiner combiner) {
+    // Outputs share the table's type; an int8 table's are float32.
+    const pkm::ElemType out_type = table.type == pkm::ElemType::kInt8 ? pkm::ElemType::kFloat32 : table.type;
+    return reference ? pkm::ReferenceForward(table, bags, combiner, out, out_type)
+                     : pkm::Forward(table, bags, combiner, out, out_type, pkm::SerialFor());
+  });
 }
 
 int pkm_cpu_backward(const PkmBags* in, const void* grad_out, void* d_table, void* d_weights,
                      int reference, char* err, size_t err_len) {
-  pkm::Table table;
-  pkm::Bags bags;
-  pkm::Combiner combiner;
-  std::string error;
-  if (!ToCore(in, &table, &bags, &combiner, &error)) return Fail(error, err, err_len);
-  return Finish(reference ? pkm::ReferenceBackward(table, bags, combiner, grad_out, table.type,
-                                                   d_table, table.type, d_weights)
-                          : pkm::Backward(table, bags, combiner, grad_out, table.type, d_table,
-                                          table.type, d_weights, pkm::SerialFor()),
-                err, err_len);
+  return OnCore(in, err, err_len, [&](const pkm::Table& table, const pkm::Bags& bags, pkm::Combiner combiner) {
+    return reference ? pkm::ReferenceBackward(table, bags, combiner, grad_out, table.type, d_table, table.type,
+                                              d_weights)
+                     : pkm::Backward(table, bags, combiner, grad_out, table.type, d_table, table.type, d_weights,
+                                     pkm::SerialFor());
+  });
 }
 
 int pkm_cpu_sparse_backward(const PkmBags* in, const void* grad_out, pkm_cuda_sparse_alloc_fn alloc,
                             void* alloc_ctx, void* d_weights, char* err, size_t err_len) {
-  pkm::Table table;
-  pkm::Bags bags;
-  pkm::Combiner combiner;
-  std::string error;
-  if (!ToCore(in, &table, &bags, &combiner, &error)) return Fail(error, err, err_len);
-  if (alloc == nullptr) return Fail("alloc is null", err, err_len);
-  auto core_alloc = [&](int64_t num_rows, int64_t** rows, void** row_grads) {
-    if (alloc(alloc_ctx, num_rows, rows, row_grads) != 0)
-      return pkm::Status::Error("the output allocation callback failed for " + std::to_string(num_rows) + " rows");
-    return pkm::Status::Ok();
-  };
-  return Finish(pkm::SparseBackward(table, bags, combiner, grad_out, table.type,
-                                    core_alloc, table.type, d_weights, pkm::SerialFor()),
-                err, err_len);
+  return OnCore(in, err, err_len, [&](const pkm::Table& table, const pkm::Bags& bags, pkm::Combiner combiner) {
+    if (alloc == nullptr) return pkm::Status::Error("alloc is null");
+    auto core_alloc = [&](int64_t num_rows, int64_t** rows, void** row_grads) {
+      if (alloc(alloc_ctx, num_rows, rows, row_grads) != 0)
+        return pkm::Status::Error("the output allocation callback failed for " + std::to_string(num_rows) +
+                                  " rows");
+      return pkm::Status::Ok();
+    };
+    return pkm::SparseBackward(table, bags, combiner, grad_out, table.type, core_alloc, table.type, d_weights,
+                               pkm::SerialFor());
+  });
 }
 
 int pkm_cpu_fused_update(const PkmBags* in, const void* grad_out, const PkmRowOptimizer* opt, void* d_weights,
                          int num_threads, char* err, size_t err_len) {
-  pkm::Table table;
-  pkm::Bags bags;
-  pkm::Combiner combiner;
-  std::string error;
-  if (!ToCore(in, &table, &bags, &combiner, &error)) return Fail(error, err, err_len);
-  if (opt == nullptr) return Fail("opt is null", err, err_len);
-  return Finish(pkm::FusedBackwardUpdate(table, bags, combiner, grad_out, table.type, *opt, d_weights,
-                                         ThreadsFor(num_threads)),
-                err, err_len);
+  return OnCore(in, err, err_len, [&](const pkm::Table& table, const pkm::Bags& bags, pkm::Combiner combiner) {
+    if (opt == nullptr) return pkm::Status::Error("opt is null");
+    return pkm::FusedBackwardUpdate(table, bags, combiner, grad_out, table.type, *opt, d_weights,
+                                    ThreadsFor(num_threads));
+  });
 }
 
 int pkm_check_shapes(const int64_t* params_dims, int params_rank, const int64_t* indices_dims, int indices_rank,

@@ -8,8 +8,13 @@ tensors. Build the library with `make gpu-standalone` (or `make capi-cpu`).
 
 import ctypes
 import os
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+# The one PkmBags mirror (torch- and TF-free), shared with the PyTorch backend.
+from pkm_serve.backends._bag_problem import PkmBags, layout_mismatch  # noqa: E402
 # PKM_CUDA_LIB selects another build (e.g. a tuning variant) for tests and benchmarks.
 DEFAULT_CUDA_LIB = os.environ.get("PKM_CUDA_LIB") or os.path.join(ROOT, "pkm_serve", "lib", "libpkm_cuda.so")
 
@@ -17,33 +22,6 @@ COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2, "max": 3}
 # PKM_NEGATIVE_IS_PADDING / PKM_NO_PADDING / PKM_OUT_OF_RANGE_IS_PADDING.
 INDEX_POLICIES = {"negative_is_padding": 0, "no_padding": 1, "out_of_range_is_padding": 2}
 INVALID_ARGUMENT = -1
-
-
-class PkmBags(ctypes.Structure):
-    """Mirror of PkmBags in kernels/core/bag_problem.h (PkmLib checks it
-    against the library's pkm_bags_layout)."""
-
-    _fields_ = [
-        ("table", ctypes.c_void_p),
-        ("elem_type", ctypes.c_int32),
-        ("num_rows", ctypes.c_int64),
-        ("dim", ctypes.c_int64),
-        ("indices", ctypes.c_void_p),
-        ("indices_int64", ctypes.c_int32),
-        ("num_bags", ctypes.c_int64),
-        ("bag_size", ctypes.c_int64),
-        ("row_splits", ctypes.c_void_p),
-        ("row_splits_int64", ctypes.c_int32),
-        ("num_indices", ctypes.c_int64),
-        ("weights", ctypes.c_void_p),
-        ("weights_type", ctypes.c_int32),
-        ("combiner", ctypes.c_int32),
-        ("invalid_index_count", ctypes.c_void_p),
-        ("index_policy", ctypes.c_int32),
-        ("row_scales", ctypes.c_void_p),
-        ("row_biases", ctypes.c_void_p),
-        ("row_params_type", ctypes.c_int32),
-    ]
 
 
 OPTIMIZERS = {"sgd": 0, "rowwise_adagrad": 1, "adam": 2}
@@ -129,16 +107,10 @@ def _ptr(tensor):
 
 
 def check_layout(lib):
-    """Raises PkmError unless PkmBags above has the library's size and offsets."""
-    fields = [name for name, _ in PkmBags._fields_]
-    size = ctypes.c_size_t()
-    offsets = (ctypes.c_size_t * len(fields))()
-    count = lib.pkm_bags_layout(ctypes.byref(size), offsets, len(fields))
-    want = (ctypes.sizeof(PkmBags), [getattr(PkmBags, f).offset for f in fields])
-    got = (size.value, list(offsets))
-    if count != len(fields) or got != want:
-        raise PkmError(f"PkmBags mirror differs from the library: {count} fields, size and offsets {got}; "
-                       f"the mirror has {len(fields)}, {want}")
+    """Raises PkmError unless PkmBags has the library's size and offsets."""
+    mismatch = layout_mismatch(lib, PkmBags)  # this module's name: a test swaps it
+    if mismatch:
+        raise PkmError(f"PkmBags mirror differs from the library: {mismatch}")
 
 
 def make_bags(table, indices, weights=None, combiner="sum", row_splits=None, invalid_counter=None,
@@ -223,9 +195,6 @@ class PkmLib:
         self.has_cuda = bool(lib.pkm_capi_has_cuda())
         bags_p, opts_p = ctypes.POINTER(PkmBags), ctypes.POINTER(PkmCudaOptions)
         vp, err_args = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_size_t]
-        size_p = ctypes.POINTER(ctypes.c_size_t)
-        lib.pkm_bags_layout.argtypes = [size_p, size_p, ctypes.c_size_t]
-        lib.pkm_bags_layout.restype = ctypes.c_size_t
         check_layout(lib)
         i64_p = ctypes.POINTER(ctypes.c_int64)
         lib.pkm_check_shapes.argtypes = [i64_p, ctypes.c_int] * 4 + [ctypes.c_int32, i64_p,

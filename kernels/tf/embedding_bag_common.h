@@ -88,23 +88,18 @@ inline ::tensorflow::Status CheckShapes(const OpAttrs& attrs, const ::tensorflow
   return ::tensorflow::TensorShape::BuildTensorShape(*out, out_shape);
 }
 
-// `variable_params`, when set, is the table read from a resource variable
-// (input `first` is then the variable's handle).
-inline ::tensorflow::Status BuildCoreArgs(::tensorflow::OpKernelContext* ctx, const OpAttrs& attrs,
-                                          int first, CoreArgs* args,
-                                          const ::tensorflow::Tensor* variable_params = nullptr) {
-  using ::tensorflow::errors::InvalidArgument;
-  const ::tensorflow::Tensor& params = variable_params ? *variable_params : ctx->input(first);
-  const ::tensorflow::Tensor& indices = ctx->input(first + 1);
-  const ::tensorflow::Tensor& weights = ctx->input(first + (attrs.ragged ? 3 : 2));
-  const ::tensorflow::Tensor* splits = attrs.ragged ? &ctx->input(first + 2) : nullptr;
-  TF_RETURN_IF_ERROR(CheckShapes(attrs, params.shape(), indices.shape(), splits ? &splits->shape() : nullptr,
-                                 weights.shape(), &args->out_shape));
-  pkm::Table& t = args->table;
-  t.data = params.data();
-  t.type = ElemTypeOf(params.dtype());
-  t.num_rows = params.dim_size(0);
-  t.dim = params.dim_size(1);
+// The table fields of params (shape already checked).
+inline void FillTable(const ::tensorflow::Tensor& params, pkm::ElemType type, pkm::Table* table) {
+  table->data = params.data();
+  table->type = type;
+  table->num_rows = params.dim_size(0);
+  table->dim = params.dim_size(1);
+}
+
+// The bag fields of the ids (dense indices, or ragged values + row splits)
+// and weights, shapes already checked: shared by the float and the int8 ops.
+inline void FillBags(const OpAttrs& attrs, const ::tensorflow::Tensor& indices, const ::tensorflow::Tensor* splits,
+                     const ::tensorflow::Tensor& weights, CoreArgs* args) {
   pkm::Bags& b = args->bags;
   b.indices = indices.data();
   b.indices_int64 = indices.dtype() == ::tensorflow::DT_INT64;
@@ -122,6 +117,22 @@ inline ::tensorflow::Status BuildCoreArgs(::tensorflow::OpKernelContext* ctx, co
     b.num_bags = leading.num_elements();
     b.bag_size = indices.dim_size(indices.dims() - 1);
   }
+}
+
+// `variable_params`, when set, is the table read from a resource variable
+// (input `first` is then the variable's handle).
+inline ::tensorflow::Status BuildCoreArgs(::tensorflow::OpKernelContext* ctx, const OpAttrs& attrs,
+                                          int first, CoreArgs* args,
+                                          const ::tensorflow::Tensor* variable_params = nullptr) {
+  using ::tensorflow::errors::InvalidArgument;
+  const ::tensorflow::Tensor& params = variable_params ? *variable_params : ctx->input(first);
+  const ::tensorflow::Tensor& indices = ctx->input(first + 1);
+  const ::tensorflow::Tensor& weights = ctx->input(first + (attrs.ragged ? 3 : 2));
+  const ::tensorflow::Tensor* splits = attrs.ragged ? &ctx->input(first + 2) : nullptr;
+  TF_RETURN_IF_ERROR(CheckShapes(attrs, params.shape(), indices.shape(), splits ? &splits->shape() : nullptr,
+                                 weights.shape(), &args->out_shape));
+  FillTable(params, ElemTypeOf(params.dtype()), &args->table);
+  FillBags(attrs, indices, splits, weights, args);
   return ::tensorflow::Status();
 }
 
@@ -171,19 +182,6 @@ class WithLayout : public Kernel {
  public:
   explicit WithLayout(::tensorflow::OpKernelConstruction* ctx) : Kernel(ctx, kRagged) {}
 };
-
-// Registers a device's forward and gradient kernel classes for the dense and
-// the ragged ops, for table type T. One class serves every dtype: the core and
-// the CUDA launchers dispatch on runtime element types.
-#define PKM_REGISTER_EMBEDDING_BAG_KERNELS(DEVICE, FORWARD, GRAD, T)                               \
-  REGISTER_KERNEL_BUILDER(Name("PkmEmbeddingBag").Device(DEVICE).TypeConstraint<T>("T"),          \
-                          ::pkm_tf::WithLayout<FORWARD, false>);                                  \
-  REGISTER_KERNEL_BUILDER(Name("PkmEmbeddingBagGrad").Device(DEVICE).TypeConstraint<T>("T"),      \
-                          ::pkm_tf::WithLayout<GRAD, false>);                                     \
-  REGISTER_KERNEL_BUILDER(Name("PkmRaggedEmbeddingBag").Device(DEVICE).TypeConstraint<T>("T"),    \
-                          ::pkm_tf::WithLayout<FORWARD, true>);                                   \
-  REGISTER_KERNEL_BUILDER(Name("PkmRaggedEmbeddingBagGrad").Device(DEVICE).TypeConstraint<T>("T"), \
-                          ::pkm_tf::WithLayout<GRAD, true>)
 
 }  // namespace pkm_tf
 

@@ -68,10 +68,16 @@ Status ForwardShape(InferenceContext* c, bool ragged) {
 }
 
 // Gradient ops (grad first): d_params is shaped like params, d_weights like weights.
-Status GradShape(InferenceContext* c, bool ragged) {
+// Every gradient op's inputs: the forward's rules on params..weights (input 1
+// on), and grad (input 0) shaped like the forward output.
+Status CheckGradInputs(InferenceContext* c, bool ragged) {
   pkm::MaybeDims out;
   TF_RETURN_IF_ERROR(ForwardShapeFrom(c, 1, ragged, &out));
-  TF_RETURN_IF_ERROR(ToTf(pkm::GradShape(DimsOf(c, c->input(0)), out)));
+  return ToTf(pkm::GradShape(DimsOf(c, c->input(0)), out));
+}
+
+Status GradShape(InferenceContext* c, bool ragged) {
+  TF_RETURN_IF_ERROR(CheckGradInputs(c, ragged));
   c->set_output(0, c->input(1));
   c->set_output(1, c->input(ragged ? 4 : 3));
   return Status();
@@ -140,19 +146,12 @@ REGISTER_OP("PkmRaggedEmbeddingBagGrad")
     .SetShapeFn([](InferenceContext* c) { return GradShape(c, true); })
     .Doc("Gradient of PkmRaggedEmbeddingBag: dense d_params [N, D] and d_weights shaped like weights.");
 
-#undef PKM_COMMON_ATTRS
-
-}  // namespace pkm_tf
-
 // ---- row-sparse gradients (sparse_gradient=True) ------------------------------
 
-namespace pkm_tf {
 namespace {
 
 Status SparseGradShape(InferenceContext* c, bool ragged) {
-  pkm::MaybeDims out;
-  TF_RETURN_IF_ERROR(ForwardShapeFrom(c, 1, ragged, &out));
-  TF_RETURN_IF_ERROR(ToTf(pkm::GradShape(DimsOf(c, c->input(0)), out)));
+  TF_RETURN_IF_ERROR(CheckGradInputs(c, ragged));
   c->set_output(0, c->Vector(c->UnknownDim()));
   c->set_output(1, c->Matrix(c->UnknownDim(), c->Dim(c->input(1), 1)));
   c->set_output(2, c->input(ragged ? 4 : 3));
@@ -160,12 +159,6 @@ Status SparseGradShape(InferenceContext* c, bool ragged) {
 }
 
 }  // namespace
-
-#define PKM_SPARSE_GRAD_ATTRS                                \
-  Attr("T: {float, half, bfloat16}")                         \
-      .Attr("Tindices: {int32, int64}")                      \
-      .Attr("combiner: {'sum', 'mean', 'sqrtn', 'max'} = 'sum'")    \
-      .Attr("has_weights: bool = true")
 
 REGISTER_OP("PkmEmbeddingBagSparseGrad")
     .Input("grad: T")
@@ -175,7 +168,7 @@ REGISTER_OP("PkmEmbeddingBagSparseGrad")
     .Output("rows: int64")
     .Output("row_grads: T")
     .Output("d_weights: T")
-    .PKM_SPARSE_GRAD_ATTRS
+    .PKM_COMMON_ATTRS
     .SetShapeFn([](InferenceContext* c) { return SparseGradShape(c, false); })
     .Doc(R"doc(
 Row-sparse gradient of PkmEmbeddingBag: rows [U] are the distinct rows that valid indices touch
@@ -192,12 +185,12 @@ REGISTER_OP("PkmRaggedEmbeddingBagSparseGrad")
     .Output("rows: int64")
     .Output("row_grads: T")
     .Output("d_weights: T")
-    .PKM_SPARSE_GRAD_ATTRS
+    .PKM_COMMON_ATTRS
     .Attr("Tsplits: {int32, int64} = DT_INT64")
     .SetShapeFn([](InferenceContext* c) { return SparseGradShape(c, true); })
     .Doc("Row-sparse gradient of PkmRaggedEmbeddingBag (see PkmEmbeddingBagSparseGrad).");
 
-#undef PKM_SPARSE_GRAD_ATTRS
+#undef PKM_COMMON_ATTRS
 
 }  // namespace pkm_tf
 

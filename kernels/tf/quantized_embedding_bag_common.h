@@ -45,31 +45,11 @@ inline ::tensorflow::Status BuildQuantizedCoreArgs(::tensorflow::OpKernelContext
   const ::tensorflow::Tensor& weights = ctx->input(first + (attrs.ragged ? 2 : 1));
   TF_RETURN_IF_ERROR(CheckQuantizedShapes(attrs, params.shape(), scales.shape(), biases.shape(), indices.shape(),
                                           splits ? &splits->shape() : nullptr, weights.shape(), &args->out_shape));
-  pkm::Table& t = args->table;
-  t.data = params.data();
-  t.type = pkm::ElemType::kInt8;
-  t.num_rows = params.dim_size(0);
-  t.dim = params.dim_size(1);
-  t.row_scales = scales.data();
-  t.row_biases = biases.NumElements() > 0 ? biases.data() : nullptr;
-  t.row_params_type = ElemTypeOf(scales.dtype());
-  pkm::Bags& b = args->bags;
-  b.indices = indices.data();
-  b.indices_int64 = indices.dtype() == ::tensorflow::DT_INT64;
-  b.weights = attrs.has_weights ? weights.data() : nullptr;
-  b.weights_type = ElemTypeOf(weights.dtype());
-  args->weights = &weights;
-  if (attrs.ragged) {
-    b.row_splits = splits->data();
-    b.row_splits_int64 = splits->dtype() == ::tensorflow::DT_INT64;
-    b.num_bags = splits->dim_size(0) - 1;
-    b.num_values = indices.dim_size(0);
-  } else {
-    ::tensorflow::TensorShape leading = indices.shape();
-    leading.RemoveLastDims(1);
-    b.num_bags = leading.num_elements();
-    b.bag_size = indices.dim_size(indices.dims() - 1);
-  }
+  FillTable(params, pkm::ElemType::kInt8, &args->table);
+  args->table.row_scales = scales.data();
+  args->table.row_biases = biases.NumElements() > 0 ? biases.data() : nullptr;
+  args->table.row_params_type = ElemTypeOf(scales.dtype());
+  FillBags(attrs, indices, splits, weights, args);
   return ::tensorflow::Status();
 }
 

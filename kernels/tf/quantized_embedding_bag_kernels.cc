@@ -1,6 +1,8 @@
-// CPU kernels of the PkmQuantizedEmbeddingBag ops: translate tensors, run the
-// core (its int8 forward) on TF's intra-op thread pool.
-#include "kernels/core/embedding_bag.h"
+// CPU kernels of the PkmQuantizedEmbeddingBag ops: the float ops' forward
+// template and CPU backend (the core dispatches on the int8 table) with the
+// int8 ops' argument translation.
+#include "kernels/tf/embedding_bag_cpu_backend.h"
+#include "kernels/tf/embedding_bag_kernel_template.h"
 #include "kernels/tf/quantized_embedding_bag_common.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
@@ -8,39 +10,18 @@
 namespace pkm_tf {
 namespace {
 
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-
 class QuantizedEmbeddingBagOp : public EmbeddingBagKernelBase {
  public:
   using EmbeddingBagKernelBase::EmbeddingBagKernelBase;
 
-  void Compute(OpKernelContext* ctx) override {
-    CoreArgs args;
-    OP_REQUIRES_OK(ctx, BuildQuantizedCoreArgs(ctx, attrs_, &args));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, args.out_shape, &out));
-    auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-    pkm::ParallelFor pf = [workers](int64_t total, int64_t cost, const pkm::RangeFn& fn) {
-      if (total > 0) workers->ParallelFor(total, cost, [&fn](int64_t b, int64_t e) { fn(b, e); });
-    };
-    OP_REQUIRES_OK(ctx, ToTf(pkm::Forward(args.table, args.bags, attrs_.combiner, out->data(),
-                                          ElemTypeOf(out->dtype()), pf)));
+  void Compute(::tensorflow::OpKernelContext* ctx) override {
+    ComputeForward<CpuBackend>(ctx, attrs_, [&](CoreArgs* args) { return BuildQuantizedCoreArgs(ctx, attrs_, args); });
   }
 };
 
 }  // namespace
 
-#define PKM_REGISTER_QUANTIZED_KERNELS(T)                                                           \
-  REGISTER_KERNEL_BUILDER(                                                                          \
-      Name("PkmQuantizedEmbeddingBag").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"),     \
-      ::pkm_tf::WithLayout<QuantizedEmbeddingBagOp, false>);                                        \
-  REGISTER_KERNEL_BUILDER(                                                                          \
-      Name("PkmQuantizedRaggedEmbeddingBag").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"), \
-      ::pkm_tf::WithLayout<QuantizedEmbeddingBagOp, true>)
-
-PKM_REGISTER_QUANTIZED_KERNELS(float);
-PKM_REGISTER_QUANTIZED_KERNELS(::Eigen::half);
-PKM_REGISTER_QUANTIZED_KERNELS(::tensorflow::bfloat16);
+PKM_REGISTER_LAYOUTS("PkmQuantizedEmbeddingBag", "PkmQuantizedRaggedEmbeddingBag", ::tensorflow::DEVICE_CPU,
+                     QuantizedEmbeddingBagOp);
 
 }  // namespace pkm_tf

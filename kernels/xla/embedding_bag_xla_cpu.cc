@@ -2,30 +2,8 @@
 // XLA_CPU_JIT, and the Host handlers of embedding_bag_xla_cpu_targets.cc
 // registered with TF's XLA.
 #include "kernels/xla/embedding_bag_xla_lowering.h"
-#include "xla/ffi/api/ffi.h"
 
-// Exported by libtensorflow_framework (declared in XLA's internal ffi_api.h,
-// which would pull in XLA's internals for one declaration).
-namespace xla::ffi {
-const XLA_FFI_Api* GetXlaFfiApi();
-}  // namespace xla::ffi
-
-extern "C" {
-XLA_FFI_Error* pkm_xla_cpu_forward(XLA_FFI_CallFrame* frame);
-XLA_FFI_Error* pkm_xla_cpu_backward(XLA_FFI_CallFrame* frame);
-XLA_FFI_Error* pkm_xla_cpu_ragged_forward(XLA_FFI_CallFrame* frame);
-XLA_FFI_Error* pkm_xla_cpu_ragged_backward(XLA_FFI_CallFrame* frame);
-}
-
-namespace pkm_xla {
-XLA_FFI_REGISTER_HANDLER(::xla::ffi::GetXlaFfiApi(), kForwardTarget, "Host", pkm_xla_cpu_forward);
-XLA_FFI_REGISTER_HANDLER(::xla::ffi::GetXlaFfiApi(), kBackwardTarget, "Host", pkm_xla_cpu_backward);
-XLA_FFI_REGISTER_HANDLER(::xla::ffi::GetXlaFfiApi(), kRaggedForwardTarget, "Host", pkm_xla_cpu_ragged_forward);
-XLA_FFI_REGISTER_HANDLER(::xla::ffi::GetXlaFfiApi(), kRaggedBackwardTarget, "Host", pkm_xla_cpu_ragged_backward);
-
-}  // namespace pkm_xla
-
-PKM_REGISTER_XLA_LOWERINGS(::tensorflow::DEVICE_CPU_XLA_JIT);
+PKM_REGISTER_XLA_PLATFORM(cpu, "Host", ::tensorflow::DEVICE_CPU_XLA_JIT);
 
 // Marker read by pkm_serve (ctypes): this library lowers the ops for XLA's
 // CPU backend. The GPU library also exports pkm_xla_has_gpu_target.

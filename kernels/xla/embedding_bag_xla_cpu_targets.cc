@@ -63,74 +63,22 @@ pkm::ParallelFor PoolParallelFor(ffi::ThreadPool* pool) {
 
 namespace {
 
-ffi::Error FromCore(const pkm::Status& s) {
-  return s.ok ? ffi::Error::Success() : ffi::Error::InvalidArgument(s.message);
-}
-
-ffi::Error Forward(ffi::ThreadPool pool, const ffi::AnyBuffer& params, const ffi::AnyBuffer& indices,
-                   const ffi::AnyBuffer* splits, const ffi::AnyBuffer& weights, ffi::AnyBuffer* out,
-                   int32_t combiner, int32_t has_weights) {
-  pkm::Table table;
-  pkm::Bags bags;
-  pkm::Combiner comb;
-  if (ffi::Error e = ToCoreArgs(params, indices, splits, weights, combiner, has_weights, &table, &bags, &comb);
-      e.failure())
-    return e;
-  return FromCore(pkm::Forward(table, bags, comb, out->untyped_data(), table.type, PoolParallelFor(&pool)));
-}
-
-ffi::Error Backward(ffi::ThreadPool pool, const ffi::AnyBuffer& grad, const ffi::AnyBuffer& params,
-                    const ffi::AnyBuffer& indices, const ffi::AnyBuffer* splits, const ffi::AnyBuffer& weights,
-                    ffi::AnyBuffer* d_params, ffi::AnyBuffer* d_weights, int32_t combiner, int32_t has_weights) {
-  pkm::Table table;
-  pkm::Bags bags;
-  pkm::Combiner comb;
-  if (ffi::Error e = ToCoreArgs(params, indices, splits, weights, combiner, has_weights, &table, &bags, &comb);
-      e.failure())
-    return e;
-  if (ffi::Error e = CheckGrad(grad, indices, splits, table); e.failure()) return e;
-  return FromCore(pkm::Backward(table, bags, comb, grad.untyped_data(), table.type, d_params->untyped_data(),
-                                table.type, has_weights ? d_weights->untyped_data() : nullptr,
-                                PoolParallelFor(&pool)));
-}
-
-XLA_FFI_DEFINE_HANDLER(kForwardHandler,
-                       [](ffi::ThreadPool pool, ffi::AnyBuffer params, ffi::AnyBuffer indices,
-                          ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> out, int32_t combiner,
-                          int32_t has_weights) {
-                         return Forward(pool, params, indices, nullptr, weights, &*out, combiner, has_weights);
-                       },
-                       (BindOperands<3, 1>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-
-XLA_FFI_DEFINE_HANDLER(kRaggedForwardHandler,
-                       [](ffi::ThreadPool pool, ffi::AnyBuffer params, ffi::AnyBuffer values,
-                          ffi::AnyBuffer splits, ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> out,
-                          int32_t combiner, int32_t has_weights) {
-                         return Forward(pool, params, values, &splits, weights, &*out, combiner, has_weights);
-                       },
-                       (BindOperands<4, 1>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-
-XLA_FFI_DEFINE_HANDLER(kBackwardHandler,
-                       [](ffi::ThreadPool pool, ffi::AnyBuffer grad, ffi::AnyBuffer params,
-                          ffi::AnyBuffer indices, ffi::AnyBuffer weights, ffi::Result<ffi::AnyBuffer> d_params,
-                          ffi::Result<ffi::AnyBuffer> d_weights, int32_t combiner, int32_t has_weights) {
-                         return Backward(pool, grad, params, indices, nullptr, weights, &*d_params,
-                                         &*d_weights, combiner, has_weights);
-                       },
-                       (BindOperands<4, 2>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
-
-XLA_FFI_DEFINE_HANDLER(kRaggedBackwardHandler,
-                       [](ffi::ThreadPool pool, ffi::AnyBuffer grad, ffi::AnyBuffer params,
-                          ffi::AnyBuffer values, ffi::AnyBuffer splits, ffi::AnyBuffer weights,
-                          ffi::Result<ffi::AnyBuffer> d_params, ffi::Result<ffi::AnyBuffer> d_weights,
-                          int32_t combiner, int32_t has_weights) {
-                         return Backward(pool, grad, params, values, &splits, weights, &*d_params,
-                                         &*d_weights, combiner, has_weights);
-                       },
-                       (BindOperands<5, 2>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
+// The Host platform of Targets: the core on XLA's intra-op pool.
+struct HostPlatform {
+  static ffi::Error Forward(const CoreCall& call, ffi::AnyBuffer& out, ffi::ThreadPool& pool) {
+    return FromCore(pkm::Forward(call.table, call.bags, call.combiner, out.untyped_data(), call.table.type,
+                                 PoolParallelFor(&pool)));
+  }
+  static ffi::Error Backward(const CoreCall& call, const ffi::AnyBuffer& grad, ffi::AnyBuffer& d_params,
+                             ffi::AnyBuffer& d_weights, ffi::ThreadPool& pool) {
+    return FromCore(pkm::Backward(call.table, call.bags, call.combiner, grad.untyped_data(), call.table.type,
+                                  d_params.untyped_data(), call.table.type,
+                                  call.has_weights ? d_weights.untyped_data() : nullptr, PoolParallelFor(&pool)));
+  }
+};
+using HostTargets = Targets<HostPlatform, ffi::ThreadPool>;
 
 }  // namespace
 }  // namespace pkm_xla
 
-// The handlers as C symbols (XLA_FFI_Handler), one per custom-call target.
-PKM_XLA_EXPORT_HANDLERS(cpu)
+PKM_XLA_DEFINE_TARGETS(cpu, ::pkm_xla::HostTargets)

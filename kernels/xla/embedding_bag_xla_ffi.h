@@ -67,15 +67,31 @@ inline pkm::Status CheckBuffers(const ffi::AnyBuffer& params, const ffi::AnyBuff
   return pkm::ForwardShape(shapes, &out);
 }
 
-// params [N, D]; indices [..., K] (dense; the lowering passes [B, K]) or values [V] + row_splits [B+1] (ragged, splits non-null); weights like
+inline ffi::Error FromCore(const pkm::Status& s) {
+  return s.ok ? ffi::Error::Success() : ffi::Error::InvalidArgument(s.message);
+}
+
+// One call's core arguments.
+struct CoreCall {
+  pkm::Table table;
+  pkm::Bags bags;
+  pkm::Combiner combiner = pkm::Combiner::kSum;
+  bool has_weights = false;
+};
+
+// params [N, D]; indices [..., K] (dense; the lowering passes [B, K]) or
+// values [V] + row_splits [B+1] (ragged, splits non-null); weights like
 // indices, or [0] when has_weights == 0.
 inline ffi::Error ToCoreArgs(const ffi::AnyBuffer& params, const ffi::AnyBuffer& indices,
                              const ffi::AnyBuffer* splits, const ffi::AnyBuffer& weights, int32_t combiner,
-                             int32_t has_weights, pkm::Table* table, pkm::Bags* bags, pkm::Combiner* comb) {
+                             int32_t has_weights, CoreCall* call) {
   const pkm::Status rule = CheckBuffers(params, indices, splits, weights, combiner, has_weights);
   if (!rule.ok) return ffi::Error::InvalidArgument(rule.message);
   const auto idims = indices.dimensions();
-  *comb = static_cast<pkm::Combiner>(combiner);
+  pkm::Table* table = &call->table;
+  pkm::Bags* bags = &call->bags;
+  call->combiner = static_cast<pkm::Combiner>(combiner);
+  call->has_weights = has_weights != 0;
   table->type = ElemTypeOf(params.element_type());
   table->data = params.untyped_data();
   table->num_rows = params.dimensions()[0];
@@ -103,8 +119,7 @@ inline ffi::Error CheckGrad(const ffi::AnyBuffer& grad, const ffi::AnyBuffer& in
   pkm::Dims out = splits != nullptr ? pkm::Dims{splits->dimensions()[0] - 1} : DimsOf(indices);
   if (splits == nullptr) out.pop_back();
   out.push_back(table.dim);
-  const pkm::Status s = pkm::GradShape(DimsOf(grad), out);
-  return s.ok ? ffi::Error::Success() : ffi::Error::InvalidArgument(s.message);
+  return FromCore(pkm::GradShape(DimsOf(grad), out));
 }
 
 // The custom calls' buffers and attributes (the lowering's contract,
@@ -113,8 +128,10 @@ inline ffi::Error CheckGrad(const ffi::AnyBuffer& grad, const ffi::AnyBuffer& in
 // attributes. Operands: forward (params, indices, weights), ragged forward
 // (params, values, row_splits, weights); the backward ones have grad first and
 // return (d_params, d_weights). (Binding's methods take an rvalue: hence the moves.)
+// (Binding has no public move constructor: it is passed on by reference and
+// consumed by its rvalue methods, each of which returns a new one.)
 template <int kArgs, int kRets, typename Binding>
-auto BindOperands(Binding binding) {
+auto BindOperands(Binding&& binding) {
   if constexpr (kArgs > 0) {
     return BindOperands<kArgs - 1, kRets>(std::move(binding).template Arg<ffi::AnyBuffer>());
   } else if constexpr (kRets > 0) {
@@ -124,18 +141,100 @@ auto BindOperands(Binding binding) {
   }
 }
 
+// The context arguments Ctx... (in order), then BindOperands<kArgs, kRets>.
+template <typename... Ctx>
+struct BindCall;
+template <>
+struct BindCall<> {
+  template <int kArgs, int kRets, typename Binding>
+  static auto To(Binding&& binding) {
+    return BindOperands<kArgs, kRets>(std::move(binding));
+  }
+};
+template <typename First, typename... Rest>
+struct BindCall<First, Rest...> {
+  template <int kArgs, int kRets, typename Binding>
+  static auto To(Binding&& binding) {
+    return BindCall<Rest...>::template To<kArgs, kRets>(std::move(binding).template Ctx<First>());
+  }
+};
+
+// The four custom-call targets of one platform, written once: each decodes
+// and checks its buffers (ToCoreArgs, CheckGrad), then hands the core
+// arguments to Platform, which only runs the math:
+//   static ffi::Error Forward(const CoreCall&, ffi::AnyBuffer& out, C&... ctx);
+//   static ffi::Error Backward(const CoreCall&, const ffi::AnyBuffer& grad, ffi::AnyBuffer& d_params,
+//                              ffi::AnyBuffer& d_weights, C&... ctx);
+// where C... are the decoded FFI context arguments Ctx... (ffi::ThreadPool on
+// the Host; the stream and the scratch allocator on CUDA).
+template <class Platform, typename... Ctx>
+struct Targets {
+  using Buffer = ffi::AnyBuffer;
+  using Result = ffi::Result<ffi::AnyBuffer>;
+
+  static ffi::Error DenseForward(typename ffi::CtxDecoding<Ctx>::Type... ctx, Buffer params, Buffer indices,
+                                 Buffer weights, Result out, int32_t combiner, int32_t has_weights) {
+    return Forward(params, indices, nullptr, weights, *out, combiner, has_weights, ctx...);
+  }
+  static ffi::Error RaggedForward(typename ffi::CtxDecoding<Ctx>::Type... ctx, Buffer params, Buffer values,
+                                  Buffer splits, Buffer weights, Result out, int32_t combiner, int32_t has_weights) {
+    return Forward(params, values, &splits, weights, *out, combiner, has_weights, ctx...);
+  }
+  static ffi::Error DenseBackward(typename ffi::CtxDecoding<Ctx>::Type... ctx, Buffer grad, Buffer params,
+                                  Buffer indices, Buffer weights, Result d_params, Result d_weights, int32_t combiner,
+                                  int32_t has_weights) {
+    return Backward(grad, params, indices, nullptr, weights, *d_params, *d_weights, combiner, has_weights, ctx...);
+  }
+  static ffi::Error RaggedBackward(typename ffi::CtxDecoding<Ctx>::Type... ctx, Buffer grad, Buffer params,
+                                   Buffer values, Buffer splits, Buffer weights, Result d_params, Result d_weights,
+                                   int32_t combiner, int32_t has_weights) {
+    return Backward(grad, params, values, &splits, weights, *d_params, *d_weights, combiner, has_weights, ctx...);
+  }
+
+  // The contexts, then kArgs operands, kRets results and the attributes.
+  template <int kArgs, int kRets>
+  static auto Binding() {
+    return BindCall<Ctx...>::template To<kArgs, kRets>(ffi::Ffi::Bind());
+  }
+
+ private:
+  template <typename... Decoded>
+  static ffi::Error Forward(const Buffer& params, const Buffer& ids, const Buffer* splits, const Buffer& weights,
+                            Buffer& out, int32_t combiner, int32_t has_weights, Decoded&... ctx) {
+    CoreCall call;
+    if (ffi::Error e = ToCoreArgs(params, ids, splits, weights, combiner, has_weights, &call); e.failure()) return e;
+    return Platform::Forward(call, out, ctx...);
+  }
+  template <typename... Decoded>
+  static ffi::Error Backward(const Buffer& grad, const Buffer& params, const Buffer& ids, const Buffer* splits,
+                             const Buffer& weights, Buffer& d_params, Buffer& d_weights, int32_t combiner,
+                             int32_t has_weights, Decoded&... ctx) {
+    CoreCall call;
+    if (ffi::Error e = ToCoreArgs(params, ids, splits, weights, combiner, has_weights, &call); e.failure()) return e;
+    if (ffi::Error e = CheckGrad(grad, ids, splits, call.table); e.failure()) return e;
+    return Platform::Backward(call, grad, d_params, d_weights, ctx...);
+  }
+};
+
 }  // namespace pkm_xla
 
-// The four handlers of a platform's targets file (kForwardHandler, ...) as C
-// symbols (XLA_FFI_Handler) pkm_xla_<PLATFORM>_{forward,backward,ragged_forward,ragged_backward}.
-#define PKM_XLA_EXPORT_HANDLERS(PLATFORM)                                                            \
-  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##PLATFORM##_forward(        \
-      XLA_FFI_CallFrame* f) { return pkm_xla::kForwardHandler(f); }                                \
-  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##PLATFORM##_backward(       \
-      XLA_FFI_CallFrame* f) { return pkm_xla::kBackwardHandler(f); }                               \
-  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##PLATFORM##_ragged_forward( \
-      XLA_FFI_CallFrame* f) { return pkm_xla::kRaggedForwardHandler(f); }                          \
-  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##PLATFORM##_ragged_backward(\
-      XLA_FFI_CallFrame* f) { return pkm_xla::kRaggedBackwardHandler(f); }
+// Defines the four handlers of TARGETS (a Targets<...>) and exports them as C
+// symbols (XLA_FFI_Handler), one per custom-call target:
+// pkm_xla_<P>_{forward,backward,ragged_forward,ragged_backward}.
+#define PKM_XLA_DEFINE_TARGETS(P, TARGETS)                                                               \
+  XLA_FFI_DEFINE_HANDLER(pkm_xla_##P##_forward_handler, TARGETS::DenseForward, (TARGETS::Binding<3, 1>())); \
+  XLA_FFI_DEFINE_HANDLER(pkm_xla_##P##_ragged_forward_handler, TARGETS::RaggedForward,                   \
+                         (TARGETS::Binding<4, 1>()));                                                    \
+  XLA_FFI_DEFINE_HANDLER(pkm_xla_##P##_backward_handler, TARGETS::DenseBackward, (TARGETS::Binding<4, 2>())); \
+  XLA_FFI_DEFINE_HANDLER(pkm_xla_##P##_ragged_backward_handler, TARGETS::RaggedBackward,                 \
+                         (TARGETS::Binding<5, 2>()));                                                    \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##P##_forward(                \
+      XLA_FFI_CallFrame* f) { return pkm_xla_##P##_forward_handler(f); }                                 \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##P##_backward(               \
+      XLA_FFI_CallFrame* f) { return pkm_xla_##P##_backward_handler(f); }                                \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##P##_ragged_forward(         \
+      XLA_FFI_CallFrame* f) { return pkm_xla_##P##_ragged_forward_handler(f); }                          \
+  extern "C" __attribute__((visibility("default"))) XLA_FFI_Error* pkm_xla_##P##_ragged_backward(        \
+      XLA_FFI_CallFrame* f) { return pkm_xla_##P##_ragged_backward_handler(f); }
 
 #endif  // PKM_KERNELS_XLA_EMBEDDING_BAG_XLA_FFI_H_

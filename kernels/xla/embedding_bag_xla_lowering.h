@@ -28,8 +28,15 @@
 #include "tensorflow/compiler/tf2xla/xla_op_registry.h"
 #include "tensorflow/core/framework/kernel_def_builder.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "xla/ffi/api/ffi.h"
 #include "xla/hlo/builder/xla_builder.h"
 #include "xla/shape_util.h"
+
+// Exported by libtensorflow_framework (declared in XLA's internal ffi_api.h,
+// which would pull in XLA's internals for one declaration).
+namespace xla::ffi {
+const XLA_FFI_Api* GetXlaFfiApi();
+}  // namespace xla::ffi
 
 namespace pkm_xla {
 
@@ -37,6 +44,62 @@ inline constexpr char kForwardTarget[] = "pkm_embedding_bag_forward";
 inline constexpr char kBackwardTarget[] = "pkm_embedding_bag_backward";
 inline constexpr char kRaggedForwardTarget[] = "pkm_ragged_embedding_bag_forward";
 inline constexpr char kRaggedBackwardTarget[] = "pkm_ragged_embedding_bag_backward";
+
+// The pieces every lowering (float and int8) builds its custom call from.
+
+// Number of bags: the product of the leading dims of indices (dense) or
+// len(row_splits) - 1 (ragged); both already validated by the shape rules.
+inline int64_t NumBags(bool ragged, const ::tensorflow::TensorShape& indices,
+                       const ::tensorflow::TensorShape& splits) {
+  if (ragged) return splits.dim_size(0) - 1;
+  ::tensorflow::TensorShape leading = indices;
+  leading.RemoveLastDims(1);
+  return leading.num_elements();
+}
+
+// Appends the ids (input `ids_input`; dense ones reshaped to [B, K], a bitcast
+// in XLA), the ragged row splits and the weights in the custom call's order.
+inline void AppendBagOperands(::tensorflow::XlaOpKernelContext* ctx, const ::pkm_tf::OpAttrs& attrs, int ids_input,
+                              int64_t num_bags, std::vector<xla::XlaOp>* operands) {
+  const ::tensorflow::TensorShape indices = ctx->InputShape(ids_input);
+  xla::XlaOp index_op = ctx->Input(ids_input);
+  xla::XlaOp weight_op = ctx->Input(ids_input + (attrs.ragged ? 2 : 1));
+  if (!attrs.ragged) {
+    const int64_t bag_size = indices.dim_size(indices.dims() - 1);
+    index_op = xla::Reshape(index_op, {num_bags, bag_size});
+    if (attrs.has_weights) weight_op = xla::Reshape(weight_op, {num_bags, bag_size});
+  }
+  operands->push_back(index_op);
+  if (attrs.ragged) operands->push_back(ctx->Input(ids_input + 1));
+  operands->push_back(weight_op);
+}
+
+inline xla::Shape RowMajor(const xla::Shape& shape) {
+  return xla::ShapeUtil::MakeShapeWithDescendingLayout(shape.element_type(), shape.dimensions());
+}
+
+// The operands' shapes, row-major: every buffer of the contract is.
+inline ::tensorflow::Status RowMajorShapes(::tensorflow::XlaOpKernelContext* ctx,
+                                           const std::vector<xla::XlaOp>& operands, std::vector<xla::Shape>* shapes) {
+  for (const xla::XlaOp& op : operands) {
+    auto shape = ctx->builder()->GetShape(op);
+    TF_RETURN_IF_ERROR(shape.status());
+    shapes->push_back(RowMajor(*shape));
+  }
+  return ::tensorflow::Status();
+}
+
+// One typed-FFI custom call of `target` with the op's attributes.
+inline xla::XlaOp CallTarget(::tensorflow::XlaOpKernelContext* ctx, const char* target, const ::pkm_tf::OpAttrs& attrs,
+                             const std::vector<xla::XlaOp>& operands, const std::vector<xla::Shape>& operand_shapes,
+                             const xla::Shape& result) {
+  const std::string config = "{combiner = " + std::to_string(static_cast<int>(attrs.combiner)) +
+                             " : i32, has_weights = " + std::to_string(attrs.has_weights ? 1 : 0) + " : i32}";
+  return xla::CustomCallWithLayout(ctx->builder(), target, operands, result, operand_shapes, config,
+                                   /*has_side_effect=*/false, /*output_operand_aliasing=*/{}, /*literal=*/nullptr,
+                                   xla::CustomCallSchedule::SCHEDULE_NONE,
+                                   xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
+}
 
 class EmbeddingBagLowering : public ::tensorflow::XlaOpKernel {
  public:
@@ -51,79 +114,39 @@ class EmbeddingBagLowering : public ::tensorflow::XlaOpKernel {
     const ::tensorflow::TensorShape params = ctx->InputShape(first);
     const ::tensorflow::TensorShape indices = ctx->InputShape(first + 1);
     const ::tensorflow::TensorShape splits = ragged ? ctx->InputShape(first + 2) : ::tensorflow::TensorShape();
-    const int weights_input = first + (ragged ? 3 : 2);
-    const ::tensorflow::TensorShape weights = ctx->InputShape(weights_input);
+    const ::tensorflow::TensorShape weights = ctx->InputShape(first + (ragged ? 3 : 2));
     ::tensorflow::TensorShape out_shape;
     OP_REQUIRES_OK(ctx, ::pkm_tf::CheckShapes(attrs_, params, indices, ragged ? &splits : nullptr, weights,
                                               &out_shape));
-    if (grad_) {
-      OP_REQUIRES(ctx, ctx->InputShape(0) == out_shape,
-                  ::tensorflow::errors::InvalidArgument("grad must have the forward output's shape ",
-                                                        out_shape.DebugString(), ", got ",
-                                                        ctx->InputShape(0).DebugString()));
-    }
+    if (grad_)
+      OP_REQUIRES_OK(ctx, ::pkm_tf::ToTf(pkm::GradShape(::pkm_tf::DimsOf(ctx->InputShape(0)),
+                                                         ::pkm_tf::DimsOf(out_shape))));
     const int64_t dim = params.dim_size(1);
-    const int64_t num_bags = LeadingCount(ragged, indices, splits);
-    const xla::PrimitiveType table_type = ctx->input_xla_type(first);
+    const int64_t num_bags = NumBags(ragged, indices, splits);
 
-    // Operands in the custom call's layout.
     std::vector<xla::XlaOp> operands;
     if (grad_) operands.push_back(xla::Reshape(ctx->Input(0), {num_bags, dim}));
     operands.push_back(ctx->Input(first));
-    xla::XlaOp index_op = ctx->Input(first + 1);
-    xla::XlaOp weight_op = ctx->Input(weights_input);
-    if (!ragged) {
-      const int64_t bag_size = indices.dim_size(indices.dims() - 1);
-      index_op = xla::Reshape(index_op, {num_bags, bag_size});
-      if (attrs_.has_weights) weight_op = xla::Reshape(weight_op, {num_bags, bag_size});
-    }
-    operands.push_back(index_op);
-    if (ragged) operands.push_back(ctx->Input(first + 2));
-    operands.push_back(weight_op);
-
+    AppendBagOperands(ctx, attrs_, first + 1, num_bags, &operands);
     std::vector<xla::Shape> operand_shapes;
-    for (const xla::XlaOp& op : operands) {
-      auto shape = ctx->builder()->GetShape(op);
-      OP_REQUIRES_OK(ctx, shape.status());
-      operand_shapes.push_back(RowMajor(*shape));
-    }
-    const std::string config = "{combiner = " + std::to_string(static_cast<int>(attrs_.combiner)) +
-                               " : i32, has_weights = " + std::to_string(attrs_.has_weights ? 1 : 0) + " : i32}";
-    const xla::Shape out = xla::ShapeUtil::MakeShapeWithDescendingLayout(table_type, {num_bags, dim});
+    OP_REQUIRES_OK(ctx, RowMajorShapes(ctx, operands, &operand_shapes));
     if (!grad_) {
-      xla::XlaOp result = xla::CustomCallWithLayout(
-          ctx->builder(), ragged ? kRaggedForwardTarget : kForwardTarget, operands, out, operand_shapes, config,
-          /*has_side_effect=*/false, /*output_operand_aliasing=*/{}, /*literal=*/nullptr,
-          xla::CustomCallSchedule::SCHEDULE_NONE, xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
+      const xla::Shape out =
+          xla::ShapeUtil::MakeShapeWithDescendingLayout(ctx->input_xla_type(first), {num_bags, dim});
+      xla::XlaOp result = CallTarget(ctx, ragged ? kRaggedForwardTarget : kForwardTarget, attrs_, operands,
+                                     operand_shapes, out);
       ctx->SetOutput(0, xla::Reshape(result, out_shape.dim_sizes()));
       return;
     }
-    const xla::Shape d_params = RowMajor(operand_shapes[1]);
-    const xla::Shape d_weights = RowMajor(operand_shapes.back());
-    xla::XlaOp result = xla::CustomCallWithLayout(
-        ctx->builder(), ragged ? kRaggedBackwardTarget : kBackwardTarget, operands,
-        xla::ShapeUtil::MakeTupleShape({d_params, d_weights}), operand_shapes, config,
-        /*has_side_effect=*/false, /*output_operand_aliasing=*/{}, /*literal=*/nullptr,
-        xla::CustomCallSchedule::SCHEDULE_NONE, xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
+    // (d_params like params, d_weights like the weights operand)
+    const xla::Shape grads = xla::ShapeUtil::MakeTupleShape({operand_shapes[1], operand_shapes.back()});
+    xla::XlaOp result =
+        CallTarget(ctx, ragged ? kRaggedBackwardTarget : kBackwardTarget, attrs_, operands, operand_shapes, grads);
     ctx->SetOutput(0, xla::GetTupleElement(result, 0));
     ctx->SetOutput(1, xla::Reshape(xla::GetTupleElement(result, 1), weights.dim_sizes()));
   }
 
  private:
-  // Number of bags: the product of the leading dims of indices (dense) or
-  // len(row_splits) - 1 (ragged); both already validated by CheckShapes.
-  static int64_t LeadingCount(bool ragged, const ::tensorflow::TensorShape& indices,
-                              const ::tensorflow::TensorShape& splits) {
-    if (ragged) return splits.dim_size(0) - 1;
-    ::tensorflow::TensorShape leading = indices;
-    leading.RemoveLastDims(1);
-    return leading.num_elements();
-  }
-
-  static xla::Shape RowMajor(const xla::Shape& shape) {
-    return xla::ShapeUtil::MakeShapeWithDescendingLayout(shape.element_type(), shape.dimensions());
-  }
-
   ::pkm_tf::OpAttrs attrs_;
   bool grad_;
 };
@@ -186,5 +209,22 @@ inline int RegisterLoweringsLate(const char* device) {
   REGISTER_XLA_OP(Name("PkmEmbeddingBagGrad").Device(DEVICE), ::pkm_xla::GradLowering);    \
   REGISTER_XLA_OP(Name("PkmRaggedEmbeddingBag").Device(DEVICE), ::pkm_xla::RaggedForwardLowering);    \
   REGISTER_XLA_OP(Name("PkmRaggedEmbeddingBagGrad").Device(DEVICE), ::pkm_xla::RaggedGradLowering)
+
+// Registers with TF's XLA the four handlers a targets file exports
+// (PKM_XLA_DEFINE_TARGETS(P, ...), linked into the same library) for the FFI
+// platform PLATFORM ("Host", "CUDA"), and the lowerings for DEVICE.
+#define PKM_REGISTER_XLA_PLATFORM(P, PLATFORM, DEVICE)                                                        \
+  extern "C" XLA_FFI_Error* pkm_xla_##P##_forward(XLA_FFI_CallFrame*);                                        \
+  extern "C" XLA_FFI_Error* pkm_xla_##P##_backward(XLA_FFI_CallFrame*);                                       \
+  extern "C" XLA_FFI_Error* pkm_xla_##P##_ragged_forward(XLA_FFI_CallFrame*);                                 \
+  extern "C" XLA_FFI_Error* pkm_xla_##P##_ragged_backward(XLA_FFI_CallFrame*);                                \
+  XLA_FFI_REGISTER_HANDLER(::xla::ffi::GetXlaFfiApi(), ::pkm_xla::kForwardTarget, PLATFORM, pkm_xla_##P##_forward); \
+  XLA_FFI_REGISTER_HANDLER(::xla::ffi::GetXlaFfiApi(), ::pkm_xla::kBackwardTarget, PLATFORM,                  \
+                           pkm_xla_##P##_backward);                                                            \
+  XLA_FFI_REGISTER_HANDLER(::xla::ffi::GetXlaFfiApi(), ::pkm_xla::kRaggedForwardTarget, PLATFORM,             \
+                           pkm_xla_##P##_ragged_forward);                                                      \
+  XLA_FFI_REGISTER_HANDLER(::xla::ffi::GetXlaFfiApi(), ::pkm_xla::kRaggedBackwardTarget, PLATFORM,            \
+                           pkm_xla_##P##_ragged_backward);                                                     \
+  PKM_REGISTER_XLA_LOWERINGS(DEVICE)
 
 #endif  // PKM_KERNELS_XLA_EMBEDDING_BAG_XLA_LOWERING_H_

@@ -8,11 +8,6 @@
 
 #include "kernels/tf/quantized_embedding_bag_common.h"
 #include "kernels/xla/embedding_bag_xla_lowering.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace xla::ffi {
-const XLA_FFI_Api* GetXlaFfiApi();
-}  // namespace xla::ffi
 
 extern "C" {
 XLA_FFI_Error* pkm_xla_cpu_quantized_forward(XLA_FFI_CallFrame* frame);
@@ -38,47 +33,21 @@ class QuantizedLowering : public ::tensorflow::XlaOpKernel {
   void Compile(::tensorflow::XlaOpKernelContext* ctx) override {
     const bool ragged = attrs_.ragged;
     const int first = ::pkm_tf::kQuantizedBagsInput;
-    const int weights_input = first + (ragged ? 2 : 1);
     const ::tensorflow::TensorShape params = ctx->InputShape(0), indices = ctx->InputShape(first);
     const ::tensorflow::TensorShape splits = ragged ? ctx->InputShape(first + 1) : ::tensorflow::TensorShape();
-    const ::tensorflow::TensorShape weights = ctx->InputShape(weights_input);
     ::tensorflow::TensorShape out_shape;
     OP_REQUIRES_OK(ctx, ::pkm_tf::CheckQuantizedShapes(attrs_, params, ctx->InputShape(1), ctx->InputShape(2),
-                                                       indices, ragged ? &splits : nullptr, weights, &out_shape));
-    const int64_t dim = params.dim_size(1);
-    int64_t num_bags = 0;
-    if (ragged) {
-      num_bags = splits.dim_size(0) - 1;
-    } else {
-      ::tensorflow::TensorShape leading = indices;
-      leading.RemoveLastDims(1);
-      num_bags = leading.num_elements();
-    }
+                                                       indices, ragged ? &splits : nullptr,
+                                                       ctx->InputShape(first + (ragged ? 2 : 1)), &out_shape));
+    const int64_t num_bags = NumBags(ragged, indices, splits);
     std::vector<xla::XlaOp> operands = {ctx->Input(0), ctx->Input(1), ctx->Input(2)};
-    xla::XlaOp index_op = ctx->Input(first), weight_op = ctx->Input(weights_input);
-    if (!ragged) {
-      const int64_t bag_size = indices.dim_size(indices.dims() - 1);
-      index_op = xla::Reshape(index_op, {num_bags, bag_size});
-      if (attrs_.has_weights) weight_op = xla::Reshape(weight_op, {num_bags, bag_size});
-    }
-    operands.push_back(index_op);
-    if (ragged) operands.push_back(ctx->Input(first + 1));
-    operands.push_back(weight_op);
+    AppendBagOperands(ctx, attrs_, first, num_bags, &operands);
     std::vector<xla::Shape> operand_shapes;
-    for (const xla::XlaOp& op : operands) {
-      auto shape = ctx->builder()->GetShape(op);
-      OP_REQUIRES_OK(ctx, shape.status());
-      operand_shapes.push_back(xla::ShapeUtil::MakeShapeWithDescendingLayout(shape->element_type(),
-                                                                             shape->dimensions()));
-    }
-    const std::string config = "{combiner = " + std::to_string(static_cast<int>(attrs_.combiner)) +
-                               " : i32, has_weights = " + std::to_string(attrs_.has_weights ? 1 : 0) + " : i32}";
+    OP_REQUIRES_OK(ctx, RowMajorShapes(ctx, operands, &operand_shapes));
     const xla::Shape out =
-        xla::ShapeUtil::MakeShapeWithDescendingLayout(ctx->output_xla_type(0), {num_bags, dim});
-    xla::XlaOp result = xla::CustomCallWithLayout(
-        ctx->builder(), ragged ? kQuantizedRaggedForwardTarget : kQuantizedForwardTarget, operands, out,
-        operand_shapes, config, /*has_side_effect=*/false, /*output_operand_aliasing=*/{}, /*literal=*/nullptr,
-        xla::CustomCallSchedule::SCHEDULE_NONE, xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
+        xla::ShapeUtil::MakeShapeWithDescendingLayout(ctx->output_xla_type(0), {num_bags, params.dim_size(1)});
+    xla::XlaOp result = CallTarget(ctx, ragged ? kQuantizedRaggedForwardTarget : kQuantizedForwardTarget, attrs_,
+                                   operands, operand_shapes, out);
     ctx->SetOutput(0, xla::Reshape(result, out_shape.dim_sizes()));
   }
 

@@ -14,25 +14,10 @@ import threading
 import torch
 
 from pkm_serve.backends import _native
+from pkm_serve.backends._bag_problem import PkmBags, layout_mismatch
 
 _ELEM_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 INVALID_ARGUMENT = -1
-
-
-class PkmBags(ctypes.Structure):
-    """Mirror of PkmBags (kernels/core/bag_problem.h)."""
-
-    _fields_ = [
-        ("table", ctypes.c_void_p), ("elem_type", ctypes.c_int32),
-        ("num_rows", ctypes.c_int64), ("dim", ctypes.c_int64),
-        ("indices", ctypes.c_void_p), ("indices_int64", ctypes.c_int32),
-        ("num_bags", ctypes.c_int64), ("bag_size", ctypes.c_int64),
-        ("row_splits", ctypes.c_void_p), ("row_splits_int64", ctypes.c_int32),
-        ("num_indices", ctypes.c_int64), ("weights", ctypes.c_void_p),
-        ("weights_type", ctypes.c_int32), ("combiner", ctypes.c_int32),
-        ("invalid_index_count", ctypes.c_void_p), ("index_policy", ctypes.c_int32),
-        ("row_scales", ctypes.c_void_p), ("row_biases", ctypes.c_void_p), ("row_params_type", ctypes.c_int32),
-    ]
 
 
 _libs = {}
@@ -44,16 +29,9 @@ def _ptr(t):
 
 
 def _check_layout(lib):
-    fields = [name for name, _ in PkmBags._fields_]
-    size, offsets = ctypes.c_size_t(), (ctypes.c_size_t * len(fields))()
-    size_p = ctypes.POINTER(ctypes.c_size_t)
-    lib.pkm_bags_layout.argtypes = [size_p, size_p, ctypes.c_size_t]
-    lib.pkm_bags_layout.restype = ctypes.c_size_t
-    count = lib.pkm_bags_layout(ctypes.byref(size), offsets, len(fields))
-    want = (ctypes.sizeof(PkmBags), [getattr(PkmBags, f).offset for f in fields])
-    if count != len(fields) or (size.value, list(offsets)) != want:
-        raise _native.NativeLibraryUnavailableError(
-            "pkm_serve: the C ABI library's PkmBags layout differs from pkm_serve/backends/_capi.py")
+    mismatch = layout_mismatch(lib)
+    if mismatch:
+        raise _native.NativeLibraryUnavailableError(f"pkm_serve: the C ABI library does not match: {mismatch}")
 
 
 def library(device):

@@ -12,6 +12,13 @@ class OpLibraryUnavailableError(RuntimeError):
     """The fused op library could not be loaded and no fallback was asked for."""
 
 
+def require_positive_ints(layer_name, **values):
+    """ValueError naming the first argument that is not a positive int (bools are not ints here)."""
+    for arg_name, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{layer_name}: {arg_name} must be a positive integer, got {value!r}")
+
+
 def is_tensorflow_backend():
     return keras.backend.backend() == "tensorflow"
 

@@ -1,7 +1,8 @@
 """`EmbeddingBag`: a Keras layer over the fused PkmEmbeddingBag op."""
 import keras
 
-from pkm_serve.layers._lookup import is_tensorflow_backend, lookup_supports_jit, resolve_lookup
+from pkm_serve.layers._lookup import (is_tensorflow_backend, lookup_supports_jit, require_positive_ints,
+                                     resolve_lookup)
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
@@ -65,11 +66,7 @@ class EmbeddingBag(keras.layers.Layer):
         fused_optimizer=False,
         **kwargs,
     ):
-        for arg_name, value in (("input_dim", input_dim), ("output_dim", output_dim)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(
-                    f"EmbeddingBag: {arg_name} must be a positive integer, got {value!r}"
-                )
+        require_positive_ints("EmbeddingBag", input_dim=input_dim, output_dim=output_dim)
         if combiner not in COMBINERS:
             raise ValueError(
                 f"EmbeddingBag: combiner must be one of {COMBINERS}, got {combiner!r}"

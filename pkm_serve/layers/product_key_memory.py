@@ -13,7 +13,8 @@ import warnings
 
 import keras
 
-from pkm_serve.layers._lookup import is_tensorflow_backend, lookup_supports_jit, resolve_lookup
+from pkm_serve.layers._lookup import (is_tensorflow_backend, lookup_supports_jit, require_positive_ints,
+                                     resolve_lookup)
 from pkm_serve.layers.embedding_bag import EmbeddingBag
 from pkm_serve.product_keys import product_key_search
 
@@ -55,11 +56,7 @@ class ProductKeyMemory(keras.layers.Layer):
         fused_optimizer=False,
         **kwargs,
     ):
-        for arg_name, value in (("k_dim", k_dim), ("n_keys", n_keys), ("heads", heads), ("knn", knn)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(
-                    f"ProductKeyMemory: {arg_name} must be a positive integer, got {value!r}"
-                )
+        require_positive_ints("ProductKeyMemory", k_dim=k_dim, n_keys=n_keys, heads=heads, knn=knn)
         if v_dim is not None and (not isinstance(v_dim, int) or v_dim <= 0):
             raise ValueError(f"ProductKeyMemory: v_dim must be a positive integer or None, got {v_dim!r}")
         if k_dim % 2:
@@ -155,30 +152,25 @@ class ProductKeyMemory(keras.layers.Layer):
 
         d_model = inputs.shape[-1]
         leading_shape = tf.shape(inputs)[:-1]
-        x = tf.reshape(inputs, [-1, d_model])
-        x = self.input_dropout_layer(x, training=training)
-        query = self.query_proj(x)
-        if self.query_bn is not None:
-            query = self.query_bn(query, training=training)
-        query = self.query_dropout_layer(query, training=training)
-        indices, scores = self.select_slots(query)
-        # One bag per input row: heads * knn slots, weighted by their softmax score.
-        outputs = self.memory(indices, weights=scores)
-        outputs = self.value_dropout_layer(outputs, training=training)
+        outputs = self._read_memory(tf.reshape(inputs, [-1, d_model]), training)
         return tf.reshape(outputs, tf.concat([leading_shape, [self.memory.output_dim]], 0))
 
     def _call_keras_ops(self, inputs, training):
         """call() under JAX / PyTorch, where shapes are static."""
         ops = keras.ops
-        x = ops.reshape(inputs, (-1, inputs.shape[-1]))
+        outputs = self._read_memory(ops.reshape(inputs, (-1, inputs.shape[-1])), training)
+        return ops.reshape(outputs, tuple(inputs.shape[:-1]) + (self.memory.output_dim,))
+
+    def _read_memory(self, x, training):
+        """[rows, d_model] -> [rows, output_dim]: the query, its slots and one weighted bag of
+        values per row (heads * knn slots, weighted by their softmax score)."""
         x = self.input_dropout_layer(x, training=training)
         query = self.query_proj(x)
         if self.query_bn is not None:
             query = self.query_bn(query, training=training)
         query = self.query_dropout_layer(query, training=training)
         indices, scores = self.select_slots(query)
-        outputs = self.value_dropout_layer(self.memory(indices, weights=scores), training=training)
-        return ops.reshape(outputs, tuple(inputs.shape[:-1]) + (self.memory.output_dim,))
+        return self.value_dropout_layer(self.memory(indices, weights=scores), training=training)
 
     def select_slots(self, query):
         """Product-key search: query [B, heads*k_dim] -> (slot indices int64

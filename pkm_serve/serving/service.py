@@ -181,16 +181,16 @@ class InferenceService:
         return sig, result
 
     def classify(self, request, deadline=None):
-        with self.serving(request.model_spec) as servable:
-            sig, result = self._classify_outputs(servable, request.model_spec, request.input, deadline)
-            resp = classification_pb2.ClassificationResponse(result=result)
-            self._fill_spec(resp.model_spec, servable, sig.name)
-        return resp
+        return self._example_task(request, deadline, self._classify_outputs, classification_pb2.ClassificationResponse)
 
     def regress(self, request, deadline=None):
+        return self._example_task(request, deadline, self._regress_outputs, regression_pb2.RegressionResponse)
+
+    def _example_task(self, request, deadline, outputs, response_type):
+        """Classify / Regress: `outputs` runs the signature on the request's examples."""
         with self.serving(request.model_spec) as servable:
-            sig, result = self._regress_outputs(servable, request.model_spec, request.input, deadline)
-            resp = regression_pb2.RegressionResponse(result=result)
+            sig, result = outputs(servable, request.model_spec, request.input, deadline)
+            resp = response_type(result=result)
             self._fill_spec(resp.model_spec, servable, sig.name)
         return resp
 

@@ -268,16 +268,13 @@ def wheel_run(tmp_path_factory):
     """The fixtures through the installed aarch64 device wheel: pip (here) installs it for
     the aarch64 platform into a directory that is then the only pkm_serve the emulated
     tflite_runtime process sees (no checkout on its path, no $PKM_TFLITE_DELEGATE)."""
-    import glob
-    wheels = glob.glob(os.path.join(ROOT, "dist", "pkm_serve_device-*aarch64.whl"))
-    if len(wheels) != 1:
-        pytest.fail(f"expected one aarch64 device wheel in dist/, found {wheels}: "
-                    "run `make wheel-device-aarch64`")
+    from tests.built_wheels import built_wheel
+    wheel = built_wheel("pkm_serve_device-*aarch64.whl", "aarch64 device", "wheel-device-aarch64")
     target = tmp_path_factory.mktemp("aarch64-wheel") / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
                     "--no-deps", "--no-index", "--only-binary=:all:", "--platform",
                     "manylinux_2_35_aarch64", "--python-version", "3.11", "--implementation", "cp",
-                    "--target", str(target), wheels[0]], check=True)
+                    "--target", str(target), wheel], check=True)
     root = os.path.join(A64_CACHE, "root")
     site = os.path.abspath(os.path.join(A64_CACHE, "site-tflite_runtime"))
     out = tmp_path_factory.mktemp("aarch64-wheel-run") / "results.npz"

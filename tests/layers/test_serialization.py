@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
+from tests.saved_model_ops import graph_op_types
 
 D_MODEL = 24
 
@@ -81,19 +82,6 @@ def _export_both_ways(model, directory):
     return saved, exported
 
 
-def _graph_op_types(saved_model_dir):
-    from tensorflow.core.protobuf import saved_model_pb2
-
-    proto = saved_model_pb2.SavedModel()
-    with open(os.path.join(saved_model_dir, "saved_model.pb"), "rb") as f:
-        proto.ParseFromString(f.read())
-    graph = proto.meta_graphs[0].graph_def
-    types = {node.op for node in graph.node}
-    for function in graph.library.function:
-        types.update(node.op for node in function.node_def)
-    return types
-
-
 FRESH_PROCESS = textwrap.dedent(
     """
     import sys
@@ -117,7 +105,7 @@ def test_saved_model_reloads_in_a_fresh_process_with_only_the_op_library(trained
     model, inputs, expected = trained
     saved, exported = _export_both_ways(model, str(tmp_path))
     for directory in (saved, exported):
-        assert {"PkmEmbeddingBag"} <= _graph_op_types(directory), "the fused op must be in the graph"
+        assert {"PkmEmbeddingBag"} <= graph_op_types(directory), "the fused op must be in the graph"
     out_path = str(tmp_path / "fresh")
     np.savez(out_path + ".inputs.npz", x=inputs[0], bag_indices=inputs[1], bag_weights=inputs[2])
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH="")
@@ -135,7 +123,7 @@ def test_composite_model_exports_with_stock_ops_only(tmp_path):
     """implementation='composite' gives a SavedModel any TF runtime can serve."""
     model = build_model(implementation="composite")
     saved, _ = _export_both_ways(model, str(tmp_path))
-    op_types = _graph_op_types(saved)
+    op_types = graph_op_types(saved)
     assert not any(op.startswith("Pkm") for op in op_types)
     assert "GatherV2" in op_types or "ResourceGather" in op_types
 
@@ -150,7 +138,7 @@ def test_exporter_fuses_the_composite_layers(tmp_path):
     model.export(source, format="tf_saved_model", verbose=False)
     result = export_saved_model(source, str(tmp_path / "fused"), quiet=True)
     assert len(result.fused) == 2, [site for site in result.sites]
-    assert "PkmEmbeddingBag" in _graph_op_types(result.dst)
+    assert "PkmEmbeddingBag" in graph_op_types(result.dst)
     inputs = [
         rng.standard_normal((6, D_MODEL)).astype(np.float32),
         rng.integers(-1, 30, size=(6, 5)),

@@ -4,7 +4,6 @@ installed with pip into fresh venvs that have only a TFLite runtime and numpy
 there, the installed package (not the checkout) runs a .tflite through its
 delegate, and the outputs match a numpy float64 reference. About 10 s per
 runtime, most of it `python -m venv` and pip."""
-import glob
 import os
 import subprocess
 import sys
@@ -31,15 +30,13 @@ RUNTIMES = {
 
 from pkm_serve import tflite  # noqa: E402  (builds the model: needs a flatbuffer schema)
 from tests import reference  # noqa: E402
+from tests.built_wheels import built_wheel  # noqa: E402
 
 N, D, K, B = 257, 16, 5, 9
 
 
 def _device_wheel():
-    wheels = glob.glob(os.path.join(ROOT, "dist", "pkm_serve_device-*x86_64.whl"))
-    if len(wheels) != 1:
-        pytest.fail(f"expected one device wheel in dist/, found {wheels}: run `make wheel-device`")
-    return wheels[0]
+    return built_wheel("pkm_serve_device-*x86_64.whl", "device", "wheel-device")
 
 
 def _isolated_env():

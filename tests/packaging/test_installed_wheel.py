@@ -6,7 +6,6 @@ pkm_serve, keras`, the README tour, .keras round trips (custom optimizers, a mix
 PKM reloaded under float32), `pkm-serve export --tflite` of a composite model and `pkm-serve
 serve` answering REST and gRPC Predict. Took 2-4 min here, most of it pip installing
 TensorFlow from the cache."""
-import glob
 import os
 import subprocess
 import sys
@@ -14,14 +13,13 @@ import time
 
 import pytest
 
+from tests.built_wheels import built_wheel
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tf_wheel():
-    wheels = glob.glob(os.path.join(ROOT, "dist", "pkm_serve-*.whl"))
-    if len(wheels) != 1:
-        pytest.fail(f"expected one TF wheel in dist/, found {wheels}: run `make wheel-tf`")
-    return wheels[0]
+    return built_wheel("pkm_serve-*.whl", "TF", "wheel-tf")
 
 
 def _clean_env():

@@ -2,7 +2,6 @@
 what it declares, how auditwheel sees it, and that the build refuses a wheel
 that carries a copy of TensorFlow's libraries. Installing it in a fresh venv and
 running the README's habits is tests/packaging/test_installed_wheel.py."""
-import glob
 import json
 import os
 import re
@@ -14,15 +13,14 @@ from importlib.metadata import version
 
 import pytest
 
+from tests.built_wheels import built_wheel
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def wheel():
-    wheels = glob.glob(os.path.join(ROOT, "dist", "pkm_serve-*.whl"))
-    if len(wheels) != 1:
-        pytest.fail(f"expected one TF wheel in dist/, found {wheels}: run `make wheel-tf`")
-    return wheels[0]
+    return built_wheel("pkm_serve-*.whl", "TF", "wheel-tf")
 
 
 def _metadata(wheel):

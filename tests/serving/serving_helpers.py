@@ -97,3 +97,31 @@ def write_example_model(path):
             builder.add_meta_graph_and_variables(sess, ["serve"], signature_def_map=sigs)
             builder.save()
     return path
+
+
+def polled_manager(base, name="m", **kwargs):
+    """A ModelManager of one model at `base`, polled once by hand (poll_seconds=-1);
+    kwargs go to ModelManager (loader_factory=..., warmup=...)."""
+    from tensorflow_serving.config import model_server_config_pb2
+
+    from pkm_serve.serving.manager import ModelManager
+
+    cfg = model_server_config_pb2.ModelServerConfig()
+    cfg.model_config_list.config.add(name=name, base_path=str(base), model_platform="tensorflow")
+    manager = ModelManager(cfg, poll_seconds=-1, **kwargs)
+    manager.poll_once()
+    return manager
+
+
+def version_states(manager, name="m"):
+    """{version: state} as the manager reports them."""
+    from tensorflow_serving.apis import model_pb2
+
+    return {s.version: s.state for s in manager.status(model_pb2.ModelSpec(name=name))}
+
+
+def wait_until(predicate, seconds=30, poll=0.005):
+    end = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(poll)

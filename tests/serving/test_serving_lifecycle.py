@@ -13,6 +13,7 @@ from tensorflow_serving.apis import get_model_status_pb2, model_pb2, predict_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
 import half_plus_two as hpt
+from serving_helpers import polled_manager, version_states, wait_until
 from pkm_serve.serving import protos
 from pkm_serve.serving.batching import BatchScheduler
 from pkm_serve.serving.errors import ServingError
@@ -26,22 +27,8 @@ SCALE = {1: 1.0, 2: 5.0}          # version v answers y = SCALE[v] * x + 2
 
 
 def _manager(base):
-    cfg = model_server_config_pb2.ModelServerConfig()
-    cfg.model_config_list.config.add(name="m", base_path=str(base), model_platform="tensorflow")
-    manager = ModelManager(cfg, poll_seconds=-1, warmup=False)   # polled by hand
-    manager.poll_once()
-    return manager
+    return polled_manager(base, warmup=False)
 
-
-def _states(manager):
-    return {s.version: s.state for s in manager.status(model_pb2.ModelSpec(name="m"))}
-
-
-def _wait(predicate, seconds=30):
-    end = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.01)
 
 
 class _SwapDuringValidation:
@@ -59,13 +46,13 @@ class _SwapDuringValidation:
                 hpt.write_versioned(str(base), 2, hpt.write_tf2, scale=SCALE[2])
                 self.poller = threading.Thread(target=manager.poll_once)
                 self.poller.start()
-                _wait(lambda: _states(manager) == {2: State.AVAILABLE, 1: State.UNLOADING})
+                wait_until(lambda: version_states(manager) == {2: State.AVAILABLE, 1: State.UNLOADING})
 
         monkeypatch.setattr(Signature, "validate", validate)
 
     def finish(self):
         self.poller.join(30)
-        assert _states(self.manager) == {2: State.AVAILABLE, 1: State.END}
+        assert version_states(self.manager) == {2: State.AVAILABLE, 1: State.END}
 
 
 @pytest.fixture
@@ -126,14 +113,14 @@ def test_unload_waits_for_in_flight_requests_then_frees_the_session(base):
         hpt.write_versioned(str(base), 2, hpt.write_tf2, scale=SCALE[2])
         poller = threading.Thread(target=manager.poll_once)
         poller.start()
-        _wait(lambda: _states(manager) == {2: State.AVAILABLE, 1: State.UNLOADING})
+        wait_until(lambda: version_states(manager) == {2: State.AVAILABLE, 1: State.UNLOADING})
         time.sleep(0.3)
-        assert _states(manager)[1] == State.UNLOADING     # still held by this request
+        assert version_states(manager)[1] == State.UNLOADING     # still held by this request
         sig = v1.signature("")
         out = sig.run({"x": np.array([[3.0]], np.float32)})   # and still runs
         np.testing.assert_array_equal(out["y"], [[SCALE[1] * 3.0 + 2]])
     poller.join(30)
-    assert _states(manager) == {2: State.AVAILABLE, 1: State.END}
+    assert version_states(manager) == {2: State.AVAILABLE, 1: State.END}
     with pytest.raises(ServingError, match="Session has been closed"):   # its session is gone
         sig.run({"x": np.array([[3.0]], np.float32)})
     manager.stop()

@@ -9,12 +9,10 @@ import time
 import grpc
 import pytest
 from tensorflow_serving.apis import get_model_status_pb2, model_pb2
-from tensorflow_serving.config import model_server_config_pb2
 
-from serving_helpers import REPO
+from serving_helpers import REPO, polled_manager, version_states, wait_until
 from pkm_serve.serving.errors import ServingError
 from pkm_serve.serving.loader import Loader
-from pkm_serve.serving.manager import ModelManager
 
 State = get_model_status_pb2.ModelVersionStatus.State
 
@@ -75,22 +73,8 @@ def fakes(tmp_path):
 
 
 def _manager(fakes):
-    cfg = model_server_config_pb2.ModelServerConfig()
-    cfg.model_config_list.config.add(name="m", base_path=str(fakes.base), model_platform="tensorflow")
-    manager = ModelManager(cfg, poll_seconds=-1, loader_factory=fakes.factory)
-    manager.poll_once()
-    return manager
+    return polled_manager(fakes.base, loader_factory=fakes.factory)
 
-
-def _states(manager):
-    return {s.version: s.state for s in manager.status(model_pb2.ModelSpec(name="m"))}
-
-
-def _wait(predicate, seconds=30):
-    end = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.005)
 
 
 def _served_version(manager):
@@ -103,17 +87,17 @@ def test_new_version_loads_before_the_old_one_unloads(fakes):
     """Availability-preserving transition: while version 2 loads, version 1 serves; 1 is
     unloaded only once 2 is AVAILABLE; at no moment is no version available."""
     manager = _manager(fakes)
-    assert _states(manager) == {1: State.AVAILABLE}
+    assert version_states(manager) == {1: State.AVAILABLE}
     fakes.gates[2] = threading.Event()
     fakes.add_version(2)
     poller = threading.Thread(target=manager.poll_once)
     poller.start()
-    _wait(lambda: ("load-start", 2) in fakes.events)
-    assert _states(manager) == {2: State.LOADING, 1: State.AVAILABLE}
+    wait_until(lambda: ("load-start", 2) in fakes.events)
+    assert version_states(manager) == {2: State.LOADING, 1: State.AVAILABLE}
     assert _served_version(manager) == 1
     fakes.gates[2].set()
     poller.join(30)
-    assert _states(manager) == {2: State.AVAILABLE, 1: State.END}
+    assert version_states(manager) == {2: State.AVAILABLE, 1: State.END}
     assert _served_version(manager) == 2
     assert fakes.events == [("load-start", 1), ("loaded", 1), ("load-start", 2), ("loaded", 2),
                             ("unload", 1)]
@@ -125,20 +109,17 @@ def test_unload_waits_for_the_requests_that_hold_the_version(fakes):
     with manager.serving(model_pb2.ModelSpec(name="m")) as v1:
         poller = threading.Thread(target=manager.poll_once)
         poller.start()
-        _wait(lambda: _states(manager) == {2: State.AVAILABLE, 1: State.UNLOADING})
+        wait_until(lambda: version_states(manager) == {2: State.AVAILABLE, 1: State.UNLOADING})
         time.sleep(0.2)
         assert ("unload", 1) not in fakes.events and not v1.released   # still held here
         assert _served_version(manager) == 2                             # new requests get 2
     poller.join(30)
     assert fakes.events[-1] == ("unload", 1) and v1.released
-    assert _states(manager) == {2: State.AVAILABLE, 1: State.END}
+    assert version_states(manager) == {2: State.AVAILABLE, 1: State.END}
 
 
 def test_unload_gives_up_waiting_after_the_drain_time(fakes):
-    cfg = model_server_config_pb2.ModelServerConfig()
-    cfg.model_config_list.config.add(name="m", base_path=str(fakes.base))
-    manager = ModelManager(cfg, poll_seconds=-1, loader_factory=fakes.factory, unload_drain_seconds=0.2)
-    manager.poll_once()
+    manager = polled_manager(fakes.base, loader_factory=fakes.factory, unload_drain_seconds=0.2)
     fakes.add_version(2)
     with manager.serving(model_pb2.ModelSpec(name="m")):
         t0 = time.monotonic()
@@ -168,7 +149,7 @@ def test_failed_load_is_reported_keeps_the_old_version_and_is_retried_on_change(
         f.write("x")                           # the directory changed: retried, and now it loads
     manager.poll_once()
     assert fakes.events.count(("load-start", 2)) == 2
-    assert _states(manager) == {2: State.AVAILABLE, 1: State.END} and _served_version(manager) == 2
+    assert version_states(manager) == {2: State.AVAILABLE, 1: State.END} and _served_version(manager) == 2
 
 
 def test_only_version_failing_leaves_the_model_unavailable_with_the_reason(tmp_path):
@@ -185,10 +166,7 @@ def test_only_version_failing_leaves_the_model_unavailable_with_the_reason(tmp_p
 def test_a_factory_that_raises_is_a_failed_load(fakes):
     def factory(name, version, path):
         raise OSError("cannot open")
-    cfg = model_server_config_pb2.ModelServerConfig()
-    cfg.model_config_list.config.add(name="m", base_path=str(fakes.base))
-    manager = ModelManager(cfg, poll_seconds=-1, loader_factory=factory)
-    manager.poll_once()
+    manager = polled_manager(fakes.base, loader_factory=factory)
     (s,) = manager.status(model_pb2.ModelSpec(name="m"))
     assert s.state == State.END and "OSError: cannot open" in s.status.error_message
 

@@ -112,14 +112,3 @@ def save_int64_model(path, seed=0):
     return save_pkm_model(path, seed=seed, fused=True)
 
 
-def graph_ops(model_dir):
-    """Op types in every function of a SavedModel's serve graph."""
-    from tensorflow.core.protobuf import saved_model_pb2
-    sm = saved_model_pb2.SavedModel()
-    with open(os.path.join(model_dir, "saved_model.pb"), "rb") as f:
-        sm.ParseFromString(f.read())
-    graph = sm.meta_graphs[0].graph_def
-    found = {n.op for n in graph.node}
-    for fn in graph.library.function:
-        found.update(n.op for n in fn.node_def)
-    return found

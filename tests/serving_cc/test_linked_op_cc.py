@@ -10,10 +10,11 @@ import subprocess
 import numpy as np
 import pytest
 
-from serving_cc_helpers import (INT64_MODEL_ROWS, PROGRAM, REPO, export_demo_pkm, graph_ops,
+from serving_cc_helpers import (INT64_MODEL_ROWS, PROGRAM, REPO, export_demo_pkm,
                                 require_program, run_cc, save_int64_model, save_ragged_model, tensor_arg,
                                 tensor_file_arg)
 from tests.reference import embedding_bag
+from tests.saved_model_ops import graph_op_types
 
 TOL = 1e-6
 
@@ -101,7 +102,7 @@ def test_without_whole_archive_the_ops_are_missing(models):
 
 @pytest.mark.parametrize("batch", [1, 5])
 def test_demo_fused_pkm_matches_python(tf, models, batch):
-    assert "PkmEmbeddingBag" in graph_ops(models["demo"])
+    assert "PkmEmbeddingBag" in graph_op_types(models["demo"])
     query = np.random.default_rng(batch).standard_normal((batch, 64)).astype(np.float32)
     run = run_cc(models["demo"], "serving_default", [tensor_arg("query", query)])
     expected = assert_same_as_python(tf, run, models["demo"], "serving_default", {"query": query})
@@ -111,7 +112,7 @@ def test_demo_fused_pkm_matches_python(tf, models, batch):
 
 
 def test_ragged_model_matches_python_and_numpy(tf, models, tmp_path):
-    assert "PkmRaggedEmbeddingBag" in graph_ops(models["ragged"])
+    assert "PkmRaggedEmbeddingBag" in graph_op_types(models["ragged"])
     rng = np.random.default_rng(5)
     lengths = [3, 0, 1, 7, 2]  # an empty bag gives zeros
     row_splits = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)

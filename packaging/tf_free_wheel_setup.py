@@ -1,6 +1,7 @@
-"""The device wheel's tag: the delegate is a plain C ABI library (no Python
-ABI, no TensorFlow), so the wheel is py3-none-<platform>, installed as
-platform (platlib) files."""
+"""setup.py of the TF-free wheels (device, packaging/device/; Keras,
+packaging/keras/), staged next to their pyproject.toml: their libraries are
+plain C ABI objects (no Python ABI, no TensorFlow), so each wheel is
+py3-none-<platform>, installed as platform (platlib) files."""
 from setuptools import setup
 from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.dist import Distribution
