@@ -31,7 +31,9 @@ from typing import Callable, Mapping, Sequence
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS_DIR = os.path.join(HERE, "results")
-SHARED_NOTE = "shared with other engineers' builds and tests (noisy: compare the ratios of one run)"
+# How busy the machine was, for the results' header (PKM_BENCH_MACHINE_NOTE overrides it).
+SHARED_NOTE = os.environ.get("PKM_BENCH_MACHINE_NOTE",
+                             "shared with other engineers' builds and tests (noisy: compare the ratios of one run)")
 
 
 def utc_date() -> str:
