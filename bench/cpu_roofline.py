@@ -129,7 +129,8 @@ def compare(systems, rounds, gathered_bytes, stream):
     return row
 
 
-def main(rounds=11):
+def _frameworks_on_threads():
+    """Sets TF and torch to THREADS threads each (the measuring functions import them)."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     # torch's OpenMP workers spin after each call by default and would take the
@@ -141,6 +142,10 @@ def main(rounds=11):
     tf.config.threading.set_intra_op_parallelism_threads(THREADS)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     torch.set_num_threads(THREADS)
+
+
+def main(rounds=11):
+    _frameworks_on_threads()
     stream_before = stream_gbps()
     rows = []
 
@@ -191,15 +196,7 @@ def key_shape_repeats(repeats=3, rounds=11):
     """The main shape's fp32 and bf16 forward against torch, `repeats` separate
     interleaved comparisons in one process (how much the ratio moves on a shared
     machine). Results: bench/results/cpu_roofline_key.{json,md}."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import tensorflow as tf
-    import torch
-
-    tf.config.threading.set_intra_op_parallelism_threads(THREADS)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
-    torch.set_num_threads(THREADS)
+    _frameworks_on_threads()
     b, k, d, n = MAIN
     inputs = make_inputs(b, k, d, n)
     rows = []
