@@ -377,17 +377,6 @@ def _check_bag_axis(fg: FunctionGraph, node, x: Ref, axis_ref: Ref) -> None:
                    f"(-2) of a rank-{rank} gather")
 
 
-def max_combiner_available() -> bool:
-    """Whether the loaded op library's PkmEmbeddingBag takes combiner='max'."""
-    from tensorflow.python.framework import op_def_registry
-    from pkm_serve.export.sites import DENSE_OP
-    op_def = op_def_registry.get(DENSE_OP)
-    if op_def is None:
-        return False
-    combiner = [a for a in op_def.attr if a.name == "combiner"]
-    return bool(combiner) and b"max" in combiner[0].allowed_values.list.s
-
-
 def match_reduce_max(fg: FunctionGraph, node, site: Site) -> Site:
     """reduce_max over the bag axis of gathered rows: combiner 'max'."""
     site.combiner = "max"
@@ -415,9 +404,6 @@ def check_max_site(site: Site) -> None:
     if site.mask is not None:
         raise Skip("max of masked rows: tf.where puts 0 rows in the max, the op's "
                    "padding would leave them out")
-    if not max_combiner_available():
-        raise Skip("max bag: this build's PkmEmbeddingBag has no 'max' combiner "
-                   "(it takes sum, mean, sqrtn)")
 
 
 def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:

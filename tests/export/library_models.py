@@ -314,9 +314,9 @@ def tf1_modules(path):
     max_ids = RNG.integers(0, 30, (3, 4)).astype(np.int32)
     safe = reference.ragged_embedding_bag(table, values, splits, None, "sqrtn")
     safe[1] = table[2]  # the empty bag gets table[default_id]
-    return {"pooled": {"lookups": 2, "clipped": 0, "bag_max": 0},
-            "skipped": {"clipped": "max_norm", "bag_max": "max"},
-            "tflite": "ok", "tflite_signatures": ["lookups"],
+    return {"pooled": {"lookups": 2, "clipped": 0, "bag_max": 1},
+            "skipped": {"clipped": "max_norm"}, "computes": ["max"],
+            "tflite": "ok", "tflite_signatures": ["lookups", "bag_max"],
             "inputs": {"lookups/ids": indices, "lookups/ids_1": values, "lookups/ids_2": shape,
                        "lookups/w": indices, "lookups/w_1": w, "lookups/w_2": shape,
                        "clipped/ids": indices, "clipped/ids_1": values,

@@ -242,9 +242,6 @@ def test_ragged_and_sparse_max_bags_fused_with_the_max_combiner(tmp_path):
     empty bag in between is 0) are fused with combiner 'max', labelled max,
     and equal to numpy in TF and through the delegate."""
     from pkm_serve import tflite
-    from pkm_serve.export.dense import max_combiner_available
-    if not max_combiner_available():
-        pytest.skip("this op library has no max combiner")
     _save_ragged_and_sparse(tmp_path / "m", lambda table, ragged, sp_indices, sp_values, _: {
         "ragged_max": tf.reduce_max(tf.gather(table, ragged), axis=1),
         "sparse_max": tf.math.segment_max(tf.gather(table, sp_values), sp_indices[:, 0])})

@@ -24,7 +24,6 @@ import tensorflow as tf
 from pkm_serve import ops, tflite
 from pkm_serve.export import main
 from pkm_serve.export import tflite_export
-from pkm_serve.export.dense import max_combiner_available
 from pkm_serve.export.errors import ExportError
 from pkm_serve.export.exporter import read_saved_model
 
@@ -47,12 +46,6 @@ def corpus(tmp_path_factory):
         "building the library models failed (`make test` installs "
         "requirements-models.lock): " + proc.stderr[-3000:])
     meta = json.loads((out / "meta.json").read_text())
-    if max_combiner_available():  # the reduce_max bag is fused (in the .tflite too)
-        tf1 = meta["tf1_modules"]
-        tf1["pooled"]["bag_max"] = 1
-        del tf1["skipped"]["bag_max"]
-        tf1["tflite_signatures"].append("bag_max")
-        tf1["computes"] = ["max"]
     return out, meta
 
 
