@@ -30,7 +30,7 @@ MAIN = (2048, 128, 512, 65536)
 SWEEP = [(2048, 128, 64, 65536), (2048, 128, 128, 65536), (2048, 128, 2048, 65536),
          (2048, 1, 512, 65536), (2048, 8, 512, 65536), (2048, 32, 512, 65536)]
 BAG_BENCH = os.path.join(ROOT, "build", "bench", "bag_bench")
-CORE_OBJS = ["bag_problem", "backward", "embedding_bag", "forward", "forward_int8", "shape_rules", "table_pages",
+CORE_OBJS = ["bag_problem", "bag_window", "backward", "embedding_bag", "forward", "forward_int8", "shape_rules", "table_pages",
              "vector_ops", "vector_ops_f16c"]
 
 

@@ -2,9 +2,14 @@
 
 fp32: pkm_serve.ops.embedding_bag on a float32 table; int8: pkm_serve.quantized.embedding_bag
 (PkmQuantizedEmbeddingBag) on the same table quantised row-wise (a quarter of the bytes + 8 per
-row). Both through TF eager, as a served signature runs them. Rows are drawn uniformly from a
-512 MB (fp32) table, so the lookups miss the caches as a big served table does. Each repetition
-times one call of each, alternating which goes first; the ratio is of the medians.
+row). Rows are drawn uniformly from a 512 MB (fp32) table, so the lookups miss the caches as a
+big served table does. Two timings of each, alternating which goes first; ratios are of medians:
+- eager: one eager call (Python wrapper + op dispatch + kernel + .numpy()), new indices per call;
+- graph: the op as a served graph runs it: one tf.function holding CHAIN calls on different
+  random indices, each taking the previous one's output as an input (its weights + 0 * one
+  output value: control dependencies alone are dropped by grappler, which then prunes the
+  unused calls), timed as a whole and divided by CHAIN, which spreads the function call's
+  fixed cost.
 
     .venv/bin/python bench/int8_forward.py [--reps 30] [--out bench/results/int8_forward]
 """
@@ -33,6 +38,18 @@ SHAPES = [  # (batch, bag size K, dim D, rows N): K 128 = 4 heads x top-32 of a 
 ]
 
 
+CHAIN = 16
+
+
+def chained(run, idx, w):
+    """CHAIN calls of `run`, each after the previous one (a data dependency), in one graph."""
+    out = None
+    for c in range(CHAIN):
+        wc = w[c] if out is None else w[c] + 0.0 * out[0, 0]
+        out = run(idx[c], wc)
+    return out
+
+
 def one_shape(b, k, d, n, reps, rng):
     table = rng.standard_normal((n, d), dtype=np.float32)
     q, scales, biases = quantized.quantize_rows(table)
@@ -41,7 +58,18 @@ def one_shape(b, k, d, n, reps, rng):
     del table, q
     runs = {"fp32": lambda i, w: ops.embedding_bag(t32, i, w),
             "int8": lambda i, w: quantized.embedding_bag(qt, i, w)}
+    graphs = {name: tf.function(lambda i, w, run=run: chained(run, i, w)) for name, run in runs.items()}
     times = {name: [] for name in runs}
+    graph_times = {name: [] for name in runs}
+    for rep in range(reps + 3):
+        idx = tf.constant(rng.integers(0, n, size=(CHAIN, b, k)).astype(np.int32))
+        w = tf.constant(rng.uniform(0.1, 1, size=(CHAIN, b, k)).astype(np.float32))
+        order = ["fp32", "int8"] if rep % 2 == 0 else ["int8", "fp32"]
+        for name in order:
+            t0 = time.perf_counter()
+            graphs[name](idx, w).numpy()
+            if rep >= 3:  # warm-up (tracing)
+                graph_times[name].append((time.perf_counter() - t0) / CHAIN)
     for rep in range(reps + 3):
         idx = tf.constant(rng.integers(0, n, size=(b, k)).astype(np.int32))
         w = tf.constant(rng.uniform(0.1, 1, size=(b, k)).astype(np.float32))
@@ -52,8 +80,10 @@ def one_shape(b, k, d, n, reps, rng):
             if rep >= 3:  # warm-up
                 times[name].append(time.perf_counter() - t0)
     med = {name: float(np.median(v)) * 1e3 for name, v in times.items()}
+    gmed = {name: float(np.median(v)) * 1e3 for name, v in graph_times.items()}
     return {"batch": b, "K": k, "D": d, "N": n, "fp32_ms": med["fp32"], "int8_ms": med["int8"],
-            "ratio": med["int8"] / med["fp32"], "fp32_table_MB": n * d * 4 / 2**20,
+            "ratio": med["int8"] / med["fp32"], "graph_fp32_ms": gmed["fp32"], "graph_int8_ms": gmed["int8"],
+            "graph_ratio": gmed["int8"] / gmed["fp32"], "fp32_table_MB": n * d * 4 / 2**20,
             "int8_table_MB": (n * d + 8 * n) / 2**20,
             "fp32_GBps_gathered": b * k * d * 4 / (med["fp32"] / 1e3) / 1e9}
 
@@ -70,13 +100,18 @@ def main():
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=2)
     lines = ["# int8 vs fp32 forward, CPU, serving batch", "",
-             f"{meta['machine']}; TF {meta['tf']}; median of {args.reps} interleaved calls each "
-             "(`bench/int8_forward.py`). Ratio = int8 / fp32 (goal <= 0.6).", "",
-             "| B | K | D | N | fp32 table | fp32 ms | fp32 GB/s gathered | int8 ms | int8/fp32 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"{meta['machine']}; TF {meta['tf']}; medians of {args.reps} interleaved repetitions "
+             f"(`bench/int8_forward.py`). Ratio = int8 / fp32 (goal <= 0.6). graph: per call of {CHAIN} "
+             "chained calls in one tf.function (as a served graph runs the op); eager: one eager call "
+             "with its Python wrapper and dispatch.", "",
+             "| B | K | D | N | fp32 table | graph fp32 ms | graph int8 ms | graph int8/fp32 "
+             "| eager fp32 ms | eager int8 ms | eager int8/fp32 | fp32 GB/s gathered (graph) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        gbps = r["batch"] * r["K"] * r["D"] * 4 / (r["graph_fp32_ms"] / 1e3) / 1e9
         lines.append(f"| {r['batch']} | {r['K']} | {r['D']} | {r['N']} | {r['fp32_table_MB']:.0f} MB | "
-                     f"{r['fp32_ms']:.3f} | {r['fp32_GBps_gathered']:.1f} | {r['int8_ms']:.3f} | {r['ratio']:.2f} |")
+                     f"{r['graph_fp32_ms']:.3f} | {r['graph_int8_ms']:.3f} | **{r['graph_ratio']:.2f}** | "
+                     f"{r['fp32_ms']:.3f} | {r['int8_ms']:.3f} | {r['ratio']:.2f} | {gbps:.1f} |")
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -16,6 +16,7 @@ a .cc/.cu under kernels/ or tflite_delegate/ is in no list.
 PKM_CORE_SRCS = [
     "kernels/core/backward.cc",
     "kernels/core/bag_problem.cc",
+    "kernels/core/bag_window.cc",
     "kernels/core/embedding_bag.cc",
     "kernels/core/forward.cc",
     "kernels/core/forward_int8.cc",
@@ -28,6 +29,7 @@ PKM_CORE_SRCS = [
 
 PKM_CORE_HDRS = [
     "kernels/core/bag_problem.h",
+    "kernels/core/bag_window.h",
     "kernels/core/embedding_bag.h",
     "kernels/core/forward_int8.h",
     "kernels/core/fused_optimizer.h",

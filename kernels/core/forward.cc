@@ -1,11 +1,12 @@
 // CPU EmbeddingBag forward: each bag's rows are combined straight into one
 // float32 row per thread (no [K, D] gather, no per-bag allocation).
-// sum/mean/sqrtn accumulate kRowGroup rows at a time; max keeps a running
-// elementwise maximum. The rows a bag will read are known from its indices, so
-// the loop prefetches rows a few entries ahead (RowPrefetcher).
+// sum/mean/sqrtn accumulate kRowGroup rows at a time, prefetching rows ahead
+// as they go (bag_window.h); max keeps a running elementwise maximum, with
+// rows prefetched a few entries ahead (RowPrefetcher).
 #include <algorithm>
 #include <vector>
 
+#include "kernels/core/bag_window.h"
 #include "kernels/core/embedding_bag.h"
 #include "kernels/core/forward_int8.h"
 #include "kernels/core/internal.h"
@@ -15,7 +16,6 @@
 namespace pkm {
 
 using internal::IndexAt;
-using internal::WeightAt;
 
 namespace {
 
@@ -52,32 +52,6 @@ class RowPrefetcher {
   int64_t next_, end_;
 };
 
-// sum / mean / sqrtn of bag b into acc, returning the combiner's scale.
-float WeightedBag(const Table& table, const Bags& bags, Combiner combiner, int64_t b, float* acc,
-                  RowPrefetcher* prefetch) {
-  std::fill(acc, acc + table.dim, 0.f);
-  int64_t group_rows[vec::kRowGroup];
-  float group_weights[vec::kRowGroup];
-  float weight_sum = 0.f, weight_sq_sum = 0.f;
-  int pending = 0;
-  for (int64_t j = bags.Begin(b), end = bags.End(b); j < end; ++j) {
-    const int64_t idx = IndexAt(bags, j);
-    if (idx < 0) continue;  // padding
-    prefetch->Advance();
-    const float w = WeightAt(bags, j);
-    weight_sum += w;
-    weight_sq_sum += w * w;
-    group_rows[pending] = idx;
-    group_weights[pending] = w;
-    if (++pending == vec::kRowGroup) {
-      vec::AxpyRowGroup(table, group_rows, group_weights, acc);
-      pending = 0;
-    }
-  }
-  for (int r = 0; r < pending; ++r) vec::AxpyRow(table, group_rows[r], group_weights[r], acc);
-  return internal::CombinerScale(combiner, weight_sum, weight_sq_sum);
-}
-
 // max of bag b into acc: the first valid row, then a running maximum that only
 // a strictly larger value replaces (as the backward's choice of winner).
 // Returns 0 for an empty bag (acc is then zeros), else 1.
@@ -113,20 +87,33 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
   const int64_t dim = table.dim;
   const int64_t out_row_bytes = dim * ElemSize(out_type);
   const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;
+  char* out_bytes = static_cast<char*>(out);
+  if (combiner != Combiner::kMax) {
+    const ElemType type = table.type;
+    pf(bags.num_bags, avg_bag * (dim + 16), [&](int64_t b0, int64_t b1) {
+      internal::SumBagBlock(
+          table, bags, b0, b1,
+          [type](const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n) {
+            vec::AxpyGroup(type, a, rows, ahead, acc, n);
+          },
+          [type](float a, const char* row, const char* ahead, float* acc, int64_t n) {
+            vec::AxpyRow(type, a, row, ahead, acc, n);
+          },
+          out_bytes, out_row_bytes,
+          [&](int64_t b, float* acc, float weight_sum, float weight_sq_sum, float) {
+            vec::RestoreAccOrder(type, acc, dim);
+            vec::FromFloat(acc, internal::CombinerScale(combiner, weight_sum, weight_sq_sum), out_type,
+                           out_bytes + b * out_row_bytes, dim);
+          });
+    });
+    return Status::Ok();
+  }
   pf(bags.num_bags, avg_bag * (dim + 16), [&](int64_t b0, int64_t b1) {
     std::vector<float> acc(dim);  // one per block of bags, not per bag
     RowPrefetcher prefetch(table, bags, bags.Begin(b0), bags.End(b1 - 1));
     for (int64_t b = b0; b < b1; ++b) {
-      // The next bag's output row, for writing: its lines are then owned by
-      // the time that bag is stored (measured: the stores waited on them at
-      // small K, where an output row is a large share of the bytes).
-      if (b + 1 < b1) {
-        const char* next_out = static_cast<const char*>(out) + (b + 1) * out_row_bytes;
-        for (int64_t off = 0; off < out_row_bytes; off += 64) __builtin_prefetch(next_out + off, 1, 3);
-      }
-      const float scale = combiner == Combiner::kMax ? MaxBag(table, bags, b, acc.data(), &prefetch)
-                                                     : WeightedBag(table, bags, combiner, b, acc.data(), &prefetch);
-      vec::FromFloat(acc.data(), scale, out_type, static_cast<char*>(out) + b * out_row_bytes, dim);
+      MaxBag(table, bags, b, acc.data(), &prefetch);
+      vec::FromFloat(acc.data(), 1.f, out_type, out_bytes + b * out_row_bytes, dim);
     }
   });
   return Status::Ok();

@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels/core/bag_window.h"
 #include "kernels/core/internal.h"
 #include "kernels/core/vector_ops.h"
 
@@ -31,9 +32,12 @@ namespace {
 
 constexpr int kGroup = 8;
 
-// acc[i] += sum_r c[r] * q_r[i] over eight rows.
+// acc[i] += sum_r c[r] * q_r[i] over eight rows; per 64-byte line, the same
+// line of each `ahead` row is prefetched (bag_window.h).
 PKM_INT8_MULTIVERSION
-[[maybe_unused]] void AccumulateGroup(const float* c, const int8_t* const* q, float* __restrict acc, int64_t n) {
+[[maybe_unused]] void AccumulateGroup(const float* c, const char* const* rows, const char* const* ahead,
+                                      float* __restrict acc, int64_t n) {
+  const int8_t* const* q = reinterpret_cast<const int8_t* const*>(rows);
   const int8_t* __restrict q0 = q[0];
   const int8_t* __restrict q1 = q[1];
   const int8_t* __restrict q2 = q[2];
@@ -44,6 +48,8 @@ PKM_INT8_MULTIVERSION
   const int8_t* __restrict q7 = q[7];
   const float c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3], c4 = c[4], c5 = c[5], c6 = c[6], c7 = c[7];
   for (int64_t i = 0; i < n; ++i) {
+    if (i % 64 == 0)
+      for (int r = 0; r < kGroup; ++r) __builtin_prefetch(ahead[r] + i, 0, 3);
     acc[i] += (c0 * static_cast<float>(q0[i]) + c1 * static_cast<float>(q1[i])) +
               (c2 * static_cast<float>(q2[i]) + c3 * static_cast<float>(q3[i])) +
               (c4 * static_cast<float>(q4[i]) + c5 * static_cast<float>(q5[i])) +
@@ -57,12 +63,16 @@ PKM_INT8_MULTIVERSION
 // so the FMA chain is four rows long. The compiler's own vectorisation of the
 // loop above spends most of its time shuffling bytes into lanes (measured
 // ~2x slower on cached rows).
-__attribute__((target("avx2,fma"))) void AccumulateGroupAvx2(const float* c, const int8_t* const* q,
-                                                              float* __restrict acc, int64_t n) {
+__attribute__((target("avx2,fma"))) void AccumulateGroupAvx2(const float* c, const char* const* rows,
+                                                              const char* const* ahead, float* __restrict acc,
+                                                              int64_t n) {
+  const int8_t* const* q = reinterpret_cast<const int8_t* const*>(rows);
   __m256 coef[kGroup];
   for (int r = 0; r < kGroup; ++r) coef[r] = _mm256_set1_ps(c[r]);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
+    if (i % 64 == 0)
+      for (int r = 0; r < kGroup; ++r) _mm_prefetch(ahead[r] + i, _MM_HINT_T0);
     __m256 even = _mm256_loadu_ps(acc + i), odd = _mm256_setzero_ps();
     for (int r = 0; r < kGroup; r += 2) {
       const __m256 x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
@@ -74,11 +84,13 @@ __attribute__((target("avx2,fma"))) void AccumulateGroupAvx2(const float* c, con
     }
     _mm256_storeu_ps(acc + i, _mm256_add_ps(even, odd));
   }
+  if (n % 64 != 0)  // a row of a partial line straddles one more line
+    for (int r = 0; r < kGroup; ++r) _mm_prefetch(ahead[r] + n - 1, _MM_HINT_T0);
   for (; i < n; ++i)
     for (int r = 0; r < kGroup; ++r) acc[i] += c[r] * static_cast<float>(q[r][i]);
 }
 
-using GroupFn = void (*)(const float*, const int8_t* const*, float*, int64_t);
+using GroupFn = void (*)(const float*, const char* const*, const char* const*, float*, int64_t);
 GroupFn PickGroupFn() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? AccumulateGroupAvx2 : AccumulateGroup;
@@ -87,9 +99,13 @@ const GroupFn kAccumulateGroup = PickGroupFn();
 #elif defined(__aarch64__)
 // NEON, spelled out as the AVX2 one (GCC 12 leaves the loop above scalar here):
 // SXTL to int16 and int32, a convert, and a fused multiply-add per four columns.
-void AccumulateGroupNeon(const float* c, const int8_t* const* q, float* __restrict acc, int64_t n) {
+void AccumulateGroupNeon(const float* c, const char* const* rows, const char* const* ahead, float* __restrict acc,
+                         int64_t n) {
+  const int8_t* const* q = reinterpret_cast<const int8_t* const*>(rows);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
+    if (i % 64 == 0)
+      for (int r = 0; r < kGroup; ++r) __builtin_prefetch(ahead[r] + i, 0, 3);
     float32x4_t lo = vld1q_f32(acc + i), hi = vld1q_f32(acc + i + 4);
     for (int r = 0; r < kGroup; ++r) {
       const int16x8_t wide = vmovl_s8(vld1_s8(q[r] + i));
@@ -99,80 +115,25 @@ void AccumulateGroupNeon(const float* c, const int8_t* const* q, float* __restri
     vst1q_f32(acc + i, lo);
     vst1q_f32(acc + i + 4, hi);
   }
+  if (n % 64 != 0)  // a row of a partial line straddles one more line
+    for (int r = 0; r < kGroup; ++r) __builtin_prefetch(ahead[r] + n - 1, 0, 3);
   for (; i < n; ++i)
     for (int r = 0; r < kGroup; ++r) acc[i] += c[r] * static_cast<float>(q[r][i]);
 }
-constexpr void (*kAccumulateGroup)(const float*, const int8_t* const*, float*, int64_t) = AccumulateGroupNeon;
+constexpr void (*kAccumulateGroup)(const float*, const char* const*, const char* const*, float*, int64_t) =
+    AccumulateGroupNeon;
 #else
-constexpr void (*kAccumulateGroup)(const float*, const int8_t* const*, float*, int64_t) = AccumulateGroup;
+constexpr void (*kAccumulateGroup)(const float*, const char* const*, const char* const*, float*, int64_t) =
+    AccumulateGroup;
 #endif
 
 // acc[i] += c * q[i]: the rows left over after the groups of eight.
 PKM_INT8_MULTIVERSION
-void AccumulateRow(float c, const int8_t* __restrict q, float* __restrict acc, int64_t n) {
+void AccumulateRow(float c, const char* row, const char* ahead, float* __restrict acc, int64_t n) {
+  const int8_t* __restrict q = reinterpret_cast<const int8_t*>(row);
+  for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(ahead + i, 0, 3);
+  if (n % 64 != 0) __builtin_prefetch(ahead + n - 1, 0, 3);
   for (int64_t i = 0; i < n; ++i) acc[i] += c * static_cast<float>(q[i]);
-}
-
-// Rows this far ahead of the row being summed are requested from memory:
-// an int8 row is only a few cache lines, too short for the hardware
-// prefetchers to get ahead of a random row (measured: without it int8 took as
-// long as float32, both waiting on one row's latency after another).
-constexpr int64_t kPrefetchRows = 4 * kGroup;
-
-inline void PrefetchRow(const int8_t* row, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
-}
-
-// One bag's valid rows, their coefficients w_j * scale[r_j], and its sums.
-struct BagRows {
-  std::vector<const int8_t*> rows;
-  std::vector<float> coefs;
-  float weight_sum = 0.f, weight_sq_sum = 0.f, bias_sum = 0.f;
-  int64_t size() const { return static_cast<int64_t>(rows.size()); }
-};
-
-float RowParam(const void* params, ElemType type, int64_t r) {
-  return type == ElemType::kFloat16 ? HalfToFloat(static_cast<const uint16_t*>(params)[r])
-                                    : static_cast<const float*>(params)[r];
-}
-
-void CollectBag(const Table& table, const Bags& bags, int64_t b, BagRows* out) {
-  const int8_t* data = static_cast<const int8_t*>(table.data);
-  out->rows.clear();
-  out->coefs.clear();
-  out->weight_sum = out->weight_sq_sum = out->bias_sum = 0.f;
-  for (int64_t j = bags.Begin(b), end = bags.End(b); j < end; ++j) {
-    const int64_t r = IndexAt(bags, j);
-    if (r < 0) continue;  // padding
-    const float w = WeightAt(bags, j);
-    out->weight_sum += w;
-    out->weight_sq_sum += w * w;
-    if (table.row_biases != nullptr) out->bias_sum += w * RowParam(table.row_biases, table.row_params_type, r);
-    out->rows.push_back(data + r * table.dim);
-    out->coefs.push_back(w * RowParam(table.row_scales, table.row_params_type, r));
-  }
-}
-
-// acc += sum_k coefs[k] * rows[k] over bag `cur`, eight rows at a time, with
-// prefetches running kPrefetchRows ahead through `cur` and on into `next` (the
-// block's next bag, or null), so a bag's first rows are already on their way
-// when it starts. `done` rows of cur were prefetched by the previous bag; the
-// return value is the same count for `next`.
-int64_t AccumulateBag(const BagRows& cur, const BagRows* next, int64_t done, float* acc, int64_t dim) {
-  const int64_t count = cur.size(), next_count = next != nullptr ? next->size() : 0;
-  int64_t q = done;  // rows of cur, then of next, prefetched so far
-  auto prefetch_to = [&](int64_t end) {
-    for (end = std::min(end, count + next_count); q < end; ++q)
-      PrefetchRow(q < count ? cur.rows[q] : next->rows[q - count], dim);
-  };
-  int64_t k = 0;
-  for (; k + kGroup <= count; k += kGroup) {
-    prefetch_to(k + kGroup + kPrefetchRows);
-    kAccumulateGroup(cur.coefs.data() + k, cur.rows.data() + k, acc, dim);
-  }
-  prefetch_to(count + kPrefetchRows);
-  for (; k < count; ++k) AccumulateRow(cur.coefs[k], cur.rows[k], acc, dim);
-  return std::max<int64_t>(q - count, 0);
 }
 
 // acc[i] = (acc[i] + bias) * scale, written as out_type.
@@ -199,21 +160,13 @@ Status ForwardInt8(const Table& table, const Bags& bags, Combiner combiner, void
   const int64_t dim = table.dim;
   const int64_t out_row_bytes = dim * ElemSize(out_type);
   const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;
+  char* out_bytes = static_cast<char*>(out);
   pf(bags.num_bags, avg_bag * (dim / 4 + 16), [&](int64_t b0, int64_t b1) {
-    if (b0 >= b1) return;
-    std::vector<float> acc(dim);
-    BagRows bag_rows[2];  // this bag and the next, whose rows are prefetched during this one
-    CollectBag(table, bags, b0, &bag_rows[0]);
-    int64_t prefetched = 0;
-    for (int64_t b = b0; b < b1; ++b) {
-      const BagRows& cur = bag_rows[(b - b0) % 2];
-      BagRows* next = b + 1 < b1 ? &bag_rows[(b + 1 - b0) % 2] : nullptr;
-      if (next != nullptr) CollectBag(table, bags, b + 1, next);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      prefetched = AccumulateBag(cur, next, prefetched, acc.data(), dim);
-      Finish(acc.data(), cur.bias_sum, CombinerScale(combiner, cur.weight_sum, cur.weight_sq_sum), out_type,
-             static_cast<char*>(out) + b * out_row_bytes, dim);
-    }
+    SumBagBlock(table, bags, b0, b1, kAccumulateGroup, AccumulateRow, out_bytes, out_row_bytes,
+                [&](int64_t b, float* acc, float weight_sum, float weight_sq_sum, float bias_sum) {
+                  Finish(acc, bias_sum, CombinerScale(combiner, weight_sum, weight_sq_sum), out_type,
+                         out_bytes + b * out_row_bytes, dim);
+                });
   });
   return Status::Ok();
 }

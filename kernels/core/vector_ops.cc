@@ -39,25 +39,6 @@ void AxpyF32(float a, const float* __restrict row, float* __restrict acc, int64_
   for (int64_t i = 0; i < n; ++i) acc[i] += a * row[i];
 }
 
-#if defined(PKM_HAS_COMPILER_HALF)
-// CompilerHalf lets the compiler use F16C (vcvtph2ps) in the AVX2/AVX-512 clones
-// (GCC builds; a clang build has only the baseline copy).
-PKM_MULTIVERSION
-void AxpyF16(float a, const uint16_t* __restrict row, float* __restrict acc, int64_t n) {
-  const CompilerHalf* h = reinterpret_cast<const CompilerHalf*>(row);
-  for (int64_t i = 0; i < n; ++i) acc[i] += a * static_cast<float>(h[i]);
-}
-#else
-void AxpyF16(float a, const uint16_t* row, float* acc, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += a * HalfToFloat(row[i]);
-}
-#endif
-
-PKM_MULTIVERSION
-void AxpyBF16(float a, const uint16_t* __restrict row, float* __restrict acc, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += a * Bf16ToF32(row[i]);
-}
-
 namespace {
 
 // Element loaders: the row-group kernels below are one template, inlined into
@@ -89,85 +70,135 @@ struct LoadI8 {
   __attribute__((always_inline)) static inline float Get(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
 };
 
+// Each 64-byte line of the rows also prefetches the same line of the row
+// summed `ahead` entries later (bag_window.h says why).
 template <typename L>
-__attribute__((always_inline)) inline void AxpyGroupImpl(const float* a, const void* const* rows, float bias,
-                                                          float* __restrict acc, int64_t n) {
+__attribute__((always_inline)) inline void AxpyGroupImpl(const float* a, const char* const* rows,
+                                                          const char* const* ahead, float* __restrict acc,
+                                                          int64_t n) {
   using E = typename L::Elem;
-  const E* __restrict r0 = static_cast<const E*>(rows[0]);
-  const E* __restrict r1 = static_cast<const E*>(rows[1]);
-  const E* __restrict r2 = static_cast<const E*>(rows[2]);
-  const E* __restrict r3 = static_cast<const E*>(rows[3]);
-  const E* __restrict r4 = static_cast<const E*>(rows[4]);
-  const E* __restrict r5 = static_cast<const E*>(rows[5]);
-  const E* __restrict r6 = static_cast<const E*>(rows[6]);
-  const E* __restrict r7 = static_cast<const E*>(rows[7]);
+  const E* __restrict r0 = reinterpret_cast<const E*>(rows[0]);
+  const E* __restrict r1 = reinterpret_cast<const E*>(rows[1]);
+  const E* __restrict r2 = reinterpret_cast<const E*>(rows[2]);
+  const E* __restrict r3 = reinterpret_cast<const E*>(rows[3]);
+  const E* __restrict r4 = reinterpret_cast<const E*>(rows[4]);
+  const E* __restrict r5 = reinterpret_cast<const E*>(rows[5]);
+  const E* __restrict r6 = reinterpret_cast<const E*>(rows[6]);
+  const E* __restrict r7 = reinterpret_cast<const E*>(rows[7]);
   const float a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3], a4 = a[4], a5 = a[5], a6 = a[6], a7 = a[7];
-  if (bias == 0.f) {
-    for (int64_t i = 0; i < n; ++i)
+  constexpr int64_t kLine = 64 / sizeof(E);
+  int64_t c = 0;
+  for (; c + kLine <= n; c += kLine) {
+    for (int r = 0; r < kRowGroup; ++r) __builtin_prefetch(ahead[r] + c * sizeof(E), 0, 3);
+    for (int64_t i = c; i < c + kLine; ++i)
       acc[i] += a0 * L::Get(r0, i) + a1 * L::Get(r1, i) + a2 * L::Get(r2, i) + a3 * L::Get(r3, i) +
                 a4 * L::Get(r4, i) + a5 * L::Get(r5, i) + a6 * L::Get(r6, i) + a7 * L::Get(r7, i);
-  } else {
-    for (int64_t i = 0; i < n; ++i)
-      acc[i] += a0 * L::Get(r0, i) + a1 * L::Get(r1, i) + a2 * L::Get(r2, i) + a3 * L::Get(r3, i) +
-                a4 * L::Get(r4, i) + a5 * L::Get(r5, i) + a6 * L::Get(r6, i) + a7 * L::Get(r7, i) - bias;
   }
+  // A row of a partial line straddles one more line.
+  if (n % kLine != 0)
+    for (int r = 0; r < kRowGroup; ++r) __builtin_prefetch(ahead[r] + n * sizeof(E) - 1, 0, 3);
+  for (int64_t i = c; i < n; ++i)
+    acc[i] += a0 * L::Get(r0, i) + a1 * L::Get(r1, i) + a2 * L::Get(r2, i) + a3 * L::Get(r3, i) +
+              a4 * L::Get(r4, i) + a5 * L::Get(r5, i) + a6 * L::Get(r6, i) + a7 * L::Get(r7, i);
+}
+
+template <typename L>
+__attribute__((always_inline)) inline void AxpyRowImpl(float a, const char* row, const char* ahead,
+                                                        float* __restrict acc, int64_t n) {
+  using E = typename L::Elem;
+  const E* __restrict r = reinterpret_cast<const E*>(row);
+  constexpr int64_t kLine = 64 / sizeof(E);
+  int64_t c = 0;
+  for (; c + kLine <= n; c += kLine) {
+    __builtin_prefetch(ahead + c * sizeof(E), 0, 3);
+    for (int64_t i = c; i < c + kLine; ++i) acc[i] += a * L::Get(r, i);
+  }
+  if (n % kLine != 0) __builtin_prefetch(ahead + n * sizeof(E) - 1, 0, 3);
+  for (int64_t i = c; i < n; ++i) acc[i] += a * L::Get(r, i);
 }
 
 PKM_MULTIVERSION
-void AxpyGroupF32(const float* a, const void* const* rows, float* acc, int64_t n) {
-  AxpyGroupImpl<LoadF32>(a, rows, 0.f, acc, n);
+void AxpyGroupF32(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n) {
+  AxpyGroupImpl<LoadF32>(a, rows, ahead, acc, n);
 }
 PKM_MULTIVERSION
-void AxpyGroupF16(const float* a, const void* const* rows, float* acc, int64_t n) {
-  AxpyGroupImpl<LoadF16>(a, rows, 0.f, acc, n);
+void AxpyGroupF16(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n) {
+  AxpyGroupImpl<LoadF16>(a, rows, ahead, acc, n);
 }
 PKM_MULTIVERSION
-void AxpyGroupBF16(const float* a, const void* const* rows, float* acc, int64_t n) {
-  AxpyGroupImpl<LoadBF16>(a, rows, 0.f, acc, n);
+void AxpyGroupBF16(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n) {
+  AxpyGroupImpl<LoadBF16>(a, rows, ahead, acc, n);
+}
+PKM_MULTIVERSION
+void AxpyRowF32(float a, const char* row, const char* ahead, float* acc, int64_t n) {
+  AxpyRowImpl<LoadF32>(a, row, ahead, acc, n);
+}
+PKM_MULTIVERSION
+void AxpyRowF16(float a, const char* row, const char* ahead, float* acc, int64_t n) {
+  AxpyRowImpl<LoadF16>(a, row, ahead, acc, n);
+}
+PKM_MULTIVERSION
+void AxpyRowBF16(float a, const char* row, const char* ahead, float* acc, int64_t n) {
+  AxpyRowImpl<LoadBF16>(a, row, ahead, acc, n);
 }
 
 }  // namespace
 
-void AxpyRowGroup(const Table& t, const int64_t* rows, const float* a, float* acc) {
-  const void* ptrs[kRowGroup];
-  const int64_t row_bytes = t.dim * ElemSize(t.type);
-  for (int r = 0; r < kRowGroup; ++r) ptrs[r] = static_cast<const char*>(t.data) + rows[r] * row_bytes;
-  switch (t.type) {
-    case ElemType::kFloat32: AxpyGroupF32(a, ptrs, acc, t.dim); break;
+void AxpyGroup(ElemType type, const float* a, const char* const* rows, const char* const* ahead, float* acc,
+               int64_t n) {
+  switch (type) {
+    case ElemType::kFloat32: AxpyGroupF32(a, rows, ahead, acc, n); break;
     case ElemType::kFloat16:
 #if defined(PKM_X86_F16C)
       if (f16c::HasF16C()) {
-        f16c::AxpyGroup(a, ptrs, acc, t.dim);
+        f16c::AxpyGroup(a, rows, ahead, acc, n);
         break;
       }
 #endif
-      AxpyGroupF16(a, ptrs, acc, t.dim);
+      AxpyGroupF16(a, rows, ahead, acc, n);
       break;
-    case ElemType::kBFloat16: AxpyGroupBF16(a, ptrs, acc, t.dim); break;
+    case ElemType::kBFloat16:
+#if defined(PKM_X86_F16C)
+      if (f16c::HasF16C()) {
+        f16c::AxpyGroupBF16(a, rows, ahead, acc, n);
+        break;
+      }
+#endif
+      AxpyGroupBF16(a, rows, ahead, acc, n);
+      break;
     case ElemType::kInt8: break;  // int8 tables: forward_int8.cc
   }
 }
 
-void AxpyRow(const Table& t, int64_t r, float a, float* acc) {
-  const int64_t off = r * t.dim;  // 64-bit: tables may exceed 2^31 elements
-  switch (t.type) {
-    case ElemType::kFloat32:
-      AxpyF32(a, static_cast<const float*>(t.data) + off, acc, t.dim);
-      break;
+void AxpyRow(ElemType type, float a, const char* row, const char* ahead, float* acc, int64_t n) {
+  switch (type) {
+    case ElemType::kFloat32: AxpyRowF32(a, row, ahead, acc, n); break;
     case ElemType::kFloat16:
 #if defined(PKM_X86_F16C)
       if (f16c::HasF16C()) {
-        f16c::Axpy(a, static_cast<const uint16_t*>(t.data) + off, acc, t.dim);
+        f16c::Axpy(a, row, ahead, acc, n);
         break;
       }
 #endif
-      AxpyF16(a, static_cast<const uint16_t*>(t.data) + off, acc, t.dim);
+      AxpyRowF16(a, row, ahead, acc, n);
       break;
     case ElemType::kBFloat16:
-      AxpyBF16(a, static_cast<const uint16_t*>(t.data) + off, acc, t.dim);
+#if defined(PKM_X86_F16C)
+      if (f16c::HasF16C()) {
+        f16c::AxpyBF16(a, row, ahead, acc, n);
+        break;
+      }
+#endif
+      AxpyRowBF16(a, row, ahead, acc, n);
       break;
     case ElemType::kInt8: break;  // int8 tables: forward_int8.cc
   }
+}
+
+void RestoreAccOrder(ElemType type, float* acc, int64_t n) {
+#if defined(PKM_X86_F16C)
+  if (type == ElemType::kBFloat16 && f16c::HasF16C()) f16c::BF16RestoreOrder(acc, n);
+#endif
 }
 
 PKM_MULTIVERSION

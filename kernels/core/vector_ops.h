@@ -32,20 +32,21 @@ namespace pkm::vec { using CompilerHalf = _Float16; }
 namespace pkm {
 namespace vec {
 
-// acc[i] += a * row[i], row in the table's storage type.
+// acc[i] += a * row[i] (float32 rows: the backward's accumulation).
 void AxpyF32(float a, const float* row, float* acc, int64_t n);
-void AxpyF16(float a, const uint16_t* row, float* acc, int64_t n);
-void AxpyBF16(float a, const uint16_t* row, float* acc, int64_t n);
-// Typed dispatch over the three above (float tables; int8 tables have their
-// own forward, forward_int8.cc).
-void AxpyRow(const Table& table, int64_t row_index, float a, float* acc);
 
-// acc[i] += sum_r a[r] * table[rows[r], i] over kRowGroup rows at once. Eight
-// independent row streams keep enough cache misses in flight for the hardware
-// prefetchers (measured: ~1.6x the bandwidth of one row at a time with
-// software prefetch), and acc is loaded and stored once per eight rows.
+// The weighted forward's kernels over rows of a float storage type `type`:
+// acc[i] += sum_r a[r] * rows[r][i] over kRowGroup rows, and acc[i] += a *
+// row[i]. While summing a row they prefetch the same lines of its `ahead` row
+// (bag_window.h). Eight independent row streams keep enough cache misses in
+// flight, and acc is loaded and stored once per eight rows.
 constexpr int kRowGroup = 8;
-void AxpyRowGroup(const Table& table, const int64_t* rows, const float* a, float* acc);
+void AxpyGroup(ElemType type, const float* a, const char* const* rows, const char* const* ahead, float* acc,
+               int64_t n);
+void AxpyRow(ElemType type, float a, const char* row, const char* ahead, float* acc, int64_t n);
+// After the last AxpyGroup/AxpyRow into acc: puts acc in column order (some
+// kernels accumulate columns permuted within blocks; a no-op for the others).
+void RestoreAccOrder(ElemType type, float* acc, int64_t n);
 
 // acc[i] = table[row, i] if it is strictly greater than acc[i] (dequantised
 // for int8): the max combiner's running maximum, NaN never replacing a value.
@@ -88,8 +89,12 @@ inline float LoadElem(const void* base, ElemType type, int64_t i) {
 #if defined(PKM_X86_F16C)
 namespace f16c {
 bool HasF16C();  // AVX2 + FMA + F16C
-void AxpyGroup(const float* a, const void* const* rows, float* acc, int64_t n);
-void Axpy(float a, const uint16_t* row, float* acc, int64_t n);
+void AxpyGroup(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n);
+void Axpy(float a, const char* row, const char* ahead, float* acc, int64_t n);
+// bfloat16, accumulating each 16 columns as 8 even then 8 odd (see the .cc).
+void AxpyGroupBF16(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n);
+void AxpyBF16(float a, const char* row, const char* ahead, float* acc, int64_t n);
+void BF16RestoreOrder(float* acc, int64_t n);
 void Max(const uint16_t* row, float* acc, int64_t n);
 void ToFloat(const uint16_t* src, float* dst, int64_t n);
 void ScaleTo(const float* src, float scale, uint16_t* dst, int64_t n);

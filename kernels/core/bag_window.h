@@ -1,0 +1,104 @@
+// The weighted forward's loop over a block of bags, shared by float and int8
+// tables. The valid entries of a window of bags (at least kWindowEntries of
+// them, or one bag) are collected first: row addresses and coefficients. The
+// loop then knows which rows come next, in this window and the following one,
+// and while it sums a row it prefetches the row `ahead` entries later, one
+// cache line of that row per line of the current one. Measured on a 2-core
+// EPYC (bench/results/cpu_roofline_notes.md): prefetching whole rows ahead in
+// one burst was slower than no software prefetch at all for 2 KB rows, and
+// spreading the same requests over the summing loop was up to 1.5x faster
+// than either for 1 KB bf16 rows.
+#ifndef PKM_KERNELS_CORE_BAG_WINDOW_H_
+#define PKM_KERNELS_CORE_BAG_WINDOW_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "kernels/core/embedding_bag.h"
+#include "kernels/core/vector_ops.h"
+
+namespace pkm {
+namespace internal {
+
+struct BagWindow {
+  int64_t first_bag = 0, end_bag = 0;  // bags [first_bag, end_bag)
+  int64_t count = 0;                   // their valid entries; the vectors may be longer
+  std::vector<const char*> rows;       // the entries' rows, in order
+  std::vector<float> coefs;            // w, times the row scale for int8 tables
+  std::vector<int64_t> row_ids;        // the entries' row numbers
+  std::vector<int64_t> ends;           // entry end of each bag in rows
+  std::vector<float> weight_sums, weight_sq_sums, bias_sums;  // bias: int8 tables only
+  int64_t size() const { return count; }
+};
+
+// Collects bags from `b` (< b1) on until the window holds kWindowEntries
+// entries or reaches b1. For int8 tables the coefficients are the weights
+// until ApplyRowParams multiplies in the row scales and sums the biases.
+void CollectWindow(const Table& table, const Bags& bags, int64_t b, int64_t b1, BagWindow* window);
+void ApplyRowParams(const Table& table, BagWindow* window);
+
+// Entries between a row being summed and the row it prefetches: about 16 KB
+// of rows, within [8, 64].
+int64_t PrefetchAhead(int64_t row_bytes);
+
+// Kernels the loop calls: Group(coefs, rows, ahead_rows, acc, n) over
+// vec::kRowGroup rows, Row(coef, row, ahead_row, acc, n). Finish(b, acc,
+// weight_sum, weight_sq_sum, bias_sum) writes bag b's output from acc.
+template <typename Group, typename Row, typename Finish>
+void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, Group group, Row row,
+                 char* out, int64_t out_row_bytes, Finish finish) {
+  if (b0 >= b1) return;
+  const int64_t dim = table.dim;
+  const int64_t row_bytes = dim * ElemSize(table.type);
+  const int64_t ahead = PrefetchAhead(row_bytes);
+  std::vector<float> acc(dim);
+  BagWindow windows[2];
+  BagWindow* cur = &windows[0];
+  BagWindow* next = &windows[1];
+  CollectWindow(table, bags, b0, b1, cur);
+  ApplyRowParams(table, cur);
+  // The block's first rows have no earlier row to prefetch them.
+  for (int64_t k = 0; k < std::min(ahead, cur->size()); ++k)
+    for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(cur->rows[k] + off, 0, 3);
+  while (true) {
+    next->count = 0;
+    if (cur->end_bag < b1) CollectWindow(table, bags, cur->end_bag, b1, next);
+    const int64_t count = cur->size();
+    // The row `ahead` entries after entry k, in this window or the next; the
+    // row itself (already cached) where none is left.
+    auto later = [&](int64_t k) -> const char* {
+      const int64_t a = k + ahead;
+      if (a < count) return cur->rows[a];
+      if (a - count < next->size()) return next->rows[a - count];
+      return cur->rows[k];
+    };
+    int64_t begin = 0;
+    for (int64_t b = cur->first_bag; b < cur->end_bag; ++b) {
+      // The next bag's output row, for writing: its lines are then owned by
+      // the time that bag is stored (measured: the stores waited on them at
+      // small K, where an output row is a large share of the bytes).
+      if (b + 1 < b1)
+        for (int64_t off = 0; off < out_row_bytes; off += 64) __builtin_prefetch(out + (b + 1) * out_row_bytes + off, 1, 3);
+      const int64_t i = b - cur->first_bag, end = cur->ends[i];
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const char* group_ahead[vec::kRowGroup];
+      int64_t k = begin;
+      for (; k + vec::kRowGroup <= end; k += vec::kRowGroup) {
+        for (int r = 0; r < vec::kRowGroup; ++r) group_ahead[r] = later(k + r);
+        group(cur->coefs.data() + k, cur->rows.data() + k, group_ahead, acc.data(), dim);
+      }
+      for (; k < end; ++k) row(cur->coefs[k], cur->rows[k], later(k), acc.data(), dim);
+      finish(b, acc.data(), cur->weight_sums[i], cur->weight_sq_sums[i], cur->bias_sums[i]);
+      begin = end;
+    }
+    if (cur->end_bag >= b1) break;
+    ApplyRowParams(table, next);  // its scales were requested while cur was summed
+    std::swap(cur, next);
+  }
+}
+
+}  // namespace internal
+}  // namespace pkm
+
+#endif  // PKM_KERNELS_CORE_BAG_WINDOW_H_
