@@ -1,6 +1,6 @@
 #include "kernels/core/bag_window.h"
 
-#include <cstdlib>
+#include <algorithm>
 
 #include "kernels/core/internal.h"
 
@@ -82,11 +82,6 @@ void ApplyRowParams(const Table& table, BagWindow* window) {
 }
 
 int64_t PrefetchAhead(int64_t row_bytes) {
-  static const int64_t forced = [] {
-    const char* v = std::getenv("PKM_PREFETCH_AHEAD");  // TUNING ONLY (remove)
-    return v != nullptr ? std::atoll(v) : int64_t{0};
-  }();
-  if (forced > 0) return forced;
   return std::clamp<int64_t>(16384 / std::max<int64_t>(row_bytes, 1), 8, 64);
 }
 
