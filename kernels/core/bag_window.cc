@@ -82,7 +82,7 @@ void ApplyRowParams(const Table& table, BagWindow* window) {
 }
 
 int64_t PrefetchAhead(int64_t row_bytes) {
-  return std::clamp<int64_t>(16384 / std::max<int64_t>(row_bytes, 1), 8, 64);
+  return std::clamp<int64_t>(8192 / std::max<int64_t>(row_bytes, 1), 8, 64);
 }
 
 }  // namespace internal
