@@ -264,6 +264,11 @@ int AssignSparseSlots(const Layout& l, char* ws, const SparseOutputs& sparse, cu
 // (backward_rows.cu).
 int LaunchGradientRowPasses(const BackwardArgs& args, int64_t pieces, cudaStream_t stream);
 
+// Steps 3-4 storing the gradient walked by sorted position, for narrow
+// vector rows and every combiner but max (backward_positions.cu).
+bool PositionPassApplies(const BackwardArgs& args);
+int LaunchPositionPass(const BackwardArgs& args, int64_t pieces, cudaStream_t stream);
+
 // Step 5 (backward_weights.cu).
 int LaunchWeightsGrad(const PkmBags& bags, int64_t num_indices, int64_t tiles, const float* dots,
                       void* d_weights, cudaStream_t stream);
