@@ -13,7 +13,9 @@
 //     epilogue: store it once into d_table (rows nobody references get zeros),
 //     or into its sparse slot, or apply an optimizer update to the table. The
 //     same pass loads the table row once and forms grad[bag] . table[row] for
-//     every entry: the raw dot d_weights needs;
+//     every entry: the raw dot d_weights needs. Narrow rows of a table
+//     gradient walk the sorted positions instead (backward_positions.cu), with
+//     the same per-row summation order;
 //  4. a row with more than `long_segment` entries is cut into pieces of
 //     `long_segment` sorted positions, summed by separate warps into float
 //     scratch; the row's warp then adds the pieces in position order, so hot

@@ -21,45 +21,35 @@ namespace {
 #ifndef PKM_BWD_POSITION_THREADS
 #define PKM_BWD_POSITION_THREADS 256
 #endif
-#ifndef PKM_BWD_POSITION_MIN_BLOCKS
-#define PKM_BWD_POSITION_MIN_BLOCKS 3
-#endif
 constexpr int kPositionsInFlight = PKM_BWD_POSITIONS_IN_FLIGHT;
 constexpr int kPositionThreads = PKM_BWD_POSITION_THREADS;
-// Resident blocks asked for (a register cap): 16-bit rows of two vectors per
-// lane spill under the cap of three.
+// Resident 256-thread blocks asked for, i.e. a register cap (4 -> 64, 3 -> 80,
+// 2 -> 128): the pass is latency-bound, so resident warps count most. Picked on
+// the H200 (bench/results/gpu_kernels_ab_h200_round5_*): one vector per lane at
+// 64 (16-bit rows spill 44 bytes there and are still faster than at 80), fp32
+// two vectors at 80, 16-bit two vectors at 128 (they spill under 80).
 constexpr int PositionMinBlocks(int elem_bytes, int u) {
-  return elem_bytes == 2 && u == 2 ? 2 : PKM_BWD_POSITION_MIN_BLOCKS;
-}
-
-#ifndef PKM_BWD_POSITION_STREAMING
-#define PKM_BWD_POSITION_STREAMING 1
+#ifdef PKM_BWD_POSITION_MIN_BLOCKS
+  return PKM_BWD_POSITION_MIN_BLOCKS;
+#else
+  return u == 1 ? 4 : (elem_bytes == 2 ? 2 : 3);
 #endif
-// Table rows (read once) and the gradient rows written go through the cache as
-// streaming (evict-first) accesses, so the upstream gradient rows, each read by
-// every entry of its bag (K times), stay in L2.
-constexpr bool kStreaming = PKM_BWD_POSITION_STREAMING;
+}
 
 template <typename T, int VEC, int U>
 struct RowTile {
   Pack<T, VEC> v[U];
 };
 
-template <typename T, int VEC, int U, bool kStream>
+template <typename T, int VEC, int U>
 __device__ __forceinline__ void LoadTile(const T* row_ptr, int64_t lane_col, int64_t dim, bool active,
                                          RowTile<T, VEC, U>& tile) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
     if (!active || col >= dim) ZeroPack<T, VEC>(tile.v[u]);
-    else if (kStream) tile.v[u].raw = __ldcs(reinterpret_cast<const uint4*>(row_ptr + col));
     else LoadPack<T, VEC>(row_ptr + col, tile.v[u]);
   }
-}
-
-__device__ __forceinline__ void StoreVector(void* ptr, const uint4& v) {
-  if (kStreaming) __stcs(static_cast<uint4*>(ptr), v);
-  else *static_cast<uint4*>(ptr) = v;
 }
 
 // Stores a finished row: d_table row, or its sparse slot.
@@ -76,7 +66,7 @@ __device__ __forceinline__ void StoreRow(const BackwardArgs& a, int64_t row, int
     Pack<T, VEC> pack;
 #pragma unroll
     for (int v = 0; v < VEC; ++v) pack.elems[v] = FromFloat<T>(acc[u][v]);
-    StoreVector(out + col, pack.raw);
+    *reinterpret_cast<uint4*>(out + col) = pack.raw;
   }
 }
 
@@ -125,9 +115,8 @@ __device__ int64_t WalkWindow(const BackwardArgs& a, int64_t cursor, int64_t end
       const uint32_t row = __shfl_sync(kFullMask, my_row, at);
       const uint32_t bag = __shfl_sync(kFullMask, my_bag, at);
       const bool fresh = active && ((starts >> at) & 1u);
-      LoadTile<T, VEC, U, false>(grad + static_cast<int64_t>(bag) * dim, lane_col, dim, active, g[j]);
-      LoadTile<T, VEC, U, kStreaming>(table + static_cast<int64_t>(row) * dim, lane_col, dim, fresh && want_dots,
-                                        x[j]);
+      LoadTile<T, VEC, U>(grad + static_cast<int64_t>(bag) * dim, lane_col, dim, active, g[j]);
+      LoadTile<T, VEC, U>(table + static_cast<int64_t>(row) * dim, lane_col, dim, fresh && want_dots, x[j]);
     }
 #pragma unroll
     for (int j = 0; j < kPositionsInFlight; ++j) {
@@ -204,10 +193,13 @@ __device__ void ZeroUntouchedRows(const BackwardArgs& a, int64_t group, int lane
     untouched &= untouched - 1;
     T* out = static_cast<T*>(a.d_table) + (r0 + bit) * dim;
     for (int64_t col = static_cast<int64_t>(lane) * VEC; col < dim; col += kWarp * VEC)
-      StoreVector(out + col, zero.raw);
+      *reinterpret_cast<uint4*>(out + col) = zero.raw;
   }
 }
 
+// Warps [0, chunks) sum the rows starting in their chunk; warps [0,
+// zero_groups) then zero their group's untouched rows. (Interleaving the zero
+// groups over all warps, zeros first or last, measured slower on the H200.)
 template <typename T, int VEC, int U>
 __global__ void __launch_bounds__(kPositionThreads, PositionMinBlocks(sizeof(T), U))
     PositionsKernel(BackwardArgs a, int64_t chunks, int64_t zero_groups) {
