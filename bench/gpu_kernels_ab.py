@@ -33,6 +33,7 @@ CASES = [
     (16384, 128, 1024, 262144, ("fp32", "bf16"), True),  # the seed shape (no regression)
     (65536, 32, 128, 4194304, ("fp32",), False),  # 512-byte fp32 rows: is it the row size?
     (65536, 32, 512, 4194304, ("bf16",), False),  # 1 KB half rows
+    (4096, 128, 256, 262144, ("fp32", "bf16"), True),  # narrow rows, ~2 entries per row
 ]
 
 
@@ -102,6 +103,9 @@ def case(libs, B, K, D, N, dtype_name, with_bwd, iters, profile_bwd):
             del ws
         names = list(libs)
         (ta, wa), (tb, wb) = dense[names[0]], dense[names[-1]]
+        for name in names[1:]:  # every build against the first
+            tn, wn = dense[name]
+            row[f"{name}_bwd_bitwise_equal_to_{names[0]}"] = bool(torch.equal(ta, tn) and torch.equal(wa, wn))
         row["bwd_bitwise_equal"] = bool(torch.equal(ta, tb) and torch.equal(wa, wb))
         row["bwd_rel_diff"] = ((ta.float() - tb.float()).norm() / ta.float().norm()).item()
         del dense

@@ -105,6 +105,7 @@ PKM_CUDA_SRCS = [
     "kernels/cuda/forward.cu",
     "kernels/cuda/forward_int8.cu",
     "kernels/cuda/backward.cu",
+    "kernels/cuda/backward_positions.cu",
     "kernels/cuda/backward_rows.cu",
     "kernels/cuda/backward_sort.cu",
     "kernels/cuda/backward_weights.cu",

@@ -13,7 +13,9 @@
 //     epilogue: store it once into d_table (rows nobody references get zeros),
 //     or into its sparse slot, or apply an optimizer update to the table. The
 //     same pass loads the table row once and forms grad[bag] . table[row] for
-//     every entry: the raw dot d_weights needs;
+//     every entry: the raw dot d_weights needs. Narrow rows of a table
+//     gradient walk the sorted positions instead (backward_positions.cu), with
+//     the same per-row summation order;
 //  4. a row with more than `long_segment` entries is cut into pieces of
 //     `long_segment` sorted positions, summed by separate warps into float
 //     scratch; the row's warp then adds the pieces in position order, so hot
@@ -263,6 +265,11 @@ int AssignSparseSlots(const Layout& l, char* ws, const SparseOutputs& sparse, cu
 // Step 3-4 storing the gradient (d_table or sparse slots), for the table type
 // (backward_rows.cu).
 int LaunchGradientRowPasses(const BackwardArgs& args, int64_t pieces, cudaStream_t stream);
+
+// Steps 3-4 storing the gradient walked by sorted position, for narrow
+// vector rows and every combiner but max (backward_positions.cu).
+bool PositionPassApplies(const BackwardArgs& args);
+int LaunchPositionPass(const BackwardArgs& args, int64_t pieces, cudaStream_t stream);
 
 // Step 5 (backward_weights.cu).
 int LaunchWeightsGrad(const PkmBags& bags, int64_t num_indices, int64_t tiles, const float* dots,
