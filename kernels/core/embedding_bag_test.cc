@@ -442,9 +442,56 @@ void LargeTable() {
 
 }  // namespace
 
+// Bags longer than the forward's window of collected entries (bag_window.h,
+// 256), a window ending mid-way through many short bags, padding, and dims
+// around the bf16 kernels' 16-column blocks, for every table type (fp32
+// tolerance 1e-4: sums of up to 700 signed terms in float32).
+void WindowCases() {
+  using pkm::ElemType;
+  std::mt19937_64 rng(77);
+  for (ElemType type : {ElemType::kFloat32, ElemType::kFloat16, ElemType::kBFloat16, ElemType::kInt8}) {
+    for (int64_t dim : {1, 15, 16, 33, 48, 512}) {
+      const int64_t num_rows = 997;
+      std::vector<int64_t> sizes = {700, 1, 0, 300};
+      for (int b = 0; b < 200; ++b) sizes.push_back(rng() % 5);
+      std::vector<int64_t> splits(1, 0);
+      for (int64_t n : sizes) splits.push_back(splits.back() + n);
+      std::vector<int64_t> idx(splits.back());
+      for (auto& v : idx) v = rng() % 9 == 0 ? -1 : static_cast<int64_t>(rng() % num_rows);
+      const ElemType value_type = type == ElemType::kInt8 ? ElemType::kFloat32 : type;
+      auto table_buf = RandomBuffer(rng, type, num_rows * dim);
+      auto weights = RandomBuffer(rng, value_type, static_cast<int64_t>(idx.size()));
+      std::vector<float> scales(num_rows, 0.02f), biases(num_rows, -0.1f);
+      pkm::Table table{table_buf.data(), type, num_rows, dim};
+      if (type == ElemType::kInt8) {
+        table.row_scales = scales.data();
+        table.row_biases = biases.data();
+      }
+      pkm::Bags bags;
+      bags.indices = idx.data();
+      bags.indices_int64 = true;
+      bags.num_bags = static_cast<int64_t>(sizes.size());
+      bags.row_splits = splits.data();
+      bags.row_splits_int64 = true;
+      bags.num_values = static_cast<int64_t>(idx.size());
+      bags.weights = weights.data();
+      bags.weights_type = value_type;
+      const int64_t n_out = bags.num_bags * dim;
+      std::vector<uint8_t> fast(n_out * pkm::ElemSize(value_type)), ref(fast.size());
+      auto s1 = pkm::Forward(table, bags, pkm::Combiner::kSum, fast.data(), value_type, TwoThreads());
+      auto s2 = pkm::ReferenceForward(table, bags, pkm::Combiner::kSum, ref.data(), value_type);
+      std::string where;
+      EXPECT(s1.ok && s2.ok && Close(fast, ref, value_type, n_out, value_type == ElemType::kFloat32 ? 1e-4f : 2e-2f, &where),
+             "window case type=%d dim=%lld: %s %s %s", int(type), static_cast<long long>(dim), s1.message.c_str(),
+             s2.message.c_str(), where.c_str());
+    }
+  }
+}
+
 int main() {
   std::mt19937_64 rng(1234);
   for (int i = 0; i < 400; ++i) RandomCase(rng, i);
+  WindowCases();
   ErrorCases();
   LargeTable();
   HalfConversions();

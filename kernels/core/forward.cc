@@ -54,8 +54,8 @@ class RowPrefetcher {
 
 // max of bag b into acc: the first valid row, then a running maximum that only
 // a strictly larger value replaces (as the backward's choice of winner).
-// Returns 0 for an empty bag (acc is then zeros), else 1.
-float MaxBag(const Table& table, const Bags& bags, int64_t b, float* acc, RowPrefetcher* prefetch) {
+// An empty bag gives zeros.
+void MaxBag(const Table& table, const Bags& bags, int64_t b, float* acc, RowPrefetcher* prefetch) {
   bool any = false;
   for (int64_t j = bags.Begin(b), end = bags.End(b); j < end; ++j) {
     const int64_t idx = IndexAt(bags, j);
@@ -69,7 +69,6 @@ float MaxBag(const Table& table, const Bags& bags, int64_t b, float* acc, RowPre
     }
   }
   if (!any) std::fill(acc, acc + table.dim, 0.f);
-  return 1.f;
 }
 
 }  // namespace
