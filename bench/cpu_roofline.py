@@ -187,7 +187,7 @@ def main(rounds=11):
     report = {"machine": harness.machine_info(), "date": harness.utc_date(), "threads": THREADS,
               "stream_read_gbps": {"before": stream_before, "best": stream}, "rows": rows,
               "core_huge_vs_small_pages": pages,
-              "note": "shared machine: other engineers' builds and tests ran during the measurement"}
+              "note": harness.SHARED_NOTE}
     harness.write_results("cpu_roofline", report, markdown(report))
     return report
 
@@ -225,9 +225,8 @@ def key_shape_repeats(repeats=3, rounds=11):
 
 def markdown(report):
     lines = [f"# CPU forward vs the memory limit ({report['date']})", "",
-             f"Machine: {harness.machine_name(report['machine'])}; shared with 4 other engineers' builds "
-             "and tests while this ran, so absolute times are noisy; the ratios come from alternating "
-             "calls in one process.",
+             f"Machine: {harness.machine_name(report['machine'])}; {report.get('note', harness.SHARED_NOTE)}; "
+             "the ratios come from alternating calls in one process.",
              f"Streaming read, {report['threads']} threads (bench/native/bag_bench.cc, best of before/after): "
              f"**{report['stream_read_gbps']['best']:.1f} GB/s**. Each system on {report['threads']} threads; "
              "medians; ratio < 1 means ours is faster.", "",

@@ -80,7 +80,8 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
       // the time that bag is stored (measured: the stores waited on them at
       // small K, where an output row is a large share of the bytes).
       if (b + 1 < b1)
-        for (int64_t off = 0; off < out_row_bytes; off += 64) __builtin_prefetch(out + (b + 1) * out_row_bytes + off, 1, 3);
+        for (int64_t off = 0; off < out_row_bytes; off += 64)
+          __builtin_prefetch(out + (b + 1) * out_row_bytes + off, 1, 3);
       const int64_t i = b - cur->first_bag, end = cur->ends[i];
       std::fill(acc.begin(), acc.end(), 0.f);
       const char* group_ahead[vec::kRowGroup];

@@ -49,8 +49,16 @@ void AdviseTableHugePages(const void* data, size_t bytes) {
   // leaves the table on the pages it had, which is always correct.
   (void)madvise(reinterpret_cast<void*>(begin), end - begin, kMadvCollapse);
 }
+
+void AdviseOutputHugePages(void* data, size_t bytes) {
+  if (bytes < kMinTableBytes || data == nullptr || !Enabled()) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHugePage - 1);
+  if (end > begin) (void)madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+}
 #else
 void AdviseTableHugePages(const void*, size_t) {}
+void AdviseOutputHugePages(void*, size_t) {}
 #endif
 
 }  // namespace internal

@@ -18,6 +18,14 @@ namespace internal {
 // record of ranges already tried).
 void AdviseTableHugePages(const void* data, size_t bytes);
 
+// For an output of 8 MB or more that is about to be written in full (the dense
+// d_table): MADV_HUGEPAGE on its 2 MB-aligned interior, so that pages the
+// allocator has just mapped fault in 2 MB at a time instead of 4 KB (measured
+// on the 2-core VM: a 128 MB d_table took 32768 page faults per backward, a
+// fifth of its time). Pages already present are kept as they are. Advisory:
+// errors are ignored. Off with PKM_TABLE_HUGEPAGES=0, as above.
+void AdviseOutputHugePages(void* data, size_t bytes);
+
 }  // namespace internal
 }  // namespace pkm
 

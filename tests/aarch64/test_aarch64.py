@@ -180,15 +180,13 @@ def _disassembly(function):
 
 @needs_aarch64
 def test_row_loops_are_neon_vectorised_and_need_no_extension():
-    everything, group = _disassembly("pkm::vec::AxpyRowGroup(")
-    # The 8-row kernels (inlined into AxpyRowGroup): 4-lane fused multiply-adds and
-    # fp16 -> fp32 widening (FCVTL); int8 rows have their own forward (forward_int8.cc),
-    # whose row loops widen int8 -> int16 (SXTL).
+    everything, group = _disassembly("pkm::vec::AxpyGroup(")
+    # The 8-row kernels (inlined into the AxpyGroup dispatch): 4-lane fused
+    # multiply-adds and fp16 -> fp32 widening (FCVTL); int8 rows have their own
+    # 8-row kernel (forward_int8.cc), which widens int8 -> int16 (SXTL).
     assert len(re.findall(r"\bfmla\s+v\d+\.4s", group)) >= 24, group[:2000]
     assert re.search(r"\bfcvtl2?\s+v\d+\.4s, v\d+\.[48]h", group)
-    # (inlined into ForwardInt8's per-thread lambda).
-    int8_loops = "\n".join(body for body in re.split(r"\n(?=[0-9a-f]+ <)", everything)
-                           if "pkm::internal::ForwardInt8(" in body.split("\n", 1)[0])
+    _, int8_loops = _disassembly("pkm::internal::(anonymous namespace)::AccumulateGroupNeon(")
     assert re.search(r"\b[su]xtl2?\s+v\d+\.8h, v\d+\.(8|16)b", int8_loops), int8_loops[:2000]
     _, one_row = _disassembly("pkm::vec::AxpyF32(")
     assert re.search(r"\bfmla\s+v\d+\.4s", one_row), one_row
