@@ -47,13 +47,13 @@ PKM_INT8_MULTIVERSION
   const int8_t* __restrict q6 = q[6];
   const int8_t* __restrict q7 = q[7];
   const float c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3], c4 = c[4], c5 = c[5], c6 = c[6], c7 = c[7];
-  for (int64_t i = 0; i < n; ++i) {
-    if (i % 64 == 0)
-      for (int r = 0; r < kGroup; ++r) __builtin_prefetch(ahead[r] + i, 0, 3);
-    acc[i] += (c0 * static_cast<float>(q0[i]) + c1 * static_cast<float>(q1[i])) +
-              (c2 * static_cast<float>(q2[i]) + c3 * static_cast<float>(q3[i])) +
-              (c4 * static_cast<float>(q4[i]) + c5 * static_cast<float>(q5[i])) +
-              (c6 * static_cast<float>(q6[i]) + c7 * static_cast<float>(q7[i]));
+  for (int64_t line = 0; line < n; line += 64) {
+    for (int r = 0; r < kGroup; ++r) __builtin_prefetch(ahead[r] + line, 0, 3);
+    for (int64_t i = line, end = std::min(n, line + 64); i < end; ++i)
+      acc[i] += (c0 * static_cast<float>(q0[i]) + c1 * static_cast<float>(q1[i])) +
+                (c2 * static_cast<float>(q2[i]) + c3 * static_cast<float>(q3[i])) +
+                (c4 * static_cast<float>(q4[i]) + c5 * static_cast<float>(q5[i])) +
+                (c6 * static_cast<float>(q6[i]) + c7 * static_cast<float>(q7[i]));
   }
 }
 
