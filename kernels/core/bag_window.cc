@@ -12,11 +12,6 @@ namespace {
 // Enough entries that `ahead` (at most 64) stays within this window and the next.
 constexpr int64_t kWindowEntries = 256;
 
-float RowParam(const void* params, ElemType type, int64_t r) {
-  return type == ElemType::kFloat16 ? HalfToFloat(static_cast<const uint16_t*>(params)[r])
-                                    : static_cast<const float*>(params)[r];
-}
-
 }  // namespace
 
 void CollectWindow(const Table& table, const Bags& bags, int64_t b, int64_t b1, BagWindow* window) {
@@ -37,7 +32,7 @@ void CollectWindow(const Table& table, const Bags& bags, int64_t b, int64_t b1, 
     if (static_cast<int64_t>(window->rows.size()) < n + end - begin) {
       window->rows.resize(n + end - begin);
       window->coefs.resize(n + end - begin);
-      window->row_ids.resize(n + end - begin);
+      if (int8) window->row_ids.resize(n + end - begin);
     }
     float weight_sum = 0.f, weight_sq_sum = 0.f;
     for (int64_t j = begin; j < end; ++j) {
@@ -48,10 +43,10 @@ void CollectWindow(const Table& table, const Bags& bags, int64_t b, int64_t b1, 
       weight_sq_sum += w * w;
       window->rows[n] = data + r * row_bytes;
       window->coefs[n] = w;
-      window->row_ids[n] = r;
       // int8: the row's scale (and bias) are read by ApplyRowParams, after a
       // window of rows has been summed (a random row's scale is a cache miss).
       if (int8) {
+        window->row_ids[n] = r;
         __builtin_prefetch(scales + r * param_bytes, 0, 3);
         if (biases != nullptr) __builtin_prefetch(biases + r * param_bytes, 0, 3);
       }

@@ -26,7 +26,7 @@ struct BagWindow {
   int64_t count = 0;                   // their valid entries; the vectors may be longer
   std::vector<const char*> rows;       // the entries' rows, in order
   std::vector<float> coefs;            // w, times the row scale for int8 tables
-  std::vector<int64_t> row_ids;        // the entries' row numbers
+  std::vector<int64_t> row_ids;        // the entries' row numbers (int8 tables only)
   std::vector<int64_t> ends;           // entry end of each bag in rows
   std::vector<float> weight_sums, weight_sq_sums, bias_sums;  // bias: int8 tables only
   int64_t size() const { return count; }

@@ -23,6 +23,13 @@ inline float WeightAt(const Bags& bags, int64_t j) {
   return bags.weights ? vec::LoadElem(bags.weights, bags.weights_type, j) : 1.f;
 }
 
+// An int8 table's row scale or bias (float32 or float16); a null vector is 0.
+inline float RowParam(const void* params, ElemType type, int64_t r) {
+  if (params == nullptr) return 0.f;
+  return type == ElemType::kFloat16 ? HalfToFloat(static_cast<const uint16_t*>(params)[r])
+                                    : static_cast<const float*>(params)[r];
+}
+
 inline void StoreElem(void* base, ElemType type, int64_t i, float v) {
   switch (type) {
     case ElemType::kFloat32: static_cast<float*>(base)[i] = v; break;

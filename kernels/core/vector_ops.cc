@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "kernels/core/internal.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(PKM_NO_MULTIVERSION)
 // One clone per CPU generation; the dynamic loader picks the best (ifunc).
 #define PKM_MULTIVERSION \
@@ -320,13 +322,6 @@ namespace vec {
 
 namespace {
 
-// An int8 table's row scale or bias (float32 or float16); a null bias vector is 0.
-float RowParam(const void* params, ElemType type, int64_t r) {
-  if (params == nullptr) return 0.f;
-  return type == ElemType::kFloat16 ? HalfToFloat(static_cast<const uint16_t*>(params)[r])
-                                    : static_cast<const float*>(params)[r];
-}
-
 template <typename L>
 __attribute__((always_inline)) inline void MaxImpl(const typename L::Elem* __restrict row, float scale, float bias,
                                                     float* __restrict acc, int64_t n) {
@@ -364,8 +359,8 @@ void MaxRow(const Table& t, int64_t r, float* acc) {
       break;
     case ElemType::kBFloat16: MaxBF16(static_cast<const uint16_t*>(t.data) + off, acc, t.dim); break;
     case ElemType::kInt8:
-      MaxI8(static_cast<const int8_t*>(t.data) + off, RowParam(t.row_scales, t.row_params_type, r),
-            RowParam(t.row_biases, t.row_params_type, r), acc, t.dim);
+      MaxI8(static_cast<const int8_t*>(t.data) + off, internal::RowParam(t.row_scales, t.row_params_type, r),
+            internal::RowParam(t.row_biases, t.row_params_type, r), acc, t.dim);
       break;
   }
 }
@@ -377,8 +372,8 @@ void RowToFloat(const Table& t, int64_t r, float* dst) {
     return;
   }
   const int8_t* q = static_cast<const int8_t*>(t.data) + off;
-  const float scale = RowParam(t.row_scales, t.row_params_type, r);
-  const float bias = RowParam(t.row_biases, t.row_params_type, r);
+  const float scale = internal::RowParam(t.row_scales, t.row_params_type, r);
+  const float bias = internal::RowParam(t.row_biases, t.row_params_type, r);
   for (int64_t i = 0; i < t.dim; ++i) dst[i] = scale * static_cast<float>(q[i]) + bias;
 }
 
