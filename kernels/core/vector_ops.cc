@@ -113,6 +113,10 @@ __attribute__((always_inline)) inline void AxpyRowImpl(float a, const char* row,
   int64_t c = 0;
   for (; c + kLine <= n; c += kLine) {
     __builtin_prefetch(ahead + c * sizeof(E), 0, 3);
+    // Not unrolled: GCC 12 unrolls this 64-byte loop completely and then
+    // leaves it scalar (its straight-line vectoriser does not see the
+    // __restrict); kept as a loop, it becomes two 256-bit FMAs.
+#pragma GCC unroll 1
     for (int64_t i = c; i < c + kLine; ++i) acc[i] += a * L::Get(r, i);
   }
   if (n % kLine != 0) __builtin_prefetch(ahead + n * sizeof(E) - 1, 0, 3);
