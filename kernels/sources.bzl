@@ -22,6 +22,7 @@ PKM_CORE_SRCS = [
     "kernels/core/forward_int8.cc",
     "kernels/core/fused_optimizer.cc",
     "kernels/core/shape_rules.cc",
+    "kernels/core/short_rows.cc",
     "kernels/core/table_pages.cc",
     "kernels/core/vector_ops.cc",
     "kernels/core/vector_ops_f16c.cc",
@@ -36,6 +37,7 @@ PKM_CORE_HDRS = [
     "kernels/core/internal.h",
     "kernels/core/row_optimizer.h",
     "kernels/core/shape_rules.h",
+    "kernels/core/short_rows.h",
     "kernels/core/table_pages.h",
     "kernels/core/vector_ops.h",
 ]

@@ -443,14 +443,16 @@ void LargeTable() {
 }  // namespace
 
 // Bags longer than the forward's window of collected entries (bag_window.h,
-// 256), a window ending mid-way through many short bags, padding, and dims
-// around the bf16 kernels' 16-column blocks, for every table type (fp32
-// tolerance 1e-4: sums of up to 700 signed terms in float32).
+// 256), a window ending mid-way through many short bags, padding, dims around
+// the bf16 kernels' 16-column blocks and the short-row widths (short_rows.h:
+// multiples of 8 up to 64, whose prefetch reads 16 entries ahead across bag
+// ends), every weighted combiner, for every table type (fp32 tolerance 1e-4:
+// sums of up to 700 signed terms in float32).
 void WindowCases() {
   using pkm::ElemType;
   std::mt19937_64 rng(77);
   for (ElemType type : {ElemType::kFloat32, ElemType::kFloat16, ElemType::kBFloat16, ElemType::kInt8}) {
-    for (int64_t dim : {1, 15, 16, 33, 48, 512}) {
+    for (int64_t dim : {1, 8, 15, 16, 24, 33, 48, 64, 72, 512}) {
       const int64_t num_rows = 997;
       std::vector<int64_t> sizes = {700, 1, 0, 300};
       for (int b = 0; b < 200; ++b) sizes.push_back(rng() % 5);
@@ -477,13 +479,22 @@ void WindowCases() {
       bags.weights = weights.data();
       bags.weights_type = value_type;
       const int64_t n_out = bags.num_bags * dim;
-      std::vector<uint8_t> fast(n_out * pkm::ElemSize(value_type)), ref(fast.size());
-      auto s1 = pkm::Forward(table, bags, pkm::Combiner::kSum, fast.data(), value_type, TwoThreads());
-      auto s2 = pkm::ReferenceForward(table, bags, pkm::Combiner::kSum, ref.data(), value_type);
-      std::string where;
-      EXPECT(s1.ok && s2.ok && Close(fast, ref, value_type, n_out, value_type == ElemType::kFloat32 ? 1e-4f : 2e-2f, &where),
-             "window case type=%d dim=%lld: %s %s %s", int(type), static_cast<long long>(dim), s1.message.c_str(),
-             s2.message.c_str(), where.c_str());
+      const std::vector<int32_t> idx32(idx.begin(), idx.end());
+      for (pkm::Combiner combiner : {pkm::Combiner::kSum, pkm::Combiner::kMean, pkm::Combiner::kSqrtn}) {
+        for (bool int64 : {true, false}) {
+          bags.indices = int64 ? static_cast<const void*>(idx.data()) : idx32.data();
+          bags.indices_int64 = int64;
+          std::vector<uint8_t> fast(n_out * pkm::ElemSize(value_type)), ref(fast.size());
+          auto s1 = pkm::Forward(table, bags, combiner, fast.data(), value_type, TwoThreads());
+          auto s2 = pkm::ReferenceForward(table, bags, combiner, ref.data(), value_type);
+          std::string where;
+          EXPECT(s1.ok && s2.ok &&
+                     Close(fast, ref, value_type, n_out, value_type == ElemType::kFloat32 ? 1e-4f : 2e-2f, &where),
+                 "window case type=%d dim=%lld combiner=%d int64=%d: %s %s %s", int(type),
+                 static_cast<long long>(dim), int(combiner), int(int64), s1.message.c_str(), s2.message.c_str(),
+                 where.c_str());
+        }
+      }
     }
   }
 }

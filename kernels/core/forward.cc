@@ -1,7 +1,8 @@
 // CPU EmbeddingBag forward: each bag's rows are combined straight into one
 // float32 row per thread (no [K, D] gather, no per-bag allocation).
-// sum/mean/sqrtn accumulate kRowGroup rows at a time, prefetching rows ahead
-// as they go (bag_window.h); max keeps a running elementwise maximum, with
+// sum/mean/sqrtn over short rows keep each bag's sum in registers
+// (short_rows.h); over longer rows they accumulate kRowGroup rows at a time,
+// prefetching rows ahead as they go (bag_window.h); max keeps a running elementwise maximum, with
 // rows prefetched a few entries ahead (RowPrefetcher).
 #include <algorithm>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "kernels/core/embedding_bag.h"
 #include "kernels/core/forward_int8.h"
 #include "kernels/core/internal.h"
+#include "kernels/core/short_rows.h"
 #include "kernels/core/table_pages.h"
 #include "kernels/core/vector_ops.h"
 
@@ -87,6 +89,12 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
   const int64_t out_row_bytes = dim * ElemSize(out_type);
   const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;
   char* out_bytes = static_cast<char*>(out);
+  if (internal::IsShortRowTable(table, combiner)) {
+    pf(bags.num_bags, avg_bag * (dim + 16), [&](int64_t b0, int64_t b1) {
+      internal::SumShortRows(table, bags, combiner, out_bytes, out_type, b0, b1);
+    });
+    return Status::Ok();
+  }
   if (combiner != Combiner::kMax) {
     const ElemType type = table.type;
     pf(bags.num_bags, avg_bag * (dim + 16), [&](int64_t b0, int64_t b1) {
