@@ -265,7 +265,7 @@ def _stop_within_bound(server, wakeups):
 
 def _exit(status):
     """Ends the process without the interpreter's finalization. After the stop, all it has
-    left to do is collect modules and run libraries' exit hooks (1.5-4.5 s for TF alone on a
+    left to do is collect modules and run libraries' exit hooks (1-4.5 s measured on a
     loaded 2-core machine), none of it bounded: concurrent.futures joins every worker thread
     at exit, forever when a request is stuck in a model."""
     logging.shutdown()
