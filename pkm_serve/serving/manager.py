@@ -294,18 +294,19 @@ class ModelManager:
                 last_versions = now
                 self.poll_once()
 
-    def stop(self, timeout=30.0):
+    def stop(self, timeout=30.0) -> bool:
+        """Stops the poller; False if it is still busy (a load) after `timeout` seconds."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()
 
-    def unload_all(self, drain_seconds, lock_seconds):
+    def unload_all(self, drain_seconds, lock_seconds) -> bool:
         """Unloads every available version (server shutdown), each request still holding one
-        given up to drain_seconds. Skipped, with a warning, if a poll (a load, which cannot be
+        given up to drain_seconds. Skipped (False) if a poll (a load, which cannot be
         interrupted) still holds the poll lock after lock_seconds."""
         if not self._poll_lock.acquire(timeout=lock_seconds):
-            log.warning("a model load is still running: models left loaded at shutdown")
-            return
+            return False
         try:
             with self._lock:
                 records = [(m, r) for m in self._models.values() for r in m.records.values()
@@ -314,6 +315,7 @@ class ModelManager:
                 self._unload(m, r, drain_seconds)
         finally:
             self._poll_lock.release()
+        return True
 
     # ------------------------------------------------------------ lookups
     def _model(self, name):

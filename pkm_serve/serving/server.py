@@ -149,8 +149,8 @@ class Server:
 
     def stop(self):
         """Drains and stops every part, each within what is left of --drain_seconds +
-        STOP_MARGIN_SECONDS (a part that overruns is left behind: the process exits anyway,
-        see main); `stop_step` names the part being stopped."""
+        STOP_MARGIN_SECONDS; returns the parts that had not stopped by then (left behind:
+        the process exits anyway, see main). `stop_step` names the part being stopped."""
         grace = self.args.drain_seconds
         end = time.monotonic() + grace + STOP_MARGIN_SECONDS
 
@@ -160,24 +160,32 @@ class Server:
         self.stop_step = "the gRPC and REST front ends"
         threads = []
         if self.grpc:
-            threads.append(threading.Thread(target=self.grpc.stop, args=(grace, left()), daemon=True))
+            threads.append(threading.Thread(target=self.grpc.stop, args=(grace, left()),
+                                            name="the gRPC front end", daemon=True))
         if self.rest:
-            threads.append(threading.Thread(target=self.rest.stop, daemon=True))
+            threads.append(threading.Thread(target=self.rest.stop, name="the REST front end", daemon=True))
         for t in threads:
             t.start()
         for t in threads:
             t.join(left())
-        if self.batcher:
-            self.stop_step = "the batch threads"
-            self.batcher.stop(timeout=left())
+        overran = [t.name for t in threads if t.is_alive()]
+        self.stop_step = "the batch threads"
+        if self.batcher and not self.batcher.stop(timeout=left()):
+            overran.append(self.stop_step)
         self.stop_step = "the model poller"
-        self.manager.stop(timeout=left())
+        if not self.manager.stop(timeout=left()):
+            overran.append(self.stop_step + " (a load)")
         self.stop_step = "unloading the models"
         # The front ends have drained: a request still in flight now is stuck in its model,
         # and closing the version's session is what cancels it.
-        self.manager.unload_all(drain_seconds=min(1.0, left()), lock_seconds=left())
+        if not self.manager.unload_all(drain_seconds=min(1.0, left()), lock_seconds=left()):
+            overran.append("unloading the models (a load holds the model table)")
         self.stop_step = None
-        log.info("stopped")
+        if overran:
+            log.error("not stopped within %.0fs: %s", grace + STOP_MARGIN_SECONDS, "; ".join(overran))
+        else:
+            log.info("stopped")
+        return overran
 
 
 class _Wakeups:
@@ -246,15 +254,14 @@ def _start_server(args):
 
 def _stop_within_bound(server, wakeups):
     """Exit status: 0 when every part stopped within --drain_seconds + STOP_MARGIN_SECONDS;
-    1 when the bound passed, a second signal came, or stopping failed."""
+    1 when one did not, a second signal came, or stopping failed."""
     bound = server.args.drain_seconds + STOP_MARGIN_SECONDS
     stopping = _InThread("stop", server.stop, wakeups)
     event = wakeups.wait(bound + 1.0)   # Server.stop keeps to the bound itself: this is a backstop
     if event == "done":
         if stopping.error is not None:
             log.error("shutdown failed: %s: %s", type(stopping.error).__name__, stopping.error)
-            return 1
-        return 0
+        return 1 if stopping.error is not None or stopping.result else 0
     if event == "signal":
         log.warning("second stop signal: exiting while stopping %s", server.stop_step)
     else:
