@@ -130,3 +130,58 @@ def test_sigterm_delivered_to_another_thread_still_stops_the_server(tmp_path, bl
     rc, elapsed = _exit_within(srv, EXIT_BOUND_S)
     assert rc == 0, srv.log()[-3000:]
     assert "pkm-serve: shutting down" in srv.log()
+
+
+# ---------------------------------------------------------------- in-process, no TF server
+class _FakeServer:
+    """What server._stop_within_bound uses of a Server: args.drain_seconds, stop(), stop_step."""
+
+    def __init__(self, stop):
+        self.args = type("Args", (), {"drain_seconds": 0.0})()
+        self.stop_step = "the part under test"
+        self._stop = stop
+
+    def stop(self):
+        return self._stop()
+
+
+@pytest.fixture
+def short_bound(monkeypatch):
+    from pkm_serve.serving import server
+    monkeypatch.setattr(server, "STOP_MARGIN_SECONDS", 0.3)
+    return server
+
+
+def test_stop_status_is_0_only_when_every_part_stopped(short_bound):
+    assert short_bound._stop_within_bound(_FakeServer(lambda: []), short_bound._Wakeups()) == 0
+    assert short_bound._stop_within_bound(_FakeServer(lambda: ["the REST front end"]),
+                                          short_bound._Wakeups()) == 1
+
+    def fails():
+        raise RuntimeError("boom")
+    assert short_bound._stop_within_bound(_FakeServer(fails), short_bound._Wakeups()) == 1
+
+
+def test_a_stop_that_never_returns_is_abandoned_at_the_bound(short_bound, caplog):
+    never = threading.Event()
+    t0 = time.monotonic()
+    try:
+        status = short_bound._stop_within_bound(_FakeServer(never.wait), short_bound._Wakeups())
+    finally:
+        never.set()
+    assert status == 1
+    assert time.monotonic() - t0 < 5.0           # bound 0.3 s, backstop 1 s after it
+    assert "still stopping the part under test" in caplog.text
+
+
+def test_a_second_signal_ends_the_wait_at_once(short_bound, caplog):
+    never = threading.Event()
+    wakeups = short_bound._Wakeups()
+    os.write(wakeups._write, bytes([signal.SIGTERM]))   # what set_wakeup_fd writes for it
+    t0 = time.monotonic()
+    try:
+        assert short_bound._stop_within_bound(_FakeServer(never.wait), wakeups) == 1
+    finally:
+        never.set()
+    assert time.monotonic() - t0 < 1.0
+    assert "second stop signal" in caplog.text
