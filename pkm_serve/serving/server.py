@@ -239,7 +239,7 @@ class _InThread:
         def run():
             try:
                 self.result = fn()
-            except Exception as e:  # noqa: BLE001 - handed to the main thread
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
                 self.error = e
             finally:
                 wakeups.done()
@@ -292,7 +292,7 @@ def main(argv=None):
     wakeups = _Wakeups()
     wakeups.install((signal.SIGTERM, signal.SIGINT))
     # Start-up runs in a thread so that a signal while models load (TF's load and warmup
-    # cannot be interrupted) ends the process at once; nothing is served before "ready".
+    # cannot be interrupted) ends the process at once: the ports open only after the loads.
     startup = _InThread("startup", lambda: _start_server(args), wakeups)
     if wakeups.wait() == "signal":
         _say("pkm-serve: shutting down")
