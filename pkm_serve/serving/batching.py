@@ -251,11 +251,13 @@ class BatchScheduler:
             for t in tasks:
                 t.error = err
 
-    def stop(self, timeout=30.0):
-        """Runs what is queued, then stops the batch threads."""
+    def stop(self, timeout=30.0) -> bool:
+        """Runs what is queued, then stops the batch threads; False if one still runs after
+        `timeout` seconds."""
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
         end = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, end - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)

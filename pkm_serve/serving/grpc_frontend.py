@@ -133,7 +133,12 @@ class GrpcFrontend:
         for name in ("", PREDICTION_SERVICE, MODEL_SERVICE):
             self.health.set(name, status)
 
-    def stop(self, grace):
-        """Refuses new RPCs and waits up to `grace` seconds for in-flight ones."""
+    def stop(self, grace, timeout=None):
+        """Refuses new RPCs and waits up to `grace` seconds for in-flight ones, then cancels
+        them; returns False if the server had not stopped `timeout` seconds after the call
+        (grpc waits for every cancelled handler to return, and one stuck in a model never does)."""
         self.set_serving(False)
-        self.server.stop(grace).wait()
+        stopped = self.server.stop(grace).wait(timeout)
+        if not stopped:
+            log.warning("gRPC server not stopped %.0fs after the stop began", timeout)
+        return stopped

@@ -234,16 +234,18 @@ class ModelManager:
         if self._metrics:
             self._metrics.load_attempt(m.name, path, ok=False, seconds=time.perf_counter() - t0)
 
-    def _unload(self, m, r):
+    def _unload(self, m, r, drain_seconds=None):
         """UNLOADING: no new request gets the version; the ones that have it finish (up to
-        unload_drain_seconds), then its session, variables and batching queues are freed."""
+        drain_seconds, by default unload_drain_seconds), then its session, variables and
+        batching queues are freed."""
+        drain = self._unload_drain_seconds if drain_seconds is None else drain_seconds
         with self._lock:
             r.state = State.UNLOADING
             loader, r.loader, r.servable = r.loader, None, None
-            drained = self._idle.wait_for(lambda: r.in_flight == 0, self._unload_drain_seconds)
+            drained = self._idle.wait_for(lambda: r.in_flight == 0, drain)
         if not drained:
             log.warning("model %s: version %d still had %d request(s) after %.0fs; unloading anyway",
-                        m.name, r.version, r.in_flight, self._unload_drain_seconds)
+                        m.name, r.version, r.in_flight, drain)
         if loader is not None:
             try:
                 loader.unload()
@@ -292,10 +294,28 @@ class ModelManager:
                 last_versions = now
                 self.poll_once()
 
-    def stop(self):
+    def stop(self, timeout=30.0) -> bool:
+        """Stops the poller; False if it is still busy (a load) after `timeout` seconds."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout)
+        return self._thread is None or not self._thread.is_alive()
+
+    def unload_all(self, drain_seconds, lock_seconds) -> bool:
+        """Unloads every available version (server shutdown), each request still holding one
+        given up to drain_seconds. Skipped (False) if a poll (a load, which cannot be
+        interrupted) still holds the poll lock after lock_seconds."""
+        if not self._poll_lock.acquire(timeout=lock_seconds):
+            return False
+        try:
+            with self._lock:
+                records = [(m, r) for m in self._models.values() for r in m.records.values()
+                           if r.state == State.AVAILABLE]
+            for m, r in records:
+                self._unload(m, r, drain_seconds)
+        finally:
+            self._poll_lock.release()
+        return True
 
     # ------------------------------------------------------------ lookups
     def _model(self, name):

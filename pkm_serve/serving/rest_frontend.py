@@ -209,7 +209,9 @@ class RestFrontend:
             log.exception("REST shutdown")
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
-        self.executor.shutdown(wait=True)
+        # Not wait=True: a handler that outlived the drain is stuck in its model and would
+        # hold the shutdown forever.
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ dispatch
     async def _dispatch(self, request: web.Request):

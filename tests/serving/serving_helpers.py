@@ -22,7 +22,7 @@ def free_port():
 class ServerProcess:
     """`python -m pkm_serve.serving ARGS` on free localhost ports; waits for "ready"."""
 
-    def __init__(self, tmp_path, *args, rest=True, name="server"):
+    def __init__(self, tmp_path, *args, rest=True, name="server", wait_ready=True):
         self.port = free_port()
         self.rest_port = free_port() if rest else 0
         self.log_path = os.path.join(str(tmp_path), f"{name}.log")
@@ -32,22 +32,23 @@ class ServerProcess:
                    TF_CPP_MIN_LOG_LEVEL="1")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        self._wait_ready()
+        if wait_ready:
+            self.wait_for_log("pkm-serve: ready")
 
     def log(self):
         with open(self.log_path) as f:
             return f.read()
 
-    def _wait_ready(self, timeout=180):
+    def wait_for_log(self, text, timeout=180):
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            if "pkm-serve: ready" in self.log():
+            if text in self.log():
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-5000:]}")
             time.sleep(0.1)
         self.proc.kill()
-        raise RuntimeError(f"server not ready after {timeout}s:\n{self.log()[-5000:]}")
+        raise RuntimeError(f"server did not log {text!r} after {timeout}s:\n{self.log()[-5000:]}")
 
     @property
     def target(self):
