@@ -120,6 +120,7 @@ PKM_CUDA_HDRS = [
 PKM_CUDA_TEXTUAL_HDRS = [
     "kernels/cuda/backward.cuh",
     "kernels/cuda/backward_rows.cuh",
+    "kernels/cuda/backward_staged.cuh",
     "kernels/cuda/common.cuh",
 ]
 
