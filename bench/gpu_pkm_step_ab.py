@@ -6,6 +6,7 @@ The seed PKM of bench/gpu_fused_optimizer.py (512^2 keys x 1024-wide values = 26
   torch-fused    nn.EmbeddingBag(mode="sum", per_sample_weights) + torch.optim.Adam(fused=True)
   <name>         for each --libs build: values read by pkm_cuda_forward, backward =
                  pkm_cuda_fused_update (lazy Adam in place, d_weights out); Adam(fused) on the rest
+  <name>+keys    the same with the key selection (3 top-k, sums, gather) by pkm_cuda_product_topk
   <name>-values  the value memory alone (lookup of 128 random rows per query with softmax
                  weights, MSE, backward + fused update): the bag part of the step
 
@@ -92,15 +93,53 @@ def ours_variant(lib, values_only):
     return query, keys, look.apply, [torch.optim.Adam(params, lr=LR, fused=True)], look
 
 
-def make_step(model, inputs, values_only):
+def product_topk_fn(lib):
+    """The key selection by pkm_cuda_product_topk (one kernel each way) as an autograd function."""
+    n_keys, knn = CONFIG["n_keys"], CONFIG["knn"]
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, scores):
+            best, index, pos = lib.cuda_product_topk(scores.detach(), knn)
+            ctx.save_for_backward(pos)
+            ctx.mark_non_differentiable(index)
+            return best, index
+
+        @staticmethod
+        def backward(ctx, d_best, _d_index):
+            (pos,) = ctx.saved_tensors
+            return lib.cuda_product_topk_backward(d_best, pos, n_keys)
+
+    return Fn.apply
+
+
+def pkm_forward_keys(select, query, keys, lookup, x):
+    """pkm_forward (gpu_fused_optimizer.py) with the three top-k, the sums and the gather in `select`."""
+    c = CONFIG
+    b = x.shape[0]
+    q = query(x).view(b, c["heads"], 2, c["k_dim"] // 2)
+    s = torch.einsum("bhtd,htnd->bhtn", q, keys)  # [B, H, 2, n_keys]
+    best, idx = select(s.reshape(b * c["heads"], 2, c["n_keys"]))
+    w = torch.softmax(best.view(b, c["heads"], c["knn"]), dim=-1).reshape(b, -1)
+    return lookup(idx.view(b, -1), w)
+
+
+def make_step(model, inputs, values_only, select=None):
     query, keys, lookup, opts = model[:4]
     x, target, idx, w = inputs
+
+    def forward():
+        if values_only:
+            return lookup(idx, w)
+        if select is not None:
+            return pkm_forward_keys(select, query, keys, lookup, x)
+        return pkm_forward(torch, query, keys, lookup, x)
 
     def step():
         for o in opts:
             o.zero_grad(set_to_none=True)
         w.grad = None
-        out = lookup(idx, w) if values_only else pkm_forward(torch, query, keys, lookup, x)
+        out = forward()
         loss = torch.nn.functional.mse_loss(out, target)
         loss.backward()
         for o in opts:
@@ -169,14 +208,17 @@ def run_batch(libs, batch, args):
     inputs = (x, target, idx, w)
     input_bytes = sum(t.numel() * t.element_size() for t in inputs)
     variants = {}
-    names = ["torch-fused"] + [n for n in libs] + ([f"{n}-values" for n in libs] if args.values else [])
+    with_keys = [n for n, lib in libs.items() if hasattr(lib.lib, "pkm_cuda_product_topk")] if args.keys else []
+    names = (["torch-fused"] + [n for n in libs] + [f"{n}+keys" for n in with_keys] +
+             ([f"{n}-values" for n in libs] if args.values else []))
     for name in names:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         values_only = name.endswith("-values")
-        model = torch_variant() if name == "torch-fused" else ours_variant(libs[name.replace("-values", "")],
-                                                                          values_only)
-        step = make_step(model, inputs, values_only)
+        lib_name = name.replace("-values", "").replace("+keys", "")
+        model = torch_variant() if name == "torch-fused" else ours_variant(libs[lib_name], values_only)
+        select = product_topk_fn(libs[lib_name]) if name.endswith("+keys") else None
+        step = make_step(model, inputs, values_only, select)
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -190,6 +232,7 @@ def run_batch(libs, batch, args):
             at_start = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             var["times"] += timed_steps(var["step"], args.steps)
+            var["loss"] = float(var["step"]())
             var["extra_bytes"] = max(var["extra_bytes"], torch.cuda.max_memory_allocated() - at_start)
     rows = []
     for name in names:
@@ -197,7 +240,7 @@ def run_batch(libs, batch, args):
         t = sorted(var["times"])
         row = {"batch": batch, "variant": name, "min_ms": t[0], "median_ms": t[len(t) // 2],
                "peak_gb": (var["held_bytes"] + var["extra_bytes"] + input_bytes) / 1e9,
-               "held_gb": var["held_bytes"] / 1e9, "step_extra_gb": var["extra_bytes"] / 1e9}
+               "held_gb": var["held_bytes"] / 1e9, "step_extra_gb": var["extra_bytes"] / 1e9, "loss": var["loss"]}
         if args.profile:
             kernels, total = kernel_breakdown(var["step"])
             row["kernel_total_ms"] = total
@@ -243,6 +286,8 @@ def main():
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--values", action="store_true", help="also the value memory alone per build")
+    parser.add_argument("--keys", action="store_true",
+                        help="also <build>+keys: the key selection by pkm_cuda_product_topk (builds that have it)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))

@@ -110,6 +110,7 @@ PKM_CUDA_SRCS = [
     "kernels/cuda/backward_sort.cu",
     "kernels/cuda/backward_weights.cu",
     "kernels/cuda/fused_optimizer.cu",
+    "kernels/cuda/product_keys.cu",
 ]
 
 PKM_CUDA_HDRS = [

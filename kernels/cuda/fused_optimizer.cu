@@ -104,15 +104,31 @@ struct Update {
     if (kind == PKM_OPT_ROWWISE_ADAGRAD)
       denom = pass == Pass::kScaledUpdate ? row_partials[row * a.tiles] : AdagradDenominator<VEC, U>(a, row, g);
     T* w_row = static_cast<T*>(const_cast<void*>(a.bags.table)) + row * dim;
-    if (kind == PKM_OPT_ADAM) return ApplyAdam<T, VEC, U>(w_row, row * dim, lane_col, dim, g);
+    // fp32 Adam: batched loads (ApplyAdam). 16-bit tables keep the per-vector
+    // loop: batching there raised their kernels' spills (0 -> 380 bytes, D=1024).
+    if (kind == PKM_OPT_ADAM && sizeof(T) == 4) return ApplyAdam<T, VEC, U>(w_row, row * dim, lane_col, dim, g);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
       if (col >= dim) continue;
       float w[VEC];
       LoadForUpdate<T, VEC>(w_row + col, w);
+      if (kind == PKM_OPT_ADAM) {
+        float m[VEC], v[VEC];
+        LoadState<VEC>(state0 + row * dim + col, m);
+        LoadState<VEC>(state1 + row * dim + col, v);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) w[i] -= step_size * g[u][i] / denom;
+        for (int i = 0; i < VEC; ++i) {
+          m[i] += (g[u][i] - m[i]) * keep_1;
+          v[i] += (g[u][i] * g[u][i] - v[i]) * keep_2;
+          w[i] -= step_size * m[i] / (sqrtf(v[i]) + epsilon);
+        }
+        StoreState<VEC>(state0 + row * dim + col, m);
+        StoreState<VEC>(state1 + row * dim + col, v);
+      } else {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) w[i] -= step_size * g[u][i] / denom;
+      }
       StoreFloats<T, VEC>(w_row + col, w);
     }
   }
