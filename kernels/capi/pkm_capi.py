@@ -218,9 +218,10 @@ class PkmLib:
             lib.pkm_cuda_fused_update_workspace_bytes.argtypes = [bags_p, opts_p]
             lib.pkm_cuda_fused_update_workspace_bytes.restype = ctypes.c_size_t
             lib.pkm_cuda_fused_update.argtypes = [bags_p, vp, opt_p, vp, vp, ctypes.c_size_t, opts_p, vp]
-            i64, i32 = ctypes.c_int64, ctypes.c_int
-            lib.pkm_cuda_product_topk.argtypes = [vp, i64, i64, i32, vp, vp, vp, vp]
-            lib.pkm_cuda_product_topk_backward.argtypes = [vp, vp, i64, i64, i32, vp, vp]
+            if hasattr(lib, "pkm_cuda_product_topk"):  # builds before it (A/B benches) lack it
+                i64, i32 = ctypes.c_int64, ctypes.c_int
+                lib.pkm_cuda_product_topk.argtypes = [vp, i64, i64, i32, vp, vp, vp, vp]
+                lib.pkm_cuda_product_topk_backward.argtypes = [vp, vp, i64, i64, i32, vp, vp]
 
     # ---- CUDA (torch CUDA tensors) -------------------------------------------
     def _check_cuda(self, rc, what):

@@ -45,7 +45,9 @@ def test_product_topk_backward_matches_autograd(lib, n_keys, knn):
     want_best.backward(d_best)
     _, _, pos = lib.cuda_product_topk(scores.detach(), knn)
     d_scores = lib.cuda_product_topk_backward(d_best, pos, n_keys)
-    torch.testing.assert_close(d_scores, scores.grad, rtol=1e-6, atol=1e-6)
+    # A picked position's gradient sums up to knn terms of size ~1, here in rank order, in torch's
+    # reduction in its own order: equal within a few float32 ulps of the terms.
+    torch.testing.assert_close(d_scores, scores.grad, rtol=1e-5, atol=1e-5)
     assert int((d_scores != 0).sum()) <= 2 * rows * knn
     assert torch.equal(lib.cuda_product_topk_backward(d_best, pos, n_keys), d_scores)
 
