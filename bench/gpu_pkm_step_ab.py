@@ -160,7 +160,7 @@ def kernel_breakdown(fn):
     totals = {}
     for ev in prof.events():
         if ev.device_type.name == "CUDA":
-            name = ev.name.split("(")[0][:90]
+            name = ev.name.replace("(anonymous namespace)::", "").split("(")[0][:90]
             totals[name] = totals.get(name, 0.0) + ev.device_time / 1e3
     return dict(sorted(totals.items(), key=lambda kv: -kv[1])), sum(totals.values())
 
