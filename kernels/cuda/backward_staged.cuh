@@ -72,6 +72,40 @@ struct StagedWalk {
   }
 };
 
+// The walk of the kRowsPerWarp rows from first_row.
+__device__ __forceinline__ StagedWalk MakeWalk(const BackwardArgs& a, int64_t num_rows, int64_t first_row, int lane) {
+  StagedWalk w;
+  w.rows = static_cast<int>(min(num_rows - first_row, kRowsPerWarp));
+  w.seg = lane <= w.rows ? static_cast<int32_t>(a.seg_begin[first_row + lane]) : 0;
+  // Row `lane`'s step count (long rows: none), then an exclusive scan over the lanes.
+  const int32_t len = __shfl_down_sync(kFullMask, w.seg, 1) - w.seg;
+  const int32_t own = lane < w.rows && len <= a.long_segment ? len : 0;
+  int32_t sum = own;
+#pragma unroll
+  for (int d = 1; d <= kRowsPerWarp; d *= 2) {
+    const int32_t up = __shfl_up_sync(kFullMask, sum, d);
+    if (lane >= d) sum += up;
+  }
+  w.start = sum - own;
+  return w;
+}
+
+// This lane's columns of table row `row` (zeros when the dots are not wanted).
+template <typename T, int VEC, int U>
+__device__ __forceinline__ void LoadTableRow(const BackwardArgs& a, int64_t row, int64_t dim, int64_t lane_col,
+                                             bool want_dots, float (&x)[U][VEC]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
+    if (want_dots && col < dim) {
+      LoadFloats<T, VEC>(static_cast<const T*>(a.bags.table) + row * dim + col, x[u]);
+    } else {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) x[u][v] = 0.f;
+    }
+  }
+}
+
 // Metadata of the 32 steps [base, base + 32): lane i holds step base + i.
 __device__ __forceinline__ EntryMeta LoadStepMeta(const BackwardArgs& a, const StagedWalk& w, int64_t steps,
                                                   int64_t base, int lane) {
@@ -119,20 +153,7 @@ __global__ void __launch_bounds__(kStagedThreads, StagedMinBlocks(sizeof(T)))
   const bool wants_gradient = epilogue.WantsGradient(a);
   const bool want_dots = a.dots != nullptr;
 
-  StagedWalk w;
-  w.rows = static_cast<int>(min(num_rows - first_row, kRowsPerWarp));
-  w.seg = lane <= w.rows ? static_cast<int32_t>(a.seg_begin[first_row + lane]) : 0;
-  {  // row lane's step count (long rows: none), then an exclusive scan over the lanes
-    const int32_t len = __shfl_down_sync(kFullMask, w.seg, 1) - w.seg;
-    const int32_t own = lane < w.rows && len <= a.long_segment ? len : 0;
-    int32_t sum = own;
-#pragma unroll
-    for (int d = 1; d <= kRowsPerWarp; d *= 2) {
-      const int32_t up = __shfl_up_sync(kFullMask, sum, d);
-      if (lane >= d) sum += up;
-    }
-    w.start = sum - own;
-  }
+  const StagedWalk w = MakeWalk(a, num_rows, first_row, lane);
   const int64_t steps = w.Start(w.rows);
 
   uint4(*slots)[U * kWarp] = stage[warp_in_block];
@@ -152,16 +173,7 @@ __global__ void __launch_bounds__(kStagedThreads, StagedMinBlocks(sizeof(T)))
       if (wants_gradient) AddPieces<VEC, U>(a, row, lo, hi, lane_col, acc);
     } else if (hi > lo) {
       float x[U][VEC];  // the table row, for the dots
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
-        if (want_dots && col < dim) {
-          LoadFloats<T, VEC>(static_cast<const T*>(a.bags.table) + row * dim + col, x[u]);
-        } else {
-#pragma unroll
-          for (int v = 0; v < VEC; ++v) x[u][v] = 0.f;
-        }
-      }
+      LoadTableRow<T, VEC, U>(a, row, dim, lane_col, want_dots, x);
       for (; s < row_end_step; ++s) {
         if (s - base == kWarp) {  // slide the meta windows
           base += kWarp;
