@@ -12,6 +12,7 @@
 // high), so knn more rounds over the lanes' heads pick them. Ties go to the
 // smaller key (position, or i1 * n_keys + i2) where the order allows:
 // results are deterministic. Sums are float32 a + b, as the composite's.
+// Candidates are compared as packed uint64 (score order, then key).
 #include <string>
 
 #include "kernels/cuda/common.cuh"
@@ -22,31 +23,35 @@ namespace {
 constexpr int kTopkThreads = 128;
 constexpr int kTopkWarps = kTopkThreads / kWarp;
 
-// Better of two (value, key) candidates: larger value, then smaller key; an
-// invalid candidate (key < 0) loses to any valid one.
-__device__ __forceinline__ bool Better(float v, int32_t key, float best_v, int32_t best_key) {
-  if (key < 0) return false;
-  if (best_key < 0) return true;
-  return v > best_v || (v == best_v && key < best_key);
+// A (score, key) candidate as one uint64 that orders as "larger score, then
+// smaller key": the score's bits mapped to an order-preserving uint32 (NaN
+// above +inf, as torch.topk ranks it; -0 below +0) over ~key. 0 is below every
+// candidate (no candidate). One compare and one 64-bit shuffle per step.
+__device__ __forceinline__ uint64_t Candidate(float score, int32_t key) {
+  uint32_t u = __float_as_uint(score);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<uint64_t>(u) << 32) | static_cast<uint32_t>(~key);
 }
+__device__ __forceinline__ float CandidateScore(uint64_t c) {
+  const uint32_t u = static_cast<uint32_t>(c >> 32);
+  return __uint_as_float((u & 0x80000000u) ? (u & 0x7fffffffu) : ~u);
+}
+__device__ __forceinline__ int32_t CandidateKey(uint64_t c) { return static_cast<int32_t>(~static_cast<uint32_t>(c)); }
 
-// The warp's best (value, key) over every lane's candidate.
-__device__ __forceinline__ void WarpArgmax(float* v, int32_t* key) {
+// The warp's best candidate.
+__device__ __forceinline__ uint64_t WarpBest(uint64_t c) {
 #pragma unroll
   for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    const float ov = __shfl_xor_sync(kFullMask, *v, offset);
-    const int32_t okey = __shfl_xor_sync(kFullMask, *key, offset);
-    if (Better(ov, okey, *v, *key)) {
-      *v = ov;
-      *key = okey;
-    }
+    const uint64_t other = __shfl_xor_sync(kFullMask, c, offset);
+    c = other > c ? other : c;
   }
+  return c;
 }
 
-// Sorts (vals, keys)[0..N) best first (a bitonic network: static indices, so
-// the arrays stay in registers).
+// Sorts c[0..N) best first (a bitonic network: static indices, so the array
+// stays in registers).
 template <int N>
-__device__ __forceinline__ void SortLane(float (&vals)[N], int32_t (&keys)[N]) {
+__device__ __forceinline__ void SortLane(uint64_t (&c)[N]) {
 #pragma unroll
   for (int k = 2; k <= N; k *= 2)
 #pragma unroll
@@ -55,15 +60,10 @@ __device__ __forceinline__ void SortLane(float (&vals)[N], int32_t (&keys)[N]) {
       for (int i = 0; i < N; ++i) {
         const int l = i ^ j;
         if (l <= i) continue;
-        const bool first_better = Better(vals[i], keys[i], vals[l], keys[l]);
-        if (((i & k) == 0) != first_better) {  // (i & k) == 0: best first in this block
-          const float tv = vals[i];
-          const int32_t tk = keys[i];
-          vals[i] = vals[l];
-          keys[i] = keys[l];
-          vals[l] = tv;
-          keys[l] = tk;
-        }
+        const uint64_t hi = c[i] > c[l] ? c[i] : c[l], lo = c[i] > c[l] ? c[l] : c[i];
+        const bool best_first = (i & k) == 0;  // this block of the network sorts best first
+        c[i] = best_first ? hi : lo;
+        c[l] = best_first ? lo : hi;
       }
 }
 
@@ -72,30 +72,23 @@ __device__ __forceinline__ void SortLane(float (&vals)[N], int32_t (&keys)[N]) {
 template <int KPL>
 __device__ __forceinline__ void HalfTopk(const float* scores, int n_keys, int knn, int lane, float* top_v,
                                          int32_t* top_pos) {
-  float vals[KPL];
-  int32_t keys[KPL];
+  uint64_t c[KPL];
 #pragma unroll
   for (int i = 0; i < KPL; ++i) {
     const int p = lane + i * kWarp;
-    vals[i] = p < n_keys ? scores[p] : 0.f;
-    keys[i] = p < n_keys ? p : -1;
+    c[i] = p < n_keys ? Candidate(scores[p], p) : 0ull;
   }
-  SortLane<KPL>(vals, keys);
+  SortLane<KPL>(c);
   for (int t = 0; t < knn; ++t) {
-    float v = vals[0];
-    int32_t key = keys[0];
-    WarpArgmax(&v, &key);
-    if (key == keys[0]) {  // this lane's head won (keys are unique): pop it
+    const uint64_t best = WarpBest(c[0]);
+    if (best == c[0]) {  // this lane's head won (candidates are unique): pop it
 #pragma unroll
-      for (int i = 0; i + 1 < KPL; ++i) {
-        vals[i] = vals[i + 1];
-        keys[i] = keys[i + 1];
-      }
-      keys[KPL - 1] = -1;
+      for (int i = 0; i + 1 < KPL; ++i) c[i] = c[i + 1];
+      c[KPL - 1] = 0ull;
     }
     if (lane == t) {
-      *top_v = v;
-      *top_pos = key;
+      *top_v = CandidateScore(best);
+      *top_pos = CandidateKey(best);
     }
   }
 }
@@ -118,13 +111,12 @@ __global__ void __launch_bounds__(kTopkThreads) ProductTopkKernel(const float* _
   for (int t = 0; t < knn; ++t) {
     const float bj = __shfl_sync(kFullMask, b_v, next_j % kWarp);
     const int32_t bj_pos = __shfl_sync(kFullMask, b_pos, next_j % kWarp);
-    const int32_t head_key = next_j < pairs ? a_pos * n_keys + bj_pos : -1;
-    float v = a_v + bj;
-    int32_t key = head_key;
-    WarpArgmax(&v, &key);
-    if (key == head_key) ++next_j;
+    const uint64_t head = next_j < pairs ? Candidate(a_v + bj, a_pos * n_keys + bj_pos) : 0ull;
+    const uint64_t winner = WarpBest(head);
+    if (winner == head) ++next_j;
     if (lane == t) {
-      best[row * knn + t] = v;
+      const int32_t key = CandidateKey(winner);
+      best[row * knn + t] = CandidateScore(winner);
       index[row * knn + t] = key;
       pos[(row * knn + t) * 2] = key / n_keys;
       pos[(row * knn + t) * 2 + 1] = key % n_keys;
