@@ -24,9 +24,10 @@ constexpr int kTopkThreads = 128;
 constexpr int kTopkWarps = kTopkThreads / kWarp;
 
 // A (score, key) candidate as one uint64 that orders as "larger score, then
-// smaller key": the score's bits mapped to an order-preserving uint32 (NaN
-// above +inf, as torch.topk ranks it; -0 below +0) over ~key. 0 is below every
-// candidate (no candidate). One compare and one 64-bit shuffle per step.
+// smaller key": the score's bits mapped to an order-preserving uint32 (-0
+// below +0; a NaN above +inf or, sign bit set, below -inf: deterministic, not
+// checked) over ~key. 0 is below every candidate (no candidate). One compare
+// and one 64-bit shuffle per step.
 __device__ __forceinline__ uint64_t Candidate(float score, int32_t key) {
   uint32_t u = __float_as_uint(score);
   u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
