@@ -232,7 +232,7 @@ def run_batch(libs, batch, args):
             at_start = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             var["times"] += timed_steps(var["step"], args.steps)
-            var["loss"] = float(var["step"]())
+            var["loss"] = float(var["step"]().detach())
             var["extra_bytes"] = max(var["extra_bytes"], torch.cuda.max_memory_allocated() - at_start)
     rows = []
     for name in names:
