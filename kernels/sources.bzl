@@ -112,6 +112,7 @@ PKM_CUDA_SRCS = [
     "kernels/cuda/backward_sort.cu",
     "kernels/cuda/backward_weights.cu",
     "kernels/cuda/fused_optimizer.cu",
+    "kernels/cuda/product_keys.cu",
 ]
 
 PKM_CUDA_HDRS = [
@@ -122,6 +123,7 @@ PKM_CUDA_HDRS = [
 PKM_CUDA_TEXTUAL_HDRS = [
     "kernels/cuda/backward.cuh",
     "kernels/cuda/backward_rows.cuh",
+    "kernels/cuda/backward_staged.cuh",
     "kernels/cuda/common.cuh",
 ]
 

@@ -218,6 +218,10 @@ class PkmLib:
             lib.pkm_cuda_fused_update_workspace_bytes.argtypes = [bags_p, opts_p]
             lib.pkm_cuda_fused_update_workspace_bytes.restype = ctypes.c_size_t
             lib.pkm_cuda_fused_update.argtypes = [bags_p, vp, opt_p, vp, vp, ctypes.c_size_t, opts_p, vp]
+            if hasattr(lib, "pkm_cuda_product_topk"):  # builds before it (A/B benches) lack it
+                i64, i32 = ctypes.c_int64, ctypes.c_int
+                lib.pkm_cuda_product_topk.argtypes = [vp, i64, i64, i32, vp, vp, vp, vp]
+                lib.pkm_cuda_product_topk_backward.argtypes = [vp, vp, i64, i64, i32, vp, vp]
 
     # ---- CUDA (torch CUDA tensors) -------------------------------------------
     def _check_cuda(self, rc, what):
@@ -320,6 +324,38 @@ class PkmLib:
                                             _ptr(workspace), workspace.numel(), opts, stream)
         self._check_cuda(rc, "pkm_cuda_fused_update")
         return d_weights
+
+    def cuda_product_topk(self, scores, knn):
+        """scores: float32 CUDA [rows, 2, n_keys] -> (best [rows, knn] float32, index [rows, knn] int64,
+        pos [rows, knn, 2] int32): the product-key top-k (pkm_cuda_product_topk)."""
+        import torch
+
+        if scores.dtype != torch.float32 or scores.dim() != 3 or scores.shape[1] != 2:
+            raise PkmError(f"product top-k: scores must be float32 [rows, 2, n_keys], got {scores.dtype} "
+                           f"{list(scores.shape)}")
+        scores = scores.contiguous()
+        rows, _, n_keys = scores.shape
+        best = torch.empty((rows, knn), dtype=torch.float32, device=scores.device)
+        index = torch.empty((rows, knn), dtype=torch.int64, device=scores.device)
+        pos = torch.empty((rows, knn, 2), dtype=torch.int32, device=scores.device)
+        stream = torch.cuda.current_stream(scores.device).cuda_stream
+        rc = self.lib.pkm_cuda_product_topk(_ptr(scores), rows, n_keys, knn, _ptr(best), _ptr(index), _ptr(pos),
+                                            stream)
+        self._check_cuda(rc, "pkm_cuda_product_topk")
+        return best, index, pos
+
+    def cuda_product_topk_backward(self, d_best, pos, n_keys):
+        """d_best [rows, knn] float32, pos from cuda_product_topk -> d_scores [rows, 2, n_keys]."""
+        import torch
+
+        d_best = d_best.contiguous().float()
+        rows, knn = d_best.shape
+        d_scores = torch.empty((rows, 2, n_keys), dtype=torch.float32, device=d_best.device)
+        stream = torch.cuda.current_stream(d_best.device).cuda_stream
+        rc = self.lib.pkm_cuda_product_topk_backward(_ptr(d_best), _ptr(pos.contiguous()), rows, n_keys, knn,
+                                                     _ptr(d_scores), stream)
+        self._check_cuda(rc, "pkm_cuda_product_topk_backward")
+        return d_scores
 
     # ---- core CPU (torch CPU tensors) -----------------------------------------
     def _check_cpu(self, rc, err, what):

@@ -216,8 +216,23 @@ __device__ __forceinline__ void ZeroAcc(float (&acc)[U][VEC]) {
     for (int v = 0; v < VEC; ++v) acc[u][v] = 0.f;
 }
 
-// One warp per (piece, tile): the parts of long rows inside sorted positions
-// [piece * L, piece * L + L). A range of L positions meets at most two rows
+// acc += the piece sums of a long row (in position order).
+template <int VEC, int U>
+__device__ __forceinline__ void AddPieces(const BackwardArgs& a, int64_t row, int64_t lo, int64_t hi,
+                                          int64_t lane_col, float (&acc)[U][VEC]) {
+  const int64_t L = a.long_segment, dim = a.bags.dim;
+  for (int64_t piece = lo / L; piece <= (hi - 1) / L; ++piece) {
+    const int slot = a.piece_row[2 * piece] == static_cast<int32_t>(row) ? 0 : 1;
+    const float* part = a.piece_sum + (2 * piece + slot) * dim;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
+#pragma unroll
+      for (int v = 0; v < VEC; ++v)
+        if (col + v < dim) acc[u][v] += part[col + v];
+    }
+  }
+}
 
 // ---- workspace and host steps ----------------------------------------------
 

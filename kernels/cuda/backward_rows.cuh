@@ -10,6 +10,7 @@
 #define PKM_KERNELS_CUDA_BACKWARD_ROWS_CUH_
 
 #include "kernels/cuda/backward.cuh"
+#include "kernels/cuda/backward_staged.cuh"
 
 namespace pkm_cuda {
 
@@ -55,24 +56,6 @@ __global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC, U, s
   }
 }
 
-
-// acc += the piece sums of a long row (in position order).
-template <int VEC, int U>
-__device__ __forceinline__ void AddPieces(const BackwardArgs& a, int64_t row, int64_t lo, int64_t hi,
-                                          int64_t lane_col, float (&acc)[U][VEC]) {
-  const int64_t L = a.long_segment, dim = a.bags.dim;
-  for (int64_t piece = lo / L; piece <= (hi - 1) / L; ++piece) {
-    const int slot = a.piece_row[2 * piece] == static_cast<int32_t>(row) ? 0 : 1;
-    const float* part = a.piece_sum + (2 * piece + slot) * dim;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
-#pragma unroll
-      for (int v = 0; v < VEC; ++v)
-        if (col + v < dim) acc[u][v] += part[col + v];
-    }
-  }
-}
 
 // One row tile of the row pass: sum its entries (or add its pieces) and hand
 // the gradient to the epilogue.
@@ -158,11 +141,21 @@ int LaunchRowPassesAs(const BackwardArgs& args, int64_t pieces, const Epilogue& 
   }
   const int64_t warps = (args.bags.num_rows + kRowsPerWarp - 1) / kRowsPerWarp * args.tiles;
   if (warps / (kThreads / kWarp) >= INT32_MAX) return SetInvalid("backward: too many table rows for one launch");
-  if (warps > 0) {
-    RowsKernel<T, VEC, U, kMax, Epilogue><<<Blocks(warps, kThreads / kWarp), kThreads, 0, stream>>>(args, epilogue);
-    if (int status = CheckLaunch("backward row pass")) return status;
+  if (warps == 0) return PKM_CUDA_OK;
+#ifndef PKM_BWD_NO_STAGED  // -D for an A/B against RowsKernel alone
+  // Wide fp32 vector rows: gradient rows staged by cp.async. 16-bit rows keep
+  // RowsKernel (the H200 run: seed bf16 backward 1.42 -> 1.51 ms staged).
+  if constexpr (!kMax && VEC > 1 && U > 2 && sizeof(T) == 4) {
+    static const bool carveout = cudaFuncSetAttribute(StagedRowsKernel<T, VEC, U, Epilogue>,
+                                                      cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                      cudaSharedmemCarveoutMaxShared) == cudaSuccess;
+    (void)carveout;  // a hint: without it the kernel still runs, maybe with fewer blocks per SM
+    StagedRowsKernel<T, VEC, U, Epilogue><<<Blocks(warps, kStagedWarps), kStagedThreads, 0, stream>>>(args, epilogue);
+    return CheckLaunch("backward row pass (staged)");
   }
-  return PKM_CUDA_OK;
+#endif
+  RowsKernel<T, VEC, U, kMax, Epilogue><<<Blocks(warps, kThreads / kWarp), kThreads, 0, stream>>>(args, epilogue);
+  return CheckLaunch("backward row pass");
 }
 
 // 16-byte vectors where dim and every pointer allow, else scalar accesses.

@@ -108,6 +108,20 @@ PKM_CUDA_API int pkm_cuda_fused_update(const PkmBags* bags, const void* grad_out
                                        void* d_weights, void* workspace, size_t workspace_bytes,
                                        const PkmCudaOptions* options, pkm_cuda_stream_t stream);
 
+// Product-key selection of a PKM layer (kernels/cuda/product_keys.cu), all
+// float32 device buffers: scores [rows, 2, n_keys] (each query's two half-key
+// score vectors); per row the top knn of each half, then the top knn of the
+// knn x knn sums of those. Out: best [rows, knn] (descending), index
+// [rows, knn] = i1 * n_keys + i2, pos [rows, knn, 2] int32 = (i1, i2) for the
+// backward. n_keys <= 1024, knn <= min(32, n_keys). Deterministic (ties go to
+// the smaller position / index); one launch, no host synchronisation.
+PKM_CUDA_API int pkm_cuda_product_topk(const float* scores, int64_t rows, int64_t n_keys, int knn, float* best,
+                                       int64_t* index, int32_t* pos, pkm_cuda_stream_t stream);
+// Its backward: d_scores [rows, 2, n_keys] = 0 but at the picked positions,
+// which get the sum of their d_best [rows, knn] (in rank order).
+PKM_CUDA_API int pkm_cuda_product_topk_backward(const float* d_best, const int32_t* pos, int64_t rows,
+                                                int64_t n_keys, int knn, float* d_scores, pkm_cuda_stream_t stream);
+
 // Message for the last PKM_CUDA_INVALID_ARGUMENT / CUDA error on this thread.
 PKM_CUDA_API const char* pkm_cuda_last_error(void);
 

@@ -104,6 +104,9 @@ struct Update {
     if (kind == PKM_OPT_ROWWISE_ADAGRAD)
       denom = pass == Pass::kScaledUpdate ? row_partials[row * a.tiles] : AdagradDenominator<VEC, U>(a, row, g);
     T* w_row = static_cast<T*>(const_cast<void*>(a.bags.table)) + row * dim;
+    // fp32 Adam: batched loads (ApplyAdam). 16-bit tables keep the per-vector
+    // loop: batching there raised their kernels' spills (0 -> 380 bytes, D=1024).
+    if (kind == PKM_OPT_ADAM && sizeof(T) == 4) return ApplyAdam<T, VEC, U>(w_row, row * dim, lane_col, dim, g);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
@@ -127,6 +130,43 @@ struct Update {
         for (int i = 0; i < VEC; ++i) w[i] -= step_size * g[u][i] / denom;
       }
       StoreFloats<T, VEC>(w_row + col, w);
+    }
+  }
+
+  // Adam on this lane's columns of one row tile, kAdamBatch vectors at a time:
+  // a batch's table, m and v vectors are all loaded before any is stored (the
+  // stores could alias later loads as far as the compiler knows, so loads
+  // interleaved with stores would wait one memory latency per vector).
+  template <typename T, int VEC, int U>
+  __device__ void ApplyAdam(T* w_row, int64_t row_offset, int64_t lane_col, int64_t dim,
+                            const float (&g)[U][VEC]) const {
+    constexpr int kAdamBatch = U < 8 / VEC ? U : (8 / VEC > 0 ? 8 / VEC : 1);
+#pragma unroll
+    for (int u0 = 0; u0 < U; u0 += kAdamBatch) {
+      float w[kAdamBatch][VEC], m[kAdamBatch][VEC], v[kAdamBatch][VEC];
+#pragma unroll
+      for (int b = 0; b < kAdamBatch; ++b) {
+        const int64_t col = lane_col + static_cast<int64_t>(u0 + b) * kWarp * VEC;
+        if (u0 + b >= U || col >= dim) continue;
+        LoadForUpdate<T, VEC>(w_row + col, w[b]);
+        LoadState<VEC>(state0 + row_offset + col, m[b]);
+        LoadState<VEC>(state1 + row_offset + col, v[b]);
+      }
+#pragma unroll
+      for (int b = 0; b < kAdamBatch; ++b) {
+        const int u = u0 + b;
+        const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
+        if (u >= U || col >= dim) continue;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) {
+          m[b][i] += (g[u][i] - m[b][i]) * keep_1;
+          v[b][i] += (g[u][i] * g[u][i] - v[b][i]) * keep_2;
+          w[b][i] -= step_size * m[b][i] / (sqrtf(v[b][i]) + epsilon);
+        }
+        StoreState<VEC>(state0 + row_offset + col, m[b]);
+        StoreState<VEC>(state1 + row_offset + col, v[b]);
+        StoreFloats<T, VEC>(w_row + col, w[b]);
+      }
     }
   }
 };
