@@ -4,8 +4,8 @@
 // fixed number of entries ahead prefetched from it. The general loop
 // (bag_window.h) collects windows of row addresses and keeps its sum in
 // memory, which costs more per entry than a short row's few lines of data:
-// measured on a 2-core EPYC at D=64, the general loop took 1.4x the time of
-// this one (bench/results/cpu_roofline_notes.md).
+// measured on a 2-core EPYC at D=64, the general loop took 1.25-1.4x the time
+// of this one (bench/results/cpu_roofline_notes.md).
 #ifndef PKM_KERNELS_CORE_SHORT_ROWS_H_
 #define PKM_KERNELS_CORE_SHORT_ROWS_H_
 
