@@ -27,7 +27,8 @@ typedef uint32_t V8U32 __attribute__((vector_size(32)));
 // Summing 128 columns in two passes over each bag was 1.4x slower than the
 // general loop (measured on the 2-core EPYC).
 constexpr int64_t kMaxDim = 64;
-constexpr int64_t kAheadEntries = 16;  // best of 0/8/16/32 in a minimal copy of this loop, D=64 (2-core EPYC)
+// Best of 0/8/16/32 in a minimal copy of this loop at D=64 (2-core EPYC).
+constexpr int64_t kAheadEntries = 16;
 
 // Eight values of a row as floats (a pointer out, not a return value: GCC
 // warns that returning a 256-bit vector changes the ABI of the baseline clone).
