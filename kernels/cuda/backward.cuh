@@ -91,6 +91,9 @@ struct BackwardArgs {
   void* d_table;                 // may be null; row_grads [U, dim] when slot_of_row is set
   const uint32_t* slot_of_row;   // sparse: output row of each touched table row; null = dense
   float* dots;                   // [tiles, num_indices]; null when d_weights is not wanted
+  // Sum combiner under the position pass: d_weights itself, which that pass
+  // writes (the d_weights kernel is skipped); null otherwise.
+  void* d_weights;
   int32_t* piece_row;            // [2 * pieces]
   float* piece_sum;              // [2 * pieces, dim]
   // max combiner: [num_bags, dim], the entry holding each column's maximum

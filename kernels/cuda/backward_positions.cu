@@ -70,6 +70,21 @@ __device__ __forceinline__ void StoreRow(const BackwardArgs& a, int64_t row, int
   }
 }
 
+// One entry's raw dot: to dots for the d_weights kernel, or (a.d_weights set:
+// sum combiner) to d_weights as that kernel would store it (0 + dot).
+__device__ __forceinline__ void StoreDot(const BackwardArgs& a, uint32_t entry, float dot) {
+  if (a.d_weights != nullptr) StoreWeight(a.d_weights, a.bags.weights_type, entry, 0.f + dot);
+  else a.dots[entry] = dot;
+}
+
+// A long row's dots came from the pieces pass: d_weights of positions [lo, hi).
+__device__ void WeightsFromDots(const BackwardArgs& a, int64_t lo, int64_t hi, int lane) {
+  for (int64_t pos = lo + lane; pos < hi; pos += kWarp) {
+    const uint32_t entry = a.sorted_entries[pos];
+    StoreWeight(a.d_weights, a.bags.weights_type, entry, 0.f + a.dots[entry]);
+  }
+}
+
 // The walk's state between batches (warp-uniform but the registers).
 template <typename T, int VEC, int U>
 struct Walk {
@@ -131,6 +146,7 @@ __device__ int64_t WalkWindow(const BackwardArgs& a, int64_t cursor, int64_t end
         if (w.long_row) {
           w.hi = __shfl_sync(kFullMask, my_hi, at);
           if (a.d_table != nullptr) AddPieces<VEC, U>(a, w.row, cursor + at, w.hi, lane_col, w.acc);
+          if (a.d_weights != nullptr) WeightsFromDots(a, cursor + at, w.hi, lane);
         }
       }
       if (w.long_row) continue;  // its dots came from the pieces pass
@@ -147,7 +163,7 @@ __device__ int64_t WalkWindow(const BackwardArgs& a, int64_t cursor, int64_t end
       if (want_dots) {
         const float dot = WarpSum(partial_dot);
         const uint32_t entry = __shfl_sync(kFullMask, meta.entry, at);
-        if (lane == 0) a.dots[entry] = dot;
+        if (lane == 0) StoreDot(a, entry, dot);
       }
     }
     // Inside a long row: jump to its end.
@@ -166,6 +182,9 @@ __device__ void GradientOfChunk(const BackwardArgs& a, int64_t chunk, int lane) 
   uint32_t prev = __shfl_up_sync(kFullMask, my_row, 1);
   if (lane == 0) prev = c0 > 0 ? a.sorted_rows[c0 - 1] : UINT32_MAX;
   const unsigned starts = __ballot_sync(kFullMask, pos < n && my_row < num_rows && my_row != prev);
+  // Skipped entries (sorted last, row = num_rows) get d_weight 0 (the d_weights kernel's ValidEntry).
+  if (a.d_weights != nullptr && pos < n && my_row >= num_rows)
+    StoreWeight(a.d_weights, a.bags.weights_type, a.sorted_entries[pos], 0.f);
   if (starts == 0) return;
   const uint32_t last_row = __shfl_sync(kFullMask, my_row, 31 - __clz(starts));
   const int64_t end = a.seg_begin[last_row + 1];
@@ -239,6 +258,9 @@ int LaunchPositionPassFor(const BackwardArgs& args, int64_t pieces, cudaStream_t
 }  // namespace
 
 bool PositionPassApplies(const BackwardArgs& args) {
+#ifdef PKM_BWD_NO_POSITION_PASS  // -D for an A/B against the row pass alone
+  return false;
+#endif
   const int64_t vec = args.bags.elem_type == PKM_FLOAT32 ? 4 : 8;
   return args.max_entry == nullptr && args.bags.dim % vec == 0 && args.bags.dim <= 2 * kWarp * vec &&
          Aligned16(args.bags.table) && Aligned16(args.grad) && (args.d_table == nullptr || Aligned16(args.d_table));
