@@ -71,18 +71,11 @@ __device__ __forceinline__ void StoreRow(const BackwardArgs& a, int64_t row, int
 }
 
 // One entry's raw dot: to dots for the d_weights kernel, or (a.d_weights set:
-// sum combiner) to d_weights as that kernel would store it (0 + dot).
+// sum combiner) to d_weights as that kernel would store it (0 + dot). Long
+// rows' d_weights come from the pieces pass (PiecesKernel).
 __device__ __forceinline__ void StoreDot(const BackwardArgs& a, uint32_t entry, float dot) {
   if (a.d_weights != nullptr) StoreWeight(a.d_weights, a.bags.weights_type, entry, 0.f + dot);
   else a.dots[entry] = dot;
-}
-
-// A long row's dots came from the pieces pass: d_weights of positions [lo, hi).
-__device__ void WeightsFromDots(const BackwardArgs& a, int64_t lo, int64_t hi, int lane) {
-  for (int64_t pos = lo + lane; pos < hi; pos += kWarp) {
-    const uint32_t entry = a.sorted_entries[pos];
-    StoreWeight(a.d_weights, a.bags.weights_type, entry, 0.f + a.dots[entry]);
-  }
 }
 
 // The walk's state between batches (warp-uniform but the registers).
@@ -146,7 +139,6 @@ __device__ int64_t WalkWindow(const BackwardArgs& a, int64_t cursor, int64_t end
         if (w.long_row) {
           w.hi = __shfl_sync(kFullMask, my_hi, at);
           if (a.d_table != nullptr) AddPieces<VEC, U>(a, w.row, cursor + at, w.hi, lane_col, w.acc);
-          if (a.d_weights != nullptr) WeightsFromDots(a, cursor + at, w.hi, lane);
         }
       }
       if (w.long_row) continue;  // its dots came from the pieces pass
