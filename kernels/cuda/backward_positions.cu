@@ -9,7 +9,8 @@
 // before any is summed, across row boundaries. Each row is still summed in
 // position order by one warp (fmaf from 0, as RowsKernel): the result is
 // bitwise the same. Untouched rows of a dense d_table get their zeros in the
-// same launch from plain 16-byte stores (a warp per 32 rows).
+// same launch from plain 16-byte stores (a warp per 32 rows). With the sum
+// combiner the pass stores d_weights too (StoreDot), saving the d_weights kernel.
 #include "kernels/cuda/backward_rows.cuh"
 
 namespace pkm_cuda {
