@@ -279,8 +279,8 @@ class PkmLib:
         opts = self._options(options)
         d_table = torch.empty_like(table) if want_d_table else None
         d_weights = torch.empty_like(weights) if (want_d_weights and weights is not None) else None
-        ws_bytes = self.lib.pkm_cuda_backward_workspace_bytes(ctypes.byref(bags), opts)
-        if workspace is None:
+        if workspace is None:  # (a caller's workspace skips the size query: host time before any launch)
+            ws_bytes = self.lib.pkm_cuda_backward_workspace_bytes(ctypes.byref(bags), opts)
             workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=table.device)
         stream = torch.cuda.current_stream(table.device).cuda_stream
         rc = self.lib.pkm_cuda_backward(ctypes.byref(bags), _ptr(grad), _ptr(d_table), _ptr(d_weights),

@@ -20,7 +20,14 @@ int LaunchBackward(const PkmBags& bags, const Layout& l, const void* grad_out, v
     if (int status = AssignSparseSlots(l, ws, *sparse, stream, &args)) return status;
   }
   args.dots = DotsBuffer(l, ws, args, d_weights);
+  // Sum: d_weights is the raw dot, which the position pass can store itself.
+  const bool direct_weights = d_weights != nullptr && bags.combiner == PKM_SUM && l.tiles == 1 &&
+                              PositionPassApplies(args);
+#ifndef PKM_BWD_SEPARATE_WEIGHTS  // -D for an A/B against the d_weights kernel
+  if (direct_weights) args.d_weights = d_weights;
+#endif
   if (int status = LaunchGradientRowPasses(args, l.pieces, stream)) return status;
+  if (args.d_weights != nullptr) return PKM_CUDA_OK;
   return LaunchWeightsGrad(bags, l.num_indices, l.tiles, args.dots, d_weights, stream);
 }
 

@@ -7,7 +7,9 @@
 // The algorithm, all deterministic (no atomics on results):
 //  1. key every entry by its table row (padding / out of range -> num_rows,
 //     which sorts last) and radix-sort (row, entry) pairs: O(entries) uint32s;
-//  2. seg_begin[r] = first sorted position of row r (binary search per row);
+//  2. seg_begin[r] = first sorted position of row r (a scatter from each sorted
+//     position over the rows since the previous one; a binary search where
+//     the gap was long);
 //  3. a warp per (4 consecutive rows, 1024-column tile) walks each row's entries, gathering
 //     coef * grad[bag] into registers, and hands the row tile's gradient to an
 //     epilogue: store it once into d_table (rows nobody references get zeros),
@@ -22,7 +24,8 @@
 //     rows do not serialise one warp and results stay bitwise reproducible;
 //  5. a warp per bag turns the raw dots into d_weights with the combiner's
 //     correction (mean: (d_k - sum_j w_j d_j / S) / S; sqrtn:
-//     (d_k - w_k sum_j w_j d_j / R^2) / R).
+//     (d_k - w_k sum_j w_j d_j / R^2) / R). Sum needs none: under the
+//     position pass d_weights is stored there (BackwardArgs::d_weights).
 #ifndef PKM_KERNELS_CUDA_BACKWARD_CUH_
 #define PKM_KERNELS_CUDA_BACKWARD_CUH_
 
@@ -91,6 +94,9 @@ struct BackwardArgs {
   void* d_table;                 // may be null; row_grads [U, dim] when slot_of_row is set
   const uint32_t* slot_of_row;   // sparse: output row of each touched table row; null = dense
   float* dots;                   // [tiles, num_indices]; null when d_weights is not wanted
+  // Sum combiner under the position pass: d_weights itself, which that pass
+  // writes (the d_weights kernel is skipped); null otherwise.
+  void* d_weights;
   int32_t* piece_row;            // [2 * pieces]
   float* piece_sum;              // [2 * pieces, dim]
   // max combiner: [num_bags, dim], the entry holding each column's maximum

@@ -9,7 +9,8 @@
 // before any is summed, across row boundaries. Each row is still summed in
 // position order by one warp (fmaf from 0, as RowsKernel): the result is
 // bitwise the same. Untouched rows of a dense d_table get their zeros in the
-// same launch from plain 16-byte stores (a warp per 32 rows).
+// same launch from plain 16-byte stores (a warp per 32 rows). With the sum
+// combiner the pass stores d_weights too (StoreDot), saving the d_weights kernel.
 #include "kernels/cuda/backward_rows.cuh"
 
 namespace pkm_cuda {
@@ -68,6 +69,14 @@ __device__ __forceinline__ void StoreRow(const BackwardArgs& a, int64_t row, int
     for (int v = 0; v < VEC; ++v) pack.elems[v] = FromFloat<T>(acc[u][v]);
     *reinterpret_cast<uint4*>(out + col) = pack.raw;
   }
+}
+
+// One entry's raw dot: to dots for the d_weights kernel, or (a.d_weights set:
+// sum combiner) to d_weights as that kernel would store it (0 + dot). Long
+// rows' d_weights come from the pieces pass (PiecesKernel).
+__device__ __forceinline__ void StoreDot(const BackwardArgs& a, uint32_t entry, float dot) {
+  if (a.d_weights != nullptr) StoreWeight(a.d_weights, a.bags.weights_type, entry, 0.f + dot);
+  else a.dots[entry] = dot;
 }
 
 // The walk's state between batches (warp-uniform but the registers).
@@ -147,7 +156,7 @@ __device__ int64_t WalkWindow(const BackwardArgs& a, int64_t cursor, int64_t end
       if (want_dots) {
         const float dot = WarpSum(partial_dot);
         const uint32_t entry = __shfl_sync(kFullMask, meta.entry, at);
-        if (lane == 0) a.dots[entry] = dot;
+        if (lane == 0) StoreDot(a, entry, dot);
       }
     }
     // Inside a long row: jump to its end.
@@ -166,6 +175,9 @@ __device__ void GradientOfChunk(const BackwardArgs& a, int64_t chunk, int lane) 
   uint32_t prev = __shfl_up_sync(kFullMask, my_row, 1);
   if (lane == 0) prev = c0 > 0 ? a.sorted_rows[c0 - 1] : UINT32_MAX;
   const unsigned starts = __ballot_sync(kFullMask, pos < n && my_row < num_rows && my_row != prev);
+  // Skipped entries (sorted last, row = num_rows) get d_weight 0 (the d_weights kernel's ValidEntry).
+  if (a.d_weights != nullptr && pos < n && my_row >= num_rows)
+    StoreWeight(a.d_weights, a.bags.weights_type, a.sorted_entries[pos], 0.f);
   if (starts == 0) return;
   const uint32_t last_row = __shfl_sync(kFullMask, my_row, 31 - __clz(starts));
   const int64_t end = a.seg_begin[last_row + 1];
@@ -239,6 +251,9 @@ int LaunchPositionPassFor(const BackwardArgs& args, int64_t pieces, cudaStream_t
 }  // namespace
 
 bool PositionPassApplies(const BackwardArgs& args) {
+#ifdef PKM_BWD_NO_POSITION_PASS  // -D for an A/B against the row pass alone
+  return false;
+#endif
   const int64_t vec = args.bags.elem_type == PKM_FLOAT32 ? 4 : 8;
   return args.max_entry == nullptr && args.bags.dim % vec == 0 && args.bags.dim <= 2 * kWarp * vec &&
          Aligned16(args.bags.table) && Aligned16(args.grad) && (args.d_table == nullptr || Aligned16(args.d_table));

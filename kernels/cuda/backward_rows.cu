@@ -27,9 +27,7 @@ struct StoreGradient {
 }  // namespace
 
 int LaunchGradientRowPasses(const BackwardArgs& args, int64_t pieces, cudaStream_t stream) {
-#ifndef PKM_BWD_NO_POSITION_PASS  // -D for an A/B against the row pass alone
   if (PositionPassApplies(args)) return LaunchPositionPass(args, pieces, stream);
-#endif
   const bool aligned = args.d_table == nullptr || Aligned16(args.d_table);
   switch (args.bags.elem_type) {
     case PKM_FLOAT16: return LaunchRowPasses<__half>(args, pieces, StoreGradient{}, aligned, stream);

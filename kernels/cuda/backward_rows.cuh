@@ -53,6 +53,15 @@ __global__ void __launch_bounds__(RowPassThreads(sizeof(T)), MinBlocks(VEC, U, s
       for (int v = 0; v < VEC; ++v)
         if (col + v < dim) out[col + v] = acc[u][v];
     }
+    // The position pass stores d_weights itself (a.d_weights; one tile) but
+    // for long rows, whose dots lane 0 just wrote.
+    if (a.d_weights != nullptr) {
+      __syncwarp();
+      for (int64_t pos = r0 + lane; pos < r1; pos += kWarp) {
+        const uint32_t entry = a.sorted_entries[pos];
+        StoreWeight(a.d_weights, a.bags.weights_type, entry, 0.f + a.dots[entry]);
+      }
+    }
   }
 }
 

@@ -46,10 +46,36 @@ __global__ void RaggedKeysKernel(PkmBags bags, int64_t num_indices, uint32_t* ke
   }
 }
 
-__global__ void SegmentBeginKernel(const uint32_t* sorted_rows, int64_t num_indices,
-                                   int64_t num_rows, uint32_t* seg_begin) {
+// Segment starts: seg_begin[r] = the first sorted position whose row is >= r,
+// for r in [0, num_rows]. A binary search per row costs ~23 dependent loads
+// per table row; instead each position p writes the rows in (row[p-1], row[p]]
+// (row[-1] = -1, row[n] = num_rows): every row once, a few stores per position
+// when the gaps are short. Gaps longer than kScatterRows (few entries over a
+// huge table) are left to SegmentCheckKernel.
+constexpr int64_t kScatterRows = 32;
+
+__global__ void SegmentScatterKernel(const uint32_t* sorted_rows, int64_t num_indices, int64_t num_rows,
+                                     uint32_t* seg_begin) {
+  const int64_t pos = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (pos > num_indices) return;
+  const int64_t prev = pos == 0 ? -1 : static_cast<int64_t>(sorted_rows[pos - 1]);
+  const int64_t row = pos == num_indices ? num_rows : static_cast<int64_t>(sorted_rows[pos]);
+  const int64_t last = min(row, prev + kScatterRows);
+  for (int64_t r = prev + 1; r <= last; ++r) seg_begin[r] = static_cast<uint32_t>(pos);
+}
+
+// Rows the scatter skipped hold whatever the workspace held: a value s is the
+// start of row r exactly when s <= n, row[s] >= r (or s = n) and row[s-1] < r
+// (or s = 0), so any other value is replaced by a binary search. The result
+// does not depend on the workspace's old contents.
+__global__ void SegmentCheckKernel(const uint32_t* sorted_rows, int64_t num_indices, int64_t num_rows,
+                                   uint32_t* seg_begin) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (row > num_rows) return;
+  const int64_t s = seg_begin[row];
+  if (s <= num_indices && (s == num_indices || static_cast<int64_t>(sorted_rows[s]) >= row) &&
+      (s == 0 || static_cast<int64_t>(sorted_rows[s - 1]) < row))
+    return;
   int64_t lo = 0, hi = num_indices;  // first position whose row >= `row`
   while (lo < hi) {
     const int64_t mid = (lo + hi) / 2;
@@ -262,8 +288,10 @@ int SortEntriesByRow(const PkmBags& bags, const Layout& l, void* d_weights, char
   if (int status = SortPairs<IdxT>(bags, l, d_weights, ws, stream, &keys, &entries, bag_of_entry)) return status;
   // Step 2: segment starts.
   uint32_t* seg_begin = reinterpret_cast<uint32_t*>(ws + l.seg_begin);
-  SegmentBeginKernel<<<Blocks(bags.num_rows + 1, 256), 256, 0, stream>>>(keys.Current(), n, bags.num_rows, seg_begin);
-  if (int status = CheckLaunch("backward segments")) return status;
+  SegmentScatterKernel<<<Blocks(n + 1, 256), 256, 0, stream>>>(keys.Current(), n, bags.num_rows, seg_begin);
+  if (int status = CheckLaunch("backward segment scatter")) return status;
+  SegmentCheckKernel<<<Blocks(bags.num_rows + 1, 256), 256, 0, stream>>>(keys.Current(), n, bags.num_rows, seg_begin);
+  if (int status = CheckLaunch("backward segment check")) return status;
   int32_t* max_entry = nullptr;
   if (bags.combiner == PKM_MAX) {
     max_entry = reinterpret_cast<int32_t*>(ws + l.max_entry);

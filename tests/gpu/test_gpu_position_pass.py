@@ -51,3 +51,32 @@ def test_rows_across_windows_and_long_rows_match_reference(lib, dtype, dim):
             rows, row_grads, sparse_dw = lib.cuda_sparse_backward(g_table, g_idx, g_grad, g_w, combiner, options=opts)
             assert torch.equal(rows, touched) and torch.equal(row_grads, d_table[rows]), what
             assert torch.equal(sparse_dw, d_w), what
+
+
+def test_segment_starts_over_long_gaps_do_not_depend_on_the_workspace(lib):
+    """Few entries over many rows: gaps of thousands of rows between touched rows, which the segment
+    scatter leaves to the check pass (backward_sort.cu), beside runs of adjacent rows, the first and last
+    rows, a hot row and padding. d_table / d_weights match the float64 reference and are bitwise the
+    same whatever the workspace held before (zeros: in-range stale starts; 0xFF / 0x07: out of range)."""
+    rng = np.random.default_rng(11)
+    num_rows, dim = 50000, 64
+    rows = np.concatenate([[0, num_rows - 1, 7, 7, 7, 7, 7], np.arange(300, 340), rng.integers(0, num_rows, 17)])
+    rng.shuffle(rows)
+    idx = rows.reshape(8, 8).copy()
+    idx[0, 3] = idx[5, 6] = -1
+    table = torch.from_numpy(rng.standard_normal((num_rows, dim)).astype(np.float32))
+    weights = torch.from_numpy(rng.uniform(0.25, 1.5, size=idx.shape).astype(np.float32))
+    grad = torch.from_numpy(rng.standard_normal((idx.shape[0], dim)).astype(np.float32))
+    indices = torch.from_numpy(idx)
+    g_table, g_idx, g_w, g_grad = to_dev(table, indices, weights, grad)
+    want_dt, want_dw = lib.cpu_backward(table, indices, grad, weights, "sum", reference=True)
+    nbytes = lib.cuda_backward_workspace_bytes(g_table, g_idx, g_w, "sum")
+    results = []
+    for fill in (0x00, 0xFF, 0x07):
+        ws = torch.full((nbytes,), fill, dtype=torch.uint8, device="cuda")
+        d_table, d_w = lib.cuda_backward(g_table, g_idx, g_grad, g_w, "sum", workspace=ws)
+        assert_close(d_table, want_dt, torch.float32, f"d_table, workspace filled with {fill:#x}")
+        assert_close(d_w, want_dw, torch.float32, f"d_weights, workspace filled with {fill:#x}", floor=8.0)
+        results.append((d_table, d_w))
+    for d_table, d_w in results[1:]:
+        assert torch.equal(d_table, results[0][0]) and torch.equal(d_w, results[0][1])
