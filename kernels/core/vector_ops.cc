@@ -113,9 +113,9 @@ __attribute__((always_inline)) inline void AxpyRowImpl(float a, const char* row,
   int64_t c = 0;
   for (; c + kLine <= n; c += kLine) {
     __builtin_prefetch(ahead + c * sizeof(E), 0, 3);
-    // Not unrolled: GCC 12 unrolls this 64-byte loop completely and then
-    // leaves it scalar (its straight-line vectoriser does not see the
-    // __restrict); kept as a loop, it becomes two 256-bit FMAs.
+    // Not unrolled: GCC 12 unrolled this 64-byte loop completely and left
+    // the result scalar; kept as a loop, its loop vectoriser makes it two
+    // 256-bit FMAs in the AVX2 clone (tests/ops/test_kernel_codegen.py).
 #pragma GCC unroll 1
     for (int64_t i = c; i < c + kLine; ++i) acc[i] += a * L::Get(r, i);
   }
