@@ -2,6 +2,7 @@
 float64 numpy reference of the table gradient and against the dense op."""
 
 import itertools
+import zlib
 
 import numpy as np
 import pytest
@@ -35,7 +36,7 @@ CASES = list(itertools.product(DTYPES, ("int32", "int64"), ops.WEIGHTED_COMBINER
 
 @pytest.mark.parametrize("dtype_name,index_dtype,combiner,weighted,layout", CASES)
 def test_sparse_gradient_densifies_to_dense_and_reference(dtype_name, index_dtype, combiner, weighted, layout):
-    rng = np.random.default_rng(abs(hash((dtype_name, index_dtype, combiner, weighted, layout))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(repr((dtype_name, index_dtype, combiner, weighted, layout)).encode()))
     dtype, n, d = DTYPES[dtype_name], 97, 12
     table = tf.cast(rng.standard_normal((n, d)), dtype)
     if layout == "dense":
@@ -126,7 +127,8 @@ def test_sparse_grad_op_rejects_bad_inputs():
 @pytest.mark.parametrize("combiner,weighted,layout", list(itertools.product(
     ops.WEIGHTED_COMBINERS, (True, False), ("dense", "ragged", "rank3"))))
 def test_sharded_table_equals_unsharded(combiner, weighted, layout):
-    rng = np.random.default_rng(abs(hash((combiner, weighted, layout))) % 2**32)
+    # A seed fixed per case (hash() of a str changes with each process's PYTHONHASHSEED).
+    rng = np.random.default_rng(zlib.crc32(f"{combiner}-{weighted}-{layout}".encode()))
     n, d = 50, 6
     full = rng.standard_normal((n, d)).astype(np.float32)
     table = tf.Variable(full)
@@ -157,7 +159,10 @@ def test_sharded_table_equals_unsharded(combiner, weighted, layout):
                             for g, s in zip(g_shards, shards)])
         assert rel_err(g, densify(g_ref)) <= 1e-5
         if weighted:
-            assert rel_err(dw, dw_ref) <= 1e-5
+            # mean/sqrtn's d_weights subtract two float32 dot products (g.row - g.out), whose
+            # sums the sharded and unsharded ops add in different orders: up to 7.6e-6 over
+            # 60 random draws, 1.5e-5 once.
+            assert rel_err(dw, dw_ref) <= 1e-4
 
 
 def test_sharded_variable_and_errors():
