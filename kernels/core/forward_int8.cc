@@ -20,12 +20,6 @@
 #include "kernels/core/internal.h"
 #include "kernels/core/vector_ops.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(PKM_NO_MULTIVERSION)
-#define PKM_INT8_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define PKM_INT8_MULTIVERSION
-#endif
-
 namespace pkm {
 namespace internal {
 namespace {
@@ -34,7 +28,7 @@ constexpr int kGroup = 8;
 
 // acc[i] += sum_r c[r] * q_r[i] over eight rows; per 64-byte line, the same
 // line of each `ahead` row is prefetched (bag_window.h).
-PKM_INT8_MULTIVERSION
+PKM_MULTIVERSION
 [[maybe_unused]] void AccumulateGroup(const float* c, const char* const* rows, const char* const* ahead,
                                       float* __restrict acc, int64_t n) {
   const int8_t* const* q = reinterpret_cast<const int8_t* const*>(rows);
@@ -128,7 +122,7 @@ constexpr void (*kAccumulateGroup)(const float*, const char* const*, const char*
 #endif
 
 // acc[i] += c * q[i]: the rows left over after the groups of eight.
-PKM_INT8_MULTIVERSION
+PKM_MULTIVERSION
 void AccumulateRow(float c, const char* row, const char* ahead, float* __restrict acc, int64_t n) {
   const int8_t* __restrict q = reinterpret_cast<const int8_t*>(row);
   for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(ahead + i, 0, 3);

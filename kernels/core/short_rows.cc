@@ -6,13 +6,6 @@
 #include "kernels/core/internal.h"
 #include "kernels/core/vector_ops.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(PKM_NO_MULTIVERSION)
-#define PKM_SHORT_ROWS_MULTIVERSION \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define PKM_SHORT_ROWS_MULTIVERSION
-#endif
-
 namespace pkm {
 namespace internal {
 namespace {
@@ -110,7 +103,7 @@ __attribute__((always_inline)) inline void SumBagsAnyWidth(const Table& table, c
   }
 }
 
-PKM_SHORT_ROWS_MULTIVERSION
+PKM_MULTIVERSION
 void SumShortRowsAnyType(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
                          int64_t b0, int64_t b1) {
   const bool bf16 = table.type == ElemType::kBFloat16;

@@ -4,14 +4,6 @@
 
 #include "kernels/core/internal.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(PKM_NO_MULTIVERSION)
-// One clone per CPU generation; the dynamic loader picks the best (ifunc).
-#define PKM_MULTIVERSION \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define PKM_MULTIVERSION
-#endif
-
 namespace pkm {
 namespace vec {
 

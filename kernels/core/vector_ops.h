@@ -29,6 +29,14 @@ namespace pkm::vec { using CompilerHalf = _Float16; }
 #define PKM_X86_F16C 1
 #endif
 
+// The core's row loops are compiled once per CPU generation on x86-64 GCC
+// builds; the dynamic loader picks the best (ifunc). One copy elsewhere.
+#if defined(PKM_X86_F16C)
+#define PKM_MULTIVERSION __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define PKM_MULTIVERSION
+#endif
+
 namespace pkm {
 namespace vec {
 
