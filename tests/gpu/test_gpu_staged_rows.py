@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from gpu_common import torch  # noqa: F401  (skips without CUDA)
-from test_gpu_embedding_bag import assert_close, to_dev
-from test_gpu_position_pass import window_crossing_case
+from test_gpu_embedding_bag import to_dev
+from test_gpu_position_pass import check_backward_against_reference, window_crossing_case
 from tests.row_optimizer_reference import apply_rows
 
 ADAM = dict(learning_rate=0.01, epsilon=1e-7, beta_1=0.9, beta_2=0.999, step=3)
@@ -21,25 +21,7 @@ DIMS = [(torch.float32, 1024), (torch.float32, 1104), (torch.float32, 2080), (to
 
 @pytest.mark.parametrize("dtype,dim", DIMS, ids=lambda x: str(x).split(".")[-1])
 def test_staged_rows_gradient_matches_reference_and_is_deterministic(lib, dtype, dim):
-    table, indices, weights, grad = window_crossing_case(dtype, dim, seed=dim + 1)
-    g_table, g_idx, g_w, g_grad = to_dev(table, indices, weights, grad)
-    valid = indices.numpy().ravel()
-    touched = torch.from_numpy(np.unique(valid[valid >= 0])).cuda()
-    for combiner in ("sum", "mean"):
-        want_dt, want_dw = lib.cpu_backward(table, indices, grad, weights, combiner, reference=True)
-        for long_segment in (1, 31, 32, 33, 0):  # 0: the default (2048), no row is long
-            opts = {"long_segment_entries": long_segment}
-            what = f"{combiner} long_segment={long_segment}"
-            d_table, d_w = lib.cuda_backward(g_table, g_idx, g_grad, g_w, combiner, options=opts)
-            assert_close(d_table, want_dt, dtype, "d_table " + what)
-            assert_close(d_w, want_dw, dtype, "d_weights " + what, floor=float(np.sqrt(dim)))
-            again = lib.cuda_backward(g_table, g_idx, g_grad, g_w, combiner, options=opts)
-            assert torch.equal(again[0], d_table) and torch.equal(again[1], d_w), "not bitwise reproducible " + what
-            only_dt, _ = lib.cuda_backward(g_table, g_idx, g_grad, g_w, combiner, want_d_weights=False, options=opts)
-            assert torch.equal(only_dt, d_table), what
-            rows, row_grads, sparse_dw = lib.cuda_sparse_backward(g_table, g_idx, g_grad, g_w, combiner, options=opts)
-            assert torch.equal(rows, touched) and torch.equal(row_grads, d_table[rows]), what
-            assert torch.equal(sparse_dw, d_w), what
+    check_backward_against_reference(lib, dtype, dim, seed=dim + 1, check_d_weights_alone=False)
 
 
 @pytest.mark.parametrize("dim", [1024, 2080])
