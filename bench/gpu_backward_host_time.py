@@ -65,6 +65,17 @@ def main():
             "make_bags_us": host_us(lambda: pkm_capi.make_bags(table, indices, weights, "sum"), args.iters),
             "two_empty_like_us": host_us(lambda: (torch.empty_like(table), torch.empty_like(weights)), args.iters),
             "c_call_us": host_us(c_call, args.iters),
+            # The rest of the wrapper, part by part.
+            "current_stream_us": host_us(lambda: pkm_capi._current_stream(table.device), args.iters),
+            "torch_current_stream_us": host_us(lambda: torch.cuda.current_stream(table.device).cuda_stream,
+                                               args.iters),
+            "four_ptr_us": host_us(lambda: [pkm_capi._ptr(t) for t in (grad, d_table, d_weights, ws)], args.iters),
+            "c_call_as_wrapper_us": host_us(lambda: lib.lib.pkm_cuda_backward(
+                ctypes.byref(bags), pkm_capi._ptr(grad), pkm_capi._ptr(d_table), pkm_capi._ptr(d_weights),
+                pkm_capi._ptr(ws), ws.numel(), None, pkm_capi._current_stream(table.device)), args.iters),
+            "wrapper_call_out_given_us": host_us(
+                lambda: lib.cuda_backward(table, indices, grad, weights, "sum", workspace=ws, out=(d_table, d_weights)),
+                args.iters),
         }
         print(name, json.dumps(out[name]), flush=True)
 

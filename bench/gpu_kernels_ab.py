@@ -63,6 +63,25 @@ def kernel_breakdown(fn):
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
+def interleaved_event_ms(fns, iters, warmup=3):
+    """{name: median ms} of each fns[name]() between two events, the builds taking turns call by call
+    (clock and load drift then hit every build alike), the GPU idle before each call."""
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    times = {name: [] for name in fns}
+    for _ in range(iters):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
 def case(libs, B, K, D, N, dtype_name, with_bwd, iters, profile_bwd):
     dtype = DTYPES[dtype_name]
     table, indices, weights, grad = inputs(B, K, D, N, dtype)
@@ -86,7 +105,7 @@ def case(libs, B, K, D, N, dtype_name, with_bwd, iters, profile_bwd):
     row["launch_floor_graph_ms"] = harness.cuda_graph_ms(lambda: tiny.zero_(), iters)
     row["launch_floor_event_ms"] = harness.cuda_event_ms(lambda: tiny.zero_(), iters)
     if with_bwd:
-        dense = {}
+        dense, bwds = {}, {}
         for name, lib in libs.items():
             ws = torch.empty(max(1, lib.cuda_backward_workspace_bytes(table, indices, weights, "sum")),
                              dtype=torch.uint8, device=DEV)
@@ -100,7 +119,11 @@ def case(libs, B, K, D, N, dtype_name, with_bwd, iters, profile_bwd):
                 row[f"{name}_bwd_kernels_ms"] = kernel_breakdown(bwd)
                 row[f"{name}_sparse_bwd_kernels_ms"] = kernel_breakdown(
                     lambda lib=lib: lib.cuda_sparse_backward(table, indices, grad, weights, "sum"))
-            del ws
+            bwds[name] = bwd
+        if len(libs) > 1:  # the dense backward again, builds taking turns, 5x the calls
+            for name, ms in interleaved_event_ms(bwds, 5 * iters).items():
+                row[f"{name}_bwd_interleaved_ms"] = ms
+        del bwds
         names = list(libs)
         (ta, wa), (tb, wb) = dense[names[0]], dense[names[-1]]
         for name in names[1:]:  # every build against the first
@@ -154,6 +177,17 @@ def table_md(rows, names, copy_tbps):
                      " | ".join(f"{r[f'{n}_sparse_bwd_ms']:.3f}" for n in names) +
                      f" | {r['write_touched_rows_ms']:.3f} | {r[f'{b}_sparse_bwd_ms'] / r['write_touched_rows_ms']:.2f} | "
                      f"{r.get('bwd_bitwise_equal', '-')} |")
+    inter = [r for r in rows if f"{a}_bwd_interleaved_ms" in r]
+    if inter:
+        lines += ["", "Dense backward event-timed again, the builds taking turns call by call (medians of 5x the "
+                  "calls), ms and / write d_table:", "",
+                  "| shape | dtype | " + " | ".join(f"{n} bwd | / write" for n in names) + " |",
+                  "|---|---|" + "---|" * (2 * len(names))]
+        for r in inter:
+            w = r["write_d_table_ms"]
+            lines.append(f"| {r['B']},{r['K']},{r['D']},{r['N']} | {r['dtype']} | " +
+                         " | ".join(f"{r[f'{n}_bwd_interleaved_ms']:.3f} | {r[f'{n}_bwd_interleaved_ms'] / w:.2f}"
+                                    for n in names) + " |")
     return "\n".join(lines)
 
 

@@ -102,6 +102,17 @@ def _set_int8_rows(bags, table, row_scales, row_biases):
     bags.row_params_type = _elem_type(row_scales.dtype)
 
 
+def _current_stream(device):
+    """torch's current cudaStream_t on `device`, without building a torch.cuda.Stream (host time on the
+    backward's path: the call is event-timed against writing d_table once)."""
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None and device.index is not None:
+        return raw(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def _ptr(tensor):
     return ctypes.c_void_p(tensor.data_ptr()) if tensor is not None and tensor.numel() > 0 else None
 
@@ -245,7 +256,7 @@ class PkmLib:
         bags = make_bags(table, indices, weights, combiner, row_splits, invalid_counter)
         if out is None:
             out = torch.empty((bags.num_bags, bags.dim), dtype=table.dtype, device=table.device)
-        stream = torch.cuda.current_stream(table.device).cuda_stream
+        stream = _current_stream(table.device)
         rc = self.lib.pkm_cuda_forward(ctypes.byref(bags), _ptr(out), self._options(options), stream)
         self._check_cuda(rc, "pkm_cuda_forward")
         return out
@@ -259,7 +270,7 @@ class PkmLib:
                          row_scales=row_scales, row_biases=row_biases)
         if out is None:
             out = torch.empty((bags.num_bags, bags.dim), dtype=torch.float32, device=table.device)
-        stream = torch.cuda.current_stream(table.device).cuda_stream
+        stream = _current_stream(table.device)
         rc = self.lib.pkm_cuda_forward_int8(ctypes.byref(bags), _ptr(out), stream)
         self._check_cuda(rc, "pkm_cuda_forward_int8")
         return out
@@ -271,18 +282,22 @@ class PkmLib:
 
     def cuda_backward(self, table, indices, grad, weights=None, combiner="sum", row_splits=None,
                       want_d_table=True, want_d_weights=True, invalid_counter=None, options=None,
-                      workspace=None):
-        """Returns (d_table or None, d_weights or None)."""
+                      workspace=None, out=None):
+        """Returns (d_table or None, d_weights or None); `out`: (d_table, d_weights) tensors to write
+        into instead (either may be None to skip it)."""
         import torch
 
         bags = make_bags(table, indices, weights, combiner, row_splits, invalid_counter)
         opts = self._options(options)
-        d_table = torch.empty_like(table) if want_d_table else None
-        d_weights = torch.empty_like(weights) if (want_d_weights and weights is not None) else None
+        if out is not None:
+            d_table, d_weights = out
+        else:
+            d_table = torch.empty_like(table) if want_d_table else None
+            d_weights = torch.empty_like(weights) if (want_d_weights and weights is not None) else None
         if workspace is None:  # (a caller's workspace skips the size query: host time before any launch)
             ws_bytes = self.lib.pkm_cuda_backward_workspace_bytes(ctypes.byref(bags), opts)
             workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=table.device)
-        stream = torch.cuda.current_stream(table.device).cuda_stream
+        stream = _current_stream(table.device)
         rc = self.lib.pkm_cuda_backward(ctypes.byref(bags), _ptr(grad), _ptr(d_table), _ptr(d_weights),
                                         _ptr(workspace), workspace.numel(), opts, stream)
         self._check_cuda(rc, "pkm_cuda_backward")
@@ -300,7 +315,7 @@ class PkmLib:
         workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=table.device)
         keep = {}
         callback = _sparse_alloc(table, keep)
-        stream = torch.cuda.current_stream(table.device).cuda_stream
+        stream = _current_stream(table.device)
         rc = self.lib.pkm_cuda_sparse_backward(ctypes.byref(bags), _ptr(grad), callback, None, _ptr(d_weights),
                                                _ptr(workspace), workspace.numel(), opts, stream)
         self._check_cuda(rc, "pkm_cuda_sparse_backward")
@@ -319,7 +334,7 @@ class PkmLib:
         if workspace is None:
             ws_bytes = self.lib.pkm_cuda_fused_update_workspace_bytes(ctypes.byref(bags), opts)
             workspace = torch.empty(max(ws_bytes, 1), dtype=torch.uint8, device=table.device)
-        stream = torch.cuda.current_stream(table.device).cuda_stream
+        stream = _current_stream(table.device)
         rc = self.lib.pkm_cuda_fused_update(ctypes.byref(bags), _ptr(grad), ctypes.byref(opt), _ptr(d_weights),
                                             _ptr(workspace), workspace.numel(), opts, stream)
         self._check_cuda(rc, "pkm_cuda_fused_update")
@@ -338,7 +353,7 @@ class PkmLib:
         best = torch.empty((rows, knn), dtype=torch.float32, device=scores.device)
         index = torch.empty((rows, knn), dtype=torch.int64, device=scores.device)
         pos = torch.empty((rows, knn, 2), dtype=torch.int32, device=scores.device)
-        stream = torch.cuda.current_stream(scores.device).cuda_stream
+        stream = _current_stream(scores.device)
         rc = self.lib.pkm_cuda_product_topk(_ptr(scores), rows, n_keys, knn, _ptr(best), _ptr(index), _ptr(pos),
                                             stream)
         self._check_cuda(rc, "pkm_cuda_product_topk")
@@ -351,7 +366,7 @@ class PkmLib:
         d_best = d_best.contiguous().float()
         rows, knn = d_best.shape
         d_scores = torch.empty((rows, 2, n_keys), dtype=torch.float32, device=d_best.device)
-        stream = torch.cuda.current_stream(d_best.device).cuda_stream
+        stream = _current_stream(d_best.device)
         rc = self.lib.pkm_cuda_product_topk_backward(_ptr(d_best), _ptr(pos.contiguous()), rows, n_keys, knn,
                                                      _ptr(d_scores), stream)
         self._check_cuda(rc, "pkm_cuda_product_topk_backward")
