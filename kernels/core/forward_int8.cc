@@ -56,7 +56,10 @@ PKM_MULTIVERSION
 // values (vpmovsxbd), a convert and an FMA, two partial sums per eight columns
 // so the FMA chain is four rows long. The compiler's own vectorisation of the
 // loop above spends most of its time shuffling bytes into lanes (measured
-// ~2x slower on cached rows).
+// ~2x slower on cached rows). The eight prefetches of a line are paced one per
+// eight columns (row (i / 8) % 8's line of i): on the 2-core EPYC, 5-16%
+// faster over 128 MB tables than issuing them together; a whole row at once
+// was 1.3x slower (bench/results/int8_forward_notes.md).
 __attribute__((target("avx2,fma"))) void AccumulateGroupAvx2(const float* c, const char* const* rows,
                                                               const char* const* ahead, float* __restrict acc,
                                                               int64_t n) {
@@ -65,8 +68,7 @@ __attribute__((target("avx2,fma"))) void AccumulateGroupAvx2(const float* c, con
   for (int r = 0; r < kGroup; ++r) coef[r] = _mm256_set1_ps(c[r]);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    if (i % 64 == 0)
-      for (int r = 0; r < kGroup; ++r) _mm_prefetch(ahead[r] + i, _MM_HINT_T0);
+    _mm_prefetch(ahead[(i / 8) % kGroup] + (i & ~int64_t{63}), _MM_HINT_T0);
     __m256 even = _mm256_loadu_ps(acc + i), odd = _mm256_setzero_ps();
     for (int r = 0; r < kGroup; r += 2) {
       const __m256 x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(

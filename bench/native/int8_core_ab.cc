@@ -1,0 +1,129 @@
+// In-process A/B of the core's forward over float32 and int8 tables holding the same rows
+// (bench only, not shipped): bench/int8_core_ab.sh builds the core trees given to it as shared
+// libraries and runs this.
+//   int8_core_ab B K D N CALLS [fp16-params] [no-biases] -- LIB...
+// Each call draws one of 64 prepared index sets (uniform rows, so the rows of a table far over the
+// caches come from memory as in a served model), one thread, builds and table types taking turns
+// call by call. Prints the median ms per build and table type and int8 / float32.
+#include <dlfcn.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/core/embedding_bag.h"
+
+namespace {
+
+using ForwardFn = pkm::Status (*)(const pkm::Table&, const pkm::Bags&, pkm::Combiner, void*, pkm::ElemType,
+                                  const pkm::ParallelFor&);
+constexpr char kForwardSymbol[] =
+    "_ZN3pkm7ForwardERKNS_5TableERKNS_4BagsENS_8CombinerEPvNS_8ElemTypeERKSt8functionIFvllRKS9_IFvllEEEE";
+constexpr int kIndexSets = 64;
+
+double NowMs() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+template <typename T>
+T* HugeBuffer(size_t count) {
+  const size_t page = size_t{2} << 20, bytes = (count * sizeof(T) + page - 1) / page * page;
+  void* p = std::aligned_alloc(page, bytes);
+  if (p == nullptr) std::exit(2);
+  madvise(p, bytes, MADV_HUGEPAGE);
+  return static_cast<T*>(p);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 8) {
+    std::fprintf(stderr, "usage: int8_core_ab B K D N CALLS [fp16-params] [no-biases] -- LIB...\n");
+    return 2;
+  }
+  const int64_t B = std::atoll(argv[1]), K = std::atoll(argv[2]), D = std::atoll(argv[3]), N = std::atoll(argv[4]);
+  const int calls = std::atoi(argv[5]);
+  bool fp16_params = false, no_biases = false;
+  std::vector<ForwardFn> builds;
+  std::vector<std::string> names;
+  bool libs = false;
+  for (int i = 6; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--") { libs = true; continue; }
+    if (!libs) {
+      if (a == "fp16-params") fp16_params = true;
+      else if (a == "no-biases") no_biases = true;
+      else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
+      continue;
+    }
+    void* h = dlopen(a.c_str(), RTLD_NOW | RTLD_LOCAL);
+    void* f = h != nullptr ? dlsym(h, kForwardSymbol) : nullptr;
+    if (f == nullptr) { std::fprintf(stderr, "%s: %s\n", a.c_str(), dlerror()); return 2; }
+    builds.push_back(reinterpret_cast<ForwardFn>(f));
+    names.push_back(a.substr(a.find_last_of('/') + 1));
+  }
+  if (builds.empty()) { std::fprintf(stderr, "no LIB given\n"); return 2; }
+
+  std::mt19937_64 rng(1);
+  float* f32 = HugeBuffer<float>(N * D);
+  int8_t* q = HugeBuffer<int8_t>(N * D);
+  for (int64_t i = 0; i < N * D; ++i) {
+    q[i] = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
+    f32[i] = q[i] * 0.01f;
+  }
+  std::vector<float> scales(N, 0.01f), biases(N, 0.001f);
+  std::vector<uint16_t> scales16(N, 0x211f), biases16(N, 0x1419);  // ~0.01 and ~0.001 as float16
+  std::vector<int32_t> indices(static_cast<size_t>(kIndexSets) * B * K);
+  for (auto& v : indices) v = static_cast<int32_t>(rng() % N);
+  std::vector<float> weights(B * K, 0.5f), out(B * D);
+  pkm::Table t32{f32, pkm::ElemType::kFloat32, N, D};
+  pkm::Table t8{q, pkm::ElemType::kInt8, N, D, scales.data(), no_biases ? nullptr : biases.data()};
+  if (fp16_params) {
+    t8.row_scales = scales16.data();
+    t8.row_biases = no_biases ? nullptr : biases16.data();
+    t8.row_params_type = pkm::ElemType::kFloat16;
+  }
+  const pkm::ParallelFor inline_for = [](int64_t total, int64_t, const pkm::RangeFn& fn) { fn(0, total); };
+
+  std::vector<double> ms[2 * 16];
+  if (builds.size() > 16) { std::fprintf(stderr, "at most 16 builds\n"); return 2; }
+  const int warmup = 4;
+  for (int c = 0; c < calls + warmup; ++c)
+    for (size_t l = 0; l < builds.size(); ++l)
+      for (int t = 0; t < 2; ++t) {
+        const size_t build = (l + c) % builds.size();
+        const int int8 = (t + c) % 2;
+        pkm::Bags bags;
+        bags.indices = indices.data() + static_cast<size_t>((c * 7 + l * 3 + int8) % kIndexSets) * B * K;
+        bags.num_bags = B;
+        bags.bag_size = K;
+        bags.weights = weights.data();
+        const double t0 = NowMs();
+        const pkm::Status s = builds[build](int8 ? t8 : t32, bags, pkm::Combiner::kSum, out.data(),
+                                            pkm::ElemType::kFloat32, inline_for);
+        const double elapsed = NowMs() - t0;
+        if (!s.ok) { std::fprintf(stderr, "%s\n", s.message.c_str()); return 1; }
+        if (c >= warmup) ms[2 * build + int8].push_back(elapsed);
+      }
+  std::printf("B=%lld K=%lld D=%lld N=%lld%s%s, 1 thread, medians of %d calls\n", static_cast<long long>(B),
+              static_cast<long long>(K), static_cast<long long>(D), static_cast<long long>(N),
+              fp16_params ? ", float16 row parameters" : "", no_biases ? ", no biases" : "", calls);
+  for (size_t b = 0; b < builds.size(); ++b) {
+    double med[2];
+    for (int t = 0; t < 2; ++t) {
+      std::vector<double>& v = ms[2 * b + t];
+      std::sort(v.begin(), v.end());
+      med[t] = v[v.size() / 2];
+    }
+    std::printf("  %-12s float32 %.4f ms  int8 %.4f ms  int8/float32 %.3f\n", names[b].c_str(), med[0], med[1],
+                med[1] / med[0]);
+  }
+  return 0;
+}
