@@ -57,8 +57,8 @@ PKM_MULTIVERSION
 // so the FMA chain is four rows long. The compiler's own vectorisation of the
 // loop above spends most of its time shuffling bytes into lanes (measured
 // ~2x slower on cached rows). The eight prefetches of a line are paced one per
-// eight columns (row (i / 8) % 8's line of i): on the 2-core EPYC, 5-16%
-// faster over 128 MB tables than issuing them together; a whole row at once
+// eight columns (row (i / 8) % 8's line of i): on the 2-core EPYC, 5-13%
+// faster over 8-128 MB tables than issuing them together; a whole row at once
 // was 1.3x slower (bench/results/int8_forward_notes.md).
 __attribute__((target("avx2,fma"))) void AccumulateGroupAvx2(const float* c, const char* const* rows,
                                                               const char* const* ahead, float* __restrict acc,
