@@ -73,12 +73,7 @@ def interleaved_event_ms(fns, iters, warmup=3):
     times = {name: [] for name in fns}
     for _ in range(iters):
         for name, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end))
+            times[name].append(harness.cuda_event_once_ms(fn))
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 

@@ -126,15 +126,19 @@ def cuda_event_ms(fn: Callable, iters: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(cuda_event_once_ms(fn) for _ in range(iters))
+
+
+def cuda_event_once_ms(fn: Callable) -> float:
+    """ms of one fn() between two CUDA events on torch's current stream, waited for."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def cuda_graph_ms(fn: Callable, iters: int, calls_per_graph: int = 20, warmup: int = 3) -> float:

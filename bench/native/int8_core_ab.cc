@@ -13,7 +13,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -69,7 +68,7 @@ int main(int argc, char** argv) {
     builds.push_back(reinterpret_cast<ForwardFn>(f));
     names.push_back(a.substr(a.find_last_of('/') + 1));
   }
-  if (builds.empty()) { std::fprintf(stderr, "no LIB given\n"); return 2; }
+  if (builds.empty() || builds.size() > 16) { std::fprintf(stderr, "give 1 to 16 LIBs\n"); return 2; }
 
   std::mt19937_64 rng(1);
   float* f32 = HugeBuffer<float>(N * D);
@@ -92,8 +91,7 @@ int main(int argc, char** argv) {
   }
   const pkm::ParallelFor inline_for = [](int64_t total, int64_t, const pkm::RangeFn& fn) { fn(0, total); };
 
-  std::vector<double> ms[2 * 16];
-  if (builds.size() > 16) { std::fprintf(stderr, "at most 16 builds\n"); return 2; }
+  std::vector<double> ms[2 * 16];  // [2 * build + int8]
   const int warmup = 4;
   for (int c = 0; c < calls + warmup; ++c)
     for (size_t l = 0; l < builds.size(); ++l)
