@@ -4,54 +4,90 @@
 // 4M rows a row has ~0.5 entries, so each warp mostly waits on one chain of
 // dependent loads (segment start -> sorted entry -> bag, weight -> gradient row)
 // per row. Here a warp takes 32 consecutive sorted positions, owns the rows
-// that start there, and walks their positions kPositionsInFlight at a time:
-// the gradient rows (and table rows, for the dots) of all of them are loaded
-// before any is summed, across row boundaries. Each row is still summed in
-// position order by one warp (fmaf from 0, as RowsKernel): the result is
-// bitwise the same. Untouched rows of a dense d_table get their zeros in the
-// same launch from plain 16-byte stores (a warp per 32 rows). With the sum
-// combiner the pass stores d_weights too (StoreDot), saving the d_weights kernel.
+// that start there, and walks their positions with the gradient rows (and the
+// table rows of rows starting there, for the dots) of the next kStages - 1
+// positions in flight, copied by cp.async into a per-warp ring in shared memory
+// (no registers held while they fly), across row boundaries. Each row is still
+// summed in position order by one warp (fmaf from 0, as RowsKernel): the result
+// is bitwise the same. Untouched rows of a dense d_table get their zeros in the
+// same launch from 16-byte stores (a warp per 32 rows). With the sum combiner
+// the pass stores d_weights too (StoreDot), saving the d_weights kernel.
 #include "kernels/cuda/backward_rows.cuh"
 
 namespace pkm_cuda {
 namespace {
 
-#ifndef PKM_BWD_POSITIONS_IN_FLIGHT
-#define PKM_BWD_POSITIONS_IN_FLIGHT 2
+// Bytes of ring per warp: 8 stages of 512-byte rows (one vector per lane),
+// 4 of 1 KB rows. 4-warp blocks (32 KB of static shared memory each), 6
+// resident per SM, i.e. at most 80 registers (no spills). H200, round 8
+// (bench/results/gpu_round8_h200_notes.md): the huge-table pass 1.134 -> 1.082
+// ms bf16 against the round-5 walk with 2 positions in registers; a 4 KB ring
+// at 8 blocks per SM measured the same.
+#ifndef PKM_BWD_POSITION_STAGE_BYTES
+#define PKM_BWD_POSITION_STAGE_BYTES 8192
 #endif
-#ifndef PKM_BWD_POSITION_THREADS
-#define PKM_BWD_POSITION_THREADS 256
+constexpr int kStageBytes = PKM_BWD_POSITION_STAGE_BYTES;
+constexpr int kPositionThreads = 128;
+template <int U>
+__host__ __device__ constexpr int PositionStages() { return kStageBytes / (2 * U * kWarp * 16); }
+#ifndef PKM_BWD_POSITION_MIN_BLOCKS
+#define PKM_BWD_POSITION_MIN_BLOCKS 6
 #endif
-constexpr int kPositionsInFlight = PKM_BWD_POSITIONS_IN_FLIGHT;
-constexpr int kPositionThreads = PKM_BWD_POSITION_THREADS;
-// Resident 256-thread blocks asked for, i.e. a register cap (4 -> 64, 3 -> 80,
-// 2 -> 128): the pass is latency-bound, so resident warps count most. Picked on
-// the H200 (bench/results/gpu_kernels_ab_h200_round5_*): one vector per lane at
-// 64 (16-bit rows spill 44 bytes there and are still faster than at 80), fp32
-// two vectors at 80, 16-bit two vectors at 128 (they spill under 80).
-constexpr int PositionMinBlocks(int elem_bytes, int u) {
-#ifdef PKM_BWD_POSITION_MIN_BLOCKS
-  return PKM_BWD_POSITION_MIN_BLOCKS;
-#else
-  return u == 1 ? 4 : (elem_bytes == 2 ? 2 : 3);
-#endif
+
+// L2 eviction priorities (createpolicy + .L2::cache_hint, sm_80+). The pass
+// moves ~2x its d_table through L2 (d_table, touched table rows, gradient rows
+// gathered K times); its 16-bit upstream gradient (32 MB at B=65536, D=256)
+// does not stay there (ncu: 11% of reads hit). Picked per element size on the
+// H200 (round 8): 16-bit rows mark the table rows and d_table lines, touched
+// once, evict_first (1.26 -> 1.17 ms, gradient rows evict_last on top: 1.19);
+// fp32 rows (a 64 MB gradient) mark the gradient rows evict_last instead (2.28
+// -> 2.23 ms; evict_first on the rest: 2.26).
+template <typename T>
+struct L2Hints {
+  static constexpr bool kKeepGradient = sizeof(T) == 4;
+  static constexpr bool kStreamOnce = sizeof(T) == 2;
+};
+
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t p;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ uint64_t EvictLastPolicy() {
+  uint64_t p;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+  return p;
+}
+
+// A d_table store; kStream: evict_first.
+template <bool kStream>
+__device__ __forceinline__ void Store16(void* p, uint4 v) {
+  if constexpr (!kStream) {
+    *static_cast<uint4*>(p) = v;
+  } else {
+    asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w), "l"(EvictFirstPolicy())
+                 : "memory");
+  }
+}
+
+// CopyAsync16 under a policy: 0 none, 1 evict_first, 2 evict_last.
+template <int kPolicy>
+__device__ __forceinline__ void CopyAsync16As(void* smem, const void* gmem) {
+  if constexpr (kPolicy == 0) {
+    CopyAsync16(smem, gmem);
+  } else {
+    const uint64_t policy = kPolicy == 1 ? EvictFirstPolicy() : EvictLastPolicy();
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "l"(policy)
+                 : "memory");
+  }
 }
 
 template <typename T, int VEC, int U>
 struct RowTile {
   Pack<T, VEC> v[U];
 };
-
-template <typename T, int VEC, int U>
-__device__ __forceinline__ void LoadTile(const T* row_ptr, int64_t lane_col, int64_t dim, bool active,
-                                         RowTile<T, VEC, U>& tile) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
-    if (!active || col >= dim) ZeroPack<T, VEC>(tile.v[u]);
-    else LoadPack<T, VEC>(row_ptr + col, tile.v[u]);
-  }
-}
 
 // Stores a finished row: d_table row, or its sparse slot.
 template <typename T, int VEC, int U>
@@ -67,7 +103,7 @@ __device__ __forceinline__ void StoreRow(const BackwardArgs& a, int64_t row, int
     Pack<T, VEC> pack;
 #pragma unroll
     for (int v = 0; v < VEC; ++v) pack.elems[v] = FromFloat<T>(acc[u][v]);
-    *reinterpret_cast<uint4*>(out + col) = pack.raw;
+    Store16<L2Hints<T>::kStreamOnce>(out + col, pack.raw);
   }
 }
 
@@ -79,7 +115,54 @@ __device__ __forceinline__ void StoreDot(const BackwardArgs& a, uint32_t entry, 
   else a.dots[entry] = dot;
 }
 
-// The walk's state between batches (warp-uniform but the registers).
+// The walk's ring: per warp, kStages slots of (gradient row, table row) as this
+// lane's 16-byte pieces; each lane copies and reads back only its own pieces,
+// so cp.async.wait_group orders them (no barrier).
+template <int U>
+__device__ __forceinline__ uint4* RingSlot(uint4* ring, int stage, int part, int u, int lane) {
+  return ring + ((stage * 2 + part) * U + u) * kWarp + lane;
+}
+
+// Window position k's copies (its gradient row; its table row when a row
+// starts there and the dots are wanted) into slot k % kStages, as one commit
+// group, empty past the window's `count` positions: wait_group<kStages - 1>
+// after issuing k + kStages - 1 then means "k has landed". Warp-uniform call.
+template <typename T, int VEC, int U>
+__device__ __forceinline__ void IssueCopies(const BackwardArgs& a, uint4* ring, int k, int count, uint32_t my_row,
+                                            uint32_t my_bag, unsigned fresh_rows, int lane, int64_t lane_col) {
+  constexpr int kStages = PositionStages<U>();
+  const int at = k & (kWarp - 1);
+  const uint32_t row = __shfl_sync(kFullMask, my_row, at);
+  const uint32_t bag = __shfl_sync(kFullMask, my_bag, at);
+  if (k < count) {
+    const int64_t dim = a.bags.dim;
+    const T* grad = static_cast<const T*>(a.grad) + static_cast<int64_t>(bag) * dim;
+    const T* table = static_cast<const T*>(a.bags.table) + static_cast<int64_t>(row) * dim;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
+      if (col >= dim) continue;
+      CopyAsync16As<L2Hints<T>::kKeepGradient ? 2 : 0>(RingSlot<U>(ring, k % kStages, 0, u, lane), grad + col);
+      if ((fresh_rows >> k) & 1u)
+        CopyAsync16As<L2Hints<T>::kStreamOnce ? 1 : 0>(RingSlot<U>(ring, k % kStages, 1, u, lane), table + col);
+    }
+  }
+  CopyAsyncCommit();
+}
+
+// This lane's pieces of one slot's gradient (part 0) or table (1) row; zeros past dim.
+template <typename T, int VEC, int U>
+__device__ __forceinline__ void ReadSlot(uint4* ring, int stage, int part, int lane, int64_t lane_col, int64_t dim,
+                                         RowTile<T, VEC, U>& tile) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
+    if (col < dim) tile.v[u].raw = *RingSlot<U>(ring, stage, part, u, lane);
+    else ZeroPack<T, VEC>(tile.v[u]);
+  }
+}
+
+// The walk's state between windows (warp-uniform but the registers).
 template <typename T, int VEC, int U>
 struct Walk {
   int64_t row = -1;  // the row being summed (-1: none yet)
@@ -94,7 +177,8 @@ struct Walk {
 // Returns where the next window starts.
 template <typename T, int VEC, int U>
 __device__ int64_t WalkWindow(const BackwardArgs& a, int64_t cursor, int64_t end, int lane, int64_t lane_col,
-                              Walk<T, VEC, U>& w) {
+                              Walk<T, VEC, U>& w, uint4* ring) {
+  constexpr int kStages = PositionStages<U>();
   const int64_t dim = a.bags.dim;
   const int count = static_cast<int>(min(static_cast<int64_t>(kWarp), end - cursor));
   const bool in = lane < count;
@@ -111,63 +195,55 @@ __device__ int64_t WalkWindow(const BackwardArgs& a, int64_t cursor, int64_t end
   const unsigned later = lane == kWarp - 1 ? 0u : starts & (~0u << (lane + 1));
   const int64_t my_hi = later != 0 ? cursor + __ffs(later) - 1 : tail_hi;
   const unsigned longs = __ballot_sync(kFullMask, starts_here && my_hi - (cursor + lane) > a.long_segment);
-  const T* __restrict__ grad = static_cast<const T*>(a.grad);
-  const T* __restrict__ table = static_cast<const T*>(a.bags.table);
   const bool want_dots = a.dots != nullptr;
-  for (int k = 0; k < count; k += kPositionsInFlight) {
-    RowTile<T, VEC, U> g[kPositionsInFlight], x[kPositionsInFlight];
-    // Every load of the batch first: gradient rows, table rows of the rows that start here.
+  const unsigned fresh_rows = want_dots ? starts : 0u;  // whose table rows are copied
 #pragma unroll
-    for (int j = 0; j < kPositionsInFlight; ++j) {
-      const int at = (k + j) & (kWarp - 1);
-      const bool active = k + j < count;
-      const uint32_t row = __shfl_sync(kFullMask, my_row, at);
-      const uint32_t bag = __shfl_sync(kFullMask, my_bag, at);
-      const bool fresh = active && ((starts >> at) & 1u);
-      LoadTile<T, VEC, U>(grad + static_cast<int64_t>(bag) * dim, lane_col, dim, active, g[j]);
-      LoadTile<T, VEC, U>(table + static_cast<int64_t>(row) * dim, lane_col, dim, fresh && want_dots, x[j]);
-    }
-#pragma unroll
-    for (int j = 0; j < kPositionsInFlight; ++j) {
-      const int at = k + j;
-      if (at >= count) break;
-      if ((starts >> at) & 1u) {
-        if (w.row >= 0) StoreRow<T, VEC, U>(a, w.row, lane_col, w.acc);
-        ZeroAcc<VEC, U>(w.acc);
-        w.row = __shfl_sync(kFullMask, my_row, at);
-        w.long_row = (longs >> at) & 1u;
-        w.table = x[j];
-        if (w.long_row) {
-          w.hi = __shfl_sync(kFullMask, my_hi, at);
-          if (a.d_table != nullptr) AddPieces<VEC, U>(a, w.row, cursor + at, w.hi, lane_col, w.acc);
-        }
+  for (int k = 0; k < kStages - 1; ++k)
+    IssueCopies<T, VEC, U>(a, ring, k, count, my_row, my_bag, fresh_rows, lane, lane_col);
+  for (int k = 0; k < count; ++k) {
+    IssueCopies<T, VEC, U>(a, ring, k + kStages - 1, count, my_row, my_bag, fresh_rows, lane, lane_col);
+    CopyAsyncWait<kStages - 1>();
+    const int stage = k % kStages;
+    if ((starts >> k) & 1u) {
+      if (w.row >= 0) StoreRow<T, VEC, U>(a, w.row, lane_col, w.acc);
+      ZeroAcc<VEC, U>(w.acc);
+      w.row = __shfl_sync(kFullMask, my_row, k);
+      w.long_row = (longs >> k) & 1u;
+      if (want_dots) ReadSlot<T, VEC, U>(ring, stage, 1, lane, lane_col, dim, w.table);
+      if (w.long_row) {
+        w.hi = __shfl_sync(kFullMask, my_hi, k);
+        if (a.d_table != nullptr) AddPieces<VEC, U>(a, w.row, cursor + k, w.hi, lane_col, w.acc);
       }
-      if (w.long_row) continue;  // its dots came from the pieces pass
-      const float coef = __shfl_sync(kFullMask, meta.coef, at);
+    }
+    if (!w.long_row) {
+      RowTile<T, VEC, U> g;
+      ReadSlot<T, VEC, U>(ring, stage, 0, lane, lane_col, dim, g);
+      const float coef = __shfl_sync(kFullMask, meta.coef, k);
       float partial_dot = 0.f;
 #pragma unroll
       for (int u = 0; u < U; ++u)
 #pragma unroll
         for (int v = 0; v < VEC; ++v) {
-          const float gv = ToFloat<T>(g[j].v[u].elems[v]);
+          const float gv = ToFloat<T>(g.v[u].elems[v]);
           w.acc[u][v] = fmaf(coef, gv, w.acc[u][v]);
           partial_dot = fmaf(gv, ToFloat<T>(w.table.v[u].elems[v]), partial_dot);
         }
       if (want_dots) {
         const float dot = WarpSum(partial_dot);
-        const uint32_t entry = __shfl_sync(kFullMask, meta.entry, at);
+        const uint32_t entry = __shfl_sync(kFullMask, meta.entry, k);
         if (lane == 0) StoreDot(a, entry, dot);
       }
+    } else if (w.hi > cursor + k + 1) {  // inside a long row: jump to its end
+      CopyAsyncWait<0>();  // copies still in flight would land in the next window's ring
+      return w.hi;
     }
-    // Inside a long row: jump to its end.
-    if (w.long_row && w.hi > cursor + k + kPositionsInFlight) return w.hi;
   }
   return cursor + count;
 }
 
 // The rows that start in sorted positions [chunk * 32, chunk * 32 + 32).
 template <typename T, int VEC, int U>
-__device__ void GradientOfChunk(const BackwardArgs& a, int64_t chunk, int lane) {
+__device__ void GradientOfChunk(const BackwardArgs& a, int64_t chunk, int lane, uint4* ring) {
   const int64_t n = a.num_indices, num_rows = a.bags.num_rows;
   const int64_t c0 = chunk * kWarp;
   const int64_t pos = c0 + lane;
@@ -185,7 +261,7 @@ __device__ void GradientOfChunk(const BackwardArgs& a, int64_t chunk, int lane) 
   Walk<T, VEC, U> w;
   ZeroAcc<VEC, U>(w.acc);
   for (int64_t cursor = c0 + __ffs(starts) - 1; cursor < end;)
-    cursor = WalkWindow<T, VEC, U>(a, cursor, end, lane, lane_col, w);
+    cursor = WalkWindow<T, VEC, U>(a, cursor, end, lane, lane_col, w, ring);
   StoreRow<T, VEC, U>(a, w.row, lane_col, w.acc);
 }
 
@@ -205,19 +281,23 @@ __device__ void ZeroUntouchedRows(const BackwardArgs& a, int64_t group, int lane
     untouched &= untouched - 1;
     T* out = static_cast<T*>(a.d_table) + (r0 + bit) * dim;
     for (int64_t col = static_cast<int64_t>(lane) * VEC; col < dim; col += kWarp * VEC)
-      *reinterpret_cast<uint4*>(out + col) = zero.raw;
+      Store16<L2Hints<T>::kStreamOnce>(out + col, zero.raw);
   }
 }
 
 // Warps [0, chunks) sum the rows starting in their chunk; warps [0,
-// zero_groups) then zero their group's untouched rows. (Interleaving the zero
-// groups over all warps, zeros first or last, measured slower on the H200.)
+// zero_groups) then zero their group's untouched rows. (On the H200, zeroing
+// each gap between touched rows in the walk, so that d_table is written in row
+// order, measured slower (round 8: 1.25 -> 1.33 ms bf16), as did interleaving
+// the zero groups over all warps, zeros first or last (round 5; round 8: two
+// groups per chunk warp, 1.19 -> 1.24 ms).)
 template <typename T, int VEC, int U>
-__global__ void __launch_bounds__(kPositionThreads, PositionMinBlocks(sizeof(T), U))
+__global__ void __launch_bounds__(kPositionThreads, PKM_BWD_POSITION_MIN_BLOCKS)
     PositionsKernel(BackwardArgs a, int64_t chunks, int64_t zero_groups) {
+  __shared__ uint4 rings[kPositionThreads / kWarp][PositionStages<U>() * 2 * U * kWarp];
   const int lane = threadIdx.x % kWarp;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kPositionThreads / kWarp) + threadIdx.x / kWarp;
-  if (warp < chunks) GradientOfChunk<T, VEC, U>(a, warp, lane);
+  if (warp < chunks) GradientOfChunk<T, VEC, U>(a, warp, lane, rings[threadIdx.x / kWarp]);
   if (warp < zero_groups) ZeroUntouchedRows<T, VEC>(a, warp, lane);
 }
 

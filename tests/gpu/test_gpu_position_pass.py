@@ -91,3 +91,58 @@ def test_segment_starts_over_long_gaps_do_not_depend_on_the_workspace(lib):
         results.append((d_table, d_w))
     for d_table, d_w in results[1:]:
         assert torch.equal(d_table, results[0][0]) and torch.equal(d_w, results[0][1])
+
+
+def gap_case(lead, gaps, tail, seed, dim=64, bag=8):
+    """Touched rows separated by `gaps` untouched ones, after `lead` untouched rows and before `tail`;
+    each touched row has 1-3 entries, shuffled into bags of `bag`, the last bag padded with -1."""
+    rng = np.random.default_rng(seed)
+    touched = lead + np.concatenate([[0], np.cumsum(np.asarray(gaps) + 1)])
+    num_rows = int(touched[-1]) + 1 + tail
+    rows = np.repeat(touched, rng.integers(1, 4, len(touched)))
+    rng.shuffle(rows)
+    idx = np.full(-(-len(rows) // bag) * bag, -1, dtype=np.int64)
+    idx[: len(rows)] = rows
+    idx = idx.reshape(-1, bag)
+    table = torch.from_numpy(rng.standard_normal((num_rows, dim)).astype(np.float32))
+    weights = torch.from_numpy(rng.uniform(0.25, 1.5, size=idx.shape).astype(np.float32))
+    grad = torch.from_numpy(rng.standard_normal((idx.shape[0], dim)).astype(np.float32))
+    return table, torch.from_numpy(idx), weights, grad
+
+
+# Three times over: ~90 entries, so gaps also fall between the 32-position chunks of different warps.
+GAPS = [0, 1, 2, 31, 32, 33, 63, 64, 65, 66, 100, 200, 0, 5, 1000] * 3
+
+
+@pytest.mark.parametrize("lead,tail", [(0, 0), (3, 64), (64, 65), (65, 3), (500, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_untouched_rows_between_touched_ones_are_zeroed(lib, dtype, lead, tail):
+    """A dense d_table written into a NaN-filled buffer: the untouched rows in gaps of 0-1000 rows between
+    touched rows (inside one warp's 32 positions and across them), before the first and after the last,
+    come out zero, the touched ones match the float64 reference, and the result is the same as into a
+    zero-filled buffer."""
+    table, indices, weights, grad = gap_case(lead, GAPS, tail, seed=lead * 1000 + tail)
+    table, weights, grad = table.to(dtype), weights.to(dtype), grad.to(dtype)
+    g_table, g_idx, g_w, g_grad = to_dev(table, indices, weights, grad)
+    want_dt, want_dw = lib.cpu_backward(table, indices, grad, weights, "sum", reference=True)
+    results = []
+    for fill in (float("nan"), 0.0):
+        out = (torch.full_like(g_table, fill), torch.full_like(g_w, fill))
+        d_table, d_w = lib.cuda_backward(g_table, g_idx, g_grad, g_w, "sum", out=out)
+        assert_close(d_table, want_dt, dtype, f"d_table into {fill}")
+        assert_close(d_w, want_dw, dtype, f"d_weights into {fill}", floor=8.0)
+        results.append((d_table, d_w))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("num_rows", [1, 40, 64, 65, 300])
+def test_no_valid_index_zeroes_every_row(lib, num_rows):
+    """Only padding and out-of-range indices: every d_table row and d_weight is zero, written into a
+    NaN-filled buffer (the walk has no row to sum; the zero groups cover 1 to 300 rows)."""
+    idx = torch.tensor([[-1, num_rows, -1, num_rows + 5]] * 3, dtype=torch.int64)
+    table = torch.randn(num_rows, 64)
+    weights, grad = torch.rand(3, 4), torch.randn(3, 64)
+    g_table, g_idx, g_w, g_grad = to_dev(table, idx, weights, grad)
+    out = (torch.full_like(g_table, float("nan")), torch.full_like(g_w, float("nan")))
+    d_table, d_w = lib.cuda_backward(g_table, g_idx, g_grad, g_w, "sum", out=out)
+    assert torch.equal(d_table, torch.zeros_like(g_table)) and torch.equal(d_w, torch.zeros_like(g_w))

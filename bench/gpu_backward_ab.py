@@ -1,0 +1,141 @@
+"""Dense backward A/B of libpkm_cuda.so builds at the huge-table shape, in one process on the same
+inputs, against the two write floors of its d_table: cudaMemsetAsync (CuPy's runtime binding, else
+the driver's cuMemsetD8Async) and torch's zero_. Each build's d_table and d_weights are written into
+NaN-filled buffers and compared bitwise with the first build's. Device time by CUDA graph replay
+(the builds taking turns, best of 3 rounds of medians), event time around one wrapper call (the
+builds taking turns call by call), and with --profile the kernels of one call (torch profiler).
+
+    python bench/gpu_backward_ab.py --libs A.so,B.so[,...] --names a,b[,...] --out DIR --tag TAG [--profile]
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "kernels", "capi"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import harness  # noqa: E402
+import pkm_capi  # noqa: E402
+from gpu_kernels_ab import DTYPES, inputs, interleaved_event_ms, kernel_breakdown  # noqa: E402
+
+CASES = {"huge": (65536, 32, 256, 4194304), "narrow": (4096, 128, 256, 262144)}
+
+
+def memset_fn():
+    """(name, fn(tensor) -> None): a byte memset of the tensor on torch's current stream."""
+    try:
+        import cupy
+
+        def run(t):
+            cupy.cuda.runtime.memsetAsync(t.data_ptr(), 0, t.numel() * t.element_size(),
+                                          torch.cuda.current_stream().cuda_stream)
+        return "cudaMemsetAsync (cupy.cuda.runtime)", run
+    except ImportError:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda.cuMemsetD8Async.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p]
+
+        def run(t):
+            rc = cuda.cuMemsetD8Async(t.data_ptr(), 0, t.numel() * t.element_size(),
+                                      ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+            assert rc == 0, rc
+        return "cuMemsetD8Async (libcuda)", run
+
+
+def case(libs, shape, dtype_name, iters, profile, memset):
+    B, K, D, N = shape
+    dtype = DTYPES[dtype_name]
+    table, indices, weights, grad = inputs(B, K, D, N, dtype)
+    row = {"B": B, "K": K, "D": D, "N": N, "dtype": dtype_name, "d_table_GB": N * D * table.element_size() / 1e9}
+    fns, outs = {}, {}
+    for name, lib in libs.items():
+        ws = torch.empty(max(1, lib.cuda_backward_workspace_bytes(table, indices, weights, "sum")),
+                         dtype=torch.uint8, device="cuda")
+        out = (torch.full_like(table, float("nan")), torch.full_like(weights, float("nan")))
+        fns[name] = lambda lib=lib, ws=ws, out=out: lib.cuda_backward(table, indices, grad, weights, "sum",
+                                                                      workspace=ws, out=out)
+        fns[name]()
+        outs[name] = out
+    first = next(iter(libs))
+    for name in libs:
+        row[f"{name}_bitwise_equal_to_{first}"] = bool(torch.equal(outs[name][0], outs[first][0]) and
+                                                      torch.equal(outs[name][1], outs[first][1]))
+    row["finite"] = bool(torch.isfinite(outs[first][0]).all() and torch.isfinite(outs[first][1]).all())
+    buf = torch.empty(N, D, device="cuda", dtype=dtype)
+    floors = {"memset": lambda: memset(buf), "zero_": lambda: buf.zero_()}
+    timed = {**fns, **floors}
+    graph = {name: [] for name in timed}
+    for _ in range(3):
+        for name, fn in timed.items():
+            graph[name].append(harness.cuda_graph_ms(fn, iters))
+    for name in timed:
+        row[f"{name}_graph_ms"] = min(graph[name])
+    for name, ms in interleaved_event_ms(timed, 5 * iters).items():
+        row[f"{name}_event_ms"] = ms
+    if profile:
+        for name, fn in fns.items():
+            row[f"{name}_kernels_ms"] = kernel_breakdown(fn)
+    del table, indices, weights, grad, outs, fns, timed, buf
+    torch.cuda.empty_cache()
+    return row
+
+
+def table_md(rows, names):
+    lines = ["| shape B,K,D,N | dtype | " + " | ".join(names) + " | memset | zero_ | " +
+             " | ".join(f"{n} / memset" for n in names) + " | " + " | ".join(f"{n} / zero_" for n in names) +
+             " | bitwise = " + names[0] + " |", "|---|---|" + "---|" * (3 * len(names) + 3)]
+    for kind in ("graph", "event"):
+        lines.append(f"| **{kind} ms** | | " + " | " * (3 * len(names) + 2))
+        for r in rows:
+            m, z = r[f"memset_{kind}_ms"], r[f"zero__{kind}_ms"]
+            cells = [f"{r[f'{n}_{kind}_ms']:.3f}" for n in names] + [f"{m:.3f}", f"{z:.3f}"]
+            cells += [f"{r[f'{n}_{kind}_ms'] / m:.2f}" for n in names] + [f"{r[f'{n}_{kind}_ms'] / z:.2f}" for n in names]
+            eq = all(r[f"{n}_bitwise_equal_to_{names[0]}"] for n in names)
+            lines.append(f"| {r['B']},{r['K']},{r['D']},{r['N']} | {r['dtype']} | " + " | ".join(cells) + f" | {eq} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--libs", required=True, help="libpkm_cuda.so builds, comma-separated (first = baseline)")
+    parser.add_argument("--names", required=True, help="their names, comma-separated")
+    parser.add_argument("--cases", default="huge", help="comma-separated: " + ", ".join(CASES))
+    parser.add_argument("--dtypes", default="bf16,fp16,fp32")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    parser.add_argument("--tag", default="h200")
+    args = parser.parse_args()
+    paths, names = args.libs.split(","), args.names.split(",")
+    assert len(paths) == len(names), "one name per library"
+    libs = {name: pkm_capi.PkmLib(path) for name, path in zip(names, paths)}
+    memset_name, memset = memset_fn()
+    props = torch.cuda.get_device_properties(0)
+    meta = {"gpu": props.name, "sm_count": props.multi_processor_count, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            "memset": memset_name, "libs": dict(zip(names, paths)), "command": "python " + " ".join(sys.argv)}
+    rows = []
+    for c in args.cases.split(","):
+        for dt in args.dtypes.split(","):
+            rows.append(case(libs, CASES[c], dt, args.iters, args.profile, memset))
+            print(json.dumps(rows[-1]), flush=True)
+    text = (f"# Dense backward A/B ({', '.join(names)}) on {meta['gpu']}\n\n"
+            f"Run {meta['date']} UTC, torch {meta['torch']}, CUDA {meta['cuda']}; floors: {memset_name} and "
+            f"torch zero_ of a d_table-sized buffer. Uniform random indices, per-sample weights (d_weights "
+            f"wanted), sum. graph: device time by CUDA graph replay; event: one wrapper call between two events.\n"
+            f"Command: `{meta['command']}`\n\n" + table_md(rows, names) + "\n")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"gpu_backward_ab_{args.tag}.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, f"gpu_backward_ab_{args.tag}.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
