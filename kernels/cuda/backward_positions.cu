@@ -20,9 +20,11 @@ namespace {
 // Bytes of ring per warp: 8 stages of 512-byte rows (one vector per lane),
 // 4 of 1 KB rows. 4-warp blocks (32 KB of static shared memory each), 6
 // resident per SM, i.e. at most 80 registers (no spills). H200, round 8
-// (bench/results/gpu_round8_h200_notes.md): the huge-table pass 1.134 -> 1.082
-// ms bf16 against the round-5 walk with 2 positions in registers; a 4 KB ring
-// at 8 blocks per SM measured the same.
+// (bench/results/gpu_round8_h200_notes.md): the huge-table backward (B=65536,
+// K=32, D=256, N=4M) 1.26 -> 1.20 ms bf16, 2.27 -> 2.23 fp32 against the
+// round-5 walk with 2 positions in registers; a 4 KB ring at 8 blocks per SM
+// measured the same. 16-bit rows at ~2 entries per row (B=4096, K=128, N=256K)
+// are ~6% slower (0.200 -> 0.212 ms), fp32 ones 5% faster.
 #ifndef PKM_BWD_POSITION_STAGE_BYTES
 #define PKM_BWD_POSITION_STAGE_BYTES 8192
 #endif
@@ -35,17 +37,21 @@ __host__ __device__ constexpr int PositionStages() { return kStageBytes / (2 * U
 #endif
 
 // L2 eviction priorities (createpolicy + .L2::cache_hint, sm_80+). The pass
-// moves ~2x its d_table through L2 (d_table, touched table rows, gradient rows
-// gathered K times); its 16-bit upstream gradient (32 MB at B=65536, D=256)
-// does not stay there (ncu: 11% of reads hit). Picked per element size on the
-// H200 (round 8): 16-bit rows mark the table rows and d_table lines, touched
-// once, evict_first (1.26 -> 1.17 ms, gradient rows evict_last on top: 1.19);
-// fp32 rows (a 64 MB gradient) mark the gradient rows evict_last instead (2.28
-// -> 2.23 ms; evict_first on the rest: 2.26).
+// moves ~1.9x its d_table's bytes through DRAM (ncu, bf16 huge table: 2.2 GB
+// written, 1.8 GB read, of which ~0.85 GB are the touched table rows: the
+// 32 MB upstream gradient, gathered K times, mostly misses L2; 11% of reads
+// hit). Per element size on the H200 (round 8): fp32 rows mark the gradient
+// rows evict_last (2.25 -> 2.23 ms, two runs); 16-bit rows mark the table rows
+// and d_table lines, touched once, evict_first (one run: 1.17 ms against 1.19
+// with the gradient rows evict_last instead; another: 1.204 against 1.203
+// without hints, i.e. no gain there).
+#ifndef PKM_BWD_L2_HINTS
+#define PKM_BWD_L2_HINTS 1  // -D...=0 for an A/B without them
+#endif
 template <typename T>
 struct L2Hints {
-  static constexpr bool kKeepGradient = sizeof(T) == 4;
-  static constexpr bool kStreamOnce = sizeof(T) == 2;
+  static constexpr bool kKeepGradient = PKM_BWD_L2_HINTS && sizeof(T) == 4;
+  static constexpr bool kStreamOnce = PKM_BWD_L2_HINTS && sizeof(T) == 2;
 };
 
 __device__ __forceinline__ uint64_t EvictFirstPolicy() {
