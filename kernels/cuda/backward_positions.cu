@@ -24,7 +24,9 @@ namespace {
 // K=32, D=256, N=4M) 1.26 -> 1.20 ms bf16, 2.27 -> 2.23 fp32 against the
 // round-5 walk with 2 positions in registers; a 4 KB ring at 8 blocks per SM
 // measured the same. 16-bit rows at ~2 entries per row (B=4096, K=128, N=256K)
-// are ~6% slower (0.200 -> 0.212 ms), fp32 ones 5% faster.
+// were ~6% slower with the ring (0.200 -> 0.212 ms; fp32 ones 5% faster), so
+// 16-bit tables with at least as many entries as rows keep the register walk
+// (PositionsKernelInRegisters).
 #ifndef PKM_BWD_POSITION_STAGE_BYTES
 #define PKM_BWD_POSITION_STAGE_BYTES 8192
 #endif
@@ -95,8 +97,19 @@ struct RowTile {
   Pack<T, VEC> v[U];
 };
 
-// Stores a finished row: d_table row, or its sparse slot.
 template <typename T, int VEC, int U>
+__device__ __forceinline__ void LoadTile(const T* row_ptr, int64_t lane_col, int64_t dim, bool active,
+                                         RowTile<T, VEC, U>& tile) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
+    if (!active || col >= dim) ZeroPack<T, VEC>(tile.v[u]);
+    else LoadPack<T, VEC>(row_ptr + col, tile.v[u]);
+  }
+}
+
+// Stores a finished row: d_table row, or its sparse slot.
+template <typename T, int VEC, int U, bool kStream = L2Hints<T>::kStreamOnce>
 __device__ __forceinline__ void StoreRow(const BackwardArgs& a, int64_t row, int64_t lane_col,
                                          const float (&acc)[U][VEC]) {
   if (a.d_table == nullptr) return;
@@ -109,7 +122,7 @@ __device__ __forceinline__ void StoreRow(const BackwardArgs& a, int64_t row, int
     Pack<T, VEC> pack;
 #pragma unroll
     for (int v = 0; v < VEC; ++v) pack.elems[v] = FromFloat<T>(acc[u][v]);
-    Store16<L2Hints<T>::kStreamOnce>(out + col, pack.raw);
+    Store16<kStream>(out + col, pack.raw);
   }
 }
 
@@ -247,8 +260,81 @@ __device__ int64_t WalkWindow(const BackwardArgs& a, int64_t cursor, int64_t end
   return cursor + count;
 }
 
-// The rows that start in sorted positions [chunk * 32, chunk * 32 + 32).
+// WalkWindow with 2 positions' rows in registers instead of the ring (round 5's
+// walk, no L2 hints), for 16-bit rows with at least as many entries as table
+// rows (see kStageBytes). Same summation order: bitwise the same result.
 template <typename T, int VEC, int U>
+__device__ int64_t WalkWindowInRegisters(const BackwardArgs& a, int64_t cursor, int64_t end, int lane,
+                                         int64_t lane_col, Walk<T, VEC, U>& w) {
+  constexpr int kInFlight = 2;
+  const int64_t dim = a.bags.dim;
+  const int count = static_cast<int>(min(static_cast<int64_t>(kWarp), end - cursor));
+  const bool in = lane < count;
+  const uint32_t my_row = in ? a.sorted_rows[cursor + lane] : 0u;
+  const EntryMeta meta = LoadEntryMeta(a, cursor + lane, in);
+  const uint32_t my_bag = static_cast<uint32_t>(meta.bag);
+  const uint32_t tail_row = __shfl_sync(kFullMask, my_row, count - 1);
+  const int64_t tail_hi = a.seg_begin[tail_row + 1];
+  uint32_t prev_row = __shfl_up_sync(kFullMask, my_row, 1);
+  const bool starts_here = in && (lane == 0 ? static_cast<int64_t>(my_row) != w.row : my_row != prev_row);
+  const unsigned starts = __ballot_sync(kFullMask, starts_here);
+  const unsigned later = lane == kWarp - 1 ? 0u : starts & (~0u << (lane + 1));
+  const int64_t my_hi = later != 0 ? cursor + __ffs(later) - 1 : tail_hi;
+  const unsigned longs = __ballot_sync(kFullMask, starts_here && my_hi - (cursor + lane) > a.long_segment);
+  const T* __restrict__ grad = static_cast<const T*>(a.grad);
+  const T* __restrict__ table = static_cast<const T*>(a.bags.table);
+  const bool want_dots = a.dots != nullptr;
+  for (int k = 0; k < count; k += kInFlight) {
+    RowTile<T, VEC, U> g[kInFlight], x[kInFlight];
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {  // every load of the batch first
+      const int at = (k + j) & (kWarp - 1);
+      const bool active = k + j < count;
+      const uint32_t row = __shfl_sync(kFullMask, my_row, at);
+      const uint32_t bag = __shfl_sync(kFullMask, my_bag, at);
+      const bool fresh = active && ((starts >> at) & 1u);
+      LoadTile<T, VEC, U>(grad + static_cast<int64_t>(bag) * dim, lane_col, dim, active, g[j]);
+      LoadTile<T, VEC, U>(table + static_cast<int64_t>(row) * dim, lane_col, dim, fresh && want_dots, x[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kInFlight; ++j) {
+      const int at = k + j;
+      if (at >= count) break;
+      if ((starts >> at) & 1u) {
+        if (w.row >= 0) StoreRow<T, VEC, U, false>(a, w.row, lane_col, w.acc);
+        ZeroAcc<VEC, U>(w.acc);
+        w.row = __shfl_sync(kFullMask, my_row, at);
+        w.long_row = (longs >> at) & 1u;
+        w.table = x[j];
+        if (w.long_row) {
+          w.hi = __shfl_sync(kFullMask, my_hi, at);
+          if (a.d_table != nullptr) AddPieces<VEC, U>(a, w.row, cursor + at, w.hi, lane_col, w.acc);
+        }
+      }
+      if (w.long_row) continue;  // its dots came from the pieces pass
+      const float coef = __shfl_sync(kFullMask, meta.coef, at);
+      float partial_dot = 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int v = 0; v < VEC; ++v) {
+          const float gv = ToFloat<T>(g[j].v[u].elems[v]);
+          w.acc[u][v] = fmaf(coef, gv, w.acc[u][v]);
+          partial_dot = fmaf(gv, ToFloat<T>(w.table.v[u].elems[v]), partial_dot);
+        }
+      if (want_dots) {
+        const float dot = WarpSum(partial_dot);
+        const uint32_t entry = __shfl_sync(kFullMask, meta.entry, at);
+        if (lane == 0) StoreDot(a, entry, dot);
+      }
+    }
+    if (w.long_row && w.hi > cursor + k + kInFlight) return w.hi;  // inside a long row: jump to its end
+  }
+  return cursor + count;
+}
+
+// The rows that start in sorted positions [chunk * 32, chunk * 32 + 32).
+template <typename T, int VEC, int U, bool kRing>
 __device__ void GradientOfChunk(const BackwardArgs& a, int64_t chunk, int lane, uint4* ring) {
   const int64_t n = a.num_indices, num_rows = a.bags.num_rows;
   const int64_t c0 = chunk * kWarp;
@@ -266,13 +352,15 @@ __device__ void GradientOfChunk(const BackwardArgs& a, int64_t chunk, int lane, 
   const int64_t lane_col = static_cast<int64_t>(lane) * VEC;
   Walk<T, VEC, U> w;
   ZeroAcc<VEC, U>(w.acc);
-  for (int64_t cursor = c0 + __ffs(starts) - 1; cursor < end;)
-    cursor = WalkWindow<T, VEC, U>(a, cursor, end, lane, lane_col, w, ring);
-  StoreRow<T, VEC, U>(a, w.row, lane_col, w.acc);
+  for (int64_t cursor = c0 + __ffs(starts) - 1; cursor < end;) {
+    if constexpr (kRing) cursor = WalkWindow<T, VEC, U>(a, cursor, end, lane, lane_col, w, ring);
+    else cursor = WalkWindowInRegisters<T, VEC, U>(a, cursor, end, lane, lane_col, w);
+  }
+  StoreRow<T, VEC, U, kRing && L2Hints<T>::kStreamOnce>(a, w.row, lane_col, w.acc);
 }
 
 // Dense d_table: zeros into the untouched rows of [group * 32, group * 32 + 32).
-template <typename T, int VEC>
+template <typename T, int VEC, bool kStream>
 __device__ void ZeroUntouchedRows(const BackwardArgs& a, int64_t group, int lane) {
   const int64_t num_rows = a.bags.num_rows, dim = a.bags.dim;
   const int64_t r0 = group * kWarp, r = r0 + lane;
@@ -287,7 +375,7 @@ __device__ void ZeroUntouchedRows(const BackwardArgs& a, int64_t group, int lane
     untouched &= untouched - 1;
     T* out = static_cast<T*>(a.d_table) + (r0 + bit) * dim;
     for (int64_t col = static_cast<int64_t>(lane) * VEC; col < dim; col += kWarp * VEC)
-      Store16<L2Hints<T>::kStreamOnce>(out + col, zero.raw);
+      Store16<kStream>(out + col, zero.raw);
   }
 }
 
@@ -303,8 +391,21 @@ __global__ void __launch_bounds__(kPositionThreads, PKM_BWD_POSITION_MIN_BLOCKS)
   __shared__ uint4 rings[kPositionThreads / kWarp][PositionStages<U>() * 2 * U * kWarp];
   const int lane = threadIdx.x % kWarp;
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kPositionThreads / kWarp) + threadIdx.x / kWarp;
-  if (warp < chunks) GradientOfChunk<T, VEC, U>(a, warp, lane, rings[threadIdx.x / kWarp]);
-  if (warp < zero_groups) ZeroUntouchedRows<T, VEC>(a, warp, lane);
+  if (warp < chunks) GradientOfChunk<T, VEC, U, true>(a, warp, lane, rings[threadIdx.x / kWarp]);
+  if (warp < zero_groups) ZeroUntouchedRows<T, VEC, L2Hints<T>::kStreamOnce>(a, warp, lane);
+}
+
+// The same with WalkWindowInRegisters: 256-thread blocks, register caps as in
+// round 5 (one vector per lane 64, 16-bit two vectors 128, fp32 two vectors 80).
+constexpr int kRegisterWalkThreads = 256;
+constexpr int RegisterWalkMinBlocks(int elem_bytes, int u) { return u == 1 ? 4 : (elem_bytes == 2 ? 2 : 3); }
+template <typename T, int VEC, int U>
+__global__ void __launch_bounds__(kRegisterWalkThreads, RegisterWalkMinBlocks(sizeof(T), U))
+    PositionsKernelInRegisters(BackwardArgs a, int64_t chunks, int64_t zero_groups) {
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kRegisterWalkThreads / kWarp) + threadIdx.x / kWarp;
+  if (warp < chunks) GradientOfChunk<T, VEC, U, false>(a, warp, lane, nullptr);
+  if (warp < zero_groups) ZeroUntouchedRows<T, VEC, false>(a, warp, lane);
 }
 
 template <typename T, int VEC, int U>
@@ -322,6 +423,13 @@ int LaunchPositionPassAs(const BackwardArgs& args, int64_t pieces, cudaStream_t 
   const int64_t warps = max(chunks, zero_groups);
   if (warps / (kPositionThreads / kWarp) >= INT32_MAX) return SetInvalid("backward: too many rows for one launch");
   if (warps == 0) return PKM_CUDA_OK;
+  if constexpr (sizeof(T) == 2) {
+    if (args.num_indices >= args.bags.num_rows) {
+      PositionsKernelInRegisters<T, VEC, U><<<Blocks(warps, kRegisterWalkThreads / kWarp), kRegisterWalkThreads, 0,
+                                              stream>>>(args, chunks, zero_groups);
+      return CheckLaunch("backward position pass");
+    }
+  }
   PositionsKernel<T, VEC, U><<<Blocks(warps, kPositionThreads / kWarp), kPositionThreads, 0, stream>>>(
       args, chunks, zero_groups);
   return CheckLaunch("backward position pass");
