@@ -9,9 +9,11 @@
 // positions in flight, copied by cp.async into a per-warp ring in shared memory
 // (no registers held while they fly), across row boundaries. Each row is still
 // summed in position order by one warp (fmaf from 0, as RowsKernel): the result
-// is bitwise the same. Untouched rows of a dense d_table get their zeros in the
-// same launch from 16-byte stores (a warp per 32 rows). With the sum combiner
-// the pass stores d_weights too (StoreDot), saving the d_weights kernel.
+// is bitwise the same. 16-bit tables with at least as many entries as rows keep
+// 2 positions' rows in registers instead (faster there). Untouched rows of a
+// dense d_table get their zeros in the same launch from 16-byte stores (a warp
+// per 32 rows). With the sum combiner the pass stores d_weights too
+// (StoreDot), saving the d_weights kernel.
 #include "kernels/cuda/backward_rows.cuh"
 
 namespace pkm_cuda {

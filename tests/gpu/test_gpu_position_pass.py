@@ -11,9 +11,9 @@ from gpu_common import DTYPES, torch  # noqa: F401  (skips without CUDA)
 from test_gpu_embedding_bag import assert_close, to_dev
 
 
-def window_crossing_case(dtype, dim, seed):
-    """Row r has (7 r) % 45 entries (0: untouched; up to 44: crosses a 32-position window), shuffled into
-    bags of 16, with 3% padding."""
+def window_crossing_case(dtype, dim, seed, spare_rows=0):
+    """Row r < 400 has (7 r) % 45 entries (0: untouched; up to 44: crosses a 32-position window), shuffled
+    into bags of 16, with 3% padding; the table has `spare_rows` untouched rows more."""
     rng = np.random.default_rng(seed)
     num_rows, bag = 400, 16
     rows = np.repeat(np.arange(num_rows), (7 * np.arange(num_rows)) % 45)
@@ -21,19 +21,19 @@ def window_crossing_case(dtype, dim, seed):
     rng.shuffle(rows)
     idx = rows.reshape(-1, bag)
     idx[rng.random(idx.shape) < 0.03] = -1
-    table = torch.from_numpy(rng.standard_normal((num_rows, dim)).astype(np.float32)).to(dtype)
+    table = torch.from_numpy(rng.standard_normal((num_rows + spare_rows, dim)).astype(np.float32)).to(dtype)
     # Positive weights: a mean over weights summing to ~0 would overflow float16.
     weights = torch.from_numpy(rng.uniform(0.25, 1.5, size=idx.shape).astype(np.float32)).to(dtype)
     grad = torch.from_numpy(rng.standard_normal((idx.shape[0], dim)).astype(np.float32)).to(dtype)
     return table, torch.from_numpy(idx), weights, grad
 
 
-def check_backward_against_reference(lib, dtype, dim, seed, check_d_weights_alone=True):
-    """window_crossing_case(dtype, dim, seed), sum and mean, long_segment_entries 1, 31, 32, 33 and the
+def check_backward_against_reference(lib, dtype, dim, seed, check_d_weights_alone=True, spare_rows=0):
+    """window_crossing_case(dtype, dim, seed, spare_rows), sum and mean, long_segment_entries 1, 31, 32, 33 and the
     default: d_table / d_weights against the float64 CPU reference, bitwise run to run, d_table without
     d_weights (and, with check_d_weights_alone, d_weights without d_table) equal, sparse rows equal to
     the dense ones."""
-    table, indices, weights, grad = window_crossing_case(dtype, dim, seed=seed)
+    table, indices, weights, grad = window_crossing_case(dtype, dim, seed=seed, spare_rows=spare_rows)
     g_table, g_idx, g_w, g_grad = to_dev(table, indices, weights, grad)
     valid = indices.numpy().ravel()
     touched = torch.from_numpy(np.unique(valid[valid >= 0])).cuda()
@@ -62,6 +62,14 @@ def check_backward_against_reference(lib, dtype, dim, seed, check_d_weights_alon
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_rows_across_windows_and_long_rows_match_reference(lib, dtype, dim):
     check_backward_against_reference(lib, dtype, dim, seed=dim)
+
+
+@pytest.mark.parametrize("dim", [64, 256, 512])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_rows_across_windows_in_a_table_with_more_rows_than_entries(lib, dtype, dim):
+    """The same with 10000 untouched rows more than the ~8800 entries: 16-bit tables then take the
+    shared-memory ring walk instead of the register walk (backward_positions.cu), fp32 takes it in both."""
+    check_backward_against_reference(lib, dtype, dim, seed=dim + 7, spare_rows=10000)
 
 
 def test_segment_starts_over_long_gaps_do_not_depend_on_the_workspace(lib):
