@@ -42,9 +42,9 @@ __host__ __device__ constexpr int PositionStages() { return kStageBytes / (2 * U
 
 // L2 eviction priorities (createpolicy + .L2::cache_hint, sm_80+). The pass
 // moves ~1.9x its d_table's bytes through DRAM (ncu, bf16 huge table: 2.2 GB
-// written, 1.8 GB read, of which ~0.85 GB are the touched table rows: the
-// 32 MB upstream gradient, gathered K times, mostly misses L2; 11% of reads
-// hit). Per element size on the H200 (round 8): fp32 rows mark the gradient
+// written, 1.8 GB read, ~0.85 GB of it the touched table rows, most of the
+// rest the 32 MB upstream gradient, gathered K times, re-read: 11% of the
+// reads hit L2). Per element size on the H200 (round 8): fp32 rows mark the gradient
 // rows evict_last (2.25 -> 2.23 ms, two runs); 16-bit rows mark the table rows
 // and d_table lines, touched once, evict_first (one run: 1.17 ms against 1.19
 // with the gradient rows evict_last instead; another: 1.204 against 1.203
