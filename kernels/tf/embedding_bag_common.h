@@ -4,7 +4,13 @@
 #ifndef PKM_KERNELS_TF_EMBEDDING_BAG_COMMON_H_
 #define PKM_KERNELS_TF_EMBEDDING_BAG_COMMON_H_
 
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <string>
+#include <thread>
 
 #include "kernels/core/embedding_bag.h"
 #include "tensorflow/core/framework/device_base.h"
@@ -155,12 +161,76 @@ inline ::tensorflow::Status BuildGradArgs(::tensorflow::OpKernelContext* ctx, co
   return ctx->allocate_output(1, args->weights->shape(), d_weights);
 }
 
+namespace internal {
+
+// Blocks of one ParallelFor call, claimed one at a time by whichever thread is
+// free. Shared with the pool's tasks, which may start after the call returned.
+struct ClaimedBlocks {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t count = 0, size = 0, total = 0;
+  const pkm::RangeFn* fn = nullptr;  // read only by a thread holding an unfinished block
+};
+
+inline void RunClaimedBlocks(ClaimedBlocks* blocks) {
+  for (int64_t b; (b = blocks->next.fetch_add(1, std::memory_order_relaxed)) < blocks->count;) {
+    const int64_t begin = b * blocks->size;
+    (*blocks->fn)(begin, std::min(blocks->total, begin + blocks->size));
+    blocks->done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+}  // namespace internal
+
 // The core's ParallelFor on TF's intra-op CPU thread pool.
 inline pkm::ParallelFor TfParallelFor(::tensorflow::OpKernelContext* ctx) {
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
   return [workers](int64_t total, int64_t cost_per_unit, const pkm::RangeFn& fn) {
     if (total <= 0) return;
     workers->ParallelFor(total, cost_per_unit, [&fn](int64_t begin, int64_t end) { fn(begin, end); });
+  };
+}
+
+// The forward's ParallelFor: a call of up to kMaxClaimedCost (about a
+// millisecond of rows here) is cut into blocks that the calling thread claims
+// from the start and the pool's threads join as they wake up; the caller
+// waits only for blocks already running elsewhere. TF's ParallelFor hands a
+// share of the range to a pool thread and waits for that thread to get to it,
+// so a late wake-up was on every small forward's path. On the 2-core EPYC VM
+// (bench/results/tf_parallel_for_ab.md) claimed blocks ran the forward 8-21%
+// faster at 16-64 bags of 128 rows and no faster at 256-2048 bags; a
+// forward + backward at 64 bags was 10-14% slower with them in the backward,
+// which therefore keeps TfParallelFor. PKM_TF_PARALLEL_FOR=tf (read at each
+// call) uses TfParallelFor here too.
+inline pkm::ParallelFor TfForwardParallelFor(::tensorflow::OpKernelContext* ctx) {
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return [workers, tf_pool = TfParallelFor(ctx)](int64_t total, int64_t cost_per_unit, const pkm::RangeFn& fn) {
+    if (total <= 0) return;
+    constexpr int64_t kMaxClaimedCost = 4500000;  // 64 bags of 128 x 512 fp32 rows
+    const int64_t cost = total * std::max<int64_t>(cost_per_unit, 1);
+    const char* choice = std::getenv("PKM_TF_PARALLEL_FOR");
+    if (cost > kMaxClaimedCost || (choice != nullptr && std::strcmp(choice, "tf") == 0)) {
+      tf_pool(total, cost_per_unit, fn);
+      return;
+    }
+    // Up to four blocks a thread, so a block left to a slow thread is short,
+    // each worth at least kBlockCost of the core's cost units.
+    constexpr int64_t kBlockCost = 40000;
+    const int64_t threads = workers->NumThreads();
+    const int64_t wanted = std::min({total, std::max<int64_t>(1, cost / kBlockCost), 4 * threads});
+    if (wanted <= 1 || threads <= 1) {
+      fn(0, total);
+      return;
+    }
+    auto blocks = std::make_shared<internal::ClaimedBlocks>();
+    blocks->size = (total + wanted - 1) / wanted;
+    blocks->count = (total + blocks->size - 1) / blocks->size;
+    blocks->total = total;
+    blocks->fn = &fn;
+    for (int64_t h = 0; h < std::min(threads - 1, blocks->count - 1); ++h)
+      workers->Schedule([blocks] { internal::RunClaimedBlocks(blocks.get()); });
+    internal::RunClaimedBlocks(blocks.get());
+    // Every block is claimed now; at most one per other thread is still running.
+    while (blocks->done.load(std::memory_order_acquire) < blocks->count) std::this_thread::yield();
   };
 }
 

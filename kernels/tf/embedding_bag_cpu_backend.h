@@ -21,7 +21,7 @@ struct CpuBackend {
   static Status Forward(::tensorflow::OpKernelContext* ctx, const OpAttrs& attrs, const CoreArgs& args,
                         Tensor* out) {
     return ToTf(pkm::Forward(args.table, args.bags, attrs.combiner, out->data(), ElemTypeOf(out->dtype()),
-                             TfParallelFor(ctx)));
+                             TfForwardParallelFor(ctx)));
   }
 
   static Status Backward(::tensorflow::OpKernelContext* ctx, const OpAttrs& attrs, const CoreArgs& args,
