@@ -196,11 +196,12 @@ inline pkm::ParallelFor TfParallelFor(::tensorflow::OpKernelContext* ctx) {
 // waits only for blocks already running elsewhere. TF's ParallelFor hands a
 // share of the range to a pool thread and waits for that thread to get to it,
 // so a late wake-up was on every small forward's path. On the 2-core EPYC VM
-// (bench/results/tf_parallel_for_ab.md) claimed blocks ran the forward 8-21%
-// faster at 16-64 bags of 128 rows and no faster at 256-2048 bags; a
-// forward + backward at 64 bags was 10-14% slower with them in the backward,
-// which therefore keeps TfParallelFor. PKM_TF_PARALLEL_FOR=tf (read at each
-// call) uses TfParallelFor here too.
+// (bench/results/tf_parallel_for_ab.md) claimed blocks ran the forward 5-25%
+// faster at 16-64 bags of 128 rows and no faster at 256-2048 bags. With them
+// in the backward too, a forward + backward at 64 bags measured 0.94-1.14x
+// TF's time over several runs (no gain shown), so the backward keeps
+// TfParallelFor. PKM_TF_PARALLEL_FOR=tf (read at each call) uses
+// TfParallelFor here too.
 inline pkm::ParallelFor TfForwardParallelFor(::tensorflow::OpKernelContext* ctx) {
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
   return [workers, tf_pool = TfParallelFor(ctx)](int64_t total, int64_t cost_per_unit, const pkm::RangeFn& fn) {
