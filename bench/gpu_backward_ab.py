@@ -129,11 +129,7 @@ def main():
             f"torch zero_ of a d_table-sized buffer. Uniform random indices, per-sample weights (d_weights "
             f"wanted), sum. graph: device time by CUDA graph replay; event: one wrapper call between two events.\n"
             f"Command: `{meta['command']}`\n\n" + table_md(rows, names) + "\n")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"gpu_backward_ab_{args.tag}.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, f"gpu_backward_ab_{args.tag}.md"), "w") as f:
-        f.write(text)
+    harness.write_results(f"gpu_backward_ab_{args.tag}", {"meta": meta, "rows": rows}, text, args.out)
     print(text)
 
 

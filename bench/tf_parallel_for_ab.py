@@ -12,7 +12,6 @@ and the weights. Medians; ratio = claimed / TF's.
     .venv/bin/python bench/tf_parallel_for_ab.py [--reps 30] [--out bench/results/tf_parallel_for_ab]
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -108,8 +107,6 @@ def main():
     rows = [one_case(*c, args.reps, rng) for c in CASES]
     meta = {"machine": f"{harness.machine_name()} ({harness.SHARED_NOTE})", "date": harness.utc_date(),
             "tf": tf.__version__, "reps": args.reps, "threads": "TF default (intra-op = cores)"}
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
     lines = ["# TF CPU forward: claimed blocks vs TF's ParallelFor", "",
              f"{meta['machine']}; TF {meta['tf']}; {meta['threads']}; medians of {args.reps} repetitions, "
              "the two taking turns call by call in one process (`bench/tf_parallel_for_ab.py`). ms per op "
@@ -119,8 +116,8 @@ def main():
     for r in rows:
         lines.append(f"| {r['what']} | {r['dtype']} | {r['batch']} | {r['K']} | {r['D']} | {r['N']} | "
                      f"{r['claimed_ms']:.3f} | {r['tf_ms']:.3f} | **{r['ratio']:.2f}** |")
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    harness.write_results(os.path.basename(args.out), {"meta": meta, "rows": rows}, "\n".join(lines),
+                          os.path.dirname(args.out) or ".")
     print("\n".join(lines))
 
 

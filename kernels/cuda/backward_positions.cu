@@ -195,27 +195,71 @@ struct Walk {
 
 // One window of up to 32 positions from `cursor`: per lane its position's row
 // and metadata; per window (bit masks) where rows start and which are long.
-// Returns where the next window starts.
+// Both walks below start each window with it.
+struct WindowScan {
+  int count;        // positions in the window (<= 32)
+  uint32_t my_row;  // this lane's position's row
+  uint32_t my_bag;
+  EntryMeta meta;
+  int64_t my_hi;    // where the row starting at this lane ends
+  unsigned starts;  // lanes where a row starts (the walk's row excepted)
+  unsigned longs;   // of those, rows longer than long_segment
+};
+
+__device__ __forceinline__ WindowScan ScanWindow(const BackwardArgs& a, int64_t cursor, int64_t end, int lane,
+                                                 int64_t walk_row) {
+  WindowScan s;
+  s.count = static_cast<int>(min(static_cast<int64_t>(kWarp), end - cursor));
+  const bool in = lane < s.count;
+  s.my_row = in ? a.sorted_rows[cursor + lane] : 0u;
+  s.meta = LoadEntryMeta(a, cursor + lane, in);
+  s.my_bag = static_cast<uint32_t>(s.meta.bag);
+  // The row at the window's last position may run on: its end from seg_begin.
+  const uint32_t tail_row = __shfl_sync(kFullMask, s.my_row, s.count - 1);
+  const int64_t tail_hi = a.seg_begin[tail_row + 1];
+  uint32_t prev_row = __shfl_up_sync(kFullMask, s.my_row, 1);
+  const bool starts_here = in && (lane == 0 ? static_cast<int64_t>(s.my_row) != walk_row : s.my_row != prev_row);
+  s.starts = __ballot_sync(kFullMask, starts_here);
+  // A row's end: the next start in the window, or the tail row's end.
+  const unsigned later = lane == kWarp - 1 ? 0u : s.starts & (~0u << (lane + 1));
+  s.my_hi = later != 0 ? cursor + __ffs(later) - 1 : tail_hi;
+  s.longs = __ballot_sync(kFullMask, starts_here && s.my_hi - (cursor + lane) > a.long_segment);
+  return s;
+}
+
+// The entry at window lane `at` (gradient row g) into the walk's row sum, and
+// its d_weights dot with the walk's table row when wanted.
+template <typename T, int VEC, int U>
+__device__ __forceinline__ void AddEntry(const BackwardArgs& a, const WindowScan& s, int at, int lane,
+                                         bool want_dots, const RowTile<T, VEC, U>& g, Walk<T, VEC, U>& w) {
+  const float coef = __shfl_sync(kFullMask, s.meta.coef, at);
+  float partial_dot = 0.f;
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      const float gv = ToFloat<T>(g.v[u].elems[v]);
+      w.acc[u][v] = fmaf(coef, gv, w.acc[u][v]);
+      partial_dot = fmaf(gv, ToFloat<T>(w.table.v[u].elems[v]), partial_dot);
+    }
+  if (want_dots) {
+    const float dot = WarpSum(partial_dot);
+    const uint32_t entry = __shfl_sync(kFullMask, s.meta.entry, at);
+    if (lane == 0) StoreDot(a, entry, dot);
+  }
+}
+
+// Sums the rows of one window, the next positions' rows in flight through the
+// ring. Returns where the next window starts.
 template <typename T, int VEC, int U>
 __device__ int64_t WalkWindow(const BackwardArgs& a, int64_t cursor, int64_t end, int lane, int64_t lane_col,
                               Walk<T, VEC, U>& w, uint4* ring) {
   constexpr int kStages = PositionStages<U>();
   const int64_t dim = a.bags.dim;
-  const int count = static_cast<int>(min(static_cast<int64_t>(kWarp), end - cursor));
-  const bool in = lane < count;
-  const uint32_t my_row = in ? a.sorted_rows[cursor + lane] : 0u;
-  const EntryMeta meta = LoadEntryMeta(a, cursor + lane, in);
-  const uint32_t my_bag = static_cast<uint32_t>(meta.bag);
-  // The row at the window's last position may run on: its end from seg_begin.
-  const uint32_t tail_row = __shfl_sync(kFullMask, my_row, count - 1);
-  const int64_t tail_hi = a.seg_begin[tail_row + 1];
-  uint32_t prev_row = __shfl_up_sync(kFullMask, my_row, 1);
-  const bool starts_here = in && (lane == 0 ? static_cast<int64_t>(my_row) != w.row : my_row != prev_row);
-  const unsigned starts = __ballot_sync(kFullMask, starts_here);
-  // A row's end: the next start in the window, or the tail row's end.
-  const unsigned later = lane == kWarp - 1 ? 0u : starts & (~0u << (lane + 1));
-  const int64_t my_hi = later != 0 ? cursor + __ffs(later) - 1 : tail_hi;
-  const unsigned longs = __ballot_sync(kFullMask, starts_here && my_hi - (cursor + lane) > a.long_segment);
+  const WindowScan sc = ScanWindow(a, cursor, end, lane, w.row);
+  const int count = sc.count;
+  const uint32_t my_row = sc.my_row, my_bag = sc.my_bag;
+  const unsigned starts = sc.starts, longs = sc.longs;
   const bool want_dots = a.dots != nullptr;
   const unsigned fresh_rows = want_dots ? starts : 0u;  // whose table rows are copied
 #pragma unroll
@@ -232,28 +276,14 @@ __device__ int64_t WalkWindow(const BackwardArgs& a, int64_t cursor, int64_t end
       w.long_row = (longs >> k) & 1u;
       if (want_dots) ReadSlot<T, VEC, U>(ring, stage, 1, lane, lane_col, dim, w.table);
       if (w.long_row) {
-        w.hi = __shfl_sync(kFullMask, my_hi, k);
+        w.hi = __shfl_sync(kFullMask, sc.my_hi, k);
         if (a.d_table != nullptr) AddPieces<VEC, U>(a, w.row, cursor + k, w.hi, lane_col, w.acc);
       }
     }
     if (!w.long_row) {
       RowTile<T, VEC, U> g;
       ReadSlot<T, VEC, U>(ring, stage, 0, lane, lane_col, dim, g);
-      const float coef = __shfl_sync(kFullMask, meta.coef, k);
-      float partial_dot = 0.f;
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) {
-          const float gv = ToFloat<T>(g.v[u].elems[v]);
-          w.acc[u][v] = fmaf(coef, gv, w.acc[u][v]);
-          partial_dot = fmaf(gv, ToFloat<T>(w.table.v[u].elems[v]), partial_dot);
-        }
-      if (want_dots) {
-        const float dot = WarpSum(partial_dot);
-        const uint32_t entry = __shfl_sync(kFullMask, meta.entry, k);
-        if (lane == 0) StoreDot(a, entry, dot);
-      }
+      AddEntry<T, VEC, U>(a, sc, k, lane, want_dots, g, w);
     } else if (w.hi > cursor + k + 1) {  // inside a long row: jump to its end
       CopyAsyncWait<0>();  // copies still in flight would land in the next window's ring
       return w.hi;
@@ -270,19 +300,10 @@ __device__ int64_t WalkWindowInRegisters(const BackwardArgs& a, int64_t cursor, 
                                          int64_t lane_col, Walk<T, VEC, U>& w) {
   constexpr int kInFlight = 2;
   const int64_t dim = a.bags.dim;
-  const int count = static_cast<int>(min(static_cast<int64_t>(kWarp), end - cursor));
-  const bool in = lane < count;
-  const uint32_t my_row = in ? a.sorted_rows[cursor + lane] : 0u;
-  const EntryMeta meta = LoadEntryMeta(a, cursor + lane, in);
-  const uint32_t my_bag = static_cast<uint32_t>(meta.bag);
-  const uint32_t tail_row = __shfl_sync(kFullMask, my_row, count - 1);
-  const int64_t tail_hi = a.seg_begin[tail_row + 1];
-  uint32_t prev_row = __shfl_up_sync(kFullMask, my_row, 1);
-  const bool starts_here = in && (lane == 0 ? static_cast<int64_t>(my_row) != w.row : my_row != prev_row);
-  const unsigned starts = __ballot_sync(kFullMask, starts_here);
-  const unsigned later = lane == kWarp - 1 ? 0u : starts & (~0u << (lane + 1));
-  const int64_t my_hi = later != 0 ? cursor + __ffs(later) - 1 : tail_hi;
-  const unsigned longs = __ballot_sync(kFullMask, starts_here && my_hi - (cursor + lane) > a.long_segment);
+  const WindowScan sc = ScanWindow(a, cursor, end, lane, w.row);
+  const int count = sc.count;
+  const uint32_t my_row = sc.my_row, my_bag = sc.my_bag;
+  const unsigned starts = sc.starts, longs = sc.longs;
   const T* __restrict__ grad = static_cast<const T*>(a.grad);
   const T* __restrict__ table = static_cast<const T*>(a.bags.table);
   const bool want_dots = a.dots != nullptr;
@@ -309,26 +330,12 @@ __device__ int64_t WalkWindowInRegisters(const BackwardArgs& a, int64_t cursor, 
         w.long_row = (longs >> at) & 1u;
         w.table = x[j];
         if (w.long_row) {
-          w.hi = __shfl_sync(kFullMask, my_hi, at);
+          w.hi = __shfl_sync(kFullMask, sc.my_hi, at);
           if (a.d_table != nullptr) AddPieces<VEC, U>(a, w.row, cursor + at, w.hi, lane_col, w.acc);
         }
       }
       if (w.long_row) continue;  // its dots came from the pieces pass
-      const float coef = __shfl_sync(kFullMask, meta.coef, at);
-      float partial_dot = 0.f;
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int v = 0; v < VEC; ++v) {
-          const float gv = ToFloat<T>(g[j].v[u].elems[v]);
-          w.acc[u][v] = fmaf(coef, gv, w.acc[u][v]);
-          partial_dot = fmaf(gv, ToFloat<T>(w.table.v[u].elems[v]), partial_dot);
-        }
-      if (want_dots) {
-        const float dot = WarpSum(partial_dot);
-        const uint32_t entry = __shfl_sync(kFullMask, meta.entry, at);
-        if (lane == 0) StoreDot(a, entry, dot);
-      }
+      AddEntry<T, VEC, U>(a, sc, at, lane, want_dots, g[j], w);
     }
     if (w.long_row && w.hi > cursor + k + kInFlight) return w.hi;  // inside a long row: jump to its end
   }
