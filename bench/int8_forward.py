@@ -19,7 +19,6 @@ big served table does. Two timings of each, alternating which goes first; ratios
     .venv/bin/python bench/int8_forward.py [--reps 30] [--out bench/results/int8_forward]
 """
 import argparse
-import json
 import os
 import sys
 import time
@@ -46,11 +45,11 @@ SHAPES = [  # (batch, bag size K, dim D, rows N): K 128 = 4 heads x top-32 of a 
 CHAIN = 16
 
 
-def chained(run, idx, w):
-    """CHAIN calls of `run`, each after the previous one (a data dependency), in one graph."""
+def chained(run, idx, w, calls=CHAIN):
+    """`calls` calls of run(idx[c], w[c]), each after the previous one (a data dependency), in one graph."""
     out = None
-    for c in range(CHAIN):
-        wc = w[c] if out is None else w[c] + 0.0 * out[0, 0]
+    for c in range(calls):
+        wc = w[c] if out is None else w[c] + 0.0 * tf.cast(out[0, 0], w.dtype)
         out = run(idx[c], wc)
     return out
 
@@ -144,8 +143,6 @@ def main():
     rows = [one_shape(*s, args.reps, rng) for s in SHAPES]
     meta = {"machine": f"{harness.machine_name()} ({harness.SHARED_NOTE})", "date": harness.utc_date(),
             "tf": tf.__version__, "reps": args.reps, "threads": "TF default (intra-op = cores)"}
-    with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=2)
     lines = ["# int8 vs fp32 forward, CPU, serving batch", "",
              f"{meta['machine']}; TF {meta['tf']}; medians of {args.reps} interleaved repetitions "
              f"(`bench/int8_forward.py`). Ratio = int8 / fp32 (goal <= 0.6). graph: per call of {CHAIN} "
@@ -161,8 +158,8 @@ def main():
                      f"{r['op_fp32_ms']:.3f} | {r['op_int8_ms']:.3f} | **{r['op_ratio']:.2f}** | "
                      f"{r['graph_fp32_ms']:.3f} | {r['graph_int8_ms']:.3f} | {r['graph_ratio']:.2f} | "
                      f"{r['fp32_ms']:.3f} | {r['int8_ms']:.3f} | {r['ratio']:.2f} | {gbps:.1f} |")
-    with open(args.out + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    harness.write_results(os.path.basename(args.out), {"meta": meta, "rows": rows}, "\n".join(lines),
+                          os.path.dirname(args.out) or ".")
     print("\n".join(lines))
 
 

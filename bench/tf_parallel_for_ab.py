@@ -23,6 +23,7 @@ from pkm_serve import ops, quantized
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+import int8_forward  # noqa: E402  (its chained calls)
 
 # (what, table dtype, B, K, D, N, chain length)
 CASES = [
@@ -58,11 +59,7 @@ def make_graph(what, dtype, b, d, n, chain, rng):
     del table
 
     def chained(t, idx, w):
-        out = None
-        for c in range(chain):
-            wc = w[c] if out is None else w[c] + 0.0 * tf.cast(out[0, 0], w.dtype)
-            out = run(t, idx[c], wc)
-        return out
+        return int8_forward.chained(lambda i, ww: run(t, i, ww), idx, w, chain)
 
     if what == "forward":
         return tf.function(lambda idx, w: chained(t, idx, w))
