@@ -13,6 +13,17 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# 1 and 2 replicas sum the batch's gradients in a different order, so the
+# weights differ by float32 rounding. SGD passes that on as it is (at most
+# 5e-7 relative over 12 random initialisations). Adam divides each step by
+# sqrt(v), which turns rounding of a near-zero gradient element into a larger
+# relative change of its step: at most 3e-6 over the same 12, and once 2.3e-5
+# in CI with an unseeded initialisation. Losing one replica's gradient
+# (training on half of each batch) moves every weight by >= 6e-3 relative
+# with SGD and >= 9e-2 with Adam, far above either bound.
+TOLERANCE = {"sgd": 1e-5, "lazy_adam": 1e-4}
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("mirrored") / "weights.npz"
@@ -34,4 +45,4 @@ def test_one_and_two_replicas_train_to_equal_weights(trained, kind, gradient, op
         one, two, init = (trained[f"{key}/{which}/{i}"] for which in ("one", "two", "init"))
         assert np.max(np.abs(one - init)) > 1e-3, f"{key} weight {i} did not train"
         rel = np.max(np.abs(one - two)) / np.max(np.abs(one))
-        assert rel <= 1e-5, f"{key} weight {i}: 1 vs 2 replicas differ by {rel:.3g} (relative)"
+        assert rel <= TOLERANCE[optimizer], f"{key} weight {i}: 1 vs 2 replicas differ by {rel:.3g} (relative)"
