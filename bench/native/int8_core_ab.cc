@@ -1,10 +1,12 @@
 // In-process A/B of the core's forward over float32 and int8 tables holding the same rows
 // (bench only, not shipped): bench/int8_core_ab.sh builds the core trees given to it as shared
 // libraries and runs this.
-//   int8_core_ab B K D N CALLS [fp16-params] [no-biases] -- LIB...
+//   int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] -- LIB...
 // Each call draws one of 64 prepared index sets (uniform rows, so the rows of a table far over the
 // caches come from memory as in a served model), one thread, builds and table types taking turns
-// call by call. Prints the median ms per build and table type and int8 / float32.
+// call by call. Prints the median ms per build and table type and int8 / float32; with `bf16`, a
+// bfloat16 table of the same rows takes its turn too. The builds' outputs of the last call of each
+// table type are compared bitwise with the first build's.
 #include <dlfcn.h>
 #include <sys/mman.h>
 
@@ -13,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -49,7 +52,7 @@ int main(int argc, char** argv) {
   }
   const int64_t B = std::atoll(argv[1]), K = std::atoll(argv[2]), D = std::atoll(argv[3]), N = std::atoll(argv[4]);
   const int calls = std::atoi(argv[5]);
-  bool fp16_params = false, no_biases = false;
+  bool fp16_params = false, no_biases = false, bf16 = false;
   std::vector<ForwardFn> builds;
   std::vector<std::string> names;
   bool libs = false;
@@ -59,6 +62,7 @@ int main(int argc, char** argv) {
     if (!libs) {
       if (a == "fp16-params") fp16_params = true;
       else if (a == "no-biases") no_biases = true;
+      else if (a == "bf16") bf16 = true;
       else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
       continue;
     }
@@ -73,9 +77,15 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(1);
   float* f32 = HugeBuffer<float>(N * D);
   int8_t* q = HugeBuffer<int8_t>(N * D);
+  uint16_t* b16 = bf16 ? HugeBuffer<uint16_t>(N * D) : nullptr;
   for (int64_t i = 0; i < N * D; ++i) {
     q[i] = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
     f32[i] = q[i] * 0.01f;
+    if (bf16) {  // the float's top half, rounded to nearest
+      uint32_t bits;
+      std::memcpy(&bits, &f32[i], 4);
+      b16[i] = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+    }
   }
   std::vector<float> scales(N, 0.01f), biases(N, 0.001f);
   std::vector<uint16_t> scales16(N, 0x211f), biases16(N, 0x1419);  // ~0.01 and ~0.001 as float16
@@ -89,39 +99,55 @@ int main(int argc, char** argv) {
     t8.row_biases = no_biases ? nullptr : biases16.data();
     t8.row_params_type = pkm::ElemType::kFloat16;
   }
+  const pkm::Table tb16{b16, pkm::ElemType::kBFloat16, N, D};
+  const pkm::Table* tables[3] = {&t32, &t8, &tb16};
+  const char* type_names[3] = {"float32", "int8", "bfloat16"};
+  const int types = bf16 ? 3 : 2;
+  std::vector<float> last_out[3 * 16];  // [3 * build + table type]: the last call's output
   const pkm::ParallelFor inline_for = [](int64_t total, int64_t, const pkm::RangeFn& fn) { fn(0, total); };
 
-  std::vector<double> ms[2 * 16];  // [2 * build + int8]
+  std::vector<double> ms[3 * 16];  // [3 * build + table type]
   const int warmup = 4;
   for (int c = 0; c < calls + warmup; ++c)
     for (size_t l = 0; l < builds.size(); ++l)
-      for (int t = 0; t < 2; ++t) {
+      for (int t = 0; t < types; ++t) {
         const size_t build = (l + c) % builds.size();
-        const int int8 = (t + c) % 2;
+        const int type = (t + c) % types;
         pkm::Bags bags;
-        bags.indices = indices.data() + static_cast<size_t>((c * 7 + l * 3 + int8) % kIndexSets) * B * K;
+        // The last call's index set is the same for every build, for the bitwise comparison.
+        const size_t set = c == calls + warmup - 1 ? type : (c * 7 + l * 3 + type) % kIndexSets;
+        bags.indices = indices.data() + set * B * K;
         bags.num_bags = B;
         bags.bag_size = K;
         bags.weights = weights.data();
         const double t0 = NowMs();
-        const pkm::Status s = builds[build](int8 ? t8 : t32, bags, pkm::Combiner::kSum, out.data(),
+        const pkm::Status s = builds[build](*tables[type], bags, pkm::Combiner::kSum, out.data(),
                                             pkm::ElemType::kFloat32, inline_for);
         const double elapsed = NowMs() - t0;
         if (!s.ok) { std::fprintf(stderr, "%s\n", s.message.c_str()); return 1; }
-        if (c >= warmup) ms[2 * build + int8].push_back(elapsed);
+        if (c >= warmup) ms[3 * build + type].push_back(elapsed);
+        if (c == calls + warmup - 1) last_out[3 * build + type] = out;
       }
   std::printf("B=%lld K=%lld D=%lld N=%lld%s%s, 1 thread, medians of %d calls\n", static_cast<long long>(B),
               static_cast<long long>(K), static_cast<long long>(D), static_cast<long long>(N),
               fp16_params ? ", float16 row parameters" : "", no_biases ? ", no biases" : "", calls);
   for (size_t b = 0; b < builds.size(); ++b) {
-    double med[2];
-    for (int t = 0; t < 2; ++t) {
-      std::vector<double>& v = ms[2 * b + t];
+    double med[3];
+    std::printf("  %-12s", names[b].c_str());
+    for (int t = 0; t < types; ++t) {
+      std::vector<double>& v = ms[3 * b + t];
       std::sort(v.begin(), v.end());
       med[t] = v[v.size() / 2];
+      std::printf(" %s %.4f ms ", type_names[t], med[t]);
     }
-    std::printf("  %-12s float32 %.4f ms  int8 %.4f ms  int8/float32 %.3f\n", names[b].c_str(), med[0], med[1],
-                med[1] / med[0]);
+    std::printf(" int8/float32 %.3f\n", med[1] / med[0]);
   }
-  return 0;
+  int differ = 0;
+  for (size_t b = 1; b < builds.size(); ++b)
+    for (int t = 0; t < types; ++t)
+      differ += std::memcmp(last_out[t].data(), last_out[3 * b + t].data(), out.size() * 4) != 0;
+  if (builds.size() > 1)
+    std::printf("  outputs of the last call, builds against the first: %s\n",
+                differ == 0 ? "bitwise equal" : "DIFFER");
+  return differ == 0 ? 0 : 1;
 }

@@ -86,9 +86,58 @@ __attribute__((target("avx2,fma"))) void AccumulateGroupAvx2(const float* c, con
     for (int r = 0; r < kGroup; ++r) acc[i] += c[r] * static_cast<float>(q[r][i]);
 }
 
+// The same sums for AVX-512, sixteen columns per step (half the instructions
+// per byte of AVX2's, which bound rows in cache), with the AVX2 step's
+// arithmetic per column, so both give bitwise the same result. A line's eight
+// prefetches go two per step.
+__attribute__((target("avx512f,avx2,fma"))) void AccumulateGroupAvx512(const float* c, const char* const* rows,
+                                                                        const char* const* ahead,
+                                                                        float* __restrict acc, int64_t n) {
+  const int8_t* const* q = reinterpret_cast<const int8_t* const*>(rows);
+  __m512 coef[kGroup];
+  for (int r = 0; r < kGroup; ++r) coef[r] = _mm512_set1_ps(c[r]);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const int pick = static_cast<int>((i / 8) % kGroup);
+    const int64_t line = i & ~int64_t{63};
+    _mm_prefetch(ahead[pick] + line, _MM_HINT_T0);
+    _mm_prefetch(ahead[pick + 1] + line, _MM_HINT_T0);
+    __m512 even = _mm512_loadu_ps(acc + i), odd = _mm512_setzero_ps();
+    for (int r = 0; r < kGroup; r += 2) {
+      const __m512 x0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(q[r] + i))));
+      const __m512 x1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(q[r + 1] + i))));
+      even = _mm512_fmadd_ps(coef[r], x0, even);
+      odd = _mm512_fmadd_ps(coef[r + 1], x1, odd);
+    }
+    _mm512_storeu_ps(acc + i, _mm512_add_ps(even, odd));
+  }
+  if (i + 8 <= n) {  // eight columns left: AVX2's step
+    if (i % 64 == 0)
+      for (int r = 0; r < kGroup; ++r) _mm_prefetch(ahead[r] + i, _MM_HINT_T0);
+    __m256 even = _mm256_loadu_ps(acc + i), odd = _mm256_setzero_ps();
+    for (int r = 0; r < kGroup; r += 2) {
+      const __m256 x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(q[r] + i))));
+      const __m256 x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+          reinterpret_cast<const __m128i*>(q[r + 1] + i))));
+      even = _mm256_fmadd_ps(_mm512_castps512_ps256(coef[r]), x0, even);
+      odd = _mm256_fmadd_ps(_mm512_castps512_ps256(coef[r + 1]), x1, odd);
+    }
+    _mm256_storeu_ps(acc + i, _mm256_add_ps(even, odd));
+    i += 8;
+  }
+  if (n % 64 != 0)  // a row of a partial line straddles one more line
+    for (int r = 0; r < kGroup; ++r) _mm_prefetch(ahead[r] + n - 1, _MM_HINT_T0);
+  for (; i < n; ++i)
+    for (int r = 0; r < kGroup; ++r) acc[i] += c[r] * static_cast<float>(q[r][i]);
+}
+
 using GroupFn = void (*)(const float*, const char* const*, const char* const*, float*, int64_t);
 GroupFn PickGroupFn() {
   __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return AccumulateGroupAvx512;
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") ? AccumulateGroupAvx2 : AccumulateGroup;
 }
 const GroupFn kAccumulateGroup = PickGroupFn();

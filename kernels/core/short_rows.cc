@@ -15,6 +15,17 @@ namespace {
 typedef float V8 __attribute__((vector_size(32)));
 typedef uint16_t V8U16 __attribute__((vector_size(16)));
 typedef uint32_t V8U32 __attribute__((vector_size(32)));
+// Sixteen lanes for widths of a multiple of 16: one 512-bit register in the
+// AVX-512 clone (half the instructions per entry), two 256-bit ones in the
+// AVX2 clone. Each column's sum is the same expression in either, so the two
+// give bitwise the same result.
+typedef float V16 __attribute__((vector_size(64)));
+typedef uint16_t V16U16 __attribute__((vector_size(32)));
+typedef uint32_t V16U32 __attribute__((vector_size(64)));
+
+template <int kLanes> struct Lanes;
+template <> struct Lanes<8> { using F = V8; using U16 = V8U16; using U32 = V8U32; };
+template <> struct Lanes<16> { using F = V16; using U16 = V16U16; using U32 = V16U32; };
 
 // Up to 64 columns: eight 8-lane accumulators (of AVX2's 16 registers).
 // Summing 128 columns in two passes over each bag was 1.4x slower than the
@@ -25,27 +36,28 @@ constexpr int64_t kAheadEntries = 16;
 
 // Eight values of a row as floats (a pointer out, not a return value: GCC
 // warns that returning a 256-bit vector changes the ABI of the baseline clone).
-template <bool kBf16>
-__attribute__((always_inline)) inline void Load8(const char* p, V8* v) {
+template <int kLanes, bool kBf16>
+__attribute__((always_inline)) inline void LoadLanes(const char* p, typename Lanes<kLanes>::F* v) {
   if constexpr (kBf16) {
-    V8U16 h;
+    typename Lanes<kLanes>::U16 h;
     std::memcpy(&h, p, sizeof(h));
-    const V8U32 bits = __builtin_convertvector(h, V8U32) << 16;
+    const typename Lanes<kLanes>::U32 bits = __builtin_convertvector(h, typename Lanes<kLanes>::U32) << 16;
     std::memcpy(v, &bits, sizeof(*v));
   } else {
     std::memcpy(v, p, sizeof(*v));
   }
 }
 
-// Bag [begin, end) of `NV` vectors of 8 columns into sum; its weight sums.
-template <int NV, bool kBf16, typename Index>
+// Bag [begin, end) of `NV` vectors of kLanes columns into sum; its weight sums.
+template <int NV, int kLanes, bool kBf16, typename Index>
 __attribute__((always_inline)) inline void SumBag(const char* table, int64_t row_bytes, int64_t row_lines,
                                                   const Bags& bags, int64_t num_indices, int64_t begin, int64_t end,
                                                   float* sum, float* weight_sum, float* weight_sq_sum) {
   constexpr int64_t kElem = kBf16 ? 2 : 4;
   const Index* idx = static_cast<const Index*>(bags.indices);
-  V8 acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = V8{};
+  using VF = typename Lanes<kLanes>::F;
+  VF acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = VF{};
   float ws = 0.f, wsq = 0.f;
   for (int64_t j = begin; j < end; ++j) {
     if (j + kAheadEntries < num_indices) {
@@ -59,10 +71,10 @@ __attribute__((always_inline)) inline void SumBag(const char* table, int64_t row
     ws += w;
     wsq += w * w;
     const char* row = table + r * row_bytes;
-    const V8 c = V8{} + w;
+    const VF c = VF{} + w;
     for (int v = 0; v < NV; ++v) {
-      V8 x;
-      Load8<kBf16>(row + v * 8 * kElem, &x);
+      VF x;
+      LoadLanes<kLanes, kBf16>(row + v * kLanes * kElem, &x);
       acc[v] += c * x;
     }
   }
@@ -71,7 +83,7 @@ __attribute__((always_inline)) inline void SumBag(const char* table, int64_t row
   *weight_sq_sum = wsq;
 }
 
-template <int NV, bool kBf16, typename Index>
+template <int NV, int kLanes, bool kBf16, typename Index>
 __attribute__((always_inline)) inline void SumBags(const Table& table, const Bags& bags, Combiner combiner,
                                                    char* out, ElemType out_type, int64_t b0, int64_t b1) {
   const char* data = static_cast<const char*>(table.data);
@@ -79,10 +91,10 @@ __attribute__((always_inline)) inline void SumBags(const Table& table, const Bag
   const int64_t row_lines = (row_bytes + 63) / 64;
   const int64_t out_row_bytes = table.dim * ElemSize(out_type);
   const int64_t num_indices = bags.NumIndices();
-  float sum[8 * NV];
+  float sum[kLanes * NV];
   for (int64_t b = b0; b < b1; ++b) {
     float ws, wsq;
-    SumBag<NV, kBf16, Index>(data, row_bytes, row_lines, bags, num_indices, bags.Begin(b), bags.End(b), sum, &ws,
+    SumBag<NV, kLanes, kBf16, Index>(data, row_bytes, row_lines, bags, num_indices, bags.Begin(b), bags.End(b), sum, &ws,
                              &wsq);
     vec::FromFloat(sum, CombinerScale(combiner, ws, wsq), out_type, out + b * out_row_bytes, table.dim);
   }
@@ -91,15 +103,18 @@ __attribute__((always_inline)) inline void SumBags(const Table& table, const Bag
 template <bool kBf16, typename Index>
 __attribute__((always_inline)) inline void SumBagsAnyWidth(const Table& table, const Bags& bags, Combiner combiner,
                                                            char* out, ElemType out_type, int64_t b0, int64_t b1) {
+  // 16 lanes for bfloat16 rows only: float32 rows of 16 and 32 were 1.15x
+  // slower with them on the AVX-512 Xeon, bfloat16 ones 0.66-0.92x the time.
+  constexpr int kWide = kBf16 ? 16 : 8, kPer = kWide / 8;
   switch (table.dim / 8) {
-    case 1: SumBags<1, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 2: SumBags<2, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 3: SumBags<3, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 4: SumBags<4, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 5: SumBags<5, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 6: SumBags<6, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 7: SumBags<7, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    default: SumBags<8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 1: SumBags<1, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 2: SumBags<2 / kPer, kWide, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 3: SumBags<3, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 4: SumBags<4 / kPer, kWide, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 5: SumBags<5, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 6: SumBags<6 / kPer, kWide, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 7: SumBags<7, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
+    default: SumBags<8 / kPer, kWide, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
   }
 }
 
