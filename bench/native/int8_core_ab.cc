@@ -6,7 +6,8 @@
 // caches come from memory as in a served model), one thread, builds and table types taking turns
 // call by call. Prints the median ms per build and table type and int8 / float32; with `bf16`, a
 // bfloat16 table of the same rows takes its turn too. The builds' outputs of the last call of each
-// table type are compared bitwise with the first build's.
+// table type are compared bitwise with the first build's (a difference is reported, not an error:
+// another summation order rounds differently).
 #include <dlfcn.h>
 #include <sys/mman.h>
 
@@ -142,12 +143,16 @@ int main(int argc, char** argv) {
     }
     std::printf(" int8/float32 %.3f\n", med[1] / med[0]);
   }
-  int differ = 0;
-  for (size_t b = 1; b < builds.size(); ++b)
-    for (int t = 0; t < types; ++t)
-      differ += std::memcmp(last_out[t].data(), last_out[3 * b + t].data(), out.size() * 4) != 0;
+  // A kernel that sums in another order differs in rounding: reported, not an error.
+  std::string differ;
+  for (int t = 0; t < types; ++t)
+    for (size_t b = 1; b < builds.size(); ++b)
+      if (std::memcmp(last_out[t].data(), last_out[3 * b + t].data(), out.size() * 4) != 0) {
+        differ += std::string(differ.empty() ? "" : ", ") + type_names[t] + " (" + names[b] + ")";
+        break;
+      }
   if (builds.size() > 1)
     std::printf("  outputs of the last call, builds against the first: %s\n",
-                differ == 0 ? "bitwise equal" : "DIFFER");
-  return differ == 0 ? 0 : 1;
+                differ.empty() ? "bitwise equal" : ("differ for " + differ).c_str());
+  return 0;
 }

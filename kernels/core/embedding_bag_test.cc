@@ -445,14 +445,14 @@ void LargeTable() {
 // Bags longer than the forward's window of collected entries (bag_window.h,
 // 256), a window ending mid-way through many short bags, padding, dims around
 // the bf16 kernels' 16-column blocks and the short-row widths (short_rows.h:
-// multiples of 8 up to 64, whose prefetch reads 16 entries ahead across bag
-// ends), every weighted combiner, for every table type (fp32 tolerance 1e-4:
+// multiples of 8 up to 64, and of 16 up to 128 on AVX-512, whose prefetch
+// reads 16 entries ahead across bag ends), every weighted combiner, for every table type (fp32 tolerance 1e-4:
 // sums of up to 700 signed terms in float32).
 void WindowCases() {
   using pkm::ElemType;
   std::mt19937_64 rng(77);
   for (ElemType type : {ElemType::kFloat32, ElemType::kFloat16, ElemType::kBFloat16, ElemType::kInt8}) {
-    for (int64_t dim : {1, 8, 15, 16, 24, 33, 48, 64, 72, 512}) {
+    for (int64_t dim : {1, 8, 15, 16, 24, 33, 48, 64, 72, 80, 96, 112, 120, 128, 144, 512}) {
       const int64_t num_rows = 997;
       std::vector<int64_t> sizes = {700, 1, 0, 300};
       for (int b = 0; b < 200; ++b) sizes.push_back(rng() % 5);
