@@ -63,15 +63,23 @@ __attribute__((always_inline)) inline void LoadLanes(const char* p, typename Lan
 }
 
 // Bag [begin, end) of `NV` vectors of kLanes columns into sum; its weight sums.
-template <int NV, int kLanes, bool kBf16, typename Index>
+// kPairs (bfloat16 rows): each vector of kLanes 32-bit words holds 2 * kLanes
+// columns, and a word's two bfloat16 become floats by a shift (the even
+// column) and a mask (the odd one), no widening shuffle; two sums per vector,
+// put back in column order at the end. Each column's sum is the same
+// expression either way (bitwise the same result).
+template <int NV, int kLanes, bool kBf16, bool kPairs, typename Index>
 __attribute__((always_inline)) inline void SumBag(const char* table, int64_t row_bytes, int64_t row_lines,
                                                   const Bags& bags, int64_t num_indices, int64_t begin, int64_t end,
                                                   float* sum, float* weight_sum, float* weight_sq_sum) {
   constexpr int64_t kElem = kBf16 ? 2 : 4;
   const Index* idx = static_cast<const Index*>(bags.indices);
+  static_assert(kBf16 || !kPairs, "pairs of columns are bfloat16 words");
   using VF = typename Lanes<kLanes>::F;
-  VF acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = VF{};
+  using VU = typename Lanes<kLanes>::U32;
+  constexpr int kSums = kPairs ? 2 * NV : NV;
+  VF acc[kSums];
+  for (int v = 0; v < kSums; ++v) acc[v] = VF{};
   float ws = 0.f, wsq = 0.f;
   for (int64_t j = begin; j < end; ++j) {
     if (j + kAheadEntries < num_indices) {
@@ -87,17 +95,36 @@ __attribute__((always_inline)) inline void SumBag(const char* table, int64_t row
     const char* row = table + r * row_bytes;
     const VF c = VF{} + w;
     for (int v = 0; v < NV; ++v) {
-      VF x;
-      LoadLanes<kLanes, kBf16>(row + v * kLanes * kElem, &x);
-      acc[v] += c * x;
+      if constexpr (kPairs) {
+        VU words;
+        std::memcpy(&words, row + v * kLanes * 4, sizeof(words));
+        const VU even_bits = words << 16, odd_bits = words & 0xffff0000u;
+        VF even, odd;
+        std::memcpy(&even, &even_bits, sizeof(even));
+        std::memcpy(&odd, &odd_bits, sizeof(odd));
+        acc[2 * v] += c * even;
+        acc[2 * v + 1] += c * odd;
+      } else {
+        VF x;
+        LoadLanes<kLanes, kBf16>(row + v * kLanes * kElem, &x);
+        acc[v] += c * x;
+      }
     }
   }
-  std::memcpy(sum, acc, sizeof(acc));
+  if constexpr (kPairs) {
+    for (int v = 0; v < NV; ++v)
+      for (int i = 0; i < kLanes; ++i) {
+        sum[2 * (v * kLanes + i)] = acc[2 * v][i];
+        sum[2 * (v * kLanes + i) + 1] = acc[2 * v + 1][i];
+      }
+  } else {
+    std::memcpy(sum, acc, sizeof(acc));
+  }
   *weight_sum = ws;
   *weight_sq_sum = wsq;
 }
 
-template <int NV, int kLanes, bool kBf16, typename Index>
+template <int NV, int kLanes, bool kBf16, typename Index, bool kPairs = false>
 __attribute__((always_inline)) inline void SumBags(const Table& table, const Bags& bags, Combiner combiner,
                                                    char* out, ElemType out_type, int64_t b0, int64_t b1) {
   const char* data = static_cast<const char*>(table.data);
@@ -105,10 +132,10 @@ __attribute__((always_inline)) inline void SumBags(const Table& table, const Bag
   const int64_t row_lines = (row_bytes + 63) / 64;
   const int64_t out_row_bytes = table.dim * ElemSize(out_type);
   const int64_t num_indices = bags.NumIndices();
-  float sum[kLanes * NV];
+  float sum[kLanes * NV * (kPairs ? 2 : 1)];
   for (int64_t b = b0; b < b1; ++b) {
     float ws, wsq;
-    SumBag<NV, kLanes, kBf16, Index>(data, row_bytes, row_lines, bags, num_indices, bags.Begin(b), bags.End(b), sum, &ws,
+    SumBag<NV, kLanes, kBf16, kPairs, Index>(data, row_bytes, row_lines, bags, num_indices, bags.Begin(b), bags.End(b), sum, &ws,
                              &wsq);
     vec::FromFloat(sum, CombinerScale(combiner, ws, wsq), out_type, out + b * out_row_bytes, table.dim);
   }
@@ -117,18 +144,19 @@ __attribute__((always_inline)) inline void SumBags(const Table& table, const Bag
 template <bool kBf16, typename Index>
 __attribute__((always_inline)) inline void SumBagsAnyWidth(const Table& table, const Bags& bags, Combiner combiner,
                                                            char* out, ElemType out_type, int64_t b0, int64_t b1) {
-  // 16 lanes for bfloat16 rows only: float32 rows of 16 and 32 were 1.15x
-  // slower with them on the AVX-512 Xeon, bfloat16 ones 0.66-0.92x the time.
-  constexpr int kWide = kBf16 ? 16 : 8, kPer = kWide / 8;
+  // bfloat16 rows of a multiple of 16 columns take pairs of columns per word
+  // (SumBag), 16 words a vector where the width allows: 0.66-0.92x the time
+  // of 8 widened columns a vector on the AVX-512 Xeon. float32 rows of 16 and
+  // 32 were 1.15x slower with 16 lanes there.
   switch (table.dim / 8) {
     case 1: SumBags<1, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 2: SumBags<2 / kPer, kWide, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 2: SumBags<kBf16 ? 1 : 2, 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
     case 3: SumBags<3, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 4: SumBags<4 / kPer, kWide, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 4: SumBags<kBf16 ? 1 : 4, kBf16 ? 16 : 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
     case 5: SumBags<5, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 6: SumBags<6 / kPer, kWide, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 6: SumBags<kBf16 ? 3 : 6, 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
     case 7: SumBags<7, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 8: SumBags<8 / kPer, kWide, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 8: SumBags<kBf16 ? 2 : 8, kBf16 ? 16 : 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
     // Wider float32 rows, AVX-512 only (IsShortRowTable).
     case 10: SumBags<5, 16, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
     case 12: SumBags<6, 16, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
