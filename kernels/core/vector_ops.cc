@@ -157,6 +157,10 @@ void AxpyGroup(ElemType type, const float* a, const char* const* rows, const cha
       break;
     case ElemType::kBFloat16:
 #if defined(PKM_X86_F16C)
+      if (f16c::HasAvx512()) {
+        f16c::AxpyGroupBF16Avx512(a, rows, ahead, acc, n);
+        break;
+      }
       if (f16c::HasF16C()) {
         f16c::AxpyGroupBF16(a, rows, ahead, acc, n);
         break;
@@ -182,6 +186,10 @@ void AxpyRow(ElemType type, float a, const char* row, const char* ahead, float* 
       break;
     case ElemType::kBFloat16:
 #if defined(PKM_X86_F16C)
+      if (f16c::HasAvx512()) {
+        f16c::AxpyBF16Avx512(a, row, ahead, acc, n);
+        break;
+      }
       if (f16c::HasF16C()) {
         f16c::AxpyBF16(a, row, ahead, acc, n);
         break;
@@ -195,7 +203,9 @@ void AxpyRow(ElemType type, float a, const char* row, const char* ahead, float* 
 
 void RestoreAccOrder(ElemType type, float* acc, int64_t n) {
 #if defined(PKM_X86_F16C)
-  if (type == ElemType::kBFloat16 && f16c::HasF16C()) f16c::BF16RestoreOrder(acc, n);
+  if (type != ElemType::kBFloat16) return;
+  if (f16c::HasAvx512()) f16c::BF16RestoreOrderAvx512(acc, n);
+  else if (f16c::HasF16C()) f16c::BF16RestoreOrder(acc, n);
 #endif
 }
 

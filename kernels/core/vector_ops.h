@@ -103,6 +103,11 @@ void Axpy(float a, const char* row, const char* ahead, float* acc, int64_t n);
 void AxpyGroupBF16(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n);
 void AxpyBF16(float a, const char* row, const char* ahead, float* acc, int64_t n);
 void BF16RestoreOrder(float* acc, int64_t n);
+// The same three for AVX-512 (32 columns as 16 even then 16 odd; see the .cc).
+bool HasAvx512();  // AVX-512F, and HasF16C
+void AxpyGroupBF16Avx512(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n);
+void AxpyBF16Avx512(float a, const char* row, const char* ahead, float* acc, int64_t n);
+void BF16RestoreOrderAvx512(float* acc, int64_t n);
 void Max(const uint16_t* row, float* acc, int64_t n);
 void ToFloat(const uint16_t* src, float* dst, int64_t n);
 void ScaleTo(const float* src, float scale, uint16_t* dst, int64_t n);
