@@ -60,6 +60,22 @@ PKM_MULTIVERSION
 // eight columns (row (i / 8) % 8's line of i): on the 2-core EPYC, 5-13%
 // faster over 8-128 MB tables than issuing them together; a whole row at once
 // was 1.3x slower (bench/results/int8_forward_notes.md).
+// Columns [i, i + 8) of the eight rows into acc.
+__attribute__((target("avx2,fma"), always_inline)) inline void EightColumnsAvx2(const __m256* coef,
+                                                                               const int8_t* const* q, int64_t i,
+                                                                               float* __restrict acc) {
+  __m256 even = _mm256_loadu_ps(acc + i), odd = _mm256_setzero_ps();
+  for (int r = 0; r < kGroup; r += 2) {
+    const __m256 x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(q[r] + i))));
+    const __m256 x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+        reinterpret_cast<const __m128i*>(q[r + 1] + i))));
+    even = _mm256_fmadd_ps(coef[r], x0, even);
+    odd = _mm256_fmadd_ps(coef[r + 1], x1, odd);
+  }
+  _mm256_storeu_ps(acc + i, _mm256_add_ps(even, odd));
+}
+
 __attribute__((target("avx2,fma"))) void AccumulateGroupAvx2(const float* c, const char* const* rows,
                                                               const char* const* ahead, float* __restrict acc,
                                                               int64_t n) {
@@ -69,16 +85,7 @@ __attribute__((target("avx2,fma"))) void AccumulateGroupAvx2(const float* c, con
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     _mm_prefetch(ahead[(i / 8) % kGroup] + (i & ~int64_t{63}), _MM_HINT_T0);
-    __m256 even = _mm256_loadu_ps(acc + i), odd = _mm256_setzero_ps();
-    for (int r = 0; r < kGroup; r += 2) {
-      const __m256 x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-          reinterpret_cast<const __m128i*>(q[r] + i))));
-      const __m256 x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-          reinterpret_cast<const __m128i*>(q[r + 1] + i))));
-      even = _mm256_fmadd_ps(coef[r], x0, even);
-      odd = _mm256_fmadd_ps(coef[r + 1], x1, odd);
-    }
-    _mm256_storeu_ps(acc + i, _mm256_add_ps(even, odd));
+    EightColumnsAvx2(coef, q, i, acc);
   }
   if (n % 64 != 0)  // a row of a partial line straddles one more line
     for (int r = 0; r < kGroup; ++r) _mm_prefetch(ahead[r] + n - 1, _MM_HINT_T0);
@@ -116,16 +123,9 @@ __attribute__((target("avx512f,avx2,fma"))) void AccumulateGroupAvx512(const flo
   if (i + 8 <= n) {  // eight columns left: AVX2's step
     if (i % 64 == 0)
       for (int r = 0; r < kGroup; ++r) _mm_prefetch(ahead[r] + i, _MM_HINT_T0);
-    __m256 even = _mm256_loadu_ps(acc + i), odd = _mm256_setzero_ps();
-    for (int r = 0; r < kGroup; r += 2) {
-      const __m256 x0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-          reinterpret_cast<const __m128i*>(q[r] + i))));
-      const __m256 x1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-          reinterpret_cast<const __m128i*>(q[r + 1] + i))));
-      even = _mm256_fmadd_ps(_mm512_castps512_ps256(coef[r]), x0, even);
-      odd = _mm256_fmadd_ps(_mm512_castps512_ps256(coef[r + 1]), x1, odd);
-    }
-    _mm256_storeu_ps(acc + i, _mm256_add_ps(even, odd));
+    __m256 coef8[kGroup];
+    for (int r = 0; r < kGroup; ++r) coef8[r] = _mm512_castps512_ps256(coef[r]);
+    EightColumnsAvx2(coef8, q, i, acc);
     i += 8;
   }
   if (n % 64 != 0)  // a row of a partial line straddles one more line

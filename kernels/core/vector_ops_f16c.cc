@@ -87,6 +87,18 @@ inline float Bf16(const char* p) {
   __builtin_memcpy(&h, p, 2);
   return BFloat16ToFloat(h);
 }
+// Columns [i, i + 16) of the group's rows into acc (8 even, then 8 odd).
+PKM_F16C_TARGET __attribute__((always_inline)) inline void SixteenColumnsBF16(const __m256* w, const char* const* rows,
+                                                                               int64_t i, float* acc) {
+  __m256 even = _mm256_loadu_ps(acc + i), odd = _mm256_loadu_ps(acc + i + 8);
+  for (int k = 0; k < kRowGroup; ++k) {
+    const __m256i x = Load16(rows[k] + 2 * i);
+    even = _mm256_fmadd_ps(w[k], Bf16Even(x), even);
+    odd = _mm256_fmadd_ps(w[k], Bf16Odd(x), odd);
+  }
+  _mm256_storeu_ps(acc + i, even);
+  _mm256_storeu_ps(acc + i + 8, odd);
+}
 }  // namespace
 
 PKM_F16C_TARGET void AxpyGroupBF16(const float* a, const char* const* rows, const char* const* ahead, float* acc,
@@ -97,14 +109,7 @@ PKM_F16C_TARGET void AxpyGroupBF16(const float* a, const char* const* rows, cons
   for (; i + 16 <= n; i += 16) {
     if (i % 32 == 0)
       for (int k = 0; k < kRowGroup; ++k) _mm_prefetch(ahead[k] + 2 * i, _MM_HINT_T0);
-    __m256 even = _mm256_loadu_ps(acc + i), odd = _mm256_loadu_ps(acc + i + 8);
-    for (int k = 0; k < kRowGroup; ++k) {
-      const __m256i x = Load16(rows[k] + 2 * i);
-      even = _mm256_fmadd_ps(w[k], Bf16Even(x), even);
-      odd = _mm256_fmadd_ps(w[k], Bf16Odd(x), odd);
-    }
-    _mm256_storeu_ps(acc + i, even);
-    _mm256_storeu_ps(acc + i + 8, odd);
+    SixteenColumnsBF16(w, rows, i, acc);
   }
   if (n % 32 != 0)  // a row of a partial line straddles one more line
     for (int k = 0; k < kRowGroup; ++k) _mm_prefetch(ahead[k] + 2 * n - 1, _MM_HINT_T0);
@@ -172,14 +177,9 @@ PKM_AVX512_TARGET void AxpyGroupBF16Avx512(const float* a, const char* const* ro
   }
   if (i + 16 <= n) {  // a last block of 16 columns: the AVX2 step
     for (int k = 0; k < kRowGroup; ++k) _mm_prefetch(ahead[k] + 2 * i, _MM_HINT_T0);
-    __m256 even = _mm256_loadu_ps(acc + i), odd = _mm256_loadu_ps(acc + i + 8);
-    for (int k = 0; k < kRowGroup; ++k) {
-      const __m256i x = Load16(rows[k] + 2 * i);
-      even = _mm256_fmadd_ps(_mm512_castps512_ps256(w[k]), Bf16Even(x), even);
-      odd = _mm256_fmadd_ps(_mm512_castps512_ps256(w[k]), Bf16Odd(x), odd);
-    }
-    _mm256_storeu_ps(acc + i, even);
-    _mm256_storeu_ps(acc + i + 8, odd);
+    __m256 w8[kRowGroup];
+    for (int k = 0; k < kRowGroup; ++k) w8[k] = _mm512_castps512_ps256(w[k]);
+    SixteenColumnsBF16(w8, rows, i, acc);
     i += 16;
   }
   if (n % 32 != 0)  // a row of a partial line straddles one more line
