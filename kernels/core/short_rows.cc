@@ -32,7 +32,9 @@ template <> struct Lanes<16> { using F = V16; using U16 = V16U16; using U32 = V1
 // general loop (measured on the 2-core EPYC). With AVX-512's 32 registers,
 // float32 rows of multiples of 16 up to 128 columns: eight 16-lane
 // accumulators, 0.80-0.92x the general loop's time at 96 and 128 on the
-// AVX-512 Xeon (bfloat16 rows there: 0.89-1.12x, so they keep it).
+// AVX-512 Xeon (bfloat16 rows of 96 and 128 there, widened 16 to a vector:
+// 0.89-1.12x, so they keep the general loop; pairs of columns per word, as
+// below, were not tried at those widths).
 constexpr int64_t kMaxDim = 64;
 constexpr int64_t kMaxWideDim = 128;
 
@@ -48,7 +50,7 @@ bool HasWideRegisters() {
 // Best of 0/8/16/32 in a minimal copy of this loop at D=64 (2-core EPYC).
 constexpr int64_t kAheadEntries = 16;
 
-// Eight values of a row as floats (a pointer out, not a return value: GCC
+// kLanes values of a row as floats (a pointer out, not a return value: GCC
 // warns that returning a 256-bit vector changes the ABI of the baseline clone).
 template <int kLanes, bool kBf16>
 __attribute__((always_inline)) inline void LoadLanes(const char* p, typename Lanes<kLanes>::F* v) {
@@ -135,8 +137,8 @@ __attribute__((always_inline)) inline void SumBags(const Table& table, const Bag
   float sum[kLanes * NV * (kPairs ? 2 : 1)];
   for (int64_t b = b0; b < b1; ++b) {
     float ws, wsq;
-    SumBag<NV, kLanes, kBf16, kPairs, Index>(data, row_bytes, row_lines, bags, num_indices, bags.Begin(b), bags.End(b), sum, &ws,
-                             &wsq);
+    SumBag<NV, kLanes, kBf16, kPairs, Index>(data, row_bytes, row_lines, bags, num_indices, bags.Begin(b),
+                                             bags.End(b), sum, &ws, &wsq);
     vec::FromFloat(sum, CombinerScale(combiner, ws, wsq), out_type, out + b * out_row_bytes, table.dim);
   }
 }
@@ -145,18 +147,19 @@ template <bool kBf16, typename Index>
 __attribute__((always_inline)) inline void SumBagsAnyWidth(const Table& table, const Bags& bags, Combiner combiner,
                                                            char* out, ElemType out_type, int64_t b0, int64_t b1) {
   // bfloat16 rows of a multiple of 16 columns take pairs of columns per word
-  // (SumBag), 16 words a vector where the width allows: 0.66-0.92x the time
-  // of 8 widened columns a vector on the AVX-512 Xeon. float32 rows of 16 and
-  // 32 were 1.15x slower with 16 lanes there.
+  // (SumBag), 16 words a vector where the width allows: 0.47-0.94x the time
+  // of 8 widened columns a vector at D=16-64 on the AVX-512 Xeon. float32 rows
+  // of 16 and 32 were 1.15x slower with 16 lanes there.
+  constexpr int kLanes = kBf16 ? 16 : 8;  // at D = 32 and 64; bfloat16: 16 words, 32 columns
   switch (table.dim / 8) {
     case 1: SumBags<1, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
     case 2: SumBags<kBf16 ? 1 : 2, 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
     case 3: SumBags<3, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 4: SumBags<kBf16 ? 1 : 4, kBf16 ? 16 : 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 4: SumBags<kBf16 ? 1 : 4, kLanes, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
     case 5: SumBags<5, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
     case 6: SumBags<kBf16 ? 3 : 6, 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
     case 7: SumBags<7, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 8: SumBags<kBf16 ? 2 : 8, kBf16 ? 16 : 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 8: SumBags<kBf16 ? 2 : 8, kLanes, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
     // Wider float32 rows, AVX-512 only (IsShortRowTable).
     case 10: SumBags<5, 16, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
     case 12: SumBags<6, 16, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
