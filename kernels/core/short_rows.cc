@@ -30,11 +30,9 @@ template <> struct Lanes<16> { using F = V16; using U16 = V16U16; using U32 = V1
 // Up to 64 columns: eight 8-lane accumulators (of AVX2's 16 registers).
 // Summing 128 columns in two passes over each bag was 1.4x slower than the
 // general loop (measured on the 2-core EPYC). With AVX-512's 32 registers,
-// float32 rows of multiples of 16 up to 128 columns: eight 16-lane
-// accumulators, 0.80-0.92x the general loop's time at 96 and 128 on the
-// AVX-512 Xeon (bfloat16 rows of 96 and 128 there, widened 16 to a vector:
-// 0.89-1.12x, so they keep the general loop; pairs of columns per word, as
-// below, were not tried at those widths).
+// rows of multiples of 16 up to 128 columns: eight 16-lane float32 sums,
+// 0.80-0.92x the general loop's time at 96 and 128 on the AVX-512 Xeon, and
+// bfloat16 in pairs of columns per word (below), 0.67-0.96x at 80-128.
 constexpr int64_t kMaxDim = 64;
 constexpr int64_t kMaxWideDim = 128;
 
@@ -160,11 +158,11 @@ __attribute__((always_inline)) inline void SumBagsAnyWidth(const Table& table, c
     case 6: SumBags<kBf16 ? 3 : 6, 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
     case 7: SumBags<7, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
     case 8: SumBags<kBf16 ? 2 : 8, kLanes, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
-    // Wider float32 rows, AVX-512 only (IsShortRowTable).
-    case 10: SumBags<5, 16, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 12: SumBags<6, 16, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 14: SumBags<7, 16, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    default: SumBags<8, 16, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
+    // Wider rows, AVX-512 only (IsShortRowTable).
+    case 10: SumBags<5, kBf16 ? 8 : 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 12: SumBags<kBf16 ? 3 : 6, 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 14: SumBags<7, kBf16 ? 8 : 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
+    default: SumBags<kBf16 ? 4 : 8, 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
   }
 }
 
@@ -187,8 +185,7 @@ bool IsShortRowTable(const Table& table, Combiner combiner) {
   return combiner != Combiner::kMax &&
          (table.type == ElemType::kFloat32 || table.type == ElemType::kBFloat16) && table.dim > 0 &&
          table.dim % 8 == 0 &&
-         (table.dim <= kMaxDim || (table.type == ElemType::kFloat32 && table.dim <= kMaxWideDim &&
-                                   table.dim % 16 == 0 && HasWideRegisters()));
+         (table.dim <= kMaxDim || (table.dim <= kMaxWideDim && table.dim % 16 == 0 && HasWideRegisters()));
 }
 
 void SumShortRows(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
