@@ -20,12 +20,13 @@ typedef uint32_t V8U32 __attribute__((vector_size(32)));
 // AVX2 clone. Each column's sum is the same expression in either, so the two
 // give bitwise the same result.
 typedef float V16 __attribute__((vector_size(64)));
-typedef uint16_t V16U16 __attribute__((vector_size(32)));
 typedef uint32_t V16U32 __attribute__((vector_size(64)));
 
+// U16: the halves LoadLanes widens (bfloat16 rows of 8 columns a vector only;
+// wider bfloat16 rows are read as words, in pairs of columns).
 template <int kLanes> struct Lanes;
 template <> struct Lanes<8> { using F = V8; using U16 = V8U16; using U32 = V8U32; };
-template <> struct Lanes<16> { using F = V16; using U16 = V16U16; using U32 = V16U32; };
+template <> struct Lanes<16> { using F = V16; using U32 = V16U32; };
 
 // Up to 64 columns: eight 8-lane accumulators (of AVX2's 16 registers).
 // Summing 128 columns in two passes over each bag was 1.4x slower than the

@@ -99,6 +99,13 @@ PKM_F16C_TARGET __attribute__((always_inline)) inline void SixteenColumnsBF16(co
   _mm256_storeu_ps(acc + i, even);
   _mm256_storeu_ps(acc + i + 8, odd);
 }
+// The same for one row.
+PKM_F16C_TARGET __attribute__((always_inline)) inline void SixteenColumnsRowBF16(__m256 w, const char* row, int64_t i,
+                                                                                  float* acc) {
+  const __m256i x = Load16(row + 2 * i);
+  _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(w, Bf16Even(x), _mm256_loadu_ps(acc + i)));
+  _mm256_storeu_ps(acc + i + 8, _mm256_fmadd_ps(w, Bf16Odd(x), _mm256_loadu_ps(acc + i + 8)));
+}
 }  // namespace
 
 PKM_F16C_TARGET void AxpyGroupBF16(const float* a, const char* const* rows, const char* const* ahead, float* acc,
@@ -122,9 +129,7 @@ PKM_F16C_TARGET void AxpyBF16(float a, const char* row, const char* ahead, float
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     if (i % 32 == 0) _mm_prefetch(ahead + 2 * i, _MM_HINT_T0);
-    const __m256i x = Load16(row + 2 * i);
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(w, Bf16Even(x), _mm256_loadu_ps(acc + i)));
-    _mm256_storeu_ps(acc + i + 8, _mm256_fmadd_ps(w, Bf16Odd(x), _mm256_loadu_ps(acc + i + 8)));
+    SixteenColumnsRowBF16(w, row, i, acc);
   }
   if (n % 32 != 0) _mm_prefetch(ahead + 2 * n - 1, _MM_HINT_T0);
   for (; i < n; ++i) acc[i] += a * Bf16(row + 2 * i);
@@ -199,10 +204,7 @@ PKM_AVX512_TARGET void AxpyBF16Avx512(float a, const char* row, const char* ahea
   }
   if (i + 16 <= n) {  // a last block of 16 columns: the AVX2 step
     _mm_prefetch(ahead + 2 * i, _MM_HINT_T0);
-    const __m256 w8 = _mm512_castps512_ps256(w);
-    const __m256i x = Load16(row + 2 * i);
-    _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(w8, Bf16Even(x), _mm256_loadu_ps(acc + i)));
-    _mm256_storeu_ps(acc + i + 8, _mm256_fmadd_ps(w8, Bf16Odd(x), _mm256_loadu_ps(acc + i + 8)));
+    SixteenColumnsRowBF16(_mm512_castps512_ps256(w), row, i, acc);
     i += 16;
   }
   if (n % 32 != 0) _mm_prefetch(ahead + 2 * n - 1, _MM_HINT_T0);
