@@ -11,9 +11,10 @@
 // summed in position order by one warp (fmaf from 0, as RowsKernel): the result
 // is bitwise the same. 16-bit tables with at least as many entries as rows keep
 // 2 positions' rows in registers instead (faster there). Untouched rows of a
-// dense d_table get their zeros in the same launch from 16-byte stores (a warp
-// per 32 rows). With the sum combiner the pass stores d_weights too
-// (StoreDot), saving the d_weights kernel.
+// dense d_table get their zeros from 16-byte stores, a warp per 32 rows: in the
+// walk's launch, or, where most rows are untouched, first, in a launch of
+// their own. With the sum combiner the pass stores d_weights too (StoreDot),
+// saving the d_weights kernel.
 #include "kernels/cuda/backward_rows.cuh"
 
 namespace pkm_cuda {
@@ -388,12 +389,28 @@ __device__ void ZeroUntouchedRows(const BackwardArgs& a, int64_t group, int lane
   }
 }
 
+// Warp g zeroes the untouched rows of [g * 32, g * 32 + 32), before the walk:
+// tables with more rows than entries, where the zeros are most of d_table.
+// Against zeroing them in the walk's launch (below), the H200 took 1.211 ->
+// 1.161 ms for the bf16 huge-table backward (B=65536 K=32 D=256 N=4M), 2.223
+// -> 2.176 fp32, 1.083 -> 1.040 bf16 at D=512 N=2M (round 11): the zeros'
+// pure writes no longer mix with the walk's reads. Where entries outnumber
+// rows it cost 2-3% (B=4096 K=128 N=256K: bf16 0.202 -> 0.208 ms) and gained
+// under 1% (N=1M), so those keep the zeros in the walk's launch.
+constexpr int kZeroThreads = 256;
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kZeroThreads) UntouchedRowsKernel(BackwardArgs a, int64_t zero_groups) {
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kZeroThreads / kWarp) + threadIdx.x / kWarp;
+  if (warp < zero_groups) ZeroUntouchedRows<T, VEC, L2Hints<T>::kStreamOnce>(a, warp, threadIdx.x % kWarp);
+}
+
 // Warps [0, chunks) sum the rows starting in their chunk; warps [0,
-// zero_groups) then zero their group's untouched rows. (On the H200, zeroing
-// each gap between touched rows in the walk, so that d_table is written in row
-// order, measured slower (round 8: 1.25 -> 1.33 ms bf16), as did interleaving
-// the zero groups over all warps, zeros first or last (round 5; round 8: two
-// groups per chunk warp, 1.19 -> 1.24 ms).)
+// zero_groups) then zero their group's untouched rows (none where
+// UntouchedRowsKernel ran). (On the H200, zeroing each gap between touched rows
+// in the walk, so that d_table is written in row order, measured slower (round
+// 8: 1.25 -> 1.33 ms bf16), as did interleaving the zero groups over all
+// warps, zeros first or last (round 5; round 8: two groups per chunk warp,
+// 1.19 -> 1.24 ms).)
 template <typename T, int VEC, int U>
 __global__ void __launch_bounds__(kPositionThreads, PKM_BWD_POSITION_MIN_BLOCKS)
     PositionsKernel(BackwardArgs a, int64_t chunks, int64_t zero_groups) {
@@ -428,9 +445,16 @@ int LaunchPositionPassAs(const BackwardArgs& args, int64_t pieces, cudaStream_t 
   }
   const int64_t chunks = (args.num_indices + kWarp - 1) / kWarp;
   const bool dense = args.d_table != nullptr && args.slot_of_row == nullptr;
-  const int64_t zero_groups = dense ? (args.bags.num_rows + kWarp - 1) / kWarp : 0;
+  int64_t zero_groups = dense ? (args.bags.num_rows + kWarp - 1) / kWarp : 0;
+  if (max(chunks, zero_groups) / (kPositionThreads / kWarp) >= INT32_MAX)
+    return SetInvalid("backward: too many rows for one launch");
+  if (zero_groups > 0 && args.num_indices < args.bags.num_rows) {
+    UntouchedRowsKernel<T, VEC><<<Blocks(zero_groups, kZeroThreads / kWarp), kZeroThreads, 0, stream>>>(
+        args, zero_groups);
+    if (int status = CheckLaunch("backward zeros of untouched rows")) return status;
+    zero_groups = 0;
+  }
   const int64_t warps = max(chunks, zero_groups);
-  if (warps / (kPositionThreads / kWarp) >= INT32_MAX) return SetInvalid("backward: too many rows for one launch");
   if (warps == 0) return PKM_CUDA_OK;
   if constexpr (sizeof(T) == 2) {
     if (args.num_indices >= args.bags.num_rows) {
