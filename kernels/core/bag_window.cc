@@ -12,15 +12,55 @@ namespace {
 // Enough entries that `ahead` (at most 64) stays within this window and the next.
 constexpr int64_t kWindowEntries = 256;
 
+constexpr auto UnitWeight = [](int64_t) { return 1.f; };
+
 }  // namespace
 
-void CollectWindow(const Table& table, const Bags& bags, int64_t b, int64_t b1, BagWindow* window) {
+namespace {
+
+// One bag's valid entries into rows/coefs (and row_ids, int8 tables) from
+// position n on; returns the new n. A template per index type, weight type and
+// table kind, so the loop holds no per-entry type switch and keeps its sums in
+// registers (the generic loop spilled them and was 21% of the bfloat16 D=128
+// forward's samples on the 2-core EPYC).
+template <typename Index, typename LoadWeight, bool kInt8>
+__attribute__((always_inline)) inline int64_t CollectBag(const Index* idx, LoadWeight load_weight, int64_t begin,
+                                                         int64_t end, const char* data, int64_t row_bytes,
+                                                         const char* scales, const char* biases, int64_t param_bytes,
+                                                         int64_t n, const char** rows, float* coefs, int64_t* row_ids,
+                                                         float* weight_sum, float* weight_sq_sum) {
+  float ws = 0.f, wsq = 0.f;
+  for (int64_t j = begin; j < end; ++j) {
+    const int64_t r = static_cast<int64_t>(idx[j]);
+    if (r < 0) continue;  // padding
+    const float w = load_weight(j);
+    ws += w;
+    wsq += w * w;
+    rows[n] = data + r * row_bytes;
+    coefs[n] = w;
+    // int8: the row's scale (and bias) are read by ApplyRowParams, after a
+    // window of rows has been summed (a random row's scale is a cache miss).
+    if constexpr (kInt8) {
+      row_ids[n] = r;
+      __builtin_prefetch(scales + r * param_bytes, 0, 3);
+      if (biases != nullptr) __builtin_prefetch(biases + r * param_bytes, 0, 3);
+    }
+    ++n;
+  }
+  *weight_sum = ws;
+  *weight_sq_sum = wsq;
+  return n;
+}
+
+template <typename Index, typename LoadWeight, bool kInt8>
+void CollectBags(const Table& table, const Bags& bags, LoadWeight load_weight, int64_t b, int64_t b1,
+                 BagWindow* window) {
   const char* data = static_cast<const char*>(table.data);
   const int64_t row_bytes = table.dim * ElemSize(table.type);
-  const bool int8 = table.type == ElemType::kInt8;
-  const int64_t param_bytes = int8 ? ElemSize(table.row_params_type) : 0;
+  const int64_t param_bytes = kInt8 ? ElemSize(table.row_params_type) : 0;
   const char* scales = static_cast<const char*>(table.row_scales);
   const char* biases = static_cast<const char*>(table.row_biases);
+  const Index* idx = static_cast<const Index*>(bags.indices);
   window->first_bag = b;
   window->ends.clear();
   window->weight_sums.clear();
@@ -32,26 +72,12 @@ void CollectWindow(const Table& table, const Bags& bags, int64_t b, int64_t b1, 
     if (static_cast<int64_t>(window->rows.size()) < n + end - begin) {
       window->rows.resize(n + end - begin);
       window->coefs.resize(n + end - begin);
-      if (int8) window->row_ids.resize(n + end - begin);
+      if (kInt8) window->row_ids.resize(n + end - begin);
     }
-    float weight_sum = 0.f, weight_sq_sum = 0.f;
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t r = IndexAt(bags, j);
-      if (r < 0) continue;  // padding
-      const float w = WeightAt(bags, j);
-      weight_sum += w;
-      weight_sq_sum += w * w;
-      window->rows[n] = data + r * row_bytes;
-      window->coefs[n] = w;
-      // int8: the row's scale (and bias) are read by ApplyRowParams, after a
-      // window of rows has been summed (a random row's scale is a cache miss).
-      if (int8) {
-        window->row_ids[n] = r;
-        __builtin_prefetch(scales + r * param_bytes, 0, 3);
-        if (biases != nullptr) __builtin_prefetch(biases + r * param_bytes, 0, 3);
-      }
-      ++n;
-    }
+    float weight_sum, weight_sq_sum;
+    n = CollectBag<Index, LoadWeight, kInt8>(idx, load_weight, begin, end, data, row_bytes, scales, biases,
+                                             param_bytes, n, window->rows.data(), window->coefs.data(),
+                                             window->row_ids.data(), &weight_sum, &weight_sq_sum);
     window->ends.push_back(n);
     window->weight_sums.push_back(weight_sum);
     window->weight_sq_sums.push_back(weight_sq_sum);
@@ -59,6 +85,52 @@ void CollectWindow(const Table& table, const Bags& bags, int64_t b, int64_t b1, 
   }
   window->end_bag = b;
   window->count = n;
+}
+
+template <typename Index, bool kInt8>
+void CollectBagsAnyWeights(const Table& table, const Bags& bags, int64_t b, int64_t b1, BagWindow* window) {
+  if (bags.weights == nullptr) {
+    CollectBags<Index, decltype(UnitWeight), kInt8>(table, bags, UnitWeight, b, b1, window);
+    return;
+  }
+  switch (bags.weights_type) {
+    case ElemType::kFloat16: {
+      const uint16_t* w = static_cast<const uint16_t*>(bags.weights);
+      auto load = [w](int64_t j) { return HalfToFloat(w[j]); };
+      CollectBags<Index, decltype(load), kInt8>(table, bags, load, b, b1, window);
+      return;
+    }
+    case ElemType::kBFloat16: {
+      const uint16_t* w = static_cast<const uint16_t*>(bags.weights);
+      auto load = [w](int64_t j) { return BFloat16ToFloat(w[j]); };
+      CollectBags<Index, decltype(load), kInt8>(table, bags, load, b, b1, window);
+      return;
+    }
+    case ElemType::kFloat32: {
+      const float* w = static_cast<const float*>(bags.weights);
+      auto load = [w](int64_t j) { return w[j]; };
+      CollectBags<Index, decltype(load), kInt8>(table, bags, load, b, b1, window);
+      return;
+    }
+    default: {  // not let through by ValidateBags; read as the generic loader would
+      auto load = [&bags](int64_t j) { return WeightAt(bags, j); };
+      CollectBags<Index, decltype(load), kInt8>(table, bags, load, b, b1, window);
+      return;
+    }
+  }
+}
+
+}  // namespace
+
+void CollectWindow(const Table& table, const Bags& bags, int64_t b, int64_t b1, BagWindow* window) {
+  const bool int8 = table.type == ElemType::kInt8;
+  if (bags.indices_int64) {
+    if (int8) CollectBagsAnyWeights<int64_t, true>(table, bags, b, b1, window);
+    else CollectBagsAnyWeights<int64_t, false>(table, bags, b, b1, window);
+  } else {
+    if (int8) CollectBagsAnyWeights<int32_t, true>(table, bags, b, b1, window);
+    else CollectBagsAnyWeights<int32_t, false>(table, bags, b, b1, window);
+  }
 }
 
 void ApplyRowParams(const Table& table, BagWindow* window) {

@@ -108,9 +108,8 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
           },
           out_bytes, out_row_bytes,
           [&](int64_t b, float* acc, float weight_sum, float weight_sq_sum, float) {
-            vec::RestoreAccOrder(type, acc, dim);
-            vec::FromFloat(acc, internal::CombinerScale(combiner, weight_sum, weight_sq_sum), out_type,
-                           out_bytes + b * out_row_bytes, dim);
+            vec::FromAcc(type, acc, internal::CombinerScale(combiner, weight_sum, weight_sq_sum), out_type,
+                         out_bytes + b * out_row_bytes, dim);
           });
     });
     return Status::Ok();

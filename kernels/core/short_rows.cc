@@ -142,29 +142,47 @@ __attribute__((always_inline)) inline void SumBags(const Table& table, const Bag
   }
 }
 
-template <bool kBf16, typename Index>
+template <bool kBf16, bool kWide, typename Index>
 __attribute__((always_inline)) inline void SumBagsAnyWidth(const Table& table, const Bags& bags, Combiner combiner,
                                                            char* out, ElemType out_type, int64_t b0, int64_t b1) {
   // bfloat16 rows of a multiple of 16 columns take pairs of columns per word
-  // (SumBag), 16 words a vector where the width allows: 0.47-0.94x the time
-  // of 8 widened columns a vector at D=16-64 on the AVX-512 Xeon. float32 rows
-  // of 16 and 32 were 1.15x slower with 16 lanes there.
-  constexpr int kLanes = kBf16 ? 16 : 8;  // at D = 32 and 64; bfloat16: 16 words, 32 columns
+  // (SumBag): with AVX-512, 16 words a vector where the width allows,
+  // 0.47-0.94x the time of 8 widened columns a vector at D=16-64 on the Xeon;
+  // float32 rows of 16 and 32 were 1.15x slower with 16 lanes there. Without
+  // it, 8 words: GCC's AVX2 code for 16-lane vectors goes through the stack
+  // (bfloat16 D=64 was 4.2x slower than with 8 lanes on the EPYC).
+  constexpr int kLanes = kBf16 && kWide ? 16 : 8;
+  constexpr int kPairLanes = 2 * kLanes;  // bfloat16 columns per vector of words
   switch (table.dim / 8) {
-    case 1: SumBags<1, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 2: SumBags<kBf16 ? 1 : 2, 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 3: SumBags<3, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 4: SumBags<kBf16 ? 1 : 4, kLanes, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 5: SumBags<5, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 6: SumBags<kBf16 ? 3 : 6, 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 7: SumBags<7, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 8: SumBags<kBf16 ? 2 : 8, kLanes, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
-    // Wider rows, AVX-512 only (IsShortRowTable).
-    case 10: SumBags<5, kBf16 ? 8 : 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 12: SumBags<kBf16 ? 3 : 6, 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
-    case 14: SumBags<7, kBf16 ? 8 : 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
-    default: SumBags<kBf16 ? 4 : 8, 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
+    case 1: SumBags<1, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); return;
+    case 2: SumBags<kBf16 ? 1 : 2, 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); return;
+    case 3: SumBags<3, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); return;
+    case 4: SumBags<kBf16 ? 32 / kPairLanes : 4, kLanes, kBf16, Index, kBf16>(table, bags, combiner, out, out_type,
+                                                                             b0, b1); return;
+    case 5: SumBags<5, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); return;
+    case 6: SumBags<kBf16 ? 3 : 6, 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); return;
+    case 7: SumBags<7, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); return;
+    case 8: SumBags<kBf16 ? 64 / kPairLanes : 8, kLanes, kBf16, Index, kBf16>(table, bags, combiner, out, out_type,
+                                                                             b0, b1); return;
+    default: break;
   }
+  // Wider rows, AVX-512 only (IsShortRowTable).
+  if constexpr (kWide) {
+    switch (table.dim / 8) {
+      case 10: SumBags<5, kBf16 ? 8 : 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
+      case 12: SumBags<kBf16 ? 3 : 6, 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
+      case 14: SumBags<7, kBf16 ? 8 : 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
+      default: SumBags<kBf16 ? 4 : 8, 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
+    }
+  }
+}
+
+template <bool kBf16, typename Index>
+__attribute__((always_inline)) inline void SumBagsAnyRegisters(const Table& table, const Bags& bags,
+                                                               Combiner combiner, char* out, ElemType out_type,
+                                                               int64_t b0, int64_t b1) {
+  if (HasWideRegisters()) SumBagsAnyWidth<kBf16, true, Index>(table, bags, combiner, out, out_type, b0, b1);
+  else SumBagsAnyWidth<kBf16, false, Index>(table, bags, combiner, out, out_type, b0, b1);
 }
 
 PKM_MULTIVERSION
@@ -172,11 +190,11 @@ void SumShortRowsAnyType(const Table& table, const Bags& bags, Combiner combiner
                          int64_t b0, int64_t b1) {
   const bool bf16 = table.type == ElemType::kBFloat16;
   if (bags.indices_int64) {
-    if (bf16) SumBagsAnyWidth<true, int64_t>(table, bags, combiner, out, out_type, b0, b1);
-    else SumBagsAnyWidth<false, int64_t>(table, bags, combiner, out, out_type, b0, b1);
+    if (bf16) SumBagsAnyRegisters<true, int64_t>(table, bags, combiner, out, out_type, b0, b1);
+    else SumBagsAnyRegisters<false, int64_t>(table, bags, combiner, out, out_type, b0, b1);
   } else {
-    if (bf16) SumBagsAnyWidth<true, int32_t>(table, bags, combiner, out, out_type, b0, b1);
-    else SumBagsAnyWidth<false, int32_t>(table, bags, combiner, out, out_type, b0, b1);
+    if (bf16) SumBagsAnyRegisters<true, int32_t>(table, bags, combiner, out, out_type, b0, b1);
+    else SumBagsAnyRegisters<false, int32_t>(table, bags, combiner, out, out_type, b0, b1);
   }
 }
 

@@ -209,6 +209,17 @@ void RestoreAccOrder(ElemType type, float* acc, int64_t n) {
 #endif
 }
 
+void FromAcc(ElemType type, float* acc, float scale, ElemType out_type, void* dst, int64_t n) {
+#if defined(PKM_X86_F16C)
+  if (type == ElemType::kBFloat16 && out_type == ElemType::kBFloat16 && !f16c::HasAvx512() && f16c::HasF16C()) {
+    f16c::ScaleBF16PairsToBF16(acc, scale, static_cast<uint16_t*>(dst), n);
+    return;
+  }
+#endif
+  RestoreAccOrder(type, acc, n);
+  FromFloat(acc, scale, out_type, dst, n);
+}
+
 PKM_MULTIVERSION
 static void F16ToFloat(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
 #if defined(PKM_HAS_COMPILER_HALF)

@@ -55,6 +55,9 @@ void AxpyRow(ElemType type, float a, const char* row, const char* ahead, float* 
 // After the last AxpyGroup/AxpyRow into acc: puts acc in column order (some
 // kernels accumulate columns permuted within blocks; a no-op for the others).
 void RestoreAccOrder(ElemType type, float* acc, int64_t n);
+// RestoreAccOrder(type, acc, n), then FromFloat(acc, scale, out_type, dst, n);
+// acc may be left in either order.
+void FromAcc(ElemType type, float* acc, float scale, ElemType out_type, void* dst, int64_t n);
 
 // acc[i] = table[row, i] if it is strictly greater than acc[i] (dequantised
 // for int8): the max combiner's running maximum, NaN never replacing a value.
@@ -103,6 +106,8 @@ void Axpy(float a, const char* row, const char* ahead, float* acc, int64_t n);
 void AxpyGroupBF16(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n);
 void AxpyBF16(float a, const char* row, const char* ahead, float* acc, int64_t n);
 void BF16RestoreOrder(float* acc, int64_t n);
+// BF16RestoreOrder then FromFloat(acc, scale, kBFloat16, dst, n) in one pass.
+void ScaleBF16PairsToBF16(const float* acc, float scale, uint16_t* dst, int64_t n);
 // The same three for AVX-512 (32 columns as 16 even then 16 odd; see the .cc).
 bool HasAvx512();  // AVX-512F, and HasF16C
 void AxpyGroupBF16Avx512(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n);

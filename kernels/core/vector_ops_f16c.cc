@@ -135,6 +135,39 @@ PKM_F16C_TARGET void AxpyBF16(float a, const char* row, const char* ahead, float
   for (; i < n; ++i) acc[i] += a * Bf16(row + 2 * i);
 }
 
+// BF16RestoreOrder, scale * acc and FloatToBFloat16 in one pass: output word
+// i of a block holds columns 2i (low half) and 2i + 1, that is the rounded top
+// halves of even[i] and odd[i], so no shuffle puts the columns back in order.
+// Measured at K=1 D=512 on the 2-core EPYC: the two passes it replaces were
+// 47% of the forward's samples.
+namespace {
+PKM_F16C_TARGET inline __m256i RoundedBF16Bits(__m256 x, __m256i* is_nan) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  *is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  return _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+}
+}  // namespace
+
+PKM_F16C_TARGET void ScaleBF16PairsToBF16(const float* acc, float scale, uint16_t* dst, int64_t n) {
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u)), quiet = _mm256_set1_epi32(0x40);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 even = _mm256_mul_ps(s, _mm256_loadu_ps(acc + i)), odd = _mm256_mul_ps(s, _mm256_loadu_ps(acc + i + 8));
+    __m256i even_nan, odd_nan;
+    const __m256i lo = _mm256_srli_epi32(RoundedBF16Bits(even, &even_nan), 16);
+    const __m256i hi = _mm256_and_si256(RoundedBF16Bits(odd, &odd_nan), high);
+    // NaN: the top half kept and made quiet, as FloatToBFloat16 does.
+    const __m256i even_bits = _mm256_castps_si256(even), odd_bits = _mm256_castps_si256(odd);
+    const __m256i lo_nan = _mm256_or_si256(_mm256_srli_epi32(even_bits, 16), quiet);
+    const __m256i hi_nan = _mm256_or_si256(_mm256_and_si256(odd_bits, high), _mm256_slli_epi32(quiet, 16));
+    const __m256i words = _mm256_or_si256(_mm256_blendv_epi8(lo, lo_nan, even_nan), _mm256_blendv_epi8(hi, hi_nan, odd_nan));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), words);
+  }
+  for (; i < n; ++i) dst[i] = FloatToBFloat16(scale * acc[i]);  // the tail is in column order (AxpyBF16)
+}
+
 PKM_F16C_TARGET void BF16RestoreOrder(float* acc, int64_t n) {
   for (int64_t i = 0; i + 16 <= n; i += 16) {
     const __m256 even = _mm256_loadu_ps(acc + i), odd = _mm256_loadu_ps(acc + i + 8);
