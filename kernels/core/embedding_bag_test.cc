@@ -532,10 +532,55 @@ void WindowCases() {
   }
 }
 
+// Weights of every float type (and none) on float32 and bfloat16 tables, at
+// the short-row widths and one general width: the forward picks its weight
+// loader once per block of bags (short_rows.cc), so each type is its own code.
+void WeightTypeCases() {
+  using pkm::ElemType;
+  std::mt19937_64 rng(31);
+  int cases = 0, failures = 0;
+  for (ElemType type : {ElemType::kFloat32, ElemType::kBFloat16}) {
+    for (int64_t dim : {8, 16, 32, 48, 64, 96, 128, 512}) {
+      const int64_t num_rows = 500, num_bags = 37, bag_size = 40;
+      std::vector<int64_t> idx(num_bags * bag_size);
+      for (auto& v : idx) v = rng() % 11 == 0 ? -1 : static_cast<int64_t>(rng() % num_rows);
+      auto table_buf = RandomBuffer(rng, type, num_rows * dim);
+      pkm::Table table{table_buf.data(), type, num_rows, dim};
+      for (int wt = 0; wt < 4; ++wt) {
+        const ElemType weight_type = wt == 3 ? ElemType::kFloat32 : static_cast<ElemType>(wt);
+        auto weights = RandomBuffer(rng, weight_type, static_cast<int64_t>(idx.size()));
+        pkm::Bags bags;
+        bags.indices = idx.data();
+        bags.indices_int64 = true;
+        bags.num_bags = num_bags;
+        bags.bag_size = bag_size;
+        bags.weights = wt == 3 ? nullptr : weights.data();
+        bags.weights_type = weight_type;
+        for (pkm::Combiner combiner : {pkm::Combiner::kSum, pkm::Combiner::kSqrtn}) {
+          std::vector<uint8_t> fast(num_bags * dim * pkm::ElemSize(type)), ref(fast.size());
+          auto s1 = pkm::Forward(table, bags, combiner, fast.data(), type, TwoThreads());
+          auto s2 = pkm::ReferenceForward(table, bags, combiner, ref.data(), type);
+          std::string where;
+          ++cases;
+          if (!(s1.ok && s2.ok && Close(fast, ref, type, num_bags * dim, type == ElemType::kFloat32 ? 1e-4f : 2e-2f,
+                                        &where))) {
+            ++failures;
+            std::printf("weight type case type=%d dim=%lld weights=%d combiner=%d: %s %s %s\n", int(type),
+                        static_cast<long long>(dim), wt, int(combiner), s1.message.c_str(), s2.message.c_str(),
+                        where.c_str());
+          }
+        }
+      }
+    }
+  }
+  EXPECT(failures == 0, "weight type cases: %d of %d differ from the reference", failures, cases);
+}
+
 int main() {
   std::mt19937_64 rng(1234);
   for (int i = 0; i < 400; ++i) RandomCase(rng, i);
   WindowCases();
+  WeightTypeCases();
   ErrorCases();
   LargeTable();
   HalfConversions();

@@ -68,13 +68,17 @@ __attribute__((always_inline)) inline void LoadLanes(const char* p, typename Lan
 // columns, and a word's two bfloat16 become floats by a shift (the even
 // column) and a mask (the odd one), no widening shuffle; two sums per vector,
 // put back in column order at the end. Each column's sum is the same
-// expression either way (bitwise the same result).
-template <int NV, int kLanes, bool kBf16, bool kPairs, typename Index>
-__attribute__((always_inline)) inline void SumBag(const char* table, int64_t row_bytes, int64_t row_lines,
-                                                  const Bags& bags, int64_t num_indices, int64_t begin, int64_t end,
-                                                  float* sum, float* weight_sum, float* weight_sq_sum) {
+// expression either way (bitwise the same result). load_weight(j) is the
+// entry's weight, a functor chosen once per block of bags (SumBags).
+template <int NV, int kLanes, bool kBf16, bool kPairs, typename Index, typename LoadWeight>
+__attribute__((always_inline)) inline void SumBag(const char* table, const Index* idx, LoadWeight load_weight,
+                                                  int64_t num_indices, int64_t begin, int64_t end, float* sum,
+                                                  float* weight_sum, float* weight_sq_sum) {
   constexpr int64_t kElem = kBf16 ? 2 : 4;
-  const Index* idx = static_cast<const Index*>(bags.indices);
+  // The row's size is the template's: constant offsets, and its lines'
+  // prefetches unrolled (a loop over them was a fifth of the samples at D=64).
+  constexpr int64_t kRowBytes = NV * kLanes * (kPairs ? 4 : kElem);
+  constexpr int64_t kRowLines = (kRowBytes + 63) / 64;
   static_assert(kBf16 || !kPairs, "pairs of columns are bfloat16 words");
   using VF = typename Lanes<kLanes>::F;
   using VU = typename Lanes<kLanes>::U32;
@@ -82,18 +86,13 @@ __attribute__((always_inline)) inline void SumBag(const char* table, int64_t row
   VF acc[kSums];
   for (int v = 0; v < kSums; ++v) acc[v] = VF{};
   float ws = 0.f, wsq = 0.f;
-  for (int64_t j = begin; j < end; ++j) {
-    if (j + kAheadEntries < num_indices) {
-      const int64_t ahead = idx[j + kAheadEntries];
-      if (ahead >= 0)
-        for (int64_t l = 0; l < row_lines; ++l) __builtin_prefetch(table + ahead * row_bytes + 64 * l, 0, 3);
-    }
+  auto add_entry = [&](int64_t j) __attribute__((always_inline)) {
     const int64_t r = idx[j];
-    if (r < 0) continue;  // padding
-    const float w = bags.weights ? vec::LoadElem(bags.weights, bags.weights_type, j) : 1.f;
+    if (r < 0) return;  // padding
+    const float w = load_weight(j);
     ws += w;
     wsq += w * w;
-    const char* row = table + r * row_bytes;
+    const char* row = table + r * kRowBytes;
     const VF c = VF{} + w;
     for (int v = 0; v < NV; ++v) {
       if constexpr (kPairs) {
@@ -111,7 +110,18 @@ __attribute__((always_inline)) inline void SumBag(const char* table, int64_t row
         acc[v] += c * x;
       }
     }
+  };
+  // Entries whose row kAheadEntries on is in the index stream, then the rest
+  // (no bound check per entry).
+  const int64_t prefetched_end = std::max(begin, std::min(end, num_indices - kAheadEntries));
+  int64_t j = begin;
+  for (; j < prefetched_end; ++j) {
+    const int64_t ahead = idx[j + kAheadEntries];
+    if (ahead >= 0)
+      for (int64_t l = 0; l < kRowLines; ++l) __builtin_prefetch(table + ahead * kRowBytes + 64 * l, 0, 3);
+    add_entry(j);
   }
+  for (; j < end; ++j) add_entry(j);
   if constexpr (kPairs) {
     for (int v = 0; v < NV; ++v)
       for (int i = 0; i < kLanes; ++i) {
@@ -125,20 +135,42 @@ __attribute__((always_inline)) inline void SumBag(const char* table, int64_t row
   *weight_sq_sum = wsq;
 }
 
-template <int NV, int kLanes, bool kBf16, typename Index, bool kPairs = false>
-__attribute__((always_inline)) inline void SumBags(const Table& table, const Bags& bags, Combiner combiner,
-                                                   char* out, ElemType out_type, int64_t b0, int64_t b1) {
+template <int NV, int kLanes, bool kBf16, typename Index, bool kPairs, typename LoadWeight>
+__attribute__((always_inline)) inline void SumBagsWeighted(const Table& table, const Bags& bags,
+                                                           LoadWeight load_weight, Combiner combiner, char* out,
+                                                           ElemType out_type, int64_t b0, int64_t b1) {
   const char* data = static_cast<const char*>(table.data);
-  const int64_t row_bytes = table.dim * (kBf16 ? 2 : 4);
-  const int64_t row_lines = (row_bytes + 63) / 64;
+  const Index* idx = static_cast<const Index*>(bags.indices);
   const int64_t out_row_bytes = table.dim * ElemSize(out_type);
   const int64_t num_indices = bags.NumIndices();
   float sum[kLanes * NV * (kPairs ? 2 : 1)];
   for (int64_t b = b0; b < b1; ++b) {
     float ws, wsq;
-    SumBag<NV, kLanes, kBf16, kPairs, Index>(data, row_bytes, row_lines, bags, num_indices, bags.Begin(b),
-                                             bags.End(b), sum, &ws, &wsq);
+    SumBag<NV, kLanes, kBf16, kPairs>(data, idx, load_weight, num_indices, bags.Begin(b), bags.End(b), sum, &ws,
+                                      &wsq);
     vec::FromFloat(sum, CombinerScale(combiner, ws, wsq), out_type, out + b * out_row_bytes, table.dim);
+  }
+}
+
+// The weight loader, once per block of bags (no type switch per entry).
+template <int NV, int kLanes, bool kBf16, typename Index, bool kPairs = false>
+__attribute__((always_inline)) inline void SumBags(const Table& table, const Bags& bags, Combiner combiner,
+                                                   char* out, ElemType out_type, int64_t b0, int64_t b1) {
+  const void* weights = bags.weights;
+  const uint16_t* halves = static_cast<const uint16_t*>(weights);
+  if (weights == nullptr) {
+    SumBagsWeighted<NV, kLanes, kBf16, Index, kPairs>(
+        table, bags, [](int64_t) { return 1.f; }, combiner, out, out_type, b0, b1);
+  } else if (bags.weights_type == ElemType::kBFloat16) {
+    SumBagsWeighted<NV, kLanes, kBf16, Index, kPairs>(
+        table, bags, [halves](int64_t j) { return BFloat16ToFloat(halves[j]); }, combiner, out, out_type, b0, b1);
+  } else if (bags.weights_type == ElemType::kFloat16) {
+    SumBagsWeighted<NV, kLanes, kBf16, Index, kPairs>(
+        table, bags, [halves](int64_t j) { return HalfToFloat(halves[j]); }, combiner, out, out_type, b0, b1);
+  } else {  // float32 (ValidateBags lets no other type through)
+    const float* w = static_cast<const float*>(weights);
+    SumBagsWeighted<NV, kLanes, kBf16, Index, kPairs>(
+        table, bags, [w](int64_t j) { return w[j]; }, combiner, out, out_type, b0, b1);
   }
 }
 
@@ -148,7 +180,8 @@ __attribute__((always_inline)) inline void SumBagsAnyWidth(const Table& table, c
   // bfloat16 rows of a multiple of 16 columns take pairs of columns per word
   // (SumBag): with AVX-512, 16 words a vector where the width allows,
   // 0.47-0.94x the time of 8 widened columns a vector at D=16-64 on the Xeon;
-  // float32 rows of 16 and 32 were 1.15x slower with 16 lanes there. Without
+  // float32 rows of 16 and 32 were 1.15x slower with 16 lanes there (and at
+  // D=32-64 no faster on the AVX-512 EPYC of 2026-12-03). Without
   // it, 8 words: GCC's AVX2 code for 16-lane vectors goes through the stack
   // (bfloat16 D=64 was 4.2x slower than with 8 lanes on the EPYC).
   constexpr int kLanes = kBf16 && kWide ? 16 : 8;
