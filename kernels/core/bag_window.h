@@ -58,10 +58,12 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
   BagWindow* cur = &windows[0];
   BagWindow* next = &windows[1];
   CollectWindow(table, bags, b0, b1, cur);
-  ApplyRowParams(table, cur);
-  // The block's first rows have no earlier row to prefetch them.
+  // The block's first rows have no earlier row to prefetch them. Requested
+  // before ApplyRowParams waits on the int8 rows' scales, so that both sets
+  // of misses are in flight together.
   for (int64_t k = 0; k < std::min(ahead, cur->size()); ++k)
     for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(cur->rows[k] + off, 0, 3);
+  ApplyRowParams(table, cur);
   while (true) {
     next->count = 0;
     if (cur->end_bag < b1) CollectWindow(table, bags, cur->end_bag, b1, next);
