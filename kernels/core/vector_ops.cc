@@ -211,9 +211,15 @@ void RestoreAccOrder(ElemType type, float* acc, int64_t n) {
 
 void FromAcc(ElemType type, float* acc, float scale, ElemType out_type, void* dst, int64_t n) {
 #if defined(PKM_X86_F16C)
-  if (type == ElemType::kBFloat16 && out_type == ElemType::kBFloat16 && !f16c::HasAvx512() && f16c::HasF16C()) {
-    f16c::ScaleBF16PairsToBF16(acc, scale, static_cast<uint16_t*>(dst), n);
-    return;
+  if (type == ElemType::kBFloat16 && out_type == ElemType::kBFloat16) {
+    if (f16c::HasAvx512()) {
+      f16c::ScaleBF16PairsToBF16Avx512(acc, scale, static_cast<uint16_t*>(dst), n);
+      return;
+    }
+    if (f16c::HasF16C()) {
+      f16c::ScaleBF16PairsToBF16(acc, scale, static_cast<uint16_t*>(dst), n);
+      return;
+    }
   }
 #endif
   RestoreAccOrder(type, acc, n);

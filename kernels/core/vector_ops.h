@@ -113,6 +113,7 @@ bool HasAvx512();  // AVX-512F, and HasF16C
 void AxpyGroupBF16Avx512(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n);
 void AxpyBF16Avx512(float a, const char* row, const char* ahead, float* acc, int64_t n);
 void BF16RestoreOrderAvx512(float* acc, int64_t n);
+void ScaleBF16PairsToBF16Avx512(const float* acc, float scale, uint16_t* dst, int64_t n);
 void Max(const uint16_t* row, float* acc, int64_t n);
 void ToFloat(const uint16_t* src, float* dst, int64_t n);
 void ScaleTo(const float* src, float scale, uint16_t* dst, int64_t n);

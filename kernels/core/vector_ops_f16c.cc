@@ -256,6 +256,34 @@ PKM_AVX512_TARGET void BF16RestoreOrderAvx512(float* acc, int64_t n) {
   }
   if (i + 16 <= n) BF16RestoreOrder(acc + i, 16);
 }
+namespace {
+// FloatToBFloat16 of each lane, left in the top half: rounded to nearest even;
+// a NaN keeps its top half, made quiet.
+PKM_AVX512_TARGET inline __m512i RoundedBF16BitsAvx512(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x), high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i sum = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  const __mmask16 nan =
+      _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_blend_epi32(nan, _mm512_and_si512(sum, high),
+                                 _mm512_or_si512(_mm512_and_si512(bits, high), _mm512_set1_epi32(0x400000)));
+}
+}  // namespace
+
+// BF16RestoreOrderAvx512, scale * acc and FloatToBFloat16 in one pass, as
+// ScaleBF16PairsToBF16 does for AVX2's blocks: output word i of a block of 32
+// columns is the rounded top halves of even[i] (low) and odd[i] (high). The
+// trailing block of 16 and the tail have AVX2's layout: ScaleBF16PairsToBF16.
+PKM_AVX512_TARGET void ScaleBF16PairsToBF16Avx512(const float* acc, float scale, uint16_t* dst, int64_t n) {
+  const __m512 s = _mm512_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i even = RoundedBF16BitsAvx512(_mm512_mul_ps(s, _mm512_loadu_ps(acc + i)));
+    const __m512i odd = RoundedBF16BitsAvx512(_mm512_mul_ps(s, _mm512_loadu_ps(acc + i + 16)));
+    _mm512_storeu_si512(dst + i, _mm512_or_si512(_mm512_srli_epi32(even, 16), odd));
+  }
+  ScaleBF16PairsToBF16(acc + i, scale, dst + i, n - i);
+}
 #undef PKM_AVX512_TARGET
 
 PKM_F16C_TARGET void Max(const uint16_t* row, float* acc, int64_t n) {
