@@ -37,7 +37,7 @@ template <> struct Lanes<16> { using F = V16; using U32 = V16U32; };
 constexpr int64_t kMaxDim = 64;
 constexpr int64_t kMaxWideDim = 128;
 
-// Whether the loader picks the AVX-512 clone of SumShortRowsAnyType.
+// Whether SumShortRows takes the AVX-512 loops (SumShortRowsWide).
 bool HasWideRegisters() {
 #if defined(PKM_X86_F16C)
   static const bool wide = (__builtin_cpu_init(), __builtin_cpu_supports("x86-64-v4"));
@@ -210,25 +210,35 @@ __attribute__((always_inline)) inline void SumBagsAnyWidth(const Table& table, c
   }
 }
 
-template <bool kBf16, typename Index>
-__attribute__((always_inline)) inline void SumBagsAnyRegisters(const Table& table, const Bags& bags,
+template <bool kWide>
+__attribute__((always_inline)) inline void SumShortRowsAnyType(const Table& table, const Bags& bags,
                                                                Combiner combiner, char* out, ElemType out_type,
                                                                int64_t b0, int64_t b1) {
-  if (HasWideRegisters()) SumBagsAnyWidth<kBf16, true, Index>(table, bags, combiner, out, out_type, b0, b1);
-  else SumBagsAnyWidth<kBf16, false, Index>(table, bags, combiner, out, out_type, b0, b1);
-}
-
-PKM_MULTIVERSION
-void SumShortRowsAnyType(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
-                         int64_t b0, int64_t b1) {
   const bool bf16 = table.type == ElemType::kBFloat16;
   if (bags.indices_int64) {
-    if (bf16) SumBagsAnyRegisters<true, int64_t>(table, bags, combiner, out, out_type, b0, b1);
-    else SumBagsAnyRegisters<false, int64_t>(table, bags, combiner, out, out_type, b0, b1);
+    if (bf16) SumBagsAnyWidth<true, kWide, int64_t>(table, bags, combiner, out, out_type, b0, b1);
+    else SumBagsAnyWidth<false, kWide, int64_t>(table, bags, combiner, out, out_type, b0, b1);
   } else {
-    if (bf16) SumBagsAnyRegisters<true, int32_t>(table, bags, combiner, out, out_type, b0, b1);
-    else SumBagsAnyRegisters<false, int32_t>(table, bags, combiner, out, out_type, b0, b1);
+    if (bf16) SumBagsAnyWidth<true, kWide, int32_t>(table, bags, combiner, out, out_type, b0, b1);
+    else SumBagsAnyWidth<false, kWide, int32_t>(table, bags, combiner, out, out_type, b0, b1);
   }
+}
+
+// The wide loops (32 registers) only where they run, and the others only in
+// the clones for CPUs without AVX-512: each loop is compiled once, not once
+// per clone (the fuzz test's ASan build of this file took minutes).
+#if defined(PKM_X86_F16C)
+__attribute__((target("arch=x86-64-v4"))) void SumShortRowsWide(const Table& table, const Bags& bags,
+                                                                 Combiner combiner, char* out, ElemType out_type,
+                                                                 int64_t b0, int64_t b1) {
+  SumShortRowsAnyType<true>(table, bags, combiner, out, out_type, b0, b1);
+}
+
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+#endif
+void SumShortRowsNarrow(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
+                        int64_t b0, int64_t b1) {
+  SumShortRowsAnyType<false>(table, bags, combiner, out, out_type, b0, b1);
 }
 
 }  // namespace
@@ -242,7 +252,13 @@ bool IsShortRowTable(const Table& table, Combiner combiner) {
 
 void SumShortRows(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
                   int64_t b0, int64_t b1) {
-  SumShortRowsAnyType(table, bags, combiner, out, out_type, b0, b1);
+#if defined(PKM_X86_F16C)
+  if (HasWideRegisters()) {
+    SumShortRowsWide(table, bags, combiner, out, out_type, b0, b1);
+    return;
+  }
+#endif
+  SumShortRowsNarrow(table, bags, combiner, out, out_type, b0, b1);
 }
 
 }  // namespace internal
