@@ -14,10 +14,6 @@ constexpr int64_t kWindowEntries = 256;
 
 constexpr auto UnitWeight = [](int64_t) { return 1.f; };
 
-}  // namespace
-
-namespace {
-
 // One bag's valid entries into rows/coefs (and row_ids, int8 tables) from
 // position n on; returns the new n. A template per index type, weight type and
 // table kind, so the loop holds no per-entry type switch and keeps its sums in
@@ -112,7 +108,7 @@ void CollectBagsAnyWeights(const Table& table, const Bags& bags, int64_t b, int6
       CollectBags<Index, decltype(load), kInt8>(table, bags, load, b, b1, window);
       return;
     }
-    default: {  // not let through by ValidateBags; read as the generic loader would
+    default: {  // not let through by CheckTypes; read as the generic loader would
       auto load = [&bags](int64_t j) { return WeightAt(bags, j); };
       CollectBags<Index, decltype(load), kInt8>(table, bags, load, b, b1, window);
       return;

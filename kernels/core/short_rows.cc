@@ -167,7 +167,7 @@ __attribute__((always_inline)) inline void SumBags(const Table& table, const Bag
   } else if (bags.weights_type == ElemType::kFloat16) {
     SumBagsWeighted<NV, kLanes, kBf16, Index, kPairs>(
         table, bags, [halves](int64_t j) { return HalfToFloat(halves[j]); }, combiner, out, out_type, b0, b1);
-  } else {  // float32 (ValidateBags lets no other type through)
+  } else {  // float32 (CheckTypes lets no other type through)
     const float* w = static_cast<const float*>(weights);
     SumBagsWeighted<NV, kLanes, kBf16, Index, kPairs>(
         table, bags, [w](int64_t j) { return w[j]; }, combiner, out, out_type, b0, b1);
