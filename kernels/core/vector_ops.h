@@ -108,7 +108,7 @@ void AxpyBF16(float a, const char* row, const char* ahead, float* acc, int64_t n
 void BF16RestoreOrder(float* acc, int64_t n);
 // BF16RestoreOrder then FromFloat(acc, scale, kBFloat16, dst, n) in one pass.
 void ScaleBF16PairsToBF16(const float* acc, float scale, uint16_t* dst, int64_t n);
-// The same three for AVX-512 (32 columns as 16 even then 16 odd; see the .cc).
+// The same for AVX-512 (32 columns as 16 even then 16 odd; see the .cc).
 bool HasAvx512();  // AVX-512F, and HasF16C
 void AxpyGroupBF16Avx512(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n);
 void AxpyBF16Avx512(float a, const char* row, const char* ahead, float* acc, int64_t n);

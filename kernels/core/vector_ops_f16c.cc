@@ -141,29 +141,26 @@ PKM_F16C_TARGET void AxpyBF16(float a, const char* row, const char* ahead, float
 // Measured at K=1 D=512 on the 2-core EPYC: the two passes it replaces were
 // 47% of the forward's samples.
 namespace {
-PKM_F16C_TARGET inline __m256i RoundedBF16Bits(__m256 x, __m256i* is_nan) {
-  const __m256i bits = _mm256_castps_si256(x);
+// FloatToBFloat16 of each lane, left in the top half: rounded to nearest even;
+// a NaN keeps its top half, made quiet.
+PKM_F16C_TARGET inline __m256i RoundedBF16Bits(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x), high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  *is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-  return _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  const __m256i sum = _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  const __m256i nan =
+      _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  return _mm256_blendv_epi8(_mm256_and_si256(sum, high),
+                            _mm256_or_si256(_mm256_and_si256(bits, high), _mm256_set1_epi32(0x400000)), nan);
 }
 }  // namespace
 
 PKM_F16C_TARGET void ScaleBF16PairsToBF16(const float* acc, float scale, uint16_t* dst, int64_t n) {
   const __m256 s = _mm256_set1_ps(scale);
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u)), quiet = _mm256_set1_epi32(0x40);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m256 even = _mm256_mul_ps(s, _mm256_loadu_ps(acc + i)), odd = _mm256_mul_ps(s, _mm256_loadu_ps(acc + i + 8));
-    __m256i even_nan, odd_nan;
-    const __m256i lo = _mm256_srli_epi32(RoundedBF16Bits(even, &even_nan), 16);
-    const __m256i hi = _mm256_and_si256(RoundedBF16Bits(odd, &odd_nan), high);
-    // NaN: the top half kept and made quiet, as FloatToBFloat16 does.
-    const __m256i even_bits = _mm256_castps_si256(even), odd_bits = _mm256_castps_si256(odd);
-    const __m256i lo_nan = _mm256_or_si256(_mm256_srli_epi32(even_bits, 16), quiet);
-    const __m256i hi_nan = _mm256_or_si256(_mm256_and_si256(odd_bits, high), _mm256_slli_epi32(quiet, 16));
-    const __m256i words = _mm256_or_si256(_mm256_blendv_epi8(lo, lo_nan, even_nan), _mm256_blendv_epi8(hi, hi_nan, odd_nan));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), words);
+    const __m256i even = RoundedBF16Bits(_mm256_mul_ps(s, _mm256_loadu_ps(acc + i)));
+    const __m256i odd = RoundedBF16Bits(_mm256_mul_ps(s, _mm256_loadu_ps(acc + i + 8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_or_si256(_mm256_srli_epi32(even, 16), odd));
   }
   for (; i < n; ++i) dst[i] = FloatToBFloat16(scale * acc[i]);  // the tail is in column order (AxpyBF16)
 }
@@ -257,8 +254,7 @@ PKM_AVX512_TARGET void BF16RestoreOrderAvx512(float* acc, int64_t n) {
   if (i + 16 <= n) BF16RestoreOrder(acc + i, 16);
 }
 namespace {
-// FloatToBFloat16 of each lane, left in the top half: rounded to nearest even;
-// a NaN keeps its top half, made quiet.
+// RoundedBF16Bits for sixteen lanes.
 PKM_AVX512_TARGET inline __m512i RoundedBF16BitsAvx512(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x), high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
