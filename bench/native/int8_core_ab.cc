@@ -1,13 +1,14 @@
 // In-process A/B of the core's forward over float32 and int8 tables holding the same rows
 // (bench only, not shipped): bench/int8_core_ab.sh builds the core trees given to it as shared
 // libraries and runs this.
-//   int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] -- LIB...
-// Each call draws one of 64 prepared index sets (uniform rows, so the rows of a table far over the
-// caches come from memory as in a served model), one thread, builds and table types taking turns
+//   int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [sets=S] -- LIB...
+// Each call draws one of S (default 64) prepared index sets (uniform rows), one thread, builds and table types taking turns
 // call by call. Prints the median ms per build and table type and int8 / float32; with `bf16`, a
 // bfloat16 table of the same rows takes its turn too. The builds' outputs of the last call of each
 // table type are compared bitwise with the first build's (a difference is reported, not an error:
-// another summation order rounds differently).
+// another summation order rounds differently). At small B the 64 default sets' rows stay in a
+// large last-level cache between calls; a few thousand sets take them from memory, as a served
+// model's fresh queries do.
 #include <dlfcn.h>
 #include <sys/mman.h>
 
@@ -29,7 +30,6 @@ using ForwardFn = pkm::Status (*)(const pkm::Table&, const pkm::Bags&, pkm::Comb
                                   const pkm::ParallelFor&);
 constexpr char kForwardSymbol[] =
     "_ZN3pkm7ForwardERKNS_5TableERKNS_4BagsENS_8CombinerEPvNS_8ElemTypeERKSt8functionIFvllRKS9_IFvllEEEE";
-constexpr int kIndexSets = 64;
 
 double NowMs() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -48,11 +48,12 @@ T* HugeBuffer(size_t count) {
 
 int main(int argc, char** argv) {
   if (argc < 8) {
-    std::fprintf(stderr, "usage: int8_core_ab B K D N CALLS [fp16-params] [no-biases] -- LIB...\n");
+    std::fprintf(stderr, "usage: int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [sets=S] -- LIB...\n");
     return 2;
   }
   const int64_t B = std::atoll(argv[1]), K = std::atoll(argv[2]), D = std::atoll(argv[3]), N = std::atoll(argv[4]);
   const int calls = std::atoi(argv[5]);
+  int64_t index_sets = 64;
   bool fp16_params = false, no_biases = false, bf16 = false;
   std::vector<ForwardFn> builds;
   std::vector<std::string> names;
@@ -64,6 +65,7 @@ int main(int argc, char** argv) {
       if (a == "fp16-params") fp16_params = true;
       else if (a == "no-biases") no_biases = true;
       else if (a == "bf16") bf16 = true;
+      else if (a.rfind("sets=", 0) == 0 && std::atoll(a.c_str() + 5) > 0) index_sets = std::atoll(a.c_str() + 5);
       else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
       continue;
     }
@@ -90,7 +92,7 @@ int main(int argc, char** argv) {
   }
   std::vector<float> scales(N, 0.01f), biases(N, 0.001f);
   std::vector<uint16_t> scales16(N, 0x211f), biases16(N, 0x1419);  // ~0.01 and ~0.001 as float16
-  std::vector<int32_t> indices(static_cast<size_t>(kIndexSets) * B * K);
+  std::vector<int32_t> indices(static_cast<size_t>(index_sets) * B * K);
   for (auto& v : indices) v = static_cast<int32_t>(rng() % N);
   std::vector<float> weights(B * K, 0.5f), out(B * D);
   pkm::Table t32{f32, pkm::ElemType::kFloat32, N, D};
@@ -116,7 +118,7 @@ int main(int argc, char** argv) {
         const int type = (t + c) % types;
         pkm::Bags bags;
         // The last call's index set is the same for every build, for the bitwise comparison.
-        const size_t set = c == calls + warmup - 1 ? type : (c * 7 + l * 3 + type) % kIndexSets;
+        const size_t set = c == calls + warmup - 1 ? type : (c * 7 + l * 3 + type) % index_sets;
         bags.indices = indices.data() + set * B * K;
         bags.num_bags = B;
         bags.bag_size = K;
@@ -129,9 +131,10 @@ int main(int argc, char** argv) {
         if (c >= warmup) ms[3 * build + type].push_back(elapsed);
         if (c == calls + warmup - 1) last_out[3 * build + type] = out;
       }
-  std::printf("B=%lld K=%lld D=%lld N=%lld%s%s, 1 thread, medians of %d calls\n", static_cast<long long>(B),
-              static_cast<long long>(K), static_cast<long long>(D), static_cast<long long>(N),
-              fp16_params ? ", float16 row parameters" : "", no_biases ? ", no biases" : "", calls);
+  std::printf("B=%lld K=%lld D=%lld N=%lld%s%s, %lld index sets, 1 thread, medians of %d calls\n",
+              static_cast<long long>(B), static_cast<long long>(K), static_cast<long long>(D),
+              static_cast<long long>(N), fp16_params ? ", float16 row parameters" : "",
+              no_biases ? ", no biases" : "", static_cast<long long>(index_sets), calls);
   for (size_t b = 0; b < builds.size(); ++b) {
     double med[3];
     std::printf("  %-12s", names[b].c_str());

@@ -7,6 +7,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 
 #include "kernels/core/forward_int8.h"
 #include "kernels/core/internal.h"
@@ -106,6 +108,51 @@ float CombinerScale(Combiner c, float weight_sum, float weight_sq_sum) {
 using internal::IndexAt;
 using internal::WeightAt;
 
+namespace {
+
+// The first entry of idx[begin, end) that names no row, or end. Each chunk is
+// first checked by a branch-free pass the compiler vectorises (the scalar loop
+// with an early exit took 0.07 ms for 262144 int32 indices on the 2-core EPYC,
+// a sixth of a D=64 bfloat16 forward); only a chunk holding a bad entry is
+// searched entry by entry.
+template <typename Index>
+__attribute__((always_inline)) inline int64_t FirstInvalidIndexOf(const Index* idx, int64_t begin, int64_t end,
+                                                                  int64_t num_rows, bool negative_is_padding) {
+  using Unsigned = std::make_unsigned_t<Index>;
+  // Rows as an unsigned bound: a negative index is then above it. Clipped to
+  // the index type's range (int32 indices of a table of over 2^31 rows).
+  const Unsigned limit = static_cast<Unsigned>(
+      std::min<uint64_t>(static_cast<uint64_t>(num_rows), uint64_t{std::numeric_limits<Index>::max()} + 1));
+  auto bad = [limit, negative_is_padding](Index v) {
+    return static_cast<unsigned>(static_cast<Unsigned>(v) >= limit) &
+           static_cast<unsigned>(v >= 0 || !negative_is_padding);
+  };
+  constexpr int64_t kChunk = 1024;
+  for (int64_t c = begin; c < end; c += kChunk) {
+    const int64_t e = std::min(end, c + kChunk);
+    unsigned any = 0;
+    for (int64_t j = c; j < e; ++j) any |= bad(idx[j]);
+    if (any != 0)
+      for (int64_t j = c; j < e; ++j)
+        if (bad(idx[j])) return j;
+  }
+  return end;
+}
+
+PKM_MULTIVERSION
+int64_t FirstInvalidIndex32(const int32_t* idx, int64_t begin, int64_t end, int64_t num_rows,
+                            bool negative_is_padding) {
+  return FirstInvalidIndexOf(idx, begin, end, num_rows, negative_is_padding);
+}
+
+PKM_MULTIVERSION
+int64_t FirstInvalidIndex64(const int64_t* idx, int64_t begin, int64_t end, int64_t num_rows,
+                            bool negative_is_padding) {
+  return FirstInvalidIndexOf(idx, begin, end, num_rows, negative_is_padding);
+}
+
+}  // namespace
+
 Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf) {
   if (bags.row_splits != nullptr) {
     // Without the values' length, row_splits could point past the buffers.
@@ -129,15 +176,16 @@ Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf)
   const bool negative_is_padding = bags.index_policy == IndexPolicy::kNegativeIsPadding;
   const int64_t n = bags.NumIndices();
   std::atomic<int64_t> first_bad{n};
-  pf(n, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t v = IndexAt(bags, j);
-      if (v >= table.num_rows || (v < 0 && !negative_is_padding)) {
-        int64_t cur = first_bad.load();
-        while (j < cur && !first_bad.compare_exchange_weak(cur, j)) {
-        }
-        return;  // later entries of this range cannot beat j
-      }
+  pf(n, 1, [&](int64_t begin, int64_t end) {
+    const int64_t j =
+        bags.indices_int64
+            ? FirstInvalidIndex64(static_cast<const int64_t*>(bags.indices), begin, end, table.num_rows,
+                                  negative_is_padding)
+            : FirstInvalidIndex32(static_cast<const int32_t*>(bags.indices), begin, end, table.num_rows,
+                                  negative_is_padding);
+    if (j == end) return;
+    int64_t cur = first_bad.load();
+    while (j < cur && !first_bad.compare_exchange_weak(cur, j)) {
     }
   });
   const int64_t j = first_bad.load();

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <thread>
@@ -576,12 +577,73 @@ void WeightTypeCases() {
   EXPECT(failures == 0, "weight type cases: %d of %d differ from the reference", failures, cases);
 }
 
+// ValidateBags against the definition: the first entry that is >= num_rows,
+// or negative where negatives are not padding, across the check's chunks of
+// 1024, both index types and policies, one and two threads; int32 indices of
+// a table of over 2^31 rows have no bad non-negative value.
+template <typename Index>
+void IndexCheckCasesOf(std::mt19937_64& rng, bool int64, int* cases, int* failures) {
+  std::vector<float> row(4);
+  for (const int64_t num_rows : {int64_t{1}, int64_t{1000}, int64_t{3} << 30}) {
+    pkm::Table table{row.data(), pkm::ElemType::kFloat32, num_rows, 4};
+    for (const int64_t n : {1, 1023, 1024, 1025, 5000}) {
+      for (const bool negative_is_padding : {true, false}) {
+        for (int trial = 0; trial < 12; ++trial) {
+          std::vector<Index> idx(n);
+          const int64_t top = std::min<int64_t>(num_rows, std::numeric_limits<Index>::max());
+          for (auto& v : idx) v = static_cast<Index>(rng() % top);
+          // Up to two bad or padding entries at chunk edges or anywhere.
+          const int64_t spots[] = {0, 1023, 1024, n - 1, static_cast<int64_t>(rng() % n)};
+          const Index values[] = {static_cast<Index>(std::min<int64_t>(num_rows, std::numeric_limits<Index>::max())),
+                                  Index{-1}, std::numeric_limits<Index>::min(), std::numeric_limits<Index>::max()};
+          for (int k = 0; k < trial % 3; ++k) {
+            const int64_t at = spots[rng() % 5];
+            if (at < n) idx[at] = values[rng() % 4];
+          }
+          int64_t first = n;
+          for (int64_t j = 0; j < n && first == n; ++j) {
+            const int64_t v = idx[j];
+            if (v >= num_rows || (v < 0 && !negative_is_padding)) first = j;
+          }
+          pkm::Bags bags;
+          bags.indices = idx.data();
+          bags.indices_int64 = int64;
+          bags.num_bags = n;
+          bags.bag_size = 1;
+          bags.index_policy = negative_is_padding ? pkm::IndexPolicy::kNegativeIsPadding : pkm::IndexPolicy::kNoPadding;
+          for (int threads = 1; threads <= 2; ++threads) {
+            const pkm::Status s = pkm::ValidateBags(table, bags, threads == 1 ? pkm::SerialFor() : TwoThreads());
+            const std::string want = first == n ? "" : "indices[" + std::to_string(first) + "] = " +
+                                                           std::to_string(static_cast<int64_t>(idx[first])) + " ";
+            ++*cases;
+            if (first == n ? !s.ok : (s.ok || s.message.rfind(want, 0) != 0)) {
+              ++*failures;
+              std::printf("index check int64=%d rows=%lld n=%lld padding=%d: want '%s', got '%s'\n", int64,
+                          static_cast<long long>(num_rows), static_cast<long long>(n), negative_is_padding,
+                          want.c_str(), s.message.c_str());
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+void IndexCheckCases() {
+  std::mt19937_64 rng(99);
+  int cases = 0, failures = 0;
+  IndexCheckCasesOf<int32_t>(rng, false, &cases, &failures);
+  IndexCheckCasesOf<int64_t>(rng, true, &cases, &failures);
+  EXPECT(failures == 0, "index checks: %d of %d differ from the definition", failures, cases);
+}
+
 int main() {
   std::mt19937_64 rng(1234);
   for (int i = 0; i < 400; ++i) RandomCase(rng, i);
   WindowCases();
   WeightTypeCases();
   ErrorCases();
+  IndexCheckCases();
   LargeTable();
   HalfConversions();
   FromAccMatchesDefinition();
