@@ -136,6 +136,21 @@ def ours_graph(dtype, idx_np, w_np, table_np, grad_np):
     return lambda: forward().shape
 
 
+def tf_call_floor():
+    """A tf.function call that returns tf.identity of a small constant: what
+    TF takes per call before any kernel of ours runs (its call path and
+    executor), beside torch's whole K=1 forward in the same run."""
+    import tensorflow as tf
+
+    x = tf.constant([1.0])
+
+    @tf.function
+    def identity():
+        return tf.identity(x)
+
+    return lambda: identity().shape
+
+
 def torch_bag_calls(dtype, idx_np, w_np, table_np, grad_np):
     """torch's forward on the same GRAPH_CALLS index arrays, one call after another."""
     import torch
@@ -271,6 +286,11 @@ def main(rounds=11):
     for shape in SWEEP:
         for dtype in ("float32", "bfloat16"):
             forward_case(shape, dtype)
+    row = compare({"tf_identity": tf_call_floor(), "torch": torch_bag("float32", *make_inputs(*SWEEP[3]))},
+                  rounds, 0, stream_before)
+    row.update(case="TF call floor vs torch K=1", B=SWEEP[3][0], K=SWEEP[3][1], D=SWEEP[3][2], N=SWEEP[3][3])
+    rows.append(row)
+    print(json.dumps(row), flush=True)
     pages = [pages_ab(dtype) for dtype in ("float32", "bfloat16", "int8")]
     for p in pages:
         print(json.dumps(p), flush=True)
@@ -327,7 +347,11 @@ def markdown(report):
              "medians; ratio < 1 means ours is faster.", "",
              "| case | dtype | B | K | D | ours ms | torch ms | ours/torch | ours GB/s | of stream |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    floor = None
     for r in report["rows"]:
+        if "tf_identity_median_ms" in r:
+            floor = r
+            continue
         if "ours_fp16_median_ms" in r:
             lines.append(f"| fp16 vs our fp32 | float16 | {r['B']} | {r['K']} | {r['D']} | "
                          f"{r['ours_fp16_median_ms']} (fp32 {r['ours_fp32_median_ms']}) | - | "
@@ -337,6 +361,11 @@ def markdown(report):
         lines.append(f"| {r['case']} | {r['dtype']} | {r['B']} | {r['K']} | {r['D']} | {r['ours_median_ms']} | "
                      f"{r['torch_median_ms']} | {r['ratio torch/ours'] and round(1 / r['ratio torch/ours'], 3)} | "
                      f"{r['ours_gathered_gbps']} | {r['ours_of_stream']} |")
+    if floor is not None:
+        lines += ["", f"TF's own cost per call, in the same run: a tf.function returning `tf.identity` of a "
+                  f"constant takes {floor['tf_identity_median_ms']} ms (min {floor['tf_identity_min_ms']}), "
+                  f"against {floor['torch_median_ms']} ms for torch's whole K={floor['K']} forward "
+                  f"(0.7x of it: {round(0.7 * floor['torch_median_ms'], 3)} ms)."]
     lines += ["", "The core alone (bench/native/bag_bench.cc pages-ab), one table collapsed to 2 MB pages by "
               "the forward (kernels/core/table_pages.h) against one kept on 4 KB pages (MADV_NOHUGEPAGE), "
               "called alternately; minima (medians):", "",
