@@ -5,10 +5,12 @@ this machine measured in the same run (bench/native/bag_bench.cc: 256-bit
 loads, no writes; before and after the timings, the larger kept).
 
 Each forward is reported as GB/s of gathered rows (B*K*D*element size, every
-entry valid) and as a fraction of the streaming read, twice: one tf.function
+entry valid) and as a fraction of the streaming read, three ways: one tf.function
 call per forward ("forward"), and GRAPH_CALLS forwards in one tf.function
 beside as many torch calls ("forward, 8 per graph": the op as a served graph
-runs it, without the function call's fixed cost per op). Goals (issue #22): fp32
+runs it, without the function call's fixed cost per op), and the op's own
+Compute time in such a chain from TF's step stats ("op alone": without the
+chain's [B, K] elementwise ops either). Goals (issue #22): fp32
 and bf16 forward <= 0.7x torch; fp16 <= 0.6x our fp32; gathered >= 90% of the
 streaming read at the main shape; fwd+bwd <= 0.3x torch.
 
@@ -134,6 +136,48 @@ def ours_graph(dtype, idx_np, w_np, table_np, grad_np):
         return out
 
     return lambda: forward().shape
+
+
+BAG_OPS = ("PkmEmbeddingBag", "PkmResourceEmbeddingBag")
+
+
+def ours_op_ms(dtype, idx_np, w_np, table_np, reps=12):
+    """Median Compute time of the bag op alone (TF step stats, FULL_TRACE, v1
+    Session on THREADS intra-op threads) in the same GRAPH_CALLS chain as
+    ours_graph: the kernel as TF runs it, without the function call and the
+    chain's [B, K] elementwise ops, which the 8-per-graph time includes."""
+    import numpy as np
+    import tensorflow as tf
+
+    from pkm_serve import ops
+
+    tf1 = tf.compat.v1
+    tdt = {"float32": tf.float32, "bfloat16": tf.bfloat16, "float16": tf.float16}[dtype]
+    graph = tf.Graph()
+    with graph.as_default():
+        # Fed once into a variable: as a constant, grappler's passes copy the table.
+        feed = tf1.placeholder(tf.float32, table_np.shape)
+        table = tf1.Variable(tf.cast(feed, tdt), trainable=False)
+        idxs, w = [tf.constant(i) for i in _distinct_indices(idx_np)], tf.cast(w_np, tdt)
+        out = None
+        for i in idxs:
+            out = ops.embedding_bag(table, i, w if out is None else w + 0 * out[0, 0])
+        init = tf1.global_variables_initializer()
+    config = tf1.ConfigProto(intra_op_parallelism_threads=THREADS, inter_op_parallelism_threads=1)
+    times = []
+    with tf1.Session(graph=graph, config=config) as sess:
+        sess.run(init, {feed: table_np})
+        options = tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE)
+        for rep in range(reps + 2):
+            meta = tf1.RunMetadata()
+            sess.run(out.op, options=options, run_metadata=meta)
+            calls = [(ns.op_end_rel_nanos - ns.op_start_rel_nanos) / 1e6
+                     for dev in meta.step_stats.dev_stats for ns in dev.node_stats
+                     if " = " in ns.timeline_label and ns.timeline_label.split(" = ")[1].split("(")[0] in BAG_OPS]
+            assert len(calls) == GRAPH_CALLS, f"{len(calls)} bag nodes traced, expected {GRAPH_CALLS}"
+            if rep >= 2:  # warm-up
+                times += calls
+    return float(np.median(times))
 
 
 def tf_call_floor():
@@ -268,6 +312,15 @@ def main(rounds=11):
         row.update(case=f"forward, {GRAPH_CALLS} per graph", B=b, K=k, D=d, N=n, dtype=dtype)
         rows.append(row)
         print(json.dumps(row), flush=True)
+        # The op alone against torch's time per call in the 8-call row just above.
+        op_ms = ours_op_ms(dtype, *inputs[:3])
+        gbps = b * k * d * elem / (op_ms / 1e3) / 1e9
+        row = {"ours_median_ms": round(op_ms, 3), "torch_median_ms": row["torch_median_ms"],
+               "ratio torch/ours": round(row["torch_median_ms"] / op_ms, 3), "ours_gathered_gbps": round(gbps, 2),
+               "ours_of_stream": round(gbps / stream_before, 3), "case": "forward, op alone (step stats)",
+               "B": b, "K": k, "D": d, "N": n, "dtype": dtype}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
 
     for dtype in ("float32", "bfloat16"):
         forward_case(MAIN, dtype)
@@ -361,6 +414,9 @@ def markdown(report):
         lines.append(f"| {r['case']} | {r['dtype']} | {r['B']} | {r['K']} | {r['D']} | {r['ours_median_ms']} | "
                      f"{r['torch_median_ms']} | {r['ratio torch/ours'] and round(1 / r['ratio torch/ours'], 3)} | "
                      f"{r['ours_gathered_gbps']} | {r['ours_of_stream']} |")
+    lines += ["", "\"op alone\" is the bag op's Compute time from TF's step stats in the 8-call chain, timed in a "
+              "loop of its own (not alternating with torch) against torch's time per call of the 8-call row above "
+              "it: the kernel as TF runs it, without the function call or the chain's [B, K] elementwise ops."]
     if floor is not None:
         lines += ["", f"TF's own cost per call, in the same run: a tf.function returning `tf.identity` of a "
                   f"constant takes {floor['tf_identity_median_ms']} ms (min {floor['tf_identity_min_ms']}), "
