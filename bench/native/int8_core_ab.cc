@@ -2,13 +2,13 @@
 // (bench only, not shipped): bench/int8_core_ab.sh builds the core trees given to it as shared
 // libraries and runs this.
 //   int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [sets=S] -- LIB...
-// Each call draws one of S (default 64) prepared index sets (uniform rows), one thread, builds and table types taking turns
-// call by call. Prints the median ms per build and table type and int8 / float32; with `bf16`, a
-// bfloat16 table of the same rows takes its turn too. The builds' outputs of the last call of each
-// table type are compared bitwise with the first build's (a difference is reported, not an error:
-// another summation order rounds differently). At small B the 64 default sets' rows stay in a
-// large last-level cache between calls; a few thousand sets take them from memory, as a served
-// model's fresh queries do.
+// Each call draws one of S (default 64) prepared index sets (uniform rows), one thread, builds and
+// table types taking turns call by call. Prints the median ms per build and table type and
+// int8 / float32; with `bf16`, a bfloat16 table of the same rows takes its turn too. The builds'
+// outputs of the last call of each table type are compared bitwise with the first build's (a
+// difference is reported, not an error: another summation order rounds differently). At small B
+// the 64 default sets' rows stay in a large last-level cache between calls; a few thousand sets
+// take them from memory, as a served model's fresh queries do.
 #include <dlfcn.h>
 #include <sys/mman.h>
 
