@@ -171,9 +171,7 @@ def ours_op_ms(dtype, idx_np, w_np, table_np, reps=12):
         for rep in range(reps + 2):
             meta = tf1.RunMetadata()
             sess.run(out.op, options=options, run_metadata=meta)
-            calls = [(ns.op_end_rel_nanos - ns.op_start_rel_nanos) / 1e6
-                     for dev in meta.step_stats.dev_stats for ns in dev.node_stats
-                     if " = " in ns.timeline_label and ns.timeline_label.split(" = ")[1].split("(")[0] in BAG_OPS]
+            calls = harness.op_compute_ms(meta, BAG_OPS)
             assert len(calls) == GRAPH_CALLS, f"{len(calls)} bag nodes traced, expected {GRAPH_CALLS}"
             if rep >= 2:  # warm-up
                 times += calls

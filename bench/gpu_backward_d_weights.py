@@ -36,7 +36,7 @@ def one_dtype(lib, dtype_name, iters):
                          device="cuda")
         out = (d_table, d_weights if want_dw else None)
         dense[name] = (lambda w=w, ws=ws, out=out: lib.cuda_backward(
-            table, indices, grad, w, "sum", want_d_weights=out[1] is not None, workspace=ws, out=out))
+            table, indices, grad, w, "sum", workspace=ws, out=out))  # out[1] None: no d_weights
     dense["memset"] = lambda: memset(d_table)
     row = {"B": B, "K": K, "D": D, "N": N, "dtype": dtype_name, "memset": memset_name}
     graph = {name: [] for name in dense}

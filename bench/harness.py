@@ -118,6 +118,13 @@ def _timed(fn: Callable, sync: Callable | None) -> float:
     return time.perf_counter() - t0
 
 
+def op_compute_ms(run_metadata, op_types) -> list:
+    """Compute time (ms) of each node of one of op_types in a FULL_TRACE run's step stats."""
+    return [(ns.op_end_rel_nanos - ns.op_start_rel_nanos) / 1e6
+            for dev in run_metadata.step_stats.dev_stats for ns in dev.node_stats
+            if " = " in ns.timeline_label and ns.timeline_label.split(" = ")[1].split("(")[0] in op_types]
+
+
 def cuda_event_ms(fn: Callable, iters: int, warmup: int = 3) -> float:
     """Median ms of fn() over `iters` calls, each between two CUDA events (torch's current
     stream): device time, plus any host time inside fn() during which the GPU waits."""

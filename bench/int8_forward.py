@@ -83,9 +83,7 @@ def op_times(tables, b, k, n, reps, rng):
         for name in (list(outs) if rep % 2 == 0 else list(outs)[::-1]):
             meta = tf1.RunMetadata()
             sess.run(outs[name], feed, options=options, run_metadata=meta)
-            calls = [(ns.op_end_rel_nanos - ns.op_start_rel_nanos) / 1e6
-                     for dev in meta.step_stats.dev_stats for ns in dev.node_stats
-                     if " = " in ns.timeline_label and ns.timeline_label.split(" = ")[1].split("(")[0] in BAG_OPS]
+            calls = harness.op_compute_ms(meta, BAG_OPS)
             assert len(calls) == CHAIN, f"{name}: {len(calls)} bag nodes traced, expected {CHAIN}"
             if rep >= 3:  # warm-up
                 times[name] += calls
