@@ -46,14 +46,17 @@ int64_t PrefetchAhead(int64_t row_bytes);
 // Kernels the loop calls: Group(coefs, rows, ahead_rows, acc, n) over
 // vec::kRowGroup rows, Row(coef, row, ahead_row, acc, n). Finish(b, acc,
 // weight_sum, weight_sq_sum, bias_sum) writes bag b's output from acc.
+// acc_in_out (float32 outputs only): acc is bag b's output row itself, so
+// Finish only scales it in place; one pass of stores over the row fewer, which
+// is a large share of a bag of a few rows.
 template <typename Group, typename Row, typename Finish>
 void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, Group group, Row row,
-                 char* out, int64_t out_row_bytes, Finish finish) {
+                 char* out, int64_t out_row_bytes, bool acc_in_out, Finish finish) {
   if (b0 >= b1) return;
   const int64_t dim = table.dim;
   const int64_t row_bytes = dim * ElemSize(table.type);
   const int64_t ahead = PrefetchAhead(row_bytes);
-  std::vector<float> acc(dim);
+  std::vector<float> acc(acc_in_out ? 0 : dim);
   BagWindow windows[2];
   BagWindow* cur = &windows[0];
   BagWindow* next = &windows[1];
@@ -85,15 +88,16 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
         for (int64_t off = 0; off < out_row_bytes; off += 64)
           __builtin_prefetch(out + (b + 1) * out_row_bytes + off, 1, 3);
       const int64_t i = b - cur->first_bag, end = cur->ends[i];
-      std::fill(acc.begin(), acc.end(), 0.f);
+      float* const sums = acc_in_out ? reinterpret_cast<float*>(out + b * out_row_bytes) : acc.data();
+      std::fill(sums, sums + dim, 0.f);
       const char* group_ahead[vec::kRowGroup];
       int64_t k = begin;
       for (; k + vec::kRowGroup <= end; k += vec::kRowGroup) {
         for (int r = 0; r < vec::kRowGroup; ++r) group_ahead[r] = later(k + r);
-        group(cur->coefs.data() + k, cur->rows.data() + k, group_ahead, acc.data(), dim);
+        group(cur->coefs.data() + k, cur->rows.data() + k, group_ahead, sums, dim);
       }
-      for (; k < end; ++k) row(cur->coefs[k], cur->rows[k], later(k), acc.data(), dim);
-      finish(b, acc.data(), cur->weight_sums[i], cur->weight_sq_sums[i], cur->bias_sums[i]);
+      for (; k < end; ++k) row(cur->coefs[k], cur->rows[k], later(k), sums, dim);
+      finish(b, sums, cur->weight_sums[i], cur->weight_sq_sums[i], cur->bias_sums[i]);
       begin = end;
     }
     if (cur->end_bag >= b1) break;

@@ -97,6 +97,7 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
   }
   if (combiner != Combiner::kMax) {
     const ElemType type = table.type;
+    const bool acc_in_out = out_type == ElemType::kFloat32;
     pf(bags.num_bags, avg_bag * (dim + 16), [&](int64_t b0, int64_t b1) {
       internal::SumBagBlock(
           table, bags, b0, b1,
@@ -106,10 +107,11 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
           [type](float a, const char* row, const char* ahead, float* acc, int64_t n) {
             vec::AxpyRow(type, a, row, ahead, acc, n);
           },
-          out_bytes, out_row_bytes,
+          out_bytes, out_row_bytes, acc_in_out,
           [&](int64_t b, float* acc, float weight_sum, float weight_sq_sum, float) {
-            vec::FromAcc(type, acc, internal::CombinerScale(combiner, weight_sum, weight_sq_sum), out_type,
-                         out_bytes + b * out_row_bytes, dim);
+            const float scale = internal::CombinerScale(combiner, weight_sum, weight_sq_sum);
+            if (acc_in_out) vec::ScaleAccInPlace(type, acc, scale, dim);
+            else vec::FromAcc(type, acc, scale, out_type, out_bytes + b * out_row_bytes, dim);
           });
     });
     return Status::Ok();

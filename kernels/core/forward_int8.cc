@@ -188,6 +188,15 @@ void Finish(float* acc, float bias, float scale, ElemType out_type, void* out, i
   vec::FromFloat(acc, scale, out_type, out, n);
 }
 
+// The same where acc is the float32 output row itself.
+PKM_MULTIVERSION
+void FinishInPlace(float* acc, float bias, float scale, int64_t n) {
+  if (bias != 0.f)
+    for (int64_t i = 0; i < n; ++i) acc[i] = scale * (acc[i] + bias);
+  else if (scale != 1.f)
+    for (int64_t i = 0; i < n; ++i) acc[i] *= scale;
+}
+
 }  // namespace
 
 Status CheckInt8Table(const Table& t) {
@@ -206,11 +215,13 @@ Status ForwardInt8(const Table& table, const Bags& bags, Combiner combiner, void
   const int64_t out_row_bytes = dim * ElemSize(out_type);
   const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;
   char* out_bytes = static_cast<char*>(out);
+  const bool acc_in_out = out_type == ElemType::kFloat32;
   pf(bags.num_bags, avg_bag * (dim / 4 + 16), [&](int64_t b0, int64_t b1) {
-    SumBagBlock(table, bags, b0, b1, kAccumulateGroup, AccumulateRow, out_bytes, out_row_bytes,
+    SumBagBlock(table, bags, b0, b1, kAccumulateGroup, AccumulateRow, out_bytes, out_row_bytes, acc_in_out,
                 [&](int64_t b, float* acc, float weight_sum, float weight_sq_sum, float bias_sum) {
-                  Finish(acc, bias_sum, CombinerScale(combiner, weight_sum, weight_sq_sum), out_type,
-                         out_bytes + b * out_row_bytes, dim);
+                  const float scale = CombinerScale(combiner, weight_sum, weight_sq_sum);
+                  if (acc_in_out) FinishInPlace(acc, bias_sum, scale, dim);
+                  else Finish(acc, bias_sum, scale, out_type, out_bytes + b * out_row_bytes, dim);
                 });
   });
   return Status::Ok();

@@ -227,6 +227,16 @@ void FromAcc(ElemType type, float* acc, float scale, ElemType out_type, void* ds
 }
 
 PKM_MULTIVERSION
+static void ScaleInPlaceF32(float* x, float scale, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] *= scale;
+}
+
+void ScaleAccInPlace(ElemType type, float* acc, float scale, int64_t n) {
+  RestoreAccOrder(type, acc, n);
+  if (scale != 1.f) ScaleInPlaceF32(acc, scale, n);
+}
+
+PKM_MULTIVERSION
 static void F16ToFloat(const uint16_t* __restrict src, float* __restrict dst, int64_t n) {
 #if defined(PKM_HAS_COMPILER_HALF)
   const CompilerHalf* h = reinterpret_cast<const CompilerHalf*>(src);

@@ -70,6 +70,10 @@ void RowToFloat(const Table& table, int64_t row, float* dst);
 void MaxArgRow(const float* row, int32_t k, float* best, int32_t* winner, int64_t n);
 void AddWhereWinner(const float* g, const int32_t* winner, int32_t k, float* acc, int64_t n);
 
+// FromAcc into acc itself, for float32 outputs: column order restored, then
+// scaled (nothing to do for a scale of 1).
+void ScaleAccInPlace(ElemType type, float* acc, float scale, int64_t n);
+
 // dst[i] = float(src[i]) for a float storage type.
 void ToFloat(const void* src, ElemType type, float* dst, int64_t n);
 // dst[i] = scale * src[i] converted to a float storage type.
