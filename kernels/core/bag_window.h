@@ -49,8 +49,8 @@ int64_t PrefetchAhead(int64_t row_bytes);
 // acc_in_out (float32 outputs only): acc is bag b's output row itself, so
 // Finish only scales it in place; one pass of stores over the row fewer, which
 // is a large share of a bag of a few rows.
-template <typename Group, typename Row, typename Finish>
-void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, Group group, Row row,
+template <typename Group, typename Row, typename Assign, typename Finish>
+void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, Group group, Row row, Assign assign,
                  char* out, int64_t out_row_bytes, bool acc_in_out, Finish finish) {
   if (b0 >= b1) return;
   const int64_t dim = table.dim;
@@ -89,9 +89,10 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
           __builtin_prefetch(out + (b + 1) * out_row_bytes + off, 1, 3);
       const int64_t i = b - cur->first_bag, end = cur->ends[i];
       float* const sums = acc_in_out ? reinterpret_cast<float*>(out + b * out_row_bytes) : acc.data();
-      std::fill(sums, sums + dim, 0.f);
       const char* group_ahead[vec::kRowGroup];
       int64_t k = begin;
+      if (k < end && end - k < vec::kRowGroup && assign(cur->coefs[k], cur->rows[k], later(k), sums, dim)) ++k;
+      else std::fill(sums, sums + dim, 0.f);
       for (; k + vec::kRowGroup <= end; k += vec::kRowGroup) {
         for (int r = 0; r < vec::kRowGroup; ++r) group_ahead[r] = later(k + r);
         group(cur->coefs.data() + k, cur->rows.data() + k, group_ahead, sums, dim);

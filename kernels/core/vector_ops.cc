@@ -142,6 +142,19 @@ void AxpyRowBF16(float a, const char* row, const char* ahead, float* acc, int64_
 
 }  // namespace
 
+PKM_MULTIVERSION
+void ScaleRowF32(float a, const char* row, const char* ahead, float* __restrict acc, int64_t n) {
+  const float* __restrict r = reinterpret_cast<const float*>(row);
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    __builtin_prefetch(ahead + c * sizeof(float), 0, 3);
+#pragma GCC unroll 1
+    for (int64_t i = c; i < c + 16; ++i) acc[i] = a * r[i];
+  }
+  if (n % 16 != 0) __builtin_prefetch(ahead + n * sizeof(float) - 1, 0, 3);
+  for (int64_t i = c; i < n; ++i) acc[i] = a * r[i];
+}
+
 void AxpyGroup(ElemType type, const float* a, const char* const* rows, const char* const* ahead, float* acc,
                int64_t n) {
   switch (type) {

@@ -52,6 +52,9 @@ constexpr int kRowGroup = 8;
 void AxpyGroup(ElemType type, const float* a, const char* const* rows, const char* const* ahead, float* acc,
                int64_t n);
 void AxpyRow(ElemType type, float a, const char* row, const char* ahead, float* acc, int64_t n);
+// acc[i] = a * row[i] over a float32 row: a bag's first row, in place of
+// zeroing acc and adding it.
+void ScaleRowF32(float a, const char* row, const char* ahead, float* acc, int64_t n);
 // After the last AxpyGroup/AxpyRow into acc: puts acc in column order (some
 // kernels accumulate columns permuted within blocks; a no-op for the others).
 void RestoreAccOrder(ElemType type, float* acc, int64_t n);
