@@ -108,9 +108,7 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
             vec::AxpyRow(type, a, row, ahead, acc, n);
           },
           [type](float a, const char* row, const char* ahead, float* acc, int64_t n) {
-            if (type != ElemType::kFloat32) return false;
-            vec::ScaleRowF32(a, row, ahead, acc, n);
-            return true;
+            return vec::AssignRow(type, a, row, ahead, acc, n);
           },
           out_bytes, out_row_bytes, acc_in_out,
           [&](int64_t b, float* acc, float weight_sum, float weight_sq_sum, float) {

@@ -155,6 +155,21 @@ void ScaleRowF32(float a, const char* row, const char* ahead, float* __restrict 
   for (int64_t i = c; i < n; ++i) acc[i] = a * r[i];
 }
 
+bool AssignRow(ElemType type, float a, const char* row, const char* ahead, float* acc, int64_t n) {
+  if (type == ElemType::kFloat32) {
+    ScaleRowF32(a, row, ahead, acc, n);
+    return true;
+  }
+#if defined(PKM_X86_F16C)
+  // AxpyRow's AVX2 bfloat16 order (the AVX-512 kernels have their own).
+  if (type == ElemType::kBFloat16 && f16c::HasF16C() && !f16c::HasAvx512()) {
+    f16c::AssignBF16(a, row, ahead, acc, n);
+    return true;
+  }
+#endif
+  return false;
+}
+
 void AxpyGroup(ElemType type, const float* a, const char* const* rows, const char* const* ahead, float* acc,
                int64_t n) {
   switch (type) {

@@ -55,6 +55,10 @@ void AxpyRow(ElemType type, float a, const char* row, const char* ahead, float* 
 // acc[i] = a * row[i] over a float32 row: a bag's first row, in place of
 // zeroing acc and adding it.
 void ScaleRowF32(float a, const char* row, const char* ahead, float* acc, int64_t n);
+// The same as zeroing acc and AxpyRow(type, ...), where a kernel for it exists
+// (float32 rows; bfloat16 rows in the AVX2 clone); returns false, touching
+// nothing, elsewhere.
+bool AssignRow(ElemType type, float a, const char* row, const char* ahead, float* acc, int64_t n);
 // After the last AxpyGroup/AxpyRow into acc: puts acc in column order (some
 // kernels accumulate columns permuted within blocks; a no-op for the others).
 void RestoreAccOrder(ElemType type, float* acc, int64_t n);
@@ -112,6 +116,7 @@ void Axpy(float a, const char* row, const char* ahead, float* acc, int64_t n);
 // bfloat16, accumulating each 16 columns as 8 even then 8 odd (see the .cc).
 void AxpyGroupBF16(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n);
 void AxpyBF16(float a, const char* row, const char* ahead, float* acc, int64_t n);
+void AssignBF16(float a, const char* row, const char* ahead, float* acc, int64_t n);  // acc = a * row, same order
 void BF16RestoreOrder(float* acc, int64_t n);
 // BF16RestoreOrder then FromFloat(acc, scale, kBFloat16, dst, n) in one pass.
 void ScaleBF16PairsToBF16(const float* acc, float scale, uint16_t* dst, int64_t n);

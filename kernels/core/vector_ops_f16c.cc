@@ -135,6 +135,21 @@ PKM_F16C_TARGET void AxpyBF16(float a, const char* row, const char* ahead, float
   for (; i < n; ++i) acc[i] += a * Bf16(row + 2 * i);
 }
 
+// acc = a * row in AxpyBF16's column order: a bag's first row without
+// zeroing acc first.
+PKM_F16C_TARGET void AssignBF16(float a, const char* row, const char* ahead, float* acc, int64_t n) {
+  const __m256 w = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    if (i % 32 == 0) _mm_prefetch(ahead + 2 * i, _MM_HINT_T0);
+    const __m256i x = Load16(row + 2 * i);
+    _mm256_storeu_ps(acc + i, _mm256_mul_ps(w, Bf16Even(x)));
+    _mm256_storeu_ps(acc + i + 8, _mm256_mul_ps(w, Bf16Odd(x)));
+  }
+  if (n % 32 != 0) _mm_prefetch(ahead + 2 * n - 1, _MM_HINT_T0);
+  for (; i < n; ++i) acc[i] = a * Bf16(row + 2 * i);
+}
+
 // BF16RestoreOrder, scale * acc and FloatToBFloat16 in one pass: output word
 // i of a block holds columns 2i (low half) and 2i + 1, that is the rounded top
 // halves of even[i] and odd[i], so no shuffle puts the columns back in order.
