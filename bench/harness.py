@@ -43,14 +43,24 @@ def utc_date() -> str:
 # ---- the machine -------------------------------------------------------------
 
 def _cpu_model() -> str:
+    """The model name, with the x86 family and model numbers: a virtual machine's name can be
+    as bare as 'AMD EPYC', which does not tell one generation from another."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+                if not line.strip():
+                    break
     except OSError:
         pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+    name = fields.get("model name")
+    if not name:
+        return platform.processor() or platform.machine() or "unknown CPU"
+    if fields.get("cpu family") and fields.get("model"):
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def _cpu_isa() -> list:
@@ -90,9 +100,14 @@ def machine_info() -> dict:
 
 
 def machine_name(info: Mapping | None = None) -> str:
-    """One line for a report: 'AMD EPYC 7B13, 2 cores, 8.0 GB[, GPU NVIDIA H200]'."""
+    """One line for a report: 'AMD EPYC 7B13, 2 cores[, AVX2], 8.0 GB[, GPU NVIDIA H200]'."""
     info = machine_info() if info is None else info
     text = f"{info['cpu']}, {info['cores']} cores"
+    isa = info.get("isa") or []
+    widest = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"), ("asimd", "NEON"))
+                   if flag in isa), None)
+    if widest:
+        text += f", {widest}"
     if info.get("memory_gb"):
         text += f", {info['memory_gb']} GB"
     gpus = info.get("gpus") or []

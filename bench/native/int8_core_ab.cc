@@ -1,14 +1,17 @@
 // In-process A/B of the core's forward over float32 and int8 tables holding the same rows
 // (bench only, not shipped): bench/int8_core_ab.sh builds the core trees given to it as shared
 // libraries and runs this.
-//   int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [sets=S] -- LIB...
+//   int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [bf16-out] [sets=S] [outs=M] -- LIB...
 // Each call draws one of S (default 64) prepared index sets (uniform rows), one thread, builds and
 // table types taking turns call by call. Prints the median ms per build and table type and
 // int8 / float32; with `bf16`, a bfloat16 table of the same rows takes its turn too. The builds'
 // outputs of the last call of each table type are compared bitwise with the first build's (a
 // difference is reported, not an error: another summation order rounds differently). At small B
 // the 64 default sets' rows stay in a large last-level cache between calls; a few thousand sets
-// take them from memory, as a served model's fresh queries do.
+// take them from memory, as a served model's fresh queries do. `outs=M` writes each call into one of M
+// output buffers in turn (default 1): with several, the output rows' lines come from memory too, as
+// in a served graph whose ops each get a fresh output. `bf16-out`: the bfloat16 table's output is
+// bfloat16 (as the TF op's is) instead of float32.
 #include <dlfcn.h>
 #include <sys/mman.h>
 
@@ -53,8 +56,8 @@ int main(int argc, char** argv) {
   }
   const int64_t B = std::atoll(argv[1]), K = std::atoll(argv[2]), D = std::atoll(argv[3]), N = std::atoll(argv[4]);
   const int calls = std::atoi(argv[5]);
-  int64_t index_sets = 64;
-  bool fp16_params = false, no_biases = false, bf16 = false;
+  int64_t index_sets = 64, out_buffers = 1;
+  bool fp16_params = false, no_biases = false, bf16 = false, bf16_out = false;
   std::vector<ForwardFn> builds;
   std::vector<std::string> names;
   bool libs = false;
@@ -65,6 +68,8 @@ int main(int argc, char** argv) {
       if (a == "fp16-params") fp16_params = true;
       else if (a == "no-biases") no_biases = true;
       else if (a == "bf16") bf16 = true;
+      else if (a == "bf16-out") bf16_out = true;
+      else if (a.rfind("outs=", 0) == 0 && std::atoll(a.c_str() + 5) > 0) out_buffers = std::atoll(a.c_str() + 5);
       else if (a.rfind("sets=", 0) == 0 && std::atoll(a.c_str() + 5) > 0) index_sets = std::atoll(a.c_str() + 5);
       else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
       continue;
@@ -94,7 +99,8 @@ int main(int argc, char** argv) {
   std::vector<uint16_t> scales16(N, 0x211f), biases16(N, 0x1419);  // ~0.01 and ~0.001 as float16
   std::vector<int32_t> indices(static_cast<size_t>(index_sets) * B * K);
   for (auto& v : indices) v = static_cast<int32_t>(rng() % N);
-  std::vector<float> weights(B * K, 0.5f), out(B * D);
+  std::vector<float> weights(B * K, 0.5f);
+  std::vector<std::vector<float>> outs(out_buffers, std::vector<float>(B * D));
   pkm::Table t32{f32, pkm::ElemType::kFloat32, N, D};
   pkm::Table t8{q, pkm::ElemType::kInt8, N, D, scales.data(), no_biases ? nullptr : biases.data()};
   if (fp16_params) {
@@ -123,18 +129,20 @@ int main(int argc, char** argv) {
         bags.num_bags = B;
         bags.bag_size = K;
         bags.weights = weights.data();
+        std::vector<float>& out = outs[(c * builds.size() * types + l * types + t) % out_buffers];
+        const pkm::ElemType out_type = type == 2 && bf16_out ? pkm::ElemType::kBFloat16 : pkm::ElemType::kFloat32;
         const double t0 = NowMs();
-        const pkm::Status s = builds[build](*tables[type], bags, pkm::Combiner::kSum, out.data(),
-                                            pkm::ElemType::kFloat32, inline_for);
+        const pkm::Status s = builds[build](*tables[type], bags, pkm::Combiner::kSum, out.data(), out_type, inline_for);
         const double elapsed = NowMs() - t0;
         if (!s.ok) { std::fprintf(stderr, "%s\n", s.message.c_str()); return 1; }
         if (c >= warmup) ms[3 * build + type].push_back(elapsed);
         if (c == calls + warmup - 1) last_out[3 * build + type] = out;
       }
-  std::printf("B=%lld K=%lld D=%lld N=%lld%s%s, %lld index sets, 1 thread, medians of %d calls\n",
+  std::printf("B=%lld K=%lld D=%lld N=%lld%s%s%s, %lld index sets, %lld output buffers, 1 thread, medians of %d calls\n",
               static_cast<long long>(B), static_cast<long long>(K), static_cast<long long>(D),
               static_cast<long long>(N), fp16_params ? ", float16 row parameters" : "",
-              no_biases ? ", no biases" : "", static_cast<long long>(index_sets), calls);
+              no_biases ? ", no biases" : "", bf16_out ? ", bfloat16 output of the bfloat16 table" : "",
+              static_cast<long long>(index_sets), static_cast<long long>(out_buffers), calls);
   for (size_t b = 0; b < builds.size(); ++b) {
     double med[3];
     std::printf("  %-12s", names[b].c_str());
@@ -150,7 +158,7 @@ int main(int argc, char** argv) {
   std::string differ;
   for (int t = 0; t < types; ++t)
     for (size_t b = 1; b < builds.size(); ++b)
-      if (std::memcmp(last_out[t].data(), last_out[3 * b + t].data(), out.size() * 4) != 0) {
+      if (std::memcmp(last_out[t].data(), last_out[3 * b + t].data(), B * D * (t == 2 && bf16_out ? 2 : 4)) != 0) {
         differ += std::string(differ.empty() ? "" : ", ") + type_names[t] + " (" + names[b] + ")";
         break;
       }

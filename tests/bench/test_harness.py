@@ -58,6 +58,8 @@ def test_machine_name_names_cpu_cores_and_gpu():
     assert name == "Test CPU, 2 cores, 8.0 GB, GPU NVIDIA H200"
     assert harness.machine_name({"cpu": "X", "cores": 4, "gpus": ["G", "G"]}) == "X, 4 cores, GPU 2x G"
     assert "GPU" not in harness.machine_name({"cpu": "X", "cores": 4, "gpus": []})
+    assert harness.machine_name({"cpu": "X", "cores": 2, "isa": ["avx2", "fma"], "gpus": []}) == "X, 2 cores, AVX2"
+    assert harness.machine_name({"cpu": "X", "cores": 2, "isa": ["avx512f", "avx2"]}) == "X, 2 cores, AVX-512"
 
 
 def test_run_child_reads_the_last_json_line_and_reports_failures(tmp_path):
