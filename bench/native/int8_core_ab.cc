@@ -138,7 +138,8 @@ int main(int argc, char** argv) {
         if (c >= warmup) ms[3 * build + type].push_back(elapsed);
         if (c == calls + warmup - 1) last_out[3 * build + type] = out;
       }
-  std::printf("B=%lld K=%lld D=%lld N=%lld%s%s%s, %lld index sets, %lld output buffers, 1 thread, medians of %d calls\n",
+  std::printf("B=%lld K=%lld D=%lld N=%lld%s%s%s, %lld index sets, %lld output buffers, 1 thread, "
+              "medians of %d calls\n",
               static_cast<long long>(B), static_cast<long long>(K), static_cast<long long>(D),
               static_cast<long long>(N), fp16_params ? ", float16 row parameters" : "",
               no_biases ? ", no biases" : "", bf16_out ? ", bfloat16 output of the bfloat16 table" : "",

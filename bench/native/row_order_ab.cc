@@ -1,15 +1,15 @@
 // Prototype of a forward in row order, against the core's gather, in one process (bench only, not
 // shipped; issue #22's next lever, bench/results/cpu_roofline_notes.md "Round 13" and "Round 14"):
-//   g++ -std=c++17 -O2 -I. bench/native/row_order_ab.cc build/core/*.o -o build/bench/row_order_ab -lpthread
+//   g++ -std=c++17 -O3 -I. bench/native/row_order_ab.cc build/core/*.o -o build/bench/row_order_ab -lpthread
 //   build/bench/row_order_ab B K D N SLAB [shared]
 // Where B*K indices repeat rows (B*K / N = 4 at the roofline's main shape), the gather reads each row
 // once per entry; here the entries are counting-sorted by row, so a row's bytes come from memory once
 // and in address order, and each entry adds into its bag's sums of one column slab (SLAB columns of
 // every bag: L2-sized). Per thread a half of the bags with their own sort, or with `shared` one sort
-// of all entries and the slabs split between the threads. float32 rows, sum, AVX-512 or AVX2 (rounds
-// 13 and 14). Prints the best of 12 calls of each (2 threads each, std::thread per call on both sides)
-// and the largest difference from the gather's output.
-#include <immintrin.h>
+// of all entries and the slabs split between the threads. float32 rows, sum; the slab loop is
+// compiled for AVX-512, AVX2 and baseline x86-64 and picked by the CPU (rounds 13 and 14). Prints
+// the best of 12 calls of each (2 threads each, std::thread per call on both sides) and the largest
+// difference from the gather's output.
 
 #include <algorithm>
 #include <chrono>
@@ -54,9 +54,9 @@ std::vector<Entry> SortByRow(const int32_t* idx, const float* w, int64_t N, int6
 
 // Slabs [s0, s1) of bags [b0, b0 + num_bags): each a pass over the sorted entries into L2-sized sums,
 // prefetching the row and the sums of the entry 16 on.
-__attribute__((target("avx512f,fma"))) void SumSlabs(const float* table, const std::vector<Entry>& order,
-                                                      int64_t D, int64_t b0, int64_t num_bags, int64_t slab,
-                                                      int64_t s0, int64_t s1, float* out) {
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void SumSlabs(
+    const float* table, const std::vector<Entry>& order, int64_t D, int64_t b0, int64_t num_bags, int64_t slab,
+    int64_t s0, int64_t s1, float* out) {
   constexpr int64_t kAhead = 16;
   std::vector<float> sums(num_bags * slab);
   const int64_t n = static_cast<int64_t>(order.size());
@@ -68,47 +68,14 @@ __attribute__((target("avx512f,fma"))) void SumSlabs(const float* table, const s
         const char* row = reinterpret_cast<const char*>(base + order[p + kAhead].row_offset);
         const char* acc = reinterpret_cast<const char*>(sums.data() + order[p + kAhead].sums_offset);
         for (int64_t off = 0; off < slab * 4; off += 64) {
-          _mm_prefetch(row + off, _MM_HINT_T0);
-          _mm_prefetch(acc + off, _MM_HINT_T0);
+          __builtin_prefetch(row + off, 0, 3);
+          __builtin_prefetch(acc + off, 0, 3);
         }
       }
       const Entry e = order[p];
-      const float* row = base + e.row_offset;
-      float* acc = sums.data() + e.sums_offset;
-      const __m512 c = _mm512_set1_ps(e.weight);
-      for (int64_t i = 0; i < slab; i += 16)
-        _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(c, _mm512_loadu_ps(row + i), _mm512_loadu_ps(acc + i)));
-    }
-    for (int64_t b = 0; b < num_bags; ++b)
-      std::memcpy(out + (b0 + b) * D + c0, sums.data() + b * slab, slab * sizeof(float));
-  }
-}
-
-// The same with AVX2, for hosts without AVX-512.
-__attribute__((target("avx2,fma"))) void SumSlabsAvx2(const float* table, const std::vector<Entry>& order,
-                                                      int64_t D, int64_t b0, int64_t num_bags, int64_t slab,
-                                                      int64_t s0, int64_t s1, float* out) {
-  constexpr int64_t kAhead = 16;
-  std::vector<float> sums(num_bags * slab);
-  const int64_t n = static_cast<int64_t>(order.size());
-  for (int64_t c0 = s0 * slab; c0 < s1 * slab; c0 += slab) {
-    std::fill(sums.begin(), sums.end(), 0.f);
-    const float* base = table + c0;
-    for (int64_t p = 0; p < n; ++p) {
-      if (p + kAhead < n) {
-        const char* row = reinterpret_cast<const char*>(base + order[p + kAhead].row_offset);
-        const char* acc = reinterpret_cast<const char*>(sums.data() + order[p + kAhead].sums_offset);
-        for (int64_t off = 0; off < slab * 4; off += 64) {
-          _mm_prefetch(row + off, _MM_HINT_T0);
-          _mm_prefetch(acc + off, _MM_HINT_T0);
-        }
-      }
-      const Entry e = order[p];
-      const float* row = base + e.row_offset;
-      float* acc = sums.data() + e.sums_offset;
-      const __m256 c = _mm256_set1_ps(e.weight);
-      for (int64_t i = 0; i < slab; i += 8)
-        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(c, _mm256_loadu_ps(row + i), _mm256_loadu_ps(acc + i)));
+      const float* __restrict row = base + e.row_offset;
+      float* __restrict acc = sums.data() + e.sums_offset;
+      for (int64_t i = 0; i < slab; ++i) acc[i] += e.weight * row[i];  // vectorised per clone at -O3
     }
     for (int64_t b = 0; b < num_bags; ++b)
       std::memcpy(out + (b0 + b) * D + c0, sums.data() + b * slab, slab * sizeof(float));
@@ -125,12 +92,6 @@ int main(int argc, char** argv) {
   const int64_t B = std::atoll(argv[1]), K = std::atoll(argv[2]), D = std::atoll(argv[3]), N = std::atoll(argv[4]);
   const int64_t slab = std::atoll(argv[5]);
   const bool shared = argc > 6 && std::string(argv[6]) == "shared";
-  __builtin_cpu_init();
-  if (!__builtin_cpu_supports("avx2")) {
-    std::fprintf(stderr, "row_order_ab: the prototype needs AVX2 (AVX-512 where the CPU has it)\n");
-    return 2;
-  }
-  const auto sum_slabs = __builtin_cpu_supports("avx512f") ? SumSlabs : SumSlabsAvx2;
   if (B < 2 || K < 1 || N < 1 || slab < 16 || slab % 16 != 0 || D % (2 * slab) != 0) {
     std::fprintf(stderr, "row_order_ab: need B >= 2, SLAB a multiple of 16 and D a multiple of 2 * SLAB\n");
     return 2;
@@ -167,13 +128,13 @@ int main(int argc, char** argv) {
     const int64_t slabs = D / slab;
     if (shared) {
       const std::vector<Entry> order = SortByRow(idx.data(), w.data(), N, D, K, 0, B, slab);
-      std::thread other([&] { sum_slabs(table.data(), order, D, 0, B, slab, slabs / 2, slabs, row_order.data()); });
-      sum_slabs(table.data(), order, D, 0, B, slab, 0, slabs / 2, row_order.data());
+      std::thread other([&] { SumSlabs(table.data(), order, D, 0, B, slab, slabs / 2, slabs, row_order.data()); });
+      SumSlabs(table.data(), order, D, 0, B, slab, 0, slabs / 2, row_order.data());
       other.join();
     } else {
       auto half = [&](int64_t b0, int64_t b1) {
         const std::vector<Entry> order = SortByRow(idx.data(), w.data(), N, D, K, b0, b1, slab);
-        sum_slabs(table.data(), order, D, b0, b1 - b0, slab, 0, slabs, row_order.data());
+        SumSlabs(table.data(), order, D, b0, b1 - b0, slab, 0, slabs, row_order.data());
       };
       std::thread other([&] { half(B / 2, B); });
       half(0, B / 2);

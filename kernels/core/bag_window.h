@@ -44,8 +44,11 @@ void ApplyRowParams(const Table& table, BagWindow* window);
 int64_t PrefetchAhead(int64_t row_bytes);
 
 // Kernels the loop calls: Group(coefs, rows, ahead_rows, acc, n) over
-// vec::kRowGroup rows, Row(coef, row, ahead_row, acc, n). Finish(b, acc,
-// weight_sum, weight_sq_sum, bias_sum) writes bag b's output from acc.
+// vec::kRowGroup rows, Row(coef, row, ahead_row, acc, n). Assign(coef, row,
+// ahead_row, acc, n) may write the first row of a bag shorter than a group
+// into acc in place of zeroing acc and adding it; it returns false where it
+// cannot. Finish(b, acc, weight_sum, weight_sq_sum, bias_sum) writes bag b's
+// output from acc.
 // acc_in_out (float32 outputs only): acc is bag b's output row itself, so
 // Finish only scales it in place; one pass of stores over the row fewer, which
 // is a large share of a bag of a few rows.

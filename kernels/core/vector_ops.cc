@@ -161,7 +161,8 @@ bool AssignRow(ElemType type, float a, const char* row, const char* ahead, float
     return true;
   }
 #if defined(PKM_X86_F16C)
-  // AxpyRow's AVX2 bfloat16 order (the AVX-512 kernels have their own).
+  // In AxpyRow's AVX2 bfloat16 column order; the AVX-512 bfloat16 kernels
+  // use another order and keep zeroing and adding.
   if (type == ElemType::kBFloat16 && f16c::HasF16C() && !f16c::HasAvx512()) {
     f16c::AssignBF16(a, row, ahead, acc, n);
     return true;
