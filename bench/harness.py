@@ -42,34 +42,35 @@ def utc_date() -> str:
 
 # ---- the machine -------------------------------------------------------------
 
-def _cpu_model() -> str:
-    """The model name, with the x86 family and model numbers: a virtual machine's name can be
-    as bare as 'AMD EPYC', which does not tell one generation from another."""
+def _first_cpu() -> dict:
+    """The first processor's fields of /proc/cpuinfo ({} where there is none)."""
     fields = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
                 if not line.strip():
                     break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    name = fields.get("model name")
+    return fields
+
+
+def _cpu_model(cpu: dict) -> str:
+    """The model name, with the x86 family and model numbers: a virtual machine's name can be
+    as bare as 'AMD EPYC', which does not tell one generation from another."""
+    name = cpu.get("model name")
     if not name:
         return platform.processor() or platform.machine() or "unknown CPU"
-    if fields.get("cpu family") and fields.get("model"):
-        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    if cpu.get("cpu family") and cpu.get("model"):
+        name += f" (family {cpu['cpu family']}, model {cpu['model']})"
     return name
 
 
-def _cpu_isa() -> list:
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
-        return []
-    return [x for x in ("avx512f", "avx2", "fma", "f16c", "asimd") if f" {x}" in text]
+def _cpu_isa(cpu: dict) -> list:
+    flags = (cpu.get("flags") or cpu.get("Features") or "").split()  # x86 / aarch64
+    return [x for x in ("avx512f", "avx2", "fma", "f16c", "asimd") if x in flags]
 
 
 def gpu_names() -> list:
@@ -95,7 +96,8 @@ def machine_info() -> dict:
         memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError):
         memory_gb = None
-    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "isa": _cpu_isa(), "memory_gb": memory_gb,
+    cpu = _first_cpu()
+    return {"cpu": _cpu_model(cpu), "cores": os.cpu_count(), "isa": _cpu_isa(cpu), "memory_gb": memory_gb,
             "gpus": gpu_names(), "python": platform.python_version(), "platform": platform.platform()}
 
 

@@ -191,10 +191,11 @@ void Finish(float* acc, float bias, float scale, ElemType out_type, void* out, i
 // The same where acc is the float32 output row itself.
 PKM_MULTIVERSION
 void FinishInPlace(float* acc, float bias, float scale, int64_t n) {
-  if (bias != 0.f)
-    for (int64_t i = 0; i < n; ++i) acc[i] = scale * (acc[i] + bias);
-  else if (scale != 1.f)
-    for (int64_t i = 0; i < n; ++i) acc[i] *= scale;
+  if (bias == 0.f) {
+    vec::ScaleInPlace(acc, scale, n);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) acc[i] = scale * (acc[i] + bias);
 }
 
 }  // namespace

@@ -142,8 +142,9 @@ void AxpyRowBF16(float a, const char* row, const char* ahead, float* acc, int64_
 
 }  // namespace
 
+// acc[i] = a * row[i] over a float32 row, prefetching as AxpyRowImpl does.
 PKM_MULTIVERSION
-void ScaleRowF32(float a, const char* row, const char* ahead, float* __restrict acc, int64_t n) {
+static void ScaleRowF32(float a, const char* row, const char* ahead, float* __restrict acc, int64_t n) {
   const float* __restrict r = reinterpret_cast<const float*>(row);
   int64_t c = 0;
   for (; c + 16 <= n; c += 16) {
@@ -260,9 +261,13 @@ static void ScaleInPlaceF32(float* x, float scale, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= scale;
 }
 
+void ScaleInPlace(float* x, float scale, int64_t n) {
+  if (scale != 1.f) ScaleInPlaceF32(x, scale, n);
+}
+
 void ScaleAccInPlace(ElemType type, float* acc, float scale, int64_t n) {
   RestoreAccOrder(type, acc, n);
-  if (scale != 1.f) ScaleInPlaceF32(acc, scale, n);
+  ScaleInPlace(acc, scale, n);
 }
 
 PKM_MULTIVERSION

@@ -52,12 +52,9 @@ constexpr int kRowGroup = 8;
 void AxpyGroup(ElemType type, const float* a, const char* const* rows, const char* const* ahead, float* acc,
                int64_t n);
 void AxpyRow(ElemType type, float a, const char* row, const char* ahead, float* acc, int64_t n);
-// acc[i] = a * row[i] over a float32 row: a bag's first row, in place of
-// zeroing acc and adding it.
-void ScaleRowF32(float a, const char* row, const char* ahead, float* acc, int64_t n);
-// The same as zeroing acc and AxpyRow(type, ...), where a kernel for it exists
-// (float32 rows; bfloat16 rows in the AVX2 clone); returns false, touching
-// nothing, elsewhere.
+// A bag's first row: the same as zeroing acc and AxpyRow(type, ...), where a
+// kernel for it exists (float32 rows; bfloat16 rows in the AVX2 clone);
+// returns false, touching nothing, elsewhere.
 bool AssignRow(ElemType type, float a, const char* row, const char* ahead, float* acc, int64_t n);
 // After the last AxpyGroup/AxpyRow into acc: puts acc in column order (some
 // kernels accumulate columns permuted within blocks; a no-op for the others).
@@ -77,8 +74,10 @@ void RowToFloat(const Table& table, int64_t row, float* dst);
 void MaxArgRow(const float* row, int32_t k, float* best, int32_t* winner, int64_t n);
 void AddWhereWinner(const float* g, const int32_t* winner, int32_t k, float* acc, int64_t n);
 
+// x[i] *= scale (nothing to do for a scale of 1).
+void ScaleInPlace(float* x, float scale, int64_t n);
 // FromAcc into acc itself, for float32 outputs: column order restored, then
-// scaled (nothing to do for a scale of 1).
+// ScaleInPlace.
 void ScaleAccInPlace(ElemType type, float* acc, float scale, int64_t n);
 
 // dst[i] = float(src[i]) for a float storage type.
