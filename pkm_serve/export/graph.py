@@ -271,12 +271,27 @@ class FunctionGraph:
             op_def = op_def_registry.get(node.op)
             if name not in seeds and (op_def is None or op_def.is_stateful):
                 continue
-            producers = [self.parse(t).node if not t.startswith("^") else t[1:]
-                         for t in node.input]
-            self.fdef.node_def.remove(node)
+            # The indexes lose this node's edges here and the FunctionDef loses
+            # the removed nodes once at the end: re-indexing after each removal
+            # made a large model's export quadratic in its node count.
+            producers = []
+            for pos, text in enumerate(node.input):
+                if text.startswith("^"):
+                    producers.append(text[1:])
+                    self.control_consumers[text[1:]].remove(name)
+                else:
+                    ref = self.parse(text)
+                    producers.append(ref.node)
+                    self.data_consumers[ref].remove((name, pos))
+            del self.nodes[name]
             removed.append(name)
-            self.reindex()
             candidates.extend(p for p in producers if p in self.nodes)
+        if removed:
+            gone = set(removed)
+            for pos in reversed(range(len(self.fdef.node_def))):
+                if self.fdef.node_def[pos].name in gone:
+                    del self.fdef.node_def[pos]
+            self.reindex()
         return removed
 
 
