@@ -7,6 +7,7 @@ module translates between that form and (node, flat output index).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -59,14 +60,30 @@ class FunctionGraph:
         self.data_consumers: Dict[Ref, List[Tuple[str, int]]] = {}
         self.control_consumers: Dict[str, List[str]] = {}
         for node in fdef.node_def:
-            for pos, text in enumerate(node.input):
-                if text.startswith("^"):
-                    self.control_consumers.setdefault(text[1:], []).append(node.name)
-                else:
-                    self.data_consumers.setdefault(self.parse(text), []).append(
-                        (node.name, pos))
-        self.returned = {self.parse(v) for v in fdef.ret.values()}
-        self.control_returned = set(fdef.control_ret.values())
+            self._link(node)
+        self._index_returns()
+
+    # The edits below keep these indexes current themselves: re-indexing after
+    # each edit made an export quadratic in the model's node count.
+    def _link(self, node: node_def_pb2.NodeDef) -> None:
+        """Adds the edges into `node` to the consumer indexes."""
+        for pos, text in enumerate(node.input):
+            if text.startswith("^"):
+                self.control_consumers.setdefault(text[1:], []).append(node.name)
+            else:
+                self.data_consumers.setdefault(self.parse(text), []).append((node.name, pos))
+
+    def _unlink(self, node: node_def_pb2.NodeDef) -> None:
+        """Removes the edges into `node` from the consumer indexes."""
+        for pos, text in enumerate(node.input):
+            if text.startswith("^"):
+                self.control_consumers[text[1:]].remove(node.name)
+            else:
+                self.data_consumers[self.parse(text)].remove((node.name, pos))
+
+    def _index_returns(self) -> None:
+        self.returned = {self.parse(v) for v in self.fdef.ret.values()}
+        self.control_returned = set(self.fdef.control_ret.values())
 
     def _counts(self, node_name: str):
         if node_name not in self._out_counts:
@@ -160,6 +177,7 @@ class FunctionGraph:
         self.fdef.node_def.append(node)
         added = self.fdef.node_def[-1]
         self.nodes[added.name] = added
+        self._link(added)
         return added
 
     def add_const(self, base: str, value: np.ndarray, shapes: bool = True) -> Ref:
@@ -193,7 +211,10 @@ class FunctionGraph:
             shapes = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
                 shape=list(shapes.list.shape[:1])))
         new_inputs = [self.render(r) for r in inputs] + ["^" + c for c in control]
-        old_ref = Ref(name, 0)
+        old_outputs = sum(count for _, count in self._counts(name))
+        readers = [c for i in range(old_outputs)
+                   for c in self.data_consumers.pop(Ref(name, i), [])]
+        self._unlink(old)
         old.op = op
         del old.input[:]
         old.input.extend(new_inputs)
@@ -203,39 +224,56 @@ class FunctionGraph:
         if shapes is not None:
             old.attr["_output_shapes"].CopyFrom(shapes)
         self._out_counts.pop(name, None)
-        # Output arg names differ between ops (Mul 'z', Sum 'output'...).
-        new_text = self.render(old_ref)
-        for node in self.fdef.node_def:
-            for pos, text in enumerate(node.input):
-                if not text.startswith("^") and text.split(":")[0] == name and len(
-                        text.split(":")) == 3:
-                    node.input[pos] = new_text
-        for key, text in list(self.fdef.ret.items()):
-            if text.split(":")[0] == name:
-                self.fdef.ret[key] = new_text
+        self._link(old)
+        # Output arg names differ between ops (Mul 'z', Sum 'output'...): every
+        # reader of any old output reads the new single output.
+        new_ref = Ref(name, 0)
+        new_text = self.render(new_ref)
+        for reader, pos in readers:
+            self.nodes[reader].input[pos] = new_text
+        self.data_consumers.setdefault(new_ref, []).extend(readers)
+        if any(r.node == name for r in self.returned):
+            for key, text in list(self.fdef.ret.items()):
+                if text.split(":")[0] == name:
+                    self.fdef.ret[key] = new_text
+            self._index_returns()
 
     def redirect(self, old: Ref, new: Ref) -> None:
         """Points every data input (and function output) reading `old` at `new`."""
-        old_text, new_text = self.render(old), self.render(new)
-        for node in self.fdef.node_def:
-            for pos, text in enumerate(node.input):
-                if text == old_text:
-                    node.input[pos] = new_text
-        for key, text in list(self.fdef.ret.items()):
-            if text == old_text:
-                self.fdef.ret[key] = new_text
+        new_text = self.render(new)
+        readers = self.data_consumers.pop(old, [])
+        for reader, pos in readers:
+            self.nodes[reader].input[pos] = new_text
+        self.data_consumers.setdefault(new, []).extend(readers)
+        if old in self.returned:
+            for key, text in list(self.fdef.ret.items()):
+                if self.parse(text) == old:
+                    self.fdef.ret[key] = new_text
+            self._index_returns()
 
     def redirect_control(self, old: str, new: str) -> None:
-        for node in self.fdef.node_def:
-            if node.name == new:
+        """Points every control input on `old` (and control output) at `new`."""
+        for reader in dict.fromkeys(self.control_consumers.get(old, [])):
+            if reader == new:
                 continue
+            node = self.nodes[reader]
             for pos, text in enumerate(node.input):
                 if text == "^" + old:
                     node.input[pos] = "^" + new
+                    self.control_consumers[old].remove(reader)
+                    self.control_consumers.setdefault(new, []).append(reader)
+            before = list(node.input)
             _dedupe_inputs(node)
-        for key, value in list(self.fdef.control_ret.items()):
-            if value == old:
-                self.fdef.control_ret[key] = new
+            if len(node.input) != len(before):
+                dropped = collections.Counter(before) - collections.Counter(node.input)
+                for text, count in dropped.items():
+                    for _ in range(count):
+                        self.control_consumers[text[1:]].remove(reader)
+        if old in self.control_returned:
+            for key, value in list(self.fdef.control_ret.items()):
+                if value == old:
+                    self.fdef.control_ret[key] = new
+            self._index_returns()
 
     def unused_stateless(self) -> List[str]:
         """Side-effect-free nodes whose outputs nothing reads."""

@@ -119,7 +119,6 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
             seeds.extend(site.dead_after)
             seeds.extend(n for n in old_root_inputs if n in fg.nodes and
                          fg.nodes[n].op in ("Const", "Identity", "Reshape", "Cast"))
-            fg.reindex()
         if any(s.pattern == "safe_embedding_lookup_sparse" for s in fused):
             seeds.extend(sparse.bypass_identity_sparse_reshapes(fg))
         if any(s.pattern == "ragged-reduce" for s in fused):

@@ -142,7 +142,5 @@ def _rewrite(fg: FunctionGraph, node) -> None:
                 {"T": T}, [None])
     out_splits = cast("splits_t", splits, types_pb2.DT_INT32, splits_type) \
         if splits_type != types_pb2.DT_INT32 else splits
-    fg.reindex()
     fg.redirect(Ref(name, 0), out_splits)
     fg.redirect(Ref(name, 1), values)
-    fg.reindex()

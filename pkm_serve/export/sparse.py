@@ -320,8 +320,6 @@ def bypass_identity_sparse_reshapes(fg: FunctionGraph) -> List[str]:
         fg.redirect(Ref(node.name, 0), indices)
         fg.redirect(Ref(node.name, 1), new_shape)
         bypassed.append(node.name)
-    if bypassed:
-        fg.reindex()
     return bypassed
 
 

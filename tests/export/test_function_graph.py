@@ -1,8 +1,10 @@
-"""FunctionGraph.remove_dead on random FunctionDefs, against the rule it
-implements restated as a fixed point: a node goes when it is not returned,
+"""FunctionGraph's edits on random FunctionDefs. remove_dead against the rule
+it implements restated as a fixed point: a node goes when it is not returned,
 every consumer of it (data or control) goes, and it is a seed or a
-side-effect-free producer of a node that goes. The rest of the FunctionDef
-keeps its order, and the indexes afterwards equal a fresh index."""
+side-effect-free producer of a node that goes; the rest of the FunctionDef
+keeps its order. After any sequence of edits the consumer indexes, which the
+edits keep current themselves, equal a fresh index of the edited FunctionDef,
+and each edit did what it says to the FunctionDef's text."""
 import random
 
 import pytest
@@ -31,6 +33,8 @@ def _random_function(rng, size):
             node.attr["T"].list.type.extend([1, 1])
         if rng.random() < 0.25 and i > 0:
             node.input.append("^n" + str(rng.randrange(i)))
+            if rng.random() < 0.2:  # TF does not write these; an edit must still cope
+                node.input.append(node.input[-1])
         out_arg = "z" if op == "AddV2" else "output"
         outputs.extend((node.name, f"{node.name}:{out_arg}:{k}") for k in range(n_out))
     for k, (_, tensor) in enumerate(rng.sample(outputs, 2)):
@@ -80,10 +84,77 @@ def test_remove_dead_matches_the_fixed_point(seed):
     assert len(got) == len(set(got))
     assert set(got) == want
     assert [n.name for n in fdef.node_def] == [n for n in order if n not in want]
-    fresh = FunctionGraph(fdef, {})
+    _assert_index_is_current(fg)
+
+
+def _assert_index_is_current(fg):
+    fresh = FunctionGraph(fg.fdef, {})
     assert fg.nodes.keys() == fresh.nodes.keys()
-    assert fg.data_consumers == fresh.data_consumers
-    assert fg.control_consumers == fresh.control_consumers
+    assert fg.nodes == {n.name: n for n in fg.fdef.node_def}
+    canon = lambda index: {k: sorted(v) for k, v in index.items() if v}
+    assert canon(fg.data_consumers) == canon(fresh.data_consumers)
+    assert canon(fg.control_consumers) == canon(fresh.control_consumers)
+    assert fg.returned == fresh.returned
+    assert fg.control_returned == fresh.control_returned
+
+
+def _outputs(fg):
+    return [Ref(n.name, i) for n in fg.fdef.node_def
+            for i in range(sum(c for _, c in fg._counts(n.name)))]
+
+
+def _random_edit(rng, fg):
+    """One edit; returns a check of what it did to the FunctionDef."""
+    names = [n.name for n in fg.fdef.node_def]
+    kind = rng.choice(["add", "redirect", "redirect_control", "replace"])
+    if kind == "add":
+        inputs = rng.sample(_outputs(fg), 2)
+        control = rng.sample(names, 1) if rng.random() < 0.5 else []
+        ref = fg.add_op("added", "AddV2", inputs, {}, control=control)
+        node = fg.nodes[ref.node]
+        want = [fg.render(r) for r in inputs] + ["^" + c for c in control]
+        return lambda: list(node.input) == want
+    if kind == "redirect":
+        # Only to an earlier node's output, so the graph stays acyclic.
+        outputs = _outputs(fg)
+        j = rng.randrange(1, len(outputs))
+        old, new = outputs[j], outputs[rng.randrange(j)]
+        if new.node == old.node:
+            return lambda: True
+        old_text = fg.render(old)
+        readers = [(c, p) for c, p in fg.consumers(old)]
+        fg.redirect(old, new)
+        new_text = fg.render(new)
+        return lambda: old_text not in [t for n in fg.fdef.node_def for t in n.input] and \
+            old_text not in fg.fdef.ret.values() and \
+            all(fg.nodes[c].input[p] == new_text for c, p in readers)
+    if kind == "redirect_control":
+        i = rng.randrange(1, len(names))
+        old, new = names[i], names[rng.randrange(i)]
+        fg.redirect_control(old, new)
+        return lambda: all("^" + old not in n.input for n in fg.fdef.node_def
+                           if n.name != new) and old not in fg.fdef.control_ret.values()
+    name = rng.choice(names)
+    inputs = [r for r in _outputs(fg) if r.node < name][:1] or [Ref("x")]
+    fg.replace_node(name, "Identity", inputs, {})
+    text = fg.render(Ref(name, 0))
+    return lambda: fg.nodes[name].op == "Identity" and all(
+        t == text for n in fg.fdef.node_def for t in n.input if t.split(":")[0] == name)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_edits_keep_the_consumer_indexes_current(seed):
+    rng = random.Random(1000 + seed)
+    fdef = _random_function(rng, rng.randrange(5, 40))
+    fg = FunctionGraph(fdef, {})
+    for _ in range(12):
+        did = _random_edit(rng, fg)
+        assert did()
+        _assert_index_is_current(fg)
+    seeds = rng.sample([n.name for n in fdef.node_def], 3)
+    want = _expected_removed(fdef, set(seeds))
+    assert set(fg.remove_dead(seeds)) == want
+    _assert_index_is_current(fg)
 
 
 def test_a_removed_nodes_inputs_are_parsed_by_output_name():
