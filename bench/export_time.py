@@ -4,11 +4,11 @@ A tf.Module with S tables, each read as gather -> multiply by weights ->
 reduce_sum (S composite sites in one serving function), saved once per S. Each
 tree given (a checkout with its op library built or linked in pkm_serve/lib)
 rewrites it in a fresh process: read the SavedModel proto, then time
-`fuse_saved_model_proto` alone (min of 3) and report ms per site, so trees can
+`fuse_saved_model_proto` alone (min of --repeats) and report ms per site, so trees can
 be compared side by side in one run. Writes bench/results/<name>.{json,md}.
 
     .venv/bin/python bench/export_time.py [--sites 25,100,400] [--trees .,/tmp/base]
-        [--name export_time]
+        [--repeats 3] [--name export_time]
 (a tree other than this one: `git worktree add --detach /tmp/base REV` and link
 this checkout's pkm_serve/lib into it)
 """
@@ -48,9 +48,9 @@ import json, sys, time
 from pkm_serve import ops
 from pkm_serve.export.exporter import fuse_saved_model_proto, read_saved_model
 ops.load_library()
-path = sys.argv[1]
+path, repeats = sys.argv[1], int(sys.argv[2])
 times, fused = [], 0
-for _ in range(3):
+for _ in range(repeats):
     proto = read_saved_model(path)
     start = time.perf_counter()
     sites = fuse_saved_model_proto(proto, batch_size=8)
@@ -73,6 +73,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sites", default="25,100,400")
     parser.add_argument("--trees", default=".", help="comma-separated checkouts to compare")
+    parser.add_argument("--repeats", type=int, default=3, help="rewrites per tree and size (min)")
     parser.add_argument("--name", default="export_time")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sites.split(",")]
@@ -89,7 +90,7 @@ def main() -> None:
             if "error" in built:
                 sys.exit(f"building the {sites}-site model failed: {built['error']}")
             for tree in trees:
-                got = run_child(os.path.join(tmp, "fuse.py"), [model], env={"PYTHONPATH": tree})
+                got = run_child(os.path.join(tmp, "fuse.py"), [model, args.repeats], env={"PYTHONPATH": tree})
                 row = {"sites": sites, "tree": _commit(tree), **got}
                 if "fuse_s" in got:
                     row["ms_per_site"] = 1e3 * got["fuse_s"] / sites
@@ -98,9 +99,9 @@ def main() -> None:
     report = {"machine": machine_name(), "date": utc_date(), "rows": rows}
     lines = [f"# Export graph rewrite time vs fused sites\n",
              f"{report['machine']}, {report['date']}. `python bench/export_time.py --sites "
-             f"{args.sites} --trees {args.trees}`: the rewrite (`fuse_saved_model_proto`) of one "
-             "serving function with S gather-multiply-reduce_sum sites, min of 3, each tree in a "
-             "fresh process.\n",
+             f"{args.sites} --trees {args.trees} --repeats {args.repeats}`: the rewrite "
+             "(`fuse_saved_model_proto`) of one serving function with S gather-multiply-reduce_sum "
+             f"sites, min of {args.repeats}, each tree in a fresh process.\n",
              "| sites | tree | fused | rewrite s | ms per site |", "|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
