@@ -236,7 +236,7 @@ class FunctionGraph:
             for key, text in list(self.fdef.ret.items()):
                 if text.split(":")[0] == name:
                     self.fdef.ret[key] = new_text
-            self._index_returns()
+            self.returned = {r for r in self.returned if r.node != name} | {new_ref}
 
     def redirect(self, old: Ref, new: Ref) -> None:
         """Points every data input (and function output) reading `old` at `new`."""
@@ -249,7 +249,7 @@ class FunctionGraph:
             for key, text in list(self.fdef.ret.items()):
                 if self.parse(text) == old:
                     self.fdef.ret[key] = new_text
-            self._index_returns()
+            self.returned = (self.returned - {old}) | {new}
 
     def redirect_control(self, old: str, new: str) -> None:
         """Points every control input on `old` (and control output) at `new`."""
@@ -273,7 +273,7 @@ class FunctionGraph:
             for key, value in list(self.fdef.control_ret.items()):
                 if value == old:
                     self.fdef.control_ret[key] = new
-            self._index_returns()
+            self.control_returned = (self.control_returned - {old}) | {new}
 
     def unused_stateless(self) -> List[str]:
         """Side-effect-free nodes whose outputs nothing reads."""
