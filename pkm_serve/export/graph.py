@@ -57,6 +57,7 @@ class FunctionGraph:
         self.nodes: Dict[str, node_def_pb2.NodeDef] = {n.name: n for n in fdef.node_def}
         self.args = {a.name: (i, a) for i, a in enumerate(fdef.signature.input_arg)}
         self._out_counts = {}
+        self._inputs_cache: Dict[str, Tuple[Tuple[str, ...], List[Ref]]] = {}
         self.data_consumers: Dict[Ref, List[Tuple[str, int]]] = {}
         self.control_consumers: Dict[str, List[str]] = {}
         for node in fdef.node_def:
@@ -123,7 +124,14 @@ class FunctionGraph:
         return self.nodes.get(ref.node)
 
     def inputs(self, node: node_def_pb2.NodeDef) -> List[Ref]:
-        return [self.parse(t) for t in node.input if not t.startswith("^")]
+        # Cached per node while its input text is unchanged: site finding asks
+        # again for the inputs of a wide consumer (an AddN of every bag) per site.
+        texts = tuple(node.input)
+        cached = self._inputs_cache.get(node.name)
+        if cached is None or cached[0] != texts:
+            cached = (texts, [self.parse(t) for t in texts if not t.startswith("^")])
+            self._inputs_cache[node.name] = cached
+        return list(cached[1])
 
     def control_inputs(self, node: node_def_pb2.NodeDef) -> List[str]:
         return [t[1:] for t in node.input if t.startswith("^")]
@@ -231,6 +239,7 @@ class FunctionGraph:
         new_text = self.render(new_ref)
         for reader, pos in readers:
             self.nodes[reader].input[pos] = new_text
+            self._inputs_cache.pop(reader, None)  # the same text may now mean another index
         self.data_consumers.setdefault(new_ref, []).extend(readers)
         if any(r.node == name for r in self.returned):
             for key, text in list(self.fdef.ret.items()):

@@ -95,6 +95,7 @@ def _assert_index_is_current(fg):
     assert canon(fg.data_consumers) == canon(fresh.data_consumers)
     assert canon(fg.control_consumers) == canon(fresh.control_consumers)
     assert fg.returned == fresh.returned
+    assert all(fg.inputs(n) == fresh.inputs(n) for n in fg.fdef.node_def)
     assert fg.control_returned == fresh.control_returned
 
 
