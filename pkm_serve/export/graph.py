@@ -303,12 +303,11 @@ class FunctionGraph:
         removed: List[str] = []
         candidates = list(seeds)
         seeds = set(candidates)
+        returned_nodes = {r.node for r in self.returned}
         while candidates:
             name = candidates.pop()
             node = self.nodes.get(name)
-            if node is None or name in self.control_returned:
-                continue
-            if any(r.node == name for r in self.returned):
+            if node is None or name in self.control_returned or name in returned_nodes:
                 continue
             if self.control_consumers.get(name):
                 continue

@@ -136,7 +136,8 @@ def _random_edit(rng, fg):
         return lambda: all("^" + old not in n.input for n in fg.fdef.node_def
                            if n.name != new) and old not in fg.fdef.control_ret.values()
     name = rng.choice(names)
-    inputs = [r for r in _outputs(fg) if r.node < name][:1] or [Ref("x")]
+    earlier = names[:names.index(name)]  # an input from an earlier node keeps it acyclic
+    inputs = [r for r in _outputs(fg) if r.node in earlier][-1:] or [Ref("x")]
     fg.replace_node(name, "Identity", inputs, {})
     text = fg.render(Ref(name, 0))
     return lambda: fg.nodes[name].op == "Identity" and all(
@@ -175,3 +176,73 @@ def test_a_removed_nodes_inputs_are_parsed_by_output_name():
     assert fg.remove_dead(["dead"]) == ["dead"]
     assert sorted(fg.nodes) == ["live", "pair"]
     assert fg.consumers(Ref("pair", 1)) == []
+
+
+def _function(nodes, ret=None, control_ret=None):
+    """A FunctionDef with arg x from (name, op, inputs) triples."""
+    fdef = function_pb2.FunctionDef()
+    fdef.signature.name = "f"
+    fdef.signature.input_arg.add(name="x")
+    for name, op, inputs in nodes:
+        fdef.node_def.add(name=name, op=op, input=inputs)
+    for key, value in (ret or {}).items():
+        fdef.signature.output_arg.add(name=key)
+        fdef.ret[key] = value
+    for key, value in (control_ret or {}).items():
+        fdef.control_ret[key] = value
+    return fdef
+
+
+def test_replace_node_moves_readers_of_a_later_output_whose_text_stays_the_same():
+    """StringSplit's 'values:0' is output 1; TopKV2's 'values:0' is output 0.
+    The reader's input text is the same before and after, its meaning is not."""
+    fdef = _function([("split", "StringSplit", ["x", "x"]),
+                      ("reader", "Identity", ["split:values:0"])],
+                     ret={"y": "reader:output:0"})
+    fg = FunctionGraph(fdef, {})
+    assert fg.inputs(fg.nodes["reader"]) == [Ref("split", 1)]
+    fg.replace_node("split", "TopKV2", [Ref("x"), Ref("x")], {}, control=[])
+    assert list(fg.nodes["reader"].input) == ["split:values:0"]
+    assert fg.inputs(fg.nodes["reader"]) == [Ref("split", 0)]
+    _assert_index_is_current(fg)
+
+
+def test_replace_node_of_a_returned_node_with_control_inputs():
+    fdef = _function([("a", "Const", []), ("b", "AddV2", ["x", "x"]),
+                      ("c", "Identity", ["b:z:0", "^a"])],
+                     ret={"y": "b:z:0", "w": "c:output:0"})
+    fg = FunctionGraph(fdef, {})
+    fg.replace_node("b", "Identity", [Ref("x")], {}, control=["a"])
+    assert list(fg.nodes["b"].input) == ["x", "^a"]
+    assert fdef.ret["y"] == "b:output:0"
+    assert list(fg.nodes["c"].input) == ["b:output:0", "^a"]
+    assert sorted(fg.control_consumers["a"]) == ["b", "c"]
+    _assert_index_is_current(fg)
+
+
+def test_redirect_control_merges_a_duplicate_and_moves_control_ret():
+    fdef = _function([("old", "Const", []), ("new", "Const", []),
+                      ("reader", "Identity", ["x", "^old", "^new"])],
+                     ret={"y": "reader:output:0"}, control_ret={"side": "old"})
+    fg = FunctionGraph(fdef, {})
+    fg.redirect_control("old", "new")
+    assert list(fg.nodes["reader"].input) == ["x", "^new"]
+    assert fdef.control_ret["side"] == "new"
+    assert fg.control_returned == {"new"}
+    assert fg.control_consumers.get("old") == [] and fg.control_consumers["new"] == ["reader"]
+    _assert_index_is_current(fg)
+
+
+def test_a_name_freed_by_remove_dead_is_reused_with_its_new_outputs():
+    """After a removal the freed name may come back as another op: its output
+    names are the new op's (AddV2 'z' before, Identity 'output' now)."""
+    fdef = _function([("gone", "AddV2", ["x", "x"]), ("keep", "Identity", ["x"])],
+                     ret={"y": "keep:output:0"})
+    fg = FunctionGraph(fdef, {})
+    assert fg.render(Ref("gone", 0)) == "gone:z:0"
+    assert fg.remove_dead(["gone"]) == ["gone"]
+    added = fg.add_op("gone", "Identity", [Ref("x")], {})
+    assert added == Ref("gone", 0)
+    reader = fg.add_op("reader", "Identity", [added], {})
+    assert list(fg.nodes[reader.node].input) == ["gone:output:0"]
+    _assert_index_is_current(fg)
