@@ -62,7 +62,8 @@ class FunctionGraph:
         self.control_consumers: Dict[str, List[str]] = {}
         for node in fdef.node_def:
             self._link(node)
-        self._index_returns()
+        self.returned = {self.parse(v) for v in fdef.ret.values()}
+        self.control_returned = set(fdef.control_ret.values())
 
     # The edits below keep these indexes current themselves: re-indexing after
     # each edit made an export quadratic in the model's node count.
@@ -74,17 +75,19 @@ class FunctionGraph:
             else:
                 self.data_consumers.setdefault(self.parse(text), []).append((node.name, pos))
 
-    def _unlink(self, node: node_def_pb2.NodeDef) -> None:
-        """Removes the edges into `node` from the consumer indexes."""
+    def _unlink(self, node: node_def_pb2.NodeDef) -> List[str]:
+        """Removes the edges into `node` from the consumer indexes; returns the
+        names they came from."""
+        producers = []
         for pos, text in enumerate(node.input):
             if text.startswith("^"):
+                producers.append(text[1:])
                 self.control_consumers[text[1:]].remove(node.name)
             else:
-                self.data_consumers[self.parse(text)].remove((node.name, pos))
-
-    def _index_returns(self) -> None:
-        self.returned = {self.parse(v) for v in self.fdef.ret.values()}
-        self.control_returned = set(self.fdef.control_ret.values())
+                ref = self.parse(text)
+                producers.append(ref.node)
+                self.data_consumers[ref].remove((node.name, pos))
+        return producers
 
     def _counts(self, node_name: str):
         if node_name not in self._out_counts:
@@ -265,6 +268,8 @@ class FunctionGraph:
         for reader in dict.fromkeys(self.control_consumers.get(old, [])):
             if reader == new:
                 continue
+            # Only the control edges change: re-linking the reader would parse
+            # every data input again (a wide reader is met once per site).
             node = self.nodes[reader]
             for pos, text in enumerate(node.input):
                 if text == "^" + old:
@@ -320,15 +325,7 @@ class FunctionGraph:
             # The indexes lose this node's edges here and the FunctionDef loses
             # the removed nodes once at the end: re-indexing after each removal
             # made a large model's export quadratic in its node count.
-            producers = []
-            for pos, text in enumerate(node.input):
-                if text.startswith("^"):
-                    producers.append(text[1:])
-                    self.control_consumers[text[1:]].remove(name)
-                else:
-                    ref = self.parse(text)
-                    producers.append(ref.node)
-                    self.data_consumers[ref].remove((name, pos))
+            producers = self._unlink(node)
             del self.nodes[name]
             removed.append(name)
             candidates.extend(p for p in producers if p in self.nodes)

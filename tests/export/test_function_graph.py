@@ -162,15 +162,9 @@ def test_edits_keep_the_consumer_indexes_current(seed):
 def test_a_removed_nodes_inputs_are_parsed_by_output_name():
     """IdentityN's second output is 'output:1' (flat index 1): the node reading
     it is a consumer of Ref(node, 1), not of output 0."""
-    fdef = function_pb2.FunctionDef()
-    fdef.signature.name = "f"
-    fdef.signature.input_arg.add(name="x")
-    fdef.signature.output_arg.add(name="y")
-    ident = fdef.node_def.add(name="pair", op="IdentityN", input=["x", "x"])
-    ident.attr["T"].list.type.extend([1, 1])
-    fdef.node_def.add(name="dead", op="Identity", input=["pair:output:1"])
-    fdef.node_def.add(name="live", op="Identity", input=["pair:output:0"])
-    fdef.ret["y"] = "live:output:0"
+    fdef = _function([("pair", "IdentityN", ["x", "x"]), ("dead", "Identity", ["pair:output:1"]),
+                      ("live", "Identity", ["pair:output:0"])], ret={"y": "live:output:0"})
+    fdef.node_def[0].attr["T"].list.type.extend([1, 1])
     fg = FunctionGraph(fdef, {})
     assert fg.consumers(Ref("pair", 1)) == [("dead", 0)]
     assert fg.remove_dead(["dead"]) == ["dead"]
