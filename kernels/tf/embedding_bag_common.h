@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -17,6 +18,7 @@
 #include "kernels/core/shape_rules.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/types.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 
 namespace pkm_tf {
@@ -151,13 +153,61 @@ inline ::tensorflow::Status BuildGradCoreArgs(::tensorflow::OpKernelContext* ctx
   return ToTf(pkm::GradShape(DimsOf(ctx->input(0).shape()), DimsOf(args->out_shape)));
 }
 
+// A large output's buffer kept by its kernel and handed out again on the next
+// call (CPU dense table gradients). glibc maps every allocation of 32 MB or
+// more afresh and the OS zero-fills those pages on first touch: for a dense
+// d_params of a 128 MB table that was about a sixth of a forward+backward step
+// on the 2-core EPYC (bench/results/cpu_gradient_buffer.md). The buffer is
+// reused only when this kernel holds its sole reference (the call that
+// returned it is over and its consumers have dropped it), so nothing can still
+// read the previous values; a kernel keeps at most one buffer, of the last
+// shape it was asked for. PKM_KEEP_GRADIENT_BUFFER=0 turns this off.
+class KeptOutput {
+ public:
+  static constexpr int64_t kMinBytes = int64_t{32} << 20;
+
+  ::tensorflow::Status Allocate(::tensorflow::OpKernelContext* ctx, int index, const ::tensorflow::TensorShape& shape,
+                                ::tensorflow::Tensor** out) {
+    const ::tensorflow::DataType dtype = ctx->expected_output_dtype(index);
+    if (!Enabled() || shape.num_elements() * ::tensorflow::DataTypeSize(dtype) < kMinBytes)
+      return ctx->allocate_output(index, shape, out);
+    const uint32_t attr = ctx->output_alloc_attr(index).value;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (kept_.IsInitialized() && kept_.RefCountIsOne() && kept_.dtype() == dtype && kept_.shape() == shape &&
+        kept_attr_ == attr) {
+      ctx->set_output(index, kept_);
+      *out = ctx->mutable_output(index);
+      return ::tensorflow::Status();
+    }
+    TF_RETURN_IF_ERROR(ctx->allocate_output(index, shape, out));
+    kept_ = **out;
+    kept_attr_ = attr;
+    return ::tensorflow::Status();
+  }
+
+ private:
+  static bool Enabled() {
+    static const bool enabled = [] {
+      const char* v = std::getenv("PKM_KEEP_GRADIENT_BUFFER");
+      return v == nullptr || v[0] != '0';
+    }();
+    return enabled;
+  }
+
+  std::mutex mu_;
+  ::tensorflow::Tensor kept_;
+  uint32_t kept_attr_ = 0;
+};
+
 // The dense gradient ops' arguments and outputs, shared by both devices:
-// d_params shaped like params and d_weights like weights.
+// d_params shaped like params (through `kept` where given) and d_weights like
+// weights.
 inline ::tensorflow::Status BuildGradArgs(::tensorflow::OpKernelContext* ctx, const OpAttrs& attrs,
                                           CoreArgs* args, ::tensorflow::Tensor** d_params,
-                                          ::tensorflow::Tensor** d_weights) {
+                                          ::tensorflow::Tensor** d_weights, KeptOutput* kept) {
   TF_RETURN_IF_ERROR(BuildGradCoreArgs(ctx, attrs, args));
-  TF_RETURN_IF_ERROR(ctx->allocate_output(0, ctx->input(1).shape(), d_params));
+  if (kept != nullptr) TF_RETURN_IF_ERROR(kept->Allocate(ctx, 0, ctx->input(1).shape(), d_params));
+  else TF_RETURN_IF_ERROR(ctx->allocate_output(0, ctx->input(1).shape(), d_params));
   return ctx->allocate_output(1, args->weights->shape(), d_weights);
 }
 

@@ -48,16 +48,23 @@ class ForwardKernel : public EmbeddingBagKernelBase {
   }
 };
 
+// On CPU the dense d_params buffer is kept for the next call (KeptOutput); a
+// GPU allocator already pools its memory.
 template <class Backend>
 class GradKernel : public EmbeddingBagKernelBase {
  public:
-  using EmbeddingBagKernelBase::EmbeddingBagKernelBase;
+  GradKernel(::tensorflow::OpKernelConstruction* ctx, bool ragged)
+      : EmbeddingBagKernelBase(ctx, ragged), keep_d_params_(ctx->device_type() == ::tensorflow::DeviceType(::tensorflow::DEVICE_CPU)) {}
   void Compute(::tensorflow::OpKernelContext* ctx) override {
     CoreArgs args;
     ::tensorflow::Tensor *d_params = nullptr, *d_weights = nullptr;
-    OP_REQUIRES_OK(ctx, BuildGradArgs(ctx, attrs_, &args, &d_params, &d_weights));
+    OP_REQUIRES_OK(ctx, BuildGradArgs(ctx, attrs_, &args, &d_params, &d_weights, keep_d_params_ ? &kept_ : nullptr));
     OP_REQUIRES_OK(ctx, Backend::Backward(ctx, attrs_, args, ctx->input(0), d_params, d_weights));
   }
+
+ private:
+  const bool keep_d_params_;
+  KeptOutput kept_;
 };
 
 template <class Backend>

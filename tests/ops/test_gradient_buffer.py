@@ -1,0 +1,140 @@
+"""The CPU dense gradient kernel keeps its d_params buffer (KeptOutput, kernels/tf/embedding_bag_common.h)
+from 32 MB up and hands it out again when no one else holds it. Each call must still give exactly the
+gradient of its own inputs (rows the previous call touched read 0 now), a gradient the caller still
+holds must never be overwritten, and calls from several threads at once must each get their own."""
+
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pkm_serve import ops
+
+N, D = 16384, 512  # float32 d_params of 32 MB: the smallest size that is kept
+B, K = 64, 8
+
+
+def reference_d_table(n, idx, w, grad):
+    d = np.zeros((n, grad.shape[1]), np.float64)
+    np.add.at(d, idx.reshape(-1), (w[..., None] * grad[:, None, :]).reshape(-1, grad.shape[1]))
+    return d
+
+
+@pytest.fixture(scope="module")
+def grad_fn():
+    @tf.function
+    def d_table(table, idx, w, grad):
+        with tf.GradientTape() as tape:
+            tape.watch(table)
+            out = ops.embedding_bag(table, idx, w)
+        return tape.gradient(out, table, output_gradients=grad)
+
+    return d_table
+
+
+def inputs(rng, rows, n=N):
+    idx = rng.choice(rows, size=(B, K)).astype(np.int32)
+    w = rng.uniform(0.5, 1.5, size=(B, K)).astype(np.float32)
+    grad = rng.standard_normal((B, D)).astype(np.float32)
+    return idx, w, grad
+
+
+def call(grad_fn, table, idx, w, grad):
+    d = grad_fn(table, tf.constant(idx), tf.constant(w), tf.constant(grad))
+    assert isinstance(d, tf.Tensor), type(d)  # dense, not IndexedSlices
+    return d
+
+
+def address(t):
+    # np.asarray shares a CPU tensor's buffer (Tensor.numpy() returns a copy).
+    return np.asarray(t).__array_interface__["data"][0]
+
+
+def check(got, idx, w, grad):
+    want = reference_d_table(got.shape[0], idx, w, grad)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_buffer_is_reused_and_fully_overwritten(grad_fn):
+    rng = np.random.default_rng(1)
+    table = tf.zeros((N, D))
+    first = inputs(rng, np.arange(0, N // 2))
+    second = inputs(rng, np.arange(N // 2, N))  # none of the first call's rows
+    d = call(grad_fn, table, *first)
+    check(d, *first)
+    kept = address(d)
+    del d
+    # Were the buffer freed, this array of its size would most likely be mapped where it was.
+    placeholder = np.ones(N * D, np.float32)
+    d = call(grad_fn, table, *second)
+    assert address(placeholder) != kept
+    assert address(d) == kept, "the dropped gradient's buffer was not handed out again"
+    check(d, *second)  # the first call's rows are 0 again
+
+
+def test_held_gradient_is_never_overwritten(grad_fn):
+    rng = np.random.default_rng(2)
+    table = tf.zeros((N, D))
+    first, second = inputs(rng, np.arange(N)), inputs(rng, np.arange(N))
+    held = call(grad_fn, table, *first)
+    held_values = held.numpy().copy()
+    d = call(grad_fn, table, *second)
+    assert address(d) != address(held)
+    np.testing.assert_array_equal(held.numpy(), held_values)
+    check(d, *second)
+    # The gradient held by the caller is now the kept one only once it is dropped; with both
+    # alive, a third call must again take a buffer of its own.
+    third = inputs(rng, np.arange(N))
+    d3 = call(grad_fn, table, *third)
+    assert address(d3) not in (address(d), address(held))
+    check(d3, *third)
+    np.testing.assert_array_equal(held.numpy(), held_values)
+
+
+def test_numpy_view_keeps_its_values(grad_fn):
+    """A zero-copy numpy view outlives the tensor it came from: its buffer is not handed out."""
+    rng = np.random.default_rng(4)
+    table = tf.zeros((N, D))
+    first, second = inputs(rng, np.arange(N)), inputs(rng, np.arange(N))
+    d = call(grad_fn, table, *first)
+    view = np.asarray(d)
+    values = view.copy()
+    del d
+    d = call(grad_fn, table, *second)
+    assert address(d) != view.__array_interface__["data"][0]
+    np.testing.assert_array_equal(view, values)
+    check(d, *second)
+
+
+def test_shape_change_takes_a_new_buffer(grad_fn):
+    rng = np.random.default_rng(3)
+    small, large = tf.zeros((N, D)), tf.zeros((2 * N, D))
+    for table, n in [(small, N), (large, 2 * N), (small, N), (large, 2 * N)]:
+        args = inputs(rng, np.arange(n))
+        d = call(grad_fn, table, *args)
+        assert d.shape == (n, D)
+        check(d, *args)
+        del d
+
+
+def test_calls_from_several_threads(grad_fn):
+    table = tf.zeros((N, D))
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(100 + seed)
+        try:
+            for _ in range(6):
+                args = inputs(rng, np.arange(N))
+                d = call(grad_fn, table, *args)
+                check(d, *args)
+        except Exception as e:  # reported below; a thread's assertion does not fail the test itself
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
