@@ -137,6 +137,10 @@ std::vector<int32_t> MaxWinners(const Table& table, const Bags& bags, const Para
 // hardware prefetchers follow the rest of a started row).
 constexpr int64_t kEntriesAhead = 16;
 constexpr int64_t kGradLinesAhead = 4;
+// d_table bytes from which a float32 gradient is written with non-temporal stores: more than
+// the last-level caches of the machines measured (8-32 MB), so the rows would leave the cache
+// before anyone read them anyway.
+constexpr int64_t kStreamGradientBytes = int64_t{32} << 20;
 
 // What both backward passes (dense d_table, row-sparse) need before they walk
 // the row groups: the per-bag scale, each entry's bag, the upstream gradient
@@ -294,9 +298,23 @@ Status Backward(const Table& table, const Bags& bags, Combiner combiner, const v
 
   // Rows of the table in group order: each row read once, its gradient row
   // written once, by one thread.
+  // A float32 d_table larger than a last-level cache is written with
+  // non-temporal stores from a scratch row: accumulating in d_table itself
+  // first reads each of its lines from memory (write-allocate), as many bytes
+  // again as the table; the core backward at the roofline's main shape took
+  // 0.90-0.92x the time on the 2-core EPYC, a 1 GB table of few touched rows
+  // 0.47x (bench/results/backward_stream_ab_round16.md).
+  // The values are the same either way.
+  const bool stream = d_table_type == ElemType::kFloat32 && table.num_rows * d_row_bytes >= kStreamGradientBytes;
   auto table_gradient = [&](const auto& groups) {
     if (!groups.all_rows) {  // rows nobody looked up get zero gradient
       pf(table.num_rows, dim, [&](int64_t r0, int64_t r1) {
+        if (stream) {
+          vec::StreamF32(nullptr, reinterpret_cast<float*>(static_cast<char*>(d_table) + r0 * d_row_bytes),
+                         (r1 - r0) * dim);
+          vec::StreamFence();
+          return;
+        }
         std::vector<float> zeros(dim, 0.f);
         for (int64_t r = r0; r < r1; ++r)
           vec::FromFloat(zeros.data(), 1.f, d_table_type, static_cast<char*>(d_table) + r * d_row_bytes, dim);
@@ -304,9 +322,9 @@ Status Backward(const Table& table, const Bags& bags, Combiner combiner, const v
     }
     const int64_t groups_n = groups.NumGroups();
     const int64_t cost = (groups.order.size() / std::max<int64_t>(groups_n, 1) + 1) * dim * 3;
-    // float32 tables accumulate straight into d_table; half types go through
-    // a float scratch row.
-    const bool direct = table.type == ElemType::kFloat32 && d_table_type == ElemType::kFloat32;
+    // Other float32 gradients accumulate straight into d_table; half types go
+    // through the scratch row too.
+    const bool direct = !stream && table.type == ElemType::kFloat32 && d_table_type == ElemType::kFloat32;
     pf(groups_n, cost, [&](int64_t u0, int64_t u1) {
       std::vector<float> acc_buf(direct ? 0 : dim), row_buf(table.type == ElemType::kFloat32 ? 0 : dim);
       for (int64_t u = u0; u < u1; ++u) {
@@ -315,8 +333,10 @@ Status Backward(const Table& table, const Bags& bags, Combiner combiner, const v
         float* acc = direct ? reinterpret_cast<float*>(d_row) : acc_buf.data();
         AccumulateRowGradient(table, in, groups.order.data(), groups.NumEntries(), groups.starts[u],
                               groups.starts[u + 1], r, acc, row_buf.data());
-        if (!direct) vec::FromFloat(acc, 1.f, d_table_type, d_row, dim);
+        if (stream) vec::StreamF32(acc, reinterpret_cast<float*>(d_row), dim);
+        else if (!direct) vec::FromFloat(acc, 1.f, d_table_type, d_row, dim);
       }
+      if (stream) vec::StreamFence();
     });
   };
   if (d_table != nullptr) {

@@ -474,6 +474,48 @@ void LargeTable() {
   std::free(data);
 }
 
+// float32 table gradients of 32 MB or more go through a scratch row and
+// non-temporal stores (backward.cc): both row groupings (every row a group,
+// and the comparison sort of a table much larger than its indices, whose
+// untouched rows are zeroed by a pass of their own), a d_table that starts
+// off a 16-byte boundary and rows of a width that is no multiple of four.
+// d_table starts full of 3.4e38 (0x7F bytes); every value must be the reference's.
+void StreamedGradientCases() {
+  struct Shape { int64_t rows, dim, float_offset; };
+  const Shape shapes[] = {{16384, 512, 0}, {16384, 513, 1}, {(int64_t{1} << 20) + 4096, 13, 1}};
+  std::mt19937_64 rng(99);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (const Shape& sh : shapes) {
+    const int64_t b = 48, k = 12;
+    std::vector<float> table_data(sh.rows * sh.dim), grad(b * sh.dim), w(b * k);
+    for (auto& v : table_data) v = u(rng);
+    for (auto& v : grad) v = u(rng);
+    for (auto& v : w) v = u(rng);
+    std::vector<int32_t> idx(b * k);
+    for (auto& v : idx) v = rng() % 10 == 0 ? -1 : static_cast<int32_t>(rng() % sh.rows);
+    pkm::Table table{table_data.data(), pkm::ElemType::kFloat32, sh.rows, sh.dim};
+    pkm::Bags bags;
+    bags.indices = idx.data();
+    bags.num_bags = b;
+    bags.bag_size = k;
+    bags.weights = w.data();
+    const int64_t n = sh.rows * sh.dim;
+    std::vector<uint8_t> fast_buf((n + sh.float_offset) * 4, 0x7F), ref(n * 4), dw(b * k * 4), dw_ref(b * k * 4);
+    uint8_t* fast = fast_buf.data() + 4 * sh.float_offset;
+    pkm::Status s1 = pkm::Backward(table, bags, pkm::Combiner::kSum, grad.data(), pkm::ElemType::kFloat32, fast,
+                                   pkm::ElemType::kFloat32, dw.data(), TwoThreads());
+    pkm::Status s2 = pkm::ReferenceBackward(table, bags, pkm::Combiner::kSum, grad.data(), pkm::ElemType::kFloat32,
+                                            ref.data(), pkm::ElemType::kFloat32, dw_ref.data());
+    const std::vector<uint8_t> got(fast, fast + n * 4);
+    std::string where;
+    EXPECT(s1.ok && s2.ok && Close(got, ref, pkm::ElemType::kFloat32, n, 1e-5f, &where),
+           "streamed d_table rows=%lld dim=%lld: %s %s", static_cast<long long>(sh.rows),
+           static_cast<long long>(sh.dim), s1.message.c_str(), where.c_str());
+    EXPECT(Close(dw, dw_ref, pkm::ElemType::kFloat32, b * k, 4e-5f, &where), "streamed d_weights dim=%lld: %s",
+           static_cast<long long>(sh.dim), where.c_str());
+  }
+}
+
 }  // namespace
 
 // Bags longer than the forward's window of collected entries (bag_window.h,
@@ -645,6 +687,7 @@ int main() {
   ErrorCases();
   IndexCheckCases();
   LargeTable();
+  StreamedGradientCases();
   HalfConversions();
   FromAccMatchesDefinition();
   std::printf("core tests: %d passed, %d failed\n", g_passed, g_failed);

@@ -1,6 +1,11 @@
 #include "kernels/core/vector_ops.h"
 
+#include <cstdint>
 #include <cstring>
+
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 #include "kernels/core/internal.h"
 
@@ -259,6 +264,22 @@ void FromAcc(ElemType type, float* acc, float scale, ElemType out_type, void* ds
 PKM_MULTIVERSION
 static void ScaleInPlaceF32(float* x, float scale, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] *= scale;
+}
+
+void StreamF32(const float* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__x86_64__) || defined(__SSE2__)
+  for (; i < n && reinterpret_cast<uintptr_t>(dst + i) % 16 != 0; ++i) dst[i] = src != nullptr ? src[i] : 0.f;
+  const __m128 zero = _mm_setzero_ps();
+  for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, src != nullptr ? _mm_loadu_ps(src + i) : zero);
+#endif
+  for (; i < n; ++i) dst[i] = src != nullptr ? src[i] : 0.f;
+}
+
+void StreamFence() {
+#if defined(__x86_64__) || defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 void ScaleInPlace(float* x, float scale, int64_t n) {

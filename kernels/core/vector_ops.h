@@ -85,6 +85,12 @@ void ToFloat(const void* src, ElemType type, float* dst, int64_t n);
 // dst[i] = scale * src[i] converted to a float storage type.
 void FromFloat(const float* src, float scale, ElemType type, void* dst, int64_t n);
 
+// dst[i] = src[i] (src null: 0) with non-temporal stores where the CPU has
+// them (x86 SSE): dst's lines are written without being read first and bypass
+// the caches. StreamFence() after the last one, before dst is read elsewhere.
+void StreamF32(const float* src, float* dst, int64_t n);
+void StreamFence();
+
 float Dot(const float* x, const float* y, int64_t n);
 
 // acc[i] += a * g[i], returning dot(g, row): the backward's two uses of a

@@ -155,8 +155,8 @@ inline ::tensorflow::Status BuildGradCoreArgs(::tensorflow::OpKernelContext* ctx
 
 // A large output's buffer kept by its kernel and handed out again on the next
 // call (CPU dense table gradients). glibc maps every allocation of 32 MB or
-// more afresh and the OS zero-fills those pages on first touch: for a dense
-// d_params of a 128 MB table that was about a sixth of a forward+backward step
+// more afresh and the OS zero-fills those pages on first touch: with a dense
+// d_params of a 128 MB table kept, forward+backward took 0.55-0.59x the time
 // on the 2-core EPYC (bench/results/cpu_gradient_buffer.md). The buffer is
 // reused only when this kernel holds its sole reference (the call that
 // returned it is over and its consumers have dropped it), so nothing can still
