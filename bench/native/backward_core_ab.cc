@@ -1,5 +1,5 @@
 // In-process A/B of the core's dense backward across builds (bench only; driven by
-// bench/backward_core_ab.sh, which builds each tree's kernels/core as its own shared library):
+// `bench/core_ab.sh backward_core_ab`, which builds each tree's kernels/core as its own shared library):
 //   backward_core_ab B K D N CALLS [fresh] -- LIB...
 // float32 table of N x D, B bags of K uniform rows, per-sample weights, sum; d_table and
 // d_weights wanted, two threads (std::thread per call, as TF's pool splits the groups). Each call
@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
     names.push_back(a.substr(a.find_last_of('/') + 1));
   }
   if (builds.empty() || B < 1 || K < 1 || D < 1 || N < 1 || calls < 1) {
-    std::fprintf(stderr, "give positive sizes and 1 to 16 LIBs\n");
+    std::fprintf(stderr, "give positive sizes, CALLS and at least one LIB\n");
     return 2;
   }
   std::mt19937_64 rng(1);

@@ -137,10 +137,11 @@ std::vector<int32_t> MaxWinners(const Table& table, const Bags& bags, const Para
 // hardware prefetchers follow the rest of a started row).
 constexpr int64_t kEntriesAhead = 16;
 constexpr int64_t kGradLinesAhead = 4;
-// d_table bytes from which a float32 gradient is written with non-temporal stores: more than
-// the last-level caches of the machines measured (8-32 MB), so the rows would leave the cache
-// before anyone read them anyway.
-constexpr int64_t kStreamGradientBytes = int64_t{32} << 20;
+// d_table bytes from which a float32 gradient is written with non-temporal stores: twice the
+// largest last-level cache of the machines measured (8-32 MB), so the rows would mostly have left
+// the cache before anyone read them anyway. A 32 MB d_table gained nothing on the Zen 1 host,
+// 128 MB 8-10% (bench/results/backward_stream_ab_round16.md).
+constexpr int64_t kStreamGradientBytes = int64_t{64} << 20;
 
 // What both backward passes (dense d_table, row-sparse) need before they walk
 // the row groups: the per-bag scale, each entry's bag, the upstream gradient
@@ -298,14 +299,15 @@ Status Backward(const Table& table, const Bags& bags, Combiner combiner, const v
 
   // Rows of the table in group order: each row read once, its gradient row
   // written once, by one thread.
-  // A float32 d_table larger than a last-level cache is written with
+  // A float32 d_table much larger than a last-level cache is written with
   // non-temporal stores from a scratch row: accumulating in d_table itself
   // first reads each of its lines from memory (write-allocate), as many bytes
   // again as the table; the core backward at the roofline's main shape took
   // 0.90-0.92x the time on the 2-core EPYC, a 1 GB table of few touched rows
   // 0.47x (bench/results/backward_stream_ab_round16.md).
   // The values are the same either way.
-  const bool stream = d_table_type == ElemType::kFloat32 && table.num_rows * d_row_bytes >= kStreamGradientBytes;
+  const bool stream = vec::kHasStreamingStores && d_table_type == ElemType::kFloat32 &&
+                      table.num_rows * d_row_bytes >= kStreamGradientBytes;
   auto table_gradient = [&](const auto& groups) {
     if (!groups.all_rows) {  // rows nobody looked up get zero gradient
       pf(table.num_rows, dim, [&](int64_t r0, int64_t r1) {

@@ -88,6 +88,12 @@ void FromFloat(const float* src, float scale, ElemType type, void* dst, int64_t 
 // dst[i] = src[i] (src null: 0) with non-temporal stores where the CPU has
 // them (x86 SSE): dst's lines are written without being read first and bypass
 // the caches. StreamFence() after the last one, before dst is read elsewhere.
+// Elsewhere plain stores, and kHasStreamingStores is false.
+#if defined(__x86_64__) || defined(__SSE2__)
+constexpr bool kHasStreamingStores = true;
+#else
+constexpr bool kHasStreamingStores = false;
+#endif
 void StreamF32(const float* src, float* dst, int64_t n);
 void StreamFence();
 

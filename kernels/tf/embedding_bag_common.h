@@ -156,12 +156,13 @@ inline ::tensorflow::Status BuildGradCoreArgs(::tensorflow::OpKernelContext* ctx
 // A large output's buffer kept by its kernel and handed out again on the next
 // call (CPU dense table gradients). glibc maps every allocation of 32 MB or
 // more afresh and the OS zero-fills those pages on first touch: with a dense
-// d_params of a 128 MB table kept, forward+backward took 0.55-0.59x the time
-// on the 2-core EPYC (bench/results/cpu_gradient_buffer.md). The buffer is
-// reused only when this kernel holds its sole reference (the call that
-// returned it is over and its consumers have dropped it), so nothing can still
-// read the previous values; a kernel keeps at most one buffer, of the last
-// shape it was asked for. PKM_KEEP_GRADIENT_BUFFER=0 turns this off.
+// d_params of a 128 MB table kept, forward+backward took 0.55x the time on the
+// 2-core EPYC (bench/results/cpu_gradient_buffer.md). The buffer is reused
+// only when this kernel holds its sole reference (the call that returned it is
+// over and its consumers have dropped it), so nothing can still read the
+// previous values; a kernel keeps at most one buffer, of the last shape it was
+// asked for. Outputs in a ScopedAllocator's shared buffer are never kept.
+// PKM_KEEP_GRADIENT_BUFFER=0 turns this off.
 class KeptOutput {
  public:
   static constexpr int64_t kMinBytes = int64_t{32} << 20;
@@ -169,19 +170,24 @@ class KeptOutput {
   ::tensorflow::Status Allocate(::tensorflow::OpKernelContext* ctx, int index, const ::tensorflow::TensorShape& shape,
                                 ::tensorflow::Tensor** out) {
     const ::tensorflow::DataType dtype = ctx->expected_output_dtype(index);
-    if (!Enabled() || shape.num_elements() * ::tensorflow::DataTypeSize(dtype) < kMinBytes)
+    const ::tensorflow::AllocatorAttributes attr = ctx->output_alloc_attr(index);
+    if (!Enabled() || attr.scope_id != 0 || shape.num_elements() * ::tensorflow::DataTypeSize(dtype) < kMinBytes)
       return ctx->allocate_output(index, shape, out);
-    const uint32_t attr = ctx->output_alloc_attr(index).value;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (kept_.IsInitialized() && kept_.RefCountIsOne() && kept_.dtype() == dtype && kept_.shape() == shape &&
-        kept_attr_ == attr) {
-      ctx->set_output(index, kept_);
-      *out = ctx->mutable_output(index);
-      return ::tensorflow::Status();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (kept_.IsInitialized() && kept_.RefCountIsOne()) {
+        if (kept_.dtype() == dtype && kept_.shape() == shape && kept_attr_ == attr.value) {
+          ctx->set_output(index, kept_);
+          *out = ctx->mutable_output(index);
+          return ::tensorflow::Status();
+        }
+        kept_ = ::tensorflow::Tensor();  // idle but of another kind: freed before the new one is allocated
+      }
     }
     TF_RETURN_IF_ERROR(ctx->allocate_output(index, shape, out));
+    std::lock_guard<std::mutex> lock(mu_);
     kept_ = **out;
-    kept_attr_ = attr;
+    kept_attr_ = attr.value;
     return ::tensorflow::Status();
   }
 

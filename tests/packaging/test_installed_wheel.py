@@ -35,8 +35,10 @@ def test_fresh_venv_with_the_installed_tf_wheel_runs_the_users_journey(tmp_path)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     with open(venv / "pyvenv.cfg") as f:
         assert "include-system-site-packages = false" in f.read()
+    # --no-compile: no bytecode for TF's thousands of modules up front (Python compiles what the
+    # journey imports); the install itself is the same.
     pip = subprocess.run(
-        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-compile",
          "-c", os.path.join(ROOT, "requirements.lock"), f"{wheel}[serving,tflite]"],
         capture_output=True, text=True, env=_clean_env(), timeout=900)
     assert pip.returncode == 0, pip.stderr[-4000:]
