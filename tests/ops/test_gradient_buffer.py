@@ -25,19 +25,19 @@ def reference_d_table(n, idx, w, grad):
     return d
 
 
+def table_gradient(table, idx, w, grad):
+    with tf.GradientTape() as tape:
+        tape.watch(table)
+        out = ops.embedding_bag(table, idx, w)
+    return tape.gradient(out, table, output_gradients=grad)
+
+
 @pytest.fixture(scope="module")
 def grad_fn():
-    @tf.function
-    def d_table(table, idx, w, grad):
-        with tf.GradientTape() as tape:
-            tape.watch(table)
-            out = ops.embedding_bag(table, idx, w)
-        return tape.gradient(out, table, output_gradients=grad)
-
-    return d_table
+    return tf.function(table_gradient)
 
 
-def inputs(rng, rows, n=N):
+def inputs(rng, rows):
     idx = rng.choice(rows, size=(B, K)).astype(np.int32)
     w = rng.uniform(0.5, 1.5, size=(B, K)).astype(np.float32)
     grad = rng.standard_normal((B, D)).astype(np.float32)
@@ -137,13 +137,7 @@ def test_shape_change_in_one_kernel():
     spec = [tf.TensorSpec([None, D], tf.float32), tf.TensorSpec([B, K], tf.int32), tf.TensorSpec([B, K]),
             tf.TensorSpec([B, D])]
 
-    @tf.function(input_signature=spec)
-    def d_table(table, idx, w, grad):
-        with tf.GradientTape() as tape:
-            tape.watch(table)
-            out = ops.embedding_bag(table, idx, w)
-        return tape.gradient(out, table, output_gradients=grad)
-
+    d_table = tf.function(table_gradient, input_signature=spec)
     rng = np.random.default_rng(3)
     small, large = tf.zeros((N, D)), tf.zeros((2 * N, D))
     for table, n in [(small, N), (large, 2 * N), (small, N), (small, N), (large, 2 * N)]:
