@@ -33,7 +33,9 @@ CASES = {"huge": (65536, 32, 256, 4194304), "narrow": (4096, 128, 256, 262144),
          # more entries than rows (16-bit: the register walk) and a 32 MB bf16 gradient
          "huge_1m": (65536, 32, 256, 1048576),
          # two vectors a lane (16-bit), 32 MB bf16 gradient
-         "wide": (32768, 32, 512, 2097152)}
+         "wide": (32768, 32, 512, 2097152),
+         # the huge shape's entries, sort, d_table and touched rows with a half / quarter-sized gradient
+         "huge_b32k": (32768, 64, 256, 4194304), "huge_b16k": (16384, 128, 256, 4194304)}
 
 
 def memset_fn():
