@@ -1,10 +1,10 @@
 // In-process A/B of the core's forward over float32 and int8 tables holding the same rows
 // (bench only, not shipped): bench/int8_core_ab.sh builds the core trees given to it as shared
 // libraries and runs this.
-//   int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [bf16-out] [sets=S] [outs=M] -- LIB...
+//   int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [bf16-out] [fp16] [sets=S] [outs=M] -- LIB...
 // Each call draws one of S (default 64) prepared index sets (uniform rows), one thread, builds and
 // table types taking turns call by call. Prints the median ms per build and table type and
-// int8 / float32; with `bf16`, a bfloat16 table of the same rows takes its turn too. The builds'
+// int8 / float32; with `bf16` (`fp16`), a bfloat16 (float16) table of the same rows takes its turn too. The builds'
 // outputs of the last call of each table type are compared bitwise with the first build's (a
 // difference is reported, not an error: another summation order rounds differently). At small B
 // the 64 default sets' rows stay in a large last-level cache between calls; a few thousand sets
@@ -47,17 +47,30 @@ T* HugeBuffer(size_t count) {
   return static_cast<T*>(p);
 }
 
+// IEEE half of a float in the normal half range (or 0), rounded to nearest even.
+uint16_t ToHalf(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000);
+  if ((x & 0x7fffffff) == 0) return sign;
+  const uint32_t exp = ((x >> 23) & 0xff) - 127 + 15, mant = x & 0x7fffff, rest = mant & 0x1fff;
+  uint32_t h = (exp << 10) | (mant >> 13);
+  if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) ++h;
+  return static_cast<uint16_t>(sign | h);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 8) {
-    std::fprintf(stderr, "usage: int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [sets=S] -- LIB...\n");
+    std::fprintf(stderr, "usage: int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [bf16-out] [fp16] "
+                         "[sets=S] [outs=M] -- LIB...\n");
     return 2;
   }
   const int64_t B = std::atoll(argv[1]), K = std::atoll(argv[2]), D = std::atoll(argv[3]), N = std::atoll(argv[4]);
   const int calls = std::atoi(argv[5]);
   int64_t index_sets = 64, out_buffers = 1;
-  bool fp16_params = false, no_biases = false, bf16 = false, bf16_out = false;
+  bool fp16_params = false, no_biases = false, bf16 = false, bf16_out = false, fp16 = false;
   std::vector<ForwardFn> builds;
   std::vector<std::string> names;
   bool libs = false;
@@ -69,6 +82,7 @@ int main(int argc, char** argv) {
       else if (a == "no-biases") no_biases = true;
       else if (a == "bf16") bf16 = true;
       else if (a == "bf16-out") bf16_out = true;
+      else if (a == "fp16") fp16 = true;
       else if (a.rfind("outs=", 0) == 0 && std::atoll(a.c_str() + 5) > 0) out_buffers = std::atoll(a.c_str() + 5);
       else if (a.rfind("sets=", 0) == 0 && std::atoll(a.c_str() + 5) > 0) index_sets = std::atoll(a.c_str() + 5);
       else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
@@ -86,6 +100,7 @@ int main(int argc, char** argv) {
   float* f32 = HugeBuffer<float>(N * D);
   int8_t* q = HugeBuffer<int8_t>(N * D);
   uint16_t* b16 = bf16 ? HugeBuffer<uint16_t>(N * D) : nullptr;
+  uint16_t* h16 = fp16 ? HugeBuffer<uint16_t>(N * D) : nullptr;
   for (int64_t i = 0; i < N * D; ++i) {
     q[i] = static_cast<int8_t>(static_cast<int>(rng() % 255) - 127);
     f32[i] = q[i] * 0.01f;
@@ -94,6 +109,7 @@ int main(int argc, char** argv) {
       std::memcpy(&bits, &f32[i], 4);
       b16[i] = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
     }
+    if (fp16) h16[i] = ToHalf(f32[i]);
   }
   std::vector<float> scales(N, 0.01f), biases(N, 0.001f);
   std::vector<uint16_t> scales16(N, 0x211f), biases16(N, 0x1419);  // ~0.01 and ~0.001 as float16
@@ -109,13 +125,17 @@ int main(int argc, char** argv) {
     t8.row_params_type = pkm::ElemType::kFloat16;
   }
   const pkm::Table tb16{b16, pkm::ElemType::kBFloat16, N, D};
-  const pkm::Table* tables[3] = {&t32, &t8, &tb16};
-  const char* type_names[3] = {"float32", "int8", "bfloat16"};
-  const int types = bf16 ? 3 : 2;
-  std::vector<float> last_out[3 * 16];  // [3 * build + table type]: the last call's output
+  const pkm::Table th16{h16, pkm::ElemType::kFloat16, N, D};
+  const pkm::Table* tables[4] = {&t32, &t8, nullptr, nullptr};
+  const char* type_names[4] = {"float32", "int8", nullptr, nullptr};
+  int types = 2;
+  if (bf16) { tables[types] = &tb16; type_names[types++] = "bfloat16"; }
+  if (fp16) { tables[types] = &th16; type_names[types++] = "float16"; }
+  const int bf16_type = bf16 ? 2 : -1;
+  std::vector<float> last_out[4 * 16];  // [4 * build + table type]: the last call's output
   const pkm::ParallelFor inline_for = [](int64_t total, int64_t, const pkm::RangeFn& fn) { fn(0, total); };
 
-  std::vector<double> ms[3 * 16];  // [3 * build + table type]
+  std::vector<double> ms[4 * 16];  // [4 * build + table type]
   const int warmup = 4;
   for (int c = 0; c < calls + warmup; ++c)
     for (size_t l = 0; l < builds.size(); ++l)
@@ -130,13 +150,13 @@ int main(int argc, char** argv) {
         bags.bag_size = K;
         bags.weights = weights.data();
         std::vector<float>& out = outs[(c * builds.size() * types + l * types + t) % out_buffers];
-        const pkm::ElemType out_type = type == 2 && bf16_out ? pkm::ElemType::kBFloat16 : pkm::ElemType::kFloat32;
+        const pkm::ElemType out_type = type == bf16_type && bf16_out ? pkm::ElemType::kBFloat16 : pkm::ElemType::kFloat32;
         const double t0 = NowMs();
         const pkm::Status s = builds[build](*tables[type], bags, pkm::Combiner::kSum, out.data(), out_type, inline_for);
         const double elapsed = NowMs() - t0;
         if (!s.ok) { std::fprintf(stderr, "%s\n", s.message.c_str()); return 1; }
-        if (c >= warmup) ms[3 * build + type].push_back(elapsed);
-        if (c == calls + warmup - 1) last_out[3 * build + type] = out;
+        if (c >= warmup) ms[4 * build + type].push_back(elapsed);
+        if (c == calls + warmup - 1) last_out[4 * build + type] = out;
       }
   std::printf("B=%lld K=%lld D=%lld N=%lld%s%s%s, %lld index sets, %lld output buffers, 1 thread, "
               "medians of %d calls\n",
@@ -145,21 +165,24 @@ int main(int argc, char** argv) {
               no_biases ? ", no biases" : "", bf16_out ? ", bfloat16 output of the bfloat16 table" : "",
               static_cast<long long>(index_sets), static_cast<long long>(out_buffers), calls);
   for (size_t b = 0; b < builds.size(); ++b) {
-    double med[3];
+    double med[4];
     std::printf("  %-12s", names[b].c_str());
     for (int t = 0; t < types; ++t) {
-      std::vector<double>& v = ms[3 * b + t];
+      std::vector<double>& v = ms[4 * b + t];
       std::sort(v.begin(), v.end());
       med[t] = v[v.size() / 2];
       std::printf(" %s %.4f ms ", type_names[t], med[t]);
     }
-    std::printf(" int8/float32 %.3f\n", med[1] / med[0]);
+    std::printf(" int8/float32 %.3f", med[1] / med[0]);
+    if (fp16) std::printf(" float16/float32 %.3f", med[types - 1] / med[0]);
+    std::printf("\n");
   }
   // A kernel that sums in another order differs in rounding: reported, not an error.
   std::string differ;
   for (int t = 0; t < types; ++t)
     for (size_t b = 1; b < builds.size(); ++b)
-      if (std::memcmp(last_out[t].data(), last_out[3 * b + t].data(), B * D * (t == 2 && bf16_out ? 2 : 4)) != 0) {
+      if (std::memcmp(last_out[t].data(), last_out[4 * b + t].data(), B * D * (t == bf16_type && bf16_out ? 2 : 4)) !=
+          0) {
         differ += std::string(differ.empty() ? "" : ", ") + type_names[t] + " (" + names[b] + ")";
         break;
       }

@@ -31,8 +31,10 @@ PKM_F16C_TARGET inline float Load1(const uint16_t* p) { return _cvtsh_ss(*p); }
 
 }  // namespace
 
-// Eight halves per step, and per 64-byte line (32 halves) the same line of
-// each `ahead` row prefetched (bag_window.h).
+// Sixteen halves per step as two independent sums of eight (one sum per step
+// measured 1.15x the time on Zen 1 in L2: the chain of eight FMAs per sum,
+// not the converts, limited it), and per 64-byte line (32 halves) the same
+// line of each `ahead` row prefetched (bag_window.h).
 PKM_F16C_TARGET void AxpyGroup(const float* a, const char* const* rows, const char* const* ahead, float* acc,
                                int64_t n) {
   const uint16_t* r[kRowGroup];
@@ -42,13 +44,25 @@ PKM_F16C_TARGET void AxpyGroup(const float* a, const char* const* rows, const ch
     w[k] = _mm256_set1_ps(a[k]);
   }
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
+  for (; i + 16 <= n; i += 16) {
     if (i % 32 == 0)
       for (int k = 0; k < kRowGroup; ++k) _mm_prefetch(ahead[k] + 2 * i, _MM_HINT_T0);
     // Same order as the generic loop: the group's sum, then added to acc.
+    __m256 lo = _mm256_mul_ps(w[0], Load8(r[0] + i)), hi = _mm256_mul_ps(w[0], Load8(r[0] + i + 8));
+    for (int k = 1; k < kRowGroup; ++k) {
+      lo = _mm256_fmadd_ps(w[k], Load8(r[k] + i), lo);
+      hi = _mm256_fmadd_ps(w[k], Load8(r[k] + i + 8), hi);
+    }
+    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), lo));
+    _mm256_storeu_ps(acc + i + 8, _mm256_add_ps(_mm256_loadu_ps(acc + i + 8), hi));
+  }
+  if (i + 8 <= n) {
+    if (i % 32 == 0)
+      for (int k = 0; k < kRowGroup; ++k) _mm_prefetch(ahead[k] + 2 * i, _MM_HINT_T0);
     __m256 s = _mm256_mul_ps(w[0], Load8(r[0] + i));
     for (int k = 1; k < kRowGroup; ++k) s = _mm256_fmadd_ps(w[k], Load8(r[k] + i), s);
     _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), s));
+    i += 8;
   }
   if (n % 32 != 0)  // a row of a partial line straddles one more line
     for (int k = 0; k < kRowGroup; ++k) _mm_prefetch(ahead[k] + 2 * n - 1, _MM_HINT_T0);
