@@ -32,9 +32,9 @@ PKM_F16C_TARGET inline float Load1(const uint16_t* p) { return _cvtsh_ss(*p); }
 }  // namespace
 
 // Sixteen halves per step as two independent sums of eight (one sum per step
-// measured 1.15x the time on Zen 1 in L2: the chain of eight FMAs per sum,
-// not the converts, limited it), and per 64-byte line (32 halves) the same
-// line of each `ahead` row prefetched (bag_window.h).
+// took 1.15x the time on Zen 1 with the rows in L2; four took 1.4x), and per
+// 64-byte line (32 halves) the same line of each `ahead` row prefetched
+// (bag_window.h).
 PKM_F16C_TARGET void AxpyGroup(const float* a, const char* const* rows, const char* const* ahead, float* acc,
                                int64_t n) {
   const uint16_t* r[kRowGroup];
