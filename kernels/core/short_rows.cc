@@ -118,7 +118,7 @@ __attribute__((always_inline)) inline void SumBag(const char* table, const Index
   for (; j < prefetched_end; ++j) {
     const int64_t ahead = idx[j + kAheadEntries];
     if (ahead >= 0)
-      for (int64_t l = 0; l < kRowLines; ++l) __builtin_prefetch(table + ahead * kRowBytes + 64 * l, 0, 3);
+      for (int64_t l = 0; l < kRowLines; ++l) vec::PrefetchRowLine(table + ahead * kRowBytes + 64 * l);
     add_entry(j);
   }
   for (; j < end; ++j) add_entry(j);
