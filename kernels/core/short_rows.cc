@@ -46,8 +46,6 @@ bool HasWideRegisters() {
   return false;
 #endif
 }
-// Best of 0/8/16/32 in a minimal copy of this loop at D=64 (2-core EPYC).
-constexpr int64_t kAheadEntries = 16;
 
 // kLanes values of a row as floats (a pointer out, not a return value: GCC
 // warns that returning a 256-bit vector changes the ABI of the baseline clone).
@@ -79,6 +77,11 @@ __attribute__((always_inline)) inline void SumBag(const char* table, const Index
   // prefetches unrolled (a loop over them was a fifth of the samples at D=64).
   constexpr int64_t kRowBytes = NV * kLanes * (kPairs ? 4 : kElem);
   constexpr int64_t kRowLines = (kRowBytes + 63) / 64;
+  // Rows about 16 KB ahead, 16 to 128 entries: on a Zen 4 EPYC (one thread,
+  // B=2048 K=128, N=65536) 0.45x the time of 16 entries for bfloat16 D=32
+  // and D=64, 0.86x for float32 D=64, the same for float32 D=128; 32 KB ahead
+  // was no better (bench/results/cpu_roofline_notes.md, round 18).
+  constexpr int64_t kAheadEntries = std::clamp<int64_t>(16384 / kRowBytes, 16, 128);
   static_assert(kBf16 || !kPairs, "pairs of columns are bfloat16 words");
   using VF = typename Lanes<kLanes>::F;
   using VU = typename Lanes<kLanes>::U32;
