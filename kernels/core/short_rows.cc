@@ -78,9 +78,9 @@ __attribute__((always_inline)) inline void SumBag(const char* table, const Index
   constexpr int64_t kRowBytes = NV * kLanes * (kPairs ? 4 : kElem);
   constexpr int64_t kRowLines = (kRowBytes + 63) / 64;
   // Rows about 16 KB ahead, 16 to 128 entries: on a Zen 4 EPYC (one thread,
-  // B=2048 K=128, N=65536) 0.45x the time of 16 entries for bfloat16 D=32
-  // and D=64, 0.86x for float32 D=64, the same for float32 D=128; 32 KB ahead
-  // was no better (bench/results/cpu_roofline_notes.md, round 18).
+  // B=2048 K=128, N=65536) 0.42-0.46x the time of 16 entries at D=32 and for
+  // bfloat16 D=64, 0.86x for float32 D=64, the same for float32 D=128; 32 KB
+  // ahead was no better (bench/results/cpu_roofline_notes.md, round 18).
   constexpr int64_t kAheadEntries = std::clamp<int64_t>(16384 / kRowBytes, 16, 128);
   static_assert(kBf16 || !kPairs, "pairs of columns are bfloat16 words");
   using VF = typename Lanes<kLanes>::F;
