@@ -167,9 +167,12 @@ bool AssignRow(ElemType type, float a, const char* row, const char* ahead, float
     return true;
   }
 #if defined(PKM_X86_F16C)
-  // In AxpyRow's AVX2 bfloat16 column order; the AVX-512 bfloat16 kernels
-  // use another order and keep zeroing and adding.
-  if (type == ElemType::kBFloat16 && f16c::HasF16C() && !f16c::HasAvx512()) {
+  // In AxpyRow's bfloat16 column order for the CPU (AVX-512's or AVX2's).
+  if (type == ElemType::kBFloat16 && f16c::HasAvx512()) {
+    f16c::AssignBF16Avx512(a, row, ahead, acc, n);
+    return true;
+  }
+  if (type == ElemType::kBFloat16 && f16c::HasF16C()) {
     f16c::AssignBF16(a, row, ahead, acc, n);
     return true;
   }

@@ -60,7 +60,7 @@ void AxpyGroup(ElemType type, const float* a, const char* const* rows, const cha
                int64_t n);
 void AxpyRow(ElemType type, float a, const char* row, const char* ahead, float* acc, int64_t n);
 // A bag's first row: the same as zeroing acc and AxpyRow(type, ...), where a
-// kernel for it exists (float32 rows; bfloat16 rows in the AVX2 clone);
+// kernel for it exists (float32 rows; bfloat16 rows with AVX2 or AVX-512);
 // returns false, touching nothing, elsewhere.
 bool AssignRow(ElemType type, float a, const char* row, const char* ahead, float* acc, int64_t n);
 // After the last AxpyGroup/AxpyRow into acc: puts acc in column order (some
@@ -142,6 +142,7 @@ void ScaleBF16PairsToBF16(const float* acc, float scale, uint16_t* dst, int64_t 
 bool HasAvx512();  // AVX-512F, and HasF16C
 void AxpyGroupBF16Avx512(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n);
 void AxpyBF16Avx512(float a, const char* row, const char* ahead, float* acc, int64_t n);
+void AssignBF16Avx512(float a, const char* row, const char* ahead, float* acc, int64_t n);
 void BF16RestoreOrderAvx512(float* acc, int64_t n);
 void ScaleBF16PairsToBF16Avx512(const float* acc, float scale, uint16_t* dst, int64_t n);
 void Max(const uint16_t* row, float* acc, int64_t n);

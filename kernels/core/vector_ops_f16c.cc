@@ -270,6 +270,21 @@ PKM_AVX512_TARGET void AxpyBF16Avx512(float a, const char* row, const char* ahea
   for (; i < n; ++i) acc[i] += a * Bf16(row + 2 * i);
 }
 
+// acc = a * row in AxpyBF16Avx512's column order: a bag's first row without
+// zeroing acc first.
+PKM_AVX512_TARGET void AssignBF16Avx512(float a, const char* row, const char* ahead, float* acc, int64_t n) {
+  const __m512 w = _mm512_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    PrefetchRowLine(ahead + 2 * i);
+    const __m512i x = Load32(row + 2 * i);
+    _mm512_storeu_ps(acc + i, _mm512_mul_ps(w, Bf16Even(x)));
+    _mm512_storeu_ps(acc + i + 16, _mm512_mul_ps(w, Bf16Odd(x)));
+  }
+  // A last block of 16 columns and the tail in AVX2's order, as AxpyBF16Avx512 leaves them.
+  AssignBF16(a, row + 2 * i, ahead + 2 * i, acc + i, n - i);
+}
+
 PKM_AVX512_TARGET void BF16RestoreOrderAvx512(float* acc, int64_t n) {
   // Lane j of the result: even[j / 2] or odd[j / 2] (index bit 4 picks odd).
   const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
