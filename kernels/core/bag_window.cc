@@ -38,8 +38,8 @@ __attribute__((always_inline)) inline int64_t CollectBag(const Index* idx, LoadW
     // window of rows has been summed (a random row's scale is a cache miss).
     if constexpr (kInt8) {
       row_ids[n] = r;
-      __builtin_prefetch(scales + r * param_bytes, 0, 3);
-      if (biases != nullptr) __builtin_prefetch(biases + r * param_bytes, 0, 3);
+      vec::PrefetchTableLine(scales + r * param_bytes);
+      if (biases != nullptr) vec::PrefetchTableLine(biases + r * param_bytes);
     }
     ++n;
   }

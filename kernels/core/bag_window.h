@@ -68,7 +68,7 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
   // before ApplyRowParams waits on the int8 rows' scales, so that both sets
   // of misses are in flight together.
   for (int64_t k = 0; k < std::min(ahead, cur->size()); ++k)
-    for (int64_t off = 0; off < row_bytes; off += 64) vec::PrefetchRowLine(cur->rows[k] + off);
+    for (int64_t off = 0; off < row_bytes; off += 64) vec::PrefetchTableLine(cur->rows[k] + off);
   ApplyRowParams(table, cur);
   while (true) {
     next->count = 0;

@@ -41,7 +41,7 @@ class RowPrefetcher {
       const int64_t idx = IndexAt(bags_, next_++);
       if (idx >= 0) {
         const char* row = base_ + idx * row_bytes_;
-        for (int64_t off = 0; off < row_bytes_; off += 64) vec::PrefetchRowLine(row + off);
+        for (int64_t off = 0; off < row_bytes_; off += 64) vec::PrefetchTableLine(row + off);
         return;
       }
     }

@@ -42,7 +42,7 @@ PKM_MULTIVERSION
   const int8_t* __restrict q7 = q[7];
   const float c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3], c4 = c[4], c5 = c[5], c6 = c[6], c7 = c[7];
   for (int64_t line = 0; line < n; line += 64) {
-    for (int r = 0; r < kGroup; ++r) vec::PrefetchRowLine(ahead[r] + line);
+    for (int r = 0; r < kGroup; ++r) vec::PrefetchTableLine(ahead[r] + line);
     for (int64_t i = line, end = std::min(n, line + 64); i < end; ++i)
       acc[i] += (c0 * static_cast<float>(q0[i]) + c1 * static_cast<float>(q1[i])) +
                 (c2 * static_cast<float>(q2[i]) + c3 * static_cast<float>(q3[i])) +
@@ -84,11 +84,11 @@ __attribute__((target("avx2,fma"))) void AccumulateGroupAvx2(const float* c, con
   for (int r = 0; r < kGroup; ++r) coef[r] = _mm256_set1_ps(c[r]);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    vec::PrefetchRowLine(ahead[(i / 8) % kGroup] + (i & ~int64_t{63}));
+    vec::PrefetchTableLine(ahead[(i / 8) % kGroup] + (i & ~int64_t{63}));
     EightColumnsAvx2(coef, q, i, acc);
   }
   if (n % 64 != 0)  // a row of a partial line straddles one more line
-    for (int r = 0; r < kGroup; ++r) vec::PrefetchRowLine(ahead[r] + n - 1);
+    for (int r = 0; r < kGroup; ++r) vec::PrefetchTableLine(ahead[r] + n - 1);
   for (; i < n; ++i)
     for (int r = 0; r < kGroup; ++r) acc[i] += c[r] * static_cast<float>(q[r][i]);
 }
@@ -107,8 +107,8 @@ __attribute__((target("avx512f,avx2,fma"))) void AccumulateGroupAvx512(const flo
   for (; i + 16 <= n; i += 16) {
     const int pick = static_cast<int>((i / 8) % kGroup);
     const int64_t line = i & ~int64_t{63};
-    vec::PrefetchRowLine(ahead[pick] + line);
-    vec::PrefetchRowLine(ahead[pick + 1] + line);
+    vec::PrefetchTableLine(ahead[pick] + line);
+    vec::PrefetchTableLine(ahead[pick + 1] + line);
     __m512 even = _mm512_loadu_ps(acc + i), odd = _mm512_setzero_ps();
     for (int r = 0; r < kGroup; r += 2) {
       const __m512 x0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
@@ -122,14 +122,14 @@ __attribute__((target("avx512f,avx2,fma"))) void AccumulateGroupAvx512(const flo
   }
   if (i + 8 <= n) {  // eight columns left: AVX2's step
     if (i % 64 == 0)
-      for (int r = 0; r < kGroup; ++r) vec::PrefetchRowLine(ahead[r] + i);
+      for (int r = 0; r < kGroup; ++r) vec::PrefetchTableLine(ahead[r] + i);
     __m256 coef8[kGroup];
     for (int r = 0; r < kGroup; ++r) coef8[r] = _mm512_castps512_ps256(coef[r]);
     EightColumnsAvx2(coef8, q, i, acc);
     i += 8;
   }
   if (n % 64 != 0)  // a row of a partial line straddles one more line
-    for (int r = 0; r < kGroup; ++r) vec::PrefetchRowLine(ahead[r] + n - 1);
+    for (int r = 0; r < kGroup; ++r) vec::PrefetchTableLine(ahead[r] + n - 1);
   for (; i < n; ++i)
     for (int r = 0; r < kGroup; ++r) acc[i] += c[r] * static_cast<float>(q[r][i]);
 }
@@ -150,7 +150,7 @@ void AccumulateGroupNeon(const float* c, const char* const* rows, const char* co
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     if (i % 64 == 0)
-      for (int r = 0; r < kGroup; ++r) vec::PrefetchRowLine(ahead[r] + i);
+      for (int r = 0; r < kGroup; ++r) vec::PrefetchTableLine(ahead[r] + i);
     float32x4_t lo = vld1q_f32(acc + i), hi = vld1q_f32(acc + i + 4);
     for (int r = 0; r < kGroup; ++r) {
       const int16x8_t wide = vmovl_s8(vld1_s8(q[r] + i));
@@ -161,7 +161,7 @@ void AccumulateGroupNeon(const float* c, const char* const* rows, const char* co
     vst1q_f32(acc + i + 4, hi);
   }
   if (n % 64 != 0)  // a row of a partial line straddles one more line
-    for (int r = 0; r < kGroup; ++r) vec::PrefetchRowLine(ahead[r] + n - 1);
+    for (int r = 0; r < kGroup; ++r) vec::PrefetchTableLine(ahead[r] + n - 1);
   for (; i < n; ++i)
     for (int r = 0; r < kGroup; ++r) acc[i] += c[r] * static_cast<float>(q[r][i]);
 }
@@ -176,8 +176,8 @@ constexpr void (*kAccumulateGroup)(const float*, const char* const*, const char*
 PKM_MULTIVERSION
 void AccumulateRow(float c, const char* row, const char* ahead, float* __restrict acc, int64_t n) {
   const int8_t* __restrict q = reinterpret_cast<const int8_t*>(row);
-  for (int64_t i = 0; i < n; i += 64) vec::PrefetchRowLine(ahead + i);
-  if (n % 64 != 0) vec::PrefetchRowLine(ahead + n - 1);
+  for (int64_t i = 0; i < n; i += 64) vec::PrefetchTableLine(ahead + i);
+  if (n % 64 != 0) vec::PrefetchTableLine(ahead + n - 1);
   for (int64_t i = 0; i < n; ++i) acc[i] += c * static_cast<float>(q[i]);
 }
 

@@ -121,7 +121,7 @@ __attribute__((always_inline)) inline void SumBag(const char* table, const Index
   for (; j < prefetched_end; ++j) {
     const int64_t ahead = idx[j + kAheadEntries];
     if (ahead >= 0)
-      for (int64_t l = 0; l < kRowLines; ++l) vec::PrefetchRowLine(table + ahead * kRowBytes + 64 * l);
+      for (int64_t l = 0; l < kRowLines; ++l) vec::PrefetchTableLine(table + ahead * kRowBytes + 64 * l);
     add_entry(j);
   }
   for (; j < end; ++j) add_entry(j);

@@ -88,14 +88,14 @@ __attribute__((always_inline)) inline void AxpyGroupImpl(const float* a, const c
   constexpr int64_t kLine = 64 / sizeof(E);
   int64_t c = 0;
   for (; c + kLine <= n; c += kLine) {
-    for (int r = 0; r < kRowGroup; ++r) PrefetchRowLine(ahead[r] + c * sizeof(E));
+    for (int r = 0; r < kRowGroup; ++r) PrefetchTableLine(ahead[r] + c * sizeof(E));
     for (int64_t i = c; i < c + kLine; ++i)
       acc[i] += a0 * L::Get(r0, i) + a1 * L::Get(r1, i) + a2 * L::Get(r2, i) + a3 * L::Get(r3, i) +
                 a4 * L::Get(r4, i) + a5 * L::Get(r5, i) + a6 * L::Get(r6, i) + a7 * L::Get(r7, i);
   }
   // A row of a partial line straddles one more line.
   if (n % kLine != 0)
-    for (int r = 0; r < kRowGroup; ++r) PrefetchRowLine(ahead[r] + n * sizeof(E) - 1);
+    for (int r = 0; r < kRowGroup; ++r) PrefetchTableLine(ahead[r] + n * sizeof(E) - 1);
   for (int64_t i = c; i < n; ++i)
     acc[i] += a0 * L::Get(r0, i) + a1 * L::Get(r1, i) + a2 * L::Get(r2, i) + a3 * L::Get(r3, i) +
               a4 * L::Get(r4, i) + a5 * L::Get(r5, i) + a6 * L::Get(r6, i) + a7 * L::Get(r7, i);
@@ -109,14 +109,14 @@ __attribute__((always_inline)) inline void AxpyRowImpl(float a, const char* row,
   constexpr int64_t kLine = 64 / sizeof(E);
   int64_t c = 0;
   for (; c + kLine <= n; c += kLine) {
-    PrefetchRowLine(ahead + c * sizeof(E));
+    PrefetchTableLine(ahead + c * sizeof(E));
     // Not unrolled: GCC 12 unrolled this 64-byte loop completely and left
     // the result scalar; kept as a loop, its loop vectoriser makes it two
     // 256-bit FMAs in the AVX2 clone (tests/ops/test_kernel_codegen.py).
 #pragma GCC unroll 1
     for (int64_t i = c; i < c + kLine; ++i) acc[i] += a * L::Get(r, i);
   }
-  if (n % kLine != 0) PrefetchRowLine(ahead + n * sizeof(E) - 1);
+  if (n % kLine != 0) PrefetchTableLine(ahead + n * sizeof(E) - 1);
   for (int64_t i = c; i < n; ++i) acc[i] += a * L::Get(r, i);
 }
 
@@ -153,11 +153,11 @@ static void ScaleRowF32(float a, const char* row, const char* ahead, float* __re
   const float* __restrict r = reinterpret_cast<const float*>(row);
   int64_t c = 0;
   for (; c + 16 <= n; c += 16) {
-    PrefetchRowLine(ahead + c * sizeof(float));
+    PrefetchTableLine(ahead + c * sizeof(float));
 #pragma GCC unroll 1
     for (int64_t i = c; i < c + 16; ++i) acc[i] = a * r[i];
   }
-  if (n % 16 != 0) PrefetchRowLine(ahead + n * sizeof(float) - 1);
+  if (n % 16 != 0) PrefetchTableLine(ahead + n * sizeof(float) - 1);
   for (int64_t i = c; i < n; ++i) acc[i] = a * r[i];
 }
 

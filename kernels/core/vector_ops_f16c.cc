@@ -46,7 +46,7 @@ PKM_F16C_TARGET void AxpyGroup(const float* a, const char* const* rows, const ch
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     if (i % 32 == 0)
-      for (int k = 0; k < kRowGroup; ++k) PrefetchRowLine(ahead[k] + 2 * i);
+      for (int k = 0; k < kRowGroup; ++k) PrefetchTableLine(ahead[k] + 2 * i);
     // Same order as the generic loop: the group's sum, then added to acc.
     __m256 lo = _mm256_mul_ps(w[0], Load8(r[0] + i)), hi = _mm256_mul_ps(w[0], Load8(r[0] + i + 8));
     for (int k = 1; k < kRowGroup; ++k) {
@@ -58,14 +58,14 @@ PKM_F16C_TARGET void AxpyGroup(const float* a, const char* const* rows, const ch
   }
   if (i + 8 <= n) {
     if (i % 32 == 0)
-      for (int k = 0; k < kRowGroup; ++k) PrefetchRowLine(ahead[k] + 2 * i);
+      for (int k = 0; k < kRowGroup; ++k) PrefetchTableLine(ahead[k] + 2 * i);
     __m256 s = _mm256_mul_ps(w[0], Load8(r[0] + i));
     for (int k = 1; k < kRowGroup; ++k) s = _mm256_fmadd_ps(w[k], Load8(r[k] + i), s);
     _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), s));
     i += 8;
   }
   if (n % 32 != 0)  // a row of a partial line straddles one more line
-    for (int k = 0; k < kRowGroup; ++k) PrefetchRowLine(ahead[k] + 2 * n - 1);
+    for (int k = 0; k < kRowGroup; ++k) PrefetchTableLine(ahead[k] + 2 * n - 1);
   for (; i < n; ++i) {
     float s = a[0] * Load1(r[0] + i);
     for (int k = 1; k < kRowGroup; ++k) s += a[k] * Load1(r[k] + i);
@@ -78,10 +78,10 @@ PKM_F16C_TARGET void Axpy(float a, const char* row_bytes, const char* ahead, flo
   const __m256 w = _mm256_set1_ps(a);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    if (i % 32 == 0) PrefetchRowLine(ahead + 2 * i);
+    if (i % 32 == 0) PrefetchTableLine(ahead + 2 * i);
     _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(w, Load8(row + i), _mm256_loadu_ps(acc + i)));
   }
-  if (n % 32 != 0) PrefetchRowLine(ahead + 2 * n - 1);
+  if (n % 32 != 0) PrefetchTableLine(ahead + 2 * n - 1);
   for (; i < n; ++i) acc[i] += a * Load1(row + i);
 }
 
@@ -129,11 +129,11 @@ PKM_F16C_TARGET void AxpyGroupBF16(const float* a, const char* const* rows, cons
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     if (i % 32 == 0)
-      for (int k = 0; k < kRowGroup; ++k) PrefetchRowLine(ahead[k] + 2 * i);
+      for (int k = 0; k < kRowGroup; ++k) PrefetchTableLine(ahead[k] + 2 * i);
     SixteenColumnsBF16(w, rows, i, acc);
   }
   if (n % 32 != 0)  // a row of a partial line straddles one more line
-    for (int k = 0; k < kRowGroup; ++k) PrefetchRowLine(ahead[k] + 2 * n - 1);
+    for (int k = 0; k < kRowGroup; ++k) PrefetchTableLine(ahead[k] + 2 * n - 1);
   for (; i < n; ++i)
     for (int k = 0; k < kRowGroup; ++k) acc[i] += a[k] * Bf16(rows[k] + 2 * i);
 }
@@ -142,10 +142,10 @@ PKM_F16C_TARGET void AxpyBF16(float a, const char* row, const char* ahead, float
   const __m256 w = _mm256_set1_ps(a);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    if (i % 32 == 0) PrefetchRowLine(ahead + 2 * i);
+    if (i % 32 == 0) PrefetchTableLine(ahead + 2 * i);
     SixteenColumnsRowBF16(w, row, i, acc);
   }
-  if (n % 32 != 0) PrefetchRowLine(ahead + 2 * n - 1);
+  if (n % 32 != 0) PrefetchTableLine(ahead + 2 * n - 1);
   for (; i < n; ++i) acc[i] += a * Bf16(row + 2 * i);
 }
 
@@ -155,12 +155,12 @@ PKM_F16C_TARGET void AssignBF16(float a, const char* row, const char* ahead, flo
   const __m256 w = _mm256_set1_ps(a);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    if (i % 32 == 0) PrefetchRowLine(ahead + 2 * i);
+    if (i % 32 == 0) PrefetchTableLine(ahead + 2 * i);
     const __m256i x = Load16(row + 2 * i);
     _mm256_storeu_ps(acc + i, _mm256_mul_ps(w, Bf16Even(x)));
     _mm256_storeu_ps(acc + i + 8, _mm256_mul_ps(w, Bf16Odd(x)));
   }
-  if (n % 32 != 0) PrefetchRowLine(ahead + 2 * n - 1);
+  if (n % 32 != 0) PrefetchTableLine(ahead + 2 * n - 1);
   for (; i < n; ++i) acc[i] = a * Bf16(row + 2 * i);
 }
 
@@ -229,7 +229,7 @@ PKM_AVX512_TARGET void AxpyGroupBF16Avx512(const float* a, const char* const* ro
   for (int k = 0; k < kRowGroup; ++k) w[k] = _mm512_set1_ps(a[k]);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    for (int k = 0; k < kRowGroup; ++k) PrefetchRowLine(ahead[k] + 2 * i);
+    for (int k = 0; k < kRowGroup; ++k) PrefetchTableLine(ahead[k] + 2 * i);
     __m512 even = _mm512_loadu_ps(acc + i), odd = _mm512_loadu_ps(acc + i + 16);
     for (int k = 0; k < kRowGroup; ++k) {
       const __m512i x = Load32(rows[k] + 2 * i);
@@ -240,14 +240,14 @@ PKM_AVX512_TARGET void AxpyGroupBF16Avx512(const float* a, const char* const* ro
     _mm512_storeu_ps(acc + i + 16, odd);
   }
   if (i + 16 <= n) {  // a last block of 16 columns: the AVX2 step
-    for (int k = 0; k < kRowGroup; ++k) PrefetchRowLine(ahead[k] + 2 * i);
+    for (int k = 0; k < kRowGroup; ++k) PrefetchTableLine(ahead[k] + 2 * i);
     __m256 w8[kRowGroup];
     for (int k = 0; k < kRowGroup; ++k) w8[k] = _mm512_castps512_ps256(w[k]);
     SixteenColumnsBF16(w8, rows, i, acc);
     i += 16;
   }
   if (n % 32 != 0)  // a row of a partial line straddles one more line
-    for (int k = 0; k < kRowGroup; ++k) PrefetchRowLine(ahead[k] + 2 * n - 1);
+    for (int k = 0; k < kRowGroup; ++k) PrefetchTableLine(ahead[k] + 2 * n - 1);
   for (; i < n; ++i)
     for (int k = 0; k < kRowGroup; ++k) acc[i] += a[k] * Bf16(rows[k] + 2 * i);
 }
@@ -256,17 +256,17 @@ PKM_AVX512_TARGET void AxpyBF16Avx512(float a, const char* row, const char* ahea
   const __m512 w = _mm512_set1_ps(a);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    PrefetchRowLine(ahead + 2 * i);
+    PrefetchTableLine(ahead + 2 * i);
     const __m512i x = Load32(row + 2 * i);
     _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(w, Bf16Even(x), _mm512_loadu_ps(acc + i)));
     _mm512_storeu_ps(acc + i + 16, _mm512_fmadd_ps(w, Bf16Odd(x), _mm512_loadu_ps(acc + i + 16)));
   }
   if (i + 16 <= n) {  // a last block of 16 columns: the AVX2 step
-    PrefetchRowLine(ahead + 2 * i);
+    PrefetchTableLine(ahead + 2 * i);
     SixteenColumnsRowBF16(_mm512_castps512_ps256(w), row, i, acc);
     i += 16;
   }
-  if (n % 32 != 0) PrefetchRowLine(ahead + 2 * n - 1);
+  if (n % 32 != 0) PrefetchTableLine(ahead + 2 * n - 1);
   for (; i < n; ++i) acc[i] += a * Bf16(row + 2 * i);
 }
 
@@ -276,7 +276,7 @@ PKM_AVX512_TARGET void AssignBF16Avx512(float a, const char* row, const char* ah
   const __m512 w = _mm512_set1_ps(a);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    PrefetchRowLine(ahead + 2 * i);
+    PrefetchTableLine(ahead + 2 * i);
     const __m512i x = Load32(row + 2 * i);
     _mm512_storeu_ps(acc + i, _mm512_mul_ps(w, Bf16Even(x)));
     _mm512_storeu_ps(acc + i + 16, _mm512_mul_ps(w, Bf16Odd(x)));
