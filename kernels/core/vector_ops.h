@@ -55,7 +55,7 @@ constexpr int kRowGroup = 8;
 // (locality 2: prefetcht1 on x86, PLDL2KEEP on aarch64). Measured on a Zen 4
 // EPYC, one thread, rows from memory: the same prefetches into L1 took 1.34x
 // the time (float32, B=2048 K=128 D=512) and 1.63x (bfloat16); int8 scales
-// and biases into L1, 1.27x (B=16 K=128 D=512)
+// and biases into L1, 1.26x (B=16 K=128 D=512)
 // (bench/results/cpu_roofline_notes.md, round 18).
 inline void PrefetchTableLine(const void* p) { __builtin_prefetch(p, 0, 2); }
 void AxpyGroup(ElemType type, const float* a, const char* const* rows, const char* const* ahead, float* acc,
