@@ -153,13 +153,15 @@ int64_t FirstInvalidIndex64(const int64_t* idx, int64_t begin, int64_t end, int6
 
 }  // namespace
 
-Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf) {
+namespace internal {
+
+Status ValidateLayout(const Bags& bags) {
   if (bags.row_splits != nullptr) {
     // Without the values' length, row_splits could point past the buffers.
     if (bags.num_values < 0) return Status::Error("ragged bags need num_values (the length of indices)");
-    if (bags.num_bags >= 0 && internal::ReadInt(bags.row_splits, bags.row_splits_int64, 0) != 0)
+    if (bags.num_bags >= 0 && ReadInt(bags.row_splits, bags.row_splits_int64, 0) != 0)
       return Status::Error("row_splits[0] must be 0, got " +
-                           std::to_string(internal::ReadInt(bags.row_splits, bags.row_splits_int64, 0)));
+                           std::to_string(ReadInt(bags.row_splits, bags.row_splits_int64, 0)));
     for (int64_t b = 0; b < bags.num_bags; ++b) {
       if (bags.End(b) < bags.Begin(b))
         return Status::Error("row_splits must be non-decreasing: row_splits[" + std::to_string(b + 1) +
@@ -170,32 +172,64 @@ Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf)
       return Status::Error("row_splits[-1] = " + std::to_string(bags.NumIndices()) +
                            " must equal the number of values (" + std::to_string(bags.num_values) + ")");
   }
-  if (bags.index_policy == IndexPolicy::kOutOfRangeIsPadding) return Status::Ok();
-  if (bags.index_policy != IndexPolicy::kNegativeIsPadding && bags.index_policy != IndexPolicy::kNoPadding)
+  if (bags.index_policy != IndexPolicy::kNegativeIsPadding && bags.index_policy != IndexPolicy::kNoPadding &&
+      bags.index_policy != IndexPolicy::kOutOfRangeIsPadding)
     return Status::Error("unknown index policy " + std::to_string(static_cast<int>(bags.index_policy)));
+  return Status::Ok();
+}
+
+int64_t FirstInvalidEntry(const Table& table, const Bags& bags, int64_t begin, int64_t end) {
+  if (bags.index_policy == IndexPolicy::kOutOfRangeIsPadding) return end;
   const bool negative_is_padding = bags.index_policy == IndexPolicy::kNegativeIsPadding;
+  return bags.indices_int64 ? FirstInvalidIndex64(static_cast<const int64_t*>(bags.indices), begin, end,
+                                                  table.num_rows, negative_is_padding)
+                            : FirstInvalidIndex32(static_cast<const int32_t*>(bags.indices), begin, end,
+                                                  table.num_rows, negative_is_padding);
+}
+
+Status InvalidIndexError(const Table& table, const Bags& bags, int64_t j) {
+  const bool negative_is_padding = bags.index_policy == IndexPolicy::kNegativeIsPadding;
+  return Status::Error("indices[" + std::to_string(j) + "] = " + std::to_string(IndexAt(bags, j)) +
+                       " is out of range [0, " + std::to_string(table.num_rows) +
+                       (negative_is_padding ? ") (negative indices are padding)"
+                                            : ") (stock GATHER allows no padding)"));
+}
+
+void RecordFirstInvalid(std::atomic<int64_t>* first_bad, int64_t j) {
+  int64_t cur = first_bad->load();
+  while (j < cur && !first_bad->compare_exchange_weak(cur, j)) {
+  }
+}
+
+ParallelFor CheckedBagsFor(const Table& table, const Bags& bags, const ParallelFor& pf,
+                           std::atomic<int64_t>* first_bad) {
+  return [&table, &bags, &pf, first_bad](int64_t total, int64_t cost_per_unit, const RangeFn& fn) {
+    pf(total, cost_per_unit, [&](int64_t b0, int64_t b1) {
+      if (b0 >= b1) return;
+      const int64_t end = bags.End(b1 - 1);
+      const int64_t j = FirstInvalidEntry(table, bags, bags.Begin(b0), end);
+      if (j < end) {
+        RecordFirstInvalid(first_bad, j);
+        return;
+      }
+      fn(b0, b1);
+    });
+  };
+}
+
+}  // namespace internal
+
+Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf) {
+  Status s = internal::ValidateLayout(bags);
+  if (!s.ok || bags.index_policy == IndexPolicy::kOutOfRangeIsPadding) return s;
   const int64_t n = bags.NumIndices();
   std::atomic<int64_t> first_bad{n};
   pf(n, 1, [&](int64_t begin, int64_t end) {
-    const int64_t j =
-        bags.indices_int64
-            ? FirstInvalidIndex64(static_cast<const int64_t*>(bags.indices), begin, end, table.num_rows,
-                                  negative_is_padding)
-            : FirstInvalidIndex32(static_cast<const int32_t*>(bags.indices), begin, end, table.num_rows,
-                                  negative_is_padding);
-    if (j == end) return;
-    int64_t cur = first_bad.load();
-    while (j < cur && !first_bad.compare_exchange_weak(cur, j)) {
-    }
+    const int64_t j = internal::FirstInvalidEntry(table, bags, begin, end);
+    if (j < end) internal::RecordFirstInvalid(&first_bad, j);
   });
   const int64_t j = first_bad.load();
-  if (j < n) {
-    return Status::Error("indices[" + std::to_string(j) + "] = " + std::to_string(IndexAt(bags, j)) +
-                         " is out of range [0, " + std::to_string(table.num_rows) +
-                         (negative_is_padding ? ") (negative indices are padding)"
-                                              : ") (stock GATHER allows no padding)"));
-  }
-  return Status::Ok();
+  return j < n ? internal::InvalidIndexError(table, bags, j) : Status::Ok();
 }
 
 // ---- scalar conversions -----------------------------------------------------

@@ -138,8 +138,10 @@ PkmBags ToBagProblem(const Table& table, const Bags& bags, Combiner combiner);
 // and the policy, e.g.
 // "indices[3] = 70000 is out of range [0, 65536) (negative indices are padding)"
 // or "indices[40] = -1 is out of range [0, 200) (stock GATHER allows no padding)".
-// Forward/Backward call it themselves; exposed for adapters that want to fail
-// early (and for the GPU path, which cannot report errors from the device).
+// Backward calls it itself and Forward makes the same checks block by block
+// as it goes (an error then leaves `out` partly written); exposed for
+// adapters that want to fail early (and for the GPU path, which cannot report
+// errors from the device).
 Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf);
 
 // out: [num_bags, dim] of out_type (kFloat32/kFloat16/kBFloat16).

@@ -627,10 +627,11 @@ void WeightTypeCases() {
 // ValidateBags against the definition: the first entry that is >= num_rows,
 // or negative where negatives are not padding, across the check's chunks of
 // 1024, both index types and policies, one and two threads; int32 indices of
-// a table of over 2^31 rows have no bad non-negative value.
+// a table of over 2^31 rows have no bad non-negative value. Forward, which
+// makes the checks block by block, reports the same entry.
 template <typename Index>
 void IndexCheckCasesOf(std::mt19937_64& rng, bool int64, int* cases, int* failures) {
-  std::vector<float> row(4);
+  std::vector<float> row(4), forward_rows(1000 * 8, 0.5f);
   for (const int64_t num_rows : {int64_t{1}, int64_t{1000}, int64_t{3} << 30}) {
     pkm::Table table{row.data(), pkm::ElemType::kFloat32, num_rows, 4};
     for (const int64_t n : {1, 1023, 1024, 1025, 5000}) {
@@ -658,17 +659,34 @@ void IndexCheckCasesOf(std::mt19937_64& rng, bool int64, int* cases, int* failur
           bags.num_bags = n;
           bags.bag_size = 1;
           bags.index_policy = negative_is_padding ? pkm::IndexPolicy::kNegativeIsPadding : pkm::IndexPolicy::kNoPadding;
-          for (int threads = 1; threads <= 2; ++threads) {
-            const pkm::Status s = pkm::ValidateBags(table, bags, threads == 1 ? pkm::SerialFor() : TwoThreads());
-            const std::string want = first == n ? "" : "indices[" + std::to_string(first) + "] = " +
-                                                           std::to_string(static_cast<int64_t>(idx[first])) + " ";
+          const std::string want = first == n ? "" : "indices[" + std::to_string(first) + "] = " +
+                                                         std::to_string(static_cast<int64_t>(idx[first])) + " ";
+          auto check = [&](const pkm::Status& s, const char* what) {
             ++*cases;
             if (first == n ? !s.ok : (s.ok || s.message.rfind(want, 0) != 0)) {
               ++*failures;
-              std::printf("index check int64=%d rows=%lld n=%lld padding=%d: want '%s', got '%s'\n", int64,
-                          static_cast<long long>(num_rows), static_cast<long long>(n), negative_is_padding,
+              std::printf("index check (%s) int64=%d rows=%lld n=%lld padding=%d: want '%s', got '%s'\n", what,
+                          int64, static_cast<long long>(num_rows), static_cast<long long>(n), negative_is_padding,
                           want.c_str(), s.message.c_str());
             }
+          };
+          for (int threads = 1; threads <= 2; ++threads) {
+            const pkm::ParallelFor pf = threads == 1 ? pkm::SerialFor() : TwoThreads();
+            check(pkm::ValidateBags(table, bags, pf), "ValidateBags");
+            // Forward checks each block of bags as it goes (internal::CheckedBagsFor):
+            // the same first entry, through the short-row (dim 8), general (dim 4)
+            // and max loops.
+            if (num_rows > 1000) continue;
+            for (const int64_t dim : {4, 8}) {
+              const pkm::Table rows{forward_rows.data(), pkm::ElemType::kFloat32, num_rows, dim};
+              std::vector<float> out(n * dim);
+              check(pkm::Forward(rows, bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32, pf),
+                    dim == 4 ? "Forward, general loop" : "Forward, short rows");
+            }
+            const pkm::Table rows{forward_rows.data(), pkm::ElemType::kFloat32, num_rows, 4};
+            std::vector<float> out(n * 4);
+            check(pkm::Forward(rows, bags, pkm::Combiner::kMax, out.data(), pkm::ElemType::kFloat32, pf),
+                  "Forward, max");
           }
         }
       }

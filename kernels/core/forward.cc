@@ -5,6 +5,7 @@
 // prefetching rows ahead as they go (bag_window.h); max keeps a running elementwise maximum, with
 // rows prefetched a few entries ahead (RowPrefetcher).
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "kernels/core/bag_window.h"
@@ -73,15 +74,9 @@ void MaxBag(const Table& table, const Bags& bags, int64_t b, float* acc, RowPref
   if (!any) std::fill(acc, acc + table.dim, 0.f);
 }
 
-}  // namespace
-
-Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* out,
-               ElemType out_type, const ParallelFor& pf) {
-  Status s = internal::CheckTypes(table, bags, combiner, out_type, /*for_gradient=*/false);
-  if (!s.ok) return s;
-  s = ValidateBags(table, bags, pf);
-  if (!s.ok) return s;
-  internal::AdviseTableHugePages(table.data, static_cast<size_t>(table.num_rows * table.dim * ElemSize(table.type)));
+// The combiners' loops over every bag (indices already checked by pf).
+Status SumBags(const Table& table, const Bags& bags, Combiner combiner, void* out, ElemType out_type,
+               const ParallelFor& pf) {
   // int8 rows: the weighted combiners have their own loop; max dequantises row by row below.
   if (table.type == ElemType::kInt8 && combiner != Combiner::kMax)
     return internal::ForwardInt8(table, bags, combiner, out, out_type, pf);
@@ -128,6 +123,24 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
     }
   });
   return Status::Ok();
+}
+
+}  // namespace
+
+Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* out,
+               ElemType out_type, const ParallelFor& pf) {
+  Status s = internal::CheckTypes(table, bags, combiner, out_type, /*for_gradient=*/false);
+  if (!s.ok) return s;
+  s = internal::ValidateLayout(bags);
+  if (!s.ok) return s;
+  internal::AdviseTableHugePages(table.data, static_cast<size_t>(table.num_rows * table.dim * ElemSize(table.type)));
+  // Each block of bags checks its own indices first (CheckedBagsFor); an
+  // invalid one fails the call after the blocks have run.
+  const int64_t num_indices = bags.NumIndices();
+  std::atomic<int64_t> first_bad{num_indices};
+  s = SumBags(table, bags, combiner, out, out_type, internal::CheckedBagsFor(table, bags, pf, &first_bad));
+  if (s.ok && first_bad.load() < num_indices) return internal::InvalidIndexError(table, bags, first_bad.load());
+  return s;
 }
 
 }  // namespace pkm

@@ -2,6 +2,7 @@
 #ifndef PKM_KERNELS_CORE_INTERNAL_H_
 #define PKM_KERNELS_CORE_INTERNAL_H_
 
+#include <atomic>
 #include <cstdint>
 
 #include "kernels/core/embedding_bag.h"
@@ -42,6 +43,25 @@ inline void StoreElem(void* base, ElemType type, int64_t i, float v) {
 // Type, shape and combiner checks common to forward and backward
 // (CheckCombiner included: max refuses weights).
 Status CheckTypes(const Table& t, const Bags& bags, Combiner combiner, ElemType out_type, bool for_gradient);
+
+// ValidateBags in parts. ValidateLayout: row_splits well formed, a known
+// index policy. FirstInvalidEntry: the first entry of [begin, end) whose
+// index the policy rejects, or end. InvalidIndexError: the message for entry j.
+Status ValidateLayout(const Bags& bags);
+int64_t FirstInvalidEntry(const Table& table, const Bags& bags, int64_t begin, int64_t end);
+Status InvalidIndexError(const Table& table, const Bags& bags, int64_t j);
+// Lowers *first_bad to j (atomically) where j is smaller.
+void RecordFirstInvalid(std::atomic<int64_t>* first_bad, int64_t j);
+
+// pf over bags whose every block first checks its own bags' indices and is
+// skipped, its first invalid entry recorded in *first_bad, if one is invalid:
+// the forward reads each block's indices once, while they are about to be
+// used, instead of in a pass (and a dispatch to the threads) of its own before
+// it (0.85-0.93x the op's time at D=64-128 on the Zen 4 EPYC). The blocks
+// cover every entry, so the least recorded entry is the first invalid one.
+// The result refers to table, bags, pf and first_bad: use it while they live.
+ParallelFor CheckedBagsFor(const Table& table, const Bags& bags, const ParallelFor& pf,
+                           std::atomic<int64_t>* first_bad);
 
 // 1, 1/sum(w) or 1/sqrt(sum w^2); 0 where the denominator is 0; 1 for max.
 float CombinerScale(Combiner c, float weight_sum, float weight_sq_sum);
