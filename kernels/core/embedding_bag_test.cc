@@ -2,6 +2,7 @@
 // ragged bags, padding and empty bags; plus the error paths. Plain asserts so
 // it builds with nothing but the compiler; prints a ctest-like summary.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -12,7 +13,12 @@
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "kernels/core/embedding_bag.h"
+#include "kernels/core/table_pages.h"
 #include "kernels/core/vector_ops.h"
 
 namespace {
@@ -474,6 +480,73 @@ void LargeTable() {
   std::free(data);
 }
 
+#if defined(__linux__)
+// AnonHugePages (kB) of the mapping that holds address p, from /proc/self/smaps; -1 if not found.
+long AnonHugeKbAt(const void* p) {
+  std::FILE* f = std::fopen("/proc/self/smaps", "r");
+  if (f == nullptr) return -1;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  char line[512];
+  bool inside = false;
+  long kb = -1;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    unsigned long lo, hi;
+    if (std::sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && std::strchr(line, '-') < std::strchr(line, ' ')) {
+      inside = a >= lo && a < hi;
+    } else if (inside && std::sscanf(line, "AnonHugePages: %ld kB", &kb) == 1) {
+      break;
+    }
+  }
+  std::fclose(f);
+  return kb;
+}
+
+// A table freed and another mapped over the same addresses (fresh 4 KB pages)
+// is collapsed again once a second has passed since its range was last asked
+// (table_pages.h), as a model version swap's new table can land where an old
+// one was. Skipped where the kernel collapses nothing (before Linux 6.1, or
+// under qemu-user) or a fresh mapping already has huge pages (THP "always").
+void HugePagesAfterReuse() {
+  const size_t bytes = size_t{16} << 20, huge = size_t{2} << 20;
+  void* region = mmap(nullptr, bytes + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (region == MAP_FAILED) return;
+  char* table = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(region) + huge - 1) & ~(huge - 1));
+  const auto start = std::chrono::steady_clock::now();
+  std::memset(table, 1, bytes);
+  const long before_first = AnonHugeKbAt(table);
+  pkm::internal::AdviseTableHugePagesAt(table, bytes, start);
+  const long after_first = AnonHugeKbAt(table);
+  if (before_first < 0 || after_first <= before_first) {
+    std::printf("huge pages after reuse: skipped (no collapse here: %ld -> %ld kB)\n", before_first, after_first);
+    munmap(region, bytes + huge);
+    return;
+  }
+  // The same addresses again, on fresh pages.
+  munmap(table, bytes);
+  void* again = mmap(table, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+  EXPECT(again == table, "remapping the table's range failed");
+  std::memset(table, 2, bytes);
+  const long fresh = AnonHugeKbAt(table);
+  pkm::internal::AdviseTableHugePagesAt(table, bytes, start + std::chrono::milliseconds(100));
+  const long within_second = AnonHugeKbAt(table);
+  pkm::internal::AdviseTableHugePagesAt(table, bytes, start + std::chrono::seconds(2));
+  const long retried = AnonHugeKbAt(table);
+  if (fresh >= after_first) {
+    std::printf("huge pages after reuse: skipped (fresh pages are already huge: %ld kB)\n", fresh);
+  } else {
+    EXPECT(within_second == fresh, "asked again within a second: %ld -> %ld kB", fresh, within_second);
+    EXPECT(retried >= fresh + static_cast<long>(bytes >> 10) / 2,
+           "a reused range was not collapsed again: %ld -> %ld kB of huge pages", fresh, retried);
+  }
+  bool same = true;
+  for (size_t i = 0; i < bytes; i += 4096) same = same && table[i] == 2;
+  EXPECT(same, "collapsing changed the table's contents");
+  munmap(region, bytes + huge);
+}
+#else
+void HugePagesAfterReuse() {}
+#endif
+
 // float32 table gradients of 64 MB or more go through a scratch row and
 // non-temporal stores (backward.cc): both row groupings (every row a group,
 // and the comparison sort of a table much larger than its indices, whose
@@ -710,6 +783,7 @@ int main() {
   ErrorCases();
   IndexCheckCases();
   LargeTable();
+  HugePagesAfterReuse();
   StreamedGradientCases();
   HalfConversions();
   FromAccMatchesDefinition();
