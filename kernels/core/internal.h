@@ -57,7 +57,8 @@ void RecordFirstInvalid(std::atomic<int64_t>* first_bad, int64_t j);
 // skipped, its first invalid entry recorded in *first_bad, if one is invalid:
 // the forward reads each block's indices once, while they are about to be
 // used, instead of in a pass (and a dispatch to the threads) of its own before
-// it (0.85-0.93x the op's time at D=64-128 on the Zen 4 EPYC). The blocks
+// it (TF op, 2 threads, Zen 4 EPYC: 0.81-0.96x the time at K=128, D=32-128;
+// bench/results/cpu_fused_index_check_ab_zen4_round19.md). The blocks
 // cover every entry, so the least recorded entry is the first invalid one.
 // The result refers to table, bags, pf and first_bad: use it while they live.
 ParallelFor CheckedBagsFor(const Table& table, const Bags& bags, const ParallelFor& pf,

@@ -25,7 +25,9 @@ constexpr int kMadvCollapse = 25;      // MADV_COLLAPSE (asm-generic), absent fr
 // another allocated over the same addresses (a new variable, a model version
 // swap) comes back on 4 KB pages, which the record of ranges cannot see.
 // Asking again for a range already on huge pages costs ~3 us per 64 MB
-// (~32 us per GB, measured on the Zen 4 EPYC VM), once a second.
+// (~32 us per GB, measured on the Zen 4 EPYC VM), once a second. A range
+// whose ask failed is not asked again: a collapse that cannot get 2 MB pages
+// would try (and compact memory) anew every time.
 constexpr std::chrono::steady_clock::duration kRetryAfter = std::chrono::seconds(1);
 
 bool Enabled() {
@@ -39,6 +41,7 @@ bool Enabled() {
 struct TriedRange {
   uintptr_t begin, end;
   std::chrono::steady_clock::time_point at;
+  bool failed;
 };
 
 }  // namespace
@@ -50,21 +53,28 @@ void AdviseTableHugePagesAt(const void* data, size_t bytes, std::chrono::steady_
   if (end <= begin) return;
   static std::mutex mu;
   static std::vector<TriedRange> tried;
+  auto find = [&] {
+    return std::find_if(tried.begin(), tried.end(),
+                        [&](const TriedRange& r) { return r.begin == begin && r.end == end; });
+  };
   {
     std::lock_guard<std::mutex> lock(mu);
-    auto it = std::find_if(tried.begin(), tried.end(),
-                           [&](const TriedRange& r) { return r.begin == begin && r.end == end; });
+    auto it = find();
     if (it != tried.end()) {
-      if (now - it->at < kRetryAfter) return;
+      if (it->failed || now - it->at < kRetryAfter) return;
       it->at = now;
     } else {
       if (tried.size() == kMaxRemembered) tried.erase(tried.begin());
-      tried.push_back({begin, end, now});
+      tried.push_back({begin, end, now, false});
     }
   }
   // Advisory: an error (EINVAL on kernels before 6.1, EAGAIN, ENOMEM, ...)
   // leaves the table on the pages it had, which is always correct.
-  (void)madvise(reinterpret_cast<void*>(begin), end - begin, kMadvCollapse);
+  if (madvise(reinterpret_cast<void*>(begin), end - begin, kMadvCollapse) != 0) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = find();
+    if (it != tried.end()) it->failed = true;
+  }
 }
 
 void AdviseTableHugePages(const void* data, size_t bytes) {

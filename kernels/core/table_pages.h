@@ -9,7 +9,7 @@ namespace pkm {
 namespace internal {
 
 // Asks Linux once per table range, and again where the range was last asked
-// over a second ago (MADV_COLLAPSE, Linux >= 6.1), to back the
+// over a second ago and that ask succeeded (MADV_COLLAPSE, Linux >= 6.1), to back the
 // 2 MB-aligned interior of [data, data + bytes) with huge pages. Random rows of
 // a table on 4 KB pages miss the TLB on nearly every row (a page walk each,
 // costly in a VM); on 2 MB pages a 128 MB table fits the TLB. The call keeps
