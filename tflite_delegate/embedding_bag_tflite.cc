@@ -201,8 +201,9 @@ TfLiteStatus BindTable(Binder& c, const BagSpec& spec, const BagState* state, Bo
 }
 
 // Indices (dense [..., K]) or values + row_splits (ragged) -> Bags. Only the
-// layout is read: the core's ValidateBags checks the values (indices in range,
-// splits from 0, non-decreasing, ending at num_values) before using them.
+// layout is read: the core checks the values (indices in range, splits from
+// 0, non-decreasing, ending at num_values) before using them (Forward block by
+// block of bags; ValidateBags where the output is empty).
 TfLiteStatus BindIds(Binder& c, const BagSpec& spec, Bags* b, BagShapes* shapes) {
   const bool ragged = spec.row_splits >= 0;
   const char* role = ragged ? "values" : "indices";

@@ -25,9 +25,7 @@ PKM_CUDA_API int pkm_capi_has_cuda(void);
 // not allow is an error (default: >= num_rows). The fast path refuses
 // PKM_OUT_OF_RANGE_IS_PADDING; `reference` = 1 runs the slow obviously-correct
 // core version, which implements every policy (the GPU tests' reference).
-// out is of the table's elem_type; float32 for an int8 (PKM_INT8) table. The
-// fast forward checks indices block by block as it sums, so after an index
-// error `out` may be partly written.
+// out is of the table's elem_type; float32 for an int8 (PKM_INT8) table.
 PKM_CUDA_API int pkm_cpu_forward(const PkmBags* bags, void* out, int reference, char* err, size_t err_len);
 PKM_CUDA_API int pkm_cpu_backward(const PkmBags* bags, const void* grad_out, void* d_table, void* d_weights,
                      int reference, char* err, size_t err_len);

@@ -9,7 +9,8 @@
 // Semantics (see DESIGN.md "The op"):
 //  - negative index = padding: contributes nothing, not counted by mean/sqrtn
 //    (Bags::index_policy can make it an error instead, see IndexPolicy);
-//  - index >= num_rows is an error (reported before anything is written);
+//  - index >= num_rows is an error (the backward reports it before writing
+//    anything; the forward may have written the output of other bags);
 //  - combiner sum: sum w*x; mean: sum(w*x)/sum(w); sqrtn: sum(w*x)/sqrt(sum w^2);
 //    a zero denominator (empty bag, all padding, weights summing to 0) gives 0;
 //  - combiner max (torch's mode="max"): elementwise max over the bag's valid

@@ -14,7 +14,8 @@ namespace internal {
 Status CheckInt8Table(const Table& table);
 
 // out[b] = combine over the bag of w * (scale[r] * q[r] + bias[r]), float32
-// accumulation. Assumes CheckTypes and ValidateBags passed.
+// accumulation. Assumes CheckTypes passed and that pf hands it only blocks
+// of bags whose indices are valid (Forward's internal::CheckedBagsFor).
 Status ForwardInt8(const Table& table, const Bags& bags, Combiner combiner, void* out, ElemType out_type,
                    const ParallelFor& pf);
 

@@ -55,8 +55,8 @@ void RecordFirstInvalid(std::atomic<int64_t>* first_bad, int64_t j);
 
 // pf over bags whose every block first checks its own bags' indices and is
 // skipped, its first invalid entry recorded in *first_bad, if one is invalid:
-// the forward reads each block's indices once, while they are about to be
-// used, instead of in a pass (and a dispatch to the threads) of its own before
+// the forward reads each block's indices just before it sums them (the sums
+// then find them in cache), instead of in a pass (and a dispatch to the threads) of its own before
 // it (TF op, 2 threads, Zen 4 EPYC: 0.81-0.96x the time at K=128, D=32-128;
 // bench/results/cpu_fused_index_check_ab_zen4_round19.md). The blocks
 // cover every entry, so the least recorded entry is the first invalid one.

@@ -70,7 +70,8 @@ __attribute__((always_inline)) inline void LoadLanes(const char* p, typename Lan
 // entry's weight, a functor chosen once per block of bags (SumBags).
 template <int NV, int kLanes, bool kBf16, bool kPairs, typename Index, typename LoadWeight>
 __attribute__((always_inline)) inline void SumBag(const char* table, const Index* idx, LoadWeight load_weight,
-                                                  int64_t num_indices, int64_t begin, int64_t end, float* sum,
+                                                  int64_t num_indices, int64_t num_rows, int64_t begin, int64_t end,
+                                                  float* sum,
                                                   float* weight_sum, float* weight_sq_sum) {
   constexpr int64_t kElem = kBf16 ? 2 : 4;
   // The row's size is the template's: constant offsets, and its lines'
@@ -115,12 +116,14 @@ __attribute__((always_inline)) inline void SumBag(const char* table, const Index
     }
   };
   // Entries whose row kAheadEntries on is in the index stream, then the rest
-  // (no bound check per entry).
+  // (no bound check per entry). The entry ahead may be in a block of bags
+  // whose indices nobody has checked yet (Forward checks block by block):
+  // only a row in range is prefetched.
   const int64_t prefetched_end = std::max(begin, std::min(end, num_indices - kAheadEntries));
   int64_t j = begin;
   for (; j < prefetched_end; ++j) {
     const int64_t ahead = idx[j + kAheadEntries];
-    if (ahead >= 0)
+    if (static_cast<uint64_t>(ahead) < static_cast<uint64_t>(num_rows))
       for (int64_t l = 0; l < kRowLines; ++l) vec::PrefetchTableLine(table + ahead * kRowBytes + 64 * l);
     add_entry(j);
   }
@@ -149,8 +152,8 @@ __attribute__((always_inline)) inline void SumBagsWeighted(const Table& table, c
   float sum[kLanes * NV * (kPairs ? 2 : 1)];
   for (int64_t b = b0; b < b1; ++b) {
     float ws, wsq;
-    SumBag<NV, kLanes, kBf16, kPairs>(data, idx, load_weight, num_indices, bags.Begin(b), bags.End(b), sum, &ws,
-                                      &wsq);
+    SumBag<NV, kLanes, kBf16, kPairs>(data, idx, load_weight, num_indices, table.num_rows, bags.Begin(b),
+                                      bags.End(b), sum, &ws, &wsq);
     vec::FromFloat(sum, CombinerScale(combiner, ws, wsq), out_type, out + b * out_row_bytes, table.dim);
   }
 }
