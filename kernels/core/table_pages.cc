@@ -26,8 +26,9 @@ constexpr int kMadvCollapse = 25;      // MADV_COLLAPSE (asm-generic), absent fr
 // swap) comes back on 4 KB pages, which the record of ranges cannot see.
 // Asking again for a range already on huge pages costs ~3 us per 64 MB
 // (~32 us per GB, measured on the Zen 4 EPYC VM), once a second. A range
-// whose ask failed is not asked again: a collapse that cannot get 2 MB pages
-// would try (and compact memory) anew every time.
+// whose ask failed is not asked again while it is remembered (the last
+// kMaxRemembered ranges): a collapse that cannot get 2 MB pages would try
+// (and compact memory) anew every time.
 constexpr std::chrono::steady_clock::duration kRetryAfter = std::chrono::seconds(1);
 
 bool Enabled() {
