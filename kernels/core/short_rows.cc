@@ -70,8 +70,7 @@ __attribute__((always_inline)) inline void LoadLanes(const char* p, typename Lan
 // entry's weight, a functor chosen once per block of bags (SumBags).
 template <int NV, int kLanes, bool kBf16, bool kPairs, typename Index, typename LoadWeight>
 __attribute__((always_inline)) inline void SumBag(const char* table, const Index* idx, LoadWeight load_weight,
-                                                  int64_t num_indices, int64_t num_rows, int64_t begin, int64_t end,
-                                                  float* sum,
+                                                  int64_t block_end, int64_t begin, int64_t end, float* sum,
                                                   float* weight_sum, float* weight_sq_sum) {
   constexpr int64_t kElem = kBf16 ? 2 : 4;
   // The row's size is the template's: constant offsets, and its lines'
@@ -115,15 +114,14 @@ __attribute__((always_inline)) inline void SumBag(const char* table, const Index
       }
     }
   };
-  // Entries whose row kAheadEntries on is in the index stream, then the rest
-  // (no bound check per entry). The entry ahead may be in a block of bags
-  // whose indices nobody has checked yet (Forward checks block by block):
-  // only a row in range is prefetched.
-  const int64_t prefetched_end = std::max(begin, std::min(end, num_indices - kAheadEntries));
+  // Entries whose row kAheadEntries on is in this block of bags, then the rest
+  // (no bound check per entry). Not past the block: Forward checks indices
+  // block by block, so a later block's may not have been checked yet.
+  const int64_t prefetched_end = std::max(begin, std::min(end, block_end - kAheadEntries));
   int64_t j = begin;
   for (; j < prefetched_end; ++j) {
     const int64_t ahead = idx[j + kAheadEntries];
-    if (static_cast<uint64_t>(ahead) < static_cast<uint64_t>(num_rows))
+    if (ahead >= 0)
       for (int64_t l = 0; l < kRowLines; ++l) vec::PrefetchTableLine(table + ahead * kRowBytes + 64 * l);
     add_entry(j);
   }
@@ -148,12 +146,12 @@ __attribute__((always_inline)) inline void SumBagsWeighted(const Table& table, c
   const char* data = static_cast<const char*>(table.data);
   const Index* idx = static_cast<const Index*>(bags.indices);
   const int64_t out_row_bytes = table.dim * ElemSize(out_type);
-  const int64_t num_indices = bags.NumIndices();
+  const int64_t block_end = b0 < b1 ? bags.End(b1 - 1) : 0;  // the block's last entry + 1
   float sum[kLanes * NV * (kPairs ? 2 : 1)];
   for (int64_t b = b0; b < b1; ++b) {
     float ws, wsq;
-    SumBag<NV, kLanes, kBf16, kPairs>(data, idx, load_weight, num_indices, table.num_rows, bags.Begin(b),
-                                      bags.End(b), sum, &ws, &wsq);
+    SumBag<NV, kLanes, kBf16, kPairs>(data, idx, load_weight, block_end, bags.Begin(b), bags.End(b), sum, &ws,
+                                      &wsq);
     vec::FromFloat(sum, CombinerScale(combiner, ws, wsq), out_type, out + b * out_row_bytes, table.dim);
   }
 }
