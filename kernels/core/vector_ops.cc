@@ -186,6 +186,10 @@ void AxpyGroup(ElemType type, const float* a, const char* const* rows, const cha
     case ElemType::kFloat32: AxpyGroupF32(a, rows, ahead, acc, n); break;
     case ElemType::kFloat16:
 #if defined(PKM_X86_F16C)
+      if (f16c::HasAvx512()) {
+        f16c::AxpyGroupF16Avx512(a, rows, ahead, acc, n);
+        break;
+      }
       if (f16c::HasF16C()) {
         f16c::AxpyGroup(a, rows, ahead, acc, n);
         break;
