@@ -260,35 +260,26 @@ PKM_AVX512_TARGET void AxpyGroupBF16Avx512(const float* a, const char* const* ro
 // expression per column (the group's sum, then added to acc): bitwise the same.
 PKM_AVX512_TARGET void AxpyGroupF16Avx512(const float* a, const char* const* rows, const char* const* ahead,
                                           float* acc, int64_t n) {
-  const uint16_t* r[kRowGroup];
   __m512 w[kRowGroup];
-  for (int k = 0; k < kRowGroup; ++k) {
-    r[k] = reinterpret_cast<const uint16_t*>(rows[k]);
-    w[k] = _mm512_set1_ps(a[k]);
-  }
+  for (int k = 0; k < kRowGroup; ++k) w[k] = _mm512_set1_ps(a[k]);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     if (i % 32 == 0)
       for (int k = 0; k < kRowGroup; ++k) PrefetchTableLine(ahead[k] + 2 * i);
-    __m512 s = _mm512_mul_ps(w[0], Load16Halves(r[0] + i));
-    for (int k = 1; k < kRowGroup; ++k) s = _mm512_fmadd_ps(w[k], Load16Halves(r[k] + i), s);
+    __m512 s = _mm512_mul_ps(w[0], Load16Halves(reinterpret_cast<const uint16_t*>(rows[0]) + i));
+    for (int k = 1; k < kRowGroup; ++k)
+      s = _mm512_fmadd_ps(w[k], Load16Halves(reinterpret_cast<const uint16_t*>(rows[k]) + i), s);
     _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), s));
   }
-  if (i + 8 <= n) {
-    if (i % 32 == 0)
-      for (int k = 0; k < kRowGroup; ++k) PrefetchTableLine(ahead[k] + 2 * i);
-    __m256 s = _mm256_mul_ps(_mm512_castps512_ps256(w[0]), Load8(r[0] + i));
-    for (int k = 1; k < kRowGroup; ++k) s = _mm256_fmadd_ps(_mm512_castps512_ps256(w[k]), Load8(r[k] + i), s);
-    _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), s));
-    i += 8;
+  if (i == n) return;
+  // Under 16 columns left: AxpyGroup's steps on the rest of the rows.
+  const char* rest[kRowGroup];
+  const char* rest_ahead[kRowGroup];
+  for (int k = 0; k < kRowGroup; ++k) {
+    rest[k] = rows[k] + 2 * i;
+    rest_ahead[k] = ahead[k] + 2 * i;
   }
-  if (n % 32 != 0)  // a row of a partial line straddles one more line
-    for (int k = 0; k < kRowGroup; ++k) PrefetchTableLine(ahead[k] + 2 * n - 1);
-  for (; i < n; ++i) {
-    float s = a[0] * Load1(r[0] + i);
-    for (int k = 1; k < kRowGroup; ++k) s += a[k] * Load1(r[k] + i);
-    acc[i] += s;
-  }
+  AxpyGroup(a, rest, rest_ahead, acc + i, n - i);
 }
 
 PKM_AVX512_TARGET void AxpyBF16Avx512(float a, const char* row, const char* ahead, float* acc, int64_t n) {
