@@ -143,6 +143,7 @@ void ScaleBF16PairsToBF16(const float* acc, float scale, uint16_t* dst, int64_t 
 // The same for AVX-512 (32 columns as 16 even then 16 odd; see the .cc).
 bool HasAvx512();  // AVX-512F, and HasF16C
 void AxpyGroupBF16Avx512(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n);
+// float16 rows with AVX-512: AxpyGroup's sums, 16 columns a step (bitwise the same).
 void AxpyGroupF16Avx512(const float* a, const char* const* rows, const char* const* ahead, float* acc, int64_t n);
 void AxpyBF16Avx512(float a, const char* row, const char* ahead, float* acc, int64_t n);
 void AssignBF16Avx512(float a, const char* row, const char* ahead, float* acc, int64_t n);
