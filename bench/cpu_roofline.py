@@ -20,6 +20,7 @@ Results: bench/results/cpu_roofline.{json,md}.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -141,12 +142,13 @@ def ours_graph(dtype, idx_np, w_np, table_np, grad_np):
 BAG_OPS = ("PkmEmbeddingBag", "PkmResourceEmbeddingBag")
 
 
-def ours_op_ms(dtype, idx_np, w_np, table_np, reps=12):
-    """Median Compute time of the bag op alone (TF step stats, FULL_TRACE, v1
-    Session on THREADS intra-op threads) in the same GRAPH_CALLS chain as
-    ours_graph: the kernel as TF runs it, without the function call and the
+@contextlib.contextmanager
+def op_alone_session(dtype, idx_np, w_np, table_np, threads=None):
+    """A v1 Session (on `threads`, default THREADS, intra-op threads) over the
+    same GRAPH_CALLS chain as ours_graph; yields run(), which runs the chain
+    once with FULL_TRACE and returns each bag node's Compute time in ms (TF
+    step stats): the kernel as TF runs it, without the function call and the
     chain's [B, K] elementwise ops, which the 8-per-graph time includes."""
-    import numpy as np
     import tensorflow as tf
 
     from pkm_serve import ops
@@ -163,16 +165,29 @@ def ours_op_ms(dtype, idx_np, w_np, table_np, reps=12):
         for i in idxs:
             out = ops.embedding_bag(table, i, w if out is None else w + 0 * out[0, 0])
         init = tf1.global_variables_initializer()
-    config = tf1.ConfigProto(intra_op_parallelism_threads=THREADS, inter_op_parallelism_threads=1)
-    times = []
+    config = tf1.ConfigProto(intra_op_parallelism_threads=threads or THREADS, inter_op_parallelism_threads=1)
     with tf1.Session(graph=graph, config=config) as sess:
         sess.run(init, {feed: table_np})
         options = tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE)
-        for rep in range(reps + 2):
+
+        def run():
             meta = tf1.RunMetadata()
             sess.run(out.op, options=options, run_metadata=meta)
             calls = harness.op_compute_ms(meta, BAG_OPS)
             assert len(calls) == GRAPH_CALLS, f"{len(calls)} bag nodes traced, expected {GRAPH_CALLS}"
+            return calls
+
+        yield run
+
+
+def ours_op_ms(dtype, idx_np, w_np, table_np, reps=12):
+    """Median Compute time of the bag op alone (op_alone_session), after 2 warm-up runs."""
+    import numpy as np
+
+    times = []
+    with op_alone_session(dtype, idx_np, w_np, table_np) as run:
+        for rep in range(reps + 2):
+            calls = run()
             if rep >= 2:  # warm-up
                 times += calls
     return float(np.median(times))

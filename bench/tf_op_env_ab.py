@@ -4,8 +4,8 @@ PKM_TF_PARALLEL_FOR=tf, or a temporary switch added for an experiment), the vari
 session run by session run in one process, so the machine's drift between processes (large on a
 shared VM) does not land on one variant.
 
-Each (shape, dtype) is bench/cpu_roofline.py's op-alone graph: CHAIN=8 chained calls in a v1
-Session on THREADS intra-op threads, traced with FULL_TRACE; each variant's figure is the median
+Each (shape, dtype) is bench/cpu_roofline.py's op-alone session (op_alone_session: 8 chained calls
+in a v1 Session on THREADS intra-op threads, traced with FULL_TRACE); each variant's figure is the median
 Compute time of its bag nodes over ROUNDS runs (after 2 warm-up rounds), and its ratio to the
 first variant's.
 
@@ -29,11 +29,8 @@ def main(argv) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     import numpy as np
-    import tensorflow as tf
 
     import cpu_roofline
-    import harness
-    from pkm_serve import ops
 
     threads = int(os.environ.get("THREADS", "2"))
     rounds = int(os.environ.get("ROUNDS", "16"))
@@ -41,35 +38,19 @@ def main(argv) -> int:
     variants = [dict(item.split("=", 1) for item in v.split(",") if item) for v in names]
     keys = {k for v in variants for k in v}
     shapes = [tuple(int(x) for x in s.split()) for s in argv[2].split(",")]
-    tf1 = tf.compat.v1
     for b, k, d, n in shapes:
         idx_np, w_np, table_np, _ = cpu_roofline.make_inputs(b, k, d, n)
         for dtype in argv[3].split(","):
-            tdt = {"float32": tf.float32, "bfloat16": tf.bfloat16, "float16": tf.float16}[dtype]
-            graph = tf.Graph()
-            with graph.as_default():
-                feed = tf1.placeholder(tf.float32, table_np.shape)
-                table = tf1.Variable(tf.cast(feed, tdt), trainable=False)
-                idxs = [tf.constant(i) for i in cpu_roofline._distinct_indices(idx_np)]
-                w = tf.cast(w_np, tdt)
-                out = None
-                for i in idxs:
-                    out = ops.embedding_bag(table, i, w if out is None else w + 0 * out[0, 0])
-                init = tf1.global_variables_initializer()
-            config = tf1.ConfigProto(intra_op_parallelism_threads=threads, inter_op_parallelism_threads=1)
             times = [[] for _ in variants]
-            with tf1.Session(graph=graph, config=config) as sess:
-                sess.run(init, {feed: table_np})
-                options = tf1.RunOptions(trace_level=tf1.RunOptions.FULL_TRACE)
+            with cpu_roofline.op_alone_session(dtype, idx_np, w_np, table_np, threads) as run:
                 for r in range(rounds + 2):
                     for vi, v in enumerate(variants):
                         for key in keys:
                             os.environ.pop(key, None)
                         os.environ.update(v)
-                        meta = tf1.RunMetadata()
-                        sess.run(out.op, options=options, run_metadata=meta)
+                        calls = run()
                         if r >= 2:
-                            times[vi] += harness.op_compute_ms(meta, cpu_roofline.BAG_OPS)
+                            times[vi] += calls
             for key in keys:
                 os.environ.pop(key, None)
             base = float(np.median(times[0]))
