@@ -17,7 +17,9 @@
 //     same pass loads the table row once and forms grad[bag] . table[row] for
 //     every entry: the raw dot d_weights needs. Narrow rows of a table
 //     gradient walk the sorted positions instead (backward_positions.cu), with
-//     the same per-row summation order;
+//     the same per-row summation order; where rows outnumber entries, rows
+//     with one entry are written by a warp per bag first and the walk skips
+//     them;
 //  4. a row with more than `long_segment` entries is cut into pieces of
 //     `long_segment` sorted positions, summed by separate warps into float
 //     scratch; the row's warp then adds the pieces in position order, so hot
@@ -106,6 +108,9 @@ struct BackwardArgs {
   // kernels load a row's table row (for the dots) only once its range is known
   // to be non-empty (AccumulateRange).
   bool skip_untouched_table_rows;
+  // Position pass only: rows with exactly one entry were written by the pass
+  // over the bags (SingleEntryRowsKernel); the walk skips them.
+  bool single_entry_rows_done;
 };
 
 template <typename IdxT>

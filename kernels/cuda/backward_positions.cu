@@ -14,7 +14,8 @@
 // dense d_table get their zeros from 16-byte stores, a warp per 32 rows: in the
 // walk's launch, or, where most rows are untouched, first, in a launch of
 // their own. With the sum combiner the pass stores d_weights too (StoreDot),
-// saving the d_weights kernel.
+// saving the d_weights kernel. Where most rows are untouched, the rows with a
+// single entry are written by SingleEntryRowsKernel and the walk skips them.
 #include "kernels/cuda/backward_rows.cuh"
 
 namespace pkm_cuda {
@@ -145,18 +146,17 @@ __device__ __forceinline__ uint4* RingSlot(uint4* ring, int stage, int part, int
   return ring + ((stage * 2 + part) * U + u) * kWarp + lane;
 }
 
-// Window position k's copies (its gradient row; its table row when a row
-// starts there and the dots are wanted) into slot k % kStages, as one commit
-// group, empty past the window's `count` positions: wait_group<kStages - 1>
-// after issuing k + kStages - 1 then means "k has landed". Warp-uniform call.
+// Window lane `at`'s copies (its gradient row; its table row when a row
+// starts there and the dots are wanted) into ring stage `stage`, as one commit
+// group, empty when `at` < 0: with one group committed per position walked,
+// wait_group<kStages - 1> after issuing kStages - 1 positions ahead means "the
+// position being walked has landed". Warp-uniform call.
 template <typename T, int VEC, int U>
-__device__ __forceinline__ void IssueCopies(const BackwardArgs& a, uint4* ring, int k, int count, uint32_t my_row,
+__device__ __forceinline__ void IssueCopies(const BackwardArgs& a, uint4* ring, int stage, int at, uint32_t my_row,
                                             uint32_t my_bag, unsigned fresh_rows, int lane, int64_t lane_col) {
-  constexpr int kStages = PositionStages<U>();
-  const int at = k & (kWarp - 1);
-  const uint32_t row = __shfl_sync(kFullMask, my_row, at);
-  const uint32_t bag = __shfl_sync(kFullMask, my_bag, at);
-  if (k < count) {
+  const uint32_t row = __shfl_sync(kFullMask, my_row, at & (kWarp - 1));
+  const uint32_t bag = __shfl_sync(kFullMask, my_bag, at & (kWarp - 1));
+  if (at >= 0) {
     const int64_t dim = a.bags.dim;
     const T* grad = static_cast<const T*>(a.grad) + static_cast<int64_t>(bag) * dim;
     const T* table = static_cast<const T*>(a.bags.table) + static_cast<int64_t>(row) * dim;
@@ -164,12 +164,19 @@ __device__ __forceinline__ void IssueCopies(const BackwardArgs& a, uint4* ring, 
     for (int u = 0; u < U; ++u) {
       const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
       if (col >= dim) continue;
-      CopyAsync16As<L2Hints<T>::kKeepGradient ? 2 : 0>(RingSlot<U>(ring, k % kStages, 0, u, lane), grad + col);
-      if ((fresh_rows >> k) & 1u)
-        CopyAsync16As<L2Hints<T>::kStreamOnce ? 1 : 0>(RingSlot<U>(ring, k % kStages, 1, u, lane), table + col);
+      CopyAsync16As<L2Hints<T>::kKeepGradient ? 2 : 0>(RingSlot<U>(ring, stage, 0, u, lane), grad + col);
+      if ((fresh_rows >> at) & 1u)
+        CopyAsync16As<L2Hints<T>::kStreamOnce ? 1 : 0>(RingSlot<U>(ring, stage, 1, u, lane), table + col);
     }
   }
   CopyAsyncCommit();
+}
+
+// The lowest lane of *pending (then cleared), or -1 when none is left.
+__device__ __forceinline__ int PopLowest(unsigned* pending) {
+  const int at = __ffs(*pending) - 1;
+  *pending &= *pending - 1;
+  return at;
 }
 
 // This lane's pieces of one slot's gradient (part 0) or table (1) row; zeros past dim.
@@ -205,6 +212,7 @@ struct WindowScan {
   int64_t my_hi;    // where the row starting at this lane ends
   unsigned starts;  // lanes where a row starts (the walk's row excepted)
   unsigned longs;   // of those, rows longer than long_segment
+  unsigned singles; // of those, rows of one entry left to SingleEntryRowsKernel (else 0)
 };
 
 __device__ __forceinline__ WindowScan ScanWindow(const BackwardArgs& a, int64_t cursor, int64_t end, int lane,
@@ -225,7 +233,25 @@ __device__ __forceinline__ WindowScan ScanWindow(const BackwardArgs& a, int64_t 
   const unsigned later = lane == kWarp - 1 ? 0u : s.starts & (~0u << (lane + 1));
   s.my_hi = later != 0 ? cursor + __ffs(later) - 1 : tail_hi;
   s.longs = __ballot_sync(kFullMask, starts_here && s.my_hi - (cursor + lane) > a.long_segment);
+  s.singles = __ballot_sync(kFullMask, a.single_entry_rows_done && starts_here && s.my_hi == cursor + lane + 1);
   return s;
+}
+
+// acc += coef * g on this lane's columns; returns this lane's part of the dot
+// g . table. One entry's arithmetic, in the order every pass here keeps.
+template <typename T, int VEC, int U>
+__device__ __forceinline__ float AddScaledRow(float coef, const RowTile<T, VEC, U>& g,
+                                              const RowTile<T, VEC, U>& table, float (&acc)[U][VEC]) {
+  float partial_dot = 0.f;
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+      const float gv = ToFloat<T>(g.v[u].elems[v]);
+      acc[u][v] = fmaf(coef, gv, acc[u][v]);
+      partial_dot = fmaf(gv, ToFloat<T>(table.v[u].elems[v]), partial_dot);
+    }
+  return partial_dot;
 }
 
 // The entry at window lane `at` (gradient row g) into the walk's row sum, and
@@ -234,15 +260,7 @@ template <typename T, int VEC, int U>
 __device__ __forceinline__ void AddEntry(const BackwardArgs& a, const WindowScan& s, int at, int lane,
                                          bool want_dots, const RowTile<T, VEC, U>& g, Walk<T, VEC, U>& w) {
   const float coef = __shfl_sync(kFullMask, s.meta.coef, at);
-  float partial_dot = 0.f;
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) {
-      const float gv = ToFloat<T>(g.v[u].elems[v]);
-      w.acc[u][v] = fmaf(coef, gv, w.acc[u][v]);
-      partial_dot = fmaf(gv, ToFloat<T>(w.table.v[u].elems[v]), partial_dot);
-    }
+  const float partial_dot = AddScaledRow<T, VEC, U>(coef, g, w.table, w.acc);
   if (want_dots) {
     const float dot = WarpSum(partial_dot);
     const uint32_t entry = __shfl_sync(kFullMask, s.meta.entry, at);
@@ -262,14 +280,21 @@ __device__ int64_t WalkWindow(const BackwardArgs& a, int64_t cursor, int64_t end
   const uint32_t my_row = sc.my_row, my_bag = sc.my_bag;
   const unsigned starts = sc.starts, longs = sc.longs;
   const bool want_dots = a.dots != nullptr;
-  const unsigned fresh_rows = want_dots ? starts : 0u;  // whose table rows are copied
+  // The positions walked: all but the rows of one entry another pass wrote.
+  const unsigned live = (count == kWarp ? kFullMask : (1u << count) - 1u) & ~sc.singles;
+  const unsigned fresh_rows = want_dots ? starts & live : 0u;  // whose table rows are copied
+  unsigned to_issue = live, to_walk = live;
+  int issued = 0;
 #pragma unroll
-  for (int k = 0; k < kStages - 1; ++k)
-    IssueCopies<T, VEC, U>(a, ring, k, count, my_row, my_bag, fresh_rows, lane, lane_col);
-  for (int k = 0; k < count; ++k) {
-    IssueCopies<T, VEC, U>(a, ring, k + kStages - 1, count, my_row, my_bag, fresh_rows, lane, lane_col);
+  for (int i = 0; i < kStages - 1; ++i, ++issued)
+    IssueCopies<T, VEC, U>(a, ring, issued % kStages, PopLowest(&to_issue), my_row, my_bag, fresh_rows, lane,
+                           lane_col);
+  for (int walked = 0; to_walk != 0; ++walked, ++issued) {
+    const int k = PopLowest(&to_walk);
+    IssueCopies<T, VEC, U>(a, ring, issued % kStages, PopLowest(&to_issue), my_row, my_bag, fresh_rows, lane,
+                           lane_col);
     CopyAsyncWait<kStages - 1>();
-    const int stage = k % kStages;
+    const int stage = walked % kStages;
     if ((starts >> k) & 1u) {
       if (w.row >= 0) StoreRow<T, VEC, U>(a, w.row, lane_col, w.acc);
       ZeroAcc<VEC, U>(w.acc);
@@ -356,17 +381,99 @@ __device__ void GradientOfChunk(const BackwardArgs& a, int64_t chunk, int lane, 
   // Skipped entries (sorted last, row = num_rows) get d_weight 0 (the d_weights kernel's ValidEntry).
   if (a.d_weights != nullptr && pos < n && my_row >= num_rows)
     StoreWeight(a.d_weights, a.bags.weights_type, a.sorted_entries[pos], 0.f);
-  if (starts == 0) return;
-  const uint32_t last_row = __shfl_sync(kFullMask, my_row, 31 - __clz(starts));
+  // Rows of one entry (the next position's row differs) when SingleEntryRowsKernel wrote them.
+  uint32_t next = __shfl_down_sync(kFullMask, my_row, 1);
+  if (lane == kWarp - 1 && a.single_entry_rows_done)
+    next = c0 + kWarp < n ? a.sorted_rows[c0 + kWarp] : static_cast<uint32_t>(num_rows);
+  const unsigned walked = starts & ~__ballot_sync(kFullMask, a.single_entry_rows_done && next != my_row);
+  if (walked == 0) return;
+  const uint32_t last_row = __shfl_sync(kFullMask, my_row, 31 - __clz(walked));
   const int64_t end = a.seg_begin[last_row + 1];
   const int64_t lane_col = static_cast<int64_t>(lane) * VEC;
   Walk<T, VEC, U> w;
   ZeroAcc<VEC, U>(w.acc);
-  for (int64_t cursor = c0 + __ffs(starts) - 1; cursor < end;) {
+  for (int64_t cursor = c0 + __ffs(walked) - 1; cursor < end;) {
     if constexpr (kRing) cursor = WalkWindow<T, VEC, U>(a, cursor, end, lane, lane_col, w, ring);
     else cursor = WalkWindowInRegisters<T, VEC, U>(a, cursor, end, lane, lane_col, w);
   }
   StoreRow<T, VEC, U, kRing && L2Hints<T>::kStreamOnce>(a, w.row, lane_col, w.acc);
+}
+
+// Rows with exactly one entry, by bag: a warp reads its bag's gradient row
+// once and writes coef * gradient as the row gradient of each entry whose row
+// no other entry references (and that entry's dot), where the walk would read
+// the gradient row again for every entry. With more table rows than entries
+// most touched rows are such (B*K = 2M over 4M rows: 77% of them, 60% of the
+// entries). Each is the walk's sum of one entry, fmaf(coef, g, 0), and the
+// same dot (AddEntry's order): bitwise what the walk would store. H200, round
+// 20 (bench/results/gpu_round20_h200_notes.md), graph-replayed dense backward
+// with d_weights: B=65536 K=32 D=256 N=4M fp32 2.18 -> 1.97 ms, bf16 1.157 ->
+// 1.150 (its walk was bound by L2 throughput, not the gradient's re-reads),
+// D=512 N=2M bf16 1.038 -> 1.003; row-sparse fp32 1.70 -> 1.59 ms.
+constexpr int kSingleRowsInFlight = 4;
+template <typename T, int VEC, int U, typename IdxT>
+__global__ void __launch_bounds__(kBackwardThreads) SingleEntryRowsKernel(BackwardArgs a) {
+  const int64_t bag = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
+  if (bag >= a.bags.num_bags) return;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t dim = a.bags.dim, num_rows = a.bags.num_rows;
+  const int64_t lane_col = static_cast<int64_t>(lane) * VEC;
+  const bool want_dots = a.dots != nullptr;
+  int64_t begin, end;
+  BagRange(a.bags, a.num_indices, bag, &begin, &end);
+  if (begin == end) return;
+  RowTile<T, VEC, U> g;
+  LoadTile<T, VEC, U>(static_cast<const T*>(a.grad) + bag * dim, lane_col, dim, true, g);
+  const float bag_scale = a.bag_scale ? a.bag_scale[bag] : 1.f;
+  for (int64_t chunk = begin; chunk < end; chunk += kWarp) {
+    const int64_t entry = chunk + lane;
+    int64_t row = -1;
+    if (entry < end) {
+      const int64_t idx = static_cast<int64_t>(static_cast<const IdxT*>(a.bags.indices)[entry]);
+      if (idx >= 0 && idx < num_rows && a.seg_begin[idx + 1] - a.seg_begin[idx] == 1u) row = idx;
+    }
+    float coef = 0.f;
+    if (row >= 0) coef = (a.bags.weights ? LoadWeight(a.bags.weights, a.bags.weights_type, entry) : 1.f) * bag_scale;
+    unsigned pending = __ballot_sync(kFullMask, row >= 0);
+    const bool mine = row >= 0;
+    float my_dot = 0.f;
+    while (pending != 0) {
+      int at[kSingleRowsInFlight];
+      RowTile<T, VEC, U> x[kSingleRowsInFlight];
+#pragma unroll
+      for (int j = 0; j < kSingleRowsInFlight; ++j) {  // every table row of the batch first
+        at[j] = PopLowest(&pending);
+        const int64_t r = __shfl_sync(kFullMask, row, at[j] & (kWarp - 1));
+        LoadTile<T, VEC, U>(static_cast<const T*>(a.bags.table) + (at[j] >= 0 ? r : 0) * dim, lane_col, dim,
+                            at[j] >= 0 && want_dots, x[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kSingleRowsInFlight; ++j) {
+        if (at[j] < 0) break;
+        const int64_t r = __shfl_sync(kFullMask, row, at[j]);
+        const float c = __shfl_sync(kFullMask, coef, at[j]);
+        float acc[U][VEC];
+        ZeroAcc<VEC, U>(acc);
+        const float partial_dot = AddScaledRow<T, VEC, U>(c, g, x[j], acc);
+        StoreRow<T, VEC, U>(a, r, lane_col, acc);
+        if (want_dots) {
+          const float dot = WarpSum(partial_dot);
+          if (lane == at[j]) my_dot = dot;
+        }
+      }
+    }
+    if (want_dots && mine) StoreDot(a, static_cast<uint32_t>(entry), my_dot);
+  }
+}
+
+template <typename T, int VEC, int U>
+int LaunchSingleEntryRows(const BackwardArgs& args, cudaStream_t stream) {
+  const unsigned blocks = Blocks(args.bags.num_bags, kWarpsPerBlock);
+  if (args.bags.indices_int64)
+    SingleEntryRowsKernel<T, VEC, U, int64_t><<<blocks, kBackwardThreads, 0, stream>>>(args);
+  else
+    SingleEntryRowsKernel<T, VEC, U, int32_t><<<blocks, kBackwardThreads, 0, stream>>>(args);
+  return CheckLaunch("backward rows of one entry");
 }
 
 // Dense d_table: zeros into the untouched rows of [group * 32, group * 32 + 32).
@@ -396,12 +503,15 @@ __device__ void ZeroUntouchedRows(const BackwardArgs& a, int64_t group, int lane
 // -> 2.176 fp32, 1.083 -> 1.040 bf16 at D=512 N=2M (round 11): the zeros'
 // pure writes no longer mix with the walk's reads. Where entries outnumber
 // rows it cost 2-3% (B=4096 K=128 N=256K: bf16 0.202 -> 0.208 ms) and gained
-// under 1% (N=1M), so those keep the zeros in the walk's launch.
+// under 1% (N=1M), so those keep the zeros in the walk's launch. Its stores
+// are evict_first for every element size (fp32 too, unlike the walk's): fp32
+// 1.976 -> 1.959 ms there, 16-bit the same (round 20); two or eight groups
+// per warp, their starts loaded first, were 1-3% slower.
 constexpr int kZeroThreads = 256;
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kZeroThreads) UntouchedRowsKernel(BackwardArgs a, int64_t zero_groups) {
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * (kZeroThreads / kWarp) + threadIdx.x / kWarp;
-  if (warp < zero_groups) ZeroUntouchedRows<T, VEC, L2Hints<T>::kStreamOnce>(a, warp, threadIdx.x % kWarp);
+  if (warp < zero_groups) ZeroUntouchedRows<T, VEC, true>(a, warp, threadIdx.x % kWarp);
 }
 
 // Warps [0, chunks) sum the rows starting in their chunk; warps [0,
@@ -454,17 +564,26 @@ int LaunchPositionPassAs(const BackwardArgs& args, int64_t pieces, cudaStream_t 
     if (int status = CheckLaunch("backward zeros of untouched rows")) return status;
     zero_groups = 0;
   }
+  // Where most rows are untouched, most touched ones have one entry.
+  BackwardArgs args_walk = args;
+#ifndef PKM_BWD_NO_SINGLE_ENTRY_ROWS  // -D for an A/B against the walk alone
+  if (args.num_indices < args.bags.num_rows && args.bags.num_bags > 0) {
+    if (args.bags.num_bags / kWarpsPerBlock >= INT32_MAX) return SetInvalid("backward: too many bags for one launch");
+    if (int status = LaunchSingleEntryRows<T, VEC, U>(args, stream)) return status;
+    args_walk.single_entry_rows_done = true;
+  }
+#endif
   const int64_t warps = max(chunks, zero_groups);
   if (warps == 0) return PKM_CUDA_OK;
   if constexpr (sizeof(T) == 2) {
     if (args.num_indices >= args.bags.num_rows) {
       PositionsKernelInRegisters<T, VEC, U><<<Blocks(warps, kRegisterWalkThreads / kWarp), kRegisterWalkThreads, 0,
-                                              stream>>>(args, chunks, zero_groups);
+                                              stream>>>(args_walk, chunks, zero_groups);
       return CheckLaunch("backward position pass");
     }
   }
   PositionsKernel<T, VEC, U><<<Blocks(warps, kPositionThreads / kWarp), kPositionThreads, 0, stream>>>(
-      args, chunks, zero_groups);
+      args_walk, chunks, zero_groups);
   return CheckLaunch("backward position pass");
 }
 

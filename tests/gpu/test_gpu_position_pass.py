@@ -154,3 +154,86 @@ def test_no_valid_index_zeroes_every_row(lib, num_rows):
     out = (torch.full_like(g_table, float("nan")), torch.full_like(g_w, float("nan")))
     d_table, d_w = lib.cuda_backward(g_table, g_idx, g_grad, g_w, "sum", out=out)
     assert torch.equal(d_table, torch.zeros_like(g_table)) and torch.equal(d_w, torch.zeros_like(g_w))
+
+
+def single_entry_case(dtype, dim, seed, index_dtype):
+    """Fewer entries than table rows: 600 rows of one entry, 60 of two to five, one hot row of 70 (long under
+    long_segment 31), 3% padding and 2% out of range, shuffled into 40 bags of 48 (two 32-entry chunks per
+    bag); ragged splits of the same entries with empty bags and bags of 1 to 130."""
+    rng = np.random.default_rng(seed)
+    num_rows = 5000
+    picked = rng.permutation(num_rows)
+    rows = np.concatenate([picked[:600], np.repeat(picked[600:660], rng.integers(2, 6, 60)), [picked[700]] * 70])
+    rows = np.concatenate([rows, np.full(40 * 48 - len(rows), -1)])
+    rng.shuffle(rows)
+    rows[rng.random(rows.shape) < 0.02] = num_rows + 3  # out of range: padding on the GPU, skipped
+    idx = rows.reshape(40, 48).astype(index_dtype)
+    table = torch.from_numpy(rng.standard_normal((num_rows, dim)).astype(np.float32)).to(dtype)
+    weights = torch.from_numpy(rng.uniform(0.25, 1.5, size=idx.shape).astype(np.float32)).to(dtype)
+    grad = torch.from_numpy(rng.standard_normal((idx.shape[0], dim)).astype(np.float32)).to(dtype)
+    sizes = np.concatenate([[0, 1, 130, 0, 33, 31, 32, 64], np.full(40, 0)])
+    sizes[8:] = rng.integers(0, 60, 40)
+    sizes[-1] = idx.size - sizes[:-1].sum()
+    assert sizes[-1] >= 0
+    splits = np.concatenate([[0], np.cumsum(sizes)]).astype(index_dtype)
+    return table, torch.from_numpy(idx), weights, grad, torch.from_numpy(splits)
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("dim", [64, 256, 512])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_rows_of_one_entry_written_by_bag(lib, dtype, dim, index_dtype):
+    """Rows with one entry go to SingleEntryRowsKernel (a warp per bag), the others to the walk, which
+    skips them: dense and ragged bags, sum / mean / sqrtn, long rows or not. d_table and d_weights, written
+    into NaN-filled buffers, match the float64 reference; with sum a single row's gradient is bitwise
+    fp32 weight * gradient rounded once (the walk's fmaf(w, g, 0)); run to run bitwise; sparse rows equal
+    the dense ones; d_table alone and d_weights alone equal the joint call's."""
+    table, idx, weights, grad, splits = single_entry_case(dtype, dim, seed=dim + 31, index_dtype=index_dtype)
+    num_rows = table.shape[0]
+    for ragged in (False, True):
+        indices = idx.reshape(-1) if ragged else idx
+        row_splits = splits if ragged else None
+        if ragged:  # one gradient row per ragged bag
+            g_rows = torch.from_numpy(np.random.default_rng(dim).standard_normal(
+                (len(splits) - 1, dim)).astype(np.float32)).to(dtype)
+        else:
+            g_rows = grad
+        w = weights.reshape(-1) if ragged else weights
+        g_table, g_idx, g_w, g_grad = to_dev(table, indices, w, g_rows)
+        g_splits = row_splits.cuda() if ragged else None
+        flat = indices.numpy().ravel()
+        counts = np.bincount(flat[(flat >= 0) & (flat < num_rows)], minlength=num_rows)
+        touched = torch.from_numpy(np.flatnonzero(counts)).cuda()
+        cpu_idx = indices.clone()
+        cpu_idx[cpu_idx >= num_rows] = -1  # the GPU treats them as padding; the CPU reference refuses them
+        for combiner in ("sum", "mean", "sqrtn"):
+            want_dt, want_dw = lib.cpu_backward(table, cpu_idx, g_rows, w, combiner, row_splits=row_splits,
+                                                reference=True)
+            for long_segment in (31, 0):
+                opts = {"long_segment_entries": long_segment}
+                what = f"{combiner} ragged={ragged} long_segment={long_segment}"
+                out = (torch.full_like(g_table, float("nan")), torch.full_like(g_w, float("nan")))
+                d_table, d_w = lib.cuda_backward(g_table, g_idx, g_grad, g_w, combiner, row_splits=g_splits,
+                                                 options=opts, out=out)
+                assert_close(d_table, want_dt, dtype, "d_table " + what)
+                assert_close(d_w, want_dw, dtype, "d_weights " + what, floor=float(np.sqrt(dim)))
+                if combiner == "sum":
+                    single = np.flatnonzero((counts[np.clip(flat, 0, num_rows - 1)] == 1) & (flat >= 0) &
+                                            (flat < num_rows))
+                    bags = (np.searchsorted(splits.numpy(), single, side="right") - 1 if ragged
+                            else single // idx.shape[1])
+                    rows_ = torch.from_numpy(flat[single]).cuda()
+                    want_single = (g_w.reshape(-1)[torch.from_numpy(single).cuda()].float()[:, None] *
+                                   g_grad[torch.from_numpy(bags).cuda()].float()).to(dtype)
+                    assert torch.equal(d_table[rows_], want_single), what
+                again = lib.cuda_backward(g_table, g_idx, g_grad, g_w, combiner, row_splits=g_splits, options=opts)
+                assert torch.equal(again[0], d_table) and torch.equal(again[1], d_w), "not bitwise " + what
+                only_dt, _ = lib.cuda_backward(g_table, g_idx, g_grad, g_w, combiner, row_splits=g_splits,
+                                               want_d_weights=False, options=opts)
+                _, only_dw = lib.cuda_backward(g_table, g_idx, g_grad, g_w, combiner, row_splits=g_splits,
+                                               want_d_table=False, options=opts)
+                assert torch.equal(only_dt, d_table) and torch.equal(only_dw, d_w), what
+                rows, row_grads, sparse_dw = lib.cuda_sparse_backward(g_table, g_idx, g_grad, g_w, combiner,
+                                                                      row_splits=g_splits, options=opts)
+                assert torch.equal(rows, touched) and torch.equal(row_grads, d_table[rows]), what
+                assert torch.equal(sparse_dw, d_w), what
