@@ -109,6 +109,7 @@ PKM_CUDA_SRCS = [
     "kernels/cuda/backward.cu",
     "kernels/cuda/backward_positions.cu",
     "kernels/cuda/backward_rows.cu",
+    "kernels/cuda/backward_single_rows.cu",
     "kernels/cuda/backward_sort.cu",
     "kernels/cuda/backward_weights.cu",
     "kernels/cuda/fused_optimizer.cu",
@@ -122,6 +123,7 @@ PKM_CUDA_HDRS = [
 # Included by the .cu files only.
 PKM_CUDA_TEXTUAL_HDRS = [
     "kernels/cuda/backward.cuh",
+    "kernels/cuda/backward_positions.cuh",
     "kernels/cuda/backward_rows.cuh",
     "kernels/cuda/backward_staged.cuh",
     "kernels/cuda/common.cuh",

@@ -15,7 +15,9 @@
 // walk's launch, or, where most rows are untouched, first, in a launch of
 // their own. With the sum combiner the pass stores d_weights too (StoreDot),
 // saving the d_weights kernel. Where most rows are untouched, the rows with a
-// single entry are written by SingleEntryRowsKernel and the walk skips them.
+// single entry are written by SingleEntryRowsKernel (backward_single_rows.cu)
+// and the walk skips them.
+#include "kernels/cuda/backward_positions.cuh"
 #include "kernels/cuda/backward_rows.cuh"
 
 namespace pkm_cuda {
@@ -42,47 +44,6 @@ __host__ __device__ constexpr int PositionStages() { return kStageBytes / (2 * U
 #define PKM_BWD_POSITION_MIN_BLOCKS 6
 #endif
 
-// L2 eviction priorities (createpolicy + .L2::cache_hint, sm_80+). The pass
-// moves ~1.9x its d_table's bytes through DRAM (ncu, bf16 huge table: 2.2 GB
-// written, 1.8 GB read, ~0.85 GB of it the touched table rows, most of the
-// rest the 32 MB upstream gradient, gathered K times, re-read: 11% of the
-// reads hit L2). Per element size on the H200 (round 8): fp32 rows mark the gradient
-// rows evict_last (2.25 -> 2.23 ms, two runs); 16-bit rows mark the table rows
-// and d_table lines, touched once, evict_first (one run: 1.17 ms against 1.19
-// with the gradient rows evict_last instead; another: 1.204 against 1.203
-// without hints, i.e. no gain there).
-#ifndef PKM_BWD_L2_HINTS
-#define PKM_BWD_L2_HINTS 1  // -D...=0 for an A/B without them
-#endif
-template <typename T>
-struct L2Hints {
-  static constexpr bool kKeepGradient = PKM_BWD_L2_HINTS && sizeof(T) == 4;
-  static constexpr bool kStreamOnce = PKM_BWD_L2_HINTS && sizeof(T) == 2;
-};
-
-__device__ __forceinline__ uint64_t EvictFirstPolicy() {
-  uint64_t p;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-__device__ __forceinline__ uint64_t EvictLastPolicy() {
-  uint64_t p;
-  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-
-// A d_table store; kStream: evict_first.
-template <bool kStream>
-__device__ __forceinline__ void Store16(void* p, uint4 v) {
-  if constexpr (!kStream) {
-    *static_cast<uint4*>(p) = v;
-  } else {
-    asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(p), "r"(v.x), "r"(v.y),
-                 "r"(v.z), "r"(v.w), "l"(EvictFirstPolicy())
-                 : "memory");
-  }
-}
-
 // CopyAsync16 under a policy: 0 none, 1 evict_first, 2 evict_last.
 template <int kPolicy>
 __device__ __forceinline__ void CopyAsync16As(void* smem, const void* gmem) {
@@ -94,48 +55,6 @@ __device__ __forceinline__ void CopyAsync16As(void* smem, const void* gmem) {
     asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "l"(policy)
                  : "memory");
   }
-}
-
-template <typename T, int VEC, int U>
-struct RowTile {
-  Pack<T, VEC> v[U];
-};
-
-template <typename T, int VEC, int U>
-__device__ __forceinline__ void LoadTile(const T* row_ptr, int64_t lane_col, int64_t dim, bool active,
-                                         RowTile<T, VEC, U>& tile) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
-    if (!active || col >= dim) ZeroPack<T, VEC>(tile.v[u]);
-    else LoadPack<T, VEC>(row_ptr + col, tile.v[u]);
-  }
-}
-
-// Stores a finished row: d_table row, or its sparse slot.
-template <typename T, int VEC, int U, bool kStream = L2Hints<T>::kStreamOnce>
-__device__ __forceinline__ void StoreRow(const BackwardArgs& a, int64_t row, int64_t lane_col,
-                                         const float (&acc)[U][VEC]) {
-  if (a.d_table == nullptr) return;
-  const int64_t dim = a.bags.dim;
-  T* out = static_cast<T*>(a.d_table) + (a.slot_of_row ? a.slot_of_row[row] : row) * dim;
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t col = lane_col + static_cast<int64_t>(u) * kWarp * VEC;
-    if (col >= dim) continue;
-    Pack<T, VEC> pack;
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) pack.elems[v] = FromFloat<T>(acc[u][v]);
-    Store16<kStream>(out + col, pack.raw);
-  }
-}
-
-// One entry's raw dot: to dots for the d_weights kernel, or (a.d_weights set:
-// sum combiner) to d_weights as that kernel would store it (0 + dot). Long
-// rows' d_weights come from the pieces pass (PiecesKernel).
-__device__ __forceinline__ void StoreDot(const BackwardArgs& a, uint32_t entry, float dot) {
-  if (a.d_weights != nullptr) StoreWeight(a.d_weights, a.bags.weights_type, entry, 0.f + dot);
-  else a.dots[entry] = dot;
 }
 
 // The walk's ring: per warp, kStages slots of (gradient row, table row) as this
@@ -170,13 +89,6 @@ __device__ __forceinline__ void IssueCopies(const BackwardArgs& a, uint4* ring, 
     }
   }
   CopyAsyncCommit();
-}
-
-// The lowest lane of *pending (then cleared), or -1 when none is left.
-__device__ __forceinline__ int PopLowest(unsigned* pending) {
-  const int at = __ffs(*pending) - 1;
-  *pending &= *pending - 1;
-  return at;
 }
 
 // This lane's pieces of one slot's gradient (part 0) or table (1) row; zeros past dim.
@@ -235,23 +147,6 @@ __device__ __forceinline__ WindowScan ScanWindow(const BackwardArgs& a, int64_t 
   s.longs = __ballot_sync(kFullMask, starts_here && s.my_hi - (cursor + lane) > a.long_segment);
   s.singles = __ballot_sync(kFullMask, a.single_entry_rows_done && starts_here && s.my_hi == cursor + lane + 1);
   return s;
-}
-
-// acc += coef * g on this lane's columns; returns this lane's part of the dot
-// g . table. One entry's arithmetic, in the order every pass here keeps.
-template <typename T, int VEC, int U>
-__device__ __forceinline__ float AddScaledRow(float coef, const RowTile<T, VEC, U>& g,
-                                              const RowTile<T, VEC, U>& table, float (&acc)[U][VEC]) {
-  float partial_dot = 0.f;
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) {
-      const float gv = ToFloat<T>(g.v[u].elems[v]);
-      acc[u][v] = fmaf(coef, gv, acc[u][v]);
-      partial_dot = fmaf(gv, ToFloat<T>(table.v[u].elems[v]), partial_dot);
-    }
-  return partial_dot;
 }
 
 // The entry at window lane `at` (gradient row g) into the walk's row sum, and
@@ -399,83 +294,6 @@ __device__ void GradientOfChunk(const BackwardArgs& a, int64_t chunk, int lane, 
   StoreRow<T, VEC, U, kRing && L2Hints<T>::kStreamOnce>(a, w.row, lane_col, w.acc);
 }
 
-// Rows with exactly one entry, by bag: a warp reads its bag's gradient row
-// once and writes coef * gradient as the row gradient of each entry whose row
-// no other entry references (and that entry's dot), where the walk would read
-// the gradient row again for every entry. With more table rows than entries
-// most touched rows are such (B*K = 2M over 4M rows: 77% of them, 60% of the
-// entries). Each is the walk's sum of one entry, fmaf(coef, g, 0), and the
-// same dot (AddEntry's order): bitwise what the walk would store. H200, round
-// 20 (bench/results/gpu_round20_h200_notes.md), graph-replayed dense backward
-// with d_weights: B=65536 K=32 D=256 N=4M fp32 2.18 -> 1.97 ms, bf16 1.157 ->
-// 1.150 (its walk was bound by L2 throughput, not the gradient's re-reads),
-// D=512 N=2M bf16 1.038 -> 1.003; row-sparse fp32 1.70 -> 1.59 ms.
-constexpr int kSingleRowsInFlight = 4;
-template <typename T, int VEC, int U, typename IdxT>
-__global__ void __launch_bounds__(kBackwardThreads) SingleEntryRowsKernel(BackwardArgs a) {
-  const int64_t bag = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarp;
-  if (bag >= a.bags.num_bags) return;
-  const int lane = threadIdx.x % kWarp;
-  const int64_t dim = a.bags.dim, num_rows = a.bags.num_rows;
-  const int64_t lane_col = static_cast<int64_t>(lane) * VEC;
-  const bool want_dots = a.dots != nullptr;
-  int64_t begin, end;
-  BagRange(a.bags, a.num_indices, bag, &begin, &end);
-  if (begin == end) return;
-  RowTile<T, VEC, U> g;
-  LoadTile<T, VEC, U>(static_cast<const T*>(a.grad) + bag * dim, lane_col, dim, true, g);
-  const float bag_scale = a.bag_scale ? a.bag_scale[bag] : 1.f;
-  for (int64_t chunk = begin; chunk < end; chunk += kWarp) {
-    const int64_t entry = chunk + lane;
-    int64_t row = -1;
-    if (entry < end) {
-      const int64_t idx = static_cast<int64_t>(static_cast<const IdxT*>(a.bags.indices)[entry]);
-      if (idx >= 0 && idx < num_rows && a.seg_begin[idx + 1] - a.seg_begin[idx] == 1u) row = idx;
-    }
-    float coef = 0.f;
-    if (row >= 0) coef = (a.bags.weights ? LoadWeight(a.bags.weights, a.bags.weights_type, entry) : 1.f) * bag_scale;
-    unsigned pending = __ballot_sync(kFullMask, row >= 0);
-    const bool mine = row >= 0;
-    float my_dot = 0.f;
-    while (pending != 0) {
-      int at[kSingleRowsInFlight];
-      RowTile<T, VEC, U> x[kSingleRowsInFlight];
-#pragma unroll
-      for (int j = 0; j < kSingleRowsInFlight; ++j) {  // every table row of the batch first
-        at[j] = PopLowest(&pending);
-        const int64_t r = __shfl_sync(kFullMask, row, at[j] & (kWarp - 1));
-        LoadTile<T, VEC, U>(static_cast<const T*>(a.bags.table) + (at[j] >= 0 ? r : 0) * dim, lane_col, dim,
-                            at[j] >= 0 && want_dots, x[j]);
-      }
-#pragma unroll
-      for (int j = 0; j < kSingleRowsInFlight; ++j) {
-        if (at[j] < 0) break;
-        const int64_t r = __shfl_sync(kFullMask, row, at[j]);
-        const float c = __shfl_sync(kFullMask, coef, at[j]);
-        float acc[U][VEC];
-        ZeroAcc<VEC, U>(acc);
-        const float partial_dot = AddScaledRow<T, VEC, U>(c, g, x[j], acc);
-        StoreRow<T, VEC, U>(a, r, lane_col, acc);
-        if (want_dots) {
-          const float dot = WarpSum(partial_dot);
-          if (lane == at[j]) my_dot = dot;
-        }
-      }
-    }
-    if (want_dots && mine) StoreDot(a, static_cast<uint32_t>(entry), my_dot);
-  }
-}
-
-template <typename T, int VEC, int U>
-int LaunchSingleEntryRows(const BackwardArgs& args, cudaStream_t stream) {
-  const unsigned blocks = Blocks(args.bags.num_bags, kWarpsPerBlock);
-  if (args.bags.indices_int64)
-    SingleEntryRowsKernel<T, VEC, U, int64_t><<<blocks, kBackwardThreads, 0, stream>>>(args);
-  else
-    SingleEntryRowsKernel<T, VEC, U, int32_t><<<blocks, kBackwardThreads, 0, stream>>>(args);
-  return CheckLaunch("backward rows of one entry");
-}
-
 // Dense d_table: zeros into the untouched rows of [group * 32, group * 32 + 32).
 template <typename T, int VEC, bool kStream>
 __device__ void ZeroUntouchedRows(const BackwardArgs& a, int64_t group, int lane) {
@@ -568,8 +386,7 @@ int LaunchPositionPassAs(const BackwardArgs& args, int64_t pieces, cudaStream_t 
   BackwardArgs args_walk = args;
 #ifndef PKM_BWD_NO_SINGLE_ENTRY_ROWS  // -D for an A/B against the walk alone
   if (args.num_indices < args.bags.num_rows && args.bags.num_bags > 0) {
-    if (args.bags.num_bags / kWarpsPerBlock >= INT32_MAX) return SetInvalid("backward: too many bags for one launch");
-    if (int status = LaunchSingleEntryRows<T, VEC, U>(args, stream)) return status;
+    if (int status = LaunchSingleEntryRows(args, stream)) return status;
     args_walk.single_entry_rows_done = true;
   }
 #endif
