@@ -382,7 +382,9 @@ int LaunchPositionPassAs(const BackwardArgs& args, int64_t pieces, cudaStream_t 
     if (int status = CheckLaunch("backward zeros of untouched rows")) return status;
     zero_groups = 0;
   }
-  // Where most rows are untouched, most touched ones have one entry.
+  // Where most rows are untouched, most touched ones have one entry. Only the
+  // ring walk (WalkWindow) skips them; the register walk below runs only where
+  // entries are at least as many as rows, so never after this pass.
   BackwardArgs args_walk = args;
 #ifndef PKM_BWD_NO_SINGLE_ENTRY_ROWS  // -D for an A/B against the walk alone
   if (args.num_indices < args.bags.num_rows && args.bags.num_bags > 0) {
