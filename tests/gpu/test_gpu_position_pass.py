@@ -240,3 +240,33 @@ def test_rows_of_one_entry_written_by_bag(lib, dtype, dim, index_dtype):
                                                                       row_splits=g_splits, options=opts)
                 assert torch.equal(rows, touched) and torch.equal(row_grads, d_table[rows]), what
                 assert torch.equal(sparse_dw, d_w), what
+
+
+@pytest.mark.parametrize("dim", [64, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_rows_of_one_entry_without_weights(lib, dtype, dim):
+    """The same case without per-sample weights (coefficient 1, or the bag's mean / sqrtn scale): d_table,
+    written into a NaN-filled buffer, matches the float64 reference; with sum each single row's gradient is
+    the bag's gradient row itself, bitwise; the sparse rows equal the dense ones."""
+    table, idx, _, grad, _ = single_entry_case(dtype, dim, seed=dim + 57, index_dtype=np.int64)
+    num_rows = table.shape[0]
+    g_table, g_idx, g_grad = to_dev(table, idx, grad)
+    flat = idx.numpy().ravel()
+    valid = (flat >= 0) & (flat < num_rows)
+    counts = np.bincount(flat[valid], minlength=num_rows)
+    single = np.flatnonzero(valid & (counts[np.clip(flat, 0, num_rows - 1)] == 1))
+    assert len(single) > 400
+    cpu_idx = idx.clone()
+    cpu_idx[cpu_idx >= num_rows] = -1
+    for combiner in ("sum", "mean", "sqrtn"):
+        want_dt, _ = lib.cpu_backward(table, cpu_idx, grad, None, combiner, reference=True)
+        out = (torch.full_like(g_table, float("nan")), None)
+        d_table, d_w = lib.cuda_backward(g_table, g_idx, g_grad, None, combiner, out=out)
+        assert d_w is None
+        assert_close(d_table, want_dt, dtype, f"d_table {combiner}")
+        if combiner == "sum":
+            rows = torch.from_numpy(flat[single]).cuda()
+            bags = torch.from_numpy(single // idx.shape[1]).cuda()
+            assert torch.equal(d_table[rows], g_grad[bags]), combiner
+        rows, row_grads, _ = lib.cuda_sparse_backward(g_table, g_idx, g_grad, None, combiner)
+        assert torch.equal(row_grads, d_table[rows]), combiner
