@@ -10,8 +10,9 @@
 
 namespace pkm_cuda {
 
-// L2 eviction priorities (createpolicy + .L2::cache_hint, sm_80+). The pass
-// moves ~1.9x its d_table's bytes through DRAM (ncu, bf16 huge table: 2.2 GB
+// L2 eviction priorities (createpolicy + .L2::cache_hint, sm_80+). Before the
+// single-entry pass, the walk moved ~1.9x its d_table's bytes through DRAM
+// (ncu, bf16 huge table: 2.2 GB
 // written, 1.8 GB read, ~0.85 GB of it the touched table rows, most of the
 // rest the 32 MB upstream gradient, gathered K times, re-read: 11% of the
 // reads hit L2). Per element size on the H200 (round 8): fp32 rows mark the gradient
