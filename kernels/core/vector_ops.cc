@@ -254,6 +254,10 @@ void RestoreAccOrder(ElemType type, float* acc, int64_t n) {
 void FromAcc(ElemType type, float* acc, float scale, ElemType out_type, void* dst, int64_t n) {
 #if defined(PKM_X86_F16C)
   if (type == ElemType::kBFloat16 && out_type == ElemType::kBFloat16) {
+    if (f16c::HasAvx512Bf16()) {
+      f16c::ScaleBF16PairsToBF16Avx512Bf16(acc, scale, static_cast<uint16_t*>(dst), n);
+      return;
+    }
     if (f16c::HasAvx512()) {
       f16c::ScaleBF16PairsToBF16Avx512(acc, scale, static_cast<uint16_t*>(dst), n);
       return;
@@ -371,6 +375,12 @@ void FromFloat(const float* src, float scale, ElemType type, void* dst, int64_t 
       ScaleToF16(src, scale, static_cast<uint16_t*>(dst), n);
       break;
     case ElemType::kBFloat16:
+#if defined(PKM_X86_F16C)
+      if (f16c::HasAvx512Bf16()) {
+        f16c::ScaleToBF16Avx512Bf16(src, scale, static_cast<uint16_t*>(dst), n);
+        break;
+      }
+#endif
       ScaleToBF16(src, scale, static_cast<uint16_t*>(dst), n);
       break;
     case ElemType::kInt8:

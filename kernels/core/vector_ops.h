@@ -149,6 +149,10 @@ void AxpyBF16Avx512(float a, const char* row, const char* ahead, float* acc, int
 void AssignBF16Avx512(float a, const char* row, const char* ahead, float* acc, int64_t n);
 void BF16RestoreOrderAvx512(float* acc, int64_t n);
 void ScaleBF16PairsToBF16Avx512(const float* acc, float scale, uint16_t* dst, int64_t n);
+// The same and FromFloat's bfloat16 conversion with AVX-512 BF16's rounding instruction (bitwise the same).
+bool HasAvx512Bf16();  // AVX-512 BW, DQ and BF16, and HasAvx512
+void ScaleBF16PairsToBF16Avx512Bf16(const float* acc, float scale, uint16_t* dst, int64_t n);
+void ScaleToBF16Avx512Bf16(const float* src, float scale, uint16_t* dst, int64_t n);
 void Max(const uint16_t* row, float* acc, int64_t n);
 void ToFloat(const uint16_t* src, float* dst, int64_t n);
 void ScaleTo(const float* src, float scale, uint16_t* dst, int64_t n);

@@ -356,6 +356,60 @@ PKM_AVX512_TARGET void ScaleBF16PairsToBF16Avx512(const float* acc, float scale,
 }
 #undef PKM_AVX512_TARGET
 
+// AVX-512 BF16's VCVTNE2PS2BF16 rounds 32 floats to nearest even and quiets
+// NaNs in one instruction, as FloatToBFloat16 does, but it flushes denormal
+// inputs to zero: a block holding one is converted by the integer path above
+// instead, so the results stay bitwise the same. On the 2-core Zen 4 EPYC the
+// integer path was 41% of a one-row bfloat16 bag's time (B=2048 K=1 D=512).
+#define PKM_AVX512_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")))
+
+bool HasAvx512Bf16() {
+  static const bool has = HasAvx512() && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+namespace {
+constexpr int kDenormalClass = 0x20;  // VFPCLASSPS: denormal
+}  // namespace
+
+// ScaleBF16PairsToBF16Avx512's output, 32 columns per conversion.
+PKM_AVX512_BF16_TARGET void ScaleBF16PairsToBF16Avx512Bf16(const float* acc, float scale, uint16_t* dst,
+                                                           int64_t n) {
+  const __m512 s = _mm512_set1_ps(scale);
+  // bf16 lane 2j takes even column j (converted lane j), lane 2j + 1 odd column j (lane 16 + j).
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 even = _mm512_mul_ps(s, _mm512_loadu_ps(acc + i));
+    const __m512 odd = _mm512_mul_ps(s, _mm512_loadu_ps(acc + i + 16));
+    if ((_mm512_fpclass_ps_mask(even, kDenormalClass) | _mm512_fpclass_ps_mask(odd, kDenormalClass)) != 0) {
+      ScaleBF16PairsToBF16Avx512(acc + i, scale, dst + i, 32);
+      continue;
+    }
+    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // even in lanes 0-15
+    _mm512_storeu_si512(dst + i, _mm512_permutexvar_epi16(interleave, both));
+  }
+  ScaleBF16PairsToBF16(acc + i, scale, dst + i, n - i);
+}
+
+// FromFloat's bfloat16 conversion (column order), 16 columns per conversion.
+PKM_AVX512_BF16_TARGET void ScaleToBF16Avx512Bf16(const float* src, float scale, uint16_t* dst, int64_t n) {
+  const __m512 s = _mm512_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_mul_ps(s, _mm512_loadu_ps(src + i));
+    if (_mm512_fpclass_ps_mask(x, kDenormalClass) != 0) {
+      for (int64_t j = i; j < i + 16; ++j) dst[j] = FloatToBFloat16(scale * src[j]);
+      continue;
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(x)));
+  }
+  for (; i < n; ++i) dst[i] = FloatToBFloat16(scale * src[i]);
+}
+#undef PKM_AVX512_BF16_TARGET
+
 PKM_F16C_TARGET void Max(const uint16_t* row, float* acc, int64_t n) {
   int64_t i = 0;
   // max_ps(v, acc) is v > acc ? v : acc, NaN in v never replacing acc: the generic loop's rule.
