@@ -254,18 +254,10 @@ void RestoreAccOrder(ElemType type, float* acc, int64_t n) {
 void FromAcc(ElemType type, float* acc, float scale, ElemType out_type, void* dst, int64_t n) {
 #if defined(PKM_X86_F16C)
   if (type == ElemType::kBFloat16 && out_type == ElemType::kBFloat16) {
-    if (f16c::HasAvx512Bf16()) {
-      f16c::ScaleBF16PairsToBF16Avx512Bf16(acc, scale, static_cast<uint16_t*>(dst), n);
-      return;
-    }
-    if (f16c::HasAvx512()) {
-      f16c::ScaleBF16PairsToBF16Avx512(acc, scale, static_cast<uint16_t*>(dst), n);
-      return;
-    }
-    if (f16c::HasF16C()) {
-      f16c::ScaleBF16PairsToBF16(acc, scale, static_cast<uint16_t*>(dst), n);
-      return;
-    }
+    uint16_t* out = static_cast<uint16_t*>(dst);
+    if (f16c::HasAvx512Bf16()) return f16c::ScaleBF16PairsToBF16Avx512Bf16(acc, scale, out, n);
+    if (f16c::HasAvx512()) return f16c::ScaleBF16PairsToBF16Avx512(acc, scale, out, n);
+    if (f16c::HasF16C()) return f16c::ScaleBF16PairsToBF16(acc, scale, out, n);
   }
 #endif
   RestoreAccOrder(type, acc, n);
