@@ -34,8 +34,8 @@ __attribute__((always_inline)) inline int64_t CollectBag(const Index* idx, LoadW
     wsq += w * w;
     rows[n] = data + r * row_bytes;
     coefs[n] = w;
-    // int8: the row's scale (and bias) are read by ApplyRowParams, after a
-    // window of rows has been summed (a random row's scale is a cache miss).
+    // int8: the row's scale (and bias) are read by ApplyRowParams just before
+    // the entry's group is summed (a random row's scale is a cache miss).
     if constexpr (kInt8) {
       row_ids[n] = r;
       vec::PrefetchTableLine(scales + r * param_bytes);
@@ -61,7 +61,6 @@ void CollectBags(const Table& table, const Bags& bags, LoadWeight load_weight, i
   window->ends.clear();
   window->weight_sums.clear();
   window->weight_sq_sums.clear();
-  window->bias_sums.clear();
   int64_t n = 0;  // entries so far; the vectors are sized ahead of each bag
   for (; b < b1 && n < kWindowEntries; ++b) {
     const int64_t begin = bags.Begin(b), end = bags.End(b);
@@ -77,7 +76,6 @@ void CollectBags(const Table& table, const Bags& bags, LoadWeight load_weight, i
     window->ends.push_back(n);
     window->weight_sums.push_back(weight_sum);
     window->weight_sq_sums.push_back(weight_sq_sum);
-    window->bias_sums.push_back(0.f);
   }
   window->end_bag = b;
   window->count = n;
@@ -129,18 +127,12 @@ void CollectWindow(const Table& table, const Bags& bags, int64_t b, int64_t b1, 
   }
 }
 
-void ApplyRowParams(const Table& table, BagWindow* window) {
-  if (table.type != ElemType::kInt8) return;
-  int64_t k = 0;
-  for (size_t i = 0; i < window->ends.size(); ++i) {
-    float bias_sum = 0.f;
-    for (; k < window->ends[i]; ++k) {
-      const int64_t r = window->row_ids[k];
-      if (table.row_biases != nullptr)
-        bias_sum += window->coefs[k] * RowParam(table.row_biases, table.row_params_type, r);
-      window->coefs[k] *= RowParam(table.row_scales, table.row_params_type, r);
-    }
-    window->bias_sums[i] = bias_sum;
+void ApplyRowParams(const Table& table, BagWindow* window, int64_t k0, int64_t k1, float* bias_sum) {
+  for (int64_t k = k0; k < k1; ++k) {
+    const int64_t r = window->row_ids[k];
+    if (table.row_biases != nullptr)
+      *bias_sum += window->coefs[k] * RowParam(table.row_biases, table.row_params_type, r);
+    window->coefs[k] *= RowParam(table.row_scales, table.row_params_type, r);
   }
 }
 

@@ -25,18 +25,22 @@ struct BagWindow {
   int64_t first_bag = 0, end_bag = 0;  // bags [first_bag, end_bag)
   int64_t count = 0;                   // their valid entries; the vectors may be longer
   std::vector<const char*> rows;       // the entries' rows, in order
-  std::vector<float> coefs;            // w, times the row scale for int8 tables
+  std::vector<float> coefs;            // w (for int8 tables, ApplyRowParams multiplies in the row scale)
   std::vector<int64_t> row_ids;        // the entries' row numbers (int8 tables only)
   std::vector<int64_t> ends;           // entry end of each bag in rows
-  std::vector<float> weight_sums, weight_sq_sums, bias_sums;  // bias: int8 tables only
+  std::vector<float> weight_sums, weight_sq_sums;
   int64_t size() const { return count; }
 };
 
 // Collects bags from `b` (< b1) on until the window holds kWindowEntries
 // entries or reaches b1. For int8 tables the coefficients are the weights
-// until ApplyRowParams multiplies in the row scales and sums the biases.
+// until ApplyRowParams multiplies in the row scales of entries [k0, k1) and
+// adds w * bias of each to *bias_sum, in entry order. The loop below applies
+// them a group at a time, just before summing the group, so that the wait
+// for a window's scale lines (requested by CollectWindow) overlaps the
+// earlier groups' rows.
 void CollectWindow(const Table& table, const Bags& bags, int64_t b, int64_t b1, BagWindow* window);
-void ApplyRowParams(const Table& table, BagWindow* window);
+void ApplyRowParams(const Table& table, BagWindow* window, int64_t k0, int64_t k1, float* bias_sum);
 
 // Entries between a row being summed and the row it prefetches: about 8 KB
 // of rows, within [8, 64] (measured on the 2-core EPYC: 4-8 KB ran 2-10%
@@ -64,12 +68,10 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
   BagWindow* cur = &windows[0];
   BagWindow* next = &windows[1];
   CollectWindow(table, bags, b0, b1, cur);
-  // The block's first rows have no earlier row to prefetch them. Requested
-  // before ApplyRowParams waits on the int8 rows' scales, so that both sets
-  // of misses are in flight together.
+  // The block's first rows have no earlier row to prefetch them.
   for (int64_t k = 0; k < std::min(ahead, cur->size()); ++k)
     for (int64_t off = 0; off < row_bytes; off += 64) vec::PrefetchTableLine(cur->rows[k] + off);
-  ApplyRowParams(table, cur);
+  const bool row_params = table.type == ElemType::kInt8;
   while (true) {
     next->count = 0;
     if (cur->end_bag < b1) CollectWindow(table, bags, cur->end_bag, b1, next);
@@ -93,19 +95,22 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
       const int64_t i = b - cur->first_bag, end = cur->ends[i];
       float* const sums = acc_in_out ? reinterpret_cast<float*>(out + b * out_row_bytes) : acc.data();
       const char* group_ahead[vec::kRowGroup];
+      float bias_sum = 0.f;
       int64_t k = begin;
+      // (int8 tables have no assign kernel)
       if (k < end && end - k < vec::kRowGroup && assign(cur->coefs[k], cur->rows[k], later(k), sums, dim)) ++k;
       else std::fill(sums, sums + dim, 0.f);
       for (; k + vec::kRowGroup <= end; k += vec::kRowGroup) {
         for (int r = 0; r < vec::kRowGroup; ++r) group_ahead[r] = later(k + r);
+        if (row_params) ApplyRowParams(table, cur, k, k + vec::kRowGroup, &bias_sum);
         group(cur->coefs.data() + k, cur->rows.data() + k, group_ahead, sums, dim);
       }
+      if (row_params) ApplyRowParams(table, cur, k, end, &bias_sum);
       for (; k < end; ++k) row(cur->coefs[k], cur->rows[k], later(k), sums, dim);
-      finish(b, sums, cur->weight_sums[i], cur->weight_sq_sums[i], cur->bias_sums[i]);
+      finish(b, sums, cur->weight_sums[i], cur->weight_sq_sums[i], bias_sum);
       begin = end;
     }
     if (cur->end_bag >= b1) break;
-    ApplyRowParams(table, next);  // its scales were requested while cur was summed
     std::swap(cur, next);
   }
 }
