@@ -97,7 +97,7 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
       const char* group_ahead[vec::kRowGroup];
       float bias_sum = 0.f;
       int64_t k = begin;
-      // (int8 tables have no assign kernel)
+      // (int8 tables have no assign kernel: every entry of theirs gets its scale below)
       if (k < end && end - k < vec::kRowGroup && assign(cur->coefs[k], cur->rows[k], later(k), sums, dim)) ++k;
       else std::fill(sums, sums + dim, 0.f);
       for (; k + vec::kRowGroup <= end; k += vec::kRowGroup) {
