@@ -137,7 +137,11 @@ void ApplyRowParams(const Table& table, BagWindow* window, int64_t k0, int64_t k
 }
 
 int64_t PrefetchAhead(int64_t row_bytes) {
-  return std::clamp<int64_t>(8192 / std::max<int64_t>(row_bytes, 1), 8, 64);
+  row_bytes = std::max<int64_t>(row_bytes, 1);
+#if defined(PKM_X86_F16C)
+  if (vec::f16c::HasAvx512()) return std::clamp<int64_t>(65536 / row_bytes, 8, 128);
+#endif
+  return std::clamp<int64_t>(8192 / row_bytes, 8, 64);
 }
 
 }  // namespace internal
