@@ -2,6 +2,9 @@
 //   bag_bench stream THREADS MIB REPEATS
 //       streaming-read bandwidth: THREADS threads each sum their own share of
 //       a MIB buffer with 256-bit loads (no writes); prints the best GB/s.
+//   bag_bench stream-resident THREADS MIB PASSES REPEATS
+//       the same over a MIB buffer on 2 MB pages (a table's size), each thread
+//       reading its share PASSES times a repeat; prints the best GB/s a pass.
 //   bag_bench forward B K D N DTYPE THREADS REPEATS [COMBINER]
 //       pkm::Forward on random bags (no padding) with THREADS std::threads;
 //       prints the best ms and the GB/s of gathered rows.
@@ -75,6 +78,31 @@ int Stream(int threads, int64_t mib, int repeats) {
   }
   std::printf("{\"threads\": %d, \"bytes\": %lld, \"best_s\": %.6f, \"gbps\": %.2f}\n", threads,
               static_cast<long long>(n * 4), best, n * 4 / best / 1e9);
+  std::free(buf);
+  return 0;
+}
+
+// The read rate of a buffer the size of a table, on 2 MB pages as the core
+// puts tables (a table that fits the last-level cache is read from there):
+// each thread sums its share `passes` times after a warm pass; best per pass.
+int StreamResident(int threads, int64_t mib, int passes, int repeats) {
+  const int64_t n = mib * 1024 * 1024 / 4;
+  const size_t bytes = (static_cast<size_t>(n) * 4 + (size_t{2} << 20) - 1) & ~((size_t{2} << 20) - 1);
+  float* buf = static_cast<float*>(std::aligned_alloc(size_t{2} << 20, bytes));
+  madvise(buf, bytes, MADV_HUGEPAGE);
+  Threads(threads)(n, 1, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) buf[i] = 1.f; });
+  double best = 1e30;
+  volatile float sink = 0;
+  for (int r = 0; r < repeats; ++r) {
+    const double t0 = Now();
+    Threads(threads)(threads, 1, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t)
+        for (int p = 0; p < passes; ++p) sink = sink + SumRange(buf + n * t / threads, n / threads);
+    });
+    best = std::min(best, (Now() - t0) / passes);
+  }
+  std::printf("{\"threads\": %d, \"bytes\": %lld, \"passes\": %d, \"best_s\": %.6f, \"gbps\": %.2f}\n", threads,
+              static_cast<long long>(n * 4), passes, best, n * 4 / best / 1e9);
   std::free(buf);
   return 0;
 }
@@ -207,12 +235,14 @@ int PagesAb(int64_t B, int64_t K, int64_t D, int64_t N, const std::string& dtype
 int main(int argc, char** argv) {
   if (argc >= 5 && std::strcmp(argv[1], "stream") == 0)
     return Stream(std::atoi(argv[2]), std::atoll(argv[3]), std::atoi(argv[4]));
+  if (argc >= 6 && std::strcmp(argv[1], "stream-resident") == 0)
+    return StreamResident(std::atoi(argv[2]), std::atoll(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]));
   if (argc >= 9 && std::strcmp(argv[1], "forward") == 0)
     return Forward(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5]), argv[6],
                    std::atoi(argv[7]), std::atoi(argv[8]), argc > 9 ? argv[9] : "sum");
   if (argc >= 9 && std::strcmp(argv[1], "pages-ab") == 0)
     return PagesAb(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5]), argv[6],
                    std::atoi(argv[7]), std::atoi(argv[8]));
-  std::fprintf(stderr, "usage: bag_bench stream THREADS MIB REPEATS | forward B K D N DTYPE THREADS REPEATS [COMBINER] | pages-ab B K D N DTYPE THREADS ROUNDS\n");
+  std::fprintf(stderr, "usage: bag_bench stream THREADS MIB REPEATS | stream-resident THREADS MIB PASSES REPEATS | forward B K D N DTYPE THREADS REPEATS [COMBINER] | pages-ab B K D N DTYPE THREADS ROUNDS\n");
   return 2;
 }
