@@ -47,14 +47,15 @@ bool HasWideRegisters() {
 #endif
 }
 
-// Bytes of rows between an entry being summed and the one whose row it
-// prefetches. 16 KB, 16 to 128 entries, on a Zen 4 EPYC (one thread, B=2048
-// K=128, N=65536): 0.42-0.46x the time of 16 entries at D=32 and for bfloat16
-// D=64, 0.86x for float32 D=64, the same for float32 D=128; 32 KB there was no
-// better (bench/results/cpu_roofline_notes.md, round 18). On the AVX-512 Xeon
-// of round 22, 32 KB (64 entries) took float32 D=128 0.55-0.58x the time of
-// 16 KB (2 threads, core), the rest the same; so 32 KB with AVX-512.
-int64_t ShortRowAheadBytes() { return HasWideRegisters() ? 32768 : 16384; }
+// Fewest entries between an entry being summed and the one whose row it
+// prefetches (SumBag: rows about 16 KB ahead, up to 128 entries). 16 on a Zen
+// 4 EPYC (one thread, B=2048 K=128, N=65536): 16 KB took 0.42-0.46x the time
+// of 16 entries at D=32 and for bfloat16 D=64, 0.86x for float32 D=64, the
+// same for float32 D=128; 32 KB there was no better
+// (bench/results/cpu_roofline_notes.md, round 18). 64 with AVX-512: on the
+// Xeon of round 22, 64 entries (32 KB) took float32 D=128 0.55-0.58x the time
+// of 32 (core, 2 threads); narrower rows already get 64 or more.
+int64_t ShortRowMinAhead() { return HasWideRegisters() ? 64 : 16; }
 
 // kLanes values of a row as floats (a pointer out, not a return value: GCC
 // warns that returning a 256-bit vector changes the ABI of the baseline clone).
@@ -79,15 +80,15 @@ __attribute__((always_inline)) inline void LoadLanes(const char* p, typename Lan
 // entry's weight, a functor chosen once per block of bags (SumBags).
 template <int NV, int kLanes, bool kBf16, bool kPairs, typename Index, typename LoadWeight>
 __attribute__((always_inline)) inline void SumBag(const char* table, const Index* idx, LoadWeight load_weight,
-                                                  int64_t ahead_bytes, int64_t block_end, int64_t begin, int64_t end,
+                                                  int64_t min_ahead, int64_t block_end, int64_t begin, int64_t end,
                                                   float* sum, float* weight_sum, float* weight_sq_sum) {
   constexpr int64_t kElem = kBf16 ? 2 : 4;
   // The row's size is the template's: constant offsets, and its lines'
   // prefetches unrolled (a loop over them was a fifth of the samples at D=64).
   constexpr int64_t kRowBytes = NV * kLanes * (kPairs ? 4 : kElem);
   constexpr int64_t kRowLines = (kRowBytes + 63) / 64;
-  // Rows ahead_bytes ahead (ShortRowAheadBytes), 16 to 128 entries.
-  const int64_t ahead_entries = std::clamp<int64_t>(ahead_bytes / kRowBytes, 16, 128);
+  // Rows about 16 KB ahead, min_ahead (ShortRowMinAhead) to 128 entries.
+  const int64_t ahead_entries = std::clamp<int64_t>(16384 / kRowBytes, min_ahead, 128);
   static_assert(kBf16 || !kPairs, "pairs of columns are bfloat16 words");
   using VF = typename Lanes<kLanes>::F;
   using VU = typename Lanes<kLanes>::U32;
@@ -153,11 +154,11 @@ __attribute__((always_inline)) inline void SumBagsWeighted(const Table& table, c
   const Index* idx = static_cast<const Index*>(bags.indices);
   const int64_t out_row_bytes = table.dim * ElemSize(out_type);
   const int64_t block_end = b0 < b1 ? bags.End(b1 - 1) : 0;  // the block's last entry + 1
-  const int64_t ahead_bytes = ShortRowAheadBytes();
+  const int64_t min_ahead = ShortRowMinAhead();
   float sum[kLanes * NV * (kPairs ? 2 : 1)];
   for (int64_t b = b0; b < b1; ++b) {
     float ws, wsq;
-    SumBag<NV, kLanes, kBf16, kPairs>(data, idx, load_weight, ahead_bytes, block_end, bags.Begin(b), bags.End(b),
+    SumBag<NV, kLanes, kBf16, kPairs>(data, idx, load_weight, min_ahead, block_end, bags.Begin(b), bags.End(b),
                                       sum, &ws, &wsq);
     vec::FromFloat(sum, CombinerScale(combiner, ws, wsq), out_type, out + b * out_row_bytes, table.dim);
   }
