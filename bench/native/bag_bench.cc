@@ -63,33 +63,16 @@ __attribute__((target("avx2"))) float SumRange(const float* p, int64_t n) {
   return out[0] + out[1] + out[2] + out[3] + out[4] + out[5] + out[6] + out[7];
 }
 
-int Stream(int threads, int64_t mib, int repeats) {
+// Each of `threads` threads sums its share of a MIB buffer `passes` times a
+// repeat (256-bit loads, no writes); prints the best GB/s a pass. huge_pages:
+// the buffer on 2 MB pages, as the core puts tables, for the read rate of a
+// buffer a table's size (one that fits the last-level cache is read there).
+int StreamRead(int threads, int64_t mib, int passes, int repeats, bool huge_pages) {
   const int64_t n = mib * 1024 * 1024 / 4;
-  float* buf = static_cast<float*>(std::aligned_alloc(64, n * 4));
-  Threads(threads)(n, 1, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) buf[i] = 1.f; });
-  double best = 1e30;
-  volatile float sink = 0;
-  for (int r = 0; r < repeats; ++r) {
-    const double t0 = Now();
-    Threads(threads)(threads, 1, [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) sink = sink + SumRange(buf + n * t / threads, n / threads);
-    });
-    best = std::min(best, Now() - t0);
-  }
-  std::printf("{\"threads\": %d, \"bytes\": %lld, \"best_s\": %.6f, \"gbps\": %.2f}\n", threads,
-              static_cast<long long>(n * 4), best, n * 4 / best / 1e9);
-  std::free(buf);
-  return 0;
-}
-
-// The read rate of a buffer the size of a table, on 2 MB pages as the core
-// puts tables (a table that fits the last-level cache is read from there):
-// each thread sums its share `passes` times after a warm pass; best per pass.
-int StreamResident(int threads, int64_t mib, int passes, int repeats) {
-  const int64_t n = mib * 1024 * 1024 / 4;
-  const size_t bytes = (static_cast<size_t>(n) * 4 + (size_t{2} << 20) - 1) & ~((size_t{2} << 20) - 1);
-  float* buf = static_cast<float*>(std::aligned_alloc(size_t{2} << 20, bytes));
-  madvise(buf, bytes, MADV_HUGEPAGE);
+  const size_t align = huge_pages ? size_t{2} << 20 : 64;
+  const size_t bytes = (static_cast<size_t>(n) * 4 + align - 1) & ~(align - 1);
+  float* buf = static_cast<float*>(std::aligned_alloc(align, bytes));
+  if (huge_pages) madvise(buf, bytes, MADV_HUGEPAGE);
   Threads(threads)(n, 1, [&](int64_t b, int64_t e) { for (int64_t i = b; i < e; ++i) buf[i] = 1.f; });
   double best = 1e30;
   volatile float sink = 0;
@@ -234,9 +217,9 @@ int PagesAb(int64_t B, int64_t K, int64_t D, int64_t N, const std::string& dtype
 
 int main(int argc, char** argv) {
   if (argc >= 5 && std::strcmp(argv[1], "stream") == 0)
-    return Stream(std::atoi(argv[2]), std::atoll(argv[3]), std::atoi(argv[4]));
+    return StreamRead(std::atoi(argv[2]), std::atoll(argv[3]), 1, std::atoi(argv[4]), false);
   if (argc >= 6 && std::strcmp(argv[1], "stream-resident") == 0)
-    return StreamResident(std::atoi(argv[2]), std::atoll(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]));
+    return StreamRead(std::atoi(argv[2]), std::atoll(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]), true);
   if (argc >= 9 && std::strcmp(argv[1], "forward") == 0)
     return Forward(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5]), argv[6],
                    std::atoi(argv[7]), std::atoi(argv[8]), argc > 9 ? argv[9] : "sum");
