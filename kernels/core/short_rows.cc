@@ -53,8 +53,8 @@ bool HasWideRegisters() {
 // of 16 entries at D=32 and for bfloat16 D=64, 0.86x for float32 D=64, the
 // same for float32 D=128; 32 KB there was no better
 // (bench/results/cpu_roofline_notes.md, round 18). 64 with AVX-512: on the
-// Xeon of round 22, 64 entries (32 KB) took float32 D=128 0.55-0.58x the time
-// of 32 (core, 2 threads); narrower rows already get 64 or more.
+// Xeon of round 22, 64 entries (32 KB) took float32 D=128 0.44-0.60x the time
+// of 32 (core, 2 threads); rows of 256 bytes or less already get 64 or more.
 int64_t ShortRowMinAhead() { return HasWideRegisters() ? 64 : 16; }
 
 // kLanes values of a row as floats (a pointer out, not a return value: GCC
