@@ -44,12 +44,11 @@ void ApplyRowParams(const Table& table, BagWindow* window, int64_t k0, int64_t k
 
 // Entries between a row being summed and the row it prefetches: about 64 KB
 // of rows, within [8, 128], where the CPU has AVX-512, else about 8 KB within
-// [8, 64]. Measured (bench/results/cpu_roofline_notes.md, round 22): on the
-// AVX-512 Xeon 64 KB took the TF op 0.84-0.90x the time of 8 KB for 1 KB
-// 16-bit rows, 0.64-0.66x for 512-byte ones, 0.95-0.96x for 2 KB float32
-// rows in one hour, the same time in a later one; on the Zen 4 EPYC (AVX-512)
-// 8-64 KB ran the same; on the AVX2 Zen 1 EPYC 4-8 KB ran 2-10% faster than
-// 16 KB.
+// [8, 64]. Measured (bench/results/prefetch_distance_ab_xeon_round22.md): on
+// the AVX-512 Xeon 64 KB took the TF op 0.80-0.97x the time of 8 KB for 1 KB
+// 16-bit rows, 0.60-0.66x for 512-byte ones, 0.94-0.96x for 2 KB float32
+// rows; on the Zen 4 EPYC (AVX-512) 8-64 KB ran the same; on the AVX2 Zen 1
+// EPYC 4-8 KB ran 2-10% faster than 16 KB.
 int64_t PrefetchAhead(int64_t row_bytes);
 
 // Kernels the loop calls: Group(coefs, rows, ahead_rows, acc, n) over
