@@ -235,6 +235,92 @@ inline void RunClaimedBlocks(ClaimedBlocks* blocks) {
   }
 }
 
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Pool threads that, having helped a forward, stay awake a while (spinning)
+// and join the next forward's blocks as soon as it publishes them, as an
+// OpenMP runtime's threads spin after a parallel region. Waking a parked pool
+// thread costs the caller the wake-up call and then the wake-up latency; on
+// the 2-core Xeon VM of round 23, Schedule() took ~40 us of the calling
+// thread's CPU and the helper started ~60 us after it, against ~30 us of
+// work per block of a 64-bag int8 forward (bench/results/tf_forward_linger_notes.md).
+// One set for every pool: a helper may run another pool's caller's blocks,
+// which is only a matter of which thread does them.
+class LingeringHelpers {
+ public:
+  static LingeringHelpers& Get() {
+    static LingeringHelpers* helpers = new LingeringHelpers;  // never destroyed: pool threads may outlive statics
+    return *helpers;
+  }
+
+  // Makes `blocks` the job lingering helpers join; returns how many linger now.
+  int64_t Publish(const std::shared_ptr<ClaimedBlocks>& blocks) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      job_ = blocks;
+      seq_.fetch_add(1, std::memory_order_release);
+    }
+    return lingering_.load(std::memory_order_acquire);
+  }
+
+  // Called by the publisher once every block is done.
+  void Withdraw(const ClaimedBlocks* blocks) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (job_.get() == blocks) job_.reset();
+  }
+
+  // A pool task: helps with `blocks`, then lingers up to `linger_us` for the
+  // next published job (the wait restarts after each job it helps with).
+  void HelpThenLinger(std::shared_ptr<ClaimedBlocks> blocks, int64_t linger_us) {
+    RunClaimedBlocks(blocks.get());
+    blocks.reset();
+    if (linger_us <= 0) return;
+    uint64_t seen = seq_.load(std::memory_order_acquire);
+    lingering_.fetch_add(1, std::memory_order_acq_rel);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(linger_us);
+    for (int spins = 0;; ++spins) {
+      if (seq_.load(std::memory_order_acquire) != seen) {
+        std::shared_ptr<ClaimedBlocks> job;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          job = job_;
+          seen = seq_.load(std::memory_order_relaxed);
+        }
+        if (job != nullptr) {
+          lingering_.fetch_sub(1, std::memory_order_acq_rel);
+          RunClaimedBlocks(job.get());
+          job.reset();
+          lingering_.fetch_add(1, std::memory_order_acq_rel);
+          deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(linger_us);
+        }
+        continue;
+      }
+      if (spins % 64 == 0 && std::chrono::steady_clock::now() >= deadline) break;
+      CpuRelax();
+    }
+    lingering_.fetch_sub(1, std::memory_order_acq_rel);
+  }
+
+ private:
+  std::mutex mu_;
+  std::shared_ptr<ClaimedBlocks> job_;  // guarded by mu_
+  std::atomic<uint64_t> seq_{0};        // bumped at each Publish
+  std::atomic<int64_t> lingering_{0};
+};
+
+// How long a forward's helpers linger (PKM_FORWARD_LINGER_US, read at each
+// call; 0 parks them at once as before).
+inline int64_t ForwardLingerMicros() {
+  const char* value = std::getenv("PKM_FORWARD_LINGER_US");
+  return value != nullptr ? std::max<int64_t>(0, std::atoll(value)) : 200;
+}
+
 }  // namespace internal
 
 // The core's ParallelFor on TF's intra-op CPU thread pool.
@@ -246,34 +332,33 @@ inline pkm::ParallelFor TfParallelFor(::tensorflow::OpKernelContext* ctx) {
   };
 }
 
-// The forward's ParallelFor: a call of up to kMaxClaimedCost (about a
-// millisecond of rows here) is cut into blocks that the calling thread claims
-// from the start and the pool's threads join as they wake up; the caller
-// waits only for blocks already running elsewhere. TF's ParallelFor hands a
-// share of the range to a pool thread and waits for that thread to get to it,
-// so a late wake-up was on every small forward's path. On the 2-core EPYC VM
-// (bench/results/tf_parallel_for_ab.md) claimed blocks ran the forward 5-25%
-// faster at 16-64 bags of 128 rows and no faster at 256-2048 bags. With them
-// in the backward too, a forward + backward at 64 bags measured 0.94-1.14x
-// TF's time over several runs (no gain shown), so the backward keeps
-// TfParallelFor. PKM_TF_PARALLEL_FOR=tf (read at each call) uses
-// TfParallelFor here too.
+// The forward's ParallelFor: the range is cut into blocks that the calling
+// thread claims from the start and the pool's threads join as they come; the
+// caller waits only for blocks already running elsewhere. TF's ParallelFor
+// hands a share of the range to a pool thread and waits for that thread to
+// get to it, so a late wake-up was on every forward's path (on the 2-core EPYC
+// VM, bench/results/tf_parallel_for_ab.md: claimed blocks 5-25% faster at
+// 16-64 bags of 128 rows). Helpers linger after their blocks
+// (LingeringHelpers), so a forward that follows closely is joined at once.
+// Blocks: at least 4 a thread (a block left to a late thread is short), up
+// to 16 a thread for long calls (about a million cost units each), none under
+// kBlockCost. The backward keeps TfParallelFor (a forward + backward at 64
+// bags measured 0.94-1.14x TF's time with claimed blocks there too: no gain
+// shown). PKM_TF_PARALLEL_FOR=tf (read at each call) uses TfParallelFor here too.
 inline pkm::ParallelFor TfForwardParallelFor(::tensorflow::OpKernelContext* ctx) {
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
   return [workers, tf_pool = TfParallelFor(ctx)](int64_t total, int64_t cost_per_unit, const pkm::RangeFn& fn) {
     if (total <= 0) return;
-    constexpr int64_t kMaxClaimedCost = 4500000;  // 64 bags of 128 x 512 fp32 rows
-    const int64_t cost = total * std::max<int64_t>(cost_per_unit, 1);
     const char* choice = std::getenv("PKM_TF_PARALLEL_FOR");
-    if (cost > kMaxClaimedCost || (choice != nullptr && std::strcmp(choice, "tf") == 0)) {
+    if (choice != nullptr && std::strcmp(choice, "tf") == 0) {
       tf_pool(total, cost_per_unit, fn);
       return;
     }
-    // Up to four blocks a thread, so a block left to a slow thread is short,
-    // each worth at least kBlockCost of the core's cost units.
-    constexpr int64_t kBlockCost = 40000;
+    constexpr int64_t kBlockCost = 40000, kLongBlockCost = 1000000;
+    const int64_t cost = total * std::max<int64_t>(cost_per_unit, 1);
     const int64_t threads = workers->NumThreads();
-    const int64_t wanted = std::min({total, std::max<int64_t>(1, cost / kBlockCost), 4 * threads});
+    const int64_t per_long_call = std::clamp<int64_t>(cost / kLongBlockCost, 4 * threads, 16 * threads);
+    const int64_t wanted = std::min({total, std::max<int64_t>(1, cost / kBlockCost), per_long_call});
     if (wanted <= 1 || threads <= 1) {
       fn(0, total);
       return;
@@ -283,11 +368,15 @@ inline pkm::ParallelFor TfForwardParallelFor(::tensorflow::OpKernelContext* ctx)
     blocks->count = (total + blocks->size - 1) / blocks->size;
     blocks->total = total;
     blocks->fn = &fn;
-    for (int64_t h = 0; h < std::min(threads - 1, blocks->count - 1); ++h)
-      workers->Schedule([blocks] { internal::RunClaimedBlocks(blocks.get()); });
+    auto& helpers = internal::LingeringHelpers::Get();
+    const int64_t linger_us = internal::ForwardLingerMicros();
+    const int64_t lingering = linger_us > 0 ? helpers.Publish(blocks) : 0;
+    for (int64_t h = lingering; h < std::min(threads - 1, blocks->count - 1); ++h)
+      workers->Schedule([blocks, linger_us] { internal::LingeringHelpers::Get().HelpThenLinger(blocks, linger_us); });
     internal::RunClaimedBlocks(blocks.get());
     // Every block is claimed now; at most one per other thread is still running.
     while (blocks->done.load(std::memory_order_acquire) < blocks->count) std::this_thread::yield();
+    if (linger_us > 0) helpers.Withdraw(blocks.get());
   };
 }
 
