@@ -48,6 +48,7 @@ def _unique_rows(gradient: tf.IndexedSlices):
 def _scatter_update(variable, rows, values):
     variable = variable.value if isinstance(variable, keras.Variable) else variable
     variable.scatter_update(tf.IndexedSlices(values, rows))
+    _fused_update.leave_copy_on_write(variable)  # dense reads after training share the table
 
 
 def _gather(variable, rows):
