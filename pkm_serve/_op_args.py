@@ -40,11 +40,26 @@ def _as_indices(indices):
     return indices
 
 
+_NO_WEIGHTS = {}  # dtype -> the empty eager tensor that stands for "no weights" (or biases)
+
+
+def _no_weights(dtype):
+    """An empty [0] tensor of `dtype` (the ops' "no weights" input). Eager calls
+    share one per dtype, an immutable constant: making it per call took an
+    unweighted eager ops.embedding_bag from 26 to 69 us on the 2-core VM."""
+    if not tf.executing_eagerly():
+        return tf.zeros([0], dtype)
+    empty = _NO_WEIGHTS.get(dtype)
+    if empty is None:
+        empty = _NO_WEIGHTS[dtype] = tf.zeros([0], dtype)
+    return empty
+
+
 def _as_weights(weights, dtype, like):
     """Weights in the table's dtype (mixed precision hands float32 scores to a
     float16 table), or an empty placeholder when there are none."""
     if weights is None:
-        return tf.zeros([0], dtype), False
+        return _no_weights(dtype), False
     weights = tf.convert_to_tensor(weights)
     if not weights.dtype.is_floating:
         raise TypeError(f"weights must be a float tensor, got {weights.dtype.name}")

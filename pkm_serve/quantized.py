@@ -118,7 +118,7 @@ def _table_tensors(table: QuantizedTable):
     if scales.dtype not in (tf.float32, tf.float16):
         raise TypeError(f"row_scales must be float32 or float16, got {scales.dtype.name}")
     biases = table.row_biases
-    biases = tf.zeros([0], scales.dtype) if biases is None else tf.convert_to_tensor(biases)
+    biases = _op_args._no_weights(scales.dtype) if biases is None else tf.convert_to_tensor(biases)
     if biases.dtype != scales.dtype:
         raise TypeError(f"row_biases ({biases.dtype.name}) must have row_scales' dtype ({scales.dtype.name})")
     return values, scales, biases
@@ -126,7 +126,7 @@ def _table_tensors(table: QuantizedTable):
 
 def _weights(weights, dtype):
     if weights is None:
-        return tf.zeros([0], dtype), False
+        return _op_args._no_weights(dtype), False
     weights = tf.convert_to_tensor(weights)
     if weights.dtype not in _OUTPUT_DTYPES:
         raise TypeError(f"weights must be float32, float16 or bfloat16, got {weights.dtype.name}")
