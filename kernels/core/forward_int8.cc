@@ -97,6 +97,21 @@ __attribute__((target("avx2,fma"))) void AccumulateGroupAvx2(const float* c, con
 // per byte of AVX2's, which bound rows in cache), with the AVX2 step's
 // arithmetic per column, so both give bitwise the same result. A line's eight
 // prefetches go two per step.
+// Columns [i, i + 16) of the eight rows into acc.
+__attribute__((target("avx512f,avx2,fma"), always_inline)) inline void SixteenColumnsAvx512(
+    const __m512* coef, const int8_t* const* q, int64_t i, float* __restrict acc) {
+  __m512 even = _mm512_loadu_ps(acc + i), odd = _mm512_setzero_ps();
+  for (int r = 0; r < kGroup; r += 2) {
+    const __m512 x0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(q[r] + i))));
+    const __m512 x1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(q[r + 1] + i))));
+    even = _mm512_fmadd_ps(coef[r], x0, even);
+    odd = _mm512_fmadd_ps(coef[r + 1], x1, odd);
+  }
+  _mm512_storeu_ps(acc + i, _mm512_add_ps(even, odd));
+}
+
 __attribute__((target("avx512f,avx2,fma"))) void AccumulateGroupAvx512(const float* c, const char* const* rows,
                                                                         const char* const* ahead,
                                                                         float* __restrict acc, int64_t n) {
@@ -104,21 +119,22 @@ __attribute__((target("avx512f,avx2,fma"))) void AccumulateGroupAvx512(const flo
   __m512 coef[kGroup];
   for (int r = 0; r < kGroup; ++r) coef[r] = _mm512_set1_ps(c[r]);
   int64_t i = 0;
+  // A whole line (64 columns) a step: the k-th sixteen columns of a line
+  // prefetch rows 2k and 2k + 1's line, the same pacing as below without its
+  // per-step pick arithmetic.
+  for (; i + 64 <= n; i += 64) {
+    for (int k = 0; k < 4; ++k) {
+      vec::PrefetchTableLine(ahead[2 * k] + i);
+      vec::PrefetchTableLine(ahead[2 * k + 1] + i);
+      SixteenColumnsAvx512(coef, q, i + 16 * k, acc);
+    }
+  }
   for (; i + 16 <= n; i += 16) {
     const int pick = static_cast<int>((i / 8) % kGroup);
     const int64_t line = i & ~int64_t{63};
     vec::PrefetchTableLine(ahead[pick] + line);
     vec::PrefetchTableLine(ahead[pick + 1] + line);
-    __m512 even = _mm512_loadu_ps(acc + i), odd = _mm512_setzero_ps();
-    for (int r = 0; r < kGroup; r += 2) {
-      const __m512 x0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(q[r] + i))));
-      const __m512 x1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(q[r + 1] + i))));
-      even = _mm512_fmadd_ps(coef[r], x0, even);
-      odd = _mm512_fmadd_ps(coef[r + 1], x1, odd);
-    }
-    _mm512_storeu_ps(acc + i, _mm512_add_ps(even, odd));
+    SixteenColumnsAvx512(coef, q, i, acc);
   }
   if (i + 8 <= n) {  // eight columns left: AVX2's step
     if (i % 64 == 0)
