@@ -93,10 +93,10 @@ __attribute__((target("avx2,fma"))) void AccumulateGroupAvx2(const float* c, con
     for (int r = 0; r < kGroup; ++r) acc[i] += c[r] * static_cast<float>(q[r][i]);
 }
 
-// The same sums for AVX-512, sixteen columns per step (half the instructions
+// The same sums for AVX-512, sixteen columns at a time (half the instructions
 // per byte of AVX2's, which bound rows in cache), with the AVX2 step's
 // arithmetic per column, so both give bitwise the same result. A line's eight
-// prefetches go two per step.
+// prefetches go two per sixteen columns.
 // Columns [i, i + 16) of the eight rows into acc.
 __attribute__((target("avx512f,avx2,fma"), always_inline)) inline void SixteenColumnsAvx512(
     const __m512* coef, const int8_t* const* q, int64_t i, float* __restrict acc) {
