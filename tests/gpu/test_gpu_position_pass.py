@@ -242,6 +242,64 @@ def test_rows_of_one_entry_written_by_bag(lib, dtype, dim, index_dtype):
                 assert torch.equal(sparse_dw, d_w), what
 
 
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("dim", [64, 256, 512])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_rows_written_by_bag_are_bitwise_the_walks(lib, dtype, dim, index_dtype):
+    """The pass by bag (SingleEntryRowsKernel) writes the rows of one entry only where the call has fewer
+    entries than table rows. The same call with bags of padding alone appended (entries >= rows, so every
+    row is walked by sorted position) must give bitwise the same d_table, and the same d_weights for the
+    original entries (zeros for the padding): dense and ragged bags, sum / mean / sqrtn, long rows from 3
+    entries, from 32 and none, with and without d_weights, and the row-sparse rows. single_entry_case has
+    rows of one to five entries and a hot row of 70."""
+    table, idx, weights, grad, splits = single_entry_case(dtype, dim, seed=dim + 83, index_dtype=index_dtype)
+    num_rows, width = table.shape[0], idx.shape[1]
+    extra = -(-(num_rows - idx.numel()) // width) + 1  # padding bags that make entries outnumber rows
+    rng = np.random.default_rng(dim)
+    more_grad = torch.from_numpy(rng.standard_normal((extra, dim)).astype(np.float32)).to(dtype)
+    for ragged in (False, True):
+        if ragged:
+            indices = idx.reshape(-1)
+            walked_indices = torch.cat([indices, torch.full((extra * width,), -1, dtype=indices.dtype)])
+            g_rows = torch.from_numpy(rng.standard_normal((len(splits) - 1, dim)).astype(np.float32)).to(dtype)
+            row_splits = splits
+            walked_splits = torch.cat([splits, splits[-1:] + extra * width])  # one more bag: the padding
+            walked_grad = torch.cat([g_rows, more_grad[:1]])
+            w = weights.reshape(-1)
+            walked_w = torch.cat([w, torch.ones(extra * width, dtype=w.dtype)])
+        else:
+            indices = idx
+            walked_indices = torch.cat([idx, torch.full((extra, width), -1, dtype=idx.dtype)])
+            g_rows, row_splits, walked_splits = grad, None, None
+            walked_grad = torch.cat([grad, more_grad])
+            w = weights
+            walked_w = torch.cat([weights, torch.ones((extra, width), dtype=weights.dtype)])
+        assert walked_indices.numel() >= num_rows > indices.numel()
+        dev = to_dev(table, indices, w, g_rows, walked_indices, walked_w, walked_grad)
+        g_table, g_idx, g_w, g_grad, gw_idx, gw_w, gw_grad = dev
+        g_splits = row_splits.cuda() if ragged else None
+        gw_splits = walked_splits.cuda() if ragged else None
+        n = indices.numel()
+        for combiner in ("sum", "mean", "sqrtn"):
+            for long_segment in (2, 31, 0):
+                opts = {"long_segment_entries": long_segment}
+                what = f"{combiner} ragged={ragged} long_segment={long_segment}"
+                out = (torch.full_like(g_table, float("nan")), torch.full_like(g_w, float("nan")))
+                d_table, d_w = lib.cuda_backward(g_table, g_idx, g_grad, g_w, combiner, row_splits=g_splits,
+                                                 options=opts, out=out)
+                walked_dt, walked_dw = lib.cuda_backward(g_table, gw_idx, gw_grad, gw_w, combiner,
+                                                         row_splits=gw_splits, options=opts)
+                assert torch.equal(d_table, walked_dt), "d_table " + what
+                assert torch.equal(d_w.reshape(-1), walked_dw.reshape(-1)[:n]), "d_weights " + what
+                assert not walked_dw.reshape(-1)[n:].any(), "padding d_weights " + what
+                only_dt, _ = lib.cuda_backward(g_table, g_idx, g_grad, g_w, combiner, row_splits=g_splits,
+                                               want_d_weights=False, options=opts)
+                assert torch.equal(only_dt, d_table), "d_table alone " + what
+                rows, row_grads, sparse_dw = lib.cuda_sparse_backward(g_table, g_idx, g_grad, g_w, combiner,
+                                                                      row_splits=g_splits, options=opts)
+                assert torch.equal(row_grads, d_table[rows]) and torch.equal(sparse_dw, d_w), "sparse " + what
+
+
 @pytest.mark.parametrize("dim", [64, 256])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 def test_rows_of_one_entry_without_weights(lib, dtype, dim):
