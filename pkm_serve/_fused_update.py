@@ -50,6 +50,47 @@ def leave_copy_on_write(variable):
     gen_resource_variable_ops.disable_copy_on_read(_tf_variable(variable).handle)
 
 
+# The tf.Variable methods that write rows in place; each leaves copy-on-read mode behind.
+_SCATTER_METHODS = ("scatter_add", "scatter_sub", "scatter_update", "scatter_max", "scatter_min",
+                    "scatter_mul", "scatter_div", "batch_scatter_update", "scatter_nd_add",
+                    "scatter_nd_sub", "scatter_nd_update", "scatter_nd_max", "scatter_nd_min")
+
+
+def stay_copy_on_write_after_scatters(variable):
+    """Makes every scatter method of a layer's table leave it in copy-on-write mode.
+
+    Stock Keras optimizers apply a row-sparse gradient with ``scatter_sub`` /
+    ``scatter_add`` (keras.src.backend.tensorflow.optimizer), after which every
+    dense read of the table copies it (``leave_copy_on_write``). The methods are
+    replaced on this variable only, so the switch lands in the training graph
+    beside the scatter and never in inference graphs (TF's freezer cannot
+    rewrite a DisableCopyOnRead of a variable it turns into a constant). Plain
+    ``ResourceVariable``s only: distributed variables keep TF's behaviour.
+    """
+    import functools
+
+    from tensorflow.python.ops import resource_variable_ops
+
+    table = _tf_variable(variable)
+    if type(table) is not resource_variable_ops.ResourceVariable:
+        return
+    if getattr(table, "_pkm_stays_copy_on_write", False):
+        return
+    table_ref = weakref.ref(table)  # no reference cycle through the variable's own attributes
+    for name in _SCATTER_METHODS:
+        method = getattr(type(table), name)
+
+        @functools.wraps(method)
+        def scatter_then_copy_on_write(*args, _method=method, **kwargs):
+            target = table_ref()
+            result = _method(target, *args, **kwargs)
+            leave_copy_on_write(target)  # ordered after the scatter: both use the handle
+            return result
+
+        setattr(table, name, scatter_then_copy_on_write)
+    table._pkm_stays_copy_on_write = True
+
+
 def claim(variable, optimizer):
     """Marks `variable` (a layer's table) as updated in place by `optimizer`."""
     setattr(variable, _ATTR, weakref.ref(optimizer))

@@ -68,3 +68,76 @@ def test_predict_after_sparse_training_reads_the_table_in_place(optimizer, fused
     want = bag_forward_backward(after.astype(np.float64), x.tolist(), None, "sum", np.zeros((b, d)))[0]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert not _reads_copy(table)
+
+
+def _fit_bag_model(optimizer, sparse_gradient, table, x, y):
+    layer = EmbeddingBag(table.shape[0], table.shape[1], sparse_gradient=sparse_gradient)
+    inputs = keras.Input((x.shape[1],), dtype="int32")
+    model = keras.Model(inputs, layer(inputs))
+    layer.embeddings.assign(table)
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return model, layer
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_stock_keras_optimizers_leave_the_sparse_table_read_in_place(optimizer):
+    # Stock Keras optimizers apply a row-sparse gradient with scatter_sub / scatter_add; the
+    # layer's table switches back to copy-on-write after each one, and trains as a dense one does.
+    n, d, k, b = 300, 16, 5, 32
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((n, d)).astype(np.float32)
+    x = rng.integers(0, n, (b, k)).astype(np.int32)
+    y = rng.standard_normal((b, d)).astype(np.float32)
+    model, layer = _fit_bag_model(keras.optimizers.get(optimizer), True, table, x, y)
+    _, dense_layer = _fit_bag_model(keras.optimizers.get(optimizer), False, table, x, y)
+    after = layer.embeddings.numpy()
+    assert not np.array_equal(after, table), "training did not move the table"
+    np.testing.assert_allclose(after, dense_layer.embeddings.numpy(), rtol=1e-5, atol=1e-6)
+    assert not _reads_copy(layer.embeddings.value), "the table copies on every read after training"
+    got = model.predict_on_batch(x)
+    want = bag_forward_backward(after.astype(np.float64), x.tolist(), None, "sum", np.zeros((b, d)))[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not _reads_copy(layer.embeddings.value)
+
+
+def test_a_custom_loop_with_a_stock_optimizer_leaves_the_table_read_in_place():
+    n, d, k = 200, 8, 4
+    rng = np.random.default_rng(6)
+    layer = EmbeddingBag(n, d, combiner="mean", sparse_gradient=True)
+    optimizer = keras.optimizers.SGD(0.1)
+    x = tf.constant(rng.integers(0, n, (16, k)), tf.int32)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(layer(x)))
+        grads = tape.gradient(loss, layer.trainable_variables)
+        assert isinstance(grads[0], tf.IndexedSlices)
+        optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+
+    layer(x)
+    before = layer.embeddings.numpy()
+    step()
+    step()
+    assert not np.array_equal(layer.embeddings.numpy(), before)
+    assert not _reads_copy(layer.embeddings.value)
+
+
+def test_inference_graphs_of_a_sparse_trained_layer_still_freeze():
+    # The switch lives beside the scatter in the training graph only: the variable freezer
+    # (TFLite conversion, export) cannot rewrite a DisableCopyOnRead of a frozen variable.
+    from tensorflow.python.framework.convert_to_constants import convert_variables_to_constants_v2
+
+    n, d, k, b = 120, 8, 3, 16
+    rng = np.random.default_rng(7)
+    x = rng.integers(0, n, (b, k)).astype(np.int32)
+    model, layer = _fit_bag_model(keras.optimizers.SGD(0.5), True,
+                                  rng.standard_normal((n, d)).astype(np.float32), x,
+                                  rng.standard_normal((b, d)).astype(np.float32))
+    serve = tf.function(lambda ids: model(ids, training=False)).get_concrete_function(
+        tf.TensorSpec([None, k], tf.int32))
+    assert "DisableCopyOnRead" not in {op.type for op in serve.graph.get_operations()}
+    frozen = convert_variables_to_constants_v2(serve)
+    np.testing.assert_allclose(frozen(tf.constant(x))[0].numpy(), model.predict_on_batch(x),
+                               rtol=1e-6, atol=1e-6)

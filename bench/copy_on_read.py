@@ -1,0 +1,124 @@
+"""Benchmark: model.predict after training a sparse-gradient table with stock Keras optimizers.
+
+    .venv/bin/python bench/copy_on_read.py [--rows 262144 --dim 128 --bag 8 --batch 256]
+
+A layer with sparse_gradient=True gets a row-sparse gradient, which stock Keras
+optimizers ("sgd", "adagrad") apply with scatter updates; a scatter leaves a TF
+variable in copy-on-read mode, where every dense read (the inference graph's
+ReadVariableOp) copies the whole table. The layer makes its table's scatter
+methods switch it back (pkm_serve/_fused_update.stay_copy_on_write_after_scatters).
+Per optimizer, in one process: predict_on_batch before training, after one
+epoch of fit (the layer as shipped), and after one more scatter through the
+unwrapped ResourceVariable method (the state stock training left the table in
+before the change), interleaved; and the fit step time.
+Results: bench/results/copy_on_read[_<tag>].{json,md}, the machine named inside.
+"""
+import argparse
+import sys
+import time
+
+from harness import ROOT, interleaved, machine_name, utc_date, write_results
+
+sys.path.insert(0, ROOT)
+
+
+def reads_copy(variable):
+    """Whether two live dense reads of `variable` hold different buffers (copy-on-read mode)."""
+    from tensorflow.python.ops import gen_resource_variable_ops
+
+    first = gen_resource_variable_ops.read_variable_op(variable.handle, variable.dtype)
+    second = gen_resource_variable_ops.read_variable_op(variable.handle, variable.dtype)
+    return _pointer(first) != _pointer(second)  # equal only when reads share the variable's buffer
+
+
+def _pointer(tensor):
+    import ctypes
+
+    import tensorflow as tf
+
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    managed = get(tf.experimental.dlpack.to_dlpack(tensor), b"dltensor")
+    return ctypes.cast(managed, ctypes.POINTER(ctypes.c_void_p))[0]
+
+
+def run_optimizer(name, args):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+    from tensorflow.python.ops import resource_variable_ops
+
+    from pkm_serve.layers import EmbeddingBag
+
+    rng = np.random.default_rng(0)
+    layer = EmbeddingBag(args.rows, args.dim, sparse_gradient=True)
+    inputs = keras.Input((args.bag,), dtype="int32")
+    model = keras.Model(inputs, layer(inputs))
+    model.compile(optimizer=name, loss="mse")
+    steps = 8
+    x = rng.integers(0, args.rows, (args.batch * steps, args.bag)).astype(np.int32)
+    y = rng.standard_normal((args.batch * steps, args.dim)).astype(np.float32)
+    batch = x[:args.batch]
+    predict = lambda: model.predict_on_batch(batch)  # noqa: E731
+    before = interleaved({"predict": predict}, args.repeats, warmup=2)["systems"]["predict"]
+
+    model.fit(x, y, batch_size=args.batch, epochs=1, verbose=0)  # traces and warms the step
+    start = time.perf_counter()
+    model.fit(x, y, batch_size=args.batch, epochs=args.epochs, verbose=0)
+    step_ms = (time.perf_counter() - start) * 1e3 / (steps * args.epochs)
+    table = layer.embeddings.value
+    shipped_copies = reads_copy(table)
+    after = interleaved({"predict": predict}, args.repeats, warmup=2)["systems"]["predict"]
+    # The unwrapped method: what every stock scatter did to the table before the change.
+    resource_variable_ops.ResourceVariable.scatter_add(
+        table, tf.IndexedSlices(tf.zeros([1, args.dim]), tf.constant([0])))
+    unwrapped_copies = reads_copy(table)
+    copied = interleaved({"predict": predict}, args.repeats, warmup=2)["systems"]["predict"]
+    return {"optimizer": name, "fit_step_ms": step_ms,
+            "predict_before_training_ms": before, "predict_after_training_ms": after,
+            "predict_copy_on_read_ms": copied, "reads_copy_after_training": shipped_copies,
+            "reads_copy_after_unwrapped_scatter": unwrapped_copies,
+            "copy_on_read_over_shipped": copied["median_ms"] / after["median_ms"]}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=262144)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--bag", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--optimizers", default="sgd,adagrad")
+    parser.add_argument("--tag", default="", help="results file suffix, e.g. the host and round")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    rows = [run_optimizer(name, args) for name in args.optimizers.split(",")]
+    machine = machine_name()
+    mb = args.rows * args.dim * 4 / 2**20
+    lines = [f"# predict after sparse training with stock Keras optimizers ({machine}, {utc_date()})", "",
+             f"Table {args.rows} x {args.dim} float32 ({mb:.0f} MB), {args.batch} bags of {args.bag}, "
+             f"{args.threads} threads; `python bench/copy_on_read.py`; predict_on_batch ms, median "
+             f"(min) of {args.repeats}.", "",
+             "| optimizer | fit step ms | predict before training | after training (shipped) "
+             "| after an unwrapped scatter (copy-on-read) | ratio | reads copy: shipped / unwrapped |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cell = lambda s: f"{s['median_ms']:.2f} ({s['min_ms']:.2f})"  # noqa: E731
+        lines.append(f"| {r['optimizer']} | {r['fit_step_ms']:.2f} | {cell(r['predict_before_training_ms'])} | "
+                     f"{cell(r['predict_after_training_ms'])} | {cell(r['predict_copy_on_read_ms'])} | "
+                     f"{r['copy_on_read_over_shipped']:.1f}x | {r['reads_copy_after_training']} / "
+                     f"{r['reads_copy_after_unwrapped_scatter']} |")
+    markdown = "\n".join(lines)
+    print(markdown)
+    if not args.no_write:
+        report = {"machine": machine, "date": utc_date(), "args": vars(args), "rows": rows}
+        print(write_results("copy_on_read" + (f"_{args.tag}" if args.tag else ""), report, markdown))
+
+
+if __name__ == "__main__":
+    main()
