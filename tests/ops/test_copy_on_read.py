@@ -141,3 +141,26 @@ def test_inference_graphs_of_a_sparse_trained_layer_still_freeze():
     frozen = convert_variables_to_constants_v2(serve)
     np.testing.assert_allclose(frozen(tf.constant(x))[0].numpy(), model.predict_on_batch(x),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_the_op_on_a_variable_with_a_sparse_gradient_and_a_stock_optimizer():
+    from pkm_serve import ops
+
+    rng = np.random.default_rng(8)
+    table = tf.Variable(rng.standard_normal((100, 8)).astype(np.float32))
+    x = tf.constant(rng.integers(0, 100, (12, 3)), tf.int32)
+    optimizer = keras.optimizers.Adagrad(0.1)
+    want = table.numpy().astype(np.float64)
+    accumulator = np.full_like(want, 0.1)  # Keras Adagrad's initial_accumulator_value
+    d_out = np.ones((12, 8))
+    for _ in range(2):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(ops.embedding_bag(table, x, sparse_gradient=True))
+        grad = tape.gradient(loss, table)
+        assert isinstance(grad, tf.IndexedSlices)
+        optimizer.apply_gradients([(grad, table)])
+        d_table = bag_forward_backward(want, x.numpy().tolist(), None, "sum", d_out)[1]
+        accumulator += d_table ** 2
+        want -= 0.1 * d_table / np.sqrt(accumulator + 1e-7)
+    np.testing.assert_allclose(table.numpy(), want, rtol=1e-5, atol=1e-6)
+    assert not _reads_copy(table)
