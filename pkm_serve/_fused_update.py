@@ -64,16 +64,27 @@ def stay_copy_on_write_after_scatters(variable):
     dense read of the table copies it (``leave_copy_on_write``). The methods are
     replaced on this variable only, so the switch lands in the training graph
     beside the scatter and never in inference graphs (TF's freezer cannot
-    rewrite a DisableCopyOnRead of a variable it turns into a constant). Plain
-    ``ResourceVariable``s only: distributed variables keep TF's behaviour.
+    rewrite a DisableCopyOnRead of a variable it turns into a constant). A
+    mirrored variable's replicas are plain variables, each of whose methods its
+    own scatters call (tf.distribute's values_util), so each is wrapped.
     """
+    from tensorflow.python.distribute import values as distribute_values
+
+    table = _tf_variable(variable)
+    if isinstance(table, distribute_values.DistributedVariable):
+        for component in table.values:
+            _wrap_scatter_methods(component)
+    else:
+        _wrap_scatter_methods(table)
+
+
+def _wrap_scatter_methods(table):
     import functools
 
     from tensorflow.python.ops import resource_variable_ops
 
-    table = _tf_variable(variable)
     if type(table) is not resource_variable_ops.ResourceVariable:
-        return
+        return  # e.g. a packed or sharded variable: TF's behaviour stays
     if getattr(table, "_pkm_stays_copy_on_write", False):
         return
     table_ref = weakref.ref(table)  # no reference cycle through the variable's own attributes

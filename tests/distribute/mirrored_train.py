@@ -58,7 +58,19 @@ def train(kind, sparse, optimizer, devices, init, x, y):
         opt = LazyAdam(0.01) if optimizer == "lazy_adam" else keras.optimizers.SGD(0.5)
         model.compile(optimizer=opt, loss="mse")
     model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
-    return model.get_weights()
+    return model.get_weights(), tables_read_copy(model)
+
+
+def tables_read_copy(model):
+    """Per replica of each layer's table: whether a dense read copies it (copy-on-read mode)."""
+    from tests.ops.test_copy_on_read import _reads_copy
+
+    flags = []
+    for variable in model.trainable_variables:
+        if variable.path.endswith("embeddings"):
+            table = variable.value
+            flags += [_reads_copy(v) for v in getattr(table, "values", (table,))]
+    return np.array(flags)
 
 
 def main(out_path):
@@ -72,9 +84,11 @@ def main(out_path):
                 rng = np.random.default_rng(7)
                 init = build(kind, sparse).get_weights()
                 x, y = data(kind, rng)
-                one = train(kind, sparse, optimizer, ["/cpu:0"], init, x, y)
-                two = train(kind, sparse, optimizer, ["/cpu:0", "/cpu:1"], init, x, y)
+                one, one_copies = train(kind, sparse, optimizer, ["/cpu:0"], init, x, y)
+                two, two_copies = train(kind, sparse, optimizer, ["/cpu:0", "/cpu:1"], init, x, y)
                 key = f"{kind}-{'sparse' if sparse else 'dense'}-{optimizer}"
+                results[f"{key}/reads_copy/one"] = one_copies
+                results[f"{key}/reads_copy/two"] = two_copies
                 for i, (a, b, w0) in enumerate(zip(one, two, init)):
                     results[f"{key}/one/{i}"] = a
                     results[f"{key}/two/{i}"] = b

@@ -46,3 +46,16 @@ def test_one_and_two_replicas_train_to_equal_weights(trained, kind, gradient, op
         assert np.max(np.abs(one - init)) > 1e-3, f"{key} weight {i} did not train"
         rel = np.max(np.abs(one - two)) / np.max(np.abs(one))
         assert rel <= TOLERANCE[optimizer], f"{key} weight {i}: 1 vs 2 replicas differ by {rel:.3g} (relative)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,gradient,optimizer", list(itertools.product(
+    ("embedding_bag", "pkm"), ("dense", "sparse"), ("sgd", "lazy_adam"))))
+def test_every_replica_of_the_table_is_read_in_place_after_training(trained, kind, gradient, optimizer):
+    # SGD scatters a row-sparse gradient into each replica's variable; each must leave
+    # copy-on-read mode again, or every later dense read (predict) copies the table.
+    key = f"{kind}-{gradient}-{optimizer}"
+    for which, replicas in (("one", 1), ("two", 2)):
+        copies = trained[f"{key}/reads_copy/{which}"]
+        assert copies.shape == (replicas,), f"{key} ({which}): found {copies.shape[0]} table replicas"
+        assert not copies.any(), f"{key} ({which}): a replica of the table copies on every read"
