@@ -6,7 +6,7 @@ A layer with sparse_gradient=True gets a row-sparse gradient, which stock Keras
 optimizers ("sgd", "adagrad") apply with scatter updates; a scatter leaves a TF
 variable in copy-on-read mode, where every dense read (the inference graph's
 ReadVariableOp) copies the whole table. The layer makes its table's scatter
-methods switch it back (pkm_serve/_fused_update.stay_copy_on_write_after_scatters).
+methods switch it back (pkm_serve/_copy_on_write.py).
 Per optimizer, in one process: predict_on_batch before training, after one
 epoch of fit (the layer as shipped), and after one more scatter through the
 unwrapped ResourceVariable method (the state stock training left the table in

@@ -34,10 +34,10 @@ def fused_embedding_bag(params, indices, weights=None, combiner="sum", name=None
                          "under jit_compile, or compile without XLA (model.compile(jit_compile=False))")
     with tf.name_scope(name or "embedding_bag"):
         if sparse_gradient and isinstance(params, tf.Variable):
-            from pkm_serve import _fused_update
+            from pkm_serve import _copy_on_write
 
             # Optimizers apply the IndexedSlices gradient with scatter updates.
-            _fused_update.stay_copy_on_write_after_scatters(params)
+            _copy_on_write.stay_copy_on_write_after_scatters(params)
         variable = _sparse_read_variable(params, indices) if sparse_gradient else None
         params = variable if variable is not None else _as_table(params)
         if isinstance(indices, tf.RaggedTensor):

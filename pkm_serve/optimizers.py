@@ -35,7 +35,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from pkm_serve import _fused_update
+from pkm_serve import _copy_on_write, _fused_update
 
 
 def _unique_rows(gradient: tf.IndexedSlices):
@@ -48,7 +48,7 @@ def _unique_rows(gradient: tf.IndexedSlices):
 def _scatter_update(variable, rows, values):
     variable = variable.value if isinstance(variable, keras.Variable) else variable
     variable.scatter_update(tf.IndexedSlices(values, rows))
-    _fused_update.leave_copy_on_write(variable)  # dense reads after training share the table
+    _copy_on_write.leave_copy_on_write(variable)  # dense reads after training share the table
 
 
 def _gather(variable, rows):

@@ -151,10 +151,10 @@ class EmbeddingBag(keras.layers.Layer):
             outputs = _fused_update.fused_embedding_bag(self.embeddings, indices, weights, self.combiner)
         else:
             if self.sparse_gradient:
-                from pkm_serve import _fused_update
+                from pkm_serve import _copy_on_write
 
                 # Stock Keras optimizers apply the row-sparse gradient with scatter updates.
-                _fused_update.stay_copy_on_write_after_scatters(table)
+                _copy_on_write.stay_copy_on_write_after_scatters(table)
             outputs = self._lookup(table, indices, weights, combiner=self.combiner,
                                    sparse_gradient=self.sparse_gradient)
         return tf.cast(outputs, self.compute_dtype)
