@@ -74,8 +74,9 @@ def _wrap_scatter_methods(table):
 
     from tensorflow.python.ops import resource_variable_ops
 
-    if type(table) is not resource_variable_ops.ResourceVariable:
-        return  # e.g. a packed or sharded variable: TF's behaviour stays
+    # Subclasses too: a variable made in a tf.function's first trace is an UnliftedInitializerVariable.
+    if not isinstance(table, resource_variable_ops.BaseResourceVariable):
+        return  # e.g. a sharded variable: TF's behaviour stays
     if getattr(table, "_pkm_stays_copy_on_write", False):
         return
     table_ref = weakref.ref(table)  # no reference cycle through the variable's own attributes
