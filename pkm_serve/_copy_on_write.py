@@ -48,7 +48,7 @@ _SCATTER_METHODS = ("scatter_add", "scatter_sub", "scatter_update", "scatter_max
 
 
 def stay_copy_on_write_after_scatters(variable):
-    """Makes every scatter method of a layer's table leave it in copy-on-write mode.
+    """Makes every scatter method of a table variable leave it in copy-on-write mode.
 
     Stock Keras optimizers apply a row-sparse gradient with ``scatter_sub`` /
     ``scatter_add`` (keras.src.backend.tensorflow.optimizer), after which every

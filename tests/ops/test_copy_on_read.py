@@ -3,8 +3,9 @@
 A scatter update leaves a TF resource variable in copy-on-read mode, where every dense read
 (ReadVariableOp, which the plain bag op's inference graphs use) copies the whole table. The
 project's optimizers (LazyAdam and RowwiseAdagrad on row-sparse gradients, the fused update)
-switch the variables they write back to copy-on-write, so that model.predict after training
-reads the table in place. Whether a read copies is observed directly: two reads that are alive
+switch the variables they write back to copy-on-write, and a table read with
+sparse_gradient=True has its scatter methods wrapped to do the same for stock Keras
+optimizers, so that model.predict after training reads the table in place. Whether a read copies is observed directly: two reads that are alive
 at once share one buffer (DLPack data pointers) exactly when the variable does not copy on read.
 """
 
