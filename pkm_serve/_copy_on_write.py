@@ -19,6 +19,15 @@ def as_tf_variable(variable):
     return getattr(variable, "value", variable) if not isinstance(variable, tf.Variable) else variable
 
 
+def keras_variable_unwrapped(params):
+    """The tf.Variable a Keras 3 variable holds, else `params` unchanged (also where the Keras
+    variable's value is not a tf.Variable, e.g. a cast under a mixed-precision autocast scope)."""
+    if isinstance(params, tf.Variable):
+        return params
+    inner = getattr(params, "value", None)
+    return inner if isinstance(inner, tf.Variable) else params
+
+
 def leave_copy_on_write(variable):
     """Switches a variable that a sparse update just wrote back to copy-on-write mode.
 

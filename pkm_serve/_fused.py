@@ -33,11 +33,15 @@ def fused_embedding_bag(params, indices, weights=None, combiner="sum", name=None
                          "distinct rows touched is only known at run time); use sparse_gradient=False "
                          "under jit_compile, or compile without XLA (model.compile(jit_compile=False))")
     with tf.name_scope(name or "embedding_bag"):
-        if sparse_gradient and isinstance(params, tf.Variable):
+        if sparse_gradient:
             from pkm_serve import _copy_on_write
 
-            # Optimizers apply the IndexedSlices gradient with scatter updates.
-            _copy_on_write.stay_copy_on_write_after_scatters(params)
+            # A Keras 3 variable (a custom layer's add_weight) holds its tf.Variable in .value: the
+            # variable itself gets the in-kernel read below and the scatter wrapping.
+            params = _copy_on_write.keras_variable_unwrapped(params)
+            if isinstance(params, tf.Variable):
+                # Optimizers apply the IndexedSlices gradient with scatter updates.
+                _copy_on_write.stay_copy_on_write_after_scatters(params)
         variable = _sparse_read_variable(params, indices) if sparse_gradient else None
         params = variable if variable is not None else _as_table(params)
         if isinstance(indices, tf.RaggedTensor):

@@ -55,8 +55,8 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None, spar
         ``tf.IndexedSlices`` of the distinct rows touched (at most
         ``min(N, number of indices)`` rows) instead of a dense ``[N, D]``
         tensor. ``params`` may also be a ``ShardedVariable`` or a list of row
-        shards (see ``sharded_embedding_bag``). A ``tf.Variable`` passed here
-        has its scatter methods wrapped so that each leaves it in copy-on-write
+        shards (see ``sharded_embedding_bag``). A ``tf.Variable`` (or the one a
+        Keras variable holds) has its scatter methods wrapped so that each leaves it in copy-on-write
         mode (optimizers apply the IndexedSlices with them; in TF's copy-on-read
         mode every later dense read would copy the whole table).
 

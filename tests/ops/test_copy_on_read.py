@@ -171,3 +171,43 @@ def test_the_op_on_a_variable_with_a_sparse_gradient_and_a_stock_optimizer():
         want -= 0.1 * d_table / np.sqrt(accumulator + 1e-7)
     np.testing.assert_allclose(table.numpy(), want, rtol=1e-5, atol=1e-6)
     assert not _reads_copy(table)
+
+
+class _TableLayer(keras.layers.Layer):
+    """A user's own layer: its Keras variable straight into the op."""
+
+    def __init__(self, n, d, sparse_gradient, **kwargs):
+        super().__init__(**kwargs)
+        self.n, self.d, self.sparse_gradient = n, d, sparse_gradient
+
+    def build(self, input_shape):
+        self.table = self.add_weight(shape=(self.n, self.d), initializer="uniform", name="table")
+
+    def call(self, indices):
+        from pkm_serve import ops
+
+        return ops.embedding_bag(self.table, indices, sparse_gradient=self.sparse_gradient)
+
+
+def test_the_op_on_a_keras_variable_with_a_sparse_gradient_and_a_stock_optimizer():
+    n, d, k, b = 300, 16, 5, 32
+    rng = np.random.default_rng(9)
+    table = rng.standard_normal((n, d)).astype(np.float32)
+    x = rng.integers(0, n, (b, k)).astype(np.int32)
+    y = rng.standard_normal((b, d)).astype(np.float32)
+    trained = {}
+    for sparse in (True, False):
+        layer = _TableLayer(n, d, sparse)
+        inputs = keras.Input((k,), dtype="int32")
+        model = keras.Model(inputs, layer(inputs))
+        layer.table.assign(table)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x))
+        assert isinstance(tape.gradient(loss, layer.table), tf.IndexedSlices) == sparse
+        model.compile(optimizer="sgd", loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        trained[sparse] = layer.table.numpy()
+        if sparse:
+            assert not _reads_copy(layer.table.value), "the table copies on every read after training"
+    assert not np.array_equal(trained[True], table)
+    np.testing.assert_allclose(trained[True], trained[False], rtol=1e-5, atol=1e-6)
