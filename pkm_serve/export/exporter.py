@@ -164,13 +164,23 @@ def _verify_one(original, fused, name: str, index_limit: int, samples, batch_siz
     except tf.errors.OpError as e:
         raise V.VerificationError(
             f"the original model fails on the {'sample' if samples else 'generated'} "
-            f"inputs of signature {name!r}: {e.message}") from None
+            f"inputs of signature {name!r}: {_error_line(e.message)}") from None
     try:
         got = {k: v.numpy() for k, v in fn_fused(**inputs).items()}
     except tf.errors.OpError as e:
         raise V.VerificationError(f"the fused signature {name!r} fails where the "
-                                  f"original runs: {e.message}") from None
+                                  f"original runs: {_error_line(e.message)}") from None
     return V.compare_outputs(name, want, got, rtol, precision=precision)
+
+
+def _error_line(message: str) -> str:
+    """The line of a TF error that says what failed: a graph execution error
+    wraps it in 'Detected at node' frames and ends it with the node's name."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if line.startswith("[[") and i > 0:
+            return lines[i - 1]
+    return lines[-1] if lines else message
 
 
 def _check_arguments(src: str, dst: str, batch_size: int, quantize_table: Optional[str],
@@ -271,6 +281,8 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
     """Fuses SRC into DST/<version>/ (and optionally a .tflite). See module doc."""
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     _check_arguments(src, dst, batch_size, quantize_table, tflite)
+    if rtol is not None and not rtol >= 0:
+        raise ExportError(f"--rtol must be >= 0, got {rtol}")
     progress = progress or Progress(quiet=quiet)
     progress.note(f"loading {src}")
     proto = read_saved_model(src)

@@ -184,6 +184,8 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
     site.indices = _regathered_ids(fg, site)
     indices = _masked_indices(fg, site) if site.mask is not None else site.indices
     _rebuild_shape_consumers(fg, site, gathered_ids)
+    if site.weights is not None:
+        indices, weights = _broadcast_ids_and_weights(fg, site, indices, weights)
     if site.segment_ids is None and site.sparse_indices is None:
         return DENSE_OP, [params, indices, weights], None, None
     if site.row_splits is not None:
@@ -194,6 +196,31 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
         return RAGGED_OP, [params, indices, splits, weights], splits, None
     splits, sorted_check = row_splits(fg, site)
     return RAGGED_OP, [params, indices, splits, weights], splits, sorted_check
+
+
+def _broadcast_ids_and_weights(fg: FunctionGraph, site: Site, indices: Ref, weights: Ref):
+    """The composite's rows * w[..., None] broadcasts ids against weights (per-bag
+    weights [B, 1], one row of ids for every bag, one scale [1] for every sparse
+    id); the op takes equal shapes. Where
+    the static shapes do not prove them equal, both are broadcast to their
+    common shape at run time (BroadcastTo forwards an input of that shape as is)."""
+    ids_shape, w_shape = fg.shape(indices), fg.shape(weights)
+    if ids_shape.is_fully_defined() and w_shape.is_fully_defined() and ids_shape == w_shape:
+        return indices, weights
+    rank = ids_shape.rank if ids_shape.rank is not None else w_shape.rank
+    out_shape = [None] * rank if rank is not None else None
+    root = site.root
+    ids_dims = fg.add_op(root + "/pkm_ids_shape", "Shape", [indices],
+                         {"T": DType(site.index_dtype), "out_type": I32}, shapes=[[rank]])
+    w_dims = fg.add_op(root + "/pkm_weights_shape", "Shape", [weights],
+                       {"T": DType(site.table_dtype), "out_type": I32}, shapes=[[rank]])
+    dims = fg.add_op(root + "/pkm_bag_shape", "BroadcastArgs", [ids_dims, w_dims], {"T": I32},
+                     shapes=[[rank]])
+    indices = fg.add_op(root + "/pkm_ids_broadcast", "BroadcastTo", [indices, dims],
+                        {"T": DType(site.index_dtype), "Tidx": I32}, shapes=[out_shape])
+    weights = fg.add_op(root + "/pkm_weights_broadcast", "BroadcastTo", [weights, dims],
+                        {"T": DType(site.table_dtype), "Tidx": I32}, shapes=[out_shape])
+    return indices, weights
 
 
 def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optional[Ref]):

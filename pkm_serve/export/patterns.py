@@ -30,6 +30,21 @@ def _pattern_of(node) -> str:
     return "embedding_lookup_sparse"
 
 
+def check_half_table_widened(site: Site) -> None:
+    """A float16 table whose rows the composite casts to float32 before weighting
+    and summing: the fused op works in the table's dtype (weights cast to it, the
+    bag rounded to it), where a weight, a product or a bag sum past 65504 becomes
+    inf although the composite's float32 is finite. Kept: an unweighted mean or
+    max, which the op computes inside and which stay within the rows' range.
+    (bfloat16 has float32's range: only its rounding differs, within tolerance.)"""
+    if site.dtype != "float16" or site.cast_to != "float32":
+        return
+    if site.weights is None and site.combiner in ("mean", "max") and not site.divisor:
+        return
+    raise Skip("a float16 table computed in float32: the fused op would weight and sum in "
+               "float16, which overflows past 65504 where the composite does not")
+
+
 def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
     """Every site in one function, fusable or not, in graph order."""
     sites: List[Site] = []
@@ -42,6 +57,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
                     pattern=_pattern_of(node))
         try:
             site = matcher(fg, node, site)
+            check_half_table_widened(site)
         except NotASite:
             reason = dense.unrecognised_reason(fg, node) if node.op in ("Sum", "Mean", "Max") \
                 else None

@@ -12,7 +12,9 @@ stays as written.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
+
+import numpy as np
 
 from pkm_serve.export.dense import apply_rows, check_max_site, resolve_rows
 from pkm_serve.export.graph import FunctionGraph, Ref
@@ -69,7 +71,7 @@ def _reads_only(fg: FunctionGraph, ref: Ref, splits: Ref, seen: set) -> bool:
 def match_unsorted_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
     """UnsortedSegmentSum (reduce_sum) or UnsortedSegmentMax (reduce_max,
     combiner 'max') of a ragged gather over its ragged rows."""
-    data, seg, _ = fg.inputs(node)
+    data, seg, num_segments = fg.inputs(node)
     rows = resolve_rows(fg, data, site)
     site.pattern = "ragged-reduce"
     apply_rows(fg, site, rows, node.name, data)
@@ -85,6 +87,75 @@ def match_unsorted_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
     if splits is None:
         raise Skip("segment ids are not those of a ragged row partition (row_splits), "
                    "so the bags may be unsorted")
+    check_partition_of(fg, splits, seg, num_segments)
     site.row_splits = splits
     site.segment_ids = seg
     return site
+
+
+# Row partitions the segment-id computation is run on (empty rows among them):
+# the ids must be each value's row, and num_segments the row count.
+_PROBE_SPLITS = ([0, 2, 2, 5], [0, 1, 2, 3], [0], [0, 0, 3], [0, 3, 3, 3, 4, 9])
+
+
+def check_partition_of(fg: FunctionGraph, splits: Ref, seg: Ref, num_segments: Ref) -> None:
+    """Skips the site unless `seg` is the value_rowids of `splits` and
+    `num_segments` its row count. Both are computed from the splits (and
+    constants) alone, so running that computation on a few row partitions shows
+    what it is: a structural match alone also takes, say, nrows - 1 - rowids
+    (bags written in reverse) or a fixed num_segments (a padded batch)."""
+    if not _reads_only(fg, num_segments, splits, set()):
+        raise Skip("num_segments is not the row partition's row count computed from its "
+                   "row_splits (e.g. a fixed batch size): the output may have other rows than bags")
+    for value in _PROBE_SPLITS:
+        value = np.asarray(value)
+        rowids = np.repeat(np.arange(len(value) - 1), np.diff(value))
+        got = _evaluate_from(fg, [seg, num_segments], splits, value)
+        if got is None:
+            raise Skip("the segment ids could not be checked against the row partition")
+        got_seg, got_count = got
+        if not (np.array_equal(np.asarray(got_seg).reshape(-1), rowids) and
+                np.size(got_count) == 1 and int(np.reshape(got_count, [])) == len(value) - 1):
+            raise Skip("segment ids or num_segments are computed from the row partition but "
+                       "are not its rows (value_rowids) and row count")
+
+
+def _evaluate_from(fg: FunctionGraph, targets: List[Ref], source: Ref, value: np.ndarray):
+    """Runs the function's nodes that compute `targets` from `source` alone (and
+    constants), with `source` fed `value`; None when that fails."""
+    import tensorflow as tf
+    from tensorflow.core.framework import graph_pb2
+
+    feed_name = "pkm_probe_source"
+    names, stack = [], [t for t in targets if t != source]
+    while stack:
+        ref = stack.pop()
+        if ref == source or ref.node in names:
+            continue
+        node = fg.producer(ref)
+        if node is None:
+            return None
+        names.append(ref.node)
+        stack.extend(fg.inputs(node))
+    for dtype in (tf.int64, tf.int32):
+        graph_def = graph_pb2.GraphDef()
+        feed = graph_def.node.add(name=feed_name, op="Placeholder")
+        feed.attr["dtype"].type = dtype.as_datatype_enum
+        for name in names:
+            node = graph_def.node.add()
+            node.CopyFrom(fg.nodes[name])
+            for key in [k for k in node.attr if k.startswith("_")]:
+                del node.attr[key]
+            del node.input[:]
+            for ref in fg.inputs(fg.nodes[name]):
+                node.input.append(f"{feed_name}:0" if ref == source else f"{ref.node}:{ref.index}")
+        outputs = [f"{feed_name}:0" if t == source else f"{t.node}:{t.index}" for t in targets]
+        graph = tf.Graph()
+        try:
+            with graph.as_default():
+                tf.graph_util.import_graph_def(graph_def, name="")
+            with tf.compat.v1.Session(graph=graph) as session:
+                return session.run(outputs, {f"{feed_name}:0": value.astype(dtype.as_numpy_dtype)})
+        except (ValueError, TypeError, tf.errors.OpError):
+            continue
+    return None

@@ -1,0 +1,181 @@
+"""Composite forms from outside the project's corpus (round 25's bug hunt): each
+is either fused and computes what the original does, or reported and left as
+written; never fused into something else. The original SavedModel (TF's own
+composite) is the reference, beside numpy where the form is simple."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pkm_serve import ops
+from pkm_serve.export import ExportError, export_saved_model
+from pkm_serve.export.exporter import _error_line
+from pkm_serve.export.verify import VerificationError, compare_outputs
+
+ops.load_library()
+
+N, D = 30, 4
+RNG = np.random.default_rng(25)
+
+
+def _save(path, signature, table=None, extra=None):
+    module = tf.Module()
+    module.t = tf.Variable(RNG.standard_normal((N, D)).astype(np.float32) if table is None else table)
+    for key, value in (extra or {}).items():
+        setattr(module, key, tf.Variable(value))
+    module.f = signature(module)
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.f})
+    return module
+
+
+def _export(tmp_path, **kw):
+    return export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True, **kw)
+
+
+def _both(tmp_path, result, **inputs):
+    original = tf.saved_model.load(str(tmp_path / "m")).signatures["serving_default"]
+    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    return ({k: v.numpy() for k, v in original(**inputs).items()},
+            {k: v.numpy() for k, v in fused(**inputs).items()})
+
+
+RAGGED_SPEC = tf.RaggedTensorSpec([None, None], tf.int64, row_splits_dtype=tf.int64)
+BAGS = tf.ragged.constant([[1, 2], [], [3, 4, 5]], dtype=tf.int64)
+
+
+def _ragged_module(reduce):
+    def signature(module):
+        @tf.function(input_signature=[RAGGED_SPEC])
+        def f(rt):
+            return {"out": reduce(tf.gather(module.t, rt.values), rt)}
+        return f
+    return signature
+
+
+def test_a_ragged_segment_sum_on_the_partition_is_fused(tmp_path):
+    module = _save(tmp_path / "m", _ragged_module(
+        lambda rows, rt: tf.math.unsorted_segment_sum(rows, rt.value_rowids(), rt.nrows())))
+    result = _export(tmp_path)
+    assert [s.status for s in result.sites] == ["fused"]
+    want, got = _both(tmp_path, result, rt=BAGS.values, rt_1=BAGS.row_splits)
+    table = module.t.numpy().astype(np.float64)
+    reference = np.stack([table[list(bag)].sum(0) if len(bag) else np.zeros(D)
+                          for bag in BAGS.to_list()])
+    np.testing.assert_allclose(got["out"], reference, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(want["out"], reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["fixed_num_segments", "more_segments", "reversed_bags",
+                                  "reversed_bags_max"])
+def test_segment_reductions_that_are_not_the_partition_stay_composite(tmp_path, form):
+    reduce = {
+        # A padded batch: 8 output rows whatever the number of bags.
+        "fixed_num_segments": lambda rows, rt: tf.math.unsorted_segment_sum(
+            rows, rt.value_rowids(), 8),
+        "more_segments": lambda rows, rt: tf.math.unsorted_segment_sum(
+            rows, rt.value_rowids(), rt.nrows() + 2),
+        # Bag b written to row nrows - 1 - b: computed from the splits alone, yet not the rows.
+        "reversed_bags": lambda rows, rt: tf.math.unsorted_segment_sum(
+            rows, rt.nrows() - 1 - rt.value_rowids(), rt.nrows()),
+        "reversed_bags_max": lambda rows, rt: tf.math.unsorted_segment_max(
+            rows, rt.nrows() - 1 - rt.value_rowids(), rt.nrows()),
+    }[form]
+    _save(tmp_path / "m", _ragged_module(reduce))
+    result = _export(tmp_path)
+    [site] = result.sites
+    assert site.status == "skipped" and ("num_segments" in site.reason or "segment ids" in site.reason)
+    want, got = _both(tmp_path, result, rt=BAGS.values, rt_1=BAGS.row_splits)
+    np.testing.assert_array_equal(got["out"], want["out"])
+
+
+def test_a_float16_table_weighted_in_float32_stays_composite(tmp_path):
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int32),
+                                      tf.TensorSpec([None, 3], tf.float32)])
+        def f(ids, w):
+            rows = tf.cast(tf.gather(module.t, ids), tf.float32)
+            return {"out": tf.reduce_sum(rows * w[..., None], axis=1)}
+        return f
+    table = RNG.uniform(1, 2, (N, D)).astype(np.float16)
+    _save(tmp_path / "m", signature, table=table)
+    result = _export(tmp_path)
+    [site] = result.sites
+    assert site.status == "skipped" and "65504" in site.reason
+    ids = np.array([[1, 2, 3], [4, 5, 6]], np.int32)
+    w = np.array([[1e5, 1.0, 1.0], [3e4, 3e4, 3e4]], np.float32)  # sums far past float16's range
+    want, got = _both(tmp_path, result, ids=ids, w=w)
+    reference = np.einsum("bk,bkd->bd", w.astype(np.float64), table.astype(np.float64)[ids])
+    assert np.all(np.isfinite(got["out"]))
+    np.testing.assert_allclose(got["out"], reference, rtol=1e-6)
+    np.testing.assert_array_equal(got["out"], want["out"])
+
+
+def test_weights_and_ids_that_broadcast_like_the_composite(tmp_path):
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32),
+                                      tf.TensorSpec([None, None], tf.float32)])
+        def f(ids, w):
+            return {"out": tf.reduce_sum(tf.gather(module.t, ids) * w[..., None], axis=1)}
+        return f
+    module = _save(tmp_path / "m", signature)
+    result = _export(tmp_path)
+    assert [s.status for s in result.sites] == ["fused"]
+    table = module.t.numpy().astype(np.float64)
+    ids = RNG.integers(0, N, (4, 5)).astype(np.int32)
+    w = RNG.uniform(0.5, 2, (4, 5)).astype(np.float32)
+    # Per-index weights, per-bag weights [B, 1], and one row of ids for every bag's weights.
+    for feed_ids, feed_w in ((ids, w), (ids, w[:, :1]), (ids[:1], w)):
+        want, got = _both(tmp_path, result, ids=feed_ids, w=feed_w)
+        b_ids, b_w = np.broadcast_arrays(feed_ids, feed_w)
+        reference = np.einsum("bk,bkd->bd", b_w.astype(np.float64), table[b_ids])
+        np.testing.assert_allclose(got["out"], reference, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["out"], want["out"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_segment_sum_scaled_by_one_broadcast_value(tmp_path):
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int32),
+                                      tf.TensorSpec([None], tf.int32)])
+        def f(ids, seg):
+            return {"out": tf.math.segment_sum(tf.gather(module.t, ids) * module.scale, seg)}
+        return f
+    module = _save(tmp_path / "m", signature, extra={"scale": np.array([[0.5]], np.float32)})
+    ids = np.array([1, 2, 3, 4, 5, 6], np.int32)
+    seg = np.array([0, 0, 1, 2, 2, 2], np.int32)
+    np.savez(tmp_path / "samples.npz", ids=ids, seg=seg)
+    result = _export(tmp_path, sample_inputs=str(tmp_path / "samples.npz"))
+    assert [s.status for s in result.sites] == ["fused"]
+    want, got = _both(tmp_path, result, ids=ids, seg=seg)
+    table = module.t.numpy().astype(np.float64)
+    reference = np.stack([0.5 * table[ids[seg == s]].sum(0) for s in range(3)])
+    np.testing.assert_allclose(got["out"], reference, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got["out"], want["out"], rtol=1e-6, atol=1e-6)
+
+
+def test_verification_holds_values_at_the_dtype_extremes_exactly():
+    lowest = np.finfo(np.float32).min  # reduce_max of an empty bag
+    want = {"o": np.array([[1.0, 2.0], [lowest, lowest]], np.float32)}
+    assert compare_outputs("s", want, {"o": want["o"].copy()})[0]["atol"] < 1e-3
+    with pytest.raises(VerificationError, match="differs"):  # a wrong bag beside an empty one
+        compare_outputs("s", want, {"o": np.array([[3.5, 2.0], [lowest, lowest]], np.float32)})
+    with pytest.raises(VerificationError, match="differs"):  # an empty bag that is not
+        compare_outputs("s", want, {"o": np.array([[1.0, 2.0], [0.0, lowest]], np.float32)})
+
+
+def test_tf_errors_are_reported_by_their_one_line():
+    table = tf.Variable(tf.ones((30, 2)))
+
+    @tf.function
+    def lookup(ids):
+        return tf.gather(table, ids)
+
+    with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+        lookup(tf.constant([40]))
+    assert "\n" in caught.value.message  # TF's frames and node name around it
+    assert _error_line(caught.value.message) == "indices[0] = 40 is not in [0, 30)"
+
+
+def test_a_negative_rtol_is_refused(tmp_path):
+    _save(tmp_path / "m", _ragged_module(
+        lambda rows, rt: tf.math.unsorted_segment_sum(rows, rt.value_rowids(), rt.nrows())))
+    with pytest.raises(ExportError, match="--rtol must be >= 0"):
+        _export(tmp_path, rtol=-1.0)
