@@ -22,15 +22,33 @@ _MODULES = {"jax": "pkm_serve.backends.jax_ops", "torch": "pkm_serve.backends.to
 __all__ = ["embedding_bag", "embedding_bag_composite", "kernel_device", "NativeLibraryUnavailableError"]
 
 
+_loaded = {}  # backend -> its module, once imported
+
+
 def backend_module(backend=None):
     """The module (jax_ops / torch_ops) of `backend` (default: Keras')."""
     import keras
 
     backend = backend or keras.backend.backend()
+    module = _loaded.get(backend)
+    if module is not None:  # a dict lookup: torch.compile(fullgraph=True) traces it
+        return module
     if backend not in _MODULES:
         raise ValueError(f"pkm_serve.backends: no native lookup for Keras backend {backend!r} "
                          f"(TensorFlow uses pkm_serve.ops; JAX and PyTorch this package)")
-    return importlib.import_module(_MODULES[backend])
+    module = _loaded[backend] = importlib.import_module(_MODULES[backend])
+    return module
+
+
+def _load_keras_backend_module():
+    """Imports the module of Keras' backend now, so that a first call inside
+    torch.compile finds it loaded (dynamo cannot trace importlib)."""
+    try:
+        import keras
+    except ImportError:
+        return
+    if keras.backend.backend() in _MODULES:
+        backend_module()
 
 
 def kernel_device(backend=None):
@@ -66,3 +84,6 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", row_s
     from pkm_serve.backends.composite import embedding_bag_composite as composite
 
     return composite(params, indices, weights, combiner, row_splits)
+
+
+_load_keras_backend_module()

@@ -93,6 +93,8 @@ def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None
     if indices.ndim == 0:
         raise ValueError("indices must have at least one dimension (the bag axis, [..., K]); got a scalar")
     lead, k = indices.shape[:-1], indices.shape[-1]
+    if k == 0:  # every bag empty: zeros, as on TF (the flat [-1, 0] view has no row count)
+        return jnp.zeros(lead + (params.shape[1],), params.dtype)
     flat_w = w.reshape(-1, k) if has_weights else w
     out = _dense_bag(code, has_weights, params, indices.reshape(-1, k), flat_w)
     return out.reshape(lead + (params.shape[1],))

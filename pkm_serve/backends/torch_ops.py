@@ -110,6 +110,9 @@ def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None
     if indices.dim() == 0:
         raise ValueError("indices must have at least one dimension (the bag axis, [..., K]); got a scalar")
     lead, k = tuple(indices.shape[:-1]), indices.shape[-1]
+    if k == 0:  # every bag empty: zeros, as on TF (the flat [-1, 0] view has no row count)
+        # params[:0].sum(0) is zeros [D] that autograd links to the table (a zero gradient).
+        return params.new_zeros(lead + (params.shape[1],)) + params[:0].sum(0)
     flat_w = None if w is None else w.reshape(-1, k).contiguous()
     out = _bag_op(params.contiguous(), indices.reshape(-1, k).contiguous(), flat_w, None, code)
     return out.reshape(lead + (params.shape[1],))

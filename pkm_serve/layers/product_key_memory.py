@@ -122,6 +122,7 @@ class ProductKeyMemory(keras.layers.Layer):
             shape=(self.heads, 2, self.n_keys, self.k_dim // 2),
             initializer=self.keys_initializer,
             name="keys",
+            autocast=False,  # the search reads them in their stored dtype (select_slots)
         )
         with warnings.catch_warnings():
             # A fallback to the composite was already announced by __init__.
@@ -176,6 +177,11 @@ class ProductKeyMemory(keras.layers.Layer):
         """Product-key search: query [B, heads*k_dim] -> (slot indices int64
         (int32 under JAX/PyTorch when n_keys**2 fits) [B, heads*knn], softmax
         scores float32 [B, heads*knn])."""
+        # Scores are ranked in float32 under mixed precision: 16-bit scores tie often, and each
+        # backend's top_k breaks ties its own way (a .keras file picked other slots in 20-30% of
+        # rows on JAX, PyTorch and TF under mixed_bfloat16).
+        if keras.backend.standardize_dtype(query.dtype) in ("float16", "bfloat16"):
+            query = keras.ops.cast(query, "float32")
         if not is_tensorflow_backend():
             from pkm_serve.backends.product_keys import product_key_search as keras_ops_search
 

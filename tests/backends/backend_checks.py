@@ -135,6 +135,12 @@ def check_ops():
     assert_close(rt.numpy(got[0]), ref[0], "float32", "ragged max: output")
     assert_close(rt.numpy(got[1]), ref[1], "float32", "ragged max: d_table")
     cases += 1
+    for combiner in ("sum", "max"):  # a bag axis of length 0: every bag empty, zeros (as on TF)
+        got = rt.fwd_bwd(rt.tensor(table, "float32"), rt.tensor(np.zeros((4, 0)), "int32"), None, combiner,
+                         rt.tensor(grad[:4], "float32"))
+        assert_close(rt.numpy(got[0]), np.zeros((4, D)), "float32", f"K=0 {combiner}: output")
+        assert_close(rt.numpy(got[1]), np.zeros((N, D)), "float32", f"K=0 {combiner}: d_table")
+        cases += 1
     print(json.dumps({"ops_cases": cases}))
 
 
@@ -185,6 +191,17 @@ def check_transforms():
         torch.library.opcheck(torch.ops.pkm_serve.embedding_bag.default, (t, i2, w, None, 1))
         f = torch.compile(lambda t, i: rt.ops.embedding_bag(t, i, None, "mean"), fullgraph=True)
         assert_close(rt.numpy(f(t, rt.tensor(idx, "int32"))), ref, "float32", "torch.compile")
+        # The documented entry point and the layer, whole-graph too (no importlib in the trace).
+        from pkm_serve import backends
+        from pkm_serve.layers import EmbeddingBag
+
+        f = torch.compile(lambda t, i: backends.embedding_bag(t, i, None, "mean"), fullgraph=True)
+        assert_close(rt.numpy(f(t, rt.tensor(idx, "int32"))), ref, "float32", "torch.compile of backends")
+        layer = EmbeddingBag(N, D, combiner="mean")
+        layer.build()
+        layer.embeddings.assign(table)
+        f = torch.compile(lambda i: layer(i), fullgraph=True)
+        assert_close(rt.numpy(f(rt.tensor(idx, "int32"))), ref, "float32", "torch.compile of the layer")
     print(json.dumps({"transforms": "ok"}))
 
 
@@ -293,6 +310,24 @@ def _pkm_model():
     return keras.Model([x, ids], keras.layers.Add()([y, z]))
 
 
+def _mixed_pkm_model():
+    """A PKM under mixed_bfloat16, large enough that 16-bit scores would tie: the slots
+    must not depend on the backend's top_k."""
+    import keras
+
+    from pkm_serve.layers import ProductKeyMemory
+
+    keras.utils.set_random_seed(6)
+    x = keras.Input((32,))
+    y = ProductKeyMemory(v_dim=16, k_dim=16, n_keys=64, heads=2, knn=8, query_batchnorm=False,
+                         dtype="mixed_bfloat16", name="pkm")(x)
+    return keras.Model(x, y)
+
+
+def _mixed_inputs():
+    return np.random.default_rng(12).normal(size=(256, 32)).astype("float32")
+
+
 def _inputs():
     rng = np.random.default_rng(11)
     return [rng.normal(size=(6, 16)).astype("float32"), rng.integers(-1, 30, size=(6, 4)).astype("int32")]
@@ -304,6 +339,9 @@ def check_save(path, out_path):
     model = _pkm_model()
     model.save(path)
     np.save(out_path, keras.ops.convert_to_numpy(model(_inputs())))
+    mixed = _mixed_pkm_model()
+    mixed.save(path + ".mixed.keras")
+    np.save(out_path + ".mixed.npy", keras.ops.convert_to_numpy(mixed(_mixed_inputs())).astype("float32"))
 
 
 def check_load(path, out_path):
@@ -314,6 +352,8 @@ def check_load(path, out_path):
     model = keras.models.load_model(path)
     out = keras.ops.convert_to_numpy(model(_inputs()))
     np.save(out_path, out)
+    mixed = keras.models.load_model(path + ".mixed.keras")
+    np.save(out_path + ".mixed.npy", keras.ops.convert_to_numpy(mixed(_mixed_inputs())).astype("float32"))
     if BACKEND == "tensorflow":
         _check_tf_export(model, out, out_path + ".savedmodel")
 
