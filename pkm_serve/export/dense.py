@@ -296,7 +296,10 @@ def _resolve_mask(fg: FunctionGraph, ins: List[Ref], rows: Rows, site: Site) -> 
     else:
         raise NotASite()
     site.masked = True
-    if not _is_zero(fg, fill):
+    fill_node = fg.producer(fill)
+    if fill_node is not None and fill_node.op == "ZerosLike" and fg.inputs(fill_node)[0] == rows_ref:
+        rows.nodes.append(fill_node.name)  # tf.zeros_like(rows): goes with the site
+    elif not _is_zero(fg, fill):
         raise Skip("tf.where fills masked rows with something other than a constant 0")
     mask, strip_nodes, rows.mask_squeeze = strip_trailing_unit_axis(fg, cond, what="mask")
     rows.mask, rows.mask_keeps_true = mask, keeps_true

@@ -179,3 +179,29 @@ def test_a_negative_rtol_is_refused(tmp_path):
         lambda rows, rt: tf.math.unsorted_segment_sum(rows, rt.value_rowids(), rt.nrows())))
     with pytest.raises(ExportError, match="--rtol must be >= 0"):
         _export(tmp_path, rtol=-1.0)
+
+
+@pytest.mark.parametrize("combine", ["sum", "mean"])
+def test_masked_rows_filled_by_zeros_like(tmp_path, combine):
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 5], tf.int32)])
+        def f(ids):
+            mask = ids >= 0
+            rows = tf.gather(module.t, tf.maximum(ids, 0))
+            masked = tf.where(mask[..., None], rows, tf.zeros_like(rows))
+            total = tf.reduce_sum(masked, axis=1)
+            if combine == "mean":
+                total = total / tf.maximum(tf.reduce_sum(tf.cast(mask, tf.float32), 1, keepdims=True), 1.0)
+            return {"out": total}
+        return f
+    module = _save(tmp_path / "m", signature)
+    result = _export(tmp_path)
+    assert [s.status for s in result.sites] == ["fused"], [s.reason for s in result.sites]
+    ids = RNG.integers(-1, N, (6, 5)).astype(np.int32)
+    ids[2] = -1  # an all-padding bag
+    want, got = _both(tmp_path, result, ids=ids)
+    table = module.t.numpy().astype(np.float64)
+    reference = np.stack([table[row[row >= 0]].sum(0) / (max(1, (row >= 0).sum()) if combine == "mean" else 1)
+                          for row in ids])
+    np.testing.assert_allclose(got["out"], reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["out"], want["out"], rtol=1e-5, atol=1e-6)
