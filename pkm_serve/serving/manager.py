@@ -138,6 +138,12 @@ class ModelManager:
 
     def apply_config(self, server_config, poll=True):
         """Installs a new model list (HandleReloadConfigRequest); removed models are unloaded."""
+        if server_config.WhichOneof("config") is None:
+            # As TF Serving's ServerCore::ReloadConfig: an empty ModelServerConfig changes
+            # nothing (an empty model_config_list, which is set, does unload every model).
+            log.info("reload with an empty config: taking no action")
+            self._config = server_config  # seen: a config file left empty is not re-read as new
+            return
         self.validate_config(server_config)
         with self._poll_lock:
             self._config = server_config

@@ -229,7 +229,11 @@ class RestFrontend:
                           "/v1/models/NAME[/versions/N|/labels/L][/metadata|:predict|:classify|:regress])")
         spec = model_pb2.ModelSpec(name=m["name"])
         if m["version"] is not None:
-            spec.version.value = int(m["version"])
+            try:
+                spec.version.value = int(m["version"])
+            except ValueError:  # past int64: protobuf refuses it
+                return _error(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"Malformed request: version {m['version']} is not an int64")
         elif m["label"] is not None:
             spec.version_label = m["label"]
         rest = m["rest"] or ""

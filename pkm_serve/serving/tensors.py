@@ -1,5 +1,6 @@
 """TensorProto <-> numpy and TF Serving's REST JSON <-> numpy."""
 import base64
+import json
 import math
 
 import numpy as np
@@ -193,6 +194,17 @@ def decode_b64(value):
     return value
 
 
+def _first_non_string(value):
+    """The JSON text of the first leaf of decoded JSON (decode_b64) that is not a string, else None."""
+    if isinstance(value, list):
+        for item in value:
+            wrong = _first_non_string(item)
+            if wrong is not None:
+                return wrong
+        return None
+    return None if isinstance(value, bytes) else json.dumps(value)
+
+
 def _holds_b64(value) -> bool:
     if isinstance(value, dict):
         return "b64" in value
@@ -219,6 +231,10 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
                       "dimensions than a served tensor may have")
     if dtype == tf.string:
         raw = decode_b64(value)
+        wrong = _first_non_string(raw)
+        if wrong is not None:
+            raise invalid(f"input '{name}' holds {wrong}, which is not of the signature's "
+                          "type string (a JSON string, or {\"b64\": ...} for bytes)")
         try:
             arr = np.array(raw, dtype=object)
         except ValueError:
@@ -246,7 +262,11 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
         elif arr.dtype.kind == "b":
             raise invalid(f"input '{name}' holds booleans but the signature expects {dtype.name}")
         info = np.iinfo(dtype.as_numpy_dtype)
-        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+        # Floats (JSON integers past int64 turn the whole array float64) are compared with the
+        # range's exact power-of-two ends: float64(int64 max) rounds up to 2^63.
+        low, high = (float(info.min), float(info.max) + 1.0) if arr.dtype.kind == "f" \
+            else (info.min, info.max + 1)
+        if arr.size and (arr.min() < low or arr.max() >= high):
             raise invalid(f"input '{name}' holds values outside the range of {dtype.name}")
         return arr.astype(dtype.as_numpy_dtype)
     if dtype.is_floating or dtype.is_complex:

@@ -306,6 +306,12 @@ def test_classify_regress_multi_inference_on_a_predict_signature(stub):
     ("/v1/models/pkm:predict", [1, 2], None, 400, "JSON object"),
     ("/v1/models/nope:predict", {"instances": [[0.0] * 32]}, None, 404, "nope"),
     ("/v1/models/pkm/versions/9:predict", {"instances": [[0.0] * 32]}, None, 404, "version 9"),
+    ("/v1/models/pkm/versions/99999999999999999999999:predict", {"instances": [[0.0] * 32]}, None, 400,
+     "not an int64"),
+    ("/v1/models/pkm/versions/99999999999999999999999", None, None, 400, "not an int64"),
+    ("/v1/models/pkm:predict", {"signature_name": "lookup",
+                                "inputs": {"indices": [[1, 2 ** 63]], "weights": [[1.0, 1.0]]}}, None, 400,
+     "outside the range of int64"),
     ("/v1/models/pkm:predict", {"signature_name": "x", "instances": [[0.0] * 32]}, None, 400, "\"x\" not found"),
     ("/v1/models/pkm:predict", {"instances": [[0.0] * 32], "inputs": [[0.0] * 32]}, None, 400, "exactly one"),
     ("/v1/models/pkm:predict", {"instances": [[0.0] * 31]}, None, 400, "Matrix size-incompatible"),
@@ -370,6 +376,10 @@ def test_reload_config_adds_and_removes_models(server, channel, stub, saved_mode
         out = stub.Predict(_request(name="composite", query=QUERIES), timeout=30)
         want = tf_with_ops.saved_model.load(saved_models["composite"]).signatures["serving_default"](query=QUERIES)
         np.testing.assert_allclose(_out(out, "output"), want["output"].numpy(), rtol=1e-6, atol=1e-7)
+
+        # An empty ModelServerConfig changes nothing, as in TF Serving (it unloaded every model).
+        assert reload(model_server_config_pb2.ModelServerConfig()).error_code == 0
+        assert stub.Predict(_request(name="composite", query=QUERIES[:1]), timeout=30)
 
         bad = model_server_config_pb2.ModelServerConfig()
         bad.model_config_list.config.add(name="x", base_path="/tmp", model_platform="pytorch")

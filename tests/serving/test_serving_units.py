@@ -229,6 +229,11 @@ def test_batch_scheduler_queue_is_bounded():
     ([[1, 2], [3]], "float32", "ragged"),
     ([1.5], "int64", "non-integer"),
     ([2 ** 40], "int32", "outside the range"),
+    # Beside a small int, 2^63 makes the array float64, whose float(int64 max) is 2^63 itself.
+    ([1, 2 ** 63], "int64", "outside the range"),
+    ([1, 2 ** 31], "int32", "outside the range"),
+    ([1, 2], "string", "holds 1, which is not of the signature's type string"),
+    ([None], "string", "holds null"),
     (["a"], "float32", "strings"),
     ([True], "float32", "booleans"),
 ])
