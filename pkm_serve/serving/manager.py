@@ -388,6 +388,8 @@ class ModelManager:
             m = self._model(model_spec.name)
             choice = model_spec.WhichOneof("version_choice")
             records = sorted(m.records.values(), key=lambda r: -r.version)
+            if not records:  # get_model_status_impl.cc: NotFound before any version choice
+                raise not_found(f"Could not find any versions of model {m.name}")
             if choice == "version":
                 records = [r for r in records if r.version == model_spec.version.value]
                 if not records:

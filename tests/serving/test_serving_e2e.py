@@ -380,6 +380,17 @@ def test_reload_config_adds_and_removes_models(server, channel, stub, saved_mode
         # An empty ModelServerConfig changes nothing, as in TF Serving (it unloaded every model).
         assert reload(model_server_config_pb2.ModelServerConfig()).error_code == 0
         assert stub.Predict(_request(name="composite", query=QUERIES[:1]), timeout=30)
+        # A model with no version on disk: its status is NOT_FOUND, as in TF Serving (was OK, empty).
+        ghost = model_server_config_pb2.ModelServerConfig()
+        ghost.CopyFrom(cfg)
+        ghost.model_config_list.config.add(name="ghost", base_path=composite_base + "/no_such_dir",
+                                           model_platform="tensorflow")
+        assert reload(ghost).error_code == 0
+        with pytest.raises(grpc.RpcError) as err:
+            models.GetModelStatus(get_model_status_pb2.GetModelStatusRequest(model_spec={"name": "ghost"}),
+                                  timeout=30)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "Could not find any versions of model ghost" in err.value.details()
 
         bad = model_server_config_pb2.ModelServerConfig()
         bad.model_config_list.config.add(name="x", base_path="/tmp", model_platform="pytorch")
