@@ -300,7 +300,12 @@ TfLiteStatus Report(TfLiteContext* context, const BagSpec& spec, const Status& s
 }
 
 TfLiteStatus ResizeOutput(TfLiteContext* context, const Bound& bound) {
-  if (SameDims(bound.output->dims, bound.out_dims)) return kTfLiteOk;
+  // A dynamic output whose buffer PrepareBag dropped gets one from ResizeTensor even when
+  // its stored dims already are the result's (the first invoke of a [1, D] output).
+  const bool needs_buffer = bound.output->allocation_type == kTfLiteDynamic && bound.out_bytes > 0 &&
+                            (bound.output->data.data == nullptr ||
+                             bound.output->bytes < static_cast<size_t>(bound.out_bytes));
+  if (SameDims(bound.output->dims, bound.out_dims) && !needs_buffer) return kTfLiteOk;
   for (int64_t d : bound.out_dims) {
     if (d > 0x7fffffff) {
       context->ReportError(context, "PkmEmbeddingBag: output dimension %lld exceeds int32",

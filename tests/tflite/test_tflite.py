@@ -421,3 +421,21 @@ def test_quantize_leaves_a_table_that_gather_also_reads_float():
                           [tf.TensorSpec([None, K], tf.int32)])
     with pytest.raises(ValueError, match="read elsewhere too, left float32"):
         tflite.quantize_table_int8(only_shared)
+
+
+@pytest.mark.parametrize("interpreter", ALL_INTERPRETERS)
+def test_dynamic_indices_first_invoke_at_the_stored_output_shape(interpreter, tmp_path):
+    # Indices from a RESHAPE with a run-time shape are a dynamic tensor, so the op's output is
+    # made dynamic and its buffer dropped; a first invoke whose result has the output's stored
+    # shape [1, D] must still get a buffer (it failed: "output buffer is not allocated").
+    table = tf.constant(TABLE)
+    model = convert(lambda x, s: tf_op(table, tf.reshape(x, s), None, "sum"),
+                    [tf.TensorSpec([None], tf.int32), tf.TensorSpec([2], tf.int32)])
+    path = tmp_path / "dyn_reshape.tflite"
+    path.write_bytes(model)
+    for ids in ([3, 4], [1, 2, 3, 4, 5, 6]):
+        x = np.array(ids, np.int32)
+        shape = np.array([len(ids) // 2, 2], np.int32)
+        [out] = run_in(interpreter, str(path), [x, shape], tmp_path)
+        want = embedding_bag(TABLE, x.reshape(-1, 2), None, "sum")
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
