@@ -166,6 +166,11 @@ def fused_tables(all_bodies: Dict[str, Body], keys) -> Dict[str, TablePlan]:
         for n in body.nodes:
             if n.op not in QUANTIZED_OPS:
                 continue
+            if "combiner" in n.attr and n.attr["combiner"].s == b"max":
+                raise ExportError(f"--quantize-table int8: the fused site {body.name}/{n.name} is a max "
+                                  "bag (reduce_max), which has no int8 kernel; export without "
+                                  "--quantize-table, or quantize the .tflite (pkm_serve.tflite."
+                                  "quantize_table_int8)")
             read = body.by_name.get(producer(n.input[0]))
             key = keys.get((body.name, read.input[0])) if read is not None and read.op == "ReadVariableOp" else None
             if key is None:

@@ -212,3 +212,21 @@ def test_keras_api_quantize_tables(tmp_path):
     want = model(ids).numpy()
     got = list(out.values())[0].numpy()
     assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+
+
+def test_a_max_site_is_refused_with_a_reason(tmp_path):
+    # PkmQuantizedEmbeddingBag has no max combiner: one clear error, nothing written.
+    class M(tf.Module):
+        def __init__(self):
+            self.table = tf.Variable(_table(3))
+
+        @tf.function(input_signature=[tf.TensorSpec([None, K], tf.int32)])
+        def serve(self, idx):
+            return {"out": tf.reduce_max(tf.gather(self.table, idx), axis=1)}
+
+    src = str(tmp_path / "src")
+    m = M()
+    tf.saved_model.save(m, src, signatures={"serving_default": m.serve})
+    with pytest.raises(ExportError, match="max bag .* no int8 kernel"):
+        export_saved_model(src, str(tmp_path / "dst"), quantize_table="int8", quiet=True)
+    assert not os.path.exists(tmp_path / "dst" / "1")
