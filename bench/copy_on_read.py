@@ -22,26 +22,7 @@ import time
 from harness import ROOT, interleaved, machine_name, utc_date, write_results
 
 sys.path.insert(0, ROOT)
-
-
-def reads_copy(variable):
-    """Whether two live dense reads of `variable` hold different buffers (copy-on-read mode)."""
-    from tensorflow.python.ops import gen_resource_variable_ops
-
-    first = gen_resource_variable_ops.read_variable_op(variable.handle, variable.dtype)
-    second = gen_resource_variable_ops.read_variable_op(variable.handle, variable.dtype)
-    return _pointer(first) != _pointer(second)  # equal only when reads share the variable's buffer
-
-
-def _pointer(tensor):
-    import ctypes
-
-    import tensorflow as tf
-
-    get = ctypes.pythonapi.PyCapsule_GetPointer
-    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    managed = get(tf.experimental.dlpack.to_dlpack(tensor), b"dltensor")
-    return ctypes.cast(managed, ctypes.POINTER(ctypes.c_void_p))[0]
+from tests.ops.test_copy_on_read import _reads_copy as reads_copy  # noqa: E402  (the tests' probe)
 
 
 def run_optimizer(name, args):

@@ -15,17 +15,12 @@ import tensorflow as tf
 
 
 def as_tf_variable(variable):
-    """The tf.Variable behind a Keras variable (or the argument itself)."""
-    return getattr(variable, "value", variable) if not isinstance(variable, tf.Variable) else variable
-
-
-def keras_variable_unwrapped(params):
-    """The tf.Variable a Keras 3 variable holds, else `params` unchanged (also where the Keras
-    variable's value is not a tf.Variable, e.g. a cast under a mixed-precision autocast scope)."""
-    if isinstance(params, tf.Variable):
-        return params
-    inner = getattr(params, "value", None)
-    return inner if isinstance(inner, tf.Variable) else params
+    """The tf.Variable a Keras 3 variable holds, else the argument unchanged (also where the
+    Keras variable's value is not a tf.Variable, e.g. a cast under a mixed-precision autocast scope)."""
+    if isinstance(variable, tf.Variable):
+        return variable
+    inner = getattr(variable, "value", None)
+    return inner if isinstance(inner, tf.Variable) else variable
 
 
 def leave_copy_on_write(variable):

@@ -38,7 +38,7 @@ def fused_embedding_bag(params, indices, weights=None, combiner="sum", name=None
 
             # A Keras 3 variable (a custom layer's add_weight) holds its tf.Variable in .value: the
             # variable itself gets the in-kernel read below and the scatter wrapping.
-            params = _copy_on_write.keras_variable_unwrapped(params)
+            params = _copy_on_write.as_tf_variable(params)
             if isinstance(params, tf.Variable):
                 # Optimizers apply the IndexedSlices gradient with scatter updates.
                 _copy_on_write.stay_copy_on_write_after_scatters(params)

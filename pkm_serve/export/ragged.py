@@ -107,22 +107,22 @@ def check_partition_of(fg: FunctionGraph, splits: Ref, seg: Ref, num_segments: R
     if not _reads_only(fg, num_segments, splits, set()):
         raise Skip("num_segments is not the row partition's row count computed from its "
                    "row_splits (e.g. a fixed batch size): the output may have other rows than bags")
-    for value in _PROBE_SPLITS:
-        value = np.asarray(value)
+    values = [np.asarray(value) for value in _PROBE_SPLITS]
+    results = _evaluate_from(fg, [seg, num_segments], splits, values)
+    if results is None:
+        raise Skip("the segment ids could not be checked against the row partition")
+    for value, (got_seg, got_count) in zip(values, results):
         rowids = np.repeat(np.arange(len(value) - 1), np.diff(value))
-        got = _evaluate_from(fg, [seg, num_segments], splits, value)
-        if got is None:
-            raise Skip("the segment ids could not be checked against the row partition")
-        got_seg, got_count = got
         if not (np.array_equal(np.asarray(got_seg).reshape(-1), rowids) and
                 np.size(got_count) == 1 and int(np.reshape(got_count, [])) == len(value) - 1):
             raise Skip("segment ids or num_segments are computed from the row partition but "
                        "are not its rows (value_rowids) and row count")
 
 
-def _evaluate_from(fg: FunctionGraph, targets: List[Ref], source: Ref, value: np.ndarray):
+def _evaluate_from(fg: FunctionGraph, targets: List[Ref], source: Ref, values: List[np.ndarray]):
     """Runs the function's nodes that compute `targets` from `source` alone (and
-    constants), with `source` fed `value`; None when that fails."""
+    constants), once per value fed to `source` (one graph, one session); None
+    when that fails."""
     import tensorflow as tf
     from tensorflow.core.framework import graph_pb2
 
@@ -155,7 +155,8 @@ def _evaluate_from(fg: FunctionGraph, targets: List[Ref], source: Ref, value: np
             with graph.as_default():
                 tf.graph_util.import_graph_def(graph_def, name="")
             with tf.compat.v1.Session(graph=graph) as session:
-                return session.run(outputs, {f"{feed_name}:0": value.astype(dtype.as_numpy_dtype)})
+                return [session.run(outputs, {f"{feed_name}:0": value.astype(dtype.as_numpy_dtype)})
+                        for value in values]
         except (ValueError, TypeError, tf.errors.OpError):
             continue
     return None
