@@ -1,8 +1,8 @@
 // In-process A/B of the core's forward over float32 and int8 tables holding the same rows
 // (bench only, not shipped): bench/int8_core_ab.sh builds the core trees given to it as shared
 // libraries and runs this.
-//   int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [bf16-out] [fp16] [sets=S] [outs=M] -- LIB...
-// Each call draws one of S (default 64) prepared index sets (uniform rows), one thread, builds and
+//   int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [bf16-out] [fp16] [sets=S] [outs=M] [threads=T] -- LIB...
+// Each call draws one of S (default 64) prepared index sets (uniform rows), one thread (threads=T: T), builds and
 // table types taking turns call by call. Prints the median ms per build and table type and
 // int8 / float32; with `bf16` (`fp16`), a bfloat16 (float16) table of the same rows takes its turn too. The builds'
 // outputs of the last call of each table type are compared bitwise with the first build's (a
@@ -23,6 +23,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/core/embedding_bag.h"
@@ -64,12 +65,12 @@ uint16_t ToHalf(float f) {
 int main(int argc, char** argv) {
   if (argc < 8) {
     std::fprintf(stderr, "usage: int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [bf16-out] [fp16] "
-                         "[sets=S] [outs=M] -- LIB...\n");
+                         "[sets=S] [outs=M] [threads=T] -- LIB...\n");
     return 2;
   }
   const int64_t B = std::atoll(argv[1]), K = std::atoll(argv[2]), D = std::atoll(argv[3]), N = std::atoll(argv[4]);
   const int calls = std::atoi(argv[5]);
-  int64_t index_sets = 64, out_buffers = 1;
+  int64_t index_sets = 64, out_buffers = 1, threads = 1;
   bool fp16_params = false, no_biases = false, bf16 = false, bf16_out = false, fp16 = false;
   std::vector<ForwardFn> builds;
   std::vector<std::string> names;
@@ -84,6 +85,7 @@ int main(int argc, char** argv) {
       else if (a == "bf16-out") bf16_out = true;
       else if (a == "fp16") fp16 = true;
       else if (a.rfind("outs=", 0) == 0 && std::atoll(a.c_str() + 5) > 0) out_buffers = std::atoll(a.c_str() + 5);
+      else if (a.rfind("threads=", 0) == 0 && std::atoll(a.c_str() + 8) > 0) threads = std::atoll(a.c_str() + 8);
       else if (a.rfind("sets=", 0) == 0 && std::atoll(a.c_str() + 5) > 0) index_sets = std::atoll(a.c_str() + 5);
       else { std::fprintf(stderr, "unknown option %s\n", a.c_str()); return 2; }
       continue;
@@ -133,7 +135,16 @@ int main(int argc, char** argv) {
   if (fp16) { tables[types] = &th16; type_names[types++] = "float16"; }
   const int bf16_type = bf16 ? 2 : -1;
   std::vector<float> last_out[4 * 16];  // [4 * build + table type]: the last call's output
-  const pkm::ParallelFor inline_for = [](int64_t total, int64_t, const pkm::RangeFn& fn) { fn(0, total); };
+  // threads=T: T threads started per parallel loop, each taking an equal contiguous range (the
+  // same for every build, so the thread start-up is part of each call alike).
+  const pkm::ParallelFor inline_for = [threads](int64_t total, int64_t, const pkm::RangeFn& fn) {
+    if (threads <= 1 || total < 2) { fn(0, total); return; }
+    std::vector<std::thread> pool;
+    for (int64_t t = 1; t < threads; ++t)
+      pool.emplace_back([&fn, t, total, threads] { fn(total * t / threads, total * (t + 1) / threads); });
+    fn(0, total / threads);
+    for (auto& th : pool) th.join();
+  };
 
   std::vector<double> ms[4 * 16];  // [4 * build + table type]
   const int warmup = 4;
@@ -158,12 +169,12 @@ int main(int argc, char** argv) {
         if (c >= warmup) ms[4 * build + type].push_back(elapsed);
         if (c == calls + warmup - 1) last_out[4 * build + type] = out;
       }
-  std::printf("B=%lld K=%lld D=%lld N=%lld%s%s%s, %lld index sets, %lld output buffers, 1 thread, "
+  std::printf("B=%lld K=%lld D=%lld N=%lld%s%s%s, %lld index sets, %lld output buffers, %lld thread(s), "
               "medians of %d calls\n",
               static_cast<long long>(B), static_cast<long long>(K), static_cast<long long>(D),
               static_cast<long long>(N), fp16_params ? ", float16 row parameters" : "",
               no_biases ? ", no biases" : "", bf16_out ? ", bfloat16 output of the bfloat16 table" : "",
-              static_cast<long long>(index_sets), static_cast<long long>(out_buffers), calls);
+              static_cast<long long>(index_sets), static_cast<long long>(out_buffers), static_cast<long long>(threads), calls);
   for (size_t b = 0; b < builds.size(); ++b) {
     double med[4];
     std::printf("  %-12s", names[b].c_str());
