@@ -2,6 +2,7 @@
 #include "tflite_delegate/composite_chain.h"
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace pkm {
@@ -26,10 +27,29 @@ bool NumElements(const TfLiteTensor* t, int64_t* n) {
   return CheckedNumElements(dims, n);
 }
 
-// True if `node` only re-shapes its first input (same elements, same order):
-// RESHAPE, EXPAND_DIMS, SQUEEZE, or a STRIDED_SLICE with unit strides that
-// keeps every element. The converter emits these for w[..., None].
-bool IsReshapeLike(const Graph& g, int node_index, int* source) {
+// The values of a constant int32/int64 tensor of rank 0 or 1.
+bool ConstInts(const Graph& g, int tensor, std::vector<int64_t>* values) {
+  const TfLiteTensor* t = g.Tensor(tensor);
+  if (t == nullptr || t->allocation_type != kTfLiteMmapRo || t->data.data == nullptr || t->dims == nullptr ||
+      t->dims->size > 1)
+    return false;
+  values->clear();
+  if (t->type == kTfLiteInt32) {
+    for (size_t i = 0; i < t->bytes / 4; ++i) values->push_back(t->data.i32[i]);
+  } else if (t->type == kTfLiteInt64) {
+    for (size_t i = 0; i < t->bytes / 8; ++i) values->push_back(t->data.i64[i]);
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// True if `node` only re-shapes its first input (same elements, same order)
+// in a way whose result for other input shapes is known (*step): RESHAPE to
+// a constant shape, EXPAND_DIMS on a constant axis, SQUEEZE, or a
+// STRIDED_SLICE that takes every element of every axis it names. The
+// converter emits these for w[..., None] and expand_dims(w, -1).
+bool IsReshapeLike(const Graph& g, int node_index, int* source, ShapeStep* step) {
   TfLiteContext* ctx = g.context;
   TfLiteNode* node;
   TfLiteRegistration* reg;
@@ -42,19 +62,47 @@ bool IsReshapeLike(const Graph& g, int node_index, int* source) {
   if (!in || !out || in->type != kTfLiteFloat32 || out->type != kTfLiteFloat32 ||
       !NumElements(in, &in_elems) || !NumElements(out, &out_elems) || in_elems != out_elems)
     return false;
+  *step = ShapeStep();
   const int code = reg->builtin_code;
+  const int rank = in->dims->size;
   if (code == kTfLiteBuiltinStridedSlice) {
-    if (node->inputs->size != 4) return false;
-    const TfLiteTensor* strides = g.Tensor(node->inputs->data[3]);
-    if (!strides || strides->type != kTfLiteInt32 || strides->allocation_type != kTfLiteMmapRo ||
-        !strides->data.data)
+    std::vector<int64_t> begin, end, strides;
+    if (node->inputs->size != 4 || node->builtin_data == nullptr || !ConstInts(g, node->inputs->data[1], &begin) ||
+        !ConstInts(g, node->inputs->data[2], &end) || !ConstInts(g, node->inputs->data[3], &strides) ||
+        begin.size() != end.size() || begin.size() != strides.size() || static_cast<int>(begin.size()) > rank)
       return false;
-    for (size_t i = 0; i < strides->bytes / 4; ++i)
-      if (strides->data.i32[i] != 1) return false;
-  } else if (code != kTfLiteBuiltinReshape && code != kTfLiteBuiltinExpandDims &&
-             code != kTfLiteBuiltinSqueeze) {
+    // Masks only (the `offset` field is newer than some runtimes we load in):
+    // every named axis from its start (begin 0 or masked) to its end (masked),
+    // step 1, no axes added or dropped: the slice is its input, whatever its
+    // shape.
+    const auto* p = static_cast<const TfLiteStridedSliceParams*>(node->builtin_data);
+    if (p->ellipsis_mask != 0 || p->new_axis_mask != 0 || p->shrink_axis_mask != 0) return false;
+    for (size_t i = 0; i < begin.size(); ++i)
+      if (strides[i] != 1 || !((p->begin_mask >> i) & 1 || begin[i] == 0) || !((p->end_mask >> i) & 1))
+        return false;
+    step->kind = ShapeStep::Kind::kIdentity;
+    step->values = {static_cast<int64_t>(begin.size())};
+  } else if (code == kTfLiteBuiltinReshape) {
+    if (node->inputs->size < 2 || !ConstInts(g, node->inputs->data[1], &step->values)) return false;
+    step->kind = ShapeStep::Kind::kReshape;
+  } else if (code == kTfLiteBuiltinExpandDims) {
+    if (node->inputs->size != 2 || !ConstInts(g, node->inputs->data[1], &step->values) || step->values.size() != 1)
+      return false;
+    step->kind = ShapeStep::Kind::kExpandDims;
+  } else if (code == kTfLiteBuiltinSqueeze) {
+    const auto* p = static_cast<const TfLiteSqueezeParams*>(node->builtin_data);
+    if (p == nullptr || p->num_squeeze_dims < 0 || p->num_squeeze_dims > 8) return false;
+    step->values.assign(p->squeeze_dims, p->squeeze_dims + p->num_squeeze_dims);
+    step->kind = ShapeStep::Kind::kSqueeze;
+  } else {
     return false;
   }
+  // The step must give the shape the converter gave the output.
+  std::vector<int64_t> dims(in->dims->data, in->dims->data + rank);
+  std::string error;
+  if (!ApplyShapeStep(*step, &dims, &error) || dims.size() != static_cast<size_t>(out->dims->size)) return false;
+  for (size_t i = 0; i < dims.size(); ++i)
+    if (dims[i] != out->dims->data[i]) return false;
   *source = node->inputs->data[0];
   return true;
 }
@@ -117,9 +165,11 @@ bool MatchWeightMul(const Graph& g, const ChainGather& gather, int mul, Chain* c
   for (int depth = 0; depth < 4; ++depth) {
     auto p = g.producer.find(w);
     int source;
-    if (p == g.producer.end() || g.SoleConsumer(w) < 0 || !IsReshapeLike(g, p->second, &source))
+    ShapeStep step;
+    if (p == g.producer.end() || g.SoleConsumer(w) < 0 || !IsReshapeLike(g, p->second, &source, &step))
       break;
     chain->weight_reshapes.insert(chain->weight_reshapes.begin(), p->second);
+    chain->spec.weight_steps.insert(chain->spec.weight_steps.begin(), step);
     chain->intermediates.push_back(w);
     w = source;
   }
@@ -129,9 +179,10 @@ bool MatchWeightMul(const Graph& g, const ChainGather& gather, int mul, Chain* c
   return true;
 }
 
-// SUM node `sum` of `reduced` over the bag axis; returns its keep_dims.
+// SUM node `sum` of `reduced` over the bag axis; returns its keep_dims and
+// its axis as written (*written_axis).
 bool MatchBagSum(const Graph& g, const ChainGather& gather, int sum, int reduced,
-                 bool* keep_dims, int* output) {
+                 bool* keep_dims, int* output, int* written_axis) {
   TfLiteNode* nn;
   TfLiteRegistration* nreg;
   if (g.context->GetNodeAndRegistration(g.context, sum, &nn, &nreg) != kTfLiteOk) return false;
@@ -141,6 +192,7 @@ bool MatchBagSum(const Graph& g, const ChainGather& gather, int sum, int reduced
     return false;
   int axis;
   if (!ConstAxis(g, nn->inputs->data[1], &axis)) return false;
+  *written_axis = axis;
   if (axis < 0) axis += gather.gathered_rank;
   if (axis != gather.bag_axis) return false;
   *keep_dims = static_cast<const TfLiteReducerParams*>(nn->builtin_data)->keep_dims;
@@ -171,8 +223,8 @@ bool MatchChain(const Graph& g, int gather_node, Chain* chain) {
     if (next < 0) return false;
   }
   bool keep_dims;
-  int output;
-  if (!MatchBagSum(g, gather, next, reduced, &keep_dims, &output)) return false;
+  int output, sum_axis;
+  if (!MatchBagSum(g, gather, next, reduced, &keep_dims, &output, &sum_axis)) return false;
   chain->sum = next;
   BagSpec& s = chain->spec;
   s.table = gather.params;
@@ -182,6 +234,7 @@ bool MatchChain(const Graph& g, int gather_node, Chain* chain) {
   s.combiner = Combiner::kSum;
   s.composite = true;
   s.keep_dims = keep_dims;
+  s.sum_axis = sum_axis;
   s.what = "PkmEmbeddingBag (fused GATHER/MUL/SUM)";
   return true;
 }

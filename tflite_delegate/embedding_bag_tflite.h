@@ -71,6 +71,23 @@ inline TfLiteRegistration NewRegistration(decltype(TfLiteRegistration::init) ini
   return r;
 }
 
+// One stock op on a fused composite's weights path (RESHAPE, EXPAND_DIMS,
+// SQUEEZE, or a STRIDED_SLICE that keeps every element): how it shapes its
+// input, so that Bind can work out the shape the stock MUL would see for the
+// current inputs. The delegate matches a chain once, with the shapes of that
+// moment; resize_tensor_input may change them later.
+struct ShapeStep {
+  enum class Kind { kIdentity, kReshape, kExpandDims, kSqueeze };
+  Kind kind = Kind::kIdentity;
+  // kReshape: the new shape (-1 at most once); kExpandDims: {axis};
+  // kSqueeze: the axes to drop (none: every axis of size 1).
+  std::vector<int64_t> values;
+};
+
+// dims -> the shape `step` gives them, as the stock op would; false with a
+// message where the stock op would fail on them.
+bool ApplyShapeStep(const ShapeStep& step, std::vector<int64_t>* dims, std::string* error);
+
 // One embedding bag bound to tensor indices of a subgraph.
 struct BagSpec {
   int table = -1;
@@ -79,10 +96,13 @@ struct BagSpec {
   int weights = -1;     // -1: all ones; else shaped like indices
   int output = -1;
   Combiner combiner = Combiner::kSum;
-  // Stock composite: weights are the MUL operand shaped [..., K, 1] and the
-  // SUM output may keep the reduced axis ([..., 1, D]).
+  // Stock composite: weights reach the MUL through weight_steps, which the
+  // MUL broadcasts against the gathered [..., K, D]; the SUM reduces sum_axis
+  // (as written in the model: may be negative) and may keep it ([..., 1, D]).
   bool composite = false;
   bool keep_dims = false;
+  std::vector<ShapeStep> weight_steps;
+  int sum_axis = -2;
   const char* what = kCustomOpName;  // names the op in error messages
 };
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/core/embedding_bag.h"
+#include "kernels/core/shape_rules.h"
 #include "tflite_delegate/embedding_bag_tflite.h"
 #include "tflite_delegate/flexbuffer_map.h"
 
@@ -400,6 +401,118 @@ bool FusedChainRejectsNegativeIndices() {
   return true;
 }
 
+// A fused chain's weights as the stock MUL broadcasts them (random shapes,
+// some through a RESHAPE step, some that no longer fit) against a reference
+// that maps each position to its weight by division and remainder; under
+// ASan this also checks the broadcast copy's reads.
+bool CompositeWeightsFuzz(int iterations, int* checked, int* refused) {
+  for (int it = 0; it < iterations; ++it) {
+    Fixture f;
+    f.tensors.resize(4);
+    for (auto& t : f.tensors) std::memset(&t, 0, sizeof(t));
+    const int rows = 5, dim = 3;
+    std::vector<int> ids_dims(Rand(1, 3));
+    for (int& d : ids_dims) d = Rand(Coin(0.05) ? 0 : 1, 4);
+    std::vector<int> mul_dims;  // the weights as they reach the MUL
+    if (Coin(0.8)) {            // a broadcast of ids_dims + [1], maybe of lower rank
+      mul_dims = ids_dims;
+      mul_dims.push_back(1);
+      for (int& d : mul_dims)
+        if (Coin(0.3)) d = 1;
+      mul_dims.erase(mul_dims.begin(), mul_dims.begin() + Rand(0, static_cast<int>(ids_dims.size())));
+    } else {
+      mul_dims = RandDims(4, 4);
+    }
+    pkm::tflite::BagSpec spec;
+    spec.table = 0, spec.indices = 1, spec.weights = 2, spec.output = 3, spec.composite = true;
+    const int rank = static_cast<int>(ids_dims.size());
+    spec.sum_axis = Coin(0.8) ? (Coin() ? -2 : rank - 1) : Rand(-4, 3);
+    bool flat = false;
+    if (Coin(0.4)) {  // the weights come flat and a RESHAPE gives them mul_dims
+      pkm::tflite::ShapeStep step;
+      step.kind = pkm::tflite::ShapeStep::Kind::kReshape;
+      step.values.assign(mul_dims.begin(), mul_dims.end());
+      if (!step.values.empty() && Coin()) step.values[Rand(0, static_cast<int>(step.values.size()) - 1)] = -1;
+      spec.weight_steps.push_back(step);
+      flat = true;
+    }
+    int64_t mul_count = 1;
+    for (int d : mul_dims) mul_count *= d;
+    const std::vector<int> raw_dims = flat ? std::vector<int>{static_cast<int>(mul_count)} : mul_dims;
+    const TfLiteType types[4] = {kTfLiteFloat32, kTfLiteInt32, kTfLiteFloat32, kTfLiteFloat32};
+    const std::vector<int> dims[4] = {{rows, dim}, ids_dims, raw_dims, {}};
+    for (int i = 0; i < 4; ++i) {
+      f.tensors[i].type = types[i];
+      f.tensors[i].dims = IntArray(dims[i]);
+      f.tensors[i].allocation_type = kTfLiteArenaRw;
+      SetData(&f.tensors[i]);
+    }
+    float* table = reinterpret_cast<float*>(f.tensors[0].data.raw);
+    for (int i = 0; i < rows * dim; ++i) table[i] = Rand(-100, 100) / 37.f;
+    const int64_t positions = Count(f.tensors[1].dims);
+    int32_t* idx = f.tensors[1].data.i32;
+    for (int64_t i = 0; i < positions; ++i) idx[i] = Rand(0, rows - 1);
+    float* w = reinterpret_cast<float*>(f.tensors[2].data.raw);
+    for (int64_t i = 0; i < mul_count; ++i) w[i] = Rand(-100, 100) / 29.f;
+    f.context.ReportError = ReportError;
+    f.context.ResizeTensor = ResizeTensor;
+    f.context.tensors = f.tensors.data();
+    f.context.tensors_size = f.tensors.size();
+    // What the stock ops accept: SUM over the last ids axis, mul_dims broadcast to ids_dims + [1].
+    const int axis = spec.sum_axis < 0 ? spec.sum_axis + rank + 1 : spec.sum_axis;
+    bool fits = axis == rank - 1 && static_cast<int>(mul_dims.size()) <= rank + 1 &&
+                (mul_dims.empty() || mul_dims.back() == 1);
+    for (int i = 0; fits && i < rank; ++i) {
+      const int mi = static_cast<int>(mul_dims.size()) - 1 - (rank - i);
+      const int d = mi >= 0 ? mul_dims[mi] : 1;
+      fits = d == 1 || d == ids_dims[i];
+    }
+    pkm::tflite::BagState state;
+    g_last_error.clear();
+    TfLiteStatus st = pkm::tflite::PrepareBag(&f.context, spec, &state);
+    if (st == kTfLiteOk) st = pkm::tflite::InvokeBag(&f.context, spec, state, pkm::SerialFor());
+    if (!fits) {
+      EXPECT(st == kTfLiteError && !g_last_error.empty(), "ids %s weights %s axis %d: accepted",
+             pkm::DimsString(std::vector<int64_t>(ids_dims.begin(), ids_dims.end())).c_str(),
+             pkm::DimsString(std::vector<int64_t>(mul_dims.begin(), mul_dims.end())).c_str(), spec.sum_axis);
+      ++*refused;
+      continue;
+    }
+    EXPECT(st == kTfLiteOk, "ids %s weights %s: '%s'",
+           pkm::DimsString(std::vector<int64_t>(ids_dims.begin(), ids_dims.end())).c_str(),
+           pkm::DimsString(std::vector<int64_t>(mul_dims.begin(), mul_dims.end())).c_str(), g_last_error.c_str());
+    const float* out = reinterpret_cast<const float*>(f.tensors[3].data.raw);
+    const int bag = ids_dims.back();
+    int64_t num_bags = 1;
+    for (int i = 0; i + 1 < rank; ++i) num_bags *= ids_dims[i];
+    for (int64_t b = 0; b < num_bags; ++b) {
+      for (int c = 0; c < dim; ++c) {
+        double want = 0;
+        for (int k = 0; k < bag; ++k) {
+          const int64_t pos = b * bag + k;
+          int64_t wi = 0, stride = 1, rest = pos;
+          for (int i = rank - 1; i >= 0; --i) {  // ids axis i <-> mul axis aligned from the right
+            const int64_t p = rest % ids_dims[i];
+            rest /= ids_dims[i];
+            const int mi = static_cast<int>(mul_dims.size()) - 1 - (rank - i);
+            const int d = mi >= 0 ? mul_dims[mi] : 1;
+            if (d != 1) wi += p * stride;
+            stride *= d;
+          }
+          want += static_cast<double>(w[wi]) * table[idx[pos] * dim + c];
+        }
+        const float got = out[b * dim + c];
+        EXPECT(std::fabs(got - want) <= 1e-4 * (1 + std::fabs(want)), "ids %s weights %s: out[%lld, %d] = %g, want %g",
+               pkm::DimsString(std::vector<int64_t>(ids_dims.begin(), ids_dims.end())).c_str(),
+               pkm::DimsString(std::vector<int64_t>(mul_dims.begin(), mul_dims.end())).c_str(),
+               static_cast<long long>(b), c, got, want);
+      }
+    }
+    ++*checked;
+  }
+  return true;
+}
+
 int CountThreads() {
   int n = 0;
   if (FILE* fp = std::fopen("/proc/self/status", "r")) {
@@ -623,6 +736,11 @@ int main(int argc, char** argv) {
       !NodesShareOnePool() || !BadRowSplitsAreRejected() || !ShortBuffersAreRejected())
     return 1;
   std::printf("deterministic cases passed\n");
+  int composite_checked = 0, composite_refused = 0;
+  if (!CompositeWeightsFuzz(2000, &composite_checked, &composite_refused)) return 1;
+  std::printf("fused-chain weights: %d checked against the broadcast reference, %d refused\n", composite_checked,
+              composite_refused);
+  if (composite_checked < 500 || composite_refused < 100) return 1;
   const int iterations = argc > 1 ? std::atoi(argv[1]) : 2000;
   // Options as the converter writes them (flexbuffers maps of the TF attrs).
   const std::vector<std::vector<uint8_t>> valid = {

@@ -264,6 +264,18 @@ typedef struct TfLiteMulParams {
 typedef struct TfLiteReducerParams {
   bool keep_dims;
 } TfLiteReducerParams;
+typedef struct TfLiteSqueezeParams {
+  int32_t squeeze_dims[8];
+  int num_squeeze_dims;
+} TfLiteSqueezeParams;
+typedef struct TfLiteStridedSliceParams {
+  int begin_mask;
+  int end_mask;
+  int ellipsis_mask;
+  int new_axis_mask;
+  int shrink_axis_mask;
+  bool offset;  // version 8 on (read only where the runtime's op is that new: see IsReshapeLike)
+} TfLiteStridedSliceParams;
 
 }  // extern "C"
 #endif  // PKM_HAVE_REAL_TFLITE_HEADERS

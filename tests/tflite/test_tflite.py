@@ -439,3 +439,101 @@ def test_dynamic_indices_first_invoke_at_the_stored_output_shape(interpreter, tm
         [out] = run_in(interpreter, str(path), [x, shape], tmp_path)
         want = embedding_bag(TABLE, x.reshape(-1, 2), None, "sum")
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- a fused chain after resize_tensor_input ------------------------------------------
+# The delegate matches a stock GATHER/MUL/SUM chain once, with the shapes the interpreter has
+# then; resizing the inputs afterwards can change what the stock MUL broadcasts or SUM reduces.
+# The fused chain must then give the stock ops' result or fail with a message, never other numbers.
+
+def _chain_model(tmp_path, name, fn, signature):
+    path = tmp_path / f"{name}.tflite"
+    path.write_bytes(convert(fn, signature))
+    return str(path)
+
+
+def _stock_and_fused(path, inputs, tmp_path):
+    (stock,) = tflite.run_tflite(path, inputs, use_delegate=False)
+    results = {}
+    for interp in ALL_INTERPRETERS:
+        try:
+            (results[interp],) = run_in(interp, path, inputs, tmp_path, fuse_composites=True)
+        except RuntimeError as e:
+            results[interp] = e
+    return stock, results
+
+
+def test_fused_chain_broadcasts_per_position_weights_after_a_batch_resize(tmp_path):
+    """Weights [K] reshaped to [1, K, 1]: matched at batch 1 (no broadcast), run at batch 5,
+    where the stock MUL broadcasts them over the bags (the fused chain failed: 'weights must
+    have as many elements as indices')."""
+    table = tf.constant(TABLE)
+    path = _chain_model(tmp_path, "per_position",
+                        lambda i, w: tf.reduce_sum(tf.gather(table, i) * tf.reshape(w, [1, K, 1]), axis=1),
+                        [tf.TensorSpec([None, K], tf.int32), tf.TensorSpec([K], tf.float32)])
+    it = tflite.make_interpreter(path, "litert", fuse_composites=True)
+    assert tflite.ops_in_plan(it) == ["DELEGATE"]  # the chain is fused at the model's shapes
+    idx, _ = bags(5, pad=False)
+    w = RNG.uniform(0.1, 2.0, size=K).astype(np.float32)
+    stock, fused = _stock_and_fused(path, [idx, w], tmp_path)
+    np.testing.assert_allclose(stock, embedding_bag(TABLE, idx, np.broadcast_to(w, idx.shape)), rtol=1e-5, atol=1e-5)
+    for interp, out in fused.items():
+        assert not isinstance(out, Exception), f"{interp}: {out}"
+        np.testing.assert_allclose(out, stock, rtol=1e-5, atol=1e-5, err_msg=interp)
+
+
+def test_fused_chain_refuses_a_resize_its_weights_no_longer_fit(tmp_path):
+    """ids [None, None], weights [None] reshaped to [1, -1, 1]: matched at [1, 1], run with ids
+    [K, 1] and K weights, where the stock MUL makes [K, K, D] and SUM gives sum(w) * row. The
+    element counts still agree, so the fused chain used to weigh each bag by one weight."""
+    table = tf.constant(TABLE)
+    path = _chain_model(tmp_path, "reshaped_weights",
+                        lambda i, w: tf.reduce_sum(tf.gather(table, i) * tf.reshape(w, [1, -1, 1]), axis=1),
+                        [tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None], tf.float32)])
+    assert tflite.ops_in_plan(tflite.make_interpreter(path, "litert", fuse_composites=True)) == ["DELEGATE"]
+    idx = RNG.integers(0, N, size=(K, 1)).astype(np.int32)
+    w = RNG.uniform(0.1, 2.0, size=K).astype(np.float32)
+    stock, fused = _stock_and_fused(path, [idx, w], tmp_path)
+    np.testing.assert_allclose(stock, w.sum() * TABLE[idx[:, 0]], rtol=1e-5, atol=1e-5)
+    for interp, out in fused.items():
+        if isinstance(out, Exception):
+            assert re.search(r"weights reach the fused MUL as \[1, 6, 1\], which does not scale each row of "
+                             r"the gathered \[6, 1, 24\]", str(out)), f"{interp}: {out}"
+        else:
+            np.testing.assert_allclose(out, stock, rtol=1e-5, atol=1e-5, err_msg=interp)
+    # Shapes the chain still fits run fused and equal the stock ops.
+    idx, w = RNG.integers(0, N, size=(1, 4)).astype(np.int32), RNG.uniform(0.1, 2, 4).astype(np.float32)
+    stock, fused = _stock_and_fused(path, [idx, w], tmp_path)
+    for interp, out in fused.items():
+        np.testing.assert_allclose(out, stock, rtol=1e-5, atol=1e-5, err_msg=interp)
+
+
+def test_fused_chain_refuses_a_resize_that_moves_the_bag_axis(tmp_path):
+    """SUM over axis 1 of gather(ids [None, K]): resized to ids [2, 3, K], the stock SUM reduces
+    the 3, not the bag axis."""
+    table = tf.constant(TABLE)
+    path = _chain_model(tmp_path, "axis_one", lambda i: tf.reduce_sum(tf.gather(table, i), axis=1),
+                        [tf.TensorSpec([None, K], tf.int32)])
+    idx = RNG.integers(0, N, size=(2, 3, K)).astype(np.int32)
+    stock, fused = _stock_and_fused(path, [idx], tmp_path)
+    np.testing.assert_allclose(stock, TABLE[idx].sum(axis=1), rtol=1e-5, atol=1e-5)
+    for interp, out in fused.items():
+        assert isinstance(out, Exception), interp
+        assert "the fused SUM's axis 1 is not the bag axis of the gathered [2, 3, 6, 24]" in str(out), out
+
+
+def test_fused_chain_follows_expand_dims_and_squeeze_of_the_weights(tmp_path):
+    """expand_dims / squeeze on the weights path, run at other batch sizes than matched."""
+    table = tf.constant(TABLE)
+    path = _chain_model(
+        tmp_path, "expand_squeeze",
+        lambda i, w: tf.reduce_sum(tf.gather(table, i) * tf.expand_dims(tf.squeeze(w, axis=1), -1), axis=1),
+        [tf.TensorSpec([None, K], tf.int32), tf.TensorSpec([None, 1, K], tf.float32)])
+    assert tflite.ops_in_plan(tflite.make_interpreter(path, "litert", fuse_composites=True)) == ["DELEGATE"]
+    for batch in (3, 9):
+        idx, w = bags(batch, pad=False)
+        stock, fused = _stock_and_fused(path, [idx, w[:, None, :]], tmp_path)
+        np.testing.assert_allclose(stock, embedding_bag(TABLE, idx, w), rtol=1e-5, atol=1e-5)
+        for interp, out in fused.items():
+            assert not isinstance(out, Exception), f"{interp}: {out}"
+            np.testing.assert_allclose(out, stock, rtol=1e-5, atol=1e-5, err_msg=interp)
