@@ -10,12 +10,21 @@ gradient is formed: neither dense ``[N, D]`` nor ``IndexedSlices``.
 
 Until an optimizer has claimed the table (e.g. a custom loop traced before
 ``optimizer.build``), the lookup gives the ordinary row-sparse gradient, which
-the same optimizers apply with the same result; a warning says so once.
+the same optimizers apply with the same result; a warning says so once. The
+row-sparse gradient is also what a frozen table (``trainable=False``), a
+``fit`` driven by another optimizer than the claiming one (after a recompile)
+and a SavedModel's saved gradient (``model.export``, ``tf.saved_model.save``)
+get: the claim only acts for the optimizer that trains the model. A claimed
+table is looked up once per training step (a second lookup would apply a
+second update in the same step) and not under loss scaling (the update would
+use the scaled gradient before the wrapper can unscale or skip it): both are a
+ValueError.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 
 import tensorflow as tf
@@ -45,6 +54,90 @@ def request(variable):
     variable._pkm_wants_fused_optimizer = True
 
 
+def calling_instance(cls, depth=24):
+    """The ``self`` of the nearest caller frame that is a ``cls`` instance, or None.
+
+    Keras drives an optimizer from outside it: ``fit``'s ``train_step`` holds
+    the model (and so the optimizer that trains it), and a
+    ``LossScaleOptimizer`` builds and applies its inner optimizer from its own
+    methods; neither is reachable from the table or the optimizer."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, cls):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def refuse_loss_scaling(optimizer, variable):
+    raise ValueError(
+        f"{type(optimizer).__name__}: the fused update of {variable.path} cannot run under loss scaling "
+        "(a LossScaleOptimizer, which Keras adds for the mixed_float16 policy): the update would use the "
+        "scaled gradient before the wrapper can unscale it or skip the step. Use sparse_gradient=True instead "
+        "of fused_optimizer=True, or the mixed_bfloat16 policy")
+
+
+_TWICE = ("fused_optimizer: table {} is looked up more than once in one training step; each lookup would "
+          "apply its own update. Look it up once (concatenate the bags) or use sparse_gradient=True, whose "
+          "optimizer step sums the lookups' gradients")
+
+
+_updates_by_graph = weakref.WeakKeyDictionary()  # traced graph -> the fused updates it holds
+
+
+def _check_one_update_per_step(variable, optimizer):
+    if tf.executing_eagerly():
+        step = (id(optimizer), int(optimizer.iterations.numpy()))
+        if getattr(variable, "_pkm_fused_last_step", None) == step:
+            raise ValueError(_TWICE.format(variable.path))
+        variable._pkm_fused_last_step = step
+        return
+    # Traced: one step's backward is one graph (per replica under tf.distribute).
+    seen = _updates_by_graph.setdefault(tf.compat.v1.get_default_graph(), set())
+    key = (id(variable), id(tf.distribute.get_replica_context()))
+    if key in seen:
+        raise ValueError(_TWICE.format(variable.path))
+    seen.add(key)
+
+
+def _optimizer_for_this_step(variable):
+    """The optimizer whose update the lookup's backward applies now, or None
+    (the row-sparse gradient)."""
+    import keras
+    from tensorflow.python.saved_model import save_context
+
+    optimizer = claimed_by(variable)
+    if not getattr(variable, "trainable", True):
+        return None  # frozen: Keras asks for no table gradient; the weights may still want theirs
+    if save_context.in_save_context():
+        return None  # a SavedModel keeps the lookup's gradient, not this process's optimizer
+    model = calling_instance(keras.Model)  # fit / train_on_batch: model.train_step is tracing
+    driver = getattr(model, "optimizer", None) if model is not None else None
+    if driver is not None:
+        if optimizer is not None and getattr(driver, "inner_optimizer", None) is optimizer:
+            refuse_loss_scaling(optimizer, variable)
+        if driver is not optimizer:
+            if not hasattr(driver, "_pkm_fused_apply") and id(variable) not in _warned:
+                _warned.add(id(variable))
+                logging.getLogger("pkm_serve").warning(
+                    "fused_optimizer: %s does not apply the fused update; table %s gets the row-sparse gradient "
+                    "(pkm_serve.optimizers.LazyAdam and RowwiseAdagrad fuse it)", type(driver).__name__,
+                    variable.path)
+            return None  # another optimizer trains the model (or ours before its build claimed the table)
+    elif optimizer is None:
+        if id(variable) not in _warned:
+            _warned.add(id(variable))
+            logging.getLogger("pkm_serve").warning(
+                "fused_optimizer: no optimizer has claimed table %s yet (build the optimizer before "
+                "the first step); this step uses the row-sparse gradient", variable.path)
+        return None
+    _check_one_update_per_step(variable, optimizer)
+    return optimizer
+
+
 def fused_embedding_bag(variable, indices, weights=None, combiner="sum"):
     """``ops.embedding_bag(variable, indices, weights, combiner)`` whose backward
     applies the claiming optimizer's update (dense [..., K] indices, float32 table)."""
@@ -64,30 +157,27 @@ def fused_embedding_bag(variable, indices, weights=None, combiner="sum"):
     weights = tf.cast(weights, tf.float32) if has_weights else tf.zeros([0], tf.float32)
     resource_variable_ops.variable_accessed(table)  # the tape watches the table's handle
 
-    @tf.custom_gradient
-    def lookup(handle, bag_weights):
-        out = lib.pkm_resource_embedding_bag(handle, indices, bag_weights, combiner=combiner, has_weights=has_weights)
+    # Every tensor the backward reads is an input of the lookup (not a closure
+    # over the caller's graph), so that a SavedModel can trace its gradient.
+    def lookup(handle, bag_weights, bag_indices):
+        out = lib.pkm_resource_embedding_bag(handle, bag_indices, bag_weights, combiner=combiner,
+                                             has_weights=has_weights)
 
         def grad(d_out):
-            optimizer = claimed_by(variable)
+            optimizer = _optimizer_for_this_step(variable)
             shape = tf.shape(table, out_type=tf.int64)
             if optimizer is None:
-                if id(variable) not in _warned:
-                    _warned.add(id(variable))
-                    logging.getLogger("pkm_serve").warning(
-                        "fused_optimizer: no optimizer has claimed table %s yet (build the optimizer before "
-                        "the first step); this step uses the row-sparse gradient", table.name)
+                # table.handle, not `handle`: a SavedModel maps the variable's own handle to the variable.
                 rows, row_grads, d_w = lib.pkm_resource_embedding_bag_sparse_grad(
-                    d_out, handle, indices, bag_weights, combiner=combiner, has_weights=has_weights)
-                return tf.IndexedSlices(row_grads, rows, dense_shape=shape), d_w
-            d_w = optimizer._pkm_fused_apply(variable, d_out, indices, bag_weights, combiner, has_weights)
+                    d_out, table.handle, bag_indices, bag_weights, combiner=combiner, has_weights=has_weights)
+                return tf.IndexedSlices(row_grads, rows, dense_shape=shape), d_w, None
+            d_w = optimizer._pkm_fused_apply(variable, d_out, bag_indices, bag_weights, combiner, has_weights)
             empty = tf.IndexedSlices(tf.zeros([0, table.shape[1]], tf.float32), tf.zeros([0], tf.int64), shape)
-            return empty, d_w
+            return empty, d_w, None
 
         return out, grad
 
-    out = lookup(table.handle, weights)
-    return out
+    return tf.custom_gradient(lookup)(table.handle, weights, indices)
 
 
 def run_update(variable, d_out, indices, weights, combiner, has_weights, optimizer, state, learning_rate, step,

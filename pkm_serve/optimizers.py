@@ -61,6 +61,9 @@ def _claim_fused_tables(optimizer, var_list):
     for var in var_list:
         if not _fused_update.wants_fused(var):
             continue
+        wrapper = _fused_update.calling_instance(keras.optimizers.LossScaleOptimizer)
+        if wrapper is not None and wrapper.inner_optimizer is optimizer:
+            _fused_update.refuse_loss_scaling(optimizer, var)
         blocking = [name for name in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm",
                                       "loss_scale_factor", "gradient_accumulation_steps")
                     if getattr(optimizer, name, None)]

@@ -86,6 +86,8 @@ def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None
         raise ValueError(f"weights shape {w.shape} must equal indices shape {indices.shape}")
     if row_splits is not None:
         row_splits = jnp.asarray(row_splits)
+        if row_splits.dtype not in (jnp.int32, jnp.int64):
+            raise TypeError(f"row_splits must be int32 or int64, got {row_splits.dtype}")
         if indices.ndim != 1 or row_splits.ndim != 1 or row_splits.shape[0] < 1:
             raise ValueError("ragged bags need values [V] and row_splits [B+1] vectors, got "
                              f"{indices.shape} and {row_splits.shape}")

@@ -103,6 +103,8 @@ def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None
         raise ValueError(f"weights shape {tuple(w.shape)} must equal indices shape {tuple(indices.shape)}")
     if row_splits is not None:
         row_splits = torch.as_tensor(row_splits, device=params.device)
+        if row_splits.dtype not in (torch.int32, torch.int64):  # the kernel reads them as one of these
+            raise TypeError(f"row_splits must be int32 or int64, got {row_splits.dtype}")
         if indices.dim() != 1 or row_splits.dim() != 1 or row_splits.shape[0] < 1:
             raise ValueError("ragged bags need values [V] and row_splits [B+1] vectors, got "
                              f"{tuple(indices.shape)} and {tuple(row_splits.shape)}")

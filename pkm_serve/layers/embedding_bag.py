@@ -89,6 +89,9 @@ class EmbeddingBag(keras.layers.Layer):
         self.fused_optimizer = bool(fused_optimizer)
         if self.fused_optimizer and implementation != "fused":
             raise ValueError("EmbeddingBag: fused_optimizer=True needs implementation='fused'")
+        if self.fused_optimizer and combiner == "max":
+            raise ValueError("EmbeddingBag: fused_optimizer=True takes the combiners sum, mean and sqrtn (the fused "
+                             "update has no max); use sparse_gradient=True for combiner='max'")
         self._lookup = resolve_lookup(implementation, fallback, "EmbeddingBag")
         # The sparse gradient's row count is data-dependent: XLA cannot compile it.
         self.supports_jit = (lookup_supports_jit(self._lookup) and not self.sparse_gradient

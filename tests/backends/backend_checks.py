@@ -160,6 +160,13 @@ def check_errors():
         raise AssertionError("float indices were accepted by the op")
     except TypeError as err:
         assert "indices must be int32 or int64" in str(err), err
+    for dtype in ("float32", "int16", "uint8", "float64"):  # torch's kernel read them as int32 bits
+        try:
+            rt.ops.embedding_bag(table, rt.tensor([1, 2, 3], "int32"), None, "sum",
+                                 row_splits=rt.tensor([0, 1, 3], dtype))
+            raise AssertionError(f"{dtype} row_splits were accepted")
+        except TypeError as err:
+            assert "row_splits must be int32 or int64" in str(err), err
     out = None
     try:
         out = rt.numpy(rt.ops.embedding_bag(table, rt.tensor(idx, "int32"), None, "sum"))

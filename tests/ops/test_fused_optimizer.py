@@ -143,3 +143,75 @@ def test_the_update_happens_in_the_backward_and_no_table_gradient_is_formed():
     np.testing.assert_array_equal(moved, [1, 2, 3, 4, 5, 6, 7])  # updated by tape.gradient itself
     opt.apply_gradients(zip(grads, model.trainable_variables))
     assert int(opt.iterations) == 1
+
+
+# ---- what the fused update must refuse or leave alone (a helper's bug hunt, round 26) ----
+
+def _fit_data(seed=2, n=64):
+    rng = np.random.default_rng(seed)
+    return ([rng.integers(0, 150, size=(n, 8)), rng.uniform(0.5, 1.5, (n, 8)).astype(np.float32)],
+            rng.standard_normal((n, 3)).astype(np.float32))
+
+
+def test_fused_refuses_loss_scaling():
+    """The update would use the loss-scaled gradient before the wrapper unscales or skips it."""
+    x, y = _fit_data()
+    model = make_model(True)
+    model.compile(keras.optimizers.LossScaleOptimizer(LazyAdam(0.01)), "mse")
+    with pytest.raises(ValueError, match="cannot run under loss scaling"):
+        model.fit(x, y, epochs=1, verbose=0)
+    opt = LazyAdam(0.01)
+    opt.build(model.trainable_variables)  # built, then wrapped: refused at the step instead
+    model.compile(keras.optimizers.LossScaleOptimizer(opt), "mse")
+    with pytest.raises(ValueError, match="cannot run under loss scaling"):
+        model.fit(x, y, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf.function"])
+def test_fused_refuses_a_table_looked_up_twice_in_one_step(compiled):
+    bag = EmbeddingBag(50, 4, fused_optimizer=True)
+    bag.build()
+    opt = LazyAdam(0.01)
+    opt.build([bag.embeddings])
+    a, b = tf.constant([[1, 2]], tf.int64), tf.constant([[2, 3]], tf.int64)
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(bag(a)) + tf.reduce_sum(bag(b))
+        grads = tape.gradient(loss, [bag.embeddings])
+        opt.apply_gradients(zip(grads, [bag.embeddings]))
+
+    with pytest.raises(ValueError, match="looked up more than once in one training step"):
+        (tf.function(step) if compiled else step)()
+
+
+def test_fused_leaves_a_frozen_table_and_follows_a_recompile():
+    x, y = _fit_data()
+    model = make_model(True)
+    first = LazyAdam(0.01)  # kept: its claim on the table outlives the recompiles below
+    model.compile(first, "mse")
+    model.fit(x, y, epochs=1, verbose=0)
+    table = model.get_layer("bag").embeddings
+    trained = table.numpy()
+    model.compile(keras.optimizers.SGD(learning_rate=0.0), "mse")  # another optimizer trains from here
+    model.fit(x, y, epochs=1, verbose=0)
+    np.testing.assert_array_equal(table.numpy(), trained)
+    model.get_layer("bag").trainable = False
+    model.compile(first, "mse")
+    head = model.get_layer("head").kernel.numpy()
+    model.fit(x, y, epochs=1, verbose=0)
+    np.testing.assert_array_equal(table.numpy(), trained)
+    assert not np.array_equal(model.get_layer("head").kernel.numpy(), head)  # the rest still trains
+
+
+def test_fused_refuses_max_and_exports_after_training(tmp_path):
+    with pytest.raises(ValueError, match="fused_optimizer=True takes the combiners sum, mean and sqrtn"):
+        EmbeddingBag(10, 4, combiner="max", fused_optimizer=True)
+    x, y = _fit_data()
+    model = make_model(True)
+    model.compile(LazyAdam(0.01), "mse")
+    model.fit(x, y, epochs=1, verbose=0)
+    model.export(str(tmp_path / "exported"), verbose=False)  # failed: the gradient captured the optimizer
+    loaded = tf.saved_model.load(str(tmp_path / "exported"))
+    served = loaded.serve([tf.constant(x[0]), tf.constant(x[1])])
+    np.testing.assert_allclose(served.numpy(), model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
