@@ -203,23 +203,32 @@ def _broadcast_ids_and_weights(fg: FunctionGraph, site: Site, indices: Ref, weig
     weights [B, 1], one row of ids for every bag, one scale [1] for every sparse
     id); the op takes equal shapes. Where
     the static shapes do not prove them equal, both are broadcast to their
-    common shape at run time (BroadcastTo forwards an input of that shape as is)."""
+    common shape at run time."""
     ids_shape, w_shape = fg.shape(indices), fg.shape(weights)
     if ids_shape.is_fully_defined() and w_shape.is_fully_defined() and ids_shape == w_shape:
         return indices, weights
     rank = ids_shape.rank if ids_shape.rank is not None else w_shape.rank
     out_shape = [None] * rank if rank is not None else None
+    # x + zeros shaped like the other: an elementwise add broadcasts both and
+    # fails with a message where they do not broadcast (TFLite's
+    # BROADCAST_ARGS aborts the process there). Adding 0 changes no id and no
+    # weight (but -0.0, which becomes 0.0).
     root = site.root
-    ids_dims = fg.add_op(root + "/pkm_ids_shape", "Shape", [indices],
-                         {"T": DType(site.index_dtype), "out_type": I32}, shapes=[[rank]])
-    w_dims = fg.add_op(root + "/pkm_weights_shape", "Shape", [weights],
-                       {"T": DType(site.table_dtype), "out_type": I32}, shapes=[[rank]])
-    dims = fg.add_op(root + "/pkm_bag_shape", "BroadcastArgs", [ids_dims, w_dims], {"T": I32},
-                     shapes=[[rank]])
-    indices = fg.add_op(root + "/pkm_ids_broadcast", "BroadcastTo", [indices, dims],
-                        {"T": DType(site.index_dtype), "Tidx": I32}, shapes=[out_shape])
-    weights = fg.add_op(root + "/pkm_weights_broadcast", "BroadcastTo", [weights, dims],
-                        {"T": DType(site.table_dtype), "Tidx": I32}, shapes=[out_shape])
+    index_type, weight_type = DType(site.index_dtype), DType(site.table_dtype)
+
+    def zeros_shaped_like(name, x, src, dst, shape):
+        as_dst = fg.add_op(f"{root}/pkm_{name}_cast", "Cast", [x], {"SrcT": src, "DstT": dst, "Truncate": False},
+                           shapes=[shape])
+        return fg.add_op(f"{root}/pkm_{name}_zeros", "ZerosLike", [as_dst], {"T": dst}, shapes=[shape])
+
+    ids_zeros = zeros_shaped_like("weights_as_ids", weights, weight_type, index_type, w_shape.as_list()
+                                  if w_shape.rank is not None else None)
+    w_zeros = zeros_shaped_like("ids_as_weights", indices, index_type, weight_type, ids_shape.as_list()
+                                if ids_shape.rank is not None else None)
+    indices = fg.add_op(root + "/pkm_ids_broadcast", "AddV2", [indices, ids_zeros], {"T": index_type},
+                        shapes=[out_shape])
+    weights = fg.add_op(root + "/pkm_weights_broadcast", "AddV2", [weights, w_zeros], {"T": weight_type},
+                        shapes=[out_shape])
     return indices, weights
 
 

@@ -76,12 +76,33 @@ def _bindings(interp):
 class _Interpreter:
     """One interpreter of the pool; used by one request at a time."""
 
+    # LiteRT's Python error reporter appends every message to one buffer that is never
+    # cleared, and each error's text is that whole buffer: run() reports the new part only
+    # and starts a fresh interpreter once the buffer passes this size.
+    _MAX_ERROR_BUFFER = 1 << 20
+
     def __init__(self, model_bytes, num_threads):
-        self.interp = tflite.make_interpreter(model_bytes, num_threads=num_threads)
+        self._model_bytes, self._num_threads = model_bytes, num_threads
+        self._start()
+
+    def _start(self):
+        self.interp = tflite.make_interpreter(self._model_bytes, num_threads=self._num_threads)
         self.bindings = _bindings(self.interp)
         self._runners = {}
+        self._errors_so_far = ""
 
     def run(self, key, inputs):
+        try:
+            return self._run(key, inputs)
+        except RuntimeError as e:  # the interpreter's (ValueErrors are the Python wrapper's own)
+            text = str(e)
+            new = text[len(self._errors_so_far):] if text.startswith(self._errors_so_far) else text
+            self._errors_so_far = text
+            if len(text) > self._MAX_ERROR_BUFFER:
+                self._start()
+            raise type(e)(new or text) from None
+
+    def _run(self, key, inputs):
         _sdef, in_index, out_index, by_runner = self.bindings[key]
         if by_runner:
             runner = self._runners.get(key)

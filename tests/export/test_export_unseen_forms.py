@@ -131,6 +131,44 @@ def test_weights_and_ids_that_broadcast_like_the_composite(tmp_path):
         np.testing.assert_allclose(got["out"], want["out"], rtol=1e-5, atol=1e-6)
 
 
+_RUN_MISMATCHED_IN_LITERT = """
+import sys, numpy as np
+from pkm_serve import tflite
+runner = tflite.make_interpreter(sys.argv[1], interpreter="litert").get_signature_runner("serving_default")
+ids = np.array([[1, 2, 3, 4]], np.int32)
+for w in (np.ones((1, 4), np.float32), np.ones((1, 1), np.float32), np.ones((1, 3), np.float32)):
+    try:
+        out = runner(ids=ids, w=w)["out"]
+        print("ok", float(out.sum()))
+    except RuntimeError as e:
+        print("error", str(e).splitlines()[0])
+"""
+
+
+def test_broadcast_weights_in_tflite_error_where_they_do_not_broadcast(tmp_path):
+    """In the .tflite, ids [1, 4] against weights [1, 3] must be an error: the broadcast the
+    export added (BROADCAST_ARGS then) aborted the process, a model server's included."""
+    import subprocess
+    import sys
+
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32),
+                                      tf.TensorSpec([None, None], tf.float32)])
+        def f(ids, w):
+            return {"out": tf.reduce_sum(tf.gather(module.t, ids) * w[..., None], axis=1)}
+        return f
+    module = _save(tmp_path / "m", signature)
+    _export(tmp_path, tflite=str(tmp_path / "m.tflite"))
+    proc = subprocess.run([sys.executable, "-c", _RUN_MISMATCHED_IN_LITERT, str(tmp_path / "m.tflite")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    row_sum = module.t.numpy()[[1, 2, 3, 4]].sum()
+    assert lines[0].startswith("ok") and abs(float(lines[0].split()[1]) - row_sum) < 1e-4, lines
+    assert lines[1].startswith("ok") and abs(float(lines[1].split()[1]) - row_sum) < 1e-4, lines  # one per bag
+    assert lines[2].startswith("error") and "[1,4] and [1,3], are not broadcastable" in lines[2], lines
+
+
 def test_a_segment_sum_scaled_by_one_broadcast_value(tmp_path):
     def signature(module):
         @tf.function(input_signature=[tf.TensorSpec([None], tf.int32),
