@@ -199,6 +199,8 @@ class Rows:
         self.cast_enum = 0
         self.weights_squeeze = self.mask_squeeze = False
         self.ones: Optional[Ref] = None  # a multiplier that is all ones
+        self.ones_squeeze = False
+        self.multiplied: List[Ref] = []  # refs from the multiply on (toward the reduction)
         self.regathers: List[Ref] = []  # GatherV2(rows, perm) steps, outermost first
         self.as_gathered: List[Ref] = []  # refs below the last re-gather (rows as gathered)
         self.nodes: List[str] = []      # steps between gather and reduction
@@ -250,6 +252,8 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
         rows.nodes.append(node.name)
         rows.private.append(ref)
         rows.itemsizes.append(itemsize(tensor_dtype(fg, ref)))
+        if node.op == "Mul":
+            rows.multiplied = list(rows.private)
         ref = step_input
 
 
@@ -275,7 +279,7 @@ def _resolve_weights(fg: FunctionGraph, ins: List[Ref], rows: Rows, site: Site) 
             continue
         rows.nodes.extend(strip_nodes)
         if is_ones(fg, weights):  # a multiply by ones (keras-rs, ragged ones_like)
-            rows.ones = weights
+            rows.ones, rows.ones_squeeze = weights, squeeze
             return rows_ref
         site.weighted = True
         rows.weights, rows.weights_squeeze = weights, squeeze
@@ -327,6 +331,15 @@ def _per_index_shape(fg: FunctionGraph, ref: Ref, squeeze: bool):
     return shape[:-1] if squeeze and shape.rank else shape
 
 
+def _may_broadcast_ids(shape, ids_shape) -> bool:
+    """Whether a per-index multiplier of `shape` could make the product larger
+    than the ids' [..., K] (some axis of it not 1 and not known equal)."""
+    if shape.rank is None or ids_shape.rank is None or shape.rank > ids_shape.rank:
+        return True
+    ids_dims = ids_shape.as_list()[ids_shape.rank - shape.rank:]
+    return any(d != 1 and (d is None or d != i) for d, i in zip(shape.as_list(), ids_dims))
+
+
 def _check_per_index(fg: FunctionGraph, ref: Ref, squeeze: bool, ids_shape, what: str):
     shape = _per_index_shape(fg, ref, squeeze)
     if not same_dims(shape, ids_shape):
@@ -352,6 +365,9 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
                          "mask is not per-index: mask")
         site.mask, site.mask_keeps_true = rows.mask, rows.mask_keeps_true
         site.mask_squeeze = rows.mask_squeeze
+    if rows.ones is not None and _may_broadcast_ids(_per_index_shape(fg, rows.ones, rows.ones_squeeze), ids_shape):
+        site.ones, site.ones_squeeze = rows.ones, rows.ones_squeeze  # the ids are broadcast like them
+    site.multiplied_refs = tuple(rows.multiplied)
     site.cast_enum = rows.cast_enum if rows.cast_enum != gathered.dtype else 0
     site.internal = tuple(rows.nodes + gathered.nodes)
     site.intermediate_itemsizes = tuple(rows.itemsizes)

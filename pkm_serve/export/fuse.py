@@ -60,10 +60,23 @@ def _cast(fg: FunctionGraph, name: str, ref: Ref, src: int, dst: int, shape) -> 
 
 
 def _squeeze_last(fg: FunctionGraph, name: str, ref: Ref, dtype: int) -> Ref:
+    """x[..., K, 1] -> x[..., K] as a Reshape to Shape(x)[:-1]: the TFLite
+    converter folds a SQUEEZE after a softmax's TRANSPOSE into a TRANSPOSE
+    whose permutation has more axes than its output, which LiteRT aborts on."""
     shape = fg.shape(ref)
-    return fg.add_op(name, "Squeeze", [ref], {"T": DType(dtype), "squeeze_dims":
-                     attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(i=[-1]))},
-                     shapes=[None if shape.rank is None else shape.as_list()[:-1]])
+    out_shape = None if shape.rank is None else shape.as_list()[:-1]
+    if out_shape is not None and all(d is not None for d in out_shape):
+        new_shape = fg.add_const(name + "/shape", np.array(out_shape, np.int32))
+    else:
+        full = fg.add_op(name + "/full_shape", "Shape", [ref], {"T": DType(dtype), "out_type": I32},
+                         shapes=[[shape.rank]])
+        const = lambda suffix, v: fg.add_const(f"{name}/{suffix}", np.array(v, np.int32))  # noqa: E731
+        new_shape = fg.add_op(name + "/shape", "StridedSlice",
+                              [full, const("begin", [0]), const("end", [-1]), const("strides", [1])],
+                              {"T": I32, "Index": I32, "begin_mask": 0, "end_mask": 0, "ellipsis_mask": 0,
+                               "new_axis_mask": 0, "shrink_axis_mask": 0},
+                              shapes=[[None if shape.rank is None else shape.rank - 1]])
+    return fg.add_op(name, "Reshape", [ref, new_shape], {"T": DType(dtype), "Tshape": I32}, shapes=[out_shape])
 
 
 def _regathered_ids(fg: FunctionGraph, site: Site) -> Ref:
@@ -79,12 +92,16 @@ def _regathered_ids(fg: FunctionGraph, site: Site) -> Ref:
     return ids
 
 
-def _rebuild_shape_consumers(fg: FunctionGraph, site: Site, gathered_ids: Ref) -> None:
+def _rebuild_shape_consumers(fg: FunctionGraph, site: Site, gathered_ids: Ref, bag_ids: Ref) -> None:
     """Shape(rows) == concat(Shape(ids), [D]): rebuilt so the rows can go
-    (from the ids as gathered, or as re-gathered, whichever rows it read)."""
+    (from the ids as gathered, or as re-gathered, whichever rows it read;
+    from the multiply on, the ids as broadcast against the multiplier)."""
     width = site.table_shape[1] if site.table_shape else None
     for name, rows_ref in site.shape_consumers:
-        ids = gathered_ids if rows_ref in site.gather_refs else site.indices
+        if rows_ref in site.multiplied_refs:
+            ids = bag_ids
+        else:
+            ids = gathered_ids if rows_ref in site.gather_refs else site.indices
         node = fg.nodes[name]
         out_type = node.attr["out_type"].type if "out_type" in node.attr \
             else types_pb2.DT_INT32
@@ -183,9 +200,11 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
     gathered_ids = site.indices
     site.indices = _regathered_ids(fg, site)
     indices = _masked_indices(fg, site) if site.mask is not None else site.indices
-    _rebuild_shape_consumers(fg, site, gathered_ids)
     if site.weights is not None:
         indices, weights = _broadcast_ids_and_weights(fg, site, indices, weights)
+    elif site.ones is not None:
+        indices = _broadcast_ids_like_ones(fg, site, indices)
+    _rebuild_shape_consumers(fg, site, gathered_ids, indices)
     if site.segment_ids is None and site.sparse_indices is None:
         return DENSE_OP, [params, indices, weights], None, None
     if site.row_splits is not None:
@@ -230,6 +249,24 @@ def _broadcast_ids_and_weights(fg: FunctionGraph, site: Site, indices: Ref, weig
     weights = fg.add_op(root + "/pkm_weights_broadcast", "AddV2", [weights, w_zeros], {"T": weight_type},
                         shapes=[out_shape])
     return indices, weights
+
+
+def _broadcast_ids_like_ones(fg: FunctionGraph, site: Site, indices: Ref) -> Ref:
+    """rows * ones: where the ones' shape may be larger than the ids', the
+    product repeats rows; the same bag is that of the ids broadcast against
+    the ones (added to zeros shaped like them, as _broadcast_ids_and_weights)."""
+    ones = site.ones
+    if site.ones_squeeze:
+        ones = _squeeze_last(fg, site.root + "/pkm_ones_squeezed", ones, tensor_dtype(fg, ones))
+    shape = fg.shape(ones)
+    as_ids = fg.add_op(site.root + "/pkm_ones_as_ids", "Cast", [ones],
+                       {"SrcT": DType(tensor_dtype(fg, ones)), "DstT": DType(site.index_dtype), "Truncate": False},
+                       shapes=[shape.as_list() if shape.rank is not None else None])
+    zeros = fg.add_op(site.root + "/pkm_ones_zeros", "ZerosLike", [as_ids], {"T": DType(site.index_dtype)},
+                      shapes=[shape.as_list() if shape.rank is not None else None])
+    ids_shape = fg.shape(indices)
+    return fg.add_op(site.root + "/pkm_ids_broadcast", "AddV2", [indices, zeros], {"T": DType(site.index_dtype)},
+                     shapes=[[None] * ids_shape.rank if ids_shape.rank is not None else None])
 
 
 def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optional[Ref]):

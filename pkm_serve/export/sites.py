@@ -79,6 +79,9 @@ class Site:
     row_splits: Optional[Ref] = None  # ragged sites: the bags' row_splits
     shape_consumers: Tuple[Tuple[str, Ref], ...] = ()  # Shape(rows) nodes to rebuild
     gather_refs: Tuple[Ref, ...] = ()  # the rows as gathered (before any re-gather)
+    multiplied_refs: Tuple[Ref, ...] = ()  # the rows from the multiply on (their shape may be broadcast)
+    ones: Optional[Ref] = None        # a multiply by ones that may broadcast the ids (fused as that broadcast)
+    ones_squeeze: bool = False        # ones are [..., K, 1]
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in REPORT_KEYS}

@@ -168,6 +168,30 @@ def _check_custom_ops(model: bytes, not_fused: Sequence = ()) -> List[str]:
     return found
 
 
+def _signature_tensors(export_dir: str) -> Dict[str, tuple]:
+    """Each SavedModel signature's (method, inputs, outputs) tensor names: two
+    keys with the same are one function under two names (Keras' 'serve' and
+    'serving_default'), which the converter writes once."""
+    from tensorflow.python.saved_model import loader_impl
+
+    defs = loader_impl.parse_saved_model(export_dir).meta_graphs[0].signature_def
+    return {key: (d.method_name, sorted((k, v.name) for k, v in d.inputs.items()),
+                  sorted((k, v.name) for k, v in d.outputs.items())) for key, d in defs.items()}
+
+
+def check_signatures_kept(model: bytes, export_dir: str, signatures: Sequence[str]) -> None:
+    """The converter can leave a requested signature out of the .tflite without an
+    error; a signature missing that is not another name of one kept is refused."""
+    kept = _tflite_signatures(model)
+    tensors = _signature_tensors(export_dir)
+    dropped = [name for name in signatures if name not in kept and
+               not any(tensors.get(name) == tensors.get(other) for other in kept)]
+    if dropped:
+        raise ExportError(f"the TFLite converter left signature(s) {', '.join(map(repr, dropped))} out of the "
+                          f".tflite (it kept {', '.join(map(repr, kept)) or 'none'}); convert them in a .tflite of "
+                          "their own with --signatures")
+
+
 def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str,
                        quantize: Optional[str], src: str, index_limit: int,
                        samples, batch_size: int, progress: Optional[Progress] = None,
@@ -185,6 +209,7 @@ def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str
                 model = pkm_tflite.quantize_table_int8(model)
             except ValueError as e:
                 raise ExportError(f"--quantize-table int8: {e}") from None
+    check_signatures_kept(model, export_dir, signatures)
     found_ops = _check_custom_ops(model, not_fused)
     if len(model) > FLATBUFFER_LIMIT:
         raise ExportError(f"the .tflite would be {len(model)} bytes, over the 2 GB "

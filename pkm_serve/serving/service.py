@@ -200,10 +200,17 @@ class InferenceService:
         names = {t.model_spec.name for t in request.tasks}
         if len(names) != 1:
             raise invalid(f"all MultiInference tasks must use one model, got {sorted(names)}")
+        seen = set()
+        for task in request.tasks:  # TF Serving's multi_inference.cc refuses these up front
+            name = task.model_spec.signature_name or DEFAULT_SIGNATURE
+            if name in seen:
+                raise invalid(f"Duplicate evaluation of signature: {name}")
+            seen.add(name)
         resp = inference_pb2.MultiInferenceResponse()
-        for task in request.tasks:
-            out = resp.results.add()
-            with self.serving(task.model_spec) as servable:
+        # One servable (the first task's version) answers every task, as in TF Serving.
+        with self.serving(request.tasks[0].model_spec) as servable:
+            for task in request.tasks:
+                out = resp.results.add()
                 if task.method_name == CLASSIFY_METHOD:
                     sig, result = self._classify_outputs(servable, task.model_spec, request.input, deadline)
                     out.classification_result.CopyFrom(result)

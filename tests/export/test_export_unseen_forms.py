@@ -243,3 +243,93 @@ def test_masked_rows_filled_by_zeros_like(tmp_path, combine):
                           for row in ids])
     np.testing.assert_allclose(got["out"], reference, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["out"], want["out"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["ones_like", "shape_of_product"])
+def test_a_multiplier_that_broadcasts_the_bag_at_run_time(tmp_path, form):
+    """ids [B, 1] against a multiplier [B, 4] (both [None, None] in the signature): the product
+    repeats each row 4 times. Multiplying by tf.ones_like(w) was fused as the bag of the ids alone
+    (a quarter of the sum); a Shape of the weighted product was rebuilt from the ids' shape (a
+    mean dividing by 1 instead of 4). Both passed verification, which fed equal shapes."""
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int64),
+                                      tf.TensorSpec([None, None], tf.float32)])
+        def f(ids, w):
+            rows = tf.gather(module.t, ids)
+            if form == "ones_like":
+                return {"out": tf.reduce_sum(rows * tf.ones_like(w)[..., None], axis=1)}
+            x = rows * w[..., None]
+            return {"out": tf.reduce_sum(x, 1) / tf.cast(tf.shape(x)[1], tf.float32)}
+        return f
+    module = _save(tmp_path / "m", signature)
+    result = _export(tmp_path)
+    assert [s.status for s in result.sites] == ["fused"]
+    table = module.t.numpy().astype(np.float64)
+    for ids, w in ((RNG.integers(0, N, (3, 1)), RNG.uniform(0.5, 2, (3, 4))),
+                   (RNG.integers(0, N, (3, 4)), RNG.uniform(0.5, 2, (3, 4))),
+                   (RNG.integers(0, N, (2, 5)), RNG.uniform(0.5, 2, (2, 1)))):
+        want, got = _both(tmp_path, result, ids=ids, w=w.astype(np.float32))
+        b_ids, b_w = np.broadcast_arrays(ids, w.astype(np.float32).astype(np.float64))
+        if form == "ones_like":
+            reference = table[b_ids].sum(axis=1)
+        else:
+            reference = np.einsum("bk,bkd->bd", b_w, table[b_ids]) / b_ids.shape[1]
+        np.testing.assert_allclose(want["out"], reference, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["out"], reference, rtol=1e-5, atol=1e-6)
+
+
+def test_attention_pooled_weights_convert_to_tflite(tmp_path):
+    """Weights from a softmax over the bag axis of a [N, 1] table's gather (attention pooling,
+    Keras' Softmax(axis=1) of an Embedding(N, 1)): the export squeezed them with a Squeeze, which
+    the converter folded into the softmax's TRANSPOSE as a permutation LiteRT aborts on (run in a
+    subprocess: the abort took the process down)."""
+    import subprocess
+    import sys
+
+    scores = RNG.standard_normal((N, 1)).astype(np.float32)
+
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 6], tf.int64)])
+        def f(ids):
+            attention = tf.nn.softmax(tf.gather(module.s, ids), axis=1)  # [B, 6, 1]
+            return {"out": tf.reduce_sum(tf.gather(module.t, ids) * attention, axis=1)}
+        return f
+    module = _save(tmp_path / "m", signature, extra={"s": scores})
+    proc = subprocess.run([sys.executable, "-m", "pkm_serve.cli", "export", str(tmp_path / "m"), str(tmp_path / "out"),
+                           "--tflite", str(tmp_path / "m.tflite")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "verified tflite serving_default:out" in proc.stdout + proc.stderr
+    from pkm_serve import tflite
+    ids = RNG.integers(0, N, (5, 6))
+    (got,) = tflite.run_tflite(str(tmp_path / "m.tflite"), [ids])
+    s = scores[ids][..., 0].astype(np.float64)
+    a = np.exp(s - s.max(axis=1, keepdims=True))
+    a /= a.sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(got, np.einsum("bk,bkd->bd", a, module.t.numpy()[ids]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_signature_the_converter_leaves_out_is_refused(tmp_path):
+    """TF's converter, asked for two signatures of this module, writes one and raises nothing;
+    the export reported success and the model server then answered 'signature not found'."""
+    class TwoSignatures(tf.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = tf.Variable(RNG.standard_normal((N, D)).astype(np.float32))
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.int64), tf.TensorSpec([None, 4], tf.float32)])
+        def serve(self, ids, w):
+            return {"output": tf.reduce_sum(tf.gather(self.t, ids) * w[..., None], axis=-2)}
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.int32)])
+        def unweighted(self, ids):
+            return {"sum": tf.reduce_sum(tf.gather(self.t, ids), axis=-2), "count": tf.shape(ids)[0:1]}
+
+    module = TwoSignatures()
+    tf.saved_model.save(module, str(tmp_path / "m"),
+                        signatures={"serving_default": module.serve, "unweighted": module.unweighted})
+    with pytest.raises(ExportError, match=r"left signature\(s\) 'unweighted' out of the \.tflite \(it kept "
+                                          r"'serving_default'\); convert them in a \.tflite of their own"):
+        _export(tmp_path, tflite=str(tmp_path / "both.tflite"))
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out2"), quiet=True, signatures=["unweighted"],
+                                tflite=str(tmp_path / "unweighted.tflite"))
+    assert result.tflite["signatures"] == ["unweighted"]

@@ -185,6 +185,19 @@ def test_multi_inference(stub, model):
     assert resp.results[1].classification_result.classifications[0].classes[0].score == 3.0
 
 
+def test_multi_inference_refuses_a_signature_evaluated_twice(stub):
+    """multi_inference.cc: 'Duplicate evaluation of signature: NAME' (it ran both)."""
+    req = inference_pb2.MultiInferenceRequest()
+    for _ in range(2):
+        task = req.tasks.add(method_name="tensorflow/serving/regress")
+        task.model_spec.name, task.model_spec.signature_name = "half_plus_two", "regress_x_to_y"
+    _example_input(req.input, [2.0])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.MultiInference(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Duplicate evaluation of signature: regress_x_to_y" in err.value.details()
+
+
 # ------------------------------------------------------------------ ModelService
 def test_get_model_status_carries_ok_status(server):
     """server_test testGetModelStatus: version, AVAILABLE, status error_code OK and an
