@@ -264,6 +264,13 @@ def _lowest_fused_precision(sites: Sequence[Site]) -> Optional[str]:
     return None
 
 
+def _uses_project_ops(proto) -> bool:
+    """Whether the SavedModel's graphs already hold one of the project's bag ops."""
+    graph = proto.meta_graphs[0].graph_def
+    nodes = list(graph.node) + [n for f in graph.library.function for n in f.node_def]
+    return any(n.op.startswith("Pkm") for n in nodes)
+
+
 def _no_site_message(sites: Sequence[Site]) -> str:
     if sites:
         return "no composite gather-sum site could be fused: the model is exported unchanged"
@@ -299,7 +306,11 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
     if not result.fused:
         result.message = _no_site_message(sites)
     if quantize_table and not result.fused:
-        raise ExportError(f"--quantize-table {quantize_table}: {result.message}, so no table to quantize")
+        hint = ""
+        if _uses_project_ops(proto):
+            hint = ("; its bags already run the pkm_serve op (its layers), whose tables this does not quantize: "
+                    "convert the model to .tflite and quantize that (pkm_serve.tflite.quantize_table_int8)")
+        raise ExportError(f"--quantize-table {quantize_table}: {result.message}, so no table to quantize{hint}")
     _write_version(result, proto, chosen, samples, tflite, quantize_table,
                    verify_batch_size, rtol, progress, quantize_tolerance)
     if report:
