@@ -333,3 +333,16 @@ def test_a_signature_the_converter_leaves_out_is_refused(tmp_path):
     result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out2"), quiet=True, signatures=["unweighted"],
                                 tflite=str(tmp_path / "unweighted.tflite"))
     assert result.tflite["signatures"] == ["unweighted"]
+
+
+def test_quantize_tables_on_the_projects_own_layers_names_the_tflite_route(tmp_path):
+    import keras
+
+    from pkm_serve.export import quantize_tables
+    from pkm_serve.layers import EmbeddingBag
+
+    ids = keras.Input((4,), dtype="int64")
+    model = keras.Model(ids, keras.layers.Dense(2)(EmbeddingBag(N, D)(ids)))
+    with pytest.raises(ExportError, match=r"already run the pkm_serve op .* convert the model to \.tflite and "
+                                          r"quantize that \(pkm_serve\.tflite\.quantize_table_int8\)"):
+        quantize_tables(model, str(tmp_path / "q"))
