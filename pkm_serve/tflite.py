@@ -90,12 +90,19 @@ def _option_strings(options: Mapping[str, Any]) -> Dict[str, str]:
     return out
 
 
+MAX_DELEGATE_THREADS = 256  # libpkm_tflite's num_threads option takes [1, 256]
+
+
 def load_delegate(interpreter: str = "auto", **options):
     """Loads libpkm_tflite.so as an external delegate for the chosen interpreter.
 
     options: ``num_threads`` (int >= 1, default 1), ``fuse_composites``
     (bool, default False).
     """
+    threads = options.get("num_threads", 1)
+    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_DELEGATE_THREADS:
+        # The delegate refuses it too, but the runtimes' load_delegate keeps only "Failed to load delegate".
+        raise ValueError(f"num_threads must be an integer in [1, {MAX_DELEGATE_THREADS}], got {threads!r}")
     module = interpreter_module(interpreter)
     return _load_delegate_fn(module)(delegate_path(), options=_option_strings(options))
 
@@ -423,8 +430,8 @@ def main(argv=None) -> int:
     if not os.path.isfile(args.model):
         print(f"{parser.prog}: error: {args.model}: no such file", file=sys.stderr)
         return 1
-    if args.num_threads < 1:
-        parser.error(f"--num-threads must be >= 1, got {args.num_threads}")
+    if not 1 <= args.num_threads <= MAX_DELEGATE_THREADS:
+        parser.error(f"--num-threads must be in [1, {MAX_DELEGATE_THREADS}], got {args.num_threads}")
     interp = make_interpreter(args.model, args.interpreter, args.num_threads,
                               args.fuse_composites)
     print("delegate:", delegate_path())
@@ -436,5 +443,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def console_main(argv=None) -> int:
+    """The device wheel's `pkm-serve-tflite` (no `pkm-serve` CLI, which does the same
+    with --verbose): a model the runtime refuses is one line, not a traceback."""
+    try:
+        return main(argv)
+    except (ValueError, RuntimeError) as e:  # not a model, or one the runtime refuses
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"{build_parser().prog}: error: {first}", file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(console_main())

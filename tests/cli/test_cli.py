@@ -94,7 +94,10 @@ def test_tflite_usage_error_names_the_option(tmp_path):
     model.write_bytes(b"x")
     proc = run("tflite", str(model), "--num-threads", "0")
     assert proc.returncode == 2
-    assert stderr_lines(proc)[-1] == "pkm-serve tflite: error: --num-threads must be >= 1, got 0"
+    assert stderr_lines(proc)[-1] == "pkm-serve tflite: error: --num-threads must be in [1, 256], got 0"
+    proc = run("tflite", str(model), "--num-threads", "1000")  # the delegate's limit (its reason was lost)
+    assert proc.returncode == 2
+    assert stderr_lines(proc)[-1] == "pkm-serve tflite: error: --num-threads must be in [1, 256], got 1000"
 
 
 def test_export_error_is_one_line_without_tensorflow_start_up_lines(tmp_path):

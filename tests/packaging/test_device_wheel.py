@@ -87,6 +87,11 @@ DEVICE_SCRIPT = textwrap.dedent("""
     cli = subprocess.run([os.path.join(os.path.dirname(sys.executable), "pkm-serve-tflite"),
                           os.path.join(work, "sum.tflite")], capture_output=True, text=True)
     results["cli_rc"], results["cli_out"] = cli.returncode, cli.stdout + cli.stderr
+    with open(os.path.join(work, "corrupt.tflite"), "wb") as f:
+        f.write(b"not a flatbuffer" * 8)
+    bad = subprocess.run([os.path.join(os.path.dirname(sys.executable), "pkm-serve-tflite"),
+                          os.path.join(work, "corrupt.tflite")], capture_output=True, text=True)
+    results["bad_rc"], results["bad_err"] = bad.returncode, bad.stderr
     print(json.dumps(results))
 """)
 
@@ -125,6 +130,9 @@ def test_device_wheel_runs_tflite_without_tensorflow(device_venv, tmp_path):
     np.testing.assert_allclose(q * scales[:, None], table, atol=scales.max() / 2 + 1e-7)
     assert results["cli_rc"] == 0, results["cli_out"]
     assert "claimed by node" in results["cli_out"], results["cli_out"]
+    # A file that is no model: one line, no traceback (it was a traceback).
+    assert results["bad_rc"] == 1 and "Traceback" not in results["bad_err"], results["bad_err"]
+    assert results["bad_err"].strip().splitlines()[-1].startswith("pkm-serve tflite: error: "), results["bad_err"]
 
 
 def test_device_wheel_holds_only_the_device_part():
