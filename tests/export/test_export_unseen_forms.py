@@ -109,14 +109,16 @@ def test_a_float16_table_weighted_in_float32_stays_composite(tmp_path):
     np.testing.assert_array_equal(got["out"], want["out"])
 
 
+def _weighted_bag_of_any_shapes(module):
+    """reduce_sum(gather(t, ids) * w[..., None], 1) with ids and w both [None, None]."""
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None], tf.float32)])
+    def f(ids, w):
+        return {"out": tf.reduce_sum(tf.gather(module.t, ids) * w[..., None], axis=1)}
+    return f
+
+
 def test_weights_and_ids_that_broadcast_like_the_composite(tmp_path):
-    def signature(module):
-        @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32),
-                                      tf.TensorSpec([None, None], tf.float32)])
-        def f(ids, w):
-            return {"out": tf.reduce_sum(tf.gather(module.t, ids) * w[..., None], axis=1)}
-        return f
-    module = _save(tmp_path / "m", signature)
+    module = _save(tmp_path / "m", _weighted_bag_of_any_shapes)
     result = _export(tmp_path)
     assert [s.status for s in result.sites] == ["fused"]
     table = module.t.numpy().astype(np.float64)
@@ -151,13 +153,7 @@ def test_broadcast_weights_in_tflite_error_where_they_do_not_broadcast(tmp_path)
     import subprocess
     import sys
 
-    def signature(module):
-        @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32),
-                                      tf.TensorSpec([None, None], tf.float32)])
-        def f(ids, w):
-            return {"out": tf.reduce_sum(tf.gather(module.t, ids) * w[..., None], axis=1)}
-        return f
-    module = _save(tmp_path / "m", signature)
+    module = _save(tmp_path / "m", _weighted_bag_of_any_shapes)
     _export(tmp_path, tflite=str(tmp_path / "m.tflite"))
     proc = subprocess.run([sys.executable, "-c", _RUN_MISMATCHED_IN_LITERT, str(tmp_path / "m.tflite")],
                           capture_output=True, text=True, timeout=120)
