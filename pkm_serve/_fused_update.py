@@ -5,8 +5,9 @@ A layer built with ``fused_optimizer=True`` reads its table through
 ``RowwiseAdagrad``) claims the table in ``build`` (``claim``); from then on the
 lookup's gradient function applies the optimizer's update to the table and its
 slots in place, in the backward pass, and hands the optimizer an empty
-gradient for the table (its ``update_step`` skips claimed tables). No table
-gradient is formed: neither dense ``[N, D]`` nor ``IndexedSlices``.
+gradient for the table (an ``IndexedSlices`` of no rows, which its
+``update_step`` applies as nothing). No table gradient is formed: neither
+dense ``[N, D]`` nor ``IndexedSlices`` of the touched rows.
 
 Until an optimizer has claimed the table (e.g. a custom loop traced before
 ``optimizer.build``), the lookup gives the ordinary row-sparse gradient, which

@@ -102,8 +102,8 @@ class LazyAdam(keras.optimizers.Adam):
                                         beta_1=float(self.beta_1), beta_2=float(self.beta_2))
 
     def update_step(self, gradient, variable, learning_rate):
-        if _fused_update.claimed_by(variable) is self:
-            return  # updated in the backward pass
+        # A claimed table's gradient is empty where the backward applied the update; any
+        # other (a step the claim did not act in) is applied as usual.
         if not isinstance(gradient, tf.IndexedSlices):
             return super().update_step(gradient, variable, learning_rate)
         dtype = variable.dtype
@@ -180,8 +180,8 @@ class RowwiseAdagrad(keras.optimizers.Optimizer):
                                         epsilon=float(self.epsilon))
 
     def update_step(self, gradient, variable, learning_rate):
-        if _fused_update.claimed_by(variable) is self:
-            return  # updated in the backward pass
+        # A claimed table's gradient is empty where the backward applied the update; any
+        # other (a step the claim did not act in) is applied as usual.
         dtype = variable.dtype
         lr = tf.cast(learning_rate, dtype)
         acc = self._accumulators[self._get_variable_index(variable)]
