@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include "tflite_delegate/composite_shapes.h"
+
 namespace pkm {
 namespace tflite {
 namespace {

@@ -84,10 +84,6 @@ struct ShapeStep {
   std::vector<int64_t> values;
 };
 
-// dims -> the shape `step` gives them, as the stock op would; false with a
-// message where the stock op would fail on them.
-bool ApplyShapeStep(const ShapeStep& step, std::vector<int64_t>* dims, std::string* error);
-
 // One embedding bag bound to tensor indices of a subgraph.
 struct BagSpec {
   int table = -1;

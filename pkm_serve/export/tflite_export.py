@@ -168,24 +168,27 @@ def _check_custom_ops(model: bytes, not_fused: Sequence = ()) -> List[str]:
     return found
 
 
-def _signature_tensors(export_dir: str) -> Dict[str, tuple]:
-    """Each SavedModel signature's (method, inputs, outputs) tensor names: two
-    keys with the same are one function under two names (Keras' 'serve' and
-    'serving_default'), which the converter writes once."""
+def _signature_interfaces(export_dir: str) -> Dict[str, tuple]:
+    """Each SavedModel signature's method and input/output keys, dtypes and
+    shapes: Keras' 'serve' and 'serving_default' are one function under two
+    names (same interface, other tensor names), which the converter writes once."""
     from tensorflow.python.saved_model import loader_impl
 
+    def specs(tensors):
+        return sorted((k, v.dtype, v.tensor_shape.SerializeToString(deterministic=True)) for k, v in tensors.items())
+
     defs = loader_impl.parse_saved_model(export_dir).meta_graphs[0].signature_def
-    return {key: (d.method_name, sorted((k, v.name) for k, v in d.inputs.items()),
-                  sorted((k, v.name) for k, v in d.outputs.items())) for key, d in defs.items()}
+    return {key: (d.method_name, specs(d.inputs), specs(d.outputs)) for key, d in defs.items()}
 
 
 def check_signatures_kept(model: bytes, export_dir: str, signatures: Sequence[str]) -> None:
     """The converter can leave a requested signature out of the .tflite without an
-    error; a signature missing that is not another name of one kept is refused."""
+    error; a signature missing that is not another name of one kept (the same
+    interface: a different function with the same one would pass unnoticed) is refused."""
     kept = _tflite_signatures(model)
-    tensors = _signature_tensors(export_dir)
+    interfaces = _signature_interfaces(export_dir)
     dropped = [name for name in signatures if name not in kept and
-               not any(tensors.get(name) == tensors.get(other) for other in kept)]
+               not any(interfaces.get(name) == interfaces.get(other) for other in kept)]
     if dropped:
         raise ExportError(f"the TFLite converter left signature(s) {', '.join(map(repr, dropped))} out of the "
                           f".tflite (it kept {', '.join(map(repr, kept)) or 'none'}); convert them in a .tflite of "
