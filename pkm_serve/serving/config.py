@@ -73,6 +73,9 @@ def build_parser():
              "Load pkm_serve's own op library (default true; false only for models without PKM ops "
              "on a machine where the library is not built).")
     boolflag("--enable_model_warmup", True, "Warm each version up before it serves.")
+    boolflag("--allow_version_labels_for_unavailable_models", False,
+             "Allow a new version label to name a version that is not loaded yet (else the config "
+             "that assigns it is refused, as TF Serving does).")
     flag("--grpc_max_threads", type=int, default=64, help="Threads serving gRPC requests.")
     flag("--rest_api_num_threads", type=int, default=16, help="Threads running REST requests.")
     flag("--rest_api_timeout_in_ms", type=int, default=30000, help="Per-request REST deadline.")

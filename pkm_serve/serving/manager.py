@@ -90,6 +90,7 @@ class ManagedModel:
         self.config = config
         self.name = config.name
         self.records = {}          # version -> VersionRecord
+        self.labels = {}           # version label -> version, as last accepted (ModelManager._update_labels)
         self.base_path_missing = False
         self.no_versions_logged = False
 
@@ -100,7 +101,7 @@ class ManagedModel:
 class ModelManager:
     def __init__(self, server_config, *, poll_seconds=1.0, warmup=True, metrics=None,
                  config_file=None, config_poll_seconds=0.0, unload_drain_seconds=30.0,
-                 loader_factory=None):
+                 loader_factory=None, allow_labels_for_unavailable=False):
         """loader_factory(model_name, version, path) -> loader.Loader; by default the
         SavedModel servable (warmed up if `warmup`)."""
         self._loader_factory = loader_factory or make_loader_factory(warmup=warmup)
@@ -114,6 +115,8 @@ class ModelManager:
         self._config_file = config_file
         self._config_poll_seconds = config_poll_seconds
         self._config = None                  # the ModelServerConfig applied last
+        self._allow_labels_for_unavailable = allow_labels_for_unavailable
+        self._started = False                # labels are checked once versions have loaded
         self._stop = threading.Event()
         self._thread = None
         self.apply_config(server_config, poll=False)
@@ -161,6 +164,26 @@ class ModelManager:
                         self._unload(m, r)
             if poll:
                 self._poll_locked()
+            if self._started:
+                self._update_labels()
+
+    def _update_labels(self):
+        """Installs every model's version labels, or none (FAILED_PRECONDITION): as TF
+        Serving's ServerCore, a label may only name a version that is available, unless
+        allow_labels_for_unavailable and the label is new."""
+        with self._lock:
+            new = {}
+            for m in self._models.values():
+                available = set(m.available_versions())
+                for label, version in m.config.version_labels.items():
+                    if version in available or (self._allow_labels_for_unavailable and label not in m.labels):
+                        continue
+                    raise ServingError(grpc.StatusCode.FAILED_PRECONDITION,
+                                       f"Request to assign label to version {version} of model {m.name}, "
+                                       "which is not currently available for inference")
+                new[m.name] = dict(m.config.version_labels)
+            for m in self._models.values():
+                m.labels = new[m.name]
 
     # ------------------------------------------------------------ polling
     def poll_once(self):
@@ -282,6 +305,8 @@ class ModelManager:
         the background every poll_seconds (TF Serving: 0 = once, negative = never)."""
         if self._poll_seconds >= 0:
             self.poll_once()
+        self._started = True
+        self._update_labels()
         if self._poll_seconds > 0 or self._config_poll_seconds > 0:
             self._thread = threading.Thread(target=self._loop, name="model-poller", daemon=True)
             self._thread.start()
@@ -356,10 +381,10 @@ class ModelManager:
             v = model_spec.version.value
         elif choice == "version_label":
             label = model_spec.version_label
-            if label not in m.config.version_labels:
+            if label not in m.labels:
                 raise invalid(f"model '{m.name}' has no version label '{label}' "
-                              f"(labels: {sorted(m.config.version_labels)})")
-            v = m.config.version_labels[label]
+                              f"(labels: {sorted(m.labels)})")
+            v = m.labels[label]
         else:
             if not available:
                 raise ServingError(grpc.StatusCode.UNAVAILABLE,
@@ -396,9 +421,9 @@ class ModelManager:
                     raise not_found(f"model '{m.name}' has no version {model_spec.version.value}")
             elif choice == "version_label":
                 label = model_spec.version_label
-                if label not in m.config.version_labels:
+                if label not in m.labels:
                     raise invalid(f"model '{m.name}' has no version label '{label}'")
-                records = [r for r in records if r.version == m.config.version_labels[label]]
+                records = [r for r in records if r.version == m.labels[label]]
             out = []
             for r in records:
                 # TF Serving fills status for every version (error_code OK when healthy).

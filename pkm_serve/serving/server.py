@@ -100,7 +100,8 @@ class Server:
                 loader_factory=loaders, metrics=self.metrics,
                 config_file=args.model_config_file or None,
                 config_poll_seconds=args.model_config_file_poll_wait_seconds,
-                unload_drain_seconds=args.drain_seconds)
+                unload_drain_seconds=args.drain_seconds,
+                allow_labels_for_unavailable=args.allow_version_labels_for_unavailable_models)
         except ServingError as e:
             raise StartupError(e.message) from None
         self.service = InferenceService(

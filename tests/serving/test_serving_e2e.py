@@ -398,6 +398,21 @@ def test_reload_config_adds_and_removes_models(server, channel, stub, saved_mode
         assert status.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert "pytorch" in status.error_message
         assert stub.Predict(_request(name="composite", query=QUERIES[:1]), timeout=30)   # unchanged
+
+        # A label on a version that is not loaded: FAILED_PRECONDITION and the labels stay as they
+        # were, as in TF Serving without --allow_version_labels_for_unavailable_models (was accepted).
+        moved = model_server_config_pb2.ModelServerConfig()
+        moved.CopyFrom(cfg)
+        pkm = next(c for c in moved.model_config_list.config if c.name == "pkm")
+        pkm.version_labels["stable"] = 7
+        status = reload(moved)
+        assert status.error_code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+        assert ("Request to assign label to version 7 of model pkm, which is not currently available for "
+                "inference") in status.error_message
+        assert stub.Predict(_request(query=QUERIES[:1], label="stable"), timeout=30).model_spec.version.value == 1
+        pkm.version_labels["stable"] = 2  # a loaded version: the label moves
+        assert reload(moved).error_code == 0
+        assert stub.Predict(_request(query=QUERIES[:1], label="stable"), timeout=30).model_spec.version.value == 2
     finally:
         assert reload(original).error_code == 0
     with pytest.raises(grpc.RpcError) as err:

@@ -219,3 +219,47 @@ def test_no_import_circle_in_pkm_serve_serving():
 
     circles = sorted(m for m in graph if m in reach(m))
     assert circles == [], f"modules that import themselves through others: {circles}"
+
+
+def _labelled(base, labels):
+    from tensorflow_serving.config import model_server_config_pb2
+    cfg = model_server_config_pb2.ModelServerConfig()
+    c = cfg.model_config_list.config.add(name="m", base_path=str(base), model_platform="tensorflow")
+    c.model_version_policy.all.SetInParent()
+    for label, version in labels.items():
+        c.version_labels[label] = version
+    return cfg
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_version_labels_name_available_versions_unless_allowed(fakes, allow):
+    """TF Serving's ServerCore: a label may only name an AVAILABLE version; with
+    --allow_version_labels_for_unavailable_models a *new* label may name one not loaded yet,
+    but an existing label may not move to it. A refused config leaves every label as it was."""
+    from pkm_serve.serving.manager import ModelManager
+
+    fakes.add_version(2)
+    manager = ModelManager(_labelled(fakes.base, {"stable": 1}), poll_seconds=-1, loader_factory=fakes.factory,
+                           allow_labels_for_unavailable=allow)
+    manager.poll_once()  # poll_seconds=-1: start() polls nothing itself
+    manager.start()
+    spec = model_pb2.ModelSpec(name="m", version_label="stable")
+    with manager.serving(spec) as servable:
+        assert servable.version == 1
+    with pytest.raises(ServingError) as err:  # an existing label moved to a version not on disk
+        manager.apply_config(_labelled(fakes.base, {"stable": 9}))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "assign label to version 9 of model m, which is not currently available" in err.value.message
+    with manager.serving(spec) as servable:
+        assert servable.version == 1
+    new_label = _labelled(fakes.base, {"stable": 2, "canary": 9})
+    if allow:
+        manager.apply_config(new_label)
+        with manager.serving(spec) as servable:
+            assert servable.version == 2
+    else:
+        with pytest.raises(ServingError, match="version 9 of model m"):
+            manager.apply_config(new_label)
+        with manager.serving(spec) as servable:
+            assert servable.version == 1  # all or nothing: 'stable' did not move either
+    manager.stop()
