@@ -29,14 +29,17 @@ def match_einsum(fg: FunctionGraph, node, site: Site) -> Site:
         raise NotASite()
     lhs, out = equation.split("->")
     terms = lhs.split(",")
+    skipped = None  # an operand that is a gather of something else (a 1-D weight table)
     for g_pos in range(len(ins)):
         try:
             gathered = resolve_gather(fg, ins[g_pos])
             break
         except NotASite:
             continue
+        except Skip as e:
+            skipped = skipped or e
     else:
-        raise NotASite()
+        raise skipped or NotASite()
     fill_from_gather(site, gathered, fg)
     g_labels = _einsum_labels(terms[g_pos])
     out_labels = _einsum_labels(out)

@@ -152,27 +152,28 @@ def _match_segment_sum(fg: FunctionGraph, node, site: Site, extra: List[str]):
 
 
 def match_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
+    producer = fg.producer(fg.inputs(node)[0])
+    if producer is None or producer.op != "Mul":  # tf.math.segment_sum(gather(table, ids), segment_ids)
+        site.combiner = "sum"
+        return _segment_of_rows(fg, node, site, "segment_sum")
     site = _match_segment_sum(fg, node, site, [])[0]
     return extend_to_safe(fg, site)
 
 
-def match_segment_max(fg: FunctionGraph, node, site: Site) -> Site:
-    """tf.math.segment_max(gather(table, sp.values), sp.indices[:, 0]): combiner
-    'max' on the sorted bag ids (an empty bag in between is 0, as the op gives;
-    bags after the last id are not written, as the ragged rows derived from
-    the last id + 1)."""
+def _segment_of_rows(fg: FunctionGraph, node, site: Site, what: str) -> Site:
+    """Segment<what>(gather(table, ids), segment_ids) of the rows as gathered (no
+    multiplier): the bags of the sorted segment ids."""
     data, segment_ids = fg.inputs(node)
-    site.combiner = "max"
     try:
         gathered, ids, rows_nodes, private = _resolve_sparse_rows(fg, data)
     except NotASite:
         reason = steps_before_segment(fg, data)
         if reason is None:
             raise
-        raise Skip(reason.replace("sparse segment reduction", "segment_max")) from None
+        raise Skip(reason.replace("sparse segment reduction", what)) from None
     fill_from_gather(site, gathered, fg)
     if fg.shape(gathered.output).rank != 2:
-        raise Skip("segment_max of gathered rows that are not [ids, D]")
+        raise Skip(f"{what} of gathered rows that are not [ids, D]")
     site.indices, site.segment_ids = ids, segment_ids
     site.index_dtype = _ids_dtype(fg, ids, gathered)
     site.internal = tuple(n for n in rows_nodes if n != site.root)
@@ -180,6 +181,16 @@ def match_segment_max(fg: FunctionGraph, node, site: Site) -> Site:
     check_private(fg, private + [data], set(site.internal) | {site.root})
     if site.index_dtype not in INDEX_DTYPES:
         raise Skip(f"index dtype {dtype_name(site.index_dtype)} is not int32/int64")
+    return site
+
+
+def match_segment_max(fg: FunctionGraph, node, site: Site) -> Site:
+    """tf.math.segment_max(gather(table, sp.values), sp.indices[:, 0]): combiner
+    'max' on the sorted bag ids (an empty bag in between is 0, as the op gives;
+    bags after the last id are not written, as the ragged rows derived from
+    the last id + 1)."""
+    site.combiner = "max"
+    _segment_of_rows(fg, node, site, "segment_max")
     check_max_site(site)
     return site
 

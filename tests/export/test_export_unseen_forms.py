@@ -342,3 +342,42 @@ def test_quantize_tables_on_the_projects_own_layers_names_the_tflite_route(tmp_p
     with pytest.raises(ExportError, match=r"already run the pkm_serve op .* convert the model to \.tflite and "
                                           r"quantize that \(pkm_serve\.tflite\.quantize_table_int8\)"):
         quantize_tables(model, str(tmp_path / "q"))
+
+
+@pytest.mark.parametrize("form", ["unweighted_segment_sum", "einsum_with_gathered_weights"])
+def test_forms_that_were_left_composite(tmp_path, form):
+    """An unweighted tf.math.segment_sum of gathered rows was not even reported (only the weighted
+    spelling was matched); an einsum whose weights are a gather of a 1-D per-id table was skipped
+    ("table is not known to be 2-D") before the [N, D] operand was tried."""
+    idf = RNG.uniform(0.1, 2.0, N).astype(np.float32)
+
+    def signature(module):
+        if form == "unweighted_segment_sum":
+            @tf.function(input_signature=[tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int64)])
+            def f(values, segments):
+                return {"out": tf.math.segment_sum(tf.gather(module.t, values), segments)}
+        else:
+            @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int64)])
+            def f(ids):
+                return {"out": tf.einsum("bk,bkd->bd", tf.gather(module.idf, ids), tf.gather(module.t, ids))}
+        return f
+    module = _save(tmp_path / "m", signature, extra={"idf": idf})
+    samples = {}
+    if form == "unweighted_segment_sum":  # raw segment ids: the generated inputs are not sorted
+        np.savez(tmp_path / "samples.npz", values=np.array([2, 7, 7, 0], np.int64),
+                 segments=np.array([0, 1, 1, 3], np.int64))
+        samples = {"sample_inputs": str(tmp_path / "samples.npz")}
+    result = _export(tmp_path, **samples)
+    assert [s.status for s in result.sites] == ["fused"], [(s.status, s.reason) for s in result.sites]
+    table = module.t.numpy().astype(np.float64)
+    if form == "unweighted_segment_sum":
+        values, segments = np.array([3, 1, 4, 1, 5], np.int64), np.array([0, 0, 2, 2, 3], np.int64)
+        want, got = _both(tmp_path, result, values=values, segments=segments)
+        reference = np.zeros((4, D))
+        np.add.at(reference, segments, table[values])
+    else:
+        ids = RNG.integers(0, N, (3, 5))
+        want, got = _both(tmp_path, result, ids=ids)
+        reference = np.einsum("bk,bkd->bd", idf[ids].astype(np.float64), table[ids])
+    np.testing.assert_allclose(want["out"], reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["out"], reference, rtol=1e-5, atol=1e-6)
