@@ -17,9 +17,9 @@ row-sparse gradient is also what a frozen table (``trainable=False``), a
 and a SavedModel's saved gradient (``model.export``, ``tf.saved_model.save``)
 get: the claim only acts for the optimizer that trains the model. A claimed
 table is looked up once per training step (a second lookup would apply a
-second update in the same step) and not under loss scaling (the update would
-use the scaled gradient before the wrapper can unscale or skip it): both are a
-ValueError.
+second update in the same step), not under loss scaling (the update would
+use the scaled gradient before the wrapper can unscale or skip it) and not
+under a tf.distribute strategy of several replicas: each is a ValueError.
 """
 
 from __future__ import annotations
@@ -146,6 +146,12 @@ def fused_embedding_bag(variable, indices, weights=None, combiner="sum"):
     from tensorflow.python.ops import resource_variable_ops
 
     lib = ops.load_library()
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    if replicas > 1:
+        # Each replica's backward would update the table with its own share of the batch (the
+        # mirrored copies drift apart), and TF's collectives crash on the empty table gradient.
+        raise ValueError(f"fused_optimizer=True does not run under a tf.distribute strategy with {replicas} "
+                         "replicas: use sparse_gradient=True with LazyAdam or RowwiseAdagrad there")
     table = as_tf_variable(variable)
     if table.dtype != tf.float32:
         raise ValueError(f"fused_optimizer needs a float32 table, got {table.dtype.name}")

@@ -59,3 +59,34 @@ def test_every_replica_of_the_table_is_read_in_place_after_training(trained, kin
         copies = trained[f"{key}/reads_copy/{which}"]
         assert copies.shape == (replicas,), f"{key} ({which}): found {copies.shape[0]} table replicas"
         assert not copies.any(), f"{key} ({which}): a replica of the table copies on every read"
+
+
+_FUSED_UNDER_TWO_REPLICAS = """
+import os
+os.environ["KERAS_BACKEND"] = "tensorflow"
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, numpy as np
+from pkm_serve.layers import EmbeddingBag
+from pkm_serve.optimizers import LazyAdam
+with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+    ids = keras.Input((4,), dtype="int64")
+    model = keras.Model(ids, keras.layers.Dense(1)(EmbeddingBag(50, 8, fused_optimizer=True)(ids)))
+    model.compile(LazyAdam(0.01), "mse")
+try:
+    model.fit(np.random.randint(0, 50, (16, 4)), np.ones((16, 1), np.float32), batch_size=8, verbose=0)
+    print("trained")
+except ValueError as e:
+    print("refused:", " ".join(str(e).split()))
+"""
+
+
+def test_the_fused_optimizer_is_refused_under_several_replicas():
+    """Each replica's backward would update the table with its own gradient, and TF's ring
+    gatherer crashed the process (a custom loop) on the empty table gradient it returns."""
+    proc = subprocess.run([sys.executable, "-c", _FUSED_UNDER_TWO_REPLICAS], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("refused:"), proc.stdout[-2000:]  # Keras wraps the layer's ValueError
+    assert "fused_optimizer=True does not run under a tf.distribute strategy with 2 replicas" in proc.stdout
