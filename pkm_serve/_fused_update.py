@@ -104,6 +104,12 @@ def _check_one_update_per_step(variable, optimizer):
     seen.add(key)
 
 
+def _warn_once(variable, message, *args):
+    if id(variable) not in _warned:
+        _warned.add(id(variable))
+        logging.getLogger("pkm_serve").warning(message, *args)
+
+
 def _optimizer_for_this_step(variable):
     """The optimizer whose update the lookup's backward applies now, or None
     (the row-sparse gradient)."""
@@ -121,19 +127,14 @@ def _optimizer_for_this_step(variable):
         if optimizer is not None and getattr(driver, "inner_optimizer", None) is optimizer:
             refuse_loss_scaling(optimizer, variable)
         if driver is not optimizer:
-            if not hasattr(driver, "_pkm_fused_apply") and id(variable) not in _warned:
-                _warned.add(id(variable))
-                logging.getLogger("pkm_serve").warning(
-                    "fused_optimizer: %s does not apply the fused update; table %s gets the row-sparse gradient "
-                    "(pkm_serve.optimizers.LazyAdam and RowwiseAdagrad fuse it)", type(driver).__name__,
-                    variable.path)
+            if not hasattr(driver, "_pkm_fused_apply"):
+                _warn_once(variable, "fused_optimizer: %s does not apply the fused update; table %s gets the "
+                           "row-sparse gradient (pkm_serve.optimizers.LazyAdam and RowwiseAdagrad fuse it)",
+                           type(driver).__name__, variable.path)
             return None  # another optimizer trains the model (or ours before its build claimed the table)
     elif optimizer is None:
-        if id(variable) not in _warned:
-            _warned.add(id(variable))
-            logging.getLogger("pkm_serve").warning(
-                "fused_optimizer: no optimizer has claimed table %s yet (build the optimizer before "
-                "the first step); this step uses the row-sparse gradient", variable.path)
+        _warn_once(variable, "fused_optimizer: no optimizer has claimed table %s yet (build the optimizer before "
+                   "the first step); this step uses the row-sparse gradient", variable.path)
         return None
     _check_one_update_per_step(variable, optimizer)
     return optimizer

@@ -401,6 +401,8 @@ bool FusedChainRejectsNegativeIndices() {
   return true;
 }
 
+std::string DimsOf(const std::vector<int>& d) { return pkm::DimsString(std::vector<int64_t>(d.begin(), d.end())); }
+
 // A fused chain's weights as the stock MUL broadcasts them (random shapes,
 // some through a RESHAPE step, some that no longer fit) against a reference
 // that maps each position to its weight by division and remainder; under
@@ -473,14 +475,14 @@ bool CompositeWeightsFuzz(int iterations, int* checked, int* refused) {
     if (st == kTfLiteOk) st = pkm::tflite::InvokeBag(&f.context, spec, state, pkm::SerialFor());
     if (!fits) {
       EXPECT(st == kTfLiteError && !g_last_error.empty(), "ids %s weights %s axis %d: accepted",
-             pkm::DimsString(std::vector<int64_t>(ids_dims.begin(), ids_dims.end())).c_str(),
-             pkm::DimsString(std::vector<int64_t>(mul_dims.begin(), mul_dims.end())).c_str(), spec.sum_axis);
+             DimsOf(ids_dims).c_str(),
+             DimsOf(mul_dims).c_str(), spec.sum_axis);
       ++*refused;
       continue;
     }
     EXPECT(st == kTfLiteOk, "ids %s weights %s: '%s'",
-           pkm::DimsString(std::vector<int64_t>(ids_dims.begin(), ids_dims.end())).c_str(),
-           pkm::DimsString(std::vector<int64_t>(mul_dims.begin(), mul_dims.end())).c_str(), g_last_error.c_str());
+           DimsOf(ids_dims).c_str(),
+           DimsOf(mul_dims).c_str(), g_last_error.c_str());
     const float* out = reinterpret_cast<const float*>(f.tensors[3].data.raw);
     const int bag = ids_dims.back();
     int64_t num_bags = 1;
@@ -503,8 +505,8 @@ bool CompositeWeightsFuzz(int iterations, int* checked, int* refused) {
         }
         const float got = out[b * dim + c];
         EXPECT(std::fabs(got - want) <= 1e-4 * (1 + std::fabs(want)), "ids %s weights %s: out[%lld, %d] = %g, want %g",
-               pkm::DimsString(std::vector<int64_t>(ids_dims.begin(), ids_dims.end())).c_str(),
-               pkm::DimsString(std::vector<int64_t>(mul_dims.begin(), mul_dims.end())).c_str(),
+               DimsOf(ids_dims).c_str(),
+               DimsOf(mul_dims).c_str(),
                static_cast<long long>(b), c, got, want);
       }
     }

@@ -217,56 +217,41 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
     return RAGGED_OP, [params, indices, splits, weights], splits, sorted_check
 
 
+def _plus_zeros_like(fg: FunctionGraph, name: str, x: Ref, other: Ref) -> Ref:
+    """x + zeros shaped like `other`: x broadcast against it. An elementwise add
+    fails with a message where the two do not broadcast (TFLite's
+    BROADCAST_ARGS aborts the process there); adding 0 changes no id and no
+    weight (but -0.0, which becomes 0.0)."""
+    x_type, other_type = tensor_dtype(fg, x), tensor_dtype(fg, other)
+    x_shape, other_shape = fg.shape(x), fg.shape(other)
+    other_dims = other_shape.as_list() if other_shape.rank is not None else None
+    zeros = fg.add_op(name + "_zeros", "ZerosLike", [_cast(fg, name + "_cast", other, other_type, x_type, other_dims)],
+                      {"T": DType(x_type)}, shapes=[other_dims])
+    rank = x_shape.rank if x_shape.rank is not None else other_shape.rank
+    return fg.add_op(name + "_broadcast", "AddV2", [x, zeros], {"T": DType(x_type)},
+                     shapes=[[None] * rank if rank is not None else None])
+
+
 def _broadcast_ids_and_weights(fg: FunctionGraph, site: Site, indices: Ref, weights: Ref):
     """The composite's rows * w[..., None] broadcasts ids against weights (per-bag
     weights [B, 1], one row of ids for every bag, one scale [1] for every sparse
-    id); the op takes equal shapes. Where
-    the static shapes do not prove them equal, both are broadcast to their
-    common shape at run time."""
+    id); the op takes equal shapes. Where the static shapes do not prove them
+    equal, both are broadcast to their common shape at run time."""
     ids_shape, w_shape = fg.shape(indices), fg.shape(weights)
     if ids_shape.is_fully_defined() and w_shape.is_fully_defined() and ids_shape == w_shape:
         return indices, weights
-    rank = ids_shape.rank if ids_shape.rank is not None else w_shape.rank
-    out_shape = [None] * rank if rank is not None else None
-    # x + zeros shaped like the other: an elementwise add broadcasts both and
-    # fails with a message where they do not broadcast (TFLite's
-    # BROADCAST_ARGS aborts the process there). Adding 0 changes no id and no
-    # weight (but -0.0, which becomes 0.0).
-    root = site.root
-    index_type, weight_type = DType(site.index_dtype), DType(site.table_dtype)
-
-    def zeros_shaped_like(name, x, src, dst, shape):
-        as_dst = fg.add_op(f"{root}/pkm_{name}_cast", "Cast", [x], {"SrcT": src, "DstT": dst, "Truncate": False},
-                           shapes=[shape])
-        return fg.add_op(f"{root}/pkm_{name}_zeros", "ZerosLike", [as_dst], {"T": dst}, shapes=[shape])
-
-    ids_zeros = zeros_shaped_like("weights_as_ids", weights, weight_type, index_type, w_shape.as_list()
-                                  if w_shape.rank is not None else None)
-    w_zeros = zeros_shaped_like("ids_as_weights", indices, index_type, weight_type, ids_shape.as_list()
-                                if ids_shape.rank is not None else None)
-    indices = fg.add_op(root + "/pkm_ids_broadcast", "AddV2", [indices, ids_zeros], {"T": index_type},
-                        shapes=[out_shape])
-    weights = fg.add_op(root + "/pkm_weights_broadcast", "AddV2", [weights, w_zeros], {"T": weight_type},
-                        shapes=[out_shape])
-    return indices, weights
+    return (_plus_zeros_like(fg, site.root + "/pkm_ids", indices, weights),
+            _plus_zeros_like(fg, site.root + "/pkm_weights", weights, indices))
 
 
 def _broadcast_ids_like_ones(fg: FunctionGraph, site: Site, indices: Ref) -> Ref:
     """rows * ones: where the ones' shape may be larger than the ids', the
     product repeats rows; the same bag is that of the ids broadcast against
-    the ones (added to zeros shaped like them, as _broadcast_ids_and_weights)."""
+    the ones."""
     ones = site.ones
     if site.ones_squeeze:
         ones = _squeeze_last(fg, site.root + "/pkm_ones_squeezed", ones, tensor_dtype(fg, ones))
-    shape = fg.shape(ones)
-    as_ids = fg.add_op(site.root + "/pkm_ones_as_ids", "Cast", [ones],
-                       {"SrcT": DType(tensor_dtype(fg, ones)), "DstT": DType(site.index_dtype), "Truncate": False},
-                       shapes=[shape.as_list() if shape.rank is not None else None])
-    zeros = fg.add_op(site.root + "/pkm_ones_zeros", "ZerosLike", [as_ids], {"T": DType(site.index_dtype)},
-                      shapes=[shape.as_list() if shape.rank is not None else None])
-    ids_shape = fg.shape(indices)
-    return fg.add_op(site.root + "/pkm_ids_broadcast", "AddV2", [indices, zeros], {"T": DType(site.index_dtype)},
-                     shapes=[[None] * ids_shape.rank if ids_shape.rank is not None else None])
+    return _plus_zeros_like(fg, site.root + "/pkm_ids", indices, ones)
 
 
 def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optional[Ref]):
