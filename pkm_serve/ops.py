@@ -49,8 +49,9 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None, spar
       combiner: ``"sum"``, ``"mean"`` (divide by the sum of weights),
         ``"sqrtn"`` (divide by sqrt of the sum of squared weights) or ``"max"``
         (torch's ``mode="max"``: elementwise max over the bag's valid rows, 0
-        for an empty bag; ``weights`` must be None; the gradient goes to the
-        row holding each maximum, ties to the first).
+        for an empty bag, NaN where a row holds NaN, as ``tf.reduce_max``;
+        ``weights`` must be None; the gradient goes to the row holding each
+        maximum, the first NaN, ties to the first).
       sparse_gradient: if True, the gradient w.r.t. ``params`` is a
         ``tf.IndexedSlices`` of the distinct rows touched (at most
         ``min(N, number of indices)`` rows) instead of a dense ``[N, D]``

@@ -24,8 +24,8 @@ extern "C" {
 enum { PKM_FLOAT32 = 0, PKM_FLOAT16 = 1, PKM_BFLOAT16 = 2, PKM_INT8 = 3 };
 
 /* Combiners. PKM_MAX is torch's mode="max": elementwise max over the bag's
- * valid rows (empty bag: 0), no weights, gradient to the row holding each
- * maximum (ties to the lowest bag position). */
+ * valid rows (empty bag: 0; a NaN propagates), no weights, gradient to the row
+ * holding each maximum (the first NaN; ties to the lowest bag position). */
 enum { PKM_SUM = 0, PKM_MEAN = 1, PKM_SQRTN = 2, PKM_MAX = 3 };
 
 /* What an index outside [0, num_rows) is (see pkm::IndexPolicy):

@@ -14,9 +14,10 @@
 //  - combiner sum: sum w*x; mean: sum(w*x)/sum(w); sqrtn: sum(w*x)/sqrt(sum w^2);
 //    a zero denominator (empty bag, all padding, weights summing to 0) gives 0;
 //  - combiner max (torch's mode="max"): elementwise max over the bag's valid
-//    rows, 0 for an empty bag; weights are refused (CheckCombiner); the
-//    gradient goes to the row holding each maximum, ties to the first
-//    (lowest bag position);
+//    rows, 0 for an empty bag, NaN where a row holds NaN (np.max's and TF's
+//    reduce_max's rule; torch's CPU bag drops a NaN after the first row);
+//    weights are refused (CheckCombiner); the gradient goes to the row
+//    holding each maximum (the first NaN), ties to the first (lowest bag position);
 //  - accumulation is float32 for every element type.
 #ifndef PKM_KERNELS_CORE_EMBEDDING_BAG_H_
 #define PKM_KERNELS_CORE_EMBEDDING_BAG_H_

@@ -267,6 +267,59 @@ void MaxCases() {
   EXPECT(!s.ok && s.message.find("got 4") != std::string::npos, "bad combiner value: %s", s.message.c_str());
 }
 
+// max with NaN: the result is NaN wherever a bag's row holds one, whatever
+// the bag's order (np.max's rule), and the gradient goes to the first NaN.
+// 19 columns cross the 8-wide vector loops and their tails.
+void MaxNaNCases() {
+  const int64_t rows = 3, dim = 19;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> values(rows * dim);
+  for (int64_t c = 0; c < dim; ++c) {
+    values[c] = c % 3 == 0 ? nan : -1.f;
+    values[dim + c] = c == 9 || c == 18 ? nan : 2.f;
+    values[2 * dim + c] = 0.f;
+  }
+  const std::vector<std::vector<int32_t>> orders = {{0, 1, 2}, {0, 2, 1}, {1, 0, 2}, {1, 2, 0}, {2, 0, 1},
+                                                    {2, 1, 0}, {-1, 2, 0}, {1, -1, 2}};
+  for (pkm::ElemType type : {pkm::ElemType::kFloat32, pkm::ElemType::kFloat16, pkm::ElemType::kBFloat16}) {
+    std::vector<uint8_t> buf(rows * dim * pkm::ElemSize(type));
+    for (int64_t i = 0; i < rows * dim; ++i) {
+      const float v = values[i];
+      switch (type) {
+        case pkm::ElemType::kFloat32: std::memcpy(buf.data() + 4 * i, &v, 4); break;
+        case pkm::ElemType::kFloat16: { uint16_t h = pkm::FloatToHalf(v); std::memcpy(buf.data() + 2 * i, &h, 2); break; }
+        default: { uint16_t h = pkm::FloatToBFloat16(v); std::memcpy(buf.data() + 2 * i, &h, 2); break; }
+      }
+    }
+    pkm::Table table{buf.data(), type, rows, dim};
+    for (const auto& order : orders) {
+      pkm::Bags bags;
+      bags.indices = order.data();
+      bags.num_bags = 1;
+      bags.bag_size = 3;
+      std::vector<float> out(dim), grad(dim, 1.f), d_table(rows * dim, -7.f);
+      auto s = pkm::Forward(table, bags, pkm::Combiner::kMax, out.data(), pkm::ElemType::kFloat32, pkm::SerialFor());
+      auto b = pkm::Backward(table, bags, pkm::Combiner::kMax, grad.data(), pkm::ElemType::kFloat32, d_table.data(),
+                             pkm::ElemType::kFloat32, nullptr, pkm::SerialFor());
+      bool ok = s.ok && b.ok;
+      for (int64_t c = 0; c < dim && ok; ++c) {
+        int32_t winner = -1;  // the first NaN, else the first strictly larger
+        for (int32_t r : order) {
+          if (r < 0) continue;
+          const float v = values[r * dim + c];
+          if (winner >= 0 && std::isnan(values[winner * dim + c])) break;
+          if (winner < 0 || std::isnan(v) || v > values[winner * dim + c]) winner = r;
+        }
+        const float want = values[winner * dim + c];
+        ok = std::isnan(want) ? std::isnan(out[c]) : out[c] == want;
+        for (int64_t r = 0; r < rows && ok; ++r) ok = d_table[r * dim + c] == (r == winner ? 1.f : 0.f);
+      }
+      EXPECT(ok, "max with NaN, type %d, bag {%d, %d, %d}: %s%s", static_cast<int>(type), order[0], order[1],
+             order[2], s.message.c_str(), b.message.c_str());
+    }
+  }
+}
+
 void ErrorCases() {
   std::vector<float> table_buf(10 * 4, 1.f);
   const float sentinel = -12345.f;
@@ -340,6 +393,7 @@ void ErrorCases() {
              pkm::ParseCombiner("max", &c) && c == pkm::Combiner::kMax && std::string(pkm::CombinerName(c)) == "max",
          "combiner parse");
   MaxCases();
+  MaxNaNCases();
 
   std::vector<int8_t> q(40, 1);
   pkm::Table qt{q.data(), pkm::ElemType::kInt8, 10, 4};

@@ -55,8 +55,8 @@ class RowPrefetcher {
   int64_t next_, end_;
 };
 
-// max of bag b into acc: the first valid row, then a running maximum that only
-// a strictly larger value replaces (as the backward's choice of winner).
+// max of bag b into acc: the first valid row, then a running maximum that a
+// strictly larger value or a NaN replaces (as the backward's choice of winner).
 // An empty bag gives zeros.
 void MaxBag(const Table& table, const Bags& bags, int64_t b, float* acc, RowPrefetcher* prefetch) {
   bool any = false;

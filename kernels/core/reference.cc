@@ -86,13 +86,16 @@ float Weight(const Bags& b, int64_t j) { return b.weights ? ReadFloat(b.weights,
 
 int64_t Row(const Bags& b, int64_t j) { return ReadInteger(b.indices, b.indices_int64, j); }
 
-// max: for each column, the entry holding the bag's maximum (the first one
-// on ties), or -1 for an empty bag.
+// max: for each column, the entry holding the bag's maximum (the first NaN
+// if there is one, else the first one on ties), or -1 for an empty bag.
 std::vector<int64_t> MaxEntries(const Table& t, const Bags& b, const std::vector<int64_t>& entries) {
   std::vector<int64_t> argmax(t.dim, -1);
   for (int64_t d = 0; d < t.dim; ++d)
-    for (int64_t j : entries)
-      if (argmax[d] < 0 || TableAt(t, Row(b, j), d) > TableAt(t, Row(b, argmax[d]), d)) argmax[d] = j;
+    for (int64_t j : entries) {
+      if (argmax[d] >= 0 && std::isnan(TableAt(t, Row(b, argmax[d]), d))) break;
+      const float v = TableAt(t, Row(b, j), d);
+      if (argmax[d] < 0 || std::isnan(v) || v > TableAt(t, Row(b, argmax[d]), d)) argmax[d] = j;
+    }
   return argmax;
 }
 

@@ -424,7 +424,7 @@ __attribute__((always_inline)) inline void MaxImpl(const typename L::Elem* __res
                                                     float* __restrict acc, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float v = scale * L::Get(row, i) + bias;
-    acc[i] = v > acc[i] ? v : acc[i];
+    acc[i] = v > acc[i] || v != v ? v : acc[i];
   }
 }
 
@@ -478,7 +478,7 @@ PKM_MULTIVERSION
 void MaxArgRow(const float* __restrict row, int32_t k, float* __restrict best, int32_t* __restrict winner,
                int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const bool larger = row[i] > best[i];
+    const bool larger = row[i] > best[i] || (row[i] != row[i] && best[i] == best[i]);
     best[i] = larger ? row[i] : best[i];
     winner[i] = larger ? k : winner[i];
   }

@@ -72,14 +72,15 @@ void RestoreAccOrder(ElemType type, float* acc, int64_t n);
 // acc may be left in either order.
 void FromAcc(ElemType type, float* acc, float scale, ElemType out_type, void* dst, int64_t n);
 
-// acc[i] = table[row, i] if it is strictly greater than acc[i] (dequantised
-// for int8): the max combiner's running maximum, NaN never replacing a value.
+// acc[i] = table[row, i] if it is strictly greater than acc[i] or NaN
+// (dequantised for int8): the max combiner's running maximum. NaN propagates,
+// as in np.max and TF's reduce_max, so a bag's result does not depend on its order.
 void MaxRow(const Table& table, int64_t row, float* acc);
 // dst[i] = table[row, i] as float32 (dequantised for int8).
 void RowToFloat(const Table& table, int64_t row, float* dst);
 
-// The max combiner's backward. MaxArgRow: where row[i] > best[i], best[i] =
-// row[i] and winner[i] = k. AddWhereWinner: acc[i] += g[i] where winner[i] == k.
+// The max combiner's backward. MaxArgRow: where row[i] > best[i], or row[i]
+// is the first NaN, best[i] = row[i] and winner[i] = k. AddWhereWinner: acc[i] += g[i] where winner[i] == k.
 void MaxArgRow(const float* row, int32_t k, float* best, int32_t* winner, int64_t n);
 void AddWhereWinner(const float* g, const int32_t* winner, int32_t k, float* acc, int64_t n);
 

@@ -425,11 +425,15 @@ PKM_AVX512_BF16_TARGET void ScaleToBF16Avx512Bf16(const float* src, float scale,
 
 PKM_F16C_TARGET void Max(const uint16_t* row, float* acc, int64_t n) {
   int64_t i = 0;
-  // max_ps(v, acc) is v > acc ? v : acc, NaN in v never replacing acc: the generic loop's rule.
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(acc + i, _mm256_max_ps(Load8(row + i), _mm256_loadu_ps(acc + i)));
+  // max_ps(v, acc) is v > acc ? v : acc (a NaN acc stays); a NaN v is blended in: the generic loop's rule.
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = Load8(row + i);
+    const __m256 larger = _mm256_max_ps(v, _mm256_loadu_ps(acc + i));
+    _mm256_storeu_ps(acc + i, _mm256_blendv_ps(larger, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  }
   for (; i < n; ++i) {
     const float v = Load1(row + i);
-    acc[i] = v > acc[i] ? v : acc[i];
+    acc[i] = v > acc[i] || v != v ? v : acc[i];
   }
 }
 

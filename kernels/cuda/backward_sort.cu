@@ -103,7 +103,8 @@ __global__ void BagScaleKernel(PkmBags bags, int64_t num_indices, float* bag_sca
 }
 
 // max combiner: one thread per (bag, column) finds the entry holding the
-// column's maximum, the first on ties (strict >), skipping padding.
+// column's maximum (the first NaN if any), the first on ties (strict >),
+// skipping padding.
 template <typename T, typename IdxT>
 __global__ void MaxEntryKernel(PkmBags bags, int64_t num_indices, int32_t* max_entry) {
   const int64_t id = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -117,7 +118,7 @@ __global__ void MaxEntryKernel(PkmBags bags, int64_t num_indices, int32_t* max_e
     const int64_t row = static_cast<int64_t>(static_cast<const IdxT*>(bags.indices)[entry]);
     if (row < 0 || row >= bags.num_rows) continue;
     const float v = ToFloat<T>(static_cast<const T*>(bags.table)[row * bags.dim + col]);
-    if (best_entry < 0 || v > best) {
+    if (best_entry < 0 || v > best || (v != v && best == best)) {
       best = v;
       best_entry = static_cast<int32_t>(entry);
     }

@@ -35,6 +35,9 @@ constexpr int kDefaultForwardVecsPerLane = 2;
 constexpr int64_t kFewWarps = 132 * 64;
 constexpr int kMaxSplit = 4;
 
+// The max combiner's step: NaN propagates (fmaxf would drop it), as the CPU's.
+__device__ __forceinline__ float MaxKeepingNaN(float acc, float x) { return x > acc || x != x ? x : acc; }
+
 template <typename T, int VEC, int U, int R, bool kMax>
 __device__ __forceinline__ void AccumulateRows(const T* __restrict__ table, int64_t dim, int64_t lane_col,
                                                int64_t my_row, float my_weight, int count, float (&acc)[U][VEC]) {
@@ -67,7 +70,7 @@ __device__ __forceinline__ void AccumulateRows(const T* __restrict__ table, int6
 #pragma unroll
         for (int v = 0; v < VEC; ++v) {
           const float x = ToFloat<T>(rows[j][u].elems[v]);
-          acc[u][v] = kMax ? fmaxf(acc[u][v], x) : fmaf(weight[j], x, acc[u][v]);
+          acc[u][v] = kMax ? MaxKeepingNaN(acc[u][v], x) : fmaf(weight[j], x, acc[u][v]);
         }
     }
   }
@@ -97,7 +100,7 @@ __device__ __forceinline__ void CombineSplit(float* partial, int group_warp0, in
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int v = 0; v < VEC; ++v)
-        acc[u][v] = kMax ? fmaxf(acc[u][v], other[u * VEC + v]) : acc[u][v] + other[u * VEC + v];
+        acc[u][v] = kMax ? MaxKeepingNaN(acc[u][v], other[u * VEC + v]) : acc[u][v] + other[u * VEC + v];
     *weight_sum += other[U * VEC];
     *weight_sq_sum += other[U * VEC + 1];
   }

@@ -61,6 +61,27 @@ def test_max_forward_backward_match_reference(lib, dtype, ties):
         np.testing.assert_allclose(d_table.float().cpu().numpy(), want_dt, rtol=tol, atol=tol, err_msg=f"dim={dim}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_max_nan_propagates_whatever_the_bag_order(lib, dtype):
+    """A NaN in a bag's row makes that column NaN in every order (np.max, TF's
+    reduce_max; fmaxf would drop it), and its gradient goes to the first NaN
+    (np.argmax); 37 and 1288 columns take different launch shapes."""
+    for dim in (37, 1288):
+        table = np.tile(np.array([[-1.0], [2.0], [0.0]], np.float32), (1, dim))
+        table[0, ::3] = np.nan
+        table[1, dim - 1] = np.nan
+        bags = [[0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0], [-1, 2, 0]]
+        grad = np.random.default_rng(dim).standard_normal((len(bags), dim)).astype(np.float32)
+        t = torch.from_numpy(table).to(dtype).cuda()
+        out = lib.cuda_forward(t, torch.tensor(bags).cuda(), None, "max")
+        d_table, _ = lib.cuda_backward(t, torch.tensor(bags).cuda(), torch.from_numpy(grad).to(dtype).cuda(), None,
+                                       "max")
+        want_out, want_dt = reference(table, bags, torch.from_numpy(grad).to(dtype).float().numpy())
+        np.testing.assert_array_equal(out.float().cpu().numpy(), want_out.astype(np.float32), err_msg=f"dim={dim}")
+        tol = 1e-5 if dtype == torch.float32 else 2e-2  # d_table sums 7 bags' gradients in dtype
+        np.testing.assert_allclose(d_table.float().cpu().numpy(), want_dt, rtol=tol, atol=tol, err_msg=f"dim={dim}")
+
+
 def test_max_matches_torch_embedding_bag(lib):
     import torch.nn.functional as F
 

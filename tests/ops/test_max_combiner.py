@@ -100,6 +100,58 @@ def test_ragged_bags_with_empty_ones(mode):
     close(d_table, want_dt, "float32", "ragged d_table")
 
 
+def nan_table_and_orders():
+    """3 rows x 11 columns, NaN in row 0's columns 0, 3, 6, 9 and row 1's column 10,
+    and every order of the three rows as a bag (one with padding): max is NaN
+    wherever a bag's row holds one, whatever the order (np.max, TF's reduce_max),
+    and the gradient goes to the first NaN (np.argmax)."""
+    table = np.tile(np.array([[-1.0], [2.0], [0.0]]), (1, D))
+    table[0, ::3] = np.nan
+    table[1, 10] = np.nan
+    bags = [[0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0], [-1, 2, 0]]
+    return table, bags
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "xla", "ragged", "ragged_xla"])
+def test_nan_propagates_whatever_the_bag_order(mode):
+    table_np, bags = nan_table_and_orders()
+    upstream = np.random.default_rng(9).standard_normal((len(bags), D))
+    table = tf.constant(table_np, tf.float32)
+    if mode.startswith("ragged"):
+        ids = tf.RaggedTensor.from_row_lengths(tf.constant([i for b in bags for i in b], tf.int64),
+                                               [len(b) for b in bags])
+        fn = tf.function(lambda t: _max_step(t, ids, upstream), jit_compile=mode == "ragged_xla")
+        out, d_table = fn(table)
+    else:
+        out, d_table = run(table, tf.constant(bags, tf.int64), upstream, mode)
+    want_out, want_dt, _ = bag_forward_backward(table_np, [[i for i in b if i >= 0] for b in bags], None, "max",
+                                                upstream)
+    assert np.isnan(want_out).sum() == 4 * len(bags) + 6  # the reference sees every NaN
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-6, err_msg=f"{mode} forward")
+    np.testing.assert_allclose(d_table.numpy(), want_dt, rtol=1e-6, err_msg=f"{mode} d_table")
+    composite = ops.embedding_bag_composite(table, tf.constant(bags, tf.int64), combiner="max")
+    np.testing.assert_array_equal(np.isnan(composite.numpy()), np.isnan(want_out))
+
+
+def _max_step(t, ids, upstream):
+    with tf.GradientTape() as tape:
+        tape.watch(t)
+        out = ops.embedding_bag(t, ids, combiner="max")
+        loss = tf.reduce_sum(tf.cast(out, tf.float64) * upstream)
+    return out, tape.gradient(loss, t)
+
+
+def test_tflite_max_propagates_nan(tmp_path):
+    from pkm_serve import tflite
+
+    table_np, bags = nan_table_and_orders()
+    for dtype in (np.float32, np.float16):
+        model = tflite.build_embedding_bag_model(table_np.astype(dtype), 3, combiner="max", has_weights=False)
+        idx = np.array(bags, np.int32)
+        (out,) = tflite.run_tflite(model, [idx, np.ones(idx.shape, dtype)], interpreter="litert")
+        np.testing.assert_allclose(out.astype(np.float64), embedding_bag(table_np, idx, None, "max"), rtol=1e-6)
+
+
 @pytest.mark.parametrize("ragged", [False, True])
 def test_composite_forward_matches(ragged):
     rng = np.random.default_rng(5)
