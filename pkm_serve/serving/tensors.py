@@ -205,6 +205,12 @@ def _first_non_string(value):
     return None if isinstance(value, bytes) else json.dumps(value)
 
 
+def _all_numbers(value) -> bool:
+    if isinstance(value, list):
+        return all(_all_numbers(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _holds_b64(value) -> bool:
     if isinstance(value, dict):
         return "b64" in value
@@ -244,6 +250,13 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
         arr = np.array(value)
     except ValueError:
         raise invalid(f"input '{name}' is ragged: all rows must have the same shape") from None
+    if arr.dtype == object and _all_numbers(value):
+        # An integer past 64 bits makes numpy keep Python objects: read every number as a
+        # JSON double, as TF Serving's parser does (an integer signature then refuses the range).
+        try:
+            arr = np.array(value, dtype=np.float64)
+        except (ValueError, OverflowError):
+            raise invalid(f"input '{name}' is ragged: all rows must have the same shape") from None
     if arr.dtype == object:
         if _holds_b64(value):
             raise invalid(f"input '{name}' holds a {{\"b64\": ...}} value but the signature expects "

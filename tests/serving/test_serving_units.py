@@ -232,6 +232,10 @@ def test_batch_scheduler_queue_is_bounded():
     # Beside a small int, 2^63 makes the array float64, whose float(int64 max) is 2^63 itself.
     ([1, 2 ** 63], "int64", "outside the range"),
     ([1, 2 ** 31], "int32", "outside the range"),
+    # Past 64 bits numpy keeps Python objects (this said "ragged or mixes types").
+    ([1, 2 ** 70], "int64", "outside the range of int64"),
+    ([[1, 2 ** 70], [3, 4]], "int32", "outside the range of int32"),
+    ([[1], [2 ** 70, 3]], "float32", "is ragged"),
     ([1, 2], "string", "holds 1, which is not of the signature's type string"),
     ([None], "string", "holds null"),
     (["a"], "float32", "strings"),
@@ -241,6 +245,12 @@ def test_rest_json_conversion_refuses_lossy_casts(value, dtype, needle):
     import tensorflow as tf
     with pytest.raises(ServingError, match=needle):
         tensors.from_json("x", value, tf.TensorSpec([None], getattr(tf, dtype)))
+
+
+def test_rest_json_integer_past_64_bits_reads_as_a_double_for_a_float_input():
+    import tensorflow as tf
+    arr = tensors.from_json("x", [1.5, 2 ** 70], tf.TensorSpec([None], tf.float32))
+    np.testing.assert_array_equal(arr, np.array([1.5, 2.0 ** 70], np.float32))
 
 
 def test_rest_json_b64_round_trip():
