@@ -24,6 +24,7 @@ from pkm_serve.export.saved_model_io import read_saved_model
 from pkm_serve.export.saved_model_io import record_new_ops as _record_new_ops
 from pkm_serve.export.saved_model_io import write_fingerprint as _write_fingerprint
 from pkm_serve.export import verify as V
+from pkm_serve.export.verify import error_line as _error_line
 from pkm_serve.export.arguments import build_parser
 from pkm_serve.export.errors import ExportError
 from pkm_serve.export.files import FINGERPRINT_PB, SAVED_MODEL_PB
@@ -171,16 +172,6 @@ def _verify_one(original, fused, name: str, index_limit: int, samples, batch_siz
         raise V.VerificationError(f"the fused signature {name!r} fails where the "
                                   f"original runs: {_error_line(e.message)}") from None
     return V.compare_outputs(name, want, got, rtol, precision=precision)
-
-
-def _error_line(message: str) -> str:
-    """The line of a TF error that says what failed: a graph execution error
-    wraps it in 'Detected at node' frames and ends it with the node's name."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    for i, line in enumerate(lines):
-        if line.startswith("[[") and i > 0:
-            return lines[i - 1]
-    return lines[-1] if lines else message
 
 
 def _check_arguments(src: str, dst: str, batch_size: int, quantize_table: Optional[str],
@@ -371,7 +362,7 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
             with progress.phase("quantizing tables to int8", total=1, unit="models") as phase:
                 result.quantization = quantize.quantize_version(
                     tmp_dir, src, chosen, index_limit, samples, verify_batch_size,
-                    quantize_tolerance)
+                    quantize_tolerance, feeds=result.feeds)
                 phase.advance()
         # mkdtemp makes the directory owner-only; a model server may run as
         # another user.

@@ -230,3 +230,34 @@ def test_a_max_site_is_refused_with_a_reason(tmp_path):
     with pytest.raises(ExportError, match="max bag .* no int8 kernel"):
         export_saved_model(src, str(tmp_path / "dst"), quantize_table="int8", quiet=True)
     assert not os.path.exists(tmp_path / "dst" / "1")
+
+
+def test_a_tf_example_signature_is_verified_on_parsed_examples(tmp_path):
+    # The int8 verification feeds what the float one does: serialized tf.Examples
+    # written from the parse op's keys (random strings made the parse fail).
+    module = tf.Module()
+    module.table = tf.Variable(_table(6))
+    spec = {"ids": tf.io.VarLenFeature(tf.int64), "w": tf.io.VarLenFeature(tf.float32)}
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="examples")])
+    def serve(examples):
+        f = tf.io.parse_example(examples, spec)
+        return {"bag": tf.nn.embedding_lookup_sparse(module.table, f["ids"], f["w"], combiner="sum")}
+    module.serve = serve
+    src = str(tmp_path / "src")
+    tf.saved_model.save(module, src, signatures={"serving_default": serve})
+    result = export_saved_model(src, str(tmp_path / "dst"), quantize_table="int8", quiet=True)
+    assert [t["shape"] for t in result.quantization["tables"]] == [[N, D]]
+    rng = np.random.default_rng(4)
+    examples = []
+    for count in (3, 0, 5, 1):
+        ids = rng.integers(0, N, count).tolist()
+        w = rng.uniform(0.2, 1.5, count).tolist()
+        examples.append(tf.train.Example(features=tf.train.Features(feature={
+            "ids": tf.train.Feature(int64_list=tf.train.Int64List(value=ids)),
+            "w": tf.train.Feature(float_list=tf.train.FloatList(value=w))})).SerializeToString())
+    x = tf.constant(examples)
+    want = serve(x)["bag"].numpy()
+    got = tf.saved_model.load(result.dst).signatures["serving_default"](examples=x)["bag"].numpy()
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+    assert np.abs(got - want).max() > 0
