@@ -10,7 +10,9 @@ What changes in DST/<version> (after fusion and its verification):
     no function signature, capture list or loader path changes, so
     `tf.saved_model.load`, the Session loader (TF Serving, `pkm-serve serve`)
     and a linked tensorflow_model_server all load it as they loaded the float one;
-  - the fused ops become PkmQuantizedEmbeddingBag / PkmQuantizedRaggedEmbeddingBag.
+  - the fused ops become PkmQuantizedEmbeddingBag / PkmQuantizedRaggedEmbeddingBag;
+  - a ResourceGather of the table outside a fused site (tf_keras' model.save()
+    keeps each layer's call function) gathers int8 rows and dequantizes them.
 The result is verified against the original SavedModel on the verification
 inputs: the worst error relative to each output's scale (max |original|) must
 stay within --quantize-tolerance (default 1e-2), else the export is refused.

@@ -261,3 +261,34 @@ def test_a_tf_example_signature_is_verified_on_parsed_examples(tmp_path):
     got = tf.saved_model.load(result.dst).signatures["serving_default"](examples=x)["bag"].numpy()
     assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
     assert np.abs(got - want).max() > 0
+
+
+@pytest.mark.parametrize("mask_zero", [False, True])
+def test_tf_keras_model_save_quantizes(tmp_path, mask_zero):
+    # tf_keras' model.save() keeps each layer's call functions, which gather the table
+    # outside any fused site: those gathers read int8 rows and dequantize them.
+    import tf_keras
+    emb = tf_keras.layers.Embedding(N, D, mask_zero=mask_zero, name="emb")
+    pool = tf_keras.layers.GlobalAveragePooling1D() if mask_zero else \
+        tf_keras.layers.Lambda(lambda x: tf.reduce_sum(x, axis=1))
+    head = tf_keras.layers.Dense(3)
+    model = tf_keras.Sequential([tf_keras.Input((K,), dtype="int32", name="ids"), emb, pool, head])
+    emb.embeddings.assign(_table(7))
+    head.kernel.assign(np.random.default_rng(8).normal(size=(D, 3)).astype(np.float32))  # no random init
+    src = str(tmp_path / "src")
+    model.save(src)
+    result = export_saved_model(src, str(tmp_path / "dst"), quantize_table="int8", quiet=True)
+    assert [t["shape"] for t in result.quantization["tables"]] == [[N, D]]
+    ids = np.random.default_rng(5).integers(1, N, size=(8, K)).astype(np.int32)
+    ids[2, 3:] = 0
+    loaded = tf.saved_model.load(result.dst)
+    got = list(loaded.signatures["serving_default"](ids=tf.constant(ids)).values())[0].numpy()
+    want = model(ids).numpy()
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+    assert np.abs(got - want).max() > 0
+    # The layer's own saved call function still gathers rows, within half an int8 step.
+    rows = getattr(loaded, "layer_with_weights-0")(tf.constant(ids))
+    rows = (rows[0] if isinstance(rows, (tuple, list)) else rows).numpy()
+    table = _table(7).astype(np.float64)
+    step = (table.max(axis=1) - table.min(axis=1)) / 255
+    assert np.all(np.abs(rows - table[ids]) <= step[ids][..., None] * 0.51 + 1e-6)
