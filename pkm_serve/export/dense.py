@@ -2,6 +2,7 @@
 
   GatherV2/ResourceGather [-> Cast] [-> Mul by w[..., None]] [-> tf.where(mask, rows, 0)]
       -> Sum / Mean over axis -2          (the steps above in any order, each at most once)
+  a gather of reshape(ids, [-1]) reshaped back to ids.shape + [D] is a gather of ids
   (the einsum spelling is in einsum.py)
 
 Keras writes these too: `Embedding` is a gather, `mask_zero=True` +
@@ -20,6 +21,7 @@ from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, TABLE_DTYPES, NotASite, Site,
                                     Skip, check_private, dims, dtype_name, itemsize,
                                     same_dims, tensor_dtype, through_identity)
+from pkm_serve.export.unflatten import unflattened_ids
 
 
 class Gather:
@@ -81,7 +83,7 @@ def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
     if node.op in GATHER_OPS:
         return True
     ins = fg.inputs(node)
-    if node.op in ("Identity", "Cast"):
+    if node.op in ("Identity", "Cast", "Reshape"):
         return leads_to_gather(fg, ins[0], depth - 1)
     if node.op == "Mul":
         return any(leads_to_gather(fg, r, depth - 1) for r in ins)
@@ -203,6 +205,9 @@ class Rows:
         self.multiplied: List[Ref] = []  # refs from the multiply on (toward the reduction)
         self.regathers: List[Ref] = []  # GatherV2(rows, perm) steps, outermost first
         self.as_gathered: List[Ref] = []  # refs below the last re-gather (rows as gathered)
+        self.unflattened: Optional[Ref] = None  # ids whose flattened rows were reshaped back
+        self.unflattened_rows: Optional[Ref] = None  # that reshape's output
+        self.flat_from = 0              # rows.private[flat_from:] are the flattened rows
         self.nodes: List[str] = []      # steps between gather and reduction
         self.private: List[Ref] = []    # their outputs: only the site may read them
         self.itemsizes: List[int] = []  # one per [..., K, D] tensor they build
@@ -221,6 +226,8 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
         rows.as_gathered.append(ref)
         if node.op in GATHER_OPS and not _is_regather(fg, node, ins):
             rows.gather = resolve_gather(fg, ref)
+            if rows.unflattened is not None:
+                rows.gather.indices = rows.unflattened
             rows.private.append(rows.gather.output)
             rows.private.extend(Ref(n, 0) for n in rows.gather.nodes[:-1])
             rows.itemsizes.append(itemsize(rows.gather.dtype))
@@ -247,6 +254,10 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
             step_input = _resolve_weights(fg, ins, rows, site)
         elif node.op == "SelectV2" and rows.mask is None:
             step_input = _resolve_mask(fg, ins, rows, site)
+        elif node.op == "Reshape" and rows.unflattened is None and not rows.regathers:
+            rows.unflattened = unflattened_ids(fg, ins)
+            rows.unflattened_rows, rows.flat_from = ref, len(rows.private) + 1
+            step_input = ins[0]
         else:
             raise NotASite()
         rows.nodes.append(node.name)
@@ -372,6 +383,11 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     site.internal = tuple(rows.nodes + gathered.nodes)
     site.intermediate_itemsizes = tuple(rows.itemsizes)
     check_private(fg, [data] + rows.private, set(site.internal) | {root}, site)
+    if rows.unflattened is not None:
+        site.gathered_shape = dims(fg.shape(rows.unflattened_rows))
+        flat = set(rows.private[rows.flat_from:])
+        if any(ref in flat for _, ref in site.shape_consumers):
+            raise Skip("the shape of the flattened gathered rows is read")
 
 
 def _not_over_features(fg: FunctionGraph, x: Ref, axis_ref: Ref) -> None:

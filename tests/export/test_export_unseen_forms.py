@@ -381,3 +381,64 @@ def test_forms_that_were_left_composite(tmp_path, form):
         reference = np.einsum("bk,bkd->bd", idf[ids].astype(np.float64), table[ids])
     np.testing.assert_allclose(want["out"], reference, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["out"], reference, rtol=1e-5, atol=1e-6)
+
+
+def _on_device_embedding_module(reduce, scale_factor=None):
+    """tf-models-official's OnDeviceEmbedding (a gather of the flattened ids,
+    reshaped back to [B, L, D]) pooled over L by `reduce(rows, w)`."""
+    from official.nlp.modeling.layers import OnDeviceEmbedding
+    layer = OnDeviceEmbedding(N, D, scale_factor=scale_factor)
+    layer.build([None, 5])
+    layer.embeddings.assign(RNG.standard_normal((N, D)).astype(np.float32))
+    module = tf.Module()
+    module.layer = layer
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 5], tf.int32), tf.TensorSpec([None, 5], tf.float32)])
+    def f(ids, w):
+        return {"out": reduce(layer(ids), w)}
+    module.f = f
+    return module, layer.embeddings.numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("form", ["sum", "mean", "weighted_sum", "weighted_mean"])
+def test_on_device_embedding_pooled_over_the_sequence_is_fused(tmp_path, form):
+    reduce = {"sum": lambda rows, w: tf.reduce_sum(rows, axis=1),
+              "mean": lambda rows, w: tf.reduce_mean(rows, axis=1),
+              "weighted_sum": lambda rows, w: tf.reduce_sum(rows * w[:, :, None], axis=1),
+              "weighted_mean": lambda rows, w: tf.reduce_mean(rows * tf.expand_dims(w, -1), axis=1)}[form]
+    module, table = _on_device_embedding_module(reduce)
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+    result = _export(tmp_path)
+    assert [s.status for s in result.sites] == ["fused"], [s.reason for s in result.sites]
+    assert result.sites[0].gathered_shape == [None, 5, D]
+    ids = RNG.integers(0, N, (3, 5)).astype(np.int32)
+    w = RNG.uniform(0.5, 1.5, (3, 5)).astype(np.float32)
+    want, got = _both(tmp_path, result, ids=ids, w=w)
+    weights = w.astype(np.float64) if form.startswith("weighted") else np.ones((3, 5))
+    reference = np.einsum("bl,bld->bd", weights, table[ids]) / (5 if form.endswith("mean") else 1)
+    np.testing.assert_allclose(got["out"], reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(want["out"], reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["static", "regrouped"])
+def test_flattened_gathers_reshaped_by_a_constant(tmp_path, form):
+    # [-1, 4, D] undoes the flattening of [B, 4] ids; [-1, 2, D] regroups them into other bags.
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.int64)])
+        def f(ids):
+            rows = tf.gather(module.t, tf.reshape(ids, [-1]))
+            return {"out": tf.reduce_sum(tf.reshape(rows, [-1, 4 if form == "static" else 2, D]), axis=1)}
+        return f
+    module = _save(tmp_path / "m", signature)
+    result = _export(tmp_path)
+    ids = RNG.integers(0, N, (3, 4)).astype(np.int64)
+    want, got = _both(tmp_path, result, ids=ids)
+    table = module.t.numpy().astype(np.float64)
+    if form == "static":
+        assert [s.status for s in result.sites] == ["fused"]
+        np.testing.assert_allclose(got["out"], table[ids].sum(1), rtol=1e-6, atol=1e-6)
+    else:
+        assert [(s.status, s.reason) for s in result.sites] == [
+            ("skipped", "gathered rows of flattened ids are reshaped to a shape not proven to be the ids' shape + [D]")]
+        np.testing.assert_allclose(got["out"], table[ids.reshape(-1, 2)].sum(1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got["out"], want["out"], rtol=1e-6, atol=1e-6)
