@@ -471,8 +471,13 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
         next_frontier = []
         for ref, path in frontier:
             producer = fg.producer(ref)
-            if producer is None or fg.shape(ref).rank != rank:
+            if producer is None or (fg.shape(ref).rank != rank and path[-1:] != ["Reshape"]):
                 continue
+            if producer.op in ("SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN") and \
+                    fg.shape(fg.inputs(producer)[0]).rank == 2:
+                return (f"the rows are a sparse lookup ({producer.op} of the table: Keras' Embedding or "
+                        "take on a SparseTensor, one bag per position) reshaped to [..., L, D]; the "
+                        "pooling over L is not fused")
             if producer.op in GATHER_OPS:
                 dtype = producer.attr["dtype" if producer.op == "ResourceGather"
                                       else "Tparams"].type

@@ -442,3 +442,70 @@ def test_flattened_gathers_reshaped_by_a_constant(tmp_path, form):
             ("skipped", "gathered rows of flattened ids are reshaped to a shape not proven to be the ids' shape + [D]")]
         np.testing.assert_allclose(got["out"], table[ids.reshape(-1, 2)].sum(1), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got["out"], want["out"], rtol=1e-6, atol=1e-6)
+
+
+SPARSE = tf.SparseTensor([[0, 0], [0, 2], [2, 1], [3, 0], [3, 1], [3, 3]],
+                         tf.constant([4, 7, 7, 0, 29, 11], tf.int64), [5, 4])
+
+
+def _np_sparse_bags(table, combiner, default=None):
+    """One bag per row of SPARSE (row 1 and 4 empty: zeros, or table[default])."""
+    out = np.zeros((5, D)) if default is None else np.tile(table[default], (5, 1))
+    indices, values = SPARSE.indices.numpy(), SPARSE.values.numpy()
+    for b in set(indices[:, 0]):
+        rows = table[values[indices[:, 0] == b]]
+        out[b] = rows.sum(0) / {"sum": 1, "mean": len(rows), "sqrtn": np.sqrt(len(rows))}[combiner]
+    return out
+
+
+def test_a_sparse_lookup_on_the_table_tensor_is_fused(tmp_path):
+    # embedding_lookup_sparse on a Tensor (not a variable) is SparseSegment*(table, ids, seg): no gather op.
+    def signature(module):
+        @tf.function(input_signature=[tf.SparseTensorSpec([None, None], tf.int64)])
+        def f(sp):
+            table = module.t.read_value()
+            out = {c: tf.nn.embedding_lookup_sparse(table, sp, None, combiner=c) for c in ("sum", "mean", "sqrtn")}
+            out["safe"] = tf.nn.safe_embedding_lookup_sparse(table, sp, None, combiner="mean")
+            out["safe_default"] = tf.nn.safe_embedding_lookup_sparse(table, sp, None, combiner="sqrtn", default_id=3)
+            return out
+        return f
+    module = _save(tmp_path / "m", signature)
+    result = _export(tmp_path)
+    assert [s.status for s in result.sites] == ["fused"] * 5, [s.reason for s in result.sites]
+    want, got = _both(tmp_path, result, sp=SPARSE.indices, sp_1=SPARSE.values, sp_2=SPARSE.dense_shape)
+    table = module.t.numpy().astype(np.float64)
+    for key, reference in (("sum", _np_sparse_bags(table, "sum")[:4]), ("mean", _np_sparse_bags(table, "mean")[:4]),
+                           ("sqrtn", _np_sparse_bags(table, "sqrtn")[:4]), ("safe", _np_sparse_bags(table, "mean")),
+                           ("safe_default", _np_sparse_bags(table, "sqrtn", default=3))):
+        np.testing.assert_allclose(got[key], reference, rtol=1e-5, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(want[key], reference, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_keras_embedding_on_a_sparse_tensor(tmp_path):
+    # Keras 3 looks up each position as a bag of one id (an empty position gets row 0):
+    # fused as that; keras-rs EmbedReduce's pooling over the positions is reported.
+    import keras
+    import keras_rs
+    emb, bag = keras.layers.Embedding(N, D), keras_rs.layers.EmbedReduce(N, D, combiner="sum")
+    emb.build((None, None))
+    bag.build((None, None))
+    table = RNG.standard_normal((N, D)).astype(np.float32)
+    emb.embeddings.assign(table)
+    bag.embeddings.assign(table)
+    module = tf.Module()
+    module.layers = [emb, bag]
+
+    @tf.function(input_signature=[tf.SparseTensorSpec([None, None], tf.int64)])
+    def f(sp):
+        return {"rows": emb(sp), "bag": bag(sp)}
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": f})
+    result = _export(tmp_path)
+    assert [s.status for s in result.sites] == ["fused", "fused", "skipped"], [s.reason for s in result.sites]
+    assert result.sites[2].reason == (
+        "the rows are a sparse lookup (SparseSegmentMean of the table: Keras' Embedding or take on a "
+        "SparseTensor, one bag per position) reshaped to [..., L, D]; the pooling over L is not fused")
+    want, got = _both(tmp_path, result, sp=SPARSE.indices, sp_1=SPARSE.values, sp_2=SPARSE.dense_shape)
+    dense_ids = tf.sparse.to_dense(SPARSE).numpy()
+    np.testing.assert_allclose(got["rows"], table[dense_ids], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got["bag"], _np_sparse_bags(table.astype(np.float64), "sum"), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(want["rows"], got["rows"], rtol=1e-6, atol=1e-6)
