@@ -509,3 +509,19 @@ def test_keras_embedding_on_a_sparse_tensor(tmp_path):
     np.testing.assert_allclose(got["rows"], table[dense_ids], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got["bag"], _np_sparse_bags(table.astype(np.float64), "sum"), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(want["rows"], got["rows"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_ragged_unsorted_segment_mean_and_sqrt_n_are_labelled_as_such(tmp_path, combiner):
+    segment_op = tf.math.unsorted_segment_mean if combiner == "mean" else tf.math.unsorted_segment_sqrt_n
+    module = _save(tmp_path / "m", _ragged_module(
+        lambda rows, rt: segment_op(rows, rt.value_rowids(), rt.nrows())))
+    result = _export(tmp_path)
+    assert [(s.status, s.computes) for s in result.sites] == [("fused", combiner)]
+    want, got = _both(tmp_path, result, rt=BAGS.values, rt_1=BAGS.row_splits)
+    table = module.t.numpy().astype(np.float64)
+    scale = (lambda n: n) if combiner == "mean" else np.sqrt
+    reference = np.stack([table[list(bag)].sum(0) / scale(len(bag)) if len(bag) else np.zeros(D)
+                          for bag in BAGS.to_list()])
+    np.testing.assert_allclose(got["out"], reference, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(want["out"], reference, rtol=1e-6, atol=1e-6)
