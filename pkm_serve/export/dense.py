@@ -456,39 +456,3 @@ def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:
     return site
 
 
-def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str]:
-    """For a Sum/Mean over axis -2 that is not a site: if float rows of a
-    table are gathered a few same-rank steps above it ([..., K, D] all the
-    way), the reason it was not taken, so no bag-like reduction is silent."""
-    x, axis_ref = fg.inputs(node)[:2]
-    rank = fg.shape(x).rank
-    axes = fg.const_value(axis_ref)
-    if rank is None or rank < 2 or axes is None or np.size(axes) != 1 or \
-            int(np.reshape(axes, [])) % rank != rank - 2:
-        return None  # not over a bag axis: e.g. a LayerNorm mean over D after an embedding
-    frontier = [(x, [])]
-    for _ in range(depth):
-        next_frontier = []
-        for ref, path in frontier:
-            producer = fg.producer(ref)
-            if producer is None or (fg.shape(ref).rank != rank and path[-1:] != ["Reshape"]):
-                continue
-            if producer.op in ("SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN") and \
-                    fg.shape(fg.inputs(producer)[0]).rank == 2:
-                return (f"the rows are a sparse lookup ({producer.op} of the table: Keras' Embedding or "
-                        "take on a SparseTensor, one bag per position) reshaped to [..., L, D]; the "
-                        "pooling over L is not fused")
-            if producer.op in GATHER_OPS:
-                dtype = producer.attr["dtype" if producer.op == "ResourceGather"
-                                      else "Tparams"].type
-                if dtype not in TABLE_DTYPES:
-                    continue
-                if not path:
-                    return "the gather is not a row gather (axis 0, batch_dims 0)"
-                steps = " -> ".join(reversed(path))
-                return (f"{steps} between the gather and the reduction: only a cast, a "
-                        "per-index multiply and a tf.where mask are fused")
-            for r in fg.inputs(producer):
-                next_frontier.append((r, path + [producer.op]))
-        frontier = next_frontier
-    return None

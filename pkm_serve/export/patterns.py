@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import dense, einsum, fuse, labels, ragged, ragged_range, sparse
+from pkm_serve.export import dense, einsum, fuse, labels, ragged, ragged_range, sparse, unrecognised
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
 
@@ -59,7 +59,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             site = matcher(fg, node, site)
             check_half_table_widened(site)
         except NotASite:
-            reason = dense.unrecognised_reason(fg, node) if node.op in ("Sum", "Mean", "Max") \
+            reason = unrecognised.unrecognised_reason(fg, node) if node.op in ("Sum", "Mean", "Max") \
                 else None
             if reason is not None:
                 site.reason = reason

@@ -18,11 +18,12 @@ from typing import List
 
 import numpy as np
 
-from pkm_serve.export.dense import Gather, check_max_site, fill_from_gather, \
-    leads_to_gather, resolve_gather, strip_trailing_unit_axis
+from pkm_serve.export.dense import Gather, check_max_site, fill_from_gather, resolve_gather, \
+    strip_trailing_unit_axis
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import (INDEX_DTYPES, TABLE_DTYPES, NotASite, Site, Skip, check_private,
                                     dtype_name, itemsize, tensor_dtype, through_identity)
+from pkm_serve.export.unrecognised import clips_rows
 
 SPARSE_SEGMENT_COMBINERS = {
     "SparseSegmentSum": "sum", "SparseSegmentMean": "mean", "SparseSegmentSqrtN": "sqrtn"}
@@ -96,15 +97,6 @@ def _segment_of_table(fg: FunctionGraph, node, site: Site, table: Ref, ids: Ref,
     return extend_to_safe(fg, site)
 
 
-def _clips_rows(fg: FunctionGraph, node) -> bool:
-    """clip_by_norm(rows, max_norm): rows * max_norm / maximum(norm(rows), max_norm)."""
-    if node.op != "RealDiv":
-        return False
-    num, den = (fg.producer(r) for r in fg.inputs(node))
-    return num is not None and num.op == "Mul" and den is not None and \
-        den.op == "Maximum" and any(leads_to_gather(fg, r) for r in fg.inputs(num))
-
-
 def steps_before_segment(fg: FunctionGraph, data: Ref, depth: int = 4):
     """Why rows reaching a sparse segment reduction were not taken, if they
     are gathered table rows a few steps up (None if they are not)."""
@@ -113,7 +105,7 @@ def steps_before_segment(fg: FunctionGraph, data: Ref, depth: int = 4):
         node = fg.producer(ref)
         if node is None:
             return None
-        if _clips_rows(fg, node):
+        if clips_rows(fg, node):
             return ("each gathered row is clipped to max_norm (embedding_lookup_sparse "
                     "max_norm=, i.e. clip_by_norm) before the reduction: PkmEmbeddingBag "
                     "has no row-norm clip, so the site stays composite")

@@ -525,3 +525,24 @@ def test_ragged_unsorted_segment_mean_and_sqrt_n_are_labelled_as_such(tmp_path, 
                           for bag in BAGS.to_list()])
     np.testing.assert_allclose(got["out"], reference, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(want["out"], reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["sum", "scaled_sum"])
+def test_a_max_norm_lookup_then_a_sum_is_reported(tmp_path, form):
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int32)])
+        def f(ids):
+            rows = tf.nn.embedding_lookup(module.t, ids, max_norm=1.0)
+            return {"out": tf.reduce_sum(rows if form == "sum" else rows * 2.0, axis=1)}
+        return f
+    module = _save(tmp_path / "m", signature)
+    result = _export(tmp_path)
+    assert [(s.status, s.reason) for s in result.sites] == [(
+        "skipped", "each gathered row is clipped to max_norm (embedding_lookup max_norm=, i.e. clip_by_norm) "
+        "before the reduction: PkmEmbeddingBag has no row-norm clip, so the site stays composite")]
+    ids = RNG.integers(0, N, (4, 3)).astype(np.int32)
+    want, got = _both(tmp_path, result, ids=ids)
+    rows = module.t.numpy().astype(np.float64)[ids]
+    rows *= 1.0 / np.maximum(np.linalg.norm(rows, axis=-1, keepdims=True), 1.0)
+    np.testing.assert_allclose(got["out"], rows.sum(1) * (1 if form == "sum" else 2), rtol=1e-5, atol=1e-6)
+
