@@ -54,6 +54,14 @@ def _root_shape(fg: FunctionGraph, site: Site):
     return [None if shape.rank is None else shape.as_list()]
 
 
+def _bag_shape(fg: FunctionGraph, site: Site):
+    """The bag's shape: the root's, less the unit axis a matmul site keeps."""
+    shape = _root_shape(fg, site)
+    if site.expand_bag_axis and shape[0] is not None:
+        return [shape[0][:-2] + shape[0][-1:]]
+    return shape
+
+
 def _cast(fg: FunctionGraph, name: str, ref: Ref, src: int, dst: int, shape) -> Ref:
     return fg.add_op(name, "Cast", [ref], {"SrcT": DType(src), "DstT": DType(dst),
                                            "Truncate": False}, shapes=[shape])
@@ -159,7 +167,7 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
         fg.replace_node(site.root, op, inputs, attrs, control=control)
     else:
         ref = fg.add_op(site.root + "/pkm_bag", op, inputs, attrs,
-                        shapes=_root_shape(fg, site), control=control)
+                        shapes=_bag_shape(fg, site), control=control)
         for i, (step, step_attrs, step_inputs) in enumerate(steps):
             if i == len(steps) - 1:
                 fg.replace_node(site.root, step, step_inputs(ref), step_attrs)
@@ -280,6 +288,9 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
         empty = _empty_bags(fg, site, splits)
         steps.append(("SelectV2", {"T": DType(site.table_dtype)},
                       lambda bag: [empty, default_row, bag]))
+    if site.expand_bag_axis:
+        unit_axis = fg.add_const(site.root + "/pkm_unit_axis", np.array(-2, np.int32))
+        steps.append(("ExpandDims", {"T": DType(out_dtype), "Tdim": I32}, lambda bag: [bag, unit_axis]))
     if site.empty_bag_lowest:
         out_type = dtypes.as_dtype(out_dtype)
         lowest = fg.add_const(site.root + "/pkm_empty_max",

@@ -546,3 +546,40 @@ def test_a_max_norm_lookup_then_a_sum_is_reported(tmp_path, form):
     rows *= 1.0 / np.maximum(np.linalg.norm(rows, axis=-1, keepdims=True), 1.0)
     np.testing.assert_allclose(got["out"], rows.sum(1) * (1 if form == "sum" else 2), rtol=1e-5, atol=1e-6)
 
+
+@pytest.mark.parametrize("form", ["slice", "expand_dims", "reshape", "batch_of_two_axes"])
+def test_a_matmul_weighted_sum_is_fused(tmp_path, form):
+    spec = [None, 2, 3] if form == "batch_of_two_axes" else [None, 3]
+    expand = {"slice": lambda w: w[:, None, :], "expand_dims": lambda w: tf.expand_dims(w, 1),
+              "reshape": lambda w: tf.reshape(w, [-1, 1, 3]),
+              "batch_of_two_axes": lambda w: w[..., None, :]}[form]
+
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec(spec, tf.int64), tf.TensorSpec(spec, tf.float32)])
+        def f(ids, w):
+            return {"out": tf.matmul(expand(w), tf.gather(module.t, ids))}
+        return f
+    module = _save(tmp_path / "m", signature)
+    result = _export(tmp_path)
+    assert [(s.status, s.pattern, s.weighted) for s in result.sites] == [("fused", "matmul", True)]
+    ids = RNG.integers(0, N, [4] + spec[1:]).astype(np.int64)
+    w = RNG.uniform(0.5, 1.5, ids.shape).astype(np.float32)
+    want, got = _both(tmp_path, result, ids=ids, w=w)
+    table = module.t.numpy().astype(np.float64)
+    reference = np.einsum("...k,...kd->...d", w.astype(np.float64), table[ids])[..., None, :]
+    assert got["out"].shape == reference.shape
+    np.testing.assert_allclose(got["out"], reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(want["out"], reference, rtol=1e-5, atol=1e-6)
+
+
+def test_a_matmul_pooling_in_another_spelling_is_reported(tmp_path):
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int64), tf.TensorSpec([None, 3], tf.float32)])
+        def f(ids, w):
+            return {"out": tf.matmul(w[:, :, None], tf.gather(module.t, ids), transpose_a=True)}
+        return f
+    _save(tmp_path / "m", signature)
+    result = _export(tmp_path)
+    assert [(s.status, s.reason) for s in result.sites] == [
+        ("skipped", "a matmul of gathered rows that is not w[..., None, :] @ rows (a weighted bag)")]
+
