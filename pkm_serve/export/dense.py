@@ -185,6 +185,14 @@ def _appends_unit_axis(fg: FunctionGraph, node, ins) -> bool:
     return True
 
 
+def is_scalar(fg: FunctionGraph, ref: Ref, rows_rank: Optional[int]) -> bool:
+    """One value for every row ([] or [1, .., 1], no more axes than the rows):
+    a scalar weight, which the op takes broadcast to the ids."""
+    shape = fg.shape(ref)
+    return shape.rank is not None and rows_rank is not None and shape.rank <= rows_rank and \
+        all(d == 1 for d in shape.as_list())
+
+
 def _is_zero(fg: FunctionGraph, ref: Ref) -> bool:
     value = fg.const_value(ref)
     return value is not None and value.size > 0 and not np.any(value)
@@ -200,6 +208,7 @@ class Rows:
         self.mask_keeps_true = True
         self.cast_enum = 0
         self.weights_squeeze = self.mask_squeeze = False
+        self.weights_scalar = False
         self.ones: Optional[Ref] = None  # a multiplier that is all ones
         self.ones_squeeze = False
         self.multiplied: List[Ref] = []  # refs from the multiply on (toward the reduction)
@@ -282,6 +291,11 @@ def _resolve_weights(fg: FunctionGraph, ins: List[Ref], rows: Rows, site: Site) 
     for rows_ref, w_ref in ((ins[0], ins[1]), (ins[1], ins[0])):
         if not leads_to_gather(fg, rows_ref):
             continue
+        if is_scalar(fg, w_ref, fg.shape(rows_ref).rank):
+            if not is_ones(fg, w_ref):  # x * 1 changes nothing
+                site.weighted = True
+                rows.weights, rows.weights_scalar = w_ref, True
+            return rows_ref
         try:
             weights, strip_nodes, squeeze = strip_trailing_unit_axis(fg, w_ref)
         except Skip as e:
@@ -368,9 +382,11 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     site.gather_refs = tuple(rows.as_gathered) + (gathered.output,) + tuple(
         Ref(n, 0) for n in gathered.nodes)
     if rows.weights is not None:
-        _check_per_index(fg, rows.weights, rows.weights_squeeze, ids_shape,
-                         "multiplier is not per-index: weights")
+        if not rows.weights_scalar:
+            _check_per_index(fg, rows.weights, rows.weights_squeeze, ids_shape,
+                             "multiplier is not per-index: weights")
         site.weights, site.weights_squeeze = rows.weights, rows.weights_squeeze
+        site.weights_scalar = rows.weights_scalar
     if rows.mask is not None:
         _check_per_index(fg, rows.mask, rows.mask_squeeze, ids_shape,
                          "mask is not per-index: mask")

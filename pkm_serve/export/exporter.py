@@ -382,7 +382,7 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
 
 def _site_steps(site: Site) -> str:
     """What the fused site keeps of the composite besides the bag."""
-    steps = (["masked"] if site.masked else []) + (
+    steps = (["masked"] if site.masked else []) + (["scalar weight"] if site.weights_scalar else []) + (
         [f"cast to {site.cast_to}"] if site.cast_to else []) + (
         [f"/ {site.divisor}"] if site.divisor else [])
     return f" ({', '.join(steps)})" if steps else ""

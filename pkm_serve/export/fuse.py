@@ -205,6 +205,10 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
         if site.weights_squeeze:
             weights = _squeeze_last(fg, site.root + "/pkm_weights_squeezed", weights,
                                     site.table_dtype)
+        if site.weights_scalar:  # [1, .., 1] -> []; broadcast to the ids below
+            weights = fg.add_op(site.root + "/pkm_scalar_weight", "Reshape",
+                                [weights, fg.add_const(site.root + "/pkm_scalar_shape", np.zeros([0], np.int32))],
+                                {"T": DType(site.table_dtype), "Tshape": I32}, shapes=[[]])
     gathered_ids = site.indices
     site.indices = _regathered_ids(fg, site)
     indices = _masked_indices(fg, site) if site.mask is not None else site.indices
@@ -236,6 +240,8 @@ def _plus_zeros_like(fg: FunctionGraph, name: str, x: Ref, other: Ref) -> Ref:
     zeros = fg.add_op(name + "_zeros", "ZerosLike", [_cast(fg, name + "_cast", other, other_type, x_type, other_dims)],
                       {"T": DType(x_type)}, shapes=[other_dims])
     rank = x_shape.rank if x_shape.rank is not None else other_shape.rank
+    if x_shape.rank is not None and other_shape.rank is not None:
+        rank = max(x_shape.rank, other_shape.rank)  # a scalar weight takes the ids' rank
     return fg.add_op(name + "_broadcast", "AddV2", [x, zeros], {"T": DType(x_type)},
                      shapes=[[None] * rank if rank is not None else None])
 

@@ -583,3 +583,32 @@ def test_a_matmul_pooling_in_another_spelling_is_reported(tmp_path):
     assert [(s.status, s.reason) for s in result.sites] == [
         ("skipped", "a matmul of gathered rows that is not w[..., None, :] @ rows (a weighted bag)")]
 
+
+@pytest.mark.parametrize("form", ["constant", "variable_mean", "unit_axes", "on_device_scale"])
+def test_a_scalar_multiplier_is_fused_as_broadcast_weights(tmp_path, form):
+    if form == "on_device_scale":
+        module, table = _on_device_embedding_module(lambda rows, w: tf.reduce_sum(rows, axis=1), scale_factor=0.5)
+        tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+        scale, divisor = 0.5, 1
+    else:
+        def signature(module):
+            @tf.function(input_signature=[tf.TensorSpec([None, 5], tf.int32), tf.TensorSpec([None, 5], tf.float32)])
+            def f(ids, w):
+                rows = tf.gather(module.t, ids)
+                if form == "constant":
+                    return {"out": tf.reduce_sum(rows * 3.0, axis=1)}
+                if form == "unit_axes":
+                    return {"out": tf.reduce_sum(tf.constant([[[3.0]]]) * rows, axis=1)}
+                return {"out": tf.reduce_mean(rows * module.scale, axis=1)}
+            return f
+        module = _save(tmp_path / "m", signature, extra={"scale": np.float32(0.25)})
+        table = module.t.numpy().astype(np.float64)
+        scale, divisor = (0.25, 5) if form == "variable_mean" else (3.0, 1)
+    result = _export(tmp_path)
+    assert [(s.status, s.weighted) for s in result.sites] == [("fused", True)], [s.reason for s in result.sites]
+    ids = RNG.integers(0, N, (4, 5)).astype(np.int32)
+    w = np.ones((4, 5), np.float32)
+    want, got = _both(tmp_path, result, ids=ids, w=w)
+    reference = table[ids].sum(1) * scale / divisor
+    np.testing.assert_allclose(got["out"], reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(want["out"], reference, rtol=1e-5, atol=1e-6)
