@@ -207,6 +207,24 @@ def _read_samples(sample_inputs: Optional[str]) -> Optional[Dict[str, np.ndarray
                           f"{e}") from None
 
 
+def _check_sample_keys(proto, chosen: Sequence[str], samples) -> None:
+    """With several signatures, a bare NAME key is fed to each of them: one that
+    some signature does not take must be keyed SIG/NAME (refused here, before
+    anything is written, naming that form)."""
+    if samples is None or len(chosen) < 2:
+        return
+    inputs = {name: set(proto.meta_graphs[0].signature_def[name].inputs) for name in chosen}
+    for key in sorted(k for k in samples if "/" not in k):
+        lacking = [name for name in chosen if key not in inputs[name]]
+        if lacking:
+            having = [name for name in chosen if key in inputs[name]]
+            example = f" (here {', '.join(repr(f'{n}/{key}') for n in having)})" if having else ""
+            raise ExportError(
+                f"--sample-inputs key {key!r} is a bare NAME, which is fed to every signature, but "
+                f"signature(s) {lacking} take no input {key!r}: with several signatures ({list(chosen)}), "
+                f"key each input SIG/NAME{example}")
+
+
 # Signature input dtypes verification can generate (DT_* enums of types.proto).
 _GENERATED_DTYPES = {1: "float32", 2: "float64", 3: "int32", 4: "uint8", 5: "int16",
                      6: "int8", 7: "string", 9: "int64", 10: "bool", 14: "bfloat16",
@@ -286,6 +304,7 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
     proto = read_saved_model(src)
     chosen = _choose_signatures(proto, src, signatures)
     samples = _read_samples(sample_inputs)
+    _check_sample_keys(proto, chosen, samples)
     feeds = _signature_feeds(proto, chosen, samples)
     version, final_dir = _final_dir(dst, version)
 
