@@ -24,8 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse --quantize-table when an output differs from the float model by "
                         "more than REL of its scale (max |output|) (default 1e-2)")
     p.add_argument("--report", metavar="FILE", help="write the report as JSON")
-    p.add_argument("--sample-inputs", metavar="FILE", help=".npz of signature inputs "
-                   "(keys NAME or SIGNATURE/NAME) to verify on instead of random ones")
+    p.add_argument("--sample-inputs", metavar="FILE", help=".npz of signature inputs to verify "
+                   "on instead of generated ones: key NAME feeds input NAME of every signature, "
+                   "SIG/NAME input NAME of signature SIG only (needed where the signatures' "
+                   "inputs differ, e.g. serving_default/ids)")
     p.add_argument("--batch-size", type=int, default=4096,
                    help="batch size for the bytes-saved figures (default 4096)")
     p.add_argument("--rtol", type=float, default=None,

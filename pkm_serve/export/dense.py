@@ -2,6 +2,7 @@
 
   GatherV2/ResourceGather [-> Cast] [-> Mul by w[..., None]] [-> tf.where(mask, rows, 0)]
       -> Sum / Mean over axis -2          (the steps above in any order, each at most once)
+  a gather of reshape(ids, [-1]) reshaped back to ids.shape + [D] is a gather of ids
   (the einsum spelling is in einsum.py)
 
 Keras writes these too: `Embedding` is a gather, `mask_zero=True` +
@@ -20,6 +21,7 @@ from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, TABLE_DTYPES, NotASite, Site,
                                     Skip, check_private, dims, dtype_name, itemsize,
                                     same_dims, tensor_dtype, through_identity)
+from pkm_serve.export.unflatten import unflattened_ids
 
 
 class Gather:
@@ -81,7 +83,7 @@ def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
     if node.op in GATHER_OPS:
         return True
     ins = fg.inputs(node)
-    if node.op in ("Identity", "Cast"):
+    if node.op in ("Identity", "Cast", "Reshape"):
         return leads_to_gather(fg, ins[0], depth - 1)
     if node.op == "Mul":
         return any(leads_to_gather(fg, r, depth - 1) for r in ins)
@@ -183,6 +185,14 @@ def _appends_unit_axis(fg: FunctionGraph, node, ins) -> bool:
     return True
 
 
+def is_scalar(fg: FunctionGraph, ref: Ref, rows_rank: Optional[int]) -> bool:
+    """One value for every row ([] or [1, .., 1], no more axes than the rows):
+    a scalar weight, which the op takes broadcast to the ids."""
+    shape = fg.shape(ref)
+    return shape.rank is not None and rows_rank is not None and shape.rank <= rows_rank and \
+        all(d == 1 for d in shape.as_list())
+
+
 def _is_zero(fg: FunctionGraph, ref: Ref) -> bool:
     value = fg.const_value(ref)
     return value is not None and value.size > 0 and not np.any(value)
@@ -198,11 +208,15 @@ class Rows:
         self.mask_keeps_true = True
         self.cast_enum = 0
         self.weights_squeeze = self.mask_squeeze = False
+        self.weights_scalar = False
         self.ones: Optional[Ref] = None  # a multiplier that is all ones
         self.ones_squeeze = False
         self.multiplied: List[Ref] = []  # refs from the multiply on (toward the reduction)
         self.regathers: List[Ref] = []  # GatherV2(rows, perm) steps, outermost first
         self.as_gathered: List[Ref] = []  # refs below the last re-gather (rows as gathered)
+        self.unflattened: Optional[Ref] = None  # ids whose flattened rows were reshaped back
+        self.unflattened_rows: Optional[Ref] = None  # that reshape's output
+        self.flat_from = 0              # rows.private[flat_from:] are the flattened rows
         self.nodes: List[str] = []      # steps between gather and reduction
         self.private: List[Ref] = []    # their outputs: only the site may read them
         self.itemsizes: List[int] = []  # one per [..., K, D] tensor they build
@@ -221,6 +235,8 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
         rows.as_gathered.append(ref)
         if node.op in GATHER_OPS and not _is_regather(fg, node, ins):
             rows.gather = resolve_gather(fg, ref)
+            if rows.unflattened is not None:
+                rows.gather.indices = rows.unflattened
             rows.private.append(rows.gather.output)
             rows.private.extend(Ref(n, 0) for n in rows.gather.nodes[:-1])
             rows.itemsizes.append(itemsize(rows.gather.dtype))
@@ -247,6 +263,10 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
             step_input = _resolve_weights(fg, ins, rows, site)
         elif node.op == "SelectV2" and rows.mask is None:
             step_input = _resolve_mask(fg, ins, rows, site)
+        elif node.op == "Reshape" and rows.unflattened is None and not rows.regathers:
+            rows.unflattened = unflattened_ids(fg, ins)
+            rows.unflattened_rows, rows.flat_from = ref, len(rows.private) + 1
+            step_input = ins[0]
         else:
             raise NotASite()
         rows.nodes.append(node.name)
@@ -271,6 +291,11 @@ def _resolve_weights(fg: FunctionGraph, ins: List[Ref], rows: Rows, site: Site) 
     for rows_ref, w_ref in ((ins[0], ins[1]), (ins[1], ins[0])):
         if not leads_to_gather(fg, rows_ref):
             continue
+        if is_scalar(fg, w_ref, fg.shape(rows_ref).rank):
+            if not is_ones(fg, w_ref):  # x * 1 changes nothing
+                site.weighted = True
+                rows.weights, rows.weights_scalar = w_ref, True
+            return rows_ref
         try:
             weights, strip_nodes, squeeze = strip_trailing_unit_axis(fg, w_ref)
         except Skip as e:
@@ -357,9 +382,11 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     site.gather_refs = tuple(rows.as_gathered) + (gathered.output,) + tuple(
         Ref(n, 0) for n in gathered.nodes)
     if rows.weights is not None:
-        _check_per_index(fg, rows.weights, rows.weights_squeeze, ids_shape,
-                         "multiplier is not per-index: weights")
+        if not rows.weights_scalar:
+            _check_per_index(fg, rows.weights, rows.weights_squeeze, ids_shape,
+                             "multiplier is not per-index: weights")
         site.weights, site.weights_squeeze = rows.weights, rows.weights_squeeze
+        site.weights_scalar = rows.weights_scalar
     if rows.mask is not None:
         _check_per_index(fg, rows.mask, rows.mask_squeeze, ids_shape,
                          "mask is not per-index: mask")
@@ -372,6 +399,11 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     site.internal = tuple(rows.nodes + gathered.nodes)
     site.intermediate_itemsizes = tuple(rows.itemsizes)
     check_private(fg, [data] + rows.private, set(site.internal) | {root}, site)
+    if rows.unflattened is not None:
+        site.gathered_shape = dims(fg.shape(rows.unflattened_rows))
+        flat = set(rows.private[rows.flat_from:])
+        if any(ref in flat for _, ref in site.shape_consumers):
+            raise Skip("the shape of the flattened gathered rows is read")
 
 
 def _not_over_features(fg: FunctionGraph, x: Ref, axis_ref: Ref) -> None:
@@ -440,34 +472,3 @@ def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:
     return site
 
 
-def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str]:
-    """For a Sum/Mean over axis -2 that is not a site: if float rows of a
-    table are gathered a few same-rank steps above it ([..., K, D] all the
-    way), the reason it was not taken, so no bag-like reduction is silent."""
-    x, axis_ref = fg.inputs(node)[:2]
-    rank = fg.shape(x).rank
-    axes = fg.const_value(axis_ref)
-    if rank is None or rank < 2 or axes is None or np.size(axes) != 1 or \
-            int(np.reshape(axes, [])) % rank != rank - 2:
-        return None  # not over a bag axis: e.g. a LayerNorm mean over D after an embedding
-    frontier = [(x, [])]
-    for _ in range(depth):
-        next_frontier = []
-        for ref, path in frontier:
-            producer = fg.producer(ref)
-            if producer is None or fg.shape(ref).rank != rank:
-                continue
-            if producer.op in GATHER_OPS:
-                dtype = producer.attr["dtype" if producer.op == "ResourceGather"
-                                      else "Tparams"].type
-                if dtype not in TABLE_DTYPES:
-                    continue
-                if not path:
-                    return "the gather is not a row gather (axis 0, batch_dims 0)"
-                steps = " -> ".join(reversed(path))
-                return (f"{steps} between the gather and the reduction: only a cast, a "
-                        "per-index multiply and a tf.where mask are fused")
-            for r in fg.inputs(producer):
-                next_frontier.append((r, path + [producer.op]))
-        frontier = next_frontier
-    return None

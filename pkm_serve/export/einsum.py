@@ -1,10 +1,13 @@
 """Einsum sites: GatherV2/ResourceGather -> Einsum('...k,...kd->...d' and
-equivalent spellings), weighted or not."""
+equivalent spellings), weighted or not; and its matmul spelling,
+tf.matmul(w[..., None, :], rows) = the weighted bag with a unit axis before D."""
 from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export.dense import fill_from_gather, resolve_gather
+import numpy as np
+
+from pkm_serve.export.dense import fill_from_gather, leads_to_gather, resolve_gather
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import (NotASite, Site, Skip, check_private, itemsize,
                                     same_dims)
@@ -65,3 +68,81 @@ def match_einsum(fg: FunctionGraph, node, site: Site) -> Site:
     private = [gathered.output] + [Ref(n, 0) for n in gathered.nodes[:-1]]
     check_private(fg, private, set(site.internal) | {node.name})
     return site
+
+
+MATMUL_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
+
+
+def match_matmul(fg: FunctionGraph, node, site: Site) -> Site:
+    """matmul(x, rows) with rows = table[ids] [..., K, D] and x = w[..., None, :]
+    ([..., 1, K]) is sum_k w[..., k] * rows[..., k, :] kept as [..., 1, D]: the
+    weighted bag, then expand_dims(-2). Any other matmul of gathered rows is reported."""
+    x, y = fg.inputs(node)[:2]
+    out = fg.shape(Ref(node.name, 0))
+    if not leads_to_gather(fg, y) or out.rank is None or out.rank < 2 or out[-2] != 1:
+        raise NotASite()  # not one row pooled from the rows (a Dense layer on them, attention)
+    site.weighted = True
+    reason = "a matmul of gathered rows that is not w[..., None, :] @ rows (a weighted bag)"
+    transposed = ("transpose_a", "transpose_b") if node.op == "MatMul" else ("adj_x", "adj_y")
+    if any(node.attr[a].b for a in transposed) or (node.op == "BatchMatMulV3" and len(
+            {node.attr[a].type for a in ("Ta", "Tb", "Tout")}) != 1):
+        raise Skip(reason)
+    try:
+        gathered = resolve_gather(fg, y)
+    except NotASite:
+        raise Skip(reason) from None
+    fill_from_gather(site, gathered, fg)
+    w, nodes = _unit_axis_before_last(fg, x)
+    if w is None:
+        raise Skip(reason)
+    if not same_dims(fg.shape(w), fg.shape(gathered.indices)):
+        raise Skip("weights shape %s does not match indices shape %s" % (
+            fg.shape(w), fg.shape(gathered.indices)))
+    site.weights, site.expand_bag_axis = w, True
+    site.internal = tuple(gathered.nodes + nodes)
+    site.intermediate_itemsizes = (itemsize(gathered.dtype),)
+    private = [gathered.output, x] + [Ref(n, 0) for n in gathered.nodes[:-1]]
+    check_private(fg, private, set(site.internal) | {node.name})
+    return site
+
+
+def _unit_axis_before_last(fg: FunctionGraph, ref: Ref):
+    """(w, nodes) where `ref` is w [..., K] with a 1 inserted before K:
+    expand_dims(w, -2), w[..., None, :] / w[:, None, :], or a reshape whose
+    static shapes prove it; (None, []) otherwise."""
+    node, out = fg.producer(ref), fg.shape(ref)
+    if node is None or out.rank is None or out.rank < 2 or out[-2] != 1:
+        return None, []
+    ins = fg.inputs(node)
+    w = ins[0] if ins else None
+    if w is None or fg.shape(w).rank != out.rank - 1:
+        return None, []
+    if node.op == "ExpandDims":
+        axis = fg.const_value(ins[1])
+        ok = axis is not None and int(axis) in (-2, out.rank - 2)
+    elif node.op == "StridedSlice":
+        ok = _new_axis_before_last(fg, node, ins)
+    elif node.op == "Reshape":
+        dims, w_dims = out.as_list(), fg.shape(w).as_list()
+        ok = dims[:-2] + dims[-1:] == w_dims and None not in w_dims[1:]
+    else:
+        ok = False
+    return (w, [node.name]) if ok else (None, [])
+
+
+def _new_axis_before_last(fg: FunctionGraph, node, ins) -> bool:
+    """A StridedSlice that keeps every axis whole and adds one new axis just
+    before the last: x[..., None, :] or x[:, None, :]."""
+    begin, strides = fg.const_value(ins[1]), fg.const_value(ins[3])
+    if begin is None or strides is None or np.any(np.asarray(strides) != 1):
+        return False
+    masks = {k: node.attr[k].i if k in node.attr else 0 for k in (
+        "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+    n = len(np.ravel(begin))
+    if n < 2 or masks["shrink_axis_mask"] or masks["new_axis_mask"] != 1 << (n - 2):
+        return False
+    for i in [j for j in range(n) if j != n - 2]:
+        bit = 1 << i
+        if not (masks["ellipsis_mask"] & bit or (masks["begin_mask"] & bit and masks["end_mask"] & bit)):
+            return False
+    return True

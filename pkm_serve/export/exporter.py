@@ -24,6 +24,7 @@ from pkm_serve.export.saved_model_io import read_saved_model
 from pkm_serve.export.saved_model_io import record_new_ops as _record_new_ops
 from pkm_serve.export.saved_model_io import write_fingerprint as _write_fingerprint
 from pkm_serve.export import verify as V
+from pkm_serve.export.verify import error_line as _error_line
 from pkm_serve.export.arguments import build_parser
 from pkm_serve.export.errors import ExportError
 from pkm_serve.export.files import FINGERPRINT_PB, SAVED_MODEL_PB
@@ -173,16 +174,6 @@ def _verify_one(original, fused, name: str, index_limit: int, samples, batch_siz
     return V.compare_outputs(name, want, got, rtol, precision=precision)
 
 
-def _error_line(message: str) -> str:
-    """The line of a TF error that says what failed: a graph execution error
-    wraps it in 'Detected at node' frames and ends it with the node's name."""
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    for i, line in enumerate(lines):
-        if line.startswith("[[") and i > 0:
-            return lines[i - 1]
-    return lines[-1] if lines else message
-
-
 def _check_arguments(src: str, dst: str, batch_size: int, quantize_table: Optional[str],
                      tflite: Optional[str]) -> None:
     if dst == src or dst.startswith(src + os.sep):
@@ -214,6 +205,24 @@ def _read_samples(sample_inputs: Optional[str]) -> Optional[Dict[str, np.ndarray
     except (OSError, ValueError) as e:
         raise ExportError(f"--sample-inputs {sample_inputs} is not a readable .npz: "
                           f"{e}") from None
+
+
+def _check_sample_keys(proto, chosen: Sequence[str], samples) -> None:
+    """With several signatures, a bare NAME key is fed to each of them: one that
+    some signature does not take must be keyed SIG/NAME (refused here, before
+    anything is written, naming that form)."""
+    if samples is None or len(chosen) < 2:
+        return
+    inputs = {name: set(proto.meta_graphs[0].signature_def[name].inputs) for name in chosen}
+    for key in sorted(k for k in samples if "/" not in k):
+        lacking = [name for name in chosen if key not in inputs[name]]
+        if lacking:
+            having = [name for name in chosen if key in inputs[name]]
+            example = f" (here {', '.join(repr(f'{n}/{key}') for n in having)})" if having else ""
+            raise ExportError(
+                f"--sample-inputs key {key!r} is a bare NAME, which is fed to every signature, but "
+                f"signature(s) {lacking} take no input {key!r}: with several signatures ({list(chosen)}), "
+                f"key each input SIG/NAME{example}")
 
 
 # Signature input dtypes verification can generate (DT_* enums of types.proto).
@@ -295,6 +304,7 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
     proto = read_saved_model(src)
     chosen = _choose_signatures(proto, src, signatures)
     samples = _read_samples(sample_inputs)
+    _check_sample_keys(proto, chosen, samples)
     feeds = _signature_feeds(proto, chosen, samples)
     version, final_dir = _final_dir(dst, version)
 
@@ -371,7 +381,7 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
             with progress.phase("quantizing tables to int8", total=1, unit="models") as phase:
                 result.quantization = quantize.quantize_version(
                     tmp_dir, src, chosen, index_limit, samples, verify_batch_size,
-                    quantize_tolerance)
+                    quantize_tolerance, feeds=result.feeds)
                 phase.advance()
         # mkdtemp makes the directory owner-only; a model server may run as
         # another user.
@@ -391,7 +401,7 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
 
 def _site_steps(site: Site) -> str:
     """What the fused site keeps of the composite besides the bag."""
-    steps = (["masked"] if site.masked else []) + (
+    steps = (["masked"] if site.masked else []) + (["scalar weight"] if site.weights_scalar else []) + (
         [f"cast to {site.cast_to}"] if site.cast_to else []) + (
         [f"/ {site.divisor}"] if site.divisor else [])
     return f" ({', '.join(steps)})" if steps else ""

@@ -54,6 +54,14 @@ def _root_shape(fg: FunctionGraph, site: Site):
     return [None if shape.rank is None else shape.as_list()]
 
 
+def _bag_shape(fg: FunctionGraph, site: Site):
+    """The bag's shape: the root's, less the unit axis a matmul site keeps."""
+    shape = _root_shape(fg, site)
+    if site.expand_bag_axis and shape[0] is not None:
+        return [shape[0][:-2] + shape[0][-1:]]
+    return shape
+
+
 def _cast(fg: FunctionGraph, name: str, ref: Ref, src: int, dst: int, shape) -> Ref:
     return fg.add_op(name, "Cast", [ref], {"SrcT": DType(src), "DstT": DType(dst),
                                            "Truncate": False}, shapes=[shape])
@@ -159,7 +167,7 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
         fg.replace_node(site.root, op, inputs, attrs, control=control)
     else:
         ref = fg.add_op(site.root + "/pkm_bag", op, inputs, attrs,
-                        shapes=_root_shape(fg, site), control=control)
+                        shapes=_bag_shape(fg, site), control=control)
         for i, (step, step_attrs, step_inputs) in enumerate(steps):
             if i == len(steps) - 1:
                 fg.replace_node(site.root, step, step_inputs(ref), step_attrs)
@@ -197,6 +205,10 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
         if site.weights_squeeze:
             weights = _squeeze_last(fg, site.root + "/pkm_weights_squeezed", weights,
                                     site.table_dtype)
+        if site.weights_scalar:  # [1, .., 1] -> []; broadcast to the ids below
+            weights = fg.add_op(site.root + "/pkm_scalar_weight", "Reshape",
+                                [weights, fg.add_const(site.root + "/pkm_scalar_shape", np.zeros([0], np.int32))],
+                                {"T": DType(site.table_dtype), "Tshape": I32}, shapes=[[]])
     gathered_ids = site.indices
     site.indices = _regathered_ids(fg, site)
     indices = _masked_indices(fg, site) if site.mask is not None else site.indices
@@ -228,6 +240,8 @@ def _plus_zeros_like(fg: FunctionGraph, name: str, x: Ref, other: Ref) -> Ref:
     zeros = fg.add_op(name + "_zeros", "ZerosLike", [_cast(fg, name + "_cast", other, other_type, x_type, other_dims)],
                       {"T": DType(x_type)}, shapes=[other_dims])
     rank = x_shape.rank if x_shape.rank is not None else other_shape.rank
+    if x_shape.rank is not None and other_shape.rank is not None:
+        rank = max(x_shape.rank, other_shape.rank)  # a scalar weight takes the ids' rank
     return fg.add_op(name + "_broadcast", "AddV2", [x, zeros], {"T": DType(x_type)},
                      shapes=[[None] * rank if rank is not None else None])
 
@@ -280,6 +294,9 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
         empty = _empty_bags(fg, site, splits)
         steps.append(("SelectV2", {"T": DType(site.table_dtype)},
                       lambda bag: [empty, default_row, bag]))
+    if site.expand_bag_axis:
+        unit_axis = fg.add_const(site.root + "/pkm_unit_axis", np.array(-2, np.int32))
+        steps.append(("ExpandDims", {"T": DType(out_dtype), "Tdim": I32}, lambda bag: [bag, unit_axis]))
     if site.empty_bag_lowest:
         out_type = dtypes.as_dtype(out_dtype)
         lowest = fg.add_const(site.root + "/pkm_empty_max",

@@ -67,10 +67,20 @@ def _divisor(fg: FunctionGraph, root: str) -> Optional[Ref]:
     return None
 
 
+def _floor_of_empty_bags(fg: FunctionGraph, node) -> bool:
+    """maximum(count, c) with a constant 0 < c <= 1: unsorted_segment_mean/sqrt_n's
+    guard, which changes only an empty bag's count (whose sum is 0)."""
+    if node.op != "Maximum":
+        return False
+    floor = fg.const_value(fg.inputs(node)[1])
+    return floor is not None and floor.size == 1 and 0 < float(np.reshape(floor, [])) <= 1
+
+
 def _reduced(fg: FunctionGraph, ref: Ref) -> Optional[Ref]:
-    """x of reduce_sum(x) / segment_sum(x), through casts and reshapes."""
+    """x of reduce_sum(x) / segment_sum(x), through casts, reshapes and an empty-bag floor."""
     node = fg.producer(ref)
-    while node is not None and node.op in ("Identity", "Cast", "Reshape", "ExpandDims"):
+    while node is not None and (node.op in ("Identity", "Cast", "Reshape", "ExpandDims") or
+                                _floor_of_empty_bags(fg, node)):
         ref = fg.inputs(node)[0]
         node = fg.producer(ref)
     if node is None or node.op not in _REDUCTIONS:
@@ -116,6 +126,8 @@ def computes(fg: FunctionGraph, site: Site) -> str:
         if base is not None and (base == _base(fg, multiplier) if multiplier is not None
                                  else _is_ones(fg, base)):
             return "sqrtn"
+        if multiplier is None and squared is not None and _is_ones(fg, squared):
+            return "sqrtn"  # a count of ones is the sum of their squares
         return "sum"
     summed = _reduced(fg, divisor)
     if summed is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import dense, einsum, fuse, labels, ragged, ragged_range, sparse
+from pkm_serve.export import dense, einsum, fuse, labels, ragged, ragged_range, sparse, unrecognised
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
 
@@ -21,6 +21,8 @@ DENSE_OP, RAGGED_OP = fuse.DENSE_OP, fuse.RAGGED_OP
 def _pattern_of(node) -> str:
     if node.op == "Einsum":
         return "einsum"
+    if node.op in einsum.MATMUL_OPS:
+        return "matmul"
     if node.op in ("Sum", "Mean", "Max"):
         return "gather-reduce"
     if node.op in ("UnsortedSegmentSum", "UnsortedSegmentMax"):
@@ -59,7 +61,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             site = matcher(fg, node, site)
             check_half_table_widened(site)
         except NotASite:
-            reason = dense.unrecognised_reason(fg, node) if node.op in ("Sum", "Mean", "Max") \
+            reason = unrecognised.unrecognised_reason(fg, node) if node.op in ("Sum", "Mean", "Max") \
                 else None
             if reason is not None:
                 site.reason = reason
@@ -84,6 +86,8 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, dense.match_reduce)
         elif node.op == "Einsum":
             attempt(node, einsum.match_einsum)
+        elif node.op in einsum.MATMUL_OPS:
+            attempt(node, einsum.match_matmul)
         elif node.op in sparse.SPARSE_SEGMENT_COMBINERS:
             attempt(node, sparse.match_sparse_segment)
         elif node.op == "SegmentSum":

@@ -10,7 +10,9 @@ What changes in DST/<version> (after fusion and its verification):
     no function signature, capture list or loader path changes, so
     `tf.saved_model.load`, the Session loader (TF Serving, `pkm-serve serve`)
     and a linked tensorflow_model_server all load it as they loaded the float one;
-  - the fused ops become PkmQuantizedEmbeddingBag / PkmQuantizedRaggedEmbeddingBag.
+  - the fused ops become PkmQuantizedEmbeddingBag / PkmQuantizedRaggedEmbeddingBag;
+  - a ResourceGather of the table outside a fused site (tf_keras' model.save()
+    keeps each layer's call function) gathers int8 rows and dequantizes them.
 The result is verified against the original SavedModel on the verification
 inputs: the worst error relative to each output's scale (max |original|) must
 stay within --quantize-tolerance (default 1e-2), else the export is refused.
@@ -118,10 +120,21 @@ def quantize_export_dir(export_dir: str) -> List[dict]:
     return rows
 
 
+def _run(fn, inputs, what: str, name: str) -> dict:
+    import tensorflow as tf
+
+    try:
+        return {k: v.numpy() for k, v in fn(**inputs).items()}
+    except tf.errors.OpError as e:
+        raise ExportError(f"--quantize-table int8: the {what} signature {name!r} fails on the "
+                          f"verification inputs: {V.error_line(e.message)}") from None
+
+
 def verify_quantized(src: str, quantized_dir: str, signatures, index_limit: int, samples,
-                     batch_size: int, tolerance: float) -> List[dict]:
+                     batch_size: int, tolerance: float, feeds: Optional[dict] = None) -> List[dict]:
     """Worst error of every output of the quantized model against the original,
-    relative to the output's scale; ExportError past `tolerance`."""
+    relative to the output's scale; ExportError past `tolerance`. Inputs are
+    those of the float verification (`feeds`: pkm_serve.export.feeds)."""
     import tensorflow as tf
 
     original, quantized = tf.saved_model.load(src), tf.saved_model.load(quantized_dir)
@@ -130,9 +143,9 @@ def verify_quantized(src: str, quantized_dir: str, signatures, index_limit: int,
         fn_orig, fn_q = original.signatures[name], quantized.signatures[name]
         specs = V.signature_input_specs(fn_orig)
         inputs = (V.sample_inputs_for(name, specs, samples) if samples is not None
-                  else V.generate_inputs(specs, index_limit, batch_size))
-        want = {k: v.numpy() for k, v in fn_orig(**inputs).items()}
-        got = {k: v.numpy() for k, v in fn_q(**inputs).items()}
+                  else V.generate_inputs(specs, index_limit, batch_size, feeds=(feeds or {}).get(name)))
+        want = _run(fn_orig, inputs, "original", name)
+        got = _run(fn_q, inputs, "quantized", name)
         for key in sorted(want):
             w, g = want[key].astype(np.float64), got[key].astype(np.float64)
             both_nan = np.isnan(w) & np.isnan(g)
@@ -150,7 +163,7 @@ def verify_quantized(src: str, quantized_dir: str, signatures, index_limit: int,
 
 
 def quantize_version(tmp_dir: str, src: str, signatures, index_limit: int, samples, batch_size: int,
-                     tolerance: Optional[float]) -> dict:
+                     tolerance: Optional[float], feeds: Optional[dict] = None) -> dict:
     """The exporter's hook: quantizes tmp_dir, verifies it, reports sizes and errors."""
     tolerance = DEFAULT_TOLERANCE if tolerance is None else tolerance
     if not tolerance > 0:
@@ -158,7 +171,8 @@ def quantize_version(tmp_dir: str, src: str, signatures, index_limit: int, sampl
     before = _variables_bytes(tmp_dir)
     tables = quantize_export_dir(tmp_dir)
     after = _variables_bytes(tmp_dir)
-    verification = verify_quantized(src, tmp_dir, signatures, index_limit, samples, batch_size, tolerance)
+    verification = verify_quantized(src, tmp_dir, signatures, index_limit, samples, batch_size, tolerance,
+                                    feeds)
     return {"tables": tables, "variables_bytes_before": before, "variables_bytes_after": after,
             "tolerance": tolerance, "worst_relative_err": max((r["relative_err"] for r in verification),
                                                               default=0.0),

@@ -154,6 +154,7 @@ class TablePlan:
     reads: List[Tuple[str, str]] = dataclasses.field(default_factory=list)   # ReadVariableOp / Assign
     values: List[Tuple[str, str]] = dataclasses.field(default_factory=list)  # Identity nodes on the value
     saves: List[Tuple[str, str, int]] = dataclasses.field(default_factory=list)  # Save/RestoreV2, index
+    gathers: List[Tuple[str, str]] = dataclasses.field(default_factory=list)  # ResourceGather outside sites
     handle_args: Set[Tuple[str, str]] = dataclasses.field(default_factory=set)
     graph_handles: Set[str] = dataclasses.field(default_factory=set)
     copy_of: Optional[str] = None  # an initializer copy of that fused table (no sites of its own)
@@ -257,6 +258,9 @@ def plan_uses(all_bodies: Dict[str, Body], keys, plans: Dict[str, TablePlan]) ->
             elif consumer.op == "AssignVariableOp" and i == 0:
                 plan.reads.append((body_name, consumer.name))
                 _restored_value(body, consumer, plan, keys, plans)
+            elif consumer.op == "ResourceGather" and i == 0 and consumer.attr["batch_dims"].i == 0 and \
+                    body_name != GRAPH:
+                plan.gathers.append((body_name, consumer.name))  # e.g. a tf_keras layer's own call function
             else:
                 raise ExportError(f"cannot quantize table {key!r}: {body_name}/{consumer.name} "
                                   f"({consumer.op}) uses it outside a fused site")
@@ -288,6 +292,54 @@ def rewrite(all_bodies: Dict[str, Body], plan: TablePlan, scales, biases) -> Non
                 attrs.attr["_handle_dtypes"].list.type[i] = int8
     for body_name, name in plan.sites:
         _quantize_site(all_bodies[body_name], all_bodies[body_name].node(name), scales, biases)
+    for body_name, name in plan.gathers:
+        _dequantize_gather(all_bodies[body_name], all_bodies[body_name].node(name), scales, biases)
+
+
+def _add_node(fdef, name: str, op: str, inputs: List[str], **types) -> str:
+    node = fdef.node_def.add()
+    node.name, node.op = name, op
+    node.input.extend(inputs)
+    for key, value in types.items():
+        node.attr[key].type = value
+    return name
+
+
+def _dequantize_gather(body: Body, node, scales, biases) -> None:
+    """A gather of the table outside a fused site reads int8 rows and returns
+    scales[ids, None] * rows + biases[ids, None] in the table's float dtype,
+    under its old name (consumers read `name:output:0`, Identity's output)."""
+    import tensorflow as tf
+
+    f32, fdef = types_pb2.DT_FLOAT, body.fdef
+    dtype, name, ids = node.attr["dtype"].type, node.name, node.input[1]
+    index_type = node.attr["Tindices"].type
+    control = [r for r in node.input if r.startswith("^")]
+    node.name = f"{name}/pkm_int8_rows"
+    node.attr["dtype"].type = types_pb2.DT_INT8
+    const = {}
+    for suffix, value in (("row_scales", scales), ("row_biases", biases), ("axis", 0), ("last", -1)):
+        c = _add_node(fdef, f"{name}/pkm_{suffix}", "Const", [],
+                      dtype=types_pb2.DT_INT32 if suffix in ("axis", "last") else f32)
+        fdef.node_def[-1].attr["value"].tensor.CopyFrom(
+            tf.make_tensor_proto(value, dtype=tf.int32 if suffix in ("axis", "last") else tf.float32))
+        const[suffix] = f"{c}:output:0"
+    per_row = []
+    for suffix in ("row_scales", "row_biases"):
+        g = _add_node(fdef, f"{name}/pkm_{suffix}_of_ids", "GatherV2", [const[suffix], ids, const["axis"]] + control,
+                      Tparams=f32, Tindices=index_type, Taxis=types_pb2.DT_INT32)
+        e = _add_node(fdef, f"{g}/expand", "ExpandDims", [f"{g}:output:0", const["last"]], T=f32,
+                      Tdim=types_pb2.DT_INT32)
+        per_row.append(f"{e}:output:0")
+    rows = _add_node(fdef, f"{name}/pkm_cast", "Cast", [f"{node.name}:output:0"], SrcT=types_pb2.DT_INT8, DstT=f32)
+    scaled = _add_node(fdef, f"{name}/pkm_scaled", "Mul", [f"{rows}:y:0", per_row[0]], T=f32)
+    value = _add_node(fdef, f"{name}/pkm_dequantized", "AddV2", [f"{scaled}:z:0", per_row[1]], T=f32)
+    if dtype != f32:
+        value = _add_node(fdef, f"{name}/pkm_cast_back", "Cast", [f"{value}:z:0"], SrcT=f32, DstT=dtype)
+        out = f"{value}:y:0"
+    else:
+        out = f"{value}:z:0"
+    _add_node(fdef, name, "Identity", [out], T=dtype)
 
 
 def _quantize_site(body: Body, node, scales, biases) -> None:

@@ -74,6 +74,8 @@ class Site:
     index_dtype: int = 0
     table_dtype: int = 0
     weights_squeeze: bool = False     # weights are [..., K, 1]: squeezed for the op
+    weights_scalar: bool = False      # weights are one value ([] or [1, .., 1]): broadcast to the ids
+    expand_bag_axis: bool = False     # the composite keeps a unit bag axis (matmul): the bag gets it back
     mask_squeeze: bool = False        # mask likewise
     regathers: Tuple[Ref, ...] = ()   # rows re-gathered by these (outermost first)
     row_splits: Optional[Ref] = None  # ragged sites: the bags' row_splits

@@ -1,6 +1,7 @@
 """Sparse sites: tf.nn.embedding_lookup_sparse and safe_embedding_lookup_sparse.
 
   unweighted  Unique -> gather(table, unique.y) -> SparseSegmentSum/Mean/SqrtN(.., unique.idx, seg)
+              or, on a Tensor table, SparseSegmentSum/Mean/SqrtN(table, ids, seg)
   weighted    gather [-> re-gather by unique.idx] -> Mul by reshaped weights -> SegmentSum
               [-> DivNoNan by SegmentSum(w) (mean) or Sqrt(SegmentSum(w^2)) (sqrtn)]
   safe_       the above on SparseFillEmptyRows outputs, then Select(empty rows, 0, result)
@@ -17,11 +18,12 @@ from typing import List
 
 import numpy as np
 
-from pkm_serve.export.dense import Gather, check_max_site, fill_from_gather, \
-    leads_to_gather, resolve_gather, strip_trailing_unit_axis
+from pkm_serve.export.dense import Gather, check_max_site, fill_from_gather, resolve_gather, \
+    strip_trailing_unit_axis
 from pkm_serve.export.graph import FunctionGraph, Ref
-from pkm_serve.export.sites import (INDEX_DTYPES, NotASite, Site, Skip, check_private,
-                                    dtype_name, itemsize, through_identity)
+from pkm_serve.export.sites import (INDEX_DTYPES, TABLE_DTYPES, NotASite, Site, Skip, check_private,
+                                    dtype_name, itemsize, tensor_dtype, through_identity)
+from pkm_serve.export.unrecognised import clips_rows
 
 SPARSE_SEGMENT_COMBINERS = {
     "SparseSegmentSum": "sum", "SparseSegmentMean": "mean", "SparseSegmentSqrtN": "sqrtn"}
@@ -60,9 +62,9 @@ def match_sparse_segment(fg: FunctionGraph, node, site: Site) -> Site:
         gathered = resolve_gather(fg, data)
     except NotASite:
         reason = steps_before_segment(fg, data)
-        if reason is None:
-            raise
-        raise Skip(reason) from None
+        if reason is not None:
+            raise Skip(reason) from None
+        return _segment_of_table(fg, node, site, data, seg_indices, segment_ids)
     fill_from_gather(site, gathered, fg)
     unique = fg.producer(seg_indices)
     if unique is None or unique.op != "Unique" or seg_indices.index != 1 or \
@@ -81,13 +83,18 @@ def match_sparse_segment(fg: FunctionGraph, node, site: Site) -> Site:
     return extend_to_safe(fg, site)
 
 
-def _clips_rows(fg: FunctionGraph, node) -> bool:
-    """clip_by_norm(rows, max_norm): rows * max_norm / maximum(norm(rows), max_norm)."""
-    if node.op != "RealDiv":
-        return False
-    num, den = (fg.producer(r) for r in fg.inputs(node))
-    return num is not None and num.op == "Mul" and den is not None and \
-        den.op == "Maximum" and any(leads_to_gather(fg, r) for r in fg.inputs(num))
+def _segment_of_table(fg: FunctionGraph, node, site: Site, table: Ref, ids: Ref, segment_ids: Ref) -> Site:
+    """SparseSegment<combiner>(table, ids, seg) on a [N, D] table tensor itself
+    (embedding_lookup_sparse's path for a Tensor table, no gather op): bag
+    seg[i] holds row ids[i], the ragged bag of (ids, seg)."""
+    shape, dtype = fg.shape(table), tensor_dtype(fg, table)
+    if shape.rank != 2 or dtype not in TABLE_DTYPES or fg.shape(ids).rank != 1:
+        raise NotASite()
+    fill_from_gather(site, Gather(table, table, False, ids, [], shape, dtype, tensor_dtype(fg, ids)), fg)
+    site.gathered_shape = None
+    site.segment_ids = segment_ids
+    site.intermediate_itemsizes = (0,)  # the composite builds no [ids, D] rows either
+    return extend_to_safe(fg, site)
 
 
 def steps_before_segment(fg: FunctionGraph, data: Ref, depth: int = 4):
@@ -98,7 +105,7 @@ def steps_before_segment(fg: FunctionGraph, data: Ref, depth: int = 4):
         node = fg.producer(ref)
         if node is None:
             return None
-        if _clips_rows(fg, node):
+        if clips_rows(fg, node):
             return ("each gathered row is clipped to max_norm (embedding_lookup_sparse "
                     "max_norm=, i.e. clip_by_norm) before the reduction: PkmEmbeddingBag "
                     "has no row-norm clip, so the site stays composite")

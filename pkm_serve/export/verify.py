@@ -258,3 +258,13 @@ def compare_outputs(signature: str, expected: dict, actual: dict,
                 f"signature {signature!r} output {key!r}: fused differs from original by "
                 f"up to {max_abs:.3g} (tolerance atol={atol:.3g}, rtol={use_rtol:g})")
     return rows
+
+
+def error_line(message: str) -> str:
+    """The line of a TF error that says what failed: a graph execution error
+    wraps it in 'Detected at node' frames and ends it with the node's name."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if line.startswith("[[") and i > 0:
+            return lines[i - 1]
+    return lines[-1] if lines else message

@@ -257,3 +257,46 @@ def test_tflite_inside_the_version_directory_arrives_with_it(weighted_model, tmp
     assert target.read_bytes()[4:8] == b"TFL3"
     assert sorted(p.name for p in dst.iterdir()) == ["1"]  # no temporaries left beside it
     assert (dst / "1" / "saved_model.pb").exists()
+
+
+def _two_signatures(path):
+    module = tf.Module()
+    module.t = tf.Variable(M._table(9))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int32)])
+    def a(ids):
+        return {"out": tf.reduce_sum(tf.gather(module.t, ids), 1)}
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.int32)])
+    def b(tokens):
+        return {"out": tf.reduce_mean(tf.gather(module.t, tokens), 1)}
+    tf.saved_model.save(module, str(path), signatures={"a": a, "b": b})
+    return module.t.numpy().astype(np.float64)
+
+
+def test_sample_inputs_of_several_signatures_are_keyed_sig_name(tmp_path, capsys):
+    src = tmp_path / "src"
+    table = _two_signatures(src)
+    ids = RNG.integers(0, M.N, (5, 3)).astype(np.int32)
+    tokens = RNG.integers(0, M.N, (7, 2)).astype(np.int32)
+    np.savez(tmp_path / "bare.npz", ids=ids, tokens=tokens)
+    assert main([str(src), str(tmp_path / "dst"), "--sample-inputs", str(tmp_path / "bare.npz"), "--quiet"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "pkm-serve export: error: --sample-inputs key 'ids' is a bare NAME, which is fed to every signature, "
+        "but signature(s) ['b'] take no input 'ids': with several signatures (['a', 'b']), key each input "
+        "SIG/NAME (here 'a/ids')")
+    assert entries(tmp_path / "dst") is None
+    np.savez(tmp_path / "keyed.npz", **{"a/ids": ids, "b/tokens": tokens})
+    result = export_saved_model(str(src), str(tmp_path / "dst"), sample_inputs=str(tmp_path / "keyed.npz"),
+                                quiet=True)
+    assert [(r["signature"], r["shape"]) for r in result.verification] == [("a", [5, M.D]), ("b", [7, M.D])]
+    fused = tf.saved_model.load(result.dst).signatures
+    np.testing.assert_allclose(fused["a"](ids=ids)["out"].numpy(), table[ids].sum(1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fused["b"](tokens=tokens)["out"].numpy(), table[tokens].mean(1), rtol=1e-5, atol=1e-6)
+
+
+def test_help_documents_sig_name_sample_keys(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "key NAME feeds input NAME of every signature, SIG/NAME input NAME of signature SIG only" in help_text

@@ -381,3 +381,234 @@ def test_forms_that_were_left_composite(tmp_path, form):
         reference = np.einsum("bk,bkd->bd", idf[ids].astype(np.float64), table[ids])
     np.testing.assert_allclose(want["out"], reference, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["out"], reference, rtol=1e-5, atol=1e-6)
+
+
+def _on_device_embedding_module(reduce, scale_factor=None):
+    """tf-models-official's OnDeviceEmbedding (a gather of the flattened ids,
+    reshaped back to [B, L, D]) pooled over L by `reduce(rows, w)`."""
+    from official.nlp.modeling.layers import OnDeviceEmbedding
+    layer = OnDeviceEmbedding(N, D, scale_factor=scale_factor)
+    layer.build([None, 5])
+    layer.embeddings.assign(RNG.standard_normal((N, D)).astype(np.float32))
+    module = tf.Module()
+    module.layer = layer
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 5], tf.int32), tf.TensorSpec([None, 5], tf.float32)])
+    def f(ids, w):
+        return {"out": reduce(layer(ids), w)}
+    module.f = f
+    return module, layer.embeddings.numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("form", ["sum", "mean", "weighted_sum", "weighted_mean"])
+def test_on_device_embedding_pooled_over_the_sequence_is_fused(tmp_path, form):
+    reduce = {"sum": lambda rows, w: tf.reduce_sum(rows, axis=1),
+              "mean": lambda rows, w: tf.reduce_mean(rows, axis=1),
+              "weighted_sum": lambda rows, w: tf.reduce_sum(rows * w[:, :, None], axis=1),
+              "weighted_mean": lambda rows, w: tf.reduce_mean(rows * tf.expand_dims(w, -1), axis=1)}[form]
+    module, table = _on_device_embedding_module(reduce)
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+    result = _export(tmp_path)
+    assert [s.status for s in result.sites] == ["fused"], [s.reason for s in result.sites]
+    assert result.sites[0].gathered_shape == [None, 5, D]
+    ids = RNG.integers(0, N, (3, 5)).astype(np.int32)
+    w = RNG.uniform(0.5, 1.5, (3, 5)).astype(np.float32)
+    want, got = _both(tmp_path, result, ids=ids, w=w)
+    weights = w.astype(np.float64) if form.startswith("weighted") else np.ones((3, 5))
+    reference = np.einsum("bl,bld->bd", weights, table[ids]) / (5 if form.endswith("mean") else 1)
+    np.testing.assert_allclose(got["out"], reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(want["out"], reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["static", "regrouped"])
+def test_flattened_gathers_reshaped_by_a_constant(tmp_path, form):
+    # [-1, 4, D] undoes the flattening of [B, 4] ids; [-1, 2, D] regroups them into other bags.
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.int64)])
+        def f(ids):
+            rows = tf.gather(module.t, tf.reshape(ids, [-1]))
+            return {"out": tf.reduce_sum(tf.reshape(rows, [-1, 4 if form == "static" else 2, D]), axis=1)}
+        return f
+    module = _save(tmp_path / "m", signature)
+    result = _export(tmp_path)
+    ids = RNG.integers(0, N, (3, 4)).astype(np.int64)
+    want, got = _both(tmp_path, result, ids=ids)
+    table = module.t.numpy().astype(np.float64)
+    if form == "static":
+        assert [s.status for s in result.sites] == ["fused"]
+        np.testing.assert_allclose(got["out"], table[ids].sum(1), rtol=1e-6, atol=1e-6)
+    else:
+        assert [(s.status, s.reason) for s in result.sites] == [
+            ("skipped", "gathered rows of flattened ids are reshaped to a shape not proven to be the ids' shape + [D]")]
+        np.testing.assert_allclose(got["out"], table[ids.reshape(-1, 2)].sum(1), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got["out"], want["out"], rtol=1e-6, atol=1e-6)
+
+
+SPARSE = tf.SparseTensor([[0, 0], [0, 2], [2, 1], [3, 0], [3, 1], [3, 3]],
+                         tf.constant([4, 7, 7, 0, 29, 11], tf.int64), [5, 4])
+
+
+def _np_sparse_bags(table, combiner, default=None):
+    """One bag per row of SPARSE (row 1 and 4 empty: zeros, or table[default])."""
+    out = np.zeros((5, D)) if default is None else np.tile(table[default], (5, 1))
+    indices, values = SPARSE.indices.numpy(), SPARSE.values.numpy()
+    for b in set(indices[:, 0]):
+        rows = table[values[indices[:, 0] == b]]
+        out[b] = rows.sum(0) / {"sum": 1, "mean": len(rows), "sqrtn": np.sqrt(len(rows))}[combiner]
+    return out
+
+
+def test_a_sparse_lookup_on_the_table_tensor_is_fused(tmp_path):
+    # embedding_lookup_sparse on a Tensor (not a variable) is SparseSegment*(table, ids, seg): no gather op.
+    def signature(module):
+        @tf.function(input_signature=[tf.SparseTensorSpec([None, None], tf.int64)])
+        def f(sp):
+            table = module.t.read_value()
+            out = {c: tf.nn.embedding_lookup_sparse(table, sp, None, combiner=c) for c in ("sum", "mean", "sqrtn")}
+            out["safe"] = tf.nn.safe_embedding_lookup_sparse(table, sp, None, combiner="mean")
+            out["safe_default"] = tf.nn.safe_embedding_lookup_sparse(table, sp, None, combiner="sqrtn", default_id=3)
+            return out
+        return f
+    module = _save(tmp_path / "m", signature)
+    result = _export(tmp_path)
+    assert [s.status for s in result.sites] == ["fused"] * 5, [s.reason for s in result.sites]
+    want, got = _both(tmp_path, result, sp=SPARSE.indices, sp_1=SPARSE.values, sp_2=SPARSE.dense_shape)
+    table = module.t.numpy().astype(np.float64)
+    for key, reference in (("sum", _np_sparse_bags(table, "sum")[:4]), ("mean", _np_sparse_bags(table, "mean")[:4]),
+                           ("sqrtn", _np_sparse_bags(table, "sqrtn")[:4]), ("safe", _np_sparse_bags(table, "mean")),
+                           ("safe_default", _np_sparse_bags(table, "sqrtn", default=3))):
+        np.testing.assert_allclose(got[key], reference, rtol=1e-5, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(want[key], reference, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_keras_embedding_on_a_sparse_tensor(tmp_path):
+    # Keras 3 looks up each position as a bag of one id (an empty position gets row 0):
+    # fused as that; keras-rs EmbedReduce's pooling over the positions is reported.
+    import keras
+    import keras_rs
+    emb, bag = keras.layers.Embedding(N, D), keras_rs.layers.EmbedReduce(N, D, combiner="sum")
+    emb.build((None, None))
+    bag.build((None, None))
+    table = RNG.standard_normal((N, D)).astype(np.float32)
+    emb.embeddings.assign(table)
+    bag.embeddings.assign(table)
+    module = tf.Module()
+    module.layers = [emb, bag]
+
+    @tf.function(input_signature=[tf.SparseTensorSpec([None, None], tf.int64)])
+    def f(sp):
+        return {"rows": emb(sp), "bag": bag(sp)}
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": f})
+    result = _export(tmp_path)
+    assert [s.status for s in result.sites] == ["fused", "fused", "skipped"], [s.reason for s in result.sites]
+    assert result.sites[2].reason == (
+        "the rows are a sparse lookup (SparseSegmentMean of the table: Keras' Embedding or take on a "
+        "SparseTensor, one bag per position) reshaped to [..., L, D]; the pooling over L is not fused")
+    want, got = _both(tmp_path, result, sp=SPARSE.indices, sp_1=SPARSE.values, sp_2=SPARSE.dense_shape)
+    dense_ids = tf.sparse.to_dense(SPARSE).numpy()
+    np.testing.assert_allclose(got["rows"], table[dense_ids], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got["bag"], _np_sparse_bags(table.astype(np.float64), "sum"), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(want["rows"], got["rows"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_ragged_unsorted_segment_mean_and_sqrt_n_are_labelled_as_such(tmp_path, combiner):
+    segment_op = tf.math.unsorted_segment_mean if combiner == "mean" else tf.math.unsorted_segment_sqrt_n
+    module = _save(tmp_path / "m", _ragged_module(
+        lambda rows, rt: segment_op(rows, rt.value_rowids(), rt.nrows())))
+    result = _export(tmp_path)
+    assert [(s.status, s.computes) for s in result.sites] == [("fused", combiner)]
+    want, got = _both(tmp_path, result, rt=BAGS.values, rt_1=BAGS.row_splits)
+    table = module.t.numpy().astype(np.float64)
+    scale = (lambda n: n) if combiner == "mean" else np.sqrt
+    reference = np.stack([table[list(bag)].sum(0) / scale(len(bag)) if len(bag) else np.zeros(D)
+                          for bag in BAGS.to_list()])
+    np.testing.assert_allclose(got["out"], reference, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(want["out"], reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["sum", "scaled_sum"])
+def test_a_max_norm_lookup_then_a_sum_is_reported(tmp_path, form):
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int32)])
+        def f(ids):
+            rows = tf.nn.embedding_lookup(module.t, ids, max_norm=1.0)
+            return {"out": tf.reduce_sum(rows if form == "sum" else rows * 2.0, axis=1)}
+        return f
+    module = _save(tmp_path / "m", signature)
+    result = _export(tmp_path)
+    assert [(s.status, s.reason) for s in result.sites] == [(
+        "skipped", "each gathered row is clipped to max_norm (embedding_lookup max_norm=, i.e. clip_by_norm) "
+        "before the reduction: PkmEmbeddingBag has no row-norm clip, so the site stays composite")]
+    ids = RNG.integers(0, N, (4, 3)).astype(np.int32)
+    want, got = _both(tmp_path, result, ids=ids)
+    rows = module.t.numpy().astype(np.float64)[ids]
+    rows *= 1.0 / np.maximum(np.linalg.norm(rows, axis=-1, keepdims=True), 1.0)
+    np.testing.assert_allclose(got["out"], rows.sum(1) * (1 if form == "sum" else 2), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["slice", "expand_dims", "reshape", "batch_of_two_axes"])
+def test_a_matmul_weighted_sum_is_fused(tmp_path, form):
+    spec = [None, 2, 3] if form == "batch_of_two_axes" else [None, 3]
+    expand = {"slice": lambda w: w[:, None, :], "expand_dims": lambda w: tf.expand_dims(w, 1),
+              "reshape": lambda w: tf.reshape(w, [-1, 1, 3]),
+              "batch_of_two_axes": lambda w: w[..., None, :]}[form]
+
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec(spec, tf.int64), tf.TensorSpec(spec, tf.float32)])
+        def f(ids, w):
+            return {"out": tf.matmul(expand(w), tf.gather(module.t, ids))}
+        return f
+    module = _save(tmp_path / "m", signature)
+    result = _export(tmp_path)
+    assert [(s.status, s.pattern, s.weighted) for s in result.sites] == [("fused", "matmul", True)]
+    ids = RNG.integers(0, N, [4] + spec[1:]).astype(np.int64)
+    w = RNG.uniform(0.5, 1.5, ids.shape).astype(np.float32)
+    want, got = _both(tmp_path, result, ids=ids, w=w)
+    table = module.t.numpy().astype(np.float64)
+    reference = np.einsum("...k,...kd->...d", w.astype(np.float64), table[ids])[..., None, :]
+    assert got["out"].shape == reference.shape
+    np.testing.assert_allclose(got["out"], reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(want["out"], reference, rtol=1e-5, atol=1e-6)
+
+
+def test_a_matmul_pooling_in_another_spelling_is_reported(tmp_path):
+    def signature(module):
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int64), tf.TensorSpec([None, 3], tf.float32)])
+        def f(ids, w):
+            return {"out": tf.matmul(w[:, :, None], tf.gather(module.t, ids), transpose_a=True)}
+        return f
+    _save(tmp_path / "m", signature)
+    result = _export(tmp_path)
+    assert [(s.status, s.reason) for s in result.sites] == [
+        ("skipped", "a matmul of gathered rows that is not w[..., None, :] @ rows (a weighted bag)")]
+
+
+@pytest.mark.parametrize("form", ["constant", "variable_mean", "unit_axes", "on_device_scale"])
+def test_a_scalar_multiplier_is_fused_as_broadcast_weights(tmp_path, form):
+    if form == "on_device_scale":
+        module, table = _on_device_embedding_module(lambda rows, w: tf.reduce_sum(rows, axis=1), scale_factor=0.5)
+        tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+        scale, divisor = 0.5, 1
+    else:
+        def signature(module):
+            @tf.function(input_signature=[tf.TensorSpec([None, 5], tf.int32), tf.TensorSpec([None, 5], tf.float32)])
+            def f(ids, w):
+                rows = tf.gather(module.t, ids)
+                if form == "constant":
+                    return {"out": tf.reduce_sum(rows * 3.0, axis=1)}
+                if form == "unit_axes":
+                    return {"out": tf.reduce_sum(tf.constant([[[3.0]]]) * rows, axis=1)}
+                return {"out": tf.reduce_mean(rows * module.scale, axis=1)}
+            return f
+        module = _save(tmp_path / "m", signature, extra={"scale": np.float32(0.25)})
+        table = module.t.numpy().astype(np.float64)
+        scale, divisor = (0.25, 5) if form == "variable_mean" else (3.0, 1)
+    result = _export(tmp_path)
+    assert [(s.status, s.weighted) for s in result.sites] == [("fused", True)], [s.reason for s in result.sites]
+    ids = RNG.integers(0, N, (4, 5)).astype(np.int32)
+    w = np.ones((4, 5), np.float32)
+    want, got = _both(tmp_path, result, ids=ids, w=w)
+    reference = table[ids].sum(1) * scale / divisor
+    np.testing.assert_allclose(got["out"], reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(want["out"], reference, rtol=1e-5, atol=1e-6)

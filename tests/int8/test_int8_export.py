@@ -230,3 +230,65 @@ def test_a_max_site_is_refused_with_a_reason(tmp_path):
     with pytest.raises(ExportError, match="max bag .* no int8 kernel"):
         export_saved_model(src, str(tmp_path / "dst"), quantize_table="int8", quiet=True)
     assert not os.path.exists(tmp_path / "dst" / "1")
+
+
+def test_a_tf_example_signature_is_verified_on_parsed_examples(tmp_path):
+    # The int8 verification feeds what the float one does: serialized tf.Examples
+    # written from the parse op's keys (random strings made the parse fail).
+    module = tf.Module()
+    module.table = tf.Variable(_table(6))
+    spec = {"ids": tf.io.VarLenFeature(tf.int64), "w": tf.io.VarLenFeature(tf.float32)}
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="examples")])
+    def serve(examples):
+        f = tf.io.parse_example(examples, spec)
+        return {"bag": tf.nn.embedding_lookup_sparse(module.table, f["ids"], f["w"], combiner="sum")}
+    module.serve = serve
+    src = str(tmp_path / "src")
+    tf.saved_model.save(module, src, signatures={"serving_default": serve})
+    result = export_saved_model(src, str(tmp_path / "dst"), quantize_table="int8", quiet=True)
+    assert [t["shape"] for t in result.quantization["tables"]] == [[N, D]]
+    rng = np.random.default_rng(4)
+    examples = []
+    for count in (3, 0, 5, 1):
+        ids = rng.integers(0, N, count).tolist()
+        w = rng.uniform(0.2, 1.5, count).tolist()
+        examples.append(tf.train.Example(features=tf.train.Features(feature={
+            "ids": tf.train.Feature(int64_list=tf.train.Int64List(value=ids)),
+            "w": tf.train.Feature(float_list=tf.train.FloatList(value=w))})).SerializeToString())
+    x = tf.constant(examples)
+    want = serve(x)["bag"].numpy()
+    got = tf.saved_model.load(result.dst).signatures["serving_default"](examples=x)["bag"].numpy()
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+    assert np.abs(got - want).max() > 0
+
+
+@pytest.mark.parametrize("mask_zero", [False, True])
+def test_tf_keras_model_save_quantizes(tmp_path, mask_zero):
+    # tf_keras' model.save() keeps each layer's call functions, which gather the table
+    # outside any fused site: those gathers read int8 rows and dequantize them.
+    import tf_keras
+    emb = tf_keras.layers.Embedding(N, D, mask_zero=mask_zero, name="emb")
+    pool = tf_keras.layers.GlobalAveragePooling1D() if mask_zero else \
+        tf_keras.layers.Lambda(lambda x: tf.reduce_sum(x, axis=1))
+    head = tf_keras.layers.Dense(3)
+    model = tf_keras.Sequential([tf_keras.Input((K,), dtype="int32", name="ids"), emb, pool, head])
+    emb.embeddings.assign(_table(7))
+    head.kernel.assign(np.random.default_rng(8).normal(size=(D, 3)).astype(np.float32))  # no random init
+    src = str(tmp_path / "src")
+    model.save(src)
+    result = export_saved_model(src, str(tmp_path / "dst"), quantize_table="int8", quiet=True)
+    assert [t["shape"] for t in result.quantization["tables"]] == [[N, D]]
+    ids = np.random.default_rng(5).integers(1, N, size=(8, K)).astype(np.int32)
+    ids[2, 3:] = 0
+    loaded = tf.saved_model.load(result.dst)
+    got = list(loaded.signatures["serving_default"](ids=tf.constant(ids)).values())[0].numpy()
+    want = model(ids).numpy()
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+    assert np.abs(got - want).max() > 0
+    # The layer's own saved call function still gathers rows, within half an int8 step.
+    rows = getattr(loaded, "layer_with_weights-0")(tf.constant(ids))
+    rows = (rows[0] if isinstance(rows, (tuple, list)) else rows).numpy()
+    table = _table(7).astype(np.float64)
+    step = (table.max(axis=1) - table.min(axis=1)) / 255
+    assert np.all(np.abs(rows - table[ids]) <= step[ids][..., None] * 0.51 + 1e-6)

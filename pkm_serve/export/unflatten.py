@@ -1,0 +1,57 @@
+"""Rows gathered on flattened ids and reshaped back: tf-models' OnDeviceEmbedding
+gathers table[reshape(ids, [-1])] and reshapes the rows to ids.shape + [D],
+which is table[ids]. dense.resolve_rows takes that reshape as a step."""
+from __future__ import annotations
+
+from typing import List
+
+import numpy as np
+
+from pkm_serve.export.graph import FunctionGraph, Ref
+from pkm_serve.export.sites import GATHER_OPS, NotASite, Skip, through_identity
+
+
+def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Ref:
+    """Reshape(table[reshape(ids, [-1])], shape(ids) + [D]) is table[ids]
+    (tf-models' OnDeviceEmbedding): returns ids. The target shape must be concat(Shape(ids), [D]),
+    or a constant equal to ids' static shape + [D] with at most its first dim
+    -1. NotASite unless the rows are a gather of flattened ids; Skip where
+    the reshape is not proven to undo the flattening."""
+    flat_rows = through_identity(fg, ins[0], [])
+    gather = fg.producer(flat_rows)
+    if gather is None or gather.op not in GATHER_OPS:
+        raise NotASite()
+    flatten = fg.producer(through_identity(fg, fg.inputs(gather)[1], []))
+    target = fg.const_value(fg.inputs(flatten)[1]) if flatten is not None and flatten.op == "Reshape" else None
+    if target is None or np.ravel(target).tolist() != [-1]:
+        raise NotASite()
+    ids = through_identity(fg, fg.inputs(flatten)[0], [])
+    width, ids_shape = fg.shape(flat_rows)[-1], fg.shape(ids)
+    if width is None or ids_shape.rank is None or ids_shape.rank < 2:
+        raise Skip("gathered rows of flattened ids are reshaped, but their width or the ids' rank is unknown")
+    if not (_is_shape_plus_width(fg, ins[1], ids, width) or _is_static_unflatten(fg, ins[1], ids_shape, width)):
+        raise Skip("gathered rows of flattened ids are reshaped to a shape not proven to be the ids' shape + [D]")
+    return ids
+
+
+def _is_shape_plus_width(fg: FunctionGraph, shape_ref: Ref, ids: Ref, width: int) -> bool:
+    concat = fg.producer(shape_ref)
+    if concat is None or concat.op != "ConcatV2" or len(fg.inputs(concat)) != 3:
+        return False
+    head, tail, axis = fg.inputs(concat)
+    shape_of = fg.producer(head)
+    tail_value, axis_value = fg.const_value(tail), fg.const_value(axis)
+    return shape_of is not None and shape_of.op == "Shape" and \
+        through_identity(fg, fg.inputs(shape_of)[0], []) == ids and tail_value is not None and \
+        np.ravel(tail_value).tolist() == [width] and axis_value is not None and int(axis_value) == 0
+
+
+def _is_static_unflatten(fg: FunctionGraph, shape_ref: Ref, ids_shape, width: int) -> bool:
+    target = fg.const_value(shape_ref)
+    if target is None:
+        return False
+    target = np.ravel(target).tolist()
+    dims = ids_shape.as_list()
+    if len(target) != len(dims) + 1 or target[-1] != width or any(d is None for d in dims[1:]):
+        return False
+    return target[1:-1] == dims[1:] and (target[0] == dims[0] or (target[0] == -1 and -1 not in target[1:]))
