@@ -1,5 +1,6 @@
 """Chooses the bag-lookup function a layer calls: the fused op or the composite,
 for the Keras backend in use (TF: pkm_serve.ops; JAX, PyTorch: pkm_serve.backends)."""
+import sys
 import warnings
 
 import keras
@@ -17,6 +18,24 @@ def require_positive_ints(layer_name, **values):
     for arg_name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{layer_name}: {arg_name} must be a positive integer, got {value!r}")
+
+
+def refuse_tf_keras(layer_name, inputs):
+    """TypeError when the layer is called on tf_keras (Keras 2) tensors or from a tf_keras layer's call:
+    tf_keras would wrap its TF ops in TFOpLambda layers with the weights as untracked constants."""
+    tf_keras = sys.modules.get("tf_keras")
+    if tf_keras is None:
+        return
+    legacy_input = any(type(x).__module__.startswith("tf_keras.") for x in keras.tree.flatten(inputs))
+    frame, depth = sys._getframe(1), 0
+    while frame is not None and depth < 24 and not legacy_input:
+        legacy_input = isinstance(frame.f_locals.get("self"), tf_keras.layers.Layer)
+        frame, depth = frame.f_back, depth + 1
+    if legacy_input:
+        raise TypeError(
+            f"{layer_name} is a Keras 3 layer and cannot be used with tf_keras (Keras 2, e.g. tf.keras under "
+            "TF_USE_LEGACY_KERAS=1): a tf_keras model would not track or train its weights. Build the model "
+            "with Keras 3 (`import keras`, TF_USE_LEGACY_KERAS unset).")
 
 
 def is_tensorflow_backend():

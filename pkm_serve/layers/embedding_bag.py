@@ -1,8 +1,8 @@
 """`EmbeddingBag`: a Keras layer over the fused PkmEmbeddingBag op."""
 import keras
 
-from pkm_serve.layers._lookup import (is_tensorflow_backend, lookup_supports_jit, require_positive_ints,
-                                     resolve_lookup)
+from pkm_serve.layers._lookup import (is_tensorflow_backend, lookup_supports_jit, refuse_tf_keras,
+                                     require_positive_ints, resolve_lookup)
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
@@ -120,6 +120,7 @@ class EmbeddingBag(keras.layers.Layer):
         table = self.embeddings.value
         if not is_tensorflow_backend():
             return self._call_keras_ops(table, indices, weights)
+        refuse_tf_keras("EmbeddingBag", (indices, weights))
         import tensorflow as tf
 
         if isinstance(indices, tf.RaggedTensor):

@@ -13,8 +13,8 @@ import warnings
 
 import keras
 
-from pkm_serve.layers._lookup import (is_tensorflow_backend, lookup_supports_jit, require_positive_ints,
-                                     resolve_lookup)
+from pkm_serve.layers._lookup import (is_tensorflow_backend, lookup_supports_jit, refuse_tf_keras,
+                                     require_positive_ints, resolve_lookup)
 from pkm_serve.layers.embedding_bag import EmbeddingBag
 from pkm_serve.product_keys import product_key_search
 
@@ -149,6 +149,7 @@ class ProductKeyMemory(keras.layers.Layer):
     def call(self, inputs, training=None):
         if not is_tensorflow_backend():
             return self._call_keras_ops(inputs, training)
+        refuse_tf_keras("ProductKeyMemory", inputs)
         import tensorflow as tf
 
         d_model = inputs.shape[-1]
