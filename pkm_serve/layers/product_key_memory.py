@@ -178,9 +178,9 @@ class ProductKeyMemory(keras.layers.Layer):
         """Product-key search: query [B, heads*k_dim] -> (slot indices int64
         (int32 under JAX/PyTorch when n_keys**2 fits) [B, heads*knn], softmax
         scores float32 [B, heads*knn])."""
-        # Scores are ranked in float32 under mixed precision: 16-bit scores tie often, and each
-        # backend's top_k breaks ties its own way (a .keras file picked other slots in 20-30% of
-        # rows on JAX, PyTorch and TF under mixed_bfloat16).
+        # Scores are ranked in float32 under mixed precision: 16-bit scores tie often and round
+        # differently on each backend (a .keras file picked other slots in 20-30% of rows on JAX,
+        # PyTorch and TF under mixed_bfloat16). Exact ties go to the lowest index everywhere.
         if keras.backend.standardize_dtype(query.dtype) in ("float16", "bfloat16"):
             query = keras.ops.cast(query, "float32")
         if not is_tensorflow_backend():

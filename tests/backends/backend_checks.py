@@ -20,7 +20,7 @@ sys.path.insert(0, ROOT)
 
 from tests.reference import bag_forward_backward  # noqa: E402
 
-BACKEND = os.environ["KERAS_BACKEND"]
+BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")  # Keras' default
 DEVICE = os.environ.get("PKM_TEST_DEVICE", "cpu")
 TOL = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 2e-2}
 N, D = 300, 24
@@ -249,6 +249,29 @@ def check_fit():
     print(json.dumps({"fit_embedding_bag": [hist[0], hist[-1]], "fit_pkm": [hist2[0], hist2[-1]]}))
 
 
+def tie_inputs():
+    """(query [3, 2, 2, 4], sub_keys [2, 2, 16, 4], knn): a zero row (every score tied), a row with one
+    zero half, and repeated sub-keys (tied non-zero scores)."""
+    rng = np.random.default_rng(21)
+    keys = rng.normal(size=(2, 2, 16, 4)).astype("float32")
+    keys[:, :, 9:] = keys[:, :, :7]
+    query = rng.normal(size=(3, 2, 2, 4)).astype("float32")
+    query[0] = 0.0
+    query[1, :, 1] = 0.0
+    return query, keys, 5
+
+
+def check_ties():
+    """The slots the backend's product-key search picks on tied scores (test_backends compares them)."""
+    import keras
+
+    from pkm_serve.backends.product_keys import product_key_search
+
+    query, keys, knn = tie_inputs()
+    slots = product_key_search(keras.ops.convert_to_tensor(query), keras.ops.convert_to_tensor(keys), knn)[0]
+    print(json.dumps({"tie_slots": keras.ops.convert_to_numpy(slots).tolist()}))
+
+
 def _status_mb(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024.0
@@ -385,7 +408,7 @@ def _check_tf_export(model, expected, directory):
 
 
 CHECKS = {"ops": check_ops, "errors": check_errors, "transforms": check_transforms, "no_tf": check_no_tf,
-          "fit": check_fit, "memory": check_memory, "memory_composite": check_memory_composite}
+          "fit": check_fit, "memory": check_memory, "memory_composite": check_memory_composite, "ties": check_ties}
 
 def main(args):
     """Runs the named checks in order; `save`/`load` take two arguments (the

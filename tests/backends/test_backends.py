@@ -95,3 +95,29 @@ def test_keras_file_moves_between_backends(runs):
         mixed, want = np.load(tmp / f"{src}_in_{dst}.npy.mixed.npy"), np.load(tmp / f"{src}_out.npy.mixed.npy")
         np.testing.assert_allclose(mixed, want, rtol=0, atol=1e-2 * np.max(np.abs(want)),
                                    err_msg=f"mixed_bfloat16, saved under {src}, loaded under {dst}")
+
+
+def test_tied_scores_pick_the_same_slots_on_every_backend():
+    """Exactly tied key scores: TF (eager and XLA), JAX and PyTorch pick the lowest slots, as the
+    float64 reference does (top_k(sorted=False) kept other tied slots on each)."""
+    import tensorflow as tf
+
+    from pkm_serve.product_keys import product_key_search
+    from tests.backends.backend_checks import tie_inputs
+
+    query, keys, knn = tie_inputs()
+    heads, n_keys = keys.shape[0], keys.shape[2]
+    want = []
+    for row in np.asarray(query, np.float64):
+        for h in range(heads):
+            s1, s2 = keys[h, 0] @ row[h, 0], keys[h, 1] @ row[h, 1]
+            top1, top2 = np.argsort(-s1, kind="stable")[:knn], np.argsort(-s2, kind="stable")[:knn]
+            pairs = sorted((-(s1[i] + s2[j]), i * n_keys + j) for i in top1 for j in top2)[:knn]
+            want.append(sorted(slot for _, slot in pairs))
+    got = {"tensorflow": product_key_search(tf.constant(query), tf.constant(keys), knn)[0].numpy(),
+           "xla": tf.function(lambda q, k: product_key_search(q, k, knn), jit_compile=True)(query, keys)[0].numpy()}
+    for backend in BACKENDS:
+        if installed(backend):
+            got[backend] = np.asarray(finish(start(backend, ["ties"]), f"{backend} ties")["tie_slots"])
+    for name, slots in got.items():
+        assert np.sort(slots.reshape(-1, knn), axis=-1).tolist() == want, f"{name}: {slots.tolist()}"

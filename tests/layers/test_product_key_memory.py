@@ -49,6 +49,19 @@ def test_matches_numpy_reference(query_batchnorm, x_shape):
     np.testing.assert_allclose(out.numpy(), product_key_memory(layer, x), rtol=1e-4, atol=1e-5)
 
 
+def test_tied_scores_pick_the_lowest_slots_eager_and_under_xla():
+    """A zero input row on a fresh layer ties every key score: TF's top_k(sorted=False) kept
+    other slots eagerly than under XLA (and JAX, PyTorch, .tflite); both now take the lowest."""
+    layer = make_pkm()
+    x = np.random.default_rng(1).standard_normal((4, D_MODEL)).astype(np.float32)
+    x[0] = x[2] = 0.0
+    want = product_key_memory(layer, x)
+    eager = layer(x, training=False).numpy()
+    xla = tf.function(lambda v: layer(v, training=False), jit_compile=True)(x).numpy()
+    np.testing.assert_allclose(eager, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(xla, want, rtol=1e-4, atol=1e-5)
+
+
 def test_v_dim_defaults_to_input_dim_and_paper_defaults():
     layer = ProductKeyMemory()
     assert (layer.n_keys, layer.heads, layer.knn, layer.k_dim) == (512, 4, 32, 128)
