@@ -35,6 +35,9 @@ class ProductKeyMemory(keras.layers.Layer):
         values_initializer: default normal(0, v_dim**-0.5), as in the paper's code.
         implementation / fallback / sparse_gradient / fused_optimizer: as for
             `EmbeddingBag` (they apply to the value table).
+
+    A Keras mask over the input's leading dims (e.g. from `Embedding(mask_zero=True)`) is passed
+    on to the output; masked rows are left out of the query batch-norm's training statistics.
     """
 
     def __init__(
@@ -107,6 +110,8 @@ class ProductKeyMemory(keras.layers.Layer):
         self.query_dropout_layer = keras.layers.Dropout(query_dropout, dtype=self.dtype_policy)
         self.value_dropout_layer = keras.layers.Dropout(value_dropout, dtype=self.dtype_policy)
         self.memory = None  # the EmbeddingBag over n_keys**2 values; made in build()
+        # A mask over the leading dims passes through; masked rows stay out of the query batch-norm moments.
+        self.supports_masking = True
 
     def build(self, input_shape):
         if self.built:
@@ -146,30 +151,35 @@ class ProductKeyMemory(keras.layers.Layer):
             dtype=self.dtype_policy,
         )
 
-    def call(self, inputs, training=None):
+    def call(self, inputs, training=None, mask=None):
         if not is_tensorflow_backend():
-            return self._call_keras_ops(inputs, training)
+            return self._call_keras_ops(inputs, training, mask)
         refuse_tf_keras("ProductKeyMemory", inputs)
         import tensorflow as tf
 
         d_model = inputs.shape[-1]
         leading_shape = tf.shape(inputs)[:-1]
-        outputs = self._read_memory(tf.reshape(inputs, [-1, d_model]), training)
+        if mask is not None:
+            mask = tf.reshape(tf.broadcast_to(mask, leading_shape), [-1])
+        outputs = self._read_memory(tf.reshape(inputs, [-1, d_model]), training, mask)
         return tf.reshape(outputs, tf.concat([leading_shape, [self.memory.output_dim]], 0))
 
-    def _call_keras_ops(self, inputs, training):
+    def _call_keras_ops(self, inputs, training, mask):
         """call() under JAX / PyTorch, where shapes are static."""
         ops = keras.ops
-        outputs = self._read_memory(ops.reshape(inputs, (-1, inputs.shape[-1])), training)
+        if mask is not None:
+            mask = ops.reshape(ops.broadcast_to(mask, tuple(inputs.shape[:-1])), (-1,))
+        outputs = self._read_memory(ops.reshape(inputs, (-1, inputs.shape[-1])), training, mask)
         return ops.reshape(outputs, tuple(inputs.shape[:-1]) + (self.memory.output_dim,))
 
-    def _read_memory(self, x, training):
+    def _read_memory(self, x, training, mask=None):
         """[rows, d_model] -> [rows, output_dim]: the query, its slots and one weighted bag of
-        values per row (heads * knn slots, weighted by their softmax score)."""
+        values per row (heads * knn slots, weighted by their softmax score). mask [rows]: the
+        rows the query batch-norm's training moments count."""
         x = self.input_dropout_layer(x, training=training)
         query = self.query_proj(x)
         if self.query_bn is not None:
-            query = self.query_bn(query, training=training)
+            query = self.query_bn(query, training=training, mask=mask)
         query = self.query_dropout_layer(query, training=training)
         indices, scores = self.select_slots(query)
         return self.value_dropout_layer(self.memory(indices, weights=scores), training=training)

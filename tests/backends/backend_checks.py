@@ -272,6 +272,36 @@ def check_ties():
     print(json.dumps({"tie_slots": keras.ops.convert_to_numpy(slots).tolist()}))
 
 
+def check_mask():
+    """ProductKeyMemory passes a Keras mask on (a masked mean ignores the padding length) and keeps
+    masked rows out of the query batch-norm's training moments."""
+    import keras
+
+    from pkm_serve.layers import ProductKeyMemory
+
+    keras.utils.set_random_seed(2)
+    embedding = keras.layers.Embedding(30, 16, mask_zero=True)
+    layer = ProductKeyMemory(v_dim=8, k_dim=8, n_keys=8, heads=2, knn=3)
+    ids = np.array([[3, 5, 0, 0], [1, 2, 3, 4]], "int32")
+    outs = []
+    for length in (4, 7):
+        inputs = keras.Input((length,), dtype="int32")
+        model = keras.Model(inputs, keras.layers.GlobalAveragePooling1D()(layer(embedding(inputs))))
+        outs.append(keras.ops.convert_to_numpy(model(np.pad(ids, ((0, 0), (0, length - 4))))))
+    assert np.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6), f"padding changed the masked mean: {outs}"
+    x = np.random.default_rng(4).normal(size=(2, 5, 16)).astype("float32")
+    mask = np.array([[True] * 3 + [False] * 2, [True] * 5])
+    x[~mask] = 50.0
+    bn = layer.query_bn
+    before = keras.ops.convert_to_numpy(bn.moving_mean).astype(np.float64)
+    kernel, bias = (keras.ops.convert_to_numpy(v) for v in (layer.query_proj.kernel, layer.query_proj.bias))
+    want = before * bn.momentum + (x[mask].astype(np.float64) @ kernel + bias).mean(0) * (1 - bn.momentum)
+    layer(x, training=True, mask=mask)
+    got = keras.ops.convert_to_numpy(bn.moving_mean)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-6), f"batch-norm moving mean {got} vs {want}"
+    print(json.dumps({"mask": "ok"}))
+
+
 def _status_mb(key):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024.0
@@ -408,7 +438,8 @@ def _check_tf_export(model, expected, directory):
 
 
 CHECKS = {"ops": check_ops, "errors": check_errors, "transforms": check_transforms, "no_tf": check_no_tf,
-          "fit": check_fit, "memory": check_memory, "memory_composite": check_memory_composite, "ties": check_ties}
+          "fit": check_fit, "memory": check_memory, "memory_composite": check_memory_composite, "ties": check_ties,
+          "mask": check_mask}
 
 def main(args):
     """Runs the named checks in order; `save`/`load` take two arguments (the

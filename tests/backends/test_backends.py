@@ -18,8 +18,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BACKENDS = ["jax", "torch"]
 # `memory` first (it measures peak-RSS growth); `no_tf` before `save` (Keras' saving may import TF).
-CHECKS = {"jax": ["memory", "no_tf", "ops", "errors", "transforms", "fit"],
-          "torch": ["memory", "memory_composite", "no_tf", "ops", "errors", "transforms", "fit"]}
+CHECKS = {"jax": ["memory", "no_tf", "ops", "errors", "transforms", "fit", "mask"],
+          "torch": ["memory", "memory_composite", "no_tf", "ops", "errors", "transforms", "fit", "mask"]}
 
 
 def start(backend, args):
@@ -66,12 +66,14 @@ def runs(tmp_path_factory):
 def test_ops_layers_fit_and_memory(runs, backend):
     """Forward/d_table/d_weights vs float64 (fp32/fp16/bf16, 3 combiners, int32/int64,
     3-D indices with padding, ragged), clear errors, jit+vmap / opcheck + torch.compile,
-    no TF import, fit learns, fwd+bwd at B=4096 K=128 D=512 grows the process < 600 MB."""
+    no TF import, fit learns, ProductKeyMemory keeps Keras masks, fwd+bwd at B=4096 K=128 D=512
+    grows the process < 600 MB."""
     tmp, results = runs
     if backend not in results:
         pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
     got = results[backend]()
     assert got["ops_cases"] == 27 and got["no_tf"] == "ok" and got["transforms"] == "ok", got
+    assert got["mask"] == "ok", got
     assert got["memory_growth_mb"] < 600, got
 
 
