@@ -38,6 +38,22 @@ def refuse_tf_keras(layer_name, inputs):
             "with Keras 3 (`import keras`, TF_USE_LEGACY_KERAS unset).")
 
 
+def refuse_tf_training_options(layer_name, sparse_gradient, fused_optimizer):
+    """ValueError for options that only change TF training, asked for under JAX or PyTorch."""
+    if is_tensorflow_backend():
+        return
+    backend = keras.backend.backend()
+    if sparse_gradient:
+        raise ValueError(
+            f"{layer_name}: sparse_gradient=True needs the TensorFlow backend (its gradient is a "
+            f"tf.IndexedSlices); under {backend!r} the table's gradient is dense")
+    if fused_optimizer:
+        raise ValueError(
+            f"{layer_name}: fused_optimizer=True needs the TensorFlow backend (pkm_serve.optimizers' LazyAdam "
+            f"and RowwiseAdagrad apply it in TF's backward pass); under {backend!r} drop it: the table gets "
+            "a dense gradient that any Keras optimizer applies")
+
+
 def is_tensorflow_backend():
     return keras.backend.backend() == "tensorflow"
 

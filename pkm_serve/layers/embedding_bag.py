@@ -2,7 +2,7 @@
 import keras
 
 from pkm_serve.layers._lookup import (is_tensorflow_backend, lookup_supports_jit, refuse_tf_keras,
-                                     require_positive_ints, resolve_lookup)
+                                     refuse_tf_training_options, require_positive_ints, resolve_lookup)
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
@@ -71,11 +71,7 @@ class EmbeddingBag(keras.layers.Layer):
             raise ValueError(
                 f"EmbeddingBag: combiner must be one of {COMBINERS}, got {combiner!r}"
             )
-        if sparse_gradient and not is_tensorflow_backend():
-            raise ValueError(
-                "EmbeddingBag: sparse_gradient=True needs the TensorFlow backend (its gradient is a "
-                f"tf.IndexedSlices); under {keras.backend.backend()!r} the table's gradient is dense"
-            )
+        refuse_tf_training_options("EmbeddingBag", sparse_gradient, fused_optimizer)
         super().__init__(**kwargs)
         self.input_dim = input_dim
         self.output_dim = output_dim

@@ -14,7 +14,7 @@ import warnings
 import keras
 
 from pkm_serve.layers._lookup import (is_tensorflow_backend, lookup_supports_jit, refuse_tf_keras,
-                                     require_positive_ints, resolve_lookup)
+                                     refuse_tf_training_options, require_positive_ints, resolve_lookup)
 from pkm_serve.layers.embedding_bag import EmbeddingBag
 from pkm_serve.product_keys import product_key_search
 
@@ -66,11 +66,7 @@ class ProductKeyMemory(keras.layers.Layer):
             raise ValueError(f"ProductKeyMemory: k_dim must be even (two sub-keys), got {k_dim}")
         if knn > n_keys:
             raise ValueError(f"ProductKeyMemory: knn ({knn}) must not exceed n_keys ({n_keys})")
-        if sparse_gradient and not is_tensorflow_backend():
-            raise ValueError(
-                "ProductKeyMemory: sparse_gradient=True needs the TensorFlow backend (its gradient is "
-                f"a tf.IndexedSlices); under {keras.backend.backend()!r} the table's gradient is dense"
-            )
+        refuse_tf_training_options("ProductKeyMemory", sparse_gradient, fused_optimizer)
         # Fail at construction, not at first call, when the op library is missing.
         lookup = resolve_lookup(implementation, fallback, "ProductKeyMemory")
         super().__init__(**kwargs)

@@ -167,6 +167,15 @@ def check_errors():
             raise AssertionError(f"{dtype} row_splits were accepted")
         except TypeError as err:
             assert "row_splits must be int32 or int64" in str(err), err
+    from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
+
+    for make in (lambda: EmbeddingBag(10, 4, fused_optimizer=True),  # did nothing here but turn jit off
+                 lambda: ProductKeyMemory(k_dim=4, n_keys=4, heads=1, knn=2, fused_optimizer=True)):
+        try:
+            make()
+            raise AssertionError("fused_optimizer=True was accepted")
+        except ValueError as err:
+            assert "fused_optimizer=True needs the TensorFlow backend" in str(err), err
     out = None
     try:
         out = rt.numpy(rt.ops.embedding_bag(table, rt.tensor(idx, "int32"), None, "sum"))
