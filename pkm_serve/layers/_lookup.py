@@ -54,6 +54,22 @@ def refuse_tf_training_options(layer_name, sparse_gradient, fused_optimizer):
             "a dense gradient that any Keras optimizer applies")
 
 
+TF_TRAINING_OPTIONS = ("sparse_gradient", "fused_optimizer")
+
+
+def from_config_keeping_tf_training_options(from_config, config):
+    """`from_config(config)`; under JAX / PyTorch a config saved under TF may ask for the TF-only
+    training options: the layer is made without them (inference and dense-gradient training are the
+    same) and keeps their values, so that its config saves them again."""
+    if is_tensorflow_backend():
+        return from_config(config)
+    kept = {name: bool(config.get(name, False)) for name in TF_TRAINING_OPTIONS}
+    layer = from_config(dict(config, **dict.fromkeys(TF_TRAINING_OPTIONS, False)))
+    for name, value in kept.items():
+        setattr(layer, name, value)
+    return layer
+
+
 def is_tensorflow_backend():
     return keras.backend.backend() == "tensorflow"
 

@@ -1,8 +1,9 @@
 """`EmbeddingBag`: a Keras layer over the fused PkmEmbeddingBag op."""
 import keras
 
-from pkm_serve.layers._lookup import (is_tensorflow_backend, lookup_supports_jit, refuse_tf_keras,
-                                     refuse_tf_training_options, require_positive_ints, resolve_lookup)
+from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
+                                     lookup_supports_jit, refuse_tf_keras, refuse_tf_training_options,
+                                     require_positive_ints, resolve_lookup)
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
@@ -106,7 +107,7 @@ class EmbeddingBag(keras.layers.Layer):
             name="embeddings",
             trainable=True,
         )
-        if self.fused_optimizer:
+        if self.fused_optimizer and is_tensorflow_backend():
             from pkm_serve import _fused_update
 
             _fused_update.request(self.embeddings)
@@ -210,6 +211,10 @@ class EmbeddingBag(keras.layers.Layer):
             }
         )
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        return from_config_keeping_tf_training_options(super().from_config, config)
 
 
 def _as_index_dtype(indices):

@@ -13,8 +13,9 @@ import warnings
 
 import keras
 
-from pkm_serve.layers._lookup import (is_tensorflow_backend, lookup_supports_jit, refuse_tf_keras,
-                                     refuse_tf_training_options, require_positive_ints, resolve_lookup)
+from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
+                                     lookup_supports_jit, refuse_tf_keras, refuse_tf_training_options,
+                                     require_positive_ints, resolve_lookup)
 from pkm_serve.layers.embedding_bag import EmbeddingBag
 from pkm_serve.product_keys import product_key_search
 
@@ -141,8 +142,9 @@ class ProductKeyMemory(keras.layers.Layer):
             or keras.initializers.RandomNormal(stddev=v_dim**-0.5),
             implementation=self.implementation,
             fallback=self.fallback,
-            sparse_gradient=self.sparse_gradient,
-            fused_optimizer=self.fused_optimizer,
+            # Kept from a TF-saved config under JAX / PyTorch, where they change nothing.
+            sparse_gradient=self.sparse_gradient and is_tensorflow_backend(),
+            fused_optimizer=self.fused_optimizer and is_tensorflow_backend(),
             name="values",
             dtype=self.dtype_policy,
         )
@@ -227,3 +229,7 @@ class ProductKeyMemory(keras.layers.Layer):
             }
         )
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        return from_config_keeping_tf_training_options(super().from_config, config)

@@ -427,6 +427,41 @@ def check_load(path, out_path):
         _check_tf_export(model, out, out_path + ".savedmodel")
 
 
+def tf_training_model():
+    """Saved under TF by test_backends: TF-only training options on every layer, compiled with LazyAdam."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
+
+    keras.utils.set_random_seed(8)
+    x, ids = keras.Input((16,)), keras.Input((4,), dtype="int32")
+    y = ProductKeyMemory(v_dim=8, k_dim=8, n_keys=8, heads=2, knn=3, sparse_gradient=True, name="pkm")(x)
+    z = EmbeddingBag(30, 8, sparse_gradient=True, name="sparse")(ids)
+    f = EmbeddingBag(30, 8, fused_optimizer=True, name="fused")(ids)
+    return keras.Model([x, ids], keras.layers.Add()([y, z, f]))
+
+
+def check_load_tf_training(path, out_path):
+    """A TF .keras file whose layers ask for sparse_gradient / fused_optimizer loads (the options
+    are kept for TF); compiled with LazyAdam, it needs compile=False, and the error says so."""
+    import keras
+
+    import pkm_serve.layers  # noqa: F401  (registers the layers)
+
+    try:
+        keras.models.load_model(path)
+        raise AssertionError("a model compiled with LazyAdam loaded compiled under " + BACKEND)
+    except ValueError as err:
+        assert "LazyAdam runs on the TensorFlow Keras backend only" in str(err) and "compile=False" in str(err), err
+    model = keras.models.load_model(path, compile=False)
+    assert [(model.get_layer(n).sparse_gradient, model.get_layer(n).fused_optimizer)
+            for n in ("pkm", "sparse", "fused")] == [(True, False), (True, False), (False, True)]
+    np.save(out_path, keras.ops.convert_to_numpy(model(_inputs())))
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(_inputs(), np.zeros((6, 8), "float32"), verbose=0)  # dense gradients, jit on
+    print(json.dumps({"load_tf_training": "ok"}))
+
+
 def _check_tf_export(model, expected, directory):
     """Under TF the reloaded model exports a SavedModel with the fused op in its graph,
     whose serving signature (what pkm-serve serve and TF Serving call) gives the same outputs."""
@@ -451,13 +486,13 @@ CHECKS = {"ops": check_ops, "errors": check_errors, "transforms": check_transfor
           "mask": check_mask}
 
 def main(args):
-    """Runs the named checks in order; `save`/`load` take two arguments (the
+    """Runs the named checks in order; `save`/`load`/`load_tf_training` take two arguments (the
     .keras path and the .npy file for the model's outputs). `memory` must come
     first: it measures the growth of the process's peak RSS."""
     while args:
         name, args = args[0], args[1:]
-        if name in ("save", "load"):
-            (check_save if name == "save" else check_load)(args[0], args[1])
+        if name in ("save", "load", "load_tf_training"):
+            {"save": check_save, "load": check_load, "load_tf_training": check_load_tf_training}[name](args[0], args[1])
             args = args[2:]
         else:
             CHECKS[name]()

@@ -123,3 +123,22 @@ def test_tied_scores_pick_the_same_slots_on_every_backend():
             got[backend] = np.asarray(finish(start(backend, ["ties"]), f"{backend} ties")["tie_slots"])
     for name, slots in got.items():
         assert np.sort(slots.reshape(-1, knn), axis=-1).tolist() == want, f"{name}: {slots.tolist()}"
+
+
+def test_tf_keras_file_with_tf_training_options_loads(tmp_path):
+    """A .keras file saved under TF with sparse_gradient=True / fused_optimizer=True layers, compiled
+    with LazyAdam: under JAX and PyTorch it loads with compile=False (outputs as under TF) and trains
+    with a Keras optimizer; compiled, the error names compile=False (was "Could not locate class")."""
+    pytest.importorskip("tensorflow")
+    from pkm_serve.optimizers import LazyAdam
+    from tests.backends.backend_checks import _inputs, tf_training_model
+
+    model = tf_training_model()
+    model.compile(LazyAdam(0.01), "mse")
+    model.save(tmp_path / "tf.keras")
+    want = model(_inputs()).numpy()
+    procs = {b: start(b, ["load_tf_training", str(tmp_path / "tf.keras"), str(tmp_path / f"{b}.npy")])
+             for b in BACKENDS if installed(b)}
+    for backend, proc in procs.items():
+        assert finish(proc, f"loading the TF file under {backend}")["load_tf_training"] == "ok"
+        np.testing.assert_allclose(np.load(tmp_path / f"{backend}.npy"), want, rtol=1e-5, atol=1e-5)
