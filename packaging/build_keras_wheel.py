@@ -22,7 +22,8 @@ import zipfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "pkm_serve")
 MODULES = ("__init__.py", "product_keys.py", "tflite.py")
-LAYER_MODULES = ("__init__.py", "_lookup.py", "embedding_bag.py", "product_key_memory.py")
+LAYER_MODULES = ("__init__.py", "_lookup.py", "_optimizer_placeholders.py", "embedding_bag.py",
+                 "product_key_memory.py")
 CPU_LIBS = ("libpkm_xla_cpu.so", "libpkm_capi_cpu.so")
 CUDA_LIBS = ("libpkm_xla_gpu.so", "libpkm_cuda.so")
 

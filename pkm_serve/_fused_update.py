@@ -16,8 +16,9 @@ row-sparse gradient is also what a frozen table (``trainable=False``), a
 ``fit`` driven by another optimizer than the claiming one (after a recompile)
 and a SavedModel's saved gradient (``model.export``, ``tf.saved_model.save``)
 get: the claim only acts for the optimizer that trains the model. A claimed
-table is looked up once per training step (a second lookup would apply a
-second update in the same step), not under loss scaling (the update would
+table is looked up once per training step and read nowhere else in it (a
+second lookup or another read's gradient would apply a second update in the
+same step), not under loss scaling (the update would
 use the scaled gradient before the wrapper can unscale or skip it) and not
 under a tf.distribute strategy of several replicas: each is a ValueError.
 """
@@ -94,14 +95,34 @@ def _check_one_update_per_step(variable, optimizer):
         step = (id(optimizer), int(optimizer.iterations.numpy()))
         if getattr(variable, "_pkm_fused_last_step", None) == step:
             raise ValueError(_TWICE.format(variable.path))
-        variable._pkm_fused_last_step = step
+        variable._pkm_fused_last_step = as_tf_variable(variable)._pkm_fused_last_step = step
         return
     # Traced: one step's backward is one graph (per replica under tf.distribute).
     seen = _updates_by_graph.setdefault(tf.compat.v1.get_default_graph(), set())
     key = (id(variable), id(tf.distribute.get_replica_context()))
     if key in seen:
         raise ValueError(_TWICE.format(variable.path))
-    seen.add(key)
+    seen.update((key, id(as_tf_variable(variable))))
+
+
+def refuse_a_second_update(optimizer, gradient, variable):
+    """ValueError when `optimizer`'s update_step gets a non-empty gradient for a table whose fused
+    lookup already applied this step's update: the table is also read elsewhere (a tf.gather of it,
+    an embeddings_regularizer), and the unfused optimizer would have applied one update of the sum."""
+    if isinstance(gradient, tf.IndexedSlices) and gradient.values.shape[0] == 0:
+        return  # the fused lookup's own (empty) gradient
+    table = as_tf_variable(variable)
+    if tf.executing_eagerly():
+        step = getattr(table, "_pkm_fused_last_step", None)
+        updated = step is not None and step == (id(optimizer), int(optimizer.iterations.numpy()))
+    else:  # the traced step's backward and optimizer step share one graph (fit, a tf.function)
+        updated = id(table) in _updates_by_graph.get(tf.compat.v1.get_default_graph(), ())
+    if updated:
+        raise ValueError(
+            f"fused_optimizer: table {getattr(variable, 'path', variable.name)} is also read outside its fused "
+            "lookup in this training step (e.g. a tf.gather of the table, or an embeddings_regularizer); the "
+            "backward pass already applied the lookup's update, and this gradient would apply a second one. "
+            "Read the table only through the layer, or use sparse_gradient=True instead of fused_optimizer=True")
 
 
 def _warn_once(variable, message, *args):

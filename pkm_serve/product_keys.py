@@ -2,12 +2,30 @@
 
 Each head splits its query in two halves, scores each half against its own
 n_keys sub-keys, keeps the top knn of each, and ranks the knn x knn sums; slot
-i * n_keys + j of the n_keys^2 value table gets the softmax of its score. The
+i * n_keys + j of the n_keys^2 value table gets the softmax of its score. Tied
+scores pick the lowest indices, as on the other Keras backends. The
 value lookup itself (an EmbeddingBag over the slots) is left to the caller:
 the fused op, the Keras layer or a composite gather.
 """
 
 from __future__ import annotations
+
+
+def top_k_lowest_ties(scores, k: int):
+    """tf.math.top_k over the last axis, (values, indices) in ascending index order, where scores tied
+    at the k-th value go to the lowest indices. top_k(sorted=False) keeps other tied entries on TF's
+    CPU kernel, XLA and TFLite; the entries kept here depend on the scores only."""
+    import tensorflow as tf
+
+    kth = tf.reduce_min(tf.math.top_k(scores, k=k, sorted=False).values, axis=-1, keepdims=True)
+    above, tied = scores > kth, tf.equal(scores, kth)
+    room = k - tf.reduce_sum(tf.cast(above, tf.int32), axis=-1, keepdims=True)
+    keep = above | (tied & (tf.cumsum(tf.cast(tied, tf.int32), axis=-1) <= room))
+    n = tf.shape(scores)[-1]
+    # Distinct keys n - i for the kept entries: the second top_k has no ties to break.
+    index = tf.math.top_k(tf.where(keep, n - tf.range(n), 0), k=k, sorted=True).indices
+    return tf.gather(scores, index, batch_dims=len(scores.shape) - 1), index
+
 
 
 def product_key_search(query, sub_keys, knn: int):
@@ -20,14 +38,15 @@ def product_key_search(query, sub_keys, knn: int):
     keys = tf.cast(sub_keys, query.dtype)
     # [B, heads, 2 halves, n_keys] scores against each half's sub-keys.
     sub_scores = tf.einsum("bhsd,hsnd->bhsn", query, keys)
-    sub_best, sub_index = tf.math.top_k(sub_scores, k=knn, sorted=False)
+    sub_best, sub_index = top_k_lowest_ties(sub_scores, knn)
     sub_index = tf.cast(sub_index, tf.int64)  # slot = i * n_keys + j can exceed 2^31
     # knn x knn candidates per head: score s1[i] + s2[j], slot i * n_keys + j.
     pair_scores = sub_best[:, :, 0, :, None] + sub_best[:, :, 1, None, :]
     pair_index = sub_index[:, :, 0, :, None] * n_keys + sub_index[:, :, 1, None, :]
     pair_scores = tf.reshape(pair_scores, [num_rows, heads, knn * knn])
     pair_index = tf.reshape(pair_index, [num_rows, heads, knn * knn])
-    best_scores, best_pos = tf.math.top_k(pair_scores, k=knn, sorted=False)
+    # Ties go to the lowest pair position, i.e. the lowest slot (both halves' indices ascend).
+    best_scores, best_pos = top_k_lowest_ties(pair_scores, knn)
     best_index = tf.gather(pair_index, best_pos, batch_dims=2)
     weights = tf.nn.softmax(tf.cast(best_scores, tf.float32), axis=-1)
     return (tf.reshape(best_index, [num_rows, heads * knn]),

@@ -97,10 +97,10 @@ def product_key_memory(layer, x):
             q = query[row, head * layer.k_dim : (head + 1) * layer.k_dim]
             s1 = keys[head, 0] @ q[:half]
             s2 = keys[head, 1] @ q[half:]
-            top1 = np.argsort(-s1)[:knn]
-            top2 = np.argsort(-s2)[:knn]
+            top1 = np.argsort(-s1, kind="stable")[:knn]  # tied scores: the lowest index
+            top2 = np.argsort(-s2, kind="stable")[:knn]
             candidates = [(s1[i] + s2[j], i * n_keys + j) for i in top1 for j in top2]
-            candidates.sort(key=lambda c: -c[0])
+            candidates.sort(key=lambda c: (-c[0], c[1]))
             best = candidates[:knn]
             scores = np.array([c[0] for c in best])
             slots = np.array([c[1] for c in best])

@@ -1,11 +1,24 @@
 """The product-key search of a PKM read in `keras.ops`, for the JAX and
 PyTorch backends (TF keeps pkm_serve.product_keys, which export and serving
 share). Same arithmetic: per head, the top knn of each half's sub-key scores,
-their knn x knn sums, the best knn slots i * n_keys + j with softmax weights."""
+their knn x knn sums, the best knn slots i * n_keys + j with softmax weights; ties
+to the lowest index."""
 
 from __future__ import annotations
 
 from keras import ops
+
+
+def top_k_lowest_ties(scores, k: int):
+    """ops.top_k over the last axis, (values, indices) in ascending index order, ties at the k-th
+    value to the lowest indices (torch.topk keeps arbitrary tied entries); as pkm_serve.product_keys."""
+    kth = ops.min(ops.top_k(scores, k=k, sorted=False)[0], axis=-1, keepdims=True)
+    above, tied = ops.greater(scores, kth), ops.equal(scores, kth)
+    room = k - ops.sum(ops.cast(above, "int32"), axis=-1, keepdims=True)
+    keep = ops.logical_or(above, ops.logical_and(tied, ops.cumsum(ops.cast(tied, "int32"), axis=-1) <= room))
+    n = scores.shape[-1]
+    index = ops.top_k(ops.where(keep, n - ops.arange(n, dtype="int32"), 0), k=k, sorted=True)[1]
+    return ops.take_along_axis(scores, index, axis=-1), index
 
 
 def product_key_search(query, sub_keys, knn: int):
@@ -16,13 +29,13 @@ def product_key_search(query, sub_keys, knn: int):
     heads, n_keys = sub_keys.shape[0], sub_keys.shape[2]
     index_dtype = "int32" if n_keys * n_keys < 2**31 else "int64"
     sub_scores = ops.einsum("bhsd,hsnd->bhsn", query, ops.cast(sub_keys, query.dtype))
-    sub_best, sub_index = ops.top_k(sub_scores, k=knn, sorted=False)
+    sub_best, sub_index = top_k_lowest_ties(sub_scores, knn)
     sub_index = ops.cast(sub_index, index_dtype)
     pair_scores = sub_best[:, :, 0, :, None] + sub_best[:, :, 1, None, :]
     pair_index = sub_index[:, :, 0, :, None] * n_keys + sub_index[:, :, 1, None, :]
     pair_scores = ops.reshape(pair_scores, (num_rows, heads, knn * knn))
     pair_index = ops.reshape(pair_index, (num_rows, heads, knn * knn))
-    best_scores, best_pos = ops.top_k(pair_scores, k=knn, sorted=False)
+    best_scores, best_pos = top_k_lowest_ties(pair_scores, knn)
     best_index = ops.take_along_axis(pair_index, ops.cast(best_pos, index_dtype), axis=-1)
     weights = ops.softmax(ops.cast(best_scores, "float32"), axis=-1)
     return (ops.reshape(best_index, (num_rows, heads * knn)),

@@ -7,8 +7,13 @@ Both are registered for `.keras` serialisation under the package name
 They run on the TensorFlow, JAX and PyTorch Keras backends (pkm_serve.backends
 holds the JAX and PyTorch kernels' bindings); the same `.keras` file loads on each.
 """
+import keras
+
 from pkm_serve.layers._lookup import OpLibraryUnavailableError
 from pkm_serve.layers.embedding_bag import EmbeddingBag
 from pkm_serve.layers.product_key_memory import ProductKeyMemory
 
 __all__ = ["EmbeddingBag", "ProductKeyMemory", "OpLibraryUnavailableError"]
+
+if keras.backend.backend() != "tensorflow":
+    from pkm_serve.layers import _optimizer_placeholders  # noqa: F401  (names for .keras files)

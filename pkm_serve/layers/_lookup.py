@@ -1,5 +1,6 @@
 """Chooses the bag-lookup function a layer calls: the fused op or the composite,
 for the Keras backend in use (TF: pkm_serve.ops; JAX, PyTorch: pkm_serve.backends)."""
+import sys
 import warnings
 
 import keras
@@ -17,6 +18,56 @@ def require_positive_ints(layer_name, **values):
     for arg_name, value in values.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{layer_name}: {arg_name} must be a positive integer, got {value!r}")
+
+
+def refuse_tf_keras(layer_name, inputs):
+    """TypeError when the layer is called on tf_keras (Keras 2) tensors or from a tf_keras layer's call:
+    tf_keras would wrap its TF ops in TFOpLambda layers with the weights as untracked constants."""
+    tf_keras = sys.modules.get("tf_keras")
+    if tf_keras is None:
+        return
+    legacy_input = any(type(x).__module__.startswith("tf_keras.") for x in keras.tree.flatten(inputs))
+    frame, depth = sys._getframe(1), 0
+    while frame is not None and depth < 24 and not legacy_input:
+        legacy_input = isinstance(frame.f_locals.get("self"), tf_keras.layers.Layer)
+        frame, depth = frame.f_back, depth + 1
+    if legacy_input:
+        raise TypeError(
+            f"{layer_name} is a Keras 3 layer and cannot be used with tf_keras (Keras 2, e.g. tf.keras under "
+            "TF_USE_LEGACY_KERAS=1): a tf_keras model would not track or train its weights. Build the model "
+            "with Keras 3 (`import keras`, TF_USE_LEGACY_KERAS unset).")
+
+
+def refuse_tf_training_options(layer_name, sparse_gradient, fused_optimizer):
+    """ValueError for options that only change TF training, asked for under JAX or PyTorch."""
+    if is_tensorflow_backend():
+        return
+    backend = keras.backend.backend()
+    if sparse_gradient:
+        raise ValueError(
+            f"{layer_name}: sparse_gradient=True needs the TensorFlow backend (its gradient is a "
+            f"tf.IndexedSlices); under {backend!r} the table's gradient is dense")
+    if fused_optimizer:
+        raise ValueError(
+            f"{layer_name}: fused_optimizer=True needs the TensorFlow backend (pkm_serve.optimizers' LazyAdam "
+            f"and RowwiseAdagrad apply it in TF's backward pass); under {backend!r} drop it: the table gets "
+            "a dense gradient that any Keras optimizer applies")
+
+
+TF_TRAINING_OPTIONS = ("sparse_gradient", "fused_optimizer")
+
+
+def from_config_keeping_tf_training_options(from_config, config):
+    """`from_config(config)`; under JAX / PyTorch a config saved under TF may ask for the TF-only
+    training options: the layer is made without them (inference and dense-gradient training are the
+    same) and keeps their values, so that its config saves them again."""
+    if is_tensorflow_backend():
+        return from_config(config)
+    kept = {name: bool(config.get(name, False)) for name in TF_TRAINING_OPTIONS}
+    layer = from_config(dict(config, **dict.fromkeys(TF_TRAINING_OPTIONS, False)))
+    for name, value in kept.items():
+        setattr(layer, name, value)
+    return layer
 
 
 def is_tensorflow_backend():

@@ -1,8 +1,9 @@
 """`EmbeddingBag`: a Keras layer over the fused PkmEmbeddingBag op."""
 import keras
 
-from pkm_serve.layers._lookup import (is_tensorflow_backend, lookup_supports_jit, require_positive_ints,
-                                     resolve_lookup)
+from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
+                                     lookup_supports_jit, refuse_tf_keras, refuse_tf_training_options,
+                                     require_positive_ints, resolve_lookup)
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
@@ -71,11 +72,7 @@ class EmbeddingBag(keras.layers.Layer):
             raise ValueError(
                 f"EmbeddingBag: combiner must be one of {COMBINERS}, got {combiner!r}"
             )
-        if sparse_gradient and not is_tensorflow_backend():
-            raise ValueError(
-                "EmbeddingBag: sparse_gradient=True needs the TensorFlow backend (its gradient is a "
-                f"tf.IndexedSlices); under {keras.backend.backend()!r} the table's gradient is dense"
-            )
+        refuse_tf_training_options("EmbeddingBag", sparse_gradient, fused_optimizer)
         super().__init__(**kwargs)
         self.input_dim = input_dim
         self.output_dim = output_dim
@@ -110,7 +107,7 @@ class EmbeddingBag(keras.layers.Layer):
             name="embeddings",
             trainable=True,
         )
-        if self.fused_optimizer:
+        if self.fused_optimizer and is_tensorflow_backend():
             from pkm_serve import _fused_update
 
             _fused_update.request(self.embeddings)
@@ -120,6 +117,7 @@ class EmbeddingBag(keras.layers.Layer):
         table = self.embeddings.value
         if not is_tensorflow_backend():
             return self._call_keras_ops(table, indices, weights)
+        refuse_tf_keras("EmbeddingBag", (indices, weights))
         import tensorflow as tf
 
         if isinstance(indices, tf.RaggedTensor):
@@ -213,6 +211,10 @@ class EmbeddingBag(keras.layers.Layer):
             }
         )
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        return from_config_keeping_tf_training_options(super().from_config, config)
 
 
 def _as_index_dtype(indices):

@@ -13,8 +13,9 @@ import warnings
 
 import keras
 
-from pkm_serve.layers._lookup import (is_tensorflow_backend, lookup_supports_jit, require_positive_ints,
-                                     resolve_lookup)
+from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
+                                     lookup_supports_jit, refuse_tf_keras, refuse_tf_training_options,
+                                     require_positive_ints, resolve_lookup)
 from pkm_serve.layers.embedding_bag import EmbeddingBag
 from pkm_serve.product_keys import product_key_search
 
@@ -35,6 +36,9 @@ class ProductKeyMemory(keras.layers.Layer):
         values_initializer: default normal(0, v_dim**-0.5), as in the paper's code.
         implementation / fallback / sparse_gradient / fused_optimizer: as for
             `EmbeddingBag` (they apply to the value table).
+
+    A Keras mask over the input's leading dims (e.g. from `Embedding(mask_zero=True)`) is passed
+    on to the output; masked rows are left out of the query batch-norm's training statistics.
     """
 
     def __init__(
@@ -63,11 +67,7 @@ class ProductKeyMemory(keras.layers.Layer):
             raise ValueError(f"ProductKeyMemory: k_dim must be even (two sub-keys), got {k_dim}")
         if knn > n_keys:
             raise ValueError(f"ProductKeyMemory: knn ({knn}) must not exceed n_keys ({n_keys})")
-        if sparse_gradient and not is_tensorflow_backend():
-            raise ValueError(
-                "ProductKeyMemory: sparse_gradient=True needs the TensorFlow backend (its gradient is "
-                f"a tf.IndexedSlices); under {keras.backend.backend()!r} the table's gradient is dense"
-            )
+        refuse_tf_training_options("ProductKeyMemory", sparse_gradient, fused_optimizer)
         # Fail at construction, not at first call, when the op library is missing.
         lookup = resolve_lookup(implementation, fallback, "ProductKeyMemory")
         super().__init__(**kwargs)
@@ -107,6 +107,8 @@ class ProductKeyMemory(keras.layers.Layer):
         self.query_dropout_layer = keras.layers.Dropout(query_dropout, dtype=self.dtype_policy)
         self.value_dropout_layer = keras.layers.Dropout(value_dropout, dtype=self.dtype_policy)
         self.memory = None  # the EmbeddingBag over n_keys**2 values; made in build()
+        # A mask over the leading dims passes through; masked rows stay out of the query batch-norm moments.
+        self.supports_masking = True
 
     def build(self, input_shape):
         if self.built:
@@ -140,35 +142,42 @@ class ProductKeyMemory(keras.layers.Layer):
             or keras.initializers.RandomNormal(stddev=v_dim**-0.5),
             implementation=self.implementation,
             fallback=self.fallback,
-            sparse_gradient=self.sparse_gradient,
-            fused_optimizer=self.fused_optimizer,
+            # Kept from a TF-saved config under JAX / PyTorch, where they change nothing.
+            sparse_gradient=self.sparse_gradient and is_tensorflow_backend(),
+            fused_optimizer=self.fused_optimizer and is_tensorflow_backend(),
             name="values",
             dtype=self.dtype_policy,
         )
 
-    def call(self, inputs, training=None):
+    def call(self, inputs, training=None, mask=None):
         if not is_tensorflow_backend():
-            return self._call_keras_ops(inputs, training)
+            return self._call_keras_ops(inputs, training, mask)
+        refuse_tf_keras("ProductKeyMemory", inputs)
         import tensorflow as tf
 
         d_model = inputs.shape[-1]
         leading_shape = tf.shape(inputs)[:-1]
-        outputs = self._read_memory(tf.reshape(inputs, [-1, d_model]), training)
+        if mask is not None:
+            mask = tf.reshape(tf.broadcast_to(mask, leading_shape), [-1])
+        outputs = self._read_memory(tf.reshape(inputs, [-1, d_model]), training, mask)
         return tf.reshape(outputs, tf.concat([leading_shape, [self.memory.output_dim]], 0))
 
-    def _call_keras_ops(self, inputs, training):
+    def _call_keras_ops(self, inputs, training, mask):
         """call() under JAX / PyTorch, where shapes are static."""
         ops = keras.ops
-        outputs = self._read_memory(ops.reshape(inputs, (-1, inputs.shape[-1])), training)
+        if mask is not None:
+            mask = ops.reshape(ops.broadcast_to(mask, tuple(inputs.shape[:-1])), (-1,))
+        outputs = self._read_memory(ops.reshape(inputs, (-1, inputs.shape[-1])), training, mask)
         return ops.reshape(outputs, tuple(inputs.shape[:-1]) + (self.memory.output_dim,))
 
-    def _read_memory(self, x, training):
+    def _read_memory(self, x, training, mask=None):
         """[rows, d_model] -> [rows, output_dim]: the query, its slots and one weighted bag of
-        values per row (heads * knn slots, weighted by their softmax score)."""
+        values per row (heads * knn slots, weighted by their softmax score). mask [rows]: the
+        rows the query batch-norm's training moments count."""
         x = self.input_dropout_layer(x, training=training)
         query = self.query_proj(x)
         if self.query_bn is not None:
-            query = self.query_bn(query, training=training)
+            query = self.query_bn(query, training=training, mask=mask)
         query = self.query_dropout_layer(query, training=training)
         indices, scores = self.select_slots(query)
         return self.value_dropout_layer(self.memory(indices, weights=scores), training=training)
@@ -177,9 +186,9 @@ class ProductKeyMemory(keras.layers.Layer):
         """Product-key search: query [B, heads*k_dim] -> (slot indices int64
         (int32 under JAX/PyTorch when n_keys**2 fits) [B, heads*knn], softmax
         scores float32 [B, heads*knn])."""
-        # Scores are ranked in float32 under mixed precision: 16-bit scores tie often, and each
-        # backend's top_k breaks ties its own way (a .keras file picked other slots in 20-30% of
-        # rows on JAX, PyTorch and TF under mixed_bfloat16).
+        # Scores are ranked in float32 under mixed precision: 16-bit scores tie often and round
+        # differently on each backend (a .keras file picked other slots in 20-30% of rows on JAX,
+        # PyTorch and TF under mixed_bfloat16). Exact ties go to the lowest index everywhere.
         if keras.backend.standardize_dtype(query.dtype) in ("float16", "bfloat16"):
             query = keras.ops.cast(query, "float32")
         if not is_tensorflow_backend():
@@ -220,3 +229,7 @@ class ProductKeyMemory(keras.layers.Layer):
             }
         )
         return config
+
+    @classmethod
+    def from_config(cls, config):
+        return from_config_keeping_tf_training_options(super().from_config, config)

@@ -20,7 +20,7 @@ sys.path.insert(0, ROOT)
 
 from tests.reference import bag_forward_backward  # noqa: E402
 
-BACKEND = os.environ["KERAS_BACKEND"]
+BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")  # Keras' default
 DEVICE = os.environ.get("PKM_TEST_DEVICE", "cpu")
 TOL = {"float32": 1e-5, "float16": 2e-2, "bfloat16": 2e-2}
 N, D = 300, 24
@@ -167,6 +167,15 @@ def check_errors():
             raise AssertionError(f"{dtype} row_splits were accepted")
         except TypeError as err:
             assert "row_splits must be int32 or int64" in str(err), err
+    from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
+
+    for make in (lambda: EmbeddingBag(10, 4, fused_optimizer=True),  # did nothing here but turn jit off
+                 lambda: ProductKeyMemory(k_dim=4, n_keys=4, heads=1, knn=2, fused_optimizer=True)):
+        try:
+            make()
+            raise AssertionError("fused_optimizer=True was accepted")
+        except ValueError as err:
+            assert "fused_optimizer=True needs the TensorFlow backend" in str(err), err
     out = None
     try:
         out = rt.numpy(rt.ops.embedding_bag(table, rt.tensor(idx, "int32"), None, "sum"))
@@ -247,6 +256,59 @@ def check_fit():
     hist2 = pkm.fit(x[:256], y[:256], epochs=8, batch_size=64, verbose=0).history["loss"]
     assert hist2[-1] < 0.7 * hist2[0], f"ProductKeyMemory did not learn: loss {hist2[0]:.4f} -> {hist2[-1]:.4f}"
     print(json.dumps({"fit_embedding_bag": [hist[0], hist[-1]], "fit_pkm": [hist2[0], hist2[-1]]}))
+
+
+def tie_inputs():
+    """(query [3, 2, 2, 4], sub_keys [2, 2, 16, 4], knn): a zero row (every score tied), a row with one
+    zero half, and repeated sub-keys (tied non-zero scores)."""
+    rng = np.random.default_rng(21)
+    keys = rng.normal(size=(2, 2, 16, 4)).astype("float32")
+    keys[:, :, 9:] = keys[:, :, :7]
+    query = rng.normal(size=(3, 2, 2, 4)).astype("float32")
+    query[0] = 0.0
+    query[1, :, 1] = 0.0
+    return query, keys, 5
+
+
+def check_ties():
+    """The slots the backend's product-key search picks on tied scores (test_backends compares them)."""
+    import keras
+
+    from pkm_serve.backends.product_keys import product_key_search
+
+    query, keys, knn = tie_inputs()
+    slots = product_key_search(keras.ops.convert_to_tensor(query), keras.ops.convert_to_tensor(keys), knn)[0]
+    print(json.dumps({"tie_slots": keras.ops.convert_to_numpy(slots).tolist()}))
+
+
+def check_mask():
+    """ProductKeyMemory passes a Keras mask on (a masked mean ignores the padding length) and keeps
+    masked rows out of the query batch-norm's training moments."""
+    import keras
+
+    from pkm_serve.layers import ProductKeyMemory
+
+    keras.utils.set_random_seed(2)
+    embedding = keras.layers.Embedding(30, 16, mask_zero=True)
+    layer = ProductKeyMemory(v_dim=8, k_dim=8, n_keys=8, heads=2, knn=3)
+    ids = np.array([[3, 5, 0, 0], [1, 2, 3, 4]], "int32")
+    outs = []
+    for length in (4, 7):
+        inputs = keras.Input((length,), dtype="int32")
+        model = keras.Model(inputs, keras.layers.GlobalAveragePooling1D()(layer(embedding(inputs))))
+        outs.append(keras.ops.convert_to_numpy(model(np.pad(ids, ((0, 0), (0, length - 4))))))
+    assert np.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-6), f"padding changed the masked mean: {outs}"
+    x = np.random.default_rng(4).normal(size=(2, 5, 16)).astype("float32")
+    mask = np.array([[True] * 3 + [False] * 2, [True] * 5])
+    x[~mask] = 50.0
+    bn = layer.query_bn
+    before = keras.ops.convert_to_numpy(bn.moving_mean).astype(np.float64)
+    kernel, bias = (keras.ops.convert_to_numpy(v) for v in (layer.query_proj.kernel, layer.query_proj.bias))
+    want = before * bn.momentum + (x[mask].astype(np.float64) @ kernel + bias).mean(0) * (1 - bn.momentum)
+    layer(x, training=True, mask=mask)
+    got = keras.ops.convert_to_numpy(bn.moving_mean)
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-6), f"batch-norm moving mean {got} vs {want}"
+    print(json.dumps({"mask": "ok"}))
 
 
 def _status_mb(key):
@@ -365,6 +427,41 @@ def check_load(path, out_path):
         _check_tf_export(model, out, out_path + ".savedmodel")
 
 
+def tf_training_model():
+    """Saved under TF by test_backends: TF-only training options on every layer, compiled with LazyAdam."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
+
+    keras.utils.set_random_seed(8)
+    x, ids = keras.Input((16,)), keras.Input((4,), dtype="int32")
+    y = ProductKeyMemory(v_dim=8, k_dim=8, n_keys=8, heads=2, knn=3, sparse_gradient=True, name="pkm")(x)
+    z = EmbeddingBag(30, 8, sparse_gradient=True, name="sparse")(ids)
+    f = EmbeddingBag(30, 8, fused_optimizer=True, name="fused")(ids)
+    return keras.Model([x, ids], keras.layers.Add()([y, z, f]))
+
+
+def check_load_tf_training(path, out_path):
+    """A TF .keras file whose layers ask for sparse_gradient / fused_optimizer loads (the options
+    are kept for TF); compiled with LazyAdam, it needs compile=False, and the error says so."""
+    import keras
+
+    import pkm_serve.layers  # noqa: F401  (registers the layers)
+
+    try:
+        keras.models.load_model(path)
+        raise AssertionError("a model compiled with LazyAdam loaded compiled under " + BACKEND)
+    except ValueError as err:
+        assert "LazyAdam runs on the TensorFlow Keras backend only" in str(err) and "compile=False" in str(err), err
+    model = keras.models.load_model(path, compile=False)
+    assert [(model.get_layer(n).sparse_gradient, model.get_layer(n).fused_optimizer)
+            for n in ("pkm", "sparse", "fused")] == [(True, False), (True, False), (False, True)]
+    np.save(out_path, keras.ops.convert_to_numpy(model(_inputs())))
+    model.compile(keras.optimizers.Adam(0.01), "mse")
+    model.fit(_inputs(), np.zeros((6, 8), "float32"), verbose=0)  # dense gradients, jit on
+    print(json.dumps({"load_tf_training": "ok"}))
+
+
 def _check_tf_export(model, expected, directory):
     """Under TF the reloaded model exports a SavedModel with the fused op in its graph,
     whose serving signature (what pkm-serve serve and TF Serving call) gives the same outputs."""
@@ -385,16 +482,17 @@ def _check_tf_export(model, expected, directory):
 
 
 CHECKS = {"ops": check_ops, "errors": check_errors, "transforms": check_transforms, "no_tf": check_no_tf,
-          "fit": check_fit, "memory": check_memory, "memory_composite": check_memory_composite}
+          "fit": check_fit, "memory": check_memory, "memory_composite": check_memory_composite, "ties": check_ties,
+          "mask": check_mask}
 
 def main(args):
-    """Runs the named checks in order; `save`/`load` take two arguments (the
+    """Runs the named checks in order; `save`/`load`/`load_tf_training` take two arguments (the
     .keras path and the .npy file for the model's outputs). `memory` must come
     first: it measures the growth of the process's peak RSS."""
     while args:
         name, args = args[0], args[1:]
-        if name in ("save", "load"):
-            (check_save if name == "save" else check_load)(args[0], args[1])
+        if name in ("save", "load", "load_tf_training"):
+            {"save": check_save, "load": check_load, "load_tf_training": check_load_tf_training}[name](args[0], args[1])
             args = args[2:]
         else:
             CHECKS[name]()

@@ -18,8 +18,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BACKENDS = ["jax", "torch"]
 # `memory` first (it measures peak-RSS growth); `no_tf` before `save` (Keras' saving may import TF).
-CHECKS = {"jax": ["memory", "no_tf", "ops", "errors", "transforms", "fit"],
-          "torch": ["memory", "memory_composite", "no_tf", "ops", "errors", "transforms", "fit"]}
+CHECKS = {"jax": ["memory", "no_tf", "ops", "errors", "transforms", "fit", "mask"],
+          "torch": ["memory", "memory_composite", "no_tf", "ops", "errors", "transforms", "fit", "mask"]}
 
 
 def start(backend, args):
@@ -66,12 +66,14 @@ def runs(tmp_path_factory):
 def test_ops_layers_fit_and_memory(runs, backend):
     """Forward/d_table/d_weights vs float64 (fp32/fp16/bf16, 3 combiners, int32/int64,
     3-D indices with padding, ragged), clear errors, jit+vmap / opcheck + torch.compile,
-    no TF import, fit learns, fwd+bwd at B=4096 K=128 D=512 grows the process < 600 MB."""
+    no TF import, fit learns, ProductKeyMemory keeps Keras masks, fwd+bwd at B=4096 K=128 D=512
+    grows the process < 600 MB."""
     tmp, results = runs
     if backend not in results:
         pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
     got = results[backend]()
     assert got["ops_cases"] == 27 and got["no_tf"] == "ok" and got["transforms"] == "ok", got
+    assert got["mask"] == "ok", got
     assert got["memory_growth_mb"] < 600, got
 
 
@@ -95,3 +97,48 @@ def test_keras_file_moves_between_backends(runs):
         mixed, want = np.load(tmp / f"{src}_in_{dst}.npy.mixed.npy"), np.load(tmp / f"{src}_out.npy.mixed.npy")
         np.testing.assert_allclose(mixed, want, rtol=0, atol=1e-2 * np.max(np.abs(want)),
                                    err_msg=f"mixed_bfloat16, saved under {src}, loaded under {dst}")
+
+
+def test_tied_scores_pick_the_same_slots_on_every_backend():
+    """Exactly tied key scores: TF (eager and XLA), JAX and PyTorch pick the lowest slots, as the
+    float64 reference does (top_k(sorted=False) kept other tied slots on each)."""
+    import tensorflow as tf
+
+    from pkm_serve.product_keys import product_key_search
+    from tests.backends.backend_checks import tie_inputs
+
+    query, keys, knn = tie_inputs()
+    heads, n_keys = keys.shape[0], keys.shape[2]
+    want = []
+    for row in np.asarray(query, np.float64):
+        for h in range(heads):
+            s1, s2 = keys[h, 0] @ row[h, 0], keys[h, 1] @ row[h, 1]
+            top1, top2 = np.argsort(-s1, kind="stable")[:knn], np.argsort(-s2, kind="stable")[:knn]
+            pairs = sorted((-(s1[i] + s2[j]), i * n_keys + j) for i in top1 for j in top2)[:knn]
+            want.append(sorted(slot for _, slot in pairs))
+    got = {"tensorflow": product_key_search(tf.constant(query), tf.constant(keys), knn)[0].numpy(),
+           "xla": tf.function(lambda q, k: product_key_search(q, k, knn), jit_compile=True)(query, keys)[0].numpy()}
+    for backend in BACKENDS:
+        if installed(backend):
+            got[backend] = np.asarray(finish(start(backend, ["ties"]), f"{backend} ties")["tie_slots"])
+    for name, slots in got.items():
+        assert np.sort(slots.reshape(-1, knn), axis=-1).tolist() == want, f"{name}: {slots.tolist()}"
+
+
+def test_tf_keras_file_with_tf_training_options_loads(tmp_path):
+    """A .keras file saved under TF with sparse_gradient=True / fused_optimizer=True layers, compiled
+    with LazyAdam: under JAX and PyTorch it loads with compile=False (outputs as under TF) and trains
+    with a Keras optimizer; compiled, the error names compile=False (was "Could not locate class")."""
+    pytest.importorskip("tensorflow")
+    from pkm_serve.optimizers import LazyAdam
+    from tests.backends.backend_checks import _inputs, tf_training_model
+
+    model = tf_training_model()
+    model.compile(LazyAdam(0.01), "mse")
+    model.save(tmp_path / "tf.keras")
+    want = model(_inputs()).numpy()
+    procs = {b: start(b, ["load_tf_training", str(tmp_path / "tf.keras"), str(tmp_path / f"{b}.npy")])
+             for b in BACKENDS if installed(b)}
+    for backend, proc in procs.items():
+        assert finish(proc, f"loading the TF file under {backend}")["load_tf_training"] == "ok"
+        np.testing.assert_allclose(np.load(tmp_path / f"{backend}.npy"), want, rtol=1e-5, atol=1e-5)

@@ -233,3 +233,50 @@ def test_config_round_trip_keeps_initializer_regularizer_constraint():
     clone(np.array([[1, 2]]))
     (penalty,) = clone.losses
     np.testing.assert_allclose(float(penalty), 0.01 * np.sum(table.astype(np.float64) ** 2), rtol=1e-5)
+
+
+TF_KERAS_CHILD = """
+import numpy as np
+import tensorflow as tf
+import keras
+from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
+
+assert tf.keras.__name__.startswith("tf_keras"), tf.keras.__name__
+def refused(build):
+    try:
+        build()
+    except TypeError as err:
+        assert "tf_keras" in str(err) and "Keras 3" in str(err), err
+        return
+    raise AssertionError("accepted with tf_keras")
+
+refused(lambda: EmbeddingBag(10, 4)(tf.keras.Input((3,), dtype="int32")))
+refused(lambda: ProductKeyMemory(v_dim=4, k_dim=4, n_keys=4, heads=1, knn=2)(tf.keras.Input((8,))))
+
+class Legacy(tf.keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.bag = EmbeddingBag(10, 4)
+    def call(self, ids):
+        return self.bag(ids)
+
+refused(lambda: Legacy()(np.zeros((2, 3), "int32")))
+model = keras.Sequential([keras.Input((3,), dtype="int32"), EmbeddingBag(10, 4)])  # Keras 3 still works
+assert len(model.trainable_weights) == 1 and model(np.zeros((2, 3), "int32")).shape == (2, 4)
+"""
+
+
+def test_tf_keras_models_are_refused():
+    """Under TF_USE_LEGACY_KERAS=1 a tf_keras Input made the layers TFOpLambda layers with the table
+    baked in, untrained: a TypeError names tf_keras (a fresh process: the flag is read at TF import)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("tf_keras")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=root)
+    env.pop("KERAS_BACKEND", None)
+    result = subprocess.run([sys.executable, "-c", TF_KERAS_CHILD], cwd=root, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]

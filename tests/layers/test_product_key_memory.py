@@ -49,6 +49,55 @@ def test_matches_numpy_reference(query_batchnorm, x_shape):
     np.testing.assert_allclose(out.numpy(), product_key_memory(layer, x), rtol=1e-4, atol=1e-5)
 
 
+def test_tied_scores_pick_the_lowest_slots_eager_and_under_xla():
+    """A zero input row on a fresh layer ties every key score: TF's top_k(sorted=False) kept
+    other slots eagerly than under XLA (and JAX, PyTorch, .tflite); both now take the lowest."""
+    layer = make_pkm()
+    x = np.random.default_rng(1).standard_normal((4, D_MODEL)).astype(np.float32)
+    x[0] = x[2] = 0.0
+    want = product_key_memory(layer, x)
+    eager = layer(x, training=False).numpy()
+    xla = tf.function(lambda v: layer(v, training=False), jit_compile=True)(x).numpy()
+    np.testing.assert_allclose(eager, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(xla, want, rtol=1e-4, atol=1e-5)
+
+
+def test_mask_passes_through_so_a_masked_mean_ignores_the_padding_length():
+    """Embedding(mask_zero=True) -> ProductKeyMemory -> GlobalAveragePooling1D: the mask reaches the
+    mean (the layer dropped it: the result changed with the padding length)."""
+    keras.utils.set_random_seed(0)
+    embedding = keras.layers.Embedding(30, D_MODEL, mask_zero=True)
+    layer = ProductKeyMemory(**SMALL)
+    ids = np.array([[3, 5, 0, 0], [1, 2, 3, 4], [7, 0, 0, 0]], np.int32)
+    outs = []
+    for length in (4, 9):
+        inputs = keras.Input((length,), dtype="int32")
+        model = keras.Model(inputs, keras.layers.GlobalAveragePooling1D()(layer(embedding(inputs))))
+        outs.append(model(np.pad(ids, ((0, 0), (0, length - 4)))).numpy())
+    per_token = product_key_memory(layer, embedding.embeddings.numpy()[ids])  # [3, 4, v_dim]
+    want = np.stack([per_token[i, ids[i] != 0].mean(0) for i in range(len(ids))])
+    np.testing.assert_allclose(outs[0], want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(outs[1], want, rtol=1e-4, atol=1e-5)
+
+
+def test_masked_rows_stay_out_of_the_query_batchnorm():
+    """Training: the batch-norm moments (so the outputs and the moving mean) count unmasked rows only."""
+    layer = make_pkm()
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 6, D_MODEL)).astype(np.float32)
+    mask = np.array([[True] * 4 + [False] * 2, [True] * 6])
+    x[~mask] = 50.0  # padding content
+    bn = layer.query_bn
+    before = bn.moving_mean.numpy().astype(np.float64)
+    kernel, bias = layer.query_proj.kernel.numpy(), layer.query_proj.bias.numpy()
+    query_mean = (x[mask].astype(np.float64) @ kernel + bias).mean(0)
+    out = layer(x, training=True, mask=mask).numpy()
+    np.testing.assert_allclose(bn.moving_mean.numpy(), before * bn.momentum + query_mean * (1 - bn.momentum),
+                               rtol=1e-5, atol=1e-6)
+    unpadded = layer(x[mask], training=True).numpy()
+    np.testing.assert_allclose(out[mask], unpadded, rtol=1e-4, atol=1e-5)
+
+
 def test_v_dim_defaults_to_input_dim_and_paper_defaults():
     layer = ProductKeyMemory()
     assert (layer.n_keys, layer.heads, layer.knn, layer.k_dim) == (512, 4, 32, 128)

@@ -185,6 +185,37 @@ def test_fused_refuses_a_table_looked_up_twice_in_one_step(compiled):
         (tf.function(step) if compiled else step)()
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("make_opt", [lambda: LazyAdam(0.01), lambda: RowwiseAdagrad(0.05)],
+                         ids=["LazyAdam", "RowwiseAdagrad"])
+def test_fused_refuses_a_table_also_read_outside_the_lookup(make_opt, compiled):
+    """A tf.gather of the table beside the fused lookup: the backward applied the lookup's update and
+    the optimizer then applied a second one for the gather's gradient (not the unfused result)."""
+    def train(fused, other_read):
+        keras.utils.set_random_seed(0)
+        bag = EmbeddingBag(50, 4, sparse_gradient=not fused, fused_optimizer=fused)
+        bag.build()
+        opt = make_opt()
+        opt.build([bag.embeddings])
+
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(bag(tf.constant([[1, 2]], tf.int64)))
+                loss += tf.reduce_sum(other_read(bag.embeddings) ** 2)
+            grads = tape.gradient(loss, [bag.embeddings])
+            opt.apply_gradients(zip(grads, [bag.embeddings]))
+
+        for _ in range(2):
+            (tf.function(step) if compiled else step)()
+        return bag.embeddings.numpy()
+
+    for other_read in (lambda t: tf.gather(t, [2, 7]), lambda t: t[:3]):  # row-sparse and dense gradients
+        with pytest.raises(ValueError, match="also read outside its fused lookup"):
+            train(True, other_read)
+    no_read = lambda t: tf.zeros([0])  # noqa: E731  (one fused lookup per step still trains as unfused)
+    np.testing.assert_allclose(train(True, no_read), train(False, no_read), rtol=1e-6, atol=1e-7)
+
+
 def test_fused_leaves_a_frozen_table_and_follows_a_recompile():
     x, y = _fit_data()
     model = make_model(True)
