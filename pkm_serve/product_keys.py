@@ -13,19 +13,15 @@ from __future__ import annotations
 
 def top_k_lowest_ties(scores, k: int):
     """tf.math.top_k over the last axis, (values, indices) in ascending index order, where scores tied
-    at the k-th value go to the lowest indices. top_k(sorted=False) keeps other tied entries on TF's
-    CPU kernel, XLA and TFLite; the entries kept here depend on the scores only."""
+    at the k-th value go to the lowest indices. top_k(sorted=True) orders ties by index on TF's kernels,
+    XLA and TFLite (sorted=False keeps other tied entries per runtime); a top_k of the k kept indices
+    then puts them in index order, which makes the pair search's ties go to the lowest slot."""
     import tensorflow as tf
 
-    kth = tf.reduce_min(tf.math.top_k(scores, k=k, sorted=False).values, axis=-1, keepdims=True)
-    above, tied = scores > kth, tf.equal(scores, kth)
-    room = k - tf.reduce_sum(tf.cast(above, tf.int32), axis=-1, keepdims=True)
-    keep = above | (tied & (tf.cumsum(tf.cast(tied, tf.int32), axis=-1) <= room))
-    n = tf.shape(scores)[-1]
-    # Distinct keys n - i for the kept entries: the second top_k has no ties to break.
-    index = tf.math.top_k(tf.where(keep, n - tf.range(n), 0), k=k, sorted=True).indices
-    return tf.gather(scores, index, batch_dims=len(scores.shape) - 1), index
-
+    values, index = tf.math.top_k(scores, k=k, sorted=True)
+    ascending = tf.math.top_k(-index, k=k, sorted=True).indices  # k distinct keys: no ties
+    batch_dims = len(scores.shape) - 1
+    return tf.gather(values, ascending, batch_dims=batch_dims), tf.gather(index, ascending, batch_dims=batch_dims)
 
 
 def product_key_search(query, sub_keys, knn: int):

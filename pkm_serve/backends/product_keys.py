@@ -6,19 +6,23 @@ to the lowest index."""
 
 from __future__ import annotations
 
+import keras
 from keras import ops
 
 
 def top_k_lowest_ties(scores, k: int):
     """ops.top_k over the last axis, (values, indices) in ascending index order, ties at the k-th
-    value to the lowest indices (torch.topk keeps arbitrary tied entries); as pkm_serve.product_keys."""
-    kth = ops.min(ops.top_k(scores, k=k, sorted=False)[0], axis=-1, keepdims=True)
-    above, tied = ops.greater(scores, kth), ops.equal(scores, kth)
-    room = k - ops.sum(ops.cast(above, "int32"), axis=-1, keepdims=True)
-    keep = ops.logical_or(above, ops.logical_and(tied, ops.cumsum(ops.cast(tied, "int32"), axis=-1) <= room))
-    n = scores.shape[-1]
-    index = ops.top_k(ops.where(keep, n - ops.arange(n, dtype="int32"), 0), k=k, sorted=True)[1]
-    return ops.take_along_axis(scores, index, axis=-1), index
+    value to the lowest indices; as pkm_serve.product_keys. JAX's top_k orders ties by index;
+    torch.topk does not, so PyTorch takes a stable sort's first k."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        values, index = torch.sort(scores, dim=-1, descending=True, stable=True)
+        values, index = values[..., :k], index[..., :k]
+    else:
+        values, index = ops.top_k(scores, k=k, sorted=True)
+    ascending = ops.top_k(-index, k=k, sorted=True)[1]  # k distinct keys: no ties
+    return ops.take_along_axis(values, ascending, axis=-1), ops.take_along_axis(index, ascending, axis=-1)
 
 
 def product_key_search(query, sub_keys, knn: int):
