@@ -22,17 +22,24 @@ import tempfile
 # name -> (module whose main(argv) runs it, module whose build_parser() is TF-free or None,
 #          whether it imports TensorFlow, one-line help)
 COMMANDS = {
-    "demo": ("pkm_serve.demo", None, True,
+    "demo": ("pkm_serve.demo", "pkm_serve.demo", True,
              "run the whole path end to end: export, serve, TFLite, compare"),
     "export": ("pkm_serve.export.exporter", "pkm_serve.export.arguments", True,
                "fuse composite gather-sum sites of a SavedModel into the op"),
-    "serve": ("pkm_serve.serving.server", None, True,
+    "serve": ("pkm_serve.serving.server", "pkm_serve.serving.config", True,
               "serve SavedModels over TF Serving's gRPC and REST APIs"),
     "tflite": ("pkm_serve.tflite", None, False,
                "run a .tflite with the pkm_serve delegate; show which ops it claimed"),
 }
 
 VERBOSE_FLAGS = ("-v", "--verbose")
+_verbose = False
+
+
+def verbose() -> bool:
+    """Whether --verbose was given: runners that print their own one-line errors
+    re-raise (export) or print the traceback (serve) instead."""
+    return _verbose
 
 # Python module -> the pip extra that installs it (for "not installed" errors).
 _EXTRA_OF_MODULE = {
@@ -83,8 +90,8 @@ def progress(command: str, text: str) -> None:
 
 
 def import_tensorflow_quietly(announce=None):
-    """Imports TensorFlow with its start-up lines (oneDNN notice, CUDA probing)
-    held back: TF writes them to fd 2 before its logging is configured, so
+    """Imports TensorFlow and lists its devices with their start-up lines (oneDNN
+    notice, CUDA probing) held back: TF writes them to fd 2 before its logging is configured, so
     TF_CPP_MIN_LOG_LEVEL cannot hide them. They go to a log file, replayed and removed if the
     import raises, removed if it succeeds, and left behind if the process dies in native code
     (``announce(path)`` is called first, to name it). A fatal signal meanwhile prints the
@@ -99,7 +106,11 @@ def import_tensorflow_quietly(announce=None):
     faulthandler.enable(file=saved_fd)
     os.dup2(log_fd, 2)
     try:
-        import tensorflow  # noqa: F401
+        import tensorflow
+
+        # Device probing ("failed call to cuInit" on a machine without a GPU) happens at the
+        # first device query, not at import: done here, its lines are held back too.
+        tensorflow.config.list_physical_devices()
     except BaseException:
         os.dup2(saved_fd, 2)
         os.lseek(log_fd, 0, os.SEEK_SET)
@@ -134,6 +145,8 @@ def prepare_tensorflow(command: str, quiet: bool) -> None:
 
 def run_command(name: str, argv, verbose: bool = False) -> int:
     """Runs one sub-command; an error becomes one line on stderr and status 1."""
+    global _verbose
+    _verbose = verbose
     runner, parser_module, imports_tensorflow, _ = COMMANDS[name]
     try:
         if parser_module is not None:

@@ -88,7 +88,8 @@ def build_composite_pkm(tf, d_model=64, k_dim=32, n_keys=256, heads=4, knn=32, v
 
 # ---- the demo -------------------------------------------------------------------
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's flags; importing this module does not import TensorFlow."""
     ap = argparse.ArgumentParser(prog="pkm-serve demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", help="where models are written (default: a temporary directory)")
@@ -98,7 +99,11 @@ def main(argv=None) -> int:
                     help="queries per call for the memory column (the composite materialises "
                          "batch x 128 x 256 floats)")
     ap.add_argument("--repeats", type=int, default=20)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")

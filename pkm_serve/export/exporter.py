@@ -460,6 +460,10 @@ def main(argv=None) -> int:
             rtol=args.rtol, quiet=args.quiet, report=args.report,
             quantize_tolerance=args.quantize_tolerance)
     except ExportError as e:
+        from pkm_serve import cli
+
+        if cli.verbose():
+            raise
         print(f"pkm-serve export: error: {e}", file=sys.stderr)
         return 1
     print(format_report(result))

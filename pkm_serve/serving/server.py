@@ -6,6 +6,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 
 log = logging.getLogger("pkm_serve.serving")
 
@@ -300,6 +301,10 @@ def main(argv=None):
         log.warning("stop signal during start-up: exiting without waiting for the models to load")
         _exit(0)
     if startup.error is not None:   # StartupError and friends: one line, exit 2
+        from pkm_serve import cli
+
+        if cli.verbose():
+            traceback.print_exception(startup.error)
         print(f"pkm-serve serve: error: {startup.error}", file=sys.stderr, flush=True)
         return 2
     while wakeups.wait() != "signal":

@@ -63,6 +63,42 @@ def test_help_of_every_command_does_not_import_tensorflow(command):
     assert f"usage: pkm-serve {command}" in proc.stdout
 
 
+@pytest.mark.parametrize("command", ["demo", "export", "serve"])
+def test_usage_errors_do_not_import_tensorflow(command):
+    # serve and demo parsed their flags only after importing TF (3 s for a typo).
+    script = textwrap.dedent(f"""
+        import json, sys
+        from pkm_serve import cli
+        try:
+            cli.main([{command!r}, *{["src", "dst"] if command == "export" else []!r}, "--no-such-flag"])
+            code = None
+        except SystemExit as e:
+            code = e.code
+        print(json.dumps({{"code": code, "tf": "tensorflow" in sys.modules}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"code": 2, "tf": False}
+    assert "unrecognized arguments: --no-such-flag" in proc.stderr
+
+
+def test_verbose_shows_the_traceback_of_export_and_serve_errors(tmp_path):
+    # Both print their own one-line errors; --verbose showed no more than that.
+    export = run("--verbose", "export", str(tmp_path / "no_such_model"), str(tmp_path / "out"))
+    assert export.returncode == 1 and "Traceback (most recent call last)" in export.stderr
+    assert "ExportError: " in export.stderr and "no_such_model" in export.stderr
+    bad = tmp_path / "bad.config"
+    bad.write_text('model_config_list { config { name: "x" ')
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve = run("serve", "--port=0", f"--rest_api_port={port}", f"--model_config_file={bad}", "--verbose",
+                timeout=60)
+    assert serve.returncode == 2 and "Traceback (most recent call last)" in serve.stderr
+    assert stderr_lines(serve)[-1].startswith("pkm-serve serve: error: Error parsing text-format")
+
+
 def test_export_help_prints_no_tensorflow_log_lines():
     proc = run("export", "--help")
     assert proc.returncode == 0
@@ -134,3 +170,25 @@ def test_one_line_of_library_errors():
     assert cli.one_line(ValueError("first\n  graph traceback\n")) == "first"
     assert cli.one_line(KeyError("sig")) == "KeyError: 'sig'"
     assert cli.one_line(RuntimeError("")) == "RuntimeError"
+
+
+def test_a_successful_export_prints_no_device_probing_lines(tmp_path):
+    # TF probes CUDA at the first device query, after the held-back import: on a machine without
+    # a GPU an "E0000 ... cuda_platform.cc ... failed call to cuInit" line came out mid-export.
+    import tensorflow as tf
+
+    class Bag(tf.Module):
+        def __init__(self):
+            self.table = tf.Variable(tf.random.normal([20, 4]))
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int32)])
+        def __call__(self, ids):
+            return {"out": tf.reduce_sum(tf.gather(self.table, ids), axis=1)}
+
+    bag = Bag()
+    tf.saved_model.save(bag, str(tmp_path / "src"), signatures=bag.__call__)
+    proc = run("export", str(tmp_path / "src"), str(tmp_path / "out"), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 fused" in proc.stdout, proc.stdout
+    for noise in ("cuInit", "cuda_platform", "E0000", "I0000"):
+        assert noise not in proc.stderr, proc.stderr
