@@ -286,6 +286,17 @@ def _no_site_message(sites: Sequence[Site]) -> str:
     return "no composite gather-sum sites found: the model is exported unchanged"
 
 
+def _check_tflite_version(tflite: Optional[str], dst: str, version: int) -> None:
+    """A .tflite in another version of DST: a bare model.tflite no server can load."""
+    if not tflite:
+        return
+    inside = os.path.relpath(os.path.abspath(tflite), os.path.abspath(dst)).split(os.sep)
+    if len(inside) > 1 and inside[0].isdigit() and int(inside[0]) != version:
+        raise ExportError(f"--tflite {tflite} is inside version {int(inside[0])} of DST, but this export "
+                          f"writes version {version}: pass --version {int(inside[0])} or --tflite "
+                          f"{os.path.join(dst, str(version), *inside[1:])}")
+
+
 def export_saved_model(src: str, dst: str, version: Optional[int] = None,
                        signatures: Optional[Sequence[str]] = None,
                        tflite: Optional[str] = None, quantize_table: Optional[str] = None,
@@ -307,6 +318,7 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
     _check_sample_keys(proto, chosen, samples)
     feeds = _signature_feeds(proto, chosen, samples)
     version, final_dir = _final_dir(dst, version)
+    _check_tflite_version(tflite, dst, version)
 
     _load_op_library()
     sites = fuse_saved_model_proto(proto, batch_size, progress=progress)

@@ -259,6 +259,20 @@ def test_tflite_inside_the_version_directory_arrives_with_it(weighted_model, tmp
     assert (dst / "1" / "saved_model.pb").exists()
 
 
+def test_tflite_in_another_version_directory_is_refused(weighted_model, tmp_path):
+    """DST holds version 1, so the export writes 2: --tflite DST/5/model.tflite made DST/5 a
+    bare model.tflite, which the server then failed to load as a SavedModel."""
+    src, _ = weighted_model
+    dst = tmp_path / "dst"
+    (dst / "1").mkdir(parents=True)
+    with pytest.raises(ExportError, match=r"inside version 5 of DST, but this export writes version 2: "
+                                          r"pass --version 5 or --tflite .*dst/2/model.tflite"):
+        export_saved_model(src, str(dst), tflite=str(dst / "5" / "model.tflite"), quiet=True)
+    assert sorted(p.name for p in dst.iterdir()) == ["1"]
+    result = export_saved_model(src, str(dst), version=5, tflite=str(dst / "5" / "model.tflite"), quiet=True)
+    assert result.version == 5 and (dst / "5" / "saved_model.pb").exists()
+
+
 def _two_signatures(path):
     module = tf.Module()
     module.t = tf.Variable(M._table(9))
