@@ -12,7 +12,7 @@ feed-forward block of the same width (d_model -> 4*d_model -> d_model); with
 --param-matched also by a feed-forward block with as many parameters as the
 memory layer. All see the same batches for the same number of steps.
 
-The training code lives in pkm_serve.layers.recall_task (reused by the demo).
+The training code lives in pkm_serve.layers.recall_task (tests/layers/test_recall_task.py tests it).
 """
 import argparse
 import dataclasses
