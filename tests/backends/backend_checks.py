@@ -307,7 +307,10 @@ def check_mask():
     want = before * bn.momentum + (x[mask].astype(np.float64) @ kernel + bias).mean(0) * (1 - bn.momentum)
     layer(x, training=True, mask=mask)
     got = keras.ops.convert_to_numpy(bn.moving_mean)
-    assert np.allclose(got, want, rtol=1e-5, atol=1e-6), f"batch-norm moving mean {got} vs {want}"
+    # JAX on a GPU multiplies float32 in TF32 (about 1e-3 relative): 2e-6 off here on the H200.
+    # The two masked rows counted would move the mean by more than 1e-2.
+    atol = 1e-5 if DEVICE == "cuda" else 1e-6
+    assert np.allclose(got, want, rtol=1e-5, atol=atol), f"batch-norm moving mean {got} vs {want}"
     print(json.dumps({"mask": "ok"}))
 
 
