@@ -387,19 +387,23 @@ def row_splits(fg: FunctionGraph, site: Site):
 
 
 def _assert_sorted(fg: FunctionGraph, prefix: str, seg: Ref) -> str:
-    """An Assert that the row ids are non-decreasing, which the segment ops
-    of the composite require ("segment ids are not increasing") and the
-    counts above assume. Returns its name (a control input of the fused op).
-    The TFLite converter drops Asserts: there the order is the caller's duty."""
-    later, earlier = _neighbours(fg, prefix + "/sorted", seg)
+    """An Assert that the row ids are >= 0 and non-decreasing, which the
+    segment ops of the composite require ("segment ids must be >= 0", "are not
+    increasing") and the counts above assume: 0 put before them makes one check
+    of both. Returns its name (a control input of the fused op). The TFLite
+    converter drops Asserts: there the order is the caller's duty."""
+    zero = fg.add_const(prefix + "/sorted/zero", np.array([0], np.int32))
+    axis = fg.add_const(prefix + "/sorted/axis", np.array(0, np.int32))
+    from_zero = fg.add_op(prefix + "/sorted/from_zero", "ConcatV2", [zero, seg, axis],
+                          {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
+    later, earlier = _neighbours(fg, prefix + "/sorted", from_zero)
     ordered = fg.add_op(prefix + "/sorted/pairs", "GreaterEqual", [later, earlier],
                         {"T": I32}, shapes=[[None]])
-    axis = fg.add_const(prefix + "/sorted/axis", np.array(0, np.int32))
     all_ordered = fg.add_op(prefix + "/sorted/all", "All", [ordered, axis],
                             {"Tidx": I32, "keep_dims": False}, shapes=[[]])
     message = fg.add_const(prefix + "/sorted/message", np.array(
         b"PkmRaggedEmbeddingBag (fused embedding_lookup_sparse): the sparse ids' row "
-        b"indices must be sorted (canonical SparseTensor order; tf.sparse.reorder "
+        b"indices must be >= 0 and sorted (canonical SparseTensor order; tf.sparse.reorder "
         b"sorts them)"))
     check = fg.add_op(prefix + "/sorted", "Assert", [all_ordered, message],
                       {"T": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(

@@ -293,7 +293,21 @@ def test_unsorted_sparse_ids_fail_like_the_composite(tmp_path):
         x[key] = x[key][order]
     with pytest.raises(tf.errors.InvalidArgumentError):
         run(tmp_path / "m", "serving_default", x)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="must be sorted"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must be >= 0 and sorted"):
+        run(result.dst, "serving_default", x)
+
+
+def test_negative_sparse_row_ids_fail_like_the_composite(tmp_path):
+    """The composite's segment ops refuse a negative row ("segment ids must be >= 0", or
+    "Segment id -1 out of range"); the fused site said the row indices must be sorted."""
+    M.sparse_lookup(tmp_path / "m", True, "mean")
+    result = export(tmp_path / "m", tmp_path / "out")
+    x = sparse_inputs(True)
+    x["ids"], x["w"] = x["ids"].copy(), x["w"].copy()
+    x["ids"][0, 0] = x["w"][0, 0] = -1  # the first entry's row: still non-decreasing
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r">= 0|Segment id -1 out of range"):
+        run(tmp_path / "m", "serving_default", x)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="row indices must be >= 0"):
         run(result.dst, "serving_default", x)
 
 
