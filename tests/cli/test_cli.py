@@ -44,13 +44,13 @@ def test_tflite_help_is_its_own_with_option_help():
     assert "python -m" not in proc.stdout
 
 
-@pytest.mark.parametrize("command", ["demo", "export", "serve", "tflite"])
-def test_help_of_every_command_does_not_import_tensorflow(command):
+def main_in_a_fresh_process(argv):
+    """cli.main(argv) in a new interpreter: (its exit code, whether it imported TF, the process)."""
     script = textwrap.dedent(f"""
         import json, sys
         from pkm_serve import cli
         try:
-            cli.main([{command!r}, "--help"])
+            cli.main({argv!r})
             code = None
         except SystemExit as e:
             code = e.code
@@ -59,26 +59,22 @@ def test_help_of_every_command_does_not_import_tensorflow(command):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           cwd=ROOT, timeout=60)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == {"code": 0, "tf": False}
+    return result["code"], result["tf"], proc
+
+
+@pytest.mark.parametrize("command", ["demo", "export", "serve", "tflite"])
+def test_help_of_every_command_does_not_import_tensorflow(command):
+    code, imported_tf, proc = main_in_a_fresh_process([command, "--help"])
+    assert (code, imported_tf) == (0, False)
     assert f"usage: pkm-serve {command}" in proc.stdout
 
 
 @pytest.mark.parametrize("command", ["demo", "export", "serve"])
 def test_usage_errors_do_not_import_tensorflow(command):
     # serve and demo parsed their flags only after importing TF (3 s for a typo).
-    script = textwrap.dedent(f"""
-        import json, sys
-        from pkm_serve import cli
-        try:
-            cli.main([{command!r}, *{["src", "dst"] if command == "export" else []!r}, "--no-such-flag"])
-            code = None
-        except SystemExit as e:
-            code = e.code
-        print(json.dumps({{"code": code, "tf": "tensorflow" in sys.modules}}))
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          cwd=ROOT, timeout=60)
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"code": 2, "tf": False}
+    positional = ["src", "dst"] if command == "export" else []
+    code, imported_tf, proc = main_in_a_fresh_process([command, *positional, "--no-such-flag"])
+    assert (code, imported_tf) == (2, False)
     assert "unrecognized arguments: --no-such-flag" in proc.stderr
 
 
