@@ -68,6 +68,7 @@ int pkm_capi_has_cuda(void) {
 
 int pkm_cpu_forward(const PkmBags* in, void* out, int reference, char* err, size_t err_len) {
   return OnCore(in, err, err_len, [&](const pkm::Table& table, const pkm::Bags& bags, pkm::Combiner combiner) {
+    if (out == nullptr) return pkm::Status::Error("forward: out is null");  // the CUDA entry points' messages
     // Outputs share the table's type; an int8 table's are float32.
     const pkm::ElemType out_type = table.type == pkm::ElemType::kInt8 ? pkm::ElemType::kFloat32 : table.type;
     return reference ? pkm::ReferenceForward(table, bags, combiner, out, out_type)
@@ -78,6 +79,7 @@ int pkm_cpu_forward(const PkmBags* in, void* out, int reference, char* err, size
 int pkm_cpu_backward(const PkmBags* in, const void* grad_out, void* d_table, void* d_weights,
                      int reference, char* err, size_t err_len) {
   return OnCore(in, err, err_len, [&](const pkm::Table& table, const pkm::Bags& bags, pkm::Combiner combiner) {
+    if (grad_out == nullptr) return pkm::Status::Error("backward: grad_out is null");
     return reference ? pkm::ReferenceBackward(table, bags, combiner, grad_out, table.type, d_table, table.type,
                                               d_weights)
                      : pkm::Backward(table, bags, combiner, grad_out, table.type, d_table, table.type, d_weights,
@@ -89,6 +91,7 @@ int pkm_cpu_sparse_backward(const PkmBags* in, const void* grad_out, pkm_cuda_sp
                             void* alloc_ctx, void* d_weights, char* err, size_t err_len) {
   return OnCore(in, err, err_len, [&](const pkm::Table& table, const pkm::Bags& bags, pkm::Combiner combiner) {
     if (alloc == nullptr) return pkm::Status::Error("alloc is null");
+    if (grad_out == nullptr && table.dim > 0) return pkm::Status::Error("sparse backward: grad_out is null");
     auto core_alloc = [&](int64_t num_rows, int64_t** rows, void** row_grads) {
       if (alloc(alloc_ctx, num_rows, rows, row_grads) != 0)
         return pkm::Status::Error("the output allocation callback failed for " + std::to_string(num_rows) +
@@ -104,6 +107,7 @@ int pkm_cpu_fused_update(const PkmBags* in, const void* grad_out, const PkmRowOp
                          int num_threads, char* err, size_t err_len) {
   return OnCore(in, err, err_len, [&](const pkm::Table& table, const pkm::Bags& bags, pkm::Combiner combiner) {
     if (opt == nullptr) return pkm::Status::Error("opt is null");
+    if (grad_out == nullptr) return pkm::Status::Error("fused update: grad_out is null");
     return pkm::FusedBackwardUpdate(table, bags, combiner, grad_out, table.type, *opt, d_weights,
                                     ThreadsFor(num_threads));
   });

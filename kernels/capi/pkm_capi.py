@@ -146,6 +146,9 @@ def make_bags(table, indices, weights=None, combiner="sum", row_splits=None, inv
     bags.elem_type = _elem_type(table.dtype, allow_int8=True)
     bags.num_rows, bags.dim = table.shape
     _set_int8_rows(bags, table, row_scales, row_biases)
+    for name, t in (("indices", indices), ("row_splits", row_splits)):
+        if t is not None and t.dtype not in (torch.int32, torch.int64):
+            raise PkmError(f"{name} must be int32 or int64, got {t.dtype}")
     bags.indices = _ptr(indices)
     bags.indices_int64 = int(indices.dtype == torch.int64)
     if row_splits is None:
@@ -173,6 +176,16 @@ def make_bags(table, indices, weights=None, combiner="sum", row_splits=None, inv
 # int alloc(void* ctx, int64_t num_rows_touched, int64_t** rows, void** row_grads)
 SPARSE_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
                                    ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p))
+
+
+def _check_grad(grad, bags, table):
+    """The upstream gradient the C functions read: [bags, D] contiguous, of the outputs' dtype."""
+    import torch
+
+    want = torch.float32 if table.dtype == torch.int8 else table.dtype
+    if tuple(grad.shape) != (bags.num_bags, bags.dim) or grad.dtype != want or not grad.is_contiguous():
+        raise PkmError(f"grad must be a contiguous [{bags.num_bags}, {bags.dim}] {want} tensor, got "
+                       f"{tuple(grad.shape)} {grad.dtype}{'' if grad.is_contiguous() else ' (not contiguous)'}")
 
 
 def _sparse_alloc(table, keep):
@@ -288,6 +301,7 @@ class PkmLib:
         import torch
 
         bags = make_bags(table, indices, weights, combiner, row_splits, invalid_counter)
+        _check_grad(grad, bags, table)
         opts = self._options(options)
         if out is not None:
             d_table, d_weights = out
@@ -309,6 +323,7 @@ class PkmLib:
         import torch
 
         bags = make_bags(table, indices, weights, combiner, row_splits)
+        _check_grad(grad, bags, table)
         opts = self._options(options)
         d_weights = torch.empty_like(weights) if (want_d_weights and weights is not None) else None
         ws_bytes = self.lib.pkm_cuda_sparse_backward_workspace_bytes(ctypes.byref(bags), opts)
@@ -328,6 +343,7 @@ class PkmLib:
         import torch
 
         bags = make_bags(table, indices, weights, combiner, row_splits)
+        _check_grad(grad, bags, table)
         opt = make_row_optimizer(optimizer, state=state, **hyper)
         opts = self._options(options)
         d_weights = torch.empty_like(weights) if (want_d_weights and weights is not None) else None
@@ -406,6 +422,7 @@ class PkmLib:
         import torch
 
         bags = make_bags(table, indices, weights, combiner, row_splits)
+        _check_grad(grad, bags, table)
         d_table = torch.empty_like(table)
         d_weights = torch.empty_like(weights) if weights is not None else None
         err = ctypes.create_string_buffer(512)
@@ -419,6 +436,7 @@ class PkmLib:
         import torch
 
         bags = make_bags(table, indices, weights, combiner, row_splits)
+        _check_grad(grad, bags, table)
         d_weights = torch.empty_like(weights) if weights is not None else None
         keep = {}
         callback = _sparse_alloc(table, keep)
@@ -435,6 +453,7 @@ class PkmLib:
         import torch
 
         bags = make_bags(table, indices, weights, combiner, row_splits)
+        _check_grad(grad, bags, table)
         opt = make_row_optimizer(optimizer, state=state, **hyper)
         d_weights = torch.empty_like(weights) if weights is not None else None
         err = ctypes.create_string_buffer(512)

@@ -53,8 +53,33 @@ def library(device):
         return _libs[device]
 
 
+def check_bag_tensors(table, indices, weights, row_splits):
+    """What the kernels read through raw pointers, checked: the ops are callable directly
+    (torch.ops.pkm_serve.*), past embedding_bag's own checks. TypeError / ValueError."""
+    if table.dtype not in _ELEM_TYPES or table.dim() != 2:
+        raise TypeError(f"table must be a [N, D] float32, float16 or bfloat16 tensor, got {tuple(table.shape)} "
+                        f"{table.dtype}")
+    for name, t in (("indices", indices), ("row_splits", row_splits)):
+        if t is not None and t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if indices.dim() != (2 if row_splits is None else 1):
+        raise ValueError(f"indices must be {'[B, K]' if row_splits is None else 'values [V]'}, got shape "
+                         f"{tuple(indices.shape)}")
+    if row_splits is not None and (row_splits.dim() != 1 or row_splits.shape[0] < 1):
+        raise ValueError(f"row_splits must be a [B + 1] vector, got shape {tuple(row_splits.shape)}")
+    if weights is not None and (weights.shape != indices.shape or weights.dtype != table.dtype):
+        raise ValueError(f"weights must be {tuple(indices.shape)} {table.dtype} like the indices and table, got "
+                         f"{tuple(weights.shape)} {weights.dtype}")
+    for name, t in (("table", table), ("indices", indices), ("weights", weights), ("row_splits", row_splits)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the kernels read it in storage order)")
+        if t is not None and t.device != table.device:
+            raise ValueError(f"{name} is on {t.device}, the table on {table.device}")
+
+
 def make_bags(table, indices, weights, row_splits, combiner_code):
     """PkmBags over contiguous tensors on one device (which must outlive the call)."""
+    check_bag_tensors(table, indices, weights, row_splits)
     bags = PkmBags()
     bags.table, bags.elem_type = _ptr(table), _ELEM_TYPES[table.dtype]
     bags.num_rows, bags.dim = table.shape

@@ -36,6 +36,9 @@ def _bag_grad_op(grad: torch.Tensor, table: torch.Tensor, indices: torch.Tensor,
                  weights: Optional[torch.Tensor], row_splits: Optional[torch.Tensor],
                  combiner: int) -> tuple[torch.Tensor, torch.Tensor]:
     bags = _capi.make_bags(table, indices, weights, row_splits, combiner)
+    if grad.shape != (bags.num_bags, bags.dim) or grad.dtype != table.dtype or grad.device != table.device:
+        raise ValueError(f"grad must be [{bags.num_bags}, {bags.dim}] {table.dtype} on {table.device}, got "
+                         f"{tuple(grad.shape)} {grad.dtype} on {grad.device}")
     d_table = torch.empty_like(table)
     # No weights: an empty d_weights (an op returns tensors only).
     d_weights = torch.empty_like(weights) if weights is not None else table.new_empty([0])

@@ -98,6 +98,26 @@ def test_errors_name_the_problem(lib):
     assert rc == -1 and err.value, "mismatched row_splits accepted"
 
 
+def test_null_output_and_gradient_buffers_are_errors(lib):
+    # The CPU entry points dereferenced them (SIGSEGV); the CUDA ones already said so.
+    table = np.ones((5, 4), np.float32)
+    bags = bags_for(table, np.array([[1, 2], [3, 4]], np.int32), None, "sum")
+    err = ctypes.create_string_buffer(256)
+    d_table = np.zeros_like(table)
+    for reference in (0, 1):
+        assert lib.pkm_cpu_forward(ctypes.byref(bags), None, reference, err, len(err)) == -1
+        assert err.value == b"forward: out is null"
+        assert lib.pkm_cpu_backward(ctypes.byref(bags), None, d_table.ctypes.data, None, reference, err,
+                                    len(err)) == -1
+        assert err.value == b"backward: grad_out is null"
+    opt = pkm_capi.PkmRowOptimizer(kind=0, learning_rate=0.1)
+    assert lib.pkm_cpu_fused_update(ctypes.byref(bags), None, ctypes.byref(opt), None, 1, err, len(err)) == -1
+    assert err.value == b"fused update: grad_out is null"
+    alloc = pkm_capi.SPARSE_ALLOC_FN(lambda ctx, n, rows, grads: 0)
+    assert lib.pkm_cpu_sparse_backward(ctypes.byref(bags), None, alloc, None, None, err, len(err)) == -1
+    assert err.value == b"sparse backward: grad_out is null"
+
+
 def test_ctypes_mirror_matches_the_c_struct_layout(lib, monkeypatch):
     pkm_capi.check_layout(lib)  # PkmLib ran it too; explicit here
     size = ctypes.c_size_t()
@@ -144,3 +164,20 @@ def test_index_policies_through_the_c_abi(lib, reference):
     else:
         assert rc == -1 and b"GPU" in err.value
     assert forward(5) == -1 and b"index_policy must be" in err.value
+
+
+def test_the_ctypes_wrapper_refuses_ids_and_grads_the_library_would_misread():
+    # PkmLib read int16 ids as int32 bits and a [1, 1] or float16 grad past / as float32 bits.
+    torch = pytest.importorskip("torch")
+    path = next((p for p in (LIB_PATH, os.path.join(ROOT, "pkm_serve", "lib", "libpkm_cuda.so"))
+                 if os.path.exists(p)), LIB_PATH)
+    wrapper = pkm_capi.PkmLib(path)
+    table = torch.ones((5, 4))
+    with pytest.raises(pkm_capi.PkmError, match="indices must be int32 or int64, got torch.int16"):
+        wrapper.cpu_forward(table, torch.tensor([[0, 2]], dtype=torch.int16))
+    ids = torch.tensor([[0, 2], [1, 1]])
+    for grad in (torch.ones(1, 1), torch.ones(2, 4, dtype=torch.float16)):
+        with pytest.raises(pkm_capi.PkmError, match=r"grad must be a contiguous \[2, 4\] torch.float32"):
+            wrapper.cpu_backward(table, ids, grad)
+    d_table, _ = wrapper.cpu_backward(table, ids, torch.ones(2, 4))
+    np.testing.assert_array_equal(d_table[:, 0].numpy(), [1, 2, 1, 0, 0])
