@@ -113,6 +113,18 @@ inline ffi::Error ToCoreArgs(const ffi::AnyBuffer& params, const ffi::AnyBuffer&
   return ffi::Error::Success();
 }
 
+// A result buffer the kernels write `elements` values of `like`'s type into: a
+// call built by hand (jax.ffi.ffi_call, any registered target is reachable)
+// may pass a smaller or other-typed one.
+inline ffi::Error CheckResult(const char* name, const ffi::AnyBuffer& result, const ffi::AnyBuffer& like,
+                              int64_t elements) {
+  if (static_cast<int64_t>(result.element_count()) == elements && result.element_type() == like.element_type())
+    return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(name) + " must hold " + std::to_string(elements) +
+                                     " elements of the operand's type, got " +
+                                     std::to_string(result.element_count()) + " elements");
+}
+
 // The backward's grad against the forward output's shape (after ToCoreArgs).
 inline ffi::Error CheckGrad(const ffi::AnyBuffer& grad, const ffi::AnyBuffer& indices, const ffi::AnyBuffer* splits,
                             const pkm::Table& table) {
@@ -203,6 +215,8 @@ struct Targets {
                             Buffer& out, int32_t combiner, int32_t has_weights, Decoded&... ctx) {
     CoreCall call;
     if (ffi::Error e = ToCoreArgs(params, ids, splits, weights, combiner, has_weights, &call); e.failure()) return e;
+    const int64_t out_elements = call.bags.num_bags * call.table.dim;
+    if (ffi::Error e = CheckResult("the output", out, params, out_elements); e.failure()) return e;
     return Platform::Forward(call, out, ctx...);
   }
   template <typename... Decoded>
@@ -212,6 +226,11 @@ struct Targets {
     CoreCall call;
     if (ffi::Error e = ToCoreArgs(params, ids, splits, weights, combiner, has_weights, &call); e.failure()) return e;
     if (ffi::Error e = CheckGrad(grad, ids, splits, call.table); e.failure()) return e;
+    if (ffi::Error e = CheckResult("d_params", d_params, params, call.table.num_rows * call.table.dim); e.failure())
+      return e;
+    if (ffi::Error e = CheckResult("d_weights", d_weights, weights, weights.element_count()); e.failure()) return e;
+    if (grad.element_type() != params.element_type())
+      return ffi::Error::InvalidArgument("grad must have the params' type");
     return Platform::Backward(call, grad, d_params, d_weights, ctx...);
   }
 };

@@ -180,3 +180,28 @@ def test_out_of_range_index(xla_runtime):
                                np.asarray(weights, np.float64).tolist(), "mean", np.asarray(grad, np.float64))
     for g, e, what in zip(got, [ref[0], ref[1], np.asarray(ref[2])], ["output", "d_table", "d_weights"]):
         assert_close(g, e, "float32", what)
+
+
+@pytest.mark.parametrize("result", ["small", "tall", "float16", "d_table_small", "d_weights_float16"])
+def test_result_buffers_of_another_size_or_type_are_refused(xla_runtime, result):
+    """A hand-built ffi_call may pass any result buffers: a smaller or other-typed one was
+    written past its end (SIGSEGV), a larger one came back partly unwritten."""
+    import jax.numpy as jnp
+
+    jax = xla_runtime.jax
+    put = lambda x: jax.device_put(x, xla_runtime.device)  # noqa: E731
+    table = put(jnp.ones((N, D), jnp.float32))
+    ids = put(jnp.asarray(np.arange(24).reshape(8, 3) % N, jnp.int32))
+    w, grad = put(jnp.ones((8, 3), jnp.float32)), put(jnp.ones((8, D), jnp.float32))
+    attrs = dict(combiner=np.int32(0), has_weights=np.int32(1))
+    spec = jax.ShapeDtypeStruct
+    with pytest.raises(Exception, match="INVALID_ARGUMENT: (the output|d_params|d_weights) must hold"):
+        if result in ("small", "tall", "float16"):
+            shape = {"small": (1, 1), "tall": (16, D), "float16": (8, D)}[result]
+            out = spec(shape, jnp.float16 if result == "float16" else jnp.float32)
+            np.asarray(jax.ffi.ffi_call("pkm_embedding_bag_forward", out)(table, ids, w, **attrs))
+        else:
+            d_table = spec((1, 1) if result == "d_table_small" else (N, D), jnp.float32)
+            d_w = spec((8, 3), jnp.float16 if result == "d_weights_float16" else jnp.float32)
+            outs = jax.ffi.ffi_call("pkm_embedding_bag_backward", (d_table, d_w))(grad, table, ids, w, **attrs)
+            [np.asarray(x) for x in outs]
