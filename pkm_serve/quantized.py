@@ -58,18 +58,24 @@ def quantize_rows(table, row_param_dtype: str = "float32"):
     for start in range(0, n, _CHUNK_ROWS):  # float64 temporaries for a chunk, not the table
         stop = min(start + _CHUNK_ROWS, n)
         values[start:stop], scales[start:stop], biases[start:stop] = _quantize_chunk(
-            np.asarray(table[start:stop], np.float64), row_param_dtype)
+            np.asarray(table[start:stop], np.float64), row_param_dtype, start)
     return values, scales, biases
 
 
-def _quantize_chunk(x, row_param_dtype):
+def _quantize_chunk(x, row_param_dtype, first_row):
     if not np.all(np.isfinite(x)):
         raise ValueError("table has non-finite values: int8 rows cannot represent them")
     lo = x.min(axis=1) if x.shape[1] else np.zeros(x.shape[0])
     hi = x.max(axis=1) if x.shape[1] else np.zeros(x.shape[0])
     flat = hi <= lo
-    scales = np.where(flat, 1.0, (hi - lo) / 255.0).astype(row_param_dtype)
-    biases = np.where(flat, lo, lo + 128.0 * scales.astype(np.float64)).astype(row_param_dtype)
+    with np.errstate(over="ignore"):  # float16 parameters overflow past 65504: refused below
+        scales = np.where(flat, 1.0, (hi - lo) / 255.0).astype(row_param_dtype)
+        biases = np.where(flat, lo, lo + 128.0 * scales.astype(np.float64)).astype(row_param_dtype)
+    finite = np.isfinite(scales) & np.isfinite(biases)
+    if not finite.all():  # they would dequantise to rows of inf / NaN
+        row = int(np.argmin(finite))
+        raise ValueError(f"row {first_row + row}'s range [{lo[row]:.6g}, {hi[row]:.6g}] needs a scale or bias beyond "
+                         f"{row_param_dtype}; use row_param_dtype='float32'")
     s64, b64 = scales.astype(np.float64)[:, None], biases.astype(np.float64)[:, None]
     return np.clip(np.rint((x - b64) / s64), -128, 127).astype(np.int8), scales, biases
 

@@ -159,6 +159,17 @@ def test_quantize_rows_error_bound(param_dtype):
         quantized.quantize_rows(np.array([[1.0, np.inf]]))
 
 
+@pytest.mark.parametrize("row", [[0.0, 1.0e6], [0.0, 2.0e7], [-1.0e6, 0.0]])
+def test_float16_row_parameters_out_of_range_are_refused(row):
+    # The bias (or scale) rounded to inf: rows that dequantised to inf / NaN, with no error.
+    table = np.array([[0.0, 1.0], row], np.float32)
+    with pytest.raises(ValueError, match=r"row 1's range .* needs a scale or bias beyond float16"):
+        quantized.quantize_rows(table, "float16")
+    values, scales, biases = quantized.quantize_rows(table, "float32")
+    deq = reference.dequantize_rows(values, scales, biases)
+    assert np.abs(deq[1] - table[1]).max() <= (max(row) - min(row)) / 255
+
+
 def test_core_int8_through_the_c_abi():
     sys.path.insert(0, os.path.join(ROOT, "kernels", "capi"))
     import pkm_capi
