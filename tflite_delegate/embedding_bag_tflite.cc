@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -357,6 +358,24 @@ bool IsBagCustomOpName(const char* name, bool* ragged) {
   return *ragged || std::strcmp(name, kCustomOpName) == 0;
 }
 
+namespace {
+// A model's bytes echoed in an error: other than printable ASCII as \xNN (the
+// Python runtimes decode the message as UTF-8 and raise on invalid bytes).
+std::string Printable(const std::string& bytes) {
+  std::string text;
+  for (unsigned char c : bytes) {
+    if (c >= 0x20 && c < 0x7f) {
+      text += static_cast<char>(c);
+    } else {
+      char escaped[5];
+      std::snprintf(escaped, sizeof(escaped), "\\x%02x", c);
+      text += escaped;
+    }
+  }
+  return text;
+}
+}  // namespace
+
 bool ParseOpOptions(const void* data, size_t size, OpOptions* options, std::string* error) {
   *options = OpOptions();
   if (data == nullptr || size == 0) return true;
@@ -369,7 +388,7 @@ bool ParseOpOptions(const void* data, size_t size, OpOptions* options, std::stri
     }
     if (!ParseCombiner(e->string_value, &options->combiner)) {
       *error = "custom_options 'combiner' must be 'sum', 'mean', 'sqrtn' or 'max', got '" +
-               e->string_value + "'";
+               Printable(e->string_value) + "'";
       return false;
     }
   }

@@ -277,6 +277,11 @@ MALFORMED = {
     "unknown combiner": (lambda m, s: setattr(m.subgraphs[0].operators[0], "customOptions",
                                               np.frombuffer(_options({"combiner": "min"}), np.uint8)),
                          "'combiner' must be 'sum', 'mean', 'sqrtn' or 'max', got 'min'"),
+    # Bytes that are not UTF-8 came back raw: Python raised UnicodeDecodeError, not the message.
+    "combiner not UTF-8": (lambda m, s: setattr(m.subgraphs[0].operators[0], "customOptions",
+                                                np.frombuffer(_options({"combiner": "sqrtn"}).replace(
+                                                    b"sqrtn", b"\xadqrtn"), np.uint8)),
+                           "got '\\xadqrtn'"),
     "combiner not a string": (lambda m, s: setattr(m.subgraphs[0].operators[0], "customOptions",
                                                    np.frombuffer(_options({"combiner": 3}), np.uint8)),
                               "'combiner' must be a string"),
