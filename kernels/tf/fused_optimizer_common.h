@@ -36,6 +36,11 @@ class LockedVariables {
     for (int input : inputs) {
       ::tensorflow::core::RefCountPtr<::tensorflow::Var> var;
       TF_RETURN_IF_ERROR(::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, input), &var));
+      for (size_t i = 0; i < vars_.size(); ++i)  // the update reads and writes each in place
+        if (vars_[i].get() == var.get())
+          return ::tensorflow::errors::InvalidArgument("inputs ", inputs[i], " and ", input,
+                                                       " are the same variable: the table and each optimizer "
+                                                       "state need their own");
       vars_.push_back(std::move(var));
     }
     std::vector<::tensorflow::mutex*> order;

@@ -60,8 +60,14 @@ def test_op_rejects_bad_state_and_index():
     idx = tf.constant([[1, 2]], tf.int64)
     w = tf.ones([1, 2])
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"optimizer state 0 must be float32 \[10,4\]"):
-        lib.pkm_embedding_bag_fused_update(tf.ones([1, 4]), var.handle, idx, w, [m.handle, m.handle], 0.1, 1,
-                                           optimizer="adam")
+        lib.pkm_embedding_bag_fused_update(tf.ones([1, 4]), var.handle, idx, w, [m.handle, tf.Variable(m).handle],
+                                           0.1, 1, optimizer="adam")
+    # One variable in two roles was accepted and updated twice over (Adam m is v: NaN rows).
+    other = tf.Variable(tf.zeros([10, 4]))
+    for state in ([other, other], [var, other], [other, var]):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="are the same variable"):
+            lib.pkm_embedding_bag_fused_update(tf.ones([1, 4]), var.handle, idx, w, [s.handle for s in state],
+                                               0.1, 1, optimizer="adam")
     with pytest.raises(tf.errors.InvalidArgumentError, match="takes 1 state variables"):
         lib.pkm_embedding_bag_fused_update(tf.ones([1, 4]), var.handle, idx, w, [], 0.1, 1,
                                            optimizer="rowwise_adagrad")
