@@ -66,6 +66,16 @@ def unavailable_reason():
     return _registered.get(kind, f"no pkm_serve kernel for JAX platform {kind!r}")
 
 
+def _check_64_bit_ids(indices):
+    """Without jax_enable_x64, jnp.asarray turns int64 ids into int32 and wraps any past 2^31
+    (2^32 + 1 reads row 1): host ids that do not fit are refused before that."""
+    if isinstance(indices, (np.ndarray, list, tuple)) and not jax.config.jax_enable_x64:
+        ids = np.asarray(indices)
+        if ids.dtype.kind in "iu" and ids.size and (ids.min() < -2**31 or ids.max() >= 2**31):
+            raise ValueError("indices hold values past int32, which JAX without jax_enable_x64 wraps "
+                             "around: enable it (jax.config.update('jax_enable_x64', True)) for such ids")
+
+
 def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None):
     """Fused bag lookup: params [N, D]; indices [..., K] int32/int64 (or
     values [V] with row_splits [B+1]); weights like indices or None -> [..., D]
@@ -73,6 +83,7 @@ def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None
     default device has no kernel."""
     code = _native.combiner_code(combiner, weights)
     params = jnp.asarray(params)
+    _check_64_bit_ids(indices)
     indices = jnp.asarray(indices)
     _check_dtypes(params, indices, weights)
     if kernel_device() is None:

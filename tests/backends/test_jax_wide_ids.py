@@ -1,0 +1,31 @@
+"""JAX without jax_enable_x64 turns int64 ids into int32 and wraps those past 2^31 around
+(2^32 + 1 read row 1, 2^32 - 1 became padding) with no error: host ids that do not fit
+are refused first. Runs in its own interpreter (JAX's x64 flag is process-wide)."""
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("jax")
+
+_SCRIPT = """
+import numpy as np
+from pkm_serve.backends import jax_ops
+params = np.arange(20, dtype=np.float32).reshape(5, 4)
+print(np.asarray(jax_ops.embedding_bag(params, np.array([[1, 2]], np.int64))).tolist())
+for ids in ([[2**32 + 1, 2]], [[2**32 - 1, 2]], [[-2**31 - 1, 0]]):
+    try:
+        jax_ops.embedding_bag(params, np.array(ids, np.int64))
+        print("accepted", ids)
+    except ValueError as err:
+        print("refused:", str(err).split(",")[0])
+"""
+
+
+def test_ids_past_int32_are_refused_without_x64():
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "[[12.0, 14.0, 16.0, 18.0]]"  # rows 1 + 2, int64 ids that fit still work
+    assert lines[1:] == ["refused: indices hold values past int32"] * 3, proc.stdout
