@@ -209,3 +209,43 @@ def test_missing_op_library_is_a_clear_error_unless_fallback(monkeypatch):
     np.testing.assert_allclose(
         layer(x).numpy(), product_key_memory(layer, x), rtol=1e-4, atol=1e-5
     )
+
+
+def _fit_and_list_moved(model, layer):
+    x = np.random.default_rng(0).standard_normal((32, 8)).astype("float32")
+    y = np.random.default_rng(1).standard_normal((32, 8)).astype("float32")
+    before = [v.numpy().copy() for v in layer.weights]
+    model.compile(keras.optimizers.Adam(0.1), "mse")
+    model.fit(x, y, epochs=1, batch_size=8, verbose=0)
+    return [v.path for v, b in zip(layer.weights, before) if not np.array_equal(b, v.numpy())]
+
+
+@pytest.mark.parametrize("how", ["constructor", "before_build", "reloaded"])
+def test_a_frozen_layer_stays_frozen(how, tmp_path):
+    # Its query projection, batch-norm and value table trained on (only `keys` stayed): Keras'
+    # setter freezes sub-layers that exist, and these were made trainable in __init__ / build.
+    layer = ProductKeyMemory(v_dim=8, k_dim=4, n_keys=8, heads=2, knn=3, name="pkm",
+                             trainable=how != "constructor" and how != "reloaded")
+    if how == "before_build":
+        layer.trainable = False
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, keras.layers.Dense(8, name="head")(layer(inputs)))
+    if how == "reloaded":
+        model.get_layer("pkm").trainable = False
+        model.save(tmp_path / "frozen.keras")
+        model = keras.models.load_model(tmp_path / "frozen.keras")
+        layer = model.get_layer("pkm")
+    assert [v.path for v in model.trainable_weights] == ["head/kernel", "head/bias"]
+    assert _fit_and_list_moved(model, layer) == []
+
+
+def test_model_quantize_leaves_the_query_projection_alone():
+    # Keras' int8 Dense made the search pick other slots: outputs moved by 20-44%.
+    layer = ProductKeyMemory(v_dim=8, k_dim=4, n_keys=8, heads=2, knn=3)
+    inputs = keras.Input((8,))
+    model = keras.Model(inputs, layer(inputs))
+    x = np.random.default_rng(2).standard_normal((16, 8)).astype("float32")
+    before = model.predict(x, verbose=0)
+    with pytest.warns(UserWarning, match="query projection 'query_proj' is not quantized"):
+        model.quantize("int8")
+    np.testing.assert_array_equal(model.predict(x, verbose=0), before)
