@@ -92,6 +92,10 @@ ffi::Error QuantizedForward(ffi::ThreadPool pool, const ffi::AnyBuffer& params, 
     return ffi::Error::InvalidArgument("PkmQuantizedEmbeddingBag: output must be a float type");
   if (ffi::Error e = ToQuantizedTable(params, scales, biases, &table); e.failure()) return e;
   if (ffi::Error e = ToQuantizedBags(indices, splits, weights, has_weights, &bags); e.failure()) return e;
+  if (static_cast<int64_t>(out->element_count()) != bags.num_bags * table.dim)  // as the float targets' check
+    return ffi::Error::InvalidArgument("PkmQuantizedEmbeddingBag: the output must hold " +
+                                       std::to_string(bags.num_bags * table.dim) + " elements, got " +
+                                       std::to_string(out->element_count()));
   const pkm::Status s = pkm::Forward(table, bags, static_cast<pkm::Combiner>(combiner), out->untyped_data(),
                                      out_type, PoolParallelFor(&pool));
   return s.ok ? ffi::Error::Success() : ffi::Error::InvalidArgument(s.message);

@@ -205,3 +205,41 @@ def test_result_buffers_of_another_size_or_type_are_refused(xla_runtime, result)
             d_w = spec((8, 3), jnp.float16 if result == "d_weights_float16" else jnp.float32)
             outs = jax.ffi.ffi_call("pkm_embedding_bag_backward", (d_table, d_w))(grad, table, ids, w, **attrs)
             [np.asarray(x) for x in outs]
+
+
+_QUANTIZED_TARGET = """
+import ctypes, numpy as np
+from pkm_serve import ops
+ops.load_library()
+from pkm_serve._library import library_path
+import jax, jax.numpy as jnp
+lib = ctypes.CDLL(library_path())
+jax.ffi.register_ffi_target("pkm_quantized_forward_under_test",
+                            jax.ffi.pycapsule(lib.pkm_xla_cpu_quantized_forward), platform="cpu")
+q, s, b = jnp.ones((10, 4), jnp.int8), jnp.ones((10,), jnp.float32), jnp.zeros((10,), jnp.float32)
+ids = jnp.asarray(np.arange(6).reshape(3, 2), jnp.int32)
+for shape in ((3, 4), (1, 1), (6, 4)):
+    try:
+        out = jax.ffi.ffi_call("pkm_quantized_forward_under_test", jax.ShapeDtypeStruct(shape, jnp.float32))(
+            q, s, b, ids, jnp.zeros((0,), jnp.float32), combiner=np.int32(0), has_weights=np.int32(0))
+        print(shape, np.asarray(out)[0].tolist())
+    except Exception as e:
+        print(shape, "refused:", str(e).split(": ", 2)[-1].split(chr(10))[0])
+"""
+
+
+def test_the_quantized_host_target_checks_its_output_size():
+    """TF's lowering is the quantized target's only caller and sizes the output right; a
+    hand-built call with another size was written past its end. A process of its own: it loads
+    the TF op library's symbols into JAX."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("jax")
+    proc = subprocess.run([sys.executable, "-c", _QUANTIZED_TARGET], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        "(3, 4) [2.0, 2.0, 2.0, 2.0]",
+        "(1, 1) refused: the output must hold 12 elements, got 1",
+        "(6, 4) refused: the output must hold 12 elements, got 24",
+    ], proc.stdout
