@@ -58,6 +58,10 @@ def kernel_device():
                 _registered[kind] = True
             except (OSError, AttributeError, _native.NativeLibraryUnavailableError) as err:
                 _registered[kind] = err
+            except Exception as err:  # noqa: BLE001 - XLA refusing the handlers (JAX's own error type)
+                _registered[kind] = _native.NativeLibraryUnavailableError(
+                    f"JAX {jax.__version__} does not take pkm_serve's FFI handlers (built for XLA's FFI API 0.2, "
+                    f"JAX >= 0.8.3): {err}")
     return kind if _registered[kind] is True else None
 
 
