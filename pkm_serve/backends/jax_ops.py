@@ -75,7 +75,8 @@ def _check_64_bit_ids(indices):
     (2^32 + 1 reads row 1): host ids that do not fit are refused before that."""
     if isinstance(indices, (np.ndarray, list, tuple)) and not jax.config.jax_enable_x64:
         ids = np.asarray(indices)
-        if ids.dtype.kind in "iu" and ids.size and (ids.min() < -2**31 or ids.max() >= 2**31):
+        wide = ids.dtype.kind in "iu" and np.iinfo(ids.dtype).max >= 2**31  # int32 and narrower fit
+        if wide and ids.size and (ids.min() < -2**31 or ids.max() >= 2**31):
             raise ValueError("indices hold values past int32, which JAX without jax_enable_x64 wraps "
                              "around: enable it (jax.config.update('jax_enable_x64', True)) for such ids")
 

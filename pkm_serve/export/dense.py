@@ -113,7 +113,7 @@ def strip_trailing_unit_axis(fg: FunctionGraph, ref: Ref, what: str = "multiplie
             axis = fg.const_value(ins[1])
             if axis is not None and int(axis) in (-1, out_shape.rank - 1):
                 return ins[0], nodes + [node.name], False
-        elif node.op == "StridedSlice" and _appends_unit_axis(fg, node, ins):
+        elif node.op == "StridedSlice" and adds_unit_axis(fg, node, ins, -1):
             return ins[0], nodes + [node.name], False
         elif node.op == "Reshape":
             in_shape = fg.shape(ins[0])
@@ -166,21 +166,23 @@ def is_ones(fg: FunctionGraph, ref: Ref, depth: int = 6) -> bool:
     return False
 
 
-def _appends_unit_axis(fg: FunctionGraph, node, ins) -> bool:
-    """A StridedSlice that keeps every axis whole and adds one new last axis:
-    x[..., None] or x[:, :, None]."""
+def adds_unit_axis(fg: FunctionGraph, node, ins, position: int) -> bool:
+    """A StridedSlice that keeps every axis whole and adds one new axis at slice
+    entry `position` (negative): -1 is x[..., None] or x[:, :, None], -2 is
+    x[..., None, :] or x[:, None, :]."""
     begin, strides = fg.const_value(ins[1]), fg.const_value(ins[3])
     if begin is None or strides is None or np.any(np.asarray(strides) != 1):
         return False
     masks = {k: node.attr[k].i if k in node.attr else 0 for k in (
         "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
-    n = len(begin)
-    if masks["shrink_axis_mask"] or masks["new_axis_mask"] != 1 << (n - 1):
+    n = len(np.ravel(begin))
+    new_at = n + position
+    if new_at < 0 or masks["shrink_axis_mask"] or masks["new_axis_mask"] != 1 << new_at:
         return False
-    for i in range(n - 1):
+    for i in range(n):
         bit = 1 << i
         whole = masks["begin_mask"] & bit and masks["end_mask"] & bit
-        if not (masks["ellipsis_mask"] & bit or whole):
+        if i != new_at and not (masks["ellipsis_mask"] & bit or whole):
             return False
     return True
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from typing import List
 
-import numpy as np
-
-from pkm_serve.export.dense import fill_from_gather, leads_to_gather, resolve_gather
+from pkm_serve.export.dense import adds_unit_axis, fill_from_gather, leads_to_gather, resolve_gather
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import (NotASite, Site, Skip, check_private, itemsize,
                                     same_dims)
@@ -121,7 +119,7 @@ def _unit_axis_before_last(fg: FunctionGraph, ref: Ref):
         axis = fg.const_value(ins[1])
         ok = axis is not None and int(axis) in (-2, out.rank - 2)
     elif node.op == "StridedSlice":
-        ok = _new_axis_before_last(fg, node, ins)
+        ok = adds_unit_axis(fg, node, ins, -2)
     elif node.op == "Reshape":
         dims, w_dims = out.as_list(), fg.shape(w).as_list()
         ok = dims[:-2] + dims[-1:] == w_dims and None not in w_dims[1:]
@@ -129,20 +127,3 @@ def _unit_axis_before_last(fg: FunctionGraph, ref: Ref):
         ok = False
     return (w, [node.name]) if ok else (None, [])
 
-
-def _new_axis_before_last(fg: FunctionGraph, node, ins) -> bool:
-    """A StridedSlice that keeps every axis whole and adds one new axis just
-    before the last: x[..., None, :] or x[:, None, :]."""
-    begin, strides = fg.const_value(ins[1]), fg.const_value(ins[3])
-    if begin is None or strides is None or np.any(np.asarray(strides) != 1):
-        return False
-    masks = {k: node.attr[k].i if k in node.attr else 0 for k in (
-        "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
-    n = len(np.ravel(begin))
-    if n < 2 or masks["shrink_axis_mask"] or masks["new_axis_mask"] != 1 << (n - 2):
-        return False
-    for i in [j for j in range(n) if j != n - 2]:
-        bit = 1 << i
-        if not (masks["ellipsis_mask"] & bit or (masks["begin_mask"] & bit and masks["end_mask"] & bit)):
-            return False
-    return True

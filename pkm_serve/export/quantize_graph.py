@@ -305,25 +305,28 @@ def _add_node(fdef, name: str, op: str, inputs: List[str], **types) -> str:
     return name
 
 
+def _add_const(fdef, name: str, value, dtype: int) -> str:
+    """A Const node of `value` as `dtype`; returns its output's name."""
+    import tensorflow as tf
+
+    _add_node(fdef, name, "Const", [], dtype=dtype)
+    fdef.node_def[-1].attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, dtype=tf.as_dtype(dtype)))
+    return f"{name}:output:0"
+
+
 def _dequantize_gather(body: Body, node, scales, biases) -> None:
     """A gather of the table outside a fused site reads int8 rows and returns
     scales[ids, None] * rows + biases[ids, None] in the table's float dtype,
     under its old name (consumers read `name:output:0`, Identity's output)."""
-    import tensorflow as tf
-
     f32, fdef = types_pb2.DT_FLOAT, body.fdef
     dtype, name, ids = node.attr["dtype"].type, node.name, node.input[1]
     index_type = node.attr["Tindices"].type
     control = [r for r in node.input if r.startswith("^")]
     node.name = f"{name}/pkm_int8_rows"
     node.attr["dtype"].type = types_pb2.DT_INT8
-    const = {}
-    for suffix, value in (("row_scales", scales), ("row_biases", biases), ("axis", 0), ("last", -1)):
-        c = _add_node(fdef, f"{name}/pkm_{suffix}", "Const", [],
-                      dtype=types_pb2.DT_INT32 if suffix in ("axis", "last") else f32)
-        fdef.node_def[-1].attr["value"].tensor.CopyFrom(
-            tf.make_tensor_proto(value, dtype=tf.int32 if suffix in ("axis", "last") else tf.float32))
-        const[suffix] = f"{c}:output:0"
+    const = {suffix: _add_const(fdef, f"{name}/pkm_{suffix}", value, kind) for suffix, value, kind in (
+        ("row_scales", scales, f32), ("row_biases", biases, f32), ("axis", 0, types_pb2.DT_INT32),
+        ("last", -1, types_pb2.DT_INT32))}
     per_row = []
     for suffix in ("row_scales", "row_biases"):
         g = _add_node(fdef, f"{name}/pkm_{suffix}_of_ids", "GatherV2", [const[suffix], ids, const["axis"]] + control,
@@ -343,16 +346,8 @@ def _dequantize_gather(body: Body, node, scales, biases) -> None:
 
 
 def _quantize_site(body: Body, node, scales, biases) -> None:
-    import tensorflow as tf
-
-    consts = []
-    for suffix, value in (("row_scales", scales), ("row_biases", biases)):
-        const = body.fdef.node_def.add() if body.fdef is not None else None
-        const.name = f"{node.name}/pkm_{suffix}"
-        const.op = "Const"
-        const.attr["dtype"].type = types_pb2.DT_FLOAT
-        const.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value))
-        consts.append(f"{const.name}:output:0")
+    consts = [_add_const(body.fdef, f"{node.name}/pkm_{suffix}", value, types_pb2.DT_FLOAT)
+              for suffix, value in (("row_scales", scales), ("row_biases", biases))]
     inputs = list(node.input)
     data_inputs = [r for r in inputs if not r.startswith("^")]
     control = [r for r in inputs if r.startswith("^")]
