@@ -374,6 +374,20 @@ std::string Printable(const std::string& bytes) {
   }
   return text;
 }
+
+// Keys the kernel reads, and keys it accepts without reading: the converter
+// writes every TF attr of the node, i.e. the type attrs ("T", "Tindices",
+// "Tsplits"; TF names them with a capital) and, for graphs converted without
+// the op registered, TF-internal ones such as "_output_shapes".
+constexpr const char* kReadOptions[] = {"combiner", "has_weights"};
+bool IsReadOption(const std::string& key) {
+  for (const char* known : kReadOptions)
+    if (key == known) return true;
+  return false;
+}
+bool IsIgnoredTfAttr(const std::string& key) {
+  return !key.empty() && ((key[0] >= 'A' && key[0] <= 'Z') || key[0] == '_');
+}
 }  // namespace
 
 bool ParseOpOptions(const void* data, size_t size, OpOptions* options, std::string* error) {
@@ -381,6 +395,15 @@ bool ParseOpOptions(const void* data, size_t size, OpOptions* options, std::stri
   if (data == nullptr || size == 0) return true;
   FlexbufferMap map;
   if (!map.Parse(static_cast<const uint8_t*>(data), size, error)) return false;
+  // A misspelt option (say "combinr") would otherwise run the default silently.
+  for (const auto& e : map.entries()) {
+    if (IsReadOption(e.key) || IsIgnoredTfAttr(e.key)) continue;
+    *error = "unknown custom_options key '" + Printable(e.key) + "'; accepted:";
+    for (const char* known : kReadOptions) *error += std::string(" '") + known + "',";
+    *error += " and TF attrs (capitalised type attrs such as 'T', 'Tindices', 'Tsplits', "
+              "or names starting with '_')";
+    return false;
+  }
   if (const auto* e = map.Find("combiner")) {
     if (e->kind != FlexbufferMap::Kind::kString) {
       *error = "custom_options 'combiner' must be a string";

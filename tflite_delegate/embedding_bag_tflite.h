@@ -30,8 +30,10 @@ struct OpOptions {
 };
 
 // Reads the converter's flexbuffer map of TF attrs (keys "combiner",
-// "has_weights"; "T"/"Tindices" are implied by the tensors). An empty buffer
-// means the defaults. Returns false with a message for anything malformed.
+// "has_weights"; type attrs such as "T"/"Tindices" are implied by the tensors
+// and skipped, as are "_"-prefixed TF attrs). An empty buffer means the
+// defaults. Returns false with a message for anything malformed, including
+// any other key (a misspelt option).
 bool ParseOpOptions(const void* data, size_t size, OpOptions* options,
                     std::string* error);
 

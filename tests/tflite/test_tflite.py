@@ -285,6 +285,11 @@ MALFORMED = {
     "combiner not a string": (lambda m, s: setattr(m.subgraphs[0].operators[0], "customOptions",
                                                    np.frombuffer(_options({"combiner": 3}), np.uint8)),
                               "'combiner' must be a string"),
+    # A misspelt key ran the default combiner ('sum') silently.
+    "misspelt combiner key": (lambda m, s: setattr(m.subgraphs[0].operators[0], "customOptions",
+                                                   np.frombuffer(_options({"T": 0, "Tindices": 2,
+                                                                           "combinr": "mean"}), np.uint8)),
+                              "unknown custom_options key 'combinr'; accepted: 'combiner', 'has_weights',"),
 }
 
 
@@ -308,6 +313,21 @@ def test_malformed_models_fail_with_a_message(case, tmp_path):
                     it.set_tensor(d["index"], x.astype(d["dtype"]))
                 it.invoke()
         assert message in str(err.value), (interp, str(err.value))
+
+
+def test_tf_attrs_the_kernel_does_not_read_are_accepted(tmp_path):
+    # The converter writes every TF attr of the node: type attrs (capitalised) and, for a
+    # graph converted without the op registered, "_"-prefixed ones such as _output_shapes.
+    opts = _options({"T": 0, "Tindices": 2, "Tweights": 0, "_output_shapes": [[-1, D]],
+                     "_class": "loc:@x", "combiner": "mean", "has_weights": True})
+    model = tflite.build_embedding_bag_model(TABLE, K, custom_options=opts)
+    path = tmp_path / "attrs.tflite"
+    path.write_bytes(model)
+    idx, w = bags(4)
+    for interp in ALL_INTERPRETERS:
+        (out,) = run_in(interp, str(path), [idx, w], tmp_path)
+        np.testing.assert_allclose(out, embedding_bag(TABLE, idx, w, "mean"), rtol=1e-5, atol=1e-5,
+                                   err_msg=interp)
 
 
 def test_zero_sized_tensors(tmp_path):
