@@ -2,11 +2,12 @@
 
     python packaging/build_keras_wheel.py [--dist dist] [--stage build/wheel/keras]
 
-Stages pkm_serve/{__init__,product_keys,tflite}.py, pkm_serve/layers (without the
+Stages pkm_serve/{__init__,product_keys}.py, pkm_serve/layers (without the
 TF-only recall_task), pkm_serve/backends and the TF-free libraries (a manylinux wheel, `auditwheel repair` grafting nothing): always
 libpkm_xla_cpu.so (JAX) and libpkm_capi_cpu.so (PyTorch); libpkm_xla_gpu.so and
 libpkm_cuda.so when `make gpu` built them (CUDA: cudart static, the driver at run
 time). Then checks that no packed library needs a TensorFlow library.
+No pkm_serve/tflite.py: its delegate (libpkm_tflite.so) is the TF and device wheels'.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "pkm_serve")
-MODULES = ("__init__.py", "product_keys.py", "tflite.py")
+MODULES = ("__init__.py", "product_keys.py")
 LAYER_MODULES = ("__init__.py", "_lookup.py", "_optimizer_placeholders.py", "embedding_bag.py",
                  "product_key_memory.py")
 CPU_LIBS = ("libpkm_xla_cpu.so", "libpkm_capi_cpu.so")

@@ -1,0 +1,37 @@
+"""What packaging/build_keras_wheel.py stages for the TF-free Keras wheel (no wheel is
+built: the staged tree is what `python -m build` packs). Installing and running the
+wheel under JAX / PyTorch is tests/backends/test_keras_wheel.py."""
+import os
+import re
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _builder():
+    sys.path.insert(0, os.path.join(ROOT, "packaging"))
+    try:
+        import build_keras_wheel
+    finally:
+        sys.path.pop(0)
+    return build_keras_wheel
+
+
+def test_every_library_a_staged_module_loads_is_packed(tmp_path):
+    # The wheel shipped pkm_serve/tflite.py without libpkm_tflite.so, the delegate it loads.
+    builder = _builder()
+    stage = tmp_path / "stage"
+    packed = set(builder.stage_tree(str(stage)))
+    named = {}
+    for dirpath, _, files in os.walk(stage / "pkm_serve"):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                for lib in re.findall(r"lib\w+\.so", open(path).read()):
+                    named.setdefault(lib, set()).add(os.path.relpath(path, stage))
+    # The CUDA libraries are packed only where `make gpu` built them.
+    missing = {lib: sorted(mods) for lib, mods in named.items()
+               if lib not in packed and lib not in builder.CUDA_LIBS}
+    assert not missing, f"staged modules name libraries the Keras wheel does not pack: {missing}"
+    assert not (stage / "pkm_serve" / "tflite.py").exists()
+    assert {"jax_ops.py", "torch_ops.py"} <= set(os.listdir(stage / "pkm_serve" / "backends"))
