@@ -22,7 +22,8 @@ KERAS_WHEEL := $(DIST)/pkm_serve_keras-$(shell sed -n 's/^version = "\(.*\)"/\1/
 KERAS_WHEEL_LIBS := $(XLA_CPU_TARGETS_LIB) $(PKM_CAPI_CPU_LIB) $(wildcard $(XLA_GPU_TARGETS_LIB) $(PKM_CUDA_LIB))
 $(KERAS_WHEEL): $(PACKAGING_STAMP) $(KERAS_WHEEL_LIBS) $(shell find pkm_serve/backends pkm_serve/layers \
 		-name '*.py' 2>/dev/null) pkm_serve/__init__.py pkm_serve/product_keys.py \
-		packaging/keras/pyproject.toml packaging/tf_free_wheel_setup.py packaging/build_keras_wheel.py
+		packaging/keras/pyproject.toml packaging/tf_free_wheel_setup.py packaging/build_keras_wheel.py \
+		packaging/build_wheels.py
 	$(PY) packaging/build_keras_wheel.py --dist $(DIST)
 
 wheel-keras: $(KERAS_WHEEL)

