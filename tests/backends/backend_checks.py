@@ -248,6 +248,47 @@ def check_ragged_splits():
     print(json.dumps({"ragged_splits": "ok"}))
 
 
+def check_zero_sized():
+    """A [N, 0] table takes an index >= N, and ragged bags with no bags row_splits [0] beside values,
+    with the kernel's error, eager and jitted: JAX had no error (XLA replaced the zero-sized custom
+    call by a constant). Valid ids give [B, 0] and a [N, 0] gradient. CPU only (the GPU reads such
+    an index as padding)."""
+    rt = runtime()
+    assert DEVICE == "cpu", "check_zero_sized checks the CPU's index error"
+    table = rt.tensor(np.zeros((N, 0)), "float32")
+    lookup = lambda t, i, s=None: rt.ops.embedding_bag(t, i, None, "sum", s)  # noqa: E731
+    if BACKEND == "jax":
+        runs = {"eager": lookup, "jit": rt.jax.jit(lookup),
+                "grad": rt.jax.jit(rt.jax.grad(lambda t, i, s=None: lookup(t, i, s).sum()))}
+    else:
+        def grad(t, i, s=None):
+            t = t.clone().requires_grad_(True)
+            lookup(t, i, s).sum().backward()
+            return t.grad
+
+        runs = {"eager": lookup, "grad": grad}
+    cases = [((rt.tensor([[1, -1], [0, N]], "int32"),), f"indices[3] = {N} is out of range [0, {N})"),
+             ((rt.tensor([1, N, 2], "int32"), rt.tensor([0, 2, 3], "int32")),
+              f"indices[1] = {N} is out of range [0, {N})")]
+    for name, run in runs.items():
+        got = rt.numpy(run(table, rt.tensor([[1, -1], [0, N - 1]], "int32")))
+        assert got.shape == ((N, 0) if name == "grad" else (2, 0)), f"{name}: {got.shape}"
+        for args, message in cases:
+            try:
+                run(table, *args)
+            except Exception as err:  # noqa: BLE001 - XLA's runtime error (JAX), ValueError (PyTorch)
+                assert message in str(err), f"{name}: {err!r}"
+            else:
+                raise AssertionError(f"{name}: a [N, 0] table took {message}")
+        try:  # no bags: the [0, D] result is zero-sized too
+            run(rt.tensor(np.zeros((N, D)), "float32"), rt.tensor([1, 2], "int32"), rt.tensor([0], "int32"))
+        except Exception as err:  # noqa: BLE001
+            assert "row_splits[-1] = 0 must equal the number of values (2)" in str(err), f"{name}: {err!r}"
+        else:
+            raise AssertionError(f"{name}: row_splits [0] beside 2 values was accepted")
+    print(json.dumps({"zero_sized": "ok"}))
+
+
 def check_transforms():
     """jit/vmap (JAX) and opcheck + torch.compile (PyTorch) keep the numbers."""
     rt = runtime()
@@ -545,7 +586,8 @@ def _check_tf_export(model, expected, directory):
 
 CHECKS = {"ops": check_ops, "errors": check_errors, "transforms": check_transforms, "no_tf": check_no_tf,
           "fit": check_fit, "memory": check_memory, "memory_composite": check_memory_composite, "ties": check_ties,
-          "mask": check_mask, "ragged_splits": check_ragged_splits}
+          "mask": check_mask, "ragged_splits": check_ragged_splits,
+          "zero_sized": check_zero_sized}
 
 def main(args):
     """Runs the named checks in order; `save`/`load`/`load_tf_training` take two arguments (the

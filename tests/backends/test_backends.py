@@ -110,6 +110,17 @@ def test_composite_refuses_bad_row_splits_like_the_kernels(backend):
     assert got["ragged_splits"] == "ok", got
 
 
+@pytest.mark.parametrize("backend", ["jax"])
+def test_zero_sized_results_still_check_ids(backend):
+    """A [N, 0] table with an index >= N (and ragged row_splits [0] beside values) fails with the
+    kernel's message eagerly, under jax.jit and in the gradient, as on TF (JAX gave no error:
+    XLA dropped the zero-sized custom call)."""
+    if not installed(backend):
+        pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
+    got = finish(start(backend, ["zero_sized"]), f"{backend} zero_sized")
+    assert got["zero_sized"] == "ok", got
+
+
 def test_tied_scores_pick_the_same_slots_on_every_backend():
     """Exactly tied key scores: TF (eager and XLA), JAX and PyTorch pick the lowest slots, as the
     float64 reference does (top_k(sorted=False) kept other tied slots on each)."""
