@@ -251,8 +251,9 @@ def check_ragged_splits():
 def check_zero_sized():
     """A [N, 0] table takes an index >= N, and ragged bags with no bags row_splits [0] beside values,
     with the kernel's error, eager and jitted: JAX had no error (XLA replaced the zero-sized custom
-    call by a constant). Valid ids give [B, 0] and a [N, 0] gradient. CPU only (the GPU reads such
-    an index as padding)."""
+    call by a constant), PyTorch said "forward: out is null" (an empty tensor's data_ptr), for valid
+    ids too. Valid ids give [B, 0] and a [N, 0] gradient, no bags [0, D]. CPU only (the GPU reads
+    such an index as padding)."""
     rt = runtime()
     assert DEVICE == "cpu", "check_zero_sized checks the CPU's index error"
     table = rt.tensor(np.zeros((N, 0)), "float32")
@@ -280,8 +281,11 @@ def check_zero_sized():
                 assert message in str(err), f"{name}: {err!r}"
             else:
                 raise AssertionError(f"{name}: a [N, 0] table took {message}")
+        full = rt.tensor(np.ones((N, D)), "float32")
+        got = rt.numpy(run(full, rt.tensor(np.zeros([0]), "int32"), rt.tensor([0], "int32")))
+        assert got.shape == ((N, D) if name == "grad" else (0, D)) and not got.any(), f"{name} no bags: {got}"
         try:  # no bags: the [0, D] result is zero-sized too
-            run(rt.tensor(np.zeros((N, D)), "float32"), rt.tensor([1, 2], "int32"), rt.tensor([0], "int32"))
+            run(full, rt.tensor([1, 2], "int32"), rt.tensor([0], "int32"))
         except Exception as err:  # noqa: BLE001
             assert "row_splits[-1] = 0 must equal the number of values (2)" in str(err), f"{name}: {err!r}"
         else:
