@@ -33,6 +33,7 @@ scaling, amsgrad) are refused for fused tables.
 from __future__ import annotations
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from pkm_serve import _copy_on_write, _fused_update
@@ -130,6 +131,20 @@ class LazyAdam(keras.optimizers.Adam):
         _scatter_update(variable, rows, new_rows)
 
 
+def _check_adagrad_hyperparameters(initial_accumulator_value, epsilon):
+    """ValueError for values that make the update NaN. Runs in __init__, so from_config and
+    deserialize refuse them too; the fused op reads the same values and repeats only epsilon >= 0."""
+    for name, value in (("initial_accumulator_value", initial_accumulator_value), ("epsilon", epsilon)):
+        if not float(value) >= 0:  # NaN fails too
+            raise ValueError(f"RowwiseAdagrad: {name} must be >= 0, got {value}")
+    # Compared in float32, the precision of the update (1e-50 is 0 there).
+    if np.float32(initial_accumulator_value) == 0 and np.float32(epsilon) == 0:
+        raise ValueError(
+            f"RowwiseAdagrad: initial_accumulator_value={initial_accumulator_value} with epsilon={epsilon} (both 0 "
+            "in float32) gives NaN rows (0 / sqrt(0) for a row whose first gradient is 0); make "
+            "initial_accumulator_value > 0 (TF1 Adagrad's rule) or epsilon > 0 (Keras Adagrad's)")
+
+
 @keras.saving.register_keras_serializable(package="pkm_serve")
 class RowwiseAdagrad(keras.optimizers.Optimizer):
     """Adagrad with one accumulator per row of each variable of rank >= 2
@@ -142,7 +157,9 @@ class RowwiseAdagrad(keras.optimizers.Optimizer):
 
     Args:
         learning_rate, initial_accumulator_value, epsilon: as
-            ``keras.optimizers.Adagrad``. The rest as ``keras.optimizers.Optimizer``.
+            ``keras.optimizers.Adagrad``; both >= 0 and not both 0 (a touched
+            row whose accumulator is still 0 and whose gradient is 0 would
+            divide 0 by 0). The rest as ``keras.optimizers.Optimizer``.
     """
 
     def __init__(self, learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-7,
@@ -150,6 +167,7 @@ class RowwiseAdagrad(keras.optimizers.Optimizer):
                  use_ema=False, ema_momentum=0.99, ema_overwrite_frequency=None,
                  loss_scale_factor=None, gradient_accumulation_steps=None,
                  name="rowwise_adagrad", **kwargs):
+        _check_adagrad_hyperparameters(initial_accumulator_value, epsilon)
         super().__init__(learning_rate=learning_rate, name=name, weight_decay=weight_decay,
                          clipnorm=clipnorm, clipvalue=clipvalue, global_clipnorm=global_clipnorm,
                          use_ema=use_ema, ema_momentum=ema_momentum,

@@ -68,7 +68,9 @@ int pkm_capi_has_cuda(void) {
 
 int pkm_cpu_forward(const PkmBags* in, void* out, int reference, char* err, size_t err_len) {
   return OnCore(in, err, err_len, [&](const pkm::Table& table, const pkm::Bags& bags, pkm::Combiner combiner) {
-    if (out == nullptr) return pkm::Status::Error("forward: out is null");  // the CUDA entry points' messages
+    // An output of no elements may be null (an empty torch tensor's data_ptr): nothing is written to it.
+    if (out == nullptr && bags.num_bags > 0 && table.dim > 0)
+      return pkm::Status::Error("forward: out is null");  // the CUDA entry points' messages
     // Outputs share the table's type; an int8 table's are float32.
     const pkm::ElemType out_type = table.type == pkm::ElemType::kInt8 ? pkm::ElemType::kFloat32 : table.type;
     return reference ? pkm::ReferenceForward(table, bags, combiner, out, out_type)
@@ -79,7 +81,8 @@ int pkm_cpu_forward(const PkmBags* in, void* out, int reference, char* err, size
 int pkm_cpu_backward(const PkmBags* in, const void* grad_out, void* d_table, void* d_weights,
                      int reference, char* err, size_t err_len) {
   return OnCore(in, err, err_len, [&](const pkm::Table& table, const pkm::Bags& bags, pkm::Combiner combiner) {
-    if (grad_out == nullptr) return pkm::Status::Error("backward: grad_out is null");
+    if (grad_out == nullptr && bags.num_bags > 0 && table.dim > 0)
+      return pkm::Status::Error("backward: grad_out is null");
     return reference ? pkm::ReferenceBackward(table, bags, combiner, grad_out, table.type, d_table, table.type,
                                               d_weights)
                      : pkm::Backward(table, bags, combiner, grad_out, table.type, d_table, table.type, d_weights,

@@ -26,6 +26,8 @@ PKM_CUDA_API int pkm_capi_has_cuda(void);
 // PKM_OUT_OF_RANGE_IS_PADDING; `reference` = 1 runs the slow obviously-correct
 // core version, which implements every policy (the GPU tests' reference).
 // out is of the table's elem_type; float32 for an int8 (PKM_INT8) table.
+// out and grad_out may be NULL when they have no elements (num_bags or dim 0,
+// as an empty torch tensor's data_ptr); the ids are checked all the same.
 PKM_CUDA_API int pkm_cpu_forward(const PkmBags* bags, void* out, int reference, char* err, size_t err_len);
 PKM_CUDA_API int pkm_cpu_backward(const PkmBags* bags, const void* grad_out, void* d_table, void* d_weights,
                      int reference, char* err, size_t err_len);

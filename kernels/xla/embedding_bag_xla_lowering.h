@@ -89,14 +89,26 @@ inline ::tensorflow::Status RowMajorShapes(::tensorflow::XlaOpKernelContext* ctx
   return ::tensorflow::Status();
 }
 
-// One typed-FFI custom call of `target` with the op's attributes.
+// True when every array in `shape` has no elements.
+inline bool AllZeroSized(const xla::Shape& shape) {
+  if (!shape.IsTuple()) return xla::ShapeUtil::IsZeroElementArray(shape);
+  for (const xla::Shape& element : shape.tuple_shapes())
+    if (!AllZeroSized(element)) return false;
+  return true;
+}
+
+// One typed-FFI custom call of `target` with the op's attributes. XLA replaces
+// a call whose results are all zero-sized (a [N, 0] table, no bags) by
+// constants, which would skip the kernel's index and row_splits checks; such a
+// call is marked side-effecting so that it runs and fails as at any other size.
 inline xla::XlaOp CallTarget(::tensorflow::XlaOpKernelContext* ctx, const char* target, const ::pkm_tf::OpAttrs& attrs,
                              const std::vector<xla::XlaOp>& operands, const std::vector<xla::Shape>& operand_shapes,
                              const xla::Shape& result) {
   const std::string config = "{combiner = " + std::to_string(static_cast<int>(attrs.combiner)) +
                              " : i32, has_weights = " + std::to_string(attrs.has_weights ? 1 : 0) + " : i32}";
   return xla::CustomCallWithLayout(ctx->builder(), target, operands, result, operand_shapes, config,
-                                   /*has_side_effect=*/false, /*output_operand_aliasing=*/{}, /*literal=*/nullptr,
+                                   /*has_side_effect=*/AllZeroSized(result), /*output_operand_aliasing=*/{},
+                                   /*literal=*/nullptr,
                                    xla::CustomCallSchedule::SCHEDULE_NONE,
                                    xla::CustomCallApiVersion::API_VERSION_TYPED_FFI);
 }

@@ -33,6 +33,24 @@ MAX_WITH_WEIGHTS_ERROR = ("combiner 'max' takes no weights (as torch's embedding
                           "per_sample_weights): pass weights=None")
 
 
+def row_splits_error(row_splits, num_values):
+    """The core's message for host row_splits [B+1] that do not split `num_values` values
+    (ValidateLayout in kernels/core/embedding_bag.cc, same checks in the same order), or None."""
+    import numpy as np
+
+    splits = np.asarray(row_splits, np.int64).reshape(-1)
+    if splits[0] != 0:
+        return f"row_splits[0] must be 0, got {splits[0]}"
+    down = np.flatnonzero(splits[1:] < splits[:-1])
+    if down.size:
+        b = int(down[0])
+        return (f"row_splits must be non-decreasing: row_splits[{b + 1}] = {splits[b + 1]} < "
+                f"row_splits[{b}] = {splits[b]}")
+    if splits[-1] != num_values:
+        return f"row_splits[-1] = {splits[-1]} must equal the number of values ({num_values})"
+    return None
+
+
 class NativeLibraryUnavailableError(ImportError):
     """The backend's native library for this device is not built or not shipped."""
 

@@ -5,11 +5,22 @@ TPU): it materialises the [..., K, D] gather, so it costs K times the output's
 memory in forward and backward. Semantics as the kernels': a negative index is
 padding (adds nothing, not counted by mean/sqrtn), a zero denominator gives 0,
 accumulation in float32, the result in the table's dtype.
+
+Ragged bags (values [V] + row_splits [B+1]) are refused as the kernels refuse
+them: row_splits int32/int64 of shape [B+1] beside values [V], and, where
+row_splits' values are known (eager; a numpy array; a constant under jax.jit
+or tf.function), 0 first, non-decreasing and V last, each a ValueError with
+the core's message. Traced row_splits (jax.jit, torch.compile, tf.function,
+Keras' symbolic build) cannot be checked; there a value before row_splits[0]
+or from row_splits[-1] on is dropped (no bag has it), and decreasing
+row_splits give bags that are not their ranges (searchsorted of an unsorted
+vector): no error, wrong bags.
 """
 
 from __future__ import annotations
 
 import keras
+import numpy as np
 from keras import ops
 
 
@@ -17,6 +28,8 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", row_s
     """params [N, D]; indices [..., K] (or values [V] with row_splits [B+1]) -> [..., D]."""
     if combiner not in ("sum", "mean", "sqrtn", "max"):
         raise ValueError(f"combiner must be one of ('sum', 'mean', 'sqrtn', 'max'), got {combiner!r}")
+    if row_splits is not None:
+        row_splits = _checked_row_splits(indices, row_splits)
     if combiner == "max":
         return _max_composite(params, indices, weights, row_splits)
     keep = ops.cast(ops.greater_equal(indices, 0), "float32")
@@ -59,6 +72,46 @@ def _max_composite(params, indices, weights, row_splits):
         nonempty = ops.segment_sum(count, bag_of, num_segments=num_bags) > 0
     out = ops.where(nonempty[..., None], top, ops.zeros_like(top))
     return ops.cast(out, keras.backend.standardize_dtype(params.dtype))
+
+
+def _checked_row_splits(values, row_splits):
+    """row_splits as a tensor, after the kernels' checks (see the module docstring)."""
+    from pkm_serve.backends._native import row_splits_error
+
+    host = _host_values(row_splits)
+    row_splits = ops.convert_to_tensor(row_splits)
+    dtype = keras.backend.standardize_dtype(row_splits.dtype)
+    if dtype not in ("int32", "int64"):
+        raise TypeError(f"row_splits must be int32 or int64, got {dtype}")
+    if len(values.shape) != 1 or len(row_splits.shape) != 1 or row_splits.shape[0] < 1:
+        raise ValueError("ragged bags need values [V] and row_splits [B+1] vectors, got "
+                         f"{tuple(values.shape)} and {tuple(row_splits.shape)}")
+    message = None if host is None else row_splits_error(host, values.shape[0])
+    if message is not None:
+        raise ValueError(message)
+    return row_splits
+
+
+def _host_values(x):
+    """x as a numpy array where its values are known now, else None (traced)."""
+    if isinstance(x, (np.ndarray, np.generic, list, tuple)):
+        return np.asarray(x)
+    backend = keras.backend.backend()
+    if backend == "jax":
+        import jax
+
+        return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+    if backend == "torch":
+        import torch
+
+        if torch.compiler.is_compiling() or x.device.type == "meta":
+            return None
+        return x.detach().cpu().numpy()
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return tf.get_static_value(x)  # None for a graph tensor that is not a constant
+    return None
 
 
 def _safe_divide(total, denom):

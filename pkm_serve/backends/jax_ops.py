@@ -139,7 +139,10 @@ def _warn_composite():
 
 
 def _call(target, results, *operands, code, has_weights):
-    return jax.ffi.ffi_call(target, results, vmap_method="sequential")(
+    # XLA replaces a call whose results are all zero-sized (a [N, 0] table, no bags) by constants, and the
+    # ids would go unchecked; a side effect keeps the call, so an index >= N fails as for any other shape.
+    zero_sized = all(0 in r.shape for r in (results if isinstance(results, tuple) else (results,)))
+    return jax.ffi.ffi_call(target, results, vmap_method="sequential", has_side_effect=zero_sized)(
         *operands, combiner=np.int32(code), has_weights=np.int32(has_weights))
 
 

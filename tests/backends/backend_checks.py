@@ -189,6 +189,110 @@ def check_errors():
     print(json.dumps({"errors": "ok"}))
 
 
+BAD_ROW_SPLITS = {  # row_splits for values [1, 2, 3] -> the core's message (kernels/core/embedding_bag.cc)
+    (1, 2, 3): "row_splits[0] must be 0, got 1",
+    (0, 3, 2, 3): "row_splits must be non-decreasing: row_splits[2] = 2 < row_splits[1] = 3",
+    (0, 1, 2): "row_splits[-1] = 2 must equal the number of values (3)",
+    (0, 1, 4): "row_splits[-1] = 4 must equal the number of values (3)",
+}
+
+
+def check_ragged_splits():
+    """The keras.ops composite refuses bad row_splits with the fused kernel's message (it read them
+    unchecked: a value outside the splits was dropped, decreasing splits made other bags); traced
+    row_splits are not checked, and do what the composite's docstring says."""
+    from pkm_serve.backends.composite import embedding_bag_composite as composite
+
+    rt = runtime()
+    table64 = np.arange(20, dtype=np.float64).reshape(5, 4)
+    table = rt.tensor(table64, "float32")
+    values = rt.tensor([1, 2, 3], "int32")
+    for splits, message in BAD_ROW_SPLITS.items():
+        for name, lookup in (("fused", rt.ops.embedding_bag), ("composite", composite)):
+            for combiner in ("sum", "max"):
+                try:
+                    lookup(table, values, None, combiner, rt.tensor(splits, "int32"))
+                except Exception as err:  # noqa: BLE001 - the fused one fails through XLA (JAX) or ctypes
+                    assert message in str(err), f"{name} {combiner} row_splits {splits}: {err!r}"
+                    assert name == "fused" or isinstance(err, ValueError), f"{name}: {err!r}"
+                else:
+                    raise AssertionError(f"{name} {combiner} accepted row_splits {splits}")
+    for splits, error, message in (([0.0, 1.0, 3.0], TypeError, "row_splits must be int32 or int64"),
+                                   ([[0, 1, 3]], ValueError, "ragged bags need values [V] and row_splits [B+1]")):
+        try:
+            composite(table, values, None, "sum", np.array(splits))
+            raise AssertionError(f"the composite accepted row_splits {splits}")
+        except error as err:
+            assert message in str(err), err
+    # Good row_splits (an empty bag, a padding value) still match the reference.
+    bags = [[1, 4], [], [-1, 3, 0]]
+    ragged = (rt.tensor([1, 4, -1, 3, 0], "int32"), rt.tensor([0, 2, 2, 5], "int32"))
+    for combiner in ("sum", "mean", "max"):
+        want = bag_forward_backward(table64, bags, None, combiner, np.zeros((3, 4)))[0]
+        assert_close(rt.numpy(composite(table, ragged[0], None, combiner, ragged[1])), want, "float32",
+                     f"composite ragged {combiner}")
+    # Traced row_splits (the values unknown while tracing) are not checked: a value before
+    # row_splits[0] or from row_splits[-1] on is dropped. A constant row_splits is checked under jit.
+    if BACKEND == "jax":
+        traced = rt.jax.jit(lambda t, s: composite(t, values, None, "sum", s))
+        try:
+            rt.jax.jit(lambda t: composite(t, values, None, "sum", np.array([0, 1, 2], np.int32)))(table)
+            raise AssertionError("jit with constant bad row_splits was accepted")
+        except ValueError as err:
+            assert BAD_ROW_SPLITS[(0, 1, 2)] in str(err), err
+    else:
+        traced = rt.torch.compile(lambda t, s: composite(t, values, None, "sum", s), fullgraph=True)
+    for splits, kept in (((1, 2, 3), [[2], [3]]), ((0, 1, 2), [[1], [2]])):
+        want = bag_forward_backward(table64, kept, None, "sum", np.zeros((2, 4)))[0]
+        assert_close(rt.numpy(traced(table, rt.tensor(splits, "int32"))), want, "float32", f"traced {splits}")
+    print(json.dumps({"ragged_splits": "ok"}))
+
+
+def check_zero_sized():
+    """A [N, 0] table takes an index >= N, and ragged bags with no bags row_splits [0] beside values,
+    with the kernel's error, eager and jitted: JAX had no error (XLA replaced the zero-sized custom
+    call by a constant), PyTorch said "forward: out is null" (an empty tensor's data_ptr), for valid
+    ids too. Valid ids give [B, 0] and a [N, 0] gradient, no bags [0, D]. CPU only (the GPU reads
+    such an index as padding)."""
+    rt = runtime()
+    assert DEVICE == "cpu", "check_zero_sized checks the CPU's index error"
+    table = rt.tensor(np.zeros((N, 0)), "float32")
+    lookup = lambda t, i, s=None: rt.ops.embedding_bag(t, i, None, "sum", s)  # noqa: E731
+    if BACKEND == "jax":
+        runs = {"eager": lookup, "jit": rt.jax.jit(lookup),
+                "grad": rt.jax.jit(rt.jax.grad(lambda t, i, s=None: lookup(t, i, s).sum()))}
+    else:
+        def grad(t, i, s=None):
+            t = t.clone().requires_grad_(True)
+            lookup(t, i, s).sum().backward()
+            return t.grad
+
+        runs = {"eager": lookup, "grad": grad}
+    cases = [((rt.tensor([[1, -1], [0, N]], "int32"),), f"indices[3] = {N} is out of range [0, {N})"),
+             ((rt.tensor([1, N, 2], "int32"), rt.tensor([0, 2, 3], "int32")),
+              f"indices[1] = {N} is out of range [0, {N})")]
+    for name, run in runs.items():
+        got = rt.numpy(run(table, rt.tensor([[1, -1], [0, N - 1]], "int32")))
+        assert got.shape == ((N, 0) if name == "grad" else (2, 0)), f"{name}: {got.shape}"
+        for args, message in cases:
+            try:
+                run(table, *args)
+            except Exception as err:  # noqa: BLE001 - XLA's runtime error (JAX), ValueError (PyTorch)
+                assert message in str(err), f"{name}: {err!r}"
+            else:
+                raise AssertionError(f"{name}: a [N, 0] table took {message}")
+        full = rt.tensor(np.ones((N, D)), "float32")
+        got = rt.numpy(run(full, rt.tensor(np.zeros([0]), "int32"), rt.tensor([0], "int32")))
+        assert got.shape == ((N, D) if name == "grad" else (0, D)) and not got.any(), f"{name} no bags: {got}"
+        try:  # no bags: the [0, D] result is zero-sized too
+            run(full, rt.tensor([1, 2], "int32"), rt.tensor([0], "int32"))
+        except Exception as err:  # noqa: BLE001
+            assert "row_splits[-1] = 0 must equal the number of values (2)" in str(err), f"{name}: {err!r}"
+        else:
+            raise AssertionError(f"{name}: row_splits [0] beside 2 values was accepted")
+    print(json.dumps({"zero_sized": "ok"}))
+
+
 def check_transforms():
     """jit/vmap (JAX) and opcheck + torch.compile (PyTorch) keep the numbers."""
     rt = runtime()
@@ -486,7 +590,8 @@ def _check_tf_export(model, expected, directory):
 
 CHECKS = {"ops": check_ops, "errors": check_errors, "transforms": check_transforms, "no_tf": check_no_tf,
           "fit": check_fit, "memory": check_memory, "memory_composite": check_memory_composite, "ties": check_ties,
-          "mask": check_mask}
+          "mask": check_mask, "ragged_splits": check_ragged_splits,
+          "zero_sized": check_zero_sized}
 
 def main(args):
     """Runs the named checks in order; `save`/`load`/`load_tf_training` take two arguments (the

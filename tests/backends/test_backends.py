@@ -99,6 +99,28 @@ def test_keras_file_moves_between_backends(runs):
                                    err_msg=f"mixed_bfloat16, saved under {src}, loaded under {dst}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_composite_refuses_bad_row_splits_like_the_kernels(backend):
+    """The keras.ops composite raises the fused kernel's ValueError for row_splits that do not
+    start at 0, decrease or do not end at the number of values (it read them unchecked); traced
+    row_splits (jax.jit, torch.compile) drop values outside them, as its docstring says."""
+    if not installed(backend):
+        pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
+    got = finish(start(backend, ["ragged_splits"]), f"{backend} ragged_splits")
+    assert got["ragged_splits"] == "ok", got
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_sized_results_still_check_ids(backend):
+    """A [N, 0] table with an index >= N (and ragged row_splits [0] beside values) fails with the
+    kernel's message eagerly, under jax.jit and in the gradient, as on TF (JAX gave no error:
+    XLA dropped the zero-sized custom call; PyTorch said "out is null", for valid ids too)."""
+    if not installed(backend):
+        pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
+    got = finish(start(backend, ["zero_sized"]), f"{backend} zero_sized")
+    assert got["zero_sized"] == "ok", got
+
+
 def test_tied_scores_pick_the_same_slots_on_every_backend():
     """Exactly tied key scores: TF (eager and XLA), JAX and PyTorch pick the lowest slots, as the
     float64 reference does (top_k(sorted=False) kept other tied slots on each)."""

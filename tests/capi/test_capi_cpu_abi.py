@@ -118,6 +118,40 @@ def test_null_output_and_gradient_buffers_are_errors(lib):
     assert err.value == b"sparse backward: grad_out is null"
 
 
+def test_null_buffers_of_no_elements_are_taken_and_ids_still_checked(lib):
+    """An empty torch tensor's data_ptr is null: a [N, 0] table's [B, 0] output and gradient, or no
+    bags' [0, D] ones, were refused as "out is null" (valid lookups too, and a bad id got that
+    message instead of its own). Such buffers are now taken; ids and row_splits are still checked."""
+    err = ctypes.create_string_buffer(256)
+    for reference in (0, 1):
+        zero_width = np.ones((5, 0), np.float32)
+        d_table = np.ones((5, 0), np.float32)
+        good_ids = np.array([[1, -1], [4, 0]], np.int64)
+        good = bags_for(zero_width, good_ids, None, "sum")
+        assert lib.pkm_cpu_forward(ctypes.byref(good), None, reference, err, len(err)) == 0, err.value
+        assert lib.pkm_cpu_backward(ctypes.byref(good), None, d_table.ctypes.data, None, reference, err,
+                                    len(err)) == 0, err.value
+        bad_ids = np.array([[1, 7]], np.int64)
+        bad = bags_for(zero_width, bad_ids, None, "sum")
+        assert lib.pkm_cpu_forward(ctypes.byref(bad), None, reference, err, len(err)) == -1
+        assert b"out of range" in err.value, err.value  # the reference words its errors its own way
+        if not reference:
+            assert err.value.startswith(b"indices[1] = 7 is out of range [0, 5)"), err.value
+        table = np.ones((5, 3), np.float32)
+        no_values, one_split = np.zeros([0], np.int64), np.array([0], np.int64)  # kept alive: bags point at them
+        no_bags = bags_for(table, no_values, None, "sum", one_split)
+        assert lib.pkm_cpu_forward(ctypes.byref(no_bags), None, reference, err, len(err)) == 0, err.value
+        d_table = np.full_like(table, 7.0)
+        assert lib.pkm_cpu_backward(ctypes.byref(no_bags), None, d_table.ctypes.data, None, reference, err,
+                                    len(err)) == 0, err.value
+        np.testing.assert_array_equal(d_table, 0)  # no bags: a zero gradient
+        values = np.array([1, 2], np.int64)
+        uncovered = bags_for(table, values, None, "sum", one_split)
+        assert lib.pkm_cpu_forward(ctypes.byref(uncovered), None, reference, err, len(err)) == -1
+        if not reference:
+            assert b"row_splits[-1] = 0 must equal the number of values (2)" in err.value, err.value
+
+
 def test_ctypes_mirror_matches_the_c_struct_layout(lib, monkeypatch):
     pkm_capi.check_layout(lib)  # PkmLib ran it too; explicit here
     size = ctypes.c_size_t()

@@ -132,6 +132,32 @@ def test_fused_refuses_gradient_options_and_round_trips_config():
     assert EmbeddingBag.from_config(layer.get_config()).fused_optimizer
 
 
+@pytest.mark.parametrize("initial, epsilon", [(0.0, 1e-7), (0.1, 0.0)])
+def test_fused_rowwise_adagrad_with_one_zero_hyperparameter_matches_reference(initial, epsilon):
+    """Both 0 is refused at construction (tests/ops/test_sparse_optimizers.py), so no fused table
+    gets it; one 0 is allowed: a row looked up with weight 0 (gradient 0) stays as it is and the
+    fused update equals the float64 reference."""
+    rng = np.random.default_rng(5)
+    bag = EmbeddingBag(20, 4, fused_optimizer=True, embeddings_initializer="glorot_uniform")
+    ids = np.array([[1, 2, 3], [4, 2, -1]], np.int64)
+    w = np.array([[1.0, 0.0, 0.5], [2.0, 0.0, 1.0]], np.float32)
+    bag(tf.constant(ids), tf.constant(w))
+    opt = RowwiseAdagrad(0.05, initial_accumulator_value=initial, epsilon=epsilon)
+    opt.build(bag.trainable_variables)
+    table = bag.embeddings.numpy()
+    d_out = rng.standard_normal((2, 4)).astype(np.float32)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(bag(tf.constant(ids), tf.constant(w)) * d_out)
+    grads = tape.gradient(loss, bag.trainable_variables)
+    assert grads[0].values.shape[0] == 0  # the backward applied the update
+    opt.apply_gradients(zip(grads, bag.trainable_variables))
+    want_t, (want_acc,), _ = fused_update("rowwise_adagrad", table, ids, w, "sum", d_out, (np.full(20, initial),),
+                                          lr=0.05, epsilon=epsilon)
+    np.testing.assert_allclose(bag.embeddings.numpy(), want_t, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(opt._accumulators[0].numpy(), want_acc, rtol=1e-6)
+    np.testing.assert_array_equal(bag.embeddings.numpy()[2], table[2])
+
+
 def test_the_update_happens_in_the_backward_and_no_table_gradient_is_formed():
     model = make_model(True)
     opt = LazyAdam(0.01)

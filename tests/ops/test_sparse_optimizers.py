@@ -107,6 +107,51 @@ def test_optimizer_configs_round_trip():
         assert keras.optimizers.deserialize(keras.optimizers.serialize(opt)).get_config() == opt.get_config()
 
 
+@pytest.mark.parametrize("hyper, match", [
+    (dict(initial_accumulator_value=0.0, epsilon=0.0), "initial_accumulator_value=0.0 with epsilon=0.0"),
+    (dict(initial_accumulator_value=0, epsilon=1e-50), "initial_accumulator_value=0 with epsilon=1e-50 .both 0"),
+    (dict(initial_accumulator_value=-0.1), "initial_accumulator_value must be >= 0"),
+    (dict(epsilon=-1e-7), "epsilon must be >= 0"),
+    (dict(epsilon=float("nan")), "epsilon must be >= 0"),
+])
+def test_rowwise_adagrad_refuses_hyperparameters_that_give_nan_rows(hyper, match):
+    """Both 0 wrote NaN into a touched row whose gradient was 0 (0 / sqrt(0)); refused in the
+    constructor, so a config saved with them is refused on load too."""
+    with pytest.raises(ValueError, match=match):
+        RowwiseAdagrad(0.1, **hyper)
+    saved = keras.optimizers.serialize(RowwiseAdagrad(0.1))
+    saved["config"].update(hyper)
+    with pytest.raises(ValueError, match=match):
+        RowwiseAdagrad.from_config(saved["config"])
+    with pytest.raises(ValueError, match=match):
+        keras.optimizers.deserialize(saved)
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("initial, epsilon", [(0.0, 1e-7), (0.1, 0.0)])
+def test_rowwise_adagrad_with_one_zero_hyperparameter_matches_reference(initial, epsilon, sparse):
+    """One of the two may be 0: a touched row with gradient 0 stays as it is (no NaN), the
+    others follow the float64 reference, and the config round-trips."""
+    rng = np.random.default_rng(4)
+    init = rng.standard_normal((N, D)).astype(np.float32)
+    var = keras.Variable(init)
+    opt = RowwiseAdagrad(0.1, initial_accumulator_value=initial, epsilon=epsilon)
+    w, acc = init.astype(np.float64), np.full(N, initial)
+    eps = float(np.float32(epsilon))
+    for _ in range(2):
+        rows, vals = np.array([1, 2, 5, 5]), rng.standard_normal((4, D))
+        vals[1] = 0  # row 2 is touched with gradient 0
+        touched, g = summed(rows, vals)
+        grad = (tf.IndexedSlices(tf.constant(vals, tf.float32), tf.constant(rows)) if sparse
+                else tf.constant(g, tf.float32))
+        opt.apply_gradients([(grad, var)])
+        acc[touched] += (g[touched] ** 2).mean(axis=1)
+        w[touched] -= 0.1 * g[touched] / np.sqrt(acc[touched] + eps)[:, None]
+        np.testing.assert_allclose(var.numpy(), w, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(var.numpy()[2], init[2])
+    assert RowwiseAdagrad.from_config(opt.get_config()).get_config() == opt.get_config()
+
+
 @pytest.mark.parametrize("optimizer", ["lazy_adam", "rowwise_adagrad"])
 def test_fit_with_sparse_gradient_layer_updates_only_touched_rows(optimizer):
     rng = np.random.default_rng(3)

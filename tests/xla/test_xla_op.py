@@ -154,6 +154,35 @@ def test_out_of_range_index_is_a_clear_error_under_xla():
         ragged(tf.constant([1, 2, 41], tf.int64), tf.constant([0, 1, 3], tf.int64))
 
 
+def test_zero_sized_results_still_check_ids_under_xla():
+    """XLA replaced a custom call whose results are all zero-sized by constants, so under jit_compile a
+    [N, 0] table took an index >= N, and ragged bags with no bags took row_splits [0] beside values,
+    without the error they get outside XLA; now both fail with the kernel's message."""
+    table = tf.zeros([N, 0])
+    fwd = tf.function(lambda i: ops.embedding_bag(table, i), jit_compile=True)
+    assert fwd(tf.constant([[0, 1], [-1, N - 1]])).shape == (2, 0)
+    for run in (lambda i: ops.embedding_bag(table, i), fwd):  # outside XLA it was an error already
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[3\] = 40 is out of range \[0, 40\)"):
+            run(tf.constant([[0, 1], [2, N]]))
+
+    @tf.function(jit_compile=True)
+    def d_table(i):  # the backward alone: d_table [N, 0], no d_weights
+        with tf.GradientTape() as tape:
+            tape.watch(table)
+            loss = tf.reduce_sum(ops.embedding_bag(table, i))
+        return tape.gradient(loss, table)
+
+    assert d_table(tf.constant([[0, 1]])).shape == (N, 0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[1\] = 40 is out of range"):
+        d_table(tf.constant([[0, N]]))
+    ragged = tf.function(lambda t, v, s: ops.embedding_bag(t, tf.RaggedTensor.from_row_splits(v, s, validate=False)),
+                         jit_compile=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[2\] = 41 is out of range \[0, 40\)"):
+        ragged(table, tf.constant([1, 2, 41]), tf.constant([0, 1, 3]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"row_splits\[-1\] = 0 must equal the number of values \(2\)"):
+        ragged(tf.random.normal([N, D]), tf.constant([1, 2]), tf.constant([0]))
+
+
 def test_bad_shapes_fail_at_compile_time_with_the_kernels_message():
     table = tf.random.normal([N, D])
     # Unknown dims at trace time: the shape function cannot reject it, the lowering must.
