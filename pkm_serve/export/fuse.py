@@ -161,7 +161,7 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
     types = [site.table_dtype, site.index_dtype] + (
         [types_pb2.DT_INT32] if splits is not None else []) + [site.table_dtype]
     attrs = _op_attrs(op, dict(zip(_input_names(op), types)), site.combiner,
-                      site.weights is not None)
+                      site.weights is not None or site.pooled is not None)
     steps = _steps_after_bag(fg, site, params, splits)
     if not steps:
         fg.replace_node(site.root, op, inputs, attrs, control=control)
@@ -191,6 +191,8 @@ def _site_control(fg: FunctionGraph, site: Site) -> List[str]:
 
 def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
     """(op, inputs, row_splits or None, sorted-ids Assert or None)."""
+    if site.pooled is not None:
+        return site.pooled.bag_inputs(fg, site, params)
     weights = site.weights
     if weights is None:
         weights = fg.add_const(site.root + "/pkm_no_weights", np.zeros(

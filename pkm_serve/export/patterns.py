@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import dense, einsum, fuse, labels, ragged, ragged_range, sparse, unrecognised
+from pkm_serve.export import dense, einsum, fuse, labels, pooled, ragged, ragged_range, sparse, unrecognised
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
 
@@ -52,7 +52,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
     sites: List[Site] = []
     claimed: set = set()
 
-    def attempt(node, matcher):
+    def attempt(node, matcher, report_not_a_site=True):
         if node.name in claimed:
             return
         site = Site(function=fg.fdef.signature.name, root=node.name,
@@ -61,6 +61,8 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             site = matcher(fg, node, site)
             check_half_table_widened(site)
         except NotASite:
+            if not report_not_a_site:
+                return
             reason = unrecognised.unrecognised_reason(fg, node) if node.op in ("Sum", "Mean", "Max") \
                 else None
             if reason is not None:
@@ -70,6 +72,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
         except Skip as skip:
             site.status, site.reason = "skipped", str(skip)
             sites.append(site)
+            claimed.add(node.name)  # reported once
             return
         site.status = "fused"
         claimed.update(site.internal)
@@ -81,6 +84,10 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
     for node in order:
         if node.op in sparse.DIVISION_OPS:
             attempt(node, sparse.match_division)
+    # Poolings of per-position sparse lookups before those lookups, which they contain.
+    for node in order:
+        if node.op == "Sum":
+            attempt(node, pooled.match_pooled_positions, report_not_a_site=False)
     for node in order:
         if node.op in ("Sum", "Mean"):
             attempt(node, dense.match_reduce)

@@ -6,8 +6,10 @@ What changes in DST/<version> (after fusion and its verification):
     every handle and capture) but holds int8 [N, D]: the float table is gone
     from variables/;
   - its per-row scales and biases (float32 [N] each, 8 bytes a row, i.e. 8/D of
-    the int8 table) are constants of the functions holding the fused sites:
-    no function signature, capture list or loader path changes, so
+    the int8 table) are constants of one new library function per table, which
+    each function holding a fused site (or a gather, below) calls: saved_model.pb
+    holds them once, and no existing function signature, capture list or loader
+    path changes, so
     `tf.saved_model.load`, the Session loader (TF Serving, `pkm-serve serve`)
     and a linked tensorflow_model_server all load it as they loaded the float one;
   - the fused ops become PkmQuantizedEmbeddingBag / PkmQuantizedRaggedEmbeddingBag;
@@ -109,7 +111,9 @@ def quantize_export_dir(export_dir: str) -> List[dict]:
                              "row_param_bytes": int(scales.nbytes + biases.nbytes),
                              "sites": [f"{b}/{n}" for b, n in plan.sites]})
             values, scales, biases = new_values[key]
-            QG.rewrite(all_bodies, plan, scales, biases)
+            row_params = QG.add_row_params_function(meta_graph.graph_def.library, key, scales, biases) \
+                if plan.sites or plan.gathers else ""
+            QG.rewrite(all_bodies, plan, row_params, rows=int(values.shape[0]))
             for node in QG.variable_nodes(meta_graph, key_by_node, key):
                 node.variable.dtype = tf.int8.as_datatype_enum
         saved_model_io.record_new_ops(meta_graph)
@@ -186,5 +190,5 @@ def format_quantization(q: dict) -> List[str]:
     for t in q["tables"]:
         copy = f" (the saved copy of {t['copy_of']})" if t.get("copy_of") else ""
         lines.append(f"  quantized {t['table']}{copy} {t['shape']} {t['dtype']}: {t['float_bytes']} -> "
-                     f"{t['int8_bytes']} bytes (+ {t['row_param_bytes']} of row scales/biases in the graph)")
+                     f"{t['int8_bytes']} bytes (+ {t['row_param_bytes']} of row scales/biases in saved_model.pb)")
     return lines

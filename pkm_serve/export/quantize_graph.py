@@ -12,6 +12,7 @@ both; the restore function maps them to checkpoint keys.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Dict, List, Optional, Set, Tuple
 
 from tensorflow.core.framework import types_pb2
@@ -272,9 +273,44 @@ def _set_list_type(node, attr: str, index: int, dtype) -> None:
         types[index] = dtype
 
 
-def rewrite(all_bodies: Dict[str, Body], plan: TablePlan, scales, biases) -> None:
+def add_row_params_function(library, key: str, scales, biases) -> str:
+    """One FunctionDef of the library returning (scales, biases) of table `key`
+    as constants; every function that needs them calls it, so saved_model.pb
+    holds them once however many functions read the table (tf_keras saves
+    several traces of each layer). Returns its name."""
+    import tensorflow as tf
+
+    taken = {f.signature.name for f in library.function}
+    base = "pkm_int8_row_params_" + re.sub(r"[^A-Za-z0-9_]", "_", key.split("/.ATTRIBUTES")[0])
+    name, i = base, 1
+    while name in taken:
+        name, i = f"{base}_{i}", i + 1
+    fdef = library.function.add()
+    fdef.signature.name = name
+    for suffix, value in (("row_scales", scales), ("row_biases", biases)):
+        fdef.signature.output_arg.add(name=suffix, type=types_pb2.DT_FLOAT)
+        node = _add_node(fdef, suffix, "Const", [], dtype=types_pb2.DT_FLOAT)
+        fdef.node_def[-1].attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, dtype=tf.float32))
+        fdef.ret[suffix] = f"{node}:output:0"
+    return name
+
+
+def _call_row_params(fdef, name: str, function: str, rows: Optional[int]) -> Tuple[str, str]:
+    """A PartitionedCall of the row-params function; its (scales, biases) outputs."""
+    node = fdef.node_def.add(name=name, op="PartitionedCall")
+    node.attr["Tin"].list.SetInParent()
+    node.attr["Tout"].list.type.extend([types_pb2.DT_FLOAT, types_pb2.DT_FLOAT])
+    node.attr["f"].func.name = function
+    for _ in range(2):
+        shape = node.attr["_output_shapes"].list.shape.add()
+        shape.dim.add(size=-1 if rows is None else rows)
+    return f"{name}:output:0", f"{name}:output:1"
+
+
+def rewrite(all_bodies: Dict[str, Body], plan: TablePlan, row_params: str, rows: Optional[int] = None) -> None:
     """Makes the table int8 everywhere the plan lists, and its fused sites
-    PkmQuantizedEmbeddingBag with the row scales/biases as constants."""
+    PkmQuantizedEmbeddingBag reading the row scales/biases from `row_params`
+    (add_row_params_function)."""
     int8 = types_pb2.DT_INT8
     for body_name, name in plan.reads:
         all_bodies[body_name].node(name).attr["dtype"].type = int8
@@ -291,9 +327,13 @@ def rewrite(all_bodies: Dict[str, Body], plan: TablePlan, scales, biases) -> Non
             for i in range(len(attrs.attr["_handle_dtypes"].list.type)):
                 attrs.attr["_handle_dtypes"].list.type[i] = int8
     for body_name, name in plan.sites:
-        _quantize_site(all_bodies[body_name], all_bodies[body_name].node(name), scales, biases)
+        node = all_bodies[body_name].node(name)
+        params = _call_row_params(all_bodies[body_name].fdef, f"{name}/pkm_row_params", row_params, rows)
+        _quantize_site(node, params)
     for body_name, name in plan.gathers:
-        _dequantize_gather(all_bodies[body_name], all_bodies[body_name].node(name), scales, biases)
+        node = all_bodies[body_name].node(name)
+        params = _call_row_params(all_bodies[body_name].fdef, f"{name}/pkm_row_params", row_params, rows)
+        _dequantize_gather(all_bodies[body_name], node, params)
 
 
 def _add_node(fdef, name: str, op: str, inputs: List[str], **types) -> str:
@@ -314,7 +354,7 @@ def _add_const(fdef, name: str, value, dtype: int) -> str:
     return f"{name}:output:0"
 
 
-def _dequantize_gather(body: Body, node, scales, biases) -> None:
+def _dequantize_gather(body: Body, node, row_params: Tuple[str, str]) -> None:
     """A gather of the table outside a fused site reads int8 rows and returns
     scales[ids, None] * rows + biases[ids, None] in the table's float dtype,
     under its old name (consumers read `name:output:0`, Identity's output)."""
@@ -324,14 +364,13 @@ def _dequantize_gather(body: Body, node, scales, biases) -> None:
     control = [r for r in node.input if r.startswith("^")]
     node.name = f"{name}/pkm_int8_rows"
     node.attr["dtype"].type = types_pb2.DT_INT8
-    const = {suffix: _add_const(fdef, f"{name}/pkm_{suffix}", value, kind) for suffix, value, kind in (
-        ("row_scales", scales, f32), ("row_biases", biases, f32), ("axis", 0, types_pb2.DT_INT32),
-        ("last", -1, types_pb2.DT_INT32))}
+    axis = _add_const(fdef, f"{name}/pkm_axis", 0, types_pb2.DT_INT32)
+    last = _add_const(fdef, f"{name}/pkm_last", -1, types_pb2.DT_INT32)
     per_row = []
-    for suffix in ("row_scales", "row_biases"):
-        g = _add_node(fdef, f"{name}/pkm_{suffix}_of_ids", "GatherV2", [const[suffix], ids, const["axis"]] + control,
+    for suffix, param in zip(("row_scales", "row_biases"), row_params):
+        g = _add_node(fdef, f"{name}/pkm_{suffix}_of_ids", "GatherV2", [param, ids, axis] + control,
                       Tparams=f32, Tindices=index_type, Taxis=types_pb2.DT_INT32)
-        e = _add_node(fdef, f"{g}/expand", "ExpandDims", [f"{g}:output:0", const["last"]], T=f32,
+        e = _add_node(fdef, f"{g}/expand", "ExpandDims", [f"{g}:output:0", last], T=f32,
                       Tdim=types_pb2.DT_INT32)
         per_row.append(f"{e}:output:0")
     rows = _add_node(fdef, f"{name}/pkm_cast", "Cast", [f"{node.name}:output:0"], SrcT=types_pb2.DT_INT8, DstT=f32)
@@ -345,14 +384,12 @@ def _dequantize_gather(body: Body, node, scales, biases) -> None:
     _add_node(fdef, name, "Identity", [out], T=dtype)
 
 
-def _quantize_site(body: Body, node, scales, biases) -> None:
-    consts = [_add_const(body.fdef, f"{node.name}/pkm_{suffix}", value, types_pb2.DT_FLOAT)
-              for suffix, value in (("row_scales", scales), ("row_biases", biases))]
+def _quantize_site(node, row_params: Tuple[str, str]) -> None:
     inputs = list(node.input)
     data_inputs = [r for r in inputs if not r.startswith("^")]
     control = [r for r in inputs if r.startswith("^")]
     del node.input[:]
-    node.input.extend([data_inputs[0]] + consts + data_inputs[1:] + control)
+    node.input.extend([data_inputs[0]] + list(row_params) + data_inputs[1:] + control)
     node.op = QUANTIZED_OPS[node.op]
     node.attr["Tscale"].type = types_pb2.DT_FLOAT
 

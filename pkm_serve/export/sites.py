@@ -84,6 +84,7 @@ class Site:
     multiplied_refs: Tuple[Ref, ...] = ()  # the rows from the multiply on (their shape may be broadcast)
     ones: Optional[Ref] = None        # a multiply by ones that may broadcast the ids (fused as that broadcast)
     ones_squeeze: bool = False        # ones are [..., K, 1]
+    pooled: Optional[object] = None   # pooled.Pooled: a per-position sparse lookup pooled over L
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in REPORT_KEYS}

@@ -45,9 +45,10 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
                         "the site stays composite")
             if producer.op in ("SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN") and \
                     fg.shape(fg.inputs(producer)[0]).rank == 2:
-                return (f"the rows are a sparse lookup ({producer.op} of the table: Keras' Embedding or "
-                        "take on a SparseTensor, one bag per position) reshaped to [..., L, D]; the "
-                        "pooling over L is not fused")
+                return (f"the rows are a sparse lookup ({producer.op} of the table) reshaped to [..., L, D], "
+                        "but not the reshape(safe_embedding_lookup_sparse(ids [B, L, ..]), [B, L, D]) "
+                        "[* w[..., None]] summed over L that is fused (keras-rs EmbedReduce on a "
+                        "SparseTensor); this pooling over L is not fused")
             if producer.op in GATHER_OPS:
                 dtype = producer.attr["dtype" if producer.op == "ResourceGather"
                                       else "Tparams"].type

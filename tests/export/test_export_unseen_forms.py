@@ -483,7 +483,7 @@ def test_a_sparse_lookup_on_the_table_tensor_is_fused(tmp_path):
 
 def test_keras_embedding_on_a_sparse_tensor(tmp_path):
     # Keras 3 looks up each position as a bag of one id (an empty position gets row 0):
-    # fused as that; keras-rs EmbedReduce's pooling over the positions is reported.
+    # fused as that; keras-rs EmbedReduce pools those rows over the positions: one bag.
     import keras
     import keras_rs
     emb, bag = keras.layers.Embedding(N, D), keras_rs.layers.EmbedReduce(N, D, combiner="sum")
@@ -500,15 +500,137 @@ def test_keras_embedding_on_a_sparse_tensor(tmp_path):
         return {"rows": emb(sp), "bag": bag(sp)}
     tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": f})
     result = _export(tmp_path)
-    assert [s.status for s in result.sites] == ["fused", "fused", "skipped"], [s.reason for s in result.sites]
-    assert result.sites[2].reason == (
-        "the rows are a sparse lookup (SparseSegmentMean of the table: Keras' Embedding or take on a "
-        "SparseTensor, one bag per position) reshaped to [..., L, D]; the pooling over L is not fused")
+    assert [(s.pattern, s.status) for s in result.sites] == [
+        ("pooled-sparse-lookup", "fused"), ("safe_embedding_lookup_sparse", "fused")], [s.reason for s in result.sites]
     want, got = _both(tmp_path, result, sp=SPARSE.indices, sp_1=SPARSE.values, sp_2=SPARSE.dense_shape)
     dense_ids = tf.sparse.to_dense(SPARSE).numpy()
     np.testing.assert_allclose(got["rows"], table[dense_ids], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got["bag"], _np_sparse_bags(table.astype(np.float64), "sum"), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(want["rows"], got["rows"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(want["bag"], got["bag"], rtol=1e-5, atol=1e-6)
+
+
+def _sparse_segment_ops(version_dir):
+    from pkm_serve.export import read_saved_model
+    graph = read_saved_model(str(version_dir)).meta_graphs[0].graph_def
+    return [n.op for f in graph.library.function for n in f.node_def if n.op.startswith("SparseSegment")]
+
+
+def test_keras_rs_embed_reduce_on_sparse_ids_is_one_bag(tmp_path):
+    # EmbedReduce on a SparseTensor [B, L]: Keras' per-position lookup (an empty position is
+    # row 0) times the densified weights (the ids' mask without weights), summed over L,
+    # then divided by sum(w) (mean) or sqrt(sum(w^2)) (sqrtn). Dense weights also weigh the
+    # row 0 of empty positions; sparse weights are 0 there. Dense ids beside them.
+    import keras
+    import keras_rs
+    ids = keras.Input(shape=(4,), dtype="int64", sparse=True, name="ids")
+    w_dense = keras.Input(shape=(4,), dtype="float32", name="w_dense")
+    w_sparse = keras.Input(shape=(4,), dtype="float32", sparse=True, name="w_sparse")
+    dense_ids = keras.Input(shape=(4,), dtype="int64", name="dense_ids")
+    layers = {c: keras_rs.layers.EmbedReduce(N, D, combiner=c, name="bag_" + c) for c in ("sum", "mean", "sqrtn")}
+    outputs = {}
+    for c, layer in layers.items():
+        outputs[c] = layer(ids)
+        outputs[c + "_dense_w"] = layer(ids, w_dense)
+        outputs[c + "_sparse_w"] = layer(ids, w_sparse)
+        outputs[c + "_dense_ids"] = layer(dense_ids)
+    model = keras.Model([ids, w_dense, w_sparse, dense_ids], outputs)
+    for layer in layers.values():
+        layer.embeddings.assign(RNG.standard_normal((N, D)).astype(np.float32))
+
+    @tf.function(input_signature=[tf.SparseTensorSpec([None, 4], tf.int64), tf.TensorSpec([None, 4], tf.float32),
+                                  tf.SparseTensorSpec([None, 4], tf.float32), tf.TensorSpec([None, 4], tf.int64)])
+    def serve(ids, w_dense, w_sparse, dense_ids):
+        return model([ids, w_dense, w_sparse, dense_ids])
+    tf.saved_model.save(model, str(tmp_path / "m"), signatures={"serving_default": serve})
+    w_values = RNG.uniform(0.2, 2.0, 6).astype(np.float32)
+    dense_w = RNG.uniform(0.2, 2.0, (5, 4)).astype(np.float32)
+    feed = {"ids": SPARSE.indices.numpy(), "ids_1": SPARSE.values.numpy(), "ids_2": SPARSE.dense_shape.numpy(),
+            "w_dense": dense_w, "w_sparse": SPARSE.indices.numpy(), "w_sparse_1": w_values,
+            "w_sparse_2": SPARSE.dense_shape.numpy(), "dense_ids": tf.sparse.to_dense(SPARSE).numpy()}
+    np.savez(tmp_path / "inputs.npz", **feed)
+    result = _export(tmp_path, sample_inputs=str(tmp_path / "inputs.npz"))
+    pooled = [s for s in result.sites if s.pattern == "pooled-sparse-lookup"]
+    assert len(pooled) == 9, [(s.root, s.reason) for s in result.sites]
+    # Every site fused (the model's own saved call functions hold dense traces of it too).
+    assert all(s.status == "fused" for s in result.sites), [(s.root, s.reason) for s in result.sites]
+    assert sorted(s.computes for s in pooled) == ["masked mean", "sqrtn", "sqrtn", "sqrtn", "sum", "sum", "sum",
+                                                  "weighted mean", "weighted mean"]
+    assert _sparse_segment_ops(tmp_path / "m") and not _sparse_segment_ops(result.dst)  # no [B, L, D] rows
+    want, got = _both(tmp_path, result, **feed)
+    present = tf.sparse.to_dense(tf.SparseTensor(SPARSE.indices, tf.ones(6), SPARSE.dense_shape)).numpy()
+    dense_ids = tf.sparse.to_dense(SPARSE).numpy()
+    weights = {"": present, "_dense_w": dense_w.astype(np.float64),
+               "_sparse_w": tf.sparse.to_dense(tf.SparseTensor(SPARSE.indices, w_values, SPARSE.dense_shape)).numpy()}
+    for c, layer in layers.items():
+        rows = layer.embeddings.numpy().astype(np.float64)[dense_ids]  # [B, L, D]; empty positions: row 0
+        for suffix, w in weights.items():
+            w = w.astype(np.float64)
+            bag = (rows * w[..., None]).sum(1)
+            den = {"sum": np.ones(5), "mean": w.sum(1), "sqrtn": np.sqrt((w * w).sum(1))}[c]
+            reference = np.divide(bag, den[:, None], out=np.zeros_like(bag), where=den[:, None] != 0)
+            np.testing.assert_allclose(got[c + suffix], reference, rtol=1e-5, atol=1e-6, err_msg=c + suffix)
+            np.testing.assert_allclose(want[c + suffix], reference, rtol=1e-5, atol=1e-6, err_msg=c + suffix)
+        # The same ids dense: every position holds an id.
+        reference = rows.sum(1) / {"sum": 1, "mean": 4, "sqrtn": 2}[c]
+        np.testing.assert_allclose(got[c + "_dense_ids"], reference, rtol=1e-5, atol=1e-6, err_msg=c)
+        np.testing.assert_allclose(want[c + "_dense_ids"], reference, rtol=1e-5, atol=1e-6, err_msg=c)
+
+
+@pytest.mark.parametrize("default_id", [None, 3])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_pooled_lookup_of_several_ids_per_position(tmp_path, default_id, combiner):
+    # safe_embedding_lookup_sparse on ids [B, L, K] (a bag at each position, combined by
+    # `combiner`; an empty one is table[default_id] or zeros), weighted and summed over L.
+    def signature(module):
+        @tf.function(input_signature=[tf.SparseTensorSpec([None, 3, None], tf.int64), tf.TensorSpec([None, 3], tf.float32)])
+        def f(sp, w):
+            def rows():
+                return tf.nn.safe_embedding_lookup_sparse(module.t, sp, None, combiner=combiner, default_id=default_id)
+            return {"out": tf.reduce_sum(rows() * w[..., None], axis=1), "plain": tf.reduce_sum(rows(), axis=1)}
+        return f
+    module = _save(tmp_path / "m", signature)
+    # bag 0: positions of 2, 0 (empty) and 3 ids; bag 1: nothing; bag 2: one id at position 1.
+    sp = tf.SparseTensor([[0, 0, 0], [0, 0, 1], [0, 2, 0], [0, 2, 1], [0, 2, 2], [2, 1, 0]],
+                         tf.constant([4, 9, 7, 7, 29, 11], tf.int64), [3, 3, 3])
+    w = RNG.uniform(0.2, 2.0, (3, 3)).astype(np.float32)
+    feed = {"sp": sp.indices.numpy(), "sp_1": sp.values.numpy(), "sp_2": sp.dense_shape.numpy(), "w": w}
+    np.savez(tmp_path / "inputs.npz", **feed)
+    result = _export(tmp_path, sample_inputs=str(tmp_path / "inputs.npz"))
+    assert [(s.pattern, s.status, s.reason) for s in result.sites] == [("pooled-sparse-lookup", "fused", "")] * 2
+    assert not _sparse_segment_ops(result.dst)
+    want, got = _both(tmp_path, result, **feed)
+    table = module.t.numpy().astype(np.float64)
+    rows = np.zeros((3, 3, D)) if default_id is None else np.tile(table[default_id], (3, 3, 1))
+    for b, l in {(int(i[0]), int(i[1])) for i in sp.indices.numpy()}:
+        ids = [v for i, v in zip(sp.indices.numpy(), sp.values.numpy()) if (i[0], i[1]) == (b, l)]
+        rows[b, l] = table[ids].sum(0) / {"sum": 1, "mean": len(ids), "sqrtn": np.sqrt(len(ids))}[combiner]
+    for key, reference in (("out", (rows * w[..., None]).sum(1)), ("plain", rows.sum(1))):
+        np.testing.assert_allclose(got[key], reference, rtol=1e-5, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(want[key], reference, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_pooled_lookup_weighted_per_feature_is_reported(tmp_path):
+    # A multiplier [B, L, D] weighs each feature, not each position: no bag; reported, and
+    # the per-position lookup is fused on its own.
+    def signature(module):
+        @tf.function(input_signature=[tf.SparseTensorSpec([None, 4], tf.int64), tf.TensorSpec([None, 4, D], tf.float32)])
+        def f(sp, w):
+            rows = tf.nn.safe_embedding_lookup_sparse(module.t, tf.sparse.expand_dims(sp, -1), None, default_id=0)
+            return {"out": tf.reduce_sum(rows * w, axis=1)}
+        return f
+    module = _save(tmp_path / "m", signature)
+    w = RNG.uniform(0.2, 2.0, (5, 4, D)).astype(np.float32)
+    feed = {"sp": SPARSE.indices.numpy(), "sp_1": SPARSE.values.numpy(), "sp_2": SPARSE.dense_shape.numpy(), "w": w}
+    np.savez(tmp_path / "inputs.npz", **feed)
+    result = _export(tmp_path, sample_inputs=str(tmp_path / "inputs.npz"))
+    assert [(s.pattern, s.status, s.reason) for s in result.sites] == [
+        ("pooled-sparse-lookup", "skipped", "multiplier is not per-index (broadcast on the last axis of the rows)"),
+        ("safe_embedding_lookup_sparse", "fused", "")]
+    want, got = _both(tmp_path, result, **feed)
+    rows = module.t.numpy().astype(np.float64)[tf.sparse.to_dense(SPARSE).numpy()]
+    np.testing.assert_allclose(got["out"], (rows * w).sum(1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(want["out"], got["out"], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("combiner", ["mean", "sqrtn"])

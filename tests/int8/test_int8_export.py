@@ -292,3 +292,40 @@ def test_tf_keras_model_save_quantizes(tmp_path, mask_zero):
     table = _table(7).astype(np.float64)
     step = (table.max(axis=1) - table.min(axis=1)) / 255
     assert np.all(np.abs(rows - table[ids]) <= step[ids][..., None] * 0.51 + 1e-6)
+
+
+def test_tf_keras_row_scales_are_stored_once(tmp_path):
+    # tf_keras' model.save() keeps the model's trace (the fused site) and two traces of the
+    # embedding layer (gathers): all three read the row scales/biases, which saved_model.pb
+    # must hold once (8 bytes a row), not once per function.
+    import tf_keras
+    emb = tf_keras.layers.Embedding(N * 10, D, name="emb")
+    head = tf_keras.layers.Dense(3)
+    model = tf_keras.Sequential([tf_keras.Input((K,), dtype="int32", name="ids"), emb,
+                                 tf_keras.layers.Lambda(lambda x: tf.reduce_sum(x, axis=1)), head])
+    table = np.random.default_rng(3).normal(size=(N * 10, D)).astype(np.float32)
+    emb.embeddings.assign(table)
+    head.kernel.assign(np.random.default_rng(8).normal(size=(D, 3)).astype(np.float32))
+    src = str(tmp_path / "src")
+    model.save(src)
+    fused = export_saved_model(src, str(tmp_path / "float"), quiet=True)
+    result = export_saved_model(src, str(tmp_path / "int8"), quantize_table="int8", quiet=True)
+    (row_params,) = [t["row_param_bytes"] for t in result.quantization["tables"]]
+    assert row_params == 8 * N * 10
+
+    def pb_bytes(version_dir):
+        return os.path.getsize(os.path.join(version_dir, "saved_model.pb"))
+    readers = [f for f in pkm_export.read_saved_model(result.dst).meta_graphs[0].graph_def.library.function
+               if any(n.op in ("PkmQuantizedEmbeddingBag", "ResourceGather") for n in f.node_def)]
+    assert len(readers) == 3, [f.signature.name for f in readers]
+    growth = pb_bytes(result.dst) - pb_bytes(fused.dst)
+    assert row_params <= growth < 1.5 * row_params, (growth, row_params)
+    ids = np.random.default_rng(5).integers(0, N * 10, size=(8, K)).astype(np.int32)
+    loaded = tf.saved_model.load(result.dst)
+    got = list(loaded.signatures["serving_default"](ids=tf.constant(ids)).values())[0].numpy()
+    want = table.astype(np.float64)[ids].sum(1) @ head.kernel.numpy().astype(np.float64) + head.bias.numpy()
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+    rows = getattr(loaded, "layer_with_weights-0")(tf.constant(ids))
+    rows = (rows[0] if isinstance(rows, (tuple, list)) else rows).numpy()
+    step = (table.max(axis=1) - table.min(axis=1)).astype(np.float64) / 255
+    assert np.all(np.abs(rows - table[ids]) <= step[ids][..., None] * 0.51 + 1e-6)
