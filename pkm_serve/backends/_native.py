@@ -51,6 +51,19 @@ def row_splits_error(row_splits, num_values):
     return None
 
 
+def index_error(indices, num_rows):
+    """The core's message for the first host index >= num_rows (negative ones are padding; the
+    flat position as ValidateIndices counts it in kernels/core/embedding_bag.cc), or None."""
+    import numpy as np
+
+    flat = np.asarray(indices).reshape(-1)
+    bad = np.flatnonzero(flat >= num_rows)
+    if not bad.size:
+        return None
+    j = int(bad[0])
+    return f"indices[{j}] = {flat[j]} is out of range [0, {num_rows}) (negative indices are padding)"
+
+
 class NativeLibraryUnavailableError(ImportError):
     """The backend's native library for this device is not built or not shipped."""
 

@@ -15,6 +15,12 @@ Keras' symbolic build) cannot be checked; there a value before row_splits[0]
 or from row_splits[-1] on is dropped (no bag has it), and decreasing
 row_splits give bags that are not their ranges (searchsorted of an unsorted
 vector): no error, wrong bags.
+
+An index >= N is refused the same way (a ValueError with the core's message)
+where the indices' values are on the host (eager CPU arrays, numpy, a
+constant under jit); ids on an accelerator are not copied back to check them,
+and traced ids cannot be: there `take` decides (JAX fills NaN rows, PyTorch
+raises its IndexError, TF's CPU gather raises).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", row_s
         raise ValueError(f"combiner must be one of ('sum', 'mean', 'sqrtn', 'max'), got {combiner!r}")
     if row_splits is not None:
         row_splits = _checked_row_splits(indices, row_splits)
+    _check_indices(indices, params.shape[0])
     if combiner == "max":
         return _max_composite(params, indices, weights, row_splits)
     keep = ops.cast(ops.greater_equal(indices, 0), "float32")
@@ -92,24 +99,42 @@ def _checked_row_splits(values, row_splits):
     return row_splits
 
 
-def _host_values(x):
-    """x as a numpy array where its values are known now, else None (traced)."""
+def _check_indices(indices, num_rows):
+    """The kernels' ValueError for an index >= num_rows, where the ids are on the host (module docstring)."""
+    from pkm_serve.backends._native import index_error
+
+    host = _host_values(indices, host_only=True)
+    message = None if host is None or num_rows is None else index_error(host, num_rows)
+    if message is not None:
+        raise ValueError(message)
+
+
+def _host_values(x, host_only=False):
+    """x as a numpy array where its values are known now, else None (traced). host_only: None
+    also for arrays on an accelerator (no device-to-host copy per call)."""
     if isinstance(x, (np.ndarray, np.generic, list, tuple)):
         return np.asarray(x)
     backend = keras.backend.backend()
     if backend == "jax":
         import jax
 
-        return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+        if isinstance(x, jax.core.Tracer):
+            return None
+        devices = getattr(x, "devices", None)
+        if host_only and devices is not None and any(d.platform != "cpu" for d in devices()):
+            return None
+        return np.asarray(x)
     if backend == "torch":
         import torch
 
-        if torch.compiler.is_compiling() or x.device.type == "meta":
+        if torch.compiler.is_compiling() or x.device.type == "meta" or (host_only and x.device.type != "cpu"):
             return None
         return x.detach().cpu().numpy()
     if backend == "tensorflow":
         import tensorflow as tf
 
+        if host_only and "CPU" not in (getattr(x, "device", "") or "CPU"):
+            return None
         return tf.get_static_value(x)  # None for a graph tensor that is not a constant
     return None
 

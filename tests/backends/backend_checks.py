@@ -248,6 +248,33 @@ def check_ragged_splits():
     print(json.dumps({"ragged_splits": "ok"}))
 
 
+def check_composite_ids():
+    """The keras.ops composite refuses an index >= N on host ids with the fused kernel's message
+    (JAX's take gave a NaN row, PyTorch's a bare IndexError); negative ids stay padding."""
+    from pkm_serve.backends.composite import embedding_bag_composite as composite
+
+    rt = runtime()
+    table64 = np.arange(20, dtype=np.float64).reshape(5, 4)
+    table = rt.tensor(table64, "float32")
+    cases = ((rt.tensor([[1, 2], [4, 7]], "int32"), None, "indices[3] = 7 is out of range [0, 5)"),
+             (np.array([[1, 5]], np.int64), None, "indices[1] = 5 is out of range [0, 5)"),
+             (rt.tensor([1, 9, 2], "int32"), rt.tensor([0, 2, 3], "int32"), "indices[1] = 9 is out of range [0, 5)"))
+    for ids, splits, message in cases:
+        for name, lookup in (("fused", rt.ops.embedding_bag), ("composite", composite)):
+            for combiner in ("sum", "max"):
+                try:
+                    lookup(table, ids, None, combiner, splits)
+                except Exception as err:  # noqa: BLE001 - the fused one fails through XLA (JAX) or ctypes
+                    assert message in str(err), f"{name} {combiner}: {err!r}"
+                    assert name == "fused" or isinstance(err, ValueError), f"{name}: {err!r}"
+                else:
+                    raise AssertionError(f"{name} {combiner} accepted {message.split(' is')[0]}")
+    want = bag_forward_backward(table64, [[-1, 4], [0, 3]], None, "mean", np.zeros((2, 4)))[0]
+    assert_close(rt.numpy(composite(table, rt.tensor([[-1, 4], [0, 3]], "int32"), None, "mean")), want,
+                 "float32", "composite with padding")
+    print(json.dumps({"composite_ids": "ok"}))
+
+
 def check_zero_sized():
     """A [N, 0] table takes an index >= N, and ragged bags with no bags row_splits [0] beside values,
     with the kernel's error, eager and jitted: JAX had no error (XLA replaced the zero-sized custom
@@ -589,7 +616,7 @@ def _check_tf_export(model, expected, directory):
 
 
 CHECKS = {"ops": check_ops, "errors": check_errors, "transforms": check_transforms, "no_tf": check_no_tf,
-          "fit": check_fit, "memory": check_memory, "memory_composite": check_memory_composite, "ties": check_ties,
+          "fit": check_fit, "composite_ids": check_composite_ids, "memory": check_memory, "memory_composite": check_memory_composite, "ties": check_ties,
           "mask": check_mask, "ragged_splits": check_ragged_splits,
           "zero_sized": check_zero_sized}
 

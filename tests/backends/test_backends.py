@@ -111,6 +111,16 @@ def test_composite_refuses_bad_row_splits_like_the_kernels(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_composite_refuses_ids_past_the_table_like_the_kernels(backend):
+    """The keras.ops composite raises the fused kernel's ValueError for an index >= N on host ids
+    (JAX gave a NaN row, PyTorch a bare IndexError); negative ids stay padding."""
+    if not installed(backend):
+        pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
+    got = finish(start(backend, ["composite_ids"]), f"{backend} composite_ids")
+    assert got["composite_ids"] == "ok", got
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_sized_results_still_check_ids(backend):
     """A [N, 0] table with an index >= N (and ragged row_splits [0] beside values) fails with the
     kernel's message eagerly, under jax.jit and in the gradient, as on TF (JAX gave no error:
