@@ -143,6 +143,7 @@ PKM_TFLITE_SRCS = [
     "tflite_delegate/flexbuffer_map.cc",
     "tflite_delegate/thread_pool.cc",
     "tflite_delegate/embedding_bag_tflite.cc",
+    "tflite_delegate/op_options.cc",
     "tflite_delegate/custom_op.cc",
     "tflite_delegate/composite_chain.cc",
     "tflite_delegate/composite_shapes.cc",

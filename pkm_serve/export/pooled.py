@@ -48,17 +48,32 @@ class Pooled:
 
     def bag_inputs(self, fg: FunctionGraph, site: Site, params: Ref):
         """fuse.py's (op, inputs, row_splits, None) for the site, built into fg."""
-        prefix = site.root + "/pkm_pooled"
-
-        def const(name, value, dtype=np.int32):
-            return fg.add_const(f"{prefix}/{name}", np.array(value, dtype))
-
-        def op(name, op_name, inputs, attrs, shape):
-            return fg.add_op(f"{prefix}/{name}", op_name, inputs, attrs, shapes=[shape])
-
-        width = site.table_shape[1]
+        b = _Builder(fg, site.root + "/pkm_pooled")
+        const, op = b.const, b.op
         rows64 = op("rows64", "StridedSlice", [self.rows_shape, const("b0", [0]), const("e0", [1]),
                                                const("s0", [1])], _slice_attrs(I64, shrink=1), [])
+        self._shapes_without_params(fg, b, rows64, site.table_shape[1])
+        bl, bags, per_bag = self._bags_and_positions(fg, b, rows64)
+        # Each id's row r and bag r // L (L floored at 1: with L = 0 there are no ids).
+        row = op("row64", "GatherV2", [self.entry_rows, const("col0", 0), const("axis1", 1)],
+                 {"Tparams": I64, "Tindices": I32, "Taxis": I32, "batch_dims": 0}, [None])
+        row = fuse._cast(fg, f"{b.prefix}/row", row, types_pb2.DT_INT64, types_pb2.DT_INT32, [None])
+        per_bag = op("positions_min1", "Maximum", [per_bag, const("one_l", 1)], {"T": I32}, [])
+        bag = op("bag", "FloorDiv", [row, per_bag], {"T": I32}, [None])  # sorted: the fill sorts by row
+        ids_shape = op("ids_shape", "Shape", [bag], {"T": I32, "out_type": I32}, [1])
+        ones = op("ones", "Fill", [ids_shape, const("one_each", 1)], {"T": I32, "index_type": I32}, [None])
+        counts = op("counts", "UnsortedSegmentSum", [ones, bag, bags],
+                    {"T": I32, "Tindices": I32, "Tnumsegments": I32}, [None])
+        ends = op("ends", "Cumsum", [counts, const("axis0c", 0)],
+                  {"T": I32, "Tidx": I32, "exclusive": False, "reverse": False}, [None])
+        splits = op("row_splits", "ConcatV2", [const("zero1", [0]), ends, const("axis0s", 0)],
+                    {"N": 2, "T": I32, "Tidx": I32}, [None])
+        weight = self._id_weights(fg, site, b, rows64, row, bl, ones)
+        return fuse.RAGGED_OP, [params, self.entry_ids, splits, weight], splits, None
+
+    def _shapes_without_params(self, fg: FunctionGraph, b, rows64: Ref, width: int):
+        """Each Shape(P) node ([B*L, D]) rebuilt from the ids' row count and the table's width."""
+        const, op = b.const, b.op
         for name in self.shape_nodes:  # Shape(P) == [B*L, D]
             attrs = fg.nodes[name].attr
             out_type = attrs["out_type"].type if "out_type" in attrs else types_pb2.DT_INT32
@@ -68,8 +83,11 @@ class Pooled:
             fg.replace_node(name, "ConcatV2", [count, fg.add_const(
                 f"{name}/pkm_width", np.array([width], np.int64 if out_type == types_pb2.DT_INT64 else np.int32)),
                 const(f"{name}_axis", 0)], {"N": 2, "T": DType(out_type), "Tidx": I32})
-        # [B, L] as the composite's reshape computes them (same -1 inference, same errors):
-        # a [B*L, 1] tensor of zeros reshaped to [target[0], target[1], 1].
+
+    def _bags_and_positions(self, fg: FunctionGraph, b, rows64: Ref):
+        """[B, L], B and L as the composite's reshape computes them (same -1 inference, same
+        errors): a [B*L, 1] tensor of zeros reshaped to [target[0], target[1], 1]."""
+        const, op = b.const, b.op
         t_type = DType(tensor_dtype(fg, self.target))
         t_np = np.int64 if t_type == I64 else np.int32
         rows_1 = op("rows_1", "StridedSlice", [self.rows_shape, const("b5", [0]), const("e5", [1]), const("s5", [1])],
@@ -89,21 +107,11 @@ class Pooled:
                   _slice_attrs(I32, shrink=1), [])
         per_bag = op("positions", "StridedSlice", [grid_shape, const("b4", [1]), const("e4", [2]),
                                                    const("s4", [1])], _slice_attrs(I32, shrink=1), [])
-        # Each id's row r and bag r // L (L floored at 1: with L = 0 there are no ids).
-        row = op("row64", "GatherV2", [self.entry_rows, const("col0", 0), const("axis1", 1)],
-                 {"Tparams": I64, "Tindices": I32, "Taxis": I32, "batch_dims": 0}, [None])
-        row = fuse._cast(fg, f"{prefix}/row", row, types_pb2.DT_INT64, types_pb2.DT_INT32, [None])
-        per_bag = op("positions_min1", "Maximum", [per_bag, const("one_l", 1)], {"T": I32}, [])
-        bag = op("bag", "FloorDiv", [row, per_bag], {"T": I32}, [None])  # sorted: the fill sorts by row
-        ids_shape = op("ids_shape", "Shape", [bag], {"T": I32, "out_type": I32}, [1])
-        ones = op("ones", "Fill", [ids_shape, const("one_each", 1)], {"T": I32, "index_type": I32}, [None])
-        counts = op("counts", "UnsortedSegmentSum", [ones, bag, bags],
-                    {"T": I32, "Tindices": I32, "Tnumsegments": I32}, [None])
-        ends = op("ends", "Cumsum", [counts, const("axis0c", 0)],
-                  {"T": I32, "Tidx": I32, "exclusive": False, "reverse": False}, [None])
-        splits = op("row_splits", "ConcatV2", [const("zero1", [0]), ends, const("axis0s", 0)],
-                    {"N": 2, "T": I32, "Tidx": I32}, [None])
-        # Each id's weight: w[b, l] times its position's 1, 1/count or 1/sqrt(count).
+        return bl, bags, per_bag
+
+    def _id_weights(self, fg: FunctionGraph, site: Site, b, rows64: Ref, row: Ref, bl: Ref, ones: Ref) -> Ref:
+        """Each id's weight: w[b, l] times its position's 1, 1/count or 1/sqrt(count)."""
+        const, op, prefix = b.const, b.op, b.prefix
         w_type = tensor_dtype(fg, self.multiplier) if self.multiplier is not None else types_pb2.DT_FLOAT
         if w_type not in TABLE_DTYPES:
             w_type = types_pb2.DT_FLOAT
@@ -142,7 +150,20 @@ class Pooled:
             weight = op("weights_of_filled", "SelectV2", [empty, zero, weight], {"T": DType(w_type)}, [None])
         if w_type != site.table_dtype:
             weight = fuse._cast(fg, f"{prefix}/weights_cast", weight, w_type, site.table_dtype, [None])
-        return fuse.RAGGED_OP, [params, self.entry_ids, splits, weight], splits, None
+        return weight
+
+
+class _Builder:
+    """Nodes of one site's rewrite, named under `prefix`."""
+
+    def __init__(self, fg: FunctionGraph, prefix: str):
+        self.fg, self.prefix = fg, prefix
+
+    def const(self, name, value, dtype=np.int32) -> Ref:
+        return self.fg.add_const(f"{self.prefix}/{name}", np.array(value, dtype))
+
+    def op(self, name, op_name, inputs, attrs, shape) -> Ref:
+        return self.fg.add_op(f"{self.prefix}/{name}", op_name, inputs, attrs, shapes=[shape])
 
 
 def _slice_attrs(dtype: DType, shrink: int = 0) -> dict:
