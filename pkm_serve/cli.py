@@ -54,6 +54,7 @@ def _usage() -> str:
     lines += [f"  {name:<8} {help_}" for name, (_, _, _, help_) in COMMANDS.items()]
     lines += ["", "options:",
               "  -v, --verbose  show the full traceback of an error (default: one line)",
+              "  --version      print pkm_serve's version and exit",
               "", "`pkm-serve <command> --help` describes a command's arguments."]
     return "\n".join(lines)
 
@@ -176,6 +177,11 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] == "--version":  # as `tensorflow_model_server --version`
+        from pkm_serve import __version__
+
+        print(f"pkm-serve {__version__}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"pkm-serve: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)

@@ -32,6 +32,17 @@ def test_top_level_help_lists_commands_and_verbose():
     assert unknown.returncode == 2 and "unknown command 'exprot'" in unknown.stderr
 
 
+def test_version_prints_the_package_version_without_tensorflow():
+    # `pkm-serve --version` was "unknown command" (tensorflow_model_server has --version).
+    from pkm_serve import __version__
+
+    proc = run("--version")
+    assert (proc.returncode, proc.stdout.strip()) == (0, f"pkm-serve {__version__}"), proc.stderr
+    assert "--version" in run("--help").stdout
+    code, imported_tf, _ = main_in_a_fresh_process(["--version"])
+    assert imported_tf is False
+
+
 def test_tflite_help_is_its_own_with_option_help():
     proc = run("tflite", "--help")
     assert proc.returncode == 0, proc.stderr
