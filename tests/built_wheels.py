@@ -1,6 +1,8 @@
 """The wheels `make wheel-*` left in dist/, for the tests that install them."""
 import glob
+import importlib
 import os
+import sys
 
 import pytest
 
@@ -14,3 +16,12 @@ def built_wheel(pattern, what, make_target):
     if len(wheels) != 1:
         pytest.fail(f"expected one {what} wheel in dist/, found {wheels}: run `make {make_target}`")
     return wheels[0]
+
+
+def packaging_module(name):
+    """packaging/NAME.py (build_wheels, build_keras_wheel) imported as a module."""
+    sys.path.insert(0, os.path.join(ROOT, "packaging"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)

@@ -99,36 +99,29 @@ def test_keras_file_moves_between_backends(runs):
                                    err_msg=f"mixed_bfloat16, saved under {src}, loaded under {dst}")
 
 
+# Bad input each backend refuses as the kernels do (backend_checks.py says how):
+REFUSAL_CHECKS = {
+    # The keras.ops composite raises the fused kernel's ValueError for row_splits that do not
+    # start at 0, decrease or do not end at the number of values (it read them unchecked);
+    # traced row_splits (jax.jit, torch.compile) drop values outside them, as its docstring says.
+    "ragged_splits": "composite row_splits",
+    # The composite raises the fused kernel's ValueError for an index >= N on host ids (JAX gave
+    # a NaN row, PyTorch a bare IndexError); negative ids stay padding.
+    "composite_ids": "composite ids past the table",
+    # A [N, 0] table with an index >= N (and ragged row_splits [0] beside values) fails with the
+    # kernel's message eagerly, under jax.jit and in the gradient, as on TF (JAX gave no error:
+    # XLA dropped the zero-sized custom call; PyTorch said "out is null", for valid ids too).
+    "zero_sized": "zero-sized results",
+}
+
+
+@pytest.mark.parametrize("check", sorted(REFUSAL_CHECKS))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_composite_refuses_bad_row_splits_like_the_kernels(backend):
-    """The keras.ops composite raises the fused kernel's ValueError for row_splits that do not
-    start at 0, decrease or do not end at the number of values (it read them unchecked); traced
-    row_splits (jax.jit, torch.compile) drop values outside them, as its docstring says."""
+def test_bad_input_is_refused_as_the_kernels_refuse_it(backend, check):
     if not installed(backend):
         pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
-    got = finish(start(backend, ["ragged_splits"]), f"{backend} ragged_splits")
-    assert got["ragged_splits"] == "ok", got
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_composite_refuses_ids_past_the_table_like_the_kernels(backend):
-    """The keras.ops composite raises the fused kernel's ValueError for an index >= N on host ids
-    (JAX gave a NaN row, PyTorch a bare IndexError); negative ids stay padding."""
-    if not installed(backend):
-        pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
-    got = finish(start(backend, ["composite_ids"]), f"{backend} composite_ids")
-    assert got["composite_ids"] == "ok", got
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_zero_sized_results_still_check_ids(backend):
-    """A [N, 0] table with an index >= N (and ragged row_splits [0] beside values) fails with the
-    kernel's message eagerly, under jax.jit and in the gradient, as on TF (JAX gave no error:
-    XLA dropped the zero-sized custom call; PyTorch said "out is null", for valid ids too)."""
-    if not installed(backend):
-        pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
-    got = finish(start(backend, ["zero_sized"]), f"{backend} zero_sized")
-    assert got["zero_sized"] == "ok", got
+    got = finish(start(backend, [check]), f"{backend} {check}")
+    assert got[check] == "ok", got
 
 
 def test_tied_scores_pick_the_same_slots_on_every_backend():

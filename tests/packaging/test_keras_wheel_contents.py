@@ -3,23 +3,13 @@ built: the staged tree is what `python -m build` packs). Installing and running 
 wheel under JAX / PyTorch is tests/backends/test_keras_wheel.py."""
 import os
 import re
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _builder():
-    sys.path.insert(0, os.path.join(ROOT, "packaging"))
-    try:
-        import build_keras_wheel
-    finally:
-        sys.path.pop(0)
-    return build_keras_wheel
+from tests.built_wheels import packaging_module
 
 
 def test_every_library_a_staged_module_loads_is_packed(tmp_path):
     # The wheel shipped pkm_serve/tflite.py without libpkm_tflite.so, the delegate it loads.
-    builder = _builder()
+    builder = packaging_module("build_keras_wheel")
     stage = tmp_path / "stage"
     packed = set(builder.stage_tree(str(stage)))
     named = {}

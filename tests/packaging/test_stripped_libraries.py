@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from tests.built_wheels import built_wheel
+from tests.built_wheels import built_wheel, packaging_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LIB_DIR = os.path.join(ROOT, "pkm_serve", "lib")
@@ -84,11 +84,7 @@ def test_stripped_delegate_runs_a_model(which, tmp_path, monkeypatch):
 
 
 def test_strip_library_refuses_a_copy_that_lost_exports(tmp_path):
-    sys.path.insert(0, os.path.join(ROOT, "packaging"))
-    try:
-        import build_wheels
-    finally:
-        sys.path.pop(0)
+    build_wheels = packaging_module("build_wheels")
     staged = tmp_path / "libpkm_tflite.so"
     staged.write_bytes(open(os.path.join(LIB_DIR, "libpkm_tflite.so"), "rb").read())
     build_wheels.strip_library(str(staged))  # the real strip keeps every export

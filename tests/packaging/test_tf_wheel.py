@@ -13,7 +13,7 @@ from importlib.metadata import version
 
 import pytest
 
-from tests.built_wheels import built_wheel
+from tests.built_wheels import built_wheel, packaging_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -105,17 +105,8 @@ def test_op_library_finds_tensorflow_in_the_installed_tensorflow_package(wheel, 
         assert f"pkm_serve/lib/../../tensorflow/{lib}" in line, ldd
 
 
-def _build_wheels_module():
-    sys.path.insert(0, os.path.join(ROOT, "packaging"))
-    try:
-        import build_wheels
-    finally:
-        sys.path.pop(0)
-    return build_wheels
-
-
 def test_build_refuses_a_wheel_with_a_grafted_tensorflow_library(wheel, tmp_path):
-    build_wheels = _build_wheels_module()
+    build_wheels = packaging_module("build_wheels")
     good_report = {"external_libs": dict.fromkeys(TF_LIBRARIES)}
     build_wheels._check_tf_wheel(wheel, TF_LIBRARIES, good_report)  # the real one passes
     # What `auditwheel repair --exclude libtensorflow_framework.so.2` alone made: the other TF
