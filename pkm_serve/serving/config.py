@@ -72,7 +72,10 @@ def build_parser():
     boolflag("--load_pkm_ops", True,
              "Load pkm_serve's own op library (default true; false only for models without PKM ops "
              "on a machine where the library is not built).")
-    boolflag("--enable_model_warmup", True, "Warm each version up before it serves.")
+    boolflag("--enable_model_warmup", True,
+             "Replay each version's assets.extra/tf_serving_warmup_requests (PredictionLog "
+             "records) before it serves, as TF Serving does; a version without that file runs "
+             "nothing at load (no synthetic inputs: a signature may change the model's state).")
     boolflag("--allow_version_labels_for_unavailable_models", False,
              "Allow a new version label to name a version that is not loaded yet (else the config "
              "that assigns it is refused, as TF Serving does).")

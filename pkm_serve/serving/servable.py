@@ -139,13 +139,6 @@ def _spec_of(tensor_info) -> tf.TensorSpec:
     return tf.TensorSpec(shape, tf.as_dtype(tensor_info.dtype))
 
 
-def _synthetic_input(spec: tf.TensorSpec):
-    shape = [1 if d is None else d for d in (spec.shape.as_list() if spec.shape.rank is not None else [1])]
-    if spec.dtype == tf.string:
-        return np.full(shape, b"", dtype=object)
-    return np.zeros(shape, dtype=spec.dtype.as_numpy_dtype)
-
-
 class ServableBase:
     """What every runtime's loaded version shares: its name and version, its signatures
     (runnable, by key) and signature_defs (what metadata lists), lookup, and warmup.
@@ -183,23 +176,18 @@ class ServableBase:
         raise NotImplementedError
 
     def _warmup(self, rounds=1) -> float:
-        """Replays assets.extra/tf_serving_warmup_requests if present (failure fails the load,
-        as in TF Serving); otherwise runs every signature `rounds` times on synthetic inputs
-        so the first real request does not pay for set-up (failures there are only logged:
-        zeros are not valid input for every model)."""
+        """Replays assets.extra/tf_serving_warmup_requests if present, `rounds` times (one per
+        TFLite interpreter); a failure fails the load. Without that file nothing runs, as in
+        TF Serving: a signature may change the model's state (assign a variable, count calls),
+        so running signatures on made-up inputs could corrupt it before the first request."""
         t0 = time.perf_counter()
         warmup_path = os.path.join(self.path, WARMUP_FILE)
-        if tf.io.gfile.exists(warmup_path):
-            log.info("model %s version %d: replayed %d warmup requests", self.name, self.version,
-                     self._replay_warmup_file(warmup_path))
-            return time.perf_counter() - t0
-        for sig in self.signatures.values():
-            try:
-                for _ in range(rounds):
-                    sig.run({k: _synthetic_input(s) for k, s in sig.input_specs.items()})
-            except Exception as e:  # noqa: BLE001 - logged, see docstring
-                log.info("model %s version %d: synthetic warmup of '%s' skipped: %s",
-                         self.name, self.version, sig.name, _short(e))
+        if not tf.io.gfile.exists(warmup_path):
+            return 0.0
+        count = 0
+        for _ in range(rounds):
+            count = self._replay_warmup_file(warmup_path)
+        log.info("model %s version %d: replayed %d warmup requests", self.name, self.version, count)
         return time.perf_counter() - t0
 
     def _replay_warmup_file(self, warmup_path) -> int:
