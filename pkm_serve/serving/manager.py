@@ -202,10 +202,15 @@ class ModelManager:
     def _poll_model(self, m: ManagedModel):
         present = list_versions(m.config.base_path)
         if present is None:
+            # TF Serving (file_system_storage_path_source.cc) fails this poll with "Could not find
+            # base path": no aspired version changes, so what is loaded keeps serving (a base
+            # path moved away for a redeploy, an NFS blip, a reload that names a missing path).
             if not m.base_path_missing:
-                log.error("model %s: base path %s does not exist", m.name, m.config.base_path)
+                log.error("Could not find base path %s for servable %s; the versions loaded (%s) "
+                          "keep serving", m.config.base_path, m.name,
+                          m.available_versions() or "none")
             m.base_path_missing = True
-            present = {}
+            return
         else:
             m.base_path_missing = False
             if not present and not m.no_versions_logged:
