@@ -83,7 +83,8 @@ def build_parser():
     flag("--rest_api_num_threads", type=int, default=16, help="Threads running REST requests.")
     flag("--rest_api_timeout_in_ms", type=int, default=30000, help="Per-request REST deadline.")
     flag("--max_request_bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-         help="Largest accepted request (gRPC message or HTTP body), bytes. Default 64 MiB.")
+         help="Largest accepted request (gRPC message or HTTP body), bytes. Default 64 MiB. "
+              "Responses are not bound by it (gRPC: up to 2^31-1 bytes, as TF Serving).")
     flag("--drain_seconds", type=float, default=30.0,
          help="On SIGTERM/SIGINT, wait this long for in-flight requests before exiting.")
     flag("--tensorflow_intra_op_parallelism", type=int, default=0, help="0 = TF default.")

@@ -373,3 +373,34 @@ def test_bad_config_files_fail_startup_with_a_message(tmp_path, files, needle):
             argv.append("--enable_batching")
     with pytest.raises(StartupError, match=needle):
         Server(config.parse_args(argv))
+
+
+def test_grpc_response_is_not_capped_by_the_request_limit():
+    """TF Serving sets gRPC's message limit to kint32max both ways: --max_request_bytes
+    bounds what a client sends, not the size of the answer."""
+    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+    from pkm_serve.serving.grpc_frontend import GrpcFrontend
+
+    class _BigAnswers:
+        def predict(self, request, deadline=None):
+            resp = predict_pb2.PredictResponse()
+            resp.outputs["y"].tensor_content = b"\0" * (64 << 10)   # 64 KiB answer
+            return resp
+
+        classify = regress = multi_inference = get_model_metadata = predict
+
+    frontend = GrpcFrontend(_BigAnswers(), None, address="127.0.0.1", port=0, max_threads=2,
+                            max_message_bytes=4096)
+    frontend.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{frontend.port}") as ch:
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(ch)
+            resp = stub.Predict(predict_pb2.PredictRequest(), timeout=30)
+            assert len(resp.outputs["y"].tensor_content) == 64 << 10
+            big = predict_pb2.PredictRequest()
+            big.inputs["x"].tensor_content = b"\0" * 8192            # the request limit still holds
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Predict(big, timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        frontend.stop(0, 10)
