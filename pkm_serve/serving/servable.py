@@ -8,6 +8,7 @@ a tf.function signature refuses any shape that differs from its spec before the
 graph runs. A Session also owns the version's variables, so closing it on unload
 frees them however many Python references are left.
 """
+import contextlib
 import logging
 import os
 import threading
@@ -191,19 +192,36 @@ class ServableBase:
         return time.perf_counter() - t0
 
     def _replay_warmup_file(self, warmup_path) -> int:
+        """Runs each PredictionLog record of the warmup file through the request handlers
+        live requests use (predict, classify, regress, multi_inference), on this version:
+        TF Serving's saved_model_warmup.cc replays all four kinds."""
         from tensorflow_serving.apis import prediction_log_pb2
+        from pkm_serve.serving.service import InferenceService
+        service = InferenceService(_ThisVersion(self))
+        handlers = {"predict_log": service.predict, "classify_log": service.classify,
+                    "regress_log": service.regress, "multi_inference_log": service.multi_inference}
         count = 0
         for record in tf.data.TFRecordDataset(warmup_path):
             entry = prediction_log_pb2.PredictionLog.FromString(record.numpy())
-            if not entry.HasField("predict_log"):
-                raise invalid(f"{warmup_path}: only predict_log warmup records are supported")
-            req = entry.predict_log.request
-            sig = self.signature(req.model_spec.signature_name)
-            inputs = tensors.from_protos(req.inputs)
-            sig.validate(inputs)
-            sig.run(inputs)
+            kind = entry.WhichOneof("log_type")
+            if kind not in handlers:
+                raise invalid(f"{warmup_path}: unsupported log_type for warmup: {kind} (predict_log, "
+                              "classify_log, regress_log and multi_inference_log are replayed)")
+            handlers[kind](getattr(entry, kind).request)
             count += 1
         return count
+
+
+class _ThisVersion:
+    """The manager a warmup replay's InferenceService sees: every model_spec resolves to
+    the version being loaded (TF Serving's warmup also ignores the record's model name)."""
+
+    def __init__(self, servable):
+        self._servable = servable
+
+    @contextlib.contextmanager
+    def serving(self, _model_spec):
+        yield self._servable
 
 
 class Servable(ServableBase):

@@ -80,3 +80,46 @@ def test_warmup_file_is_replayed_and_only_it(stateful):
         np.testing.assert_array_equal(out["calls_to_bump"], [1, 1])  # the record's bump did, once
     finally:
         servable.release()
+
+
+def _example_requests():
+    from tensorflow_serving.apis import classification_pb2, inference_pb2, regression_pb2
+    from tensorflow_serving.apis import prediction_log_pb2 as plog
+
+    def fill(input_proto):
+        input_proto.example_list.examples.add().features.feature["x"].float_list.value.extend([0.5, 1.5])
+
+    c = classification_pb2.ClassificationRequest()
+    fill(c.input)
+    r = regression_pb2.RegressionRequest()
+    r.model_spec.signature_name = "regress"
+    fill(r.input)
+    m = inference_pb2.MultiInferenceRequest()
+    m.tasks.add(method_name="tensorflow/serving/regress").model_spec.signature_name = "regress"
+    fill(m.input)
+    return [plog.PredictionLog(classify_log=plog.ClassifyLog(request=c)),
+            plog.PredictionLog(regress_log=plog.RegressLog(request=r)),
+            plog.PredictionLog(multi_inference_log=plog.MultiInferenceLog(request=m))]
+
+
+def test_classify_regress_multi_inference_warmup_records_are_replayed(tmp_path, tf_with_ops, caplog):
+    """TF Serving's saved_model_warmup.cc replays ClassifyLog, RegressLog and
+    MultiInferenceLog records too; this refused the load ("only predict_log")."""
+    from serving_helpers import write_example_model
+    path = write_example_model(str(tmp_path / "ex" / "1"))
+    _write_warmup(path, *_example_requests())
+    with caplog.at_level("INFO", logger="pkm_serve.serving"):
+        servable = Servable("ex", 1, path, warmup=True)
+    servable.release()
+    assert "model ex version 1: replayed 3 warmup requests" in [r.getMessage() for r in caplog.records]
+
+
+def test_a_failing_classify_warmup_record_fails_the_load(tmp_path, tf_with_ops):
+    from serving_helpers import write_example_model
+    from pkm_serve.serving.errors import ServingError
+    path = write_example_model(str(tmp_path / "ex" / "1"))
+    bad = _example_requests()[0]
+    bad.classify_log.request.model_spec.signature_name = "nope"
+    _write_warmup(path, bad)
+    with pytest.raises(ServingError, match="No signature was found with the name: nope"):
+        Servable("ex", 1, path, warmup=True)
