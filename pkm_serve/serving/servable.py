@@ -21,13 +21,11 @@ from tensorflow.core.protobuf import config_pb2
 
 from pkm_serve.serving import tensors
 from pkm_serve.serving.errors import ServingError, from_tf_error, invalid
+from pkm_serve.serving.methods import (CLASSIFY_METHOD, DEFAULT_SIGNATURE,  # noqa: F401 - re-exported
+                                       PREDICT_METHOD, REGRESS_METHOD)
 
 log = logging.getLogger("pkm_serve.serving")
 
-DEFAULT_SIGNATURE = "serving_default"
-PREDICT_METHOD = "tensorflow/serving/predict"
-CLASSIFY_METHOD = "tensorflow/serving/classify"
-REGRESS_METHOD = "tensorflow/serving/regress"
 SERVE_TAGS = ["serve"]
 WARMUP_FILE = os.path.join("assets.extra", "tf_serving_warmup_requests")
 

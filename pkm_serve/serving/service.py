@@ -16,7 +16,7 @@ from tensorflow_serving.apis import status_pb2
 from pkm_serve.serving import tensors
 from pkm_serve.serving.errors import ServingError, invalid
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
-from pkm_serve.serving.servable import CLASSIFY_METHOD, DEFAULT_SIGNATURE, REGRESS_METHOD
+from pkm_serve.serving.methods import CLASSIFY_METHOD, DEFAULT_SIGNATURE, REGRESS_METHOD
 
 
 class InferenceService:
