@@ -392,9 +392,10 @@ class ModelManager:
             v = m.labels[label]
         else:
             if not available:
-                raise ServingError(grpc.StatusCode.UNAVAILABLE,
-                                   f"model '{m.name}' has no available version yet "
-                                   f"({self._describe(m)})")
+                # TF Serving: NOT_FOUND (HTTP 404) "Servable not found for request: Latest(M)";
+                # the why (a failed load, no version directory) follows for the caller.
+                raise not_found(f"Servable not found for request: Latest({m.name}) "
+                                f"(no version is available: {self._describe(m)})")
             v = available[-1]
         r = m.records.get(v)
         if r is None or r.state != State.AVAILABLE or r.servable is None:
