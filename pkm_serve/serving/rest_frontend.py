@@ -18,6 +18,7 @@ import time
 from concurrent import futures
 
 import grpc
+import numpy as np
 import orjson
 from aiohttp import web
 from google.protobuf import json_format
@@ -135,6 +136,11 @@ def _feature(value, name=""):
     elif kind == "bytes":
         f.bytes_list.value.extend(tensors.decode_b64(v) for v in values)   # validated base64
     return f
+
+
+def _float32_json(values):
+    """float32 values (read from a proto's float field) as JSON floats of their shortest repr."""
+    return tensors.shortest_float32_as_float64(np.array(values, np.float32)).tolist() if values else []
 
 
 def _signature_name(doc):
@@ -418,11 +424,15 @@ class RestFrontend:
         spec.signature_name = _signature_name(doc)
         req = classification_pb2.ClassificationRequest(model_spec=spec, input=self._example_input(doc))
         resp = self.service.classify(req, deadline)
-        return {"results": [[[c.label, c.score] for c in cl.classes] for cl in resp.result.classifications]}
+        # Scores are float32 (ClassificationResult): printed by their shortest float32 repr
+        # (0.3, not 0.30000001192092896), as predict outputs and TF Serving's WriteDecimal.
+        results = [[[c.label, c.score] for c in cl.classes] for cl in resp.result.classifications]
+        scores = iter(_float32_json([score for cl in results for _, score in cl]))
+        return {"results": [[[label, next(scores)] for label, _ in cl] for cl in results]}
 
     def _regress(self, spec, doc, deadline):
         from tensorflow_serving.apis import regression_pb2
         spec.signature_name = _signature_name(doc)
         req = regression_pb2.RegressionRequest(model_spec=spec, input=self._example_input(doc))
         resp = self.service.regress(req, deadline)
-        return {"results": [r.value for r in resp.result.regressions]}
+        return {"results": _float32_json([r.value for r in resp.result.regressions])}   # float32 too
