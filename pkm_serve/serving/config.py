@@ -72,7 +72,10 @@ def build_parser():
     boolflag("--load_pkm_ops", True,
              "Load pkm_serve's own op library (default true; false only for models without PKM ops "
              "on a machine where the library is not built).")
-    boolflag("--enable_model_warmup", True, "Warm each version up before it serves.")
+    boolflag("--enable_model_warmup", True,
+             "Replay each version's assets.extra/tf_serving_warmup_requests (PredictionLog "
+             "records) before it serves, as TF Serving does; a version without that file runs "
+             "nothing at load (no synthetic inputs: a signature may change the model's state).")
     boolflag("--allow_version_labels_for_unavailable_models", False,
              "Allow a new version label to name a version that is not loaded yet (else the config "
              "that assigns it is refused, as TF Serving does).")
@@ -80,7 +83,8 @@ def build_parser():
     flag("--rest_api_num_threads", type=int, default=16, help="Threads running REST requests.")
     flag("--rest_api_timeout_in_ms", type=int, default=30000, help="Per-request REST deadline.")
     flag("--max_request_bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-         help="Largest accepted request (gRPC message or HTTP body), bytes. Default 64 MiB.")
+         help="Largest accepted request (gRPC message or HTTP body), bytes. Default 64 MiB. "
+              "Responses are not bound by it (gRPC: up to 2^31-1 bytes, as TF Serving).")
     flag("--drain_seconds", type=float, default=30.0,
          help="On SIGTERM/SIGINT, wait this long for in-flight requests before exiting.")
     flag("--tensorflow_intra_op_parallelism", type=int, default=0, help="0 = TF default.")

@@ -48,6 +48,8 @@ class _Calls:
                 self.metrics.request(model_name, api, "GRPC", code.name, time.monotonic() - t0)
 
 
+MAX_RESPONSE_BYTES = 2 ** 31 - 1   # TF Serving's SetMaxMessageSize(tensorflow::kint32max)
+
 _WITH_DEADLINE = {"predict", "classify", "regress", "multi_inference"}
 
 
@@ -92,8 +94,10 @@ class GrpcFrontend:
     def __init__(self, service, metrics, *, address, port, max_threads, max_message_bytes,
                  ssl_config=None, socket_path="", channel_arguments=()):
         self.health = health.HealthServicer()
+        # --max_request_bytes bounds requests only: TF Serving lets responses be as large as
+        # gRPC allows (server.cc: kint32max), so a small request may get a large answer.
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
                    ("grpc.so_reuseport", 0)]
         # --grpc_channel_arguments come last so that they override the defaults above.
         options = [o for o in options if o[0] not in dict(channel_arguments)] + list(channel_arguments)

@@ -202,10 +202,15 @@ class ModelManager:
     def _poll_model(self, m: ManagedModel):
         present = list_versions(m.config.base_path)
         if present is None:
+            # TF Serving (file_system_storage_path_source.cc) fails this poll with "Could not find
+            # base path": no aspired version changes, so what is loaded keeps serving (a base
+            # path moved away for a redeploy, an NFS blip, a reload that names a missing path).
             if not m.base_path_missing:
-                log.error("model %s: base path %s does not exist", m.name, m.config.base_path)
+                log.error("Could not find base path %s for servable %s; the versions loaded (%s) "
+                          "keep serving", m.config.base_path, m.name,
+                          m.available_versions() or "none")
             m.base_path_missing = True
-            present = {}
+            return
         else:
             m.base_path_missing = False
             if not present and not m.no_versions_logged:
@@ -387,9 +392,10 @@ class ModelManager:
             v = m.labels[label]
         else:
             if not available:
-                raise ServingError(grpc.StatusCode.UNAVAILABLE,
-                                   f"model '{m.name}' has no available version yet "
-                                   f"({self._describe(m)})")
+                # TF Serving: NOT_FOUND (HTTP 404) "Servable not found for request: Latest(M)";
+                # the why (a failed load, no version directory) follows for the caller.
+                raise not_found(f"Servable not found for request: Latest({m.name}) "
+                                f"(no version is available: {self._describe(m)})")
             v = available[-1]
         r = m.records.get(v)
         if r is None or r.state != State.AVAILABLE or r.servable is None:

@@ -11,12 +11,14 @@ a malformed /v1/ URL is 400 (as TF Serving's handler answers), any other path 40
 import asyncio
 import json
 import logging
+import math
 import re
 import threading
 import time
 from concurrent import futures
 
 import grpc
+import numpy as np
 import orjson
 from aiohttp import web
 from google.protobuf import json_format
@@ -92,25 +94,53 @@ def _is_b64(v):
     return isinstance(v, dict) and set(v) == {"b64"}
 
 
-def _feature(value):
-    """A JSON feature value -> tf.train.Feature (TF Serving's JSON example encoding)."""
+_FLOAT32_MAX = float(tensors.ml_dtypes.finfo("float32").max)
+
+
+def _feature_kind(name, v):
+    """The Feature list a JSON value goes in, checked as TF Serving's AddValueToFeature does."""
+    if isinstance(v, bool):
+        return "int64"
+    if isinstance(v, int):
+        if v >= 1 << 63 and v < 1 << 64:
+            raise invalid(f"Feature: {name} has uint64 element. Only int64 is supported.")
+        if not -(1 << 63) <= v < 1 << 63:   # JSON integers have no bound; int64/float do
+            raise invalid(f"feature value {json.dumps(v)[:100]} of feature {name} is out of range")
+        return "int64"
+    if isinstance(v, float):
+        # IsLosslessDecimal<float>: a finite double must lie in float32's range.
+        if math.isfinite(v) and abs(v) > _FLOAT32_MAX:
+            raise tensors.lossy_decimal_error(v, "float")
+        return "float"
+    if isinstance(v, str) or _is_b64(v):
+        return "bytes"
+    raise invalid(f"Feature: {name} has element with unexpected JSON type: {json.dumps(v)[:100]}")
+
+
+def _feature(value, name=""):
+    """A JSON feature value -> tf.train.Feature (TF Serving's JSON example encoding): every
+    element must go in the same list (int64, float or bytes), as in TF Serving, so a JSON
+    integer is never silently turned into a float."""
     values = value if isinstance(value, list) else [value]
     f = feature_pb2.Feature()
-    if not values:
-        return f
-    try:
-        if all(isinstance(v, bool) for v in values) or \
-                all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-            f.int64_list.value.extend(int(v) for v in values)
-        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            f.float_list.value.extend(float(v) for v in values)
-        elif all(isinstance(v, str) or _is_b64(v) for v in values):
-            f.bytes_list.value.extend(tensors.decode_b64(v) for v in values)   # validated base64
-        else:
-            raise invalid(f"feature value {json.dumps(value)[:100]} mixes types or is not a number/string list")
-    except (ValueError, OverflowError):   # JSON integers have no bound; int64/float do
-        raise invalid(f"feature value {json.dumps(value)[:100]} is out of range") from None
+    kind = None
+    for v in values:
+        k = _feature_kind(name, v)
+        if kind is not None and k != kind:
+            raise invalid(f"Unexpected element type in feature: {name} expecting type: {kind}")
+        kind = k
+    if kind == "int64":
+        f.int64_list.value.extend(int(v) for v in values)
+    elif kind == "float":
+        f.float_list.value.extend(values)
+    elif kind == "bytes":
+        f.bytes_list.value.extend(tensors.decode_b64(v) for v in values)   # validated base64
     return f
+
+
+def _float32_json(values):
+    """float32 values (read from a proto's float field) as JSON floats of their shortest repr."""
+    return tensors.shortest_float32_as_float64(np.array(values, np.float32)).tolist() if values else []
 
 
 def _signature_name(doc):
@@ -127,7 +157,7 @@ def _example(obj):
         raise invalid("each example must be a JSON object of feature name -> value(s)")
     ex = example_pb2.Example()
     for k, v in obj.items():
-        ex.features.feature[k].CopyFrom(_feature(v))
+        ex.features.feature[k].CopyFrom(_feature(v, k))
     return ex
 
 
@@ -394,11 +424,15 @@ class RestFrontend:
         spec.signature_name = _signature_name(doc)
         req = classification_pb2.ClassificationRequest(model_spec=spec, input=self._example_input(doc))
         resp = self.service.classify(req, deadline)
-        return {"results": [[[c.label, c.score] for c in cl.classes] for cl in resp.result.classifications]}
+        # Scores are float32 (ClassificationResult): printed by their shortest float32 repr
+        # (0.3, not 0.30000001192092896), as predict outputs and TF Serving's WriteDecimal.
+        results = [[[c.label, c.score] for c in cl.classes] for cl in resp.result.classifications]
+        scores = iter(_float32_json([score for cl in results for _, score in cl]))
+        return {"results": [[[label, next(scores)] for label, _ in cl] for cl in results]}
 
     def _regress(self, spec, doc, deadline):
         from tensorflow_serving.apis import regression_pb2
         spec.signature_name = _signature_name(doc)
         req = regression_pb2.RegressionRequest(model_spec=spec, input=self._example_input(doc))
         resp = self.service.regress(req, deadline)
-        return {"results": [r.value for r in resp.result.regressions]}
+        return {"results": _float32_json([r.value for r in resp.result.regressions])}   # float32 too

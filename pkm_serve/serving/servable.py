@@ -8,6 +8,7 @@ a tf.function signature refuses any shape that differs from its spec before the
 graph runs. A Session also owns the version's variables, so closing it on unload
 frees them however many Python references are left.
 """
+import contextlib
 import logging
 import os
 import threading
@@ -20,13 +21,11 @@ from tensorflow.core.protobuf import config_pb2
 
 from pkm_serve.serving import tensors
 from pkm_serve.serving.errors import ServingError, from_tf_error, invalid
+from pkm_serve.serving.methods import (CLASSIFY_METHOD, DEFAULT_SIGNATURE,  # noqa: F401 - re-exported
+                                       PREDICT_METHOD, REGRESS_METHOD)
 
 log = logging.getLogger("pkm_serve.serving")
 
-DEFAULT_SIGNATURE = "serving_default"
-PREDICT_METHOD = "tensorflow/serving/predict"
-CLASSIFY_METHOD = "tensorflow/serving/classify"
-REGRESS_METHOD = "tensorflow/serving/regress"
 SERVE_TAGS = ["serve"]
 WARMUP_FILE = os.path.join("assets.extra", "tf_serving_warmup_requests")
 
@@ -139,13 +138,6 @@ def _spec_of(tensor_info) -> tf.TensorSpec:
     return tf.TensorSpec(shape, tf.as_dtype(tensor_info.dtype))
 
 
-def _synthetic_input(spec: tf.TensorSpec):
-    shape = [1 if d is None else d for d in (spec.shape.as_list() if spec.shape.rank is not None else [1])]
-    if spec.dtype == tf.string:
-        return np.full(shape, b"", dtype=object)
-    return np.zeros(shape, dtype=spec.dtype.as_numpy_dtype)
-
-
 class ServableBase:
     """What every runtime's loaded version shares: its name and version, its signatures
     (runnable, by key) and signature_defs (what metadata lists), lookup, and warmup.
@@ -183,39 +175,51 @@ class ServableBase:
         raise NotImplementedError
 
     def _warmup(self, rounds=1) -> float:
-        """Replays assets.extra/tf_serving_warmup_requests if present (failure fails the load,
-        as in TF Serving); otherwise runs every signature `rounds` times on synthetic inputs
-        so the first real request does not pay for set-up (failures there are only logged:
-        zeros are not valid input for every model)."""
+        """Replays assets.extra/tf_serving_warmup_requests if present, `rounds` times (one per
+        TFLite interpreter); a failure fails the load. Without that file nothing runs, as in
+        TF Serving: a signature may change the model's state (assign a variable, count calls),
+        so running signatures on made-up inputs could corrupt it before the first request."""
         t0 = time.perf_counter()
         warmup_path = os.path.join(self.path, WARMUP_FILE)
-        if tf.io.gfile.exists(warmup_path):
-            log.info("model %s version %d: replayed %d warmup requests", self.name, self.version,
-                     self._replay_warmup_file(warmup_path))
-            return time.perf_counter() - t0
-        for sig in self.signatures.values():
-            try:
-                for _ in range(rounds):
-                    sig.run({k: _synthetic_input(s) for k, s in sig.input_specs.items()})
-            except Exception as e:  # noqa: BLE001 - logged, see docstring
-                log.info("model %s version %d: synthetic warmup of '%s' skipped: %s",
-                         self.name, self.version, sig.name, _short(e))
+        if not tf.io.gfile.exists(warmup_path):
+            return 0.0
+        count = 0
+        for _ in range(rounds):
+            count = self._replay_warmup_file(warmup_path)
+        log.info("model %s version %d: replayed %d warmup requests", self.name, self.version, count)
         return time.perf_counter() - t0
 
     def _replay_warmup_file(self, warmup_path) -> int:
+        """Runs each PredictionLog record of the warmup file through the request handlers
+        live requests use (predict, classify, regress, multi_inference), on this version:
+        TF Serving's saved_model_warmup.cc replays all four kinds."""
         from tensorflow_serving.apis import prediction_log_pb2
+        from pkm_serve.serving.service import InferenceService
+        service = InferenceService(_ThisVersion(self))
+        handlers = {"predict_log": service.predict, "classify_log": service.classify,
+                    "regress_log": service.regress, "multi_inference_log": service.multi_inference}
         count = 0
         for record in tf.data.TFRecordDataset(warmup_path):
             entry = prediction_log_pb2.PredictionLog.FromString(record.numpy())
-            if not entry.HasField("predict_log"):
-                raise invalid(f"{warmup_path}: only predict_log warmup records are supported")
-            req = entry.predict_log.request
-            sig = self.signature(req.model_spec.signature_name)
-            inputs = tensors.from_protos(req.inputs)
-            sig.validate(inputs)
-            sig.run(inputs)
+            kind = entry.WhichOneof("log_type")
+            if kind not in handlers:
+                raise invalid(f"{warmup_path}: unsupported log_type for warmup: {kind} (predict_log, "
+                              "classify_log, regress_log and multi_inference_log are replayed)")
+            handlers[kind](getattr(entry, kind).request)
             count += 1
         return count
+
+
+class _ThisVersion:
+    """The manager a warmup replay's InferenceService sees: every model_spec resolves to
+    the version being loaded (TF Serving's warmup also ignores the record's model name)."""
+
+    def __init__(self, servable):
+        self._servable = servable
+
+    @contextlib.contextmanager
+    def serving(self, _model_spec):
+        yield self._servable
 
 
 class Servable(ServableBase):

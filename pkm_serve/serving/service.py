@@ -16,7 +16,7 @@ from tensorflow_serving.apis import status_pb2
 from pkm_serve.serving import tensors
 from pkm_serve.serving.errors import ServingError, invalid
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
-from pkm_serve.serving.servable import CLASSIFY_METHOD, DEFAULT_SIGNATURE, REGRESS_METHOD
+from pkm_serve.serving.methods import CLASSIFY_METHOD, DEFAULT_SIGNATURE, REGRESS_METHOD
 
 
 class InferenceService:
@@ -209,17 +209,33 @@ class InferenceService:
         resp = inference_pb2.MultiInferenceResponse()
         # One servable (the first task's version) answers every task, as in TF Serving.
         with self.serving(request.tasks[0].model_spec) as servable:
+            # Every task is checked before any runs (multi_inference.cc): its method, its
+            # signature, and that all signatures read the same input tensor (the examples
+            # are serialized once and fed to that tensor).
+            plan, input_tensor = [], None
             for task in request.tasks:
-                out = resp.results.add()
                 if task.method_name == CLASSIFY_METHOD:
-                    sig, result = self._classify_outputs(servable, task.model_spec, request.input, deadline)
-                    out.classification_result.CopyFrom(result)
+                    run, what = self._classify_outputs, "classification"
                 elif task.method_name == REGRESS_METHOD:
-                    sig, result = self._regress_outputs(servable, task.model_spec, request.input, deadline)
-                    out.regression_result.CopyFrom(result)
+                    run, what = self._regress_outputs, "regression"
                 else:
                     raise ServingError(grpc.StatusCode.UNIMPLEMENTED,
                                        f"MultiInference supports {CLASSIFY_METHOD} and {REGRESS_METHOD} "
                                        f"tasks, not '{task.method_name}'")
+                sig, in_key = self._example_signature(servable, task.model_spec, task.method_name, what)
+                tensor = sig.signature_def.inputs[in_key].name
+                if input_tensor is None:
+                    input_tensor = tensor
+                elif tensor != input_tensor:
+                    raise invalid(f"Input tensor must be the same for all Signatures. (signature "
+                                  f"'{sig.name}' reads '{tensor}', an earlier task's reads '{input_tensor}')")
+                plan.append((task, run))
+            for task, run in plan:
+                out = resp.results.add()
+                sig, result = run(servable, task.model_spec, request.input, deadline)
+                if task.method_name == CLASSIFY_METHOD:
+                    out.classification_result.CopyFrom(result)
+                else:
+                    out.regression_result.CopyFrom(result)
                 self._fill_spec(out.model_spec, servable, sig.name)
         return resp

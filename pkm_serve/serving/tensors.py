@@ -3,6 +3,7 @@ import base64
 import json
 import math
 
+import ml_dtypes
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2, types_pb2
@@ -270,8 +271,11 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
         return arr
     if dtype.is_integer:
         if arr.dtype.kind == "f":
-            if not np.all(np.isfinite(arr)) or not np.all(arr == np.round(arr)):
-                raise invalid(f"input '{name}' holds non-integer numbers but the signature expects {dtype.name}")
+            # TF Serving (json_tensor.cc) wants JSON integers here: a JSON 1.0 is a type error.
+            wrong = next((v for v in _leaves(value) if isinstance(v, float)), None)
+            if wrong is not None:
+                raise invalid(f"JSON Value: {json_number_text(wrong)} Type: Number is not of expected "
+                              f"type: {dtype.name} (input '{name}')")
         elif arr.dtype.kind == "b":
             raise invalid(f"input '{name}' holds booleans but the signature expects {dtype.name}")
         info = np.iinfo(dtype.as_numpy_dtype)
@@ -285,8 +289,79 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
     if dtype.is_floating or dtype.is_complex:
         if arr.dtype.kind == "b":
             raise invalid(f"input '{name}' holds booleans but the signature expects {dtype.name}")
+        if dtype.is_floating:
+            _check_lossless(name, value, arr, dtype)
         return arr.astype(dtype.as_numpy_dtype)
     raise invalid(f"input '{name}' has dtype {dtype.name}, which the REST API does not support")
+
+
+def _leaves(value):
+    """The non-list values of nested JSON lists, in order."""
+    if isinstance(value, list):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+def json_number_text(v) -> str:
+    """A JSON number as TF Serving's error messages print it (1e300, not 1e+300)."""
+    if isinstance(v, float):
+        if v != v:
+            return "NaN"
+        if v in (float("inf"), float("-inf")):
+            return "Infinity" if v > 0 else "-Infinity"
+        return repr(v).replace("e+", "e")
+    return str(v)
+
+
+def lossy_decimal_error(v, target: str, name: str = ""):
+    where = f" (input '{name}')" if name else ""
+    return invalid(f"Cannot convert JSON value: {json_number_text(v)} to {target} "
+                   f"without loss of precision.{where}")
+
+
+# JSON integers that TF Serving's parser (rapidjson) keeps as integers: int64 and uint64.
+# Larger ones it reads as doubles.
+_JSON_INT_MIN, _JSON_INT_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def _is_json_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and _JSON_INT_MIN <= v <= _JSON_INT_MAX
+
+
+def lossless_float_limits(dtype: tf.DType):
+    """(largest integer exactly held, largest finite value) of a float dtype: TF Serving's
+    IsLosslessDecimal accepts a JSON integer up to the first in magnitude, a JSON double
+    (or an integer past 64 bits, which it reads as one) up to the second; NaN/Infinity pass."""
+    info = ml_dtypes.finfo(dtype.as_numpy_dtype)
+    return (1 << (info.nmant + 1)) - 1, float(info.max)
+
+
+def _check_lossless(name, value, arr, dtype):
+    """TF Serving's IsLosslessDecimal (json_tensor.cc) over a numeric JSON value read as `arr`."""
+    if not arr.size:
+        return
+    max_int, max_value = lossless_float_limits(dtype)
+    target = {"float32": "float", "float64": "double"}.get(dtype.name, dtype.name)
+    if arr.dtype.kind in "iu":   # every leaf is a JSON integer of at most 64 bits
+        flat = arr.reshape(-1)
+        too_big = flat > max_int
+        if arr.dtype.kind == "i":
+            too_big |= flat < -max_int
+        if too_big.any():
+            raise lossy_decimal_error(int(flat[np.argmax(too_big)]), target, name)
+        return
+    with np.errstate(invalid="ignore"):
+        magnitude = np.abs(np.where(np.isfinite(arr), arr, 0.0))
+    if magnitude.max() > max_value:
+        raise lossy_decimal_error(float(arr.reshape(-1)[np.argmax(magnitude.reshape(-1) > max_value)]),
+                                  target, name)
+    # Only an integral value past max_int can come from an integer leaf too large to hold exactly.
+    if magnitude.max() > max_int and np.any((magnitude > max_int) & (magnitude == np.floor(magnitude))):
+        wrong = next((v for v in _leaves(value) if _is_json_int(v) and abs(v) > max_int), None)
+        if wrong is not None:
+            raise lossy_decimal_error(wrong, target, name)
 
 
 def _json_scalar_list(arr: np.ndarray, name: str):

@@ -42,3 +42,39 @@ def test_long_fractions_take_the_fast_decoder_and_long_integers_do_not():
     assert not rest_frontend.has_long_integer(b"[0.00026772439014166594, -1.5e-300]")
     assert rest_frontend.has_long_integer(b"[1, -12345678901234567890123]")
     assert rest_frontend.has_long_integer(b'{"x":\n 12345678901234567890}')
+
+
+class _FakeExampleService:
+    """Answers classify/regress with float32 scores/values that float64 would print noisily."""
+
+    def classify(self, request, deadline=None):
+        from tensorflow_serving.apis import classification_pb2
+        resp = classification_pb2.ClassificationResponse()
+        c = resp.result.classifications.add()
+        c.classes.add(label="a", score=0.3)
+        c.classes.add(label="b", score=0.7)
+        return resp
+
+    def regress(self, request, deadline=None):
+        from tensorflow_serving.apis import regression_pb2
+        resp = regression_pb2.RegressionResponse()
+        resp.result.regressions.add(value=0.1)
+        resp.result.regressions.add(value=float("nan"))
+        return resp
+
+
+def test_rest_classify_and_regress_print_float32_results_shortest():
+    """TF Serving writes ClassificationResult scores and RegressionResult values with
+    WriteDecimal(float): 0.3, not 0.30000001192092896 (what float64 makes of float32 0.3)."""
+    from tensorflow_serving.apis import model_pb2
+    from pkm_serve.serving import rest_frontend
+
+    class _Front:
+        service = _FakeExampleService()
+        _example_input = staticmethod(rest_frontend.RestFrontend._example_input)
+
+    doc = {"examples": [{"x": [0.5, 1.5]}]}
+    classified = rest_frontend.RestFrontend._classify(_Front(), model_pb2.ModelSpec(name="m"), doc, None)
+    assert rest_frontend.dumps(classified) == b'{"results":[[["a",0.3],["b",0.7]]]}'
+    regressed = rest_frontend.RestFrontend._regress(_Front(), model_pb2.ModelSpec(name="m"), doc, None)
+    assert rest_frontend.dumps(regressed).replace(b" ", b"") == b'{"results":[0.1,NaN]}'

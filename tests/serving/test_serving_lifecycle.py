@@ -138,6 +138,47 @@ def test_no_versions_under_base_path_is_logged_like_tf_serving(tmp_path, caplog)
     assert [r.getMessage() for r in caplog.records] == [expected]   # once, not every poll
 
 
+def _answer(manager, x=3.0):
+    with manager.serving(model_pb2.ModelSpec(name="m")) as servable:
+        return servable.version, float(servable.signature("").run({"x": np.array([[x]], np.float32)})["y"][0, 0])
+
+
+def test_base_path_gone_keeps_the_loaded_versions_serving(base, caplog):
+    """TF Serving's file-system poll fails with "Could not find base path" and changes no
+    aspired version: a base path moved away for a moment must not take the model offline."""
+    manager = _manager(base)
+    assert _answer(manager) == (1, SCALE[1] * 3.0 + 2)
+    moved = base.parent / "m.moved"
+    base.rename(moved)
+    with caplog.at_level("ERROR", logger="pkm_serve.serving"):
+        manager.poll_once()
+        manager.poll_once()
+    assert version_states(manager) == {1: State.AVAILABLE}
+    assert _answer(manager) == (1, SCALE[1] * 3.0 + 2)
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and logged[0].startswith(f"Could not find base path {base} for servable m"), logged
+    moved.rename(base)
+    hpt.write_versioned(str(base), 2, hpt.write_tf2, scale=SCALE[2])
+    manager.poll_once()
+    assert version_states(manager) == {2: State.AVAILABLE, 1: State.END}
+    manager.stop()
+
+
+def test_reload_config_to_a_missing_base_path_keeps_the_model_serving(base, tmp_path):
+    from tensorflow_serving.apis import model_management_pb2
+    manager = _manager(base)
+    service = InferenceService(manager)
+    req = model_management_pb2.ReloadConfigRequest()
+    req.config.model_config_list.config.add(name="m", base_path=str(tmp_path / "nowhere"),
+                                            model_platform="tensorflow")
+    resp = service.reload_config(req)
+    # TF Serving's ServerCore waits only for new models; the poll then logs the missing path.
+    assert resp.status.error_code == 0
+    assert version_states(manager) == {1: State.AVAILABLE}
+    assert _answer(manager) == (1, SCALE[1] * 3.0 + 2)
+    manager.stop()
+
+
 def test_private_tf_apis_still_exist(base):
     """servable.make_session_callable uses Session._make_callable_from_options (why: see
     its docstring). If a TF upgrade moves or changes it, this fails, loudly."""

@@ -153,13 +153,18 @@ def test_failed_load_is_reported_keeps_the_old_version_and_is_retried_on_change(
 
 
 def test_only_version_failing_leaves_the_model_unavailable_with_the_reason(tmp_path):
+    """TF Serving answers NOT_FOUND "Servable not found for request: Latest(m)" (HTTP 404)
+    when no version is available; the reason (here the failed load) is appended."""
     fakes = Fakes(tmp_path / "m")
     fakes.add_version(3)
     fakes.failures[3] = ServingError(grpc.StatusCode.INVALID_ARGUMENT, "no signatures")
     manager = _manager(fakes)
     with pytest.raises(ServingError) as err:
         _served_version(manager)
-    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    assert err.value.message.startswith("Servable not found for request: Latest(m) ")
+    from pkm_serve.serving.errors import http_status
+    assert http_status(err.value.code) == 404
     assert "version 3: END (no signatures)" in err.value.message
 
 

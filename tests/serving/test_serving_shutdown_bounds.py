@@ -39,6 +39,14 @@ def blocking_model(tmp_path_factory, tf_with_ops):
             builder = tf.compat.v1.saved_model.Builder(str(base / "1"))
             builder.add_meta_graph_and_variables(sess, ["serve"], signature_def_map={"serving_default": sig})
             builder.save()
+    # A warmup record (TF Serving runs nothing at load without one): with it the load never ends.
+    from tensorflow_serving.apis import prediction_log_pb2
+    req = predict_pb2.PredictRequest()
+    req.inputs["x"].CopyFrom(tf.make_tensor_proto(np.ones(1, np.float32)))
+    (base / "1" / "assets.extra").mkdir()
+    with tf.io.TFRecordWriter(str(base / "1" / "assets.extra" / "tf_serving_warmup_requests")) as w:
+        w.write(prediction_log_pb2.PredictionLog(
+            predict_log=prediction_log_pb2.PredictLog(request=req)).SerializeToString())
     return base
 
 
@@ -93,7 +101,7 @@ def test_sigterm_with_requests_stuck_in_the_model_exits_after_the_grace(tmp_path
 
 
 def test_sigterm_while_a_version_is_still_loading_exits_at_once(tmp_path, blocking_model):
-    # Warmup runs the signature on synthetic input: with this model the load never ends.
+    # Warmup replays the version's warmup record: with this model the load never ends.
     srv = _serve(tmp_path, blocking_model, rest=False, wait_ready=False)
     srv.wait_for_log("model stuck: loading version 1")
     time.sleep(0.5)

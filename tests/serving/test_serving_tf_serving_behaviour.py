@@ -171,18 +171,32 @@ def test_classify_and_regress_on_tf1_and_tf2_signatures(stub, model):
     assert rresp.model_spec.signature_name == "regress_x_to_y"
 
 
-@pytest.mark.parametrize("model", ["half_plus_two", "half_plus_two_tf2"])
-def test_multi_inference(stub, model):
-    """server_test testMultiInference: a regress and a classify task on one input."""
+def _multi_inference_request(model):
     req = inference_pb2.MultiInferenceRequest()
     for method, sig in (("tensorflow/serving/regress", "regress_x_to_y"),
                         ("tensorflow/serving/classify", "classify_x_to_y")):
         task = req.tasks.add(method_name=method)
         task.model_spec.name, task.model_spec.signature_name = model, sig
     _example_input(req.input, [2.0])
-    resp = stub.MultiInference(req, timeout=30)
+    return req
+
+
+def test_multi_inference(stub):
+    """server_test testMultiInference (on the TF1 half_plus_two): a regress and a classify
+    task on one input, both signatures reading the same tf.Example tensor."""
+    resp = stub.MultiInference(_multi_inference_request("half_plus_two"), timeout=30)
     assert resp.results[0].regression_result.regressions[0].value == 3.0
     assert resp.results[1].classification_result.classifications[0].classes[0].score == 3.0
+
+
+def test_multi_inference_refuses_signatures_reading_different_tensors(stub):
+    """multi_inference.cc feeds the examples to one tensor: signatures whose input TensorInfo
+    names differ (tf.saved_model.save gives each signature its own placeholder, as in the
+    TF2 half_plus_two) are refused: "Input tensor must be the same for all Signatures."."""
+    with pytest.raises(grpc.RpcError) as err:
+        stub.MultiInference(_multi_inference_request("half_plus_two_tf2"), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("Input tensor must be the same for all Signatures.")
 
 
 def test_multi_inference_refuses_a_signature_evaluated_twice(stub):

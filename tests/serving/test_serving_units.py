@@ -227,7 +227,7 @@ def test_batch_scheduler_queue_is_bounded():
 
 @pytest.mark.parametrize("value, dtype, needle", [
     ([[1, 2], [3]], "float32", "ragged"),
-    ([1.5], "int64", "non-integer"),
+    ([1.5], "int64", "JSON Value: 1.5 Type: Number is not of expected type: int64"),
     ([2 ** 40], "int32", "outside the range"),
     # Beside a small int, 2^63 makes the array float64, whose float(int64 max) is 2^63 itself.
     ([1, 2 ** 63], "int64", "outside the range"),
@@ -245,6 +245,59 @@ def test_rest_json_conversion_refuses_lossy_casts(value, dtype, needle):
     import tensorflow as tf
     with pytest.raises(ServingError, match=needle):
         tensors.from_json("x", value, tf.TensorSpec([None], getattr(tf, dtype)))
+
+
+@pytest.mark.parametrize("value, dtype, needle", [
+    # TF Serving's json_tensor.cc: integer inputs take JSON integers only ...
+    ([1.0], "int64", "JSON Value: 1.0 Type: Number is not of expected type: int64"),
+    ([9007199254740993, 1.0], "int64", "JSON Value: 1.0 Type: Number is not of expected type: int64"),
+    ([[1, 2]], "int32", None),
+    ([2147483647.0], "int32", "JSON Value: 2147483647.0 Type: Number is not of expected type: int32"),
+    # ... and IsLosslessDecimal: an integer must be held exactly (|n| < 2^24 for float,
+    # 2^53 for double), a double must lie in the type's range; NaN/Infinity pass.
+    ([16777217], "float32", "Cannot convert JSON value: 16777217 to float without loss of precision."),
+    ([16777215, -16777215], "float32", None),
+    ([0.5, 16777217], "float32", "Cannot convert JSON value: 16777217 to float without loss of precision."),
+    ([1e300], "float32", "Cannot convert JSON value: 1e300 to float without loss of precision."),
+    ([-1e39], "float32", "Cannot convert JSON value: -1e39 to float without loss of precision."),
+    ([1e300], "float64", None),
+    ([9007199254740993, 0.5], "float64",
+     "Cannot convert JSON value: 9007199254740993 to double without loss of precision."),
+    ([float("nan"), float("inf"), float("-inf"), 0.1], "float32", None),
+    ([1.5, 2 ** 70], "float32", None),
+])
+def test_rest_json_values_that_would_change_are_refused_as_tf_serving_does(value, dtype, needle):
+    import tensorflow as tf
+    spec = tf.TensorSpec(None, getattr(tf, dtype))
+    if needle is None:
+        arr = tensors.from_json("x", value, spec)
+        np.testing.assert_array_equal(arr, np.array(value, getattr(np, dtype)))
+        return
+    with pytest.raises(ServingError) as err:
+        tensors.from_json("x", value, spec)
+    assert needle in err.value.message and err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("value, needle", [
+    (1e300, "Cannot convert JSON value: 1e300 to float without loss of precision."),
+    ([0.5, -1e39], "Cannot convert JSON value: -1e39 to float without loss of precision."),
+    ([1, 2.5], "Unexpected element type in feature: f expecting type: int64"),
+    ([2.5, 16777217], "Unexpected element type in feature: f expecting type: float"),
+    (2 ** 63, "Feature: f has uint64 element. Only int64 is supported."),
+])
+def test_rest_example_features_that_would_change_are_refused(value, needle):
+    from pkm_serve.serving import rest_frontend
+    with pytest.raises(ServingError) as err:
+        rest_frontend._example({"f": value})
+    assert needle in err.value.message
+
+
+def test_rest_example_features_kept_exactly():
+    from pkm_serve.serving import rest_frontend
+    ex = rest_frontend._example({"i": [16777217, True], "f": [0.5, float("inf")], "s": ["a", {"b64": "AAE="}]})
+    assert list(ex.features.feature["i"].int64_list.value) == [16777217, 1]
+    assert list(ex.features.feature["f"].float_list.value) == [0.5, float("inf")]
+    assert list(ex.features.feature["s"].bytes_list.value) == [b"a", b"\x00\x01"]
 
 
 def test_rest_json_integer_past_64_bits_reads_as_a_double_for_a_float_input():
@@ -320,3 +373,34 @@ def test_bad_config_files_fail_startup_with_a_message(tmp_path, files, needle):
             argv.append("--enable_batching")
     with pytest.raises(StartupError, match=needle):
         Server(config.parse_args(argv))
+
+
+def test_grpc_response_is_not_capped_by_the_request_limit():
+    """TF Serving sets gRPC's message limit to kint32max both ways: --max_request_bytes
+    bounds what a client sends, not the size of the answer."""
+    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+    from pkm_serve.serving.grpc_frontend import GrpcFrontend
+
+    class _BigAnswers:
+        def predict(self, request, deadline=None):
+            resp = predict_pb2.PredictResponse()
+            resp.outputs["y"].tensor_content = b"\0" * (64 << 10)   # 64 KiB answer
+            return resp
+
+        classify = regress = multi_inference = get_model_metadata = predict
+
+    frontend = GrpcFrontend(_BigAnswers(), None, address="127.0.0.1", port=0, max_threads=2,
+                            max_message_bytes=4096)
+    frontend.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{frontend.port}") as ch:
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(ch)
+            resp = stub.Predict(predict_pb2.PredictRequest(), timeout=30)
+            assert len(resp.outputs["y"].tensor_content) == 64 << 10
+            big = predict_pb2.PredictRequest()
+            big.inputs["x"].tensor_content = b"\0" * 8192            # the request limit still holds
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Predict(big, timeout=30)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        frontend.stop(0, 10)
