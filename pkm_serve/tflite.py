@@ -114,6 +114,7 @@ def make_interpreter(model: Union[str, bytes, os.PathLike], interpreter: str = "
     module = interpreter_module(interpreter)
     kwargs: Dict[str, Any] = {"num_threads": num_threads}
     if isinstance(model, (bytes, bytearray)):
+        check_tflite_bytes(model, "make_interpreter")
         kwargs["model_content"] = bytes(model)
     else:
         kwargs["model_path"] = os.fspath(model)
@@ -245,6 +246,24 @@ def _custom_code(model, opcode_index: int) -> Optional[str]:
     return code.decode() if isinstance(code, bytes) else code
 
 
+TFLITE_FILE_IDENTIFIER = b"TFL3"
+
+
+def check_tflite_bytes(model_bytes, what: str = "model") -> None:
+    """ValueError unless ``model_bytes`` starts like a TFLite flatbuffer (a
+    root offset, then the file identifier ``TFL3``): without that check the
+    schema's reader takes any 4 bytes as an offset and fails far inside with a
+    struct.error ("unpack_from requires a buffer of at least ... bytes")."""
+    if not isinstance(model_bytes, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{what}: expected the model's bytes, got {type(model_bytes).__name__}")
+    data = bytes(model_bytes[:8])
+    if len(model_bytes) < 8 or data[4:8] != TFLITE_FILE_IDENTIFIER:
+        head = data[:8]
+        raise ValueError(f"{what}: the {len(model_bytes)} bytes given are not a TFLite flatbuffer "
+                         f"(no file identifier {TFLITE_FILE_IDENTIFIER.decode()!r} at bytes 4..8; "
+                         f"they start {head!r}); pass the contents of a .tflite file")
+
+
 def quantize_rows_int8(table: np.ndarray):
     """Symmetric per-row int8: q = round(x / s), s = max|row| / 127 (1 for a zero row).
 
@@ -270,6 +289,7 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     that reader would otherwise get int8 data as if it were float. Raises
     ValueError if no table could be quantised.
     """
+    check_tflite_bytes(model_bytes, "quantize_table_int8")
     schema = _schema()
     model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
 
