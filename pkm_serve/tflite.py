@@ -12,6 +12,8 @@ that has only ``tflite_runtime`` and numpy.
     from pkm_serve import tflite
     outputs = tflite.run_tflite("model.tflite", {"indices": idx, "weights": w},
                                 num_threads=2)
+
+(input names: the signature's, ``indices``, or the tensors', ``serving_default_indices:0``.)
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def make_interpreter(model: Union[str, bytes, os.PathLike], interpreter: str = "
     module = interpreter_module(interpreter)
     kwargs: Dict[str, Any] = {"num_threads": num_threads}
     if isinstance(model, (bytes, bytearray)):
+        check_tflite_bytes(model, "make_interpreter")
         kwargs["model_content"] = bytes(model)
     else:
         kwargs["model_path"] = os.fspath(model)
@@ -130,20 +133,18 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
                fuse_composites: bool = False, use_delegate: bool = True) -> List[np.ndarray]:
     """Runs ``model`` once and returns its outputs (in output-detail order).
 
-    ``inputs`` maps input tensor names to arrays, or lists arrays in input
-    order. Input shapes may differ from the model's (dynamic batch): inputs
-    are resized before allocation.
+    ``inputs`` maps input names to arrays, or lists arrays in input order
+    (``interp.get_input_details()``). A name is either the input tensor's
+    name (``serving_default_ids:0``) or the signature's input name (``ids``,
+    as the SavedModel's signature and ``get_signature_runner()`` call it);
+    an unknown name is a ValueError listing both kinds. Input shapes may
+    differ from the model's (dynamic batch): inputs are resized before
+    allocation.
     """
     interp = make_interpreter(model, interpreter, num_threads, fuse_composites, use_delegate)
     details = interp.get_input_details()
     if isinstance(inputs, Mapping):
-        by_name = {d["name"]: d for d in details}
-        missing = set(by_name) - set(inputs)
-        extra = set(inputs) - set(by_name)
-        if missing or extra:
-            raise ValueError(f"model inputs are {sorted(by_name)}; missing {sorted(missing)}, "
-                             f"unexpected {sorted(extra)}")
-        pairs = [(by_name[name], np.asarray(value)) for name, value in inputs.items()]
+        pairs = _named_inputs(interp, details, inputs)
     else:
         if len(inputs) != len(details):
             raise ValueError(f"model has {len(details)} inputs, got {len(inputs)} arrays")
@@ -166,6 +167,62 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
         interp.set_tensor(d["index"], value.astype(d["dtype"], copy=False))
     interp.invoke()
     return [interp.get_tensor(d["index"]) for d in interp.get_output_details()]
+
+
+def _signature_inputs(interp, details) -> Dict[str, List[Dict[str, Any]]]:
+    """{signature input name: [input details]} of the signatures whose inputs
+    are the interpreter's (subgraph 0) inputs; empty where the runtime has no
+    signature runners or the model no signatures."""
+    by_index = {int(d["index"]): d for d in details}
+    aliases: Dict[str, List[Dict[str, Any]]] = {}
+    try:
+        keys = list(interp.get_signature_list())
+        runners = [interp.get_signature_runner(key) for key in keys]
+        sig_details = [runner.get_input_details() for runner in runners]
+    except (AttributeError, ValueError, RuntimeError, KeyError):
+        return aliases
+    for inputs in sig_details:
+        for name, d in inputs.items():
+            mine = by_index.get(int(d["index"]))
+            # The same index and tensor name: the same tensor (another signature's
+            # subgraph numbers its tensors on its own).
+            if mine is not None and mine["name"] == d["name"] and \
+                    all(m is not mine for m in aliases.get(name, [])):
+                aliases.setdefault(name, []).append(mine)
+    return aliases
+
+
+def _named_inputs(interp, details, inputs: Mapping[str, Any]):
+    """[(input detail, array)] for a {name: array} of tensor or signature input names."""
+    by_name = {d["name"]: d for d in details}
+    aliases = _signature_inputs(interp, details)
+    accepted = (f"tensor names {sorted(by_name)}" +
+                (f" or signature input names {sorted(aliases)}" if aliases else ""))
+    pairs, seen, unknown = [], {}, []
+    for name, value in inputs.items():
+        if name in by_name:
+            d = by_name[name]
+        elif len(aliases.get(name, ())) == 1:
+            d = aliases[name][0]
+        elif name in aliases:
+            raise ValueError(f"input name {name!r} is an input of several signatures "
+                             f"({sorted(a['name'] for a in aliases[name])}): pass the tensor name")
+        else:
+            unknown.append(name)
+            continue
+        if d["name"] in seen:
+            raise ValueError(f"inputs {seen[d['name']]!r} and {name!r} are the same input "
+                             f"tensor {d['name']!r}")
+        seen[d["name"]] = name
+        pairs.append((d, np.asarray(value)))
+    missing = sorted(set(by_name) - set(seen))
+    if unknown or missing:
+        alias_of = {a["name"]: n for n, ds in aliases.items() for a in ds if len(ds) == 1}
+        missing = [f"{m!r} (signature name {alias_of[m]!r})" if m in alias_of else repr(m)
+                   for m in missing]
+        raise ValueError(f"model inputs are {accepted}; unknown {sorted(unknown)}, "
+                         f"missing [{', '.join(missing)}]")
+    return pairs
 
 
 def ops_in_plan(interp) -> List[str]:
@@ -245,6 +302,24 @@ def _custom_code(model, opcode_index: int) -> Optional[str]:
     return code.decode() if isinstance(code, bytes) else code
 
 
+TFLITE_FILE_IDENTIFIER = b"TFL3"
+
+
+def check_tflite_bytes(model_bytes, what: str = "model") -> None:
+    """ValueError unless ``model_bytes`` starts like a TFLite flatbuffer (a
+    root offset, then the file identifier ``TFL3``): without that check the
+    schema's reader takes any 4 bytes as an offset and fails far inside with a
+    struct.error ("unpack_from requires a buffer of at least ... bytes")."""
+    if not isinstance(model_bytes, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{what}: expected the model's bytes, got {type(model_bytes).__name__}")
+    data = bytes(model_bytes[:8])
+    if len(model_bytes) < 8 or data[4:8] != TFLITE_FILE_IDENTIFIER:
+        head = data[:8]
+        raise ValueError(f"{what}: the {len(model_bytes)} bytes given are not a TFLite flatbuffer "
+                         f"(no file identifier {TFLITE_FILE_IDENTIFIER.decode()!r} at bytes 4..8; "
+                         f"they start {head!r}); pass the contents of a .tflite file")
+
+
 def quantize_rows_int8(table: np.ndarray):
     """Symmetric per-row int8: q = round(x / s), s = max|row| / 127 (1 for a zero row).
 
@@ -270,6 +345,7 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     that reader would otherwise get int8 data as if it were float. Raises
     ValueError if no table could be quantised.
     """
+    check_tflite_bytes(model_bytes, "quantize_table_int8")
     schema = _schema()
     model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
 

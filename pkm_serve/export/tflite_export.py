@@ -126,9 +126,13 @@ def _tflite_signatures(model: bytes) -> List[str]:
 def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
                   index_limit: int, samples: Optional[Dict[str, np.ndarray]],
                   batch_size: int, quantized: bool, precision: Optional[str] = None,
-                  feeds: Optional[dict] = None) -> Tuple[str, List[dict]]:
+                  feeds: Optional[dict] = None, original_dir: Optional[str] = None
+                  ) -> Tuple[str, List[dict]]:
     """Runs each signature in the TFLite interpreter with the pkm delegate and
-    compares with the exported SavedModel. Returns (status, rows)."""
+    compares with the exported SavedModel. Returns (status, rows). Where the
+    .tflite gives inf/NaN that the SavedModel does not, the error says so and
+    whether the stock converter's .tflite of `original_dir` (the unfused
+    model) does the same."""
     import tensorflow as tf
 
     if not os.path.exists(pkm_tflite.delegate_path()):
@@ -148,13 +152,73 @@ def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
                                          feeds=(feeds or {}).get(name)))
         want = {k: v.numpy() for k, v in fn(**inputs).items()}
         got = interp.get_signature_runner(name)(**inputs)
-        if quantized:
-            # Per-row int8 rounds each element by up to max|row|/254; summed over
-            # a bag that is ~1% of the output's scale.
-            rows.extend(V.compare_outputs(name, want, got, rtol=2e-2, atol_rel=2e-2))
-        else:
-            rows.extend(V.compare_outputs(name, want, got, precision=precision))
+        try:
+            if quantized:
+                # Per-row int8 rounds each element by up to max|row|/254; summed over
+                # a bag that is ~1% of the output's scale.
+                rows.extend(V.compare_outputs(name, want, got, rtol=2e-2, atol_rel=2e-2))
+            else:
+                rows.extend(V.compare_outputs(name, want, got, precision=precision))
+        except V.VerificationError as e:
+            bad = _non_finite_outputs(want, got)
+            if not bad:
+                raise
+            raise V.VerificationError(
+                _non_finite_message(name, bad, original_dir, inputs, want)) from None
     return "verified with the pkm delegate", rows
+
+
+def _non_finite_outputs(want: dict, got: dict) -> Dict[str, Tuple[int, int]]:
+    """{output: (elements, of them non-finite in the .tflite and finite in the SavedModel)}."""
+    bad = {}
+    for key in sorted(want):
+        w, g = np.asarray(want[key]), np.asarray(got.get(key))
+        if w.shape != g.shape or not (np.issubdtype(w.dtype, np.floating) or w.dtype.name == "bfloat16"):
+            continue
+        w64, g64 = w.astype(np.float64), g.astype(np.float64)
+        count = int(np.sum(np.isfinite(w64) & ~np.isfinite(g64)))
+        if count:
+            bad[key] = (int(w.size), count)
+    return bad
+
+
+def _non_finite_message(name: str, bad: Dict[str, Tuple[int, int]], original_dir: Optional[str],
+                        inputs: Dict[str, np.ndarray], want: dict) -> str:
+    """The .tflite gives inf/NaN where the SavedModel is finite: say so, and whether the
+    stock TFLiteConverter's .tflite of the original (unfused) model, which has no pkm
+    op at all, also fails to match the SavedModel on the same inputs (its wrong
+    values need not be the same ones: a mis-converted model can read garbage)."""
+    where = ", ".join(f"{key!r} ({n} of {size} elements)" for key, (size, n) in bad.items())
+    head = (f"signature {name!r}: the .tflite gives non-finite values (inf/NaN) where the "
+            f"SavedModel's outputs are finite: {where}. ")
+    if original_dir is None:
+        return head + ("Convert the original model with the stock tf.lite.TFLiteConverter and "
+                       "run it on the same inputs to see whether the converter does that without "
+                       "the fused op.")
+    try:
+        stock = convert(original_dir, [name])
+        runner = pkm_tflite.make_interpreter(stock, use_delegate=False).get_signature_runner(name)
+        theirs = runner(**inputs)
+    except Exception as e:  # noqa: BLE001 - the converter and runtimes raise many types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return head + (f"The original model could not be checked the same way (stock conversion "
+                       f"of {original_dir}: {first[:300]}); the fused op is not known to be at fault.")
+    try:
+        V.compare_outputs(name, want, theirs)
+    except V.VerificationError as e:
+        stock_bad = _non_finite_outputs(want, theirs)
+        how = ("non-finite values for " + ", ".join(f"{k!r} ({n} of {size} elements)"
+                                                      for k, (size, n) in stock_bad.items())
+               if stock_bad else str(e).replace("fused differs from original", "differs from the SavedModel"))
+        return head + (f"The stock tf.lite.TFLiteConverter's .tflite of the ORIGINAL model "
+                       f"({original_dir}, unfused, no pkm op) is wrong on the same inputs too "
+                       f"({how}): the converter's lowering of the rest of the model does this, "
+                       "not the fused op. Serve the exported SavedModel, or make the model "
+                       "convertible (a Keras model saved with model.export() rather than "
+                       "tf.saved_model.save, for one) and export again.")
+    return head + (f"The stock tf.lite.TFLiteConverter's .tflite of the original model "
+                   f"({original_dir}, unfused) matches the SavedModel on the same inputs: the "
+                   "fused .tflite is at fault; please report it with the model.")
 
 
 def _check_custom_ops(model: bytes, not_fused: Sequence = ()) -> List[str]:
@@ -221,7 +285,7 @@ def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str
         try:
             status, rows = verify_tflite(model, export_dir, signatures, index_limit,
                                          samples, batch_size, quantize == "int8", precision,
-                                         feeds)
+                                         feeds, original_dir=src)
         except V.VerificationError as e:
             raise ExportError(f"TFLite verification failed: {e}") from None
         except (RuntimeError, ValueError) as e:

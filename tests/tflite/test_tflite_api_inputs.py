@@ -1,0 +1,64 @@
+"""run_tflite's inputs by signature input name (as the SavedModel's signature
+names them), beside the tensor names."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from pkm_serve import tflite  # noqa: E402
+
+import tensorflow as tf  # noqa: E402  (the converter)
+
+TABLE = np.random.default_rng(7).normal(size=(20, 4)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def two_input_model(tmp_path_factory):
+    """serving_default(ids int32 [None, 3], w float32 [None, 3]) -> sum of w * table[ids]."""
+    path = str(tmp_path_factory.mktemp("sig") / "m")
+    module = tf.Module()
+    module.t = tf.Variable(TABLE)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int32, name="ids"),
+                                  tf.TensorSpec([None, 3], tf.float32, name="w")])
+    def f(ids, w):
+        return {"out": tf.reduce_sum(tf.gather(module.t, ids) * w[..., None], axis=1)}
+    module.f = f
+    tf.saved_model.save(module, path, signatures={"serving_default": f})
+    return tf.lite.TFLiteConverter.from_saved_model(path).convert()
+
+
+def _inputs():
+    ids = np.array([[1, 2, 3], [4, 5, 19]], np.int32)
+    w = np.array([[1, 0.5, 2], [1, 1, 1]], np.float32)
+    return ids, w, (TABLE[ids] * w[..., None]).sum(1)
+
+
+def test_run_tflite_takes_signature_input_names(two_input_model):
+    ids, w, want = _inputs()
+    got = tflite.run_tflite(two_input_model, {"ids": ids, "w": w}, use_delegate=False)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # Tensor names still work, and the two kinds mix.
+    interp = tflite.make_interpreter(two_input_model, use_delegate=False)
+    names = {d["name"] for d in interp.get_input_details()}
+    assert names == {"serving_default_ids:0", "serving_default_w:0"}
+    got = tflite.run_tflite(two_input_model, {"serving_default_ids:0": ids, "w": w},
+                            use_delegate=False)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_run_tflite_names_the_accepted_inputs_for_an_unknown_one(two_input_model):
+    ids, w, _ = _inputs()
+    with pytest.raises(ValueError) as err:
+        tflite.run_tflite(two_input_model, {"idx": ids, "w": w}, use_delegate=False)
+    message = str(err.value)
+    for part in ("unknown ['idx']", "tensor names ['serving_default_ids:0', 'serving_default_w:0']",
+                 "signature input names ['ids', 'w']",
+                 "missing ['serving_default_ids:0' (signature name 'ids')]"):
+        assert part in message, message
+    with pytest.raises(ValueError, match="same input tensor"):
+        tflite.run_tflite(two_input_model, {"ids": ids, "serving_default_ids:0": ids, "w": w},
+                          use_delegate=False)
