@@ -1,0 +1,218 @@
+"""TFLite model files for pkm_serve: the flatbuffer schema, int8 tables
+(``quantize_table_int8``) and a one-op PkmEmbeddingBag model built without
+TensorFlow. ``pkm_serve.tflite`` re-exports all of it; running models is
+there. Needs a flatbuffer schema module (LiteRT's or TensorFlow's) only
+when a function here reads or writes a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Dict, List, Optional
+
+import numpy as np
+
+CUSTOM_OP_NAME = "PkmEmbeddingBag"
+# Ragged bags (values + row_splits), fused from embedding_lookup_sparse sites.
+RAGGED_CUSTOM_OP_NAME = "PkmRaggedEmbeddingBag"
+CUSTOM_OP_NAMES = (CUSTOM_OP_NAME, RAGGED_CUSTOM_OP_NAME)
+
+
+def flatbuffer_schema():
+    """The TFLite flatbuffer schema module (LiteRT's, else TensorFlow's)."""
+    return _schema()
+
+
+def _schema():
+    for name in ("ai_edge_litert.schema_py_generated",
+                 "tensorflow.lite.python.schema_py_generated"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise ImportError("quantize_table_int8 needs ai_edge_litert or tensorflow for the "
+                      "TFLite flatbuffer schema")
+
+
+def _custom_code(model, opcode_index: int) -> Optional[str]:
+    code = model.operatorCodes[opcode_index].customCode
+    if code is None:
+        return None
+    return code.decode() if isinstance(code, bytes) else code
+
+
+TFLITE_FILE_IDENTIFIER = b"TFL3"
+
+
+def check_tflite_bytes(model_bytes, what: str = "model") -> None:
+    """ValueError unless ``model_bytes`` starts like a TFLite flatbuffer (a
+    root offset, then the file identifier ``TFL3``): without that check the
+    schema's reader takes any 4 bytes as an offset and fails far inside with a
+    struct.error ("unpack_from requires a buffer of at least ... bytes")."""
+    if not isinstance(model_bytes, (bytes, bytearray, memoryview)):
+        raise TypeError(f"{what}: expected the model's bytes, got {type(model_bytes).__name__}")
+    data = bytes(model_bytes[:8])
+    if len(model_bytes) < 8 or data[4:8] != TFLITE_FILE_IDENTIFIER:
+        head = data[:8]
+        raise ValueError(f"{what}: the {len(model_bytes)} bytes given are not a TFLite flatbuffer "
+                         f"(no file identifier {TFLITE_FILE_IDENTIFIER.decode()!r} at bytes 4..8; "
+                         f"they start {head!r}); pass the contents of a .tflite file")
+
+
+def quantize_rows_int8(table: np.ndarray):
+    """Symmetric per-row int8: q = round(x / s), s = max|row| / 127 (1 for a zero row).
+
+    Returns (q int8 [N, D], scales float32 [N]).
+    """
+    table = np.asarray(table, dtype=np.float32)
+    if table.ndim != 2:
+        raise ValueError(f"table must be rank 2, got shape {table.shape}")
+    max_abs = np.max(np.abs(table), axis=1) if table.shape[1] else np.zeros(table.shape[0])
+    scales = np.where(max_abs > 0, max_abs / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(table / scales[:, None]), -127, 127).astype(np.int8)
+    return q, scales
+
+
+def quantize_table_int8(model_bytes: bytes) -> bytes:
+    """Rewrites every constant float32 ``params`` table of a PkmEmbeddingBag
+    custom op as an int8 tensor with per-row (axis 0) symmetric quantisation.
+
+    The op keeps producing float32: the kernel dequantises rows as it sums.
+    A table that anything else also reads (another operator such as a stock
+    GATHER, a PkmEmbeddingBag input other than params, a subgraph output;
+    directly or through another tensor sharing its buffer) is left float32:
+    that reader would otherwise get int8 data as if it were float. Raises
+    ValueError if no table could be quantised.
+    """
+    check_tflite_bytes(model_bytes, "quantize_table_int8")
+    schema = _schema()
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
+
+    def ints(xs):
+        return [] if xs is None else [int(x) for x in xs]
+
+    # (subgraph, tensor) pairs per buffer, and whether every read of each
+    # tensor is as input 0 of a PkmEmbeddingBag op (unread: True).
+    tensors_of_buffer: Dict[int, List[tuple]] = {}
+    only_params: Dict[tuple, bool] = {}
+    for si, subgraph in enumerate(model.subgraphs):
+        for ti, tensor in enumerate(subgraph.tensors or []):
+            tensors_of_buffer.setdefault(int(tensor.buffer), []).append((si, ti))
+        for ti in ints(subgraph.inputs) + ints(subgraph.outputs):
+            only_params[(si, ti)] = False
+        for op in subgraph.operators or []:
+            is_bag = _custom_code(model, op.opcodeIndex) in CUSTOM_OP_NAMES
+            for pos, ti in enumerate(ints(op.inputs)):
+                if ti >= 0:
+                    key = (si, ti)
+                    only_params[key] = only_params.get(key, True) and is_bag and pos == 0
+    rewritten = shared = 0
+    done = set()
+    for si, subgraph in enumerate(model.subgraphs):
+        for op in subgraph.operators or []:
+            if _custom_code(model, op.opcodeIndex) not in CUSTOM_OP_NAMES or not ints(op.inputs):
+                continue
+            tensor = subgraph.tensors[int(op.inputs[0])]
+            buffer_index = int(tensor.buffer)
+            if buffer_index in done or tensor.type != schema.TensorType.FLOAT32:
+                continue
+            done.add(buffer_index)
+            buffer = model.buffers[buffer_index]
+            if buffer.data is None or len(buffer.data) == 0:
+                continue  # not a constant table (e.g. a model input): leave it float
+            users = tensors_of_buffer[buffer_index]
+            same = [model.subgraphs[ui].tensors[uti] for ui, uti in users]
+            if not all(only_params.get(key, True) for key in users) or any(
+                    u.type != tensor.type or ints(u.shape) != ints(tensor.shape) for u in same):
+                shared += 1
+                continue  # read as float32 elsewhere: leave it float
+            table = np.frombuffer(bytes(np.asarray(buffer.data, dtype=np.uint8)),
+                                  dtype=np.float32).reshape([int(d) for d in tensor.shape])
+            q, scales = quantize_rows_int8(table)
+            buffer.data = np.frombuffer(q.tobytes(), dtype=np.uint8)
+            for user in same:
+                user.type = schema.TensorType.INT8
+                quant = schema.QuantizationParametersT()
+                quant.scale = scales.tolist()
+                quant.zeroPoint = [0] * len(scales)
+                quant.quantizedDimension = 0
+                user.quantization = quant
+            rewritten += 1
+    if not rewritten:
+        raise ValueError("no constant float32 params table of a PkmEmbeddingBag op found" +
+                         (f" that only PkmEmbeddingBag reads ({shared} read elsewhere too, "
+                          "left float32)" if shared else ""))
+    import flatbuffers  # the schema modules depend on it
+    builder = flatbuffers.Builder(len(model_bytes) // 4 + 1024)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
+
+
+def build_embedding_bag_model(table: np.ndarray, bag_size: int, combiner: str = "sum",
+                              has_weights: bool = True, index_dtype=np.int32,
+                              batch: Optional[int] = None,
+                              custom_options: Optional[bytes] = None) -> bytes:
+    """A one-op TFLite model: PkmEmbeddingBag(table const, indices, weights).
+
+    Built directly with the flatbuffer schema, the same layout the converter
+    emits for the TF op (inputs params, indices, weights; a flexbuffer map of
+    the attrs). ``batch=None`` gives a dynamic batch dimension. For tests and
+    for producing models without TensorFlow.
+    """
+    schema = _schema()
+    from flatbuffers import flexbuffers
+    table = np.ascontiguousarray(table)
+    ttype = {np.dtype(np.float32): schema.TensorType.FLOAT32,
+             np.dtype(np.float16): schema.TensorType.FLOAT16}[table.dtype]
+    itype = {np.dtype(np.int32): schema.TensorType.INT32,
+             np.dtype(np.int64): schema.TensorType.INT64}[np.dtype(index_dtype)]
+    if custom_options is None:
+        custom_options = bytes(flexbuffers.Dumps({
+            "T": int(ttype), "Tindices": int(itype), "combiner": combiner,
+            "has_weights": bool(has_weights)}))
+    b = 1 if batch is None else batch
+
+    def tensor(name, shape, ttype_, buffer, signature=None):
+        t = schema.TensorT()
+        t.name, t.shape, t.type, t.buffer = name, list(shape), ttype_, buffer
+        if signature is not None:
+            t.shapeSignature = list(signature)
+        return t
+
+    buffers = [schema.BufferT(), schema.BufferT()]
+    buffers[1].data = np.frombuffer(table.tobytes(), dtype=np.uint8)
+    sig = None if batch is not None else [-1, bag_size]
+    tensors = [tensor("params", table.shape, ttype, 1),
+               tensor("indices", [b, bag_size], itype, 0, sig),
+               tensor("weights", [b, bag_size], ttype, 0, sig),
+               tensor("output", [b, table.shape[1]], ttype, 0,
+                      None if batch is not None else [-1, table.shape[1]])]
+    for _ in range(len(buffers), 2):
+        buffers.append(schema.BufferT())
+    op = schema.OperatorT()
+    op.opcodeIndex = 0
+    op.inputs = [0, 1, 2]
+    op.outputs = [3]
+    op.customOptions = np.frombuffer(custom_options, dtype=np.uint8) if custom_options else None
+    op.customOptionsFormat = schema.CustomOptionsFormat.FLEXBUFFERS
+    subgraph = schema.SubGraphT()
+    subgraph.tensors = tensors
+    subgraph.inputs = [1, 2]
+    subgraph.outputs = [3]
+    subgraph.operators = [op]
+    subgraph.name = "main"
+    code = schema.OperatorCodeT()
+    code.builtinCode = schema.BuiltinOperator.CUSTOM
+    code.deprecatedBuiltinCode = schema.BuiltinOperator.CUSTOM
+    code.customCode = CUSTOM_OP_NAME
+    code.version = 1
+    model = schema.ModelT()
+    model.version = 3
+    model.operatorCodes = [code]
+    model.subgraphs = [subgraph]
+    model.buffers = buffers
+    model.description = "pkm_serve PkmEmbeddingBag"
+    import flatbuffers
+    builder = flatbuffers.Builder(table.nbytes + 4096)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
