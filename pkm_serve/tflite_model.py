@@ -60,15 +60,24 @@ def check_tflite_bytes(model_bytes, what: str = "model") -> None:
 
 
 def quantize_rows_int8(table: np.ndarray):
-    """Symmetric per-row int8: q = round(x / s), s = max|row| / 127 (1 for a zero row).
+    """Symmetric per-row int8: q = round(x / s), s = max|row| / 127 (1 for a zero row;
+    at least float32's smallest subnormal, where max|row| / 127 would round to 0, as
+    the kernels take only positive finite scales).
 
-    Returns (q int8 [N, D], scales float32 [N]).
+    Returns (q int8 [N, D], scales float32 [N]). A NaN or infinite value is a
+    ValueError naming its row: no int8 row can hold it.
     """
     table = np.asarray(table, dtype=np.float32)
     if table.ndim != 2:
         raise ValueError(f"table must be rank 2, got shape {table.shape}")
+    bad = np.argwhere(~np.isfinite(table))
+    if bad.size:
+        r, c = (int(i) for i in bad[0])
+        raise ValueError(f"row {r} of the table holds {table[r, c]} (column {c}): an int8 row "
+                         f"cannot hold NaN or infinity ({len(np.unique(bad[:, 0]))} such rows)")
     max_abs = np.max(np.abs(table), axis=1) if table.shape[1] else np.zeros(table.shape[0])
-    scales = np.where(max_abs > 0, max_abs / 127.0, 1.0).astype(np.float32)
+    scales = np.where(max_abs > 0, max_abs.astype(np.float64) / 127.0, 1.0).astype(np.float32)
+    scales = np.maximum(scales, np.finfo(np.float32).smallest_subnormal)
     q = np.clip(np.rint(table / scales[:, None]), -127, 127).astype(np.int8)
     return q, scales
 
@@ -128,7 +137,11 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
                 continue  # read as float32 elsewhere: leave it float
             table = np.frombuffer(bytes(np.asarray(buffer.data, dtype=np.uint8)),
                                   dtype=np.float32).reshape([int(d) for d in tensor.shape])
-            q, scales = quantize_rows_int8(table)
+            try:
+                q, scales = quantize_rows_int8(table)
+            except ValueError as err:
+                name = tensor.name.decode() if isinstance(tensor.name, bytes) else tensor.name
+                raise ValueError(f"quantize_table_int8: table {name!r}: {err}") from None
             buffer.data = np.frombuffer(q.tobytes(), dtype=np.uint8)
             for user in same:
                 user.type = schema.TensorType.INT8
