@@ -76,6 +76,18 @@ def _quantize_chunk(x, row_param_dtype, first_row):
         row = int(np.argmin(finite))
         raise ValueError(f"row {first_row + row}'s range [{lo[row]:.6g}, {hi[row]:.6g}] needs a scale or bias beyond "
                          f"{row_param_dtype}; use row_param_dtype='float32'")
+    # A range too narrow for the dtype's scale (it rounded to 0), or a bias whose rounding moved
+    # it so far that [lo, hi] no longer fits 256 steps: the smallest scale of this dtype that
+    # holds the row around the rounded bias, so every value stays within scale / 2.
+    tiny = np.finfo(row_param_dtype).smallest_subnormal
+    b = biases.astype(np.float64)
+    need = np.maximum(np.maximum((hi - b) / 127.0, (b - lo) / 128.0), float(tiny))
+    grow = ~flat & (scales.astype(np.float64) < need)
+    for row in np.flatnonzero(grow):
+        scale = np.array(need[row], row_param_dtype)
+        while float(scale) < need[row]:  # rounded down: the next representable one up
+            scale = np.nextafter(scale, np.array(np.inf, row_param_dtype))
+        scales[row] = scale
     s64, b64 = scales.astype(np.float64)[:, None], biases.astype(np.float64)[:, None]
     return np.clip(np.rint((x - b64) / s64), -128, 127).astype(np.int8), scales, biases
 
