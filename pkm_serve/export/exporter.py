@@ -386,7 +386,7 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
                 tmp_dir, chosen, tflite_target, quantize_table, src,
                 index_limit, samples, verify_batch_size, progress,
                 precision=_lowest_fused_precision(result.sites), feeds=result.feeds,
-                not_fused=result.skipped)
+                not_fused=result.skipped, tolerance=quantize_tolerance)
             result.tflite["file"] = os.path.abspath(tflite)
         if quantize_table:  # after the .tflite, which converts the float graph
             from pkm_serve.export import quantize
@@ -452,7 +452,7 @@ def format_report(result: ExportResult) -> str:
         t = result.tflite
         lines.append(f"tflite {t['file']}: {t['bytes']} bytes, custom ops "
                      f"{t['custom_ops']}, signatures {t['signatures']}, tables "
-                     f"{t['quantize_table'] or 'float'}; {t['status']}")
+                     f"{tflite_export.tables_note(t)}; {t['status']}")
         for row in t["verification"]:
             lines.append(f"  verified tflite {row['signature']}:{row['output']} max |err| "
                          f"{row['max_abs_err']:.3g}")
