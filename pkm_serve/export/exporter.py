@@ -265,8 +265,8 @@ def _final_dir(dst: str, version: Optional[int]) -> tuple:
 def _lowest_fused_precision(sites: Sequence[Site]) -> Optional[str]:
     """float16/bfloat16 if a fused site computes in it (its outputs then carry
     half-precision rounding even where the signature returns float32)."""
-    halves = {s.dtype for s in sites if s.status == "fused"} | {
-        s.cast_to for s in sites if s.status == "fused" and s.cast_to}
+    halves = {s.dtype for s in sites if s.status == "fused"} | {  # rounded_to: a skipped half rounding
+        t for s in sites if s.status == "fused" for t in (s.cast_to, s.rounded_to) if t}
     for name in ("bfloat16", "float16"):
         if name in halves:
             return name
