@@ -3,8 +3,19 @@
 import argparse
 
 
+class _ExportParser(argparse.ArgumentParser):
+    """Checks that span options, as usage errors (exit 2) before TensorFlow loads."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        if parsed.quantize_tolerance is not None and parsed.quantize_table is None:
+            self.error("--quantize-tolerance applies to --quantize-table int8 only: pass "
+                       "--quantize-table int8 too, or drop --quantize-tolerance")
+        return parsed, rest
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _ExportParser(
         prog="pkm-serve export",
         description="Fuse composite gather-sum sites of a TF2 SavedModel into "
                     "PkmEmbeddingBag ops and write DST/<version>/ for serving.")

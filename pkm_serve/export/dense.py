@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import numpy as np
+from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_shape
 
 from pkm_serve.export.graph import FunctionGraph, Ref
@@ -209,6 +210,7 @@ class Rows:
         self.mask: Optional[Ref] = None
         self.mask_keeps_true = True
         self.cast_enum = 0
+        self.rounded_enum = 0  # an inner cast to a half dtype (cast_enum is the outer one)
         self.weights_squeeze = self.mask_squeeze = False
         self.weights_scalar = False
         self.ones: Optional[Ref] = None  # a multiplier that is all ones
@@ -224,9 +226,20 @@ class Rows:
         self.itemsizes: List[int] = []  # one per [..., K, D] tensor they build
 
 
+def _rounds_to_half(fg: FunctionGraph, node, ins, rows: Rows) -> bool:
+    """A second Cast below the outer one (cast_enum) that rounds the rows to
+    float16/bfloat16 on their way to it (Cast(Cast(rows, half), float32)):
+    skipping it changes the bag by at most that dtype's rounding, within the
+    tolerance the export verifies it with (Site.rounded_to). A float16 row value past
+    65504 is inf in the composite and finite in the fused op (docs/export.md)."""
+    return bool(rows.cast_enum) and not rows.rounded_enum and \
+        node.attr["DstT"].type in (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16) and \
+        node.attr["SrcT"].type in TABLE_DTYPES and leads_to_gather(fg, ins[0])
+
+
 def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
     """Walks from the reduction's input down to the gather through at most one
-    Cast, one Mul by per-index weights and one tf.where mask (in any order).
+    Cast (and an inner Cast to a half dtype that it undoes), one Mul by per-index weights and one tf.where mask (in any order).
     Fills `site` as it learns, so a Skip reports what was found."""
     rows = Rows()
     while True:
@@ -260,6 +273,13 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
             # what the reduction sees.
             rows.cast_enum = node.attr["DstT"].type
             site.cast_to = dtype_name(rows.cast_enum)
+            step_input = ins[0]
+        elif node.op == "Cast" and _rounds_to_half(fg, node, ins, rows):
+            # Keras mixed precision: rows cast to float16/bfloat16 (the layer's compute
+            # dtype) and back to float32 for the reduction. The op skips that rounding:
+            # it sums the rows as they are (in float32) and the bag gets the outer cast.
+            rows.rounded_enum = node.attr["DstT"].type
+            site.rounded_to = dtype_name(rows.rounded_enum)
             step_input = ins[0]
         elif node.op == "Mul" and rows.weights is None and rows.ones is None:
             step_input = _resolve_weights(fg, ins, rows, site)

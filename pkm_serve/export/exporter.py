@@ -265,8 +265,8 @@ def _final_dir(dst: str, version: Optional[int]) -> tuple:
 def _lowest_fused_precision(sites: Sequence[Site]) -> Optional[str]:
     """float16/bfloat16 if a fused site computes in it (its outputs then carry
     half-precision rounding even where the signature returns float32)."""
-    halves = {s.dtype for s in sites if s.status == "fused"} | {
-        s.cast_to for s in sites if s.status == "fused" and s.cast_to}
+    halves = {s.dtype for s in sites if s.status == "fused"} | {  # rounded_to: a skipped half rounding
+        t for s in sites if s.status == "fused" for t in (s.cast_to, s.rounded_to) if t}
     for name in ("bfloat16", "float16"):
         if name in halves:
             return name
@@ -386,7 +386,7 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
                 tmp_dir, chosen, tflite_target, quantize_table, src,
                 index_limit, samples, verify_batch_size, progress,
                 precision=_lowest_fused_precision(result.sites), feeds=result.feeds,
-                not_fused=result.skipped)
+                not_fused=result.skipped, tolerance=quantize_tolerance)
             result.tflite["file"] = os.path.abspath(tflite)
         if quantize_table:  # after the .tflite, which converts the float graph
             from pkm_serve.export import quantize
@@ -452,7 +452,7 @@ def format_report(result: ExportResult) -> str:
         t = result.tflite
         lines.append(f"tflite {t['file']}: {t['bytes']} bytes, custom ops "
                      f"{t['custom_ops']}, signatures {t['signatures']}, tables "
-                     f"{t['quantize_table'] or 'float'}; {t['status']}")
+                     f"{tflite_export.tables_note(t)}; {t['status']}")
         for row in t["verification"]:
             lines.append(f"  verified tflite {row['signature']}:{row['output']} max |err| "
                          f"{row['max_abs_err']:.3g}")

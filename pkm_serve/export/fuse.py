@@ -15,6 +15,7 @@ from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import dtypes, op_def_registry
 
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.id_checks import assert_ids_in_table, assert_ids_rank
 from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
@@ -212,7 +213,7 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
                                 [weights, fg.add_const(site.root + "/pkm_scalar_shape", np.zeros([0], np.int32))],
                                 {"T": DType(site.table_dtype), "Tshape": I32}, shapes=[[]])
     gathered_ids = site.indices
-    ids_check = None if site.sparse_indices is not None else _assert_ids_in_table(fg, site, gathered_ids)
+    ids_check = None if site.sparse_indices is not None else assert_ids_in_table(fg, site, gathered_ids)
     site.indices = _regathered_ids(fg, site)
     indices = _masked_indices(fg, site) if site.mask is not None else site.indices
     if site.weights is not None:
@@ -221,7 +222,7 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
         indices = _broadcast_ids_like_ones(fg, site, indices)
     _rebuild_shape_consumers(fg, site, gathered_ids, indices)
     if site.segment_ids is None and site.sparse_indices is None:
-        return DENSE_OP, [params, indices, weights], None, _checks(ids_check)
+        return DENSE_OP, [params, indices, weights], None, _checks(ids_check, assert_ids_rank(fg, site, gathered_ids))
     if site.row_splits is not None:
         splits = site.row_splits
         if tensor_dtype(fg, splits) != types_pb2.DT_INT32:
@@ -234,88 +235,6 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
 
 def _checks(*names: Optional[str]) -> List[str]:
     return [n for n in names if n is not None]
-
-
-def _non_negative(fg: FunctionGraph, ref: Ref, depth: int = 6) -> bool:
-    """True where the graph itself proves every value of the int tensor >= 0
-    (a composite that keeps negative ids from its gather: a constant, zeros,
-    a hash bucket, max(ids, c >= 0), floormod(ids, c > 0), where(ids >= 0,
-    ids, ...) with a non-negative other branch)."""
-    node = fg.producer(ref)
-    if node is None or depth == 0:
-        return False
-    ins = fg.inputs(node)
-    if node.op == "Const":
-        value = fg.const_value(ref)
-        return value is not None and bool(np.all(np.asarray(value) >= 0))
-    if node.op in ("ZerosLike", "OnesLike", "StringToHashBucketFast", "StringToHashBucketStrong",
-                   "StringToHashBucket", "Size", "Shape", "Rank"):
-        return True
-    if node.op == "Identity":
-        return _non_negative(fg, ins[0], depth - 1)
-    if node.op == "Maximum":
-        return any(_non_negative(fg, r, depth - 1) for r in ins)
-    if node.op == "FloorMod":
-        divisor = fg.const_value(ins[1])
-        return divisor is not None and bool(np.all(np.asarray(divisor) > 0))
-    if node.op in ("Select", "SelectV2"):
-        cond, then_ref, else_ref = ins
-        if _non_negative(fg, then_ref, depth - 1) and _non_negative(fg, else_ref, depth - 1):
-            return True
-        test = fg.producer(cond)
-        if test is None or test.op not in ("GreaterEqual", "Greater", "Less", "LessEqual"):
-            return False
-        x, bound = fg.inputs(test)
-        bound_value = fg.const_value(bound)
-        if bound_value is None or np.asarray(bound_value).size != 1:
-            return False
-        bound_value = float(np.reshape(bound_value, []))
-        # x >= b (b >= 0) or x > b (b >= -1) keeps x where true; x < b (b <= 0)
-        # or x <= b (b <= -1) keeps x where false.
-        keeps_x_if_true = (test.op == "GreaterEqual" and bound_value >= 0) or \
-            (test.op == "Greater" and bound_value >= -1)
-        keeps_x_if_false = (test.op == "Less" and bound_value <= 0) or \
-            (test.op == "LessEqual" and bound_value <= -1)
-        if keeps_x_if_true and then_ref == x:
-            return _non_negative(fg, else_ref, depth - 1)
-        if keeps_x_if_false and else_ref == x:
-            return _non_negative(fg, then_ref, depth - 1)
-    return False
-
-
-def _assert_ids_in_table(fg: FunctionGraph, site: Site, ids: Ref) -> Optional[str]:
-    """An Assert that every id the composite gathered is >= 0: the composite's
-    gather refuses a negative id ("indices[..] = -1 is not in [0, N)"), the
-    fused op would take it as padding. One reduction (the smallest id; an empty
-    request passes). None where the composite keeps negative ids from its
-    gather itself (where(ids >= 0, ids, 0), max(ids, 0), ...): there the fused
-    op's padding is what the composite computes. Returns the Assert's name (a
-    control input of the fused op). The TFLite converter drops Asserts."""
-    if site.pooled is not None or _non_negative(fg, ids):
-        return None
-    prefix = site.root + "/pkm_ids_check"
-    dtype = DType(site.index_dtype)
-    np_type = dtypes.as_dtype(site.index_dtype).as_numpy_dtype
-    flat = fg.add_op(prefix + "/flat", "Reshape", [ids, fg.add_const(prefix + "/flat_shape", np.array([-1], np.int32))],
-                     {"T": dtype, "Tshape": I32}, shapes=[[None]])
-    smallest = fg.add_op(prefix + "/smallest", "Min", [flat, fg.add_const(prefix + "/axis", np.array(0, np.int32))],
-                         {"T": dtype, "Tidx": I32, "keep_dims": False}, shapes=[[]])
-    ok = fg.add_op(prefix + "/non_negative", "GreaterEqual",
-                   [smallest, fg.add_const(prefix + "/zero", np.array(0, np_type))],
-                   {"T": dtype}, shapes=[[]])
-    rows = site.table_shape[0] if site.table_shape and site.table_shape[0] is not None else "N"
-    op = DENSE_OP if site.segment_ids is None and site.row_splits is None else RAGGED_OP
-    before = fg.add_const(prefix + "/message", np.array(
-        f"{op} (fused gather of {site.table or 'the table'} in {site.root}): an id is negative: "
-        f"indices[...] =".encode()))
-    after = fg.add_const(prefix + "/message_range", np.array(
-        f"is not in [0, {rows}) (the original model's gather refuses it too; the fused op "
-        f"alone would have taken it as padding)".encode()))
-    string = types_pb2.DT_STRING
-    check = fg.add_op(prefix, "Assert", [ok, before, smallest, after],
-                      {"T": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
-                          type=[string, site.index_dtype, string])), "summarize": 3})
-    return check.node
 
 
 def _plus_zeros_like(fg: FunctionGraph, name: str, x: Ref, other: Ref) -> Ref:

@@ -18,6 +18,8 @@ What changes in DST/<version> (after fusion and its verification):
 The result is verified against the original SavedModel on the verification
 inputs: the worst error relative to each output's scale (max |original|) must
 stay within --quantize-tolerance (default 1e-2), else the export is refused.
+The int8 .tflite (--tflite) is held to the same measure and tolerance
+(pkm_serve.export.tflite_export).
 
 For a trained Keras model: `pkm_serve.export.quantize_tables(model, dst)` exports it, fuses it
 and quantizes it in one call.
@@ -134,6 +136,26 @@ def _run(fn, inputs, what: str, name: str) -> dict:
                           f"verification inputs: {V.error_line(e.message)}") from None
 
 
+def tolerance_or_default(tolerance: Optional[float]) -> float:
+    """--quantize-tolerance, checked (> 0), or its default."""
+    tolerance = DEFAULT_TOLERANCE if tolerance is None else tolerance
+    if not tolerance > 0:
+        raise ExportError(f"--quantize-tolerance must be > 0, got {tolerance}")
+    return tolerance
+
+
+def relative_error(want, got):
+    """(max |want - got|, scale = max |want|, their ratio): the measure --quantize-tolerance
+    bounds, for the int8 SavedModel and the int8 .tflite alike. NaN where the float
+    model has NaN counts as equal; a new NaN makes the error NaN (over any tolerance)."""
+    w, g = np.asarray(want).astype(np.float64), np.asarray(got).astype(np.float64)
+    both_nan = np.isnan(w) & np.isnan(g)
+    w, g = np.where(both_nan, 0.0, w), np.where(both_nan, 0.0, g)
+    scale = float(np.max(np.abs(w))) if w.size else 0.0
+    err = float(np.max(np.abs(w - g))) if w.size else 0.0
+    return err, scale, (err / scale if scale > 0 else err)
+
+
 def verify_quantized(src: str, quantized_dir: str, signatures, index_limit: int, samples,
                      batch_size: int, tolerance: float, feeds: Optional[dict] = None) -> List[dict]:
     """Worst error of every output of the quantized model against the original,
@@ -151,12 +173,7 @@ def verify_quantized(src: str, quantized_dir: str, signatures, index_limit: int,
         want = _run(fn_orig, inputs, "original", name)
         got = _run(fn_q, inputs, "quantized", name)
         for key in sorted(want):
-            w, g = want[key].astype(np.float64), got[key].astype(np.float64)
-            both_nan = np.isnan(w) & np.isnan(g)
-            w, g = np.where(both_nan, 0.0, w), np.where(both_nan, 0.0, g)
-            scale = float(np.max(np.abs(w))) if w.size else 0.0
-            err = float(np.max(np.abs(w - g))) if w.size else 0.0
-            relative = err / scale if scale > 0 else err
+            err, scale, relative = relative_error(want[key], got[key])
             rows.append({"signature": name, "output": key, "max_abs_err": err, "output_scale": scale,
                          "relative_err": relative})
             if not relative <= tolerance:  # also refuses NaN
@@ -169,9 +186,7 @@ def verify_quantized(src: str, quantized_dir: str, signatures, index_limit: int,
 def quantize_version(tmp_dir: str, src: str, signatures, index_limit: int, samples, batch_size: int,
                      tolerance: Optional[float], feeds: Optional[dict] = None) -> dict:
     """The exporter's hook: quantizes tmp_dir, verifies it, reports sizes and errors."""
-    tolerance = DEFAULT_TOLERANCE if tolerance is None else tolerance
-    if not tolerance > 0:
-        raise ExportError(f"--quantize-tolerance must be > 0, got {tolerance}")
+    tolerance = tolerance_or_default(tolerance)
     before = _variables_bytes(tmp_dir)
     tables = quantize_export_dir(tmp_dir)
     after = _variables_bytes(tmp_dir)

@@ -85,6 +85,8 @@ class Site:
     ones: Optional[Ref] = None        # a multiply by ones that may broadcast the ids (fused as that broadcast)
     ones_squeeze: bool = False        # ones are [..., K, 1]
     pooled: Optional[object] = None   # pooled.Pooled: a per-position sparse lookup pooled over L
+    rounded_to: Optional[str] = None  # rows cast to this half dtype below cast_to (mixed precision):
+                                      # a rounding the fused op skips, verified at that dtype's tolerance
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in REPORT_KEYS}

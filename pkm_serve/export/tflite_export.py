@@ -123,24 +123,58 @@ def _tflite_signatures(model: bytes) -> List[str]:
     return [k.decode() if isinstance(k, bytes) else k for k in keys]
 
 
+def _int8_rows(name: str, want: dict, got: dict, tolerance: float) -> Tuple[List[dict], float]:
+    """The int8 .tflite against the original model, by the measure --quantize-tolerance
+    bounds for the int8 SavedModel (pkm_serve.export.quantize.relative_error): rows
+    shaped as the float ones (|err| <= atol = tolerance * the output's scale, rtol 0)
+    and the worst relative error; VerificationError past the tolerance."""
+    from pkm_serve.export.quantize import relative_error
+
+    if set(want) != set(got):
+        raise V.VerificationError(f"signature {name!r}: outputs differ: {sorted(want)} vs {sorted(got)}")
+    rows, worst = [], 0.0
+    for key in sorted(want):
+        w, g = np.asarray(want[key]), np.asarray(got[key])
+        if w.shape != g.shape:
+            raise V.VerificationError(f"signature {name!r} output {key!r}: shape {list(g.shape)} != "
+                                      f"original {list(w.shape)}")
+        err, scale, relative = relative_error(w, g)
+        if not relative <= tolerance:  # also refuses NaN
+            raise V.VerificationError(
+                f"signature {name!r} output {key!r} of the int8 .tflite differs from the float model "
+                f"by {err:.3g} = {relative:.3g} of its scale {scale:.3g}, over --quantize-tolerance "
+                f"{tolerance:g}")
+        worst = max(worst, relative)
+        rows.append({"signature": name, "output": key, "shape": list(w.shape), "max_abs_err": err,
+                     "rtol": 0.0, "atol": tolerance * scale})
+    return rows, worst
+
+
 def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
                   index_limit: int, samples: Optional[Dict[str, np.ndarray]],
                   batch_size: int, quantized: bool, precision: Optional[str] = None,
-                  feeds: Optional[dict] = None, original_dir: Optional[str] = None
-                  ) -> Tuple[str, List[dict]]:
+                  feeds: Optional[dict] = None, original_dir: Optional[str] = None,
+                  tolerance: Optional[float] = None) -> Tuple[str, List[dict], Optional[float]]:
     """Runs each signature in the TFLite interpreter with the pkm delegate and
-    compares with the exported SavedModel. Returns (status, rows). Where the
+    compares with the exported SavedModel; with int8 tables, with the original
+    model (`original_dir`, else the exported one) within --quantize-tolerance
+    (`tolerance`), as the int8 SavedModel is. Returns (status, rows, worst
+    relative error of an int8 .tflite or None). Where the
     .tflite gives inf/NaN that the SavedModel does not, the error says so and
     whether the stock converter's .tflite of `original_dir` (the unfused
     model) does the same."""
     import tensorflow as tf
 
+    from pkm_serve.export.quantize import tolerance_or_default
+
     if not os.path.exists(pkm_tflite.delegate_path()):
         return (f"not verified: the delegate {pkm_tflite.delegate_path()} is not built "
-                "(make build)"), []
+                "(make build)"), [], None
     interp = pkm_tflite.make_interpreter(model)
     loaded = tf.saved_model.load(saved_model_dir)
-    rows = []
+    original = tf.saved_model.load(original_dir) if quantized and original_dir else None
+    tolerance = tolerance_or_default(tolerance) if quantized else None
+    rows, worst = [], None
     # The converter keeps one signature per function: aliases such as Keras'
     # 'serve' / 'serving_default' come out as one.
     present = [name for name in signatures if name in interp.get_signature_list()]
@@ -154,9 +188,11 @@ def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
         got = interp.get_signature_runner(name)(**inputs)
         try:
             if quantized:
-                # Per-row int8 rounds each element by up to max|row|/254; summed over
-                # a bag that is ~1% of the output's scale.
-                rows.extend(V.compare_outputs(name, want, got, rtol=2e-2, atol_rel=2e-2))
+                reference = want if original is None else {
+                    k: v.numpy() for k, v in original.signatures[name](**inputs).items()}
+                int8_rows, int8_worst = _int8_rows(name, reference, got, tolerance)
+                rows.extend(int8_rows)
+                worst = max(worst or 0.0, int8_worst)
             else:
                 rows.extend(V.compare_outputs(name, want, got, precision=precision))
         except V.VerificationError as e:
@@ -165,7 +201,17 @@ def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
                 raise
             raise V.VerificationError(
                 _non_finite_message(name, bad, original_dir, inputs, want)) from None
-    return "verified with the pkm delegate", rows
+    return "verified with the pkm delegate", rows, worst
+
+
+def tables_note(info: dict) -> str:
+    """The report's word on the .tflite's tables: float, or int8 and its worst error."""
+    if not info.get("quantize_table"):
+        return "float"
+    if info.get("worst_relative_err") is None:
+        return info["quantize_table"]
+    return (f"{info['quantize_table']} (worst output error {info['worst_relative_err']:.3g} of the output "
+            f"scale, tolerance {info['tolerance']:g})")
 
 
 def _non_finite_outputs(want: dict, got: dict) -> Dict[str, Tuple[int, int]]:
@@ -263,10 +309,14 @@ def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str
                        quantize: Optional[str], src: str, index_limit: int,
                        samples, batch_size: int, progress: Optional[Progress] = None,
                        precision: Optional[str] = None, feeds: Optional[dict] = None,
-                       not_fused: Sequence = ()):
+                       not_fused: Sequence = (), tolerance: Optional[float] = None):
     """Writes the .tflite to a temporary file beside out_path (renamed by the
-    caller once everything passed). Returns (tmp_path, report dict)."""
+    caller once everything passed). Returns (tmp_path, report dict).
+    `tolerance`: --quantize-tolerance, for int8 tables."""
     progress = progress or Progress(quiet=True)
+    if quantize == "int8":
+        from pkm_serve.export.quantize import tolerance_or_default
+        tolerance = tolerance_or_default(tolerance)  # refused before converting
     size = check_size(export_dir)
     with progress.phase(f"converting to TFLite ({size / 2**20:.1f} MiB of variables)"):
         model = convert(export_dir, signatures, not_fused)
@@ -283,9 +333,9 @@ def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str
                           "FlatBuffer limit")
     with progress.phase("verifying the .tflite through the pkm delegate"):
         try:
-            status, rows = verify_tflite(model, export_dir, signatures, index_limit,
-                                         samples, batch_size, quantize == "int8", precision,
-                                         feeds, original_dir=src)
+            status, rows, worst = verify_tflite(model, export_dir, signatures, index_limit,
+                                                samples, batch_size, quantize == "int8", precision,
+                                                feeds, original_dir=src, tolerance=tolerance)
         except V.VerificationError as e:
             raise ExportError(f"TFLite verification failed: {e}") from None
         except (RuntimeError, ValueError) as e:
@@ -299,5 +349,6 @@ def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str
     os.chmod(tmp, 0o666 & ~current_umask())
     info = {"file": out_path, "bytes": len(model), "table_bytes_in_savedmodel": size,
             "custom_ops": found_ops, "signatures": _tflite_signatures(model),
-            "quantize_table": quantize, "status": status, "verification": rows}
+            "quantize_table": quantize, "status": status, "verification": rows,
+            "tolerance": tolerance if quantize == "int8" else None, "worst_relative_err": worst}
     return tmp, info

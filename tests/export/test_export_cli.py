@@ -314,3 +314,19 @@ def test_help_documents_sig_name_sample_keys(capsys):
         main(["--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "key NAME feeds input NAME of every signature, SIG/NAME input NAME of signature SIG only" in help_text
+
+
+def test_quantize_tolerance_without_quantize_table_is_a_usage_error(tmp_path, capsys):
+    # It was silently ignored: the export ran with float tables and no tolerance check.
+    from pkm_serve import cli
+    for run in (lambda argv: main(argv), lambda argv: cli.run_command("export", argv)):
+        with pytest.raises(SystemExit) as exit_:
+            run([str(tmp_path / "src"), str(tmp_path / "dst"), "--quantize-tolerance", "1e-3"])
+        assert exit_.value.code == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert lines[-1] == ("pkm-serve export: error: --quantize-tolerance applies to --quantize-table int8 "
+                             "only: pass --quantize-table int8 too, or drop --quantize-tolerance")
+        assert not (tmp_path / "dst").exists()
+    from pkm_serve.export.arguments import build_parser
+    args = build_parser().parse_args(["s", "d", "--quantize-table", "int8", "--quantize-tolerance", "1e-3"])
+    assert args.quantize_tolerance == 1e-3

@@ -1,0 +1,137 @@
+"""Asserts the fused graph adds where the fused op would compute something
+other than the composite for ids the original refuses or reads otherwise:
+negative ids (padding to the op, an error to the gather) and ids of another
+rank than the site was matched at (the composite's reduction axis is fixed,
+the op always reduces the ids' last axis). Each Assert is a control input of
+the fused op. The TFLite converter drops Asserts."""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+from tensorflow.core.framework import attr_value_pb2, types_pb2
+from tensorflow.python.framework import dtypes
+
+from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site
+
+I32 = DType(types_pb2.DT_INT32)
+I64 = DType(types_pb2.DT_INT64)
+
+
+def _non_negative(fg: FunctionGraph, ref: Ref, depth: int = 6) -> bool:
+    """True where the graph itself proves every value of the int tensor >= 0
+    (a composite that keeps negative ids from its gather: a constant, zeros,
+    a hash bucket, max(ids, c >= 0), floormod(ids, c > 0), where(ids >= 0,
+    ids, ...) with a non-negative other branch)."""
+    node = fg.producer(ref)
+    if node is None or depth == 0:
+        return False
+    ins = fg.inputs(node)
+    if node.op == "Const":
+        value = fg.const_value(ref)
+        return value is not None and bool(np.all(np.asarray(value) >= 0))
+    if node.op in ("ZerosLike", "OnesLike", "StringToHashBucketFast", "StringToHashBucketStrong",
+                   "StringToHashBucket", "Size", "Shape", "Rank"):
+        return True
+    if node.op == "Identity":
+        return _non_negative(fg, ins[0], depth - 1)
+    if node.op == "Maximum":
+        return any(_non_negative(fg, r, depth - 1) for r in ins)
+    if node.op == "FloorMod":
+        divisor = fg.const_value(ins[1])
+        return divisor is not None and bool(np.all(np.asarray(divisor) > 0))
+    if node.op in ("Select", "SelectV2"):
+        cond, then_ref, else_ref = ins
+        if _non_negative(fg, then_ref, depth - 1) and _non_negative(fg, else_ref, depth - 1):
+            return True
+        test = fg.producer(cond)
+        if test is None or test.op not in ("GreaterEqual", "Greater", "Less", "LessEqual"):
+            return False
+        x, bound = fg.inputs(test)
+        bound_value = fg.const_value(bound)
+        if bound_value is None or np.asarray(bound_value).size != 1:
+            return False
+        bound_value = float(np.reshape(bound_value, []))
+        # x >= b (b >= 0) or x > b (b >= -1) keeps x where true; x < b (b <= 0)
+        # or x <= b (b <= -1) keeps x where false.
+        keeps_x_if_true = (test.op == "GreaterEqual" and bound_value >= 0) or \
+            (test.op == "Greater" and bound_value >= -1)
+        keeps_x_if_false = (test.op == "Less" and bound_value <= 0) or \
+            (test.op == "LessEqual" and bound_value <= -1)
+        if keeps_x_if_true and then_ref == x:
+            return _non_negative(fg, else_ref, depth - 1)
+        if keeps_x_if_false and else_ref == x:
+            return _non_negative(fg, then_ref, depth - 1)
+    return False
+
+
+def assert_ids_in_table(fg: FunctionGraph, site: Site, ids: Ref) -> Optional[str]:
+    """An Assert that every id the composite gathered is >= 0: the composite's
+    gather refuses a negative id ("indices[..] = -1 is not in [0, N)"), the
+    fused op would take it as padding. One reduction (the smallest id; an empty
+    request passes). None where the composite keeps negative ids from its
+    gather itself (where(ids >= 0, ids, 0), max(ids, 0), ...): there the fused
+    op's padding is what the composite computes. Returns the Assert's name (a
+    control input of the fused op). The TFLite converter drops Asserts."""
+    if site.pooled is not None or _non_negative(fg, ids):
+        return None
+    prefix = site.root + "/pkm_ids_check"
+    dtype = DType(site.index_dtype)
+    np_type = dtypes.as_dtype(site.index_dtype).as_numpy_dtype
+    flat = fg.add_op(prefix + "/flat", "Reshape", [ids, fg.add_const(prefix + "/flat_shape", np.array([-1], np.int32))],
+                     {"T": dtype, "Tshape": I32}, shapes=[[None]])
+    smallest = fg.add_op(prefix + "/smallest", "Min", [flat, fg.add_const(prefix + "/axis", np.array(0, np.int32))],
+                         {"T": dtype, "Tidx": I32, "keep_dims": False}, shapes=[[]])
+    ok = fg.add_op(prefix + "/non_negative", "GreaterEqual",
+                   [smallest, fg.add_const(prefix + "/zero", np.array(0, np_type))],
+                   {"T": dtype}, shapes=[[]])
+    rows = site.table_shape[0] if site.table_shape and site.table_shape[0] is not None else "N"
+    op = DENSE_OP if site.segment_ids is None and site.row_splits is None else RAGGED_OP
+    before = fg.add_const(prefix + "/message", np.array(
+        f"{op} (fused gather of {site.table or 'the table'} in {site.root}): an id is negative: "
+        f"indices[...] =".encode()))
+    after = fg.add_const(prefix + "/message_range", np.array(
+        f"is not in [0, {rows}) (the original model's gather refuses it too; the fused op "
+        f"alone would have taken it as padding)".encode()))
+    string = types_pb2.DT_STRING
+    check = fg.add_op(prefix, "Assert", [ok, before, smallest, after],
+                      {"T": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+                          type=[string, site.index_dtype, string])), "summarize": 3})
+    return check.node
+
+
+def assert_ids_rank(fg: FunctionGraph, site: Site, ids: Ref) -> Optional[str]:
+    """An Assert that the ids have the rank the site was matched at. The graph
+    is built for the signature's shapes, but a server (TF Serving) feeds
+    inputs of any shape: the composite's reduction (reduce_mean(rows, axis=1))
+    then reads another axis of the rows, or gives another shape, while the
+    fused op always reduces the ids' last axis. None where the rank is unknown
+    (no site is matched there). Returns the Assert's name."""
+    rank = fg.shape(ids).rank
+    if rank is None:
+        return None
+    prefix = site.root + "/pkm_ids_rank_check"
+    # Rank(ids) would be folded to the signature's rank (grappler, from the function's
+    # argument shapes) and the Assert with it: the rank as the number of dims >= 0,
+    # which a Where counts at run time.
+    shape = fg.add_op(prefix + "/shape", "Shape", [ids], {"T": DType(site.index_dtype), "out_type": I32},
+                      shapes=[[rank]])
+    dims = fg.add_op(prefix + "/dims", "GreaterEqual", [shape, fg.add_const(prefix + "/zero", np.array(0, np.int32))],
+                     {"T": I32}, shapes=[[rank]])
+    where = fg.add_op(prefix + "/where", "Where", [dims], {"T": DType(types_pb2.DT_BOOL)}, shapes=[[None, 1]])
+    got = fg.add_op(prefix + "/rank", "Size", [where], {"T": I64, "out_type": I32}, shapes=[[]])
+    ok = fg.add_op(prefix + "/same", "Equal", [got, fg.add_const(prefix + "/expected", np.array(rank, np.int32))],
+                   {"T": I32, "incompatible_shape_error": True}, shapes=[[]])
+    before = fg.add_const(prefix + "/message", np.array(
+        f"{DENSE_OP} (fused gather of {site.table or 'the table'} in {site.root}): the ids have "
+        f"rank".encode()))
+    after = fg.add_const(prefix + "/message_rank", np.array(
+        f"but the site was fused for ids of rank {rank} (the signature's), the only rank at "
+        f"which the fused op is known to reduce the axis the original model reduces; send "
+        f"ids of rank {rank}".encode()))
+    string = types_pb2.DT_STRING
+    check = fg.add_op(prefix, "Assert", [ok, before, got, after],
+                      {"T": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+                          type=[string, types_pb2.DT_INT32, string])), "summarize": 3})
+    return check.node

@@ -1,0 +1,82 @@
+"""`--tflite` with `--quantize-table int8`: the .tflite's int8 tables are held to
+--quantize-tolerance by the same measure as the int8 SavedModel's (max |error|
+over max |original output|, against the original model), and its worst error is
+in the report. The .tflite was checked with a fixed rtol/atol of 2e-2 against
+the float export, so one 1.9% off was accepted under --quantize-tolerance 1e-2."""
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pkm_serve import ops
+from pkm_serve import tflite as pkm_tflite
+from pkm_serve.export import ExportError, export_saved_model, format_report
+
+ops.load_library()
+
+N, D, K = 2000, 32, 5
+
+pytestmark = pytest.mark.skipif(not os.path.exists(pkm_tflite.delegate_path()),
+                                reason="the pkm delegate is not built")
+
+
+def _offset_rows_with_cancelling_weights(tmp_path):
+    """Rows 2 +- 0.5 and bags w = [1, -1, 0, 0, 0]: the .tflite's symmetric per-row
+    int8 (steps of max|row| / 127) is ~2% off the output's scale, the SavedModel's
+    affine int8 (steps of (max - min) / 255) well within 1%."""
+    rng = np.random.default_rng(0)
+    table = (2.0 + rng.uniform(-0.5, 0.5, (N, D))).astype(np.float32)
+    module = tf.Module()
+    module.t = tf.Variable(table)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, K], tf.int32, name="i"),
+                                  tf.TensorSpec([None, K], tf.float32, name="w")])
+    def f(i, w):
+        return {"o": tf.reduce_sum(tf.gather(module.t, i) * w[..., None], 1)}
+    module.f = f
+    tf.saved_model.save(module, str(tmp_path / "src"), signatures={"serving_default": f})
+    ids = rng.integers(0, N, (256, K)).astype(np.int32)
+    w = np.tile(np.array([1, -1, 0, 0, 0], np.float32), (256, 1))
+    np.savez(tmp_path / "in.npz", i=ids, w=w)
+    return table, ids, w
+
+
+def _export(tmp_path, name, tolerance):
+    return export_saved_model(str(tmp_path / "src"), str(tmp_path / name), quantize_table="int8",
+                              quantize_tolerance=tolerance, tflite=str(tmp_path / f"{name}.tflite"),
+                              sample_inputs=str(tmp_path / "in.npz"), quiet=True)
+
+
+def test_the_tflite_is_held_to_quantize_tolerance_and_reported(tmp_path):
+    table, ids, w = _offset_rows_with_cancelling_weights(tmp_path)
+    reference = (table.astype(np.float64)[ids] * w[..., None]).sum(1)
+
+    with pytest.raises(ExportError, match=r"TFLite verification failed: signature 'serving_default' output "
+                       r"'o' of the int8 \.tflite differs from the float model by .* of its scale .*, over "
+                       r"--quantize-tolerance 0\.01"):
+        _export(tmp_path, "strict", 1e-2)
+    assert not os.path.exists(tmp_path / "strict" / "1") and not os.path.exists(tmp_path / "strict.tflite")
+
+    result = _export(tmp_path, "loose", 5e-2)
+    got = pkm_tflite.make_interpreter(str(tmp_path / "loose.tflite")).get_signature_runner(
+        "serving_default")(i=ids, w=w)["o"]
+    actual = float(np.abs(got - reference).max() / np.abs(reference).max())
+    assert 1e-2 < actual < 5e-2
+    tfl = result.tflite
+    assert tfl["tolerance"] == 5e-2
+    assert tfl["worst_relative_err"] == pytest.approx(actual, rel=1e-3, abs=1e-5)
+    assert [(r["rtol"], r["atol"]) for r in tfl["verification"]] == [
+        (0.0, pytest.approx(5e-2 * np.abs(reference).max(), rel=1e-5))]
+    assert result.quantization["worst_relative_err"] < 1e-2  # the SavedModel's (affine) int8
+    assert result.to_json()["tflite"]["worst_relative_err"] == tfl["worst_relative_err"]
+    assert tfl["status"] == "verified with the pkm delegate"
+    assert f"tables int8 (worst output error {tfl['worst_relative_err']:.3g} of the output scale, " \
+           f"tolerance 0.05); verified with the pkm delegate" in format_report(result)
+
+
+def test_a_non_positive_tolerance_is_refused_before_converting(tmp_path):
+    _offset_rows_with_cancelling_weights(tmp_path)
+    with pytest.raises(ExportError, match=r"--quantize-tolerance must be > 0, got 0"):
+        _export(tmp_path, "zero", 0.0)
+    assert not os.path.exists(tmp_path / "zero.tflite")
