@@ -88,17 +88,11 @@ def assert_ids_in_table(fg: FunctionGraph, site: Site, ids: Ref) -> Optional[str
                    {"T": dtype}, shapes=[[]])
     rows = site.table_shape[0] if site.table_shape and site.table_shape[0] is not None else "N"
     op = DENSE_OP if site.segment_ids is None and site.row_splits is None else RAGGED_OP
-    before = fg.add_const(prefix + "/message", np.array(
-        f"{op} (fused gather of {site.table or 'the table'} in {site.root}): an id is negative: "
-        f"indices[...] =".encode()))
-    after = fg.add_const(prefix + "/message_range", np.array(
-        f"is not in [0, {rows}) (the original model's gather refuses it too; the fused op "
-        f"alone would have taken it as padding)".encode()))
-    string = types_pb2.DT_STRING
-    check = fg.add_op(prefix, "Assert", [ok, before, smallest, after],
-                      {"T": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
-                          type=[string, site.index_dtype, string])), "summarize": 3})
-    return check.node
+    return _assert(fg, prefix, ok,
+                   f"{op} (fused gather of {site.table or 'the table'} in {site.root}): an id is negative: "
+                   f"indices[...] =", (smallest, site.index_dtype),
+                   f"is not in [0, {rows}) (the original model's gather refuses it too; the fused op "
+                   f"alone would have taken it as padding)", "/message_range")
 
 
 def assert_ids_rank(fg: FunctionGraph, site: Site, ids: Ref) -> Optional[str]:
@@ -123,15 +117,20 @@ def assert_ids_rank(fg: FunctionGraph, site: Site, ids: Ref) -> Optional[str]:
     got = fg.add_op(prefix + "/rank", "Size", [where], {"T": I64, "out_type": I32}, shapes=[[]])
     ok = fg.add_op(prefix + "/same", "Equal", [got, fg.add_const(prefix + "/expected", np.array(rank, np.int32))],
                    {"T": I32, "incompatible_shape_error": True}, shapes=[[]])
-    before = fg.add_const(prefix + "/message", np.array(
-        f"{DENSE_OP} (fused gather of {site.table or 'the table'} in {site.root}): the ids have "
-        f"rank".encode()))
-    after = fg.add_const(prefix + "/message_rank", np.array(
-        f"but the site was fused for ids of rank {rank} (the signature's), the only rank at "
-        f"which the fused op is known to reduce the axis the original model reduces; send "
-        f"ids of rank {rank}".encode()))
+    return _assert(fg, prefix, ok,
+                   f"{DENSE_OP} (fused gather of {site.table or 'the table'} in {site.root}): the ids have "
+                   f"rank", (got, types_pb2.DT_INT32),
+                   f"but the site was fused for ids of rank {rank} (the signature's), the only rank at "
+                   f"which the fused op is known to reduce the axis the original model reduces; send "
+                   f"ids of rank {rank}", "/message_rank")
+
+
+def _assert(fg: FunctionGraph, prefix: str, ok: Ref, before: str, value, after: str, after_name: str) -> str:
+    """Assert(ok, [before, value, after]) named `prefix`; value is (tensor, its dtype enum). Returns its name."""
+    tensor, dtype = value
     string = types_pb2.DT_STRING
-    check = fg.add_op(prefix, "Assert", [ok, before, got, after],
+    check = fg.add_op(prefix, "Assert", [ok, fg.add_const(prefix + "/message", np.array(before.encode())), tensor,
+                                         fg.add_const(prefix + after_name, np.array(after.encode()))],
                       {"T": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
-                          type=[string, types_pb2.DT_INT32, string])), "summarize": 3})
+                          type=[string, dtype, string])), "summarize": 3})
     return check.node
