@@ -384,8 +384,7 @@ class RestFrontend:
             if set(x) != keys:
                 raise invalid(f"instance {i} has inputs {sorted(x)} but instance 0 has {sorted(keys)}")
         if keys != set(specs):
-            missing, extra = sorted(set(specs) - keys), sorted(keys - set(specs))
-            raise invalid(f"instances have missing input(s) {missing} / unknown input(s) {extra}; "
+            raise invalid(f"instances have {tensors.input_mismatch(specs, keys)}; "
                           f"the signature expects {sorted(specs)}")
         return {k: tensors.from_json(k, [x[k] for x in instances], specs[k]) for k in keys}
 
@@ -393,8 +392,7 @@ class RestFrontend:
     def _columns_to_inputs(value, specs):
         if isinstance(value, dict) and not _is_b64(value):
             if set(value) != set(specs):
-                missing, extra = sorted(set(specs) - set(value)), sorted(set(value) - set(specs))
-                raise invalid(f"\"inputs\" has missing input(s) {missing} / unknown input(s) {extra}; "
+                raise invalid(f"\"inputs\" has {tensors.input_mismatch(specs, value)}; "
                               f"the signature expects {sorted(specs)}")
             return {k: tensors.from_json(k, v, specs[k]) for k, v in value.items()}
         if len(specs) != 1:

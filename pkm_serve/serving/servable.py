@@ -56,15 +56,9 @@ class SignatureBase:
                               for k, s in self.input_specs.items()}
 
     def validate(self, inputs: dict):
-        missing = sorted(set(self.input_specs) - set(inputs))
-        extra = sorted(set(inputs) - set(self.input_specs))
-        if missing or extra:
-            parts = []
-            if missing:
-                parts.append(f"missing input(s) {missing}")
-            if extra:
-                parts.append(f"unknown input(s) {extra}")
-            raise invalid(f"{' and '.join(parts)} for signature '{self.name}'; "
+        mismatch = tensors.input_mismatch(self.input_specs, inputs)
+        if mismatch:
+            raise invalid(f"{mismatch} for signature '{self.name}'; "
                           f"it expects exactly {sorted(self.input_specs)}")
         for key, array in inputs.items():
             if array.dtype != self._input_dtypes[key]:

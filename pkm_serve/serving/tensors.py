@@ -427,3 +427,11 @@ def shortest_float32_as_float64(values: np.ndarray) -> np.ndarray:
 
 def to_json(name: str, arr: np.ndarray):
     return _json_scalar_list(np.asarray(arr), name)
+
+
+def input_mismatch(expected, given) -> str:
+    """"missing input(s) [...]" and/or "unknown input(s) [...]" between two name sets
+    ("" where they are equal): only the parts that are not empty."""
+    missing, extra = sorted(set(expected) - set(given)), sorted(set(given) - set(expected))
+    parts = ([f"missing input(s) {missing}"] if missing else []) + ([f"unknown input(s) {extra}"] if extra else [])
+    return " and ".join(parts)
