@@ -9,6 +9,9 @@ Session servable or, with --prefer_tflite_model, the TFLite servable.
 """
 import os
 
+import grpc
+
+from pkm_serve.serving.errors import ServingError
 from pkm_serve.serving.servable import Servable
 from pkm_serve.serving.tflite_servable import TFLITE_MODEL_FILE, TfLiteServable
 
@@ -61,6 +64,21 @@ def make_loader_factory(warmup=True, prefer_tflite_model=False, num_tflite_inter
             return ServableLoader(lambda: TfLiteServable(
                 name, version, path, warmup=warmup, num_interpreters=num_tflite_interpreters,
                 num_threads=tflite_threads))
-        return ServableLoader(lambda: Servable(name, version, path, warmup=warmup))
+        return ServableLoader(lambda: _saved_model_servable(name, version, path, warmup))
 
     return factory
+
+
+def _saved_model_servable(name, version, path, warmup):
+    # A directory of model.tflite alone got TF's "SavedModel file does not exist" only.
+    if _holds_only_tflite(path):
+        raise ServingError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"{path} holds {TFLITE_MODEL_FILE} but no SavedModel: serve it with "
+                           f"--prefer_tflite_model=true")
+    return Servable(name, version, path, warmup=warmup)
+
+
+def _holds_only_tflite(path) -> bool:
+    """Whether `path` holds model.tflite and no saved_model.pb(txt)."""
+    return os.path.isfile(os.path.join(path, TFLITE_MODEL_FILE)) and not any(
+        os.path.isfile(os.path.join(path, f)) for f in ("saved_model.pb", "saved_model.pbtxt"))

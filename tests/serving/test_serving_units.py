@@ -421,3 +421,13 @@ def test_rest_input_mismatch_names_only_what_is_missing_or_unknown():
     with pytest.raises(ServingError, match=r"missing input\(s\) \['w'\] and unknown input\(s\) \['x'\];"):
         RestFrontend._columns_to_inputs({"ids": [1.0], "x": [2.0]}, specs)
     assert tensors.input_mismatch(["a"], ["a"]) == ""
+
+
+def test_a_version_of_model_tflite_alone_names_prefer_tflite_model(tmp_path):
+    # Without --prefer_tflite_model it was TF's "SavedModel file does not exist" alone.
+    from pkm_serve.serving.loader import make_loader_factory
+
+    (tmp_path / "model.tflite").write_bytes(b"\0" * 16)
+    with pytest.raises(ServingError, match=r"holds model.tflite but no SavedModel: serve it with "
+                                           r"--prefer_tflite_model=true"):
+        make_loader_factory(warmup=False)("m", 1, str(tmp_path)).load()
