@@ -47,7 +47,7 @@ class Pooled:
     empty_rows: Optional[Ref] = None  # bool [B*L]: positions whose row is zeros (default_id=None)
 
     def bag_inputs(self, fg: FunctionGraph, site: Site, params: Ref):
-        """fuse.py's (op, inputs, row_splits, None) for the site, built into fg."""
+        """fuse.py's (op, inputs, row_splits, Asserts to wait for: none) for the site, built into fg."""
         b = _Builder(fg, site.root + "/pkm_pooled")
         const, op = b.const, b.op
         rows64 = op("rows64", "StridedSlice", [self.rows_shape, const("b0", [0]), const("e0", [1]),
@@ -69,7 +69,7 @@ class Pooled:
         splits = op("row_splits", "ConcatV2", [const("zero1", [0]), ends, const("axis0s", 0)],
                     {"N": 2, "T": I32, "Tidx": I32}, [None])
         weight = self._id_weights(fg, site, b, rows64, row, bl, ones)
-        return fuse.RAGGED_OP, [params, self.entry_ids, splits, weight], splits, None
+        return fuse.RAGGED_OP, [params, self.entry_ids, splits, weight], splits, []
 
     def _shapes_without_params(self, fg: FunctionGraph, b, rows64: Ref, width: int):
         """Each Shape(P) node ([B*L, D]) rebuilt from the ids' row count and the table's width."""
