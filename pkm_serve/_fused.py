@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from pkm_serve import _xla
+from pkm_serve import _second_order, _xla
 from pkm_serve._composite import embedding_bag_composite
 from pkm_serve._library import load_library
 from pkm_serve._op_args import (
@@ -115,10 +115,7 @@ def _register_gradients():
         return [tf.IndexedSlices(row_grads, rows, dense_shape=shape), None,
                 d_weights if has_weights else None]
 
-    tf.no_gradient("PkmResourceEmbeddingBagSparseGrad")
-    # Gradient ops are not differentiated again (no second derivatives).
-    tf.no_gradient("PkmEmbeddingBagGrad")
-    tf.no_gradient("PkmRaggedEmbeddingBagGrad")
+    _second_order.register()  # the gradient ops' own gradients (second derivatives)
 
 
 _register_gradients()

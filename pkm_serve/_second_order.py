@@ -1,0 +1,140 @@
+"""Second derivatives of the fused op: the gradients of its gradient ops.
+
+A gradient penalty, a Hessian-vector product, MAML-style nested tapes and
+forward-mode autodiff (``tf.autodiff.ForwardAccumulator`` transposes the
+registered gradient) all differentiate the gradient ops. Their outputs are
+the composite's gradient (``d_params`` scattered back to the rows, ``d_weights``
+from the rows and the bag's output), so their gradients are taken here by
+differentiating the composite's gradient once more. That builds the
+composite's ``[..., K, D]`` gather, on this path only; the first derivative
+keeps the fused kernels. For ``max`` the first derivative routes each column
+to the first row holding its maximum (the fused rule, a NaN first), linear in
+the incoming gradient and constant in the table and weights between changes
+of winner; that is what is differentiated here.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from pkm_serve._composite import embedding_bag_composite
+
+
+def _first_winners(params, indices):
+    """[B, K, D] booleans: the entry of each bag and column that the fused max
+    gradient goes to (the first NaN, else the first maximum; none where the
+    bag is empty). indices [B, K], -1 or any negative = padding."""
+    valid = indices >= 0
+    rows = tf.cast(tf.gather(params, tf.where(valid, indices, tf.zeros_like(indices))), tf.float32)
+    masked = tf.where(valid[..., None], rows, tf.fill(tf.shape(rows), float("-inf")))
+    top = tf.reduce_max(masked, axis=1, keepdims=True)  # NaN where the bag's column has one
+    candidate = tf.where(tf.math.is_nan(top), tf.math.is_nan(masked), masked == top) & valid[..., None]
+    earlier = tf.cumsum(tf.cast(candidate, tf.int32), axis=1, exclusive=True)
+    return candidate & (earlier == 0)
+
+
+def _max_params_gradient(grad, params, indices):
+    """The fused max gradient d_params [N, D] in stock ops (differentiable in grad)."""
+    dim = tf.shape(params)[1]
+    indices = tf.reshape(indices, [-1, tf.shape(indices)[-1]])
+    grad = tf.reshape(grad, [-1, dim])
+    winners = tf.stop_gradient(_first_winners(params, indices))
+    routed = tf.where(winners, tf.cast(grad, tf.float32)[:, None, :], tf.zeros([], tf.float32))
+    num_rows = tf.shape(params, out_type=indices.dtype)[0]
+    segments = tf.where(indices >= 0, indices, tf.fill(tf.shape(indices), num_rows))  # padding: dropped
+    return tf.cast(tf.math.unsorted_segment_sum(routed, segments, num_rows + 1)[:-1], params.dtype)
+
+
+def _first_order(grad, params, indices, weights, combiner):
+    """The gradient ops' (d_params dense, d_weights or None), recorded on any outer tape."""
+    if combiner == "max":
+        if isinstance(indices, tf.RaggedTensor):
+            indices = indices.to_tensor(default_value=-1)
+        return _max_params_gradient(grad, params, indices), None
+    with tf.GradientTape() as inner:
+        inner.watch(params)
+        if weights is not None:
+            inner.watch(weights)
+        out = embedding_bag_composite(params, indices, weights, combiner)
+    if weights is None:
+        return tf.convert_to_tensor(inner.gradient(out, params, output_gradients=grad)), None
+    d_params, d_weights = inner.gradient(out, [params, weights], output_gradients=grad)
+    if isinstance(weights, tf.RaggedTensor):
+        d_weights = d_weights.flat_values
+    return tf.convert_to_tensor(d_params), d_weights
+
+
+def _gradients(op, params, bags, d_params_up, d_weights_up):
+    """Gradients for (grad, params, weights) of a gradient op whose incoming
+    gradients are d_params_up ([N, D] dense) and d_weights_up (or None).
+    bags(weights) gives the (indices, weights) the composite takes."""
+    combiner = op.get_attr("combiner")
+    combiner = combiner.decode() if isinstance(combiner, bytes) else combiner
+    has_weights = op.get_attr("has_weights")
+    grad, weights = op.inputs[0], op.inputs[-1]
+    with tf.GradientTape() as outer:
+        outer.watch([grad, params, weights])
+        indices, bag_weights = bags(weights if has_weights else None)
+        d_params, d_weights = _first_order(grad, params, indices, bag_weights, combiner)
+    targets, upstream = [d_params], [tf.zeros_like(d_params) if d_params_up is None else d_params_up]
+    if d_weights is not None:
+        targets.append(d_weights)
+        upstream.append(tf.zeros_like(d_weights) if d_weights_up is None else d_weights_up)
+    return outer.gradient(targets, [grad, params, weights], output_gradients=upstream,
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+
+
+def _dense_rows(rows, row_grads_up, params):
+    """A row-sparse gradient op's incoming row gradients as a dense [N, D] one."""
+    if row_grads_up is None:
+        return None
+    shape = tf.shape(params, out_type=tf.int64)
+    return tf.scatter_nd(rows[:, None], tf.convert_to_tensor(row_grads_up), shape)
+
+
+def register():
+    """Registers the gradients of the gradient ops (called once, by _fused)."""
+
+    def dense_bags(op):
+        return lambda weights: (op.inputs[2], weights)
+
+    def ragged_bags(op):
+        def bags(weights):
+            values, splits = op.inputs[2], op.inputs[3]
+            indices = tf.RaggedTensor.from_row_splits(values, splits, validate=False)
+            return indices, None if weights is None else indices.with_flat_values(weights)
+        return bags
+
+    @tf.RegisterGradient("PkmEmbeddingBagGrad")
+    def _embedding_bag_grad_grad(op, d_params_up, d_weights_up):
+        d_grad, d_params, d_weights = _gradients(op, op.inputs[1], dense_bags(op), d_params_up, d_weights_up)
+        return [d_grad, d_params, None, d_weights]
+
+    @tf.RegisterGradient("PkmRaggedEmbeddingBagGrad")
+    def _ragged_embedding_bag_grad_grad(op, d_params_up, d_weights_up):
+        d_grad, d_params, d_weights = _gradients(op, op.inputs[1], ragged_bags(op), d_params_up, d_weights_up)
+        return [d_grad, d_params, None, None, d_weights]
+
+    @tf.RegisterGradient("PkmEmbeddingBagSparseGrad")
+    def _embedding_bag_sparse_grad_grad(op, _, row_grads_up, d_weights_up):
+        params = op.inputs[1]
+        d_grad, d_params, d_weights = _gradients(
+            op, params, dense_bags(op), _dense_rows(op.outputs[0], row_grads_up, params), d_weights_up)
+        return [d_grad, d_params, None, d_weights]
+
+    @tf.RegisterGradient("PkmRaggedEmbeddingBagSparseGrad")
+    def _ragged_embedding_bag_sparse_grad_grad(op, _, row_grads_up, d_weights_up):
+        params = op.inputs[1]
+        d_grad, d_params, d_weights = _gradients(
+            op, params, ragged_bags(op), _dense_rows(op.outputs[0], row_grads_up, params), d_weights_up)
+        return [d_grad, d_params, None, None, d_weights]
+
+    @tf.RegisterGradient("PkmResourceEmbeddingBagSparseGrad")
+    def _resource_embedding_bag_sparse_grad_grad(op, _, row_grads_up, d_weights_up):
+        from tensorflow.python.ops import resource_variable_ops
+
+        # The table as read now; its gradient goes to the variable through the handle.
+        params = resource_variable_ops.read_variable_op(op.inputs[1], op.get_attr("dtype"))
+        d_grad, d_params, d_weights = _gradients(
+            op, params, dense_bags(op), _dense_rows(op.outputs[0], row_grads_up, params), d_weights_up)
+        return [d_grad, d_params, None, d_weights]
