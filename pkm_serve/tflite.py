@@ -37,6 +37,7 @@ from pkm_serve.tflite_model import (  # noqa: F401
     check_tflite_bytes,
     flatbuffer_schema,
     quantize_rows_int8,
+    quantize_rows_int8_affine,
     quantize_table_int8,
 )
 

@@ -57,8 +57,8 @@ def _pkm_tflite(version):
 def _pkm_reference(version, idx, w):
     table = TABLES[version].astype(np.float64)
     if version == 2:
-        q, scales = tflite.quantize_rows_int8(TABLES[version])
-        table = q.astype(np.float64) * scales[:, None]
+        q, scales, zero_points = tflite.quantize_rows_int8_affine(TABLES[version])
+        table = (q.astype(np.float64) - zero_points[:, None]) * scales[:, None]
     return reference.embedding_bag(table, idx, w)
 
 
