@@ -208,6 +208,67 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     return bytes(builder.Output())
 
 
+def _int8_table_problem(tensor) -> Optional[str]:
+    """Why the kernels would refuse this int8 params tensor's quantisation, or None."""
+    rows = int(tensor.Shape(0)) if tensor.ShapeLength() else None
+    quant = tensor.Quantization()
+    scales = quant.ScaleAsNumpy() if quant is not None and quant.ScaleLength() else np.zeros(0, np.float32)
+    zero_points = quant.ZeroPointAsNumpy() if quant is not None and quant.ZeroPointLength() else np.zeros(0, np.int64)
+    if scales.size == 0 or zero_points.size == 0:
+        return "no quantisation scales and zero points (int8 params need one of each per row)"
+    if zero_points.size != scales.size:
+        return f"{scales.size} scales but {zero_points.size} zero points"
+    if scales.size > 1 and (scales.size != rows or quant.QuantizedDimension() != 0):
+        return (f"{scales.size} scales on axis {quant.QuantizedDimension()}; int8 params are "
+                f"quantised per row (axis 0), {rows} scales")
+    bad = np.flatnonzero(~(np.isfinite(scales) & (scales > 0)))
+    if bad.size:
+        return (f"scale of row {int(bad[0])} is {float(scales[bad[0]])!r} ({bad.size} such rows); "
+                "scales must be positive and finite")
+    info = np.iinfo(np.int32)
+    bad = np.flatnonzero((zero_points < info.min) | (zero_points > info.max))
+    if bad.size:
+        return f"zero point of row {int(bad[0])} is {int(zero_points[bad[0]])}, past int32"
+    return None
+
+
+def check_int8_tables(model_bytes) -> int:
+    """ValueError naming the table and the row unless every int8 params table of a
+    PkmEmbeddingBag / PkmRaggedEmbeddingBag op (every subgraph) has quantisation the
+    kernels take: one scale and zero point, or one per row (axis 0); scales positive
+    and finite; zero points within int32. The delegate refuses the same, but only when
+    tensors are allocated; a server checks at load. Returns the number of int8 tables."""
+    check_tflite_bytes(model_bytes, "check_int8_tables")
+    schema = _schema()
+    model = schema.Model.GetRootAsModel(bytes(model_bytes), 0)
+    codes = []
+    for i in range(model.OperatorCodesLength()):
+        code = model.OperatorCodes(i).CustomCode()
+        codes.append(code.decode() if isinstance(code, bytes) else code)
+    seen, int8_tables = set(), 0
+    for si in range(model.SubgraphsLength()):
+        subgraph = model.Subgraphs(si)
+        for oi in range(subgraph.OperatorsLength()):
+            op = subgraph.Operators(oi)
+            index = op.OpcodeIndex()
+            if not 0 <= index < len(codes) or codes[index] not in CUSTOM_OP_NAMES or not op.InputsLength():
+                continue
+            ti = op.Inputs(0)
+            if not 0 <= ti < subgraph.TensorsLength() or (si, ti) in seen:
+                continue
+            seen.add((si, ti))
+            tensor = subgraph.Tensors(ti)
+            if tensor.Type() != schema.TensorType.INT8:
+                continue
+            int8_tables += 1
+            problem = _int8_table_problem(tensor)
+            if problem:
+                name = tensor.Name().decode() if tensor.Name() is not None else f"#{ti}"
+                raise ValueError(f"int8 table {name!r} (subgraph {si}, tensor {ti}) of "
+                                 f"{codes[index]}: {problem}")
+    return int8_tables
+
+
 def build_embedding_bag_model(table: np.ndarray, bag_size: int, combiner: str = "sum",
                               has_weights: bool = True, index_dtype=np.int32,
                               batch: Optional[int] = None,
