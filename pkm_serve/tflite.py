@@ -34,9 +34,11 @@ from pkm_serve.tflite_model import (  # noqa: F401
     TFLITE_FILE_IDENTIFIER,
     _schema,
     build_embedding_bag_model,
+    check_int8_tables,
     check_tflite_bytes,
     flatbuffer_schema,
     quantize_rows_int8,
+    quantize_rows_int8_affine,
     quantize_table_int8,
 )
 

@@ -59,14 +59,8 @@ def check_tflite_bytes(model_bytes, what: str = "model") -> None:
                          f"they start {head!r}); pass the contents of a .tflite file")
 
 
-def quantize_rows_int8(table: np.ndarray):
-    """Symmetric per-row int8: q = round(x / s), s = max|row| / 127 (1 for a zero row;
-    at least float32's smallest subnormal, where max|row| / 127 would round to 0, as
-    the kernels take only positive finite scales).
-
-    Returns (q int8 [N, D], scales float32 [N]). A NaN or infinite value is a
-    ValueError naming its row: no int8 row can hold it.
-    """
+def _finite_rows(table: np.ndarray) -> np.ndarray:
+    """``table`` as float32 [N, D]; a NaN or infinite value is a ValueError naming its row."""
     table = np.asarray(table, dtype=np.float32)
     if table.ndim != 2:
         raise ValueError(f"table must be rank 2, got shape {table.shape}")
@@ -75,6 +69,19 @@ def quantize_rows_int8(table: np.ndarray):
         r, c = (int(i) for i in bad[0])
         raise ValueError(f"row {r} of the table holds {table[r, c]} (column {c}): an int8 row "
                          f"cannot hold NaN or infinity ({len(np.unique(bad[:, 0]))} such rows)")
+    return table
+
+
+def quantize_rows_int8(table: np.ndarray):
+    """Symmetric per-row int8: q = round(x / s), s = max|row| / 127 (1 for a zero row;
+    at least float32's smallest subnormal, where max|row| / 127 would round to 0, as
+    the kernels take only positive finite scales). ``quantize_table_int8`` uses the
+    affine ``quantize_rows_int8_affine``; this stays for callers of the symmetric form.
+
+    Returns (q int8 [N, D], scales float32 [N]). A NaN or infinite value is a
+    ValueError naming its row: no int8 row can hold it.
+    """
+    table = _finite_rows(table)
     max_abs = np.max(np.abs(table), axis=1) if table.shape[1] else np.zeros(table.shape[0])
     scales = np.where(max_abs > 0, max_abs.astype(np.float64) / 127.0, 1.0).astype(np.float32)
     scales = np.maximum(scales, np.finfo(np.float32).smallest_subnormal)
@@ -82,9 +89,49 @@ def quantize_rows_int8(table: np.ndarray):
     return q, scales
 
 
+# The smallest step of a row, relative to its largest |value|: keeps |zero point| under
+# 2**23 + 129 (an int32 in TFLite's TfLiteIntArray, exact as the kernel's float32), at
+# a cost of at most max|row| * 2**-24, float32's own rounding of the row.
+_MIN_RELATIVE_STEP = 2.0 ** -23
+
+
+def quantize_rows_int8_affine(table: np.ndarray):
+    """Affine (asymmetric) per-row int8, TFLite's x = s * (q - z): each row's
+    [min, max] is mapped onto [-128, 127] with s = max((max - min) / 255,
+    max|row| * 2**-23) rounded up to float32 (at least float32's smallest
+    subnormal) and the integer zero point z = round(-128 - min / s).
+
+    Every value is within s / 2 of s * (q - z) (computed in float64), so a row
+    whose values sit away from 0 (all in [5, 6], say) keeps (max - min) / 510,
+    where the symmetric max|row| / 254 would lose 12 times more. A constant row
+    is exact. The kernel adds s * q and the bias -s * z (about the row's midpoint)
+    in float32, so its sums also carry float32 rounding of the rows' magnitudes. Returns (q int8 [N, D], scales float32 [N], zero_points int64 [N]).
+    A NaN or infinite value is a ValueError naming its row.
+    """
+    table = _finite_rows(table)
+    n = table.shape[0]
+    x = table.astype(np.float64)
+    lo = x.min(axis=1) if x.shape[1] else np.zeros(n)
+    hi = x.max(axis=1) if x.shape[1] else np.zeros(n)
+    step = np.maximum((hi - lo) / 255.0, np.maximum(np.abs(lo), np.abs(hi)) * _MIN_RELATIVE_STEP)
+    zero_row = step == 0
+    step = np.where(zero_row, 1.0, step)
+    scales = step.astype(np.float32)
+    scales = np.where(scales.astype(np.float64) < step, np.nextafter(scales, np.float32(np.inf)), scales)
+    scales = np.maximum(scales, np.finfo(np.float32).smallest_subnormal)
+    s = scales.astype(np.float64)
+    # A zero row keeps z = 0: the kernel sums a bag's -s * z apart from its s * q, and a
+    # bias of 128 there would cost the other rows of the bag float32 precision.
+    zero_points = np.where(zero_row, 0.0, np.rint(-128.0 - lo / s))
+    q = np.clip(np.rint(x / s[:, None]) + zero_points[:, None], -128, 127).astype(np.int8)
+    return q, scales, zero_points.astype(np.int64)
+
+
 def quantize_table_int8(model_bytes: bytes) -> bytes:
     """Rewrites every constant float32 ``params`` table of a PkmEmbeddingBag
-    custom op as an int8 tensor with per-row (axis 0) symmetric quantisation.
+    custom op as an int8 tensor with per-row (axis 0) affine quantisation
+    (``quantize_rows_int8_affine``: a float32 scale and an integer zero point
+    per row, each value within half its row's scale of the float one).
 
     The op keeps producing float32: the kernel dequantises rows as it sums.
     A table that anything else also reads (another operator such as a stock
@@ -138,7 +185,7 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
             table = np.frombuffer(bytes(np.asarray(buffer.data, dtype=np.uint8)),
                                   dtype=np.float32).reshape([int(d) for d in tensor.shape])
             try:
-                q, scales = quantize_rows_int8(table)
+                q, scales, zero_points = quantize_rows_int8_affine(table)
             except ValueError as err:
                 name = tensor.name.decode() if isinstance(tensor.name, bytes) else tensor.name
                 raise ValueError(f"quantize_table_int8: table {name!r}: {err}") from None
@@ -147,7 +194,7 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
                 user.type = schema.TensorType.INT8
                 quant = schema.QuantizationParametersT()
                 quant.scale = scales.tolist()
-                quant.zeroPoint = [0] * len(scales)
+                quant.zeroPoint = zero_points.tolist()
                 quant.quantizedDimension = 0
                 user.quantization = quant
             rewritten += 1
@@ -159,6 +206,67 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     builder = flatbuffers.Builder(len(model_bytes) // 4 + 1024)
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
     return bytes(builder.Output())
+
+
+def _int8_table_problem(tensor) -> Optional[str]:
+    """Why the kernels would refuse this int8 params tensor's quantisation, or None."""
+    rows = int(tensor.Shape(0)) if tensor.ShapeLength() else None
+    quant = tensor.Quantization()
+    scales = quant.ScaleAsNumpy() if quant is not None and quant.ScaleLength() else np.zeros(0, np.float32)
+    zero_points = quant.ZeroPointAsNumpy() if quant is not None and quant.ZeroPointLength() else np.zeros(0, np.int64)
+    if scales.size == 0 or zero_points.size == 0:
+        return "no quantisation scales and zero points (int8 params need one of each per row)"
+    if zero_points.size != scales.size:
+        return f"{scales.size} scales but {zero_points.size} zero points"
+    if scales.size > 1 and (scales.size != rows or quant.QuantizedDimension() != 0):
+        return (f"{scales.size} scales on axis {quant.QuantizedDimension()}; int8 params are "
+                f"quantised per row (axis 0), {rows} scales")
+    bad = np.flatnonzero(~(np.isfinite(scales) & (scales > 0)))
+    if bad.size:
+        return (f"scale of row {int(bad[0])} is {float(scales[bad[0]])!r} ({bad.size} such rows); "
+                "scales must be positive and finite")
+    info = np.iinfo(np.int32)
+    bad = np.flatnonzero((zero_points < info.min) | (zero_points > info.max))
+    if bad.size:
+        return f"zero point of row {int(bad[0])} is {int(zero_points[bad[0]])}, past int32"
+    return None
+
+
+def check_int8_tables(model_bytes) -> int:
+    """ValueError naming the table and the row unless every int8 params table of a
+    PkmEmbeddingBag / PkmRaggedEmbeddingBag op (every subgraph) has quantisation the
+    kernels take: one scale and zero point, or one per row (axis 0); scales positive
+    and finite; zero points within int32. The delegate refuses the same, but only when
+    tensors are allocated; a server checks at load. Returns the number of int8 tables."""
+    check_tflite_bytes(model_bytes, "check_int8_tables")
+    schema = _schema()
+    model = schema.Model.GetRootAsModel(bytes(model_bytes), 0)
+    codes = []
+    for i in range(model.OperatorCodesLength()):
+        code = model.OperatorCodes(i).CustomCode()
+        codes.append(code.decode() if isinstance(code, bytes) else code)
+    seen, int8_tables = set(), 0
+    for si in range(model.SubgraphsLength()):
+        subgraph = model.Subgraphs(si)
+        for oi in range(subgraph.OperatorsLength()):
+            op = subgraph.Operators(oi)
+            index = op.OpcodeIndex()
+            if not 0 <= index < len(codes) or codes[index] not in CUSTOM_OP_NAMES or not op.InputsLength():
+                continue
+            ti = op.Inputs(0)
+            if not 0 <= ti < subgraph.TensorsLength() or (si, ti) in seen:
+                continue
+            seen.add((si, ti))
+            tensor = subgraph.Tensors(ti)
+            if tensor.Type() != schema.TensorType.INT8:
+                continue
+            int8_tables += 1
+            problem = _int8_table_problem(tensor)
+            if problem:
+                name = tensor.Name().decode() if tensor.Name() is not None else f"#{ti}"
+                raise ValueError(f"int8 table {name!r} (subgraph {si}, tensor {ti}) of "
+                                 f"{codes[index]}: {problem}")
+    return int8_tables
 
 
 def build_embedding_bag_model(table: np.ndarray, bag_size: int, combiner: str = "sum",

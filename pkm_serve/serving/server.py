@@ -205,6 +205,7 @@ class _Wakeups:
         os.set_blocking(self._read, False)
         os.set_blocking(self._write, False)
         self._pending = []
+        self.last_signal = None   # the number of the signal wait() last answered "signal" for
 
     def install(self, signals):
         for sig in signals:
@@ -228,7 +229,11 @@ class _Wakeups:
                 self._pending.extend(os.read(self._read, 64))
             except BlockingIOError:
                 pass
-        return "done" if self._pending.pop(0) == self.DONE else "signal"
+        event = self._pending.pop(0)
+        if event == self.DONE:
+            return "done"
+        self.last_signal = event
+        return "signal"
 
 
 class _InThread:
@@ -256,16 +261,25 @@ def _start_server(args):
 
 def _stop_within_bound(server, wakeups):
     """Exit status: 0 when every part stopped within --drain_seconds + STOP_MARGIN_SECONDS;
-    1 when one did not, a second signal came, or stopping failed."""
+    1 when one did not, a SIGINT came, or stopping failed. A repeated SIGTERM (an
+    orchestrator's, or one sent to the process group and the process) does not cut the
+    bounded drain short: in-flight requests still finish. A second SIGINT (Ctrl-C again)
+    exits at once, as SIGKILL would."""
     bound = server.args.drain_seconds + STOP_MARGIN_SECONDS
     stopping = _InThread("stop", server.stop, wakeups)
-    event = wakeups.wait(bound + 1.0)   # Server.stop keeps to the bound itself: this is a backstop
+    end = time.monotonic() + bound + 1.0   # Server.stop keeps to the bound itself: this is a backstop
+    while True:
+        event = wakeups.wait(max(0.0, end - time.monotonic()))
+        if event != "signal" or wakeups.last_signal != signal.SIGTERM:
+            break
+        log.warning("SIGTERM while stopping %s: the drain goes on (SIGINT or SIGKILL to exit now)",
+                    server.stop_step)
     if event == "done":
         if stopping.error is not None:
             log.error("shutdown failed: %s: %s", type(stopping.error).__name__, stopping.error)
         return 1 if stopping.error is not None or stopping.result else 0
     if event == "signal":
-        log.warning("second stop signal: exiting while stopping %s", server.stop_step)
+        log.warning("second stop signal (SIGINT): exiting while stopping %s", server.stop_step)
     else:
         log.error("shutdown did not finish within %.0fs (still stopping %s): exiting anyway",
                   bound, server.stop_step)

@@ -182,6 +182,12 @@ class TfLiteServable(ServableBase):
             with open(model_path, "rb") as f:
                 model_bytes = f.read()
             interpreters = [_Interpreter(model_bytes, num_threads) for _ in range(max(1, num_interpreters))]
+            # After the interpreters (their verifier refuses a malformed flatbuffer): int8
+            # tables the kernel would refuse at every request fail the load instead. Then,
+            # as TF Serving's interpreter pool, tensors are allocated (every kernel prepared).
+            tflite.check_int8_tables(model_bytes)
+            for interpreter in interpreters:
+                interpreter.interp.allocate_tensors()
         except (OSError, ValueError, RuntimeError) as e:
             raise invalid(f"cannot load {model_path} in LiteRT with the pkm_serve delegate: "
                           f"{' '.join(str(e).split())[:2000]}") from None

@@ -86,7 +86,11 @@ def test_deadline_is_honoured_while_waiting_for_a_batch(batching_server, tf_with
 
 
 @pytest.mark.slow
-def test_sigterm_drains_in_flight_requests(tmp_path, saved_models, tf_with_ops):
+@pytest.mark.parametrize("sigterms", [1, 2])
+def test_sigterm_drains_in_flight_requests(tmp_path, saved_models, tf_with_ops, sigterms):
+    """With sigterms=2 a second SIGTERM follows the first at once (an orchestrator's
+    repeat, or one sent to the process group as well as the process): it used to exit
+    at once with status 1, cutting the request waiting in the batch queue."""
     tf = tf_with_ops
     batching = tmp_path / "batching.config"
     batching.write_text(f"max_batch_size {{ value: 64 }} batch_timeout_micros {{ value: {int(BATCH_TIMEOUT_S * 1e6)} }}")
@@ -110,7 +114,9 @@ def test_sigterm_drains_in_flight_requests(tmp_path, saved_models, tf_with_ops):
         t = threading.Thread(target=call)
         t.start()
         time.sleep(0.4)                  # the request now sits in the batch queue (1.5 s timeout)
-        srv.proc.send_signal(signal.SIGTERM)
+        for _ in range(sigterms):
+            srv.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
         t.join(30)
         rc = srv.proc.wait(30)
     srv.terminate()
@@ -118,6 +124,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path, saved_models, tf_with_ops):
     np.testing.assert_allclose(tf.make_ndarray(outcome["response"].outputs["output"]), want, rtol=1e-6, atol=1e-7)
     assert rc == 0, srv.log()[-3000:]
     assert "pkm-serve: shutting down" in srv.log()
+    assert ("the drain goes on" in srv.log()) == (sigterms == 2), srv.log()[-3000:]
 
 
 def test_sigterm_exits_cleanly_when_nobody_reads_stdout(tmp_path, saved_models):

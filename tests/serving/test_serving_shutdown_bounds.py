@@ -182,10 +182,10 @@ def test_a_stop_that_never_returns_is_abandoned_at_the_bound(short_bound, caplog
     assert "still stopping the part under test" in caplog.text
 
 
-def test_a_second_signal_ends_the_wait_at_once(short_bound, caplog):
+def test_a_second_sigint_ends_the_wait_at_once(short_bound, caplog):
     never = threading.Event()
     wakeups = short_bound._Wakeups()
-    os.write(wakeups._write, bytes([signal.SIGTERM]))   # what set_wakeup_fd writes for it
+    os.write(wakeups._write, bytes([signal.SIGINT]))   # what set_wakeup_fd writes for it
     t0 = time.monotonic()
     try:
         assert short_bound._stop_within_bound(_FakeServer(never.wait), wakeups) == 1
@@ -193,3 +193,20 @@ def test_a_second_signal_ends_the_wait_at_once(short_bound, caplog):
         never.set()
     assert time.monotonic() - t0 < 1.0
     assert "second stop signal" in caplog.text
+
+
+def test_a_second_sigterm_does_not_cut_the_drain(short_bound, caplog):
+    """Two SIGTERMs in quick succession: the second used to end the wait at once (status 1,
+    in-flight requests cut); the stop now runs to its end and the status is its own."""
+    drained = threading.Event()
+
+    def drain():
+        time.sleep(0.5)
+        drained.set()
+        return []
+    wakeups = short_bound._Wakeups()
+    os.write(wakeups._write, bytes([signal.SIGTERM, signal.SIGTERM]))
+    t0 = time.monotonic()
+    assert short_bound._stop_within_bound(_FakeServer(drain), wakeups) == 0
+    assert drained.is_set() and time.monotonic() - t0 >= 0.5
+    assert caplog.text.count("the drain goes on") == 2

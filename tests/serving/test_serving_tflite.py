@@ -57,8 +57,8 @@ def _pkm_tflite(version):
 def _pkm_reference(version, idx, w):
     table = TABLES[version].astype(np.float64)
     if version == 2:
-        q, scales = tflite.quantize_rows_int8(TABLES[version])
-        table = q.astype(np.float64) * scales[:, None]
+        q, scales, zero_points = tflite.quantize_rows_int8_affine(TABLES[version])
+        table = (q.astype(np.float64) - zero_points[:, None]) * scales[:, None]
     return reference.embedding_bag(table, idx, w)
 
 
@@ -279,3 +279,50 @@ def test_tflite_flags():
     assert (a.prefer_tflite_model, a.num_tflite_pools) == (True, 3)
     with pytest.raises(SystemExit):
         config.parse_args(["--model_base_path=/m", "--num_tflite_pools=-1"])
+
+
+def _int8_with(scale=None, zero_point=None, row=3):
+    """The int8 PKM .tflite with row `row`'s scale or zero point replaced in the file."""
+    import flatbuffers
+    schema = tflite.flatbuffer_schema()
+    m = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(_pkm_tflite(2)), 0))
+    quant = m.subgraphs[0].tensors[m.subgraphs[0].operators[0].inputs[0]].quantization
+    if scale is not None:
+        quant.scale[row] = scale
+    if zero_point is not None:
+        quant.zeroPoint[row] = zero_point
+    b = flatbuffers.Builder(N * D + 8192)
+    b.Finish(m.Pack(b), file_identifier=b"TFL3")
+    return bytes(b.Output())
+
+
+@pytest.mark.parametrize("scale, zero_point, says", [
+    (float("nan"), None, "scale of row 3 is nan"), (-0.5, None, "scale of row 3 is -0.5"),
+    (0.0, None, "scale of row 3 is 0.0"), (float("inf"), None, "scale of row 3 is inf"),
+    # TFLite keeps zero points as int32: 2**33 + 5 would silently become 5.
+    (None, 2 ** 33 + 5, "zero point of row 3 is 8589934597, past int32")])
+def test_int8_table_with_bad_quantisation_fails_the_load(tmp_path, scale, zero_point, says):
+    """Such a version loaded as AVAILABLE and then failed every request (the kernel refuses
+    the scales when it is prepared) or answered wrong rows; now the load fails, with the
+    reason in GetModelStatus, as TF Serving reports a servable that fails to load."""
+    from pkm_serve.serving.loader import make_loader_factory
+    from serving_helpers import polled_manager, version_states
+    model = _int8_with(scale, zero_point)
+    _write(str(tmp_path), 1, model)
+    manager = polled_manager(tmp_path, loader_factory=make_loader_factory(
+        warmup=False, prefer_tflite_model=True))
+    try:
+        assert version_states(manager) == {1: State.END}
+        status = manager.status(model_pb2.ModelSpec(name="m"))[0].status
+        assert status.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "int8 table 'params'" in status.error_message and says in status.error_message, \
+            status.error_message
+    finally:
+        manager.stop()
+    with pytest.raises(ValueError, match=says):
+        tflite.check_int8_tables(model)
+
+
+def test_good_int8_tables_pass_the_check():
+    assert tflite.check_int8_tables(_pkm_tflite(2)) == 1
+    assert tflite.check_int8_tables(_pkm_tflite(1)) == 0   # fp32 table: nothing to check

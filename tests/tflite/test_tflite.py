@@ -169,9 +169,9 @@ def test_int8_table_within_one_percent_of_fp32_everywhere(models, tmp_path):
         assert rel < 0.01, rel
         np.testing.assert_array_equal(out, outs[0])
     # Exactly the dequantised table: the kernel uses the per-row scales.
-    q, scales = tflite.quantize_rows_int8(TABLE)
-    np.testing.assert_allclose(outs[0], embedding_bag(q * scales[:, None], idx, w), rtol=1e-5,
-                               atol=1e-5)
+    q, scales, zero_points = tflite.quantize_rows_int8_affine(TABLE)
+    dequantized = scales[:, None].astype(np.float64) * (q.astype(np.float64) - zero_points[:, None])
+    np.testing.assert_allclose(outs[0], embedding_bag(dequantized, idx, w), rtol=1e-5, atol=1e-5)
 
 
 def test_float16_table(tmp_path):

@@ -24,9 +24,9 @@ TABLE = RNG.standard_normal((N, D)).astype(np.float32)
 INTERPRETERS = ("litert", "tf", "tflite_runtime")
 
 
-def convert(combiner, weighted, splits_dtype):
+def convert(combiner, weighted, splits_dtype, table=TABLE):
     lib = ops.load_library()
-    table = tf.constant(TABLE)
+    table = tf.constant(table)
 
     def bag(values, splits, weights):
         return lib.pkm_ragged_embedding_bag(
@@ -89,6 +89,24 @@ def test_ragged_bags_match_numpy(models, interpreter, tmp_path):
             TABLE, values, splits, weights if weighted else np.zeros([0], np.float32),
             combiner=combiner, has_weights=weighted).numpy()
         np.testing.assert_allclose(got, tf_out, rtol=1e-6, atol=1e-6)
+
+
+def test_int8_offset_rows_carry_zero_points(tmp_path):
+    """quantize_table_int8 on the ragged op's table: rows in [5, 6] keep (max - min) / 510
+    per value through the zero points (the symmetric rows' 6/254 fails this bound)."""
+    table = (5.0 + np.random.default_rng(22).uniform(0, 1, (N, D))).astype(np.float32)
+    path = tmp_path / "ragged_int8.tflite"
+    path.write_bytes(tflite.quantize_table_int8(convert("sum", True, tf.int64, table)))
+    values, splits, weights = bags()
+    x = table.astype(np.float64)
+    want = ragged_embedding_bag(x, values, splits, weights, "sum")
+    half_step = np.r_[(x.max(axis=1) - x.min(axis=1)) / 510.0, 0.0][values]   # padding (-1): 0
+    per_bag = np.array([(weights[a:b] * half_step[a:b]).sum() for a, b in zip(splits[:-1], splits[1:])])
+    bound = per_bag[:, None] * (1 + 1e-5) + 1e-5
+    for interpreter in INTERPRETERS:
+        got = run(interpreter, str(path), ordered_inputs(str(path), values, splits, weights), tmp_path)
+        err = np.abs(got.astype(np.float64) - want)
+        assert np.all(err <= bound), (interpreter, float((err - bound).max()))
 
 
 @pytest.mark.parametrize("interpreter", INTERPRETERS)
