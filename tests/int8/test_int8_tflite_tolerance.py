@@ -2,7 +2,8 @@
 --quantize-tolerance by the same measure as the int8 SavedModel's (max |error|
 over max |original output|, against the original model), and its worst error is
 in the report. The .tflite was checked with a fixed rtol/atol of 2e-2 against
-the float export, so one 1.9% off was accepted under --quantize-tolerance 1e-2."""
+the float export, so one 1.9% off (symmetric rows, as the .tflite's were then)
+was accepted under --quantize-tolerance 1e-2."""
 import os
 
 import numpy as np
@@ -11,6 +12,7 @@ import tensorflow as tf
 
 from pkm_serve import ops
 from pkm_serve import tflite as pkm_tflite
+from pkm_serve import tflite_model as pkm_tflite_model
 from pkm_serve.export import ExportError, export_saved_model, format_report
 
 ops.load_library()
@@ -22,9 +24,9 @@ pytestmark = pytest.mark.skipif(not os.path.exists(pkm_tflite.delegate_path()),
 
 
 def _offset_rows_with_cancelling_weights(tmp_path):
-    """Rows 2 +- 0.5 and bags w = [1, -1, 0, 0, 0]: the .tflite's symmetric per-row
-    int8 (steps of max|row| / 127) is ~2% off the output's scale, the SavedModel's
-    affine int8 (steps of (max - min) / 255) well within 1%."""
+    """Rows 2 +- 0.5 and bags w = [1, -1, 0, 0, 0]: symmetric per-row int8 (steps of
+    max|row| / 127) is ~2% off the output's scale, affine int8 (steps of
+    (max - min) / 255, the SavedModel's and the .tflite's) well within 1%."""
     rng = np.random.default_rng(0)
     table = (2.0 + rng.uniform(-0.5, 0.5, (N, D))).astype(np.float32)
     module = tf.Module()
@@ -48,7 +50,15 @@ def _export(tmp_path, name, tolerance):
                               sample_inputs=str(tmp_path / "in.npz"), quiet=True)
 
 
-def test_the_tflite_is_held_to_quantize_tolerance_and_reported(tmp_path):
+def _symmetric_rows(table):
+    """The .tflite's quantiser as it was before zero points (symmetric, z = 0): a
+    .tflite coarser than the SavedModel, for the check to catch."""
+    q, scales = pkm_tflite_model.quantize_rows_int8(table)
+    return q, scales, np.zeros(len(scales), np.int64)
+
+
+def test_the_tflite_is_held_to_quantize_tolerance_and_reported(tmp_path, monkeypatch):
+    monkeypatch.setattr(pkm_tflite_model, "quantize_rows_int8_affine", _symmetric_rows)
     table, ids, w = _offset_rows_with_cancelling_weights(tmp_path)
     reference = (table.astype(np.float64)[ids] * w[..., None]).sum(1)
 
@@ -73,6 +83,18 @@ def test_the_tflite_is_held_to_quantize_tolerance_and_reported(tmp_path):
     assert tfl["status"] == "verified with the pkm delegate"
     assert f"tables int8 (worst output error {tfl['worst_relative_err']:.3g} of the output scale, " \
            f"tolerance 0.05); verified with the pkm delegate" in format_report(result)
+
+
+def test_the_affine_tflite_passes_where_symmetric_rows_did_not(tmp_path):
+    """The same rows with the .tflite's own (affine) quantiser: within 1%, as the SavedModel's."""
+    table, ids, w = _offset_rows_with_cancelling_weights(tmp_path)
+    reference = (table.astype(np.float64)[ids] * w[..., None]).sum(1)
+    result = _export(tmp_path, "affine", 1e-2)
+    got = pkm_tflite.make_interpreter(str(tmp_path / "affine.tflite")).get_signature_runner(
+        "serving_default")(i=ids, w=w)["o"]
+    actual = float(np.abs(got - reference).max() / np.abs(reference).max())
+    assert actual < 1e-2
+    assert result.tflite["worst_relative_err"] == pytest.approx(actual, rel=1e-3, abs=1e-5)
 
 
 def test_a_non_positive_tolerance_is_refused_before_converting(tmp_path):
