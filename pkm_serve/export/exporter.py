@@ -415,7 +415,7 @@ def _site_steps(site: Site) -> str:
     """What the fused site keeps of the composite besides the bag."""
     steps = (["masked"] if site.masked else []) + (["scalar weight"] if site.weights_scalar else []) + (
         [f"cast to {site.cast_to}"] if site.cast_to else []) + (
-        [f"/ {site.divisor}"] if site.divisor else [])
+        ["/ K"] if site.divide_by_bag else [])
     return f" ({', '.join(steps)})" if steps else ""
 
 

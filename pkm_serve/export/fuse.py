@@ -163,7 +163,7 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
         [types_pb2.DT_INT32] if splits is not None else []) + [site.table_dtype]
     attrs = _op_attrs(op, dict(zip(_input_names(op), types)), site.combiner,
                       site.weights is not None or site.pooled is not None)
-    steps = _steps_after_bag(fg, site, params, splits)
+    steps = _steps_after_bag(fg, site, params, splits, inputs[1])
     if not steps:
         fg.replace_node(site.root, op, inputs, attrs, control=control)
     else:
@@ -276,19 +276,33 @@ def _broadcast_ids_like_ones(fg: FunctionGraph, site: Site, indices: Ref) -> Ref
     return _plus_zeros_like(fg, site.root + "/pkm_ids", indices, ones)
 
 
-def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optional[Ref]):
+def _bag_size(fg: FunctionGraph, site: Site, indices: Ref, dtype: int) -> Ref:
+    """K of the request, in `dtype`: the last axis of the op's ids (as broadcast
+    against the weights or mask, i.e. the bag axis of the rows Mean reduced)."""
+    prefix = site.root + "/pkm_bag_size"
+    shape = fg.add_op(prefix + "/ids_shape", "Shape", [indices],
+                      {"T": DType(site.index_dtype), "out_type": I32}, shapes=[[None]])
+    const = lambda suffix, v: fg.add_const(f"{prefix}/{suffix}", np.array(v, np.int32))  # noqa: E731
+    k = fg.add_op(prefix + "/k", "StridedSlice",
+                  [shape, const("begin", [-1]), const("end", [0]), const("strides", [1])],
+                  {"T": I32, "Index": I32, "begin_mask": 0, "end_mask": 1, "ellipsis_mask": 0,
+                   "new_axis_mask": 0, "shrink_axis_mask": 1}, shapes=[[]])
+    return _cast(fg, prefix, k, types_pb2.DT_INT32, dtype, [])
+
+
+def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optional[Ref],
+                     indices: Ref):
     """What the composite does after the bag, as [(op, attrs, inputs(bag))]:
-    cast it, divide it by K, or give empty bags table[default_id] (safe_) or
-    the lowest value (ragged reduce_max)."""
+    cast it, divide it by K (the request's, as Mean does), or give empty bags
+    table[default_id] (safe_) or the lowest value (ragged reduce_max)."""
     steps = []
     out_dtype = site.table_dtype
     if site.cast_enum:
         steps.append(("Cast", {"SrcT": DType(out_dtype), "DstT": DType(site.cast_enum),
                                "Truncate": False}, lambda bag: [bag]))
         out_dtype = site.cast_enum
-    if site.divisor:
-        k = fg.add_const(site.root + "/pkm_bag_size",
-                         np.array(site.divisor, dtypes.as_dtype(out_dtype).as_numpy_dtype))
+    if site.divide_by_bag:
+        k = _bag_size(fg, site, indices, out_dtype)
         steps.append(("RealDiv", {"T": DType(out_dtype)}, lambda bag: [bag, k]))
     if site.default_id is not None:
         # safe_ with default_id: an empty bag is table[default_id] (weight 1).
