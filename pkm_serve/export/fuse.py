@@ -16,7 +16,7 @@ from tensorflow.python.framework import dtypes, op_def_registry
 
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import assert_ids_in_table, assert_ids_rank
-from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site, tensor_dtype
+from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site, dims, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
 I64 = DType(types_pb2.DT_INT64)
@@ -241,9 +241,14 @@ def _plus_zeros_like(fg: FunctionGraph, name: str, x: Ref, other: Ref) -> Ref:
     """x + zeros shaped like `other`: x broadcast against it. An elementwise add
     fails with a message where the two do not broadcast (TFLite's
     BROADCAST_ARGS aborts the process there); adding 0 changes no id and no
-    weight (but -0.0, which becomes 0.0)."""
+    weight (but -0.0, which becomes 0.0). Half weights are broadcast in
+    float32 (exact both ways): TFLite has no float16/bfloat16 ADD or ZEROS_LIKE."""
     x_type, other_type = tensor_dtype(fg, x), tensor_dtype(fg, other)
     x_shape, other_shape = fg.shape(x), fg.shape(other)
+    if x_type in (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16):
+        wide = _cast(fg, name + "_wide", x, x_type, types_pb2.DT_FLOAT, dims(x_shape))
+        wide = _plus_zeros_like(fg, name + "_wide", wide, other)
+        return _cast(fg, name + "_broadcast", wide, types_pb2.DT_FLOAT, x_type, dims(fg.shape(wide)))
     other_dims = other_shape.as_list() if other_shape.rank is not None else None
     zeros = fg.add_op(name + "_zeros", "ZerosLike", [_cast(fg, name + "_cast", other, other_type, x_type, other_dims)],
                       {"T": DType(x_type)}, shapes=[other_dims])
