@@ -282,17 +282,19 @@ def _broadcast_ids_like_ones(fg: FunctionGraph, site: Site, indices: Ref) -> Ref
 
 
 def _bag_size(fg: FunctionGraph, site: Site, indices: Ref, dtype: int) -> Ref:
-    """K of the request, in `dtype`: the last axis of the op's ids (as broadcast
-    against the weights or mask, i.e. the bag axis of the rows Mean reduced)."""
+    """K of the request per bag ([..., 1], in `dtype`): the length of the last
+    axis of the op's ids (as broadcast against the weights or mask, i.e. the
+    bag axis of the rows Mean reduced), counted as the sum of ones shaped like
+    them. Not StridedSlice(Shape(ids)): the TFLite converter folds that to the
+    K the signature declares, and a resized input then divides by it."""
     prefix = site.root + "/pkm_bag_size"
     shape = fg.add_op(prefix + "/ids_shape", "Shape", [indices],
                       {"T": DType(site.index_dtype), "out_type": I32}, shapes=[[None]])
-    const = lambda suffix, v: fg.add_const(f"{prefix}/{suffix}", np.array(v, np.int32))  # noqa: E731
-    k = fg.add_op(prefix + "/k", "StridedSlice",
-                  [shape, const("begin", [-1]), const("end", [0]), const("strides", [1])],
-                  {"T": I32, "Index": I32, "begin_mask": 0, "end_mask": 1, "ellipsis_mask": 0,
-                   "new_axis_mask": 0, "shrink_axis_mask": 1}, shapes=[[]])
-    return _cast(fg, prefix, k, types_pb2.DT_INT32, dtype, [])
+    ones = fg.add_op(prefix + "/ones", "Fill", [shape, fg.add_const(prefix + "/one", np.array(1, np.float32))],
+                     {"T": DType(types_pb2.DT_FLOAT), "index_type": I32}, shapes=[None])
+    k = fg.add_op(prefix + "/k", "Sum", [ones, fg.add_const(prefix + "/axis", np.array(-1, np.int32))],
+                  {"T": DType(types_pb2.DT_FLOAT), "Tidx": I32, "keep_dims": True}, shapes=[None])
+    return k if dtype == types_pb2.DT_FLOAT else _cast(fg, prefix, k, types_pb2.DT_FLOAT, dtype, None)
 
 
 def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optional[Ref],

@@ -6,6 +6,8 @@ declares ids [None, 7] still serves [n, 5], and its Mean divides by 5. The fused
 model must divide by the same run-time K, not by the K the graph was traced at;
 a signature that leaves K open ([None, None]) is fused too. References: numpy
 float64 and the original SavedModel, both run through the server's Session.
+The .tflite divides by the K of its resized input too (the converter folded a
+K read off the ids' static shape).
 """
 import os
 import sys
@@ -18,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import export_models as M  # noqa: E402
 
 from pkm_serve import ops  # noqa: E402
+from pkm_serve import tflite as pkm_tflite  # noqa: E402
 from pkm_serve.export import export_saved_model  # noqa: E402
 from pkm_serve.serving.servable import Servable  # noqa: E402
 
@@ -87,7 +90,8 @@ def exported(request, tmp_path_factory):
     for name, (build, reference) in MODELS.items():
         src = tmp_path_factory.mktemp(f"{name}_{request.param}") / "src"
         table = build(src, request.param)
-        result = export_saved_model(str(src), str(src.parent / "fused"), quiet=True)
+        result = export_saved_model(str(src), str(src.parent / "fused"), quiet=True,
+                                    tflite=str(src.parent / "m.tflite"), signatures=["serving_default"])
         out[name] = (str(src), result.dst, table, reference, result)
     return out
 
@@ -120,3 +124,14 @@ def test_mean_divides_by_the_request_bag_size(exported, name):
     finally:
         original.release()
         fused.release()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_tflite_mean_divides_by_the_resized_bag_size(exported, name):
+    src, dst, table, reference, result = exported[name]
+    rng = np.random.default_rng(5)
+    for k in BAG_LENGTHS:
+        ids, w = _inputs(rng, k)
+        feed = {"ids": ids} if name == "keras_ops_mean" else {"idx": ids, "w": w}
+        [got] = pkm_tflite.run_tflite(result.tflite["file"], feed)
+        np.testing.assert_allclose(got, reference(table, ids, w), rtol=1e-5, atol=1e-6, err_msg=f"K={k}")
