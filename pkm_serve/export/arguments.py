@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch size for the bytes-saved figures (default 4096)")
     p.add_argument("--rtol", type=float, default=None,
                    help="relative tolerance of verification (default by dtype)")
+    p.add_argument("--warmup-requests", type=int, default=None, metavar="N",
+                   help="write N TF Serving warmup requests per signature (PredictionLog records "
+                        "built from the verification inputs) to DST/<version>/assets.extra/"
+                        "tf_serving_warmup_requests, which the server replays before serving "
+                        "(default: none)")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 

@@ -485,12 +485,13 @@ def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:
     x = _bag_of_rows(fg, node, site)
     if node.op == "Mean" and (site.weights is not None or site.mask is not None):
         # mean over K of w*x is the sum with weights w / K: fused as the sum,
-        # then divided by K exactly as Mean does.
+        # then divided by K exactly as Mean does. K is read off the ids at run
+        # time: a server feeds bags of any length to a signature that declares
+        # one (TF Serving does not check the declared shape), and Mean divides
+        # by the length it gets. `divisor` only reports the declared K.
         bag_size = fg.shape(x)[-2]
-        if bag_size is None:
-            raise Skip("weighted or masked reduce_mean over a bag of unknown size K "
-                       "(it divides by K, which the graph does not fix)")
-        site.combiner, site.divisor = "sum", int(bag_size)
+        site.combiner, site.divide_by_bag = "sum", True
+        site.divisor = None if bag_size is None else int(bag_size)
     return site
 
 

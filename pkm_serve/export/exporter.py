@@ -19,7 +19,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from pkm_serve.export import files, tflite_export
+from pkm_serve.export import files, tflite_export, warmup
+from pkm_serve.export import inputs as SI
 from pkm_serve.export.saved_model_io import read_saved_model
 from pkm_serve.export.saved_model_io import record_new_ops as _record_new_ops
 from pkm_serve.export.saved_model_io import write_fingerprint as _write_fingerprint
@@ -48,6 +49,7 @@ class ExportResult:
     verification: List[dict] = dataclasses.field(default_factory=list)
     tflite: Optional[dict] = None
     quantization: Optional[dict] = None   # --quantize-table int8 (export/quantize.py)
+    warmup_requests: int = 0              # --warmup-requests: records written (export/warmup.py)
     message: str = ""
     feeds: Dict[str, dict] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -196,60 +198,6 @@ def _choose_signatures(proto, src: str, signatures: Optional[Sequence[str]]) -> 
     return chosen
 
 
-def _read_samples(sample_inputs: Optional[str]) -> Optional[Dict[str, np.ndarray]]:
-    if sample_inputs is None:
-        return None
-    try:
-        with np.load(sample_inputs, allow_pickle=False) as npz:
-            return {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as e:
-        raise ExportError(f"--sample-inputs {sample_inputs} is not a readable .npz: "
-                          f"{e}") from None
-
-
-def _check_sample_keys(proto, chosen: Sequence[str], samples) -> None:
-    """With several signatures, a bare NAME key is fed to each of them: one that
-    some signature does not take must be keyed SIG/NAME (refused here, before
-    anything is written, naming that form)."""
-    if samples is None or len(chosen) < 2:
-        return
-    inputs = {name: set(proto.meta_graphs[0].signature_def[name].inputs) for name in chosen}
-    for key in sorted(k for k in samples if "/" not in k):
-        lacking = [name for name in chosen if key not in inputs[name]]
-        if lacking:
-            having = [name for name in chosen if key in inputs[name]]
-            example = f" (here {', '.join(repr(f'{n}/{key}') for n in having)})" if having else ""
-            raise ExportError(
-                f"--sample-inputs key {key!r} is a bare NAME, which is fed to every signature, but "
-                f"signature(s) {lacking} take no input {key!r}: with several signatures ({list(chosen)}), "
-                f"key each input SIG/NAME{example}")
-
-
-# Signature input dtypes verification can generate (DT_* enums of types.proto).
-_GENERATED_DTYPES = {1: "float32", 2: "float64", 3: "int32", 4: "uint8", 5: "int16",
-                     6: "int8", 7: "string", 9: "int64", 10: "bool", 14: "bfloat16",
-                     17: "uint16", 19: "float16", 22: "uint32", 23: "uint64"}
-
-
-def _signature_feeds(proto, chosen: Sequence[str], samples) -> Dict[str, dict]:
-    """{signature: {input: Feed}}; refuses, before anything is written, a
-    signature with an input that can be neither generated nor found in
-    --sample-inputs."""
-    from pkm_serve.export import feeds as F
-    from tensorflow.python.framework import dtypes
-
-    for name in chosen:
-        for key, info in proto.meta_graphs[0].signature_def[name].inputs.items():
-            given = samples is not None and (key in samples or f"{name}/{key}" in samples)
-            if info.dtype not in _GENERATED_DTYPES and not given:
-                raise ExportError(
-                    f"signature {name!r} input {key!r} has dtype "
-                    f"{dtypes.as_dtype(info.dtype).name}, for which no inputs can be "
-                    "generated: pass it in --sample-inputs, or leave the signature out "
-                    "with --signatures")
-    return {name: F.signature_feeds(proto, name) for name in chosen}
-
-
 def _final_dir(dst: str, version: Optional[int]) -> tuple:
     if version is None:
         version = files.next_version(dst)
@@ -304,19 +252,21 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
                        verify_batch_size: int = 8, rtol: Optional[float] = None,
                        quiet: bool = False, report: Optional[str] = None,
                        progress: Optional[Progress] = None,
-                       quantize_tolerance: Optional[float] = None) -> ExportResult:
+                       quantize_tolerance: Optional[float] = None,
+                       warmup_requests: Optional[int] = None) -> ExportResult:
     """Fuses SRC into DST/<version>/ (and optionally a .tflite). See module doc."""
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     _check_arguments(src, dst, batch_size, quantize_table, tflite)
+    warmup.check_request_count(src, warmup_requests)
     if rtol is not None and not rtol >= 0:
         raise ExportError(f"--rtol must be >= 0, got {rtol}")
     progress = progress or Progress(quiet=quiet)
     progress.note(f"loading {src}")
     proto = read_saved_model(src)
     chosen = _choose_signatures(proto, src, signatures)
-    samples = _read_samples(sample_inputs)
-    _check_sample_keys(proto, chosen, samples)
-    feeds = _signature_feeds(proto, chosen, samples)
+    samples = SI.read_samples(sample_inputs)
+    SI.check_sample_keys(proto, chosen, samples)
+    feeds = SI.signature_feeds(proto, chosen, samples)
     version, final_dir = _final_dir(dst, version)
     _check_tflite_version(tflite, dst, version)
 
@@ -334,7 +284,7 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
                     "convert the model to .tflite and quantize that (pkm_serve.tflite.quantize_table_int8)")
         raise ExportError(f"--quantize-table {quantize_table}: {result.message}, so no table to quantize{hint}")
     _write_version(result, proto, chosen, samples, tflite, quantize_table,
-                   verify_batch_size, rtol, progress, quantize_tolerance)
+                   verify_batch_size, rtol, progress, quantize_tolerance, warmup_requests)
     if report:
         with open(report, "w") as f:
             json.dump(result.to_json(), f, indent=2)
@@ -343,7 +293,7 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
 
 def _write_version(result: ExportResult, proto, chosen: List[str], samples, tflite,
                    quantize_table, verify_batch_size: int, rtol, progress: Progress,
-                   quantize_tolerance: Optional[float] = None) -> None:
+                   quantize_tolerance: Optional[float] = None, warmup_requests: Optional[int] = None) -> None:
     """Writes DST/<version> (and the .tflite) through temporaries renamed into
     place only once everything has been verified; on any error nothing is
     left behind."""
@@ -395,6 +345,11 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
                     tmp_dir, src, chosen, index_limit, samples, verify_batch_size,
                     quantize_tolerance, feeds=result.feeds)
                 phase.advance()
+        if warmup_requests:  # last: the requests run on the model as it is written
+            with progress.phase("writing warmup requests"):
+                result.warmup_requests = warmup.write_warmup_requests(
+                    tmp_dir, chosen, warmup_requests, index_limit, samples, verify_batch_size,
+                    result.feeds, os.path.basename(dst))
         # mkdtemp makes the directory owner-only; a model server may run as
         # another user.
         os.chmod(tmp_dir, 0o777 & ~files.current_umask())
@@ -415,7 +370,7 @@ def _site_steps(site: Site) -> str:
     """What the fused site keeps of the composite besides the bag."""
     steps = (["masked"] if site.masked else []) + (["scalar weight"] if site.weights_scalar else []) + (
         [f"cast to {site.cast_to}"] if site.cast_to else []) + (
-        [f"/ {site.divisor}"] if site.divisor else [])
+        ["/ K"] if site.divide_by_bag else [])
     return f" ({', '.join(steps)})" if steps else ""
 
 
@@ -459,6 +414,9 @@ def format_report(result: ExportResult) -> str:
     if result.quantization:
         from pkm_serve.export.quantize import format_quantization
         lines.extend(format_quantization(result.quantization))
+    if result.warmup_requests:
+        lines.append(f"warmup: {result.warmup_requests} PredictionLog records in "
+                     f"{os.path.join(result.dst, warmup.WARMUP_FILE)}")
     return "\n".join(lines)
 
 
@@ -470,7 +428,7 @@ def main(argv=None) -> int:
             tflite=args.tflite, quantize_table=args.quantize_table,
             sample_inputs=args.sample_inputs, batch_size=args.batch_size,
             rtol=args.rtol, quiet=args.quiet, report=args.report,
-            quantize_tolerance=args.quantize_tolerance)
+            quantize_tolerance=args.quantize_tolerance, warmup_requests=args.warmup_requests)
     except ExportError as e:
         from pkm_serve import cli
 

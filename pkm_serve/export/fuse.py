@@ -16,7 +16,7 @@ from tensorflow.python.framework import dtypes, op_def_registry
 
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import assert_ids_in_table, assert_ids_rank
-from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site, tensor_dtype
+from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site, dims, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
 I64 = DType(types_pb2.DT_INT64)
@@ -163,7 +163,7 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
         [types_pb2.DT_INT32] if splits is not None else []) + [site.table_dtype]
     attrs = _op_attrs(op, dict(zip(_input_names(op), types)), site.combiner,
                       site.weights is not None or site.pooled is not None)
-    steps = _steps_after_bag(fg, site, params, splits)
+    steps = _steps_after_bag(fg, site, params, splits, inputs[1])
     if not steps:
         fg.replace_node(site.root, op, inputs, attrs, control=control)
     else:
@@ -241,9 +241,14 @@ def _plus_zeros_like(fg: FunctionGraph, name: str, x: Ref, other: Ref) -> Ref:
     """x + zeros shaped like `other`: x broadcast against it. An elementwise add
     fails with a message where the two do not broadcast (TFLite's
     BROADCAST_ARGS aborts the process there); adding 0 changes no id and no
-    weight (but -0.0, which becomes 0.0)."""
+    weight (but -0.0, which becomes 0.0). Half weights are broadcast in
+    float32 (exact both ways): TFLite has no float16/bfloat16 ADD or ZEROS_LIKE."""
     x_type, other_type = tensor_dtype(fg, x), tensor_dtype(fg, other)
     x_shape, other_shape = fg.shape(x), fg.shape(other)
+    if x_type in (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16):
+        wide = _cast(fg, name + "_wide", x, x_type, types_pb2.DT_FLOAT, dims(x_shape))
+        wide = _plus_zeros_like(fg, name + "_wide", wide, other)
+        return _cast(fg, name + "_broadcast", wide, types_pb2.DT_FLOAT, x_type, dims(fg.shape(wide)))
     other_dims = other_shape.as_list() if other_shape.rank is not None else None
     zeros = fg.add_op(name + "_zeros", "ZerosLike", [_cast(fg, name + "_cast", other, other_type, x_type, other_dims)],
                       {"T": DType(x_type)}, shapes=[other_dims])
@@ -276,19 +281,35 @@ def _broadcast_ids_like_ones(fg: FunctionGraph, site: Site, indices: Ref) -> Ref
     return _plus_zeros_like(fg, site.root + "/pkm_ids", indices, ones)
 
 
-def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optional[Ref]):
+def _bag_size(fg: FunctionGraph, site: Site, indices: Ref, dtype: int) -> Ref:
+    """K of the request per bag ([..., 1], in `dtype`): the length of the last
+    axis of the op's ids (as broadcast against the weights or mask, i.e. the
+    bag axis of the rows Mean reduced), counted as the sum of ones shaped like
+    them. Not StridedSlice(Shape(ids)): the TFLite converter folds that to the
+    K the signature declares, and a resized input then divides by it."""
+    prefix = site.root + "/pkm_bag_size"
+    shape = fg.add_op(prefix + "/ids_shape", "Shape", [indices],
+                      {"T": DType(site.index_dtype), "out_type": I32}, shapes=[[None]])
+    ones = fg.add_op(prefix + "/ones", "Fill", [shape, fg.add_const(prefix + "/one", np.array(1, np.float32))],
+                     {"T": DType(types_pb2.DT_FLOAT), "index_type": I32}, shapes=[None])
+    k = fg.add_op(prefix + "/k", "Sum", [ones, fg.add_const(prefix + "/axis", np.array(-1, np.int32))],
+                  {"T": DType(types_pb2.DT_FLOAT), "Tidx": I32, "keep_dims": True}, shapes=[None])
+    return k if dtype == types_pb2.DT_FLOAT else _cast(fg, prefix, k, types_pb2.DT_FLOAT, dtype, None)
+
+
+def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optional[Ref],
+                     indices: Ref):
     """What the composite does after the bag, as [(op, attrs, inputs(bag))]:
-    cast it, divide it by K, or give empty bags table[default_id] (safe_) or
-    the lowest value (ragged reduce_max)."""
+    cast it, divide it by K (the request's, as Mean does), or give empty bags
+    table[default_id] (safe_) or the lowest value (ragged reduce_max)."""
     steps = []
     out_dtype = site.table_dtype
     if site.cast_enum:
         steps.append(("Cast", {"SrcT": DType(out_dtype), "DstT": DType(site.cast_enum),
                                "Truncate": False}, lambda bag: [bag]))
         out_dtype = site.cast_enum
-    if site.divisor:
-        k = fg.add_const(site.root + "/pkm_bag_size",
-                         np.array(site.divisor, dtypes.as_dtype(out_dtype).as_numpy_dtype))
+    if site.divide_by_bag:
+        k = _bag_size(fg, site, indices, out_dtype)
         steps.append(("RealDiv", {"T": DType(out_dtype)}, lambda bag: [bag, k]))
     if site.default_id is not None:
         # safe_ with default_id: an empty bag is table[default_id] (weight 1).

@@ -112,8 +112,8 @@ def _is_ones(fg: FunctionGraph, ref: Ref) -> bool:
 def computes(fg: FunctionGraph, site: Site) -> str:
     if site.combiner in ("max", "sqrtn"):
         return site.combiner
-    if site.combiner == "mean" or site.divisor:
-        return "weighted mean" if (site.weights is not None and not site.divisor and
+    if site.combiner == "mean" or site.divide_by_bag:
+        return "weighted mean" if (site.weights is not None and not site.divide_by_bag and
                                    "sparse" in site.pattern) else "mean"
     multiplier = site.weights if site.weights is not None else site.mask
     divisor = _divisor(fg, site.root) if site.root in fg.nodes else None

@@ -41,7 +41,7 @@ def check_half_table_widened(site: Site) -> None:
     (bfloat16 has float32's range: only its rounding differs, within tolerance.)"""
     if site.dtype != "float16" or site.cast_to != "float32":
         return
-    if site.weights is None and site.combiner in ("mean", "max") and not site.divisor:
+    if site.weights is None and site.combiner in ("mean", "max") and not site.divide_by_bag:
         return
     raise Skip("a float16 table computed in float32: the fused op would weight and sum in "
                "float16, which overflows past 65504 where the composite does not")

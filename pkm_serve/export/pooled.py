@@ -242,7 +242,7 @@ def match_pooled_positions(fg: FunctionGraph, node, site: Site) -> Site:
     if rows_shape.rank != 3 or width is None or rows_shape[-1] != width:
         raise Skip(f"the per-position sparse lookup is reshaped to {rows_shape}, not proven to be "
                    f"[B, L, {width}]: only a pooling over the positions of [B, L] ids is fused")
-    if inner.combiner not in ("sum", "mean", "sqrtn") or inner.cast_enum or inner.divisor or \
+    if inner.combiner not in ("sum", "mean", "sqrtn") or inner.cast_enum or inner.divide_by_bag or \
             inner.weights is not None:
         raise Skip(f"the per-position lookup is not an unweighted sum, mean or sqrtn ({inner.combiner})")
     squeeze, strip_nodes = False, []

@@ -82,6 +82,12 @@ def _rewrite_checkpoint(export_dir: str, reader, new_values: Dict[str, np.ndarra
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _is_float(dtype) -> bool:
+    """float32/float16/float64, and bfloat16 (ml_dtypes', which numpy does not
+    count as np.floating): quantize_rows reads each as float64."""
+    return np.issubdtype(dtype, np.floating) or np.dtype(dtype).name == "bfloat16"
+
+
 def quantize_export_dir(export_dir: str) -> List[dict]:
     """Rewrites export_dir (a fused SavedModel) in place; returns one row per
     quantized table. ExportError (nothing changed) when a fused table cannot be."""
@@ -102,9 +108,9 @@ def quantize_export_dir(export_dir: str) -> List[dict]:
         for key, plan in plans.items():
             if key not in new_values:
                 table = reader.get_tensor(key)
-                if table.ndim != 2 or not np.issubdtype(table.dtype, np.floating):
+                if table.ndim != 2 or not _is_float(table.dtype):
                     raise ExportError(f"cannot quantize table {key!r}: it is {table.dtype} {list(table.shape)}, "
-                                      "not a float [N, D] matrix")
+                                      "not a float32, float16 or bfloat16 [N, D] matrix")
                 values, scales, biases = quantized.quantize_rows(table)
                 new_values[key] = (values, scales, biases)
                 rows.append({"table": key, "copy_of": plan.copy_of, "shape": list(table.shape),

@@ -33,7 +33,9 @@ class Site:
     fused op's combiner, `weighted` whether a per-index multiplier is
     applied, `masked` whether rows are masked with tf.where (fused as padding
     ids), `cast_to` the dtype the rows are cast to before the reduction,
-    `divisor` the bag size a weighted/masked reduce_mean divides by.
+    `divisor` the bag size a weighted/masked reduce_mean divides by, as the
+    signature fixes it (null where it does not: the fused model divides by
+    the bag size of each request either way, `divide_by_bag`).
     """
 
     function: str
@@ -85,6 +87,8 @@ class Site:
     ones: Optional[Ref] = None        # a multiply by ones that may broadcast the ids (fused as that broadcast)
     ones_squeeze: bool = False        # ones are [..., K, 1]
     pooled: Optional[object] = None   # pooled.Pooled: a per-position sparse lookup pooled over L
+    divide_by_bag: bool = False       # a weighted/masked reduce_mean: the bag is divided by its
+                                      # size K, read off the ids at run time (not the static K)
     rounded_to: Optional[str] = None  # rows cast to this half dtype below cast_to (mixed precision):
                                       # a rounding the fused op skips, verified at that dtype's tolerance
 

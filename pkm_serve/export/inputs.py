@@ -1,0 +1,64 @@
+"""The inputs an export verifies on: --sample-inputs read and checked against the
+signatures, and the feeds verification generates inputs from (before anything
+is written, so a bad argument leaves nothing behind)."""
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import numpy as np
+
+from pkm_serve.export.errors import ExportError
+
+
+def read_samples(sample_inputs: Optional[str]) -> Optional[Dict[str, np.ndarray]]:
+    if sample_inputs is None:
+        return None
+    try:
+        with np.load(sample_inputs, allow_pickle=False) as npz:
+            return {k: npz[k] for k in npz.files}
+    except (OSError, ValueError) as e:
+        raise ExportError(f"--sample-inputs {sample_inputs} is not a readable .npz: "
+                          f"{e}") from None
+
+
+def check_sample_keys(proto, chosen: Sequence[str], samples) -> None:
+    """With several signatures, a bare NAME key is fed to each of them: one that
+    some signature does not take must be keyed SIG/NAME (refused here, before
+    anything is written, naming that form)."""
+    if samples is None or len(chosen) < 2:
+        return
+    inputs = {name: set(proto.meta_graphs[0].signature_def[name].inputs) for name in chosen}
+    for key in sorted(k for k in samples if "/" not in k):
+        lacking = [name for name in chosen if key not in inputs[name]]
+        if lacking:
+            having = [name for name in chosen if key in inputs[name]]
+            example = f" (here {', '.join(repr(f'{n}/{key}') for n in having)})" if having else ""
+            raise ExportError(
+                f"--sample-inputs key {key!r} is a bare NAME, which is fed to every signature, but "
+                f"signature(s) {lacking} take no input {key!r}: with several signatures ({list(chosen)}), "
+                f"key each input SIG/NAME{example}")
+
+
+# Signature input dtypes verification can generate (DT_* enums of types.proto).
+_GENERATED_DTYPES = {1: "float32", 2: "float64", 3: "int32", 4: "uint8", 5: "int16",
+                     6: "int8", 7: "string", 9: "int64", 10: "bool", 14: "bfloat16",
+                     17: "uint16", 19: "float16", 22: "uint32", 23: "uint64"}
+
+
+def signature_feeds(proto, chosen: Sequence[str], samples) -> Dict[str, dict]:
+    """{signature: {input: Feed}}; refuses, before anything is written, a
+    signature with an input that can be neither generated nor found in
+    --sample-inputs."""
+    from pkm_serve.export import feeds as F
+    from tensorflow.python.framework import dtypes
+
+    for name in chosen:
+        for key, info in proto.meta_graphs[0].signature_def[name].inputs.items():
+            given = samples is not None and (key in samples or f"{name}/{key}" in samples)
+            if info.dtype not in _GENERATED_DTYPES and not given:
+                raise ExportError(
+                    f"signature {name!r} input {key!r} has dtype "
+                    f"{dtypes.as_dtype(info.dtype).name}, for which no inputs can be "
+                    "generated: pass it in --sample-inputs, or leave the signature out "
+                    "with --signatures")
+    return {name: F.signature_feeds(proto, name) for name in chosen}
