@@ -297,6 +297,21 @@ def _bag_size(fg: FunctionGraph, site: Site, indices: Ref, dtype: int) -> Ref:
     return k if dtype == types_pb2.DT_FLOAT else _cast(fg, prefix, k, types_pb2.DT_FLOAT, dtype, None)
 
 
+def _divide_by_bag_size(fg: FunctionGraph, site: Site, indices: Ref, out_dtype: int):
+    """Steps dividing the bag by the request's K. A half bag is divided in float32
+    and cast back (the quotient TF's half RealDiv rounds too): TFLite has no
+    float16 / bfloat16 DIV, so the half division kept a .tflite from converting."""
+    if out_dtype not in (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16):
+        k = _bag_size(fg, site, indices, out_dtype)
+        return [("RealDiv", {"T": DType(out_dtype)}, lambda bag: [bag, k])]
+    k = _bag_size(fg, site, indices, types_pb2.DT_FLOAT)
+    return [("Cast", {"SrcT": DType(out_dtype), "DstT": DType(types_pb2.DT_FLOAT), "Truncate": False},
+             lambda bag: [bag]),
+            ("RealDiv", {"T": DType(types_pb2.DT_FLOAT)}, lambda bag: [bag, k]),
+            ("Cast", {"SrcT": DType(types_pb2.DT_FLOAT), "DstT": DType(out_dtype), "Truncate": False},
+             lambda bag: [bag])]
+
+
 def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optional[Ref],
                      indices: Ref):
     """What the composite does after the bag, as [(op, attrs, inputs(bag))]:
@@ -309,8 +324,7 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
                                "Truncate": False}, lambda bag: [bag]))
         out_dtype = site.cast_enum
     if site.divide_by_bag:
-        k = _bag_size(fg, site, indices, out_dtype)
-        steps.append(("RealDiv", {"T": DType(out_dtype)}, lambda bag: [bag, k]))
+        steps += _divide_by_bag_size(fg, site, indices, out_dtype)
     if site.default_id is not None:
         # safe_ with default_id: an empty bag is table[default_id] (weight 1).
         default_row = fg.add_op(

@@ -3,7 +3,7 @@ table variable becomes int8, from the half values read as float) and in the
 .tflite of --tflite (the FLOAT16 / BFLOAT16 constant becomes per-row int8; the op
 keeps its half weights and output). A weighted site of a half table converts
 to TFLite at all (its ids/weights broadcast was a float16 ADD, which TFLite
-lacks). Reference: numpy float64 of the half table's values.
+lacks), and a weighted mean too (its division by K was a float16 DIV). Reference: numpy float64 of the half table's values.
 """
 import os
 import sys
@@ -25,7 +25,8 @@ DTYPES = ("float16", "bfloat16")
 
 def _body(t, idx, w):
     return {"sum": tf.reduce_sum(tf.gather(t, idx) * w[..., None], axis=1),
-            "mean": tf.reduce_mean(tf.gather(t, idx), axis=1)}
+            "mean": tf.reduce_mean(tf.gather(t, idx), axis=1),
+            "weighted_mean": tf.reduce_mean(tf.gather(t, idx) * w[..., None], axis=1)}
 
 
 @pytest.fixture(scope="module", params=DTYPES)
@@ -46,7 +47,8 @@ def _inputs(table, batch=5):
 def _reference(table, x):
     t = table.astype(np.float64)
     return {"sum": M.np_bag(t, x["idx"], x["w"].astype(np.float64)),
-            "mean": M.np_bag(t, x["idx"], combiner="mean")}
+            "mean": M.np_bag(t, x["idx"], combiner="mean"),
+            "weighted_mean": M.np_bag(t, x["idx"], x["w"].astype(np.float64)) / M.K}
 
 
 def _assert_close(got, want, what, relative):
@@ -92,7 +94,7 @@ def test_tflite_of_a_half_table(half_model, tmp_path, quantize):
                                 quiet=True)
     model = path.read_bytes()
     want_type = "INT8" if quantize else {"float16": "FLOAT16", "bfloat16": "BFLOAT16"}[dtype]
-    assert _params_types(model) == [want_type, want_type]
+    assert _params_types(model) == [want_type, want_type]  # sum and weighted_mean: one op (the same bag)
     if quantize:
         assert result.tflite["worst_relative_err"] <= 1e-2
     x = _inputs(table)
