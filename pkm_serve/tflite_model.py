@@ -127,81 +127,105 @@ def quantize_rows_int8_affine(table: np.ndarray):
     return q, scales, zero_points.astype(np.int64)
 
 
-def quantize_table_int8(model_bytes: bytes) -> bytes:
-    """Rewrites every constant float32 ``params`` table of a PkmEmbeddingBag
-    custom op as an int8 tensor with per-row (axis 0) affine quantisation
-    (``quantize_rows_int8_affine``: a float32 scale and an integer zero point
-    per row, each value within half its row's scale of the float one).
+def _ints(xs) -> List[int]:
+    return [] if xs is None else [int(x) for x in xs]
 
-    The op keeps producing float32: the kernel dequantises rows as it sums.
-    A table that anything else also reads (another operator such as a stock
-    GATHER, a PkmEmbeddingBag input other than params, a subgraph output;
-    directly or through another tensor sharing its buffer) is left float32:
-    that reader would otherwise get int8 data as if it were float. Raises
-    ValueError if no table could be quantised.
-    """
-    check_tflite_bytes(model_bytes, "quantize_table_int8")
-    schema = _schema()
-    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
 
-    def ints(xs):
-        return [] if xs is None else [int(x) for x in xs]
-
-    # (subgraph, tensor) pairs per buffer, and whether every read of each
-    # tensor is as input 0 of a PkmEmbeddingBag op (unread: True).
+def _table_readers(model):
+    """((subgraph, tensor) pairs of each buffer, whether every read of each
+    tensor is as input 0 of a bag op (unread: True))."""
     tensors_of_buffer: Dict[int, List[tuple]] = {}
     only_params: Dict[tuple, bool] = {}
     for si, subgraph in enumerate(model.subgraphs):
         for ti, tensor in enumerate(subgraph.tensors or []):
             tensors_of_buffer.setdefault(int(tensor.buffer), []).append((si, ti))
-        for ti in ints(subgraph.inputs) + ints(subgraph.outputs):
+        for ti in _ints(subgraph.inputs) + _ints(subgraph.outputs):
             only_params[(si, ti)] = False
         for op in subgraph.operators or []:
             is_bag = _custom_code(model, op.opcodeIndex) in CUSTOM_OP_NAMES
-            for pos, ti in enumerate(ints(op.inputs)):
+            for pos, ti in enumerate(_ints(op.inputs)):
                 if ti >= 0:
                     key = (si, ti)
                     only_params[key] = only_params.get(key, True) and is_bag and pos == 0
-    rewritten = shared = 0
-    done = set()
-    for si, subgraph in enumerate(model.subgraphs):
+    return tensors_of_buffer, only_params
+
+
+def _float_table_types(schema) -> Dict[int, object]:
+    """The table tensor types quantised, with the numpy dtype of their buffers."""
+    types = {schema.TensorType.FLOAT32: np.float32, schema.TensorType.FLOAT16: np.float16}
+    try:
+        import ml_dtypes  # numpy's bfloat16 (TensorFlow's dependency; not every TFLite runtime's)
+
+        types[schema.TensorType.BFLOAT16] = ml_dtypes.bfloat16
+    except ImportError:
+        pass
+    return types
+
+
+def _quantisable_tables(model, schema):
+    """([(buffer index, the tensors sharing it, numpy dtype)] of the constant float
+    tables that only bag ops read, as their params; how many are read elsewhere too)."""
+    types = _float_table_types(schema)
+    tensors_of_buffer, only_params = _table_readers(model)
+    found, shared, done = [], 0, set()
+    for subgraph in model.subgraphs:
         for op in subgraph.operators or []:
-            if _custom_code(model, op.opcodeIndex) not in CUSTOM_OP_NAMES or not ints(op.inputs):
+            if _custom_code(model, op.opcodeIndex) not in CUSTOM_OP_NAMES or not _ints(op.inputs):
                 continue
             tensor = subgraph.tensors[int(op.inputs[0])]
             buffer_index = int(tensor.buffer)
-            if buffer_index in done or tensor.type != schema.TensorType.FLOAT32:
+            if buffer_index in done or tensor.type not in types:
                 continue
             done.add(buffer_index)
-            buffer = model.buffers[buffer_index]
-            if buffer.data is None or len(buffer.data) == 0:
+            data = model.buffers[buffer_index].data
+            if data is None or len(data) == 0:
                 continue  # not a constant table (e.g. a model input): leave it float
             users = tensors_of_buffer[buffer_index]
-            same = [model.subgraphs[ui].tensors[uti] for ui, uti in users]
+            same = [model.subgraphs[si].tensors[ti] for si, ti in users]
             if not all(only_params.get(key, True) for key in users) or any(
-                    u.type != tensor.type or ints(u.shape) != ints(tensor.shape) for u in same):
-                shared += 1
-                continue  # read as float32 elsewhere: leave it float
-            table = np.frombuffer(bytes(np.asarray(buffer.data, dtype=np.uint8)),
-                                  dtype=np.float32).reshape([int(d) for d in tensor.shape])
-            try:
-                q, scales, zero_points = quantize_rows_int8_affine(table)
-            except ValueError as err:
-                name = tensor.name.decode() if isinstance(tensor.name, bytes) else tensor.name
-                raise ValueError(f"quantize_table_int8: table {name!r}: {err}") from None
-            buffer.data = np.frombuffer(q.tobytes(), dtype=np.uint8)
-            for user in same:
-                user.type = schema.TensorType.INT8
-                quant = schema.QuantizationParametersT()
-                quant.scale = scales.tolist()
-                quant.zeroPoint = zero_points.tolist()
-                quant.quantizedDimension = 0
-                user.quantization = quant
-            rewritten += 1
-    if not rewritten:
-        raise ValueError("no constant float32 params table of a PkmEmbeddingBag op found" +
-                         (f" that only PkmEmbeddingBag reads ({shared} read elsewhere too, "
-                          "left float32)" if shared else ""))
+                    u.type != tensor.type or _ints(u.shape) != _ints(tensor.shape) for u in same):
+                shared += 1  # read as float elsewhere: leave it float
+                continue
+            found.append((buffer_index, same, types[tensor.type]))
+    return found, shared
+
+
+def quantize_table_int8(model_bytes: bytes) -> bytes:
+    """Rewrites every constant float32, float16 or bfloat16 ``params`` table of a
+    PkmEmbeddingBag / PkmRaggedEmbeddingBag op as an int8 tensor with per-row
+    (axis 0) affine quantisation (``quantize_rows_int8_affine`` of the table's
+    values as float32: a float32 scale and an integer zero point per row, each
+    value within half its row's scale of the float one).
+
+    The op keeps its output type: the kernel dequantises rows as it sums.
+    A table that anything else also reads (another operator such as a stock
+    GATHER, a bag op input other than params, a subgraph output; directly or
+    through another tensor sharing its buffer) is left float: that reader would
+    otherwise get int8 data as if it were float. Raises ValueError if no table
+    could be quantised, or naming the table where one holds NaN or infinity.
+    """
+    check_tflite_bytes(model_bytes, "quantize_table_int8")
+    schema = _schema()
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
+    tables, shared = _quantisable_tables(model, schema)
+    for buffer_index, tensors, dtype in tables:
+        raw = bytes(np.asarray(model.buffers[buffer_index].data, dtype=np.uint8))
+        table = np.frombuffer(raw, dtype=dtype).reshape(_ints(tensors[0].shape)).astype(np.float32)
+        try:
+            q, scales, zero_points = quantize_rows_int8_affine(table)
+        except ValueError as err:
+            name = tensors[0].name.decode() if isinstance(tensors[0].name, bytes) else tensors[0].name
+            raise ValueError(f"quantize_table_int8: table {name!r} ({np.dtype(dtype).name}): {err}") from None
+        model.buffers[buffer_index].data = np.frombuffer(q.tobytes(), dtype=np.uint8)
+        for tensor in tensors:
+            tensor.type = schema.TensorType.INT8
+            quant = schema.QuantizationParametersT()
+            quant.scale, quant.zeroPoint, quant.quantizedDimension = scales.tolist(), zero_points.tolist(), 0
+            tensor.quantization = quant
+    if not tables:
+        raise ValueError("no constant float32, float16 or bfloat16 params table of a PkmEmbeddingBag op found" +
+                         (f" that only PkmEmbeddingBag reads ({shared} read elsewhere too, left float)"
+                          if shared else ""))
     import flatbuffers  # the schema modules depend on it
     builder = flatbuffers.Builder(len(model_bytes) // 4 + 1024)
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")

@@ -18,7 +18,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from pkm_serve import tflite as pkm_tflite
-from pkm_serve.export import tflite_half
 from pkm_serve.export import verify as V
 from pkm_serve.export.errors import ExportError
 from pkm_serve.export.files import current_umask
@@ -324,7 +323,7 @@ def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str
     if quantize == "int8":
         with progress.phase("quantising tables to per-row int8"):
             try:
-                model = tflite_half.quantize_tables_int8(model)
+                model = pkm_tflite.quantize_table_int8(model)
             except ValueError as e:
                 raise ExportError(f"--quantize-table int8: {e}") from None
     check_signatures_kept(model, export_dir, signatures)

@@ -16,7 +16,7 @@ def _model(table):
 def test_a_non_finite_row_is_refused_naming_it(value):
     table = np.random.default_rng(0).uniform(-0.5, 0.5, (6, 8)).astype(np.float32)
     table[4, 3] = value
-    with pytest.raises(ValueError, match=r"table 'params': row 4 of the table holds .*column 3.*NaN or infinity"):
+    with pytest.raises(ValueError, match=r"table 'params' \(float32\): row 4 of the table holds .*column 3.*NaN or infinity"):
         tflite.quantize_table_int8(_model(table))
     with pytest.raises(ValueError, match="row 4"):
         tflite.quantize_rows_int8(table)
