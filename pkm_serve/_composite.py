@@ -50,15 +50,18 @@ def _combine(summed, w, combiner, axis):
     if combiner == "mean":
         return tf.math.divide_no_nan(summed, tf.reduce_sum(w, axis=axis)[..., None])
     if combiner == "sqrtn":
-        return summed / _safe_sqrt(tf.reduce_sum(w * w, axis=axis))[..., None]
+        return summed * _inverse_norm(tf.reduce_sum(w * w, axis=axis))[..., None]
     return summed
 
 
-def _safe_sqrt(squares):
-    """sqrt, with 1 where the sum of squared weights is 0 (the bag's sum is then
-    0 too): no 0/0, and no inf from sqrt's derivative at 0 in a jvp or a second
-    derivative (divide_no_nan over sqrt gave NaN there)."""
-    return tf.sqrt(tf.where(squares > 0, squares, tf.ones_like(squares)))
+def _inverse_norm(squares):
+    """1 / sqrt(squares), and 0 where the sum of squared weights is 0 (the bag
+    is then 0, and so is its derivative, as the fused kernels give it). The inner
+    where keeps sqrt's derivative at 0 (inf) out of a jvp or a second derivative:
+    divide_no_nan over sqrt gave NaN there."""
+    positive = squares > 0
+    return tf.where(positive, tf.math.rsqrt(tf.where(positive, squares, tf.ones_like(squares))),
+                    tf.zeros_like(squares))
 
 
 def _ragged_composite(params, indices, weights, combiner):
@@ -87,7 +90,7 @@ def _ragged_composite(params, indices, weights, combiner):
     if combiner == "mean":
         summed = tf.math.divide_no_nan(summed, w_sum[:, None])
     elif combiner == "sqrtn":
-        summed = summed / _safe_sqrt(w_sq)[:, None]
+        summed = summed * _inverse_norm(w_sq)[:, None]
     out = tf.cast(summed, params.dtype)
     if len(splits) == 1:
         return out

@@ -4,7 +4,9 @@ list of shards): one fused lookup per shard, combined once."""
 from __future__ import annotations
 
 import tensorflow as tf
+from tensorflow.python.framework import ops  # colocate_with without v1's deprecation warning
 
+from pkm_serve._composite import _inverse_norm
 from pkm_serve._fused import fused_embedding_bag
 from pkm_serve._op_args import _as_indices, _check_combiner, _ragged_weight_values
 
@@ -35,9 +37,9 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
     consecutive rows: shard ``i`` holds global rows ``[sum(N_<i), sum(N_<=i))``
     (the "div" partitioning of ``embedding_lookup``/``ShardedVariable``). Each
     shard runs the fused op, on the shard's device, over the indices that fall
-    into it (the others become padding) with combiner ``sum``; the partial
-    bags are added and divided once by the combiner's denominator over all
-    valid entries, so mean/sqrtn equal the unsharded op. Gradients reach each
+    into it (the others become padding) with combiner ``sum`` and the weights
+    divided by mean's / sqrtn's denominator over all valid entries, so the
+    added partial bags equal the unsharded op. Gradients reach each
     shard (row-sparse with ``sparse_gradient=True``).
     """
     _check_combiner(combiner, weights)
@@ -64,31 +66,56 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
             w_flat = tf.cast(w_flat, dtype)
         sizes = [tf.shape(s, out_type=flat.dtype)[0] for s in shards]
         total = tf.add_n(sizes)
-        check = tf.debugging.assert_less(
-            flat, total, message="embedding_bag: an index is out of range of the sharded table "
-            "(negative indices are padding)")
+        check = tf.debugging.Assert(
+            tf.reduce_all(flat < total),
+            ["embedding_bag: index", tf.reduce_max(flat), "is out of range [0,", total,
+             ") of the sharded table (negative indices are padding)"])
         with tf.control_dependencies([check]):
             flat = tf.identity(flat)
+        w_flat = _combined_weights(indices, flat, w_flat, combiner)
         partial = None
         offset = tf.zeros([], flat.dtype)
-        for shard, size in zip(shards, sizes):
+        for i, (shard, size) in enumerate(zip(shards, sizes)):
             local = flat - offset
-            mine = (local >= 0) & (local < size)
+            # Ids past the table go to the last shard, whose kernel refuses them where the
+            # Assert above is dropped (XLA, TFLite): as padding they vanished silently.
+            last = i == len(shards) - 1
+            mine = (local >= 0) if last else (local >= 0) & (local < size)
             local = tf.where(mine, local, -tf.ones_like(local))
             bags = indices.with_flat_values(local) if isinstance(indices, tf.RaggedTensor) else local
             bag_w = indices.with_flat_values(w_flat) if isinstance(indices, tf.RaggedTensor) else w_flat
-            with tf.device(shard.device):
+            # Colocated, not tf.device(shard.device): a device string would be saved into
+            # SavedModels (a ParameterServerStrategy one then ran nowhere else).
+            with ops.colocate_with(shard):
                 part = fused_embedding_bag(shard, bags, bag_w, "sum", sparse_gradient=sparse_gradient)
             part = tf.cast(part, tf.float32)
             partial = part if partial is None else partial + part
             offset = offset + size
-        if combiner == "sum":
-            return tf.cast(partial, dtype)
-        # The denominator over every valid entry, as the unsharded op counts it.
-        valid_w = tf.where(flat >= 0, tf.cast(w_flat, tf.float32), tf.zeros_like(w_flat, tf.float32))
-        if isinstance(indices, tf.RaggedTensor):
-            valid_w = indices.with_flat_values(valid_w)
-        denom = tf.reduce_sum(valid_w if combiner == "mean" else valid_w * valid_w, axis=-1)
-        if combiner == "sqrtn":
-            denom = tf.sqrt(denom)
-        return tf.cast(tf.math.divide_no_nan(partial, tf.expand_dims(denom, -1)), dtype)
+        return tf.cast(partial, dtype)
+
+
+def _combined_weights(indices, flat, w_flat, combiner):
+    """The weights of the flat entries with mean's / sqrtn's denominator (over
+    every valid entry of the bag, as the unsharded op counts it) divided in, so
+    each shard's partial sum is already its share of the combined bag: a half
+    shard's partial of an undivided sum overflowed (a mean of 480 rows of 300
+    was inf in float16)."""
+    if combiner == "sum":
+        return w_flat
+    valid_w = tf.where(flat >= 0, tf.cast(w_flat, tf.float32), tf.zeros_like(w_flat, tf.float32))
+    ragged_bags = isinstance(indices, tf.RaggedTensor) and valid_w.shape.rank == 1
+    if ragged_bags:  # the bag axis is the innermost ragged one: sums per row of it
+        innermost = indices
+        while isinstance(innermost.values, tf.RaggedTensor):
+            innermost = innermost.values
+        row_of_entry = innermost.value_rowids()
+        totals = tf.math.unsorted_segment_sum(valid_w if combiner == "mean" else valid_w * valid_w,
+                                              row_of_entry, innermost.nrows())
+        denom = tf.gather(totals, row_of_entry)
+    else:  # dense bags (also the flat values of a ragged tensor with a uniform bag axis)
+        denom = tf.reduce_sum(valid_w if combiner == "mean" else valid_w * valid_w, axis=-1, keepdims=True)
+    if combiner == "mean":
+        scaled = tf.math.divide_no_nan(valid_w, denom)
+    else:  # sqrtn; a bag of no weight stays 0, with finite derivatives
+        scaled = valid_w * _inverse_norm(denom)
+    return tf.cast(scaled, w_flat.dtype)

@@ -83,6 +83,21 @@ def make_cluster(num_workers=2, num_ps=2):
     return resolver, servers, ports, spec
 
 
+def save_lookup(table, save_dir):
+    """A SavedModel of a weighted sqrtn lookup of the (sharded) table, saved from the
+    cluster's chief, and the trained rows beside it for the test's reference."""
+    module = tf.Module()
+    module.table = table
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int64), tf.TensorSpec([None, None], tf.float32)])
+    def serve(ids, w):
+        return {"out": ops.embedding_bag(module.table, ids, w, combiner="sqrtn")}
+
+    tf.saved_model.save(module, os.path.join(save_dir, "model"), signatures={"serving_default": serve})
+    shards = list(table.variables) if hasattr(table, "variables") else [table]
+    np.save(os.path.join(save_dir, "table.npy"), np.concatenate([s.numpy() for s in shards]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -94,6 +109,7 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--sparse", type=int, default=1)
     ap.add_argument("--lr", type=float, default=0.5)
+    ap.add_argument("--save-dir", default=None, help="also save a SavedModel of a lookup of the trained table")
     args = ap.parse_args()
     ops.load_library()  # registers the ops for the in-process workers and PS too
 
@@ -177,6 +193,8 @@ def main():
     elapsed = time.perf_counter() - start
     result["steps_per_s"] = args.steps / elapsed
     result["loss_after"] = float(coordinator.fetch(coordinator.schedule(evaluate)))
+    if args.save_dir:
+        save_lookup(table, args.save_dir)
     result["tcp"] = tcp_endpoints(ports)
     result["args"] = vars(args)
     with open(args.out, "w") as f:

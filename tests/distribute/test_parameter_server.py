@@ -48,3 +48,28 @@ def test_sharded_table_on_ps_cluster(tmp_path, sparse):
         with socket.socket() as s, pytest.raises(ConnectionRefusedError):
             s.settimeout(2)
             s.connect(("127.0.0.1", int(a.rsplit(":", 1)[1])))
+
+
+LOAD_AND_LOOK_UP = """
+import sys, numpy as np, tensorflow as tf
+from pkm_serve import ops
+model = tf.saved_model.load(sys.argv[1] + "/model")
+table = np.load(sys.argv[1] + "/table.npy")
+ids = np.array([[0, 5, -1], [table.shape[0] - 1, 2, 2]])
+w = np.array([[1.0, 2.0, 3.0], [0.5, -1.0, 2.0]], np.float32)
+got = model.signatures["serving_default"](ids=tf.constant(ids), w=tf.constant(w))["out"].numpy()
+valid = (ids >= 0)[..., None]
+rows = table.astype(np.float64)[np.maximum(ids, 0)] * valid
+want = (rows * w[..., None]).sum(1) / np.sqrt((w.astype(np.float64) ** 2 * valid[..., 0]).sum(1, keepdims=True))
+print(float(np.abs(got - want).max()))
+"""
+
+
+def test_saved_model_of_a_ps_sharded_table_runs_without_the_cluster(tmp_path):
+    """The bag ops were saved with the PS tasks' devices (tf.device of each shard):
+    outside the cluster the SavedModel failed ("Cannot assign a device")."""
+    run_cluster(tmp_path, "--shards", "2", "--rows", "64", "--steps", "2", "--save-dir", str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", LOAD_AND_LOOK_UP, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert float(proc.stdout.strip().splitlines()[-1]) < 1e-5

@@ -1,0 +1,93 @@
+"""A row-sharded table (a list of shards; ShardedVariable) where the shards'
+partial bags used to go wrong: ids past the table under XLA and in a .tflite
+(dropped as padding, still counted by mean), half shards' undivided partial
+sums (overflowed), second derivatives of sqrtn bags of no weight (NaN); the shards' devices
+written into SavedModels: tests/distribute/test_parameter_server.py. Reference: numpy float64, or the
+same call on the unsharded table."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pkm_serve import ops
+
+TABLE = np.arange(10, dtype=np.float32).reshape(5, 2)
+
+
+def _shards(table=TABLE, dtype=tf.float32):
+    return [tf.Variable(tf.cast(table[:3], dtype)), tf.Variable(tf.cast(table[3:], dtype))]
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_an_id_past_the_table_fails_under_xla(combiner, ragged):
+    shards = _shards()
+    ids = tf.ragged.constant([[1, 5], [4]], dtype=tf.int64) if ragged else tf.constant([[1, 5], [4, 2]])
+
+    @tf.function(jit_compile=True)
+    def lookup(i):
+        return ops.embedding_bag(shards, i, combiner=combiner)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="out of range"):
+        lookup(ids)  # was [[2, 3], [12, 14]] (sum): id 5 dropped as padding
+
+
+def test_an_id_past_the_table_names_it_outside_xla():
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"index.\n7\n.*out of range \[0,.\n5\n"):
+        ops.embedding_bag(_shards(), tf.constant([[0, 7, -1]]))
+
+
+@pytest.mark.parametrize("combiner,weights,want", [
+    ("mean", None, 300.0),            # 480 rows of 300: the float16 partial sum was inf
+    ("mean", [[200.0, 200.0]], 300.0),
+    ("sqrtn", [[200.0, 200.0]], 300.0 * 2 / np.sqrt(2)),
+])
+def test_half_shards_do_not_overflow_in_their_partial_sums(combiner, weights, want):
+    table = np.full((8, 2), 300.0, np.float32)
+    shards = _shards(table, tf.float16)
+    ids = np.array([[0, 5]]) if weights is not None else np.tile(np.arange(8), 60)[None]
+    w = None if weights is None else tf.constant(weights, tf.float16)
+    got = ops.embedding_bag(shards, tf.constant(ids), w, combiner=combiner).numpy().astype(np.float64)
+    unsharded = ops.embedding_bag(tf.constant(table, tf.float16), tf.constant(ids), w, combiner=combiner).numpy()
+    np.testing.assert_allclose(got, np.full((1, 2), want), rtol=2e-3)
+    np.testing.assert_allclose(got, unsharded.astype(np.float64), rtol=2e-3)
+
+
+def test_sqrtn_second_derivatives_of_a_bag_of_no_weight_are_finite():
+    shards = _shards()
+    ids = tf.constant([[0, 4], [1, 3], [-1, -1]])
+    w = tf.Variable([[1.0, 2.0], [0.0, 0.0], [1.0, 1.0]])  # a bag of weight 0, a bag of padding
+
+    def penalty_gradient(table):
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                loss = tf.reduce_sum(ops.embedding_bag(table, ids, w, combiner="sqrtn") ** 2)
+            penalty = tf.reduce_sum(inner.gradient(loss, w) ** 2)
+        return outer.gradient(penalty, w).numpy()
+
+    got = penalty_gradient(shards)
+    assert np.isfinite(got).all(), got  # was NaN for the bag of weight 0
+    np.testing.assert_allclose(got, penalty_gradient(tf.constant(TABLE)), rtol=1e-5, atol=1e-5)
+    with tf.autodiff.ForwardAccumulator(w, tf.ones_like(w)) as acc:
+        out = ops.embedding_bag(shards, ids, w, combiner="sqrtn")
+    assert np.isfinite(acc.jvp(out).numpy()).all()
+
+
+
+@pytest.mark.parametrize("lookup", ["sharded", "composite"])
+def test_sqrtn_weight_gradient_of_a_bag_of_no_weight_is_the_kernels(lookup):
+    """d/dweights of a sqrtn bag whose weights are all 0 is 0 in the fused kernel; the
+    sharded path and the composite follow it (with 1 / sqrt(1) they gave <g, row>)."""
+    ids = tf.constant([[0, 4], [1, -1], [3, 2]])
+    w = tf.Variable([[1.0, 2.0], [0.0, 5.0], [0.0, 0.0]])
+    table = {"sharded": _shards(), "composite": tf.constant(TABLE)}[lookup]
+    bag = ops.embedding_bag_composite if lookup == "composite" else ops.embedding_bag
+
+    def weight_gradient(fn, params):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(fn(params, ids, w, combiner="sqrtn") * [1.0, -2.0])
+        return tape.gradient(loss, w).numpy()
+
+    want = weight_gradient(ops.embedding_bag, tf.constant(TABLE))
+    assert np.all(want[2] == 0)
+    np.testing.assert_allclose(weight_gradient(bag, table), want, rtol=1e-5, atol=1e-6)
