@@ -88,10 +88,14 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
             # SavedModels (a ParameterServerStrategy one then ran nowhere else).
             with ops.colocate_with(shard):
                 part = fused_embedding_bag(shard, bags, bag_w, "sum", sparse_gradient=sparse_gradient)
-            part = tf.cast(part, tf.float32)
+            # Ragged parts share the ids' row partition: adding their flat values skips
+            # RaggedTensor addition's partition checks (RaggedRange, which XLA lacks).
+            template = part if isinstance(part, tf.RaggedTensor) else None
+            part = tf.cast(part.flat_values if template is not None else part, tf.float32)
             partial = part if partial is None else partial + part
             offset = offset + size
-        return tf.cast(partial, dtype)
+        partial = tf.cast(partial, dtype)
+        return template.with_flat_values(partial) if template is not None else partial
 
 
 def _combined_weights(indices, flat, w_flat, combiner):

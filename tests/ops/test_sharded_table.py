@@ -91,3 +91,15 @@ def test_sqrtn_weight_gradient_of_a_bag_of_no_weight_is_the_kernels(lookup):
     want = weight_gradient(ops.embedding_bag, tf.constant(TABLE))
     assert np.all(want[2] == 0)
     np.testing.assert_allclose(weight_gradient(bag, table), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_nested_ragged_ids_under_xla(combiner):
+    """Ragged ids of two ragged dimensions: the shards' ragged parts were added as
+    RaggedTensors, whose partition checks (RaggedRange) XLA cannot compile."""
+    ids = tf.ragged.constant([[[1, 4], [2]], [[0, -1, 3]], []], dtype=tf.int64)
+    shards = _shards()
+    got = tf.function(lambda i: ops.embedding_bag(shards, i, combiner=combiner), jit_compile=True)(ids)
+    want = ops.embedding_bag(tf.constant(TABLE), ids, combiner=combiner)
+    np.testing.assert_allclose(got.flat_values.numpy(), want.flat_values.numpy(), rtol=1e-6)
+    assert got.bounding_shape().numpy().tolist() == want.bounding_shape().numpy().tolist()
