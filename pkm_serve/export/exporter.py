@@ -50,6 +50,7 @@ class ExportResult:
     tflite: Optional[dict] = None
     quantization: Optional[dict] = None   # --quantize-table int8 (export/quantize.py)
     warmup_requests: int = 0              # --warmup-requests: records written (export/warmup.py)
+    warmup_skipped: Dict[str, list] = dataclasses.field(default_factory=dict)  # signature: state writers
     message: str = ""
     feeds: Dict[str, dict] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -347,7 +348,7 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
                 phase.advance()
         if warmup_requests:  # last: the requests run on the model as it is written
             with progress.phase("writing warmup requests"):
-                result.warmup_requests = warmup.write_warmup_requests(
+                result.warmup_requests, result.warmup_skipped = warmup.write_warmup_requests(
                     tmp_dir, chosen, warmup_requests, index_limit, samples, verify_batch_size,
                     result.feeds, os.path.basename(dst))
         # mkdtemp makes the directory owner-only; a model server may run as
@@ -417,6 +418,9 @@ def format_report(result: ExportResult) -> str:
     if result.warmup_requests:
         lines.append(f"warmup: {result.warmup_requests} PredictionLog records in "
                      f"{os.path.join(result.dst, warmup.WARMUP_FILE)}")
+    for name, writers in result.warmup_skipped.items():
+        lines.append(f"warmup: no requests for signature {name!r}: it writes state ({', '.join(writers)}), "
+                     "which a replay at every load would change")
     return "\n".join(lines)
 
 

@@ -128,3 +128,39 @@ def test_example_and_ragged_warmup_requests_replay(tmp_path, caplog):
     finally:
         fused.unload()
         original.unload()
+
+
+def test_a_signature_that_writes_state_gets_no_warmup_requests(tmp_path):
+    """A signature that assigns a variable was warmed up too: the server replays
+    the file at every load, so each load changed the model (its scale went 1 -> 3)
+    before the first request."""
+    table = M._table(7)
+
+    class Module(tf.Module):
+        def __init__(self):
+            self.t, self.scale = tf.Variable(table), tf.Variable(1.0)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, M.K], tf.int32, name="idx")])
+        def serve(self, idx):
+            return {"o": tf.reduce_sum(tf.gather(self.t, idx), 1) * self.scale}
+
+        @tf.function(input_signature=[tf.TensorSpec([None, M.K], tf.int32, name="idx")])
+        def bump(self, idx):
+            self.scale.assign_add(1.0)
+            return {"o": tf.reduce_sum(tf.gather(self.t, idx), 1) * self.scale}
+
+    module = Module()
+    tf.saved_model.save(module, str(tmp_path / "src"), signatures={"serving_default": module.serve,
+                                                                    "bump": module.bump})
+    dst = tmp_path / "models"
+    assert main([str(tmp_path / "src"), str(dst), "--warmup-requests", "2", "--quiet"]) == 0
+    records = _records(os.path.join(str(dst / "1"), WARMUP_FILE))
+    assert [r.predict_log.request.model_spec.signature_name for r in records] == ["serving_default"] * 2
+    loader = make_loader_factory(warmup=True)("m", 1, str(dst / "1"))
+    loader.load()
+    try:
+        idx = np.arange(M.K, dtype=np.int32)[None]
+        [got] = loader.servable().signature("serving_default").run({"idx": idx}).values()
+        np.testing.assert_allclose(got, M.np_bag(table, idx), rtol=1e-6)  # scale still 1
+    finally:
+        loader.unload()
