@@ -117,7 +117,12 @@ def same_dims(a, b) -> bool:
 
 
 def dtype_name(enum: int) -> str:
-    return dtypes.as_dtype(enum).name
+    """The dtype's name; "unknown" where the enum names none (a Skip message
+    must not fail on a dtype it could not read)."""
+    try:
+        return dtypes.as_dtype(enum).name
+    except TypeError:
+        return "unknown"
 
 
 def itemsize(enum: int) -> int:
@@ -140,10 +145,21 @@ def tensor_dtype(fg: FunctionGraph, ref: Ref) -> int:
             if arg.type != types_pb2.DT_INVALID:
                 return arg.type
             if arg.type_attr:
-                return node.attr[arg.type_attr].type
-            return node.attr[arg.type_list_attr].list.type[flat]
+                return _attr_or_default(node, op_def, arg.type_attr).type
+            return _attr_or_default(node, op_def, arg.type_list_attr).list.type[flat]
         flat -= count
     raise KeyError(f"no output #{ref.index} on {ref.node}")
+
+
+def _attr_or_default(node, op_def, name: str):
+    """node.attr[name], or the OpDef's default where the NodeDef leaves it out
+    (SavedModels strip attrs equal to their default: Unique's out_idx int32)."""
+    if name in node.attr:
+        return node.attr[name]
+    for attr in op_def.attr:
+        if attr.name == name and attr.HasField("default_value"):
+            return attr.default_value
+    return node.attr[name]
 
 
 def through_identity(fg: FunctionGraph, ref: Ref, nodes: List[str]) -> Ref:
