@@ -106,7 +106,9 @@ def _rebuild_shape_consumers(fg: FunctionGraph, site: Site, gathered_ids: Ref, b
     (from the ids as gathered, or as re-gathered, whichever rows it read;
     from the multiply on, the ids as broadcast against the multiplier)."""
     width = site.table_shape[1] if site.table_shape else None
-    for name, rows_ref in site.shape_consumers:
+    for name, rows_ref in dict.fromkeys(site.shape_consumers):
+        if fg.nodes[name].op != "Shape":
+            continue  # rebuilt already: its out_type attr is gone, rebuilding again would make it int32
         if rows_ref in site.multiplied_refs:
             ids = bag_ids
         else:

@@ -190,7 +190,8 @@ def check_private(fg: FunctionGraph, refs: List[Ref], site_nodes: set,
                     site.dead_after += tuple(dead)
                     continue
                 if fg.nodes[consumer].op == "Shape":
-                    site.shape_consumers += ((consumer, ref),)
+                    if (consumer, ref) not in site.shape_consumers:  # checked once per matcher pass
+                        site.shape_consumers += ((consumer, ref),)
                     continue
             raise Skip(f"gathered tensor {fg.render(ref)} has another consumer "
                        f"({consumer}); fusing it would not save memory")

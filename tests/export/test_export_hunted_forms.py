@@ -72,3 +72,26 @@ def test_embedding_lookup_sparse_over_table_shards(tmp_path, combiner, weighted)
 def test_a_skip_message_names_a_dtype_it_could_not_read():
     from pkm_serve.export.sites import dtype_name
     assert dtype_name(0) == "unknown" and dtype_name(1) == "float32"
+
+
+@pytest.mark.parametrize("out_type", [tf.int64, tf.int32])
+def test_the_rows_shape_keeps_its_out_type(tmp_path, out_type):
+    """tf.shape(rows, out_type=tf.int64) of the gathered rows is rebuilt from the
+    ids' shape in int64 (it was rebuilt twice, the second time as int32, and
+    the fused SavedModel did not load)."""
+    module = tf.Module()
+    module.t = tf.Variable(TABLE)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int64, name="ids")])
+    def f(ids):
+        rows = tf.gather(module.t, ids)
+        k = tf.cast(tf.shape(rows, out_type=out_type)[1], tf.float32)
+        return {"out": tf.reduce_sum(rows, axis=1) / k}
+    module.f = f
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": f})
+    result = _export(tmp_path)
+    assert [s.status for s in result.sites] == ["fused"]
+    ids = RNG.integers(0, N, (3, 7)).astype(np.int64)
+    got = _outputs(result.dst, ids=ids)["out"]
+    np.testing.assert_allclose(got, _outputs(tmp_path / "m", ids=ids)["out"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, TABLE.astype(np.float64)[ids].mean(1), rtol=1e-5, atol=1e-6)
