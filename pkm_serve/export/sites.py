@@ -116,6 +116,18 @@ def same_dims(a, b) -> bool:
     return all(x == y for x, y in zip(a.as_list(), b.as_list()))
 
 
+def shared_by_bags(shape, ids_shape) -> bool:
+    """A multiplier every bag shares (positional weights [1, K] or [K] against ids
+    [B, K]): of lower or equal rank, its bag axis the ids' (same_dims' rule),
+    each axis before it 1 or the ids' own. fuse broadcasts it to the ids."""
+    if shape.rank is None or ids_shape.rank is None or not 1 <= shape.rank <= ids_shape.rank:
+        return False
+    ids_dims = ids_shape.as_list()[ids_shape.rank - shape.rank:]
+    if not same_dims(shape[-1:], ids_shape[-1:]):
+        return False
+    return all(d == 1 or (d is not None and d == i) for d, i in zip(shape.as_list()[:-1], ids_dims[:-1]))
+
+
 def dtype_name(enum: int) -> str:
     """The dtype's name; "unknown" where the enum names none (a Skip message
     must not fail on a dtype it could not read)."""

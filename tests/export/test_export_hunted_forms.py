@@ -120,3 +120,40 @@ def test_a_model_refusing_the_generated_inputs_names_sample_inputs(tmp_path):
                                 sample_inputs=str(tmp_path / "s.npz"))
     np.testing.assert_allclose(_outputs(result.dst, **sample)["out"], _outputs(tmp_path / "m", **sample)["out"],
                                rtol=1e-5, atol=1e-6)
+
+
+POSITIONS = np.array([1.0, 0.5, 0.25, 0.125], np.float32)
+
+
+@pytest.mark.parametrize("form", ["variable_1k1", "const_k1", "mean_1k1"])
+def test_positional_weights_shared_by_every_bag_are_fused(tmp_path, form):
+    """rows * pos with pos [1, K, 1] or [K, 1] (one weight per position, the same
+    for every bag) was skipped ("weights shape (1, 4) does not match indices
+    shape (None, 4)"): fused with the weights broadcast to the ids."""
+    from pkm_serve import tflite
+    module = tf.Module()
+    module.t = tf.Variable(TABLE)
+    module.pos = tf.Variable(POSITIONS[None, :, None])
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.int64, name="ids")])
+    def f(ids):
+        rows = tf.gather(module.t, ids)
+        if form == "const_k1":
+            return {"out": tf.reduce_sum(rows * tf.constant(POSITIONS[:, None]), axis=1)}
+        reduce = tf.reduce_mean if form == "mean_1k1" else tf.reduce_sum
+        return {"out": reduce(rows * module.pos, axis=1)}
+    module.f = f
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": f})
+    lite = str(tmp_path / "m.tflite") if form == "variable_1k1" else None
+    result = _export(tmp_path, tflite=lite)
+    assert [(s.status, s.weighted) for s in result.sites] == [("fused", True)], [s.reason for s in result.sites]
+    ids = RNG.integers(0, N, (5, 4)).astype(np.int64)
+    expected = np.einsum("k,bkd->bd", POSITIONS.astype(np.float64), TABLE.astype(np.float64)[ids])
+    if form == "mean_1k1":
+        expected /= 4
+    got = _outputs(result.dst, ids=ids)["out"]
+    np.testing.assert_allclose(got, _outputs(tmp_path / "m", ids=ids)["out"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    if lite:
+        np.testing.assert_allclose(tflite.run_tflite(lite, [ids], interpreter="litert")[0], expected,
+                                   rtol=1e-5, atol=1e-6)
