@@ -21,7 +21,7 @@ from tensorflow.python.framework import tensor_shape
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, TABLE_DTYPES, NotASite, Site,
                                     Skip, check_private, dims, dtype_name, itemsize,
-                                    same_dims, tensor_dtype, through_identity)
+                                    same_dims, shared_by_bags, tensor_dtype, through_identity)
 from pkm_serve.export.unflatten import unflattened_ids
 
 
@@ -387,9 +387,10 @@ def _may_broadcast_ids(shape, ids_shape) -> bool:
     return any(d != 1 and (d is None or d != i) for d, i in zip(shape.as_list(), ids_dims))
 
 
-def _check_per_index(fg: FunctionGraph, ref: Ref, squeeze: bool, ids_shape, what: str):
+def _check_per_index(fg: FunctionGraph, ref: Ref, squeeze: bool, ids_shape, what: str,
+                     shared: bool = False):
     shape = _per_index_shape(fg, ref, squeeze)
-    if not same_dims(shape, ids_shape):
+    if not same_dims(shape, ids_shape) and not (shared and shared_by_bags(shape, ids_shape)):
         raise Skip(f"{what} shape {shape} does not match indices shape {ids_shape}")
 
 
@@ -406,7 +407,7 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     if rows.weights is not None:
         if not rows.weights_scalar:
             _check_per_index(fg, rows.weights, rows.weights_squeeze, ids_shape,
-                             "multiplier is not per-index: weights")
+                             "multiplier is not per-index: weights", shared=True)
         site.weights, site.weights_squeeze = rows.weights, rows.weights_squeeze
         site.weights_scalar = rows.weights_scalar
     if rows.mask is not None:

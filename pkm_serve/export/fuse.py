@@ -15,7 +15,7 @@ from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import dtypes, op_def_registry
 
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
-from pkm_serve.export.id_checks import assert_ids_in_table, assert_ids_rank
+from pkm_serve.export.id_checks import assert_ids_in_table, assert_ids_rank, assert_masked_ids_below_rows
 from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site, dims, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
@@ -106,7 +106,9 @@ def _rebuild_shape_consumers(fg: FunctionGraph, site: Site, gathered_ids: Ref, b
     (from the ids as gathered, or as re-gathered, whichever rows it read;
     from the multiply on, the ids as broadcast against the multiplier)."""
     width = site.table_shape[1] if site.table_shape else None
-    for name, rows_ref in site.shape_consumers:
+    for name, rows_ref in dict.fromkeys(site.shape_consumers):
+        if fg.nodes[name].op != "Shape":
+            continue  # rebuilt already: its out_type attr is gone, rebuilding again would make it int32
         if rows_ref in site.multiplied_refs:
             ids = bag_ids
         else:
@@ -214,6 +216,7 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
                                 {"T": DType(site.table_dtype), "Tshape": I32}, shapes=[[]])
     gathered_ids = site.indices
     ids_check = None if site.sparse_indices is not None else assert_ids_in_table(fg, site, gathered_ids)
+    bound_check = assert_masked_ids_below_rows(fg, site, gathered_ids, params)
     site.indices = _regathered_ids(fg, site)
     indices = _masked_indices(fg, site) if site.mask is not None else site.indices
     if site.weights is not None:
@@ -222,15 +225,16 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
         indices = _broadcast_ids_like_ones(fg, site, indices)
     _rebuild_shape_consumers(fg, site, gathered_ids, indices)
     if site.segment_ids is None and site.sparse_indices is None:
-        return DENSE_OP, [params, indices, weights], None, _checks(ids_check, assert_ids_rank(fg, site, gathered_ids))
+        return DENSE_OP, [params, indices, weights], None, _checks(ids_check, bound_check,
+                                                                   assert_ids_rank(fg, site, gathered_ids))
     if site.row_splits is not None:
         splits = site.row_splits
         if tensor_dtype(fg, splits) != types_pb2.DT_INT32:
             splits = _cast(fg, site.root + "/pkm_row_splits32", splits,
                            tensor_dtype(fg, splits), types_pb2.DT_INT32, [None])
-        return RAGGED_OP, [params, indices, splits, weights], splits, _checks(ids_check)
+        return RAGGED_OP, [params, indices, splits, weights], splits, _checks(ids_check, bound_check)
     splits, sorted_check = row_splits(fg, site)
-    return RAGGED_OP, [params, indices, splits, weights], splits, _checks(ids_check, sorted_check)
+    return RAGGED_OP, [params, indices, splits, weights], splits, _checks(ids_check, bound_check, sorted_check)
 
 
 def _checks(*names: Optional[str]) -> List[str]:

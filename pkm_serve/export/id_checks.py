@@ -1,6 +1,8 @@
 """Asserts the fused graph adds where the fused op would compute something
 other than the composite for ids the original refuses or reads otherwise:
-negative ids (padding to the op, an error to the gather) and ids of another
+negative ids (padding to the op, an error to the gather), ids >= N in the
+positions a masked site makes padding (the composite gathers every id before
+its tf.where, so its gather refuses them) and ids of another
 rank than the site was matched at (the composite's reduction axis is fixed,
 the op always reduces the ids' last axis). Each Assert is a control input of
 the fused op. The TFLite converter drops Asserts."""
@@ -93,6 +95,42 @@ def assert_ids_in_table(fg: FunctionGraph, site: Site, ids: Ref) -> Optional[str
                    f"indices[...] =", (smallest, site.index_dtype),
                    f"is not in [0, {rows}) (the original model's gather refuses it too; the fused op "
                    f"alone would have taken it as padding)", "/message_range")
+
+
+def assert_masked_ids_below_rows(fg: FunctionGraph, site: Site, ids: Ref, params: Ref) -> Optional[str]:
+    """An Assert that every id the composite gathered is < N, for a masked site
+    (where(mask, rows, 0)): the composite gathers every id before the select,
+    so its gather refuses an id >= N even in a masked position, while the
+    fused op takes a masked position as padding (where(mask, ids, -1)) and
+    never reads its id. Unmasked ids >= N the fused op refuses itself. One
+    reduction (the largest id; an empty request passes). Returns the Assert's
+    name (a control input of the fused op). The TFLite converter drops it."""
+    if site.mask is None or site.pooled is not None:
+        return None
+    prefix = site.root + "/pkm_ids_bound_check"
+    dtype = DType(site.index_dtype)
+    np_type = dtypes.as_dtype(site.index_dtype).as_numpy_dtype
+    flat = fg.add_op(prefix + "/flat", "Reshape", [ids, fg.add_const(prefix + "/flat_shape", np.array([-1], np.int32))],
+                     {"T": dtype, "Tshape": I32}, shapes=[[None]])
+    largest = fg.add_op(prefix + "/largest", "Max", [flat, fg.add_const(prefix + "/axis", np.array(0, np.int32))],
+                        {"T": dtype, "Tidx": I32, "keep_dims": False}, shapes=[[]])
+    rows = site.table_shape[0] if site.table_shape else None
+    if rows is not None:
+        bound = fg.add_const(prefix + "/rows", np.array(rows, np_type))
+    else:  # Shape(table)[0], in the ids' dtype
+        shape = fg.add_op(prefix + "/table_shape", "Shape", [params],
+                          {"T": DType(site.table_dtype), "out_type": dtype}, shapes=[[2]])
+        bound = fg.add_op(prefix + "/rows", "GatherV2",
+                          [shape, fg.add_const(prefix + "/zero", np.array(0, np.int32)),
+                           fg.add_const(prefix + "/axis0", np.array(0, np.int32))],
+                          {"Tparams": dtype, "Tindices": I32, "Taxis": I32, "batch_dims": 0}, shapes=[[]])
+    ok = fg.add_op(prefix + "/below_rows", "Less", [largest, bound], {"T": dtype}, shapes=[[]])
+    return _assert(fg, prefix, ok,
+                   f"{DENSE_OP} (fused masked gather of {site.table or 'the table'} in {site.root}): an id is "
+                   f"out of range: indices[...] =", (largest, site.index_dtype),
+                   f"is not in [0, {rows if rows is not None else 'N'}) (the original model gathers every id "
+                   f"before its mask and refuses it, masked or not; the fused op alone would have taken "
+                   f"a masked one as padding)", "/message_range")
 
 
 def assert_ids_rank(fg: FunctionGraph, site: Site, ids: Ref) -> Optional[str]:

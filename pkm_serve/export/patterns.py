@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import dense, einsum, fuse, labels, pooled, ragged, ragged_range, sparse, unrecognised
+from pkm_serve.export import (dense, einsum, fuse, half_division, labels, pooled, ragged, ragged_range, sparse,
+                              unrecognised)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
 
@@ -142,6 +143,7 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
             old_root_inputs = [fg.parse(t).node for t in fg.nodes[site.root].input
                                if not t.startswith("^")]
             fuse.fuse_site(fg, site)
+            seeds.extend(half_division.widen_masked_mean_division(fg, site))
             seeds.extend(site.internal)
             seeds.extend(site.dead_after)
             seeds.extend(n for n in old_root_inputs if n in fg.nodes and

@@ -116,8 +116,25 @@ def same_dims(a, b) -> bool:
     return all(x == y for x, y in zip(a.as_list(), b.as_list()))
 
 
+def shared_by_bags(shape, ids_shape) -> bool:
+    """A multiplier every bag shares (positional weights [1, K] or [K] against ids
+    [B, K]): of lower or equal rank, its bag axis the ids' (same_dims' rule),
+    each axis before it 1 or the ids' own. fuse broadcasts it to the ids."""
+    if shape.rank is None or ids_shape.rank is None or not 1 <= shape.rank <= ids_shape.rank:
+        return False
+    ids_dims = ids_shape.as_list()[ids_shape.rank - shape.rank:]
+    if not same_dims(shape[-1:], ids_shape[-1:]):
+        return False
+    return all(d == 1 or (d is not None and d == i) for d, i in zip(shape.as_list()[:-1], ids_dims[:-1]))
+
+
 def dtype_name(enum: int) -> str:
-    return dtypes.as_dtype(enum).name
+    """The dtype's name; "unknown" where the enum names none (a Skip message
+    must not fail on a dtype it could not read)."""
+    try:
+        return dtypes.as_dtype(enum).name
+    except TypeError:
+        return "unknown"
 
 
 def itemsize(enum: int) -> int:
@@ -140,10 +157,21 @@ def tensor_dtype(fg: FunctionGraph, ref: Ref) -> int:
             if arg.type != types_pb2.DT_INVALID:
                 return arg.type
             if arg.type_attr:
-                return node.attr[arg.type_attr].type
-            return node.attr[arg.type_list_attr].list.type[flat]
+                return _attr_or_default(node, op_def, arg.type_attr).type
+            return _attr_or_default(node, op_def, arg.type_list_attr).list.type[flat]
         flat -= count
     raise KeyError(f"no output #{ref.index} on {ref.node}")
+
+
+def _attr_or_default(node, op_def, name: str):
+    """node.attr[name], or the OpDef's default where the NodeDef leaves it out
+    (SavedModels strip attrs equal to their default: Unique's out_idx int32)."""
+    if name in node.attr:
+        return node.attr[name]
+    for attr in op_def.attr:
+        if attr.name == name and attr.HasField("default_value"):
+            return attr.default_value
+    return node.attr[name]
 
 
 def through_identity(fg: FunctionGraph, ref: Ref, nodes: List[str]) -> Ref:
@@ -174,7 +202,8 @@ def check_private(fg: FunctionGraph, refs: List[Ref], site_nodes: set,
                     site.dead_after += tuple(dead)
                     continue
                 if fg.nodes[consumer].op == "Shape":
-                    site.shape_consumers += ((consumer, ref),)
+                    if (consumer, ref) not in site.shape_consumers:  # checked once per matcher pass
+                        site.shape_consumers += ((consumer, ref),)
                     continue
             raise Skip(f"gathered tensor {fg.render(ref)} has another consumer "
                        f"({consumer}); fusing it would not save memory")

@@ -58,3 +58,46 @@ def test_keras_mixed_precision_embedding_mean_is_fused(tmp_path, policy, pooling
         tol = TOLERANCE[policy] if quantize is None else TOLERANCE[policy] + 1e-2  # + int8 rows
         assert np.abs(got - want).max() <= tol * scale
         np.testing.assert_allclose(got, table.astype(np.float64)[ids].mean(1), atol=tol * scale)
+
+
+def _keras_mixed_masked(path, policy):
+    """Embedding(mask_zero=True) -> GlobalAveragePooling1D: the rows and the mask
+    are summed in the compute dtype and divided in it."""
+    import keras
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        ids = keras.Input((K,), dtype="int32", name="ids")
+        emb = keras.layers.Embedding(N, D, mask_zero=True, name="emb")
+        model = keras.Model(ids, keras.layers.GlobalAveragePooling1D()(emb(ids)))
+        table = np.random.default_rng(5).normal(size=(N, D)).astype(np.float32)
+        emb.embeddings.assign(table)
+        model.export(str(path), format="tf_saved_model", verbose=False)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return table
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_keras_mixed_precision_masked_mean_converts_to_tflite(tmp_path, policy):
+    """The mask count and the division after the fused bag were left in half
+    precision, which TFLite has no SUM / DIV for: --tflite failed ("custom ops
+    ['RealDiv', 'Sum']"). They are counted and divided in float32 and cast back."""
+    from pkm_serve import tflite
+    table = _keras_mixed_masked(tmp_path / "m", policy)
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True,
+                                tflite=str(tmp_path / "m.tflite"))
+    assert [(s.status, s.computes) for s in result.sites] == [("fused", "masked mean")]
+    ids = np.random.default_rng(6).integers(0, N, (64, K)).astype(np.int32)
+    ids[::3, K // 2:] = 0  # padding (mask_zero)
+    ids[5] = 0  # an all-padding bag: 0 / 0, NaN in both
+    keep = (ids != 0).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        expected = np.einsum("bk,bkd->bd", keep, table.astype(np.float64)[ids]) / keep.sum(1)[:, None]
+    want = _call(tmp_path / "m", ids).numpy().astype(np.float64)
+    got = _call(result.dst, ids).numpy().astype(np.float64)
+    lite = tflite.run_tflite(str(tmp_path / "m.tflite"), [ids], interpreter="litert")[0].astype(np.float64)
+    scale = np.nanmax(np.abs(expected))
+    for out in (want, got, lite):
+        assert np.array_equal(np.isnan(out), np.isnan(expected))
+        np.testing.assert_allclose(out, expected, atol=TOLERANCE[policy] * scale)
+    np.testing.assert_allclose(got, want, atol=TOLERANCE[policy] * scale)

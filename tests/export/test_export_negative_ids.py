@@ -119,3 +119,80 @@ def test_in_tflite_the_check_is_dropped_and_a_negative_id_is_padding(tmp_path):
     table = tf.saved_model.load(str(tmp_path / "m")).t.numpy()
     np.testing.assert_allclose(got[0], want[0] - table[ids[0, 1]], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got[1:], want[1:], rtol=1e-5, atol=1e-6)
+
+
+def _sequence_masked_mean(path):
+    """ids padded past each row's length: where(sequence_mask(lengths), gather(t, ids), 0)."""
+    module = tf.Module()
+    module.t = tf.Variable(RNG.standard_normal((N, D)).astype(np.float32))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int64, name="ids"),
+                                  tf.TensorSpec([None], tf.int32, name="lengths")])
+    def f(ids, lengths):
+        mask = tf.sequence_mask(lengths, tf.shape(ids)[1])
+        rows = tf.where(mask[..., None], tf.gather(module.t, ids), 0.)
+        return {"out": tf.reduce_sum(rows, 1) / tf.cast(tf.maximum(lengths, 1), tf.float32)[:, None]}
+    module.f = f
+    tf.saved_model.save(module, str(path), signatures={"serving_default": f})
+
+
+def _inverted_where_sum(path):
+    """where(mask, 0, rows): the mask selects the zero branch."""
+    module = tf.Module()
+    module.t = tf.Variable(RNG.standard_normal((N, D)).astype(np.float32))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, K], tf.int64, name="ids"),
+                                  tf.TensorSpec([None], tf.int32, name="lengths")])
+    def f(ids, lengths):
+        masked = tf.logical_not(tf.sequence_mask(lengths, K))
+        return {"out": tf.reduce_sum(tf.where(masked[..., None], 0., tf.gather(module.t, ids)), axis=1)}
+    module.f = f
+    tf.saved_model.save(module, str(path), signatures={"serving_default": f})
+
+
+def _call_lengths(path, ids, lengths):
+    f = tf.saved_model.load(str(path)).signatures["serving_default"]
+    return f(ids=tf.constant(ids), lengths=tf.constant(lengths, tf.int32))["out"].numpy()
+
+
+@pytest.mark.parametrize("model", [_sequence_masked_mean, _inverted_where_sum])
+def test_an_id_past_the_table_in_a_masked_position_is_refused(tmp_path, model):
+    """The composite gathers every id before its tf.where, so an id >= N in a
+    masked position fails its gather; the fused op makes that position padding
+    and would never read the id: the fused SavedModel asserts ids < N too."""
+    model(tmp_path / "m")
+    result = _export(tmp_path)
+    table = tf.saved_model.load(str(tmp_path / "m")).t.numpy().astype(np.float64)
+    ids = RNG.integers(0, N, (3, K)).astype(np.int64)
+    ids[:, -1] = N - 1  # the last row of the table is in range
+    lengths = np.array([2, K, 0], np.int32)
+    keep = np.arange(K)[None, :] < lengths[:, None]
+    if model is _inverted_where_sum:
+        want = np.einsum("bk,bkd->bd", keep, table[ids])
+    else:
+        want = np.einsum("bk,bkd->bd", keep, table[ids]) / np.maximum(lengths, 1)[:, None]
+    np.testing.assert_allclose(_call_lengths(result.dst, ids, lengths), want, rtol=1e-5, atol=1e-6)
+    ids[0, 3] = N  # masked in row 0 (length 2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not in"):
+        _call_lengths(tmp_path / "m", ids, lengths)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"out of range.*\[%d\].*not in \[0, %d\)" % (N, N)):
+        _call_lengths(result.dst, ids, lengths)
+    empty = _call_lengths(result.dst, np.zeros((0, K), np.int64), np.zeros([0], np.int32))
+    assert empty.shape == (0, D)
+
+
+def test_in_tflite_a_masked_id_past_the_table_is_padding(tmp_path):
+    """The TFLite converter drops the bound Assert too: in the .tflite a masked
+    position's id is never read, so an id >= N there is accepted and the bag
+    is that of the unmasked ids (docs/export.md, Limits)."""
+    from pkm_serve import tflite
+    _inverted_where_sum(tmp_path / "m")
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True,
+                                tflite=str(tmp_path / "m.tflite"))
+    assert [s.status for s in result.sites] == ["fused"]
+    ids = RNG.integers(0, N, (2, K)).astype(np.int64)
+    lengths = np.array([2, K], np.int32)
+    want = _call_lengths(tmp_path / "m", ids, lengths)
+    ids[0, 3] = N + 5
+    got = tflite.run_tflite(str(tmp_path / "m.tflite"), {"ids": ids, "lengths": lengths}, interpreter="litert")[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
