@@ -68,6 +68,14 @@ def _non_negative(fg: FunctionGraph, ref: Ref, depth: int = 6) -> bool:
     return False
 
 
+def _reduce_ids(fg: FunctionGraph, prefix: str, ids: Ref, dtype: DType, op: str, name: str) -> Ref:
+    """Min or Max over every id (a scalar; an empty request gives the reduction's identity)."""
+    flat = fg.add_op(prefix + "/flat", "Reshape", [ids, fg.add_const(prefix + "/flat_shape", np.array([-1], np.int32))],
+                     {"T": dtype, "Tshape": I32}, shapes=[[None]])
+    return fg.add_op(prefix + name, op, [flat, fg.add_const(prefix + "/axis", np.array(0, np.int32))],
+                     {"T": dtype, "Tidx": I32, "keep_dims": False}, shapes=[[]])
+
+
 def assert_ids_in_table(fg: FunctionGraph, site: Site, ids: Ref) -> Optional[str]:
     """An Assert that every id the composite gathered is >= 0: the composite's
     gather refuses a negative id ("indices[..] = -1 is not in [0, N)"), the
@@ -81,10 +89,7 @@ def assert_ids_in_table(fg: FunctionGraph, site: Site, ids: Ref) -> Optional[str
     prefix = site.root + "/pkm_ids_check"
     dtype = DType(site.index_dtype)
     np_type = dtypes.as_dtype(site.index_dtype).as_numpy_dtype
-    flat = fg.add_op(prefix + "/flat", "Reshape", [ids, fg.add_const(prefix + "/flat_shape", np.array([-1], np.int32))],
-                     {"T": dtype, "Tshape": I32}, shapes=[[None]])
-    smallest = fg.add_op(prefix + "/smallest", "Min", [flat, fg.add_const(prefix + "/axis", np.array(0, np.int32))],
-                         {"T": dtype, "Tidx": I32, "keep_dims": False}, shapes=[[]])
+    smallest = _reduce_ids(fg, prefix, ids, dtype, "Min", "/smallest")
     ok = fg.add_op(prefix + "/non_negative", "GreaterEqual",
                    [smallest, fg.add_const(prefix + "/zero", np.array(0, np_type))],
                    {"T": dtype}, shapes=[[]])
@@ -110,10 +115,7 @@ def assert_masked_ids_below_rows(fg: FunctionGraph, site: Site, ids: Ref, params
     prefix = site.root + "/pkm_ids_bound_check"
     dtype = DType(site.index_dtype)
     np_type = dtypes.as_dtype(site.index_dtype).as_numpy_dtype
-    flat = fg.add_op(prefix + "/flat", "Reshape", [ids, fg.add_const(prefix + "/flat_shape", np.array([-1], np.int32))],
-                     {"T": dtype, "Tshape": I32}, shapes=[[None]])
-    largest = fg.add_op(prefix + "/largest", "Max", [flat, fg.add_const(prefix + "/axis", np.array(0, np.int32))],
-                        {"T": dtype, "Tidx": I32, "keep_dims": False}, shapes=[[]])
+    largest = _reduce_ids(fg, prefix, ids, dtype, "Max", "/largest")
     rows = site.table_shape[0] if site.table_shape else None
     if rows is not None:
         bound = fg.add_const(prefix + "/rows", np.array(rows, np_type))
