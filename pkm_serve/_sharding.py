@@ -8,7 +8,7 @@ from tensorflow.python.framework import ops  # colocate_with without v1's deprec
 
 from pkm_serve._composite import _inverse_norm
 from pkm_serve._fused import fused_embedding_bag
-from pkm_serve._op_args import _as_indices, _check_combiner, _ragged_weight_values
+from pkm_serve._op_args import _as_indices, _as_weights, _check_combiner, _ragged_weight_values
 
 def _table_shards(params):
     shards = list(params.variables) if type(params).__name__ == "ShardedVariable" else list(params)
@@ -60,10 +60,11 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
         if w_flat is None:
             w_flat = tf.ones(tf.shape(flat), dtype)
         else:
-            w_flat = tf.convert_to_tensor(w_flat)
-            if not w_flat.dtype.is_floating:
-                raise TypeError(f"weights must be a float tensor, got {w_flat.dtype.name}")
-            w_flat = tf.cast(w_flat, dtype)
+            w_flat, _ = _as_weights(w_flat, dtype, flat)
+            # The same shape as the ids, also where it is known only when the graph runs:
+            # AddN does not broadcast (tf.where below would, and a mean then took weights
+            # of another shape).
+            w_flat = tf.math.add_n([w_flat, tf.zeros(tf.shape(flat), dtype)])
         sizes = [tf.shape(s, out_type=flat.dtype)[0] for s in shards]
         total = tf.add_n(sizes)
         check = tf.debugging.Assert(

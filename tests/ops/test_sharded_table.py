@@ -103,3 +103,17 @@ def test_nested_ragged_ids_under_xla(combiner):
     want = ops.embedding_bag(tf.constant(TABLE), ids, combiner=combiner)
     np.testing.assert_allclose(got.flat_values.numpy(), want.flat_values.numpy(), rtol=1e-6)
     assert got.bounding_shape().numpy().tolist() == want.bounding_shape().numpy().tolist()
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("weights", [[1.0, 2.0, 3.0], [[1.0], [2.0]]])
+def test_weights_of_another_shape_are_refused(combiner, weights):
+    """As the unsharded op refuses them; mean/sqrtn broadcast them (their denominators'
+    tf.where) before the fused op's check saw them."""
+    ids, shards = tf.constant([[0, 3, 4], [4, -1, 2]]), _shards()
+    with pytest.raises(ValueError, match=r"weights shape .* must equal indices shape \(2, 3\)"):
+        ops.embedding_bag(shards, ids, tf.constant(weights), combiner=combiner)
+    lookup = tf.function(lambda i, w: ops.embedding_bag(shards, i, w, combiner=combiner),
+                         input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec(None, tf.float32)])
+    with pytest.raises(tf.errors.InvalidArgumentError):  # shapes known only when the graph runs
+        lookup(ids, tf.constant(weights))
