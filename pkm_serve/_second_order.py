@@ -51,16 +51,16 @@ def _first_order(grad, params, indices, weights, combiner):
         if isinstance(indices, tf.RaggedTensor):
             indices = indices.to_tensor(default_value=-1)
         return _max_params_gradient(grad, params, indices), None
+    # Ragged weights: their flat values (watching the RaggedTensor would watch its int row splits too).
+    weight_values = weights.flat_values if isinstance(weights, tf.RaggedTensor) else weights
     with tf.GradientTape() as inner:
         inner.watch(params)
         if weights is not None:
-            inner.watch(weights)
+            inner.watch(weight_values)
         out = embedding_bag_composite(params, indices, weights, combiner)
     if weights is None:
         return tf.convert_to_tensor(inner.gradient(out, params, output_gradients=grad)), None
-    d_params, d_weights = inner.gradient(out, [params, weights], output_gradients=grad)
-    if isinstance(weights, tf.RaggedTensor):
-        d_weights = d_weights.flat_values
+    d_params, d_weights = inner.gradient(out, [params, weight_values], output_gradients=grad)
     return tf.convert_to_tensor(d_params), d_weights
 
 
