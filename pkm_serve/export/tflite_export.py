@@ -197,10 +197,10 @@ def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
                 rows.extend(V.compare_outputs(name, want, got, precision=precision))
         except V.VerificationError as e:
             bad = _non_finite_outputs(want, got)
-            if not bad:
+            if not bad and quantized:
                 raise
             raise V.VerificationError(
-                _non_finite_message(name, bad, original_dir, inputs, want)) from None
+                _mismatch_message(name, e, bad, original_dir, inputs, want)) from None
     return "verified with the pkm delegate", rows, worst
 
 
@@ -228,15 +228,19 @@ def _non_finite_outputs(want: dict, got: dict) -> Dict[str, Tuple[int, int]]:
     return bad
 
 
-def _non_finite_message(name: str, bad: Dict[str, Tuple[int, int]], original_dir: Optional[str],
-                        inputs: Dict[str, np.ndarray], want: dict) -> str:
-    """The .tflite gives inf/NaN where the SavedModel is finite: say so, and whether the
-    stock TFLiteConverter's .tflite of the original (unfused) model, which has no pkm
-    op at all, also fails to match the SavedModel on the same inputs (its wrong
-    values need not be the same ones: a mis-converted model can read garbage)."""
-    where = ", ".join(f"{key!r} ({n} of {size} elements)" for key, (size, n) in bad.items())
-    head = (f"signature {name!r}: the .tflite gives non-finite values (inf/NaN) where the "
-            f"SavedModel's outputs are finite: {where}. ")
+def _mismatch_message(name: str, error: Exception, bad: Dict[str, Tuple[int, int]],
+                      original_dir: Optional[str], inputs: Dict[str, np.ndarray], want: dict) -> str:
+    """The float .tflite does not match the SavedModel (inf/NaN where the SavedModel is
+    finite: `bad`; or other values): say so, and whether the stock TFLiteConverter's
+    .tflite of the original (unfused) model, which has no pkm op at all, also fails to
+    match the SavedModel on the same inputs (its wrong values need not be the same
+    ones: a mis-converted model can read garbage, finite or not, run to run)."""
+    if bad:
+        where = ", ".join(f"{key!r} ({n} of {size} elements)" for key, (size, n) in bad.items())
+        head = (f"signature {name!r}: the .tflite gives non-finite values (inf/NaN) where the "
+                f"SavedModel's outputs are finite: {where}. ")
+    else:
+        head = str(error).replace("fused differs from original", "the .tflite differs from the SavedModel") + ". "
     if original_dir is None:
         return head + ("Convert the original model with the stock tf.lite.TFLiteConverter and "
                        "run it on the same inputs to see whether the converter does that without "
