@@ -85,8 +85,8 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
             local = tf.where(mine, local, -tf.ones_like(local))
             bags = indices.with_flat_values(local) if isinstance(indices, tf.RaggedTensor) else local
             bag_w = indices.with_flat_values(w_flat) if isinstance(indices, tf.RaggedTensor) else w_flat
-            # Colocated, not tf.device(shard.device): a device string would be saved into
-            # SavedModels (a ParameterServerStrategy one then ran nowhere else).
+            # Colocated, not tf.device(shard.device): the PS task's device was saved with the
+            # op, and the SavedModel then ran nowhere else; a colocation follows the variable.
             with ops.colocate_with(shard):
                 part = fused_embedding_bag(shard, bags, bag_w, "sum", sparse_gradient=sparse_gradient)
             # Ragged parts share the ids' row partition: adding their flat values skips
