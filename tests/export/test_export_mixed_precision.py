@@ -17,16 +17,19 @@ N, D, K = 300, 16, 6
 TOLERANCE = {"mixed_float16": 1e-2, "mixed_bfloat16": 3e-2}  # pkm_serve.export.verify.TOLERANCES
 
 
-def _keras_mixed(path, policy, pooling):
+def _keras_mixed(path, policy, pooling, mask_zero=False, seed=3):
+    """Keras 3 Embedding -> mean over the bag (GlobalAveragePooling1D, "gap", or
+    keras.ops.mean) under a mixed-precision policy, exported with model.export.
+    mask_zero: the rows and the mask are summed in the compute dtype and divided in it."""
     import keras
     keras.mixed_precision.set_global_policy(policy)
     try:
         ids = keras.Input((K,), dtype="int32", name="ids")
-        emb = keras.layers.Embedding(N, D, name="emb")
+        emb = keras.layers.Embedding(N, D, mask_zero=mask_zero, name="emb")
         rows = emb(ids)
         out = keras.layers.GlobalAveragePooling1D()(rows) if pooling == "gap" else keras.ops.mean(rows, axis=1)
         model = keras.Model(ids, out)
-        table = np.random.default_rng(3).normal(size=(N, D)).astype(np.float32)
+        table = np.random.default_rng(seed).normal(size=(N, D)).astype(np.float32)
         emb.embeddings.assign(table)
         model.export(str(path), format="tf_saved_model", verbose=False)
     finally:
@@ -60,30 +63,13 @@ def test_keras_mixed_precision_embedding_mean_is_fused(tmp_path, policy, pooling
         np.testing.assert_allclose(got, table.astype(np.float64)[ids].mean(1), atol=tol * scale)
 
 
-def _keras_mixed_masked(path, policy):
-    """Embedding(mask_zero=True) -> GlobalAveragePooling1D: the rows and the mask
-    are summed in the compute dtype and divided in it."""
-    import keras
-    keras.mixed_precision.set_global_policy(policy)
-    try:
-        ids = keras.Input((K,), dtype="int32", name="ids")
-        emb = keras.layers.Embedding(N, D, mask_zero=True, name="emb")
-        model = keras.Model(ids, keras.layers.GlobalAveragePooling1D()(emb(ids)))
-        table = np.random.default_rng(5).normal(size=(N, D)).astype(np.float32)
-        emb.embeddings.assign(table)
-        model.export(str(path), format="tf_saved_model", verbose=False)
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    return table
-
-
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 def test_keras_mixed_precision_masked_mean_converts_to_tflite(tmp_path, policy):
     """The mask count and the division after the fused bag were left in half
     precision, which TFLite has no SUM / DIV for: --tflite failed ("custom ops
     ['RealDiv', 'Sum']"). They are counted and divided in float32 and cast back."""
     from pkm_serve import tflite
-    table = _keras_mixed_masked(tmp_path / "m", policy)
+    table = _keras_mixed(tmp_path / "m", policy, "gap", mask_zero=True, seed=5)
     result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True,
                                 tflite=str(tmp_path / "m.tflite"))
     assert [(s.status, s.computes) for s in result.sites] == [("fused", "masked mean")]
