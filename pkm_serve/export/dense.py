@@ -286,7 +286,7 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
         elif node.op == "SelectV2" and rows.mask is None:
             step_input = _resolve_mask(fg, ins, rows, site)
         elif node.op == "Reshape" and rows.unflattened is None and not rows.regathers:
-            rows.unflattened = unflattened_ids(fg, ins)
+            rows.unflattened, site.regroup_ids = unflattened_ids(fg, ins)
             rows.unflattened_rows, rows.flat_from = ref, len(rows.private) + 1
             step_input = ins[0]
         else:

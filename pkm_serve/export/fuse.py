@@ -101,6 +101,24 @@ def _regathered_ids(fg: FunctionGraph, site: Site) -> Ref:
     return ids
 
 
+def _regrouped_ids(fg: FunctionGraph, site: Site) -> Ref:
+    """reshape(ids, regroup_ids): the bags the composite's constant reshape of its
+    rows makes, whatever shape the server fed the ids in (the signature's K is
+    not checked, so [7, 5] ids to a [-1, 7, D] reshape are 5 bags of 7). The
+    shape is regroup_ids + min(size(ids), 0), a value grappler cannot read: it
+    removes a Reshape to a constant the ids' declared shape already has."""
+    prefix = site.root + "/pkm_regroup"
+    size = fg.add_op(prefix + "/size", "Size", [site.indices], {"T": DType(site.index_dtype), "out_type": I32},
+                     shapes=[[]])
+    zero = fg.add_op(prefix + "/zero", "Minimum", [size, fg.add_const(prefix + "/floor", np.array(0, np.int32))],
+                     {"T": I32}, shapes=[[]])
+    shape = fg.add_op(prefix + "/shape", "AddV2", [fg.add_const(prefix + "/target", np.array(site.regroup_ids, np.int32)),
+                                                  zero], {"T": I32}, shapes=[[len(site.regroup_ids)]])
+    return fg.add_op(prefix + "/ids", "Reshape", [site.indices, shape],
+                     {"T": DType(site.index_dtype), "Tshape": I32},
+                     shapes=[[None if d == -1 else d for d in site.regroup_ids]])
+
+
 def _rebuild_shape_consumers(fg: FunctionGraph, site: Site, gathered_ids: Ref, bag_ids: Ref) -> None:
     """Shape(rows) == concat(Shape(ids), [D]): rebuilt so the rows can go
     (from the ids as gathered, or as re-gathered, whichever rows it read;
@@ -214,6 +232,8 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
             weights = fg.add_op(site.root + "/pkm_scalar_weight", "Reshape",
                                 [weights, fg.add_const(site.root + "/pkm_scalar_shape", np.zeros([0], np.int32))],
                                 {"T": DType(site.table_dtype), "Tshape": I32}, shapes=[[]])
+    if site.regroup_ids is not None:
+        site.indices = _regrouped_ids(fg, site)
     gathered_ids = site.indices
     ids_check = None if site.sparse_indices is not None else assert_ids_in_table(fg, site, gathered_ids)
     bound_check = assert_masked_ids_below_rows(fg, site, gathered_ids, params)

@@ -80,6 +80,8 @@ class Site:
     expand_bag_axis: bool = False     # the composite keeps a unit bag axis (matmul): the bag gets it back
     mask_squeeze: bool = False        # mask likewise
     regathers: Tuple[Ref, ...] = ()   # rows re-gathered by these (outermost first)
+    regroup_ids: Optional[List[int]] = None  # the composite reshapes its gathered rows to this + [D]:
+                                             # the op reads reshape(ids, regroup_ids) (unflatten.py)
     row_splits: Optional[Ref] = None  # ragged sites: the bags' row_splits
     shape_consumers: Tuple[Tuple[str, Ref], ...] = ()  # Shape(rows) nodes to rebuild
     gather_refs: Tuple[Ref, ...] = ()  # the rows as gathered (before any re-gather)

@@ -3,7 +3,7 @@ gathers table[reshape(ids, [-1])] and reshapes the rows to ids.shape + [D],
 which is table[ids]. dense.resolve_rows takes that reshape as a step."""
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -11,12 +11,15 @@ from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import GATHER_OPS, NotASite, Skip, through_identity
 
 
-def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Ref:
+def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Tuple[Ref, Optional[List[int]]]:
     """Reshape(table[reshape(ids, [-1])], shape(ids) + [D]) is table[ids]
-    (tf-models' OnDeviceEmbedding): returns ids. The target shape must be concat(Shape(ids), [D]),
-    or a constant equal to ids' static shape + [D] with at most its first dim
-    -1. NotASite unless the rows are a gather of flattened ids; Skip where
-    the reshape is not proven to undo the flattening."""
+    (tf-models' OnDeviceEmbedding): returns (ids, regroup). The target shape must be
+    concat(Shape(ids), [D]) (regroup None), or a constant equal to ids' static shape
+    + [D] with at most its first dim -1 (regroup: that constant less D). A server
+    feeds ids of any shape ([7, 5] to a [None, 7] signature), and the constant then
+    regroups them into other bags: the fused op must read reshape(ids, regroup),
+    as the composite does. NotASite unless the rows are a gather of flattened ids;
+    Skip where the reshape is not proven to undo the flattening."""
     flat_rows = through_identity(fg, ins[0], [])
     gather = fg.producer(flat_rows)
     if gather is None or gather.op not in GATHER_OPS:
@@ -29,9 +32,11 @@ def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Ref:
     width, ids_shape = fg.shape(flat_rows)[-1], fg.shape(ids)
     if width is None or ids_shape.rank is None or ids_shape.rank < 2:
         raise Skip("gathered rows of flattened ids are reshaped, but their width or the ids' rank is unknown")
-    if not (_is_shape_plus_width(fg, ins[1], ids, width) or _is_static_unflatten(fg, ins[1], ids_shape, width)):
-        raise Skip("gathered rows of flattened ids are reshaped to a shape not proven to be the ids' shape + [D]")
-    return ids
+    if _is_shape_plus_width(fg, ins[1], ids, width):
+        return ids, None
+    if _is_static_unflatten(fg, ins[1], ids_shape, width):
+        return ids, [int(d) for d in np.ravel(fg.const_value(ins[1]))[:-1]]
+    raise Skip("gathered rows of flattened ids are reshaped to a shape not proven to be the ids' shape + [D]")
 
 
 def _is_shape_plus_width(fg: FunctionGraph, shape_ref: Ref, ids: Ref, width: int) -> bool:
