@@ -32,7 +32,10 @@ DIVISION_OPS = ("DivNoNan", "RealDiv", "Div")
 
 def _resolve_sparse_rows(fg: FunctionGraph, ref: Ref):
     """Rows `table[ids]` as built by embedding_lookup_sparse: either a direct
-    gather, or gather(table, unique.y) re-gathered by unique.idx.
+    gather, or gather(table, unique.y) re-gathered by unique.idx. Over a list of
+    shards the unique rows are stitched (DynamicStitch), no gather: the re-gather
+    is then the gather, of the stitched rows as the table, on unique.idx (as the
+    unweighted lookup's SparseSegment* on them is fused, _segment_of_table).
     Returns (gather, ids, nodes, private refs)."""
     nodes: List[str] = []
     ref = through_identity(fg, ref, nodes)
@@ -43,8 +46,11 @@ def _resolve_sparse_rows(fg: FunctionGraph, ref: Ref):
         unique = fg.producer(ins[1])
         if unique is not None and unique.op == "Unique" and ins[1].index == 1 and \
                 axis is not None and int(axis) == 0:
-            inner = resolve_gather(fg, ins[0])
-            if inner.indices == Ref(unique.name, 0):
+            try:
+                inner = resolve_gather(fg, ins[0])
+            except NotASite:
+                inner = None
+            if inner is not None and inner.indices == Ref(unique.name, 0):
                 private = [ref, inner.output] + [Ref(n, 0) for n in nodes + inner.nodes]
                 return inner, fg.inputs(unique)[0], nodes + [node.name] + inner.nodes, \
                     private
@@ -205,7 +211,7 @@ def match_segment_max(fg: FunctionGraph, node, site: Site) -> Site:
 def _ids_dtype(fg: FunctionGraph, ids: Ref, gathered: Gather) -> int:
     producer = fg.producer(ids)
     if producer is not None and producer.op == "Unique":
-        return producer.attr["T"].type
+        return tensor_dtype(fg, ids)  # y is T, idx out_idx (int32 unless set)
     if ids == gathered.indices:
         return gathered.index_dtype
     unique_input_of = [n for n in fg.nodes.values()

@@ -79,3 +79,49 @@ def test_a_constant_unflatten_regroups_ids_in_the_tflite_too(tmp_path):
     np.testing.assert_allclose(_run(tmp_path / "m", ids=ids), reference, rtol=1e-5, atol=1e-5)
     [got] = pkm_tflite.run_tflite(result.tflite["file"], {"ids": ids})
     np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
+
+
+def _np_sparse(indices, values, weights, batch, combiner, default_id=None):
+    """float64 bags of a [batch, L] SparseTensor; an empty bag is zeros or table[default_id]."""
+    table = TABLE.astype(np.float64)
+    out = np.zeros((batch, D))
+    for b in range(batch):
+        at = indices[:, 0] == b
+        if not at.any():
+            out[b] = 0 if default_id is None else table[default_id]
+            continue
+        w = weights[at].astype(np.float64)
+        total = (table[values[at]] * w[:, None]).sum(0)
+        out[b] = total / {"sum": 1.0, "mean": w.sum(), "sqrtn": np.sqrt((w * w).sum())}[combiner]
+    return out
+
+
+@pytest.mark.parametrize("lookup, default_id", [("plain", None), ("safe", None), ("safe", 2)])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_weighted_embedding_lookup_sparse_over_table_shards_is_fused(tmp_path, combiner, lookup, default_id):
+    """embedding_lookup_sparse(params=[shard0, shard1, shard2], sp_ids, sp_weights): the
+    unique rows are stitched from the shards, re-gathered by unique.idx and weighted.
+    The export neither fused nor reported it; it is the weighted bag of the stitched
+    rows on unique.idx (the unweighted form is fused on them already)."""
+    module = tf.Module()
+    module.parts = [tf.Variable(TABLE[:10]), tf.Variable(TABLE[10:20]), tf.Variable(TABLE[20:])]
+    spec = tf.SparseTensorSpec([None, None], tf.int64)
+
+    @tf.function(input_signature=[spec, tf.SparseTensorSpec([None, None], tf.float32)])
+    def f(sp, w):
+        if lookup == "plain":
+            return {"out": tf.nn.embedding_lookup_sparse(module.parts, sp, w, combiner=combiner)}
+        return {"out": tf.nn.safe_embedding_lookup_sparse(module.parts, sp, w, combiner=combiner,
+                                                          default_id=default_id)}
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": f})
+    result = _export(tmp_path)
+    assert [s.status for s in result.sites] == ["fused"], [(s.pattern, s.reason) for s in result.sites]
+    assert result.sites[0].weighted
+    indices = np.array([[0, 0], [0, 1], [0, 2], [2, 0], [3, 0], [3, 1], [5, 0]], np.int64)
+    values = np.array([1, 12, 29, 0, 5, 5, 17], np.int64)
+    weights = np.linspace(0.5, 2.0, len(values)).astype(np.float32)
+    shape = np.array([6, 3], np.int64)
+    feeds = {"sp": indices, "sp_1": values, "sp_2": shape, "w": indices, "w_1": weights, "w_2": shape}
+    reference = _np_sparse(indices, values, weights, 6, combiner, default_id if lookup == "safe" else None)
+    np.testing.assert_allclose(_run(tmp_path / "m", **feeds), reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_run(result.dst, **feeds), reference, rtol=1e-5, atol=1e-6)
