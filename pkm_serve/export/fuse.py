@@ -112,8 +112,8 @@ def _regrouped_ids(fg: FunctionGraph, site: Site) -> Ref:
                      shapes=[[]])
     zero = fg.add_op(prefix + "/zero", "Minimum", [size, fg.add_const(prefix + "/floor", np.array(0, np.int32))],
                      {"T": I32}, shapes=[[]])
-    shape = fg.add_op(prefix + "/shape", "AddV2", [fg.add_const(prefix + "/target", np.array(site.regroup_ids, np.int32)),
-                                                  zero], {"T": I32}, shapes=[[len(site.regroup_ids)]])
+    target = fg.add_const(prefix + "/target", np.array(site.regroup_ids, np.int32))
+    shape = fg.add_op(prefix + "/shape", "AddV2", [target, zero], {"T": I32}, shapes=[[len(site.regroup_ids)]])
     return fg.add_op(prefix + "/ids", "Reshape", [site.indices, shape],
                      {"T": DType(site.index_dtype), "Tshape": I32},
                      shapes=[[None if d == -1 else d for d in site.regroup_ids]])
