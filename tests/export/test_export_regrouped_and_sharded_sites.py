@@ -1,4 +1,5 @@
-"""Export bugs found in round 30: each fused model is compared with the original
+"""A constant unflatten reshape served with ids of another shape, and weighted
+embedding_lookup_sparse over table shards. Each fused model is compared with the original
 SavedModel run as a server runs it (a Session fed inputs of any shape) and with
 numpy float64."""
 import numpy as np
