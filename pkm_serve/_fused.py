@@ -149,6 +149,13 @@ def _sparse_read_variable(params, indices):
     return params if record.could_possibly_record() else None
 
 
+def _forward_mode_watches(*tensors):
+    """Whether an active tf.autodiff.ForwardAccumulator has a tangent for any of `tensors`."""
+    from tensorflow.python.eager import forwardprop_util
+
+    return bool(forwardprop_util.pack_tangents(list(tensors)).tangents)
+
+
 def _with_sparse_gradient(lib, params, bag_inputs, weights, combiner, has_weights):
     """The forward op whose params-gradient is an IndexedSlices of unique rows.
 
@@ -160,6 +167,10 @@ def _with_sparse_gradient(lib, params, bag_inputs, weights, combiner, has_weight
     ragged = len(bag_inputs) == 2
     forward_op = lib.pkm_ragged_embedding_bag if ragged else lib.pkm_embedding_bag
     grad_op = lib.pkm_ragged_embedding_bag_sparse_grad if ragged else lib.pkm_embedding_bag_sparse_grad
+    if _forward_mode_watches(params, weights):
+        # A ForwardAccumulator takes the jvp by transposing the gradient on a tape, which cannot
+        # take this path's IndexedSlices: the dense-gradient op (a tape beside it gets a dense gradient).
+        return forward_op(params, *bag_inputs, weights, combiner=combiner, has_weights=has_weights)
 
     @tf.custom_gradient
     def fused(table, bag_weights):
