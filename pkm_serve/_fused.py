@@ -8,6 +8,7 @@ import tensorflow as tf
 from pkm_serve import _second_order, _xla
 from pkm_serve._composite import embedding_bag_composite
 from pkm_serve._library import load_library
+from pkm_serve._no_rows import marker_if_no_replica_has_any
 from pkm_serve._op_args import (
     TABLE_DTYPES,
     _as_indices,
@@ -111,7 +112,7 @@ def _register_gradients():
         from tensorflow.python.ops import resource_variable_ops
 
         shape = resource_variable_ops.variable_shape(op.inputs[0], out_type=tf.int64)
-        rows, row_grads = _one_row_if_no_replica_has_any(rows, row_grads)
+        rows, row_grads = marker_if_no_replica_has_any(rows, row_grads)
         return [tf.IndexedSlices(row_grads, rows, dense_shape=shape), None,
                 d_weights if has_weights else None]
 
@@ -122,24 +123,6 @@ _register_gradients()
 
 
 # ---- row-sparse gradients ----------------------------------------------------------
-
-def _one_row_if_no_replica_has_any(rows, row_grads):
-    """Under a strategy of several replicas, a zero gradient of row 0 where no
-    replica touched any row (every bag of the global batch padding).
-
-    TF's ring gatherer crashes the process (SIGSEGV) gathering IndexedSlices
-    that are empty on every replica; a stock ``tf.gather`` with no indices
-    does too. The added row changes nothing for SGD, Keras' Adam (which
-    densifies) or RowwiseAdagrad; LazyAdam steps row 0 as a touched row with a
-    zero gradient. One scalar all-reduce per lookup decides.
-    """
-    context = tf.distribute.get_replica_context()
-    if context is None or context.num_replicas_in_sync < 2:
-        return rows, row_grads
-    touched = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.size(rows, out_type=tf.int64))
-    return tf.cond(touched > 0, lambda: (rows, row_grads),
-                   lambda: (tf.zeros([1], rows.dtype), tf.zeros([1, tf.shape(row_grads)[1]], row_grads.dtype)))
-
 
 def _sparse_read_variable(params, indices):
     """The resource variable to read inside the kernel while a tape records, else None.
@@ -166,6 +149,13 @@ def _sparse_read_variable(params, indices):
     return params if record.could_possibly_record() else None
 
 
+def _forward_mode_watches(*tensors):
+    """Whether an active tf.autodiff.ForwardAccumulator has a tangent for any of `tensors`."""
+    from tensorflow.python.eager import forwardprop_util
+
+    return bool(forwardprop_util.pack_tangents(list(tensors)).tangents)
+
+
 def _with_sparse_gradient(lib, params, bag_inputs, weights, combiner, has_weights):
     """The forward op whose params-gradient is an IndexedSlices of unique rows.
 
@@ -177,6 +167,10 @@ def _with_sparse_gradient(lib, params, bag_inputs, weights, combiner, has_weight
     ragged = len(bag_inputs) == 2
     forward_op = lib.pkm_ragged_embedding_bag if ragged else lib.pkm_embedding_bag
     grad_op = lib.pkm_ragged_embedding_bag_sparse_grad if ragged else lib.pkm_embedding_bag_sparse_grad
+    if _forward_mode_watches(params, weights):
+        # A ForwardAccumulator takes the jvp by transposing the gradient on a tape, which cannot
+        # take this path's IndexedSlices: the dense-gradient op (a tape beside it gets a dense gradient).
+        return forward_op(params, *bag_inputs, weights, combiner=combiner, has_weights=has_weights)
 
     @tf.custom_gradient
     def fused(table, bag_weights):
@@ -185,7 +179,7 @@ def _with_sparse_gradient(lib, params, bag_inputs, weights, combiner, has_weight
         def grad(d_out):
             rows, row_grads, d_weights = grad_op(d_out, table, *bag_inputs, bag_weights,
                                                  combiner=combiner, has_weights=has_weights)
-            rows, row_grads = _one_row_if_no_replica_has_any(rows, row_grads)
+            rows, row_grads = marker_if_no_replica_has_any(rows, row_grads)
             d_table = tf.IndexedSlices(row_grads, rows, dense_shape=tf.shape(table, out_type=tf.int64))
             return d_table, (d_weights if has_weights else tf.zeros_like(bag_weights))
 

@@ -2,7 +2,8 @@
 
 A gradient penalty, a Hessian-vector product, MAML-style nested tapes and
 forward-mode autodiff (``tf.autodiff.ForwardAccumulator`` transposes the
-registered gradient) all differentiate the gradient ops. Their outputs are
+registered gradient; the in-kernel variable read, whose gradient is
+IndexedSlices, gets the dense op's jvp instead) all differentiate the gradient ops. Their outputs are
 the composite's gradient (``d_params`` scattered back to the rows, ``d_weights``
 from the rows and the bag's output), so their gradients are taken here by
 differentiating the composite's gradient once more. That builds the
@@ -92,8 +93,32 @@ def _dense_rows(rows, row_grads_up, params):
     return tf.scatter_nd(rows[:, None], tf.convert_to_tensor(row_grads_up), shape)
 
 
+def _resource_lookup_jvp(attr_tuple, inputs, outputs, tangents):
+    """Forward mode through ``PkmResourceEmbeddingBag`` (``sparse_gradient=True``
+    on a variable): the dense op's jvp on the table as read now. TF takes an
+    op's jvp by transposing its registered gradient on a tape, which cannot
+    take this op's IndexedSlices table gradient."""
+    from tensorflow.python.eager import forwardprop
+    from tensorflow.python.ops import resource_variable_ops
+
+    attrs = list(attr_tuple)  # (name, value, ...); the dense op names the table's dtype T
+    dtype = attrs[attrs.index("dtype") + 1]
+    attrs[attrs.index("dtype")] = "T"
+    handle, indices, weights = inputs
+    table = resource_variable_ops.read_variable_op(handle, dtype)
+    t_table, _, t_weights = tangents
+    dense_tangents = [tf.zeros_like(table) if t_table is None else t_table, None,
+                      tf.zeros_like(weights) if t_weights is None else t_weights]
+    return forwardprop._jvp_helper("PkmEmbeddingBag", tuple(attrs), [table, indices, weights], outputs,
+                                   dense_tangents)
+
+
 def register():
-    """Registers the gradients of the gradient ops (called once, by _fused)."""
+    """Registers the gradients of the gradient ops and the jvp of the resource
+    lookup (called once, by _fused)."""
+    from tensorflow.python.eager import forwardprop
+
+    forwardprop._SPECIAL_CASES["PkmResourceEmbeddingBag"] = _resource_lookup_jvp  # no public registry
 
     def dense_bags(op):
         return lambda weights: (op.inputs[2], weights)

@@ -36,13 +36,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pkm_serve import _copy_on_write, _fused_update
+from pkm_serve import _copy_on_write, _fused_update, _no_rows
 
 
 def _unique_rows(gradient: tf.IndexedSlices):
-    """(rows, summed gradient rows): each row once."""
-    rows, position = tf.unique(gradient.indices)
-    values = tf.math.unsorted_segment_sum(gradient.values, position, tf.shape(rows)[0])
+    """(rows, summed gradient rows): each row once, without the marker of a
+    table no replica touched (pkm_serve/_no_rows.py), which is no row."""
+    indices, values = _no_rows.drop_markers(gradient)
+    rows, position = tf.unique(indices)
+    values = tf.math.unsorted_segment_sum(values, position, tf.shape(rows)[0])
     return rows, values
 
 

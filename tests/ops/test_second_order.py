@@ -107,6 +107,38 @@ def test_forward_mode_jvp_matches_composite(combiner):
     _assert_all_close([got.numpy()], [jvp(ops.embedding_bag_composite).numpy()], 1e-5)
 
 
+@pytest.mark.parametrize("in_function", [False, True])
+@pytest.mark.parametrize("table_kind", ["variable", "tensor"])
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("combiner,weighted", [("sum", True), ("mean", True), ("sqrtn", True), ("sum", False),
+                                               ("max", False)])
+def test_forward_mode_jvp_with_sparse_gradient_matches_composite(combiner, weighted, ragged, table_kind,
+                                                                 in_function):
+    """sparse_gradient=True: a variable's dense bags read it in the kernel (PkmResourceEmbeddingBag),
+    the rest go through tf.custom_gradient; both gradients are IndexedSlices, which TF's transposing
+    tape cannot take (AttributeError: 'IndexedSlices' object has no attribute '_id')."""
+    table, ids, weights, lengths = _inputs(seed=8, ragged=ragged)
+    rng = np.random.default_rng(9)
+    tangents = [tf.constant(rng.standard_normal(table.shape), tf.float32),
+                tf.constant(rng.standard_normal(weights.shape), tf.float32)]
+
+    def jvp(lookup, **kwargs):
+        primals = [table, weights] if table_kind == "variable" else [tf.identity(table), tf.identity(weights)]
+        with tf.autodiff.ForwardAccumulator(primals, tangents) as acc:
+            bag_weights = primals[1] if weighted else None
+            if weighted and ragged:  # not _bag_weights: its .numpy() has no value in a tf.function
+                bag_weights = tf.RaggedTensor.from_row_lengths(
+                    tf.concat([bag_weights[i, :n] for i, n in enumerate(lengths)], 0), lengths)
+            out = lookup(primals[0], ids, bag_weights, combiner=combiner, **kwargs)
+        return tf.convert_to_tensor(acc.jvp(out))
+
+    def run(lookup, **kwargs):
+        return (tf.function(lambda: jvp(lookup, **kwargs))() if in_function else jvp(lookup, **kwargs)).numpy()
+
+    got = run(ops.embedding_bag, sparse_gradient=True)
+    _assert_all_close([got], [run(ops.embedding_bag_composite)], 1e-5)
+
+
 def test_half_table_penalty():
     table, ids, weights, _ = _inputs(seed=6, dtype=tf.float16)
     got = _penalty_gradients(ops.embedding_bag, table, ids, weights, "sum", True, False)
