@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops  # colocate_with without v1's deprecation warning
 
+from pkm_serve import _xla
 from pkm_serve._composite import _inverse_norm
 from pkm_serve._fused import fused_embedding_bag
 from pkm_serve._op_args import _as_indices, _as_weights, _check_combiner, _ragged_weight_values
@@ -74,14 +75,19 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
              ") of the sharded table (negative indices are padding)"])
         with tf.control_dependencies([check]):
             flat = tf.identity(flat)
+        # XLA for a backend with our custom-call target (without one the composite runs).
+        under_xla = _xla.compile_device_type() in _xla.xla_device_types()
+        if under_xla:
+            flat = _checked_under_xla(flat, total, dtype)
         w_flat, bag_scale = _combined_weights(indices, flat, w_flat, combiner, weights is not None)
         partial = None
         offset = tf.zeros([], flat.dtype)
         for i, (shard, size) in enumerate(zip(shards, sizes)):
             local = flat - offset
             # Ids past the table go to the last shard, whose kernel refuses them where the
-            # Assert above is dropped (XLA, TFLite): as padding they vanished silently.
-            last = i == len(shards) - 1
+            # Assert above is dropped (TFLite): as padding they vanished silently. Under XLA
+            # _checked_under_xla refuses them, naming them as the Assert does.
+            last = i == len(shards) - 1 and not under_xla
             mine = (local >= 0) if last else (local >= 0) & (local < size)
             local = tf.where(mine, local, -tf.ones_like(local))
             bags = indices.with_flat_values(local) if isinstance(indices, tf.RaggedTensor) else local
@@ -100,6 +106,18 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
             partial = partial * bag_scale
         partial = tf.cast(partial, dtype)
         return template.with_flat_values(partial) if template is not None else partial
+
+
+def _checked_under_xla(flat, total, dtype):
+    """The ids, after the fused op over a [total, 0] table checked them: XLA
+    drops the Assert, and the last shard's kernel named an id past the table
+    by its shard-local value and range ("indices[1] = 634 is out of range
+    [0, 400)" for id 1234 of 1000 rows). The zero-width table takes no memory,
+    and the lowering keeps zero-sized calls (side-effecting) so the check runs."""
+    table = tf.zeros(tf.stack([tf.cast(total, tf.int64), tf.constant(0, tf.int64)]), dtype)
+    check = fused_embedding_bag(table, tf.reshape(flat, [-1]))
+    with tf.control_dependencies([check]):
+        return tf.identity(flat)
 
 
 def _combined_weights(indices, flat, w_flat, combiner, weighted):

@@ -32,6 +32,21 @@ def test_an_id_past_the_table_fails_under_xla(combiner, ragged):
         lookup(ids)  # was [[2, 3], [12, 14]] (sum): id 5 dropped as padding
 
 
+@pytest.mark.parametrize("ragged", [False, True])
+def test_an_id_past_the_table_is_named_by_its_global_value_under_xla(ragged):
+    """The last shard's kernel refused it as "indices[1] = 634 is out of range [0, 400)"
+    (the shard's own id and rows); the message now names the id and the whole table."""
+    table = np.zeros((1000, 2), np.float32)
+    shards = [tf.Variable(table[:600]), tf.Variable(table[600:])]
+    ids = tf.ragged.constant([[1, 1234], [4]], dtype=tf.int64) if ragged else tf.constant([[1, 1234], [4, 2]])
+    lookup = tf.function(lambda i: ops.embedding_bag(shards, i, combiner="mean"), jit_compile=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[1\] = 1234 is out of range \[0, 1000\)"):
+        lookup(ids)
+    unsharded = tf.function(lambda i: ops.embedding_bag(tf.constant(table), i, combiner="mean"), jit_compile=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[1\] = 1234 is out of range \[0, 1000\)"):
+        unsharded(ids)  # the reference: the same message from the unsharded op
+
+
 def test_an_id_past_the_table_names_it_outside_xla():
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"index.\n7\n.*out of range \[0,.\n5\n"):
         ops.embedding_bag(_shards(), tf.constant([[0, 7, -1]]))
