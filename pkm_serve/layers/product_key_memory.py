@@ -14,8 +14,8 @@ import warnings
 import keras
 
 from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
-                                     lookup_supports_jit, refuse_tf_keras, refuse_tf_training_options,
-                                     require_positive_ints, resolve_lookup)
+                                     lookup_supports_jit, refuse_rows_past_int32, refuse_tf_keras,
+                                     refuse_tf_training_options, require_positive_ints, resolve_lookup)
 from pkm_serve.layers.embedding_bag import EmbeddingBag
 from pkm_serve.product_keys import product_key_search
 
@@ -77,6 +77,8 @@ class ProductKeyMemory(keras.layers.Layer):
         if knn > n_keys:
             raise ValueError(f"ProductKeyMemory: knn ({knn}) must not exceed n_keys ({n_keys})")
         refuse_tf_training_options("ProductKeyMemory", sparse_gradient, fused_optimizer)
+        # Its slots i * n_keys + j would wrap in int32 (product_key_search's int64 is int32 there).
+        refuse_rows_past_int32("ProductKeyMemory", n_keys * n_keys)
         # Fail at construction, not at first call, when the op library is missing.
         lookup = resolve_lookup(implementation, fallback, "ProductKeyMemory")
         super().__init__(**kwargs)
