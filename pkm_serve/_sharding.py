@@ -3,9 +3,11 @@ list of shards): one fused lookup per shard, combined once."""
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops  # colocate_with without v1's deprecation warning
 
+from pkm_serve import _xla
 from pkm_serve._composite import _inverse_norm
 from pkm_serve._fused import fused_embedding_bag
 from pkm_serve._op_args import _as_indices, _as_weights, _check_combiner, _ragged_weight_values
@@ -73,14 +75,19 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
              ") of the sharded table (negative indices are padding)"])
         with tf.control_dependencies([check]):
             flat = tf.identity(flat)
-        w_flat = _combined_weights(indices, flat, w_flat, combiner)
+        # XLA for a backend with our custom-call target (without one the composite runs).
+        under_xla = _xla.compile_device_type() in _xla.xla_device_types()
+        if under_xla:
+            flat = _checked_under_xla(flat, total, dtype)
+        w_flat, bag_scale = _combined_weights(indices, flat, w_flat, combiner, weights is not None)
         partial = None
         offset = tf.zeros([], flat.dtype)
         for i, (shard, size) in enumerate(zip(shards, sizes)):
             local = flat - offset
             # Ids past the table go to the last shard, whose kernel refuses them where the
-            # Assert above is dropped (XLA, TFLite): as padding they vanished silently.
-            last = i == len(shards) - 1
+            # Assert above is dropped (TFLite): as padding they vanished silently. Under XLA
+            # _checked_under_xla refuses them, naming them as the Assert does.
+            last = i == len(shards) - 1 and not under_xla
             mine = (local >= 0) if last else (local >= 0) & (local < size)
             local = tf.where(mine, local, -tf.ones_like(local))
             bags = indices.with_flat_values(local) if isinstance(indices, tf.RaggedTensor) else local
@@ -95,32 +102,76 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
             part = tf.cast(part.flat_values if template is not None else part, tf.float32)
             partial = part if partial is None else partial + part
             offset = offset + size
+        if bag_scale is not None:  # mean's / sqrtn's denominator, divided in float32
+            partial = partial * bag_scale
         partial = tf.cast(partial, dtype)
         return template.with_flat_values(partial) if template is not None else partial
 
 
-def _combined_weights(indices, flat, w_flat, combiner):
-    """The weights of the flat entries with mean's / sqrtn's denominator (over
-    every valid entry of the bag, as the unsharded op counts it) divided in, so
-    each shard's partial sum is already its share of the combined bag: a half
-    shard's partial of an undivided sum overflowed (a mean of 480 rows of 300
-    was inf in float16)."""
+def _checked_under_xla(flat, total, dtype):
+    """The ids, after the fused op over a [total, 0] table checked them: XLA
+    drops the Assert, and the last shard's kernel named an id past the table
+    by its shard-local value and range ("indices[1] = 634 is out of range
+    [0, 400)" for id 1234 of 1000 rows). The zero-width table takes no memory,
+    and the lowering keeps zero-sized calls (side-effecting) so the check runs."""
+    table = tf.zeros(tf.stack([tf.cast(total, tf.int64), tf.constant(0, tf.int64)]), dtype)
+    check = fused_embedding_bag(table, tf.reshape(flat, [-1]))
+    with tf.control_dependencies([check]):
+        return tf.identity(flat)
+
+
+def _combined_weights(indices, flat, w_flat, combiner, weighted):
+    """(weights for the shards' sum lookups, per-bag float32 factor of their
+    summed partials or None). For mean / sqrtn the factor is 1 / the
+    denominator over every valid entry of the bag (as the unsharded op counts
+    it), and the weights are multiplied by a power of two near it, so each
+    half shard's partial is about its share of the bag: an undivided partial
+    overflowed (a mean of 480 rows of 300 was inf in float16). A power of two,
+    not the denominator itself: the weights stay exact in the table's dtype
+    and the kernels accumulate the unsharded op's float32 sums, only scaled
+    (weights 1/K for a mean of K > 2**14 float16 entries fell below float16's
+    normal range: a mean of 1e6 ones came out 1.014), and 1/K summed K times
+    in float32 drifted (0.9988 at K = 1e6) where the unsharded op sums ones."""
     if combiner == "sum":
-        return w_flat
+        return w_flat, None
     valid_w = tf.where(flat >= 0, tf.cast(w_flat, tf.float32), tf.zeros_like(w_flat, tf.float32))
-    ragged_bags = isinstance(indices, tf.RaggedTensor) and valid_w.shape.rank == 1
-    if ragged_bags:  # the bag axis is the innermost ragged one: sums per row of it
+    bag_sum, to_entries = _bag_reductions(indices, valid_w)
+    if combiner == "mean":
+        factor = tf.math.divide_no_nan(1.0, bag_sum(valid_w))
+    else:  # sqrtn; a bag of no weight stays 0, with finite derivatives
+        factor = _inverse_norm(bag_sum(valid_w * valid_w))
+    power = _power_of_two_near(factor, bag_sum, valid_w if weighted else None, w_flat.dtype)
+    return tf.cast(valid_w * to_entries(power), w_flat.dtype), factor / power
+
+
+def _bag_reductions(indices, entries):
+    """(bag_sum, to_entries): per-bag sums of flat entries, shaped to multiply
+    the bags' [..., D] output, and the per-bag values spread back to the entries."""
+    if isinstance(indices, tf.RaggedTensor) and entries.shape.rank == 1:
+        # The bag axis is the innermost ragged one: sums per row of it.
         innermost = indices
         while isinstance(innermost.values, tf.RaggedTensor):
             innermost = innermost.values
-        row_of_entry = innermost.value_rowids()
-        totals = tf.math.unsorted_segment_sum(valid_w if combiner == "mean" else valid_w * valid_w,
-                                              row_of_entry, innermost.nrows())
-        denom = tf.gather(totals, row_of_entry)
-    else:  # dense bags (also the flat values of a ragged tensor with a uniform bag axis)
-        denom = tf.reduce_sum(valid_w if combiner == "mean" else valid_w * valid_w, axis=-1, keepdims=True)
-    if combiner == "mean":
-        scaled = tf.math.divide_no_nan(valid_w, denom)
-    else:  # sqrtn; a bag of no weight stays 0, with finite derivatives
-        scaled = valid_w * _inverse_norm(denom)
-    return tf.cast(scaled, w_flat.dtype)
+        rows = innermost.value_rowids()
+        return (lambda x: tf.math.unsorted_segment_sum(x, rows, innermost.nrows())[:, None],
+                lambda per_bag: tf.gather(per_bag[:, 0], rows))
+    # Dense bags (also the flat values of a ragged tensor with a uniform bag axis).
+    return lambda x: tf.reduce_sum(x, axis=-1, keepdims=True), lambda per_bag: per_bag
+
+
+def _power_of_two_near(factor, bag_sum, valid_w, dtype):
+    """Per bag, 2**round(log2(factor)), 1 where factor is 0 (a bag of no weight:
+    its partials are multiplied by 0). Ones times it are exact down to 2**-24
+    in float16; given weights (valid_w) keep their mantissa only in the normal
+    range, so there it is raised until the bag's mean weight magnitude is at
+    least `dtype`'s smallest normal number (float16: 2**-14), and no further,
+    which keeps half partials finite (raised, a bag of n entries is at most
+    n * 2**-14 times its share)."""
+    log2 = lambda x: tf.math.log(x) / tf.math.log(2.0)  # noqa: E731
+    exponent = tf.round(log2(factor))
+    if valid_w is not None:
+        magnitude = tf.abs(valid_w)
+        tiny = float(np.finfo(dtype.as_numpy_dtype).tiny)
+        floor = tf.math.divide_no_nan(tiny * bag_sum(tf.cast(magnitude > 0, tf.float32)), bag_sum(magnitude))
+        exponent = tf.maximum(exponent, tf.math.ceil(log2(floor)))
+    return tf.stop_gradient(tf.where(factor > 0, tf.pow(2.0, exponent), tf.ones_like(factor)))

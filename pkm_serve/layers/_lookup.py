@@ -54,6 +54,44 @@ def refuse_tf_training_options(layer_name, sparse_gradient, fused_optimizer):
             "a dense gradient that any Keras optimizer applies")
 
 
+def jax_wraps_64_bit_ids():
+    """True under the JAX backend without jax_enable_x64, where int64 arrays become int32:
+    an id past 2**31 wraps (2**32 + 1 read row 1; 2**31 became padding) without an error."""
+    if keras.backend.backend() != "jax":
+        return False
+    import jax
+
+    return not jax.config.jax_enable_x64
+
+
+_X64_HINT = "enable jax_enable_x64 (jax.config.update('jax_enable_x64', True)) before building the model"
+
+
+def refuse_rows_past_int32(layer_name, rows):
+    """ValueError at construction for a table whose rows int32 ids cannot all address."""
+    if rows >= 2**31 and jax_wraps_64_bit_ids():
+        raise ValueError(f"{layer_name}: a table of {rows} rows needs int64 ids, which JAX without "
+                         f"jax_enable_x64 wraps into int32 (reading other rows): {_X64_HINT}")
+
+
+def refuse_ids_past_int32(layer_name, indices):
+    """ValueError for host ids (numpy, lists, other frameworks' tensors) past int32, checked before
+    Keras converts them (Layer.__call__ turns them into JAX arrays, wrapping them, before call()).
+    Ids that are JAX arrays already were converted by the caller (jax.jit's arguments, Model.fit's
+    batches): those are int32 and cannot be checked here."""
+    if indices is None or not jax_wraps_64_bit_ids() or keras.ops.is_tensor(indices) \
+            or keras.backend.is_keras_tensor(indices):
+        return
+    if not isinstance(indices, (list, tuple)) and not hasattr(indices, "__array__"):
+        return
+    import numpy as np
+
+    ids = np.asarray(indices)
+    if ids.dtype.kind in "iuf" and ids.size and (ids.min() < -2**31 or ids.max() >= 2**31):
+        raise ValueError(f"{layer_name}: indices hold values past int32 ({ids.min()} .. {ids.max()}), which "
+                         f"JAX without jax_enable_x64 wraps around (reading other rows): {_X64_HINT}")
+
+
 TF_TRAINING_OPTIONS = ("sparse_gradient", "fused_optimizer")
 
 

@@ -2,8 +2,9 @@
 import keras
 
 from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
-                                     lookup_supports_jit, refuse_tf_keras, refuse_tf_training_options,
-                                     require_positive_ints, resolve_lookup)
+                                     lookup_supports_jit, refuse_ids_past_int32, refuse_rows_past_int32,
+                                     refuse_tf_keras, refuse_tf_training_options, require_positive_ints,
+                                     resolve_lookup)
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
@@ -73,6 +74,7 @@ class EmbeddingBag(keras.layers.Layer):
                 f"EmbeddingBag: combiner must be one of {COMBINERS}, got {combiner!r}"
             )
         refuse_tf_training_options("EmbeddingBag", sparse_gradient, fused_optimizer)
+        refuse_rows_past_int32("EmbeddingBag", input_dim)
         super().__init__(**kwargs)
         self.input_dim = input_dim
         self.output_dim = output_dim
@@ -112,6 +114,11 @@ class EmbeddingBag(keras.layers.Layer):
 
             _fused_update.request(self.embeddings)
         self.built = True
+
+    def __call__(self, *args, **kwargs):
+        # Host ids are checked before Keras converts them (under JAX, wrapping int64 into int32).
+        refuse_ids_past_int32("EmbeddingBag", args[0] if args else kwargs.get("indices"))
+        return super().__call__(*args, **kwargs)
 
     def call(self, indices, weights=None):
         table = self.embeddings.value

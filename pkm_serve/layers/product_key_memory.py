@@ -14,8 +14,8 @@ import warnings
 import keras
 
 from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
-                                     lookup_supports_jit, refuse_tf_keras, refuse_tf_training_options,
-                                     require_positive_ints, resolve_lookup)
+                                     lookup_supports_jit, refuse_rows_past_int32, refuse_tf_keras,
+                                     refuse_tf_training_options, require_positive_ints, resolve_lookup)
 from pkm_serve.layers.embedding_bag import EmbeddingBag
 from pkm_serve.product_keys import product_key_search
 
@@ -27,6 +27,23 @@ class _QueryProjection(keras.layers.Dense):
     def quantize(self, mode, **kwargs):
         warnings.warn(f"ProductKeyMemory's query projection '{self.name}' is not quantized ({mode}): "
                       "quantized queries change which memory slots the search picks", stacklevel=2)
+
+    def call(self, inputs, training=None):
+        bits = {"bfloat16": (8, 7), "float16": (5, 10)}.get(self.compute_dtype)
+        if bits is None or keras.backend.backend() != "jax":
+            return super().call(inputs, training=training)
+        # Under jax.jit XLA keeps float32 between 16-bit ops (it drops the converts to and from
+        # bfloat16), so the query and the slots it picks differed from eager JAX and TF (14 of
+        # 256 rows, outputs 29% apart under mixed_bfloat16): each 16-bit result is rounded here.
+        from jax import lax
+
+        def rounded(x):  # on float32: a reduce_precision on the 16-bit type itself is dropped
+            return lax.reduce_precision(keras.ops.cast(x, "float32"), *bits).astype(x.dtype)
+
+        x = rounded(keras.ops.matmul(inputs, self.kernel))
+        if self.bias is not None:
+            x = rounded(keras.ops.add(x, self.bias))
+        return x if self.activation is None else self.activation(x)
 
 
 @keras.saving.register_keras_serializable(package="pkm_serve")
@@ -77,6 +94,8 @@ class ProductKeyMemory(keras.layers.Layer):
         if knn > n_keys:
             raise ValueError(f"ProductKeyMemory: knn ({knn}) must not exceed n_keys ({n_keys})")
         refuse_tf_training_options("ProductKeyMemory", sparse_gradient, fused_optimizer)
+        # Its slots i * n_keys + j would wrap in int32 (product_key_search's int64 is int32 there).
+        refuse_rows_past_int32("ProductKeyMemory", n_keys * n_keys)
         # Fail at construction, not at first call, when the op library is missing.
         lookup = resolve_lookup(implementation, fallback, "ProductKeyMemory")
         super().__init__(**kwargs)

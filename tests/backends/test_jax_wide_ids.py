@@ -2,6 +2,7 @@
 (2^32 + 1 read row 1, 2^32 - 1 became padding) with no error: host ids that do not fit
 are refused first. Runs in its own interpreter (JAX's x64 flag is process-wide)."""
 
+import os
 import subprocess
 import sys
 
@@ -29,3 +30,39 @@ def test_ids_past_int32_are_refused_without_x64():
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == "[[12.0, 14.0, 16.0, 18.0]]"  # rows 1 + 2, int64 ids that fit still work
     assert lines[1:] == ["refused: indices hold values past int32"] * 3, proc.stdout
+
+
+_LAYER_SCRIPT = """
+import os
+os.environ["KERAS_BACKEND"] = "jax"
+import numpy as np
+from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
+layer = EmbeddingBag(input_dim=5, output_dim=4)
+layer.build((None, 2))
+layer.embeddings.assign(np.arange(20, dtype=np.float32).reshape(5, 4))
+print(np.asarray(layer(np.array([[1, 2]], np.int64))).tolist())
+for ids in ([[2**32 + 1, 2]], [[2**31, 2]]):
+    try:
+        print("accepted", ids, np.asarray(layer(np.array(ids, np.int64))).tolist())
+    except ValueError as err:
+        print("refused:", str(err).split(" (")[0])
+for make in (lambda: EmbeddingBag(input_dim=2**31, output_dim=1), lambda: ProductKeyMemory(n_keys=46341)):
+    try:
+        make()
+        print("accepted a table past int32")
+    except ValueError as err:
+        print("refused:", str(err).split(" needs")[0])
+"""
+
+
+def test_the_layer_refuses_ids_and_tables_past_int32_without_x64():
+    """Keras converts the layer's host ids to a JAX array before call(): 2^32 + 1 read row 1
+    and 2^31 became padding (TF, the reference, refuses both as out of range [0, 5))."""
+    proc = subprocess.run([sys.executable, "-c", _LAYER_SCRIPT], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "[[12.0, 14.0, 16.0, 18.0]]"  # rows 1 + 2: int64 ids that fit still work
+    assert lines[1:3] == ["refused: EmbeddingBag: indices hold values past int32"] * 2, proc.stdout
+    assert lines[3:] == ["refused: EmbeddingBag: a table of 2147483648 rows",
+                         "refused: ProductKeyMemory: a table of 2147488281 rows"], proc.stdout

@@ -32,6 +32,21 @@ def test_an_id_past_the_table_fails_under_xla(combiner, ragged):
         lookup(ids)  # was [[2, 3], [12, 14]] (sum): id 5 dropped as padding
 
 
+@pytest.mark.parametrize("ragged", [False, True])
+def test_an_id_past_the_table_is_named_by_its_global_value_under_xla(ragged):
+    """The last shard's kernel refused it as "indices[1] = 634 is out of range [0, 400)"
+    (the shard's own id and rows); the message now names the id and the whole table."""
+    table = np.zeros((1000, 2), np.float32)
+    shards = [tf.Variable(table[:600]), tf.Variable(table[600:])]
+    ids = tf.ragged.constant([[1, 1234], [4]], dtype=tf.int64) if ragged else tf.constant([[1, 1234], [4, 2]])
+    lookup = tf.function(lambda i: ops.embedding_bag(shards, i, combiner="mean"), jit_compile=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[1\] = 1234 is out of range \[0, 1000\)"):
+        lookup(ids)
+    unsharded = tf.function(lambda i: ops.embedding_bag(tf.constant(table), i, combiner="mean"), jit_compile=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"indices\[1\] = 1234 is out of range \[0, 1000\)"):
+        unsharded(ids)  # the reference: the same message from the unsharded op
+
+
 def test_an_id_past_the_table_names_it_outside_xla():
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"index.\n7\n.*out of range \[0,.\n5\n"):
         ops.embedding_bag(_shards(), tf.constant([[0, 7, -1]]))
@@ -117,3 +132,37 @@ def test_weights_of_another_shape_are_refused(combiner, weights):
                          input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec(None, tf.float32)])
     with pytest.raises(tf.errors.InvalidArgumentError):  # shapes known only when the graph runs
         lookup(ids, tf.constant(weights))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("k", [100_000, 1_000_000])
+def test_half_means_of_more_than_2_14_entries_keep_their_precision(weighted, ragged, k):
+    """Float16 shards with mean's weights divided in: 1/K under float16's normal
+    range (K > 2**14) rounded to its subnormal steps (a mean of 1e6 ones was 1.014),
+    and 1/K added up K times in float32 drifted where the unsharded op adds ones."""
+    rng = np.random.default_rng(3)
+    table = rng.uniform(0.5, 2.0, (16, 4)).astype(np.float16)
+    ids = rng.integers(0, 16, (2, k))
+    w = np.stack([np.full(k, 0.75), np.full(k, 3.0)]).astype(np.float16) if weighted else None
+    ref_w = np.ones((2, k)) if w is None else w.astype(np.float64)
+    want = np.einsum("bk,bkd->bd", ref_w, table.astype(np.float64)[ids]) / ref_w.sum(1)[:, None]
+    shards = [tf.constant(table[:5]), tf.constant(table[5:])]
+    call_ids = tf.RaggedTensor.from_tensor(tf.constant(ids)) if ragged else tf.constant(ids)
+    call_w = None if w is None else (tf.RaggedTensor.from_tensor(w) if ragged else tf.constant(w))
+    got = ops.embedding_bag(shards, call_ids, call_w, combiner="mean").numpy().astype(np.float64)
+    unsharded = ops.embedding_bag(tf.constant(table), tf.constant(ids), w, combiner="mean").numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-3)  # float16 rounds to 4.9e-4 (relative)
+    np.testing.assert_allclose(got, unsharded.astype(np.float64), rtol=1e-3)
+
+
+def test_half_weights_lifted_out_of_subnormals_stay_finite():
+    """The weights' power of two is raised only to float16's normal range: the
+    partials of 2**17 rows of 100 (a float16 sum of 1.3e7) stay finite."""
+    table = np.full((8, 2), 100.0, np.float16)
+    ids = tf.constant(np.tile(np.arange(8), 2 ** 14)[None])
+    for combiner in ("mean", "sqrtn"):
+        for w in (None, tf.fill(ids.shape, tf.constant(0.5, tf.float16))):
+            got = ops.embedding_bag(_shards(table, tf.float16), ids, w, combiner=combiner).numpy()
+            want = 100.0 * (1 if combiner == "mean" else np.sqrt(2 ** 17))
+            np.testing.assert_allclose(got.astype(np.float64), np.full((1, 2), want), rtol=1e-3)
