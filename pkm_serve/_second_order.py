@@ -17,6 +17,7 @@ of winner; that is what is differentiated here.
 from __future__ import annotations
 
 import tensorflow as tf
+from tensorflow.python.eager import forwardprop_util  # no public way to reset a busy accumulator
 
 from pkm_serve._composite import embedding_bag_composite
 
@@ -73,16 +74,25 @@ def _gradients(op, params, bags, d_params_up, d_weights_up):
     combiner = combiner.decode() if isinstance(combiner, bytes) else combiner
     has_weights = op.get_attr("has_weights")
     grad, weights = op.inputs[0], op.inputs[-1]
-    with tf.GradientTape() as outer:
-        outer.watch([grad, params, weights])
-        indices, bag_weights = bags(weights if has_weights else None)
-        d_params, d_weights = _first_order(grad, params, indices, bag_weights, combiner)
-    targets, upstream = [d_params], [tf.zeros_like(d_params) if d_params_up is None else d_params_up]
-    if d_weights is not None:
-        targets.append(d_weights)
-        upstream.append(tf.zeros_like(d_weights) if d_weights_up is None else d_weights_up)
-    return outer.gradient(targets, [grad, params, weights], output_gradients=upstream,
-                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    # A ForwardAccumulator that is busy taking a jvp (e.g. of a tf.function traced earlier without
+    # one, through its backward graph) keeps tapes opened here from recording: their gradients came
+    # back None, or zero for max (a wrong jvp). TF's own _jvp_helper resets that state the same way.
+    with forwardprop_util.push_forwardprop_state():
+        with tf.GradientTape() as outer:
+            outer.watch([grad, params, weights])
+            indices, bag_weights = bags(weights if has_weights else None)
+            d_params, d_weights = _first_order(grad, params, indices, bag_weights, combiner)
+        if d_params_up is not None:  # its gradient dense (Reshape's is), not the composite gather's
+            d_params_up = tf.reshape(d_params_up, tf.shape(d_params_up))  # IndexedSlices (see below)
+        targets, upstream = [d_params], [tf.zeros_like(d_params) if d_params_up is None else d_params_up]
+        if d_weights is not None:
+            targets.append(d_weights)
+            upstream.append(tf.zeros_like(d_weights) if d_weights_up is None else d_weights_up)
+        d_grad, d_params, d_weights = outer.gradient(targets, [grad, params, weights], output_gradients=upstream,
+                                                     unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    # Dense, not a gather's IndexedSlices (ragged sum): a jvp is read off d_grad, and TF's jvp of
+    # a function call fails on IndexedSlices ("no attribute '_id'", as its own ragged composite does).
+    return tf.convert_to_tensor(d_grad), d_params, tf.convert_to_tensor(d_weights)
 
 
 def _dense_rows(rows, row_grads_up, params):
