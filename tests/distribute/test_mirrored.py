@@ -26,9 +26,13 @@ TOLERANCE = {"sgd": 1e-5, "lazy_adam": 1e-4}
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mirrored") / "weights.npz"
-    # A fresh interpreter: logical devices must be set before TF initialises.
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "mirrored_train.py"), str(out)],
+    return _arrays_of_script(tmp_path_factory.mktemp("mirrored") / "weights.npz", "mirrored_train.py")
+
+
+def _arrays_of_script(out, script):
+    """The arrays `script` (in this folder) saves to `out`, run in a fresh
+    interpreter: logical devices must be set before TF initialises."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script), str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return dict(np.load(out))
@@ -130,11 +134,7 @@ def test_sparse_gradient_of_an_all_padding_batch_under_two_replicas():
 
 @pytest.fixture(scope="module")
 def untouched_table_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("untouched") / "tables.npz"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "untouched_table_train.py"), str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(np.load(out))
+    return _arrays_of_script(tmp_path_factory.mktemp("untouched") / "tables.npz", "untouched_table_train.py")
 
 
 @pytest.mark.slow
