@@ -36,8 +36,11 @@ def _has_batch_dimension(signature, inputs) -> bool:
     merged with others, or padded, its ids would be pooled with theirs into one bag and
     each caller get a slice of that bag's vector."""
     specs = getattr(signature, "input_specs", None) or {}
+    infos = getattr(getattr(signature, "signature_def", None), "inputs", {})
     for key, value in inputs.items():
         spec = specs.get(key)
+        if key in infos and not infos[key].HasField("tensor_shape"):
+            continue   # a hand-written TensorInfo without a shape declares no rank (not a scalar)
         if spec is not None and spec.shape.rank is not None and spec.shape.rank != value.ndim:
             return False
     return True

@@ -207,11 +207,19 @@ class _BagSignature:
     name = "serving_default"
     TABLE = np.random.default_rng(5).standard_normal((20, 8))
 
-    def __init__(self):
+    def __init__(self, declared=True):
         import tensorflow as tf
-        self.input_specs = {"ids": tf.TensorSpec([None, 3], tf.int32)}
+        from tensorflow.core.protobuf import meta_graph_pb2
+        self.input_specs = {"ids": tf.TensorSpec([None, 3] if declared else [], tf.int32)}
+        self.signature_def = meta_graph_pb2.SignatureDef()
+        self.signature_def.inputs["ids"].name = "ids:0"
+        if declared:
+            self.signature_def.inputs["ids"].tensor_shape.dim.add(size=-1)
+            self.signature_def.inputs["ids"].tensor_shape.dim.add(size=3)
+        self.batches = []
 
     def run(self, inputs, output_filter=()):
+        self.batches.append(inputs["ids"].shape)
         return {"out": self.TABLE[inputs["ids"]].sum(axis=-2)}
 
 
@@ -237,6 +245,25 @@ def test_batch_scheduler_runs_a_request_without_the_batch_dimension_alone(params
     sched.stop()
     for i, bag in enumerate(ids):
         np.testing.assert_allclose(out[i]["out"], sig.TABLE[bag].sum(axis=0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("declared", [True, False])   # False: a TensorInfo without a shape
+def test_batch_scheduler_still_merges_requests_of_the_signature_rank(declared):
+    sched = BatchScheduler(_params("max_batch_size { value: 8 } batch_timeout_micros { value: 200000 } "
+                                   "num_batch_threads { value: 1 }"))
+    sig = _BagSignature(declared)
+    ids = [np.array([[i, i + 1, i + 2]], np.int32) for i in range(2)]
+    out = {}
+    threads = [threading.Thread(target=lambda i: out.__setitem__(i, sched.run("s", sig, {"ids": ids[i]})),
+                                args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    sched.stop()
+    assert sig.batches == [(2, 3)]
+    for i in range(2):
+        np.testing.assert_allclose(out[i]["out"], sig.TABLE[ids[i]].sum(axis=1), rtol=1e-12)
 
 
 def test_batch_scheduler_queue_is_bounded():
