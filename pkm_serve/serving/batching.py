@@ -30,6 +30,22 @@ def _internal(e):
     return ServingError(grpc.StatusCode.INTERNAL, f"batched run failed: {type(e).__name__}: {e}")
 
 
+def _has_batch_dimension(signature, inputs) -> bool:
+    """Whether every input has the rank its signature declares (where it declares one), so
+    that dimension 0 is the batch. A single bag [K] sent to a [-1, K] signature is one bag:
+    merged with others, or padded, its ids would be pooled with theirs into one bag and
+    each caller get a slice of that bag's vector."""
+    specs = getattr(signature, "input_specs", None) or {}
+    infos = getattr(getattr(signature, "signature_def", None), "inputs", {})
+    for key, value in inputs.items():
+        spec = specs.get(key)
+        if key in infos and not infos[key].HasField("tensor_shape"):
+            continue   # a hand-written TensorInfo without a shape declares no rank (not a scalar)
+        if spec is not None and spec.shape.rank is not None and spec.shape.rank != value.ndim:
+            return False
+    return True
+
+
 class BatchOptions:
     def __init__(self, params):
         self.max_batch_size = int(_value(params, "max_batch_size", 1000))
@@ -109,8 +125,10 @@ class BatchScheduler:
     def run(self, servable, signature, inputs, deadline=None, model_name=""):
         """Runs signature on inputs as part of a batch; returns its outputs (dict)."""
         rows = {v.shape[0] if v.ndim else None for v in inputs.values()}
-        if len(rows) != 1 or None in rows or rows == {0} or next(iter(rows)) > self.opts.max_batch_size:
-            # Not batchable (scalars, mismatched dim 0, empty, larger than a batch): run alone.
+        if len(rows) != 1 or None in rows or rows == {0} or next(iter(rows)) > self.opts.max_batch_size \
+                or not _has_batch_dimension(signature, inputs):
+            # Not batchable (scalars, mismatched dim 0, empty, larger than a batch, not the
+            # signature's rank): run alone.
             return signature.run(inputs)
         task = _Task(inputs, next(iter(rows)))
         key = self._key(servable, signature, inputs)

@@ -19,6 +19,20 @@ from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
 from pkm_serve.serving.methods import CLASSIFY_METHOD, DEFAULT_SIGNATURE, REGRESS_METHOD
 
 
+def _per_example(tensor, what, n):
+    """A classify output as [n, classes], checked as TF Serving's classifier.cc does (one row
+    per example; a [n] tensor is one class each): reshaping a [classes, n] or [1, n * k]
+    output into n rows would hand each example another example's scores."""
+    if tensor.ndim == 1:
+        tensor = tensor.reshape(-1, 1)
+    if tensor.ndim != 2:
+        raise invalid(f"Expected Tensor shape: [batch_size num_classes] but got {list(tensor.shape)} "
+                      f"('{what}')")
+    if tensor.shape[0] != n:
+        raise invalid(f"Expected {what} output batch size of {n}. Got: {tensor.shape[0]}")
+    return tensor
+
+
 class InferenceService:
     def __init__(self, manager, batcher=None, metrics=None, max_request_bytes=None,
                  outputs_as_tensor_content=False, check_signature_method_name=False):
@@ -149,21 +163,26 @@ class InferenceService:
         sig, in_key = self._example_signature(servable, model_spec, CLASSIFY_METHOD, "classification")
         examples = self._serialized_examples(input_proto)
         outputs = self._run(servable, sig, {in_key: examples}, deadline, "classify")
-        result = classification_pb2.ClassificationResult()
         classes, scores = outputs.get("classes"), outputs.get("scores")
         if classes is None and scores is None:
             raise invalid(f"classification signature '{sig.name}' has neither 'classes' nor 'scores' outputs")
         n = len(examples)
+        classes, scores = (None if t is None else _per_example(t, what, n)
+                           for t, what in ((classes, "classes"), (scores, "scores")))
+        if classes is not None and scores is not None and classes.shape[1] != scores.shape[1]:
+            raise invalid(f"Tensors class and score should match in dim_size(1). Got "
+                          f"{classes.shape[1]} vs. {scores.shape[1]} (signature '{sig.name}')")
+        result = classification_pb2.ClassificationResult()
+        width = (classes if classes is not None else scores).shape[1]
         for i in range(n):
             c = result.classifications.add()
-            width = (classes if classes is not None else scores).reshape(n, -1).shape[1]
             for j in range(width):
                 cls = c.classes.add()
                 if classes is not None:
-                    label = classes.reshape(n, -1)[i, j]
+                    label = classes[i, j]
                     cls.label = label.decode("utf-8", "replace") if isinstance(label, bytes) else str(label)
                 if scores is not None:
-                    cls.score = float(scores.reshape(n, -1)[i, j])
+                    cls.score = float(scores[i, j])
         return sig, result
 
     def _regress_outputs(self, servable, model_spec, input_proto, deadline):
@@ -172,9 +191,14 @@ class InferenceService:
         outputs = self._run(servable, sig, {in_key: examples}, deadline, "regress")
         if "outputs" not in outputs:
             raise invalid(f"regression signature '{sig.name}' has no 'outputs' output")
-        values = outputs["outputs"].reshape(len(examples), -1)
-        if values.shape[1] != 1:
-            raise invalid(f"regression output must be one value per example, got shape {list(values.shape)}")
+        values = outputs["outputs"]
+        if not (values.ndim == 1 or (values.ndim == 2 and values.shape[1] == 1)):
+            raise invalid("Expected output Tensor shape to be either [batch_size] or [batch_size, 1] "
+                          f"but got {list(values.shape)} (signature '{sig.name}')")
+        if values.shape[0] != len(examples):
+            raise invalid(f"Input batch size did not match output batch size: {len(examples)} vs. "
+                          f"{values.shape[0]} (signature '{sig.name}')")
+        values = values.reshape(len(examples), 1)
         result = regression_pb2.RegressionResult()
         for v in values[:, 0]:
             result.regressions.add(value=float(v))

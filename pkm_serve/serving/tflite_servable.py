@@ -126,14 +126,15 @@ class TfLiteSignature(SignatureBase):
 
     def run(self, inputs: dict, output_filter=()) -> dict:
         fetches = self.fetches(output_filter)
-        arrays = {k: np.ascontiguousarray(v) for k, v in inputs.items()}
+        # np.require, not np.ascontiguousarray: that makes a scalar [1] (ndim >= 1).
+        arrays = {k: np.require(v, requirements="C") for k, v in inputs.items()}
         with self._pool.take() as interp:
             try:
                 outputs = interp.run(self.name, arrays)
             except (ValueError, RuntimeError) as e:   # resize, allocate or invoke refused them
                 raise invalid(f"signature '{self.name}' rejected the inputs: "
                               f"{' '.join(str(e).split())[:2000]}") from None
-        return {k: outputs[k] for k in fetches}
+        return {k: np.asarray(outputs[k]) for k in fetches}   # (LiteRT gives a scalar as np.float32)
 
     def release(self):
         pass

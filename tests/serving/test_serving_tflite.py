@@ -326,3 +326,29 @@ def test_int8_table_with_bad_quantisation_fails_the_load(tmp_path, scale, zero_p
 def test_good_int8_tables_pass_the_check():
     assert tflite.check_int8_tables(_pkm_tflite(2)) == 1
     assert tflite.check_int8_tables(_pkm_tflite(1)) == 0   # fp32 table: nothing to check
+
+
+def test_scalar_inputs_stay_scalars(tmp_path, tf_with_ops):
+    """A rank-0 input reaches the interpreter as rank 0, as the SavedModel's Session gets it
+    (np.ascontiguousarray made it [1]: y = 0.5x + 2 answered [3.0], and a scalar id, which
+    the SavedModel refuses, was read as a bag of one)."""
+    import tensorflow as tf
+    from pkm_serve.serving.errors import ServingError
+    from pkm_serve.serving.tflite_servable import TfLiteServable
+
+    class HalfPlusTwo(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec(None, tf.float32)])
+        def f(self, x):
+            return {"y": x * 0.5 + 2.0}
+
+    module = HalfPlusTwo()
+    hpt_model = tf.lite.TFLiteConverter.from_concrete_functions(
+        [module.f.get_concrete_function()], module).convert()
+    hpt_sig = TfLiteServable("hpt", 1, _write(str(tmp_path / "hpt"), 1, hpt_model)).signature("")
+    y = hpt_sig.run({"x": np.array(2.0, np.float32)})["y"]
+    assert y.shape == () and y == 0.5 * 2.0 + 2.0
+    assert hpt_sig.run({"x": np.array([[2.0]], np.float32)})["y"].tolist() == [[3.0]]
+    pkm_sig = TfLiteServable("pkm", 1, _write(str(tmp_path / "pkm"), 1, _pkm_tflite(1))).signature("")
+    with pytest.raises(ServingError) as e:
+        pkm_sig.run({"indices": np.array(3, np.int32), "weights": np.array(1.0, np.float32)})
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "rank >= 1" in e.value.message

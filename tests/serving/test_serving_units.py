@@ -201,6 +201,71 @@ def test_batch_scheduler_survives_non_serving_errors():
     assert all(t.is_alive() is False for t in sched._threads)
 
 
+class _BagSignature:
+    """A [-1, 3] ids signature of an embedding bag over TABLE (D = 8): ids [K] are one bag
+    ([D] out), ids [B, K] B bags, as PkmEmbeddingBag pools them."""
+    name = "serving_default"
+    TABLE = np.random.default_rng(5).standard_normal((20, 8))
+
+    def __init__(self, declared=True):
+        import tensorflow as tf
+        from tensorflow.core.protobuf import meta_graph_pb2
+        self.input_specs = {"ids": tf.TensorSpec([None, 3] if declared else [], tf.int32)}
+        self.signature_def = meta_graph_pb2.SignatureDef()
+        self.signature_def.inputs["ids"].name = "ids:0"
+        if declared:
+            self.signature_def.inputs["ids"].tensor_shape.dim.add(size=-1)
+            self.signature_def.inputs["ids"].tensor_shape.dim.add(size=3)
+        self.batches = []
+
+    def run(self, inputs, output_filter=()):
+        self.batches.append(inputs["ids"].shape)
+        return {"out": self.TABLE[inputs["ids"]].sum(axis=-2)}
+
+
+@pytest.mark.parametrize("params, sizes", [
+    ("max_batch_size { value: 8 } allowed_batch_sizes: 8", [3]),   # padded to 8 = D
+    ("max_batch_size { value: 8 }", [4, 4]),                        # two bags of 4: 8 ids = D
+])
+def test_batch_scheduler_runs_a_request_without_the_batch_dimension_alone(params, sizes):
+    """ids of another rank than the signature's: dimension 0 is no batch, so merging or padding
+    it pooled requests' (and the padding's) ids into one bag and gave each a slice of it."""
+    sched = BatchScheduler(_params(params + " batch_timeout_micros { value: 100000 } "
+                                   "num_batch_threads { value: 1 }"))
+    sig = _BagSignature()
+    rng = np.random.default_rng(6)
+    ids = [rng.integers(0, 20, k).astype(np.int32) for k in sizes]
+    out = {}
+    threads = [threading.Thread(target=lambda i: out.__setitem__(i, sched.run("s", sig, {"ids": ids[i]})),
+                                args=(i,)) for i in range(len(sizes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    sched.stop()
+    for i, bag in enumerate(ids):
+        np.testing.assert_allclose(out[i]["out"], sig.TABLE[bag].sum(axis=0), rtol=1e-12)
+
+
+@pytest.mark.parametrize("declared", [True, False])   # False: a TensorInfo without a shape
+def test_batch_scheduler_still_merges_requests_of_the_signature_rank(declared):
+    sched = BatchScheduler(_params("max_batch_size { value: 8 } batch_timeout_micros { value: 200000 } "
+                                   "num_batch_threads { value: 1 }"))
+    sig = _BagSignature(declared)
+    ids = [np.array([[i, i + 1, i + 2]], np.int32) for i in range(2)]
+    out = {}
+    threads = [threading.Thread(target=lambda i: out.__setitem__(i, sched.run("s", sig, {"ids": ids[i]})),
+                                args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    sched.stop()
+    assert sig.batches == [(2, 3)]
+    for i in range(2):
+        np.testing.assert_allclose(out[i]["out"], sig.TABLE[ids[i]].sum(axis=1), rtol=1e-12)
+
+
 def test_batch_scheduler_queue_is_bounded():
     sched = BatchScheduler(_params("max_batch_size { value: 1 } num_batch_threads { value: 1 } "
                                    "max_enqueued_batches { value: 1 }"))
