@@ -1,9 +1,11 @@
 """Chooses the bag-lookup function a layer calls: the fused op or the composite,
 for the Keras backend in use (TF: pkm_serve.ops; JAX, PyTorch: pkm_serve.backends)."""
+import operator
 import sys
 import warnings
 
 import keras
+import numpy as np
 
 IMPLEMENTATIONS = ("fused", "composite")
 FALLBACKS = (None, "composite")
@@ -14,10 +16,18 @@ class OpLibraryUnavailableError(RuntimeError):
 
 
 def require_positive_ints(layer_name, **values):
-    """ValueError naming the first argument that is not a positive int (bools are not ints here)."""
+    """The values as Python ints, in order; ValueError naming the first that is not a positive
+    integer (bools are not; numpy integers are, as Keras' own layers take them)."""
+    ints = []
     for arg_name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        try:
+            number = None if isinstance(value, (bool, np.bool_)) else operator.index(value)
+        except TypeError:
+            number = None
+        if number is None or number <= 0:
             raise ValueError(f"{layer_name}: {arg_name} must be a positive integer, got {value!r}")
+        ints.append(int(number))
+    return tuple(ints)
 
 
 def refuse_tf_keras(layer_name, inputs):

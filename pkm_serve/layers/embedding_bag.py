@@ -68,7 +68,8 @@ class EmbeddingBag(keras.layers.Layer):
         fused_optimizer=False,
         **kwargs,
     ):
-        require_positive_ints("EmbeddingBag", input_dim=input_dim, output_dim=output_dim)
+        input_dim, output_dim = require_positive_ints("EmbeddingBag", input_dim=input_dim,
+                                                      output_dim=output_dim)
         if combiner not in COMBINERS:
             raise ValueError(
                 f"EmbeddingBag: combiner must be one of {COMBINERS}, got {combiner!r}"

@@ -86,9 +86,15 @@ class ProductKeyMemory(keras.layers.Layer):
         fused_optimizer=False,
         **kwargs,
     ):
-        require_positive_ints("ProductKeyMemory", k_dim=k_dim, n_keys=n_keys, heads=heads, knn=knn)
-        if v_dim is not None and (not isinstance(v_dim, int) or v_dim <= 0):
-            raise ValueError(f"ProductKeyMemory: v_dim must be a positive integer or None, got {v_dim!r}")
+        # Python ints: a numpy int32 n_keys would wrap in n_keys * n_keys.
+        k_dim, n_keys, heads, knn = require_positive_ints(
+            "ProductKeyMemory", k_dim=k_dim, n_keys=n_keys, heads=heads, knn=knn)
+        if v_dim is not None:
+            try:
+                (v_dim,) = require_positive_ints("ProductKeyMemory", v_dim=v_dim)
+            except ValueError:
+                raise ValueError(
+                    f"ProductKeyMemory: v_dim must be a positive integer or None, got {v_dim!r}") from None
         if k_dim % 2:
             raise ValueError(f"ProductKeyMemory: k_dim must be even (two sub-keys), got {k_dim}")
         if knn > n_keys:
@@ -137,6 +143,7 @@ class ProductKeyMemory(keras.layers.Layer):
         self.memory = None  # the EmbeddingBag over n_keys**2 values; made in build()
         # A mask over the leading dims passes through; masked rows stay out of the query batch-norm moments.
         self.supports_masking = True
+        self.input_spec = keras.layers.InputSpec(min_ndim=1)  # [..., d_model]: a scalar has no d_model
 
     def build(self, input_shape):
         if self.built:

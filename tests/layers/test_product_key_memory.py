@@ -1,11 +1,13 @@
 """ProductKeyMemory: matches an independent numpy PKM, fused == composite, gradients, precision."""
+import json
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from pkm_serve import ops
-from pkm_serve.layers import OpLibraryUnavailableError, ProductKeyMemory
+from pkm_serve.layers import EmbeddingBag, OpLibraryUnavailableError, ProductKeyMemory
 from tests.reference import product_key_memory
 
 D_MODEL = 24
@@ -249,3 +251,25 @@ def test_model_quantize_leaves_the_query_projection_alone():
     with pytest.warns(UserWarning, match="query projection 'query_proj' is not quantized"):
         model.quantize("int8")
     np.testing.assert_array_equal(model.predict(x, verbose=0), before)
+
+
+def test_numpy_integer_sizes_are_taken_as_python_ints():
+    # They were refused ("n_keys must be a positive integer, got np.int64(12)"); Keras' layers take
+    # them. Kept as Python ints: an int32 n_keys * n_keys would wrap and a config must be JSON.
+    sizes = {k: (np.int32 if k == "n_keys" else np.int64)(v) for k, v in SMALL.items()}
+    layer = ProductKeyMemory(**sizes)
+    x = np.random.default_rng(6).standard_normal((5, D_MODEL)).astype(np.float32)
+    np.testing.assert_allclose(layer(x).numpy(), product_key_memory(layer, x), rtol=1e-4, atol=1e-5)
+    config = layer.get_config()
+    assert {k: type(config[k]) for k in SMALL} == {k: int for k in SMALL}
+    json.dumps(config)
+    bag = EmbeddingBag(np.int64(30), np.int32(4))
+    assert (type(bag.input_dim), type(bag.output_dim)) == (int, int)
+    with pytest.raises(ValueError, match="knn must be a positive integer"):
+        ProductKeyMemory(knn=np.float32(4))
+
+
+def test_a_scalar_input_is_a_clear_error():
+    # It was an IndexError (tuple index out of range) from build.
+    with pytest.raises(ValueError, match="min_ndim=1"):
+        ProductKeyMemory(**SMALL)(np.float32(1.0))
