@@ -64,7 +64,8 @@ class ProductKeyMemory(keras.layers.Layer):
             `EmbeddingBag` (they apply to the value table).
 
     A Keras mask over the input's leading dims (e.g. from `Embedding(mask_zero=True)`) is passed
-    on to the output; masked rows are left out of the query batch-norm's training statistics.
+    on to the output; masked rows are left out of the query batch-norm's training statistics
+    (a batch of masked rows alone leaves its moving moments as they are).
     """
 
     def __init__(
@@ -217,10 +218,26 @@ class ProductKeyMemory(keras.layers.Layer):
         x = self.input_dropout_layer(x, training=training)
         query = self.query_proj(x)
         if self.query_bn is not None:
-            query = self.query_bn(query, training=training, mask=mask)
+            query = self._normalize_query(query, training, mask)
         query = self.query_dropout_layer(query, training=training)
         indices, scores = self.select_slots(query)
         return self.value_dropout_layer(self.memory(indices, weights=scores), training=training)
+
+    def _normalize_query(self, query, training, mask):
+        """The query batch-norm. A training batch whose every row is masked keeps the moving
+        moments: Keras' masked moments divide by sum(mask) + epsilon, so they would decay
+        towards 0 on such a batch."""
+        bn = self.query_bn
+        if not training or mask is None:
+            return bn(query, training=training, mask=mask)
+        ops = keras.ops
+        moving = (bn.moving_mean, bn.moving_variance)
+        before = [ops.copy(v.value) for v in moving]
+        query = bn(query, training=training, mask=mask)
+        any_row = ops.any(ops.cast(mask, "bool"))
+        for v, old in zip(moving, before):
+            v.assign(ops.where(any_row, v.value, old))
+        return query
 
     def select_slots(self, query):
         """Product-key search: query [B, heads*k_dim] -> (slot indices int64

@@ -100,6 +100,29 @@ def test_masked_rows_stay_out_of_the_query_batchnorm():
     np.testing.assert_allclose(out[mask], unpadded, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "xla"])
+def test_a_training_batch_of_padding_alone_keeps_the_moving_moments(jit):
+    """Every row masked: no row to count, so the moving mean and variance stay (Keras' masked
+    moments are 0 there, and the moving variance decayed 2.0 -> 1.98 per step); a later batch
+    with rows moves them by the momentum rule over its unmasked rows."""
+    layer = make_pkm()
+    x = np.random.default_rng(5).standard_normal((2, 3, D_MODEL)).astype(np.float32)
+    layer(x)
+    bn = layer.query_bn
+    bn.moving_mean.assign(np.full(bn.moving_mean.shape, 0.5, np.float32))
+    bn.moving_variance.assign(np.full(bn.moving_variance.shape, 2.0, np.float32))
+    call = tf.function(lambda x, m: layer(x, training=True, mask=m), jit_compile=jit)
+    call(x, np.zeros((2, 3), bool))
+    np.testing.assert_array_equal(bn.moving_mean.numpy(), 0.5)
+    np.testing.assert_array_equal(bn.moving_variance.numpy(), 2.0)
+    mask = np.array([[True, False, False], [True, True, False]])
+    call(x, mask)
+    kernel, bias = layer.query_proj.kernel.numpy(), layer.query_proj.bias.numpy()
+    query_mean = (x[mask].astype(np.float64) @ kernel + bias).mean(0)
+    np.testing.assert_allclose(bn.moving_mean.numpy(), 0.5 * bn.momentum + query_mean * (1 - bn.momentum),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_v_dim_defaults_to_input_dim_and_paper_defaults():
     layer = ProductKeyMemory()
     assert (layer.n_keys, layer.heads, layer.knn, layer.k_dim) == (512, 4, 32, 128)
