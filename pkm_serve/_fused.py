@@ -150,10 +150,14 @@ def _sparse_read_variable(params, indices):
 
 
 def _forward_mode_watches(*tensors):
-    """Whether an active tf.autodiff.ForwardAccumulator has a tangent for any of `tensors`."""
-    from tensorflow.python.eager import forwardprop_util
+    """Whether an active tf.autodiff.ForwardAccumulator has a tangent for any of `tensors`
+    (False where TF lacks its private query: the lookup then keeps its sparse gradient)."""
+    try:
+        from tensorflow.python.eager import forwardprop_util
 
-    return bool(forwardprop_util.pack_tangents(list(tensors)).tangents)
+        return bool(forwardprop_util.pack_tangents(list(tensors)).tangents)
+    except (ImportError, AttributeError):
+        return False
 
 
 def _with_sparse_gradient(lib, params, bag_inputs, weights, combiner, has_weights):

@@ -16,8 +16,9 @@ of winner; that is what is differentiated here.
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
-from tensorflow.python.eager import forwardprop_util  # no public way to reset a busy accumulator
 
 from pkm_serve._composite import embedding_bag_composite
 
@@ -77,7 +78,7 @@ def _gradients(op, params, bags, d_params_up, d_weights_up):
     # A ForwardAccumulator that is busy taking a jvp (e.g. of a tf.function traced earlier without
     # one, through its backward graph) keeps tapes opened here from recording: their gradients came
     # back None, or zero for max (a wrong jvp). TF's own _jvp_helper resets that state the same way.
-    with forwardprop_util.push_forwardprop_state():
+    with _forwardprop_state_reset():
         with tf.GradientTape() as outer:
             outer.watch([grad, params, weights])
             indices, bag_weights = bags(weights if has_weights else None)
@@ -123,12 +124,34 @@ def _resource_lookup_jvp(attr_tuple, inputs, outputs, tangents):
                                    dense_tangents)
 
 
+def _forwardprop_state_reset():
+    """TF's reset of a busy accumulator (private: no public way); a no-op where
+    TF lacks it (pre-traced functions' jvps then fail as described above)."""
+    try:
+        from tensorflow.python.eager import forwardprop_util
+
+        return forwardprop_util.push_forwardprop_state()
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+
+
+def _register_resource_lookup_jvp():
+    """The resource lookup's jvp in TF's private table of special cases (there is
+    no public registry). Where TF lacks it, a ForwardAccumulator through a
+    sparse_gradient=True variable lookup fails in TF (IndexedSlices), as it did
+    before this jvp existed; nothing else depends on it."""
+    try:
+        from tensorflow.python.eager import forwardprop
+
+        forwardprop._SPECIAL_CASES["PkmResourceEmbeddingBag"] = _resource_lookup_jvp
+    except (ImportError, AttributeError):
+        pass
+
+
 def register():
     """Registers the gradients of the gradient ops and the jvp of the resource
     lookup (called once, by _fused)."""
-    from tensorflow.python.eager import forwardprop
-
-    forwardprop._SPECIAL_CASES["PkmResourceEmbeddingBag"] = _resource_lookup_jvp  # no public registry
+    _register_resource_lookup_jvp()
 
     def dense_bags(op):
         return lambda weights: (op.inputs[2], weights)

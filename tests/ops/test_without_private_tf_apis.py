@@ -1,0 +1,42 @@
+"""pkm_serve uses three private TF APIs for forward-mode autodiff (a table of
+special-case jvps, a query for an active accumulator's tangents, a reset of a
+busy accumulator). A TF without them must still import pkm_serve and look up
+and differentiate as before; only those jvps are lost."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_SCRIPT = """
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.eager import forwardprop, forwardprop_util
+del forwardprop._SPECIAL_CASES, forwardprop_util.push_forwardprop_state, forwardprop_util.pack_tangents
+import warnings
+warnings.simplefilter("error")  # a failed registration is only a RuntimeWarning in pkm_serve/__init__
+from pkm_serve import ops
+table = tf.Variable(np.arange(12, dtype=np.float32).reshape(4, 3))
+ids = tf.constant([[0, 2], [1, -1]])
+w = tf.constant([[1.0, 2.0], [3.0, 0.0]])
+for sparse in (False, True):
+    with tf.GradientTape() as tape:
+        out = ops.embedding_bag(table, ids, weights=w, sparse_gradient=sparse)
+    d_table = tf.convert_to_tensor(tape.gradient(out, table))
+    print(out.numpy().ravel().tolist(), d_table.numpy().ravel().tolist())
+"""
+
+
+def test_lookups_and_gradients_work_without_the_private_forward_mode_apis():
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = np.arange(12, dtype=np.float64).reshape(4, 3)
+    out = np.stack([table[0] + 2 * table[2], 3 * table[1]]).ravel().tolist()
+    d_table = np.array([[1.0] * 3, [3.0] * 3, [2.0] * 3, [0.0] * 3]).ravel().tolist()
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 2, proc.stdout
+    for line in lines:
+        assert line == f"{out} {d_table}"
