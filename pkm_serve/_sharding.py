@@ -40,8 +40,9 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
     (the "div" partitioning of ``embedding_lookup``/``ShardedVariable``). Each
     shard runs the fused op, on the shard's device, over the indices that fall
     into it (the others become padding) with combiner ``sum`` and the weights
-    divided by mean's / sqrtn's denominator over all valid entries, so the
-    added partial bags equal the unsharded op. Gradients reach each
+    multiplied by a power of two near 1 / mean's or sqrtn's denominator over all
+    valid entries; the added partial bags, times the rest of that factor in
+    float32, equal the unsharded op. Gradients reach each
     shard (row-sparse with ``sparse_gradient=True``).
     """
     _check_combiner(combiner, weights)

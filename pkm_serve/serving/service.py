@@ -21,7 +21,7 @@ from pkm_serve.serving.methods import CLASSIFY_METHOD, DEFAULT_SIGNATURE, REGRES
 
 def _per_example(tensor, what, n):
     """A classify output as [n, classes], checked as TF Serving's classifier.cc does (one row
-    per example; a [n] tensor is one class each): reshaping a [classes, n] or [1, n * k]
+    per example), except that a [n] tensor is taken as one class each: reshaping a [classes, n] or [1, n * k]
     output into n rows would hand each example another example's scores."""
     if tensor.ndim == 1:
         tensor = tensor.reshape(-1, 1)
