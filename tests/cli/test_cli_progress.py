@@ -45,7 +45,7 @@ def aborting_library(tmp_path_factory):
 def test_an_abort_while_loading_the_op_library_names_the_step(aborting_library, tmp_path,
                                                                command):
     args = {"export": ["export", str(tmp_path), str(tmp_path / "out")],
-            "serve": ["serve", "--port=0", "--rest_api_port=0", "--model_name=m",
+            "serve": ["serve", "--port=0", "--rest_api_port=1", "--model_name=m",
                       f"--model_base_path={tmp_path}"]}[command]
     proc = run(*args, env_extra={"PKM_SERVE_OPS_LIB": aborting_library})
     assert proc.returncode == -signal.SIGABRT, (proc.returncode, proc.stderr[-3000:])
