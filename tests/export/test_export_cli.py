@@ -330,3 +330,24 @@ def test_quantize_tolerance_without_quantize_table_is_a_usage_error(tmp_path, ca
     from pkm_serve.export.arguments import build_parser
     args = build_parser().parse_args(["s", "d", "--quantize-table", "int8", "--quantize-tolerance", "1e-3"])
     assert args.quantize_tolerance == 1e-3
+
+
+@pytest.mark.parametrize("option, where, needle", [
+    # --report was written after DST/<version>: exit 1 with "[Errno 2] No such file or
+    # directory" naming no option, and the version in place for a server to load.
+    ("--report", "missing/report.json", "is not a directory"),
+    ("--report", "a_dir", "is a directory"),
+    # --tflite an existing directory failed only after the whole conversion.
+    ("--tflite", "a_dir", "is a directory"),
+    ("--tflite", "a_file/x.tflite", "is not a directory"),
+])
+def test_unwritable_output_files_are_refused_before_the_export(weighted_model, tmp_path, capsys,
+                                                                option, where, needle):
+    src, _ = weighted_model
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "a_file").write_text("")
+    dst = tmp_path / "models"
+    assert main([src, str(dst), option, str(tmp_path / where), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"pkm-serve export: error: {option} " in err and needle in err, err
+    assert entries(dst) is None
