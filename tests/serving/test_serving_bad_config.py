@@ -1,0 +1,53 @@
+"""Config-file values that `pkm-serve serve` does not implement or would misuse are
+refused with a message naming them, not silently ignored."""
+import logging
+
+import pytest
+from google.protobuf import text_format
+from tensorflow_serving.config import model_server_config_pb2
+
+from pkm_serve.serving import protos
+from pkm_serve.serving.batching import BatchOptions
+from pkm_serve.serving.errors import ServingError
+from pkm_serve.serving.manager import ModelManager
+
+
+def _batching(text):
+    return text_format.Parse(text, protos.BatchingParameters())
+
+
+@pytest.mark.parametrize("text, needle", [
+    # A negative timeout ran every batch at once (TF Serving refuses it).
+    ("max_batch_size { value: 8 } batch_timeout_micros { value: -1 }", "batch_timeout_micros must be >= 0"),
+    ("max_batch_size { value: 8 } allowed_batch_sizes: 0 allowed_batch_sizes: 8",
+     "allowed_batch_sizes must be positive"),
+])
+def test_bad_batching_values_are_refused(text, needle):
+    with pytest.raises(ValueError, match=needle):
+        BatchOptions(_batching(text))
+
+
+def test_pad_variable_length_inputs_is_named_as_not_implemented(caplog):
+    with caplog.at_level(logging.WARNING, logger="pkm_serve.serving"):
+        BatchOptions(_batching("pad_variable_length_inputs: true"))
+    assert "pad_variable_length_inputs is not implemented" in caplog.text
+
+
+@pytest.mark.parametrize("fields, needle", [
+    # Request logging was silently not done.
+    ("logging_config { sampling_config { sampling_rate: 1.0 } }", "logging_config (request logging) is not supported"),
+    ("model_type: OTHER", "model_type OTHER is not supported"),
+])
+def test_model_config_fields_the_server_does_not_implement_are_refused(fields, needle):
+    cfg = text_format.Parse(
+        f'model_config_list {{ config {{ name: "m" base_path: "/m" {fields} }} }}',
+        model_server_config_pb2.ModelServerConfig())
+    with pytest.raises(ServingError) as e:
+        ModelManager.validate_config(cfg)
+    assert needle in e.value.message
+
+
+def test_model_type_tensorflow_is_accepted():
+    cfg = text_format.Parse('model_config_list { config { name: "m" base_path: "/m" model_type: TENSORFLOW } }',
+                            model_server_config_pb2.ModelServerConfig())
+    ModelManager.validate_config(cfg)
