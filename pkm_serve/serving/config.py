@@ -218,4 +218,29 @@ def ssl_config(args):
         raise ValueError(f"SSL config {args.ssl_config_file!r} needs server_key and server_cert (PEM text)")
     if cfg.client_verify and not cfg.custom_ca:
         raise ValueError(f"SSL config {args.ssl_config_file!r}: client_verify needs custom_ca")
+    import ssl
+    try:   # PEM text that does not load failed as gRPC's "cannot bind: Failed to bind to address"
+        ssl_server_context(cfg)
+    except (ssl.SSLError, ValueError) as e:
+        raise ValueError(f"SSL config {args.ssl_config_file!r}: server_key, server_cert or custom_ca "
+                         f"is not valid PEM (or the key does not match the certificate): {e}") from None
     return cfg
+
+
+def ssl_server_context(cfg):
+    """The ssl.SSLContext of an SSLConfig (REST's; gRPC takes the PEM text itself)."""
+    import ssl
+    import tempfile
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    with tempfile.NamedTemporaryFile("w", suffix=".pem") as cert, \
+            tempfile.NamedTemporaryFile("w", suffix=".pem") as key:
+        cert.write(cfg.server_cert)
+        key.write(cfg.server_key)
+        cert.flush()
+        key.flush()
+        ctx.load_cert_chain(cert.name, key.name)
+    if cfg.custom_ca:
+        ctx.load_verify_locations(cadata=cfg.custom_ca)
+    if cfg.client_verify:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx

@@ -51,3 +51,14 @@ def test_model_type_tensorflow_is_accepted():
     cfg = text_format.Parse('model_config_list { config { name: "m" base_path: "/m" model_type: TENSORFLOW } }',
                             model_server_config_pb2.ModelServerConfig())
     ModelManager.validate_config(cfg)
+
+
+def test_ssl_config_whose_pem_does_not_load_is_named(tmp_path):
+    # gRPC refused the credentials as "cannot bind: Failed to bind to address 127.0.0.1:PORT".
+    from pkm_serve.serving import config
+    path = tmp_path / "ssl.config"
+    path.write_text('server_key: "not a key"\nserver_cert: "not a certificate"\n')
+    args = config.parse_args(["--model_base_path=/m", f"--ssl_config_file={path}"])
+    with pytest.raises(ValueError, match="server_key, server_cert or custom_ca is not valid PEM") as e:
+        config.ssl_config(args)
+    assert str(path) in str(e.value)
