@@ -207,7 +207,12 @@ def batching_parameters(args):
 def monitoring_config(args):
     if not args.monitoring_config_file:
         return None
-    return protos.parse_text_file(args.monitoring_config_file, protos.MonitoringConfig, "monitoring config")
+    cfg = protos.parse_text_file(args.monitoring_config_file, protos.MonitoringConfig, "monitoring config")
+    path = cfg.prometheus_config.path
+    if path and not path.startswith("/"):   # no request path equals it: every scrape was a 404
+        raise ValueError(f"monitoring config {args.monitoring_config_file!r}: prometheus_config path "
+                         f"{path!r} must start with '/' (e.g. '/{path}')")
+    return cfg
 
 
 def ssl_config(args):

@@ -62,3 +62,16 @@ def test_ssl_config_whose_pem_does_not_load_is_named(tmp_path):
     with pytest.raises(ValueError, match="server_key, server_cert or custom_ca is not valid PEM") as e:
         config.ssl_config(args)
     assert str(path) in str(e.value)
+
+
+def test_prometheus_path_without_a_leading_slash_is_refused(tmp_path):
+    # No request path equals "metrics": every scrape was a 404, nothing said why.
+    from pkm_serve.serving import config
+    path = tmp_path / "monitoring.config"
+    path.write_text('prometheus_config { enable: true path: "metrics" }')
+    args = config.parse_args(["--model_base_path=/m", "--rest_api_port=8501",
+                              f"--monitoring_config_file={path}"])
+    with pytest.raises(ValueError, match="path 'metrics' must start with '/'"):
+        config.monitoring_config(args)
+    path.write_text('prometheus_config { enable: true path: "/metrics" }')
+    assert config.monitoring_config(args).prometheus_config.path == "/metrics"
