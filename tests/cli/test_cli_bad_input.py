@@ -63,3 +63,11 @@ def test_value_errors_are_answered_before_tensorflow_is_imported():
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"code": 2, "tf": False}, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == \
         "pkm-serve serve: error: --port must be 0-65535 (0 = disabled), got 70000"
+
+
+def test_tflite_given_a_directory_says_so(tmp_path, capsys):
+    # Was "DIR: no such file" for a path that exists (a SavedModel or version directory).
+    from pkm_serve import tflite
+    assert tflite.main([str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == \
+        f"pkm-serve tflite: error: {tmp_path}: is a directory, not a .tflite file"
