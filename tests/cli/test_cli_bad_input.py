@@ -71,3 +71,27 @@ def test_tflite_given_a_directory_says_so(tmp_path, capsys):
     assert tflite.main([str(tmp_path)]) == 1
     assert capsys.readouterr().err.strip() == \
         f"pkm-serve tflite: error: {tmp_path}: is a directory, not a .tflite file"
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--batch=0"], "argument --batch: must be >= 1, got 0"),
+    (["--repeats=-1"], "argument --repeats: must be >= 1, got -1"),
+    (["--memory-batch=0"], "argument --memory-batch: must be >= 1, got 0"),
+    (["--batch=x"], "argument --batch: invalid int value: 'x'"),
+])
+def test_demo_counts_below_one_are_usage_errors(capsys, argv, needle):
+    # --batch 0 failed after the whole export with "HTTP Error 400: Bad Request",
+    # --repeats -1 with "no median for empty data".
+    from pkm_serve import demo
+    with pytest.raises(SystemExit) as e:
+        demo.build_parser().parse_args(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_demo_workdir_that_is_a_file_is_a_usage_error(tmp_path, capsys):
+    # Was "[Errno 17] File exists" after importing TensorFlow.
+    from pkm_serve import demo
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SystemExit) as e:
+        demo.build_parser().parse_args([f"--workdir={tmp_path / 'f'}"])
+    assert e.value.code == 2 and "exists and is not a directory" in capsys.readouterr().err
