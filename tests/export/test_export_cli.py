@@ -351,3 +351,25 @@ def test_unwritable_output_files_are_refused_before_the_export(weighted_model, t
     err = capsys.readouterr().err
     assert f"pkm-serve export: error: {option} " in err and needle in err, err
     assert entries(dst) is None
+
+
+@pytest.mark.parametrize("content, needle", [
+    # np.load read a .npy as one array: "TypeError: 'numpy.ndarray' object does not support
+    # the context manager protocol".
+    ("npy", "is a .npy (one unnamed array)"),
+    # Any other file was "pickled (object) data" to np.load.
+    (b"ids,weights\n1,2\n", "is not a .npz (a zip of named arrays"),
+])
+def test_sample_inputs_that_are_not_a_npz_are_named(weighted_model, tmp_path, capsys, content, needle):
+    src, _ = weighted_model
+    path = tmp_path / "samples.npz"
+    if content == "npy":
+        with open(path, "wb") as f:
+            np.save(f, np.zeros((2, 3), np.float32))
+    else:
+        path.write_bytes(content)
+    dst = tmp_path / "models"
+    assert main([src, str(dst), "--sample-inputs", str(path), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"pkm-serve export: error: --sample-inputs {path} {needle}" in err, err
+    assert entries(dst) is None
