@@ -186,6 +186,11 @@ def _check_arguments(src: str, dst: str, batch_size: int, quantize_table: Option
         raise ExportError(f"DST {dst} must not be SRC or inside it")
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise ExportError(f"DST {dst} exists and is not a directory")
+    if os.path.exists(os.path.join(dst, SAVED_MODEL_PB)):
+        # DST/<version>/ would be a SavedModel nested in this one (no server sees it), and
+        # inside a served version directory.
+        raise ExportError(f"DST {dst} is a SavedModel (a version directory?): DST is the model base "
+                          f"directory, the export goes to DST/<version>/; pass {os.path.dirname(dst)}")
     if batch_size < 1:
         raise ExportError(f"--batch-size must be >= 1, got {batch_size}")
     if quantize_table not in (None, "int8"):

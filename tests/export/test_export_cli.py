@@ -373,3 +373,15 @@ def test_sample_inputs_that_are_not_a_npz_are_named(weighted_model, tmp_path, ca
     err = capsys.readouterr().err
     assert f"pkm-serve export: error: --sample-inputs {path} {needle}" in err, err
     assert entries(dst) is None
+
+
+def test_dst_that_is_a_version_directory_is_refused(weighted_model, tmp_path, capsys):
+    # Was exported to DST/1/1: a SavedModel nested in a served version, seen by no server.
+    src, _ = weighted_model
+    base = tmp_path / "models"
+    assert main([src, str(base), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main([src, str(base / "1"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"DST {base / '1'} is a SavedModel (a version directory?)" in err and f"pass {base}" in err, err
+    assert entries(base / "1") == sorted(os.listdir(src))
