@@ -103,6 +103,11 @@ def _positive_int(text: str) -> int:
 def _workdir(text: str) -> str:
     if os.path.exists(text) and not os.path.isdir(text):
         raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    if os.path.exists(os.path.join(text, "models", "pkm", "1")):
+        # The export refused it after the model was built: "pick another --version", a flag
+        # the demo does not have.
+        raise argparse.ArgumentTypeError(f"{text} holds an earlier demo's models/pkm/1: pass a new "
+                                         "or empty --workdir")
     return text
 
 

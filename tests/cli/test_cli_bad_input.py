@@ -95,3 +95,12 @@ def test_demo_workdir_that_is_a_file_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         demo.build_parser().parse_args([f"--workdir={tmp_path / 'f'}"])
     assert e.value.code == 2 and "exists and is not a directory" in capsys.readouterr().err
+
+
+def test_demo_workdir_of_an_earlier_demo_is_a_usage_error(tmp_path, capsys):
+    # The export refused models/pkm/1 after the model was built: "pick another --version".
+    from pkm_serve import demo
+    (tmp_path / "models" / "pkm" / "1").mkdir(parents=True)
+    with pytest.raises(SystemExit) as e:
+        demo.build_parser().parse_args([f"--workdir={tmp_path}"])
+    assert e.value.code == 2 and "holds an earlier demo's models/pkm/1" in capsys.readouterr().err
