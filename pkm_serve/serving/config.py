@@ -136,8 +136,9 @@ def _check_values(p, args):
         p.error("both --port and --rest_api_port are 0: nothing to serve on")
     if args.port == args.rest_api_port:
         p.error(f"--port and --rest_api_port are both {args.port}: gRPC and REST need ports of their own")
-    if args.max_request_bytes <= 0:
-        p.error("--max_request_bytes must be positive")
+    if not 0 < args.max_request_bytes < 2 ** 31:   # gRPC's limit is an int32
+        p.error(f"--max_request_bytes must be 1 to {2 ** 31 - 1}, got {args.max_request_bytes} "
+                "(past it gRPC failed at start-up: 'value too large to convert to int')")
     if args.num_tflite_pools < 0 or args.tflite_num_threads < 1:
         p.error("--num_tflite_pools must be >= 0 and --tflite_num_threads >= 1")
     for name in ("grpc_max_threads", "rest_api_num_threads", "rest_api_timeout_in_ms"):

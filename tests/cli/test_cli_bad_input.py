@@ -19,6 +19,8 @@ BASE = ["--model_base_path=/m"]
     (["--rest_api_port=65536"], "--rest_api_port must be 0-65535"),
     # Loaded every model, then failed to bind the second front end.
     (["--port=8600", "--rest_api_port=8600"], "--port and --rest_api_port are both 8600"),
+    # gRPC's "value too large to convert to int" at start-up.
+    (["--max_request_bytes=5000000000"], "--max_request_bytes must be 1 to 2147483647"),
     # A ThreadPoolExecutor's "max_workers must be greater than 0" at start-up.
     (["--grpc_max_threads=0"], "--grpc_max_threads must be >= 1"),
     (["--rest_api_port=8501", "--rest_api_num_threads=0"], "--rest_api_num_threads must be >= 1"),
