@@ -112,6 +112,8 @@ def import_tensorflow_quietly(announce=None):
         # Device probing ("failed call to cuInit" on a machine without a GPU) happens at the
         # first device query, not at import: done here, its lines are held back too.
         tensorflow.config.list_physical_devices()
+    except KeyboardInterrupt:   # Ctrl-C: "interrupted", without TF's start-up lines replayed
+        raise
     except BaseException:
         os.dup2(saved_fd, 2)
         os.lseek(log_fd, 0, os.SEEK_SET)

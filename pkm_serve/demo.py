@@ -88,17 +88,40 @@ def build_composite_pkm(tf, d_model=64, k_dim=32, n_keys=256, heads=4, knn=32, v
 
 # ---- the demo -------------------------------------------------------------------
 
+def _positive_int(text: str) -> int:
+    """--batch 0 ended in 'HTTP Error 400', --repeats 0 in 'no median for empty data', after
+    the whole export."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _workdir(text: str) -> str:
+    if os.path.exists(text) and not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} exists and is not a directory")
+    if os.path.exists(os.path.join(text, "models", "pkm", "1")):
+        # The export refused it after the model was built: "pick another --version", a flag
+        # the demo does not have.
+        raise argparse.ArgumentTypeError(f"{text} holds an earlier demo's models/pkm/1: pass a new "
+                                         "or empty --workdir")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The demo's flags; importing this module does not import TensorFlow."""
     ap = argparse.ArgumentParser(prog="pkm-serve demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", help="where models are written (default: a temporary directory)")
+    ap.add_argument("--workdir", type=_workdir, help="where models are written (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
-    ap.add_argument("--batch", type=int, default=64, help="queries per request (latency rows)")
-    ap.add_argument("--memory-batch", type=int, default=2048,
+    ap.add_argument("--batch", type=_positive_int, default=64, help="queries per request (latency rows)")
+    ap.add_argument("--memory-batch", type=_positive_int, default=2048,
                     help="queries per call for the memory column (the composite materialises "
                          "batch x 128 x 256 floats)")
-    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--repeats", type=_positive_int, default=20)
     return ap
 
 

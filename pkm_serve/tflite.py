@@ -315,7 +315,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not os.path.isfile(args.model):
-        print(f"{parser.prog}: error: {args.model}: no such file", file=sys.stderr)
+        what = "is a directory, not a .tflite file" if os.path.isdir(args.model) else "no such file"
+        print(f"{parser.prog}: error: {args.model}: {what}", file=sys.stderr)
         return 1
     if not 1 <= args.num_threads <= MAX_DELEGATE_THREADS:
         parser.error(f"--num-threads must be in [1, {MAX_DELEGATE_THREADS}], got {args.num_threads}")

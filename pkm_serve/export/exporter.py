@@ -181,15 +181,40 @@ def _verify_one(original, fused, name: str, index_limit: int, samples, batch_siz
 
 
 def _check_arguments(src: str, dst: str, batch_size: int, quantize_table: Optional[str],
-                     tflite: Optional[str]) -> None:
+                     tflite: Optional[str], report: Optional[str] = None) -> None:
     if dst == src or dst.startswith(src + os.sep):
         raise ExportError(f"DST {dst} must not be SRC or inside it")
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise ExportError(f"DST {dst} exists and is not a directory")
+    if os.path.exists(os.path.join(dst, SAVED_MODEL_PB)):
+        # DST/<version>/ would be a SavedModel nested in this one (no server sees it), and
+        # inside a served version directory.
+        raise ExportError(f"DST {dst} is a SavedModel (a version directory?): DST is the model base "
+                          f"directory, the export goes to DST/<version>/; pass {os.path.dirname(dst)}")
     if batch_size < 1:
         raise ExportError(f"--batch-size must be >= 1, got {batch_size}")
     if quantize_table not in (None, "int8"):
         raise ExportError(f"--quantize-table supports only 'int8', got {quantize_table!r}")
+    _check_output_file("--tflite", tflite)
+    _check_output_file("--report", report)
+
+
+def _check_output_file(option: str, path: Optional[str]) -> None:
+    """An output file that cannot be written is refused before the export: --report was
+    written after DST/<version> (an OSError naming no option, exit 1, the version in place),
+    --tflite after the whole conversion."""
+    if not path:
+        return
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        raise ExportError(f"{option} {path} is a directory: name the file to write")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):   # --tflite's missing directories are created
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or (option == "--report" and parent != os.path.dirname(path)):
+        raise ExportError(f"{option} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK):
+        raise ExportError(f"{option} {path}: cannot write into {parent}")
 
 
 def _choose_signatures(proto, src: str, signatures: Optional[Sequence[str]]) -> List[str]:
@@ -260,7 +285,7 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
                        warmup_requests: Optional[int] = None) -> ExportResult:
     """Fuses SRC into DST/<version>/ (and optionally a .tflite). See module doc."""
     src, dst = os.path.abspath(src), os.path.abspath(dst)
-    _check_arguments(src, dst, batch_size, quantize_table, tflite)
+    _check_arguments(src, dst, batch_size, quantize_table, tflite, report)
     warmup.check_request_count(src, warmup_requests)
     if rtol is not None and not rtol >= 0:
         raise ExportError(f"--rtol must be >= 0, got {rtol}")
@@ -290,8 +315,12 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
     _write_version(result, proto, chosen, samples, tflite, quantize_table,
                    verify_batch_size, rtol, progress, quantize_tolerance, warmup_requests)
     if report:
-        with open(report, "w") as f:
-            json.dump(result.to_json(), f, indent=2)
+        try:
+            with open(report, "w") as f:
+                json.dump(result.to_json(), f, indent=2)
+        except OSError as e:
+            raise ExportError(f"{result.dst} was written, but not --report {report}: "
+                              f"{e.strerror or e}") from None
     return result
 
 

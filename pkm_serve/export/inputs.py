@@ -13,12 +13,30 @@ from pkm_serve.export.errors import ExportError
 def read_samples(sample_inputs: Optional[str]) -> Optional[Dict[str, np.ndarray]]:
     if sample_inputs is None:
         return None
+    _check_is_npz(sample_inputs)
     try:
         with np.load(sample_inputs, allow_pickle=False) as npz:
             return {k: npz[k] for k in npz.files}
     except (OSError, ValueError) as e:
         raise ExportError(f"--sample-inputs {sample_inputs} is not a readable .npz: "
                           f"{e}") from None
+
+
+def _check_is_npz(path: str) -> None:
+    """np.load reads a .npy as one array (a TypeError followed) and calls any other file
+    pickled data; a .npz is a zip archive."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(6)
+    except OSError as e:
+        raise ExportError(f"--sample-inputs {path} is not a readable .npz: {e.strerror or e}") from None
+    savez = "np.savez(FILE, NAME=array, ...) or SIG/NAME keys"
+    if magic == b"\x93NUMPY":
+        raise ExportError(f"--sample-inputs {path} is a .npy (one unnamed array); write the inputs "
+                          f"by name with {savez}")
+    if not magic.startswith(b"PK"):
+        raise ExportError(f"--sample-inputs {path} is not a .npz (a zip of named arrays, as {savez} "
+                          "writes)")
 
 
 def check_sample_keys(proto, chosen: Sequence[str], samples) -> None:

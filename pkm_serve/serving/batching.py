@@ -56,6 +56,15 @@ class BatchOptions:
         if self.max_batch_size <= 0 or self.num_batch_threads <= 0 or self.max_enqueued_batches <= 0:
             raise ValueError("batching parameters max_batch_size, num_batch_threads and "
                              "max_enqueued_batches must be positive")
+        if self.batch_timeout_s < 0:
+            raise ValueError(f"batching parameters batch_timeout_micros must be >= 0, got "
+                             f"{params.batch_timeout_micros.value}")
+        if self.allowed_batch_sizes and self.allowed_batch_sizes[0] <= 0:
+            raise ValueError(f"batching parameters allowed_batch_sizes must be positive, got "
+                             f"{list(params.allowed_batch_sizes)}")
+        if params.pad_variable_length_inputs:
+            log.warning("batching parameters: pad_variable_length_inputs is not implemented: "
+                        "requests whose inputs differ past dimension 0 are batched apart, unpadded")
         if self.allowed_batch_sizes and self.allowed_batch_sizes[-1] != self.max_batch_size:
             raise ValueError(f"the largest allowed_batch_sizes entry ({self.allowed_batch_sizes[-1]}) "
                              f"must equal max_batch_size ({self.max_batch_size})")

@@ -1,6 +1,8 @@
 """Command-line flags (TF Serving's names and meanings) and config files."""
 import argparse
 import collections
+import logging
+import math
 import os
 
 from tensorflow_serving.config import model_server_config_pb2
@@ -18,9 +20,22 @@ def _bool(text):
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+class _ServeParser(argparse.ArgumentParser):
+    """Checks the flags' values too, so that they are usage errors (exit 2) before
+    TensorFlow loads (cli.run_command parses with this parser first)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        if not rest:   # else parse_args names the unrecognized arguments first
+            _check_values(self, parsed)
+        return parsed, rest
+
+
 def build_parser():
-    p = argparse.ArgumentParser(
-        prog="pkm-serve serve",
+    # allow_abbrev=False: tensorflow_model_server's flags are never abbreviated, and a prefix
+    # (--enable_batch, --model_base) must not silently stand for a flag.
+    p = _ServeParser(
+        prog="pkm-serve serve", allow_abbrev=False,
         description="A model server that speaks TensorFlow Serving's gRPC and REST APIs, with the "
                     "pkm_serve op library (and any --op_library) loaded before the models.")
     flag = p.add_argument
@@ -100,21 +115,43 @@ def parse_args(argv):
     for item in args.op_library:
         libs.extend(x for x in item.split(",") if x)
     args.op_library = libs
-    if bool(args.model_config_file) == bool(args.model_base_path):
-        p.error("give exactly one of --model_base_path (with --model_name) or --model_config_file")
-    if args.port == 0 and args.rest_api_port == 0:
-        p.error("both --port and --rest_api_port are 0: nothing to serve on")
-    if args.max_request_bytes <= 0:
-        p.error("--max_request_bytes must be positive")
-    if args.num_tflite_pools < 0 or args.tflite_num_threads < 1:
-        p.error("--num_tflite_pools must be >= 0 and --tflite_num_threads >= 1")
-    if args.batching_parameters_file and not args.enable_batching:
-        p.error("--batching_parameters_file needs --enable_batching")
     try:
         args.grpc_channel_arguments = parse_channel_arguments(args.grpc_channel_arguments)
     except ValueError as e:
         p.error(str(e))
     return args
+
+
+def _check_values(p, args):
+    """Usage errors for values the server would misuse: a port past 65535 was bound modulo
+    65536 by gRPC (--port 70000 listened on 4464), a NaN poll period never loaded a model."""
+    if bool(args.model_config_file) == bool(args.model_base_path):
+        p.error("give exactly one of --model_base_path (with --model_name) or --model_config_file")
+    if args.batching_parameters_file and not args.enable_batching:
+        p.error("--batching_parameters_file needs --enable_batching")
+    for name in ("port", "rest_api_port"):
+        if not 0 <= getattr(args, name) <= 65535:
+            p.error(f"--{name} must be 0-65535 (0 = disabled), got {getattr(args, name)}")
+    if args.port == 0 and args.rest_api_port == 0:
+        p.error("both --port and --rest_api_port are 0: nothing to serve on")
+    if args.port == args.rest_api_port:
+        p.error(f"--port and --rest_api_port are both {args.port}: gRPC and REST need ports of their own")
+    if not 0 < args.max_request_bytes < 2 ** 31:   # gRPC's limit is an int32
+        p.error(f"--max_request_bytes must be 1 to {2 ** 31 - 1}, got {args.max_request_bytes} "
+                "(past it gRPC failed at start-up: 'value too large to convert to int')")
+    if args.num_tflite_pools < 0 or args.tflite_num_threads < 1:
+        p.error("--num_tflite_pools must be >= 0 and --tflite_num_threads >= 1")
+    for name in ("grpc_max_threads", "rest_api_num_threads", "rest_api_timeout_in_ms"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    for name in ("drain_seconds", "file_system_poll_wait_seconds", "model_config_file_poll_wait_seconds"):
+        if not math.isfinite(getattr(args, name)):
+            p.error(f"--{name} must be a finite number of seconds, got {getattr(args, name)}")
+    if args.drain_seconds < 0:
+        p.error(f"--drain_seconds must be >= 0, got {args.drain_seconds}")
+    if not isinstance(logging.getLevelName(args.log_level.upper()), int):
+        p.error(f"--log_level {args.log_level!r} is not a logging level "
+                "(DEBUG, INFO, WARNING, ERROR or CRITICAL)")
 
 
 def parse_channel_arguments(text):
@@ -171,7 +208,12 @@ def batching_parameters(args):
 def monitoring_config(args):
     if not args.monitoring_config_file:
         return None
-    return protos.parse_text_file(args.monitoring_config_file, protos.MonitoringConfig, "monitoring config")
+    cfg = protos.parse_text_file(args.monitoring_config_file, protos.MonitoringConfig, "monitoring config")
+    path = cfg.prometheus_config.path
+    if path and not path.startswith("/"):   # no request path equals it: every scrape was a 404
+        raise ValueError(f"monitoring config {args.monitoring_config_file!r}: prometheus_config path "
+                         f"{path!r} must start with '/' (e.g. '/{path}')")
+    return cfg
 
 
 def ssl_config(args):
@@ -182,4 +224,29 @@ def ssl_config(args):
         raise ValueError(f"SSL config {args.ssl_config_file!r} needs server_key and server_cert (PEM text)")
     if cfg.client_verify and not cfg.custom_ca:
         raise ValueError(f"SSL config {args.ssl_config_file!r}: client_verify needs custom_ca")
+    import ssl
+    try:   # PEM text that does not load failed as gRPC's "cannot bind: Failed to bind to address"
+        ssl_server_context(cfg)
+    except (ssl.SSLError, ValueError) as e:
+        raise ValueError(f"SSL config {args.ssl_config_file!r}: server_key, server_cert or custom_ca "
+                         f"is not valid PEM (or the key does not match the certificate): {e}") from None
     return cfg
+
+
+def ssl_server_context(cfg):
+    """The ssl.SSLContext of an SSLConfig (REST's; gRPC takes the PEM text itself)."""
+    import ssl
+    import tempfile
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    with tempfile.NamedTemporaryFile("w", suffix=".pem") as cert, \
+            tempfile.NamedTemporaryFile("w", suffix=".pem") as key:
+        cert.write(cfg.server_cert)
+        key.write(cfg.server_key)
+        cert.flush()
+        key.flush()
+        ctx.load_cert_chain(cert.name, key.name)
+    if cfg.custom_ca:
+        ctx.load_verify_locations(cadata=cfg.custom_ca)
+    if cfg.client_verify:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx

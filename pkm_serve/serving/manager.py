@@ -21,6 +21,7 @@ import time
 import grpc
 import tensorflow as tf
 from tensorflow_serving.apis import get_model_status_pb2
+from tensorflow_serving.config import model_server_config_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid, not_found
 from pkm_serve.serving.loader import make_loader_factory
@@ -135,6 +136,10 @@ class ModelManager:
             names.add(c.name)
             if not c.base_path:
                 raise invalid(f"model '{c.name}' has no base_path")
+            if c.HasField("logging_config"):
+                raise invalid(f"model '{c.name}': logging_config (request logging) is not supported")
+            if c.model_type == model_server_config_pb2.OTHER:
+                raise invalid(f"model '{c.name}': model_type OTHER is not supported (only TENSORFLOW)")
             if c.model_platform not in ("", "tensorflow"):
                 raise invalid(f"model '{c.name}': model_platform '{c.model_platform}' is not "
                               "supported (only 'tensorflow')")

@@ -208,19 +208,8 @@ class RestFrontend:
     async def _start(self):
         ssl_ctx = None
         if self.ssl_config is not None:
-            import ssl
-            import tempfile
-            ssl_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            with tempfile.NamedTemporaryFile("w", suffix=".pem") as cert, \
-                    tempfile.NamedTemporaryFile("w", suffix=".pem") as key:
-                cert.write(self.ssl_config.server_cert)
-                key.write(self.ssl_config.server_key)
-                cert.flush()
-                key.flush()
-                ssl_ctx.load_cert_chain(cert.name, key.name)
-            if self.ssl_config.client_verify:
-                ssl_ctx.load_verify_locations(cadata=self.ssl_config.custom_ca)
-                ssl_ctx.verify_mode = ssl.CERT_REQUIRED
+            from pkm_serve.serving.config import ssl_server_context
+            ssl_ctx = ssl_server_context(self.ssl_config)
         self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=self.drain_seconds)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.address, self.requested_port, ssl_context=ssl_ctx,

@@ -45,7 +45,7 @@ def aborting_library(tmp_path_factory):
 def test_an_abort_while_loading_the_op_library_names_the_step(aborting_library, tmp_path,
                                                                command):
     args = {"export": ["export", str(tmp_path), str(tmp_path / "out")],
-            "serve": ["serve", "--port=0", "--rest_api_port=0", "--model_name=m",
+            "serve": ["serve", "--port=0", "--rest_api_port=1", "--model_name=m",
                       f"--model_base_path={tmp_path}"]}[command]
     proc = run(*args, env_extra={"PKM_SERVE_OPS_LIB": aborting_library})
     assert proc.returncode == -signal.SIGABRT, (proc.returncode, proc.stderr[-3000:])
@@ -88,3 +88,19 @@ def test_a_successful_import_removes_its_log(tmp_path):
     assert proc.returncode == 1, proc.stderr
     log = re.search(r"go to (\S+\.log)", proc.stderr).group(1)
     assert not os.path.exists(log)
+
+
+def test_ctrl_c_during_the_tensorflow_import_says_interrupted_without_its_start_up_lines(tmp_path):
+    # The held-back lines were replayed on any exception, Ctrl-C included: a screen of TF
+    # start-up notices above "interrupted".
+    fake = tmp_path / "tensorflow"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "import sys\nsys.stderr.write('stand-in TensorFlow: start-up notice\\n')\n"
+        "raise KeyboardInterrupt\n")
+    path = os.pathsep.join([str(tmp_path)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    proc = run("export", str(tmp_path), str(tmp_path / "out"), env_extra={"PYTHONPATH": path})
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-3000:])
+    lines = proc.stderr.splitlines()
+    assert lines[0].startswith("pkm-serve export: importing TensorFlow") and \
+        lines[1:] == ["pkm-serve export: interrupted"], proc.stderr

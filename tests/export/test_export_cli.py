@@ -330,3 +330,58 @@ def test_quantize_tolerance_without_quantize_table_is_a_usage_error(tmp_path, ca
     from pkm_serve.export.arguments import build_parser
     args = build_parser().parse_args(["s", "d", "--quantize-table", "int8", "--quantize-tolerance", "1e-3"])
     assert args.quantize_tolerance == 1e-3
+
+
+@pytest.mark.parametrize("option, where, needle", [
+    # --report was written after DST/<version>: exit 1 with "[Errno 2] No such file or
+    # directory" naming no option, and the version in place for a server to load.
+    ("--report", "missing/report.json", "is not a directory"),
+    ("--report", "a_dir", "is a directory"),
+    # --tflite an existing directory failed only after the whole conversion.
+    ("--tflite", "a_dir", "is a directory"),
+    ("--tflite", "a_file/x.tflite", "is not a directory"),
+])
+def test_unwritable_output_files_are_refused_before_the_export(weighted_model, tmp_path, capsys,
+                                                                option, where, needle):
+    src, _ = weighted_model
+    (tmp_path / "a_dir").mkdir()
+    (tmp_path / "a_file").write_text("")
+    dst = tmp_path / "models"
+    assert main([src, str(dst), option, str(tmp_path / where), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"pkm-serve export: error: {option} " in err and needle in err, err
+    assert entries(dst) is None
+
+
+@pytest.mark.parametrize("content, needle", [
+    # np.load read a .npy as one array: "TypeError: 'numpy.ndarray' object does not support
+    # the context manager protocol".
+    ("npy", "is a .npy (one unnamed array)"),
+    # Any other file was "pickled (object) data" to np.load.
+    (b"ids,weights\n1,2\n", "is not a .npz (a zip of named arrays"),
+])
+def test_sample_inputs_that_are_not_a_npz_are_named(weighted_model, tmp_path, capsys, content, needle):
+    src, _ = weighted_model
+    path = tmp_path / "samples.npz"
+    if content == "npy":
+        with open(path, "wb") as f:
+            np.save(f, np.zeros((2, 3), np.float32))
+    else:
+        path.write_bytes(content)
+    dst = tmp_path / "models"
+    assert main([src, str(dst), "--sample-inputs", str(path), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"pkm-serve export: error: --sample-inputs {path} {needle}" in err, err
+    assert entries(dst) is None
+
+
+def test_dst_that_is_a_version_directory_is_refused(weighted_model, tmp_path, capsys):
+    # Was exported to DST/1/1: a SavedModel nested in a served version, seen by no server.
+    src, _ = weighted_model
+    base = tmp_path / "models"
+    assert main([src, str(base), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main([src, str(base / "1"), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"DST {base / '1'} is a SavedModel (a version directory?)" in err and f"pass {base}" in err, err
+    assert entries(base / "1") == sorted(os.listdir(src))

@@ -1,0 +1,77 @@
+"""Config-file values that `pkm-serve serve` does not implement or would misuse are
+refused with a message naming them, not silently ignored."""
+import logging
+
+import pytest
+from google.protobuf import text_format
+from tensorflow_serving.config import model_server_config_pb2
+
+from pkm_serve.serving import protos
+from pkm_serve.serving.batching import BatchOptions
+from pkm_serve.serving.errors import ServingError
+from pkm_serve.serving.manager import ModelManager
+
+
+def _batching(text):
+    return text_format.Parse(text, protos.BatchingParameters())
+
+
+@pytest.mark.parametrize("text, needle", [
+    # A negative timeout ran every batch at once (TF Serving refuses it).
+    ("max_batch_size { value: 8 } batch_timeout_micros { value: -1 }", "batch_timeout_micros must be >= 0"),
+    ("max_batch_size { value: 8 } allowed_batch_sizes: 0 allowed_batch_sizes: 8",
+     "allowed_batch_sizes must be positive"),
+])
+def test_bad_batching_values_are_refused(text, needle):
+    with pytest.raises(ValueError, match=needle):
+        BatchOptions(_batching(text))
+
+
+def test_pad_variable_length_inputs_is_named_as_not_implemented(caplog):
+    with caplog.at_level(logging.WARNING, logger="pkm_serve.serving"):
+        BatchOptions(_batching("pad_variable_length_inputs: true"))
+    assert "pad_variable_length_inputs is not implemented" in caplog.text
+
+
+@pytest.mark.parametrize("fields, needle", [
+    # Request logging was silently not done.
+    ("logging_config { sampling_config { sampling_rate: 1.0 } }", "logging_config (request logging) is not supported"),
+    ("model_type: OTHER", "model_type OTHER is not supported"),
+])
+def test_model_config_fields_the_server_does_not_implement_are_refused(fields, needle):
+    cfg = text_format.Parse(
+        f'model_config_list {{ config {{ name: "m" base_path: "/m" {fields} }} }}',
+        model_server_config_pb2.ModelServerConfig())
+    with pytest.raises(ServingError) as e:
+        ModelManager.validate_config(cfg)
+    assert needle in e.value.message
+
+
+def test_model_type_tensorflow_is_accepted():
+    cfg = text_format.Parse('model_config_list { config { name: "m" base_path: "/m" model_type: TENSORFLOW } }',
+                            model_server_config_pb2.ModelServerConfig())
+    ModelManager.validate_config(cfg)
+
+
+def test_ssl_config_whose_pem_does_not_load_is_named(tmp_path):
+    # gRPC refused the credentials as "cannot bind: Failed to bind to address 127.0.0.1:PORT".
+    from pkm_serve.serving import config
+    path = tmp_path / "ssl.config"
+    path.write_text('server_key: "not a key"\nserver_cert: "not a certificate"\n')
+    args = config.parse_args(["--model_base_path=/m", f"--ssl_config_file={path}"])
+    with pytest.raises(ValueError, match="server_key, server_cert or custom_ca is not valid PEM") as e:
+        config.ssl_config(args)
+    assert str(path) in str(e.value)
+
+
+def test_prometheus_path_without_a_leading_slash_is_refused(tmp_path):
+    # No request path equals "metrics": every scrape was a 404, nothing said why.
+    from pkm_serve.serving import config
+    path = tmp_path / "monitoring.config"
+    path.write_text('prometheus_config { enable: true path: "metrics" }')
+    args = config.parse_args(["--model_base_path=/m", "--rest_api_port=8501",
+                              f"--monitoring_config_file={path}"])
+    with pytest.raises(ValueError, match="path 'metrics' must start with '/'"):
+        config.monitoring_config(args)
+    path.write_text('prometheus_config { enable: true path: "/metrics" }')
+    assert config.monitoring_config(args).prometheus_config.path == "/metrics"
