@@ -107,7 +107,10 @@ class LazyAdam(keras.optimizers.Adam):
     def update_step(self, gradient, variable, learning_rate):
         # A claimed table's gradient is empty where the backward applied the update; any
         # other (a step the claim did not act in) is applied as usual.
-        _fused_update.refuse_a_second_update(self, gradient, variable)
+        with tf.control_dependencies(_fused_update.refuse_a_second_update(self, gradient, variable)):
+            return self._update_step(gradient, variable, learning_rate)
+
+    def _update_step(self, gradient, variable, learning_rate):
         if not isinstance(gradient, tf.IndexedSlices):
             return super().update_step(gradient, variable, learning_rate)
         dtype = variable.dtype
@@ -203,7 +206,10 @@ class RowwiseAdagrad(keras.optimizers.Optimizer):
     def update_step(self, gradient, variable, learning_rate):
         # A claimed table's gradient is empty where the backward applied the update; any
         # other (a step the claim did not act in) is applied as usual.
-        _fused_update.refuse_a_second_update(self, gradient, variable)
+        with tf.control_dependencies(_fused_update.refuse_a_second_update(self, gradient, variable)):
+            return self._update_step(gradient, variable, learning_rate)
+
+    def _update_step(self, gradient, variable, learning_rate):
         dtype = variable.dtype
         lr = tf.cast(learning_rate, dtype)
         acc = self._accumulators[self._get_variable_index(variable)]
