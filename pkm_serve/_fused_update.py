@@ -214,6 +214,9 @@ def fused_embedding_bag(variable, indices, weights=None, combiner="sum"):
     table = as_tf_variable(variable)
     if table.dtype != tf.float32:
         raise ValueError(f"fused_optimizer needs a float32 table, got {table.dtype.name}")
+    if isinstance(table, tf.distribute.DistributedValues) and tf.distribute.in_cross_replica_context():
+        # No handle outside a replica (Keras' symbolic build under strategy.scope()): no step trains here.
+        return ops.embedding_bag(table, indices, weights, combiner=combiner)
     if isinstance(indices, tf.RaggedTensor):
         raise ValueError("fused_optimizer takes dense [..., K] indices (pad ragged bags with -1)")
     indices = tf.convert_to_tensor(indices)

@@ -347,3 +347,22 @@ def test_fused_refuses_gradients_accumulated_over_several_tape_calls():
     with pytest.raises(tf.errors.InvalidArgumentError, match="second fused update before its optimizer"):
         gradients(tf.range(8, 16))
     np.testing.assert_array_equal(table.numpy(), after_one)
+
+
+def test_fused_fit_under_a_one_replica_mirrored_strategy_trains_like_unfused():
+    """Keras' symbolic build calls the layer outside any replica, where a MirroredVariable has no
+    handle: fit raised "DistributedVariable.handle is not available outside the replica context"."""
+    x, y = _fit_data()
+
+    def fit(fused):
+        with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+            model = make_model(fused)
+            model.compile(LazyAdam(0.01), "mse")
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        return model
+
+    fused, plain = fit(True), fit(False)
+    for a, b in zip(fused.trainable_variables, plain.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path)
+    assert not np.array_equal(fused.get_layer("bag").embeddings.numpy(),
+                              make_model(True).get_layer("bag").embeddings.numpy())
