@@ -122,8 +122,10 @@ def _check_one_update_per_step(variable, optimizer):
 
 _AGAIN = ("fused_optimizer: table {} got a second fused update before its optimizer applied the first: "
           "the lookup was differentiated again without an apply_gradients in between (gradients summed over "
-          "several tape.gradient calls, a tape.gradient whose step was skipped). Call apply_gradients after each "
-          "tape.gradient, or use sparse_gradient=True instead of fused_optimizer=True")
+          "several tape.gradient calls, a tape.gradient whose step was skipped, or one that left the table out "
+          "of its sources: the backward updates it all the same). Call apply_gradients on the table after each "
+          "tape.gradient, set trainable=False on a table you do not train, or use sparse_gradient=True instead "
+          "of fused_optimizer=True")
 _SECOND = ("fused_optimizer: table {} is also read outside its fused lookup in this training step (e.g. a tf.gather "
            "of the table, or an embeddings_regularizer), or its empty gradient was made dense; the backward pass "
            "already applied the lookup's update, and this gradient would apply a second one. Read the table only "
