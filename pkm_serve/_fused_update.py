@@ -108,9 +108,10 @@ _updates_by_graph = weakref.WeakKeyDictionary()  # traced graph -> the fused upd
 def _check_one_update_per_step(variable, optimizer):
     if tf.executing_eagerly():
         step = (id(optimizer), int(optimizer.iterations.numpy()))
-        if getattr(variable, "_pkm_fused_last_step", None) == step:
+        table = as_tf_variable(variable)  # update_step, which clears it, gets the TF variable
+        if getattr(table, "_pkm_fused_last_step", None) == step:
             raise ValueError(_TWICE.format(variable.path))
-        variable._pkm_fused_last_step = as_tf_variable(variable)._pkm_fused_last_step = step
+        table._pkm_fused_last_step = step
         return
     # Traced: one step's backward is one graph (per replica under tf.distribute).
     seen = _updates_by_graph.setdefault(tf.compat.v1.get_default_graph(), set())
@@ -141,19 +142,22 @@ def refuse_a_second_update(optimizer, gradient, variable):
     the sum; at run time, the same through the table's pending flag (set by the fused update)."""
     import keras
 
+    flag = getattr(variable, _PENDING, None)
     if claimed_by(variable) is optimizer:
         wrapper = calling_instance(keras.optimizers.LossScaleOptimizer, depth=64)
         if wrapper is not None and wrapper.inner_optimizer is optimizer:
+            if tf.executing_eagerly() and flag is not None:
+                flag.assign(0)  # the refusal ends this step: an unwrapped optimizer may go on
             refuse_loss_scaling(optimizer, variable)  # e.g. a custom loop's wrapper of a built optimizer
-    flag = getattr(variable, _PENDING, None)
     path = getattr(variable, "path", variable.name)
+    table = as_tf_variable(variable)
+    step = getattr(table, "_pkm_fused_last_step", None)
+    table._pkm_fused_last_step = None  # this step is applied: a restored (earlier) iterations may repeat it
     if isinstance(gradient, tf.IndexedSlices) and gradient.values.shape[0] == 0:
         if flag is not None:
             flag.assign(0)  # the fused lookup's own (empty) gradient: its update is applied
         return []
-    table = as_tf_variable(variable)
     if tf.executing_eagerly():
-        step = getattr(table, "_pkm_fused_last_step", None)
         updated = step is not None and step == (id(optimizer), int(optimizer.iterations.numpy()))
     else:  # the traced step's backward and optimizer step share one graph (fit, a tf.function)
         updated = id(table) in _updates_by_graph.get(tf.compat.v1.get_default_graph(), ())

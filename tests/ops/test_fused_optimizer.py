@@ -366,3 +366,32 @@ def test_fused_fit_under_a_one_replica_mirrored_strategy_trains_like_unfused():
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path)
     assert not np.array_equal(fused.get_layer("bag").embeddings.numpy(),
                               make_model(True).get_layer("bag").embeddings.numpy())
+
+
+def test_fused_eager_loop_goes_on_after_rolling_back_to_a_checkpoint(tmp_path):
+    """Restoring a checkpoint one step back repeats an iterations value: the eager step went on to
+    raise "looked up more than once in one training step" for a table looked up once."""
+    x, y = _fit_data()
+
+    def train(fused):
+        model = make_model(fused)
+        opt = RowwiseAdagrad(0.05)
+        opt.build(model.trainable_variables)
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=opt)
+
+        def step(s):
+            rows = slice(16 * s, 16 * s + 16)
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model([x[0][rows], x[1][rows]]) - y[rows]))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        step(0)
+        path = checkpoint.save(str(tmp_path / f"ckpt_{fused}"))
+        step(1)
+        checkpoint.restore(path)
+        step(2)
+        return model
+
+    for a, b in zip(train(True).trainable_variables, train(False).trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path)
