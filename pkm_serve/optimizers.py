@@ -81,6 +81,21 @@ def _claim_fused_tables(optimizer, var_list):
         _fused_update.claim(var, optimizer)
 
 
+class _UnscalableSlices(tf.IndexedSlices):
+    """An IndexedSlices that Keras' ``apply`` can divide by ``loss_scale_factor`` (the values only);
+    a plain one raised TypeError there."""
+
+    def __truediv__(self, scale):
+        return tf.IndexedSlices(self.values / scale, self.indices, self.dense_shape)
+
+
+def _apply_unscaled(optimizer, apply, grads, trainable_variables):
+    if optimizer.loss_scale_factor is not None:
+        grads = [_UnscalableSlices(g.values, g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices) else g
+                 for g in grads]
+    return apply(grads, trainable_variables)
+
+
 def _fused_step(optimizer):
     return optimizer.iterations + 1  # the step apply_gradients is about to count
 
@@ -96,6 +111,9 @@ class LazyAdam(keras.optimizers.Adam):
             return
         super().build(var_list)
         _claim_fused_tables(self, var_list)
+
+    def apply(self, grads, trainable_variables=None):
+        return _apply_unscaled(self, super().apply, grads, trainable_variables)
 
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
         index = self._get_variable_index(variable)
@@ -196,6 +214,9 @@ class RowwiseAdagrad(keras.optimizers.Optimizer):
                     shape=shape, initializer=init, dtype=var.dtype,
                     name=f"{var.name.replace('/', '_').replace(':', '_')}_rowwise_accumulator"))
         _claim_fused_tables(self, var_list)
+
+    def apply(self, grads, trainable_variables=None):
+        return _apply_unscaled(self, super().apply, grads, trainable_variables)
 
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
         acc = self._accumulators[self._get_variable_index(variable)]
