@@ -210,7 +210,16 @@ def fused_embedding_bag(variable, indices, weights=None, combiner="sum"):
     from pkm_serve import ops
     from tensorflow.python.ops import resource_variable_ops
 
+    from pkm_serve import _xla
+
     lib = ops.load_library()
+    if _xla.compile_device_type() is not None:  # the fused ops have no XLA kernel
+        from tensorflow.python.eager import record  # no public "is a tape recording" query
+
+        if not record.could_possibly_record():  # inference: no backward, no update
+            return ops.embedding_bag(variable, indices, weights, combiner=combiner)
+        raise ValueError("fused_optimizer=True cannot be compiled by XLA (a tf.function(jit_compile=True) or "
+                         "jit_compile=True); compile without XLA, or use fused_optimizer=False under jit_compile")
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     if replicas > 1:
         # Each replica's backward would update the table with its own share of the batch (the

@@ -395,3 +395,25 @@ def test_fused_eager_loop_goes_on_after_rolling_back_to_a_checkpoint(tmp_path):
 
     for a, b in zip(train(True).trainable_variables, train(False).trainable_variables):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path)
+
+
+def test_fused_layer_under_xla_serves_and_refuses_training_by_name():
+    """Under tf.function(jit_compile=True) the fused lookup raised TF's "Detected unsupported operations
+    ... PkmResourceEmbeddingBag", for inference too: inference now takes the plain lookup (as a layer
+    without fused_optimizer), and a training step is refused naming fused_optimizer."""
+    model = make_model(True)
+    (ids, w), y = _fit_data()
+    served = tf.function(lambda a, b: model([a, b]), jit_compile=True)(tf.constant(ids), tf.constant(w))
+    np.testing.assert_allclose(served.numpy(), model([ids, w]).numpy(), rtol=1e-6, atol=1e-6)
+    opt = LazyAdam(0.01)
+    opt.build(model.trainable_variables)
+
+    @tf.function(jit_compile=True)
+    def step(a, b, target):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model([a, b]) - target))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    with pytest.raises(ValueError, match="fused_optimizer=True cannot be compiled by XLA"):
+        step(tf.constant(ids), tf.constant(w), tf.constant(y))
