@@ -90,16 +90,17 @@ def calling_instance(cls, depth=24):
 
 
 def refuse_loss_scaling(optimizer, variable):
+    path = getattr(variable, "path", variable.name)  # update_step gets the TF variable, which has no path
     raise ValueError(
-        f"{type(optimizer).__name__}: the fused update of {getattr(variable, 'path', variable.name)} cannot run under loss scaling "
-        "(a LossScaleOptimizer, which Keras adds for the mixed_float16 policy): the update would use the "
-        "scaled gradient before the wrapper can unscale it or skip the step. Use sparse_gradient=True instead "
-        "of fused_optimizer=True, or the mixed_bfloat16 policy")
+        f"{type(optimizer).__name__}: the fused update of {path} cannot run under loss scaling (a "
+        "LossScaleOptimizer, which Keras adds for the mixed_float16 policy): the update would use the scaled "
+        "gradient before the wrapper can unscale it or skip the step. Use sparse_gradient=True instead of "
+        "fused_optimizer=True, or the mixed_bfloat16 policy")
 
 
 _TWICE = ("fused_optimizer: table {} is looked up more than once in one training step (or differentiated "
-          "again before apply_gradients); each lookup would apply its own update. Look it up once (concatenate the bags) or use sparse_gradient=True, whose "
-          "optimizer step sums the lookups' gradients")
+          "again before apply_gradients); each lookup would apply its own update. Look it up once (concatenate "
+          "the bags) or use sparse_gradient=True, whose optimizer step sums the lookups' gradients")
 
 
 _updates_by_graph = weakref.WeakKeyDictionary()  # traced graph -> the fused updates it holds
@@ -207,10 +208,8 @@ def _optimizer_for_this_step(variable):
 def fused_embedding_bag(variable, indices, weights=None, combiner="sum"):
     """``ops.embedding_bag(variable, indices, weights, combiner)`` whose backward
     applies the claiming optimizer's update (dense [..., K] indices, float32 table)."""
-    from pkm_serve import ops
+    from pkm_serve import _xla, ops
     from tensorflow.python.ops import resource_variable_ops
-
-    from pkm_serve import _xla
 
     lib = ops.load_library()
     if _xla.compile_device_type() is not None:  # the fused ops have no XLA kernel
