@@ -20,7 +20,11 @@ table is looked up once per training step and read nowhere else in it (a
 second lookup or another read's gradient would apply a second update in the
 same step), not under loss scaling (the update would
 use the scaled gradient before the wrapper can unscale or skip it) and not
-under a tf.distribute strategy of several replicas: each is a ValueError.
+under a tf.distribute strategy of several replicas: each is a ValueError. A
+per-table flag (``_PENDING``), set by the update and cleared by the optimizer's
+step on the lookup's empty gradient, refuses at run time a second update
+before that step (gradients accumulated over several ``tape.gradient`` calls)
+and a non-empty gradient while one is pending.
 """
 
 from __future__ import annotations
@@ -34,12 +38,23 @@ import tensorflow as tf
 from pkm_serve._copy_on_write import as_tf_variable, leave_copy_on_write
 
 _ATTR = "_pkm_fused_optimizer"
+_PENDING = "_pkm_fused_pending"
 _warned = set()
 
 
 def claim(variable, optimizer):
     """Marks `variable` (a layer's table) as updated in place by `optimizer`."""
-    setattr(variable, _ATTR, weakref.ref(optimizer))
+    flag = getattr(variable, _PENDING, None)
+    if flag is None:
+        with tf.init_scope():  # not saved: 1 from a fused update until the optimizer's step for it
+            flag = tf.Variable(0, dtype=tf.int32, trainable=False, name="pkm_fused_pending",
+                               aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+    # update_step gets the TF variable (a replica's component under a strategy), not the Keras one.
+    table = as_tf_variable(variable)
+    components = table.values if isinstance(table, tf.distribute.DistributedValues) else ()
+    for target in (variable, table, *components):
+        setattr(target, _ATTR, weakref.ref(optimizer))
+        setattr(target, _PENDING, flag)
 
 
 def claimed_by(variable):
@@ -75,16 +90,17 @@ def calling_instance(cls, depth=24):
 
 
 def refuse_loss_scaling(optimizer, variable):
+    path = getattr(variable, "path", variable.name)  # update_step gets the TF variable, which has no path
     raise ValueError(
-        f"{type(optimizer).__name__}: the fused update of {variable.path} cannot run under loss scaling "
-        "(a LossScaleOptimizer, which Keras adds for the mixed_float16 policy): the update would use the "
-        "scaled gradient before the wrapper can unscale it or skip the step. Use sparse_gradient=True instead "
-        "of fused_optimizer=True, or the mixed_bfloat16 policy")
+        f"{type(optimizer).__name__}: the fused update of {path} cannot run under loss scaling (a "
+        "LossScaleOptimizer, which Keras adds for the mixed_float16 policy): the update would use the scaled "
+        "gradient before the wrapper can unscale it or skip the step. Use sparse_gradient=True instead of "
+        "fused_optimizer=True, or the mixed_bfloat16 policy")
 
 
-_TWICE = ("fused_optimizer: table {} is looked up more than once in one training step; each lookup would "
-          "apply its own update. Look it up once (concatenate the bags) or use sparse_gradient=True, whose "
-          "optimizer step sums the lookups' gradients")
+_TWICE = ("fused_optimizer: table {} is looked up more than once in one training step (or differentiated "
+          "again before apply_gradients); each lookup would apply its own update. Look it up once (concatenate "
+          "the bags) or use sparse_gradient=True, whose optimizer step sums the lookups' gradients")
 
 
 _updates_by_graph = weakref.WeakKeyDictionary()  # traced graph -> the fused updates it holds
@@ -93,9 +109,10 @@ _updates_by_graph = weakref.WeakKeyDictionary()  # traced graph -> the fused upd
 def _check_one_update_per_step(variable, optimizer):
     if tf.executing_eagerly():
         step = (id(optimizer), int(optimizer.iterations.numpy()))
-        if getattr(variable, "_pkm_fused_last_step", None) == step:
+        table = as_tf_variable(variable)  # update_step, which clears it, gets the TF variable
+        if getattr(table, "_pkm_fused_last_step", None) == step:
             raise ValueError(_TWICE.format(variable.path))
-        variable._pkm_fused_last_step = as_tf_variable(variable)._pkm_fused_last_step = step
+        table._pkm_fused_last_step = step
         return
     # Traced: one step's backward is one graph (per replica under tf.distribute).
     seen = _updates_by_graph.setdefault(tf.compat.v1.get_default_graph(), set())
@@ -105,24 +122,51 @@ def _check_one_update_per_step(variable, optimizer):
     seen.update((key, id(as_tf_variable(variable))))
 
 
+_AGAIN = ("fused_optimizer: table {} got a second fused update before its optimizer applied the first: "
+          "the lookup was differentiated again without an apply_gradients in between (gradients summed over "
+          "several tape.gradient calls, a tape.gradient whose step was skipped, or one that left the table out "
+          "of its sources: the backward updates it all the same). Call apply_gradients on the table after each "
+          "tape.gradient, set trainable=False on a table you do not train, or use sparse_gradient=True instead "
+          "of fused_optimizer=True")
+_SECOND = ("fused_optimizer: table {} is also read outside its fused lookup in this training step (e.g. a tf.gather "
+           "of the table, or an embeddings_regularizer), or its empty gradient was made dense; the backward pass "
+           "already applied the lookup's update, and this gradient would apply a second one. Read the table only "
+           "through the layer and pass its gradient on as it is, or use sparse_gradient=True instead of "
+           "fused_optimizer=True")
+
+
 def refuse_a_second_update(optimizer, gradient, variable):
-    """ValueError when `optimizer`'s update_step gets a non-empty gradient for a table whose fused
-    lookup already applied this step's update: the table is also read elsewhere (a tf.gather of it,
-    an embeddings_regularizer), and the unfused optimizer would have applied one update of the sum."""
-    if isinstance(gradient, tf.IndexedSlices) and gradient.values.shape[0] == 0:
-        return  # the fused lookup's own (empty) gradient
+    """Control inputs for `optimizer`'s update_step on `variable`. ValueError when a LossScaleOptimizer
+    applies a claimed table (its backward used the scaled gradient), or when a non-empty gradient comes
+    for a table whose fused lookup already applied this step's update: the table is also read elsewhere
+    (a tf.gather, an embeddings_regularizer), and the unfused optimizer would have applied one update of
+    the sum; at run time, the same through the table's pending flag (set by the fused update)."""
+    import keras
+
+    flag = getattr(variable, _PENDING, None)
+    if claimed_by(variable) is optimizer:
+        wrapper = calling_instance(keras.optimizers.LossScaleOptimizer, depth=64)
+        if wrapper is not None and wrapper.inner_optimizer is optimizer:
+            if tf.executing_eagerly() and flag is not None:
+                flag.assign(0)  # the refusal ends this step: an unwrapped optimizer may go on
+            refuse_loss_scaling(optimizer, variable)  # e.g. a custom loop's wrapper of a built optimizer
+    path = getattr(variable, "path", variable.name)
     table = as_tf_variable(variable)
+    step = getattr(table, "_pkm_fused_last_step", None)
+    table._pkm_fused_last_step = None  # this step is applied: a restored (earlier) iterations may repeat it
+    if isinstance(gradient, tf.IndexedSlices) and gradient.values.shape[0] == 0:
+        if flag is not None:
+            flag.assign(0)  # the fused lookup's own (empty) gradient: its update is applied
+        return []
     if tf.executing_eagerly():
-        step = getattr(table, "_pkm_fused_last_step", None)
         updated = step is not None and step == (id(optimizer), int(optimizer.iterations.numpy()))
     else:  # the traced step's backward and optimizer step share one graph (fit, a tf.function)
         updated = id(table) in _updates_by_graph.get(tf.compat.v1.get_default_graph(), ())
     if updated:
-        raise ValueError(
-            f"fused_optimizer: table {getattr(variable, 'path', variable.name)} is also read outside its fused "
-            "lookup in this training step (e.g. a tf.gather of the table, or an embeddings_regularizer); the "
-            "backward pass already applied the lookup's update, and this gradient would apply a second one. "
-            "Read the table only through the layer, or use sparse_gradient=True instead of fused_optimizer=True")
+        raise ValueError(_SECOND.format(path))
+    if flag is None:
+        return []
+    return [tf.debugging.assert_equal(flag.read_value(), 0, message=_SECOND.format(path))]
 
 
 def _warn_once(variable, message, *args):
@@ -164,10 +208,17 @@ def _optimizer_for_this_step(variable):
 def fused_embedding_bag(variable, indices, weights=None, combiner="sum"):
     """``ops.embedding_bag(variable, indices, weights, combiner)`` whose backward
     applies the claiming optimizer's update (dense [..., K] indices, float32 table)."""
-    from pkm_serve import ops
+    from pkm_serve import _xla, ops
     from tensorflow.python.ops import resource_variable_ops
 
     lib = ops.load_library()
+    if _xla.compile_device_type() is not None:  # the fused ops have no XLA kernel
+        from tensorflow.python.eager import record  # no public "is a tape recording" query
+
+        if not record.could_possibly_record():  # inference: no backward, no update
+            return ops.embedding_bag(variable, indices, weights, combiner=combiner)
+        raise ValueError("fused_optimizer=True cannot be compiled by XLA (a tf.function(jit_compile=True) or "
+                         "jit_compile=True); compile without XLA, or use fused_optimizer=False under jit_compile")
     replicas = tf.distribute.get_strategy().num_replicas_in_sync
     if replicas > 1:
         # Each replica's backward would update the table with its own share of the batch (the
@@ -177,6 +228,9 @@ def fused_embedding_bag(variable, indices, weights=None, combiner="sum"):
     table = as_tf_variable(variable)
     if table.dtype != tf.float32:
         raise ValueError(f"fused_optimizer needs a float32 table, got {table.dtype.name}")
+    if isinstance(table, tf.distribute.DistributedValues) and tf.distribute.in_cross_replica_context():
+        # No handle outside a replica (Keras' symbolic build under strategy.scope()): no step trains here.
+        return ops.embedding_bag(table, indices, weights, combiner=combiner)
     if isinstance(indices, tf.RaggedTensor):
         raise ValueError("fused_optimizer takes dense [..., K] indices (pad ragged bags with -1)")
     indices = tf.convert_to_tensor(indices)
@@ -214,10 +268,16 @@ def run_update(variable, d_out, indices, weights, combiner, has_weights, optimiz
     """The op on `variable` and its state variables; returns d_weights."""
     from pkm_serve import ops
 
-    d_weights = ops.load_library().pkm_embedding_bag_fused_update(
-        d_out, as_tf_variable(variable).handle, indices, weights, [as_tf_variable(s).handle for s in state],
-        tf.cast(learning_rate, tf.float32), tf.cast(step, tf.int64), combiner=combiner, has_weights=has_weights,
-        optimizer=optimizer, **attrs)
+    flag = getattr(variable, _PENDING, None)
+    checks = [] if flag is None else [tf.debugging.assert_equal(flag.read_value(), 0, message=_AGAIN.format(
+        getattr(variable, "path", variable.name)))]
+    with tf.control_dependencies(checks):
+        d_weights = ops.load_library().pkm_embedding_bag_fused_update(
+            d_out, as_tf_variable(variable).handle, indices, weights, [as_tf_variable(s).handle for s in state],
+            tf.cast(learning_rate, tf.float32), tf.cast(step, tf.int64), combiner=combiner,
+            has_weights=has_weights, optimizer=optimizer, **attrs)
+    if flag is not None:
+        flag.assign(1)  # until the optimizer's update_step gets this lookup's empty gradient
     # Ordered after the update: automatic control dependencies order stateful
     # ops on one resource in a tf.function; eager runs them in turn.
     for written in (variable, *state):

@@ -81,6 +81,21 @@ def _claim_fused_tables(optimizer, var_list):
         _fused_update.claim(var, optimizer)
 
 
+class _UnscalableSlices(tf.IndexedSlices):
+    """An IndexedSlices that Keras' ``apply`` can divide by ``loss_scale_factor`` (the values only);
+    a plain one raised TypeError there."""
+
+    def __truediv__(self, scale):
+        return tf.IndexedSlices(self.values / scale, self.indices, self.dense_shape)
+
+
+def _apply_unscaled(optimizer, apply, grads, trainable_variables):
+    if optimizer.loss_scale_factor is not None:
+        grads = [_UnscalableSlices(g.values, g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices) else g
+                 for g in grads]
+    return apply(grads, trainable_variables)
+
+
 def _fused_step(optimizer):
     return optimizer.iterations + 1  # the step apply_gradients is about to count
 
@@ -97,6 +112,9 @@ class LazyAdam(keras.optimizers.Adam):
         super().build(var_list)
         _claim_fused_tables(self, var_list)
 
+    def apply(self, grads, trainable_variables=None):
+        return _apply_unscaled(self, super().apply, grads, trainable_variables)
+
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
         index = self._get_variable_index(variable)
         state = (self._momentums[index], self._velocities[index])
@@ -107,7 +125,10 @@ class LazyAdam(keras.optimizers.Adam):
     def update_step(self, gradient, variable, learning_rate):
         # A claimed table's gradient is empty where the backward applied the update; any
         # other (a step the claim did not act in) is applied as usual.
-        _fused_update.refuse_a_second_update(self, gradient, variable)
+        with tf.control_dependencies(_fused_update.refuse_a_second_update(self, gradient, variable)):
+            return self._update_step(gradient, variable, learning_rate)
+
+    def _update_step(self, gradient, variable, learning_rate):
         if not isinstance(gradient, tf.IndexedSlices):
             return super().update_step(gradient, variable, learning_rate)
         dtype = variable.dtype
@@ -194,6 +215,9 @@ class RowwiseAdagrad(keras.optimizers.Optimizer):
                     name=f"{var.name.replace('/', '_').replace(':', '_')}_rowwise_accumulator"))
         _claim_fused_tables(self, var_list)
 
+    def apply(self, grads, trainable_variables=None):
+        return _apply_unscaled(self, super().apply, grads, trainable_variables)
+
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
         acc = self._accumulators[self._get_variable_index(variable)]
         return _fused_update.run_update(variable, d_out, indices, weights, combiner, has_weights,
@@ -203,7 +227,10 @@ class RowwiseAdagrad(keras.optimizers.Optimizer):
     def update_step(self, gradient, variable, learning_rate):
         # A claimed table's gradient is empty where the backward applied the update; any
         # other (a step the claim did not act in) is applied as usual.
-        _fused_update.refuse_a_second_update(self, gradient, variable)
+        with tf.control_dependencies(_fused_update.refuse_a_second_update(self, gradient, variable)):
+            return self._update_step(gradient, variable, learning_rate)
+
+    def _update_step(self, gradient, variable, learning_rate):
         dtype = variable.dtype
         lr = tf.cast(learning_rate, dtype)
         acc = self._accumulators[self._get_variable_index(variable)]

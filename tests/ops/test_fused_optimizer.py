@@ -278,3 +278,142 @@ def test_fused_refuses_max_and_exports_after_training(tmp_path):
     loaded = tf.saved_model.load(str(tmp_path / "exported"))
     served = loaded.serve([tf.constant(x[0]), tf.constant(x[1])])
     np.testing.assert_allclose(served.numpy(), model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
+
+
+# ---- custom training loops (a helper's bug hunt, round 30) ----
+
+def _custom_loop(fused, make_opt, steps=3, wrap=False, transform=None):
+    """Each step: tape.gradient in one tf.function, apply_gradients in another (as a custom loop
+    that edits the gradients in between is written); `transform` edits the gradient list."""
+    model = make_model(fused)
+    opt = make_opt()
+    opt.build(model.trainable_variables)  # built first: its claim on the table is made unwrapped
+    if wrap:
+        opt = keras.optimizers.LossScaleOptimizer(opt)
+    x, y = _fit_data()
+
+    @tf.function
+    def gradients(ids, w, target):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model([ids, w]) - target))
+            loss = opt.scale_loss(loss) if wrap else loss
+        return tape.gradient(loss, model.trainable_variables)
+
+    @tf.function
+    def apply(grads):
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    for s in range(steps):
+        rows = slice(16 * s, 16 * s + 16)
+        grads = gradients(tf.constant(x[0][rows]), tf.constant(x[1][rows]), tf.constant(y[rows]))
+        apply(transform(grads) if transform else grads)
+    return model
+
+
+@pytest.mark.parametrize("make_opt", [lambda: LazyAdam(0.01), lambda: RowwiseAdagrad(0.05)],
+                         ids=["LazyAdam", "RowwiseAdagrad"])
+def test_fused_custom_loop_trains_like_unfused_and_refuses_what_it_cannot_follow(make_opt):
+    fused, plain = _custom_loop(True, make_opt), _custom_loop(False, make_opt)
+    for a, b in zip(fused.trainable_variables, plain.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path)
+    # A LossScaleOptimizer around an optimizer built before it: the update used the scaled gradient
+    # (the table 618x off the unfused loop's with RowwiseAdagrad, 365x with LazyAdam).
+    assert _custom_loop(False, make_opt, wrap=True) is not None
+    with pytest.raises(ValueError, match="cannot run under loss scaling"):
+        _custom_loop(True, make_opt, wrap=True)
+    # The table's empty gradient made dense and applied in another graph: a second (dense) update.
+    dense = lambda grads: [tf.convert_to_tensor(g) for g in grads]  # noqa: E731
+    with pytest.raises(tf.errors.InvalidArgumentError, match="also read outside its fused lookup"):
+        _custom_loop(True, make_opt, transform=dense)
+
+
+def test_fused_refuses_gradients_accumulated_over_several_tape_calls():
+    """Gradient accumulation by hand: each tape.gradient applied its own update (1.2x off the
+    unfused accumulated step); the second is now refused before it touches the table."""
+    model = make_model(True)
+    opt = RowwiseAdagrad(0.05)
+    opt.build(model.trainable_variables)
+    table = model.get_layer("bag").embeddings
+    (ids, w), y = _fit_data()
+
+    @tf.function
+    def gradients(rows):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model([tf.gather(ids, rows), tf.gather(w, rows)]) - y[:8]))
+        return tape.gradient(loss, model.trainable_variables)
+
+    gradients(tf.range(8))
+    after_one = table.numpy()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="second fused update before its optimizer"):
+        gradients(tf.range(8, 16))
+    np.testing.assert_array_equal(table.numpy(), after_one)
+
+
+def test_fused_fit_under_a_one_replica_mirrored_strategy_trains_like_unfused():
+    """Keras' symbolic build calls the layer outside any replica, where a MirroredVariable has no
+    handle: fit raised "DistributedVariable.handle is not available outside the replica context"."""
+    x, y = _fit_data()
+
+    def fit(fused):
+        with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+            model = make_model(fused)
+            model.compile(LazyAdam(0.01), "mse")
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        return model
+
+    fused, plain = fit(True), fit(False)
+    for a, b in zip(fused.trainable_variables, plain.trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path)
+    assert not np.array_equal(fused.get_layer("bag").embeddings.numpy(),
+                              make_model(True).get_layer("bag").embeddings.numpy())
+
+
+def test_fused_eager_loop_goes_on_after_rolling_back_to_a_checkpoint(tmp_path):
+    """Restoring a checkpoint one step back repeats an iterations value: the eager step went on to
+    raise "looked up more than once in one training step" for a table looked up once."""
+    x, y = _fit_data()
+
+    def train(fused):
+        model = make_model(fused)
+        opt = RowwiseAdagrad(0.05)
+        opt.build(model.trainable_variables)
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=opt)
+
+        def step(s):
+            rows = slice(16 * s, 16 * s + 16)
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model([x[0][rows], x[1][rows]]) - y[rows]))
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        step(0)
+        path = checkpoint.save(str(tmp_path / f"ckpt_{fused}"))
+        step(1)
+        checkpoint.restore(path)
+        step(2)
+        return model
+
+    for a, b in zip(train(True).trainable_variables, train(False).trainable_variables):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7, err_msg=a.path)
+
+
+def test_fused_layer_under_xla_serves_and_refuses_training_by_name():
+    """Under tf.function(jit_compile=True) the fused lookup raised TF's "Detected unsupported operations
+    ... PkmResourceEmbeddingBag", for inference too: inference now takes the plain lookup (as a layer
+    without fused_optimizer), and a training step is refused naming fused_optimizer."""
+    model = make_model(True)
+    (ids, w), y = _fit_data()
+    served = tf.function(lambda a, b: model([a, b]), jit_compile=True)(tf.constant(ids), tf.constant(w))
+    np.testing.assert_allclose(served.numpy(), model([ids, w]).numpy(), rtol=1e-6, atol=1e-6)
+    opt = LazyAdam(0.01)
+    opt.build(model.trainable_variables)
+
+    @tf.function(jit_compile=True)
+    def step(a, b, target):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model([a, b]) - target))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    with pytest.raises(ValueError, match="fused_optimizer=True cannot be compiled by XLA"):
+        step(tf.constant(ids), tf.constant(w), tf.constant(y))

@@ -176,3 +176,27 @@ def test_fit_with_sparse_gradient_layer_updates_only_touched_rows(optimizer):
         loss = tf.reduce_mean((model(idx[:64]) - target[:64]) ** 2)
     g = tape.gradient(loss, layer.embeddings.value)
     assert isinstance(g, tf.IndexedSlices) and len(g.indices) == len(np.unique(idx[:64]))
+
+
+def test_loss_scale_factor_unscales_sparse_gradients_as_dense_ones():
+    """Keras' apply divides each gradient by loss_scale_factor: an IndexedSlices raised TypeError."""
+    rng = np.random.default_rng(3)
+    x = [rng.integers(0, 150, size=(64, 8)), rng.uniform(0.5, 1.5, (64, 8)).astype(np.float32)]
+    y = rng.standard_normal((64, 3)).astype(np.float32)
+
+    def fit(sparse, make_opt):
+        keras.utils.set_random_seed(0)
+        ids, w = keras.Input((8,), dtype="int64"), keras.Input((8,))
+        bag = EmbeddingBag(300, 24, combiner="mean", sparse_gradient=sparse, embeddings_initializer="glorot_uniform")
+        model = keras.Model([ids, w], keras.layers.Dense(3)(bag(ids, w)))
+        model.compile(make_opt(), "mse")
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        return [v.numpy() for v in model.trainable_variables]
+
+    # RowwiseAdagrad: sparse and dense are the same update; LazyAdam: the factor changes nothing.
+    for make_opt, reference in ((lambda: RowwiseAdagrad(0.05, loss_scale_factor=128.0),
+                                 lambda: fit(False, lambda: RowwiseAdagrad(0.05, loss_scale_factor=128.0))),
+                                (lambda: LazyAdam(0.01, loss_scale_factor=128.0),
+                                 lambda: fit(True, lambda: LazyAdam(0.01)))):
+        for got, want in zip(fit(True, make_opt), reference()):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
