@@ -59,12 +59,16 @@ def test_an_abort_while_loading_the_op_library_names_the_step(aborting_library, 
     assert "Fatal Python error: Aborted" in after and "load_library" in after, proc.stderr
 
 
+def _stand_in_tensorflow(folder, source):
+    """A package `tensorflow` in `folder` whose import runs `source`."""
+    package = folder / "tensorflow"
+    package.mkdir()
+    (package / "__init__.py").write_text(source)
+
+
 def test_an_abort_inside_the_tensorflow_import_leaves_its_output_in_the_named_log(tmp_path):
-    fake = tmp_path / "tensorflow"
-    fake.mkdir()
-    (fake / "__init__.py").write_text(
-        "import os, sys\nsys.stderr.write('stand-in TensorFlow: aborting\\n')\n"
-        "sys.stderr.flush()\nos.abort()\n")
+    _stand_in_tensorflow(tmp_path, "import os, sys\nsys.stderr.write('stand-in TensorFlow: aborting\\n')\n"
+                                   "sys.stderr.flush()\nos.abort()\n")
     proc = run("export", str(tmp_path), str(tmp_path / "out"),
                env_extra={"PYTHONPATH": str(tmp_path)})
     assert proc.returncode == -signal.SIGABRT, (proc.returncode, proc.stderr[-3000:])
@@ -93,11 +97,8 @@ def test_a_successful_import_removes_its_log(tmp_path):
 def test_ctrl_c_during_the_tensorflow_import_says_interrupted_without_its_start_up_lines(tmp_path):
     # The held-back lines were replayed on any exception, Ctrl-C included: a screen of TF
     # start-up notices above "interrupted".
-    fake = tmp_path / "tensorflow"
-    fake.mkdir()
-    (fake / "__init__.py").write_text(
-        "import sys\nsys.stderr.write('stand-in TensorFlow: start-up notice\\n')\n"
-        "raise KeyboardInterrupt\n")
+    _stand_in_tensorflow(tmp_path, "import sys\nsys.stderr.write('stand-in TensorFlow: start-up notice\\n')\n"
+                                   "raise KeyboardInterrupt\n")
     path = os.pathsep.join([str(tmp_path)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     proc = run("export", str(tmp_path), str(tmp_path / "out"), env_extra={"PYTHONPATH": path})
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-3000:])
