@@ -3,7 +3,6 @@ list of shards): one fused lookup per shard, combined once."""
 
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.python.framework import ops  # colocate_with without v1's deprecation warning
 
@@ -160,6 +159,10 @@ def _bag_reductions(indices, entries):
     return lambda x: tf.reduce_sum(x, axis=-1, keepdims=True), lambda per_bag: per_bag
 
 
+# Smallest normal number of each weights dtype (numpy's finfo has no bfloat16).
+_SMALLEST_NORMAL = {tf.float16: 2.0 ** -14, tf.bfloat16: 2.0 ** -126, tf.float32: 2.0 ** -126}
+
+
 def _power_of_two_near(factor, bag_sum, valid_w, dtype):
     """Per bag, 2**round(log2(factor)), 1 where factor is 0 (a bag of no weight:
     its partials are multiplied by 0). Ones times it are exact down to 2**-24
@@ -172,7 +175,7 @@ def _power_of_two_near(factor, bag_sum, valid_w, dtype):
     exponent = tf.round(log2(factor))
     if valid_w is not None:
         magnitude = tf.abs(valid_w)
-        tiny = float(np.finfo(dtype.as_numpy_dtype).tiny)
+        tiny = _SMALLEST_NORMAL.get(dtype, 2.0 ** -126)
         floor = tf.math.divide_no_nan(tiny * bag_sum(tf.cast(magnitude > 0, tf.float32)), bag_sum(magnitude))
         exponent = tf.maximum(exponent, tf.math.ceil(log2(floor)))
     return tf.stop_gradient(tf.where(factor > 0, tf.pow(2.0, exponent), tf.ones_like(factor)))

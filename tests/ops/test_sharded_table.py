@@ -166,3 +166,20 @@ def test_half_weights_lifted_out_of_subnormals_stay_finite():
             got = ops.embedding_bag(_shards(table, tf.float16), ids, w, combiner=combiner).numpy()
             want = 100.0 * (1 if combiner == "mean" else np.sqrt(2 ** 17))
             np.testing.assert_allclose(got.astype(np.float64), np.full((1, 2), want), rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [tf.float16, tf.bfloat16, tf.float32], ids=["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_weighted_means_of_every_table_dtype(dtype, combiner):
+    """Weighted mean / sqrtn over shards of each table dtype (bfloat16 failed: numpy's finfo has no
+    bfloat16, asked for its smallest normal number) equal numpy float64 at the dtype's precision."""
+    ids = np.array([[0, 4, 3], [1, -1, 2]])
+    weights = np.array([[1.0, 2.0, 0.5], [3.0, 1.0, -2.0]])
+    got = ops.embedding_bag(_shards(dtype=dtype), tf.constant(ids), tf.constant(weights, dtype),
+                            combiner=combiner).numpy().astype(np.float64)
+    valid = ids >= 0
+    w = np.where(valid, weights, 0.0)
+    rows = TABLE.astype(np.float64)[np.where(valid, ids, 0)]
+    total = (w[..., None] * rows).sum(1)
+    denominator = w.sum(1) if combiner == "mean" else np.sqrt((w * w).sum(1))
+    np.testing.assert_allclose(got, total / denominator[:, None], rtol=1e-2 if dtype != tf.float32 else 1e-6)
