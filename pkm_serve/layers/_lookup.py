@@ -94,9 +94,10 @@ def refuse_ids_past_int32(layer_name, indices):
         return
     if not isinstance(indices, (list, tuple)) and not hasattr(indices, "__array__"):
         return
-    import numpy as np
-
-    ids = np.asarray(indices)
+    try:
+        ids = np.asarray(indices)
+    except ValueError:  # a ragged list: Keras' own conversion names the problem
+        return
     if ids.dtype.kind in "iuf" and ids.size and (ids.min() < -2**31 or ids.max() >= 2**31):
         raise ValueError(f"{layer_name}: indices hold values past int32 ({ids.min()} .. {ids.max()}), which "
                          f"JAX without jax_enable_x64 wraps around (reading other rows): {_X64_HINT}")
