@@ -89,11 +89,22 @@ class _UnscalableSlices(tf.IndexedSlices):
         return tf.IndexedSlices(self.values / scale, self.indices, self.dense_shape)
 
 
-def _apply_unscaled(optimizer, apply, grads, trainable_variables):
-    if optimizer.loss_scale_factor is not None:
-        grads = [_UnscalableSlices(g.values, g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices) else g
-                 for g in grads]
-    return apply(grads, trainable_variables)
+class _RowSparseSteps:
+    """What LazyAdam and RowwiseAdagrad both wrap around Keras' optimizer: ``apply`` with
+    IndexedSlices that ``loss_scale_factor`` can divide, and ``update_step`` behind the
+    fused-update check, the row-wise step itself being each one's ``_update_step``."""
+
+    def apply(self, grads, trainable_variables=None):
+        if self.loss_scale_factor is not None:
+            grads = [_UnscalableSlices(g.values, g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices)
+                     else g for g in grads]
+        return super().apply(grads, trainable_variables)
+
+    def update_step(self, gradient, variable, learning_rate):
+        # A claimed table's gradient is empty where the backward applied the update; any
+        # other (a step the claim did not act in) is applied as usual.
+        with tf.control_dependencies(_fused_update.refuse_a_second_update(self, gradient, variable)):
+            return self._update_step(gradient, variable, learning_rate)
 
 
 def _fused_step(optimizer):
@@ -101,7 +112,7 @@ def _fused_step(optimizer):
 
 
 @keras.saving.register_keras_serializable(package="pkm_serve")
-class LazyAdam(keras.optimizers.Adam):
+class LazyAdam(_RowSparseSteps, keras.optimizers.Adam):
     """Adam that, for ``IndexedSlices`` gradients, updates only the touched
     rows of the variable and of its two moments (arguments as
     ``keras.optimizers.Adam``; dense gradients get Keras' Adam unchanged)."""
@@ -112,9 +123,6 @@ class LazyAdam(keras.optimizers.Adam):
         super().build(var_list)
         _claim_fused_tables(self, var_list)
 
-    def apply(self, grads, trainable_variables=None):
-        return _apply_unscaled(self, super().apply, grads, trainable_variables)
-
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
         index = self._get_variable_index(variable)
         state = (self._momentums[index], self._velocities[index])
@@ -122,15 +130,9 @@ class LazyAdam(keras.optimizers.Adam):
                                         self.learning_rate, _fused_step(self), epsilon=float(self.epsilon),
                                         beta_1=float(self.beta_1), beta_2=float(self.beta_2))
 
-    def update_step(self, gradient, variable, learning_rate):
-        # A claimed table's gradient is empty where the backward applied the update; any
-        # other (a step the claim did not act in) is applied as usual.
-        with tf.control_dependencies(_fused_update.refuse_a_second_update(self, gradient, variable)):
-            return self._update_step(gradient, variable, learning_rate)
-
     def _update_step(self, gradient, variable, learning_rate):
         if not isinstance(gradient, tf.IndexedSlices):
-            return super().update_step(gradient, variable, learning_rate)
+            return keras.optimizers.Adam.update_step(self, gradient, variable, learning_rate)  # Keras' Adam
         dtype = variable.dtype
         lr = tf.cast(learning_rate, dtype)
         step = tf.cast(self.iterations + 1, dtype)
@@ -169,7 +171,7 @@ def _check_adagrad_hyperparameters(initial_accumulator_value, epsilon):
 
 
 @keras.saving.register_keras_serializable(package="pkm_serve")
-class RowwiseAdagrad(keras.optimizers.Optimizer):
+class RowwiseAdagrad(_RowSparseSteps, keras.optimizers.Optimizer):
     """Adagrad with one accumulator per row of each variable of rank >= 2
     (elementwise for vectors and scalars):
 
@@ -215,20 +217,11 @@ class RowwiseAdagrad(keras.optimizers.Optimizer):
                     name=f"{var.name.replace('/', '_').replace(':', '_')}_rowwise_accumulator"))
         _claim_fused_tables(self, var_list)
 
-    def apply(self, grads, trainable_variables=None):
-        return _apply_unscaled(self, super().apply, grads, trainable_variables)
-
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
         acc = self._accumulators[self._get_variable_index(variable)]
         return _fused_update.run_update(variable, d_out, indices, weights, combiner, has_weights,
                                         "rowwise_adagrad", (acc,), self.learning_rate, _fused_step(self),
                                         epsilon=float(self.epsilon))
-
-    def update_step(self, gradient, variable, learning_rate):
-        # A claimed table's gradient is empty where the backward applied the update; any
-        # other (a step the claim did not act in) is applied as usual.
-        with tf.control_dependencies(_fused_update.refuse_a_second_update(self, gradient, variable)):
-            return self._update_step(gradient, variable, learning_rate)
 
     def _update_step(self, gradient, variable, learning_rate):
         dtype = variable.dtype
