@@ -17,7 +17,8 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=
     the op library is unavailable. Accumulates in float32 like the fused op.
     ``sparse_gradient`` is accepted for parity with ``embedding_bag``: the
     gather's gradient is an ``IndexedSlices`` either way (one row per index,
-    not row-unique).
+    not row-unique). An index >= N is an ``InvalidArgumentError``, except under
+    XLA, which drops the check: there it is padding, as on the GPU.
     """
     _check_combiner(combiner, weights)
     with tf.name_scope(name or "embedding_bag_composite"):
@@ -25,9 +26,7 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=
         if isinstance(indices, tf.RaggedTensor):
             return _ragged_composite(params, indices, weights, combiner)
         indices = _as_indices(indices)
-        tf.debugging.assert_less(indices, tf.cast(tf.shape(params)[0], indices.dtype),
-                                 message="embedding_bag: index out of range")
-        valid = indices >= 0
+        valid = _valid_ids(indices, params)
         w = tf.ones(tf.shape(indices), tf.float32) if weights is None else tf.cast(weights, tf.float32)
         w = tf.where(valid, w, tf.zeros_like(w))
         rows = tf.gather(params, tf.where(valid, indices, tf.zeros_like(indices)))
@@ -35,6 +34,14 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=
             return tf.cast(_masked_max(tf.cast(rows, tf.float32), valid, axis=-2), params.dtype)
         summed = tf.reduce_sum(tf.cast(rows, tf.float32) * w[..., None], axis=-2)
         return tf.cast(_combine(summed, w, combiner, axis=-1), params.dtype)
+
+
+def _valid_ids(ids, params):
+    """ids >= 0 and < N, after an Assert that none is >= N. XLA drops the Assert
+    and clamps a gather's ids: there an id >= N is padding, as on the GPU."""
+    num_rows = tf.cast(tf.shape(params)[0], ids.dtype)
+    tf.debugging.assert_less(ids, num_rows, message="embedding_bag: index out of range")
+    return (ids >= 0) & (ids < num_rows)
 
 
 def _masked_max(rows, valid, axis):
@@ -71,7 +78,8 @@ def _ragged_composite(params, indices, weights, combiner):
         return indices.with_flat_values(embedding_bag_composite(params, values, w_values, combiner))
     splits = indices.nested_row_splits
     inner = tf.RaggedTensor.from_row_splits(values, splits[-1], validate=False)
-    valid = values >= 0
+    values = _as_indices(values)
+    valid = _valid_ids(values, params)
     w = tf.ones(tf.shape(values), tf.float32) if w_values is None else tf.cast(w_values, tf.float32)
     w = tf.where(valid, w, tf.zeros_like(w))
     rows = tf.cast(tf.gather(params, tf.where(valid, values, tf.zeros_like(values))), tf.float32)

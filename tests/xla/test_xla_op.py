@@ -210,6 +210,40 @@ def test_backend_without_target_falls_back_to_composite_with_one_warning(monkeyp
     np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("combiner", ops.COMBINERS)
+def test_composite_under_xla_treats_an_index_past_the_table_as_padding(monkeypatch, combiner):
+    """XLA drops the composite's Assert and clamps a gather's ids, so an id >= N read row N-1
+    (and its gradient went there) where the library has no target for the device. Such an id
+    is now padding there, as on the GPU (DESIGN.md "The op"); outside XLA it stays an error."""
+    monkeypatch.setattr(_xla, "_xla_device_types", frozenset())  # as if the library had no CPU target
+    monkeypatch.setattr(_xla, "_xla_fallback_warned", {"CPU"})  # warned already
+    rng = np.random.default_rng(3)
+    table = tf.constant(rng.normal(size=(N, D)), tf.float32)
+    bags = [[1, N, -1], [N + 3, 4, 5], [N, N + 1, -1]]
+    weights = None if combiner == "max" else rng.uniform(0.5, 2.0, size=(3, 3))
+    upstream = rng.normal(size=(3, D))
+    padded = [[i if i < N else -1 for i in bag] for bag in bags]  # the GPU rule
+    want, want_d_table, _ = bag_forward_backward(table.numpy(), padded, weights, combiner, upstream)
+    w = None if weights is None else tf.constant(weights, tf.float32)
+    for ragged in (False, True):
+        ids = tf.ragged.constant(bags, dtype=tf.int64) if ragged else tf.constant(bags, tf.int64)
+        wts = None if w is None else (tf.RaggedTensor.from_tensor(w) if ragged else w)
+
+        @tf.function(jit_compile=True)
+        def step(t):
+            with tf.GradientTape() as tape:
+                tape.watch(t)
+                out = ops.embedding_bag(t, ids, wts, combiner=combiner)
+                loss = tf.reduce_sum(out * upstream)
+            return out, tape.gradient(loss, t)
+
+        out, d_table = step(table)
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6, err_msg=f"ragged={ragged}")
+        np.testing.assert_allclose(tf.convert_to_tensor(d_table).numpy(), want_d_table, rtol=1e-5, atol=1e-6)
+        with pytest.raises(tf.errors.InvalidArgumentError, match="out of range"):
+            ops.embedding_bag_composite(table, ids, wts, combiner=combiner)  # not under XLA
+
+
 def test_compile_device_is_seen_only_while_tracing_for_xla():
     seen = []
 
