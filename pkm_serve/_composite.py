@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from pkm_serve._op_args import _as_indices, _as_table, _check_combiner, _ragged_weight_values
+from pkm_serve._op_args import _as_indices, _as_table, _as_weights, _check_combiner, _ragged_weight_values
 
 @tf.autograph.experimental.do_not_convert
 def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=None,
@@ -27,13 +27,22 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=
             return _ragged_composite(params, indices, weights, combiner)
         indices = _as_indices(indices)
         valid = _valid_ids(indices, params)
-        w = tf.ones(tf.shape(indices), tf.float32) if weights is None else tf.cast(weights, tf.float32)
-        w = tf.where(valid, w, tf.zeros_like(w))
+        w = tf.where(valid, _weights_like(weights, indices), 0.0)
         rows = tf.gather(params, tf.where(valid, indices, tf.zeros_like(indices)))
         if combiner == "max":
             return tf.cast(_masked_max(tf.cast(rows, tf.float32), valid, axis=-2), params.dtype)
         summed = tf.reduce_sum(tf.cast(rows, tf.float32) * w[..., None], axis=-2)
         return tf.cast(_combine(summed, w, combiner, axis=-1), params.dtype)
+
+
+def _weights_like(weights, ids):
+    """float32 weights (ones for None) refused, as by the fused op, unless shaped
+    like the ids, also where that is known only at run time: AddN does not
+    broadcast (tf.where would)."""
+    if weights is None:
+        return tf.ones(tf.shape(ids), tf.float32)
+    w, _ = _as_weights(weights, tf.float32, ids)
+    return tf.math.add_n([w, tf.zeros(tf.shape(ids), tf.float32)])
 
 
 def _valid_ids(ids, params):

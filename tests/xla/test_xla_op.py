@@ -244,6 +244,28 @@ def test_composite_under_xla_treats_an_index_past_the_table_as_padding(monkeypat
             ops.embedding_bag_composite(table, ids, wts, combiner=combiner)  # not under XLA
 
 
+def test_composite_refuses_weights_not_shaped_like_the_ids(monkeypatch):
+    """The fused op refuses weights of another shape than the ids; the composite broadcast
+    them (tf.where), so under XLA without a target ops.embedding_bag took [B] weights for
+    [B, K] ids, and outside XLA a mismatch failed in SelectV2. Both now get the op's message."""
+    monkeypatch.setattr(_xla, "_xla_device_types", frozenset())  # as if the library had no CPU target
+    monkeypatch.setattr(_xla, "_xla_fallback_warned", {"CPU"})  # warned already
+    table = tf.random.normal([N, D])
+    ids, per_bag = tf.constant([[1, 2], [3, 4]]), tf.constant([2.0, 3.0])
+    want = r"weights shape \(2,\) must equal indices shape \(2, 2\)"
+    with pytest.raises(ValueError, match=want):
+        ops.embedding_bag(table, ids, per_bag)  # the fused op, eagerly
+    with pytest.raises(ValueError, match=want):
+        tf.function(lambda: ops.embedding_bag(table, ids, per_bag), jit_compile=True)()
+    with pytest.raises(ValueError, match=r"weights shape \(1, 3\) must equal indices shape \(1, 2\)"):
+        ops.embedding_bag_composite(table, [[1, 2]], tf.ones([1, 3]))
+    # Shapes known only when the graph runs: an error there, not a broadcast.
+    spec = [tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None], tf.float32)]
+    run = tf.function(lambda i, w: ops.embedding_bag_composite(table, i, w), input_signature=spec)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        run(ids, tf.constant([[2.0, 3.0]]))
+
+
 def test_compile_device_is_seen_only_while_tracing_for_xla():
     seen = []
 
