@@ -183,3 +183,9 @@ def test_weighted_means_of_every_table_dtype(dtype, combiner):
     total = (w[..., None] * rows).sum(1)
     denominator = w.sum(1) if combiner == "mean" else np.sqrt((w * w).sum(1))
     np.testing.assert_allclose(got, total / denominator[:, None], rtol=1e-2 if dtype != tf.float32 else 1e-6)
+
+
+def test_max_over_shards_is_refused():
+    """As docs/SCALING.md says: no sharded form of `max`, a ValueError naming it."""
+    with pytest.raises(ValueError, match="combiner 'max' over a sharded table is not supported"):
+        ops.embedding_bag(_shards(), tf.constant([[0, 4]]), combiner="max")
