@@ -69,16 +69,7 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
             w_flat = tf.math.add_n([w_flat, tf.zeros(tf.shape(flat), dtype)])
         sizes = [tf.shape(s, out_type=flat.dtype)[0] for s in shards]
         total = tf.add_n(sizes)
-        check = tf.debugging.Assert(
-            tf.reduce_all(flat < total),
-            ["embedding_bag: index", tf.reduce_max(flat), "is out of range [0,", total,
-             ") of the sharded table (negative indices are padding)"])
-        with tf.control_dependencies([check]):
-            flat = tf.identity(flat)
-        # XLA for a backend with our custom-call target (without one the composite runs).
-        under_xla = _xla.compile_device_type() in _xla.xla_device_types()
-        if under_xla:
-            flat = _checked_under_xla(flat, total, dtype)
+        flat, under_xla = _checked_ids(flat, total, dtype)
         w_flat, bag_scale = _combined_weights(indices, flat, w_flat, combiner, weights is not None)
         partial = None
         offset = tf.zeros([], flat.dtype)
@@ -106,6 +97,25 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
             partial = partial * bag_scale
         partial = tf.cast(partial, dtype)
         return template.with_flat_values(partial) if template is not None else partial
+
+
+def _checked_ids(flat, total, dtype):
+    """(the ids after the check that none is past the table, whether XLA compiles
+    them for a backend with our custom-call target)."""
+    check = tf.debugging.Assert(
+        tf.reduce_all(flat < total),
+        ["embedding_bag: index", tf.reduce_max(flat), "is out of range [0,", total,
+         ") of the sharded table (negative indices are padding)"])
+    with tf.control_dependencies([check]):
+        flat = tf.identity(flat)
+    under_xla = _xla.compile_device_type() in _xla.xla_device_types()
+    if under_xla:
+        return _checked_under_xla(flat, total, dtype), True
+    if _xla.compile_device_type() is not None:
+        # XLA without our target (the shards run the composite): the Assert is dropped and
+        # nothing can fail, so an id past the table is padding, as on the GPU.
+        flat = tf.where(flat < total, flat, -tf.ones_like(flat))
+    return flat, False
 
 
 def _checked_under_xla(flat, total, dtype):

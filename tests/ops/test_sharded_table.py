@@ -47,6 +47,28 @@ def test_an_id_past_the_table_is_named_by_its_global_value_under_xla(ragged):
         unsharded(ids)  # the reference: the same message from the unsharded op
 
 
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("ragged", [False, True])
+def test_an_id_past_the_table_is_padding_under_xla_without_a_target(monkeypatch, combiner, ragged):
+    """Under XLA for a backend the library has no target for, the shards run the composite and
+    nothing can fail (XLA drops the Assert): an id past the table is padding there, as on the
+    GPU. The last shard's composite read its clamped last row, and mean / sqrtn counted it."""
+    from pkm_serve import _xla
+    from tests import reference
+
+    monkeypatch.setattr(_xla, "_xla_device_types", frozenset())  # as if the library had no CPU target
+    monkeypatch.setattr(_xla, "_xla_fallback_warned", {"CPU"})  # warned already
+    bags, weights = [[1, 5, 3], [4, 7, 2]], [[0.5, 2.0, 1.5], [1.0, 0.25, 3.0]]
+    want = reference.embedding_bag(TABLE, [[i if i < 5 else -1 for i in bag] for bag in bags], weights, combiner)
+    if ragged:
+        ids, w = tf.ragged.constant(bags, dtype=tf.int64), tf.ragged.constant(weights)
+    else:
+        ids, w = tf.constant(bags), tf.constant(weights)
+    shards = _shards()
+    got = tf.function(lambda: ops.embedding_bag(shards, ids, w, combiner=combiner), jit_compile=True)()
+    np.testing.assert_allclose(tf.convert_to_tensor(got).numpy(), want, rtol=1e-6)
+
+
 def test_an_id_past_the_table_names_it_outside_xla():
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"index.\n7\n.*out of range \[0,.\n5\n"):
         ops.embedding_bag(_shards(), tf.constant([[0, 7, -1]]))
