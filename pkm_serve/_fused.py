@@ -111,7 +111,7 @@ def _register_gradients():
             combiner=op.get_attr("combiner"), has_weights=has_weights)
         from tensorflow.python.ops import resource_variable_ops
 
-        shape = resource_variable_ops.variable_shape(op.inputs[0], out_type=tf.int64)
+        shape = resource_variable_ops.variable_shape(op.inputs[0])  # int32: see _with_sparse_gradient
         rows, row_grads = marker_if_no_replica_has_any(rows, row_grads)
         return [tf.IndexedSlices(row_grads, rows, dense_shape=shape), None,
                 d_weights if has_weights else None]
@@ -184,7 +184,9 @@ def _with_sparse_gradient(lib, params, bag_inputs, weights, combiner, has_weight
             rows, row_grads, d_weights = grad_op(d_out, table, *bag_inputs, bag_weights,
                                                  combiner=combiner, has_weights=has_weights)
             rows, row_grads = marker_if_no_replica_has_any(rows, row_grads)
-            d_table = tf.IndexedSlices(row_grads, rows, dense_shape=tf.shape(table, out_type=tf.int64))
+            # An int32 dense_shape, as tf.gather's: tf.cond's gradient turns the other branch's zeros
+            # into IndexedSlices with one and fails on a mismatch ("must have the same ... structure").
+            d_table = tf.IndexedSlices(row_grads, rows, dense_shape=tf.shape(table))
             return d_table, (d_weights if has_weights else tf.zeros_like(bag_weights))
 
         return out, grad

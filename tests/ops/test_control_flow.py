@@ -1,0 +1,80 @@
+"""The op inside TF's program transformations: tf.cond branches (the other
+branch's gradient is dense zeros), tf.vectorized_map / tf.map_fn over a batch
+of bag problems, and tape.jacobian / batch_jacobian (pfor and while_loop),
+against the float64 numpy reference of the values and gradients."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pkm_serve import ops
+from tests.reference import bag_forward_backward
+
+N, D = 13, 5
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.max(np.abs(a - b) / (1.0 + np.abs(b))))
+
+
+def problem(seed, shape=(4, 3)):
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((N, D)).astype(np.float32)
+    idx = rng.integers(-1, N, size=shape)
+    idx.reshape(-1, shape[-1])[0, :2] = 7  # a repeated row
+    weights = rng.uniform(0.1, 1.0, size=shape).astype(np.float32)
+    return table, idx, weights
+
+
+def reference(table, idx, weights, combiner, grad):
+    """(out, d_table, d_weights) of bags [..., K] in float64."""
+    k = idx.shape[-1]
+    bags = idx.reshape(-1, k).tolist()
+    w = None if weights is None else weights.reshape(-1, k).tolist()
+    out, d_table, d_w = bag_forward_backward(table, bags, w, combiner, grad.reshape(-1, table.shape[1]))
+    return out.reshape(idx.shape[:-1] + (table.shape[1],)), d_table, np.reshape(d_w, idx.shape)
+
+
+TABLE_KINDS = ("constant", "variable", "shards")
+
+
+def as_table(kind, table):
+    if kind == "variable":
+        return tf.Variable(table)
+    if kind == "shards":
+        return [tf.constant(table[:6]), tf.constant(table[6:])]
+    return tf.constant(table)
+
+
+# Sharded tables take no max (a documented ValueError).
+@pytest.mark.parametrize("kind,combiner", [(kind, combiner) for kind in TABLE_KINDS for combiner in ("mean", "max")
+                                           if (kind, combiner) != ("shards", "max")])
+def test_sparse_gradient_inside_a_tf_cond_branch(kind, combiner):
+    """The other branch's gradient is dense zeros, which tf.cond turns into IndexedSlices with an
+    int32 dense_shape; the lookup's gradient had an int64 one and tape.gradient failed ("true_fn
+    and false_fn ... must have the same ... structure")."""
+    table, idx, w = problem(1)
+    w = None if combiner == "max" else w
+    params = as_table(kind, table)
+    sources = params if kind == "shards" else [params]
+    grad = np.random.default_rng(2).standard_normal((idx.shape[0], D)).astype(np.float32)
+
+    @tf.function
+    def step(take_lookup):
+        with tf.GradientTape() as tape:
+            if kind != "variable":
+                tape.watch(sources)
+            out = tf.cond(take_lookup,
+                          lambda: ops.embedding_bag(params, tf.constant(idx), w, combiner, sparse_gradient=True),
+                          lambda: tf.zeros([idx.shape[0], D]))
+            loss = tf.reduce_sum(out * grad)
+        d_sources = tape.gradient(loss, sources)
+        return out, tf.concat([tf.convert_to_tensor(g) for g in d_sources], axis=0)
+
+    want_out, want_d_table, _ = reference(table, idx, w, combiner, grad)
+    out, d_table = step(tf.constant(True))
+    assert rel_err(out, want_out) < 1e-5 and rel_err(d_table, want_d_table) < 1e-5
+    out, d_table = step(tf.constant(False))
+    assert not np.any(out.numpy()) and not np.any(d_table.numpy())
