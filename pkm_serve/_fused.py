@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from pkm_serve import _second_order, _xla
+from pkm_serve import _pfor, _second_order, _xla
 from pkm_serve._composite import embedding_bag_composite
 from pkm_serve._library import load_library
 from pkm_serve._no_rows import marker_if_no_replica_has_any
@@ -117,6 +117,7 @@ def _register_gradients():
                 d_weights if has_weights else None]
 
     _second_order.register()  # the gradient ops' own gradients (second derivatives)
+    _pfor.register()  # tf.vectorized_map: one lookup on the stacked bags
 
 
 _register_gradients()
