@@ -142,3 +142,44 @@ def test_vectorized_map_over_a_table_per_problem_keeps_the_while_loop():
     for p in range(3):
         want_out, want_d_table, _ = reference(tables[p], idx[p], None, "mean", grad[p])
         assert rel_err(out[p], want_out) < 1e-5 and rel_err(d_tables[p], want_d_table) < 1e-5
+
+
+def reference_jacobians(table, idx, weights, combiner):
+    """d out[b, d] / d table [B, D, N, D] and / d weights [B, D, B, K], one one-hot upstream
+    gradient per output element."""
+    bags = idx.shape[0]
+    j_table, j_weights = np.zeros((bags, D, N, D)), np.zeros((bags, D) + idx.shape)
+    for b in range(bags):
+        for d in range(D):
+            one_hot = np.zeros((bags, D))
+            one_hot[b, d] = 1.0
+            _, j_table[b, d], j_weights[b, d] = reference(table, idx, weights, combiner, one_hot)
+    return j_table, j_weights
+
+
+@pytest.mark.parametrize("use_pfor", (True, False))
+@pytest.mark.parametrize("combiner,sparse_gradient", [("sum", True), ("mean", False), ("max", True)])
+def test_jacobians_match_the_reference(use_pfor, combiner, sparse_gradient):
+    """tape.jacobian w.r.t. the table and the weights and batch_jacobian w.r.t. the weights, vectorised
+    by pfor (the gradient ops run in its while_loop) or not, in a tf.function."""
+    table, idx, w = problem(6, shape=(3, 4))
+    w = None if combiner == "max" else w
+    params, weights = tf.constant(table), tf.constant(np.ones_like(idx, np.float32) if w is None else w)
+
+    @tf.function
+    def jacobians():
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch([params, weights])
+            out = ops.embedding_bag(params, tf.constant(idx), None if w is None else weights, combiner,
+                                    sparse_gradient=sparse_gradient)
+        return (tape.jacobian(out, params, experimental_use_pfor=use_pfor),
+                tape.jacobian(out, weights, experimental_use_pfor=use_pfor,
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO),
+                tape.batch_jacobian(out, weights, experimental_use_pfor=use_pfor,
+                                    unconnected_gradients=tf.UnconnectedGradients.ZERO))
+
+    j_table, j_weights, batch_j_weights = jacobians()
+    want_table, want_weights = reference_jacobians(table, idx, w, combiner)
+    assert rel_err(j_table, want_table) < 1e-5 and rel_err(j_weights, want_weights) < 1e-5
+    per_bag = np.stack([want_weights[b, :, b] for b in range(idx.shape[0])])  # [B, D, K]
+    assert rel_err(batch_j_weights, per_bag) < 1e-5
