@@ -29,6 +29,10 @@ def fused_embedding_bag(params, indices, weights=None, combiner="sum", name=None
     if _xla.composite_under_xla(params, indices):  # XLA for a backend without our custom-call target
         return embedding_bag_composite(params, indices, weights, combiner, name=name)
     if sparse_gradient and _xla.compile_device_type() is not None:
+        from tensorflow.python.eager import record  # no public "is a tape recording" query
+
+        if not record.could_possibly_record():  # inference (e.g. serving under jit): no gradient to shape
+            return fused_embedding_bag(params, indices, weights, combiner, name)
         # XLA needs static shapes; the number of distinct rows depends on the data.
         raise ValueError("embedding_bag: sparse_gradient=True cannot be compiled by XLA (the number of "
                          "distinct rows touched is only known at run time); use sparse_gradient=False "
