@@ -183,3 +183,35 @@ def test_jacobians_match_the_reference(use_pfor, combiner, sparse_gradient):
     assert rel_err(j_table, want_table) < 1e-5 and rel_err(j_weights, want_weights) < 1e-5
     per_bag = np.stack([want_weights[b, :, b] for b in range(idx.shape[0])])  # [B, D, K]
     assert rel_err(batch_j_weights, per_bag) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ("constant", "variable"))
+@pytest.mark.parametrize("sparse_gradient", (False, True))
+def test_recompute_grad_and_map_fn(kind, sparse_gradient):
+    """tf.recompute_grad (the lookup run again in the backward) around a tf.map_fn over problems
+    (a while_loop), in a tf.function: the reference's values and gradients."""
+    table, idx, w = problem(7, shape=(3, 4, 3))
+    params = as_table(kind, table)
+    grad = np.random.default_rng(8).standard_normal(idx.shape[:-1] + (D,)).astype(np.float32)
+    # A captured tensor gets no gradient through recompute_grad (tf.gather's neither): a constant
+    # table is an argument, a variable is captured.
+    lookups = lambda ids, bag_weights, *table_arg: tf.map_fn(  # noqa: E731
+        lambda a: ops.embedding_bag(table_arg[0] if table_arg else params, a[0], a[1], "sqrtn",
+                                    sparse_gradient=sparse_gradient),
+        (ids, bag_weights), fn_output_signature=tf.float32)
+
+    @tf.function
+    def step(ids, bag_weights):
+        with tf.GradientTape() as tape:
+            tape.watch(bag_weights)
+            if kind == "constant":
+                tape.watch(params)
+            out = tf.recompute_grad(lookups)(ids, bag_weights, *([params] if kind == "constant" else []))
+            loss = tf.reduce_sum(out * grad)
+        d_table, d_weights = tape.gradient(loss, [params, bag_weights])
+        return out, tf.convert_to_tensor(d_table), d_weights
+
+    out, d_table, d_weights = step(tf.constant(idx), tf.constant(w))
+    want_out, want_d_table, want_d_weights = reference(table, idx, w, "sqrtn", grad)
+    assert rel_err(out, want_out) < 1e-5 and rel_err(d_table, want_d_table) < 1e-5
+    assert rel_err(d_weights, want_d_weights) < 1e-5
