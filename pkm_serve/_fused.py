@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from pkm_serve import _second_order, _xla
+from pkm_serve import _pfor, _second_order, _xla
 from pkm_serve._composite import embedding_bag_composite
 from pkm_serve._library import load_library
 from pkm_serve._no_rows import marker_if_no_replica_has_any
@@ -29,6 +29,10 @@ def fused_embedding_bag(params, indices, weights=None, combiner="sum", name=None
     if _xla.composite_under_xla(params, indices):  # XLA for a backend without our custom-call target
         return embedding_bag_composite(params, indices, weights, combiner, name=name)
     if sparse_gradient and _xla.compile_device_type() is not None:
+        from tensorflow.python.eager import record  # no public "is a tape recording" query
+
+        if not record.could_possibly_record():  # inference (e.g. serving under jit): no gradient to shape
+            return fused_embedding_bag(params, indices, weights, combiner, name)
         # XLA needs static shapes; the number of distinct rows depends on the data.
         raise ValueError("embedding_bag: sparse_gradient=True cannot be compiled by XLA (the number of "
                          "distinct rows touched is only known at run time); use sparse_gradient=False "
@@ -111,12 +115,13 @@ def _register_gradients():
             combiner=op.get_attr("combiner"), has_weights=has_weights)
         from tensorflow.python.ops import resource_variable_ops
 
-        shape = resource_variable_ops.variable_shape(op.inputs[0], out_type=tf.int64)
+        shape = resource_variable_ops.variable_shape(op.inputs[0])  # int32: see _with_sparse_gradient
         rows, row_grads = marker_if_no_replica_has_any(rows, row_grads)
         return [tf.IndexedSlices(row_grads, rows, dense_shape=shape), None,
                 d_weights if has_weights else None]
 
     _second_order.register()  # the gradient ops' own gradients (second derivatives)
+    _pfor.register()  # tf.vectorized_map: one lookup on the stacked bags
 
 
 _register_gradients()
@@ -184,7 +189,9 @@ def _with_sparse_gradient(lib, params, bag_inputs, weights, combiner, has_weight
             rows, row_grads, d_weights = grad_op(d_out, table, *bag_inputs, bag_weights,
                                                  combiner=combiner, has_weights=has_weights)
             rows, row_grads = marker_if_no_replica_has_any(rows, row_grads)
-            d_table = tf.IndexedSlices(row_grads, rows, dense_shape=tf.shape(table, out_type=tf.int64))
+            # An int32 dense_shape, as tf.gather's: tf.cond's gradient turns the other branch's zeros
+            # into IndexedSlices with one and fails on a mismatch ("must have the same ... structure").
+            d_table = tf.IndexedSlices(row_grads, rows, dense_shape=tf.shape(table))
             return d_table, (d_weights if has_weights else tf.zeros_like(bag_weights))
 
         return out, grad

@@ -129,7 +129,8 @@ _AGAIN = ("fused_optimizer: table {} got a second fused update before its optimi
           "tape.gradient, set trainable=False on a table you do not train, or use sparse_gradient=True instead "
           "of fused_optimizer=True")
 _SECOND = ("fused_optimizer: table {} is also read outside its fused lookup in this training step (e.g. a tf.gather "
-           "of the table, or an embeddings_regularizer), or its empty gradient was made dense; the backward pass "
+           "of the table, or an embeddings_regularizer), or its empty gradient was made dense (tf.recompute_grad "
+           "around the lookup does); the backward pass "
            "already applied the lookup's update, and this gradient would apply a second one. Read the table only "
            "through the layer and pass its gradient on as it is, or use sparse_gradient=True instead of "
            "fused_optimizer=True")

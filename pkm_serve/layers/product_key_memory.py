@@ -197,6 +197,13 @@ class ProductKeyMemory(keras.layers.Layer):
         import tensorflow as tf
 
         d_model = inputs.shape[-1]
+        if d_model is None:  # e.g. an input_signature of [None, None]: the built width, checked when run
+            d_model = self.query_proj.kernel.shape[0]
+            check = tf.debugging.assert_equal(
+                tf.shape(inputs)[-1], d_model,
+                message=f"ProductKeyMemory: the last input dimension must be d_model = {d_model}, as built")
+            with tf.control_dependencies([check]):
+                inputs = tf.identity(inputs)
         leading_shape = tf.shape(inputs)[:-1]
         if mask is not None:
             mask = tf.reshape(tf.broadcast_to(mask, leading_shape), [-1])

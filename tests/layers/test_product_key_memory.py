@@ -296,3 +296,20 @@ def test_a_scalar_input_is_a_clear_error():
     # It was an IndexError (tuple index out of range) from build.
     with pytest.raises(ValueError, match="min_ndim=1"):
         ProductKeyMemory(**SMALL)(np.float32(1.0))
+
+
+def test_an_input_signature_with_an_unknown_last_dimension():
+    """tf.function(input_signature=[TensorSpec([None, None])]): the layer reads the width it was built
+    with (it was a TypeError converting [-1, None] to a tensor), and a wrong width at run time is an
+    error naming d_model rather than a reshape into other rows."""
+    rng = np.random.default_rng(3)
+    layer = make_pkm()
+    randomise_batchnorm(layer, rng)
+    serve = tf.function(lambda x: layer(x, training=False),
+                        input_signature=[tf.TensorSpec([None, None], tf.float32)])
+    x = rng.standard_normal((7, D_MODEL)).astype(np.float32)
+    out = serve(x)
+    assert out.shape == (7, SMALL["v_dim"])
+    np.testing.assert_allclose(out.numpy(), product_key_memory(layer, x), rtol=1e-4, atol=1e-5)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=f"d_model = {D_MODEL}"):
+        serve(rng.standard_normal((D_MODEL, D_MODEL // 2)).astype(np.float32))  # same size, other width

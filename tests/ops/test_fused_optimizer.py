@@ -349,6 +349,21 @@ def test_fused_refuses_gradients_accumulated_over_several_tape_calls():
     np.testing.assert_array_equal(table.numpy(), after_one)
 
 
+def test_fused_lookup_under_recompute_grad_is_refused_by_name():
+    """tf.recompute_grad makes the table's gradient dense (tf.gather's too), so the fused lookup's empty
+    gradient arrives as a dense second update: refused, and the message now names recompute_grad."""
+    layer = EmbeddingBag(12, 4, fused_optimizer=True)
+    layer.build()
+    opt = LazyAdam(0.1)
+    opt.build(layer.trainable_variables)
+    block = tf.recompute_grad(lambda ids: layer(ids))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(block(tf.constant([[1, 2, 3], [4, 5, -1]])) ** 2)
+    grads = tape.gradient(loss, layer.trainable_variables)
+    with pytest.raises(ValueError, match="tf.recompute_grad around the lookup"):
+        opt.apply_gradients(zip(grads, layer.trainable_variables))
+
+
 def test_fused_fit_under_a_one_replica_mirrored_strategy_trains_like_unfused():
     """Keras' symbolic build calls the layer outside any replica, where a MirroredVariable has no
     handle: fit raised "DistributedVariable.handle is not available outside the replica context"."""

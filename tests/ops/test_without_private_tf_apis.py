@@ -1,7 +1,8 @@
 """pkm_serve uses three private TF APIs for forward-mode autodiff (a table of
 special-case jvps, a query for an active accumulator's tangents, a reset of a
-busy accumulator). A TF without them must still import pkm_serve and look up
-and differentiate as before; only those jvps are lost."""
+busy accumulator) and pfor's converter registry (tf.vectorized_map). A TF
+without them must still import pkm_serve and look up and differentiate as
+before; only those jvps and the vectorized lookup are lost."""
 import os
 import subprocess
 import sys
@@ -14,7 +15,9 @@ _SCRIPT = """
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import forwardprop, forwardprop_util
+from tensorflow.python.ops.parallel_for import pfor
 del forwardprop._SPECIAL_CASES, forwardprop_util.push_forwardprop_state, forwardprop_util.pack_tangents
+del pfor.RegisterPFor
 import warnings
 warnings.simplefilter("error")  # a failed registration is only a RuntimeWarning in pkm_serve/__init__
 from pkm_serve import ops

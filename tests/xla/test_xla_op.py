@@ -318,3 +318,27 @@ def test_sparse_gradient_under_xla_is_a_clear_error_and_layers_opt_out_of_jit():
     # Keras' jit_compile="auto" must keep such a layer outside XLA.
     assert EmbeddingBag(16, 4, sparse_gradient=True).supports_jit is False
     assert EmbeddingBag(16, 4).supports_jit is True
+
+
+@pytest.mark.parametrize("kind", ("constant", "variable", "layer"))
+def test_sparse_gradient_inference_under_xla_is_the_plain_lookup(kind):
+    """No tape records: nothing has a data-dependent shape, so a sparse_gradient=True lookup served
+    under jit_compile is the plain one (it was the ValueError meant for training)."""
+    from pkm_serve.layers import EmbeddingBag
+
+    rng = np.random.default_rng(11)
+    table = rng.standard_normal((N, D)).astype(np.float32)
+    idx = rng.integers(-1, N, size=(6, K))
+    weights = rng.uniform(0.1, 1.0, size=idx.shape).astype(np.float32)
+    if kind == "layer":
+        layer = EmbeddingBag(N, D, combiner="sqrtn", sparse_gradient=True)
+        layer.build()
+        layer.embeddings.assign(table)
+        serve = tf.function(lambda i, w: layer(i, w), jit_compile=True)
+    else:
+        params = tf.constant(table) if kind == "constant" else tf.Variable(table)
+        serve = tf.function(lambda i, w: ops.embedding_bag(params, i, w, "sqrtn", sparse_gradient=True),
+                            jit_compile=True)
+    out = serve(tf.constant(idx, tf.int32), tf.constant(weights))
+    want, _, _ = bag_forward_backward(table, idx.tolist(), weights.tolist(), "sqrtn", np.zeros((6, D)))
+    assert_close(out, want, "float32", "forward")
