@@ -15,7 +15,8 @@ from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import dtypes, op_def_registry
 
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
-from pkm_serve.export.id_checks import assert_ids_in_table, assert_ids_rank, assert_masked_ids_below_rows
+from pkm_serve.export.id_checks import (assert_ids_in_table, assert_ids_rank, assert_masked_ids_below_rows,
+                                        ids_below_rows)
 from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site, dims, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
@@ -235,10 +236,13 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
     if site.regroup_ids is not None:
         site.indices = _regrouped_ids(fg, site)
     gathered_ids = site.indices
-    ids_check = None if site.sparse_indices is not None else assert_ids_in_table(fg, site, gathered_ids)
+    ids_check = None if site.sparse_indices is not None or site.negative_ids_padding else \
+        assert_ids_in_table(fg, site, gathered_ids)
     bound_check = assert_masked_ids_below_rows(fg, site, gathered_ids, params)
     site.indices = _regathered_ids(fg, site)
     indices = _masked_indices(fg, site) if site.mask is not None else site.indices
+    if site.ids_past_rows_padding:  # counted ids: an id >= N counts nowhere, as padding
+        indices = ids_below_rows(fg, site, indices, params)
     if site.weights is not None:
         indices, weights = _broadcast_ids_and_weights(fg, site, indices, weights)
     elif site.ones is not None:

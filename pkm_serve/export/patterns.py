@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import (dense, einsum, fuse, half_division, labels, pooled, ragged, ragged_range, sparse,
+from pkm_serve.export import (counts, dense, einsum, fuse, half_division, labels, pooled, ragged, ragged_range, sparse,
                               unrecognised)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
@@ -95,7 +95,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
         elif node.op == "Einsum":
             attempt(node, einsum.match_einsum)
         elif node.op in einsum.MATMUL_OPS:
-            attempt(node, einsum.match_matmul)
+            attempt(node, counts.match_matmul_site)
         elif node.op in sparse.SPARSE_SEGMENT_COMBINERS:
             attempt(node, sparse.match_sparse_segment)
         elif node.op == "SegmentSum":
