@@ -197,6 +197,13 @@ def _segment_of_rows(fg: FunctionGraph, node, site: Site, what: str) -> Site:
     return site
 
 
+def match_segment_mean(fg: FunctionGraph, node, site: Site) -> Site:
+    """tf.math.segment_mean(gather(table, values), segment_ids): combiner 'mean'
+    on the sorted bag ids (an empty bag in between is 0, as the op gives)."""
+    site.combiner = "mean"
+    return _segment_of_rows(fg, node, site, "segment_mean")
+
+
 def match_segment_max(fg: FunctionGraph, node, site: Site) -> Site:
     """tf.math.segment_max(gather(table, sp.values), sp.indices[:, 0]): combiner
     'max' on the sorted bag ids (an empty bag in between is 0, as the op gives;

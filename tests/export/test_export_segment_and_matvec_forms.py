@@ -1,0 +1,59 @@
+"""Bags users write with segment ops and matrix-vector products (round 31):
+each is fused and equal to numpy in the SavedModel and the .tflite, or
+reported and left as written."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pkm_serve import ops, tflite
+from pkm_serve.export import export_saved_model
+
+ops.load_library()
+
+N, D = 30, 4
+RNG = np.random.default_rng(131)
+TABLE = RNG.standard_normal((N, D)).astype(np.float32)
+
+
+def _save(path, specs, body):
+    module = tf.Module()
+    module.t = tf.Variable(TABLE)
+    module.f = tf.function(lambda *args: {"out": body(module.t, *args)}, input_signature=specs)
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.f})
+
+
+def _export(tmp_path, samples=None):
+    kw = {}
+    if samples is not None:
+        np.savez(tmp_path / "samples.npz", **samples)
+        kw["sample_inputs"] = str(tmp_path / "samples.npz")
+    return export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), tflite=str(tmp_path / "m.tflite"),
+                              quiet=True, **kw)
+
+
+def _outputs(tmp_path, result, inputs):
+    """(original, fused SavedModel, .tflite) outputs on `inputs`."""
+    def serve(path):
+        signature = tf.saved_model.load(str(path)).signatures["serving_default"]
+        return signature(**{k: tf.constant(v) for k, v in inputs.items()})["out"].numpy()
+    runner = tflite.make_interpreter(str(tmp_path / "m.tflite")).get_signature_runner("serving_default")
+    return serve(tmp_path / "m"), serve(result.dst), runner(**inputs)["out"]
+
+
+def test_a_segment_mean_of_gathered_rows_is_fused(tmp_path):
+    """tf.math.segment_mean was neither fused nor reported (segment_sum and
+    segment_max were). Bag 0 and bag 2 are empty (0), bag 1 holds a duplicate."""
+    specs = [tf.TensorSpec([None], tf.int64, "values"), tf.TensorSpec([None], tf.int64, "segments")]
+    _save(tmp_path / "m", specs, lambda t, values, segments: tf.math.segment_mean(tf.gather(t, values), segments))
+    inputs = {"values": np.array([3, 3, 7, 0, 29, 11], np.int64), "segments": np.array([1, 1, 1, 3, 3, 4], np.int64)}
+    result = _export(tmp_path, samples=inputs)
+    assert [(s.status, s.combiner, s.computes) for s in result.sites] == [("fused", "mean", "mean")]
+    assert result.tflite["custom_ops"] == ["PkmRaggedEmbeddingBag"]
+    table = TABLE.astype(np.float64)
+    reference = np.zeros((5, D))
+    for bag in range(5):
+        rows = table[inputs["values"][inputs["segments"] == bag]]
+        if len(rows):
+            reference[bag] = rows.mean(0)
+    for got in _outputs(tmp_path, result, inputs):
+        np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
