@@ -60,7 +60,7 @@ def _bag_shape(fg: FunctionGraph, site: Site):
     """The bag's shape: the root's, less the unit axis a matmul site keeps."""
     shape = _root_shape(fg, site)
     if site.expand_bag_axis and shape[0] is not None:
-        return [shape[0][:-2] + shape[0][-1:]]
+        return [shape[0][:-1] if site.bag_unit_axis == -1 else shape[0][:-2] + shape[0][-1:]]
     return shape
 
 
@@ -366,7 +366,7 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
         steps.append(("SelectV2", {"T": DType(site.table_dtype)},
                       lambda bag: [empty, default_row, bag]))
     if site.expand_bag_axis:
-        unit_axis = fg.add_const(site.root + "/pkm_unit_axis", np.array(-2, np.int32))
+        unit_axis = fg.add_const(site.root + "/pkm_unit_axis", np.array(site.bag_unit_axis, np.int32))
         steps.append(("ExpandDims", {"T": DType(out_dtype), "Tdim": I32}, lambda bag: [bag, unit_axis]))
     if site.empty_bag_lowest:
         out_type = dtypes.as_dtype(out_dtype)

@@ -80,6 +80,7 @@ class Site:
     ids_past_rows_padding: bool = False  # ids >= N count nowhere (bincount, one_hot): read as padding
     negative_ids_padding: bool = False   # negative ids count nowhere (one_hot): no negative-id check
     expand_bag_axis: bool = False     # the composite keeps a unit bag axis (matmul): the bag gets it back
+    bag_unit_axis: int = -2           # ... at this axis: -2 ([..., 1, D]) or -1 (rows^T @ w: [..., D, 1])
     mask_squeeze: bool = False        # mask likewise
     regathers: Tuple[Ref, ...] = ()   # rows re-gathered by these (outermost first)
     regroup_ids: Optional[List[int]] = None  # the composite reshapes its gathered rows to this + [D]:

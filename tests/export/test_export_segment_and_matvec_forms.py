@@ -57,3 +57,42 @@ def test_a_segment_mean_of_gathered_rows_is_fused(tmp_path):
             reference[bag] = rows.mean(0)
     for got in _outputs(tmp_path, result, inputs):
         np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
+
+
+MATVEC_FORMS = {
+    # [B, D]: matmul(rows, w[..., None], adjoint_a=True), squeezed
+    "matvec": lambda rows, w: tf.linalg.matvec(rows, w, transpose_a=True),
+    # [B, D, 1]: the rows transposed by a Transpose op
+    "transposed_rows": lambda rows, w: tf.matmul(tf.transpose(rows, [0, 2, 1]), w[:, :, None]),
+    # [B, 1, D]: the weights as a column, adjoint (was reported as "not w[..., None, :] @ rows")
+    "adjoint_weights": lambda rows, w: tf.matmul(w[:, :, None], rows, transpose_a=True),
+    # [B, D, 1]: a [B, K, 1] column of another tensor (squeezed for the op)
+    "weights_column": lambda rows, w: tf.matmul(rows, tf.stack([w, -w], -1)[:, :, :1], transpose_a=True),
+}
+
+
+@pytest.mark.parametrize("form", list(MATVEC_FORMS))
+def test_a_weighted_bag_as_a_matrix_vector_product_is_fused(tmp_path, form):
+    """Before, the rows-first spellings were not even reported."""
+    specs = [tf.TensorSpec([None, 5], tf.int64, "ids"), tf.TensorSpec([None, 5], tf.float32, "w")]
+    _save(tmp_path / "m", specs, lambda t, ids, w: MATVEC_FORMS[form](tf.gather(t, ids), w))
+    result = _export(tmp_path)
+    assert [(s.status, s.pattern, s.weighted) for s in result.sites] == [("fused", "matmul", True)], \
+        [s.reason for s in result.sites]
+    assert result.tflite["custom_ops"] == ["PkmEmbeddingBag"]
+    ids = RNG.integers(0, N, (6, 5)).astype(np.int64)
+    ids[0] = 4  # one id five times
+    inputs = {"ids": ids, "w": RNG.uniform(-1.0, 2.0, (6, 5)).astype(np.float32)}
+    bag = np.einsum("bk,bkd->bd", inputs["w"].astype(np.float64), TABLE.astype(np.float64)[ids])
+    reference = {"matvec": bag, "adjoint_weights": bag[:, None, :]}.get(form, bag[:, :, None])
+    for got in _outputs(tmp_path, result, inputs):
+        assert got.shape == reference.shape
+        np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_scored_by_a_vector_are_no_bag(tmp_path):
+    """rows @ v ([B, K, D] @ [D, 1]: a score per row, attention's first step)
+    pools nothing: neither fused nor reported."""
+    specs = [tf.TensorSpec([None, 5], tf.int64, "ids"), tf.TensorSpec([None, D], tf.float32, "v")]
+    _save(tmp_path / "m", specs, lambda t, ids, v: tf.matmul(tf.gather(t, ids), v[:, :, None]))
+    assert _export(tmp_path).sites == []
