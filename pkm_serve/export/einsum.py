@@ -105,8 +105,9 @@ def match_matmul(fg: FunctionGraph, node, site: Site) -> Site:
 
 
 def _adjoints(node):
+    """(adjoint x, adjoint y); read with `in`: indexing a NodeDef's attr map adds the key."""
     transposed = ("transpose_a", "transpose_b") if node.op == "MatMul" else ("adj_x", "adj_y")
-    return tuple(node.attr[a].b for a in transposed)
+    return tuple(a in node.attr and node.attr[a].b for a in transposed)
 
 
 def _same_types(node) -> bool:
