@@ -12,6 +12,11 @@ drops ids >= its size and refuses negative ones; one_hot gives them a zero
 row): the fused op reads it as padding. A multi-hot encoding (binary_output:
 CategoryEncoding multi_hot) counts each distinct id once, which no sum over
 the ids is (a duplicate would count twice): reported, not fused.
+
+  SparseTensorDenseMatMul(sp [B, N], table [N, D])   tf.sparse.sparse_dense_matmul(sp, table)
+      out[b] = sum over sp's values v at (b, id) of v * table[id]: the ragged
+      bag of ids sp.indices[:, 1] weighted by sp.values, rows sp.indices[:, 0]
+      (sorted, as the fused op's row_splits need) of dense_shape[0] bags.
 """
 from __future__ import annotations
 
@@ -33,6 +38,26 @@ def match_matmul_site(fg: FunctionGraph, node, site: Site) -> Site:
     return match_matmul(fg, node, site)
 
 
+def match_sparse_dense_matmul(fg: FunctionGraph, node, site: Site) -> Site:
+    """tf.sparse.sparse_dense_matmul(sp, table): a weighted ragged bag (module doc)."""
+    sp_indices, sp_values, sp_shape, table = fg.inputs(node)[:4]
+    site.pattern, site.weighted = "sparse_dense_matmul", True
+    if _flag(node, "adjoint_a") or _flag(node, "adjoint_b"):
+        raise Skip("sparse_dense_matmul with an adjoint operand: not sp [B, N] @ table [N, D]")
+    _fill_table(fg, site, table, node.attr["T"].type)
+    if tensor_dtype(fg, sp_indices) != types_pb2.DT_INT64:
+        raise Skip("sparse indices that are not int64")
+    site.sparse_indices, site.dense_shape, site.ids_are_sparse_columns = sp_indices, sp_shape, True
+    site.indices, site.index_dtype, site.weights = sp_indices, types_pb2.DT_INT64, sp_values
+    site.intermediate_itemsizes = (0,)  # the composite builds no [ids, D] rows either
+    return site
+
+
+def _flag(node, name: str) -> bool:
+    """A bool attr, default False; read with `in`: indexing the attr map adds the key."""
+    return name in node.attr and node.attr[name].b
+
+
 def _counts_producer(fg: FunctionGraph, ref: Ref):
     """(the DenseBincount or Sum(OneHot) node, the Cast between it and `ref` or None)."""
     node, cast = fg.producer(ref), None
@@ -52,7 +77,7 @@ def _counts_producer(fg: FunctionGraph, ref: Ref):
 def _match_counts_matmul(fg: FunctionGraph, node, site: Site) -> Site:
     counts_node, cast = _counts_producer(fg, fg.inputs(node)[0])
     table = fg.inputs(node)[1]
-    if node.attr["transpose_a"].b or node.attr["transpose_b"].b:
+    if _flag(node, "transpose_a") or _flag(node, "transpose_b"):
         raise Skip("a matmul of id counts with a transposed operand: not counts [B, N] @ table [N, D]")
     _fill_table(fg, site, table, node.attr["T"].type)
     if counts_node.op == "DenseBincount":
@@ -118,7 +143,7 @@ def _fill_table(fg: FunctionGraph, site: Site, table: Ref, dtype: int) -> None:
 def _bincount_ids(fg: FunctionGraph, node, cast, site: Site):
     """ids (and weights into `site`) of DenseBincount(ids, size, weights)."""
     ids, _, weights = fg.inputs(node)[:3]
-    if node.attr["binary_output"].b:
+    if _flag(node, "binary_output"):
         raise Skip("a multi-hot encoding (bincount binary_output=True, CategoryEncoding "
                    "output_mode='multi_hot') counts each distinct id once: the op's sum would count a "
                    "duplicate id twice, so the site stays composite")
@@ -150,7 +175,7 @@ def _one_hot_ids(fg: FunctionGraph, node, site: Site):
     axis = one_hot.attr["axis"].i if "axis" in one_hot.attr else -1  # a default attr is stripped
     summed_axis = fg.const_value(fg.inputs(node)[1])
     reason = "a sum of one_hot(ids) that is not the count of each id in the bag axis of [B, K] ids"
-    if fg.shape(ids).rank != 2 or axis not in (-1, 2) or node.attr["keep_dims"].b or \
+    if fg.shape(ids).rank != 2 or axis not in (-1, 2) or _flag(node, "keep_dims") or \
             summed_axis is None or summed_axis.size != 1 or int(summed_axis.reshape(())) not in (1, -2):
         raise Skip(reason)
     on_value, off_value = fg.const_value(on), fg.const_value(off)

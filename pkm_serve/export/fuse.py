@@ -235,8 +235,11 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
                                 {"T": DType(site.table_dtype), "Tshape": I32}, shapes=[[]])
     if site.regroup_ids is not None:
         site.indices = _regrouped_ids(fg, site)
+    if site.ids_are_sparse_columns:  # sparse_dense_matmul: the ids are the sparse indices' columns
+        site.indices = _sparse_column(fg, site.root + "/pkm_sparse_ids", site.sparse_indices, 1)
     gathered_ids = site.indices
-    ids_check = None if site.sparse_indices is not None or site.negative_ids_padding else \
+    pruned = site.sparse_indices is not None and not site.ids_are_sparse_columns  # safe_ drops negative ids
+    ids_check = None if pruned or site.negative_ids_padding else \
         assert_ids_in_table(fg, site, gathered_ids)
     bound_check = assert_masked_ids_below_rows(fg, site, gathered_ids, params)
     site.indices = _regathered_ids(fg, site)
@@ -414,12 +417,7 @@ def row_splits(fg: FunctionGraph, site: Site):
     prefix = site.root + "/pkm_row_splits"
     axis0 = fg.add_const(prefix + "/axis0", np.array(0, np.int32))
     if site.sparse_indices is not None:
-        column = fg.add_const(prefix + "/row_column", np.array(0, np.int32))
-        axis1 = fg.add_const(prefix + "/axis1", np.array(1, np.int32))
-        rows_of_ids = fg.add_op(prefix + "/ids_row", "GatherV2",
-                                [site.sparse_indices, column, axis1],
-                                {"Tparams": I64, "Tindices": I32, "Taxis": I32,
-                                 "batch_dims": 0}, shapes=[[None]])
+        rows_of_ids = _sparse_column(fg, prefix + "/ids_row", site.sparse_indices, 0)
         seg = _cast(fg, prefix + "/ids_row32", rows_of_ids, types_pb2.DT_INT64,
                     types_pb2.DT_INT32, [None])
         first = fg.add_op(prefix + "/rows64", "GatherV2", [site.dense_shape, axis0, axis0],
@@ -455,6 +453,13 @@ def row_splits(fg: FunctionGraph, site: Site):
     splits = fg.add_op(prefix, "ConcatV2", [zero, ends, axis0],
                        {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
     return splits, sorted_check
+
+
+def _sparse_column(fg: FunctionGraph, name: str, sparse_indices: Ref, column: int) -> Ref:
+    """sparse_indices[:, column] (int64 [nnz]): a value's row (0) or column (1)."""
+    return fg.add_op(name, "GatherV2", [sparse_indices, fg.add_const(name + "/column", np.array(column, np.int32)),
+                                        fg.add_const(name + "/axis1", np.array(1, np.int32))],
+                     {"Tparams": I64, "Tindices": I32, "Taxis": I32, "batch_dims": 0}, shapes=[[None]])
 
 
 def _assert_sorted(fg: FunctionGraph, prefix: str, seg: Ref) -> str:

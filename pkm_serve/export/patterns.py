@@ -104,6 +104,8 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, ragged.match_unsorted_segment_sum)
         elif node.op == "SegmentMax":
             attempt(node, sparse.match_segment_max)
+        elif node.op == "SparseTensorDenseMatMul":
+            attempt(node, counts.match_sparse_dense_matmul)
         elif node.op == "SegmentMean":
             attempt(node, sparse.match_segment_mean)
         elif node.op == "Max":

@@ -77,6 +77,7 @@ class Site:
     table_dtype: int = 0
     weights_squeeze: bool = False     # weights are [..., K, 1]: squeezed for the op
     weights_scalar: bool = False      # weights are one value ([] or [1, .., 1]): broadcast to the ids
+    ids_are_sparse_columns: bool = False  # sparse_dense_matmul: ids = sparse_indices[:, 1]
     ids_past_rows_padding: bool = False  # ids >= N count nowhere (bincount, one_hot): read as padding
     negative_ids_padding: bool = False   # negative ids count nowhere (one_hot): no negative-id check
     expand_bag_axis: bool = False     # the composite keeps a unit bag axis (matmul): the bag gets it back

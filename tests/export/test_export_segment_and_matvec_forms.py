@@ -96,3 +96,38 @@ def test_rows_scored_by_a_vector_are_no_bag(tmp_path):
     specs = [tf.TensorSpec([None, 5], tf.int64, "ids"), tf.TensorSpec([None, D], tf.float32, "v")]
     _save(tmp_path / "m", specs, lambda t, ids, v: tf.matmul(tf.gather(t, ids), v[:, :, None]))
     assert _export(tmp_path).sites == []
+
+
+SPARSE_SPEC = tf.SparseTensorSpec([None, N], tf.float32)
+
+
+def _sparse_inputs(indices, values, rows=5):
+    return {"sp": np.array(indices, np.int64), "sp_1": np.array(values, np.float32), "sp_2": np.array([rows, N], np.int64)}
+
+
+def test_sparse_dense_matmul_by_the_table_is_a_weighted_bag(tmp_path):
+    """tf.sparse.sparse_dense_matmul(sp [B, N], table) was neither fused nor reported
+    (and its op has no TFLite builtin). Row 1 and the last row are empty, (0, 7)
+    is given twice (summed, as the composite does)."""
+    def body(t, sp):
+        return tf.sparse.sparse_dense_matmul(sp, t)
+    module = tf.Module()
+    module.t = tf.Variable(TABLE)
+    module.f = tf.function(lambda sp: {"out": body(module.t, sp)}, input_signature=[SPARSE_SPEC])
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+    names = sorted(tf.saved_model.load(str(tmp_path / "m")).signatures["serving_default"].structured_input_signature[1])
+    inputs = dict(zip(names, _sparse_inputs([[0, 7], [0, 7], [0, 29], [2, 0], [3, 11], [3, 4]],
+                                            [1.0, 0.5, -2.0, 3.0, 1.5, 0.25]).values()))
+    result = _export(tmp_path)
+    assert [(s.status, s.pattern, s.weighted) for s in result.sites] == [("fused", "sparse_dense_matmul", True)]
+    assert result.tflite["custom_ops"] == ["PkmRaggedEmbeddingBag"]
+    indices, values = inputs[names[0]], inputs[names[1]]
+    reference = np.zeros((5, D))
+    for (row, column), value in zip(indices, values):
+        reference[row] += value * TABLE[column].astype(np.float64)
+    for got in _outputs(tmp_path, result, inputs):
+        np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
+    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    for bad, message in (([[0, -1]], "negative"), ([[1, 0], [0, 1]], "sorted")):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            fused(**dict(zip(names, map(tf.constant, _sparse_inputs(bad, [1.0] * len(bad)).values()))))
