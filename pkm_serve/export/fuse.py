@@ -430,14 +430,7 @@ def row_splits(fg: FunctionGraph, site: Site):
         seg_dtype = tensor_dtype(fg, seg)
         if seg_dtype != types_pb2.DT_INT32:
             seg = _cast(fg, prefix + "/ids32", seg, seg_dtype, types_pb2.DT_INT32, [None])
-        minus_one = fg.add_const(prefix + "/minus_one", np.array([-1], np.int32))
-        padded = fg.add_op(prefix + "/padded", "ConcatV2", [seg, minus_one, axis0],
-                           {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
-        last = fg.add_op(prefix + "/last", "Max", [padded, axis0],
-                         {"T": I32, "Tidx": I32, "keep_dims": False}, shapes=[[]])
-        one = fg.add_const(prefix + "/one", np.array(1, np.int32))
-        num_rows = fg.add_op(prefix + "/rows", "AddV2", [last, one], {"T": I32},
-                             shapes=[[]])
+        num_rows = _segment_count(fg, site, prefix, seg)
     sorted_check = _assert_sorted(fg, prefix, seg)
     seg_shape = fg.add_op(prefix + "/ids_shape", "Shape", [seg],
                           {"T": I32, "out_type": I32}, shapes=[[1]])
@@ -453,6 +446,21 @@ def row_splits(fg: FunctionGraph, site: Site):
     splits = fg.add_op(prefix, "ConcatV2", [zero, ends, axis0],
                        {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
     return splits, sorted_check
+
+
+def _segment_count(fg: FunctionGraph, site: Site, prefix: str, seg: Ref) -> Ref:
+    """int32 bags: num_segments where the segment op takes it, else last id + 1."""
+    if site.num_segments is not None:
+        return _cast(fg, prefix + "/rows", site.num_segments, tensor_dtype(fg, site.num_segments),
+                     types_pb2.DT_INT32, [])
+    axis0 = fg.add_const(prefix + "/rows_axis0", np.array(0, np.int32))
+    minus_one = fg.add_const(prefix + "/minus_one", np.array([-1], np.int32))
+    padded = fg.add_op(prefix + "/padded", "ConcatV2", [seg, minus_one, axis0],
+                       {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
+    last = fg.add_op(prefix + "/last", "Max", [padded, axis0],
+                     {"T": I32, "Tidx": I32, "keep_dims": False}, shapes=[[]])
+    one = fg.add_const(prefix + "/one", np.array(1, np.int32))
+    return fg.add_op(prefix + "/rows", "AddV2", [last, one], {"T": I32}, shapes=[[]])
 
 
 def _sparse_column(fg: FunctionGraph, name: str, sparse_indices: Ref, column: int) -> Ref:

@@ -205,6 +205,8 @@ def _per_position_lookup(fg: FunctionGraph, ref: Ref):
         raise Skip(f"the per-position sparse lookup pooled here is not fusable: {e}") from None
     if Ref(inner.root, 0) != lookup:
         return None
+    if inner.num_segments is not None:
+        raise Skip("the per-position sparse lookup pooled here sets num_segments: not fused with the pooling")
     if inner.pattern != "safe_embedding_lookup_sparse":
         raise Skip("the rows pooled over L are embedding_lookup_sparse without SparseFillEmptyRows: "
                    "only safe_embedding_lookup_sparse, which gives every position its row, is fused "

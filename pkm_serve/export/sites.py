@@ -66,6 +66,7 @@ class Site:
     mask_keeps_true: bool = True      # where(mask, rows, 0) vs where(mask, 0, rows)
     cast_enum: int = 0                # DstT of the cast, 0 = none
     segment_ids: Optional[Ref] = None  # sparse: sorted bag id of each value
+    num_segments: Optional[Ref] = None  # sparse: the bags a segment op's num_segments gives (else last id + 1)
     sparse_indices: Optional[Ref] = None  # safe_: [nnz, 2] ids before the fill
     dense_shape: Optional[Ref] = None     # safe_: [2]; dense_shape[0] bags
     default_id: Optional[int] = None      # safe_: row an empty bag gets (None: zeros)
