@@ -194,8 +194,8 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
             if i == len(steps) - 1:
                 fg.replace_node(site.root, step, step_inputs(ref), step_attrs)
             else:
-                ref = fg.add_op(f"{site.root}/pkm_{step.lower()}", step, step_inputs(ref),
-                                step_attrs, shapes=_root_shape(fg, site))
+                ref = fg.add_op(f"{site.root}/pkm_{step.lower()}", step, step_inputs(ref), step_attrs,
+                                shapes=_bag_shape(fg, site) if site.expand_bag_axis else _root_shape(fg, site))
     for name in site.internal:
         fg.redirect_control(name, params.node if site.params_is_resource and name in reads
                             else site.root)
