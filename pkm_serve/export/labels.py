@@ -76,11 +76,17 @@ def _floor_of_empty_bags(fg: FunctionGraph, node) -> bool:
     return floor is not None and floor.size == 1 and 0 < float(np.reshape(floor, [])) <= 1
 
 
+def _adds_last_axis(fg: FunctionGraph, node) -> bool:
+    """x[..., None] / x[:, None] (a StridedSlice adding a unit last axis)."""
+    from pkm_serve.export.dense import adds_unit_axis  # dense imports sites, which labels needs
+    return node.op == "StridedSlice" and adds_unit_axis(fg, node, fg.inputs(node), -1)
+
+
 def _reduced(fg: FunctionGraph, ref: Ref) -> Optional[Ref]:
-    """x of reduce_sum(x) / segment_sum(x), through casts, reshapes and an empty-bag floor."""
+    """x of reduce_sum(x) / segment_sum(x), through casts, reshapes, x[..., None] and an empty-bag floor."""
     node = fg.producer(ref)
     while node is not None and (node.op in ("Identity", "Cast", "Reshape", "ExpandDims") or
-                                _floor_of_empty_bags(fg, node)):
+                                _adds_last_axis(fg, node) or _floor_of_empty_bags(fg, node)):
         ref = fg.inputs(node)[0]
         node = fg.producer(ref)
     if node is None or node.op not in _REDUCTIONS:
