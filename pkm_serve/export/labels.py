@@ -142,8 +142,10 @@ def computes(fg: FunctionGraph, site: Site) -> str:
         if value is not None and bag is not None and np.all(value == bag):
             return "mean"
         return "sum"
+    if _is_ones(fg, summed):  # divided by the bag size (a ragged reduce_mean counts ones), weighted or not
+        return "mean"
     if multiplier is None:
-        return "mean" if _is_ones(fg, summed) else "sum"
+        return "sum"
     if _base(fg, summed) != _base(fg, multiplier):
         return "sum"
     if site.mask is not None or _is_mask(fg, summed) or _is_mask(fg, multiplier):

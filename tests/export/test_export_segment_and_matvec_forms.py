@@ -151,3 +151,25 @@ def test_a_sparse_segment_reduction_with_num_segments_is_fused(tmp_path, combine
         reference[bag] = rows.sum(0) / {"sum": 1, "mean": len(rows), "sqrt_n": np.sqrt(len(rows))}[combiner]
     for got in _outputs(tmp_path, result, inputs):
         np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_a_weighted_ragged_mean_is_labelled_a_mean(tmp_path):
+    """reduce_mean(ragged rows * ragged w, axis=1) divides the weighted bag by the
+    row's length: the report said "sum". Row 1 is empty (0 / 0: NaN, as the original)."""
+    ragged = tf.RaggedTensorSpec([None, None], tf.int64, row_splits_dtype=tf.int64)
+    weights = tf.RaggedTensorSpec([None, None], tf.float32, row_splits_dtype=tf.int64)
+    _save(tmp_path / "m", [ragged, weights],
+          lambda t, rt, w: tf.reduce_mean(tf.nn.embedding_lookup(t, rt) * tf.expand_dims(w, -1), axis=1))
+    splits = np.array([0, 3, 3, 5], np.int64)
+    values, w = np.array([3, 3, 29, 0, 11], np.int64), np.array([1.0, -0.5, 2.0, 0.25, 1.5], np.float32)
+    inputs = {"rt": values, "rt_1": splits, "w": w, "w_1": splits}
+    names = sorted(tf.saved_model.load(str(tmp_path / "m")).signatures["serving_default"].structured_input_signature[1])
+    inputs = dict(zip(names, inputs.values()))
+    result = _export(tmp_path, samples=inputs)
+    assert [(s.status, s.computes) for s in result.sites] == [("fused", "mean")]
+    table = TABLE.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        reference = np.stack([(w[a:b, None] * table[values[a:b]]).sum(0) / (b - a)
+                              for a, b in zip(splits[:-1], splits[1:])])
+    for got in _outputs(tmp_path, result, inputs)[:2]:
+        np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
