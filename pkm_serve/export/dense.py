@@ -437,12 +437,12 @@ def _not_over_features(fg: FunctionGraph, x: Ref, axis_ref: Ref) -> None:
         raise NotASite()
 
 
-def _check_bag_axis(fg: FunctionGraph, node, x: Ref, axis_ref: Ref) -> None:
+def _check_bag_axis(fg: FunctionGraph, node, x: Ref, axis_ref: Ref, site: Site) -> None:
     rank = fg.shape(x).rank
     if rank is None:
         raise Skip("rank of the gathered tensor is unknown")
-    if "keep_dims" in node.attr and node.attr["keep_dims"].b:
-        raise Skip("reduction keeps dims (keepdims=True)")
+    # keepdims=True: the bag, then its unit bag axis back ([..., 1, D])
+    site.expand_bag_axis = "keep_dims" in node.attr and node.attr["keep_dims"].b
     axes = fg.const_value(axis_ref)
     if axes is None or np.size(axes) != 1:
         raise Skip("reduction is not over exactly one constant axis")
@@ -467,7 +467,7 @@ def _bag_of_rows(fg: FunctionGraph, node, site: Site) -> Ref:
     if rows.regathers:
         raise Skip("the gathered rows are re-gathered before a dense reduction")
     apply_rows(fg, site, rows, node.name, x)
-    _check_bag_axis(fg, node, x, axis_ref)
+    _check_bag_axis(fg, node, x, axis_ref, site)
     return x
 
 

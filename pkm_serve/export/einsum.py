@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export.dense import adds_unit_axis, fill_from_gather, leads_to_gather, resolve_gather
+from pkm_serve.export.dense import (adds_unit_axis, fill_from_gather, leads_to_gather, resolve_gather,
+                                    strip_trailing_unit_axis)
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import (NotASite, Site, Skip, check_private, itemsize,
                                     same_dims)
@@ -73,34 +74,96 @@ MATMUL_OPS = ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
 
 def match_matmul(fg: FunctionGraph, node, site: Site) -> Site:
     """matmul(x, rows) with rows = table[ids] [..., K, D] and x = w[..., None, :]
-    ([..., 1, K]) is sum_k w[..., k] * rows[..., k, :] kept as [..., 1, D]: the
-    weighted bag, then expand_dims(-2). Any other matmul of gathered rows is reported."""
+    ([..., 1, K]; or w[..., None] [..., K, 1] with adj_x) is sum_k w[..., k] *
+    rows[..., k, :] kept as [..., 1, D]: the weighted bag, then expand_dims(-2).
+    Its transpose, matmul(rows, w[..., None], adj_x) or matvec(rows, w,
+    transpose_a=True), is the bag as [..., D, 1] (_match_rows_transposed).
+    Any other matmul of gathered rows is reported."""
     x, y = fg.inputs(node)[:2]
+    if not leads_to_gather(fg, y):
+        return _match_rows_transposed(fg, node, site)
     out = fg.shape(Ref(node.name, 0))
-    if not leads_to_gather(fg, y) or out.rank is None or out.rank < 2 or out[-2] != 1:
+    if out.rank is None or out.rank < 2 or out[-2] != 1:
         raise NotASite()  # not one row pooled from the rows (a Dense layer on them, attention)
     site.weighted = True
     reason = "a matmul of gathered rows that is not w[..., None, :] @ rows (a weighted bag)"
-    transposed = ("transpose_a", "transpose_b") if node.op == "MatMul" else ("adj_x", "adj_y")
-    if any(node.attr[a].b for a in transposed) or (node.op == "BatchMatMulV3" and len(
-            {node.attr[a].type for a in ("Ta", "Tb", "Tout")}) != 1):
+    adj_x, adj_y = _adjoints(node)
+    if adj_y or not _same_types(node):
         raise Skip(reason)
     try:
         gathered = resolve_gather(fg, y)
     except NotASite:
         raise Skip(reason) from None
     fill_from_gather(site, gathered, fg)
-    w, nodes = _unit_axis_before_last(fg, x)
+    if adj_x:  # matmul(w[..., None], rows, adjoint_a=True)
+        w, nodes, site.weights_squeeze = strip_trailing_unit_axis(fg, x, "weights")
+    else:
+        w, nodes = _unit_axis_before_last(fg, x)
     if w is None:
         raise Skip(reason)
-    if not same_dims(fg.shape(w), fg.shape(gathered.indices)):
+    return _fill_weighted(fg, site, gathered, w, nodes, [gathered.output] + ([] if site.weights_squeeze else [x]), -2)
+
+
+def _adjoints(node):
+    """(adjoint x, adjoint y); read with `in`: indexing a NodeDef's attr map adds the key."""
+    transposed = ("transpose_a", "transpose_b") if node.op == "MatMul" else ("adj_x", "adj_y")
+    return tuple(a in node.attr and node.attr[a].b for a in transposed)
+
+
+def _same_types(node) -> bool:
+    return node.op != "BatchMatMulV3" or len({node.attr[a].type for a in ("Ta", "Tb", "Tout")}) == 1
+
+
+def _match_rows_transposed(fg: FunctionGraph, node, site: Site) -> Site:
+    """matmul(rows, w[..., None], adj_x) or matmul(transpose(rows), w[..., None])
+    ([..., D, K] @ [..., K, 1]) is the weighted bag as [..., D, 1]."""
+    x, y = fg.inputs(node)[:2]
+    adj_x, adj_y = _adjoints(node)
+    nodes, rows = [], x
+    producer = fg.producer(x)
+    if not adj_x and producer is not None and producer.op == "Transpose" and _swaps_last_two(fg, producer):
+        nodes, rows = [producer.name], fg.inputs(producer)[0]
+    elif not adj_x:
+        raise NotASite()  # rows @ v: each row scored (attention), no pooling
+    out = fg.shape(Ref(node.name, 0))
+    if not leads_to_gather(fg, rows) or out.rank is None or out.rank < 2 or out[-1] != 1:
+        raise NotASite()
+    site.weighted = True
+    reason = "a matmul of transposed gathered rows that is not rows^T @ w[..., None] (a weighted bag)"
+    if adj_y or not _same_types(node):
+        raise Skip(reason)
+    try:
+        gathered = resolve_gather(fg, rows)
+    except NotASite:
+        raise Skip(reason) from None
+    fill_from_gather(site, gathered, fg)
+    w, w_nodes, site.weights_squeeze = strip_trailing_unit_axis(fg, y, "weights")
+    private = [gathered.output, x] + ([] if site.weights_squeeze else [y])
+    return _fill_weighted(fg, site, gathered, w, nodes + w_nodes, private, -1)
+
+
+def _swaps_last_two(fg: FunctionGraph, transpose) -> bool:
+    perm = fg.const_value(fg.inputs(transpose)[1])
+    if perm is None or perm.ndim != 1 or len(perm) < 2:
+        return False
+    rank = len(perm)
+    return [int(p) for p in perm] == list(range(rank - 2)) + [rank - 1, rank - 2]
+
+
+def _fill_weighted(fg: FunctionGraph, site: Site, gathered, w: Ref, nodes: List[str], private: List[Ref],
+                   unit_axis: int) -> Site:
+    """The weighted bag of a matmul site, its unit axis put back at `unit_axis`."""
+    w_shape = fg.shape(w)
+    if site.weights_squeeze and w_shape.rank:
+        w_shape = w_shape[:-1]
+    if not same_dims(w_shape, fg.shape(gathered.indices)):
         raise Skip("weights shape %s does not match indices shape %s" % (
-            fg.shape(w), fg.shape(gathered.indices)))
-    site.weights, site.expand_bag_axis = w, True
+            w_shape, fg.shape(gathered.indices)))
+    site.weights, site.expand_bag_axis, site.bag_unit_axis = w, True, unit_axis
     site.internal = tuple(gathered.nodes + nodes)
     site.intermediate_itemsizes = (itemsize(gathered.dtype),)
-    private = [gathered.output, x] + [Ref(n, 0) for n in gathered.nodes[:-1]]
-    check_private(fg, private, set(site.internal) | {node.name})
+    private = private + [Ref(n, 0) for n in gathered.nodes[:-1]]
+    check_private(fg, private, set(site.internal) | {site.root})
     return site
 
 

@@ -42,6 +42,7 @@ class Feed:
 
     features: Optional[List[ExampleFeature]] = None
     vocabulary: List[bytes] = dataclasses.field(default_factory=list)
+    sparse_width: Optional[int] = None  # a SparseTensor's dense_shape: columns are rows of a [N, D] table
 
 
 def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
@@ -56,9 +57,13 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
     vocabulary = model_vocabulary(meta_graph)
     feeds = {}
     for name, info in sig.inputs.items():
+        placeholder = info.name.split(":")[0]
+        if info.dtype == types_pb2.DT_INT64:
+            width = _sparse_matmul_width(meta_graph.graph_def, placeholder, library, sigs, graphs)
+            if width is not None:
+                feeds[name] = Feed(sparse_width=width)
         if info.dtype != types_pb2.DT_STRING:
             continue
-        placeholder = info.name.split(":")[0]
         parses = _parse_ops_fed_by(meta_graph.graph_def, placeholder, library, sigs, graphs)
         features = None
         if parses:
@@ -71,9 +76,22 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
     return feeds
 
 
-def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth: int = 8):
-    """Parse ops reached from a top-level placeholder through Identity and
-    function calls: [(FunctionGraph, node)]."""
+def _sparse_matmul_width(graph_def, placeholder: str, library, sigs, graphs) -> Optional[int]:
+    """N where the input is the dense_shape of a SparseTensor that
+    sparse_dense_matmul multiplies by an [N, D] table: its columns must be < N."""
+    for fg, node in _parse_ops_fed_by(graph_def, placeholder, library, sigs, graphs,
+                                      accept=lambda node, pos: node.op == "SparseTensorDenseMatMul" and pos == 2):
+        table = fg.shape(fg.inputs(node)[3])
+        adjoint_b = "adjoint_b" in node.attr and node.attr["adjoint_b"].b
+        if table.rank == 2 and table[1 if adjoint_b else 0] is not None:
+            return int(table[1 if adjoint_b else 0])
+    return None
+
+
+def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth: int = 8,
+                      accept=lambda node, pos: node.op in PARSE_OPS and pos == 0):
+    """Parse ops (or the ops `accept` takes) reached from a top-level placeholder
+    through Identity and function calls: [(FunctionGraph, node)]."""
     found = []
     frontier = []
     for node in graph_def.node:
@@ -102,7 +120,7 @@ def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth:
             ref = refs.pop()
             for consumer, cpos in fg.consumers(ref):
                 node = fg.nodes[consumer]
-                if node.op in PARSE_OPS and cpos == 0:
+                if accept(node, cpos):
                     found.append((fg, node))
                 elif node.op in ("Identity", "IdentityN"):
                     refs.append(Ref(consumer, cpos if node.op == "IdentityN" else 0))

@@ -15,7 +15,8 @@ from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import dtypes, op_def_registry
 
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
-from pkm_serve.export.id_checks import assert_ids_in_table, assert_ids_rank, assert_masked_ids_below_rows
+from pkm_serve.export.id_checks import (assert_ids_in_table, assert_ids_rank, assert_masked_ids_below_rows,
+                                        ids_below_rows)
 from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site, dims, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
@@ -59,7 +60,7 @@ def _bag_shape(fg: FunctionGraph, site: Site):
     """The bag's shape: the root's, less the unit axis a matmul site keeps."""
     shape = _root_shape(fg, site)
     if site.expand_bag_axis and shape[0] is not None:
-        return [shape[0][:-2] + shape[0][-1:]]
+        return [shape[0][:-1] if site.bag_unit_axis == -1 else shape[0][:-2] + shape[0][-1:]]
     return shape
 
 
@@ -193,8 +194,8 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
             if i == len(steps) - 1:
                 fg.replace_node(site.root, step, step_inputs(ref), step_attrs)
             else:
-                ref = fg.add_op(f"{site.root}/pkm_{step.lower()}", step, step_inputs(ref),
-                                step_attrs, shapes=_root_shape(fg, site))
+                ref = fg.add_op(f"{site.root}/pkm_{step.lower()}", step, step_inputs(ref), step_attrs,
+                                shapes=_bag_shape(fg, site) if site.expand_bag_axis else _root_shape(fg, site))
     for name in site.internal:
         fg.redirect_control(name, params.node if site.params_is_resource and name in reads
                             else site.root)
@@ -234,11 +235,17 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
                                 {"T": DType(site.table_dtype), "Tshape": I32}, shapes=[[]])
     if site.regroup_ids is not None:
         site.indices = _regrouped_ids(fg, site)
+    if site.ids_are_sparse_columns:  # sparse_dense_matmul: the ids are the sparse indices' columns
+        site.indices = _sparse_column(fg, site.root + "/pkm_sparse_ids", site.sparse_indices, 1)
     gathered_ids = site.indices
-    ids_check = None if site.sparse_indices is not None else assert_ids_in_table(fg, site, gathered_ids)
+    pruned = site.sparse_indices is not None and not site.ids_are_sparse_columns  # safe_ drops negative ids
+    ids_check = None if pruned or site.negative_ids_padding else \
+        assert_ids_in_table(fg, site, gathered_ids)
     bound_check = assert_masked_ids_below_rows(fg, site, gathered_ids, params)
     site.indices = _regathered_ids(fg, site)
     indices = _masked_indices(fg, site) if site.mask is not None else site.indices
+    if site.ids_past_rows_padding:  # counted ids: an id >= N counts nowhere, as padding
+        indices = ids_below_rows(fg, site, indices, params)
     if site.weights is not None:
         indices, weights = _broadcast_ids_and_weights(fg, site, indices, weights)
     elif site.ones is not None:
@@ -362,7 +369,7 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
         steps.append(("SelectV2", {"T": DType(site.table_dtype)},
                       lambda bag: [empty, default_row, bag]))
     if site.expand_bag_axis:
-        unit_axis = fg.add_const(site.root + "/pkm_unit_axis", np.array(-2, np.int32))
+        unit_axis = fg.add_const(site.root + "/pkm_unit_axis", np.array(site.bag_unit_axis, np.int32))
         steps.append(("ExpandDims", {"T": DType(out_dtype), "Tdim": I32}, lambda bag: [bag, unit_axis]))
     if site.empty_bag_lowest:
         out_type = dtypes.as_dtype(out_dtype)
@@ -410,12 +417,7 @@ def row_splits(fg: FunctionGraph, site: Site):
     prefix = site.root + "/pkm_row_splits"
     axis0 = fg.add_const(prefix + "/axis0", np.array(0, np.int32))
     if site.sparse_indices is not None:
-        column = fg.add_const(prefix + "/row_column", np.array(0, np.int32))
-        axis1 = fg.add_const(prefix + "/axis1", np.array(1, np.int32))
-        rows_of_ids = fg.add_op(prefix + "/ids_row", "GatherV2",
-                                [site.sparse_indices, column, axis1],
-                                {"Tparams": I64, "Tindices": I32, "Taxis": I32,
-                                 "batch_dims": 0}, shapes=[[None]])
+        rows_of_ids = _sparse_column(fg, prefix + "/ids_row", site.sparse_indices, 0)
         seg = _cast(fg, prefix + "/ids_row32", rows_of_ids, types_pb2.DT_INT64,
                     types_pb2.DT_INT32, [None])
         first = fg.add_op(prefix + "/rows64", "GatherV2", [site.dense_shape, axis0, axis0],
@@ -428,14 +430,7 @@ def row_splits(fg: FunctionGraph, site: Site):
         seg_dtype = tensor_dtype(fg, seg)
         if seg_dtype != types_pb2.DT_INT32:
             seg = _cast(fg, prefix + "/ids32", seg, seg_dtype, types_pb2.DT_INT32, [None])
-        minus_one = fg.add_const(prefix + "/minus_one", np.array([-1], np.int32))
-        padded = fg.add_op(prefix + "/padded", "ConcatV2", [seg, minus_one, axis0],
-                           {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
-        last = fg.add_op(prefix + "/last", "Max", [padded, axis0],
-                         {"T": I32, "Tidx": I32, "keep_dims": False}, shapes=[[]])
-        one = fg.add_const(prefix + "/one", np.array(1, np.int32))
-        num_rows = fg.add_op(prefix + "/rows", "AddV2", [last, one], {"T": I32},
-                             shapes=[[]])
+        num_rows = _segment_count(fg, site, prefix, seg)
     sorted_check = _assert_sorted(fg, prefix, seg)
     seg_shape = fg.add_op(prefix + "/ids_shape", "Shape", [seg],
                           {"T": I32, "out_type": I32}, shapes=[[1]])
@@ -451,6 +446,28 @@ def row_splits(fg: FunctionGraph, site: Site):
     splits = fg.add_op(prefix, "ConcatV2", [zero, ends, axis0],
                        {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
     return splits, sorted_check
+
+
+def _segment_count(fg: FunctionGraph, site: Site, prefix: str, seg: Ref) -> Ref:
+    """int32 bags: num_segments where the segment op takes it, else last id + 1."""
+    if site.num_segments is not None:
+        return _cast(fg, prefix + "/rows", site.num_segments, tensor_dtype(fg, site.num_segments),
+                     types_pb2.DT_INT32, [])
+    axis0 = fg.add_const(prefix + "/rows_axis0", np.array(0, np.int32))
+    minus_one = fg.add_const(prefix + "/minus_one", np.array([-1], np.int32))
+    padded = fg.add_op(prefix + "/padded", "ConcatV2", [seg, minus_one, axis0],
+                       {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
+    last = fg.add_op(prefix + "/last", "Max", [padded, axis0],
+                     {"T": I32, "Tidx": I32, "keep_dims": False}, shapes=[[]])
+    one = fg.add_const(prefix + "/one", np.array(1, np.int32))
+    return fg.add_op(prefix + "/rows", "AddV2", [last, one], {"T": I32}, shapes=[[]])
+
+
+def _sparse_column(fg: FunctionGraph, name: str, sparse_indices: Ref, column: int) -> Ref:
+    """sparse_indices[:, column] (int64 [nnz]): a value's row (0) or column (1)."""
+    return fg.add_op(name, "GatherV2", [sparse_indices, fg.add_const(name + "/column", np.array(column, np.int32)),
+                                        fg.add_const(name + "/axis1", np.array(1, np.int32))],
+                     {"Tparams": I64, "Tindices": I32, "Taxis": I32, "batch_dims": 0}, shapes=[[None]])
 
 
 def _assert_sorted(fg: FunctionGraph, prefix: str, seg: Ref) -> str:

@@ -114,18 +114,9 @@ def assert_masked_ids_below_rows(fg: FunctionGraph, site: Site, ids: Ref, params
         return None
     prefix = site.root + "/pkm_ids_bound_check"
     dtype = DType(site.index_dtype)
-    np_type = dtypes.as_dtype(site.index_dtype).as_numpy_dtype
     largest = _reduce_ids(fg, prefix, ids, dtype, "Max", "/largest")
     rows = site.table_shape[0] if site.table_shape else None
-    if rows is not None:
-        bound = fg.add_const(prefix + "/rows", np.array(rows, np_type))
-    else:  # Shape(table)[0], in the ids' dtype
-        shape = fg.add_op(prefix + "/table_shape", "Shape", [params],
-                          {"T": DType(site.table_dtype), "out_type": dtype}, shapes=[[2]])
-        bound = fg.add_op(prefix + "/rows", "GatherV2",
-                          [shape, fg.add_const(prefix + "/zero", np.array(0, np.int32)),
-                           fg.add_const(prefix + "/axis0", np.array(0, np.int32))],
-                          {"Tparams": dtype, "Tindices": I32, "Taxis": I32, "batch_dims": 0}, shapes=[[]])
+    bound = _table_rows(fg, site, params, prefix)
     ok = fg.add_op(prefix + "/below_rows", "Less", [largest, bound], {"T": dtype}, shapes=[[]])
     return _assert(fg, prefix, ok,
                    f"{DENSE_OP} (fused masked gather of {site.table or 'the table'} in {site.root}): an id is "
@@ -133,6 +124,33 @@ def assert_masked_ids_below_rows(fg: FunctionGraph, site: Site, ids: Ref, params
                    f"is not in [0, {rows if rows is not None else 'N'}) (the original model gathers every id "
                    f"before its mask and refuses it, masked or not; the fused op alone would have taken "
                    f"a masked one as padding)", "/message_range")
+
+
+def _table_rows(fg: FunctionGraph, site: Site, params: Ref, prefix: str) -> Ref:
+    """N, the table's rows, in the ids' dtype: a constant, or Shape(table)[0]."""
+    dtype = DType(site.index_dtype)
+    rows = site.table_shape[0] if site.table_shape else None
+    if rows is not None:
+        return fg.add_const(prefix + "/rows", np.array(rows, dtypes.as_dtype(site.index_dtype).as_numpy_dtype))
+    shape = fg.add_op(prefix + "/table_shape", "Shape", [params],
+                      {"T": DType(site.table_dtype), "out_type": dtype}, shapes=[[2]])
+    return fg.add_op(prefix + "/rows", "GatherV2",
+                     [shape, fg.add_const(prefix + "/zero", np.array(0, np.int32)),
+                      fg.add_const(prefix + "/axis0", np.array(0, np.int32))],
+                     {"Tparams": dtype, "Tindices": I32, "Taxis": I32, "batch_dims": 0}, shapes=[[]])
+
+
+def ids_below_rows(fg: FunctionGraph, site: Site, ids: Ref, params: Ref) -> Ref:
+    """where(ids < N, ids, -1): a site whose composite counts the ids (bincount,
+    one_hot) counts an id >= N nowhere, the op's padding; negative ids are
+    padding to the op already."""
+    prefix = site.root + "/pkm_ids_in_table"
+    below = fg.add_op(prefix + "/below_rows", "Less", [ids, _table_rows(fg, site, params, prefix)],
+                      {"T": DType(site.index_dtype)}, shapes=[None])
+    pad = fg.add_const(prefix + "/padding_id", np.array(-1, dtypes.as_dtype(site.index_dtype).as_numpy_dtype))
+    shape = fg.shape(ids)
+    return fg.add_op(prefix, "SelectV2", [below, ids, pad], {"T": DType(site.index_dtype)},
+                     shapes=[None if shape.rank is None else shape.as_list()])
 
 
 def assert_ids_rank(fg: FunctionGraph, site: Site, ids: Ref) -> Optional[str]:

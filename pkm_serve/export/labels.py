@@ -76,11 +76,17 @@ def _floor_of_empty_bags(fg: FunctionGraph, node) -> bool:
     return floor is not None and floor.size == 1 and 0 < float(np.reshape(floor, [])) <= 1
 
 
+def _adds_last_axis(fg: FunctionGraph, node) -> bool:
+    """x[..., None] / x[:, None] (a StridedSlice adding a unit last axis)."""
+    from pkm_serve.export.dense import adds_unit_axis  # dense imports sites, which labels needs
+    return node.op == "StridedSlice" and adds_unit_axis(fg, node, fg.inputs(node), -1)
+
+
 def _reduced(fg: FunctionGraph, ref: Ref) -> Optional[Ref]:
-    """x of reduce_sum(x) / segment_sum(x), through casts, reshapes and an empty-bag floor."""
+    """x of reduce_sum(x) / segment_sum(x), through casts, reshapes, x[..., None] and an empty-bag floor."""
     node = fg.producer(ref)
     while node is not None and (node.op in ("Identity", "Cast", "Reshape", "ExpandDims") or
-                                _floor_of_empty_bags(fg, node)):
+                                _adds_last_axis(fg, node) or _floor_of_empty_bags(fg, node)):
         ref = fg.inputs(node)[0]
         node = fg.producer(ref)
     if node is None or node.op not in _REDUCTIONS:
@@ -136,8 +142,10 @@ def computes(fg: FunctionGraph, site: Site) -> str:
         if value is not None and bag is not None and np.all(value == bag):
             return "mean"
         return "sum"
+    if _is_ones(fg, summed):  # divided by the bag size (a ragged reduce_mean counts ones), weighted or not
+        return "mean"
     if multiplier is None:
-        return "mean" if _is_ones(fg, summed) else "sum"
+        return "sum"
     if _base(fg, summed) != _base(fg, multiplier):
         return "sum"
     if site.mask is not None or _is_mask(fg, summed) or _is_mask(fg, multiplier):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import (dense, einsum, fuse, half_division, labels, pooled, ragged, ragged_range, sparse,
+from pkm_serve.export import (counts, dense, einsum, fuse, half_division, labels, pooled, ragged, ragged_range, sparse,
                               unrecognised)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
@@ -95,7 +95,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
         elif node.op == "Einsum":
             attempt(node, einsum.match_einsum)
         elif node.op in einsum.MATMUL_OPS:
-            attempt(node, einsum.match_matmul)
+            attempt(node, counts.match_matmul_site)
         elif node.op in sparse.SPARSE_SEGMENT_COMBINERS:
             attempt(node, sparse.match_sparse_segment)
         elif node.op == "SegmentSum":
@@ -104,6 +104,10 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, ragged.match_unsorted_segment_sum)
         elif node.op == "SegmentMax":
             attempt(node, sparse.match_segment_max)
+        elif node.op == "SparseTensorDenseMatMul":
+            attempt(node, counts.match_sparse_dense_matmul)
+        elif node.op == "SegmentMean":
+            attempt(node, sparse.match_segment_mean)
         elif node.op == "Max":
             attempt(node, dense.match_reduce_max)
     for site in sites:

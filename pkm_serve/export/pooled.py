@@ -205,6 +205,8 @@ def _per_position_lookup(fg: FunctionGraph, ref: Ref):
         raise Skip(f"the per-position sparse lookup pooled here is not fusable: {e}") from None
     if Ref(inner.root, 0) != lookup:
         return None
+    if inner.num_segments is not None:
+        raise Skip("the per-position sparse lookup pooled here sets num_segments: not fused with the pooling")
     if inner.pattern != "safe_embedding_lookup_sparse":
         raise Skip("the rows pooled over L are embedding_lookup_sparse without SparseFillEmptyRows: "
                    "only safe_embedding_lookup_sparse, which gives every position its row, is fused "
@@ -237,7 +239,7 @@ def match_pooled_positions(fg: FunctionGraph, node, site: Site) -> Site:
         setattr(site, key, getattr(inner, key))
     rows_shape = fg.shape(Ref(reshape.name, 0))
     site.gathered_shape = dims(rows_shape)
-    _check_bag_axis(fg, node, x, axis_ref)
+    _check_bag_axis(fg, node, x, axis_ref, site)
     width = site.table_shape[1] if site.table_shape else None
     if rows_shape.rank != 3 or width is None or rows_shape[-1] != width:
         raise Skip(f"the per-position sparse lookup is reshaped to {rows_shape}, not proven to be "

@@ -66,6 +66,7 @@ class Site:
     mask_keeps_true: bool = True      # where(mask, rows, 0) vs where(mask, 0, rows)
     cast_enum: int = 0                # DstT of the cast, 0 = none
     segment_ids: Optional[Ref] = None  # sparse: sorted bag id of each value
+    num_segments: Optional[Ref] = None  # sparse: the bags a segment op's num_segments gives (else last id + 1)
     sparse_indices: Optional[Ref] = None  # safe_: [nnz, 2] ids before the fill
     dense_shape: Optional[Ref] = None     # safe_: [2]; dense_shape[0] bags
     default_id: Optional[int] = None      # safe_: row an empty bag gets (None: zeros)
@@ -77,7 +78,11 @@ class Site:
     table_dtype: int = 0
     weights_squeeze: bool = False     # weights are [..., K, 1]: squeezed for the op
     weights_scalar: bool = False      # weights are one value ([] or [1, .., 1]): broadcast to the ids
+    ids_are_sparse_columns: bool = False  # sparse_dense_matmul: ids = sparse_indices[:, 1]
+    ids_past_rows_padding: bool = False  # ids >= N count nowhere (bincount, one_hot): read as padding
+    negative_ids_padding: bool = False   # negative ids count nowhere (one_hot): no negative-id check
     expand_bag_axis: bool = False     # the composite keeps a unit bag axis (matmul): the bag gets it back
+    bag_unit_axis: int = -2           # ... at this axis: -2 ([..., 1, D]) or -1 (rows^T @ w: [..., D, 1])
     mask_squeeze: bool = False        # mask likewise
     regathers: Tuple[Ref, ...] = ()   # rows re-gathered by these (outermost first)
     regroup_ids: Optional[List[int]] = None  # the composite reshapes its gathered rows to this + [D]:

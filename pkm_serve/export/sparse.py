@@ -26,7 +26,10 @@ from pkm_serve.export.sites import (INDEX_DTYPES, TABLE_DTYPES, NotASite, Site, 
 from pkm_serve.export.unrecognised import clips_rows
 
 SPARSE_SEGMENT_COMBINERS = {
-    "SparseSegmentSum": "sum", "SparseSegmentMean": "mean", "SparseSegmentSqrtN": "sqrtn"}
+    "SparseSegmentSum": "sum", "SparseSegmentMean": "mean", "SparseSegmentSqrtN": "sqrtn",
+    # tf.sparse.segment_sum/mean/sqrt_n(.., num_segments=n): n bags, the last ones empty
+    "SparseSegmentSumWithNumSegments": "sum", "SparseSegmentMeanWithNumSegments": "mean",
+    "SparseSegmentSqrtNWithNumSegments": "sqrtn"}
 DIVISION_OPS = ("DivNoNan", "RealDiv", "Div")
 
 
@@ -60,7 +63,9 @@ def _resolve_sparse_rows(fg: FunctionGraph, ref: Ref):
 
 
 def match_sparse_segment(fg: FunctionGraph, node, site: Site) -> Site:
-    data, seg_indices, segment_ids = fg.inputs(node)
+    data, seg_indices, segment_ids = fg.inputs(node)[:3]
+    if node.op.endswith("WithNumSegments"):
+        site.num_segments = fg.inputs(node)[3]
     nodes: List[str] = []
     data = through_identity(fg, data, nodes)
     site.combiner = SPARSE_SEGMENT_COMBINERS[node.op]
@@ -195,6 +200,13 @@ def _segment_of_rows(fg: FunctionGraph, node, site: Site, what: str) -> Site:
     if site.index_dtype not in INDEX_DTYPES:
         raise Skip(f"index dtype {dtype_name(site.index_dtype)} is not int32/int64")
     return site
+
+
+def match_segment_mean(fg: FunctionGraph, node, site: Site) -> Site:
+    """tf.math.segment_mean(gather(table, values), segment_ids): combiner 'mean'
+    on the sorted bag ids (an empty bag in between is 0, as the op gives)."""
+    site.combiner = "mean"
+    return _segment_of_rows(fg, node, site, "segment_mean")
 
 
 def match_segment_max(fg: FunctionGraph, node, site: Site) -> Site:

@@ -69,15 +69,16 @@ def _bag_sizes(rng, batch_size: int) -> np.ndarray:
     return per_row
 
 
-def _sparse_layout(rng, batch_size: int, rank: int):
+def _sparse_layout(rng, batch_size: int, rank: int, width: int = 4):
     """Indices in canonical (row-major, sorted) order, as the segment ops of
-    embedding_lookup_sparse require, and the dense shape."""
+    embedding_lookup_sparse require, and the dense shape: `width` columns (the
+    table's rows where sparse_dense_matmul multiplies the SparseTensor by it)."""
     rows = []
     for b, count in enumerate(_bag_sizes(rng, batch_size)):
-        cols = np.sort(rng.choice(4, size=count, replace=False))
+        cols = np.sort(rng.choice(width, size=min(count, width), replace=False))
         rows.extend([b] + [int(c)] + [0] * (rank - 2) for c in cols)
     indices = np.array(rows, np.int64).reshape(-1, rank)
-    return indices, np.array([batch_size] + [4] * (rank - 1), np.int64)
+    return indices, np.array(([batch_size, width] + [4] * (rank - 2))[:rank], np.int64)
 
 
 def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
@@ -91,12 +92,13 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
     feeds = feeds or {}
     out: Dict[str, np.ndarray] = {}
     sparse = _sparse_groups(specs)
-    sparse_layout = {}  # dense rank -> (indices, dense_shape) shared by the groups
+    sparse_layout = {}  # (dense rank, width) -> (indices, dense_shape) shared by the groups
     for ind_name, val_name, shape_name in sparse.values():
         rank = specs[ind_name].shape[1] or 2
-        if rank not in sparse_layout:
-            sparse_layout[rank] = _sparse_layout(rng, batch_size, rank)
-        indices, dense_shape = sparse_layout[rank]
+        width = getattr(feeds.get(shape_name), "sparse_width", None) or 4
+        if (rank, width) not in sparse_layout:
+            sparse_layout[rank, width] = _sparse_layout(rng, batch_size, rank, width)
+        indices, dense_shape = sparse_layout[rank, width]
         out[ind_name] = indices
         out[shape_name] = dense_shape
         out[val_name] = _values(rng, specs[val_name].dtype, [len(indices)], index_limit,

@@ -467,7 +467,7 @@ def unfusable_reductions(path):
         rows = lambda: tf.gather(t, idx)  # noqa: E731 - a fresh gather each
         keep = tf.not_equal(idx, 0)[..., None]
         return {"over_batch": tf.reduce_sum(rows(), axis=0),
-                "keepdims": tf.reduce_sum(rows(), axis=1, keepdims=True),
+                "two_axes": tf.reduce_sum(rows(), axis=[1, 2]),
                 "per_bag_weight": tf.reduce_sum(rows() * w[:, :1, None], axis=1),
                 "exp": tf.reduce_sum(tf.exp(rows()), axis=1),
                 "where_one": tf.reduce_sum(tf.where(keep, rows(), 1.0), axis=1)}

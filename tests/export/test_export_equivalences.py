@@ -50,6 +50,10 @@ def _weighted_forms(table, ids, w):
                              "masked mean"),
         "masked_mean_where": (s(tf.where(mask[..., None], rows(), 0.0), 1) /
                               s(maskf, 1, keepdims=True), "masked mean"),
+        # the divisor's unit axis added by a slice (labelled "sum" before round 31)
+        "mean_div_slice": (s(rows() * w3, 1) / s(w, 1)[:, None], "weighted mean"),
+        "masked_mean_where_slice": (s(tf.where(mask[..., None], rows(), 0.0), 1) /
+                                    tf.maximum(s(maskf, 1), 1.0)[..., None], "masked mean"),
     }
 
 
@@ -61,7 +65,8 @@ def _reference(ids, w):
             "mean_div_no_nan": bag(w, "mean"), "mean_reciprocal": bag(w, "mean"),
             "mean_one_over": bag(w, "mean"), "sqrtn": bag(w, "sqrtn"),
             "sqrtn_square": bag(w, "sqrtn"), "masked_mean_cast": bag(keep, "mean"),
-            "masked_mean_where": bag(keep, "mean")}
+            "masked_mean_where": bag(keep, "mean"), "mean_div_slice": bag(w, "mean"),
+            "masked_mean_where_slice": bag(keep, "mean")}
 
 
 @pytest.fixture(scope="module")

@@ -694,18 +694,6 @@ def test_a_matmul_weighted_sum_is_fused(tmp_path, form):
     np.testing.assert_allclose(want["out"], reference, rtol=1e-5, atol=1e-6)
 
 
-def test_a_matmul_pooling_in_another_spelling_is_reported(tmp_path):
-    def signature(module):
-        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int64), tf.TensorSpec([None, 3], tf.float32)])
-        def f(ids, w):
-            return {"out": tf.matmul(w[:, :, None], tf.gather(module.t, ids), transpose_a=True)}
-        return f
-    _save(tmp_path / "m", signature)
-    result = _export(tmp_path)
-    assert [(s.status, s.reason) for s in result.sites] == [
-        ("skipped", "a matmul of gathered rows that is not w[..., None, :] @ rows (a weighted bag)")]
-
-
 @pytest.mark.parametrize("form", ["constant", "variable_mean", "unit_axes", "on_device_scale"])
 def test_a_scalar_multiplier_is_fused_as_broadcast_weights(tmp_path, form):
     if form == "on_device_scale":

@@ -1,0 +1,188 @@
+"""Count-vector sites: a bag written as counts of the ids times the table.
+
+  DenseBincount(ids [B, K], size, w) [-> Cast] -> MatMul(counts [B, N], table [N, D])
+      Keras CategoryEncoding(output_mode="count") [count_weights=w] + Dense(use_bias=False),
+      tf.math.bincount(ids, w, minlength=N, maxlength=N, axis=-1) @ table
+  Sum(OneHot(ids [B, K], N, 1, 0), axis=1) [-> Cast] -> MatMul(counts, table)
+      tf.reduce_sum(tf.one_hot(ids, N), 1) @ table
+
+counts[b, n] = sum_k w[b, k] [ids[b, k] == n], so counts @ table is the bag
+sum_k w[b, k] table[ids[b, k]]. An id outside [0, N) counts nowhere (bincount
+drops ids >= its size and refuses negative ones; one_hot gives them a zero
+row): the fused op reads it as padding. A multi-hot encoding (binary_output:
+CategoryEncoding multi_hot) counts each distinct id once, which no sum over
+the ids is (a duplicate would count twice): reported, not fused.
+
+  SparseTensorDenseMatMul(sp [B, N], table [N, D])   tf.sparse.sparse_dense_matmul(sp, table)
+      out[b] = sum over sp's values v at (b, id) of v * table[id]: the ragged
+      bag of ids sp.indices[:, 1] weighted by sp.values, rows sp.indices[:, 0]
+      (sorted, as the fused op's row_splits need) of dense_shape[0] bags.
+"""
+from __future__ import annotations
+
+from tensorflow.core.framework import types_pb2
+
+from pkm_serve.export.einsum import match_matmul
+from pkm_serve.export.graph import FunctionGraph, Ref
+from pkm_serve.export.sites import (INDEX_DTYPES, TABLE_DTYPES, Site, Skip, check_private, dims,
+                                    dtype_name, itemsize, same_dims, tensor_dtype)
+
+_INTEGER_COUNTS = (types_pb2.DT_INT32, types_pb2.DT_INT64)
+
+
+def match_matmul_site(fg: FunctionGraph, node, site: Site) -> Site:
+    """A matmul of counts by a table (this module), else one of gathered rows (einsum.py)."""
+    if node.op == "MatMul" and _counts_producer(fg, fg.inputs(node)[0])[0] is not None:
+        site.pattern = "counts-matmul"
+        return _match_counts_matmul(fg, node, site)
+    return match_matmul(fg, node, site)
+
+
+def match_sparse_dense_matmul(fg: FunctionGraph, node, site: Site) -> Site:
+    """tf.sparse.sparse_dense_matmul(sp, table): a weighted ragged bag (module doc)."""
+    sp_indices, sp_values, sp_shape, table = fg.inputs(node)[:4]
+    site.pattern, site.weighted = "sparse_dense_matmul", True
+    if _flag(node, "adjoint_a") or _flag(node, "adjoint_b"):
+        raise Skip("sparse_dense_matmul with an adjoint operand: not sp [B, N] @ table [N, D]")
+    _fill_table(fg, site, table, node.attr["T"].type)
+    if tensor_dtype(fg, sp_indices) != types_pb2.DT_INT64:
+        raise Skip("sparse indices that are not int64")
+    site.sparse_indices, site.dense_shape, site.ids_are_sparse_columns = sp_indices, sp_shape, True
+    site.indices, site.index_dtype, site.weights = sp_indices, types_pb2.DT_INT64, sp_values
+    site.intermediate_itemsizes = (0,)  # the composite builds no [ids, D] rows either
+    return site
+
+
+def _flag(node, name: str) -> bool:
+    """A bool attr, default False; read with `in`: indexing the attr map adds the key."""
+    return name in node.attr and node.attr[name].b
+
+
+def _counts_producer(fg: FunctionGraph, ref: Ref):
+    """(the DenseBincount or Sum(OneHot) node, the Cast between it and `ref` or None)."""
+    node, cast = fg.producer(ref), None
+    if node is not None and node.op == "Cast":
+        cast, node = node, fg.producer(fg.inputs(node)[0])
+    if node is None:
+        return None, None
+    if node.op == "DenseBincount":
+        return node, cast
+    if node.op == "Sum":
+        one_hot = fg.producer(fg.inputs(node)[0])
+        if one_hot is not None and one_hot.op == "OneHot":
+            return node, cast
+    return None, None
+
+
+def _match_counts_matmul(fg: FunctionGraph, node, site: Site) -> Site:
+    counts_node, cast = _counts_producer(fg, fg.inputs(node)[0])
+    table = fg.inputs(node)[1]
+    if _flag(node, "transpose_a") or _flag(node, "transpose_b"):
+        raise Skip("a matmul of id counts with a transposed operand: not counts [B, N] @ table [N, D]")
+    _fill_table(fg, site, table, node.attr["T"].type)
+    if counts_node.op == "DenseBincount":
+        ids, nodes = _bincount_ids(fg, counts_node, cast, site)
+    else:
+        ids, nodes = _one_hot_ids(fg, counts_node, site)
+        _check_counts_dtype(counts_node.attr["T"].type, cast, site)
+    counts = Ref(counts_node.name, 0)
+    n_rows, counted = site.table_shape[0], fg.shape(counts)
+    if counted.rank == 2 and counted[-1] is None and counts_node.op == "DenseBincount":
+        counted = counted[:1].concatenate([_fixed_size(fg, fg.inputs(counts_node)[1])])
+    if counted.rank != 2 or counted[-1] is None or n_rows not in (None, counted[-1]):
+        raise Skip(f"id counts of shape {counted} are not [B, N] with N fixed to the table's rows")
+    ids_shape = fg.shape(ids)
+    if ids_shape.rank != 2:
+        raise Skip(f"ids of shape {ids_shape}: only [B, K] ids are counted into one bag per row")
+    site.table_shape = [counted[-1], site.table_shape[1]]
+    site.indices, site.index_dtype = ids, tensor_dtype(fg, ids)
+    if site.index_dtype not in INDEX_DTYPES:
+        raise Skip(f"index dtype {dtype_name(site.index_dtype)} is not int32/int64")
+    site.ids_past_rows_padding = True
+    site.gathered_shape = dims(counted)
+    site.internal = tuple(nodes + ([cast.name] if cast is not None else []))
+    site.intermediate_itemsizes = (itemsize(site.table_dtype),)
+    private = [Ref(n, 0) for n in site.internal]
+    check_private(fg, private, set(site.internal) | {node.name})
+    return site
+
+
+def _fixed_size(fg: FunctionGraph, ref: Ref):
+    """The bincount size that tf.math.bincount(minlength=N, maxlength=N) fixes:
+    min(N, max(N, max(ids) + 1)) = N; None where it is not fixed."""
+    value = fg.const_value(ref)
+    if value is not None:
+        return int(value)
+    node = fg.producer(ref)
+    if node is None or node.op != "Minimum":
+        return None
+    bounds = [fg.const_value(r) for r in fg.inputs(node)]
+    inner = [fg.producer(r) for r in fg.inputs(node)]
+    for upper, other in ((bounds[0], inner[1]), (bounds[1], inner[0])):
+        if upper is None or other is None or other.op != "Maximum":
+            continue
+        lower = [fg.const_value(r) for r in fg.inputs(other)]
+        if any(v is not None and int(v) == int(upper) for v in lower):
+            return int(upper)
+    return None
+
+
+def _fill_table(fg: FunctionGraph, site: Site, table: Ref, dtype: int) -> None:
+    site.params, site.params_is_resource = table, False
+    producer = fg.producer(table)
+    site.table = fg.inputs(producer)[0].node if producer is not None and producer.op == "ReadVariableOp" \
+        else table.node
+    shape = fg.shape(table)
+    site.table_shape, site.table_dtype, site.dtype = dims(shape), dtype, dtype_name(dtype)
+    if shape.rank != 2:
+        raise Skip("table is not known to be 2-D")
+    if dtype not in TABLE_DTYPES:
+        raise Skip(f"table dtype {dtype_name(dtype)} is not float32/float16/bfloat16")
+
+
+def _bincount_ids(fg: FunctionGraph, node, cast, site: Site):
+    """ids (and weights into `site`) of DenseBincount(ids, size, weights)."""
+    ids, _, weights = fg.inputs(node)[:3]
+    if _flag(node, "binary_output"):
+        raise Skip("a multi-hot encoding (bincount binary_output=True, CategoryEncoding "
+                   "output_mode='multi_hot') counts each distinct id once: the op's sum would count a "
+                   "duplicate id twice, so the site stays composite")
+    counts_dtype = node.attr["T"].type
+    w_shape = fg.shape(weights)
+    if w_shape.num_elements() != 0:
+        site.weighted = True
+        if not same_dims(w_shape, fg.shape(ids)):
+            raise Skip(f"count weights of shape {w_shape} do not match the ids' shape {fg.shape(ids)}")
+        if cast is not None or counts_dtype != site.table_dtype:
+            raise Skip(f"count weights of dtype {dtype_name(counts_dtype)} cast before the matmul")
+        site.weights = weights
+    else:
+        _check_counts_dtype(counts_dtype, cast, site)
+    return ids, [node.name]
+
+
+def _check_counts_dtype(counts_dtype: int, cast, site: Site) -> None:
+    """Counts in the table's dtype, or integer/float counts cast to it."""
+    if cast is None and counts_dtype != site.table_dtype or \
+            cast is not None and counts_dtype not in _INTEGER_COUNTS + TABLE_DTYPES:
+        raise Skip(f"id counts of dtype {dtype_name(counts_dtype)} multiply a {site.dtype} table")
+
+
+def _one_hot_ids(fg: FunctionGraph, node, site: Site):
+    """ids of Sum(OneHot(ids, depth, on=1, off=0, axis=-1), axis=-2)."""
+    one_hot = fg.producer(fg.inputs(node)[0])
+    ids, depth, on, off = fg.inputs(one_hot)[:4]
+    axis = one_hot.attr["axis"].i if "axis" in one_hot.attr else -1  # a default attr is stripped
+    summed_axis = fg.const_value(fg.inputs(node)[1])
+    reason = "a sum of one_hot(ids) that is not the count of each id in the bag axis of [B, K] ids"
+    if fg.shape(ids).rank != 2 or axis not in (-1, 2) or _flag(node, "keep_dims") or \
+            summed_axis is None or summed_axis.size != 1 or int(summed_axis.reshape(())) not in (1, -2):
+        raise Skip(reason)
+    on_value, off_value = fg.const_value(on), fg.const_value(off)
+    if on_value is None or off_value is None or on_value.reshape(()) != 1 or off_value.reshape(()) != 0:
+        raise Skip("one_hot with on_value/off_value other than 1/0")
+    depth_value = fg.const_value(depth)
+    if depth_value is None or site.table_shape[0] not in (None, int(depth_value)):
+        raise Skip("one_hot depth is not the table's rows")
+    site.negative_ids_padding = True  # one_hot gives them a zero row, the op skips them
+    return ids, [one_hot.name, node.name]

@@ -1,0 +1,122 @@
+"""A bag written as counts of the ids times the table (round 31): Keras
+CategoryEncoding(output_mode="count") + Dense(use_bias=False), tf.math.bincount
+or a sum of tf.one_hot, then a matmul. Fused, equal to numpy in the SavedModel
+and the .tflite, ids past the table counted nowhere as in the original; a
+multi-hot encoding (distinct ids) is reported, never fused as a sum."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pkm_serve import ops, tflite
+from pkm_serve.export import export_saved_model
+
+ops.load_library()
+
+N, D, K = 30, 4, 5
+RNG = np.random.default_rng(31)
+TABLE = RNG.standard_normal((N, D)).astype(np.float32)
+
+
+def _keras_model(output_mode, weighted=False):
+    ids = keras.Input((K,), dtype="int64", name="ids")
+    w = keras.Input((K,), dtype="float32", name="w")
+    counts = keras.layers.CategoryEncoding(N, output_mode=output_mode)(ids, count_weights=w if weighted else None)
+    dense = keras.layers.Dense(D, use_bias=False)
+    out = dense(counts)
+    dense.set_weights([TABLE])
+    return keras.Model([ids, w] if weighted else ids, out)
+
+
+def _module(counts_of):
+    module = tf.Module()
+    module.t = tf.Variable(TABLE)
+    module.f = tf.function(lambda ids: {"out": tf.matmul(counts_of(ids), module.t)},
+                           input_signature=[tf.TensorSpec([None, K], tf.int64, name="ids")])
+    return module
+
+
+def _save(form, path):
+    if form.startswith("keras"):
+        _keras_model("multi_hot" if form == "keras_multi_hot" else "count",
+                     weighted=form == "keras_count_weights").export(str(path), verbose=False)
+        return
+    counts_of = {
+        "bincount": lambda ids: tf.math.bincount(tf.cast(ids, tf.int32), minlength=N, maxlength=N, axis=-1,
+                                                 dtype=tf.float32),
+        "one_hot": lambda ids: tf.reduce_sum(tf.one_hot(ids, N), axis=1),
+        "one_hot_int_counts": lambda ids: tf.cast(tf.reduce_sum(tf.one_hot(ids, N, dtype=tf.int32), 1), tf.float32),
+    }[form]
+    module = _module(counts_of)
+    tf.saved_model.save(module, str(path), signatures={"serving_default": module.f})
+
+
+def _inputs(form):
+    """Duplicates, ids past the table (30, 45: counted nowhere) and, where the
+    encoding counts them nowhere too (one_hot), negative ids."""
+    ids = RNG.integers(0, N, (6, K))
+    ids[0] = 7
+    ids[1, :2] = [N, N + 15]
+    if form.startswith("one_hot"):
+        ids[2, 1:3] = [-1, -4]
+    inputs = {"ids": ids.astype(np.int64)}
+    if form == "keras_count_weights":
+        inputs["w"] = RNG.uniform(-1.0, 2.0, (6, K)).astype(np.float32)
+    return inputs
+
+
+def _numpy_bag(inputs, distinct=False):
+    table = TABLE.astype(np.float64)
+    out = np.zeros((len(inputs["ids"]), D))
+    for b, bag in enumerate(inputs["ids"]):
+        weights = inputs["w"][b] if "w" in inputs else np.ones(K)
+        seen = set()
+        for i, w in zip(bag, weights):
+            if 0 <= i < N and not (distinct and i in seen):
+                out[b] += w * table[i]
+                seen.add(i)
+    return out
+
+
+def _serve(path, inputs):
+    signature = tf.saved_model.load(str(path)).signatures["serving_default"]
+    return list(signature(**{k: tf.constant(v) for k, v in inputs.items()}).values())[0].numpy()
+
+
+@pytest.mark.parametrize("form", ["keras_count", "keras_count_weights", "bincount", "one_hot",
+                                  "one_hot_int_counts"])
+def test_id_counts_times_a_table_are_fused(tmp_path, form):
+    _save(form, tmp_path / "m")
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), tflite=str(tmp_path / "m.tflite"),
+                                quiet=True)
+    assert [(s.status, s.pattern, s.weighted) for s in result.sites] == [
+        ("fused", "counts-matmul", form == "keras_count_weights")], [s.reason for s in result.sites]
+    assert result.tflite["custom_ops"] == ["PkmEmbeddingBag"]
+    inputs = _inputs(form)
+    reference = _numpy_bag(inputs)
+    np.testing.assert_allclose(_serve(tmp_path / "m", inputs), reference, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_serve(result.dst, inputs), reference, rtol=1e-5, atol=1e-5)
+    runner = tflite.make_interpreter(str(tmp_path / "m.tflite")).get_signature_runner("serving_default")
+    lite = list(runner(**inputs).values())[0]
+    np.testing.assert_allclose(lite, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_bincount_refuses_a_negative_id_fused_as_the_original_does(tmp_path):
+    _save("keras_count", tmp_path / "m")
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True)
+    assert [s.status for s in result.sites] == ["fused"]
+    inputs = {"ids": np.array([[1, -1, 2, 2, 3]], np.int64)}
+    for path in (tmp_path / "m", result.dst):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="negative"):
+            _serve(path, inputs)
+
+
+def test_a_multi_hot_encoding_is_reported_not_summed(tmp_path):
+    """multi_hot counts each distinct id once: a sum over the ids would count
+    the duplicates of the first bag five times."""
+    _save("keras_multi_hot", tmp_path / "m")
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True)
+    assert [(s.status, s.pattern) for s in result.sites] == [("skipped", "counts-matmul")]
+    assert "multi-hot" in result.sites[0].reason and "distinct id" in result.sites[0].reason
+    inputs = _inputs("keras_multi_hot")
+    np.testing.assert_allclose(_serve(result.dst, inputs), _numpy_bag(inputs, distinct=True), rtol=1e-5, atol=1e-5)
