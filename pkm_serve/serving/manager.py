@@ -6,7 +6,8 @@ versions that are not loaded yet, and only then unloads versions that are no
 longer aspired: serving never drops to zero versions during a transition
 (TF Serving's availability-preserving policy). A version that fails to load is
 reported (state END with the error) and is not retried until its files change;
-the `latest` policy then falls back to the newest version that does load.
+the `latest` policy then falls back to the newest version that does load. At
+start-up, though, a failed load fails the start (TF Serving's initial load).
 
 What a version *is* stays behind the Loader seam (loader.py, TF Serving's
 core/loader.h): the transitions here only call load(), servable() and unload(),
@@ -312,14 +313,32 @@ class ModelManager:
 
     def start(self):
         """Polls once (synchronously, so models are up before the server answers), then in
-        the background every poll_seconds (TF Serving: 0 = once, negative = never)."""
+        the background every poll_seconds (TF Serving: 0 = once, negative = never).
+        A version that fails this first load fails the start (UNKNOWN), as TF Serving's
+        initial load does; later failures only mark their version END."""
         if self._poll_seconds >= 0:
             self.poll_once()
+            self._refuse_failed_initial_loads()
         self._started = True
         self._update_labels()
         if self._poll_seconds > 0 or self._config_poll_seconds > 0:
             self._thread = threading.Thread(target=self._loop, name="model-poller", daemon=True)
             self._thread.start()
+
+    def _refuse_failed_initial_loads(self):
+        """Raises TF Serving's start-up error ("N servable(s) did not become available")
+        naming every version whose initial load failed, after unloading what did load."""
+        with self._lock:
+            failed = [(m.name, r.version, r.error.message) for m in self._models.values()
+                      for r in sorted(m.records.values(), key=lambda r: -r.version)
+                      if r.state == State.END and r.error is not None]
+        if not failed:
+            return
+        self.unload_all(drain_seconds=0.0, lock_seconds=30.0)
+        reasons = ", ".join(f"{{name: {name} version: {version}}} due to error: {' '.join(msg.split())}"
+                            for name, version, msg in failed)
+        raise ServingError(grpc.StatusCode.UNKNOWN,
+                           f"{len(failed)} servable(s) did not become available: {reasons}")
 
     def _loop(self):
         periods = [self._poll_seconds] + ([self._config_poll_seconds] if self._config_file else [])

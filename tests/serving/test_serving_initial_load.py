@@ -1,0 +1,116 @@
+"""A version that fails its initial load fails the server's start, as in TF Serving:
+ServerCore waits for every configured model's initial load and tensorflow_model_server
+exits with "Failed to start server. Error: Unknown: 1 servable(s) did not become
+available: {{{name: M version: V} due to error: ...}, }" (server_core_test.cc,
+load_servables_fast.cc). A version failing at a later poll only ends that version."""
+import grpc
+import pytest
+from tensorflow_serving.apis import get_model_status_pb2, model_pb2
+from tensorflow_serving.config import model_server_config_pb2
+
+import half_plus_two as hpt
+from serving_helpers import ServerProcess, version_states
+from pkm_serve.serving.errors import ServingError
+from pkm_serve.serving.manager import ModelManager
+from test_serving_manager_fakes import Fakes
+
+State = get_model_status_pb2.ModelVersionStatus.State
+
+
+def _config(models, policy_all=False):
+    cfg = model_server_config_pb2.ModelServerConfig()
+    for name, base in models.items():
+        c = cfg.model_config_list.config.add(name=name, base_path=str(base), model_platform="tensorflow")
+        if policy_all:
+            c.model_version_policy.all.SetInParent()
+    return cfg
+
+
+def _fakes(tmp_path, name, versions, failing):
+    fakes = Fakes(tmp_path / name)
+    for v in versions:
+        fakes.add_version(v)
+    for v in failing:
+        fakes.failures[v] = ServingError(grpc.StatusCode.INVALID_ARGUMENT, f"bad graph {v}")
+    return fakes
+
+
+def _start(cfg, factory):
+    manager = ModelManager(cfg, poll_seconds=0, loader_factory=factory)   # 0: one poll, at start
+    manager.start()
+    return manager
+
+
+def test_only_version_failing_fails_the_start(tmp_path):
+    fakes = _fakes(tmp_path, "m", [3], failing=[3])
+    with pytest.raises(ServingError) as err:
+        _start(_config({"m": fakes.base}), fakes.factory)
+    assert err.value.code == grpc.StatusCode.UNKNOWN
+    assert err.value.message == ("1 servable(s) did not become available: "
+                                 "{name: m version: 3} due to error: bad graph 3")
+
+
+@pytest.mark.parametrize("policy_all", [False, True])
+def test_newest_version_failing_fails_the_start_although_an_older_one_loads(tmp_path, policy_all):
+    """TF Serving waits for Latest(m): the newest version failing is a failed start, whether
+    the policy aspires it alone (latest) or with the others (all); no silent fallback."""
+    fakes = _fakes(tmp_path, "m", [1, 2], failing=[2])
+    with pytest.raises(ServingError, match=r"^UNKNOWN: 1 servable\(s\) .*\{name: m version: 2\} due to error: bad graph 2$"):
+        _start(_config({"m": fakes.base}, policy_all=policy_all), fakes.factory)
+    if policy_all:   # version 1 loaded too, and is freed before the error
+        assert fakes.events[-1] == ("unload", 1)
+
+
+def test_one_failing_model_of_several_fails_the_start_and_frees_the_others(tmp_path):
+    good = _fakes(tmp_path, "m", [1], failing=[])
+    bad = _fakes(tmp_path, "n", [4], failing=[4])
+
+    def factory(name, version, path):
+        return (good if name == "m" else bad).factory("m", version, path)
+    with pytest.raises(ServingError) as err:
+        _start(_config({"m": good.base, "n": bad.base}), factory)
+    assert err.value.message == "1 servable(s) did not become available: {name: n version: 4} due to error: bad graph 4"
+    assert good.events == [("load-start", 1), ("loaded", 1), ("unload", 1)]
+
+
+def test_a_version_failing_after_the_start_keeps_the_older_one_serving(tmp_path):
+    fakes = _fakes(tmp_path, "m", [1], failing=[2])
+    manager = _start(_config({"m": fakes.base}), fakes.factory)
+    fakes.add_version(2)
+    manager.poll_once()                            # raises nothing: only version 2 ends
+    assert version_states(manager) == {2: State.END, 1: State.AVAILABLE}
+    with manager.serving(model_pb2.ModelSpec(name="m")) as servable:
+        assert servable.version == 1
+
+
+@pytest.mark.parametrize("use_config_file", [False, True])
+def test_server_with_a_model_that_fails_to_load_exits_without_opening_ports(tmp_path, use_config_file):
+    """tensorflow_model_server never opens its ports when an initial load fails: exit status
+    non-zero, one line naming the model, the version and the reason on stderr."""
+    bad = tmp_path / "bad"
+    (bad / "7").mkdir(parents=True)
+    (bad / "7" / "saved_model.pb").write_bytes(b"this is not a SavedModel")
+    if use_config_file:
+        good = tmp_path / "good"
+        hpt.write_versioned(str(good), 1, hpt.write_tf1)
+        config = tmp_path / "models.config"
+        config.write_text(f'model_config_list {{ config {{ name: "good" base_path: "{good}" '
+                          f'model_platform: "tensorflow" }} config {{ name: "bad" base_path: "{bad}" '
+                          f'model_platform: "tensorflow" }} }}\n')
+        flags = [f"--model_config_file={config}"]
+    else:
+        flags = ["--model_name=bad", f"--model_base_path={bad}"]
+    server = ServerProcess(tmp_path, *flags, "--load_pkm_ops=false", wait_ready=False)
+    try:
+        rc = server.proc.wait(120)
+    finally:
+        server.terminate()
+    log = server.log()
+    assert rc == 2, log[-3000:]
+    errors = [line for line in log.splitlines() if line.startswith("pkm-serve serve: error:")]
+    assert len(errors) == 1, log[-3000:]
+    assert errors[0].startswith("pkm-serve serve: error: UNKNOWN: 1 servable(s) did not become available: "
+                                "{name: bad version: 7} due to error: cannot read SavedModel at ")
+    assert "listening" not in log and "pkm-serve: ready" not in log
+    assert "name: good" not in errors[0]
+
