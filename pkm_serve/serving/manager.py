@@ -16,6 +16,7 @@ so tests run them on fake loaders.
 import contextlib
 import logging
 import os
+import re
 import threading
 import time
 
@@ -62,17 +63,36 @@ def _fingerprint(path):
     return tuple(sorted(entries))
 
 
+# TF Serving reads a version directory's name with strings::safe_strto64: C spaces around,
+# an optional "-", ASCII digits, within int64.
+_VERSION_NAME = re.compile(r"[ \t\n\v\f\r]*-?[0-9]+[ \t\n\v\f\r]*")
+_INT64 = range(-2**63, 2**63)
+
+
+def version_number(name):
+    """The version a directory name stands for, or None (file_system_storage_path_source.cc)."""
+    if not _VERSION_NAME.fullmatch(name):
+        return None
+    number = int(name)
+    return number if number in _INT64 else None
+
+
 def list_versions(base_path):
-    """{version: directory} for the numeric subdirectories of base_path."""
+    """{version: directory} for the numeric subdirectories of base_path. Of two names of one
+    number ("1", "001") the one that sorts last is kept, with TF Serving's warning."""
     try:
         names = tf.io.gfile.listdir(base_path)
     except tf.errors.NotFoundError:
         return None
     found = {}
-    for n in names:
-        n = n.rstrip("/")
-        if n.isdigit() and tf.io.gfile.isdir(os.path.join(base_path, n)):
-            found[int(n)] = os.path.join(base_path, n)
+    for n in sorted({n.rstrip("/") for n in names}):
+        v = version_number(n)
+        if v is None or not tf.io.gfile.isdir(os.path.join(base_path, n)):
+            continue
+        if v in found:
+            log.warning("Duplicate version directories detected. Version %d will be loaded from %s, "
+                        "%s will be ignored.", v, n, os.path.basename(found[v]))
+        found[v] = os.path.join(base_path, n)
     return found
 
 

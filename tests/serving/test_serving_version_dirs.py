@@ -1,0 +1,79 @@
+"""Which directory names under a base path are versions, as TF Serving's
+file_system_storage_path_source.cc reads them: the name parsed as an int64
+(strings::safe_strto64, so "007" is version 7); two names of one number ("1", "001")
+log "Duplicate version directories detected. Version 1 will be loaded from 1, 001 will
+be ignored." and the name that sorts last is loaded; names that are not an int64 are
+skipped."""
+import logging
+import os
+
+import pytest
+from tensorflow_serving.apis import model_pb2
+
+from serving_helpers import polled_manager
+from test_serving_manager_fakes import FakeLoader
+
+
+class PathRecorder:
+    """A loader factory that records the directory each version was loaded from."""
+
+    def __init__(self):
+        self.paths, self.events = {}, []
+
+    def __call__(self, name, version, path):
+        self.paths[version] = os.path.basename(path)
+        return FakeLoader(version, self.events, {}, {})
+
+
+def _base(tmp_path, names):
+    for n in names:
+        (tmp_path / "m" / n).mkdir(parents=True)
+    return tmp_path / "m"
+
+
+def _served(manager):
+    with manager.serving(model_pb2.ModelSpec(name="m")) as servable:
+        return servable.version
+
+
+def test_zero_padded_name_is_its_number(tmp_path):
+    loaded = PathRecorder()
+    manager = polled_manager(_base(tmp_path, ["007", "3"]), loader_factory=loaded)
+    assert _served(manager) == 7 and loaded.paths == {7: "007"}
+
+
+@pytest.mark.parametrize("names, kept, ignored", [
+    (["001", "1"], "1", "001"),
+    (["7", "007", "07"], "7", "07"),    # sorted: 007, 07, 7; each later one replaces the one before
+])
+def test_duplicate_version_directories_keep_the_last_name_and_warn(tmp_path, caplog, names, kept, ignored):
+    loaded = PathRecorder()
+    with caplog.at_level(logging.WARNING, logger="pkm_serve.serving"):
+        manager = polled_manager(_base(tmp_path, names), loader_factory=loaded)
+    number = int(kept)
+    assert _served(manager) == number and loaded.paths == {number: kept}
+    assert (f"Duplicate version directories detected. Version {number} will be loaded from {kept}, "
+            f"{ignored} will be ignored.") in caplog.text
+
+
+@pytest.mark.parametrize("odd", ["\u00b2", "\u0669", "99999999999999999999", "1e3", "+4", "0x10"])
+def test_names_that_are_not_an_int64_are_skipped(tmp_path, odd):
+    """Unicode digits ("²" made the poll raise; "٩" was read as version 9), numbers past
+    int64 (GetModelStatus could not encode them), and other spellings are not versions."""
+    loaded = PathRecorder()
+    manager = polled_manager(_base(tmp_path, [odd, "3"]), loader_factory=loaded)
+    assert _served(manager) == 3 and loaded.paths == {3: "3"}
+    assert [s.version for s in manager.status(model_pb2.ModelSpec(name="m"))] == [3]
+
+
+def test_spaces_and_a_minus_sign_are_read_as_tf_serving_reads_them(tmp_path):
+    """safe_strto64 skips C spaces around the digits and takes a leading "-"."""
+    from tensorflow_serving.config import model_server_config_pb2
+    from pkm_serve.serving.manager import ModelManager
+    loaded = PathRecorder()
+    cfg = model_server_config_pb2.ModelServerConfig()
+    c = cfg.model_config_list.config.add(name="m", base_path=str(_base(tmp_path, ["-2", " 5\t", "6 6"])),
+                                         model_platform="tensorflow")
+    c.model_version_policy.all.SetInParent()
+    ModelManager(cfg, poll_seconds=-1, loader_factory=loaded).poll_once()
+    assert loaded.paths == {-2: "-2", 5: " 5\t"}
