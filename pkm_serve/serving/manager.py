@@ -179,6 +179,7 @@ class ModelManager:
             with self._lock:
                 wanted = {c.name: c for c in server_config.model_config_list.config}
                 removed = [self._models.pop(n) for n in list(self._models) if n not in wanted]
+                added = [n for n in wanted if n not in self._models]
                 for name, c in wanted.items():
                     if name in self._models:
                         self._models[name].config = c
@@ -190,6 +191,12 @@ class ModelManager:
                         self._unload(m, r)
             if poll:
                 self._poll_locked()
+                # As ServerCore::ReloadConfig, which waits for the new models: the config stays
+                # applied, the labels are left as they were, and the caller hears why.
+                failed = self._failed_loads(added)
+                if failed:
+                    raise ServingError(grpc.StatusCode.UNKNOWN,
+                                       f"Some models did not become available: {', '.join(failed)}")
             if self._started:
                 self._update_labels()
 
@@ -329,7 +336,7 @@ class ModelManager:
             self.apply_config(new)
             log.info("reloaded model config from %s", self._config_file)
         except (ValueError, ServingError) as e:
-            log.error("ignoring model config %s: %s", self._config_file, e)
+            log.error("model config %s: %s", self._config_file, e)
 
     def start(self):
         """Polls once (synchronously, so models are up before the server answers), then in
@@ -348,17 +355,19 @@ class ModelManager:
     def _refuse_failed_initial_loads(self):
         """Raises TF Serving's start-up error ("N servable(s) did not become available")
         naming every version whose initial load failed, after unloading what did load."""
+        failed = self._failed_loads(self._models)
+        if failed:
+            self.unload_all(drain_seconds=0.0, lock_seconds=30.0)
+            raise ServingError(grpc.StatusCode.UNKNOWN,
+                               f"{len(failed)} servable(s) did not become available: {', '.join(failed)}")
+
+    def _failed_loads(self, names):
+        """['{name: M version: V} due to error: ...'] for the failed versions of models `names`."""
         with self._lock:
-            failed = [(m.name, r.version, r.error.message) for m in self._models.values()
-                      for r in sorted(m.records.values(), key=lambda r: -r.version)
-                      if r.state == State.END and r.error is not None]
-        if not failed:
-            return
-        self.unload_all(drain_seconds=0.0, lock_seconds=30.0)
-        reasons = ", ".join(f"{{name: {name} version: {version}}} due to error: {' '.join(msg.split())}"
-                            for name, version, msg in failed)
-        raise ServingError(grpc.StatusCode.UNKNOWN,
-                           f"{len(failed)} servable(s) did not become available: {reasons}")
+            return [f"{{name: {m.name} version: {r.version}}} due to error: {' '.join(r.error.message.split())}"
+                    for m in map(self._models.get, names) if m
+                    for r in sorted(m.records.values(), key=lambda r: -r.version)
+                    if r.state == State.END and r.error is not None]
 
     def _loop(self):
         periods = [self._poll_seconds] + ([self._config_poll_seconds] if self._config_file else [])

@@ -114,3 +114,29 @@ def test_server_with_a_model_that_fails_to_load_exits_without_opening_ports(tmp_
     assert "listening" not in log and "pkm-serve: ready" not in log
     assert "name: good" not in errors[0]
 
+
+
+def test_reload_adding_a_model_that_fails_to_load_says_so(tmp_path):
+    """ServerCore::ReloadConfig waits for the models the config adds: one that does not
+    load is an UNKNOWN "Some models did not become available" for the caller (gRPC
+    HandleReloadConfigRequest answered OK); the config stays applied, labels unchanged."""
+    good = _fakes(tmp_path, "m", [1, 2], failing=[])
+    bad = _fakes(tmp_path, "n", [4], failing=[4])
+
+    def factory(name, version, path):
+        return (good if name == "m" else bad).factory("m", version, path)
+    manager = _start(_config({"m": good.base}, policy_all=True), factory)
+    new = _config({"m": good.base, "n": bad.base}, policy_all=True)
+    new.model_config_list.config[0].version_labels["stable"] = 1
+    with pytest.raises(ServingError) as err:
+        manager.apply_config(new)
+    assert err.value.code == grpc.StatusCode.UNKNOWN
+    assert err.value.message == "Some models did not become available: {name: n version: 4} due to error: bad graph 4"
+    assert version_states(manager, "n") == {4: State.END}          # applied: n is configured
+    with pytest.raises(ServingError, match="no version label 'stable'"):
+        with manager.serving(model_pb2.ModelSpec(name="m", version_label="stable")):
+            pass
+    bad.failures[2] = ServingError(grpc.StatusCode.INVALID_ARGUMENT, "bad graph 2")
+    bad.add_version(2)
+    manager.apply_config(new)       # n is no longer new: its failing version 2 is only reported
+    assert version_states(manager, "n") == {4: State.END, 2: State.END}
