@@ -15,18 +15,16 @@ so tests run them on fake loaders.
 """
 import contextlib
 import logging
-import os
-import re
 import threading
 import time
 
 import grpc
-import tensorflow as tf
 from tensorflow_serving.apis import get_model_status_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid, not_found
 from pkm_serve.serving.loader import make_loader_factory
+from pkm_serve.serving.version_dirs import fingerprint, list_versions
 
 log = logging.getLogger("pkm_serve.serving")
 State = get_model_status_pb2.ModelVersionStatus.State
@@ -47,53 +45,6 @@ class VersionRecord:
         self.servable = None
         self.fingerprint = None
         self.in_flight = 0   # requests between acquire and release of this version
-
-
-def _fingerprint(path):
-    """Names, sizes and mtimes of every file: changes whenever the directory is rewritten."""
-    entries = []
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            p = os.path.join(root, f)
-            try:
-                st = os.stat(p)
-            except OSError:
-                continue
-            entries.append((os.path.relpath(p, path), st.st_size, st.st_mtime_ns))
-    return tuple(sorted(entries))
-
-
-# TF Serving reads a version directory's name with strings::safe_strto64: C spaces around,
-# an optional "-", ASCII digits, within int64.
-_VERSION_NAME = re.compile(r"[ \t\n\v\f\r]*-?[0-9]+[ \t\n\v\f\r]*")
-_INT64 = range(-2**63, 2**63)
-
-
-def version_number(name):
-    """The version a directory name stands for, or None (file_system_storage_path_source.cc)."""
-    if not _VERSION_NAME.fullmatch(name):
-        return None
-    number = int(name)
-    return number if number in _INT64 else None
-
-
-def list_versions(base_path):
-    """{version: directory} for the numeric subdirectories of base_path. Of two names of one
-    number ("1", "001") the one that sorts last is kept, with TF Serving's warning."""
-    try:
-        names = tf.io.gfile.listdir(base_path)
-    except tf.errors.NotFoundError:
-        return None
-    found = {}
-    for n in sorted({n.rstrip("/") for n in names}):
-        v = version_number(n)
-        if v is None or not tf.io.gfile.isdir(os.path.join(base_path, n)):
-            continue
-        if v in found:
-            log.warning("Duplicate version directories detected. Version %d will be loaded from %s, "
-                        "%s will be ignored.", v, n, os.path.basename(found[v]))
-        found[v] = os.path.join(base_path, n)
-    return found
 
 
 def aspired_versions(policy, present, failed):
@@ -249,7 +200,7 @@ class ModelManager:
             if not present and not m.no_versions_logged:
                 log.warning(NO_VERSIONS_MESSAGE.format(name=m.name, path=m.config.base_path))
             m.no_versions_logged = not present
-        prints = {v: _fingerprint(p) for v, p in present.items()}
+        prints = {v: fingerprint(p) for v, p in present.items()}
         failed = set()
         for v, r in m.records.items():
             if r.state == State.END and r.error is not None and v in present:

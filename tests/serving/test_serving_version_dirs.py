@@ -77,3 +77,25 @@ def test_spaces_and_a_minus_sign_are_read_as_tf_serving_reads_them(tmp_path):
     c.model_version_policy.all.SetInParent()
     ModelManager(cfg, poll_seconds=-1, loader_factory=loaded).poll_once()
     assert loaded.paths == {-2: "-2", 5: " 5\t"}
+
+
+def test_failed_version_under_a_file_url_base_path_is_retried_when_its_files_change(tmp_path):
+    """A file:// base path (TF Serving reads it through its file system layer, as here
+    tf.io.gfile does): the fingerprint that tells a fixed version from the failed one read
+    nothing there, so a failed version was never retried."""
+    from test_serving_manager_fakes import Fakes
+    fakes = Fakes(tmp_path / "m")
+    fakes.add_version(1)
+    fakes.failures[1] = RuntimeError("half-written")
+    url = "file://" + str(fakes.base)
+
+    def factory(name, version, path):
+        return fakes.factory(name, version, path[len("file://"):])
+    manager = polled_manager(url, loader_factory=factory)
+    assert fakes.events == [("load-start", 1), ("load-failed", 1)]
+    manager.poll_once()                                   # same files: not retried
+    assert fakes.events.count(("load-start", 1)) == 1
+    del fakes.failures[1]
+    (fakes.base / "1" / "variables.index").write_bytes(b"now complete")
+    manager.poll_once()
+    assert fakes.events[-2:] == [("load-start", 1), ("loaded", 1)] and _served(manager) == 1
