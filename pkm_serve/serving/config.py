@@ -96,7 +96,8 @@ def build_parser():
              "that assigns it is refused, as TF Serving does).")
     flag("--grpc_max_threads", type=int, default=64, help="Threads serving gRPC requests.")
     flag("--rest_api_num_threads", type=int, default=16, help="Threads running REST requests.")
-    flag("--rest_api_timeout_in_ms", type=int, default=30000, help="Per-request REST deadline.")
+    flag("--rest_api_timeout_in_ms", type=int, default=30000,
+         help="Per-request REST deadline (0 = none, as TF Serving).")
     flag("--max_request_bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
          help="Largest accepted request (gRPC message or HTTP body), bytes. Default 64 MiB. "
               "Responses are not bound by it (gRPC: up to 2^31-1 bytes, as TF Serving).")
@@ -141,9 +142,11 @@ def _check_values(p, args):
                 "(past it gRPC failed at start-up: 'value too large to convert to int')")
     if args.num_tflite_pools < 0 or args.tflite_num_threads < 1:
         p.error("--num_tflite_pools must be >= 0 and --tflite_num_threads >= 1")
-    for name in ("grpc_max_threads", "rest_api_num_threads", "rest_api_timeout_in_ms"):
+    for name in ("grpc_max_threads", "rest_api_num_threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.rest_api_timeout_in_ms < 0:
+        p.error(f"--rest_api_timeout_in_ms must be >= 0 (0: no deadline), got {args.rest_api_timeout_in_ms}")
     for name in ("drain_seconds", "file_system_poll_wait_seconds", "model_config_file_poll_wait_seconds"):
         if not math.isfinite(getattr(args, name)):
             p.error(f"--{name} must be a finite number of seconds, got {getattr(args, name)}")

@@ -25,7 +25,7 @@ BASE = ["--model_base_path=/m"]
     (["--grpc_max_threads=0"], "--grpc_max_threads must be >= 1"),
     (["--rest_api_port=8501", "--rest_api_num_threads=0"], "--rest_api_num_threads must be >= 1"),
     # Every REST request answered DEADLINE_EXCEEDED.
-    (["--rest_api_port=8501", "--rest_api_timeout_in_ms=-5"], "--rest_api_timeout_in_ms must be >= 1"),
+    (["--rest_api_port=8501", "--rest_api_timeout_in_ms=-5"], "--rest_api_timeout_in_ms must be >= 0"),
     # NaN >= 0 is false: the models were never polled, the server "ready" with none.
     (["--file_system_poll_wait_seconds=nan"], "--file_system_poll_wait_seconds must be a finite"),
     (["--drain_seconds=nan"], "--drain_seconds must be a finite"),
