@@ -66,6 +66,7 @@ class ManagedModel:
         self.labels = {}           # version label -> version, as last accepted (ModelManager._update_labels)
         self.base_path_missing = False
         self.no_versions_logged = False
+        self.missing_specific_logged = ()   # 'specific' policy versions last warned of as absent
 
     def available_versions(self):
         return sorted(v for v, r in self.records.items() if r.state == State.AVAILABLE)
@@ -200,6 +201,7 @@ class ModelManager:
             if not present and not m.no_versions_logged:
                 log.warning(NO_VERSIONS_MESSAGE.format(name=m.name, path=m.config.base_path))
             m.no_versions_logged = not present
+        self._warn_of_missing_specific_versions(m, present)
         prints = {v: fingerprint(p) for v, p in present.items()}
         failed = set()
         for v, r in m.records.items():
@@ -217,6 +219,16 @@ class ModelManager:
         for v, r in list(m.records.items()):
             if r.state == State.AVAILABLE and v not in aspired and (available_aspired or v not in present):
                 self._unload(m, r)
+
+    @staticmethod
+    def _warn_of_missing_specific_versions(m, present):
+        policy = m.config.model_version_policy
+        missing = tuple(sorted(set(policy.specific.versions) - set(present))) \
+            if policy.WhichOneof("policy_choice") == "specific" else ()
+        for v in missing if missing != m.missing_specific_logged else ():
+            log.warning("Version %d of servable %s, which was requested to be served as a 'specific' "
+                        "version in the servable's version policy, was not found in the file system", v, m.name)
+        m.missing_specific_logged = missing
 
     def _load(self, m, version, path, fingerprint):
         with self._lock:

@@ -99,3 +99,23 @@ def test_failed_version_under_a_file_url_base_path_is_retried_when_its_files_cha
     (fakes.base / "1" / "variables.index").write_bytes(b"now complete")
     manager.poll_once()
     assert fakes.events[-2:] == [("load-start", 1), ("loaded", 1)] and _served(manager) == 1
+
+
+def test_specific_version_missing_on_disk_is_named_once(tmp_path, caplog):
+    """file_system_storage_path_source.cc warns of each 'specific' version it does not find
+    (a typo in the policy served nothing, silently)."""
+    from tensorflow_serving.config import model_server_config_pb2
+    from pkm_serve.serving.manager import ModelManager
+    loaded = PathRecorder()
+    cfg = model_server_config_pb2.ModelServerConfig()
+    c = cfg.model_config_list.config.add(name="m", base_path=str(_base(tmp_path, ["1", "2"])),
+                                         model_platform="tensorflow")
+    c.model_version_policy.specific.versions.extend([2, 3])
+    manager = ModelManager(cfg, poll_seconds=-1, loader_factory=loaded)
+    with caplog.at_level(logging.WARNING, logger="pkm_serve.serving"):
+        manager.poll_once()
+        manager.poll_once()
+    warning = ("Version 3 of servable m, which was requested to be served as a 'specific' version in the "
+               "servable's version policy, was not found in the file system")
+    assert caplog.text.count(warning) == 1 and "Version 2 of servable" not in caplog.text
+    assert loaded.paths == {2: "2"}
