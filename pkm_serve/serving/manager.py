@@ -395,6 +395,8 @@ class ModelManager:
                     self._idle.notify_all()
 
     def _resolve_record(self, model_spec) -> VersionRecord:
+        if not model_spec.name:
+            raise invalid("ModelSpec has no name specified.")   # ServerCore's words
         m = self._model(model_spec.name)
         available = m.available_versions()
         choice = model_spec.WhichOneof("version_choice")
