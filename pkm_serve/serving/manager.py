@@ -24,7 +24,7 @@ from tensorflow_serving.config import model_server_config_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid, not_found
 from pkm_serve.serving.loader import make_loader_factory
-from pkm_serve.serving.version_dirs import fingerprint, list_versions
+from pkm_serve.serving.version_dirs import fingerprint, holds_model_hint, list_versions
 
 log = logging.getLogger("pkm_serve.serving")
 State = get_model_status_pb2.ModelVersionStatus.State
@@ -199,7 +199,8 @@ class ModelManager:
         else:
             m.base_path_missing = False
             if not present and not m.no_versions_logged:
-                log.warning(NO_VERSIONS_MESSAGE.format(name=m.name, path=m.config.base_path))
+                log.warning(NO_VERSIONS_MESSAGE.format(name=m.name, path=m.config.base_path)
+                            + holds_model_hint(m.config.base_path))
             m.no_versions_logged = not present
         self._warn_of_missing_specific_versions(m, present)
         prints = {v: fingerprint(p) for v, p in present.items()}

@@ -66,3 +66,18 @@ def list_versions(base_path):
                         "%s will be ignored.", v, n, os.path.basename(found[v]))
         found[v] = os.path.join(base_path, n)
     return found
+
+
+def holds_model_hint(base_path):
+    """When a base path holds a model itself (the usual slip: naming the version directory),
+    what to name instead; '' otherwise."""
+    base = base_path.rstrip("/")
+    for name in ("saved_model.pb", "saved_model.pbtxt", "model.tflite"):
+        if tf.io.gfile.exists(os.path.join(base, name)):
+            break
+    else:
+        return ""
+    if version_number(os.path.basename(base)) is not None:
+        return (f" {base} holds a model itself ({name}): the base path is the directory above the "
+                f"numbered version directories, here {os.path.dirname(base)}")
+    return f" {base} holds a model itself ({name}): move it into a numbered version directory, e.g. {base}/1"

@@ -119,3 +119,27 @@ def test_specific_version_missing_on_disk_is_named_once(tmp_path, caplog):
                "servable's version policy, was not found in the file system")
     assert caplog.text.count(warning) == 1 and "Version 2 of servable" not in caplog.text
     assert loaded.paths == {2: "2"}
+
+
+@pytest.mark.parametrize("model_file", ["saved_model.pb", "model.tflite"])
+def test_base_path_that_is_a_model_itself_says_so(tmp_path, caplog, model_file):
+    """--model_base_path=/models/m/1 (the version, not its parent) is the usual slip: the
+    no-versions warning names it."""
+    version_dir = _base(tmp_path, ["1", "1/variables"]) / "1"
+    (version_dir / model_file).write_bytes(b"x")
+    with caplog.at_level(logging.WARNING, logger="pkm_serve.serving"):
+        polled_manager(version_dir, loader_factory=PathRecorder())
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith(f"No versions of servable m found under base path {version_dir}. Did you forget")
+    assert message.endswith(f"{version_dir} holds a model itself ({model_file}): the base path is the "
+                            f"directory above the numbered version directories, here {tmp_path / 'm'}")
+
+
+def test_base_path_that_holds_an_unversioned_model_says_where_to_move_it(tmp_path, caplog):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "saved_model.pb").write_bytes(b"x")
+    with caplog.at_level(logging.WARNING, logger="pkm_serve.serving"):
+        polled_manager(tmp_path / "m", loader_factory=PathRecorder())
+    assert caplog.records[0].getMessage().endswith(
+        f"{tmp_path / 'm'} holds a model itself (saved_model.pb): move it into a numbered version "
+        f"directory, e.g. {tmp_path / 'm'}/1")
