@@ -20,12 +20,35 @@ def _bool(text):
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+# tensorflow_model_server flags (main.cc) that are not implemented here, with what to do.
+_UPSTREAM_ONLY = {
+    "saved_model_tags": "the 'serve' MetaGraph is always loaded",
+    "tensorflow_session_parallelism": "use --tensorflow_intra_op_parallelism and --tensorflow_inter_op_parallelism",
+    "max_num_load_retries": "a version that fails to load is retried when its files change",
+    "load_retry_interval_micros": "a version that fails to load is retried when its files change",
+    "use_tflite_model": "use --prefer_tflite_model",
+    **dict.fromkeys(["flush_filesystem_caches", "num_load_threads", "num_unload_threads",
+                     "per_process_gpu_memory_fraction", "platform_config_file", "xla_cpu_compilation_enabled",
+                     "enable_profiler", "rest_api_enable_cors_support", "num_request_iterations_for_warmup",
+                     "remove_unused_fields_from_bundle_metagraph", "thread_pool_factory_config_file",
+                     "mixed_precision", "skip_initialize_tpu", "use_alts_credentials",
+                     "enforce_session_run_timeout"],
+                    "leave it out (`pkm-serve serve --help` lists the flags served)"),
+    "version": "use `pkm-serve --version`",
+}
+
+
 class _ServeParser(argparse.ArgumentParser):
     """Checks the flags' values too, so that they are usage errors (exit 2) before
     TensorFlow loads (cli.run_command parses with this parser first)."""
 
     def parse_known_args(self, args=None, namespace=None):
         parsed, rest = super().parse_known_args(args, namespace)
+        for arg in rest:
+            name = arg.split("=", 1)[0]
+            if name.startswith("--") and name[2:] in _UPSTREAM_ONLY:
+                self.error(f"{name} is a tensorflow_model_server flag that pkm-serve serve does not "
+                           f"implement: {_UPSTREAM_ONLY[name[2:]]}")
         if not rest:   # else parse_args names the unrecognized arguments first
             _check_values(self, parsed)
         return parsed, rest

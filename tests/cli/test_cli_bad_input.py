@@ -45,6 +45,25 @@ def test_misused_flag_values_are_usage_errors(capsys, argv, needle):
     assert needle in err, err
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--saved_model_tags=serve"], "the 'serve' MetaGraph is always loaded"),
+    (["--tensorflow_session_parallelism", "4"],
+     "use --tensorflow_intra_op_parallelism and --tensorflow_inter_op_parallelism"),
+    (["--max_num_load_retries=0"], "a version that fails to load is retried when its files change"),
+    (["--flush_filesystem_caches=false"], "`pkm-serve serve --help` lists the flags served"),
+])
+def test_tensorflow_model_server_flags_not_implemented_are_named_as_such(capsys, argv, needle):
+    """Was "unrecognized arguments: ...", as for a typo: a tensorflow_model_server command
+    line now hears which of its flags pkm-serve serve lacks, and what to do instead."""
+    with pytest.raises(SystemExit) as e:
+        config.parse_args(BASE + argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    flag = argv[0].split("=")[0]
+    assert f"error: {flag} is a tensorflow_model_server flag that pkm-serve serve does not implement" in err, err
+    assert needle in err, err
+
+
 def test_good_values_still_parse():
     a = config.parse_args(BASE + ["--port=0", "--rest_api_port=65535", "--drain_seconds=0",
                                   "--log_level=warning", "--file_system_poll_wait_seconds=-1"])
