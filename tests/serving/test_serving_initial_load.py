@@ -140,3 +140,34 @@ def test_reload_adding_a_model_that_fails_to_load_says_so(tmp_path):
     bad.add_version(2)
     manager.apply_config(new)       # n is no longer new: its failing version 2 is only reported
     assert version_states(manager, "n") == {4: State.END, 2: State.END}
+
+
+def _accepts(port):
+    import socket
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_grpc_port_accepts_no_connection_until_the_models_are_loaded(tmp_path):
+    """As tensorflow_model_server, which builds its gRPC server after ServerCore::Create: a
+    TCP probe must not see the port open while models load (gRPC listened from the moment
+    the front end was built), nor after a failed start; a taken port still fails first."""
+    import socket
+    from serving_helpers import free_port
+    from pkm_serve.serving import config
+    from pkm_serve.serving.server import Server, StartupError
+    (tmp_path / "bad" / "1").mkdir(parents=True)
+    (tmp_path / "bad" / "1" / "saved_model.pb").write_bytes(b"this is not a SavedModel")
+    port = free_port()
+    argv = [f"--model_base_path={tmp_path / 'bad'}", f"--port={port}", "--load_pkm_ops=false",
+            "--file_system_poll_wait_seconds=0"]
+    server = Server(config.parse_args(argv))
+    assert not _accepts(port)
+    with pytest.raises(ServingError, match=r"1 servable\(s\) did not become available"):
+        server.start()
+    assert not _accepts(port)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        with pytest.raises(StartupError, match=f"cannot bind gRPC to 127.0.0.1:{port}"):
+            Server(config.parse_args(argv))
