@@ -217,7 +217,8 @@ def model_server_config(args):
         cfg = model_server_config_pb2.ModelServerConfig()
         c = cfg.model_config_list.config.add()
         c.name = args.model_name
-        c.base_path = os.path.abspath(args.model_base_path)
+        path = args.model_base_path   # a URL (file://, gs://, s3://) is tf.io.gfile's to read
+        c.base_path = path if "://" in path else os.path.abspath(path)
         c.model_platform = "tensorflow"
     return cfg
 

@@ -143,3 +143,14 @@ def test_base_path_that_holds_an_unversioned_model_says_where_to_move_it(tmp_pat
     assert caplog.records[0].getMessage().endswith(
         f"{tmp_path / 'm'} holds a model itself (saved_model.pb): move it into a numbered version "
         f"directory, e.g. {tmp_path / 'm'}/1")
+
+
+@pytest.mark.parametrize("flag, base_path", [
+    ("file:///models/m", "file:///models/m"),          # was /CWD/file:/models/m: never found
+    ("gs://bucket/models/m/", "gs://bucket/models/m/"),  # was /CWD/gs:/bucket/models/m
+    ("models/m/", "{cwd}/models/m"),                    # relative: to the working directory
+])
+def test_model_base_path_flag_keeps_urls(flag, base_path):
+    from pkm_serve.serving import config
+    cfg = config.model_server_config(config.parse_args([f"--model_base_path={flag}"]))
+    assert cfg.model_config_list.config[0].base_path == base_path.format(cwd=os.getcwd())
