@@ -24,7 +24,7 @@ from tensorflow_serving.config import model_server_config_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid, not_found
 from pkm_serve.serving.loader import make_loader_factory
-from pkm_serve.serving.version_dirs import fingerprint, holds_model_hint, list_versions
+from pkm_serve.serving.version_dirs import directory_fingerprint, holds_model_hint, list_versions
 
 log = logging.getLogger("pkm_serve.serving")
 State = get_model_status_pb2.ModelVersionStatus.State
@@ -203,7 +203,7 @@ class ModelManager:
                             + holds_model_hint(m.config.base_path))
             m.no_versions_logged = not present
         self._warn_of_missing_specific_versions(m, present)
-        prints = {v: fingerprint(p) for v, p in present.items()}
+        prints = {v: directory_fingerprint(p) for v, p in present.items()}
         failed = set()
         for v, r in m.records.items():
             if r.state == State.END and r.error is not None and v in present:
@@ -293,6 +293,7 @@ class ModelManager:
         it differs from what is served: a change at any moment, even one written before
         the first poll, is picked up."""
         from pkm_serve.serving.config import read_model_config_file
+        new = None
         try:
             new = read_model_config_file(self._config_file)
             if new == self._config:
@@ -300,7 +301,9 @@ class ModelManager:
             self.apply_config(new)
             log.info("reloaded model config from %s", self._config_file)
         except (ValueError, ServingError) as e:
-            log.error("model config %s: %s", self._config_file, e)
+            applied = "applied model config %s, but" if new is not None and self._config == new \
+                else "ignoring model config %s:"
+            log.error(applied + " %s", self._config_file, e)
 
     def start(self):
         """Polls once (synchronously, so models are up before the server answers), then in

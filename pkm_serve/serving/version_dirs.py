@@ -18,7 +18,7 @@ def _gfile_size_and_mtime(path):
     return st.length, st.mtime_nsec
 
 
-def fingerprint(path):
+def directory_fingerprint(path):
     """Names, sizes and mtimes of every file: changes whenever the directory is rewritten.
     A URL (file://, gs://, ...) is read through tf.io.gfile, as the loaders read it."""
     if "://" in path:

@@ -171,3 +171,31 @@ def test_grpc_port_accepts_no_connection_until_the_models_are_loaded(tmp_path):
         taken.listen()
         with pytest.raises(StartupError, match=f"cannot bind gRPC to 127.0.0.1:{port}"):
             Server(config.parse_args(argv))
+
+
+def test_config_file_adding_a_failing_model_is_logged_as_applied(tmp_path, caplog):
+    """The polled config file is applied even when a model it adds fails to load (as
+    ServerCore::ReloadConfig): the log said "ignoring model config"."""
+    import logging
+    good = _fakes(tmp_path, "m", [1], failing=[])
+    bad = _fakes(tmp_path, "n", [4], failing=[4])
+
+    def factory(name, version, path):
+        return (good if name == "m" else bad).factory("m", version, path)
+    config_file = tmp_path / "models.config"
+    config_file.write_text(str(_config({"m": good.base})))
+    manager = ModelManager(_config({"m": good.base}), poll_seconds=0, loader_factory=factory,
+                           config_file=str(config_file), config_poll_seconds=3600)
+    manager.start()
+    try:
+        config_file.write_text(str(_config({"m": good.base, "n": bad.base})))
+        with caplog.at_level(logging.ERROR, logger="pkm_serve.serving"):
+            manager._maybe_reload_config_file()
+        assert f"applied model config {config_file}, but UNKNOWN: Some models did not become available: " \
+               "{name: n version: 4} due to error: bad graph 4" in caplog.text
+        config_file.write_text("not a config")
+        with caplog.at_level(logging.ERROR, logger="pkm_serve.serving"):
+            manager._maybe_reload_config_file()
+        assert f"ignoring model config {config_file}:" in caplog.text
+    finally:
+        manager.stop()
