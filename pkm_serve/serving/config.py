@@ -149,8 +149,8 @@ def parse_args(argv):
 def _check_values(p, args):
     """Usage errors for values the server would misuse: a port past 65535 was bound modulo
     65536 by gRPC (--port 70000 listened on 4464), a NaN poll period never loaded a model."""
-    if bool(args.model_config_file) == bool(args.model_base_path):
-        p.error("give exactly one of --model_base_path (with --model_name) or --model_config_file")
+    if not (args.model_config_file or args.model_base_path):
+        p.error("give --model_base_path (with --model_name) or --model_config_file")
     if args.batching_parameters_file and not args.enable_batching:
         p.error("--batching_parameters_file needs --enable_batching")
     for name in ("port", "rest_api_port"):
@@ -212,6 +212,9 @@ def read_model_config_file(path):
 
 def model_server_config(args):
     if args.model_config_file:
+        if args.model_base_path:   # tensorflow/serving's docker entrypoint always passes it
+            logging.getLogger("pkm_serve.serving").warning(
+                "--model_config_file is set: --model_name and --model_base_path are ignored, as in TF Serving")
         cfg = read_model_config_file(args.model_config_file)
     else:
         cfg = model_server_config_pb2.ModelServerConfig()

@@ -154,3 +154,18 @@ def test_model_base_path_flag_keeps_urls(flag, base_path):
     from pkm_serve.serving import config
     cfg = config.model_server_config(config.parse_args([f"--model_base_path={flag}"]))
     assert cfg.model_config_list.config[0].base_path == base_path.format(cwd=os.getcwd())
+
+
+def test_model_config_file_wins_over_model_base_path(tmp_path, caplog):
+    """tensorflow_model_server ignores --model_name/--model_base_path when
+    --model_config_file is set, and tensorflow/serving's docker entrypoint always passes
+    them: `docker run tensorflow/serving --model_config_file=...` was refused here."""
+    from pkm_serve.serving import config
+    path = tmp_path / "models.config"
+    path.write_text('model_config_list { config { name: "a" base_path: "/models/a" model_platform: "tensorflow" } }')
+    args = config.parse_args(["--model_name=default", "--model_base_path=/models/default",
+                              f"--model_config_file={path}"])
+    with caplog.at_level(logging.WARNING, logger="pkm_serve.serving"):
+        cfg = config.model_server_config(args)
+    assert [(c.name, c.base_path) for c in cfg.model_config_list.config] == [("a", "/models/a")]
+    assert "--model_name and --model_base_path are ignored" in caplog.text
