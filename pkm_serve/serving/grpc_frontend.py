@@ -1,5 +1,6 @@
 """gRPC front end: TF Serving's PredictionService and ModelService, health, reflection."""
 import logging
+import os
 import socket
 import time
 from concurrent import futures
@@ -134,6 +135,8 @@ class GrpcFrontend:
         self.socket_path = socket_path
         self.port = port
         _check_bindable(address, port)
+        if socket_path and not os.path.isdir(os.path.dirname(os.path.abspath(socket_path))):
+            raise OSError(f"cannot bind gRPC to the UNIX socket {socket_path}: its directory does not exist")
 
     def start(self):
         """Binds the ports and serves. Not in __init__: gRPC listens from the moment a port is

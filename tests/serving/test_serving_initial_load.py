@@ -171,6 +171,8 @@ def test_grpc_port_accepts_no_connection_until_the_models_are_loaded(tmp_path):
         taken.listen()
         with pytest.raises(StartupError, match=f"cannot bind gRPC to 127.0.0.1:{port}"):
             Server(config.parse_args(argv))
+    with pytest.raises(StartupError, match="UNIX socket /nonexistent/dir/s.sock: its directory does not exist"):
+        Server(config.parse_args(argv + ["--grpc_socket_path=/nonexistent/dir/s.sock"]))
 
 
 def test_config_file_adding_a_failing_model_is_logged_as_applied(tmp_path, caplog):
