@@ -40,12 +40,22 @@ def _check_is_npz(path: str) -> None:
 
 
 def check_sample_keys(proto, chosen: Sequence[str], samples) -> None:
-    """With several signatures, a bare NAME key is fed to each of them: one that
-    some signature does not take must be keyed SIG/NAME (refused here, before
-    anything is written, naming that form)."""
-    if samples is None or len(chosen) < 2:
+    """Refused here, before anything is written: a SIG/NAME key whose SIG is no
+    signature of the model (a misspelling, else silently unused); and, with several
+    signatures, a bare NAME key (fed to each of them) that some signature does not take."""
+    if samples is None:
         return
-    inputs = {name: set(proto.meta_graphs[0].signature_def[name].inputs) for name in chosen}
+    signatures = proto.meta_graphs[0].signature_def
+    inputs = {name: set(signatures[name].inputs) for name in chosen}
+    bare = set().union(*inputs.values())
+    for key in sorted(samples):
+        if "/" in key and key not in bare and key.split("/", 1)[0] not in signatures:
+            expected = sorted(bare) + sorted(f"{s}/{n}" for s in chosen for n in inputs[s])
+            raise ExportError(f"--sample-inputs key {key!r} names signature {key.split('/', 1)[0]!r}, "
+                              "which the model does not have; "
+                              f"expected keys: {expected}")
+    if len(chosen) < 2:
+        return
     for key in sorted(k for k in samples if "/" not in k):
         lacking = [name for name in chosen if key not in inputs[name]]
         if lacking:

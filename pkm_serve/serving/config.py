@@ -20,12 +20,35 @@ def _bool(text):
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+# tensorflow_model_server flags (main.cc) that are not implemented here, with what to do.
+_UPSTREAM_ONLY = {
+    "saved_model_tags": "the 'serve' MetaGraph is always loaded",
+    "tensorflow_session_parallelism": "use --tensorflow_intra_op_parallelism and --tensorflow_inter_op_parallelism",
+    "max_num_load_retries": "a version that fails to load is retried when its files change",
+    "load_retry_interval_micros": "a version that fails to load is retried when its files change",
+    "use_tflite_model": "use --prefer_tflite_model",
+    **dict.fromkeys(["flush_filesystem_caches", "num_load_threads", "num_unload_threads",
+                     "per_process_gpu_memory_fraction", "platform_config_file", "xla_cpu_compilation_enabled",
+                     "enable_profiler", "rest_api_enable_cors_support", "num_request_iterations_for_warmup",
+                     "remove_unused_fields_from_bundle_metagraph", "thread_pool_factory_config_file",
+                     "mixed_precision", "skip_initialize_tpu", "use_alts_credentials",
+                     "enforce_session_run_timeout"],
+                    "leave it out (`pkm-serve serve --help` lists the flags served)"),
+    "version": "use `pkm-serve --version`",
+}
+
+
 class _ServeParser(argparse.ArgumentParser):
     """Checks the flags' values too, so that they are usage errors (exit 2) before
     TensorFlow loads (cli.run_command parses with this parser first)."""
 
     def parse_known_args(self, args=None, namespace=None):
         parsed, rest = super().parse_known_args(args, namespace)
+        for arg in rest:
+            name = arg.split("=", 1)[0]
+            if name.startswith("--") and name[2:] in _UPSTREAM_ONLY:
+                self.error(f"{name} is a tensorflow_model_server flag that pkm-serve serve does not "
+                           f"implement: {_UPSTREAM_ONLY[name[2:]]}")
         if not rest:   # else parse_args names the unrecognized arguments first
             _check_values(self, parsed)
         return parsed, rest
@@ -96,7 +119,8 @@ def build_parser():
              "that assigns it is refused, as TF Serving does).")
     flag("--grpc_max_threads", type=int, default=64, help="Threads serving gRPC requests.")
     flag("--rest_api_num_threads", type=int, default=16, help="Threads running REST requests.")
-    flag("--rest_api_timeout_in_ms", type=int, default=30000, help="Per-request REST deadline.")
+    flag("--rest_api_timeout_in_ms", type=int, default=30000,
+         help="Per-request REST deadline (0 = none, as TF Serving).")
     flag("--max_request_bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
          help="Largest accepted request (gRPC message or HTTP body), bytes. Default 64 MiB. "
               "Responses are not bound by it (gRPC: up to 2^31-1 bytes, as TF Serving).")
@@ -125,8 +149,8 @@ def parse_args(argv):
 def _check_values(p, args):
     """Usage errors for values the server would misuse: a port past 65535 was bound modulo
     65536 by gRPC (--port 70000 listened on 4464), a NaN poll period never loaded a model."""
-    if bool(args.model_config_file) == bool(args.model_base_path):
-        p.error("give exactly one of --model_base_path (with --model_name) or --model_config_file")
+    if not (args.model_config_file or args.model_base_path):
+        p.error("give --model_base_path (with --model_name) or --model_config_file")
     if args.batching_parameters_file and not args.enable_batching:
         p.error("--batching_parameters_file needs --enable_batching")
     for name in ("port", "rest_api_port"):
@@ -141,9 +165,11 @@ def _check_values(p, args):
                 "(past it gRPC failed at start-up: 'value too large to convert to int')")
     if args.num_tflite_pools < 0 or args.tflite_num_threads < 1:
         p.error("--num_tflite_pools must be >= 0 and --tflite_num_threads >= 1")
-    for name in ("grpc_max_threads", "rest_api_num_threads", "rest_api_timeout_in_ms"):
+    for name in ("grpc_max_threads", "rest_api_num_threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.rest_api_timeout_in_ms < 0:
+        p.error(f"--rest_api_timeout_in_ms must be >= 0 (0: no deadline), got {args.rest_api_timeout_in_ms}")
     for name in ("drain_seconds", "file_system_poll_wait_seconds", "model_config_file_poll_wait_seconds"):
         if not math.isfinite(getattr(args, name)):
             p.error(f"--{name} must be a finite number of seconds, got {getattr(args, name)}")
@@ -186,12 +212,16 @@ def read_model_config_file(path):
 
 def model_server_config(args):
     if args.model_config_file:
+        if args.model_base_path:   # tensorflow/serving's docker entrypoint always passes it
+            logging.getLogger("pkm_serve.serving").warning(
+                "--model_config_file is set: --model_name and --model_base_path are ignored, as in TF Serving")
         cfg = read_model_config_file(args.model_config_file)
     else:
         cfg = model_server_config_pb2.ModelServerConfig()
         c = cfg.model_config_list.config.add()
         c.name = args.model_name
-        c.base_path = os.path.abspath(args.model_base_path)
+        path = args.model_base_path   # a URL (file://, gs://, s3://) is tf.io.gfile's to read
+        c.base_path = path if "://" in path else os.path.abspath(path)
         c.model_platform = "tensorflow"
     return cfg
 

@@ -1,5 +1,7 @@
 """gRPC front end: TF Serving's PredictionService and ModelService, health, reflection."""
 import logging
+import os
+import socket
 import time
 from concurrent import futures
 
@@ -90,6 +92,19 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         return self._calls("reload_config", self._calls.service.reload_config, request, context, "")
 
 
+def _check_bindable(address, port):
+    """Fails early (before the models load) on a port that is taken."""
+    if port == 0:
+        return
+    family, kind, proto, _name, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as gRPC's listeners do
+        try:
+            probe.bind(sockaddr)
+        except OSError as e:
+            raise OSError(f"cannot bind gRPC to {address}:{port}: {e.strerror}") from None
+
+
 class GrpcFrontend:
     def __init__(self, service, metrics, *, address, port, max_threads, max_message_bytes,
                  ssl_config=None, socket_path="", channel_arguments=()):
@@ -112,24 +127,29 @@ class GrpcFrontend:
             (PREDICTION_SERVICE, MODEL_SERVICE,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
             self.server)
-        target = f"{address}:{port}" if ":" not in address else f"[{address}]:{port}"
-        if ssl_config is not None:
-            creds = grpc.ssl_server_credentials(
-                [(ssl_config.server_key.encode(), ssl_config.server_cert.encode())],
-                root_certificates=ssl_config.custom_ca.encode() or None,
-                require_client_auth=ssl_config.client_verify)
-            self.port = self.server.add_secure_port(target, creds)
-        else:
-            self.port = self.server.add_insecure_port(target)
-        if self.port == 0:
-            raise OSError(f"cannot bind gRPC to {target}")
+        self._target = f"{address}:{port}" if ":" not in address else f"[{address}]:{port}"
+        self._credentials = None if ssl_config is None else grpc.ssl_server_credentials(
+            [(ssl_config.server_key.encode(), ssl_config.server_cert.encode())],
+            root_certificates=ssl_config.custom_ca.encode() or None,
+            require_client_auth=ssl_config.client_verify)
         self.socket_path = socket_path
-        if socket_path:
-            # A UNIX socket is local: served without TLS, as TF Serving does.
-            if self.server.add_insecure_port(f"unix:{socket_path}") == 0:
-                raise OSError(f"cannot bind gRPC to the UNIX socket {socket_path}")
+        self.port = port
+        _check_bindable(address, port)
+        if socket_path and not os.path.isdir(os.path.dirname(os.path.abspath(socket_path))):
+            raise OSError(f"cannot bind gRPC to the UNIX socket {socket_path}: its directory does not exist")
 
     def start(self):
+        """Binds the ports and serves. Not in __init__: gRPC listens from the moment a port is
+        added, and the port must not accept connections (a TCP probe) while models load."""
+        if self._credentials is not None:
+            self.port = self.server.add_secure_port(self._target, self._credentials)
+        else:
+            self.port = self.server.add_insecure_port(self._target)
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC to {self._target}")
+        # A UNIX socket is local: served without TLS, as TF Serving does.
+        if self.socket_path and self.server.add_insecure_port(f"unix:{self.socket_path}") == 0:
+            raise OSError(f"cannot bind gRPC to the UNIX socket {self.socket_path}")
         self.server.start()
 
     def set_serving(self, serving: bool):

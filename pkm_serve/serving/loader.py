@@ -60,7 +60,7 @@ def make_loader_factory(warmup=True, prefer_tflite_model=False, num_tflite_inter
     it (TF Serving's --prefer_tflite_model); any other directory is a SavedModel."""
 
     def factory(name, version, path):
-        if prefer_tflite_model and os.path.isfile(os.path.join(path, TFLITE_MODEL_FILE)):
+        if prefer_tflite_model and _is_file(os.path.join(path, TFLITE_MODEL_FILE)):
             return ServableLoader(lambda: TfLiteServable(
                 name, version, path, warmup=warmup, num_interpreters=num_tflite_interpreters,
                 num_threads=tflite_threads))
@@ -78,7 +78,13 @@ def _saved_model_servable(name, version, path, warmup):
     return Servable(name, version, path, warmup=warmup)
 
 
+def _is_file(path) -> bool:
+    """os.path.isfile through tf.io.gfile: a base path may be a URL (file://, gs://)."""
+    import tensorflow as tf
+    return tf.io.gfile.exists(path) and not tf.io.gfile.isdir(path)
+
+
 def _holds_only_tflite(path) -> bool:
     """Whether `path` holds model.tflite and no saved_model.pb(txt)."""
-    return os.path.isfile(os.path.join(path, TFLITE_MODEL_FILE)) and not any(
-        os.path.isfile(os.path.join(path, f)) for f in ("saved_model.pb", "saved_model.pbtxt"))
+    return _is_file(os.path.join(path, TFLITE_MODEL_FILE)) and not any(
+        _is_file(os.path.join(path, f)) for f in ("saved_model.pb", "saved_model.pbtxt"))

@@ -6,7 +6,8 @@ versions that are not loaded yet, and only then unloads versions that are no
 longer aspired: serving never drops to zero versions during a transition
 (TF Serving's availability-preserving policy). A version that fails to load is
 reported (state END with the error) and is not retried until its files change;
-the `latest` policy then falls back to the newest version that does load.
+the `latest` policy then falls back to the newest version that does load. At
+start-up, though, a failed load fails the start (TF Serving's initial load).
 
 What a version *is* stays behind the Loader seam (loader.py, TF Serving's
 core/loader.h): the transitions here only call load(), servable() and unload(),
@@ -14,17 +15,16 @@ so tests run them on fake loaders.
 """
 import contextlib
 import logging
-import os
 import threading
 import time
 
 import grpc
-import tensorflow as tf
 from tensorflow_serving.apis import get_model_status_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid, not_found
 from pkm_serve.serving.loader import make_loader_factory
+from pkm_serve.serving.version_dirs import directory_fingerprint, holds_model_hint, list_versions
 
 log = logging.getLogger("pkm_serve.serving")
 State = get_model_status_pb2.ModelVersionStatus.State
@@ -47,34 +47,6 @@ class VersionRecord:
         self.in_flight = 0   # requests between acquire and release of this version
 
 
-def _fingerprint(path):
-    """Names, sizes and mtimes of every file: changes whenever the directory is rewritten."""
-    entries = []
-    for root, _dirs, files in os.walk(path):
-        for f in files:
-            p = os.path.join(root, f)
-            try:
-                st = os.stat(p)
-            except OSError:
-                continue
-            entries.append((os.path.relpath(p, path), st.st_size, st.st_mtime_ns))
-    return tuple(sorted(entries))
-
-
-def list_versions(base_path):
-    """{version: directory} for the numeric subdirectories of base_path."""
-    try:
-        names = tf.io.gfile.listdir(base_path)
-    except tf.errors.NotFoundError:
-        return None
-    found = {}
-    for n in names:
-        n = n.rstrip("/")
-        if n.isdigit() and tf.io.gfile.isdir(os.path.join(base_path, n)):
-            found[int(n)] = os.path.join(base_path, n)
-    return found
-
-
 def aspired_versions(policy, present, failed):
     loadable = sorted((v for v in present if v not in failed), reverse=True)
     choice = policy.WhichOneof("policy_choice") if policy is not None else None
@@ -94,6 +66,7 @@ class ManagedModel:
         self.labels = {}           # version label -> version, as last accepted (ModelManager._update_labels)
         self.base_path_missing = False
         self.no_versions_logged = False
+        self.missing_specific_logged = ()   # 'specific' policy versions last warned of as absent
 
     def available_versions(self):
         return sorted(v for v, r in self.records.items() if r.state == State.AVAILABLE)
@@ -158,6 +131,7 @@ class ModelManager:
             with self._lock:
                 wanted = {c.name: c for c in server_config.model_config_list.config}
                 removed = [self._models.pop(n) for n in list(self._models) if n not in wanted]
+                added = [n for n in wanted if n not in self._models]
                 for name, c in wanted.items():
                     if name in self._models:
                         self._models[name].config = c
@@ -169,6 +143,12 @@ class ModelManager:
                         self._unload(m, r)
             if poll:
                 self._poll_locked()
+                # As ServerCore::ReloadConfig, which waits for the new models: the config stays
+                # applied, the labels are left as they were, and the caller hears why.
+                failed = self._failed_loads(added)
+                if failed:
+                    raise ServingError(grpc.StatusCode.UNKNOWN,
+                                       f"Some models did not become available: {', '.join(failed)}")
             if self._started:
                 self._update_labels()
 
@@ -219,9 +199,11 @@ class ModelManager:
         else:
             m.base_path_missing = False
             if not present and not m.no_versions_logged:
-                log.warning(NO_VERSIONS_MESSAGE.format(name=m.name, path=m.config.base_path))
+                log.warning(NO_VERSIONS_MESSAGE.format(name=m.name, path=m.config.base_path)
+                            + holds_model_hint(m.config.base_path))
             m.no_versions_logged = not present
-        prints = {v: _fingerprint(p) for v, p in present.items()}
+        self._warn_of_missing_specific_versions(m, present)
+        prints = {v: directory_fingerprint(p) for v, p in present.items()}
         failed = set()
         for v, r in m.records.items():
             if r.state == State.END and r.error is not None and v in present:
@@ -238,6 +220,16 @@ class ModelManager:
         for v, r in list(m.records.items()):
             if r.state == State.AVAILABLE and v not in aspired and (available_aspired or v not in present):
                 self._unload(m, r)
+
+    @staticmethod
+    def _warn_of_missing_specific_versions(m, present):
+        policy = m.config.model_version_policy
+        missing = tuple(sorted(set(policy.specific.versions) - set(present))) \
+            if policy.WhichOneof("policy_choice") == "specific" else ()
+        for v in missing if missing != m.missing_specific_logged else ():
+            log.warning("Version %d of servable %s, which was requested to be served as a 'specific' "
+                        "version in the servable's version policy, was not found in the file system", v, m.name)
+        m.missing_specific_logged = missing
 
     def _load(self, m, version, path, fingerprint):
         with self._lock:
@@ -301,6 +293,7 @@ class ModelManager:
         it differs from what is served: a change at any moment, even one written before
         the first poll, is picked up."""
         from pkm_serve.serving.config import read_model_config_file
+        new = None
         try:
             new = read_model_config_file(self._config_file)
             if new == self._config:
@@ -308,18 +301,40 @@ class ModelManager:
             self.apply_config(new)
             log.info("reloaded model config from %s", self._config_file)
         except (ValueError, ServingError) as e:
-            log.error("ignoring model config %s: %s", self._config_file, e)
+            applied = "applied model config %s, but" if new is not None and self._config == new \
+                else "ignoring model config %s:"
+            log.error(applied + " %s", self._config_file, e)
 
     def start(self):
         """Polls once (synchronously, so models are up before the server answers), then in
-        the background every poll_seconds (TF Serving: 0 = once, negative = never)."""
+        the background every poll_seconds (TF Serving: 0 = once, negative = never).
+        A version that fails this first load fails the start (UNKNOWN), as TF Serving's
+        initial load does; later failures only mark their version END."""
         if self._poll_seconds >= 0:
             self.poll_once()
+            self._refuse_failed_initial_loads()
         self._started = True
         self._update_labels()
         if self._poll_seconds > 0 or self._config_poll_seconds > 0:
             self._thread = threading.Thread(target=self._loop, name="model-poller", daemon=True)
             self._thread.start()
+
+    def _refuse_failed_initial_loads(self):
+        """Raises TF Serving's start-up error ("N servable(s) did not become available")
+        naming every version whose initial load failed, after unloading what did load."""
+        failed = self._failed_loads(self._models)
+        if failed:
+            self.unload_all(drain_seconds=0.0, lock_seconds=30.0)
+            raise ServingError(grpc.StatusCode.UNKNOWN,
+                               f"{len(failed)} servable(s) did not become available: {', '.join(failed)}")
+
+    def _failed_loads(self, names):
+        """['{name: M version: V} due to error: ...'] for the failed versions of models `names`."""
+        with self._lock:
+            return [f"{{name: {m.name} version: {r.version}}} due to error: {' '.join(r.error.message.split())}"
+                    for m in map(self._models.get, names) if m
+                    for r in sorted(m.records.values(), key=lambda r: -r.version)
+                    if r.state == State.END and r.error is not None]
 
     def _loop(self):
         periods = [self._poll_seconds] + ([self._config_poll_seconds] if self._config_file else [])
@@ -384,6 +399,8 @@ class ModelManager:
                     self._idle.notify_all()
 
     def _resolve_record(self, model_spec) -> VersionRecord:
+        if not model_spec.name:
+            raise invalid("ModelSpec has no name specified.")   # ServerCore's words
         m = self._model(model_spec.name)
         available = m.available_versions()
         choice = model_spec.WhichOneof("version_choice")

@@ -166,7 +166,7 @@ class RestFrontend:
                  max_body_bytes, drain_seconds, ssl_config=None):
         self.service = service
         self.metrics = metrics
-        self.timeout_s = timeout_ms / 1000.0
+        self.timeout_s = timeout_ms / 1000.0 if timeout_ms > 0 else None   # 0: no deadline (TF Serving)
         self.max_body_bytes = max_body_bytes
         self.executor = futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="rest")
         self.address, self.requested_port = address, port
@@ -280,12 +280,12 @@ class RestFrontend:
                     raise invalid("request body must be a JSON object")
             else:
                 doc = None
-            deadline = time.monotonic() + self.timeout_s
+            deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
             handler = getattr(self, "_" + api)
             loop = asyncio.get_running_loop()
             work = loop.run_in_executor(self.executor, handler, spec, doc, deadline)
             try:
-                result = await asyncio.wait_for(work, self.timeout_s + 1.0)
+                result = await asyncio.wait_for(work, None if deadline is None else self.timeout_s + 1.0)
             except asyncio.TimeoutError:
                 raise ServingError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                    f"request took longer than --rest_api_timeout_in_ms "

@@ -180,7 +180,7 @@ class TfLiteServable(ServableBase):
         t0 = time.perf_counter()
         model_path = f"{path}/{TFLITE_MODEL_FILE}"
         try:
-            with open(model_path, "rb") as f:
+            with tf.io.gfile.GFile(model_path, "rb") as f:   # a URL (file://, gs://) too
                 model_bytes = f.read()
             interpreters = [_Interpreter(model_bytes, num_threads) for _ in range(max(1, num_interpreters))]
             # After the interpreters (their verifier refuses a malformed flatbuffer): int8
@@ -189,7 +189,7 @@ class TfLiteServable(ServableBase):
             tflite.check_int8_tables(model_bytes)
             for interpreter in interpreters:
                 interpreter.interp.allocate_tensors()
-        except (OSError, ValueError, RuntimeError) as e:
+        except (OSError, ValueError, RuntimeError, tf.errors.OpError) as e:
             raise invalid(f"cannot load {model_path} in LiteRT with the pkm_serve delegate: "
                           f"{' '.join(str(e).split())[:2000]}") from None
         self._pool = _Pool(interpreters)

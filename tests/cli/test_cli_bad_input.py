@@ -25,7 +25,7 @@ BASE = ["--model_base_path=/m"]
     (["--grpc_max_threads=0"], "--grpc_max_threads must be >= 1"),
     (["--rest_api_port=8501", "--rest_api_num_threads=0"], "--rest_api_num_threads must be >= 1"),
     # Every REST request answered DEADLINE_EXCEEDED.
-    (["--rest_api_port=8501", "--rest_api_timeout_in_ms=-5"], "--rest_api_timeout_in_ms must be >= 1"),
+    (["--rest_api_port=8501", "--rest_api_timeout_in_ms=-5"], "--rest_api_timeout_in_ms must be >= 0"),
     # NaN >= 0 is false: the models were never polled, the server "ready" with none.
     (["--file_system_poll_wait_seconds=nan"], "--file_system_poll_wait_seconds must be a finite"),
     (["--drain_seconds=nan"], "--drain_seconds must be a finite"),
@@ -42,6 +42,25 @@ def test_misused_flag_values_are_usage_errors(capsys, argv, needle):
         config.parse_args(BASE + argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
+    assert needle in err, err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--saved_model_tags=serve"], "the 'serve' MetaGraph is always loaded"),
+    (["--tensorflow_session_parallelism", "4"],
+     "use --tensorflow_intra_op_parallelism and --tensorflow_inter_op_parallelism"),
+    (["--max_num_load_retries=0"], "a version that fails to load is retried when its files change"),
+    (["--flush_filesystem_caches=false"], "`pkm-serve serve --help` lists the flags served"),
+])
+def test_tensorflow_model_server_flags_not_implemented_are_named_as_such(capsys, argv, needle):
+    """Was "unrecognized arguments: ...", as for a typo: a tensorflow_model_server command
+    line now hears which of its flags pkm-serve serve lacks, and what to do instead."""
+    with pytest.raises(SystemExit) as e:
+        config.parse_args(BASE + argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    flag = argv[0].split("=")[0]
+    assert f"error: {flag} is a tensorflow_model_server flag that pkm-serve serve does not implement" in err, err
     assert needle in err, err
 
 

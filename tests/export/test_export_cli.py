@@ -117,6 +117,19 @@ def test_mismatching_sample_inputs(weighted_model, tmp_path, case, message):
     assert entries(dst) is None  # DST did not exist before: nothing left behind
 
 
+def test_sample_inputs_key_with_a_misspelled_signature_is_named(weighted_model, tmp_path, capsys):
+    """'serving_defualt/w' was never read: the error said only "missing input 'w'"."""
+    src, _ = weighted_model
+    idx = RNG.integers(0, M.N, (2, M.K)).astype(np.int32)
+    np.savez(tmp_path / "s.npz", **{"serving_default/idx": idx, "serving_defualt/w": idx.astype(np.float32)})
+    assert main([src, str(tmp_path / "dst"), "--sample-inputs", str(tmp_path / "s.npz"), "--quiet"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "pkm-serve export: error: --sample-inputs key 'serving_defualt/w' names signature 'serving_defualt', "
+        "which the model does not have; expected keys: "
+        "['idx', 'w', 'serving_default/idx', 'serving_default/w']")
+    assert entries(tmp_path / "dst") is None
+
+
 def test_sample_inputs_are_used(weighted_model, tmp_path):
     src, _ = weighted_model
     idx = RNG.integers(0, M.N, (11, M.K)).astype(np.int64)  # int64 accepted for int32

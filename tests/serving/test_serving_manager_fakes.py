@@ -268,3 +268,14 @@ def test_version_labels_name_available_versions_unless_allowed(fakes, allow):
         with manager.serving(spec) as servable:
             assert servable.version == 1  # all or nothing: 'stable' did not move either
     manager.stop()
+
+
+def test_a_request_without_a_model_name_is_invalid_argument(fakes):
+    """ServerCore::ServableRequestFromModelSpec: INVALID_ARGUMENT "ModelSpec has no name
+    specified." for Predict, Classify, Regress and metadata (was NOT_FOUND, model '')."""
+    manager = _manager(fakes)
+    with pytest.raises(ServingError) as err:
+        with manager.serving(model_pb2.ModelSpec(name="")):
+            pass
+    assert (err.value.code, err.value.message) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                   "ModelSpec has no name specified.")

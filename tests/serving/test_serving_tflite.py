@@ -352,3 +352,20 @@ def test_scalar_inputs_stay_scalars(tmp_path, tf_with_ops):
     with pytest.raises(ServingError) as e:
         pkm_sig.run({"indices": np.array(3, np.int32), "weights": np.array(1.0, np.float32)})
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "rank >= 1" in e.value.message
+
+
+def test_tflite_version_under_a_file_url_base_path(tmp_path, tf_with_ops):
+    """--model_base_path=file:///... with --prefer_tflite_model: model.tflite was looked for
+    with os.path (not there for a URL), so the version went to the SavedModel loader."""
+    from pkm_serve.serving.loader import make_loader_factory
+    path = _write(str(tmp_path / "pkm"), 1, _pkm_tflite(1))
+    loader = make_loader_factory(warmup=False, prefer_tflite_model=True)("pkm", 1, "file://" + path)
+    loader.load()
+    servable = loader.servable()
+    try:
+        assert servable.runtime == "TFLite"
+        idx, w = _bags(np.random.default_rng(3), 5)
+        got = servable.signature("").run({"indices": idx, "weights": w})
+        np.testing.assert_allclose(next(iter(got.values())), _pkm_reference(1, idx, w), rtol=1e-5, atol=1e-5)
+    finally:
+        loader.unload()

@@ -33,8 +33,7 @@ def test_flags_use_tf_serving_names_and_safe_defaults():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    ([], "exactly one of --model_base_path"),
-    (["--model_base_path=/m", "--model_config_file=/c"], "exactly one of"),
+    ([], "give --model_base_path (with --model_name) or --model_config_file"),
     (["--model_base_path=/m", "--port=0"], "nothing to serve"),
     (["--model_base_path=/m", "--batching_parameters_file=/b"], "needs --enable_batching"),
     (["--model_base_path=/m", "--enable_batching=maybe"], "expected true or false"),
