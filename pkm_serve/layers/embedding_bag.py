@@ -2,9 +2,9 @@
 import keras
 
 from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
-                                     lookup_supports_jit, refuse_ids_past_int32, refuse_rows_past_int32,
-                                     refuse_tf_keras, refuse_tf_training_options, require_positive_ints,
-                                     resolve_lookup)
+                                     lookup_supports_jit, refuse_ids_past_int32, refuse_rounded_half_float_ids,
+                                     refuse_rows_past_int32, refuse_tf_keras, refuse_tf_training_options,
+                                     require_positive_ints, resolve_lookup)
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
@@ -40,14 +40,16 @@ class EmbeddingBag(keras.layers.Layer):
         indices: int `[..., K]`, or a `tf.RaggedTensor` whose last dimension is
             ragged (bags of varying size). Negative indices are padding: they
             add nothing and are not counted by mean/sqrtn. Float indices are
-            cast to int64, as `keras.layers.Embedding` does.
+            cast to int64, as `keras.layers.Embedding` does; float16 / bfloat16
+            ones (an enclosing layer's autocast under a mixed policy) into a
+            table of more rows than they hold exactly (2048 / 256) are refused.
         weights: per-index weights shaped like `indices` (ragged when indices
             are), or None for all ones.
 
     Returns `[..., output_dim]` in the layer's compute dtype.
 
     Mixed precision: the op reads the table in its stored dtype (float32 under
-    the `mixed_*` policies) and the weights are cast to that dtype; only the
+    the `mixed_*` policies, called directly or in a model) and the weights are cast to that dtype; only the
     `[..., output_dim]` result is cast to the compute dtype. Casting the whole
     table to float16 every step would cost O(input_dim * output_dim) per call.
     Under a pure `float16`/`bfloat16` policy the table itself is half and the
@@ -109,6 +111,8 @@ class EmbeddingBag(keras.layers.Layer):
             constraint=self.embeddings_constraint,
             name="embeddings",
             trainable=True,
+            # Read in its stored dtype even where Keras autocasts (a direct call under a mixed policy).
+            autocast=False,
         )
         if self.fused_optimizer and is_tensorflow_backend():
             from pkm_serve import _fused_update
@@ -129,6 +133,7 @@ class EmbeddingBag(keras.layers.Layer):
         import tensorflow as tf
 
         if isinstance(indices, tf.RaggedTensor):
+            refuse_rounded_half_float_ids("EmbeddingBag", indices.dtype.name, self.input_dim)
             indices = indices.with_flat_values(_as_index_dtype(indices.flat_values))
             if weights is not None:
                 if not isinstance(weights, tf.RaggedTensor):
@@ -140,7 +145,9 @@ class EmbeddingBag(keras.layers.Layer):
                     tf.cast(weights.flat_values, table.dtype)
                 )
         else:
-            indices = _as_index_dtype(tf.convert_to_tensor(indices))
+            indices = tf.convert_to_tensor(indices)
+            refuse_rounded_half_float_ids("EmbeddingBag", indices.dtype.name, self.input_dim)
+            indices = _as_index_dtype(indices)
             if indices.shape.rank == 0:
                 raise ValueError(
                     "EmbeddingBag: indices must have at least one dimension (the bag "
@@ -181,6 +188,7 @@ class EmbeddingBag(keras.layers.Layer):
         if dtype not in ("int32", "int64"):
             if not (dtype.startswith(("int", "uint", "float", "bfloat"))):
                 raise TypeError(f"EmbeddingBag: indices must be integers (int32/int64), got {dtype}")
+            refuse_rounded_half_float_ids("EmbeddingBag", dtype, self.input_dim)
             indices = ops.cast(indices, "int32" if keras.backend.backend() == "jax" else "int64")
         if weights is not None:
             weights = ops.convert_to_tensor(weights)
