@@ -46,7 +46,8 @@ class EmbeddingBag(keras.layers.Layer):
         weights: per-index weights shaped like `indices` (ragged when indices
             are), or None for all ones.
 
-    Returns `[..., output_dim]` in the layer's compute dtype.
+    Returns `[..., output_dim]` in the layer's compute dtype. A Keras mask over the
+    leading dims `[...]` passes on; one over the bag axis is refused (see compute_mask).
 
     Mixed precision: the op reads the table in its stored dtype (float32 under
     the `mixed_*` policies, called directly or in a model) and the weights are cast to that dtype; only the
@@ -200,6 +201,19 @@ class EmbeddingBag(keras.layers.Layer):
             weights = ops.cast(weights, table.dtype)
         outputs = self._lookup(table, indices, weights, combiner=self.combiner)
         return ops.cast(outputs, self.compute_dtype)
+
+    def compute_mask(self, indices, mask=None):
+        """A Keras mask over the leading dims (e.g. `Masking` over `[batch, time, K]` ids) passes on,
+        so a following mask-aware layer skips those positions; a mask over the bag axis is refused."""
+        if mask is None:
+            return None
+        mask_rank, ids_rank = len(mask.shape), len(indices.shape)
+        if mask_rank != ids_rank - 1:
+            raise ValueError(
+                f"EmbeddingBag: a Keras mask must cover the leading dims of indices [..., K] (rank "
+                f"{ids_rank - 1}), got one of rank {mask_rank}: mark padding ids in a bag with negative "
+                "indices instead of a mask over the bag axis")
+        return mask
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape[:-1]) + (self.output_dim,)

@@ -130,7 +130,51 @@ def check_half_float_ids():
     print(json.dumps({"half_float_ids": "ok"}))
 
 
-CHECKS = {"table_dtype": check_table_dtype, "half_float_ids": check_half_float_ids}
+def check_mask():
+    """A Keras mask over the leading dims of [batch, time, K] ids (keras.layers.Masking over padded
+    time steps) passes on, so a following GlobalAveragePooling1D averages the real steps only (the
+    mask was dropped: the padded steps, read as row 0 after Masking, were averaged in); a mask over
+    the bag axis is a clear error (the ids it masks would be summed)."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag
+
+    rng = np.random.default_rng(5)
+    rows, steps = 30, 4
+    table = rng.normal(size=(rows, D)).astype("float32")
+    ids = rng.integers(0, rows, size=(3, steps, K)).astype("int32")
+    ids[0, 2:], ids[1, 1:], ids[2, 1, 1] = -1, -1, -1  # padded steps; a padding id in a real step
+    for weighted in (False, True):
+        weights = rng.uniform(0.5, 1.5, size=ids.shape).astype("float32")
+        inputs = [keras.Input((steps, K), dtype="int32"), keras.Input((steps, K))]
+        bag = EmbeddingBag(rows, D)
+        masked = keras.layers.Masking(mask_value=-1)(inputs[0])
+        bags = bag(masked, weights=inputs[1]) if weighted else bag(masked)
+        model = keras.Model(inputs, keras.layers.GlobalAveragePooling1D()(bags))
+        bag.set_weights([table])
+        got = _numpy(model([ids, weights]))
+        per_step = reference_bag(table, ids, weights if weighted else None)
+        real = (ids >= 0).any(axis=-1)
+        want = np.stack([per_step[b][real[b]].mean(axis=0) for b in range(len(ids))])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"weighted={weighted}")
+
+    class BagAxisMask(keras.layers.Layer):
+        def compute_mask(self, inputs, mask=None):
+            return keras.ops.greater_equal(inputs, 0)
+
+        def call(self, inputs):
+            return inputs
+
+    try:
+        bags = EmbeddingBag(rows, D)(BagAxisMask()(keras.Input((steps, K), dtype="int32")))
+    except ValueError as err:
+        assert "mask" in str(err) and "negative" in str(err), err
+    else:
+        raise AssertionError(f"a mask over the bag axis was taken (output mask {getattr(bags, '_keras_mask', None)})")
+    print(json.dumps({"mask": "ok"}))
+
+
+CHECKS = {"table_dtype": check_table_dtype, "half_float_ids": check_half_float_ids, "mask": check_mask}
 
 if __name__ == "__main__":
     import pkm_serve  # noqa: F401  (registers the layers)
