@@ -2,9 +2,9 @@
 import keras
 
 from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
-                                     lookup_supports_jit, refuse_ids_past_int32, refuse_rounded_half_float_ids,
-                                     refuse_rows_past_int32, refuse_tf_keras, refuse_tf_training_options,
-                                     require_positive_ints, resolve_lookup)
+                                     jax_wraps_64_bit_ids, lookup_supports_jit, refuse_ids_past_int32,
+                                     refuse_rounded_half_float_ids, refuse_rows_past_int32, refuse_tf_keras,
+                                     refuse_tf_training_options, require_positive_ints, resolve_lookup)
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
@@ -190,7 +190,7 @@ class EmbeddingBag(keras.layers.Layer):
             if not (dtype.startswith(("int", "uint", "float", "bfloat"))):
                 raise TypeError(f"EmbeddingBag: indices must be integers (int32/int64), got {dtype}")
             refuse_rounded_half_float_ids("EmbeddingBag", dtype, self.input_dim)
-            indices = ops.cast(indices, "int32" if keras.backend.backend() == "jax" else "int64")
+            indices = ops.cast(indices, "int32" if jax_wraps_64_bit_ids() else "int64")  # JAX: int64 needs x64
         if weights is not None:
             weights = ops.convert_to_tensor(weights)
             if tuple(weights.shape) != tuple(indices.shape):
