@@ -38,7 +38,9 @@ class EmbeddingBag(keras.layers.Layer):
 
     Call:
         indices: int `[..., K]`, or a `tf.RaggedTensor` whose last dimension is
-            ragged (bags of varying size). Negative indices are padding: they
+            ragged (bags of varying size), or (TF) a `[batch, K]`
+            `tf.SparseTensor` whose entries present form each bag (weights: one
+            at the same positions). Negative indices are padding: they
             add nothing and are not counted by mean/sqrtn. Float indices are
             cast to int64, as `keras.layers.Embedding` does; float16 / bfloat16
             ones (an enclosing layer's autocast under a mixed policy) into a
@@ -133,6 +135,8 @@ class EmbeddingBag(keras.layers.Layer):
         refuse_tf_keras("EmbeddingBag", (indices, weights))
         import tensorflow as tf
 
+        if isinstance(indices, tf.SparseTensor):
+            indices, weights = _sparse_bags_as_ragged(indices, weights)
         if isinstance(indices, tf.RaggedTensor):
             refuse_rounded_half_float_ids("EmbeddingBag", indices.dtype.name, self.input_dim)
             indices = indices.with_flat_values(_as_index_dtype(indices.flat_values))
@@ -257,3 +261,36 @@ def _as_index_dtype(indices):
     raise TypeError(
         f"EmbeddingBag: indices must be integers (int32/int64), got {indices.dtype.name}"
     )
+
+
+def _sparse_bags_as_ragged(indices, weights):
+    """`[batch, K]` tf.SparseTensor ids (and weights at the same positions) as ragged bags of the
+    entries present, as tf.nn.embedding_lookup_sparse reads them (absent entries are not in a bag)."""
+    import tensorflow as tf
+
+    if indices.shape.rank != 2:
+        raise ValueError(f"EmbeddingBag: tf.SparseTensor indices must be [batch, K] (rank 2), got rank "
+                         f"{indices.shape.rank}; pass higher-rank bags as a tf.RaggedTensor")
+    positions, ids = _row_major(indices)  # argsort, not tf.sparse.reorder: XLA compiles it
+    bags = tf.RaggedTensor.from_value_rowids(ids, positions[:, 0], nrows=indices.dense_shape[0])
+    if weights is None:
+        return bags, None
+    if not isinstance(weights, tf.SparseTensor):
+        raise ValueError("EmbeddingBag: indices are a tf.SparseTensor, so weights must be one with the same "
+                         f"positions (got {type(weights).__name__})")
+    weight_positions, values = _row_major(weights)
+    message = "EmbeddingBag: sparse weights must hold an entry at each position of the sparse indices"
+    same_count = tf.debugging.assert_equal(tf.shape(weight_positions), tf.shape(positions), message=message)
+    with tf.control_dependencies([same_count]):
+        same_positions = tf.debugging.assert_equal(weight_positions, positions, message=message)
+    with tf.control_dependencies([same_positions]):
+        return bags, bags.with_flat_values(tf.identity(values))
+
+
+def _row_major(sparse):
+    """(positions, values) of a 2-D tf.SparseTensor sorted row-major."""
+    import tensorflow as tf
+
+    key = sparse.indices[:, 0] * sparse.dense_shape[1] + sparse.indices[:, 1]
+    order = tf.argsort(key, stable=True)
+    return tf.gather(sparse.indices, order), tf.gather(sparse.values, order)
