@@ -124,8 +124,14 @@ class EmbeddingBag(keras.layers.Layer):
         self.built = True
 
     def __call__(self, *args, **kwargs):
+        indices = args[0] if args else kwargs.get("indices")
+        if keras.backend.is_keras_tensor(indices) and len(indices.shape) == 1:
+            raise ValueError(
+                f"EmbeddingBag: indices are [..., K] bags, but this Keras input has shape {indices.shape}: its "
+                "only axis is the batch axis, so each bag would be the whole batch (one output for all "
+                "examples). Give each example its bag: keras.Input((K,)), or keras.Input((1,)) for one id.")
         # Host ids are checked before Keras converts them (under JAX, wrapping int64 into int32).
-        refuse_ids_past_int32("EmbeddingBag", args[0] if args else kwargs.get("indices"))
+        refuse_ids_past_int32("EmbeddingBag", indices)
         return super().__call__(*args, **kwargs)
 
     def call(self, indices, weights=None):

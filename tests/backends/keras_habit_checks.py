@@ -174,7 +174,34 @@ def check_mask():
     print(json.dumps({"mask": "ok"}))
 
 
-CHECKS = {"table_dtype": check_table_dtype, "half_float_ids": check_half_float_ids, "mask": check_mask}
+def check_batch_axis():
+    """keras.Input(shape=()) ids (one id per example, as keras.layers.Embedding takes them) have no bag
+    axis: the bag was the whole batch, so the model gave one [D] output for all examples and fit
+    trained it against every target by broadcasting; now a clear error. keras.Input((1,)) works."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag
+
+    rng = np.random.default_rng(6)
+    table = rng.normal(size=(20, D)).astype("float32")
+    ids = rng.integers(0, 20, size=(5,)).astype("int32")
+    try:
+        scalar_ids = keras.Input((), dtype="int32")
+        model = keras.Model(scalar_ids, EmbeddingBag(20, D)(scalar_ids))
+    except ValueError as err:
+        assert "batch axis" in str(err) and "keras.Input((1,))" in str(err), err
+    else:
+        raise AssertionError(f"ids without a bag axis built a model with output shape {model.output.shape}")
+    bag = EmbeddingBag(20, D)
+    one_id = keras.Input((1,), dtype="int32")
+    model = keras.Model(one_id, bag(one_id))
+    bag.set_weights([table])
+    np.testing.assert_allclose(_numpy(model(ids[:, None])), table[ids], rtol=1e-6, atol=1e-6)
+    print(json.dumps({"batch_axis": "ok"}))
+
+
+CHECKS = {"table_dtype": check_table_dtype, "half_float_ids": check_half_float_ids, "mask": check_mask,
+          "batch_axis": check_batch_axis}
 
 if __name__ == "__main__":
     import pkm_serve  # noqa: F401  (registers the layers)

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BACKENDS = ["tensorflow", "jax", "torch"]
-CHECKS = ["table_dtype", "half_float_ids", "mask"]
+CHECKS = ["table_dtype", "half_float_ids", "mask", "batch_axis"]
 
 
 def run_checks(backend, checks, extra_env=None):
@@ -32,7 +32,8 @@ def test_keras_habits(backend):
     """table_dtype: under mixed_bfloat16 / mixed_float16 a direct call reads the float32 table (it read a
     16-bit copy: 0.02 off, and off the same layer in a model). half_float_ids: float ids that a
     subclassed Model rounded to 16 bits (257 -> 256) are a clear error (they read other rows). mask: a
-    Keras mask over the leading dims passes on to a following pooling (it was dropped)."""
+    Keras mask over the leading dims passes on to a following pooling (it was dropped). batch_axis:
+    keras.Input(shape=()) ids are a clear error (the whole batch was one bag)."""
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
     assert run_checks(backend, CHECKS) == dict.fromkeys(CHECKS, "ok")
