@@ -103,6 +103,24 @@ def refuse_ids_past_int32(layer_name, indices):
                          f"JAX without jax_enable_x64 wraps around (reading other rows): {_X64_HINT}")
 
 
+# Rows a 16-bit float id can address exactly: every integer below 2 ** (significand bits).
+_EXACT_HALF_FLOAT_ROWS = {"bfloat16": 2**8, "float16": 2**11}
+
+
+def refuse_rounded_half_float_ids(layer_name, dtype, rows):
+    """ValueError for float16 / bfloat16 ids into a table with rows they cannot all hold exactly:
+    such ids were rounded before the layer saw them (257 -> 256 in bfloat16), usually by an
+    enclosing layer or subclassed Model that autocasts float inputs under a mixed policy."""
+    limit = _EXACT_HALF_FLOAT_ROWS.get(keras.backend.standardize_dtype(dtype))
+    if limit is not None and rows > limit:
+        raise ValueError(
+            f"{layer_name}: indices arrived as {keras.backend.standardize_dtype(dtype)}, which holds integers "
+            f"exactly only up to {limit}, but the table has {rows} rows: larger ids were rounded (257 -> 256 "
+            "in bfloat16) before this layer. Under a mixed precision policy an enclosing layer or subclassed "
+            "Model casts float inputs to its compute dtype: pass the ids as integers (int32/int64 arrays, "
+            "keras.Input(dtype='int32')).")
+
+
 TF_TRAINING_OPTIONS = ("sparse_gradient", "fused_optimizer")
 
 

@@ -2,9 +2,9 @@
 import keras
 
 from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
-                                     lookup_supports_jit, refuse_ids_past_int32, refuse_rows_past_int32,
-                                     refuse_tf_keras, refuse_tf_training_options, require_positive_ints,
-                                     resolve_lookup)
+                                     jax_wraps_64_bit_ids, lookup_supports_jit, refuse_ids_past_int32,
+                                     refuse_rounded_half_float_ids, refuse_rows_past_int32, refuse_tf_keras,
+                                     refuse_tf_training_options, require_positive_ints, resolve_lookup)
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
@@ -38,16 +38,21 @@ class EmbeddingBag(keras.layers.Layer):
 
     Call:
         indices: int `[..., K]`, or a `tf.RaggedTensor` whose last dimension is
-            ragged (bags of varying size). Negative indices are padding: they
+            ragged (bags of varying size), or (TF) a `[batch, K]`
+            `tf.SparseTensor` whose entries present form each bag (weights: one
+            at the same positions). Negative indices are padding: they
             add nothing and are not counted by mean/sqrtn. Float indices are
-            cast to int64, as `keras.layers.Embedding` does.
+            cast to int64, as `keras.layers.Embedding` does; float16 / bfloat16
+            ones (an enclosing layer's autocast under a mixed policy) into a
+            table of more rows than they hold exactly (2048 / 256) are refused.
         weights: per-index weights shaped like `indices` (ragged when indices
             are), or None for all ones.
 
-    Returns `[..., output_dim]` in the layer's compute dtype.
+    Returns `[..., output_dim]` in the layer's compute dtype. A Keras mask over the
+    leading dims `[...]` passes on; one over the bag axis is refused (see compute_mask).
 
     Mixed precision: the op reads the table in its stored dtype (float32 under
-    the `mixed_*` policies) and the weights are cast to that dtype; only the
+    the `mixed_*` policies, called directly or in a model) and the weights are cast to that dtype; only the
     `[..., output_dim]` result is cast to the compute dtype. Casting the whole
     table to float16 every step would cost O(input_dim * output_dim) per call.
     Under a pure `float16`/`bfloat16` policy the table itself is half and the
@@ -109,6 +114,8 @@ class EmbeddingBag(keras.layers.Layer):
             constraint=self.embeddings_constraint,
             name="embeddings",
             trainable=True,
+            # Read in its stored dtype even where Keras autocasts (a direct call under a mixed policy).
+            autocast=False,
         )
         if self.fused_optimizer and is_tensorflow_backend():
             from pkm_serve import _fused_update
@@ -117,8 +124,14 @@ class EmbeddingBag(keras.layers.Layer):
         self.built = True
 
     def __call__(self, *args, **kwargs):
+        indices = args[0] if args else kwargs.get("indices")
+        if keras.backend.is_keras_tensor(indices) and len(indices.shape) == 1:
+            raise ValueError(
+                f"EmbeddingBag: indices are [..., K] bags, but this Keras input has shape {indices.shape}: its "
+                "only axis is the batch axis, so each bag would be the whole batch (one output for all "
+                "examples). Give each example its bag: keras.Input((K,)), or keras.Input((1,)) for one id.")
         # Host ids are checked before Keras converts them (under JAX, wrapping int64 into int32).
-        refuse_ids_past_int32("EmbeddingBag", args[0] if args else kwargs.get("indices"))
+        refuse_ids_past_int32("EmbeddingBag", indices)
         return super().__call__(*args, **kwargs)
 
     def call(self, indices, weights=None):
@@ -128,7 +141,10 @@ class EmbeddingBag(keras.layers.Layer):
         refuse_tf_keras("EmbeddingBag", (indices, weights))
         import tensorflow as tf
 
+        if isinstance(indices, tf.SparseTensor):
+            indices, weights = _sparse_bags_as_ragged(indices, weights)
         if isinstance(indices, tf.RaggedTensor):
+            refuse_rounded_half_float_ids("EmbeddingBag", indices.dtype.name, self.input_dim)
             indices = indices.with_flat_values(_as_index_dtype(indices.flat_values))
             if weights is not None:
                 if not isinstance(weights, tf.RaggedTensor):
@@ -140,7 +156,9 @@ class EmbeddingBag(keras.layers.Layer):
                     tf.cast(weights.flat_values, table.dtype)
                 )
         else:
-            indices = _as_index_dtype(tf.convert_to_tensor(indices))
+            indices = tf.convert_to_tensor(indices)
+            refuse_rounded_half_float_ids("EmbeddingBag", indices.dtype.name, self.input_dim)
+            indices = _as_index_dtype(indices)
             if indices.shape.rank == 0:
                 raise ValueError(
                     "EmbeddingBag: indices must have at least one dimension (the bag "
@@ -181,7 +199,8 @@ class EmbeddingBag(keras.layers.Layer):
         if dtype not in ("int32", "int64"):
             if not (dtype.startswith(("int", "uint", "float", "bfloat"))):
                 raise TypeError(f"EmbeddingBag: indices must be integers (int32/int64), got {dtype}")
-            indices = ops.cast(indices, "int32" if keras.backend.backend() == "jax" else "int64")
+            refuse_rounded_half_float_ids("EmbeddingBag", dtype, self.input_dim)
+            indices = ops.cast(indices, "int32" if jax_wraps_64_bit_ids() else "int64")  # JAX: int64 needs x64
         if weights is not None:
             weights = ops.convert_to_tensor(weights)
             if tuple(weights.shape) != tuple(indices.shape):
@@ -192,6 +211,19 @@ class EmbeddingBag(keras.layers.Layer):
             weights = ops.cast(weights, table.dtype)
         outputs = self._lookup(table, indices, weights, combiner=self.combiner)
         return ops.cast(outputs, self.compute_dtype)
+
+    def compute_mask(self, indices, mask=None):
+        """A Keras mask over the leading dims (e.g. `Masking` over `[batch, time, K]` ids) passes on,
+        so a following mask-aware layer skips those positions; a mask over the bag axis is refused."""
+        if mask is None:
+            return None
+        mask_rank, ids_rank = len(mask.shape), len(indices.shape)
+        if mask_rank != ids_rank - 1:
+            raise ValueError(
+                f"EmbeddingBag: a Keras mask must cover the leading dims of indices [..., K] (rank "
+                f"{ids_rank - 1}), got one of rank {mask_rank}: mark padding ids in a bag with negative "
+                "indices instead of a mask over the bag axis")
+        return mask
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape[:-1]) + (self.output_dim,)
@@ -235,3 +267,36 @@ def _as_index_dtype(indices):
     raise TypeError(
         f"EmbeddingBag: indices must be integers (int32/int64), got {indices.dtype.name}"
     )
+
+
+def _sparse_bags_as_ragged(indices, weights):
+    """`[batch, K]` tf.SparseTensor ids (and weights at the same positions) as ragged bags of the
+    entries present, as tf.nn.embedding_lookup_sparse reads them (absent entries are not in a bag)."""
+    import tensorflow as tf
+
+    if indices.shape.rank != 2:
+        raise ValueError(f"EmbeddingBag: tf.SparseTensor indices must be [batch, K] (rank 2), got rank "
+                         f"{indices.shape.rank}; pass higher-rank bags as a tf.RaggedTensor")
+    positions, ids = _row_major(indices)  # argsort, not tf.sparse.reorder: XLA compiles it
+    bags = tf.RaggedTensor.from_value_rowids(ids, positions[:, 0], nrows=indices.dense_shape[0])
+    if weights is None:
+        return bags, None
+    if not isinstance(weights, tf.SparseTensor):
+        raise ValueError("EmbeddingBag: indices are a tf.SparseTensor, so weights must be one with the same "
+                         f"positions (got {type(weights).__name__})")
+    weight_positions, values = _row_major(weights)
+    message = "EmbeddingBag: sparse weights must hold an entry at each position of the sparse indices"
+    same_count = tf.debugging.assert_equal(tf.shape(weight_positions), tf.shape(positions), message=message)
+    with tf.control_dependencies([same_count]):
+        same_positions = tf.debugging.assert_equal(weight_positions, positions, message=message)
+    with tf.control_dependencies([same_positions]):
+        return bags, bags.with_flat_values(tf.identity(values))
+
+
+def _row_major(sparse):
+    """(positions, values) of a 2-D tf.SparseTensor sorted row-major."""
+    import tensorflow as tf
+
+    key = sparse.indices[:, 0] * sparse.dense_shape[1] + sparse.indices[:, 1]
+    order = tf.argsort(key, stable=True)
+    return tf.gather(sparse.indices, order), tf.gather(sparse.values, order)

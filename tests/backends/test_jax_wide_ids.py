@@ -66,3 +66,33 @@ def test_the_layer_refuses_ids_and_tables_past_int32_without_x64():
     assert lines[1:3] == ["refused: EmbeddingBag: indices hold values past int32"] * 2, proc.stdout
     assert lines[3:] == ["refused: EmbeddingBag: a table of 2147483648 rows",
                          "refused: ProductKeyMemory: a table of 2147488281 rows"], proc.stdout
+
+
+_X64_FLOAT_IDS_SCRIPT = """
+import os
+os.environ["KERAS_BACKEND"] = "jax"
+import jax
+jax.config.update("jax_enable_x64", True)
+import numpy as np
+from pkm_serve.layers import EmbeddingBag
+layer = EmbeddingBag(input_dim=5, output_dim=4)
+layer.build((None, 2))
+layer.embeddings.assign(np.arange(20, dtype=np.float32).reshape(5, 4))
+print(np.asarray(layer(np.array([[1.0, 2.0]]))).tolist())
+try:
+    layer(np.array([[2.0**31 + 5, 2.0]]))
+    print("accepted")
+except ValueError as err:
+    print("refused:", str(err).split(" is out of range")[0].split("indices[0] = ")[-1])
+"""
+
+
+def test_float_ids_keep_their_value_with_x64():
+    """With jax_enable_x64, float ids are cast to int64 (as int64 ids pass): the out-of-range error
+    names the id, as TF's does (they went through int32 and saturated: it named 2147483647)."""
+    proc = subprocess.run([sys.executable, "-c", _X64_FLOAT_IDS_SCRIPT], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0] == "[[12.0, 14.0, 16.0, 18.0]]", proc.stdout  # rows 1 + 2
+    assert lines[1] == f"refused: {2**31 + 5}", proc.stdout

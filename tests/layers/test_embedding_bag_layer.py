@@ -69,6 +69,39 @@ def test_ragged_bags_match_numpy(combiner, with_weights):
     np.testing.assert_array_equal(out.numpy()[1], 0.0)
 
 
+def _shuffled_sparse(dense, present, order):
+    positions = np.argwhere(present)[order]
+    return tf.sparse.SparseTensor(positions, dense[tuple(positions.T)], dense.shape)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_sparse_ids_read_the_entries_present(combiner):
+    """[batch, K] tf.SparseTensor ids (a VarLenFeature's, keras.Input(sparse=True)), in any entry order,
+    with sparse weights: each bag holds the entries present, as tf.nn.embedding_lookup_sparse reads
+    them; eager, in a model and under XLA (it raised "Attempt to convert a value (SparseTensor ...)")."""
+    rng = np.random.default_rng(8)
+    layer = make_layer(combiner)
+    ids, weights = rng.integers(0, N, size=(7, 5)), rng.uniform(0.1, 2.0, size=(7, 5)).astype(np.float32)
+    present = rng.random(ids.shape) < 0.6
+    present[2] = False  # an empty bag
+    order = rng.permutation(int(present.sum()))
+    sparse_ids, sparse_weights = _shuffled_sparse(ids, present, order), _shuffled_sparse(weights, present, order)
+    expected = embedding_bag(layer.embeddings.numpy(), np.where(present, ids, -1), weights, combiner)
+    inputs = [keras.Input((5,), dtype="int64", sparse=True), keras.Input((5,), sparse=True)]
+    model = keras.Model(inputs, layer(inputs[0], weights=inputs[1]))
+    xla = tf.function(lambda i, w: layer(i, weights=w), jit_compile=True)
+    for how, out in (("eager", layer(sparse_ids, weights=sparse_weights)),
+                     ("model", model([sparse_ids, sparse_weights])), ("xla", xla(sparse_ids, sparse_weights))):
+        np.testing.assert_allclose(out.numpy(), expected, rtol=1e-5, atol=1e-6, err_msg=how)
+    unweighted = embedding_bag(layer.embeddings.numpy(), np.where(present, ids, -1), None, combiner)
+    np.testing.assert_allclose(layer(sparse_ids).numpy(), unweighted, rtol=1e-5, atol=1e-6)
+    elsewhere = _shuffled_sparse(weights, np.roll(present, 1, axis=1), order)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="sparse weights must hold an entry at each position"):
+        layer(sparse_ids, weights=elsewhere)
+    with pytest.raises(ValueError, match=r"SparseTensor indices must be \[batch, K\] \(rank 2\)"):
+        layer(tf.sparse.from_dense(ids.reshape(7, 5, 1)))
+
+
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 def test_ragged_gradients_in_tf_function_match_composite(combiner):
     rng = np.random.default_rng(6)

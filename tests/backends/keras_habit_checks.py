@@ -1,0 +1,210 @@
+"""Keras habits around the layers, checked inside one process with KERAS_BACKEND set (tensorflow,
+jax or torch); test_keras_habits.py runs them under each backend. Each check raises
+AssertionError with a message on failure and prints {"<check>": "ok"}.
+
+    KERAS_BACKEND=jax python -m tests.backends.keras_habit_checks table_dtype half_float_ids
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from tests.reference import embedding_bag as reference_bag  # noqa: E402
+
+N, D, K = 5000, 8, 16
+
+
+def _bags(rng, rows=N, batch=6):
+    ids = rng.integers(0, rows, size=(batch, K))
+    ids[:, 0] = [257, 259, 2049, 4097, 2051, rows - 1][:batch]  # ids bfloat16 / float16 would round
+    ids = np.minimum(ids, rows - 1)
+    return ids.astype("int32"), rng.uniform(0.3, 1.7, size=(batch, K)).astype("float32")
+
+
+def _numpy(x):
+    import keras
+
+    return keras.ops.convert_to_numpy(keras.ops.cast(x, "float32")).astype(np.float64)
+
+
+def _half_ulp(x, dtype):
+    """Half the spacing of `dtype` (bfloat16 / float16) numbers around each value of x."""
+    bits, min_exponent = {"bfloat16": (7, -126), "float16": (10, -14)}[dtype]  # stored significand bits
+    return 0.5 * 2.0 ** (np.floor(np.log2(np.maximum(np.abs(x), 2.0**min_exponent))) - bits)
+
+
+def check_table_dtype():
+    """Under mixed_bfloat16 / mixed_float16 a direct call reads the float32 table, as the layer inside a
+    model does: both give the float32 result rounded once to the compute dtype (the direct call
+    read a bfloat16 copy of the whole table and rounded the weights: 2-3 ulps off, and off the model's)."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag
+
+    rng = np.random.default_rng(3)
+    table = rng.normal(size=(N, D)).astype("float32")
+    for policy in ("mixed_bfloat16", "mixed_float16"):
+        keras.config.set_dtype_policy(policy)
+        ids, weights = _bags(rng)
+        layer = EmbeddingBag(N, D)
+        inputs = [keras.Input((K,), dtype="int32"), keras.Input((K,))]
+        model = keras.Model(inputs, layer(inputs[0], weights=inputs[1]))
+        layer.set_weights([table])
+        direct, in_model = _numpy(layer(ids, weights=weights)), _numpy(model([ids, weights]))
+        want = reference_bag(table, ids, weights)
+        slack = 1e-6 * np.abs(want)  # float32 accumulation
+        worst = np.max(np.abs(direct - want) - (_half_ulp(want, policy[6:]) + slack))
+        assert worst <= 0, f"{policy}: a direct call is {worst:.3g} past half an ulp of the float64 reference"
+        np.testing.assert_array_equal(direct, in_model, err_msg=f"{policy}: direct call vs the model")
+    keras.config.set_dtype_policy("float32")
+    print(json.dumps({"table_dtype": "ok"}))
+
+
+class _Wrapped:
+    """A subclassed Model around an EmbeddingBag (built lazily: Keras needs the backend imported)."""
+
+    @staticmethod
+    def make(rows):
+        import keras
+
+        from pkm_serve.layers import EmbeddingBag
+
+        class BagModel(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.bag = EmbeddingBag(rows, D)
+
+            def call(self, ids):
+                return self.bag(ids)
+
+        return BagModel()
+
+
+def check_half_float_ids():
+    """Float ids reach the layer uncast (called directly, or through a float32 keras.Input), so they
+    read the rows int ids read. A subclassed Model under a mixed policy casts float ids to its 16-bit
+    compute dtype before the layer (as it would for keras.layers.Embedding): ids the 16-bit type cannot
+    hold exactly for the table's size are a clear error (they read rounded rows: 257 -> 256), and a
+    table small enough for them keeps working."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag
+
+    rng = np.random.default_rng(4)
+    table = rng.normal(size=(N, D)).astype("float32")
+    for policy, exact_rows in (("mixed_bfloat16", 256), ("mixed_float16", 2048)):
+        keras.config.set_dtype_policy(policy)
+        ids, _ = _bags(rng)
+        want = reference_bag(table, ids)
+        tolerance = 4 * _half_ulp(want, policy[6:]) + 1e-6
+        layer = EmbeddingBag(N, D)
+        layer.build()
+        layer.set_weights([table])
+        float_ids = keras.Input((K,), dtype="float32")
+        model = keras.Model(float_ids, layer(float_ids))
+        for how, out in (("direct", layer(ids.astype("float32"))), ("functional", model(ids.astype("float32")))):
+            assert np.all(np.abs(_numpy(out) - want) <= tolerance), f"{policy}: float ids, {how} call"
+        wrapped = _Wrapped.make(N)
+        wrapped(ids)  # int ids: not autocast, correct rows
+        wrapped.bag.set_weights([table])
+        assert np.all(np.abs(_numpy(wrapped(ids)) - want) <= tolerance), f"{policy}: int ids in a subclassed Model"
+        try:
+            got = _numpy(wrapped(ids.astype("float32")))
+        except ValueError as err:
+            assert "rounded" in str(err) and policy[6:] in str(err) and "integers" in str(err), err
+        else:
+            raise AssertionError(f"{policy}: float ids rounded to {policy[6:]} gave no error; rows off by "
+                                 f"{np.max(np.abs(got - want)):.3g}")
+        small = _Wrapped.make(exact_rows)
+        small_ids = ids % exact_rows
+        small(small_ids)
+        small.bag.set_weights([table[:exact_rows]])
+        np.testing.assert_allclose(_numpy(small(small_ids.astype("float32"))), _numpy(small(small_ids)),
+                                   rtol=0, atol=0, err_msg=f"{policy}: a {exact_rows}-row table, float ids")
+    keras.config.set_dtype_policy("float32")
+    print(json.dumps({"half_float_ids": "ok"}))
+
+
+def check_mask():
+    """A Keras mask over the leading dims of [batch, time, K] ids (keras.layers.Masking over padded
+    time steps) passes on, so a following GlobalAveragePooling1D averages the real steps only (the
+    mask was dropped: the padded steps, read as row 0 after Masking, were averaged in); a mask over
+    the bag axis is a clear error (the ids it masks would be summed)."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag
+
+    rng = np.random.default_rng(5)
+    rows, steps = 30, 4
+    table = rng.normal(size=(rows, D)).astype("float32")
+    ids = rng.integers(0, rows, size=(3, steps, K)).astype("int32")
+    ids[0, 2:], ids[1, 1:], ids[2, 1, 1] = -1, -1, -1  # padded steps; a padding id in a real step
+    for weighted in (False, True):
+        weights = rng.uniform(0.5, 1.5, size=ids.shape).astype("float32")
+        inputs = [keras.Input((steps, K), dtype="int32"), keras.Input((steps, K))]
+        bag = EmbeddingBag(rows, D)
+        masked = keras.layers.Masking(mask_value=-1)(inputs[0])
+        bags = bag(masked, weights=inputs[1]) if weighted else bag(masked)
+        model = keras.Model(inputs, keras.layers.GlobalAveragePooling1D()(bags))
+        bag.set_weights([table])
+        got = _numpy(model([ids, weights]))
+        per_step = reference_bag(table, ids, weights if weighted else None)
+        real = (ids >= 0).any(axis=-1)
+        want = np.stack([per_step[b][real[b]].mean(axis=0) for b in range(len(ids))])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"weighted={weighted}")
+
+    class BagAxisMask(keras.layers.Layer):
+        def compute_mask(self, inputs, mask=None):
+            return keras.ops.greater_equal(inputs, 0)
+
+        def call(self, inputs):
+            return inputs
+
+    try:
+        bags = EmbeddingBag(rows, D)(BagAxisMask()(keras.Input((steps, K), dtype="int32")))
+    except ValueError as err:
+        assert "mask" in str(err) and "negative" in str(err), err
+    else:
+        raise AssertionError(f"a mask over the bag axis was taken (output mask {getattr(bags, '_keras_mask', None)})")
+    print(json.dumps({"mask": "ok"}))
+
+
+def check_batch_axis():
+    """keras.Input(shape=()) ids (one id per example, as keras.layers.Embedding takes them) have no bag
+    axis: the bag was the whole batch, so the model gave one [D] output for all examples and fit
+    trained it against every target by broadcasting; now a clear error. keras.Input((1,)) works."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag
+
+    rng = np.random.default_rng(6)
+    table = rng.normal(size=(20, D)).astype("float32")
+    ids = rng.integers(0, 20, size=(5,)).astype("int32")
+    try:
+        scalar_ids = keras.Input((), dtype="int32")
+        model = keras.Model(scalar_ids, EmbeddingBag(20, D)(scalar_ids))
+    except ValueError as err:
+        assert "batch axis" in str(err) and "keras.Input((1,))" in str(err), err
+    else:
+        raise AssertionError(f"ids without a bag axis built a model with output shape {model.output.shape}")
+    bag = EmbeddingBag(20, D)
+    one_id = keras.Input((1,), dtype="int32")
+    model = keras.Model(one_id, bag(one_id))
+    bag.set_weights([table])
+    np.testing.assert_allclose(_numpy(model(ids[:, None])), table[ids], rtol=1e-6, atol=1e-6)
+    print(json.dumps({"batch_axis": "ok"}))
+
+
+CHECKS = {"table_dtype": check_table_dtype, "half_float_ids": check_half_float_ids, "mask": check_mask,
+          "batch_axis": check_batch_axis}
+
+if __name__ == "__main__":
+    import pkm_serve  # noqa: F401  (registers the layers)
+
+    for name in sys.argv[1:]:
+        CHECKS[name]()
