@@ -98,6 +98,19 @@ def test_rows_scored_by_a_vector_are_no_bag(tmp_path):
     assert _export(tmp_path).sites == []
 
 
+
+def test_rows_pooled_into_several_columns_are_no_bag_and_an_adjoint_column_is_reported(tmp_path):
+    """As docs/export.md says: rows^T @ W [B, K, 3] pools the rows into three columns (no bag:
+    neither fused nor reported); rows^T @ adjoint(w[:, None, :]) is one column, reported."""
+    specs = [tf.TensorSpec([None, 5], tf.int64, "ids"), tf.TensorSpec([None, 5, 3], tf.float32, "w")]
+    _save(tmp_path / "m", specs, lambda t, ids, w: tf.matmul(tf.gather(t, ids), w, transpose_a=True))
+    assert _export(tmp_path).sites == []
+    specs = [tf.TensorSpec([None, 5], tf.int64, "ids"), tf.TensorSpec([None, 5], tf.float32, "w")]
+    _save(tmp_path / "m2", specs,
+          lambda t, ids, w: tf.matmul(tf.gather(t, ids), w[:, None, :], transpose_a=True, transpose_b=True))
+    result = export_saved_model(str(tmp_path / "m2"), str(tmp_path / "out2"), quiet=True)
+    assert [(s.status, s.pattern) for s in result.sites] == [("skipped", "matmul")]
+
 SPARSE_SPEC = tf.SparseTensorSpec([None, N], tf.float32)
 
 
