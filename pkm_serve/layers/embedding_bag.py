@@ -58,7 +58,8 @@ class EmbeddingBag(keras.layers.Layer):
     `[..., output_dim]` result is cast to the compute dtype. Casting the whole
     table to float16 every step would cost O(input_dim * output_dim) per call.
     Under a pure `float16`/`bfloat16` policy the table itself is half and the
-    op runs in half (accumulating in float32).
+    op runs in half (accumulating in float32). Another layer that reads `embeddings`
+    (weight tying) gets it in its own compute dtype, as a `keras.layers.Embedding`'s.
     """
 
     def __init__(
