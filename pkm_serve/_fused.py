@@ -115,7 +115,8 @@ def _register_gradients():
             combiner=op.get_attr("combiner"), has_weights=has_weights)
         from tensorflow.python.ops import resource_variable_ops
 
-        shape = resource_variable_ops.variable_shape(op.inputs[0])  # int32: see _with_sparse_gradient
+        shape = _table_dense_shape(resource_variable_ops.variable_shape(op.inputs[0], out_type=tf.int64),
+                                   _variable_rows(op.inputs[0]))
         rows, row_grads = marker_if_no_replica_has_any(rows, row_grads)
         return [tf.IndexedSlices(row_grads, rows, dense_shape=shape), None,
                 d_weights if has_weights else None]
@@ -128,6 +129,28 @@ _register_gradients()
 
 
 # ---- row-sparse gradients ----------------------------------------------------------
+
+_INT32_ROWS = 2**31
+
+
+def _table_dense_shape(shape64, rows):
+    """A table gradient's dense_shape: int32, as tf.gather's (tf.cond's gradient turns the other
+    branch's zeros into IndexedSlices with one and fails on a mismatch: "must have the same ...
+    structure"), but int64 for a table of 2^31 rows or more, or of unknown rows: an int32
+    variable_shape wraps there (2^31 + 8 rows read as -2147483640)."""
+    return tf.cast(shape64, tf.int32) if rows is not None and rows < _INT32_ROWS else shape64
+
+
+def _variable_rows(handle):
+    """The row count in a resource handle's shape data, or None where it is unknown."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    try:
+        dims = resource_variable_ops.get_eager_safe_handle_data(handle).shape_and_type[0].shape
+    except (AttributeError, IndexError):
+        return None
+    return None if dims.unknown_rank or not dims.dim or dims.dim[0].size < 0 else dims.dim[0].size
+
 
 def _sparse_read_variable(params, indices):
     """The resource variable to read inside the kernel while a tape records, else None.
@@ -189,9 +212,10 @@ def _with_sparse_gradient(lib, params, bag_inputs, weights, combiner, has_weight
             rows, row_grads, d_weights = grad_op(d_out, table, *bag_inputs, bag_weights,
                                                  combiner=combiner, has_weights=has_weights)
             rows, row_grads = marker_if_no_replica_has_any(rows, row_grads)
-            # An int32 dense_shape, as tf.gather's: tf.cond's gradient turns the other branch's zeros
-            # into IndexedSlices with one and fails on a mismatch ("must have the same ... structure").
-            d_table = tf.IndexedSlices(row_grads, rows, dense_shape=tf.shape(table))
+            rows_known = table.shape[0] if table.shape.rank else None
+            shape = tf.shape(table, out_type=tf.int64) if rows_known and rows_known >= _INT32_ROWS \
+                else tf.shape(table)   # int32 (see _table_dense_shape); past 2^31 rows it fails loudly
+            d_table = tf.IndexedSlices(row_grads, rows, dense_shape=shape)
             return d_table, (d_weights if has_weights else tf.zeros_like(bag_weights))
 
         return out, grad

@@ -1,4 +1,6 @@
 """`EmbeddingBag`: a Keras layer over the fused PkmEmbeddingBag op."""
+import contextlib
+
 import keras
 
 from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
@@ -56,7 +58,8 @@ class EmbeddingBag(keras.layers.Layer):
     `[..., output_dim]` result is cast to the compute dtype. Casting the whole
     table to float16 every step would cost O(input_dim * output_dim) per call.
     Under a pure `float16`/`bfloat16` policy the table itself is half and the
-    op runs in half (accumulating in float32).
+    op runs in half (accumulating in float32). Another layer that reads `embeddings`
+    (weight tying) gets it in its own compute dtype, as a `keras.layers.Embedding`'s.
     """
 
     def __init__(
@@ -114,8 +117,6 @@ class EmbeddingBag(keras.layers.Layer):
             constraint=self.embeddings_constraint,
             name="embeddings",
             trainable=True,
-            # Read in its stored dtype even where Keras autocasts (a direct call under a mixed policy).
-            autocast=False,
         )
         if self.fused_optimizer and is_tensorflow_backend():
             from pkm_serve import _fused_update
@@ -132,7 +133,8 @@ class EmbeddingBag(keras.layers.Layer):
                 "examples). Give each example its bag: keras.Input((K,)), or keras.Input((1,)) for one id.")
         # Host ids are checked before Keras converts them (under JAX, wrapping int64 into int32).
         refuse_ids_past_int32("EmbeddingBag", indices)
-        return super().__call__(*args, **kwargs)
+        with _no_autocast_scope():
+            return super().__call__(*args, **kwargs)
 
     def call(self, indices, weights=None):
         table = self.embeddings.value
@@ -255,6 +257,19 @@ class EmbeddingBag(keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         return from_config_keeping_tf_training_options(super().from_config, config)
+
+
+def _no_autocast_scope():
+    """Where this layer reads its table uncast. The variable autocasts, as keras.layers.Embedding's
+    (a layer that ties its weights to the table reads it in its compute dtype), but Layer.__call__
+    opens an autocast scope of the compute dtype when none is open (a direct call under a mixed
+    policy: the lookup read a 16-bit copy of the whole table); inside an open one, as this empty
+    one, it opens none for a layer with autocast=False."""
+    try:
+        from keras.src.backend import AutocastScope  # Keras exports no public one
+    except ImportError:
+        return contextlib.nullcontext()
+    return AutocastScope(None)
 
 
 def _as_index_dtype(indices):

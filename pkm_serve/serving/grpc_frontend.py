@@ -1,7 +1,6 @@
 """gRPC front end: TF Serving's PredictionService and ModelService, health, reflection."""
 import logging
 import os
-import socket
 import time
 from concurrent import futures
 
@@ -12,6 +11,7 @@ from tensorflow_serving.apis import (model_service_pb2, model_service_pb2_grpc, 
                                      prediction_service_pb2_grpc)
 
 from pkm_serve.serving.errors import ServingError
+from pkm_serve.serving.ports import check_bindable
 
 log = logging.getLogger("pkm_serve.serving")
 
@@ -92,19 +92,6 @@ class ModelServicer(model_service_pb2_grpc.ModelServiceServicer):
         return self._calls("reload_config", self._calls.service.reload_config, request, context, "")
 
 
-def _check_bindable(address, port):
-    """Fails early (before the models load) on a port that is taken."""
-    if port == 0:
-        return
-    family, kind, proto, _name, sockaddr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as gRPC's listeners do
-        try:
-            probe.bind(sockaddr)
-        except OSError as e:
-            raise OSError(f"cannot bind gRPC to {address}:{port}: {e.strerror}") from None
-
-
 class GrpcFrontend:
     def __init__(self, service, metrics, *, address, port, max_threads, max_message_bytes,
                  ssl_config=None, socket_path="", channel_arguments=()):
@@ -134,7 +121,8 @@ class GrpcFrontend:
             require_client_auth=ssl_config.client_verify)
         self.socket_path = socket_path
         self.port = port
-        _check_bindable(address, port)
+        # Fails early (before the models load) on a taken port.
+        check_bindable("gRPC", address, port, reuse_port=bool(dict(options).get("grpc.so_reuseport")))
         if socket_path and not os.path.isdir(os.path.dirname(os.path.abspath(socket_path))):
             raise OSError(f"cannot bind gRPC to the UNIX socket {socket_path}: its directory does not exist")
 

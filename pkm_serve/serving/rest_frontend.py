@@ -28,6 +28,7 @@ from tensorflow.core.example import example_pb2, feature_pb2
 
 from pkm_serve.serving import tensors
 from pkm_serve.serving.errors import ServingError, http_status, invalid
+from pkm_serve.serving.ports import check_bindable
 
 log = logging.getLogger("pkm_serve.serving")
 
@@ -170,6 +171,7 @@ class RestFrontend:
         self.max_body_bytes = max_body_bytes
         self.executor = futures.ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="rest")
         self.address, self.requested_port = address, port
+        check_bindable("REST", address, port)   # before the models load; start() binds after them
         self.drain_seconds = drain_seconds
         self.ssl_config = ssl_config
         self.metrics_path = None

@@ -200,8 +200,42 @@ def check_batch_axis():
     print(json.dumps({"batch_axis": "ok"}))
 
 
+def check_tied_table():
+    """Under mixed_float16 a layer that ties its weights to the table (reads bag.embeddings in its
+    call, e.g. output scores against the item table) reads it in its compute dtype, as it reads a
+    keras.layers.Embedding's (the reference): float16, so that a matmul with its float16 inputs
+    runs (with autocast=False on the variable it read float32: tf.matmul failed, keras.ops gave
+    float32 scores)."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag
+
+    class Tied(keras.layers.Layer):
+        def __init__(self, source, **kwargs):
+            super().__init__(**kwargs)
+            self.source = source
+
+        def call(self, x):
+            return x, self.source.embeddings.value
+
+    table = np.random.default_rng(7).normal(size=(20, D)).astype("float32")
+    keras.config.set_dtype_policy("mixed_float16")
+    bag, reference = EmbeddingBag(20, D), keras.layers.Embedding(20, D)
+    ids = np.array([[1, 2], [3, 4]], "int32")
+    hidden = bag(ids)
+    reference(ids)
+    bag.set_weights([table])
+    reference.set_weights([table])
+    (_, got), (_, want) = Tied(bag)(hidden), Tied(reference)(hidden)
+    dtypes = [keras.backend.standardize_dtype(t.dtype) for t in (got, want)]
+    assert dtypes == ["float16", "float16"], f"tied read as {dtypes[0]}, keras.layers.Embedding's as {dtypes[1]}"
+    np.testing.assert_array_equal(_numpy(got), _numpy(want))
+    keras.config.set_dtype_policy("float32")
+    print(json.dumps({"tied_table": "ok"}))
+
+
 CHECKS = {"table_dtype": check_table_dtype, "half_float_ids": check_half_float_ids, "mask": check_mask,
-          "batch_axis": check_batch_axis}
+          "batch_axis": check_batch_axis, "tied_table": check_tied_table}
 
 if __name__ == "__main__":
     import pkm_serve  # noqa: F401  (registers the layers)

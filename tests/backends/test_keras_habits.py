@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BACKENDS = ["tensorflow", "jax", "torch"]
-CHECKS = ["table_dtype", "half_float_ids", "mask", "batch_axis"]
+CHECKS = ["table_dtype", "half_float_ids", "mask", "batch_axis", "tied_table"]
 
 
 def run_checks(backend, checks, extra_env=None):
@@ -33,7 +33,8 @@ def test_keras_habits(backend):
     16-bit copy: 0.02 off, and off the same layer in a model). half_float_ids: float ids that a
     subclassed Model rounded to 16 bits (257 -> 256) are a clear error (they read other rows). mask: a
     Keras mask over the leading dims passes on to a following pooling (it was dropped). batch_axis:
-    keras.Input(shape=()) ids are a clear error (the whole batch was one bag)."""
+    keras.Input(shape=()) ids are a clear error (the whole batch was one bag). tied_table: a layer tying
+    its weights to the table reads it in its compute dtype, as keras.layers.Embedding's."""
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
     assert run_checks(backend, CHECKS) == dict.fromkeys(CHECKS, "ok")

@@ -319,3 +319,22 @@ def test_table_over_2_pow_31_elements_forward_and_backward():
     assert float(tf.reduce_max(d_table)) == pytest.approx(all_expected.max(), rel=1e-2)
     assert float(tf.reduce_min(d_table)) == pytest.approx(all_expected.min(), rel=1e-2, abs=1e-3)
     np.testing.assert_allclose(to_np(d_weights)[0], [g[0] @ rows[n - 1], g[0] @ rows[3], 0.0], rtol=1e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.large
+def test_sparse_gradient_of_a_table_of_2_pow_31_rows_or_more_names_its_rows():
+    """float16 table of 2^31 + 8 rows x 1 (4 GB): the row-sparse gradient's dense_shape is the
+    table's shape. An int32 one (as tf.gather's, for tf.cond) wrapped to -2147483640 for a
+    variable and failed ("Shape output type is 32-bit") for a tensor."""
+    n = 2**31 + 8
+    table = tf.Variable(tf.zeros([n, 1], tf.float16))
+    ids = tf.constant([[n - 1, 3]], tf.int64)
+    for params in (table, tf.convert_to_tensor(table)):
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            loss = tf.reduce_sum(tf.cast(ops.embedding_bag(params, ids, sparse_gradient=True), tf.float32))
+        grad = tape.gradient(loss, params)
+        assert isinstance(grad, tf.IndexedSlices)
+        assert grad.dense_shape.numpy().tolist() == list(table.shape)   # the reference: [n, 1]
+        assert sorted(grad.indices.numpy().tolist()) == [3, n - 1]

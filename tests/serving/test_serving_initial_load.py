@@ -201,3 +201,44 @@ def test_config_file_adding_a_failing_model_is_logged_as_applied(tmp_path, caplo
         assert f"ignoring model config {config_file}:" in caplog.text
     finally:
         manager.stop()
+
+
+def test_a_taken_rest_port_fails_the_start_before_any_load(tmp_path):
+    """The REST port, as the gRPC one: taken, the start fails before the models load (it
+    failed only after every initial load, minutes for a large model)."""
+    import socket
+    from serving_helpers import free_port
+    from pkm_serve.serving import config
+    from pkm_serve.serving.server import Server, StartupError
+    hpt.write_versioned(str(tmp_path / "m"), 1, hpt.write_tf1)
+    port = free_port()
+    argv = [f"--model_base_path={tmp_path / 'm'}", "--port=0", f"--rest_api_port={port}", "--load_pkm_ops=false"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        assert _accepts(port)   # the reference: the port is in use
+        with pytest.raises(StartupError, match=f"cannot bind REST to 127.0.0.1:{port}"):
+            Server(config.parse_args(argv))
+
+
+def test_a_port_shared_through_so_reuseport_stays_bindable():
+    """--grpc_channel_arguments=grpc.so_reuseport=1 lets several servers listen on one port
+    (gRPC binds it beside another SO_REUSEPORT listener); the early probe refused it."""
+    import socket
+    from unittest import mock
+    from pkm_serve.serving.grpc_frontend import GrpcFrontend
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        kwargs = dict(address="127.0.0.1", port=port, max_threads=2, max_message_bytes=1 << 20)
+        with pytest.raises(OSError, match=f"cannot bind gRPC to 127.0.0.1:{port}"):   # not shared: refused
+            GrpcFrontend(mock.MagicMock(), mock.MagicMock(), **kwargs)
+        shared = GrpcFrontend(mock.MagicMock(), mock.MagicMock(), channel_arguments=(("grpc.so_reuseport", 1),),
+                              **kwargs)
+        try:
+            shared.start()
+            assert shared.port == port
+        finally:
+            shared.server.stop(None)
