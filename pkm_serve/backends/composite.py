@@ -19,8 +19,9 @@ vector): no error, wrong bags.
 An index >= N is refused the same way (a ValueError with the core's message)
 where the indices' values are on the host (eager CPU arrays, numpy, a
 constant under jit); ids on an accelerator are not copied back to check them,
-and traced ids cannot be: there `take` decides (JAX fills NaN rows, PyTorch
-raises its IndexError, TF's CPU gather raises).
+and traced ids cannot be: there such an id is padding, as in the GPU kernels
+(`take` alone would decide otherwise: JAX filled NaN rows, PyTorch's CUDA
+gather a device-side assert that ends the process' CUDA context).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", row_s
     _check_indices(indices, params.shape[0])
     if combiner == "max":
         return _max_composite(params, indices, weights, row_splits)
-    keep = ops.cast(ops.greater_equal(indices, 0), "float32")
+    valid = _valid_ids(indices, params)
+    keep = ops.cast(valid, "float32")
     w = keep if weights is None else ops.cast(weights, "float32") * keep
-    rows = ops.cast(ops.take(params, ops.maximum(indices, 0), axis=0), "float32") * w[..., None]
+    rows = ops.cast(ops.take(params, ops.where(valid, indices, 0), axis=0), "float32") * w[..., None]
     if row_splits is None:
         total = ops.sum(rows, axis=-2)
         reduce = lambda x: ops.sum(x, axis=-1)  # noqa: E731  (the bag axis of [..., K])
@@ -65,8 +67,8 @@ def _max_composite(params, indices, weights, row_splits):
 
     if weights is not None:
         raise ValueError(MAX_WITH_WEIGHTS_ERROR)
-    valid = ops.greater_equal(indices, 0)
-    rows = ops.cast(ops.take(params, ops.maximum(indices, 0), axis=0), "float32")
+    valid = _valid_ids(indices, params)
+    rows = ops.cast(ops.take(params, ops.where(valid, indices, 0), axis=0), "float32")
     masked = ops.where(valid[..., None], rows, ops.full_like(rows, float("-inf")))
     count = ops.cast(valid, "float32")
     if row_splits is None:
@@ -79,6 +81,12 @@ def _max_composite(params, indices, weights, row_splits):
         nonempty = ops.segment_sum(count, bag_of, num_segments=num_bags) > 0
     out = ops.where(nonempty[..., None], top, ops.zeros_like(top))
     return ops.cast(out, keras.backend.standardize_dtype(params.dtype))
+
+
+def _valid_ids(indices, params):
+    """0 <= id < N: negative ids are padding, and so are ids >= N that _check_indices could not see."""
+    num_rows = params.shape[0] if params.shape[0] is not None else ops.shape(params)[0]
+    return ops.logical_and(ops.greater_equal(indices, 0), ops.less(indices, num_rows))
 
 
 def _checked_row_splits(values, row_splits):
