@@ -103,16 +103,16 @@ def refuse_ids_past_int32(layer_name, indices):
                          f"JAX without jax_enable_x64 wraps around (reading other rows): {_X64_HINT}")
 
 
-# Rows a 16-bit float id can address exactly: every integer below 2 ** (significand bits).
-_EXACT_HALF_FLOAT_ROWS = {"bfloat16": 2**8, "float16": 2**11}
+# The largest id a 16-bit float holds with every integer below it: 2 ** (significand bits).
+_LARGEST_EXACT_HALF_FLOAT_ID = {"bfloat16": 2**8, "float16": 2**11}
 
 
 def refuse_rounded_half_float_ids(layer_name, dtype, rows):
     """ValueError for float16 / bfloat16 ids into a table with rows they cannot all hold exactly:
     such ids were rounded before the layer saw them (257 -> 256 in bfloat16), usually by an
     enclosing layer or subclassed Model that autocasts float inputs under a mixed policy."""
-    limit = _EXACT_HALF_FLOAT_ROWS.get(keras.backend.standardize_dtype(dtype))
-    if limit is not None and rows > limit:
+    limit = _LARGEST_EXACT_HALF_FLOAT_ID.get(keras.backend.standardize_dtype(dtype))
+    if limit is not None and rows - 1 > limit:
         raise ValueError(
             f"{layer_name}: indices arrived as {keras.backend.standardize_dtype(dtype)}, which holds integers "
             f"exactly only up to {limit}, but the table has {rows} rows: larger ids were rounded (257 -> 256 "

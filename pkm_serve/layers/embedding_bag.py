@@ -46,7 +46,8 @@ class EmbeddingBag(keras.layers.Layer):
             add nothing and are not counted by mean/sqrtn. Float indices are
             cast to int64, as `keras.layers.Embedding` does; float16 / bfloat16
             ones (an enclosing layer's autocast under a mixed policy) into a
-            table of more rows than they hold exactly (2048 / 256) are refused.
+            table with ids past the largest integer they hold with all below it
+            (float16 2048, bfloat16 256) are refused.
         weights: per-index weights shaped like `indices` (ragged when indices
             are), or None for all ones.
 

@@ -120,12 +120,13 @@ def check_half_float_ids():
         else:
             raise AssertionError(f"{policy}: float ids rounded to {policy[6:]} gave no error; rows off by "
                                  f"{np.max(np.abs(got - want)):.3g}")
-        small = _Wrapped.make(exact_rows)
-        small_ids = ids % exact_rows
+        small = _Wrapped.make(exact_rows + 1)  # ids 0..exact_rows: every one held exactly
+        small_ids = ids % (exact_rows + 1)
+        small_ids[0, 0] = exact_rows
         small(small_ids)
-        small.bag.set_weights([table[:exact_rows]])
+        small.bag.set_weights([table[:exact_rows + 1]])
         np.testing.assert_allclose(_numpy(small(small_ids.astype("float32"))), _numpy(small(small_ids)),
-                                   rtol=0, atol=0, err_msg=f"{policy}: a {exact_rows}-row table, float ids")
+                                   rtol=0, atol=0, err_msg=f"{policy}: a {exact_rows + 1}-row table, float ids")
     keras.config.set_dtype_policy("float32")
     print(json.dumps({"half_float_ids": "ok"}))
 
