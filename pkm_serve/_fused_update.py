@@ -233,7 +233,9 @@ def fused_embedding_bag(variable, indices, weights=None, combiner="sum"):
         # No handle outside a replica (Keras' symbolic build under strategy.scope()): no step trains here.
         return ops.embedding_bag(table, indices, weights, combiner=combiner)
     if isinstance(indices, tf.RaggedTensor):
-        raise ValueError("fused_optimizer takes dense [..., K] indices (pad ragged bags with -1)")
+        raise ValueError("fused_optimizer takes dense [..., K] indices, not ragged or tf.SparseTensor ones: pad "
+                         "the bags with -1 (ids.to_tensor(-1), tf.sparse.to_dense(ids, default_value=-1)), "
+                         "or train with sparse_gradient=True instead")
     indices = tf.convert_to_tensor(indices)
     if indices.dtype not in (tf.int32, tf.int64):
         indices = tf.cast(indices, tf.int64)

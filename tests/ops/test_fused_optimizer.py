@@ -280,6 +280,17 @@ def test_fused_refuses_max_and_exports_after_training(tmp_path):
     np.testing.assert_allclose(served.numpy(), model.predict(x, verbose=0), rtol=1e-6, atol=1e-6)
 
 
+def test_fused_refuses_ragged_and_sparse_ids_saying_how_to_pad_them():
+    layer = EmbeddingBag(10, 4, fused_optimizer=True)
+    sparse = tf.sparse.from_dense(tf.constant([[1, 2, 0], [3, 0, 0]], tf.int64))
+    for ids in (sparse, tf.ragged.constant([[1, 2], [3]], tf.int64)):
+        with pytest.raises(ValueError, match=r"not ragged or tf\.SparseTensor ones.*default_value=-1"):
+            layer(ids)
+    padded = tf.sparse.to_dense(sparse, default_value=-1)  # what the message says works
+    want = layer.embeddings.numpy()[[1, 3]] + np.array([[1.0], [0.0]]) * layer.embeddings.numpy()[2]
+    np.testing.assert_allclose(layer(padded).numpy(), want, rtol=1e-6)
+
+
 # ---- custom training loops (a helper's bug hunt, round 30) ----
 
 def _custom_loop(fused, make_opt, steps=3, wrap=False, transform=None):
