@@ -108,28 +108,42 @@ def _segment_of_table(fg: FunctionGraph, node, site: Site, table: Ref, ids: Ref,
     return extend_to_safe(fg, site)
 
 
-def steps_before_segment(fg: FunctionGraph, data: Ref, depth: int = 4):
-    """Why rows reaching a sparse segment reduction were not taken, if they
-    are gathered table rows a few steps up (None if they are not)."""
-    path, ref = [], data
+def steps_before_segment(fg: FunctionGraph, data: Ref, what: str = "sparse segment reduction", depth: int = 4):
+    """Why rows reaching a segment reduction (`what`) were not taken, if they
+    are gathered table rows a few steps up (None if they are not). A Select
+    (tf.where) is followed through its two branches, not its condition."""
+    frontier = [(data, [])]
     for _ in range(depth):
-        node = fg.producer(ref)
-        if node is None:
-            return None
-        if clips_rows(fg, node):
-            return ("each gathered row is clipped to max_norm (embedding_lookup_sparse "
-                    "max_norm=, i.e. clip_by_norm) before the reduction: PkmEmbeddingBag "
-                    "has no row-norm clip, so the site stays composite")
-        if node.op in ("ResourceGather", "GatherV2"):
-            steps = " -> ".join(reversed(path)) or "a gather that is not a row gather"
-            return (f"{steps} between the gather and the sparse segment reduction: only "
-                    "the ids' unique-inverse and per-id weights are fused")
-        path.append(node.op)
-        ins = fg.inputs(node)
-        if not ins:
-            return None
-        ref = ins[0]
+        next_frontier = []
+        for ref, path in frontier:
+            node = fg.producer(ref)
+            if node is None:
+                continue
+            if clips_rows(fg, node):
+                return ("each gathered row is clipped to max_norm (embedding_lookup_sparse "
+                        "max_norm=, i.e. clip_by_norm) before the reduction: PkmEmbeddingBag "
+                        "has no row-norm clip, so the site stays composite")
+            if node.op in ("ResourceGather", "GatherV2"):
+                return _steps_reason(path, what)
+            ins = fg.inputs(node)
+            follow = ins[1:3] if node.op in ("Select", "SelectV2") else ins[:1]
+            next_frontier += [(r, path + [node.op]) for r in follow]
+        frontier = next_frontier
     return None
+
+
+def _steps_reason(path: List[str], what: str) -> str:
+    steps = " -> ".join(reversed(path)) or "a gather that is not a row gather"
+    if any(op in ("Select", "SelectV2") for op in path):
+        return (f"{steps}: the gathered rows are masked (tf.where) before the {what}; a masked row "
+                "still counts in a segment_mean's bag size and as a 0 in a segment_max, and masked "
+                "rows are not fused in any segment reduction, so the site stays composite")
+    if path == ["Mul"] and what in ("segment_mean", "segment_max"):
+        return (f"the gathered rows are multiplied (per-id weights) before the {what}: the fused op's "
+                "weighted combiners are a weighted sum and a mean divided by the weights' sum "
+                f"(embedding_lookup_sparse), not a {what} of weighted rows, so the site stays composite")
+    return (f"{steps} between the gather and the {what}: only the ids' unique-inverse and per-id "
+            "weights are fused")
 
 
 def _match_segment_sum(fg: FunctionGraph, node, site: Site, extra: List[str]):
@@ -185,10 +199,10 @@ def _segment_of_rows(fg: FunctionGraph, node, site: Site, what: str) -> Site:
     try:
         gathered, ids, rows_nodes, private = _resolve_sparse_rows(fg, data)
     except NotASite:
-        reason = steps_before_segment(fg, data)
+        reason = steps_before_segment(fg, data, what)
         if reason is None:
             raise
-        raise Skip(reason.replace("sparse segment reduction", what)) from None
+        raise Skip(reason) from None
     fill_from_gather(site, gathered, fg)
     if fg.shape(gathered.output).rank != 2:
         raise Skip(f"{what} of gathered rows that are not [ids, D]")

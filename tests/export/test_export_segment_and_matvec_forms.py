@@ -186,3 +186,46 @@ def test_a_weighted_ragged_mean_is_labelled_a_mean(tmp_path):
                               for a, b in zip(splits[:-1], splits[1:])])
     for got in _outputs(tmp_path, result, inputs)[:2]:
         np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
+
+
+SEGMENT_REDUCTIONS = {"sum": tf.math.segment_sum, "mean": tf.math.segment_mean, "max": tf.math.segment_max}
+SEGMENT_INPUTS = {"values": np.array([3, 3, 7, 0, 29, 11], np.int64), "segments": np.array([1, 1, 1, 3, 3, 4], np.int64),
+                  "w": np.array([1.0, 0.5, -2.0, 3.0, 1.5, 0.25], np.float32)}
+SEGMENT_SPECS = [tf.TensorSpec([None], tf.int64, "values"), tf.TensorSpec([None], tf.int64, "segments"),
+                 tf.TensorSpec([None], tf.float32, "w")]
+
+
+def _segment_site_and_outputs(tmp_path, body):
+    _save(tmp_path / "m", SEGMENT_SPECS, body)
+    np.savez(tmp_path / "samples.npz", **SEGMENT_INPUTS)
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True,
+                                sample_inputs=str(tmp_path / "samples.npz"))
+    def serve(path):
+        signature = tf.saved_model.load(str(path)).signatures["serving_default"]
+        return signature(**{k: tf.constant(v) for k, v in SEGMENT_INPUTS.items()})["out"].numpy()
+    return result.sites, serve(tmp_path / "m"), serve(result.dst)
+
+
+@pytest.mark.parametrize("reduction", list(SEGMENT_REDUCTIONS))
+def test_a_segment_reduction_of_masked_rows_is_reported(tmp_path, reduction):
+    """segment_<reduction>(tf.where(mask, gather(t, values), 0), segments) was neither
+    fused nor reported. The masked rows are not padding for mean and max (they count,
+    as zeros), so the site is reported and left as written (same outputs)."""
+    reduce = SEGMENT_REDUCTIONS[reduction]
+    sites, original, exported = _segment_site_and_outputs(tmp_path, lambda t, values, segments, w: reduce(
+        tf.where((values != 3)[:, None], tf.gather(t, values), 0.0), segments))
+    assert [(s.status, s.combiner) for s in sites] == [("skipped", reduction)]
+    assert f"masked (tf.where) before the segment_{reduction}" in sites[0].reason
+    np.testing.assert_array_equal(exported, original)
+
+
+def test_a_weighted_segment_mean_is_reported_with_its_true_reason(tmp_path):
+    """segment_mean(rows * w[:, None]) divides by the bag's id count, not by the
+    weights' sum: it was skipped as if only an unfused step were in the way
+    ("only the ids' unique-inverse and per-id weights are fused")."""
+    sites, original, exported = _segment_site_and_outputs(
+        tmp_path, lambda t, values, segments, w: tf.math.segment_mean(tf.gather(t, values) * w[:, None], segments))
+    assert [s.status for s in sites] == ["skipped"]
+    assert "per-id weights" in sites[0].reason and "not a segment_mean of weighted rows" in sites[0].reason
+    assert "are fused" not in sites[0].reason
+    np.testing.assert_array_equal(exported, original)
