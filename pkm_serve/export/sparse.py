@@ -31,6 +31,8 @@ SPARSE_SEGMENT_COMBINERS = {
     "SparseSegmentSumWithNumSegments": "sum", "SparseSegmentMeanWithNumSegments": "mean",
     "SparseSegmentSqrtNWithNumSegments": "sqrtn"}
 DIVISION_OPS = ("DivNoNan", "RealDiv", "Div")
+# tf.math.segment_sum/mean/max of gathered rows, as written by hand (not embedding_lookup_sparse)
+SEGMENT_PATTERN = "segment-reduce"
 
 
 def _resolve_sparse_rows(fg: FunctionGraph, ref: Ref):
@@ -187,6 +189,7 @@ def match_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
     producer = fg.producer(fg.inputs(node)[0])
     if producer is None or producer.op != "Mul":  # tf.math.segment_sum(gather(table, ids), segment_ids)
         site.combiner = "sum"
+        site.pattern = SEGMENT_PATTERN
         return _segment_of_rows(fg, node, site, "segment_sum")
     site = _match_segment_sum(fg, node, site, [])[0]
     return extend_to_safe(fg, site)

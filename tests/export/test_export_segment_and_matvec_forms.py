@@ -47,7 +47,8 @@ def test_a_segment_mean_of_gathered_rows_is_fused(tmp_path):
     _save(tmp_path / "m", specs, lambda t, values, segments: tf.math.segment_mean(tf.gather(t, values), segments))
     inputs = {"values": np.array([3, 3, 7, 0, 29, 11], np.int64), "segments": np.array([1, 1, 1, 3, 3, 4], np.int64)}
     result = _export(tmp_path, samples=inputs)
-    assert [(s.status, s.combiner, s.computes) for s in result.sites] == [("fused", "mean", "mean")]
+    assert [(s.status, s.pattern, s.combiner, s.computes) for s in result.sites] == [
+        ("fused", "segment-reduce", "mean", "mean")]
     assert result.tflite["custom_ops"] == ["PkmRaggedEmbeddingBag"]
     table = TABLE.astype(np.float64)
     reference = np.zeros((5, D))
@@ -214,7 +215,7 @@ def test_a_segment_reduction_of_masked_rows_is_reported(tmp_path, reduction):
     reduce = SEGMENT_REDUCTIONS[reduction]
     sites, original, exported = _segment_site_and_outputs(tmp_path, lambda t, values, segments, w: reduce(
         tf.where((values != 3)[:, None], tf.gather(t, values), 0.0), segments))
-    assert [(s.status, s.combiner) for s in sites] == [("skipped", reduction)]
+    assert [(s.status, s.pattern, s.combiner) for s in sites] == [("skipped", "segment-reduce", reduction)]
     assert f"masked (tf.where) before the segment_{reduction}" in sites[0].reason
     np.testing.assert_array_equal(exported, original)
 
@@ -225,7 +226,20 @@ def test_a_weighted_segment_mean_is_reported_with_its_true_reason(tmp_path):
     ("only the ids' unique-inverse and per-id weights are fused")."""
     sites, original, exported = _segment_site_and_outputs(
         tmp_path, lambda t, values, segments, w: tf.math.segment_mean(tf.gather(t, values) * w[:, None], segments))
-    assert [s.status for s in sites] == ["skipped"]
+    assert [(s.status, s.pattern) for s in sites] == [("skipped", "segment-reduce")]
     assert "per-id weights" in sites[0].reason and "not a segment_mean of weighted rows" in sites[0].reason
     assert "are fused" not in sites[0].reason
     np.testing.assert_array_equal(exported, original)
+
+
+@pytest.mark.parametrize("reduction", list(SEGMENT_REDUCTIONS))
+def test_segment_reductions_of_gathered_rows_share_one_label(tmp_path, reduction):
+    """tf.math.segment_sum/mean were labelled embedding_lookup_sparse (which writes
+    neither) and segment_max sparse-segment-max: all three are segment-reduce."""
+    reduce = SEGMENT_REDUCTIONS[reduction]
+    sites, original, exported = _segment_site_and_outputs(
+        tmp_path, lambda t, values, segments, w: reduce(tf.gather(t, values), segments))
+    assert [(s.status, s.pattern, s.combiner, s.computes) for s in sites] == [
+        ("fused", "segment-reduce", reduction, reduction)]
+    assert sites[0].saved_bytes_at_batch is None  # ids per batch depend on the input
+    np.testing.assert_allclose(exported, original, rtol=1e-6, atol=1e-6)
