@@ -18,7 +18,7 @@ from typing import List
 
 import numpy as np
 
-from pkm_serve.export.dense import Gather, check_max_site, fill_from_gather, resolve_gather, \
+from pkm_serve.export.dense import Gather, apply_rows, check_max_site, fill_from_gather, resolve_gather, resolve_rows, \
     strip_trailing_unit_axis
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import (INDEX_DTYPES, TABLE_DTYPES, NotASite, Site, Skip, check_private,
@@ -187,12 +187,37 @@ def _match_segment_sum(fg: FunctionGraph, node, site: Site, extra: List[str]):
 
 def match_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
     producer = fg.producer(fg.inputs(node)[0])
+    if producer is not None and producer.op == "SelectV2":
+        site.combiner, site.pattern = "sum", SEGMENT_PATTERN
+        return _segment_sum_of_masked_rows(fg, node, site)
     if producer is None or producer.op != "Mul":  # tf.math.segment_sum(gather(table, ids), segment_ids)
         site.combiner = "sum"
         site.pattern = SEGMENT_PATTERN
         return _segment_of_rows(fg, node, site, "segment_sum")
     site = _match_segment_sum(fg, node, site, [])[0]
     return extend_to_safe(fg, site)
+
+
+def _segment_sum_of_masked_rows(fg: FunctionGraph, node, site: Site) -> Site:
+    """segment_sum(tf.where(mask[:, None], gather(table, ids), 0), seg): a masked
+    row adds 0, so the bag is that of where(mask, ids, -1) (padding; a bag all
+    masked is 0, as the composite's). Only the mask between gather and sum."""
+    data, segment_ids = fg.inputs(node)
+    reason = steps_before_segment(fg, data, "segment_sum")
+    try:
+        rows = resolve_rows(fg, data, site)
+    except NotASite:
+        rows = None
+    if rows is None or rows.mask is None or rows.weights is not None or rows.ones is not None or \
+            rows.cast_enum or rows.regathers or rows.unflattened is not None or \
+            fg.shape(rows.gather.indices).rank != 1:
+        if reason is None:
+            raise NotASite()
+        raise Skip(reason)
+    apply_rows(fg, site, rows, node.name, data)
+    site.segment_ids = segment_ids
+    site.internal = tuple(n for n in site.internal if n != site.root)
+    return site
 
 
 def _segment_of_rows(fg: FunctionGraph, node, site: Site, what: str) -> Site:
