@@ -94,6 +94,7 @@ def _match_counts_matmul(fg: FunctionGraph, node, site: Site) -> Site:
     ids_shape = fg.shape(ids)
     if ids_shape.rank != 2:
         raise Skip(f"ids of shape {ids_shape}: only [B, K] ids are counted into one bag per row")
+    site.rows_from_counts = n_rows is None  # the matmul refuses a table of other rows: fuse.py asserts N
     site.table_shape = [counted[-1], site.table_shape[1]]
     site.indices, site.index_dtype = ids, tensor_dtype(fg, ids)
     if site.index_dtype not in INDEX_DTYPES:

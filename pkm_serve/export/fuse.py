@@ -16,7 +16,7 @@ from tensorflow.python.framework import dtypes, op_def_registry
 
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import (assert_ids_in_table, assert_ids_rank, assert_masked_ids_below_rows,
-                                        ids_below_rows)
+                                        assert_table_rows, ids_below_rows)
 from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site, dims, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
@@ -241,7 +241,8 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
     pruned = site.sparse_indices is not None and not site.ids_are_sparse_columns  # safe_ drops negative ids
     ids_check = None if pruned or site.negative_ids_padding else \
         assert_ids_in_table(fg, site, gathered_ids)
-    bound_check = assert_masked_ids_below_rows(fg, site, gathered_ids, params)
+    bound_check = assert_masked_ids_below_rows(fg, site, gathered_ids, params) or \
+        assert_table_rows(fg, site, params)  # a masked site is no counts site: at most one of the two
     site.indices = _regathered_ids(fg, site)
     indices = _masked_indices(fg, site) if site.mask is not None else site.indices
     if site.ids_past_rows_padding:  # counted ids: an id >= N counts nowhere, as padding

@@ -4,7 +4,8 @@ negative ids (padding to the op, an error to the gather), ids >= N in the
 positions a masked site makes padding (the composite gathers every id before
 its tf.where, so its gather refuses them) and ids of another
 rank than the site was matched at (the composite's reduction axis is fixed,
-the op always reduces the ids' last axis). Each Assert is a control input of
+the op always reduces the ids' last axis), and a computed table's rows
+where id counts set N (the composite's matmul refuses other rows). Each Assert is a control input of
 the fused op. The TFLite converter drops Asserts."""
 from __future__ import annotations
 
@@ -138,6 +139,29 @@ def _table_rows(fg: FunctionGraph, site: Site, params: Ref, prefix: str) -> Ref:
                      [shape, fg.add_const(prefix + "/zero", np.array(0, np.int32)),
                       fg.add_const(prefix + "/axis0", np.array(0, np.int32))],
                      {"Tparams": dtype, "Tindices": I32, "Taxis": I32, "batch_dims": 0}, shapes=[[]])
+
+
+def assert_table_rows(fg: FunctionGraph, site: Site, params: Ref) -> Optional[str]:
+    """An Assert that a table whose rows were unknown at export has the N rows
+    the counts have (counts [B, N] @ table): the original matmul refuses any
+    other, the fused op would read the table whatever its rows. Returns the
+    Assert's name (a control input of the fused op). The TFLite converter drops it."""
+    if not site.rows_from_counts:
+        return None
+    prefix = site.root + "/pkm_table_rows_check"
+    shape = fg.add_op(prefix + "/table_shape", "Shape", [params],
+                      {"T": DType(site.table_dtype), "out_type": I64}, shapes=[[2]])
+    rows = fg.add_op(prefix + "/rows", "GatherV2",
+                     [shape, fg.add_const(prefix + "/zero", np.array(0, np.int32)),
+                      fg.add_const(prefix + "/axis0", np.array(0, np.int32))],
+                     {"Tparams": I64, "Tindices": I32, "Taxis": I32, "batch_dims": 0}, shapes=[[]])
+    n = site.table_shape[0]
+    ok = fg.add_op(prefix + "/same", "Equal", [rows, fg.add_const(prefix + "/expected", np.array(n, np.int64))],
+                   {"T": I64, "incompatible_shape_error": True}, shapes=[[]])
+    return _assert(fg, prefix, ok,
+                   f"{DENSE_OP} (fused id counts times {site.table or 'the table'} in {site.root}): the table has",
+                   (rows, types_pb2.DT_INT64),
+                   f"rows, not the {n} the id counts have (the original model's matmul refuses it too)", "/message_rows")
 
 
 def ids_below_rows(fg: FunctionGraph, site: Site, ids: Ref, params: Ref) -> Ref:

@@ -14,6 +14,7 @@ from pkm_serve.export import (counts, dense, einsum, fuse, half_division, labels
                               unrecognised)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
+from pkm_serve.export.sparse import SEGMENT_PATTERN
 
 # Kept for callers of the old single module.
 DENSE_OP, RAGGED_OP = fuse.DENSE_OP, fuse.RAGGED_OP
@@ -28,8 +29,8 @@ def _pattern_of(node) -> str:
         return "gather-reduce"
     if node.op in ("UnsortedSegmentSum", "UnsortedSegmentMax"):
         return "ragged-reduce"
-    if node.op == "SegmentMax":
-        return "sparse-segment-max"
+    if node.op in ("SegmentMax", "SegmentMean"):
+        return SEGMENT_PATTERN  # embedding_lookup_sparse has no max and no unweighted SegmentMean
     return "embedding_lookup_sparse"
 
 
@@ -124,7 +125,7 @@ def _bytes(site: Site, batch_size: int) -> None:
     if dim is not None:
         site.bytes_per_index = int(sum(sizes)) * dim
     shape = site.gathered_shape
-    if "sparse" in site.pattern or "ragged" in site.pattern or not shape:
+    if "sparse" in site.pattern or "ragged" in site.pattern or site.pattern == SEGMENT_PATTERN or not shape:
         return  # the number of ids per batch depends on the input
     elems = [batch_size if (i == 0 and d is None) else d for i, d in enumerate(shape)]
     if all(d is not None for d in elems):

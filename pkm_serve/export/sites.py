@@ -81,6 +81,7 @@ class Site:
     ids_are_sparse_columns: bool = False  # sparse_dense_matmul: ids = sparse_indices[:, 1]
     ids_past_rows_padding: bool = False  # ids >= N count nowhere (bincount, one_hot): read as padding
     negative_ids_padding: bool = False   # negative ids count nowhere (one_hot): no negative-id check
+    rows_from_counts: bool = False    # table rows unknown at export: N is the counts', checked at run time
     expand_bag_axis: bool = False     # the composite keeps a unit bag axis (matmul): the bag gets it back
     bag_unit_axis: int = -2           # ... at this axis: -2 ([..., 1, D]) or -1 (rows^T @ w: [..., D, 1])
     mask_squeeze: bool = False        # mask likewise

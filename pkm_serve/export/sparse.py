@@ -18,7 +18,7 @@ from typing import List
 
 import numpy as np
 
-from pkm_serve.export.dense import Gather, check_max_site, fill_from_gather, resolve_gather, \
+from pkm_serve.export.dense import Gather, apply_rows, check_max_site, fill_from_gather, resolve_gather, resolve_rows, \
     strip_trailing_unit_axis
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import (INDEX_DTYPES, TABLE_DTYPES, NotASite, Site, Skip, check_private,
@@ -31,6 +31,8 @@ SPARSE_SEGMENT_COMBINERS = {
     "SparseSegmentSumWithNumSegments": "sum", "SparseSegmentMeanWithNumSegments": "mean",
     "SparseSegmentSqrtNWithNumSegments": "sqrtn"}
 DIVISION_OPS = ("DivNoNan", "RealDiv", "Div")
+# tf.math.segment_sum/mean/max of gathered rows, as written by hand (not embedding_lookup_sparse)
+SEGMENT_PATTERN = "segment-reduce"
 
 
 def _resolve_sparse_rows(fg: FunctionGraph, ref: Ref):
@@ -108,28 +110,42 @@ def _segment_of_table(fg: FunctionGraph, node, site: Site, table: Ref, ids: Ref,
     return extend_to_safe(fg, site)
 
 
-def steps_before_segment(fg: FunctionGraph, data: Ref, depth: int = 4):
-    """Why rows reaching a sparse segment reduction were not taken, if they
-    are gathered table rows a few steps up (None if they are not)."""
-    path, ref = [], data
+def steps_before_segment(fg: FunctionGraph, data: Ref, what: str = "sparse segment reduction", depth: int = 4):
+    """Why rows reaching a segment reduction (`what`) were not taken, if they
+    are gathered table rows a few steps up (None if they are not). A Select
+    (tf.where) is followed through its two branches, not its condition."""
+    frontier = [(data, [])]
     for _ in range(depth):
-        node = fg.producer(ref)
-        if node is None:
-            return None
-        if clips_rows(fg, node):
-            return ("each gathered row is clipped to max_norm (embedding_lookup_sparse "
-                    "max_norm=, i.e. clip_by_norm) before the reduction: PkmEmbeddingBag "
-                    "has no row-norm clip, so the site stays composite")
-        if node.op in ("ResourceGather", "GatherV2"):
-            steps = " -> ".join(reversed(path)) or "a gather that is not a row gather"
-            return (f"{steps} between the gather and the sparse segment reduction: only "
-                    "the ids' unique-inverse and per-id weights are fused")
-        path.append(node.op)
-        ins = fg.inputs(node)
-        if not ins:
-            return None
-        ref = ins[0]
+        next_frontier = []
+        for ref, path in frontier:
+            node = fg.producer(ref)
+            if node is None:
+                continue
+            if clips_rows(fg, node):
+                return ("each gathered row is clipped to max_norm (embedding_lookup_sparse "
+                        "max_norm=, i.e. clip_by_norm) before the reduction: PkmEmbeddingBag "
+                        "has no row-norm clip, so the site stays composite")
+            if node.op in ("ResourceGather", "GatherV2"):
+                return _steps_reason(path, what)
+            ins = fg.inputs(node)
+            follow = ins[1:3] if node.op in ("Select", "SelectV2") else ins[:1]
+            next_frontier += [(r, path + [node.op]) for r in follow]
+        frontier = next_frontier
     return None
+
+
+def _steps_reason(path: List[str], what: str) -> str:
+    steps = " -> ".join(reversed(path)) or "a gather that is not a row gather"
+    if any(op in ("Select", "SelectV2") for op in path):
+        return (f"{steps}: the gathered rows are masked (tf.where) before the {what}; a masked row "
+                "still counts in a segment_mean's bag size and as a 0 in a segment_max, and masked "
+                "rows are not fused in any segment reduction, so the site stays composite")
+    if path == ["Mul"] and what in ("segment_mean", "segment_max"):
+        return (f"the gathered rows are multiplied (per-id weights) before the {what}: the fused op's "
+                "weighted combiners are a weighted sum and a mean divided by the weights' sum "
+                f"(embedding_lookup_sparse), not a {what} of weighted rows, so the site stays composite")
+    return (f"{steps} between the gather and the {what}: only the ids' unique-inverse and per-id "
+            "weights are fused")
 
 
 def _match_segment_sum(fg: FunctionGraph, node, site: Site, extra: List[str]):
@@ -171,11 +187,37 @@ def _match_segment_sum(fg: FunctionGraph, node, site: Site, extra: List[str]):
 
 def match_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
     producer = fg.producer(fg.inputs(node)[0])
+    if producer is not None and producer.op == "SelectV2":
+        site.combiner, site.pattern = "sum", SEGMENT_PATTERN
+        return _segment_sum_of_masked_rows(fg, node, site)
     if producer is None or producer.op != "Mul":  # tf.math.segment_sum(gather(table, ids), segment_ids)
         site.combiner = "sum"
+        site.pattern = SEGMENT_PATTERN
         return _segment_of_rows(fg, node, site, "segment_sum")
     site = _match_segment_sum(fg, node, site, [])[0]
     return extend_to_safe(fg, site)
+
+
+def _segment_sum_of_masked_rows(fg: FunctionGraph, node, site: Site) -> Site:
+    """segment_sum(tf.where(mask[:, None], gather(table, ids), 0), seg): a masked
+    row adds 0, so the bag is that of where(mask, ids, -1) (padding; a bag all
+    masked is 0, as the composite's). Only the mask between gather and sum."""
+    data, segment_ids = fg.inputs(node)
+    reason = steps_before_segment(fg, data, "segment_sum")
+    try:
+        rows = resolve_rows(fg, data, site)
+    except NotASite:
+        rows = None
+    if rows is None or rows.mask is None or rows.weights is not None or rows.ones is not None or \
+            rows.cast_enum or rows.regathers or rows.unflattened is not None or \
+            fg.shape(rows.gather.indices).rank != 1:
+        if reason is None:
+            raise NotASite()
+        raise Skip(reason)
+    apply_rows(fg, site, rows, node.name, data)
+    site.segment_ids = segment_ids
+    site.internal = tuple(n for n in site.internal if n != site.root)
+    return site
 
 
 def _segment_of_rows(fg: FunctionGraph, node, site: Site, what: str) -> Site:
@@ -185,10 +227,10 @@ def _segment_of_rows(fg: FunctionGraph, node, site: Site, what: str) -> Site:
     try:
         gathered, ids, rows_nodes, private = _resolve_sparse_rows(fg, data)
     except NotASite:
-        reason = steps_before_segment(fg, data)
+        reason = steps_before_segment(fg, data, what)
         if reason is None:
             raise
-        raise Skip(reason.replace("sparse segment reduction", what)) from None
+        raise Skip(reason) from None
     fill_from_gather(site, gathered, fg)
     if fg.shape(gathered.output).rank != 2:
         raise Skip(f"{what} of gathered rows that are not [ids, D]")

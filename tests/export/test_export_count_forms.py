@@ -120,3 +120,30 @@ def test_a_multi_hot_encoding_is_reported_not_summed(tmp_path):
     assert "multi-hot" in result.sites[0].reason and "distinct id" in result.sites[0].reason
     inputs = _inputs("keras_multi_hot")
     np.testing.assert_allclose(_serve(result.dst, inputs), _numpy_bag(inputs, distinct=True), rtol=1e-5, atol=1e-5)
+
+
+def test_counts_times_a_computed_table_check_the_tables_rows(tmp_path):
+    """A table whose rows are unknown at export (computed: the variable and a
+    [None, D] input's rows): N comes from the counts, and the original matmul
+    refuses a table of other than N rows. The fused site took N from the counts
+    and never checked: with 2 extra rows it returned a bag."""
+    module = tf.Module()
+    module.t = tf.Variable(TABLE)
+    module.f = tf.function(
+        lambda ids, extra: {"out": tf.matmul(tf.reduce_sum(tf.one_hot(ids, N), 1), tf.concat([module.t, extra], 0))},
+        input_signature=[tf.TensorSpec([None, K], tf.int64, "ids"), tf.TensorSpec([None, D], tf.float32, "extra")])
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+    ids = RNG.integers(0, N, (3, K)).astype(np.int64)
+    np.savez(tmp_path / "samples.npz", ids=ids, extra=np.zeros((0, D), np.float32))
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True,
+                                sample_inputs=str(tmp_path / "samples.npz"))
+    assert [(s.status, s.pattern) for s in result.sites] == [("fused", "counts-matmul")]
+    original = tf.saved_model.load(str(tmp_path / "m")).signatures["serving_default"]
+    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    good = {"ids": tf.constant(ids), "extra": tf.zeros((0, D))}
+    np.testing.assert_allclose(fused(**good)["out"].numpy(), original(**good)["out"].numpy(), rtol=1e-5, atol=1e-6)
+    bad = {"ids": tf.constant(ids), "extra": tf.ones((2, D))}
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        original(**bad)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=f"not the {N} the id counts have"):
+        fused(**bad)

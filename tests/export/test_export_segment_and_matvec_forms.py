@@ -47,7 +47,8 @@ def test_a_segment_mean_of_gathered_rows_is_fused(tmp_path):
     _save(tmp_path / "m", specs, lambda t, values, segments: tf.math.segment_mean(tf.gather(t, values), segments))
     inputs = {"values": np.array([3, 3, 7, 0, 29, 11], np.int64), "segments": np.array([1, 1, 1, 3, 3, 4], np.int64)}
     result = _export(tmp_path, samples=inputs)
-    assert [(s.status, s.combiner, s.computes) for s in result.sites] == [("fused", "mean", "mean")]
+    assert [(s.status, s.pattern, s.combiner, s.computes) for s in result.sites] == [
+        ("fused", "segment-reduce", "mean", "mean")]
     assert result.tflite["custom_ops"] == ["PkmRaggedEmbeddingBag"]
     table = TABLE.astype(np.float64)
     reference = np.zeros((5, D))
@@ -186,3 +187,88 @@ def test_a_weighted_ragged_mean_is_labelled_a_mean(tmp_path):
                               for a, b in zip(splits[:-1], splits[1:])])
     for got in _outputs(tmp_path, result, inputs)[:2]:
         np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
+
+
+SEGMENT_REDUCTIONS = {"sum": tf.math.segment_sum, "mean": tf.math.segment_mean, "max": tf.math.segment_max}
+SEGMENT_INPUTS = {"values": np.array([3, 3, 7, 0, 29, 11], np.int64), "segments": np.array([1, 1, 1, 3, 3, 4], np.int64),
+                  "w": np.array([1.0, 0.5, -2.0, 3.0, 1.5, 0.25], np.float32)}
+SEGMENT_SPECS = [tf.TensorSpec([None], tf.int64, "values"), tf.TensorSpec([None], tf.int64, "segments"),
+                 tf.TensorSpec([None], tf.float32, "w")]
+
+
+def _segment_site_and_outputs(tmp_path, body):
+    _save(tmp_path / "m", SEGMENT_SPECS, body)
+    np.savez(tmp_path / "samples.npz", **SEGMENT_INPUTS)
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True,
+                                sample_inputs=str(tmp_path / "samples.npz"))
+    def serve(path):
+        signature = tf.saved_model.load(str(path)).signatures["serving_default"]
+        return signature(**{k: tf.constant(v) for k, v in SEGMENT_INPUTS.items()})["out"].numpy()
+    return result.sites, serve(tmp_path / "m"), serve(result.dst)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "max"])
+def test_a_segment_reduction_of_masked_rows_is_reported(tmp_path, reduction):
+    """segment_<reduction>(tf.where(mask, gather(t, values), 0), segments) was neither
+    fused nor reported. The masked rows are not padding for mean and max (they count,
+    as zeros), so the site is reported and left as written (same outputs)."""
+    reduce = SEGMENT_REDUCTIONS[reduction]
+    sites, original, exported = _segment_site_and_outputs(tmp_path, lambda t, values, segments, w: reduce(
+        tf.where((values != 3)[:, None], tf.gather(t, values), 0.0), segments))
+    assert [(s.status, s.pattern, s.combiner) for s in sites] == [("skipped", "segment-reduce", reduction)]
+    assert f"masked (tf.where) before the segment_{reduction}" in sites[0].reason
+    np.testing.assert_array_equal(exported, original)
+
+
+def test_a_weighted_segment_mean_is_reported_with_its_true_reason(tmp_path):
+    """segment_mean(rows * w[:, None]) divides by the bag's id count, not by the
+    weights' sum: it was skipped as if only an unfused step were in the way
+    ("only the ids' unique-inverse and per-id weights are fused")."""
+    sites, original, exported = _segment_site_and_outputs(
+        tmp_path, lambda t, values, segments, w: tf.math.segment_mean(tf.gather(t, values) * w[:, None], segments))
+    assert [(s.status, s.pattern) for s in sites] == [("skipped", "segment-reduce")]
+    assert "per-id weights" in sites[0].reason and "not a segment_mean of weighted rows" in sites[0].reason
+    assert "are fused" not in sites[0].reason
+    np.testing.assert_array_equal(exported, original)
+
+
+@pytest.mark.parametrize("reduction", list(SEGMENT_REDUCTIONS))
+def test_segment_reductions_of_gathered_rows_share_one_label(tmp_path, reduction):
+    """tf.math.segment_sum/mean were labelled embedding_lookup_sparse (which writes
+    neither) and segment_max sparse-segment-max: all three are segment-reduce."""
+    reduce = SEGMENT_REDUCTIONS[reduction]
+    sites, original, exported = _segment_site_and_outputs(
+        tmp_path, lambda t, values, segments, w: reduce(tf.gather(t, values), segments))
+    assert [(s.status, s.pattern, s.combiner, s.computes) for s in sites] == [
+        ("fused", "segment-reduce", reduction, reduction)]
+    assert sites[0].saved_bytes_at_batch is None  # ids per batch depend on the input
+    np.testing.assert_allclose(exported, original, rtol=1e-6, atol=1e-6)
+
+
+def test_a_segment_sum_of_masked_rows_is_fused(tmp_path):
+    """segment_sum(tf.where(mask, gather(t, values), 0), segments) was neither fused
+    nor reported: a masked row adds 0, the bag of the unmasked ids. Bags 0 and 2
+    are empty, bag 4 all masked (0); a masked id >= N or < 0 is refused, as the
+    original's gather refuses it."""
+    _save(tmp_path / "m", SEGMENT_SPECS, lambda t, values, segments, w: tf.math.segment_sum(
+        tf.where((w > 0)[:, None], tf.gather(t, values), 0.0), segments))
+    result = _export(tmp_path, samples=SEGMENT_INPUTS)
+    assert [(s.status, s.pattern, s.combiner, s.computes, s.masked) for s in result.sites] == [
+        ("fused", "segment-reduce", "sum", "sum", True)], [s.reason for s in result.sites]
+    assert result.tflite["custom_ops"] == ["PkmRaggedEmbeddingBag"]
+    inputs = dict(SEGMENT_INPUTS, w=np.array([1.0, -0.5, 2.0, 3.0, 1.5, -0.25], np.float32))
+    reference = np.zeros((5, D))
+    for value, bag, weight in zip(inputs["values"], inputs["segments"], inputs["w"]):
+        reference[bag] += TABLE[value].astype(np.float64) if weight > 0 else 0.0
+    outputs = _outputs(tmp_path, result, inputs)
+    for got in outputs:
+        np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
+    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    original = tf.saved_model.load(str(tmp_path / "m")).signatures["serving_default"]
+    for bad in (N, -1):
+        values = inputs["values"].copy()
+        values[1] = bad  # a masked position (w < 0)
+        feed = {k: tf.constant(v) for k, v in dict(inputs, values=values).items()}
+        for model in (original, fused):
+            with pytest.raises(tf.errors.InvalidArgumentError):
+                model(**feed)
