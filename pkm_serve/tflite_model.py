@@ -190,6 +190,46 @@ def _quantisable_tables(model, schema):
     return found, shared
 
 
+def _builtin_code(model, opcode_index: int) -> int:
+    code = model.operatorCodes[opcode_index]
+    return max(int(code.builtinCode or 0), int(code.deprecatedBuiltinCode or 0))
+
+
+def _bypass_dequantize(model, schema) -> None:
+    """Bag ops whose params are a DEQUANTIZE of a constant float table (the
+    converter's float16 weight quantization) read that constant instead, and
+    the DEQUANTIZE is dropped, so the constant is quantised like any table.
+    Only where the constant feeds that DEQUANTIZE alone and the DEQUANTIZE's
+    output feeds only bag params."""
+    dequantize = schema.BuiltinOperator.DEQUANTIZE
+    float_types = _float_table_types(schema)
+    tensors_of_buffer, only_params = _table_readers(model)
+    for si, subgraph in enumerate(model.subgraphs):
+        reads: Dict[int, int] = {}
+        for op in subgraph.operators or []:
+            for ti in _ints(op.inputs):
+                reads[ti] = reads.get(ti, 0) + 1
+        keep, rewire = [], {}
+        for op in subgraph.operators or []:
+            ins, outs = _ints(op.inputs), _ints(op.outputs)
+            if _builtin_code(model, op.opcodeIndex) == dequantize and len(ins) == 1 and len(outs) == 1:
+                src = subgraph.tensors[ins[0]]
+                data = model.buffers[int(src.buffer)].data
+                if (src.type in float_types and data is not None and len(data) and reads[ins[0]] == 1
+                        and len(tensors_of_buffer[int(src.buffer)]) == 1
+                        and ins[0] not in _ints(subgraph.outputs) + _ints(subgraph.inputs)
+                        and only_params.get((si, outs[0]), False) and reads.get(outs[0], 0)):
+                    rewire[outs[0]] = ins[0]
+                    continue
+            keep.append(op)
+        for op in keep:
+            if _custom_code(model, op.opcodeIndex) in CUSTOM_OP_NAMES and _ints(op.inputs)[:1]:
+                first = int(op.inputs[0])
+                if first in rewire:
+                    op.inputs = [rewire[first]] + _ints(op.inputs)[1:]
+        subgraph.operators = keep
+
+
 def quantize_table_int8(model_bytes: bytes) -> bytes:
     """Rewrites every constant float32, float16 or bfloat16 ``params`` table of a
     PkmEmbeddingBag / PkmRaggedEmbeddingBag op as an int8 tensor with per-row
@@ -201,12 +241,15 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     A table that anything else also reads (another operator such as a stock
     GATHER, a bag op input other than params, a subgraph output; directly or
     through another tensor sharing its buffer) is left float: that reader would
-    otherwise get int8 data as if it were float. Raises ValueError if no table
+    otherwise get int8 data as if it were float. A table the converter stored
+    float16 behind a DEQUANTIZE (``supported_types=[tf.float16]``) is quantised
+    from its float16 values and the DEQUANTIZE dropped. Raises ValueError if no table
     could be quantised, or naming the table where one holds NaN or infinity.
     """
     check_tflite_bytes(model_bytes, "quantize_table_int8")
     schema = _schema()
     model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
+    _bypass_dequantize(model, schema)
     tables, shared = _quantisable_tables(model, schema)
     for buffer_index, tensors, dtype in tables:
         raw = bytes(np.asarray(model.buffers[buffer_index].data, dtype=np.uint8))
