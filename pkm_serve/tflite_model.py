@@ -230,6 +230,15 @@ def _bypass_dequantize(model, schema) -> None:
         subgraph.operators = keep
 
 
+def _already_int8(model, schema) -> str:
+    """A note for the no-table error when bag ops already read int8 tables."""
+    buffers = {int(sg.tensors[int(op.inputs[0])].buffer) for sg in model.subgraphs for op in sg.operators or []
+               if _custom_code(model, op.opcodeIndex) in CUSTOM_OP_NAMES and _ints(op.inputs)[:1]
+               and sg.tensors[int(op.inputs[0])].type == schema.TensorType.INT8}
+    return (f" ({len(buffers)} int8 table(s) already: this model was quantized before)"
+            if buffers else "")
+
+
 def quantize_table_int8(model_bytes: bytes) -> bytes:
     """Rewrites every constant float32, float16 or bfloat16 ``params`` table of a
     PkmEmbeddingBag / PkmRaggedEmbeddingBag op as an int8 tensor with per-row
@@ -268,7 +277,7 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     if not tables:
         raise ValueError("no constant float32, float16 or bfloat16 params table of a PkmEmbeddingBag op found" +
                          (f" that only PkmEmbeddingBag reads ({shared} read elsewhere too, left float)"
-                          if shared else ""))
+                          if shared else "") + _already_int8(model, schema))
     import flatbuffers  # the schema modules depend on it
     builder = flatbuffers.Builder(len(model_bytes) // 4 + 1024)
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
