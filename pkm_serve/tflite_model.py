@@ -199,35 +199,40 @@ def _bypass_dequantize(model, schema) -> None:
     """Bag ops whose params are a DEQUANTIZE of a constant float table (the
     converter's float16 weight quantization) read that constant instead, and
     the DEQUANTIZE is dropped, so the constant is quantised like any table.
-    Only where the constant feeds that DEQUANTIZE alone and the DEQUANTIZE's
-    output feeds only bag params."""
+    Only where every tensor of the constant's buffer (one a signature) feeds
+    one such DEQUANTIZE alone, and each DEQUANTIZE's output only bag params."""
     dequantize = schema.BuiltinOperator.DEQUANTIZE
     float_types = _float_table_types(schema)
     tensors_of_buffer, only_params = _table_readers(model)
+    found: Dict[tuple, tuple] = {}   # (subgraph, src tensor) -> (DEQUANTIZE op, its output)
     for si, subgraph in enumerate(model.subgraphs):
         reads: Dict[int, int] = {}
         for op in subgraph.operators or []:
             for ti in _ints(op.inputs):
                 reads[ti] = reads.get(ti, 0) + 1
-        keep, rewire = [], {}
+        io = set(_ints(subgraph.outputs) + _ints(subgraph.inputs))
         for op in subgraph.operators or []:
             ins, outs = _ints(op.inputs), _ints(op.outputs)
-            if _builtin_code(model, op.opcodeIndex) == dequantize and len(ins) == 1 and len(outs) == 1:
-                src = subgraph.tensors[ins[0]]
-                data = model.buffers[int(src.buffer)].data
-                if (src.type in float_types and data is not None and len(data) and reads[ins[0]] == 1
-                        and len(tensors_of_buffer[int(src.buffer)]) == 1
-                        and ins[0] not in _ints(subgraph.outputs) + _ints(subgraph.inputs)
-                        and only_params.get((si, outs[0]), False) and reads.get(outs[0], 0)):
-                    rewire[outs[0]] = ins[0]
-                    continue
-            keep.append(op)
-        for op in keep:
+            if _builtin_code(model, op.opcodeIndex) != dequantize or len(ins) != 1 or len(outs) != 1:
+                continue
+            src = subgraph.tensors[ins[0]]
+            data = model.buffers[int(src.buffer)].data
+            if (src.type in float_types and data is not None and len(data) and reads[ins[0]] == 1
+                    and ins[0] not in io and reads.get(outs[0], 0)
+                    and only_params.get((si, outs[0]), False)):
+                found[(si, ins[0])] = (op, outs[0])
+    for si, subgraph in enumerate(model.subgraphs):
+        rewire, dropped = {}, set()
+        for (sj, src), (op, out) in found.items():
+            buffer = int(subgraph.tensors[src].buffer) if sj == si else None
+            if buffer is not None and all(key in found for key in tensors_of_buffer[buffer]):
+                rewire[out] = src
+                dropped.add(id(op))
+        subgraph.operators = [op for op in subgraph.operators or [] if id(op) not in dropped]
+        for op in subgraph.operators:
             if _custom_code(model, op.opcodeIndex) in CUSTOM_OP_NAMES and _ints(op.inputs)[:1]:
-                first = int(op.inputs[0])
-                if first in rewire:
-                    op.inputs = [rewire[first]] + _ints(op.inputs)[1:]
-        subgraph.operators = keep
+                if int(op.inputs[0]) in rewire:
+                    op.inputs = [rewire[int(op.inputs[0])]] + _ints(op.inputs)[1:]
 
 
 def _already_int8(model, schema) -> str:

@@ -82,3 +82,36 @@ def test_a_float16_table_a_stock_gather_also_reads_stays_float(tmp_path):
     for o in out:   # the float16 model itself still runs: both outputs are the float16 table's sums
         np.testing.assert_allclose(o, embedding_bag(table.astype(np.float16).astype(np.float64), idx, None, "sum"),
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_two_signatures_sharing_the_float16_table_both_read_int8():
+    """The converter stores the table once for both signatures' subgraphs."""
+    from pkm_serve import ops
+    table = np.random.default_rng(33).standard_normal((N, D)).astype(np.float32)
+
+    class Two(tf.Module):
+        def __init__(self):
+            self.t = tf.constant(table)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.int32)])
+        def a(self, i):
+            return {"x": ops.embedding_bag(self.t, i, None)}
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 2], tf.int32)])
+        def b(self, i):
+            return {"y": ops.embedding_bag(self.t, i, None, combiner="mean")}
+
+    m = Two()
+    converter = tf.lite.TFLiteConverter.from_concrete_functions(
+        [m.a.get_concrete_function(), m.b.get_concrete_function()], m)
+    converter.allow_custom_ops = True
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    converter.target_spec.supported_types = [tf.float16]
+    q = tflite.quantize_table_int8(converter.convert())
+    deq = _int8_tables(q)[0]
+    interp = tflite.make_interpreter(q)
+    i, j = np.array([[1, 2, -1], [0, 5, 5]], np.int32), np.array([[3, 4]], np.int32)
+    np.testing.assert_allclose(interp.get_signature_runner("a")(i=i)["x"],
+                               embedding_bag(deq, i, None, "sum"), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(interp.get_signature_runner("b")(i=j)["y"],
+                               embedding_bag(deq, j, None, "mean"), rtol=1e-5, atol=1e-6)
