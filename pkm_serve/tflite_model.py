@@ -199,7 +199,7 @@ def _bypass_dequantize(model, schema) -> None:
     """Bag ops whose params are a DEQUANTIZE of a constant float table (the
     converter's float16 weight quantization) read that constant instead, and
     the DEQUANTIZE is dropped, so the constant is quantised like any table.
-    Only where every tensor of the constant's buffer (one a signature) feeds
+    Only where every tensor of the constant's buffer (one per signature) feeds
     one such DEQUANTIZE alone, and each DEQUANTIZE's output only bag params."""
     dequantize = schema.BuiltinOperator.DEQUANTIZE
     float_types = _float_table_types(schema)
