@@ -190,6 +190,60 @@ def _quantisable_tables(model, schema):
     return found, shared
 
 
+def _builtin_code(model, opcode_index: int) -> int:
+    code = model.operatorCodes[opcode_index]
+    return max(int(code.builtinCode or 0), int(code.deprecatedBuiltinCode or 0))
+
+
+def _bypass_dequantize(model, schema) -> None:
+    """Bag ops whose params are a DEQUANTIZE of a constant float table (the
+    converter's float16 weight quantization) read that constant instead, and
+    the DEQUANTIZE is dropped, so the constant is quantised like any table.
+    Only where every tensor of the constant's buffer (one per signature) feeds
+    one such DEQUANTIZE alone, and each DEQUANTIZE's output only bag params."""
+    dequantize = schema.BuiltinOperator.DEQUANTIZE
+    float_types = _float_table_types(schema)
+    tensors_of_buffer, only_params = _table_readers(model)
+    found: Dict[tuple, tuple] = {}   # (subgraph, src tensor) -> (DEQUANTIZE op, its output)
+    for si, subgraph in enumerate(model.subgraphs):
+        reads: Dict[int, int] = {}
+        for op in subgraph.operators or []:
+            for ti in _ints(op.inputs):
+                reads[ti] = reads.get(ti, 0) + 1
+        io = set(_ints(subgraph.outputs) + _ints(subgraph.inputs))
+        for op in subgraph.operators or []:
+            ins, outs = _ints(op.inputs), _ints(op.outputs)
+            if _builtin_code(model, op.opcodeIndex) != dequantize or len(ins) != 1 or len(outs) != 1:
+                continue
+            src = subgraph.tensors[ins[0]]
+            data = model.buffers[int(src.buffer)].data
+            if (src.type in float_types and data is not None and len(data) and reads[ins[0]] == 1
+                    and ins[0] not in io and reads.get(outs[0], 0)
+                    and only_params.get((si, outs[0]), False)):
+                found[(si, ins[0])] = (op, outs[0])
+    for si, subgraph in enumerate(model.subgraphs):
+        rewire, dropped = {}, set()
+        for (sj, src), (op, out) in found.items():
+            buffer = int(subgraph.tensors[src].buffer) if sj == si else None
+            if buffer is not None and all(key in found for key in tensors_of_buffer[buffer]):
+                rewire[out] = src
+                dropped.add(id(op))
+        subgraph.operators = [op for op in subgraph.operators or [] if id(op) not in dropped]
+        for op in subgraph.operators:
+            if _custom_code(model, op.opcodeIndex) in CUSTOM_OP_NAMES and _ints(op.inputs)[:1]:
+                if int(op.inputs[0]) in rewire:
+                    op.inputs = [rewire[int(op.inputs[0])]] + _ints(op.inputs)[1:]
+
+
+def _already_int8(model, schema) -> str:
+    """A note for the no-table error when bag ops already read int8 tables."""
+    buffers = {int(sg.tensors[int(op.inputs[0])].buffer) for sg in model.subgraphs for op in sg.operators or []
+               if _custom_code(model, op.opcodeIndex) in CUSTOM_OP_NAMES and _ints(op.inputs)[:1]
+               and sg.tensors[int(op.inputs[0])].type == schema.TensorType.INT8}
+    return (f" ({len(buffers)} int8 table(s) already: this model was quantized before)"
+            if buffers else "")
+
+
 def quantize_table_int8(model_bytes: bytes) -> bytes:
     """Rewrites every constant float32, float16 or bfloat16 ``params`` table of a
     PkmEmbeddingBag / PkmRaggedEmbeddingBag op as an int8 tensor with per-row
@@ -201,12 +255,15 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     A table that anything else also reads (another operator such as a stock
     GATHER, a bag op input other than params, a subgraph output; directly or
     through another tensor sharing its buffer) is left float: that reader would
-    otherwise get int8 data as if it were float. Raises ValueError if no table
+    otherwise get int8 data as if it were float. A table the converter stored
+    float16 behind a DEQUANTIZE (``supported_types=[tf.float16]``) is quantised
+    from its float16 values and the DEQUANTIZE dropped. Raises ValueError if no table
     could be quantised, or naming the table where one holds NaN or infinity.
     """
     check_tflite_bytes(model_bytes, "quantize_table_int8")
     schema = _schema()
     model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
+    _bypass_dequantize(model, schema)
     tables, shared = _quantisable_tables(model, schema)
     for buffer_index, tensors, dtype in tables:
         raw = bytes(np.asarray(model.buffers[buffer_index].data, dtype=np.uint8))
@@ -225,7 +282,7 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     if not tables:
         raise ValueError("no constant float32, float16 or bfloat16 params table of a PkmEmbeddingBag op found" +
                          (f" that only PkmEmbeddingBag reads ({shared} read elsewhere too, left float)"
-                          if shared else ""))
+                          if shared else "") + _already_int8(model, schema))
     import flatbuffers  # the schema modules depend on it
     builder = flatbuffers.Builder(len(model_bytes) // 4 + 1024)
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")

@@ -92,3 +92,9 @@ def test_offset_rows_in_a_tflite_within_half_a_step_in_every_interpreter(tmp_pat
         assert np.all(err <= bound), (interp, float((err - bound).max()), float(err.max()))
     np.testing.assert_array_equal(outs["litert"], outs["tflite_runtime"])
     np.testing.assert_array_equal(outs["litert"], outs["tf"])
+
+
+def test_quantizing_twice_says_the_tables_already_are_int8():
+    once = tflite.quantize_table_int8(_model(_offset_table()))
+    with pytest.raises(ValueError, match=r"1 int8 table\(s\) already: this model was quantized before"):
+        tflite.quantize_table_int8(once)
