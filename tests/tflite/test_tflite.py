@@ -444,7 +444,7 @@ def test_quantize_leaves_a_table_that_gather_also_reads_float():
         assert np.linalg.norm(o - r) <= 0.01 * np.linalg.norm(r)
     only_shared = convert(lambda i: (tf_op(shared, i, None, "sum"), tf.gather(shared, i)),
                           [tf.TensorSpec([None, K], tf.int32)])
-    with pytest.raises(ValueError, match="read elsewhere too, left float\)"):
+    with pytest.raises(ValueError, match=r"read elsewhere too, left float\)"):
         tflite.quantize_table_int8(only_shared)
 
 
