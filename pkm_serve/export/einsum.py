@@ -88,13 +88,7 @@ def match_matmul(fg: FunctionGraph, node, site: Site) -> Site:
     site.weighted = True
     reason = "a matmul of gathered rows that is not w[..., None, :] @ rows (a weighted bag)"
     adj_x, adj_y = _adjoints(node)
-    if adj_y or not _same_types(node):
-        raise Skip(reason)
-    try:
-        gathered = resolve_gather(fg, y)
-    except NotASite:
-        raise Skip(reason) from None
-    fill_from_gather(site, gathered, fg)
+    gathered = _gathered_rows_or_skip(fg, node, y, adj_y, site, reason)
     if adj_x:  # matmul(w[..., None], rows, adjoint_a=True)
         w, nodes, site.weights_squeeze = strip_trailing_unit_axis(fg, x, "weights")
     else:
@@ -108,6 +102,19 @@ def _adjoints(node):
     """(adjoint x, adjoint y); read with `in`: indexing a NodeDef's attr map adds the key."""
     transposed = ("transpose_a", "transpose_b") if node.op == "MatMul" else ("adj_x", "adj_y")
     return tuple(a in node.attr and node.attr[a].b for a in transposed)
+
+
+def _gathered_rows_or_skip(fg: FunctionGraph, node, rows: Ref, adj_y: bool, site: Site, reason: str):
+    """The gather behind `rows`, filled into `site`; Skip(reason) for an adjoint second operand,
+    mixed operand types or rows that are no gather."""
+    if adj_y or not _same_types(node):
+        raise Skip(reason)
+    try:
+        gathered = resolve_gather(fg, rows)
+    except NotASite:
+        raise Skip(reason) from None
+    fill_from_gather(site, gathered, fg)
+    return gathered
 
 
 def _same_types(node) -> bool:
@@ -130,13 +137,7 @@ def _match_rows_transposed(fg: FunctionGraph, node, site: Site) -> Site:
         raise NotASite()
     site.weighted = True
     reason = "a matmul of transposed gathered rows that is not rows^T @ w[..., None] (a weighted bag)"
-    if adj_y or not _same_types(node):
-        raise Skip(reason)
-    try:
-        gathered = resolve_gather(fg, rows)
-    except NotASite:
-        raise Skip(reason) from None
-    fill_from_gather(site, gathered, fg)
+    gathered = _gathered_rows_or_skip(fg, node, rows, adj_y, site, reason)
     w, w_nodes, site.weights_squeeze = strip_trailing_unit_axis(fg, y, "weights")
     private = [gathered.output, x] + ([] if site.weights_squeeze else [y])
     return _fill_weighted(fg, site, gathered, w, nodes + w_nodes, private, -1)
