@@ -6,40 +6,15 @@ included). The checks themselves are in backend_checks.py; jax and torch come
 from requirements-backends.lock. A backend that is not installed is skipped.
 """
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.backends.check_processes import finish, installed, start
+
 BACKENDS = ["jax", "torch"]
 # `memory` first (it measures peak-RSS growth); `no_tf` before `save` (Keras' saving may import TF).
 CHECKS = {"jax": ["memory", "no_tf", "ops", "errors", "transforms", "fit", "mask"],
           "torch": ["memory", "memory_composite", "no_tf", "ops", "errors", "transforms", "fit", "mask"]}
-
-
-def start(backend, args):
-    env = dict(os.environ, KERAS_BACKEND=backend, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    return subprocess.Popen([sys.executable, "-m", "tests.backends.backend_checks", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc, what, timeout=300):
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, f"{what} failed:\n{out[-3000:]}\n{err[-3000:]}"
-    results = {}
-    for line in out.splitlines():
-        if line.startswith("{"):
-            results.update(json.loads(line))
-    return results
-
-
-def installed(backend):
-    return importlib.util.find_spec(backend) is not None
 
 
 @pytest.fixture(scope="module")

@@ -2,29 +2,12 @@
 each backend in its own process (keras_habit_checks.py holds the checks). A backend that is not
 installed is skipped."""
 
-import importlib.util
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.backends.check_processes import finish, installed, start
+
 BACKENDS = ["tensorflow", "jax", "torch"]
 CHECKS = ["table_dtype", "half_float_ids", "mask", "batch_axis", "tied_table"]
-
-
-def run_checks(backend, checks, extra_env=None):
-    env = dict(os.environ, KERAS_BACKEND=backend, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **(extra_env or {}))
-    proc = subprocess.run([sys.executable, "-m", "tests.backends.keras_habit_checks", *checks], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{backend} {checks} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            results.update(json.loads(line))
-    return results
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -35,6 +18,7 @@ def test_keras_habits(backend):
     Keras mask over the leading dims passes on to a following pooling (it was dropped). batch_axis:
     keras.Input(shape=()) ids are a clear error (the whole batch was one bag). tied_table: a layer tying
     its weights to the table reads it in its compute dtype, as keras.layers.Embedding's."""
-    if importlib.util.find_spec(backend) is None:
+    if not installed(backend):
         pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
-    assert run_checks(backend, CHECKS) == dict.fromkeys(CHECKS, "ok")
+    got = finish(start(backend, CHECKS, module="keras_habit_checks"), f"{backend} {CHECKS}")
+    assert got == dict.fromkeys(CHECKS, "ok")

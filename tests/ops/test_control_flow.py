@@ -80,6 +80,22 @@ def test_sparse_gradient_inside_a_tf_cond_branch(kind, combiner):
     assert not np.any(out.numpy()) and not np.any(d_table.numpy())
 
 
+def gradient_step(kind, params, grad, forward, **gradient_options):
+    """A tf.function (ids, weights) -> (forward's output, d_table, d_weights) of sum(output * grad)."""
+    @tf.function
+    def step(ids, bag_weights):
+        with tf.GradientTape() as tape:
+            tape.watch(bag_weights)
+            if kind == "constant":
+                tape.watch(params)
+            out = forward(ids, bag_weights)
+            loss = tf.reduce_sum(out * grad)
+        d_table, d_weights = tape.gradient(loss, [params, bag_weights], **gradient_options)
+        return out, tf.convert_to_tensor(d_table), d_weights
+
+    return step
+
+
 def graph_op_types(concrete):
     """Op types of a concrete function's graph and every function it calls."""
     graph_def = concrete.graph.as_graph_def()
@@ -102,19 +118,10 @@ def test_vectorized_map_is_one_lookup_on_the_stacked_bags(kind, combiner, sparse
     grad = np.random.default_rng(4).standard_normal(idx.shape[:-1] + (D,)).astype(np.float32)
     weights = tf.constant(np.ones_like(idx, np.float32) if w is None else w)
 
-    @tf.function
-    def step(ids, bag_weights):
-        with tf.GradientTape() as tape:
-            tape.watch(bag_weights)
-            if kind == "constant":
-                tape.watch(params)
-            out = tf.vectorized_map(lambda a: ops.embedding_bag(
-                params, a[0], None if w is None else a[1], combiner, sparse_gradient=sparse_gradient),
-                (ids, bag_weights))
-            loss = tf.reduce_sum(out * grad)
-        d_table, d_weights = tape.gradient(loss, [params, bag_weights],
-                                           unconnected_gradients=tf.UnconnectedGradients.ZERO)
-        return out, tf.convert_to_tensor(d_table), d_weights
+    step = gradient_step(kind, params, grad, lambda ids, bag_weights: tf.vectorized_map(
+        lambda a: ops.embedding_bag(params, a[0], None if w is None else a[1], combiner,
+                                    sparse_gradient=sparse_gradient), (ids, bag_weights)),
+        unconnected_gradients=tf.UnconnectedGradients.ZERO)
 
     ids = tf.constant(idx, tf.int32)
     loops = [op for op in graph_op_types(step.get_concrete_function(ids, weights)) if "While" in op]
@@ -200,16 +207,8 @@ def test_recompute_grad_and_map_fn(kind, sparse_gradient):
                                     sparse_gradient=sparse_gradient),
         (ids, bag_weights), fn_output_signature=tf.float32)
 
-    @tf.function
-    def step(ids, bag_weights):
-        with tf.GradientTape() as tape:
-            tape.watch(bag_weights)
-            if kind == "constant":
-                tape.watch(params)
-            out = tf.recompute_grad(lookups)(ids, bag_weights, *([params] if kind == "constant" else []))
-            loss = tf.reduce_sum(out * grad)
-        d_table, d_weights = tape.gradient(loss, [params, bag_weights])
-        return out, tf.convert_to_tensor(d_table), d_weights
+    step = gradient_step(kind, params, grad, lambda ids, bag_weights: tf.recompute_grad(lookups)(
+        ids, bag_weights, *([params] if kind == "constant" else [])))
 
     out, d_table, d_weights = step(tf.constant(idx), tf.constant(w))
     want_out, want_d_table, want_d_weights = reference(table, idx, w, "sqrtn", grad)

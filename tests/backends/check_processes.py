@@ -1,0 +1,30 @@
+"""A check module run in a process of its own with KERAS_BACKEND set (a Keras backend is fixed per
+process): backend_checks.py and keras_habit_checks.py print one JSON line per check passed."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def start(backend, args, module="backend_checks"):
+    env = dict(os.environ, KERAS_BACKEND=backend, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    return subprocess.Popen([sys.executable, "-m", f"tests.backends.{module}", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, what, timeout=300):
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"{what} failed:\n{out[-3000:]}\n{err[-3000:]}"
+    results = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            results.update(json.loads(line))
+    return results
+
+
+def installed(backend):
+    return importlib.util.find_spec(backend) is not None
