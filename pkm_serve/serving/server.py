@@ -102,7 +102,9 @@ class Server:
                 config_file=args.model_config_file or None,
                 config_poll_seconds=args.model_config_file_poll_wait_seconds,
                 unload_drain_seconds=args.drain_seconds,
-                allow_labels_for_unavailable=args.allow_version_labels_for_unavailable_models)
+                allow_labels_for_unavailable=args.allow_version_labels_for_unavailable_models,
+                max_num_load_retries=args.max_num_load_retries,
+                load_retry_interval_seconds=args.load_retry_interval_micros / 1e6)
         except ServingError as e:
             raise StartupError(e.message) from None
         self.service = InferenceService(
