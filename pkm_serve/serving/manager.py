@@ -163,13 +163,14 @@ class ModelManager:
     def _update_labels(self):
         """Installs every model's version labels, or none (FAILED_PRECONDITION): as TF
         Serving's ServerCore, a label may only name a version that is available, unless
-        allow_labels_for_unavailable and the label is new."""
+        allow_labels_for_unavailable and the label is new or keeps its version."""
         with self._lock:
             new = {}
             for m in self._models.values():
                 available = set(m.available_versions())
                 for label, version in m.config.version_labels.items():
-                    if version in available or (self._allow_labels_for_unavailable and label not in m.labels):
+                    if version in available or (self._allow_labels_for_unavailable
+                                                and m.labels.get(label, version) == version):
                         continue
                     raise ServingError(grpc.StatusCode.FAILED_PRECONDITION,
                                        f"Request to assign label to version {version} of model {m.name}, "
