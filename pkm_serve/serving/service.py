@@ -95,10 +95,12 @@ class InferenceService:
 
     # ------------------------------------------------------------ metadata/status
     def get_model_metadata(self, request):
-        fields = list(request.metadata_field)
-        if fields != ["signature_def"]:
-            raise invalid(f"metadata_field must be exactly ['signature_def'] (the only metadata "
-                          f"TF Serving serves); got {fields}")
+        # get_model_metadata_impl.cc's checks and words; "signature_def" twice is accepted.
+        if not request.metadata_field:
+            raise invalid("GetModelMetadataRequest must specify at least one metadata_field")
+        for field in request.metadata_field:
+            if field != "signature_def":
+                raise invalid(f"Metadata field {field} is not supported")
         resp = get_model_metadata_pb2.GetModelMetadataResponse()
         sig_map = get_model_metadata_pb2.SignatureDefMap()
         with self.serving(request.model_spec) as servable:
