@@ -119,8 +119,8 @@ def test_server_with_a_model_that_fails_to_load_exits_without_opening_ports(tmp_
 
 def test_reload_adding_a_model_that_fails_to_load_says_so(tmp_path):
     """ServerCore::ReloadConfig waits for the models the config adds: one that does not
-    load is an UNKNOWN "Some models did not become available" for the caller (gRPC
-    HandleReloadConfigRequest answered OK); the config stays applied, labels unchanged."""
+    load is an UNKNOWN "Some models did not become available" for the caller (the gRPC
+    HandleReloadConfigRequest's status); the config stays applied, labels unchanged."""
     good = _fakes(tmp_path, "m", [1, 2], failing=[])
     bad = _fakes(tmp_path, "n", [4], failing=[4])
 
