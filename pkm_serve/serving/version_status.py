@@ -14,7 +14,7 @@ def version_statuses(m, model_spec):
     if choice == "version":
         records = [r for r in records if r.version == model_spec.version.value]
         if not records:
-            raise not_found(f"model '{m.name}' has no version {model_spec.version.value}")
+            raise not_found(f"Could not find version {model_spec.version.value} of model {m.name}")
     elif choice == "version_label":
         label = model_spec.version_label
         if label not in m.labels:

@@ -85,3 +85,13 @@ def test_a_reload_without_a_model_config_list_is_refused(model_stub):
     assert (err.value.code(), err.value.details()) == (
         grpc.StatusCode.INVALID_ARGUMENT,
         "ServerModelConfig type not supported by HandleReloadConfigRequest. Only ModelConfigList is currently supported")
+
+
+def test_status_of_a_version_never_seen_is_upstreams_not_found(service):
+    """get_model_status_impl.cc's words (the answer was "model 'm' has no version 7")."""
+    from tensorflow_serving.apis import get_model_status_pb2
+    request = get_model_status_pb2.GetModelStatusRequest(model_spec=model_pb2.ModelSpec(name="m"))
+    request.model_spec.version.value = 7
+    with pytest.raises(ServingError) as err:
+        service.get_model_status(request)
+    assert (err.value.code, err.value.message) == (grpc.StatusCode.NOT_FOUND, "Could not find version 7 of model m")
