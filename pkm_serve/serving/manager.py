@@ -200,9 +200,9 @@ class ModelManager:
             # base path": no aspired version changes, so what is loaded keeps serving (a base
             # path moved away for a redeploy, an NFS blip, a reload that names a missing path).
             if not m.base_path_missing:
-                log.error("Could not find base path %s for servable %s; the versions loaded (%s) "
-                          "keep serving", m.config.base_path, m.name,
-                          m.available_versions() or "none")
+                loaded = m.available_versions()
+                log.error("Could not find base path %s for servable %s%s", m.config.base_path, m.name,
+                          f"; the versions loaded ({loaded}) keep serving" if loaded else "")
             m.base_path_missing = True
             return
         else:
