@@ -87,7 +87,8 @@ def make_loader_factory(warmup=True, prefer_tflite_model=False, num_tflite_inter
     """factory(model_name, version, path) -> Loader, as the server configures it.
 
     With prefer_tflite_model a version directory holding model.tflite is served from
-    it (TF Serving's --prefer_tflite_model); any other directory is a SavedModel."""
+    it (TF Serving's --prefer_tflite_model); any other directory is a SavedModel.
+    `warmup`: times each warmup record runs (True: once; 0 or False: no warmup)."""
 
     def factory(name, version, path):
         if prefer_tflite_model and _is_file(os.path.join(path, TFLITE_MODEL_FILE)):
