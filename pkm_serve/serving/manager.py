@@ -272,10 +272,15 @@ class ModelManager:
         """Waits the retry interval, then whether the retry is off: TF Serving cancels it
         when the version is no longer aspired (here: its directory is gone) or the server
         stops. The files of the next try are the ones a later poll compares with."""
-        if self._stop.wait(max(0.0, self._load_retry_interval_seconds)) or not is_directory(path):
+        if self._stopped_within(self._load_retry_interval_seconds) or not is_directory(path):
             return True
         r.fingerprint = directory_fingerprint(path)
         return False
+
+    def _stopped_within(self, seconds) -> bool:
+        """Waits up to `seconds` (clamped to what a lock wait takes: --load_retry_interval_micros
+        at int64 max, meaning "never", raised OverflowError) for stop(); True if it came."""
+        return self._stop.wait(min(max(0.0, seconds), threading.TIMEOUT_MAX))
 
     def _load_failed(self, m, r, path, error, t0):
         """END with the error: reported by GetModelStatus, not retried until the files change."""
@@ -359,7 +364,7 @@ class ModelManager:
                 log.warning("waiting for a version of %s to load (polling every %gs)", ", ".join(waiting),
                             self._poll_seconds)
                 waited = True
-            if self._stop.wait(self._poll_seconds):
+            if self._stopped_within(self._poll_seconds):
                 raise ServingError(grpc.StatusCode.CANCELLED, "stopped while waiting for the initial versions")
             self.poll_once()
 
@@ -387,7 +392,7 @@ class ModelManager:
         periods = [self._poll_seconds] + ([self._config_poll_seconds] if self._config_file else [])
         period = min(p for p in periods if p > 0)
         last_versions = last_config = time.monotonic()
-        while not self._stop.wait(period):
+        while not self._stopped_within(period):
             now = time.monotonic()
             if self._config_file and self._config_poll_seconds > 0 \
                     and now - last_config >= self._config_poll_seconds:

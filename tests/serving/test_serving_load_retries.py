@@ -122,6 +122,28 @@ def test_stop_cancels_a_retry_wait(tmp_path):
     assert len(errors) == 1 and "1 servable(s) did not become available" in errors[0].message
 
 
+def test_a_retry_interval_past_what_a_wait_takes_still_waits(tmp_path):
+    """--load_retry_interval_micros=9223372036854775807 (int64 max: "never retry soon") made
+    the retry wait raise OverflowError, which ended the load with that error instead."""
+    flaky = Flaky(tmp_path / "m", [1], {1: 10})
+    manager = _manager(flaky, retries=5, interval=(2 ** 63 - 1) / 1e6)
+    errors = []
+
+    def start():
+        try:
+            manager.start()
+        except ServingError as e:
+            errors.append(e)
+    starter = threading.Thread(target=start)
+    starter.start()
+    wait_until(lambda: flaky.attempts.get(1) == 1)
+    time.sleep(0.2)
+    assert starter.is_alive()           # waiting for the retry, not failed
+    manager.stop()
+    starter.join(10)
+    assert len(errors) == 1 and errors[0].message.endswith("due to error: NOT_FOUND: try 1 of 1}, }")
+
+
 def test_start_error_counts_servables_not_versions(tmp_path):
     """load_servables_fast.cc awaits Latest(m) per model: two failed versions of one model
     are "1 servable(s)", named by one entry (the newest), in upstream's braces."""
