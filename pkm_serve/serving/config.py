@@ -24,12 +24,10 @@ def _bool(text):
 _UPSTREAM_ONLY = {
     "saved_model_tags": "the 'serve' MetaGraph is always loaded",
     "tensorflow_session_parallelism": "use --tensorflow_intra_op_parallelism and --tensorflow_inter_op_parallelism",
-    "max_num_load_retries": "a version that fails to load is retried when its files change",
-    "load_retry_interval_micros": "a version that fails to load is retried when its files change",
     "use_tflite_model": "use --prefer_tflite_model",
     **dict.fromkeys(["flush_filesystem_caches", "num_load_threads", "num_unload_threads",
                      "per_process_gpu_memory_fraction", "platform_config_file", "xla_cpu_compilation_enabled",
-                     "enable_profiler", "rest_api_enable_cors_support", "num_request_iterations_for_warmup",
+                     "enable_profiler", "rest_api_enable_cors_support",
                      "remove_unused_fields_from_bundle_metagraph", "thread_pool_factory_config_file",
                      "mixed_precision", "skip_initialize_tpu", "use_alts_credentials",
                      "enforce_session_run_timeout"],
@@ -52,6 +50,23 @@ class _ServeParser(argparse.ArgumentParser):
         if not rest:   # else parse_args names the unrecognized arguments first
             _check_values(self, parsed)
         return parsed, rest
+
+
+def _add_loading_flags(flag, boolflag):
+    """How versions load: warmup, retries, labels on versions not loaded yet."""
+    boolflag("--enable_model_warmup", True,
+             "Replay each version's assets.extra/tf_serving_warmup_requests (PredictionLog "
+             "records) before it serves, as TF Serving does; a version without that file runs "
+             "nothing at load (no synthetic inputs: a signature may change the model's state).")
+    flag("--num_request_iterations_for_warmup", type=int, default=1,
+         help="Times each warmup record is replayed in a row (values below 1: once). Default 1.")
+    boolflag("--allow_version_labels_for_unavailable_models", False,
+             "Allow a new version label (or one kept on its version) to name a version that is not "
+             "loaded yet; moving a label to one is still refused, as TF Serving does.")
+    flag("--max_num_load_retries", type=int, default=5,
+         help="Times a failed load is tried again before the version is given up (0 = one try). Default 5.")
+    flag("--load_retry_interval_micros", type=int, default=60_000_000,
+         help="Microseconds between the tries of a failed load (negative = no wait). Default one minute.")
 
 
 def build_parser():
@@ -110,13 +125,7 @@ def build_parser():
     boolflag("--load_pkm_ops", True,
              "Load pkm_serve's own op library (default true; false only for models without PKM ops "
              "on a machine where the library is not built).")
-    boolflag("--enable_model_warmup", True,
-             "Replay each version's assets.extra/tf_serving_warmup_requests (PredictionLog "
-             "records) before it serves, as TF Serving does; a version without that file runs "
-             "nothing at load (no synthetic inputs: a signature may change the model's state).")
-    boolflag("--allow_version_labels_for_unavailable_models", False,
-             "Allow a new version label to name a version that is not loaded yet (else the config "
-             "that assigns it is refused, as TF Serving does).")
+    _add_loading_flags(flag, boolflag)
     flag("--grpc_max_threads", type=int, default=64, help="Threads serving gRPC requests.")
     flag("--rest_api_num_threads", type=int, default=16, help="Threads running REST requests.")
     flag("--rest_api_timeout_in_ms", type=int, default=30000,
@@ -168,6 +177,8 @@ def _check_values(p, args):
     for name in ("grpc_max_threads", "rest_api_num_threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.max_num_load_retries < 0:
+        p.error(f"--max_num_load_retries must be >= 0 (0: one try), got {args.max_num_load_retries}")
     if args.rest_api_timeout_in_ms < 0:
         p.error(f"--rest_api_timeout_in_ms must be >= 0 (0: no deadline), got {args.rest_api_timeout_in_ms}")
     for name in ("drain_seconds", "file_system_poll_wait_seconds", "model_config_file_poll_wait_seconds"):

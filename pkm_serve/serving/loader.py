@@ -7,6 +7,7 @@ that holds the version has finished. Tests drive the manager with fake
 loaders; the server uses `make_loader_factory`, which picks the SavedModel
 Session servable or, with --prefer_tflite_model, the TFLite servable.
 """
+import logging
 import os
 
 import grpc
@@ -14,6 +15,8 @@ import grpc
 from pkm_serve.serving.errors import ServingError
 from pkm_serve.serving.servable import Servable
 from pkm_serve.serving.tflite_servable import TFLITE_MODEL_FILE, TfLiteServable
+
+log = logging.getLogger("pkm_serve.serving")
 
 
 class Loader:
@@ -52,12 +55,40 @@ class ServableLoader(Loader):
             servable.release()
 
 
+def load_with_retries(make_loader, servable_id, max_num_load_retries, wait_or_cancel):
+    """TF Serving's LoaderHarness::Load (through util/retrier.cc): a load that fails is
+    tried again, up to max_num_load_retries more times, while `wait_or_cancel()` (which
+    waits the retry interval) returns False; a cancelled retry (the version is no longer
+    wanted, the server stops) ends the tries. Returns the loaded Loader or raises the
+    last attempt's error. `servable_id` is "{name: M version: V}", as upstream logs it."""
+    description = f"Loading servable: {servable_id}"
+    tries = 0
+    while True:
+        try:
+            loader = make_loader()
+            loader.load()
+            return loader
+        except Exception as e:  # noqa: BLE001 - logged and retried, or raised after the last try
+            message = e.message if isinstance(e, ServingError) else f"{type(e).__name__}: {e}"
+            log.error("%s failed: %s", description, message)
+            tries += 1
+            if tries > max_num_load_retries:
+                if max_num_load_retries:
+                    log.info("Retrying of %s exhausted max_num_retries: %d", description, max_num_load_retries)
+                raise
+            if wait_or_cancel():
+                log.info("Retrying of %s was cancelled.", description)
+                raise
+        log.info("Retrying of %s retry: %d", description, tries)
+
+
 def make_loader_factory(warmup=True, prefer_tflite_model=False, num_tflite_interpreters=1,
                         tflite_threads=1):
     """factory(model_name, version, path) -> Loader, as the server configures it.
 
     With prefer_tflite_model a version directory holding model.tflite is served from
-    it (TF Serving's --prefer_tflite_model); any other directory is a SavedModel."""
+    it (TF Serving's --prefer_tflite_model); any other directory is a SavedModel.
+    `warmup`: times each warmup record runs (True: once; 0 or False: no warmup)."""
 
     def factory(name, version, path):
         if prefer_tflite_model and _is_file(os.path.join(path, TFLITE_MODEL_FILE)):

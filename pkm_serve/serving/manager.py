@@ -5,9 +5,11 @@ lists them, applies the model's version policy, loads (and warms) the aspired
 versions that are not loaded yet, and only then unloads versions that are no
 longer aspired: serving never drops to zero versions during a transition
 (TF Serving's availability-preserving policy). A version that fails to load is
-reported (state END with the error) and is not retried until its files change;
-the `latest` policy then falls back to the newest version that does load. At
-start-up, though, a failed load fails the start (TF Serving's initial load).
+first tried again (--max_num_load_retries, --load_retry_interval_micros, as TF
+Serving's LoaderHarness), then reported (state END with the error) and not tried
+again until its files change; the `latest` policy then falls back to the newest
+version that does load. At start-up, though, a failed load fails the start, and a
+model without any version yet is waited for (TF Serving's initial load).
 
 What a version *is* stays behind the Loader seam (loader.py, TF Serving's
 core/loader.h): the transitions here only call load(), servable() and unload(),
@@ -23,8 +25,9 @@ from tensorflow_serving.apis import get_model_status_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid, not_found
-from pkm_serve.serving.loader import make_loader_factory
-from pkm_serve.serving.version_dirs import directory_fingerprint, holds_model_hint, list_versions
+from pkm_serve.serving.loader import load_with_retries, make_loader_factory
+from pkm_serve.serving.version_status import version_statuses
+from pkm_serve.serving.version_dirs import directory_fingerprint, holds_model_hint, is_directory, list_versions
 
 log = logging.getLogger("pkm_serve.serving")
 State = get_model_status_pb2.ModelVersionStatus.State
@@ -75,9 +78,14 @@ class ManagedModel:
 class ModelManager:
     def __init__(self, server_config, *, poll_seconds=1.0, warmup=True, metrics=None,
                  config_file=None, config_poll_seconds=0.0, unload_drain_seconds=30.0,
-                 loader_factory=None, allow_labels_for_unavailable=False):
+                 loader_factory=None, allow_labels_for_unavailable=False,
+                 max_num_load_retries=0, load_retry_interval_seconds=60.0):
         """loader_factory(model_name, version, path) -> loader.Loader; by default the
-        SavedModel servable (warmed up if `warmup`)."""
+        SavedModel servable (warmed up if `warmup`). A failed load is tried again
+        max_num_load_retries times, load_retry_interval_seconds apart (the server passes
+        TF Serving's defaults, 5 and 60 s)."""
+        self._max_num_load_retries = max_num_load_retries
+        self._load_retry_interval_seconds = load_retry_interval_seconds
         self._loader_factory = loader_factory or make_loader_factory(warmup=warmup)
         self._lock = threading.RLock()       # guards the model table and records
         self._idle = threading.Condition(self._lock)   # a version's last request finished
@@ -147,21 +155,22 @@ class ModelManager:
                 # applied, the labels are left as they were, and the caller hears why.
                 failed = self._failed_loads(added)
                 if failed:
-                    raise ServingError(grpc.StatusCode.UNKNOWN,
-                                       f"Some models did not become available: {', '.join(failed)}")
+                    raise ServingError(grpc.StatusCode.UNKNOWN, "Some models did not become available: {"
+                                       + "".join(f"{{{entry}}}, " for entry in failed) + "}")
             if self._started:
                 self._update_labels()
 
     def _update_labels(self):
         """Installs every model's version labels, or none (FAILED_PRECONDITION): as TF
         Serving's ServerCore, a label may only name a version that is available, unless
-        allow_labels_for_unavailable and the label is new."""
+        allow_labels_for_unavailable and the label is new or keeps its version."""
         with self._lock:
             new = {}
             for m in self._models.values():
                 available = set(m.available_versions())
                 for label, version in m.config.version_labels.items():
-                    if version in available or (self._allow_labels_for_unavailable and label not in m.labels):
+                    if version in available or (self._allow_labels_for_unavailable
+                                                and m.labels.get(label, version) == version):
                         continue
                     raise ServingError(grpc.StatusCode.FAILED_PRECONDITION,
                                        f"Request to assign label to version {version} of model {m.name}, "
@@ -191,9 +200,9 @@ class ModelManager:
             # base path": no aspired version changes, so what is loaded keeps serving (a base
             # path moved away for a redeploy, an NFS blip, a reload that names a missing path).
             if not m.base_path_missing:
-                log.error("Could not find base path %s for servable %s; the versions loaded (%s) "
-                          "keep serving", m.config.base_path, m.name,
-                          m.available_versions() or "none")
+                loaded = m.available_versions()
+                log.error("Could not find base path %s for servable %s%s", m.config.base_path, m.name,
+                          f"; the versions loaded ({loaded}) keep serving" if loaded else "")
             m.base_path_missing = True
             return
         else:
@@ -239,8 +248,9 @@ class ModelManager:
         log.info("model %s: loading version %d from %s", m.name, version, path)
         t0 = time.perf_counter()
         try:
-            loader = self._loader_factory(m.name, version, path)
-            loader.load()
+            loader = load_with_retries(lambda: self._loader_factory(m.name, version, path),
+                                       f"{{name: {m.name} version: {version}}}", self._max_num_load_retries,
+                                       lambda: self._retry_cancelled(r, path))
             servable = loader.servable()
         except ServingError as e:
             log.error("model %s: version %d failed to load: %s", m.name, version, e.message)
@@ -257,6 +267,20 @@ class ModelManager:
             self._metrics.version_available(m.name, version, True)
         log.info("model %s: version %d available (load %.2fs, warmup %.2fs)", m.name, version,
                  getattr(servable, "load_seconds", 0.0), getattr(servable, "warmup_seconds", 0.0))
+
+    def _retry_cancelled(self, r, path):
+        """Waits the retry interval, then whether the retry is off: TF Serving cancels it
+        when the version is no longer aspired (here: its directory is gone) or the server
+        stops. The files of the next try are the ones a later poll compares with."""
+        if self._stopped_within(self._load_retry_interval_seconds) or not is_directory(path):
+            return True
+        r.fingerprint = directory_fingerprint(path)
+        return False
+
+    def _stopped_within(self, seconds) -> bool:
+        """Waits up to `seconds` (clamped to what a lock wait takes: --load_retry_interval_micros
+        at int64 max, meaning "never", raised OverflowError) for stop(); True if it came."""
+        return self._stop.wait(min(max(0.0, seconds), threading.TIMEOUT_MAX))
 
     def _load_failed(self, m, r, path, error, t0):
         """END with the error: reported by GetModelStatus, not retried until the files change."""
@@ -312,6 +336,7 @@ class ModelManager:
         initial load does; later failures only mark their version END."""
         if self._poll_seconds >= 0:
             self.poll_once()
+            self._await_a_version_of_every_model()
             self._refuse_failed_initial_loads()
         self._started = True
         self._update_labels()
@@ -319,28 +344,55 @@ class ModelManager:
             self._thread = threading.Thread(target=self._loop, name="model-poller", daemon=True)
             self._thread.start()
 
+    def _await_a_version_of_every_model(self):
+        """TF Serving's initial load waits until each configured model has a version that
+        loaded or failed: a base path that is missing or holds no version directory yet is
+        polled again every poll_seconds, ports closed, until one appears (a model synced in
+        after the server starts). Upstream waits forever when it polls only once
+        (--file_system_poll_wait_seconds=0); here that is an error naming the models."""
+        waited = False
+        while True:
+            with self._lock:
+                waiting = [m.name for m in self._models.values() if not any(
+                    r.state == State.AVAILABLE or r.error is not None for r in m.records.values())]
+            if not waiting:
+                return
+            if self._poll_seconds == 0:
+                raise ServingError(grpc.StatusCode.UNKNOWN, f"no version to load of {', '.join(waiting)}, and "
+                                   "--file_system_poll_wait_seconds=0 polls only once (TF Serving waits forever)")
+            if not waited:
+                log.warning("waiting for a version of %s to load (polling every %gs)", ", ".join(waiting),
+                            self._poll_seconds)
+                waited = True
+            if self._stopped_within(self._poll_seconds):
+                raise ServingError(grpc.StatusCode.CANCELLED, "stopped while waiting for the initial versions")
+            self.poll_once()
+
     def _refuse_failed_initial_loads(self):
-        """Raises TF Serving's start-up error ("N servable(s) did not become available")
-        naming every version whose initial load failed, after unloading what did load."""
+        """Raises TF Serving's start-up error (load_servables_fast.cc: "N servable(s) did not
+        become available: {{{name: M version: V} due to error: CODE: ...}, }"), one entry per
+        model, after unloading what did load."""
         failed = self._failed_loads(self._models)
         if failed:
             self.unload_all(drain_seconds=0.0, lock_seconds=30.0)
+            entries = "".join(f"{{{entry}}}, " for entry in failed)
             raise ServingError(grpc.StatusCode.UNKNOWN,
-                               f"{len(failed)} servable(s) did not become available: {', '.join(failed)}")
+                               f"{len(failed)} servable(s) did not become available: {{{entries}}}")
 
     def _failed_loads(self, names):
-        """['{name: M version: V} due to error: ...'] for the failed versions of models `names`."""
+        """['{name: M version: V} due to error: CODE: ...'] for the models `names` whose load
+        failed, one each, as TF Serving awaits Latest(M): the newest failed version."""
         with self._lock:
-            return [f"{{name: {m.name} version: {r.version}}} due to error: {' '.join(r.error.message.split())}"
-                    for m in map(self._models.get, names) if m
-                    for r in sorted(m.records.values(), key=lambda r: -r.version)
-                    if r.state == State.END and r.error is not None]
+            failed = ((m, [r for r in m.records.values() if r.state == State.END and r.error is not None])
+                      for m in map(self._models.get, names) if m)
+            return [f"{{name: {m.name} version: {r.version}}} due to error: {' '.join(str(r.error).split())}"
+                    for m, records in failed if records for r in [max(records, key=lambda r: r.version)]]
 
     def _loop(self):
         periods = [self._poll_seconds] + ([self._config_poll_seconds] if self._config_file else [])
         period = min(p for p in periods if p > 0)
         last_versions = last_config = time.monotonic()
-        while not self._stop.wait(period):
+        while not self._stopped_within(period):
             now = time.monotonic()
             if self._config_file and self._config_poll_seconds > 0 \
                     and now - last_config >= self._config_poll_seconds:
@@ -436,30 +488,5 @@ class ModelManager:
 
     def status(self, model_spec):
         """GetModelStatusResponse.model_version_status entries (newest first)."""
-        from tensorflow_serving.apis import status_pb2
         with self._lock:
-            m = self._model(model_spec.name)
-            choice = model_spec.WhichOneof("version_choice")
-            records = sorted(m.records.values(), key=lambda r: -r.version)
-            if not records:  # get_model_status_impl.cc: NotFound before any version choice
-                raise not_found(f"Could not find any versions of model {m.name}")
-            if choice == "version":
-                records = [r for r in records if r.version == model_spec.version.value]
-                if not records:
-                    raise not_found(f"model '{m.name}' has no version {model_spec.version.value}")
-            elif choice == "version_label":
-                label = model_spec.version_label
-                if label not in m.labels:
-                    raise invalid(f"model '{m.name}' has no version label '{label}'")
-                records = [r for r in records if r.version == m.labels[label]]
-            out = []
-            for r in records:
-                # TF Serving fills status for every version (error_code OK when healthy).
-                s = get_model_status_pb2.ModelVersionStatus(version=r.version, state=r.state)
-                if r.error is not None:
-                    s.status.CopyFrom(status_pb2.StatusProto(error_code=r.error.code.value[0],
-                                                             error_message=r.error.message))
-                else:
-                    s.status.CopyFrom(status_pb2.StatusProto(error_code=0, error_message=""))
-                out.append(s)
-            return out
+            return version_statuses(self._model(model_spec.name), model_spec)

@@ -145,12 +145,14 @@ class ServableBase:
         self.load_seconds = self.warmup_seconds = 0.0
 
     def _finish_load(self, t0, warmup, rounds=1):
+        """`warmup`: how many times each warmup record runs (TF Serving's
+        --num_request_iterations_for_warmup; True is once), 0 or False: no warmup."""
         if not self.signatures:
             self.release()
             raise invalid(f"the model at {self.path} has no serving signatures")
         self.load_seconds = time.perf_counter() - t0
         try:
-            self.warmup_seconds = self._warmup(rounds) if warmup else 0.0
+            self.warmup_seconds = self._warmup(rounds, int(warmup)) if warmup else 0.0
         except Exception:
             self.release()
             raise
@@ -168,9 +170,10 @@ class ServableBase:
     def release(self):
         raise NotImplementedError
 
-    def _warmup(self, rounds=1) -> float:
+    def _warmup(self, rounds=1, iterations=1) -> float:
         """Replays assets.extra/tf_serving_warmup_requests if present, `rounds` times (one per
-        TFLite interpreter); a failure fails the load. Without that file nothing runs, as in
+        TFLite interpreter), each record `iterations` times in a row (saved_model_warmup_util.cc);
+        a failure fails the load. Without that file nothing runs, as in
         TF Serving: a signature may change the model's state (assign a variable, count calls),
         so running signatures on made-up inputs could corrupt it before the first request."""
         t0 = time.perf_counter()
@@ -179,11 +182,11 @@ class ServableBase:
             return 0.0
         count = 0
         for _ in range(rounds):
-            count = self._replay_warmup_file(warmup_path)
+            count = self._replay_warmup_file(warmup_path, iterations)
         log.info("model %s version %d: replayed %d warmup requests", self.name, self.version, count)
         return time.perf_counter() - t0
 
-    def _replay_warmup_file(self, warmup_path) -> int:
+    def _replay_warmup_file(self, warmup_path, iterations=1) -> int:
         """Runs each PredictionLog record of the warmup file through the request handlers
         live requests use (predict, classify, regress, multi_inference), on this version:
         TF Serving's saved_model_warmup.cc replays all four kinds."""
@@ -199,7 +202,8 @@ class ServableBase:
             if kind not in handlers:
                 raise invalid(f"{warmup_path}: unsupported log_type for warmup: {kind} (predict_log, "
                               "classify_log, regress_log and multi_inference_log are replayed)")
-            handlers[kind](getattr(entry, kind).request)
+            for _ in range(iterations):
+                handlers[kind](getattr(entry, kind).request)
             count += 1
         return count
 

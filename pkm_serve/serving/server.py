@@ -92,7 +92,9 @@ class Server:
         except ValueError as e:
             raise StartupError(str(e)) from None
         loaders = make_loader_factory(
-            warmup=args.enable_model_warmup, prefer_tflite_model=args.prefer_tflite_model,
+            # As TF Serving, --num_request_iterations_for_warmup counts only when above 0.
+            warmup=args.enable_model_warmup and max(1, args.num_request_iterations_for_warmup),
+            prefer_tflite_model=args.prefer_tflite_model,
             num_tflite_interpreters=args.num_tflite_pools or os.cpu_count() or 1,
             tflite_threads=args.tflite_num_threads)
         try:   # the manager validates the model config (once)
@@ -102,7 +104,9 @@ class Server:
                 config_file=args.model_config_file or None,
                 config_poll_seconds=args.model_config_file_poll_wait_seconds,
                 unload_drain_seconds=args.drain_seconds,
-                allow_labels_for_unavailable=args.allow_version_labels_for_unavailable_models)
+                allow_labels_for_unavailable=args.allow_version_labels_for_unavailable_models,
+                max_num_load_retries=args.max_num_load_retries,
+                load_retry_interval_seconds=args.load_retry_interval_micros / 1e6)
         except ServingError as e:
             raise StartupError(e.message) from None
         self.service = InferenceService(

@@ -3,6 +3,7 @@
 Every method takes and returns tensorflow_serving.apis protos and raises
 ServingError; the front ends only translate transport details.
 """
+import logging
 import time
 
 import grpc
@@ -17,6 +18,8 @@ from pkm_serve.serving import tensors
 from pkm_serve.serving.errors import ServingError, invalid
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
 from pkm_serve.serving.methods import CLASSIFY_METHOD, DEFAULT_SIGNATURE, REGRESS_METHOD
+
+log = logging.getLogger("pkm_serve.serving")
 
 
 def _per_example(tensor, what, n):
@@ -95,10 +98,12 @@ class InferenceService:
 
     # ------------------------------------------------------------ metadata/status
     def get_model_metadata(self, request):
-        fields = list(request.metadata_field)
-        if fields != ["signature_def"]:
-            raise invalid(f"metadata_field must be exactly ['signature_def'] (the only metadata "
-                          f"TF Serving serves); got {fields}")
+        # get_model_metadata_impl.cc's checks and words; "signature_def" twice is accepted.
+        if not request.metadata_field:
+            raise invalid("GetModelMetadataRequest must specify at least one metadata_field")
+        for field in request.metadata_field:
+            if field != "signature_def":
+                raise invalid(f"Metadata field {field} is not supported")
         resp = get_model_metadata_pb2.GetModelMetadataResponse()
         sig_map = get_model_metadata_pb2.SignatureDefMap()
         with self.serving(request.model_spec) as servable:
@@ -114,12 +119,19 @@ class InferenceService:
         return resp
 
     def reload_config(self, request):
-        resp = model_management_pb2.ReloadConfigResponse()
+        """model_service_impl.cc: only a model_config_list is taken (an empty config too is
+        INVALID_ARGUMENT there), and a failed reload is the RPC's status, not an OK answer
+        carrying it (a client that relies on the RpcError took a failure for success)."""
+        if request.config.WhichOneof("config") != "model_config_list":
+            raise invalid("ServerModelConfig type not supported by HandleReloadConfigRequest. "
+                          "Only ModelConfigList is currently supported")
         try:
             self.manager.apply_config(request.config)
-            resp.status.CopyFrom(status_pb2.StatusProto(error_code=0))
         except ServingError as e:
-            resp.status.CopyFrom(status_pb2.StatusProto(error_code=e.code.value[0], error_message=e.message))
+            log.error("ReloadConfig failed: %s", e.message)
+            raise
+        resp = model_management_pb2.ReloadConfigResponse()
+        resp.status.CopyFrom(status_pb2.StatusProto(error_code=0))
         return resp
 
     # ------------------------------------------------------------ Classify/Regress

@@ -276,6 +276,7 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
             if wrong is not None:
                 raise invalid(f"JSON Value: {json_number_text(wrong)} Type: Number is not of expected "
                               f"type: {dtype.name} (input '{name}')")
+            return _exact_integers(name, value, dtype)
         elif arr.dtype.kind == "b":
             raise invalid(f"input '{name}' holds booleans but the signature expects {dtype.name}")
         info = np.iinfo(dtype.as_numpy_dtype)
@@ -293,6 +294,16 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
             _check_lossless(name, value, arr, dtype)
         return arr.astype(dtype.as_numpy_dtype)
     raise invalid(f"input '{name}' has dtype {dtype.name}, which the REST API does not support")
+
+
+def _exact_integers(name, value, dtype) -> np.ndarray:
+    """JSON integers that numpy read as float64 (an int64 and a uint64 past 2^63 in one list,
+    or an integer past 64 bits), converted from the Python ints themselves: through float64,
+    [2**63 + 1, 1] became [2**63, 1] for a uint64 input, and 2**64 - 1 was out of range."""
+    info = np.iinfo(dtype.as_numpy_dtype)
+    if any(not info.min <= v <= info.max for v in _leaves(value)):
+        raise invalid(f"input '{name}' holds values outside the range of {dtype.name}")
+    return np.array(value, dtype=dtype.as_numpy_dtype)
 
 
 def _leaves(value):
@@ -365,6 +376,9 @@ def _check_lossless(name, value, arr, dtype):
 
 
 def _json_scalar_list(arr: np.ndarray, name: str):
+    if arr.dtype.kind == "c":   # json_tensor.cc writes no complex type either (it was a 500)
+        raise invalid(f"Failed to write JSON value for tensor type: {tf.as_dtype(arr.dtype).name} "
+                      f"(output '{name}'); the gRPC API returns it")
     if arr.dtype == object or arr.dtype.kind == "S":
         binary = name.endswith("_bytes")
 

@@ -68,6 +68,11 @@ def list_versions(base_path):
     return found
 
 
+def is_directory(path):
+    """Whether the version directory `path` (a path or a URL) still exists."""
+    return tf.io.gfile.isdir(path)
+
+
 def holds_model_hint(base_path):
     """When a base path holds a model itself (the usual slip: naming the version directory),
     what to name instead; '' otherwise."""

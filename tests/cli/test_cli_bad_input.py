@@ -30,6 +30,8 @@ BASE = ["--model_base_path=/m"]
     (["--file_system_poll_wait_seconds=nan"], "--file_system_poll_wait_seconds must be a finite"),
     (["--drain_seconds=nan"], "--drain_seconds must be a finite"),
     (["--drain_seconds=-1"], "--drain_seconds must be >= 0"),
+    # TF Serving's uint32 option: -1 wrapped to 4294967295 tries.
+    (["--max_num_load_retries=-1"], "--max_num_load_retries must be >= 0"),
     # Silently INFO ("bogus"), or a ValueError from logging ("basic_format").
     (["--log_level=bogus"], "--log_level 'bogus' is not a logging level"),
     (["--log_level=basic_format"], "is not a logging level"),
@@ -49,7 +51,7 @@ def test_misused_flag_values_are_usage_errors(capsys, argv, needle):
     (["--saved_model_tags=serve"], "the 'serve' MetaGraph is always loaded"),
     (["--tensorflow_session_parallelism", "4"],
      "use --tensorflow_intra_op_parallelism and --tensorflow_inter_op_parallelism"),
-    (["--max_num_load_retries=0"], "a version that fails to load is retried when its files change"),
+    (["--num_load_threads=2"], "`pkm-serve serve --help` lists the flags served"),
     (["--flush_filesystem_caches=false"], "`pkm-serve serve --help` lists the flags served"),
 ])
 def test_tensorflow_model_server_flags_not_implemented_are_named_as_such(capsys, argv, needle):

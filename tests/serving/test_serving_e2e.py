@@ -16,6 +16,7 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
                                      inference_pb2, model_management_pb2, model_service_pb2_grpc,
                                      predict_pb2, prediction_service_pb2_grpc)
 from tensorflow.core.framework import types_pb2
+from tensorflow_serving.apis import status_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
 from serving_helpers import ServerProcess, write_example_model
@@ -368,8 +369,12 @@ def test_reload_config_adds_and_removes_models(server, channel, stub, saved_mode
     models = model_service_pb2_grpc.ModelServiceStub(channel)
 
     def reload(config):
-        return models.HandleReloadConfigRequest(model_management_pb2.ReloadConfigRequest(config=config),
-                                                timeout=60).status
+        """The status as model_service_impl.cc gives it: OK in the answer, or the RPC's error."""
+        try:
+            return models.HandleReloadConfigRequest(model_management_pb2.ReloadConfigRequest(config=config),
+                                                    timeout=60).status
+        except grpc.RpcError as e:
+            return status_pb2.StatusProto(error_code=e.code().value[0], error_message=e.details())
 
     try:
         status = reload(cfg)
@@ -378,8 +383,12 @@ def test_reload_config_adds_and_removes_models(server, channel, stub, saved_mode
         want = tf_with_ops.saved_model.load(saved_models["composite"]).signatures["serving_default"](query=QUERIES)
         np.testing.assert_allclose(_out(out, "output"), want["output"].numpy(), rtol=1e-6, atol=1e-7)
 
-        # An empty ModelServerConfig changes nothing, as in TF Serving (it unloaded every model).
-        assert reload(model_server_config_pb2.ModelServerConfig()).error_code == 0
+        # An empty ModelServerConfig is refused and changes nothing, as TF Serving's
+        # HandleReloadConfigRequest (it unloaded every model once, then was an OK no-op).
+        status = reload(model_server_config_pb2.ModelServerConfig())
+        assert (status.error_code, status.error_message) == (
+            grpc.StatusCode.INVALID_ARGUMENT.value[0], "ServerModelConfig type not supported by "
+            "HandleReloadConfigRequest. Only ModelConfigList is currently supported")
         assert stub.Predict(_request(name="composite", query=QUERIES[:1]), timeout=30)
         # A model with no version on disk: its status is NOT_FOUND, as in TF Serving (was OK, empty).
         ghost = model_server_config_pb2.ModelServerConfig()

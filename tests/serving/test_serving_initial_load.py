@@ -47,7 +47,7 @@ def test_only_version_failing_fails_the_start(tmp_path):
         _start(_config({"m": fakes.base}), fakes.factory)
     assert err.value.code == grpc.StatusCode.UNKNOWN
     assert err.value.message == ("1 servable(s) did not become available: "
-                                 "{name: m version: 3} due to error: bad graph 3")
+                                 "{{{name: m version: 3} due to error: INVALID_ARGUMENT: bad graph 3}, }")
 
 
 @pytest.mark.parametrize("policy_all", [False, True])
@@ -55,7 +55,7 @@ def test_newest_version_failing_fails_the_start_although_an_older_one_loads(tmp_
     """TF Serving waits for Latest(m): the newest version failing is a failed start, whether
     the policy aspires it alone (latest) or with the others (all); no silent fallback."""
     fakes = _fakes(tmp_path, "m", [1, 2], failing=[2])
-    with pytest.raises(ServingError, match=r"^UNKNOWN: 1 servable\(s\) .*\{name: m version: 2\} due to error: bad graph 2$"):
+    with pytest.raises(ServingError, match=r"^UNKNOWN: 1 servable\(s\) .*\{\{\{name: m version: 2\} due to error: INVALID_ARGUMENT: bad graph 2\}, \}$"):
         _start(_config({"m": fakes.base}, policy_all=policy_all), fakes.factory)
     if policy_all:   # version 1 loaded too, and is freed before the error
         assert fakes.events[-1] == ("unload", 1)
@@ -69,7 +69,8 @@ def test_one_failing_model_of_several_fails_the_start_and_frees_the_others(tmp_p
         return (good if name == "m" else bad).factory("m", version, path)
     with pytest.raises(ServingError) as err:
         _start(_config({"m": good.base, "n": bad.base}), factory)
-    assert err.value.message == "1 servable(s) did not become available: {name: n version: 4} due to error: bad graph 4"
+    assert err.value.message == ("1 servable(s) did not become available: "
+                                 "{{{name: n version: 4} due to error: INVALID_ARGUMENT: bad graph 4}, }")
     assert good.events == [("load-start", 1), ("loaded", 1), ("unload", 1)]
 
 
@@ -100,7 +101,7 @@ def test_server_with_a_model_that_fails_to_load_exits_without_opening_ports(tmp_
         flags = [f"--model_config_file={config}"]
     else:
         flags = ["--model_name=bad", f"--model_base_path={bad}"]
-    server = ServerProcess(tmp_path, *flags, "--load_pkm_ops=false", wait_ready=False)
+    server = ServerProcess(tmp_path, *flags, "--load_pkm_ops=false", "--max_num_load_retries=0", wait_ready=False)
     try:
         rc = server.proc.wait(120)
     finally:
@@ -110,7 +111,7 @@ def test_server_with_a_model_that_fails_to_load_exits_without_opening_ports(tmp_
     errors = [line for line in log.splitlines() if line.startswith("pkm-serve serve: error:")]
     assert len(errors) == 1, log[-3000:]
     assert errors[0].startswith("pkm-serve serve: error: UNKNOWN: 1 servable(s) did not become available: "
-                                "{name: bad version: 7} due to error: cannot read SavedModel at ")
+                                "{{{name: bad version: 7} due to error: INVALID_ARGUMENT: cannot read SavedModel at ")
     assert "listening" not in log and "pkm-serve: ready" not in log
     assert "name: good" not in errors[0]
 
@@ -118,8 +119,8 @@ def test_server_with_a_model_that_fails_to_load_exits_without_opening_ports(tmp_
 
 def test_reload_adding_a_model_that_fails_to_load_says_so(tmp_path):
     """ServerCore::ReloadConfig waits for the models the config adds: one that does not
-    load is an UNKNOWN "Some models did not become available" for the caller (gRPC
-    HandleReloadConfigRequest answered OK); the config stays applied, labels unchanged."""
+    load is an UNKNOWN "Some models did not become available" for the caller (the gRPC
+    HandleReloadConfigRequest's status); the config stays applied, labels unchanged."""
     good = _fakes(tmp_path, "m", [1, 2], failing=[])
     bad = _fakes(tmp_path, "n", [4], failing=[4])
 
@@ -131,7 +132,8 @@ def test_reload_adding_a_model_that_fails_to_load_says_so(tmp_path):
     with pytest.raises(ServingError) as err:
         manager.apply_config(new)
     assert err.value.code == grpc.StatusCode.UNKNOWN
-    assert err.value.message == "Some models did not become available: {name: n version: 4} due to error: bad graph 4"
+    assert err.value.message == ("Some models did not become available: "
+                                 "{{{name: n version: 4} due to error: INVALID_ARGUMENT: bad graph 4}, }")
     assert version_states(manager, "n") == {4: State.END}          # applied: n is configured
     with pytest.raises(ServingError, match="no version label 'stable'"):
         with manager.serving(model_pb2.ModelSpec(name="m", version_label="stable")):
@@ -160,7 +162,7 @@ def test_grpc_port_accepts_no_connection_until_the_models_are_loaded(tmp_path):
     (tmp_path / "bad" / "1" / "saved_model.pb").write_bytes(b"this is not a SavedModel")
     port = free_port()
     argv = [f"--model_base_path={tmp_path / 'bad'}", f"--port={port}", "--load_pkm_ops=false",
-            "--file_system_poll_wait_seconds=0"]
+            "--file_system_poll_wait_seconds=0", "--max_num_load_retries=0"]
     server = Server(config.parse_args(argv))
     assert not _accepts(port)
     with pytest.raises(ServingError, match=r"1 servable\(s\) did not become available"):
@@ -194,7 +196,7 @@ def test_config_file_adding_a_failing_model_is_logged_as_applied(tmp_path, caplo
         with caplog.at_level(logging.ERROR, logger="pkm_serve.serving"):
             manager._maybe_reload_config_file()
         assert f"applied model config {config_file}, but UNKNOWN: Some models did not become available: " \
-               "{name: n version: 4} due to error: bad graph 4" in caplog.text
+               "{{{name: n version: 4} due to error: INVALID_ARGUMENT: bad graph 4}, }" in caplog.text
         config_file.write_text("not a config")
         with caplog.at_level(logging.ERROR, logger="pkm_serve.serving"):
             manager._maybe_reload_config_file()

@@ -270,6 +270,26 @@ def test_version_labels_name_available_versions_unless_allowed(fakes, allow):
     manager.stop()
 
 
+def test_an_allowed_label_on_an_unloaded_version_survives_the_next_reload(fakes):
+    """ServerCore::UpdateModelVersionLabelMap with --allow_version_labels_for_unavailable_models
+    refuses only a label *moved* to an unavailable version: a label kept on the version it
+    already named is accepted. Every later reload (another label, the config file re-read)
+    was refused while version 9 was not loaded."""
+    from pkm_serve.serving.manager import ModelManager
+
+    manager = ModelManager(_labelled(fakes.base, {"stable": 1}), poll_seconds=-1, loader_factory=fakes.factory,
+                           allow_labels_for_unavailable=True)
+    manager.poll_once()
+    manager.start()
+    manager.apply_config(_labelled(fakes.base, {"stable": 1, "canary": 9}))
+    manager.apply_config(_labelled(fakes.base, {"stable": 1, "canary": 9, "beta": 1}))
+    with manager.serving(model_pb2.ModelSpec(name="m", version_label="beta")) as servable:
+        assert servable.version == 1
+    with pytest.raises(ServingError, match="version 8 of model m"):   # moving it is still refused
+        manager.apply_config(_labelled(fakes.base, {"stable": 1, "canary": 8}))
+    manager.stop()
+
+
 def test_a_request_without_a_model_name_is_invalid_argument(fakes):
     """ServerCore::ServableRequestFromModelSpec: INVALID_ARGUMENT "ModelSpec has no name
     specified." for Predict, Classify, Regress and metadata (was NOT_FOUND, model '')."""

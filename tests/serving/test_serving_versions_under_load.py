@@ -35,7 +35,7 @@ def test_version_2_takes_over_under_load_and_corrupt_version_3_is_reported(tmp_p
     base.mkdir()
     _copy_version_atomically(saved_models[1], str(base), 1)
     server = ServerProcess(tmp_path, "--model_name=pkm", f"--model_base_path={base}",
-                           "--file_system_poll_wait_seconds=0.5", rest=False)
+                           "--file_system_poll_wait_seconds=0.5", "--max_num_load_retries=0", rest=False)
     queries = np.random.default_rng(5).standard_normal((3, 32)).astype(np.float32)
     expected = {v: tf.saved_model.load(saved_models[v]).signatures["serving_default"](query=queries)["output"].numpy()
                 for v in (1, 2)}

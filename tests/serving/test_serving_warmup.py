@@ -123,3 +123,27 @@ def test_a_failing_classify_warmup_record_fails_the_load(tmp_path, tf_with_ops):
     _write_warmup(path, bad)
     with pytest.raises(ServingError, match="No signature was found with the name: nope"):
         Servable("ex", 1, path, warmup=True)
+
+
+def test_num_request_iterations_for_warmup_replays_each_record_that_often(stateful, tmp_path):
+    """TF Serving's --num_request_iterations_for_warmup (default 1): each record runs that
+    many times; the flag was refused as not implemented."""
+    from tensorflow_serving.apis import model_pb2, predict_pb2, prediction_log_pb2
+    from serving_helpers import free_port
+    from pkm_serve.serving import config
+    from pkm_serve.serving.server import Server
+    req = predict_pb2.PredictRequest()
+    req.model_spec.signature_name = "bump"
+    _write_warmup(stateful, prediction_log_pb2.PredictionLog(predict_log=prediction_log_pb2.PredictLog(request=req)))
+    base = os.path.dirname(stateful)
+    for flags, bumps in (([], 1), (["--num_request_iterations_for_warmup=3"], 3),
+                         (["--num_request_iterations_for_warmup=0"], 1),   # upstream: used only if > 0
+                         (["--num_request_iterations_for_warmup=3", "--enable_model_warmup=false"], 0)):
+        server = Server(config.parse_args([f"--model_base_path={base}", "--model_name=s", f"--port={free_port()}",
+                                           "--load_pkm_ops=false", "--file_system_poll_wait_seconds=0", *flags]))
+        server.start()
+        try:
+            with server.manager.serving(model_pb2.ModelSpec(name="s")) as servable:
+                np.testing.assert_array_equal(_predict(servable)["calls_to_bump"], [bumps, bumps])
+        finally:
+            server.stop()

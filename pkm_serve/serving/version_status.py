@@ -1,0 +1,33 @@
+"""GetModelStatus's answer for one model (get_model_status_impl.cc)."""
+from tensorflow_serving.apis import get_model_status_pb2, status_pb2
+
+from pkm_serve.serving.errors import invalid, not_found
+
+
+def version_statuses(m, model_spec):
+    """ModelVersionStatus entries of the ManagedModel `m` that model_spec picks, newest
+    first; the caller holds the manager's lock."""
+    choice = model_spec.WhichOneof("version_choice")
+    records = sorted(m.records.values(), key=lambda r: -r.version)
+    if not records:  # get_model_status_impl.cc: NotFound before any version choice
+        raise not_found(f"Could not find any versions of model {m.name}")
+    if choice == "version":
+        records = [r for r in records if r.version == model_spec.version.value]
+        if not records:
+            raise not_found(f"Could not find version {model_spec.version.value} of model {m.name}")
+    elif choice == "version_label":
+        label = model_spec.version_label
+        if label not in m.labels:
+            raise invalid(f"model '{m.name}' has no version label '{label}'")
+        records = [r for r in records if r.version == m.labels[label]]
+    out = []
+    for r in records:
+        # TF Serving fills status for every version (error_code OK when healthy).
+        s = get_model_status_pb2.ModelVersionStatus(version=r.version, state=r.state)
+        if r.error is not None:
+            s.status.CopyFrom(status_pb2.StatusProto(error_code=r.error.code.value[0],
+                                                     error_message=r.error.message))
+        else:
+            s.status.CopyFrom(status_pb2.StatusProto(error_code=0, error_message=""))
+        out.append(s)
+    return out
