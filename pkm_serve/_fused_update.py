@@ -236,9 +236,12 @@ def _refuse_gradient_through_control_flow(forward_graph):
     """ValueError where the lookup ran in a tf.cond branch or tf.while_loop body (tf.map_fn) and a tape
     outside it differentiates through that control flow (the gradient is built in another graph): the
     update, a stateful op on the table and the optimizer's slots, cannot be built in that gradient."""
-    if forward_graph is None or tf.compat.v1.get_default_graph() is forward_graph:
+    current = tf.compat.v1.get_default_graph()
+    if forward_graph is None or current is forward_graph:
         return
-    if _recording.in_control_flow_branch(forward_graph):
+    # The control flow's own gradient graph; a tf.function's backward (a tape inside the loop body
+    # around a nested function of the layer) is a plain graph, where the update runs as usual.
+    if _recording.is_control_flow_graph(current) and _recording.in_control_flow_branch(forward_graph):
         raise ValueError("fused_optimizer=True: the layer is called inside a tf.cond / tf.switch_case / "
                          "tf.while_loop / tf.map_fn of a traced function and differentiated by a tape outside "
                          "it; its fused update cannot run in the gradient of that control flow. Call the layer "

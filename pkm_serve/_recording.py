@@ -15,11 +15,20 @@ def tape_could_record(if_unknown: bool) -> bool:
         return if_unknown
 
 
+_CONTROL_FLOW_GRAPHS = ("CondBranchFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph")
+
+
+def is_control_flow_graph(graph) -> bool:
+    """Whether `graph` itself is a tf.cond / tf.switch_case branch or a tf.while_loop (tf.map_fn)
+    body (also where TF builds such control flow's gradient)."""
+    return any(cls.__name__ in _CONTROL_FLOW_GRAPHS for cls in type(graph).__mro__)  # gradients subclass them
+
+
 def in_control_flow_branch(graph) -> bool:
     """Whether `graph` is a tf.cond / tf.switch_case branch or a tf.while_loop (tf.map_fn) body,
     directly or in a nested tf.function inside one."""
     while graph is not None:
-        if type(graph).__name__ in ("CondBranchFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph"):
+        if is_control_flow_graph(graph):
             return True
         graph = getattr(graph, "outer_graph", None)
     return False
