@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from pkm_serve import _pfor, _second_order, _xla
+from pkm_serve import _pfor, _recording, _second_order, _xla
 from pkm_serve._composite import embedding_bag_composite
 from pkm_serve._library import load_library
 from pkm_serve._no_rows import marker_if_no_replica_has_any
@@ -29,9 +29,9 @@ def fused_embedding_bag(params, indices, weights=None, combiner="sum", name=None
     if _xla.composite_under_xla(params, indices):  # XLA for a backend without our custom-call target
         return embedding_bag_composite(params, indices, weights, combiner, name=name)
     if sparse_gradient and _xla.compile_device_type() is not None:
-        from tensorflow.python.eager import record  # no public "is a tape recording" query
-
-        if not record.could_possibly_record():  # inference (e.g. serving under jit): no gradient to shape
+        # Inference (e.g. serving under jit): no gradient to shape. A TF without the private query
+        # gets the dense-gradient op, which XLA compiles and differentiates (the same numbers).
+        if not _recording.tape_could_record(if_unknown=False):
             return fused_embedding_bag(params, indices, weights, combiner, name)
         # XLA needs static shapes; the number of distinct rows depends on the data.
         raise ValueError("embedding_bag: sparse_gradient=True cannot be compiled by XLA (the number of "
@@ -172,9 +172,8 @@ def _sparse_read_variable(params, indices):
         params.handle
     except (AttributeError, ValueError):
         return None
-    from tensorflow.python.eager import record  # no public "is a tape recording" query
-
-    return params if record.could_possibly_record() else None
+    # Where TF cannot tell, the in-kernel read (right either way; only exported graphs prefer the plain op).
+    return params if _recording.tape_could_record(if_unknown=True) else None
 
 
 def _forward_mode_watches(*tensors):

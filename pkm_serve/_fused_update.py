@@ -35,6 +35,7 @@ import weakref
 
 import tensorflow as tf
 
+from pkm_serve import _recording
 from pkm_serve._copy_on_write import as_tf_variable, leave_copy_on_write
 
 _ATTR = "_pkm_fused_optimizer"
@@ -136,6 +137,29 @@ _SECOND = ("fused_optimizer: table {} is also read outside its fused lookup in t
            "fused_optimizer=True")
 
 
+_TRANSFORMED = ("fused_optimizer: the gradient of table {} reached the optimizer changed (e.g. by "
+                "tf.clip_by_global_norm, a scaling or an all-reduce of your own) after its fused lookup's backward "
+                "had already applied the unchanged update: the table's update cannot be clipped or scaled, and its "
+                "gradient is missing from a global norm. Apply the lookup's gradient as tape.gradient returns it, "
+                "or use sparse_gradient=True instead of fused_optimizer=True to transform it")
+_lookup_gradients = {}  # id(values of an empty gradient the fused backward returned) -> weakref to them
+
+
+def _empty_lookup_gradient(rows, width):
+    """The empty table gradient of a fused lookup, remembered so that the optimizer can tell it from one a
+    transformation (clip_by_global_norm multiplies the values) rebuilt on the way."""
+    values = tf.zeros([0, width], tf.float32)
+    for key in [k for k, ref in _lookup_gradients.items() if ref() is None]:
+        del _lookup_gradients[key]
+    _lookup_gradients[id(values)] = weakref.ref(values)
+    return tf.IndexedSlices(values, tf.zeros([0], tf.int64), rows)
+
+
+def _is_lookup_gradient(gradient):
+    ref = _lookup_gradients.get(id(gradient.values))
+    return ref is not None and ref() is gradient.values
+
+
 def refuse_a_second_update(optimizer, gradient, variable):
     """Control inputs for `optimizer`'s update_step on `variable`. ValueError when a LossScaleOptimizer
     applies a claimed table (its backward used the scaled gradient), or when a non-empty gradient comes
@@ -155,14 +179,16 @@ def refuse_a_second_update(optimizer, gradient, variable):
     table = as_tf_variable(variable)
     step = getattr(table, "_pkm_fused_last_step", None)
     table._pkm_fused_last_step = None  # this step is applied: a restored (earlier) iterations may repeat it
-    if isinstance(gradient, tf.IndexedSlices) and gradient.values.shape[0] == 0:
-        if flag is not None:
-            flag.assign(0)  # the fused lookup's own (empty) gradient: its update is applied
-        return []
     if tf.executing_eagerly():
         updated = step is not None and step == (id(optimizer), int(optimizer.iterations.numpy()))
     else:  # the traced step's backward and optimizer step share one graph (fit, a tf.function)
         updated = id(table) in _updates_by_graph.get(tf.compat.v1.get_default_graph(), ())
+    if isinstance(gradient, tf.IndexedSlices) and gradient.values.shape[0] == 0:
+        if flag is not None:
+            flag.assign(0)  # the fused lookup's (empty) gradient: its update is applied
+        if updated and not _is_lookup_gradient(gradient):
+            raise ValueError(_TRANSFORMED.format(path))
+        return []
     if updated:
         raise ValueError(_SECOND.format(path))
     if flag is None:
@@ -206,6 +232,23 @@ def _optimizer_for_this_step(variable):
     return optimizer
 
 
+def _refuse_gradient_through_control_flow(forward_graph):
+    """ValueError where the lookup ran in a tf.cond branch or tf.while_loop body (tf.map_fn) and a tape
+    outside it differentiates through that control flow (the gradient is built in another graph): the
+    update, a stateful op on the table and the optimizer's slots, cannot be built in that gradient."""
+    current = tf.compat.v1.get_default_graph()
+    if forward_graph is None or current is forward_graph:
+        return
+    # The control flow's own gradient graph; a tf.function's backward (a tape inside the loop body
+    # around a nested function of the layer) is a plain graph, where the update runs as usual.
+    if _recording.is_control_flow_graph(current) and _recording.in_control_flow_branch(forward_graph):
+        raise ValueError("fused_optimizer=True: the layer is called inside a tf.cond / tf.switch_case / "
+                         "tf.while_loop / tf.map_fn of a traced function and differentiated by a tape outside "
+                         "it; its fused update cannot run in the gradient of that control flow. Call the layer "
+                         "outside the control flow (e.g. select its output with tf.where), record the tape "
+                         "inside it, or use sparse_gradient=True instead of fused_optimizer=True")
+
+
 def fused_embedding_bag(variable, indices, weights=None, combiner="sum"):
     """``ops.embedding_bag(variable, indices, weights, combiner)`` whose backward
     applies the claiming optimizer's update (dense [..., K] indices, float32 table)."""
@@ -213,10 +256,9 @@ def fused_embedding_bag(variable, indices, weights=None, combiner="sum"):
     from tensorflow.python.ops import resource_variable_ops
 
     lib = ops.load_library()
+    recording = _recording.tape_could_record(if_unknown=True)  # unknown: refuse below rather than misupdate
     if _xla.compile_device_type() is not None:  # the fused ops have no XLA kernel
-        from tensorflow.python.eager import record  # no public "is a tape recording" query
-
-        if not record.could_possibly_record():  # inference: no backward, no update
+        if not recording:  # inference: no backward, no update
             return ops.embedding_bag(variable, indices, weights, combiner=combiner)
         raise ValueError("fused_optimizer=True cannot be compiled by XLA (a tf.function(jit_compile=True) or "
                          "jit_compile=True); compile without XLA, or use fused_optimizer=False under jit_compile")
@@ -245,11 +287,17 @@ def fused_embedding_bag(variable, indices, weights=None, combiner="sum"):
 
     # Every tensor the backward reads is an input of the lookup (not a closure
     # over the caller's graph), so that a SavedModel can trace its gradient.
-    def lookup(handle, bag_weights, bag_indices):
-        out = lib.pkm_resource_embedding_bag(handle, bag_indices, bag_weights, combiner=combiner,
-                                             has_weights=has_weights)
+    def lookup(handle_or_rows, bag_weights, bag_indices):
+        forward_graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        if handle_or_rows.dtype == tf.resource:
+            out = lib.pkm_resource_embedding_bag(handle_or_rows, bag_indices, bag_weights, combiner=combiner,
+                                                 has_weights=has_weights)
+        else:
+            out = lib.pkm_embedding_bag(handle_or_rows, bag_indices, bag_weights, combiner=combiner,
+                                        has_weights=has_weights)
 
         def grad(d_out):
+            _refuse_gradient_through_control_flow(forward_graph)
             optimizer = _optimizer_for_this_step(variable)
             shape = tf.shape(table, out_type=tf.int64)
             if optimizer is None:
@@ -258,11 +306,17 @@ def fused_embedding_bag(variable, indices, weights=None, combiner="sum"):
                     d_out, table.handle, bag_indices, bag_weights, combiner=combiner, has_weights=has_weights)
                 return tf.IndexedSlices(row_grads, rows, dense_shape=shape), d_w, None
             d_w = optimizer._pkm_fused_apply(variable, d_out, bag_indices, bag_weights, combiner, has_weights)
-            empty = tf.IndexedSlices(tf.zeros([0, table.shape[1]], tf.float32), tf.zeros([0], tf.int64), shape)
-            return empty, d_w, None
+            return _empty_lookup_gradient(shape, table.shape[1]), d_w, None
 
         return out, grad
 
+    if not tf.executing_eagerly() and _recording.in_control_flow_branch(tf.compat.v1.get_default_graph()):
+        # In a tf.cond branch or tf.while_loop body (fit's steps_per_execution loop), a tape outside
+        # it would differentiate through a resource output made in the branch, which TF fails on
+        # before any gradient function runs ("Taking gradient of a while loop which creates a
+        # resource in its body"). On the table's read (a copy-on-write read shares it), the lookup's
+        # gradient function runs and refuses that clearly; a tape inside gets the update as usual.
+        return tf.custom_gradient(lookup)(table.read_value(), weights, indices)
     return tf.custom_gradient(lookup)(table.handle, weights, indices)
 
 

@@ -135,23 +135,58 @@ def _forwardprop_state_reset():
         return contextlib.nullcontext()
 
 
-def _register_resource_lookup_jvp():
-    """The resource lookup's jvp in TF's private table of special cases (there is
-    no public registry). Where TF lacks it, a ForwardAccumulator through a
-    sparse_gradient=True variable lookup fails in TF (IndexedSlices), as it did
-    before this jvp existed; nothing else depends on it."""
+def _gradient_op_jvp(ragged, row_sparse):
+    """Forward mode through a gradient op (``Pkm[Ragged]EmbeddingBag[Sparse]Grad``): the jvp of the
+    composite's gradient, taken by a ForwardAccumulator of its own. A tf.function called under an
+    accumulator (``tf.vectorized_map`` is one) builds its backward and takes the jvps of the gradient
+    ops there; TF's generic jvp transposes the op's gradient, whose row-sparse table part (kept so
+    that a gradient penalty does not densify a large table) it cannot take ("'IndexedSlices' object
+    has no attribute '_id'")."""
+    def jvp(attr_tuple, inputs, outputs, tangents):
+        attrs = dict(zip(attr_tuple[::2], attr_tuple[1::2]))
+        combiner = attrs["combiner"].decode() if isinstance(attrs["combiner"], bytes) else attrs["combiner"]
+        grad, params, weights = inputs[0], inputs[1], inputs[-1]
+        indices = tf.RaggedTensor.from_row_splits(inputs[2], inputs[3], validate=False) if ragged else inputs[2]
+        primals = [grad, params] + ([weights] if attrs["has_weights"] else [])
+        primal_tangents = [tf.zeros_like(p) if t is None else t for p, t in zip(primals, [tangents[0], tangents[1],
+                                                                                           tangents[-1]])]
+        with _forwardprop_state_reset(), tf.autodiff.ForwardAccumulator(primals, primal_tangents) as acc:
+            bag_weights = None
+            if attrs["has_weights"]:
+                bag_weights = indices.with_flat_values(weights) if ragged else weights
+            d_params, d_weights = _first_order(grad, params, indices, bag_weights, combiner)
+        t_params = acc.jvp(d_params, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+        t_weights = (acc.jvp(d_weights, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                     if d_weights is not None else tf.zeros_like(outputs[-1]))
+        if row_sparse:  # (rows, row gradients, d_weights): the rows are integers
+            return [None, tf.gather(t_params, outputs[0]), t_weights]
+        return [t_params, t_weights]
+    return jvp
+
+
+def _register_jvps():
+    """The jvps of the resource lookup and of the gradient ops in TF's private
+    table of special cases (there is no public registry). Where TF lacks it, a
+    ForwardAccumulator through a sparse_gradient=True variable lookup, or around
+    a tf.function (tf.vectorized_map) of the op, fails in TF (IndexedSlices), as it
+    did before these jvps existed; nothing else depends on them."""
     try:
         from tensorflow.python.eager import forwardprop
 
-        forwardprop._SPECIAL_CASES["PkmResourceEmbeddingBag"] = _resource_lookup_jvp
+        special_cases = forwardprop._SPECIAL_CASES
     except (ImportError, AttributeError):
-        pass
+        return
+    special_cases["PkmResourceEmbeddingBag"] = _resource_lookup_jvp
+    for ragged in (False, True):
+        for row_sparse in (False, True):
+            name = f"Pkm{'Ragged' if ragged else ''}EmbeddingBag{'Sparse' if row_sparse else ''}Grad"
+            special_cases[name] = _gradient_op_jvp(ragged, row_sparse)
 
 
 def register():
     """Registers the gradients of the gradient ops and the jvp of the resource
     lookup (called once, by _fused)."""
-    _register_resource_lookup_jvp()
+    _register_jvps()
 
     def dense_bags(op):
         return lambda weights: (op.inputs[2], weights)

@@ -70,14 +70,15 @@ def unavailable_reason():
     return _registered.get(kind, f"no pkm_serve kernel for JAX platform {kind!r}")
 
 
-def _check_64_bit_ids(indices):
+def _check_64_bit_ids(indices, name="indices"):
     """Without jax_enable_x64, jnp.asarray turns int64 ids into int32 and wraps any past 2^31
-    (2^32 + 1 reads row 1): host ids that do not fit are refused before that."""
+    (2^32 + 1 reads row 1; row_splits [0, 2^32 + 2] read as [0, 2]): host ids that do not fit
+    are refused before that."""
     if isinstance(indices, (np.ndarray, list, tuple)) and not jax.config.jax_enable_x64:
         ids = np.asarray(indices)
         wide = ids.dtype.kind in "iu" and np.iinfo(ids.dtype).max >= 2**31  # int32 and narrower fit
         if wide and ids.size and (ids.min() < -2**31 or ids.max() >= 2**31):
-            raise ValueError("indices hold values past int32, which JAX without jax_enable_x64 wraps "
+            raise ValueError(f"{name} hold values past int32, which JAX without jax_enable_x64 wraps "
                              "around: enable it (jax.config.update('jax_enable_x64', True)) for such ids")
 
 
@@ -89,6 +90,8 @@ def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None
     code = _native.combiner_code(combiner, weights)
     params = jnp.asarray(params)
     _check_64_bit_ids(indices)
+    if row_splits is not None:
+        _check_64_bit_ids(row_splits, "row_splits")
     indices = jnp.asarray(indices)
     _check_dtypes(params, indices, weights)
     if kernel_device() is None:

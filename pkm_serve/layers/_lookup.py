@@ -64,6 +64,23 @@ def refuse_tf_training_options(layer_name, sparse_gradient, fused_optimizer):
             "a dense gradient that any Keras optimizer applies")
 
 
+TABLE_DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+def refuse_table_dtype(layer_name, dtype_policy):
+    """TypeError at construction for a table dtype the lookup does not take (float64), on every
+    backend alike: TensorFlow and PyTorch refused it at the first call, JAX without jax_enable_x64
+    computed in float32 while the layer said float64, and the composite on PyTorch accumulated a
+    float64 table in float32."""
+    stored = dtype_policy.variable_dtype
+    if stored not in TABLE_DTYPE_NAMES:
+        raise TypeError(f"{layer_name}: the table would be stored as {stored} (dtype policy "
+                        f"{dtype_policy.name!r}); the layers take float32, float16 or bfloat16 tables "
+                        "(the lookup accumulates in float32) on every backend: build the layer with "
+                        "dtype='float32' (or a mixed_* policy) and cast its output where a float64 model "
+                        "needs it")
+
+
 def jax_wraps_64_bit_ids():
     """True under the JAX backend without jax_enable_x64, where int64 arrays become int32:
     an id past 2**31 wraps (2**32 + 1 read row 1; 2**31 became padding) without an error."""

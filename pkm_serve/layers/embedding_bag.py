@@ -5,8 +5,9 @@ import keras
 
 from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
                                      jax_wraps_64_bit_ids, lookup_supports_jit, refuse_ids_past_int32,
-                                     refuse_rounded_half_float_ids, refuse_rows_past_int32, refuse_tf_keras,
-                                     refuse_tf_training_options, require_positive_ints, resolve_lookup)
+                                     refuse_rounded_half_float_ids, refuse_rows_past_int32, refuse_table_dtype,
+                                     refuse_tf_keras, refuse_tf_training_options, require_positive_ints,
+                                     resolve_lookup)
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
@@ -86,6 +87,7 @@ class EmbeddingBag(keras.layers.Layer):
         refuse_tf_training_options("EmbeddingBag", sparse_gradient, fused_optimizer)
         refuse_rows_past_int32("EmbeddingBag", input_dim)
         super().__init__(**kwargs)
+        refuse_table_dtype("EmbeddingBag", self.dtype_policy)
         self.input_dim = input_dim
         self.output_dim = output_dim
         self.combiner = combiner

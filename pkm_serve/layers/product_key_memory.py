@@ -14,7 +14,7 @@ import warnings
 import keras
 
 from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
-                                     lookup_supports_jit, refuse_rows_past_int32, refuse_tf_keras,
+                                     lookup_supports_jit, refuse_rows_past_int32, refuse_table_dtype, refuse_tf_keras,
                                      refuse_tf_training_options, require_positive_ints, resolve_lookup)
 from pkm_serve.layers.embedding_bag import EmbeddingBag
 from pkm_serve.product_keys import product_key_search
@@ -106,6 +106,7 @@ class ProductKeyMemory(keras.layers.Layer):
         # Fail at construction, not at first call, when the op library is missing.
         lookup = resolve_lookup(implementation, fallback, "ProductKeyMemory")
         super().__init__(**kwargs)
+        refuse_table_dtype("ProductKeyMemory", self.dtype_policy)
         # The sparse gradient's row count is data-dependent: XLA cannot compile it.
         self.supports_jit = lookup_supports_jit(lookup) and not sparse_gradient and not fused_optimizer
         self.v_dim = v_dim

@@ -21,6 +21,11 @@ for ids in ([[2**32 + 1, 2]], [[2**32 - 1, 2]], [[-2**31 - 1, 0]]):
         print("accepted", ids)
     except ValueError as err:
         print("refused:", str(err).split(",")[0])
+try:  # ragged bags whose row_splits do not fit int32: [0, 2**32 + 2] was read as [0, 2]
+    jax_ops.embedding_bag(params, np.array([1, 2], np.int64), row_splits=np.array([0, 2**32 + 2], np.int64))
+    print("accepted row_splits")
+except ValueError as err:
+    print("refused:", str(err).split(",")[0])
 """
 
 
@@ -29,7 +34,8 @@ def test_ids_past_int32_are_refused_without_x64():
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == "[[12.0, 14.0, 16.0, 18.0]]"  # rows 1 + 2, int64 ids that fit still work
-    assert lines[1:] == ["refused: indices hold values past int32"] * 3, proc.stdout
+    assert lines[1:4] == ["refused: indices hold values past int32"] * 3, proc.stdout
+    assert lines[4:] == ["refused: row_splits hold values past int32"], proc.stdout
 
 
 _LAYER_SCRIPT = """

@@ -43,3 +43,38 @@ def test_lookups_and_gradients_work_without_the_private_forward_mode_apis():
     assert len(lines) == 2, proc.stdout
     for line in lines:
         assert line == f"{out} {d_table}"
+
+
+_NO_RECORD_SCRIPT = """
+import sys
+import numpy as np
+import tensorflow as tf
+import tensorflow.python.eager as eager
+del eager.record  # TF's own modules keep theirs; `from tensorflow.python.eager import record` fails
+sys.modules["tensorflow.python.eager.record"] = None
+from pkm_serve import ops
+table = tf.Variable(np.arange(12, dtype=np.float32).reshape(4, 3))
+ids = tf.constant([[0, 2], [1, -1]])
+w = tf.constant([[1.0, 2.0], [3.0, 0.0]])
+
+def step():
+    with tf.GradientTape() as tape:
+        out = ops.embedding_bag(table, ids, weights=w, sparse_gradient=True)
+    return out, tf.convert_to_tensor(tape.gradient(out, table))
+
+for run in (step, tf.function(step, jit_compile=True)):
+    out, d_table = run()
+    print(out.numpy().ravel().tolist(), d_table.numpy().ravel().tolist())
+"""
+
+
+def test_sparse_gradient_without_the_private_tape_query_falls_back_to_correct_gradients():
+    """A TF without ``record.could_possibly_record``: the eager lookup reads the variable in the kernel
+    and under XLA the dense-gradient op runs; both give the reference numbers (an ImportError before)."""
+    proc = subprocess.run([sys.executable, "-c", _NO_RECORD_SCRIPT], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = np.arange(12, dtype=np.float64).reshape(4, 3)
+    out = np.stack([table[0] + 2 * table[2], 3 * table[1]]).ravel().tolist()
+    d_table = np.array([[1.0] * 3, [3.0] * 3, [2.0] * 3, [0.0] * 3]).ravel().tolist()
+    assert proc.stdout.strip().splitlines() == [f"{out} {d_table}"] * 2, proc.stdout

@@ -1,0 +1,34 @@
+"""Whether a gradient tape could record the op being built. TF has no public
+query; its private ``record.could_possibly_record`` answers it. Where a TF
+lacks it, each caller says which answer is the safe one for it."""
+
+from __future__ import annotations
+
+
+def tape_could_record(if_unknown: bool) -> bool:
+    """``record.could_possibly_record()``, or `if_unknown` where TF lacks it."""
+    try:
+        from tensorflow.python.eager import record  # no public "is a tape recording" query
+
+        return bool(record.could_possibly_record())
+    except (ImportError, AttributeError):
+        return if_unknown
+
+
+_CONTROL_FLOW_GRAPHS = ("CondBranchFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph")
+
+
+def is_control_flow_graph(graph) -> bool:
+    """Whether `graph` itself is a tf.cond / tf.switch_case branch or a tf.while_loop (tf.map_fn)
+    body (also where TF builds such control flow's gradient)."""
+    return any(cls.__name__ in _CONTROL_FLOW_GRAPHS for cls in type(graph).__mro__)  # gradients subclass them
+
+
+def in_control_flow_branch(graph) -> bool:
+    """Whether `graph` is a tf.cond / tf.switch_case branch or a tf.while_loop (tf.map_fn) body,
+    directly or in a nested tf.function inside one."""
+    while graph is not None:
+        if is_control_flow_graph(graph):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
