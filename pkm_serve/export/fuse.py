@@ -252,7 +252,7 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
     elif site.ones is not None:
         indices = _broadcast_ids_like_ones(fg, site, indices)
     _rebuild_shape_consumers(fg, site, gathered_ids, indices)
-    if site.segment_ids is None and site.sparse_indices is None:
+    if site.segment_ids is None and site.sparse_indices is None and site.row_splits is None:
         return DENSE_OP, [params, indices, weights], None, _checks(ids_check, bound_check,
                                                                    assert_ids_rank(fg, site, gathered_ids))
     if site.row_splits is not None:

@@ -7,9 +7,35 @@ from typing import Optional
 
 import numpy as np
 
-from pkm_serve.export.dense import leads_to_gather
+from pkm_serve.export.dense import leads_to_gather, resolve_rows
 from pkm_serve.export.graph import FunctionGraph
-from pkm_serve.export.sites import GATHER_OPS, TABLE_DTYPES, through_identity
+from pkm_serve.export.sites import GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip, through_identity
+
+# Reductions of gathered rows that the op has no combiner for: reported when they pool a bag.
+UNFUSABLE_REDUCE_OPS = ("Min", "Prod")
+UNFUSABLE_SEGMENT_OPS = ("UnsortedSegmentMin", "UnsortedSegmentProd", "SegmentMin", "SegmentProd")
+REDUCE_OPS = ("Sum", "Mean", "Max") + UNFUSABLE_REDUCE_OPS
+_ND_GATHER_OPS = ("ResourceGatherNd", "GatherNd")
+_REDUCTION_NAMES = {"Min": "reduce_min", "Prod": "reduce_prod", "UnsortedSegmentMin": "a ragged reduce_min",
+                    "UnsortedSegmentProd": "a ragged reduce_prod", "SegmentMin": "tf.math.segment_min",
+                    "SegmentProd": "tf.math.segment_prod"}
+
+
+def _no_combiner(op: str) -> str:
+    return (f"{_REDUCTION_NAMES[op]} over the bag axis of gathered rows: the op has no such "
+            "combiner (sum, mean, sqrtn, max), so the site stays composite")
+
+
+def never_a_site(fg: FunctionGraph, node, site: Site) -> Site:
+    """reduce_min / reduce_prod: never fused; unrecognised_reason reports a bag of them."""
+    raise NotASite()
+
+
+def match_unfusable_segment_reduce(fg: FunctionGraph, node, site: Site) -> Site:
+    """A segment min/prod of gathered rows (ragged reduce_min/prod): reported."""
+    resolve_rows(fg, fg.inputs(node)[0], site)  # NotASite where no table rows are reduced
+    site.pattern = "ragged-reduce" if node.op.startswith("Unsorted") else "segment-reduce"
+    raise Skip(_no_combiner(node.op))
 
 
 def clips_rows(fg: FunctionGraph, node) -> bool:
@@ -28,8 +54,12 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
     x, axis_ref = fg.inputs(node)[:2]
     rank = fg.shape(x).rank
     axes = fg.const_value(axis_ref)
-    if rank is None or rank < 2 or axes is None or np.size(axes) != 1 or \
-            int(np.reshape(axes, [])) % rank != rank - 2:
+    if rank is None or rank < 2 or axes is None or np.size(axes) != 1:
+        return None
+    axis = int(np.reshape(axes, [])) % rank
+    if axis == rank - 1:
+        return _transposed_table_reason(fg, x, rank)
+    if axis != rank - 2:
         return None  # not over a bag axis: e.g. a LayerNorm mean over D after an embedding
     frontier = [(x, [])]
     for _ in range(depth):
@@ -49,11 +79,17 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
                         "but not the reshape(safe_embedding_lookup_sparse(ids [B, L, ..]), [B, L, D]) "
                         "[* w[..., None]] summed over L that is fused (keras-rs EmbedReduce on a "
                         "SparseTensor); this pooling over L is not fused")
-            if producer.op in GATHER_OPS:
-                dtype = producer.attr["dtype" if producer.op == "ResourceGather"
+            if producer.op in GATHER_OPS + _ND_GATHER_OPS:
+                dtype = producer.attr["dtype" if producer.op.startswith("Resource")
                                       else "Tparams"].type
                 if dtype not in TABLE_DTYPES:
                     continue
+                if node.op in UNFUSABLE_REDUCE_OPS:
+                    return _no_combiner(node.op)
+                if producer.op in _ND_GATHER_OPS:
+                    return ("the rows are gathered by tf.gather_nd: only tf.gather / embedding_lookup / "
+                            "Keras Embedding row gathers (axis 0) are fused; tf.gather(table, ids) "
+                            "gathers the same rows as tf.gather_nd(table, ids[..., None])")
                 if not path:
                     return "the gather is not a row gather (axis 0, batch_dims 0)"
                 steps = " -> ".join(reversed(path))
@@ -63,3 +99,19 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
                 next_frontier.append((r, path + [producer.op]))
         frontier = next_frontier
     return None
+
+
+def _transposed_table_reason(fg: FunctionGraph, x, rank: int) -> Optional[str]:
+    """A reduction over the last axis of tf.gather(table_T [D, N], ids, axis=1) ([D, .., K]):
+    the bag of a table stored transposed, reported; None for any other last-axis reduction."""
+    producer = fg.producer(through_identity(fg, x, []))
+    if producer is None or producer.op != "GatherV2":
+        return None
+    params, _, axis_ref = fg.inputs(producer)[:3]
+    axis = fg.const_value(axis_ref)
+    if producer.attr["Tparams"].type not in TABLE_DTYPES or fg.shape(params).rank != 2 or \
+            axis is None or int(np.reshape(axis, [])) % 2 != 1 or rank < 3:
+        return None
+    return ("the table is stored transposed ([D, N]) and gathered along axis 1, then reduced over "
+            "the ids' last axis: the op reads rows of an [N, D] table, so the site stays composite "
+            "(store the table as [N, D] and tf.gather its rows)")

@@ -1,0 +1,65 @@
+"""Ragged bags padded to a dense tensor, then reduced over the bag axis:
+
+  reduce_sum(tf.gather(table, ragged_ids).to_tensor(), axis=1)
+
+is, in the graph, Sum(RaggedTensorToTensor(shape, rows, default, row_splits), 1)
+with `rows` gathered by ragged_ids.values. to_tensor() pads each bag with
+zero rows up to the longest, so the sum is the ragged bag sum: fused as
+PkmRaggedEmbeddingBag 'sum' on those row_splits (as ragged.py fuses the
+unpadded form). reduce_mean of the padded tensor divides each bag sum by the
+longest bag's length, not by the bag's own: that is no bag mean, so it is
+reported, as are a fixed `shape=` (which may cut bags or add rows), a nonzero
+`default_value`, and `keepdims`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pkm_serve.export.dense import apply_rows, leads_to_gather, resolve_rows
+from pkm_serve.export.graph import FunctionGraph
+from pkm_serve.export.sites import NotASite, Site, Skip, check_private, through_identity
+
+
+def padded_rows_node(fg: FunctionGraph, node):
+    """The RaggedTensorToTensor of gathered rows that `node` reduces, or None."""
+    producer = fg.producer(through_identity(fg, fg.inputs(node)[0], []))
+    if producer is None or producer.op != "RaggedTensorToTensor" or \
+            not leads_to_gather(fg, fg.inputs(producer)[1]):
+        return None
+    return producer
+
+
+def match_padded_ragged(fg: FunctionGraph, node, site: Site) -> Site:
+    """Sum over axis 1 of ragged gathered rows padded with zeros by to_tensor()."""
+    padded = padded_rows_node(fg, node)
+    if padded is None:
+        raise NotASite()
+    site.pattern = "ragged-reduce"
+    shape_ref, values, default = fg.inputs(padded)[:3]
+    partitions = fg.inputs(padded)[3:]
+    rows = resolve_rows(fg, values, site)
+    apply_rows(fg, site, rows, padded.name, values)
+    axes = fg.const_value(fg.inputs(node)[1])
+    kinds = [bytes(k) for k in padded.attr["row_partition_types"].list.s]
+    if fg.shape(values).rank != 2 or kinds != [b"ROW_SPLITS"] or axes is None or \
+            np.size(axes) != 1 or int(np.reshape(axes, [])) not in (1, -2):
+        raise Skip("to_tensor() of ragged gathered rows reduced over another axis than the "
+                   "bag axis, or of rows with more than one ragged dimension")
+    if "keep_dims" in node.attr and node.attr["keep_dims"].b:
+        raise Skip("reduction of to_tensor() rows with keepdims=True: not fused")
+    shape = fg.const_value(shape_ref)
+    if shape is None or np.any(np.asarray(shape) != -1):
+        raise Skip("to_tensor(shape=...) with a fixed shape: it may cut bags short or add rows, "
+                   "which the op's bags do not")
+    fill = fg.const_value(default)
+    if fill is None or np.any(np.asarray(fill) != 0):
+        raise Skip("to_tensor(default_value=...) pads with nonzero rows, which the bag would count")
+    if node.op == "Mean":
+        raise Skip("reduce_mean of ragged rows padded by to_tensor() divides each bag's sum by "
+                   "the longest bag's length, not by its own (no bag mean): not fused; "
+                   "tf.reduce_mean on the ragged rows is the bag mean, and is fused")
+    site.combiner = "sum"
+    site.internal = site.internal + (padded.name,)
+    check_private(fg, [fg.inputs(node)[0]], set(site.internal) | {node.name}, site)
+    site.row_splits = partitions[0]
+    return site

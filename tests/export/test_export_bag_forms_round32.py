@@ -1,0 +1,152 @@
+"""Bag forms users write that earlier rounds neither fused nor reported: each is
+fused and computes what the original does (numpy float64 and the original
+SavedModel as references), or reported with its true reason and left as written."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pkm_serve import ops, tflite
+from pkm_serve.export import export_saved_model
+
+ops.load_library()
+
+N, D = 30, 4
+RNG = np.random.default_rng(32)
+TABLE = RNG.standard_normal((N, D)).astype(np.float32)
+IDS = tf.TensorSpec([None, 5], tf.int64)
+WEIGHTS = tf.TensorSpec([None, 5], tf.float32)
+RAGGED = tf.RaggedTensorSpec([None, None], tf.int64, row_splits_dtype=tf.int64)
+
+
+def _save_and_export(tmp_path, specs, body, tflite_file=None):
+    module = tf.Module()
+    module.t = tf.Variable(TABLE)
+    module.t_transposed = tf.Variable(TABLE.T.copy())
+    f = tf.function(input_signature=specs)(lambda *args: {"out": body(module, *args)})
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": f})
+    return export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True, tflite=tflite_file)
+
+
+def _run_both(tmp_path, result, **inputs):
+    original = tf.saved_model.load(str(tmp_path / "m")).signatures["serving_default"]
+    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    return original(**inputs)["out"].numpy(), fused(**inputs)["out"].numpy()
+
+
+UNFUSABLE = {
+    "reduce_min": ([IDS], lambda m, ids: tf.reduce_min(tf.gather(m.t, ids), axis=1), "reduce_min"),
+    "reduce_prod": ([IDS], lambda m, ids: tf.reduce_prod(tf.gather(m.t, ids), axis=-2), "reduce_prod"),
+    "ragged_reduce_min": ([RAGGED], lambda m, rt: tf.reduce_min(tf.gather(m.t, rt), axis=1),
+                          "ragged reduce_min"),
+    "segment_prod": ([RAGGED], lambda m, rt: tf.math.segment_prod(tf.gather(m.t, rt.values),
+                                                                  rt.value_rowids()), "segment_prod"),
+    "padded_mean": ([RAGGED], lambda m, rt: tf.reduce_mean(tf.gather(m.t, rt).to_tensor(), axis=1),
+                    "longest bag's length"),
+    "padded_to_fixed_shape": ([RAGGED], lambda m, rt: tf.reduce_sum(
+        tf.gather(m.t, rt).to_tensor(shape=[None, 2, D]), axis=1), "fixed shape"),
+    "gather_nd": ([IDS], lambda m, ids: tf.reduce_sum(tf.gather_nd(m.t, ids[..., None]), axis=1),
+                  "tf.gather_nd"),
+    "gather_nd_weighted": ([IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(
+        tf.gather_nd(m.t, ids[..., None]) * w[..., None], axis=1), "tf.gather_nd"),
+    "transposed_table": ([IDS], lambda m, ids: tf.reduce_sum(tf.gather(m.t_transposed, ids, axis=1), axis=2),
+                         "stored transposed"),
+}
+
+
+@pytest.mark.parametrize("form", sorted(UNFUSABLE))
+def test_bags_the_op_cannot_compute_are_reported_and_left_as_written(tmp_path, form):
+    specs, body, reason = UNFUSABLE[form]
+    result = _save_and_export(tmp_path, specs, body)
+    [site] = result.sites
+    assert site.status == "skipped" and reason in site.reason, site.reason
+    if specs[0] is RAGGED:
+        bags = tf.ragged.constant([[1, 2, 3], [4], [5, 6]], dtype=tf.int64)
+        inputs = {"args_0": bags.values, "args_0_1": bags.row_splits}
+    else:
+        inputs = {"args_0": RNG.integers(0, N, (3, 5))}
+        if len(specs) == 2:
+            inputs["args_1"] = RNG.uniform(0.5, 2, (3, 5)).astype(np.float32)
+    want, got = _run_both(tmp_path, result, **inputs)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_reductions_over_the_feature_axis_are_not_reported(tmp_path):
+    """reduce_min / reduce_prod over D (each id's own row) pools no bag."""
+    result = _save_and_export(tmp_path, [IDS], lambda m, ids: tf.reduce_min(tf.gather(m.t, ids), axis=-1) +
+                              tf.reduce_prod(tf.gather(m.t, ids), axis=2))
+    assert result.sites == []
+
+
+def _padded_sum(module, rt):
+    return tf.reduce_sum(tf.gather(module.t, rt).to_tensor(), axis=1)
+
+
+def _padded_weighted_sum(module, rt, w):
+    return tf.reduce_sum((tf.gather(module.t, rt) * w[..., None]).to_tensor(), axis=1)
+
+
+RAGGED_WEIGHTS = tf.RaggedTensorSpec([None, None], tf.float32, row_splits_dtype=tf.int64)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_ragged_rows_padded_by_to_tensor_then_summed_are_fused(tmp_path, weighted):
+    """to_tensor() pads bags with zero rows, so their sum is the ragged bag sum."""
+    lite = str(tmp_path / "m.tflite")
+    if weighted:
+        result = _save_and_export(tmp_path, [RAGGED, RAGGED_WEIGHTS], _padded_weighted_sum, lite)
+    else:
+        result = _save_and_export(tmp_path, [RAGGED], _padded_sum, lite)
+    [site] = result.sites
+    assert site.status == "fused" and site.pattern == "ragged-reduce" and site.weighted == weighted
+    for bags in ([[1, 2, 3], [], [4], [5, 6, 7, 8]], [[]], [[9]], []):
+        ids = tf.ragged.constant(bags, dtype=tf.int64, ragged_rank=1, inner_shape=()) if bags \
+            else tf.RaggedTensor.from_row_splits(tf.zeros([0], tf.int64), tf.zeros([1], tf.int64))
+        w = tf.RaggedTensor.from_row_splits(
+            RNG.uniform(0.5, 2, ids.values.shape).astype(np.float32), ids.row_splits)
+        inputs = {"args_0": ids.values, "args_0_1": ids.row_splits}
+        if weighted:
+            inputs.update(args_1=w.values, args_1_1=w.row_splits)
+        weights = w.to_list() if weighted else [[1.0] * len(b) for b in bags]
+        reference = np.array([np.sum([wk * TABLE[k].astype(np.float64) for k, wk in zip(bag, wb)], axis=0)
+                              if bag else np.zeros(D) for bag, wb in zip(bags, weights)]).reshape(-1, D)
+        want, got = _run_both(tmp_path, result, **inputs)
+        np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(want, reference, rtol=1e-5, atol=1e-6)
+        from_lite = tflite.run_tflite(lite, inputs, interpreter="litert")[0]
+        np.testing.assert_allclose(from_lite, reference, rtol=1e-5, atol=1e-6)
+
+
+def _one_hot_weighted_counts(module, ids, w):
+    return tf.reduce_sum(tf.one_hot(ids, N) * w[..., None], axis=1) @ module.t
+
+
+def test_weighted_one_hot_counts_times_the_table_are_fused(tmp_path):
+    """sum_k one_hot(ids)[b, k] * w[b, k] @ table is the weighted bag; an id outside
+    [0, N) has an all-zero one_hot row, so it counts nowhere (padding)."""
+    lite = str(tmp_path / "m.tflite")
+    result = _save_and_export(tmp_path, [IDS, WEIGHTS], _one_hot_weighted_counts, lite)
+    [site] = result.sites
+    assert site.status == "fused" and site.pattern == "counts-matmul" and site.weighted
+    ids = RNG.integers(0, N, (4, 5))
+    ids[1, 2], ids[2, 0] = N + 3, -2
+    w = RNG.uniform(-2, 2, (4, 5)).astype(np.float32)
+    for feed_ids, feed_w in ((ids, w), (ids[:1], w[:1]), (ids[:0], w[:0])):
+        inside = (feed_ids >= 0) & (feed_ids < N)
+        reference = np.einsum("bk,bkd->bd", np.where(inside, feed_w, 0).astype(np.float64),
+                              TABLE.astype(np.float64)[np.where(inside, feed_ids, 0)])
+        want, got = _run_both(tmp_path, result, args_0=feed_ids, args_1=feed_w)
+        np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(want, reference, rtol=1e-5, atol=1e-5)
+        from_lite = tflite.run_tflite(lite, {"args_0": feed_ids, "args_1": feed_w}, interpreter="litert")[0]
+        np.testing.assert_allclose(from_lite, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_one_hot_times_a_multiplier_not_per_index_is_reported(tmp_path):
+    """w[:, :1, None] weighs every id of a bag by its first weight: no per-index weights."""
+    result = _save_and_export(tmp_path, [IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(
+        tf.one_hot(ids, N) * w[:, :1, None], axis=1) @ m.t)
+    [site] = result.sites
+    assert site.status == "skipped" and "not per index" in site.reason
+    ids, w = RNG.integers(0, N, (3, 5)), RNG.uniform(0.5, 2, (3, 5)).astype(np.float32)
+    want, got = _run_both(tmp_path, result, args_0=ids, args_1=w)
+    np.testing.assert_array_equal(got, want)
