@@ -150,3 +150,49 @@ def test_one_hot_times_a_multiplier_not_per_index_is_reported(tmp_path):
     ids, w = RNG.integers(0, N, (3, 5)), RNG.uniform(0.5, 2, (3, 5)).astype(np.float32)
     want, got = _run_both(tmp_path, result, args_0=ids, args_1=w)
     np.testing.assert_array_equal(got, want)
+
+
+def _sparse_dense_matmul(module, sp):
+    return tf.sparse.sparse_dense_matmul(sp, module.t)
+
+
+def _sparse_reference(indices, values, rows):
+    out = np.zeros((rows, D))
+    for (row, column), value in zip(indices, values):
+        out[row] += value * TABLE[column].astype(np.float64)
+    return out
+
+
+def test_sparse_dense_matmul_entries_in_any_row_order_give_the_composite_bags(tmp_path):
+    """The composite takes sp's entries in any order; the fused SavedModel refused
+    them (a sorted-rows Assert) and the .tflite summed them into the wrong bags."""
+    lite = str(tmp_path / "m.tflite")
+    result = _save_and_export(tmp_path, [tf.SparseTensorSpec([None, N], tf.float32)], _sparse_dense_matmul, lite)
+    assert [(s.status, s.pattern) for s in result.sites] == [("fused", "sparse_dense_matmul")]
+    indices = np.array([[3, 7], [0, 1], [2, 9], [0, 5], [3, 2], [2, 9]], np.int64)
+    values = RNG.uniform(-2, 2, len(indices)).astype(np.float32)
+    for order, rows in ((RNG.permutation(len(indices)), 5), (np.arange(len(indices)), 4), ([], 0), ([], 2)):
+        inputs = {"args_0": indices[order].reshape(-1, 2), "args_0_1": values[order],
+                  "args_0_2": np.array([rows, N], np.int64)}
+        reference = _sparse_reference(indices[order].reshape(-1, 2), values[order], rows)
+        want, got = _run_both(tmp_path, result, **inputs)
+        np.testing.assert_allclose(want, reference, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
+        from_lite = tflite.run_tflite(lite, inputs, interpreter="litert")[0]
+        np.testing.assert_allclose(from_lite, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("columns", [N - 10, N + 10])
+def test_sparse_dense_matmul_of_another_width_than_the_table_is_refused(tmp_path, columns):
+    """sp [B, M] @ table [N, D] with M != N: the composite refuses it; the fused
+    SavedModel served it."""
+    result = _save_and_export(tmp_path, [tf.SparseTensorSpec([None, N], tf.float32)], _sparse_dense_matmul)
+    inputs = {"args_0": np.array([[0, 1], [1, 3]], np.int64), "args_0_1": np.ones(2, np.float32),
+              "args_0_2": np.array([2, columns], np.int64)}
+    original = tf.saved_model.load(str(tmp_path / "m")).signatures["serving_default"]
+    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="inner dimension"):
+        original(**inputs)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=rf"dense_shape\[1\] =\] \[{columns}\] \[columns, but "
+                       rf"the table has {N} rows"):
+        fused(**inputs)
