@@ -39,3 +39,42 @@ def test_a_masked_segment_sum_names_the_ragged_op_and_the_id(tmp_path):
     message = raised.value.message
     assert "PkmRaggedEmbeddingBag (fused masked gather" in message and "PkmEmbeddingBag" not in message
     assert f"[{N + 10}] [is not in [0, {N})" in message
+
+
+def _sharded_tflite(tmp_path, ragged):
+    from pkm_serve import tflite
+
+    table = np.random.default_rng(8).standard_normal((1000, 2)).astype(np.float32)
+    module = tf.Module()
+    module.shards = [tf.Variable(table[:600]), tf.Variable(table[600:])]
+    if ragged:
+        specs = [tf.TensorSpec([None], tf.int64, "values"), tf.TensorSpec([None], tf.int64, "splits")]
+        body = lambda v, s: ops.embedding_bag(module.shards, tf.RaggedTensor.from_row_splits(v, s))  # noqa: E731
+    else:
+        specs = [tf.TensorSpec([None, 2], tf.int64, "ids")]
+        body = lambda ids: ops.embedding_bag(module.shards, ids, combiner="mean")  # noqa: E731
+    module.f = tf.function(lambda *a: {"out": body(*a)}, input_signature=specs)
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+    converter = tf.lite.TFLiteConverter.from_saved_model(str(tmp_path / "m"))
+    converter.allow_custom_ops = True
+    path = tmp_path / "m.tflite"
+    path.write_bytes(converter.convert())
+    return table, lambda inputs: tflite.run_tflite(str(path), inputs, interpreter="litert")[0]
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_a_sharded_table_in_a_tflite_names_the_users_id_past_the_table(tmp_path, ragged):
+    """ops.embedding_bag over [600, D] + [400, D] shards, converted to a .tflite: id 1234 was
+    refused by the last shard's kernel as "indices[1] = 634 is out of range [0, 400)"."""
+    table, run = _sharded_tflite(tmp_path, ragged)
+    ids = np.array([[1, 1234]], np.int64)
+    inputs = {"values": ids[0], "splits": np.array([0, 2], np.int64)} if ragged else {"ids": ids}
+    with pytest.raises(RuntimeError, match=r"indices\[1\] = 1234 is out of range \[0, 1000\)"):
+        run(inputs)
+    ids = np.array([[1, 999], [600, -1]], np.int64)  # in range (and padding): served as before
+    inputs = {"values": ids.reshape(-1), "splits": np.array([0, 2, 4], np.int64)} if ragged else {"ids": ids}
+    got = run(inputs)
+    rows = table.astype(np.float64)
+    reference = np.stack([rows[[1, 999]].sum(0), rows[600]]) if ragged else \
+        np.stack([rows[[1, 999]].mean(0), rows[600]])
+    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
