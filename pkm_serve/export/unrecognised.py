@@ -69,6 +69,8 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
             producer = fg.producer(ref)
             if producer is None or (fg.shape(ref).rank != rank and path[-1:] != ["Reshape"]):
                 continue
+            if producer.op == "RaggedTensorToTensor" and leads_to_gather(fg, fg.inputs(producer)[1]):
+                return _padded_rows_reason(node.op, path)
             if clips_rows(fg, producer):
                 return ("each gathered row is clipped to max_norm (embedding_lookup max_norm=, i.e. "
                         "clip_by_norm) before the reduction: PkmEmbeddingBag has no row-norm clip, so "
@@ -115,3 +117,17 @@ def _transposed_table_reason(fg: FunctionGraph, x, rank: int) -> Optional[str]:
     return ("the table is stored transposed ([D, N]) and gathered along axis 1, then reduced over "
             "the ids' last axis: the op reads rows of an [N, D] table, so the site stays composite "
             "(store the table as [N, D] and tf.gather its rows)")
+
+
+def _padded_rows_reason(op: str, path) -> str:
+    """A reduction of ragged gathered rows padded by to_tensor() that match_padded_ragged did not take."""
+    if op in UNFUSABLE_REDUCE_OPS:
+        return _no_combiner(op)
+    if not path and op == "Max":
+        return ("reduce_max of ragged rows padded by to_tensor(): the zero padding rows take part in the "
+                "max (a bag of negative values gives 0), which is no bag max: not fused; tf.reduce_max on "
+                "the ragged rows is the bag max, and is fused")
+    steps = " -> ".join(reversed(path))
+    return (f"{steps} between to_tensor() of ragged gathered rows and the reduction: only a plain "
+            "reduce_sum of to_tensor() rows is fused; reducing the ragged rows themselves (times ragged "
+            "weights) is fused")

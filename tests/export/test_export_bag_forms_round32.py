@@ -33,6 +33,11 @@ def _run_both(tmp_path, result, **inputs):
     return original(**inputs)["out"].numpy(), fused(**inputs)["out"].numpy()
 
 
+def _sequence_masked_mean(padded, rt):
+    mask = tf.sequence_mask(rt.row_lengths(), tf.shape(padded)[1], dtype=tf.float32)
+    return tf.reduce_sum(padded * mask[..., None], 1) / tf.reduce_sum(mask, 1, keepdims=True)
+
+
 UNFUSABLE = {
     "reduce_min": ([IDS], lambda m, ids: tf.reduce_min(tf.gather(m.t, ids), axis=1), "reduce_min"),
     "reduce_prod": ([IDS], lambda m, ids: tf.reduce_prod(tf.gather(m.t, ids), axis=-2), "reduce_prod"),
@@ -44,6 +49,13 @@ UNFUSABLE = {
                     "longest bag's length"),
     "padded_to_fixed_shape": ([RAGGED], lambda m, rt: tf.reduce_sum(
         tf.gather(m.t, rt).to_tensor(shape=[None, 2, D]), axis=1), "fixed shape"),
+    "padded_max": ([RAGGED], lambda m, rt: tf.reduce_max(tf.gather(m.t, rt).to_tensor(), axis=1),
+                   "zero padding rows take part"),
+    "padded_masked_mean": ([RAGGED], lambda m, rt: _sequence_masked_mean(tf.gather(m.t, rt).to_tensor(), rt),
+                           "Mul between to_tensor()"),
+    "padded_where": ([RAGGED], lambda m, rt: tf.reduce_sum(tf.where(
+        tf.sequence_mask(rt.row_lengths())[..., None], tf.gather(m.t, rt).to_tensor(), 0.0), axis=1),
+        "SelectV2 between to_tensor()"),
     "gather_nd": ([IDS], lambda m, ids: tf.reduce_sum(tf.gather_nd(m.t, ids[..., None]), axis=1),
                   "tf.gather_nd"),
     "gather_nd_weighted": ([IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(
