@@ -14,7 +14,7 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import dtypes, op_def_registry
 
-from pkm_serve.export import sparse_matmul
+from pkm_serve.export import padded_ragged, sparse_matmul
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import (assert_ids_in_table, assert_ids_rank, assert_masked_ids_below_rows,
                                         assert_table_rows, ids_below_rows)
@@ -236,9 +236,8 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
                                 {"T": DType(site.table_dtype), "Tshape": I32}, shapes=[[]])
     if site.regroup_ids is not None:
         site.indices = _regrouped_ids(fg, site)
-    columns_check = None
-    if site.ids_are_sparse_columns:  # sparse_dense_matmul: the ids are the sparse indices' columns
-        weights, columns_check = sparse_matmul.sorted_columns_and_weights(fg, site, weights, params)
+    weights, columns_check = sparse_matmul.sorted_columns_and_weights(fg, site, weights, params) \
+        if site.ids_are_sparse_columns else (weights, None)  # sparse_dense_matmul: ids are sp's columns
     gathered_ids = site.indices
     pruned = site.sparse_indices is not None and not site.ids_are_sparse_columns  # safe_ drops negative ids
     ids_check = None if pruned or site.negative_ids_padding else \
@@ -360,6 +359,8 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
         out_dtype = site.cast_enum
     if site.divide_by_bag:
         steps += _divide_by_bag_size(fg, site, indices, out_dtype)
+    if site.divide_by_longest_bag:
+        steps += padded_ragged.longest_bag_division(fg, site, splits, out_dtype)
     if site.default_id is not None:
         # safe_ with default_id: an empty bag is table[default_id] (weight 1).
         default_row = fg.add_op(

@@ -14,9 +14,10 @@ reported, as are a fixed `shape=` (which may cut bags or add rows), a nonzero
 from __future__ import annotations
 
 import numpy as np
+from tensorflow.core.framework import types_pb2
 
 from pkm_serve.export.dense import apply_rows, leads_to_gather, resolve_rows
-from pkm_serve.export.graph import FunctionGraph
+from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.sites import NotASite, Site, Skip, check_private, through_identity
 
 
@@ -55,11 +56,37 @@ def match_padded_ragged(fg: FunctionGraph, node, site: Site) -> Site:
     if fill is None or np.any(np.asarray(fill) != 0):
         raise Skip("to_tensor(default_value=...) pads with nonzero rows, which the bag would count")
     if node.op == "Mean":
-        raise Skip("reduce_mean of ragged rows padded by to_tensor() divides each bag's sum by "
-                   "the longest bag's length, not by its own (no bag mean): not fused; "
-                   "tf.reduce_mean on the ragged rows is the bag mean, and is fused")
+        if site.dtype != "float32" or site.cast_enum not in (0, types_pb2.DT_FLOAT):
+            raise Skip("reduce_mean of half-precision ragged rows padded by to_tensor(): its division "
+                       "by the longest bag is not fused (TFLite has no half DIV)")
+        site.divide_by_longest_bag = True  # the padded mean: every bag's sum / the longest bag's length
     site.combiner = "sum"
     site.internal = site.internal + (padded.name,)
     check_private(fg, [fg.inputs(node)[0]], set(site.internal) | {node.name}, site)
     site.row_splits = partitions[0]
     return site
+
+
+def longest_bag_division(fg: FunctionGraph, site: Site, splits: Ref, out_dtype: int):
+    """Steps dividing each float32 bag by the longest bag's length, the padded axis
+    to_tensor() made: max(0, row_splits[1:] - row_splits[:-1]) of the int32 splits."""
+    prefix = site.root + "/pkm_longest_bag"
+    i32 = DType(types_pb2.DT_INT32)
+
+    def piece(name, begin, end, begin_mask, end_mask):
+        consts = [fg.add_const(f"{prefix}/{name}_{k}", np.array([v], np.int32))
+                  for k, v in (("begin", begin), ("end", end), ("strides", 1))]
+        return fg.add_op(f"{prefix}/{name}", "StridedSlice", [splits] + consts,
+                         {"T": i32, "Index": i32, "begin_mask": begin_mask, "end_mask": end_mask,
+                          "ellipsis_mask": 0, "new_axis_mask": 0, "shrink_axis_mask": 0}, shapes=[[None]])
+    lengths = fg.add_op(prefix + "/lengths", "Sub", [piece("ends", 1, 0, 0, 1), piece("starts", 0, -1, 1, 0)],
+                        {"T": i32}, shapes=[[None]])
+    axis0 = fg.add_const(prefix + "/axis0", np.array(0, np.int32))
+    with_zero = fg.add_op(prefix + "/with_zero", "ConcatV2",
+                          [fg.add_const(prefix + "/zero", np.array([0], np.int32)), lengths, axis0],
+                          {"N": 2, "T": i32, "Tidx": i32}, shapes=[[None]])
+    longest = fg.add_op(prefix, "Max", [with_zero, axis0], {"T": i32, "Tidx": i32, "keep_dims": False},
+                        shapes=[[]])
+    as_float = fg.add_op(prefix + "/float", "Cast", [longest],
+                         {"SrcT": i32, "DstT": DType(out_dtype), "Truncate": False}, shapes=[[]])
+    return [("RealDiv", {"T": DType(out_dtype)}, lambda bag: [bag, as_float])]

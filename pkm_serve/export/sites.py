@@ -95,6 +95,7 @@ class Site:
     ones: Optional[Ref] = None        # a multiply by ones that may broadcast the ids (fused as that broadcast)
     ones_squeeze: bool = False        # ones are [..., K, 1]
     pooled: Optional[object] = None   # pooled.Pooled: a per-position sparse lookup pooled over L
+    divide_by_longest_bag: bool = False  # reduce_mean of ragged rows padded by to_tensor(): / longest bag
     divide_by_bag: bool = False       # a weighted/masked reduce_mean: the bag is divided by its
                                       # size K, read off the ids at run time (not the static K)
     rounded_to: Optional[str] = None  # rows cast to this half dtype below cast_to (mixed precision):

@@ -12,11 +12,12 @@ from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip, through_identity
 
 # Reductions of gathered rows that the op has no combiner for: reported when they pool a bag.
-UNFUSABLE_REDUCE_OPS = ("Min", "Prod")
+UNFUSABLE_REDUCE_OPS = ("Min", "Prod", "EuclideanNorm")
 UNFUSABLE_SEGMENT_OPS = ("UnsortedSegmentMin", "UnsortedSegmentProd", "SegmentMin", "SegmentProd")
 REDUCE_OPS = ("Sum", "Mean", "Max") + UNFUSABLE_REDUCE_OPS
 _ND_GATHER_OPS = ("ResourceGatherNd", "GatherNd")
-_REDUCTION_NAMES = {"Min": "reduce_min", "Prod": "reduce_prod", "UnsortedSegmentMin": "a ragged reduce_min",
+_REDUCTION_NAMES = {"Min": "reduce_min", "Prod": "reduce_prod", "EuclideanNorm": "reduce_euclidean_norm",
+                    "UnsortedSegmentMin": "a ragged reduce_min",
                     "UnsortedSegmentProd": "a ragged reduce_prod", "SegmentMin": "tf.math.segment_min",
                     "SegmentProd": "tf.math.segment_prod"}
 
@@ -129,5 +130,5 @@ def _padded_rows_reason(op: str, path) -> str:
                 "the ragged rows is the bag max, and is fused")
     steps = " -> ".join(reversed(path))
     return (f"{steps} between to_tensor() of ragged gathered rows and the reduction: only a plain "
-            "reduce_sum of to_tensor() rows is fused; reducing the ragged rows themselves (times ragged "
+            "reduce_sum / reduce_mean of to_tensor() rows is fused; reducing the ragged rows themselves (times ragged "
             "weights) is fused")

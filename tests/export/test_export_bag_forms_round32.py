@@ -41,12 +41,12 @@ def _sequence_masked_mean(padded, rt):
 UNFUSABLE = {
     "reduce_min": ([IDS], lambda m, ids: tf.reduce_min(tf.gather(m.t, ids), axis=1), "reduce_min"),
     "reduce_prod": ([IDS], lambda m, ids: tf.reduce_prod(tf.gather(m.t, ids), axis=-2), "reduce_prod"),
+    "euclidean_norm": ([IDS], lambda m, ids: tf.math.reduce_euclidean_norm(tf.gather(m.t, ids), axis=1),
+                       "reduce_euclidean_norm"),
     "ragged_reduce_min": ([RAGGED], lambda m, rt: tf.reduce_min(tf.gather(m.t, rt), axis=1),
                           "ragged reduce_min"),
     "segment_prod": ([RAGGED], lambda m, rt: tf.math.segment_prod(tf.gather(m.t, rt.values),
                                                                   rt.value_rowids()), "segment_prod"),
-    "padded_mean": ([RAGGED], lambda m, rt: tf.reduce_mean(tf.gather(m.t, rt).to_tensor(), axis=1),
-                    "longest bag's length"),
     "padded_to_fixed_shape": ([RAGGED], lambda m, rt: tf.reduce_sum(
         tf.gather(m.t, rt).to_tensor(shape=[None, 2, D]), axis=1), "fixed shape"),
     "padded_max": ([RAGGED], lambda m, rt: tf.reduce_max(tf.gather(m.t, rt).to_tensor(), axis=1),
@@ -89,28 +89,35 @@ def test_reductions_over_the_feature_axis_are_not_reported(tmp_path):
     assert result.sites == []
 
 
-def _padded_sum(module, rt):
-    return tf.reduce_sum(tf.gather(module.t, rt).to_tensor(), axis=1)
-
-
-def _padded_weighted_sum(module, rt, w):
-    return tf.reduce_sum((tf.gather(module.t, rt) * w[..., None]).to_tensor(), axis=1)
-
-
+REDUCE = {"sum": tf.reduce_sum, "mean": tf.reduce_mean}
 RAGGED_WEIGHTS = tf.RaggedTensorSpec([None, None], tf.float32, row_splits_dtype=tf.int64)
 
 
+def _padded_reference(bags, weights, reduce):
+    """Each bag's weighted sum; a mean divides it by the longest bag (the padded axis)."""
+    sums = np.array([np.sum([wk * TABLE[k].astype(np.float64) for k, wk in zip(bag, wb)], axis=0)
+                     if bag else np.zeros(D) for bag, wb in zip(bags, weights)]).reshape(-1, D)
+    if reduce == "sum":
+        return sums
+    with np.errstate(invalid="ignore"):
+        return sums / max([len(b) for b in bags], default=0)
+
+
+@pytest.mark.parametrize("reduce", sorted(REDUCE))
 @pytest.mark.parametrize("weighted", [False, True])
-def test_ragged_rows_padded_by_to_tensor_then_summed_are_fused(tmp_path, weighted):
-    """to_tensor() pads bags with zero rows, so their sum is the ragged bag sum."""
-    lite = str(tmp_path / "m.tflite")
+def test_ragged_rows_padded_by_to_tensor_then_reduced_are_fused(tmp_path, reduce, weighted):
+    """to_tensor() pads bags with zero rows, so their sum is the ragged bag sum, and
+    their mean that sum over the longest bag's length (NaN where all bags are empty)."""
+    lite = str(tmp_path / "m.tflite") if weighted == (reduce == "mean") else None  # conversions are slow
     if weighted:
-        result = _save_and_export(tmp_path, [RAGGED, RAGGED_WEIGHTS], _padded_weighted_sum, lite)
+        body = lambda m, rt, w: REDUCE[reduce]((tf.gather(m.t, rt) * w[..., None]).to_tensor(), 1)  # noqa: E731
+        result = _save_and_export(tmp_path, [RAGGED, RAGGED_WEIGHTS], body, lite)
     else:
-        result = _save_and_export(tmp_path, [RAGGED], _padded_sum, lite)
+        result = _save_and_export(tmp_path, [RAGGED], lambda m, rt: REDUCE[reduce](
+            tf.gather(m.t, rt).to_tensor(), axis=1), lite)
     [site] = result.sites
-    assert site.status == "fused" and site.pattern == "ragged-reduce" and site.weighted == weighted
-    for bags in ([[1, 2, 3], [], [4], [5, 6, 7, 8]], [[]], [[9]], []):
+    assert (site.status, site.pattern, site.weighted, site.computes) == ("fused", "ragged-reduce", weighted, reduce)
+    for bags in ([[1, 2, 3], [], [4], [5, 6, 7, 8]], [[], []], [[9]], []):
         ids = tf.ragged.constant(bags, dtype=tf.int64, ragged_rank=1, inner_shape=()) if bags \
             else tf.RaggedTensor.from_row_splits(tf.zeros([0], tf.int64), tf.zeros([1], tf.int64))
         w = tf.RaggedTensor.from_row_splits(
@@ -118,14 +125,13 @@ def test_ragged_rows_padded_by_to_tensor_then_summed_are_fused(tmp_path, weighte
         inputs = {"args_0": ids.values, "args_0_1": ids.row_splits}
         if weighted:
             inputs.update(args_1=w.values, args_1_1=w.row_splits)
-        weights = w.to_list() if weighted else [[1.0] * len(b) for b in bags]
-        reference = np.array([np.sum([wk * TABLE[k].astype(np.float64) for k, wk in zip(bag, wb)], axis=0)
-                              if bag else np.zeros(D) for bag, wb in zip(bags, weights)]).reshape(-1, D)
+        reference = _padded_reference(bags, w.to_list() if weighted else [[1.0] * len(b) for b in bags], reduce)
         want, got = _run_both(tmp_path, result, **inputs)
         np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(want, reference, rtol=1e-5, atol=1e-6)
-        from_lite = tflite.run_tflite(lite, inputs, interpreter="litert")[0]
-        np.testing.assert_allclose(from_lite, reference, rtol=1e-5, atol=1e-6)
+        if lite:
+            from_lite = tflite.run_tflite(lite, inputs, interpreter="litert")[0]
+            np.testing.assert_allclose(from_lite, reference, rtol=1e-5, atol=1e-6)
 
 
 def _one_hot_weighted_counts(module, ids, w):
