@@ -66,7 +66,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             if not report_not_a_site:
                 return
             reason = unrecognised.unrecognised_reason(fg, node) \
-                if node.op in unrecognised.REDUCE_OPS else None
+                if node.op in unrecognised.REDUCE_OPS else unrecognised.segment_reason(fg, node)
             if reason is not None:
                 site.reason = reason
                 sites.append(site)

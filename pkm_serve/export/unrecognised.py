@@ -27,6 +27,31 @@ def _no_combiner(op: str) -> str:
             "combiner (sum, mean, sqrtn, max), so the site stays composite")
 
 
+_STITCHED_REASON = (
+    "the rows are gathered from a table split into shards (embedding_lookup over a list of tables: "
+    "DynamicPartition, one gather per shard, DynamicStitch) before the reduction: a dense or ragged "
+    "lookup over shards is not fused (embedding_lookup_sparse over shards is), so the site stays composite")
+
+
+def stitches_table_rows(fg: FunctionGraph, node) -> bool:
+    """A (Parallel)DynamicStitch of rows gathered from table shards."""
+    if node.op not in ("DynamicStitch", "ParallelDynamicStitch"):
+        return False
+    count = node.attr["N"].i
+    return any(leads_to_gather(fg, ref, depth=2) for ref in fg.inputs(node)[count:])
+
+
+def segment_reason(fg: FunctionGraph, node) -> Optional[str]:
+    """For a segment reduction no matcher took: the reason where it reduces rows stitched from
+    table shards (a ragged lookup over shards), else None (not a bag of table rows)."""
+    producer = fg.producer(fg.inputs(node)[0]) if fg.inputs(node) else None
+    for _ in range(3):  # through the Identity / Reshape to the ids' shape + [D] that the lookup adds
+        if producer is None or producer.op not in ("Identity", "Reshape"):
+            break
+        producer = fg.producer(fg.inputs(producer)[0])
+    return _STITCHED_REASON if producer is not None and stitches_table_rows(fg, producer) else None
+
+
 def never_a_site(fg: FunctionGraph, node, site: Site) -> Site:
     """reduce_min / reduce_prod: never fused; unrecognised_reason reports a bag of them."""
     raise NotASite()
@@ -72,6 +97,8 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
                 continue
             if producer.op == "RaggedTensorToTensor" and leads_to_gather(fg, fg.inputs(producer)[1]):
                 return _padded_rows_reason(node.op, path)
+            if stitches_table_rows(fg, producer):
+                return _no_combiner(node.op) if node.op in UNFUSABLE_REDUCE_OPS else _STITCHED_REASON
             if clips_rows(fg, producer):
                 return ("each gathered row is clipped to max_norm (embedding_lookup max_norm=, i.e. "
                         "clip_by_norm) before the reduction: PkmEmbeddingBag has no row-norm clip, so "

@@ -22,6 +22,7 @@ def _save_and_export(tmp_path, specs, body, tflite_file=None):
     module = tf.Module()
     module.t = tf.Variable(TABLE)
     module.t_transposed = tf.Variable(TABLE.T.copy())
+    module.shards = [tf.Variable(TABLE[:15]), tf.Variable(TABLE[15:])]  # "div": 15 rows each
     f = tf.function(input_signature=specs)(lambda *args: {"out": body(module, *args)})
     tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": f})
     return export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True, tflite=tflite_file)
@@ -56,6 +57,10 @@ UNFUSABLE = {
     "padded_where": ([RAGGED], lambda m, rt: tf.reduce_sum(tf.where(
         tf.sequence_mask(rt.row_lengths())[..., None], tf.gather(m.t, rt).to_tensor(), 0.0), axis=1),
         "SelectV2 between to_tensor()"),
+    "dense_over_shards": ([IDS], lambda m, ids: tf.reduce_mean(tf.nn.embedding_lookup(m.shards, ids), axis=1),
+                          "split into shards"),
+    "ragged_over_shards": ([RAGGED], lambda m, rt: tf.reduce_sum(tf.nn.embedding_lookup(m.shards, rt), axis=1),
+                           "split into shards"),
     "gather_nd": ([IDS], lambda m, ids: tf.reduce_sum(tf.gather_nd(m.t, ids[..., None]), axis=1),
                   "tf.gather_nd"),
     "gather_nd_weighted": ([IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(
