@@ -49,6 +49,10 @@ def match_padded_ragged(fg: FunctionGraph, node, site: Site) -> Site:
     if "keep_dims" in node.attr and node.attr["keep_dims"].b:
         raise Skip("reduction of to_tensor() rows with keepdims=True: not fused")
     shape = fg.const_value(shape_ref)
+    width = site.table_shape[1] if site.table_shape else None
+    if shape is not None and np.ndim(shape) == 1 and np.size(shape) == 3 and width is not None and \
+            shape[-1] == width:
+        shape = shape[:-1]  # to_tensor(shape=[None, None, D]): the rows' own width
     if shape is None or np.any(np.asarray(shape) != -1):
         raise Skip("to_tensor(shape=...) with a fixed shape: it may cut bags short or add rows, "
                    "which the op's bags do not")

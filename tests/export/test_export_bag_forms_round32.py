@@ -114,8 +114,9 @@ def test_ragged_rows_padded_by_to_tensor_then_reduced_are_fused(tmp_path, reduce
     """to_tensor() pads bags with zero rows, so their sum is the ragged bag sum, and
     their mean that sum over the longest bag's length (NaN where all bags are empty)."""
     lite = str(tmp_path / "m.tflite") if weighted == (reduce == "mean") else None  # conversions are slow
-    if weighted:
-        body = lambda m, rt, w: REDUCE[reduce]((tf.gather(m.t, rt) * w[..., None]).to_tensor(), 1)  # noqa: E731
+    if weighted:  # shape=[None, None, D] fixes nothing the rows do not have
+        body = lambda m, rt, w: REDUCE[reduce]((tf.gather(m.t, rt) * w[..., None]).to_tensor(  # noqa: E731
+            shape=[None, None, D]), 1)
         result = _save_and_export(tmp_path, [RAGGED, RAGGED_WEIGHTS], body, lite)
     else:
         result = _save_and_export(tmp_path, [RAGGED], lambda m, rt: REDUCE[reduce](
