@@ -18,6 +18,7 @@ __all__ = ["DENSE_OP", "RAGGED_OP", "Site", "NotASite", "Skip"]
 TABLE_DTYPES = (types_pb2.DT_FLOAT, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16)
 INDEX_DTYPES = (types_pb2.DT_INT32, types_pb2.DT_INT64)
 GATHER_OPS = ("ResourceGather", "GatherV2")
+ND_GATHER_OPS = ("ResourceGatherNd", "GatherNd")  # fused where the indices are ids[..., None]
 
 # The keys of Site.to_json(), in report order (pinned by a golden test).
 REPORT_KEYS = ("function", "root", "pattern", "combiner", "computes", "weighted", "masked",

@@ -118,8 +118,8 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
                     return _no_combiner(node.op)
                 if producer.op in _ND_GATHER_OPS:
                     return ("the rows are gathered by tf.gather_nd: only tf.gather / embedding_lookup / "
-                            "Keras Embedding row gathers (axis 0) are fused; tf.gather(table, ids) "
-                            "gathers the same rows as tf.gather_nd(table, ids[..., None])")
+                            "Keras Embedding row gathers (axis 0) and tf.gather_nd(table, ids[..., None]) "
+                            "are fused")
                 if not path:
                     return "the gather is not a row gather (axis 0, batch_dims 0)"
                 steps = " -> ".join(reversed(path))

@@ -61,10 +61,8 @@ UNFUSABLE = {
                           "split into shards"),
     "ragged_over_shards": ([RAGGED], lambda m, rt: tf.reduce_sum(tf.nn.embedding_lookup(m.shards, rt), axis=1),
                            "split into shards"),
-    "gather_nd": ([IDS], lambda m, ids: tf.reduce_sum(tf.gather_nd(m.t, ids[..., None]), axis=1),
-                  "tf.gather_nd"),
-    "gather_nd_weighted": ([IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(
-        tf.gather_nd(m.t, ids[..., None]) * w[..., None], axis=1), "tf.gather_nd"),
+    "gather_nd_of_reshaped_ids": ([IDS], lambda m, ids: tf.reduce_sum(
+        tf.gather_nd(m.t, tf.reshape(ids, [-1, 5, 1])), axis=1), "tf.gather_nd of indices that are not"),
     "transposed_table": ([IDS], lambda m, ids: tf.reduce_sum(tf.gather(m.t_transposed, ids, axis=1), axis=2),
                          "stored transposed"),
 }
@@ -138,6 +136,40 @@ def test_ragged_rows_padded_by_to_tensor_then_reduced_are_fused(tmp_path, reduce
         if lite:
             from_lite = tflite.run_tflite(lite, inputs, interpreter="litert")[0]
             np.testing.assert_allclose(from_lite, reference, rtol=1e-5, atol=1e-6)
+
+
+GATHER_ND = {
+    "sum": ([IDS], lambda m, ids: tf.reduce_sum(tf.gather_nd(m.t, ids[..., None]), axis=1)),
+    "mean_expand_dims": ([IDS], lambda m, ids: tf.reduce_mean(tf.gather_nd(m.t, tf.expand_dims(ids, -1)), 1)),
+    "weighted": ([IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(
+        tf.gather_nd(m.t, ids[..., None]) * w[..., None], axis=1)),
+}
+
+
+@pytest.mark.parametrize("form", sorted(GATHER_ND))
+def test_gather_nd_of_ids_with_a_unit_last_axis_is_a_row_gather_and_fused(tmp_path, form):
+    """tf.gather_nd(table, ids[..., None]) gathers table[ids]: fused like tf.gather."""
+    specs, body = GATHER_ND[form]
+    lite = str(tmp_path / "m.tflite") if form == "weighted" else None
+    result = _save_and_export(tmp_path, specs, body, lite)
+    [site] = result.sites
+    assert (site.status, site.pattern) == ("fused", "gather-reduce")
+    ids = RNG.integers(0, N, (3, 5))
+    w = RNG.uniform(-2, 2, (3, 5)).astype(np.float32) if len(specs) == 2 else np.ones((3, 5), np.float32)
+    inputs = {"args_0": ids, **({"args_1": w} if len(specs) == 2 else {})}
+    reference = np.einsum("bk,bkd->bd", w.astype(np.float64), TABLE.astype(np.float64)[ids])
+    reference /= 5 if form.startswith("mean") else 1
+    want, got = _run_both(tmp_path, result, **inputs)
+    np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(want, reference, rtol=1e-5, atol=1e-6)
+    if lite:
+        np.testing.assert_allclose(tflite.run_tflite(lite, inputs, interpreter="litert")[0], reference,
+                                   rtol=1e-5, atol=1e-6)
+    for bad in (N + 3, -1):  # the original's gather_nd refuses both; so does the fused model
+        inputs["args_0"] = np.where(np.arange(5) == 2, bad, ids)
+        for model in (tf.saved_model.load(str(tmp_path / "m")), tf.saved_model.load(result.dst)):
+            with pytest.raises(tf.errors.InvalidArgumentError):
+                model.signatures["serving_default"](**inputs)
 
 
 def _one_hot_weighted_counts(module, ids, w):
