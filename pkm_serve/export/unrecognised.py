@@ -132,9 +132,16 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
 
 
 def _transposed_table_reason(fg: FunctionGraph, x, rank: int) -> Optional[str]:
-    """A reduction over the last axis of tf.gather(table_T [D, N], ids, axis=1) ([D, .., K]):
-    the bag of a table stored transposed, reported; None for any other last-axis reduction."""
+    """A reduction over the last axis of tf.gather(table_T [D, N], ids, axis=1) ([D, .., K]), or
+    of gathered rows transposed to [..., D, K]: a bag, reported; None for any other last-axis
+    reduction (over D: each row's own)."""
     producer = fg.producer(through_identity(fg, x, []))
+    if producer is not None and producer.op == "Transpose" and leads_to_gather(fg, fg.inputs(producer)[0]):
+        perm = fg.const_value(fg.inputs(producer)[1])
+        if perm is not None and list(np.reshape(perm, [-1])) == list(range(rank - 2)) + [rank - 1, rank - 2]:
+            return ("the gathered rows are transposed to [..., D, K] and reduced over K (the bag axis, "
+                    "e.g. Permute + channels_first pooling): the transpose stays between the gather and "
+                    "the reduction, so the site stays composite")
     if producer is None or producer.op != "GatherV2":
         return None
     params, _, axis_ref = fg.inputs(producer)[:3]
