@@ -166,8 +166,18 @@ def _checked_ids(flat, total, dtype):
     if _xla.compile_device_type() is not None:
         # XLA without our target (the shards run the composite): the Assert is dropped and
         # nothing can fail, so an id past the table is padding, as on the GPU.
-        flat = tf.where(flat < total, flat, -tf.ones_like(flat))
-    return flat, False
+        return tf.where(flat < total, flat, -tf.ones_like(flat)), False
+    return _checked_in_tflite(flat, total, dtype), False
+
+
+def _checked_in_tflite(flat, total, dtype):
+    """The ids, checked by the fused op over a [total, 0] table as under XLA, its zero-width
+    output added to them: the TFLite converter drops the Assert and control dependencies
+    (the last shard's kernel then named an id past the table by its shard-local value and
+    range), but keeps an op whose output the ids read."""
+    table = tf.zeros(tf.stack([tf.cast(total, tf.int64), tf.constant(0, tf.int64)]), dtype)
+    check = fused_embedding_bag(table, tf.reshape(flat, [-1, 1]))
+    return flat + tf.cast(tf.reduce_sum(tf.cast(check, tf.float32)), flat.dtype)
 
 
 def _checked_under_xla(flat, total, dtype):

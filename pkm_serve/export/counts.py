@@ -5,6 +5,8 @@
       tf.math.bincount(ids, w, minlength=N, maxlength=N, axis=-1) @ table
   Sum(OneHot(ids [B, K], N, 1, 0), axis=1) [-> Cast] -> MatMul(counts, table)
       tf.reduce_sum(tf.one_hot(ids, N), 1) @ table
+  Sum(OneHot(ids, N) * w[..., None], axis=1) -> MatMul(counts, table)
+      weighted counts: tf.reduce_sum(tf.one_hot(ids, N) * w[..., None], 1) @ table
 
 counts[b, n] = sum_k w[b, k] [ids[b, k] == n], so counts @ table is the bag
 sum_k w[b, k] table[ids[b, k]]. An id outside [0, N) counts nowhere (bincount
@@ -67,11 +69,24 @@ def _counts_producer(fg: FunctionGraph, ref: Ref):
         return None, None
     if node.op == "DenseBincount":
         return node, cast
-    if node.op == "Sum":
-        one_hot = fg.producer(fg.inputs(node)[0])
-        if one_hot is not None and one_hot.op == "OneHot":
-            return node, cast
+    if node.op == "Sum" and _one_hot_of_sum(fg, node)[0] is not None:
+        return node, cast
     return None, None
+
+
+def _one_hot_of_sum(fg: FunctionGraph, node):
+    """(the OneHot that Sum `node` adds up, directly or times a multiplier; that Mul or None;
+    the multiplier or None)."""
+    summed = fg.producer(fg.inputs(node)[0])
+    if summed is not None and summed.op == "OneHot":
+        return summed, None, None
+    if summed is not None and summed.op == "Mul":
+        factors = fg.inputs(summed)
+        for i, ref in enumerate(factors):
+            one_hot = fg.producer(ref)
+            if one_hot is not None and one_hot.op == "OneHot":
+                return one_hot, summed, factors[1 - i]
+    return None, None, None
 
 
 def _match_counts_matmul(fg: FunctionGraph, node, site: Site) -> Site:
@@ -83,8 +98,7 @@ def _match_counts_matmul(fg: FunctionGraph, node, site: Site) -> Site:
     if counts_node.op == "DenseBincount":
         ids, nodes = _bincount_ids(fg, counts_node, cast, site)
     else:
-        ids, nodes = _one_hot_ids(fg, counts_node, site)
-        _check_counts_dtype(counts_node.attr["T"].type, cast, site)
+        ids, nodes = _one_hot_ids(fg, counts_node, site, cast)
     counts = Ref(counts_node.name, 0)
     n_rows, counted = site.table_shape[0], fg.shape(counts)
     if counted.rank == 2 and counted[-1] is None and counts_node.op == "DenseBincount":
@@ -169,9 +183,9 @@ def _check_counts_dtype(counts_dtype: int, cast, site: Site) -> None:
         raise Skip(f"id counts of dtype {dtype_name(counts_dtype)} multiply a {site.dtype} table")
 
 
-def _one_hot_ids(fg: FunctionGraph, node, site: Site):
-    """ids of Sum(OneHot(ids, depth, on=1, off=0, axis=-1), axis=-2)."""
-    one_hot = fg.producer(fg.inputs(node)[0])
+def _one_hot_ids(fg: FunctionGraph, node, site: Site, cast):
+    """ids of Sum(OneHot(ids, depth, on=1, off=0, axis=-1) [* w[..., None]], axis=-2); weights into `site`."""
+    one_hot, multiply, weights = _one_hot_of_sum(fg, node)
     ids, depth, on, off = fg.inputs(one_hot)[:4]
     axis = one_hot.attr["axis"].i if "axis" in one_hot.attr else -1  # a default attr is stripped
     summed_axis = fg.const_value(fg.inputs(node)[1])
@@ -186,4 +200,21 @@ def _one_hot_ids(fg: FunctionGraph, node, site: Site):
     if depth_value is None or site.table_shape[0] not in (None, int(depth_value)):
         raise Skip("one_hot depth is not the table's rows")
     site.negative_ids_padding = True  # one_hot gives them a zero row, the op skips them
-    return ids, [one_hot.name, node.name]
+    if multiply is None:
+        _check_counts_dtype(node.attr["T"].type, cast, site)
+        return ids, [one_hot.name, node.name]
+    _one_hot_weights(fg, weights, ids, node.attr["T"].type, cast, site)
+    return ids, [one_hot.name, multiply.name, node.name]
+
+
+def _one_hot_weights(fg: FunctionGraph, weights: Ref, ids: Ref, counts_dtype: int, cast, site: Site) -> None:
+    """The multiplier of one_hot(ids, N) * w[..., None]: per index ([B, K, 1], the ids' [B, K])
+    and in the table's dtype; the fused op weighs each id by it."""
+    site.weighted = True
+    w_shape = fg.shape(weights)
+    if w_shape.rank != 3 or w_shape[-1] != 1 or not same_dims(w_shape[:-1], fg.shape(ids)):
+        raise Skip(f"a multiplier of shape {w_shape} on one_hot(ids) that is not per index "
+                   f"(w[..., None] with w shaped as the ids {fg.shape(ids)})")
+    if cast is not None or counts_dtype != site.table_dtype:
+        raise Skip(f"weighted one_hot counts of dtype {dtype_name(counts_dtype)} cast before the matmul")
+    site.weights, site.weights_squeeze = weights, True

@@ -1,9 +1,8 @@
 """Dense sites: rows gathered from a 2-D table, reduced over the bag axis.
 
-  GatherV2/ResourceGather [-> Cast] [-> Mul by w[..., None]] [-> tf.where(mask, rows, 0)]
+  GatherV2/ResourceGather (or gather_nd of ids[..., None]) [-> Cast] [-> Mul by w[..., None]] [-> tf.where(mask, rows, 0)]
       -> Sum / Mean over axis -2          (the steps above in any order, each at most once)
-  a gather of reshape(ids, [-1]) reshaped back to ids.shape + [D] is a gather of ids
-  (the einsum spelling is in einsum.py)
+  a gather of reshape(ids, [-1]) reshaped back to ids.shape + [D] is a gather of ids (einsum: einsum.py)
 
 Keras writes these too: `Embedding` is a gather, `mask_zero=True` +
 `GlobalAveragePooling1D` is `where(mask, rows, 0)` summed and divided by the
@@ -18,10 +17,11 @@ import numpy as np
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_shape
 
+from pkm_serve.export.gather_nd import ids_expanded_to_last_axis
 from pkm_serve.export.graph import FunctionGraph, Ref
-from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, TABLE_DTYPES, NotASite, Site,
-                                    Skip, check_private, dims, dtype_name, itemsize,
-                                    same_dims, shared_by_bags, tensor_dtype, through_identity)
+from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip,
+                                    check_private, dims, dtype_name, itemsize, same_dims, shared_by_bags,
+                                    tensor_dtype, through_identity)
 from pkm_serve.export.unflatten import unflattened_ids
 
 
@@ -40,20 +40,22 @@ def resolve_gather(fg: FunctionGraph, ref: Ref) -> Gather:
     nodes: List[str] = []
     ref = through_identity(fg, ref, nodes)
     node = fg.producer(ref)
-    if node is None or node.op not in GATHER_OPS:
+    if node is None or node.op not in GATHER_OPS + ND_GATHER_OPS:
         raise NotASite()
     nodes.append(node.name)
     ins = fg.inputs(node)
     if "batch_dims" in node.attr and node.attr["batch_dims"].i != 0:
         raise NotASite()
-    if node.op == "ResourceGather":
+    if node.op in ND_GATHER_OPS:  # gather_nd(table, ids[..., None]) is gather(table, ids)
+        ins = [ins[0], ids_expanded_to_last_axis(fg, ins[1]), None]
+    if node.op in ("ResourceGather", "ResourceGatherNd"):
         params, indices, is_resource = ins[0], ins[1], True
         dtype = node.attr["dtype"].type
         var = fg.variable_shape_dtype(params)
         table_shape = var[0] if var is not None else None
     else:
         params, indices, axis = ins
-        axis_value = fg.const_value(axis)
+        axis_value = 0 if axis is None else fg.const_value(axis)
         if axis_value is None or int(axis_value) != 0:
             raise NotASite()
         is_resource = False
@@ -81,7 +83,7 @@ def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
     node = fg.producer(ref)
     if node is None or depth == 0:
         return False
-    if node.op in GATHER_OPS:
+    if node.op in GATHER_OPS + ND_GATHER_OPS:
         return True
     ins = fg.inputs(node)
     if node.op in ("Identity", "Cast", "Reshape"):
@@ -248,7 +250,7 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
             raise NotASite()
         ins = fg.inputs(node)
         rows.as_gathered.append(ref)
-        if node.op in GATHER_OPS and not _is_regather(fg, node, ins):
+        if node.op in GATHER_OPS + ND_GATHER_OPS and not _is_regather(fg, node, ins):
             rows.gather = resolve_gather(fg, ref)
             if rows.unflattened is not None:
                 rows.gather.indices = rows.unflattened

@@ -403,7 +403,7 @@ def _site_steps(site: Site) -> str:
     """What the fused site keeps of the composite besides the bag."""
     steps = (["masked"] if site.masked else []) + (["scalar weight"] if site.weights_scalar else []) + (
         [f"cast to {site.cast_to}"] if site.cast_to else []) + (
-        ["/ K"] if site.divide_by_bag else [])
+        ["/ K"] if site.divide_by_bag else []) + (["/ longest bag"] if site.divide_by_longest_bag else [])
     return f" ({', '.join(steps)})" if steps else ""
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import dtypes, op_def_registry
 
+from pkm_serve.export import padded_ragged, sparse_matmul
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import (assert_ids_in_table, assert_ids_rank, assert_masked_ids_below_rows,
                                         assert_table_rows, ids_below_rows)
@@ -235,8 +236,8 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
                                 {"T": DType(site.table_dtype), "Tshape": I32}, shapes=[[]])
     if site.regroup_ids is not None:
         site.indices = _regrouped_ids(fg, site)
-    if site.ids_are_sparse_columns:  # sparse_dense_matmul: the ids are the sparse indices' columns
-        site.indices = _sparse_column(fg, site.root + "/pkm_sparse_ids", site.sparse_indices, 1)
+    weights, columns_check = sparse_matmul.sorted_columns_and_weights(fg, site, weights, params) \
+        if site.ids_are_sparse_columns else (weights, None)  # sparse_dense_matmul: ids are sp's columns
     gathered_ids = site.indices
     pruned = site.sparse_indices is not None and not site.ids_are_sparse_columns  # safe_ drops negative ids
     ids_check = None if pruned or site.negative_ids_padding else \
@@ -252,7 +253,7 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
     elif site.ones is not None:
         indices = _broadcast_ids_like_ones(fg, site, indices)
     _rebuild_shape_consumers(fg, site, gathered_ids, indices)
-    if site.segment_ids is None and site.sparse_indices is None:
+    if site.segment_ids is None and site.sparse_indices is None and site.row_splits is None:
         return DENSE_OP, [params, indices, weights], None, _checks(ids_check, bound_check,
                                                                    assert_ids_rank(fg, site, gathered_ids))
     if site.row_splits is not None:
@@ -262,7 +263,8 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
                            tensor_dtype(fg, splits), types_pb2.DT_INT32, [None])
         return RAGGED_OP, [params, indices, splits, weights], splits, _checks(ids_check, bound_check)
     splits, sorted_check = row_splits(fg, site)
-    return RAGGED_OP, [params, indices, splits, weights], splits, _checks(ids_check, bound_check, sorted_check)
+    return RAGGED_OP, [params, indices, splits, weights], splits, _checks(ids_check, bound_check, sorted_check,
+                                                                          columns_check)
 
 
 def _checks(*names: Optional[str]) -> List[str]:
@@ -357,6 +359,8 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
         out_dtype = site.cast_enum
     if site.divide_by_bag:
         steps += _divide_by_bag_size(fg, site, indices, out_dtype)
+    if site.divide_by_longest_bag:
+        steps += padded_ragged.longest_bag_division(fg, site, splits, out_dtype)
     if site.default_id is not None:
         # safe_ with default_id: an empty bag is table[default_id] (weight 1).
         default_row = fg.add_op(

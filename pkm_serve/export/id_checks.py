@@ -77,6 +77,12 @@ def _reduce_ids(fg: FunctionGraph, prefix: str, ids: Ref, dtype: DType, op: str,
                      {"T": dtype, "Tidx": I32, "keep_dims": False}, shapes=[[]])
 
 
+def _fused_op(site: Site) -> str:
+    """The op the site is fused into: the dense one, or the ragged one for bags of a row partition."""
+    ragged = site.segment_ids is not None or site.row_splits is not None or site.sparse_indices is not None
+    return RAGGED_OP if ragged else DENSE_OP
+
+
 def assert_ids_in_table(fg: FunctionGraph, site: Site, ids: Ref) -> Optional[str]:
     """An Assert that every id the composite gathered is >= 0: the composite's
     gather refuses a negative id ("indices[..] = -1 is not in [0, N)"), the
@@ -95,9 +101,8 @@ def assert_ids_in_table(fg: FunctionGraph, site: Site, ids: Ref) -> Optional[str
                    [smallest, fg.add_const(prefix + "/zero", np.array(0, np_type))],
                    {"T": dtype}, shapes=[[]])
     rows = site.table_shape[0] if site.table_shape and site.table_shape[0] is not None else "N"
-    op = DENSE_OP if site.segment_ids is None and site.row_splits is None else RAGGED_OP
     return _assert(fg, prefix, ok,
-                   f"{op} (fused gather of {site.table or 'the table'} in {site.root}): an id is negative: "
+                   f"{_fused_op(site)} (fused gather of {site.table or 'the table'} in {site.root}): an id is negative: "
                    f"indices[...] =", (smallest, site.index_dtype),
                    f"is not in [0, {rows}) (the original model's gather refuses it too; the fused op "
                    f"alone would have taken it as padding)", "/message_range")
@@ -120,7 +125,7 @@ def assert_masked_ids_below_rows(fg: FunctionGraph, site: Site, ids: Ref, params
     bound = _table_rows(fg, site, params, prefix)
     ok = fg.add_op(prefix + "/below_rows", "Less", [largest, bound], {"T": dtype}, shapes=[[]])
     return _assert(fg, prefix, ok,
-                   f"{DENSE_OP} (fused masked gather of {site.table or 'the table'} in {site.root}): an id is "
+                   f"{_fused_op(site)} (fused masked gather of {site.table or 'the table'} in {site.root}): an id is "
                    f"out of range: indices[...] =", (largest, site.index_dtype),
                    f"is not in [0, {rows if rows is not None else 'N'}) (the original model gathers every id "
                    f"before its mask and refuses it, masked or not; the fused op alone would have taken "

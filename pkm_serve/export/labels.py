@@ -118,7 +118,7 @@ def _is_ones(fg: FunctionGraph, ref: Ref) -> bool:
 def computes(fg: FunctionGraph, site: Site) -> str:
     if site.combiner in ("max", "sqrtn"):
         return site.combiner
-    if site.combiner == "mean" or site.divide_by_bag:
+    if site.combiner == "mean" or site.divide_by_bag or site.divide_by_longest_bag:
         return "weighted mean" if (site.weights is not None and not site.divide_by_bag and
                                    "sparse" in site.pattern) else "mean"
     multiplier = site.weights if site.weights is not None else site.mask

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import (counts, dense, einsum, fuse, half_division, labels, pooled, ragged, ragged_range, sparse,
-                              unrecognised)
+from pkm_serve.export import (counts, dense, einsum, fuse, half_division, labels, padded_ragged, pooled, ragged,
+                              ragged_range, sparse, unrecognised)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
 from pkm_serve.export.sparse import SEGMENT_PATTERN
@@ -25,7 +25,7 @@ def _pattern_of(node) -> str:
         return "einsum"
     if node.op in einsum.MATMUL_OPS:
         return "matmul"
-    if node.op in ("Sum", "Mean", "Max"):
+    if node.op in unrecognised.REDUCE_OPS:
         return "gather-reduce"
     if node.op in ("UnsortedSegmentSum", "UnsortedSegmentMax"):
         return "ragged-reduce"
@@ -65,8 +65,8 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
         except NotASite:
             if not report_not_a_site:
                 return
-            reason = unrecognised.unrecognised_reason(fg, node) if node.op in ("Sum", "Mean", "Max") \
-                else None
+            reason = unrecognised.unrecognised_reason(fg, node) \
+                if node.op in unrecognised.REDUCE_OPS else unrecognised.segment_reason(fg, node)
             if reason is not None:
                 site.reason = reason
                 sites.append(site)
@@ -90,6 +90,10 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
     for node in order:
         if node.op == "Sum":
             attempt(node, pooled.match_pooled_positions, report_not_a_site=False)
+    # Ragged rows padded by to_tensor() before the reduction: the dense matcher sees no gather there.
+    for node in order:
+        if node.op in ("Sum", "Mean"):
+            attempt(node, padded_ragged.match_padded_ragged, report_not_a_site=False)
     for node in order:
         if node.op in ("Sum", "Mean"):
             attempt(node, dense.match_reduce)
@@ -111,6 +115,10 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, sparse.match_segment_mean)
         elif node.op == "Max":
             attempt(node, dense.match_reduce_max)
+        elif node.op in unrecognised.UNFUSABLE_REDUCE_OPS:
+            attempt(node, unrecognised.never_a_site)
+        elif node.op in unrecognised.UNFUSABLE_SEGMENT_OPS:
+            attempt(node, unrecognised.match_unfusable_segment_reduce)
     for site in sites:
         site.computes = labels.computes(fg, site)
         if site.status == "fused":

@@ -18,6 +18,7 @@ __all__ = ["DENSE_OP", "RAGGED_OP", "Site", "NotASite", "Skip"]
 TABLE_DTYPES = (types_pb2.DT_FLOAT, types_pb2.DT_HALF, types_pb2.DT_BFLOAT16)
 INDEX_DTYPES = (types_pb2.DT_INT32, types_pb2.DT_INT64)
 GATHER_OPS = ("ResourceGather", "GatherV2")
+ND_GATHER_OPS = ("ResourceGatherNd", "GatherNd")  # fused where the indices are ids[..., None]
 
 # The keys of Site.to_json(), in report order (pinned by a golden test).
 REPORT_KEYS = ("function", "root", "pattern", "combiner", "computes", "weighted", "masked",
@@ -95,6 +96,7 @@ class Site:
     ones: Optional[Ref] = None        # a multiply by ones that may broadcast the ids (fused as that broadcast)
     ones_squeeze: bool = False        # ones are [..., K, 1]
     pooled: Optional[object] = None   # pooled.Pooled: a per-position sparse lookup pooled over L
+    divide_by_longest_bag: bool = False  # reduce_mean of ragged rows padded by to_tensor(): / longest bag
     divide_by_bag: bool = False       # a weighted/masked reduce_mean: the bag is divided by its
                                       # size K, read off the ids at run time (not the static K)
     rounded_to: Optional[str] = None  # rows cast to this half dtype below cast_to (mixed precision):

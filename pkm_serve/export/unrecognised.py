@@ -7,9 +7,61 @@ from typing import Optional
 
 import numpy as np
 
-from pkm_serve.export.dense import leads_to_gather
+from pkm_serve.export.dense import leads_to_gather, resolve_rows
 from pkm_serve.export.graph import FunctionGraph
-from pkm_serve.export.sites import GATHER_OPS, TABLE_DTYPES, through_identity
+from pkm_serve.export.sites import GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip, through_identity
+
+# Reductions of gathered rows that the op has no combiner for: reported when they pool a bag.
+UNFUSABLE_REDUCE_OPS = ("Min", "Prod", "EuclideanNorm")
+UNFUSABLE_SEGMENT_OPS = ("UnsortedSegmentMin", "UnsortedSegmentProd", "SegmentMin", "SegmentProd")
+REDUCE_OPS = ("Sum", "Mean", "Max") + UNFUSABLE_REDUCE_OPS
+_ND_GATHER_OPS = ("ResourceGatherNd", "GatherNd")
+_REDUCTION_NAMES = {"Min": "reduce_min", "Prod": "reduce_prod", "EuclideanNorm": "reduce_euclidean_norm",
+                    "UnsortedSegmentMin": "a ragged reduce_min",
+                    "UnsortedSegmentProd": "a ragged reduce_prod", "SegmentMin": "tf.math.segment_min",
+                    "SegmentProd": "tf.math.segment_prod"}
+
+
+def _no_combiner(op: str) -> str:
+    return (f"{_REDUCTION_NAMES[op]} over the bag axis of gathered rows: the op has no such "
+            "combiner (sum, mean, sqrtn, max), so the site stays composite")
+
+
+_STITCHED_REASON = (
+    "the rows are gathered from a table split into shards (embedding_lookup over a list of tables: "
+    "DynamicPartition, one gather per shard, DynamicStitch) before the reduction: a dense or ragged "
+    "lookup over shards is not fused (embedding_lookup_sparse over shards is), so the site stays composite")
+
+
+def stitches_table_rows(fg: FunctionGraph, node) -> bool:
+    """A (Parallel)DynamicStitch of rows gathered from table shards."""
+    if node.op not in ("DynamicStitch", "ParallelDynamicStitch"):
+        return False
+    count = node.attr["N"].i
+    return any(leads_to_gather(fg, ref, depth=2) for ref in fg.inputs(node)[count:])
+
+
+def segment_reason(fg: FunctionGraph, node) -> Optional[str]:
+    """For a segment reduction no matcher took: the reason where it reduces rows stitched from
+    table shards (a ragged lookup over shards), else None (not a bag of table rows)."""
+    producer = fg.producer(fg.inputs(node)[0]) if fg.inputs(node) else None
+    for _ in range(3):  # through the Identity / Reshape to the ids' shape + [D] that the lookup adds
+        if producer is None or producer.op not in ("Identity", "Reshape"):
+            break
+        producer = fg.producer(fg.inputs(producer)[0])
+    return _STITCHED_REASON if producer is not None and stitches_table_rows(fg, producer) else None
+
+
+def never_a_site(fg: FunctionGraph, node, site: Site) -> Site:
+    """reduce_min / reduce_prod: never fused; unrecognised_reason reports a bag of them."""
+    raise NotASite()
+
+
+def match_unfusable_segment_reduce(fg: FunctionGraph, node, site: Site) -> Site:
+    """A segment min/prod of gathered rows (ragged reduce_min/prod): reported."""
+    resolve_rows(fg, fg.inputs(node)[0], site)  # NotASite where no table rows are reduced
+    site.pattern = "ragged-reduce" if node.op.startswith("Unsorted") else "segment-reduce"
+    raise Skip(_no_combiner(node.op))
 
 
 def clips_rows(fg: FunctionGraph, node) -> bool:
@@ -28,8 +80,12 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
     x, axis_ref = fg.inputs(node)[:2]
     rank = fg.shape(x).rank
     axes = fg.const_value(axis_ref)
-    if rank is None or rank < 2 or axes is None or np.size(axes) != 1 or \
-            int(np.reshape(axes, [])) % rank != rank - 2:
+    if rank is None or rank < 2 or axes is None or np.size(axes) != 1:
+        return None
+    axis = int(np.reshape(axes, [])) % rank
+    if axis == rank - 1:
+        return _transposed_table_reason(fg, x, rank)
+    if axis != rank - 2:
         return None  # not over a bag axis: e.g. a LayerNorm mean over D after an embedding
     frontier = [(x, [])]
     for _ in range(depth):
@@ -39,6 +95,10 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
             producer = fg.producer(ref)
             if producer is None or (fg.shape(ref).rank != rank and path[-1:] != ["Reshape"]):
                 continue
+            if producer.op == "RaggedTensorToTensor" and leads_to_gather(fg, fg.inputs(producer)[1]):
+                return _padded_rows_reason(node.op, path)
+            if stitches_table_rows(fg, producer):
+                return _no_combiner(node.op) if node.op in UNFUSABLE_REDUCE_OPS else _STITCHED_REASON
             if clips_rows(fg, producer):
                 return ("each gathered row is clipped to max_norm (embedding_lookup max_norm=, i.e. "
                         "clip_by_norm) before the reduction: PkmEmbeddingBag has no row-norm clip, so "
@@ -49,11 +109,17 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
                         "but not the reshape(safe_embedding_lookup_sparse(ids [B, L, ..]), [B, L, D]) "
                         "[* w[..., None]] summed over L that is fused (keras-rs EmbedReduce on a "
                         "SparseTensor); this pooling over L is not fused")
-            if producer.op in GATHER_OPS:
-                dtype = producer.attr["dtype" if producer.op == "ResourceGather"
+            if producer.op in GATHER_OPS + _ND_GATHER_OPS:
+                dtype = producer.attr["dtype" if producer.op.startswith("Resource")
                                       else "Tparams"].type
                 if dtype not in TABLE_DTYPES:
                     continue
+                if node.op in UNFUSABLE_REDUCE_OPS:
+                    return _no_combiner(node.op)
+                if producer.op in _ND_GATHER_OPS:
+                    return ("the rows are gathered by tf.gather_nd: only tf.gather / embedding_lookup / "
+                            "Keras Embedding row gathers (axis 0) and tf.gather_nd(table, ids[..., None]) "
+                            "are fused")
                 if not path:
                     return "the gather is not a row gather (axis 0, batch_dims 0)"
                 steps = " -> ".join(reversed(path))
@@ -63,3 +129,40 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
                 next_frontier.append((r, path + [producer.op]))
         frontier = next_frontier
     return None
+
+
+def _transposed_table_reason(fg: FunctionGraph, x, rank: int) -> Optional[str]:
+    """A reduction over the last axis of tf.gather(table_T [D, N], ids, axis=1) ([D, .., K]), or
+    of gathered rows transposed to [..., D, K]: a bag, reported; None for any other last-axis
+    reduction (over D: each row's own)."""
+    producer = fg.producer(through_identity(fg, x, []))
+    if producer is not None and producer.op == "Transpose" and leads_to_gather(fg, fg.inputs(producer)[0]):
+        perm = fg.const_value(fg.inputs(producer)[1])
+        if perm is not None and list(np.reshape(perm, [-1])) == list(range(rank - 2)) + [rank - 1, rank - 2]:
+            return ("the gathered rows are transposed to [..., D, K] and reduced over K (the bag axis, "
+                    "e.g. Permute + channels_first pooling): the transpose stays between the gather and "
+                    "the reduction, so the site stays composite")
+    if producer is None or producer.op != "GatherV2":
+        return None
+    params, _, axis_ref = fg.inputs(producer)[:3]
+    axis = fg.const_value(axis_ref)
+    if producer.attr["Tparams"].type not in TABLE_DTYPES or fg.shape(params).rank != 2 or \
+            axis is None or int(np.reshape(axis, [])) % 2 != 1 or rank < 3:
+        return None
+    return ("the table is stored transposed ([D, N]) and gathered along axis 1, then reduced over "
+            "the ids' last axis: the op reads rows of an [N, D] table, so the site stays composite "
+            "(store the table as [N, D] and tf.gather its rows)")
+
+
+def _padded_rows_reason(op: str, path) -> str:
+    """A reduction of ragged gathered rows padded by to_tensor() that match_padded_ragged did not take."""
+    if op in UNFUSABLE_REDUCE_OPS:
+        return _no_combiner(op)
+    if not path and op == "Max":
+        return ("reduce_max of ragged rows padded by to_tensor(): the zero padding rows take part in the "
+                "max (a bag of negative values gives 0), which is no bag max: not fused; tf.reduce_max on "
+                "the ragged rows is the bag max, and is fused")
+    steps = " -> ".join(reversed(path))
+    return (f"{steps} between to_tensor() of ragged gathered rows and the reduction: only a plain "
+            "reduce_sum / reduce_mean of to_tensor() rows is fused; reducing the ragged rows themselves (times ragged "
+            "weights) is fused")

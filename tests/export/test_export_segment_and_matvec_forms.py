@@ -142,9 +142,9 @@ def test_sparse_dense_matmul_by_the_table_is_a_weighted_bag(tmp_path):
     for got in _outputs(tmp_path, result, inputs):
         np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-6)
     fused = tf.saved_model.load(result.dst).signatures["serving_default"]
-    for bad, message in (([[0, -1]], "negative"), ([[1, 0], [0, 1]], "sorted")):
-        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
-            fused(**dict(zip(names, map(tf.constant, _sparse_inputs(bad, [1.0] * len(bad)).values()))))
+    # Rows out of order are served as the composite serves them (test_export_bag_forms_round32.py).
+    with pytest.raises(tf.errors.InvalidArgumentError, match="negative"):
+        fused(**dict(zip(names, map(tf.constant, _sparse_inputs([[0, -1]], [1.0]).values()))))
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrt_n"])
