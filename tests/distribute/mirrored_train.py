@@ -73,28 +73,28 @@ def tables_read_copy(model):
     return np.array(flags)
 
 
-def main(out_path):
+def main(out_path, keys):
+    """Trains each case named "kind-dense|sparse-optimizer" in `keys` on 1 and 2 replicas."""
     # Fixed initial weights: the run is then bitwise repeatable here, so a
     # failure reproduces instead of depending on one random draw.
     keras.utils.set_random_seed(7)
     results = {}
-    for kind in ("embedding_bag", "pkm"):
-        for sparse in (False, True):
-            for optimizer in ("sgd", "lazy_adam"):
-                rng = np.random.default_rng(7)
-                init = build(kind, sparse).get_weights()
-                x, y = data(kind, rng)
-                one, one_copies = train(kind, sparse, optimizer, ["/cpu:0"], init, x, y)
-                two, two_copies = train(kind, sparse, optimizer, ["/cpu:0", "/cpu:1"], init, x, y)
-                key = f"{kind}-{'sparse' if sparse else 'dense'}-{optimizer}"
-                results[f"{key}/reads_copy/one"] = one_copies
-                results[f"{key}/reads_copy/two"] = two_copies
-                for i, (a, b, w0) in enumerate(zip(one, two, init)):
-                    results[f"{key}/one/{i}"] = a
-                    results[f"{key}/two/{i}"] = b
-                    results[f"{key}/init/{i}"] = w0
+    for key in keys:
+        kind, gradient, optimizer = key.split("-")
+        sparse = gradient == "sparse"
+        rng = np.random.default_rng(7)
+        init = build(kind, sparse).get_weights()
+        x, y = data(kind, rng)
+        one, one_copies = train(kind, sparse, optimizer, ["/cpu:0"], init, x, y)
+        two, two_copies = train(kind, sparse, optimizer, ["/cpu:0", "/cpu:1"], init, x, y)
+        results[f"{key}/reads_copy/one"] = one_copies
+        results[f"{key}/reads_copy/two"] = two_copies
+        for i, (a, b, w0) in enumerate(zip(one, two, init)):
+            results[f"{key}/one/{i}"] = a
+            results[f"{key}/two/{i}"] = b
+            results[f"{key}/init/{i}"] = w0
     np.savez(out_path, **results)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])

@@ -84,19 +84,21 @@ def train_ragged(strategy, make_optimizer, x, y):
     return bag.embeddings.numpy()
 
 
-def main(out_path):
+def main(out_path, keys):
+    """Trains each case named "fit|ragged-optimizer" in `keys` on 1 and 2 replicas."""
     x, y = data()
     results = {}
-    for path, train in (("fit", train_fit), ("ragged", train_ragged)):
-        for name, make_optimizer in OPTIMIZERS.items():
-            for which, devices in (("one", ["/cpu:0"]), ("two", ["/cpu:0", "/cpu:1"])):
-                # Reduction through one device: several strategies in one process would
-                # otherwise reuse the same collective instance keys.
-                strategy = tf.distribute.MirroredStrategy(devices, tf.distribute.ReductionToOneDevice())
-                results[f"{path}-{name}/{which}"] = train(strategy, make_optimizer, x, y)
-            results[f"{path}-{name}/init"] = build()[1].embeddings.numpy()
+    for key in keys:
+        path, name = key.split("-")
+        train, make_optimizer = {"fit": train_fit, "ragged": train_ragged}[path], OPTIMIZERS[name]
+        for which, devices in (("one", ["/cpu:0"]), ("two", ["/cpu:0", "/cpu:1"])):
+            # Reduction through one device: several strategies in one process would
+            # otherwise reuse the same collective instance keys.
+            strategy = tf.distribute.MirroredStrategy(devices, tf.distribute.ReductionToOneDevice())
+            results[f"{key}/{which}"] = train(strategy, make_optimizer, x, y)
+        results[f"{key}/init"] = build()[1].embeddings.numpy()
     np.savez(out_path, **results)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 from pkm_serve import ops
+from tests.pairwise import pairwise
 
 N, D = 40, 6
 
@@ -107,11 +108,10 @@ def test_forward_mode_jvp_matches_composite(combiner):
     _assert_all_close([got.numpy()], [jvp(ops.embedding_bag_composite).numpy()], 1e-5)
 
 
-@pytest.mark.parametrize("in_function", [False, True])
-@pytest.mark.parametrize("table_kind", ["variable", "tensor"])
-@pytest.mark.parametrize("ragged", [False, True])
-@pytest.mark.parametrize("combiner,weighted", [("sum", True), ("mean", True), ("sqrtn", True), ("sum", False),
-                                               ("max", False)])
+@pytest.mark.parametrize("combiner,weighted,ragged,table_kind,in_function", [
+    (c, w, r, t, f) for (c, w), r, t, f in pairwise(
+        [("sum", True), ("mean", True), ("sqrtn", True), ("sum", False), ("max", False)],
+        [False, True], ["variable", "tensor"], [False, True])])
 def test_forward_mode_jvp_with_sparse_gradient_matches_composite(combiner, weighted, ragged, table_kind,
                                                                  in_function):
     """sparse_gradient=True: a variable's dense bags read it in the kernel (PkmResourceEmbeddingBag),
@@ -178,10 +178,10 @@ def test_max_penalty_first_winner(ties):
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5)
 
 
-@pytest.mark.parametrize("sparse_gradient", [False, True])
-@pytest.mark.parametrize("table_kind", ["variable", "tensor"])
-@pytest.mark.parametrize("ragged", [False, True])
-@pytest.mark.parametrize("combiner,weighted", [("sum", True), ("sum", False), ("mean", True), ("max", False)])
+@pytest.mark.parametrize("combiner,weighted,ragged,table_kind,sparse_gradient", [
+    (c, w, r, t, s) for (c, w), r, t, s in pairwise(
+        [("sum", True), ("sum", False), ("mean", True), ("max", False)],
+        [False, True], ["variable", "tensor"], [False, True])])
 def test_forward_mode_jvp_of_function_traced_without_accumulator(combiner, weighted, ragged, table_kind,
                                                                  sparse_gradient):
     """A tf.function first called with no accumulator, then inside one: TF takes the call's jvp from
@@ -213,9 +213,9 @@ def test_forward_mode_jvp_of_function_traced_without_accumulator(combiner, weigh
     _assert_all_close([tf.convert_to_tensor(got).numpy()], [tf.convert_to_tensor(want).numpy()], 1e-5)
 
 
-@pytest.mark.parametrize("ragged", [False, True])
-@pytest.mark.parametrize("combiner", ["sum", "mean", "max"])
-@pytest.mark.parametrize("in_function,sparse_gradient", [("loss", False), ("loss", True), ("gradient", False)])
+@pytest.mark.parametrize("in_function,sparse_gradient,combiner,ragged", [
+    (f, s, c, r) for (f, s), c, r in pairwise(
+        [("loss", False), ("loss", True), ("gradient", False)], ["sum", "mean", "max"], [False, True])])
 def test_forward_over_reverse_hvp_of_function_traced_without_accumulator(in_function, sparse_gradient, combiner,
                                                                          ragged):
     """An accumulator around a tape's gradient of a tf.function traced earlier (the loss in it), or
