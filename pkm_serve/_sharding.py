@@ -40,8 +40,7 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
     shard runs the fused op, on the shard's device, over the indices that fall
     into it (the others become padding) with combiner ``sum`` and the weights
     multiplied by a power of two near 1 / mean's or sqrtn's denominator over all
-    valid entries (for a float16 sum, near 1 / the bag's total |weight|: see
-    _float16_sum); the added partial bags, times the rest of that factor in
+    valid entries; the added partial bags, times the rest of that factor in
     float32, equal the unsharded op. Gradients reach each
     shard (row-sparse with ``sparse_gradient=True``).
     """
@@ -71,84 +70,33 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
         sizes = [tf.shape(s, out_type=flat.dtype)[0] for s in shards]
         total = tf.add_n(sizes)
         flat, under_xla = _checked_ids(flat, total, dtype)
-
-        def lookups(bag_weights, tables):
-            return _summed_shard_lookups(tables, sizes, indices, flat, bag_weights, under_xla, sparse_gradient)
-
-        if combiner == "sum" and dtype == tf.float16:
-            partial, template = _float16_sum(lookups, indices, flat, w_flat, shards)
-        else:
-            w_flat, bag_scale = _combined_weights(indices, flat, w_flat, combiner, weights is not None)
-            partial, template = lookups(w_flat, shards)
-            if bag_scale is not None:  # mean's / sqrtn's denominator, divided in float32
-                partial = partial * bag_scale
+        w_flat, bag_scale = _combined_weights(indices, flat, w_flat, combiner, weights is not None)
+        partial = None
+        offset = tf.zeros([], flat.dtype)
+        for i, (shard, size) in enumerate(zip(shards, sizes)):
+            local = flat - offset
+            # Ids past the table go to the last shard, whose kernel refuses them where the
+            # Assert above is dropped (TFLite): as padding they vanished silently. Under XLA
+            # _checked_under_xla refuses them, naming them as the Assert does.
+            last = i == len(shards) - 1 and not under_xla
+            mine = (local >= 0) if last else (local >= 0) & (local < size)
+            local = tf.where(mine, local, -tf.ones_like(local))
+            bags = indices.with_flat_values(local) if isinstance(indices, tf.RaggedTensor) else local
+            bag_w = indices.with_flat_values(w_flat) if isinstance(indices, tf.RaggedTensor) else w_flat
+            # Colocated, not tf.device(shard.device): the PS task's device was saved with the
+            # op, and the SavedModel then ran nowhere else; a colocation follows the variable.
+            with ops.colocate_with(shard):
+                part = fused_embedding_bag(shard, bags, bag_w, "sum", sparse_gradient=sparse_gradient)
+            # Ragged parts share the ids' row partition: adding their flat values skips
+            # RaggedTensor addition's partition checks (RaggedRange, which XLA lacks).
+            template = part if isinstance(part, tf.RaggedTensor) else None
+            part = tf.cast(part.flat_values if template is not None else part, tf.float32)
+            partial = part if partial is None else partial + part
+            offset = offset + size
+        if bag_scale is not None:  # mean's / sqrtn's denominator, divided in float32
+            partial = partial * bag_scale
         partial = tf.cast(partial, dtype)
         return template.with_flat_values(partial) if template is not None else partial
-
-
-def _summed_shard_lookups(shards, sizes, indices, flat, w_flat, under_xla, sparse_gradient):
-    """(the float32 sum of the shards' partial bags, their RaggedTensor template or None)."""
-    partial, template = None, None
-    offset = tf.zeros([], flat.dtype)
-    for i, (shard, size) in enumerate(zip(shards, sizes)):
-        local = flat - offset
-        # Ids past the table go to the last shard, whose kernel refuses them where the
-        # Assert above is dropped (TFLite): as padding they vanished silently. Under XLA
-        # _checked_under_xla refuses them, naming them as the Assert does.
-        last = i == len(shards) - 1 and not under_xla
-        mine = (local >= 0) if last else (local >= 0) & (local < size)
-        local = tf.where(mine, local, -tf.ones_like(local))
-        bags = indices.with_flat_values(local) if isinstance(indices, tf.RaggedTensor) else local
-        bag_w = indices.with_flat_values(w_flat) if isinstance(indices, tf.RaggedTensor) else w_flat
-        # Colocated, not tf.device(shard.device): the PS task's device was saved with the
-        # op, and the SavedModel then ran nowhere else; a colocation follows the variable.
-        with ops.colocate_with(shard):
-            part = fused_embedding_bag(shard, bags, bag_w, "sum", sparse_gradient=sparse_gradient)
-        # Ragged parts share the ids' row partition: adding their flat values skips
-        # RaggedTensor addition's partition checks (RaggedRange, which XLA lacks).
-        template = part if isinstance(part, tf.RaggedTensor) else None
-        part = tf.cast(part.flat_values if template is not None else part, tf.float32)
-        partial = part if partial is None else partial + part
-        offset = offset + size
-    return partial, template
-
-
-def _float16_sum(lookups, indices, flat, w_flat, shards):
-    """A float16 sum over shards: each shard's half partial of large weights overflowed (inf - inf =
-    NaN) where the unsharded op's float32 sum fits. The forward scales each bag's weights by a power
-    of two near 1 / its total |weight| (each partial then stays within the largest row magnitude) and
-    its float32 sum back; the gradient is the unscaled lookups' (scaled, the weights' gradient
-    overflowed instead: d_out / that power times the rows)."""
-    tensors = [s for s in shards if not isinstance(s, tf.Variable)]
-    template = []
-
-    @tf.custom_gradient
-    def summed(w, *tables):
-        valid_w = tf.where(flat >= 0, tf.cast(w, tf.float32), tf.zeros_like(w, tf.float32))
-        bag_sum, to_entries = _bag_reductions(indices, valid_w)
-        factor = tf.math.divide_no_nan(1.0, bag_sum(tf.abs(valid_w)))
-        power = _power_of_two_near(factor, bag_sum, valid_w, tf.float16)
-        partial, ragged = lookups(tf.cast(valid_w * to_entries(power), tf.float16), _with_tables(shards, tables))
-        template.append(ragged)
-
-        def grad(d_partial, variables=None):
-            with tf.GradientTape() as tape:
-                tape.watch([w, *tables])
-                unscaled, _ = lookups(w, _with_tables(shards, tables))
-            sources = [w, *tables]
-            grads = tape.gradient(unscaled, sources + list(variables or []), output_gradients=d_partial)
-            return grads[:len(sources)], grads[len(sources):]
-
-        return partial / power, grad
-
-    partial = summed(w_flat, *tensors)
-    return partial, template[0]
-
-
-def _with_tables(shards, tables):
-    """`shards` with its tensors (not variables) replaced by `tables`, in order."""
-    tables = iter(tables)
-    return [s if isinstance(s, tf.Variable) else next(tables) for s in shards]
 
 
 def _checked_ids(flat, total, dtype):
