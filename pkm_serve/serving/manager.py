@@ -250,7 +250,7 @@ class ModelManager:
         try:
             loader = load_with_retries(lambda: self._loader_factory(m.name, version, path),
                                        f"{{name: {m.name} version: {version}}}", self._max_num_load_retries,
-                                       lambda: self._retry_cancelled(r, path))
+                                       lambda: self._retry_cancelled(m, r, path))
             servable = loader.servable()
         except ServingError as e:
             log.error("model %s: version %d failed to load: %s", m.name, version, e.message)
@@ -268,11 +268,16 @@ class ModelManager:
         log.info("model %s: version %d available (load %.2fs, warmup %.2fs)", m.name, version,
                  getattr(servable, "load_seconds", 0.0), getattr(servable, "warmup_seconds", 0.0))
 
-    def _retry_cancelled(self, r, path):
+    def _retry_cancelled(self, m, r, path):
         """Waits the retry interval, then whether the retry is off: TF Serving cancels it
-        when the version is no longer aspired (here: its directory is gone) or the server
-        stops. The files of the next try are the ones a later poll compares with."""
+        when the version is no longer aspired (its directory is gone, or a newer version
+        took its place under the model's version policy) or the server stops. The files
+        of the next try are the ones a later poll compares with."""
         if self._stopped_within(self._load_retry_interval_seconds) or not is_directory(path):
+            return True
+        present = list_versions(m.config.base_path) or {}
+        if r.version not in aspired_versions(m.config.model_version_policy, present, failed=set()):
+            log.info("model %s: version %d is no longer aspired; its load is not retried", m.name, r.version)
             return True
         r.fingerprint = directory_fingerprint(path)
         return False

@@ -103,6 +103,25 @@ def test_a_retry_is_cancelled_when_the_version_directory_goes(tmp_path):
     assert version_states(manager) == {1: State.AVAILABLE, 2: State.END}
 
 
+def test_a_retry_is_cancelled_when_a_newer_version_takes_its_place(tmp_path):
+    """A fix pushed as version 3 while version 2's load is being retried: under the default
+    `latest` policy 2 is no longer aspired, so TF Serving cancels its retries and 3 loads in
+    the next poll (it waited out every retry before: 5 minutes with the default flags)."""
+    flaky = Flaky(tmp_path / "m", [1], {})
+    manager = _manager(flaky, retries=0, poll_seconds=-1)
+    manager.start()
+    manager.poll_once()
+    flaky.failures[2] = 100
+    manager._max_num_load_retries, manager._load_retry_interval_seconds = 100, 0.05
+    os.makedirs(flaky.base / "2")
+    threading.Timer(0.3, os.makedirs, [flaky.base / "3"]).start()
+    started = time.monotonic()
+    manager.poll_once()                       # 2's retries stop once 3 is there
+    assert 2 <= flaky.attempts[2] < 100 and time.monotonic() - started < 30
+    manager.poll_once()
+    assert version_states(manager)[3] == State.AVAILABLE
+
+
 def test_stop_cancels_a_retry_wait(tmp_path):
     flaky = Flaky(tmp_path / "m", [1], {1: 10})
     manager = _manager(flaky, retries=5, interval=600.0)
