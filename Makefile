@@ -39,6 +39,7 @@ TEST_DEPS :=
 
 # ---- Python environment ---------------------------------------------------
 $(STAMP): requirements.lock pyproject.toml
+	rm -f $(TF_FLAGS_FILE)
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	$(PIP) install -q --disable-pip-version-check -r requirements.lock
 	$(PIP) install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
@@ -47,8 +48,16 @@ $(STAMP): requirements.lock pyproject.toml
 venv: $(STAMP)
 
 # ---- TF custom-op library ---------------------------------------------------
-TF_CFLAGS = $(shell $(PY) -c 'import tensorflow as tf; print(" ".join(tf.sysconfig.get_compile_flags()))' 2>/dev/null)
-TF_LFLAGS = $(shell $(PY) -c 'import tensorflow as tf; print(" ".join(tf.sysconfig.get_link_flags()))' 2>/dev/null)
+# TF's compile and link flags, asked of the venv's TF once and kept beside it (each ask imports
+# TF, ~5 s: asked at every expansion, a fresh set-up spent over two minutes of CPU on them);
+# written through a temporary file, as parallel jobs may ask at once; a new venv asks again.
+TF_FLAGS_FILE := $(VENV)/.tf_flags
+tf_flags = $(shell test -s $(TF_FLAGS_FILE) || { $(PY) -c 'import tensorflow as tf; \
+	print(" ".join(tf.sysconfig.get_compile_flags())); print(" ".join(tf.sysconfig.get_link_flags()))' \
+	> $(TF_FLAGS_FILE).$$$$ 2>/dev/null && mv $(TF_FLAGS_FILE).$$$$ $(TF_FLAGS_FILE); rm -f $(TF_FLAGS_FILE).$$$$; }; \
+	sed -n $(1)p $(TF_FLAGS_FILE) 2>/dev/null)
+TF_CFLAGS = $(call tf_flags,1)
+TF_LFLAGS = $(call tf_flags,2)
 # CPU kernels only; the GPU kernels (*_gpu_kernels.cc) are built by `make gpu`.
 TF_OP_SRCS := $(PKM_TF_SRCS)
 TF_OP_LIB  := $(LIBDIR)/_pkm_ops.so
