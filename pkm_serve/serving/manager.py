@@ -50,6 +50,9 @@ class VersionRecord:
         self.in_flight = 0   # requests between acquire and release of this version
 
 
+WAITING_WARNING_SECONDS = 60.0  # how often a start-up waiting for a first version says so
+
+
 def aspired_versions(policy, present, failed):
     loadable = sorted((v for v in present if v not in failed), reverse=True)
     choice = policy.WhichOneof("policy_choice") if policy is not None else None
@@ -355,7 +358,7 @@ class ModelManager:
         polled again every poll_seconds, ports closed, until one appears (a model synced in
         after the server starts). Upstream waits forever when it polls only once
         (--file_system_poll_wait_seconds=0); here that is an error naming the models."""
-        waited = False
+        warned_at = None
         while True:
             with self._lock:
                 waiting = [m.name for m in self._models.values() if not any(
@@ -365,10 +368,12 @@ class ModelManager:
             if self._poll_seconds == 0:
                 raise ServingError(grpc.StatusCode.UNKNOWN, f"no version to load of {', '.join(waiting)}, and "
                                    "--file_system_poll_wait_seconds=0 polls only once (TF Serving waits forever)")
-            if not waited:
+            if warned_at is None or time.monotonic() - warned_at >= WAITING_WARNING_SECONDS:
+                # Again each minute: the ports stay closed meanwhile, and a base path naming a
+                # version directory itself (or a `specific` version never written) waits forever.
                 log.warning("waiting for a version of %s to load (polling every %gs)", ", ".join(waiting),
                             self._poll_seconds)
-                waited = True
+                warned_at = time.monotonic()
             if self._stopped_within(self._poll_seconds):
                 raise ServingError(grpc.StatusCode.CANCELLED, "stopped while waiting for the initial versions")
             self.poll_once()

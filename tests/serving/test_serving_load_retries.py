@@ -18,6 +18,7 @@ import half_plus_two as hpt
 from serving_helpers import ServerProcess, version_states, wait_until
 from pkm_serve.serving.errors import ServingError
 from pkm_serve.serving.loader import Loader
+from pkm_serve.serving import manager as manager_module
 from pkm_serve.serving.manager import ModelManager
 
 State = get_model_status_pb2.ModelVersionStatus.State
@@ -191,6 +192,24 @@ def test_start_waits_for_a_model_without_versions(tmp_path, caplog):
     assert f"Could not find base path {flaky.base} for servable m" in caplog.text
     assert f"No versions of servable m found under base path {flaky.base}." in caplog.text
     assert "waiting for a version of m to load" in caplog.text
+    manager.stop()
+
+
+def test_a_long_start_up_wait_says_so_again(tmp_path, caplog, monkeypatch):
+    """Ports stay closed while the start waits (a base path naming a version directory itself
+    waits forever): the warning comes again every WAITING_WARNING_SECONDS, not only once."""
+    monkeypatch.setattr(manager_module, "WAITING_WARNING_SECONDS", 0.2)
+    flaky = Flaky(tmp_path / "m", [], {})
+    os.makedirs(flaky.base)
+    manager = _manager(flaky, retries=0, poll_seconds=0.05)
+    starter = threading.Thread(target=manager.start)
+    with caplog.at_level(logging.WARNING, logger="pkm_serve.serving"):
+        starter.start()
+        time.sleep(1.0)
+        os.makedirs(flaky.base / "1")
+        starter.join(10)
+    assert not starter.is_alive() and version_states(manager) == {1: State.AVAILABLE}
+    assert caplog.text.count("waiting for a version of m to load") >= 3
     manager.stop()
 
 
