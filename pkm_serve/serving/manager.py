@@ -272,10 +272,9 @@ class ModelManager:
                  getattr(servable, "load_seconds", 0.0), getattr(servable, "warmup_seconds", 0.0))
 
     def _retry_cancelled(self, m, r, path):
-        """Waits the retry interval, then whether the retry is off: TF Serving cancels it
-        when the version is no longer aspired (its directory is gone, or a newer version
-        took its place under the model's version policy) or the server stops. The files
-        of the next try are the ones a later poll compares with."""
+        """Waits the retry interval, then whether the retry is off: TF Serving cancels it when
+        the version is no longer aspired (its directory gone, or a newer version took its place
+        under the policy) or the server stops. A later poll compares the next try's files."""
         if self._stopped_within(self._load_retry_interval_seconds) or not is_directory(path):
             return True
         present = list_versions(m.config.base_path) or {}
@@ -369,8 +368,7 @@ class ModelManager:
                 raise ServingError(grpc.StatusCode.UNKNOWN, f"no version to load of {', '.join(waiting)}, and "
                                    "--file_system_poll_wait_seconds=0 polls only once (TF Serving waits forever)")
             if warned_at is None or time.monotonic() - warned_at >= WAITING_WARNING_SECONDS:
-                # Again each minute: the ports stay closed meanwhile, and a base path naming a
-                # version directory itself (or a `specific` version never written) waits forever.
+                # Again each minute: the ports stay closed, and some waits never end.
                 log.warning("waiting for a version of %s to load (polling every %gs)", ", ".join(waiting),
                             self._poll_seconds)
                 warned_at = time.monotonic()
