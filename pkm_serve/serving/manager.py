@@ -7,9 +7,11 @@ longer aspired: serving never drops to zero versions during a transition
 (TF Serving's availability-preserving policy). A version that fails to load is
 first tried again (--max_num_load_retries, --load_retry_interval_micros, as TF
 Serving's LoaderHarness), then reported (state END with the error) and not tried
-again until its files change; the `latest` policy then falls back to the newest
-version that does load. At start-up, though, a failed load fails the start, and a
-model without any version yet is waited for (TF Serving's initial load).
+again until its files change. As TF Serving's file-system source, the version policy
+picks directories, not loadable versions: a `latest {num_versions: N}` model aspires
+the N newest directories even when one of them fails to load (it is not replaced by
+an older one). At start-up, though, a failed load fails the start, and a model
+without any version yet is waited for (TF Serving's initial load).
 
 What a version *is* stays behind the Loader seam (loader.py, TF Serving's
 core/loader.h): the transitions here only call load(), servable() and unload(),
@@ -50,15 +52,28 @@ class VersionRecord:
         self.in_flight = 0   # requests between acquire and release of this version
 
 
-def aspired_versions(policy, present, failed):
-    loadable = sorted((v for v in present if v not in failed), reverse=True)
+def aspired_versions(policy, present):
+    """The versions the policy wants of the directories `present`, whether or not they
+    load (file_system_storage_path_source.cc: AspireLatestVersions & co.)."""
+    newest_first = sorted(present, reverse=True)
     choice = policy.WhichOneof("policy_choice") if policy is not None else None
     if choice == "all":
-        return set(loadable)
+        return set(newest_first)
     if choice == "specific":
-        return set(policy.specific.versions) & set(loadable)
+        return set(policy.specific.versions) & set(newest_first)
     n = policy.latest.num_versions if choice == "latest" and policy.latest.num_versions > 0 else 1
-    return set(loadable[:n])
+    return set(newest_first[:n])
+
+
+def versions_to_unload(aspired, serving):
+    """The serving versions to unload (TF Serving's AvailabilityPreservingPolicy, applied
+    until it asks for nothing more): every one not aspired once an aspired version serves
+    or none is aspired; else all but the newest of them, so the model keeps serving while
+    its aspired versions fail or have not loaded."""
+    unaspired = sorted(v for v in serving if v not in aspired)
+    if not aspired or any(v in serving for v in aspired):
+        return unaspired
+    return unaspired[:-1]
 
 
 class ManagedModel:
@@ -218,17 +233,15 @@ class ModelManager:
             if r.state == State.END and r.error is not None and v in present:
                 if r.fingerprint == prints[v]:
                     failed.add(v)
-        aspired = aspired_versions(m.config.model_version_policy, present, failed)
-        for v in sorted(aspired, reverse=True):
+        aspired = aspired_versions(m.config.model_version_policy, present)
+        for v in sorted(aspired - failed, reverse=True):
             r = m.records.get(v)
             if r is None or r.state not in (State.AVAILABLE,):
                 self._load(m, v, present[v], prints[v])
         with self._lock:
-            available_aspired = any(m.records[v].state == State.AVAILABLE
-                                    for v in aspired if v in m.records)
-        for v, r in list(m.records.items()):
-            if r.state == State.AVAILABLE and v not in aspired and (available_aspired or v not in present):
-                self._unload(m, r)
+            serving = {v for v, r in m.records.items() if r.state == State.AVAILABLE}
+        for v in versions_to_unload(aspired, serving):
+            self._unload(m, m.records[v])
 
     @staticmethod
     def _warn_of_missing_specific_versions(m, present):
