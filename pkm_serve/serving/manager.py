@@ -28,7 +28,8 @@ from tensorflow_serving.config import model_server_config_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid, not_found
 from pkm_serve.serving.loader import load_with_retries, make_loader_factory
-from pkm_serve.serving.version_status import version_statuses
+from pkm_serve.serving.version_policy import aspired_versions, versions_to_unload, warn_of_missing_specific_versions
+from pkm_serve.serving.version_status import version_statuses, why_unavailable
 from pkm_serve.serving.version_dirs import directory_fingerprint, holds_model_hint, is_directory, list_versions
 
 log = logging.getLogger("pkm_serve.serving")
@@ -50,30 +51,6 @@ class VersionRecord:
         self.servable = None
         self.fingerprint = None
         self.in_flight = 0   # requests between acquire and release of this version
-
-
-def aspired_versions(policy, present):
-    """The versions the policy wants of the directories `present`, whether or not they
-    load (file_system_storage_path_source.cc: AspireLatestVersions & co.)."""
-    newest_first = sorted(present, reverse=True)
-    choice = policy.WhichOneof("policy_choice") if policy is not None else None
-    if choice == "all":
-        return set(newest_first)
-    if choice == "specific":
-        return set(policy.specific.versions) & set(newest_first)
-    n = policy.latest.num_versions if choice == "latest" and policy.latest.num_versions > 0 else 1
-    return set(newest_first[:n])
-
-
-def versions_to_unload(aspired, serving):
-    """The serving versions to unload (TF Serving's AvailabilityPreservingPolicy, applied
-    until it asks for nothing more): every one not aspired once an aspired version serves
-    or none is aspired; else all but the newest of them, so the model keeps serving while
-    its aspired versions fail or have not loaded."""
-    unaspired = sorted(v for v in serving if v not in aspired)
-    if not aspired or any(v in serving for v in aspired):
-        return unaspired
-    return unaspired[:-1]
 
 
 class ManagedModel:
@@ -140,8 +117,10 @@ class ModelManager:
                 raise invalid(f"model '{c.name}': model_platform '{c.model_platform}' is not "
                               "supported (only 'tensorflow')")
 
-    def apply_config(self, server_config, poll=True):
-        """Installs a new model list (HandleReloadConfigRequest); removed models are unloaded."""
+    def apply_config(self, server_config, poll=True, await_new_models_until=None):
+        """Installs a new model list (HandleReloadConfigRequest); removed models are unloaded.
+        With await_new_models_until (a time.monotonic() deadline, math.inf for none), an added
+        model without a version yet is waited for, as ServerCore::ReloadConfig does."""
         if server_config.WhichOneof("config") is None:
             # As TF Serving's ServerCore::ReloadConfig: an empty ModelServerConfig changes
             # nothing (an empty model_config_list, which is set, does unload every model).
@@ -166,6 +145,8 @@ class ModelManager:
                         self._unload(m, r)
             if poll:
                 self._poll_locked()
+                if await_new_models_until is not None:
+                    self._await_a_version_of(added, await_new_models_until)
                 # As ServerCore::ReloadConfig, which waits for the new models: the config stays
                 # applied, the labels are left as they were, and the caller hears why.
                 failed = self._failed_loads(added)
@@ -226,7 +207,7 @@ class ModelManager:
                 log.warning(NO_VERSIONS_MESSAGE.format(name=m.name, path=m.config.base_path)
                             + holds_model_hint(m.config.base_path))
             m.no_versions_logged = not present
-        self._warn_of_missing_specific_versions(m, present)
+        warn_of_missing_specific_versions(m, present)
         prints = {v: directory_fingerprint(p) for v, p in present.items()}
         failed = set()
         for v, r in m.records.items():
@@ -242,16 +223,6 @@ class ModelManager:
             serving = {v for v, r in m.records.items() if r.state == State.AVAILABLE}
         for v in versions_to_unload(aspired, serving):
             self._unload(m, m.records[v])
-
-    @staticmethod
-    def _warn_of_missing_specific_versions(m, present):
-        policy = m.config.model_version_policy
-        missing = tuple(sorted(set(policy.specific.versions) - set(present))) \
-            if policy.WhichOneof("policy_choice") == "specific" else ()
-        for v in missing if missing != m.missing_specific_logged else ():
-            log.warning("Version %d of servable %s, which was requested to be served as a 'specific' "
-                        "version in the servable's version policy, was not found in the file system", v, m.name)
-        m.missing_specific_logged = missing
 
     def _load(self, m, version, path, fingerprint):
         with self._lock:
@@ -365,9 +336,7 @@ class ModelManager:
         (--file_system_poll_wait_seconds=0); here that is an error naming the models."""
         waited = False
         while True:
-            with self._lock:
-                waiting = [m.name for m in self._models.values() if not any(
-                    r.state == State.AVAILABLE or r.error is not None for r in m.records.values())]
+            waiting = self._awaited(self._models)
             if not waiting:
                 return
             if self._poll_seconds == 0:
@@ -380,6 +349,34 @@ class ModelManager:
             if self._stopped_within(self._poll_seconds):
                 raise ServingError(grpc.StatusCode.CANCELLED, "stopped while waiting for the initial versions")
             self.poll_once()
+
+    def _awaited(self, names):
+        """The models of `names` that have no version that loaded or failed yet."""
+        with self._lock:
+            return [m.name for m in map(self._models.get, names) if m and not any(
+                r.state == State.AVAILABLE or r.error is not None for r in m.records.values())]
+
+    def _await_a_version_of(self, names, until):
+        """ServerCore::ReloadConfig's WaitUntilModelsAvailable for the models a reload added:
+        polls (this holds the poll lock) every poll_seconds until each has a version that
+        loaded or failed. Upstream waits without bound; here the wait also ends at the
+        caller's deadline (DEADLINE_EXCEEDED), at stop, or at once when nothing polls again."""
+        while True:
+            waiting = self._awaited(names)
+            if not waiting:
+                return
+            where = ", ".join(f"{n} (base path {self._models[n].config.base_path})" for n in waiting)
+            if self._poll_seconds <= 0:
+                raise ServingError(grpc.StatusCode.UNKNOWN, f"no version to load of {where}, and "
+                                   "the file system is not polled again (--file_system_poll_wait_seconds"
+                                   f"={self._poll_seconds:g}; TF Serving waits forever)")
+            left = until - time.monotonic()
+            if left <= 0:
+                raise ServingError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no version of {where} has loaded "
+                                   "yet; the config is applied and the model loads when a version appears")
+            if self._stopped_within(min(self._poll_seconds, left)):
+                raise ServingError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            self._poll_locked()
 
     def _refuse_failed_initial_loads(self):
         """Raises TF Serving's start-up error (load_servables_fast.cc: "N servable(s) did not
@@ -414,6 +411,11 @@ class ModelManager:
             if self._poll_seconds > 0 and now - last_versions >= self._poll_seconds:
                 last_versions = now
                 self.poll_once()
+
+    def stop_waiting(self):
+        """Ends the waits (a reload waiting for a new model's first version, the poller's
+        sleep) at once: called when shutdown begins, before the front ends drain."""
+        self._stop.set()
 
     def stop(self, timeout=30.0) -> bool:
         """Stops the poller; False if it is still busy (a load) after `timeout` seconds."""
@@ -482,22 +484,13 @@ class ModelManager:
                 # TF Serving: NOT_FOUND (HTTP 404) "Servable not found for request: Latest(M)";
                 # the why (a failed load, no version directory) follows for the caller.
                 raise not_found(f"Servable not found for request: Latest({m.name}) "
-                                f"(no version is available: {self._describe(m)})")
+                                f"(no version is available: {why_unavailable(m)})")
             v = available[-1]
         r = m.records.get(v)
         if r is None or r.state != State.AVAILABLE or r.servable is None:
             raise not_found(f"Servable not found for request: model '{m.name}' version {v} "
                             f"is not available (available versions: {available})")
         return r
-
-    def _describe(self, m):
-        if m.base_path_missing:
-            return f"base path {m.config.base_path} does not exist"
-        if not m.records:
-            return f"no numeric version directories under {m.config.base_path}"
-        return "; ".join(f"version {v}: {State.Name(r.state)}"
-                         + (f" ({r.error.message[:300]})" if r.error else "")
-                         for v, r in sorted(m.records.items()))
 
     def status(self, model_spec):
         """GetModelStatusResponse.model_version_status entries (newest first)."""

@@ -31,3 +31,15 @@ def version_statuses(m, model_spec):
             s.status.CopyFrom(status_pb2.StatusProto(error_code=0, error_message=""))
         out.append(s)
     return out
+
+
+def why_unavailable(m):
+    """What each version of the ManagedModel `m` is, for an error saying none serves."""
+    if m.base_path_missing:
+        return f"base path {m.config.base_path} does not exist"
+    if not m.records:
+        return f"no numeric version directories under {m.config.base_path}"
+    state_name = get_model_status_pb2.ModelVersionStatus.State.Name
+    return "; ".join(f"version {v}: {state_name(r.state)}"
+                     + (f" ({r.error.message[:300]})" if r.error else "")
+                     for v, r in sorted(m.records.items()))
