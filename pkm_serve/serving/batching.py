@@ -134,11 +134,15 @@ class BatchScheduler:
     def run(self, servable, signature, inputs, deadline=None, model_name=""):
         """Runs signature on inputs as part of a batch; returns its outputs (dict)."""
         rows = {v.shape[0] if v.ndim else None for v in inputs.values()}
-        if len(rows) != 1 or None in rows or rows == {0} or next(iter(rows)) > self.opts.max_batch_size \
-                or not _has_batch_dimension(signature, inputs):
-            # Not batchable (scalars, mismatched dim 0, empty, larger than a batch, not the
-            # signature's rank): run alone.
+        if len(rows) != 1 or None in rows or rows == {0} or not _has_batch_dimension(signature, inputs):
+            # Not batchable (scalars, mismatched dim 0, empty, not the signature's rank): run alone.
             return signature.run(inputs)
+        if next(iter(rows)) > self.opts.max_batch_size:
+            # max_batch_size bounds what one run may take (memory): TF Serving's batch queue
+            # refuses a larger request (shared_batch_scheduler.h) rather than run it alone.
+            raise ServingError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"Task size {next(iter(rows))} is larger than maximum input batch size "
+                               f"{self.opts.max_batch_size}")
         task = _Task(inputs, next(iter(rows)))
         key = self._key(servable, signature, inputs)
         with self._cv:
