@@ -22,6 +22,9 @@ from pkm_serve.serving.errors import ServingError
 log = logging.getLogger("pkm_serve.serving")
 
 
+_LONGEST_WAIT_S = 3600.0   # a batch thread re-checks its queues at least this often
+
+
 def _value(wrapper_msg, field, default):
     return getattr(wrapper_msg, field).value if wrapper_msg.HasField(field) else default
 
@@ -214,7 +217,9 @@ class BatchScheduler:
                         break
                     if self._stopping:
                         return
-                    self._cv.wait(wait)
+                    # Clamped: a batch_timeout_micros near int64 max ("close only when full")
+                    # overflowed the lock's timeout and killed the batch thread.
+                    self._cv.wait(None if wait is None else min(wait, _LONGEST_WAIT_S))
             try:
                 self._execute(q, batch)
             except Exception:  # noqa: BLE001 - a dead worker would stall its queue for good
