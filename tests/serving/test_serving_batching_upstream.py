@@ -107,3 +107,31 @@ def test_request_larger_than_max_batch_size_is_refused(server, tf_with_ops):
         urllib.request.urlopen(server.rest_url + "/v1/models/pkm:predict", body, timeout=30)
     assert http.value.code == 400
     assert "Task size 5 is larger than maximum input batch size 4" in json.loads(http.value.read())["error"]
+
+
+def test_output_filters_of_batch_mates_stay_their_own(server, reference, tf_with_ops):
+    """Requests merged into one run with different output_filters: each answer holds exactly
+    the outputs its request named (all of them without a filter), with its own rows."""
+    tf = tf_with_ops
+    rng = np.random.default_rng(12)
+    filters = [("slots",), ("output",), (), ("output", "slots")] * 2
+    queries = [rng.standard_normal((1 + i % 2, 32)).astype(np.float32) for i in range(len(filters))]
+    answers = [None] * len(filters)
+    with grpc.insecure_channel(server.target) as ch:
+        stub = prediction_service_pb2_grpc.PredictionServiceStub(ch)
+
+        def call(i):
+            req = _request(tf, "serving_default", {"query": queries[i]})
+            req.output_filter.extend(filters[i])
+            answers[i] = stub.Predict(req, timeout=60)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(filters))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+    for names, query, resp in zip(filters, queries, answers):
+        want = reference["serving_default"](query=tf.constant(query))
+        assert set(resp.outputs) == set(names or want)
+        for k in resp.outputs:
+            np.testing.assert_allclose(tf.make_ndarray(resp.outputs[k]), want[k].numpy(), rtol=1e-5, atol=1e-6)
