@@ -54,7 +54,8 @@ class BatchOptions:
         self.max_batch_size = int(_value(params, "max_batch_size", 1000))
         self.batch_timeout_s = _value(params, "batch_timeout_micros", 0) / 1e6
         self.num_batch_threads = int(_value(params, "num_batch_threads", os.cpu_count() or 1))
-        self.max_enqueued_batches = int(_value(params, "max_enqueued_batches", 100))
+        # Unset fields take TF Serving's defaults (SharedBatchScheduler::QueueOptions).
+        self.max_enqueued_batches = int(_value(params, "max_enqueued_batches", 10))
         self.allowed_batch_sizes = sorted(params.allowed_batch_sizes)
         if self.max_batch_size <= 0 or self.num_batch_threads <= 0 or self.max_enqueued_batches <= 0:
             raise ValueError("batching parameters max_batch_size, num_batch_threads and "

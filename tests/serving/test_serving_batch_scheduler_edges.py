@@ -65,3 +65,31 @@ def test_request_over_max_batch_size_is_refused_with_upstreams_words(rows):
         assert err.value.message == f"Task size {rows} is larger than maximum input batch size 2"
     finally:
         sched.stop(timeout=10)
+
+
+def test_unset_max_enqueued_batches_is_tf_servings_ten():
+    """SharedBatchScheduler::QueueOptions: max_enqueued_batches defaults to 10; beyond that a
+    request is refused UNAVAILABLE (it used to default to 100: ten times the queueing
+    latency before an overloaded server shed load)."""
+    sched = _scheduler("max_batch_size { value: 1 } num_batch_threads { value: 1 }")
+    gate = threading.Event()
+
+    class _Gated(_Doubling):
+        def run(self, inputs, output_filter=()):
+            gate.wait(10)
+            return super().run(inputs)
+    one = {"x": np.ones((1, 1), np.float32)}
+    waiting = [threading.Thread(target=sched.run, args=("s", _Gated(), one)) for _ in range(11)]
+    try:
+        for t in waiting:   # one runs (held at the gate), ten wait in the queue
+            t.start()
+            time.sleep(0.05)
+        with pytest.raises(ServingError) as err:   # (the deadline: a regression fails, not hangs)
+            sched.run("s", _Gated(), one, deadline=time.monotonic() + 1)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
+        assert err.value.message.startswith("The batch scheduling queue to which this task was submitted is full")
+    finally:
+        gate.set()
+        for t in waiting:
+            t.join(10)
+        sched.stop(timeout=10)

@@ -22,7 +22,8 @@ def server(tmp_path_factory, saved_models):
     tmp = tmp_path_factory.mktemp("batching_upstream")
     (tmp / "batching.config").write_text(
         f"max_batch_size {{ value: {MAX_BATCH} }} batch_timeout_micros {{ value: 20000 }}\n"
-        "num_batch_threads { value: 2 } allowed_batch_sizes: 2 allowed_batch_sizes: 4\n")
+        "num_batch_threads { value: 2 } allowed_batch_sizes: 2 allowed_batch_sizes: 4\n"
+        "max_enqueued_batches { value: 100 }\n")   # the burst below must not be refused
     base = saved_models[1].rsplit("/", 1)[0]
     srv = ServerProcess(tmp, "--model_name=pkm", f"--model_base_path={base}",
                         "--file_system_poll_wait_seconds=0", "--enable_batching",
