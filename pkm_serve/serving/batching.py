@@ -22,6 +22,9 @@ from pkm_serve.serving.errors import ServingError
 log = logging.getLogger("pkm_serve.serving")
 
 
+_LONGEST_WAIT_S = 3600.0   # a batch thread re-checks its queues at least this often
+
+
 def _value(wrapper_msg, field, default):
     return getattr(wrapper_msg, field).value if wrapper_msg.HasField(field) else default
 
@@ -51,7 +54,8 @@ class BatchOptions:
         self.max_batch_size = int(_value(params, "max_batch_size", 1000))
         self.batch_timeout_s = _value(params, "batch_timeout_micros", 0) / 1e6
         self.num_batch_threads = int(_value(params, "num_batch_threads", os.cpu_count() or 1))
-        self.max_enqueued_batches = int(_value(params, "max_enqueued_batches", 100))
+        # Unset fields take TF Serving's defaults (SharedBatchScheduler::QueueOptions).
+        self.max_enqueued_batches = int(_value(params, "max_enqueued_batches", 10))
         self.allowed_batch_sizes = sorted(params.allowed_batch_sizes)
         if self.max_batch_size <= 0 or self.num_batch_threads <= 0 or self.max_enqueued_batches <= 0:
             raise ValueError("batching parameters max_batch_size, num_batch_threads and "
@@ -134,11 +138,15 @@ class BatchScheduler:
     def run(self, servable, signature, inputs, deadline=None, model_name=""):
         """Runs signature on inputs as part of a batch; returns its outputs (dict)."""
         rows = {v.shape[0] if v.ndim else None for v in inputs.values()}
-        if len(rows) != 1 or None in rows or rows == {0} or next(iter(rows)) > self.opts.max_batch_size \
-                or not _has_batch_dimension(signature, inputs):
-            # Not batchable (scalars, mismatched dim 0, empty, larger than a batch, not the
-            # signature's rank): run alone.
+        if len(rows) != 1 or None in rows or rows == {0} or not _has_batch_dimension(signature, inputs):
+            # Not batchable (scalars, mismatched dim 0, empty, not the signature's rank): run alone.
             return signature.run(inputs)
+        if next(iter(rows)) > self.opts.max_batch_size:
+            # max_batch_size bounds what one run may take (memory): TF Serving's batch queue
+            # refuses a larger request (shared_batch_scheduler.h) rather than run it alone.
+            raise ServingError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"Task size {next(iter(rows))} is larger than maximum input batch size "
+                               f"{self.opts.max_batch_size}")
         task = _Task(inputs, next(iter(rows)))
         key = self._key(servable, signature, inputs)
         with self._cv:
@@ -210,7 +218,9 @@ class BatchScheduler:
                         break
                     if self._stopping:
                         return
-                    self._cv.wait(wait)
+                    # Clamped: a batch_timeout_micros near int64 max ("close only when full")
+                    # overflowed the lock's timeout and killed the batch thread.
+                    self._cv.wait(None if wait is None else min(wait, _LONGEST_WAIT_S))
             try:
                 self._execute(q, batch)
             except Exception:  # noqa: BLE001 - a dead worker would stall its queue for good

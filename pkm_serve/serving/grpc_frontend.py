@@ -52,7 +52,7 @@ class _Calls:
 
 MAX_RESPONSE_BYTES = 2 ** 31 - 1   # TF Serving's SetMaxMessageSize(tensorflow::kint32max)
 
-_WITH_DEADLINE = {"predict", "classify", "regress", "multi_inference"}
+_WITH_DEADLINE = {"predict", "classify", "regress", "multi_inference", "reload_config"}
 
 
 class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):

@@ -7,9 +7,11 @@ longer aspired: serving never drops to zero versions during a transition
 (TF Serving's availability-preserving policy). A version that fails to load is
 first tried again (--max_num_load_retries, --load_retry_interval_micros, as TF
 Serving's LoaderHarness), then reported (state END with the error) and not tried
-again until its files change; the `latest` policy then falls back to the newest
-version that does load. At start-up, though, a failed load fails the start, and a
-model without any version yet is waited for (TF Serving's initial load).
+again until its files change. As TF Serving's file-system source, the version policy
+picks directories, not loadable versions: a `latest {num_versions: N}` model aspires
+the N newest directories even when one of them fails to load (it is not replaced by
+an older one). At start-up, though, a failed load fails the start, and a model
+without any version yet is waited for (TF Serving's initial load).
 
 What a version *is* stays behind the Loader seam (loader.py, TF Serving's
 core/loader.h): the transitions here only call load(), servable() and unload(),
@@ -26,7 +28,8 @@ from tensorflow_serving.config import model_server_config_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid, not_found
 from pkm_serve.serving.loader import load_with_retries, make_loader_factory
-from pkm_serve.serving.version_status import version_statuses
+from pkm_serve.serving.version_policy import aspired_versions, versions_to_unload, warn_of_missing_specific_versions
+from pkm_serve.serving.version_status import failed_loads, version_statuses, why_unavailable
 from pkm_serve.serving.version_dirs import directory_fingerprint, holds_model_hint, is_directory, list_versions
 
 log = logging.getLogger("pkm_serve.serving")
@@ -51,17 +54,6 @@ class VersionRecord:
 
 
 WAITING_WARNING_SECONDS = 60.0  # how often a start-up waiting for a first version says so
-
-
-def aspired_versions(policy, present, failed):
-    loadable = sorted((v for v in present if v not in failed), reverse=True)
-    choice = policy.WhichOneof("policy_choice") if policy is not None else None
-    if choice == "all":
-        return set(loadable)
-    if choice == "specific":
-        return set(policy.specific.versions) & set(loadable)
-    n = policy.latest.num_versions if choice == "latest" and policy.latest.num_versions > 0 else 1
-    return set(loadable[:n])
 
 
 class ManagedModel:
@@ -128,8 +120,10 @@ class ModelManager:
                 raise invalid(f"model '{c.name}': model_platform '{c.model_platform}' is not "
                               "supported (only 'tensorflow')")
 
-    def apply_config(self, server_config, poll=True):
-        """Installs a new model list (HandleReloadConfigRequest); removed models are unloaded."""
+    def apply_config(self, server_config, poll=True, await_new_models_until=None):
+        """Installs a new model list (HandleReloadConfigRequest); removed models are unloaded.
+        With await_new_models_until (a time.monotonic() deadline, math.inf for none), an added
+        model without a version yet is waited for, as ServerCore::ReloadConfig does."""
         if server_config.WhichOneof("config") is None:
             # As TF Serving's ServerCore::ReloadConfig: an empty ModelServerConfig changes
             # nothing (an empty model_config_list, which is set, does unload every model).
@@ -154,6 +148,8 @@ class ModelManager:
                         self._unload(m, r)
             if poll:
                 self._poll_locked()
+                if await_new_models_until is not None:
+                    self._await_a_version_of(added, await_new_models_until)
                 # As ServerCore::ReloadConfig, which waits for the new models: the config stays
                 # applied, the labels are left as they were, and the caller hears why.
                 failed = self._failed_loads(added)
@@ -214,34 +210,22 @@ class ModelManager:
                 log.warning(NO_VERSIONS_MESSAGE.format(name=m.name, path=m.config.base_path)
                             + holds_model_hint(m.config.base_path))
             m.no_versions_logged = not present
-        self._warn_of_missing_specific_versions(m, present)
+        warn_of_missing_specific_versions(m, present)
         prints = {v: directory_fingerprint(p) for v, p in present.items()}
         failed = set()
         for v, r in m.records.items():
             if r.state == State.END and r.error is not None and v in present:
                 if r.fingerprint == prints[v]:
                     failed.add(v)
-        aspired = aspired_versions(m.config.model_version_policy, present, failed)
-        for v in sorted(aspired, reverse=True):
+        aspired = aspired_versions(m.config.model_version_policy, present)
+        for v in sorted(aspired - failed, reverse=True):
             r = m.records.get(v)
             if r is None or r.state not in (State.AVAILABLE,):
                 self._load(m, v, present[v], prints[v])
         with self._lock:
-            available_aspired = any(m.records[v].state == State.AVAILABLE
-                                    for v in aspired if v in m.records)
-        for v, r in list(m.records.items()):
-            if r.state == State.AVAILABLE and v not in aspired and (available_aspired or v not in present):
-                self._unload(m, r)
-
-    @staticmethod
-    def _warn_of_missing_specific_versions(m, present):
-        policy = m.config.model_version_policy
-        missing = tuple(sorted(set(policy.specific.versions) - set(present))) \
-            if policy.WhichOneof("policy_choice") == "specific" else ()
-        for v in missing if missing != m.missing_specific_logged else ():
-            log.warning("Version %d of servable %s, which was requested to be served as a 'specific' "
-                        "version in the servable's version policy, was not found in the file system", v, m.name)
-        m.missing_specific_logged = missing
+            serving = {v for v, r in m.records.items() if r.state == State.AVAILABLE}
+        for v in versions_to_unload(aspired, serving):
+            self._unload(m, m.records[v])
 
     def _load(self, m, version, path, fingerprint):
         with self._lock:
@@ -278,7 +262,7 @@ class ModelManager:
         if self._stopped_within(self._load_retry_interval_seconds) or not is_directory(path):
             return True
         present = list_versions(m.config.base_path) or {}
-        if r.version not in aspired_versions(m.config.model_version_policy, present, failed=set()):
+        if r.version not in aspired_versions(m.config.model_version_policy, present):
             log.info("model %s: version %d is no longer aspired; its load is not retried", m.name, r.version)
             return True
         r.fingerprint = directory_fingerprint(path)
@@ -359,9 +343,7 @@ class ModelManager:
         (--file_system_poll_wait_seconds=0); here that is an error naming the models."""
         warned_at = None
         while True:
-            with self._lock:
-                waiting = [m.name for m in self._models.values() if not any(
-                    r.state == State.AVAILABLE or r.error is not None for r in m.records.values())]
+            waiting = self._awaited(self._models)
             if not waiting:
                 return
             if self._poll_seconds == 0:
@@ -376,6 +358,33 @@ class ModelManager:
                 raise ServingError(grpc.StatusCode.CANCELLED, "stopped while waiting for the initial versions")
             self.poll_once()
 
+    def _awaited(self, names):
+        """The models of `names` that have no version that loaded or failed yet."""
+        with self._lock:
+            return [m.name for m in map(self._models.get, names) if m and not any(
+                r.state == State.AVAILABLE or r.error is not None for r in m.records.values())]
+
+    def _await_a_version_of(self, names, until):
+        """ServerCore::ReloadConfig's WaitUntilModelsAvailable for the models a reload added: polls
+        (holding the poll lock) until each has a version that loaded or failed. Upstream waits without
+        bound; this ends at the caller's deadline (DEADLINE_EXCEEDED), at stop, or when nothing polls."""
+        while True:
+            waiting = self._awaited(names)
+            if not waiting:
+                return
+            where = ", ".join(f"{n} (base path {self._models[n].config.base_path})" for n in waiting)
+            if self._poll_seconds <= 0:
+                raise ServingError(grpc.StatusCode.UNKNOWN, f"no version to load of {where}, and "
+                                   "the file system is not polled again (--file_system_poll_wait_seconds"
+                                   f"={self._poll_seconds:g}; TF Serving waits forever)")
+            left = until - time.monotonic()
+            if left <= 0:
+                raise ServingError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no version of {where} has loaded "
+                                   "yet; the config is applied and the model loads when a version appears")
+            if self._stopped_within(min(self._poll_seconds, left)):
+                raise ServingError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            self._poll_locked()
+
     def _refuse_failed_initial_loads(self):
         """Raises TF Serving's start-up error (load_servables_fast.cc: "N servable(s) did not
         become available: {{{name: M version: V} due to error: CODE: ...}, }"), one entry per
@@ -388,13 +397,8 @@ class ModelManager:
                                f"{len(failed)} servable(s) did not become available: {{{entries}}}")
 
     def _failed_loads(self, names):
-        """['{name: M version: V} due to error: CODE: ...'] for the models `names` whose load
-        failed, one each, as TF Serving awaits Latest(M): the newest failed version."""
         with self._lock:
-            failed = ((m, [r for r in m.records.values() if r.state == State.END and r.error is not None])
-                      for m in map(self._models.get, names) if m)
-            return [f"{{name: {m.name} version: {r.version}}} due to error: {' '.join(str(r.error).split())}"
-                    for m, records in failed if records for r in [max(records, key=lambda r: r.version)]]
+            return failed_loads([m for m in map(self._models.get, names) if m])
 
     def _loop(self):
         periods = [self._poll_seconds] + ([self._config_poll_seconds] if self._config_file else [])
@@ -409,6 +413,11 @@ class ModelManager:
             if self._poll_seconds > 0 and now - last_versions >= self._poll_seconds:
                 last_versions = now
                 self.poll_once()
+
+    def stop_waiting(self):
+        """Ends the waits (a reload waiting for a new model's first version, the poller's
+        sleep) at once: called when shutdown begins, before the front ends drain."""
+        self._stop.set()
 
     def stop(self, timeout=30.0) -> bool:
         """Stops the poller; False if it is still busy (a load) after `timeout` seconds."""
@@ -477,22 +486,13 @@ class ModelManager:
                 # TF Serving: NOT_FOUND (HTTP 404) "Servable not found for request: Latest(M)";
                 # the why (a failed load, no version directory) follows for the caller.
                 raise not_found(f"Servable not found for request: Latest({m.name}) "
-                                f"(no version is available: {self._describe(m)})")
+                                f"(no version is available: {why_unavailable(m)})")
             v = available[-1]
         r = m.records.get(v)
         if r is None or r.state != State.AVAILABLE or r.servable is None:
             raise not_found(f"Servable not found for request: model '{m.name}' version {v} "
                             f"is not available (available versions: {available})")
         return r
-
-    def _describe(self, m):
-        if m.base_path_missing:
-            return f"base path {m.config.base_path} does not exist"
-        if not m.records:
-            return f"no numeric version directories under {m.config.base_path}"
-        return "; ".join(f"version {v}: {State.Name(r.state)}"
-                         + (f" ({r.error.message[:300]})" if r.error else "")
-                         for v, r in sorted(m.records.items()))
 
     def status(self, model_spec):
         """GetModelStatusResponse.model_version_status entries (newest first)."""

@@ -163,6 +163,7 @@ class Server:
         def left():
             return max(0.0, end - time.monotonic())
         log.info("draining in-flight requests (up to %.0fs)", grace)
+        self.manager.stop_waiting()   # a reload awaiting a new model's version must not hold the drain
         self.stop_step = "the gRPC and REST front ends"
         threads = []
         if self.grpc:

@@ -4,6 +4,7 @@ Every method takes and returns tensorflow_serving.apis protos and raises
 ServingError; the front ends only translate transport details.
 """
 import logging
+import math
 import time
 
 import grpc
@@ -118,7 +119,7 @@ class InferenceService:
         resp.model_version_status.extend(self.manager.status(request.model_spec))
         return resp
 
-    def reload_config(self, request):
+    def reload_config(self, request, deadline=None):
         """model_service_impl.cc: only a model_config_list is taken (an empty config too is
         INVALID_ARGUMENT there), and a failed reload is the RPC's status, not an OK answer
         carrying it (a client that relies on the RpcError took a failure for success)."""
@@ -126,7 +127,8 @@ class InferenceService:
             raise invalid("ServerModelConfig type not supported by HandleReloadConfigRequest. "
                           "Only ModelConfigList is currently supported")
         try:
-            self.manager.apply_config(request.config)
+            self.manager.apply_config(request.config,
+                                      await_new_models_until=math.inf if deadline is None else deadline)
         except ServingError as e:
             log.error("ReloadConfig failed: %s", e.message)
             raise

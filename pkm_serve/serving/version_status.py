@@ -3,6 +3,8 @@ from tensorflow_serving.apis import get_model_status_pb2, status_pb2
 
 from pkm_serve.serving.errors import invalid, not_found
 
+END = get_model_status_pb2.ModelVersionStatus.State.END
+
 
 def version_statuses(m, model_spec):
     """ModelVersionStatus entries of the ManagedModel `m` that model_spec picks, newest
@@ -31,3 +33,24 @@ def version_statuses(m, model_spec):
             s.status.CopyFrom(status_pb2.StatusProto(error_code=0, error_message=""))
         out.append(s)
     return out
+
+
+def why_unavailable(m):
+    """What each version of the ManagedModel `m` is, for an error saying none serves."""
+    if m.base_path_missing:
+        return f"base path {m.config.base_path} does not exist"
+    if not m.records:
+        return f"no numeric version directories under {m.config.base_path}"
+    state_name = get_model_status_pb2.ModelVersionStatus.State.Name
+    return "; ".join(f"version {v}: {state_name(r.state)}"
+                     + (f" ({r.error.message[:300]})" if r.error else "")
+                     for v, r in sorted(m.records.items()))
+
+
+def failed_loads(models):
+    """['{name: M version: V} due to error: CODE: ...'] for the ManagedModels whose load failed,
+    one each, as TF Serving awaits Latest(M): the newest failed version; the caller holds the
+    manager's lock."""
+    failed = ((m, [r for r in m.records.values() if r.state == END and r.error is not None]) for m in models)
+    return [f"{{name: {m.name} version: {r.version}}} due to error: {' '.join(str(r.error).split())}"
+            for m, records in failed if records for r in [max(records, key=lambda r: r.version)]]

@@ -391,11 +391,15 @@ def test_reload_config_adds_and_removes_models(server, channel, stub, saved_mode
             "HandleReloadConfigRequest. Only ModelConfigList is currently supported")
         assert stub.Predict(_request(name="composite", query=QUERIES[:1]), timeout=30)
         # A model with no version on disk: its status is NOT_FOUND, as in TF Serving (was OK, empty).
+        # The reload waits for a new model's version (ServerCore::ReloadConfig); this server polls
+        # once (--file_system_poll_wait_seconds=0), so it says at once that none came, config applied.
         ghost = model_server_config_pb2.ModelServerConfig()
         ghost.CopyFrom(cfg)
         ghost.model_config_list.config.add(name="ghost", base_path=composite_base + "/no_such_dir",
                                            model_platform="tensorflow")
-        assert reload(ghost).error_code == 0
+        status = reload(ghost)
+        assert status.error_code == grpc.StatusCode.UNKNOWN.value[0]
+        assert status.error_message.startswith("no version to load of ghost (base path ")
         with pytest.raises(grpc.RpcError) as err:
             models.GetModelStatus(get_model_status_pb2.GetModelStatusRequest(model_spec={"name": "ghost"}),
                                   timeout=30)

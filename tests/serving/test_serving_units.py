@@ -72,14 +72,13 @@ def test_version_policies():
     from tensorflow_serving.config import model_server_config_pb2 as m
     present = {1: "", 2: "", 3: "", 5: ""}
     policy = m.ModelConfig().model_version_policy
-    assert aspired_versions(policy, present, set()) == {5}                    # default: latest 1
-    assert aspired_versions(policy, present, {5}) == {3}                      # broken newest: fall back
+    assert aspired_versions(policy, present) == {5}                    # default: latest 1
     policy.latest.num_versions = 2
-    assert aspired_versions(policy, present, set()) == {3, 5}
+    assert aspired_versions(policy, present) == {3, 5}
     policy.all.SetInParent()
-    assert aspired_versions(policy, present, {2}) == {1, 3, 5}
+    assert aspired_versions(policy, present) == {1, 2, 3, 5}
     policy.specific.versions.extend([2, 4])
-    assert aspired_versions(policy, present, set()) == {2}                    # 4 does not exist
+    assert aspired_versions(policy, present) == {2}                    # 4 does not exist
 
 
 class _FakeSignature:
