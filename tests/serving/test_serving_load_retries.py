@@ -123,9 +123,8 @@ def test_a_retry_is_cancelled_when_a_newer_version_takes_its_place(tmp_path):
     assert version_states(manager)[3] == State.AVAILABLE
 
 
-def test_stop_cancels_a_retry_wait(tmp_path):
-    flaky = Flaky(tmp_path / "m", [1], {1: 10})
-    manager = _manager(flaky, retries=5, interval=600.0)
+def _start_in_a_thread(manager):
+    """(the thread running manager.start(), the list its ServingError lands in)."""
     errors = []
 
     def start():
@@ -135,6 +134,13 @@ def test_stop_cancels_a_retry_wait(tmp_path):
             errors.append(e)
     starter = threading.Thread(target=start)
     starter.start()
+    return starter, errors
+
+
+def test_stop_cancels_a_retry_wait(tmp_path):
+    flaky = Flaky(tmp_path / "m", [1], {1: 10})
+    manager = _manager(flaky, retries=5, interval=600.0)
+    starter, errors = _start_in_a_thread(manager)
     wait_until(lambda: flaky.attempts.get(1) == 1)
     manager.stop()
     starter.join(10)
@@ -147,15 +153,7 @@ def test_a_retry_interval_past_what_a_wait_takes_still_waits(tmp_path):
     the retry wait raise OverflowError, which ended the load with that error instead."""
     flaky = Flaky(tmp_path / "m", [1], {1: 10})
     manager = _manager(flaky, retries=5, interval=(2 ** 63 - 1) / 1e6)
-    errors = []
-
-    def start():
-        try:
-            manager.start()
-        except ServingError as e:
-            errors.append(e)
-    starter = threading.Thread(target=start)
-    starter.start()
+    starter, errors = _start_in_a_thread(manager)
     wait_until(lambda: flaky.attempts.get(1) == 1)
     time.sleep(0.2)
     assert starter.is_alive()           # waiting for the retry, not failed
