@@ -28,6 +28,7 @@ from tensorflow_serving.config import model_server_config_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid, not_found
 from pkm_serve.serving.loader import load_with_retries, make_loader_factory
+from pkm_serve.serving.model_records import ManagedModel, VersionRecord
 from pkm_serve.serving.version_policy import aspired_versions, versions_to_unload, warn_of_missing_specific_versions
 from pkm_serve.serving.version_status import failed_loads, version_statuses, why_unavailable
 from pkm_serve.serving.version_dirs import directory_fingerprint, holds_model_hint, is_directory, list_versions
@@ -40,34 +41,7 @@ NO_VERSIONS_MESSAGE = ("No versions of servable {name} found under base path {pa
                        "Did you forget to name your leaf directory as a number (eg. '/1/')?")
 
 
-class VersionRecord:
-    __slots__ = ("version", "state", "error", "loader", "servable", "fingerprint", "in_flight")
-
-    def __init__(self, version):
-        self.version = version
-        self.state = State.START
-        self.error = None
-        self.loader = None
-        self.servable = None
-        self.fingerprint = None
-        self.in_flight = 0   # requests between acquire and release of this version
-
-
 WAITING_WARNING_SECONDS = 60.0  # how often a start-up waiting for a first version says so
-
-
-class ManagedModel:
-    def __init__(self, config):
-        self.config = config
-        self.name = config.name
-        self.records = {}          # version -> VersionRecord
-        self.labels = {}           # version label -> version, as last accepted (ModelManager._update_labels)
-        self.base_path_missing = False
-        self.no_versions_logged = False
-        self.missing_specific_logged = ()   # 'specific' policy versions last warned of as absent
-
-    def available_versions(self):
-        return sorted(v for v, r in self.records.items() if r.state == State.AVAILABLE)
 
 
 class ModelManager:
@@ -222,6 +196,9 @@ class ModelManager:
             r = m.records.get(v)
             if r is None or r.state not in (State.AVAILABLE,):
                 self._load(m, v, present[v], prints[v])
+                if m.superseded:  # its retries ended for newer versions: this poll's list is stale
+                    m.superseded = False
+                    return self._poll_model(m)
         with self._lock:
             serving = {v for v, r in m.records.items() if r.state == State.AVAILABLE}
         for v in versions_to_unload(aspired, serving):
@@ -261,9 +238,10 @@ class ModelManager:
         under the policy) or the server stops. A later poll compares the next try's files."""
         if self._stopped_within(self._load_retry_interval_seconds) or not is_directory(path):
             return True
-        present = list_versions(m.config.base_path) or {}
-        if r.version not in aspired_versions(m.config.model_version_policy, present):
+        present = list_versions(m.config.base_path)  # None (not listed: a blip) changes nothing, as a poll
+        if present is not None and r.version not in aspired_versions(m.config.model_version_policy, present):
             log.info("model %s: version %d is no longer aspired; its load is not retried", m.name, r.version)
+            m.superseded = True
             return True
         r.fingerprint = directory_fingerprint(path)
         return False

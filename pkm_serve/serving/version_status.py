@@ -48,9 +48,9 @@ def why_unavailable(m):
 
 
 def failed_loads(models):
-    """['{name: M version: V} due to error: CODE: ...'] for the ManagedModels whose load failed,
-    one each, as TF Serving awaits Latest(M): the newest failed version; the caller holds the
-    manager's lock."""
-    failed = ((m, [r for r in m.records.values() if r.state == END and r.error is not None]) for m in models)
+    """['{name: M version: V} due to error: CODE: ...'] for the ManagedModels whose newest version
+    failed to load, one each, as TF Serving awaits Latest(M) (an older version that failed while a
+    newer one serves does not count); the caller holds the manager's lock."""
+    newest = ((m, max(m.records.values(), key=lambda r: r.version)) for m in models if m.records)
     return [f"{{name: {m.name} version: {r.version}}} due to error: {' '.join(str(r.error).split())}"
-            for m, records in failed if records for r in [max(records, key=lambda r: r.version)]]
+            for m, r in newest if r.state == END and r.error is not None]

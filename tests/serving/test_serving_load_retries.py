@@ -123,6 +123,19 @@ def test_a_retry_is_cancelled_when_a_newer_version_takes_its_place(tmp_path):
     assert version_states(manager)[3] == State.AVAILABLE
 
 
+def test_a_start_whose_broken_version_is_superseded_during_its_retries_serves_the_new_one(tmp_path):
+    """Start-up awaits Latest(M), as TF Serving's initial load: version 2 keeps failing and a fix
+    arrives as version 3 during 2's retries; 2's retries end, 3 loads in the same poll and the
+    server starts (it failed with 2's error while 3 sat on disk)."""
+    flaky = Flaky(tmp_path / "m", [2], {2: 100})
+    manager = _manager(flaky, retries=100, interval=0.05, poll_seconds=0.05)
+    threading.Timer(0.3, os.makedirs, [flaky.base / "3"]).start()
+    manager.start()
+    assert 2 <= flaky.attempts[2] < 100 and flaky.attempts[3] == 1
+    assert version_states(manager)[3] == State.AVAILABLE
+    manager.stop()
+
+
 def _start_in_a_thread(manager):
     """(the thread running manager.start(), the list its ServingError lands in)."""
     errors = []
