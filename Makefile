@@ -52,10 +52,10 @@ venv: $(STAMP)
 # TF, ~5 s: asked at every expansion, a fresh set-up spent over two minutes of CPU on them);
 # written through a temporary file, as parallel jobs may ask at once; a new venv asks again.
 TF_FLAGS_FILE := $(VENV)/.tf_flags
-tf_flags = $(shell test -s $(TF_FLAGS_FILE) || { $(PY) -c 'import tensorflow as tf; \
+tf_flags = $(shell { test -s $(TF_FLAGS_FILE) || { $(PY) -c 'import tensorflow as tf; \
 	print(" ".join(tf.sysconfig.get_compile_flags())); print(" ".join(tf.sysconfig.get_link_flags()))' \
-	> $(TF_FLAGS_FILE).$$$$ 2>/dev/null && mv $(TF_FLAGS_FILE).$$$$ $(TF_FLAGS_FILE); rm -f $(TF_FLAGS_FILE).$$$$; }; \
-	sed -n $(1)p $(TF_FLAGS_FILE) 2>/dev/null)
+	> $(TF_FLAGS_FILE).$$$$ && mv $(TF_FLAGS_FILE).$$$$ $(TF_FLAGS_FILE); rm -f $(TF_FLAGS_FILE).$$$$; }; \
+	sed -n $(1)p $(TF_FLAGS_FILE); } 2>/dev/null)
 TF_CFLAGS = $(call tf_flags,1)
 TF_LFLAGS = $(call tf_flags,2)
 # CPU kernels only; the GPU kernels (*_gpu_kernels.cc) are built by `make gpu`.

@@ -11,7 +11,7 @@
 CC_CHECK_DIR     := $(BUILDDIR)/serving_cc
 CC_CHECK_BIN     := $(CC_CHECK_DIR)/pkm_saved_model_run
 CC_CHECK_OPS_LIB := $(CC_CHECK_DIR)/libpkm_ops.a
-TF_LIBDIR         = $(patsubst -L%,%,$(filter -L%,$(TF_LFLAGS)))
+TF_LIBDIR         = $(patsubst -L%,%,$(firstword $(filter -L%,$(TF_LFLAGS))))
 
 $(CC_CHECK_OPS_LIB): $(TF_OBJS) $(XLA_CPU_OBJ) $(CORE_OBJS)
 	@mkdir -p $(dir $@)

@@ -3,7 +3,7 @@ replicas (same global batch, same initial weights) and saves the final
 weights: run as a script, because the logical devices must be configured
 before TensorFlow initialises (the test suite's process has already done so).
 
-    python mirrored_train.py OUT.npz
+    python mirrored_train.py OUT.npz embedding_bag-dense-sgd pkm-sparse-lazy_adam ...
 """
 
 import os
@@ -79,8 +79,13 @@ def main(out_path, keys):
     # failure reproduces instead of depending on one random draw.
     keras.utils.set_random_seed(7)
     results = {}
+    if not keys:
+        raise SystemExit("name the cases to train: MODEL-GRADIENT-OPTIMIZER ...")
     for key in keys:
         kind, gradient, optimizer = key.split("-")
+        if kind not in ("embedding_bag", "pkm") or gradient not in ("dense", "sparse") \
+                or optimizer not in ("sgd", "lazy_adam"):
+            raise SystemExit(f"unknown case {key!r}: embedding_bag|pkm-dense|sparse-sgd|lazy_adam")
         sparse = gradient == "sparse"
         rng = np.random.default_rng(7)
         init = build(kind, sparse).get_weights()

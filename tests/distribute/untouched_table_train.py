@@ -3,7 +3,7 @@ replicas through a global batch that touches no row of the table (every bag
 padding), after one that touched row 0, with each optimizer; saves the final
 tables. Run as a script: logical devices must be set before TF initialises.
 
-    python untouched_table_train.py OUT.npz
+    python untouched_table_train.py OUT.npz fit-lazy_adam ragged-adam ...
 
 Two paths: "fit" (the lookup reads the variable in its kernel: the
 PkmResourceEmbeddingBag gradient) and "ragged" (a custom loop on ragged bags:
@@ -88,9 +88,11 @@ def main(out_path, keys):
     """Trains each case named "fit|ragged-optimizer" in `keys` on 1 and 2 replicas."""
     x, y = data()
     results = {}
+    if not keys:
+        raise SystemExit("name the cases to train: fit|ragged-OPTIMIZER ...")
     for key in keys:
         path, name = key.split("-")
-        train, make_optimizer = {"fit": train_fit, "ragged": train_ragged}[path], OPTIMIZERS[name]
+        train, make_optimizer = {"fit": train_fit, "ragged": train_ragged}[path], OPTIMIZERS[name]  # KeyError: unknown
         for which, devices in (("one", ["/cpu:0"]), ("two", ["/cpu:0", "/cpu:1"])):
             # Reduction through one device: several strategies in one process would
             # otherwise reuse the same collective instance keys.
