@@ -230,8 +230,11 @@ def _nesting(value) -> int:
     return depth
 
 
-def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
-    """Converts a JSON value to an array of the signature's dtype, refusing lossy casts."""
+def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True) -> np.ndarray:
+    """Converts a JSON value to an array of the signature's dtype, refusing lossy casts.
+
+    may_hold_bools=False (the request body spells no true/false) skips the scan for a JSON
+    boolean among numbers, which numpy would silently read as 1/0."""
     dtype = spec.dtype
     if _nesting(value) > _MAX_JSON_RANK:
         raise invalid(f"input '{name}' is nested more than {_MAX_JSON_RANK} lists deep: more "
@@ -265,6 +268,8 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
         raise invalid(f"input '{name}' is ragged or mixes types: all rows must have the same shape")
     if arr.dtype.kind in "US":
         raise invalid(f"input '{name}' holds strings but the signature expects {dtype.name}")
+    if may_hold_bools and arr.dtype.kind in "iuf" and not dtype.is_bool:
+        _refuse_bools_among_numbers(name, value, dtype)
     if dtype.is_bool:
         if arr.dtype.kind != "b":
             raise invalid(f"input '{name}' must hold true/false values (signature dtype bool)")
@@ -294,6 +299,26 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
             _check_lossless(name, value, arr, dtype)
         return arr.astype(dtype.as_numpy_dtype)
     raise invalid(f"input '{name}' has dtype {dtype.name}, which the REST API does not support")
+
+
+# TF's DataTypeString where it differs from tf.DType.name (json_tensor.cc's TypeError prints it).
+_TF_TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half"}
+
+
+def _refuse_bools_among_numbers(name, value, dtype):
+    """json_tensor.cc refuses a JSON true/false where a number is expected; numpy would
+    read [true, 2] as [1, 2]. Types are collected per innermost list at C speed."""
+    if not isinstance(value, list):
+        return
+    if value and isinstance(value[0], list):
+        for row in value:
+            _refuse_bools_among_numbers(name, row, dtype)
+        return
+    if bool in set(map(type, value)):
+        wrong = next(v for v in value if isinstance(v, bool))
+        raise invalid(f"JSON Value: {'true' if wrong else 'false'} Type: {'True' if wrong else 'False'} "
+                      f"is not of expected type: {_TF_TYPE_NAMES.get(dtype.name, dtype.name)} "
+                      f"(input '{name}')")
 
 
 def _exact_integers(name, value, dtype) -> np.ndarray:

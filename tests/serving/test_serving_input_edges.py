@@ -1,0 +1,122 @@
+"""Edge cases of turning request inputs into tensors, against TF Serving 2.21's
+json_tensor.cc (REST) and its TensorProto checks (gRPC): each bad input is
+INVALID_ARGUMENT naming the problem, never a silently different value."""
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.core.framework import tensor_pb2, types_pb2
+
+from pkm_serve.serving import tensors
+from pkm_serve.serving.errors import ServingError
+from pkm_serve.serving.rest_frontend import RestFrontend, _may_spell_bools
+
+
+def _spec(dtype):
+    return tf.TensorSpec(None, dtype)
+
+
+# json_tensor.cc's TypeError: "JSON Value: <v> Type: <True|False> is not of expected type:
+# <DataTypeString>"; AddValueToTensor takes only IsNumber()/IsInt64()... values for numbers.
+@pytest.mark.parametrize("value, dtype, shown, type_name", [
+    ([[True, 2]], tf.int64, "true", "int64"),
+    ([[1], [False]], tf.int32, "false", "int32"),
+    ([3, True, 2.5], tf.int64, "true", "int64"),
+    ([True, 2.5], tf.float32, "true", "float"),
+    ([[1.0, 2.0], [3.0, False]], tf.float64, "false", "double"),
+    ([7, True], tf.uint64, "true", "uint64"),
+])
+def test_a_json_boolean_among_numbers_is_refused(value, dtype, shown, type_name):
+    """numpy reads [true, 2] as [1, 2]: the model got 1 for a JSON true."""
+    with pytest.raises(ServingError) as err:
+        tensors.from_json("ids", value, _spec(dtype))
+    assert err.value.code.name == "INVALID_ARGUMENT"
+    assert str(err.value.message) == (f"JSON Value: {shown} Type: {shown.capitalize()} is not of "
+                                      f"expected type: {type_name} (input 'ids')")
+
+
+def test_rest_predict_paths_refuse_booleans_in_both_formats():
+    specs = {"ids": _spec(tf.int64)}
+    for call, value in ((RestFrontend._rows_to_inputs, [{"ids": [True, 2]}]),
+                        (RestFrontend._columns_to_inputs, {"ids": [[True, 2]]})):
+        with pytest.raises(ServingError, match=r"JSON Value: true Type: True is not of expected type: int64"):
+            call(value, specs, _may_spell_bools(json.dumps({"x": value}).encode()))
+
+
+def test_the_boolean_scan_is_skipped_only_for_bodies_that_cannot_spell_one():
+    assert not _may_spell_bools(b'{"inputs": [[1, 2], [3.5, -4e3]]}')
+    assert _may_spell_bools(b'{"inputs": [true, 2]}') and _may_spell_bools(b'{"inputs": [false]}')
+    # json.loads reads UTF-16 bodies too, where b"true" is not a substring
+    utf16 = '{"inputs": [true, 2]}'.encode("utf-16")
+    assert json.loads(utf16) == {"inputs": [True, 2]} and _may_spell_bools(utf16)
+    assert tensors.from_json("ids", [1, 2], _spec(tf.int64), may_hold_bools=False).tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("value, dtype", [
+    ([1, 2], tf.int64), ([[1.5, 2], [3, -4]], tf.float32), ([True, False], tf.bool),
+    ([[0, 255]], tf.uint8), ([2 ** 63 + 1, 1], tf.uint64), (5, tf.int32), ([], tf.float32),
+])
+def test_well_typed_values_still_arrive_exactly(value, dtype):
+    got = tensors.from_json("x", value, _spec(dtype))
+    want = np.array(value, dtype=dtype.as_numpy_dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("value, dtype, message", [
+    ([1, "a"], tf.int64, "holds strings"),
+    (["1.0"], tf.float32, "holds strings"),
+    ([1], tf.string, "holds 1, which is not of the signature's type string"),
+    ([[1, 2], [3]], tf.float32, "ragged"),
+    ([[1, 2], 3], tf.int64, "ragged"),
+    ([None, 1], tf.int64, "mixes types"),
+    ([{"b64": "AA=="}], tf.int64, "base64 encodes only string"),
+    ([1, 2 ** 31], tf.int32, "outside the range of int32"),
+    ([-(2 ** 31) - 1], tf.int32, "outside the range of int32"),
+    ([1e39], tf.float32, "Cannot convert JSON value: 1e39 to float without loss of precision."),
+    ([1.0], tf.int64, "JSON Value: 1.0 Type: Number is not of expected type: int64"),
+    ([1, 0], tf.bool, "must hold true/false"),
+])
+def test_json_inputs_tf_serving_refuses_are_invalid_argument(value, dtype, message):
+    with pytest.raises(ServingError) as err:
+        tensors.from_json("x", value, _spec(dtype))
+    assert err.value.code.name == "INVALID_ARGUMENT" and message in err.value.message
+
+
+def test_nan_and_infinity_literals_pass_to_float_inputs():
+    """IsLosslessDecimal returns true for a non-finite double."""
+    got = tensors.from_json("x", [float("nan"), float("inf"), float("-inf")], _spec(tf.float32))
+    assert np.isnan(got[0]) and got[1] == np.inf and got[2] == -np.inf and got.dtype == np.float32
+
+
+def _proto(dtype, shape, **fields):
+    proto = tensor_pb2.TensorProto(dtype=dtype)
+    for d in shape:
+        proto.tensor_shape.dim.add(size=d)
+    for field, value in fields.items():
+        if isinstance(value, bytes):
+            setattr(proto, field, value)
+        else:
+            getattr(proto, field).extend(value)
+    return proto
+
+
+@pytest.mark.parametrize("proto, message", [
+    (_proto(types_pb2.DT_FLOAT, [1], tensor_content=b"abc"), "tensor_content holds 3 bytes"),
+    (_proto(types_pb2.DT_FLOAT, [1], half_val=[1]), "holds 0 values but its shape [1] needs 1"),
+    (_proto(types_pb2.DT_INT64, [2], bool_val=[True, False]), "holds 0 values but its shape [2] needs 2"),
+    (_proto(types_pb2.DT_HALF, [1], half_val=[70000]), "not a valid TensorProto"),
+    (_proto(types_pb2.DT_INT8, [1], int_val=[300]), "not a valid TensorProto"),
+])
+def test_malformed_tensor_protos_are_invalid_argument(proto, message):
+    with pytest.raises(ServingError) as err:
+        tensors.from_proto("x", proto)
+    assert err.value.code.name == "INVALID_ARGUMENT" and message in err.value.message
+
+
+def test_a_proto_dtype_other_than_the_signatures_is_refused():
+    array = tensors.from_proto("x", tf.make_tensor_proto(np.array([1.0, 2.0], np.float64)))
+    with pytest.raises(ServingError, match="input 'x' has dtype float64 but signature 'serving_default' "
+                                           "expects float32"):
+        tensors.check_dtype("x", array, tf.float32, "serving_default")
