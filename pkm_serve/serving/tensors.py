@@ -181,10 +181,10 @@ def decode_b64(value):
     if isinstance(value, dict):
         if set(value) != {"b64"}:
             raise invalid(f"a JSON object inside a tensor value must be {{\"b64\": ...}}, got keys {sorted(value)}")
-        try:
-            return base64.b64decode(value["b64"], validate=True)
-        except Exception:
-            raise invalid("a \"b64\" value is not valid base64") from None
+        decoded = _base64_as_tf_serving(value["b64"])
+        if decoded is None:
+            raise invalid("a \"b64\" value is not valid base64")
+        return decoded
     if isinstance(value, list):
         return [decode_b64(v) for v in value]
     if isinstance(value, str):
@@ -193,6 +193,26 @@ def decode_b64(value):
         except UnicodeEncodeError:   # JSON can spell a lone surrogate ("\ud800")
             raise invalid("a string value is not valid Unicode (lone surrogate)") from None
     return value
+
+
+_BASE64_BLANKS = b" \t\n\v\f\r"
+
+
+def _base64_as_tf_serving(text):
+    """The bytes absl::Base64Unescape (TF Serving's decoder) makes of text, else None: blanks
+    are skipped and the trailing padding ('=' or '.') may be left out, but if given must be
+    complete ("AA" and "AA==" both decode; Python's strict b64decode refused "AA")."""
+    if not isinstance(text, str) or not text.isascii():
+        return None
+    raw = text.encode("ascii").translate(None, _BASE64_BLANKS)
+    body = raw.rstrip(b"=.")
+    missing = -len(body) % 4
+    if len(body) % 4 == 1 or len(raw) - len(body) not in (0, missing) or b"=" in body or b"." in body:
+        return None
+    try:
+        return base64.b64decode(body + b"=" * missing, validate=True)
+    except ValueError:   # binascii.Error: a character outside the alphabet
+        return None
 
 
 def _first_non_string(value):

@@ -1,6 +1,7 @@
 """Edge cases of turning request inputs into tensors, against TF Serving 2.21's
 json_tensor.cc (REST) and its TensorProto checks (gRPC): each bad input is
 INVALID_ARGUMENT naming the problem, never a silently different value."""
+import base64
 import json
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2, types_pb2
 
-from pkm_serve.serving import tensors
+from pkm_serve.serving import rest_frontend, tensors
 from pkm_serve.serving.errors import ServingError
 from pkm_serve.serving.rest_frontend import RestFrontend, _may_spell_bools
 
@@ -82,6 +83,24 @@ def test_json_inputs_tf_serving_refuses_are_invalid_argument(value, dtype, messa
     with pytest.raises(ServingError) as err:
         tensors.from_json("x", value, _spec(dtype))
     assert err.value.code.name == "INVALID_ARGUMENT" and message in err.value.message
+
+
+@pytest.mark.parametrize("raw", [b"\x00", b"ab", b"abc", b"\xff\xfe\x00\x01\x02", b""])
+def test_base64_without_padding_or_with_line_breaks_decodes_as_in_tf_serving(raw):
+    """absl::Base64Unescape (json_tensor.cc) takes unpadded base64 and skips blanks; Python's
+    strict decoder refused "AA" for b"\\x00" with a 400."""
+    padded = base64.b64encode(raw).decode("ascii")
+    for text in (padded, padded.rstrip("="), "\n".join(padded[i:i + 2] for i in range(0, len(padded), 2))):
+        got = tensors.from_json("x_bytes", [{"b64": text}], _spec(tf.string))
+        assert got.tolist() == [raw], text
+    feature = rest_frontend._feature([{"b64": padded.rstrip("=")}], "f")
+    assert list(feature.bytes_list.value) == [raw]
+
+
+@pytest.mark.parametrize("text", ["A", "AA=", "AAAA=", "AA==AA", "-_8=", "QU JD*", "é"])
+def test_base64_tf_serving_refuses_is_still_refused(text):
+    with pytest.raises(ServingError, match='a "b64" value is not valid base64'):
+        tensors.from_json("x_bytes", [{"b64": text}], _spec(tf.string))
 
 
 def test_nan_and_infinity_literals_pass_to_float_inputs():
