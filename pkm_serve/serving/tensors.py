@@ -10,6 +10,7 @@ from tensorflow.core.framework import tensor_pb2, types_pb2
 
 from pkm_serve.serving.errors import invalid
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
+from pkm_serve.serving.wire_formats import base64_as_tf_serving, string_list
 
 
 # Fixed-width dtypes whose tensor_content is the raw little-endian array (the common
@@ -89,7 +90,11 @@ def _check(name, proto, budget, limit) -> int:
     size = count * itemsize
     if size > budget:   # (size itself may have thousands of digits: not printed)
         raise too_big
-    if proto.tensor_content:
+    if proto.tensor_content and proto.dtype == types_pb2.DT_STRING:
+        size += len(proto.tensor_content)   # checked against the shape by string_list
+        if size > budget:
+            raise too_big
+    elif proto.tensor_content:
         if size != len(proto.tensor_content):
             raise invalid(f"input '{name}': tensor_content holds {len(proto.tensor_content)} bytes but "
                           f"shape {text} of {tf_dtype.name} needs {size}")
@@ -113,6 +118,13 @@ def _check(name, proto, budget, limit) -> int:
 def _decode(name, proto) -> np.ndarray:
     """Decodes a proto that passed _check."""
     fast = _FAST_DTYPES.get(proto.dtype)
+    shape = [d.size for d in proto.tensor_shape.dim]
+    if proto.dtype == types_pb2.DT_STRING and proto.tensor_content:
+        strings = string_list(proto.tensor_content, math.prod(shape))
+        if strings is None:
+            raise invalid(f"input '{name}': tensor_content is not {math.prod(shape)} strings "
+                          f"(shape {shape}) in TF's encoding (varint32 lengths, then the bytes)")
+        return np.array(strings, dtype=object).reshape(shape)
     try:
         if fast is not None and proto.tensor_content:
             return np.frombuffer(proto.tensor_content, dtype=fast).reshape(
@@ -181,7 +193,7 @@ def decode_b64(value):
     if isinstance(value, dict):
         if set(value) != {"b64"}:
             raise invalid(f"a JSON object inside a tensor value must be {{\"b64\": ...}}, got keys {sorted(value)}")
-        decoded = _base64_as_tf_serving(value["b64"])
+        decoded = base64_as_tf_serving(value["b64"])
         if decoded is None:
             raise invalid("a \"b64\" value is not valid base64")
         return decoded
@@ -193,26 +205,6 @@ def decode_b64(value):
         except UnicodeEncodeError:   # JSON can spell a lone surrogate ("\ud800")
             raise invalid("a string value is not valid Unicode (lone surrogate)") from None
     return value
-
-
-_BASE64_BLANKS = b" \t\n\v\f\r"
-
-
-def _base64_as_tf_serving(text):
-    """The bytes absl::Base64Unescape (TF Serving's decoder) makes of text, else None: blanks
-    are skipped and the trailing padding ('=' or '.') may be left out, but if given must be
-    complete ("AA" and "AA==" both decode; Python's strict b64decode refused "AA")."""
-    if not isinstance(text, str) or not text.isascii():
-        return None
-    raw = text.encode("ascii").translate(None, _BASE64_BLANKS)
-    body = raw.rstrip(b"=.")
-    missing = -len(body) % 4
-    if len(body) % 4 == 1 or len(raw) - len(body) not in (0, missing) or b"=" in body or b"." in body:
-        return None
-    try:
-        return base64.b64decode(body + b"=" * missing, validate=True)
-    except ValueError:   # binascii.Error: a character outside the alphabet
-        return None
 
 
 def _first_non_string(value):

@@ -139,3 +139,36 @@ def test_a_proto_dtype_other_than_the_signatures_is_refused():
     with pytest.raises(ServingError, match="input 'x' has dtype float64 but signature 'serving_default' "
                                            "expects float32"):
         tensors.check_dtype("x", array, tf.float32, "serving_default")
+
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _string_content(strings):
+    return b"".join(_varint(len(s)) for s in strings) + b"".join(strings)
+
+
+@pytest.mark.parametrize("strings, shape", [
+    ([b"ab", b"", b"x" * 300, b"\xff\x00"], [2, 2]), ([b"one"], []), ([], [0, 3])])
+def test_string_tensor_content_decodes_as_tf_does(strings, shape):
+    """Tensor::AsProtoTensorContent writes strings as varint32 lengths then the bytes, and TF
+    Serving (Tensor::FromProto) reads it; it was a 400 "cannot create an OBJECT array"."""
+    proto = _proto(types_pb2.DT_STRING, shape, tensor_content=_string_content(strings))
+    reference = np.asarray(tf.io.parse_tensor(proto.SerializeToString(), tf.string).numpy())
+    got = tensors.from_proto("s", proto)
+    assert got.shape == reference.shape and got.tolist() == reference.tolist()
+
+
+@pytest.mark.parametrize("content", [b"\x05ab", b"\x01\x01abc", b"\x80", b"\x02a"])
+def test_malformed_string_tensor_content_is_invalid_argument(content):
+    proto = _proto(types_pb2.DT_STRING, [2], tensor_content=content)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        tf.io.parse_tensor(proto.SerializeToString(), tf.string)   # TF refuses it too
+    with pytest.raises(ServingError, match=r"input 's': tensor_content is not 2 strings"):
+        tensors.from_proto("s", proto)
