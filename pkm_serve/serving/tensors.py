@@ -260,7 +260,11 @@ def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True
         try:
             arr = np.array(raw, dtype=object)
         except ValueError:
-            raise invalid(f"input '{name}' is ragged: all rows must have the same shape") from None
+            arr = None
+        # With dtype=object numpy keeps rows of other lengths as list elements: [["a"], "b"]
+        # became a 1-D array holding a list.
+        if arr is None or arr.ndim != _nesting(raw) or (arr.size and list in set(map(type, arr.reshape(-1)))):
+            raise invalid(f"input '{name}' is ragged: all rows must have the same shape")
         return arr
     try:
         arr = np.array(value)

@@ -103,6 +103,24 @@ def test_base64_tf_serving_refuses_is_still_refused(text):
         tensors.from_json("x_bytes", [{"b64": text}], _spec(tf.string))
 
 
+@pytest.mark.parametrize("value", [[["a"], "b"], [["a", "b"], ["c"]], [[], ["c"]], ["a", []], ["a", ["b"]],
+                                   [[["a"]], [["b", "c"]]], [[{"b64": "AA=="}], "x"]])
+def test_ragged_string_inputs_are_refused(value):
+    """numpy's dtype=object kept the short rows as list elements: [["a"], "b"] became a
+    1-D tensor holding a Python list (json_tensor.cc: "found at incorrect level")."""
+    with pytest.raises(ServingError, match="input 's' is ragged: all rows must have the same shape"):
+        tensors.from_json("s", value, _spec(tf.string))
+
+
+@pytest.mark.parametrize("value, shape", [([], (0,)), ([[], []], (2, 0)), ("a", ()), ([["a", "b"]], (1, 2))])
+def test_dense_string_inputs_keep_their_shape(value, shape):
+    def utf8(v):
+        return [utf8(x) for x in v] if isinstance(v, list) else v.encode("utf-8")
+
+    got = tensors.from_json("s", value, _spec(tf.string))
+    assert got.shape == shape and got.tolist() == utf8(value)
+
+
 def test_nan_and_infinity_literals_pass_to_float_inputs():
     """IsLosslessDecimal returns true for a non-finite double."""
     got = tensors.from_json("x", [float("nan"), float("inf"), float("-inf")], _spec(tf.float32))
