@@ -107,12 +107,21 @@ def _check(name, proto, budget, limit) -> int:
         # TF fills a tensor from a single value (make_tensor_proto(1.0, shape=...)); any other
         # count must match the shape (make_ndarray would silently pad with the last value).
         if sent != count and not (sent == 1 and count > 0):
-            raise invalid(f"input '{name}' holds {sent} values but its shape {text} needs {count}")
+            raise invalid(f"input '{name}' holds {sent} values but its shape {text} needs "
+                          f"{count}{_misplaced(proto, field)}")
         if sent == 1 and field == "string_val":
             size += count * len(values[0])   # each element becomes its own copy in the tensor
             if size > budget:
                 raise too_big
     return size
+
+
+def _misplaced(proto, field) -> str:
+    """Where a proto's values went instead of the dtype's field (half_val for a DT_FLOAT...)."""
+    others = sorted(f.name for f, _ in proto.ListFields() if f.name.endswith("_val") and f.name != field)
+    if field.endswith("complex_val") and len(getattr(proto, field)) % 2:
+        return f" ({field} holds (real, imaginary) pairs: an odd count of {len(getattr(proto, field))} numbers)"
+    return f" ({_dtype_name(proto.dtype)} reads {field}; the values are in {', '.join(others)})" if others else ""
 
 
 def _decode(name, proto) -> np.ndarray:
@@ -244,9 +253,7 @@ def _nesting(value) -> int:
 
 def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True) -> np.ndarray:
     """Converts a JSON value to an array of the signature's dtype, refusing lossy casts.
-
-    may_hold_bools=False (the request body spells no true/false) skips the scan for a JSON
-    boolean among numbers, which numpy would silently read as 1/0."""
+    may_hold_bools=False (the body spells no true/false) skips the scan for JSON booleans."""
     dtype = spec.dtype
     if _nesting(value) > _MAX_JSON_RANK:
         raise invalid(f"input '{name}' is nested more than {_MAX_JSON_RANK} lists deep: more "

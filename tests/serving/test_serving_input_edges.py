@@ -141,8 +141,12 @@ def _proto(dtype, shape, **fields):
 
 @pytest.mark.parametrize("proto, message", [
     (_proto(types_pb2.DT_FLOAT, [1], tensor_content=b"abc"), "tensor_content holds 3 bytes"),
-    (_proto(types_pb2.DT_FLOAT, [1], half_val=[1]), "holds 0 values but its shape [1] needs 1"),
-    (_proto(types_pb2.DT_INT64, [2], bool_val=[True, False]), "holds 0 values but its shape [2] needs 2"),
+    (_proto(types_pb2.DT_FLOAT, [1], half_val=[1]),
+     "holds 0 values but its shape [1] needs 1 (DT_FLOAT reads float_val; the values are in half_val)"),
+    (_proto(types_pb2.DT_INT64, [2], bool_val=[True, False]),
+     "holds 0 values but its shape [2] needs 2 (DT_INT64 reads int64_val; the values are in bool_val)"),
+    (_proto(types_pb2.DT_COMPLEX64, [1], scomplex_val=[1.0]),
+     "(scomplex_val holds (real, imaginary) pairs: an odd count of 1 numbers)"),
     (_proto(types_pb2.DT_HALF, [1], half_val=[70000]), "not a valid TensorProto"),
     (_proto(types_pb2.DT_INT8, [1], int_val=[300]), "not a valid TensorProto"),
 ])
