@@ -78,6 +78,15 @@ def _may_spell_bools(body: bytes) -> bool:
 TOO_DEEP = "JSON Parse error: the document is nested too deeply"
 
 
+def _finite_json_float(text: str) -> float:
+    """rapidjson (TF Serving's parser) refuses a number literal past the double range, where
+    Python's json read 1e400 as Infinity; the Infinity literal itself stays allowed."""
+    value = float(text)
+    if math.isinf(value):
+        raise invalid(f"JSON Parse error: Number too big to be stored in double: {text[:40]}")
+    return value
+
+
 def loads(body: bytes):
     if not has_long_integer(body):
         try:
@@ -85,7 +94,7 @@ def loads(body: bytes):
         except orjson.JSONDecodeError:
             pass
     try:
-        return json.loads(body)   # NaN/Infinity literals, huge integers -- or the error to report
+        return json.loads(body, parse_float=_finite_json_float)   # NaN/Infinity literals, huge integers -- or the error to report
     except RecursionError:        # deeper than Python's stack (orjson stops at 1024 levels)
         raise invalid(TOO_DEEP) from None
 

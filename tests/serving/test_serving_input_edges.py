@@ -121,6 +121,22 @@ def test_dense_string_inputs_keep_their_shape(value, shape):
     assert got.shape == shape and got.tolist() == utf8(value)
 
 
+@pytest.mark.parametrize("literal", [b"1e400", b"-1e400", b"1.8e308", b"123456789e301"])
+def test_a_number_literal_past_the_double_range_is_a_parse_error(literal):
+    """rapidjson refuses it (kParseErrorNumberTooBig); Python's json read 1e400 as Infinity
+    and the model ran on it."""
+    with pytest.raises(ServingError, match="JSON Parse error: Number too big to be stored in double: "
+                                           + literal.decode().replace("+", r"\+")):
+        rest_frontend.loads(b'{"inputs": [1.5, ' + literal + b"]}")
+
+
+def test_literals_in_the_double_range_and_nan_infinity_still_parse():
+    doc = rest_frontend.loads(b'{"inputs": [1.7976931348623157e308, -1e-400, Infinity, NaN, -Infinity]}')
+    values = doc["inputs"]
+    assert values[:2] == [1.7976931348623157e308, -0.0] and values[2] == float("inf")
+    assert values[3] != values[3] and values[4] == float("-inf")
+
+
 def test_nan_and_infinity_literals_pass_to_float_inputs():
     """IsLosslessDecimal returns true for a non-finite double."""
     got = tensors.from_json("x", [float("nan"), float("inf"), float("-inf")], _spec(tf.float32))
