@@ -268,8 +268,7 @@ def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True
             arr = np.array(raw, dtype=object)
         except ValueError:
             arr = None
-        # With dtype=object numpy keeps rows of other lengths as list elements: [["a"], "b"]
-        # became a 1-D array holding a list.
+        # dtype=object keeps rows of other lengths as list elements ([["a"], "b"]: 1-D, a list)
         if arr is None or arr.ndim != _nesting(raw) or (arr.size and list in set(map(type, arr.reshape(-1)))):
             raise invalid(f"input '{name}' is ragged: all rows must have the same shape")
         return arr
@@ -282,7 +281,9 @@ def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True
         # JSON double, as TF Serving's parser does (an integer signature then refuses the range).
         try:
             arr = np.array(value, dtype=np.float64)
-        except (ValueError, OverflowError):
+        except OverflowError:   # rapidjson refuses such a literal: kParseErrorNumberTooBig
+            raise invalid(f"JSON Parse error: Number too big to be stored in double (input '{name}')") from None
+        except ValueError:
             raise invalid(f"input '{name}' is ragged: all rows must have the same shape") from None
     if arr.dtype == object:
         if _holds_b64(value):
@@ -329,8 +330,7 @@ _TF_TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half"}
 
 
 def _refuse_bools_among_numbers(name, value, dtype):
-    """json_tensor.cc refuses a JSON true/false where a number is expected; numpy would
-    read [true, 2] as [1, 2]. Types are collected per innermost list at C speed."""
+    """json_tensor.cc refuses JSON true/false for a number (numpy read [true, 2] as [1, 2])."""
     if not isinstance(value, list):
         return
     if value and isinstance(value[0], list):

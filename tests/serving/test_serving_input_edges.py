@@ -130,6 +130,13 @@ def test_a_number_literal_past_the_double_range_is_a_parse_error(literal):
         rest_frontend.loads(b'{"inputs": [1.5, ' + literal + b"]}")
 
 
+@pytest.mark.parametrize("value, dtype", [([10 ** 400], tf.float32), ([1.5, -(10 ** 309)], tf.float64),
+                                          ([[1, 2], [3, 10 ** 400]], tf.int64)])
+def test_an_integer_past_the_double_range_is_named_not_called_ragged(value, dtype):
+    with pytest.raises(ServingError, match=r"JSON Parse error: Number too big to be stored in double \(input 'x'\)"):
+        tensors.from_json("x", value, _spec(dtype))
+
+
 def test_literals_in_the_double_range_and_nan_infinity_still_parse():
     doc = rest_frontend.loads(b'{"inputs": [1.7976931348623157e308, -1e-400, Infinity, NaN, -Infinity]}')
     values = doc["inputs"]
