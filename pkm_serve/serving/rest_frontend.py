@@ -94,7 +94,8 @@ def loads(body: bytes):
         except orjson.JSONDecodeError:
             pass
     try:
-        return json.loads(body, parse_float=_finite_json_float)   # NaN/Infinity literals, huge integers -- or the error to report
+        # NaN/Infinity literals, huge integers -- or the error to report
+        return json.loads(body, parse_float=_finite_json_float)
     except RecursionError:        # deeper than Python's stack (orjson stops at 1024 levels)
         raise invalid(TOO_DEEP) from None
 
