@@ -9,6 +9,7 @@ Errors are {"error": "..."} with the HTTP status TF Serving uses for the gRPC co
 a malformed /v1/ URL is 400 (as TF Serving's handler answers), any other path 404.
 """
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -68,7 +69,22 @@ def has_long_integer(body: bytes) -> bool:
     return _LONG_NUMBER in body.translate(_DIGITS_TABLE, b" \t\n\r-")
 
 
+def _may_spell_bools(body: bytes) -> bool:
+    """Whether a JSON body may hold true/false; a NUL byte means UTF-16/32 (json.loads reads
+    those too), where the ASCII spelling cannot be searched for."""
+    return b"true" in body or b"false" in body or b"\x00" in body
+
+
 TOO_DEEP = "JSON Parse error: the document is nested too deeply"
+
+
+def _finite_json_float(text: str) -> float:
+    """rapidjson (TF Serving's parser) refuses a number literal past the double range, where
+    Python's json read 1e400 as Infinity; the Infinity literal itself stays allowed."""
+    value = float(text)
+    if math.isinf(value):
+        raise invalid(f"JSON Parse error: Number too big to be stored in double: {text[:40]}")
+    return value
 
 
 def loads(body: bytes):
@@ -78,7 +94,8 @@ def loads(body: bytes):
         except orjson.JSONDecodeError:
             pass
     try:
-        return json.loads(body)   # NaN/Infinity literals, huge integers -- or the error to report
+        # NaN/Infinity literals, huge integers -- or the error to report
+        return json.loads(body, parse_float=_finite_json_float)
     except RecursionError:        # deeper than Python's stack (orjson stops at 1024 levels)
         raise invalid(TOO_DEEP) from None
 
@@ -284,6 +301,8 @@ class RestFrontend:
                 doc = None
             deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
             handler = getattr(self, "_" + api)
+            if api == "predict":   # a body that spells no true/false needs no scan for them
+                handler = functools.partial(handler, may_hold_bools=_may_spell_bools(body))
             loop = asyncio.get_running_loop()
             work = loop.run_in_executor(self.executor, handler, spec, doc, deadline)
             try:
@@ -321,7 +340,7 @@ class RestFrontend:
         resp.metadata["signature_def"].Unpack(sig_map)
         return {"model_spec": _to_dict(resp.model_spec), "metadata": {"signature_def": _to_dict(sig_map)}}
 
-    def _predict(self, spec, doc, deadline):
+    def _predict(self, spec, doc, deadline, may_hold_bools=True):
         sig_name = _signature_name(doc)
         unknown = set(doc) - {"signature_name", "instances", "inputs"}
         if unknown:
@@ -335,9 +354,9 @@ class RestFrontend:
         with self.service.serving(spec) as servable:
             sig = servable.signature(sig_name)
             if "instances" in doc:
-                inputs = self._rows_to_inputs(doc["instances"], sig.input_specs)
+                inputs = self._rows_to_inputs(doc["instances"], sig.input_specs, may_hold_bools)
             else:
-                inputs = self._columns_to_inputs(doc["inputs"], sig.input_specs)
+                inputs = self._columns_to_inputs(doc["inputs"], sig.input_specs, may_hold_bools)
             outputs = self.service.predict_on(servable, sig, inputs, deadline)
         return self._predict_json(doc, outputs)
 
@@ -358,7 +377,7 @@ class RestFrontend:
         return {"predictions": [{k: columns[k][i] for k in columns} for i in range(n)]}
 
     @staticmethod
-    def _rows_to_inputs(instances, specs):
+    def _rows_to_inputs(instances, specs, may_hold_bools=True):
         if not isinstance(instances, list) or not instances:
             raise invalid("\"instances\" must be a non-empty list")
         named = all(isinstance(x, dict) and not _is_b64(x) for x in instances)
@@ -369,7 +388,7 @@ class RestFrontend:
                 raise invalid(f"unnamed instances need a signature with one input; this one has "
                               f"{sorted(specs)}: give each instance as an object")
             (name, s), = specs.items()
-            return {name: tensors.from_json(name, instances, s)}
+            return {name: tensors.from_json(name, instances, s, may_hold_bools)}
         keys = set(instances[0])
         for i, x in enumerate(instances):
             if set(x) != keys:
@@ -377,20 +396,20 @@ class RestFrontend:
         if keys != set(specs):
             raise invalid(f"instances have {tensors.input_mismatch(specs, keys)}; "
                           f"the signature expects {sorted(specs)}")
-        return {k: tensors.from_json(k, [x[k] for x in instances], specs[k]) for k in keys}
+        return {k: tensors.from_json(k, [x[k] for x in instances], specs[k], may_hold_bools) for k in keys}
 
     @staticmethod
-    def _columns_to_inputs(value, specs):
+    def _columns_to_inputs(value, specs, may_hold_bools=True):
         if isinstance(value, dict) and not _is_b64(value):
             if set(value) != set(specs):
                 raise invalid(f"\"inputs\" has {tensors.input_mismatch(specs, value)}; "
                               f"the signature expects {sorted(specs)}")
-            return {k: tensors.from_json(k, v, specs[k]) for k, v in value.items()}
+            return {k: tensors.from_json(k, v, specs[k], may_hold_bools) for k, v in value.items()}
         if len(specs) != 1:
             raise invalid(f"an unnamed \"inputs\" value needs a signature with one input; this one has "
                           f"{sorted(specs)}")
         (name, s), = specs.items()
-        return {name: tensors.from_json(name, value, s)}
+        return {name: tensors.from_json(name, value, s, may_hold_bools)}
 
     @staticmethod
     def _example_input(doc):

@@ -10,6 +10,7 @@ from tensorflow.core.framework import tensor_pb2, types_pb2
 
 from pkm_serve.serving.errors import invalid
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
+from pkm_serve.serving.wire_formats import base64_as_tf_serving, string_list
 
 
 # Fixed-width dtypes whose tensor_content is the raw little-endian array (the common
@@ -89,7 +90,11 @@ def _check(name, proto, budget, limit) -> int:
     size = count * itemsize
     if size > budget:   # (size itself may have thousands of digits: not printed)
         raise too_big
-    if proto.tensor_content:
+    if proto.tensor_content and proto.dtype == types_pb2.DT_STRING:
+        size += len(proto.tensor_content)   # checked against the shape by string_list
+        if size > budget:
+            raise too_big
+    elif proto.tensor_content:
         if size != len(proto.tensor_content):
             raise invalid(f"input '{name}': tensor_content holds {len(proto.tensor_content)} bytes but "
                           f"shape {text} of {tf_dtype.name} needs {size}")
@@ -102,7 +107,8 @@ def _check(name, proto, budget, limit) -> int:
         # TF fills a tensor from a single value (make_tensor_proto(1.0, shape=...)); any other
         # count must match the shape (make_ndarray would silently pad with the last value).
         if sent != count and not (sent == 1 and count > 0):
-            raise invalid(f"input '{name}' holds {sent} values but its shape {text} needs {count}")
+            raise invalid(f"input '{name}' holds {sent} values but its shape {text} needs "
+                          f"{count}{_misplaced(proto, field)}")
         if sent == 1 and field == "string_val":
             size += count * len(values[0])   # each element becomes its own copy in the tensor
             if size > budget:
@@ -110,9 +116,24 @@ def _check(name, proto, budget, limit) -> int:
     return size
 
 
+def _misplaced(proto, field) -> str:
+    """Where a proto's values went instead of the dtype's field (half_val for a DT_FLOAT...)."""
+    others = sorted(f.name for f, _ in proto.ListFields() if f.name.endswith("_val") and f.name != field)
+    if field.endswith("complex_val") and len(getattr(proto, field)) % 2:
+        return f" ({field} holds (real, imaginary) pairs: an odd count of {len(getattr(proto, field))} numbers)"
+    return f" ({_dtype_name(proto.dtype)} reads {field}; the values are in {', '.join(others)})" if others else ""
+
+
 def _decode(name, proto) -> np.ndarray:
     """Decodes a proto that passed _check."""
     fast = _FAST_DTYPES.get(proto.dtype)
+    shape = [d.size for d in proto.tensor_shape.dim]
+    if proto.dtype == types_pb2.DT_STRING and proto.tensor_content:
+        strings = string_list(proto.tensor_content, math.prod(shape))
+        if strings is None:
+            raise invalid(f"input '{name}': tensor_content is not {math.prod(shape)} strings "
+                          f"(shape {shape}) in TF's encoding (varint32 lengths, then the bytes)")
+        return np.array(strings, dtype=object).reshape(shape)
     try:
         if fast is not None and proto.tensor_content:
             return np.frombuffer(proto.tensor_content, dtype=fast).reshape(
@@ -181,10 +202,10 @@ def decode_b64(value):
     if isinstance(value, dict):
         if set(value) != {"b64"}:
             raise invalid(f"a JSON object inside a tensor value must be {{\"b64\": ...}}, got keys {sorted(value)}")
-        try:
-            return base64.b64decode(value["b64"], validate=True)
-        except Exception:
-            raise invalid("a \"b64\" value is not valid base64") from None
+        decoded = base64_as_tf_serving(value["b64"])
+        if decoded is None:
+            raise invalid("a \"b64\" value is not valid base64")
+        return decoded
     if isinstance(value, list):
         return [decode_b64(v) for v in value]
     if isinstance(value, str):
@@ -230,8 +251,9 @@ def _nesting(value) -> int:
     return depth
 
 
-def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
-    """Converts a JSON value to an array of the signature's dtype, refusing lossy casts."""
+def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True) -> np.ndarray:
+    """Converts a JSON value to an array of the signature's dtype, refusing lossy casts.
+    may_hold_bools=False (the body spells no true/false) skips the scan for JSON booleans."""
     dtype = spec.dtype
     if _nesting(value) > _MAX_JSON_RANK:
         raise invalid(f"input '{name}' is nested more than {_MAX_JSON_RANK} lists deep: more "
@@ -245,7 +267,10 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
         try:
             arr = np.array(raw, dtype=object)
         except ValueError:
-            raise invalid(f"input '{name}' is ragged: all rows must have the same shape") from None
+            arr = None
+        # dtype=object keeps rows of other lengths as list elements ([["a"], "b"]: 1-D, a list)
+        if arr is None or arr.ndim != _nesting(raw) or (arr.size and list in set(map(type, arr.reshape(-1)))):
+            raise invalid(f"input '{name}' is ragged: all rows must have the same shape")
         return arr
     try:
         arr = np.array(value)
@@ -256,7 +281,9 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
         # JSON double, as TF Serving's parser does (an integer signature then refuses the range).
         try:
             arr = np.array(value, dtype=np.float64)
-        except (ValueError, OverflowError):
+        except OverflowError:   # rapidjson refuses such a literal: kParseErrorNumberTooBig
+            raise invalid(f"JSON Parse error: Number too big to be stored in double (input '{name}')") from None
+        except ValueError:
             raise invalid(f"input '{name}' is ragged: all rows must have the same shape") from None
     if arr.dtype == object:
         if _holds_b64(value):
@@ -265,6 +292,8 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
         raise invalid(f"input '{name}' is ragged or mixes types: all rows must have the same shape")
     if arr.dtype.kind in "US":
         raise invalid(f"input '{name}' holds strings but the signature expects {dtype.name}")
+    if may_hold_bools and arr.dtype.kind in "iuf" and not dtype.is_bool:
+        _refuse_bools_among_numbers(name, value, dtype)
     if dtype.is_bool:
         if arr.dtype.kind != "b":
             raise invalid(f"input '{name}' must hold true/false values (signature dtype bool)")
@@ -294,6 +323,25 @@ def from_json(name: str, value, spec: tf.TensorSpec) -> np.ndarray:
             _check_lossless(name, value, arr, dtype)
         return arr.astype(dtype.as_numpy_dtype)
     raise invalid(f"input '{name}' has dtype {dtype.name}, which the REST API does not support")
+
+
+# TF's DataTypeString where it differs from tf.DType.name (json_tensor.cc's TypeError prints it).
+_TF_TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half"}
+
+
+def _refuse_bools_among_numbers(name, value, dtype):
+    """json_tensor.cc refuses JSON true/false for a number (numpy read [true, 2] as [1, 2])."""
+    if not isinstance(value, list):
+        return
+    if value and isinstance(value[0], list):
+        for row in value:
+            _refuse_bools_among_numbers(name, row, dtype)
+        return
+    if bool in set(map(type, value)):
+        wrong = next(v for v in value if isinstance(v, bool))
+        raise invalid(f"JSON Value: {'true' if wrong else 'false'} Type: {'True' if wrong else 'False'} "
+                      f"is not of expected type: {_TF_TYPE_NAMES.get(dtype.name, dtype.name)} "
+                      f"(input '{name}')")
 
 
 def _exact_integers(name, value, dtype) -> np.ndarray:
