@@ -89,8 +89,8 @@ def test_retries_stop_after_max_num_load_retries(tmp_path, caplog):
     assert "Retrying of Loading servable: {name: m version: 1} exhausted max_num_retries: 2" in caplog.text
 
 
-def test_a_retry_is_cancelled_when_the_version_directory_goes(tmp_path):
-    """TF Serving cancels the retries of a version that is no longer aspired."""
+def _serving_1_with_a_failing_2_added(tmp_path):
+    """A manager serving version 1, then a version 2 that fails 100 tries, retried every 0.05 s."""
     flaky = Flaky(tmp_path / "m", [1], {})
     manager = _manager(flaky, retries=0, poll_seconds=-1)
     manager.start()
@@ -98,6 +98,12 @@ def test_a_retry_is_cancelled_when_the_version_directory_goes(tmp_path):
     flaky.failures[2] = 100
     manager._max_num_load_retries, manager._load_retry_interval_seconds = 100, 0.05
     os.makedirs(flaky.base / "2")
+    return flaky, manager
+
+
+def test_a_retry_is_cancelled_when_the_version_directory_goes(tmp_path):
+    """TF Serving cancels the retries of a version that is no longer aspired."""
+    flaky, manager = _serving_1_with_a_failing_2_added(tmp_path)
     threading.Timer(0.3, shutil.rmtree, [flaky.base / "2"]).start()
     manager.poll_once()                       # returns: the retries stop when 2 is gone
     assert 2 <= flaky.attempts[2] < 100
@@ -107,19 +113,12 @@ def test_a_retry_is_cancelled_when_the_version_directory_goes(tmp_path):
 def test_a_retry_is_cancelled_when_a_newer_version_takes_its_place(tmp_path):
     """A fix pushed as version 3 while version 2's load is being retried: under the default
     `latest` policy 2 is no longer aspired, so TF Serving cancels its retries and 3 loads in
-    the next poll (it waited out every retry before: 5 minutes with the default flags)."""
-    flaky = Flaky(tmp_path / "m", [1], {})
-    manager = _manager(flaky, retries=0, poll_seconds=-1)
-    manager.start()
-    manager.poll_once()
-    flaky.failures[2] = 100
-    manager._max_num_load_retries, manager._load_retry_interval_seconds = 100, 0.05
-    os.makedirs(flaky.base / "2")
+    the same poll (it waited out every retry before: 5 minutes with the default flags)."""
+    flaky, manager = _serving_1_with_a_failing_2_added(tmp_path)
     threading.Timer(0.3, os.makedirs, [flaky.base / "3"]).start()
     started = time.monotonic()
-    manager.poll_once()                       # 2's retries stop once 3 is there
+    manager.poll_once()                       # 2's retries stop once 3 is there; 3 loads
     assert 2 <= flaky.attempts[2] < 100 and time.monotonic() - started < 30
-    manager.poll_once()
     assert version_states(manager)[3] == State.AVAILABLE
 
 
