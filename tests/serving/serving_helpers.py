@@ -13,6 +13,32 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def run_concurrently(sched, signature, values, width=1, seconds=10.0):
+    """{i: outputs or ServingError} of one BatchScheduler request per value (a [1, width] input
+    "x" filled with it), all sent at once; each has `seconds` to answer (a deadline that only
+    keeps a regression from hanging the test)."""
+    import threading
+
+    import numpy as np
+
+    from pkm_serve.serving.errors import ServingError
+
+    out = {}
+
+    def call(i, value):
+        try:
+            out[i] = sched.run("servable", signature, {"x": np.full((1, width), value, np.float32)},
+                               deadline=time.monotonic() + seconds)
+        except ServingError as e:
+            out[i] = e
+    threads = [threading.Thread(target=call, args=(i, v)) for i, v in enumerate(values)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 5)
+    return out
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

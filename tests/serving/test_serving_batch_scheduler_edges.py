@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
+from serving_helpers import run_concurrently
+
 from pkm_serve.serving import protos
 from pkm_serve.serving.batching import BatchScheduler
 from pkm_serve.serving.errors import ServingError
@@ -24,20 +26,7 @@ def _scheduler(text):
 
 
 def _concurrently(sched, values, seconds):
-    out = {}
-
-    def call(i, value):
-        try:
-            out[i] = sched.run("servable", _Doubling(), {"x": np.full((1, 1), value, np.float32)},
-                               deadline=time.monotonic() + seconds)
-        except ServingError as e:
-            out[i] = e
-    threads = [threading.Thread(target=call, args=(i, v)) for i, v in enumerate(values)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(seconds + 5)
-    return out
+    return run_concurrently(sched, _Doubling(), values, seconds=seconds)
 
 
 def test_int64_max_batch_timeout_waits_for_a_full_batch_without_killing_the_batch_thread():

@@ -9,7 +9,7 @@ import grpc
 import numpy as np
 import pytest
 
-from serving_helpers import REPO
+from serving_helpers import REPO, run_concurrently
 from pkm_serve.serving import config, protos, tensors
 from pkm_serve.serving.batching import BatchScheduler
 from pkm_serve.serving.errors import ServingError
@@ -168,21 +168,7 @@ def test_batch_scheduler_survives_non_serving_errors():
     sig = _BuggySignature()
 
     def round_of(values):
-        out = {}
-
-        def call(i, value):
-            try:   # the deadline only keeps a regression from hanging the test
-                out[i] = sched.run("servable", sig, {"x": np.full((1, 2), value, np.float32)},
-                                   deadline=time.monotonic() + 10)
-            except ServingError as e:
-                out[i] = e
-
-        threads = [threading.Thread(target=call, args=(i, v)) for i, v in enumerate(values)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(15)
-        return out
+        return run_concurrently(sched, sig, values, width=2, seconds=10)
 
     out = round_of([0.0, -1.0, 2.0])            # batch fails, the reruns: ok, KeyError, ok
     assert sig.batches[0] == 3
