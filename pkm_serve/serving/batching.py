@@ -7,6 +7,12 @@ its oldest task has waited batch_timeout_micros, or -- with timeout 0 -- as soon
 as a batch thread is free (so load alone decides the batch size). At most
 max_enqueued_batches batches wait per queue; beyond that a request is refused
 with UNAVAILABLE rather than queued without bound.
+
+With enable_large_batch_splitting (SharedBatchScheduler's queue semantics),
+max_batch_size bounds one request and max_execution_batch_size each run: a
+request first fills what is left of the open batch, the rest goes into new
+batches of max_execution_batch_size rows, and its answer is the pieces' outputs
+put back together in order.
 """
 import collections
 import logging
@@ -49,6 +55,28 @@ def _has_batch_dimension(signature, inputs) -> bool:
     return True
 
 
+def _execution_limit(params, max_batch_size):
+    """(split large requests?, most rows one run takes), as bundle_factory_util.h's
+    GetQueueOptions reads them: without splitting a run takes max_batch_size rows."""
+    if not _value(params, "enable_large_batch_splitting", False):
+        if params.HasField("max_execution_batch_size"):
+            log.warning("batching parameters: max_execution_batch_size is used only with "
+                        "enable_large_batch_splitting { value: true }; it is ignored, as in TF Serving")
+        return False, max_batch_size
+    # Unset, upstream takes max_batch_size's value, 0 when that is unset too (a queue
+    # that could hold nothing): refused here with the reason.
+    limit = int(_value(params, "max_execution_batch_size", _value(params, "max_batch_size", 0)))
+    if limit <= 0:
+        raise ValueError("batching parameters: enable_large_batch_splitting needs a positive "
+                         "max_execution_batch_size (unset, it is max_batch_size's value), got "
+                         f"{limit}")
+    if limit > max_batch_size:
+        raise ValueError("batching parameters: when enable_large_batch_splitting is true, "
+                         f"max_batch_size ({max_batch_size}) must be greater than or equal to "
+                         f"max_execution_batch_size ({limit})")
+    return True, limit
+
+
 class BatchOptions:
     def __init__(self, params):
         self.max_batch_size = int(_value(params, "max_batch_size", 1000))
@@ -66,6 +94,7 @@ class BatchOptions:
         if self.allowed_batch_sizes and self.allowed_batch_sizes[0] <= 0:
             raise ValueError(f"batching parameters allowed_batch_sizes must be positive, got "
                              f"{list(params.allowed_batch_sizes)}")
+        self.split_large_batches, self.max_execution_batch_size = _execution_limit(params, self.max_batch_size)
         if params.pad_variable_length_inputs:
             log.warning("batching parameters: pad_variable_length_inputs is not implemented: "
                         "requests whose inputs differ past dimension 0 are batched apart, unpadded")
@@ -75,11 +104,13 @@ class BatchOptions:
 
 
 class _Task:
-    __slots__ = ("inputs", "rows", "_done", "result", "error", "cancelled", "enqueued")
+    __slots__ = ("inputs", "rows", "_done", "result", "error", "cancelled", "enqueued",
+                 "_pieces", "_pieces_left", "_pieces_lock")
 
     def __init__(self, inputs, rows):
         self.inputs = inputs
         self.rows = rows
+        self._pieces = None
         # A held lock that the batch thread releases when the result is in: waiting on it
         # stays in C, where threading.Event's Condition runs Python code on both sides
         # (the profile showed Event.wait/set among the top per-request costs).
@@ -95,6 +126,50 @@ class _Task:
 
     def finish(self):
         self._done.release()
+
+    def split(self, sizes):
+        """The pieces of `sizes` rows each (in order) that run in separate batches; this
+        task is answered when the last of them is."""
+        self._pieces, start = [], 0
+        for rows in sizes:
+            self._pieces.append(_Piece(self, start, rows))
+            start += rows
+        self._pieces_left = len(sizes)
+        self._pieces_lock = threading.Lock()
+        return self._pieces
+
+    def piece_finished(self):
+        with self._pieces_lock:
+            self._pieces_left -= 1
+            if self._pieces_left:
+                return
+        errors = [p.error for p in self._pieces if p.error is not None]
+        if errors:
+            self.error = errors[0]
+        else:
+            self.result = {k: np.concatenate([p.result[k] for p in self._pieces], axis=0)
+                           for k in self._pieces[0].result}
+        self.finish()
+
+
+class _Piece:
+    """Rows [start, start + rows) of a split request, run as a task of its own."""
+    __slots__ = ("inputs", "rows", "parent", "result", "error", "enqueued")
+
+    def __init__(self, parent, start, rows):
+        self.inputs = {k: v[start:start + rows] for k, v in parent.inputs.items()}
+        self.rows = rows
+        self.parent = parent
+        self.result = None
+        self.error = None
+        self.enqueued = parent.enqueued
+
+    @property
+    def cancelled(self):
+        return self.parent.cancelled
+
+    def finish(self):
+        self.parent.piece_finished()
 
 
 class _Batch:
@@ -155,20 +230,10 @@ class BatchScheduler:
             q = self._queues.get(key)
             if q is None:
                 q = self._queues[key] = _Queue(key, signature.run)
-            last = q.batches[-1] if q.batches else None
-            if last is None or last.closed or last.rows + task.rows > self.opts.max_batch_size:
-                if last is not None and not last.closed:
-                    last.closed = True
-                if len(q.batches) >= self.opts.max_enqueued_batches:
-                    raise ServingError(grpc.StatusCode.UNAVAILABLE,
-                                       "The batch scheduling queue to which this task was submitted "
-                                       f"is full ({self.opts.max_enqueued_batches} batches waiting)")
-                last = _Batch()
-                q.batches.append(last)
-            last.tasks.append(task)
-            last.rows += task.rows
-            if last.rows >= self.opts.max_batch_size:
-                last.closed = True
+            if self.opts.split_large_batches:
+                self._enqueue_split(q, task)
+            else:
+                self._enqueue(q, task)
             self._cv.notify()
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not task.wait(timeout):
@@ -178,6 +243,51 @@ class BatchScheduler:
         if task.error is not None:
             raise task.error
         return task.result
+
+    def _enqueue(self, q, task):
+        """Called with the lock held: task into q's open batch, or into a new one."""
+        last = q.batches[-1] if q.batches else None
+        limit = self.opts.max_execution_batch_size
+        if last is None or last.closed or last.rows + task.rows > limit:
+            if last is not None and not last.closed:
+                last.closed = True
+            if len(q.batches) >= self.opts.max_enqueued_batches:
+                raise ServingError(grpc.StatusCode.UNAVAILABLE,
+                                   "The batch scheduling queue to which this task was submitted "
+                                   f"is full ({self.opts.max_enqueued_batches} batches waiting)")
+            last = _Batch()
+            q.batches.append(last)
+        last.tasks.append(task)
+        last.rows += task.rows
+        if last.rows >= limit:
+            last.closed = True
+
+    def _enqueue_split(self, q, task):
+        """Called with the lock held: task's rows fill the open batch, the rest go into new
+        batches of max_execution_batch_size rows (shared_batch_scheduler.h's eager split);
+        refused whole, before any piece is queued, when the queue cannot take them all."""
+        limit = self.opts.max_execution_batch_size
+        last = q.batches[-1] if q.batches else None
+        is_open = last is not None and not last.closed
+        room = limit - last.rows if is_open else 0
+        # Upstream counts its open batch among the enqueued ones, empty or not.
+        new_batches = self.opts.max_enqueued_batches - len(q.batches) - (0 if is_open else 1)
+        capacity = new_batches * limit + (room if is_open else limit)
+        if task.rows > capacity:
+            raise ServingError(grpc.StatusCode.UNAVAILABLE,
+                               "The batch scheduling queue to which this task was submitted is full; "
+                               f"task size is {task.rows} but scheduling capacity is only {capacity} "
+                               f"(max_enqueued_batches={self.opts.max_enqueued_batches}, "
+                               f"max_execution_batch_size={limit})")
+        sizes, left = [], task.rows
+        if room:
+            sizes.append(min(left, room))
+            left -= sizes[0]
+        while left:
+            sizes.append(min(left, limit))
+            left -= sizes[-1]
+        for piece in (task.split(sizes) if len(sizes) > 1 else [task]):
+            self._enqueue(q, piece)
 
     # ------------------------------------------------------------ workers
     def _take_batch(self):

@@ -95,7 +95,8 @@ def build_parser():
     boolflag("--enable_batching", False, "Batch concurrent requests together.")
     flag("--batching_parameters_file", default="",
          help="Text-format BatchingParameters (max_batch_size, batch_timeout_micros, "
-              "num_batch_threads, max_enqueued_batches, allowed_batch_sizes).")
+              "num_batch_threads, max_enqueued_batches, allowed_batch_sizes, "
+              "enable_large_batch_splitting, max_execution_batch_size).")
     flag("--monitoring_config_file", default="",
          help="Text-format MonitoringConfig; prometheus_config serves metrics on the REST port.")
     flag("--ssl_config_file", default="", help="Text-format SSLConfig (server_key, server_cert, "

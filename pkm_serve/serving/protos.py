@@ -35,6 +35,7 @@ def _build_pool():
                 fd.type_name = type_name
 
     i64 = (_F.TYPE_MESSAGE, ".google.protobuf.Int64Value")
+    boolean = (_F.TYPE_MESSAGE, ".google.protobuf.BoolValue")
     # Field numbers written out from TF Serving's .proto files (never derived from the
     # order here); tests/serving/test_serving_protos.py checks the binary encoding of each.
     # tensorflow_serving/servables/tensorflow/session_bundle_config.proto:
@@ -46,6 +47,9 @@ def _build_pool():
         (5, "thread_pool_name", _F.TYPE_MESSAGE, ".google.protobuf.StringValue", False),
         (6, "allowed_batch_sizes", _F.TYPE_INT64, None, True),
         (7, "pad_variable_length_inputs", _F.TYPE_BOOL, None, False),
+        # Wrappers upstream (bundle_factory_util.h reads has_...() and .value()).
+        (8, "enable_large_batch_splitting", *boolean, False),
+        (9, "max_execution_batch_size", *i64, False),
     ])
     # tensorflow_serving/config/monitoring_config.proto:
     msg("PrometheusConfig", [

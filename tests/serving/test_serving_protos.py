@@ -21,6 +21,8 @@ TF_SERVING_FIELDS = {
         "thread_pool_name": (5, LEN, "pool"),
         "allowed_batch_sizes": (6, LEN, [32, 64, 128]),   # proto3 packs repeated int64
         "pad_variable_length_inputs": (7, VARINT, True),
+        "enable_large_batch_splitting": (8, LEN, True),   # google.protobuf.BoolValue
+        "max_execution_batch_size": (9, LEN, 32),
     },
     "PrometheusConfig": {"enable": (1, VARINT, True), "path": (2, LEN, "/metrics")},
     "SSLConfig": {"server_key": (1, LEN, "KEY"), "server_cert": (2, LEN, "CERT"),
@@ -69,7 +71,8 @@ def _fields(data):
 # Fields whose type is a google.protobuf wrapper message ({value = 1}).
 WRAPPED = {("BatchingParameters", n) for n in ("max_batch_size", "batch_timeout_micros",
                                                "max_enqueued_batches", "num_batch_threads",
-                                               "thread_pool_name")}
+                                               "thread_pool_name", "enable_large_batch_splitting",
+                                               "max_execution_batch_size")}
 
 
 def _encode_value(value, wrapped):
