@@ -183,9 +183,10 @@ class _Batch:
 
 
 class _Queue:
-    def __init__(self, key, run_fn):
+    def __init__(self, key, run_fn, opts):
         self.key = key
         self.run_fn = run_fn
+        self.opts = opts                     # BatchOptions of the queue (its version's)
         self.batches = collections.deque()   # oldest first; only the last may be open
         self.running = 0                     # batches taken by a worker and not finished
 
@@ -212,16 +213,20 @@ class BatchScheduler:
 
     def run(self, servable, signature, inputs, deadline=None, model_name=""):
         """Runs signature on inputs as part of a batch; returns its outputs (dict)."""
+        # A version served with --enable_per_model_batching_parameters carries the options
+        # of its own batching_params.pbtxt, or None: it has none and is not batched.
+        opts = getattr(servable, "batch_options", self.opts)
         rows = {v.shape[0] if v.ndim else None for v in inputs.values()}
-        if len(rows) != 1 or None in rows or rows == {0} or not _has_batch_dimension(signature, inputs):
+        if opts is None or len(rows) != 1 or None in rows or rows == {0} or \
+                not _has_batch_dimension(signature, inputs):
             # Not batchable (scalars, mismatched dim 0, empty, not the signature's rank): run alone.
             return signature.run(inputs)
-        if next(iter(rows)) > self.opts.max_batch_size:
+        if next(iter(rows)) > opts.max_batch_size:
             # max_batch_size bounds what one run may take (memory): TF Serving's batch queue
             # refuses a larger request (shared_batch_scheduler.h) rather than run it alone.
             raise ServingError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"Task size {next(iter(rows))} is larger than maximum input batch size "
-                               f"{self.opts.max_batch_size}")
+                               f"{opts.max_batch_size}")
         task = _Task(inputs, next(iter(rows)))
         key = self._key(servable, signature, inputs)
         with self._cv:
@@ -229,8 +234,8 @@ class BatchScheduler:
                 raise ServingError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
             q = self._queues.get(key)
             if q is None:
-                q = self._queues[key] = _Queue(key, signature.run)
-            if self.opts.split_large_batches:
+                q = self._queues[key] = _Queue(key, signature.run, opts)
+            if opts.split_large_batches:
                 self._enqueue_split(q, task)
             else:
                 self._enqueue(q, task)
@@ -247,14 +252,14 @@ class BatchScheduler:
     def _enqueue(self, q, task):
         """Called with the lock held: task into q's open batch, or into a new one."""
         last = q.batches[-1] if q.batches else None
-        limit = self.opts.max_execution_batch_size
+        limit = q.opts.max_execution_batch_size
         if last is None or last.closed or last.rows + task.rows > limit:
             if last is not None and not last.closed:
                 last.closed = True
-            if len(q.batches) >= self.opts.max_enqueued_batches:
+            if len(q.batches) >= q.opts.max_enqueued_batches:
                 raise ServingError(grpc.StatusCode.UNAVAILABLE,
                                    "The batch scheduling queue to which this task was submitted "
-                                   f"is full ({self.opts.max_enqueued_batches} batches waiting)")
+                                   f"is full ({q.opts.max_enqueued_batches} batches waiting)")
             last = _Batch()
             q.batches.append(last)
         last.tasks.append(task)
@@ -266,18 +271,18 @@ class BatchScheduler:
         """Called with the lock held: task's rows fill the open batch, the rest go into new
         batches of max_execution_batch_size rows (shared_batch_scheduler.h's eager split);
         refused whole, before any piece is queued, when the queue cannot take them all."""
-        limit = self.opts.max_execution_batch_size
+        limit = q.opts.max_execution_batch_size
         last = q.batches[-1] if q.batches else None
         is_open = last is not None and not last.closed
         room = limit - last.rows if is_open else 0
         # Upstream counts its open batch among the enqueued ones, empty or not.
-        new_batches = self.opts.max_enqueued_batches - len(q.batches) - (0 if is_open else 1)
+        new_batches = q.opts.max_enqueued_batches - len(q.batches) - (0 if is_open else 1)
         capacity = new_batches * limit + (room if is_open else limit)
         if task.rows > capacity:
             raise ServingError(grpc.StatusCode.UNAVAILABLE,
                                "The batch scheduling queue to which this task was submitted is full; "
                                f"task size is {task.rows} but scheduling capacity is only {capacity} "
-                               f"(max_enqueued_batches={self.opts.max_enqueued_batches}, "
+                               f"(max_enqueued_batches={q.opts.max_enqueued_batches}, "
                                f"max_execution_batch_size={limit})")
         sizes, left = [], task.rows
         if room:
@@ -299,7 +304,7 @@ class BatchScheduler:
             if not q.batches:
                 continue
             b = q.batches[0]
-            due = b.opened + self.opts.batch_timeout_s
+            due = b.opened + q.opts.batch_timeout_s
             if b.closed or now >= due or self._stopping:
                 if best is None or b.opened < best[1].opened:
                     best = (q, b)
@@ -355,7 +360,7 @@ class BatchScheduler:
             return
         rows = sum(t.rows for t in tasks)
         padded = rows
-        for size in self.opts.allowed_batch_sizes:
+        for size in q.opts.allowed_batch_sizes:
             if size >= rows:
                 padded = size
                 break

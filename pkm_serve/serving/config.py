@@ -97,6 +97,10 @@ def build_parser():
          help="Text-format BatchingParameters (max_batch_size, batch_timeout_micros, "
               "num_batch_threads, max_enqueued_batches, allowed_batch_sizes, "
               "enable_large_batch_splitting, max_execution_batch_size).")
+    boolflag("--enable_per_model_batching_parameters", False,
+             "Batch each version with the BatchingParameters of its own batching_params.pbtxt "
+             "(in the version directory); a version without one is not batched. Only "
+             "num_batch_threads comes from --batching_parameters_file (TF Serving's flag).")
     flag("--monitoring_config_file", default="",
          help="Text-format MonitoringConfig; prometheus_config serves metrics on the REST port.")
     flag("--ssl_config_file", default="", help="Text-format SSLConfig (server_key, server_cert, "
@@ -163,6 +167,8 @@ def _check_values(p, args):
         p.error("give --model_base_path (with --model_name) or --model_config_file")
     if args.batching_parameters_file and not args.enable_batching:
         p.error("--batching_parameters_file needs --enable_batching")
+    if args.enable_per_model_batching_parameters and not args.enable_batching:
+        p.error("--enable_per_model_batching_parameters needs --enable_batching")
     for name in ("port", "rest_api_port"):
         if not 0 <= getattr(args, name) <= 65535:
             p.error(f"--{name} must be 0-65535 (0 = disabled), got {getattr(args, name)}")

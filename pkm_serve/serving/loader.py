@@ -18,6 +18,8 @@ from pkm_serve.serving.tflite_servable import TFLITE_MODEL_FILE, TfLiteServable
 
 log = logging.getLogger("pkm_serve.serving")
 
+BATCHING_PARAMS_FILE = "batching_params.pbtxt"   # bundle_factory_util.cc's kBatchingParamsFilename
+
 
 class Loader:
     """One version's lifecycle; subclasses implement the three steps."""
@@ -83,21 +85,60 @@ def load_with_retries(make_loader, servable_id, max_num_load_retries, wait_or_ca
 
 
 def make_loader_factory(warmup=True, prefer_tflite_model=False, num_tflite_interpreters=1,
-                        tflite_threads=1):
+                        tflite_threads=1, per_model_batching=False):
     """factory(model_name, version, path) -> Loader, as the server configures it.
 
     With prefer_tflite_model a version directory holding model.tflite is served from
     it (TF Serving's --prefer_tflite_model); any other directory is a SavedModel.
-    `warmup`: times each warmup record runs (True: once; 0 or False: no warmup)."""
+    `warmup`: times each warmup record runs (True: once; 0 or False: no warmup).
+    `per_model_batching` (--enable_per_model_batching_parameters): each version is
+    batched with its own batching_params.pbtxt, or not at all without one."""
 
     def factory(name, version, path):
         if prefer_tflite_model and _is_file(os.path.join(path, TFLITE_MODEL_FILE)):
-            return ServableLoader(lambda: TfLiteServable(
+            make = lambda: TfLiteServable(  # noqa: E731
                 name, version, path, warmup=warmup, num_interpreters=num_tflite_interpreters,
-                num_threads=tflite_threads))
-        return ServableLoader(lambda: _saved_model_servable(name, version, path, warmup))
+                num_threads=tflite_threads)
+        else:
+            make = lambda: _saved_model_servable(name, version, path, warmup)  # noqa: E731
+        return ServableLoader(_with_own_batching(make, path) if per_model_batching else make)
 
     return factory
+
+
+def _with_own_batching(make, path):
+    def make_with_batch_options():
+        options = per_model_batch_options(path)   # first: a bad file fails the load, nothing held
+        servable = make()
+        servable.batch_options = options
+        return servable
+    return make_with_batch_options
+
+
+def per_model_batch_options(path):
+    """BatchOptions of the version directory's batching_params.pbtxt (bundle_factory_util.cc
+    reads it from the SavedModel directory itself, not assets.extra), or None without one:
+    upstream does not batch such a version. A file that does not parse or holds values the
+    batch queue refuses fails the load, as upstream."""
+    import tensorflow as tf
+    from google.protobuf import text_format
+
+    from pkm_serve.serving import protos
+    from pkm_serve.serving.batching import BatchOptions
+    file = os.path.join(path, BATCHING_PARAMS_FILE)
+    if not _is_file(file):
+        log.info("%s: no %s, the version is not batched (--enable_per_model_batching_parameters)",
+                 path, BATCHING_PARAMS_FILE)
+        return None
+    with tf.io.gfile.GFile(file, "r") as fh:
+        text = fh.read()
+    try:
+        return BatchOptions(text_format.Parse(text, protos.BatchingParameters()))
+    except text_format.ParseError as e:
+        raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, "Error parsing text-format "
+                           f"tensorflow.serving.BatchingParameters from {file}: {e}") from None
+    except ValueError as e:
+        raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, f"{file}: {e}") from None
 
 
 def _saved_model_servable(name, version, path, warmup):

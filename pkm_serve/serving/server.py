@@ -96,7 +96,8 @@ class Server:
             warmup=args.enable_model_warmup and max(1, args.num_request_iterations_for_warmup),
             prefer_tflite_model=args.prefer_tflite_model,
             num_tflite_interpreters=args.num_tflite_pools or os.cpu_count() or 1,
-            tflite_threads=args.tflite_num_threads)
+            tflite_threads=args.tflite_num_threads,
+            per_model_batching=configs.batching is not None and args.enable_per_model_batching_parameters)
         try:   # the manager validates the model config (once)
             self.manager = ModelManager(
                 configs.models, poll_seconds=args.file_system_poll_wait_seconds,
