@@ -368,8 +368,8 @@ class BatchScheduler:
             merged = {}
             for k in tasks[0].inputs:
                 parts = [t.inputs[k] for t in tasks]
-                if padded > rows:  # pad with copies of the first row, as TF Serving does
-                    parts.append(np.repeat(parts[0][:1], padded - rows, axis=0))
+                if padded > rows:   # copies of the last task's first row (batching_session.cc)
+                    parts.append(np.repeat(parts[-1][:1], padded - rows, axis=0))
                 merged[k] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
             t0 = time.monotonic()
             outputs = q.run_fn(merged)
