@@ -95,12 +95,56 @@ class BatchOptions:
             raise ValueError(f"batching parameters allowed_batch_sizes must be positive, got "
                              f"{list(params.allowed_batch_sizes)}")
         self.split_large_batches, self.max_execution_batch_size = _execution_limit(params, self.max_batch_size)
-        if params.pad_variable_length_inputs:
-            log.warning("batching parameters: pad_variable_length_inputs is not implemented: "
-                        "requests whose inputs differ past dimension 0 are batched apart, unpadded")
+        self.pad_variable_length_inputs = params.pad_variable_length_inputs
         if self.allowed_batch_sizes and self.allowed_batch_sizes[-1] != self.max_batch_size:
             raise ValueError(f"the largest allowed_batch_sizes entry ({self.allowed_batch_sizes[-1]}) "
                              f"must equal max_batch_size ({self.max_batch_size})")
+
+
+def _merge_inputs(tasks, padding_rows, pad_variable_length_inputs):
+    """The batch's inputs: the tasks' concatenated along dimension 0 (each first padded past
+    dimension 0 to the batch's largest sizes, with pad_variable_length_inputs), then
+    `padding_rows` copies of the last task's first row (batching_session.cc)."""
+    merged = {}
+    for k in tasks[0].inputs:
+        parts = [t.inputs[k] for t in tasks]
+        if pad_variable_length_inputs and parts[0].ndim > 1:
+            shape = tuple(max(sizes) for sizes in zip(*(p.shape[1:] for p in parts)))
+            parts = [_pad_past_dim0(p, shape) for p in parts]
+        if padding_rows:
+            parts.append(np.repeat(parts[-1][:1], padding_rows, axis=0))
+        merged[k] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+    return merged
+
+
+def _pad_past_dim0(value, shape):
+    """batching_util.cc AddPadding: `value` grown after its elements in every dimension but
+    the 0th to `shape`, the new places filled with its first element."""
+    if value.shape[1:] == shape:
+        return value
+    out = np.full(value.shape[:1] + shape, value.flat[0], dtype=value.dtype)
+    out[tuple(slice(0, n) for n in value.shape)] = value
+    return out
+
+
+def _drop_unpaddable(tasks):
+    """The tasks that AddPadding can pad for this batch; the others get its error (upstream
+    fails the whole batch with it: here only the request that causes it)."""
+    largest = {k: tuple(max(sizes) for sizes in zip(*(t.inputs[k].shape[1:] for t in tasks)))
+               for k in tasks[0].inputs} if tasks else {}
+    keep = []
+    for t in tasks:
+        problem = None
+        for k, v in t.inputs.items():
+            if v.ndim > 6:
+                problem = "Only tensors with rank from 1 to 6 can be padded."
+            elif v.size == 0 and v.shape[1:] != largest[k]:
+                problem = "Got empty tensor in batch of non-empty tensors."
+        if problem is None:
+            keep.append(t)
+        else:
+            t.error = ServingError(grpc.StatusCode.INVALID_ARGUMENT, problem)
+    return keep
 
 
 class _Task:
@@ -207,9 +251,11 @@ class BatchScheduler:
             t.start()
 
     @staticmethod
-    def _key(servable, signature, inputs):
+    def _key(servable, signature, inputs, pad_variable_length_inputs):
+        # Padded, requests of any sizes past dimension 0 share a batch (of one rank).
         return (servable, signature.name,
-                tuple(sorted((k, v.dtype.str, v.shape[1:]) for k, v in inputs.items())))
+                tuple(sorted((k, v.dtype.str, v.ndim if pad_variable_length_inputs else v.shape[1:])
+                             for k, v in inputs.items())))
 
     def run(self, servable, signature, inputs, deadline=None, model_name=""):
         """Runs signature on inputs as part of a batch; returns its outputs (dict)."""
@@ -228,7 +274,7 @@ class BatchScheduler:
                                f"Task size {next(iter(rows))} is larger than maximum input batch size "
                                f"{opts.max_batch_size}")
         task = _Task(inputs, next(iter(rows)))
-        key = self._key(servable, signature, inputs)
+        key = self._key(servable, signature, inputs, opts.pad_variable_length_inputs)
         with self._cv:
             if self._stopping:
                 raise ServingError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
@@ -356,6 +402,8 @@ class BatchScheduler:
                 t.finish()
 
     def _run_batch(self, q, tasks):
+        if q.opts.pad_variable_length_inputs:
+            tasks = _drop_unpaddable(tasks)
         if not tasks:
             return
         rows = sum(t.rows for t in tasks)
@@ -365,12 +413,7 @@ class BatchScheduler:
                 padded = size
                 break
         try:
-            merged = {}
-            for k in tasks[0].inputs:
-                parts = [t.inputs[k] for t in tasks]
-                if padded > rows:   # copies of the last task's first row (batching_session.cc)
-                    parts.append(np.repeat(parts[-1][:1], padded - rows, axis=0))
-                merged[k] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+            merged = _merge_inputs(tasks, padded - rows, q.opts.pad_variable_length_inputs)
             t0 = time.monotonic()
             outputs = q.run_fn(merged)
             if self._metrics:

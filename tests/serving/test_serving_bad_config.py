@@ -1,7 +1,5 @@
 """Config-file values that `pkm-serve serve` does not implement or would misuse are
 refused with a message naming them, not silently ignored."""
-import logging
-
 import pytest
 from google.protobuf import text_format
 from tensorflow_serving.config import model_server_config_pb2
@@ -25,12 +23,6 @@ def _batching(text):
 def test_bad_batching_values_are_refused(text, needle):
     with pytest.raises(ValueError, match=needle):
         BatchOptions(_batching(text))
-
-
-def test_pad_variable_length_inputs_is_named_as_not_implemented(caplog):
-    with caplog.at_level(logging.WARNING, logger="pkm_serve.serving"):
-        BatchOptions(_batching("pad_variable_length_inputs: true"))
-    assert "pad_variable_length_inputs is not implemented" in caplog.text
 
 
 @pytest.mark.parametrize("fields, needle", [
