@@ -322,13 +322,14 @@ class BatchScheduler:
         is_open = last is not None and not last.closed
         room = limit - last.rows if is_open else 0
         # Upstream counts its open batch among the enqueued ones, empty or not.
-        new_batches = q.opts.max_enqueued_batches - len(q.batches) - (0 if is_open else 1)
-        capacity = new_batches * limit + (room if is_open else limit)
+        enqueued = len(q.batches) + (0 if is_open else 1)
+        capacity = (q.opts.max_enqueued_batches - enqueued) * limit + (room if is_open else limit)
         if task.rows > capacity:
             raise ServingError(grpc.StatusCode.UNAVAILABLE,
                                "The batch scheduling queue to which this task was submitted is full; "
                                f"task size is {task.rows} but scheduling capacity is only {capacity} "
-                               f"(max_enqueued_batches={q.opts.max_enqueued_batches}, "
+                               f"(num_enqueued_batches={enqueued}, max_enqueued_batches="
+                               f"{q.opts.max_enqueued_batches}, open_batch_size={last.rows if is_open else 0}, "
                                f"max_execution_batch_size={limit})")
         sizes, left = [], task.rows
         if room:

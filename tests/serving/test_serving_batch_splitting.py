@@ -138,7 +138,10 @@ def test_request_larger_than_the_queue_can_take_is_refused_before_any_piece_runs
         with pytest.raises(ServingError) as err:
             sched.run("s", model, {"x": _rows(5)})
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
-        assert "task size is 5 but scheduling capacity is only 4" in err.value.message
+        assert err.value.message == (   # shared_batch_scheduler.h's words
+            "The batch scheduling queue to which this task was submitted is full; task size is 5 but "
+            "scheduling capacity is only 4 (num_enqueued_batches=1, max_enqueued_batches=2, "
+            "open_batch_size=0, max_execution_batch_size=2)")
         assert model.runs == []
         x = _rows(4)
         _assert_answers(x, sched.run("s", model, {"x": x}))
