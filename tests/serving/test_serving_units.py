@@ -36,6 +36,7 @@ def test_flags_use_tf_serving_names_and_safe_defaults():
     ([], "give --model_base_path (with --model_name) or --model_config_file"),
     (["--model_base_path=/m", "--port=0"], "nothing to serve"),
     (["--model_base_path=/m", "--batching_parameters_file=/b"], "needs --enable_batching"),
+    (["--model_base_path=/m", "--enable_per_model_batching_parameters"], "parameters needs --enable_batching"),
     (["--model_base_path=/m", "--enable_batching=maybe"], "expected true or false"),
     (["--model_base_path=/m", "--grpc_channel_arguments=a=1,foo"], "'foo' is not key=value"),
 ])
