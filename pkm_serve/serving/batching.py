@@ -187,13 +187,36 @@ class _Task:
             self._pieces_left -= 1
             if self._pieces_left:
                 return
-        errors = [p.error for p in self._pieces if p.error is not None]
-        if errors:
-            self.error = errors[0]
-        else:
-            self.result = {k: np.concatenate([p.result[k] for p in self._pieces], axis=0)
-                           for k in self._pieces[0].result}
-        self.finish()
+        try:
+            errors = [p.error for p in self._pieces if p.error is not None]
+            if errors:
+                self.error = errors[0]
+            else:
+                self.result = _concatenate_pieces([p.result for p in self._pieces])
+        except ServingError as e:
+            self.error = e
+        except Exception as e:  # noqa: BLE001 - the request must be answered, never left waiting
+            self.error = _internal(e)
+        finally:
+            self.finish()
+
+
+def _concatenate_pieces(results):
+    """A split request's outputs: its pieces' along dimension 0 (as SplitInputTask's
+    done callback concatenates them)."""
+    out = {}
+    for k in results[0]:
+        parts = [r[k] for r in results]
+        if any(p.shape[1:] != parts[0].shape[1:] for p in parts):
+            # With pad_variable_length_inputs each piece was padded to its own batch.
+            raise ServingError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"the pieces of this split request (enable_large_batch_splitting) gave "
+                               f"output '{k}' of different shapes past dimension 0 "
+                               f"({sorted({tuple(p.shape[1:]) for p in parts})}), padded to the inputs "
+                               f"of their batches (pad_variable_length_inputs); they cannot be "
+                               f"concatenated")
+        out[k] = np.concatenate(parts, axis=0)
+    return out
 
 
 class _Piece:

@@ -144,3 +144,43 @@ def test_rank_above_six_is_refused_when_padding_is_on():
             sched.run("s", _Recording(), {"x": np.ones((1,) * 6)}, deadline=time.monotonic() + 10)["y"], [1.0])
     finally:
         sched.stop(timeout=10)
+
+
+def test_split_request_whose_pieces_were_padded_apart_gets_an_error_not_a_hang():
+    """pad_variable_length_inputs with enable_large_batch_splitting: a narrow request's first
+    row shares a batch with a wide one (padded to its width), its other rows run alone
+    (unpadded); the pieces' outputs cannot be concatenated. The batch thread raised in the
+    answer path and the request waited until its deadline."""
+    class _Rowwise(_Recording):
+        def run(self, inputs, output_filter=()):
+            self.merged.append(inputs)
+            return {"y": 3 * inputs["x"] + 1}
+    model = _Rowwise()
+    wide, narrow = np.array([[1.0, 2.0, 3.0]]), np.array([[4.0], [5.0], [6.0]])
+    sched = BatchScheduler(text_format.Parse(
+        "max_batch_size { value: 4 } enable_large_batch_splitting { value: true } "
+        "max_execution_batch_size { value: 2 } num_batch_threads { value: 1 } "
+        "batch_timeout_micros { value: 100000 } pad_variable_length_inputs: true",
+        protos.BatchingParameters()))
+    out = {}
+
+    def call(name, x):
+        try:
+            out[name] = sched.run("s", model, {"x": x}, deadline=time.monotonic() + 10)
+        except ServingError as e:
+            out[name] = e
+    try:
+        threads = [threading.Thread(target=call, args=a) for a in (("wide", wide), ("narrow", narrow))]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(10)
+        np.testing.assert_array_equal(out["wide"]["y"], 3 * wide + 1)
+        assert out["narrow"].code.name == "INVALID_ARGUMENT", out["narrow"]
+        assert "cannot be concatenated" in out["narrow"].message
+        # The batch thread is alive and serves the next request.
+        x = np.array([[2.0]])
+        np.testing.assert_array_equal(sched.run("s", model, {"x": x}, deadline=time.monotonic() + 10)["y"], [[7.0]])
+    finally:
+        sched.stop(timeout=10)
