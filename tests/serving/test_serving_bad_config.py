@@ -67,3 +67,14 @@ def test_prometheus_path_without_a_leading_slash_is_refused(tmp_path):
         config.monitoring_config(args)
     path.write_text('prometheus_config { enable: true path: "/metrics" }')
     assert config.monitoring_config(args).prometheus_config.path == "/metrics"
+
+
+def test_a_batching_field_the_server_does_not_declare_is_refused_naming_it(tmp_path):
+    """Never silently ignored: a field pkm-serve does not know could change how requests batch."""
+    from pkm_serve.serving import config
+    path = tmp_path / "batching.config"
+    path.write_text("max_batch_size { value: 8 }\nsome_newer_field { value: 1 }\n")
+    args = config.parse_args(["--model_base_path=/m", "--enable_batching", f"--batching_parameters_file={path}"])
+    with pytest.raises(ValueError) as e:
+        config.batching_parameters(args)
+    assert 'has no field named "some_newer_field"' in str(e.value) and str(path) in str(e.value)
