@@ -326,9 +326,10 @@ class BatchScheduler:
             if last is not None and not last.closed:
                 last.closed = True
             if len(q.batches) >= q.opts.max_enqueued_batches:
-                raise ServingError(grpc.StatusCode.UNAVAILABLE,
-                                   "The batch scheduling queue to which this task was submitted "
-                                   f"is full ({q.opts.max_enqueued_batches} batches waiting)")
+                raise ServingError(grpc.StatusCode.UNAVAILABLE,   # shared_batch_scheduler.h's words
+                                   "The batch scheduling queue to which this task was submitted is full; "
+                                   f"currently {len(q.batches)} batches enqueued and max_enqueued_batches "
+                                   f"is {q.opts.max_enqueued_batches}")
             last = _Batch()
             q.batches.append(last)
         last.tasks.append(task)

@@ -76,7 +76,8 @@ def test_unset_max_enqueued_batches_is_tf_servings_ten():
         with pytest.raises(ServingError) as err:   # (the deadline: a regression fails, not hangs)
             sched.run("s", _Gated(), one, deadline=time.monotonic() + 1)
         assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
-        assert err.value.message.startswith("The batch scheduling queue to which this task was submitted is full")
+        assert err.value.message == ("The batch scheduling queue to which this task was submitted is full; "
+                                     "currently 10 batches enqueued and max_enqueued_batches is 10")
     finally:
         gate.set()
         for t in waiting:
