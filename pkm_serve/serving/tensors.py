@@ -8,8 +8,9 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2, types_pb2
 
-from pkm_serve.serving.errors import invalid
+from pkm_serve.serving.errors import ServingError, invalid
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
+from pkm_serve.serving.proto_fields import VALUE_FIELDS, fill_to, misplaced, narrow_values, sent_count
 from pkm_serve.serving.wire_formats import base64_as_tf_serving, string_list
 
 
@@ -26,17 +27,6 @@ _FAST_DTYPES = {
 _FAST_ENUMS = {v: k for k, v in _FAST_DTYPES.items()}
 
 
-# The repeated field tf.make_ndarray reads for each dtype when tensor_content is empty.
-_VALUE_FIELDS = {
-    getattr(types_pb2, "DT_" + t): field
-    for field, types in (
-        ("float_val", "FLOAT"), ("double_val", "DOUBLE"), ("half_val", "HALF BFLOAT16"),
-        ("float8_val", "FLOAT8_E5M2 FLOAT8_E4M3FN FLOAT4_E2M1FN"),
-        ("int_val", "INT32 UINT8 UINT16 INT16 INT8 QINT32 QUINT8 QINT8 QINT16 QUINT16 INT4 UINT4 INT2 UINT2"),
-        ("int64_val", "INT64"), ("uint32_val", "UINT32"), ("uint64_val", "UINT64"),
-        ("scomplex_val", "COMPLEX64"), ("dcomplex_val", "COMPLEX128"), ("bool_val", "BOOL"),
-        ("string_val", "STRING"))
-    for t in types.split() if hasattr(types_pb2, "DT_" + t)}
 _MAX_RANK = 254  # TensorShape::MaxDimensions() in TF
 _NOT_IN_REQUESTS = {types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT}
 _LAST_VALUE_DTYPE = 100   # 101 and up are the DT_*_REF reference types
@@ -99,29 +89,22 @@ def _check(name, proto, budget, limit) -> int:
             raise invalid(f"input '{name}': tensor_content holds {len(proto.tensor_content)} bytes but "
                           f"shape {text} of {tf_dtype.name} needs {size}")
     else:
-        field = _VALUE_FIELDS.get(proto.dtype)
+        field = VALUE_FIELDS.get(proto.dtype)
         if field is None:
             raise invalid(f"input '{name}' has dtype {tf_dtype.name}, which a request cannot carry")
-        values = getattr(proto, field)
-        sent = len(values) // 2 if field.endswith("complex_val") else len(values)
-        # TF fills a tensor from a single value (make_tensor_proto(1.0, shape=...)); any other
-        # count must match the shape (make_ndarray would silently pad with the last value).
-        if sent != count and not (sent == 1 and count > 0):
+        sent = sent_count(proto, field)
+        # As Tensor::FromProto, fewer values than the shape needs repeat the last one
+        # (tf.make_tensor_proto([1., 2.], shape=[2, 3]) sends two); none, or more than
+        # needed, is refused where FromProto would zero-fill or drop values silently.
+        if sent > count or (sent == 0 and count > 0):
             raise invalid(f"input '{name}' holds {sent} values but its shape {text} needs "
-                          f"{count}{_misplaced(proto, field)}")
-        if sent == 1 and field == "string_val":
-            size += count * len(values[0])   # each element becomes its own copy in the tensor
+                          f"{count}{misplaced(proto, field)}")
+        if field == "string_val" and count > sent:
+            # each repeat of the last string becomes its own copy in the tensor
+            size += (count - sent) * len(getattr(proto, field)[-1])
             if size > budget:
                 raise too_big
     return size
-
-
-def _misplaced(proto, field) -> str:
-    """Where a proto's values went instead of the dtype's field (half_val for a DT_FLOAT...)."""
-    others = sorted(f.name for f, _ in proto.ListFields() if f.name.endswith("_val") and f.name != field)
-    if field.endswith("complex_val") and len(getattr(proto, field)) % 2:
-        return f" ({field} holds (real, imaginary) pairs: an odd count of {len(getattr(proto, field))} numbers)"
-    return f" ({_dtype_name(proto.dtype)} reads {field}; the values are in {', '.join(others)})" if others else ""
 
 
 def _decode(name, proto) -> np.ndarray:
@@ -136,9 +119,13 @@ def _decode(name, proto) -> np.ndarray:
         return np.array(strings, dtype=object).reshape(shape)
     try:
         if fast is not None and proto.tensor_content:
-            return np.frombuffer(proto.tensor_content, dtype=fast).reshape(
-                [d.size for d in proto.tensor_shape.dim])
+            return np.frombuffer(proto.tensor_content, dtype=fast).reshape(shape)
+        narrow = None if proto.tensor_content else narrow_values(name, proto)
+        if narrow is not None:
+            return fill_to(narrow, math.prod(shape)).reshape(shape)
         return tf.make_ndarray(proto)
+    except ServingError:
+        raise
     except Exception as e:  # make_ndarray/reshape raise TypeError/ValueError on bad content
         raise invalid(f"input '{name}' is not a valid TensorProto: {e}") from None
 
@@ -176,7 +163,7 @@ def to_proto(array: np.ndarray, as_tensor_content: bool = False):
     proto = tensor_pb2.TensorProto(dtype=enum)
     for d in array.shape:
         proto.tensor_shape.dim.add(size=d)
-    field = _VALUE_FIELDS.get(enum)
+    field = VALUE_FIELDS.get(enum)
     if field is None:   # dtypes without a typed field (e.g. resource): raw bytes
         proto.tensor_content = np.ascontiguousarray(array).tobytes()
     else:
