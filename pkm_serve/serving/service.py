@@ -81,6 +81,7 @@ class InferenceService:
     # ------------------------------------------------------------ Predict
     def predict_on(self, servable, sig, inputs, deadline=None, output_filter=()):
         """Validates and runs on the servable the caller holds (see serving())."""
+        inputs = sig.with_defaults(inputs)
         sig.validate(inputs)
         return self._run(servable, sig, inputs, deadline, "predict", output_filter)
 
