@@ -276,15 +276,18 @@ def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True
         if _holds_b64(value):
             raise invalid(f"input '{name}' holds a {{\"b64\": ...}} value but the signature expects "
                           f"{dtype.name}: base64 encodes only string (DT_STRING) inputs")
-        raise invalid(f"input '{name}' is ragged or mixes types: all rows must have the same shape")
-    if arr.dtype.kind in "US":
-        raise invalid(f"input '{name}' holds strings but the signature expects {dtype.name}")
+        wrong = _first_wrong_leaf(value, dtype)
+        if wrong is not _NO_LEAF:
+            raise json_type_error(name, wrong, dtype)
+        raise invalid(f"input '{name}' is ragged: all rows must have the same shape")
+    if arr.dtype.kind in "US" or (arr.dtype.kind == "b" and not dtype.is_bool):
+        raise json_type_error(name, _first_wrong_leaf(value, dtype), dtype)
     if may_hold_bools and arr.dtype.kind in "iuf" and not dtype.is_bool:
         _refuse_bools_among_numbers(name, value, dtype)
     if dtype.is_bool:
-        if arr.dtype.kind != "b":
-            raise invalid(f"input '{name}' must hold true/false values (signature dtype bool)")
-        return arr
+        if arr.dtype.kind != "b" and arr.size:
+            raise json_type_error(name, _first_wrong_leaf(value, dtype), dtype)
+        return arr.astype(bool)
     if dtype.is_integer:
         if arr.dtype.kind == "f":
             # TF Serving (json_tensor.cc) wants JSON integers here: a JSON 1.0 is a type error.
@@ -293,8 +296,6 @@ def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True
                 raise invalid(f"JSON Value: {json_number_text(wrong)} Type: Number is not of expected "
                               f"type: {dtype.name} (input '{name}')")
             return _exact_integers(name, value, dtype)
-        elif arr.dtype.kind == "b":
-            raise invalid(f"input '{name}' holds booleans but the signature expects {dtype.name}")
         info = np.iinfo(dtype.as_numpy_dtype)
         # Floats (JSON integers past int64 turn the whole array float64) are compared with the
         # range's exact power-of-two ends: float64(int64 max) rounds up to 2^63.
@@ -304,8 +305,6 @@ def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True
             raise invalid(f"input '{name}' holds values outside the range of {dtype.name}")
         return arr.astype(dtype.as_numpy_dtype)
     if dtype.is_floating or dtype.is_complex:
-        if arr.dtype.kind == "b":
-            raise invalid(f"input '{name}' holds booleans but the signature expects {dtype.name}")
         if dtype.is_floating:
             _check_lossless(name, value, arr, dtype)
         return arr.astype(dtype.as_numpy_dtype)
@@ -325,10 +324,34 @@ def _refuse_bools_among_numbers(name, value, dtype):
             _refuse_bools_among_numbers(name, row, dtype)
         return
     if bool in set(map(type, value)):
-        wrong = next(v for v in value if isinstance(v, bool))
-        raise invalid(f"JSON Value: {'true' if wrong else 'false'} Type: {'True' if wrong else 'False'} "
-                      f"is not of expected type: {_TF_TYPE_NAMES.get(dtype.name, dtype.name)} "
-                      f"(input '{name}')")
+        raise json_type_error(name, next(v for v in value if isinstance(v, bool)), dtype)
+
+
+_JSON_TYPES = {bool: "Bool", type(None): "Null", str: "String", bytes: "String", dict: "Object",
+               list: "Array", int: "Number", float: "Number"}
+
+
+def json_type_error(name, leaf, dtype):
+    """json_tensor.cc's TypeError for a JSON value of the wrong type for the input's dtype."""
+    kind = _JSON_TYPES.get(type(leaf), type(leaf).__name__)
+    if kind == "Bool":
+        kind = "True" if leaf else "False"
+    text = leaf.decode("utf-8", "replace") if isinstance(leaf, bytes) else leaf
+    shown = json_number_text(leaf) if kind == "Number" else json.dumps(text)[:200]
+    return invalid(f"JSON Value: {shown} Type: {kind} is not of expected type: "
+                   f"{_TF_TYPE_NAMES.get(dtype.name, dtype.name)} (input '{name}')")
+
+
+def _first_wrong_leaf(value, dtype):
+    """The first leaf of a JSON value whose JSON type the dtype does not take, else None
+    (a mix numpy keeps as objects: [true, 2**70], [null, 1])."""
+    for leaf in _leaves(value):
+        if isinstance(leaf, bool) != dtype.is_bool or not isinstance(leaf, (bool, int, float)):
+            return leaf
+    return _NO_LEAF
+
+
+_NO_LEAF = object()
 
 
 def _exact_integers(name, value, dtype) -> np.ndarray:
