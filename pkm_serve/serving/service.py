@@ -56,13 +56,10 @@ class InferenceService:
     def _run(self, servable, sig, inputs, deadline, api, output_filter=()):
         t0 = time.monotonic()
         if self.batcher is not None:
+            fetches = sig.fetches(output_filter)   # unknown names refused before the model runs
             outputs = self.batcher.run(servable, sig, inputs, deadline=deadline)
             if output_filter:
-                unknown = [k for k in output_filter if k not in outputs]
-                if unknown:
-                    raise invalid(f"output_filter names unknown output(s) {unknown}; signature "
-                                  f"'{sig.name}' has {sorted(outputs)}")
-                outputs = {k: outputs[k] for k in output_filter}
+                outputs = {k: outputs[k] for k in fetches}
         else:
             outputs = sig.run(inputs, output_filter)
         if deadline is not None and time.monotonic() > deadline:
@@ -86,8 +83,11 @@ class InferenceService:
         return self._run(servable, sig, inputs, deadline, "predict", output_filter)
 
     def predict(self, request, deadline=None):
-        if len(set(request.output_filter)) != len(request.output_filter):
-            raise invalid("output_filter lists an output more than once")
+        seen = set()
+        for alias in request.output_filter:
+            if alias in seen:   # predict_util.cc's words
+                raise invalid(f"duplicate output tensor alias: {alias} (output_filter names it more than once)")
+            seen.add(alias)
         inputs = tensors.from_protos(request.inputs, self.max_request_bytes)
         with self.serving(request.model_spec) as servable:
             sig = servable.signature(request.model_spec.signature_name)
