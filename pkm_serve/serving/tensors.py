@@ -11,6 +11,7 @@ from tensorflow.core.framework import tensor_pb2, types_pb2
 from pkm_serve.serving.errors import ServingError, invalid
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
 from pkm_serve.serving.proto_fields import VALUE_FIELDS, fill_to, misplaced, narrow_values, sent_count
+from pkm_serve.serving.json_floats import shortest_float32_as_float64
 from pkm_serve.serving.wire_formats import base64_as_tf_serving, string_list
 
 
@@ -452,49 +453,12 @@ def _json_scalar_list(arr: np.ndarray, name: str):
 
         flat = [enc(b) for b in arr.reshape(-1)]
         return np.array(flat, dtype=object).reshape(arr.shape).tolist() if arr.ndim else flat[0]
+    if arr.dtype == np.float16:   # (an extension: json_tensor.cc writes no half)
+        return shortest_float32_as_float64(arr, like=np.float16).tolist()
     if arr.dtype.name == "bfloat16" or (arr.dtype.kind == "f" and arr.dtype.itemsize < 8):
-        # Print float32/16 values by their own shortest repr, not float64 noise.
+        # Print float32 values by their own shortest repr, not float64 noise (bfloat16 as float32).
         return shortest_float32_as_float64(arr.astype(np.float32)).tolist()
     return arr.tolist()
-
-
-_EXACT_POWERS_OF_TEN = 22   # 10**k is exact in float64 up to k = 22
-
-
-def shortest_float32_as_float64(values: np.ndarray) -> np.ndarray:
-    """For float32 values, the float64 nearest to each one's shortest round-trip decimal
-    (what str(np.float32(x)) prints), so that JSON shows 0.1, not 0.10000000149011612.
-
-    Vectorised because per-element str() dominated the REST cost of a response: the
-    decimal with p significant digits is m * 10**-k for an integer m; while 10**|k| is
-    exact in float64 the quotient (or product) is correctly rounded, i.e. the float64
-    nearest the decimal. p grows from 1 until the candidate rounds back to the float32.
-    Values beyond exact powers of ten (|x| < 1e-14 or >= 1e23) take the per-element path."""
-    flat = values.astype(np.float64).reshape(-1)
-    out = flat.copy()                                   # zeros, infinities, NaN stay as they are
-    todo = np.isfinite(flat) & (flat != 0)
-    exponent = np.floor(np.log10(np.abs(np.where(todo, flat, 1.0))))
-    # Every digit count 1..9 must have an exact scale, else a longer decimal could be taken
-    # for the shortest: k = digits - 1 - exponent spans [-exponent, 8 - exponent].
-    vector = todo & (exponent >= -_EXACT_POWERS_OF_TEN + 8) & (exponent <= _EXACT_POWERS_OF_TEN)
-    per_element, todo = todo & ~vector, vector
-    for digits in range(1, 10):
-        k = digits - 1 - exponent
-        now = todo
-        if not now.any():
-            break
-        v, kk = flat[now], k[now]
-        scale = 10.0 ** np.abs(kk)
-        up = kk >= 0
-        m = np.rint(np.where(up, v * scale, v / scale))
-        candidate = np.where(up, m / scale, m * scale)
-        ok = candidate.astype(np.float32) == v.astype(np.float32)
-        where = np.flatnonzero(now)[ok]
-        out[where] = candidate[ok]
-        todo[where] = False
-    for i in np.flatnonzero(todo | per_element):
-        out[i] = float(str(np.float32(flat[i])))
-    return out.reshape(values.shape)
 
 
 def to_json(name: str, arr: np.ndarray):

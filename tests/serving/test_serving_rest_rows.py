@@ -99,3 +99,14 @@ def test_float16_inputs_and_outputs_round_trip(url):
         assert status == 200, answer
         got = np.array(next(iter(answer.values())), np.float64).astype(np.float16)
         np.testing.assert_array_equal(got, want)
+
+
+def test_float16_outputs_print_as_the_shortest_decimal_of_the_half():
+    """numpy's repr of each half is the reference; they were printed by float32's shortest
+    repr of the half's value (a half 0.1 as 0.099975586)."""
+    from pkm_serve.serving import tensors
+    values = np.array([0.1, -0.3, 65504, 6e-8, 1e-3, 2049, np.inf, 1 / 3, 0], np.float16)
+    values = np.concatenate([values, np.random.default_rng(0).standard_normal(500).astype(np.float16)])
+    got = tensors.to_json("y", values)
+    assert got[:6] == [0.1, -0.3, 65500.0, 6e-08, 0.001, 2048.0]
+    assert got == [float(str(v)) for v in values]
