@@ -10,6 +10,7 @@ frees them however many Python references are left.
 """
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -56,8 +57,9 @@ class SignatureBase:
                               for k, s in self.input_specs.items()}
         # Values for inputs a request may leave out (tf.function default arguments, which
         # tf.saved_model.save writes as SignatureDef.defaults; TF Serving's GetInputValues).
-        self.defaults = {k: tensors.from_proto(k, v) for k, v in signature_def.defaults.items()
-                         if k in self.input_specs}
+        # (The model's own constants: not held to the request size limit.)
+        self.defaults = {k: tensors.from_proto(k, v, max_bytes=math.inf)
+                         for k, v in signature_def.defaults.items() if k in self.input_specs}
 
     def with_defaults(self, inputs: dict) -> dict:
         """inputs plus the defaults of the signature inputs it leaves out."""
