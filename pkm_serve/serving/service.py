@@ -13,6 +13,7 @@ import tensorflow as tf
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2,
                                      inference_pb2, model_management_pb2, predict_pb2,
                                      regression_pb2)
+from tensorflow.core.framework import types_pb2
 from tensorflow_serving.apis import status_pb2
 
 from pkm_serve.serving import tensors
@@ -34,6 +35,16 @@ def _per_example(tensor, what, n):
                       f"('{what}')")
     if tensor.shape[0] != n:
         raise invalid(f"Expected {what} output batch size of {n}. Got: {tensor.shape[0]}")
+    return tensor
+
+
+def _real_numbers(tensor, message):
+    """Scores and regression values: TF Serving wants DT_FLOAT (classifier.cc, regressor.cc);
+    other real numbers are taken as float32 here, but a string (float() raised, a 500) or a
+    complex number (float() kept its real part) is refused with upstream's words."""
+    dtype = tf.as_dtype(tensor.dtype)
+    if not (dtype.is_floating or dtype.is_integer) or dtype.is_bool:
+        raise invalid(f"{message} Got: {types_pb2.DataType.Name(dtype.as_datatype_enum)}")
     return tensor
 
 
@@ -179,6 +190,8 @@ class InferenceService:
         examples = self._serialized_examples(input_proto)
         outputs = self._run(servable, sig, {in_key: examples}, deadline, "classify")
         classes, scores = outputs.get("classes"), outputs.get("scores")
+        if scores is not None:
+            _real_numbers(scores, "Expected scores Tensor of DT_FLOAT.")
         if classes is None and scores is None:
             raise invalid(f"classification signature '{sig.name}' has neither 'classes' nor 'scores' outputs")
         n = len(examples)
@@ -206,7 +219,7 @@ class InferenceService:
         outputs = self._run(servable, sig, {in_key: examples}, deadline, "regress")
         if "outputs" not in outputs:
             raise invalid(f"regression signature '{sig.name}' has no 'outputs' output")
-        values = outputs["outputs"]
+        values = _real_numbers(outputs["outputs"], "Expected output Tensor of DT_FLOAT.")
         if not (values.ndim == 1 or (values.ndim == 2 and values.shape[1] == 1)):
             raise invalid("Expected output Tensor shape to be either [batch_size] or [batch_size, 1] "
                           f"but got {list(values.shape)} (signature '{sig.name}')")
