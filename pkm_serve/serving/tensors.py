@@ -9,9 +9,9 @@ import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2, types_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid
+from pkm_serve.serving.json_floats import shortest_float32_as_float64
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
 from pkm_serve.serving.proto_fields import VALUE_FIELDS, fill_to, misplaced, narrow_values, sent_count
-from pkm_serve.serving.json_floats import shortest_float32_as_float64
 from pkm_serve.serving.wire_formats import base64_as_tf_serving, string_list
 
 
@@ -344,7 +344,7 @@ def json_type_error(name, leaf, dtype):
 
 
 def _first_wrong_leaf(value, dtype):
-    """The first leaf of a JSON value whose JSON type the dtype does not take, else None
+    """The first leaf of a JSON value whose JSON type the dtype does not take, else _NO_LEAF
     (a mix numpy keeps as objects: [true, 2**70], [null, 1])."""
     for leaf in _leaves(value):
         if isinstance(leaf, bool) != dtype.is_bool or not isinstance(leaf, (bool, int, float)):
