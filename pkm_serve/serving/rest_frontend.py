@@ -179,6 +179,22 @@ def _example(obj):
     return ex
 
 
+def _row_count(outputs) -> int:
+    """The rows of a row-format answer: dimension 0 of every output, which must agree
+    (json_tensor.cc's MakeRowFormatJsonFromTensors; it need not be the count of instances)."""
+    rows = None
+    for k, v in sorted(outputs.items()):
+        if v.ndim == 0:
+            raise invalid(f"Tensor name: {k} has no shape information (a scalar output has no rows: "
+                          "use the columnar \"inputs\" format for this signature)")
+        if v.shape[0] < 1:
+            raise invalid(f"Tensor name: {k} has invalid batch size: {v.shape[0]}")
+        if rows is not None and v.shape[0] != rows:
+            raise invalid(f"Tensor name: {k} has inconsistent batch size: {v.shape[0]} expecting: {rows}")
+        rows = v.shape[0]
+    return rows
+
+
 class RestFrontend:
     def __init__(self, service, metrics, monitoring, *, address, port, num_threads, timeout_ms,
                  max_body_bytes, drain_seconds, ssl_config=None):
@@ -366,11 +382,7 @@ class RestFrontend:
             if len(outputs) == 1:
                 return {"outputs": tensors.to_json(*next(iter(outputs.items())))}
             return {"outputs": {k: tensors.to_json(k, v) for k, v in outputs.items()}}
-        n = len(doc["instances"])
-        for k, v in outputs.items():
-            if v.ndim == 0 or v.shape[0] != n:
-                raise invalid(f"output '{k}' (shape {list(v.shape)}) does not have the {n} instances as "
-                              "dimension 0; use the columnar \"inputs\" format for this signature")
+        n = _row_count(outputs)
         if len(outputs) == 1:
             return {"predictions": tensors.to_json(*next(iter(outputs.items())))}
         columns = {k: tensors.to_json(k, v) for k, v in outputs.items()}

@@ -10,6 +10,7 @@ frees them however many Python references are left.
 """
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -54,6 +55,16 @@ class SignatureBase:
         self.input_specs = {k: _spec_of(v) for k, v in signature_def.inputs.items()}
         self._input_dtypes = {k: (None if s.dtype == tf.string else np.dtype(s.dtype.as_numpy_dtype))
                               for k, s in self.input_specs.items()}
+        # Values for inputs a request may leave out (tf.function default arguments, which
+        # tf.saved_model.save writes as SignatureDef.defaults; TF Serving's GetInputValues).
+        # (The model's own constants: not held to the request size limit.)
+        self.defaults = {k: tensors.from_proto(k, v, max_bytes=math.inf)
+                         for k, v in signature_def.defaults.items() if k in self.input_specs}
+
+    def with_defaults(self, inputs: dict) -> dict:
+        """inputs plus the defaults of the signature inputs it leaves out."""
+        missing = [k for k in self.defaults if k not in inputs]
+        return {**inputs, **{k: self.defaults[k] for k in missing}} if missing else inputs
 
     def validate(self, inputs: dict):
         mismatch = tensors.input_mismatch(self.input_specs, inputs)

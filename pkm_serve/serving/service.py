@@ -13,6 +13,7 @@ import tensorflow as tf
 from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2,
                                      inference_pb2, model_management_pb2, predict_pb2,
                                      regression_pb2)
+from tensorflow.core.framework import types_pb2
 from tensorflow_serving.apis import status_pb2
 
 from pkm_serve.serving import tensors
@@ -37,6 +38,16 @@ def _per_example(tensor, what, n):
     return tensor
 
 
+def _real_numbers(tensor, message):
+    """Scores and regression values: TF Serving wants DT_FLOAT (classifier.cc, regressor.cc);
+    other real numbers are taken as float32 here, but a string (float() raised, a 500) or a
+    complex number (float() kept its real part) is refused with upstream's words."""
+    dtype = tf.as_dtype(tensor.dtype)
+    if not (dtype.is_floating or dtype.is_integer) or dtype.is_bool:
+        raise invalid(f"{message} Got: {types_pb2.DataType.Name(dtype.as_datatype_enum)}")
+    return tensor
+
+
 class InferenceService:
     def __init__(self, manager, batcher=None, metrics=None, max_request_bytes=None,
                  outputs_as_tensor_content=False, check_signature_method_name=False):
@@ -56,13 +67,10 @@ class InferenceService:
     def _run(self, servable, sig, inputs, deadline, api, output_filter=()):
         t0 = time.monotonic()
         if self.batcher is not None:
+            fetches = sig.fetches(output_filter)   # unknown names refused before the model runs
             outputs = self.batcher.run(servable, sig, inputs, deadline=deadline)
             if output_filter:
-                unknown = [k for k in output_filter if k not in outputs]
-                if unknown:
-                    raise invalid(f"output_filter names unknown output(s) {unknown}; signature "
-                                  f"'{sig.name}' has {sorted(outputs)}")
-                outputs = {k: outputs[k] for k in output_filter}
+                outputs = {k: outputs[k] for k in fetches}
         else:
             outputs = sig.run(inputs, output_filter)
         if deadline is not None and time.monotonic() > deadline:
@@ -81,12 +89,16 @@ class InferenceService:
     # ------------------------------------------------------------ Predict
     def predict_on(self, servable, sig, inputs, deadline=None, output_filter=()):
         """Validates and runs on the servable the caller holds (see serving())."""
+        inputs = sig.with_defaults(inputs)
         sig.validate(inputs)
         return self._run(servable, sig, inputs, deadline, "predict", output_filter)
 
     def predict(self, request, deadline=None):
-        if len(set(request.output_filter)) != len(request.output_filter):
-            raise invalid("output_filter lists an output more than once")
+        seen = set()
+        for alias in request.output_filter:
+            if alias in seen:   # predict_util.cc's words
+                raise invalid(f"duplicate output tensor alias: {alias} (output_filter names it more than once)")
+            seen.add(alias)
         inputs = tensors.from_protos(request.inputs, self.max_request_bytes)
         with self.serving(request.model_spec) as servable:
             sig = servable.signature(request.model_spec.signature_name)
@@ -178,6 +190,8 @@ class InferenceService:
         examples = self._serialized_examples(input_proto)
         outputs = self._run(servable, sig, {in_key: examples}, deadline, "classify")
         classes, scores = outputs.get("classes"), outputs.get("scores")
+        if scores is not None:
+            _real_numbers(scores, "Expected scores Tensor of DT_FLOAT.")
         if classes is None and scores is None:
             raise invalid(f"classification signature '{sig.name}' has neither 'classes' nor 'scores' outputs")
         n = len(examples)
@@ -205,7 +219,7 @@ class InferenceService:
         outputs = self._run(servable, sig, {in_key: examples}, deadline, "regress")
         if "outputs" not in outputs:
             raise invalid(f"regression signature '{sig.name}' has no 'outputs' output")
-        values = outputs["outputs"]
+        values = _real_numbers(outputs["outputs"], "Expected output Tensor of DT_FLOAT.")
         if not (values.ndim == 1 or (values.ndim == 2 and values.shape[1] == 1)):
             raise invalid("Expected output Tensor shape to be either [batch_size] or [batch_size, 1] "
                           f"but got {list(values.shape)} (signature '{sig.name}')")

@@ -8,8 +8,10 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2, types_pb2
 
-from pkm_serve.serving.errors import invalid
+from pkm_serve.serving.errors import ServingError, invalid
+from pkm_serve.serving.json_floats import shortest_float32_as_float64
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
+from pkm_serve.serving.proto_fields import VALUE_FIELDS, fill_to, misplaced, narrow_values, sent_count
 from pkm_serve.serving.wire_formats import base64_as_tf_serving, string_list
 
 
@@ -26,17 +28,6 @@ _FAST_DTYPES = {
 _FAST_ENUMS = {v: k for k, v in _FAST_DTYPES.items()}
 
 
-# The repeated field tf.make_ndarray reads for each dtype when tensor_content is empty.
-_VALUE_FIELDS = {
-    getattr(types_pb2, "DT_" + t): field
-    for field, types in (
-        ("float_val", "FLOAT"), ("double_val", "DOUBLE"), ("half_val", "HALF BFLOAT16"),
-        ("float8_val", "FLOAT8_E5M2 FLOAT8_E4M3FN FLOAT4_E2M1FN"),
-        ("int_val", "INT32 UINT8 UINT16 INT16 INT8 QINT32 QUINT8 QINT8 QINT16 QUINT16 INT4 UINT4 INT2 UINT2"),
-        ("int64_val", "INT64"), ("uint32_val", "UINT32"), ("uint64_val", "UINT64"),
-        ("scomplex_val", "COMPLEX64"), ("dcomplex_val", "COMPLEX128"), ("bool_val", "BOOL"),
-        ("string_val", "STRING"))
-    for t in types.split() if hasattr(types_pb2, "DT_" + t)}
 _MAX_RANK = 254  # TensorShape::MaxDimensions() in TF
 _NOT_IN_REQUESTS = {types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT}
 _LAST_VALUE_DTYPE = 100   # 101 and up are the DT_*_REF reference types
@@ -99,29 +90,22 @@ def _check(name, proto, budget, limit) -> int:
             raise invalid(f"input '{name}': tensor_content holds {len(proto.tensor_content)} bytes but "
                           f"shape {text} of {tf_dtype.name} needs {size}")
     else:
-        field = _VALUE_FIELDS.get(proto.dtype)
+        field = VALUE_FIELDS.get(proto.dtype)
         if field is None:
             raise invalid(f"input '{name}' has dtype {tf_dtype.name}, which a request cannot carry")
-        values = getattr(proto, field)
-        sent = len(values) // 2 if field.endswith("complex_val") else len(values)
-        # TF fills a tensor from a single value (make_tensor_proto(1.0, shape=...)); any other
-        # count must match the shape (make_ndarray would silently pad with the last value).
-        if sent != count and not (sent == 1 and count > 0):
+        sent = sent_count(proto, field)
+        # As Tensor::FromProto, fewer values than the shape needs repeat the last one
+        # (tf.make_tensor_proto([1., 2.], shape=[2, 3]) sends two); none, or more than
+        # needed, is refused where FromProto would zero-fill or drop values silently.
+        if sent > count or (sent == 0 and count > 0):
             raise invalid(f"input '{name}' holds {sent} values but its shape {text} needs "
-                          f"{count}{_misplaced(proto, field)}")
-        if sent == 1 and field == "string_val":
-            size += count * len(values[0])   # each element becomes its own copy in the tensor
+                          f"{count}{misplaced(proto, field)}")
+        if field == "string_val" and count > sent:
+            # each repeat of the last string becomes its own copy in the tensor
+            size += (count - sent) * len(getattr(proto, field)[-1])
             if size > budget:
                 raise too_big
     return size
-
-
-def _misplaced(proto, field) -> str:
-    """Where a proto's values went instead of the dtype's field (half_val for a DT_FLOAT...)."""
-    others = sorted(f.name for f, _ in proto.ListFields() if f.name.endswith("_val") and f.name != field)
-    if field.endswith("complex_val") and len(getattr(proto, field)) % 2:
-        return f" ({field} holds (real, imaginary) pairs: an odd count of {len(getattr(proto, field))} numbers)"
-    return f" ({_dtype_name(proto.dtype)} reads {field}; the values are in {', '.join(others)})" if others else ""
 
 
 def _decode(name, proto) -> np.ndarray:
@@ -136,9 +120,13 @@ def _decode(name, proto) -> np.ndarray:
         return np.array(strings, dtype=object).reshape(shape)
     try:
         if fast is not None and proto.tensor_content:
-            return np.frombuffer(proto.tensor_content, dtype=fast).reshape(
-                [d.size for d in proto.tensor_shape.dim])
+            return np.frombuffer(proto.tensor_content, dtype=fast).reshape(shape)
+        narrow = None if proto.tensor_content else narrow_values(name, proto)
+        if narrow is not None:
+            return fill_to(narrow, math.prod(shape)).reshape(shape)
         return tf.make_ndarray(proto)
+    except ServingError:
+        raise
     except Exception as e:  # make_ndarray/reshape raise TypeError/ValueError on bad content
         raise invalid(f"input '{name}' is not a valid TensorProto: {e}") from None
 
@@ -176,7 +164,7 @@ def to_proto(array: np.ndarray, as_tensor_content: bool = False):
     proto = tensor_pb2.TensorProto(dtype=enum)
     for d in array.shape:
         proto.tensor_shape.dim.add(size=d)
-    field = _VALUE_FIELDS.get(enum)
+    field = VALUE_FIELDS.get(enum)
     if field is None:   # dtypes without a typed field (e.g. resource): raw bytes
         proto.tensor_content = np.ascontiguousarray(array).tobytes()
     else:
@@ -289,15 +277,18 @@ def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True
         if _holds_b64(value):
             raise invalid(f"input '{name}' holds a {{\"b64\": ...}} value but the signature expects "
                           f"{dtype.name}: base64 encodes only string (DT_STRING) inputs")
-        raise invalid(f"input '{name}' is ragged or mixes types: all rows must have the same shape")
-    if arr.dtype.kind in "US":
-        raise invalid(f"input '{name}' holds strings but the signature expects {dtype.name}")
+        wrong = _first_wrong_leaf(value, dtype)
+        if wrong is not _NO_LEAF:
+            raise json_type_error(name, wrong, dtype)
+        raise invalid(f"input '{name}' is ragged: all rows must have the same shape")
+    if arr.dtype.kind in "US" or (arr.dtype.kind == "b" and not dtype.is_bool):
+        raise json_type_error(name, _first_wrong_leaf(value, dtype), dtype)
     if may_hold_bools and arr.dtype.kind in "iuf" and not dtype.is_bool:
         _refuse_bools_among_numbers(name, value, dtype)
     if dtype.is_bool:
-        if arr.dtype.kind != "b":
-            raise invalid(f"input '{name}' must hold true/false values (signature dtype bool)")
-        return arr
+        if arr.dtype.kind != "b" and arr.size:
+            raise json_type_error(name, _first_wrong_leaf(value, dtype), dtype)
+        return arr.astype(bool)
     if dtype.is_integer:
         if arr.dtype.kind == "f":
             # TF Serving (json_tensor.cc) wants JSON integers here: a JSON 1.0 is a type error.
@@ -306,8 +297,6 @@ def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True
                 raise invalid(f"JSON Value: {json_number_text(wrong)} Type: Number is not of expected "
                               f"type: {dtype.name} (input '{name}')")
             return _exact_integers(name, value, dtype)
-        elif arr.dtype.kind == "b":
-            raise invalid(f"input '{name}' holds booleans but the signature expects {dtype.name}")
         info = np.iinfo(dtype.as_numpy_dtype)
         # Floats (JSON integers past int64 turn the whole array float64) are compared with the
         # range's exact power-of-two ends: float64(int64 max) rounds up to 2^63.
@@ -317,8 +306,6 @@ def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True
             raise invalid(f"input '{name}' holds values outside the range of {dtype.name}")
         return arr.astype(dtype.as_numpy_dtype)
     if dtype.is_floating or dtype.is_complex:
-        if arr.dtype.kind == "b":
-            raise invalid(f"input '{name}' holds booleans but the signature expects {dtype.name}")
         if dtype.is_floating:
             _check_lossless(name, value, arr, dtype)
         return arr.astype(dtype.as_numpy_dtype)
@@ -338,10 +325,34 @@ def _refuse_bools_among_numbers(name, value, dtype):
             _refuse_bools_among_numbers(name, row, dtype)
         return
     if bool in set(map(type, value)):
-        wrong = next(v for v in value if isinstance(v, bool))
-        raise invalid(f"JSON Value: {'true' if wrong else 'false'} Type: {'True' if wrong else 'False'} "
-                      f"is not of expected type: {_TF_TYPE_NAMES.get(dtype.name, dtype.name)} "
-                      f"(input '{name}')")
+        raise json_type_error(name, next(v for v in value if isinstance(v, bool)), dtype)
+
+
+_JSON_TYPES = {bool: "Bool", type(None): "Null", str: "String", bytes: "String", dict: "Object",
+               list: "Array", int: "Number", float: "Number"}
+
+
+def json_type_error(name, leaf, dtype):
+    """json_tensor.cc's TypeError for a JSON value of the wrong type for the input's dtype."""
+    kind = _JSON_TYPES.get(type(leaf), type(leaf).__name__)
+    if kind == "Bool":
+        kind = "True" if leaf else "False"
+    text = leaf.decode("utf-8", "replace") if isinstance(leaf, bytes) else leaf
+    shown = json_number_text(leaf) if kind == "Number" else json.dumps(text)[:200]
+    return invalid(f"JSON Value: {shown} Type: {kind} is not of expected type: "
+                   f"{_TF_TYPE_NAMES.get(dtype.name, dtype.name)} (input '{name}')")
+
+
+def _first_wrong_leaf(value, dtype):
+    """The first leaf of a JSON value whose JSON type the dtype does not take, else _NO_LEAF
+    (a mix numpy keeps as objects: [true, 2**70], [null, 1])."""
+    for leaf in _leaves(value):
+        if isinstance(leaf, bool) != dtype.is_bool or not isinstance(leaf, (bool, int, float)):
+            return leaf
+    return _NO_LEAF
+
+
+_NO_LEAF = object()
 
 
 def _exact_integers(name, value, dtype) -> np.ndarray:
@@ -442,49 +453,12 @@ def _json_scalar_list(arr: np.ndarray, name: str):
 
         flat = [enc(b) for b in arr.reshape(-1)]
         return np.array(flat, dtype=object).reshape(arr.shape).tolist() if arr.ndim else flat[0]
+    if arr.dtype == np.float16:   # (an extension: json_tensor.cc writes no half)
+        return shortest_float32_as_float64(arr, like=np.float16).tolist()
     if arr.dtype.name == "bfloat16" or (arr.dtype.kind == "f" and arr.dtype.itemsize < 8):
-        # Print float32/16 values by their own shortest repr, not float64 noise.
+        # Print float32 values by their own shortest repr, not float64 noise (bfloat16 as float32).
         return shortest_float32_as_float64(arr.astype(np.float32)).tolist()
     return arr.tolist()
-
-
-_EXACT_POWERS_OF_TEN = 22   # 10**k is exact in float64 up to k = 22
-
-
-def shortest_float32_as_float64(values: np.ndarray) -> np.ndarray:
-    """For float32 values, the float64 nearest to each one's shortest round-trip decimal
-    (what str(np.float32(x)) prints), so that JSON shows 0.1, not 0.10000000149011612.
-
-    Vectorised because per-element str() dominated the REST cost of a response: the
-    decimal with p significant digits is m * 10**-k for an integer m; while 10**|k| is
-    exact in float64 the quotient (or product) is correctly rounded, i.e. the float64
-    nearest the decimal. p grows from 1 until the candidate rounds back to the float32.
-    Values beyond exact powers of ten (|x| < 1e-14 or >= 1e23) take the per-element path."""
-    flat = values.astype(np.float64).reshape(-1)
-    out = flat.copy()                                   # zeros, infinities, NaN stay as they are
-    todo = np.isfinite(flat) & (flat != 0)
-    exponent = np.floor(np.log10(np.abs(np.where(todo, flat, 1.0))))
-    # Every digit count 1..9 must have an exact scale, else a longer decimal could be taken
-    # for the shortest: k = digits - 1 - exponent spans [-exponent, 8 - exponent].
-    vector = todo & (exponent >= -_EXACT_POWERS_OF_TEN + 8) & (exponent <= _EXACT_POWERS_OF_TEN)
-    per_element, todo = todo & ~vector, vector
-    for digits in range(1, 10):
-        k = digits - 1 - exponent
-        now = todo
-        if not now.any():
-            break
-        v, kk = flat[now], k[now]
-        scale = 10.0 ** np.abs(kk)
-        up = kk >= 0
-        m = np.rint(np.where(up, v * scale, v / scale))
-        candidate = np.where(up, m / scale, m * scale)
-        ok = candidate.astype(np.float32) == v.astype(np.float32)
-        where = np.flatnonzero(now)[ok]
-        out[where] = candidate[ok]
-        todo[where] = False
-    for i in np.flatnonzero(todo | per_element):
-        out[i] = float(str(np.float32(flat[i])))
-    return out.reshape(values.shape)
 
 
 def to_json(name: str, arr: np.ndarray):

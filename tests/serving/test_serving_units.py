@@ -288,8 +288,8 @@ def test_batch_scheduler_queue_is_bounded():
     ([[1], [2 ** 70, 3]], "float32", "is ragged"),
     ([1, 2], "string", "holds 1, which is not of the signature's type string"),
     ([None], "string", "holds null"),
-    (["a"], "float32", "strings"),
-    ([True], "float32", "booleans"),
+    (["a"], "float32", 'JSON Value: "a" Type: String is not of expected type: float'),
+    ([True], "float32", "JSON Value: true Type: True is not of expected type: float"),
 ])
 def test_rest_json_conversion_refuses_lossy_casts(value, dtype, needle):
     import tensorflow as tf

@@ -1,0 +1,43 @@
+"""Float outputs as the JSON numbers TF Serving writes: each by its own shortest decimal."""
+import numpy as np
+
+
+_EXACT_POWERS_OF_TEN = 22   # 10**k is exact in float64 up to k = 22
+
+
+def shortest_float32_as_float64(values: np.ndarray, like=np.float32) -> np.ndarray:
+    """For float32 values (float16 with like=np.float16), the float64 nearest to each one's
+    shortest round-trip decimal (what str(np.float32(x)) prints), so that JSON shows 0.1, not
+    0.10000000149011612 (nor 0.099975586 for a half 0.1).
+
+    Vectorised because per-element str() dominated the REST cost of a response: the
+    decimal with p significant digits is m * 10**-k for an integer m; while 10**|k| is
+    exact in float64 the quotient (or product) is correctly rounded, i.e. the float64
+    nearest the decimal. p grows from 1 until the candidate rounds back to the value.
+    Values beyond exact powers of ten (|x| < 1e-14 or >= 1e23) take the per-element path."""
+    flat = values.astype(np.float64).reshape(-1)
+    out = flat.copy()                                   # zeros, infinities, NaN stay as they are
+    todo = np.isfinite(flat) & (flat != 0)
+    exponent = np.floor(np.log10(np.abs(np.where(todo, flat, 1.0))))
+    # Every digit count 1..9 must have an exact scale, else a longer decimal could be taken
+    # for the shortest: k = digits - 1 - exponent spans [-exponent, 8 - exponent].
+    vector = todo & (exponent >= -_EXACT_POWERS_OF_TEN + 8) & (exponent <= _EXACT_POWERS_OF_TEN)
+    per_element, todo = todo & ~vector, vector
+    for digits in range(1, 10):
+        k = digits - 1 - exponent
+        now = todo
+        if not now.any():
+            break
+        v, kk = flat[now], k[now]
+        scale = 10.0 ** np.abs(kk)
+        up = kk >= 0
+        m = np.rint(np.where(up, v * scale, v / scale))
+        candidate = np.where(up, m / scale, m * scale)
+        with np.errstate(over="ignore"):   # a too-short candidate may round past the half range
+            ok = candidate.astype(like) == v.astype(like)
+        where = np.flatnonzero(now)[ok]
+        out[where] = candidate[ok]
+        todo[where] = False
+    for i in np.flatnonzero(todo | per_element):
+        out[i] = float(str(like(flat[i])))
+    return out.reshape(values.shape)
