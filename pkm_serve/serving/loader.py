@@ -83,30 +83,33 @@ def load_with_retries(make_loader, servable_id, max_num_load_retries, wait_or_ca
 
 
 def make_loader_factory(warmup=True, prefer_tflite_model=False, num_tflite_interpreters=1,
-                        tflite_threads=1):
+                        tflite_threads=1, saved_model_tags=("serve",), gpu_memory_fraction=0.0):
     """factory(model_name, version, path) -> Loader, as the server configures it.
 
     With prefer_tflite_model a version directory holding model.tflite is served from
     it (TF Serving's --prefer_tflite_model); any other directory is a SavedModel.
-    `warmup`: times each warmup record runs (True: once; 0 or False: no warmup)."""
+    `warmup`: times each warmup record runs (True: once; 0 or False: no warmup).
+    `saved_model_tags`: the SavedModel MetaGraph loaded (--saved_model_tags);
+    `gpu_memory_fraction`: --per_process_gpu_memory_fraction of each Session."""
 
     def factory(name, version, path):
         if prefer_tflite_model and _is_file(os.path.join(path, TFLITE_MODEL_FILE)):
             return ServableLoader(lambda: TfLiteServable(
                 name, version, path, warmup=warmup, num_interpreters=num_tflite_interpreters,
                 num_threads=tflite_threads))
-        return ServableLoader(lambda: _saved_model_servable(name, version, path, warmup))
+        return ServableLoader(lambda: _saved_model_servable(name, version, path, warmup, saved_model_tags,
+                                                            gpu_memory_fraction))
 
     return factory
 
 
-def _saved_model_servable(name, version, path, warmup):
+def _saved_model_servable(name, version, path, warmup, tags, gpu_memory_fraction):
     # A directory of model.tflite alone got TF's "SavedModel file does not exist" only.
     if _holds_only_tflite(path):
         raise ServingError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"{path} holds {TFLITE_MODEL_FILE} but no SavedModel: serve it with "
                            f"--prefer_tflite_model=true")
-    return Servable(name, version, path, warmup=warmup)
+    return Servable(name, version, path, warmup=warmup, tags=tags, gpu_memory_fraction=gpu_memory_fraction)
 
 
 def _is_file(path) -> bool:
