@@ -196,6 +196,9 @@ def test_server_with_a_deployments_upstream_flags(tmp_path):
         # An error answer carries them too (the browser must be able to read it).
         status, headers, body = _http(f"{server.rest_url}/v1/models/nope")
         assert status == 404 and headers["Access-Control-Allow-Origin"] == "*", body
+        # Outside /v1/ upstream has no handler: a plain 404, preflight or not.
+        status, headers, _ = _http(f"{server.rest_url}/other", "OPTIONS", headers={"Origin": "http://a.b"})
+        assert status == 404 and "Access-Control-Allow-Origin" not in headers
         log = server.log()
         for flag in INERT:
             assert f"{flag.split('=')[0]} changes nothing here: " in log, log[-3000:]
