@@ -115,15 +115,28 @@ class Signature(SignatureBase):
 class _quiet_tf_logger:
     """The Session loader is TF Serving's own way in (SavedModelBundle) and the one way to
     feed by tensor name, but TF 2 logs it as deprecated in favour of tf.saved_model.load,
-    which cannot do that: the advice would only mislead whoever reads the server log."""
+    which cannot do that: the advice would only mislead whoever reads the server log.
+    Loads may overlap (--num_load_threads): the level is lowered by the first one in and
+    restored by the last one out (each restoring its own saved level left TF's logger at
+    ERROR for good when two loads' spans interleaved)."""
+    _lock = threading.Lock()
+    _depth = 0
+    _level = None
 
     def __enter__(self):
-        self._logger = tf.get_logger()
-        self._level = self._logger.level
-        self._logger.setLevel("ERROR")
+        cls = type(self)
+        with cls._lock:
+            if cls._depth == 0:
+                cls._level = tf.get_logger().level
+                tf.get_logger().setLevel("ERROR")
+            cls._depth += 1
 
     def __exit__(self, *exc):
-        self._logger.setLevel(self._level)
+        cls = type(self)
+        with cls._lock:
+            cls._depth -= 1
+            if cls._depth == 0:
+                tf.get_logger().setLevel(cls._level)
 
 
 def _spec_of(tensor_info) -> tf.TensorSpec:

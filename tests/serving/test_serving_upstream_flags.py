@@ -221,3 +221,27 @@ def test_default_tags_do_not_load_a_model_saved_without_serve_alone(tmp_path):
         assert servable.session_config.gpu_options.per_process_gpu_memory_fraction == 0.25
     finally:
         servable.release()
+
+
+def test_overlapping_loads_leave_tensorflows_logger_level_as_it_was():
+    """Two loads whose quiet-logger spans interleave (--num_load_threads): the second saved
+    the first's lowered level (ERROR) and restored it last, so TF's warnings stayed muted
+    for the rest of the server's life."""
+    import logging
+
+    import tensorflow as tf
+    from pkm_serve.serving.servable import _quiet_tf_logger
+    logger = tf.get_logger()
+    before = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        first, second = _quiet_tf_logger(), _quiet_tf_logger()
+        first.__enter__()
+        second.__enter__()
+        assert logger.level == logging.ERROR
+        first.__exit__(None, None, None)
+        assert logger.level == logging.ERROR   # the second load is still running
+        second.__exit__(None, None, None)
+        assert logger.level == logging.INFO
+    finally:
+        logger.setLevel(before)
