@@ -9,8 +9,7 @@ log = logging.getLogger("pkm_serve.serving")
 # Flags refused with a usage error, with what to do instead.
 REFUSED = {
     "use_tflite_model": "use --prefer_tflite_model",
-    **dict.fromkeys(["platform_config_file", "xla_cpu_compilation_enabled", "xla_gpu_compilation_enabled",
-                     "thread_pool_factory_config_file", "mixed_precision", "skip_initialize_tpu",
+    **dict.fromkeys(["platform_config_file", "thread_pool_factory_config_file", "mixed_precision", "skip_initialize_tpu",
                      "use_alts_credentials", "enforce_session_run_timeout", "tensorflow_session_config_file",
                      "enable_per_model_batching_parameters", "num_tflite_interpreters_per_pool",
                      "enable_grpc_healthcheck_service",
@@ -44,6 +43,8 @@ def add_flags(flag, boolflag):
              "CORS preflight requests (OPTIONS with an http(s) Origin header) 200, as TF Serving's flag.")
     for name, default, why in _INERT_BOOLS:
         boolflag(f"--{name}", default, f"Accepted for TF Serving parity: {why}.")
+    for name, served, why in _FIXED_BOOLS:
+        boolflag(f"--{name}", None, f"Accepted for TF Serving parity when {str(served).lower()}: {why}.")
 
 
 # Boolean flags that change no answer here: (name, upstream default, why).
@@ -54,9 +55,19 @@ _INERT_BOOLS = [
     ("remove_unused_fields_from_bundle_metagraph", True,
      "it only frees MetaGraphDef fields (the graph) upstream keeps no use for; metadata here "
      "lists the signature defs, which it keeps, so true and false serve alike"),
-    ("enable_profiler", None,
-     "false is what is served: the gRPC port has no TensorFlow profiler service (true, "
-     "TF Serving's default, is refused: a profile capture would answer UNIMPLEMENTED)"),
+]
+
+# Boolean flags whose one value is what is served here: (name, that value, why). The other
+# value would change answers, so it is a usage error.
+_FIXED_BOOLS = [
+    ("enable_profiler", False,
+     "the gRPC port has no TensorFlow profiler service (ProfilerService), so true, TF Serving's "
+     "default, is refused: a profile capture would fail"),
+    ("xla_cpu_compilation_enabled", True,
+     "TensorFlow compiles a model's jit_compile functions with XLA here; false (TF Serving's "
+     "default, where such a model fails its first compilation) is refused"),
+    ("xla_gpu_compilation_enabled", True,
+     "TensorFlow compiles a model's jit_compile functions with XLA here (CPU and GPU); false is refused"),
 ]
 
 
@@ -69,9 +80,10 @@ def check_values(p, args):
             and args.tensorflow_session_parallelism > 0:
         p.error("Either configure --tensorflow_session_parallelism or (--tensorflow_intra_op_parallelism, "
                 "--tensorflow_inter_op_parallelism) separately. You cannot configure all.")
-    if args.enable_profiler:
-        p.error("--enable_profiler=true: the TensorFlow profiler service (ProfilerService on the gRPC "
-                "port) is not served here; leave the flag out or pass --enable_profiler=false")
+    for name, served, why in _FIXED_BOOLS:
+        if getattr(args, name) not in (None, served):
+            p.error(f"--{name}={str(not served).lower()} cannot be served: {why}; leave the flag out "
+                    f"or pass --{name}={str(served).lower()}")
     fraction = args.per_process_gpu_memory_fraction
     if not math.isfinite(fraction) or fraction < 0:
         p.error(f"--per_process_gpu_memory_fraction must be >= 0, got {fraction}")
@@ -93,6 +105,6 @@ def apply(args):
 def log_inert(argv):
     """One line per inert flag given on the command line, saying why it changes nothing."""
     given = {a.split("=", 1)[0][2:] for a in argv if a.startswith("--")}
-    for name, _default, why in _INERT_BOOLS:
+    for name, _default, why in _INERT_BOOLS + _FIXED_BOOLS:
         if name in given:
             log.info("--%s changes nothing here: %s", name, why)

@@ -37,8 +37,9 @@ def test_tensorflow_session_parallelism_sets_both_pools_as_server_cc():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--enable_profiler=true"], "profiler service (ProfilerService on the gRPC port) is not served"),
-    (["--enable_profiler"], "profiler service (ProfilerService on the gRPC port) is not served"),
+    (["--enable_profiler=true"], "--enable_profiler=true cannot be served: the gRPC port has no TensorFlow profiler"),
+    (["--enable_profiler"], "--enable_profiler=true cannot be served"),
+    (["--xla_cpu_compilation_enabled=false"], "--xla_cpu_compilation_enabled=false cannot be served"),
     (["--saved_model_tags=serve,,gpu"], "has an empty tag"),
     (["--num_load_threads=-1"], "--num_load_threads must be >= 0"),
     (["--per_process_gpu_memory_fraction=nan"], "--per_process_gpu_memory_fraction must be >= 0"),
@@ -166,7 +167,7 @@ def _http(url, method="GET", body=None, headers=None):
 
 
 INERT = ["--flush_filesystem_caches=false", "--remove_unused_fields_from_bundle_metagraph=true",
-         "--enable_profiler=false"]
+         "--enable_profiler=false", "--xla_cpu_compilation_enabled=true"]
 
 
 def test_server_with_a_deployments_upstream_flags(tmp_path):
@@ -245,3 +246,25 @@ def test_overlapping_loads_leave_tensorflows_logger_level_as_it_was():
         assert logger.level == logging.INFO
     finally:
         logger.setLevel(before)
+
+
+def test_a_jit_compile_model_serves_as_with_xla_cpu_compilation_enabled(tmp_path):
+    """What --xla_cpu_compilation_enabled=true asks of tensorflow_model_server (without it, a
+    jit_compile function fails its first compilation there) is what a version's Session does
+    here: the XLA-compiled function answers."""
+    import tensorflow as tf
+    from pkm_serve.serving.servable import Servable
+
+    class Jit(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)], jit_compile=True)
+        def f(self, x):
+            return {"y": tf.sin(x) * 2.0 + 1.0}
+    module = Jit()
+    tf.saved_model.save(module, str(tmp_path / "1"), signatures={"serving_default": module.f})
+    servable = Servable("m", 1, str(tmp_path / "1"))
+    try:
+        x = np.array([0.5, -2.0, 3.0], np.float32)
+        out = servable.signature("serving_default").run({"x": x})["y"]
+        np.testing.assert_allclose(out, np.sin(x.astype(np.float64)) * 2 + 1, rtol=1e-6, atol=1e-6)
+    finally:
+        servable.release()
