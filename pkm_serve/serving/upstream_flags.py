@@ -12,7 +12,6 @@ REFUSED = {
     **dict.fromkeys(["platform_config_file", "thread_pool_factory_config_file", "mixed_precision", "skip_initialize_tpu",
                      "use_alts_credentials", "enforce_session_run_timeout", "tensorflow_session_config_file",
                      "enable_per_model_batching_parameters", "num_tflite_interpreters_per_pool",
-                     "enable_grpc_healthcheck_service",
                      "force_allow_any_version_labels_for_unavailable_models"],
                     "leave it out (`pkm-serve serve --help` lists the flags served)"),
     "version": "use `pkm-serve --version`",
@@ -66,6 +65,9 @@ _FIXED_BOOLS = [
     ("xla_cpu_compilation_enabled", True,
      "TensorFlow compiles a model's jit_compile functions with XLA here; false (TF Serving's "
      "default, where such a model fails its first compilation) is refused"),
+    ("enable_grpc_healthcheck_service", True,
+     "the standard grpc.health.v1 Health service is always served on the gRPC port (SERVING once "
+     "the models have loaded); false (TF Serving's default: no Health service) is refused"),
     ("xla_gpu_compilation_enabled", True,
      "TensorFlow compiles a model's jit_compile functions with XLA here (CPU and GPU); false is refused"),
 ]

@@ -167,7 +167,8 @@ def _http(url, method="GET", body=None, headers=None):
 
 
 INERT = ["--flush_filesystem_caches=false", "--remove_unused_fields_from_bundle_metagraph=true",
-         "--enable_profiler=false", "--xla_cpu_compilation_enabled=true"]
+         "--enable_profiler=false", "--xla_cpu_compilation_enabled=true",
+         "--enable_grpc_healthcheck_service=true"]
 
 
 def test_server_with_a_deployments_upstream_flags(tmp_path):
@@ -200,6 +201,11 @@ def test_server_with_a_deployments_upstream_flags(tmp_path):
         # Outside /v1/ upstream has no handler: a plain 404, preflight or not.
         status, headers, _ = _http(f"{server.rest_url}/other", "OPTIONS", headers={"Origin": "http://a.b"})
         assert status == 404 and "Access-Control-Allow-Origin" not in headers
+        # --enable_grpc_healthcheck_service: a Kubernetes gRPC probe's Check answers SERVING.
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        with grpc.insecure_channel(server.target) as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
         log = server.log()
         for flag in INERT:
             assert f"{flag.split('=')[0]} changes nothing here: " in log, log[-3000:]
