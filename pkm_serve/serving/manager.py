@@ -195,7 +195,8 @@ class ModelManager:
         aspired = aspired_versions(m.config.model_version_policy, present)
         for v in sorted(aspired - failed, reverse=True):
             r = m.records.get(v)
-            if r is None or r.state not in (State.AVAILABLE,):
+            # An UNLOADING version (its unload on an unload thread) loads again once it is END.
+            if r is None or r.state not in (State.AVAILABLE, State.UNLOADING):
                 self._load(m, v, present[v], prints[v])
                 if m.superseded:  # its retries ended for newer versions: this poll's list is stale
                     m.superseded = False
@@ -207,7 +208,7 @@ class ModelManager:
                 self._unload(m, m.records[v])
             else:
                 loader = self._begin_unload(m.records[v])
-                self._unloads.submit(m.records[v], self._finish_unload, m, m.records[v], loader)
+                self._unloads.submit(object(), self._finish_unload, m, m.records[v], loader)
 
     def _load(self, m, version, path, fingerprint):
         with self._lock:

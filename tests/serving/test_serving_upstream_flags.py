@@ -274,3 +274,54 @@ def test_a_jit_compile_model_serves_as_with_xla_cpu_compilation_enabled(tmp_path
         np.testing.assert_allclose(out, np.sin(x.astype(np.float64)) * 2 + 1, rtol=1e-6, atol=1e-6)
     finally:
         servable.release()
+
+
+class _CountingLoader(_Loader):
+    live = []
+
+    def load(self):
+        super().load()
+        self.live.append(self)
+
+    def unload(self):
+        self.live.remove(self)
+        super().unload()
+
+
+def test_a_version_aspired_again_while_its_unload_waits_is_not_loaded_over_it(tmp_path):
+    """With --num_unload_threads, version 1 waits on an unload thread for a request to let
+    it go when version 2's directory disappears (1 is aspired again): it was loaded again
+    at once, and the pending unload then marked the fresh load END without freeing it (a
+    leaked session, and 2 unloaded with nothing serving). Now 1 loads again once its unload
+    is done, and every live servable is an AVAILABLE version."""
+    _CountingLoader.live = []
+    cfg = model_server_config_pb2.ModelServerConfig()
+    os.makedirs(tmp_path / "a" / "1")
+    cfg.model_config_list.config.add(name="a", base_path=str(tmp_path / "a"), model_platform="tensorflow")
+    manager = ModelManager(cfg, poll_seconds=0.05, unload_drain_seconds=20,
+                           loader_factory=lambda *_: _CountingLoader(False), num_unload_threads=1)
+    manager.start()
+    release, held = threading.Event(), threading.Event()
+
+    def hold_version_1():
+        with manager.serving(model_pb2.ModelSpec(name="a")):
+            held.set()
+            release.wait(20)
+    holder = threading.Thread(target=hold_version_1)
+    holder.start()
+    try:
+        held.wait(5)
+        os.makedirs(tmp_path / "a" / "2")
+        wait_until(lambda: _state(manager, "a", 1) == State.UNLOADING, seconds=10)
+        os.rmdir(tmp_path / "a" / "2")
+        time.sleep(0.5)   # polls while 1 still unloads
+        assert _state(manager, "a", 1) == State.UNLOADING
+        assert _state(manager, "a", 2) == State.AVAILABLE   # keeps serving meanwhile
+        release.set()
+        wait_until(lambda: _state(manager, "a", 1) == State.AVAILABLE
+                   and _state(manager, "a", 2) == State.END, seconds=10)
+        assert len(_CountingLoader.live) == 1
+    finally:
+        release.set()
+        holder.join(10)
+        assert manager.stop(timeout=10)
