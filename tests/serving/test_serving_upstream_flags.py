@@ -325,3 +325,32 @@ def test_a_version_aspired_again_while_its_unload_waits_is_not_loaded_over_it(tm
         release.set()
         holder.join(10)
         assert manager.stop(timeout=10)
+
+
+def test_initial_versions_load_in_parallel_whatever_num_load_threads(tmp_path):
+    """load_servables_fast.cc: tensorflow_model_server loads the configured models' first
+    versions on num_initial_load_threads (4 x CPUs) threads, then goes back to
+    --num_load_threads (0: in turn). Model a's load here only finishes once b's has begun:
+    loaded one after another, the start waited 5 s on it and failed."""
+    b_started = threading.Event()
+
+    class _WaitsForB(_Loader):
+        def __init__(self, name):
+            super().__init__(False)
+            self.name = name
+
+        def load(self):
+            if self.name == "a":
+                assert b_started.wait(5), "b's load did not start while a's ran"
+            else:
+                b_started.set()
+            super().load()
+    cfg = model_server_config_pb2.ModelServerConfig()
+    for name in ("a", "b"):
+        os.makedirs(tmp_path / name / "1")
+        cfg.model_config_list.config.add(name=name, base_path=str(tmp_path / name), model_platform="tensorflow")
+    manager = ModelManager(cfg, poll_seconds=0, loader_factory=lambda name, *_: _WaitsForB(name))
+    manager.start()
+    assert (_state(manager, "a", 1), _state(manager, "b", 1)) == (State.AVAILABLE, State.AVAILABLE)
+    assert manager._model_polls is None   # later polls: in turn, as --num_load_threads=0
+    assert manager.stop(timeout=10)
