@@ -7,7 +7,7 @@ import os
 
 from tensorflow_serving.config import model_server_config_pb2
 
-from pkm_serve.serving import protos
+from pkm_serve.serving import protos, upstream_flags
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
 
 
@@ -20,22 +20,6 @@ def _bool(text):
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-# tensorflow_model_server flags (main.cc) that are not implemented here, with what to do.
-_UPSTREAM_ONLY = {
-    "saved_model_tags": "the 'serve' MetaGraph is always loaded",
-    "tensorflow_session_parallelism": "use --tensorflow_intra_op_parallelism and --tensorflow_inter_op_parallelism",
-    "use_tflite_model": "use --prefer_tflite_model",
-    **dict.fromkeys(["flush_filesystem_caches", "num_load_threads", "num_unload_threads",
-                     "per_process_gpu_memory_fraction", "platform_config_file", "xla_cpu_compilation_enabled",
-                     "enable_profiler", "rest_api_enable_cors_support",
-                     "remove_unused_fields_from_bundle_metagraph", "thread_pool_factory_config_file",
-                     "mixed_precision", "skip_initialize_tpu", "use_alts_credentials",
-                     "enforce_session_run_timeout"],
-                    "leave it out (`pkm-serve serve --help` lists the flags served)"),
-    "version": "use `pkm-serve --version`",
-}
-
-
 class _ServeParser(argparse.ArgumentParser):
     """Checks the flags' values too, so that they are usage errors (exit 2) before
     TensorFlow loads (cli.run_command parses with this parser first)."""
@@ -44,9 +28,9 @@ class _ServeParser(argparse.ArgumentParser):
         parsed, rest = super().parse_known_args(args, namespace)
         for arg in rest:
             name = arg.split("=", 1)[0]
-            if name.startswith("--") and name[2:] in _UPSTREAM_ONLY:
+            if name.startswith("--") and name[2:] in upstream_flags.REFUSED:
                 self.error(f"{name} is a tensorflow_model_server flag that pkm-serve serve does not "
-                           f"implement: {_UPSTREAM_ONLY[name[2:]]}")
+                           f"implement: {upstream_flags.REFUSED[name[2:]]}")
         if not rest:   # else parse_args names the unrecognized arguments first
             _check_values(self, parsed)
         return parsed, rest
@@ -142,6 +126,7 @@ def build_parser():
          help="On SIGTERM/SIGINT, wait this long for in-flight requests before exiting.")
     flag("--tensorflow_intra_op_parallelism", type=int, default=0, help="0 = TF default.")
     flag("--tensorflow_inter_op_parallelism", type=int, default=0, help="0 = TF default.")
+    upstream_flags.add_flags(flag, boolflag)
     flag("--log_level", default="INFO", help="Python logging level.")
     return p
 
@@ -153,6 +138,7 @@ def parse_args(argv):
     for item in args.op_library:
         libs.extend(x for x in item.split(",") if x)
     args.op_library = libs
+    upstream_flags.apply(args)
     try:
         args.grpc_channel_arguments = parse_channel_arguments(args.grpc_channel_arguments)
     except ValueError as e:
@@ -193,6 +179,7 @@ def _check_values(p, args):
             p.error(f"--{name} must be a finite number of seconds, got {getattr(args, name)}")
     if args.drain_seconds < 0:
         p.error(f"--drain_seconds must be >= 0, got {args.drain_seconds}")
+    upstream_flags.check_values(p, args)
     if not isinstance(logging.getLevelName(args.log_level.upper()), int):
         p.error(f"--log_level {args.log_level!r} is not a logging level "
                 "(DEBUG, INFO, WARNING, ERROR or CRITICAL)")

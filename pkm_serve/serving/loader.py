@@ -85,14 +85,17 @@ def load_with_retries(make_loader, servable_id, max_num_load_retries, wait_or_ca
 
 
 def make_loader_factory(warmup=True, prefer_tflite_model=False, num_tflite_interpreters=1,
-                        tflite_threads=1, per_model_batching=False):
+                        tflite_threads=1, per_model_batching=False, saved_model_tags=("serve",),
+                        gpu_memory_fraction=0.0):
     """factory(model_name, version, path) -> Loader, as the server configures it.
 
     With prefer_tflite_model a version directory holding model.tflite is served from
     it (TF Serving's --prefer_tflite_model); any other directory is a SavedModel.
     `warmup`: times each warmup record runs (True: once; 0 or False: no warmup).
     `per_model_batching` (--enable_per_model_batching_parameters): each version is
-    batched with its own batching_params.pbtxt, or not at all without one."""
+    batched with its own batching_params.pbtxt, or not at all without one;
+    `saved_model_tags`: the SavedModel MetaGraph loaded (--saved_model_tags);
+    `gpu_memory_fraction`: --per_process_gpu_memory_fraction of each Session."""
 
     def factory(name, version, path):
         if prefer_tflite_model and _is_file(os.path.join(path, TFLITE_MODEL_FILE)):
@@ -100,7 +103,8 @@ def make_loader_factory(warmup=True, prefer_tflite_model=False, num_tflite_inter
                 name, version, path, warmup=warmup, num_interpreters=num_tflite_interpreters,
                 num_threads=tflite_threads)
         else:
-            make = lambda: _saved_model_servable(name, version, path, warmup)  # noqa: E731
+            make = lambda: _saved_model_servable(name, version, path, warmup, saved_model_tags,  # noqa: E731
+                                                 gpu_memory_fraction)
         return ServableLoader(_with_own_batching(make, path) if per_model_batching else make)
 
     return factory
@@ -141,13 +145,13 @@ def per_model_batch_options(path):
         raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, f"{file}: {e}") from None
 
 
-def _saved_model_servable(name, version, path, warmup):
+def _saved_model_servable(name, version, path, warmup, tags, gpu_memory_fraction):
     # A directory of model.tflite alone got TF's "SavedModel file does not exist" only.
     if _holds_only_tflite(path):
         raise ServingError(grpc.StatusCode.FAILED_PRECONDITION,
                            f"{path} holds {TFLITE_MODEL_FILE} but no SavedModel: serve it with "
                            f"--prefer_tflite_model=true")
-    return Servable(name, version, path, warmup=warmup)
+    return Servable(name, version, path, warmup=warmup, tags=tags, gpu_memory_fraction=gpu_memory_fraction)
 
 
 def _is_file(path) -> bool:

@@ -19,18 +19,20 @@ so tests run them on fake loaders.
 """
 import contextlib
 import logging
+import os
+from concurrent import futures
 import threading
 import time
 
 import grpc
 from tensorflow_serving.apis import get_model_status_pb2
-from tensorflow_serving.config import model_server_config_pb2
 
-from pkm_serve.serving.errors import ServingError, invalid, not_found
+from pkm_serve.serving.errors import ServingError, not_found
+from pkm_serve.serving.load_threads import KeyedThreads
 from pkm_serve.serving.loader import load_with_retries, make_loader_factory
-from pkm_serve.serving.model_records import ManagedModel, VersionRecord
+from pkm_serve.serving.model_records import ManagedModel, VersionRecord, validate_model_server_config
 from pkm_serve.serving.version_policy import aspired_versions, versions_to_unload, warn_of_missing_specific_versions
-from pkm_serve.serving.version_status import failed_loads, version_statuses, why_unavailable
+from pkm_serve.serving.version_status import failed_loads, resolve_record, version_statuses
 from pkm_serve.serving.version_dirs import directory_fingerprint, holds_model_hint, is_directory, list_versions
 
 log = logging.getLogger("pkm_serve.serving")
@@ -48,11 +50,17 @@ class ModelManager:
     def __init__(self, server_config, *, poll_seconds=1.0, warmup=True, metrics=None,
                  config_file=None, config_poll_seconds=0.0, unload_drain_seconds=30.0,
                  loader_factory=None, allow_labels_for_unavailable=False,
-                 max_num_load_retries=0, load_retry_interval_seconds=60.0):
+                 max_num_load_retries=0, load_retry_interval_seconds=60.0, num_load_threads=0,
+                 num_unload_threads=0):
         """loader_factory(model_name, version, path) -> loader.Loader; by default the
         SavedModel servable (warmed up if `warmup`). A failed load is tried again
         max_num_load_retries times, load_retry_interval_seconds apart (the server passes
-        TF Serving's defaults, 5 and 60 s)."""
+        TF Serving's defaults, 5 and 60 s). num_load_threads > 0: models are polled (their
+        versions loaded, retried, unloaded) on that many threads, and the background poll
+        does not wait for a model still busy; num_unload_threads > 0: unloads (which wait
+        for the requests holding the version) run on that many threads."""
+        self._model_polls = KeyedThreads(num_load_threads, "load") if num_load_threads else None
+        self._unloads = KeyedThreads(num_unload_threads, "unload") if num_unload_threads else None
         self._max_num_load_retries = max_num_load_retries
         self._load_retry_interval_seconds = load_retry_interval_seconds
         self._loader_factory = loader_factory or make_loader_factory(warmup=warmup)
@@ -73,26 +81,7 @@ class ModelManager:
         self.apply_config(server_config, poll=False)
 
     # ------------------------------------------------------------ config
-    @staticmethod
-    def validate_config(server_config):
-        if server_config.WhichOneof("config") == "custom_model_config":
-            raise invalid("custom_model_config is not supported; use model_config_list")
-        names = set()
-        for c in server_config.model_config_list.config:
-            if not c.name:
-                raise invalid("every model config needs a name")
-            if c.name in names:
-                raise invalid(f"model name '{c.name}' appears twice in the model config")
-            names.add(c.name)
-            if not c.base_path:
-                raise invalid(f"model '{c.name}' has no base_path")
-            if c.HasField("logging_config"):
-                raise invalid(f"model '{c.name}': logging_config (request logging) is not supported")
-            if c.model_type == model_server_config_pb2.OTHER:
-                raise invalid(f"model '{c.name}': model_type OTHER is not supported (only TENSORFLOW)")
-            if c.model_platform not in ("", "tensorflow"):
-                raise invalid(f"model '{c.name}': model_platform '{c.model_platform}' is not "
-                              "supported (only 'tensorflow')")
+    validate_config = staticmethod(validate_model_server_config)
 
     def apply_config(self, server_config, poll=True, await_new_models_until=None):
         """Installs a new model list (HandleReloadConfigRequest); removed models are unloaded.
@@ -110,6 +99,8 @@ class ModelManager:
             with self._lock:
                 wanted = {c.name: c for c in server_config.model_config_list.config}
                 removed = [self._models.pop(n) for n in list(self._models) if n not in wanted]
+                for m in removed:
+                    m.removed = True
                 added = [n for n in wanted if n not in self._models]
                 for name, c in wanted.items():
                     if name in self._models:
@@ -153,18 +144,29 @@ class ModelManager:
                 m.labels = new[m.name]
 
     # ------------------------------------------------------------ polling
-    def poll_once(self):
+    def poll_once(self, wait=True):
         with self._poll_lock:
-            self._poll_locked()
+            self._poll_locked(wait)
 
-    def _poll_locked(self):
+    def _poll_locked(self, wait=True):
+        """Polls every model: one after another, or (num_load_threads) on the load threads,
+        waiting for them unless `wait` is False; a model whose previous poll still runs (a
+        load, its retries) is left to it."""
         with self._lock:
             models = list(self._models.values())
-        for m in models:
-            try:
-                self._poll_model(m)
-            except Exception:  # noqa: BLE001 - one model's trouble must not stop the others
-                log.exception("polling model %s failed", m.name)
+        if self._model_polls is None:
+            for m in models:
+                self._poll_model_logged(m)
+            return
+        polls = [self._model_polls.submit(m, self._poll_model_logged, m) for m in models]
+        if wait:
+            futures.wait([f for f in polls if f is not None])
+
+    def _poll_model_logged(self, m):
+        try:
+            self._poll_model(m)
+        except Exception:  # noqa: BLE001 - one model's trouble must not stop the others
+            log.exception("polling model %s failed", m.name)
 
     def _poll_model(self, m: ManagedModel):
         present = list_versions(m.config.base_path)
@@ -194,7 +196,8 @@ class ModelManager:
         aspired = aspired_versions(m.config.model_version_policy, present)
         for v in sorted(aspired - failed, reverse=True):
             r = m.records.get(v)
-            if r is None or r.state not in (State.AVAILABLE,):
+            # An UNLOADING version (its unload on an unload thread) loads again once it is END.
+            if r is None or r.state not in (State.AVAILABLE, State.UNLOADING):
                 self._load(m, v, present[v], prints[v])
                 if m.superseded:  # its retries ended for newer versions: this poll's list is stale
                     m.superseded = False
@@ -202,7 +205,11 @@ class ModelManager:
         with self._lock:
             serving = {v for v, r in m.records.items() if r.state == State.AVAILABLE}
         for v in versions_to_unload(aspired, serving):
-            self._unload(m, m.records[v])
+            if self._unloads is None:
+                self._unload(m, m.records[v])
+            else:
+                loader = self._begin_unload(m.records[v])
+                self._unloads.submit(object(), self._finish_unload, m, m.records[v], loader)
 
     def _load(self, m, version, path, fingerprint):
         with self._lock:
@@ -226,6 +233,10 @@ class ModelManager:
             return
         with self._lock:
             r.loader, r.servable, r.state = loader, servable, State.AVAILABLE
+            removed = m.removed   # by a config reload while it loaded (num_load_threads)
+        if removed:
+            self._unload(m, r)
+            return
         if self._metrics:
             self._metrics.load_attempt(m.name, path, ok=True, seconds=time.perf_counter() - t0)
             self._metrics.version_available(m.name, version, True)
@@ -236,7 +247,7 @@ class ModelManager:
         """Waits the retry interval, then whether the retry is off: TF Serving cancels it when
         the version is no longer aspired (its directory gone, or a newer version took its place
         under the policy) or the server stops. A later poll compares the next try's files."""
-        if self._stopped_within(self._load_retry_interval_seconds) or not is_directory(path):
+        if self._stopped_within(self._load_retry_interval_seconds) or m.removed or not is_directory(path):
             return True
         present = list_versions(m.config.base_path)  # None (not listed: a blip) changes nothing, as a poll
         if present is not None and r.version not in aspired_versions(m.config.model_version_policy, present):
@@ -262,10 +273,17 @@ class ModelManager:
         """UNLOADING: no new request gets the version; the ones that have it finish (up to
         drain_seconds, by default unload_drain_seconds), then its session, variables and
         batching queues are freed."""
-        drain = self._unload_drain_seconds if drain_seconds is None else drain_seconds
+        self._finish_unload(m, r, self._begin_unload(r), drain_seconds)
+
+    def _begin_unload(self, r):
         with self._lock:
             r.state = State.UNLOADING
             loader, r.loader, r.servable = r.loader, None, None
+        return loader
+
+    def _finish_unload(self, m, r, loader, drain_seconds=None):
+        drain = self._unload_drain_seconds if drain_seconds is None else drain_seconds
+        with self._lock:
             drained = self._idle.wait_for(lambda: r.in_flight == 0, drain)
         if not drained:
             log.warning("model %s: version %d still had %d request(s) after %.0fs; unloading anyway",
@@ -304,14 +322,27 @@ class ModelManager:
         A version that fails this first load fails the start (UNKNOWN), as TF Serving's
         initial load does; later failures only mark their version END."""
         if self._poll_seconds >= 0:
-            self.poll_once()
-            self._await_a_version_of_every_model()
+            with self._initial_load_threads():
+                self.poll_once()
+                self._await_a_version_of_every_model()
             self._refuse_failed_initial_loads()
         self._started = True
         self._update_labels()
         if self._poll_seconds > 0 or self._config_poll_seconds > 0:
             self._thread = threading.Thread(target=self._loop, name="model-poller", daemon=True)
             self._thread.start()
+
+    @contextlib.contextmanager
+    def _initial_load_threads(self):
+        """ServerCore's num_initial_load_threads (load_servables_fast.cc): the initial versions
+        load on 4 x the CPUs' threads whatever --num_load_threads, which applies afterwards."""
+        configured = self._model_polls
+        self._model_polls = KeyedThreads(4 * len(os.sched_getaffinity(0)), "initial-load")
+        try:
+            yield
+        finally:
+            initial, self._model_polls = self._model_polls, configured
+            initial.shutdown()
 
     def _await_a_version_of_every_model(self):
         """TF Serving's initial load waits until each configured model has a version that
@@ -390,7 +421,7 @@ class ModelManager:
                 self._maybe_reload_config_file()
             if self._poll_seconds > 0 and now - last_versions >= self._poll_seconds:
                 last_versions = now
-                self.poll_once()
+                self.poll_once(wait=False)
 
     def stop_waiting(self):
         """Ends the waits (a reload waiting for a new model's first version, the poller's
@@ -400,9 +431,15 @@ class ModelManager:
     def stop(self, timeout=30.0) -> bool:
         """Stops the poller; False if it is still busy (a load) after `timeout` seconds."""
         self._stop.set()
+        end = time.monotonic() + timeout
         if self._thread is not None:
             self._thread.join(timeout)
-        return self._thread is None or not self._thread.is_alive()
+        idle = self._thread is None or not self._thread.is_alive()
+        for threads in (self._model_polls, self._unloads):
+            if threads is not None:
+                idle = threads.wait_all(max(0.0, end - time.monotonic())) and idle
+                threads.shutdown()
+        return idle
 
     def unload_all(self, drain_seconds, lock_seconds) -> bool:
         """Unloads every available version (server shutdown), each request still holding one
@@ -434,7 +471,7 @@ class ModelManager:
         unload waits for it) until the block exits, so the version a request was validated
         against is the one that runs it."""
         with self._lock:
-            r = self._resolve_record(model_spec)
+            r = resolve_record(self._model(model_spec.name) if model_spec.name else None, model_spec)
             r.in_flight += 1
             servable = r.servable
         try:
@@ -444,33 +481,6 @@ class ModelManager:
                 r.in_flight -= 1
                 if r.in_flight == 0:
                     self._idle.notify_all()
-
-    def _resolve_record(self, model_spec) -> VersionRecord:
-        if not model_spec.name:
-            raise invalid("ModelSpec has no name specified.")   # ServerCore's words
-        m = self._model(model_spec.name)
-        available = m.available_versions()
-        choice = model_spec.WhichOneof("version_choice")
-        if choice == "version":
-            v = model_spec.version.value
-        elif choice == "version_label":
-            label = model_spec.version_label
-            if label not in m.labels:
-                raise invalid(f"model '{m.name}' has no version label '{label}' "
-                              f"(labels: {sorted(m.labels)})")
-            v = m.labels[label]
-        else:
-            if not available:
-                # TF Serving: NOT_FOUND (HTTP 404) "Servable not found for request: Latest(M)";
-                # the why (a failed load, no version directory) follows for the caller.
-                raise not_found(f"Servable not found for request: Latest({m.name}) "
-                                f"(no version is available: {why_unavailable(m)})")
-            v = available[-1]
-        r = m.records.get(v)
-        if r is None or r.state != State.AVAILABLE or r.servable is None:
-            raise not_found(f"Servable not found for request: model '{m.name}' version {v} "
-                            f"is not available (available versions: {available})")
-        return r
 
     def status(self, model_spec):
         """GetModelStatusResponse.model_version_status entries (newest first)."""

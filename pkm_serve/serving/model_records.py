@@ -1,5 +1,8 @@
 """What the model manager keeps of each model and version (manager.py)."""
 from tensorflow_serving.apis import get_model_status_pb2
+from tensorflow_serving.config import model_server_config_pb2
+
+from pkm_serve.serving.errors import invalid
 
 State = get_model_status_pb2.ModelVersionStatus.State
 
@@ -27,6 +30,29 @@ class ManagedModel:
         self.no_versions_logged = False
         self.missing_specific_logged = ()   # 'specific' policy versions last warned of as absent
         self.superseded = False    # a load's retries ended: a newer version took its place (poll again)
+        self.removed = False       # taken out of the config (a load still running unloads its version)
 
     def available_versions(self):
         return sorted(v for v, r in self.records.items() if r.state == State.AVAILABLE)
+
+
+def validate_model_server_config(server_config):
+    """Refuses (INVALID_ARGUMENT) a ModelServerConfig the manager cannot serve."""
+    if server_config.WhichOneof("config") == "custom_model_config":
+        raise invalid("custom_model_config is not supported; use model_config_list")
+    names = set()
+    for c in server_config.model_config_list.config:
+        if not c.name:
+            raise invalid("every model config needs a name")
+        if c.name in names:
+            raise invalid(f"model name '{c.name}' appears twice in the model config")
+        names.add(c.name)
+        if not c.base_path:
+            raise invalid(f"model '{c.name}' has no base_path")
+        if c.HasField("logging_config"):
+            raise invalid(f"model '{c.name}': logging_config (request logging) is not supported")
+        if c.model_type == model_server_config_pb2.OTHER:
+            raise invalid(f"model '{c.name}': model_type OTHER is not supported (only TENSORFLOW)")
+        if c.model_platform not in ("", "tensorflow"):
+            raise invalid(f"model '{c.name}': model_platform '{c.model_platform}' is not "
+                          "supported (only 'tensorflow')")

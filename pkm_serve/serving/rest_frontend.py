@@ -30,6 +30,7 @@ from tensorflow.core.example import example_pb2, feature_pb2
 from pkm_serve.serving import tensors
 from pkm_serve.serving.errors import ServingError, http_status, invalid
 from pkm_serve.serving.ports import check_bindable
+from pkm_serve.serving.rest_cors import cors_middleware
 
 log = logging.getLogger("pkm_serve.serving")
 
@@ -197,7 +198,7 @@ def _row_count(outputs) -> int:
 
 class RestFrontend:
     def __init__(self, service, metrics, monitoring, *, address, port, num_threads, timeout_ms,
-                 max_body_bytes, drain_seconds, ssl_config=None):
+                 max_body_bytes, drain_seconds, ssl_config=None, cors=False):
         self.service = service
         self.metrics = metrics
         self.timeout_s = timeout_ms / 1000.0 if timeout_ms > 0 else None   # 0: no deadline (TF Serving)
@@ -210,7 +211,8 @@ class RestFrontend:
         self.metrics_path = None
         if monitoring is not None and monitoring.prometheus_config.enable:
             self.metrics_path = monitoring.prometheus_config.path or "/monitoring/prometheus/metrics"
-        self.app = web.Application(client_max_size=max_body_bytes)
+        middlewares = [cors_middleware(skip_path=self.metrics_path)] if cors else []
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
         self.app.router.add_route("*", "/{tail:.*}", self._dispatch)
         self.port = None
         self._loop = None

@@ -126,15 +126,28 @@ class Signature(SignatureBase):
 class _quiet_tf_logger:
     """The Session loader is TF Serving's own way in (SavedModelBundle) and the one way to
     feed by tensor name, but TF 2 logs it as deprecated in favour of tf.saved_model.load,
-    which cannot do that: the advice would only mislead whoever reads the server log."""
+    which cannot do that: the advice would only mislead whoever reads the server log.
+    Loads may overlap (--num_load_threads): the level is lowered by the first one in and
+    restored by the last one out (each restoring its own saved level left TF's logger at
+    ERROR for good when two loads' spans interleaved)."""
+    _lock = threading.Lock()
+    _depth = 0
+    _level = None
 
     def __enter__(self):
-        self._logger = tf.get_logger()
-        self._level = self._logger.level
-        self._logger.setLevel("ERROR")
+        cls = type(self)
+        with cls._lock:
+            if cls._depth == 0:
+                cls._level = tf.get_logger().level
+                tf.get_logger().setLevel("ERROR")
+            cls._depth += 1
 
     def __exit__(self, *exc):
-        self._logger.setLevel(self._level)
+        cls = type(self)
+        with cls._lock:
+            cls._depth -= 1
+            if cls._depth == 0:
+                tf.get_logger().setLevel(cls._level)
 
 
 def _spec_of(tensor_info) -> tf.TensorSpec:
@@ -231,20 +244,30 @@ class _ThisVersion:
         yield self._servable
 
 
+def session_config(gpu_memory_fraction=0.0):
+    """The ConfigProto of a version's Session. A Session does not read tf.config.threading
+    (eager's settings) by itself: pass on what --tensorflow_intra_op_parallelism /
+    --tensorflow_inter_op_parallelism (or --tensorflow_session_parallelism) set; and
+    --per_process_gpu_memory_fraction, which TF Serving puts in every session's config."""
+    config = tf.compat.v1.ConfigProto(
+        intra_op_parallelism_threads=tf.config.threading.get_intra_op_parallelism_threads(),
+        inter_op_parallelism_threads=tf.config.threading.get_inter_op_parallelism_threads())
+    config.gpu_options.per_process_gpu_memory_fraction = gpu_memory_fraction
+    return config
+
+
 class Servable(ServableBase):
-    def __init__(self, name: str, version: int, path: str, warmup: bool = True):
+    def __init__(self, name: str, version: int, path: str, warmup: bool = True, tags=SERVE_TAGS,
+                 gpu_memory_fraction=0.0):
+        """`tags`: the MetaGraph to load (--saved_model_tags)."""
         super().__init__(name, version, path)
         t0 = time.perf_counter()
         self._graph = tf.Graph()
-        # A Session does not read tf.config.threading (eager's settings) by itself: pass on
-        # what --tensorflow_intra_op_parallelism / --tensorflow_inter_op_parallelism set.
-        config = tf.compat.v1.ConfigProto(
-            intra_op_parallelism_threads=tf.config.threading.get_intra_op_parallelism_threads(),
-            inter_op_parallelism_threads=tf.config.threading.get_inter_op_parallelism_threads())
-        self._session = tf.compat.v1.Session(graph=self._graph, config=config)
+        self.session_config = session_config(gpu_memory_fraction)
+        self._session = tf.compat.v1.Session(graph=self._graph, config=self.session_config)
         try:
             with self._graph.as_default(), _quiet_tf_logger():
-                meta = tf.compat.v1.saved_model.loader.load(self._session, SERVE_TAGS, path)
+                meta = tf.compat.v1.saved_model.loader.load(self._session, list(tags), path)
         except Exception as e:
             self._session.close()
             raise ServingError(_code_of(e), f"cannot read SavedModel at {path}: {_short(e)}") from None

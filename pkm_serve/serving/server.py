@@ -96,7 +96,8 @@ class Server:
             warmup=args.enable_model_warmup and max(1, args.num_request_iterations_for_warmup),
             prefer_tflite_model=args.prefer_tflite_model,
             num_tflite_interpreters=args.num_tflite_pools or os.cpu_count() or 1,
-            tflite_threads=args.tflite_num_threads,
+            tflite_threads=args.tflite_num_threads, saved_model_tags=args.saved_model_tags,
+            gpu_memory_fraction=args.per_process_gpu_memory_fraction,
             per_model_batching=configs.batching is not None and args.enable_per_model_batching_parameters)
         try:   # the manager validates the model config (once)
             self.manager = ModelManager(
@@ -107,7 +108,8 @@ class Server:
                 unload_drain_seconds=args.drain_seconds,
                 allow_labels_for_unavailable=args.allow_version_labels_for_unavailable_models,
                 max_num_load_retries=args.max_num_load_retries,
-                load_retry_interval_seconds=args.load_retry_interval_micros / 1e6)
+                load_retry_interval_seconds=args.load_retry_interval_micros / 1e6,
+                num_load_threads=args.num_load_threads, num_unload_threads=args.num_unload_threads)
         except ServingError as e:
             raise StartupError(e.message) from None
         self.service = InferenceService(
@@ -135,7 +137,8 @@ class Server:
                                          port=args.rest_api_port, num_threads=args.rest_api_num_threads,
                                          timeout_ms=args.rest_api_timeout_in_ms,
                                          max_body_bytes=args.max_request_bytes,
-                                         drain_seconds=args.drain_seconds, ssl_config=configs.ssl)
+                                         drain_seconds=args.drain_seconds, ssl_config=configs.ssl,
+                                         cors=args.rest_api_enable_cors_support)
         except (OSError, RuntimeError) as e:
             raise StartupError(f"cannot bind: {e}") from None
 
@@ -307,10 +310,13 @@ def _exit(status):
 
 
 def main(argv=None):
+    from pkm_serve.serving import upstream_flags
     from pkm_serve.serving.config import parse_args
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    upstream_flags.log_inert(argv)
     wakeups = _Wakeups()
     wakeups.install((signal.SIGTERM, signal.SIGINT))
     # Start-up runs in a thread so that a signal while models load (TF's load and warmup

@@ -4,6 +4,7 @@ from tensorflow_serving.apis import get_model_status_pb2, status_pb2
 from pkm_serve.serving.errors import invalid, not_found
 
 END = get_model_status_pb2.ModelVersionStatus.State.END
+AVAILABLE = get_model_status_pb2.ModelVersionStatus.State.AVAILABLE
 
 
 def version_statuses(m, model_spec):
@@ -54,3 +55,32 @@ def failed_loads(models):
     newest = ((m, max(m.records.values(), key=lambda r: r.version)) for m in models if m.records)
     return [f"{{name: {m.name} version: {r.version}}} due to error: {' '.join(str(r.error).split())}"
             for m, r in newest if r.state == END and r.error is not None]
+
+
+def resolve_record(m, model_spec):
+    """The AVAILABLE VersionRecord of the ManagedModel `m` (None: the spec has no name) that
+    model_spec picks; the caller holds the manager's lock."""
+    if m is None:
+        raise invalid("ModelSpec has no name specified.")   # ServerCore's words
+    available = m.available_versions()
+    choice = model_spec.WhichOneof("version_choice")
+    if choice == "version":
+        v = model_spec.version.value
+    elif choice == "version_label":
+        label = model_spec.version_label
+        if label not in m.labels:
+            raise invalid(f"model '{m.name}' has no version label '{label}' "
+                          f"(labels: {sorted(m.labels)})")
+        v = m.labels[label]
+    else:
+        if not available:
+            # TF Serving: NOT_FOUND (HTTP 404) "Servable not found for request: Latest(M)";
+            # the why (a failed load, no version directory) follows for the caller.
+            raise not_found(f"Servable not found for request: Latest({m.name}) "
+                            f"(no version is available: {why_unavailable(m)})")
+        v = available[-1]
+    r = m.records.get(v)
+    if r is None or r.state != AVAILABLE or r.servable is None:
+        raise not_found(f"Servable not found for request: model '{m.name}' version {v} "
+                        f"is not available (available versions: {available})")
+    return r

@@ -48,11 +48,11 @@ def test_misused_flag_values_are_usage_errors(capsys, argv, needle):
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--saved_model_tags=serve"], "the 'serve' MetaGraph is always loaded"),
-    (["--tensorflow_session_parallelism", "4"],
-     "use --tensorflow_intra_op_parallelism and --tensorflow_inter_op_parallelism"),
-    (["--num_load_threads=2"], "`pkm-serve serve --help` lists the flags served"),
-    (["--flush_filesystem_caches=false"], "`pkm-serve serve --help` lists the flags served"),
+    (["--use_tflite_model=true"], "use --prefer_tflite_model"),
+    (["--platform_config_file", "/p.pbtxt"], "`pkm-serve serve --help` lists the flags served"),
+    # upstream flags that were "unrecognized arguments", as a typo
+    (["--tensorflow_session_config_file=/s.pbtxt"], "`pkm-serve serve --help` lists the flags served"),
+    (["--mixed_precision=bfloat16"], "`pkm-serve serve --help` lists the flags served"),
 ])
 def test_tensorflow_model_server_flags_not_implemented_are_named_as_such(capsys, argv, needle):
     """Was "unrecognized arguments: ...", as for a typo: a tensorflow_model_server command
