@@ -35,7 +35,20 @@ CASES = {"huge": (65536, 32, 256, 4194304), "narrow": (4096, 128, 256, 262144),
          # two vectors a lane (16-bit), 32 MB bf16 gradient
          "wide": (32768, 32, 512, 2097152),
          # the huge shape's entries, sort, d_table and touched rows with a half / quarter-sized gradient
-         "huge_b32k": (32768, 64, 256, 4194304), "huge_b16k": (16384, 128, 256, 4194304)}
+         "huge_b32k": (32768, 64, 256, 4194304), "huge_b16k": (16384, 128, 256, 4194304),
+         # shapes above with Zipf(1.1) indices (hot rows: the commonest takes ~9% of the entries)
+         "huge_zipf": (65536, 32, 256, 4194304), "wide_zipf": (32768, 32, 512, 2097152),
+         "narrow_zipf": (4096, 128, 256, 262144), "d64_zipf": (65536, 32, 64, 4194304)}
+ZIPF = {"huge_zipf": 1.1, "wide_zipf": 1.1, "narrow_zipf": 1.1, "d64_zipf": 1.1}
+
+
+def zipf_indices(B, K, N, exponent):
+    """[B, K] int64 CUDA indices with P(rank r) ~ r^-exponent, the ranks spread over the table at random."""
+    import numpy as np
+
+    rng = np.random.default_rng(1234)
+    ranks = np.minimum(rng.zipf(exponent, size=B * K) - 1, N - 1)
+    return torch.from_numpy(rng.permutation(N)[ranks].reshape(B, K)).cuda()
 
 
 def memset_fn():
@@ -65,11 +78,14 @@ def parse_options(text):
     return {k: int(v) for k, v in (item.split("=") for item in text.split("+"))}
 
 
-def case(libs, options, shape, dtype_name, iters, profile, memset, sparse):
+def case(libs, options, shape, dtype_name, iters, profile, memset, sparse, zipf=None):
     B, K, D, N = shape
     dtype = DTYPES[dtype_name]
     table, indices, weights, grad = inputs(B, K, D, N, dtype)
-    row = {"B": B, "K": K, "D": D, "N": N, "dtype": dtype_name, "d_table_GB": N * D * table.element_size() / 1e9}
+    if zipf is not None:
+        indices = zipf_indices(B, K, N, zipf)
+    row = {"B": B, "K": K, "D": D, "N": N, "dtype": dtype_name, "zipf": zipf,
+           "d_table_GB": N * D * table.element_size() / 1e9}
     fns, outs = {}, {}
     for name, lib in libs.items():
         opts = options[name]
@@ -131,7 +147,8 @@ def table_md(rows, names):
             cells += [f"{r[f'{n}_{kind}_ms'] / m:.2f}" for n in names] + [f"{r[f'{n}_{kind}_ms'] / z:.2f}" for n in names]
             eq = all(r[f"{n}_d_table_bitwise_equal_to_{names[0]}"] for n in names)
             dw = max(r[f"{n}_d_weights_max_diff_rel_to_{names[0]}"] for n in names)
-            lines.append(f"| {r['B']},{r['K']},{r['D']},{r['N']} | {r['dtype']} | " + " | ".join(cells) +
+            zipf = f" zipf {r['zipf']}" if r.get("zipf") else ""
+            lines.append(f"| {r['B']},{r['K']},{r['D']},{r['N']}{zipf} | {r['dtype']} | " + " | ".join(cells) +
                          f" | {eq} | {dw:.2g} |")
     sparse = [r for r in rows if "touched_zero__sparse_event_ms" in r]
     if sparse:
@@ -177,11 +194,11 @@ def main():
     rows = []
     for c in args.cases.split(","):
         for dt in args.dtypes.split(","):
-            rows.append(case(libs, options, CASES[c], dt, args.iters, args.profile, memset, args.sparse))
+            rows.append(case(libs, options, CASES[c], dt, args.iters, args.profile, memset, args.sparse, ZIPF.get(c)))
             print(json.dumps(rows[-1]), flush=True)
     text = (f"# Dense backward A/B ({', '.join(names)}) on {meta['gpu']}\n\n"
             f"Run {meta['date']} UTC, torch {meta['torch']}, CUDA {meta['cuda']}; floors: {memset_name} and "
-            f"torch zero_ of a d_table-sized buffer. Uniform random indices, per-sample weights (d_weights "
+            f"torch zero_ of a d_table-sized buffer. Uniform random indices (Zipf in the huge_zipf case), per-sample weights (d_weights "
             f"wanted), sum. graph: device time by CUDA graph replay; event: one wrapper call between two events.\n"
             f"Command: `{meta['command']}`\n\n" + table_md(rows, names) + "\n")
     harness.write_results(f"gpu_backward_ab_{args.tag}", {"meta": meta, "rows": rows}, text, args.out)

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(ROOT, "kernels", "capi"))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import harness  # noqa: E402
 import pkm_capi  # noqa: E402
-from gpu_backward_ab import CASES  # noqa: E402
+from gpu_backward_ab import CASES, ZIPF, zipf_indices  # noqa: E402
 from gpu_kernels_ab import DTYPES, inputs  # noqa: E402
 
 
@@ -32,7 +32,8 @@ def timeline(fn):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    ops = [(ev.name.split("(")[0].split("<")[0][-48:], ev.time_range.start, ev.time_range.end)
+    ops = [(ev.name.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0][-48:], ev.time_range.start,
+            ev.time_range.end)
            for ev in prof.events() if ev.device_type.name == "CUDA"]
     ops.sort(key=lambda op: op[1])
     t0 = ops[0][1] if ops else 0
@@ -65,12 +66,14 @@ def main():
     lines = [f"# One backward call's device operations on {props.name} "
              f"({time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC)", "",
              f"torch {torch.__version__}, CUDA {torch.version.cuda}; per-sample weights, d_weights wanted, sum; "
-             f"uniform int64 indices. Command: `python {' '.join(sys.argv)}`", ""]
+             f"uniform int64 indices (Zipf in huge_zipf). Command: `python {' '.join(sys.argv)}`", ""]
     report = []
     for case_name in args.cases.split(","):
         B, K, D, N = CASES[case_name]
         for dt in args.dtypes.split(","):
             table_t, indices, weights, grad = inputs(B, K, D, N, DTYPES[dt])
+            if case_name in ZIPF:
+                indices = zipf_indices(B, K, N, ZIPF[case_name])
             ws = torch.empty(max(1, lib.cuda_backward_workspace_bytes(table_t, indices, weights, "sum")),
                              dtype=torch.uint8, device="cuda")
             out = (torch.empty_like(table_t), torch.empty_like(weights))

@@ -159,6 +159,19 @@ __global__ void TouchedRowsKernel(const uint32_t* seg_begin, const uint32_t* slo
 
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
+// Shorter pieces spread a hot row over more warps (the row's own warp then
+// only adds them up): Zipf(1.1) indices at B=65536 K=32 D=256 N=4M on an H100
+// (round 33, bench/results/gpu_round33_h100_notes.md) took 3.15 ms (bf16) and
+// 4.33 ms (fp32) with pieces of 2048 entries, 1.70 / 2.81 with 512; uniform
+// indices, where no row is that long, the same. Each piece keeps two float
+// rows of sums: at 2 * dim entries a piece they take about a float per entry,
+// the sort's spare buffer (or as much again beside it).
+int64_t DefaultLongSegment(int64_t dim) {
+  const int64_t entries = 2 * dim;
+  return entries < kMinDefaultLongSegment ? kMinDefaultLongSegment
+                                          : (entries > kMaxDefaultLongSegment ? kMaxDefaultLongSegment : entries);
+}
+
 int KeyBits(int64_t num_rows) {  // bits to hold 0..num_rows (num_rows is the skip key)
   int bits = 1;
   while (bits < 32 && (static_cast<uint64_t>(num_rows) >> bits) != 0) ++bits;
@@ -176,7 +189,7 @@ int MakeLayout(const PkmBags& bags, const PkmCudaOptions* options, Layout* layou
   if (bags.num_rows >= static_cast<int64_t>(UINT32_MAX))
     return SetInvalid("backward: at most 2^32-2 table rows on the GPU, got " +
                       std::to_string(bags.num_rows));
-  l.long_segment = kDefaultLongSegment;
+  l.long_segment = DefaultLongSegment(bags.dim);
   if (options != nullptr && options->long_segment_entries != 0) {
     if (options->long_segment_entries < 1)
       return SetInvalid("long_segment_entries must be >= 1, got " +
