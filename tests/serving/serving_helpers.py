@@ -2,6 +2,7 @@
 
 A uniquely named module (not conftest) so that `import serving_helpers` can never
 pick up another suite's conftest."""
+import contextlib
 import os
 import signal
 import socket
@@ -96,6 +97,15 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def start_batching_server(tmp, saved_models, batching_config, *flags):
+    """A ServerProcess serving model `pkm` (the versions of the conftest's saved_models) with
+    --enable_batching, `batching_config` (BatchingParameters text) as its parameters file, and `flags`."""
+    (tmp / "batching.config").write_text(batching_config)
+    base = saved_models[1].rsplit("/", 1)[0]
+    return ServerProcess(tmp, "--model_name=pkm", f"--model_base_path={base}", "--file_system_poll_wait_seconds=0",
+                         "--enable_batching", f"--batching_parameters_file={tmp / 'batching.config'}", *flags)
+
+
 def write_model(base, version, seed, fused=True):
     """Writes version `version` atomically (save to a temp dir, then rename), as a
     deployment should, so the poller never sees a half-written directory."""
@@ -138,6 +148,37 @@ def polled_manager(base, name="m", **kwargs):
     manager = ModelManager(cfg, poll_seconds=-1, **kwargs)
     manager.poll_once()
     return manager
+
+
+@contextlib.contextmanager
+def rest_predict_url(base, name="m"):
+    """The REST predict URL of an in-process RestFrontend over a polled_manager of `base`."""
+    from pkm_serve.serving.rest_frontend import RestFrontend
+    from pkm_serve.serving.service import InferenceService
+
+    manager = polled_manager(base, name)
+    frontend = RestFrontend(InferenceService(manager), None, None, address="127.0.0.1", port=0, num_threads=2,
+                            timeout_ms=0, max_body_bytes=1 << 20, drain_seconds=1)
+    frontend.start()
+    try:
+        yield f"http://127.0.0.1:{frontend.port}/v1/models/{name}:predict"
+    finally:
+        frontend.stop()
+        manager.stop()
+
+
+def post_json(url, body):
+    """(HTTP status, decoded JSON answer) of POSTing `body` as JSON."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def version_states(manager, name="m"):

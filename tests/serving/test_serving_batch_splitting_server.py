@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
-from serving_helpers import ServerProcess
+from serving_helpers import start_batching_server
 
 MAX_BATCH, MAX_EXECUTION = 8, 4
 METRICS_PATH = "/monitoring/prometheus/metrics"
@@ -23,17 +23,14 @@ def server(tmp_path_factory, saved_models):
     tmp = tmp_path_factory.mktemp("batch_splitting")
     # allowed_batch_sizes ends at max_batch_size, as tensorflow_model_server requires
     # (bundle_factory_util.cc); runs of 3 rows are padded to 4.
-    (tmp / "batching.config").write_text(
+    (tmp / "monitoring.config").write_text(f'prometheus_config {{ enable: true path: "{METRICS_PATH}" }}')
+    srv = start_batching_server(
+        tmp, saved_models,
         f"max_batch_size {{ value: {MAX_BATCH} }} batch_timeout_micros {{ value: 20000 }}\n"
         f"enable_large_batch_splitting {{ value: true }} max_execution_batch_size {{ value: {MAX_EXECUTION} }}\n"
         "num_batch_threads { value: 2 } max_enqueued_batches { value: 100 }\n"
-        f"allowed_batch_sizes: 2 allowed_batch_sizes: 4 allowed_batch_sizes: {MAX_BATCH}\n")
-    (tmp / "monitoring.config").write_text(f'prometheus_config {{ enable: true path: "{METRICS_PATH}" }}')
-    base = saved_models[1].rsplit("/", 1)[0]
-    srv = ServerProcess(tmp, "--model_name=pkm", f"--model_base_path={base}",
-                        "--file_system_poll_wait_seconds=0", "--enable_batching",
-                        f"--batching_parameters_file={tmp / 'batching.config'}",
-                        f"--monitoring_config_file={tmp / 'monitoring.config'}")
+        f"allowed_batch_sizes: 2 allowed_batch_sizes: 4 allowed_batch_sizes: {MAX_BATCH}\n",
+        f"--monitoring_config_file={tmp / 'monitoring.config'}")
     yield srv
     srv.terminate()
 

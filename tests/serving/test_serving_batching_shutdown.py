@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
-from serving_helpers import ServerProcess
+from serving_helpers import ServerProcess, start_batching_server
 
 BATCH_TIMEOUT_S = 1.5   # long on purpose: a lone request waits this long for company
 MAX_BATCH = 8
@@ -19,16 +19,14 @@ MAX_BATCH = 8
 @pytest.fixture(scope="module")
 def batching_server(tmp_path_factory, saved_models):
     tmp = tmp_path_factory.mktemp("batching")
-    (tmp / "batching.config").write_text(
+    (tmp / "monitoring.config").write_text("prometheus_config { enable: true }")
+    srv = start_batching_server(
+        tmp, saved_models,
         f"max_batch_size {{ value: {MAX_BATCH} }}\n"
         f"batch_timeout_micros {{ value: {int(BATCH_TIMEOUT_S * 1e6)} }}\n"
-        "num_batch_threads { value: 1 }\nmax_enqueued_batches { value: 4 }\n")
-    (tmp / "monitoring.config").write_text("prometheus_config { enable: true }")
-    base = saved_models[1].rsplit("/", 1)[0]
-    srv = ServerProcess(tmp, "--model_name=pkm", f"--model_base_path={base}",
-                        "--model_config_file_poll_wait_seconds=0", "--file_system_poll_wait_seconds=0",
-                        "--enable_batching", f"--batching_parameters_file={tmp / 'batching.config'}",
-                        f"--monitoring_config_file={tmp / 'monitoring.config'}", "--drain_seconds=20")
+        "num_batch_threads { value: 1 }\nmax_enqueued_batches { value: 4 }\n",
+        "--model_config_file_poll_wait_seconds=0", f"--monitoring_config_file={tmp / 'monitoring.config'}",
+        "--drain_seconds=20")
     yield srv
     srv.terminate()
 

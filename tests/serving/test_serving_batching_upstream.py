@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
-from serving_helpers import ServerProcess
+from serving_helpers import start_batching_server
 
 MAX_BATCH = 4
 
@@ -20,14 +20,11 @@ MAX_BATCH = 4
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, saved_models):
     tmp = tmp_path_factory.mktemp("batching_upstream")
-    (tmp / "batching.config").write_text(
+    srv = start_batching_server(
+        tmp, saved_models,
         f"max_batch_size {{ value: {MAX_BATCH} }} batch_timeout_micros {{ value: 20000 }}\n"
         "num_batch_threads { value: 2 } allowed_batch_sizes: 2 allowed_batch_sizes: 4\n"
         "max_enqueued_batches { value: 100 }\n")   # the burst below must not be refused
-    base = saved_models[1].rsplit("/", 1)[0]
-    srv = ServerProcess(tmp, "--model_name=pkm", f"--model_base_path={base}",
-                        "--file_system_poll_wait_seconds=0", "--enable_batching",
-                        f"--batching_parameters_file={tmp / 'batching.config'}")
     yield srv
     srv.terminate()
 

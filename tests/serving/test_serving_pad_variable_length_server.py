@@ -12,20 +12,17 @@ import numpy as np
 import pytest
 from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
 
-from serving_helpers import ServerProcess
+from serving_helpers import start_batching_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, saved_models):
     tmp = tmp_path_factory.mktemp("pad_variable_length")
     # Two one-row requests fill a batch; the long timeout makes the first wait for the second.
-    (tmp / "batching.config").write_text(
+    srv = start_batching_server(
+        tmp, saved_models,
         "max_batch_size { value: 2 } batch_timeout_micros { value: 20000000 } "
         "num_batch_threads { value: 1 } pad_variable_length_inputs: true\n")
-    base = saved_models[1].rsplit("/", 1)[0]
-    srv = ServerProcess(tmp, "--model_name=pkm", f"--model_base_path={base}",
-                        "--file_system_poll_wait_seconds=0", "--enable_batching",
-                        f"--batching_parameters_file={tmp / 'batching.config'}")
     yield srv
     srv.terminate()
 

@@ -1,16 +1,11 @@
 """REST predict with 64-bit integer inputs (hashed ids are uint64) and outputs JSON cannot
 hold, against what TF Serving's json_tensor.cc does: every JSON integer a uint64/int64
 holds reaches the model exactly; a complex output is a 400 naming it."""
-import json
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
 
-from serving_helpers import polled_manager
-from pkm_serve.serving.rest_frontend import RestFrontend
-from pkm_serve.serving.service import InferenceService
+from serving_helpers import post_json, rest_predict_url
 
 BIG = 2 ** 63 + 1   # a uint64 past int64: numpy mixes it with small ids into float64
 
@@ -37,22 +32,8 @@ def _write_model(path):
 def url(tmp_path_factory):
     base = tmp_path_factory.mktemp("ids") / "m"
     _write_model(str(base / "1"))
-    manager = polled_manager(base)
-    frontend = RestFrontend(InferenceService(manager), None, None, address="127.0.0.1", port=0, num_threads=2,
-                            timeout_ms=0, max_body_bytes=1 << 20, drain_seconds=1)
-    frontend.start()
-    yield f"http://127.0.0.1:{frontend.port}/v1/models/m:predict"
-    frontend.stop()
-    manager.stop()
-
-
-def _post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    with rest_predict_url(base) as url:
+        yield url
 
 
 @pytest.mark.parametrize("ids", [[BIG, 1], [2 ** 64 - 1, 0], [[2 ** 64 - 1], [5]]])
@@ -61,23 +42,23 @@ def test_uint64_ids_reach_the_model_exactly_in_both_formats(url, ids):
     [2**64 - 1, 0] was refused as out of the uint64 range."""
     flat = list(np.array(ids, dtype=object).reshape(-1))
     want_bits = np.array(flat, dtype=np.uint64).view(np.int64).tolist()
-    status, body = _post(url, {"inputs": {"ids": flat}})
+    status, body = post_json(url, {"inputs": {"ids": flat}})
     assert status == 200, body
     assert body["outputs"] == {"same": flat, "bits": want_bits}
-    status, body = _post(url, {"instances": [{"ids": v} for v in flat]})
+    status, body = post_json(url, {"instances": [{"ids": v} for v in flat]})
     assert status == 200, body
     assert body["predictions"] == [{"same": v, "bits": b} for v, b in zip(flat, want_bits)]
 
 
 @pytest.mark.parametrize("ids", [[2 ** 64, 1], [-1, BIG]])
 def test_ids_outside_uint64_are_refused(url, ids):
-    status, body = _post(url, {"inputs": ids})
+    status, body = post_json(url, {"inputs": ids})
     assert status == 400 and body["error"] == "input 'ids' holds values outside the range of uint64"
 
 
 def test_a_complex_output_is_a_400_naming_it(url):
     """json_tensor.cc: "Failed to write JSON value for tensor type: complex64" (was a 500,
     "internal error: TypeError: Object of type complex is not JSON serializable")."""
-    status, body = _post(url, {"signature_name": "complex", "inputs": [1.0]})
+    status, body = post_json(url, {"signature_name": "complex", "inputs": [1.0]})
     assert status == 400
     assert body["error"].startswith("Failed to write JSON value for tensor type: complex64 (output 'c')")

@@ -1,17 +1,12 @@
 """REST row-format answers ("instances" -> "predictions") as json_tensor.cc's
 MakeRowFormatJsonFromTensors writes them: the rows are dimension 0 of the outputs, which must
 agree with each other but need not be the count of instances; float16 in and out."""
-import json
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from serving_helpers import polled_manager
-from pkm_serve.serving.rest_frontend import RestFrontend
-from pkm_serve.serving.service import InferenceService
+from serving_helpers import post_json, rest_predict_url
 
 
 class _Shapes(tf.Module):
@@ -46,22 +41,8 @@ def url(tmp_path_factory):
     module = _Shapes()
     tf.saved_model.save(module, str(base / "1"), signatures={
         name: getattr(module, name) for name in ("flat", "first", "mixed", "total", "none", "half")})
-    manager = polled_manager(base)
-    frontend = RestFrontend(InferenceService(manager), None, None, address="127.0.0.1", port=0, num_threads=2,
-                            timeout_ms=0, max_body_bytes=1 << 20, drain_seconds=1)
-    frontend.start()
-    yield f"http://127.0.0.1:{frontend.port}/v1/models/m:predict"
-    frontend.stop()
-    manager.stop()
-
-
-def _post(url, body):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    with rest_predict_url(base) as url:
+        yield url
 
 
 X = [[1.5, -2.0], [0.25, 4.0]]
@@ -69,10 +50,10 @@ X = [[1.5, -2.0], [0.25, 4.0]]
 
 def test_outputs_with_other_rows_than_the_instances_are_answered_by_their_own_rows(url):
     """It was a 400 (output 'y' does not have the 2 instances as dimension 0)."""
-    status, body = _post(url, {"signature_name": "flat", "instances": X})
+    status, body = post_json(url, {"signature_name": "flat", "instances": X})
     assert status == 200, body
     assert body == {"predictions": np.reshape(X, [-1]).tolist()}
-    status, body = _post(url, {"signature_name": "first", "instances": X})
+    status, body = post_json(url, {"signature_name": "first", "instances": X})
     assert status == 200, body
     assert body == {"predictions": [{"y": X[0], "label": "first"}]}
 
@@ -83,9 +64,9 @@ def test_outputs_with_other_rows_than_the_instances_are_answered_by_their_own_ro
     ("none", "Tensor name: y has invalid batch size: 0"),
 ])
 def test_outputs_without_common_rows_are_refused_in_tf_servings_words(url, signature, message):
-    status, body = _post(url, {"signature_name": signature, "instances": X})
+    status, body = post_json(url, {"signature_name": signature, "instances": X})
     assert status == 400 and body["error"].startswith(message), body
-    status, body = _post(url, {"signature_name": signature, "inputs": X})
+    status, body = post_json(url, {"signature_name": signature, "inputs": X})
     assert status == 200, body   # the columnar format answers them
 
 
@@ -95,7 +76,7 @@ def test_float16_inputs_and_outputs_round_trip(url):
     x = [0.1, -2.5, 1000 / 3, 1e-3]
     want = np.array(x, np.float16) * np.float16(3)
     for body in ({"signature_name": "half", "inputs": x}, {"signature_name": "half", "instances": x}):
-        status, answer = _post(url, body)
+        status, answer = post_json(url, body)
         assert status == 200, answer
         got = np.array(next(iter(answer.values())), np.float64).astype(np.float16)
         np.testing.assert_array_equal(got, want)
