@@ -40,6 +40,27 @@ def run_concurrently(sched, signature, values, width=1, seconds=10.0):
     return out
 
 
+def run_staggered(sched, signature, requests, seconds=10.0, stagger=0.05):
+    """[outputs or the exception raised] of one BatchScheduler request per input dict of
+    `requests`, sent in order `stagger` seconds apart (so that they queue in that order)."""
+    import threading
+
+    out = [None] * len(requests)
+
+    def call(i):
+        try:
+            out[i] = sched.run("s", signature, requests[i], deadline=time.monotonic() + seconds)
+        except Exception as e:  # noqa: BLE001 - the caller checks which error
+            out[i] = e
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+        time.sleep(stagger)
+    for t in threads:
+        t.join(seconds + 5)
+    return out
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

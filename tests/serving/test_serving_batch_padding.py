@@ -1,6 +1,5 @@
 """What a batch is padded with (BatchScheduler in-process, a fake signature that records
 the merged inputs it ran), against TF Serving's batching_session.cc / batching_util.cc."""
-import threading
 import time
 
 import numpy as np
@@ -10,6 +9,7 @@ from google.protobuf import text_format
 from pkm_serve.serving import protos
 from pkm_serve.serving.batching import BatchScheduler
 from pkm_serve.serving.errors import ServingError
+from serving_helpers import run_staggered
 
 
 class _Recording:
@@ -26,19 +26,13 @@ class _Recording:
 def _run_together(text, requests, model):
     """Sends requests in order, 50 ms apart, into one batch; returns their answers."""
     sched = BatchScheduler(text_format.Parse(text, protos.BatchingParameters()))
-    answers = [None] * len(requests)
-
-    def call(i):
-        answers[i] = sched.run("s", model, {"x": requests[i]}, deadline=time.monotonic() + 10)
     try:
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
-        for t in threads:
-            t.start()
-            time.sleep(0.05)
-        for t in threads:
-            t.join(10)
+        answers = run_staggered(sched, model, [{"x": x} for x in requests])
     finally:
         sched.stop(timeout=10)
+    for a in answers:
+        if isinstance(a, Exception):
+            raise a
     return answers
 
 
@@ -103,20 +97,8 @@ def test_an_empty_input_that_needs_padding_gets_upstreams_error_alone():
     model = _Recording()
     empty, full = np.zeros((1, 0)), np.array([[3.0, 4.0]])
     sched = BatchScheduler(text_format.Parse(PAD + "max_batch_size { value: 2 }", protos.BatchingParameters()))
-    out = {}
-
-    def call(name, x):
-        try:
-            out[name] = sched.run("s", model, {"x": x}, deadline=time.monotonic() + 10)
-        except Exception as e:  # noqa: BLE001 - the error is what is checked
-            out[name] = e
     try:
-        threads = [threading.Thread(target=call, args=a) for a in (("empty", empty), ("full", full))]
-        for t in threads:
-            t.start()
-            time.sleep(0.05)
-        for t in threads:
-            t.join(10)
+        out = dict(zip(("empty", "full"), run_staggered(sched, model, [{"x": empty}, {"x": full}])))
     finally:
         sched.stop(timeout=10)
     assert out["empty"].message == "Got empty tensor in batch of non-empty tensors."
@@ -162,20 +144,8 @@ def test_split_request_whose_pieces_were_padded_apart_gets_an_error_not_a_hang()
         "max_execution_batch_size { value: 2 } num_batch_threads { value: 1 } "
         "batch_timeout_micros { value: 100000 } pad_variable_length_inputs: true",
         protos.BatchingParameters()))
-    out = {}
-
-    def call(name, x):
-        try:
-            out[name] = sched.run("s", model, {"x": x}, deadline=time.monotonic() + 10)
-        except ServingError as e:
-            out[name] = e
     try:
-        threads = [threading.Thread(target=call, args=a) for a in (("wide", wide), ("narrow", narrow))]
-        for t in threads:
-            t.start()
-            time.sleep(0.05)
-        for t in threads:
-            t.join(10)
+        out = dict(zip(("wide", "narrow"), run_staggered(sched, model, [{"x": wide}, {"x": narrow}])))
         np.testing.assert_array_equal(out["wide"]["y"], 3 * wide + 1)
         assert out["narrow"].code.name == "INVALID_ARGUMENT", out["narrow"]
         assert "cannot be concatenated" in out["narrow"].message

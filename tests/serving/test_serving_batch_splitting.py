@@ -14,6 +14,7 @@ from google.protobuf import text_format
 from pkm_serve.serving import protos
 from pkm_serve.serving.batching import BatchOptions, BatchScheduler
 from pkm_serve.serving.errors import ServingError
+from serving_helpers import run_staggered
 
 
 class _RowwiseModel:
@@ -152,22 +153,11 @@ def test_request_larger_than_the_queue_can_take_is_refused_before_any_piece_runs
 
 def test_a_failing_piece_fails_its_request_and_spares_its_batch_mates():
     sched = _scheduler(SPLIT + "batch_timeout_micros { value: 200000 } num_batch_threads { value: 1 }")
-    model, answers = _RowwiseModel(), {}
+    model = _RowwiseModel()
     good, bad = _rows(2), _rows(5, start=10)
     bad[4, 0] = -1   # in the last piece only
-
-    def call(name, x):
-        try:
-            answers[name] = sched.run("s", model, {"x": x}, deadline=time.monotonic() + 10)
-        except ServingError as e:
-            answers[name] = e
     try:
-        threads = [threading.Thread(target=call, args=a) for a in (("good", good), ("bad", bad))]
-        for t in threads:
-            t.start()
-            time.sleep(0.05)
-        for t in threads:
-            t.join(10)
+        answers = dict(zip(("good", "bad"), run_staggered(sched, model, [{"x": good}, {"x": bad}])))
         _assert_answers(good, answers["good"])
         assert isinstance(answers["bad"], ServingError)
         assert answers["bad"].code == grpc.StatusCode.INVALID_ARGUMENT
