@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import (counts, dense, einsum, fuse, half_division, labels, padded_ragged, pooled, ragged,
+from pkm_serve.export import (counts, dense, einsum, fuse, half_division, labels, padded_ragged, pooled, positions,
+                              ragged,
                               ragged_range, sparse, unrecognised)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
@@ -115,6 +116,10 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, sparse.match_segment_mean)
         elif node.op == "Max":
             attempt(node, dense.match_reduce_max)
+        elif node.op in positions.ADD_OPS:
+            attempt(node, positions.match_positions_sum, report_not_a_site=False)
+        elif node.op == "StridedSlice":
+            attempt(node, positions.match_cumsum_last, report_not_a_site=False)
         elif node.op in unrecognised.UNFUSABLE_REDUCE_OPS:
             attempt(node, unrecognised.never_a_site)
         elif node.op in unrecognised.UNFUSABLE_SEGMENT_OPS:
@@ -155,6 +160,8 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
         for site in fused:
             old_root_inputs = [fg.parse(t).node for t in fg.nodes[site.root].input
                                if not t.startswith("^")]
+            if site.positions is not None:
+                positions.take_positions(fg, site)
             fuse.fuse_site(fg, site)
             seeds.extend(half_division.widen_masked_mean_division(fg, site))
             seeds.extend(site.internal)

@@ -1,0 +1,323 @@
+"""Bags written one position at a time, and bags read off a running sum.
+
+  tf.add_n([tf.gather(t, ids[:, k]) [* w[:, k:k+1]] for k in range(K)])   (or a + b + ..., Python sum())
+      -> the bag of ids[..., a:b] [weights w[..., a:b]] over the positions a..b-1 the terms take
+  tf.math.cumsum(rows, axis=-2)[..., -1, :]   (reverse=True: [..., 0, :])  -> the bag of rows (sum)
+
+A per-position sum reads positions a..b-1 only: a server may feed wider ids (the composite
+sums the same positions, so does the fused op on ids[..., a:b]) or narrower ones (the
+composite's slice fails; an Assert added before the fused op fails too).
+"""
+from __future__ import annotations
+
+import collections
+
+from typing import List, Optional, Tuple
+
+import numpy as np
+from tensorflow.core.framework import types_pb2
+
+from pkm_serve.export.dense import Rows, apply_rows, leads_to_gather, resolve_rows
+from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.id_checks import I32, _assert
+from pkm_serve.export.sites import NotASite, Site, Skip, check_private, dims, same_dims, tensor_dtype
+
+ADD_OPS = ("AddN", "AddV2", "Add")
+POSITIONS_PATTERN, CUMSUM_PATTERN = "per-position-sum", "cumsum"
+
+
+def _attr(node, name: str, field: str):
+    """An attr's value, its default (0 / False) where the SavedModel strips it; reading a missing
+    key of the NodeDef's attr map would add an empty attr, which the TFLite converter refuses."""
+    return getattr(node.attr[name], field) if name in node.attr else 0
+
+
+def _normalised(index: int, size: Optional[int]) -> Optional[int]:
+    if index >= 0:
+        return index
+    return None if size is None else index + size
+
+
+def _slice_entries(fg: FunctionGraph, node, axis: int):
+    """StridedSlice `node` -> (begin, end, shrink, begin_masked, end_masked, new_axis_after) of its
+    entry for input axis `axis`, when every other input axis is taken whole; else None."""
+    x, begin_ref, end_ref, strides_ref = fg.inputs(node)
+    rank = fg.shape(x).rank
+    begin, end, strides = (fg.const_value(r) for r in (begin_ref, end_ref, strides_ref))
+    if rank is None or begin is None or end is None or strides is None:
+        return None
+    begin, end, strides = (np.ravel(v).tolist() for v in (begin, end, strides))
+    mask = {k: node.attr[k].i if k in node.attr else 0 for k in (
+        "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+    found, dim, entries = None, 0, len(begin)
+    for i in range(entries):
+        bit = 1 << i
+        if mask["ellipsis_mask"] & bit:
+            dim = rank - sum(1 for j in range(i + 1, entries) if not mask["new_axis_mask"] & (1 << j))
+            continue
+        if mask["new_axis_mask"] & bit:
+            if found is None or i != entries - 1 or found[5] or dim != rank:
+                return None  # only a unit axis added last, after the position (w[:, k, None])
+            found = found[:5] + (True,)
+            continue
+        if strides[i] != 1:
+            return None
+        if dim == axis:
+            found = (begin[i], end[i], bool(mask["shrink_axis_mask"] & bit), bool(mask["begin_mask"] & bit),
+                     bool(mask["end_mask"] & bit), False)
+        elif not (mask["begin_mask"] & bit and mask["end_mask"] & bit) or mask["shrink_axis_mask"] & bit:
+            return None
+        dim += 1
+    return found
+
+
+def slice_position(fg: FunctionGraph, ref: Ref, axis: Optional[int] = None) -> Optional[Tuple[Ref, int, bool]]:
+    """(source, k, kept) where `ref` is position k of `source`'s axis `axis` (its last by default)
+    and every other axis whole: source[..., k] (kept False), source[..., k:k+1] or source[..., k, None]
+    (kept True; a unit axis where the position was, or last), tf.unstack(source, axis=-1)[k],
+    tf.gather(source, k, axis=-1). k is negative only where the axis' length is unknown."""
+    node = fg.producer(ref)
+    if node is None or node.op not in ("StridedSlice", "Unpack", "GatherV2"):
+        return None
+    source = fg.inputs(node)[0]
+    rank = fg.shape(source).rank
+    if rank is None or rank == 0:
+        return None
+    axis = rank - 1 if axis is None else axis
+    size = fg.shape(source)[axis] if fg.shape(source)[axis] is not None else None
+    size = None if size is None else int(size)
+    if node.op == "Unpack":
+        return (source, ref.index, False) if _attr(node, "axis", "i") % rank == axis else None
+    if node.op == "GatherV2":
+        index, gather_axis = fg.const_value(fg.inputs(node)[1]), fg.const_value(fg.inputs(node)[2])
+        if index is None or gather_axis is None or int(gather_axis) % rank != axis or np.size(index) != 1 or \
+                _attr(node, "batch_dims", "i"):
+            return None
+        k = int(np.ravel(index)[0])
+        return None if k < 0 else (source, k, np.ndim(index) == 1)
+    entry = _slice_entries(fg, node, axis)
+    if entry is None:
+        return None
+    begin, end, shrink, begin_masked, end_masked, new_axis_after = entry
+    if shrink:
+        k = _normalised(begin, size)
+        return (source, begin if k is None else k, new_axis_after)
+    if new_axis_after:
+        return None
+    first = 0 if begin_masked else _normalised(begin, size)
+    stop = size if end_masked else _normalised(end, size)
+    if first is None or stop is None:  # x[..., -1:] where the length is unknown: the last position
+        return (source, -1, True) if begin == -1 and end_masked else None
+    return (source, first, True) if stop - first == 1 else None
+
+
+def _is_zero_fill(fg: FunctionGraph, ref: Ref) -> bool:
+    """A tensor of zeros whatever the input: tf.zeros / zeros_like / a constant 0 (a running sum's start)."""
+    node = fg.producer(ref)
+    value = fg.const_value(ref)
+    if value is not None:
+        return value.size > 0 and not np.any(value)
+    if node is None:
+        return False
+    if node.op == "ZerosLike":
+        return True
+    fill = fg.const_value(fg.inputs(node)[1]) if node.op == "Fill" else None
+    return fill is not None and not np.any(fill)
+
+
+def _broadcasts_nothing(shape, out_shape) -> bool:
+    """Adding zeros of `shape` to the bag changes nothing: 0, [1, D], or the bag's own shape."""
+    if shape.rank is None or out_shape.rank is None or shape.rank > out_shape.rank:
+        return False
+    tail = out_shape[out_shape.rank - shape.rank:]
+    return all(d == 1 or same_dims(shape[i:i + 1], tail[i:i + 1]) for i, d in enumerate(shape.as_list()))
+
+
+def _terms(fg: FunctionGraph, root, adds: List[str]) -> List[Ref]:
+    """The addends of an add tree rooted at `root`: through the Add nodes that only the tree reads."""
+    leaves: List[Ref] = []
+    for ref in fg.inputs(root):
+        producer = fg.producer(ref)
+        if producer is not None and producer.op in ADD_OPS and ref not in fg.returned and \
+                len(fg.consumers(ref)) == 1:
+            adds.append(producer.name)
+            leaves.extend(_terms(fg, producer, adds))
+        else:
+            leaves.append(ref)
+    return leaves
+
+
+class _Term:
+    def __init__(self, fg: FunctionGraph, ref: Ref, rows: Rows, site: Site, ids: Tuple[Ref, int, bool]):
+        self.ref, self.rows, self.site, self.ids = ref, rows, site, ids
+        self.table = rows.gather.params  # the variable a ReadVariableOp reads, or the tensor gathered
+        read = fg.producer(self.table)
+        if read is not None and read.op == "ReadVariableOp":
+            self.table = fg.inputs(read)[0]
+
+
+def _position_rows(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term]:
+    """A term that is table rows gathered at one position of some ids (ids[..., k]), else None."""
+    if not leads_to_gather(fg, ref):
+        return None
+    scratch = Site(function=function, root=ref.node, pattern=POSITIONS_PATTERN)
+    try:
+        rows = resolve_rows(fg, ref, scratch)
+    except (NotASite, Skip):
+        return None
+    ids = slice_position(fg, rows.gather.indices)
+    return None if ids is None or ids[2] else _Term(fg, ref, rows, scratch, ids)
+
+
+def _check_term(fg: FunctionGraph, term: _Term, first: _Term) -> Optional[Ref]:
+    """Raises Skip unless `term` is a position of the same ids, table, cast and weights as `first`;
+    returns the weights' source (or None)."""
+    rows = term.rows
+    if term.ids[0] != first.ids[0] or term.table != first.table:
+        raise Skip("the added terms gather other ids or another table: only the positions of one ids "
+                   "tensor gathered from one table are a bag")
+    if rows.mask is not None or rows.ones is not None or rows.regathers or rows.unflattened is not None:
+        raise Skip("a term is masked, multiplied by ones, re-gathered or reshaped: only rows[k] [* w[k]] "
+                   "terms are fused")
+    if rows.cast_enum != first.rows.cast_enum or rows.rounded_enum != first.rows.rounded_enum:
+        raise Skip("the terms cast their rows to different dtypes")
+    if (rows.weights is None) != (first.rows.weights is None):
+        raise Skip("some terms are weighted and some are not")
+    if rows.weights is None:
+        return None
+    weights = None if rows.weights_scalar else slice_position(fg, rows.weights)
+    if weights is None or weights[1] != term.ids[1] or weights[2] != rows.weights_squeeze:
+        raise Skip("a term's weight is not the weights' entry at the term's position (w[:, k:k+1] for "
+                   "ids[:, k]): the multiplier is not per index")
+    return weights[0]
+
+
+def _gather_site(fg: FunctionGraph, site: Site, term: _Term) -> None:
+    """Fills the site's table fields from one term (the checks of apply_rows on it)."""
+    consumers = fg.consumers(term.ref)  # the add that reads the term (checked with the whole tree later)
+    apply_rows(fg, term.site, term.rows, consumers[0][0] if len(consumers) == 1 else site.root, term.ref)
+    for key in ("params", "params_is_resource", "index_dtype", "table_dtype", "table", "table_shape", "dtype",
+                "cast_to", "rounded_to", "cast_enum"):
+        setattr(site, key, getattr(term.site, key))
+
+
+def match_positions_sum(fg: FunctionGraph, node, site: Site) -> Site:
+    """An add tree whose addends are rows of one table gathered at positions a..b-1 of one ids
+    tensor, each once, each weighted by the same weights' entry or none: the bag of ids[..., a:b]."""
+    out = Ref(node.name, 0)
+    consumers = fg.consumers(out)
+    if out not in fg.returned and len(consumers) == 1 and fg.nodes[consumers[0][0]].op in ADD_OPS:
+        raise NotASite()  # inside a larger add tree: matched at its root
+    adds: List[str] = []
+    leaves = _terms(fg, node, adds)
+    site.pattern = POSITIONS_PATTERN
+    terms = [_position_rows(fg, ref, site.function) for ref in leaves]
+    groups = collections.Counter((t.ids[0], t.table) for t in terms if t is not None)
+    if not groups or max(groups.values()) < 2:
+        raise NotASite()  # no two positions of one ids tensor in one table (token + position embeddings ...)
+    first = next(t for t in terms if t is not None)
+    site.table = first.table.node
+    zeros = [ref for ref, t in zip(leaves, terms) if t is None and _is_zero_fill(fg, ref)]
+    for ref, term in zip(leaves, terms):
+        if term is None and ref not in zeros:
+            raise Skip(f"the sum of positions also adds {fg.render(ref)}, which is no position of the bag")
+        if ref in zeros and not _broadcasts_nothing(fg.shape(ref), fg.shape(out)):
+            raise Skip("a zero start of the sum is not shaped like the bag")
+    terms = [t for t in terms if t is not None]
+    site.weighted = first.rows.weights is not None
+    sources = {_check_term(fg, t, first) for t in terms}
+    positions = sorted(t.ids[1] for t in terms)
+    if positions[0] < 0 or positions != list(range(positions[0], positions[0] + len(positions))):
+        raise Skip(f"the terms take positions {positions} of the ids: not each position of a range once")
+    ids_source = first.ids[0]
+    if site.weighted and not same_dims(fg.shape(sources.pop()), fg.shape(ids_source)):
+        raise Skip("the weights are not shaped like the ids")
+    internal: List[str] = list(adds)
+    for term in terms:
+        _gather_site(fg, site, term)
+        internal.extend(term.site.internal)
+    site.weights = first.rows.weights and slice_position(fg, first.rows.weights)[0]
+    site.indices = ids_source
+    site.positions = (positions[0], positions[-1] + 1)
+    site.internal = tuple(dict.fromkeys(internal))
+    check_private(fg, [t.ref for t in terms] + [p for t in terms for p in t.rows.private],
+                  set(site.internal) | {node.name}, site)
+    site.dead_after = tuple({t.rows.gather.indices.node for t in terms} |
+                            {fg.producer(r).name for r in zeros if fg.producer(r) is not None})
+    ids_dims = dims(fg.shape(ids_source))
+    site.gathered_shape = None if ids_dims is None else ids_dims[:-1] + [len(terms), site.table_shape[1]]
+    site.intermediate_itemsizes = first.site.intermediate_itemsizes
+    return site
+
+
+def take_positions(fg: FunctionGraph, site: Site) -> None:
+    """Before fusing a per-position sum: the op reads ids[..., a:b] (and w[..., a:b]), after an Assert
+    that the ids have b positions (the composite's ids[..., b-1] refuses fewer)."""
+    first, stop = site.positions
+    prefix = site.root + "/pkm_positions"
+    ids_type = DType(site.index_dtype)
+    shape = fg.add_op(prefix + "/ids_shape", "Shape", [site.indices], {"T": ids_type, "out_type": I32},
+                      shapes=[[None]])
+    # The width as sum(shape * [0, .., 0, 1]): a StridedSlice of a Shape is folded to the declared K.
+    rank = fg.shape(site.indices).rank
+    one_hot = np.zeros([rank], np.int32)
+    one_hot[-1] = 1
+    width = fg.add_op(prefix + "/width", "Sum", [
+        fg.add_op(prefix + "/last_only", "Mul", [shape, fg.add_const(prefix + "/last", one_hot)], {"T": I32},
+                  shapes=[[rank]]),
+        fg.add_const(prefix + "/axis", np.array(0, np.int32))], {"T": I32, "Tidx": I32, "keep_dims": False},
+        shapes=[[]])
+    ok = fg.add_op(prefix + "/enough", "GreaterEqual", [width, fg.add_const(prefix + "/stop", np.array(stop, np.int32))],
+                   {"T": I32}, shapes=[[]])
+    check = _assert(fg, prefix + "/check", ok,
+                    f"per-position bag fused in {site.root}: the ids have", (width, types_pb2.DT_INT32),
+                    f"positions, but the original model reads position {stop - 1} (ids[..., {stop - 1}]); "
+                    f"send at least {stop}", "/message_positions")
+    site.indices = _positions(fg, prefix + "/ids", site.indices, first, stop, rank, check)
+    if site.weights is not None:
+        site.weights = _positions(fg, prefix + "/weights", site.weights, first, stop, rank, check)
+
+
+def _positions(fg: FunctionGraph, name: str, ref: Ref, first: int, stop: int, rank: int, check: str) -> Ref:
+    """ref[..., first:stop], after `check`."""
+    def const(suffix, value):
+        return fg.add_const(f"{name}/{suffix}", np.array(value, np.int32))
+
+    shape = fg.shape(ref)
+    out = None if shape.rank is None else shape.as_list()[:-1] + [stop - first]
+    whole = (1 << (rank - 1)) - 1
+    return fg.add_op(name, "StridedSlice", [ref, const("begin", [0] * (rank - 1) + [first]),
+                                            const("end", [0] * (rank - 1) + [stop]), const("strides", [1] * rank)],
+                     {"T": DType(tensor_dtype(fg, ref)), "Index": I32, "begin_mask": whole, "end_mask": whole,
+                      "ellipsis_mask": 0, "new_axis_mask": 0, "shrink_axis_mask": 0}, shapes=[out], control=[check])
+
+
+def match_cumsum_last(fg: FunctionGraph, node, site: Site) -> Site:
+    """cumsum(rows, axis=-2)[..., -1, :] (reverse: [..., 0, :]): the running sum's end is the bag sum."""
+    x = fg.inputs(node)[0]
+    cumsum = fg.producer(x)
+    if cumsum is None or cumsum.op != "Cumsum" or not leads_to_gather(fg, fg.inputs(cumsum)[0]):
+        raise NotASite()
+    rows_in, axis_ref = fg.inputs(cumsum)
+    rank, axis = fg.shape(rows_in).rank, fg.const_value(axis_ref)
+    if rank is None or rank < 2 or axis is None or int(axis) % rank == rank - 1:
+        raise NotASite()  # a running sum over D is each row's own
+    site.pattern = CUMSUM_PATTERN
+    rows = resolve_rows(fg, rows_in, site)
+    if int(axis) % rank != rank - 2:
+        raise Skip(f"tf.math.cumsum over axis {int(axis)}, not the bag axis (-2), of the gathered rows")
+    if rows.regathers:
+        raise Skip("the gathered rows are re-gathered before a dense reduction")
+    position = slice_position(fg, Ref(node.name, 0), axis=rank - 2)
+    size = fg.shape(rows_in)[rank - 2]
+    # slice_position keeps k negative only where K is unknown: -1 is then the last position.
+    reverse = bool(_attr(cumsum, "reverse", "b"))
+    whole_end = (0,) if reverse else (-1,) + (() if size is None else (int(size) - 1,))
+    if _attr(cumsum, "exclusive", "b") or position is None or position[1] not in whole_end:
+        raise Skip("the slice of tf.math.cumsum over the bag axis is not its whole-bag end (the last position; "
+                   "the first with reverse=True; exclusive=False): a partial running sum is not fused")
+    apply_rows(fg, site, rows, cumsum.name, rows_in)
+    site.internal += (cumsum.name,)
+    check_private(fg, [x], set(site.internal) | {node.name}, site)
+    site.expand_bag_axis = position[2]
+    return site
