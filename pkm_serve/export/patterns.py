@@ -95,6 +95,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
     for node in order:
         if node.op in ("Sum", "Mean"):
             attempt(node, padded_ragged.match_padded_ragged, report_not_a_site=False)
+            attempt(node, positions.match_stacked_positions, report_not_a_site=False)
     for node in order:
         if node.op in ("Sum", "Mean"):
             attempt(node, dense.match_reduce)

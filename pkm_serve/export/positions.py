@@ -16,6 +16,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import dtypes
 
 from pkm_serve.export.dense import Rows, apply_rows, leads_to_gather, resolve_rows
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
@@ -150,6 +151,7 @@ def _terms(fg: FunctionGraph, root, adds: List[str]) -> List[Ref]:
 class _Term:
     def __init__(self, fg: FunctionGraph, ref: Ref, rows: Rows, site: Site, ids: Tuple[Ref, int, bool]):
         self.ref, self.rows, self.site, self.ids = ref, rows, site, ids
+        self.wrapped = False  # the gather reads keras.ops.take's where(x < 0, x + N, x) of the position
         self.table = rows.gather.params  # the variable a ReadVariableOp reads, or the tensor gathered
         read = fg.producer(self.table)
         if read is not None and read.op == "ReadVariableOp":
@@ -165,8 +167,46 @@ def _position_rows(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term
         rows = resolve_rows(fg, ref, scratch)
     except (NotASite, Skip):
         return None
-    ids = slice_position(fg, rows.gather.indices)
-    return None if ids is None or ids[2] else _Term(fg, ref, rows, scratch, ids)
+    indices, wrapped = _unwrapped(fg, rows.gather.indices, rows.gather.table_shape)
+    ids = slice_position(fg, indices)
+    if ids is None or ids[2]:
+        return None
+    term = _Term(fg, ref, rows, scratch, ids)
+    term.wrapped = wrapped
+    return term
+
+
+def _static_int(fg: FunctionGraph, ref: Ref) -> Optional[int]:
+    """The value of a scalar int computed from constants alone (Cast(Const shape[0]), as Keras writes N)."""
+    value = fg.const_value(ref)
+    if value is not None:
+        return int(value) if np.size(value) == 1 else None
+    node = fg.producer(ref)
+    if node is not None and node.op == "Cast":
+        return _static_int(fg, fg.inputs(node)[0])
+    if node is not None and node.op == "StridedSlice":
+        source = fg.const_value(fg.inputs(node)[0])
+        begin = fg.const_value(fg.inputs(node)[1])
+        shrink = node.attr["shrink_axis_mask"].i if "shrink_axis_mask" in node.attr else 0
+        if source is not None and begin is not None and np.ndim(source) == 1 and np.size(begin) == 1 and shrink == 1:
+            return int(np.ravel(source)[int(np.ravel(begin)[0])])
+    return None
+
+
+def _unwrapped(fg: FunctionGraph, ref: Ref, table_shape) -> Tuple[Ref, bool]:
+    """keras.ops.take (Keras 3 Embedding) gathers where(x < 0, x + N, x): -> (x, True); else (ref, False)."""
+    node = fg.producer(ref)
+    rows = table_shape[0] if table_shape is not None and table_shape.rank == 2 else None
+    if node is None or node.op != "SelectV2" or rows is None:
+        return ref, False
+    cond, then_ref, else_ref = (fg.producer(r) for r in fg.inputs(node))
+    x = fg.inputs(node)[2]
+    if cond is None or cond.op != "Less" or then_ref is None or then_ref.op != "AddV2" or \
+            fg.inputs(cond)[0] != x or fg.const_value(fg.inputs(cond)[1]) is None or \
+            np.any(fg.const_value(fg.inputs(cond)[1]) != 0) or x not in fg.inputs(then_ref):
+        return ref, False
+    other = [r for r in fg.inputs(then_ref) if r != x]
+    return (x, True) if len(other) == 1 and _static_int(fg, other[0]) == int(rows) else (ref, False)
 
 
 def _check_term(fg: FunctionGraph, term: _Term, first: _Term) -> Optional[Ref]:
@@ -179,6 +219,8 @@ def _check_term(fg: FunctionGraph, term: _Term, first: _Term) -> Optional[Ref]:
     if rows.mask is not None or rows.ones is not None or rows.regathers or rows.unflattened is not None:
         raise Skip("a term is masked, multiplied by ones, re-gathered or reshaped: only rows[k] [* w[k]] "
                    "terms are fused")
+    if term.wrapped != first.wrapped:
+        raise Skip("some terms wrap negative ids (keras.ops.take) and some do not")
     if rows.cast_enum != first.rows.cast_enum or rows.rounded_enum != first.rows.rounded_enum:
         raise Skip("the terms cast their rows to different dtypes")
     if (rows.weights is None) != (first.rows.weights is None):
@@ -210,20 +252,58 @@ def match_positions_sum(fg: FunctionGraph, node, site: Site) -> Site:
         raise NotASite()  # inside a larger add tree: matched at its root
     adds: List[str] = []
     leaves = _terms(fg, node, adds)
-    site.pattern = POSITIONS_PATTERN
-    terms = [_position_rows(fg, ref, site.function) for ref in leaves]
-    groups = collections.Counter((t.ids[0], t.table) for t in terms if t is not None)
-    if not groups or max(groups.values()) < 2:
-        raise NotASite()  # no two positions of one ids tensor in one table (token + position embeddings ...)
-    first = next(t for t in terms if t is not None)
-    site.table = first.table.node
+    terms = _candidate_terms(fg, leaves, site)
     zeros = [ref for ref, t in zip(leaves, terms) if t is None and _is_zero_fill(fg, ref)]
     for ref, term in zip(leaves, terms):
         if term is None and ref not in zeros:
             raise Skip(f"the sum of positions also adds {fg.render(ref)}, which is no position of the bag")
         if ref in zeros and not _broadcasts_nothing(fg.shape(ref), fg.shape(out)):
             raise Skip("a zero start of the sum is not shaped like the bag")
-    terms = [t for t in terms if t is not None]
+    _positions_site(fg, node, site, [t for t in terms if t is not None], adds)
+    site.dead_after += tuple(fg.producer(r).name for r in zeros if fg.producer(r) is not None)
+    return site
+
+
+def match_stacked_positions(fg: FunctionGraph, node, site: Site) -> Site:
+    """reduce_sum / reduce_mean(tf.stack([rows of ids[..., k] for k], axis), axis): the per-position bag
+    whatever the axis (a mean divided by the positions stacked, as Mean divides)."""
+    x, axis_ref = fg.inputs(node)
+    pack, axis = fg.producer(x), fg.const_value(axis_ref)
+    rank = fg.shape(x).rank
+    if pack is None or pack.op != "Pack" or rank is None or axis is None or np.size(axis) != 1:
+        raise NotASite()
+    terms = _candidate_terms(fg, fg.inputs(pack), site)
+    stacked_at = pack.attr["axis"].i % rank if "axis" in pack.attr else 0
+    if None in terms:
+        raise Skip("tf.stack of per-position rows also stacks a tensor that is no position of the bag")
+    if int(np.reshape(axis, [])) % rank != stacked_at:
+        raise Skip("the stacked per-position rows are reduced over another axis than the one they are stacked on")
+    site.expand_bag_axis = "keep_dims" in node.attr and node.attr["keep_dims"].b
+    site.bag_unit_axis = stacked_at - rank
+    if site.expand_bag_axis and site.bag_unit_axis not in (-2, -1):
+        raise Skip(f"keepdims=True keeps the unit axis at {stacked_at}: the fused bag gets it back at -2 or -1 only")
+    _positions_site(fg, node, site, terms, [pack.name])
+    check_private(fg, [x], set(site.internal) | {node.name}, site)
+    if node.op == "Mean":
+        site.divide_by_bag, site.divisor = True, len(terms)
+    return site
+
+
+def _candidate_terms(fg: FunctionGraph, leaves: List[Ref], site: Site) -> List[Optional[_Term]]:
+    """Each leaf as a position term or None; NotASite unless two of them are positions of one ids
+    tensor in one table (token + position embeddings, features of other tables: no bag)."""
+    site.pattern = POSITIONS_PATTERN
+    terms = [_position_rows(fg, ref, site.function) for ref in leaves]
+    groups = collections.Counter((t.ids[0], t.table) for t in terms if t is not None)
+    if not groups or max(groups.values()) < 2:
+        raise NotASite()
+    site.table = next(t for t in terms if t is not None).table.node
+    return terms
+
+
+def _positions_site(fg: FunctionGraph, node, site: Site, terms: List[_Term], own: List[str]) -> None:
+    """Fills the site of the bag the terms make (positions a..b-1 each once) or raises Skip."""
+    first = terms[0]
     site.weighted = first.rows.weights is not None
     sources = {_check_term(fg, t, first) for t in terms}
     positions = sorted(t.ids[1] for t in terms)
@@ -232,28 +312,26 @@ def match_positions_sum(fg: FunctionGraph, node, site: Site) -> Site:
     ids_source = first.ids[0]
     if site.weighted and not same_dims(fg.shape(sources.pop()), fg.shape(ids_source)):
         raise Skip("the weights are not shaped like the ids")
-    internal: List[str] = list(adds)
+    internal: List[str] = list(own)
     for term in terms:
         _gather_site(fg, site, term)
         internal.extend(term.site.internal)
-    site.weights = first.rows.weights and slice_position(fg, first.rows.weights)[0]
+    site.weights = slice_position(fg, first.rows.weights)[0] if site.weighted else None
     site.indices = ids_source
-    site.positions = (positions[0], positions[-1] + 1)
+    site.positions = (positions[0], positions[-1] + 1, first.wrapped)
     site.internal = tuple(dict.fromkeys(internal))
     check_private(fg, [t.ref for t in terms] + [p for t in terms for p in t.rows.private],
                   set(site.internal) | {node.name}, site)
-    site.dead_after = tuple({t.rows.gather.indices.node for t in terms} |
-                            {fg.producer(r).name for r in zeros if fg.producer(r) is not None})
+    site.dead_after = tuple({t.rows.gather.indices.node for t in terms})
     ids_dims = dims(fg.shape(ids_source))
     site.gathered_shape = None if ids_dims is None else ids_dims[:-1] + [len(terms), site.table_shape[1]]
     site.intermediate_itemsizes = first.site.intermediate_itemsizes
-    return site
 
 
 def take_positions(fg: FunctionGraph, site: Site) -> None:
     """Before fusing a per-position sum: the op reads ids[..., a:b] (and w[..., a:b]), after an Assert
     that the ids have b positions (the composite's ids[..., b-1] refuses fewer)."""
-    first, stop = site.positions
+    first, stop, wrapped = site.positions
     prefix = site.root + "/pkm_positions"
     ids_type = DType(site.index_dtype)
     shape = fg.add_op(prefix + "/ids_shape", "Shape", [site.indices], {"T": ids_type, "out_type": I32},
@@ -274,8 +352,21 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
                     f"positions, but the original model reads position {stop - 1} (ids[..., {stop - 1}]); "
                     f"send at least {stop}", "/message_positions")
     site.indices = _positions(fg, prefix + "/ids", site.indices, first, stop, rank, check)
+    if wrapped:  # as keras.ops.take does: where(ids < 0, ids + N, ids)
+        site.indices = _wrap_negative(fg, prefix + "/wrapped", site)
     if site.weights is not None:
         site.weights = _positions(fg, prefix + "/weights", site.weights, first, stop, rank, check)
+
+
+def _wrap_negative(fg: FunctionGraph, name: str, site: Site) -> Ref:
+    np_type = dtypes.as_dtype(site.index_dtype).as_numpy_dtype
+    ids_type, shape = DType(site.index_dtype), dims(fg.shape(site.indices))
+    negative = fg.add_op(name + "/negative", "Less", [site.indices, fg.add_const(name + "/zero", np.array(0, np_type))],
+                         {"T": ids_type}, shapes=[shape])
+    shifted = fg.add_op(name + "/shifted", "AddV2",
+                        [site.indices, fg.add_const(name + "/rows", np.array(site.table_shape[0], np_type))],
+                        {"T": ids_type}, shapes=[shape])
+    return fg.add_op(name, "SelectV2", [negative, shifted, site.indices], {"T": ids_type}, shapes=[shape])
 
 
 def _positions(fg: FunctionGraph, name: str, ref: Ref, first: int, stop: int, rank: int, check: str) -> Ref:

@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+import keras
 import tensorflow as tf
 
 from pkm_serve import ops, tflite
@@ -41,17 +42,35 @@ def _add_n_rank3(m, ids, w):  # [B, F, K] ids: one bag per field
     return tf.add_n([tf.gather(m.t, ids[:, :, k]) * w[:, :, k, None] for k in range(K)])
 
 
-# name: (specs, body, positions summed, weighted, reference reduce of rows [.., K, D] -> bag)
+def _keras_take_per_position(m, ids, w):  # as a Keras 3 Embedding gathers: keras.ops.take wraps negative ids
+    return keras.layers.Add()([keras.ops.take(m.t, ids[:, k], axis=0) * w[:, k:k + 1] for k in range(1, K)])
+
+
+def _mean_of_stacked(m, ids, w):
+    return tf.reduce_mean(tf.stack([tf.gather(m.t, ids[:, k]) * w[:, k, None] for k in range(K)], axis=-2), axis=1)
+
+
+def _sum_of_stacked_on_the_last_axis(m, ids):
+    return tf.reduce_sum(tf.stack([tf.gather(m.t, ids[:, k]) for k in range(K)], axis=-1), axis=-1, keepdims=True)
+
+
+SAME = lambda bag: bag  # noqa: E731
+# name: (specs, body, positions summed, weighted, the output from the bag)
 FUSED = {
-    "add_n_weighted": ([IDS, W], _add_n_weighted, range(K), True),
-    "python_sum_of_unstacked": ([IDS, W], _python_sum_of_unstacked, range(K), True),
-    "running_sum_of_later_positions": ([IDS], _running_sum_of_later_positions, range(1, K), False),
-    "add_n_rank3": ([IDS3, W3], _add_n_rank3, range(K), True),
-    "cumsum_last": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1)[:, -1], range(K), False),
+    "add_n_weighted": ([IDS, W], _add_n_weighted, range(K), True, SAME),
+    "python_sum_of_unstacked": ([IDS, W], _python_sum_of_unstacked, range(K), True, SAME),
+    "running_sum_of_later_positions": ([IDS], _running_sum_of_later_positions, range(1, K), False, SAME),
+    "add_n_rank3": ([IDS3, W3], _add_n_rank3, range(K), True, SAME),
+    "keras_take_per_position": ([IDS, W], _keras_take_per_position, range(1, K), True, SAME),
+    "mean_of_stacked": ([IDS, W], _mean_of_stacked, range(K), True, lambda bag: bag / K),
+    "sum_of_stacked_on_the_last_axis": ([IDS], _sum_of_stacked_on_the_last_axis, range(K), False,
+                                        lambda bag: bag[..., None]),
+    "cumsum_last": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1)[:, -1], range(K), False,
+                    SAME),
     "cumsum_reverse_first_weighted": ([IDS, W], lambda m, ids, w: tf.math.cumsum(
-        tf.gather(m.t, ids) * tf.expand_dims(w, -1), axis=-2, reverse=True)[:, 0], range(K), True),
+        tf.gather(m.t, ids) * tf.expand_dims(w, -1), axis=-2, reverse=True)[:, 0], range(K), True, SAME),
     "cumsum_last_keepdims": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1)[:, -1:],
-                             range(K), False),
+                             range(K), False, lambda bag: bag[..., None, :]),
 }
 
 # name: (specs, body, reason)
@@ -96,7 +115,8 @@ def exported(tmp_path_factory):
     for site in result.sites:
         name = next(n for n in forms if re.fullmatch(rf"__inference_{n}_\d+", site.function))
         sites.setdefault(name, []).append(site)
-    return path, result, lite, sites
+    loaded = (tf.saved_model.load(str(path / "m")), tf.saved_model.load(result.dst), tflite.make_interpreter(lite))
+    return path, result, loaded, sites
 
 
 def _inputs(specs, batch):
@@ -107,50 +127,51 @@ def _inputs(specs, batch):
     return feed
 
 
-def _reference(feed, positions, weighted, keepdims=False):
+def _reference(feed, positions, weighted):
+    """The bag of the positions summed; a negative id (taken only by Keras' wrap) is row N + id."""
     ids = feed["args_0"][..., list(positions)]
     w = feed["args_1"][..., list(positions)] if weighted else np.ones(ids.shape)
-    bag = np.einsum("...k,...kd->...d", w.astype(np.float64), TABLE.astype(np.float64)[ids])
-    return bag[..., None, :] if keepdims else bag
+    return np.einsum("...k,...kd->...d", w.astype(np.float64), TABLE.astype(np.float64)[ids])
 
 
-def _run_both(path, result, name, feed):
-    original = tf.saved_model.load(str(path / "m")).signatures[name]
-    fused = tf.saved_model.load(result.dst).signatures[name]
-    return original(**feed)["out"].numpy(), fused(**feed)["out"].numpy()
+def _run_both(loaded, name, feed):
+    return tuple(model.signatures[name](**feed)["out"].numpy() for model in loaded[:2])
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
 def test_position_sums_and_cumsum_ends_are_fused_bags(exported, name):
-    path, result, lite, sites = exported
-    specs, _, positions, weighted = FUSED[name]
+    _, _, loaded, sites = exported
+    specs, _, positions, weighted, output = FUSED[name]
     [site] = sites[name]
     assert (site.status, site.weighted, site.combiner) == ("fused", weighted, "sum"), site.reason
+    wraps = name.startswith("keras")  # keras.ops.take reads id -1 as row N - 1, and refuses -(N + 1)
     for batch in (0, 1, 3):
         feed = _inputs(specs, batch)
-        reference = _reference(feed, positions, weighted, keepdims=name.endswith("keepdims"))
-        want, got = _run_both(path, result, name, feed)
+        if wraps and batch:
+            feed["args_0"][0, positions[0]] = -2
+        reference = output(_reference(feed, positions, weighted))
+        want, got = _run_both(loaded, name, feed)
         np.testing.assert_allclose(want, reference, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(got, reference, rtol=1e-5, atol=1e-5)
         if batch:
-            from_lite = tflite.make_interpreter(lite).get_signature_runner(name)(**feed)["out"]
+            from_lite = loaded[2].get_signature_runner(name)(**feed)["out"]
             np.testing.assert_allclose(from_lite, reference, rtol=1e-5, atol=1e-5)
-    for bad in (-1, N):  # the original's gathers refuse both; so does the fused model
+    for bad in (-N - 1 if wraps else -1, N):  # the original's gathers refuse both; so does the fused model
         feed = _inputs(specs, 2)
         feed["args_0"][..., positions[-1]] = bad
-        for model in (tf.saved_model.load(str(path / "m")), tf.saved_model.load(result.dst)):
+        for model in loaded[:2]:
             with pytest.raises(tf.errors.InvalidArgumentError):
                 model.signatures[name](**feed)
 
 
 @pytest.mark.parametrize("name", sorted(REPORTED))
 def test_sums_that_are_not_the_whole_bag_are_reported_and_left_as_written(exported, name):
-    path, result, _, sites = exported
+    _, _, loaded, sites = exported
     specs, _, reason = REPORTED[name]
     [site] = sites[name]
     assert site.status == "skipped" and reason in site.reason, site.reason
     feed = _inputs(specs, 3)
-    want, got = _run_both(path, result, name, feed)
+    want, got = _run_both(loaded, name, feed)
     np.testing.assert_array_equal(got, want)
 
 
@@ -169,13 +190,13 @@ def _run_as_a_server(saved_model, signature, feed):
         return sess.run(out, {holders[k]: v for k, v in feed.items()})
 
 
-@pytest.mark.parametrize("name", ["add_n_weighted", "running_sum_of_later_positions"])
+@pytest.mark.parametrize("name", ["add_n_weighted", "running_sum_of_later_positions", "keras_take_per_position"])
 def test_a_position_sum_fed_more_or_fewer_positions_than_declared_reads_the_originals(exported, name):
     """A server feeds [B, 7] ids to a [None, 5] signature: the composite sums the positions it
     slices, so does the fused op (ids[..., a:b]), not all 7. [B, 3]: the composite's ids[:, 4]
     fails; so does the fused model."""
     path, result, _, _ = exported
-    specs, _, positions, weighted = FUSED[name]
+    specs, _, positions, weighted, _ = FUSED[name]
     wide = {"args_0": RNG.integers(0, N, (3, K + 2))}
     if weighted:
         wide["args_1"] = RNG.uniform(-2, 2, (3, K + 2)).astype(np.float32)
