@@ -18,9 +18,10 @@ import numpy as np
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import dtypes
 
-from pkm_serve.export.dense import Rows, apply_rows, leads_to_gather, resolve_rows
+from pkm_serve.export.dense import (Rows, apply_rows, fill_from_gather, is_scalar, leads_to_gather, resolve_rows,
+                                    strip_trailing_unit_axis)
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
-from pkm_serve.export.id_checks import I32, _assert
+from pkm_serve.export.id_checks import I32, _assert, _reduce_ids
 from pkm_serve.export.sites import NotASite, Site, Skip, check_private, dims, same_dims, tensor_dtype
 
 ADD_OPS = ("AddN", "AddV2", "Add")
@@ -156,12 +157,16 @@ class _Term:
         read = fg.producer(self.table)
         if read is not None and read.op == "ReadVariableOp":
             self.table = fg.inputs(read)[0]
+        # (per-index weights, squeeze, scalar) or None
+        self.weights = None if rows.weights is None else (rows.weights, rows.weights_squeeze, rows.weights_scalar)
+        self.sliced: Optional[Ref] = None  # rows gathered once for every position, sliced by this term
+        self.own: List[str] = []           # the slice (and multiply) of those rows
 
 
 def _position_rows(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term]:
     """A term that is table rows gathered at one position of some ids (ids[..., k]), else None."""
     if not leads_to_gather(fg, ref):
-        return None
+        return _sliced_rows_term(fg, ref, function)
     scratch = Site(function=function, root=ref.node, pattern=POSITIONS_PATTERN)
     try:
         rows = resolve_rows(fg, ref, scratch)
@@ -174,6 +179,37 @@ def _position_rows(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term
     term = _Term(fg, ref, rows, scratch, ids)
     term.wrapped = wrapped
     return term
+
+
+def _sliced_rows_term(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term]:
+    """rows[..., k, :] [* w[..., k:k+1]] (or tf.unstack(rows, axis=-2)[k]) of rows = gather(t, ids) gathered
+    once for every position: the term gather(t, ids[..., k]) [* w[..., k:k+1]]."""
+    node = fg.producer(ref)
+    pairs = [(ref, None)] if node is None or node.op != "Mul" else [tuple(fg.inputs(node)), tuple(fg.inputs(node))[::-1]]
+    for sliced, w_ref in pairs:
+        producer = fg.producer(sliced)
+        if producer is None or producer.op not in ("StridedSlice", "Unpack", "GatherV2"):
+            continue
+        rank = fg.shape(fg.inputs(producer)[0]).rank
+        position = None if rank is None or rank < 2 else slice_position(fg, sliced, axis=rank - 2)
+        if position is None or position[2] or not leads_to_gather(fg, position[0]):
+            continue
+        scratch = Site(function=function, root=ref.node, pattern=POSITIONS_PATTERN)
+        try:
+            rows = resolve_rows(fg, position[0], scratch)
+            weights = None if w_ref is None else strip_trailing_unit_axis(fg, w_ref)
+        except (NotASite, Skip):
+            return None
+        if rows.weights is not None or rows.mask is not None or rows.ones is not None:
+            return None
+        indices, wrapped = _unwrapped(fg, rows.gather.indices, rows.gather.table_shape)
+        term = _Term(fg, ref, rows, scratch, (indices, position[1], False))
+        term.wrapped, term.sliced, term.own = wrapped, position[0], [producer.name]
+        if weights is not None:
+            term.own += [node.name] + weights[1]
+            term.weights = (weights[0], weights[2], is_scalar(fg, weights[0], rank))
+        return term
+    return None
 
 
 def _static_int(fg: FunctionGraph, ref: Ref) -> Optional[int]:
@@ -213,7 +249,7 @@ def _check_term(fg: FunctionGraph, term: _Term, first: _Term) -> Optional[Ref]:
     """Raises Skip unless `term` is a position of the same ids, table, cast and weights as `first`;
     returns the weights' source (or None)."""
     rows = term.rows
-    if term.ids[0] != first.ids[0] or term.table != first.table:
+    if term.ids[0] != first.ids[0] or term.table != first.table or term.sliced != first.sliced:
         raise Skip("the added terms gather other ids or another table: only the positions of one ids "
                    "tensor gathered from one table are a bag")
     if rows.mask is not None or rows.ones is not None or rows.regathers or rows.unflattened is not None:
@@ -223,21 +259,29 @@ def _check_term(fg: FunctionGraph, term: _Term, first: _Term) -> Optional[Ref]:
         raise Skip("some terms wrap negative ids (keras.ops.take) and some do not")
     if rows.cast_enum != first.rows.cast_enum or rows.rounded_enum != first.rows.rounded_enum:
         raise Skip("the terms cast their rows to different dtypes")
-    if (rows.weights is None) != (first.rows.weights is None):
+    if (term.weights is None) != (first.weights is None):
         raise Skip("some terms are weighted and some are not")
-    if rows.weights is None:
+    if term.weights is None:
         return None
-    weights = None if rows.weights_scalar else slice_position(fg, rows.weights)
-    if weights is None or weights[1] != term.ids[1] or weights[2] != rows.weights_squeeze:
+    weights_ref, squeeze, scalar = term.weights
+    weights = None if scalar else slice_position(fg, weights_ref)
+    if weights is None or weights[1] != term.ids[1] or weights[2] != squeeze:
         raise Skip("a term's weight is not the weights' entry at the term's position (w[:, k:k+1] for "
                    "ids[:, k]): the multiplier is not per index")
     return weights[0]
 
 
 def _gather_site(fg: FunctionGraph, site: Site, term: _Term) -> None:
-    """Fills the site's table fields from one term (the checks of apply_rows on it)."""
-    consumers = fg.consumers(term.ref)  # the add that reads the term (checked with the whole tree later)
-    apply_rows(fg, term.site, term.rows, consumers[0][0] if len(consumers) == 1 else site.root, term.ref)
+    """Fills the site's table fields from one term (the checks of apply_rows on it; rows sliced by
+    every term are checked with the whole site)."""
+    if term.sliced is None:
+        consumers = fg.consumers(term.ref)  # the add that reads the term (checked with the whole tree later)
+        apply_rows(fg, term.site, term.rows, consumers[0][0] if len(consumers) == 1 else site.root, term.ref)
+    else:
+        fill_from_gather(term.site, term.rows.gather, fg)
+        term.site.cast_enum = term.rows.cast_enum if term.rows.cast_enum != term.rows.gather.dtype else 0
+        term.site.internal = tuple(term.own + term.rows.nodes + term.rows.gather.nodes)
+        term.site.intermediate_itemsizes = tuple(term.rows.itemsizes)
     for key in ("params", "params_is_resource", "index_dtype", "table_dtype", "table", "table_shape", "dtype",
                 "cast_to", "rounded_to", "cast_enum"):
         setattr(site, key, getattr(term.site, key))
@@ -304,7 +348,7 @@ def _candidate_terms(fg: FunctionGraph, leaves: List[Ref], site: Site) -> List[O
 def _positions_site(fg: FunctionGraph, node, site: Site, terms: List[_Term], own: List[str]) -> None:
     """Fills the site of the bag the terms make (positions a..b-1 each once) or raises Skip."""
     first = terms[0]
-    site.weighted = first.rows.weights is not None
+    site.weighted = first.weights is not None
     sources = {_check_term(fg, t, first) for t in terms}
     positions = sorted(t.ids[1] for t in terms)
     if positions[0] < 0 or positions != list(range(positions[0], positions[0] + len(positions))):
@@ -316,11 +360,14 @@ def _positions_site(fg: FunctionGraph, node, site: Site, terms: List[_Term], own
     for term in terms:
         _gather_site(fg, site, term)
         internal.extend(term.site.internal)
-    site.weights = slice_position(fg, first.rows.weights)[0] if site.weighted else None
+    site.weights = slice_position(fg, first.weights[0])[0] if site.weighted else None
     site.indices = ids_source
-    site.positions = (positions[0], positions[-1] + 1, first.wrapped)
+    if first.sliced is not None and site.table_shape[0] is None:
+        raise Skip("the table's rows are unknown, so the ids the sliced rows gathered cannot be range-checked")
+    site.positions = (positions[0], positions[-1] + 1, first.wrapped, first.sliced is not None)
     site.internal = tuple(dict.fromkeys(internal))
-    check_private(fg, [t.ref for t in terms] + [p for t in terms for p in t.rows.private],
+    check_private(fg, [t.ref for t in terms] + [p for t in terms for p in t.rows.private] +
+                  [Ref(n, 0) for t in terms for n in t.own] + ([first.sliced] if first.sliced else []),
                   set(site.internal) | {node.name}, site)
     site.dead_after = tuple({t.rows.gather.indices.node for t in terms})
     ids_dims = dims(fg.shape(ids_source))
@@ -331,7 +378,7 @@ def _positions_site(fg: FunctionGraph, node, site: Site, terms: List[_Term], own
 def take_positions(fg: FunctionGraph, site: Site) -> None:
     """Before fusing a per-position sum: the op reads ids[..., a:b] (and w[..., a:b]), after an Assert
     that the ids have b positions (the composite's ids[..., b-1] refuses fewer)."""
-    first, stop, wrapped = site.positions
+    first, stop, wrapped, gathers_all = site.positions
     prefix = site.root + "/pkm_positions"
     ids_type = DType(site.index_dtype)
     shape = fg.add_op(prefix + "/ids_shape", "Shape", [site.indices], {"T": ids_type, "out_type": I32},
@@ -351,11 +398,33 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
                     f"per-position bag fused in {site.root}: the ids have", (width, types_pb2.DT_INT32),
                     f"positions, but the original model reads position {stop - 1} (ids[..., {stop - 1}]); "
                     f"send at least {stop}", "/message_positions")
-    site.indices = _positions(fg, prefix + "/ids", site.indices, first, stop, rank, check)
+    checks = [check] + ([_assert_every_id_in_range(fg, site, prefix + "/range_check", wrapped)] if gathers_all else [])
+    site.indices = _positions(fg, prefix + "/ids", site.indices, first, stop, rank, checks)
     if wrapped:  # as keras.ops.take does: where(ids < 0, ids + N, ids)
         site.indices = _wrap_negative(fg, prefix + "/wrapped", site)
     if site.weights is not None:
-        site.weights = _positions(fg, prefix + "/weights", site.weights, first, stop, rank, check)
+        site.weights = _positions(fg, prefix + "/weights", site.weights, first, stop, rank, checks)
+
+
+def _assert_every_id_in_range(fg: FunctionGraph, site: Site, prefix: str, wrapped: bool) -> str:
+    """Rows gathered once for every position and sliced: the composite's gather refuses an id outside
+    [0, N) ([-N, N) for keras.ops.take) at any position, also those the sum does not read."""
+    np_type = dtypes.as_dtype(site.index_dtype).as_numpy_dtype
+    ids_type, rows = DType(site.index_dtype), site.table_shape[0]
+    low, high = (-rows if wrapped else 0), rows
+    smallest = _reduce_ids(fg, prefix + "/min", site.indices, ids_type, "Min", "/smallest")
+    largest = _reduce_ids(fg, prefix + "/max", site.indices, ids_type, "Max", "/largest")
+    ok = fg.add_op(prefix + "/both", "LogicalAnd", [
+        fg.add_op(prefix + "/above", "GreaterEqual", [smallest, fg.add_const(prefix + "/low", np.array(low, np_type))],
+                  {"T": ids_type}, shapes=[[]]),
+        fg.add_op(prefix + "/below", "Less", [largest, fg.add_const(prefix + "/high", np.array(high, np_type))],
+                  {"T": ids_type}, shapes=[[]])], {}, shapes=[[]])
+    check = _assert(fg, prefix, ok, f"per-position bag fused in {site.root}: an id is out of range: the ids span",
+                    (fg.add_op(prefix + "/span", "Pack", [smallest, largest], {"T": ids_type, "N": 2, "axis": 0},
+                               shapes=[[2]]), site.index_dtype),
+                    f"(smallest, largest), not within [{low}, {high}) (the original model gathers every id "
+                    "before it slices the positions it sums, and refuses it)", "/message_range")
+    return check
 
 
 def _wrap_negative(fg: FunctionGraph, name: str, site: Site) -> Ref:
@@ -369,8 +438,8 @@ def _wrap_negative(fg: FunctionGraph, name: str, site: Site) -> Ref:
     return fg.add_op(name, "SelectV2", [negative, shifted, site.indices], {"T": ids_type}, shapes=[shape])
 
 
-def _positions(fg: FunctionGraph, name: str, ref: Ref, first: int, stop: int, rank: int, check: str) -> Ref:
-    """ref[..., first:stop], after `check`."""
+def _positions(fg: FunctionGraph, name: str, ref: Ref, first: int, stop: int, rank: int, checks: List[str]) -> Ref:
+    """ref[..., first:stop], after the `checks`."""
     def const(suffix, value):
         return fg.add_const(f"{name}/{suffix}", np.array(value, np.int32))
 
@@ -380,7 +449,7 @@ def _positions(fg: FunctionGraph, name: str, ref: Ref, first: int, stop: int, ra
     return fg.add_op(name, "StridedSlice", [ref, const("begin", [0] * (rank - 1) + [first]),
                                             const("end", [0] * (rank - 1) + [stop]), const("strides", [1] * rank)],
                      {"T": DType(tensor_dtype(fg, ref)), "Index": I32, "begin_mask": whole, "end_mask": whole,
-                      "ellipsis_mask": 0, "new_axis_mask": 0, "shrink_axis_mask": 0}, shapes=[out], control=[check])
+                      "ellipsis_mask": 0, "new_axis_mask": 0, "shrink_axis_mask": 0}, shapes=[out], control=checks)
 
 
 def match_cumsum_last(fg: FunctionGraph, node, site: Site) -> Site:

@@ -54,6 +54,15 @@ def _sum_of_stacked_on_the_last_axis(m, ids):
     return tf.reduce_sum(tf.stack([tf.gather(m.t, ids[:, k]) for k in range(K)], axis=-1), axis=-1, keepdims=True)
 
 
+def _sliced_rows_of_later_positions(m, ids, w):  # gathered once, each position sliced off the rows
+    rows = tf.gather(m.t, ids)
+    return tf.add_n([rows[:, k] * w[:, k:k + 1] for k in range(1, K)])
+
+
+def _unstacked_rows(m, ids):
+    return sum(tf.unstack(tf.nn.embedding_lookup(m.t, ids), axis=1))
+
+
 SAME = lambda bag: bag  # noqa: E731
 # name: (specs, body, positions summed, weighted, the output from the bag)
 FUSED = {
@@ -62,6 +71,8 @@ FUSED = {
     "running_sum_of_later_positions": ([IDS], _running_sum_of_later_positions, range(1, K), False, SAME),
     "add_n_rank3": ([IDS3, W3], _add_n_rank3, range(K), True, SAME),
     "keras_take_per_position": ([IDS, W], _keras_take_per_position, range(1, K), True, SAME),
+    "sliced_rows_of_later_positions": ([IDS, W], _sliced_rows_of_later_positions, range(1, K), True, SAME),
+    "unstacked_rows": ([IDS], _unstacked_rows, range(K), False, SAME),
     "mean_of_stacked": ([IDS, W], _mean_of_stacked, range(K), True, lambda bag: bag / K),
     "sum_of_stacked_on_the_last_axis": ([IDS], _sum_of_stacked_on_the_last_axis, range(K), False,
                                         lambda bag: bag[..., None]),
@@ -81,6 +92,8 @@ REPORTED = {
         [tf.gather(m.t, ids[:, k]) * w[:, (k + 1) % K, None] for k in range(K)]), "not per index"),
     "add_n_plus_a_bias_row": ([IDS], lambda m, ids: tf.add_n([tf.gather(m.t, ids[:, k]) for k in range(K)]) + m.t[0],
                               "no position of the bag"),
+    "sliced_rows_read_again": ([IDS], lambda m, ids: (lambda rows: tf.add_n([rows[:, k] for k in range(K)]) *
+                                                      rows[:, 0])(tf.gather(m.t, ids)), "another consumer"),
     "cumsum_exclusive": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1, exclusive=True)[:, -1],
                          "partial running sum"),
     "cumsum_prefix": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1)[:, 2],
@@ -208,3 +221,15 @@ def test_a_position_sum_fed_more_or_fewer_positions_than_declared_reads_the_orig
         _run_as_a_server(path / "m", name, narrow)
     with pytest.raises(tf.errors.InvalidArgumentError, match="the ids have.*positions, but the original"):
         _run_as_a_server(result.dst, name, narrow)
+
+
+def test_ids_gathered_but_not_summed_are_still_refused_out_of_range(exported):
+    """rows = gather(t, ids) refuses a bad id at any position, also position 0, which
+    rows[:, 1] + .. + rows[:, K-1] does not sum: the fused model refuses it too."""
+    _, _, loaded, _ = exported
+    feed = _inputs(FUSED["sliced_rows_of_later_positions"][0], 2)
+    for bad in (-1, N):
+        feed["args_0"][1, 0] = bad
+        for model in loaded[:2]:
+            with pytest.raises(tf.errors.InvalidArgumentError):
+                model.signatures["sliced_rows_of_later_positions"](**feed)
