@@ -100,6 +100,18 @@ REPORTED = {
                       "partial running sum"),
 }
 
+POSITION_WEIGHTS = RNG.uniform(0.5, 2, K).astype(np.float32)
+FIELD_POSITION_WEIGHTS = RNG.uniform(0.5, 2, (F, K)).astype(np.float32)
+# Weights every bag shares (one per position, or per field and position): name -> (specs, body, weights)
+SHARED_WEIGHTS = {
+    "einsum_positional_weights": ([IDS], lambda m, ids: tf.einsum("bkd,k->bd", tf.gather(m.t, ids), m.v),
+                                  POSITION_WEIGHTS),
+    "matvec_positional_weights": ([IDS], lambda m, ids: tf.linalg.matvec(tf.gather(m.t, ids), m.v, transpose_a=True),
+                                  POSITION_WEIGHTS),
+    "einsum_field_positional_weights": ([IDS3], lambda m, ids: tf.einsum("bfkd,fk->bfd", tf.gather(m.t, ids), m.v2),
+                                        FIELD_POSITION_WEIGHTS),
+}
+
 # Not bags: token + position embeddings, one position of the ids.
 NOT_SITES = {"token_plus_position": ([IDS], lambda m, ids: tf.gather(m.t, ids) + m.t[:K]),
              "first_position_plus_second_table": ([IDS], lambda m, ids: tf.gather(m.t, ids[:, 0]) +
@@ -118,12 +130,13 @@ def exported(tmp_path_factory):
     path = tmp_path_factory.mktemp("position_bags")
     module = tf.Module()
     module.t, module.t2 = tf.Variable(TABLE), tf.Variable(TABLE[::-1].copy())
-    forms = {**FUSED, **REPORTED, **NOT_SITES}
+    module.v, module.v2 = tf.Variable(POSITION_WEIGHTS), tf.Variable(FIELD_POSITION_WEIGHTS)
+    forms = {**FUSED, **REPORTED, **NOT_SITES, **SHARED_WEIGHTS}
     signatures = {name: _signature(module, name, spec[0], spec[1]) for name, spec in forms.items()}
     tf.saved_model.save(module, str(path / "m"), signatures=signatures)
     lite = str(path / "m.tflite")
     result = export_saved_model(str(path / "m"), str(path / "out"), quiet=True, tflite=lite,
-                                signatures=sorted(FUSED))
+                                signatures=sorted(FUSED) + sorted(SHARED_WEIGHTS))
     sites = {}
     for site in result.sites:
         name = next(n for n in forms if re.fullmatch(rf"__inference_{n}_\d+", site.function))
@@ -233,3 +246,23 @@ def test_ids_gathered_but_not_summed_are_still_refused_out_of_range(exported):
         for model in loaded[:2]:
             with pytest.raises(tf.errors.InvalidArgumentError):
                 model.signatures["sliced_rows_of_later_positions"](**feed)
+
+
+@pytest.mark.parametrize("name", sorted(SHARED_WEIGHTS))
+def test_positional_weights_every_bag_shares_are_fused(exported, name):
+    """einsum('bkd,k->bd') / matvec(rows, v, transpose_a=True): weights of the bag axis only (one per
+    position) weigh every bag alike; they were reported as not matching the ids' shape."""
+    _, _, loaded, sites = exported
+    specs, _, weights = SHARED_WEIGHTS[name]
+    [site] = sites[name]
+    assert (site.status, site.weighted) == ("fused", True), site.reason
+    for batch in (0, 1, 3):
+        feed = _inputs(specs, batch)
+        w = np.broadcast_to(weights, feed["args_0"].shape).astype(np.float64)
+        reference = np.einsum("...k,...kd->...d", w, TABLE.astype(np.float64)[feed["args_0"]])
+        want, got = _run_both(loaded, name, feed)
+        np.testing.assert_allclose(want, reference, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        if batch:
+            from_lite = loaded[2].get_signature_runner(name)(**feed)["out"]
+            np.testing.assert_allclose(from_lite, want, rtol=1e-5, atol=1e-5)
