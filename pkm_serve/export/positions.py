@@ -176,10 +176,13 @@ def match_positions_sum(fg: FunctionGraph, node, site: Site) -> Site:
     tensor, each once, each weighted by the same weights' entry or none: the bag of ids[..., a:b]."""
     out = Ref(node.name, 0)
     consumers = fg.consumers(out)
-    if out not in fg.returned and len(consumers) == 1 and fg.nodes[consumers[0][0]].op in ADD_OPS:
-        raise NotASite()  # inside a larger add tree: matched at its root
+    if out not in fg.returned and len(consumers) == 1 and fg.nodes[consumers[0][0]].op in ADD_OPS and \
+            (_pure(fg, fg.nodes[consumers[0][0]], site.function) or not _pure(fg, node, site.function)):
+        raise NotASite()  # inside a larger bag (matched at its top), or reported at the top of the tree
     adds: List[str] = []
     leaves = _terms(fg, node, adds)
+    if not _pure(fg, node, site.function) and any(_pure(fg, fg.nodes[a], site.function) for a in adds):
+        raise NotASite()  # tf.add_n(positions) + bias: the positions below are a bag of their own
     terms = _candidate_terms(fg, leaves, site)
     zeros = [ref for ref, t in zip(leaves, terms) if t is None and _is_zero_fill(fg, ref)]
     for ref, term in zip(leaves, terms):
@@ -190,6 +193,25 @@ def match_positions_sum(fg: FunctionGraph, node, site: Site) -> Site:
     _positions_site(fg, node, site, [t for t in terms if t is not None], adds)
     site.dead_after += tuple(fg.producer(r).name for r in zeros if fg.producer(r) is not None)
     return site
+
+
+def _pure(fg: FunctionGraph, node, function: str) -> bool:
+    """The add tree at `node` adds positions (two at least) and zeros only. Cached per function pass:
+    each add of a long chain asks about its parent."""
+    cache = fg.__dict__.setdefault("_pkm_pure_adds", {})
+    if node.name not in cache:
+        leaves = _terms(fg, node, [])
+        terms = [_cached_term(fg, ref, function) for ref in leaves]
+        cache[node.name] = sum(t is not None for t in terms) >= 2 and \
+            all(t is not None or _is_zero_fill(fg, ref) for ref, t in zip(leaves, terms))
+    return cache[node.name]
+
+
+def _cached_term(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term]:
+    cache = fg.__dict__.setdefault("_pkm_position_terms", {})
+    if ref not in cache:
+        cache[ref] = _position_rows(fg, ref, function)
+    return cache[ref]
 
 
 def match_stacked_positions(fg: FunctionGraph, node, site: Site) -> Site:

@@ -69,6 +69,10 @@ FUSED = {
     "add_n_weighted": ([IDS, W], _add_n_weighted, range(K), True, SAME),
     "python_sum_of_unstacked": ([IDS, W], _python_sum_of_unstacked, range(K), True, SAME),
     "running_sum_of_later_positions": ([IDS], _running_sum_of_later_positions, range(1, K), False, SAME),
+    "add_n_then_a_bias_row": ([IDS], lambda m, ids: tf.add_n([tf.gather(m.t, ids[:, k]) for k in range(K)]) + m.t[0],
+                              range(K), False, lambda bag: bag + TABLE[0]),
+    "python_sum_then_a_bias_row": ([IDS, W], lambda m, ids, w: _python_sum_of_unstacked(m, ids, w) + m.t[0],
+                                   range(K), True, lambda bag: bag + TABLE[0]),
     "add_n_rank3": ([IDS3, W3], _add_n_rank3, range(K), True, SAME),
     "keras_take_per_position": ([IDS, W], _keras_take_per_position, range(1, K), True, SAME),
     "sliced_rows_of_later_positions": ([IDS, W], _sliced_rows_of_later_positions, range(1, K), True, SAME),
@@ -90,8 +94,9 @@ REPORTED = {
                                 "not each position of a range once"),
     "add_n_weight_of_another_position": ([IDS, W], lambda m, ids, w: tf.add_n(
         [tf.gather(m.t, ids[:, k]) * w[:, (k + 1) % K, None] for k in range(K)]), "not per index"),
-    "add_n_plus_a_bias_row": ([IDS], lambda m, ids: tf.add_n([tf.gather(m.t, ids[:, k]) for k in range(K)]) + m.t[0],
-                              "no position of the bag"),
+    "positions_and_a_bias_row_in_one_sum": ([IDS], lambda m, ids: tf.add_n(
+        [tf.gather(m.t, ids[:, k]) for k in range(K)] + [tf.broadcast_to(m.t[0], [tf.shape(ids)[0], D])]),
+        "no position of the bag"),
     "sliced_rows_read_again": ([IDS], lambda m, ids: (lambda rows: tf.add_n([rows[:, k] for k in range(K)]) *
                                                       rows[:, 0])(tf.gather(m.t, ids)), "another consumer"),
     "cumsum_exclusive": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1, exclusive=True)[:, -1],
