@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import List
 
 from pkm_serve.export import (counts, dense, einsum, fuse, half_division, labels, padded_ragged, pooled, positions,
-                              ragged, ragged_range, running_sum, sparse, unrecognised)
+                              ragged, ragged_range, running_sum, sparse, tensordot, unrecognised)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
 from pkm_serve.export.sparse import SEGMENT_PATTERN
@@ -120,6 +120,8 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, positions.match_positions_sum, report_not_a_site=False)
         elif node.op == "StridedSlice":
             attempt(node, running_sum.match_cumsum_last, report_not_a_site=False)
+        elif node.op == "Reshape":
+            attempt(node, tensordot.match_tensordot, report_not_a_site=False)
         elif node.op in unrecognised.UNFUSABLE_REDUCE_OPS:
             attempt(node, unrecognised.never_a_site)
         elif node.op in unrecognised.UNFUSABLE_SEGMENT_OPS:

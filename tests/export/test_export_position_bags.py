@@ -99,6 +99,8 @@ REPORTED = {
         "no position of the bag"),
     "sliced_rows_read_again": ([IDS], lambda m, ids: (lambda rows: tf.add_n([rows[:, k] for k in range(K)]) *
                                                       rows[:, 0])(tf.gather(m.t, ids)), "another consumer"),
+    "tensordot_of_field_bags": ([IDS3], lambda m, ids: tf.tensordot(tf.gather(m.t, ids), m.v, axes=[[2], [0]]),
+                                "tf.tensordot of gathered rows"),
     "cumsum_exclusive": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1, exclusive=True)[:, -1],
                          "partial running sum"),
     "cumsum_prefix": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1)[:, 2],
@@ -113,12 +115,15 @@ SHARED_WEIGHTS = {
                                   POSITION_WEIGHTS),
     "matvec_positional_weights": ([IDS], lambda m, ids: tf.linalg.matvec(tf.gather(m.t, ids), m.v, transpose_a=True),
                                   POSITION_WEIGHTS),
+    "tensordot_positional_weights": ([IDS], lambda m, ids: tf.tensordot(tf.gather(m.t, ids), m.v, axes=[[1], [0]]),
+                                     POSITION_WEIGHTS),
     "einsum_field_positional_weights": ([IDS3], lambda m, ids: tf.einsum("bfkd,fk->bfd", tf.gather(m.t, ids), m.v2),
                                         FIELD_POSITION_WEIGHTS),
 }
 
 # Not bags: token + position embeddings, one position of the ids.
 NOT_SITES = {"token_plus_position": ([IDS], lambda m, ids: tf.gather(m.t, ids) + m.t[:K]),
+             "tensordot_over_the_features": ([IDS], lambda m, ids: tf.tensordot(tf.gather(m.t, ids), m.v[:D], 1)),
              "first_position_plus_second_table": ([IDS], lambda m, ids: tf.gather(m.t, ids[:, 0]) +
                                                   tf.gather(m.t2, ids[:, 1]))}
 
@@ -255,8 +260,9 @@ def test_ids_gathered_but_not_summed_are_still_refused_out_of_range(exported):
 
 @pytest.mark.parametrize("name", sorted(SHARED_WEIGHTS))
 def test_positional_weights_every_bag_shares_are_fused(exported, name):
-    """einsum('bkd,k->bd') / matvec(rows, v, transpose_a=True): weights of the bag axis only (one per
-    position) weigh every bag alike; they were reported as not matching the ids' shape."""
+    """einsum('bkd,k->bd') / matvec(rows, v, transpose_a=True) / tensordot(rows, v, [[1], [0]]): weights
+    of the bag axis only (one per position) weigh every bag alike; the first two were reported as not
+    matching the ids' shape, tensordot was silent."""
     _, _, loaded, sites = exported
     specs, _, weights = SHARED_WEIGHTS[name]
     [site] = sites[name]
