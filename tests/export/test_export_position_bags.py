@@ -117,6 +117,8 @@ SHARED_WEIGHTS = {
                                   POSITION_WEIGHTS),
     "tensordot_positional_weights": ([IDS], lambda m, ids: tf.tensordot(tf.gather(m.t, ids), m.v, axes=[[1], [0]]),
                                      POSITION_WEIGHTS),
+    "keras_matmul_positional_weights": ([IDS], lambda m, ids: keras.ops.matmul(m.v, tf.gather(m.t, ids)),
+                                        POSITION_WEIGHTS),
     "einsum_field_positional_weights": ([IDS3], lambda m, ids: tf.einsum("bfkd,fk->bfd", tf.gather(m.t, ids), m.v2),
                                         FIELD_POSITION_WEIGHTS),
 }
