@@ -275,7 +275,9 @@ def _positions_site(fg: FunctionGraph, node, site: Site, terms: List[_Term], own
     check_private(fg, [t.ref for t in terms] + [p for t in terms for p in t.rows.private] +
                   [Ref(n, 0) for t in terms for n in t.own] + ([first.sliced] if first.sliced else []),
                   set(site.internal) | {node.name}, site)
-    site.dead_after = tuple({t.rows.gather.indices.node for t in terms})
+    if site.shape_consumers or any(t.site.shape_consumers for t in terms):
+        raise Skip("the shape of a position's gathered rows is read: it is not the shape of the bag's ids")
+    site.dead_after += tuple({t.rows.gather.indices.node for t in terms})
     ids_dims = dims(fg.shape(ids_source))
     site.gathered_shape = None if ids_dims is None else ids_dims[:-1] + [len(terms), site.table_shape[1]]
     site.intermediate_itemsizes = first.site.intermediate_itemsizes

@@ -101,6 +101,8 @@ REPORTED = {
                                                       rows[:, 0])(tf.gather(m.t, ids)), "another consumer"),
     "tensordot_of_field_bags": ([IDS3], lambda m, ids: tf.tensordot(tf.gather(m.t, ids), m.v, axes=[[2], [0]]),
                                 "tf.tensordot of gathered rows"),
+    "add_n_reading_a_position_shape": ([IDS], lambda m, ids: (lambda rows: tf.add_n(rows) + tf.cast(
+        tf.shape(rows[0])[1], tf.float32))([tf.gather(m.t, ids[:, k]) for k in range(K)]), "shape of a position"),
     "cumsum_exclusive": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1, exclusive=True)[:, -1],
                          "partial running sum"),
     "cumsum_prefix": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1)[:, 2],
