@@ -234,6 +234,8 @@ def match_stacked_positions(fg: FunctionGraph, node, site: Site) -> Site:
         raise Skip(f"keepdims=True keeps the unit axis at {stacked_at}: the fused bag gets it back at -2 or -1 only")
     _positions_site(fg, node, site, terms, [pack.name])
     check_private(fg, [x], set(site.internal) | {node.name}, site)
+    if site.shape_consumers:
+        raise Skip("the shape of the stacked per-position rows is read")
     if node.op == "Mean":
         site.divide_by_bag, site.divisor = True, len(terms)
     return site
