@@ -103,6 +103,9 @@ REPORTED = {
                                 "tf.tensordot of gathered rows"),
     "add_n_reading_a_position_shape": ([IDS], lambda m, ids: (lambda rows: tf.add_n(rows) + tf.cast(
         tf.shape(rows[0])[1], tf.float32))([tf.gather(m.t, ids[:, k]) for k in range(K)]), "shape of a position"),
+    "stacked_positions_reading_their_shape": ([IDS], lambda m, ids: (lambda stacked: tf.reduce_sum(stacked, -1) + tf.cast(
+        tf.shape(stacked)[1], tf.float32))(tf.stack([tf.gather(m.t, ids[:, k]) for k in range(K)], -1)),
+        "shape of the stacked"),
     "cumsum_exclusive": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1, exclusive=True)[:, -1],
                          "partial running sum"),
     "cumsum_prefix": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1)[:, 2],
