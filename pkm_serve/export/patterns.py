@@ -49,6 +49,11 @@ def check_half_table_widened(site: Site) -> None:
                "float16, which overflows past 65504 where the composite does not")
 
 
+# Sites ending in ops that mostly end no bag (an add, a slice, a reshape).
+_QUIET_MATCHERS = {**{op: positions.match_positions_sum for op in positions.ADD_OPS},
+                   "StridedSlice": running_sum.match_cumsum_last, "Reshape": tensordot.match_tensordot}
+
+
 def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
     """Every site in one function, fusable or not, in graph order."""
     sites: List[Site] = []
@@ -116,12 +121,8 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, sparse.match_segment_mean)
         elif node.op == "Max":
             attempt(node, dense.match_reduce_max)
-        elif node.op in positions.ADD_OPS:
-            attempt(node, positions.match_positions_sum, report_not_a_site=False)
-        elif node.op == "StridedSlice":
-            attempt(node, running_sum.match_cumsum_last, report_not_a_site=False)
-        elif node.op == "Reshape":
-            attempt(node, tensordot.match_tensordot, report_not_a_site=False)
+        elif node.op in _QUIET_MATCHERS:  # most such nodes are no bag: not listed when not a site
+            attempt(node, _QUIET_MATCHERS[node.op], report_not_a_site=False)
         elif node.op in unrecognised.UNFUSABLE_REDUCE_OPS:
             attempt(node, unrecognised.never_a_site)
         elif node.op in unrecognised.UNFUSABLE_SEGMENT_OPS:
