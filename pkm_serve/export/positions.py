@@ -214,16 +214,37 @@ def _cached_term(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term]:
     return cache[ref]
 
 
+def _stacked(fg: FunctionGraph, pack, rank: int):
+    """(addends, axis, expand nodes) of tf.stack(xs, axis) or tf.concat([expand_dims(x, axis), ..], axis);
+    None for anything else."""
+    if pack is None or pack.op not in ("Pack", "ConcatV2"):
+        return None
+    if pack.op == "Pack":
+        return fg.inputs(pack), (pack.attr["axis"].i if "axis" in pack.attr else 0) % rank, []
+    axis = fg.const_value(fg.inputs(pack)[-1])
+    if axis is None:
+        return None
+    addends, expands = [], []
+    for ref in fg.inputs(pack)[:-1]:
+        expand = fg.producer(ref)
+        expand_axis = fg.const_value(fg.inputs(expand)[1]) if expand is not None and expand.op == "ExpandDims" else None
+        if expand_axis is None or int(expand_axis) % rank != int(axis) % rank:
+            return None  # concatenated blocks, not one row per position
+        addends.append(fg.inputs(expand)[0])
+        expands.append(expand.name)
+    return addends, int(axis) % rank, expands
+
+
 def match_stacked_positions(fg: FunctionGraph, node, site: Site) -> Site:
-    """reduce_sum / reduce_mean(tf.stack([rows of ids[..., k] for k], axis), axis): the per-position bag
-    whatever the axis (a mean divided by the positions stacked, as Mean divides)."""
+    """reduce_sum / reduce_mean(tf.stack([rows of ids[..., k] for k], axis), axis) (or tf.concat of them each
+    expanded at axis): the per-position bag whatever the axis (a mean divided by the positions stacked)."""
     x, axis_ref = fg.inputs(node)
-    pack, axis = fg.producer(x), fg.const_value(axis_ref)
-    rank = fg.shape(x).rank
-    if pack is None or pack.op != "Pack" or rank is None or axis is None or np.size(axis) != 1:
+    axis, rank = fg.const_value(axis_ref), fg.shape(x).rank
+    stacked = None if rank is None or axis is None or np.size(axis) != 1 else _stacked(fg, fg.producer(x), rank)
+    if stacked is None:
         raise NotASite()
-    terms = _candidate_terms(fg, fg.inputs(pack), site)
-    stacked_at = pack.attr["axis"].i % rank if "axis" in pack.attr else 0
+    addends, stacked_at, expands = stacked
+    terms = _candidate_terms(fg, addends, site)
     if None in terms:
         raise Skip("tf.stack of per-position rows also stacks a tensor that is no position of the bag")
     if int(np.reshape(axis, [])) % rank != stacked_at:
@@ -232,8 +253,8 @@ def match_stacked_positions(fg: FunctionGraph, node, site: Site) -> Site:
     site.bag_unit_axis = stacked_at - rank
     if site.expand_bag_axis and site.bag_unit_axis not in (-2, -1):
         raise Skip(f"keepdims=True keeps the unit axis at {stacked_at}: the fused bag gets it back at -2 or -1 only")
-    _positions_site(fg, node, site, terms, [pack.name])
-    check_private(fg, [x], set(site.internal) | {node.name}, site)
+    _positions_site(fg, node, site, terms, [fg.producer(x).name] + expands)
+    check_private(fg, [x] + [Ref(n, 0) for n in expands], set(site.internal) | {node.name}, site)
     if site.shape_consumers:
         raise Skip("the shape of the stacked per-position rows is read")
     if node.op == "Mean":

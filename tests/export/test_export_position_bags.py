@@ -63,6 +63,11 @@ def _unstacked_rows(m, ids):
     return sum(tf.unstack(tf.nn.embedding_lookup(m.t, ids), axis=1))
 
 
+def _mean_of_concatenated(m, ids, w):  # [B, K, D] built as a concat of rows each expanded at the bag axis
+    return tf.reduce_mean(tf.concat([tf.expand_dims(tf.gather(m.t, ids[:, k]) * w[:, k:k + 1], -2)
+                                     for k in range(K)], -2), axis=-2)
+
+
 SAME = lambda bag: bag  # noqa: E731
 # name: (specs, body, positions summed, weighted, the output from the bag)
 FUSED = {
@@ -78,6 +83,7 @@ FUSED = {
     "sliced_rows_of_later_positions": ([IDS, W], _sliced_rows_of_later_positions, range(1, K), True, SAME),
     "unstacked_rows": ([IDS], _unstacked_rows, range(K), False, SAME),
     "mean_of_stacked": ([IDS, W], _mean_of_stacked, range(K), True, lambda bag: bag / K),
+    "mean_of_concatenated": ([IDS, W], _mean_of_concatenated, range(K), True, lambda bag: bag / K),
     "sum_of_stacked_on_the_last_axis": ([IDS], _sum_of_stacked_on_the_last_axis, range(K), False,
                                         lambda bag: bag[..., None]),
     "cumsum_last": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1)[:, -1], range(K), False,
