@@ -8,8 +8,7 @@ from typing import List
 from pkm_serve.export.dense import (adds_unit_axis, fill_from_gather, leads_to_gather, resolve_gather,
                                     strip_trailing_unit_axis)
 from pkm_serve.export.graph import FunctionGraph, Ref
-from pkm_serve.export.sites import (NotASite, Site, Skip, check_private, itemsize,
-                                    same_dims)
+from pkm_serve.export.sites import NotASite, Site, Skip, check_private, itemsize, same_dims, shared_by_bags
 
 
 def _einsum_labels(term: str) -> List[str]:
@@ -56,9 +55,15 @@ def match_einsum(fg: FunctionGraph, node, site: Site) -> Site:
         raise Skip(reason)
     if len(ins) == 2:
         w_ref = ins[1 - g_pos]
-        if _einsum_labels(terms[1 - g_pos]) != g_labels[:-1]:
+        w_labels = _einsum_labels(terms[1 - g_pos])
+        # w's labels: the ids' (per index), or their last ones down to the bag's (positional
+        # weights every bag shares: 'bkd,k->bd'), which fuse broadcasts to the ids
+        shared = w_labels != g_labels[:-1] and 0 < len(w_labels) < len(g_labels) - 1 and \
+            "..." not in w_labels and w_labels == g_labels[len(g_labels) - 1 - len(w_labels):-1]
+        if w_labels != g_labels[:-1] and not shared:
             raise Skip(reason)
-        if not same_dims(fg.shape(w_ref), fg.shape(gathered.indices)):
+        if not same_dims(fg.shape(w_ref), fg.shape(gathered.indices)) and not (
+                shared and shared_by_bags(fg.shape(w_ref), fg.shape(gathered.indices))):
             raise Skip("weights shape %s does not match indices shape %s" % (
                 fg.shape(w_ref), fg.shape(gathered.indices)))
         site.weights = w_ref
@@ -157,7 +162,7 @@ def _fill_weighted(fg: FunctionGraph, site: Site, gathered, w: Ref, nodes: List[
     w_shape = fg.shape(w)
     if site.weights_squeeze and w_shape.rank:
         w_shape = w_shape[:-1]
-    if not same_dims(w_shape, fg.shape(gathered.indices)):
+    if not same_dims(w_shape, fg.shape(gathered.indices)) and not shared_by_bags(w_shape, fg.shape(gathered.indices)):
         raise Skip("weights shape %s does not match indices shape %s" % (
             w_shape, fg.shape(gathered.indices)))
     site.weights, site.expand_bag_axis, site.bag_unit_axis = w, True, unit_axis

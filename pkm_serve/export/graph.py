@@ -284,9 +284,16 @@ class FunctionGraph:
                     for _ in range(count):
                         self.control_consumers[text[1:]].remove(reader)
         if old in self.control_returned:
+            already = new in self.control_returned  # two reads of one site's table: one control output
             for key, value in list(self.fdef.control_ret.items()):
-                if value == old:
+                if value == old and already:
+                    del self.fdef.control_ret[key]
+                    outputs = [o for o in self.fdef.signature.control_output if o != key]
+                    del self.fdef.signature.control_output[:]
+                    self.fdef.signature.control_output.extend(outputs)
+                elif value == old:
                     self.fdef.control_ret[key] = new
+                    already = True
             self.control_returned = (self.control_returned - {old}) | {new}
 
     def unused_stateless(self) -> List[str]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import (counts, dense, einsum, fuse, half_division, labels, padded_ragged, pooled, ragged,
-                              ragged_range, sparse, unrecognised)
+from pkm_serve.export import (counts, dense, einsum, fuse, half_division, labels, padded_ragged, pooled, positions,
+                              ragged, ragged_range, running_sum, sparse, tensordot, unrecognised)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
 from pkm_serve.export.sparse import SEGMENT_PATTERN
@@ -47,6 +47,11 @@ def check_half_table_widened(site: Site) -> None:
         return
     raise Skip("a float16 table computed in float32: the fused op would weight and sum in "
                "float16, which overflows past 65504 where the composite does not")
+
+
+# Sites ending in ops that mostly end no bag (an add, a slice, a reshape).
+_QUIET_MATCHERS = {**{op: positions.match_positions_sum for op in positions.ADD_OPS},
+                   "StridedSlice": running_sum.match_cumsum_last, "Reshape": tensordot.match_tensordot}
 
 
 def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
@@ -94,6 +99,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
     for node in order:
         if node.op in ("Sum", "Mean"):
             attempt(node, padded_ragged.match_padded_ragged, report_not_a_site=False)
+            attempt(node, positions.match_stacked_positions, report_not_a_site=False)
     for node in order:
         if node.op in ("Sum", "Mean"):
             attempt(node, dense.match_reduce)
@@ -115,6 +121,8 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, sparse.match_segment_mean)
         elif node.op == "Max":
             attempt(node, dense.match_reduce_max)
+        elif node.op in _QUIET_MATCHERS:  # most such nodes are no bag: not listed when not a site
+            attempt(node, _QUIET_MATCHERS[node.op], report_not_a_site=False)
         elif node.op in unrecognised.UNFUSABLE_REDUCE_OPS:
             attempt(node, unrecognised.never_a_site)
         elif node.op in unrecognised.UNFUSABLE_SEGMENT_OPS:
@@ -155,6 +163,8 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
         for site in fused:
             old_root_inputs = [fg.parse(t).node for t in fg.nodes[site.root].input
                                if not t.startswith("^")]
+            if site.positions is not None:
+                positions.take_positions(fg, site)
             fuse.fuse_site(fg, site)
             seeds.extend(half_division.widen_masked_mean_division(fg, site))
             seeds.extend(site.internal)
