@@ -305,10 +305,11 @@ class BatchScheduler:
             if q is None:
                 q = self._queues[key] = _Queue(key, signature.run, opts)
             if opts.split_large_batches:
-                self._enqueue_split(q, task)
+                pieces = self._enqueue_split(q, task)
             else:
                 self._enqueue(q, task)
-            self._cv.notify()
+                pieces = 1
+            self._cv.notify(pieces)   # each piece may have closed a batch a free thread can take
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not task.wait(timeout):
             task.cancelled = True
@@ -364,6 +365,7 @@ class BatchScheduler:
             left -= sizes[-1]
         for piece in (task.split(sizes) if len(sizes) > 1 else [task]):
             self._enqueue(q, piece)
+        return len(sizes)
 
     # ------------------------------------------------------------ workers
     def _take_batch(self):

@@ -24,20 +24,30 @@ def shortest_float32_as_float64(values: np.ndarray, like=np.float32) -> np.ndarr
     vector = todo & (exponent >= -_EXACT_POWERS_OF_TEN + 8) & (exponent <= _EXACT_POWERS_OF_TEN)
     per_element, todo = todo & ~vector, vector
     for digits in range(1, 10):
-        k = digits - 1 - exponent
-        now = todo
-        if not now.any():
+        if not todo.any():
             break
-        v, kk = flat[now], k[now]
+        at = np.flatnonzero(todo)
+        v, kk = flat[at], (digits - 1 - exponent)[at]
         scale = 10.0 ** np.abs(kk)
         up = kk >= 0
-        m = np.rint(np.where(up, v * scale, v / scale))
-        candidate = np.where(up, m / scale, m * scale)
-        with np.errstate(over="ignore"):   # a too-short candidate may round past the half range
-            ok = candidate.astype(like) == v.astype(like)
-        where = np.flatnonzero(now)[ok]
-        out[where] = candidate[ok]
-        todo[where] = False
+        scaled = np.where(up, v * scale, v / scale)
+        nearest = np.rint(scaled)
+        _take_round_trips(out, todo, at, nearest, scale, up, v, like)
+        # Else the decimal on the other side, which may be the only one of these digits that
+        # rounds back (a half 0.015625: 0.01562 does not, 0.01563 does).
+        left = todo[at]
+        if left.any():
+            other = np.where(nearest[left] > scaled[left], np.floor(scaled[left]), np.ceil(scaled[left]))
+            _take_round_trips(out, todo, at[left], other, scale[left], up[left], v[left], like)
     for i in np.flatnonzero(todo | per_element):
         out[i] = float(str(like(flat[i])))
     return out.reshape(values.shape)
+
+
+def _take_round_trips(out, todo, at, m, scale, up, v, like):
+    """Where the decimal m * 10**-k reads back as the value v (in `like`), it is the answer."""
+    candidate = np.where(up, m / scale, m * scale)
+    with np.errstate(over="ignore"):   # a too-short candidate may round past the half range
+        ok = candidate.astype(like) == v.astype(like)
+    out[at[ok]] = candidate[ok]
+    todo[at[ok]] = False

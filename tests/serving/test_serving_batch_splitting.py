@@ -163,3 +163,22 @@ def test_a_failing_piece_fails_its_request_and_spares_its_batch_mates():
         assert answers["bad"].code == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         sched.stop(timeout=10)
+
+
+def test_the_pieces_of_a_split_request_run_on_the_free_batch_threads_at_once():
+    """SharedBatchScheduler's batch threads each take a closed batch: a request cut into 3
+    pieces on 3 threads runs them together (each run below waits for the other two at a
+    barrier, which breaks after 5 s when they run one after another). One wake-up per request
+    woke one thread, which ran the pieces in turn."""
+    barrier = threading.Barrier(3, timeout=5)
+
+    class _Together(_RowwiseModel):
+        def run(self, inputs, output_filter=()):
+            barrier.wait()
+            return super().run(inputs)
+    sched = _scheduler(SPLIT + "batch_timeout_micros { value: 0 } num_batch_threads { value: 3 }")
+    try:
+        rows = _rows(9)
+        _assert_answers(rows, sched.run("s", _Together(), {"x": rows}, deadline=time.monotonic() + 20))
+    finally:
+        sched.stop(timeout=10)
