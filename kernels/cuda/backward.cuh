@@ -80,7 +80,7 @@ constexpr int64_t kTileCols = PKM_BWD_TILE_COLS;  // columns one warp owns in th
 #endif
 constexpr int64_t kRowsPerWarp = PKM_BWD_ROWS_PER_WARP;
 // The longest piece of a row summed by one warp when the call does not set
-// long_segment_entries: 2 * dim entries, at least 512, at most 2048
+// long_segment_entries: about 2 * dim entries, at least 512, at most 2048
 // (DefaultLongSegment, backward_sort.cu).
 constexpr int64_t kMinDefaultLongSegment = 512, kMaxDefaultLongSegment = 2048;
 constexpr size_t kAlign = 256;

@@ -164,12 +164,17 @@ size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 // (round 33, bench/results/gpu_round33_h100_notes.md) took 3.15 ms (bf16) and
 // 4.33 ms (fp32) with pieces of 2048 entries, 1.70 / 2.81 with 512; uniform
 // indices, where no row is that long, the same. Each piece keeps two float
-// rows of sums: at 2 * dim entries a piece they take about a float per entry,
-// the sort's spare buffer (or as much again beside it).
-int64_t DefaultLongSegment(int64_t dim) {
-  const int64_t entries = 2 * dim;
-  return entries < kMinDefaultLongSegment ? kMinDefaultLongSegment
-                                          : (entries > kMaxDefaultLongSegment ? kMaxDefaultLongSegment : entries);
+// rows of sums, in the sort's spare buffer (a float per entry): 2 * dim
+// entries a piece, at least 512, at most 2048, and at least what keeps
+// 2 * pieces * dim <= entries where that can hold, so the workspace does not grow.
+int64_t DefaultLongSegment(int64_t num_indices, int64_t dim) {
+  int64_t entries = 2 * dim < kMinDefaultLongSegment ? kMinDefaultLongSegment : 2 * dim;
+  const int64_t pieces_that_fit = dim > 0 ? num_indices / (2 * dim) : 0;
+  if (pieces_that_fit >= 1) {
+    const int64_t fitting = (num_indices + pieces_that_fit - 1) / pieces_that_fit;
+    if (fitting > entries) entries = fitting;
+  }
+  return entries > kMaxDefaultLongSegment ? kMaxDefaultLongSegment : entries;
 }
 
 int KeyBits(int64_t num_rows) {  // bits to hold 0..num_rows (num_rows is the skip key)
@@ -189,7 +194,7 @@ int MakeLayout(const PkmBags& bags, const PkmCudaOptions* options, Layout* layou
   if (bags.num_rows >= static_cast<int64_t>(UINT32_MAX))
     return SetInvalid("backward: at most 2^32-2 table rows on the GPU, got " +
                       std::to_string(bags.num_rows));
-  l.long_segment = DefaultLongSegment(bags.dim);
+  l.long_segment = DefaultLongSegment(l.num_indices, bags.dim);
   if (options != nullptr && options->long_segment_entries != 0) {
     if (options->long_segment_entries < 1)
       return SetInvalid("long_segment_entries must be >= 1, got " +

@@ -50,7 +50,8 @@ typedef struct PkmCudaOptions {
   int32_t forward_vecs_per_lane;
   // Backward: a table row referenced by more entries than this is summed by
   // several warps in fixed-size pieces, then combined in a fixed order
-  // (deterministic). 0 = default: 2 * dim, at least 512, at most 2048.
+  // (deterministic). 0 = default: 2 * dim, at least 512, at most 2048, and
+  // long enough that the pieces' sums fit a float per index of scratch.
   int64_t long_segment_entries;
 } PkmCudaOptions;
 

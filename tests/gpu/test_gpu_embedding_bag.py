@@ -114,7 +114,7 @@ def test_hot_rows_split_into_pieces_match_reference_and_are_deterministic(lib, d
     for combiner in ("sum", "sqrtn"):
         want_dt, want_dw = lib.cpu_backward(table, indices, grad, weights, combiner, reference=True)
         args = to_dev(table, indices, grad, weights)
-        for long_segment in (7, 64, 0):  # 0 = default: no row is long at this size
+        for long_segment in (7, 64, 0):  # 0 = default (at least 512 entries a piece)
             opts = {"long_segment_entries": long_segment}
             d_table, d_weights = lib.cuda_backward(args[0], args[1], args[2], args[3], combiner, options=opts)
             assert_close(d_table, want_dt, dtype, f"d_table {combiner} long_segment={long_segment}")
