@@ -97,6 +97,7 @@ class Server:
             prefer_tflite_model=args.prefer_tflite_model,
             num_tflite_interpreters=args.num_tflite_pools or os.cpu_count() or 1,
             tflite_threads=args.tflite_num_threads, saved_model_tags=args.saved_model_tags,
+            tflite_interpreters_per_pool=args.num_tflite_interpreters_per_pool,
             gpu_memory_fraction=args.per_process_gpu_memory_fraction,
             per_model_batching=configs.batching is not None and args.enable_per_model_batching_parameters)
         try:   # the manager validates the model config (once)

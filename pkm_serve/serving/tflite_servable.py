@@ -16,6 +16,12 @@ activation arenas, not N tables); a request takes an interpreter from the pool
 for one invoke and puts it back, so at most `num_interpreters` requests run at
 once and never two on one interpreter. Outputs are copied out before the
 interpreter is returned.
+
+With `interpreters_per_pool` > 1 (TF Serving's --num_tflite_interpreters_per_pool), as
+upstream's TfLiteSession, the version batches its own requests: a scheduler with one batch
+thread per interpreter merges the requests that queue while every interpreter is busy
+(no timeout), splits a request past `max_execution_batch_size` rows into pieces of that
+size and refuses one past 500 rows (tflite_session.cc's options; see _session_batching).
 """
 import contextlib
 import logging
@@ -28,6 +34,8 @@ import tensorflow as tf
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from pkm_serve import tflite
+from pkm_serve.serving import protos
+from pkm_serve.serving.batching import BatchScheduler
 from pkm_serve.serving.errors import ServingError, invalid
 from pkm_serve.serving.servable import (DEFAULT_SIGNATURE, PREDICT_METHOD, ServableBase,
                                         SignatureBase)
@@ -120,24 +128,68 @@ class _Interpreter:
 
 
 class TfLiteSignature(SignatureBase):
-    def __init__(self, name, signature_def, pool):
+    def __init__(self, name, signature_def, pool, scheduler=None):
         super().__init__(name, signature_def)
         self._pool = pool
+        self._scheduler = scheduler
 
     def run(self, inputs: dict, output_filter=()) -> dict:
         fetches = self.fetches(output_filter)
         # np.require, not np.ascontiguousarray: that makes a scalar [1] (ndim >= 1).
         arrays = {k: np.require(v, requirements="C") for k, v in inputs.items()}
+        if self._scheduler is not None:
+            outputs = self._scheduler.run(self._pool, _Unbatched(self), arrays)
+        else:
+            outputs = self.run_unbatched(arrays)
+        return {k: np.asarray(outputs[k]) for k in fetches}   # (LiteRT gives a scalar as np.float32)
+
+    def run_unbatched(self, arrays: dict) -> dict:
         with self._pool.take() as interp:
             try:
-                outputs = interp.run(self.name, arrays)
+                return interp.run(self.name, arrays)
             except (ValueError, RuntimeError) as e:   # resize, allocate or invoke refused them
                 raise invalid(f"signature '{self.name}' rejected the inputs: "
                               f"{' '.join(str(e).split())[:2000]}") from None
-        return {k: np.asarray(outputs[k]) for k in fetches}   # (LiteRT gives a scalar as np.float32)
 
     def release(self):
         pass
+
+
+class _Unbatched:
+    """What the version's own scheduler runs a batch on: the signature straight on an
+    interpreter (its name, SignatureDef and input specs key and check the batch)."""
+
+    def __init__(self, signature):
+        self.name, self.signature_def = signature.name, signature.signature_def
+        self.input_specs = signature.input_specs
+        self.run = signature.run_unbatched
+
+
+# tflite_interpreter_pool.h's kInitialBatchSize: the scheduler's max_batch_size.
+_SESSION_MAX_BATCH = 500
+
+
+def _session_batching(model_bytes, num_interpreters, interpreters_per_pool):
+    """The version's own BatchScheduler for interpreters_per_pool > 1, else None, with
+    TfLiteSession::Create's options: one batch thread per interpreter, no batch timeout,
+    large requests split into pieces of the model's fixed batch size (a single input whose
+    stored dimension 0 is above 1) or else ceil(500 / interpreters_per_pool) rows, and
+    100 batches queued per interpreter."""
+    if interpreters_per_pool <= 1:
+        return None
+    model = tflite.flatbuffer_schema().Model.GetRootAsModel(bytearray(model_bytes), 0)
+    graph = model.Subgraphs(0)
+    fixed = graph.Tensors(graph.Inputs(0)).Shape(0) if graph.InputsLength() == 1 and \
+        graph.Tensors(graph.Inputs(0)).ShapeLength() else 0
+    per_run = fixed if fixed > 1 else -(-_SESSION_MAX_BATCH // interpreters_per_pool)
+    params = protos.BatchingParameters()
+    params.max_batch_size.value = _SESSION_MAX_BATCH
+    params.batch_timeout_micros.value = 0
+    params.num_batch_threads.value = num_interpreters
+    params.max_enqueued_batches.value = num_interpreters * 100
+    params.enable_large_batch_splitting.value = True
+    params.max_execution_batch_size.value = min(per_run, _SESSION_MAX_BATCH)
+    return BatchScheduler(params)
 
 
 class _Pool:
@@ -175,7 +227,8 @@ class _Pool:
 class TfLiteServable(ServableBase):
     runtime = "TFLite"
 
-    def __init__(self, name, version, path, warmup=True, num_interpreters=1, num_threads=1):
+    def __init__(self, name, version, path, warmup=True, num_interpreters=1, num_threads=1,
+                 interpreters_per_pool=1):
         super().__init__(name, version, path)
         t0 = time.perf_counter()
         model_path = f"{path}/{TFLITE_MODEL_FILE}"
@@ -193,11 +246,15 @@ class TfLiteServable(ServableBase):
             raise invalid(f"cannot load {model_path} in LiteRT with the pkm_serve delegate: "
                           f"{' '.join(str(e).split())[:2000]}") from None
         self._pool = _Pool(interpreters)
+        self._scheduler = _session_batching(model_bytes, self._pool.size, interpreters_per_pool)
         self.signature_defs = {k: b[0] for k, b in interpreters[0].bindings.items()}
-        self.signatures = {k: TfLiteSignature(k, sdef, self._pool) for k, sdef in self.signature_defs.items()}
+        self.signatures = {k: TfLiteSignature(k, sdef, self._pool, self._scheduler)
+                           for k, sdef in self.signature_defs.items()}
         log.info("model %s version %d: serving %s with %d TFLite interpreter(s)", name, version,
                  model_path, self._pool.size)
         self._finish_load(t0, warmup, rounds=self._pool.size)
 
     def release(self):
+        if self._scheduler is not None:
+            self._scheduler.stop()
         self._pool.close()

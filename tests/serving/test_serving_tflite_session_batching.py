@@ -1,0 +1,109 @@
+"""`--num_tflite_interpreters_per_pool` above 1: a TFLite version batches its own requests as
+TF Serving's TfLiteSession::Create sets up its BasicBatchScheduler (tflite_session.cc): one
+batch thread per interpreter, large requests split into runs of
+ceil(kInitialBatchSize=500 / interpreters_per_pool) rows, a request past 500 rows refused.
+References: the .tflite run alone in the interpreter, and numpy float64."""
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+import reference
+from pkm_serve import tflite
+
+N, D, K = 64, 8, 4
+TABLE = np.random.default_rng(21).standard_normal((N, D)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tflite_session_batching") / "1"
+    path.mkdir()
+    (path / "model.tflite").write_bytes(tflite.build_embedding_bag_model(TABLE, K))
+    return str(path)
+
+
+@pytest.fixture
+def invoked_rows(monkeypatch):
+    """Rows of every interpreter run, in order."""
+    from pkm_serve.serving import tflite_servable
+    rows, run = [], tflite_servable._Interpreter.run
+
+    def counting(self, key, inputs):
+        rows.append(len(next(iter(inputs.values()))))
+        return run(self, key, inputs)
+    monkeypatch.setattr(tflite_servable._Interpreter, "run", counting)
+    return rows
+
+
+def _bags(rng, rows):
+    return {"indices": rng.integers(-1, N, size=(rows, K)).astype(np.int32),
+            "weights": rng.random((rows, K)).astype(np.float32)}
+
+
+def _alone(bags):
+    return tflite.run_tflite(tflite.build_embedding_bag_model(TABLE, K), bags)[0]
+
+
+@pytest.mark.parametrize("per_pool, runs", [(1, [300]), (4, [125, 125, 50]), (3, [167, 133])])
+def test_large_request_runs_in_pieces_of_tflite_sessions_size(model_dir, invoked_rows, per_pool, runs):
+    """The flag was refused as a usage error; TF Serving splits as here."""
+    from pkm_serve.serving.tflite_servable import TfLiteServable
+    servable = TfLiteServable("m", 1, model_dir, warmup=False, num_interpreters=2,
+                              interpreters_per_pool=per_pool)
+    try:
+        bags = _bags(np.random.default_rng(per_pool), 300)
+        got = servable.signature("").run(bags)["output"]
+        assert invoked_rows == runs
+        np.testing.assert_array_equal(got, _alone(bags))
+        np.testing.assert_allclose(got, reference.embedding_bag(TABLE.astype(np.float64), bags["indices"],
+                                                                bags["weights"]), rtol=1e-5, atol=1e-5)
+    finally:
+        servable.release()
+
+
+def test_request_past_500_rows_is_refused_and_concurrent_ones_each_get_their_rows(model_dir):
+    from pkm_serve.serving.errors import ServingError
+    from pkm_serve.serving.tflite_servable import TfLiteServable
+    servable = TfLiteServable("m", 1, model_dir, warmup=False, num_interpreters=2, interpreters_per_pool=2)
+    try:
+        sig = servable.signature("")
+        with pytest.raises(ServingError) as err:
+            sig.run(_bags(np.random.default_rng(0), 501))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "Task size 501 is larger than maximum input batch size 500" in err.value.message
+        rng = np.random.default_rng(5)
+        cases = [_bags(rng, int(rng.integers(1, 40))) for _ in range(32)]
+        results = [None] * len(cases)
+
+        def client(i):
+            results[i] = sig.run(cases[i])["output"]
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(cases))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for bags, got in zip(cases, results):
+            np.testing.assert_array_equal(got, _alone(bags))
+    finally:
+        servable.release()
+
+
+def test_flag_is_parsed_and_passed_to_tflite_versions(model_dir, invoked_rows):
+    from pkm_serve.serving import config
+    from pkm_serve.serving.loader import make_loader_factory
+    args = config.parse_args(["--model_base_path=/m", "--num_tflite_interpreters_per_pool=4"])
+    assert args.num_tflite_interpreters_per_pool == 4
+    assert config.parse_args(["--model_base_path=/m"]).num_tflite_interpreters_per_pool == 1
+    with pytest.raises(SystemExit):
+        config.parse_args(["--model_base_path=/m", "--num_tflite_interpreters_per_pool=-1"])
+    loader = make_loader_factory(warmup=False, prefer_tflite_model=True, num_tflite_interpreters=1,
+                                 tflite_interpreters_per_pool=args.num_tflite_interpreters_per_pool)(
+        "m", 1, model_dir)
+    loader.load()
+    try:
+        loader.servable().signature("").run(_bags(np.random.default_rng(2), 200))
+        assert invoked_rows == [125, 75]
+    finally:
+        loader.unload()
