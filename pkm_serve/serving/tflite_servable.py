@@ -5,7 +5,8 @@
 Signatures come from the .tflite's signature runner: each SignatureDef the
 converter wrote becomes one, its inputs and outputs by their signature names;
 a .tflite without any gets one `serving_default` whose aliases are the
-interpreter's input and output tensor names (TF Serving's tflite_session.cc).
+interpreter's input and output tensor names up to any ':' (TF Serving's
+tflite_session.cc).
 Every TensorInfo carries the tensor's name, dtype and shape signature (-1 for
 a dynamic dimension).
 
@@ -53,14 +54,24 @@ def _tensor_info(detail) -> meta_graph_pb2.TensorInfo:
     return info
 
 
+def _by_legacy_names(details):
+    """{alias: tensor detail}, the alias being the tensor's name up to its first ':'
+    ("serving_default_x:0" -> "serving_default_x"), as tflite_session.cc names the
+    inputs and outputs of the signature it makes for a .tflite without any. Where two
+    tensors' names cut so would be one alias (upstream keeps only the last of them), both
+    keep their whole names."""
+    cut = [d["name"].split(":", 1)[0] for d in details]
+    return {(short if cut.count(short) == 1 else d["name"]): d for short, d in zip(cut, details)}
+
+
 def _bindings(interp):
     """{signature key: (SignatureDef, input alias -> tensor index, output alias -> index,
     whether it runs through a signature runner)} for one interpreter."""
     out = {}
     keys = list(interp.get_signature_list())
     if not keys:   # no SignatureDef in the .tflite: one by tensor names (tflite_session.cc)
-        ins = {d["name"]: d for d in interp.get_input_details()}
-        outs = {d["name"]: d for d in interp.get_output_details()}
+        ins = _by_legacy_names(interp.get_input_details())
+        outs = _by_legacy_names(interp.get_output_details())
         keys, by_runner = [DEFAULT_SIGNATURE], False
         details = {DEFAULT_SIGNATURE: (ins, outs)}
     else:

@@ -1,0 +1,76 @@
+"""The SignatureDef a TFLite version gets when its .tflite holds none: TF Serving's
+tflite_session.cc makes one `serving_default` keyed by each input and output tensor's name
+cut at its first ':' (TfToTfLiteLegacyTensorName), the TensorInfo keeping the whole name.
+Reference: the .tflite run alone in the interpreter, and numpy float64."""
+import numpy as np
+
+import reference
+from pkm_serve import tflite
+
+N, D, K = 30, 4, 3
+TABLE = np.random.default_rng(8).standard_normal((N, D)).astype(np.float32)
+
+
+def _renamed(names):
+    """The PKM bag .tflite (inputs indices, weights; output output) without SignatureDefs,
+    its tensors renamed {old: new}."""
+    import flatbuffers
+    schema = tflite.flatbuffer_schema()
+    model_bytes = tflite.build_embedding_bag_model(TABLE, K)
+    m = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
+    m.signatureDefs = None
+    for tensor in m.subgraphs[0].tensors:
+        old = tensor.name.decode() if isinstance(tensor.name, bytes) else tensor.name
+        tensor.name = names.get(old, old)
+    b = flatbuffers.Builder(len(model_bytes) + 1024)
+    b.Finish(m.Pack(b), file_identifier=b"TFL3")
+    return bytes(b.Output())
+
+
+def _servable(tmp_path, model_bytes):
+    from pkm_serve.serving.tflite_servable import TfLiteServable
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "model.tflite").write_bytes(model_bytes)
+    return TfLiteServable("m", 1, str(tmp_path / "1"), warmup=False)
+
+
+def _bags():
+    rng = np.random.default_rng(1)
+    return rng.integers(0, N, size=(5, K)).astype(np.int32), rng.random((5, K)).astype(np.float32)
+
+
+def test_aliases_are_tensor_names_cut_at_the_colon_as_tf_serving(tmp_path):
+    """The converter names tensors 'serving_default_x:0', 'StatefulPartitionedCall:0':
+    such a .tflite stripped of its SignatureDefs was served under the whole names, so a
+    TF Serving client's request (inputs keyed 'serving_default_indices') was refused."""
+    model = _renamed({"indices": "serving_default_indices:0", "weights": "serving_default_weights:0",
+                      "output": "StatefulPartitionedCall:0"})
+    servable = _servable(tmp_path, model)
+    try:
+        sdef = servable.signature_defs["serving_default"]
+        assert sorted(sdef.inputs) == ["serving_default_indices", "serving_default_weights"]
+        assert list(sdef.outputs) == ["StatefulPartitionedCall"]
+        assert sdef.inputs["serving_default_indices"].name == "serving_default_indices:0"
+        assert sdef.outputs["StatefulPartitionedCall"].name == "StatefulPartitionedCall:0"
+        idx, w = _bags()
+        got = servable.signature("").run({"serving_default_indices": idx,
+                                          "serving_default_weights": w})["StatefulPartitionedCall"]
+        np.testing.assert_array_equal(got, tflite.run_tflite(model, [idx, w])[0])
+        np.testing.assert_allclose(got, reference.embedding_bag(TABLE.astype(np.float64), idx, w),
+                                   rtol=1e-5, atol=1e-5)
+    finally:
+        servable.release()
+
+
+def test_names_that_cut_to_one_alias_keep_their_whole_names(tmp_path):
+    """Upstream's map keeps only the last of two such tensors (the other input could not
+    be fed); here both are served, under their whole names."""
+    servable = _servable(tmp_path, _renamed({"indices": "bag:0", "weights": "bag:1"}))
+    try:
+        assert sorted(servable.signature_defs["serving_default"].inputs) == ["bag:0", "bag:1"]
+        idx, w = _bags()
+        got = servable.signature("").run({"bag:0": idx, "bag:1": w})["output"]
+        np.testing.assert_allclose(got, reference.embedding_bag(TABLE.astype(np.float64), idx, w),
+                                   rtol=1e-5, atol=1e-5)
+    finally:
+        servable.release()
