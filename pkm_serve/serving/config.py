@@ -51,7 +51,7 @@ def _add_tflite_flags(flag, boolflag):
               "ceil(500 / N) rows (or the model's fixed batch size), one past 500 rows refused. "
               "Default 1: no such batching.")
     flag("--tflite_num_threads", type=int, default=1,
-         help="Threads of each TFLite interpreter and of its pkm_serve delegate. Default 1.")
+         help="Threads of each TFLite interpreter and of its pkm_serve delegate (1 to 256). Default 1.")
 
 
 def _add_loading_flags(flag, boolflag):
@@ -175,9 +175,12 @@ def _check_values(p, args):
     if not 0 < args.max_request_bytes < 2 ** 31:   # gRPC's limit is an int32
         p.error(f"--max_request_bytes must be 1 to {2 ** 31 - 1}, got {args.max_request_bytes} "
                 "(past it gRPC failed at start-up: 'value too large to convert to int')")
-    if args.num_tflite_pools < 0 or args.tflite_num_threads < 1 or args.num_tflite_interpreters_per_pool < 0:
-        p.error("--num_tflite_pools and --num_tflite_interpreters_per_pool must be >= 0 and "
-                "--tflite_num_threads >= 1")
+    if args.num_tflite_pools < 0 or args.num_tflite_interpreters_per_pool < 0:
+        p.error("--num_tflite_pools and --num_tflite_interpreters_per_pool must be >= 0")
+    from pkm_serve.tflite import MAX_DELEGATE_THREADS
+    if not 1 <= args.tflite_num_threads <= MAX_DELEGATE_THREADS:
+        # (the pkm_serve delegate's limit: past it every .tflite version failed its load)
+        p.error(f"--tflite_num_threads must be 1 to {MAX_DELEGATE_THREADS}, got {args.tflite_num_threads}")
     for name in ("grpc_max_threads", "rest_api_num_threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")

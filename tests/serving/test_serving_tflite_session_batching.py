@@ -107,3 +107,17 @@ def test_flag_is_parsed_and_passed_to_tflite_versions(model_dir, invoked_rows):
         assert invoked_rows == [125, 75]
     finally:
         loader.unload()
+
+
+@pytest.mark.parametrize("threads, ok", [(1, True), (256, True), (0, False), (257, False)])
+def test_tflite_num_threads_past_the_delegates_limit_is_a_usage_error(threads, ok, capsys):
+    """--tflite_num_threads=300 started the server, then every .tflite version failed its
+    load (the pkm_serve delegate takes 1 to 256 threads)."""
+    from pkm_serve.serving import config
+    argv = ["--model_base_path=/m", f"--tflite_num_threads={threads}"]
+    if ok:
+        assert config.parse_args(argv).tflite_num_threads == threads
+        return
+    with pytest.raises(SystemExit):
+        config.parse_args(argv)
+    assert f"--tflite_num_threads must be 1 to 256, got {threads}" in capsys.readouterr().err
