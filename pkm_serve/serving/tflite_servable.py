@@ -64,9 +64,68 @@ def _by_legacy_names(details):
     return {(short if cut.count(short) == 1 else d["name"]): d for short, d in zip(cut, details)}
 
 
-def _bindings(interp):
+# The Metadata entry where TFLite's signature_def_util (SetSignatureDefMap) keeps a
+# FlexBuffer map {signature key: serialized SignatureDef}: TF Serving's only source of
+# a .tflite's SignatureDefs (tflite_session.cc reads them with GetSignatureDefMap).
+_SIGNATURE_DEFS_METADATA = b"signature_defs_metadata"
+
+
+def _metadata_signature_defs(model_bytes) -> dict:
+    """{key: SignatureDef} of the model's signature_defs_metadata, {} without one;
+    ValueError where it cannot be read (upstream: "Invalid SignatureDefs found")."""
+    from flatbuffers import flexbuffers
+    model = tflite.flatbuffer_schema().Model.GetRootAsModel(model_bytes, 0)
+    for i in range(model.MetadataLength()):
+        entry = model.Metadata(i)
+        if entry.Name() != _SIGNATURE_DEFS_METADATA:
+            continue
+        try:
+            data = model.Buffers(entry.Buffer()).DataAsNumpy().tobytes()
+            sigs = flexbuffers.GetRoot(data).AsMap
+            return {key.AsKey: meta_graph_pb2.SignatureDef.FromString(sigs[key.AsKey].AsStringBytes)
+                    for key in sigs.Keys}
+        except Exception as e:  # noqa: BLE001 - any malformed entry is the same fault
+            raise ValueError(f"Invalid SignatureDefs found in TfLite model (its "
+                             f"{_SIGNATURE_DEFS_METADATA.decode()}): {type(e).__name__}: {e}") from None
+    return {}
+
+
+def _metadata_bindings(interp, signature_defs):
+    """_bindings of SignatureDefs from the metadata, run on the main subgraph's tensors by
+    name: a TensorInfo name not among them is tried cut at its first ':' (the converter's
+    old tensor names), as tflite_session.cc's FixTfLiteTensorName; else the load fails.
+    A TensorInfo without a dtype or shape takes the tensor's."""
+    out = {}
+    for key, sdef in signature_defs.items():
+        sdef = meta_graph_pb2.SignatureDef.FromString(sdef.SerializeToString())
+        indices = []
+        for infos, details, what in ((sdef.inputs, interp.get_input_details(), "input"),
+                                     (sdef.outputs, interp.get_output_details(), "output")):
+            by_name = {d["name"]: d for d in details}
+            index = {}
+            for alias, info in infos.items():
+                name = info.name if info.name in by_name else info.name.split(":", 1)[0]
+                if name not in by_name:
+                    raise ValueError(f"Signature {what} {alias} of signature '{key}' references an "
+                                     f"unknown tensor '{info.name}' (the model's {what}s: {sorted(by_name)})")
+                found = _tensor_info(by_name[name])
+                if not info.dtype:   # (a TensorInfo that gives no dtype or shape: the tensor's)
+                    info.dtype = found.dtype
+                if not info.HasField("tensor_shape"):
+                    info.tensor_shape.CopyFrom(found.tensor_shape)
+                info.name, index[alias] = name, by_name[name]["index"]
+            indices.append(index)
+        out[key] = (sdef, indices[0], indices[1], False)
+    return out
+
+
+def _bindings(interp, model_bytes):
     """{signature key: (SignatureDef, input alias -> tensor index, output alias -> index,
-    whether it runs through a signature runner)} for one interpreter."""
+    whether it runs through a signature runner)} for one interpreter: TF Serving's
+    SignatureDefs from the metadata where the model has them, else the signature runner's."""
+    metadata_defs = _metadata_signature_defs(model_bytes)
+    if metadata_defs:
+        return _metadata_bindings(interp, metadata_defs)
     out = {}
     keys = list(interp.get_signature_list())
     if not keys:   # no SignatureDef in the .tflite: one by tensor names (tflite_session.cc)
@@ -106,7 +165,7 @@ class _Interpreter:
 
     def _start(self):
         self.interp = tflite.make_interpreter(self._model_bytes, num_threads=self._num_threads)
-        self.bindings = _bindings(self.interp)
+        self.bindings = _bindings(self.interp, self._model_bytes)
         self._runners = {}
         self._errors_so_far = ""
 
