@@ -2,8 +2,9 @@
 `--prefer_tflite_model=true`), through LiteRT with the pkm_serve delegate
 (pkm_serve/tflite.py), so PkmEmbeddingBag custom ops and int8 tables run.
 
-Signatures come from the .tflite's signature runner: each SignatureDef the
-converter wrote becomes one, its inputs and outputs by their signature names;
+Signatures: TF Serving's own SignatureDefs where the .tflite holds them (its
+signature_defs_metadata entry, the one source upstream's tflite_session.cc reads),
+else the .tflite's signature runner: each SignatureDef the converter wrote becomes one, its inputs and outputs by their signature names;
 a .tflite without any gets one `serving_default` whose aliases are the
 interpreter's input and output tensor names up to any ':' (TF Serving's
 tflite_session.cc).
