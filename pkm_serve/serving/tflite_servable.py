@@ -4,10 +4,10 @@
 
 Signatures: TF Serving's own SignatureDefs where the .tflite holds them (its
 signature_defs_metadata entry, the one source upstream's tflite_session.cc reads),
-else the .tflite's signature runner: each SignatureDef the converter wrote becomes one, its inputs and outputs by their signature names;
-a .tflite without any gets one `serving_default` whose aliases are the
-interpreter's input and output tensor names up to any ':' (TF Serving's
-tflite_session.cc).
+else the .tflite's signature runner: each SignatureDef the converter wrote
+becomes one, its inputs and outputs by their signature names; a .tflite without
+any gets one `serving_default` whose aliases are the interpreter's input and
+output tensor names up to any ':' (TF Serving's tflite_session.cc).
 Every TensorInfo carries the tensor's name, dtype and shape signature (-1 for
 a dynamic dimension).
 
