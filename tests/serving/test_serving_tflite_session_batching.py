@@ -121,3 +121,33 @@ def test_tflite_num_threads_past_the_delegates_limit_is_a_usage_error(threads, o
     with pytest.raises(SystemExit):
         config.parse_args(argv)
     assert f"--tflite_num_threads must be 1 to 256, got {threads}" in capsys.readouterr().err
+
+
+def test_server_serves_the_flag_over_grpc(model_dir, tmp_path):
+    """`pkm-serve serve --num_tflite_interpreters_per_pool=4` (refused before): a 300-row
+    Predict is answered whole, a 501-row one refused as TfLiteSession's scheduler does."""
+    import os
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2, prediction_service_pb2_grpc
+    from serving_helpers import ServerProcess
+    srv = ServerProcess(tmp_path, f"--model_base_path={os.path.dirname(model_dir)}", "--model_name=m",
+                        "--prefer_tflite_model=true", "--num_tflite_pools=2",
+                        "--num_tflite_interpreters_per_pool=4", rest=False)
+    try:
+        with grpc.insecure_channel(srv.target) as channel:
+            stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+
+            def predict(bags):
+                req = predict_pb2.PredictRequest()
+                req.model_spec.name = "m"
+                for key, value in bags.items():
+                    req.inputs[key].CopyFrom(tf.make_tensor_proto(value))
+                return tf.make_ndarray(stub.Predict(req, timeout=30).outputs["output"])
+            bags = _bags(np.random.default_rng(7), 300)
+            np.testing.assert_array_equal(predict(bags), _alone(bags))
+            with pytest.raises(grpc.RpcError) as err:
+                predict(_bags(np.random.default_rng(8), 501))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "Task size 501 is larger than maximum input batch size 500" in err.value.details()
+    finally:
+        assert srv.terminate() == 0, srv.log()[-3000:]
