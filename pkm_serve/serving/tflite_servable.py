@@ -91,11 +91,20 @@ def _metadata_signature_defs(model_bytes) -> dict:
     return {}
 
 
+def _dtype_name(enum_value) -> str:
+    from tensorflow.core.framework import types_pb2
+    try:
+        return types_pb2.DataType.Name(enum_value)
+    except ValueError:
+        return f"<unknown DataType {enum_value}>"
+
+
 def _metadata_bindings(interp, signature_defs):
     """_bindings of SignatureDefs from the metadata, run on the main subgraph's tensors by
     name: a TensorInfo name not among them is tried cut at its first ':' (the converter's
     old tensor names), as tflite_session.cc's FixTfLiteTensorName; else the load fails.
-    A TensorInfo without a dtype or shape takes the tensor's."""
+    A TensorInfo without a dtype or shape takes the tensor's; one that declares another
+    dtype than its tensor's fails the load (every request would be refused or misread)."""
     out = {}
     for key, sdef in signature_defs.items():
         sdef = meta_graph_pb2.SignatureDef.FromString(sdef.SerializeToString())
@@ -110,6 +119,10 @@ def _metadata_bindings(interp, signature_defs):
                     raise ValueError(f"Signature {what} {alias} of signature '{key}' references an "
                                      f"unknown tensor '{info.name}' (the model's {what}s: {sorted(by_name)})")
                 found = _tensor_info(by_name[name])
+                if info.dtype and info.dtype != found.dtype:
+                    raise ValueError(f"Signature {what} {alias} of signature '{key}' declares dtype "
+                                     f"{_dtype_name(info.dtype)}, but tensor '{name}' is "
+                                     f"{_dtype_name(found.dtype)}")
                 if not info.dtype:   # (a TensorInfo that gives no dtype or shape: the tensor's)
                     info.dtype = found.dtype
                 if not info.HasField("tensor_shape"):

@@ -138,6 +138,12 @@ def test_signature_defs_in_the_metadata_are_the_ones_served(tmp_path):
         servable.release()
 
 
+def _typed(ids_dtype):
+    sdef = _sigdef({"ids": "indices", "wts": "weights"}, {"pooled": "output"})
+    sdef.inputs["ids"].dtype = ids_dtype
+    return sdef
+
+
 def test_metadata_naming_an_unknown_tensor_or_unreadable_fails_the_load(tmp_path):
     import grpc
     import pytest
@@ -145,7 +151,11 @@ def test_metadata_naming_an_unknown_tensor_or_unreadable_fails_the_load(tmp_path
     base = tflite.build_embedding_bag_model(TABLE, K)
     cases = [({"bags": _sigdef({"ids": "no_such:0"}, {"pooled": "output"}).SerializeToString()},
               "Signature input ids of signature 'bags' references an unknown tensor 'no_such:0'"),
-             ({"bags": b"\xff\xff not a SignatureDef"}, "Invalid SignatureDefs found in TfLite model")]
+             ({"bags": b"\xff\xff not a SignatureDef"}, "Invalid SignatureDefs found in TfLite model"),
+             # A dtype unlike the tensor's (an unknown enum raised a TypeError out of the load).
+             ({"bags": _typed(7).SerializeToString()},
+              "Signature input ids of signature 'bags' declares dtype DT_STRING, but tensor 'indices' is DT_INT32"),
+             ({"bags": _typed(999).SerializeToString()}, "declares dtype <unknown DataType 999>")]
     for i, (entries, says) in enumerate(cases):
         (tmp_path / str(i)).mkdir()
         with pytest.raises(ServingError) as err:
