@@ -261,7 +261,7 @@ def _session_batching(model_bytes, num_interpreters, interpreters_per_pool):
     100 batches queued per interpreter."""
     if interpreters_per_pool <= 1:
         return None
-    model = tflite.flatbuffer_schema().Model.GetRootAsModel(bytearray(model_bytes), 0)
+    model = tflite.flatbuffer_schema().Model.GetRootAsModel(model_bytes, 0)   # (no copy)
     graph = model.Subgraphs(0)
     fixed = graph.Tensors(graph.Inputs(0)).Shape(0) if graph.InputsLength() == 1 and \
         graph.Tensors(graph.Inputs(0)).ShapeLength() else 0
