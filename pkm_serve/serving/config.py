@@ -36,6 +36,25 @@ class _ServeParser(argparse.ArgumentParser):
         return parsed, rest
 
 
+def _add_tflite_flags(flag, boolflag):
+    boolflag("--prefer_tflite_model", False,
+             "Serve a version directory that holds model.tflite from that file (LiteRT with the "
+             "pkm_serve delegate) instead of its SavedModel; directories without one are served "
+             "from the SavedModel (TF Serving's flag).")
+    flag("--num_tflite_pools", type=int, default=None,
+         help="TFLite interpreters per served .tflite version; each runs one request at a time "
+              "(TF Serving's flag; here every pool is one interpreter). Default: the number of "
+              "CPUs; 0 is one, as upstream's TfLiteSession takes max(1, N).")
+    flag("--num_tflite_interpreters_per_pool", type=int, default=1,
+         help="Above 1, each served .tflite version batches its own requests as TF Serving's "
+              "TfLiteSession does with this flag: one batch thread per interpreter, requests "
+              "queued while all are busy merged, a request split into runs of "
+              "ceil(500 / N) rows (or the model's fixed batch size), one past 500 rows refused. "
+              "Default 1: no such batching.")
+    flag("--tflite_num_threads", type=int, default=1,
+         help="Threads of each TFLite interpreter and of its pkm_serve delegate (1 to 256). Default 1.")
+
+
 def _add_loading_flags(flag, boolflag):
     """How versions load: warmup, retries, labels on versions not loaded yet."""
     boolflag("--enable_model_warmup", True,
@@ -95,15 +114,7 @@ def build_parser():
     boolflag("--enable_signature_method_name_check", False,
              "Refuse Classify/Regress on signatures whose method_name is not "
              "tensorflow/serving/classify or /regress (TF Serving's default: false).")
-    boolflag("--prefer_tflite_model", False,
-             "Serve a version directory that holds model.tflite from that file (LiteRT with the "
-             "pkm_serve delegate) instead of its SavedModel; directories without one are served "
-             "from the SavedModel (TF Serving's flag).")
-    flag("--num_tflite_pools", type=int, default=0,
-         help="TFLite interpreters per served .tflite version; each runs one request at a time "
-              "(TF Serving's flag; here every pool is one interpreter). 0 = number of CPUs.")
-    flag("--tflite_num_threads", type=int, default=1,
-         help="Threads of each TFLite interpreter and of its pkm_serve delegate. Default 1.")
+    _add_tflite_flags(flag, boolflag)
     flag("--grpc_socket_path", default="",
          help="Also serve gRPC on this UNIX domain socket.")
     flag("--grpc_channel_arguments", default="",
@@ -165,8 +176,12 @@ def _check_values(p, args):
     if not 0 < args.max_request_bytes < 2 ** 31:   # gRPC's limit is an int32
         p.error(f"--max_request_bytes must be 1 to {2 ** 31 - 1}, got {args.max_request_bytes} "
                 "(past it gRPC failed at start-up: 'value too large to convert to int')")
-    if args.num_tflite_pools < 0 or args.tflite_num_threads < 1:
-        p.error("--num_tflite_pools must be >= 0 and --tflite_num_threads >= 1")
+    if (args.num_tflite_pools or 0) < 0 or args.num_tflite_interpreters_per_pool < 0:
+        p.error("--num_tflite_pools and --num_tflite_interpreters_per_pool must be >= 0")
+    from pkm_serve.tflite import MAX_DELEGATE_THREADS
+    if not 1 <= args.tflite_num_threads <= MAX_DELEGATE_THREADS:
+        # (the pkm_serve delegate's limit: past it every .tflite version failed its load)
+        p.error(f"--tflite_num_threads must be 1 to {MAX_DELEGATE_THREADS}, got {args.tflite_num_threads}")
     for name in ("grpc_max_threads", "rest_api_num_threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -285,3 +300,11 @@ def ssl_server_context(cfg):
     if cfg.client_verify:
         ctx.verify_mode = ssl.CERT_REQUIRED
     return ctx
+
+
+def tflite_interpreters(args) -> int:
+    """Interpreters of each TFLite version: --num_tflite_pools, whose default upstream is
+    the number of CPUs; an explicit 0 is one (TfLiteSession::Create takes max(1, N))."""
+    if args.num_tflite_pools is None:
+        return os.cpu_count() or 1
+    return max(1, args.num_tflite_pools)

@@ -86,7 +86,7 @@ def load_with_retries(make_loader, servable_id, max_num_load_retries, wait_or_ca
 
 def make_loader_factory(warmup=True, prefer_tflite_model=False, num_tflite_interpreters=1,
                         tflite_threads=1, per_model_batching=False, saved_model_tags=("serve",),
-                        gpu_memory_fraction=0.0):
+                        gpu_memory_fraction=0.0, tflite_interpreters_per_pool=1):
     """factory(model_name, version, path) -> Loader, as the server configures it.
 
     With prefer_tflite_model a version directory holding model.tflite is served from
@@ -95,13 +95,15 @@ def make_loader_factory(warmup=True, prefer_tflite_model=False, num_tflite_inter
     `per_model_batching` (--enable_per_model_batching_parameters): each version is
     batched with its own batching_params.pbtxt, or not at all without one;
     `saved_model_tags`: the SavedModel MetaGraph loaded (--saved_model_tags);
-    `gpu_memory_fraction`: --per_process_gpu_memory_fraction of each Session."""
+    `gpu_memory_fraction`: --per_process_gpu_memory_fraction of each Session;
+    `tflite_interpreters_per_pool`: --num_tflite_interpreters_per_pool (above 1, each
+    TFLite version batches its own requests, as upstream's TfLiteSession)."""
 
     def factory(name, version, path):
         if prefer_tflite_model and _is_file(os.path.join(path, TFLITE_MODEL_FILE)):
             make = lambda: TfLiteServable(  # noqa: E731
                 name, version, path, warmup=warmup, num_interpreters=num_tflite_interpreters,
-                num_threads=tflite_threads)
+                num_threads=tflite_threads, interpreters_per_pool=tflite_interpreters_per_pool)
         else:
             make = lambda: _saved_model_servable(name, version, path, warmup, saved_model_tags,  # noqa: E731
                                                  gpu_memory_fraction)

@@ -91,12 +91,14 @@ class Server:
                 if configs.batching is not None else None
         except ValueError as e:
             raise StartupError(str(e)) from None
+        from pkm_serve.serving.config import tflite_interpreters
         loaders = make_loader_factory(
             # As TF Serving, --num_request_iterations_for_warmup counts only when above 0.
             warmup=args.enable_model_warmup and max(1, args.num_request_iterations_for_warmup),
             prefer_tflite_model=args.prefer_tflite_model,
-            num_tflite_interpreters=args.num_tflite_pools or os.cpu_count() or 1,
+            num_tflite_interpreters=tflite_interpreters(args),
             tflite_threads=args.tflite_num_threads, saved_model_tags=args.saved_model_tags,
+            tflite_interpreters_per_pool=args.num_tflite_interpreters_per_pool,
             gpu_memory_fraction=args.per_process_gpu_memory_fraction,
             per_model_batching=configs.batching is not None and args.enable_per_model_batching_parameters)
         try:   # the manager validates the model config (once)

@@ -2,10 +2,12 @@
 `--prefer_tflite_model=true`), through LiteRT with the pkm_serve delegate
 (pkm_serve/tflite.py), so PkmEmbeddingBag custom ops and int8 tables run.
 
-Signatures come from the .tflite's signature runner: each SignatureDef the
-converter wrote becomes one, its inputs and outputs by their signature names;
-a .tflite without any gets one `serving_default` whose aliases are the
-interpreter's input and output tensor names (TF Serving's tflite_session.cc).
+Signatures: TF Serving's own SignatureDefs where the .tflite holds them (its
+signature_defs_metadata entry, the one source upstream's tflite_session.cc reads),
+else the .tflite's signature runner: each SignatureDef the converter wrote
+becomes one, its inputs and outputs by their signature names; a .tflite without
+any gets one `serving_default` whose aliases are the interpreter's input and
+output tensor names up to any ':' (TF Serving's tflite_session.cc).
 Every TensorInfo carries the tensor's name, dtype and shape signature (-1 for
 a dynamic dimension).
 
@@ -16,6 +18,12 @@ activation arenas, not N tables); a request takes an interpreter from the pool
 for one invoke and puts it back, so at most `num_interpreters` requests run at
 once and never two on one interpreter. Outputs are copied out before the
 interpreter is returned.
+
+With `interpreters_per_pool` > 1 (TF Serving's --num_tflite_interpreters_per_pool), as
+upstream's TfLiteSession, the version batches its own requests: a scheduler with one batch
+thread per interpreter merges the requests that queue while every interpreter is busy
+(no timeout), splits a request past `max_execution_batch_size` rows into pieces of that
+size and refuses one past 500 rows (tflite_session.cc's options; see _session_batching).
 """
 import contextlib
 import logging
@@ -28,6 +36,8 @@ import tensorflow as tf
 from tensorflow.core.protobuf import meta_graph_pb2
 
 from pkm_serve import tflite
+from pkm_serve.serving import protos
+from pkm_serve.serving.batching import BatchScheduler
 from pkm_serve.serving.errors import ServingError, invalid
 from pkm_serve.serving.servable import (DEFAULT_SIGNATURE, PREDICT_METHOD, ServableBase,
                                         SignatureBase)
@@ -45,14 +55,96 @@ def _tensor_info(detail) -> meta_graph_pb2.TensorInfo:
     return info
 
 
-def _bindings(interp):
+def _by_legacy_names(details):
+    """{alias: tensor detail}, the alias being the tensor's name up to its first ':'
+    ("serving_default_x:0" -> "serving_default_x"), as tflite_session.cc names the
+    inputs and outputs of the signature it makes for a .tflite without any. Where two
+    tensors' names cut so would be one alias (upstream keeps only the last of them), both
+    keep their whole names."""
+    cut = [d["name"].split(":", 1)[0] for d in details]
+    return {(short if cut.count(short) == 1 else d["name"]): d for short, d in zip(cut, details)}
+
+
+# The Metadata entry where TFLite's signature_def_util (SetSignatureDefMap) keeps a
+# FlexBuffer map {signature key: serialized SignatureDef}: TF Serving's only source of
+# a .tflite's SignatureDefs (tflite_session.cc reads them with GetSignatureDefMap).
+_SIGNATURE_DEFS_METADATA = b"signature_defs_metadata"
+
+
+def _metadata_signature_defs(model_bytes) -> dict:
+    """{key: SignatureDef} of the model's signature_defs_metadata, {} without one;
+    ValueError where it cannot be read (upstream: "Invalid SignatureDefs found")."""
+    from flatbuffers import flexbuffers
+    model = tflite.flatbuffer_schema().Model.GetRootAsModel(model_bytes, 0)
+    for i in range(model.MetadataLength()):
+        entry = model.Metadata(i)
+        if entry.Name() != _SIGNATURE_DEFS_METADATA:
+            continue
+        try:
+            data = model.Buffers(entry.Buffer()).DataAsNumpy().tobytes()
+            sigs = flexbuffers.GetRoot(data).AsMap
+            return {key.AsKey: meta_graph_pb2.SignatureDef.FromString(sigs[key.AsKey].AsStringBytes)
+                    for key in sigs.Keys}
+        except Exception as e:  # noqa: BLE001 - any malformed entry is the same fault
+            raise ValueError(f"Invalid SignatureDefs found in TfLite model (its "
+                             f"{_SIGNATURE_DEFS_METADATA.decode()}): {type(e).__name__}: {e}") from None
+    return {}
+
+
+def _dtype_name(enum_value) -> str:
+    from tensorflow.core.framework import types_pb2
+    try:
+        return types_pb2.DataType.Name(enum_value)
+    except ValueError:
+        return f"<unknown DataType {enum_value}>"
+
+
+def _metadata_bindings(interp, signature_defs):
+    """_bindings of SignatureDefs from the metadata, run on the main subgraph's tensors by
+    name: a TensorInfo name not among them is tried cut at its first ':' (the converter's
+    old tensor names), as tflite_session.cc's FixTfLiteTensorName; else the load fails.
+    A TensorInfo without a dtype or shape takes the tensor's; one that declares another
+    dtype than its tensor's fails the load (every request would be refused or misread)."""
+    out = {}
+    for key, sdef in signature_defs.items():
+        sdef = meta_graph_pb2.SignatureDef.FromString(sdef.SerializeToString())
+        indices = []
+        for infos, details, what in ((sdef.inputs, interp.get_input_details(), "input"),
+                                     (sdef.outputs, interp.get_output_details(), "output")):
+            by_name = {d["name"]: d for d in details}
+            index = {}
+            for alias, info in infos.items():
+                name = info.name if info.name in by_name else info.name.split(":", 1)[0]
+                if name not in by_name:
+                    raise ValueError(f"Signature {what} {alias} of signature '{key}' references an "
+                                     f"unknown tensor '{info.name}' (the model's {what}s: {sorted(by_name)})")
+                found = _tensor_info(by_name[name])
+                if info.dtype and info.dtype != found.dtype:
+                    raise ValueError(f"Signature {what} {alias} of signature '{key}' declares dtype "
+                                     f"{_dtype_name(info.dtype)}, but tensor '{name}' is "
+                                     f"{_dtype_name(found.dtype)}")
+                if not info.dtype:   # (a TensorInfo that gives no dtype or shape: the tensor's)
+                    info.dtype = found.dtype
+                if not info.HasField("tensor_shape"):
+                    info.tensor_shape.CopyFrom(found.tensor_shape)
+                info.name, index[alias] = name, by_name[name]["index"]
+            indices.append(index)
+        out[key] = (sdef, indices[0], indices[1], False)
+    return out
+
+
+def _bindings(interp, model_bytes):
     """{signature key: (SignatureDef, input alias -> tensor index, output alias -> index,
-    whether it runs through a signature runner)} for one interpreter."""
+    whether it runs through a signature runner)} for one interpreter: TF Serving's
+    SignatureDefs from the metadata where the model has them, else the signature runner's."""
+    metadata_defs = _metadata_signature_defs(model_bytes)
+    if metadata_defs:
+        return _metadata_bindings(interp, metadata_defs)
     out = {}
     keys = list(interp.get_signature_list())
     if not keys:   # no SignatureDef in the .tflite: one by tensor names (tflite_session.cc)
-        ins = {d["name"]: d for d in interp.get_input_details()}
-        outs = {d["name"]: d for d in interp.get_output_details()}
+        ins = _by_legacy_names(interp.get_input_details())
+        outs = _by_legacy_names(interp.get_output_details())
         keys, by_runner = [DEFAULT_SIGNATURE], False
         details = {DEFAULT_SIGNATURE: (ins, outs)}
     else:
@@ -87,7 +179,7 @@ class _Interpreter:
 
     def _start(self):
         self.interp = tflite.make_interpreter(self._model_bytes, num_threads=self._num_threads)
-        self.bindings = _bindings(self.interp)
+        self.bindings = _bindings(self.interp, self._model_bytes)
         self._runners = {}
         self._errors_so_far = ""
 
@@ -120,24 +212,68 @@ class _Interpreter:
 
 
 class TfLiteSignature(SignatureBase):
-    def __init__(self, name, signature_def, pool):
+    def __init__(self, name, signature_def, pool, scheduler=None):
         super().__init__(name, signature_def)
         self._pool = pool
+        self._scheduler = scheduler
 
     def run(self, inputs: dict, output_filter=()) -> dict:
         fetches = self.fetches(output_filter)
         # np.require, not np.ascontiguousarray: that makes a scalar [1] (ndim >= 1).
         arrays = {k: np.require(v, requirements="C") for k, v in inputs.items()}
+        if self._scheduler is not None:
+            outputs = self._scheduler.run(self._pool, _Unbatched(self), arrays)
+        else:
+            outputs = self.run_unbatched(arrays)
+        return {k: np.asarray(outputs[k]) for k in fetches}   # (LiteRT gives a scalar as np.float32)
+
+    def run_unbatched(self, arrays: dict) -> dict:
         with self._pool.take() as interp:
             try:
-                outputs = interp.run(self.name, arrays)
+                return interp.run(self.name, arrays)
             except (ValueError, RuntimeError) as e:   # resize, allocate or invoke refused them
                 raise invalid(f"signature '{self.name}' rejected the inputs: "
                               f"{' '.join(str(e).split())[:2000]}") from None
-        return {k: np.asarray(outputs[k]) for k in fetches}   # (LiteRT gives a scalar as np.float32)
 
     def release(self):
         pass
+
+
+class _Unbatched:
+    """What the version's own scheduler runs a batch on: the signature straight on an
+    interpreter (its name, SignatureDef and input specs key and check the batch)."""
+
+    def __init__(self, signature):
+        self.name, self.signature_def = signature.name, signature.signature_def
+        self.input_specs = signature.input_specs
+        self.run = signature.run_unbatched
+
+
+# tflite_interpreter_pool.h's kInitialBatchSize: the scheduler's max_batch_size.
+_SESSION_MAX_BATCH = 500
+
+
+def _session_batching(model_bytes, num_interpreters, interpreters_per_pool):
+    """The version's own BatchScheduler for interpreters_per_pool > 1, else None, with
+    TfLiteSession::Create's options: one batch thread per interpreter, no batch timeout,
+    large requests split into pieces of the model's fixed batch size (a single input whose
+    stored dimension 0 is above 1) or else ceil(500 / interpreters_per_pool) rows, and
+    100 batches queued per interpreter."""
+    if interpreters_per_pool <= 1:
+        return None
+    model = tflite.flatbuffer_schema().Model.GetRootAsModel(model_bytes, 0)   # (no copy)
+    graph = model.Subgraphs(0)
+    fixed = graph.Tensors(graph.Inputs(0)).Shape(0) if graph.InputsLength() == 1 and \
+        graph.Tensors(graph.Inputs(0)).ShapeLength() else 0
+    per_run = fixed if fixed > 1 else -(-_SESSION_MAX_BATCH // interpreters_per_pool)
+    params = protos.BatchingParameters()
+    params.max_batch_size.value = _SESSION_MAX_BATCH
+    params.batch_timeout_micros.value = 0
+    params.num_batch_threads.value = num_interpreters
+    params.max_enqueued_batches.value = num_interpreters * 100
+    params.enable_large_batch_splitting.value = True
+    params.max_execution_batch_size.value = min(per_run, _SESSION_MAX_BATCH)
+    return BatchScheduler(params)
 
 
 class _Pool:
@@ -175,7 +311,8 @@ class _Pool:
 class TfLiteServable(ServableBase):
     runtime = "TFLite"
 
-    def __init__(self, name, version, path, warmup=True, num_interpreters=1, num_threads=1):
+    def __init__(self, name, version, path, warmup=True, num_interpreters=1, num_threads=1,
+                 interpreters_per_pool=1):
         super().__init__(name, version, path)
         t0 = time.perf_counter()
         model_path = f"{path}/{TFLITE_MODEL_FILE}"
@@ -193,11 +330,15 @@ class TfLiteServable(ServableBase):
             raise invalid(f"cannot load {model_path} in LiteRT with the pkm_serve delegate: "
                           f"{' '.join(str(e).split())[:2000]}") from None
         self._pool = _Pool(interpreters)
+        self._scheduler = _session_batching(model_bytes, self._pool.size, interpreters_per_pool)
         self.signature_defs = {k: b[0] for k, b in interpreters[0].bindings.items()}
-        self.signatures = {k: TfLiteSignature(k, sdef, self._pool) for k, sdef in self.signature_defs.items()}
+        self.signatures = {k: TfLiteSignature(k, sdef, self._pool, self._scheduler)
+                           for k, sdef in self.signature_defs.items()}
         log.info("model %s version %d: serving %s with %d TFLite interpreter(s)", name, version,
                  model_path, self._pool.size)
         self._finish_load(t0, warmup, rounds=self._pool.size)
 
     def release(self):
+        if self._scheduler is not None:
+            self._scheduler.stop()
         self._pool.close()

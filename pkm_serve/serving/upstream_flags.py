@@ -11,7 +11,6 @@ REFUSED = {
     "use_tflite_model": "use --prefer_tflite_model",
     **dict.fromkeys(["platform_config_file", "thread_pool_factory_config_file", "mixed_precision", "skip_initialize_tpu",
                      "use_alts_credentials", "enforce_session_run_timeout", "tensorflow_session_config_file",
-                     "num_tflite_interpreters_per_pool",
                      "force_allow_any_version_labels_for_unavailable_models"],
                     "leave it out (`pkm-serve serve --help` lists the flags served)"),
     "version": "use `pkm-serve --version`",

@@ -1,0 +1,61 @@
+"""`pkm-serve export --tflite DST/<v>/model.tflite --warmup-requests N` of a Keras model,
+served with `--prefer_tflite_model`: what a TF Serving user of that version sees.
+
+Keras' export writes one function under two signature keys, `serve` and `serving_default`;
+the TFLite converter writes one signature per function. The references are the
+SavedModel's own signatures and numpy float64."""
+import numpy as np
+import pytest
+
+N, D, K, CLASSES = 40, 8, 5, 3
+
+
+@pytest.fixture(scope="module")
+def keras_export(tmp_path_factory, tf_with_ops):
+    """(version directory, SavedModel source, numpy reference) of a Keras
+    Embedding -> mean pooling -> Dense model exported with a .tflite and warmup records."""
+    import keras
+    from pkm_serve.export.exporter import export_saved_model
+    root = tmp_path_factory.mktemp("keras_tflite")
+    rng = np.random.default_rng(3)
+    table = rng.standard_normal((N, D)).astype(np.float32)
+    ids = keras.Input(shape=(K,), dtype="int32", name="ids")
+    emb = keras.layers.Embedding(N, D)
+    head = keras.layers.Dense(CLASSES)
+    model = keras.Model(ids, head(keras.layers.GlobalAveragePooling1D()(emb(ids))))
+    emb.embeddings.assign(table)
+    src = str(root / "src")
+    model.export(src, format="tf_saved_model", verbose=False)
+    kernel, bias = (w.numpy().astype(np.float64) for w in head.weights)
+    dst = root / "model"
+    export_saved_model(src, str(dst), version=1, tflite=str(dst / "1" / "model.tflite"),
+                       warmup_requests=2, quiet=True)
+
+    def reference(x):
+        return table.astype(np.float64)[x].mean(axis=1) @ kernel + bias
+    return str(dst / "1"), src, reference
+
+
+def test_keras_export_with_warmup_serves_both_keys_from_the_tflite(keras_export, tf_with_ops):
+    """The .tflite held `serving_default` only while the warmup file also held records for
+    `serve`: the TFLite version failed its load (`Serving signature name: "serve" not found`),
+    so the exported directory could not be served with --prefer_tflite_model at all. Now the
+    export adds `serve` back to the .tflite as another name of the same signature."""
+    from pkm_serve.serving.loader import make_loader_factory
+    path, src, reference = keras_export
+    loader = make_loader_factory(warmup=True, prefer_tflite_model=True)("keras", 1, path)
+    loader.load()
+    try:
+        servable = loader.servable()
+        assert servable.runtime == "TFLite"
+        assert sorted(servable.signatures) == ["serve", "serving_default"]
+        saved = tf_with_ops.saved_model.load(src)
+        x = np.random.default_rng(4).integers(0, N, size=(6, K)).astype(np.int32)
+        for key in ("serve", "serving_default"):
+            (out_key,) = servable.signature_defs[key].outputs
+            got = servable.signature(key).run({"ids": x})[out_key]
+            want = next(iter(saved.signatures[key](ids=x).values())).numpy()
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(got, reference(x), rtol=1e-5, atol=1e-5)
+    finally:
+        loader.unload()
