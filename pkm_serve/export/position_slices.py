@@ -16,12 +16,6 @@ def attr_value(node, name: str, field: str):
     return getattr(node.attr[name], field) if name in node.attr else 0
 
 
-def _normalised(index: int, size: Optional[int]) -> Optional[int]:
-    if index >= 0:
-        return index
-    return None if size is None else index + size
-
-
 def _slice_entries(fg: FunctionGraph, node, axis: int):
     """StridedSlice `node` -> (begin, end, shrink, begin_masked, end_masked, new_axis_after) of its
     entry for input axis `axis`, when every other input axis is taken whole; else None."""
@@ -59,7 +53,8 @@ def slice_position(fg: FunctionGraph, ref: Ref, axis: Optional[int] = None) -> O
     """(source, k, kept) where `ref` is position k of `source`'s axis `axis` (its last by default)
     and every other axis whole: source[..., k] (kept False), source[..., k:k+1] or source[..., k, None]
     (kept True; a unit axis where the position was, or last), tf.unstack(source, axis=-1)[k],
-    tf.gather(source, k, axis=-1). k is negative only where the axis' length is unknown."""
+    tf.gather(source, k, axis=-1). k is as written: -1 stays -1 whatever the declared length, since a
+    server may feed another length (TF Serving does not check shapes) and -1 is then another position."""
     node = fg.producer(ref)
     if node is None or node.op not in ("StridedSlice", "Unpack", "GatherV2"):
         return None
@@ -68,8 +63,6 @@ def slice_position(fg: FunctionGraph, ref: Ref, axis: Optional[int] = None) -> O
     if rank is None or rank == 0:
         return None
     axis = rank - 1 if axis is None else axis
-    size = fg.shape(source)[axis] if fg.shape(source)[axis] is not None else None
-    size = None if size is None else int(size)
     if node.op == "Unpack":
         return (source, ref.index, False) if attr_value(node, "axis", "i") % rank == axis else None
     if node.op == "GatherV2":
@@ -84,15 +77,14 @@ def slice_position(fg: FunctionGraph, ref: Ref, axis: Optional[int] = None) -> O
         return None
     begin, end, shrink, begin_masked, end_masked, new_axis_after = entry
     if shrink:
-        k = _normalised(begin, size)
-        return (source, begin if k is None else k, new_axis_after)
+        return (source, begin, new_axis_after)
     if new_axis_after:
         return None
-    first = 0 if begin_masked else _normalised(begin, size)
-    stop = size if end_masked else _normalised(end, size)
-    if first is None or stop is None:  # x[..., -1:] where the length is unknown: the last position
-        return (source, -1, True) if begin == -1 and end_masked else None
-    return (source, first, True) if stop - first == 1 else None
+    if begin == -1 and end_masked:  # x[..., -1:]: the last position
+        return (source, -1, True)
+    first = 0 if begin_masked else begin
+    # x[..., k:] is one position only at the declared length: not taken
+    return (source, first, True) if not end_masked and first >= 0 and end - first == 1 else None
 
 
 def _static_int(fg: FunctionGraph, ref: Ref) -> Optional[int]:

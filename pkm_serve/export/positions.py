@@ -7,13 +7,15 @@
 
 A per-position sum reads positions a..b-1 only: a server may feed wider ids (the composite
 sums the same positions, so does the fused op on ids[..., a:b]) or narrower ones (the
-composite's slice fails; an Assert added before the fused op fails too). Rows gathered once
-for every position: the composite's gather refuses a bad id at any position, an Assert too.
+composite's slice fails; an Assert added before the fused op fails too; tf.unstack refuses any
+width but its own, an Assert of that width too). Positions counted from the end (ids[:, -1]) are
+other positions of another width: reported. Rows gathered once for every position: the
+composite's gather refuses a bad id at any position, an Assert too.
 """
 from __future__ import annotations
 
 import collections
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 from tensorflow.core.framework import types_pb2
@@ -28,6 +30,17 @@ from pkm_serve.export.sites import NotASite, Site, Skip, check_private, dims, sa
 
 ADD_OPS = ("AddN", "AddV2", "Add")
 POSITIONS_PATTERN = "per-position-sum"
+
+
+class PositionSpan(NamedTuple):
+    """What the fused op reads of a per-position sum: ids[..., first:stop] (and the weights')."""
+    first: int
+    stop: int
+    wrapped: bool              # keras.ops.take wraps negative ids
+    gathers_all: bool          # rows gathered (and range-checked) at every position, then sliced
+    ids_width: Optional[int] = None      # tf.unstack(ids or rows) refuses ids of any other width
+    weights_width: Optional[int] = None  # tf.unstack(weights) likewise
+    ids_cast: Optional[dict] = None      # the attrs of the Cast each position's ids go through
 
 
 def _is_zero_fill(fg: FunctionGraph, ref: Ref) -> bool:
@@ -78,6 +91,19 @@ class _Term:
         self.weights = None if rows.weights is None else (rows.weights, rows.weights_squeeze, rows.weights_scalar)
         self.sliced: Optional[Ref] = None  # rows gathered once for every position, sliced by this term
         self.own: List[str] = []           # the slice (and multiply) of those rows
+        self.position_ref = ref            # the position of the ids (or of the sliced rows) taken
+        self.cast = None                   # the Cast node of tf.cast(ids[..., k]) the gather reads
+
+
+def _cast_key(term: _Term):
+    return None if term.cast is None else tuple(sorted(
+        (key, value.SerializeToString()) for key, value in term.cast.attr.items() if not key.startswith("_")))
+
+
+def _unpacked_width(fg: FunctionGraph, ref: Ref) -> Optional[int]:
+    """num of the tf.unstack whose output `ref` is (it refuses any other length), else None."""
+    node = fg.producer(ref)
+    return None if node is None or node.op != "Unpack" else int(node.attr["num"].i)
 
 
 def _position_rows(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term]:
@@ -90,11 +116,15 @@ def _position_rows(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term
     except (NotASite, Skip):
         return None
     indices, wrapped = unwrapped(fg, rows.gather.indices, rows.gather.table_shape)
+    cast = fg.producer(indices)
+    cast = cast if cast is not None and cast.op == "Cast" else None
+    if cast is not None:  # tf.cast(ids[:, k]) is tf.cast(ids)[:, k], element by element
+        indices = fg.inputs(cast)[0]
     ids = slice_position(fg, indices)
     if ids is None or ids[2]:
         return None
     term = _Term(fg, ref, rows, scratch, ids)
-    term.wrapped = wrapped
+    term.wrapped, term.cast, term.position_ref = wrapped, cast, indices
     return term
 
 
@@ -121,7 +151,7 @@ def _sliced_rows_term(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_T
             return None
         indices, wrapped = unwrapped(fg, rows.gather.indices, rows.gather.table_shape)
         term = _Term(fg, ref, rows, scratch, (indices, position[1], False))
-        term.wrapped, term.sliced, term.own = wrapped, position[0], [producer.name]
+        term.wrapped, term.sliced, term.own, term.position_ref = wrapped, position[0], [producer.name], sliced
         if weights is not None:
             term.own += [node.name] + weights[1]
             term.weights = (weights[0], weights[2], is_scalar(fg, weights[0], rank))
@@ -143,6 +173,8 @@ def _check_term(fg: FunctionGraph, term: _Term, first: _Term) -> Optional[Ref]:
         raise Skip("some terms wrap negative ids (keras.ops.take) and some do not")
     if rows.cast_enum != first.rows.cast_enum or rows.rounded_enum != first.rows.rounded_enum:
         raise Skip("the terms cast their rows to different dtypes")
+    if _cast_key(term) != _cast_key(first):
+        raise Skip("the terms cast their ids differently (some through tf.cast, some not, or to other dtypes)")
     if (term.weights is None) != (first.weights is None):
         raise Skip("some terms are weighted and some are not")
     if term.weights is None:
@@ -185,11 +217,14 @@ def match_positions_sum(fg: FunctionGraph, node, site: Site) -> Site:
         raise NotASite()  # tf.add_n(positions) + bias: the positions below are a bag of their own
     terms = _candidate_terms(fg, leaves, site)
     zeros = [ref for ref, t in zip(leaves, terms) if t is None and _is_zero_fill(fg, ref)]
+    bag_shape = fg.shape(next(t for t in terms if t is not None).ref)
     for ref, term in zip(leaves, terms):
         if term is None and ref not in zeros:
             raise Skip(f"the sum of positions also adds {fg.render(ref)}, which is no position of the bag")
-        if ref in zeros and not _broadcasts_nothing(fg.shape(ref), fg.shape(out)):
-            raise Skip("a zero start of the sum is not shaped like the bag")
+        # tf.zeros([B, 1, D]) + rows [B, D] is [B, B, D], tf.zeros([1, D]) + rows [D] is [1, D]: no bag
+        if ref in zeros and not (_broadcasts_nothing(fg.shape(ref), bag_shape) and same_dims(fg.shape(out), bag_shape)):
+            raise Skip(f"a zero start of the sum, shaped {fg.shape(ref)}, is not shaped like the bag's rows "
+                       f"{bag_shape}: it broadcasts the sum to {fg.shape(out)}")
     _positions_site(fg, node, site, [t for t in terms if t is not None], adds)
     site.dead_after += tuple(fg.producer(r).name for r in zeros if fg.producer(r) is not None)
     return site
@@ -279,9 +314,20 @@ def _positions_site(fg: FunctionGraph, node, site: Site, terms: List[_Term], own
     first = terms[0]
     site.weighted = first.weights is not None
     sources = {_check_term(fg, t, first) for t in terms}
+    if len(sources) != 1:
+        raise Skip("the terms are weighted by entries of different tensors: only one weights tensor's w[..., k] "
+                   "for each position ids[..., k] are a bag's weights")
     positions = sorted(t.ids[1] for t in terms)
-    if positions[0] < 0 or positions != list(range(positions[0], positions[0] + len(positions))):
+    if positions[0] < 0:
+        raise Skip(f"the terms take positions {positions} of the ids, counted from the end: ids a server feeds "
+                   "wider or narrower than declared make them other positions, which the fused ids[..., a:b] "
+                   "would not follow")
+    if positions != list(range(positions[0], positions[0] + len(positions))):
         raise Skip(f"the terms take positions {positions} of the ids: not each position of a range once")
+    widths = [{_unpacked_width(fg, t.position_ref) for t in terms} - {None},
+              {_unpacked_width(fg, t.weights[0]) for t in terms if t.weights is not None} - {None}]
+    if any(len(w) > 1 for w in widths):
+        raise Skip("tf.unstack of the ids (or weights) with different lengths: the original refuses any ids")
     ids_source = first.ids[0]
     if site.weighted and not same_dims(fg.shape(sources.pop()), fg.shape(ids_source)):
         raise Skip("the weights are not shaped like the ids")
@@ -293,29 +339,59 @@ def _positions_site(fg: FunctionGraph, node, site: Site, terms: List[_Term], own
     site.indices = ids_source
     if first.sliced is not None and site.table_shape[0] is None:
         raise Skip("the table's rows are unknown, so the ids the sliced rows gathered cannot be range-checked")
-    site.positions = (positions[0], positions[-1] + 1, first.wrapped, first.sliced is not None)
+    site.positions = PositionSpan(
+        positions[0], positions[-1] + 1, first.wrapped, first.sliced is not None, *(min(w, default=None) for w in widths),
+        ids_cast=None if first.cast is None else {k: v for k, v in first.cast.attr.items() if not k.startswith("_")})
     site.internal = tuple(dict.fromkeys(internal))
     check_private(fg, [t.ref for t in terms] + [p for t in terms for p in t.rows.private] +
-                  [Ref(n, 0) for t in terms for n in t.own] + ([first.sliced] if first.sliced else []),
-                  set(site.internal) | {node.name}, site)
+                  [Ref(n, 0) for t in terms for n in t.own] + ([first.sliced] if first.sliced else []) +
+                  _other_unpacked_rows(fg, terms), set(site.internal) | {node.name}, site)
     if site.shape_consumers or any(t.site.shape_consumers for t in terms):
         raise Skip("the shape of a position's gathered rows is read: it is not the shape of the bag's ids")
-    site.dead_after += tuple({t.rows.gather.indices.node for t in terms})
+    site.dead_after += tuple({t.rows.gather.indices.node for t in terms} | {t.cast.name for t in terms if t.cast})
     ids_dims = dims(fg.shape(ids_source))
     site.gathered_shape = None if ids_dims is None else ids_dims[:-1] + [len(terms), site.table_shape[1]]
     site.intermediate_itemsizes = first.site.intermediate_itemsizes
 
 
+def _other_unpacked_rows(fg: FunctionGraph, terms: List[_Term]) -> List[Ref]:
+    """Every output of a tf.unstack of the rows the terms take: the unstack goes with the site, so
+    no output of it may be read elsewhere (a position the sum does not add, relu(p[4]))."""
+    unpacks = {fg.producer(t.position_ref).name for t in terms if t.sliced is not None}
+    return [Ref(name, i) for name in unpacks if fg.nodes[name].op == "Unpack"
+            for i in range(int(fg.nodes[name].attr["num"].i))]
+
+
 def take_positions(fg: FunctionGraph, site: Site) -> None:
     """Before fusing a per-position sum: the op reads ids[..., a:b] (and w[..., a:b]), after an Assert
-    that the ids have b positions (the composite's ids[..., b-1] refuses fewer)."""
-    first, stop, wrapped, gathers_all = site.positions
+    that the ids have b positions (the composite's ids[..., b-1] refuses fewer; tf.unstack any other
+    count than its own)."""
+    span: PositionSpan = site.positions
     prefix = site.root + "/pkm_positions"
-    ids_type = DType(site.index_dtype)
-    shape = fg.add_op(prefix + "/ids_shape", "Shape", [site.indices], {"T": ids_type, "out_type": I32},
+    rank = fg.shape(site.indices).rank
+    checks = [_width_check(fg, prefix + "/ids", site, site.indices, span.stop, span.ids_width, "ids")]
+    if site.weights is not None and span.weights_width is not None:
+        checks.append(_width_check(fg, prefix + "/weights", site, site.weights, span.stop, span.weights_width,
+                                   "weights"))
+    if span.gathers_all:
+        checks.append(_assert_every_id_in_range(fg, site, prefix + "/range_check", span.wrapped))
+    site.indices = _positions(fg, prefix + "/ids", site.indices, span.first, span.stop, rank, checks)
+    if span.ids_cast is not None:  # tf.cast(ids)[..., a:b] is what each tf.cast(ids[..., k]) took
+        site.indices = fg.add_op(prefix + "/ids_cast", "Cast", [site.indices], span.ids_cast,
+                                 shapes=[dims(fg.shape(site.indices))])
+    if span.wrapped:  # as keras.ops.take does: where(ids < 0, ids + N, ids)
+        site.indices = _wrap_negative(fg, prefix + "/wrapped", site)
+    if site.weights is not None:
+        site.weights = _positions(fg, prefix + "/weights", site.weights, span.first, span.stop, rank, checks)
+
+
+def _width_check(fg: FunctionGraph, prefix: str, site: Site, ref: Ref, stop: int, exact: Optional[int],
+                 what: str) -> str:
+    """An Assert that `ref` has at least `stop` positions (exactly `exact` where tf.unstack takes them)."""
+    rank = fg.shape(ref).rank
+    shape = fg.add_op(prefix + "/shape", "Shape", [ref], {"T": DType(tensor_dtype(fg, ref)), "out_type": I32},
                       shapes=[[None]])
     # The width as sum(shape * [0, .., 0, 1]): a StridedSlice of a Shape is folded to the declared K.
-    rank = fg.shape(site.indices).rank
     one_hot = np.zeros([rank], np.int32)
     one_hot[-1] = 1
     width = fg.add_op(prefix + "/width", "Sum", [
@@ -323,18 +399,13 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
                   shapes=[[rank]]),
         fg.add_const(prefix + "/axis", np.array(0, np.int32))], {"T": I32, "Tidx": I32, "keep_dims": False},
         shapes=[[]])
-    ok = fg.add_op(prefix + "/enough", "GreaterEqual", [width, fg.add_const(prefix + "/stop", np.array(stop, np.int32))],
-                   {"T": I32}, shapes=[[]])
-    check = _assert(fg, prefix + "/check", ok,
-                    f"per-position bag fused in {site.root}: the ids have", (width, types_pb2.DT_INT32),
-                    f"positions, but the original model reads position {stop - 1} (ids[..., {stop - 1}]); "
-                    f"send at least {stop}", "/message_positions")
-    checks = [check] + ([_assert_every_id_in_range(fg, site, prefix + "/range_check", wrapped)] if gathers_all else [])
-    site.indices = _positions(fg, prefix + "/ids", site.indices, first, stop, rank, checks)
-    if wrapped:  # as keras.ops.take does: where(ids < 0, ids + N, ids)
-        site.indices = _wrap_negative(fg, prefix + "/wrapped", site)
-    if site.weights is not None:
-        site.weights = _positions(fg, prefix + "/weights", site.weights, first, stop, rank, checks)
+    bound = stop if exact is None else exact
+    ok = fg.add_op(prefix + "/enough", "GreaterEqual" if exact is None else "Equal",
+                   [width, fg.add_const(prefix + "/stop", np.array(bound, np.int32))], {"T": I32}, shapes=[[]])
+    wanted = (f"reads position {stop - 1} ({what}[..., {stop - 1}]); send at least {stop}" if exact is None else
+              f"takes exactly {exact} with tf.unstack; send {exact}")
+    return _assert(fg, prefix + "/check", ok, f"per-position bag fused in {site.root}: the {what} have",
+                   (width, types_pb2.DT_INT32), f"positions, but the original model {wanted}", "/message_positions")
 
 
 def _assert_every_id_in_range(fg: FunctionGraph, site: Site, prefix: str, wrapped: bool) -> str:

@@ -27,13 +27,13 @@ def match_cumsum_last(fg: FunctionGraph, node, site: Site) -> Site:
     if rows.regathers:
         raise Skip("the gathered rows are re-gathered before a dense reduction")
     position = slice_position(fg, Ref(node.name, 0), axis=rank - 2)
-    size = fg.shape(rows_in)[rank - 2]
-    # slice_position keeps k negative only where K is unknown: -1 is then the last position.
-    reverse = bool(attr_value(cumsum, "reverse", "b"))
-    whole_end = (0,) if reverse else (-1,) + (() if size is None else (int(size) - 1,))
-    if attr_value(cumsum, "exclusive", "b") or position is None or position[1] not in whole_end:
-        raise Skip("the slice of tf.math.cumsum over the bag axis is not its whole-bag end (the last position; "
-                   "the first with reverse=True; exclusive=False): a partial running sum is not fused")
+    # The end as written: [:, K - 1] of the declared K (reverse: [:, -K]) is a partial sum of
+    # the wider ids a server may feed, so only [:, -1] (reverse: [:, 0]) is the whole bag.
+    whole_end = 0 if attr_value(cumsum, "reverse", "b") else -1
+    if attr_value(cumsum, "exclusive", "b") or position is None or position[1] != whole_end:
+        raise Skip("the slice of tf.math.cumsum over the bag axis is not its whole-bag end ([:, -1]; [:, 0] with "
+                   "reverse=True; exclusive=False): a partial running sum, or an end counted off the declared "
+                   "length, which other lengths of ids make a partial sum, is not fused")
     apply_rows(fg, site, rows, cumsum.name, rows_in)
     site.internal += (cumsum.name,)
     check_private(fg, [x], set(site.internal) | {node.name}, site)

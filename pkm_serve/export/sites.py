@@ -99,8 +99,7 @@ class Site:
     divide_by_longest_bag: bool = False  # reduce_mean of ragged rows padded by to_tensor(): / longest bag
     divide_by_bag: bool = False       # a weighted/masked reduce_mean: the bag is divided by its
                                       # size K, read off the ids at run time (not the static K)
-    positions: Optional[Tuple[int, int, bool, bool]] = None  # a per-position sum of ids[..., a:b], wrapped as
-        # keras.ops.take wraps negative ids or not, all ids gathered (and range-checked) or not (positions.py)
+    positions: Optional[object] = None  # positions.PositionSpan: a per-position sum of ids[..., a:b]
     rounded_to: Optional[str] = None  # rows cast to this half dtype below cast_to (mixed precision):
                                       # a rounding the fused op skips, verified at that dtype's tolerance
 
