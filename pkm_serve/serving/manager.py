@@ -30,7 +30,8 @@ from tensorflow_serving.apis import get_model_status_pb2
 from pkm_serve.serving.errors import ServingError, not_found
 from pkm_serve.serving.load_threads import KeyedThreads
 from pkm_serve.serving.loader import load_with_retries, make_loader_factory
-from pkm_serve.serving.model_records import ManagedModel, VersionRecord, validate_model_server_config
+from pkm_serve.serving.model_records import (ManagedModel, VersionRecord, install_version_labels,
+                                             validate_model_server_config)
 from pkm_serve.serving.version_policy import aspired_versions, versions_to_unload, warn_of_missing_specific_versions
 from pkm_serve.serving.version_status import failed_loads, resolve_record, version_statuses
 from pkm_serve.serving.version_dirs import directory_fingerprint, holds_model_hint, is_directory, list_versions
@@ -125,23 +126,8 @@ class ModelManager:
                 self._update_labels()
 
     def _update_labels(self):
-        """Installs every model's version labels, or none (FAILED_PRECONDITION): as TF
-        Serving's ServerCore, a label may only name a version that is available, unless
-        allow_labels_for_unavailable and the label is new or keeps its version."""
         with self._lock:
-            new = {}
-            for m in self._models.values():
-                available = set(m.available_versions())
-                for label, version in m.config.version_labels.items():
-                    if version in available or (self._allow_labels_for_unavailable
-                                                and m.labels.get(label, version) == version):
-                        continue
-                    raise ServingError(grpc.StatusCode.FAILED_PRECONDITION,
-                                       f"Request to assign label to version {version} of model {m.name}, "
-                                       "which is not currently available for inference")
-                new[m.name] = dict(m.config.version_labels)
-            for m in self._models.values():
-                m.labels = new[m.name]
+            install_version_labels(self._models.values(), self._allow_labels_for_unavailable)
 
     # ------------------------------------------------------------ polling
     def poll_once(self, wait=True):
