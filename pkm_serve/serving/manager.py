@@ -220,12 +220,12 @@ class ModelManager:
         with self._lock:
             r.loader, r.servable, r.state = loader, servable, State.AVAILABLE
             removed = m.removed   # by a config reload while it loaded (num_load_threads)
+            self._set_available_gauge(m.name, version)
         if removed:
             self._unload(m, r)
             return
         if self._metrics:
             self._metrics.load_attempt(m.name, path, ok=True, seconds=time.perf_counter() - t0)
-            self._metrics.version_available(m.name, version, True)
         log.info("model %s: version %d available (load %.2fs, warmup %.2fs)", m.name, version,
                  getattr(servable, "load_seconds", 0.0), getattr(servable, "warmup_seconds", 0.0))
 
@@ -281,9 +281,16 @@ class ModelManager:
                 log.exception("model %s: version %d failed to unload cleanly", m.name, r.version)
         with self._lock:
             r.state = State.END
-        if self._metrics:
-            self._metrics.version_available(m.name, r.version, False)
+            self._set_available_gauge(m.name, r.version)
         log.info("model %s: version %d unloaded", m.name, r.version)
+
+    def _set_available_gauge(self, name, version):
+        """model_version_available as the model table has it, set under the lock (held) that
+        changed the state, so an unload thread's 0 cannot land after a reload's 1."""
+        if self._metrics:
+            model = self._models.get(name)
+            r = model.records.get(version) if model else None
+            self._metrics.version_available(name, version, r is not None and r.state == State.AVAILABLE)
 
     def _maybe_reload_config_file(self):
         """Re-reads the config file on every poll (as TF Serving does) and applies it when

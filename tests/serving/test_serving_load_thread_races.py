@@ -1,0 +1,89 @@
+"""The manager's load and unload threads (--num_load_threads, --num_unload_threads)
+against shutdown, a config reload and the model_version_available gauge: nothing a
+load thread finishes late stays loaded, one (model, version) loads at a time, and the
+gauge ends as the version's state (fake loaders, as test_serving_manager_fakes)."""
+import os
+import threading
+import time
+
+import pytest
+from tensorflow_serving.apis import get_model_status_pb2
+from tensorflow_serving.config import model_server_config_pb2
+
+from serving_helpers import polled_manager, version_states, wait_until
+from test_serving_manager_fakes import Fakes
+from pkm_serve.serving.manager import ModelManager
+from pkm_serve.serving.metrics import Metrics
+
+State = get_model_status_pb2.ModelVersionStatus.State
+
+
+@pytest.fixture
+def fakes(tmp_path):
+    """Fakes of model m with version 1; a gate a failed test left shut is opened at its end."""
+    made = Fakes(tmp_path / "m")
+    made.add_version(1)
+    yield made
+    for gate in made.gates.values():
+        gate.set()
+
+
+def _config(fakes, *names, num_versions=1):
+    cfg = model_server_config_pb2.ModelServerConfig()
+    cfg.model_config_list.SetInParent()
+    for name in names:
+        c = cfg.model_config_list.config.add(name=name, base_path=str(fakes.base), model_platform="tensorflow")
+        c.model_version_policy.latest.num_versions = num_versions
+    return cfg
+
+
+def _start_gated_load(manager, fakes, version):
+    """Version `version` appears and starts loading on a load thread, held at its gate."""
+    fakes.gates[version] = threading.Event()
+    fakes.add_version(version)
+    manager.poll_once(wait=False)
+    wait_until(lambda: ("load-start", version) in fakes.events)
+
+
+def _assert_one_load_at_a_time(events):
+    loading = set()
+    for step, version in events:
+        if step == "load-start":
+            assert version not in loading, f"version {version} loaded twice at once: {events}"
+            loading.add(version)
+        elif step in ("loaded", "load-failed"):
+            loading.discard(version)
+
+
+class _SlowUnloadGauge(Metrics):
+    """The unload thread's gauge write held 0.5 s (the thread preempted there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.unload_writing = threading.Event()
+
+    def version_available(self, model, version, available):
+        if not available and threading.current_thread().name.startswith("unload"):
+            self.unload_writing.set()
+            time.sleep(0.5)
+        super().version_available(model, version, available)
+
+    def gauge(self, version):
+        return self.version_state.labels("m", str(version))._value.get()
+
+
+def test_the_available_gauge_ends_as_the_version_state_with_unload_threads(fakes, tmp_path):
+    """--num_unload_threads: version 1 unloads on the unload thread (2 replaced it); 2's
+    directory goes and 1 loads again while that thread is between marking 1 END and
+    setting its gauge to 0. The gauge was set outside the lock, so it ended 0 for the
+    version that serves; now it is set with the state."""
+    metrics = _SlowUnloadGauge()
+    manager = polled_manager(fakes.base, loader_factory=fakes.factory, metrics=metrics, num_unload_threads=1)
+    fakes.add_version(2)
+    manager.poll_once()
+    assert metrics.unload_writing.wait(5)
+    os.rename(os.path.join(str(fakes.base), "2"), os.path.join(str(tmp_path), "moved-away"))
+    manager.poll_once()
+    assert manager.stop(timeout=5)
+    assert version_states(manager) == {1: State.AVAILABLE, 2: State.END}
+    assert (metrics.gauge(1), metrics.gauge(2)) == (1, 0)
