@@ -137,14 +137,14 @@ class ModelManager:
     def _poll_locked(self, wait=True):
         """Polls every model: one after another, or (num_load_threads) on the load threads,
         waiting for them unless `wait` is False; a model whose previous poll still runs (a
-        load, its retries) is left to it."""
+        load, its retries) is left to it, as is one re-added while its removed namesake's runs."""
         with self._lock:
             models = list(self._models.values())
         if self._model_polls is None:
             for m in models:
                 self._poll_model_logged(m)
             return
-        polls = [self._model_polls.submit(m, self._poll_model_logged, m) for m in models]
+        polls = [self._model_polls.submit(m.name, self._poll_model_logged, m) for m in models]
         if wait:
             futures.wait([f for f in polls if f is not None])
 
@@ -181,6 +181,8 @@ class ModelManager:
                     failed.add(v)
         aspired = aspired_versions(m.config.model_version_policy, present)
         for v in sorted(aspired - failed, reverse=True):
+            if m.removed:   # by a reload while this poll ran (on a load thread): it loads no more
+                return
             r = m.records.get(v)
             # An UNLOADING version (its unload on an unload thread) loads again once it is END.
             if r is None or r.state not in (State.AVAILABLE, State.UNLOADING):

@@ -45,6 +45,36 @@ def _start_gated_load(manager, fakes, version):
     wait_until(lambda: ("load-start", version) in fakes.events)
 
 
+def test_a_removed_and_re_added_model_loads_each_version_once_at_a_time(fakes, tmp_path):
+    """Model m removed by a reload while versions 3 (loading, held) and 2 are aspired, then added
+    back: the removed model's poll went on to load 2 after 3, and the re-added model's poll
+    loaded 3 again while the first load of 3 still ran. Now the removed model's poll loads
+    nothing more, and the new one waits for it (upstream keys loads by servable)."""
+    manager = ModelManager(_config(fakes, "m", num_versions=2), poll_seconds=-1,
+                           loader_factory=fakes.factory, num_load_threads=2)
+    manager.poll_once()
+    fakes.add_version(2)
+    manager.poll_once()
+    fakes.gates[3] = threading.Event()
+    fakes.add_version(3)
+    manager.poll_once(wait=False)
+    wait_until(lambda: ("load-start", 3) in fakes.events)
+    manager.apply_config(_config(fakes, num_versions=2), poll=False)      # m removed
+    manager.apply_config(_config(fakes, "m", num_versions=2), poll=False)  # and back
+    manager.poll_once(wait=False)
+    time.sleep(0.3)
+    assert fakes.events.count(("load-start", 3)) == 1   # not a second load of 3 beside the first
+    fakes.gates[3].set()
+    wait_until(lambda: ("unload", 3) in fakes.events)   # the removed model's late version
+    assert manager._model_polls.wait_all(5)
+    manager.poll_once()
+    assert version_states(manager) == {3: State.AVAILABLE, 2: State.AVAILABLE}
+    assert manager.stop(timeout=5)
+    starts = [e[1] for e in fakes.events if e[0] == "load-start"]
+    assert starts == [1, 2, 3, 3, 2]   # the removed model's poll did not go on to 2
+    _assert_one_load_at_a_time(fakes.events)
+
+
 def _assert_one_load_at_a_time(events):
     loading = set()
     for step, version in events:
