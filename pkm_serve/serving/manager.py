@@ -39,11 +39,8 @@ from pkm_serve.serving.version_dirs import directory_fingerprint, holds_model_hi
 log = logging.getLogger("pkm_serve.serving")
 State = get_model_status_pb2.ModelVersionStatus.State
 
-
 NO_VERSIONS_MESSAGE = ("No versions of servable {name} found under base path {path}. "
                        "Did you forget to name your leaf directory as a number (eg. '/1/')?")
-
-
 WAITING_WARNING_SECONDS = 60.0  # how often a start-up waiting for a first version says so
 
 
@@ -181,7 +178,7 @@ class ModelManager:
                     failed.add(v)
         aspired = aspired_versions(m.config.model_version_policy, present)
         for v in sorted(aspired - failed, reverse=True):
-            if m.removed:   # by a reload while this poll ran (on a load thread): it loads no more
+            if self._poll_ended(m):
                 return
             r = m.records.get(v)
             # An UNLOADING version (its unload on an unload thread) loads again once it is END.
@@ -190,14 +187,25 @@ class ModelManager:
                 if m.superseded:  # its retries ended for newer versions: this poll's list is stale
                     m.superseded = False
                     return self._poll_model(m)
+        if self._poll_ended(m):
+            return
         with self._lock:
             serving = {v for v, r in m.records.items() if r.state == State.AVAILABLE}
         for v in versions_to_unload(aspired, serving):
-            if self._unloads is None:
-                self._unload(m, m.records[v])
-            else:
-                loader = self._begin_unload(m.records[v])
-                self._unloads.submit(object(), self._finish_unload, m, m.records[v], loader)
+            self._unload_in_turn(m, m.records[v])
+
+    def _poll_ended(self, m):
+        """Its model removed by a reload (which unloaded it) or the server stopping (unload_all
+        unloads) while a poll ran on a load thread: the poll loads nothing more."""
+        return m.removed or self._stop.is_set()
+
+    def _unload_in_turn(self, m, r):
+        """On an unload thread (num_unload_threads), else here, as once stop() shut them down."""
+        loader = self._begin_unload(r)
+        with contextlib.suppress(RuntimeError):   # "cannot schedule new futures after shutdown"
+            if self._unloads is not None:
+                return self._unloads.submit(object(), self._finish_unload, m, r, loader)
+        self._finish_unload(m, r, loader)
 
     def _load(self, m, version, path, fingerprint):
         with self._lock:
@@ -220,14 +228,17 @@ class ModelManager:
             self._load_failed(m, r, path, ServingError(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}"), t0)
             return
         with self._lock:
-            r.loader, r.servable, r.state = loader, servable, State.AVAILABLE
-            removed = m.removed   # by a config reload while it loaded (num_load_threads)
+            # Nothing else would unload a version loaded too late: it never serves, it goes now.
+            late = self._poll_ended(m)
+            r.loader, r.servable = loader, servable
+            r.state = State.UNLOADING if late else State.AVAILABLE
             self._set_available_gauge(m.name, version)
-        if removed:
-            self._unload(m, r)
-            return
         if self._metrics:
             self._metrics.load_attempt(m.name, path, ok=True, seconds=time.perf_counter() - t0)
+        if late:
+            log.info("model %s: version %d loaded once removed or stopping; unloading it", m.name, version)
+            self._unload(m, r, drain_seconds=0.0)
+            return
         log.info("model %s: version %d available (load %.2fs, warmup %.2fs)", m.name, version,
                  getattr(servable, "load_seconds", 0.0), getattr(servable, "warmup_seconds", 0.0))
 
@@ -438,11 +449,16 @@ class ModelManager:
 
     def unload_all(self, drain_seconds, lock_seconds) -> bool:
         """Unloads every available version (server shutdown), each request still holding one
-        given up to drain_seconds. Skipped (False) if a poll (a load, which cannot be
-        interrupted) still holds the poll lock after lock_seconds."""
+        given up to drain_seconds. Skipped (False) if a poll (a load, which cannot be interrupted)
+        still holds the poll lock after lock_seconds; False too, after unloading, if a load on a
+        load thread has not ended by then (its version unloads when it ends: nothing loads now)."""
+        self._stop.set()
+        end = time.monotonic() + lock_seconds
         if not self._poll_lock.acquire(timeout=lock_seconds):
             return False
         try:
+            polls = self._model_polls
+            loads_ended = polls is None or polls.wait_all(max(0.0, end - time.monotonic()))
             with self._lock:
                 records = [(m, r) for m in self._models.values() for r in m.records.values()
                            if r.state == State.AVAILABLE]
@@ -450,7 +466,7 @@ class ModelManager:
                 self._unload(m, r, drain_seconds)
         finally:
             self._poll_lock.release()
-        return True
+        return loads_ended
 
     # ------------------------------------------------------------ lookups
     def _model(self, name):

@@ -45,6 +45,47 @@ def _start_gated_load(manager, fakes, version):
     wait_until(lambda: ("load-start", version) in fakes.events)
 
 
+def test_shutdown_during_a_load_reports_it_and_unloads_the_late_version(fakes, tmp_path):
+    """Server.stop's order (stop, then unload_all) while version 2 loads on a load thread:
+    unload_all said True at once and the version that loaded afterwards stayed AVAILABLE,
+    loaded for good. Now unload_all reports the load still running (False), and the version
+    is unloaded as soon as its load ends."""
+    manager = polled_manager(fakes.base, loader_factory=fakes.factory, num_load_threads=1)
+    _start_gated_load(manager, fakes, 2)
+    assert not manager.stop(timeout=0.1)
+    t0 = time.monotonic()
+    assert manager.unload_all(drain_seconds=0.0, lock_seconds=0.3) is False
+    assert time.monotonic() - t0 >= 0.25   # it waited for the load
+    assert ("unload", 1) in fakes.events   # what was loaded is unloaded all the same
+    fakes.gates[2].set()
+    wait_until(lambda: ("unload", 2) in fakes.events)
+    wait_until(lambda: version_states(manager) == {1: State.END, 2: State.END})
+    assert fakes.events.count(("load-start", 2)) == 1
+
+
+def test_unload_all_waits_for_a_load_in_flight(fakes, tmp_path):
+    """A load that ends within unload_all's time: unload_all waits for it and unloads it too."""
+    manager = polled_manager(fakes.base, loader_factory=fakes.factory, num_load_threads=1)
+    _start_gated_load(manager, fakes, 2)
+    manager.stop_waiting()
+    threading.Timer(0.3, fakes.gates[2].set).start()
+    assert manager.unload_all(drain_seconds=0.0, lock_seconds=10.0) is True
+    assert version_states(manager) == {1: State.END, 2: State.END}
+    assert sorted(e for e in fakes.events if e[0] == "unload") == [("unload", 1), ("unload", 2)]
+    assert manager.stop(timeout=5)
+
+
+def test_an_unload_after_the_unload_threads_shut_down_runs_in_the_poll(fakes, tmp_path):
+    """A poll that outlives stop() (which shuts the unload threads down) and unloads a
+    version: submitting it raised RuntimeError and left the version UNLOADING for good."""
+    manager = polled_manager(fakes.base, loader_factory=fakes.factory, num_unload_threads=1)
+    manager._unloads.shutdown()   # as stop() does once its wait is over
+    fakes.add_version(2)
+    manager.poll_once()
+    assert version_states(manager) == {1: State.END, 2: State.AVAILABLE}
+    assert fakes.events[-1] == ("unload", 1)
+
+
 def test_a_removed_and_re_added_model_loads_each_version_once_at_a_time(fakes, tmp_path):
     """Model m removed by a reload while versions 3 (loading, held) and 2 are aspired, then added
     back: the removed model's poll went on to load 2 after 3, and the re-added model's poll
