@@ -28,7 +28,7 @@ import grpc
 from tensorflow_serving.apis import get_model_status_pb2
 
 from pkm_serve.serving.errors import ServingError, not_found
-from pkm_serve.serving.load_threads import KeyedThreads
+from pkm_serve.serving.load_threads import KeyedThreads, run_all
 from pkm_serve.serving.loader import load_with_retries, make_loader_factory
 from pkm_serve.serving.model_records import (ManagedModel, VersionRecord, install_version_labels,
                                              validate_model_server_config)
@@ -171,22 +171,18 @@ class ModelManager:
             m.no_versions_logged = not present
         warn_of_missing_specific_versions(m, present)
         prints = {v: directory_fingerprint(p) for v, p in present.items()}
-        failed = set()
-        for v, r in m.records.items():
-            if r.state == State.END and r.error is not None and v in present:
-                if r.fingerprint == prints[v]:
-                    failed.add(v)
+        failed = {v for v, r in m.records.items()   # not tried again until its files change
+                  if r.state == State.END and r.error is not None and v in present and r.fingerprint == prints[v]}
         aspired = aspired_versions(m.config.model_version_policy, present)
-        for v in sorted(aspired - failed, reverse=True):
-            if self._poll_ended(m):
-                return
-            r = m.records.get(v)
-            # An UNLOADING version (its unload on an unload thread) loads again once it is END.
-            if r is None or r.state not in (State.AVAILABLE, State.UNLOADING):
-                self._load(m, v, present[v], prints[v])
-                if m.superseded:  # its retries ended for newer versions: this poll's list is stale
-                    m.superseded = False
-                    return self._poll_model(m)
+        # Each version on the load threads, as upstream's manager (in turn, newest first, without
+        # them). An UNLOADING version (its unload on an unload thread) loads again once it is END.
+        wanted = [v for v in sorted(aspired - failed, reverse=True)
+                  if m.records.get(v) is None or m.records[v].state not in (State.AVAILABLE, State.UNLOADING)]
+        run_all(self._model_polls, [((m.name, v), self._load_in_poll, m, v, present[v], prints[v])
+                                    for v in wanted])
+        if m.superseded:  # a load's retries ended for newer versions: this poll's list is stale
+            m.superseded = False
+            return self._poll_model(m)
         if self._poll_ended(m):
             return
         with self._lock:
@@ -206,6 +202,10 @@ class ModelManager:
             if self._unloads is not None:
                 return self._unloads.submit(object(), self._finish_unload, m, r, loader)
         self._finish_unload(m, r, loader)
+
+    def _load_in_poll(self, m, version, path, fingerprint):
+        if not (self._poll_ended(m) or m.superseded):
+            self._load(m, version, path, fingerprint)
 
     def _load(self, m, version, path, fingerprint):
         with self._lock:
