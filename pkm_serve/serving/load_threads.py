@@ -42,3 +42,34 @@ class KeyedThreads:
 
     def shutdown(self):
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def run_all(threads, calls):
+    """Runs every call of `calls` [(key, fn, *args)] and returns once they have all ended: in
+    turn in this thread if `threads` is None, else on the free threads of the KeyedThreads
+    `threads` and in this thread, which runs the first call and then each one no thread has
+    taken yet (so a task of `threads` waiting here cannot deadlock the pool, and the calls
+    running at once stay within its size). A call whose key runs already is skipped."""
+    if threads is None or len(calls) < 2:
+        for _key, fn, *args in calls:
+            fn(*args)
+        return
+    submitted = []
+    for key, fn, *args in calls[1:]:
+        try:
+            future = threads.submit(key, fn, *args)
+        except RuntimeError:   # the pool was shut down (stop()): run it here
+            submitted.append((None, fn, args))
+            continue
+        if future is not None:
+            submitted.append((future, fn, args))
+    first_key, first_fn, *first_args = calls[0]
+    if not threads.is_running(first_key):
+        first_fn(*first_args)
+    running = []
+    for future, fn, args in submitted:
+        if future is None or future.cancel():   # (wait() would wait for a cancelled one to be dequeued)
+            fn(*args)
+        else:
+            running.append(future)
+    concurrent.futures.wait(running)

@@ -28,9 +28,10 @@ import grpc
 from tensorflow_serving.apis import get_model_status_pb2
 
 from pkm_serve.serving.errors import ServingError, not_found
-from pkm_serve.serving.load_threads import KeyedThreads
+from pkm_serve.serving.load_threads import KeyedThreads, run_all
 from pkm_serve.serving.loader import load_with_retries, make_loader_factory
-from pkm_serve.serving.model_records import ManagedModel, VersionRecord, validate_model_server_config
+from pkm_serve.serving.model_records import (ManagedModel, VersionRecord, install_version_labels,
+                                             validate_model_server_config)
 from pkm_serve.serving.version_policy import aspired_versions, versions_to_unload, warn_of_missing_specific_versions
 from pkm_serve.serving.version_status import failed_loads, resolve_record, version_statuses
 from pkm_serve.serving.version_dirs import directory_fingerprint, holds_model_hint, is_directory, list_versions
@@ -38,11 +39,8 @@ from pkm_serve.serving.version_dirs import directory_fingerprint, holds_model_hi
 log = logging.getLogger("pkm_serve.serving")
 State = get_model_status_pb2.ModelVersionStatus.State
 
-
 NO_VERSIONS_MESSAGE = ("No versions of servable {name} found under base path {path}. "
                        "Did you forget to name your leaf directory as a number (eg. '/1/')?")
-
-
 WAITING_WARNING_SECONDS = 60.0  # how often a start-up waiting for a first version says so
 
 
@@ -125,23 +123,8 @@ class ModelManager:
                 self._update_labels()
 
     def _update_labels(self):
-        """Installs every model's version labels, or none (FAILED_PRECONDITION): as TF
-        Serving's ServerCore, a label may only name a version that is available, unless
-        allow_labels_for_unavailable and the label is new or keeps its version."""
         with self._lock:
-            new = {}
-            for m in self._models.values():
-                available = set(m.available_versions())
-                for label, version in m.config.version_labels.items():
-                    if version in available or (self._allow_labels_for_unavailable
-                                                and m.labels.get(label, version) == version):
-                        continue
-                    raise ServingError(grpc.StatusCode.FAILED_PRECONDITION,
-                                       f"Request to assign label to version {version} of model {m.name}, "
-                                       "which is not currently available for inference")
-                new[m.name] = dict(m.config.version_labels)
-            for m in self._models.values():
-                m.labels = new[m.name]
+            install_version_labels(self._models.values(), self._allow_labels_for_unavailable)
 
     # ------------------------------------------------------------ polling
     def poll_once(self, wait=True):
@@ -151,14 +134,14 @@ class ModelManager:
     def _poll_locked(self, wait=True):
         """Polls every model: one after another, or (num_load_threads) on the load threads,
         waiting for them unless `wait` is False; a model whose previous poll still runs (a
-        load, its retries) is left to it."""
+        load, its retries) is left to it, as is one re-added while its removed namesake's runs."""
         with self._lock:
             models = list(self._models.values())
         if self._model_polls is None:
             for m in models:
                 self._poll_model_logged(m)
             return
-        polls = [self._model_polls.submit(m, self._poll_model_logged, m) for m in models]
+        polls = [self._model_polls.submit(m.name, self._poll_model_logged, m) for m in models]
         if wait:
             futures.wait([f for f in polls if f is not None])
 
@@ -188,28 +171,41 @@ class ModelManager:
             m.no_versions_logged = not present
         warn_of_missing_specific_versions(m, present)
         prints = {v: directory_fingerprint(p) for v, p in present.items()}
-        failed = set()
-        for v, r in m.records.items():
-            if r.state == State.END and r.error is not None and v in present:
-                if r.fingerprint == prints[v]:
-                    failed.add(v)
+        failed = {v for v, r in m.records.items()   # not tried again until its files change
+                  if r.state == State.END and r.error is not None and v in present and r.fingerprint == prints[v]}
         aspired = aspired_versions(m.config.model_version_policy, present)
-        for v in sorted(aspired - failed, reverse=True):
-            r = m.records.get(v)
-            # An UNLOADING version (its unload on an unload thread) loads again once it is END.
-            if r is None or r.state not in (State.AVAILABLE, State.UNLOADING):
-                self._load(m, v, present[v], prints[v])
-                if m.superseded:  # its retries ended for newer versions: this poll's list is stale
-                    m.superseded = False
-                    return self._poll_model(m)
+        # Each version on the load threads, as upstream's manager (in turn, newest first, without
+        # them). An UNLOADING version (its unload on an unload thread) loads again once it is END.
+        wanted = [v for v in sorted(aspired - failed, reverse=True)
+                  if m.records.get(v) is None or m.records[v].state not in (State.AVAILABLE, State.UNLOADING)]
+        run_all(self._model_polls, [((m.name, v), self._load_in_poll, m, v, present[v], prints[v])
+                                    for v in wanted])
+        if m.superseded:  # a load's retries ended for newer versions: this poll's list is stale
+            m.superseded = False
+            return self._poll_model(m)
+        if self._poll_ended(m):
+            return
         with self._lock:
             serving = {v for v, r in m.records.items() if r.state == State.AVAILABLE}
         for v in versions_to_unload(aspired, serving):
-            if self._unloads is None:
-                self._unload(m, m.records[v])
-            else:
-                loader = self._begin_unload(m.records[v])
-                self._unloads.submit(object(), self._finish_unload, m, m.records[v], loader)
+            self._unload_in_turn(m, m.records[v])
+
+    def _poll_ended(self, m):
+        """Its model removed by a reload (which unloaded it) or the server stopping (unload_all
+        unloads) while a poll ran on a load thread: the poll loads nothing more."""
+        return m.removed or self._stop.is_set()
+
+    def _unload_in_turn(self, m, r):
+        """On an unload thread (num_unload_threads), else here, as once stop() shut them down."""
+        loader = self._begin_unload(r)
+        with contextlib.suppress(RuntimeError):   # "cannot schedule new futures after shutdown"
+            if self._unloads is not None:
+                return self._unloads.submit(object(), self._finish_unload, m, r, loader)
+        self._finish_unload(m, r, loader)
+
+    def _load_in_poll(self, m, version, path, fingerprint):
+        if not (self._poll_ended(m) or m.superseded):
+            self._load(m, version, path, fingerprint)
 
     def _load(self, m, version, path, fingerprint):
         with self._lock:
@@ -232,14 +228,17 @@ class ModelManager:
             self._load_failed(m, r, path, ServingError(grpc.StatusCode.UNKNOWN, f"{type(e).__name__}: {e}"), t0)
             return
         with self._lock:
-            r.loader, r.servable, r.state = loader, servable, State.AVAILABLE
-            removed = m.removed   # by a config reload while it loaded (num_load_threads)
-        if removed:
-            self._unload(m, r)
-            return
+            # Nothing else would unload a version loaded too late: it never serves, it goes now.
+            late = self._poll_ended(m)
+            r.loader, r.servable = loader, servable
+            r.state = State.UNLOADING if late else State.AVAILABLE
+            self._set_available_gauge(m.name, version)
         if self._metrics:
             self._metrics.load_attempt(m.name, path, ok=True, seconds=time.perf_counter() - t0)
-            self._metrics.version_available(m.name, version, True)
+        if late:
+            log.info("model %s: version %d loaded once removed or stopping; unloading it", m.name, version)
+            self._unload(m, r, drain_seconds=0.0)
+            return
         log.info("model %s: version %d available (load %.2fs, warmup %.2fs)", m.name, version,
                  getattr(servable, "load_seconds", 0.0), getattr(servable, "warmup_seconds", 0.0))
 
@@ -295,9 +294,16 @@ class ModelManager:
                 log.exception("model %s: version %d failed to unload cleanly", m.name, r.version)
         with self._lock:
             r.state = State.END
-        if self._metrics:
-            self._metrics.version_available(m.name, r.version, False)
+            self._set_available_gauge(m.name, r.version)
         log.info("model %s: version %d unloaded", m.name, r.version)
+
+    def _set_available_gauge(self, name, version):
+        """model_version_available as the model table has it, set under the lock (held) that
+        changed the state, so an unload thread's 0 cannot land after a reload's 1."""
+        if self._metrics:
+            model = self._models.get(name)
+            r = model.records.get(version) if model else None
+            self._metrics.version_available(name, version, r is not None and r.state == State.AVAILABLE)
 
     def _maybe_reload_config_file(self):
         """Re-reads the config file on every poll (as TF Serving does) and applies it when
@@ -443,11 +449,16 @@ class ModelManager:
 
     def unload_all(self, drain_seconds, lock_seconds) -> bool:
         """Unloads every available version (server shutdown), each request still holding one
-        given up to drain_seconds. Skipped (False) if a poll (a load, which cannot be
-        interrupted) still holds the poll lock after lock_seconds."""
+        given up to drain_seconds. Skipped (False) if a poll (a load, which cannot be interrupted)
+        still holds the poll lock after lock_seconds; False too, after unloading, if a load on a
+        load thread has not ended by then (its version unloads when it ends: nothing loads now)."""
+        self._stop.set()
+        end = time.monotonic() + lock_seconds
         if not self._poll_lock.acquire(timeout=lock_seconds):
             return False
         try:
+            polls = self._model_polls
+            loads_ended = polls is None or polls.wait_all(max(0.0, end - time.monotonic()))
             with self._lock:
                 records = [(m, r) for m in self._models.values() for r in m.records.values()
                            if r.state == State.AVAILABLE]
@@ -455,7 +466,7 @@ class ModelManager:
                 self._unload(m, r, drain_seconds)
         finally:
             self._poll_lock.release()
-        return True
+        return loads_ended
 
     # ------------------------------------------------------------ lookups
     def _model(self, name):

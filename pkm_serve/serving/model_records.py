@@ -1,8 +1,9 @@
 """What the model manager keeps of each model and version (manager.py)."""
+import grpc
 from tensorflow_serving.apis import get_model_status_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
-from pkm_serve.serving.errors import invalid
+from pkm_serve.serving.errors import ServingError, invalid
 
 State = get_model_status_pb2.ModelVersionStatus.State
 
@@ -34,6 +35,24 @@ class ManagedModel:
 
     def available_versions(self):
         return sorted(v for v, r in self.records.items() if r.state == State.AVAILABLE)
+
+
+def install_version_labels(models, allow_labels_for_unavailable):
+    """Installs every ManagedModel's configured version labels, or none (FAILED_PRECONDITION):
+    as TF Serving's ServerCore, a label may only name a version that is available, unless
+    allow_labels_for_unavailable and the label is new or keeps its version. The caller holds
+    the manager's lock."""
+    models = list(models)
+    for m in models:
+        available = set(m.available_versions())
+        for label, version in m.config.version_labels.items():
+            if version not in available and not (allow_labels_for_unavailable
+                                                 and m.labels.get(label, version) == version):
+                raise ServingError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"Request to assign label to version {version} of model {m.name}, "
+                                   "which is not currently available for inference")
+    for m in models:
+        m.labels = dict(m.config.version_labels)
 
 
 def validate_model_server_config(server_config):

@@ -192,7 +192,7 @@ class Server:
         # The front ends have drained: a request still in flight now is stuck in its model,
         # and closing the version's session is what cancels it.
         if not self.manager.unload_all(drain_seconds=min(1.0, left()), lock_seconds=left()):
-            overran.append("unloading the models (a load holds the model table)")
+            overran.append("unloading the models (a load still runs)")
         self.stop_step = None
         if overran:
             log.error("not stopped within %.0fs: %s", grace + STOP_MARGIN_SECONDS, "; ".join(overran))
