@@ -53,10 +53,12 @@ def test_values_that_cannot_be_served_are_usage_errors(capsys, argv, needle):
 
 # ------------------------------------------------------------------ --num_load_threads
 class _Loader(Loader):
-    def __init__(self, fail):
-        self._fail, self._servable = fail, None
+    def __init__(self, fail, gate=None):
+        self._fail, self._gate, self._servable = fail, gate, None
 
     def load(self):
+        if self._gate is not None:
+            self._gate.wait(20)
         if self._fail:
             raise RuntimeError("broken version")
         self._servable = object()
@@ -68,18 +70,21 @@ class _Loader(Loader):
         self._servable = None
 
 
-def _two_models(tmp_path, num_load_threads):
-    """Models a and b serving version 1, then a broken version 2 of a (retried 3 times,
-    0.4 s apart) and a good version 2 of b appear."""
+def _two_models(tmp_path, num_load_threads, gate):
+    """Models a and b serving version 1, then a broken version 2 of a (whose load waits for
+    `gate`, then fails; no retries); a good version 2 of b appears once a's is loading."""
     cfg = model_server_config_pb2.ModelServerConfig()
     for name in ("a", "b"):
         os.makedirs(tmp_path / name / "1")
         cfg.model_config_list.config.add(name=name, base_path=str(tmp_path / name), model_platform="tensorflow")
-    manager = ModelManager(cfg, poll_seconds=0.05, max_num_load_retries=3, load_retry_interval_seconds=0.4,
-                           loader_factory=lambda name, version, path: _Loader(name == "a" and version == 2),
+    broken = ("a", 2)
+    manager = ModelManager(cfg, poll_seconds=0.05, max_num_load_retries=0,
+                           loader_factory=lambda name, version, path: _Loader(
+                               (name, version) == broken, gate if (name, version) == broken else None),
                            num_load_threads=num_load_threads)
     manager.start()
     os.makedirs(tmp_path / "a" / "2")
+    wait_until(lambda: _state(manager, "a", 2) == State.LOADING, seconds=10)
     os.makedirs(tmp_path / "b" / "2")
     return manager
 
@@ -89,22 +94,25 @@ def _state(manager, name, version):
 
 
 @pytest.mark.parametrize("num_load_threads", [0, 2])
-def test_num_load_threads_keeps_a_retrying_model_from_delaying_another(tmp_path, num_load_threads):
+def test_num_load_threads_keeps_a_slow_load_from_delaying_another_model(tmp_path, num_load_threads):
     """aspired_versions_manager: with num_load_threads 0 loads run one after another in the
-    manager loop, so b's new version waited for a's retries (1.2 s); with a pool of 2, b's
-    loads while a's broken version is still being retried."""
-    manager = _two_models(tmp_path, num_load_threads)
+    manager loop, so b's new version waits until a's (held at a gate here) has ended; with a
+    pool of 2, b's loads while a's is still loading."""
+    gate = threading.Event()
+    manager = _two_models(tmp_path, num_load_threads, gate)
     try:
-        wait_until(lambda: _state(manager, "b", 2) == State.AVAILABLE, seconds=10)
-        a_state = _state(manager, "a", 2)
         if num_load_threads:
-            assert a_state == State.LOADING   # still retrying
+            wait_until(lambda: _state(manager, "b", 2) == State.AVAILABLE, seconds=10)
+            assert _state(manager, "a", 2) == State.LOADING
         else:
-            assert a_state == State.END       # b waited for every retry of a
+            time.sleep(0.5)   # polls go on meanwhile; b's version cannot load before a's ends
+            assert _state(manager, "b", 2) != State.AVAILABLE
+        gate.set()
+        wait_until(lambda: _state(manager, "b", 2) == State.AVAILABLE, seconds=10)
         wait_until(lambda: _state(manager, "a", 2) == State.END, seconds=10)
-        assert manager.status(model_pb2.ModelSpec(name="a"))  # a's version 1 still serves
-        assert _state(manager, "a", 1) == State.AVAILABLE
+        assert _state(manager, "a", 1) == State.AVAILABLE   # a's version 1 still serves
     finally:
+        gate.set()
         assert manager.stop(timeout=10)
 
 
