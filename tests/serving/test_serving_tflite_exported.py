@@ -2,7 +2,7 @@
 served with `--prefer_tflite_model`: what a TF Serving user of that version sees.
 
 Keras' export writes one function under two signature keys, `serve` and `serving_default`;
-the TFLite converter writes one signature per function. The references are the
+the TFLite converter writes one signature per function (`serving_default`). The references are the
 SavedModel's own signatures and numpy float64."""
 import numpy as np
 import pytest
@@ -36,26 +36,42 @@ def keras_export(tmp_path_factory, tf_with_ops):
     return str(dst / "1"), src, reference
 
 
-def test_keras_export_with_warmup_serves_both_keys_from_the_tflite(keras_export, tf_with_ops):
-    """The .tflite held `serving_default` only while the warmup file also held records for
-    `serve`: the TFLite version failed its load (`Serving signature name: "serve" not found`),
-    so the exported directory could not be served with --prefer_tflite_model at all. Now the
-    export adds `serve` back to the .tflite as another name of the same signature."""
+def _warmup_keys(path):
+    import tensorflow as tf
+    from tensorflow_serving.apis import prediction_log_pb2
+    keys = []
+    for record in tf.data.TFRecordDataset(f"{path}/assets.extra/tf_serving_warmup_requests"):
+        log = prediction_log_pb2.PredictionLog.FromString(record.numpy())
+        keys.append(log.predict_log.request.model_spec.signature_name)
+    return keys
+
+
+def test_keras_export_with_warmup_serves_from_the_tflite(keras_export, tf_with_ops):
+    """The .tflite holds `serving_default` only (the converter writes Keras' `serve`, the same
+    function, once) while the warmup file held records for `serve` too: the TFLite version
+    failed its load (`Serving signature name: "serve" not found`). Now the export writes
+    records only for keys the .tflite holds, and the .tflite keeps the converter's one
+    signature (a device's get_signature_runner() without a key runs it)."""
+    from pkm_serve import tflite
     from pkm_serve.serving.loader import make_loader_factory
     path, src, reference = keras_export
-    loader = make_loader_factory(warmup=True, prefer_tflite_model=True)("keras", 1, path)
-    loader.load()
-    try:
-        servable = loader.servable()
-        assert servable.runtime == "TFLite"
-        assert sorted(servable.signatures) == ["serve", "serving_default"]
-        saved = tf_with_ops.saved_model.load(src)
-        x = np.random.default_rng(4).integers(0, N, size=(6, K)).astype(np.int32)
-        for key in ("serve", "serving_default"):
-            (out_key,) = servable.signature_defs[key].outputs
-            got = servable.signature(key).run({"ids": x})[out_key]
-            want = next(iter(saved.signatures[key](ids=x).values())).numpy()
+    assert set(_warmup_keys(path)) == {"serving_default"}
+    x = np.random.default_rng(4).integers(0, N, size=(6, K)).astype(np.int32)
+    interp = tflite.make_interpreter(open(f"{path}/model.tflite", "rb").read())
+    assert list(interp.get_signature_list()) == ["serving_default"]
+    device = next(iter(interp.get_signature_runner()(ids=x).values()))
+    np.testing.assert_allclose(device, reference(x), rtol=1e-5, atol=1e-5)
+    saved = tf_with_ops.saved_model.load(src)
+    for prefer_tflite, runtime in ((True, "TFLite"), (False, "TF")):
+        loader = make_loader_factory(warmup=True, prefer_tflite_model=prefer_tflite)("keras", 1, path)
+        loader.load()
+        try:
+            servable = loader.servable()
+            assert servable.runtime == runtime
+            (out_key,) = servable.signature_defs["serving_default"].outputs
+            got = servable.signature("serving_default").run({"ids": x})[out_key]
+            want = next(iter(saved.signatures["serving_default"](ids=x).values())).numpy()
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(got, reference(x), rtol=1e-5, atol=1e-5)
-    finally:
-        loader.unload()
+        finally:
+            loader.unload()
