@@ -9,7 +9,9 @@ becomes one, its inputs and outputs by their signature names; a .tflite without
 any gets one `serving_default` whose aliases are the interpreter's input and
 output tensor names up to any ':' (TF Serving's tflite_session.cc).
 Every TensorInfo carries the tensor's name, dtype and shape signature (-1 for
-a dynamic dimension).
+a dynamic dimension). A signature must feed every input of its subgraph, each from an
+input of its own (an unfed one keeps the previous request's data), and tensors of one
+name are refused, as upstream's GetTensorInfoMap.
 
 Threads: a TFLite interpreter is not thread-safe. Each version owns a pool of
 `num_interpreters` interpreters over one copy of the model bytes (constant
@@ -99,6 +101,36 @@ def _dtype_name(enum_value) -> str:
         return f"<unknown DataType {enum_value}>"
 
 
+def _refuse_shared_names(key, details, what):
+    """Two input (or output) tensors of one name: as upstream's GetTensorInfoMap ("...
+    has multiple indices"), refused; served by name, one of them would never be fed."""
+    seen = {}
+    for d in details:
+        if d["name"] in seen:
+            raise ValueError(f"signature '{key}': {what} tensors {seen[d['name']]} and {d['index']} are "
+                             f"both named '{d['name']}' ({what.capitalize()} tensor name: {d['name']} "
+                             f"has multiple indices)")
+        seen[d["name"]] = d["index"]
+
+
+def _check_inputs_one_to_one(key, in_index, input_details):
+    """A signature's input aliases map one-to-one onto the interpreter's inputs: an input no
+    alias feeds keeps the previous request's data (another client's) or uninitialised memory;
+    two aliases of one tensor overwrite each other."""
+    names = {d["index"]: d["name"] for d in input_details}
+    aliases = {}
+    for alias, index in in_index.items():
+        aliases.setdefault(index, []).append(alias)
+    for index, shared in aliases.items():
+        if len(shared) > 1:
+            raise ValueError(f"signature '{key}': inputs {', '.join(sorted(shared))} all feed tensor "
+                             f"'{names.get(index, index)}' (each input must feed a tensor of its own)")
+    unfed = [name for index, name in names.items() if index not in aliases]
+    if unfed:
+        raise ValueError(f"signature '{key}' feeds only some of the model's inputs: no input for "
+                         f"tensor(s) {', '.join(map(repr, unfed))} (they would keep another request's data)")
+
+
 def _metadata_bindings(interp, signature_defs):
     """_bindings of SignatureDefs from the metadata, run on the main subgraph's tensors by
     name: a TensorInfo name not among them is tried cut at its first ':' (the converter's
@@ -107,6 +139,8 @@ def _metadata_bindings(interp, signature_defs):
     dtype than its tensor's fails the load (every request would be refused or misread)."""
     out = {}
     for key, sdef in signature_defs.items():
+        _refuse_shared_names(key, interp.get_input_details(), "input")
+        _refuse_shared_names(key, interp.get_output_details(), "output")
         sdef = meta_graph_pb2.SignatureDef.FromString(sdef.SerializeToString())
         indices = []
         for infos, details, what in ((sdef.inputs, interp.get_input_details(), "input"),
@@ -129,7 +163,21 @@ def _metadata_bindings(interp, signature_defs):
                     info.tensor_shape.CopyFrom(found.tensor_shape)
                 info.name, index[alias] = name, by_name[name]["index"]
             indices.append(index)
+        _check_inputs_one_to_one(key, indices[0], interp.get_input_details())
         out[key] = (sdef, indices[0], indices[1], False)
+    return out
+
+
+def _signature_subgraph_inputs(model_bytes) -> dict:
+    """{signature key: [{index, name} of each input of its subgraph]}, from the flatbuffer
+    (the signature runner tells only the inputs its SignatureDef names)."""
+    model = tflite.flatbuffer_schema().Model.GetRootAsModel(model_bytes, 0)   # (no copy)
+    out = {}
+    for i in range(model.SignatureDefsLength()):
+        sig = model.SignatureDefs(i)
+        graph = model.Subgraphs(sig.SubgraphIndex())
+        out[sig.SignatureKey().decode()] = [
+            {"index": int(t), "name": graph.Tensors(int(t)).Name().decode()} for t in graph.InputsAsNumpy()]
     return out
 
 
@@ -143,16 +191,20 @@ def _bindings(interp, model_bytes):
     out = {}
     keys = list(interp.get_signature_list())
     if not keys:   # no SignatureDef in the .tflite: one by tensor names (tflite_session.cc)
+        _refuse_shared_names(DEFAULT_SIGNATURE, interp.get_input_details(), "input")
+        _refuse_shared_names(DEFAULT_SIGNATURE, interp.get_output_details(), "output")
         ins = _by_legacy_names(interp.get_input_details())
         outs = _by_legacy_names(interp.get_output_details())
         keys, by_runner = [DEFAULT_SIGNATURE], False
         details = {DEFAULT_SIGNATURE: (ins, outs)}
     else:
-        by_runner = True
+        by_runner, subgraph_inputs = True, _signature_subgraph_inputs(model_bytes)
         details = {}
         for key in keys:
             runner = interp.get_signature_runner(key)
             details[key] = (runner.get_input_details(), runner.get_output_details())
+            _check_inputs_one_to_one(key, {a: d["index"] for a, d in details[key][0].items()},
+                                     subgraph_inputs[key])
     for key in keys:
         ins, outs = details[key]
         sdef = meta_graph_pb2.SignatureDef(method_name=PREDICT_METHOD)
