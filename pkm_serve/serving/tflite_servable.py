@@ -26,6 +26,7 @@ upstream's TfLiteSession, the version batches its own requests: a scheduler with
 thread per interpreter merges the requests that queue while every interpreter is busy
 (no timeout), splits a request past `max_execution_batch_size` rows into pieces of that
 size and refuses one past 500 rows (tflite_session.cc's options; see _session_batching).
+Its threads start once the signatures are built, so a refused load leaves none.
 """
 import contextlib
 import logging
@@ -264,17 +265,17 @@ class _Interpreter:
 
 
 class TfLiteSignature(SignatureBase):
-    def __init__(self, name, signature_def, pool, scheduler=None):
+    def __init__(self, name, signature_def, pool):
         super().__init__(name, signature_def)
         self._pool = pool
-        self._scheduler = scheduler
+        self.scheduler = None   # the version's own (interpreters_per_pool > 1), set once loaded
 
     def run(self, inputs: dict, output_filter=()) -> dict:
         fetches = self.fetches(output_filter)
         # np.require, not np.ascontiguousarray: that makes a scalar [1] (ndim >= 1).
         arrays = {k: np.require(v, requirements="C") for k, v in inputs.items()}
-        if self._scheduler is not None:
-            outputs = self._scheduler.run(self._pool, _Unbatched(self), arrays)
+        if self.scheduler is not None:
+            outputs = self.scheduler.run(self._pool, _Unbatched(self), arrays)
         else:
             outputs = self.run_unbatched(arrays)
         return {k: np.asarray(outputs[k]) for k in fetches}   # (LiteRT gives a scalar as np.float32)
@@ -309,8 +310,8 @@ def _session_batching(model_bytes, num_interpreters, interpreters_per_pool):
     """The version's own BatchScheduler for interpreters_per_pool > 1, else None, with
     TfLiteSession::Create's options: one batch thread per interpreter, no batch timeout,
     large requests split into pieces of the model's fixed batch size (a single input whose
-    stored dimension 0 is above 1) or else ceil(500 / interpreters_per_pool) rows, and
-    100 batches queued per interpreter."""
+    stored dimension 0 is above 1; above 500 refused, as upstream) or else
+    ceil(500 / interpreters_per_pool) rows, and 100 batches queued per interpreter."""
     if interpreters_per_pool <= 1:
         return None
     model = tflite.flatbuffer_schema().Model.GetRootAsModel(model_bytes, 0)   # (no copy)
@@ -318,14 +319,19 @@ def _session_batching(model_bytes, num_interpreters, interpreters_per_pool):
     fixed = graph.Tensors(graph.Inputs(0)).Shape(0) if graph.InputsLength() == 1 and \
         graph.Tensors(graph.Inputs(0)).ShapeLength() else 0
     per_run = fixed if fixed > 1 else -(-_SESSION_MAX_BATCH // interpreters_per_pool)
+    if per_run > _SESSION_MAX_BATCH:   # (upstream's SharedBatchScheduler::AddQueue refuses the load)
+        raise invalid(f"the model's fixed input batch is {per_run} rows, above the {_SESSION_MAX_BATCH} "
+                      "a TFLite session with --num_tflite_interpreters_per_pool above 1 takes: When "
+                      "enable_large_batch_splitting is true, input_batch_size_limit must be greater "
+                      "than or equal to max_execution_batch_size.")
     params = protos.BatchingParameters()
     params.max_batch_size.value = _SESSION_MAX_BATCH
     params.batch_timeout_micros.value = 0
     params.num_batch_threads.value = num_interpreters
     params.max_enqueued_batches.value = num_interpreters * 100
     params.enable_large_batch_splitting.value = True
-    params.max_execution_batch_size.value = min(per_run, _SESSION_MAX_BATCH)
-    return BatchScheduler(params)
+    params.max_execution_batch_size.value = per_run
+    return BatchScheduler(params, stopped_message="this model version was unloaded")
 
 
 class _Pool:
@@ -382,10 +388,12 @@ class TfLiteServable(ServableBase):
             raise invalid(f"cannot load {model_path} in LiteRT with the pkm_serve delegate: "
                           f"{' '.join(str(e).split())[:2000]}") from None
         self._pool = _Pool(interpreters)
-        self._scheduler = _session_batching(model_bytes, self._pool.size, interpreters_per_pool)
         self.signature_defs = {k: b[0] for k, b in interpreters[0].bindings.items()}
-        self.signatures = {k: TfLiteSignature(k, sdef, self._pool, self._scheduler)
-                           for k, sdef in self.signature_defs.items()}
+        self.signatures = {k: TfLiteSignature(k, sdef, self._pool) for k, sdef in self.signature_defs.items()}
+        # The batch threads start last: a load refused before them leaves none running.
+        self._scheduler = _session_batching(model_bytes, self._pool.size, interpreters_per_pool)
+        for signature in self.signatures.values():
+            signature.scheduler = self._scheduler
         log.info("model %s version %d: serving %s with %d TFLite interpreter(s)", name, version,
                  model_path, self._pool.size)
         self._finish_load(t0, warmup, rounds=self._pool.size)
