@@ -28,12 +28,12 @@ def keras_export(tmp_path_factory, tf_with_ops):
     model.export(src, format="tf_saved_model", verbose=False)
     kernel, bias = (w.numpy().astype(np.float64) for w in head.weights)
     dst = root / "model"
-    export_saved_model(src, str(dst), version=1, tflite=str(dst / "1" / "model.tflite"),
-                       warmup_requests=2, quiet=True)
+    result = export_saved_model(src, str(dst), version=1, tflite=str(dst / "1" / "model.tflite"),
+                                warmup_requests=2, quiet=True)
 
     def reference(x):
         return table.astype(np.float64)[x].mean(axis=1) @ kernel + bias
-    return str(dst / "1"), src, reference
+    return str(dst / "1"), src, reference, result
 
 
 def _warmup_keys(path):
@@ -69,8 +69,10 @@ def test_keras_export_with_warmup_serves_from_the_tflite(keras_export, tf_with_o
     signature (a device's get_signature_runner() without a key runs it)."""
     from pkm_serve import tflite
     from pkm_serve.serving.loader import make_loader_factory
-    path, src, reference = keras_export
-    assert set(_warmup_keys(path)) == {"serving_default"}
+    from pkm_serve.export.exporter import format_report
+    path, src, reference, result = keras_export
+    assert _warmup_keys(path) == ["serving_default"] * 2
+    assert "warmup: no requests for signature 'serve': the .tflite does not hold it" in format_report(result)
     x = np.random.default_rng(4).integers(0, N, size=(6, K)).astype(np.int32)
     model = open(f"{path}/model.tflite", "rb").read()
     interp = tflite.make_interpreter(model)
