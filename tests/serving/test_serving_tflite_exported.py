@@ -12,7 +12,7 @@ N, D, K, CLASSES = 40, 8, 5, 3
 
 @pytest.fixture(scope="module")
 def keras_export(tmp_path_factory, tf_with_ops):
-    """(version directory, SavedModel source, numpy reference) of a Keras
+    """(version directory, SavedModel source, numpy reference, ExportResult) of a Keras
     Embedding -> mean pooling -> Dense model exported with a .tflite and warmup records."""
     import keras
     from pkm_serve.export.exporter import export_saved_model
