@@ -33,7 +33,6 @@ from pkm_serve.tflite_model import (  # noqa: F401
     RAGGED_CUSTOM_OP_NAME,
     TFLITE_FILE_IDENTIFIER,
     _schema,
-    add_signature_aliases,
     build_embedding_bag_model,
     check_int8_tables,
     check_tflite_bytes,

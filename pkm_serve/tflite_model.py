@@ -418,29 +418,3 @@ def build_embedding_bag_model(table: np.ndarray, bag_size: int, combiner: str = 
     builder = flatbuffers.Builder(table.nbytes + 4096)
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
     return bytes(builder.Output())
-
-
-def add_signature_aliases(model_bytes: bytes, aliases: dict) -> bytes:
-    """The model with one more SignatureDef per ``{new key: existing key}`` entry, each a
-    copy of the existing one (same subgraph, same input and output names) under the new
-    key. The converter writes one signature per function, so a SavedModel function served
-    under two keys (Keras' ``serve`` and ``serving_default``) keeps only one of them."""
-    import copy
-
-    check_tflite_bytes(model_bytes, "add_signature_aliases")
-    schema = _schema()
-    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
-    by_key = {(s.signatureKey.decode() if isinstance(s.signatureKey, bytes) else s.signatureKey): s
-              for s in model.signatureDefs or []}
-    for new_key, existing in aliases.items():
-        if new_key in by_key or existing not in by_key:
-            raise ValueError(f"add_signature_aliases: cannot add {new_key!r} as {existing!r}: the model "
-                             f"has signatures {sorted(by_key)}")
-        alias = copy.deepcopy(by_key[existing])
-        alias.signatureKey = new_key
-        model.signatureDefs.append(alias)
-        by_key[new_key] = alias
-    import flatbuffers
-    builder = flatbuffers.Builder(len(model_bytes) + 4096)
-    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    return bytes(builder.Output())

@@ -51,6 +51,7 @@ class ExportResult:
     quantization: Optional[dict] = None   # --quantize-table int8 (export/quantize.py)
     warmup_requests: int = 0              # --warmup-requests: records written (export/warmup.py)
     warmup_skipped: Dict[str, list] = dataclasses.field(default_factory=dict)  # signature: state writers
+    warmup_not_in_tflite: List[str] = dataclasses.field(default_factory=list)  # (another key of its function)
     message: str = ""
     feeds: Dict[str, dict] = dataclasses.field(default_factory=dict, repr=False)
 
@@ -379,9 +380,12 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
                     quantize_tolerance, feeds=result.feeds)
                 phase.advance()
         if warmup_requests:  # last: the requests run on the model as it is written
+            # (One file serves both SavedModel and .tflite: keys the .tflite lacks fail its load.)
+            warm = [n for n in chosen if n in result.tflite["signatures"]] if tflite else chosen
+            result.warmup_not_in_tflite = [n for n in chosen if n not in warm]
             with progress.phase("writing warmup requests"):
                 result.warmup_requests, result.warmup_skipped = warmup.write_warmup_requests(
-                    tmp_dir, chosen, warmup_requests, index_limit, samples, verify_batch_size,
+                    tmp_dir, warm, warmup_requests, index_limit, samples, verify_batch_size,
                     result.feeds, os.path.basename(dst))
         # mkdtemp makes the directory owner-only; a model server may run as
         # another user.
@@ -453,6 +457,8 @@ def format_report(result: ExportResult) -> str:
     for name, writers in result.warmup_skipped.items():
         lines.append(f"warmup: no requests for signature {name!r}: it writes state ({', '.join(writers)}), "
                      "which a replay at every load would change")
+    lines.extend(f"warmup: no requests for signature {name!r}: the .tflite does not hold it (the "
+                 "converter wrote its function under another key)" for name in result.warmup_not_in_tflite)
     return "\n".join(lines)
 
 

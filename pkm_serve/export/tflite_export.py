@@ -175,8 +175,8 @@ def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
     original = tf.saved_model.load(original_dir) if quantized and original_dir else None
     tolerance = tolerance_or_default(tolerance) if quantized else None
     rows, worst = [], None
-    # keep_signatures added back the aliases the converter left out (Keras' 'serve' /
-    # 'serving_default'): each is checked here against the SavedModel's own.
+    # The converter keeps one signature per function: aliases such as Keras'
+    # 'serve' / 'serving_default' come out as one.
     present = [name for name in signatures if name in interp.get_signature_list()]
     for name in present:
         fn = loaded.signatures[name]
@@ -295,29 +295,18 @@ def _signature_interfaces(export_dir: str) -> Dict[str, tuple]:
     return {key: (d.method_name, specs(d.inputs), specs(d.outputs)) for key, d in defs.items()}
 
 
-def keep_signatures(model: bytes, export_dir: str, signatures: Sequence[str]) -> bytes:
-    """The converter writes one signature per function: a requested signature left out
-    that is another name of one kept (the same interface, as Keras' 'serve' and
-    'serving_default') is added back as a copy of it (verify_tflite then checks it against
-    the SavedModel's own, which catches a different function that only looks the same),
-    so the .tflite serves every key the SavedModel beside it does and the warmup records
-    written for them replay; one missing otherwise is refused."""
+def check_signatures_kept(model: bytes, export_dir: str, signatures: Sequence[str]) -> None:
+    """The converter can leave a requested signature out of the .tflite without an
+    error; a signature missing that is not another name of one kept (the same
+    interface: a different function with the same one would pass unnoticed) is refused."""
     kept = _tflite_signatures(model)
     interfaces = _signature_interfaces(export_dir)
-    aliases, dropped = {}, []
-    for name in signatures:
-        if name in kept:
-            continue
-        same = [other for other in kept if interfaces.get(name) == interfaces.get(other)]
-        if same:
-            aliases[name] = same[0]
-        else:
-            dropped.append(name)
+    dropped = [name for name in signatures if name not in kept and
+               not any(interfaces.get(name) == interfaces.get(other) for other in kept)]
     if dropped:
         raise ExportError(f"the TFLite converter left signature(s) {', '.join(map(repr, dropped))} out of the "
                           f".tflite (it kept {', '.join(map(repr, kept)) or 'none'}); convert them in a .tflite of "
                           "their own with --signatures")
-    return pkm_tflite.add_signature_aliases(model, aliases) if aliases else model
 
 
 def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str,
@@ -341,7 +330,7 @@ def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str
                 model = pkm_tflite.quantize_table_int8(model)
             except ValueError as e:
                 raise ExportError(f"--quantize-table int8: {e}") from None
-    model = keep_signatures(model, export_dir, signatures)
+    check_signatures_kept(model, export_dir, signatures)
     found_ops = _check_custom_ops(model, not_fused)
     if len(model) > FLATBUFFER_LIMIT:
         raise ExportError(f"the .tflite would be {len(model)} bytes, over the 2 GB "

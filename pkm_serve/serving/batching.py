@@ -259,8 +259,9 @@ class _Queue:
 
 
 class BatchScheduler:
-    def __init__(self, params, metrics=None):
+    def __init__(self, params, metrics=None, stopped_message="server is shutting down"):
         self.opts = BatchOptions(params)
+        self._stopped_message = stopped_message   # UNAVAILABLE to a request that comes after stop()
         self._metrics = metrics
         self._cv = threading.Condition()
         # Keyed by the servable object itself (never id(): a collected version's id can be
@@ -300,7 +301,7 @@ class BatchScheduler:
         key = self._key(servable, signature, inputs, opts.pad_variable_length_inputs)
         with self._cv:
             if self._stopping:
-                raise ServingError(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+                raise ServingError(grpc.StatusCode.UNAVAILABLE, self._stopped_message)
             q = self._queues.get(key)
             if q is None:
                 q = self._queues[key] = _Queue(key, signature.run, opts)

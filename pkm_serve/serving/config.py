@@ -44,7 +44,7 @@ def _add_tflite_flags(flag, boolflag):
     flag("--num_tflite_pools", type=int, default=None,
          help="TFLite interpreters per served .tflite version; each runs one request at a time "
               "(TF Serving's flag; here every pool is one interpreter). Default: the number of "
-              "CPUs; 0 is one, as upstream's TfLiteSession takes max(1, N).")
+              "CPUs this process may run on; 0 is one, as upstream's TfLiteSession takes max(1, N).")
     flag("--num_tflite_interpreters_per_pool", type=int, default=1,
          help="Above 1, each served .tflite version batches its own requests as TF Serving's "
               "TfLiteSession does with this flag: one batch thread per interpreter, requests "
@@ -304,7 +304,8 @@ def ssl_server_context(cfg):
 
 def tflite_interpreters(args) -> int:
     """Interpreters of each TFLite version: --num_tflite_pools, whose default upstream is
-    the number of CPUs; an explicit 0 is one (TfLiteSession::Create takes max(1, N))."""
+    the number of CPUs this process may run on (NumSchedulableCPUs: its affinity mask, not
+    the machine's CPUs); an explicit 0 is one (TfLiteSession::Create takes max(1, N))."""
     if args.num_tflite_pools is None:
-        return os.cpu_count() or 1
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, args.num_tflite_pools)

@@ -9,7 +9,9 @@ becomes one, its inputs and outputs by their signature names; a .tflite without
 any gets one `serving_default` whose aliases are the interpreter's input and
 output tensor names up to any ':' (TF Serving's tflite_session.cc).
 Every TensorInfo carries the tensor's name, dtype and shape signature (-1 for
-a dynamic dimension).
+a dynamic dimension). A signature must feed every input of its subgraph, each from an
+input of its own (an unfed one keeps the previous request's data), and tensors of one
+name are refused, as upstream's GetTensorInfoMap.
 
 Threads: a TFLite interpreter is not thread-safe. Each version owns a pool of
 `num_interpreters` interpreters over one copy of the model bytes (constant
@@ -24,6 +26,7 @@ upstream's TfLiteSession, the version batches its own requests: a scheduler with
 thread per interpreter merges the requests that queue while every interpreter is busy
 (no timeout), splits a request past `max_execution_batch_size` rows into pieces of that
 size and refuses one past 500 rows (tflite_session.cc's options; see _session_batching).
+Its threads start once the signatures are built, so a refused load leaves none.
 """
 import contextlib
 import logging
@@ -99,6 +102,36 @@ def _dtype_name(enum_value) -> str:
         return f"<unknown DataType {enum_value}>"
 
 
+def _refuse_shared_names(key, details, what):
+    """Two input (or output) tensors of one name: as upstream's GetTensorInfoMap ("...
+    has multiple indices"), refused; served by name, one of them would never be fed."""
+    seen = {}
+    for d in details:
+        if d["name"] in seen:
+            raise ValueError(f"signature '{key}': {what} tensors {seen[d['name']]} and {d['index']} are "
+                             f"both named '{d['name']}' ({what.capitalize()} tensor name: {d['name']} "
+                             f"has multiple indices)")
+        seen[d["name"]] = d["index"]
+
+
+def _check_inputs_one_to_one(key, in_index, input_details):
+    """A signature's input aliases map one-to-one onto the interpreter's inputs: an input no
+    alias feeds keeps the previous request's data (another client's) or uninitialised memory;
+    two aliases of one tensor overwrite each other."""
+    names = {d["index"]: d["name"] for d in input_details}
+    aliases = {}
+    for alias, index in in_index.items():
+        aliases.setdefault(index, []).append(alias)
+    for index, shared in aliases.items():
+        if len(shared) > 1:
+            raise ValueError(f"signature '{key}': inputs {', '.join(sorted(shared))} all feed tensor "
+                             f"'{names.get(index, index)}' (each input must feed a tensor of its own)")
+    unfed = [name for index, name in names.items() if index not in aliases]
+    if unfed:
+        raise ValueError(f"signature '{key}' feeds only some of the model's inputs: no input for "
+                         f"tensor(s) {', '.join(map(repr, unfed))} (they would keep another request's data)")
+
+
 def _metadata_bindings(interp, signature_defs):
     """_bindings of SignatureDefs from the metadata, run on the main subgraph's tensors by
     name: a TensorInfo name not among them is tried cut at its first ':' (the converter's
@@ -107,6 +140,8 @@ def _metadata_bindings(interp, signature_defs):
     dtype than its tensor's fails the load (every request would be refused or misread)."""
     out = {}
     for key, sdef in signature_defs.items():
+        _refuse_shared_names(key, interp.get_input_details(), "input")
+        _refuse_shared_names(key, interp.get_output_details(), "output")
         sdef = meta_graph_pb2.SignatureDef.FromString(sdef.SerializeToString())
         indices = []
         for infos, details, what in ((sdef.inputs, interp.get_input_details(), "input"),
@@ -129,7 +164,21 @@ def _metadata_bindings(interp, signature_defs):
                     info.tensor_shape.CopyFrom(found.tensor_shape)
                 info.name, index[alias] = name, by_name[name]["index"]
             indices.append(index)
+        _check_inputs_one_to_one(key, indices[0], interp.get_input_details())
         out[key] = (sdef, indices[0], indices[1], False)
+    return out
+
+
+def _signature_subgraph_inputs(model_bytes) -> dict:
+    """{signature key: [{index, name} of each input of its subgraph]}, from the flatbuffer
+    (the signature runner tells only the inputs its SignatureDef names)."""
+    model = tflite.flatbuffer_schema().Model.GetRootAsModel(model_bytes, 0)   # (no copy)
+    out = {}
+    for i in range(model.SignatureDefsLength()):
+        sig = model.SignatureDefs(i)
+        graph = model.Subgraphs(sig.SubgraphIndex())
+        out[sig.SignatureKey().decode()] = [
+            {"index": int(t), "name": graph.Tensors(int(t)).Name().decode()} for t in graph.InputsAsNumpy()]
     return out
 
 
@@ -143,16 +192,20 @@ def _bindings(interp, model_bytes):
     out = {}
     keys = list(interp.get_signature_list())
     if not keys:   # no SignatureDef in the .tflite: one by tensor names (tflite_session.cc)
+        _refuse_shared_names(DEFAULT_SIGNATURE, interp.get_input_details(), "input")
+        _refuse_shared_names(DEFAULT_SIGNATURE, interp.get_output_details(), "output")
         ins = _by_legacy_names(interp.get_input_details())
         outs = _by_legacy_names(interp.get_output_details())
         keys, by_runner = [DEFAULT_SIGNATURE], False
         details = {DEFAULT_SIGNATURE: (ins, outs)}
     else:
-        by_runner = True
+        by_runner, subgraph_inputs = True, _signature_subgraph_inputs(model_bytes)
         details = {}
         for key in keys:
             runner = interp.get_signature_runner(key)
             details[key] = (runner.get_input_details(), runner.get_output_details())
+            _check_inputs_one_to_one(key, {a: d["index"] for a, d in details[key][0].items()},
+                                     subgraph_inputs[key])
     for key in keys:
         ins, outs = details[key]
         sdef = meta_graph_pb2.SignatureDef(method_name=PREDICT_METHOD)
@@ -212,17 +265,17 @@ class _Interpreter:
 
 
 class TfLiteSignature(SignatureBase):
-    def __init__(self, name, signature_def, pool, scheduler=None):
+    def __init__(self, name, signature_def, pool):
         super().__init__(name, signature_def)
         self._pool = pool
-        self._scheduler = scheduler
+        self.scheduler = None   # the version's own (interpreters_per_pool > 1), set once loaded
 
     def run(self, inputs: dict, output_filter=()) -> dict:
         fetches = self.fetches(output_filter)
         # np.require, not np.ascontiguousarray: that makes a scalar [1] (ndim >= 1).
         arrays = {k: np.require(v, requirements="C") for k, v in inputs.items()}
-        if self._scheduler is not None:
-            outputs = self._scheduler.run(self._pool, _Unbatched(self), arrays)
+        if self.scheduler is not None:
+            outputs = self.scheduler.run(self._pool, _Unbatched(self), arrays)
         else:
             outputs = self.run_unbatched(arrays)
         return {k: np.asarray(outputs[k]) for k in fetches}   # (LiteRT gives a scalar as np.float32)
@@ -257,8 +310,8 @@ def _session_batching(model_bytes, num_interpreters, interpreters_per_pool):
     """The version's own BatchScheduler for interpreters_per_pool > 1, else None, with
     TfLiteSession::Create's options: one batch thread per interpreter, no batch timeout,
     large requests split into pieces of the model's fixed batch size (a single input whose
-    stored dimension 0 is above 1) or else ceil(500 / interpreters_per_pool) rows, and
-    100 batches queued per interpreter."""
+    stored dimension 0 is above 1; above 500 refused, as upstream) or else
+    ceil(500 / interpreters_per_pool) rows, and 100 batches queued per interpreter."""
     if interpreters_per_pool <= 1:
         return None
     model = tflite.flatbuffer_schema().Model.GetRootAsModel(model_bytes, 0)   # (no copy)
@@ -266,14 +319,19 @@ def _session_batching(model_bytes, num_interpreters, interpreters_per_pool):
     fixed = graph.Tensors(graph.Inputs(0)).Shape(0) if graph.InputsLength() == 1 and \
         graph.Tensors(graph.Inputs(0)).ShapeLength() else 0
     per_run = fixed if fixed > 1 else -(-_SESSION_MAX_BATCH // interpreters_per_pool)
+    if per_run > _SESSION_MAX_BATCH:   # (upstream's SharedBatchScheduler::AddQueue refuses the load)
+        raise invalid(f"the model's fixed input batch is {per_run} rows, above the {_SESSION_MAX_BATCH} "
+                      "a TFLite session with --num_tflite_interpreters_per_pool above 1 takes: When "
+                      "enable_large_batch_splitting is true, input_batch_size_limit must be greater "
+                      "than or equal to max_execution_batch_size.")
     params = protos.BatchingParameters()
     params.max_batch_size.value = _SESSION_MAX_BATCH
     params.batch_timeout_micros.value = 0
     params.num_batch_threads.value = num_interpreters
     params.max_enqueued_batches.value = num_interpreters * 100
     params.enable_large_batch_splitting.value = True
-    params.max_execution_batch_size.value = min(per_run, _SESSION_MAX_BATCH)
-    return BatchScheduler(params)
+    params.max_execution_batch_size.value = per_run
+    return BatchScheduler(params, stopped_message="this model version was unloaded")
 
 
 class _Pool:
@@ -330,10 +388,12 @@ class TfLiteServable(ServableBase):
             raise invalid(f"cannot load {model_path} in LiteRT with the pkm_serve delegate: "
                           f"{' '.join(str(e).split())[:2000]}") from None
         self._pool = _Pool(interpreters)
-        self._scheduler = _session_batching(model_bytes, self._pool.size, interpreters_per_pool)
         self.signature_defs = {k: b[0] for k, b in interpreters[0].bindings.items()}
-        self.signatures = {k: TfLiteSignature(k, sdef, self._pool, self._scheduler)
-                           for k, sdef in self.signature_defs.items()}
+        self.signatures = {k: TfLiteSignature(k, sdef, self._pool) for k, sdef in self.signature_defs.items()}
+        # The batch threads start last: a load refused before them leaves none running.
+        self._scheduler = _session_batching(model_bytes, self._pool.size, interpreters_per_pool)
+        for signature in self.signatures.values():
+            signature.scheduler = self._scheduler
         log.info("model %s version %d: serving %s with %d TFLite interpreter(s)", name, version,
                  model_path, self._pool.size)
         self._finish_load(t0, warmup, rounds=self._pool.size)

@@ -275,7 +275,7 @@ def test_tflite_flags():
     from pkm_serve.serving import config
     a = config.parse_args(["--model_base_path=/m"])
     assert (a.prefer_tflite_model, a.num_tflite_pools, a.tflite_num_threads) == (False, None, 1)
-    assert config.tflite_interpreters(a) == (os.cpu_count() or 1)
+    assert config.tflite_interpreters(a) == len(os.sched_getaffinity(0))
     a = config.parse_args(["--model_base_path=/m", "--prefer_tflite_model=true", "--num_tflite_pools=3"])
     assert (a.prefer_tflite_model, a.num_tflite_pools, config.tflite_interpreters(a)) == (True, 3, 3)
     # TF Serving's TfLiteSession takes max(1, N): an explicit 0 was one per CPU here.
