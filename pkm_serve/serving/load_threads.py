@@ -3,6 +3,7 @@
 after another in its manager loop, so one servable's slow load, or its waits between load
 retries, does not hold back another's."""
 import concurrent.futures
+import contextlib
 import threading
 
 
@@ -40,8 +41,25 @@ class KeyedThreads:
             running = list(self._running.values())
         return not concurrent.futures.wait(running, timeout).not_done
 
-    def shutdown(self):
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def shutdown(self, cancel_queued=True):
+        """Takes no more tasks; the queued ones are cancelled (polls: a stopped manager polls no
+        more) or, with cancel_queued False, still run (unloads: each frees what it holds)."""
+        self._pool.shutdown(wait=False, cancel_futures=cancel_queued)
+
+
+def submit_all(threads, calls, wait):
+    """Submits every (key, fn, arg) of `calls` to the KeyedThreads `threads` and, if `wait`,
+    waits for them. Once stop() has shut the pool down nothing is submitted (the poll ends),
+    and a task it cancelled ends the wait for it: concurrent.futures.wait never returns for a
+    future cancelled by the pool's shutdown, so the poll held the poll lock for good."""
+    try:
+        submitted = [threads.submit(key, fn, arg) for key, fn, arg in calls]
+    except RuntimeError:   # "cannot schedule new futures after shutdown"
+        return
+    for future in submitted if wait else ():
+        if future is not None:
+            with contextlib.suppress(concurrent.futures.CancelledError):
+                future.result()
 
 
 def run_all(threads, calls):

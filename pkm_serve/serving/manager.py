@@ -20,7 +20,6 @@ so tests run them on fake loaders.
 import contextlib
 import logging
 import os
-from concurrent import futures
 import threading
 import time
 
@@ -28,7 +27,7 @@ import grpc
 from tensorflow_serving.apis import get_model_status_pb2
 
 from pkm_serve.serving.errors import ServingError, not_found
-from pkm_serve.serving.load_threads import KeyedThreads, run_all
+from pkm_serve.serving.load_threads import KeyedThreads, run_all, submit_all
 from pkm_serve.serving.loader import load_with_retries, make_loader_factory
 from pkm_serve.serving.model_records import (ManagedModel, VersionRecord, install_version_labels,
                                              validate_model_server_config)
@@ -141,9 +140,7 @@ class ModelManager:
             for m in models:
                 self._poll_model_logged(m)
             return
-        polls = [self._model_polls.submit(m.name, self._poll_model_logged, m) for m in models]
-        if wait:
-            futures.wait([f for f in polls if f is not None])
+        submit_all(self._model_polls, [(m.name, self._poll_model_logged, m) for m in models], wait)
 
     def _poll_model_logged(self, m):
         try:
@@ -444,7 +441,7 @@ class ModelManager:
         for threads in (self._model_polls, self._unloads):
             if threads is not None:
                 idle = threads.wait_all(max(0.0, end - time.monotonic())) and idle
-                threads.shutdown()
+                threads.shutdown(cancel_queued=threads is not self._unloads)
         return idle
 
     def unload_all(self, drain_seconds, lock_seconds) -> bool:
