@@ -15,6 +15,18 @@ import reference  # noqa: E402
 N, D, K = 50, 8, 6
 
 
+def run_as_a_server(saved_model, signature, feed, output="out"):
+    """A signature's `output` run as TF Serving runs it: feeds of any shape, unchecked against
+    the signature (a TF1 session over the SavedModel)."""
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
+        holders = {k: tf.compat.v1.placeholder(tf.as_dtype(v.dtype), None) for k, v in feed.items()}
+        meta = tf.compat.v1.saved_model.loader.load(
+            sess, ["serve"], str(saved_model), input_map={f"{signature}_{k}:0": v for k, v in holders.items()})
+        out = graph.get_tensor_by_name(meta.signature_def[signature].outputs[output].name)
+        return sess.run(out, {holders[k]: v for k, v in feed.items()})
+
+
 def _table(seed=0, n=N, d=D, dtype=np.float32):
     return np.random.default_rng(seed).normal(size=(n, d)).astype(dtype)
 

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from pkm_serve import ops, tflite
 from pkm_serve.export import export_saved_model
+from export_models import run_as_a_server
 
 ops.load_library()
 
@@ -131,17 +132,6 @@ def exported(tmp_path_factory):
     return path, result, sites, loaded, tflite.make_interpreter(lite)
 
 
-def _run_as_a_server(saved_model, signature, feed):
-    """The signature run as TF Serving runs it: feeds of any shape, unchecked against the signature."""
-    graph = tf.Graph()
-    with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
-        holders = {k: tf.compat.v1.placeholder(tf.as_dtype(v.dtype), None) for k, v in feed.items()}
-        meta = tf.compat.v1.saved_model.loader.load(
-            sess, ["serve"], str(saved_model), input_map={f"{signature}_{k}:0": v for k, v in holders.items()})
-        out = graph.get_tensor_by_name(meta.signature_def[signature].outputs["out"].name)
-        return sess.run(out, {holders[k]: v for k, v in feed.items()})
-
-
 def _feed(specs, batch, width=K):
     feed = {"args_0": RNG.integers(0, N, [batch, width]).astype(specs[0].dtype.as_numpy_dtype)}
     if len(specs) == 2:
@@ -183,8 +173,8 @@ def test_positions_counted_from_the_end_are_reported_and_read_as_written(exporte
     for width in (K, K + 2):
         feed = _feed(specs, 3, width)
         reference = _bag(feed["args_0"], positions(width), feed.get("args_1"))
-        np.testing.assert_allclose(_run_as_a_server(path / "m", name, feed), reference, rtol=1e-5, atol=1e-5)
-        np.testing.assert_allclose(_run_as_a_server(result.dst, name, feed), reference, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(run_as_a_server(path / "m", name, feed), reference, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(run_as_a_server(result.dst, name, feed), reference, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(UNSTACKED))
@@ -202,15 +192,15 @@ def test_unstacked_positions_refuse_any_other_width_as_the_original(exported, na
     for width in (K + 2, K - 1):
         other = _feed(specs, 3, width)
         with pytest.raises(tf.errors.InvalidArgumentError):
-            _run_as_a_server(path / "m", name, other)
+            run_as_a_server(path / "m", name, other)
         with pytest.raises(tf.errors.InvalidArgumentError, match="positions, but the original model"):
-            _run_as_a_server(result.dst, name, other)
+            run_as_a_server(result.dst, name, other)
     if weighted:  # ids of 5 positions, weights of 7: the original's unstack of the weights fails
         mixed = {"args_0": feed["args_0"], "args_1": _feed(specs, 3, K + 2)["args_1"]}
         with pytest.raises(tf.errors.InvalidArgumentError):
-            _run_as_a_server(path / "m", name, mixed)
+            run_as_a_server(path / "m", name, mixed)
         with pytest.raises(tf.errors.InvalidArgumentError, match="the weights have"):
-            _run_as_a_server(result.dst, name, mixed)
+            run_as_a_server(result.dst, name, mixed)
 
 
 @pytest.mark.parametrize("name", sorted(CAST_IDS))

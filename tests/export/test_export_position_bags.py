@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from pkm_serve import ops, tflite
 from pkm_serve.export import export_saved_model
+from export_models import run_as_a_server
 
 ops.load_library()
 
@@ -228,17 +229,6 @@ def test_embeddings_added_across_tables_or_positions_are_no_bag(exported):
     assert not any(name in exported[3] for name in NOT_SITES)
 
 
-def _run_as_a_server(saved_model, signature, feed):
-    """The signature run as TF Serving runs it: feeds of any shape, unchecked against the signature."""
-    graph = tf.Graph()
-    with graph.as_default(), tf.compat.v1.Session(graph=graph) as sess:
-        holders = {k: tf.compat.v1.placeholder(tf.as_dtype(v.dtype), None) for k, v in feed.items()}
-        meta = tf.compat.v1.saved_model.loader.load(
-            sess, ["serve"], str(saved_model), input_map={f"{signature}_{k}:0": v for k, v in holders.items()})
-        out = graph.get_tensor_by_name(meta.signature_def[signature].outputs["out"].name)
-        return sess.run(out, {holders[k]: v for k, v in feed.items()})
-
-
 @pytest.mark.parametrize("name", ["add_n_weighted", "running_sum_of_later_positions", "keras_take_per_position"])
 def test_a_position_sum_fed_more_or_fewer_positions_than_declared_reads_the_originals(exported, name):
     """A server feeds [B, 7] ids to a [None, 5] signature: the composite sums the positions it
@@ -250,13 +240,13 @@ def test_a_position_sum_fed_more_or_fewer_positions_than_declared_reads_the_orig
     if weighted:
         wide["args_1"] = RNG.uniform(-2, 2, (3, K + 2)).astype(np.float32)
     reference = _reference(wide, positions, weighted)
-    np.testing.assert_allclose(_run_as_a_server(path / "m", name, wide), reference, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(_run_as_a_server(result.dst, name, wide), reference, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run_as_a_server(path / "m", name, wide), reference, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run_as_a_server(result.dst, name, wide), reference, rtol=1e-5, atol=1e-5)
     narrow = {key: value[:, :K - 2] for key, value in wide.items()}
     with pytest.raises(tf.errors.InvalidArgumentError):
-        _run_as_a_server(path / "m", name, narrow)
+        run_as_a_server(path / "m", name, narrow)
     with pytest.raises(tf.errors.InvalidArgumentError, match="the ids have.*positions, but the original"):
-        _run_as_a_server(result.dst, name, narrow)
+        run_as_a_server(result.dst, name, narrow)
 
 
 def test_ids_gathered_but_not_summed_are_still_refused_out_of_range(exported):
