@@ -23,6 +23,12 @@ def shortest_float32_as_float64(values: np.ndarray, like=np.float32) -> np.ndarr
     # for the shortest: k = digits - 1 - exponent spans [-exponent, 8 - exponent].
     vector = todo & (exponent >= -_EXACT_POWERS_OF_TEN + 8) & (exponent <= _EXACT_POWERS_OF_TEN)
     per_element, todo = todo & ~vector, vector
+    # A decimal half a unit of its last digit away reads back only where that is within half
+    # the value's (larger) gap to its neighbours in `like`: from far_digits digits on.
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):   # inf/NaN: never in todo
+        half_gap = np.spacing(np.abs(flat).astype(like)).astype(np.float64) / 2
+        far_digits = exponent + 1 - np.log10(half_gap / 0.49)
+    first_far = np.floor(far_digits[todo].min()) if todo.any() else np.inf
     for digits in range(1, 10):
         if not todo.any():
             break
@@ -35,7 +41,9 @@ def shortest_float32_as_float64(values: np.ndarray, like=np.float32) -> np.ndarr
         _take_round_trips(out, todo, at, nearest, scale, up, v, like)
         # Else the decimal on the other side, which may be the only one of these digits that
         # rounds back (a half 0.015625: 0.01562 does not, 0.01563 does).
-        left = todo[at]
+        if digits < first_far:
+            continue
+        left = todo[at] & (digits >= far_digits[at] - 1e-9)
         if left.any():
             other = np.where(nearest[left] > scaled[left], np.floor(scaled[left]), np.ceil(scaled[left]))
             _take_round_trips(out, todo, at[left], other, scale[left], up[left], v[left], like)

@@ -202,6 +202,30 @@ def post_json(url, body):
         return e.code, json.loads(e.read())
 
 
+@contextlib.contextmanager
+def holding_a_request(manager, name="m"):
+    """A request of model `name` held open on a thread (its servable in use) until the block
+    ends or the yielded event is set."""
+    import threading
+
+    from tensorflow_serving.apis import model_pb2
+
+    release, held = threading.Event(), threading.Event()
+
+    def hold():
+        with manager.serving(model_pb2.ModelSpec(name=name)):
+            held.set()
+            release.wait(20)
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(5), f"no request of {name} got a servable"
+        yield release
+    finally:
+        release.set()
+        holder.join(10)
+
+
 def version_states(manager, name="m"):
     """{version: state} as the manager reports them."""
     from tensorflow_serving.apis import model_pb2

@@ -10,7 +10,7 @@ import time
 from tensorflow_serving.apis import get_model_status_pb2, model_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
-from serving_helpers import wait_until
+from serving_helpers import holding_a_request, wait_until
 from pkm_serve.serving.loader import Loader
 from pkm_serve.serving.manager import ModelManager
 
@@ -82,25 +82,11 @@ def test_an_unload_queued_when_stop_shuts_the_unload_threads_down_still_runs(tmp
     manager = ModelManager(_config(tmp_path, "a", "b"), poll_seconds=-1, num_unload_threads=1,
                            unload_drain_seconds=30, loader_factory=lambda n, v, p: _Loader(n, v, events, {}))
     manager.poll_once()
-    release, held = threading.Event(), threading.Barrier(3)
-
-    def hold(name):
-        with manager.serving(model_pb2.ModelSpec(name=name)):
-            held.wait(10)
-            release.wait(20)
-    holders = [threading.Thread(target=hold, args=(name,)) for name in ("a", "b")]
-    try:
-        for t in holders:
-            t.start()
-        held.wait(10)
+    with holding_a_request(manager, "a"), holding_a_request(manager, "b"):
         for name in ("a", "b"):
             os.makedirs(tmp_path / name / "2")
         manager.poll_once()
         assert not manager.stop(timeout=0.2)   # an unload is still waiting for its request
-    finally:
-        release.set()
-        for t in holders:
-            t.join(10)
     wait_until(lambda: {("unload", "a", 1), ("unload", "b", 1)} <= set(events), seconds=10)
     assert _states(manager) == {("a", 1): State.END, ("a", 2): State.AVAILABLE,
                                 ("b", 1): State.END, ("b", 2): State.AVAILABLE}

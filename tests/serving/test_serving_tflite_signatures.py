@@ -39,6 +39,15 @@ def _bags():
     return rng.integers(0, N, size=(5, K)).astype(np.int32), rng.random((5, K)).astype(np.float32)
 
 
+def _assert_serves_the_bags(servable, model, key, ids, wts, out):
+    """Signature `key` (inputs ids/wts, output out) answers as the interpreter run alone and
+    the float64 reference."""
+    idx, w = _bags()
+    got = servable.signature(key).run({ids: idx, wts: w})[out]
+    np.testing.assert_array_equal(got, tflite.run_tflite(model, [idx, w])[0])
+    np.testing.assert_allclose(got, reference.embedding_bag(TABLE.astype(np.float64), idx, w), rtol=1e-5, atol=1e-5)
+
+
 def test_aliases_are_tensor_names_cut_at_the_colon_as_tf_serving(tmp_path):
     """The converter names tensors 'serving_default_x:0', 'StatefulPartitionedCall:0':
     such a .tflite stripped of its SignatureDefs was served under the whole names, so a
@@ -52,12 +61,8 @@ def test_aliases_are_tensor_names_cut_at_the_colon_as_tf_serving(tmp_path):
         assert list(sdef.outputs) == ["StatefulPartitionedCall"]
         assert sdef.inputs["serving_default_indices"].name == "serving_default_indices:0"
         assert sdef.outputs["StatefulPartitionedCall"].name == "StatefulPartitionedCall:0"
-        idx, w = _bags()
-        got = servable.signature("").run({"serving_default_indices": idx,
-                                          "serving_default_weights": w})["StatefulPartitionedCall"]
-        np.testing.assert_array_equal(got, tflite.run_tflite(model, [idx, w])[0])
-        np.testing.assert_allclose(got, reference.embedding_bag(TABLE.astype(np.float64), idx, w),
-                                   rtol=1e-5, atol=1e-5)
+        _assert_serves_the_bags(servable, model, "", "serving_default_indices", "serving_default_weights",
+                                "StatefulPartitionedCall")
     finally:
         servable.release()
 
@@ -129,11 +134,7 @@ def test_signature_defs_in_the_metadata_are_the_ones_served(tmp_path):
         # The TensorInfos here give names only: dtype and shape come from the tensors.
         assert [d.size for d in served.inputs["ids"].tensor_shape.dim] == [-1, K]
         assert served.inputs["ids"].dtype == 3 and served.inputs["wts"].dtype == 1   # DT_INT32, DT_FLOAT
-        idx, w = _bags()
-        got = servable.signature("bags").run({"ids": idx, "wts": w})["pooled"]
-        np.testing.assert_array_equal(got, tflite.run_tflite(model, [idx, w])[0])
-        np.testing.assert_allclose(got, reference.embedding_bag(TABLE.astype(np.float64), idx, w),
-                                   rtol=1e-5, atol=1e-5)
+        _assert_serves_the_bags(servable, model, "bags", "ids", "wts", "pooled")
     finally:
         servable.release()
 

@@ -15,7 +15,7 @@ import pytest
 from tensorflow_serving.apis import get_model_status_pb2, model_pb2
 from tensorflow_serving.config import model_server_config_pb2
 
-from serving_helpers import ServerProcess, wait_until
+from serving_helpers import holding_a_request, ServerProcess, wait_until
 from pkm_serve.serving import config
 from pkm_serve.serving.loader import Loader
 from pkm_serve.serving.manager import ModelManager
@@ -127,27 +127,16 @@ def test_num_unload_threads_lets_the_poll_go_on_while_a_request_holds_the_old_ve
     manager = ModelManager(cfg, poll_seconds=0.05, unload_drain_seconds=20,
                            loader_factory=lambda *_: _Loader(False), num_unload_threads=1)
     manager.start()
-    release = threading.Event()
-    held = threading.Event()
-
-    def hold_a1():
-        with manager.serving(model_pb2.ModelSpec(name="a")):
-            held.set()
-            release.wait(20)
-    holder = threading.Thread(target=hold_a1)
-    holder.start()
     try:
-        held.wait(5)
-        os.makedirs(tmp_path / "a" / "2")
-        wait_until(lambda: _state(manager, "a", 1) == State.UNLOADING, seconds=10)
-        os.makedirs(tmp_path / "b" / "2")
-        wait_until(lambda: _state(manager, "b", 2) == State.AVAILABLE, seconds=10)
-        assert _state(manager, "a", 1) == State.UNLOADING   # the request still holds it
-        release.set()
-        wait_until(lambda: _state(manager, "a", 1) == State.END, seconds=10)
+        with holding_a_request(manager, "a") as release:
+            os.makedirs(tmp_path / "a" / "2")
+            wait_until(lambda: _state(manager, "a", 1) == State.UNLOADING, seconds=10)
+            os.makedirs(tmp_path / "b" / "2")
+            wait_until(lambda: _state(manager, "b", 2) == State.AVAILABLE, seconds=10)
+            assert _state(manager, "a", 1) == State.UNLOADING   # the request still holds it
+            release.set()
+            wait_until(lambda: _state(manager, "a", 1) == State.END, seconds=10)
     finally:
-        release.set()
-        holder.join(10)
         assert manager.stop(timeout=10)
 
 
@@ -309,29 +298,19 @@ def test_a_version_aspired_again_while_its_unload_waits_is_not_loaded_over_it(tm
     manager = ModelManager(cfg, poll_seconds=0.05, unload_drain_seconds=20,
                            loader_factory=lambda *_: _CountingLoader(False), num_unload_threads=1)
     manager.start()
-    release, held = threading.Event(), threading.Event()
-
-    def hold_version_1():
-        with manager.serving(model_pb2.ModelSpec(name="a")):
-            held.set()
-            release.wait(20)
-    holder = threading.Thread(target=hold_version_1)
-    holder.start()
     try:
-        held.wait(5)
-        os.makedirs(tmp_path / "a" / "2")
-        wait_until(lambda: _state(manager, "a", 1) == State.UNLOADING, seconds=10)
-        os.rmdir(tmp_path / "a" / "2")
-        time.sleep(0.5)   # polls while 1 still unloads
-        assert _state(manager, "a", 1) == State.UNLOADING
-        assert _state(manager, "a", 2) == State.AVAILABLE   # keeps serving meanwhile
-        release.set()
-        wait_until(lambda: _state(manager, "a", 1) == State.AVAILABLE
-                   and _state(manager, "a", 2) == State.END, seconds=10)
-        assert len(_CountingLoader.live) == 1
+        with holding_a_request(manager, "a") as release:
+            os.makedirs(tmp_path / "a" / "2")
+            wait_until(lambda: _state(manager, "a", 1) == State.UNLOADING, seconds=10)
+            os.rmdir(tmp_path / "a" / "2")
+            time.sleep(0.5)   # polls while 1 still unloads
+            assert _state(manager, "a", 1) == State.UNLOADING
+            assert _state(manager, "a", 2) == State.AVAILABLE   # keeps serving meanwhile
+            release.set()
+            wait_until(lambda: _state(manager, "a", 1) == State.AVAILABLE
+                       and _state(manager, "a", 2) == State.END, seconds=10)
+            assert len(_CountingLoader.live) == 1
     finally:
-        release.set()
-        holder.join(10)
         assert manager.stop(timeout=10)
 
 
