@@ -114,7 +114,7 @@ setup: build
 
 # Set-up runs one make job per core and pytest one worker per core (pytest-xdist, a
 # module per worker at a time: module fixtures are built once). JOBS=1 / PYTEST_WORKERS=0
-# run them serially.
+# run them serially. The 30 slowest test phases are listed at the end (the suite's time budget).
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 PYTEST_WORKERS ?= $(JOBS)
 PYTEST_PARALLEL = $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope)
@@ -125,7 +125,7 @@ test:
 	$(MAKE) --no-print-directory -j$(JOBS) test-deps
 	$(CORE_TEST)
 	$(SHAPE_RULES_TEST)
-	$(PY) -m pytest -q tests $(PYTEST_PARALLEL) $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests $(PYTEST_PARALLEL) --durations=30 $(PYTEST_ARGS)
 
 demo:
 	$(MAKE) --no-print-directory -j$(JOBS) setup
