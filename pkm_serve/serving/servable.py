@@ -78,10 +78,10 @@ class SignatureBase:
     def fetches(self, output_filter):
         """The output aliases to return: output_filter (checked) or all of them, sorted."""
         fetches = tuple(output_filter) or tuple(sorted(self.signature_def.outputs))
-        unknown = [k for k in fetches if k not in self.signature_def.outputs]
-        if unknown:
-            raise invalid(f"output_filter names unknown output(s) {unknown}; signature "
-                          f"'{self.name}' has {sorted(self.signature_def.outputs)}")
+        unknown = next((k for k in fetches if k not in self.signature_def.outputs), None)
+        if unknown is not None:   # predict_util.cc's words
+            raise invalid(f"output tensor alias not found in signature: {unknown} Outputs expected to "
+                          f"be in the set {{{','.join(sorted(self.signature_def.outputs))}}}.")
         return fetches
 
 
