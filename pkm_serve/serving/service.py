@@ -192,6 +192,10 @@ class InferenceService:
         classes, scores = outputs.get("classes"), outputs.get("scores")
         if scores is not None:
             _real_numbers(scores, "Expected scores Tensor of DT_FLOAT.")
+        if classes is not None and classes.dtype != object and classes.dtype.kind != "S":
+            # classifier.cc wants DT_STRING labels (class ids were answered as their text here).
+            name = types_pb2.DataType.Name(tf.as_dtype(classes.dtype).as_datatype_enum)
+            raise invalid(f"Expected classes Tensor of DT_STRING. Got: {name}")
         if classes is None and scores is None:
             raise invalid(f"classification signature '{sig.name}' has neither 'classes' nor 'scores' outputs")
         n = len(examples)
