@@ -94,11 +94,6 @@ class InferenceService:
         return self._run(servable, sig, inputs, deadline, "predict", output_filter)
 
     def predict(self, request, deadline=None):
-        seen = set()
-        for alias in request.output_filter:
-            if alias in seen:   # predict_util.cc's words
-                raise invalid(f"duplicate output tensor alias: {alias} (output_filter names it more than once)")
-            seen.add(alias)
         inputs = tensors.from_protos(request.inputs, self.max_request_bytes)
         with self.serving(request.model_spec) as servable:
             sig = servable.signature(request.model_spec.signature_name)

@@ -131,12 +131,30 @@ def test_only_the_last_listed_allowed_batch_size_must_be_max_batch_size(tmp_path
         Server(config.parse_args(argv))
 
 
-def test_an_unknown_output_filter_name_is_refused_in_upstreams_words(stub):
+_UNKNOWN_NOSUCH = "output tensor alias not found in signature: nosuch Outputs expected to be in the set {batch_rows,y}."
+
+
+@pytest.mark.parametrize("output_filter, message", [
+    (("y", "nosuch"), _UNKNOWN_NOSUCH),
+    # predict_util.cc checks the names in order, each for being known, then for a repeat.
+    (("nosuch", "y", "y"), _UNKNOWN_NOSUCH),
+    (("y", "y", "nosuch"), "duplicate output tensor alias: y"),
+])
+def test_a_bad_output_filter_is_refused_in_upstreams_words(stub, output_filter, message):
     with pytest.raises(grpc.RpcError) as err:
-        stub.Predict(_rows_request(np.zeros((1, 3), np.float32), "y", "nosuch"), timeout=30)
+        stub.Predict(_rows_request(np.zeros((1, 3), np.float32), *output_filter), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details() == ("output tensor alias not found in signature: nosuch Outputs expected "
-                                   "to be in the set {batch_rows,y}.")
+    assert err.value.details() == message
+
+
+def test_a_repeated_output_filter_name_for_an_unknown_model_is_not_found(stub):
+    """The filter is checked against the signature, once the servable is found (it was refused
+    as a repeat before the model was looked up)."""
+    req = _rows_request(np.zeros((1, 3), np.float32), "y", "y")
+    req.model_spec.name = "no_such_model"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Predict(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def _example(x):
