@@ -158,9 +158,9 @@ class InferenceService:
                 merged.MergeFrom(ex)  # an example's own features win over the context's
                 examples.append(merged)
         else:
-            raise invalid("request input is empty: set example_list or example_list_with_context")
-        if not examples:
-            raise invalid("request input holds no examples")
+            examples = []
+        if not examples:   # no kind set, or no examples in it: util.cc's words for both
+            raise invalid("Input is empty.")
         return np.array([e.SerializeToString() for e in examples], dtype=object)
 
     def _example_signature(self, servable, model_spec, method, what):

@@ -192,3 +192,16 @@ def test_bfloat16_rest_outputs_print_their_shortest_decimal(server):
     expected = [_shortest_bfloat16_decimal(ml_dtypes.bfloat16(v)) for v in x]
     assert answer["outputs"] == [expected]
     assert answer["outputs"][0][:2] == [0.1, 0.2]   # float32's repr of those halves: 0.100097656, 0.20019531
+
+
+@pytest.mark.parametrize("fill", [lambda inp: None, lambda inp: inp.example_list.SetInParent(),
+                                  lambda inp: inp.example_list_with_context.context.SetInParent()],
+                         ids=["no-kind", "empty-list", "context-only"])
+def test_classify_without_examples_is_refused_in_upstreams_words(stub, fill):
+    req = classification_pb2.ClassificationRequest()
+    req.model_spec.name = "int_classes"
+    fill(req.input)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Classify(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "Input is empty."   # util.cc's InputToSerializedExampleTensor
