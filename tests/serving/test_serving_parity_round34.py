@@ -205,3 +205,15 @@ def test_classify_without_examples_is_refused_in_upstreams_words(stub, fill):
         stub.Classify(req, timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details() == "Input is empty."   # util.cc's InputToSerializedExampleTensor
+
+
+def test_an_unknown_version_label_is_refused_in_upstreams_words(server, stub):
+    req = _rows_request(np.zeros((1, 3), np.float32))
+    req.model_spec.version_label = "nope"
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Predict(req, timeout=30)
+    # ServerCore::GetModelVersionForLabel's words (http_rest_api_handler_test matches them).
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("Unrecognized servable version label: nope")
+    status, answer = _post(server, "/v1/models/rows/labels/nope:predict", {"instances": [[1.0, 2.0, 3.0]]})
+    assert status == 400 and answer["error"].startswith("Unrecognized servable version label: nope")
