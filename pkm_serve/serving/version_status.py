@@ -86,6 +86,6 @@ def resolve_record(m, model_spec):
         v = available[-1]
     r = m.records.get(v)
     if r is None or r.state != AVAILABLE or r.servable is None:
-        raise not_found(f"Servable not found for request: model '{m.name}' version {v} "
-                        f"is not available (available versions: {available})")
+        raise not_found(f"Servable not found for request: Specific({m.name}, {v}) "
+                        f"(available versions: {available})")
     return r

@@ -217,3 +217,13 @@ def test_an_unknown_version_label_is_refused_in_upstreams_words(server, stub):
     assert err.value.details().startswith("Unrecognized servable version label: nope")
     status, answer = _post(server, "/v1/models/rows/labels/nope:predict", {"instances": [[1.0, 2.0, 3.0]]})
     assert status == 400 and answer["error"].startswith("Unrecognized servable version label: nope")
+
+
+def test_a_version_not_served_is_not_found_in_upstreams_words(server, stub):
+    req = _rows_request(np.zeros((1, 3), np.float32))
+    req.model_spec.version.value = 7
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Predict(req, timeout=30)
+    # AspiredVersionsManager's words for a ServableRequest::Specific.
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert err.value.details().startswith("Servable not found for request: Specific(rows, 7)")
