@@ -84,21 +84,34 @@ class BatchOptions:
         self.num_batch_threads = int(_value(params, "num_batch_threads", os.cpu_count() or 1))
         # Unset fields take TF Serving's defaults (SharedBatchScheduler::QueueOptions).
         self.max_enqueued_batches = int(_value(params, "max_enqueued_batches", 10))
-        self.allowed_batch_sizes = sorted(params.allowed_batch_sizes)
+        # Kept in the order given: as TF Serving's RoundToLowestAllowedBatchSize, a batch is
+        # padded to the first listed entry that holds it.
+        self.allowed_batch_sizes = list(params.allowed_batch_sizes)
         if self.max_batch_size <= 0 or self.num_batch_threads <= 0 or self.max_enqueued_batches <= 0:
             raise ValueError("batching parameters max_batch_size, num_batch_threads and "
                              "max_enqueued_batches must be positive")
         if self.batch_timeout_s < 0:
             raise ValueError(f"batching parameters batch_timeout_micros must be >= 0, got "
                              f"{params.batch_timeout_micros.value}")
-        if self.allowed_batch_sizes and self.allowed_batch_sizes[0] <= 0:
+        if self.allowed_batch_sizes and min(self.allowed_batch_sizes) <= 0:
             raise ValueError(f"batching parameters allowed_batch_sizes must be positive, got "
                              f"{list(params.allowed_batch_sizes)}")
         self.split_large_batches, self.max_execution_batch_size = _execution_limit(params, self.max_batch_size)
         self.pad_variable_length_inputs = params.pad_variable_length_inputs
-        if self.allowed_batch_sizes and self.allowed_batch_sizes[-1] != self.max_batch_size:
-            raise ValueError(f"the largest allowed_batch_sizes entry ({self.allowed_batch_sizes[-1]}) "
-                             f"must equal max_batch_size ({self.max_batch_size})")
+        _check_allowed_batch_sizes(self.allowed_batch_sizes, self.max_batch_size)
+
+
+def _check_allowed_batch_sizes(sizes, max_batch_size):
+    """bundle_factory_util.cc's WrapSessionForBatching: the last entry as listed (not the
+    largest) must be max_batch_size. Entries out of order are taken, as there, with a warning."""
+    if not sizes:
+        return
+    if sizes[-1] != max_batch_size:
+        raise ValueError("Last entry in allowed_batch_sizes must match max_batch_size; last entry "
+                         f"was {sizes[-1]}; expected {max_batch_size}")
+    if any(b <= a for a, b in zip(sizes, sizes[1:])):
+        log.warning("batching parameters: allowed_batch_sizes %s are not in increasing order; as in "
+                    "TF Serving, a batch is padded to the first listed entry that holds it", sizes)
 
 
 def _merge_inputs(tasks, padding_rows, pad_variable_length_inputs):

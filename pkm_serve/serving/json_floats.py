@@ -48,8 +48,21 @@ def shortest_float32_as_float64(values: np.ndarray, like=np.float32) -> np.ndarr
             other = np.where(nearest[left] > scaled[left], np.floor(scaled[left]), np.ceil(scaled[left]))
             _take_round_trips(out, todo, at[left], other, scale[left], up[left], v[left], like)
     for i in np.flatnonzero(todo | per_element):
-        out[i] = float(str(like(flat[i])))
+        out[i] = _shortest_one(flat[i], like)
     return out.reshape(values.shape)
+
+
+def _shortest_one(value, like):
+    """The float64 of the fewest-digit decimal that reads back as `value` in `like`. str()
+    is that for numpy's float32 and float16, not for ml_dtypes' bfloat16 (6 digits always)."""
+    if like in (np.float32, np.float16):
+        return float(str(like(value)))
+    target = like(value)
+    for digits in range(1, 18):
+        candidate = float(f"{value:.{digits - 1}e}")
+        if like(candidate) == target:
+            return candidate
+    return float(value)
 
 
 def _take_round_trips(out, todo, at, m, scale, up, v, like):

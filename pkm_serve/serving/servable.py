@@ -77,12 +77,15 @@ class SignatureBase:
 
     def fetches(self, output_filter):
         """The output aliases to return: output_filter (checked) or all of them, sorted."""
-        fetches = tuple(output_filter) or tuple(sorted(self.signature_def.outputs))
-        unknown = [k for k in fetches if k not in self.signature_def.outputs]
-        if unknown:
-            raise invalid(f"output_filter names unknown output(s) {unknown}; signature "
-                          f"'{self.name}' has {sorted(self.signature_def.outputs)}")
-        return fetches
+        seen = set()
+        for alias in output_filter:   # checked in order, in predict_util.cc's words
+            if alias not in self.signature_def.outputs:
+                raise invalid(f"output tensor alias not found in signature: {alias} Outputs expected to "
+                              f"be in the set {{{','.join(sorted(self.signature_def.outputs))}}}.")
+            if alias in seen:
+                raise invalid(f"duplicate output tensor alias: {alias}")
+            seen.add(alias)
+        return tuple(output_filter) or tuple(sorted(self.signature_def.outputs))
 
 
 class Signature(SignatureBase):

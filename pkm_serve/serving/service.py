@@ -94,11 +94,6 @@ class InferenceService:
         return self._run(servable, sig, inputs, deadline, "predict", output_filter)
 
     def predict(self, request, deadline=None):
-        seen = set()
-        for alias in request.output_filter:
-            if alias in seen:   # predict_util.cc's words
-                raise invalid(f"duplicate output tensor alias: {alias} (output_filter names it more than once)")
-            seen.add(alias)
         inputs = tensors.from_protos(request.inputs, self.max_request_bytes)
         with self.serving(request.model_spec) as servable:
             sig = servable.signature(request.model_spec.signature_name)
@@ -163,9 +158,9 @@ class InferenceService:
                 merged.MergeFrom(ex)  # an example's own features win over the context's
                 examples.append(merged)
         else:
-            raise invalid("request input is empty: set example_list or example_list_with_context")
-        if not examples:
-            raise invalid("request input holds no examples")
+            examples = []
+        if not examples:   # no kind set, or no examples in it: util.cc's words for both
+            raise invalid("Input is empty.")
         return np.array([e.SerializeToString() for e in examples], dtype=object)
 
     def _example_signature(self, servable, model_spec, method, what):
@@ -192,6 +187,10 @@ class InferenceService:
         classes, scores = outputs.get("classes"), outputs.get("scores")
         if scores is not None:
             _real_numbers(scores, "Expected scores Tensor of DT_FLOAT.")
+        if classes is not None and classes.dtype != object and classes.dtype.kind != "S":
+            # classifier.cc wants DT_STRING labels (class ids were answered as their text here).
+            name = types_pb2.DataType.Name(tf.as_dtype(classes.dtype).as_datatype_enum)
+            raise invalid(f"Expected classes Tensor of DT_STRING. Got: {name}")
         if classes is None and scores is None:
             raise invalid(f"classification signature '{sig.name}' has neither 'classes' nor 'scores' outputs")
         n = len(examples)

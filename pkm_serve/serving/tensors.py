@@ -453,10 +453,12 @@ def _json_scalar_list(arr: np.ndarray, name: str):
 
         flat = [enc(b) for b in arr.reshape(-1)]
         return np.array(flat, dtype=object).reshape(arr.shape).tolist() if arr.ndim else flat[0]
-    if arr.dtype == np.float16:   # (an extension: json_tensor.cc writes no half)
-        return shortest_float32_as_float64(arr, like=np.float16).tolist()
-    if arr.dtype.name == "bfloat16" or (arr.dtype.kind == "f" and arr.dtype.itemsize < 8):
-        # Print float32 values by their own shortest repr, not float64 noise (bfloat16 as float32).
+    if arr.dtype == np.float16 or arr.dtype.name == "bfloat16":
+        # (an extension: json_tensor.cc writes neither) Each by its own shortest decimal: a
+        # bfloat16 0.1 printed as float32 was 0.100097656.
+        return shortest_float32_as_float64(arr, like=arr.dtype.type).tolist()
+    if arr.dtype.kind == "f" and arr.dtype.itemsize < 8:
+        # Print float32 values by their own shortest repr, not float64 noise.
         return shortest_float32_as_float64(arr.astype(np.float32)).tolist()
     return arr.tolist()
 

@@ -7,6 +7,12 @@ END = get_model_status_pb2.ModelVersionStatus.State.END
 AVAILABLE = get_model_status_pb2.ModelVersionStatus.State.AVAILABLE
 
 
+def unknown_label(m, label):
+    """ServerCore::GetModelVersionForLabel's error, then the labels the model has."""
+    return invalid(f"Unrecognized servable version label: {label} (model '{m.name}' has labels "
+                   f"{sorted(m.labels)})")
+
+
 def version_statuses(m, model_spec):
     """ModelVersionStatus entries of the ManagedModel `m` that model_spec picks, newest
     first; the caller holds the manager's lock."""
@@ -21,7 +27,7 @@ def version_statuses(m, model_spec):
     elif choice == "version_label":
         label = model_spec.version_label
         if label not in m.labels:
-            raise invalid(f"model '{m.name}' has no version label '{label}'")
+            raise unknown_label(m, label)
         records = [r for r in records if r.version == m.labels[label]]
     out = []
     for r in records:
@@ -69,8 +75,7 @@ def resolve_record(m, model_spec):
     elif choice == "version_label":
         label = model_spec.version_label
         if label not in m.labels:
-            raise invalid(f"model '{m.name}' has no version label '{label}' "
-                          f"(labels: {sorted(m.labels)})")
+            raise unknown_label(m, label)
         v = m.labels[label]
     else:
         if not available:
@@ -81,6 +86,6 @@ def resolve_record(m, model_spec):
         v = available[-1]
     r = m.records.get(v)
     if r is None or r.state != AVAILABLE or r.servable is None:
-        raise not_found(f"Servable not found for request: model '{m.name}' version {v} "
-                        f"is not available (available versions: {available})")
+        raise not_found(f"Servable not found for request: Specific({m.name}, {v}) "
+                        f"(available versions: {available})")
     return r

@@ -197,7 +197,7 @@ def test_health_service_reports_serving(channel):
 
 @pytest.mark.parametrize("make_request, code, needle", [
     (lambda: _request(name="nope", query=QUERIES), grpc.StatusCode.NOT_FOUND, "nope"),
-    (lambda: _request(version=7, query=QUERIES), grpc.StatusCode.NOT_FOUND, "version 7"),
+    (lambda: _request(version=7, query=QUERIES), grpc.StatusCode.NOT_FOUND, "Specific(pkm, 7)"),
     (lambda: _request(label="canary", query=QUERIES), grpc.StatusCode.INVALID_ARGUMENT, "canary"),
     (lambda: _request(signature="nosuch", query=QUERIES), grpc.StatusCode.FAILED_PRECONDITION, "nosuch"),
     (lambda: _request(), grpc.StatusCode.INVALID_ARGUMENT, "missing input(s) ['query']"),
@@ -307,7 +307,7 @@ def test_classify_regress_multi_inference_on_a_predict_signature(stub):
     ("/v1/models/pkm:predict", None, b"{not json", 400, "JSON Parse error"),
     ("/v1/models/pkm:predict", [1, 2], None, 400, "JSON object"),
     ("/v1/models/nope:predict", {"instances": [[0.0] * 32]}, None, 404, "nope"),
-    ("/v1/models/pkm/versions/9:predict", {"instances": [[0.0] * 32]}, None, 404, "version 9"),
+    ("/v1/models/pkm/versions/9:predict", {"instances": [[0.0] * 32]}, None, 404, "Specific(pkm, 9)"),
     ("/v1/models/pkm/versions/99999999999999999999999:predict", {"instances": [[0.0] * 32]}, None, 400,
      "not an int64"),
     ("/v1/models/pkm/versions/99999999999999999999999", None, None, 400, "not an int64"),

@@ -89,7 +89,8 @@ def test_own_max_batch_size_bounds_a_request(server, tf_with_ops):
 
 @pytest.mark.parametrize("text, needle", [
     ("max_batch_size { value: 8 } no_such_field: 1", 'has no field named "no_such_field"'),
-    ("max_batch_size { value: 8 } allowed_batch_sizes: 4", "must equal max_batch_size (8)"),
+    ("max_batch_size { value: 8 } allowed_batch_sizes: 4",
+     "Last entry in allowed_batch_sizes must match max_batch_size; last entry was 4; expected 8"),
 ])
 def test_a_bad_file_fails_the_load_naming_it(tmp_path, text, needle):
     (tmp_path / "batching_params.pbtxt").write_text(text)

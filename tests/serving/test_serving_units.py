@@ -407,7 +407,7 @@ def test_startup_errors_are_one_clear_line_and_exit_code_2(tmp_path):
 
 @pytest.mark.parametrize("files, needle", [
     ({"batching.config": "max_batch_size { value: 0 }"}, "must be positive"),
-    ({"batching.config": "max_batch_size { value: 8 } allowed_batch_sizes: 4"}, "must equal max_batch_size"),
+    ({"batching.config": "max_batch_size { value: 8 } allowed_batch_sizes: 4"}, "must match max_batch_size"),
     ({"monitoring.config": "prometheus_config { enabel: true }"}, "enabel"),
     ({"ssl.config": "server_key: 'k'"}, "needs server_key and server_cert"),
 ])
