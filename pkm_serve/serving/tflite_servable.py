@@ -171,14 +171,33 @@ def _metadata_bindings(interp, signature_defs):
 
 def _signature_subgraph_inputs(model_bytes) -> dict:
     """{signature key: [{index, name} of each input of its subgraph]}, from the flatbuffer
-    (the signature runner tells only the inputs its SignatureDef names)."""
+    (the signature runner tells only the inputs its SignatureDef names). Also refuses what the
+    runner's by-alias dicts would hide: two inputs (or outputs) of one alias (one of them is
+    dropped: an output alias answered with the other tensor's values), and input (or output)
+    tensors of one name, as the other signature paths do (upstream's GetTensorInfoMap)."""
     model = tflite.flatbuffer_schema().Model.GetRootAsModel(model_bytes, 0)   # (no copy)
     out = {}
     for i in range(model.SignatureDefsLength()):
         sig = model.SignatureDefs(i)
+        key = sig.SignatureKey().decode()
         graph = model.Subgraphs(sig.SubgraphIndex())
-        out[sig.SignatureKey().decode()] = [
-            {"index": int(t), "name": graph.Tensors(int(t)).Name().decode()} for t in graph.InputsAsNumpy()]
+
+        def detail(t):
+            return {"index": int(t), "name": graph.Tensors(int(t)).Name().decode()}
+        for what, maps in (("input", [sig.Inputs(j) for j in range(sig.InputsLength())]),
+                           ("output", [sig.Outputs(j) for j in range(sig.OutputsLength())])):
+            by_alias = {}
+            for m in maps:
+                alias, name = m.Name().decode(), detail(m.TensorIndex())["name"]
+                if alias in by_alias:
+                    raise ValueError(f"signature '{key}' names two {what}s '{alias}' (tensors "
+                                     f"'{by_alias[alias]}' and '{name}'): one of them could not be "
+                                     f"{'fed' if what == 'input' else 'fetched'}")
+                by_alias[alias] = name
+        out[key] = [detail(t) for t in graph.InputsAsNumpy()]
+        _refuse_shared_names(key, out[key], "input")
+        outputs = {int(sig.Outputs(j).TensorIndex()) for j in range(sig.OutputsLength())}
+        _refuse_shared_names(key, [detail(t) for t in sorted(outputs)], "output")
     return out
 
 
