@@ -284,9 +284,10 @@ class _Interpreter:
 
 
 class TfLiteSignature(SignatureBase):
-    def __init__(self, name, signature_def, pool):
+    def __init__(self, name, signature_def, pool, runs_own_subgraph=False):
         super().__init__(name, signature_def)
         self._pool = pool
+        self.runs_own_subgraph = runs_own_subgraph   # (a signature runner's: its subgraph's own inputs)
         self.scheduler = None   # the version's own (interpreters_per_pool > 1), set once loaded
 
     def run(self, inputs: dict, output_filter=()) -> dict:
@@ -385,6 +386,16 @@ class _Pool:
                 return
 
 
+# TF Serving's TfLiteSession registers TFLite's ParseExample custom op (the stock converter
+# writes it, allow_custom_ops=True, for tf.io.parse_example); no Python LiteRT, tflite_runtime or
+# tf.lite interpreter has its kernel, so such a model cannot run here.
+_PARSE_EXAMPLE_UNSUPPORTED = (
+    "the model parses tf.Example input with TFLite's ParseExample custom op, which TF Serving's "
+    "TFLite servable links in but the Python LiteRT interpreter has no kernel for: serve this "
+    "version from its SavedModel (remove model.tflite or --prefer_tflite_model), or convert "
+    "signatures that take parsed features. ")
+
+
 class TfLiteServable(ServableBase):
     runtime = "TFLite"
 
@@ -404,11 +415,14 @@ class TfLiteServable(ServableBase):
             for interpreter in interpreters:
                 interpreter.interp.allocate_tensors()
         except (OSError, ValueError, RuntimeError, tf.errors.OpError) as e:
-            raise invalid(f"cannot load {model_path} in LiteRT with the pkm_serve delegate: "
-                          f"{' '.join(str(e).split())[:2000]}") from None
+            reason = ' '.join(str(e).split())[:2000]
+            if "unresolved custom op: ParseExample" in reason:
+                reason = _PARSE_EXAMPLE_UNSUPPORTED + reason
+            raise invalid(f"cannot load {model_path} in LiteRT with the pkm_serve delegate: {reason}") from None
         self._pool = _Pool(interpreters)
         self.signature_defs = {k: b[0] for k, b in interpreters[0].bindings.items()}
-        self.signatures = {k: TfLiteSignature(k, sdef, self._pool) for k, sdef in self.signature_defs.items()}
+        self.signatures = {k: TfLiteSignature(k, sdef, self._pool, runs_own_subgraph=interpreters[0].bindings[k][3])
+                           for k, sdef in self.signature_defs.items()}
         # The batch threads start last: a load refused before them leaves none running.
         self._scheduler = _session_batching(model_bytes, self._pool.size, interpreters_per_pool)
         for signature in self.signatures.values():
