@@ -306,7 +306,17 @@ class TfLiteSignature(SignatureBase):
                 return interp.run(self.name, arrays)
             except (ValueError, RuntimeError) as e:   # resize, allocate or invoke refused them
                 raise invalid(f"signature '{self.name}' rejected the inputs: "
-                              f"{' '.join(str(e).split())[:2000]}") from None
+                              f"{' '.join(str(e).split())[:2000]}{self._fixed_batch_note(arrays)}") from None
+
+    def _fixed_batch_note(self, arrays) -> str:
+        """Where an input's batch differs from the one the model fixes (the kernels' refusal
+        names neither)."""
+        for key, value in arrays.items():
+            shape = self.input_specs[key].shape
+            if value.ndim and shape.rank and shape[0] is not None and shape[0] != value.shape[0]:
+                return (f" (input '{key}' has {value.shape[0]} rows; the model fixes its batch at "
+                        f"{shape[0]}: {shape.as_list()})")
+        return ""
 
     def release(self):
         pass
@@ -331,7 +341,8 @@ def _session_batching(model_bytes, num_interpreters, interpreters_per_pool):
     TfLiteSession::Create's options: one batch thread per interpreter, no batch timeout,
     large requests split into pieces of the model's fixed batch size (a single input whose
     stored dimension 0 is above 1; above 500 refused, as upstream) or else
-    ceil(500 / interpreters_per_pool) rows, and 100 batches queued per interpreter."""
+    ceil(500 / interpreters_per_pool) rows, and 100 batches queued per interpreter. A run of
+    fewer rows than a fixed batch is padded to it (copies of a row, outputs dropped)."""
     if interpreters_per_pool <= 1:
         return None
     model = tflite.flatbuffer_schema().Model.GetRootAsModel(model_bytes, 0)   # (no copy)
@@ -351,6 +362,10 @@ def _session_batching(model_bytes, num_interpreters, interpreters_per_pool):
     params.max_enqueued_batches.value = num_interpreters * 100
     params.enable_large_batch_splitting.value = True
     params.max_execution_batch_size.value = per_run
+    if fixed > 1:   # a short run (a request's last piece, or small ones together) is padded to
+        # the fixed batch and the padding's outputs dropped, as upstream's interpreter keeps its
+        # batch for string inputs: a model whose ops hold that batch could not run fewer rows.
+        params.allowed_batch_sizes.extend(sorted({per_run, _SESSION_MAX_BATCH}))
     return BatchScheduler(params, stopped_message="this model version was unloaded")
 
 
