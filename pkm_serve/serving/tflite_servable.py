@@ -362,7 +362,9 @@ def _session_batching(model_bytes, num_interpreters, interpreters_per_pool):
     params.max_enqueued_batches.value = num_interpreters * 100
     params.enable_large_batch_splitting.value = True
     params.max_execution_batch_size.value = per_run
-    if fixed > 1:   # a short run (a request's last piece, or small ones together) is padded to
+    one_input = graph.Tensors(graph.Inputs(0)) if graph.InputsLength() == 1 else None
+    dynamic = one_input is not None and one_input.ShapeSignatureLength() and one_input.ShapeSignature(0) == -1
+    if fixed > 1 and not dynamic:   # a short run (a request's last piece, or small ones together) is padded to
         # the fixed batch and the padding's outputs dropped, as upstream's interpreter keeps its
         # batch for string inputs: a model whose ops hold that batch could not run fewer rows.
         params.allowed_batch_sizes.extend(sorted({per_run, _SESSION_MAX_BATCH}))

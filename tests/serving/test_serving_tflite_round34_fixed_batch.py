@@ -88,3 +88,36 @@ def test_without_the_sessions_batching_another_batch_is_refused_naming_it(model_
         np.testing.assert_allclose(next(iter(got.values())), _reference(ids), rtol=1e-5, atol=1e-5)
     finally:
         servable.release()
+
+
+def test_a_dynamic_batch_stored_above_one_splits_without_padding(tmp_path, tf_with_ops, invoked_rows):
+    """A single input stored [8, K] with shape signature [-1, K]: runs of 8 rows (upstream reads
+    the stored dimension), but a short run is not padded (the model takes any batch)."""
+    import flatbuffers
+    import tensorflow as tf
+    from pkm_serve import ops, tflite
+    from pkm_serve.serving.tflite_servable import TfLiteServable
+
+    @tf.function(input_signature=[tf.TensorSpec([None, K], tf.int32, name="ids")])
+    def serve(ids):
+        return {"bags": ops.embedding_bag(tf.constant(TABLE), ids)}
+    converter = tf.lite.TFLiteConverter.from_concrete_functions([serve.get_concrete_function()])
+    converter.allow_custom_ops = True
+    schema = tflite.flatbuffer_schema()
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(converter.convert()), 0))
+    graph = model.subgraphs[0]
+    graph.tensors[graph.inputs[0]].shape = [B, K]
+    builder = flatbuffers.Builder(1 << 16)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "model.tflite").write_bytes(bytes(builder.Output()))
+    servable = TfLiteServable("m", 1, str(tmp_path / "1"), warmup=False, num_interpreters=2, interpreters_per_pool=2)
+    try:
+        for rows, runs in ((20, [8, 8, 4]), (3, [3])):
+            invoked_rows.clear()
+            ids = _ids(rows)
+            got = next(iter(servable.signature("").run({"ids": ids}).values()))
+            assert invoked_rows == runs
+            np.testing.assert_allclose(got, TABLE.astype(np.float64)[ids].sum(axis=1), rtol=1e-5, atol=1e-5)
+    finally:
+        servable.release()
