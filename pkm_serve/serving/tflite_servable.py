@@ -169,6 +169,11 @@ def _metadata_bindings(interp, signature_defs):
     return out
 
 
+def _text(name) -> str:
+    """A flatbuffer string field; "" where the file leaves it out (the verifier allows that)."""
+    return name.decode("utf-8", "replace") if name is not None else ""
+
+
 def _signature_subgraph_inputs(model_bytes) -> dict:
     """{signature key: [{index, name} of each input of its subgraph]}, from the flatbuffer
     (the signature runner tells only the inputs its SignatureDef names). Also refuses what the
@@ -179,16 +184,18 @@ def _signature_subgraph_inputs(model_bytes) -> dict:
     out = {}
     for i in range(model.SignatureDefsLength()):
         sig = model.SignatureDefs(i)
-        key = sig.SignatureKey().decode()
+        key = _text(sig.SignatureKey())
         graph = model.Subgraphs(sig.SubgraphIndex())
 
         def detail(t):
-            return {"index": int(t), "name": graph.Tensors(int(t)).Name().decode()}
+            return {"index": int(t), "name": _text(graph.Tensors(int(t)).Name())}
         for what, maps in (("input", [sig.Inputs(j) for j in range(sig.InputsLength())]),
                            ("output", [sig.Outputs(j) for j in range(sig.OutputsLength())])):
             by_alias = {}
             for m in maps:
-                alias, name = m.Name().decode(), detail(m.TensorIndex())["name"]
+                alias, name = _text(m.Name()), detail(m.TensorIndex())["name"]
+                if not alias:   # (no request could name it)
+                    raise ValueError(f"signature '{key}' has an {what} with no name (tensor '{name}')")
                 if alias in by_alias:
                     raise ValueError(f"signature '{key}' names two {what}s '{alias}' (tensors "
                                      f"'{by_alias[alias]}' and '{name}'): one of them could not be "

@@ -1,5 +1,5 @@
 """A .tflite's converter SignatureDefs (the signature-runner path): two inputs or outputs of
-one alias, or input/output tensors of one name, fail the load naming them, as on the
+one alias, an alias left out, or input/output tensors of one name, fail the load naming them, as on the
 metadata and tensor-name paths (the runner's by-alias dicts hid them: an output alias was
 answered with another tensor's values). Reference: the one-op bag model's own tensors."""
 import flatbuffers
@@ -55,6 +55,9 @@ BOTH_INPUTS = [("ids", "indices"), ("wts", "weights")]
      "Input tensor name: indices has multiple indices"),
     (BOTH_INPUTS, [("pooled", "output"), ("w", "weights")], {"weights": "output"},
      "Output tensor name: output has multiple indices"),
+    # An alias the file leaves out: AttributeError ('NoneType' ... 'decode') out of the load.
+    ([(None, "indices"), ("wts", "weights")], [("pooled", "output")], None,
+     "signature 'serving_default' has an input with no name (tensor 'indices')"),
 ])
 def test_runner_signature_with_shared_names_fails_the_load(tmp_path, inputs, outputs, renamed, says):
     with pytest.raises(ServingError) as err:
