@@ -371,9 +371,10 @@ def _session_batching(model_bytes, num_interpreters, interpreters_per_pool):
     params.max_execution_batch_size.value = per_run
     one_input = graph.Tensors(graph.Inputs(0)) if graph.InputsLength() == 1 else None
     dynamic = one_input is not None and one_input.ShapeSignatureLength() and one_input.ShapeSignature(0) == -1
-    if fixed > 1 and not dynamic:   # a short run (a request's last piece, or small ones together) is padded to
-        # the fixed batch and the padding's outputs dropped, as upstream's interpreter keeps its
-        # batch for string inputs: a model whose ops hold that batch could not run fewer rows.
+    if fixed > 1 and not dynamic:
+        # A short run (a request's last piece, or small ones together) is padded to the fixed
+        # batch and the padding's outputs dropped, as upstream's interpreter keeps its batch for
+        # string inputs: a model whose ops hold that batch could not run fewer rows.
         params.allowed_batch_sizes.extend(sorted({per_run, _SESSION_MAX_BATCH}))
     return BatchScheduler(params, stopped_message="this model version was unloaded")
 

@@ -58,7 +58,8 @@ def models(tf_with_ops):
         converter.allow_custom_ops = custom_ops
         return converter.convert()
     both = convert(m.both)
-    outputs = {d["name"]: len(d["shape_signature"]) for d in tflite.make_interpreter(both, use_delegate=False).get_output_details()}
+    details = tflite.make_interpreter(both, use_delegate=False).get_output_details()
+    outputs = {d["name"]: len(d["shape_signature"]) for d in details}
     scores, values = (next(n for n, rank in outputs.items() if rank == r) for r in (2, 1))
     metadata = _with_signature_defs_metadata(both, {
         "classify": _sigdef({"inputs": "serving_default_examples:0"}, {"scores": scores}, CLASSIFY).SerializeToString(),
