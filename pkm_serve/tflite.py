@@ -125,7 +125,8 @@ def load_delegate(interpreter: str = "auto", **options):
 def make_interpreter(model: Union[str, bytes, os.PathLike], interpreter: str = "auto",
                      num_threads: int = 1, fuse_composites: bool = False,
                      use_delegate: bool = True):
-    """An allocated interpreter for ``model`` (a path or the model bytes)."""
+    """An interpreter for ``model`` (a path or the model bytes), not yet allocated: resize
+    its inputs if need be, then ``allocate_tensors()``."""
     module = interpreter_module(interpreter)
     kwargs: Dict[str, Any] = {"num_threads": num_threads}
     if isinstance(model, (bytes, bytearray)):
@@ -322,6 +323,9 @@ def main(argv=None) -> int:
         parser.error(f"--num-threads must be in [1, {MAX_DELEGATE_THREADS}], got {args.num_threads}")
     interp = make_interpreter(args.model, args.interpreter, args.num_threads,
                               args.fuse_composites)
+    # Prepares every node: one without a kernel (a custom op neither the runtime nor the
+    # delegate has) was listed as "runs", and the model then failed wherever it was loaded.
+    interp.allocate_tensors()
     print("delegate:", delegate_path())
     for op in execution_plan(interp):
         where = (f"claimed by node {op['replaced_by']}" if op["replaced_by"] is not None

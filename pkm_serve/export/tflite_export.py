@@ -309,6 +309,22 @@ def check_signatures_kept(model: bytes, export_dir: str, signatures: Sequence[st
                           "their own with --signatures")
 
 
+def defaults_not_carried(export_dir: str, kept: Sequence[str]) -> Dict[str, List[str]]:
+    """{signature: its inputs with SignatureDef defaults (tf.function default arguments)} of
+    the signatures the .tflite holds: a TFLite SignatureDef has no defaults (the converter
+    drops them, and TF Serving's TFLite servable has none), so a .tflite version needs those
+    inputs in every request, where the SavedModel version feeds the defaults."""
+    from tensorflow.python.saved_model import loader_impl
+    defs = loader_impl.parse_saved_model(export_dir).meta_graphs[0].signature_def
+    return {key: sorted(defs[key].defaults) for key in kept if key in defs and defs[key].defaults}
+
+
+def _defaults_note(dropped: Dict[str, List[str]]) -> str:
+    return "".join(f"; signature {key!r} input(s) {inputs} have defaults, which a .tflite cannot hold: "
+                   "a TFLite version (--prefer_tflite_model) needs them in every request"
+                   for key, inputs in dropped.items())
+
+
 def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str,
                        quantize: Optional[str], src: str, index_limit: int,
                        samples, batch_size: int, progress: Optional[Progress] = None,
@@ -355,4 +371,5 @@ def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str
             "custom_ops": found_ops, "signatures": _tflite_signatures(model),
             "quantize_table": quantize, "status": status, "verification": rows,
             "tolerance": tolerance if quantize == "int8" else None, "worst_relative_err": worst}
+    info["status"] += _defaults_note(defaults_not_carried(export_dir, info["signatures"]))
     return tmp, info

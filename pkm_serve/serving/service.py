@@ -48,6 +48,13 @@ def _real_numbers(tensor, message):
     return tensor
 
 
+# Why two signatures of a .tflite's signature runner never share an input tensor.
+_OWN_SUBGRAPHS_NOTE = (": each SignatureDef the TFLite converter wrote runs a subgraph of its own, as each "
+                       "signature of the SavedModel it came from reads a placeholder of its own; send a "
+                       "request per signature, or give the .tflite TF Serving SignatureDefs "
+                       "(signature_defs_metadata) that read one tensor")
+
+
 class InferenceService:
     def __init__(self, manager, batcher=None, metrics=None, max_request_bytes=None,
                  outputs_as_tensor_content=False, check_signature_method_name=False):
@@ -279,7 +286,8 @@ class InferenceService:
                     input_tensor = tensor
                 elif tensor != input_tensor:
                     raise invalid(f"Input tensor must be the same for all Signatures. (signature "
-                                  f"'{sig.name}' reads '{tensor}', an earlier task's reads '{input_tensor}')")
+                                  f"'{sig.name}' reads '{tensor}', an earlier task's reads '{input_tensor}'"
+                                  f"{_OWN_SUBGRAPHS_NOTE if getattr(sig, 'runs_own_subgraph', False) else ''})")
                 plan.append((task, run))
             for task, run in plan:
                 out = resp.results.add()

@@ -169,16 +169,42 @@ def _metadata_bindings(interp, signature_defs):
     return out
 
 
+def _text(name) -> str:
+    """A flatbuffer string field; "" where the file leaves it out (the verifier allows that)."""
+    return name.decode("utf-8", "replace") if name is not None else ""
+
+
 def _signature_subgraph_inputs(model_bytes) -> dict:
     """{signature key: [{index, name} of each input of its subgraph]}, from the flatbuffer
-    (the signature runner tells only the inputs its SignatureDef names)."""
+    (the signature runner tells only the inputs its SignatureDef names). Also refuses what the
+    runner's by-alias dicts would hide: two inputs (or outputs) of one alias (one of them is
+    dropped: an output alias answered with the other tensor's values), and input (or output)
+    tensors of one name, as the other signature paths do (upstream's GetTensorInfoMap)."""
     model = tflite.flatbuffer_schema().Model.GetRootAsModel(model_bytes, 0)   # (no copy)
     out = {}
     for i in range(model.SignatureDefsLength()):
         sig = model.SignatureDefs(i)
+        key = _text(sig.SignatureKey())
         graph = model.Subgraphs(sig.SubgraphIndex())
-        out[sig.SignatureKey().decode()] = [
-            {"index": int(t), "name": graph.Tensors(int(t)).Name().decode()} for t in graph.InputsAsNumpy()]
+
+        def detail(t):
+            return {"index": int(t), "name": _text(graph.Tensors(int(t)).Name())}
+        for what, maps in (("input", [sig.Inputs(j) for j in range(sig.InputsLength())]),
+                           ("output", [sig.Outputs(j) for j in range(sig.OutputsLength())])):
+            by_alias = {}
+            for m in maps:
+                alias, name = _text(m.Name()), detail(m.TensorIndex())["name"]
+                if not alias:   # (no request could name it)
+                    raise ValueError(f"signature '{key}' has an {what} with no name (tensor '{name}')")
+                if alias in by_alias:
+                    raise ValueError(f"signature '{key}' names two {what}s '{alias}' (tensors "
+                                     f"'{by_alias[alias]}' and '{name}'): one of them could not be "
+                                     f"{'fed' if what == 'input' else 'fetched'}")
+                by_alias[alias] = name
+        out[key] = [detail(t) for t in graph.InputsAsNumpy()]
+        _refuse_shared_names(key, out[key], "input")
+        outputs = {int(sig.Outputs(j).TensorIndex()) for j in range(sig.OutputsLength())}
+        _refuse_shared_names(key, [detail(t) for t in sorted(outputs)], "output")
     return out
 
 
@@ -265,9 +291,10 @@ class _Interpreter:
 
 
 class TfLiteSignature(SignatureBase):
-    def __init__(self, name, signature_def, pool):
+    def __init__(self, name, signature_def, pool, runs_own_subgraph=False):
         super().__init__(name, signature_def)
         self._pool = pool
+        self.runs_own_subgraph = runs_own_subgraph   # (a signature runner's: its subgraph's own inputs)
         self.scheduler = None   # the version's own (interpreters_per_pool > 1), set once loaded
 
     def run(self, inputs: dict, output_filter=()) -> dict:
@@ -286,7 +313,17 @@ class TfLiteSignature(SignatureBase):
                 return interp.run(self.name, arrays)
             except (ValueError, RuntimeError) as e:   # resize, allocate or invoke refused them
                 raise invalid(f"signature '{self.name}' rejected the inputs: "
-                              f"{' '.join(str(e).split())[:2000]}") from None
+                              f"{' '.join(str(e).split())[:2000]}{self._fixed_batch_note(arrays)}") from None
+
+    def _fixed_batch_note(self, arrays) -> str:
+        """Where an input's batch differs from the one the model fixes (the kernels' refusal
+        names neither)."""
+        for key, value in arrays.items():
+            shape = self.input_specs[key].shape
+            if value.ndim and shape.rank and shape[0] is not None and shape[0] != value.shape[0]:
+                return (f" (input '{key}' has {value.shape[0]} rows; the model fixes its batch at "
+                        f"{shape[0]}: {shape.as_list()})")
+        return ""
 
     def release(self):
         pass
@@ -311,7 +348,8 @@ def _session_batching(model_bytes, num_interpreters, interpreters_per_pool):
     TfLiteSession::Create's options: one batch thread per interpreter, no batch timeout,
     large requests split into pieces of the model's fixed batch size (a single input whose
     stored dimension 0 is above 1; above 500 refused, as upstream) or else
-    ceil(500 / interpreters_per_pool) rows, and 100 batches queued per interpreter."""
+    ceil(500 / interpreters_per_pool) rows, and 100 batches queued per interpreter. A run of
+    fewer rows than a fixed batch is padded to it (copies of a row, outputs dropped)."""
     if interpreters_per_pool <= 1:
         return None
     model = tflite.flatbuffer_schema().Model.GetRootAsModel(model_bytes, 0)   # (no copy)
@@ -331,6 +369,13 @@ def _session_batching(model_bytes, num_interpreters, interpreters_per_pool):
     params.max_enqueued_batches.value = num_interpreters * 100
     params.enable_large_batch_splitting.value = True
     params.max_execution_batch_size.value = per_run
+    one_input = graph.Tensors(graph.Inputs(0)) if graph.InputsLength() == 1 else None
+    dynamic = one_input is not None and one_input.ShapeSignatureLength() and one_input.ShapeSignature(0) == -1
+    if fixed > 1 and not dynamic:
+        # A short run (a request's last piece, or small ones together) is padded to the fixed
+        # batch and the padding's outputs dropped, as upstream's interpreter keeps its batch for
+        # string inputs: a model whose ops hold that batch could not run fewer rows.
+        params.allowed_batch_sizes.extend(sorted({per_run, _SESSION_MAX_BATCH}))
     return BatchScheduler(params, stopped_message="this model version was unloaded")
 
 
@@ -366,6 +411,16 @@ class _Pool:
                 return
 
 
+# TF Serving's TfLiteSession registers TFLite's ParseExample custom op (the stock converter
+# writes it, allow_custom_ops=True, for tf.io.parse_example); no Python LiteRT, tflite_runtime or
+# tf.lite interpreter has its kernel, so such a model cannot run here.
+_PARSE_EXAMPLE_UNSUPPORTED = (
+    "the model parses tf.Example input with TFLite's ParseExample custom op, which TF Serving's "
+    "TFLite servable links in but the Python LiteRT interpreter has no kernel for: serve this "
+    "version from its SavedModel (remove model.tflite or --prefer_tflite_model), or convert "
+    "signatures that take parsed features. ")
+
+
 class TfLiteServable(ServableBase):
     runtime = "TFLite"
 
@@ -385,11 +440,14 @@ class TfLiteServable(ServableBase):
             for interpreter in interpreters:
                 interpreter.interp.allocate_tensors()
         except (OSError, ValueError, RuntimeError, tf.errors.OpError) as e:
-            raise invalid(f"cannot load {model_path} in LiteRT with the pkm_serve delegate: "
-                          f"{' '.join(str(e).split())[:2000]}") from None
+            reason = ' '.join(str(e).split())[:2000]
+            if "unresolved custom op: ParseExample" in reason:
+                reason = _PARSE_EXAMPLE_UNSUPPORTED + reason
+            raise invalid(f"cannot load {model_path} in LiteRT with the pkm_serve delegate: {reason}") from None
         self._pool = _Pool(interpreters)
         self.signature_defs = {k: b[0] for k, b in interpreters[0].bindings.items()}
-        self.signatures = {k: TfLiteSignature(k, sdef, self._pool) for k, sdef in self.signature_defs.items()}
+        self.signatures = {k: TfLiteSignature(k, sdef, self._pool, runs_own_subgraph=interpreters[0].bindings[k][3])
+                           for k, sdef in self.signature_defs.items()}
         # The batch threads start last: a load refused before them leaves none running.
         self._scheduler = _session_batching(model_bytes, self._pool.size, interpreters_per_pool)
         for signature in self.signatures.values():
