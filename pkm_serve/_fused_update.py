@@ -278,6 +278,14 @@ def fused_embedding_bag(variable, indices, weights=None, combiner="sum"):
         raise ValueError("fused_optimizer takes dense [..., K] indices, not ragged or tf.SparseTensor ones: pad "
                          "the bags with -1 (ids.to_tensor(-1), tf.sparse.to_dense(ids, default_value=-1)), "
                          "or train with sparse_gradient=True instead")
+    from tensorflow.python.saved_model import save_context
+
+    if save_context.in_save_context():
+        # A SavedModel keeps the row-sparse gradient (_optimizer_for_this_step): that of the plain op,
+        # whose gradient TF registers by op type. TF's loader cannot differentiate the custom gradient
+        # below, which takes the table's resource handle: it fed float zeros of the table's shape where
+        # the saved gradient function was traced with the handle (TypeError, "Binding inputs").
+        return ops.embedding_bag(table, indices, weights, combiner=combiner, sparse_gradient=True)
     indices = tf.convert_to_tensor(indices)
     if indices.dtype not in (tf.int32, tf.int64):
         indices = tf.cast(indices, tf.int64)

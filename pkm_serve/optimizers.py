@@ -17,8 +17,8 @@ gradients, read and write only the touched rows of the variable and its slots:
   instead of ``[N, D]``. Rows with zero gradient do not move, so the sparse and
   the dense update are the same function.
 
-Duplicate indices (e.g. IndexedSlices gathered from several replicas) are
-summed first.
+Duplicate indices (e.g. IndexedSlices gathered from several replicas, or of
+one table looked up twice) are summed first, before any clipping.
 
 Fused: for a table whose layer asks for it (``fused_optimizer=True`` on
 ``EmbeddingBag`` / ``ProductKeyMemory``), both optimizers claim the table in
@@ -46,6 +46,19 @@ def _unique_rows(gradient: tf.IndexedSlices):
     rows, position = tf.unique(indices)
     values = tf.math.unsorted_segment_sum(values, position, tf.shape(rows)[0])
     return rows, values
+
+
+def _summed_rows(gradient: tf.IndexedSlices):
+    """`gradient` with each row once. Where it holds only marker rows (pkm_serve/_no_rows.py) it
+    stays one marker: empty here, in a replica's apply before the all-reduce, it would be empty on
+    every replica, and a sum of markers (-0.0 added to the sum's +0.0) would be a real zero row."""
+    indices, values = _no_rows.drop_markers(gradient)
+    rows, position = tf.unique(indices)
+    summed = tf.math.unsorted_segment_sum(values, position, tf.shape(rows)[0])
+    only_markers = tf.logical_and(tf.equal(tf.size(rows), 0), tf.shape(gradient.indices)[0] > 0)
+    rows, summed = tf.cond(only_markers, lambda: (gradient.indices[:1], gradient.values[:1]),
+                           lambda: (rows, summed))
+    return tf.IndexedSlices(summed, rows, gradient.dense_shape)
 
 
 def _scatter_update(variable, rows, values):
@@ -95,6 +108,11 @@ class _RowSparseSteps:
     fused-update check, the row-wise step itself being each one's ``_update_step``."""
 
     def apply(self, grads, trainable_variables=None):
+        if self.clipnorm or self.global_clipnorm or self.clipvalue:
+            # Keras clips the slices as they come: a row repeated by several lookups of one table
+            # (TF concatenates their IndexedSlices) was clipped piece by piece and counted once per
+            # piece in the norm. The clipping sees the gradient's rows summed, as the dense one.
+            grads = [_summed_rows(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         if self.loss_scale_factor is not None:
             grads = [_UnscalableSlices(g.values, g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices)
                      else g for g in grads]

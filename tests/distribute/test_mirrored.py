@@ -138,7 +138,7 @@ def test_sparse_gradient_of_an_all_padding_batch_under_two_replicas():
 
 # Every optimizer once, LazyAdam (the one that stepped row 0) on both paths: 5 of the 8 pairs.
 UNTOUCHED_CASES = [("fit", "lazy_adam"), ("ragged", "lazy_adam"), ("ragged", "rowwise_adagrad"), ("fit", "sgd"),
-                   ("ragged", "adam")]
+                   ("ragged", "adam"), ("fit", "lazy_adam_clipnorm")]
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,10 @@ from pkm_serve.optimizers import LazyAdam, RowwiseAdagrad  # noqa: E402
 
 BATCH = 8
 OPTIMIZERS = {"lazy_adam": lambda: LazyAdam(0.05), "rowwise_adagrad": lambda: RowwiseAdagrad(0.1),
-              "sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.05)}
+              "sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.05),
+              # Clipping makes the optimizer sum repeated rows before Keras clips; the clip never
+              # binds here, since Keras clips each replica's gradient before the all-reduce.
+              "lazy_adam_clipnorm": lambda: LazyAdam(0.05, clipnorm=1e3)}
 
 
 def data():
