@@ -34,11 +34,6 @@ def xla_device_types() -> frozenset:
             handle = ctypes.CDLL(_library.library_path(), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         except (_library.OpLibraryNotFoundError, tf.errors.NotFoundError, OSError):
             return frozenset()
-        # Make the lowering visible even when TF set up its XLA kernels before
-        # the library was loaded (RegisterLoweringsLate in kernels/xla).
-        for register in ("pkm_xla_register_late", "pkm_xla_register_late_gpu"):
-            if hasattr(handle, register):
-                getattr(handle, register)()
         _xla_device_types = frozenset(
             dev for dev, symbol in _XLA_TARGET_SYMBOLS.items() if hasattr(handle, symbol))
     return _xla_device_types
