@@ -55,6 +55,17 @@ def test_bags_picked_by_boolean_mask_under_jit(combiner):
         _check(d_weights, full_d_weights, "d_weights")
 
 
+def test_bag_axis_of_dynamic_size_under_jit():
+    """Positions dropped from every bag (tf.boolean_mask over axis 1): the bag axis is dynamic."""
+    ids = RNG.integers(-1, N, size=(3, 5))
+    weights = RNG.uniform(0.2, 2.0, size=ids.shape).astype(np.float32)
+    positions = np.array([True, False, True, True, False])
+    lookup = tf.function(lambda i, w, m: ops.embedding_bag(
+        TABLE, tf.boolean_mask(i, m, axis=1), tf.boolean_mask(w, m, axis=1), combiner="sqrtn"), jit_compile=True)
+    _check(lookup(tf.constant(ids), tf.constant(weights), tf.constant(positions)),
+           reference.embedding_bag(TABLE, ids[:, positions], weights[:, positions], "sqrtn"), "sqrtn")
+
+
 def test_ids_from_unique_and_where_under_jit():
     table = tf.constant(TABLE)
     unique_rows = tf.function(
