@@ -99,6 +99,8 @@ def _ragged_weight_values(indices, weights):
     values = weights.flat_values
     for dim, (w_splits, i_splits) in enumerate(
             zip(weights.nested_row_splits, indices.nested_row_splits), start=1):
+        if w_splits is i_splits:  # one tensor (indices.with_flat_values(w)): nothing to compare
+            continue
         w_splits, i_splits = tf.cast(w_splits, tf.int64), tf.cast(i_splits, tf.int64)
         w_known, i_known = tf.get_static_value(w_splits), tf.get_static_value(i_splits)
         if w_known is not None and i_known is not None:
