@@ -3,6 +3,7 @@ module registers the ops with TensorFlow so SavedModels using them load."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 import warnings
@@ -48,7 +49,43 @@ def load_library():
                     "`pip install dist/pkm_serve-*.whl`) rather than `pip install .`; the device "
                     "wheel has no TF op. pkm_serve.ops.embedding_bag_composite needs no library.")
             _lib = tf.load_op_library(path)
+            register_xla_lowerings_late(path)
         return _lib
+
+
+# Exported by the op library (kernels/xla), each for the ops it lowers: adds their XLA JIT kernels
+# where TF built its own before the library was loaded (docs/XLA.md "Late loading").
+_LATE_XLA_REGISTRATIONS = ("pkm_xla_register_late", "pkm_xla_register_late_gpu",
+                           "pkm_xla_register_late_quantized")
+
+
+def _tf_built_xla_kernels() -> bool:
+    """Whether TF turned its XLA op registry into JIT kernels already (it does once per process,
+    when it first creates devices); True where TF's private kernel list is missing, as then
+    registering is the safe answer (a jit_compile trace of the op registers anyway)."""
+    try:
+        from tensorflow.python.framework import kernels  # no public kernel list
+
+        return any(k.device_type.endswith("_JIT") for k in kernels.get_registered_kernels_for_op("Identity").kernel)
+    except (ImportError, AttributeError):
+        return True
+
+
+def register_xla_lowerings_late(path):
+    """Makes the library's XLA lowerings visible when TF built its JIT kernels before the library
+    was loaded (e.g. ``import pkm_serve`` after running a TF op): else a SavedModel saved from a
+    jit_compile function fails with "No registered 'PkmEmbeddingBag' OpKernel for XLA_CPU_JIT",
+    as nothing traces ops.embedding_bag there. Left alone before TF built them: TF's own
+    registration then picks the lowerings up, and that of op libraries loaded after this one."""
+    if not _tf_built_xla_kernels():
+        return
+    try:
+        handle = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)  # loaded: NOLOAD returns its handle
+    except OSError:
+        return
+    for register in _LATE_XLA_REGISTRATIONS:
+        if hasattr(handle, register):
+            getattr(handle, register)()
 
 
 def is_available() -> bool:

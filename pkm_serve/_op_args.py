@@ -93,9 +93,14 @@ def _ragged_weight_values(indices, weights):
     if weights.ragged_rank != indices.ragged_rank:
         raise ValueError(f"{_ROW_PARTITION_ERROR}: weights have ragged rank {weights.ragged_rank}, "
                          f"indices {indices.ragged_rank}")
+    from pkm_serve import _xla
+
     checks = []
+    values = weights.flat_values
     for dim, (w_splits, i_splits) in enumerate(
             zip(weights.nested_row_splits, indices.nested_row_splits), start=1):
+        if w_splits is i_splits:  # one tensor (indices.with_flat_values(w)): nothing to compare
+            continue
         w_splits, i_splits = tf.cast(w_splits, tf.int64), tf.cast(i_splits, tf.int64)
         w_known, i_known = tf.get_static_value(w_splits), tf.get_static_value(i_splits)
         if w_known is not None and i_known is not None:
@@ -112,10 +117,14 @@ def _ragged_weight_values(indices, weights):
         same = tf.cond(tf.equal(tf.size(w_splits), tf.size(i_splits)),
                        lambda w=w_splits, i=i_splits: tf.reduce_all(tf.equal(w, i)),
                        lambda: tf.constant(False))
-        checks.append(tf.debugging.Assert(
-            same, [f"{_ROW_PARTITION_ERROR} (ragged dimension {dim} differs)"]))
+        message = f"{_ROW_PARTITION_ERROR} (ragged dimension {dim} differs)"
+        checked = _xla.checked_when_compiled(same, values, message)  # XLA drops the Assert
+        if checked is not None:
+            values = checked
+        else:
+            checks.append(tf.debugging.Assert(same, [message]))
     with tf.control_dependencies(checks):
-        return tf.identity(weights.flat_values)
+        return tf.identity(values)
 
 
 def is_sharded(params) -> bool:

@@ -48,11 +48,33 @@ def _max_params_gradient(grad, params, indices):
     return tf.cast(tf.math.unsorted_segment_sum(routed, segments, num_rows + 1)[:-1], params.dtype)
 
 
+def _ragged_max_params_gradient(grad, params, indices):
+    """_max_params_gradient for ragged bags (ragged rank 1) with segment ops: XLA cannot compile
+    RaggedTensor.to_tensor (no RaggedTensorToTensor kernel), which padded them to dense."""
+    ids, bag = indices.values, indices.value_rowids()
+    num_bags = indices.nrows(out_type=bag.dtype)
+    valid = ids >= 0
+    rows = tf.cast(tf.gather(params, tf.where(valid, ids, tf.zeros_like(ids))), tf.float32)
+    nan = tf.math.is_nan(rows) & valid[:, None]
+    # The first NaN wins where a bag's column has one, else the first maximum.
+    bag_has_nan = tf.gather(tf.math.unsorted_segment_max(tf.cast(nan, tf.int32), bag, num_bags), bag) > 0
+    finite = tf.where(valid[:, None] & ~nan, rows, tf.fill(tf.shape(rows), float("-inf")))
+    top = tf.gather(tf.math.unsorted_segment_max(finite, bag, num_bags), bag)
+    candidate = tf.where(bag_has_nan, nan, (finite == top) & valid[:, None])
+    counts = tf.cumsum(tf.cast(candidate, tf.int32), axis=0)  # candidates up to and including each value
+    starts = tf.gather(tf.concat([tf.zeros_like(counts[:1]), counts], 0), tf.gather(indices.row_splits, bag))
+    winners = tf.stop_gradient(candidate & (counts - starts == 1))
+    routed = tf.where(winners, tf.gather(tf.cast(grad, tf.float32), bag), tf.zeros([], tf.float32))
+    num_rows = tf.shape(params, out_type=ids.dtype)[0]
+    segments = tf.where(valid, ids, tf.fill(tf.shape(ids), num_rows))  # padding: dropped
+    return tf.cast(tf.math.unsorted_segment_sum(routed, segments, num_rows + 1)[:-1], params.dtype)
+
+
 def _first_order(grad, params, indices, weights, combiner):
     """The gradient ops' (d_params dense, d_weights or None), recorded on any outer tape."""
     if combiner == "max":
         if isinstance(indices, tf.RaggedTensor):
-            indices = indices.to_tensor(default_value=-1)
+            return _ragged_max_params_gradient(grad, params, indices), None
         return _max_params_gradient(grad, params, indices), None
     # Ragged weights: their flat values (watching the RaggedTensor would watch its int row splits too).
     weight_values = weights.flat_values if isinstance(weights, tf.RaggedTensor) else weights

@@ -34,11 +34,6 @@ def xla_device_types() -> frozenset:
             handle = ctypes.CDLL(_library.library_path(), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
         except (_library.OpLibraryNotFoundError, tf.errors.NotFoundError, OSError):
             return frozenset()
-        # Make the lowering visible even when TF set up its XLA kernels before
-        # the library was loaded (RegisterLoweringsLate in kernels/xla).
-        for register in ("pkm_xla_register_late", "pkm_xla_register_late_gpu"):
-            if hasattr(handle, register):
-                getattr(handle, register)()
         _xla_device_types = frozenset(
             dev for dev, symbol in _XLA_TARGET_SYMBOLS.items() if hasattr(handle, symbol))
     return _xla_device_types
@@ -92,3 +87,22 @@ def composite_under_xla(params, indices):
             "instead of running the fused kernel.",
             RuntimeWarning, stacklevel=3)
     return True
+
+
+def checked_when_compiled(condition, value, message):
+    """`value` after an InvalidArgumentError(message) where `condition` (a scalar, or a function
+    that builds it) is false when the graph runs, for a graph XLA compiles for the CPU: XLA drops
+    tf.debugging.Assert (a user error passed silently), but keeps the op library's PkmCheckThen, a
+    custom call that can fail. None elsewhere (outside XLA, or a backend without the op): there
+    the caller's Assert holds or is dropped as before."""
+    if compile_device_type() != "CPU" or "CPU" not in xla_device_types():
+        return None
+    lib = _library.load_library()
+    if not hasattr(lib, "pkm_check_then"):  # a library built before the op
+        return None
+    return lib.pkm_check_then(condition() if callable(condition) else condition, value, message=message)
+
+
+@tf.RegisterGradient("PkmCheckThen")
+def _check_then_grad(op, grad):  # the value passes through; the condition is boolean
+    return [None, grad]

@@ -16,8 +16,6 @@ only: int8 tables are for serving; train the float table, then quantise it
 """
 from __future__ import annotations
 
-import ctypes
-import os
 from typing import NamedTuple
 
 import numpy as np
@@ -27,7 +25,6 @@ from pkm_serve import _op_args, ops
 
 ROW_PARAM_DTYPES = ("float32", "float16")
 _OUTPUT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
-_xla_registered = False
 _CHUNK_ROWS = 16384
 
 
@@ -108,24 +105,6 @@ def dequantize(table: QuantizedTable):
     return values * scales[:, None] + (biases[:, None] if biases.shape[0] else 0.0)
 
 
-def _register_xla_late():
-    """Makes the XLA lowering of the quantised ops visible even when TF set up
-    its XLA kernels before the op library was loaded (as ops does for its own)."""
-    global _xla_registered
-    if _xla_registered:
-        return
-    _xla_registered = True
-    from pkm_serve import _xla
-
-    _xla.xla_device_types()
-    try:
-        handle = ctypes.CDLL(ops.library_path(), mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    except OSError:
-        return
-    if hasattr(handle, "pkm_xla_register_late_quantized"):
-        handle.pkm_xla_register_late_quantized()
-
-
 def _table_tensors(table: QuantizedTable):
     values = tf.convert_to_tensor(table.values)
     if values.dtype != tf.int8:
@@ -162,8 +141,7 @@ def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", 
     """
     if combiner not in ("sum", "mean", "sqrtn"):
         raise ValueError(f"combiner must be one of sum, mean, sqrtn for int8 tables, got {combiner!r}")
-    lib = ops.load_library()
-    _register_xla_late()
+    lib = ops.load_library()  # with the XLA lowerings (also where TF built its JIT kernels first)
     with tf.name_scope(name or "quantized_embedding_bag"):
         values, scales, biases = _table_tensors(table)
         output_dtype = tf.as_dtype(output_dtype)

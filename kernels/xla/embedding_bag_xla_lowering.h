@@ -57,21 +57,120 @@ inline int64_t NumBags(bool ragged, const ::tensorflow::TensorShape& indices,
   return leading.num_elements();
 }
 
+// ---- bounded dynamic dimensions ----
+// Ids made under jit_compile by tf.boolean_mask, tf.unique or tf.where have a
+// dimension of bounded dynamic size, which XLA refuses in a custom call's
+// operand ("is not supported to have a dynamic dimension"). The call gets the
+// operand at its bound instead, every entry past the size made padding (id -1,
+// weight and grad 0), and the results get the sizes back.
+
+struct DynamicDim {
+  int64_t dim;
+  xla::XlaOp size;  // s32 scalar
+};
+
+inline std::vector<DynamicDim> DynamicDims(xla::XlaBuilder* b, xla::XlaOp op) {
+  std::vector<DynamicDim> dims;
+  absl::StatusOr<xla::Shape> shape = b->GetShape(op);
+  if (!shape.ok() || !shape->IsArray()) return dims;  // the builder reports the error
+  for (int64_t d = 0; d < static_cast<int64_t>(shape->dimensions().size()); ++d)
+    if (shape->is_dynamic_dimension(d)) dims.push_back({d, xla::GetDimensionSize(op, d)});
+  return dims;
+}
+
+// s32 positions along `dim` of an array shaped like `shape`.
+inline xla::XlaOp Positions(xla::XlaBuilder* b, const xla::Shape& shape, int64_t dim) {
+  return xla::Iota(b, xla::ShapeUtil::ChangeElementType(shape, xla::S32), dim);
+}
+
+inline xla::XlaOp Filled(xla::XlaBuilder* b, const xla::Shape& shape, double value) {
+  return xla::Broadcast(xla::ConvertElementType(xla::ConstantR0<double>(b, value), shape.element_type()),
+                        shape.dimensions());
+}
+
+// `op` static at its bounds, the entries past any dynamic size set to `fill`.
+inline xla::XlaOp AtBounds(xla::XlaBuilder* b, xla::XlaOp op, const std::vector<DynamicDim>& dims, double fill) {
+  if (dims.empty()) return op;
+  for (const DynamicDim& d : dims) op = xla::RemoveDynamicDimension(op, d.dim);
+  absl::StatusOr<xla::Shape> shape = b->GetShape(op);
+  if (!shape.ok()) return op;
+  xla::XlaOp inside;
+  for (const DynamicDim& d : dims) {
+    xla::XlaOp in_dim = xla::Lt(Positions(b, *shape, d.dim), d.size);
+    inside = inside.valid() ? xla::And(inside, in_dim) : in_dim;
+  }
+  return xla::Select(inside, op, Filled(b, *shape, fill));
+}
+
+inline xla::XlaOp WithSizes(xla::XlaOp op, const std::vector<DynamicDim>& dims) {
+  for (const DynamicDim& d : dims) op = xla::SetDimensionSize(op, d.size, d.dim);
+  return op;
+}
+
+// Ragged row_splits at their bound when they or the values have a dynamic
+// size: splits past their size repeat the last one (empty bags), and splits
+// (but the first) equal to the number of values move to the values' bound, so
+// the padding ids past the values join the last bag, where they count for
+// nothing. Splits that break the rules still fail the kernel's checks.
+inline xla::XlaOp SplitsAtBounds(xla::XlaBuilder* b, xla::XlaOp splits, const std::vector<DynamicDim>& split_dims,
+                                 const std::vector<DynamicDim>& value_dims, int64_t values_bound) {
+  if (split_dims.empty() && value_dims.empty()) return splits;
+  if (!split_dims.empty()) splits = xla::RemoveDynamicDimension(splits, 0);
+  absl::StatusOr<xla::Shape> shape = b->GetShape(splits);
+  if (!shape.ok()) return splits;
+  const xla::XlaOp position = Positions(b, *shape, 0);
+  if (!split_dims.empty()) {
+    const xla::XlaOp size = split_dims[0].size;
+    const xla::XlaOp last_index = xla::Max(xla::Sub(size, xla::ConstantR0<int32_t>(b, 1)),
+                                           xla::ConstantR0<int32_t>(b, 0));
+    const xla::XlaOp last = xla::Reshape(xla::DynamicSlice(splits, {last_index}, {1}), {});
+    splits = xla::Select(xla::Lt(position, size), splits, xla::Broadcast(last, shape->dimensions()));
+  }
+  if (!value_dims.empty()) {
+    const xla::XlaOp count = xla::ConvertElementType(value_dims[0].size, shape->element_type());
+    const xla::XlaOp at_end = xla::And(xla::Eq(splits, count), xla::Gt(position, xla::ConstantR0<int32_t>(b, 0)));
+    splits = xla::Select(at_end, Filled(b, *shape, static_cast<double>(values_bound)), splits);
+  }
+  return splits;
+}
+
+// The dynamic sizes a call's results get back.
+struct BagSizes {
+  std::vector<DynamicDim> out;      // of the [..., D] output (dense: the ids' leading dims; ragged: bags)
+  std::vector<DynamicDim> weights;  // of the weights (d_weights is shaped like them)
+};
+
 // Appends the ids (input `ids_input`; dense ones reshaped to [B, K], a bitcast
-// in XLA), the ragged row splits and the weights in the custom call's order.
-inline void AppendBagOperands(::tensorflow::XlaOpKernelContext* ctx, const ::pkm_tf::OpAttrs& attrs, int ids_input,
-                              int64_t num_bags, std::vector<xla::XlaOp>* operands) {
+// in XLA), the ragged row splits and the weights in the custom call's order,
+// each static at its bound (see above).
+inline BagSizes AppendBagOperands(::tensorflow::XlaOpKernelContext* ctx, const ::pkm_tf::OpAttrs& attrs,
+                                  int ids_input, int64_t num_bags, std::vector<xla::XlaOp>* operands) {
+  xla::XlaBuilder* b = ctx->builder();
   const ::tensorflow::TensorShape indices = ctx->InputShape(ids_input);
   xla::XlaOp index_op = ctx->Input(ids_input);
   xla::XlaOp weight_op = ctx->Input(ids_input + (attrs.ragged ? 2 : 1));
+  BagSizes sizes;
+  const std::vector<DynamicDim> id_dims = DynamicDims(b, index_op);
+  if (attrs.has_weights) sizes.weights = DynamicDims(b, weight_op);
+  index_op = AtBounds(b, index_op, id_dims, -1.0);
+  weight_op = AtBounds(b, weight_op, sizes.weights, 0.0);
   if (!attrs.ragged) {
+    for (const DynamicDim& d : id_dims)
+      if (d.dim + 1 < indices.dims()) sizes.out.push_back(d);
     const int64_t bag_size = indices.dim_size(indices.dims() - 1);
     index_op = xla::Reshape(index_op, {num_bags, bag_size});
     if (attrs.has_weights) weight_op = xla::Reshape(weight_op, {num_bags, bag_size});
   }
   operands->push_back(index_op);
-  if (attrs.ragged) operands->push_back(ctx->Input(ids_input + 1));
+  if (attrs.ragged) {
+    xla::XlaOp splits = ctx->Input(ids_input + 1);
+    const std::vector<DynamicDim> split_dims = DynamicDims(b, splits);
+    if (!split_dims.empty())
+      sizes.out.push_back({0, xla::Sub(split_dims[0].size, xla::ConstantR0<int32_t>(b, 1))});
+    operands->push_back(SplitsAtBounds(b, splits, split_dims, id_dims, indices.dim_size(0)));
+  }
   operands->push_back(weight_op);
+  return sizes;
 }
 
 inline xla::Shape RowMajor(const xla::Shape& shape) {
@@ -136,10 +235,18 @@ class EmbeddingBagLowering : public ::tensorflow::XlaOpKernel {
     const int64_t dim = params.dim_size(1);
     const int64_t num_bags = NumBags(ragged, indices, splits);
 
+    OP_REQUIRES(ctx, DynamicDims(ctx->builder(), ctx->Input(first)).empty(),
+                ::tensorflow::errors::Unimplemented(
+                    "embedding_bag under XLA: params has a dimension of dynamic size (e.g. rows picked by "
+                    "tf.boolean_mask); pass a table of static shape"));
     std::vector<xla::XlaOp> operands;
-    if (grad_) operands.push_back(xla::Reshape(ctx->Input(0), {num_bags, dim}));
+    if (grad_) {
+      const xla::XlaOp grad = ctx->Input(0);  // [..., D]: the output's dynamic dims, padding past them
+      operands.push_back(xla::Reshape(AtBounds(ctx->builder(), grad, DynamicDims(ctx->builder(), grad), 0.0),
+                                      {num_bags, dim}));
+    }
     operands.push_back(ctx->Input(first));
-    AppendBagOperands(ctx, attrs_, first + 1, num_bags, &operands);
+    const BagSizes sizes = AppendBagOperands(ctx, attrs_, first + 1, num_bags, &operands);
     std::vector<xla::Shape> operand_shapes;
     OP_REQUIRES_OK(ctx, RowMajorShapes(ctx, operands, &operand_shapes));
     if (!grad_) {
@@ -147,7 +254,7 @@ class EmbeddingBagLowering : public ::tensorflow::XlaOpKernel {
           xla::ShapeUtil::MakeShapeWithDescendingLayout(ctx->input_xla_type(first), {num_bags, dim});
       xla::XlaOp result = CallTarget(ctx, ragged ? kRaggedForwardTarget : kForwardTarget, attrs_, operands,
                                      operand_shapes, out);
-      ctx->SetOutput(0, xla::Reshape(result, out_shape.dim_sizes()));
+      ctx->SetOutput(0, WithSizes(xla::Reshape(result, out_shape.dim_sizes()), sizes.out));
       return;
     }
     // (d_params like params, d_weights like the weights operand)
@@ -155,7 +262,7 @@ class EmbeddingBagLowering : public ::tensorflow::XlaOpKernel {
     xla::XlaOp result =
         CallTarget(ctx, ragged ? kRaggedBackwardTarget : kBackwardTarget, attrs_, operands, operand_shapes, grads);
     ctx->SetOutput(0, xla::GetTupleElement(result, 0));
-    ctx->SetOutput(1, xla::Reshape(xla::GetTupleElement(result, 1), weights.dim_sizes()));
+    ctx->SetOutput(1, WithSizes(xla::Reshape(xla::GetTupleElement(result, 1), weights.dim_sizes()), sizes.weights));
   }
 
  private:

@@ -41,14 +41,14 @@ class QuantizedLowering : public ::tensorflow::XlaOpKernel {
                                                        ctx->InputShape(first + (ragged ? 2 : 1)), &out_shape));
     const int64_t num_bags = NumBags(ragged, indices, splits);
     std::vector<xla::XlaOp> operands = {ctx->Input(0), ctx->Input(1), ctx->Input(2)};
-    AppendBagOperands(ctx, attrs_, first, num_bags, &operands);
+    const BagSizes sizes = AppendBagOperands(ctx, attrs_, first, num_bags, &operands);
     std::vector<xla::Shape> operand_shapes;
     OP_REQUIRES_OK(ctx, RowMajorShapes(ctx, operands, &operand_shapes));
     const xla::Shape out =
         xla::ShapeUtil::MakeShapeWithDescendingLayout(ctx->output_xla_type(0), {num_bags, params.dim_size(1)});
     xla::XlaOp result = CallTarget(ctx, ragged ? kQuantizedRaggedForwardTarget : kQuantizedForwardTarget, attrs_,
                                    operands, operand_shapes, out);
-    ctx->SetOutput(0, xla::Reshape(result, out_shape.dim_sizes()));
+    ctx->SetOutput(0, WithSizes(xla::Reshape(result, out_shape.dim_sizes()), sizes.out));
   }
 
  private:

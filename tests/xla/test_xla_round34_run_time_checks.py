@@ -1,0 +1,91 @@
+"""Checks that only the run can make, under jit_compile on the CPU: XLA drops tf.debugging.Assert,
+so ragged weights of another row partition than the ids, and EmbeddingBag's sparse weights at other
+positions than the sparse ids, were silently put in the wrong bags under XLA (an
+InvalidArgumentError outside it). They now fail with the same message (the op library's
+PkmCheckThen, a custom call XLA keeps)."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from pkm_serve import ops  # noqa: E402
+from pkm_serve.layers import EmbeddingBag  # noqa: E402
+from tests.reference import bag_list  # noqa: E402
+
+TABLE = np.arange(30, dtype=np.float32).reshape(10, 3) / 10.0
+PARTITION = r"weights must share the row partition of the indices \(ragged dimension 1 differs\)"
+
+
+@pytest.mark.parametrize("combiner", ["sum", "sqrtn"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_ragged_weights_of_another_partition_fail_under_jit(jit, combiner):
+    lookup = tf.function(
+        lambda v, s, wv, ws: ops.embedding_bag(TABLE, tf.RaggedTensor.from_row_splits(v, s),
+                                               tf.RaggedTensor.from_row_splits(wv, ws), combiner=combiner),
+        jit_compile=jit)
+    ids, splits, weights = [1, 2, 3], tf.constant([0, 1, 3], tf.int64), [1.0, 10.0, 100.0]
+    got = lookup(tf.constant(ids), splits, tf.constant(weights), splits)
+    np.testing.assert_allclose(got.numpy(), bag_list(TABLE, [[1], [2, 3]], [[1.0], [10.0, 100.0]], combiner),
+                               rtol=1e-6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=PARTITION):
+        lookup(tf.constant(ids), splits, tf.constant(weights), tf.constant([0, 2, 3], tf.int64))
+
+
+def test_ragged_weights_check_keeps_the_gradient_under_jit():
+    @tf.function(jit_compile=True)
+    def d_weights(values, splits, w_values, w_splits):
+        with tf.GradientTape() as tape:
+            tape.watch(w_values)
+            out = ops.embedding_bag(TABLE, tf.RaggedTensor.from_row_splits(values, splits),
+                                    tf.RaggedTensor.from_row_splits(w_values, w_splits))
+            loss = tf.reduce_sum(out)
+        return tape.gradient(loss, w_values)
+
+    splits = tf.constant([0, 1, 3], tf.int64)
+    got = d_weights(tf.constant([1, 2, 3]), splits, tf.ones([3]), splits)
+    np.testing.assert_allclose(got.numpy(), TABLE[[1, 2, 3]].sum(axis=1), rtol=1e-6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=PARTITION):
+        d_weights(tf.constant([1, 2, 3]), splits, tf.ones([3]), tf.constant([0, 0, 3], tf.int64))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_sparse_weights_at_other_positions_fail_under_jit(jit):
+    layer = EmbeddingBag(10, 3)
+    layer.build()
+    layer.embeddings.assign(TABLE)
+    ids = tf.SparseTensor([[0, 0], [0, 1], [1, 0]], tf.constant([1, 2, 3], tf.int64), [2, 2])
+    same = tf.SparseTensor([[0, 0], [0, 1], [1, 0]], tf.constant([1.0, 10.0, 100.0]), [2, 2])
+    moved = tf.SparseTensor([[0, 0], [1, 0], [1, 1]], tf.constant([1.0, 10.0, 100.0]), [2, 2])
+    call = tf.function(lambda w: layer(ids, w), jit_compile=jit)
+    np.testing.assert_allclose(call(same).numpy(), bag_list(TABLE, [[1, 2], [3]], [[1.0, 10.0], [100.0]]),
+                               rtol=1e-6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="sparse weights must hold an entry at each position"):
+        call(moved)
+
+
+def test_check_lowering_registered_when_tf_ran_first():
+    """PkmCheckThen's XLA kernel is added late, as the lookups' are (pkm_xla_register_late)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import tensorflow as tf\n"
+        "tf.constant(1.0) + 1.0\n"  # TF builds its XLA JIT kernels before the op library loads
+        "from pkm_serve import ops\n"
+        "f = tf.function(lambda c: ops.load_library().pkm_check_then(c, tf.constant(2.0), message='bad bags'),\n"
+        "                jit_compile=True)\n"
+        "print(f(tf.constant(True)).numpy())\n"
+        "try:\n"
+        "    f(tf.constant(False))\n"
+        "except tf.errors.InvalidArgumentError as err:\n"
+        "    print(str(err).splitlines()[0])\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-2] == "2.0" and lines[-1].startswith("bad bags"), proc.stdout
