@@ -14,15 +14,30 @@ def top_k_lowest_ties(scores, k: int):
     """ops.top_k over the last axis, (values, indices) in ascending index order, ties at the k-th
     value to the lowest indices; as pkm_serve.product_keys. JAX's top_k orders ties by index;
     torch.topk does not, so PyTorch takes a stable sort's first k."""
+    exporting = _under_jax_export(scores)
     if keras.backend.backend() == "torch":
         import torch
 
         values, index = torch.sort(scores, dim=-1, descending=True, stable=True)
         values, index = values[..., :k], index[..., :k]
+    elif exporting:
+        import jax.numpy as jnp
+
+        index = jnp.argsort(scores, axis=-1, descending=True, stable=True)[..., :k]
+        values = jnp.take_along_axis(scores, index, axis=-1)
     else:
         values, index = ops.top_k(scores, k=k, sorted=True)
-    ascending = ops.top_k(-index, k=k, sorted=True)[1]  # k distinct keys: no ties
+    # k distinct keys: no ties.
+    ascending = ops.argsort(index, axis=-1) if exporting else ops.top_k(-index, k=k, sorted=True)[1]
     return ops.take_along_axis(values, ascending, axis=-1), ops.take_along_axis(index, ascending, axis=-1)
+
+
+def _under_jax_export(scores):
+    """True for JAX arrays of a symbolic shape: jax.export's shape polymorphism (model.export's
+    None batch). There jax.lax.top_k serialises as a CHLO composite that TF's XlaCallModule does
+    not read (TF 2.21 under JAX 0.10: the exported SavedModel failed at its first call), so the
+    search sorts (plain StableHLO) instead."""
+    return keras.backend.backend() == "jax" and not all(isinstance(d, int) for d in scores.shape)
 
 
 def product_key_search(query, sub_keys, knn: int):
