@@ -129,6 +129,7 @@ class EmbeddingBag(keras.layers.Layer):
 
     def __call__(self, *args, **kwargs):
         indices = args[0] if args else kwargs.get("indices")
+        _refuse_listed_inputs(indices)
         if keras.backend.is_keras_tensor(indices) and len(indices.shape) == 1:
             raise ValueError(
                 f"EmbeddingBag: indices are [..., K] bags, but this Keras input has shape {indices.shape}: its "
@@ -260,6 +261,20 @@ class EmbeddingBag(keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         return from_config_keeping_tf_training_options(super().from_config, config)
+
+
+def _refuse_listed_inputs(indices):
+    """ValueError for a list or tuple of tensors as indices, e.g. layer([ids, weights]) as Keras'
+    multi-input layers take them: it failed deep in Keras ("Cannot convert '8' to a shape", "'list'
+    object has no attribute 'shape'") or, eagerly under TF, packed ids and weights into one tensor."""
+    if not isinstance(indices, (list, tuple)):
+        return
+    is_array = lambda x: keras.ops.is_tensor(x) or keras.backend.is_keras_tensor(x) or hasattr(x, "__array__")  # noqa: E731
+    if any(is_array(x) for x in indices):
+        raise ValueError(
+            f"EmbeddingBag: indices must be one [..., K] tensor, got a {type(indices).__name__} of {len(indices)} "
+            "tensors; pass per-index weights as the second argument, layer(indices, weights), not in a list "
+            "with the indices")
 
 
 def _no_autocast_scope():

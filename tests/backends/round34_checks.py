@@ -49,7 +49,31 @@ def check_jax_export(directory):
     print(json.dumps({"jax_export": "ok"}))
 
 
-CHECKS = {"jax_export": check_jax_export}
+def check_listed_inputs():
+    """layer([ids, weights]), as Keras' multi-input layers take their inputs, is a ValueError naming
+    layer(indices, weights), in a functional model and eagerly (it failed deep in Keras: "Cannot
+    convert '8' to a shape", "'list' object has no attribute 'shape'")."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag
+
+    bag = EmbeddingBag(30, 8, combiner="mean")
+    ids, weights = np.array([[1, 2, -1]], "int32"), np.array([[0.5, 2.0, 1.0]], "float32")
+    symbolic = (keras.Input((3,), dtype="int32"), keras.Input((3,)))
+    for listed in ([*symbolic], symbolic, [ids, weights], [keras.ops.convert_to_tensor(a) for a in (ids, weights)]):
+        try:
+            bag(listed)
+        except ValueError as err:
+            assert "layer(indices, weights)" in str(err), str(err)
+        else:
+            raise AssertionError(f"a {type(listed).__name__} of ids and weights was taken")
+    got = keras.ops.convert_to_numpy(bag(ids, weights))[0]
+    table = keras.ops.convert_to_numpy(bag.embeddings).astype(np.float64)
+    np.testing.assert_allclose(got, (0.5 * table[1] + 2.0 * table[2]) / 2.5, rtol=1e-5)
+    print(json.dumps({"listed_inputs": "ok"}))
+
+
+CHECKS = {"jax_export": check_jax_export, "listed_inputs": check_listed_inputs}
 
 if __name__ == "__main__":
     import pkm_serve  # noqa: F401  (registers the layers)

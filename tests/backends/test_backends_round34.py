@@ -1,24 +1,45 @@
-"""Round 34's checks of EmbeddingBag / ProductKeyMemory under JAX and PyTorch (round34_checks.py holds
-them), one process per backend for the module. A backend that is not installed is skipped."""
+"""Round 34's checks of EmbeddingBag / ProductKeyMemory under TensorFlow, JAX and PyTorch
+(round34_checks.py holds them), one process per backend for the module, run side by side. A
+backend that is not installed is skipped."""
 
 import pytest
 
 from tests.backends.check_processes import finish, installed, start
 
-JAX_CHECKS = ["jax_export"]
+CHECKS = {"tensorflow": ["listed_inputs"], "jax": ["listed_inputs", "jax_export"], "torch": ["listed_inputs"]}
 
 
 @pytest.fixture(scope="module")
-def jax_results(tmp_path_factory):
-    if not installed("jax") or not installed("tensorflow"):
-        pytest.skip("needs jax and tensorflow")
-    args = []
-    for check in JAX_CHECKS:
-        args += [check] + ([str(tmp_path_factory.mktemp("export") / "saved")] if check == "jax_export" else [])
-    return finish(start("jax", args, module="round34_checks"), f"jax {JAX_CHECKS}")
+def results(tmp_path_factory):
+    """Each backend's check process (jax_export needs TensorFlow too), waited for once."""
+    procs = {}
+    for backend, checks in CHECKS.items():
+        if not installed(backend) or ("jax_export" in checks and not installed("tensorflow")):
+            continue
+        args = []
+        for check in checks:
+            args += [check] + ([str(tmp_path_factory.mktemp("export") / "saved")] if check == "jax_export" else [])
+        procs[backend] = start(backend, args, module="round34_checks")
+    done = {}
+
+    def result(backend):
+        if backend not in procs:
+            pytest.skip(f"{backend} (or TensorFlow for jax_export) is not installed")
+        if backend not in done:
+            done[backend] = finish(procs[backend], f"{backend} {CHECKS[backend]}")
+        return done[backend]
+
+    return result
 
 
-def test_jax_export_of_the_composite_runs_under_tf(jax_results):
+def test_jax_export_of_the_composite_runs_under_tf(results):
     """model.export() under JAX of a composite PKM + max-bag model: the SavedModel runs under TF with
     the model's outputs (lax.top_k's CHLO composite failed in TF's XlaCallModule at the first call)."""
-    assert jax_results["jax_export"] == "ok", jax_results
+    assert results("jax")["jax_export"] == "ok"
+
+
+@pytest.mark.parametrize("backend", sorted(CHECKS))
+def test_ids_and_weights_in_a_list_are_a_clear_error(results, backend):
+    """EmbeddingBag()([ids, weights]) (functional or eager) names layer(indices, weights); it failed
+    deep in Keras with "Cannot convert '8' to a shape" and the like."""
+    assert results(backend)["listed_inputs"] == "ok"
