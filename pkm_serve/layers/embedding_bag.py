@@ -2,6 +2,7 @@
 import contextlib
 
 import keras
+import numpy as np
 
 from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
                                      jax_wraps_64_bit_ids, lookup_supports_jit, refuse_ids_past_int32,
@@ -206,7 +207,12 @@ class EmbeddingBag(keras.layers.Layer):
             if not (dtype.startswith(("int", "uint", "float", "bfloat"))):
                 raise TypeError(f"EmbeddingBag: indices must be integers (int32/int64), got {dtype}")
             refuse_rounded_half_float_ids("EmbeddingBag", dtype, self.input_dim)
-            indices = ops.cast(indices, "int32" if jax_wraps_64_bit_ids() else "int64")  # JAX: int64 needs x64
+            target = "int32" if jax_wraps_64_bit_ids() else "int64"  # JAX: int64 needs x64
+            if dtype.startswith("uint") and np.iinfo(dtype).max > np.iinfo(target).max:
+                # Cast, an id past the signed range wrapped to a negative one (padding, no error, for
+                # uint32 ids under JAX): clipped, it stays past the table, an out-of-range error.
+                indices = ops.minimum(indices, np.iinfo(target).max)
+            indices = ops.cast(indices, target)
         if weights is not None:
             weights = ops.convert_to_tensor(weights)
             if tuple(weights.shape) != tuple(indices.shape):

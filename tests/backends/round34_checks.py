@@ -73,7 +73,27 @@ def check_listed_inputs():
     print(json.dumps({"listed_inputs": "ok"}))
 
 
-CHECKS = {"jax_export": check_jax_export, "listed_inputs": check_listed_inputs}
+def check_unsigned_ids():
+    """uint32 ids in a model read the rows int32 ids read, and one past the table (4294967295) is the
+    out-of-range error (under JAX it was cast to int32 -1: padding, no error)."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag
+
+    ids = keras.Input((3,), dtype="uint32")
+    model = keras.Model(ids, EmbeddingBag(10, 4, combiner="mean")(ids))
+    good = np.array([[1, 9, 9], [0, 3, 5]], "uint32")
+    np.testing.assert_array_equal(model.predict(good, verbose=0), model.predict(good.astype("int32"), verbose=0))
+    try:
+        got = model.predict(np.array([[1, 2, 4294967295]], "uint32"), verbose=0)
+    except Exception as err:  # noqa: BLE001 - each backend's runtime error type
+        assert "out of range" in str(err), str(err)
+    else:
+        raise AssertionError(f"uint32 id 4294967295 into a 10-row table gave {got.tolist()}")
+    print(json.dumps({"unsigned_ids": "ok"}))
+
+
+CHECKS = {"jax_export": check_jax_export, "listed_inputs": check_listed_inputs, "unsigned_ids": check_unsigned_ids}
 
 if __name__ == "__main__":
     import pkm_serve  # noqa: F401  (registers the layers)

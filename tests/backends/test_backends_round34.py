@@ -6,7 +6,8 @@ import pytest
 
 from tests.backends.check_processes import finish, installed, start
 
-CHECKS = {"tensorflow": ["listed_inputs"], "jax": ["listed_inputs", "jax_export"], "torch": ["listed_inputs"]}
+CHECKS = {"tensorflow": ["listed_inputs"], "jax": ["listed_inputs", "unsigned_ids", "jax_export"],
+          "torch": ["listed_inputs", "unsigned_ids"]}
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +44,10 @@ def test_ids_and_weights_in_a_list_are_a_clear_error(results, backend):
     """EmbeddingBag()([ids, weights]) (functional or eager) names layer(indices, weights); it failed
     deep in Keras with "Cannot convert '8' to a shape" and the like."""
     assert results(backend)["listed_inputs"] == "ok"
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_uint32_ids_past_the_table_are_an_error(results, backend):
+    """uint32 ids read the rows int32 ids read, and 4294967295 into a 10-row table is the out-of-range
+    error (under JAX it wrapped to int32 -1, padding: no error, a wrong bag)."""
+    assert results(backend)["unsigned_ids"] == "ok"
