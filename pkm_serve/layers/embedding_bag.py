@@ -44,7 +44,9 @@ class EmbeddingBag(keras.layers.Layer):
         indices: int `[..., K]`, or a `tf.RaggedTensor` whose last dimension is
             ragged (bags of varying size), or (TF) a `[batch, K]`
             `tf.SparseTensor` whose entries present form each bag (weights: one
-            at the same positions). Negative indices are padding: they
+            at the same positions); under JAX / PyTorch dense only (pad ragged bags
+            with -1; a list `[indices, weights]` is refused: pass weights as the
+            second argument). Negative indices are padding: they
             add nothing and are not counted by mean/sqrtn. Float indices are
             cast to int64, as `keras.layers.Embedding` does; float16 / bfloat16
             ones (an enclosing layer's autocast under a mixed policy) into a
@@ -131,6 +133,7 @@ class EmbeddingBag(keras.layers.Layer):
     def __call__(self, *args, **kwargs):
         indices = args[0] if args else kwargs.get("indices")
         _refuse_listed_inputs(indices)
+        _refuse_tf_composite_ids(indices)
         if keras.backend.is_keras_tensor(indices) and len(indices.shape) == 1:
             raise ValueError(
                 f"EmbeddingBag: indices are [..., K] bags, but this Keras input has shape {indices.shape}: its "
@@ -275,12 +278,26 @@ def _refuse_listed_inputs(indices):
     object has no attribute 'shape'") or, eagerly under TF, packed ids and weights into one tensor."""
     if not isinstance(indices, (list, tuple)):
         return
-    is_array = lambda x: keras.ops.is_tensor(x) or keras.backend.is_keras_tensor(x) or hasattr(x, "__array__")  # noqa: E731
-    if any(is_array(x) for x in indices):
+    if any(keras.ops.is_tensor(x) or keras.backend.is_keras_tensor(x) or hasattr(x, "__array__") for x in indices):
         raise ValueError(
             f"EmbeddingBag: indices must be one [..., K] tensor, got a {type(indices).__name__} of {len(indices)} "
             "tensors; pass per-index weights as the second argument, layer(indices, weights), not in a list "
             "with the indices")
+
+
+def _refuse_tf_composite_ids(indices):
+    """ValueError for a tf.RaggedTensor / tf.SparseTensor of ids under JAX or PyTorch, which take dense
+    bags: Keras refused them with "Only input tensors may be passed as positional arguments ... should
+    be passed as a keyword argument", which points the wrong way."""
+    kind = type(indices).__name__
+    if is_tensorflow_backend() or kind not in ("RaggedTensor", "SparseTensor") \
+            or not type(indices).__module__.startswith("tensorflow."):
+        return
+    padded = "ids.to_tensor(default_value=-1)" if kind == "RaggedTensor" else "tf.sparse.to_dense(ids, -1)"
+    raise ValueError(
+        f"EmbeddingBag: under the {keras.backend.backend()} backend indices are a dense [..., K] tensor, got a "
+        f"tf.{kind}: pad the bags with -1 (padding ids add nothing), {padded}, or call "
+        "pkm_serve.backends.embedding_bag with values and row_splits")
 
 
 def _no_autocast_scope():

@@ -93,7 +93,32 @@ def check_unsigned_ids():
     print(json.dumps({"unsigned_ids": "ok"}))
 
 
-CHECKS = {"jax_export": check_jax_export, "listed_inputs": check_listed_inputs, "unsigned_ids": check_unsigned_ids}
+def check_tf_composite_ids():
+    """A tf.RaggedTensor / tf.SparseTensor of ids under JAX or PyTorch is a ValueError naming the -1
+    padding (Keras said "should be passed as a keyword argument"), and that padding gives each bag's
+    sum of rows."""
+    import keras
+    import tensorflow as tf
+
+    from pkm_serve.layers import EmbeddingBag
+
+    bag = EmbeddingBag(10, 4)
+    ragged = tf.ragged.constant([[1, 2, 7], [3]])
+    for ids, named in ((ragged, "to_tensor(default_value=-1)"), (ragged.to_sparse(), "to_dense(ids, -1)")):
+        try:
+            bag(ids)
+        except ValueError as err:
+            assert named in str(err), str(err)
+        else:
+            raise AssertionError(f"a {type(ids).__name__} of ids was taken")
+    got = keras.ops.convert_to_numpy(bag(ragged.to_tensor(default_value=-1).numpy()))
+    table = keras.ops.convert_to_numpy(bag.embeddings).astype(np.float64)
+    np.testing.assert_allclose(got, [table[[1, 2, 7]].sum(0), table[3]], rtol=1e-5, atol=1e-7)
+    print(json.dumps({"tf_composite_ids": "ok"}))
+
+
+CHECKS = {"jax_export": check_jax_export, "tf_composite_ids": check_tf_composite_ids,
+          "listed_inputs": check_listed_inputs, "unsigned_ids": check_unsigned_ids}
 
 if __name__ == "__main__":
     import pkm_serve  # noqa: F401  (registers the layers)

@@ -6,8 +6,8 @@ import pytest
 
 from tests.backends.check_processes import finish, installed, start
 
-CHECKS = {"tensorflow": ["listed_inputs"], "jax": ["listed_inputs", "unsigned_ids", "jax_export"],
-          "torch": ["listed_inputs", "unsigned_ids"]}
+CHECKS = {"tensorflow": ["listed_inputs"], "jax": ["listed_inputs", "unsigned_ids", "tf_composite_ids", "jax_export"],
+          "torch": ["listed_inputs", "unsigned_ids", "tf_composite_ids"]}
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +51,10 @@ def test_uint32_ids_past_the_table_are_an_error(results, backend):
     """uint32 ids read the rows int32 ids read, and 4294967295 into a 10-row table is the out-of-range
     error (under JAX it wrapped to int32 -1, padding: no error, a wrong bag)."""
     assert results(backend)["unsigned_ids"] == "ok"
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_ragged_or_sparse_tf_ids_name_the_padding(results, backend):
+    """A tf.RaggedTensor / tf.SparseTensor of ids under JAX or PyTorch is a ValueError naming -1 padding
+    (Keras' "should be passed as a keyword argument" pointed the wrong way); padded, each bag sums its rows."""
+    assert results(backend)["tf_composite_ids"] == "ok"
