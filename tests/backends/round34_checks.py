@@ -117,7 +117,56 @@ def check_tf_composite_ids():
     print(json.dumps({"tf_composite_ids": "ok"}))
 
 
-CHECKS = {"jax_export": check_jax_export, "tf_composite_ids": check_tf_composite_ids,
+def _first_winner_gradient(table, ids, grad):
+    """float64 d(sum(max_bag * grad))/d(table): each (bag, dim)'s grad to the first valid position
+    holding the maximum (torch's mode="max", the kernels' contract)."""
+    d_table = np.zeros(table.shape)
+    for bag, row_ids in enumerate(ids):
+        valid = [i for i in row_ids if i >= 0]
+        for dim in range(table.shape[1]):
+            if valid:
+                values = [table[i, dim] for i in valid]
+                d_table[valid[int(np.argmax(values))], dim] += grad[bag, dim]
+    return d_table
+
+
+def _max_gradient(lookup, table, ids, grad):
+    import keras
+
+    if keras.backend.backend() == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        loss = lambda t: jnp.sum(lookup(t, jnp.asarray(ids), None, "max") * grad)  # noqa: E731
+        return np.asarray(jax.grad(loss)(jnp.asarray(table)))
+    import torch
+
+    t = torch.tensor(table, requires_grad=True)
+    (lookup(t, torch.tensor(ids), None, "max") * torch.tensor(grad)).sum().backward()
+    return t.grad.numpy()
+
+
+def check_max_ties():
+    """The keras.ops composite's max gives each (bag, dim)'s gradient to the first row holding the
+    maximum, as the fused kernel and torch do (it split it evenly over tied rows: a zero-initialised
+    table trained differently under implementation="composite" or fallback="composite")."""
+    from pkm_serve.backends import embedding_bag, embedding_bag_composite
+
+    rng = np.random.default_rng(3)
+    table = rng.integers(-2, 3, size=(12, 5)).astype("float32")  # small integers: many ties
+    table[7] = 0.0
+    ids = rng.integers(-1, 12, size=(9, 6)).astype("int32")
+    ids[0] = [-1, 7, 4, 7, -1, 4]  # repeated ids, padding first
+    ids[1] = -1  # an empty bag
+    grad = rng.normal(size=(9, 5)).astype("float32")
+    want = _first_winner_gradient(table, ids, grad)
+    for lookup in (embedding_bag_composite, embedding_bag):
+        np.testing.assert_allclose(_max_gradient(lookup, table, ids, grad), want, rtol=1e-6, atol=1e-6,
+                                   err_msg=f"{lookup.__module__}.{lookup.__name__}")
+    print(json.dumps({"max_ties": "ok"}))
+
+
+CHECKS = {"jax_export": check_jax_export, "max_ties": check_max_ties, "tf_composite_ids": check_tf_composite_ids,
           "listed_inputs": check_listed_inputs, "unsigned_ids": check_unsigned_ids}
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ import pytest
 
 from tests.backends.check_processes import finish, installed, start
 
-CHECKS = {"tensorflow": ["listed_inputs"], "jax": ["listed_inputs", "unsigned_ids", "tf_composite_ids", "jax_export"],
-          "torch": ["listed_inputs", "unsigned_ids", "tf_composite_ids"]}
+CHECKS = {"tensorflow": ["listed_inputs"],
+          "jax": ["listed_inputs", "unsigned_ids", "tf_composite_ids", "max_ties", "jax_export"],
+          "torch": ["listed_inputs", "unsigned_ids", "tf_composite_ids", "max_ties"]}
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +59,10 @@ def test_ragged_or_sparse_tf_ids_name_the_padding(results, backend):
     """A tf.RaggedTensor / tf.SparseTensor of ids under JAX or PyTorch is a ValueError naming -1 padding
     (Keras' "should be passed as a keyword argument" pointed the wrong way); padded, each bag sums its rows."""
     assert results(backend)["tf_composite_ids"] == "ok"
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_composite_max_gives_tied_gradients_to_the_first_row(results, backend):
+    """The keras.ops composite's max gradient goes to the first row holding each maximum, as the fused
+    kernel's and torch's mode="max" (float64 reference); it split it evenly over tied rows."""
+    assert results(backend)["max_ties"] == "ok"
