@@ -91,8 +91,10 @@ def _first_max(masked):
     over tied rows, e.g. a zero-initialised table) and a NaN propagates from the first one."""
     if masked.shape[-2] == 0:
         return ops.max(masked, axis=-2)
-    first = ops.expand_dims(ops.argmax(masked, axis=-2), -2)
-    return ops.squeeze(ops.take_along_axis(masked, first, axis=-2), -2)
+    # A one-hot select, not take_along_axis: that fixed the batch size under torch.export.
+    positions = ops.arange(masked.shape[-2], dtype="int32")[:, None]
+    first = ops.equal(positions, ops.expand_dims(ops.cast(ops.argmax(masked, axis=-2), "int32"), -2))
+    return ops.sum(ops.where(first, masked, ops.zeros_like(masked)), axis=-2)
 
 
 def _valid_ids(indices, params):
