@@ -29,7 +29,17 @@ def top_k_lowest_ties(scores, k: int):
         values, index = ops.top_k(scores, k=k, sorted=True)
     # k distinct keys: no ties.
     ascending = ops.argsort(index, axis=-1) if exporting else ops.top_k(-index, k=k, sorted=True)[1]
-    return ops.take_along_axis(values, ascending, axis=-1), ops.take_along_axis(index, ascending, axis=-1)
+    return _take_along_last_axis(values, ascending), _take_along_last_axis(index, ascending)
+
+
+def _take_along_last_axis(x, index):
+    """ops.take_along_axis(x, index, axis=-1); torch.gather under PyTorch, where Keras' take_along_dim
+    (it broadcasts) fixed the batch size under torch.export (a dynamic batch was refused)."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return torch.gather(x, -1, index.long())
+    return ops.take_along_axis(x, index, axis=-1)
 
 
 def _under_jax_export(scores):
@@ -55,7 +65,7 @@ def product_key_search(query, sub_keys, knn: int):
     pair_scores = ops.reshape(pair_scores, (num_rows, heads, knn * knn))
     pair_index = ops.reshape(pair_index, (num_rows, heads, knn * knn))
     best_scores, best_pos = top_k_lowest_ties(pair_scores, knn)
-    best_index = ops.take_along_axis(pair_index, ops.cast(best_pos, index_dtype), axis=-1)
+    best_index = _take_along_last_axis(pair_index, ops.cast(best_pos, index_dtype))
     weights = ops.softmax(ops.cast(best_scores, "float32"), axis=-1)
     return (ops.reshape(best_index, (num_rows, heads * knn)),
             ops.reshape(weights, (num_rows, heads * knn)))

@@ -166,7 +166,45 @@ def check_max_ties():
     print(json.dumps({"max_ties": "ok"}))
 
 
-CHECKS = {"jax_export": check_jax_export, "max_ties": check_max_ties, "tf_composite_ids": check_tf_composite_ids,
+def check_torch_export():
+    """torch.export with a dynamic batch of a model holding a ProductKeyMemory and a composite max bag:
+    the program runs other batch sizes with the model's outputs (Keras' take_along_axis fixed the
+    batch size: "Constraints violated (b)! ... specialized it to be a constant")."""
+    import keras
+    import torch
+
+    from pkm_serve.layers import EmbeddingBag, ProductKeyMemory
+
+    keras.utils.set_random_seed(5)
+    x, ids = keras.Input((16,)), keras.Input((4,), dtype="int32")
+    y = ProductKeyMemory(v_dim=8, k_dim=8, n_keys=8, heads=2, knn=3)(x)
+    z = EmbeddingBag(30, 8, combiner="max", implementation="composite")(ids)
+    model = keras.Model([x, ids], keras.layers.Add()([y, z]))
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, features, bags):
+            return self.model([features, bags])
+
+    rng = np.random.default_rng(1)
+
+    def batch(size):
+        return (torch.tensor(rng.normal(size=(size, 16)).astype("float32")),
+                torch.tensor(rng.integers(-1, 30, size=(size, 4)).astype("int32")))
+
+    rows = torch.export.Dim("rows")
+    program = torch.export.export(Wrapped(), batch(6), dynamic_shapes={"features": {0: rows}, "bags": {0: rows}})
+    for size in (6, 9, 2):
+        inputs = batch(size)
+        np.testing.assert_allclose(program.module()(*inputs).detach().numpy(),
+                                   model(list(inputs)).detach().numpy(), rtol=1e-6, atol=1e-7)
+    print(json.dumps({"torch_export": "ok"}))
+
+
+CHECKS = {"jax_export": check_jax_export, "max_ties": check_max_ties, "torch_export": check_torch_export, "tf_composite_ids": check_tf_composite_ids,
           "listed_inputs": check_listed_inputs, "unsigned_ids": check_unsigned_ids}
 
 if __name__ == "__main__":

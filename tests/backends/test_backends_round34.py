@@ -8,7 +8,7 @@ from tests.backends.check_processes import finish, installed, start
 
 CHECKS = {"tensorflow": ["listed_inputs"],
           "jax": ["listed_inputs", "unsigned_ids", "tf_composite_ids", "max_ties", "jax_export"],
-          "torch": ["listed_inputs", "unsigned_ids", "tf_composite_ids", "max_ties"]}
+          "torch": ["listed_inputs", "unsigned_ids", "tf_composite_ids", "max_ties", "torch_export"]}
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +66,9 @@ def test_composite_max_gives_tied_gradients_to_the_first_row(results, backend):
     """The keras.ops composite's max gradient goes to the first row holding each maximum, as the fused
     kernel's and torch's mode="max" (float64 reference); it split it evenly over tied rows."""
     assert results(backend)["max_ties"] == "ok"
+
+
+def test_torch_export_with_a_dynamic_batch(results):
+    """torch.export of a model with a ProductKeyMemory and a composite max bag, batch marked dynamic:
+    the program serves other batch sizes with the model's outputs (the batch was fixed to the example's)."""
+    assert results("torch")["torch_export"] == "ok"
