@@ -4,7 +4,9 @@ What a backend uses where it has no kernel (a device without our library, a
 TPU): it materialises the [..., K, D] gather, so it costs K times the output's
 memory in forward and backward. Semantics as the kernels': a negative index is
 padding (adds nothing, not counted by mean/sqrtn), a zero denominator gives 0,
-accumulation in float32, the result in the table's dtype.
+accumulation in float32, the result in the table's dtype; max's gradient goes
+to the first row holding each maximum, as the kernels' (dense bags; ragged ones
+split it evenly over tied rows, as segment_max does).
 
 Ragged bags (values [V] + row_splits [B+1]) are refused as the kernels refuse
 them: row_splits int32/int64 of shape [B+1] beside values [V], and, where
@@ -72,8 +74,8 @@ def _max_composite(params, indices, weights, row_splits):
     masked = ops.where(valid[..., None], rows, ops.full_like(rows, float("-inf")))
     count = ops.cast(valid, "float32")
     if row_splits is None:
-        top, nonempty = ops.max(masked, axis=-2), ops.sum(count, axis=-1) > 0
-    else:
+        top, nonempty = _first_max(masked), ops.sum(count, axis=-1) > 0
+    else:  # ragged: segment_max's gradient splits ties evenly
         num_bags = row_splits.shape[0] - 1
         positions = ops.arange(indices.shape[0], dtype=row_splits.dtype)
         bag_of = ops.searchsorted(row_splits, positions, side="right") - 1
@@ -81,6 +83,18 @@ def _max_composite(params, indices, weights, row_splits):
         nonempty = ops.segment_sum(count, bag_of, num_segments=num_bags) > 0
     out = ops.where(nonempty[..., None], top, ops.zeros_like(top))
     return ops.cast(out, keras.backend.standardize_dtype(params.dtype))
+
+
+def _first_max(masked):
+    """Max over the bag axis of [..., K, D] read at argmax's first position, so that the gradient goes
+    to the first row holding each maximum (the kernels' and torch's mode="max"; ops.max split it evenly
+    over tied rows, e.g. a zero-initialised table) and a NaN propagates from the first one."""
+    if masked.shape[-2] == 0:
+        return ops.max(masked, axis=-2)
+    # A one-hot select, not take_along_axis: that fixed the batch size under torch.export.
+    positions = ops.arange(masked.shape[-2], dtype="int32")[:, None]
+    first = ops.equal(positions, ops.expand_dims(ops.cast(ops.argmax(masked, axis=-2), "int32"), -2))
+    return ops.sum(ops.where(first, masked, ops.zeros_like(masked)), axis=-2)
 
 
 def _valid_ids(indices, params):

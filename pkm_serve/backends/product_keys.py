@@ -14,15 +14,40 @@ def top_k_lowest_ties(scores, k: int):
     """ops.top_k over the last axis, (values, indices) in ascending index order, ties at the k-th
     value to the lowest indices; as pkm_serve.product_keys. JAX's top_k orders ties by index;
     torch.topk does not, so PyTorch takes a stable sort's first k."""
+    exporting = _under_jax_export(scores)
     if keras.backend.backend() == "torch":
         import torch
 
         values, index = torch.sort(scores, dim=-1, descending=True, stable=True)
         values, index = values[..., :k], index[..., :k]
+    elif exporting:
+        import jax.numpy as jnp
+
+        index = jnp.argsort(scores, axis=-1, descending=True, stable=True)[..., :k]
+        values = jnp.take_along_axis(scores, index, axis=-1)
     else:
         values, index = ops.top_k(scores, k=k, sorted=True)
-    ascending = ops.top_k(-index, k=k, sorted=True)[1]  # k distinct keys: no ties
-    return ops.take_along_axis(values, ascending, axis=-1), ops.take_along_axis(index, ascending, axis=-1)
+    # k distinct keys: no ties.
+    ascending = ops.argsort(index, axis=-1) if exporting else ops.top_k(-index, k=k, sorted=True)[1]
+    return _take_along_last_axis(values, ascending), _take_along_last_axis(index, ascending)
+
+
+def _take_along_last_axis(x, index):
+    """ops.take_along_axis(x, index, axis=-1); torch.gather under PyTorch, where Keras' take_along_dim
+    (it broadcasts) fixed the batch size under torch.export (a dynamic batch was refused)."""
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return torch.gather(x, -1, index.long())
+    return ops.take_along_axis(x, index, axis=-1)
+
+
+def _under_jax_export(scores):
+    """True for JAX arrays of a symbolic shape: jax.export's shape polymorphism (model.export's
+    None batch). There jax.lax.top_k serialises as a CHLO composite that TF's XlaCallModule does
+    not read (TF 2.21 under JAX 0.10: the exported SavedModel failed at its first call), so the
+    search sorts (plain StableHLO) instead."""
+    return keras.backend.backend() == "jax" and not all(isinstance(d, int) for d in scores.shape)
 
 
 def product_key_search(query, sub_keys, knn: int):
@@ -40,7 +65,7 @@ def product_key_search(query, sub_keys, knn: int):
     pair_scores = ops.reshape(pair_scores, (num_rows, heads, knn * knn))
     pair_index = ops.reshape(pair_index, (num_rows, heads, knn * knn))
     best_scores, best_pos = top_k_lowest_ties(pair_scores, knn)
-    best_index = ops.take_along_axis(pair_index, ops.cast(best_pos, index_dtype), axis=-1)
+    best_index = _take_along_last_axis(pair_index, ops.cast(best_pos, index_dtype))
     weights = ops.softmax(ops.cast(best_scores, "float32"), axis=-1)
     return (ops.reshape(best_index, (num_rows, heads * knn)),
             ops.reshape(weights, (num_rows, heads * knn)))

@@ -2,6 +2,7 @@
 import contextlib
 
 import keras
+import numpy as np
 
 from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
                                      jax_wraps_64_bit_ids, lookup_supports_jit, refuse_ids_past_int32,
@@ -43,7 +44,9 @@ class EmbeddingBag(keras.layers.Layer):
         indices: int `[..., K]`, or a `tf.RaggedTensor` whose last dimension is
             ragged (bags of varying size), or (TF) a `[batch, K]`
             `tf.SparseTensor` whose entries present form each bag (weights: one
-            at the same positions). Negative indices are padding: they
+            at the same positions); under JAX / PyTorch dense only (pad ragged bags
+            with -1; a list `[indices, weights]` is refused: pass weights as the
+            second argument). Negative indices are padding: they
             add nothing and are not counted by mean/sqrtn. Float indices are
             cast to int64, as `keras.layers.Embedding` does; float16 / bfloat16
             ones (an enclosing layer's autocast under a mixed policy) into a
@@ -129,6 +132,8 @@ class EmbeddingBag(keras.layers.Layer):
 
     def __call__(self, *args, **kwargs):
         indices = args[0] if args else kwargs.get("indices")
+        _refuse_listed_inputs(indices)
+        _refuse_tf_composite_ids(indices)
         if keras.backend.is_keras_tensor(indices) and len(indices.shape) == 1:
             raise ValueError(
                 f"EmbeddingBag: indices are [..., K] bags, but this Keras input has shape {indices.shape}: its "
@@ -205,7 +210,12 @@ class EmbeddingBag(keras.layers.Layer):
             if not (dtype.startswith(("int", "uint", "float", "bfloat"))):
                 raise TypeError(f"EmbeddingBag: indices must be integers (int32/int64), got {dtype}")
             refuse_rounded_half_float_ids("EmbeddingBag", dtype, self.input_dim)
-            indices = ops.cast(indices, "int32" if jax_wraps_64_bit_ids() else "int64")  # JAX: int64 needs x64
+            target = "int32" if jax_wraps_64_bit_ids() else "int64"  # JAX: int64 needs x64
+            if dtype.startswith("uint") and np.iinfo(dtype).max > np.iinfo(target).max:
+                # Cast, an id past the signed range wrapped to a negative one (padding, no error, for
+                # uint32 ids under JAX): clipped, it stays past the table, an out-of-range error.
+                indices = ops.minimum(indices, np.iinfo(target).max)
+            indices = ops.cast(indices, target)
         if weights is not None:
             weights = ops.convert_to_tensor(weights)
             if tuple(weights.shape) != tuple(indices.shape):
@@ -260,6 +270,34 @@ class EmbeddingBag(keras.layers.Layer):
     @classmethod
     def from_config(cls, config):
         return from_config_keeping_tf_training_options(super().from_config, config)
+
+
+def _refuse_listed_inputs(indices):
+    """ValueError for a list or tuple of tensors as indices, e.g. layer([ids, weights]) as Keras'
+    multi-input layers take them: it failed deep in Keras ("Cannot convert '8' to a shape", "'list'
+    object has no attribute 'shape'") or, eagerly under TF, packed ids and weights into one tensor."""
+    if not isinstance(indices, (list, tuple)):
+        return
+    if any(keras.ops.is_tensor(x) or keras.backend.is_keras_tensor(x) or hasattr(x, "__array__") for x in indices):
+        raise ValueError(
+            f"EmbeddingBag: indices must be one [..., K] tensor, got a {type(indices).__name__} of {len(indices)} "
+            "tensors; pass per-index weights as the second argument, layer(indices, weights), not in a list "
+            "with the indices")
+
+
+def _refuse_tf_composite_ids(indices):
+    """ValueError for a tf.RaggedTensor / tf.SparseTensor of ids under JAX or PyTorch, which take dense
+    bags: Keras refused them with "Only input tensors may be passed as positional arguments ... should
+    be passed as a keyword argument", which points the wrong way."""
+    kind = type(indices).__name__
+    if is_tensorflow_backend() or kind not in ("RaggedTensor", "SparseTensor") \
+            or not type(indices).__module__.startswith("tensorflow."):
+        return
+    padded = "ids.to_tensor(default_value=-1)" if kind == "RaggedTensor" else "tf.sparse.to_dense(ids, -1)"
+    raise ValueError(
+        f"EmbeddingBag: under the {keras.backend.backend()} backend indices are a dense [..., K] tensor, got a "
+        f"tf.{kind}: pad the bags with -1 (padding ids add nothing), {padded}, or call "
+        "pkm_serve.backends.embedding_bag with values and row_splits")
 
 
 def _no_autocast_scope():
