@@ -6,6 +6,9 @@ import pytest
 
 from tests.backends.check_processes import finish, installed, start
 
+# Its three processes take ~50 s together: scheduled first (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 CHECKS = {"tensorflow": ["listed_inputs"],
           "jax": ["listed_inputs", "unsigned_ids", "tf_composite_ids", "max_ties", "jax_export"],
           "torch": ["listed_inputs", "unsigned_ids", "tf_composite_ids", "max_ties", "torch_export"]}
