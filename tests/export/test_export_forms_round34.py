@@ -106,3 +106,58 @@ def test_half_masked_mean_with_its_mask_computed_twice_converts_to_tflite(tmp_pa
     from_lite = tflite.run_tflite(lite, {"args_0": ids}, interpreter="litert")[0]
     for out in (want, got, from_lite):
         np.testing.assert_allclose(out.astype(np.float64), expected, rtol=1e-2, atol=1e-2)
+
+
+CUMSUM_ENDS = {  # (body, stop: the bag is ids[:, :stop])
+    "declared_last": (lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1)[:, K - 1], K),
+    "inner_position": (lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=-2)[:, 2], 3),
+    "weighted": (lambda m, ids, w: tf.math.cumsum(tf.gather(m.t, ids) * w[..., None], axis=1)[:, K - 1], K),
+}
+
+
+@pytest.mark.parametrize("form", sorted(CUMSUM_ENDS))
+def test_running_sum_read_at_a_position_from_the_start_is_the_bag_of_the_positions_up_to_it(tmp_path, form):
+    """tf.math.cumsum(rows, axis=1)[:, j] sums ids[:, 0..j] at any width of the ids; it was reported
+    ('an end counted off the declared length'). Fused as the bag of ids[:, :j+1]: wider ids (TF Serving
+    does not check shapes) give the same bag, narrower ones are refused as the composite's slice
+    refuses them, and an id out of range at a later position is refused as the composite's gather does."""
+    from export_models import run_as_a_server
+    body, stop = CUMSUM_ENDS[form]
+    weighted = form == "weighted"
+    result = _save_and_export(tmp_path, [IDS, WEIGHTS] if weighted else [IDS], body)
+    [site] = result.sites
+    assert (site.status, site.pattern, site.computes, site.weighted) == ("fused", "cumsum", "sum", weighted), \
+        site.reason
+    for width in (K, K + 2):
+        feed = {"args_0": _ids(k=width)}
+        if weighted:
+            feed["args_1"] = RNG.uniform(0.5, 2, (4, width)).astype(np.float32)
+        expected = _bags(feed["args_0"][:, :stop], feed["args_1"][:, :stop] if weighted else None)
+        want = run_as_a_server(tmp_path / "m", "serving_default", feed)
+        got = run_as_a_server(result.dst, "serving_default", feed)
+        np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    narrow = {key: value[:, :stop - 1] for key, value in feed.items()}
+    far = dict(feed, args_0=feed["args_0"].copy())
+    far["args_0"][1, -1] = N
+    for bad in (narrow, far):
+        for model in (tmp_path / "m", result.dst):
+            with pytest.raises(tf.errors.InvalidArgumentError):
+                run_as_a_server(model, "serving_default", bad)
+
+
+@pytest.mark.parametrize("end", ["reverse_inner", "second_last", "exclusive", "inner_kept"])
+def test_running_sums_of_other_spans_are_reported(tmp_path, end):
+    """reverse=True at [:, 2] (ids[:, 2:], open-ended), [:, -2] (counted from the end) and exclusive
+    running sums are no span of the fused op; [:, 1:2] is empty, not refused, for ids narrower than 2,
+    which the fused op would not follow: reported and left as written."""
+    body = {"inner_kept": lambda rows: tf.math.cumsum(rows, axis=1)[:, 1:2],
+            "reverse_inner": lambda rows: tf.math.cumsum(rows, axis=1, reverse=True)[:, 2],
+            "second_last": lambda rows: tf.math.cumsum(rows, axis=1)[:, -2],
+            "exclusive": lambda rows: tf.math.cumsum(rows, axis=1, exclusive=True)[:, 3]}[end]
+    result = _save_and_export(tmp_path, [IDS], lambda m, ids: body(tf.gather(m.t, ids)))
+    [site] = result.sites
+    assert site.status == "skipped" and "running sum" in site.reason, site.reason
+    ids = _ids()
+    want, got = _run_both(tmp_path, result, ids)
+    np.testing.assert_array_equal(got, want)

@@ -115,8 +115,6 @@ REPORTED = {
         "shape of the stacked"),
     "cumsum_exclusive": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1, exclusive=True)[:, -1],
                          "partial running sum"),
-    "cumsum_prefix": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1)[:, 2],
-                      "partial running sum"),
 }
 
 POSITION_WEIGHTS = RNG.uniform(0.5, 2, K).astype(np.float32)
