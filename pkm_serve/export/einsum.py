@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import List
 
+import numpy as np
+
 from pkm_serve.export.dense import (adds_unit_axis, fill_from_gather, leads_to_gather, resolve_gather,
                                     strip_trailing_unit_axis)
 from pkm_serve.export.graph import FunctionGraph, Ref
@@ -91,13 +93,16 @@ def match_matmul(fg: FunctionGraph, node, site: Site) -> Site:
     if out.rank is None or out.rank < 2 or out[-2] != 1:
         raise NotASite()  # not one row pooled from the rows (a Dense layer on them, attention)
     site.weighted = True
-    reason = "a matmul of gathered rows that is not w[..., None, :] @ rows (a weighted bag)"
+    reason = ("a matmul of gathered rows that is not w[..., None, :] @ rows (a weighted bag) nor v[None, None, :] "
+              "@ rows (positional weights, each batch axis 1 or, statically, the ids' own)")
     adj_x, adj_y = _adjoints(node)
     gathered = _gathered_rows_or_skip(fg, node, y, adj_y, site, reason)
     if adj_x:  # matmul(w[..., None], rows, adjoint_a=True)
         w, nodes, site.weights_squeeze = strip_trailing_unit_axis(fg, x, "weights")
     else:
         w, nodes = _unit_axis_before_last(fg, x)
+        if w is None:  # v[None, None, :] @ rows: one weight per position, every bag's
+            w, nodes = _row_every_bag_shares(fg, x, gathered.indices, fg.shape(y).rank)
     if w is None:
         raise Skip(reason)
     return _fill_weighted(fg, site, gathered, w, nodes, [gathered.output] + ([] if site.weights_squeeze else [x]), -2)
@@ -171,6 +176,58 @@ def _fill_weighted(fg: FunctionGraph, site: Site, gathered, w: Ref, nodes: List[
     private = private + [Ref(n, 0) for n in gathered.nodes[:-1]]
     check_private(fg, private, set(site.internal) | {site.root})
     return site
+
+
+def _row_every_bag_shares(fg: FunctionGraph, ref: Ref, ids: Ref, rows_rank):
+    """(v, nodes) where `ref` ([1, .., 1, K], no more axes than the rows, each batch axis 1 or the ids'
+    own) is positional weights v ([K] or [1, K]) given unit axes (or broadcast over the batch); (None, [])
+    otherwise. The matmul then weighs every bag's position k by v[k]: shared_by_bags' weights."""
+    out, ids_shape = fg.shape(ref), fg.shape(ids)
+    if out.rank is None or ids_shape.rank is None or rows_rank != ids_shape.rank + 1 or \
+            not 2 <= out.rank <= rows_rank or out[-2] != 1:
+        return None, []
+    # Each batch axis 1 or the ids' own, statically: a broadcast to a batch of its own would be other bags.
+    batch = zip(out.as_list()[:-2][::-1], ids_shape.as_list()[:-1][::-1])
+    if not all(d == 1 or (d is not None and d == i) for d, i in batch):
+        return None, []
+    nodes, node = [], fg.producer(ref)
+    while node is not None and _keeps_the_last_axis(fg, node):
+        nodes.append(node.name)
+        ref = fg.inputs(node)[0]
+        if shared_by_bags(fg.shape(ref), ids_shape):
+            return ref, nodes
+        node = fg.producer(ref)
+    return None, []
+
+
+def _keeps_the_last_axis(fg: FunctionGraph, node) -> bool:
+    """`node` only adds unit axes before its input's last axis, or broadcasts the axes before it."""
+    ins = fg.inputs(node)
+    x_shape, out = (fg.shape(ins[0]) if ins else None), fg.shape(Ref(node.name, 0))
+    if x_shape is None or x_shape.rank is None or out.rank is None or x_shape.rank == 0 or \
+            not same_dims(x_shape[-1:], out[-1:]):
+        return False
+    if node.op == "ExpandDims":
+        axis = fg.const_value(ins[1])
+        return axis is not None and int(axis) % out.rank != out.rank - 1
+    if node.op == "BroadcastTo":
+        return x_shape[-1] is not None and x_shape[-1] != 1  # the last axis is not broadcast
+    if node.op == "Reshape":
+        kept = [d for d in x_shape.as_list() if d != 1]
+        return None not in x_shape.as_list() + out.as_list() and kept == [d for d in out.as_list() if d != 1]
+    if node.op != "StridedSlice":
+        return False
+    begin, strides = fg.const_value(ins[1]), fg.const_value(ins[3])
+    masks = {k: node.attr[k].i if k in node.attr else 0 for k in (
+        "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+    if begin is None or strides is None or np.any(np.asarray(strides) != 1) or masks["shrink_axis_mask"]:
+        return False
+    entries = len(np.ravel(begin))
+    if masks["new_axis_mask"] & (1 << (entries - 1)):
+        return False  # a unit axis added last: the last axis is no longer the positions
+    whole = masks["begin_mask"] & masks["end_mask"]
+    return all(masks["ellipsis_mask"] & (1 << i) or masks["new_axis_mask"] & (1 << i) or whole & (1 << i)
+               for i in range(entries))
 
 
 def _unit_axis_before_last(fg: FunctionGraph, ref: Ref):

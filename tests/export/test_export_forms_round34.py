@@ -161,3 +161,42 @@ def test_running_sums_of_other_spans_are_reported(tmp_path, end):
     ids = _ids()
     want, got = _run_both(tmp_path, result, ids)
     np.testing.assert_array_equal(got, want)
+
+
+MATMUL_POSITION_WEIGHTS = {
+    "unit_axes_by_slice": lambda m, rows: tf.matmul(m.v[None, None, :], rows),
+    "one_unit_axis": lambda m, rows: tf.matmul(m.v[None, :], rows),
+    "expand_dims_twice": lambda m, rows: tf.matmul(tf.expand_dims(tf.expand_dims(m.v, 0), 0), rows),
+    "reshaped_constant": lambda m, rows: tf.matmul(tf.reshape(tf.constant(POSITION_WEIGHTS), [1, 1, K]), rows),
+    "squeezed": lambda m, rows: tf.squeeze(tf.matmul(m.v[None, None, :], rows), 1),
+}
+
+
+@pytest.mark.parametrize("form", sorted(MATMUL_POSITION_WEIGHTS))
+def test_matmul_of_positional_weights_by_the_rows_is_a_weighted_bag(tmp_path, form):
+    """tf.matmul(v[None, None, :], rows) weighs position k of every bag by v[k]: it was reported
+    ('not w[..., None, :] @ rows'); fused with v broadcast to the ids, its unit axis kept."""
+    result = _save_and_export(tmp_path, [IDS], lambda m, ids: MATMUL_POSITION_WEIGHTS[form](m, tf.gather(m.t, ids)))
+    [site] = result.sites
+    assert (site.status, site.pattern, site.weighted) == ("fused", "matmul", True), site.reason
+    for batch in (1, 4):
+        ids = _ids(batch)
+        want, got = _run_both(tmp_path, result, ids)
+        expected = _bags(ids, POSITION_WEIGHTS)
+        expected = expected if form == "squeezed" else expected[:, None]
+        np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_matmul_of_weights_broadcast_to_a_batch_of_their_own_is_reported(tmp_path):
+    """broadcast_to(v, [tf.shape(x)[0], 1, K]) @ rows: the batch broadcast to is not provably the ids'
+    (here that of another input, which makes the output that wide): reported and left as written."""
+    other = tf.TensorSpec([None], tf.float32)
+    result = _save_and_export(tmp_path, [IDS, other], lambda m, ids, x: tf.matmul(
+        tf.broadcast_to(m.v[None, None, :], [tf.shape(x)[0], 1, K]), tf.gather(m.t, ids)))
+    [site] = result.sites
+    assert site.status == "skipped" and "v[None, None, :] @ rows" in site.reason, site.reason
+    ids, x = _ids(1), np.zeros([3], np.float32)
+    want, got = _run_both(tmp_path, result, ids, x)
+    assert want.shape == (3, 1, D)
+    np.testing.assert_array_equal(got, want)
