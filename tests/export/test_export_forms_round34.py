@@ -200,3 +200,39 @@ def test_matmul_of_weights_broadcast_to_a_batch_of_their_own_is_reported(tmp_pat
     want, got = _run_both(tmp_path, result, ids, x)
     assert want.shape == (3, 1, D)
     np.testing.assert_array_equal(got, want)
+
+
+FIELDS = 3
+FIELD_IDS = tf.TensorSpec([None, FIELDS, K], tf.int64)
+FIELD_TENSORDOTS = {
+    "rows_first": lambda m, rows: tf.tensordot(rows, m.v, axes=[[2], [0]]),
+    "weights_first": lambda m, rows: tf.tensordot(m.v, rows, axes=[[0], [2]]),
+    "negative_axis": lambda m, rows: tf.tensordot(rows, tf.constant(POSITION_WEIGHTS), axes=[[-2], [0]]),
+}
+
+
+@pytest.mark.parametrize("form", sorted(FIELD_TENSORDOTS))
+def test_tensordot_of_per_field_rows_over_the_bag_axis_is_a_bag_per_field(tmp_path, form):
+    """tf.tensordot(rows [B, F, K, D], v [K], axes=[[2], [0]]) is each field's bag weighted by v (as
+    einsum('bfkd,k->bfd') is, which was fused): it was reported ('not tensordot(rows [B, K, D], ...')."""
+    result = _save_and_export(tmp_path, [FIELD_IDS], lambda m, ids: FIELD_TENSORDOTS[form](m, tf.gather(m.t, ids)))
+    [site] = result.sites
+    assert (site.status, site.pattern, site.weighted) == ("fused", "tensordot", True), site.reason
+    ids = RNG.integers(0, N, (4, FIELDS, K))
+    want, got = _run_both(tmp_path, result, ids)
+    expected = _bags(ids.reshape(-1, K), POSITION_WEIGHTS).reshape(4, FIELDS, D)
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_tensordot_of_per_request_weights_by_the_rows_is_reported(tmp_path):
+    """tf.tensordot(w [B, K], rows [B, K, D], axes=[[1], [1]]) is [B, B, D] (each request's weights
+    against every request's rows): no bag, reported and left as written."""
+    result = _save_and_export(tmp_path, [IDS, WEIGHTS], lambda m, ids, w: tf.tensordot(
+        w, tf.gather(m.t, ids), axes=[[1], [1]]))
+    [site] = result.sites
+    assert site.status == "skipped" and "tf.tensordot of gathered rows" in site.reason, site.reason
+    ids, w = _ids(3), RNG.uniform(0.5, 2, (3, K)).astype(np.float32)
+    want, got = _run_both(tmp_path, result, ids, w)
+    assert want.shape == (3, 3, D)
+    np.testing.assert_array_equal(got, want)
