@@ -1,6 +1,7 @@
 """Bags written one position at a time:
 
   tf.add_n([tf.gather(t, ids[:, k]) [* w[:, k:k+1]] for k in range(K)])   (or a + b + ..., Python sum(),
+  tf.gather_nd(t, ids[:, k, None]) or tf.gather_nd(t, ids[:, k:k+1]) as the rows of position k,
   keras.ops.take / a Keras 3 Embedding per position, rows = gather(t, ids) sliced rows[:, k] or unstacked,
   reduce_sum / reduce_mean of tf.stack of such rows)
       -> the bag of ids[..., a:b] [weights w[..., a:b]] over the positions a..b-1 the terms take
@@ -112,7 +113,7 @@ def _position_rows(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term
         return _sliced_rows_term(fg, ref, function)
     scratch = Site(function=function, root=ref.node, pattern=POSITIONS_PATTERN)
     try:
-        rows = resolve_rows(fg, ref, scratch)
+        rows = resolve_rows(fg, ref, scratch, nd_positions=True)
     except (NotASite, Skip):
         return None
     indices, wrapped = unwrapped(fg, rows.gather.indices, rows.gather.table_shape)
@@ -121,9 +122,10 @@ def _position_rows(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term
     if cast is not None:  # tf.cast(ids[:, k]) is tf.cast(ids)[:, k], element by element
         indices = fg.inputs(cast)[0]
     ids = slice_position(fg, indices)
-    if ids is None or ids[2]:
+    # gather_nd(t, ids[:, k:k+1]) takes the kept unit axis as its index axis: the rows of ids[:, k]
+    if ids is None or ids[2] != rows.gather.nd_position:
         return None
-    term = _Term(fg, ref, rows, scratch, ids)
+    term = _Term(fg, ref, rows, scratch, (ids[0], ids[1], False))
     term.wrapped, term.cast, term.position_ref = wrapped, cast, indices
     return term
 

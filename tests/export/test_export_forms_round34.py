@@ -236,3 +236,46 @@ def test_tensordot_of_per_request_weights_by_the_rows_is_reported(tmp_path):
     want, got = _run_both(tmp_path, result, ids, w)
     assert want.shape == (3, 3, D)
     np.testing.assert_array_equal(got, want)
+
+
+GATHER_ND_POSITIONS = {  # (specs, body, first position, weighted)
+    "add_n_index_axis_added": ([IDS], lambda m, ids: tf.add_n([tf.gather_nd(m.t, ids[:, k, None]) for k in range(K)]),
+                               0, False),
+    "add_n_index_axis_kept_weighted": ([IDS, WEIGHTS], lambda m, ids, w: tf.add_n(
+        [tf.gather_nd(m.t, ids[:, k:k + 1]) * w[:, k, None] for k in range(K)]), 0, True),
+    "python_sum_from_the_second": ([IDS], lambda m, ids: sum(tf.gather_nd(m.t, ids[:, k, None]) for k in range(1, K)),
+                                   1, False),
+    "stacked_mean": ([IDS], lambda m, ids: tf.reduce_mean(tf.stack(
+        [tf.gather_nd(m.t, ids[:, k, None]) for k in range(K)], axis=1), axis=1), 0, False),
+}
+
+
+@pytest.mark.parametrize("form", sorted(GATHER_ND_POSITIONS))
+def test_per_position_gather_nd_rows_are_a_bag(tmp_path, form):
+    """tf.add_n([tf.gather_nd(t, ids[:, k, None]) for k]) gathers the rows tf.gather(t, ids[:, k]) does:
+    it was neither fused nor reported. Fused as the bag of ids[:, first:K], wider ids read as written."""
+    from export_models import run_as_a_server
+    specs, body, first, weighted = GATHER_ND_POSITIONS[form]
+    result = _save_and_export(tmp_path, specs, body)
+    [site] = result.sites
+    assert (site.status, site.pattern, site.weighted) == ("fused", "per-position-sum", weighted), site.reason
+    for width in (K, K + 2):
+        feed = {"args_0": _ids(k=width)}
+        if weighted:
+            feed["args_1"] = RNG.uniform(0.5, 2, (4, width)).astype(np.float32)
+        expected = _bags(feed["args_0"][:, first:K], feed["args_1"][:, first:K] if weighted else None)
+        expected = expected / K if form == "stacked_mean" else expected
+        for model in (tmp_path / "m", result.dst):
+            np.testing.assert_allclose(run_as_a_server(model, "serving_default", feed), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="positions, but the original model"):
+        run_as_a_server(result.dst, "serving_default", {k: v[:, :K - 1] for k, v in feed.items()})
+
+
+def test_gather_nd_of_the_same_position_twice_is_reported(tmp_path):
+    """Position 1 added twice is no bag of a range of positions: reported and left as written."""
+    result = _save_and_export(tmp_path, [IDS], lambda m, ids: tf.add_n(
+        [tf.gather_nd(m.t, ids[:, k, None]) for k in (0, 1, 1)]))
+    [site] = result.sites
+    assert site.status == "skipped" and "not each position of a range once" in site.reason, site.reason
+    want, got = _run_both(tmp_path, result, _ids())
+    np.testing.assert_array_equal(got, want)
