@@ -279,3 +279,77 @@ def test_gather_nd_of_the_same_position_twice_is_reported(tmp_path):
     assert site.status == "skipped" and "not each position of a range once" in site.reason, site.reason
     want, got = _run_both(tmp_path, result, _ids())
     np.testing.assert_array_equal(got, want)
+
+
+def _rows_kept(m, ids, k):
+    return tf.gather(m.t, ids[:, k:k + 1])
+
+
+CONCATENATED_POSITIONS = {  # (specs, body, weighted, mean)
+    "sum": ([IDS], lambda m, ids: tf.reduce_sum(tf.concat([_rows_kept(m, ids, k) for k in range(K)], 1), 1),
+            False, False),
+    "mean_axis_minus_two": ([IDS], lambda m, ids: tf.reduce_mean(tf.concat(
+        [_rows_kept(m, ids, k) for k in range(K)], axis=-2), axis=-2), False, True),
+    "sliced_rows": ([IDS], lambda m, ids: (lambda rows: tf.reduce_sum(tf.concat(
+        [rows[:, k:k + 1] for k in range(K)], 1), 1))(tf.gather(m.t, ids)), False, False),
+    "weighted_unit_axis_added": ([IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(tf.concat(
+        [_rows_kept(m, ids, k) * w[:, k:k + 1, None] for k in range(K)], 1), 1), True, False),
+    "weighted_expanded": ([IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(tf.concat(
+        [_rows_kept(m, ids, k) * tf.expand_dims(w[:, k:k + 1], -1) for k in range(K)], 1), 1), True, False),
+}
+
+
+@pytest.mark.parametrize("form", sorted(CONCATENATED_POSITIONS))
+def test_concatenated_per_position_rows_reduced_over_the_bag_axis_are_a_bag(tmp_path, form):
+    """reduce_sum(tf.concat([tf.gather(t, ids[:, k:k+1]) for k], 1), 1) is the bag of the ids: it was
+    reported ('ConcatV2 between the gather and the reduction'); fused as tf.stack's per-position bag."""
+    specs, body, weighted, mean = CONCATENATED_POSITIONS[form]
+    result = _save_and_export(tmp_path, specs, body)
+    [site] = result.sites
+    assert (site.status, site.pattern, site.weighted, site.computes) == (
+        "fused", "per-position-sum", weighted, "mean" if mean else "sum"), site.reason
+    ids = _ids()
+    w = RNG.uniform(0.5, 2, ids.shape).astype(np.float32)
+    want, got = _run_both(tmp_path, result, ids, w) if weighted else _run_both(tmp_path, result, ids)
+    expected = _bags(ids, w if weighted else None) / (K if mean else 1)
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+CONCATENATED_NOT_A_BAG = {
+    "weights_broadcast_across_requests": ([IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(tf.concat(
+        [_rows_kept(m, ids, k) * w[:, k:k + 1] for k in range(K)], 1), 1), "not per-index"),
+    "blocks_of_positions": ([IDS], lambda m, ids: tf.reduce_sum(tf.concat(
+        [tf.gather(m.t, ids[:, :2]), tf.gather(m.t, ids[:, 2:])], 1), 1), "ConcatV2"),
+    "a_position_twice": ([IDS], lambda m, ids: tf.reduce_sum(tf.concat(
+        [_rows_kept(m, ids, k) for k in (0, 1, 1)], 1), 1), "not each position of a range once"),
+}
+
+
+@pytest.mark.parametrize("form", sorted(CONCATENATED_NOT_A_BAG))
+def test_concatenations_that_are_no_per_position_bag_are_reported(tmp_path, form):
+    """w[:, k:k+1] [B, 1] times rows [B, 1, D] broadcasts to [B, B, D] (every request's weights on every
+    request's rows); blocks of positions and a repeated position are no per-position bag either."""
+    specs, body, reason = CONCATENATED_NOT_A_BAG[form]
+    result = _save_and_export(tmp_path, specs, body)
+    [site] = result.sites
+    assert site.status == "skipped" and reason in site.reason, site.reason
+    ids = _ids()
+    args = (ids, RNG.uniform(0.5, 2, ids.shape).astype(np.float32)) if len(specs) == 2 else (ids,)
+    want, got = _run_both(tmp_path, result, *args)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("form", ["sum", "mean_axis_minus_two", "sliced_rows"])
+def test_concatenated_positions_follow_ids_of_any_width_as_the_original(tmp_path, form):
+    """ids[:, k:k+1] past the ids' width is empty, not refused: the composite concatenates (and counts)
+    fewer rows, as the fused op's ids[:, 0:K] does; wider ids are read up to position K - 1 by both."""
+    from export_models import run_as_a_server
+    specs, body, _, mean = CONCATENATED_POSITIONS[form]
+    result = _save_and_export(tmp_path, specs, body)
+    for width in (2, K + 2):
+        feed = {"args_0": _ids(k=width)}
+        taken = feed["args_0"][:, :K]
+        expected = _bags(taken) / (taken.shape[1] if mean else 1)
+        for model in (tmp_path / "m", result.dst):
+            np.testing.assert_allclose(run_as_a_server(model, "serving_default", feed), expected, rtol=1e-5, atol=1e-6)
