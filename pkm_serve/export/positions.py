@@ -27,7 +27,8 @@ from pkm_serve.export.dense import (Rows, apply_rows, fill_from_gather, is_scala
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import I32, _assert, _reduce_ids
 from pkm_serve.export.position_slices import _slice_entries, slice_position, unwrapped
-from pkm_serve.export.sites import NotASite, Site, Skip, check_private, dims, same_dims, tensor_dtype
+from pkm_serve.export.sites import (NotASite, Site, Skip, check_private, dims, same_dims, shared_by_bags,
+                                    tensor_dtype)
 
 ADD_OPS = ("AddN", "AddV2", "Add")
 POSITIONS_PATTERN = "per-position-sum"
@@ -150,7 +151,8 @@ def _sliced_rows_term(fg: FunctionGraph, ref: Ref, function: str, kept: bool = F
         scratch = Site(function=function, root=ref.node, pattern=POSITIONS_PATTERN)
         try:
             rows = resolve_rows(fg, position[0], scratch)
-            weights = None if w_ref is None else strip_trailing_unit_axis(fg, w_ref)
+            weights = None if w_ref is None else (w_ref, [], False) if is_scalar(fg, w_ref, rank - 1) else \
+                strip_trailing_unit_axis(fg, w_ref)
         except (NotASite, Skip):
             return None
         if rows.weights is not None or rows.mask is not None or rows.ones is not None:
@@ -187,7 +189,10 @@ def _check_term(fg: FunctionGraph, term: _Term, first: _Term) -> Optional[Ref]:
     if term.weights is None:
         return None
     weights_ref, squeeze, scalar = term.weights
-    weights = None if scalar else slice_position(fg, weights_ref)
+    weights = slice_position(fg, weights_ref)
+    if scalar:  # v[k] (or v[k:k+1]) of positional weights v [K]: every bag's position k weighed by v[k]
+        source_rank = None if weights is None else fg.shape(weights[0]).rank
+        weights = None if source_rank != 1 else (weights[0], weights[1], squeeze or term.kept)
     if weights is None and term.kept and squeeze:  # w[:, k:k+1, None] times kept rows [B, 1, D]
         weights, squeeze = _kept_position_unit_axis_added(fg, weights_ref), False
     # w[:, k:k+1] times rows [B, D] (squeezed for the op), w[:, k:k+1][..., None] times kept rows [B, 1, D]
@@ -195,6 +200,12 @@ def _check_term(fg: FunctionGraph, term: _Term, first: _Term) -> Optional[Ref]:
         raise Skip("a term's weight is not the weights' entry at the term's position (w[:, k:k+1] for "
                    "ids[:, k]): the multiplier is not per index")
     return weights[0]
+
+
+def _variable_read(fg: FunctionGraph, ref: Optional[Ref]):
+    """The variable a ReadVariableOp `ref` reads (reads of one variable in one call are one value), else ref."""
+    node = None if ref is None else fg.producer(ref)
+    return ("variable", fg.inputs(node)[0]) if node is not None and node.op == "ReadVariableOp" else ref
 
 
 def _kept_position_unit_axis_added(fg: FunctionGraph, ref: Ref) -> Optional[Tuple[Ref, int, bool]]:
@@ -337,7 +348,8 @@ def _positions_site(fg: FunctionGraph, node, site: Site, terms: List[_Term], own
     """Fills the site of the bag the terms make (positions a..b-1 each once) or raises Skip."""
     first = terms[0]
     site.weighted = first.weights is not None
-    sources = {_check_term(fg, t, first) for t in terms}
+    found = [_check_term(fg, t, first) for t in terms]
+    sources = {_variable_read(fg, ref) for ref in found}  # m.v[k] reads the variable once per term
     if len(sources) != 1:
         raise Skip("the terms are weighted by entries of different tensors: only one weights tensor's w[..., k] "
                    "for each position ids[..., k] are a bag's weights")
@@ -352,8 +364,10 @@ def _positions_site(fg: FunctionGraph, node, site: Site, terms: List[_Term], own
               {_unpacked_width(fg, t.weights[0]) for t in terms if t.weights is not None} - {None}]
     if any(len(w) > 1 for w in widths):
         raise Skip("tf.unstack of the ids (or weights) with different lengths: the original refuses any ids")
-    ids_source, weights_source = first.ids[0], sources.pop()
-    if site.weighted and not same_dims(fg.shape(weights_source), fg.shape(ids_source)):
+    ids_source, weights_source = first.ids[0], found[0]
+    shared = first.weights is not None and first.weights[2]  # v[k]: checked as v's shape against the ids'
+    if site.weighted and not same_dims(fg.shape(weights_source), fg.shape(ids_source)) and not (
+            shared and shared_by_bags(fg.shape(weights_source), fg.shape(ids_source))):
         raise Skip("the weights are not shaped like the ids")
     internal: List[str] = list(own)
     for term in terms:
@@ -408,7 +422,8 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
     if span.wrapped:  # as keras.ops.take does: where(ids < 0, ids + N, ids)
         site.indices = _wrap_negative(fg, prefix + "/wrapped", site)
     if site.weights is not None:
-        site.weights = _positions(fg, prefix + "/weights", site.weights, span.first, span.stop, rank, checks)
+        site.weights = _positions(fg, prefix + "/weights", site.weights, span.first, span.stop,
+                                  fg.shape(site.weights).rank, checks)
 
 
 def _width_check(fg: FunctionGraph, prefix: str, site: Site, ref: Ref, stop: int, exact: Optional[int],

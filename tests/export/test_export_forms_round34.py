@@ -353,3 +353,54 @@ def test_concatenated_positions_follow_ids_of_any_width_as_the_original(tmp_path
         expected = _bags(taken) / (taken.shape[1] if mean else 1)
         for model in (tmp_path / "m", result.dst):
             np.testing.assert_allclose(run_as_a_server(model, "serving_default", feed), expected, rtol=1e-5, atol=1e-6)
+
+
+SCALAR_POSITION_WEIGHTS = {
+    "sliced_rows_times_variable_entry": lambda m, ids: (lambda rows: tf.add_n(
+        [rows[:, k] * m.v[k] for k in range(K)]))(tf.gather(m.t, ids)),
+    "gather_per_position_times_variable_entry": lambda m, ids: tf.add_n(
+        [tf.gather(m.t, ids[:, k]) * m.v[k] for k in range(K)]),
+    "constant_entry_first": lambda m, ids: (lambda v: tf.add_n(
+        [v[k] * tf.gather(m.t, ids[:, k]) for k in range(1, K)]))(tf.constant(POSITION_WEIGHTS)),
+    "unstacked_weights": lambda m, ids: tf.add_n(
+        [tf.gather(m.t, i) * vk for i, vk in zip(tf.unstack(ids, axis=1), tf.unstack(m.v))]),
+    "stacked_then_summed": lambda m, ids: tf.reduce_sum(tf.stack(
+        [tf.gather(m.t, ids[:, k]) * m.v[k] for k in range(K)], 1), 1),
+}
+
+
+@pytest.mark.parametrize("form", sorted(SCALAR_POSITION_WEIGHTS))
+def test_per_position_terms_weighted_by_an_entry_of_positional_weights_are_a_weighted_bag(tmp_path, form):
+    """sum_k rows[:, k] * v[k] with v [K] weighs every bag's position k by v[k]: it was neither fused nor
+    reported (rows sliced) or reported as 'not per index' (gathered per position). Fused with v[a:b]
+    broadcast to ids[:, a:b]."""
+    from export_models import run_as_a_server
+    result = _save_and_export(tmp_path, [IDS], SCALAR_POSITION_WEIGHTS[form])
+    [site] = result.sites
+    assert (site.status, site.pattern, site.weighted) == ("fused", "per-position-sum", True), site.reason
+    first = 1 if form == "constant_entry_first" else 0
+    widths = (K,) if form == "unstacked_weights" else (K, K + 2)  # tf.unstack(ids) refuses other widths
+    for width in widths:
+        ids = _ids(k=width)
+        expected = _bags(ids[:, first:K], POSITION_WEIGHTS[first:])
+        for model in (tmp_path / "m", result.dst):
+            np.testing.assert_allclose(run_as_a_server(model, "serving_default", {"args_0": ids}), expected,
+                                       rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["entry_of_another_position", "one_constant_for_every_position",
+                                  "entries_of_two_weight_vectors"])
+def test_per_position_scalar_weights_that_are_no_positional_weights_are_reported(tmp_path, form):
+    """v[k + 1] on position k, a weight that is the same constant for every term, and entries of two
+    vectors are reported, as before, and left as written."""
+    def body(m, ids):
+        rows = [tf.gather(m.t, ids[:, k]) for k in range(K - 1)]
+        factor = {"entry_of_another_position": lambda k: m.v[k + 1],
+                  "one_constant_for_every_position": lambda k: tf.constant(0.5),
+                  "entries_of_two_weight_vectors": lambda k: (m.v if k < 2 else 2.0 * m.v)[k]}[form]
+        return tf.add_n([r * factor(k) for k, r in enumerate(rows)])
+    result = _save_and_export(tmp_path, [IDS], body)
+    [site] = result.sites
+    assert site.status == "skipped" and "weight" in site.reason, site.reason
+    want, got = _run_both(tmp_path, result, _ids())
+    np.testing.assert_array_equal(got, want)
