@@ -40,7 +40,7 @@ def ids_expanded_to_last_axis(fg: FunctionGraph, indices: Ref, nd_positions: boo
     reason = "tf.gather_nd of indices that are not ids[..., None] (one index per row): not fused"
     if nd_positions:
         position = slice_position(fg, indices)
-        if position is not None and position[2] and position[1] >= 0:
+        if position is not None and position[2]:  # a negative k is reported by the positions matcher
             return indices, True
     if node is None or node.op not in ("ExpandDims", "StridedSlice"):
         raise Skip(reason)

@@ -404,3 +404,14 @@ def test_per_position_scalar_weights_that_are_no_positional_weights_are_reported
     assert site.status == "skipped" and "weight" in site.reason, site.reason
     want, got = _run_both(tmp_path, result, _ids())
     np.testing.assert_array_equal(got, want)
+
+
+def test_gather_nd_of_positions_counted_from_the_end_is_reported(tmp_path):
+    """ids[:, k, None] for k in -K..-1 are other positions of ids wider than declared: reported (as tf.gather's
+    are), not left silently."""
+    result = _save_and_export(tmp_path, [IDS], lambda m, ids: tf.add_n(
+        [tf.gather_nd(m.t, ids[:, k, None]) for k in range(-K, 0)]))
+    [site] = result.sites
+    assert site.status == "skipped" and "counted from the end" in site.reason, site.reason
+    want, got = _run_both(tmp_path, result, _ids())
+    np.testing.assert_array_equal(got, want)
