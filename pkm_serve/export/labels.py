@@ -116,6 +116,23 @@ def _reduced(fg: FunctionGraph, ref: Ref) -> Optional[Ref]:
     return fg.inputs(node)[0]
 
 
+def _bag_size_read(fg: FunctionGraph, ref: Ref, site: Site) -> bool:
+    """`ref` is the ids' last dim read off their shape (tf.shape(ids)[-1], cast or not): the bag size
+    of a dense site whatever width the ids are fed at."""
+    node = fg.producer(ref)
+    while node is not None and node.op in ("Identity", "Cast", "Reshape", "ExpandDims"):
+        node = fg.producer(fg.inputs(node)[0])
+    if node is None or node.op != "StridedSlice" or site.indices is None or site.positions is not None or \
+            site.regathers or site.regroup_ids is not None or "ragged" in site.pattern or "sparse" in site.pattern:
+        return False
+    shape = fg.producer(fg.inputs(node)[0])
+    rank = fg.shape(site.indices).rank
+    index = fg.const_value(fg.inputs(node)[1])
+    shrink = node.attr["shrink_axis_mask"].i if "shrink_axis_mask" in node.attr else 0
+    return shape is not None and shape.op == "Shape" and fg.inputs(shape)[0] == site.indices and rank is not None \
+        and shrink == 1 and index is not None and np.size(index) == 1 and int(np.ravel(index)[0]) in (-1, rank - 1)
+
+
 def _squared_base(fg: FunctionGraph, ref: Ref) -> Optional[Ref]:
     node = fg.producer(ref)
     if node is None:
@@ -161,7 +178,7 @@ def computes(fg: FunctionGraph, site: Site) -> str:
     if summed is None:
         value = fg.const_value(divisor)
         bag = site.gathered_shape[-2] if site.gathered_shape else None
-        if value is not None and bag is not None and np.all(value == bag):
+        if (value is not None and bag is not None and np.all(value == bag)) or _bag_size_read(fg, divisor, site):
             return "mean"
         return "sum"
     if _is_ones(fg, summed):  # divided by the bag size (a ragged reduce_mean counts ones), weighted or not

@@ -415,3 +415,30 @@ def test_gather_nd_of_positions_counted_from_the_end_is_reported(tmp_path):
     assert site.status == "skipped" and "counted from the end" in site.reason, site.reason
     want, got = _run_both(tmp_path, result, _ids())
     np.testing.assert_array_equal(got, want)
+
+
+BAG_SIZE_READ = {
+    "cast_width": (lambda m, ids: tf.reduce_sum(tf.gather(m.t, ids), 1) / tf.cast(tf.shape(ids)[1], tf.float32),
+                   "mean"),
+    "last_axis_counted_from_the_end": (lambda m, ids: tf.reduce_sum(tf.gather(m.t, ids), 1) / tf.cast(
+        tf.shape(ids, out_type=tf.int64)[-1], tf.float32), "mean"),
+    "batch_size": (lambda m, ids: tf.reduce_sum(tf.gather(m.t, ids), 1) / tf.cast(tf.shape(ids)[0], tf.float32),
+                   "sum"),
+}
+
+
+@pytest.mark.parametrize("form", sorted(BAG_SIZE_READ))
+def test_bag_sum_divided_by_the_ids_width_read_off_their_shape_is_labelled_a_mean(tmp_path, form):
+    """sum / tf.cast(tf.shape(ids)[1]) is the mean at any width of the ids: it was labelled 'sum' (only a
+    constant K was read as the bag size); the batch size read off the same shape is no bag size."""
+    from export_models import run_as_a_server
+    body, label = BAG_SIZE_READ[form]
+    result = _save_and_export(tmp_path, [IDS], body)
+    [site] = result.sites
+    assert (site.status, site.computes) == ("fused", label)
+    for width in (K, K + 3):
+        ids = _ids(k=width)
+        expected = _bags(ids) / (width if form != "batch_size" else ids.shape[0])
+        for model in (tmp_path / "m", result.dst):
+            np.testing.assert_allclose(run_as_a_server(model, "serving_default", {"args_0": ids}), expected,
+                                       rtol=1e-5, atol=1e-6)
