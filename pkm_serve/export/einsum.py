@@ -194,7 +194,8 @@ def _row_every_bag_shares(fg: FunctionGraph, ref: Ref, ids: Ref, rows_rank):
     while node is not None and _keeps_the_last_axis(fg, node):
         nodes.append(node.name)
         ref = fg.inputs(node)[0]
-        if shared_by_bags(fg.shape(ref), ids_shape):
+        # Only [K] / [1, .., K] sources: unit axes added elsewhere than -2 would align others with other axes.
+        if shared_by_bags(fg.shape(ref), ids_shape) and all(d == 1 for d in fg.shape(ref).as_list()[:-1]):
             return ref, nodes
         node = fg.producer(ref)
     return None, []

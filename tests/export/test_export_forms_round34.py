@@ -442,3 +442,18 @@ def test_bag_sum_divided_by_the_ids_width_read_off_their_shape_is_labelled_a_mea
         for model in (tmp_path / "m", result.dst):
             np.testing.assert_allclose(run_as_a_server(model, "serving_default", {"args_0": ids}), expected,
                                        rtol=1e-5, atol=1e-6)
+
+
+def test_matmul_of_per_field_weights_given_a_leading_unit_axis_keeps_their_alignment(tmp_path):
+    """expand_dims(S [F, 1, K], 0) @ rows [B, F, K, D] weighs field f by S[f]; with B == F static, S
+    broadcast to the ids as they align from the right would weigh request b by S[b] instead: such weights
+    are reported (only [K] / [1, .., K] sources are taken through added unit axes)."""
+    per_field = RNG.uniform(0.5, 2, (FIELDS, 1, K)).astype(np.float32)
+    result = _save_and_export(tmp_path, [tf.TensorSpec([FIELDS, FIELDS, K], tf.int64)], lambda m, ids: tf.matmul(
+        tf.expand_dims(tf.constant(per_field), 0), tf.gather(m.t, ids)))
+    ids = RNG.integers(0, N, (FIELDS, FIELDS, K))
+    expected = np.einsum("fk,bfkd->bfd", per_field[:, 0].astype(np.float64), TABLE.astype(np.float64)[ids])
+    want, got = _run_both(tmp_path, result, ids)
+    np.testing.assert_allclose(want[:, :, 0], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[:, :, 0], expected, rtol=1e-5, atol=1e-6)
+    assert [s.status for s in result.sites] == ["skipped"]
