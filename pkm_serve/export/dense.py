@@ -393,11 +393,30 @@ def _check_bag_axis(fg: FunctionGraph, node, x: Ref, axis_ref: Ref, site: Site) 
     # keepdims=True: the bag, then its unit bag axis back ([..., 1, D])
     site.expand_bag_axis = "keep_dims" in node.attr and node.attr["keep_dims"].b
     axes = fg.const_value(axis_ref)
+    if axes is not None and np.size(axes) > 1:
+        _check_bag_axes(fg, [int(a) % rank for a in np.ravel(axes)], rank, site)
+        return
     if axes is None or np.size(axes) != 1:
         raise Skip("reduction is not over exactly one constant axis")
     if int(np.reshape(axes, [])) % rank != rank - 2:
         raise Skip(f"reduction axis {int(np.reshape(axes, []))} is not the bag axis "
                    f"(-2) of a rank-{rank} gather")
+
+
+def _check_bag_axes(fg: FunctionGraph, axes, rank: int, site: Site) -> None:
+    """A reduction over the bag axis and the axes just before it ([1, 2] of [B, F, K, D]): one bag of
+    the ids' last len(axes) axes, fused on the ids flattened over them (flat_bags.py)."""
+    if sorted(axes) != list(range(rank - 1 - len(axes), rank - 1)):
+        raise Skip(f"reduction over axes {sorted(axes)} of a rank-{rank} gather is not over exactly one constant "
+                   "axis, nor over the bag axis (-2) and the axes just before it (one bag of those ids)")
+    if site.expand_bag_axis:
+        raise Skip("keepdims=True over several bag axes: the fused bag gets one unit axis back only")
+    if site.weights_squeeze or site.mask_squeeze or site.ones is not None or site.regroup_ids is not None or \
+            site.shape_consumers or (site.weights is not None and not site.weights_scalar and
+                                     not same_dims(fg.shape(site.weights), fg.shape(site.indices))):
+        raise Skip(f"a reduction over axes {sorted(axes)} of rows weighted or masked by other than a tensor "
+                   "shaped like the ids, or whose shape is read: not fused")
+    site.flatten_bag_axes = len(axes)
 
 
 def match_reduce_max(fg: FunctionGraph, node, site: Site) -> Site:
@@ -439,9 +458,9 @@ def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:
         # time: a server feeds bags of any length to a signature that declares
         # one (TF Serving does not check the declared shape), and Mean divides
         # by the length it gets. `divisor` only reports the declared K.
-        bag_size = fg.shape(x)[-2]
+        bag = fg.shape(x).as_list()[-1 - site.flatten_bag_axes:-1]
         site.combiner, site.divide_by_bag = "sum", True
-        site.divisor = None if bag_size is None else int(bag_size)
+        site.divisor = None if None in bag else int(np.prod(bag))
     return site
 
 

@@ -457,3 +457,57 @@ def test_matmul_of_per_field_weights_given_a_leading_unit_axis_keeps_their_align
     np.testing.assert_allclose(want[:, :, 0], expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got[:, :, 0], expected, rtol=1e-5, atol=1e-6)
     assert [s.status for s in result.sites] == ["skipped"]
+
+
+FLAT_BAGS = {  # (specs, body, combiner of numpy, weighted)
+    "sum_over_fields_and_positions": ([FIELD_IDS], lambda m, ids: tf.reduce_sum(tf.gather(m.t, ids), [1, 2]),
+                                      "sum", False),
+    "mean_negative_axes": ([FIELD_IDS], lambda m, ids: tf.reduce_mean(tf.gather(m.t, ids), [-3, -2]), "mean", False),
+    "max_axes_unordered": ([FIELD_IDS], lambda m, ids: tf.reduce_max(tf.gather(m.t, ids), [2, 1]), "max", False),
+    "weighted_mean": ([FIELD_IDS, tf.TensorSpec([None, FIELDS, K], tf.float32)], lambda m, ids, w: tf.reduce_mean(
+        tf.gather(m.t, ids) * w[..., None], [1, 2]), "mean", True),
+}
+
+
+def _flat_reference(ids, weights, combiner):
+    flat = ids.reshape(ids.shape[0], -1)
+    rows = TABLE.astype(np.float64)[flat]
+    if combiner == "max":
+        return rows.max(1)
+    w = np.ones(flat.shape) if weights is None else weights.reshape(flat.shape).astype(np.float64)
+    total = np.einsum("bk,bkd->bd", w, rows)
+    return total / flat.shape[1] if combiner == "mean" else total
+
+
+@pytest.mark.parametrize("form", sorted(FLAT_BAGS))
+def test_reduction_over_the_bag_axis_and_the_axes_before_it_is_one_bag_of_those_ids(tmp_path, form):
+    """reduce_sum(rows [B, F, K, D], axis=[1, 2]) pools each request's F * K rows: it was reported ('not over
+    exactly one constant axis'). Fused on the ids reshaped to [B, F * K] at run time: ids fed wider in
+    either axis give the composite's bag, ids of another rank are refused (the composite reduces other axes)."""
+    from export_models import run_as_a_server
+    specs, body, combiner, weighted = FLAT_BAGS[form]
+    result = _save_and_export(tmp_path, specs, body)
+    [site] = result.sites
+    assert (site.status, site.pattern, site.computes) == ("fused", "gather-reduce", combiner), site.reason
+    for shape in ((4, FIELDS, K), (2, FIELDS + 1, K + 2)):
+        feed = {"args_0": RNG.integers(0, N, shape)}
+        if weighted:
+            feed["args_1"] = RNG.uniform(0.5, 2, shape).astype(np.float32)
+        expected = _flat_reference(feed["args_0"], feed.get("args_1"), combiner)
+        for model in (tmp_path / "m", result.dst):
+            np.testing.assert_allclose(run_as_a_server(model, "serving_default", feed), expected, rtol=1e-5, atol=1e-6)
+    other_rank = {key: value[..., None] for key, value in feed.items()}
+    with pytest.raises(tf.errors.InvalidArgumentError, match="rank"):
+        run_as_a_server(result.dst, "serving_default", other_rank)
+
+
+@pytest.mark.parametrize("axes, keepdims, reason", [([1, 3], False, "nor over the bag axis (-2) and the axes"),
+                                                    ([1, 2], True, "keepdims=True over several bag axes")])
+def test_reductions_over_other_axes_or_keeping_them_are_reported(tmp_path, axes, keepdims, reason):
+    result = _save_and_export(tmp_path, [FIELD_IDS], lambda m, ids: tf.reduce_sum(
+        tf.gather(m.t, ids), axes, keepdims=keepdims))
+    [site] = result.sites
+    assert site.status == "skipped" and reason in site.reason, site.reason
+    ids = RNG.integers(0, N, (2, FIELDS, K))
+    want, got = _run_both(tmp_path, result, ids)
+    np.testing.assert_array_equal(got, want)
