@@ -511,3 +511,10 @@ def test_reductions_over_other_axes_or_keeping_them_are_reported(tmp_path, axes,
     ids = RNG.integers(0, N, (2, FIELDS, K))
     want, got = _run_both(tmp_path, result, ids)
     np.testing.assert_array_equal(got, want)
+
+
+def test_unfusable_rows_reduced_over_several_bag_axes_are_reported(tmp_path):
+    """reduce_sum(exp(rows), [1, 2]) is reported as reduce_sum(exp(rows), 1) is (it was silent)."""
+    result = _save_and_export(tmp_path, [FIELD_IDS], lambda m, ids: tf.reduce_sum(tf.exp(tf.gather(m.t, ids)), [1, 2]))
+    [site] = result.sites
+    assert site.status == "skipped" and "Exp between the gather and the reduction" in site.reason, site.reason
