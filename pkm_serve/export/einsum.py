@@ -51,8 +51,11 @@ def match_einsum(fg: FunctionGraph, node, site: Site) -> Site:
     if len(g_labels) < 2 or len(set(g_labels)) != len(g_labels):
         raise Skip(reason)
     bag, dim = g_labels[-2], g_labels[-1]
-    if "..." in (bag, dim) or out_labels != g_labels[:-2] + [dim]:
+    # 'bfkd->bd': the bag axis and those just before it summed, one bag of their ids (flat_bags.py)
+    pooled = len(g_labels) - len(out_labels)
+    if "..." in g_labels[-1 - pooled:] or pooled < 1 or out_labels != g_labels[:-1 - pooled] + [dim]:
         raise Skip(reason)
+    site.flatten_bag_axes = pooled
     if "..." not in g_labels and fg.shape(ins[g_pos]).rank not in (None, len(g_labels)):
         raise Skip(reason)
     if len(ins) == 2:
@@ -62,7 +65,7 @@ def match_einsum(fg: FunctionGraph, node, site: Site) -> Site:
         # weights every bag shares: 'bkd,k->bd'), which fuse broadcasts to the ids
         shared = w_labels != g_labels[:-1] and 0 < len(w_labels) < len(g_labels) - 1 and \
             "..." not in w_labels and w_labels == g_labels[len(g_labels) - 1 - len(w_labels):-1]
-        if w_labels != g_labels[:-1] and not shared:
+        if (w_labels != g_labels[:-1] and not shared) or (pooled > 1 and shared):
             raise Skip(reason)
         if not same_dims(fg.shape(w_ref), fg.shape(gathered.indices)) and not (
                 shared and shared_by_bags(fg.shape(w_ref), fg.shape(gathered.indices))):

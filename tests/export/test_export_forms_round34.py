@@ -466,6 +466,9 @@ FLAT_BAGS = {  # (specs, body, combiner of numpy, weighted)
     "max_axes_unordered": ([FIELD_IDS], lambda m, ids: tf.reduce_max(tf.gather(m.t, ids), [2, 1]), "max", False),
     "weighted_mean": ([FIELD_IDS, tf.TensorSpec([None, FIELDS, K], tf.float32)], lambda m, ids, w: tf.reduce_mean(
         tf.gather(m.t, ids) * w[..., None], [1, 2]), "mean", True),
+    "einsum": ([FIELD_IDS], lambda m, ids: tf.einsum("bfkd->bd", tf.gather(m.t, ids)), "sum", False),
+    "einsum_weighted": ([FIELD_IDS, tf.TensorSpec([None, FIELDS, K], tf.float32)], lambda m, ids, w: tf.einsum(
+        "bfk,bfkd->bd", w, tf.gather(m.t, ids)), "sum", True),
 }
 
 
@@ -481,14 +484,15 @@ def _flat_reference(ids, weights, combiner):
 
 @pytest.mark.parametrize("form", sorted(FLAT_BAGS))
 def test_reduction_over_the_bag_axis_and_the_axes_before_it_is_one_bag_of_those_ids(tmp_path, form):
-    """reduce_sum(rows [B, F, K, D], axis=[1, 2]) pools each request's F * K rows: it was reported ('not over
-    exactly one constant axis'). Fused on the ids reshaped to [B, F * K] at run time: ids fed wider in
+    """reduce_sum(rows [B, F, K, D], axis=[1, 2]) (einsum('bfkd->bd')) pools each request's F * K rows: it was
+    reported ('not over exactly one constant axis'; einsum: 'not a weighted sum over the bag axis'). Fused on the ids reshaped to [B, F * K] at run time: ids fed wider in
     either axis give the composite's bag, ids of another rank are refused (the composite reduces other axes)."""
     from export_models import run_as_a_server
     specs, body, combiner, weighted = FLAT_BAGS[form]
     result = _save_and_export(tmp_path, specs, body)
     [site] = result.sites
-    assert (site.status, site.pattern, site.computes) == ("fused", "gather-reduce", combiner), site.reason
+    assert (site.status, site.pattern, site.computes) == (
+        "fused", "einsum" if "einsum" in form else "gather-reduce", combiner), site.reason
     for shape in ((4, FIELDS, K), (2, FIELDS + 1, K + 2)):
         feed = {"args_0": RNG.integers(0, N, shape)}
         if weighted:
