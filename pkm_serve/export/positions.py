@@ -172,9 +172,12 @@ def _check_term(fg: FunctionGraph, term: _Term, first: _Term) -> Optional[Ref]:
     """Raises Skip unless `term` is a position of the same ids, table, cast and weights as `first`;
     returns the weights' source (or None)."""
     rows = term.rows
-    if term.ids[0] != first.ids[0] or term.table != first.table or term.sliced != first.sliced:
+    if term.ids[0] != first.ids[0] or term.table != first.table:
         raise Skip("the added terms gather other ids or another table: only the positions of one ids "
                    "tensor gathered from one table are a bag")
+    if term.sliced != first.sliced:
+        raise Skip("the terms slice their positions off separate gathers of all the ids (or some off a gather of "
+                   "all the ids, some off a gather of their own position): not fused")
     if rows.mask is not None or rows.ones is not None or rows.regathers or rows.unflattened is not None:
         raise Skip("a term is masked, multiplied by ones, re-gathered or reshaped: only rows[k] [* w[k]] "
                    "terms are fused")

@@ -522,3 +522,14 @@ def test_unfusable_rows_reduced_over_several_bag_axes_are_reported(tmp_path):
     result = _save_and_export(tmp_path, [FIELD_IDS], lambda m, ids: tf.reduce_sum(tf.exp(tf.gather(m.t, ids)), [1, 2]))
     [site] = result.sites
     assert site.status == "skipped" and "Exp between the gather and the reduction" in site.reason, site.reason
+
+
+def test_positions_sliced_off_separate_gathers_of_all_the_ids_are_reported_as_such(tmp_path):
+    """tf.gather(t, ids)[:, k] * v[k] with the gather written in each term: reported naming the separate
+    gathers (it named 'other ids or another table', which the terms do not gather)."""
+    result = _save_and_export(tmp_path, [IDS], lambda m, ids: tf.add_n(
+        [tf.gather(m.t, ids)[:, k] * m.v[k] for k in range(K)]))
+    [site] = result.sites
+    assert site.status == "skipped" and "separate gathers" in site.reason, site.reason
+    want, got = _run_both(tmp_path, result, _ids())
+    np.testing.assert_array_equal(got, want)
