@@ -107,6 +107,17 @@ class Site:
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in REPORT_KEYS}
 
+    def report_steps(self) -> str:
+        """What the fused site keeps of the composite besides the bag, and which ids it reads where
+        they are not all the ids ([..., a:b] of a per-position sum) or not one bag axis."""
+        span = self.positions
+        steps = ([f"ids[..., {span.first}:{span.stop}]"] if span is not None else []) + (
+            [f"a bag of the ids' last {self.flatten_bag_axes} axes"] if self.flatten_bag_axes > 1 else []) + (
+            ["masked"] if self.masked else []) + (["scalar weight"] if self.weights_scalar else []) + (
+            [f"cast to {self.cast_to}"] if self.cast_to else []) + (
+            ["/ K"] if self.divide_by_bag else []) + (["/ longest bag"] if self.divide_by_longest_bag else [])
+        return f" ({', '.join(steps)})" if steps else ""
+
 
 class NotASite(Exception):
     """The candidate node is not fed by a row gather at all (not reported)."""

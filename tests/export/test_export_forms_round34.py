@@ -342,3 +342,12 @@ def test_positions_sliced_off_separate_gathers_of_all_the_ids_are_reported_as_su
     assert site.status == "skipped" and "separate gathers" in site.reason, site.reason
     want, got = run_both(tmp_path, result, random_ids())
     np.testing.assert_array_equal(got, want)
+
+
+def test_the_report_names_the_positions_a_partial_bag_reads(tmp_path):
+    """A fused running sum read at [:, 2] is the bag of ids[:, 0:3], not of all the ids: the report's line
+    says so (it read as a whole-bag sum)."""
+    from pkm_serve.export.exporter import format_report
+    result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1)[:, 2])
+    [line] = [text for text in format_report(result).splitlines() if text.lstrip().startswith("fused")]
+    assert "cumsum" in line and "(ids[..., 0:3])" in line, line

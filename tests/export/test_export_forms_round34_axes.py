@@ -161,3 +161,10 @@ def test_unfusable_rows_reduced_over_several_bag_axes_are_reported(tmp_path):
     result = save_and_export(tmp_path, [FIELD_IDS], lambda m, ids: tf.reduce_sum(tf.exp(tf.gather(m.t, ids)), [1, 2]))
     [site] = result.sites
     assert site.status == "skipped" and "Exp between the gather and the reduction" in site.reason, site.reason
+
+
+def test_the_report_names_a_bag_of_several_id_axes(tmp_path):
+    from pkm_serve.export.exporter import format_report
+    result = save_and_export(tmp_path, [FIELD_IDS], lambda m, ids: tf.reduce_sum(tf.gather(m.t, ids), [1, 2]))
+    [line] = [text for text in format_report(result).splitlines() if text.lstrip().startswith("fused")]
+    assert "(a bag of the ids' last 2 axes)" in line, line
