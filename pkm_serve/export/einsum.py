@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import List
 
 import numpy as np
+from tensorflow.core.framework import types_pb2
 
 from pkm_serve.export.dense import (adds_unit_axis, fill_from_gather, leads_to_gather, resolve_gather,
                                     strip_trailing_unit_axis)
-from pkm_serve.export.graph import FunctionGraph, Ref
-from pkm_serve.export.sites import NotASite, Site, Skip, check_private, itemsize, same_dims, shared_by_bags
+from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.sites import (NotASite, Site, Skip, check_private, itemsize, same_dims, shared_by_bags,
+                                    tensor_dtype)
 
 
 def _einsum_labels(term: str) -> List[str]:
@@ -106,6 +108,8 @@ def match_matmul(fg: FunctionGraph, node, site: Site) -> Site:
         w, nodes = _unit_axis_before_last(fg, x)
         if w is None:  # v[None, None, :] @ rows: one weight per position, every bag's
             w, nodes = _row_every_bag_shares(fg, x, gathered.indices, fg.shape(y).rank)
+        if w is None and _unit_axes_then_positions(fg, x, gathered.indices, fg.shape(y).rank):
+            w, nodes, site.weights_to_vector = x, [], True  # a [1, 1, K] constant or variable: read as [K]
     if w is None:
         raise Skip(reason)
     return _fill_weighted(fg, site, gathered, w, nodes, [gathered.output] + ([] if site.weights_squeeze else [x]), -2)
@@ -167,7 +171,7 @@ def _swaps_last_two(fg: FunctionGraph, transpose) -> bool:
 def _fill_weighted(fg: FunctionGraph, site: Site, gathered, w: Ref, nodes: List[str], private: List[Ref],
                    unit_axis: int) -> Site:
     """The weighted bag of a matmul site, its unit axis put back at `unit_axis`."""
-    w_shape = fg.shape(w)
+    w_shape = fg.shape(w)[-1:] if site.weights_to_vector else fg.shape(w)
     if site.weights_squeeze and w_shape.rank:
         w_shape = w_shape[:-1]
     if not same_dims(w_shape, fg.shape(gathered.indices)) and not shared_by_bags(w_shape, fg.shape(gathered.indices)):
@@ -202,6 +206,22 @@ def _row_every_bag_shares(fg: FunctionGraph, ref: Ref, ids: Ref, rows_rank):
             return ref, nodes
         node = fg.producer(ref)
     return None, []
+
+
+def _unit_axes_then_positions(fg: FunctionGraph, ref: Ref, ids: Ref, rows_rank) -> bool:
+    """`ref` is [1, .., 1, K] (K the ids' positions), no more axes than the rows: positional weights."""
+    shape, ids_shape = fg.shape(ref), fg.shape(ids)
+    return shape.rank is not None and rows_rank is not None and ids_shape.rank is not None and \
+        rows_rank == ids_shape.rank + 1 and 2 <= shape.rank <= rows_rank and \
+        all(d == 1 for d in shape.as_list()[:-1]) and same_dims(shape[-1:], ids_shape[-1:])
+
+
+def positional_weights_as_vector(fg: FunctionGraph, site: Site) -> None:
+    """Before fusing a matmul site whose weights are [1, .., 1, K]: the op reads them reshaped to [K]."""
+    site.weights = fg.add_op(site.root + "/pkm_positional_weights", "Reshape", [
+        site.weights, fg.add_const(site.root + "/pkm_positional_weights/shape", np.array([-1], np.int32))],
+        {"T": DType(tensor_dtype(fg, site.weights)), "Tshape": DType(types_pb2.DT_INT32)},
+        shapes=[fg.shape(site.weights).as_list()[-1:]])
 
 
 def _keeps_the_last_axis(fg: FunctionGraph, node) -> bool:

@@ -167,6 +167,8 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
                 positions.take_positions(fg, site)
             if site.flatten_bag_axes > 1:
                 flat_bags.flatten_bag_axes(fg, site)
+            if site.weights_to_vector:
+                einsum.positional_weights_as_vector(fg, site)
             fuse.fuse_site(fg, site)
             seeds.extend(half_division.widen_masked_mean_division(fg, site))
             seeds.extend(site.internal)

@@ -168,3 +168,20 @@ def test_the_report_names_a_bag_of_several_id_axes(tmp_path):
     result = save_and_export(tmp_path, [FIELD_IDS], lambda m, ids: tf.reduce_sum(tf.gather(m.t, ids), [1, 2]))
     [line] = [text for text in format_report(result).splitlines() if text.lstrip().startswith("fused")]
     assert "(a bag of the ids' last 2 axes)" in line, line
+
+
+def test_matmul_of_unit_axes_weights_constants_by_the_rows_is_a_weighted_bag(tmp_path):
+    """A [1, 1, K] (or [1, K]) constant @ rows weighs every bag's position k alike: it was reported; fused
+    with the weights read as [K] and broadcast to the ids."""
+    def body(m, ids):
+        rows = lambda: tf.gather(m.t, ids)  # noqa: E731 (a gather per site)
+        return tf.matmul(tf.constant(POSITION_WEIGHTS.reshape(1, 1, K)), rows()) + \
+            tf.matmul(tf.constant(POSITION_WEIGHTS[None] * 2), rows())
+    result = save_and_export(tmp_path, [IDS], body)
+    assert [(s.status, s.pattern, s.weighted) for s in result.sites] == [("fused", "matmul", True)] * 2, \
+        [s.reason for s in result.sites]
+    ids = random_ids()
+    want, got = run_both(tmp_path, result, ids)
+    expected = 3 * np_bags(ids, POSITION_WEIGHTS)[:, None]
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
