@@ -17,65 +17,12 @@ import numpy as np
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_shape
 
-from pkm_serve.export.gather_nd import ids_expanded_to_last_axis
+from pkm_serve.export.gather_nd import Gather, resolve_gather  # noqa: F401 (the matchers import them from here)
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip,
                                     check_private, dims, dtype_name, itemsize, same_dims, shared_by_bags,
                                     tensor_dtype, through_identity)
 from pkm_serve.export.unflatten import unflattened_ids
-
-
-class Gather:
-    """A row gather `table[indices]`, possibly behind Identity nodes."""
-
-    def __init__(self, output: Ref, params: Ref, is_resource: bool, indices: Ref,
-                 nodes: List[str], table_shape, dtype: int, index_dtype: int):
-        self.output, self.params, self.is_resource = output, params, is_resource
-        self.indices, self.nodes = indices, nodes
-        self.table_shape, self.dtype, self.index_dtype = table_shape, dtype, index_dtype
-
-
-def resolve_gather(fg: FunctionGraph, ref: Ref) -> Gather:
-    """Raises NotASite unless `ref` is rows of a 2-D table gathered on axis 0."""
-    nodes: List[str] = []
-    ref = through_identity(fg, ref, nodes)
-    node = fg.producer(ref)
-    if node is None or node.op not in GATHER_OPS + ND_GATHER_OPS:
-        raise NotASite()
-    nodes.append(node.name)
-    ins = fg.inputs(node)
-    if "batch_dims" in node.attr and node.attr["batch_dims"].i != 0:
-        raise NotASite()
-    if node.op in ND_GATHER_OPS:  # gather_nd(table, ids[..., None]) is gather(table, ids)
-        ins = [ins[0], ids_expanded_to_last_axis(fg, ins[1]), None]
-    if node.op in ("ResourceGather", "ResourceGatherNd"):
-        params, indices, is_resource = ins[0], ins[1], True
-        dtype = node.attr["dtype"].type
-        var = fg.variable_shape_dtype(params)
-        table_shape = var[0] if var is not None else None
-    else:
-        params, indices, axis = ins
-        axis_value = 0 if axis is None else fg.const_value(axis)
-        if axis_value is None or int(axis_value) != 0:
-            raise NotASite()
-        is_resource = False
-        dtype = node.attr["Tparams"].type
-        table_shape = fg.shape(params)
-    index_dtype = node.attr["Tindices"].type
-    if table_shape is None or table_shape.rank is None:
-        # A resource passed through nested functions may have lost its handle
-        # data: gathered rank = indices rank + 1 still proves a [N, D] table.
-        out_shape, idx_shape = fg.shape(ref), fg.shape(indices)
-        if out_shape.rank is not None and idx_shape.rank is not None and \
-                out_shape.rank == idx_shape.rank + 1:
-            table_shape = tensor_shape.TensorShape([None, out_shape[-1]])
-    gathered = Gather(ref, params, is_resource, indices, nodes, table_shape, dtype,
-                      index_dtype)
-    if table_shape is None or table_shape.rank != 2:
-        raise Skip("table is not known to be 2-D")
-    if dtype not in TABLE_DTYPES:
-        raise Skip(f"table dtype {dtype_name(dtype)} is not float32/float16/bfloat16")
-    return gathered
 
 
 def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
@@ -239,7 +186,7 @@ def _rounds_to_half(fg: FunctionGraph, node, ins, rows: Rows) -> bool:
         node.attr["SrcT"].type in TABLE_DTYPES and leads_to_gather(fg, ins[0])
 
 
-def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
+def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = False) -> Rows:
     """Walks from the reduction's input down to the gather through at most one
     Cast (and an inner Cast to a half dtype that it undoes), one Mul by per-index weights and one tf.where mask (in any order).
     Fills `site` as it learns, so a Skip reports what was found."""
@@ -251,7 +198,7 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site) -> Rows:
         ins = fg.inputs(node)
         rows.as_gathered.append(ref)
         if node.op in GATHER_OPS + ND_GATHER_OPS and not _is_regather(fg, node, ins):
-            rows.gather = resolve_gather(fg, ref)
+            rows.gather = resolve_gather(fg, ref, nd_positions)
             if rows.unflattened is not None:
                 rows.gather.indices = rows.unflattened
             rows.private.append(rows.gather.output)
@@ -402,7 +349,7 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     cast, the nodes the site owns; then checks that only the site reads them."""
     gathered = rows.gather
     fill_from_gather(site, gathered, fg)
-    ids_shape = fg.shape(rows.regathers[0]) if rows.regathers else fg.shape(gathered.indices)
+    ids_shape = fg.shape(rows.regathers[0]) if rows.regathers else gathered.ids_shape(fg)
     site.regathers = tuple(rows.regathers)
     site.gather_refs = tuple(rows.as_gathered) + (gathered.output,) + tuple(
         Ref(n, 0) for n in gathered.nodes)
@@ -446,11 +393,30 @@ def _check_bag_axis(fg: FunctionGraph, node, x: Ref, axis_ref: Ref, site: Site) 
     # keepdims=True: the bag, then its unit bag axis back ([..., 1, D])
     site.expand_bag_axis = "keep_dims" in node.attr and node.attr["keep_dims"].b
     axes = fg.const_value(axis_ref)
+    if axes is not None and np.size(axes) > 1:
+        _check_bag_axes(fg, [int(a) % rank for a in np.ravel(axes)], rank, site)
+        return
     if axes is None or np.size(axes) != 1:
         raise Skip("reduction is not over exactly one constant axis")
     if int(np.reshape(axes, [])) % rank != rank - 2:
         raise Skip(f"reduction axis {int(np.reshape(axes, []))} is not the bag axis "
                    f"(-2) of a rank-{rank} gather")
+
+
+def _check_bag_axes(fg: FunctionGraph, axes, rank: int, site: Site) -> None:
+    """A reduction over the bag axis and the axes just before it ([1, 2] of [B, F, K, D]): one bag of
+    the ids' last len(axes) axes, fused on the ids flattened over them (flat_bags.py)."""
+    if sorted(axes) != list(range(rank - 1 - len(axes), rank - 1)):
+        raise Skip(f"reduction over axes {sorted(axes)} of a rank-{rank} gather is not over exactly one constant "
+                   "axis, nor over the bag axis (-2) and the axes just before it (one bag of those ids)")
+    if site.expand_bag_axis:
+        raise Skip("keepdims=True over several bag axes: the fused bag gets one unit axis back only")
+    if site.weights_squeeze or site.mask_squeeze or site.ones is not None or site.regroup_ids is not None or \
+            site.shape_consumers or (site.weights is not None and not site.weights_scalar and
+                                     not same_dims(fg.shape(site.weights), fg.shape(site.indices))):
+        raise Skip(f"a reduction over axes {sorted(axes)} of rows weighted or masked by other than a tensor "
+                   "shaped like the ids, or whose shape is read: not fused")
+    site.flatten_bag_axes = len(axes)
 
 
 def match_reduce_max(fg: FunctionGraph, node, site: Site) -> Site:
@@ -492,9 +458,9 @@ def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:
         # time: a server feeds bags of any length to a signature that declares
         # one (TF Serving does not check the declared shape), and Mean divides
         # by the length it gets. `divisor` only reports the declared K.
-        bag_size = fg.shape(x)[-2]
+        bag = fg.shape(x).as_list()[-1 - site.flatten_bag_axes:-1]
         site.combiner, site.divide_by_bag = "sum", True
-        site.divisor = None if bag_size is None else int(bag_size)
+        site.divisor = None if None in bag else int(np.prod(bag))
     return site
 
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from typing import List
 
+import numpy as np
+from tensorflow.core.framework import types_pb2
+
 from pkm_serve.export.dense import (adds_unit_axis, fill_from_gather, leads_to_gather, resolve_gather,
                                     strip_trailing_unit_axis)
-from pkm_serve.export.graph import FunctionGraph, Ref
-from pkm_serve.export.sites import NotASite, Site, Skip, check_private, itemsize, same_dims, shared_by_bags
+from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.sites import (NotASite, Site, Skip, check_private, itemsize, same_dims, shared_by_bags,
+                                    tensor_dtype)
 
 
 def _einsum_labels(term: str) -> List[str]:
@@ -49,8 +53,11 @@ def match_einsum(fg: FunctionGraph, node, site: Site) -> Site:
     if len(g_labels) < 2 or len(set(g_labels)) != len(g_labels):
         raise Skip(reason)
     bag, dim = g_labels[-2], g_labels[-1]
-    if "..." in (bag, dim) or out_labels != g_labels[:-2] + [dim]:
+    # 'bfkd->bd': the bag axis and those just before it summed, one bag of their ids (flat_bags.py)
+    pooled = len(g_labels) - len(out_labels)
+    if "..." in g_labels[-1 - pooled:] or pooled < 1 or out_labels != g_labels[:-1 - pooled] + [dim]:
         raise Skip(reason)
+    site.flatten_bag_axes = pooled
     if "..." not in g_labels and fg.shape(ins[g_pos]).rank not in (None, len(g_labels)):
         raise Skip(reason)
     if len(ins) == 2:
@@ -60,7 +67,7 @@ def match_einsum(fg: FunctionGraph, node, site: Site) -> Site:
         # weights every bag shares: 'bkd,k->bd'), which fuse broadcasts to the ids
         shared = w_labels != g_labels[:-1] and 0 < len(w_labels) < len(g_labels) - 1 and \
             "..." not in w_labels and w_labels == g_labels[len(g_labels) - 1 - len(w_labels):-1]
-        if w_labels != g_labels[:-1] and not shared:
+        if (w_labels != g_labels[:-1] and not shared) or (pooled > 1 and shared):
             raise Skip(reason)
         if not same_dims(fg.shape(w_ref), fg.shape(gathered.indices)) and not (
                 shared and shared_by_bags(fg.shape(w_ref), fg.shape(gathered.indices))):
@@ -91,13 +98,18 @@ def match_matmul(fg: FunctionGraph, node, site: Site) -> Site:
     if out.rank is None or out.rank < 2 or out[-2] != 1:
         raise NotASite()  # not one row pooled from the rows (a Dense layer on them, attention)
     site.weighted = True
-    reason = "a matmul of gathered rows that is not w[..., None, :] @ rows (a weighted bag)"
+    reason = ("a matmul of gathered rows that is not w[..., None, :] @ rows (a weighted bag) nor v[None, None, :] "
+              "@ rows (positional weights, each batch axis 1 or, statically, the ids' own)")
     adj_x, adj_y = _adjoints(node)
     gathered = _gathered_rows_or_skip(fg, node, y, adj_y, site, reason)
     if adj_x:  # matmul(w[..., None], rows, adjoint_a=True)
         w, nodes, site.weights_squeeze = strip_trailing_unit_axis(fg, x, "weights")
     else:
         w, nodes = _unit_axis_before_last(fg, x)
+        if w is None:  # v[None, None, :] @ rows: one weight per position, every bag's
+            w, nodes = _row_every_bag_shares(fg, x, gathered.indices, fg.shape(y).rank)
+        if w is None and _unit_axes_then_positions(fg, x, gathered.indices, fg.shape(y).rank):
+            w, nodes, site.weights_to_vector = x, [], True  # a [1, 1, K] constant or variable: read as [K]
     if w is None:
         raise Skip(reason)
     return _fill_weighted(fg, site, gathered, w, nodes, [gathered.output] + ([] if site.weights_squeeze else [x]), -2)
@@ -159,7 +171,7 @@ def _swaps_last_two(fg: FunctionGraph, transpose) -> bool:
 def _fill_weighted(fg: FunctionGraph, site: Site, gathered, w: Ref, nodes: List[str], private: List[Ref],
                    unit_axis: int) -> Site:
     """The weighted bag of a matmul site, its unit axis put back at `unit_axis`."""
-    w_shape = fg.shape(w)
+    w_shape = fg.shape(w)[-1:] if site.weights_to_vector else fg.shape(w)
     if site.weights_squeeze and w_shape.rank:
         w_shape = w_shape[:-1]
     if not same_dims(w_shape, fg.shape(gathered.indices)) and not shared_by_bags(w_shape, fg.shape(gathered.indices)):
@@ -171,6 +183,75 @@ def _fill_weighted(fg: FunctionGraph, site: Site, gathered, w: Ref, nodes: List[
     private = private + [Ref(n, 0) for n in gathered.nodes[:-1]]
     check_private(fg, private, set(site.internal) | {site.root})
     return site
+
+
+def _row_every_bag_shares(fg: FunctionGraph, ref: Ref, ids: Ref, rows_rank):
+    """(v, nodes) where `ref` ([1, .., 1, K], no more axes than the rows, each batch axis 1 or the ids'
+    own) is positional weights v ([K] or [1, K]) given unit axes (or broadcast over the batch); (None, [])
+    otherwise. The matmul then weighs every bag's position k by v[k]: shared_by_bags' weights."""
+    out, ids_shape = fg.shape(ref), fg.shape(ids)
+    if out.rank is None or ids_shape.rank is None or rows_rank != ids_shape.rank + 1 or \
+            not 2 <= out.rank <= rows_rank or out[-2] != 1:
+        return None, []
+    # Each batch axis 1 or the ids' own, statically: a broadcast to a batch of its own would be other bags.
+    batch = zip(out.as_list()[:-2][::-1], ids_shape.as_list()[:-1][::-1])
+    if not all(d == 1 or (d is not None and d == i) for d, i in batch):
+        return None, []
+    nodes, node = [], fg.producer(ref)
+    while node is not None and _keeps_the_last_axis(fg, node):
+        nodes.append(node.name)
+        ref = fg.inputs(node)[0]
+        # Only [K] / [1, .., K] sources: unit axes added elsewhere than -2 would align others with other axes.
+        if shared_by_bags(fg.shape(ref), ids_shape) and all(d == 1 for d in fg.shape(ref).as_list()[:-1]):
+            return ref, nodes
+        node = fg.producer(ref)
+    return None, []
+
+
+def _unit_axes_then_positions(fg: FunctionGraph, ref: Ref, ids: Ref, rows_rank) -> bool:
+    """`ref` is [1, .., 1, K] (K the ids' positions), no more axes than the rows: positional weights."""
+    shape, ids_shape = fg.shape(ref), fg.shape(ids)
+    return shape.rank is not None and rows_rank is not None and ids_shape.rank is not None and \
+        rows_rank == ids_shape.rank + 1 and 2 <= shape.rank <= rows_rank and \
+        all(d == 1 for d in shape.as_list()[:-1]) and same_dims(shape[-1:], ids_shape[-1:])
+
+
+def positional_weights_as_vector(fg: FunctionGraph, site: Site) -> None:
+    """Before fusing a matmul site whose weights are [1, .., 1, K]: the op reads them reshaped to [K]."""
+    site.weights = fg.add_op(site.root + "/pkm_positional_weights", "Reshape", [
+        site.weights, fg.add_const(site.root + "/pkm_positional_weights/shape", np.array([-1], np.int32))],
+        {"T": DType(tensor_dtype(fg, site.weights)), "Tshape": DType(types_pb2.DT_INT32)},
+        shapes=[fg.shape(site.weights).as_list()[-1:]])
+
+
+def _keeps_the_last_axis(fg: FunctionGraph, node) -> bool:
+    """`node` only adds unit axes before its input's last axis, or broadcasts the axes before it."""
+    ins = fg.inputs(node)
+    x_shape, out = (fg.shape(ins[0]) if ins else None), fg.shape(Ref(node.name, 0))
+    if x_shape is None or x_shape.rank is None or out.rank is None or x_shape.rank == 0 or \
+            not same_dims(x_shape[-1:], out[-1:]):
+        return False
+    if node.op == "ExpandDims":
+        axis = fg.const_value(ins[1])
+        return axis is not None and int(axis) % out.rank != out.rank - 1
+    if node.op == "BroadcastTo":
+        return x_shape[-1] is not None and x_shape[-1] != 1  # the last axis is not broadcast
+    if node.op == "Reshape":
+        kept = [d for d in x_shape.as_list() if d != 1]
+        return None not in x_shape.as_list() + out.as_list() and kept == [d for d in out.as_list() if d != 1]
+    if node.op != "StridedSlice":
+        return False
+    begin, strides = fg.const_value(ins[1]), fg.const_value(ins[3])
+    masks = {k: node.attr[k].i if k in node.attr else 0 for k in (
+        "begin_mask", "end_mask", "ellipsis_mask", "new_axis_mask", "shrink_axis_mask")}
+    if begin is None or strides is None or np.any(np.asarray(strides) != 1) or masks["shrink_axis_mask"]:
+        return False
+    entries = len(np.ravel(begin))
+    if masks["new_axis_mask"] & (1 << (entries - 1)):
+        return False  # a unit axis added last: the last axis is no longer the positions
+    whole = masks["begin_mask"] & masks["end_mask"]
+    return all(masks["ellipsis_mask"] & (1 << i) or masks["new_axis_mask"] & (1 << i) or whole & (1 << i)
+               for i in range(entries))
 
 
 def _unit_axis_before_last(fg: FunctionGraph, ref: Ref):

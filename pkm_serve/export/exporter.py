@@ -403,14 +403,6 @@ def _write_version(result: ExportResult, proto, chosen: List[str], samples, tfli
         raise
 
 
-def _site_steps(site: Site) -> str:
-    """What the fused site keeps of the composite besides the bag."""
-    steps = (["masked"] if site.masked else []) + (["scalar weight"] if site.weights_scalar else []) + (
-        [f"cast to {site.cast_to}"] if site.cast_to else []) + (
-        ["/ K"] if site.divide_by_bag else []) + (["/ longest bag"] if site.divide_by_longest_bag else [])
-    return f" ({', '.join(steps)})" if steps else ""
-
-
 def format_report(result: ExportResult) -> str:
     lines = [f"exported {result.src}\n      -> {result.dst}"]
     if result.message:
@@ -426,7 +418,7 @@ def format_report(result: ExportResult) -> str:
                      else "unknown")
             lines.append(f"  fused    {s.pattern:<24} {s.computes:<13} "
                          f"{'weighted' if s.weighted else 'unweighted':<10}"
-                         f"{_site_steps(s)} table {s.table} {s.table_shape} {s.dtype}; "
+                         f"{s.report_steps()} table {s.table} {s.table_shape} {s.dtype}; "
                          f"no longer materialised: {saved}  [{where}]")
         else:
             lines.append(f"  skipped  {s.pattern:<24} {s.reason}  [{where}]")

@@ -16,6 +16,7 @@ from typing import Optional
 
 import numpy as np
 from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import op_def_registry
 
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import Site
@@ -33,6 +34,27 @@ def _base(fg: FunctionGraph, ref: Ref) -> Ref:
         ref = fg.inputs(node)[0]
         node = fg.producer(ref)
     return ref
+
+
+def _same_value(fg: FunctionGraph, a: Ref, b: Ref, depth: int = 16) -> bool:
+    """a and b hold the same value: one tensor, or the same stateless ops on the same inputs
+    (a mask computed twice, once for the rows and once for its count), constants by value."""
+    if a == b:
+        return True
+    x, y = fg.producer(a), fg.producer(b)
+    if x is None or y is None or depth == 0 or a.index != b.index or x.op != y.op:
+        return False
+    if x.op == "Const":
+        u, v = fg.const_value(a), fg.const_value(b)
+        return u is not None and v is not None and u.dtype == v.dtype and np.array_equal(u, v)
+    op_def = op_def_registry.get(x.op)
+    # A variable read twice in one call reads one value (serving assigns nothing in between).
+    if op_def is None or (op_def.is_stateful and x.op != "ReadVariableOp"):
+        return False
+    attrs = [{k: v.SerializeToString() for k, v in n.attr.items() if not k.startswith("_")} for n in (x, y)]
+    ins = fg.inputs(x), fg.inputs(y)
+    return attrs[0] == attrs[1] and len(ins[0]) == len(ins[1]) and \
+        all(_same_value(fg, p, q, depth - 1) for p, q in zip(*ins))
 
 
 def _is_mask(fg: FunctionGraph, ref: Ref) -> bool:
@@ -94,6 +116,23 @@ def _reduced(fg: FunctionGraph, ref: Ref) -> Optional[Ref]:
     return fg.inputs(node)[0]
 
 
+def _bag_size_read(fg: FunctionGraph, ref: Ref, site: Site) -> bool:
+    """`ref` is the ids' last dim read off their shape (tf.shape(ids)[-1], cast or not): the bag size
+    of a dense site whatever width the ids are fed at."""
+    node = fg.producer(ref)
+    while node is not None and node.op in ("Identity", "Cast", "Reshape", "ExpandDims"):
+        node = fg.producer(fg.inputs(node)[0])
+    if node is None or node.op != "StridedSlice" or site.indices is None or site.positions is not None or \
+            site.regathers or site.regroup_ids is not None or "ragged" in site.pattern or "sparse" in site.pattern:
+        return False
+    shape = fg.producer(fg.inputs(node)[0])
+    rank = fg.shape(site.indices).rank
+    index = fg.const_value(fg.inputs(node)[1])
+    shrink = node.attr["shrink_axis_mask"].i if "shrink_axis_mask" in node.attr else 0
+    return shape is not None and shape.op == "Shape" and fg.inputs(shape)[0] == site.indices and rank is not None \
+        and shrink == 1 and index is not None and np.size(index) == 1 and int(np.ravel(index)[0]) in (-1, rank - 1)
+
+
 def _squared_base(fg: FunctionGraph, ref: Ref) -> Optional[Ref]:
     node = fg.producer(ref)
     if node is None:
@@ -101,7 +140,7 @@ def _squared_base(fg: FunctionGraph, ref: Ref) -> Optional[Ref]:
     ins = fg.inputs(node)
     if node.op == "Square":
         return _base(fg, ins[0])
-    if node.op == "Mul" and _base(fg, ins[0]) == _base(fg, ins[1]):
+    if node.op == "Mul" and _same_value(fg, _base(fg, ins[0]), _base(fg, ins[1])):
         return _base(fg, ins[0])
     if node.op == "Pow":
         exponent = fg.const_value(ins[1])
@@ -129,7 +168,7 @@ def computes(fg: FunctionGraph, site: Site) -> str:
     if divisor_node is not None and divisor_node.op == "Sqrt":
         squared = _reduced(fg, fg.inputs(divisor_node)[0])
         base = None if squared is None else _squared_base(fg, squared)
-        if base is not None and (base == _base(fg, multiplier) if multiplier is not None
+        if base is not None and (_same_value(fg, base, _base(fg, multiplier)) if multiplier is not None
                                  else _is_ones(fg, base)):
             return "sqrtn"
         if multiplier is None and squared is not None and _is_ones(fg, squared):
@@ -139,14 +178,14 @@ def computes(fg: FunctionGraph, site: Site) -> str:
     if summed is None:
         value = fg.const_value(divisor)
         bag = site.gathered_shape[-2] if site.gathered_shape else None
-        if value is not None and bag is not None and np.all(value == bag):
+        if (value is not None and bag is not None and np.all(value == bag)) or _bag_size_read(fg, divisor, site):
             return "mean"
         return "sum"
     if _is_ones(fg, summed):  # divided by the bag size (a ragged reduce_mean counts ones), weighted or not
         return "mean"
     if multiplier is None:
         return "sum"
-    if _base(fg, summed) != _base(fg, multiplier):
+    if not _same_value(fg, _base(fg, summed), _base(fg, multiplier)):
         return "sum"
     if site.mask is not None or _is_mask(fg, summed) or _is_mask(fg, multiplier):
         return "masked mean"

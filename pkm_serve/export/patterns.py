@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import (counts, dense, einsum, fuse, half_division, labels, padded_ragged, pooled, positions,
-                              ragged, ragged_range, running_sum, sparse, tensordot, unrecognised)
+from pkm_serve.export import (counts, dense, einsum, flat_bags, fuse, half_division, labels, padded_ragged, pooled,
+                              positions, ragged, ragged_range, running_sum, sparse, tensordot, unrecognised)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip
 from pkm_serve.export.sparse import SEGMENT_PATTERN
@@ -165,6 +165,10 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
                                if not t.startswith("^")]
             if site.positions is not None:
                 positions.take_positions(fg, site)
+            if site.flatten_bag_axes > 1:
+                flat_bags.flatten_bag_axes(fg, site)
+            if site.weights_to_vector:
+                einsum.positional_weights_as_vector(fg, site)
             fuse.fuse_site(fg, site)
             seeds.extend(half_division.widen_masked_mean_division(fg, site))
             seeds.extend(site.internal)

@@ -1,6 +1,7 @@
 """Bags written one position at a time:
 
   tf.add_n([tf.gather(t, ids[:, k]) [* w[:, k:k+1]] for k in range(K)])   (or a + b + ..., Python sum(),
+  tf.gather_nd(t, ids[:, k, None]) or tf.gather_nd(t, ids[:, k:k+1]) as the rows of position k,
   keras.ops.take / a Keras 3 Embedding per position, rows = gather(t, ids) sliced rows[:, k] or unstacked,
   reduce_sum / reduce_mean of tf.stack of such rows)
       -> the bag of ids[..., a:b] [weights w[..., a:b]] over the positions a..b-1 the terms take
@@ -25,8 +26,9 @@ from pkm_serve.export.dense import (Rows, apply_rows, fill_from_gather, is_scala
                                     strip_trailing_unit_axis)
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import I32, _assert, _reduce_ids
-from pkm_serve.export.position_slices import slice_position, unwrapped
-from pkm_serve.export.sites import NotASite, Site, Skip, check_private, dims, same_dims, tensor_dtype
+from pkm_serve.export.position_slices import _slice_entries, slice_position, unwrapped
+from pkm_serve.export.sites import (NotASite, Site, Skip, check_private, dims, same_dims, shared_by_bags,
+                                    tensor_dtype)
 
 ADD_OPS = ("AddN", "AddV2", "Add")
 POSITIONS_PATTERN = "per-position-sum"
@@ -41,6 +43,8 @@ class PositionSpan(NamedTuple):
     ids_width: Optional[int] = None      # tf.unstack(ids or rows) refuses ids of any other width
     weights_width: Optional[int] = None  # tf.unstack(weights) likewise
     ids_cast: Optional[dict] = None      # the attrs of the Cast each position's ids go through
+    clamped: bool = False      # every position taken as ids[..., k:k+1] (tf.concat's), which is empty, not
+                               # refused, past the ids' width, as the fused ids[..., a:b] clamps: no width check
 
 
 def _is_zero_fill(fg: FunctionGraph, ref: Ref) -> bool:
@@ -93,6 +97,7 @@ class _Term:
         self.own: List[str] = []           # the slice (and multiply) of those rows
         self.position_ref = ref            # the position of the ids (or of the sliced rows) taken
         self.cast = None                   # the Cast node of tf.cast(ids[..., k]) the gather reads
+        self.kept = False                  # rows [..., 1, D] of ids[..., k:k+1] (tf.concat's), not [..., D]
 
 
 def _cast_key(term: _Term):
@@ -106,13 +111,14 @@ def _unpacked_width(fg: FunctionGraph, ref: Ref) -> Optional[int]:
     return None if node is None or node.op != "Unpack" else int(node.attr["num"].i)
 
 
-def _position_rows(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term]:
-    """A term that is table rows gathered at one position of some ids (ids[..., k]), else None."""
+def _position_rows(fg: FunctionGraph, ref: Ref, function: str, kept: bool = False) -> Optional[_Term]:
+    """A term that is table rows gathered at one position of some ids (ids[..., k]), else None.
+    kept: rows of ids[..., k:k+1] (or rows[..., k:k+1, :]), the position's unit axis kept (tf.concat's)."""
     if not leads_to_gather(fg, ref):
-        return _sliced_rows_term(fg, ref, function)
+        return _sliced_rows_term(fg, ref, function, kept)
     scratch = Site(function=function, root=ref.node, pattern=POSITIONS_PATTERN)
     try:
-        rows = resolve_rows(fg, ref, scratch)
+        rows = resolve_rows(fg, ref, scratch, nd_positions=True)
     except (NotASite, Skip):
         return None
     indices, wrapped = unwrapped(fg, rows.gather.indices, rows.gather.table_shape)
@@ -121,14 +127,15 @@ def _position_rows(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term
     if cast is not None:  # tf.cast(ids[:, k]) is tf.cast(ids)[:, k], element by element
         indices = fg.inputs(cast)[0]
     ids = slice_position(fg, indices)
-    if ids is None or ids[2]:
+    # gather_nd(t, ids[:, k:k+1]) takes the kept unit axis as its index axis: the rows of ids[:, k]
+    if ids is None or ids[2] != (rows.gather.nd_position or kept) or (kept and rows.gather.nd_position):
         return None
-    term = _Term(fg, ref, rows, scratch, ids)
-    term.wrapped, term.cast, term.position_ref = wrapped, cast, indices
+    term = _Term(fg, ref, rows, scratch, (ids[0], ids[1], False))
+    term.wrapped, term.cast, term.position_ref, term.kept = wrapped, cast, indices, kept
     return term
 
 
-def _sliced_rows_term(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term]:
+def _sliced_rows_term(fg: FunctionGraph, ref: Ref, function: str, kept: bool = False) -> Optional[_Term]:
     """rows[..., k, :] [* w[..., k:k+1]] (or tf.unstack(rows, axis=-2)[k]) of rows = gather(t, ids) gathered
     once for every position: the term gather(t, ids[..., k]) [* w[..., k:k+1]]."""
     node = fg.producer(ref)
@@ -139,12 +146,13 @@ def _sliced_rows_term(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_T
             continue
         rank = fg.shape(fg.inputs(producer)[0]).rank
         position = None if rank is None or rank < 2 else slice_position(fg, sliced, axis=rank - 2)
-        if position is None or position[2] or not leads_to_gather(fg, position[0]):
+        if position is None or position[2] != kept or not leads_to_gather(fg, position[0]):
             continue
         scratch = Site(function=function, root=ref.node, pattern=POSITIONS_PATTERN)
         try:
             rows = resolve_rows(fg, position[0], scratch)
-            weights = None if w_ref is None else strip_trailing_unit_axis(fg, w_ref)
+            weights = None if w_ref is None else (w_ref, [], False) if is_scalar(fg, w_ref, rank - 1) else \
+                strip_trailing_unit_axis(fg, w_ref)
         except (NotASite, Skip):
             return None
         if rows.weights is not None or rows.mask is not None or rows.ones is not None:
@@ -152,6 +160,7 @@ def _sliced_rows_term(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_T
         indices, wrapped = unwrapped(fg, rows.gather.indices, rows.gather.table_shape)
         term = _Term(fg, ref, rows, scratch, (indices, position[1], False))
         term.wrapped, term.sliced, term.own, term.position_ref = wrapped, position[0], [producer.name], sliced
+        term.kept = kept
         if weights is not None:
             term.own += [node.name] + weights[1]
             term.weights = (weights[0], weights[2], is_scalar(fg, weights[0], rank))
@@ -163,9 +172,12 @@ def _check_term(fg: FunctionGraph, term: _Term, first: _Term) -> Optional[Ref]:
     """Raises Skip unless `term` is a position of the same ids, table, cast and weights as `first`;
     returns the weights' source (or None)."""
     rows = term.rows
-    if term.ids[0] != first.ids[0] or term.table != first.table or term.sliced != first.sliced:
+    if term.ids[0] != first.ids[0] or term.table != first.table:
         raise Skip("the added terms gather other ids or another table: only the positions of one ids "
                    "tensor gathered from one table are a bag")
+    if term.sliced != first.sliced:
+        raise Skip("the terms slice their positions off separate gathers of all the ids (or some off a gather of "
+                   "all the ids, some off a gather of their own position): not fused")
     if rows.mask is not None or rows.ones is not None or rows.regathers or rows.unflattened is not None:
         raise Skip("a term is masked, multiplied by ones, re-gathered or reshaped: only rows[k] [* w[k]] "
                    "terms are fused")
@@ -180,11 +192,33 @@ def _check_term(fg: FunctionGraph, term: _Term, first: _Term) -> Optional[Ref]:
     if term.weights is None:
         return None
     weights_ref, squeeze, scalar = term.weights
-    weights = None if scalar else slice_position(fg, weights_ref)
-    if weights is None or weights[1] != term.ids[1] or weights[2] != squeeze:
+    weights = slice_position(fg, weights_ref)
+    if scalar:  # v[k] (or v[k:k+1]) of positional weights v [K]: every bag's position k weighed by v[k]
+        source_rank = None if weights is None else fg.shape(weights[0]).rank
+        weights = None if source_rank != 1 else (weights[0], weights[1], squeeze or term.kept)
+    if weights is None and term.kept and squeeze:  # w[:, k:k+1, None] times kept rows [B, 1, D]
+        weights, squeeze = _kept_position_unit_axis_added(fg, weights_ref), False
+    # w[:, k:k+1] times rows [B, D] (squeezed for the op), w[:, k:k+1][..., None] times kept rows [B, 1, D]
+    if weights is None or weights[1] != term.ids[1] or weights[2] != (squeeze or term.kept):
         raise Skip("a term's weight is not the weights' entry at the term's position (w[:, k:k+1] for "
                    "ids[:, k]): the multiplier is not per index")
     return weights[0]
+
+
+def _variable_read(fg: FunctionGraph, ref: Optional[Ref]):
+    """The variable a ReadVariableOp `ref` reads (reads of one variable in one call are one value), else ref."""
+    node = None if ref is None else fg.producer(ref)
+    return ("variable", fg.inputs(node)[0]) if node is not None and node.op == "ReadVariableOp" else ref
+
+
+def _kept_position_unit_axis_added(fg: FunctionGraph, ref: Ref) -> Optional[Tuple[Ref, int, bool]]:
+    """(w, k, True) where `ref` is w[..., k:k+1, None] (one StridedSlice), else None."""
+    node = fg.producer(ref)
+    rank = None if node is None or node.op != "StridedSlice" else fg.shape(fg.inputs(node)[0]).rank
+    entry = None if not rank else _slice_entries(fg, node, rank - 1)
+    if entry is None or entry[2] or not entry[5] or entry[3] or entry[4] or entry[0] < 0 or entry[1] - entry[0] != 1:
+        return None
+    return fg.inputs(node)[0], entry[0], True
 
 
 def _gather_site(fg: FunctionGraph, site: Site, term: _Term) -> None:
@@ -250,24 +284,28 @@ def _cached_term(fg: FunctionGraph, ref: Ref, function: str) -> Optional[_Term]:
 
 
 def _stacked(fg: FunctionGraph, pack, rank: int):
-    """(addends, axis, expand nodes) of tf.stack(xs, axis) or tf.concat([expand_dims(x, axis), ..], axis);
-    None for anything else."""
+    """(addends, axis, expand nodes, kept flags) of tf.stack(xs, axis) or tf.concat of xs each expanded at
+    axis, or (kept) rows of one position kept at the bag axis (gather(t, ids[:, k:k+1])); None otherwise."""
     if pack is None or pack.op not in ("Pack", "ConcatV2"):
         return None
     if pack.op == "Pack":
-        return fg.inputs(pack), (pack.attr["axis"].i if "axis" in pack.attr else 0) % rank, []
+        return fg.inputs(pack), (pack.attr["axis"].i if "axis" in pack.attr else 0) % rank, [], None
     axis = fg.const_value(fg.inputs(pack)[-1])
     if axis is None:
         return None
-    addends, expands = [], []
+    addends, expands, kept = [], [], []
     for ref in fg.inputs(pack)[:-1]:
         expand = fg.producer(ref)
         expand_axis = fg.const_value(fg.inputs(expand)[1]) if expand is not None and expand.op == "ExpandDims" else None
-        if expand_axis is None or int(expand_axis) % rank != int(axis) % rank:
+        if expand_axis is not None and int(expand_axis) % rank == int(axis) % rank:
+            addends.append(fg.inputs(expand)[0])
+            expands.append(expand.name)
+        elif int(axis) % rank == rank - 2:  # a position's rows kept as [..., 1, D] (checked as a term)
+            addends.append(ref)
+        else:
             return None  # concatenated blocks, not one row per position
-        addends.append(fg.inputs(expand)[0])
-        expands.append(expand.name)
-    return addends, int(axis) % rank, expands
+        kept.append(addends[-1] == ref)
+    return addends, int(axis) % rank, expands, kept
 
 
 def match_stacked_positions(fg: FunctionGraph, node, site: Site) -> Site:
@@ -278,8 +316,8 @@ def match_stacked_positions(fg: FunctionGraph, node, site: Site) -> Site:
     stacked = None if rank is None or axis is None or np.size(axis) != 1 else _stacked(fg, fg.producer(x), rank)
     if stacked is None:
         raise NotASite()
-    addends, stacked_at, expands = stacked
-    terms = _candidate_terms(fg, addends, site)
+    addends, stacked_at, expands, kept = stacked
+    terms = _candidate_terms(fg, addends, site, kept)
     if None in terms:
         raise Skip("tf.stack of per-position rows also stacks a tensor that is no position of the bag")
     if int(np.reshape(axis, [])) % rank != stacked_at:
@@ -297,11 +335,11 @@ def match_stacked_positions(fg: FunctionGraph, node, site: Site) -> Site:
     return site
 
 
-def _candidate_terms(fg: FunctionGraph, leaves: List[Ref], site: Site) -> List[Optional[_Term]]:
-    """Each leaf as a position term or None; NotASite unless two of them are positions of one ids
-    tensor in one table (token + position embeddings, features of other tables: no bag)."""
+def _candidate_terms(fg: FunctionGraph, leaves: List[Ref], site: Site, kept=None) -> List[Optional[_Term]]:
+    """Each leaf as a position term (kept: its unit axis kept) or None; NotASite unless two of them are
+    positions of one ids tensor in one table (token + position embeddings, features of other tables: no bag)."""
     site.pattern = POSITIONS_PATTERN
-    terms = [_position_rows(fg, ref, site.function) for ref in leaves]
+    terms = [_position_rows(fg, ref, site.function, bool(kept and kept[i])) for i, ref in enumerate(leaves)]
     groups = collections.Counter((t.ids[0], t.table) for t in terms if t is not None)
     if not groups or max(groups.values()) < 2:
         raise NotASite()
@@ -313,7 +351,8 @@ def _positions_site(fg: FunctionGraph, node, site: Site, terms: List[_Term], own
     """Fills the site of the bag the terms make (positions a..b-1 each once) or raises Skip."""
     first = terms[0]
     site.weighted = first.weights is not None
-    sources = {_check_term(fg, t, first) for t in terms}
+    found = [_check_term(fg, t, first) for t in terms]
+    sources = {_variable_read(fg, ref) for ref in found}  # m.v[k] reads the variable once per term
     if len(sources) != 1:
         raise Skip("the terms are weighted by entries of different tensors: only one weights tensor's w[..., k] "
                    "for each position ids[..., k] are a bag's weights")
@@ -328,20 +367,23 @@ def _positions_site(fg: FunctionGraph, node, site: Site, terms: List[_Term], own
               {_unpacked_width(fg, t.weights[0]) for t in terms if t.weights is not None} - {None}]
     if any(len(w) > 1 for w in widths):
         raise Skip("tf.unstack of the ids (or weights) with different lengths: the original refuses any ids")
-    ids_source = first.ids[0]
-    if site.weighted and not same_dims(fg.shape(sources.pop()), fg.shape(ids_source)):
+    ids_source, weights_source = first.ids[0], found[0]
+    shared = first.weights is not None and first.weights[2]  # v[k]: checked as v's shape against the ids'
+    if site.weighted and not same_dims(fg.shape(weights_source), fg.shape(ids_source)) and not (
+            shared and shared_by_bags(fg.shape(weights_source), fg.shape(ids_source))):
         raise Skip("the weights are not shaped like the ids")
     internal: List[str] = list(own)
     for term in terms:
         _gather_site(fg, site, term)
         internal.extend(term.site.internal)
-    site.weights = slice_position(fg, first.weights[0])[0] if site.weighted else None
+    site.weights = weights_source if site.weighted else None
     site.indices = ids_source
     if first.sliced is not None and site.table_shape[0] is None:
         raise Skip("the table's rows are unknown, so the ids the sliced rows gathered cannot be range-checked")
     site.positions = PositionSpan(
         positions[0], positions[-1] + 1, first.wrapped, first.sliced is not None, *(min(w, default=None) for w in widths),
-        ids_cast=None if first.cast is None else {k: v for k, v in first.cast.attr.items() if not k.startswith("_")})
+        ids_cast=None if first.cast is None else {k: v for k, v in first.cast.attr.items() if not k.startswith("_")},
+        clamped=all(t.kept for t in terms))
     site.internal = tuple(dict.fromkeys(internal))
     check_private(fg, [t.ref for t in terms] + [p for t in terms for p in t.rows.private] +
                   [Ref(n, 0) for t in terms for n in t.own] + ([first.sliced] if first.sliced else []) +
@@ -369,7 +411,8 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
     span: PositionSpan = site.positions
     prefix = site.root + "/pkm_positions"
     rank = fg.shape(site.indices).rank
-    checks = [_width_check(fg, prefix + "/ids", site, site.indices, span.stop, span.ids_width, "ids")]
+    checks = [] if span.clamped else [_width_check(fg, prefix + "/ids", site, site.indices, span.stop,
+                                                   span.ids_width, "ids")]
     if site.weights is not None and span.weights_width is not None:
         checks.append(_width_check(fg, prefix + "/weights", site, site.weights, span.stop, span.weights_width,
                                    "weights"))
@@ -382,7 +425,8 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
     if span.wrapped:  # as keras.ops.take does: where(ids < 0, ids + N, ids)
         site.indices = _wrap_negative(fg, prefix + "/wrapped", site)
     if site.weights is not None:
-        site.weights = _positions(fg, prefix + "/weights", site.weights, span.first, span.stop, rank, checks)
+        site.weights = _positions(fg, prefix + "/weights", site.weights, span.first, span.stop,
+                                  fg.shape(site.weights).rank, checks)
 
 
 def _width_check(fg: FunctionGraph, prefix: str, site: Site, ref: Ref, stop: int, exact: Optional[int],

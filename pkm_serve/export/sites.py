@@ -100,11 +100,24 @@ class Site:
     divide_by_bag: bool = False       # a weighted/masked reduce_mean: the bag is divided by its
                                       # size K, read off the ids at run time (not the static K)
     positions: Optional[object] = None  # positions.PositionSpan: a per-position sum of ids[..., a:b]
+    weights_to_vector: bool = False   # matmul weights [1, .., 1, K]: read as [K] (einsum.positional_weights_as_vector)
+    flatten_bag_axes: int = 1         # the bag is the ids' last n axes (reduce over [1, 2]): flat_bags.py
     rounded_to: Optional[str] = None  # rows cast to this half dtype below cast_to (mixed precision):
                                       # a rounding the fused op skips, verified at that dtype's tolerance
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in REPORT_KEYS}
+
+    def report_steps(self) -> str:
+        """What the fused site keeps of the composite besides the bag, and which ids it reads where
+        they are not all the ids ([..., a:b] of a per-position sum) or not one bag axis."""
+        span = self.positions
+        steps = ([f"ids[..., {span.first}:{span.stop}]"] if span is not None else []) + (
+            [f"a bag of the ids' last {self.flatten_bag_axes} axes"] if self.flatten_bag_axes > 1 else []) + (
+            ["masked"] if self.masked else []) + (["scalar weight"] if self.weights_scalar else []) + (
+            [f"cast to {self.cast_to}"] if self.cast_to else []) + (
+            ["/ K"] if self.divide_by_bag else []) + (["/ longest bag"] if self.divide_by_longest_bag else [])
+        return f" ({', '.join(steps)})" if steps else ""
 
 
 class NotASite(Exception):

@@ -3,7 +3,8 @@
 
   Transpose(rows, [0, 2, 1]) -> Reshape [B*D, K] -> MatMul(., Reshape(v, [K, 1])) -> Reshape [B, D]
 
-is sum_k v[k] * rows[:, k, :], the bag of the ids weighted by v (broadcast to the ids by fuse).
+is sum_k v[k] * rows[:, k, :], the bag of the ids weighted by v (broadcast to the ids by fuse); of
+rows [B, F, K, D] (ids [B, F, K]: a bag per field) tensordot(rows, v, [[2], [0]]) likewise.
 Another tensordot of gathered rows through the same steps is reported."""
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import numpy as np
 
 from pkm_serve.export.dense import fill_from_gather, leads_to_gather, resolve_gather
 from pkm_serve.export.graph import FunctionGraph, Ref
-from pkm_serve.export.sites import NotASite, Site, Skip, check_private, itemsize, shared_by_bags
+from pkm_serve.export.sites import NotASite, Site, Skip, check_private, itemsize, same_dims, shared_by_bags
 
 TENSORDOT_PATTERN = "tensordot"
-_REASON = ("tf.tensordot of gathered rows that is not tensordot(rows [B, K, D], v [K], axes=[[1], [0]]) "
+_REASON = ("tf.tensordot of gathered rows that is not tensordot(rows [..., K, D], v [K], axes=[[-2], [0]]) "
            "(the bag weighted by v, one weight per position), so the site stays composite")
 
 
@@ -70,16 +71,18 @@ def match_tensordot(fg: FunctionGraph, node, site: Site) -> Site:
         raise Skip(_REASON) from None
     fill_from_gather(site, gathered, fg)
     rows_shape, out_shape = fg.shape(rows), fg.shape(Ref(node.name, 0))
-    if _flag(matmul, "transpose_a") or _flag(matmul, "transpose_b") or rows_shape.rank != 3 or \
-            None in rows_shape.as_list()[1:] or perm != ([0, 2, 1] if rows_first else [1, 0, 2]):
+    batch = list(range(rank - 2))  # [B] of ids [B, K]; [B, F] of ids [B, F, K] (a bag per field)
+    if _flag(matmul, "transpose_a") or _flag(matmul, "transpose_b") or None in rows_shape.as_list()[-2:] or \
+            perm != (batch + [rank - 1, rank - 2] if rows_first else [rank - 2] + batch + [rank - 1]):
         raise Skip(_REASON)
-    bag, width = rows_shape.as_list()[1:]
+    bag, width = rows_shape.as_list()[-2:]
     # The flattened rows' K axis is computed (Pack of Prods); the MatMul with v as a [K, 1] column (a [1, K]
     # row) refuses any other K, and a reshape of [B, D, K] to [X, K] ([K, B, D] to [K, X]) keeps (b, d) in order.
     vector, flat_k = fg.producer(vector_ref), fg.shape(flat_ref)[1 if rows_first else 0] \
         if fg.shape(flat_ref).rank == 2 else -1
-    if vector is None or vector.op != "Reshape" or flat_k not in (None, bag) or out_shape.rank != 2 or \
-            fg.shape(vector_ref).as_list() != ([bag, 1] if rows_first else [1, bag]) or out_shape[1] != width:
+    if vector is None or vector.op != "Reshape" or flat_k not in (None, bag) or out_shape.rank != rank - 1 or \
+            fg.shape(vector_ref).as_list() != ([bag, 1] if rows_first else [1, bag]) or out_shape[-1] != width or \
+            not same_dims(out_shape[:-1], rows_shape[:-2]):
         raise Skip(_REASON)
     weights = fg.inputs(vector)[0]
     if not shared_by_bags(fg.shape(weights), fg.shape(gathered.indices)) or fg.shape(weights).rank != 1:

@@ -80,9 +80,12 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
     x, axis_ref = fg.inputs(node)[:2]
     rank = fg.shape(x).rank
     axes = fg.const_value(axis_ref)
-    if rank is None or rank < 2 or axes is None or np.size(axes) != 1:
+    if rank is None or rank < 2 or axes is None or np.size(axes) < 1:
         return None
-    axis = int(np.reshape(axes, [])) % rank
+    axes = sorted(int(a) % rank for a in np.ravel(axes))  # several: the bag axis and those before it (flat_bags)
+    if len(axes) > 1 and axes != list(range(rank - 1 - len(axes), rank - 1)):
+        return None
+    axis = axes[-1]
     if axis == rank - 1:
         return _transposed_table_reason(fg, x, rank)
     if axis != rank - 2:

@@ -53,8 +53,6 @@ FROM_THE_END = {
     "last_position_as_minus_one": ([IDS, W], lambda m, ids, w: tf.add_n(
         [tf.gather(m.t, ids[:, k]) * w[:, k, None] for k in (0, 1, 2, 3, -1)]),
         lambda width: [0, 1, 2, 3, width - 1], "counted from the end"),
-    "cumsum_at_the_declared_last": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1)[:, K - 1],
-                                    lambda width: range(K), "partial running sum"),
     "reverse_cumsum_at_minus_k": ([IDS], lambda m, ids: tf.math.cumsum(
         tf.gather(m.t, ids), axis=1, reverse=True)[:, -K], lambda width: range(width - K, width),
         "partial running sum"),
@@ -164,7 +162,7 @@ def test_positions_weighted_by_different_tensors_are_reported(exported, name):
 
 @pytest.mark.parametrize("name", sorted(FROM_THE_END))
 def test_positions_counted_from_the_end_are_reported_and_read_as_written(exported, name):
-    """ids[:, -1] (cumsum(..)[:, K-1], reverse cumsum [:, -K]) is position 4 of the declared 5 but
+    """ids[:, -1] (reverse cumsum [:, -K]) is position 4 of the declared 5 but
     position 6 of the 7 a server may feed: the fused op had read ids[..., 0:5] (all 7) instead."""
     path, result, sites, loaded, _ = exported
     specs, _, positions, reason = FROM_THE_END[name]

@@ -106,8 +106,6 @@ REPORTED = {
         "no position of the bag"),
     "sliced_rows_read_again": ([IDS], lambda m, ids: (lambda rows: tf.add_n([rows[:, k] for k in range(K)]) *
                                                       rows[:, 0])(tf.gather(m.t, ids)), "another consumer"),
-    "tensordot_of_field_bags": ([IDS3], lambda m, ids: tf.tensordot(tf.gather(m.t, ids), m.v, axes=[[2], [0]]),
-                                "tf.tensordot of gathered rows"),
     "add_n_reading_a_position_shape": ([IDS], lambda m, ids: (lambda rows: tf.add_n(rows) + tf.cast(
         tf.shape(rows[0])[1], tf.float32))([tf.gather(m.t, ids[:, k]) for k in range(K)]), "shape of a position"),
     "stacked_positions_reading_their_shape": ([IDS], lambda m, ids: (lambda stacked: tf.reduce_sum(stacked, -1) + tf.cast(
@@ -115,8 +113,6 @@ REPORTED = {
         "shape of the stacked"),
     "cumsum_exclusive": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1, exclusive=True)[:, -1],
                          "partial running sum"),
-    "cumsum_prefix": ([IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1)[:, 2],
-                      "partial running sum"),
 }
 
 POSITION_WEIGHTS = RNG.uniform(0.5, 2, K).astype(np.float32)
@@ -131,6 +127,8 @@ SHARED_WEIGHTS = {
                                      POSITION_WEIGHTS),
     "keras_matmul_positional_weights": ([IDS], lambda m, ids: keras.ops.matmul(m.v, tf.gather(m.t, ids)),
                                         POSITION_WEIGHTS),
+    "tensordot_of_field_bags": ([IDS3], lambda m, ids: tf.tensordot(tf.gather(m.t, ids), m.v, axes=[[2], [0]]),
+                                POSITION_WEIGHTS),
     "einsum_field_positional_weights": ([IDS3], lambda m, ids: tf.einsum("bfkd,fk->bfd", tf.gather(m.t, ids), m.v2),
                                         FIELD_POSITION_WEIGHTS),
 }
