@@ -89,6 +89,15 @@ class CheckThenLowering : public ::tensorflow::XlaOpKernel {
   std::string message_;
 };
 
+// Under XLA for the GPU the check is dropped, as XLA drops tf.debugging.Assert
+// (there is no pkm_check target there): a SavedModel traced under jit_compile on
+// the CPU, which holds this op, still compiles for the GPU, as before the op.
+class CheckDroppedLowering : public ::tensorflow::XlaOpKernel {
+ public:
+  explicit CheckDroppedLowering(::tensorflow::OpKernelConstruction* ctx) : XlaOpKernel(ctx) {}
+  void Compile(::tensorflow::XlaOpKernelContext* ctx) override { ctx->SetOutput(0, ctx->Input(1)); }
+};
+
 ::xla::ffi::Error Check(::xla::ffi::Buffer<::xla::ffi::PRED> condition, ::xla::ffi::Result<::xla::ffi::AnyBuffer>,
                         std::string_view message) {
   if (condition.typed_data()[0]) return ::xla::ffi::Error::Success();
@@ -107,6 +116,7 @@ XLA_FFI_REGISTER_HANDLER(::xla::ffi::GetXlaFfiApi(), ::pkm_xla::kCheckTarget, "H
 REGISTER_KERNEL_BUILDER(Name("PkmCheckThen").Device(::tensorflow::DEVICE_CPU).HostMemory("condition"),
                         ::pkm_xla::CheckThenKernel);
 REGISTER_XLA_OP(Name("PkmCheckThen").Device(::tensorflow::DEVICE_CPU_XLA_JIT), ::pkm_xla::CheckThenLowering);
+REGISTER_XLA_OP(Name("PkmCheckThen").Device(::tensorflow::DEVICE_GPU_XLA_JIT), ::pkm_xla::CheckDroppedLowering);
 
 // See RegisterLoweringsLate (embedding_bag_xla_lowering.h). Called by
 // pkm_serve after tf.load_op_library; returns 1 when it had to add the kernels.
@@ -114,16 +124,22 @@ extern "C" __attribute__((visibility("default"))) int pkm_xla_register_late() {
   static const int added = [] {
     const char* device = ::tensorflow::DEVICE_CPU_XLA_JIT;
     const int lookups = pkm_xla::RegisterLoweringsLate(device);
-    if (pkm_xla::HasKernelFor("PkmCheckThen", device)) return lookups;
-    ::tensorflow::KernelDefBuilder def("PkmCheckThen");
-    def.Device(device);
+    int added_checks = 0;
     // Lives as long as the process, like every static kernel registrar.
-    new ::tensorflow::kernel_factory::OpKernelRegistrar(
-        def.Build(), "PkmXlaLowering",
-        [](::tensorflow::OpKernelConstruction* ctx) -> ::tensorflow::OpKernel* {
-          return new pkm_xla::CheckThenLowering(ctx);
-        });
-    return 1;
+    auto add = [&](const char* jit_device, ::tensorflow::OpKernel* (*factory)(::tensorflow::OpKernelConstruction*)) {
+      if (pkm_xla::HasKernelFor("PkmCheckThen", jit_device)) return;
+      ::tensorflow::KernelDefBuilder def("PkmCheckThen");
+      def.Device(jit_device);
+      new ::tensorflow::kernel_factory::OpKernelRegistrar(def.Build(), "PkmXlaLowering", factory);
+      added_checks = 1;
+    };
+    add(device, [](::tensorflow::OpKernelConstruction* ctx) -> ::tensorflow::OpKernel* {
+      return new pkm_xla::CheckThenLowering(ctx);
+    });
+    add(::tensorflow::DEVICE_GPU_XLA_JIT, [](::tensorflow::OpKernelConstruction* ctx) -> ::tensorflow::OpKernel* {
+      return new pkm_xla::CheckDroppedLowering(ctx);
+    });
+    return lookups | added_checks;
   }();
   return added;
 }

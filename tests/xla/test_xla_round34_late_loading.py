@@ -76,3 +76,28 @@ def test_jit_saved_model_runs_when_tf_ran_before_pkm_serve_was_imported(saved_mo
     np.testing.assert_allclose(got["table_gradient"], want_gradient, rtol=1e-6)
     # int8 rows are within half a quantisation step (range / 255 / 2) of the float ones
     np.testing.assert_allclose(got["int8"], sums, atol=2 * TABLE.max() / 255)
+
+
+_CHECK_KERNELS = """
+import sys
+import tensorflow as tf
+if sys.argv[1] == "late":
+    tf.constant(1.0) + 1.0  # TF builds its XLA JIT kernels before the op library is loaded
+import pkm_serve.ops
+tf.constant(1.0) + 1.0
+from tensorflow.python.framework import kernels
+print(sorted({k.device_type for k in kernels.get_registered_kernels_for_op("PkmCheckThen").kernel}))
+"""
+
+
+@pytest.mark.parametrize("order", ["early", "late"])
+def test_the_run_time_check_compiles_for_every_xla_device(order):
+    """PkmCheckThen (a check XLA keeps on the CPU) has a kernel for XLA's GPU JIT too, where it passes
+    its value through as XLA drops an Assert: a SavedModel traced under jit_compile on the CPU holds
+    it, and compiling it for a GPU found no kernel (whichever way the library was loaded)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.run([sys.executable, "-c", _CHECK_KERNELS, order], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    devices = proc.stdout.strip().splitlines()[-1]
+    assert "'XLA_CPU_JIT'" in devices and "'XLA_GPU_JIT'" in devices, devices
