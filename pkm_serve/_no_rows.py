@@ -43,12 +43,21 @@ def marker_if_no_replica_has_any(rows, row_grads):
     return tf.cond(touched > 0, real, marker)
 
 
+def marker_slots(gradient: tf.IndexedSlices):
+    """Bool [n]: which of `gradient`'s n slices are marker rows (under a
+    strategy of >= 2 replicas); None elsewhere, where there are none."""
+    indices, values = gradient.indices, gradient.values
+    if tf.distribute.get_strategy().num_replicas_in_sync < 2 or not values.dtype.is_floating:
+        return None
+    flat = tf.reshape(values, [tf.shape(values)[0], -1])
+    return tf.equal(indices, 0) & tf.reduce_all(_is_negative_zero(flat), axis=1)
+
+
 def drop_markers(gradient: tf.IndexedSlices):
     """(indices, values) of `gradient` without the marker rows (under a
     strategy of >= 2 replicas; elsewhere as they are)."""
-    indices, values = gradient.indices, gradient.values
-    if tf.distribute.get_strategy().num_replicas_in_sync < 2 or not values.dtype.is_floating:
-        return indices, values
-    flat = tf.reshape(values, [tf.shape(values)[0], -1])
-    keep = tf.logical_not(tf.equal(indices, 0) & tf.reduce_all(_is_negative_zero(flat), axis=1))
-    return tf.boolean_mask(indices, keep), tf.boolean_mask(values, keep)
+    markers = marker_slots(gradient)
+    if markers is None:
+        return gradient.indices, gradient.values
+    keep = tf.logical_not(markers)
+    return tf.boolean_mask(gradient.indices, keep), tf.boolean_mask(gradient.values, keep)

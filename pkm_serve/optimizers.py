@@ -48,17 +48,35 @@ def _unique_rows(gradient: tf.IndexedSlices):
     return rows, values
 
 
-def _summed_rows(gradient: tf.IndexedSlices):
-    """`gradient` with each row once. Where it holds only marker rows (pkm_serve/_no_rows.py) it
-    stays one marker: empty here, in a replica's apply before the all-reduce, it would be empty on
-    every replica, and a sum of markers (-0.0 added to the sum's +0.0) would be a real zero row."""
-    indices, values = _no_rows.drop_markers(gradient)
-    rows, position = tf.unique(indices)
-    summed = tf.math.unsorted_segment_sum(values, position, tf.shape(rows)[0])
-    only_markers = tf.logical_and(tf.equal(tf.size(rows), 0), tf.shape(gradient.indices)[0] > 0)
-    rows, summed = tf.cond(only_markers, lambda: (gradient.indices[:1], gradient.values[:1]),
-                           lambda: (rows, summed))
-    return tf.IndexedSlices(summed, rows, gradient.dense_shape)
+def _clipped_with_rows_summed(gradient: tf.IndexedSlices, clip):
+    """`gradient` clipped by `clip` (Keras' clipping of a gradient list) as its dense gradient is:
+    each row's slices summed first. The result keeps `gradient`'s indices, so the step's
+    `_unique_rows` runs tf.unique on the same indices as here: a tf.unique of this tf.unique's
+    rows, whose size is known only at run time, read XLA's padding past that size and scattered
+    a repeated row a second time, from a zero gradient. Each row's clipped sum goes to its first
+    slice that is no marker (pkm_serve/_no_rows.py), its other slices get 0, markers stay."""
+    markers = _no_rows.marker_slots(gradient)
+    values = gradient.values
+    slots = tf.range(tf.shape(gradient.indices, out_type=tf.int32)[0])
+    if markers is None:
+        markers = tf.zeros_like(slots, tf.bool)
+    rows, position = tf.unique(gradient.indices, out_idx=tf.int32)
+    row_count = tf.shape(rows)[0]
+    real = tf.where(_row_mask(markers, values), tf.zeros_like(values), values)
+    summed = tf.math.unsorted_segment_sum(real, position, row_count)
+    clipped = clip(tf.IndexedSlices(summed, rows, gradient.dense_shape))
+    if not isinstance(clipped, tf.IndexedSlices) or clipped.indices is not rows:
+        return clipped  # Keras' clipping gave other slices than the rows it was handed: kept as given
+    first_real = tf.math.unsorted_segment_min(tf.where(markers, tf.shape(slots)[0], slots), position, row_count)
+    takes_sum = tf.logical_and(tf.equal(tf.gather(first_real, position), slots), tf.logical_not(markers))
+    per_slot = tf.where(_row_mask(takes_sum, values), tf.gather(clipped.values, position), tf.zeros_like(values))
+    per_slot = tf.where(_row_mask(markers, values), values, per_slot)
+    return tf.IndexedSlices(per_slot, gradient.indices, gradient.dense_shape)
+
+
+def _row_mask(slot_mask, values):
+    """`slot_mask` [n] broadcast over the rest of `values`' dims."""
+    return tf.reshape(slot_mask, tf.concat([tf.shape(slot_mask), tf.ones([tf.rank(values) - 1], tf.int32)], 0))
 
 
 def _scatter_update(variable, rows, values):
@@ -108,15 +126,24 @@ class _RowSparseSteps:
     fused-update check, the row-wise step itself being each one's ``_update_step``."""
 
     def apply(self, grads, trainable_variables=None):
-        if self.clipnorm or self.global_clipnorm or self.clipvalue:
-            # Keras clips the slices as they come: a row repeated by several lookups of one table
-            # (TF concatenates their IndexedSlices) was clipped piece by piece and counted once per
-            # piece in the norm. The clipping sees the gradient's rows summed, as the dense one.
-            grads = [_summed_rows(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         if self.loss_scale_factor is not None:
             grads = [_UnscalableSlices(g.values, g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices)
                      else g for g in grads]
         return super().apply(grads, trainable_variables)
+
+    def _clip_gradients(self, grads):
+        # Keras clips the slices as they come: a row repeated by several lookups of one table
+        # (TF concatenates their IndexedSlices) was clipped piece by piece and counted once per
+        # piece in the norm. The clipping sees the gradient's rows summed, as the dense one.
+        clip_all = super()._clip_gradients
+        if not any(limit and limit > 0 for limit in (self.clipnorm, self.global_clipnorm, self.clipvalue)):
+            return clip_all(grads)  # Keras clips with positive limits only
+        if self.global_clipnorm and self.global_clipnorm > 0:
+            # One factor from all gradients; Keras' scaling makes IndexedSlices dense anyway.
+            return clip_all([tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads])
+        clip_one = lambda g: clip_all([g])[0]  # noqa: E731  (clipnorm, clipvalue: each gradient alone)
+        return [_clipped_with_rows_summed(g, clip_one) if isinstance(g, tf.IndexedSlices)
+                else clip_one(g) if g is not None else g for g in grads]
 
     def update_step(self, gradient, variable, learning_rate):
         # A claimed table's gradient is empty where the backward applied the update; any
