@@ -8,8 +8,10 @@ real gRPC and REST clients:
 - bfloat16 REST outputs print by their own shortest decimal (0.1, not float32's 0.100097656);
 - an unknown output_filter name is refused in predict_util.cc's words."""
 import json
+import math
 import urllib.error
 import urllib.request
+from fractions import Fraction
 
 import grpc
 import ml_dtypes
@@ -18,6 +20,8 @@ import pytest
 from tensorflow_serving.apis import classification_pb2, predict_pb2, prediction_service_pb2_grpc
 
 from serving_helpers import ServerProcess
+
+from pkm_serve.serving.json_floats import shortest_float32_as_float64
 
 
 def _save_rows_model(path):
@@ -176,13 +180,35 @@ def test_classify_refuses_classes_that_are_not_strings(server, stub):
 
 
 def _shortest_bfloat16_decimal(value):
-    """Brute force: the decimal of fewest significant digits that reads back as `value`."""
-    target = ml_dtypes.bfloat16(value)
+    """Brute force in exact rationals: of the decimals of fewest significant digits that read
+    back as `value` (every one within two units of the last digit either side), the nearest;
+    of two as near, the one whose last digit is even (as the vectorised path's np.rint)."""
+    target, exact = ml_dtypes.bfloat16(value), Fraction(float(value))
+    if exact == 0:
+        return float(value)
+    exponent = math.floor(math.log10(abs(exact)))
+    exponent += (abs(exact) >= Fraction(10) ** (exponent + 1)) - (abs(exact) < Fraction(10) ** exponent)
     for digits in range(1, 18):
-        candidate = float(f"{float(value):.{digits - 1}e}")
-        if ml_dtypes.bfloat16(candidate) == target:
-            return candidate
+        unit = Fraction(10) ** (exponent - digits + 1)
+        base = math.floor(exact / unit)
+        reads_back = [m for m in range(base - 2, base + 4) if ml_dtypes.bfloat16(float(m * unit)) == target]
+        if reads_back:
+            return float(min(reads_back, key=lambda m: (abs(m * unit - exact), m % 2)) * unit)
     raise AssertionError(value)
+
+
+def test_bfloat16_shortest_decimals_match_brute_force():
+    """Every power of two (the per-element path beyond 1e-14..1e23 included: 2**-59 is 1.74e-18,
+    not 1.735e-18) and a sample of other values print their shortest decimal."""
+    bits = np.arange(0, 1 << 16, dtype=np.uint16)
+    values = bits.view(ml_dtypes.bfloat16)
+    values = values[np.isfinite(values.astype(np.float32))]
+    powers = values[(values.view(np.uint16) & 0x7F) == 0]
+    sample = np.concatenate([powers, np.random.default_rng(34).choice(values, 1500, replace=False)])
+    got = shortest_float32_as_float64(sample, like=ml_dtypes.bfloat16)
+    expected = [_shortest_bfloat16_decimal(v) for v in sample]
+    wrong = [(float(v), g, e) for v, g, e in zip(sample, got, expected) if g != e]
+    assert not wrong, wrong[:5]
 
 
 def test_bfloat16_rest_outputs_print_their_shortest_decimal(server):
