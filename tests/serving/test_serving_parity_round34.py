@@ -50,16 +50,19 @@ def _save_bfloat16_model(path):
     tf.saved_model.save(module, path, signatures={"serving_default": module.run})
 
 
-def _save_integer_classes_model(path):
-    """A classification signature whose classes are class ids (int64), not labels."""
+def _save_integer_classes_model(path, classes_shape=(2,), string_scores=False):
+    """A classification signature whose classes are class ids (int64), not labels (of
+    `classes_shape` per example), and whose scores are floats or (string_scores) text."""
     import tensorflow as tf
     with tf.Graph().as_default():
         serialized = tf.compat.v1.placeholder(tf.string, [None], name="tf_example")
         x = tf.io.parse_example(serialized, {"x": tf.io.FixedLenFeature([2], tf.float32)})["x"]
-        classes = tf.tile(tf.constant([[0, 1]], tf.int64), [tf.shape(x)[0], 1])
+        ids = tf.reshape(tf.constant([0, 1], tf.int64), classes_shape)
+        classes = tf.tile(ids[None], [tf.shape(x)[0]] + [1] * len(classes_shape))
+        scores = tf.strings.as_string(x) if string_scores else tf.nn.softmax(x)
         info = tf.compat.v1.saved_model.build_tensor_info   # (classification_signature_def refuses ids)
         sig = tf.compat.v1.saved_model.build_signature_def(
-            {"inputs": info(serialized)}, {"classes": info(classes), "scores": info(tf.nn.softmax(x))},
+            {"inputs": info(serialized)}, {"classes": info(classes), "scores": info(scores)},
             "tensorflow/serving/classify")
         with tf.compat.v1.Session() as sess:
             builder = tf.compat.v1.saved_model.Builder(path)
@@ -70,7 +73,9 @@ def _save_integer_classes_model(path):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity34")
-    models = {"rows": _save_rows_model, "bf16": _save_bfloat16_model, "int_classes": _save_integer_classes_model}
+    models = {"rows": _save_rows_model, "bf16": _save_bfloat16_model, "int_classes": _save_integer_classes_model,
+              "int_classes_string_scores": lambda p: _save_integer_classes_model(p, (2,), string_scores=True),
+              "int_classes_3d_string_scores": lambda p: _save_integer_classes_model(p, (1, 2), True)}
     entries = []
     for name, save in models.items():
         save(str(tmp / name / "1"))
@@ -177,6 +182,21 @@ def test_classify_refuses_classes_that_are_not_strings(server, stub):
     assert err.value.details() == "Expected classes Tensor of DT_STRING. Got: DT_INT64"
     status, answer = _post(server, "/v1/models/int_classes:classify", {"examples": [{"x": [1.0, 2.0]}]})
     assert status == 400 and answer["error"] == "Expected classes Tensor of DT_STRING. Got: DT_INT64"
+
+
+@pytest.mark.parametrize("model, error", [
+    ("int_classes_string_scores", "Expected classes Tensor of DT_STRING. Got: DT_INT64"),
+    ("int_classes_3d_string_scores", "Expected Tensor shape: [batch_size num_classes] but got [2, 1, 2] ('classes')")])
+def test_classify_checks_the_classes_before_the_scores(server, stub, model, error):
+    """classifier.cc's PostProcessClassificationResult: the classes' rank, dtype and batch,
+    then the scores'; string scores were named before int64 or 3-D classes here."""
+    req = classification_pb2.ClassificationRequest()
+    req.model_spec.name = model
+    req.input.example_list.examples.extend([_example([1.0, 2.0]), _example([3.0, 0.5])])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Classify(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == error
 
 
 def _shortest_bfloat16_decimal(value):
