@@ -10,8 +10,9 @@ import time
 import grpc
 import numpy as np
 
+from test_serving_tflite_round34_fixed_batch import K, N, _reference, model_dir  # noqa: F401
+
 from pkm_serve.serving.errors import ServingError
-from tests.serving.test_serving_tflite_round34_fixed_batch import K, N, _reference, model_dir  # noqa: F401
 
 
 def _queued_tasks(scheduler):
