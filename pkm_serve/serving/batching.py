@@ -23,6 +23,7 @@ import time
 import grpc
 import numpy as np
 
+from pkm_serve.serving.batch_padding import drop_unpaddable, merge_inputs
 from pkm_serve.serving.errors import ServingError
 
 log = logging.getLogger("pkm_serve.serving")
@@ -114,50 +115,25 @@ def _check_allowed_batch_sizes(sizes, max_batch_size):
                     "TF Serving, a batch is padded to the first listed entry that holds it", sizes)
 
 
-def _merge_inputs(tasks, padding_rows, pad_variable_length_inputs):
-    """The batch's inputs: the tasks' concatenated along dimension 0 (each first padded past
-    dimension 0 to the batch's largest sizes, with pad_variable_length_inputs), then
-    `padding_rows` copies of the last task's first row (batching_session.cc)."""
-    merged = {}
-    for k in tasks[0].inputs:
-        parts = [t.inputs[k] for t in tasks]
-        if pad_variable_length_inputs and parts[0].ndim > 1:
-            shape = tuple(max(sizes) for sizes in zip(*(p.shape[1:] for p in parts)))
-            parts = [_pad_past_dim0(p, shape) for p in parts]
-        if padding_rows:
-            parts.append(np.repeat(parts[-1][:1], padding_rows, axis=0))
-        merged[k] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-    return merged
+def _run_padded(q, tasks):
+    """(outputs, rows, padded rows) of one run of the tasks' merged inputs, padded to the first
+    listed allowed_batch_sizes entry that holds them (batching_session.cc)."""
+    rows = sum(t.rows for t in tasks)
+    padded = next((size for size in q.opts.allowed_batch_sizes if size >= rows), rows)
+    return q.run_fn(merge_inputs(tasks, padded - rows, q.opts.pad_variable_length_inputs)), rows, padded
 
 
-def _pad_past_dim0(value, shape):
-    """batching_util.cc AddPadding: `value` grown after its elements in every dimension but
-    the 0th to `shape`, the new places filled with its first element."""
-    if value.shape[1:] == shape:
-        return value
-    out = np.full(value.shape[:1] + shape, value.flat[0], dtype=value.dtype)
-    out[tuple(slice(0, n) for n in value.shape)] = value
-    return out
-
-
-def _drop_unpaddable(tasks):
-    """The tasks that AddPadding can pad for this batch; the others get its error (upstream
-    fails the whole batch with it: here only the request that causes it)."""
-    largest = {k: tuple(max(sizes) for sizes in zip(*(t.inputs[k].shape[1:] for t in tasks)))
-               for k in tasks[0].inputs} if tasks else {}
-    keep = []
+def _hand_out(tasks, outputs, padded):
+    """Each task's result: its rows of the outputs, in order (the padding's dropped)."""
+    for k, v in outputs.items():
+        if v.ndim == 0 or v.shape[0] != padded:
+            raise ServingError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"batching needs every output to have the batch as dimension 0; "
+                               f"output '{k}' has shape {list(v.shape)} for a batch of {padded}")
+    start = 0
     for t in tasks:
-        problem = None
-        for k, v in t.inputs.items():
-            if v.ndim > 6:
-                problem = "Only tensors with rank from 1 to 6 can be padded."
-            elif v.size == 0 and v.shape[1:] != largest[k]:
-                problem = "Got empty tensor in batch of non-empty tensors."
-        if problem is None:
-            keep.append(t)
-        else:
-            t.error = ServingError(grpc.StatusCode.INVALID_ARGUMENT, problem)
-    return keep
+        t.result = {k: v[start:start + t.rows] for k, v in outputs.items()}
+        start += t.rows
 
 
 class _Task:
@@ -444,37 +420,24 @@ class BatchScheduler:
 
     def _run_batch(self, q, tasks):
         if q.opts.pad_variable_length_inputs:
-            tasks = _drop_unpaddable(tasks)
+            tasks = drop_unpaddable(tasks)
         if not tasks:
             return
-        rows = sum(t.rows for t in tasks)
-        padded = rows
-        for size in q.opts.allowed_batch_sizes:
-            if size >= rows:
-                padded = size
-                break
         try:
-            merged = _merge_inputs(tasks, padded - rows, q.opts.pad_variable_length_inputs)
             t0 = time.monotonic()
-            outputs = q.run_fn(merged)
+            outputs, rows, padded = _run_padded(q, tasks)
             if self._metrics:
                 self._metrics.batch(rows, padded, [t0 - t.enqueued for t in tasks])
-            for k, v in outputs.items():
-                if v.ndim == 0 or v.shape[0] != padded:
-                    raise ServingError(grpc.StatusCode.FAILED_PRECONDITION,
-                                       f"batching needs every output to have the batch as dimension 0; "
-                                       f"output '{k}' has shape {list(v.shape)} for a batch of {padded}")
-            start = 0
-            for t in tasks:
-                t.result = {k: v[start:start + t.rows] for k, v in outputs.items()}
-                start += t.rows
+            _hand_out(tasks, outputs, padded)
         except ServingError as e:
             if e.code == grpc.StatusCode.INVALID_ARGUMENT and len(tasks) > 1:
                 # One bad request (e.g. an index out of range) must not fail its batch mates:
-                # rerun each alone so only the offender gets the error.
+                # rerun each alone, padded as a batch of its rows would be (a model may fix
+                # its batch), so only the offender gets the error.
                 for t in tasks:
                     try:
-                        t.result = q.run_fn(t.inputs)
+                        outputs, _, padded = _run_padded(q, [t])
+                        _hand_out([t], outputs, padded)
                     except ServingError as single:
                         t.error = single
                     except Exception as single:  # noqa: BLE001 - e.g. a model bug: answer, go on

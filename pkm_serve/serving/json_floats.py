@@ -1,4 +1,6 @@
 """Float outputs as the JSON numbers TF Serving writes: each by its own shortest decimal."""
+import decimal
+
 import numpy as np
 
 
@@ -54,14 +56,22 @@ def shortest_float32_as_float64(values: np.ndarray, like=np.float32) -> np.ndarr
 
 def _shortest_one(value, like):
     """The float64 of the fewest-digit decimal that reads back as `value` in `like`. str()
-    is that for numpy's float32 and float16, not for ml_dtypes' bfloat16 (6 digits always)."""
+    is that for numpy's float32 and float16, not for ml_dtypes' bfloat16 (6 digits always).
+    At each digit count the nearest decimal, then the one on its other side (which alone may
+    read back: bfloat16 2**-59 is 1.74e-18, not 1.735e-18); exact, in Decimal, as these values
+    lie where float64 powers of ten are not."""
     if like in (np.float32, np.float16):
         return float(str(like(value)))
-    target = like(value)
+    target, exact = like(value), decimal.Decimal(float(value))
     for digits in range(1, 18):
-        candidate = float(f"{value:.{digits - 1}e}")
-        if like(candidate) == target:
-            return candidate
+        places = exact.adjusted() - digits + 1
+        scaled = exact.scaleb(-places)
+        nearest = scaled.to_integral_value(decimal.ROUND_HALF_EVEN)
+        other = scaled.to_integral_value(decimal.ROUND_FLOOR if nearest > scaled else decimal.ROUND_CEILING)
+        for m in (nearest, other):
+            candidate = float(m.scaleb(places))
+            if like(candidate) == target:
+                return candidate
     return float(value)
 
 

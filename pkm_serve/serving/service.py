@@ -24,18 +24,31 @@ from pkm_serve.serving.methods import CLASSIFY_METHOD, DEFAULT_SIGNATURE, REGRES
 log = logging.getLogger("pkm_serve.serving")
 
 
-def _per_example(tensor, what, n):
-    """A classify output as [n, classes], checked as TF Serving's classifier.cc does (one row
-    per example), except that a [n] tensor is taken as one class each: reshaping a [classes, n] or [1, n * k]
-    output into n rows would hand each example another example's scores."""
+def _per_example(tensor, what, n, check_dtype):
+    """A classify output as [n, classes], checked in TF Serving's classifier.cc order (rank,
+    then `check_dtype`, then one row per example), except that a [n] tensor is taken as one
+    class each: reshaping a [classes, n] or [1, n * k] output into n rows would hand each
+    example another example's scores."""
     if tensor.ndim == 1:
         tensor = tensor.reshape(-1, 1)
     if tensor.ndim != 2:
         raise invalid(f"Expected Tensor shape: [batch_size num_classes] but got {list(tensor.shape)} "
                       f"('{what}')")
+    check_dtype(tensor)
     if tensor.shape[0] != n:
         raise invalid(f"Expected {what} output batch size of {n}. Got: {tensor.shape[0]}")
     return tensor
+
+
+def _string_labels(classes):
+    """classifier.cc wants DT_STRING labels (class ids were answered as their text here)."""
+    if classes.dtype != object and classes.dtype.kind != "S":
+        name = types_pb2.DataType.Name(tf.as_dtype(classes.dtype).as_datatype_enum)
+        raise invalid(f"Expected classes Tensor of DT_STRING. Got: {name}")
+
+
+def _float_scores(scores):
+    _real_numbers(scores, "Expected scores Tensor of DT_FLOAT.")
 
 
 def _real_numbers(tensor, message):
@@ -192,17 +205,13 @@ class InferenceService:
         examples = self._serialized_examples(input_proto)
         outputs = self._run(servable, sig, {in_key: examples}, deadline, "classify")
         classes, scores = outputs.get("classes"), outputs.get("scores")
-        if scores is not None:
-            _real_numbers(scores, "Expected scores Tensor of DT_FLOAT.")
-        if classes is not None and classes.dtype != object and classes.dtype.kind != "S":
-            # classifier.cc wants DT_STRING labels (class ids were answered as their text here).
-            name = types_pb2.DataType.Name(tf.as_dtype(classes.dtype).as_datatype_enum)
-            raise invalid(f"Expected classes Tensor of DT_STRING. Got: {name}")
         if classes is None and scores is None:
             raise invalid(f"classification signature '{sig.name}' has neither 'classes' nor 'scores' outputs")
         n = len(examples)
-        classes, scores = (None if t is None else _per_example(t, what, n)
-                           for t, what in ((classes, "classes"), (scores, "scores")))
+        # As classifier.cc: every check of the classes before any of the scores.
+        classes, scores = (None if t is None else _per_example(t, what, n, check)
+                           for t, what, check in ((classes, "classes", _string_labels),
+                                                  (scores, "scores", _float_scores)))
         if classes is not None and scores is not None and classes.shape[1] != scores.shape[1]:
             raise invalid(f"Tensors class and score should match in dim_size(1). Got "
                           f"{classes.shape[1]} vs. {scores.shape[1]} (signature '{sig.name}')")

@@ -83,3 +83,40 @@ def test_unset_max_enqueued_batches_is_tf_servings_ten():
         for t in waiting:
             t.join(10)
         sched.stop(timeout=10)
+
+
+class _FixedBatchOfFour:
+    """A model that, like a graph with a fixed [4, 1] input, refuses any other batch, and
+    refuses a negative value (as an out-of-range id); `runs` holds each run's rows."""
+    name = "serving_default"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, inputs, output_filter=()):
+        x = inputs["x"]
+        self.runs.append(len(x))
+        if len(x) != 4:
+            raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, f"the model takes 4 rows, not {len(x)}")
+        if (x < 0).any():
+            raise ServingError(grpc.StatusCode.INVALID_ARGUMENT, "a negative value")
+        return {"y": x * 2}
+
+
+def test_a_failed_batchs_requests_rerun_alone_padded_to_allowed_batch_sizes():
+    """A good and a bad request in one batch padded to 4 (allowed_batch_sizes): the batch fails,
+    each request is rerun alone; unpadded, the fixed-batch model refused both with its
+    batch-size complaint. Padded as a batch: the good one answers, the bad one its own error."""
+    sched = _scheduler("max_batch_size { value: 4 } batch_timeout_micros { value: 300000 } "
+                       "num_batch_threads { value: 1 } allowed_batch_sizes: 4")
+    model = _FixedBatchOfFour()
+    try:
+        out = run_concurrently(sched, model, [1.5, -1.0], seconds=10)
+    finally:
+        sched.stop(timeout=10)
+    assert model.runs == [4, 4, 4]   # the batch of both, then each alone
+    good, bad = out[0], out[1]
+    assert not isinstance(good, ServingError), good.message
+    np.testing.assert_array_equal(good["y"], [[3.0]])
+    assert isinstance(bad, ServingError) and bad.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad.message == "a negative value"

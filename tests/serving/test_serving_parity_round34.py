@@ -8,8 +8,10 @@ real gRPC and REST clients:
 - bfloat16 REST outputs print by their own shortest decimal (0.1, not float32's 0.100097656);
 - an unknown output_filter name is refused in predict_util.cc's words."""
 import json
+import math
 import urllib.error
 import urllib.request
+from fractions import Fraction
 
 import grpc
 import ml_dtypes
@@ -18,6 +20,8 @@ import pytest
 from tensorflow_serving.apis import classification_pb2, predict_pb2, prediction_service_pb2_grpc
 
 from serving_helpers import ServerProcess
+
+from pkm_serve.serving.json_floats import shortest_float32_as_float64
 
 
 def _save_rows_model(path):
@@ -46,16 +50,19 @@ def _save_bfloat16_model(path):
     tf.saved_model.save(module, path, signatures={"serving_default": module.run})
 
 
-def _save_integer_classes_model(path):
-    """A classification signature whose classes are class ids (int64), not labels."""
+def _save_integer_classes_model(path, classes_shape=(2,), string_scores=False):
+    """A classification signature whose classes are class ids (int64), not labels (of
+    `classes_shape` per example), and whose scores are floats or (string_scores) text."""
     import tensorflow as tf
     with tf.Graph().as_default():
         serialized = tf.compat.v1.placeholder(tf.string, [None], name="tf_example")
         x = tf.io.parse_example(serialized, {"x": tf.io.FixedLenFeature([2], tf.float32)})["x"]
-        classes = tf.tile(tf.constant([[0, 1]], tf.int64), [tf.shape(x)[0], 1])
+        ids = tf.reshape(tf.constant([0, 1], tf.int64), classes_shape)
+        classes = tf.tile(ids[None], [tf.shape(x)[0]] + [1] * len(classes_shape))
+        scores = tf.strings.as_string(x) if string_scores else tf.nn.softmax(x)
         info = tf.compat.v1.saved_model.build_tensor_info   # (classification_signature_def refuses ids)
         sig = tf.compat.v1.saved_model.build_signature_def(
-            {"inputs": info(serialized)}, {"classes": info(classes), "scores": info(tf.nn.softmax(x))},
+            {"inputs": info(serialized)}, {"classes": info(classes), "scores": info(scores)},
             "tensorflow/serving/classify")
         with tf.compat.v1.Session() as sess:
             builder = tf.compat.v1.saved_model.Builder(path)
@@ -66,7 +73,9 @@ def _save_integer_classes_model(path):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity34")
-    models = {"rows": _save_rows_model, "bf16": _save_bfloat16_model, "int_classes": _save_integer_classes_model}
+    models = {"rows": _save_rows_model, "bf16": _save_bfloat16_model, "int_classes": _save_integer_classes_model,
+              "int_classes_string_scores": lambda p: _save_integer_classes_model(p, (2,), string_scores=True),
+              "int_classes_3d_string_scores": lambda p: _save_integer_classes_model(p, (1, 2), True)}
     entries = []
     for name, save in models.items():
         save(str(tmp / name / "1"))
@@ -175,14 +184,51 @@ def test_classify_refuses_classes_that_are_not_strings(server, stub):
     assert status == 400 and answer["error"] == "Expected classes Tensor of DT_STRING. Got: DT_INT64"
 
 
+@pytest.mark.parametrize("model, error", [
+    ("int_classes_string_scores", "Expected classes Tensor of DT_STRING. Got: DT_INT64"),
+    ("int_classes_3d_string_scores", "Expected Tensor shape: [batch_size num_classes] but got [2, 1, 2] ('classes')")])
+def test_classify_checks_the_classes_before_the_scores(server, stub, model, error):
+    """classifier.cc's PostProcessClassificationResult: the classes' rank, dtype and batch,
+    then the scores'; string scores were named before int64 or 3-D classes here."""
+    req = classification_pb2.ClassificationRequest()
+    req.model_spec.name = model
+    req.input.example_list.examples.extend([_example([1.0, 2.0]), _example([3.0, 0.5])])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Classify(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == error
+
+
 def _shortest_bfloat16_decimal(value):
-    """Brute force: the decimal of fewest significant digits that reads back as `value`."""
-    target = ml_dtypes.bfloat16(value)
+    """Brute force in exact rationals: of the decimals of fewest significant digits that read
+    back as `value` (every one within two units of the last digit either side), the nearest;
+    of two as near, the one whose last digit is even (as the vectorised path's np.rint)."""
+    target, exact = ml_dtypes.bfloat16(value), Fraction(float(value))
+    if exact == 0:
+        return float(value)
+    exponent = math.floor(math.log10(abs(exact)))
+    exponent += (abs(exact) >= Fraction(10) ** (exponent + 1)) - (abs(exact) < Fraction(10) ** exponent)
     for digits in range(1, 18):
-        candidate = float(f"{float(value):.{digits - 1}e}")
-        if ml_dtypes.bfloat16(candidate) == target:
-            return candidate
+        unit = Fraction(10) ** (exponent - digits + 1)
+        base = math.floor(exact / unit)
+        reads_back = [m for m in range(base - 2, base + 4) if ml_dtypes.bfloat16(float(m * unit)) == target]
+        if reads_back:
+            return float(min(reads_back, key=lambda m: (abs(m * unit - exact), m % 2)) * unit)
     raise AssertionError(value)
+
+
+def test_bfloat16_shortest_decimals_match_brute_force():
+    """Every power of two (the per-element path beyond 1e-14..1e23 included: 2**-59 is 1.74e-18,
+    not 1.735e-18) and a sample of other values print their shortest decimal."""
+    bits = np.arange(0, 1 << 16, dtype=np.uint16)
+    values = bits.view(ml_dtypes.bfloat16)
+    values = values[np.isfinite(values.astype(np.float32))]
+    powers = values[(values.view(np.uint16) & 0x7F) == 0]
+    sample = np.concatenate([powers, np.random.default_rng(34).choice(values, 1500, replace=False)])
+    got = shortest_float32_as_float64(sample, like=ml_dtypes.bfloat16)
+    expected = [_shortest_bfloat16_decimal(v) for v in sample]
+    wrong = [(float(v), g, e) for v, g, e in zip(sample, got, expected) if g != e]
+    assert not wrong, wrong[:5]
 
 
 def test_bfloat16_rest_outputs_print_their_shortest_decimal(server):
