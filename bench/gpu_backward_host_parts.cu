@@ -21,18 +21,10 @@
 #include <string>
 #include <vector>
 
+#include "bench/native/gpu_bench_util.cuh"
 #include "kernels/cuda/embedding_bag_cuda.h"
 
 namespace {
-
-#define CHECK(x)                                                                              \
-  do {                                                                                       \
-    cudaError_t e_ = (x);                                                                    \
-    if (e_ != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
-  } while (0)
 
 using BackwardFn = int (*)(const PkmBags*, const void*, void*, void*, void*, size_t, const PkmCudaOptions*,
                            pkm_cuda_stream_t);

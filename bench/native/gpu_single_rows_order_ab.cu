@@ -6,7 +6,7 @@
 // ~2.4 TB/s. This standalone A/B moves the same bytes (rows as raw 16-byte words; out = grad ^ table, a
 // stand-in for the arithmetic) by bag, as shipped, and in row order (a warp per 32 consecutive such rows,
 // each looking up its bag's gradient row, which then comes from L2), against a memset and a plain copy:
-//   nvcc -O3 -arch=sm_90 -std=c++17 bench/native/gpu_single_rows_order_ab.cu -o gpu_single_rows_order_ab
+//   nvcc -O3 -arch=sm_90 -std=c++17 -I. bench/native/gpu_single_rows_order_ab.cu -o gpu_single_rows_order_ab
 //   ./gpu_single_rows_order_ab [row_bytes ...]      (default 512 1024)
 #include <cuda_runtime.h>
 
@@ -17,14 +17,7 @@
 #include <random>
 #include <vector>
 
-#define CHECK(x)                                                                             \
-  do {                                                                                       \
-    cudaError_t e = (x);                                                                     \
-    if (e != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
-  } while (0)
+#include "bench/native/gpu_bench_util.cuh"
 
 namespace {
 
@@ -112,28 +105,6 @@ __global__ void InRowOrder(const int32_t* single_rows, const int32_t* bag_of_sin
 __global__ void Copy(const uint4* in, uint4* out, int64_t words) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < words) out[i] = in[i];
-}
-
-template <typename Launch>
-float MedianMs(Launch launch, int reps = 21) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  launch();
-  launch();
-  std::vector<float> ms;
-  for (int i = 0; i < reps; ++i) {
-    CHECK(cudaEventRecord(a));
-    launch();
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float t;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  CHECK(cudaGetLastError());
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 }  // namespace

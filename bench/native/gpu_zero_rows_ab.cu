@@ -4,7 +4,7 @@
 // took 454 us for bf16 rows (2.86 TB/s) and 1022 us for fp32 ones (2.55 TB/s) where a cudaMemsetAsync of
 // all of d_table writes at 3.27 TB/s. This standalone A/B times ways to write the same zeros on the
 // same pattern (2M uniform indices over 4M rows), against memsets of the same bytes:
-//   nvcc -O3 -arch=sm_90 -std=c++17 bench/native/gpu_zero_rows_ab.cu -o gpu_zero_rows_ab
+//   nvcc -O3 -arch=sm_90 -std=c++17 -I. bench/native/gpu_zero_rows_ab.cu -o gpu_zero_rows_ab
 //   ./gpu_zero_rows_ab [row_bytes ...]      (default 512 1024)
 // Variants: "warp/32 rows" is the shipped kernel's pattern (a warp per 32 rows, 16-byte stores, L2
 // evict_first or plain); "all rows" the same writing every row (what the gaps between untouched rows
@@ -20,14 +20,7 @@
 #include <random>
 #include <vector>
 
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    cudaError_t e = (x);                                                              \
-    if (e != cudaSuccess) {                                                           \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
+#include "bench/native/gpu_bench_util.cuh"
 
 namespace {
 
@@ -44,17 +37,25 @@ __device__ __forceinline__ void Store16(void* p, bool evict_first) {
   }
 }
 
+// The untouched rows of [r0, r0 + 32) as a warp's bit mask (lane i: row r0 + i): seg_begin[r] ==
+// seg_begin[r + 1], the shipped kernel's test; every row of the window with all_rows.
+__device__ __forceinline__ unsigned UntouchedMask(const uint32_t* seg_begin, int64_t num_rows, int64_t r0, int lane,
+                                                  bool all_rows) {
+  const int64_t r = r0 + lane;
+  const uint32_t begin = r <= num_rows ? seg_begin[r] : 0u;
+  uint32_t next = __shfl_down_sync(0xffffffffu, begin, 1);
+  if (lane == kWarp - 1) next = r + 1 <= num_rows ? seg_begin[r + 1] : 0u;
+  return __ballot_sync(0xffffffffu, r < num_rows && (all_rows || next == begin));
+}
+
 // A warp per 32 rows; seg_begin[r] == seg_begin[r + 1] marks row r untouched (the shipped test).
 __global__ void WarpPer32Rows(const uint32_t* seg_begin, int64_t num_rows, int64_t row_bytes, char* out,
                               bool evict_first, bool all_rows) {
   const int64_t group = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
   const int lane = threadIdx.x % kWarp;
-  const int64_t r0 = group * kWarp, r = r0 + lane;
+  const int64_t r0 = group * kWarp;
   if (r0 >= num_rows) return;
-  const uint32_t begin = r <= num_rows ? seg_begin[r] : 0u;
-  uint32_t next = __shfl_down_sync(0xffffffffu, begin, 1);
-  if (lane == kWarp - 1) next = r + 1 <= num_rows ? seg_begin[r + 1] : 0u;
-  unsigned untouched = __ballot_sync(0xffffffffu, r < num_rows && (all_rows || next == begin));
+  unsigned untouched = UntouchedMask(seg_begin, num_rows, r0, lane, all_rows);
   while (untouched != 0) {
     const int bit = __ffs(untouched) - 1;
     untouched &= untouched - 1;
@@ -90,12 +91,9 @@ __global__ void TmaRuns(const uint32_t* seg_begin, int64_t num_rows, int64_t row
   __syncthreads();
   const int64_t group = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
   const int lane = threadIdx.x % kWarp;
-  const int64_t r0 = group * kWarp, r = r0 + lane;
+  const int64_t r0 = group * kWarp;
   if (r0 >= num_rows) return;
-  const uint32_t begin = r <= num_rows ? seg_begin[r] : 0u;
-  uint32_t next = __shfl_down_sync(0xffffffffu, begin, 1);
-  if (lane == kWarp - 1) next = r + 1 <= num_rows ? seg_begin[r + 1] : 0u;
-  unsigned untouched = __ballot_sync(0xffffffffu, r < num_rows && next == begin);
+  unsigned untouched = UntouchedMask(seg_begin, num_rows, r0, lane, false);
   if (lane != 0) return;
   const uint32_t smem = static_cast<uint32_t>(__cvta_generic_to_shared(zeros));
   while (untouched != 0) {
@@ -134,28 +132,6 @@ __global__ void LinearUntouched(const uint32_t* seg_begin, int64_t row_chunks, i
   if (c >= chunks) return;
   const int64_t r = c / row_chunks;
   if (__ldg(seg_begin + r) == __ldg(seg_begin + r + 1)) Store16(out + c * 16, evict_first);
-}
-
-template <typename Launch>
-float MedianMs(Launch launch, int reps = 21) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  launch();
-  launch();
-  std::vector<float> ms;
-  for (int i = 0; i < reps; ++i) {
-    CHECK(cudaEventRecord(a));
-    launch();
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float t;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    ms.push_back(t);
-  }
-  CHECK(cudaGetLastError());
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 }  // namespace

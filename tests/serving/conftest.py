@@ -24,3 +24,16 @@ def saved_models(tmp_path_factory, tf_with_ops):
     composite.mkdir()
     paths["composite"] = write_model(str(composite), 1, seed=7, fused=False)
     return paths
+
+
+@pytest.fixture
+def invoked_rows(monkeypatch):
+    """Rows of every TFLite interpreter run, in order (the runs a request was batched or split into)."""
+    from pkm_serve.serving import tflite_servable
+    rows, run = [], tflite_servable._Interpreter.run
+
+    def counting(self, key, inputs):
+        rows.append(len(next(iter(inputs.values()))))
+        return run(self, key, inputs)
+    monkeypatch.setattr(tflite_servable._Interpreter, "run", counting)
+    return rows

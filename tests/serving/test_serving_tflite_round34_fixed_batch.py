@@ -40,18 +40,6 @@ def model_dir(tmp_path_factory, tf_with_ops):
     return str(path)
 
 
-@pytest.fixture
-def invoked_rows(monkeypatch):
-    from pkm_serve.serving import tflite_servable
-    rows, run = [], tflite_servable._Interpreter.run
-
-    def counting(self, key, inputs):
-        rows.append(len(next(iter(inputs.values()))))
-        return run(self, key, inputs)
-    monkeypatch.setattr(tflite_servable._Interpreter, "run", counting)
-    return rows
-
-
 def _ids(rows):
     return np.random.default_rng(rows).integers(0, N, size=(rows, K)).astype(np.int32)
 

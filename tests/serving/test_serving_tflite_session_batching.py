@@ -24,19 +24,6 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.fixture
-def invoked_rows(monkeypatch):
-    """Rows of every interpreter run, in order."""
-    from pkm_serve.serving import tflite_servable
-    rows, run = [], tflite_servable._Interpreter.run
-
-    def counting(self, key, inputs):
-        rows.append(len(next(iter(inputs.values()))))
-        return run(self, key, inputs)
-    monkeypatch.setattr(tflite_servable._Interpreter, "run", counting)
-    return rows
-
-
 def _bags(rng, rows):
     return {"indices": rng.integers(-1, N, size=(rows, K)).astype(np.int32),
             "weights": rng.random((rows, K)).astype(np.float32)}
