@@ -43,8 +43,8 @@ class PositionSpan(NamedTuple):
     ids_width: Optional[int] = None      # tf.unstack(ids or rows) refuses ids of any other width
     weights_width: Optional[int] = None  # tf.unstack(weights) likewise
     ids_cast: Optional[dict] = None      # the attrs of the Cast each position's ids go through
-    clamped: bool = False      # every position taken as ids[..., k:k+1] (tf.concat's), which is empty, not
-                               # refused, past the ids' width, as the fused ids[..., a:b] clamps: no width check
+    clamped: bool = False      # unweighted ids[..., k:k+1] (tf.concat's): empty past the ids' width as
+                               # the fused ids[..., a:b] clamps, not refused: no width check
 
 
 def _is_zero_fill(fg: FunctionGraph, ref: Ref) -> bool:
@@ -380,6 +380,9 @@ def _positions_site(fg: FunctionGraph, node, site: Site, terms: List[_Term], own
     site.indices = ids_source
     if first.sliced is not None and site.table_shape[0] is None:
         raise Skip("the table's rows are unknown, so the ids the sliced rows gathered cannot be range-checked")
+    if site.weighted and all(t.kept for t in terms):
+        raise Skip("weighted positions taken as ids[..., k:k+1] (tf.concat's): the original sums the positions "
+                   "the ids and the weights both have (one past either's width is empty, not refused): not fused")
     site.positions = PositionSpan(
         positions[0], positions[-1] + 1, first.wrapped, first.sliced is not None, *(min(w, default=None) for w in widths),
         ids_cast=None if first.cast is None else {k: v for k, v in first.cast.attr.items() if not k.startswith("_")},
@@ -432,9 +435,8 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
 def _width_check(fg: FunctionGraph, prefix: str, site: Site, ref: Ref, stop: int, exact: Optional[int],
                  what: str) -> str:
     """An Assert that `ref` has at least `stop` positions (exactly `exact` where tf.unstack takes them)."""
-    rank = fg.shape(ref).rank
-    shape = fg.add_op(prefix + "/shape", "Shape", [ref], {"T": DType(tensor_dtype(fg, ref)), "out_type": I32},
-                      shapes=[[None]])
+    rank, dtype = fg.shape(ref).rank, DType(tensor_dtype(fg, ref))
+    shape = fg.add_op(prefix + "/shape", "Shape", [ref], {"T": dtype, "out_type": I32}, shapes=[[None]])
     # The width as sum(shape * [0, .., 0, 1]): a StridedSlice of a Shape is folded to the declared K.
     one_hot = np.zeros([rank], np.int32)
     one_hot[-1] = 1
