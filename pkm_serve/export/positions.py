@@ -26,7 +26,7 @@ from pkm_serve.export.dense import (Rows, apply_rows, fill_from_gather, is_scala
                                     strip_trailing_unit_axis)
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import I32, _assert, _reduce_ids
-from pkm_serve.export.position_slices import _slice_entries, slice_position, unwrapped
+from pkm_serve.export.position_slices import _slice_entries, slice_position, unwrapped, wrap_negative
 from pkm_serve.export.sites import (NotASite, Site, Skip, check_private, dims, same_dims, shared_by_bags,
                                     tensor_dtype)
 
@@ -45,6 +45,7 @@ class PositionSpan(NamedTuple):
     ids_cast: Optional[dict] = None      # the attrs of the Cast each position's ids go through
     clamped: bool = False      # unweighted ids[..., k:k+1] (tf.concat's): empty past the ids' width as
                                # the fused ids[..., a:b] clamps, not refused: no width check
+    weighs_all: bool = False   # weights multiply all the rows before the slice (cumsum(rows * w)[:, j])
 
 
 def _is_zero_fill(fg: FunctionGraph, ref: Ref) -> bool:
@@ -414,6 +415,10 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
     span: PositionSpan = site.positions
     prefix = site.root + "/pkm_positions"
     rank = fg.shape(site.indices).rank
+    if span.weighs_all and site.weights is not None:  # broadcast (or refused) whole, as the product was
+        from pkm_serve.export.fuse import broadcast_against
+        site.indices, site.weights = (broadcast_against(fg, prefix + "/ids_all", site.indices, site.weights),
+                                      broadcast_against(fg, prefix + "/weights_all", site.weights, site.indices))
     checks = [] if span.clamped else [_width_check(fg, prefix + "/ids", site, site.indices, span.stop,
                                                    span.ids_width, "ids")]
     if site.weights is not None and span.weights_width is not None:
@@ -426,7 +431,7 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
         site.indices = fg.add_op(prefix + "/ids_cast", "Cast", [site.indices], span.ids_cast,
                                  shapes=[dims(fg.shape(site.indices))])
     if span.wrapped:  # as keras.ops.take does: where(ids < 0, ids + N, ids)
-        site.indices = _wrap_negative(fg, prefix + "/wrapped", site)
+        site.indices = wrap_negative(fg, prefix + "/wrapped", site)
     if site.weights is not None:
         site.weights = _positions(fg, prefix + "/weights", site.weights, span.first, span.stop,
                                   fg.shape(site.weights).rank, checks)
@@ -473,17 +478,6 @@ def _assert_every_id_in_range(fg: FunctionGraph, site: Site, prefix: str, wrappe
                     f"(smallest, largest), not within [{low}, {high}) (the original model gathers every id "
                     "before it slices the positions it sums, and refuses it)", "/message_range")
     return check
-
-
-def _wrap_negative(fg: FunctionGraph, name: str, site: Site) -> Ref:
-    np_type = dtypes.as_dtype(site.index_dtype).as_numpy_dtype
-    ids_type, shape = DType(site.index_dtype), dims(fg.shape(site.indices))
-    negative = fg.add_op(name + "/negative", "Less", [site.indices, fg.add_const(name + "/zero", np.array(0, np_type))],
-                         {"T": ids_type}, shapes=[shape])
-    shifted = fg.add_op(name + "/shifted", "AddV2",
-                        [site.indices, fg.add_const(name + "/rows", np.array(site.table_shape[0], np_type))],
-                        {"T": ids_type}, shapes=[shape])
-    return fg.add_op(name, "SelectV2", [negative, shifted, site.indices], {"T": ids_type}, shapes=[shape])
 
 
 def _positions(fg: FunctionGraph, name: str, ref: Ref, first: int, stop: int, rank: int, checks: List[str]) -> Ref:

@@ -1,0 +1,83 @@
+"""Weights of another run-time shape than the ids in bags over several axes and partial running sums:
+the fused site must refuse what the composite's rows * w[..., None] refuses and pair ids with weights
+as its broadcast does. Before: a bag over [1, 2] flattened ids and weights each on its own (w [B, K, F]
+answered with wrong pairs, w [B, 1, K] refused); cumsum(rows * w)[:, j] sliced both to :j+1 first
+(w [B, 7] with ids [B, 5] answered). Also: the .tflite of a bag over [1, 2] read F * K as declared."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from export_models import run_as_a_server
+from round34_forms import FIELD_IDS, FIELDS, K, N, RNG, TABLE, save_and_export
+
+FIELD_WEIGHTS = tf.TensorSpec([None, FIELDS, K], tf.float32)
+WIDE = 5
+WIDE_IDS, WIDE_WEIGHTS = tf.TensorSpec([None, WIDE], tf.int64), tf.TensorSpec([None, WIDE], tf.float32)
+
+
+def _ids(*shape):
+    return RNG.integers(0, N, shape).astype(np.int64)
+
+
+def _weights(*shape):
+    return RNG.uniform(0.5, 2, shape).astype(np.float32)
+
+
+def _refused_or_answered_alike(tmp_path, result, feed, expected):
+    """expected None: both refuse (InvalidArgument); else both answer it (float64 reference)."""
+    for model in (tmp_path / "m", result.dst):
+        if expected is None:
+            with pytest.raises(tf.errors.InvalidArgumentError):
+                run_as_a_server(model, "serving_default", feed)
+        else:
+            np.testing.assert_allclose(run_as_a_server(model, "serving_default", feed), expected, rtol=1e-5, atol=1e-5)
+
+
+def _field_bags(ids, w):
+    w = np.broadcast_to(w, ids.shape).astype(np.float64)
+    return np.einsum("bfk,bfkd->bd", w, TABLE.astype(np.float64)[ids])
+
+
+BAGS_OVER_TWO_AXES = {
+    "reduce_sum": lambda m, ids, w: tf.reduce_sum(tf.gather(m.t, ids) * w[..., None], [1, 2]),
+    "einsum": lambda m, ids, w: tf.einsum("bfk,bfkd->bd", w, tf.gather(m.t, ids)),
+}
+
+
+@pytest.mark.parametrize("form", sorted(BAGS_OVER_TWO_AXES))
+def test_weighted_bag_over_two_axes_broadcasts_weights_as_the_original(tmp_path, form):
+    result = save_and_export(tmp_path, [FIELD_IDS, FIELD_WEIGHTS], BAGS_OVER_TWO_AXES[form])
+    [site] = result.sites
+    assert site.status == "fused", site.reason
+    ids = _ids(2, FIELDS, K)
+    for w, broadcasts in ((_weights(2, FIELDS, K), True), (_weights(2, 1, K), True), (_weights(2, FIELDS, 1), True),
+                          (_weights(2, K, FIELDS), False), (_weights(2, FIELDS * K), False)):
+        if form == "einsum" and w.shape != ids.shape:
+            broadcasts = False  # tf.einsum does not broadcast a unit axis against another label's size
+        _refused_or_answered_alike(tmp_path, result, {"args_0": ids, "args_1": w},
+                                   _field_bags(ids, w) if broadcasts else None)
+
+
+def test_partial_running_sum_refuses_weights_the_product_refuses(tmp_path):
+    result = save_and_export(tmp_path, [WIDE_IDS, WIDE_WEIGHTS], lambda m, ids, w: tf.math.cumsum(
+        tf.gather(m.t, ids) * w[..., None], axis=1)[:, 2])
+    [site] = result.sites
+    assert (site.status, site.pattern) == ("fused", "cumsum"), site.reason
+    for ids, w, broadcasts in ((_ids(2, WIDE), _weights(2, WIDE), True), (_ids(2, WIDE), _weights(2, 1), True),
+                               (_ids(2, WIDE), _weights(2, 7), False), (_ids(2, WIDE), _weights(2, 3), False),
+                               (_ids(2, 7), _weights(2, WIDE), False)):
+        w_full = np.broadcast_to(w, ids.shape) if broadcasts else None
+        expected = None if not broadcasts else np.einsum(
+            "bk,bkd->bd", w_full[:, :3].astype(np.float64), TABLE.astype(np.float64)[ids[:, :3]])
+        _refused_or_answered_alike(tmp_path, result, {"args_0": ids, "args_1": w}, expected)
+
+
+def test_tflite_of_a_bag_over_two_axes_takes_resized_ids(tmp_path):
+    from pkm_serve.tflite import run_tflite
+    result = save_and_export(tmp_path, [FIELD_IDS], lambda m, ids: tf.reduce_mean(tf.gather(m.t, ids), [1, 2]),
+                             tflite=str(tmp_path / "m.tflite"))
+    assert result.sites[0].status == "fused", result.sites[0].reason
+    for shape in ((2, FIELDS, K), (2, FIELDS + 1, K + 1)):
+        ids = _ids(*shape)
+        [got] = run_tflite(str(tmp_path / "m.tflite"), {"args_0": ids})
+        np.testing.assert_allclose(got, TABLE.astype(np.float64)[ids].mean((1, 2)), rtol=1e-5, atol=1e-6)
