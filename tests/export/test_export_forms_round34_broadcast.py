@@ -81,3 +81,20 @@ def test_tflite_of_a_bag_over_two_axes_takes_resized_ids(tmp_path):
         ids = _ids(*shape)
         [got] = run_tflite(str(tmp_path / "m.tflite"), {"args_0": ids})
         np.testing.assert_allclose(got, TABLE.astype(np.float64)[ids].mean((1, 2)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("divisor, label", [
+    (lambda ids: tf.cast(tf.shape(ids)[-1], tf.float32), "sum"),   # K of F * K summed: no mean
+    (lambda ids: tf.constant(float(K)), "sum"),
+    (lambda ids: tf.constant(float(FIELDS * K)), "mean")])
+def test_bag_over_two_axes_is_labelled_mean_only_when_divided_by_fields_times_positions(tmp_path, divisor, label):
+    """reduce_sum(rows, [1, 2]) / tf.shape(ids)[-1] divides by K, not by the F * K rows summed: it was
+    labelled 'mean'. The label follows what the division computes against numpy's mean."""
+    result = save_and_export(tmp_path, [FIELD_IDS], lambda m, ids: tf.reduce_sum(tf.gather(m.t, ids), [1, 2]) /
+                             divisor(ids))
+    [site] = result.sites
+    assert site.computes == label, (site.status, site.computes, site.reason)
+    ids = _ids(2, FIELDS, K)
+    got = run_as_a_server(result.dst, "serving_default", {"args_0": ids})
+    is_mean = np.allclose(got, TABLE.astype(np.float64)[ids].mean((1, 2)), rtol=1e-5, atol=1e-6)
+    assert is_mean == (label == "mean")
