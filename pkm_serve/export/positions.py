@@ -421,7 +421,7 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
                                       broadcast_against(fg, prefix + "/weights_all", site.weights, site.indices))
     checks = [] if span.clamped else [_width_check(fg, prefix + "/ids", site, site.indices, span.stop,
                                                    span.ids_width, "ids")]
-    if site.weights is not None and span.weights_width is not None:
+    if site.weights is not None and (span.weights_width is not None or not span.weighs_all):  # w[:, k] refuses
         checks.append(_width_check(fg, prefix + "/weights", site, site.weights, span.stop, span.weights_width,
                                    "weights"))
     if span.gathers_all:

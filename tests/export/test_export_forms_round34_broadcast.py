@@ -98,3 +98,23 @@ def test_bag_over_two_axes_is_labelled_mean_only_when_divided_by_fields_times_po
     got = run_as_a_server(result.dst, "serving_default", {"args_0": ids})
     is_mean = np.allclose(got, TABLE.astype(np.float64)[ids].mean((1, 2)), rtol=1e-5, atol=1e-6)
     assert is_mean == (label == "mean")
+
+
+@pytest.mark.parametrize("sliced_rows", [False, True])
+def test_per_position_sum_refuses_weights_narrower_than_its_positions(tmp_path, sliced_rows):
+    """add_n(gather(t, ids[:, k]) * w[:, k:k+1]): w [B, 1] has no w[:, 1:2] to multiply position 1 by, and
+    the original refuses it; the fused op broadcast w[:, 0:K] of width 1 over every position."""
+    def body(m, ids, w):
+        if sliced_rows:
+            rows = tf.gather(m.t, ids)
+            return tf.add_n([rows[:, k] * w[:, k:k + 1] for k in range(WIDE)])
+        return tf.add_n([tf.gather(m.t, ids[:, k]) * w[:, k:k + 1] for k in range(WIDE)])
+    result = save_and_export(tmp_path, [WIDE_IDS, WIDE_WEIGHTS], body)
+    [site] = result.sites
+    assert (site.status, site.pattern) == ("fused", "per-position-sum"), site.reason
+    ids = _ids(2, WIDE)
+    for w, answers in ((_weights(2, WIDE), True), (_weights(2, WIDE + 2), True), (_weights(2, 1), False),
+                       (_weights(2, 3), False)):
+        expected = np.einsum("bk,bkd->bd", w[:, :WIDE].astype(np.float64), TABLE.astype(np.float64)[ids]) \
+            if answers else None
+        _refused_or_answered_alike(tmp_path, result, {"args_0": ids, "args_1": w}, expected)
