@@ -13,7 +13,7 @@ import tempfile
 from tensorflow.core.framework import types_pb2
 
 from pkm_serve.export.files import FINGERPRINT_PB, SAVED_MODEL_PB
-from pkm_serve.export.saved_model_io import record_new_ops
+from pkm_serve.export.saved_model_io import read_saved_model, record_new_ops
 
 CHECK_THEN = "PkmCheckThen"
 
@@ -63,13 +63,11 @@ def unfold_check_then(meta_graph) -> int:
     return count
 
 
-
 @contextlib.contextmanager
 def without_check_then(saved_model_dir: str):
     """The SavedModel directory to convert to TFLite: itself, or where it holds PkmCheckThen a
     temporary copy (its variables and assets linked) with each written as Assert + Identity.
     The SavedModel served keeps PkmCheckThen: under XLA an Assert is dropped, the check with it."""
-    from pkm_serve.export.saved_model_io import read_saved_model
     proto = read_saved_model(saved_model_dir)
     unfolded = 0
     for meta_graph in proto.meta_graphs:
