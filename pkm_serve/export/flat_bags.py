@@ -20,40 +20,37 @@ def flatten_bag_axes(fg: FunctionGraph, site: Site) -> None:
     prefix = site.root + "/pkm_flat_bag"
     check = assert_ids_rank(fg, site, site.indices)  # first: the checks below would fail on another rank
     if check is not None:
-        site.indices = _after(fg, prefix + "/ids_rank_checked", site.indices, check)
-    control = []
+        site.indices = after(fg, prefix + "/ids_rank_checked", site.indices, check)
     if site.weights is not None and not site.weights_scalar:
         if check is not None:
-            site.weights = _after(fg, prefix + "/weights_rank_checked", site.weights, check)
-        if site.pattern == "einsum" and fg.shape(site.weights).rank == fg.shape(site.indices).rank:
-            control.append(_assert_same_bag_axes(fg, site, prefix + "/einsum_axes_check"))  # no label broadcast
+            site.weights = after(fg, prefix + "/weights_rank_checked", site.weights, check)
         # rows * w[..., None] pairs ids and weights as broadcast (w [B, 1, K]), refusing shapes that do not
         # broadcast (w [B, K, F], [B, F * K]): so here, before each is flattened on its own.
         from pkm_serve.export.fuse import broadcast_against
         site.indices, site.weights = (broadcast_against(fg, prefix + "/ids", site.indices, site.weights),
                                       broadcast_against(fg, prefix + "/weights", site.weights, site.indices))
-    site.indices = _flattened(fg, prefix + "/ids", site.indices, site.flatten_bag_axes, control)
+    site.indices = _flattened(fg, prefix + "/ids", site.indices, site.flatten_bag_axes, [])
     if site.weights is not None and not site.weights_scalar:
-        site.weights = _flattened(fg, prefix + "/weights", site.weights, site.flatten_bag_axes, control)
+        site.weights = _flattened(fg, prefix + "/weights", site.weights, site.flatten_bag_axes, [])
     if site.mask is not None:
         if check is not None:
-            site.mask = _after(fg, prefix + "/mask_rank_checked", site.mask, check)
-        site.mask = _flattened(fg, prefix + "/mask", site.mask, site.flatten_bag_axes, control)
+            site.mask = after(fg, prefix + "/mask_rank_checked", site.mask, check)
+        site.mask = _flattened(fg, prefix + "/mask", site.mask, site.flatten_bag_axes, [])
 
 
-def _after(fg: FunctionGraph, name: str, ref: Ref, check: str) -> Ref:
+def after(fg: FunctionGraph, name: str, ref: Ref, check: str) -> Ref:
     """`ref` once `check` passed."""
     shape = fg.shape(ref)
     return fg.add_op(name, "Identity", [ref], {"T": DType(tensor_dtype(fg, ref))},
                      shapes=[None if shape.rank is None else shape.as_list()], control=[check])
 
 
-def _assert_same_bag_axes(fg: FunctionGraph, site: Site, prefix: str) -> str:
-    """An Assert that the weights' bag axes (the last site.flatten_bag_axes) are the ids': tf.einsum
-    ('bfk,bfkd->bd') refuses a weights' unit axis that rows * w[..., None] would broadcast."""
+def assert_same_labelled_axes(fg: FunctionGraph, site: Site, prefix: str, axes: int) -> str:
+    """An Assert that the weights' last `axes` axes are the ids': tf.einsum ('bk,bkd->bd') refuses a
+    weights' unit axis that rows * w[..., None] (and the fused op's broadcast) would broadcast."""
     rank = fg.shape(site.indices).rank
     tail = np.zeros([rank], np.int32)
-    tail[rank - site.flatten_bag_axes:] = 1
+    tail[rank - axes:] = 1
     tail_ref = fg.add_const(prefix + "/tail", tail)
 
     def bag_axes(what, ref):
@@ -67,7 +64,7 @@ def _assert_same_bag_axes(fg: FunctionGraph, site: Site, prefix: str) -> str:
                    {"Tidx": I32, "keep_dims": False}, shapes=[[]])
     return _assert(fg, prefix, ok, f"tf.einsum bag fused in {site.root}: the weights have shape",
                    (weights_shape, types_pb2.DT_INT32), f"but the original's einsum takes their last "
-                   f"{site.flatten_bag_axes} axes equal to the ids' (it broadcasts no labelled axis)", "/message_axes")
+                   f"{axes} axes equal to the ids' (it broadcasts no labelled axis)", "/message_axes")
 
 
 def _flattened(fg: FunctionGraph, name: str, ref: Ref, axes: int, control) -> Ref:

@@ -166,6 +166,8 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
                                if not t.startswith("^")]
             if site.positions is not None:
                 positions.take_positions(fg, site)
+            if site.pattern == "einsum":
+                einsum.check_labelled_weights(fg, site)
             if site.flatten_bag_axes > 1:
                 flat_bags.flatten_bag_axes(fg, site)
             if site.weights_to_vector:

@@ -118,3 +118,19 @@ def test_per_position_sum_refuses_weights_narrower_than_its_positions(tmp_path, 
         expected = np.einsum("bk,bkd->bd", w[:, :WIDE].astype(np.float64), TABLE.astype(np.float64)[ids]) \
             if answers else None
         _refused_or_answered_alike(tmp_path, result, {"args_0": ids, "args_1": w}, expected)
+
+
+@pytest.mark.parametrize("equation, ids_spec", [("bk,bkd->bd", WIDE_IDS), ("bfk,bfkd->bd", FIELD_IDS)])
+def test_weighted_einsum_refuses_weights_it_does_not_broadcast(tmp_path, equation, ids_spec):
+    """tf.einsum broadcasts no labelled axis: weights fed [B, 1] or [1, K] are refused by the original; the
+    fused op broadcast them to the ids and answered."""
+    w_spec = tf.TensorSpec(ids_spec.shape, tf.float32)
+    result = save_and_export(tmp_path, [ids_spec, w_spec], lambda m, ids, w: tf.einsum(equation, w, tf.gather(m.t, ids)))
+    [site] = result.sites
+    assert (site.status, site.pattern) == ("fused", "einsum"), site.reason
+    ids = _ids(2, *ids_spec.shape[1:])
+    for w_shape, answers in ((ids.shape, True), (ids.shape[:-1] + (1,), False), ((1,) + ids.shape[1:], False)):
+        w = _weights(*w_shape)
+        expected = np.einsum(equation, w.astype(np.float64), TABLE.astype(np.float64)[ids]) \
+            if answers else None
+        _refused_or_answered_alike(tmp_path, result, {"args_0": ids, "args_1": w}, expected)
