@@ -277,3 +277,29 @@ def _unit_axis_before_last(fg: FunctionGraph, ref: Ref):
         ok = False
     return (w, [node.name]) if ok else (None, [])
 
+
+
+def check_labelled_weights(fg: FunctionGraph, site: Site) -> None:
+    """Before fusing a weighted einsum ('bk,bkd->bd', 'bfk,bfkd->bd'): tf.einsum broadcasts no labelled axis
+    (weights fed [B, 1] or [1, K] are refused), the fused op's broadcast to the ids would; so an Assert that
+    the weights' labelled axes are the ids' (an ellipsis before them broadcasts, as in the einsum)."""
+    root = fg.nodes[site.root]
+    if site.weights is None or site.weights_scalar or "equation" not in root.attr or \
+            fg.shape(site.weights).rank is None or fg.shape(site.weights).rank != fg.shape(site.indices).rank:
+        return
+    lhs = root.attr["equation"].s.decode().replace(" ", "").split("->")[0].split(",")
+    ins = fg.inputs(root)
+    if len(ins) != 2 or site.weights not in ins:
+        return
+    labels = _einsum_labels(lhs[ins.index(site.weights)])
+    if "..." in labels[1:]:
+        return  # labels before an ellipsis: not checked here
+    from pkm_serve.export.flat_bags import after, assert_same_labelled_axes
+    from pkm_serve.export.id_checks import assert_ids_rank
+    rank_check = assert_ids_rank(fg, site, site.indices)  # first: ids of another rank get its message
+    if rank_check is not None:
+        site.indices = after(fg, site.root + "/pkm_einsum_ids_rank_checked", site.indices, rank_check)
+        site.weights = after(fg, site.root + "/pkm_einsum_weights_rank_checked", site.weights, rank_check)
+    labelled = len(labels) - (1 if labels and labels[0] == "..." else 0)
+    check = assert_same_labelled_axes(fg, site, site.root + "/pkm_einsum_axes_check", labelled)
+    site.weights = after(fg, site.root + "/pkm_einsum_weights_checked", site.weights, check)

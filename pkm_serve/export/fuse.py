@@ -271,7 +271,7 @@ def _checks(*names: Optional[str]) -> List[str]:
     return [n for n in names if n is not None]
 
 
-def _plus_zeros_like(fg: FunctionGraph, name: str, x: Ref, other: Ref) -> Ref:
+def broadcast_against(fg: FunctionGraph, name: str, x: Ref, other: Ref) -> Ref:
     """x + zeros shaped like `other`: x broadcast against it. An elementwise add
     fails with a message where the two do not broadcast (TFLite's
     BROADCAST_ARGS aborts the process there); adding 0 changes no id and no
@@ -281,7 +281,7 @@ def _plus_zeros_like(fg: FunctionGraph, name: str, x: Ref, other: Ref) -> Ref:
     x_shape, other_shape = fg.shape(x), fg.shape(other)
     if x_type in (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16):
         wide = _cast(fg, name + "_wide", x, x_type, types_pb2.DT_FLOAT, dims(x_shape))
-        wide = _plus_zeros_like(fg, name + "_wide", wide, other)
+        wide = broadcast_against(fg, name + "_wide", wide, other)
         return _cast(fg, name + "_broadcast", wide, types_pb2.DT_FLOAT, x_type, dims(fg.shape(wide)))
     other_dims = other_shape.as_list() if other_shape.rank is not None else None
     zeros = fg.add_op(name + "_zeros", "ZerosLike", [_cast(fg, name + "_cast", other, other_type, x_type, other_dims)],
@@ -301,8 +301,8 @@ def _broadcast_ids_and_weights(fg: FunctionGraph, site: Site, indices: Ref, weig
     ids_shape, w_shape = fg.shape(indices), fg.shape(weights)
     if ids_shape.is_fully_defined() and w_shape.is_fully_defined() and ids_shape == w_shape:
         return indices, weights
-    return (_plus_zeros_like(fg, site.root + "/pkm_ids", indices, weights),
-            _plus_zeros_like(fg, site.root + "/pkm_weights", weights, indices))
+    return (broadcast_against(fg, site.root + "/pkm_ids", indices, weights),
+            broadcast_against(fg, site.root + "/pkm_weights", weights, indices))
 
 
 def _broadcast_ids_like_ones(fg: FunctionGraph, site: Site, indices: Ref) -> Ref:
@@ -312,7 +312,7 @@ def _broadcast_ids_like_ones(fg: FunctionGraph, site: Site, indices: Ref) -> Ref
     ones = site.ones
     if site.ones_squeeze:
         ones = _squeeze_last(fg, site.root + "/pkm_ones_squeezed", ones, tensor_dtype(fg, ones))
-    return _plus_zeros_like(fg, site.root + "/pkm_ids", indices, ones)
+    return broadcast_against(fg, site.root + "/pkm_ids", indices, ones)
 
 
 def _bag_size(fg: FunctionGraph, site: Site, indices: Ref, dtype: int) -> Ref:

@@ -118,11 +118,12 @@ def _reduced(fg: FunctionGraph, ref: Ref) -> Optional[Ref]:
 
 def _bag_size_read(fg: FunctionGraph, ref: Ref, site: Site) -> bool:
     """`ref` is the ids' last dim read off their shape (tf.shape(ids)[-1], cast or not): the bag size
-    of a dense site whatever width the ids are fed at."""
+    of a dense site whatever width the ids are fed at (not of a bag over several axes: F * K)."""
     node = fg.producer(ref)
     while node is not None and node.op in ("Identity", "Cast", "Reshape", "ExpandDims"):
         node = fg.producer(fg.inputs(node)[0])
     if node is None or node.op != "StridedSlice" or site.indices is None or site.positions is not None or \
+            site.flatten_bag_axes > 1 or \
             site.regathers or site.regroup_ids is not None or "ragged" in site.pattern or "sparse" in site.pattern:
         return False
     shape = fg.producer(fg.inputs(node)[0])
@@ -177,7 +178,8 @@ def computes(fg: FunctionGraph, site: Site) -> str:
     summed = _reduced(fg, divisor)
     if summed is None:
         value = fg.const_value(divisor)
-        bag = site.gathered_shape[-2] if site.gathered_shape else None
+        bag_dims = site.gathered_shape[-1 - site.flatten_bag_axes:-1] if site.gathered_shape else [None]
+        bag = None if None in bag_dims else int(np.prod(bag_dims))  # F * K of a bag over [1, 2]
         if (value is not None and bag is not None and np.all(value == bag)) or _bag_size_read(fg, divisor, site):
             return "mean"
         return "sum"

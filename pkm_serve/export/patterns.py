@@ -13,7 +13,7 @@ from typing import List
 from pkm_serve.export import (counts, dense, einsum, flat_bags, fuse, half_division, labels, padded_ragged, pooled,
                               positions, ragged, ragged_range, running_sum, sparse, tensordot, unrecognised)
 from pkm_serve.export.graph import FunctionGraph
-from pkm_serve.export.sites import NotASite, Site, Skip
+from pkm_serve.export.sites import NotASite, Site, Skip, check_shared_weights_fixed
 from pkm_serve.export.sparse import SEGMENT_PATTERN
 
 # Kept for callers of the old single module.
@@ -67,6 +67,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
         try:
             site = matcher(fg, node, site)
             check_half_table_widened(site)
+            check_shared_weights_fixed(fg, site)
         except NotASite:
             if not report_not_a_site:
                 return
@@ -165,6 +166,8 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
                                if not t.startswith("^")]
             if site.positions is not None:
                 positions.take_positions(fg, site)
+            if site.pattern == "einsum":
+                einsum.check_labelled_weights(fg, site)
             if site.flatten_bag_axes > 1:
                 flat_bags.flatten_bag_axes(fg, site)
             if site.weights_to_vector:

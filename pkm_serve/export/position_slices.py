@@ -7,7 +7,10 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from pkm_serve.export.graph import FunctionGraph, Ref
+from tensorflow.python.framework import dtypes
+
+from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.sites import dims
 
 
 def attr_value(node, name: str, field: str):
@@ -118,3 +121,15 @@ def unwrapped(fg: FunctionGraph, ref: Ref, table_shape) -> Tuple[Ref, bool]:
         return ref, False
     other = [r for r in fg.inputs(then_ref) if r != x]
     return (x, True) if len(other) == 1 and _static_int(fg, other[0]) == int(rows) else (ref, False)
+
+
+def wrap_negative(fg: FunctionGraph, name: str, site) -> Ref:
+    """where(ids < 0, ids + N, ids) of the site's ids, as keras.ops.take does."""
+    np_type = dtypes.as_dtype(site.index_dtype).as_numpy_dtype
+    ids_type, shape = DType(site.index_dtype), dims(fg.shape(site.indices))
+    negative = fg.add_op(name + "/negative", "Less", [site.indices, fg.add_const(name + "/zero", np.array(0, np_type))],
+                         {"T": ids_type}, shapes=[shape])
+    shifted = fg.add_op(name + "/shifted", "AddV2",
+                        [site.indices, fg.add_const(name + "/rows", np.array(site.table_shape[0], np_type))],
+                        {"T": ids_type}, shapes=[shape])
+    return fg.add_op(name, "SelectV2", [negative, shifted, site.indices], {"T": ids_type}, shapes=[shape])

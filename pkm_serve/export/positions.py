@@ -26,7 +26,7 @@ from pkm_serve.export.dense import (Rows, apply_rows, fill_from_gather, is_scala
                                     strip_trailing_unit_axis)
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import I32, _assert, _reduce_ids
-from pkm_serve.export.position_slices import _slice_entries, slice_position, unwrapped
+from pkm_serve.export.position_slices import _slice_entries, slice_position, unwrapped, wrap_negative
 from pkm_serve.export.sites import (NotASite, Site, Skip, check_private, dims, same_dims, shared_by_bags,
                                     tensor_dtype)
 
@@ -43,8 +43,9 @@ class PositionSpan(NamedTuple):
     ids_width: Optional[int] = None      # tf.unstack(ids or rows) refuses ids of any other width
     weights_width: Optional[int] = None  # tf.unstack(weights) likewise
     ids_cast: Optional[dict] = None      # the attrs of the Cast each position's ids go through
-    clamped: bool = False      # every position taken as ids[..., k:k+1] (tf.concat's), which is empty, not
-                               # refused, past the ids' width, as the fused ids[..., a:b] clamps: no width check
+    clamped: bool = False      # unweighted ids[..., k:k+1] (tf.concat's): empty past the ids' width as
+                               # the fused ids[..., a:b] clamps, not refused: no width check
+    weighs_all: bool = False   # weights multiply all the rows before the slice (cumsum(rows * w)[:, j])
 
 
 def _is_zero_fill(fg: FunctionGraph, ref: Ref) -> bool:
@@ -380,6 +381,9 @@ def _positions_site(fg: FunctionGraph, node, site: Site, terms: List[_Term], own
     site.indices = ids_source
     if first.sliced is not None and site.table_shape[0] is None:
         raise Skip("the table's rows are unknown, so the ids the sliced rows gathered cannot be range-checked")
+    if site.weighted and all(t.kept for t in terms):
+        raise Skip("weighted positions taken as ids[..., k:k+1] (tf.concat's): the original sums the positions "
+                   "the ids and the weights both have (one past either's width is empty, not refused): not fused")
     site.positions = PositionSpan(
         positions[0], positions[-1] + 1, first.wrapped, first.sliced is not None, *(min(w, default=None) for w in widths),
         ids_cast=None if first.cast is None else {k: v for k, v in first.cast.attr.items() if not k.startswith("_")},
@@ -411,9 +415,13 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
     span: PositionSpan = site.positions
     prefix = site.root + "/pkm_positions"
     rank = fg.shape(site.indices).rank
+    if span.weighs_all and site.weights is not None:  # broadcast (or refused) whole, as the product was
+        from pkm_serve.export.fuse import broadcast_against
+        site.indices, site.weights = (broadcast_against(fg, prefix + "/ids_all", site.indices, site.weights),
+                                      broadcast_against(fg, prefix + "/weights_all", site.weights, site.indices))
     checks = [] if span.clamped else [_width_check(fg, prefix + "/ids", site, site.indices, span.stop,
                                                    span.ids_width, "ids")]
-    if site.weights is not None and span.weights_width is not None:
+    if site.weights is not None and (span.weights_width is not None or not span.weighs_all):  # w[:, k] refuses
         checks.append(_width_check(fg, prefix + "/weights", site, site.weights, span.stop, span.weights_width,
                                    "weights"))
     if span.gathers_all:
@@ -423,7 +431,7 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
         site.indices = fg.add_op(prefix + "/ids_cast", "Cast", [site.indices], span.ids_cast,
                                  shapes=[dims(fg.shape(site.indices))])
     if span.wrapped:  # as keras.ops.take does: where(ids < 0, ids + N, ids)
-        site.indices = _wrap_negative(fg, prefix + "/wrapped", site)
+        site.indices = wrap_negative(fg, prefix + "/wrapped", site)
     if site.weights is not None:
         site.weights = _positions(fg, prefix + "/weights", site.weights, span.first, span.stop,
                                   fg.shape(site.weights).rank, checks)
@@ -432,9 +440,8 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
 def _width_check(fg: FunctionGraph, prefix: str, site: Site, ref: Ref, stop: int, exact: Optional[int],
                  what: str) -> str:
     """An Assert that `ref` has at least `stop` positions (exactly `exact` where tf.unstack takes them)."""
-    rank = fg.shape(ref).rank
-    shape = fg.add_op(prefix + "/shape", "Shape", [ref], {"T": DType(tensor_dtype(fg, ref)), "out_type": I32},
-                      shapes=[[None]])
+    rank, dtype = fg.shape(ref).rank, DType(tensor_dtype(fg, ref))
+    shape = fg.add_op(prefix + "/shape", "Shape", [ref], {"T": dtype, "out_type": I32}, shapes=[[None]])
     # The width as sum(shape * [0, .., 0, 1]): a StridedSlice of a Shape is folded to the declared K.
     one_hot = np.zeros([rank], np.int32)
     one_hot[-1] = 1
@@ -471,17 +478,6 @@ def _assert_every_id_in_range(fg: FunctionGraph, site: Site, prefix: str, wrappe
                     f"(smallest, largest), not within [{low}, {high}) (the original model gathers every id "
                     "before it slices the positions it sums, and refuses it)", "/message_range")
     return check
-
-
-def _wrap_negative(fg: FunctionGraph, name: str, site: Site) -> Ref:
-    np_type = dtypes.as_dtype(site.index_dtype).as_numpy_dtype
-    ids_type, shape = DType(site.index_dtype), dims(fg.shape(site.indices))
-    negative = fg.add_op(name + "/negative", "Less", [site.indices, fg.add_const(name + "/zero", np.array(0, np_type))],
-                         {"T": ids_type}, shapes=[shape])
-    shifted = fg.add_op(name + "/shifted", "AddV2",
-                        [site.indices, fg.add_const(name + "/rows", np.array(site.table_shape[0], np_type))],
-                        {"T": ids_type}, shapes=[shape])
-    return fg.add_op(name, "SelectV2", [negative, shifted, site.indices], {"T": ids_type}, shapes=[shape])
 
 
 def _positions(fg: FunctionGraph, name: str, ref: Ref, first: int, stop: int, rank: int, checks: List[str]) -> Ref:

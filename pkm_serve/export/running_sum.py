@@ -63,6 +63,6 @@ def _partial_span(fg: FunctionGraph, site: Site, stop: int) -> None:
     if site.table_shape is None or site.table_shape[0] is None:
         raise Skip("the table's rows are unknown, so the ids the partial running sum gathered cannot be "
                    "range-checked")
-    site.positions = PositionSpan(0, stop, wrapped=False, gathers_all=True)
+    site.positions = PositionSpan(0, stop, wrapped=False, gathers_all=True, weighs_all=True)
     ids_dims = dims(fg.shape(site.indices))
     site.gathered_shape = None if ids_dims is None else ids_dims[:-1] + [stop, site.table_shape[1]]

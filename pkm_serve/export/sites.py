@@ -253,3 +253,34 @@ def dead_branch(fg: FunctionGraph, name: str, depth: int = 4) -> Optional[List[s
                 return None
             branch.extend(below)
     return branch
+
+
+def _fed_at_run_time(fg: FunctionGraph, ref: Ref) -> bool:
+    """`ref` reads a signature input (a server feeds it in any shape), not only constants and variables."""
+    seen, todo = set(), [ref]
+    while todo:
+        ref = todo.pop()
+        if ref.node in seen:
+            continue
+        seen.add(ref.node)
+        node = fg.producer(ref)
+        if node is None:
+            if tensor_dtype(fg, ref) != types_pb2.DT_RESOURCE:
+                return True
+        elif node.op not in ("Const", "ReadVariableOp", "VarHandleOp"):
+            todo.extend(fg.inputs(node))
+    return False
+
+
+def check_shared_weights_fixed(fg: FunctionGraph, site: Site) -> None:
+    """Raises Skip for weights every bag shares (v [K] against ids [B, K]: v[k], v[None, None, :] @ rows,
+    tensordot, einsum 'bkd,k->bd') that a signature input gives: fed [1] or [K + 2] the original indexes,
+    multiplies or refuses by rules the fused op's broadcast to the ids does not follow."""
+    if site.weights is None or site.indices is None or site.row_splits is not None or \
+            site.segment_ids is not None or site.sparse_indices is not None:
+        return
+    w_rank, ids_rank = fg.shape(site.weights).rank, fg.shape(site.indices).rank
+    if w_rank is not None and ids_rank is not None and w_rank < ids_rank and _fed_at_run_time(fg, site.weights):
+        raise Skip(f"the weights every bag shares ({fg.render(site.weights)}, rank {w_rank} against ids of rank "
+                   f"{ids_rank}) are fed at run time, in a shape no check here ties to the one the original "
+                   "needs: not fused (fused where they are a constant or a variable)")

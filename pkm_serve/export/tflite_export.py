@@ -19,6 +19,7 @@ import numpy as np
 
 from pkm_serve import tflite as pkm_tflite
 from pkm_serve.export import verify as V
+from pkm_serve.export.check_then import without_check_then
 from pkm_serve.export.errors import ExportError
 from pkm_serve.export.files import current_umask
 from pkm_serve.export.progress import Progress
@@ -61,11 +62,11 @@ def convert(saved_model_dir: str, signatures: Sequence[str], not_fused: Sequence
             ) -> bytes:
     import tensorflow as tf
 
-    converter = tf.lite.TFLiteConverter.from_saved_model(
-        saved_model_dir, signature_keys=list(signatures))
-    converter.allow_custom_ops = True
     try:
-        return converter.convert()
+        with without_check_then(saved_model_dir) as convertible:
+            converter = tf.lite.TFLiteConverter.from_saved_model(convertible, signature_keys=list(signatures))
+            converter.allow_custom_ops = True
+            return converter.convert()
     except Exception as e:  # noqa: BLE001 - the converter raises many types
         lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
         # The converter names each op it cannot lower as tf.OpName.

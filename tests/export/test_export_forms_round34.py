@@ -181,11 +181,7 @@ CONCATENATED_POSITIONS = {  # (specs, body, weighted, mean)
         [_rows_kept(m, ids, k) for k in range(K)], axis=-2), axis=-2), False, True),
     "sliced_rows": ([IDS], lambda m, ids: (lambda rows: tf.reduce_sum(tf.concat(
         [rows[:, k:k + 1] for k in range(K)], 1), 1))(tf.gather(m.t, ids)), False, False),
-    "weighted_unit_axis_added": ([IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(tf.concat(
-        [_rows_kept(m, ids, k) * w[:, k:k + 1, None] for k in range(K)], 1), 1), True, False),
-    "weighted_expanded": ([IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(tf.concat(
-        [_rows_kept(m, ids, k) * tf.expand_dims(w[:, k:k + 1], -1) for k in range(K)], 1), 1), True, False),
-}
+}  # weighted forms: reported (test_export_forms_round34_clamped.py)
 
 
 @pytest.mark.parametrize("form", sorted(CONCATENATED_POSITIONS))
