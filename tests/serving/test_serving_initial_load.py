@@ -135,7 +135,7 @@ def test_reload_adding_a_model_that_fails_to_load_says_so(tmp_path):
     assert err.value.message == ("Some models did not become available: "
                                  "{{{name: n version: 4} due to error: INVALID_ARGUMENT: bad graph 4}, }")
     assert version_states(manager, "n") == {4: State.END}          # applied: n is configured
-    with pytest.raises(ServingError, match="no version label 'stable'"):
+    with pytest.raises(ServingError, match="Unrecognized servable version label: stable"):
         with manager.serving(model_pb2.ModelSpec(name="m", version_label="stable")):
             pass
     bad.failures[2] = ServingError(grpc.StatusCode.INVALID_ARGUMENT, "bad graph 2")
