@@ -43,8 +43,14 @@ def _max_params_gradient(grad, params, indices):
     grad = tf.reshape(grad, [-1, dim])
     winners = tf.stop_gradient(_first_winners(params, indices))
     routed = tf.where(winners, tf.cast(grad, tf.float32)[:, None, :], tf.zeros([], tf.float32))
-    num_rows = tf.shape(params, out_type=indices.dtype)[0]
-    segments = tf.where(indices >= 0, indices, tf.fill(tf.shape(indices), num_rows))  # padding: dropped
+    return _summed_into_rows(routed, indices, params)
+
+
+def _summed_into_rows(routed, ids, params):
+    """d_params [N, D]: each entry's routed gradient (float32, shaped like ids + [D]) added into its
+    id's row, padding (negative ids) dropped."""
+    num_rows = tf.shape(params, out_type=ids.dtype)[0]
+    segments = tf.where(ids >= 0, ids, tf.fill(tf.shape(ids), num_rows))
     return tf.cast(tf.math.unsorted_segment_sum(routed, segments, num_rows + 1)[:-1], params.dtype)
 
 
@@ -65,9 +71,7 @@ def _ragged_max_params_gradient(grad, params, indices):
     starts = tf.gather(tf.concat([tf.zeros_like(counts[:1]), counts], 0), tf.gather(indices.row_splits, bag))
     winners = tf.stop_gradient(candidate & (counts - starts == 1))
     routed = tf.where(winners, tf.gather(tf.cast(grad, tf.float32), bag), tf.zeros([], tf.float32))
-    num_rows = tf.shape(params, out_type=ids.dtype)[0]
-    segments = tf.where(valid, ids, tf.fill(tf.shape(ids), num_rows))  # padding: dropped
-    return tf.cast(tf.math.unsorted_segment_sum(routed, segments, num_rows + 1)[:-1], params.dtype)
+    return _summed_into_rows(routed, ids, params)
 
 
 def _first_order(grad, params, indices, weights, combiner):
