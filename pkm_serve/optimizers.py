@@ -74,6 +74,36 @@ def _clipped_with_rows_summed(gradient: tf.IndexedSlices, clip):
     return tf.IndexedSlices(per_slot, gradient.indices, gradient.dense_shape)
 
 
+def _squared_norm(gradient, dtype):
+    """Sum of squares of `gradient` as its dense gradient has it: an IndexedSlices' repeated rows
+    summed first (a marker's -0.0, pkm_serve/_no_rows.py, adds nothing)."""
+    if not isinstance(gradient, tf.IndexedSlices):
+        return tf.reduce_sum(tf.square(tf.cast(gradient, dtype)))
+    rows, position = tf.unique(gradient.indices, out_idx=tf.int32)
+    summed = tf.math.unsorted_segment_sum(tf.cast(gradient.values, dtype), position, tf.shape(rows)[0])
+    return tf.reduce_sum(tf.square(summed))
+
+
+def _scaled_by_global_norm(grads, clip_norm):
+    """Keras' `global_clipnorm` (every gradient times one factor, min(1, clip_norm / global norm),
+    NaN when that norm is not finite) with IndexedSlices kept row-sparse: their values scaled, so
+    only the touched rows reach the step. The norm is taken in float32 at least."""
+    present = [g for g in grads if g is not None]
+    if not present:
+        return grads
+    dtype = keras.backend.result_type("float32", *[g.dtype for g in present])
+    norm = tf.sqrt(tf.add_n([_squared_norm(g, dtype) for g in present]))
+    clip_norm = tf.cast(clip_norm, dtype)
+    scale = clip_norm * tf.minimum(1 / norm, 1 / clip_norm) + (norm - norm)
+
+    def scaled(values):
+        return tf.cast(tf.cast(values, dtype) * scale, values.dtype)
+
+    return [None if g is None
+            else tf.IndexedSlices(scaled(g.values), g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices)
+            else scaled(g) for g in grads]
+
+
 def _row_mask(slot_mask, values):
     """`slot_mask` [n] broadcast over the rest of `values`' dims."""
     return tf.reshape(slot_mask, tf.concat([tf.shape(slot_mask), tf.ones([tf.rank(values) - 1], tf.int32)], 0))
@@ -139,8 +169,8 @@ class _RowSparseSteps:
         if not any(limit and limit > 0 for limit in (self.clipnorm, self.global_clipnorm, self.clipvalue)):
             return clip_all(grads)  # Keras clips with positive limits only
         if self.global_clipnorm and self.global_clipnorm > 0:
-            # One factor from all gradients; Keras' scaling makes IndexedSlices dense anyway.
-            return clip_all([tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads])
+            # Keras' scaling made an IndexedSlices dense: Adam then moved untouched rows.
+            return _scaled_by_global_norm(grads, self.global_clipnorm)
         clip_one = lambda g: clip_all([g])[0]  # noqa: E731  (clipnorm, clipvalue: each gradient alone)
         return [_clipped_with_rows_summed(g, clip_one) if isinstance(g, tf.IndexedSlices)
                 else clip_one(g) if g is not None else g for g in grads]
