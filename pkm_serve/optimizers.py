@@ -36,7 +36,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pkm_serve import _copy_on_write, _fused_update, _no_rows
+from pkm_serve import _copy_on_write, _fused_update, _no_rows, _row_accumulation
 
 
 def _unique_rows(gradient: tf.IndexedSlices):
@@ -142,24 +142,23 @@ def _claim_fused_tables(optimizer, var_list):
         _fused_update.claim(var, optimizer)
 
 
-class _UnscalableSlices(tf.IndexedSlices):
-    """An IndexedSlices that Keras' ``apply`` can divide by ``loss_scale_factor`` (the values only);
-    a plain one raised TypeError there."""
-
-    def __truediv__(self, scale):
-        return tf.IndexedSlices(self.values / scale, self.indices, self.dense_shape)
-
-
 class _RowSparseSteps:
     """What LazyAdam and RowwiseAdagrad both wrap around Keras' optimizer: ``apply`` with
-    IndexedSlices that ``loss_scale_factor`` can divide, and ``update_step`` behind the
-    fused-update check, the row-wise step itself being each one's ``_update_step``."""
+    IndexedSlices that ``loss_scale_factor`` can divide and gradient accumulation keeps row-sparse
+    (pkm_serve/_row_accumulation.py), and ``update_step`` behind the fused-update check, the
+    row-wise step itself being each one's ``_update_step``."""
 
     def apply(self, grads, trainable_variables=None):
-        if self.loss_scale_factor is not None:
-            grads = [_UnscalableSlices(g.values, g.indices, g.dense_shape) if isinstance(g, tf.IndexedSlices)
-                     else g for g in grads]
+        if self.loss_scale_factor is not None or self.gradient_accumulation_steps:
+            grads = [_row_accumulation.RowSparseGradient(g.values, g.indices, g.dense_shape, self)
+                     if isinstance(g, tf.IndexedSlices) else g for g in grads]
         return super().apply(grads, trainable_variables)
+
+    def _backend_increment_gradient_accumulators(self, grads, acc_grads):
+        _row_accumulation.increment(self, grads, acc_grads, super()._backend_increment_gradient_accumulators)
+
+    def _backend_reset_gradient_accumulators(self):
+        _row_accumulation.reset(self, super()._backend_reset_gradient_accumulators)
 
     def _clip_gradients(self, grads):
         # Keras clips the slices as they come: a row repeated by several lookups of one table
@@ -196,6 +195,7 @@ class LazyAdam(_RowSparseSteps, keras.optimizers.Adam):
         if self.built:
             return
         super().build(var_list)
+        _row_accumulation.build_marks(self, var_list)
         _claim_fused_tables(self, var_list)
 
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
@@ -290,6 +290,7 @@ class RowwiseAdagrad(_RowSparseSteps, keras.optimizers.Optimizer):
                 self._accumulators.append(self.add_variable(
                     shape=shape, initializer=init, dtype=var.dtype,
                     name=f"{var.name.replace('/', '_').replace(':', '_')}_rowwise_accumulator"))
+        _row_accumulation.build_marks(self, var_list)
         _claim_fused_tables(self, var_list)
 
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):

@@ -1,0 +1,129 @@
+"""Keras' gradient accumulation (``gradient_accumulation_steps``) with row-sparse gradients kept
+row-sparse, for LazyAdam and RowwiseAdagrad.
+
+Keras adds each micro-step's gradient to a dense accumulator and hands the optimizer
+``(g + accumulator) / steps`` every ``steps``-th step: an ``IndexedSlices`` became dense there,
+so LazyAdam took dense Adam steps (rows no micro-step touched moved as their moments decayed)
+and each micro-step wrote the whole ``[N, D]`` accumulator. Here an ``IndexedSlices`` is
+scatter-added into the accumulator, and a mark per row (an ``[N]`` optimizer variable) records
+the rows any micro-step of the window listed (a dense gradient marks every row); the update
+step's gradient is the ``IndexedSlices`` of the marked rows' sums plus its own slices (the
+optimizer sums repeated rows), divided by ``steps``, and the reset zeroes the marked rows only.
+Keras' dense accumulation is kept under a tf.distribute strategy of several replicas and in an
+XLA-compiled step: XLA pads a tensor of run-time size (the marked rows) and a tf.unique of it, in
+the optimizer's step, read the padding as row 0 and listed rows twice.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from pkm_serve import _no_rows, _xla
+
+_MARKS = "_pkm_accumulated_row_marks"
+
+
+def build_marks(optimizer, var_list):
+    """One row-mark variable per variable of rank >= 1 (None for scalars), next to Keras'
+    accumulators; nothing without gradient accumulation."""
+    if not optimizer.gradient_accumulation_steps:
+        return
+    marks = []
+    for var in var_list:
+        if len(var.shape) == 0:
+            marks.append(None)
+            continue
+        colocate = var.value if isinstance(var, keras.Variable) else var
+        with optimizer._distribution_strategy.extended.colocate_vars_with(colocate):
+            marks.append(optimizer.add_variable(
+                shape=(var.shape[0],), dtype="float32",
+                name=f"{getattr(var, 'path', var.name).replace('/', '_').replace(':', '_')}_accumulated_rows"))
+    setattr(optimizer, _MARKS, marks)
+
+
+def _keras_accumulation_here():
+    return tf.distribute.get_strategy().num_replicas_in_sync > 1 or _xla.compile_device_type() is not None
+
+
+def _marks_of(optimizer, accumulator):
+    """The row marks of Keras accumulator `accumulator`, None where Keras' own accumulation is kept."""
+    marks = getattr(optimizer, _MARKS, None)
+    if marks is None or _keras_accumulation_here():
+        return None
+    for index, known in enumerate(optimizer._accumulated_gradients):
+        if known is accumulator:
+            return marks[index]
+    return None
+
+
+def _tf(variable):
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _marked_rows(marks, dtype):
+    return tf.cast(tf.where(_tf(marks) > 0)[:, 0], dtype)
+
+
+class RowSparseGradient(tf.IndexedSlices):
+    """What LazyAdam / RowwiseAdagrad hand Keras' ``apply`` for an ``IndexedSlices``: ``/ scale``
+    (``loss_scale_factor``, the accumulation's mean) divides the values, where a plain one raised
+    TypeError; ``+ accumulator`` (Keras' update step) gives the marked rows' sums and these slices
+    as an ``IndexedSlices``, where Keras made it dense."""
+
+    def __init__(self, values, indices, dense_shape, optimizer):
+        super().__init__(values, indices, dense_shape)
+        self._optimizer = optimizer
+
+    def __truediv__(self, scale):
+        return RowSparseGradient(self.values / scale, self.indices, self.dense_shape, self._optimizer)
+
+    def __add__(self, accumulator):
+        marks = _marks_of(self._optimizer, accumulator)
+        if marks is None:
+            return NotImplemented  # Keras' dense sum (the accumulator's __radd__)
+        rows = _marked_rows(marks, self.indices.dtype)
+        summed = tf.gather(_tf(accumulator), rows)
+        values = tf.concat([summed, tf.cast(self.values, summed.dtype)], 0)
+        return RowSparseGradient(values, tf.concat([rows, self.indices], 0), self.dense_shape, self._optimizer)
+
+
+def increment(optimizer, grads, accumulators, keras_increment):
+    """Adds `grads` to their accumulators: IndexedSlices by scatter-add and their rows marked,
+    dense ones by `keras_increment` (Keras' own) with every row marked."""
+    keras_grads, keras_accumulators = [], []
+    for grad, accumulator in zip(grads, accumulators):
+        marks = _marks_of(optimizer, accumulator)
+        if marks is None or not isinstance(grad, tf.IndexedSlices):
+            keras_grads.append(grad)
+            keras_accumulators.append(accumulator)
+            if marks is not None:
+                _tf(marks).assign(tf.ones(marks.shape, marks.dtype))
+            continue
+        indices, values = _no_rows.drop_markers(grad)
+        _tf(accumulator).scatter_add(tf.IndexedSlices(tf.cast(values, accumulator.dtype), indices))
+        _tf(marks).scatter_update(tf.IndexedSlices(tf.ones(tf.shape(indices), marks.dtype), indices))
+    if keras_grads:
+        keras_increment(keras_grads, keras_accumulators)
+
+
+def reset(optimizer, keras_reset):
+    """Zeroes the accumulators: the marked rows and their marks where there are marks, else
+    by `keras_reset` (Keras' own, all accumulators)."""
+    marks = getattr(optimizer, _MARKS, None)
+    if marks is None:
+        return keras_reset()
+    if _keras_accumulation_here():
+        keras_reset()
+        for row_marks in marks:  # rows marked by steps outside XLA, if any
+            if row_marks is not None:
+                row_marks.assign(tf.zeros(row_marks.shape, row_marks.dtype))
+        return None
+    for accumulator, row_marks in zip(optimizer._accumulated_gradients, marks):
+        if row_marks is None:
+            accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
+            continue
+        rows = _marked_rows(row_marks, tf.int64)
+        zeros = tf.zeros(tf.concat([tf.shape(rows), tf.shape(_tf(accumulator))[1:]], 0), accumulator.dtype)
+        _tf(accumulator).scatter_update(tf.IndexedSlices(zeros, rows))
+        _tf(row_marks).assign(tf.zeros(row_marks.shape, row_marks.dtype))

@@ -1,0 +1,114 @@
+"""LazyAdam / RowwiseAdagrad with Keras' `gradient_accumulation_steps`: every `steps`-th step
+applies the optimizer's row-sparse step to the mean of the window's gradients, on the rows any
+step of the window touched. Before, Keras' `g + accumulator` made the table gradient dense, so
+LazyAdam took dense Adam steps that moved rows the window never touched."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from pkm_serve.layers import EmbeddingBag  # noqa: E402
+from pkm_serve.optimizers import LazyAdam, RowwiseAdagrad  # noqa: E402
+
+N, D, STEPS = 12, 3, 2
+LR, BETA_1, BETA_2, EPS = 0.1, 0.9, 0.999, 1e-7
+# Two windows of two micro-steps; window 2 touches none of window 1's rows 0-3; rows 8.. never.
+MICRO_ROWS = [[0, 1, 1], [2, 3], [4, 5, 4], [6, 7]]
+
+
+def _micro_steps():
+    rng = np.random.default_rng(11)
+    return [(np.array(rows), rng.standard_normal((len(rows), D)), rng.standard_normal(D)) for rows in MICRO_ROWS]
+
+
+def _windows():
+    """(touched rows, their mean gradient rows, mean bias gradient) per window."""
+    micro = _micro_steps()
+    for start in range(0, len(micro), STEPS):
+        dense, bias = np.zeros((N, D)), np.zeros(D)
+        for rows, values, bias_grad in micro[start:start + STEPS]:
+            np.add.at(dense, rows, values)
+            bias += bias_grad
+        touched = np.unique(np.concatenate([rows for rows, _, _ in micro[start:start + STEPS]]))
+        yield touched, dense[touched] / STEPS, bias / STEPS
+
+
+def _train(optimizer, compiled, jit_compile=False):
+    table = keras.Variable(np.linspace(-1, 1, N * D).reshape(N, D).astype(np.float32), name="table")
+    bias = keras.Variable(np.ones(D, np.float32), name="bias")
+    optimizer.build([table, bias])
+
+    def step(values, rows, bias_grad):
+        optimizer.apply_gradients([(tf.IndexedSlices(values, rows, tf.constant([N, D])), table), (bias_grad, bias)])
+
+    step = tf.function(step, jit_compile=jit_compile) if compiled else step
+    for rows, values, bias_grad in _micro_steps():
+        step(tf.constant(values, tf.float32), tf.constant(rows), tf.constant(bias_grad, tf.float32))
+    return table, bias
+
+
+def _initial_table():
+    return np.linspace(-1, 1, N * D).reshape(N, D).astype(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf_function"])
+def test_lazy_adam_accumulates_row_sparse(compiled):
+    optimizer = LazyAdam(LR, beta_1=BETA_1, beta_2=BETA_2, epsilon=EPS, gradient_accumulation_steps=STEPS)
+    table, bias = _train(optimizer, compiled)
+    w, m, v = _initial_table(), np.zeros((N, D)), np.zeros((N, D))
+    b, bm, bv = np.ones(D), np.zeros(D), np.zeros(D)
+    for step, (touched, g, bg) in enumerate(_windows(), start=1):
+        alpha = LR * np.sqrt(1 - BETA_2 ** step) / (1 - BETA_1 ** step)
+        m[touched] += (g - m[touched]) * (1 - BETA_1)
+        v[touched] += (g * g - v[touched]) * (1 - BETA_2)
+        w[touched] -= alpha * m[touched] / (np.sqrt(v[touched]) + EPS)
+        bm += (bg - bm) * (1 - BETA_1)
+        bv += (bg * bg - bv) * (1 - BETA_2)
+        b -= alpha * bm / (np.sqrt(bv) + EPS)
+    np.testing.assert_allclose(table.numpy(), w, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(optimizer._momentums[0].numpy(), m, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(bias.numpy(), b, rtol=2e-5, atol=2e-6)
+    # The window's sums are gone after its update: the next window starts from zero.
+    np.testing.assert_array_equal(optimizer._accumulated_gradients[0].numpy(), 0)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["eager", "xla"])
+def test_rowwise_adagrad_accumulates_row_sparse(jit_compile):
+    # Under XLA Keras' dense accumulation is kept (a run-time-sized row set read XLA's padding);
+    # RowwiseAdagrad's dense and sparse steps agree, so the numbers are the same.
+    seen = []
+    optimizer = RowwiseAdagrad(LR, initial_accumulator_value=0.1, epsilon=EPS, gradient_accumulation_steps=STEPS)
+    update = optimizer._update_step
+    optimizer._update_step = lambda g, v, lr: (seen.append(isinstance(g, tf.IndexedSlices)), update(g, v, lr))[1]
+    table, _ = _train(optimizer, compiled=jit_compile, jit_compile=jit_compile)
+    w, acc = _initial_table(), np.full(N, 0.1)
+    for touched, g, _ in _windows():
+        acc[touched] += np.mean(g * g, axis=1)
+        w[touched] -= LR * g / np.sqrt(acc[touched] + EPS)[:, None]
+    np.testing.assert_allclose(table.numpy(), w, rtol=2e-5, atol=2e-6)
+    if not jit_compile:
+        assert seen == [True, False] * (len(MICRO_ROWS) // STEPS)  # table row-sparse, bias dense
+
+
+def test_fit_with_accumulation_leaves_rows_the_window_did_not_touch():
+    keras.utils.set_random_seed(2)
+    ids = keras.Input((2,), dtype="int32")
+    bag = EmbeddingBag(N, D, sparse_gradient=True, name="bag")
+    model = keras.Model(ids, keras.layers.Dense(1)(bag(ids)))
+    model.compile(LazyAdam(0.05, gradient_accumulation_steps=STEPS), "mse")
+    # Batches of 2: window 1 (batches 0, 1) looks up rows 0, 1; window 2 rows 2, 3 only.
+    x = np.array([[0, 1]] * 4 + [[2, 3]] * 4, np.int32)
+    after_window_1 = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: batch == 1 and after_window_1.append(bag.embeddings.numpy()))
+    model.fit(x, np.ones((8, 1), np.float32), batch_size=2, shuffle=False, verbose=0, callbacks=[record])
+    (first,) = after_window_1
+    table = bag.embeddings.numpy()
+    np.testing.assert_array_equal(table[:2], first[:2])  # dense Adam moved them on momentum
+    assert not np.allclose(table[2:4], first[2:4])
+    np.testing.assert_array_equal(table[4:], first[4:])
