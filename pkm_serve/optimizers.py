@@ -128,18 +128,25 @@ def _claim_fused_tables(optimizer, var_list):
         wrapper = _fused_update.calling_instance(keras.optimizers.LossScaleOptimizer)
         if wrapper is not None and wrapper.inner_optimizer is optimizer:
             _fused_update.refuse_loss_scaling(optimizer, var)
-        blocking = [name for name in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm",
-                                      "loss_scale_factor", "gradient_accumulation_steps")
-                    if getattr(optimizer, name, None)]
-        if getattr(optimizer, "use_ema", False):
-            blocking.append("use_ema")
-        if getattr(optimizer, "amsgrad", False):
-            blocking.append("amsgrad")
-        if blocking:
-            raise ValueError(f"{type(optimizer).__name__}: the fused update of {var.path} does not support "
-                             f"{', '.join(blocking)} (it never forms the gradient); drop them or build the "
-                             "layer with fused_optimizer=False")
+        _refuse_gradient_options(optimizer, var)
         _fused_update.claim(var, optimizer)
+
+
+def _refuse_gradient_options(optimizer, var):
+    """ValueError for options the fused update of `var` cannot apply. Checked when the optimizer
+    claims the table and again before each update: an option set on the built optimizer
+    (``optimizer.clipvalue = 0.5`` before a custom loop's step) was silently left out."""
+    blocking = [name for name in ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm",
+                                  "loss_scale_factor", "gradient_accumulation_steps")
+                if getattr(optimizer, name, None)]
+    if getattr(optimizer, "use_ema", False):
+        blocking.append("use_ema")
+    if getattr(optimizer, "amsgrad", False):
+        blocking.append("amsgrad")
+    if blocking:
+        raise ValueError(f"{type(optimizer).__name__}: the fused update of {var.path} does not support "
+                         f"{', '.join(blocking)} (it never forms the gradient); drop them or build the "
+                         "layer with fused_optimizer=False")
 
 
 class _RowSparseSteps:
@@ -199,6 +206,7 @@ class LazyAdam(_RowSparseSteps, keras.optimizers.Adam):
         _claim_fused_tables(self, var_list)
 
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
+        _refuse_gradient_options(self, variable)
         index = self._get_variable_index(variable)
         state = (self._momentums[index], self._velocities[index])
         return _fused_update.run_update(variable, d_out, indices, weights, combiner, has_weights, "adam", state,
@@ -294,6 +302,7 @@ class RowwiseAdagrad(_RowSparseSteps, keras.optimizers.Optimizer):
         _claim_fused_tables(self, var_list)
 
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
+        _refuse_gradient_options(self, variable)
         acc = self._accumulators[self._get_variable_index(variable)]
         return _fused_update.run_update(variable, d_out, indices, weights, combiner, has_weights,
                                         "rowwise_adagrad", (acc,), self.learning_rate, _fused_step(self),
