@@ -149,6 +149,23 @@ def _refuse_gradient_options(optimizer, var):
                          "layer with fused_optimizer=False")
 
 
+def _all_finite(grads):
+    """Keras' LossScaleOptimizer.check_finite with an IndexedSlices' values read alone (the rows it
+    leaves out are 0). Keras' check scattered each slice's verdict into a dense [N, D] bool tensor
+    each step, where of a repeated row's slices one verdict was kept: an inf could pass."""
+    finite = [tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+              for g in grads if g is not None]
+    return tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
+
+
+def _give_a_wrapper_the_row_sparse_finite_check(optimizer):
+    """A LossScaleOptimizer (mixed_float16's) building `optimizer` checks the gradients' finiteness
+    with `_all_finite` (Keras' made the step of a 2**20 x 64 table 20x slower, and could miss an inf)."""
+    wrapper = _fused_update.calling_instance(keras.optimizers.LossScaleOptimizer)
+    if wrapper is not None and wrapper.inner_optimizer is optimizer:
+        wrapper.check_finite = _all_finite
+
+
 class _RowSparseSteps:
     """What LazyAdam and RowwiseAdagrad both wrap around Keras' optimizer: ``apply`` with
     IndexedSlices that ``loss_scale_factor`` can divide and gradient accumulation keeps row-sparse
@@ -199,6 +216,7 @@ class LazyAdam(_RowSparseSteps, keras.optimizers.Adam):
     ``keras.optimizers.Adam``; dense gradients get Keras' Adam unchanged)."""
 
     def build(self, var_list):
+        _give_a_wrapper_the_row_sparse_finite_check(self)
         if self.built:
             return
         super().build(var_list)
@@ -286,6 +304,7 @@ class RowwiseAdagrad(_RowSparseSteps, keras.optimizers.Optimizer):
         self.epsilon = epsilon
 
     def build(self, var_list):
+        _give_a_wrapper_the_row_sparse_finite_check(self)
         if self.built:
             return
         super().build(var_list)
