@@ -127,3 +127,19 @@ def reset(optimizer, keras_reset):
         zeros = tf.zeros(tf.concat([tf.shape(rows), tf.shape(_tf(accumulator))[1:]], 0), accumulator.dtype)
         _tf(accumulator).scatter_update(tf.IndexedSlices(zeros, rows))
         _tf(row_marks).assign(tf.zeros(row_marks.shape, row_marks.dtype))
+
+
+def load_without_marks(optimizer, store, keras_load):
+    """Loads a store saved before the row marks existed (every optimizer variable but the marks,
+    which come last): Keras skipped the whole optimizer state then, with a warning. The marks
+    are rebuilt as the rows whose accumulated sum is not 0."""
+    marks = [m for m in getattr(optimizer, _MARKS, None) or [] if m is not None]
+    if not marks or len(store.keys()) != len(optimizer.variables) - len(marks):
+        return keras_load(store)
+    for index, variable in enumerate(v for v in optimizer.variables if not any(v is m for m in marks)):
+        variable.assign(store[str(index)])
+    for accumulator, row_marks in zip(optimizer._accumulated_gradients, getattr(optimizer, _MARKS)):
+        if row_marks is not None:
+            summed = tf.reshape(tf.convert_to_tensor(accumulator), [accumulator.shape[0], -1])
+            row_marks.assign(tf.cast(tf.reduce_any(tf.not_equal(summed, 0), axis=1), row_marks.dtype))
+    return None

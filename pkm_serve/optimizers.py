@@ -184,6 +184,9 @@ class _RowSparseSteps:
     def _backend_reset_gradient_accumulators(self):
         _row_accumulation.reset(self, super()._backend_reset_gradient_accumulators)
 
+    def load_own_variables(self, store):
+        _row_accumulation.load_without_marks(self, store, super().load_own_variables)
+
     def _clip_gradients(self, grads):
         # Keras clips the slices as they come: a row repeated by several lookups of one table
         # (TF concatenates their IndexedSlices) was clipped piece by piece and counted once per
