@@ -19,7 +19,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from pkm_serve import _no_rows, _xla
+from pkm_serve import _copy_on_write, _no_rows, _xla
 
 _MARKS = "_pkm_accumulated_row_marks"
 
@@ -59,6 +59,14 @@ def _marks_of(optimizer, accumulator):
 
 def _tf(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _scatter(variable, method, slices):
+    """`variable.<method>(slices)`, the variable left in copy-on-write mode: a dense read of an
+    accumulator a scatter left in copy-on-read mode (Keras' `acc + g` of a dense gradient) copied it."""
+    variable = _tf(variable)
+    getattr(variable, method)(slices)
+    _copy_on_write.leave_copy_on_write(variable)
 
 
 def _marked_rows(marks, dtype):
@@ -101,8 +109,8 @@ def increment(optimizer, grads, accumulators, keras_increment):
                 _tf(marks).assign(tf.ones(marks.shape, marks.dtype))
             continue
         indices, values = _no_rows.drop_markers(grad)
-        _tf(accumulator).scatter_add(tf.IndexedSlices(tf.cast(values, accumulator.dtype), indices))
-        _tf(marks).scatter_update(tf.IndexedSlices(tf.ones(tf.shape(indices), marks.dtype), indices))
+        _scatter(accumulator, "scatter_add", tf.IndexedSlices(tf.cast(values, accumulator.dtype), indices))
+        _scatter(marks, "scatter_update", tf.IndexedSlices(tf.ones(tf.shape(indices), marks.dtype), indices))
     if keras_grads:
         keras_increment(keras_grads, keras_accumulators)
 
@@ -125,7 +133,7 @@ def reset(optimizer, keras_reset):
             continue
         rows = _marked_rows(row_marks, tf.int64)
         zeros = tf.zeros(tf.concat([tf.shape(rows), tf.shape(_tf(accumulator))[1:]], 0), accumulator.dtype)
-        _tf(accumulator).scatter_update(tf.IndexedSlices(zeros, rows))
+        _scatter(accumulator, "scatter_update", tf.IndexedSlices(zeros, rows))
         _tf(row_marks).assign(tf.zeros(row_marks.shape, row_marks.dtype))
 
 

@@ -133,3 +133,18 @@ def test_a_store_saved_before_the_row_marks_loads_mid_window():
         loaded.load_own_variables(old_store)
     for want, got in zip(saved.variables, loaded.variables):
         np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=want.path)
+
+
+def test_accumulators_stay_out_of_copy_on_read_mode():
+    # A scatter leaves a variable copying itself on every dense read (Keras' `acc + g` of a
+    # dense gradient, a checkpoint): the accumulation's scatters switch it back.
+    from tests.ops.test_copy_on_read import _reads_copy
+
+    optimizer = LazyAdam(LR, gradient_accumulation_steps=STEPS)
+    _train(optimizer, compiled=False)  # ends with a reset
+    table = keras.Variable(np.zeros((N, D), np.float32))
+    mid_window = LazyAdam(LR, gradient_accumulation_steps=STEPS)
+    mid_window.apply_gradients([(tf.IndexedSlices(tf.ones((1, D)), tf.constant([2])), table)])
+    for variable in optimizer.variables + mid_window.variables:
+        if len(variable.shape) >= 1:
+            assert not _reads_copy(variable.value), variable.path
