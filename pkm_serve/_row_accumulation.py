@@ -11,7 +11,8 @@ step's gradient is the ``IndexedSlices`` of the marked rows' sums plus its own s
 optimizer sums repeated rows), divided by ``steps``, and the reset zeroes the marked rows only.
 Keras' dense accumulation is kept under a tf.distribute strategy of several replicas and in an
 XLA-compiled step: XLA pads a tensor of run-time size (the marked rows) and a tf.unique of it, in
-the optimizer's step, read the padding as row 0 and listed rows twice.
+the optimizer's step, read the padding as row 0 and listed rows twice. An XLA step still marks its
+rows, for a step outside XLA that ends the window.
 """
 
 from __future__ import annotations
@@ -46,15 +47,21 @@ def _keras_accumulation_here():
     return tf.distribute.get_strategy().num_replicas_in_sync > 1 or _xla.compile_device_type() is not None
 
 
-def _marks_of(optimizer, accumulator):
-    """The row marks of Keras accumulator `accumulator`, None where Keras' own accumulation is kept."""
+def _kept_marks(optimizer, accumulator):
+    """The row marks of Keras accumulator `accumulator`, kept up to date on one replica (in an
+    XLA-compiled step too: a later step outside XLA reads them), else None."""
     marks = getattr(optimizer, _MARKS, None)
-    if marks is None or _keras_accumulation_here():
+    if marks is None or tf.distribute.get_strategy().num_replicas_in_sync > 1:
         return None
     for index, known in enumerate(optimizer._accumulated_gradients):
         if known is accumulator:
             return marks[index]
     return None
+
+
+def _marks_of(optimizer, accumulator):
+    """The row marks of Keras accumulator `accumulator`, None where Keras' own accumulation is kept."""
+    return None if _keras_accumulation_here() else _kept_marks(optimizer, accumulator)
 
 
 def _tf(variable):
@@ -101,16 +108,19 @@ def increment(optimizer, grads, accumulators, keras_increment):
     dense ones by `keras_increment` (Keras' own) with every row marked."""
     keras_grads, keras_accumulators = [], []
     for grad, accumulator in zip(grads, accumulators):
-        marks = _marks_of(optimizer, accumulator)
-        if marks is None or not isinstance(grad, tf.IndexedSlices):
+        marks = _kept_marks(optimizer, accumulator)
+        sparse = isinstance(grad, tf.IndexedSlices)
+        if sparse and _marks_of(optimizer, accumulator) is not None:
+            indices, values = _no_rows.drop_markers(grad)
+            _scatter(accumulator, "scatter_add", tf.IndexedSlices(tf.cast(values, accumulator.dtype), indices))
+        else:
             keras_grads.append(grad)
             keras_accumulators.append(accumulator)
-            if marks is not None:
-                _tf(marks).assign(tf.ones(marks.shape, marks.dtype))
-            continue
-        indices, values = _no_rows.drop_markers(grad)
-        _scatter(accumulator, "scatter_add", tf.IndexedSlices(tf.cast(values, accumulator.dtype), indices))
-        _scatter(marks, "scatter_update", tf.IndexedSlices(tf.ones(tf.shape(indices), marks.dtype), indices))
+        if marks is not None and sparse:
+            indices, _ = _no_rows.drop_markers(grad)
+            _scatter(marks, "scatter_update", tf.IndexedSlices(tf.ones(tf.shape(indices), marks.dtype), indices))
+        elif marks is not None:
+            _tf(marks).assign(tf.ones(marks.shape, marks.dtype))
     if keras_grads:
         keras_increment(keras_grads, keras_accumulators)
 
@@ -123,7 +133,7 @@ def reset(optimizer, keras_reset):
         return keras_reset()
     if _keras_accumulation_here():
         keras_reset()
-        for row_marks in marks:  # rows marked by steps outside XLA, if any
+        for row_marks in marks:
             if row_marks is not None:
                 row_marks.assign(tf.zeros(row_marks.shape, row_marks.dtype))
         return None
