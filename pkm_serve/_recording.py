@@ -15,6 +15,17 @@ def tape_could_record(if_unknown: bool) -> bool:
         return if_unknown
 
 
+def tape_watches(tensor, if_unknown: bool) -> bool:
+    """Whether an active tape records gradients through `tensor` (``record.should_record_backprop``),
+    or `if_unknown` where TF lacks the query."""
+    try:
+        from tensorflow.python.eager import record
+
+        return bool(record.should_record_backprop([tensor]))
+    except (ImportError, AttributeError, TypeError):
+        return if_unknown
+
+
 _CONTROL_FLOW_GRAPHS = ("CondBranchFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph")
 
 
