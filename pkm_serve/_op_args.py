@@ -66,7 +66,26 @@ def _as_weights(weights, dtype, like):
     if like is not None and weights.shape.rank is not None and like.shape.rank is not None \
             and not weights.shape.is_compatible_with(like.shape):
         raise ValueError(f"weights shape {weights.shape} must equal indices shape {like.shape}")
-    return tf.cast(weights, dtype), True
+    return _sizes_checked_when_compiled(tf.cast(weights, dtype), like), True
+
+
+# No quote characters: TF escapes them in a run-time assertion's message.
+_RUN_TIME_SHAPE_ERROR = "weights must have the shape of indices (their run-time sizes differ)"
+
+
+def _sizes_checked_when_compiled(weights, like):
+    """Weights whose shape, or the ids', is only known at run time (tf.boolean_mask, tf.unique, a
+    None dimension) checked against the ids' when XLA compiles the graph: XLA runs the op on
+    bounded operands and has no shape check of its own, so weights masked otherwise than the ids
+    were read at the ids' positions (zero past their own size) instead of failing as outside XLA."""
+    if like is None or weights.shape.rank is None or weights.shape.rank != like.shape.rank \
+            or (weights.shape.is_fully_defined() and like.shape.is_fully_defined()):
+        return weights
+    from pkm_serve import _xla
+
+    checked = _xla.checked_when_compiled(
+        lambda: tf.reduce_all(tf.equal(tf.shape(weights), tf.shape(like))), weights, _RUN_TIME_SHAPE_ERROR)
+    return weights if checked is None else checked
 
 
 # No quote characters: TF escapes them in a run-time assertion's message.

@@ -1,0 +1,69 @@
+"""Weights and ids of dynamic sizes (tf.boolean_mask) under jit_compile on the CPU: weights masked
+to another size than the ids are an InvalidArgumentError, as outside XLA. Until this fix XLA read
+them at the ids' positions, zero past their own size: silent wrong bags."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from pkm_serve import ops
+from tests.reference import embedding_bag
+
+TABLE = np.arange(30, dtype=np.float32).reshape(10, 3) / 10.0
+IDS = np.array([[1, 2], [3, 4], [5, 6]], np.int32)
+WEIGHTS = np.array([[1.0, 0.5], [2.0, 0.25], [3.0, 4.0]], np.float32)
+# Tensors, not Python lists: a list is a trace-time constant, whose sizes XLA knows when compiling.
+MASKS = {"first_and_last": [True, False, True], "all": [True, True, True]}
+MISMATCH = r"weights must have the shape of indices"
+
+
+def _masked_lookup(jit, combiner="sum"):
+    def lookup(ids, weights, ids_mask, weights_mask):
+        return ops.embedding_bag(TABLE, tf.boolean_mask(ids, ids_mask), tf.boolean_mask(weights, weights_mask),
+                                 combiner)
+    return tf.function(lookup, jit_compile=jit)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("ids_mask, weights_mask", [("first_and_last", "all"), ("all", "first_and_last")])
+def test_weights_masked_to_another_size_fail(jit, ids_mask, weights_mask):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=MISMATCH):
+        _masked_lookup(jit)(IDS, WEIGHTS, tf.constant(MASKS[ids_mask]), tf.constant(MASKS[weights_mask]))
+
+
+@pytest.mark.parametrize("combiner", ["sum", "sqrtn"])
+def test_weights_masked_like_the_ids_match_numpy_and_keep_their_gradient(combiner):
+    mask = np.array(MASKS["first_and_last"])
+    got = _masked_lookup(True, combiner)(IDS, WEIGHTS, tf.constant(mask), tf.constant(mask))
+    np.testing.assert_allclose(got.numpy(), embedding_bag(TABLE, IDS[mask], WEIGHTS[mask], combiner), rtol=1e-6)
+
+    @tf.function(jit_compile=True)
+    def d_weights(weights):
+        with tf.GradientTape() as tape:
+            tape.watch(weights)
+            out = ops.embedding_bag(TABLE, tf.boolean_mask(IDS, mask), tf.boolean_mask(weights, mask), combiner)
+            loss = tf.reduce_sum(out * np.arange(1.0, 4.0, dtype=np.float32))
+        return tape.gradient(loss, weights)
+
+    weights = tf.constant(WEIGHTS)
+    with tf.GradientTape() as tape:
+        tape.watch(weights)
+        composite = ops.embedding_bag_composite(TABLE, IDS[mask], tf.boolean_mask(weights, mask), combiner)
+        composite = tf.reduce_sum(composite * np.arange(1.0, 4.0, dtype=np.float32))
+    np.testing.assert_allclose(d_weights(weights).numpy(), tape.gradient(composite, weights).numpy(),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_flat_weights_masked_to_another_count_fail_under_jit():
+    def lookup(ids, weights, ids_mask, weights_mask):
+        ids = tf.reshape(tf.boolean_mask(tf.reshape(ids, [-1]), ids_mask), [-1, 1])
+        weights = tf.reshape(tf.boolean_mask(tf.reshape(weights, [-1]), weights_mask), [-1, 1])
+        return ops.embedding_bag(TABLE, ids, weights)
+
+    keep_four = np.array([True, False, True, True, False, True])
+    jitted = tf.function(lookup, jit_compile=True)
+    got = jitted(IDS, WEIGHTS, tf.constant(keep_four), tf.constant(keep_four))
+    flat_ids, flat_w = IDS.reshape(-1)[keep_four], WEIGHTS.reshape(-1)[keep_four]
+    np.testing.assert_allclose(got.numpy(), embedding_bag(TABLE, flat_ids[:, None], flat_w[:, None]), rtol=1e-6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=MISMATCH):
+        jitted(IDS, WEIGHTS, tf.constant(keep_four), tf.constant([True, True, True, False, False, False]))
