@@ -67,3 +67,18 @@ def test_flat_weights_masked_to_another_count_fail_under_jit():
     np.testing.assert_allclose(got.numpy(), embedding_bag(TABLE, flat_ids[:, None], flat_w[:, None]), rtol=1e-6)
     with pytest.raises(tf.errors.InvalidArgumentError, match=MISMATCH):
         jitted(IDS, WEIGHTS, tf.constant(keep_four), tf.constant([True, True, True, False, False, False]))
+
+
+def test_int8_table_weights_masked_to_another_size_fail_under_jit():
+    from pkm_serve import quantized
+    from tests.reference import dequantize_rows
+
+    table = quantized.quantize_table(TABLE)
+    lookup = tf.function(lambda i, w, ids_mask, w_mask: quantized.embedding_bag(
+        table, tf.boolean_mask(i, ids_mask), tf.boolean_mask(w, w_mask), "mean"), jit_compile=True)
+    mask = np.array(MASKS["first_and_last"])
+    dequantized = dequantize_rows(*(t.numpy() for t in table))
+    np.testing.assert_allclose(lookup(IDS, WEIGHTS, tf.constant(mask), tf.constant(mask)).numpy(),
+                               embedding_bag(dequantized, IDS[mask], WEIGHTS[mask], "mean"), rtol=1e-5, atol=1e-6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=MISMATCH):
+        lookup(IDS, WEIGHTS, tf.constant(mask), tf.constant(MASKS["all"]))
