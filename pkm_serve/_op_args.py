@@ -132,10 +132,7 @@ def _ragged_weight_values(indices, weights):
             raise ValueError(f"{_ROW_PARTITION_ERROR}: ragged dimension {dim} has "
                              f"{w_splits.shape[0] - 1} rows in weights, {i_splits.shape[0] - 1} "
                              "in indices")
-        # Equal() needs equal sizes: compare the values only when they are.
-        same = tf.cond(tf.equal(tf.size(w_splits), tf.size(i_splits)),
-                       lambda w=w_splits, i=i_splits: tf.reduce_all(tf.equal(w, i)),
-                       lambda: tf.constant(False))
+        same = _same_splits(w_splits, i_splits)
         message = f"{_ROW_PARTITION_ERROR} (ragged dimension {dim} differs)"
         checked = _xla.checked_when_compiled(same, values, message)  # XLA drops the Assert
         if checked is not None:
@@ -144,6 +141,17 @@ def _ragged_weight_values(indices, weights):
             checks.append(tf.debugging.Assert(same, [message]))
     with tf.control_dependencies(checks):
         return tf.identity(values)
+
+
+def _same_splits(w_splits, i_splits):
+    """Whether two int64 row_splits vectors are equal, also where their sizes differ. Equal() needs
+    equal sizes, and XLA compiles both branches of a tf.cond (it failed on the compare, with
+    "Incompatible shapes: [4] vs. [5]"), so each is extended by -1s (never a split) to the sum of
+    both sizes: where sizes differ, the shorter's first -1 meets a split of the longer."""
+    w_padded = tf.concat([w_splits, -tf.ones_like(i_splits)], axis=0)
+    i_padded = tf.concat([i_splits, -tf.ones_like(w_splits)], axis=0)
+    return tf.logical_and(tf.equal(tf.size(w_splits), tf.size(i_splits)),
+                          tf.reduce_all(tf.equal(w_padded, i_padded)))
 
 
 def is_sharded(params) -> bool:
