@@ -132,7 +132,7 @@ def _ragged_weight_values(indices, weights):
             raise ValueError(f"{_ROW_PARTITION_ERROR}: ragged dimension {dim} has "
                              f"{w_splits.shape[0] - 1} rows in weights, {i_splits.shape[0] - 1} "
                              "in indices")
-        same = _same_splits(w_splits, i_splits)
+        same = same_entries(w_splits, i_splits)
         message = f"{_ROW_PARTITION_ERROR} (ragged dimension {dim} differs)"
         checked = _xla.checked_when_compiled(same, values, message)  # XLA drops the Assert
         if checked is not None:
@@ -143,15 +143,16 @@ def _ragged_weight_values(indices, weights):
         return tf.identity(values)
 
 
-def _same_splits(w_splits, i_splits):
-    """Whether two int64 row_splits vectors are equal, also where their sizes differ. Equal() needs
-    equal sizes, and XLA compiles both branches of a tf.cond (it failed on the compare, with
-    "Incompatible shapes: [4] vs. [5]"), so each is extended by -1s (never a split) to the sum of
-    both sizes: where sizes differ, the shorter's first -1 meets a split of the longer."""
-    w_padded = tf.concat([w_splits, -tf.ones_like(i_splits)], axis=0)
-    i_padded = tf.concat([i_splits, -tf.ones_like(w_splits)], axis=0)
-    return tf.logical_and(tf.equal(tf.size(w_splits), tf.size(i_splits)),
-                          tf.reduce_all(tf.equal(w_padded, i_padded)))
+def same_entries(a, b):
+    """Whether two non-negative integer tensors (row_splits, or [n, 2] positions) hold the same
+    entries, also where their first dimensions differ. Equal() needs equal shapes, and XLA compiles
+    both branches of a tf.cond (a compare there failed with "Incompatible shapes: [4] vs. [5]"), so
+    each is extended by -1s (never an entry) along axis 0 to the sum of both lengths: where the
+    lengths differ, the shorter's first -1 meets an entry of the longer."""
+    a_padded = tf.concat([a, -tf.ones_like(b)], axis=0)
+    b_padded = tf.concat([b, -tf.ones_like(a)], axis=0)
+    return tf.logical_and(tf.reduce_all(tf.equal(tf.shape(a), tf.shape(b))),
+                          tf.reduce_all(tf.equal(a_padded, b_padded)))
 
 
 def is_sharded(params) -> bool:
