@@ -92,13 +92,18 @@ def _ragged_embedding_bag(lib, params, indices, weights, combiner, sparse_gradie
 
 
 def _table_gradient_could_be_recorded(params):
-    """Whether a tape in the graph being built could ask for the table's gradient. A variable is
-    watched when a tape reads it, so any recording tape could; a tensor (a constant table) only
-    where a tape watches it (a tape watching only the weights needs no table gradient). A tape
-    outside a compiled function gets its gradients from the function's dense backward."""
+    """Whether a tape in the graph being built could ask for the table's gradient: where a tape
+    watches the table (a tape watching only the weights, or a frozen variable, needs no table
+    gradient). A tape outside a compiled function sees a variable (not a tensor) as watched while
+    the function traces; for a tensor it gets its gradients from the function's dense backward."""
     if not _recording.tape_could_record(if_unknown=False):
         return False
-    if isinstance(params, tf.Variable) or hasattr(params, "assign"):  # also Keras and sharded variables
+    from pkm_serve import _copy_on_write
+
+    variable = _copy_on_write.as_tf_variable(params)
+    if isinstance(variable, tf.Variable):
+        return _recording.tape_watches_variable(variable, if_unknown=True)
+    if hasattr(params, "assign"):  # another kind of variable
         return True
     # A tensor only where a tape watches it; a NumPy table becomes a constant no tape watches.
     return tf.is_tensor(params) and _recording.tape_watches(params, if_unknown=True)

@@ -73,3 +73,36 @@ def test_tape_on_the_constant_table_inside_jit_is_still_the_clear_error():
 
     with pytest.raises(ValueError, match="sparse_gradient=True cannot be compiled by XLA"):
         d_table(tf.constant(IDS))
+
+
+@pytest.mark.parametrize("table_kind", ["frozen_variable", "unwatched_variable"])
+def test_variable_table_no_tape_watches_inside_jit(table_kind):
+    """A non-trainable variable, or a trainable one under a tape with watch_accessed_variables=False
+    that watches only the weights: no table gradient is asked for."""
+    table = tf.Variable(TABLE, trainable=table_kind != "frozen_variable")
+    ids, weights = tf.constant(IDS), tf.constant(WEIGHTS)
+
+    def d_weights(i, w):
+        with tf.GradientTape(watch_accessed_variables=table_kind == "frozen_variable") as tape:
+            tape.watch(w)
+            loss = tf.reduce_sum(ops.embedding_bag(table, i, w, "sqrtn", sparse_gradient=True) * TARGET)
+        return tape.gradient(loss, w)
+
+    got = tf.function(d_weights, jit_compile=True)(ids, weights).numpy()
+    composite = _d_weights(lambda t, i, w: ops.embedding_bag_composite(t, i, w, "sqrtn"), TABLE, ids, weights)
+    np.testing.assert_allclose(got, d_weights(ids, weights).numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, composite.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_trainable_variable_read_under_a_tape_inside_jit_is_still_the_clear_error():
+    table = tf.Variable(TABLE)
+
+    @tf.function(jit_compile=True)
+    def d_weights(ids, w):
+        with tf.GradientTape() as tape:  # watches the variable it reads
+            tape.watch(w)
+            loss = tf.reduce_sum(ops.embedding_bag(table, ids, w, sparse_gradient=True))
+        return tape.gradient(loss, w)
+
+    with pytest.raises(ValueError, match="sparse_gradient=True cannot be compiled by XLA"):
+        d_weights(tf.constant(IDS), tf.constant(WEIGHTS))
