@@ -82,3 +82,18 @@ def test_int8_table_weights_masked_to_another_size_fail_under_jit():
                                embedding_bag(dequantized, IDS[mask], WEIGHTS[mask], "mean"), rtol=1e-5, atol=1e-6)
     with pytest.raises(tf.errors.InvalidArgumentError, match=MISMATCH):
         lookup(IDS, WEIGHTS, tf.constant(mask), tf.constant(MASKS["all"]))
+
+
+def test_ragged_weight_values_masked_to_another_count_fail_under_jit():
+    def lookup(values, weight_values, ids_mask, weights_mask):
+        bags = tf.RaggedTensor.from_row_splits(tf.boolean_mask(values, ids_mask), tf.constant([0, 1, 3], tf.int64),
+                                               validate=False)
+        return ops.embedding_bag(TABLE, bags, bags.with_flat_values(tf.boolean_mask(weight_values, weights_mask)))
+
+    jitted = tf.function(lookup, jit_compile=True)
+    values, weight_values = tf.constant([1, 2, 3, 4]), tf.constant([1.0, 2.0, 3.0, 4.0])
+    keep_three = tf.constant([True, True, False, True])
+    np.testing.assert_allclose(jitted(values, weight_values, keep_three, keep_three).numpy(),
+                               [TABLE[1], 2 * TABLE[2] + 4 * TABLE[4]], rtol=1e-6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=MISMATCH):
+        jitted(values, weight_values, keep_three, tf.constant([True] * 4))
