@@ -97,3 +97,27 @@ def test_ragged_weight_values_masked_to_another_count_fail_under_jit():
                                [TABLE[1], 2 * TABLE[2] + 4 * TABLE[4]], rtol=1e-6)
     with pytest.raises(tf.errors.InvalidArgumentError, match=MISMATCH):
         jitted(values, weight_values, keep_three, tf.constant([True] * 4))
+
+
+def test_vectorized_map_under_jit_keeps_one_lookup_and_the_check():
+    """The check on weights of run-time shape (a None signature) has a pfor converter: without it
+    vectorized_map under jit failed (fallback_to_while_loop=False) or ran a while_loop."""
+    ids = np.stack([IDS, IDS[::-1]])
+    weights = np.stack([WEIGHTS, 2 * WEIGHTS])
+    sig = [tf.TensorSpec([None, None, None], tf.int32), tf.TensorSpec([None, None, None], tf.float32)]
+    lookup = tf.function(lambda i, w: tf.vectorized_map(lambda a: ops.embedding_bag(TABLE, a[0], a[1], "sqrtn"), (i, w),
+                                                        fallback_to_while_loop=False),
+                         jit_compile=True, input_signature=sig)
+    expected = np.stack([embedding_bag(TABLE, ids[p], weights[p], "sqrtn") for p in range(2)])
+    np.testing.assert_allclose(lookup(ids, weights).numpy(), expected, rtol=1e-6)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="weights must have the shape of indices"):
+        lookup(ids, weights[:, :, :1])
+
+
+def test_vectorized_check_with_a_condition_per_iteration():
+    lib = ops.load_library()
+    check = tf.function(lambda x: tf.vectorized_map(lambda v: lib.pkm_check_then(v > 0, v, message="not positive"),
+                                                    x, fallback_to_while_loop=False), jit_compile=True)
+    np.testing.assert_array_equal(check(tf.constant([1.0, 2.0])).numpy(), [1.0, 2.0])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not positive"):
+        check(tf.constant([1.0, -2.0]))
