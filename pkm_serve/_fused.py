@@ -29,9 +29,10 @@ def fused_embedding_bag(params, indices, weights=None, combiner="sum", name=None
     if _xla.composite_under_xla(params, indices):  # XLA for a backend without our custom-call target
         return embedding_bag_composite(params, indices, weights, combiner, name=name)
     if sparse_gradient and _xla.compile_device_type() is not None:
-        # Inference (e.g. serving under jit): no gradient to shape. A TF without the private query
-        # gets the dense-gradient op, which XLA compiles and differentiates (the same numbers).
-        if not _recording.tape_could_record(if_unknown=False):
+        # Inference (e.g. serving under jit), or a tape that wants only d_weights: no table gradient
+        # to shape. A TF without the private query gets the dense-gradient op, which XLA compiles and
+        # differentiates (the same numbers).
+        if not _table_gradient_could_be_recorded(params):
             return fused_embedding_bag(params, indices, weights, combiner, name)
         # XLA needs static shapes; the number of distinct rows depends on the data.
         raise ValueError("embedding_bag: sparse_gradient=True cannot be compiled by XLA (the number of "
@@ -88,6 +89,24 @@ def _ragged_embedding_bag(lib, params, indices, weights, combiner, sparse_gradie
     if len(splits) == 1:
         return out
     return tf.RaggedTensor.from_nested_row_splits(out, splits[:-1], validate=False)
+
+
+def _table_gradient_could_be_recorded(params):
+    """Whether a tape in the graph being built could ask for the table's gradient: where a tape
+    watches the table (a tape watching only the weights, or a frozen variable, needs no table
+    gradient). A tape outside a compiled function sees a variable (not a tensor) as watched while
+    the function traces; for a tensor it gets its gradients from the function's dense backward."""
+    if not _recording.tape_could_record(if_unknown=False):
+        return False
+    from pkm_serve import _copy_on_write
+
+    variable = _copy_on_write.as_tf_variable(params)
+    if isinstance(variable, tf.Variable):
+        return _recording.tape_watches_variable(variable, if_unknown=True)
+    if hasattr(params, "assign"):  # another kind of variable
+        return True
+    # A tensor only where a tape watches it; a NumPy table becomes a constant no tape watches.
+    return tf.is_tensor(params) and _recording.tape_watches(params, if_unknown=True)
 
 
 def _register_gradients():

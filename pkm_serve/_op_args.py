@@ -66,7 +66,26 @@ def _as_weights(weights, dtype, like):
     if like is not None and weights.shape.rank is not None and like.shape.rank is not None \
             and not weights.shape.is_compatible_with(like.shape):
         raise ValueError(f"weights shape {weights.shape} must equal indices shape {like.shape}")
-    return tf.cast(weights, dtype), True
+    return _sizes_checked_when_compiled(tf.cast(weights, dtype), like), True
+
+
+# No quote characters: TF escapes them in a run-time assertion's message.
+_RUN_TIME_SHAPE_ERROR = "weights must have the shape of indices (their run-time sizes differ)"
+
+
+def _sizes_checked_when_compiled(weights, like):
+    """Weights whose shape, or the ids', is only known at run time (tf.boolean_mask, tf.unique, a
+    None dimension) checked against the ids' when XLA compiles the graph: XLA runs the op on
+    bounded operands and has no shape check of its own, so weights masked otherwise than the ids
+    were read at the ids' positions (zero past their own size) instead of failing as outside XLA."""
+    if like is None or weights.shape.rank is None or weights.shape.rank != like.shape.rank \
+            or (weights.shape.is_fully_defined() and like.shape.is_fully_defined()):
+        return weights
+    from pkm_serve import _xla
+
+    checked = _xla.checked_when_compiled(
+        lambda: tf.reduce_all(tf.equal(tf.shape(weights), tf.shape(like))), weights, _RUN_TIME_SHAPE_ERROR)
+    return weights if checked is None else checked
 
 
 # No quote characters: TF escapes them in a run-time assertion's message.
@@ -113,10 +132,7 @@ def _ragged_weight_values(indices, weights):
             raise ValueError(f"{_ROW_PARTITION_ERROR}: ragged dimension {dim} has "
                              f"{w_splits.shape[0] - 1} rows in weights, {i_splits.shape[0] - 1} "
                              "in indices")
-        # Equal() needs equal sizes: compare the values only when they are.
-        same = tf.cond(tf.equal(tf.size(w_splits), tf.size(i_splits)),
-                       lambda w=w_splits, i=i_splits: tf.reduce_all(tf.equal(w, i)),
-                       lambda: tf.constant(False))
+        same = same_entries(w_splits, i_splits)
         message = f"{_ROW_PARTITION_ERROR} (ragged dimension {dim} differs)"
         checked = _xla.checked_when_compiled(same, values, message)  # XLA drops the Assert
         if checked is not None:
@@ -125,6 +141,18 @@ def _ragged_weight_values(indices, weights):
             checks.append(tf.debugging.Assert(same, [message]))
     with tf.control_dependencies(checks):
         return tf.identity(values)
+
+
+def same_entries(a, b):
+    """Whether two non-negative integer tensors (row_splits, or [n, 2] positions) hold the same
+    entries, also where their first dimensions differ. Equal() needs equal shapes, and XLA compiles
+    both branches of a tf.cond (a compare there failed with "Incompatible shapes: [4] vs. [5]"), so
+    each is extended by -1s (never an entry) along axis 0 to the sum of both lengths: where the
+    lengths differ, the shorter's first -1 meets an entry of the longer."""
+    a_padded = tf.concat([a, -tf.ones_like(b)], axis=0)
+    b_padded = tf.concat([b, -tf.ones_like(a)], axis=0)
+    return tf.logical_and(tf.reduce_all(tf.equal(tf.shape(a), tf.shape(b))),
+                          tf.reduce_all(tf.equal(a_padded, b_padded)))
 
 
 def is_sharded(params) -> bool:

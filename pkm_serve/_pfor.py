@@ -6,7 +6,8 @@ took 6.4 ms against 0.7 ms for one call on the stacked ``[P, B, K]`` ids. The
 op already takes ``[..., K]`` ids, so a loop-invariant table needs nothing
 more: the converter stacks the ids and weights and calls the op once. A table
 that differs per iteration is left to pfor's while_loop (the converter
-declines). The gradient ops (``tape.jacobian`` vectorises them) keep the
+declines). The run-time check under XLA (``PkmCheckThen``) has one too, so a
+lookup with a check stays one call. The gradient ops (``tape.jacobian`` vectorises them) keep the
 while_loop: their per-iteration ``[N, D]`` table gradients do not batch.
 """
 
@@ -34,6 +35,19 @@ def _vectorized_lookup(pfor_input, wrap):
     return [wrap(out, True)]
 
 
+def _vectorized_check(pfor_input, wrap):
+    """PkmCheckThen (a run-time check under XLA) over all iterations: every iteration's condition
+    must hold; the value passes through stacked or not, as it came in. Without it, vectorized_map
+    under jit_compile over a lookup with a check fell back to its while_loop (or failed where
+    fallback_to_while_loop=False)."""
+    import tensorflow as tf
+
+    condition, value = pfor_input.input(0), pfor_input.input(1)
+    holds = tf.reduce_all(condition.t) if condition.is_stacked else condition.t
+    out = load_library().pkm_check_then(holds, value.t, message=pfor_input.get_attr("message"))
+    return [wrap(out, value.is_stacked)]
+
+
 def register():
     """Registers the converters in TF's private pfor registry (there is no
     public one). Where TF lacks it, vectorized_map uses its while_loop as
@@ -46,3 +60,4 @@ def register():
         return
     for op_type in _LOOKUP_OPS:
         register_converter(op_type)(lambda pfor_input: _vectorized_lookup(pfor_input, wrap))
+    register_converter("PkmCheckThen")(lambda pfor_input: _vectorized_check(pfor_input, wrap))

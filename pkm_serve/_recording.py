@@ -15,6 +15,32 @@ def tape_could_record(if_unknown: bool) -> bool:
         return if_unknown
 
 
+def tape_watches(tensor, if_unknown: bool) -> bool:
+    """Whether an active tape records gradients through `tensor` (``record.should_record_backprop``),
+    or `if_unknown` where TF lacks the query."""
+    try:
+        from tensorflow.python.eager import record
+
+        return bool(record.should_record_backprop([tensor]))
+    except (ImportError, AttributeError, TypeError):
+        return if_unknown
+
+
+def tape_watches_variable(variable, if_unknown: bool) -> bool:
+    """Whether an active tape records gradients for `variable` once the lookup reads it: watched
+    explicitly, or trainable and read under a tape that watches accessed variables (the read is
+    announced here as the lookup's own read would announce it). `if_unknown` where TF lacks the
+    queries or the variable has no handle here (a distributed variable outside a replica)."""
+    try:
+        from tensorflow.python.eager import record
+        from tensorflow.python.ops import resource_variable_ops
+
+        resource_variable_ops.variable_accessed(variable)
+        return bool(record.should_record_backprop([variable.handle]))
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return if_unknown
+
+
 _CONTROL_FLOW_GRAPHS = ("CondBranchFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph")
 
 

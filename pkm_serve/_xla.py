@@ -89,13 +89,41 @@ def composite_under_xla(params, indices):
     return True
 
 
+def _flag_value(flags, name):
+    """The value of `--name[=value]` in a TF_XLA_FLAGS string ("true" for a bare flag), else None."""
+    for token in flags.split():
+        key, sep, value = token.partition("=")
+        if key == "--" + name:
+            return value.lower() if sep else "true"
+    return None
+
+
+def cpu_autoclustering() -> bool:
+    """Whether TF's auto-clustering may compile the CPU graph being built with XLA: it needs
+    TF_XLA_FLAGS' --tf_xla_cpu_global_jit, and --tf_xla_auto_jit=1/2/fusible or (without that
+    flag) tf.config.optimizer.set_jit(True). No GPU: there the lookups would run on it."""
+    flags = os.environ.get("TF_XLA_FLAGS", "")
+    if _flag_value(flags, "tf_xla_cpu_global_jit") not in ("true", "1"):
+        return False
+    if tf.executing_eagerly() or tf.config.list_logical_devices("GPU"):
+        return False
+    auto_jit = _flag_value(flags, "tf_xla_auto_jit")
+    if auto_jit in ("1", "2", "fusible"):
+        return True
+    return auto_jit in (None, "0") and bool(tf.config.optimizer.get_jit())
+
+
 def checked_when_compiled(condition, value, message):
     """`value` after an InvalidArgumentError(message) where `condition` (a scalar, or a function
-    that builds it) is false when the graph runs, for a graph XLA compiles for the CPU: XLA drops
-    tf.debugging.Assert (a user error passed silently), but keeps the op library's PkmCheckThen, a
-    custom call that can fail. None elsewhere (outside XLA, or a backend without the op): there
-    the caller's Assert holds or is dropped as before."""
-    if compile_device_type() != "CPU" or "CPU" not in xla_device_types():
+    that builds it) is false when the graph runs, for a graph XLA compiles for the CPU (jit_compile,
+    or auto-clustering that may compile it): XLA drops tf.debugging.Assert (a user error passed
+    silently), but keeps the op library's PkmCheckThen, a custom call that can fail (outside a
+    cluster its CPU kernel checks the same). None elsewhere (outside XLA, or a backend without the
+    op): there the caller's Assert holds or is dropped as before."""
+    device = compile_device_type()
+    if device is None and cpu_autoclustering():
+        device = "CPU"
+    if device != "CPU" or "CPU" not in xla_device_types():
         return None
     lib = _library.load_library()
     if not hasattr(lib, "pkm_check_then"):  # a library built before the op

@@ -121,13 +121,13 @@ def _table_tensors(table: QuantizedTable):
     return values, scales, biases
 
 
-def _weights(weights, dtype):
+def _weights(weights, dtype, like):
     if weights is None:
         return _op_args._no_weights(dtype), False
     weights = tf.convert_to_tensor(weights)
     if weights.dtype not in _OUTPUT_DTYPES:
         raise TypeError(f"weights must be float32, float16 or bfloat16, got {weights.dtype.name}")
-    return weights, True
+    return _op_args._sizes_checked_when_compiled(weights, like), True  # pylint: disable=protected-access
 
 
 def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", output_dtype=tf.float32,
@@ -151,7 +151,7 @@ def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", 
             if flat.shape.rank is not None and flat.shape.rank > 1:
                 return indices.with_flat_values(
                     embedding_bag(table, flat, weight_values, combiner, output_dtype))
-            w, has_w = _weights(weight_values, output_dtype)
+            w, has_w = _weights(weight_values, output_dtype, flat)
             splits = indices.nested_row_splits
             out = lib.pkm_quantized_ragged_embedding_bag(values, scales, biases, flat, splits[-1], w,
                                                          combiner=combiner, has_weights=has_w)
@@ -161,7 +161,7 @@ def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", 
         indices = tf.convert_to_tensor(indices)
         if indices.dtype not in (tf.int32, tf.int64):
             raise TypeError(f"indices must be int32 or int64, got {indices.dtype.name}")
-        w, has_w = _weights(weights, output_dtype)
+        w, has_w = _weights(weights, output_dtype, indices)
         return lib.pkm_quantized_embedding_bag(values, scales, biases, indices, w, combiner=combiner,
                                                has_weights=has_w)
 

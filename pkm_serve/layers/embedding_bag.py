@@ -342,13 +342,10 @@ def _sparse_bags_as_ragged(indices, weights):
                          f"positions (got {type(weights).__name__})")
     weight_positions, values = _row_major(weights)
     message = "EmbeddingBag: sparse weights must hold an entry at each position of the sparse indices"
-    from pkm_serve import _xla
+    from pkm_serve import _op_args, _xla
 
-    def same():
-        return tf.cond(tf.reduce_all(tf.equal(tf.shape(weight_positions), tf.shape(positions))),
-                       lambda: tf.reduce_all(tf.equal(weight_positions, positions)), lambda: tf.constant(False))
-
-    checked = _xla.checked_when_compiled(same, values, message)  # XLA drops the asserts below
+    checked = _xla.checked_when_compiled(lambda: _op_args.same_entries(weight_positions, positions), values,
+                                         message)  # XLA drops the asserts below
     if checked is not None:
         return bags, bags.with_flat_values(checked)
     same_count = tf.debugging.assert_equal(tf.shape(weight_positions), tf.shape(positions), message=message)

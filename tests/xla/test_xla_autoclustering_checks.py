@@ -1,0 +1,73 @@
+"""TF's auto-clustering on the CPU (TF_XLA_FLAGS="--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit")
+compiles a plain tf.function's lookup with XLA, where nothing checks that weights masked to another
+run-time size than the ids match them: they were read at the ids' positions, zero past their own
+size (silent wrong bags). The run-time check XLA keeps (PkmCheckThen) now goes into such graphs too,
+so the mismatch is the InvalidArgumentError it is without auto-clustering."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+_SCRIPT = """
+import numpy as np
+import tensorflow as tf
+from pkm_serve import _xla, ops
+
+table = np.arange(30, dtype=np.float32).reshape(10, 3)
+
+@tf.function
+def lookup(ids, weights, ids_mask, weights_mask):
+    out = ops.embedding_bag(table, tf.boolean_mask(ids, ids_mask), tf.boolean_mask(weights, weights_mask))
+    return tf.nn.relu(out) * 2.0
+
+ids = tf.constant([[1, 2], [3, 4], [5, 6]])
+weights = tf.constant([[1.0, 0.5], [2.0, 0.25], [3.0, 4.0]])
+keep = tf.constant([True, False, True])
+print("same", lookup(ids, weights, keep, keep).numpy().tolist())
+try:
+    print("mismatch", lookup(ids, weights, keep, tf.constant([True, True, True])).numpy().tolist())
+except tf.errors.InvalidArgumentError as error:
+    print("mismatch InvalidArgumentError", "weights must have the shape of indices" in str(error))
+seen = []
+tf.function(lambda: seen.append(_xla.cpu_autoclustering()))()  # asked while a graph is built
+print("autoclustering", seen[0])
+"""
+
+
+def test_masked_weights_mismatch_fails_under_cpu_autoclustering():
+    flags = "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit --tf_xla_min_cluster_size=1"
+    env = {**os.environ, "PYTHONPATH": ROOT, "TF_XLA_FLAGS": flags}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=env)
+    lines = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines())
+    table = [[3.0 * r + c for c in range(3)] for r in range(10)]
+    expected = [[2 * (table[1][c] + 0.5 * table[2][c]) for c in range(3)],
+                [2 * (3.0 * table[5][c] + 4.0 * table[6][c]) for c in range(3)]]
+    assert lines["same"] == str(expected)
+    assert lines["mismatch"] == "InvalidArgumentError True", proc.stdout
+    assert proc.returncode == 0 and lines["autoclustering"] == "True", proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("flags, set_jit, expected", [
+    ("", True, False),  # TF clusters CPU graphs only with --tf_xla_cpu_global_jit
+    ("--tf_xla_cpu_global_jit", False, False),
+    ("--tf_xla_cpu_global_jit", True, True),
+    ("--tf_xla_cpu_global_jit=false --tf_xla_auto_jit=2", False, False),
+    ("--tf_xla_auto_jit=fusible --tf_xla_cpu_global_jit=true", False, True),
+    ("--tf_xla_auto_jit=-1 --tf_xla_cpu_global_jit", True, False),
+])
+def test_which_flags_mean_cpu_autoclustering(monkeypatch, flags, set_jit, expected):
+    import tensorflow as tf
+
+    from pkm_serve import _xla
+
+    monkeypatch.setenv("TF_XLA_FLAGS", flags)
+    monkeypatch.setattr(tf.config.optimizer, "get_jit", lambda: "autoclustering" if set_jit else "")
+    seen = []
+    tf.function(lambda: seen.append(_xla.cpu_autoclustering()))()
+    assert seen == [expected]
+    assert _xla.cpu_autoclustering() is False  # eager ops are never clustered
