@@ -136,6 +136,8 @@ def _values(rng, dtype, shape, index_limit, feed=None, name="?"):
                     "only a [batch] vector of serialized Examples can be generated; "
                     "pass --sample-inputs")
             return F.make_examples(rng, feed.features, vocabulary, shape[0], index_limit)
+        if feed is not None and feed.tokens:
+            return F.make_tokens(rng, vocabulary, shape)
         return F.make_text(rng, vocabulary, shape)
     raise VerificationError(f"cannot generate inputs of dtype {dtype.name} (input "
                             f"{name!r}): pass --sample-inputs")
