@@ -17,6 +17,7 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
+from pkm_serve.export.composites import signature_composites
 from pkm_serve.export.graph import FunctionGraph, Ref, output_arg_counts
 
 PARSE_OPS = ("ParseExampleV2", "ParseExample", "ParseSingleExample")
@@ -54,6 +55,9 @@ class Feed:
     vocabulary: List[bytes] = dataclasses.field(default_factory=list)
     tokens: bool = False  # each string is one token (a lookup key), not text to split
     sparse_width: Optional[int] = None  # a SparseTensor's dense_shape: columns are rows of a [N, D] table
+    # on the first part of a RaggedTensor / SparseTensor the signature takes flattened:
+    # ("ragged", values, row_splits) or ("sparse", indices, values, dense_shape)
+    composite: Optional[Tuple[str, ...]] = None
 
 
 def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
@@ -85,6 +89,9 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
                         features.append(feature)
         tokens = not parses and _is_token_input(meta_graph.graph_def, placeholder, library, sigs, graphs)
         feeds[name] = Feed(features=features, vocabulary=vocabulary, tokens=tokens)
+    for group in signature_composites(meta_graph, signature):
+        first = group[1]
+        feeds[first] = dataclasses.replace(feeds.get(first, Feed()), composite=group)
     return feeds
 
 

@@ -92,6 +92,11 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
     feeds = feeds or {}
     out: Dict[str, np.ndarray] = {}
     sparse = _sparse_groups(specs)
+    composites = [f.composite for f in feeds.values() if getattr(f, "composite", None)]
+    for kind, *parts in composites:  # read off the saved function: sure where names are not
+        if kind == "sparse" and all(p in specs for p in parts):
+            sparse = {k: g for k, g in sparse.items() if not set(g) & set(parts)}
+            sparse[parts[0]] = tuple(parts)
     sparse_layout = {}  # (dense rank, width) -> (indices, dense_shape) shared by the groups
     for ind_name, val_name, shape_name in sparse.values():
         rank = specs[ind_name].shape[1] or 2
@@ -105,7 +110,9 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
                                 feeds.get(val_name), val_name)
     taken = {n for group in sparse.values() for n in group}
     splits = np.concatenate([[0], np.cumsum(_bag_sizes(rng, batch_size))])
-    for val_name, splits_name in _ragged_groups(specs, taken).values():
+    ragged = [tuple(parts) for kind, *parts in composites if kind == "ragged" and all(p in specs for p in parts)]
+    taken |= {n for group in ragged for n in group}
+    for val_name, splits_name in ragged + list(_ragged_groups(specs, taken).values()):
         out[splits_name] = splits.astype(specs[splits_name].dtype.as_numpy_dtype)
         out[val_name] = _values(rng, specs[val_name].dtype, [int(splits[-1])], index_limit,
                                 feeds.get(val_name), val_name)
