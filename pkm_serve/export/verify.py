@@ -61,6 +61,18 @@ def _ragged_groups(specs, taken) -> Dict[str, tuple]:
     return groups
 
 
+def _fits(composite, specs) -> bool:
+    """A composite's parts (pkm_serve/export/composites.py) are inputs of the
+    ranks and dtypes its kind has."""
+    if not composite or not all(p in specs for p in composite[1:]):
+        return False
+    ranks = [specs[p].shape.rank for p in composite[1:]]
+    dtypes = [specs[p].dtype.name for p in composite[1:]]
+    if composite[0] == "ragged":
+        return ranks == [1, 1] and dtypes[1] in ("int32", "int64")
+    return ranks == [2, 1, 1] and dtypes[0] == dtypes[2] == "int64"
+
+
 def _bag_sizes(rng, batch_size: int) -> np.ndarray:
     """1-4 ids per bag, one empty bag in the middle."""
     per_row = rng.integers(1, 5, size=batch_size)
@@ -92,9 +104,9 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
     feeds = feeds or {}
     out: Dict[str, np.ndarray] = {}
     sparse = _sparse_groups(specs)
-    composites = [f.composite for f in feeds.values() if getattr(f, "composite", None)]
+    composites = [f.composite for f in feeds.values() if _fits(getattr(f, "composite", None), specs)]
     for kind, *parts in composites:  # read off the saved function: sure where names are not
-        if kind == "sparse" and all(p in specs for p in parts):
+        if kind == "sparse":
             sparse = {k: g for k, g in sparse.items() if not set(g) & set(parts)}
             sparse[parts[0]] = tuple(parts)
     sparse_layout = {}  # (dense rank, width) -> (indices, dense_shape) shared by the groups
@@ -110,7 +122,7 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
                                 feeds.get(val_name), val_name)
     taken = {n for group in sparse.values() for n in group}
     splits = np.concatenate([[0], np.cumsum(_bag_sizes(rng, batch_size))])
-    ragged = [tuple(parts) for kind, *parts in composites if kind == "ragged" and all(p in specs for p in parts)]
+    ragged = [tuple(parts) for kind, *parts in composites if kind == "ragged"]
     taken |= {n for group in ragged for n in group}
     for val_name, splits_name in ragged + list(_ragged_groups(specs, taken).values()):
         out[splits_name] = splits.astype(specs[splits_name].dtype.as_numpy_dtype)
