@@ -18,6 +18,7 @@ from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
 from pkm_serve.export.composites import signature_composites
+from pkm_serve.export.lookup_keys import model_int_keys
 from pkm_serve.export.graph import FunctionGraph, Ref, output_arg_counts
 
 PARSE_OPS = ("ParseExampleV2", "ParseExample", "ParseSingleExample")
@@ -58,10 +59,12 @@ class Feed:
     # on the first part of a RaggedTensor / SparseTensor the signature takes flattened:
     # ("ragged", values, row_splits) or ("sparse", indices, values, dense_shape)
     composite: Optional[Tuple[str, ...]] = None
+    int_keys: List[int] = dataclasses.field(default_factory=list)  # integer ids that are lookup-table keys
 
 
 def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
-    """{input name: Feed} for the string inputs of one signature."""
+    """{input name: Feed} for the string inputs of one signature, integer ids
+    that are table keys or sparse shapes, and the parts of composites."""
     meta_graph = proto.meta_graphs[0]
     sig = meta_graph.signature_def.get(signature)
     if sig is None:
@@ -70,6 +73,7 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
     sigs = {name: f.signature for name, f in library.items()}
     graphs: Dict[str, FunctionGraph] = {}
     vocabulary = model_vocabulary(meta_graph)
+    int_keys = model_int_keys(meta_graph)
     feeds = {}
     for name, info in sig.inputs.items():
         placeholder = info.name.split(":")[0]
@@ -77,6 +81,10 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
             width = _sparse_matmul_width(meta_graph.graph_def, placeholder, library, sigs, graphs)
             if width is not None:
                 feeds[name] = Feed(sparse_width=width)
+        if int_keys and info.dtype in (types_pb2.DT_INT64, types_pb2.DT_INT32) and _parse_ops_fed_by(
+                meta_graph.graph_def, placeholder, library, sigs, graphs, follow_all=True,
+                accept=lambda node, pos: node.op in ("LookupTableFindV2", "LookupTableFind") and pos == 1):
+            feeds[name] = dataclasses.replace(feeds.get(name, Feed()), int_keys=int_keys)
         if info.dtype != types_pb2.DT_STRING:
             continue
         parses = _parse_ops_fed_by(meta_graph.graph_def, placeholder, library, sigs, graphs)

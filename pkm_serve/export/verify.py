@@ -140,7 +140,11 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
 
 def _values(rng, dtype, shape, index_limit, feed=None, name="?"):
     if dtype.is_integer:
-        return rng.integers(0, max(index_limit, 1), size=shape).astype(dtype.as_numpy_dtype)
+        ids = rng.integers(0, max(index_limit, 1), size=shape)
+        keys = getattr(feed, "int_keys", None)
+        if keys:  # raw ids into a lookup table: mostly its keys, one in five other ids
+            ids = np.where(rng.random(size=shape) < 0.8, rng.choice(np.array(keys), size=shape), ids)
+        return ids.astype(dtype.as_numpy_dtype)
     if dtype.is_floating:
         return rng.uniform(0.5, 1.5, size=shape).astype(dtype.as_numpy_dtype)
     if dtype.is_bool:
