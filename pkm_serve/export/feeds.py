@@ -236,7 +236,8 @@ def model_vocabulary(meta_graph) -> List[bytes]:
     list of parse keys."""
     words: List[bytes] = []
     top = meta_graph.graph_def.node
-    candidates = [n for n in top if n.op == "Const" and n.name not in _save_inputs(top)]
+    saved_names = _save_inputs(top)
+    candidates = [n for n in top if n.op == "Const" and n.name not in saved_names]
     for fdef in meta_graph.graph_def.library.function:
         consts = {n.name: n for n in fdef.node_def if n.op == "Const"}
         not_words = _save_inputs(fdef.node_def)
