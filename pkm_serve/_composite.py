@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from pkm_serve._op_args import _as_indices, _as_table, _as_weights, _check_combiner, _ragged_weight_values
+from pkm_serve._op_args import (_as_indices, _as_table, _as_weights, _check_combiner, _ragged_weight_values,
+                                _refuse_sparse_tensors)
 
 @tf.autograph.experimental.do_not_convert
 def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=None,
@@ -21,6 +22,7 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=
     XLA, which drops the check: there it is padding, as on the GPU.
     """
     _check_combiner(combiner, weights)
+    _refuse_sparse_tensors(indices, weights)
     with tf.name_scope(name or "embedding_bag_composite"):
         params = _as_table(params)
         if isinstance(indices, tf.RaggedTensor):

@@ -15,6 +15,7 @@ from pkm_serve._op_args import (
     _as_table,
     _as_weights,
     _check_combiner,
+    _refuse_sparse_tensors,
     _ragged_weight_values,
 )
 
@@ -25,6 +26,7 @@ from pkm_serve._op_args import (
 def fused_embedding_bag(params, indices, weights=None, combiner="sum", name=None, sparse_gradient=False):
     """``ops.embedding_bag`` on one table (not sharded): see its docstring."""
     _check_combiner(combiner, weights)
+    _refuse_sparse_tensors(indices, weights)
     lib = load_library()
     if _xla.composite_under_xla(params, indices):  # XLA for a backend without our custom-call target
         return embedding_bag_composite(params, indices, weights, combiner, name=name)

@@ -22,6 +22,21 @@ def _check_combiner(combiner, weights=None):
         raise ValueError(MAX_WITH_WEIGHTS_ERROR)
 
 
+def _refuse_sparse_tensors(indices, weights=None):
+    """TypeError for tf.SparseTensor ids or weights (a VarLenFeature's), which the op does not read
+    (TF's own conversion error said only that a SparseTensor is no Tensor): it names the ragged form."""
+    if isinstance(indices, tf.SparseTensor) or isinstance(weights, tf.SparseTensor):
+        which = "indices" if isinstance(indices, tf.SparseTensor) else "weights"
+        raise TypeError(
+            f"embedding_bag: {which} is a tf.SparseTensor; the op takes dense [..., K] or tf.RaggedTensor "
+            "indices (and weights of the same form). For [batch, K] sparse ids, as "
+            "tf.nn.embedding_lookup_sparse takes them, pass the bags of the entries present: "
+            "ids = tf.sparse.reorder(ids); rows = ids.indices[:, 0]; "
+            "tf.RaggedTensor.from_value_rowids(ids.values, rows, nrows=ids.dense_shape[0]) (the weights' "
+            "values with the same rows). pkm_serve.layers.EmbeddingBag takes "
+            "SparseTensors as they are.")
+
+
 def _as_table(params):
     # Reading a (possibly autocast) variable gives a tensor that shares the
     # variable's buffer: no copy of the table, and the gradient flows to it.

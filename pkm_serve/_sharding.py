@@ -9,7 +9,8 @@ from tensorflow.python.framework import ops  # colocate_with without v1's deprec
 from pkm_serve import _xla
 from pkm_serve._composite import _inverse_norm
 from pkm_serve._fused import fused_embedding_bag
-from pkm_serve._op_args import _as_indices, _as_weights, _check_combiner, _ragged_weight_values
+from pkm_serve._op_args import (_as_indices, _as_weights, _check_combiner, _ragged_weight_values,
+                                _refuse_sparse_tensors)
 
 def _table_shards(params):
     shards = list(params.variables) if type(params).__name__ == "ShardedVariable" else list(params)
@@ -45,6 +46,7 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
     shard (row-sparse with ``sparse_gradient=True``).
     """
     _check_combiner(combiner, weights)
+    _refuse_sparse_tensors(indices, weights)
     if combiner == "max":
         raise ValueError("combiner 'max' over a sharded table is not supported: pass one [N, D] table")
     shards = _table_shards(params)

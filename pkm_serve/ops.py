@@ -23,7 +23,7 @@ from pkm_serve._composite import embedding_bag_composite
 from pkm_serve._fused import fused_embedding_bag
 from pkm_serve._library import OpLibraryNotFoundError, is_available, library_path, load_library
 from pkm_serve._op_args import (COMBINERS, INDEX_DTYPES, MAX_WITH_WEIGHTS_ERROR, TABLE_DTYPES, WEIGHTED_COMBINERS,
-                                _check_combiner, is_sharded)
+                                _check_combiner, _refuse_sparse_tensors, is_sharded)
 from pkm_serve._sharding import sharded_embedding_bag
 
 __all__ = ["COMBINERS", "INDEX_DTYPES", "MAX_WITH_WEIGHTS_ERROR", "TABLE_DTYPES", "WEIGHTED_COMBINERS", "OpLibraryNotFoundError", "embedding_bag",
@@ -67,6 +67,7 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None, spar
       indices a RaggedTensor with the outer partitions of ``indices``.
     """
     _check_combiner(combiner, weights)
+    _refuse_sparse_tensors(indices, weights)
     if is_sharded(params):
         return sharded_embedding_bag(params, indices, weights, combiner, name, sparse_gradient)
     return fused_embedding_bag(params, indices, weights, combiner, name, sparse_gradient)

@@ -17,11 +17,23 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
-from pkm_serve.export.graph import FunctionGraph, Ref
+from pkm_serve.export.composites import signature_composites
+from pkm_serve.export.lookup_keys import model_int_keys
+from pkm_serve.export.graph import FunctionGraph, Ref, output_arg_counts
 
 PARSE_OPS = ("ParseExampleV2", "ParseExample", "ParseSingleExample")
 CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 TABLE_INIT_OPS = ("LookupTableImportV2", "InitializeTableV2")
+# Ops that cut a string into tokens (text goes in) and ops that take each string
+# whole as a key (a token goes in): which of them a string input reaches says
+# which kind of string to generate for it.
+SPLIT_OPS = ("StringSplit", "StringSplitV2", "RegexSplitWithOffsets", "WhitespaceTokenizeWithOffsets",
+             "WhitespaceTokenizeWithOffsetsV2", "UnicodeScriptTokenizeWithOffsets", "UnicodeDecode",
+             "UnicodeDecodeWithOffsets", "SentencepieceTokenizeOp", "StringNGrams")
+KEY_OPS = ("LookupTableFindV2", "LookupTableFind", "StringToHashBucketFast", "StringToHashBucketStrong",
+           "StringToHashBucket")
+# Constants that name checkpoint entries, not words of the model.
+SAVE_OPS = ("SaveV2", "RestoreV2", "MergeV2Checkpoints", "SaveSlices", "RestoreSlice")
 _MAX_VOCABULARY = 2000
 
 
@@ -42,11 +54,17 @@ class Feed:
 
     features: Optional[List[ExampleFeature]] = None
     vocabulary: List[bytes] = dataclasses.field(default_factory=list)
+    tokens: bool = False  # each string is one token (a lookup key), not text to split
     sparse_width: Optional[int] = None  # a SparseTensor's dense_shape: columns are rows of a [N, D] table
+    # on the first part of a RaggedTensor / SparseTensor the signature takes flattened:
+    # ("ragged", values, row_splits) or ("sparse", indices, values, dense_shape)
+    composite: Optional[Tuple[str, ...]] = None
+    int_keys: List[int] = dataclasses.field(default_factory=list)  # integer ids that are lookup-table keys
 
 
 def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
-    """{input name: Feed} for the string inputs of one signature."""
+    """{input name: Feed} for the string inputs of one signature, integer ids
+    that are table keys or sparse shapes, and the parts of composites."""
     meta_graph = proto.meta_graphs[0]
     sig = meta_graph.signature_def.get(signature)
     if sig is None:
@@ -55,6 +73,7 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
     sigs = {name: f.signature for name, f in library.items()}
     graphs: Dict[str, FunctionGraph] = {}
     vocabulary = model_vocabulary(meta_graph)
+    int_keys = model_int_keys(meta_graph)
     feeds = {}
     for name, info in sig.inputs.items():
         placeholder = info.name.split(":")[0]
@@ -62,6 +81,10 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
             width = _sparse_matmul_width(meta_graph.graph_def, placeholder, library, sigs, graphs)
             if width is not None:
                 feeds[name] = Feed(sparse_width=width)
+        if int_keys and info.dtype in (types_pb2.DT_INT64, types_pb2.DT_INT32) and _parse_ops_fed_by(
+                meta_graph.graph_def, placeholder, library, sigs, graphs, follow_all=True,
+                accept=lambda node, pos: node.op in ("LookupTableFindV2", "LookupTableFind") and pos == 1):
+            feeds[name] = dataclasses.replace(feeds.get(name, Feed()), int_keys=int_keys)
         if info.dtype != types_pb2.DT_STRING:
             continue
         parses = _parse_ops_fed_by(meta_graph.graph_def, placeholder, library, sigs, graphs)
@@ -72,7 +95,11 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
                 for feature in parse_op_features(fg, node):
                     if feature.key not in {f.key for f in features}:
                         features.append(feature)
-        feeds[name] = Feed(features=features, vocabulary=vocabulary)
+        tokens = not parses and _is_token_input(meta_graph.graph_def, placeholder, library, sigs, graphs)
+        feeds[name] = Feed(features=features, vocabulary=vocabulary, tokens=tokens)
+    for group in signature_composites(meta_graph, signature):
+        first = group[1]
+        feeds[first] = dataclasses.replace(feeds.get(first, Feed()), composite=group)
     return feeds
 
 
@@ -88,10 +115,31 @@ def _sparse_matmul_width(graph_def, placeholder: str, library, sigs, graphs) -> 
     return None
 
 
+def _is_token_input(graph_def, placeholder: str, library, sigs, graphs) -> bool:
+    """True where the string input reaches a lookup or hash op as a whole
+    string, through any ops but no tokenizer (a [batch, K] list of item ids
+    looked up in a StaticHashTable or StringLookup): text would be one unknown
+    key per cell there, so verification would barely read the table."""
+    reached = {node.op for _, node in _parse_ops_fed_by(
+        graph_def, placeholder, library, sigs, graphs,
+        accept=lambda node, pos: node.op in SPLIT_OPS + KEY_OPS, follow_all=True)}
+    return bool(reached & set(KEY_OPS)) and not reached & set(SPLIT_OPS)
+
+
+def _outputs(fg: FunctionGraph, node) -> List[Ref]:
+    try:
+        count = sum(n for _, n in output_arg_counts(node, fg.library_sigs))
+    except KeyError:  # an op this process does not know: nothing to follow
+        return []
+    return [Ref(node.name, k) for k in range(count)]
+
+
 def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth: int = 8,
-                      accept=lambda node, pos: node.op in PARSE_OPS and pos == 0):
+                      accept=lambda node, pos: node.op in PARSE_OPS and pos == 0,
+                      follow_all: bool = False):
     """Parse ops (or the ops `accept` takes) reached from a top-level placeholder
-    through Identity and function calls: [(FunctionGraph, node)]."""
+    through Identity and function calls (any op with `follow_all`):
+    [(FunctionGraph, node)]."""
     found = []
     frontier = []
     for node in graph_def.node:
@@ -115,18 +163,23 @@ def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth:
         args = library[fname].signature.input_arg
         if pos >= len(args):
             continue
-        refs = [Ref(args[pos].name, 0)]
+        refs, visited = [Ref(args[pos].name, 0)], set()
         while refs:
             ref = refs.pop()
+            if ref in visited:
+                continue
+            visited.add(ref)
             for consumer, cpos in fg.consumers(ref):
                 node = fg.nodes[consumer]
                 if accept(node, cpos):
                     found.append((fg, node))
-                elif node.op in ("Identity", "IdentityN"):
-                    refs.append(Ref(consumer, cpos if node.op == "IdentityN" else 0))
                 elif node.op in CALL_OPS and "f" in node.attr and \
                         node.attr["f"].func.name in library:
                     work.append((node.attr["f"].func.name, cpos, left - 1))
+                elif node.op in ("Identity", "IdentityN"):
+                    refs.append(Ref(consumer, cpos if node.op == "IdentityN" else 0))
+                elif follow_all:
+                    refs.extend(_outputs(fg, node))
     return found
 
 
@@ -182,14 +235,16 @@ def model_vocabulary(meta_graph) -> List[bytes]:
     captures them), every rank-1 string constant of the model that is not a
     list of parse keys."""
     words: List[bytes] = []
-    candidates = [n for n in meta_graph.graph_def.node if n.op == "Const"]
-    parse_keys = set()
+    top = meta_graph.graph_def.node
+    saved_names = _save_inputs(top)
+    candidates = [n for n in top if n.op == "Const" and n.name not in saved_names]
     for fdef in meta_graph.graph_def.library.function:
         consts = {n.name: n for n in fdef.node_def if n.op == "Const"}
+        not_words = _save_inputs(fdef.node_def)
         for n in fdef.node_def:
             if n.op in PARSE_OPS:
-                parse_keys.update(i.split(":")[0] for i in n.input)
-        candidates.extend(c for name, c in consts.items() if name not in parse_keys)
+                not_words.update(i.split(":")[0] for i in n.input)
+        candidates.extend(c for name, c in consts.items() if name not in not_words)
     for node in candidates:
         tensor = node.attr["value"].tensor
         if tensor.dtype != types_pb2.DT_STRING or len(tensor.tensor_shape.dim) != 1:
@@ -201,6 +256,12 @@ def model_vocabulary(meta_graph) -> List[bytes]:
         if len(words) >= _MAX_VOCABULARY:
             break
     return sorted(set(words))[:_MAX_VOCABULARY]
+
+
+def _save_inputs(nodes) -> set:
+    """Names of the nodes feeding checkpoint ops (their tensor names are keys
+    such as 'table/.ATTRIBUTES/VARIABLE_VALUE', no words of the model)."""
+    return {i.lstrip("^").split(":")[0] for n in nodes if n.op in SAVE_OPS for i in n.input}
 
 
 def _words(rng, vocabulary: List[bytes], count: int) -> List[bytes]:
@@ -219,6 +280,22 @@ def make_text(rng, vocabulary: List[bytes], shape) -> np.ndarray:
     flat = [b" ".join(_words(rng, vocabulary, int(rng.integers(1, 7))))
             for _ in range(int(np.prod(shape, dtype=np.int64)))]
     return np.array(flat, dtype=object).reshape(shape)
+
+
+def make_tokens(rng, vocabulary: List[bytes], shape) -> np.ndarray:
+    """One word per string; a row of the last axis (K > 1 ids of a bag) ends
+    in 0 to K-1 empty strings, and the middle row is all empty, as a padded
+    batch of ids (tf.data's padded_batch pads strings with b"", which a
+    StringLookup(mask_token="") masks)."""
+    out = np.array(_words(rng, vocabulary, int(np.prod(shape, dtype=np.int64))) or [b""],
+                   dtype=object)[:int(np.prod(shape, dtype=np.int64))].reshape(shape)
+    if len(shape) < 2 or shape[-1] < 2:
+        return out
+    rows = out.reshape(-1, shape[-1])
+    for r, row in enumerate(rows):
+        keep = 0 if (len(rows) > 2 and r == len(rows) // 2) else int(rng.integers(1, shape[-1] + 1))
+        row[keep:] = b""
+    return rows.reshape(shape)
 
 
 def make_examples(rng, features: List[ExampleFeature], vocabulary: List[bytes],

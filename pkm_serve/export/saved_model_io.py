@@ -16,8 +16,12 @@ def read_saved_model(src: str):
     from google.protobuf.message import DecodeError
 
     if not os.path.isdir(src):
+        hint = ""
+        if os.path.isfile(src) and src.lower().endswith((".keras", ".h5", ".hdf5")):
+            hint = ("; this is a Keras model file: write a SavedModel with model.export(DIR) (Keras 3) or "
+                    "model.save(DIR) with no extension (tf_keras)")
         raise ExportError(f"{src} is not a directory: SRC must be a SavedModel directory "
-                          "(the one holding saved_model.pb and variables/)")
+                          f"(the one holding saved_model.pb and variables/){hint}")
     path = os.path.join(src, SAVED_MODEL_PB)
     if not os.path.isfile(path):
         hint = ""

@@ -61,6 +61,18 @@ def _ragged_groups(specs, taken) -> Dict[str, tuple]:
     return groups
 
 
+def _fits(composite, specs) -> bool:
+    """A composite's parts (pkm_serve/export/composites.py) are inputs of the
+    ranks and dtypes its kind has."""
+    if not composite or not all(p in specs for p in composite[1:]):
+        return False
+    ranks = [specs[p].shape.rank for p in composite[1:]]
+    dtypes = [specs[p].dtype.name for p in composite[1:]]
+    if composite[0] == "ragged":
+        return ranks == [1, 1] and dtypes[1] in ("int32", "int64")
+    return ranks == [2, 1, 1] and dtypes[0] == dtypes[2] == "int64"
+
+
 def _bag_sizes(rng, batch_size: int) -> np.ndarray:
     """1-4 ids per bag, one empty bag in the middle."""
     per_row = rng.integers(1, 5, size=batch_size)
@@ -92,6 +104,11 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
     feeds = feeds or {}
     out: Dict[str, np.ndarray] = {}
     sparse = _sparse_groups(specs)
+    composites = [f.composite for f in feeds.values() if _fits(getattr(f, "composite", None), specs)]
+    for kind, *parts in composites:  # read off the saved function: sure where names are not
+        if kind == "sparse":
+            sparse = {k: g for k, g in sparse.items() if not set(g) & set(parts)}
+            sparse[parts[0]] = tuple(parts)
     sparse_layout = {}  # (dense rank, width) -> (indices, dense_shape) shared by the groups
     for ind_name, val_name, shape_name in sparse.values():
         rank = specs[ind_name].shape[1] or 2
@@ -105,7 +122,9 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
                                 feeds.get(val_name), val_name)
     taken = {n for group in sparse.values() for n in group}
     splits = np.concatenate([[0], np.cumsum(_bag_sizes(rng, batch_size))])
-    for val_name, splits_name in _ragged_groups(specs, taken).values():
+    ragged = [tuple(parts) for kind, *parts in composites if kind == "ragged"]
+    taken |= {n for group in ragged for n in group}
+    for val_name, splits_name in ragged + list(_ragged_groups(specs, taken).values()):
         out[splits_name] = splits.astype(specs[splits_name].dtype.as_numpy_dtype)
         out[val_name] = _values(rng, specs[val_name].dtype, [int(splits[-1])], index_limit,
                                 feeds.get(val_name), val_name)
@@ -121,7 +140,11 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
 
 def _values(rng, dtype, shape, index_limit, feed=None, name="?"):
     if dtype.is_integer:
-        return rng.integers(0, max(index_limit, 1), size=shape).astype(dtype.as_numpy_dtype)
+        ids = rng.integers(0, max(index_limit, 1), size=shape)
+        keys = getattr(feed, "int_keys", None)
+        if keys:  # raw ids into a lookup table: mostly its keys, one in five other ids
+            ids = np.where(rng.random(size=shape) < 0.8, rng.choice(np.array(keys), size=shape), ids)
+        return ids.astype(dtype.as_numpy_dtype)
     if dtype.is_floating:
         return rng.uniform(0.5, 1.5, size=shape).astype(dtype.as_numpy_dtype)
     if dtype.is_bool:
@@ -136,6 +159,8 @@ def _values(rng, dtype, shape, index_limit, feed=None, name="?"):
                     "only a [batch] vector of serialized Examples can be generated; "
                     "pass --sample-inputs")
             return F.make_examples(rng, feed.features, vocabulary, shape[0], index_limit)
+        if feed is not None and feed.tokens:
+            return F.make_tokens(rng, vocabulary, shape)
         return F.make_text(rng, vocabulary, shape)
     raise VerificationError(f"cannot generate inputs of dtype {dtype.name} (input "
                             f"{name!r}): pass --sample-inputs")

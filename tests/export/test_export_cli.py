@@ -64,10 +64,13 @@ def test_cli_writes_version_and_json_report(weighted_model, tmp_path, capsys):
 def test_not_a_saved_model(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     (tmp_path / "file.txt").write_text("hi")
+    (tmp_path / "model.keras").write_bytes(b"PK")
+    (tmp_path / "legacy.h5").write_bytes(b"\x89HDF")
     (tmp_path / "garbage").mkdir()
     (tmp_path / "garbage" / "saved_model.pb").write_bytes(b"\xff\x00 not a proto")
     for bad, message in [("empty", "is not a SavedModel"), ("file.txt", "not a directory"),
-                         ("missing", "not a directory"),
+                         ("missing", "not a directory"), ("model.keras", "model.export(DIR) (Keras 3)"),
+                         ("legacy.h5", "model.save(DIR) with no extension (tf_keras)"),
                          ("garbage", "not a valid SavedModel")]:
         assert main([str(tmp_path / bad), str(tmp_path / "dst"), "--quiet"]) == 1
         assert message in capsys.readouterr().err
