@@ -312,8 +312,29 @@ class TfLiteSignature(SignatureBase):
             try:
                 return interp.run(self.name, arrays)
             except (ValueError, RuntimeError) as e:   # resize, allocate or invoke refused them
+                empty = self._empty_outputs(arrays)
+                if empty is not None:
+                    return empty
                 raise invalid(f"signature '{self.name}' rejected the inputs: "
                               f"{' '.join(str(e).split())[:2000]}{self._fixed_batch_note(arrays)}") from None
+
+    def _empty_outputs(self, arrays):
+        """{alias: empty array} for a request of 0 rows the interpreter refused (XNNPack's
+        reshape cannot infer a -1 from 0 elements), as the SavedModel answers it: each output
+        of 0 rows and its other dimensions as declared. None where an input has rows or a shape
+        its signature does not take, or an output's 0-row shape is not known (dimension 0 not
+        dynamic, another dimension dynamic)."""
+        if not arrays or any(v.ndim == 0 or v.shape[0] != 0 or
+                             not self.input_specs[k].shape.is_compatible_with(v.shape)
+                             for k, v in arrays.items()):
+            return None
+        out = {}
+        for alias, info in self.signature_def.outputs.items():
+            dims = [d.size for d in info.tensor_shape.dim]
+            if info.tensor_shape.unknown_rank or not dims or dims[0] != -1 or min(dims[1:], default=0) < 0:
+                return None
+            out[alias] = np.zeros([0, *dims[1:]], tf.as_dtype(info.dtype).as_numpy_dtype)
+        return out
 
     def _fixed_batch_note(self, arrays) -> str:
         """Where an input's batch differs from the one the model fixes (the kernels' refusal
