@@ -5,6 +5,7 @@ import keras
 import numpy as np
 
 from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
+                                      refuse_unsigned_ids_past,
                                      jax_wraps_64_bit_ids, lookup_supports_jit, refuse_ids_past_int32,
                                      refuse_rounded_half_float_ids, refuse_rows_past_int32, refuse_table_dtype,
                                      refuse_tf_keras, refuse_tf_training_options, require_positive_ints,
@@ -214,6 +215,8 @@ class EmbeddingBag(keras.layers.Layer):
             if dtype.startswith("uint") and np.iinfo(dtype).max > np.iinfo(target).max:
                 # Cast, an id past the signed range wrapped to a negative one (padding, no error, for
                 # uint32 ids under JAX): clipped, it stays past the table, an out-of-range error.
+                if self.implementation == "fused":
+                    indices = refuse_unsigned_ids_past("EmbeddingBag", indices, target, self.input_dim)
                 indices = ops.minimum(indices, np.iinfo(target).max)
             indices = ops.cast(indices, target)
         if weights is not None:

@@ -114,6 +114,38 @@ def check_listed_ids():
     print(json.dumps({"listed_ids": "ok"}))
 
 
+def check_unsigned_message():
+    """A uint32 id past int32 into a model's EmbeddingBag fails naming the caller's value (under JAX
+    without jax_enable_x64 the id was clipped to 2147483647, and the error named that); uint32 ids in
+    range read the rows int32 ids read, in a model and jitted."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag
+
+    def model():
+        ids = keras.Input((3,), dtype="uint32")
+        return keras.Model(ids, EmbeddingBag(10, 4, combiner="mean")(ids))
+
+    good = np.array([[1, 9, 9], [0, 3, 5]], "uint32")
+    first = model()
+    np.testing.assert_array_equal(first.predict(good, verbose=0), first.predict(good.astype("int32"), verbose=0))
+    if keras.backend.backend() == "jax":
+        import jax
+
+        bag = first.layers[-1]
+        jitted = jax.jit(lambda ids: bag(ids))(keras.ops.convert_to_tensor(good))
+        np.testing.assert_array_equal(np.asarray(jitted), first.predict(good.astype("int32"), verbose=0))
+    for past in (4294967295, 2147483648):
+        try:
+            got = model().predict(np.array([[1, 2, past]], "uint32"), verbose=0)
+        except Exception as err:  # noqa: BLE001 - each backend's runtime error type
+            message = str(err)
+        else:
+            raise AssertionError(f"uint32 id {past} into a 10-row table gave {got.tolist()}")
+        assert f"indices[2] = {past} is out of range [0, 10)" in message, message
+    print(json.dumps({"unsigned_message": "ok"}))
+
+
 CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ from tests.backends.check_processes import finish, installed, start
 # Its processes take ~30 s together (the JAX export most of it).
 pytestmark = pytest.mark.slow
 
-CHECKS = {"jax": ["listed_ids", "signed_zero_ties", "fixed_batch_export"],
-          "torch": ["listed_ids", "signed_zero_ties"]}
+CHECKS = {"jax": ["listed_ids", "signed_zero_ties", "unsigned_message", "fixed_batch_export"],
+          "torch": ["listed_ids", "signed_zero_ties", "unsigned_message"]}
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +64,10 @@ def test_a_list_of_id_tensors_says_what_the_layer_takes(results, backend):
         check_listed_ids()
         return
     assert results(backend)["listed_ids"] == "ok"
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_unsigned_ids_past_the_table_name_the_callers_value(results, backend):
+    """uint32 4294967295 (or 2147483648) into a 10-row table: the error names that id (under JAX it
+    named 2147483647, the value the layer clipped it to); uint32 ids in range read int32's rows."""
+    assert results(backend)["unsigned_message"] == "ok"
