@@ -137,8 +137,10 @@ def refuse_unsigned_ids_past(layer_name, indices, target, rows):
 
     limit = np.iinfo(target).max
 
-    def refuse(ids):
+    def refuse(ids):   # (vmap runs it for every element, where the cond became a select)
         flat = np.asarray(ids).reshape(-1)
+        if not np.any(flat > limit):
+            return np.asarray(ids)
         position = int(np.argmax(flat > limit))
         raise ValueError(f"{layer_name}: indices[{position}] = {flat[position]} is out of range [0, {rows}) "
                          "(negative indices are padding)")

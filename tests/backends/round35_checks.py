@@ -135,6 +135,8 @@ def check_unsigned_message():
         bag = first.layers[-1]
         jitted = jax.jit(lambda ids: bag(ids))(keras.ops.convert_to_tensor(good))
         np.testing.assert_array_equal(np.asarray(jitted), first.predict(good.astype("int32"), verbose=0))
+        mapped = jax.vmap(lambda ids: bag(ids))(keras.ops.convert_to_tensor(good[:, None]))   # (a select)
+        np.testing.assert_array_equal(np.asarray(mapped)[:, 0], np.asarray(jitted))
     for past in (4294967295, 2147483648):
         try:
             got = model().predict(np.array([[1, 2, past]], "uint32"), verbose=0)
