@@ -47,16 +47,34 @@ def _take_along_last_axis(x, index):
 
 def _under_jax_export(scores):
     """True under JAX for arrays of a symbolic shape (jax.export's shape polymorphism: model.export's
-    None batch) and for any traced while TensorFlow builds a graph (jax2tf.convert inside a
-    tf.function: model.export with a fixed-batch input_signature). There jax.lax.top_k serialises as
-    a CHLO composite that TF's XlaCallModule does not read (TF 2.21 under JAX 0.10: the exported
-    SavedModel failed at its first call), so the search sorts (plain StableHLO) instead."""
+    None batch), for any traced while TensorFlow builds a graph (jax2tf.convert inside a tf.function:
+    model.export with a fixed-batch input_signature) and for any traced by jax2tf or jax.export
+    themselves (jax2tf.convert called eagerly). There jax.lax.top_k serialises as a CHLO composite that
+    TF's XlaCallModule does not read (TF 2.21 under JAX 0.10: the exported SavedModel failed at its
+    first call), so the search sorts (plain StableHLO) instead."""
     if keras.backend.backend() != "jax":
         return False
     if not all(isinstance(d, int) for d in scores.shape):
         return True
     tf = sys.modules.get("tensorflow")   # (never imported here: without it, no TF graph is built)
-    return tf is not None and hasattr(tf, "inside_function") and tf.inside_function()
+    if tf is not None and hasattr(tf, "inside_function") and tf.inside_function():
+        return True
+    return _called_from(_EXPORTING_MODULES)
+
+
+# Modules whose frames below a trace mean it is being serialised (jax2tf's, jax.export's).
+_EXPORTING_MODULES = ("jax.experimental.jax2tf", "jax._src.export")
+
+
+def _called_from(prefixes):
+    """Whether a frame of a module named with one of `prefixes` is on the stack (read at trace time
+    only: the jitted computation keeps what the trace chose)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(prefixes):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def product_key_search(query, sub_keys, knn: int):

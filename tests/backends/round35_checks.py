@@ -38,6 +38,26 @@ def check_fixed_batch_export(directory):
     print(json.dumps({"fixed_batch_export": "ok"}))
 
 
+def check_eager_jax2tf():
+    """jax2tf.convert of the product-key search called eagerly (no tf.function), then the same converted
+    function in a tf.function: both run in TF with JAX's slots. Eagerly jax2tf serialised lax.top_k,
+    which TF's XlaCallModule failed to deserialise, and its trace stayed cached for the tf.function."""
+    import keras
+    import tensorflow as tf
+    from jax.experimental import jax2tf
+
+    from pkm_serve.backends.product_keys import product_key_search
+
+    rng = np.random.default_rng(7)
+    query, keys = rng.normal(size=(3, 2, 2, 4)).astype("float32"), rng.normal(size=(2, 2, 16, 4)).astype("float32")
+    want = keras.ops.convert_to_numpy(product_key_search(query, keys, 3)[0])
+    converted = jax2tf.convert(lambda q, k: product_key_search(q, k, 3)[0])
+    for how, run in (("eager", converted), ("tf.function", tf.function(converted, autograph=False))):
+        got = run(tf.constant(query), tf.constant(keys)).numpy()
+        np.testing.assert_array_equal(got, want, err_msg=how)
+    print(json.dumps({"eager_jax2tf": "ok"}))
+
+
 def _signed_zero_inputs():
     """(query [2, 1, 2, 1], sub_keys [1, 2, 6, 1], knn): one-element halves, so each sub-key score is
     one product: 0.0 * +k is 0.0 and 0.0 * -k is -0.0, all tied."""

@@ -9,7 +9,7 @@ from tests.backends.check_processes import finish, installed, start
 # Its processes take ~30 s together (the JAX export most of it).
 pytestmark = pytest.mark.slow
 
-CHECKS = {"jax": ["listed_ids", "signed_zero_ties", "unsigned_message", "fixed_batch_export"],
+CHECKS = {"jax": ["listed_ids", "signed_zero_ties", "unsigned_message", "eager_jax2tf", "fixed_batch_export"],
           "torch": ["listed_ids", "signed_zero_ties", "unsigned_message"]}
 
 
@@ -41,6 +41,12 @@ def test_jax_export_with_a_fixed_batch_runs_under_tf(results):
     """model.export() under JAX with a fixed-batch input_signature: the SavedModel runs under TF with the
     model's outputs (it exported lax.top_k, which TF 2.21's XlaCallModule could not deserialise)."""
     assert results("jax")["fixed_batch_export"] == "ok"
+
+
+def test_jax2tf_called_eagerly_runs_under_tf(results):
+    """jax2tf.convert(product_key_search) called outside a tf.function, then inside one: both run with
+    JAX's slots (the eager call exported lax.top_k, and that trace stayed cached for the tf.function)."""
+    assert results("jax")["eager_jax2tf"] == "ok"
 
 
 @pytest.mark.parametrize("backend", ["jax", "torch"])
