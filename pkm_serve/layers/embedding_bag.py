@@ -5,11 +5,10 @@ import keras
 import numpy as np
 
 from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
-                                      refuse_unsigned_ids_past,
                                      jax_wraps_64_bit_ids, lookup_supports_jit, refuse_ids_past_int32,
                                      refuse_rounded_half_float_ids, refuse_rows_past_int32, refuse_table_dtype,
-                                     refuse_tf_keras, refuse_tf_training_options, require_positive_ints,
-                                     resolve_lookup)
+                                     refuse_tf_keras, refuse_tf_training_options, refuse_unsigned_ids_past,
+                                     require_positive_ints, resolve_lookup)
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
