@@ -6,6 +6,8 @@ to the lowest index."""
 
 from __future__ import annotations
 
+import sys
+
 import keras
 from keras import ops
 
@@ -18,18 +20,19 @@ def top_k_lowest_ties(scores, k: int):
     if keras.backend.backend() == "torch":
         import torch
 
-        values, index = torch.sort(scores, dim=-1, descending=True, stable=True)
-        values, index = values[..., :k], index[..., :k]
+        index = torch.sort(scores, dim=-1, descending=True, stable=True)[1][..., :k]
     elif exporting:
         import jax.numpy as jnp
 
         index = jnp.argsort(scores, axis=-1, descending=True, stable=True)[..., :k]
-        values = jnp.take_along_axis(scores, index, axis=-1)
     else:
-        values, index = ops.top_k(scores, k=k, sorted=True)
+        # JAX's top_k ranks in IEEE total order, 0.0 above -0.0, where the sorts above and TF's
+        # kernel tie them: ranked with -0.0 as 0.0 (the values come from the scores themselves).
+        index = ops.top_k(ops.where(scores == 0, ops.zeros_like(scores), scores), k=k, sorted=True)[1]
     # k distinct keys: no ties.
     ascending = ops.argsort(index, axis=-1) if exporting else ops.top_k(-index, k=k, sorted=True)[1]
-    return _take_along_last_axis(values, ascending), _take_along_last_axis(index, ascending)
+    index = _take_along_last_axis(index, ascending)
+    return _take_along_last_axis(scores, index), index
 
 
 def _take_along_last_axis(x, index):
@@ -43,11 +46,35 @@ def _take_along_last_axis(x, index):
 
 
 def _under_jax_export(scores):
-    """True for JAX arrays of a symbolic shape: jax.export's shape polymorphism (model.export's
-    None batch). There jax.lax.top_k serialises as a CHLO composite that TF's XlaCallModule does
-    not read (TF 2.21 under JAX 0.10: the exported SavedModel failed at its first call), so the
-    search sorts (plain StableHLO) instead."""
-    return keras.backend.backend() == "jax" and not all(isinstance(d, int) for d in scores.shape)
+    """True under JAX for arrays of a symbolic shape (jax.export's shape polymorphism: model.export's
+    None batch), for any traced while TensorFlow builds a graph (jax2tf.convert inside a tf.function:
+    model.export with a fixed-batch input_signature) and for any traced by jax2tf or jax.export
+    themselves (jax2tf.convert called eagerly). There jax.lax.top_k serialises as a CHLO composite that
+    TF's XlaCallModule does not read (TF 2.21 under JAX 0.10: the exported SavedModel failed at its
+    first call), so the search sorts (plain StableHLO) instead."""
+    if keras.backend.backend() != "jax":
+        return False
+    if not all(isinstance(d, int) for d in scores.shape):
+        return True
+    tf = sys.modules.get("tensorflow")   # (never imported here: without it, no TF graph is built)
+    if tf is not None and hasattr(tf, "inside_function") and tf.inside_function():
+        return True
+    return _called_from(_EXPORTING_MODULES)
+
+
+# Modules whose frames below a trace mean it is being serialised (jax2tf's, jax.export's).
+_EXPORTING_MODULES = ("jax.experimental.jax2tf", "jax._src.export")
+
+
+def _called_from(prefixes):
+    """Whether a frame of a module named with one of `prefixes` is on the stack (read at trace time
+    only: the jitted computation keeps what the trace chose)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(prefixes):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def product_key_search(query, sub_keys, knn: int):

@@ -120,6 +120,37 @@ def refuse_ids_past_int32(layer_name, indices):
                          f"JAX without jax_enable_x64 wraps around (reading other rows): {_X64_HINT}")
 
 
+def refuse_unsigned_ids_past(layer_name, indices, target, rows):
+    """indices (unsigned JAX ids, some maybe past `target`'s range), with a check where the fused
+    kernel runs on the CPU: an id past `target` fails naming the caller's value, in the kernel's words.
+    The layer clips such ids to target's largest value to keep them out of range, and the kernel then
+    named that value (2147483647 for uint32 4294967295 without jax_enable_x64). The check calls back to
+    the host only for a batch that holds such an id; elsewhere (CUDA: padding, an export: no host
+    callbacks) the ids pass unchanged."""
+    from pkm_serve import backends
+    from pkm_serve.backends.product_keys import _under_jax_export
+
+    if keras.backend.backend() != "jax" or backends.kernel_device() != "cpu" or _under_jax_export(indices):
+        return indices
+    import jax
+    import jax.numpy as jnp
+
+    limit = np.iinfo(target).max
+
+    def refuse(ids):   # (vmap runs it for every element, where the cond became a select)
+        flat = np.asarray(ids).reshape(-1)
+        if not np.any(flat > limit):
+            return np.asarray(ids)
+        position = int(np.argmax(flat > limit))
+        raise ValueError(f"{layer_name}: indices[{position}] = {flat[position]} is out of range [0, {rows}) "
+                         "(negative indices are padding)")
+
+    def host_check(ids):
+        return jax.pure_callback(refuse, jax.ShapeDtypeStruct(ids.shape, ids.dtype), ids,
+                                 vmap_method="sequential")
+    return jax.lax.cond(jnp.any(indices > limit), host_check, lambda ids: ids, indices)
+
+
 # The largest id a 16-bit float holds with every integer below it: 2 ** (significand bits).
 _LARGEST_EXACT_HALF_FLOAT_ID = {"bfloat16": 2**8, "float16": 2**11}
 

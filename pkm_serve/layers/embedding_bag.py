@@ -7,8 +7,8 @@ import numpy as np
 from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, is_tensorflow_backend,
                                      jax_wraps_64_bit_ids, lookup_supports_jit, refuse_ids_past_int32,
                                      refuse_rounded_half_float_ids, refuse_rows_past_int32, refuse_table_dtype,
-                                     refuse_tf_keras, refuse_tf_training_options, require_positive_ints,
-                                     resolve_lookup)
+                                     refuse_tf_keras, refuse_tf_training_options, refuse_unsigned_ids_past,
+                                     require_positive_ints, resolve_lookup)
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
 
@@ -214,6 +214,8 @@ class EmbeddingBag(keras.layers.Layer):
             if dtype.startswith("uint") and np.iinfo(dtype).max > np.iinfo(target).max:
                 # Cast, an id past the signed range wrapped to a negative one (padding, no error, for
                 # uint32 ids under JAX): clipped, it stays past the table, an out-of-range error.
+                if self.implementation == "fused":
+                    indices = refuse_unsigned_ids_past("EmbeddingBag", indices, target, self.input_dim)
                 indices = ops.minimum(indices, np.iinfo(target).max)
             indices = ops.cast(indices, target)
         if weights is not None:
@@ -275,14 +277,33 @@ class EmbeddingBag(keras.layers.Layer):
 def _refuse_listed_inputs(indices):
     """ValueError for a list or tuple of tensors as indices, e.g. layer([ids, weights]) as Keras'
     multi-input layers take them: it failed deep in Keras ("Cannot convert '8' to a shape", "'list'
-    object has no attribute 'shape'") or, eagerly under TF, packed ids and weights into one tensor."""
+    object has no attribute 'shape'") or, eagerly under TF, packed ids and weights into one tensor.
+    Where every tensor holds integers the caller meant several id tensors, not ids and weights."""
     if not isinstance(indices, (list, tuple)):
         return
     if any(keras.ops.is_tensor(x) or keras.backend.is_keras_tensor(x) or hasattr(x, "__array__") for x in indices):
-        raise ValueError(
-            f"EmbeddingBag: indices must be one [..., K] tensor, got a {type(indices).__name__} of {len(indices)} "
-            "tensors; pass per-index weights as the second argument, layer(indices, weights), not in a list "
-            "with the indices")
+        listed = f"a {type(indices).__name__} of {len(indices)} tensors"
+        takes = ("EmbeddingBag takes layer(indices) or layer(indices, weights): indices one integer "
+                 "[..., K] tensor (each row along the last axis a bag; -1 pads)")
+        if indices and all(_holds_integers(x) for x in indices):
+            raise ValueError(f"{takes}, got {listed} of ids: stack them into one tensor "
+                             "(keras.ops.stack / np.stack, bags of one length) or call the layer on each")
+        raise ValueError(f"{takes}, got {listed}: pass per-index weights as the second argument, "
+                         "layer(indices, weights), not in a list with the indices")
+
+
+def _holds_integers(x):
+    """Whether x (a tensor, KerasTensor or array-like) has an integer dtype."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        try:
+            dtype = np.asarray(x).dtype
+        except (TypeError, ValueError):
+            return False
+    try:
+        return keras.backend.standardize_dtype(dtype).startswith(("int", "uint"))
+    except ValueError:
+        return False
 
 
 def _refuse_tf_composite_ids(indices):

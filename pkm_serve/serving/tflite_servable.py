@@ -312,8 +312,37 @@ class TfLiteSignature(SignatureBase):
             try:
                 return interp.run(self.name, arrays)
             except (ValueError, RuntimeError) as e:   # resize, allocate or invoke refused them
+                empty = self._empty_outputs(interp, arrays)
+                if empty is not None:
+                    return empty
                 raise invalid(f"signature '{self.name}' rejected the inputs: "
                               f"{' '.join(str(e).split())[:2000]}{self._fixed_batch_note(arrays)}") from None
+
+    def _empty_outputs(self, interp, arrays):
+        """{alias: empty array} for a request of 0 rows the interpreter refused (XNNPack's
+        reshape cannot infer a -1 from 0 elements), as the SavedModel answers it: the request is
+        run on one row of zeros (empty strings) of the same other dimensions, and each output
+        answered with 0 rows and that run's other dimensions and dtype. None where an input has
+        rows or a shape its signature does not take, the one-row run is refused too (the shapes
+        themselves are wrong: weights unlike the ids), or an output is not one row per input row."""
+        if not arrays or any(v.ndim == 0 or v.shape[0] != 0 or
+                             not self.input_specs[k].shape.is_compatible_with(v.shape)
+                             for k, v in arrays.items()):
+            return None
+        one_row = {k: np.full((1, *v.shape[1:]), b"" if v.dtype.kind in "SUO" else 0, v.dtype)
+                   for k, v in arrays.items()}
+        try:
+            probe = interp.run(self.name, one_row)
+        except (ValueError, RuntimeError):
+            return None
+        out = {}
+        for alias, value in probe.items():
+            value = np.asarray(value)
+            declared = self.signature_def.outputs[alias].tensor_shape
+            if value.ndim == 0 or value.shape[0] != 1 or not declared.dim or declared.dim[0].size != -1:
+                return None
+            out[alias] = np.zeros((0, *value.shape[1:]), value.dtype)
+        return out
 
     def _fixed_batch_note(self, arrays) -> str:
         """Where an input's batch differs from the one the model fixes (the kernels' refusal
