@@ -24,40 +24,26 @@ from pkm_serve.serving.methods import CLASSIFY_METHOD, DEFAULT_SIGNATURE, REGRES
 log = logging.getLogger("pkm_serve.serving")
 
 
-def _per_example(tensor, what, n, check_dtype):
-    """A classify output as [n, classes], checked in TF Serving's classifier.cc order (rank,
-    then `check_dtype`, then one row per example), except that a [n] tensor is taken as one
-    class each: reshaping a [classes, n] or [1, n * k] output into n rows would hand each
-    example another example's scores."""
-    if tensor.ndim == 1:
-        tensor = tensor.reshape(-1, 1)
+def debug_shape(shape) -> str:
+    """A shape as TF's TensorShape::DebugString prints it in upstream's messages: [2,1,2]."""
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def _dtype_name(tensor) -> str:
+    return types_pb2.DataType.Name(tf.as_dtype(tensor.dtype).as_datatype_enum)
+
+
+def _per_example(tensor, what, n, dtype):
+    """A classify output checked in TF Serving's classifier.cc order: rank 2 ([n, classes]),
+    then `dtype` (DT_STRING classes, DT_FLOAT scores), then one row per example."""
     if tensor.ndim != 2:
-        raise invalid(f"Expected Tensor shape: [batch_size num_classes] but got {list(tensor.shape)} "
+        raise invalid(f"Expected Tensor shape: [batch_size num_classes] but got {debug_shape(tensor.shape)} "
                       f"('{what}')")
-    check_dtype(tensor)
+    if tf.as_dtype(tensor.dtype) != dtype:
+        raise invalid(f"Expected {what} Tensor of {types_pb2.DataType.Name(dtype.as_datatype_enum)}. "
+                      f"Got: {_dtype_name(tensor)}")
     if tensor.shape[0] != n:
         raise invalid(f"Expected {what} output batch size of {n}. Got: {tensor.shape[0]}")
-    return tensor
-
-
-def _string_labels(classes):
-    """classifier.cc wants DT_STRING labels (class ids were answered as their text here)."""
-    if classes.dtype != object and classes.dtype.kind != "S":
-        name = types_pb2.DataType.Name(tf.as_dtype(classes.dtype).as_datatype_enum)
-        raise invalid(f"Expected classes Tensor of DT_STRING. Got: {name}")
-
-
-def _float_scores(scores):
-    _real_numbers(scores, "Expected scores Tensor of DT_FLOAT.")
-
-
-def _real_numbers(tensor, message):
-    """Scores and regression values: TF Serving wants DT_FLOAT (classifier.cc, regressor.cc);
-    other real numbers are taken as float32 here, but a string (float() raised, a 500) or a
-    complex number (float() kept its real part) is refused with upstream's words."""
-    dtype = tf.as_dtype(tensor.dtype)
-    if not (dtype.is_floating or dtype.is_integer) or dtype.is_bool:
-        raise invalid(f"{message} Got: {types_pb2.DataType.Name(dtype.as_datatype_enum)}")
     return tensor
 
 
@@ -209,9 +195,9 @@ class InferenceService:
             raise invalid(f"classification signature '{sig.name}' has neither 'classes' nor 'scores' outputs")
         n = len(examples)
         # As classifier.cc: every check of the classes before any of the scores.
-        classes, scores = (None if t is None else _per_example(t, what, n, check)
-                           for t, what, check in ((classes, "classes", _string_labels),
-                                                  (scores, "scores", _float_scores)))
+        classes, scores = (None if t is None else _per_example(t, what, n, dtype)
+                           for t, what, dtype in ((classes, "classes", tf.string),
+                                                  (scores, "scores", tf.float32)))
         if classes is not None and scores is not None and classes.shape[1] != scores.shape[1]:
             raise invalid(f"Tensors class and score should match in dim_size(1). Got "
                           f"{classes.shape[1]} vs. {scores.shape[1]} (signature '{sig.name}')")
@@ -234,13 +220,16 @@ class InferenceService:
         outputs = self._run(servable, sig, {in_key: examples}, deadline, "regress")
         if "outputs" not in outputs:
             raise invalid(f"regression signature '{sig.name}' has no 'outputs' output")
-        values = _real_numbers(outputs["outputs"], "Expected output Tensor of DT_FLOAT.")
+        values = outputs["outputs"]
+        # regressor.cc's checks, in its order and words (two spaces before "Got" are upstream's).
         if not (values.ndim == 1 or (values.ndim == 2 and values.shape[1] == 1)):
             raise invalid("Expected output Tensor shape to be either [batch_size] or [batch_size, 1] "
-                          f"but got {list(values.shape)} (signature '{sig.name}')")
+                          f"but got {debug_shape(values.shape)} (signature '{sig.name}')")
         if values.shape[0] != len(examples):
             raise invalid(f"Input batch size did not match output batch size: {len(examples)} vs. "
                           f"{values.shape[0]} (signature '{sig.name}')")
+        if tf.as_dtype(values.dtype) != tf.float32:
+            raise invalid(f"Expected output Tensor of DT_FLOAT.  Got: {_dtype_name(values)}")
         values = values.reshape(len(examples), 1)
         result = regression_pb2.RegressionResult()
         for v in values[:, 0]:

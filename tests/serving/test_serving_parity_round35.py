@@ -1,0 +1,151 @@
+"""Round 35 parity checks against tensorflow_model_server, on one server with real gRPC and
+REST clients:
+- Classify wants rank-2 classes and scores and DT_FLOAT scores, Regress DT_FLOAT values, as
+  classifier.cc / regressor.cc (float64, half and int32 scores were taken as float32, and a
+  [n] classes or scores tensor as one class each); shapes print as TensorShape::DebugString
+  does ([2,2], not [2, 2])."""
+import json
+import urllib.error
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from tensorflow_serving.apis import classification_pb2, prediction_service_pb2_grpc, regression_pb2
+
+from serving_helpers import ServerProcess
+
+X = [[1.0, 2.0], [3.0, 0.5]]
+
+
+def _save_example_model(path, scores_dtype="float32", classes_rank=2, scores_rank=2):
+    """serving_default classifies into ("a", "b") with softmax scores; "reg" regresses x[:, 0]
+    and "reg_wide" all of x, all cast to `scores_dtype`; `*_rank` 1 keeps column 0 only."""
+    import tensorflow as tf
+    with tf.Graph().as_default():
+        serialized = tf.compat.v1.placeholder(tf.string, [None], name="tf_example")
+        x = tf.io.parse_example(serialized, {"x": tf.io.FixedLenFeature([2], tf.float32)})["x"]
+        scores = tf.cast(tf.nn.softmax(x), scores_dtype)
+        classes = tf.tile(tf.constant([["a", "b"]]), [tf.shape(x)[0], 1])
+        classes = classes[:, 0] if classes_rank == 1 else classes
+        scores = scores[:, 0] if scores_rank == 1 else scores
+        info = tf.compat.v1.saved_model.build_tensor_info
+        build = tf.compat.v1.saved_model.build_signature_def
+        sigs = {"serving_default": build({"inputs": info(serialized)},
+                                         {"classes": info(classes), "scores": info(scores)},
+                                         "tensorflow/serving/classify"),
+                "reg": build({"inputs": info(serialized)}, {"outputs": info(tf.cast(x[:, 0], scores_dtype))},
+                             "tensorflow/serving/regress"),
+                "reg_wide": build({"inputs": info(serialized)}, {"outputs": info(tf.cast(x, scores_dtype))},
+                                  "tensorflow/serving/regress")}
+        with tf.compat.v1.Session() as sess:
+            builder = tf.compat.v1.saved_model.Builder(path)
+            builder.add_meta_graph_and_variables(sess, ["serve"], signature_def_map=sigs)
+            builder.save()
+
+
+def _save_float8_model(path):
+    import tensorflow as tf
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        y = tf.cast(x, tf.dtypes.as_dtype("float8_e4m3fn"))
+        info = tf.compat.v1.saved_model.build_tensor_info
+        sig = tf.compat.v1.saved_model.build_signature_def({"x": info(x)}, {"y": info(y)},
+                                                           "tensorflow/serving/predict")
+        with tf.compat.v1.Session() as sess:
+            builder = tf.compat.v1.saved_model.Builder(path)
+            builder.add_meta_graph_and_variables(sess, ["serve"], signature_def_map={"serving_default": sig})
+            builder.save()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("parity35")
+    models = {"f32": lambda p: _save_example_model(p),
+              "f64": lambda p: _save_example_model(p, "float64"),
+              "f16": lambda p: _save_example_model(p, "float16"),
+              "i32": lambda p: _save_example_model(p, "int32"),
+              "rank1": lambda p: _save_example_model(p, classes_rank=1, scores_rank=1),
+              "rank1_scores": lambda p: _save_example_model(p, scores_rank=1)}
+    entries = []
+    for name, save in models.items():
+        save(str(tmp / name / "1"))
+        entries.append(f'config {{ name: "{name}" base_path: "{tmp / name}" model_platform: "tensorflow" }}')
+    for version in (1, 2, 3):
+        _save_float8_model(str(tmp / "f8" / str(version)))
+    entries.append(f'config {{ name: "f8" base_path: "{tmp / "f8"}" model_platform: "tensorflow" '
+                   'model_version_policy { all {} } version_labels { key: "stable" value: 1 } '
+                   'version_labels { key: "canary" value: 2 } }')
+    (tmp / "models.config").write_text("model_config_list { %s }\n" % " ".join(entries))
+    srv = ServerProcess(tmp, f"--model_config_file={tmp / 'models.config'}", "--file_system_poll_wait_seconds=0")
+    yield srv
+    srv.terminate()
+
+
+@pytest.fixture(scope="module")
+def channel(server):
+    with grpc.insecure_channel(server.target) as ch:
+        yield ch
+
+
+def _rest(server, path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(server.rest_url + path, data=data, method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _examples(request, model, signature=""):
+    import tensorflow as tf
+    request.model_spec.name, request.model_spec.signature_name = model, signature
+    for x in X:
+        request.input.example_list.examples.add().CopyFrom(tf.train.Example(features=tf.train.Features(
+            feature={"x": tf.train.Feature(float_list=tf.train.FloatList(value=x))})))
+    return request
+
+
+def _grpc_error(call, request):
+    with pytest.raises(grpc.RpcError) as err:
+        call(request, timeout=30)
+    return err.value.code(), err.value.details()
+
+
+@pytest.mark.parametrize("model, message", [
+    ("f64", "Expected scores Tensor of DT_FLOAT. Got: DT_DOUBLE"),
+    ("f16", "Expected scores Tensor of DT_FLOAT. Got: DT_HALF"),
+    ("i32", "Expected scores Tensor of DT_FLOAT. Got: DT_INT32"),
+    ("rank1", "Expected Tensor shape: [batch_size num_classes] but got [2] ('classes')"),
+    ("rank1_scores", "Expected Tensor shape: [batch_size num_classes] but got [2] ('scores')")])
+def test_classify_wants_rank_2_float32_scores(server, channel, model, message):
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+    assert _grpc_error(stub.Classify, _examples(classification_pb2.ClassificationRequest(), model)) == (
+        grpc.StatusCode.INVALID_ARGUMENT, message)
+    status, answer = _rest(server, f"/v1/models/{model}:classify", {"examples": [{"x": x} for x in X]})
+    assert (status, answer) == (400, {"error": message})
+
+
+def test_classify_of_float32_scores_answers_the_softmax(server, channel):
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+    resp = stub.Classify(_examples(classification_pb2.ClassificationRequest(), "f32"), timeout=30)
+    x = np.array(X, np.float64)
+    softmax = np.exp(x) / np.exp(x).sum(1, keepdims=True)
+    got = [[(c.label, c.score) for c in cl.classes] for cl in resp.result.classifications]
+    assert [[label for label, _ in row] for row in got] == [["a", "b"]] * 2
+    np.testing.assert_allclose([[score for _, score in row] for row in got], softmax, rtol=1e-6)
+
+
+@pytest.mark.parametrize("model, signature, message", [
+    ("f64", "reg", "Expected output Tensor of DT_FLOAT.  Got: DT_DOUBLE"),
+    ("i32", "reg", "Expected output Tensor of DT_FLOAT.  Got: DT_INT32"),
+    ("f32", "reg_wide", "Expected output Tensor shape to be either [batch_size] or [batch_size, 1] "
+                        "but got [2,2] (signature 'reg_wide')")])
+def test_regress_wants_float32_values_and_prints_shapes_as_tensorflow(server, channel, model, signature, message):
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+    assert _grpc_error(stub.Regress, _examples(regression_pb2.RegressionRequest(), model, signature)) == (
+        grpc.StatusCode.INVALID_ARGUMENT, message)
+    status, answer = _rest(server, f"/v1/models/{model}:regress",
+                           {"signature_name": signature, "examples": [{"x": x} for x in X]})
+    assert (status, answer) == (400, {"error": message})
