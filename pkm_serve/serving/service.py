@@ -128,6 +128,8 @@ class InferenceService:
         return resp
 
     def get_model_status(self, request):
+        if not request.HasField("model_spec"):   # get_model_status_impl.cc's check and words
+            raise invalid("Missing ModelSpec")
         resp = get_model_status_pb2.GetModelStatusResponse()
         resp.model_version_status.extend(self.manager.status(request.model_spec))
         return resp

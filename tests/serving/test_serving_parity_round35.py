@@ -3,7 +3,11 @@ REST clients:
 - Classify wants rank-2 classes and scores and DT_FLOAT scores, Regress DT_FLOAT values, as
   classifier.cc / regressor.cc (float64, half and int32 scores were taken as float32, and a
   [n] classes or scores tensor as one class each); shapes print as TensorShape::DebugString
-  does ([2,2], not [2, 2])."""
+  does ([2,2], not [2, 2]);
+- GetModelStatus reads only the spec's version (get_model_status_impl.cc): with a version
+  label, or none, it answers every version of the model (a label answered its version only,
+  an unknown label was INVALID_ARGUMENT); no model_spec is "Missing ModelSpec", a model not
+  configured "Could not find any versions of model M"."""
 import json
 import urllib.error
 import urllib.request
@@ -11,7 +15,8 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
-from tensorflow_serving.apis import classification_pb2, prediction_service_pb2_grpc, regression_pb2
+from tensorflow_serving.apis import (classification_pb2, get_model_status_pb2, model_service_pb2_grpc,
+                                     prediction_service_pb2_grpc, regression_pb2)
 
 from serving_helpers import ServerProcess
 
@@ -149,3 +154,32 @@ def test_regress_wants_float32_values_and_prints_shapes_as_tensorflow(server, ch
     status, answer = _rest(server, f"/v1/models/{model}:regress",
                            {"signature_name": signature, "examples": [{"x": x} for x in X]})
     assert (status, answer) == (400, {"error": message})
+
+
+def _versions(response):
+    return [(s.version, get_model_status_pb2.ModelVersionStatus.State.Name(s.state))
+            for s in response.model_version_status]
+
+
+@pytest.mark.parametrize("label", ["stable", "canary", "no_such_label"])
+def test_model_status_with_a_label_answers_every_version(server, channel, label):
+    stub = model_service_pb2_grpc.ModelServiceStub(channel)
+    request = get_model_status_pb2.GetModelStatusRequest()
+    request.model_spec.name, request.model_spec.version_label = "f8", label
+    every_version = [(3, "AVAILABLE"), (2, "AVAILABLE"), (1, "AVAILABLE")]
+    assert _versions(stub.GetModelStatus(request, timeout=30)) == every_version
+    status, answer = _rest(server, f"/v1/models/f8/labels/{label}")
+    assert status == 200 and [(int(s["version"]), s["state"]) for s in answer["model_version_status"]] == every_version
+
+
+def test_model_status_words_for_what_is_missing(channel):
+    stub = model_service_pb2_grpc.ModelServiceStub(channel)
+    assert _grpc_error(stub.GetModelStatus, get_model_status_pb2.GetModelStatusRequest()) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "Missing ModelSpec")
+    request = get_model_status_pb2.GetModelStatusRequest()
+    request.model_spec.name = "ghost"
+    assert _grpc_error(stub.GetModelStatus, request) == (
+        grpc.StatusCode.NOT_FOUND, "Could not find any versions of model ghost")
+    request.model_spec.version.value = 4
+    assert _grpc_error(stub.GetModelStatus, request) == (
+        grpc.StatusCode.NOT_FOUND, "Could not find version 4 of model ghost")
