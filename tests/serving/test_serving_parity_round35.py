@@ -7,16 +7,19 @@ REST clients:
 - GetModelStatus reads only the spec's version (get_model_status_impl.cc): with a version
   label, or none, it answers every version of the model (a label answered its version only,
   an unknown label was INVALID_ARGUMENT); no model_spec is "Missing ModelSpec", a model not
-  configured "Could not find any versions of model M"."""
+  configured "Could not find any versions of model M";
+- float8 outputs: gRPC carries them in float8_val as TF's AsProtoField (it was an INTERNAL
+  AttributeError), REST refuses them as json_tensor.cc's writer does (they were printed)."""
 import json
 import urllib.error
 import urllib.request
 
 import grpc
+import ml_dtypes
 import numpy as np
 import pytest
 from tensorflow_serving.apis import (classification_pb2, get_model_status_pb2, model_service_pb2_grpc,
-                                     prediction_service_pb2_grpc, regression_pb2)
+                                     predict_pb2, prediction_service_pb2_grpc, regression_pb2)
 
 from serving_helpers import ServerProcess
 
@@ -183,3 +186,20 @@ def test_model_status_words_for_what_is_missing(channel):
     request.model_spec.version.value = 4
     assert _grpc_error(stub.GetModelStatus, request) == (
         grpc.StatusCode.NOT_FOUND, "Could not find version 4 of model ghost")
+
+
+def test_float8_outputs_go_over_grpc_and_are_refused_over_rest(server, channel):
+    import tensorflow as tf
+    x = np.array([[0.1, 1.5, -300.0]], np.float32)
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "f8"
+    request.inputs["x"].CopyFrom(tf.make_tensor_proto(x))
+    y = stub.Predict(request, timeout=30).outputs["y"]
+    assert len(y.float8_val) == 3   # TF's AsProtoField: one byte per value in float8_val
+    got = tf.make_ndarray(y)
+    assert got.dtype == ml_dtypes.float8_e4m3fn
+    np.testing.assert_array_equal(got.view(np.uint8), x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    message = "Failed to write JSON value for tensor type: float8_e4m3fn (output 'y'); the gRPC API returns it"
+    for body in ({"instances": x.tolist()}, {"inputs": x.tolist()}):
+        assert _rest(server, "/v1/models/f8:predict", body) == (400, {"error": message})
