@@ -203,3 +203,15 @@ def test_float8_outputs_go_over_grpc_and_are_refused_over_rest(server, channel):
     message = "Failed to write JSON value for tensor type: float8_e4m3fn (output 'y'); the gRPC API returns it"
     for body in ({"instances": x.tolist()}, {"inputs": x.tolist()}):
         assert _rest(server, "/v1/models/f8:predict", body) == (400, {"error": message})
+
+
+@pytest.mark.parametrize("dtype", ["float8_e5m2", "float8_e4m3fnuz", "float4_e2m1fn", "int4", "uint4"])
+def test_rest_refuses_the_one_byte_types_upstreams_json_writer_lacks(dtype):
+    """json_tensor.cc's AddSingleValueAndAdvance writes float, double, the integers of 8 bits
+    and more, strings and bools; TF's DataTypeString names these as ml_dtypes does."""
+    from pkm_serve.serving import tensors
+    from pkm_serve.serving.errors import ServingError
+    with pytest.raises(ServingError) as err:
+        tensors.to_json("y", np.array([1.0, -2.0], np.float32).astype(getattr(ml_dtypes, dtype)))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.message.startswith(f"Failed to write JSON value for tensor type: {dtype} (output 'y')")
