@@ -255,40 +255,11 @@ class InferenceService:
     def multi_inference(self, request, deadline=None):
         if not request.tasks:
             raise invalid("MultiInference request has no tasks")
-        names = {t.model_spec.name for t in request.tasks}
-        if len(names) != 1:
-            raise invalid(f"all MultiInference tasks must use one model, got {sorted(names)}")
-        seen = set()
-        for task in request.tasks:  # TF Serving's multi_inference.cc refuses these up front
-            name = task.model_spec.signature_name or DEFAULT_SIGNATURE
-            if name in seen:
-                raise invalid(f"Duplicate evaluation of signature: {name}")
-            seen.add(name)
         resp = inference_pb2.MultiInferenceResponse()
-        # One servable (the first task's version) answers every task, as in TF Serving.
+        # One servable (the first task's version) answers every task, as in TF Serving: it is
+        # looked up first (multi_inference_helper.cc), so an unknown model is NOT_FOUND.
         with self.serving(request.tasks[0].model_spec) as servable:
-            # Every task is checked before any runs (multi_inference.cc): its method, its
-            # signature, and that all signatures read the same input tensor (the examples
-            # are serialized once and fed to that tensor).
-            plan, input_tensor = [], None
-            for task in request.tasks:
-                if task.method_name == CLASSIFY_METHOD:
-                    run, what = self._classify_outputs, "classification"
-                elif task.method_name == REGRESS_METHOD:
-                    run, what = self._regress_outputs, "regression"
-                else:
-                    raise ServingError(grpc.StatusCode.UNIMPLEMENTED,
-                                       f"MultiInference supports {CLASSIFY_METHOD} and {REGRESS_METHOD} "
-                                       f"tasks, not '{task.method_name}'")
-                sig, in_key = self._example_signature(servable, task.model_spec, task.method_name, what)
-                tensor = sig.signature_def.inputs[in_key].name
-                if input_tensor is None:
-                    input_tensor = tensor
-                elif tensor != input_tensor:
-                    raise invalid(f"Input tensor must be the same for all Signatures. (signature "
-                                  f"'{sig.name}' reads '{tensor}', an earlier task's reads '{input_tensor}'"
-                                  f"{_OWN_SUBGRAPHS_NOTE if getattr(sig, 'runs_own_subgraph', False) else ''})")
-                plan.append((task, run))
+            plan = self._multi_inference_plan(servable, request.tasks)
             for task, run in plan:
                 out = resp.results.add()
                 sig, result = run(servable, task.model_spec, request.input, deadline)
@@ -298,3 +269,41 @@ class InferenceService:
                     out.regression_result.CopyFrom(result)
                 self._fill_spec(out.model_spec, servable, sig.name)
         return resp
+
+    def _multi_inference_plan(self, servable, tasks):
+        """[(task, how to run it)], every task checked before any runs, one after another in
+        multi_inference.cc's order and words: its model name, a repeated signature, a signature
+        the model lacks, its method, and that all signatures read the same input tensor (the
+        examples are serialized once and fed to that tensor)."""
+        plan, model_name, seen, input_tensor = [], "", set(), None
+        for task in tasks:
+            if not task.model_spec.name:
+                raise invalid("Found ModelSpec with an empty model name.")
+            if model_name and task.model_spec.name != model_name:
+                raise invalid("All ModelSpecs in a MultiInferenceRequest must access the same model name.")
+            model_name = task.model_spec.name
+            name = task.model_spec.signature_name or DEFAULT_SIGNATURE
+            if name in seen:
+                raise invalid(f"Duplicate evaluation of signature: {name}")
+            seen.add(name)
+            if name not in servable.signatures:
+                raise invalid(f"Requested signature not found in model graph: {name} (model "
+                              f"'{servable.name}' version {servable.version} has {sorted(servable.signatures)})")
+            if task.method_name == CLASSIFY_METHOD:
+                run, what = self._classify_outputs, "classification"
+            elif task.method_name == REGRESS_METHOD:
+                run, what = self._regress_outputs, "regression"
+            else:
+                raise ServingError(grpc.StatusCode.UNIMPLEMENTED,
+                                   f"Unsupported signature method_name: {task.method_name} (MultiInference "
+                                   f"runs {CLASSIFY_METHOD} and {REGRESS_METHOD} tasks)")
+            sig, in_key = self._example_signature(servable, task.model_spec, task.method_name, what)
+            tensor = sig.signature_def.inputs[in_key].name
+            if input_tensor is None:
+                input_tensor = tensor
+            elif tensor != input_tensor:
+                raise invalid(f"Input tensor must be the same for all Signatures. (signature "
+                              f"'{sig.name}' reads '{tensor}', an earlier task's reads '{input_tensor}'"
+                              f"{_OWN_SUBGRAPHS_NOTE if getattr(sig, 'runs_own_subgraph', False) else ''})")
+            plan.append((task, run))
+        return plan

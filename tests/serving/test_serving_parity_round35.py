@@ -9,7 +9,9 @@ REST clients:
   an unknown label was INVALID_ARGUMENT); no model_spec is "Missing ModelSpec", a model not
   configured "Could not find any versions of model M";
 - float8 outputs: gRPC carries them in float8_val as TF's AsProtoField (it was an INTERNAL
-  AttributeError), REST refuses them as json_tensor.cc's writer does (they were printed)."""
+  AttributeError), REST refuses them as json_tensor.cc's writer does (they were printed);
+- MultiInference looks the servable up first and checks each task in multi_inference.cc's
+  order and words (an unknown first model was INVALID_ARGUMENT, the words were this server's)."""
 import json
 import urllib.error
 import urllib.request
@@ -18,8 +20,9 @@ import grpc
 import ml_dtypes
 import numpy as np
 import pytest
-from tensorflow_serving.apis import (classification_pb2, get_model_status_pb2, model_service_pb2_grpc,
-                                     predict_pb2, prediction_service_pb2_grpc, regression_pb2)
+from tensorflow_serving.apis import (classification_pb2, get_model_status_pb2, inference_pb2,
+                                     model_service_pb2_grpc, predict_pb2, prediction_service_pb2_grpc,
+                                     regression_pb2)
 
 from serving_helpers import ServerProcess
 
@@ -215,3 +218,43 @@ def test_rest_refuses_the_one_byte_types_upstreams_json_writer_lacks(dtype):
         tensors.to_json("y", np.array([1.0, -2.0], np.float32).astype(getattr(ml_dtypes, dtype)))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.message.startswith(f"Failed to write JSON value for tensor type: {dtype} (output 'y')")
+
+
+def _multi(*tasks):
+    """A MultiInferenceRequest of (model, signature, method) tasks on the examples X."""
+    request = _examples(classification_pb2.ClassificationRequest(), "")
+    multi = inference_pb2.MultiInferenceRequest(input=request.input)
+    for model, signature, method in tasks:
+        task = multi.tasks.add(method_name=f"tensorflow/serving/{method}")
+        task.model_spec.name, task.model_spec.signature_name = model, signature
+    return multi
+
+
+def test_multi_inference_answers_each_task(channel):
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+    resp = stub.MultiInference(_multi(("f32", "", "classify"), ("f32", "reg", "regress")), timeout=30)
+    classes = resp.results[0].classification_result.classifications
+    x = np.array(X, np.float64)
+    np.testing.assert_allclose([[c.score for c in cl.classes] for cl in classes],
+                               np.exp(x) / np.exp(x).sum(1, keepdims=True), rtol=1e-6)
+    assert [r.value for r in resp.results[1].regression_result.regressions] == [x[0] for x in X]
+
+
+@pytest.mark.parametrize("tasks, code, message", [
+    ((("f32", "", "classify"), ("f64", "reg", "regress")), grpc.StatusCode.INVALID_ARGUMENT,
+     "All ModelSpecs in a MultiInferenceRequest must access the same model name."),
+    ((("f32", "", "classify"), ("", "reg", "regress")), grpc.StatusCode.INVALID_ARGUMENT,
+     "Found ModelSpec with an empty model name."),
+    ((("ghost", "", "classify"), ("f32", "reg", "regress")), grpc.StatusCode.NOT_FOUND,
+     "Servable not found for request"),
+    ((("f32", "", "classify"), ("f32", "nosuch", "regress")), grpc.StatusCode.INVALID_ARGUMENT,
+     "Requested signature not found in model graph: nosuch"),
+    ((("f32", "reg", "predict"),), grpc.StatusCode.UNIMPLEMENTED,
+     "Unsupported signature method_name: tensorflow/serving/predict"),
+    # Task by task: the second task's duplicate is found before the third's other model.
+    ((("f32", "reg", "regress"), ("f32", "reg", "regress"), ("f64", "", "classify")),
+     grpc.StatusCode.INVALID_ARGUMENT, "Duplicate evaluation of signature: reg")])
+def test_multi_inference_refuses_tasks_in_upstreams_order_and_words(channel, tasks, code, message):
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+    got_code, details = _grpc_error(stub.MultiInference, _multi(*tasks))
+    assert got_code == code and details.startswith(message), (got_code, details)
