@@ -47,6 +47,19 @@ def _per_example(tensor, what, n, dtype):
     return tensor
 
 
+def _check_example_outputs(sdef, what):
+    """Before the model runs, in PreProcessClassification / PreProcessRegression's words
+    (classifier.cc, regressor.cc): a "classes" or "scores" output to classify, an "outputs"
+    one to regress. Leniencies kept: the input may have another key than "inputs", and other
+    outputs may come along (upstream refuses both)."""
+    if what == "classification" and not {"classes", "scores"} & set(sdef.outputs):
+        raise invalid('Expected classification signature outputs to contain at least one of "classes" '
+                      f'or "scores". Signature was: {sdef}')
+    if what == "regression" and "outputs" not in sdef.outputs:
+        raise invalid("Expected one output Tensor." if len(sdef.outputs) != 1
+                      else f"No regression outputs found in SignatureDef: {sdef}")
+
+
 # Why two signatures of a .tflite's signature runner never share an input tensor.
 _OWN_SUBGRAPHS_NOTE = (": each SignatureDef the TFLite converter wrote runs a subgraph of its own, as each "
                        "signature of the SavedModel it came from reads a placeholder of its own; send a "
@@ -182,10 +195,14 @@ class InferenceService:
         if self.check_signature_method_name and sig.method_name != method:
             raise invalid(f"Expected {what} signature method_name to be {method}. Was: {sig.method_name} "
                           f"(signature '{sig.name}' of model '{servable.name}'; use Predict for it)")
-        if len(sig.input_specs) != 1 or next(iter(sig.input_specs.values())).dtype != tf.string:
-            found = ", ".join(f"'{k}' is {s.dtype.name}" for k, s in sorted(sig.input_specs.items()))
+        if len(sig.input_specs) != 1:
+            raise invalid(f"Expected one input Tensor. ({what} signature '{sig.name}' has "
+                          f"{sorted(sig.input_specs)})")
+        if next(iter(sig.input_specs.values())).dtype != tf.string:   # (upstream: TF's feed error)
+            (key, spec), = sig.input_specs.items()
             raise invalid(f"{what} signature '{sig.name}' needs one string input (serialized "
-                          f"tf.Example); its input {found}")
+                          f"tf.Example); its input '{key}' is {spec.dtype.name}")
+        _check_example_outputs(sig.signature_def, what)
         return sig, next(iter(sig.input_specs))
 
     def _classify_outputs(self, servable, model_spec, input_proto, deadline):

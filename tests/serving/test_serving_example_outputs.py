@@ -25,6 +25,8 @@ class _Signature(SignatureBase):
     def __init__(self, name, fn):
         sdef = meta_graph_pb2.SignatureDef(method_name="tensorflow/serving/predict")
         sdef.inputs["inputs"].dtype = types_pb2.DT_STRING
+        for key in fn(np.zeros(1, np.float32)):   # declared, as classifier.cc/regressor.cc check them
+            sdef.outputs[key].name = key
         super().__init__(name, sdef)
         self._fn = fn
 

@@ -10,6 +10,8 @@ REST clients:
   configured "Could not find any versions of model M";
 - float8 outputs: gRPC carries them in float8_val as TF's AsProtoField (it was an INTERNAL
   AttributeError), REST refuses them as json_tensor.cc's writer does (they were printed);
+- a signature without the outputs Classify/Regress read is refused before the model runs in
+  PreProcessClassification / PreProcessRegression's words (this server's, after running it);
 - MultiInference looks the servable up first and checks each task in multi_inference.cc's
   order and words (an unknown first model was INVALID_ARGUMENT, the words were this server's)."""
 import json
@@ -30,8 +32,9 @@ X = [[1.0, 2.0], [3.0, 0.5]]
 
 
 def _save_example_model(path, scores_dtype="float32", classes_rank=2, scores_rank=2):
-    """serving_default classifies into ("a", "b") with softmax scores; "reg" regresses x[:, 0]
-    and "reg_wide" all of x, all cast to `scores_dtype`; `*_rank` 1 keeps column 0 only."""
+    """serving_default classifies into ("a", "b") with softmax scores ("scores_only" gives only
+    those); "reg" regresses x[:, 0] and "reg_wide" all of x, all cast to `scores_dtype`;
+    `*_rank` 1 keeps column 0 only."""
     import tensorflow as tf
     with tf.Graph().as_default():
         serialized = tf.compat.v1.placeholder(tf.string, [None], name="tf_example")
@@ -48,7 +51,9 @@ def _save_example_model(path, scores_dtype="float32", classes_rank=2, scores_ran
                 "reg": build({"inputs": info(serialized)}, {"outputs": info(tf.cast(x[:, 0], scores_dtype))},
                              "tensorflow/serving/regress"),
                 "reg_wide": build({"inputs": info(serialized)}, {"outputs": info(tf.cast(x, scores_dtype))},
-                                  "tensorflow/serving/regress")}
+                                  "tensorflow/serving/regress"),
+                "scores_only": build({"inputs": info(serialized)}, {"scores": info(scores)},
+                                     "tensorflow/serving/classify")}
         with tf.compat.v1.Session() as sess:
             builder = tf.compat.v1.saved_model.Builder(path)
             builder.add_meta_graph_and_variables(sess, ["serve"], signature_def_map=sigs)
@@ -258,3 +263,16 @@ def test_multi_inference_refuses_tasks_in_upstreams_order_and_words(channel, tas
     stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
     got_code, details = _grpc_error(stub.MultiInference, _multi(*tasks))
     assert got_code == code and details.startswith(message), (got_code, details)
+
+
+@pytest.mark.parametrize("call, signature, message", [
+    ("Classify", "reg", 'Expected classification signature outputs to contain at least one of "classes" or '
+                        '"scores". Signature was: inputs {'),
+    ("Regress", "", "Expected one output Tensor."),
+    ("Regress", "scores_only", "No regression outputs found in SignatureDef: inputs {")])
+def test_signatures_without_the_outputs_read_are_refused_in_upstreams_words(server, channel, call, signature,
+                                                                            message):
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+    kind = classification_pb2.ClassificationRequest if call == "Classify" else regression_pb2.RegressionRequest
+    code, details = _grpc_error(getattr(stub, call), _examples(kind(), "f32", signature))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(message), details
