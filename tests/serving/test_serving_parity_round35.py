@@ -12,6 +12,9 @@ REST clients:
   AttributeError), REST refuses them as json_tensor.cc's writer does (they were printed);
 - a signature without the outputs Classify/Regress read is refused before the model runs in
   PreProcessClassification / PreProcessRegression's words (this server's, after running it);
+- REST URLs are parsed as http_rest_api_util.cc's patterns: case-insensitively, on the path as
+  sent (a %2F in a name is the name's), versions of digits only, no trailing slash; GET
+  /v1/models is "Missing model name in request.";
 - MultiInference looks the servable up first and checks each task in multi_inference.cc's
   order and words (an unknown first model was INVALID_ARGUMENT, the words were this server's)."""
 import json
@@ -276,3 +279,21 @@ def test_signatures_without_the_outputs_read_are_refused_in_upstreams_words(serv
     kind = classification_pb2.ClassificationRequest if call == "Classify" else regression_pb2.RegressionRequest
     code, details = _grpc_error(getattr(stub, call), _examples(kind(), "f32", signature))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(message), details
+
+
+@pytest.mark.parametrize("path, body, status, answer", [
+    ("/V1/Models/f32/Versions/1:classify", {"examples": [{"x": X[0]}]}, 200, None),
+    ("/v1/models/f32:Classify", {"examples": [{"x": X[0]}]}, 400, "Malformed request: POST /v1/models/f32:Classify"),
+    ("/v1/models", None, 400, "Missing model name in request."),
+    ("/v1/models/f32/", None, 400, "Malformed request: GET /v1/models/f32/"),
+    ("/v1/models/f32/versions/-1", None, 400, "Malformed request: GET /v1/models/f32/versions/-1"),
+    ("/v1/models/f32/versions/9223372036854775808:predict", {"instances": [1]}, 400,
+     "Failed to convert version: 9223372036854775808 to numeric."),
+    ("/v1/models/f%33%32%2Fx:predict", {"instances": [1]}, 404, "Servable not found for request: model 'f32/x'")])
+def test_rest_urls_are_parsed_as_upstream(server, path, body, status, answer):
+    got_status, got = _rest(server, path, body)
+    assert got_status == status, got
+    if answer is None:
+        assert [label for label, _ in got["results"][0]] == ["a", "b"]
+    else:
+        assert got["error"].startswith(answer), got

@@ -330,7 +330,6 @@ def test_rest_classify_and_regress_answer_results(server):
 
 @pytest.mark.parametrize("method, path", [
     ("POST", "/v1/models/half_plus_two/versions/HELLO:predict"),             # handler_test: bad version
-    ("GET", "/v1/models"),                                                   # handler_test: no model name
     ("POST", "/v1/models/half_plus_two/versions/1/labels/stable:predict"),   # handler_test: version and label
     ("POST", "/v1/models/half_plus_two:explode"),                            # handler_test: unknown verb
 ])
