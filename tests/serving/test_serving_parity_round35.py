@@ -7,7 +7,9 @@ REST clients:
 - GetModelStatus reads only the spec's version (get_model_status_impl.cc): with a version
   label, or none, it answers every version of the model (a label answered its version only,
   an unknown label was INVALID_ARGUMENT); no model_spec is "Missing ModelSpec", a model not
-  configured "Could not find any versions of model M";
+  configured "Could not find any versions of model M"; Predict, Classify, Regress and
+  GetModelMetadata without a model_spec are "Missing ModelSpec" too (their inputs, or no
+  model name, were named instead);
 - float8 outputs: gRPC carries them in float8_val as TF's AsProtoField (it was an INTERNAL
   AttributeError), REST refuses them as json_tensor.cc's writer does (they were printed);
 - a signature without the outputs Classify/Regress read is refused before the model runs in
@@ -25,9 +27,9 @@ import grpc
 import ml_dtypes
 import numpy as np
 import pytest
-from tensorflow_serving.apis import (classification_pb2, get_model_status_pb2, inference_pb2,
-                                     model_service_pb2_grpc, predict_pb2, prediction_service_pb2_grpc,
-                                     regression_pb2)
+from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2, get_model_status_pb2,
+                                     inference_pb2, model_service_pb2_grpc, predict_pb2,
+                                     prediction_service_pb2_grpc, regression_pb2)
 
 from serving_helpers import ServerProcess
 
@@ -297,3 +299,15 @@ def test_rest_urls_are_parsed_as_upstream(server, path, body, status, answer):
         assert [label for label, _ in got["results"][0]] == ["a", "b"]
     else:
         assert got["error"].startswith(answer), got
+
+
+def test_requests_without_a_model_spec_are_missing_it(channel):
+    """Checked first, as upstream: before the request's inputs and metadata fields."""
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+    bad_input = predict_pb2.PredictRequest()
+    bad_input.inputs["x"].dtype = 1   # DT_FLOAT without values or shape: refused if looked at
+    bad_input.inputs["x"].tensor_shape.dim.add(size=2)
+    for call, request in [(stub.Predict, bad_input), (stub.Classify, classification_pb2.ClassificationRequest()),
+                          (stub.Regress, regression_pb2.RegressionRequest()),
+                          (stub.GetModelMetadata, get_model_metadata_pb2.GetModelMetadataRequest())]:
+        assert _grpc_error(call, request) == (grpc.StatusCode.INVALID_ARGUMENT, "Missing ModelSpec"), call
