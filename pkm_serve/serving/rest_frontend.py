@@ -385,7 +385,7 @@ class RestFrontend:
         spec.signature_name = sig_name
         # One resolution: the version whose signature decodes the JSON is the one that runs it.
         with self.service.serving(spec) as servable:
-            sig = servable.signature(sig_name)
+            sig = servable.signature(sig_name, rest=True)
             if "instances" in doc:
                 inputs = self._rows_to_inputs(doc["instances"], sig.input_specs, may_hold_bools)
             else:

@@ -17,6 +17,8 @@ REST clients:
 - REST URLs are parsed as http_rest_api_util.cc's patterns: case-insensitively, on the path as
   sent (a %2F in a name is the name's), versions of digits only, no trailing slash; GET
   /v1/models is "Missing model name in request.";
+- Predict on a signature the model lacks: gRPC FAILED_PRECONDITION 'Serving signature key "S"
+  not found.' (predict_util.cc; REST's words were given), REST 400 in GetInfoMap's words;
 - MultiInference looks the servable up first and checks each task in multi_inference.cc's
   order and words (an unknown first model was INVALID_ARGUMENT, the words were this server's)."""
 import json
@@ -311,3 +313,16 @@ def test_requests_without_a_model_spec_are_missing_it(channel):
                           (stub.Regress, regression_pb2.RegressionRequest()),
                           (stub.GetModelMetadata, get_model_metadata_pb2.GetModelMetadataRequest())]:
         assert _grpc_error(call, request) == (grpc.StatusCode.INVALID_ARGUMENT, "Missing ModelSpec"), call
+
+
+def test_predict_on_a_signature_the_model_lacks_in_each_transports_words(server, channel):
+    import tensorflow as tf
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name, request.model_spec.signature_name = "f8", "nosuch"
+    request.inputs["x"].CopyFrom(tf.make_tensor_proto(np.zeros((1, 3), np.float32)))
+    code, details = _grpc_error(stub.Predict, request)
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert details.startswith('Serving signature key "nosuch" not found.'), details
+    status, answer = _rest(server, "/v1/models/f8:predict", {"signature_name": "nosuch", "instances": [[0, 0, 0]]})
+    assert status == 400 and answer["error"].startswith('Serving signature name: "nosuch" not found in signature def')
