@@ -60,6 +60,28 @@ def _check_example_outputs(sdef, what):
                       else f"No regression outputs found in SignatureDef: {sdef}")
 
 
+def _braced(names) -> str:
+    return "{" + ",".join(sorted(names)) + "}"
+
+
+def _check_request_input_names(sig, sent):
+    """gRPC Predict's input names against the signature's, in predict_util.cc's
+    VerifyRequestInputsSize and then saved_model::GetInputValues' order and words (defaults
+    fill what the request leaves out)."""
+    sent, wanted, defaults = set(sent), set(sig.input_specs), set(sig.signature_def.defaults)
+    if len(sent) > len(wanted) or (len(sent) < len(wanted) and not defaults):
+        raise invalid(f"input size does not match signature: {len(sent)}!={len(wanted)} len({_braced(sent)}) "
+                      f"!= len({_braced(wanted)}). Sent extra: {_braced(sent - wanted)}. "
+                      f"Missing but required: {_braced(wanted - sent)}.")
+    for alias in sorted(wanted - sent - defaults):
+        raise invalid(f"Signature input alias: {alias}(feed name: {sig.signature_def.inputs[alias].name}) not "
+                      f"found in request and no default value provided. Inputs expected to be in the request "
+                      f"{_braced(sent)}, or default input alias set: {','.join(sorted(defaults))}")
+    if sent - wanted:
+        raise invalid(f"Inputs contains invalid name. Used request inputs: {','.join(sorted(sent & wanted))}, "
+                      f"request input: {','.join(sorted(sent))}")
+
+
 # Why two signatures of a .tflite's signature runner never share an input tensor.
 _OWN_SUBGRAPHS_NOTE = (": each SignatureDef the TFLite converter wrote runs a subgraph of its own, as each "
                        "signature of the SavedModel it came from reads a placeholder of its own; send a "
@@ -113,9 +135,11 @@ class InferenceService:
         return self._run(servable, sig, inputs, deadline, "predict", output_filter)
 
     def predict(self, request, deadline=None):
-        inputs = tensors.from_protos(request.inputs, self.max_request_bytes)
+        # predict_util.cc's order: the servable, its signature, the input names, their values.
         with self.serving(request.model_spec) as servable:
             sig = servable.signature(request.model_spec.signature_name)
+            _check_request_input_names(sig, request.inputs)
+            inputs = tensors.from_protos(request.inputs, self.max_request_bytes)
             outputs = self.predict_on(servable, sig, inputs, deadline, tuple(request.output_filter))
             resp = predict_pb2.PredictResponse()
             self._fill_spec(resp.model_spec, servable, sig.name)

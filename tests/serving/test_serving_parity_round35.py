@@ -17,6 +17,8 @@ REST clients:
 - REST URLs are parsed as http_rest_api_util.cc's patterns: case-insensitively, on the path as
   sent (a %2F in a name is the name's), versions of digits only, no trailing slash; GET
   /v1/models is "Missing model name in request.";
+- Predict looks the model up, then checks input names in predict_util.cc's words, then reads
+  the values (a malformed input was named before an unknown model);
 - Predict on a signature the model lacks: gRPC FAILED_PRECONDITION 'Serving signature key "S"
   not found.' (predict_util.cc; REST's words were given), REST 400 in GetInfoMap's words;
 - MultiInference looks the servable up first and checks each task in multi_inference.cc's
@@ -326,3 +328,15 @@ def test_predict_on_a_signature_the_model_lacks_in_each_transports_words(server,
     assert details.startswith('Serving signature key "nosuch" not found.'), details
     status, answer = _rest(server, "/v1/models/f8:predict", {"signature_name": "nosuch", "instances": [[0, 0, 0]]})
     assert status == 400 and answer["error"].startswith('Serving signature name: "nosuch" not found in signature def')
+
+
+def test_predict_looks_the_model_up_before_reading_the_inputs(channel):
+    """predict_impl.cc finds the servable, then predict_util.cc reads the inputs: an unknown
+    model is NOT_FOUND whatever the inputs hold (a malformed input was named first)."""
+    stub = prediction_service_pb2_grpc.PredictionServiceStub(channel)
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name = "ghost"
+    request.inputs["x"].dtype = 1   # DT_FLOAT with a shape and no values
+    request.inputs["x"].tensor_shape.dim.add(size=2)
+    code, details = _grpc_error(stub.Predict, request)
+    assert code == grpc.StatusCode.NOT_FOUND and "ghost" in details, details
