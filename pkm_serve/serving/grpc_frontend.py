@@ -10,7 +10,7 @@ from grpc_reflection.v1alpha import reflection
 from tensorflow_serving.apis import (model_service_pb2, model_service_pb2_grpc, prediction_service_pb2,
                                      prediction_service_pb2_grpc)
 
-from pkm_serve.serving.errors import ServingError
+from pkm_serve.serving.errors import ServingError, invalid
 from pkm_serve.serving.ports import check_bindable
 
 log = logging.getLogger("pkm_serve.serving")
@@ -55,12 +55,24 @@ MAX_RESPONSE_BYTES = 2 ** 31 - 1   # TF Serving's SetMaxMessageSize(tensorflow::
 _WITH_DEADLINE = {"predict", "classify", "regress", "multi_inference", "reload_config"}
 
 
+def _with_model_spec(fn):
+    """TF Serving's Predict, Classify, Regress and GetModelMetadata (predict_impl.cc,
+    classification_service.cc, ...) refuse a request without a model_spec first, in these
+    words. Here, not in the service: warmup records are replayed without one, as upstream's."""
+    def checked(request, *args):
+        if not request.HasField("model_spec"):
+            raise invalid("Missing ModelSpec")
+        return fn(request, *args)
+    return checked
+
+
 class PredictionServicer(prediction_service_pb2_grpc.PredictionServiceServicer):
     def __init__(self, calls):
         self._calls = calls
         s = calls.service
-        self._fns = {"predict": s.predict, "classify": s.classify, "regress": s.regress,
-                     "multi_inference": s.multi_inference, "get_model_metadata": s.get_model_metadata}
+        self._fns = {"predict": _with_model_spec(s.predict), "classify": _with_model_spec(s.classify),
+                     "regress": _with_model_spec(s.regress), "multi_inference": s.multi_inference,
+                     "get_model_metadata": _with_model_spec(s.get_model_metadata)}
 
     def Predict(self, request, context):
         return self._calls("predict", self._fns["predict"], request, context, request.model_spec.name)

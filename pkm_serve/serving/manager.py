@@ -493,4 +493,4 @@ class ModelManager:
     def status(self, model_spec):
         """GetModelStatusResponse.model_version_status entries (newest first)."""
         with self._lock:
-            return version_statuses(self._model(model_spec.name), model_spec)
+            return version_statuses(self._models.get(model_spec.name), model_spec)

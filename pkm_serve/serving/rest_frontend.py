@@ -16,6 +16,7 @@ import math
 import re
 import threading
 import time
+import urllib.parse
 from concurrent import futures
 
 import grpc
@@ -34,9 +35,37 @@ from pkm_serve.serving.rest_cors import cors_middleware
 
 log = logging.getLogger("pkm_serve.serving")
 
-_URL = re.compile(r"^/v1/models/(?P<name>[^/:]+)"
-                  r"(?:/versions/(?P<version>-?\d+)|/labels/(?P<label>[^/:]+))?"
-                  r"(?P<rest>/metadata|:predict|:classify|:regress)?/?$")
+# http_rest_api_util.cc's two patterns, matched case-insensitively (/V1/Models/m:predict is
+# served) on the path as sent; the name and label are percent-decoded after the match (so
+# %2F in a name is the name's, not a separator). The verb and "metadata" are then compared
+# as spelled, as its handler does: POST ...:Predict is malformed, GET .../METADATA a status.
+_POST_URL = re.compile(r"/v1/models/(?P<name>[^/:]+)(?:/versions/(?P<version>\d+)|/labels/(?P<label>[^/:]+))?"
+                       r":(?P<verb>classify|regress|predict)", re.IGNORECASE)
+_GET_URL = re.compile(r"/v1/models(?:/(?P<name>[^/:]+))?(?:/versions/(?P<version>\d+)|/labels/(?P<label>[^/:]+))?"
+                      r"(?:/(?P<verb>metadata))?", re.IGNORECASE)
+_EXPECTED_URL = "/v1/models/NAME[/versions/N|/labels/L][/metadata|:predict|:classify|:regress]"
+_INT64_MAX = (1 << 63) - 1
+
+
+def _parse_url(method, raw_path):
+    """(ModelSpec, api) of a /v1/ request, or ServingError as TF Serving's handler answers."""
+    pattern = {"POST": _POST_URL, "GET": _GET_URL}.get(method)
+    m = pattern.fullmatch(raw_path) if pattern is not None else None
+    malformed = invalid(f"Malformed request: {method} {raw_path} (expected {_EXPECTED_URL})")
+    if m is None or (method == "POST" and m["verb"] not in ("classify", "regress", "predict")):
+        raise malformed
+    if not m["name"]:   # GET /v1/models
+        raise invalid("Missing model name in request.")
+    spec = model_pb2.ModelSpec(name=urllib.parse.unquote(m["name"]))
+    if m["version"] is not None:
+        if int(m["version"]) > _INT64_MAX:   # absl::SimpleAtoi fails
+            raise invalid(f"Failed to convert version: {m['version']} to numeric.")
+        spec.version.value = int(m["version"])
+    elif m["label"] is not None:
+        spec.version_label = urllib.parse.unquote(m["label"])
+    if method == "POST":
+        return spec, m["verb"]
+    return spec, "get_model_metadata" if m["verb"] == "metadata" else "get_model_status"
 
 
 def _to_dict(message):
@@ -275,33 +304,19 @@ class RestFrontend:
         if self.metrics_path and path == self.metrics_path and request.method == "GET":
             body, ctype = self.metrics.exposition()
             return web.Response(body=body, headers={"Content-Type": ctype})
-        m = _URL.match(path)
-        if m is None:
-            # TF Serving hands every /v1/ path to its API handler, which calls one it cannot
-            # parse InvalidArgument ("Malformed request"); other paths have no handler (404).
-            code = grpc.StatusCode.INVALID_ARGUMENT if path.lower().startswith("/v1/") \
-                else grpc.StatusCode.NOT_FOUND
-            return _error(code, f"Malformed request: {request.method} {path} (expected "
-                          "/v1/models/NAME[/versions/N|/labels/L][/metadata|:predict|:classify|:regress])")
-        spec = model_pb2.ModelSpec(name=m["name"])
-        if m["version"] is not None:
-            try:
-                spec.version.value = int(m["version"])
-            except ValueError:  # past int64: protobuf refuses it
-                return _error(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"Malformed request: version {m['version']} is not an int64")
-        elif m["label"] is not None:
-            spec.version_label = m["label"]
-        rest = m["rest"] or ""
-        want = "POST" if rest.startswith(":") else "GET"
-        if request.method != want:
-            return _error(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{path} takes {want}, not {request.method}")
-        api = {"": "get_model_status", "/metadata": "get_model_metadata"}.get(rest, rest[1:])
+        raw_path = request.raw_path.split("?", 1)[0]
+        if not raw_path.lower().startswith("/v1/"):
+            # TF Serving hands every /v1/ path to its API handler; other paths have no handler.
+            return _error(grpc.StatusCode.NOT_FOUND,
+                          f"Malformed request: {request.method} {raw_path} (expected {_EXPECTED_URL})")
+        try:
+            spec, api = _parse_url(request.method, raw_path)
+        except ServingError as e:
+            return _error(e.code, e.message)
         t0 = time.monotonic()
         code = grpc.StatusCode.OK
         try:
-            if want == "POST":
+            if request.method == "POST":
                 try:
                     body = await request.read()
                 except web.HTTPRequestEntityTooLarge:
@@ -370,7 +385,7 @@ class RestFrontend:
         spec.signature_name = sig_name
         # One resolution: the version whose signature decodes the JSON is the one that runs it.
         with self.service.serving(spec) as servable:
-            sig = servable.signature(sig_name)
+            sig = servable.signature(sig_name, rest=True)
             if "instances" in doc:
                 inputs = self._rows_to_inputs(doc["instances"], sig.input_specs, may_hold_bools)
             else:

@@ -184,14 +184,18 @@ class ServableBase:
             self.release()
             raise
 
-    def signature(self, name: str):
+    def signature(self, name: str, rest: bool = False):
+        """The Predict signature `name` picks. One it lacks: gRPC's FAILED_PRECONDITION in
+        predict_util.cc's words, REST's INVALID_ARGUMENT in http_rest_api_handler.cc's
+        (GetInfoMap, which looks the signature up to read the JSON before Predict runs)."""
         key = name or DEFAULT_SIGNATURE
         sig = self.signatures.get(key)
         if sig is None:
-            # TF Serving answers FAILED_PRECONDITION here (its predict_util.cc).
+            has = f"model '{self.name}' version {self.version} has {sorted(self.signatures)}"
+            if rest:
+                raise invalid(f"Serving signature name: \"{key}\" not found in signature def; {has}")
             raise ServingError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"Serving signature name: \"{key}\" not found in signature def; "
-                               f"model '{self.name}' version {self.version} has {sorted(self.signatures)}")
+                               f"Serving signature key \"{key}\" not found. ({has})")
         return sig
 
     def release(self):

@@ -24,41 +24,62 @@ from pkm_serve.serving.methods import CLASSIFY_METHOD, DEFAULT_SIGNATURE, REGRES
 log = logging.getLogger("pkm_serve.serving")
 
 
-def _per_example(tensor, what, n, check_dtype):
-    """A classify output as [n, classes], checked in TF Serving's classifier.cc order (rank,
-    then `check_dtype`, then one row per example), except that a [n] tensor is taken as one
-    class each: reshaping a [classes, n] or [1, n * k] output into n rows would hand each
-    example another example's scores."""
-    if tensor.ndim == 1:
-        tensor = tensor.reshape(-1, 1)
+def debug_shape(shape) -> str:
+    """A shape as TF's TensorShape::DebugString prints it in upstream's messages: [2,1,2]."""
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def _dtype_name(tensor) -> str:
+    return types_pb2.DataType.Name(tf.as_dtype(tensor.dtype).as_datatype_enum)
+
+
+def _per_example(tensor, what, n, dtype):
+    """A classify output checked in TF Serving's classifier.cc order: rank 2 ([n, classes]),
+    then `dtype` (DT_STRING classes, DT_FLOAT scores), then one row per example."""
     if tensor.ndim != 2:
-        raise invalid(f"Expected Tensor shape: [batch_size num_classes] but got {list(tensor.shape)} "
+        raise invalid(f"Expected Tensor shape: [batch_size num_classes] but got {debug_shape(tensor.shape)} "
                       f"('{what}')")
-    check_dtype(tensor)
+    if tf.as_dtype(tensor.dtype) != dtype:
+        raise invalid(f"Expected {what} Tensor of {types_pb2.DataType.Name(dtype.as_datatype_enum)}. "
+                      f"Got: {_dtype_name(tensor)}")
     if tensor.shape[0] != n:
         raise invalid(f"Expected {what} output batch size of {n}. Got: {tensor.shape[0]}")
     return tensor
 
 
-def _string_labels(classes):
-    """classifier.cc wants DT_STRING labels (class ids were answered as their text here)."""
-    if classes.dtype != object and classes.dtype.kind != "S":
-        name = types_pb2.DataType.Name(tf.as_dtype(classes.dtype).as_datatype_enum)
-        raise invalid(f"Expected classes Tensor of DT_STRING. Got: {name}")
+def _check_example_outputs(sdef, what):
+    """Before the model runs, in PreProcessClassification / PreProcessRegression's words
+    (classifier.cc, regressor.cc): a "classes" or "scores" output to classify, an "outputs"
+    one to regress. Leniencies kept: the input may have another key than "inputs", and other
+    outputs may come along (upstream refuses both)."""
+    if what == "classification" and not {"classes", "scores"} & set(sdef.outputs):
+        raise invalid('Expected classification signature outputs to contain at least one of "classes" '
+                      f'or "scores". Signature was: {sdef}')
+    if what == "regression" and "outputs" not in sdef.outputs:
+        raise invalid("Expected one output Tensor." if len(sdef.outputs) != 1
+                      else f"No regression outputs found in SignatureDef: {sdef}")
 
 
-def _float_scores(scores):
-    _real_numbers(scores, "Expected scores Tensor of DT_FLOAT.")
+def _braced(names) -> str:
+    return "{" + ",".join(sorted(names)) + "}"
 
 
-def _real_numbers(tensor, message):
-    """Scores and regression values: TF Serving wants DT_FLOAT (classifier.cc, regressor.cc);
-    other real numbers are taken as float32 here, but a string (float() raised, a 500) or a
-    complex number (float() kept its real part) is refused with upstream's words."""
-    dtype = tf.as_dtype(tensor.dtype)
-    if not (dtype.is_floating or dtype.is_integer) or dtype.is_bool:
-        raise invalid(f"{message} Got: {types_pb2.DataType.Name(dtype.as_datatype_enum)}")
-    return tensor
+def _check_request_input_names(sig, sent):
+    """gRPC Predict's input names against the signature's, in predict_util.cc's
+    VerifyRequestInputsSize and then saved_model::GetInputValues' order and words (defaults
+    fill what the request leaves out)."""
+    sent, wanted, defaults = set(sent), set(sig.input_specs), set(sig.signature_def.defaults)
+    if len(sent) > len(wanted) or (len(sent) < len(wanted) and not defaults):
+        raise invalid(f"input size does not match signature: {len(sent)}!={len(wanted)} len({_braced(sent)}) "
+                      f"!= len({_braced(wanted)}). Sent extra: {_braced(sent - wanted)}. "
+                      f"Missing but required: {_braced(wanted - sent)}.")
+    for alias in sorted(wanted - sent - defaults):
+        raise invalid(f"Signature input alias: {alias}(feed name: {sig.signature_def.inputs[alias].name}) not "
+                      f"found in request and no default value provided. Inputs expected to be in the request "
+                      f"{_braced(sent)}, or default input alias set: {','.join(sorted(defaults))}")
+    if sent - wanted:
+        raise invalid(f"Inputs contains invalid name. Used request inputs: {','.join(sorted(sent & wanted))}, "
+                      f"request input: {','.join(sorted(sent))}")
 
 
 # Why two signatures of a .tflite's signature runner never share an input tensor.
@@ -114,9 +135,11 @@ class InferenceService:
         return self._run(servable, sig, inputs, deadline, "predict", output_filter)
 
     def predict(self, request, deadline=None):
-        inputs = tensors.from_protos(request.inputs, self.max_request_bytes)
+        # predict_util.cc's order: the servable, its signature, the input names, their values.
         with self.serving(request.model_spec) as servable:
             sig = servable.signature(request.model_spec.signature_name)
+            _check_request_input_names(sig, request.inputs)
+            inputs = tensors.from_protos(request.inputs, self.max_request_bytes)
             outputs = self.predict_on(servable, sig, inputs, deadline, tuple(request.output_filter))
             resp = predict_pb2.PredictResponse()
             self._fill_spec(resp.model_spec, servable, sig.name)
@@ -142,6 +165,8 @@ class InferenceService:
         return resp
 
     def get_model_status(self, request):
+        if not request.HasField("model_spec"):   # get_model_status_impl.cc's check and words
+            raise invalid("Missing ModelSpec")
         resp = get_model_status_pb2.GetModelStatusResponse()
         resp.model_version_status.extend(self.manager.status(request.model_spec))
         return resp
@@ -194,10 +219,14 @@ class InferenceService:
         if self.check_signature_method_name and sig.method_name != method:
             raise invalid(f"Expected {what} signature method_name to be {method}. Was: {sig.method_name} "
                           f"(signature '{sig.name}' of model '{servable.name}'; use Predict for it)")
-        if len(sig.input_specs) != 1 or next(iter(sig.input_specs.values())).dtype != tf.string:
-            found = ", ".join(f"'{k}' is {s.dtype.name}" for k, s in sorted(sig.input_specs.items()))
+        if len(sig.input_specs) != 1:
+            raise invalid(f"Expected one input Tensor. ({what} signature '{sig.name}' has "
+                          f"{sorted(sig.input_specs)})")
+        if next(iter(sig.input_specs.values())).dtype != tf.string:   # (upstream: TF's feed error)
+            (key, spec), = sig.input_specs.items()
             raise invalid(f"{what} signature '{sig.name}' needs one string input (serialized "
-                          f"tf.Example); its input {found}")
+                          f"tf.Example); its input '{key}' is {spec.dtype.name}")
+        _check_example_outputs(sig.signature_def, what)
         return sig, next(iter(sig.input_specs))
 
     def _classify_outputs(self, servable, model_spec, input_proto, deadline):
@@ -209,9 +238,9 @@ class InferenceService:
             raise invalid(f"classification signature '{sig.name}' has neither 'classes' nor 'scores' outputs")
         n = len(examples)
         # As classifier.cc: every check of the classes before any of the scores.
-        classes, scores = (None if t is None else _per_example(t, what, n, check)
-                           for t, what, check in ((classes, "classes", _string_labels),
-                                                  (scores, "scores", _float_scores)))
+        classes, scores = (None if t is None else _per_example(t, what, n, dtype)
+                           for t, what, dtype in ((classes, "classes", tf.string),
+                                                  (scores, "scores", tf.float32)))
         if classes is not None and scores is not None and classes.shape[1] != scores.shape[1]:
             raise invalid(f"Tensors class and score should match in dim_size(1). Got "
                           f"{classes.shape[1]} vs. {scores.shape[1]} (signature '{sig.name}')")
@@ -234,13 +263,16 @@ class InferenceService:
         outputs = self._run(servable, sig, {in_key: examples}, deadline, "regress")
         if "outputs" not in outputs:
             raise invalid(f"regression signature '{sig.name}' has no 'outputs' output")
-        values = _real_numbers(outputs["outputs"], "Expected output Tensor of DT_FLOAT.")
+        values = outputs["outputs"]
+        # regressor.cc's checks, in its order and words (two spaces before "Got" are upstream's).
         if not (values.ndim == 1 or (values.ndim == 2 and values.shape[1] == 1)):
             raise invalid("Expected output Tensor shape to be either [batch_size] or [batch_size, 1] "
-                          f"but got {list(values.shape)} (signature '{sig.name}')")
+                          f"but got {debug_shape(values.shape)} (signature '{sig.name}')")
         if values.shape[0] != len(examples):
             raise invalid(f"Input batch size did not match output batch size: {len(examples)} vs. "
                           f"{values.shape[0]} (signature '{sig.name}')")
+        if tf.as_dtype(values.dtype) != tf.float32:
+            raise invalid(f"Expected output Tensor of DT_FLOAT.  Got: {_dtype_name(values)}")
         values = values.reshape(len(examples), 1)
         result = regression_pb2.RegressionResult()
         for v in values[:, 0]:
@@ -264,40 +296,11 @@ class InferenceService:
     def multi_inference(self, request, deadline=None):
         if not request.tasks:
             raise invalid("MultiInference request has no tasks")
-        names = {t.model_spec.name for t in request.tasks}
-        if len(names) != 1:
-            raise invalid(f"all MultiInference tasks must use one model, got {sorted(names)}")
-        seen = set()
-        for task in request.tasks:  # TF Serving's multi_inference.cc refuses these up front
-            name = task.model_spec.signature_name or DEFAULT_SIGNATURE
-            if name in seen:
-                raise invalid(f"Duplicate evaluation of signature: {name}")
-            seen.add(name)
         resp = inference_pb2.MultiInferenceResponse()
-        # One servable (the first task's version) answers every task, as in TF Serving.
+        # One servable (the first task's version) answers every task, as in TF Serving: it is
+        # looked up first (multi_inference_helper.cc), so an unknown model is NOT_FOUND.
         with self.serving(request.tasks[0].model_spec) as servable:
-            # Every task is checked before any runs (multi_inference.cc): its method, its
-            # signature, and that all signatures read the same input tensor (the examples
-            # are serialized once and fed to that tensor).
-            plan, input_tensor = [], None
-            for task in request.tasks:
-                if task.method_name == CLASSIFY_METHOD:
-                    run, what = self._classify_outputs, "classification"
-                elif task.method_name == REGRESS_METHOD:
-                    run, what = self._regress_outputs, "regression"
-                else:
-                    raise ServingError(grpc.StatusCode.UNIMPLEMENTED,
-                                       f"MultiInference supports {CLASSIFY_METHOD} and {REGRESS_METHOD} "
-                                       f"tasks, not '{task.method_name}'")
-                sig, in_key = self._example_signature(servable, task.model_spec, task.method_name, what)
-                tensor = sig.signature_def.inputs[in_key].name
-                if input_tensor is None:
-                    input_tensor = tensor
-                elif tensor != input_tensor:
-                    raise invalid(f"Input tensor must be the same for all Signatures. (signature "
-                                  f"'{sig.name}' reads '{tensor}', an earlier task's reads '{input_tensor}'"
-                                  f"{_OWN_SUBGRAPHS_NOTE if getattr(sig, 'runs_own_subgraph', False) else ''})")
-                plan.append((task, run))
+            plan = self._multi_inference_plan(servable, request.tasks)
             for task, run in plan:
                 out = resp.results.add()
                 sig, result = run(servable, task.model_spec, request.input, deadline)
@@ -307,3 +310,41 @@ class InferenceService:
                     out.regression_result.CopyFrom(result)
                 self._fill_spec(out.model_spec, servable, sig.name)
         return resp
+
+    def _multi_inference_plan(self, servable, tasks):
+        """[(task, how to run it)], every task checked before any runs, one after another in
+        multi_inference.cc's order and words: its model name, a repeated signature, a signature
+        the model lacks, its method, and that all signatures read the same input tensor (the
+        examples are serialized once and fed to that tensor)."""
+        plan, model_name, seen, input_tensor = [], "", set(), None
+        for task in tasks:
+            if not task.model_spec.name:
+                raise invalid("Found ModelSpec with an empty model name.")
+            if model_name and task.model_spec.name != model_name:
+                raise invalid("All ModelSpecs in a MultiInferenceRequest must access the same model name.")
+            model_name = task.model_spec.name
+            name = task.model_spec.signature_name or DEFAULT_SIGNATURE
+            if name in seen:
+                raise invalid(f"Duplicate evaluation of signature: {name}")
+            seen.add(name)
+            if name not in servable.signatures:
+                raise invalid(f"Requested signature not found in model graph: {name} (model "
+                              f"'{servable.name}' version {servable.version} has {sorted(servable.signatures)})")
+            if task.method_name == CLASSIFY_METHOD:
+                run, what = self._classify_outputs, "classification"
+            elif task.method_name == REGRESS_METHOD:
+                run, what = self._regress_outputs, "regression"
+            else:
+                raise ServingError(grpc.StatusCode.UNIMPLEMENTED,
+                                   f"Unsupported signature method_name: {task.method_name} (MultiInference "
+                                   f"runs {CLASSIFY_METHOD} and {REGRESS_METHOD} tasks)")
+            sig, in_key = self._example_signature(servable, task.model_spec, task.method_name, what)
+            tensor = sig.signature_def.inputs[in_key].name
+            if input_tensor is None:
+                input_tensor = tensor
+            elif tensor != input_tensor:
+                raise invalid(f"Input tensor must be the same for all Signatures. (signature "
+                              f"'{sig.name}' reads '{tensor}', an earlier task's reads '{input_tensor}'"
+                              f"{_OWN_SUBGRAPHS_NOTE if getattr(sig, 'runs_own_subgraph', False) else ''})")
+            plan.append((task, run))
+        return plan

@@ -167,6 +167,8 @@ def to_proto(array: np.ndarray, as_tensor_content: bool = False):
     field = VALUE_FIELDS.get(enum)
     if field is None:   # dtypes without a typed field (e.g. resource): raw bytes
         proto.tensor_content = np.ascontiguousarray(array).tobytes()
+    elif field == "float8_val":   # a bytes field, one byte per value (it raised AttributeError)
+        proto.float8_val = np.ascontiguousarray(array).reshape(-1).view(np.uint8).tobytes()
     else:
         getattr(proto, field).extend(_typed_values(array))
     return proto
@@ -435,8 +437,10 @@ def _check_lossless(name, value, arr, dtype):
 
 
 def _json_scalar_list(arr: np.ndarray, name: str):
-    if arr.dtype.kind == "c":   # json_tensor.cc writes no complex type either (it was a 500)
-        raise invalid(f"Failed to write JSON value for tensor type: {tf.as_dtype(arr.dtype).name} "
+    # json_tensor.cc writes no complex type (it was a 500 here) and no float8/float4/int4 one
+    # (ml_dtypes' one-byte types: they were written as numbers); ml_dtypes names them as TF does.
+    if arr.dtype.kind == "c" or (arr.dtype.kind in "fV" and arr.dtype.itemsize == 1):
+        raise invalid(f"Failed to write JSON value for tensor type: {arr.dtype.name} "
                       f"(output '{name}'); the gRPC API returns it")
     if arr.dtype == object or arr.dtype.kind == "S":
         binary = name.endswith("_bytes")

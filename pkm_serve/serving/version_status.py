@@ -14,21 +14,18 @@ def unknown_label(m, label):
 
 
 def version_statuses(m, model_spec):
-    """ModelVersionStatus entries of the ManagedModel `m` that model_spec picks, newest
-    first; the caller holds the manager's lock."""
-    choice = model_spec.WhichOneof("version_choice")
-    records = sorted(m.records.values(), key=lambda r: -r.version)
-    if not records:  # get_model_status_impl.cc: NotFound before any version choice
-        raise not_found(f"Could not find any versions of model {m.name}")
-    if choice == "version":
+    """ModelVersionStatus entries of the ManagedModel `m` (None: a model not configured) that
+    model_spec picks, newest first, as get_model_status_impl.cc: a version picks that one, and
+    anything else (a version_label too: it reads only has_version()) every version the model
+    has; the caller holds the manager's lock."""
+    name = model_spec.name
+    records = sorted(m.records.values(), key=lambda r: -r.version) if m is not None else []
+    if model_spec.WhichOneof("version_choice") == "version":
         records = [r for r in records if r.version == model_spec.version.value]
         if not records:
-            raise not_found(f"Could not find version {model_spec.version.value} of model {m.name}")
-    elif choice == "version_label":
-        label = model_spec.version_label
-        if label not in m.labels:
-            raise unknown_label(m, label)
-        records = [r for r in records if r.version == m.labels[label]]
+            raise not_found(f"Could not find version {model_spec.version.value} of model {name}")
+    elif not records:
+        raise not_found(f"Could not find any versions of model {name}")
     out = []
     for r in records:
         # TF Serving fills status for every version (error_code OK when healthy).

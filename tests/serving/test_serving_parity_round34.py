@@ -186,7 +186,7 @@ def test_classify_refuses_classes_that_are_not_strings(server, stub):
 
 @pytest.mark.parametrize("model, error", [
     ("int_classes_string_scores", "Expected classes Tensor of DT_STRING. Got: DT_INT64"),
-    ("int_classes_3d_string_scores", "Expected Tensor shape: [batch_size num_classes] but got [2, 1, 2] ('classes')")])
+    ("int_classes_3d_string_scores", "Expected Tensor shape: [batch_size num_classes] but got [2,1,2] ('classes')")])
 def test_classify_checks_the_classes_before_the_scores(server, stub, model, error):
     """classifier.cc's PostProcessClassificationResult: the classes' rank, dtype and batch,
     then the scores'; string scores were named before int64 or 3-D classes here."""

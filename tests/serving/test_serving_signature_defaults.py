@@ -59,4 +59,22 @@ def test_inputs_left_out_are_fed_their_default(service, given, scale, shift):
 def test_an_input_without_a_default_is_still_required(service):
     with pytest.raises(ServingError) as err:
         _predict(service, "plain", x=np.array([1.0], np.float32))
-    assert err.value.code.name == "INVALID_ARGUMENT" and "missing input(s) ['scale']" in err.value.message
+    # predict_util.cc's VerifyRequestInputsSize: "plain" has no defaults to fill the gap.
+    assert err.value.code.name == "INVALID_ARGUMENT" and err.value.message == (
+        "input size does not match signature: 1!=2 len({x}) != len({scale,x}). Sent extra: {}. "
+        "Missing but required: {scale}.")
+
+
+@pytest.mark.parametrize("given, message", [
+    # Fewer inputs than the signature's pass the size check where it has defaults; then
+    # saved_model::GetInputValues names the one without a default, or the name it does not know.
+    ({"scale": np.float32(1.0), "z": np.float32(1.0)},
+     "Signature input alias: x(feed name: serving_default_x:0) not found in request and no default value provided. "
+     "Inputs expected to be in the request {scale,z}, or default input alias set: scale,shift"),
+    ({"x": np.array([1.0], np.float32), "z": np.float32(1.0)},
+     "Inputs contains invalid name. Used request inputs: x, request input: x,z")])
+def test_input_names_are_checked_in_get_input_values_words(service, given, message):
+    """The words were this server's ("missing input(s) ['x']", "unknown input(s) ['z']")."""
+    with pytest.raises(ServingError) as err:
+        _predict(service, **given)
+    assert err.value.code.name == "INVALID_ARGUMENT" and err.value.message == message

@@ -130,11 +130,12 @@ def test_predict_any_input_shape_the_graph_accepts(stub, shape):
 
 
 def test_predict_unknown_signature_is_failed_precondition(stub):
-    """predict_util.cc (what server_test's bad-signature cases see): FAILED_PRECONDITION."""
+    """predict_util.cc (what server_test's bad-signature cases see): FAILED_PRECONDITION, in its
+    words (REST's, 'Serving signature name: "nosuch" not found in signature def', were given)."""
     with pytest.raises(grpc.RpcError) as err:
         _predict(stub, "half_plus_two", [2.0], [1], signature="nosuch")
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert 'Serving signature name: "nosuch" not found in signature def' in err.value.details()
+    assert err.value.details().startswith('Serving signature key "nosuch" not found.')
 
 
 def test_predict_over_unix_socket(server):
@@ -330,7 +331,6 @@ def test_rest_classify_and_regress_answer_results(server):
 
 @pytest.mark.parametrize("method, path", [
     ("POST", "/v1/models/half_plus_two/versions/HELLO:predict"),             # handler_test: bad version
-    ("GET", "/v1/models"),                                                   # handler_test: no model name
     ("POST", "/v1/models/half_plus_two/versions/1/labels/stable:predict"),   # handler_test: version and label
     ("POST", "/v1/models/half_plus_two:explode"),                            # handler_test: unknown verb
 ])

@@ -445,7 +445,7 @@ def test_grpc_response_is_not_capped_by_the_request_limit():
     try:
         with grpc.insecure_channel(f"127.0.0.1:{frontend.port}") as ch:
             stub = prediction_service_pb2_grpc.PredictionServiceStub(ch)
-            resp = stub.Predict(predict_pb2.PredictRequest(), timeout=30)
+            resp = stub.Predict(predict_pb2.PredictRequest(model_spec={"name": "m"}), timeout=30)
             assert len(resp.outputs["y"].tensor_content) == 64 << 10
             big = predict_pb2.PredictRequest()
             big.inputs["x"].tensor_content = b"\0" * 8192            # the request limit still holds

@@ -95,7 +95,9 @@ def _example_requests():
     r.model_spec.signature_name = "regress"
     fill(r.input)
     m = inference_pb2.MultiInferenceRequest()
-    m.tasks.add(method_name="tensorflow/serving/regress").model_spec.signature_name = "regress"
+    task = m.tasks.add(method_name="tensorflow/serving/regress")
+    # multi_inference.cc refuses a task without a model name, in warmup too (the name is not looked up)
+    task.model_spec.name, task.model_spec.signature_name = "ex", "regress"
     fill(m.input)
     return [plog.PredictionLog(classify_log=plog.ClassifyLog(request=c)),
             plog.PredictionLog(regress_log=plog.RegressLog(request=r)),
