@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import List
 
 from pkm_serve.export import (counts, dense, einsum, flat_bags, fuse, half_division, labels, padded_ragged, pooled,
-                              positions, ragged, ragged_range, running_sum, sparse, tensordot, unrecognised)
+                              positions, ragged, ragged_range, running_sum, scales, sparse, tensordot,
+                              unrecognised)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip, check_shared_weights_fixed
 from pkm_serve.export.sparse import SEGMENT_PATTERN
@@ -103,7 +104,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, positions.match_stacked_positions, report_not_a_site=False)
     for node in order:
         if node.op in ("Sum", "Mean"):
-            attempt(node, dense.match_reduce)
+            attempt(node, scales.match_reduce)
         elif node.op == "Einsum":
             attempt(node, einsum.match_einsum)
         elif node.op in einsum.MATMUL_OPS:
@@ -121,7 +122,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
         elif node.op == "SegmentMean":
             attempt(node, sparse.match_segment_mean)
         elif node.op == "Max":
-            attempt(node, dense.match_reduce_max)
+            attempt(node, scales.match_reduce_max)
         elif node.op in _QUIET_MATCHERS:  # most such nodes are no bag: not listed when not a site
             attempt(node, _QUIET_MATCHERS[node.op], report_not_a_site=False)
         elif node.op in unrecognised.UNFUSABLE_REDUCE_OPS:
@@ -164,6 +165,7 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
         for site in fused:
             old_root_inputs = [fg.parse(t).node for t in fg.nodes[site.root].input
                                if not t.startswith("^")]
+            scales.fold_factors(fg, site)
             if site.positions is not None:
                 positions.take_positions(fg, site)
             if site.pattern == "einsum":
