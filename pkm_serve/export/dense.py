@@ -23,6 +23,7 @@ from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TAB
                                     check_private, dims, dtype_name, itemsize, same_dims, shared_by_bags,
                                     tensor_dtype, through_identity)
 from pkm_serve.export.unflatten import unflattened_ids
+from pkm_serve.export.zero_fill import zeros_like_another
 
 
 def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
@@ -166,6 +167,7 @@ class Rows:
         self.weights_scalar = False
         self.ones: Optional[Ref] = None  # a multiplier that is all ones
         self.ones_squeeze = False
+        self.zero_fill = None  # zero_fill.zeros_like_another's: the ids are broadcast like it
         self.factors: list = []  # scales.Factor: more multipliers, divisors, negations (fold_scales)
         self.multiplied: List[Ref] = []  # refs from the multiply on (toward the reduction)
         self.regathers: List[Ref] = []  # GatherV2(rows, perm) steps, outermost first
@@ -305,8 +307,8 @@ def _resolve_mask(fg: FunctionGraph, ins: List[Ref], rows: Rows, site: Site) -> 
     fill_node = fg.producer(fill)
     if fill_node is not None and fill_node.op == "ZerosLike" and fg.inputs(fill_node)[0] == rows_ref:
         rows.nodes.append(fill_node.name)  # tf.zeros_like(rows): goes with the site
-    elif not _is_zero(fg, fill):
-        raise Skip("tf.where fills masked rows with something other than a constant 0")
+    elif not _is_zero(fg, fill):  # zeros shaped like another tensor: the ids may be broadcast like them
+        rows.zero_fill = zeros_like_another(fg, fill, rows_ref, rows.nodes)
     mask, strip_nodes, rows.mask_squeeze = strip_trailing_unit_axis(fg, cond, what="mask")
     rows.mask, rows.mask_keeps_true = mask, keeps_true
     rows.nodes.extend(strip_nodes)
@@ -377,6 +379,9 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     site.internal = tuple(rows.nodes + gathered.nodes)
     site.intermediate_itemsizes = tuple(rows.itemsizes)
     check_private(fg, [data] + rows.private, set(site.internal) | {root}, site)
+    if rows.zero_fill is not None and (site.shape_consumers or rows.unflattened is not None):
+        raise Skip("masked rows filled with zeros shaped like another tensor, whose shape is read")
+    site.zero_fill = rows.zero_fill
     if rows.unflattened is not None:
         site.gathered_shape = dims(fg.shape(rows.unflattened_rows))
         flat = set(rows.private[rows.flat_from:])

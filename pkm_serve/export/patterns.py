@@ -12,7 +12,7 @@ from typing import List
 
 from pkm_serve.export import (counts, dense, einsum, flat_bags, fuse, half_division, labels, padded_ragged, pooled,
                               positions, ragged, ragged_range, running_sum, scales, sparse, tensordot,
-                              unrecognised)
+                              unrecognised, zero_fill)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip, check_shared_weights_fixed
 from pkm_serve.export.sparse import SEGMENT_PATTERN
@@ -69,6 +69,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             site = matcher(fg, node, site)
             check_half_table_widened(site)
             check_shared_weights_fixed(fg, site)
+            zero_fill.check_dense_bag(site)
         except NotASite:
             if not report_not_a_site:
                 return
@@ -166,6 +167,7 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
             old_root_inputs = [fg.parse(t).node for t in fg.nodes[site.root].input
                                if not t.startswith("^")]
             scales.fold_factors(fg, site)
+            zero_fill.broadcast_ids_like_fill(fg, site)
             if site.positions is not None:
                 positions.take_positions(fg, site)
             if site.pattern == "einsum":

@@ -104,6 +104,8 @@ class Site:
     flatten_bag_axes: int = 1         # the bag is the ids' last n axes (reduce over [1, 2]): flat_bags.py
     weight_factors: Tuple = ()        # scales.Factor: more multipliers, divisors, negations of the rows,
                                       # folded into the weights before the rewrite (scales.fold_factors)
+    zero_fill: Optional[tuple] = None  # tf.where's zeros shaped like another tensor: the ids are broadcast
+                                       # against their leading axes before the rewrite (zero_fill.py)
     rounded_to: Optional[str] = None  # rows cast to this half dtype below cast_to (mixed precision):
                                       # a rounding the fused op skips, verified at that dtype's tolerance
 

@@ -13,8 +13,8 @@ from round34_forms import IDS, K, N, POSITION_WEIGHTS, RNG, TABLE, WEIGHTS, np_b
 
 def _ids(batch=6, k=K):
     ids = RNG.integers(0, N, (batch, k))
-    ids[1] = ids[1, 0]  # one id repeated over a whole bag
-    ids[2, :2] = 7
+    ids[1 % batch] = ids[1 % batch, 0]  # one id repeated over a whole bag
+    ids[2 % batch, :2] = 7
     return ids
 
 
@@ -135,3 +135,53 @@ def test_half_table_scaled_rows_convert_to_tflite(tmp_path):
     from_lite = tflite.run_tflite(lite, {"args_0": ids, "args_1": w}, interpreter="litert")[0]
     for out in (want, got, from_lite):
         np.testing.assert_allclose(out.astype(np.float64), expected, rtol=2e-2, atol=2e-2)
+
+
+def _zeros_like_other(m, ids, w):
+    return tf.zeros_like(tf.gather(m.t, ids[:, ::-1]))
+
+
+WHERE_FILLS = {
+    "zeros_like_other_rows": _zeros_like_other,
+    "zeros_of_shape_of_other": lambda m, ids, w: tf.zeros(tf.shape(tf.gather(m.t, ids[:, ::-1]))),
+    "zeros_like_weights_expanded": lambda m, ids, w: tf.zeros_like(w[..., None]),
+}
+
+
+@pytest.mark.parametrize("form", sorted(WHERE_FILLS))
+def test_where_filled_with_zeros_shaped_like_another_tensor_is_a_masked_bag(tmp_path, form):
+    """tf.where(m, rows, tf.zeros_like(other)) was reported ("fills masked rows with something other than
+    a constant 0"); the fill is zeros, so the bag is that of the mask as a 0/1 weight."""
+    result = save_and_export(tmp_path, [IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(
+        tf.where((w > 0)[..., None], tf.gather(m.t, ids), WHERE_FILLS[form](m, ids, w)), 1))
+    [site] = result.sites
+    assert (site.status, site.masked) == ("fused", True), site.reason
+    ids, w = _ids(), _weights()
+    expected = np_bags(ids, (w > 0).astype(np.float64))
+    want, got = run_both(tmp_path, result, ids, w)
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_where_fill_of_a_larger_fed_shape_repeats_rows_as_the_original(tmp_path):
+    """A fill shaped like another input: fed with more bags than the ids (a server feeds any shape), the
+    composite's select repeats the one bag of ids; the fused bag broadcasts the ids likewise."""
+    result = save_and_export(tmp_path, [IDS, WEIGHTS, WEIGHTS], lambda m, ids, w, other: tf.reduce_sum(
+        tf.where((w > 0)[..., None], tf.gather(m.t, ids), tf.zeros_like(other[..., None])), 1))
+    [site] = result.sites
+    assert site.status == "fused", site.reason
+    ids, w, other = _ids(1), _weights(1), _weights(4)
+    expected = np.repeat(np_bags(ids, (w > 0).astype(np.float64)), 4, axis=0)
+    for model in (tmp_path / "m", result.dst):
+        out = run_as_a_server(model, "serving_default", {"args_0": ids, "args_1": w, "args_2": other})
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+        with pytest.raises(tf.errors.InvalidArgumentError):  # fills that do not broadcast are refused by both
+            run_as_a_server(model, "serving_default", {"args_0": _ids(), "args_1": _weights(), "args_2": other})
+
+
+def test_where_fill_that_may_broadcast_the_rows_width_is_reported(tmp_path):
+    result = save_and_export(tmp_path, [IDS, WEIGHTS, tf.TensorSpec([None, K, None], tf.float32)],
+                             lambda m, ids, w, other: tf.reduce_sum(
+                                 tf.where((w > 0)[..., None], tf.gather(m.t, ids), tf.zeros_like(other)), 1))
+    [site] = result.sites
+    assert site.status == "skipped" and "last axis may broadcast the rows' width" in site.reason, site.reason
