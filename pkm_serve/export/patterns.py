@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import (counts, dense, einsum, flat_bags, fuse, half_division, labels, padded_ragged, pooled,
-                              positions, ragged, ragged_range, running_sum, scales, sparse, tensordot,
-                              unrecognised, zero_fill)
+from pkm_serve.export import (counts, dense, einsum, flat_bags, fuse, half_division, labels, matmul_width,
+                              padded_ragged, pooled, positions, ragged, ragged_range, running_sum, scales, sparse,
+                              tensordot, unrecognised, zero_fill)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip, check_shared_weights_fixed
 from pkm_serve.export.sparse import SEGMENT_PATTERN
@@ -174,8 +174,11 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
                 einsum.check_labelled_weights(fg, site)
             if site.flatten_bag_axes > 1:
                 flat_bags.flatten_bag_axes(fg, site)
+            if site.weights_unit_row:
+                einsum.unit_row_weights(fg, site)
             if site.weights_to_vector:
                 einsum.positional_weights_as_vector(fg, site)
+            matmul_width.assert_matmul_widths(fg, site)
             fuse.fuse_site(fg, site)
             seeds.extend(half_division.widen_masked_mean_division(fg, site))
             seeds.extend(site.internal)

@@ -100,6 +100,7 @@ class Site:
     divide_by_bag: bool = False       # a weighted/masked reduce_mean: the bag is divided by its
                                       # size K, read off the ids at run time (not the static K)
     positions: Optional[object] = None  # positions.PositionSpan: a per-position sum of ids[..., a:b]
+    weights_unit_row: bool = False    # matmul weights [..., 1, K] of any making: read without axis -2 (einsum.py)
     weights_to_vector: bool = False   # matmul weights [1, .., 1, K]: read as [K] (einsum.positional_weights_as_vector)
     flatten_bag_axes: int = 1         # the bag is the ids' last n axes (reduce over [1, 2]): flat_bags.py
     weight_factors: Tuple = ()        # scales.Factor: more multipliers, divisors, negations of the rows,
