@@ -12,7 +12,7 @@ from typing import List
 
 from pkm_serve.export import (counts, dense, einsum, flat_bags, fuse, half_division, labels, matmul_width,
                               padded_ragged, pooled, positions, ragged, ragged_range, running_sum, scales, sparse,
-                              tensordot, unrecognised, zero_fill)
+                              tensordot, unrecognised, unsorted_segments, zero_fill)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip, check_shared_weights_fixed
 from pkm_serve.export.sparse import SEGMENT_PATTERN
@@ -168,6 +168,7 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
                                if not t.startswith("^")]
             scales.fold_factors(fg, site)
             zero_fill.broadcast_ids_like_fill(fg, site)
+            unsorted_segments.sort_by_segment(fg, site)
             if site.positions is not None:
                 positions.take_positions(fg, site)
             if site.pattern == "einsum":

@@ -19,6 +19,7 @@ import numpy as np
 from pkm_serve.export.dense import apply_rows, check_max_site, resolve_rows
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import Site, Skip
+from pkm_serve.export.unsorted_segments import match_any_segment_ids
 
 # Ops of RaggedSplitsToSegmentIds (a Repeat of range(nrows) by the row
 # lengths splits[1:] - splits[:-1]); all of them compute from the splits alone.
@@ -84,6 +85,8 @@ def match_unsorted_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
         # op gives an empty bag zeros, so the fused site writes it back.
         site.empty_bag_lowest = True
     splits = splits_of_segment_ids(fg, seg)
+    if splits is None and node.op == "UnsortedSegmentSum":  # ids in any order: sorted before the op
+        return match_any_segment_ids(fg, site, rows, seg, num_segments)
     if splits is None:
         raise Skip("segment ids are not those of a ragged row partition (row_splits), "
                    "so the bags may be unsorted")

@@ -107,6 +107,8 @@ class Site:
                                       # folded into the weights before the rewrite (scales.fold_factors)
     zero_fill: Optional[tuple] = None  # tf.where's zeros shaped like another tensor: the ids are broadcast
                                        # against their leading axes before the rewrite (zero_fill.py)
+    segments_unsorted: bool = False   # unsorted_segment_sum of ids in any order: sorted before the rewrite
+                                      # (unsorted_segments.py)
     rounded_to: Optional[str] = None  # rows cast to this half dtype below cast_to (mixed precision):
                                       # a rounding the fused op skips, verified at that dtype's tolerance
 

@@ -1,0 +1,67 @@
+"""tf.math.unsorted_segment_sum(rows [* w], segment_ids, num_segments) of gathered rows whose segment ids
+are not a row partition's (tf.repeat(tf.range(B), K) of flattened [B, K] ids, ids grouped by a key, in any
+order): bag s is the sum over the entries whose segment id is s, in num_segments bags.
+
+Fused as PkmRaggedEmbeddingBag after a stable sort of the entries by segment id (a TopK of the negated ids:
+TOPK_V2 in a .tflite), with row_splits counted from the sorted ids and num_segments (fuse.row_splits). An
+entry of a negative segment id, which unsorted_segment_sum drops, is masked (its id becomes padding, and its
+id is still range-checked, as the composite's gather checks it); a segment id >= num_segments is refused by
+the counting UnsortedSegmentSum as by the composite's."""
+from __future__ import annotations
+
+import numpy as np
+from tensorflow.core.framework import types_pb2
+
+from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.sites import Site, Skip, tensor_dtype
+
+I32 = DType(types_pb2.DT_INT32)
+SEGMENT_PATTERN = "segment-reduce"
+
+
+def match_any_segment_ids(fg: FunctionGraph, site: Site, rows, seg: Ref, num_segments: Ref) -> Site:
+    """Fills `site` for an UnsortedSegmentSum whose segment ids are no row partition's; Skip where the entries
+    are not one gathered row each ([nnz] ids, [nnz] segment ids) or the rows are masked per feature."""
+    ids_shape, seg_shape = fg.shape(site.indices), fg.shape(seg)
+    if rows.regathers or ids_shape.rank != 1 or seg_shape.rank != 1 or fg.shape(num_segments).rank != 0:
+        raise Skip("segment ids are neither a ragged row partition's nor one per gathered row of flat ids")
+    if site.mask is not None and site.mask_squeeze:
+        raise Skip("masked rows summed by segment ids in any order: the mask is not one per id")
+    site.pattern = SEGMENT_PATTERN
+    site.segment_ids, site.num_segments, site.segments_unsorted = seg, num_segments, True
+    return site
+
+
+def sort_by_segment(fg: FunctionGraph, site: Site) -> None:
+    """Before fusing: the entries (ids, weights, mask) in segment-id order, negative segment ids masked."""
+    if not site.segments_unsorted:
+        return
+    prefix = site.root + "/pkm_segment_order"
+    seg_type = tensor_dtype(fg, site.segment_ids)
+    seg = site.segment_ids if seg_type == types_pb2.DT_INT32 else fg.add_op(
+        prefix + "/seg32", "Cast", [site.segment_ids], {"SrcT": DType(seg_type), "DstT": I32, "Truncate": False},
+        shapes=[[None]])
+    zero = fg.add_const(prefix + "/zero", np.array(0, np.int32))
+    kept = fg.add_op(prefix + "/kept", "GreaterEqual", [seg, zero], {"T": I32}, shapes=[[None]])
+    if site.mask is not None:
+        mask = site.mask if site.mask_keeps_true else fg.add_op(
+            prefix + "/mask_kept", "LogicalNot", [site.mask], {}, shapes=[[None]])
+        kept = fg.add_op(prefix + "/kept_and_masked", "LogicalAnd", [kept, mask], {}, shapes=[[None]])
+    seg = fg.add_op(prefix + "/seg_from_zero", "Maximum", [seg, zero], {"T": I32}, shapes=[[None]])
+    negated = fg.add_op(prefix + "/negated", "Neg", [seg], {"T": I32}, shapes=[[None]])
+    count = fg.add_op(prefix + "/count", "Size", [seg], {"T": I32, "out_type": I32}, shapes=[[]])
+    order = Ref(fg.add_op(prefix + "/top", "TopKV2", [negated, count], {"T": I32, "sorted": True, "Tk": I32},
+                          shapes=[[None], [None]]).node, 1)
+    axis0 = fg.add_const(prefix + "/axis0", np.array(0, np.int32))
+
+    def in_order(name: str, ref: Ref, dtype: int) -> Ref:
+        shape = fg.shape(ref)
+        return fg.add_op(f"{prefix}/{name}", "GatherV2", [ref, order, axis0],
+                         {"Tparams": DType(dtype), "Tindices": I32, "Taxis": I32, "batch_dims": 0},
+                         shapes=[None if shape.rank is None else [None] + shape.as_list()[1:]])
+    site.segment_ids = in_order("seg", seg, types_pb2.DT_INT32)
+    site.indices = in_order("ids", site.indices, site.index_dtype)
+    site.mask, site.mask_keeps_true, site.mask_squeeze = in_order("kept", kept, types_pb2.DT_BOOL), True, False
+    if site.weights is not None and not site.weights_scalar:
+        site.weights = in_order("weights", site.weights, tensor_dtype(fg, site.weights))
+    site.segments_unsorted = False

@@ -1,0 +1,104 @@
+"""tf.math.unsorted_segment_sum of gathered rows whose segment ids are no ragged row partition's
+(tf.repeat(tf.range(B), K) of flattened [B, K] ids; ids grouped by a key fed in any order) was reported
+("segment ids are not those of a ragged row partition"); now fused after a stable sort of the entries by
+segment id (unsorted_segments.py), computing what the original does: numpy float64 (np.add.at) and the
+original SavedModel as references, entries of a negative segment id dropped, num_segments bags."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from round34_forms import D, IDS, K, N, RNG, TABLE, WEIGHTS, np_bags, run_both, save_and_export
+
+FLAT = tf.TensorSpec([None], tf.int64)
+SEGMENTS = tf.TensorSpec([None], tf.int32)
+COUNT = tf.TensorSpec([], tf.int32)
+
+
+def _ids(batch, k=K):
+    ids = RNG.integers(0, N, (batch, k))
+    ids[0, :3] = ids[0, 3 % k]  # repeated ids
+    return ids
+
+
+def _bag_rows(m, ids):
+    return tf.gather(m.t, tf.reshape(ids, [-1]))
+
+
+def _dense_segments(ids):
+    return tf.repeat(tf.range(tf.shape(ids)[0]), K)
+
+
+DENSE_BAGS = {
+    "unsorted_segment_sum": ([IDS], lambda m, ids: tf.math.unsorted_segment_sum(
+        _bag_rows(m, ids), _dense_segments(ids), tf.shape(ids)[0]), False),
+    "weighted": ([IDS, WEIGHTS], lambda m, ids, w: tf.math.unsorted_segment_sum(
+        _bag_rows(m, ids) * tf.reshape(w, [-1, 1]), _dense_segments(ids), tf.shape(ids)[0]), True),
+    "segment_ids_by_division": ([IDS], lambda m, ids: tf.math.unsorted_segment_sum(
+        _bag_rows(m, ids), tf.range(tf.size(ids)) // K, tf.shape(ids)[0]), False),
+}
+
+
+@pytest.mark.parametrize("form", sorted(DENSE_BAGS))
+def test_segment_sum_of_flattened_bags_is_fused(tmp_path, form):
+    specs, body, weighted = DENSE_BAGS[form]
+    result = save_and_export(tmp_path, specs, body)
+    [site] = result.sites
+    assert (site.status, site.combiner) == ("fused", "sum"), site.reason
+    for batch in (1, 5):
+        ids = _ids(batch)
+        w = RNG.uniform(-2, 2, (batch, K)).astype(np.float32)
+        args = (ids, w) if weighted else (ids,)
+        expected = np_bags(ids, w if weighted else None)
+        want, got = run_both(tmp_path, result, *args)
+        np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _export_any_order(tmp_path, body):
+    """Segment ids and num_segments fed: the export verifies on a sample the original serves."""
+    sample = str(tmp_path / "sample.npz")
+    np.savez(sample, args_0=RNG.integers(0, N, 12), args_1=RNG.integers(-1, 4, 12).astype(np.int32),
+             args_2=np.int32(5))
+    return save_and_export(tmp_path, [FLAT, SEGMENTS, COUNT], body, sample_inputs=sample)
+
+
+def _segment_reference(ids, seg, n, keep=None):
+    out = np.zeros((n, D))
+    for i, s in enumerate(seg):
+        if s >= 0 and (keep is None or keep[i]):
+            out[s] += TABLE[ids[i]].astype(np.float64)
+    return out
+
+
+ANY_ORDER = {
+    "plain": lambda m, ids, seg, n: tf.math.unsorted_segment_sum(tf.gather(m.t, ids), seg, n),
+    "masked": lambda m, ids, seg, n: tf.math.unsorted_segment_sum(
+        tf.where((ids % 3 != 0)[:, None], tf.gather(m.t, ids), 0.0), seg, n),
+}
+
+
+@pytest.mark.parametrize("form", sorted(ANY_ORDER))
+def test_segment_ids_in_any_order_with_negative_and_empty_segments(tmp_path, form):
+    result = _export_any_order(tmp_path, ANY_ORDER[form])
+    [site] = result.sites
+    assert site.status == "fused", site.reason
+    ids = RNG.integers(0, N, 40)
+    seg = RNG.integers(-2, 6, 40).astype(np.int32)  # unsorted, some negative (dropped), bags 6, 7 empty
+    keep = ids % 3 != 0 if form == "masked" else None
+    expected = _segment_reference(ids, seg, 8, keep)
+    want, got = run_both(tmp_path, result, ids, seg, np.int32(8))
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_entries_are_refused_as_the_original_refuses_them(tmp_path):
+    """A segment id >= num_segments, or an id >= N at an entry whose negative segment id drops it (the
+    composite gathers it first), is refused by both models."""
+    result = _export_any_order(tmp_path, ANY_ORDER["plain"])
+    ids, seg = RNG.integers(0, N, 6), np.array([2, 0, 1, 1, -1, 0], np.int32)
+    for bad_ids, bad_seg in ((ids, np.where(seg == 2, 9, seg).astype(np.int32)),
+                             (np.where(seg < 0, N + 3, ids), seg)):
+        for model in (tmp_path / "m", result.dst):
+            with pytest.raises(tf.errors.InvalidArgumentError):
+                tf.saved_model.load(str(model)).signatures["serving_default"](
+                    args_0=bad_ids, args_1=bad_seg, args_2=np.int32(3))
