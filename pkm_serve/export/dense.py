@@ -358,6 +358,8 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     gathered = rows.gather
     fill_from_gather(site, gathered, fg)
     ids_shape = fg.shape(rows.regathers[0]) if rows.regathers else gathered.ids_shape(fg)
+    if rows.unflattened is not None and site.regroup_ids is not None:  # the op reads reshape(ids, regroup_ids)
+        ids_shape = tensor_shape.TensorShape([None if d == -1 else d for d in site.regroup_ids])
     site.regathers = tuple(rows.regathers)
     site.gather_refs = tuple(rows.as_gathered) + (gathered.output,) + tuple(
         Ref(n, 0) for n in gathered.nodes)

@@ -1,6 +1,7 @@
 """Rows gathered on flattened ids and reshaped back: tf-models' OnDeviceEmbedding
 gathers table[reshape(ids, [-1])] and reshapes the rows to ids.shape + [D],
-which is table[ids]. dense.resolve_rows takes that reshape as a step."""
+which is table[ids]; rows of any ids reshaped to a constant T + [D] are table[reshape(ids, T)].
+dense.resolve_rows takes that reshape as a step."""
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -27,7 +28,7 @@ def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Tuple[Ref, Optional[Li
     flatten = fg.producer(through_identity(fg, fg.inputs(gather)[1], []))
     target = fg.const_value(fg.inputs(flatten)[1]) if flatten is not None and flatten.op == "Reshape" else None
     if target is None or np.ravel(target).tolist() != [-1]:
-        raise NotASite()
+        return _regrouped_rows(fg, ins, flat_rows, gather)
     ids = through_identity(fg, fg.inputs(flatten)[0], [])
     width, ids_shape = fg.shape(flat_rows)[-1], fg.shape(ids)
     if width is None or ids_shape.rank is None or ids_shape.rank < 2:
@@ -37,6 +38,19 @@ def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Tuple[Ref, Optional[Li
     if _is_static_unflatten(fg, ins[1], ids_shape, width):
         return ids, [int(d) for d in np.ravel(fg.const_value(ins[1]))[:-1]]
     raise Skip("gathered rows of flattened ids are reshaped to a shape not proven to be the ids' shape + [D]")
+
+
+def _regrouped_rows(fg: FunctionGraph, ins: List[Ref], rows: Ref, gather) -> Tuple[Ref, List[int]]:
+    """Reshape(table[ids], T + [D]) with a constant T (keras.ops.reshape(rows, [-1, D]) before a segment
+    sum, [B, F * K, D] rows regrouped to [B, F, K, D]) is table[reshape(ids, T)]: each row stays whole
+    when the last axis is D. Returns (ids, T); NotASite for any other reshape of the rows."""
+    target, width = fg.const_value(ins[1]), fg.shape(rows)[-1]
+    if target is None or width is None or np.size(target) < 2:
+        raise NotASite()
+    target = [int(d) for d in np.ravel(target)]
+    if target[-1] != width or target[:-1].count(-1) > 1 or any(d < -1 for d in target):
+        raise NotASite()
+    return through_identity(fg, fg.inputs(gather)[1], []), target[:-1]
 
 
 def _is_shape_plus_width(fg: FunctionGraph, shape_ref: Ref, ids: Ref, width: int) -> bool:

@@ -12,7 +12,10 @@ from __future__ import annotations
 import numpy as np
 from tensorflow.core.framework import types_pb2
 
+from pkm_serve.export.flat_bags import after
+from pkm_serve.export.fuse import _regrouped_ids
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.id_checks import _assert
 from pkm_serve.export.sites import Site, Skip, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
@@ -22,8 +25,9 @@ SEGMENT_PATTERN = "segment-reduce"
 def match_any_segment_ids(fg: FunctionGraph, site: Site, rows, seg: Ref, num_segments: Ref) -> Site:
     """Fills `site` for an UnsortedSegmentSum whose segment ids are no row partition's; Skip where the entries
     are not one gathered row each ([nnz] ids, [nnz] segment ids) or the rows are masked per feature."""
-    ids_shape, seg_shape = fg.shape(site.indices), fg.shape(seg)
-    if rows.regathers or ids_shape.rank != 1 or seg_shape.rank != 1 or fg.shape(num_segments).rank != 0:
+    ids_rank = len(site.regroup_ids) if site.regroup_ids is not None else fg.shape(site.indices).rank
+    seg_shape = fg.shape(seg)
+    if rows.regathers or ids_rank != 1 or seg_shape.rank != 1 or fg.shape(num_segments).rank != 0:
         raise Skip("segment ids are neither a ragged row partition's nor one per gathered row of flat ids")
     if site.mask is not None and site.mask_squeeze:
         raise Skip("masked rows summed by segment ids in any order: the mask is not one per id")
@@ -37,6 +41,9 @@ def sort_by_segment(fg: FunctionGraph, site: Site) -> None:
     if not site.segments_unsorted:
         return
     prefix = site.root + "/pkm_segment_order"
+    if site.regroup_ids is not None:  # rows of [B, K] ids reshaped to [B * K, D]: the ids flattened first
+        site.indices, site.regroup_ids = _regrouped_ids(fg, site), None
+    site.indices = _check_one_segment_id_per_id(fg, site, prefix)
     seg_type = tensor_dtype(fg, site.segment_ids)
     seg = site.segment_ids if seg_type == types_pb2.DT_INT32 else fg.add_op(
         prefix + "/seg32", "Cast", [site.segment_ids], {"SrcT": DType(seg_type), "DstT": I32, "Truncate": False},
@@ -65,3 +72,21 @@ def sort_by_segment(fg: FunctionGraph, site: Site) -> None:
     if site.weights is not None and not site.weights_scalar:
         site.weights = in_order("weights", site.weights, tensor_dtype(fg, site.weights))
     site.segments_unsorted = False
+
+
+def _check_one_segment_id_per_id(fg: FunctionGraph, site: Site, prefix: str) -> Ref:
+    """The ids once an Assert that there are as many as segment ids: unsorted_segment_sum refuses segment ids
+    that are not the rows' leading shape (ids fed wider than the K a tf.repeat of the segment ids assumes),
+    where the sort would take as many ids as there are segment ids and drop the rest."""
+    def size(name: str, ref: Ref) -> Ref:
+        return fg.add_op(f"{prefix}/{name}_count", "Size", [ref], {"T": DType(tensor_dtype(fg, ref)), "out_type": I32},
+                         shapes=[[]])
+    ids_count, seg_count = size("ids", site.indices), size("seg", site.segment_ids)
+    same = fg.add_op(prefix + "/same_count", "Equal", [ids_count, seg_count],
+                     {"T": I32, "incompatible_shape_error": True}, shapes=[[]])
+    counts = fg.add_op(prefix + "/counts", "Pack", [ids_count, seg_count], {"T": I32, "N": 2, "axis": 0},
+                       shapes=[[2]])
+    check = _assert(fg, prefix + "/count_check", same, f"unsorted_segment_sum fused in {site.root}: the ids and the "
+                    "segment ids have", (counts, types_pb2.DT_INT32), "entries, but the original's segment sum "
+                    "takes one segment id per gathered row", "/message_counts")
+    return after(fg, prefix + "/ids_counted", site.indices, check)

@@ -92,13 +92,49 @@ def test_segment_ids_in_any_order_with_negative_and_empty_segments(tmp_path, for
 
 
 def test_bad_entries_are_refused_as_the_original_refuses_them(tmp_path):
-    """A segment id >= num_segments, or an id >= N at an entry whose negative segment id drops it (the
-    composite gathers it first), is refused by both models."""
+    """A segment id >= num_segments, an id >= N at an entry whose negative segment id drops it (the
+    composite gathers it first), or fewer segment ids than ids, is refused by both models (the fused one took
+    as many ids as segment ids and dropped the rest)."""
     result = _export_any_order(tmp_path, ANY_ORDER["plain"])
     ids, seg = RNG.integers(0, N, 6), np.array([2, 0, 1, 1, -1, 0], np.int32)
     for bad_ids, bad_seg in ((ids, np.where(seg == 2, 9, seg).astype(np.int32)),
-                             (np.where(seg < 0, N + 3, ids), seg)):
+                             (np.where(seg < 0, N + 3, ids), seg), (ids, seg[:-1])):
         for model in (tmp_path / "m", result.dst):
             with pytest.raises(tf.errors.InvalidArgumentError):
                 tf.saved_model.load(str(model)).signatures["serving_default"](
                     args_0=bad_ids, args_1=bad_seg, args_2=np.int32(3))
+
+
+def _flattened_rows(m, ids):
+    return tf.reshape(tf.gather(m.t, ids), [-1, D])
+
+
+def test_rows_flattened_by_a_reshape_then_summed_by_segment_are_fused(tmp_path):
+    """keras.ops.segment_sum(keras.ops.reshape(Embedding(ids), [-1, D]), repeat(arange(B), K), B) gathers
+    [B, K] ids and flattens the rows: no site was found at all; now the bags of the flattened ids."""
+    result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.math.unsorted_segment_sum(
+        _flattened_rows(m, ids), _dense_segments(ids), tf.shape(ids)[0]))
+    [site] = result.sites
+    assert site.status == "fused", site.reason
+    ids = _ids(4)
+    want, got = run_both(tmp_path, result, ids)
+    np.testing.assert_allclose(want, np_bags(ids), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, np_bags(ids), rtol=1e-5, atol=1e-5)
+    from export_models import run_as_a_server
+    for model in (tmp_path / "m", result.dst):  # wider ids than the K of the segment ids: both refuse
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            run_as_a_server(model, "serving_default", {"args_0": _ids(4, K + 2)})
+
+
+def test_rows_regrouped_by_a_constant_reshape_are_bags_of_the_regrouped_ids(tmp_path):
+    """reduce_sum(reshape(table[ids [B, F * K]], [-1, F, K, D]), axis=2): bags of reshape(ids, [-1, F, K])."""
+    fields = 3
+    result = save_and_export(tmp_path, [tf.TensorSpec([None, fields * K], tf.int64)], lambda m, ids: tf.reduce_sum(
+        tf.reshape(tf.gather(m.t, ids), [-1, fields, K, D]), 2))
+    [site] = result.sites
+    assert site.status == "fused", site.reason
+    ids = _ids(4, fields * K)
+    expected = np_bags(ids.reshape(-1, K)).reshape(4, fields, D)
+    want, got = run_both(tmp_path, result, ids)
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
