@@ -12,7 +12,8 @@ from typing import List
 
 from pkm_serve.export import (counts, dense, einsum, flat_bags, fuse, half_division, labels, matmul_width,
                               padded_ragged, pooled, positions, ragged, ragged_range, running_sum, scales, sparse,
-                              tensordot, unrecognised, unsorted_segments, zero_fill)
+                              tensordot, unflatten, unrecognised, unsorted_segments,
+                              zero_fill)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip, check_shared_weights_fixed
 from pkm_serve.export.sparse import SEGMENT_PATTERN
@@ -70,6 +71,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             check_half_table_widened(site)
             check_shared_weights_fixed(fg, site)
             zero_fill.check_dense_bag(site)
+            unflatten.check_regroup_without_span(site)
         except NotASite:
             if not report_not_a_site:
                 return

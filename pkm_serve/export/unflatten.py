@@ -9,7 +9,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from pkm_serve.export.graph import FunctionGraph, Ref
-from pkm_serve.export.sites import GATHER_OPS, NotASite, Skip, through_identity
+from pkm_serve.export.sites import GATHER_OPS, NotASite, Site, Skip, through_identity
 
 
 def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Tuple[Ref, Optional[List[int]]]:
@@ -74,3 +74,10 @@ def _is_static_unflatten(fg: FunctionGraph, shape_ref: Ref, ids_shape, width: in
     if len(target) != len(dims) + 1 or target[-1] != width or any(d is None for d in dims[1:]):
         return False
     return target[1:-1] == dims[1:] and (target[0] == dims[0] or (target[0] == -1 and -1 not in target[1:]))
+
+
+def check_regroup_without_span(site: Site) -> None:
+    """A span of positions (a partial running sum's ids[..., :j+1]) is taken of the ids as fed: of rows
+    regrouped by a reshape it would be another span."""
+    if site.regroup_ids is not None and site.positions is not None:
+        raise Skip("positions of rows regrouped by a reshape: not fused")
