@@ -205,6 +205,8 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         rows.as_gathered.append(ref)
         if node.op in GATHER_OPS + ND_GATHER_OPS and not _is_regather(fg, node, ins):
             rows.gather = resolve_gather(fg, ref, nd_positions)
+            if rows.unflattened_rows is not None and rows.unflattened is None:  # rows of its ids regrouped
+                rows.unflattened = rows.gather.indices
             if rows.unflattened is not None:
                 rows.gather.indices = rows.unflattened
             rows.private.append(rows.gather.output)
@@ -242,7 +244,7 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
             step_input = scaling.resolve_scale(fg, node, ins, rows, site)
         elif node.op == "SelectV2" and rows.mask is None:
             step_input = _resolve_mask(fg, ins, rows, site)
-        elif node.op == "Reshape" and rows.unflattened is None and not rows.regathers:
+        elif node.op == "Reshape" and rows.unflattened_rows is None and not rows.regathers:
             rows.unflattened, site.regroup_ids = unflattened_ids(fg, ins)
             rows.unflattened_rows, rows.flat_from = ref, len(rows.private) + 1
             step_input = ins[0]

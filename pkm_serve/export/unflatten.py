@@ -24,7 +24,7 @@ def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Tuple[Ref, Optional[Li
     flat_rows = through_identity(fg, ins[0], [])
     gather = fg.producer(flat_rows)
     if gather is None or gather.op not in GATHER_OPS:
-        raise NotASite()
+        return _regrouped_rows(fg, ins, flat_rows, None)  # cast rows, say: the gather's ids, once found
     flatten = fg.producer(through_identity(fg, fg.inputs(gather)[1], []))
     target = fg.const_value(fg.inputs(flatten)[1]) if flatten is not None and flatten.op == "Reshape" else None
     if target is None or np.ravel(target).tolist() != [-1]:
@@ -40,17 +40,18 @@ def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Tuple[Ref, Optional[Li
     raise Skip("gathered rows of flattened ids are reshaped to a shape not proven to be the ids' shape + [D]")
 
 
-def _regrouped_rows(fg: FunctionGraph, ins: List[Ref], rows: Ref, gather) -> Tuple[Ref, List[int]]:
+def _regrouped_rows(fg: FunctionGraph, ins: List[Ref], rows: Ref, gather) -> Tuple[Optional[Ref], List[int]]:
     """Reshape(table[ids], T + [D]) with a constant T (keras.ops.reshape(rows, [-1, D]) before a segment
     sum, [B, F * K, D] rows regrouped to [B, F, K, D]) is table[reshape(ids, T)]: each row stays whole
-    when the last axis is D. Returns (ids, T); NotASite for any other reshape of the rows."""
+    when the last axis is D. Returns (ids, T), ids None where `rows` are not the gather's output (the gather
+    below gives them); NotASite for any other reshape of the rows."""
     target, width = fg.const_value(ins[1]), fg.shape(rows)[-1]
     if target is None or width is None or np.size(target) < 2:
         raise NotASite()
     target = [int(d) for d in np.ravel(target)]
     if target[-1] != width or target[:-1].count(-1) > 1 or any(d < -1 for d in target):
         raise NotASite()
-    return through_identity(fg, fg.inputs(gather)[1], []), target[:-1]
+    return None if gather is None else through_identity(fg, fg.inputs(gather)[1], []), target[:-1]
 
 
 def _is_shape_plus_width(fg: FunctionGraph, shape_ref: Ref, ids: Ref, width: int) -> bool:

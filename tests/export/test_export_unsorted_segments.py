@@ -151,3 +151,16 @@ def test_partial_running_sum_of_regrouped_rows_is_reported(tmp_path):
     ids = _ids(2, fields * K)
     want, got = run_both(tmp_path, result, ids)
     np.testing.assert_allclose(got, np_bags(ids.reshape(-1, K)[:, :3]).reshape(2, fields, D), rtol=1e-5, atol=1e-5)
+
+
+def test_cast_rows_flattened_then_summed_by_segment_are_fused(tmp_path):
+    """Keras mixed precision casts the Embedding's rows to float16 before keras.ops.reshape(rows, [-1, D]):
+    the reshape of cast rows (not of the gather itself) was no site."""
+    result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.math.unsorted_segment_sum(
+        tf.reshape(tf.cast(tf.gather(m.t, ids), tf.float16), [-1, D]), _dense_segments(ids), tf.shape(ids)[0]))
+    [site] = result.sites
+    assert (site.status, site.cast_to) == ("fused", "float16"), site.reason
+    ids = _ids(4)
+    want, got = run_both(tmp_path, result, ids)
+    for out in (want, got):
+        np.testing.assert_allclose(out.astype(np.float64), np_bags(ids), rtol=1e-2, atol=1e-2)
