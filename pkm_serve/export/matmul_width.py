@@ -28,8 +28,8 @@ def assert_matmul_widths(fg: FunctionGraph, site: Site) -> None:
         return fg.add_op(f"{prefix}/{what}_width", "StridedSlice", [shape] + [
             fg.add_const(f"{prefix}/{what}_{name}", np.array([value], np.int32))
             for name, value in (("begin", axis), ("end", axis + 1), ("strides", 1))],
-            {"T": I32, "Index": I32, "begin_mask": 0, "end_mask": 1 if axis == -1 else 0, "ellipsis_mask": 0, "new_axis_mask": 0,
-             "shrink_axis_mask": 0}, shapes=[[1]])
+            {"T": I32, "Index": I32, "begin_mask": 0, "end_mask": 1 if axis == -1 else 0, "ellipsis_mask": 0,
+             "new_axis_mask": 0, "shrink_axis_mask": 0}, shapes=[[1]])
     # weights [..., K, 1] (w[..., None] with adjoint_a, rows^T @ w[..., None]) are squeezed later
     weights_width = width("weights", site.weights, -2 if site.weights_squeeze else -1)
     ids_width = width("ids", site.indices, -1)

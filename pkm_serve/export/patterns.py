@@ -115,7 +115,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
         elif node.op in sparse.SPARSE_SEGMENT_COMBINERS:
             attempt(node, sparse.match_sparse_segment)
         elif node.op == "SegmentSum":
-            attempt(node, sparse.match_segment_sum)
+            attempt(node, unsorted_segments.match_segment_sum)
         elif node.op in ("UnsortedSegmentSum", "UnsortedSegmentMax"):
             attempt(node, ragged.match_unsorted_segment_sum)
         elif node.op == "SegmentMax":

@@ -10,10 +10,8 @@ which TFLite has no half DIV for), broadcast as the composite's products broadca
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
-
 import sys
-from typing import Set
+from typing import List, NamedTuple, Optional, Set
 
 import numpy as np
 from tensorflow.core.framework import types_pb2

@@ -109,6 +109,7 @@ class Site:
                                        # against their leading axes before the rewrite (zero_fill.py)
     segments_unsorted: bool = False   # unsorted_segment_sum of ids in any order: sorted before the rewrite
                                       # (unsorted_segments.py)
+    segments_counted: bool = False    # segment_sum of regrouped rows: ids flattened, one per segment id asserted
     rounded_to: Optional[str] = None  # rows cast to this half dtype below cast_to (mixed precision):
                                       # a rounding the fused op skips, verified at that dtype's tolerance
 

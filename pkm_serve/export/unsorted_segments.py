@@ -9,14 +9,17 @@ id is still range-checked, as the composite's gather checks it); a segment id >=
 the counting UnsortedSegmentSum as by the composite's."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from tensorflow.core.framework import types_pb2
 
+from pkm_serve.export import dense, sparse
 from pkm_serve.export.flat_bags import after
 from pkm_serve.export.fuse import _regrouped_ids
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import _assert
-from pkm_serve.export.sites import Site, Skip, tensor_dtype
+from pkm_serve.export.sites import NotASite, Site, Skip, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
 SEGMENT_PATTERN = "segment-reduce"
@@ -36,14 +39,39 @@ def match_any_segment_ids(fg: FunctionGraph, site: Site, rows, seg: Ref, num_seg
     return site
 
 
+def match_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
+    """tf.math.segment_sum (keras.ops.segment_sum(sorted=True)) of rows regrouped to [B * K, D] (rows of [B, K]
+    ids flattened by a reshape, cast or not): the bags of the flattened ids by the sorted segment ids (their
+    order asserted, as for every segment sum fused). Any other segment_sum: sparse.match_segment_sum."""
+    data, seg = fg.inputs(node)
+    scratch = dataclasses.replace(site)
+    try:
+        rows = dense.resolve_rows(fg, data, scratch)
+    except (NotASite, Skip):
+        rows = None
+    if rows is None or rows.unflattened_rows is None or rows.mask is not None or rows.ones is not None or \
+            rows.weights is not None or rows.regathers:
+        return sparse.match_segment_sum(fg, node, site)
+    scratch.pattern, scratch.combiner = SEGMENT_PATTERN, "sum"
+    dense.apply_rows(fg, scratch, rows, node.name, data)
+    if fg.shape(data).rank != 2 or scratch.regroup_ids is None or len(scratch.regroup_ids) != 1:
+        raise Skip("segment_sum of gathered rows reshaped to other than [ids, D]")
+    scratch.segment_ids, scratch.segments_counted = seg, True
+    return scratch
+
+
 def sort_by_segment(fg: FunctionGraph, site: Site) -> None:
-    """Before fusing: the entries (ids, weights, mask) in segment-id order, negative segment ids masked."""
-    if not site.segments_unsorted:
+    """Before fusing: the ids flattened as the rows were and checked to be one per segment id; unsorted
+    segment ids: the entries (ids, weights, mask) in segment-id order, negative segment ids masked."""
+    if not (site.segments_unsorted or site.segments_counted):
         return
     prefix = site.root + "/pkm_segment_order"
     if site.regroup_ids is not None:  # rows of [B, K] ids reshaped to [B * K, D]: the ids flattened first
         site.indices, site.regroup_ids = _regrouped_ids(fg, site), None
     site.indices = _check_one_segment_id_per_id(fg, site, prefix)
+    site.segments_counted = False
+    if not site.segments_unsorted:
+        return
     seg_type = tensor_dtype(fg, site.segment_ids)
     seg = site.segment_ids if seg_type == types_pb2.DT_INT32 else fg.add_op(
         prefix + "/seg32", "Cast", [site.segment_ids], {"SrcT": DType(seg_type), "DstT": I32, "Truncate": False},

@@ -29,7 +29,8 @@ def _mask(batch=6, k=K):
 # (signature, body, weights of the numpy reference from the fed arrays, divided by K afterwards)
 SCALED = {
     "weights_times_mask": ([IDS, WEIGHTS, WEIGHTS],
-                           lambda m, ids, w, mask: tf.reduce_sum(tf.gather(m.t, ids) * w[..., None] * mask[..., None], 1),
+                           lambda m, ids, w, mask: tf.reduce_sum(
+                               tf.gather(m.t, ids) * w[..., None] * mask[..., None], 1),
                            lambda w, mask: w * mask, False),
     "mask_cast_times_weights": ([IDS, WEIGHTS, WEIGHTS],
                                 lambda m, ids, w, mask: tf.reduce_sum(

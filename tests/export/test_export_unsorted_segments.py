@@ -164,3 +164,26 @@ def test_cast_rows_flattened_then_summed_by_segment_are_fused(tmp_path):
     want, got = run_both(tmp_path, result, ids)
     for out in (want, got):
         np.testing.assert_allclose(out.astype(np.float64), np_bags(ids), rtol=1e-2, atol=1e-2)
+
+
+def test_sorted_segment_sum_of_flattened_rows_is_fused(tmp_path):
+    """keras.ops.segment_sum(reshape(rows, [-1, D]), segment_ids, sorted=True) is tf.math.segment_sum of
+    flattened rows: reported ("Reshape between the gather and the segment_sum"); now fused, and segment ids
+    out of order or not one per id are refused by both models."""
+    from export_models import run_as_a_server
+    sample = str(tmp_path / "sample.npz")
+    np.savez(sample, args_0=_ids(2), args_1=np.repeat([0, 1], K).astype(np.int32))
+    result = save_and_export(tmp_path, [IDS, SEGMENTS], lambda m, ids, seg: tf.math.segment_sum(
+        _flattened_rows(m, ids), seg), sample_inputs=sample)
+    [site] = result.sites
+    assert site.status == "fused", site.reason
+    ids = _ids(3)
+    seg = np.repeat([0, 2, 3], K).astype(np.int32)  # bag 1 empty
+    expected = np.insert(np_bags(ids), 1, 0.0, axis=0)
+    want, got = run_both(tmp_path, result, ids, seg)
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    for bad_seg in (seg[::-1].copy(), seg[:-2]):
+        for model in (tmp_path / "m", result.dst):
+            with pytest.raises(tf.errors.InvalidArgumentError):
+                run_as_a_server(model, "serving_default", {"args_0": ids, "args_1": bad_seg})
