@@ -90,7 +90,13 @@ def match_unsorted_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
     if splits is None:
         raise Skip("segment ids are not those of a ragged row partition (row_splits), "
                    "so the bags may be unsorted")
-    check_partition_of(fg, splits, seg, num_segments)
+    try:
+        check_partition_of(fg, splits, seg, num_segments)
+    except Skip:
+        if node.op != "UnsortedSegmentSum":
+            raise
+        # other bags of the partition's values (reversed, a fixed num_segments): sorted before the op
+        return match_any_segment_ids(fg, site, rows, seg, num_segments)
     site.row_splits = splits
     site.segment_ids = seg
     return site

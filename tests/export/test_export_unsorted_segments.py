@@ -187,3 +187,19 @@ def test_sorted_segment_sum_of_flattened_rows_is_fused(tmp_path):
         for model in (tmp_path / "m", result.dst):
             with pytest.raises(tf.errors.InvalidArgumentError):
                 run_as_a_server(model, "serving_default", {"args_0": ids, "args_1": bad_seg})
+
+
+def test_unsorted_segment_sum_converts_to_tflite(tmp_path):
+    """The sort by segment id (TopKV2) and the counted row_splits are TFLite builtins: the .tflite holds
+    them and the ragged op, and computes the bags."""
+    from pkm_serve import tflite
+    lite = str(tmp_path / "m.tflite")
+    result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.math.unsorted_segment_sum(
+        _flattened_rows(m, ids), _dense_segments(ids)[::-1], tf.shape(ids)[0]), tflite=lite)
+    [site] = result.sites
+    assert site.status == "fused", site.reason
+    ids = _ids(3)
+    expected = np_bags(ids)[::-1]
+    np.testing.assert_allclose(tflite.run_tflite(lite, {"args_0": ids}, interpreter="litert")[0], expected,
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run_both(tmp_path, result, ids)[1], expected, rtol=1e-5, atol=1e-5)
