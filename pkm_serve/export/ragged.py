@@ -15,7 +15,9 @@ from __future__ import annotations
 from typing import List, Optional
 
 import numpy as np
+from tensorflow.python.framework import tensor_shape
 
+from pkm_serve.export import scales
 from pkm_serve.export.dense import apply_rows, check_max_site, resolve_rows
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import Site, Skip
@@ -73,9 +75,15 @@ def match_unsorted_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
     """UnsortedSegmentSum (reduce_sum) or UnsortedSegmentMax (reduce_max,
     combiner 'max') of a ragged gather over its ragged rows."""
     data, seg, num_segments = fg.inputs(node)
-    rows = resolve_rows(fg, data, site)
+    rows = resolve_rows(fg, data, site, scaling=scales)  # rows * w * mask: one weight (scales.py)
     site.pattern = "ragged-reduce"
     apply_rows(fg, site, rows, node.name, data)
+    if rows.factors and rows.regathers:
+        raise Skip("ragged-broadcast rows scaled by several factors: not fused")
+    if rows.factors:
+        scales.check_factors(fg, site, rows.factors, fg.shape(site.indices) if site.regroup_ids is None else
+                             tensor_shape.TensorShape([None if d == -1 else d for d in site.regroup_ids]))
+        site.weight_factors = tuple(rows.factors)
     if fg.shape(data).rank != 2:
         raise Skip("segment reduction of gathered rows that are not [ids, D]")
     if node.op == "UnsortedSegmentMax":

@@ -203,3 +203,17 @@ def test_unsorted_segment_sum_converts_to_tflite(tmp_path):
     np.testing.assert_allclose(tflite.run_tflite(lite, {"args_0": ids}, interpreter="litert")[0], expected,
                                rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(run_both(tmp_path, result, ids)[1], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_segment_sum_of_rows_scaled_twice_is_one_weighted_bag(tmp_path):
+    """unsorted_segment_sum(rows_flat * w_flat * mask_flat, ...): no site was listed at all; now one weight."""
+    result = save_and_export(tmp_path, [IDS, WEIGHTS, WEIGHTS], lambda m, ids, w, mask: tf.math.unsorted_segment_sum(
+        _flattened_rows(m, ids) * tf.reshape(w, [-1, 1]) * -tf.reshape(mask, [-1, 1]), _dense_segments(ids),
+        tf.shape(ids)[0]))
+    [site] = result.sites
+    assert (site.status, site.weighted) == ("fused", True), site.reason
+    ids, w, mask = _ids(4), RNG.uniform(-2, 2, (4, K)).astype(np.float32), (RNG.uniform(size=(4, K)) > .4)
+    expected = np_bags(ids, -w.astype(np.float64) * mask)
+    want, got = run_both(tmp_path, result, ids, w, mask.astype(np.float32))
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
