@@ -51,6 +51,14 @@ def check_half_table_widened(site: Site) -> None:
                "float16, which overflows past 65504 where the composite does not")
 
 
+def _check_matched(fg: FunctionGraph, site: Site) -> None:
+    """Checks every matched site passes before it is fused (Skip otherwise)."""
+    check_half_table_widened(site)
+    check_shared_weights_fixed(fg, site)
+    zero_fill.check_dense_bag(site)
+    unflatten.check_regroup_without_span(site)
+
+
 # Sites ending in ops that mostly end no bag (an add, a slice, a reshape).
 _QUIET_MATCHERS = {**{op: positions.match_positions_sum for op in positions.ADD_OPS},
                    "StridedSlice": running_sum.match_cumsum_last, "Reshape": tensordot.match_tensordot}
@@ -68,10 +76,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
                     pattern=_pattern_of(node))
         try:
             site = matcher(fg, node, site)
-            check_half_table_widened(site)
-            check_shared_weights_fixed(fg, site)
-            zero_fill.check_dense_bag(site)
-            unflatten.check_regroup_without_span(site)
+            _check_matched(fg, site)
         except NotASite:
             if not report_not_a_site:
                 return
