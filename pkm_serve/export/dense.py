@@ -23,6 +23,7 @@ from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TAB
                                     check_private, dims, dtype_name, itemsize, same_dims, shared_by_bags,
                                     tensor_dtype, through_identity)
 from pkm_serve.export.unflatten import unflattened_ids
+from pkm_serve.export.zero_fill import zeros_like_another
 
 
 def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
@@ -37,6 +38,8 @@ def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
         return leads_to_gather(fg, ins[0], depth - 1)
     if node.op == "Mul":
         return any(leads_to_gather(fg, r, depth - 1) for r in ins)
+    if node.op in ("Neg", "RealDiv"):  # -rows, rows / d (scales.py)
+        return leads_to_gather(fg, ins[0], depth - 1)
     if node.op == "SelectV2":
         return any(leads_to_gather(fg, r, depth - 1) for r in ins[1:])
     return False
@@ -164,6 +167,8 @@ class Rows:
         self.weights_scalar = False
         self.ones: Optional[Ref] = None  # a multiplier that is all ones
         self.ones_squeeze = False
+        self.zero_fill = None  # zero_fill.zeros_like_another's: the ids are broadcast like it
+        self.factors: list = []  # scales.Factor: more multipliers, divisors, negations (fold_scales)
         self.multiplied: List[Ref] = []  # refs from the multiply on (toward the reduction)
         self.regathers: List[Ref] = []  # GatherV2(rows, perm) steps, outermost first
         self.as_gathered: List[Ref] = []  # refs below the last re-gather (rows as gathered)
@@ -186,9 +191,10 @@ def _rounds_to_half(fg: FunctionGraph, node, ins, rows: Rows) -> bool:
         node.attr["SrcT"].type in TABLE_DTYPES and leads_to_gather(fg, ins[0])
 
 
-def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = False) -> Rows:
+def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = False, scaling=None) -> Rows:
     """Walks from the reduction's input down to the gather through at most one
-    Cast (and an inner Cast to a half dtype that it undoes), one Mul by per-index weights and one tf.where mask (in any order).
+    Cast (and an inner Cast to a half dtype that it undoes), one Mul by per-index weights and one tf.where mask (in any order);
+    with `scaling` (the scales module), also more multipliers, divisors and negations.
     Fills `site` as it learns, so a Skip reports what was found."""
     rows = Rows()
     while True:
@@ -199,6 +205,8 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         rows.as_gathered.append(ref)
         if node.op in GATHER_OPS + ND_GATHER_OPS and not _is_regather(fg, node, ins):
             rows.gather = resolve_gather(fg, ref, nd_positions)
+            if rows.unflattened_rows is not None and rows.unflattened is None:  # rows of its ids regrouped
+                rows.unflattened = rows.gather.indices
             if rows.unflattened is not None:
                 rows.gather.indices = rows.unflattened
             rows.private.append(rows.gather.output)
@@ -232,9 +240,11 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
             step_input = ins[0]
         elif node.op == "Mul" and rows.weights is None and rows.ones is None:
             step_input = _resolve_weights(fg, ins, rows, site)
+        elif scaling is not None and node.op in scaling.SCALE_OPS:
+            step_input = scaling.resolve_scale(fg, node, ins, rows, site)
         elif node.op == "SelectV2" and rows.mask is None:
             step_input = _resolve_mask(fg, ins, rows, site)
-        elif node.op == "Reshape" and rows.unflattened is None and not rows.regathers:
+        elif node.op == "Reshape" and rows.unflattened_rows is None and not rows.regathers:
             rows.unflattened, site.regroup_ids = unflattened_ids(fg, ins)
             rows.unflattened_rows, rows.flat_from = ref, len(rows.private) + 1
             step_input = ins[0]
@@ -243,7 +253,7 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         rows.nodes.append(node.name)
         rows.private.append(ref)
         rows.itemsizes.append(itemsize(tensor_dtype(fg, ref)))
-        if node.op == "Mul":
+        if node.op in ("Mul", "RealDiv", "Neg"):
             rows.multiplied = list(rows.private)
         ref = step_input
 
@@ -299,8 +309,8 @@ def _resolve_mask(fg: FunctionGraph, ins: List[Ref], rows: Rows, site: Site) -> 
     fill_node = fg.producer(fill)
     if fill_node is not None and fill_node.op == "ZerosLike" and fg.inputs(fill_node)[0] == rows_ref:
         rows.nodes.append(fill_node.name)  # tf.zeros_like(rows): goes with the site
-    elif not _is_zero(fg, fill):
-        raise Skip("tf.where fills masked rows with something other than a constant 0")
+    elif not _is_zero(fg, fill):  # zeros shaped like another tensor: the ids may be broadcast like them
+        rows.zero_fill = zeros_like_another(fg, fill, rows_ref, rows.nodes)
     mask, strip_nodes, rows.mask_squeeze = strip_trailing_unit_axis(fg, cond, what="mask")
     rows.mask, rows.mask_keeps_true = mask, keeps_true
     rows.nodes.extend(strip_nodes)
@@ -350,6 +360,8 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     gathered = rows.gather
     fill_from_gather(site, gathered, fg)
     ids_shape = fg.shape(rows.regathers[0]) if rows.regathers else gathered.ids_shape(fg)
+    if rows.unflattened is not None and site.regroup_ids is not None:  # the op reads reshape(ids, regroup_ids)
+        ids_shape = tensor_shape.TensorShape([None if d == -1 else d for d in site.regroup_ids])
     site.regathers = tuple(rows.regathers)
     site.gather_refs = tuple(rows.as_gathered) + (gathered.output,) + tuple(
         Ref(n, 0) for n in gathered.nodes)
@@ -371,6 +383,9 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     site.internal = tuple(rows.nodes + gathered.nodes)
     site.intermediate_itemsizes = tuple(rows.itemsizes)
     check_private(fg, [data] + rows.private, set(site.internal) | {root}, site)
+    if rows.zero_fill is not None and (site.shape_consumers or rows.unflattened is not None):
+        raise Skip("masked rows filled with zeros shaped like another tensor, whose shape is read")
+    site.zero_fill = rows.zero_fill
     if rows.unflattened is not None:
         site.gathered_shape = dims(fg.shape(rows.unflattened_rows))
         flat = set(rows.private[rows.flat_from:])
@@ -411,7 +426,9 @@ def _check_bag_axes(fg: FunctionGraph, axes, rank: int, site: Site) -> None:
                    "axis, nor over the bag axis (-2) and the axes just before it (one bag of those ids)")
     if site.expand_bag_axis:
         raise Skip("keepdims=True over several bag axes: the fused bag gets one unit axis back only")
-    if site.weights_squeeze or site.mask_squeeze or site.ones is not None or site.regroup_ids is not None or \
+    if any(f.squeeze or not (f.scalar or f.ref is None or same_dims(fg.shape(f.ref), fg.shape(site.indices)))
+           for f in site.weight_factors) or \
+            site.weights_squeeze or site.mask_squeeze or site.ones is not None or site.regroup_ids is not None or \
             site.shape_consumers or (site.weights is not None and not site.weights_scalar and
                                      not same_dims(fg.shape(site.weights), fg.shape(site.indices))):
         raise Skip(f"a reduction over axes {sorted(axes)} of rows weighted or masked by other than a tensor "
@@ -419,40 +436,44 @@ def _check_bag_axes(fg: FunctionGraph, axes, rank: int, site: Site) -> None:
     site.flatten_bag_axes = len(axes)
 
 
-def match_reduce_max(fg: FunctionGraph, node, site: Site) -> Site:
+def match_reduce_max(fg: FunctionGraph, node, site: Site, scaling=None) -> Site:
     """reduce_max over the bag axis of gathered rows: combiner 'max'."""
     site.combiner = "max"
-    _bag_of_rows(fg, node, site)
+    _bag_of_rows(fg, node, site, scaling)
     check_max_site(site)
     return site
 
 
-def _bag_of_rows(fg: FunctionGraph, node, site: Site) -> Ref:
+def _bag_of_rows(fg: FunctionGraph, node, site: Site, scaling=None) -> Ref:
     """Fills `site` from the rows a bag-axis reduction `node` reads; returns them."""
     x, axis_ref = fg.inputs(node)
     _not_over_features(fg, x, axis_ref)
-    rows = resolve_rows(fg, x, site)
+    rows = resolve_rows(fg, x, site, scaling=scaling)
     if rows.regathers:
         raise Skip("the gathered rows are re-gathered before a dense reduction")
     apply_rows(fg, site, rows, node.name, x)
+    if rows.factors:
+        scaling.check_factors(fg, site, rows.factors, rows.gather.ids_shape(fg))
+        site.weight_factors = tuple(rows.factors)
     _check_bag_axis(fg, node, x, axis_ref, site)
     return x
 
 
 def check_max_site(site: Site) -> None:
     """A max bag the op's 'max' combiner computes: unweighted, unmasked."""
-    if site.weights is not None:
+    if site.weights is not None or site.weight_factors:
         raise Skip("max of weighted rows: the op's max combiner takes no weights")
     if site.mask is not None:
         raise Skip("max of masked rows: tf.where puts 0 rows in the max, the op's "
                    "padding would leave them out")
 
 
-def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:
-    """Sum/Mean over the bag axis of (cast, weighted, masked) gathered rows."""
+def match_reduce(fg: FunctionGraph, node, site: Site, scaling=None) -> Site:
+    """Sum/Mean over the bag axis of (cast, weighted, masked) gathered rows; with `scaling` (the scales
+    module), rows scaled by several factors too."""
     site.combiner = "sum" if node.op == "Sum" else "mean"
-    x = _bag_of_rows(fg, node, site)
-    if node.op == "Mean" and (site.weights is not None or site.mask is not None):
+    x = _bag_of_rows(fg, node, site, scaling)
+    if node.op == "Mean" and (site.weights is not None or site.mask is not None or site.weight_factors):
         # mean over K of w*x is the sum with weights w / K: fused as the sum,
         # then divided by K exactly as Mean does. K is read off the ids at run
         # time: a server feeds bags of any length to a signature that declares

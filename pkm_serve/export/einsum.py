@@ -110,6 +110,8 @@ def match_matmul(fg: FunctionGraph, node, site: Site) -> Site:
             w, nodes = _row_every_bag_shares(fg, x, gathered.indices, fg.shape(y).rank)
         if w is None and _unit_axes_then_positions(fg, x, gathered.indices, fg.shape(y).rank):
             w, nodes, site.weights_to_vector = x, [], True  # a [1, 1, K] constant or variable: read as [K]
+        if w is None and _unit_row(fg, x, fg.shape(y).rank):
+            w, nodes, site.weights_unit_row = x, [], True  # [..., 1, K] of any making: read without axis -2
     if w is None:
         raise Skip(reason)
     return _fill_weighted(fg, site, gathered, w, nodes, [gathered.output] + ([] if site.weights_squeeze else [x]), -2)
@@ -172,6 +174,8 @@ def _fill_weighted(fg: FunctionGraph, site: Site, gathered, w: Ref, nodes: List[
                    unit_axis: int) -> Site:
     """The weighted bag of a matmul site, its unit axis put back at `unit_axis`."""
     w_shape = fg.shape(w)[-1:] if site.weights_to_vector else fg.shape(w)
+    if site.weights_unit_row:
+        w_shape = w_shape[:-2].concatenate(w_shape[-1:])
     if site.weights_squeeze and w_shape.rank:
         w_shape = w_shape[:-1]
     if not same_dims(w_shape, fg.shape(gathered.indices)) and not shared_by_bags(w_shape, fg.shape(gathered.indices)):
@@ -214,6 +218,37 @@ def _unit_axes_then_positions(fg: FunctionGraph, ref: Ref, ids: Ref, rows_rank) 
     return shape.rank is not None and rows_rank is not None and ids_shape.rank is not None and \
         rows_rank == ids_shape.rank + 1 and 2 <= shape.rank <= rows_rank and \
         all(d == 1 for d in shape.as_list()[:-1]) and same_dims(shape[-1:], ids_shape[-1:])
+
+
+def _unit_row(fg: FunctionGraph, ref: Ref, rows_rank) -> bool:
+    """`ref` is [..., 1, K] of the rows' rank, whatever made it (tf.broadcast_to(v, [tf.shape(ids)[0], 1, K]),
+    a computed row): the matmul weighs bag b's position k by ref[b, 0, k], broadcasting its batch axes
+    against the rows' as the op's ids and weights are broadcast."""
+    shape = fg.shape(ref)
+    return shape.rank is not None and shape.rank == rows_rank and shape.rank >= 2 and shape[-2] == 1
+
+
+def unit_row_weights(fg: FunctionGraph, site: Site) -> None:
+    """Before fusing a matmul site whose weights are [..., 1, K]: the op reads them as [..., K] (a Reshape
+    to their run-time shape less axis -2)."""
+    prefix = site.root + "/pkm_unit_row_weights"
+    i32 = DType(types_pb2.DT_INT32)
+    shape = fg.shape(site.weights).as_list()
+
+    def part(name, begin, end, begin_mask, end_mask):
+        consts = [fg.add_const(f"{prefix}/{name}_{k}", np.array([v], np.int32))
+                  for k, v in (("begin", begin), ("end", end), ("strides", 1))]
+        return fg.add_op(f"{prefix}/{name}", "StridedSlice", [full] + consts,
+                         {"T": i32, "Index": i32, "begin_mask": begin_mask, "end_mask": end_mask, "ellipsis_mask": 0,
+                          "new_axis_mask": 0, "shrink_axis_mask": 0}, shapes=[[None]])
+    full = fg.add_op(prefix + "/shape", "Shape", [site.weights], {"T": DType(tensor_dtype(fg, site.weights)),
+                                                                  "out_type": i32}, shapes=[[len(shape)]])
+    target = fg.add_op(prefix + "/target", "ConcatV2", [part("batch", 0, -2, 1, 0), part("positions", -1, 0, 0, 1),
+                                                        fg.add_const(prefix + "/axis", np.array(0, np.int32))],
+                       {"N": 2, "T": i32, "Tidx": i32}, shapes=[[len(shape) - 1]])
+    site.weights = fg.add_op(prefix, "Reshape", [site.weights, target], {
+        "T": DType(tensor_dtype(fg, site.weights)), "Tshape": i32}, shapes=[shape[:-2] + shape[-1:]])
+    site.weights_unit_row = False
 
 
 def positional_weights_as_vector(fg: FunctionGraph, site: Site) -> None:

@@ -158,6 +158,8 @@ def _is_ones(fg: FunctionGraph, ref: Ref) -> bool:
 def computes(fg: FunctionGraph, site: Site) -> str:
     if site.combiner in ("max", "sqrtn"):
         return site.combiner
+    if site.weight_factors:  # the weight is a product of factors: no division matches it (scales.py)
+        return "mean" if site.divide_by_bag else "sum"
     if site.combiner == "mean" or site.divide_by_bag or site.divide_by_longest_bag:
         return "weighted mean" if (site.weights is not None and not site.divide_by_bag and
                                    "sparse" in site.pattern) else "mean"

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import (counts, dense, einsum, flat_bags, fuse, half_division, labels, padded_ragged, pooled,
-                              positions, ragged, ragged_range, running_sum, sparse, tensordot, unrecognised)
+from pkm_serve.export import (counts, dense, einsum, flat_bags, fuse, half_division, labels, matmul_width,
+                              padded_ragged, pooled, positions, ragged, ragged_range, running_sum, scales, sparse,
+                              tensordot, unflatten, unrecognised, unsorted_segments,
+                              zero_fill)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import NotASite, Site, Skip, check_shared_weights_fixed
 from pkm_serve.export.sparse import SEGMENT_PATTERN
@@ -49,6 +51,14 @@ def check_half_table_widened(site: Site) -> None:
                "float16, which overflows past 65504 where the composite does not")
 
 
+def _check_matched(fg: FunctionGraph, site: Site) -> None:
+    """Checks every matched site passes before it is fused (Skip otherwise)."""
+    check_half_table_widened(site)
+    check_shared_weights_fixed(fg, site)
+    zero_fill.check_dense_bag(site)
+    unflatten.check_regroup_without_span(site)
+
+
 # Sites ending in ops that mostly end no bag (an add, a slice, a reshape).
 _QUIET_MATCHERS = {**{op: positions.match_positions_sum for op in positions.ADD_OPS},
                    "StridedSlice": running_sum.match_cumsum_last, "Reshape": tensordot.match_tensordot}
@@ -66,8 +76,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
                     pattern=_pattern_of(node))
         try:
             site = matcher(fg, node, site)
-            check_half_table_widened(site)
-            check_shared_weights_fixed(fg, site)
+            _check_matched(fg, site)
         except NotASite:
             if not report_not_a_site:
                 return
@@ -103,7 +112,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, positions.match_stacked_positions, report_not_a_site=False)
     for node in order:
         if node.op in ("Sum", "Mean"):
-            attempt(node, dense.match_reduce)
+            attempt(node, scales.match_reduce)
         elif node.op == "Einsum":
             attempt(node, einsum.match_einsum)
         elif node.op in einsum.MATMUL_OPS:
@@ -111,7 +120,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
         elif node.op in sparse.SPARSE_SEGMENT_COMBINERS:
             attempt(node, sparse.match_sparse_segment)
         elif node.op == "SegmentSum":
-            attempt(node, sparse.match_segment_sum)
+            attempt(node, unsorted_segments.match_segment_sum)
         elif node.op in ("UnsortedSegmentSum", "UnsortedSegmentMax"):
             attempt(node, ragged.match_unsorted_segment_sum)
         elif node.op == "SegmentMax":
@@ -121,7 +130,7 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
         elif node.op == "SegmentMean":
             attempt(node, sparse.match_segment_mean)
         elif node.op == "Max":
-            attempt(node, dense.match_reduce_max)
+            attempt(node, scales.match_reduce_max)
         elif node.op in _QUIET_MATCHERS:  # most such nodes are no bag: not listed when not a site
             attempt(node, _QUIET_MATCHERS[node.op], report_not_a_site=False)
         elif node.op in unrecognised.UNFUSABLE_REDUCE_OPS:
@@ -164,14 +173,20 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
         for site in fused:
             old_root_inputs = [fg.parse(t).node for t in fg.nodes[site.root].input
                                if not t.startswith("^")]
+            scales.fold_factors(fg, site)
+            zero_fill.broadcast_ids_like_fill(fg, site)
+            unsorted_segments.sort_by_segment(fg, site)
             if site.positions is not None:
                 positions.take_positions(fg, site)
             if site.pattern == "einsum":
                 einsum.check_labelled_weights(fg, site)
             if site.flatten_bag_axes > 1:
                 flat_bags.flatten_bag_axes(fg, site)
+            if site.weights_unit_row:
+                einsum.unit_row_weights(fg, site)
             if site.weights_to_vector:
                 einsum.positional_weights_as_vector(fg, site)
+            matmul_width.assert_matmul_widths(fg, site)
             fuse.fuse_site(fg, site)
             seeds.extend(half_division.widen_masked_mean_division(fg, site))
             seeds.extend(site.internal)

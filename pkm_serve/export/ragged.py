@@ -15,10 +15,13 @@ from __future__ import annotations
 from typing import List, Optional
 
 import numpy as np
+from tensorflow.python.framework import tensor_shape
 
+from pkm_serve.export import scales
 from pkm_serve.export.dense import apply_rows, check_max_site, resolve_rows
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import Site, Skip
+from pkm_serve.export.unsorted_segments import match_any_segment_ids
 
 # Ops of RaggedSplitsToSegmentIds (a Repeat of range(nrows) by the row
 # lengths splits[1:] - splits[:-1]); all of them compute from the splits alone.
@@ -72,9 +75,15 @@ def match_unsorted_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
     """UnsortedSegmentSum (reduce_sum) or UnsortedSegmentMax (reduce_max,
     combiner 'max') of a ragged gather over its ragged rows."""
     data, seg, num_segments = fg.inputs(node)
-    rows = resolve_rows(fg, data, site)
+    rows = resolve_rows(fg, data, site, scaling=scales)  # rows * w * mask: one weight (scales.py)
     site.pattern = "ragged-reduce"
     apply_rows(fg, site, rows, node.name, data)
+    if rows.factors and rows.regathers:
+        raise Skip("ragged-broadcast rows scaled by several factors: not fused")
+    if rows.factors:
+        scales.check_factors(fg, site, rows.factors, fg.shape(site.indices) if site.regroup_ids is None else
+                             tensor_shape.TensorShape([None if d == -1 else d for d in site.regroup_ids]))
+        site.weight_factors = tuple(rows.factors)
     if fg.shape(data).rank != 2:
         raise Skip("segment reduction of gathered rows that are not [ids, D]")
     if node.op == "UnsortedSegmentMax":
@@ -84,10 +93,18 @@ def match_unsorted_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
         # op gives an empty bag zeros, so the fused site writes it back.
         site.empty_bag_lowest = True
     splits = splits_of_segment_ids(fg, seg)
+    if splits is None and node.op == "UnsortedSegmentSum":  # ids in any order: sorted before the op
+        return match_any_segment_ids(fg, site, rows, seg, num_segments)
     if splits is None:
         raise Skip("segment ids are not those of a ragged row partition (row_splits), "
                    "so the bags may be unsorted")
-    check_partition_of(fg, splits, seg, num_segments)
+    try:
+        check_partition_of(fg, splits, seg, num_segments)
+    except Skip:
+        if node.op != "UnsortedSegmentSum":
+            raise
+        # other bags of the partition's values (reversed, a fixed num_segments): sorted before the op
+        return match_any_segment_ids(fg, site, rows, seg, num_segments)
     site.row_splits = splits
     site.segment_ids = seg
     return site

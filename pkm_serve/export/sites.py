@@ -100,8 +100,16 @@ class Site:
     divide_by_bag: bool = False       # a weighted/masked reduce_mean: the bag is divided by its
                                       # size K, read off the ids at run time (not the static K)
     positions: Optional[object] = None  # positions.PositionSpan: a per-position sum of ids[..., a:b]
+    weights_unit_row: bool = False    # matmul weights [..., 1, K] of any making: read without axis -2 (einsum.py)
     weights_to_vector: bool = False   # matmul weights [1, .., 1, K]: read as [K] (einsum.positional_weights_as_vector)
     flatten_bag_axes: int = 1         # the bag is the ids' last n axes (reduce over [1, 2]): flat_bags.py
+    weight_factors: Tuple = ()        # scales.Factor: more multipliers, divisors, negations of the rows,
+                                      # folded into the weights before the rewrite (scales.fold_factors)
+    zero_fill: Optional[tuple] = None  # tf.where's zeros shaped like another tensor: the ids are broadcast
+                                       # against their leading axes before the rewrite (zero_fill.py)
+    segments_unsorted: bool = False   # unsorted_segment_sum of ids in any order: sorted before the rewrite
+                                      # (unsorted_segments.py)
+    segments_counted: bool = False    # segment_sum of regrouped rows: ids flattened, one per segment id asserted
     rounded_to: Optional[str] = None  # rows cast to this half dtype below cast_to (mixed precision):
                                       # a rounding the fused op skips, verified at that dtype's tolerance
 
@@ -115,6 +123,8 @@ class Site:
         steps = ([f"ids[..., {span.first}:{span.stop}]"] if span is not None else []) + (
             [f"a bag of the ids' last {self.flatten_bag_axes} axes"] if self.flatten_bag_axes > 1 else []) + (
             ["masked"] if self.masked else []) + (["scalar weight"] if self.weights_scalar else []) + (
+            [f"{len(self.weight_factors) + (self.weights is not None)} factors as one weight"]
+            if self.weight_factors else []) + (
             [f"cast to {self.cast_to}"] if self.cast_to else []) + (
             ["/ K"] if self.divide_by_bag else []) + (["/ longest bag"] if self.divide_by_longest_bag else [])
         return f" ({', '.join(steps)})" if steps else ""

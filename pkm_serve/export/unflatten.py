@@ -1,6 +1,7 @@
 """Rows gathered on flattened ids and reshaped back: tf-models' OnDeviceEmbedding
 gathers table[reshape(ids, [-1])] and reshapes the rows to ids.shape + [D],
-which is table[ids]. dense.resolve_rows takes that reshape as a step."""
+which is table[ids]; rows of any ids reshaped to a constant T + [D] are table[reshape(ids, T)].
+dense.resolve_rows takes that reshape as a step."""
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -8,7 +9,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from pkm_serve.export.graph import FunctionGraph, Ref
-from pkm_serve.export.sites import GATHER_OPS, NotASite, Skip, through_identity
+from pkm_serve.export.sites import GATHER_OPS, NotASite, Site, Skip, through_identity
 
 
 def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Tuple[Ref, Optional[List[int]]]:
@@ -23,11 +24,11 @@ def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Tuple[Ref, Optional[Li
     flat_rows = through_identity(fg, ins[0], [])
     gather = fg.producer(flat_rows)
     if gather is None or gather.op not in GATHER_OPS:
-        raise NotASite()
+        return _regrouped_rows(fg, ins, flat_rows, None)  # cast rows, say: the gather's ids, once found
     flatten = fg.producer(through_identity(fg, fg.inputs(gather)[1], []))
     target = fg.const_value(fg.inputs(flatten)[1]) if flatten is not None and flatten.op == "Reshape" else None
     if target is None or np.ravel(target).tolist() != [-1]:
-        raise NotASite()
+        return _regrouped_rows(fg, ins, flat_rows, gather)
     ids = through_identity(fg, fg.inputs(flatten)[0], [])
     width, ids_shape = fg.shape(flat_rows)[-1], fg.shape(ids)
     if width is None or ids_shape.rank is None or ids_shape.rank < 2:
@@ -37,6 +38,20 @@ def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Tuple[Ref, Optional[Li
     if _is_static_unflatten(fg, ins[1], ids_shape, width):
         return ids, [int(d) for d in np.ravel(fg.const_value(ins[1]))[:-1]]
     raise Skip("gathered rows of flattened ids are reshaped to a shape not proven to be the ids' shape + [D]")
+
+
+def _regrouped_rows(fg: FunctionGraph, ins: List[Ref], rows: Ref, gather) -> Tuple[Optional[Ref], List[int]]:
+    """Reshape(table[ids], T + [D]) with a constant T (keras.ops.reshape(rows, [-1, D]) before a segment
+    sum, [B, F * K, D] rows regrouped to [B, F, K, D]) is table[reshape(ids, T)]: each row stays whole
+    when the last axis is D. Returns (ids, T), ids None where `rows` are not the gather's output (the gather
+    below gives them); NotASite for any other reshape of the rows."""
+    target, width = fg.const_value(ins[1]), fg.shape(rows)[-1]
+    if target is None or width is None or np.size(target) < 2:
+        raise NotASite()
+    target = [int(d) for d in np.ravel(target)]
+    if target[-1] != width or target[:-1].count(-1) > 1 or any(d < -1 for d in target):
+        raise NotASite()
+    return None if gather is None else through_identity(fg, fg.inputs(gather)[1], []), target[:-1]
 
 
 def _is_shape_plus_width(fg: FunctionGraph, shape_ref: Ref, ids: Ref, width: int) -> bool:
@@ -60,3 +75,10 @@ def _is_static_unflatten(fg: FunctionGraph, shape_ref: Ref, ids_shape, width: in
     if len(target) != len(dims) + 1 or target[-1] != width or any(d is None for d in dims[1:]):
         return False
     return target[1:-1] == dims[1:] and (target[0] == dims[0] or (target[0] == -1 and -1 not in target[1:]))
+
+
+def check_regroup_without_span(site: Site) -> None:
+    """A span of positions (a partial running sum's ids[..., :j+1]) is taken of the ids as fed: of rows
+    regrouped by a reshape it would be another span."""
+    if site.regroup_ids is not None and site.positions is not None:
+        raise Skip("positions of rows regrouped by a reshape: not fused")

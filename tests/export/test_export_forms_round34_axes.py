@@ -34,18 +34,26 @@ def test_matmul_of_positional_weights_by_the_rows_is_a_weighted_bag(tmp_path, fo
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_matmul_of_weights_broadcast_to_a_batch_of_their_own_is_reported(tmp_path):
-    """broadcast_to(v, [tf.shape(x)[0], 1, K]) @ rows: the batch broadcast to is not provably the ids'
-    (here that of another input, which makes the output that wide): reported and left as written."""
+def test_matmul_of_weights_broadcast_to_a_batch_of_their_own_is_a_broadcast_bag(tmp_path):
+    """broadcast_to(v, [tf.shape(x)[0], 1, K]) @ rows: weights [B', 1, K] of any making (here of another
+    input's batch) weigh bag b's position k by their [b, 0, k], the batch axes broadcast as the matmul
+    broadcasts them. It was reported; now fused, the ids broadcast against the weights read as [B', K]:
+    ids of one bag give B' copies, as the original, and batches that do not broadcast are refused by both."""
     other = tf.TensorSpec([None], tf.float32)
     result = save_and_export(tmp_path, [IDS, other], lambda m, ids, x: tf.matmul(
         tf.broadcast_to(m.v[None, None, :], [tf.shape(x)[0], 1, K]), tf.gather(m.t, ids)))
     [site] = result.sites
-    assert site.status == "skipped" and "v[None, None, :] @ rows" in site.reason, site.reason
-    ids, x = random_ids(1), np.zeros([3], np.float32)
-    want, got = run_both(tmp_path, result, ids, x)
-    assert want.shape == (3, 1, D)
-    np.testing.assert_array_equal(got, want)
+    assert (site.status, site.weighted) == ("fused", True), site.reason
+    for batch, copies in ((1, 3), (4, 4)):
+        ids, x = random_ids(batch), np.zeros([copies], np.float32)
+        want, got = run_both(tmp_path, result, ids, x)
+        expected = np.broadcast_to(np_bags(ids, POSITION_WEIGHTS)[:, None], (copies, 1, D))
+        np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    for model in (tmp_path / "m", result.dst):
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            tf.saved_model.load(str(model)).signatures["serving_default"](
+                args_0=random_ids(4), args_1=np.zeros([3], np.float32))
 
 
 FIELD_TENSORDOTS = {
@@ -84,8 +92,9 @@ def test_tensordot_of_per_request_weights_by_the_rows_is_reported(tmp_path):
 
 def test_matmul_of_per_field_weights_given_a_leading_unit_axis_keeps_their_alignment(tmp_path):
     """expand_dims(S [F, 1, K], 0) @ rows [B, F, K, D] weighs field f by S[f]; with B == F static, S
-    broadcast to the ids as they align from the right would weigh request b by S[b] instead: such weights
-    are reported (only [K] / [1, .., K] sources are taken through added unit axes)."""
+    broadcast to the ids as they align from the right would weigh request b by S[b] instead. Such weights
+    were reported; now read as [1, F, K] (the matmul's operand less axis -2, of the ids' rank), which
+    aligns field f with S[f] as the matmul does, and fused."""
     per_field = RNG.uniform(0.5, 2, (FIELDS, 1, K)).astype(np.float32)
     result = save_and_export(tmp_path, [tf.TensorSpec([FIELDS, FIELDS, K], tf.int64)], lambda m, ids: tf.matmul(
         tf.expand_dims(tf.constant(per_field), 0), tf.gather(m.t, ids)))
@@ -94,7 +103,7 @@ def test_matmul_of_per_field_weights_given_a_leading_unit_axis_keeps_their_align
     want, got = run_both(tmp_path, result, ids)
     np.testing.assert_allclose(want[:, :, 0], expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got[:, :, 0], expected, rtol=1e-5, atol=1e-6)
-    assert [s.status for s in result.sites] == ["skipped"]
+    assert [s.status for s in result.sites] == ["fused"]
 
 
 FLAT_BAGS = {  # (specs, body, combiner of numpy, weighted)

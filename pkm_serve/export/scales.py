@@ -1,0 +1,195 @@
+"""Rows scaled more than once, or by a negation or a division, on their way to a dense bag:
+
+  rows * w[..., None] * mask[..., None],  -rows,  rows / K,  rows / d[..., None],  -(rows * w[..., None]) * 0.5
+
+Each is one weighted bag: sum_k rows[b, k] * f1[b, k] * ... / d[b, k] * -1 = sum_k weight[b, k] * rows[b, k]
+with weight = f1 * ... / d * -1. The first multiplier (dense.resolve_rows) is the site's weights; every
+other step is a Factor here, per-index, shared by every bag or one value, checked as weights are. Before
+the rewrite, fold_factors builds the one weight from them (Mul, RealDiv, Neg in float32 for half tables,
+which TFLite has no half DIV for), broadcast as the composite's products broadcast, and the op takes it.
+"""
+from __future__ import annotations
+
+import sys
+from typing import List, NamedTuple, Optional, Set
+
+import numpy as np
+from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import dtypes
+
+from pkm_serve.export import dense
+from pkm_serve.export.dense import is_ones, is_scalar, leads_to_gather, strip_trailing_unit_axis
+from pkm_serve.export.fuse import _cast, _squeeze_last
+from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.sites import (GATHER_OPS, ND_GATHER_OPS, NotASite, Site, Skip, _fed_at_run_time, same_dims,
+                                    shared_by_bags, tensor_dtype)
+
+SCALE_OPS = ("Mul", "RealDiv", "Neg")
+HALF = (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16)
+
+
+class Factor(NamedTuple):
+    kind: str            # "mul" | "div" | "neg"
+    ref: Optional[Ref]   # the multiplier or divisor (None for "neg")
+    squeeze: bool        # it is [..., K, 1]: its last axis dropped
+    scalar: bool         # one value for every row
+
+
+def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:
+    """dense.match_reduce, rows scaled by several factors included."""
+    return dense.match_reduce(fg, node, site, scaling=sys.modules[__name__])
+
+
+def match_reduce_max(fg: FunctionGraph, node, site: Site) -> Site:
+    """dense.match_reduce_max: rows scaled by a factor are reported (max(-rows) is -min(rows))."""
+    return dense.match_reduce_max(fg, node, site, scaling=sys.modules[__name__])
+
+
+def resolve_scale(fg: FunctionGraph, node, ins: List[Ref], rows, site: Site) -> Ref:
+    """Records a Mul (the rows already have weights), RealDiv(rows, d) or Neg(rows) as a factor of the
+    site's weight; returns the rows side. NotASite where neither side (or both) is the rows, or where the
+    factor is computed from the gathered rows themselves (a row norm: embedding_lookup's max_norm clip)."""
+    if node.op == "Neg":
+        rows.factors.append(Factor("neg", None, False, False))
+        site.weighted = True
+        return ins[0]
+    sides = [(ins[0], ins[1])] if node.op == "RealDiv" else [(ins[0], ins[1]), (ins[1], ins[0])]
+    found = [(r, f) for r, f in sides if leads_to_gather(fg, r) and not leads_to_gather(fg, f)]
+    if not found:
+        raise NotASite()
+    rows_ref, factor_ref = found[0]
+    if _gathers(fg, factor_ref) & _gathers(fg, rows_ref):
+        raise NotASite()
+    kind = "mul" if node.op == "Mul" else "div"
+    if rows.ones is not None:  # a multiply by ones before: a factor like any other (it may broadcast)
+        rows.factors.append(Factor("mul", rows.ones, rows.ones_squeeze, False))
+        rows.ones = None
+    site.weighted = True
+    if is_scalar(fg, factor_ref, fg.shape(rows_ref).rank):
+        if not (kind == "mul" and is_ones(fg, factor_ref)):
+            rows.factors.append(Factor(kind, factor_ref, False, True))
+        return rows_ref
+    what = "multiplier" if kind == "mul" else "divisor"
+    factor, nodes, squeeze = strip_trailing_unit_axis(fg, factor_ref, what)
+    rows.nodes.extend(nodes)
+    rows.factors.append(Factor(kind, factor, squeeze, False))
+    return rows_ref
+
+
+def check_factors(fg: FunctionGraph, site: Site, factors: List[Factor], ids_shape) -> None:
+    """Each factor is per-index (the ids' shape), shared by every bag or one value; one fed at run time
+    in a lower rank than the ids is refused as such weights are (sites.check_shared_weights_fixed);
+    the shape of the rows between two factors is not read (it is the ids' broadcast against some of
+    them only)."""
+    for factor in factors:
+        if factor.ref is None:
+            continue
+        shape = fg.shape(factor.ref)
+        if factor.squeeze and shape.rank:
+            shape = shape[:-1]
+        if not factor.scalar and not same_dims(shape, ids_shape) and not shared_by_bags(shape, ids_shape):
+            raise Skip(f"a {factor.kind} factor of the rows is not per-index: shape {shape} does not match "
+                       f"indices shape {ids_shape}")
+        if shape.rank is not None and ids_shape.rank is not None and shape.rank < ids_shape.rank and \
+                _fed_at_run_time(fg, factor.ref) and not _one_value_always(fg, factor.ref):
+            raise Skip(f"a factor of the rows every bag shares ({fg.render(factor.ref)}) is fed at run time, in a "
+                       "shape no check here ties to the one the original needs: not fused (fused where it is a "
+                       "constant or a variable)")
+    if site.shape_consumers:
+        raise Skip("the shape of rows scaled by several factors is read")
+
+
+def _gathers(fg: FunctionGraph, ref: Ref, limit: int = 400) -> Set[str]:
+    """The gathers `ref` is computed from (the first `limit` nodes above it)."""
+    seen, found, todo = set(), set(), [ref]
+    while todo and len(seen) < limit:
+        ref = todo.pop()
+        node = fg.producer(ref)
+        if node is None or ref.node in seen:
+            continue
+        seen.add(ref.node)
+        if node.op in GATHER_OPS + ND_GATHER_OPS:
+            found.add(node.name)
+        todo.extend(fg.inputs(node))
+    return found
+
+
+_ONE_VALUE_UNARY = ("Cast", "Identity", "Neg", "Reciprocal", "Sqrt", "Rsqrt", "Square")
+_ONE_VALUE_BINARY = ("Mul", "RealDiv", "AddV2", "Sub", "Maximum", "Minimum")
+
+
+def _one_value_always(fg: FunctionGraph, ref: Ref, depth: int = 12) -> bool:
+    """`ref` is a scalar at run time whatever shapes the inputs are fed in: a constant, a variable, a size
+    or rank, an entry of a shape (tf.cast(tf.shape(ids)[-1], tf.float32)), or arithmetic of those."""
+    node = fg.producer(ref)
+    if node is None or depth == 0:
+        return False
+    ins = fg.inputs(node)
+    if node.op in ("Const", "ReadVariableOp"):
+        return fg.shape(ref).is_fully_defined()
+    if node.op in ("Size", "Rank"):
+        return True
+    if node.op == "StridedSlice":
+        source = fg.producer(ins[0])
+        begin = fg.const_value(ins[1])
+        shrink = node.attr["shrink_axis_mask"].i if "shrink_axis_mask" in node.attr else 0
+        return source is not None and source.op == "Shape" and begin is not None and np.size(begin) == 1 and \
+            shrink == 1 and not node.attr["new_axis_mask"].i and not node.attr["ellipsis_mask"].i
+    if node.op in _ONE_VALUE_UNARY:
+        return _one_value_always(fg, ins[0], depth - 1)
+    if node.op in _ONE_VALUE_BINARY:
+        return all(_one_value_always(fg, r, depth - 1) for r in ins[:2])
+    return False
+
+
+def _broadcast_dims(a, b):
+    """The static shape of an elementwise op of shapes a and b (None where unknown)."""
+    if a is None or b is None:
+        return None
+    rank = max(len(a), len(b))
+    a, b = [1] * (rank - len(a)) + list(a), [1] * (rank - len(b)) + list(b)
+    return [y if x == 1 else x if y == 1 else x if x == y else None for x, y in zip(a, b)]
+
+
+def fold_factors(fg: FunctionGraph, site: Site) -> None:
+    """Before fusing: site.weights becomes the one weight its factors multiply to."""
+    if not site.weight_factors:
+        return
+    prefix = site.root + "/pkm_folded_weights"
+    work = types_pb2.DT_FLOAT if site.table_dtype in HALF else site.table_dtype
+
+    def prepared(i: int, ref: Ref, squeeze: bool, scalar: bool):
+        src, shape = tensor_dtype(fg, ref), fg.shape(ref)
+        dims = None if shape.rank is None else shape.as_list()
+        if src != work:
+            ref = _cast(fg, f"{prefix}/cast{i}", ref, src, work, dims)
+        if squeeze:
+            ref, dims = _squeeze_last(fg, f"{prefix}/squeezed{i}", ref, work), None if dims is None else dims[:-1]
+        if scalar:
+            ref, dims = fg.add_op(f"{prefix}/scalar{i}", "Reshape", [ref, fg.add_const(
+                f"{prefix}/scalar{i}/shape", np.zeros([0], np.int32))], {"T": DType(work), "Tshape": DType(
+                    types_pb2.DT_INT32)}, shapes=[[]]), []
+        return ref, dims
+
+    weight, dims = (None, []) if site.weights is None else prepared(
+        0, site.weights, site.weights_squeeze, site.weights_scalar)
+    for i, factor in enumerate(site.weight_factors, 1):
+        if factor.kind == "neg":
+            weight = fg.add_const(f"{prefix}/minus_one", np.array(-1, np.float32).astype(
+                _numpy_dtype(work))) if weight is None else fg.add_op(
+                    f"{prefix}/neg{i}", "Neg", [weight], {"T": DType(work)}, shapes=[dims])
+            continue
+        ref, ref_dims = prepared(i, factor.ref, factor.squeeze, factor.scalar)
+        if weight is None:
+            weight = fg.add_const(f"{prefix}/one", np.array(1, _numpy_dtype(work)))
+        dims = _broadcast_dims(dims, ref_dims)
+        weight = fg.add_op(f"{prefix}/{factor.kind}{i}", "Mul" if factor.kind == "mul" else "RealDiv",
+                           [weight, ref], {"T": DType(work)}, shapes=[dims])
+    if work != site.table_dtype:
+        weight = _cast(fg, prefix, weight, work, site.table_dtype, dims)
+    site.weights, site.weights_squeeze, site.weights_scalar = weight, False, dims == []
+    site.weight_factors = ()
+
+
+def _numpy_dtype(enum: int):
+    return dtypes.as_dtype(enum).as_numpy_dtype

@@ -1,0 +1,120 @@
+"""tf.math.unsorted_segment_sum(rows [* w], segment_ids, num_segments) of gathered rows whose segment ids
+are not a row partition's (tf.repeat(tf.range(B), K) of flattened [B, K] ids, ids grouped by a key, in any
+order): bag s is the sum over the entries whose segment id is s, in num_segments bags.
+
+Fused as PkmRaggedEmbeddingBag after a stable sort of the entries by segment id (a TopK of the negated ids:
+TOPK_V2 in a .tflite), with row_splits counted from the sorted ids and num_segments (fuse.row_splits). An
+entry of a negative segment id, which unsorted_segment_sum drops, is masked (its id becomes padding, and its
+id is still range-checked, as the composite's gather checks it); a segment id >= num_segments is refused by
+the counting UnsortedSegmentSum as by the composite's."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from tensorflow.core.framework import types_pb2
+
+from pkm_serve.export import dense, sparse
+from pkm_serve.export.flat_bags import after
+from pkm_serve.export.fuse import _regrouped_ids
+from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.id_checks import _assert
+from pkm_serve.export.sites import NotASite, Site, Skip, tensor_dtype
+
+I32 = DType(types_pb2.DT_INT32)
+SEGMENT_PATTERN = "segment-reduce"
+
+
+def match_any_segment_ids(fg: FunctionGraph, site: Site, rows, seg: Ref, num_segments: Ref) -> Site:
+    """Fills `site` for an UnsortedSegmentSum whose segment ids are no row partition's; Skip where the entries
+    are not one gathered row each ([nnz] ids, [nnz] segment ids) or the rows are masked per feature."""
+    ids_rank = len(site.regroup_ids) if site.regroup_ids is not None else fg.shape(site.indices).rank
+    seg_shape = fg.shape(seg)
+    if rows.regathers or ids_rank != 1 or seg_shape.rank != 1 or fg.shape(num_segments).rank != 0:
+        raise Skip("segment ids are neither a ragged row partition's nor one per gathered row of flat ids")
+    if site.mask is not None and site.mask_squeeze:
+        raise Skip("masked rows summed by segment ids in any order: the mask is not one per id")
+    site.pattern = SEGMENT_PATTERN
+    site.segment_ids, site.num_segments, site.segments_unsorted = seg, num_segments, True
+    return site
+
+
+def match_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
+    """tf.math.segment_sum (keras.ops.segment_sum(sorted=True)) of rows regrouped to [B * K, D] (rows of [B, K]
+    ids flattened by a reshape, cast or not): the bags of the flattened ids by the sorted segment ids (their
+    order asserted, as for every segment sum fused). Any other segment_sum: sparse.match_segment_sum."""
+    data, seg = fg.inputs(node)
+    scratch = dataclasses.replace(site)
+    try:
+        rows = dense.resolve_rows(fg, data, scratch)
+    except (NotASite, Skip):
+        rows = None
+    if rows is None or rows.unflattened_rows is None or rows.mask is not None or rows.ones is not None or \
+            rows.weights is not None or rows.regathers:
+        return sparse.match_segment_sum(fg, node, site)
+    scratch.pattern, scratch.combiner = SEGMENT_PATTERN, "sum"
+    dense.apply_rows(fg, scratch, rows, node.name, data)
+    if fg.shape(data).rank != 2 or scratch.regroup_ids is None or len(scratch.regroup_ids) != 1:
+        raise Skip("segment_sum of gathered rows reshaped to other than [ids, D]")
+    scratch.segment_ids, scratch.segments_counted = seg, True
+    return scratch
+
+
+def sort_by_segment(fg: FunctionGraph, site: Site) -> None:
+    """Before fusing: the ids flattened as the rows were and checked to be one per segment id; unsorted
+    segment ids: the entries (ids, weights, mask) in segment-id order, negative segment ids masked."""
+    if not (site.segments_unsorted or site.segments_counted):
+        return
+    prefix = site.root + "/pkm_segment_order"
+    if site.regroup_ids is not None:  # rows of [B, K] ids reshaped to [B * K, D]: the ids flattened first
+        site.indices, site.regroup_ids = _regrouped_ids(fg, site), None
+    site.indices = _check_one_segment_id_per_id(fg, site, prefix)
+    site.segments_counted = False
+    if not site.segments_unsorted:
+        return
+    seg_type = tensor_dtype(fg, site.segment_ids)
+    seg = site.segment_ids if seg_type == types_pb2.DT_INT32 else fg.add_op(
+        prefix + "/seg32", "Cast", [site.segment_ids], {"SrcT": DType(seg_type), "DstT": I32, "Truncate": False},
+        shapes=[[None]])
+    zero = fg.add_const(prefix + "/zero", np.array(0, np.int32))
+    kept = fg.add_op(prefix + "/kept", "GreaterEqual", [seg, zero], {"T": I32}, shapes=[[None]])
+    if site.mask is not None:
+        mask = site.mask if site.mask_keeps_true else fg.add_op(
+            prefix + "/mask_kept", "LogicalNot", [site.mask], {}, shapes=[[None]])
+        kept = fg.add_op(prefix + "/kept_and_masked", "LogicalAnd", [kept, mask], {}, shapes=[[None]])
+    seg = fg.add_op(prefix + "/seg_from_zero", "Maximum", [seg, zero], {"T": I32}, shapes=[[None]])
+    negated = fg.add_op(prefix + "/negated", "Neg", [seg], {"T": I32}, shapes=[[None]])
+    count = fg.add_op(prefix + "/count", "Size", [seg], {"T": I32, "out_type": I32}, shapes=[[]])
+    order = Ref(fg.add_op(prefix + "/top", "TopKV2", [negated, count], {"T": I32, "sorted": True, "Tk": I32},
+                          shapes=[[None], [None]]).node, 1)
+    axis0 = fg.add_const(prefix + "/axis0", np.array(0, np.int32))
+
+    def in_order(name: str, ref: Ref, dtype: int) -> Ref:
+        shape = fg.shape(ref)
+        return fg.add_op(f"{prefix}/{name}", "GatherV2", [ref, order, axis0],
+                         {"Tparams": DType(dtype), "Tindices": I32, "Taxis": I32, "batch_dims": 0},
+                         shapes=[None if shape.rank is None else [None] + shape.as_list()[1:]])
+    site.segment_ids = in_order("seg", seg, types_pb2.DT_INT32)
+    site.indices = in_order("ids", site.indices, site.index_dtype)
+    site.mask, site.mask_keeps_true, site.mask_squeeze = in_order("kept", kept, types_pb2.DT_BOOL), True, False
+    if site.weights is not None and not site.weights_scalar:
+        site.weights = in_order("weights", site.weights, tensor_dtype(fg, site.weights))
+    site.segments_unsorted = False
+
+
+def _check_one_segment_id_per_id(fg: FunctionGraph, site: Site, prefix: str) -> Ref:
+    """The ids once an Assert that there are as many as segment ids: unsorted_segment_sum refuses segment ids
+    that are not the rows' leading shape (ids fed wider than the K a tf.repeat of the segment ids assumes),
+    where the sort would take as many ids as there are segment ids and drop the rest."""
+    def size(name: str, ref: Ref) -> Ref:
+        return fg.add_op(f"{prefix}/{name}_count", "Size", [ref], {"T": DType(tensor_dtype(fg, ref)), "out_type": I32},
+                         shapes=[[]])
+    ids_count, seg_count = size("ids", site.indices), size("seg", site.segment_ids)
+    same = fg.add_op(prefix + "/same_count", "Equal", [ids_count, seg_count],
+                     {"T": I32, "incompatible_shape_error": True}, shapes=[[]])
+    counts = fg.add_op(prefix + "/counts", "Pack", [ids_count, seg_count], {"T": I32, "N": 2, "axis": 0},
+                       shapes=[[2]])
+    check = _assert(fg, prefix + "/count_check", same, f"unsorted_segment_sum fused in {site.root}: the ids and the "
+                    "segment ids have", (counts, types_pb2.DT_INT32), "entries, but the original's segment sum "
+                    "takes one segment id per gathered row", "/message_counts")
+    return after(fg, prefix + "/ids_counted", site.indices, check)
