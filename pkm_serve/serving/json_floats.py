@@ -101,8 +101,8 @@ def _take_round_trips(out, todo, at, m, scale, up, v, like):
 
 
 # A float32 significand times 5**k (k <= 12) fits in 53 bits, so v * 10**k is exact there;
-# beyond it the product is rounded (relative error 2**-53), which only matters next to a
-# half: such values take the exact path. 10**k itself is exact for k <= 22.
+# beyond it (and v / 10**k) the result is rounded (relative error 2**-53), which only matters
+# next to a half: such values take the exact path. 10**k itself is exact for k <= 22.
 _EXACT_PRODUCT_DIGITS = 12
 _NEAR_HALF = 4 * 2.0 ** -53
 
@@ -114,13 +114,13 @@ def write_decimal_float32(values: np.ndarray) -> np.ndarray:
 
     Vectorised (a per-value printf was 0.5 us a value): the decimal of p significant digits
     is rint(v * 10**k) / 10**k for k = p - 1 - floor(log10|v|). Values where that is not
-    certainly right take "%.6g" / "%.9g" one at a time: |v| outside [1e-14, 1e17) (10**k
+    certainly right take "%.6g" / "%.9g" one at a time: |v| outside [1e-14, 1e22) (10**k
     not exact), a scaled value next to a half, and a six-digit decimal whose float64 lies
     halfway between two floats (float32(float64) rounds twice, strtof once)."""
     flat32 = np.ascontiguousarray(values, np.float32).reshape(-1)
     v = flat32.astype(np.float64)
     magnitude = np.abs(v)
-    todo = (magnitude >= 1e-14) & (magnitude < 1e17)
+    todo = (magnitude >= 1e-14) & (magnitude < 1e22)
     exponent = _decimal_exponent(np.where(todo, magnitude, 1.0))
     six, six_unsure = _round_to_digits(v, 6, exponent)
     nine, nine_unsure = _round_to_digits(v, 9, exponent)
@@ -151,7 +151,7 @@ def _round_to_digits(v, digits, exponent):
     with np.errstate(invalid="ignore"):   # NaN and infinities: never read from here
         scaled = np.where(k >= 0, v * scale, v / scale)
         nearest = np.rint(scaled)
-        # n / 10**k and n * 10**j (n < 2**30, 5**j < 2**23 here) are correctly rounded.
+        # n / 10**k and n * 10**j, of exact operands, are the float64 nearest the decimal.
         decimal_value = np.where(k >= 0, nearest / scale, nearest * scale)
         rounded = (k > _EXACT_PRODUCT_DIGITS) | (k < 0)
         unsure = rounded & (np.abs(np.abs(scaled - np.trunc(scaled)) - 0.5) <= _NEAR_HALF * np.abs(scaled))
