@@ -187,8 +187,8 @@ def _feature(value, name=""):
 
 
 def _float32_json(values):
-    """float32 values (read from a proto's float field) as JSON floats of their shortest repr."""
-    return tensors.shortest_float32_as_float64(np.array(values, np.float32)).tolist() if values else []
+    """float32 values (read from a proto's float field) by TF Serving's WriteDecimal<float>."""
+    return tensors.write_decimal_float32(np.array(values, np.float32)).tolist() if values else []
 
 
 def _signature_name(doc):
@@ -461,8 +461,8 @@ class RestFrontend:
         spec.signature_name = _signature_name(doc)
         req = classification_pb2.ClassificationRequest(model_spec=spec, input=self._example_input(doc))
         resp = self.service.classify(req, deadline)
-        # Scores are float32 (ClassificationResult): printed by their shortest float32 repr
-        # (0.3, not 0.30000001192092896), as predict outputs and TF Serving's WriteDecimal.
+        # Scores are float32 (ClassificationResult): printed as TF Serving's WriteDecimal<float>
+        # prints them (0.3, not 0.30000001192092896), as predict outputs.
         results = [[[c.label, c.score] for c in cl.classes] for cl in resp.result.classifications]
         scores = iter(_float32_json([score for cl in results for _, score in cl]))
         return {"results": [[[label, next(scores)] for label, _ in cl] for cl in results]}

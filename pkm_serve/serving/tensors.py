@@ -9,7 +9,7 @@ import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2, types_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid
-from pkm_serve.serving.json_floats import shortest_float32_as_float64
+from pkm_serve.serving.json_floats import shortest_float32_as_float64, write_decimal_float32
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
 from pkm_serve.serving.proto_fields import VALUE_FIELDS, fill_to, misplaced, narrow_values, sent_count
 from pkm_serve.serving.wire_formats import base64_as_tf_serving, string_list
@@ -461,10 +461,11 @@ def _json_scalar_list(arr: np.ndarray, name: str):
         # (an extension: json_tensor.cc writes neither) Each by its own shortest decimal: a
         # bfloat16 0.1 printed as float32 was 0.100097656.
         return shortest_float32_as_float64(arr, like=arr.dtype.type).tolist()
-    if arr.dtype.kind == "f" and arr.dtype.itemsize < 8:
-        # Print float32 values by their own shortest repr, not float64 noise.
-        return shortest_float32_as_float64(arr.astype(np.float32)).tolist()
-    return arr.tolist()
+    if arr.dtype == np.float32:
+        # json_tensor.cc's digits (WriteDecimal<float>: 1.23456776, not the shortest
+        # 1.2345678), not float64 noise (0.10000000149011612).
+        return write_decimal_float32(arr).tolist()
+    return arr.tolist()   # a double's shortest decimal reads back as upstream's 17 digits do
 
 
 def to_json(name: str, arr: np.ndarray):

@@ -1,5 +1,6 @@
-"""REST JSON prints float32 outputs by their shortest round-trip decimal (as
-str(np.float32(x)) does); the vectorised conversion must agree with it everywhere."""
+"""The shortest round-trip decimal (as str(np.float32(x)) prints it), which REST JSON writes
+for float16 and bfloat16 outputs: the vectorised conversion must agree with it everywhere.
+float32 outputs take TF Serving's WriteDecimal digits (test_serving_json_write_decimal.py)."""
 import numpy as np
 
 from pkm_serve.serving import tensors
@@ -20,7 +21,8 @@ def test_shortest_float32_matches_numpy_str_over_all_magnitudes():
 def test_to_json_keeps_shape_and_prints_short_decimals():
     import json
     arr = np.array([[0.1, 1 / 3], [2.5, -7e-3]], np.float32)
-    assert json.dumps(tensors.to_json("y", arr)) == "[[0.1, 0.33333334], [2.5, -0.007]]"
+    # 1/3 as "%.9g" (WriteDecimal<float>: "%g"'s 0.333333 does not read back as the float)
+    assert json.dumps(tensors.to_json("y", arr)) == "[[0.1, 0.333333343], [2.5, -0.007]]"
     assert json.dumps(tensors.to_json("y", np.float32(0.1))) == "0.1"
 
 
