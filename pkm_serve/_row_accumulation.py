@@ -17,12 +17,17 @@ rows, for a step outside XLA that ends the window.
 
 from __future__ import annotations
 
+import weakref
+
 import keras
 import tensorflow as tf
 
 from pkm_serve import _copy_on_write, _no_rows, _xla
 
 _MARKS = "_pkm_accumulated_row_marks"
+# optimizer -> per marks variable, a flag (not saved) set once the marks hold every row whose sum
+# is not 0: a tf.train.Checkpoint saved without marks restores the accumulators, not the marks.
+_marks_complete = weakref.WeakKeyDictionary()
 
 
 def build_marks(optimizer, var_list):
@@ -30,17 +35,42 @@ def build_marks(optimizer, var_list):
     accumulators; nothing without gradient accumulation."""
     if not optimizer.gradient_accumulation_steps:
         return
-    marks = []
+    marks, complete = [], []
     for var in var_list:
         if len(var.shape) == 0:
             marks.append(None)
+            complete.append(None)
             continue
+        with tf.init_scope():
+            complete.append(tf.Variable(False, trainable=False, name="pkm_row_marks_complete"))
         colocate = var.value if isinstance(var, keras.Variable) else var
         with optimizer._distribution_strategy.extended.colocate_vars_with(colocate):
             marks.append(optimizer.add_variable(
                 shape=(var.shape[0],), dtype="float32",
                 name=f"{getattr(var, 'path', var.name).replace('/', '_').replace(':', '_')}_accumulated_rows"))
     setattr(optimizer, _MARKS, marks)
+    _marks_complete[optimizer] = complete
+
+
+def _rows_with_a_sum(accumulator):
+    summed = tf.reshape(_tf(accumulator), [accumulator.shape[0], -1])
+    return tf.reduce_any(tf.not_equal(summed, 0), axis=1)
+
+
+def _complete_marks(optimizer, accumulator, marks):
+    """Marks the rows of `accumulator` whose sum is not 0, once per build (one dense read): the
+    accumulators of a checkpoint saved without marks (an earlier pkm_serve, Keras' Adam) restore
+    with the marks all 0, and those rows were left out of the window's step and its reset."""
+    complete = next(flag for known, flag in zip(getattr(optimizer, _MARKS), _marks_complete[optimizer])
+                    if known is marks)
+
+    def add_rows():
+        restored = tf.cast(_rows_with_a_sum(accumulator), marks.dtype)
+        _tf(marks).assign(tf.maximum(_tf(marks), restored))
+        complete.assign(True)
+        return tf.constant(True)
+
+    return tf.cond(complete, lambda: tf.constant(True), add_rows)
 
 
 def _keras_accumulation_here():
@@ -97,7 +127,8 @@ class RowSparseGradient(tf.IndexedSlices):
         marks = _marks_of(self._optimizer, accumulator)
         if marks is None:
             return NotImplemented  # Keras' dense sum (the accumulator's __radd__)
-        rows = _marked_rows(marks, self.indices.dtype)
+        with tf.control_dependencies([_complete_marks(self._optimizer, accumulator, marks)]):
+            rows = _marked_rows(marks, self.indices.dtype)
         summed = tf.gather(_tf(accumulator), rows)
         values = tf.concat([summed, tf.cast(self.values, summed.dtype)], 0)
         return RowSparseGradient(values, tf.concat([rows, self.indices], 0), self.dense_shape, self._optimizer)
@@ -141,7 +172,8 @@ def reset(optimizer, keras_reset):
         if row_marks is None:
             accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
             continue
-        rows = _marked_rows(row_marks, tf.int64)
+        with tf.control_dependencies([_complete_marks(optimizer, accumulator, row_marks)]):
+            rows = _marked_rows(row_marks, tf.int64)
         zeros = tf.zeros(tf.concat([tf.shape(rows), tf.shape(_tf(accumulator))[1:]], 0), accumulator.dtype)
         _scatter(accumulator, "scatter_update", tf.IndexedSlices(zeros, rows))
         _tf(row_marks).assign(tf.zeros(row_marks.shape, row_marks.dtype))
@@ -158,6 +190,5 @@ def load_without_marks(optimizer, store, keras_load):
         variable.assign(store[str(index)])
     for accumulator, row_marks in zip(optimizer._accumulated_gradients, getattr(optimizer, _MARKS)):
         if row_marks is not None:
-            summed = tf.reshape(tf.convert_to_tensor(accumulator), [accumulator.shape[0], -1])
-            row_marks.assign(tf.cast(tf.reduce_any(tf.not_equal(summed, 0), axis=1), row_marks.dtype))
+            row_marks.assign(tf.cast(_rows_with_a_sum(accumulator), row_marks.dtype))
     return None
