@@ -179,16 +179,18 @@ def reset(optimizer, keras_reset):
         _tf(row_marks).assign(tf.zeros(row_marks.shape, row_marks.dtype))
 
 
-def load_without_marks(optimizer, store, keras_load):
+def load_without_marks(optimizer, store, keras_load, inner=None):
     """Loads a store saved before the row marks existed (every optimizer variable but the marks,
     which come last): Keras skipped the whole optimizer state then, with a warning. The marks
-    are rebuilt as the rows whose accumulated sum is not 0."""
-    marks = [m for m in getattr(optimizer, _MARKS, None) or [] if m is not None]
+    are rebuilt as the rows whose accumulated sum is not 0. `optimizer` may be a
+    LossScaleOptimizer around `inner`, whose store holds its own variables and then `inner`'s."""
+    inner = optimizer if inner is None else inner
+    marks = [m for m in getattr(inner, _MARKS, None) or [] if m is not None]
     if not marks or len(store.keys()) != len(optimizer.variables) - len(marks):
         return keras_load(store)
     for index, variable in enumerate(v for v in optimizer.variables if not any(v is m for m in marks)):
         variable.assign(store[str(index)])
-    for accumulator, row_marks in zip(optimizer._accumulated_gradients, getattr(optimizer, _MARKS)):
+    for accumulator, row_marks in zip(inner._accumulated_gradients, getattr(inner, _MARKS)):
         if row_marks is not None:
             row_marks.assign(tf.cast(_rows_with_a_sum(accumulator), row_marks.dtype))
     return None

@@ -32,6 +32,8 @@ scaling, amsgrad) are refused for fused tables.
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -160,12 +162,19 @@ def _all_finite(grads):
 
 def _give_a_wrapper_the_row_sparse_finite_check(optimizer):
     """A LossScaleOptimizer (mixed_float16's) building `optimizer` checks the gradients' finiteness
-    with `_all_finite` (Keras' made the step of a 2**20 x 64 table 20x slower, and could miss an inf).
-    A subclass' own check_finite is left as it is."""
+    with `_all_finite` (Keras' made the step of a 2**20 x 64 table 20x slower, and could miss an inf),
+    and loads a store saved before the accumulation's row marks (Keras' skipped it all, the loss
+    scale included). A subclass' own check_finite / load_own_variables is left as it is."""
     wrapper = _fused_update.calling_instance(keras.optimizers.LossScaleOptimizer)
-    keras_check = keras.optimizers.LossScaleOptimizer.check_finite
-    if wrapper is not None and wrapper.inner_optimizer is optimizer and type(wrapper).check_finite is keras_check:
+    if wrapper is None or wrapper.inner_optimizer is not optimizer:
+        return
+    keras_wrapper = keras.optimizers.LossScaleOptimizer
+    if type(wrapper).check_finite is keras_wrapper.check_finite:
         wrapper.check_finite = _all_finite
+    if type(wrapper).load_own_variables is keras_wrapper.load_own_variables:
+        keras_load = functools.partial(keras_wrapper.load_own_variables, wrapper)
+        wrapper.load_own_variables = functools.partial(
+            _row_accumulation.load_without_marks, wrapper, keras_load=keras_load, inner=optimizer)
 
 
 class _RowSparseSteps:
