@@ -160,7 +160,7 @@ def _all_finite(grads):
     return tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
 
 
-def _give_a_wrapper_the_row_sparse_finite_check(optimizer):
+def _adapt_a_loss_scale_wrapper(optimizer):
     """A LossScaleOptimizer (mixed_float16's) building `optimizer` checks the gradients' finiteness
     with `_all_finite` (Keras' made the step of a 2**20 x 64 table 20x slower, and could miss an inf),
     and loads a store saved before the accumulation's row marks (Keras' skipped it all, the loss
@@ -230,7 +230,7 @@ class LazyAdam(_RowSparseSteps, keras.optimizers.Adam):
     ``keras.optimizers.Adam``; dense gradients get Keras' Adam unchanged)."""
 
     def build(self, var_list):
-        _give_a_wrapper_the_row_sparse_finite_check(self)
+        _adapt_a_loss_scale_wrapper(self)
         if self.built:
             return
         super().build(var_list)
@@ -318,7 +318,7 @@ class RowwiseAdagrad(_RowSparseSteps, keras.optimizers.Optimizer):
         self.epsilon = epsilon
 
     def build(self, var_list):
-        _give_a_wrapper_the_row_sparse_finite_check(self)
+        _adapt_a_loss_scale_wrapper(self)
         if self.built:
             return
         super().build(var_list)
