@@ -26,9 +26,10 @@ import tensorflow as tf
 from pkm_serve import _copy_on_write, _no_rows, _xla
 
 _MARKS = "_pkm_accumulated_row_marks"
-# optimizer -> per marks variable, a flag (not saved) set once the marks hold every row whose sum
-# is not 0: a tf.train.Checkpoint saved without marks restores the accumulators, not the marks.
-_marks_complete = weakref.WeakKeyDictionary()
+# optimizer -> the iteration count its next step starts from (not saved): any other count means its
+# state was restored (or it is the first step), and a tf.train.Checkpoint saved without marks
+# restores the accumulators, not the marks.
+_next_iteration = weakref.WeakKeyDictionary()
 
 
 def build_marks(optimizer, var_list):
@@ -36,21 +37,19 @@ def build_marks(optimizer, var_list):
     accumulators; nothing without gradient accumulation."""
     if not optimizer.gradient_accumulation_steps:
         return
-    marks, complete = [], []
+    marks = []
     for var in var_list:
         if len(var.shape) == 0:
             marks.append(None)
-            complete.append(None)
             continue
-        with tf.init_scope():
-            complete.append(tf.Variable(False, trainable=False, name="pkm_row_marks_complete"))
         colocate = var.value if isinstance(var, keras.Variable) else var
         with optimizer._distribution_strategy.extended.colocate_vars_with(colocate):
             marks.append(optimizer.add_variable(
                 shape=(var.shape[0],), dtype="float32",
                 name=f"{getattr(var, 'path', var.name).replace('/', '_').replace(':', '_')}_accumulated_rows"))
     setattr(optimizer, _MARKS, marks)
-    _marks_complete[optimizer] = complete
+    with tf.init_scope():
+        _next_iteration[optimizer] = tf.Variable(-1, dtype=tf.int64, trainable=False, name="pkm_next_iteration")
 
 
 def _rows_with_a_sum(accumulator):
@@ -58,20 +57,25 @@ def _rows_with_a_sum(accumulator):
     return tf.reduce_any(tf.not_equal(summed, 0), axis=1)
 
 
-def _complete_marks(optimizer, accumulator, marks):
-    """Marks the rows of `accumulator` whose sum is not 0, once per build (one dense read): the
+def _complete_marks(optimizer):
+    """Marks the rows of every accumulator whose sum is not 0 where the optimizer's iteration count
+    is not the one its last step left (one dense read, after a restore and at the first step): the
     accumulators of a checkpoint saved without marks (an earlier pkm_serve, Keras' Adam) restore
     with the marks all 0, and those rows were left out of the window's step and its reset."""
-    complete = next(flag for known, flag in zip(getattr(optimizer, _MARKS), _marks_complete[optimizer])
-                    if known is marks)
 
     def add_rows():
-        restored = tf.cast(_rows_with_a_sum(accumulator), marks.dtype)
-        _tf(marks).assign(tf.maximum(_tf(marks), restored))
-        complete.assign(True)
+        for accumulator, marks in zip(optimizer._accumulated_gradients, getattr(optimizer, _MARKS)):
+            if marks is not None:
+                restored = tf.cast(_rows_with_a_sum(accumulator), marks.dtype)
+                _tf(marks).assign(tf.maximum(_tf(marks), restored))
         return tf.constant(True)
 
-    return tf.cond(complete, lambda: tf.constant(True), add_rows)
+    restored = tf.not_equal(tf.cast(_tf(optimizer._iterations), tf.int64), _next_iteration[optimizer])
+    return tf.cond(restored, add_rows, lambda: tf.constant(True))
+
+
+def _step_done(optimizer):
+    _next_iteration[optimizer].assign(tf.cast(_tf(optimizer._iterations), tf.int64) + 1)
 
 
 def _keras_accumulation_here():
@@ -128,7 +132,7 @@ class RowSparseGradient(tf.IndexedSlices):
         marks = _marks_of(self._optimizer, accumulator)
         if marks is None:
             return NotImplemented  # Keras' dense sum (the accumulator's __radd__)
-        with tf.control_dependencies([_complete_marks(self._optimizer, accumulator, marks)]):
+        with tf.control_dependencies([_complete_marks(self._optimizer)]):
             rows = _marked_rows(marks, self.indices.dtype)
         summed = tf.gather(_tf(accumulator), rows)
         values = tf.concat([summed, tf.cast(self.values, summed.dtype)], 0)
@@ -139,6 +143,9 @@ def increment(optimizer, grads, accumulators, keras_increment):
     """Adds `grads` to their accumulators: IndexedSlices by scatter-add and their rows marked,
     dense ones by `keras_increment` (Keras' own) with every row marked."""
     keras_grads, keras_accumulators = [], []
+    kept = getattr(optimizer, _MARKS, None) is not None and tf.distribute.get_strategy().num_replicas_in_sync == 1
+    if kept:
+        _complete_marks(optimizer)  # before this step's marks: a restore's rows would stay unmarked
     for grad, accumulator in zip(grads, accumulators):
         marks = _kept_marks(optimizer, accumulator)
         sparse = isinstance(grad, tf.IndexedSlices)
@@ -155,6 +162,8 @@ def increment(optimizer, grads, accumulators, keras_increment):
             _tf(marks).assign(tf.ones(marks.shape, marks.dtype))
     if keras_grads:
         keras_increment(keras_grads, keras_accumulators)
+    if kept:
+        _step_done(optimizer)
 
 
 def reset(optimizer, keras_reset):
@@ -168,15 +177,17 @@ def reset(optimizer, keras_reset):
         for row_marks in marks:
             if row_marks is not None:
                 row_marks.assign(tf.zeros(row_marks.shape, row_marks.dtype))
+        if tf.distribute.get_strategy().num_replicas_in_sync == 1:
+            _step_done(optimizer)
         return None
-    for accumulator, row_marks in zip(optimizer._accumulated_gradients, marks):
-        if row_marks is None:
-            accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
-            continue
-        with tf.control_dependencies([_complete_marks(optimizer, accumulator, row_marks)]):
-            rows = _marked_rows(row_marks, tf.int64)
-        _zero_rows(accumulator, rows)
-        _tf(row_marks).assign(tf.zeros(row_marks.shape, row_marks.dtype))
+    with tf.control_dependencies([_complete_marks(optimizer)]):
+        for accumulator, row_marks in zip(optimizer._accumulated_gradients, marks):
+            if row_marks is None:
+                accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
+                continue
+            _zero_rows(accumulator, _marked_rows(row_marks, tf.int64))
+            _tf(row_marks).assign(tf.zeros(row_marks.shape, row_marks.dtype))
+    _step_done(optimizer)
 
 
 def _zero_rows(accumulator, rows):
