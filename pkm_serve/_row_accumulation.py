@@ -8,8 +8,8 @@ and each micro-step wrote the whole ``[N, D]`` accumulator. Here an ``IndexedSli
 scatter-added into the accumulator, and a mark per row (an ``[N]`` optimizer variable) records
 the rows any micro-step of the window listed (a dense gradient marks every row); the update
 step's gradient is the ``IndexedSlices`` of the marked rows' sums plus its own slices (the
-optimizer sums repeated rows), divided by ``steps``, and the reset zeroes the marked rows only (all rows, one assign, where
-at least half are marked).
+optimizer sums repeated rows), divided by ``steps``, and the reset zeroes the marked rows only
+(all rows, by one assign, where at least half are marked).
 Keras' dense accumulation is kept under a tf.distribute strategy of several replicas and in an
 XLA-compiled step: XLA pads a tensor of run-time size (the marked rows) and a tf.unique of it, in
 the optimizer's step, read the padding as row 0 and listed rows twice. An XLA step still marks its
