@@ -8,7 +8,8 @@ and each micro-step wrote the whole ``[N, D]`` accumulator. Here an ``IndexedSli
 scatter-added into the accumulator, and a mark per row (an ``[N]`` optimizer variable) records
 the rows any micro-step of the window listed (a dense gradient marks every row); the update
 step's gradient is the ``IndexedSlices`` of the marked rows' sums plus its own slices (the
-optimizer sums repeated rows), divided by ``steps``, and the reset zeroes the marked rows only.
+optimizer sums repeated rows), divided by ``steps``, and the reset zeroes the marked rows only
+(all rows, by one assign, where at least half are marked).
 Keras' dense accumulation is kept under a tf.distribute strategy of several replicas and in an
 XLA-compiled step: XLA pads a tensor of run-time size (the marked rows) and a tf.unique of it, in
 the optimizer's step, read the padding as row 0 and listed rows twice. An XLA step still marks its
@@ -17,12 +18,18 @@ rows, for a step outside XLA that ends the window.
 
 from __future__ import annotations
 
+import weakref
+
 import keras
 import tensorflow as tf
 
 from pkm_serve import _copy_on_write, _no_rows, _xla
 
 _MARKS = "_pkm_accumulated_row_marks"
+# optimizer -> the iteration count its next step starts from (not saved): any other count means its
+# state was restored (or it is the first step), and a tf.train.Checkpoint saved without marks
+# restores the accumulators, not the marks.
+_next_iteration = weakref.WeakKeyDictionary()
 
 
 def build_marks(optimizer, var_list):
@@ -41,6 +48,34 @@ def build_marks(optimizer, var_list):
                 shape=(var.shape[0],), dtype="float32",
                 name=f"{getattr(var, 'path', var.name).replace('/', '_').replace(':', '_')}_accumulated_rows"))
     setattr(optimizer, _MARKS, marks)
+    with tf.init_scope():
+        _next_iteration[optimizer] = tf.Variable(-1, dtype=tf.int64, trainable=False, name="pkm_next_iteration")
+
+
+def _rows_with_a_sum(accumulator):
+    summed = tf.reshape(_tf(accumulator), [accumulator.shape[0], -1])
+    return tf.reduce_any(tf.not_equal(summed, 0), axis=1)
+
+
+def _complete_marks(optimizer):
+    """Marks the rows of every accumulator whose sum is not 0 where the optimizer's iteration count
+    is not the one its last step left (one dense read, after a restore and at the first step): the
+    accumulators of a checkpoint saved without marks (an earlier pkm_serve, Keras' Adam) restore
+    with the marks all 0, and those rows were left out of the window's step and its reset."""
+
+    def add_rows():
+        for accumulator, marks in zip(optimizer._accumulated_gradients, getattr(optimizer, _MARKS)):
+            if marks is not None:
+                restored = tf.cast(_rows_with_a_sum(accumulator), marks.dtype)
+                _tf(marks).assign(tf.maximum(_tf(marks), restored))
+        return tf.constant(True)
+
+    restored = tf.not_equal(tf.cast(_tf(optimizer._iterations), tf.int64), _next_iteration[optimizer])
+    return tf.cond(restored, add_rows, lambda: tf.constant(True))
+
+
+def _step_done(optimizer):
+    _next_iteration[optimizer].assign(tf.cast(_tf(optimizer._iterations), tf.int64) + 1)
 
 
 def _keras_accumulation_here():
@@ -97,7 +132,8 @@ class RowSparseGradient(tf.IndexedSlices):
         marks = _marks_of(self._optimizer, accumulator)
         if marks is None:
             return NotImplemented  # Keras' dense sum (the accumulator's __radd__)
-        rows = _marked_rows(marks, self.indices.dtype)
+        with tf.control_dependencies([_complete_marks(self._optimizer)]):
+            rows = _marked_rows(marks, self.indices.dtype)
         summed = tf.gather(_tf(accumulator), rows)
         values = tf.concat([summed, tf.cast(self.values, summed.dtype)], 0)
         return RowSparseGradient(values, tf.concat([rows, self.indices], 0), self.dense_shape, self._optimizer)
@@ -107,6 +143,9 @@ def increment(optimizer, grads, accumulators, keras_increment):
     """Adds `grads` to their accumulators: IndexedSlices by scatter-add and their rows marked,
     dense ones by `keras_increment` (Keras' own) with every row marked."""
     keras_grads, keras_accumulators = [], []
+    kept = getattr(optimizer, _MARKS, None) is not None and tf.distribute.get_strategy().num_replicas_in_sync == 1
+    if kept:
+        _complete_marks(optimizer)  # before this step's marks: a restore's rows would stay unmarked
     for grad, accumulator in zip(grads, accumulators):
         marks = _kept_marks(optimizer, accumulator)
         sparse = isinstance(grad, tf.IndexedSlices)
@@ -123,6 +162,8 @@ def increment(optimizer, grads, accumulators, keras_increment):
             _tf(marks).assign(tf.ones(marks.shape, marks.dtype))
     if keras_grads:
         keras_increment(keras_grads, keras_accumulators)
+    if kept:
+        _step_done(optimizer)
 
 
 def reset(optimizer, keras_reset):
@@ -136,28 +177,49 @@ def reset(optimizer, keras_reset):
         for row_marks in marks:
             if row_marks is not None:
                 row_marks.assign(tf.zeros(row_marks.shape, row_marks.dtype))
+        if tf.distribute.get_strategy().num_replicas_in_sync == 1:
+            _step_done(optimizer)
         return None
-    for accumulator, row_marks in zip(optimizer._accumulated_gradients, marks):
-        if row_marks is None:
-            accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
-            continue
-        rows = _marked_rows(row_marks, tf.int64)
+    with tf.control_dependencies([_complete_marks(optimizer)]):
+        for accumulator, row_marks in zip(optimizer._accumulated_gradients, marks):
+            if row_marks is None:
+                accumulator.assign(tf.zeros(accumulator.shape, accumulator.dtype))
+                continue
+            _zero_rows(accumulator, _marked_rows(row_marks, tf.int64))
+            _tf(row_marks).assign(tf.zeros(row_marks.shape, row_marks.dtype))
+    _step_done(optimizer)
+
+
+def _zero_rows(accumulator, rows):
+    """Zeroes `rows` of `accumulator`, all of it where they are at least half its rows (a dense
+    gradient marks every row): scattering zeros into every row took 14x Keras' dense assign. The
+    rows left out hold 0 already (only marked rows are ever added to)."""
+
+    def scatter_zeros():
         zeros = tf.zeros(tf.concat([tf.shape(rows), tf.shape(_tf(accumulator))[1:]], 0), accumulator.dtype)
         _scatter(accumulator, "scatter_update", tf.IndexedSlices(zeros, rows))
-        _tf(row_marks).assign(tf.zeros(row_marks.shape, row_marks.dtype))
+        return tf.constant(True)
+
+    def assign_zeros():
+        _tf(accumulator).assign(tf.zeros(accumulator.shape, accumulator.dtype))
+        return tf.constant(True)
+
+    most = tf.size(rows, out_type=tf.int64) * 2 >= accumulator.shape[0]
+    tf.cond(most, assign_zeros, scatter_zeros)
 
 
-def load_without_marks(optimizer, store, keras_load):
+def load_without_marks(optimizer, store, keras_load, inner=None):
     """Loads a store saved before the row marks existed (every optimizer variable but the marks,
     which come last): Keras skipped the whole optimizer state then, with a warning. The marks
-    are rebuilt as the rows whose accumulated sum is not 0."""
-    marks = [m for m in getattr(optimizer, _MARKS, None) or [] if m is not None]
+    are rebuilt as the rows whose accumulated sum is not 0. `optimizer` may be a
+    LossScaleOptimizer around `inner`, whose store holds its own variables and then `inner`'s."""
+    inner = optimizer if inner is None else inner
+    marks = [m for m in getattr(inner, _MARKS, None) or [] if m is not None]
     if not marks or len(store.keys()) != len(optimizer.variables) - len(marks):
         return keras_load(store)
     for index, variable in enumerate(v for v in optimizer.variables if not any(v is m for m in marks)):
         variable.assign(store[str(index)])
-    for accumulator, row_marks in zip(optimizer._accumulated_gradients, getattr(optimizer, _MARKS)):
+    for accumulator, row_marks in zip(inner._accumulated_gradients, getattr(inner, _MARKS)):
         if row_marks is not None:
-            summed = tf.reshape(tf.convert_to_tensor(accumulator), [accumulator.shape[0], -1])
-            row_marks.assign(tf.cast(tf.reduce_any(tf.not_equal(summed, 0), axis=1), row_marks.dtype))
+            row_marks.assign(tf.cast(_rows_with_a_sum(accumulator), row_marks.dtype))
     return None

@@ -32,6 +32,8 @@ scaling, amsgrad) are refused for fused tables.
 
 from __future__ import annotations
 
+import functools
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -158,12 +160,21 @@ def _all_finite(grads):
     return tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
 
 
-def _give_a_wrapper_the_row_sparse_finite_check(optimizer):
+def _adapt_a_loss_scale_wrapper(optimizer):
     """A LossScaleOptimizer (mixed_float16's) building `optimizer` checks the gradients' finiteness
-    with `_all_finite` (Keras' made the step of a 2**20 x 64 table 20x slower, and could miss an inf)."""
+    with `_all_finite` (Keras' made the step of a 2**20 x 64 table 20x slower, and could miss an inf),
+    and loads a store saved before the accumulation's row marks (Keras' skipped it all, the loss
+    scale included). A subclass' own check_finite / load_own_variables is left as it is."""
     wrapper = _fused_update.calling_instance(keras.optimizers.LossScaleOptimizer)
-    if wrapper is not None and wrapper.inner_optimizer is optimizer:
+    if wrapper is None or wrapper.inner_optimizer is not optimizer:
+        return
+    keras_wrapper = keras.optimizers.LossScaleOptimizer
+    if type(wrapper).check_finite is keras_wrapper.check_finite:
         wrapper.check_finite = _all_finite
+    if type(wrapper).load_own_variables is keras_wrapper.load_own_variables:
+        keras_load = functools.partial(keras_wrapper.load_own_variables, wrapper)
+        wrapper.load_own_variables = functools.partial(
+            _row_accumulation.load_without_marks, wrapper, keras_load=keras_load, inner=optimizer)
 
 
 class _RowSparseSteps:
@@ -219,7 +230,7 @@ class LazyAdam(_RowSparseSteps, keras.optimizers.Adam):
     ``keras.optimizers.Adam``; dense gradients get Keras' Adam unchanged)."""
 
     def build(self, var_list):
-        _give_a_wrapper_the_row_sparse_finite_check(self)
+        _adapt_a_loss_scale_wrapper(self)
         if self.built:
             return
         super().build(var_list)
@@ -307,7 +318,7 @@ class RowwiseAdagrad(_RowSparseSteps, keras.optimizers.Optimizer):
         self.epsilon = epsilon
 
     def build(self, var_list):
-        _give_a_wrapper_the_row_sparse_finite_check(self)
+        _adapt_a_loss_scale_wrapper(self)
         if self.built:
             return
         super().build(var_list)
