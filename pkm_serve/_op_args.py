@@ -74,8 +74,8 @@ _RUN_TIME_SHAPE_ERROR = "weights must have the shape of indices (their run-time 
 
 
 def _sizes_checked_when_compiled(weights, like):
-    """Weights whose shape, or the ids', is only known at run time (tf.boolean_mask, tf.unique, a
-    None dimension) checked against the ids' when XLA compiles the graph: XLA runs the op on
+    """Weights whose shape, or the ids', is only known at run time inside the function
+    (tf.boolean_mask, tf.unique) checked against the ids' when XLA compiles the graph: XLA runs the op on
     bounded operands and has no shape check of its own, so weights masked otherwise than the ids
     were read at the ids' positions (zero past their own size) instead of failing as outside XLA."""
     if like is None or weights.shape.rank is None or weights.shape.rank != like.shape.rank \
