@@ -95,15 +95,21 @@ def _ragged_embedding_bag(lib, params, indices, weights, combiner, sparse_gradie
 
 def _table_gradient_could_be_recorded(params):
     """Whether a tape in the graph being built could ask for the table's gradient: where a tape
-    watches the table (a tape watching only the weights, or a frozen variable, needs no table
-    gradient). A tape outside a compiled function sees a variable (not a tensor) as watched while
-    the function traces; for a tensor it gets its gradients from the function's dense backward."""
+    watches the table (a tape watching only the weights, or a frozen variable or Keras layer,
+    needs no table gradient). A tape outside a compiled function sees a variable (not a tensor)
+    as watched while the function traces; for a tensor it gets its gradients from the function's
+    dense backward."""
     if not _recording.tape_could_record(if_unknown=False):
         return False
     from pkm_serve import _copy_on_write
 
     variable = _copy_on_write.as_tf_variable(params)
     if isinstance(variable, tf.Variable):
+        if variable is not params and getattr(params, "trainable", True) is False:
+            # A frozen Keras layer's variable: its tf.Variable stays trainable, so tapes that watch
+            # accessed variables watch it (a layer called twice: from its first read on), but Keras
+            # asks no gradient of it. A tape that does gets the plain lookup's dense gradient.
+            return False
         return _recording.tape_watches_variable(variable, if_unknown=True)
     if hasattr(params, "assign"):  # another kind of variable
         return True

@@ -89,18 +89,38 @@ _RUN_TIME_SHAPE_ERROR = "weights must have the shape of indices (their run-time 
 
 
 def _sizes_checked_when_compiled(weights, like):
-    """Weights whose shape, or the ids', is only known at run time (tf.boolean_mask, tf.unique, a
-    None dimension) checked against the ids' when XLA compiles the graph: XLA runs the op on
+    """Weights whose shape, or the ids', is only known at run time inside the function
+    (tf.boolean_mask, tf.unique) checked against the ids' when XLA compiles the graph: XLA runs the op on
     bounded operands and has no shape check of its own, so weights masked otherwise than the ids
     were read at the ids' positions (zero past their own size) instead of failing as outside XLA."""
     if like is None or weights.shape.rank is None or weights.shape.rank != like.shape.rank \
             or (weights.shape.is_fully_defined() and like.shape.is_fully_defined()):
+        return weights
+    if all(t.shape.is_fully_defined() or _is_top_level_argument(t) for t in (weights, like)):
+        # Arguments of a None dimension (a serving signature's batch): XLA compiles the function
+        # for their run-time shapes, and the lowering's own shape check refuses weights of
+        # another. The check op there kept a stock TFLite conversion from running.
         return weights
     from pkm_serve import _xla
 
     checked = _xla.checked_when_compiled(
         lambda: tf.reduce_all(tf.equal(tf.shape(weights), tf.shape(like))), weights, _RUN_TIME_SHAPE_ERROR)
     return weights if checked is None else checked
+
+
+def _is_top_level_argument(tensor):
+    """Whether `tensor` (through Identity / Cast) is an argument of a tf.function traced at the top
+    level: not of a tf.cond / tf.while_loop body, nor of a function traced inside another one (both
+    are inlined where their inputs may have run-time sizes)."""
+    while getattr(tensor, "op", None) is not None and tensor.op.type in ("Identity", "Cast"):
+        tensor = tensor.op.inputs[0]
+    if getattr(tensor, "op", None) is None or tensor.op.type != "Placeholder":
+        return False
+    from pkm_serve import _recording
+
+    graph = tensor.graph
+    outer = getattr(graph, "outer_graph", None)
+    return not _recording.is_control_flow_graph(graph) and not hasattr(outer, "outer_graph")
 
 
 # No quote characters: TF escapes them in a run-time assertion's message.

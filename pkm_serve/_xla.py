@@ -59,14 +59,17 @@ def compile_device_type():
                 return "TPU"
             ctxt = ctxt.outer_context
         g = getattr(g, "outer_graph", None)
+    return _requested_device_type(graph) or ("GPU" if tf.config.list_logical_devices("GPU") else "CPU")
+
+
+def _requested_device_type(graph):
+    """The device type the innermost tf.device scope of `graph` names ("CPU", "GPU"), else None."""
     try:
         requested = graph._device_function_stack.peek_top_obj().display_name  # pylint: disable=protected-access
         device_type = tf.DeviceSpec.from_string(requested).device_type
     except Exception:  # no device scope
         device_type = None
-    if device_type:
-        return device_type.upper()
-    return "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+    return device_type.upper() if device_type else None
 
 
 def composite_under_xla(params, indices):
@@ -99,18 +102,34 @@ def _flag_value(flags, name):
 
 
 def cpu_autoclustering() -> bool:
-    """Whether TF's auto-clustering may compile the CPU graph being built with XLA: it needs
-    TF_XLA_FLAGS' --tf_xla_cpu_global_jit, and --tf_xla_auto_jit=1/2/fusible or (without that
-    flag) tf.config.optimizer.set_jit(True). No GPU: there the lookups would run on it."""
+    """Whether TF's auto-clustering may compile the lookups of the graph being built with XLA on
+    the CPU: it needs TF_XLA_FLAGS' --tf_xla_cpu_global_jit, and --tf_xla_auto_jit=1/2/fusible or
+    (where that flag leaves CPU graphs at the session's level: absent, 0, single-gpu(N))
+    tf.config.optimizer.set_jit(True). Not where the lookups would run on a GPU."""
     flags = os.environ.get("TF_XLA_FLAGS", "")
     if _flag_value(flags, "tf_xla_cpu_global_jit") not in ("true", "1"):
         return False
-    if tf.executing_eagerly() or tf.config.list_logical_devices("GPU"):
+    if tf.executing_eagerly() or _lookups_on_gpu(tf.compat.v1.get_default_graph()):
         return False
     auto_jit = _flag_value(flags, "tf_xla_auto_jit")
     if auto_jit in ("1", "2", "fusible"):
         return True
-    return auto_jit in (None, "0") and bool(tf.config.optimizer.get_jit())
+    session_level = auto_jit in (None, "0") or auto_jit.startswith("single-gpu")
+    return session_level and bool(tf.config.optimizer.get_jit())
+
+
+def _lookups_on_gpu(graph) -> bool:
+    """Whether the lookups built in `graph` are placed on a GPU: TF sees one, the op library has
+    GPU kernels (its GPU XLA target comes with them) and no tf.device scope (in the function, or
+    the eager one it is traced in) names another device. With a GPU, lookups of the CPU-only library or under tf.device("/CPU:0") run on the CPU, where
+    --tf_xla_cpu_global_jit clusters them too."""
+    if not tf.config.list_logical_devices("GPU"):
+        return False
+    from tensorflow.python.eager import context  # the eager tf.device scope a tf.function traces in
+
+    requested = _requested_device_type(graph) or \
+        tf.DeviceSpec.from_string(context.context().device_name or "").device_type
+    return requested.upper() == "GPU" if requested else "GPU" in xla_device_types()
 
 
 def checked_when_compiled(condition, value, message):

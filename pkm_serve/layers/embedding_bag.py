@@ -193,8 +193,19 @@ class EmbeddingBag(keras.layers.Layer):
                 # Stock Keras optimizers apply the row-sparse gradient with scatter updates.
                 _copy_on_write.stay_copy_on_write_after_scatters(table)
             outputs = self._lookup(table, indices, weights, combiner=self.combiner,
-                                   sparse_gradient=self.sparse_gradient)
+                                   sparse_gradient=self._sparse_gradient_here())
         return tf.cast(outputs, self.compute_dtype)
+
+    def _sparse_gradient_here(self):
+        """sparse_gradient, but not for a frozen layer under XLA: Keras leaves its tf.Variable
+        trainable, so the step's tape watches it as it is read (and sparse_gradient=True raised
+        the ValueError meant for training the table under XLA), yet asks no gradient of it. A tape
+        that does ask gets the plain lookup's dense gradient there."""
+        if not self.sparse_gradient or self.embeddings.trainable:
+            return self.sparse_gradient
+        from pkm_serve import _xla
+
+        return _xla.compile_device_type() is None
 
     def _call_keras_ops(self, table, indices, weights):
         """call() under JAX / PyTorch: dense [..., K] bags (ragged bags: pkm_serve.backends.embedding_bag)."""
