@@ -1,0 +1,28 @@
+"""Round 35's review checks under JAX (review35_checks.py holds them), one process for the module.
+Skipped where JAX or TensorFlow is not installed."""
+
+import pytest
+
+from tests.backends.check_processes import finish, installed, start
+
+# Its process takes ~15 s (TensorFlow and JAX imported, a SavedModel written).
+pytestmark = pytest.mark.slow
+
+CHECKS = ["jit_then_jax2tf"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    if not (installed("jax") and installed("tensorflow")):
+        pytest.skip("JAX or TensorFlow is not installed")
+    args = []
+    for check in CHECKS:
+        args += [check] + ([str(tmp_path_factory.mktemp("export") / "saved")] if check == "jit_then_jax2tf" else [])
+    return finish(start("jax", args, module="review35_checks"), f"jax {CHECKS}")
+
+
+def test_jitted_search_called_then_exported_runs_under_tf(results):
+    """jax.jit(product-key search) called once, then jax2tf into a SavedModel: TF runs it with JAX's slots
+    (jax.jit's cached trace exported lax.top_k, which TF's XlaCallModule could not deserialise)."""
+    assert results["jit_then_jax2tf"] == "ok"
+
