@@ -8,7 +8,7 @@ from tests.backends.check_processes import finish, installed, start
 # Its process takes ~15 s (TensorFlow and JAX imported, a SavedModel written).
 pytestmark = pytest.mark.slow
 
-CHECKS = ["jit_then_jax2tf"]
+CHECKS = ["jit_then_jax2tf", "vmapped_unsigned_ids"]
 
 
 @pytest.fixture(scope="module")
@@ -26,3 +26,8 @@ def test_jitted_search_called_then_exported_runs_under_tf(results):
     (jax.jit's cached trace exported lax.top_k, which TF's XlaCallModule could not deserialise)."""
     assert results["jit_then_jax2tf"] == "ok"
 
+
+def test_vmapped_unsigned_ids_take_one_host_check_per_call(results):
+    """jax.vmap of an EmbeddingBag over uint32 ids: one host callback per call (it was one per mapped row),
+    int32's rows, and an id past int32 still named."""
+    assert results["vmapped_unsigned_ids"] == "ok"
