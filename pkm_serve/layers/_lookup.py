@@ -126,8 +126,8 @@ def refuse_unsigned_ids_past(layer_name, indices, target, rows):
     The layer clips such ids to target's largest value to keep them out of range, and the kernel then
     named that value (2147483647 for uint32 4294967295 without jax_enable_x64). The check calls back to
     the host only for a batch that holds such an id (under jax.vmap, where the cond is a select, once
-    every call); elsewhere (CUDA: padding, an export: no host
-    callbacks) the ids pass unchanged."""
+    every call); elsewhere (CUDA: padding, an export: no host callbacks, several devices: see below)
+    the ids pass unchanged."""
     from pkm_serve import backends
     from pkm_serve.backends.product_keys import _under_jax_export
 
@@ -135,6 +135,11 @@ def refuse_unsigned_ids_past(layer_name, indices, target, rows):
         return indices
     import jax
     import jax.numpy as jnp
+
+    if jax.device_count() > 1:
+        # Ids sharded over devices: the callback's error on one device leaves the others in a collective,
+        # and XLA aborts the process (its rendezvous timeout); the kernel names the clipped id instead.
+        return indices
 
     limit = np.iinfo(target).max
 

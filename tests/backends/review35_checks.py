@@ -74,6 +74,34 @@ def check_vmapped_unsigned_ids():
     print(json.dumps({"vmapped_unsigned_ids": "ok"}))
 
 
+def check_sharded_unsigned_ids():
+    """A jitted EmbeddingBag over uint32 ids sharded across 2 CPU devices (run with
+    --xla_force_host_platform_device_count=2): ids in range read int32's rows, and an id past int32 is
+    an error the caller catches. The range check's host callback ran on one device: its error left the
+    other waiting in an all-reduce, and 40 s later XLA aborted the process ('Termination timeout')."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from pkm_serve.layers import EmbeddingBag
+
+    assert jax.device_count() == 2, jax.devices()
+    bag = EmbeddingBag(100, 4, combiner="mean")
+    ids = np.random.default_rng(3).integers(0, 100, size=(8, 3))
+    want = np.asarray(bag(ids.astype("int32")))
+    rows = NamedSharding(Mesh(np.array(jax.devices()), ("batch",)), PartitionSpec("batch"))
+    lookup = jax.jit(bag)
+    np.testing.assert_array_equal(np.asarray(lookup(jax.device_put(ids.astype("uint32"), rows))), want)
+    past = ids.astype("uint32")
+    past[6, 1] = 4294967295
+    try:
+        lookup(jax.device_put(past, rows)).block_until_ready()
+    except Exception as err:  # noqa: BLE001 - XLA's runtime error
+        assert "is out of range [0, 100)" in str(err), str(err)
+    else:
+        raise AssertionError("a uint32 id past the table was taken with sharded ids")
+    print(json.dumps({"sharded_unsigned_ids": "ok"}))
+
+
 CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":

@@ -31,3 +31,14 @@ def test_vmapped_unsigned_ids_take_one_host_check_per_call(results):
     """jax.vmap of an EmbeddingBag over uint32 ids: one host callback per call (it was one per mapped row),
     int32's rows, and an id past int32 still named."""
     assert results["vmapped_unsigned_ids"] == "ok"
+
+
+def test_sharded_unsigned_ids_past_int32_are_an_error_not_an_abort():
+    """jax.jit of an EmbeddingBag on uint32 ids sharded over 2 CPU devices: an id past int32 is an error
+    (the range check's host callback ran on one device and XLA aborted the process 40 s later)."""
+    if not installed("jax"):
+        pytest.skip("JAX is not installed")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+        proc = start("jax", ["sharded_unsigned_ids"], module="review35_checks")
+    assert finish(proc, "jax sharded_unsigned_ids", timeout=120)["sharded_unsigned_ids"] == "ok"
