@@ -26,7 +26,7 @@ def top_k_lowest_ties(scores, k: int):
         import torch
 
         index = torch.sort(scores, dim=-1, descending=True, stable=True)[1][..., :k]
-    else:
+    else:   # (-0.0 ranked as 0.0: an IEEE total-order top_k puts 0.0 first)
         index = ops.top_k(ops.where(scores == 0, ops.zeros_like(scores), scores), k=k, sorted=True)[1]
     index = _take_along_last_axis(index, ops.top_k(-index, k=k, sorted=True)[1])   # k distinct: no ties
     return _take_along_last_axis(scores, index), index
