@@ -14,24 +14,21 @@ from keras import ops
 
 def top_k_lowest_ties(scores, k: int):
     """ops.top_k over the last axis, (values, indices) in ascending index order, ties at the k-th
-    value to the lowest indices; as pkm_serve.product_keys. JAX's top_k orders ties by index;
-    torch.topk does not, so PyTorch takes a stable sort's first k."""
-    exporting = _under_jax_export(scores)
+    value to the lowest indices (-0.0 tied with 0.0); as pkm_serve.product_keys. torch.topk orders
+    ties its own way, so PyTorch takes a stable sort's first k; JAX's ranking is chosen when lowered
+    (pkm_serve.backends.jax_top_k). The values are gathered from the scores (their gradient)."""
+    if keras.backend.backend() == "jax":
+        from pkm_serve.backends.jax_top_k import top_k_indices
+
+        index = top_k_indices(scores, k)
+        return _take_along_last_axis(scores, index), index
     if keras.backend.backend() == "torch":
         import torch
 
         index = torch.sort(scores, dim=-1, descending=True, stable=True)[1][..., :k]
-    elif exporting:
-        import jax.numpy as jnp
-
-        index = jnp.argsort(scores, axis=-1, descending=True, stable=True)[..., :k]
-    else:
-        # JAX's top_k ranks in IEEE total order, 0.0 above -0.0, where the sorts above and TF's
-        # kernel tie them: ranked with -0.0 as 0.0 (the values come from the scores themselves).
+    else:   # (-0.0 ranked as 0.0: an IEEE total-order top_k puts 0.0 first)
         index = ops.top_k(ops.where(scores == 0, ops.zeros_like(scores), scores), k=k, sorted=True)[1]
-    # k distinct keys: no ties.
-    ascending = ops.argsort(index, axis=-1) if exporting else ops.top_k(-index, k=k, sorted=True)[1]
-    index = _take_along_last_axis(index, ascending)
+    index = _take_along_last_axis(index, ops.top_k(-index, k=k, sorted=True)[1])   # k distinct: no ties
     return _take_along_last_axis(scores, index), index
 
 
@@ -49,9 +46,9 @@ def _under_jax_export(scores):
     """True under JAX for arrays of a symbolic shape (jax.export's shape polymorphism: model.export's
     None batch), for any traced while TensorFlow builds a graph (jax2tf.convert inside a tf.function:
     model.export with a fixed-batch input_signature) and for any traced by jax2tf or jax.export
-    themselves (jax2tf.convert called eagerly). There jax.lax.top_k serialises as a CHLO composite that
-    TF's XlaCallModule does not read (TF 2.21 under JAX 0.10: the exported SavedModel failed at its
-    first call), so the search sorts (plain StableHLO) instead."""
+    themselves (jax2tf.convert called eagerly): there a host callback cannot be serialised. Read at
+    trace time, so a jitted function traced before for a call keeps that trace when exported (the
+    product-key search decides when lowered instead: pkm_serve.backends.jax_top_k)."""
     if keras.backend.backend() != "jax":
         return False
     if not all(isinstance(d, int) for d in scores.shape):

@@ -125,8 +125,9 @@ def refuse_unsigned_ids_past(layer_name, indices, target, rows):
     kernel runs on the CPU: an id past `target` fails naming the caller's value, in the kernel's words.
     The layer clips such ids to target's largest value to keep them out of range, and the kernel then
     named that value (2147483647 for uint32 4294967295 without jax_enable_x64). The check calls back to
-    the host only for a batch that holds such an id; elsewhere (CUDA: padding, an export: no host
-    callbacks) the ids pass unchanged."""
+    the host only for a batch that holds such an id (under jax.vmap, where the cond is a select, once
+    every call); elsewhere (CUDA: padding, an export: no host callbacks, several devices: see below)
+    the ids pass unchanged."""
     from pkm_serve import backends
     from pkm_serve.backends.product_keys import _under_jax_export
 
@@ -135,9 +136,14 @@ def refuse_unsigned_ids_past(layer_name, indices, target, rows):
     import jax
     import jax.numpy as jnp
 
+    if jax.device_count() > 1:
+        # Ids sharded over devices: the callback's error on one device leaves the others in a collective,
+        # and XLA aborts the process (its rendezvous timeout); the kernel names the clipped id instead.
+        return indices
+
     limit = np.iinfo(target).max
 
-    def refuse(ids):   # (vmap runs it for every element, where the cond became a select)
+    def refuse(ids):   # (any shape: under vmap it gets the whole batch, the cond there a select)
         flat = np.asarray(ids).reshape(-1)
         if not np.any(flat > limit):
             return np.asarray(ids)
@@ -147,7 +153,7 @@ def refuse_unsigned_ids_past(layer_name, indices, target, rows):
 
     def host_check(ids):
         return jax.pure_callback(refuse, jax.ShapeDtypeStruct(ids.shape, ids.dtype), ids,
-                                 vmap_method="sequential")
+                                 vmap_method="expand_dims")   # one call per batch ("sequential": per row)
     return jax.lax.cond(jnp.any(indices > limit), host_check, lambda ids: ids, indices)
 
 

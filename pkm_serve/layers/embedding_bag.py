@@ -296,7 +296,10 @@ def _refuse_listed_inputs(indices):
         listed = f"a {type(indices).__name__} of {len(indices)} tensors"
         takes = ("EmbeddingBag takes layer(indices) or layer(indices, weights): indices one integer "
                  "[..., K] tensor (each row along the last axis a bag; -1 pads)")
-        if indices and all(_holds_integers(x) for x in indices):
+        if len(indices) == 1:   # (Keras' functional habit of wrapping a lone input)
+            raise ValueError(f"{takes}, got a {type(indices).__name__} of 1 tensor: pass the tensor itself, "
+                             f"layer(indices), not in a {type(indices).__name__}")
+        if all(_holds_integers(x) for x in indices):
             raise ValueError(f"{takes}, got {listed} of ids: stack them into one tensor "
                              "(keras.ops.stack / np.stack, bags of one length) or call the layer on each")
         raise ValueError(f"{takes}, got {listed}: pass per-index weights as the second argument, "
