@@ -18,12 +18,19 @@ def top_k_lowest_ties(scores, k: int):
     then puts them in index order, which makes the pair search's ties go to the lowest slot."""
     import tensorflow as tf
 
+    from pkm_serve import _xla
+
+    batch_dims = len(scores.shape) - 1
+    if _xla.compile_device_type() is None and not _xla.cpu_autoclustering():
+        values, index = tf.math.top_k(scores, k=k, sorted=True)
+        ascending = tf.math.top_k(-index, k=k, sorted=True).indices  # k distinct keys: no ties
+        return tf.gather(values, ascending, batch_dims=batch_dims), tf.gather(index, ascending, batch_dims=batch_dims)
     # XLA's TopK ranks in IEEE total order, 0.0 above -0.0, where TF's kernel and TFLite tie them:
     # ranked with -0.0 as 0.0, the values gathered from the scores themselves (their gradient).
+    # Only there: outside XLA the extra pass cost the search ~10%.
     ranked = tf.where(tf.equal(scores, 0), tf.zeros_like(scores), scores)
     index = tf.math.top_k(ranked, k=k, sorted=True).indices
-    ascending = tf.math.top_k(-index, k=k, sorted=True).indices  # k distinct keys: no ties
-    batch_dims = len(scores.shape) - 1
+    ascending = tf.math.top_k(-index, k=k, sorted=True).indices
     index = tf.gather(index, ascending, batch_dims=batch_dims)
     return tf.gather(scores, index, batch_dims=batch_dims), index
 
