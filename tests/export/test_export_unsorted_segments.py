@@ -243,3 +243,23 @@ def test_segment_sum_of_rows_broadcast_against_their_weights_answers_and_refuses
     for model in (tmp_path / "b" / "m", by_ids.dst):
         with pytest.raises(tf.errors.InvalidArgumentError):
             tf.saved_model.load(str(model)).signatures["serving_default"](args_0=one_id, args_1=w)
+
+
+def test_int64_segment_ids_past_int32_are_dropped_or_refused_as_the_original(tmp_path):
+    """int64 segment ids were cast to int32 for the sort, wrapping: -2**32 + 1 (dropped by the composite, being
+    negative) became 1 and was summed into bag 1; 2**32 + 2 (refused, >= num_segments) became 2 and was summed."""
+    sample = str(tmp_path / "sample.npz")
+    np.savez(sample, args_0=RNG.integers(0, N, 12), args_1=RNG.integers(-1, 4, 12), args_2=np.int32(5))
+    result = save_and_export(tmp_path, [FLAT, tf.TensorSpec([None], tf.int64), COUNT], ANY_ORDER["plain"],
+                             sample_inputs=sample)
+    assert result.sites[0].status == "fused", result.sites[0].reason
+    ids = RNG.integers(0, N, 6)
+    seg = np.array([0, 1, -2**32 + 1, 1, -2**31 - 1, 2])
+    expected = _segment_reference(ids, seg, 3)
+    for out in run_both(tmp_path, result, ids, seg, np.int32(3)):
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    for too_large in (2**32 + 2, 2**31):
+        for model in (tmp_path / "m", result.dst):
+            with pytest.raises(tf.errors.InvalidArgumentError):
+                tf.saved_model.load(str(model)).signatures["serving_default"](
+                    args_0=ids, args_1=np.where(seg < 0, too_large, seg), args_2=np.int32(3))
