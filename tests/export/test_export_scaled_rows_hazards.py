@@ -94,3 +94,19 @@ def test_masked_rows_divided_by_a_nonzero_constant_or_masked_after_division_are_
     expected = np_bags(ids, np.where(mask, 0.5 / np.where(mask, d, 1).astype(np.float64), 0))
     for out in run_both(tmp_path, result, ids, d, mask):
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_factors_of_rows_before_a_regrouping_reshape_are_reported_not_a_failed_export(tmp_path):
+    """reduce_sum(reshape(-(rows / d[..., None]), [-1, 2, 3, D]), 2) of [B, 6] ids: d is [B, 6], the ids' shape
+    before the reshape, not the regrouped [B, 2, 3] the op reads. The factor was checked against the ids as
+    fed, and the export failed ("the fused SavedModel does not load"); now the site is reported."""
+    d = RNG.uniform(0.5, 2, (4, 6)).astype(np.float32)
+    ids = RNG.integers(0, N, (4, 6))
+    result = save_and_export(tmp_path, [tf.TensorSpec([None, 6], tf.int64), tf.TensorSpec([None, 6], tf.float32)],
+                             lambda m, ids, d: tf.reduce_sum(tf.reshape(
+                                 -(tf.gather(m.t, ids) / d[..., None]), [-1, 2, 3, TABLE.shape[1]]), 2))
+    [site] = result.sites
+    assert site.status == "skipped" and "not per-index" in site.reason, site.reason
+    expected = -np_bags(ids.reshape(-1, 3), 1 / d.reshape(-1, 3).astype(np.float64)).reshape(4, 2, -1)
+    for out in run_both(tmp_path, result, ids, d):
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
