@@ -19,6 +19,7 @@ from pkm_serve.export.flat_bags import after
 from pkm_serve.export.fuse import _regrouped_ids, _squeeze_last
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import _assert
+from pkm_serve.export.segment_ids import int32_segment_ids
 from pkm_serve.export.sites import NotASite, Site, Skip, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
@@ -73,7 +74,7 @@ def sort_by_segment(fg: FunctionGraph, site: Site) -> None:
     site.segments_counted = False
     if not site.segments_unsorted:
         return
-    seg = _int32_segment_ids(fg, site.segment_ids, prefix)
+    seg = int32_segment_ids(fg, site.segment_ids, prefix)
     zero = fg.add_const(prefix + "/zero", np.array(0, np.int32))
     kept = fg.add_op(prefix + "/kept", "GreaterEqual", [seg, zero], {"T": I32}, shapes=[[None]])
     if site.mask is not None:
@@ -98,21 +99,6 @@ def sort_by_segment(fg: FunctionGraph, site: Site) -> None:
     if site.weights is not None and not site.weights_scalar:
         site.weights = in_order("weights", site.weights, tensor_dtype(fg, site.weights))
     site.segments_unsorted = False
-
-
-def _int32_segment_ids(fg: FunctionGraph, seg: Ref, prefix: str) -> Ref:
-    """int64 segment ids as int32, clamped to [-1, 2**31 - 1] first: a cast alone wraps (-2**32 + 1, which
-    the composite drops, would be 1), and an id past int32 is >= any num_segments, refused as it stays."""
-    seg_type = tensor_dtype(fg, seg)
-    if seg_type == types_pb2.DT_INT32:
-        return seg
-    numpy_type = np.int64 if seg_type == types_pb2.DT_INT64 else np.int32
-    for op, bound in (("Maximum", -1), ("Minimum", np.iinfo(np.int32).max)):
-        seg = fg.add_op(f"{prefix}/seg_{op.lower()}", op, [seg, fg.add_const(
-            f"{prefix}/seg_{op.lower()}_bound", np.array(bound, numpy_type))], {"T": DType(seg_type)},
-            shapes=[[None]])
-    return fg.add_op(prefix + "/seg32", "Cast", [seg], {"SrcT": DType(seg_type), "DstT": I32, "Truncate": False},
-                     shapes=[[None]])
 
 
 def _broadcast_entries(fg: FunctionGraph, site: Site, prefix: str) -> None:

@@ -263,3 +263,20 @@ def test_int64_segment_ids_past_int32_are_dropped_or_refused_as_the_original(tmp
             with pytest.raises(tf.errors.InvalidArgumentError):
                 tf.saved_model.load(str(model)).signatures["serving_default"](
                     args_0=ids, args_1=np.where(seg < 0, too_large, seg), args_2=np.int32(3))
+
+
+def test_sorted_segment_sum_refuses_int64_segment_ids_that_wrap_in_int32(tmp_path):
+    """segment_sum of flattened rows with int64 segment ids: -2**32 (refused by the composite: negative) was
+    cast to int32 as 0, and the fused model answered."""
+    sample = str(tmp_path / "sample.npz")
+    np.savez(sample, args_0=_ids(2), args_1=np.repeat([0, 1], K))
+    result = save_and_export(tmp_path, [IDS, tf.TensorSpec([None], tf.int64)], lambda m, ids, seg: tf.math.segment_sum(
+        _flattened_rows(m, ids), seg), sample_inputs=sample)
+    assert result.sites[0].status == "fused", result.sites[0].reason
+    ids = _ids(3)
+    np.testing.assert_allclose(run_both(tmp_path, result, ids, np.repeat([0, 1, 2], K))[1], np_bags(ids),
+                               rtol=1e-5, atol=1e-5)
+    for model in (tmp_path / "m", result.dst):
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            tf.saved_model.load(str(model)).signatures["serving_default"](
+                args_0=ids, args_1=np.repeat([-2**32, 0, 1], K))
