@@ -453,10 +453,18 @@ def _bag_of_rows(fg: FunctionGraph, node, site: Site, scaling=None) -> Ref:
         raise Skip("the gathered rows are re-gathered before a dense reduction")
     apply_rows(fg, site, rows, node.name, x)
     if rows.factors:
-        scaling.check_factors(fg, site, rows.factors, rows.gather.ids_shape(fg))
+        scaling.check_factors(fg, site, rows.factors, bag_ids_shape(fg, site, rows))
         site.weight_factors = tuple(rows.factors)
     _check_bag_axis(fg, node, x, axis_ref, site)
     return x
+
+
+def bag_ids_shape(fg: FunctionGraph, site: Site, rows: Rows):
+    """The shape of the ids the op reads: reshape(ids, T) for rows regrouped by a reshape to T + [D], whose
+    multipliers are of that shape (one of the ids as fed scales the rows before the reshape)."""
+    if rows.unflattened is not None and site.regroup_ids is not None:
+        return tensor_shape.TensorShape([None if d == -1 else d for d in site.regroup_ids])
+    return rows.gather.ids_shape(fg)
 
 
 def check_max_site(site: Site) -> None:

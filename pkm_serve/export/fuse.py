@@ -18,6 +18,7 @@ from pkm_serve.export import padded_ragged, sparse_matmul
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import (assert_ids_in_table, assert_ids_rank, assert_masked_ids_below_rows,
                                         assert_table_rows, ids_below_rows)
+from pkm_serve.export.segment_ids import int32_segment_ids
 from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site, dims, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
@@ -431,10 +432,7 @@ def row_splits(fg: FunctionGraph, site: Site):
         num_rows = _cast(fg, prefix + "/rows", first, types_pb2.DT_INT64,
                          types_pb2.DT_INT32, [])
     else:
-        seg = site.segment_ids
-        seg_dtype = tensor_dtype(fg, seg)
-        if seg_dtype != types_pb2.DT_INT32:
-            seg = _cast(fg, prefix + "/ids32", seg, seg_dtype, types_pb2.DT_INT32, [None])
+        seg = int32_segment_ids(fg, site.segment_ids, prefix + "/ids")
         num_rows = _segment_count(fg, site, prefix, seg)
     sorted_check = _assert_sorted(fg, prefix, seg)
     seg_shape = fg.add_op(prefix + "/ids_shape", "Shape", [seg],

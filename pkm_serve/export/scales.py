@@ -33,6 +33,7 @@ class Factor(NamedTuple):
     ref: Optional[Ref]   # the multiplier or divisor (None for "neg")
     squeeze: bool        # it is [..., K, 1]: its last axis dropped
     scalar: bool         # one value for every row
+    after_mask: bool = False  # it scales rows a tf.where has masked (found before the mask, walking down)
 
 
 def match_reduce(fg: FunctionGraph, node, site: Site) -> Site:
@@ -65,14 +66,15 @@ def resolve_scale(fg: FunctionGraph, node, ins: List[Ref], rows, site: Site) -> 
         rows.factors.append(Factor("mul", rows.ones, rows.ones_squeeze, False))
         rows.ones = None
     site.weighted = True
+    after_mask = rows.mask is None  # a mask found further down was applied before this factor
     if is_scalar(fg, factor_ref, fg.shape(rows_ref).rank):
         if not (kind == "mul" and is_ones(fg, factor_ref)):
-            rows.factors.append(Factor(kind, factor_ref, False, True))
+            rows.factors.append(Factor(kind, factor_ref, False, True, after_mask))
         return rows_ref
     what = "multiplier" if kind == "mul" else "divisor"
     factor, nodes, squeeze = strip_trailing_unit_axis(fg, factor_ref, what)
     rows.nodes.extend(nodes)
-    rows.factors.append(Factor(kind, factor, squeeze, False))
+    rows.factors.append(Factor(kind, factor, squeeze, False, after_mask))
     return rows_ref
 
 
@@ -97,6 +99,58 @@ def check_factors(fg: FunctionGraph, site: Site, factors: List[Factor], ids_shap
                        "constant or a variable)")
     if site.shape_consumers:
         raise Skip("the shape of rows scaled by several factors is read")
+    _check_masked_then_divided(fg, site, factors)
+    if site.table_dtype == types_pb2.DT_HALF:
+        _check_half_weight_fits(fg, site, factors)
+
+
+def _check_masked_then_divided(fg: FunctionGraph, site: Site, factors: List[Factor]) -> None:
+    """tf.where(mask, rows, 0) / d: a masked row divided by d == 0 is 0 / 0, NaN in the composite's bag,
+    where the op's padding leaves the masked entry out. Fused only where d is never 0."""
+    if site.mask is None:
+        return
+    for factor in factors:
+        if factor.kind == "div" and factor.after_mask and not _never_zero(fg, factor.ref):
+            raise Skip(f"masked rows divided by {fg.render(factor.ref)}, which may be 0: the composite's 0 / 0 "
+                       "makes the bag NaN where the fused op's mask leaves the entry out")
+
+
+def _never_zero(fg: FunctionGraph, ref: Ref) -> bool:
+    """A constant without zeros, or the length of an axis read off a shape (0 only where there are no rows)."""
+    value = fg.const_value(ref)
+    if value is not None:
+        return value.size > 0 and bool(np.all(value != 0))
+    node = fg.producer(ref)
+    if node is not None and node.op in ("Cast", "Identity"):
+        return _never_zero(fg, fg.inputs(node)[0])
+    return node is not None and node.op == "StridedSlice" and _one_value_always(fg, ref)
+
+
+def _check_half_weight_fits(fg: FunctionGraph, site: Site, factors: List[Factor]) -> None:
+    """A float16 table: the op takes the folded weight in float16, where the product of the factors may pass
+    65504 (1 / d, w * m) although each step of the composite (rows / d, rows * w * m) stays finite. Fused
+    where the weight is a constant float16 holds, or at most one tensor times constants of magnitude <= 1."""
+    tensors, scale = 0, 1.0
+    for kind, ref in [("mul", site.weights)] + [(f.kind, f.ref) for f in factors]:
+        if ref is None or kind == "neg" or _zero_or_one(fg, ref):
+            continue
+        value = fg.const_value(ref)
+        if value is None and kind == "mul":
+            tensors += 1
+        elif value is not None and value.size and (kind == "mul" or np.all(value != 0)):
+            magnitude = np.abs(value.astype(np.float64))
+            scale = scale * magnitude.max() if kind == "mul" else scale / magnitude.min()
+        else:
+            tensors, scale = 2, np.inf
+    if (tensors == 0 and scale > np.finfo(np.float16).max) or (tensors == 1 and scale > 1) or tensors > 1:
+        raise Skip("a float16 table whose rows are scaled by several factors: their product, the op's one "
+                   "float16 weight, may pass 65504 where each step of the composite stays finite")
+
+
+def _zero_or_one(fg: FunctionGraph, ref: Ref) -> bool:
+    """A cast of a bool (a mask as 0/1): no factor of magnitude above 1."""
+    node = fg.producer(ref)
+    return node is not None and node.op == "Cast" and node.attr["SrcT"].type == types_pb2.DT_BOOL
 
 
 def _gathers(fg: FunctionGraph, ref: Ref, limit: int = 400) -> Set[str]:

@@ -16,9 +16,10 @@ from tensorflow.core.framework import types_pb2
 
 from pkm_serve.export import dense, sparse
 from pkm_serve.export.flat_bags import after
-from pkm_serve.export.fuse import _regrouped_ids
+from pkm_serve.export.fuse import _regrouped_ids, _squeeze_last
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import _assert
+from pkm_serve.export.segment_ids import int32_segment_ids
 from pkm_serve.export.sites import NotASite, Site, Skip, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
@@ -68,14 +69,12 @@ def sort_by_segment(fg: FunctionGraph, site: Site) -> None:
     prefix = site.root + "/pkm_segment_order"
     if site.regroup_ids is not None:  # rows of [B, K] ids reshaped to [B * K, D]: the ids flattened first
         site.indices, site.regroup_ids = _regrouped_ids(fg, site), None
+    _broadcast_entries(fg, site, prefix)
     site.indices = _check_one_segment_id_per_id(fg, site, prefix)
     site.segments_counted = False
     if not site.segments_unsorted:
         return
-    seg_type = tensor_dtype(fg, site.segment_ids)
-    seg = site.segment_ids if seg_type == types_pb2.DT_INT32 else fg.add_op(
-        prefix + "/seg32", "Cast", [site.segment_ids], {"SrcT": DType(seg_type), "DstT": I32, "Truncate": False},
-        shapes=[[None]])
+    seg = int32_segment_ids(fg, site.segment_ids, prefix)
     zero = fg.add_const(prefix + "/zero", np.array(0, np.int32))
     kept = fg.add_op(prefix + "/kept", "GreaterEqual", [seg, zero], {"T": I32}, shapes=[[None]])
     if site.mask is not None:
@@ -100,6 +99,35 @@ def sort_by_segment(fg: FunctionGraph, site: Site) -> None:
     if site.weights is not None and not site.weights_scalar:
         site.weights = in_order("weights", site.weights, tensor_dtype(fg, site.weights))
     site.segments_unsorted = False
+
+
+def _broadcast_entries(fg: FunctionGraph, site: Site, prefix: str) -> None:
+    """The ids, weights and mask broadcast against each other: the composite's rows * w and where(mask, rows, 0)
+    broadcast them, so its segment sum takes one segment id per entry of that broadcast (one id fed against
+    K weights is K entries), not one per id."""
+    if site.weights is not None and not site.weights_scalar and site.weights_squeeze:
+        site.weights, site.weights_squeeze = _squeeze_last(
+            fg, prefix + "/weights_squeezed", site.weights, tensor_dtype(fg, site.weights)), False
+    others = [ref for ref in (None if site.weights_scalar else site.weights, site.mask) if ref is not None]
+    if not others:
+        return
+
+    def shape_of(name: str, ref: Ref) -> Ref:
+        return fg.add_op(f"{prefix}/{name}_shape", "Shape", [ref], {"T": DType(tensor_dtype(fg, ref)),
+                                                                    "out_type": I32}, shapes=[[1]])
+    shape = shape_of("ids", site.indices)
+    for i, ref in enumerate(others):
+        shape = fg.add_op(f"{prefix}/entries_shape{i}", "BroadcastArgs", [shape, shape_of(f"other{i}", ref)],
+                          {"T": I32}, shapes=[[1]])
+
+    def broadcast(name: str, ref: Ref) -> Ref:
+        return fg.add_op(f"{prefix}/{name}_broadcast", "BroadcastTo", [ref, shape],
+                         {"T": DType(tensor_dtype(fg, ref)), "Tidx": I32}, shapes=[[None]])
+    site.indices = broadcast("ids", site.indices)
+    if site.weights is not None and not site.weights_scalar:
+        site.weights = broadcast("weights", site.weights)
+    if site.mask is not None:
+        site.mask = broadcast("mask", site.mask)
 
 
 def _check_one_segment_id_per_id(fg: FunctionGraph, site: Site, prefix: str) -> Ref:

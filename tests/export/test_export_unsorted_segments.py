@@ -217,3 +217,66 @@ def test_segment_sum_of_rows_scaled_twice_is_one_weighted_bag(tmp_path):
     want, got = run_both(tmp_path, result, ids, w, mask.astype(np.float32))
     np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+ANY_IDS, ANY_WEIGHTS = tf.TensorSpec([None, None], tf.int64), tf.TensorSpec([None, None], tf.float32)
+
+
+def _flat_weighted_rows(m, ids, w):
+    return _flattened_rows(m, ids) * tf.reshape(w, [-1, 1])
+
+
+def test_segment_sum_of_rows_broadcast_against_their_weights_answers_and_refuses_as_the_original(tmp_path):
+    """Fed one id [1, 1] and K weights [1, K], the composite's rows * w broadcasts to K entries: with K
+    segment ids it sums them, with one segment id it refuses. The fused model counted the ids alone: it
+    refused the first and answered the second. Now the ids are broadcast against the weights first."""
+    by_weights = save_and_export(tmp_path / "a", [ANY_IDS, ANY_WEIGHTS], lambda m, ids, w: tf.math.unsorted_segment_sum(
+        _flat_weighted_rows(m, ids, w), tf.repeat(tf.range(tf.shape(w)[0]), tf.shape(w)[1]), tf.shape(w)[0]))
+    by_ids = save_and_export(tmp_path / "b", [ANY_IDS, ANY_WEIGHTS], lambda m, ids, w: tf.math.unsorted_segment_sum(
+        _flat_weighted_rows(m, ids, w), tf.repeat(tf.range(tf.shape(ids)[0]), tf.shape(ids)[1]), tf.shape(ids)[0]))
+    for result in (by_weights, by_ids):
+        assert result.sites[0].status == "fused", result.sites[0].reason
+    one_id, w = _ids(1, 1), RNG.uniform(-2, 2, (1, K)).astype(np.float32)
+    expected = np_bags(np.repeat(one_id, K, axis=1), w)
+    for out in run_both(tmp_path / "a", by_weights, one_id, w):
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    for model in (tmp_path / "b" / "m", by_ids.dst):
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            tf.saved_model.load(str(model)).signatures["serving_default"](args_0=one_id, args_1=w)
+
+
+def test_int64_segment_ids_past_int32_are_dropped_or_refused_as_the_original(tmp_path):
+    """int64 segment ids were cast to int32 for the sort, wrapping: -2**32 + 1 (dropped by the composite, being
+    negative) became 1 and was summed into bag 1; 2**32 + 2 (refused, >= num_segments) became 2 and was summed."""
+    sample = str(tmp_path / "sample.npz")
+    np.savez(sample, args_0=RNG.integers(0, N, 12), args_1=RNG.integers(-1, 4, 12), args_2=np.int32(5))
+    result = save_and_export(tmp_path, [FLAT, tf.TensorSpec([None], tf.int64), COUNT], ANY_ORDER["plain"],
+                             sample_inputs=sample)
+    assert result.sites[0].status == "fused", result.sites[0].reason
+    ids = RNG.integers(0, N, 6)
+    seg = np.array([0, 1, -2**32 + 1, 1, -2**31 - 1, 2])
+    expected = _segment_reference(ids, seg, 3)
+    for out in run_both(tmp_path, result, ids, seg, np.int32(3)):
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    for too_large in (2**32 + 2, 2**31):
+        for model in (tmp_path / "m", result.dst):
+            with pytest.raises(tf.errors.InvalidArgumentError):
+                tf.saved_model.load(str(model)).signatures["serving_default"](
+                    args_0=ids, args_1=np.where(seg < 0, too_large, seg), args_2=np.int32(3))
+
+
+def test_sorted_segment_sum_refuses_int64_segment_ids_that_wrap_in_int32(tmp_path):
+    """segment_sum of flattened rows with int64 segment ids: -2**32 (refused by the composite: negative) was
+    cast to int32 as 0, and the fused model answered."""
+    sample = str(tmp_path / "sample.npz")
+    np.savez(sample, args_0=_ids(2), args_1=np.repeat([0, 1], K))
+    result = save_and_export(tmp_path, [IDS, tf.TensorSpec([None], tf.int64)], lambda m, ids, seg: tf.math.segment_sum(
+        _flattened_rows(m, ids), seg), sample_inputs=sample)
+    assert result.sites[0].status == "fused", result.sites[0].reason
+    ids = _ids(3)
+    np.testing.assert_allclose(run_both(tmp_path, result, ids, np.repeat([0, 1, 2], K))[1], np_bags(ids),
+                               rtol=1e-5, atol=1e-5)
+    for model in (tmp_path / "m", result.dst):
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            tf.saved_model.load(str(model)).signatures["serving_default"](
+                args_0=ids, args_1=np.repeat([-2**32, 0, 1], K))
