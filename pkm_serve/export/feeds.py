@@ -19,7 +19,7 @@ from tensorflow.python.framework import tensor_util
 
 from pkm_serve.export.composites import signature_composites
 from pkm_serve.export.lookup_keys import model_int_keys
-from pkm_serve.export.graph import FunctionGraph, Ref, output_arg_counts
+from pkm_serve.export.graph import FunctionGraph, Ref
 
 PARSE_OPS = ("ParseExampleV2", "ParseExample", "ParseSingleExample")
 CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
@@ -34,6 +34,13 @@ KEY_OPS = ("LookupTableFindV2", "LookupTableFind", "StringToHashBucketFast", "St
            "StringToHashBucket")
 # Constants that name checkpoint entries, not words of the model.
 SAVE_OPS = ("SaveV2", "RestoreV2", "MergeV2Checkpoints", "SaveSlices", "RestoreSlice")
+# Where an input's values go on when its graph is followed: to outputs of its own kind
+# (a variant may hold it: a ragged map_fn, a TensorList), never through a gather's row ids
+# nor an op that reads only its shape.
+_INT_FLOW = frozenset((types_pb2.DT_INT64, types_pb2.DT_INT32, types_pb2.DT_VARIANT)).__contains__
+_STRING_FLOW = frozenset((types_pb2.DT_STRING, types_pb2.DT_VARIANT)).__contains__
+_GATHER_OPS = ("GatherV2", "Gather", "ResourceGather", "GatherNd", "ResourceGatherNd")
+_SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank")
 _MAX_VOCABULARY = 2000
 
 
@@ -82,7 +89,7 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
             if width is not None:
                 feeds[name] = Feed(sparse_width=width)
         if int_keys and info.dtype in (types_pb2.DT_INT64, types_pb2.DT_INT32) and _parse_ops_fed_by(
-                meta_graph.graph_def, placeholder, library, sigs, graphs, follow_all=True,
+                meta_graph.graph_def, placeholder, library, sigs, graphs, follow=_INT_FLOW,
                 accept=lambda node, pos: node.op in ("LookupTableFindV2", "LookupTableFind") and pos == 1):
             feeds[name] = dataclasses.replace(feeds.get(name, Feed()), int_keys=int_keys)
         if info.dtype != types_pb2.DT_STRING:
@@ -122,23 +129,52 @@ def _is_token_input(graph_def, placeholder: str, library, sigs, graphs) -> bool:
     key per cell there, so verification would barely read the table."""
     reached = {node.op for _, node in _parse_ops_fed_by(
         graph_def, placeholder, library, sigs, graphs,
-        accept=lambda node, pos: node.op in SPLIT_OPS + KEY_OPS, follow_all=True)}
+        accept=lambda node, pos: node.op in SPLIT_OPS + KEY_OPS, follow=_STRING_FLOW)}
     return bool(reached & set(KEY_OPS)) and not reached & set(SPLIT_OPS)
 
 
-def _outputs(fg: FunctionGraph, node) -> List[Ref]:
-    try:
-        count = sum(n for _, n in output_arg_counts(node, fg.library_sigs))
-    except KeyError:  # an op this process does not know: nothing to follow
+def _output_dtypes(node, library_sigs) -> List[int]:
+    """The DataType of each flat output of a node ([] for an op this process
+    does not know: nothing to follow)."""
+    from tensorflow.python.framework import op_def_registry
+
+    op_def = op_def_registry.get(node.op)
+    if op_def is None:
+        sig = library_sigs.get(node.op)
+        return [arg.type for arg in sig.output_arg] if sig is not None else []
+    defaults = {a.name: a.default_value for a in op_def.attr}  # saved graphs drop default attrs
+
+    def attr(name):
+        return node.attr[name] if name in node.attr else defaults.get(name, attr_value_pb2.AttrValue())
+
+    dtypes: List[int] = []
+    for arg in op_def.output_arg:
+        if arg.type_list_attr:
+            dtypes += list(attr(arg.type_list_attr).list.type)
+            continue
+        dtype = arg.type or attr(arg.type_attr).type
+        dtypes += [dtype] * (attr(arg.number_attr).i if arg.number_attr else 1)
+    return dtypes
+
+
+def _flows_on(fg: FunctionGraph, node, pos: int, keep) -> List[Ref]:
+    """The outputs of `node` that still carry the values fed at input `pos`:
+    those of a dtype `keep` takes, unless the values are a gather's row ids or
+    only lend their shape. Ids that pick embedding rows go on as float rows,
+    and a top_k over their scores that reaches an inverted lookup (index ->
+    title) is not the ids reaching that lookup's keys."""
+    if (pos == 1 and node.op in _GATHER_OPS) or node.op in _SHAPE_OPS:
         return []
-    return [Ref(node.name, k) for k in range(count)]
+    return [Ref(node.name, k) for k, dtype in enumerate(_output_dtypes(node, fg.library_sigs))
+            if keep(dtype)]
 
 
 def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth: int = 8,
                       accept=lambda node, pos: node.op in PARSE_OPS and pos == 0,
-                      follow_all: bool = False):
+                      follow=None):
     """Parse ops (or the ops `accept` takes) reached from a top-level placeholder
-    through Identity and function calls (any op with `follow_all`):
+    through Identity and function calls (with `follow`, a predicate on a
+    DataType, through any op to its outputs of a dtype it takes):
     [(FunctionGraph, node)]."""
     found = []
     frontier = []
@@ -178,8 +214,8 @@ def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth:
                     work.append((node.attr["f"].func.name, cpos, left - 1))
                 elif node.op in ("Identity", "IdentityN"):
                     refs.append(Ref(consumer, cpos if node.op == "IdentityN" else 0))
-                elif follow_all:
-                    refs.extend(_outputs(fg, node))
+                elif follow is not None:
+                    refs.extend(_flows_on(fg, node, cpos, follow))
     return found
 
 
