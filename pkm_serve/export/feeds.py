@@ -18,7 +18,7 @@ from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
 from pkm_serve.export.composites import signature_composites
-from pkm_serve.export.lookup_keys import model_int_keys
+from pkm_serve.export.lookup_keys import model_int_keys, resource_sources, table_int_keys
 from pkm_serve.export.graph import FunctionGraph, Ref
 
 PARSE_OPS = ("ParseExampleV2", "ParseExample", "ParseSingleExample")
@@ -80,7 +80,8 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
     sigs = {name: f.signature for name, f in library.items()}
     graphs: Dict[str, FunctionGraph] = {}
     vocabulary = model_vocabulary(meta_graph)
-    int_keys = model_int_keys(meta_graph)
+    keys_of_table = table_int_keys(meta_graph)
+    int_keys, sources = model_int_keys(keys_of_table), None
     feeds = {}
     for name, info in sig.inputs.items():
         placeholder = info.name.split(":")[0]
@@ -88,10 +89,13 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
             width = _sparse_matmul_width(meta_graph.graph_def, placeholder, library, sigs, graphs)
             if width is not None:
                 feeds[name] = Feed(sparse_width=width)
-        if int_keys and info.dtype in (types_pb2.DT_INT64, types_pb2.DT_INT32) and _parse_ops_fed_by(
-                meta_graph.graph_def, placeholder, library, sigs, graphs, follow=_INT_FLOW,
-                accept=lambda node, pos: node.op in ("LookupTableFindV2", "LookupTableFind") and pos == 1):
-            feeds[name] = dataclasses.replace(feeds.get(name, Feed()), int_keys=int_keys)
+        lookups = int_keys and info.dtype in (types_pb2.DT_INT64, types_pb2.DT_INT32) and _parse_ops_fed_by(
+            meta_graph.graph_def, placeholder, library, sigs, graphs, follow=_INT_FLOW,
+            accept=lambda node, pos: node.op in ("LookupTableFindV2", "LookupTableFind") and pos == 1)
+        if lookups:
+            sources = resource_sources(meta_graph) if sources is None else sources
+            feeds[name] = dataclasses.replace(feeds.get(name, Feed()),
+                                              int_keys=_keys_of(lookups, keys_of_table, sources) or int_keys)
         if info.dtype != types_pb2.DT_STRING:
             continue
         parses = _parse_ops_fed_by(meta_graph.graph_def, placeholder, library, sigs, graphs)
@@ -108,6 +112,22 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
         first = group[1]
         feeds[first] = dataclasses.replace(feeds.get(first, Feed()), composite=group)
     return feeds
+
+
+def _keys_of(lookups, keys_of_table, sources) -> List[int]:
+    """The keys of the tables these lookups read, where each lookup's table is
+    a top-level table (a model with several: user ids 1001.. and item ids
+    1..50 into tables of their own); [] where one is not."""
+    keys = set()
+    for fg, node in lookups:
+        ref = fg.inputs(node)[0]
+        while fg.producer(ref) is not None and fg.producer(ref).op == "Identity":
+            ref = fg.inputs(fg.producer(ref))[0]
+        tables = sources.get((fg.fdef.signature.name, ref.node)) if fg.producer(ref) is None else None
+        if not tables or not all(t in keys_of_table for t in tables):
+            return []
+        keys.update(k for t in tables for k in keys_of_table[t])
+    return sorted(keys)
 
 
 def _sparse_matmul_width(graph_def, placeholder: str, library, sigs, graphs) -> Optional[int]:

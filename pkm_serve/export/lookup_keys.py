@@ -4,7 +4,9 @@ ids 1001..1050 looked up into rows 2..51) with ids the tables know: drawn from
 [0, rows), nearly all of them would be out of vocabulary, one row for all."""
 from __future__ import annotations
 
-from typing import List
+from typing import Dict, List, Optional, Set, Tuple
+
+import numpy as np
 
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_util
@@ -15,32 +17,79 @@ INT_TYPES = (types_pb2.DT_INT64, types_pb2.DT_INT32)
 _MAX_KEYS = 2000
 
 
-def _int_values(node) -> List[int]:
+def _int_values(node) -> np.ndarray:
     if node is None or node.op != "Const" or node.attr["dtype"].type not in INT_TYPES:
-        return []
-    return [int(v) for v in tensor_util.MakeNdarray(node.attr["value"].tensor).ravel()]
+        return np.zeros([0], np.int64)
+    return tensor_util.MakeNdarray(node.attr["value"].tensor).ravel().astype(np.int64)
 
 
-def model_int_keys(meta_graph) -> List[int]:
-    """Sorted integer keys that initialise the model's lookup tables: constants
-    in the initializer function, or passed to it by the top-level call (how
-    Keras and tf.saved_model.save write a StaticHashTable's initializer)."""
+def table_int_keys(meta_graph) -> Dict[str, List[int]]:
+    """{top-level table node ("" where the initializer's caller does not say):
+    the integer keys that initialise it}: constants in the initializer
+    function, or passed to it by the top-level call (how Keras and
+    tf.saved_model.save write a StaticHashTable's initializer)."""
     graph_def = meta_graph.graph_def
     top = {n.name: n for n in graph_def.node}
-    keys: List[int] = []
+    keys: Dict[str, List[np.ndarray]] = {}
     for fdef in graph_def.library.function:
+        inits = [n for n in fdef.node_def if n.op in TABLE_INIT_OPS and len(n.input) > 1]
+        if not inits:
+            continue
         nodes = {n.name: n for n in fdef.node_def}
         args = [a.name for a in fdef.signature.input_arg]
-        for init in (n for n in fdef.node_def if n.op in TABLE_INIT_OPS and len(n.input) > 1):
-            source = init.input[1].split(":")[0]
-            keys += _int_values(nodes.get(source))
-            if source not in args:
-                continue
-            position = args.index(source)
-            for call in graph_def.node:
-                if call.op in CALL_OPS and call.attr["f"].func.name == fdef.signature.name \
-                        and position < len(call.input):
-                    keys += _int_values(top.get(call.input[position].split(":")[0]))
-        if len(keys) >= _MAX_KEYS:
+        calls = [c for c in graph_def.node
+                 if c.op in CALL_OPS and c.attr["f"].func.name == fdef.signature.name]
+        for init in inits:
+            table_arg, source = (init.input[i].split(":")[0] for i in (0, 1))
+            inside = _int_values(nodes.get(source))
+            for call in calls or [None]:
+                table = _call_input(call, args, table_arg) or ""
+                passed = _int_values(top.get(_call_input(call, args, source) or ""))
+                if inside.size or passed.size:
+                    keys.setdefault(table, []).append(inside if inside.size else passed)
+    return {table: _smallest_distinct(np.concatenate(k)) for table, k in keys.items()}
+
+
+def _smallest_distinct(keys: np.ndarray) -> List[int]:
+    """The _MAX_KEYS smallest distinct keys (a sort: np.unique took 2 s on 1M keys)."""
+    ordered = np.sort(keys)
+    return ordered[np.concatenate([[True], ordered[1:] != ordered[:-1]])][:_MAX_KEYS].tolist()
+
+
+def _call_input(call, args: List[str], arg: str) -> Optional[str]:
+    if call is None or arg not in args or args.index(arg) >= len(call.input):
+        return None
+    return call.input[args.index(arg)].split(":")[0]
+
+
+def model_int_keys(keys_of_table: Dict[str, List[int]]) -> List[int]:
+    """Sorted integer keys of all the model's lookup tables (table_int_keys),
+    some of each."""
+    share = _MAX_KEYS // max(len(keys_of_table), 1)
+    return sorted({k for keys in keys_of_table.values() for k in keys[:share]})
+
+
+def resource_sources(meta_graph, depth: int = 8) -> Dict[Tuple[str, str], Set[str]]:
+    """{(function, arg): top-level nodes passed to it}, through up to `depth`
+    nested calls: which table a lookup inside a function reads."""
+    graph_def = meta_graph.graph_def
+    library = {f.signature.name: f for f in graph_def.library.function}
+    sources: Dict[Tuple[str, str], Set[str]] = {}
+
+    def pass_on(caller, nodes):
+        for node in nodes:
+            callee = node.attr["f"].func.name if node.op in CALL_OPS else ""
+            for arg, text in zip(library[callee].signature.input_arg if callee in library else [], node.input):
+                name = text.split(":")[0]
+                passed = {name} if caller is None else sources.get((caller, name), set())
+                if passed and not text.startswith("^"):
+                    sources.setdefault((callee, arg.name), set()).update(passed)
+
+    pass_on(None, graph_def.node)
+    for _ in range(depth):
+        before = sum(len(v) for v in sources.values())
+        for fname in {f for f, _ in sources}:
+            pass_on(fname, library[fname].node_def)
+        if sum(len(v) for v in sources.values()) == before:
             break
-    return sorted(set(keys))[:_MAX_KEYS]
+    return sources

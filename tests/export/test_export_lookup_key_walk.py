@@ -68,3 +68,21 @@ def test_ids_that_index_the_codes_a_table_looks_up_are_row_ids(tmp_path):
     assert feed.int_keys == []
     assert ids.min() >= 0 and ids.max() < GENRES, ids
     assert rc == 0
+
+
+def test_each_input_gets_the_keys_of_its_own_table(tmp_path):
+    """Raw ids of two IntegerLookups, one of 3000 keys: the keys of every table were pooled and the
+    first table past 2000 keys cut the pool, so the small table's ids were drawn from the big one's
+    keys: the [0, rows) fifth alone hit it."""
+    big_keys, small_keys = np.arange(5_000_000, 5_003_000), np.arange(1, 51)
+    big, small = keras.Input((K,), dtype="int64", name="big"), keras.Input((K,), dtype="int64", name="small")
+    bags = [keras.ops.sum(keras.layers.Embedding(len(keys) + 1, 4)(keras.layers.IntegerLookup(vocabulary=keys)(x)), 1)
+            for x, keys in ((big, big_keys), (small, small_keys))]
+    src = str(tmp_path / "sm")
+    keras.Model([big, small], bags[0] + bags[1]).export(src, verbose=False)
+    feeds = F.signature_feeds(read_saved_model(src), "serve")
+    assert feeds["small"].int_keys == small_keys.tolist()
+    assert set(feeds["big"].int_keys) <= set(big_keys.tolist()) and len(feeds["big"].int_keys) >= 1000
+    specs = V.signature_input_specs(tf.saved_model.load(src).signatures["serve"])
+    ids = V.generate_inputs(specs, index_limit=51, batch_size=16, feeds=feeds)
+    assert np.isin(ids["small"], small_keys).mean() >= 0.6 and np.isin(ids["big"], big_keys).mean() >= 0.6, ids
