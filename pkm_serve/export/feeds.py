@@ -18,7 +18,7 @@ from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
 from pkm_serve.export.composites import signature_composites
-from pkm_serve.export.lookup_keys import model_int_keys, resource_sources, table_int_keys
+from pkm_serve.export.lookup_keys import model_int_keys, resource_sources, table_int_keys, table_words
 from pkm_serve.export.graph import FunctionGraph, Ref
 
 PARSE_OPS = ("ParseExampleV2", "ParseExample", "ParseSingleExample")
@@ -81,7 +81,7 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
     graphs: Dict[str, FunctionGraph] = {}
     vocabulary = model_vocabulary(meta_graph)
     keys_of_table = table_int_keys(meta_graph)
-    int_keys, sources = model_int_keys(keys_of_table), None
+    int_keys, sources, words_of_table = model_int_keys(keys_of_table), None, None
     feeds = {}
     for name, info in sig.inputs.items():
         placeholder = info.name.split(":")[0]
@@ -106,8 +106,13 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
                 for feature in parse_op_features(fg, node):
                     if feature.key not in {f.key for f in features}:
                         features.append(feature)
-        tokens = not parses and _is_token_input(meta_graph.graph_def, placeholder, library, sigs, graphs)
-        feeds[name] = Feed(features=features, vocabulary=vocabulary, tokens=tokens)
+        lookups = None if parses else _token_lookups(meta_graph.graph_def, placeholder, library, sigs, graphs)
+        words = []
+        if lookups:  # the words of the tables it is looked up in, where the graph says which
+            sources = resource_sources(meta_graph) if sources is None else sources
+            words_of_table = table_words(meta_graph) if words_of_table is None else words_of_table
+            words = _keys_of(lookups, words_of_table, sources)
+        feeds[name] = Feed(features=features, vocabulary=words or vocabulary, tokens=lookups is not None)
     for group in signature_composites(meta_graph, signature):
         first = group[1]
         feeds[first] = dataclasses.replace(feeds.get(first, Feed()), composite=group)
@@ -142,15 +147,18 @@ def _sparse_matmul_width(graph_def, placeholder: str, library, sigs, graphs) -> 
     return None
 
 
-def _is_token_input(graph_def, placeholder: str, library, sigs, graphs) -> bool:
-    """True where the string input reaches a lookup or hash op as a whole
-    string, through any ops but no tokenizer (a [batch, K] list of item ids
-    looked up in a StaticHashTable or StringLookup): text would be one unknown
-    key per cell there, so verification would barely read the table."""
-    reached = {node.op for _, node in _parse_ops_fed_by(
-        graph_def, placeholder, library, sigs, graphs,
-        accept=lambda node, pos: node.op in SPLIT_OPS + KEY_OPS, follow=_STRING_FLOW)}
-    return bool(reached & set(KEY_OPS)) and not reached & set(SPLIT_OPS)
+def _token_lookups(graph_def, placeholder: str, library, sigs, graphs):
+    """The lookups ([(FunctionGraph, node)], maybe none: a hash op) a string
+    input reaches as whole strings, through any ops but no tokenizer (a
+    [batch, K] list of item ids looked up in a StaticHashTable or StringLookup);
+    None where it is text or reaches no key op: text would be one unknown key
+    per cell there, so verification would barely read the table."""
+    found = _parse_ops_fed_by(graph_def, placeholder, library, sigs, graphs,
+                              accept=lambda node, pos: node.op in SPLIT_OPS + KEY_OPS, follow=_STRING_FLOW)
+    reached = {node.op for _, node in found}
+    if not reached & set(KEY_OPS) or reached & set(SPLIT_OPS):
+        return None
+    return [(fg, node) for fg, node in found if node.op in ("LookupTableFindV2", "LookupTableFind")]
 
 
 def _output_dtypes(node, library_sigs) -> List[int]:

@@ -17,20 +17,32 @@ INT_TYPES = (types_pb2.DT_INT64, types_pb2.DT_INT32)
 _MAX_KEYS = 2000
 
 
-def _int_values(node) -> np.ndarray:
-    if node is None or node.op != "Const" or node.attr["dtype"].type not in INT_TYPES:
+def _key_values(node, dtypes) -> np.ndarray:
+    if node is None or node.op != "Const" or node.attr["dtype"].type not in dtypes:
         return np.zeros([0], np.int64)
-    return tensor_util.MakeNdarray(node.attr["value"].tensor).ravel().astype(np.int64)
+    values = tensor_util.MakeNdarray(node.attr["value"].tensor).ravel()
+    return values if values.dtype == object else values.astype(np.int64)
 
 
 def table_int_keys(meta_graph) -> Dict[str, List[int]]:
     """{top-level table node ("" where the initializer's caller does not say):
-    the integer keys that initialise it}: constants in the initializer
+    the integer keys that initialise it} (table_keys)."""
+    return table_keys(meta_graph, INT_TYPES)
+
+
+def table_words(meta_graph) -> Dict[str, List[bytes]]:
+    """{top-level table node: its string keys} of up to 64 bytes (table_keys)."""
+    words = table_keys(meta_graph, (types_pb2.DT_STRING,))
+    return {table: [w for w in keys if 0 < len(w) <= 64] for table, keys in words.items()}
+
+
+def table_keys(meta_graph, dtypes) -> Dict[str, list]:
+    """{top-level table node: the keys of `dtypes` that initialise it}: constants in the initializer
     function, or passed to it by the top-level call (how Keras and
     tf.saved_model.save write a StaticHashTable's initializer)."""
     graph_def = meta_graph.graph_def
     top = {n.name: n for n in graph_def.node}
-    keys: Dict[str, List[np.ndarray]] = {}
+    keys: Dict[str, list] = {}
     for fdef in graph_def.library.function:
         inits = [n for n in fdef.node_def if n.op in TABLE_INIT_OPS and len(n.input) > 1]
         if not inits:
@@ -41,16 +53,16 @@ def table_int_keys(meta_graph) -> Dict[str, List[int]]:
                  if c.op in CALL_OPS and c.attr["f"].func.name == fdef.signature.name]
         for init in inits:
             table_arg, source = (init.input[i].split(":")[0] for i in (0, 1))
-            inside = _int_values(nodes.get(source))
+            inside = _key_values(nodes.get(source), dtypes)
             for call in calls or [None]:
                 table = _call_input(call, args, table_arg) or ""
-                passed = _int_values(top.get(_call_input(call, args, source) or ""))
+                passed = _key_values(top.get(_call_input(call, args, source) or ""), dtypes)
                 if inside.size or passed.size:
                     keys.setdefault(table, []).append(inside if inside.size else passed)
     return {table: _smallest_distinct(np.concatenate(k)) for table, k in keys.items()}
 
 
-def _smallest_distinct(keys: np.ndarray) -> List[int]:
+def _smallest_distinct(keys: np.ndarray) -> list:
     """The _MAX_KEYS smallest distinct keys (a sort: np.unique took 2 s on 1M keys)."""
     ordered = np.sort(keys)
     return ordered[np.concatenate([[True], ordered[1:] != ordered[:-1]])][:_MAX_KEYS].tolist()

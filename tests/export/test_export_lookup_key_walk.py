@@ -86,3 +86,21 @@ def test_each_input_gets_the_keys_of_its_own_table(tmp_path):
     specs = V.signature_input_specs(tf.saved_model.load(src).signatures["serve"])
     ids = V.generate_inputs(specs, index_limit=51, batch_size=16, feeds=feeds)
     assert np.isin(ids["small"], small_keys).mean() >= 0.6 and np.isin(ids["big"], big_keys).mean() >= 0.6, ids
+
+
+def test_each_string_input_gets_the_words_of_its_own_table(tmp_path):
+    """User and movie ids of two StringLookups, 3000 users: the words of every string constant were
+    pooled and cut at 2000, all of them user ids, so every movie id generated was out of vocabulary."""
+    users, movies = [f"user_{i:04d}" for i in range(3000)], [f"movie_{i}" for i in range(40)]
+    user, history = keras.Input((), dtype="string", name="user"), keras.Input((K,), dtype="string", name="history")
+    parts = [keras.layers.Embedding(3001, 4)(keras.layers.StringLookup(vocabulary=users)(user)),
+             keras.ops.sum(keras.layers.Embedding(41, 4)(keras.layers.StringLookup(vocabulary=movies)(history)), 1)]
+    src = str(tmp_path / "sm")
+    keras.Model([user, history], parts[0] + parts[1]).export(src, verbose=False)
+    feeds = F.signature_feeds(read_saved_model(src), "serve")
+    assert [w.decode() for w in feeds["history"].vocabulary] == sorted(movies)
+    assert {w.decode() for w in feeds["user"].vocabulary} <= set(users)
+    specs = V.signature_input_specs(tf.saved_model.load(src).signatures["serve"])
+    cells = V.generate_inputs(specs, index_limit=41, batch_size=16, feeds=feeds)["history"]
+    words = [c.decode() for c in cells.ravel() if c]
+    assert np.isin(words, movies).mean() >= 0.6, cells
