@@ -18,7 +18,8 @@ from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
 from pkm_serve.export.composites import signature_composites
-from pkm_serve.export.lookup_keys import model_int_keys, resource_sources, table_int_keys, table_words
+from pkm_serve.export.lookup_keys import (model_int_keys, resource_sources, table_file_words, table_int_keys,
+                                         table_words)
 from pkm_serve.export.graph import FunctionGraph, Ref
 
 PARSE_OPS = ("ParseExampleV2", "ParseExample", "ParseSingleExample")
@@ -69,9 +70,10 @@ class Feed:
     int_keys: List[int] = dataclasses.field(default_factory=list)  # integer ids that are lookup-table keys
 
 
-def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
+def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None) -> Dict[str, Feed]:
     """{input name: Feed} for the string inputs of one signature, integer ids
-    that are table keys or sparse shapes, and the parts of composites."""
+    that are table keys or sparse shapes, and the parts of composites
+    (`assets_dir`: the SavedModel's assets/, where vocabulary files are)."""
     meta_graph = proto.meta_graphs[0]
     sig = meta_graph.signature_def.get(signature)
     if sig is None:
@@ -110,7 +112,9 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
         words = []
         if lookups:  # the words of the tables it is looked up in, where the graph says which
             sources = resource_sources(meta_graph) if sources is None else sources
-            words_of_table = table_words(meta_graph) if words_of_table is None else words_of_table
+            if words_of_table is None:
+                words_of_table = table_words(meta_graph)
+                words_of_table.update(table_file_words(meta_graph, assets_dir) if assets_dir else {})
             words = _keys_of(lookups, words_of_table, sources)
         feeds[name] = Feed(features=features, vocabulary=words or vocabulary, tokens=lookups is not None)
     for group in signature_composites(meta_graph, signature):

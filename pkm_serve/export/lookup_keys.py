@@ -4,6 +4,7 @@ ids 1001..1050 looked up into rows 2..51) with ids the tables know: drawn from
 [0, rows), nearly all of them would be out of vocabulary, one row for all."""
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Optional, Set, Tuple
 
 import numpy as np
@@ -12,6 +13,7 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_util
 
 TABLE_INIT_OPS = ("LookupTableImportV2", "InitializeTableV2")
+TEXT_FILE_INIT_OPS = ("InitializeTableFromTextFileV2", "InitializeTableFromTextFile")
 CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 INT_TYPES = (types_pb2.DT_INT64, types_pb2.DT_INT32)
 _MAX_KEYS = 2000
@@ -34,6 +36,43 @@ def table_words(meta_graph) -> Dict[str, List[bytes]]:
     """{top-level table node: its string keys} of up to 64 bytes (table_keys)."""
     words = table_keys(meta_graph, (types_pb2.DT_STRING,))
     return {table: [w for w in keys if 0 < len(w) <= 64] for table, keys in words.items()}
+
+
+def table_file_words(meta_graph, assets_dir: str) -> Dict[str, List[bytes]]:
+    """{top-level table node: the first words of the vocabulary file that
+    initialises it} (StringLookup(vocabulary=PATH): the file is an asset of
+    the SavedModel, its path a variable Keras assigns from the asset's
+    placeholder, or the placeholder itself)."""
+    graph_def = meta_graph.graph_def
+    top = {n.name: n for n in graph_def.node}
+    assets = {a.tensor_info.name.split(":")[0]: a.filename for a in meta_graph.asset_file_def}
+    assigned = {n.input[0].split(":")[0]: n.input[1].split(":")[0] for n in graph_def.node
+                if n.op == "AssignVariableOp" and len(n.input) > 1}
+    words: Dict[str, List[bytes]] = {}
+    for fdef in graph_def.library.function:
+        args = [a.name for a in fdef.signature.input_arg]
+        for init in (n for n in fdef.node_def if n.op in TEXT_FILE_INIT_OPS and len(n.input) > 1):
+            if "key_index" in init.attr and init.attr["key_index"].i != -2:
+                continue  # keys are a column of each line, or line numbers
+            table_arg, path_arg = (init.input[i].split(":")[0] for i in (0, 1))
+            for call in (c for c in graph_def.node
+                         if c.op in CALL_OPS and c.attr["f"].func.name == fdef.signature.name):
+                table, source = _call_input(call, args, table_arg), _call_input(call, args, path_arg)
+                node = top.get(source or "")
+                if node is not None and node.op == "ReadVariableOp":
+                    source = assigned.get(node.input[0].split(":")[0])
+                if table and source in assets:
+                    words[table] = _first_lines(os.path.join(assets_dir, assets[source]))
+    return words
+
+
+def _first_lines(path: str) -> List[bytes]:
+    try:
+        with open(path, "rb") as f:
+            lines = [f.readline().rstrip(b"\r\n") for _ in range(_MAX_KEYS)]
+    except OSError:
+        return []
+    return [w for w in lines if 0 < len(w) <= 64]
 
 
 def table_keys(meta_graph, dtypes) -> Dict[str, list]:
