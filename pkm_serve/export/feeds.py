@@ -81,7 +81,10 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None) -> 
     library = {f.signature.name: f for f in meta_graph.graph_def.library.function}
     sigs = {name: f.signature for name, f in library.items()}
     graphs: Dict[str, FunctionGraph] = {}
-    vocabulary = model_vocabulary(meta_graph)
+    file_words = table_file_words(meta_graph, assets_dir) if assets_dir else {}
+    # Words of vocabulary files where no string constant has any (a TextVectorization(vocabulary=PATH))
+    vocabulary = model_vocabulary(meta_graph) or sorted({w for words in file_words.values() for w in words})[
+        :_MAX_VOCABULARY]
     keys_of_table = table_int_keys(meta_graph)
     int_keys, sources, words_of_table = model_int_keys(keys_of_table), None, None
     feeds = {}
@@ -113,8 +116,7 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None) -> 
         if lookups:  # the words of the tables it is looked up in, where the graph says which
             sources = resource_sources(meta_graph) if sources is None else sources
             if words_of_table is None:
-                words_of_table = table_words(meta_graph)
-                words_of_table.update(table_file_words(meta_graph, assets_dir) if assets_dir else {})
+                words_of_table = {**table_words(meta_graph), **file_words}
             words = _keys_of(lookups, words_of_table, sources)
         feeds[name] = Feed(features=features, vocabulary=words or vocabulary, tokens=lookups is not None)
     for group in signature_composites(meta_graph, signature):

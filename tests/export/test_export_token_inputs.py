@@ -118,3 +118,17 @@ def test_ids_of_a_vocabulary_file_are_its_words(tmp_path):
                 for r in tf.data.TFRecordDataset(os.path.join(dst, "1", WARMUP_FILE))]
     words = [c.decode() for c in tf.make_ndarray(record.predict_log.request.inputs["history"]).ravel() if c]
     assert np.isin(words, VOCAB).mean() >= 0.6, words
+
+
+def test_text_of_a_vocabulary_file_is_made_of_its_words(tmp_path):
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(VOCAB) + "\n")
+    inp = keras.Input((1,), dtype="string", name="text")
+    ids = keras.layers.TextVectorization(vocabulary=str(path), output_sequence_length=6)(inp)
+    src = _export(keras.Model(inp, keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 4)(ids))),
+                  tmp_path / "sm")
+    feed = F.signature_feeds(read_saved_model(src), "serve", os.path.join(src, "assets"))["text"]
+    specs = V.signature_input_specs(tf.saved_model.load(src).signatures["serve"])
+    cells = V.generate_inputs(specs, index_limit=40, batch_size=16, feeds={"text": feed})["text"]
+    words = [w.decode() for c in cells.ravel() for w in c.split()]
+    assert not feed.tokens and np.isin(words, VOCAB).mean() >= 0.6, cells
