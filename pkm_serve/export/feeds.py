@@ -125,8 +125,8 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None) -> 
     return feeds
 
 
-def _keys_of(lookups, keys_of_table, sources) -> List[int]:
-    """The keys of the tables these lookups read, where each lookup's table is
+def _keys_of(lookups, keys_of_table, sources) -> list:
+    """The keys (ints or words) of the tables these lookups read, where each lookup's table is
     a top-level table (a model with several: user ids 1001.. and item ids
     1..50 into tables of their own); [] where one is not."""
     keys = set()
