@@ -296,7 +296,7 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
     chosen = _choose_signatures(proto, src, signatures)
     samples = SI.read_samples(sample_inputs)
     SI.check_sample_keys(proto, chosen, samples)
-    feeds = SI.signature_feeds(proto, chosen, samples)
+    feeds = SI.signature_feeds(proto, chosen, samples, os.path.join(src, "assets"))
     version, final_dir = _final_dir(dst, version)
     _check_tflite_version(tflite, dst, version)
 

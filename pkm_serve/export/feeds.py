@@ -18,8 +18,9 @@ from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
 from pkm_serve.export.composites import signature_composites
-from pkm_serve.export.lookup_keys import model_int_keys
-from pkm_serve.export.graph import FunctionGraph, Ref, output_arg_counts
+from pkm_serve.export.lookup_keys import (model_int_keys, resource_sources, table_file_words, table_int_keys,
+                                         table_words)
+from pkm_serve.export.graph import FunctionGraph, Ref
 
 PARSE_OPS = ("ParseExampleV2", "ParseExample", "ParseSingleExample")
 CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
@@ -34,6 +35,13 @@ KEY_OPS = ("LookupTableFindV2", "LookupTableFind", "StringToHashBucketFast", "St
            "StringToHashBucket")
 # Constants that name checkpoint entries, not words of the model.
 SAVE_OPS = ("SaveV2", "RestoreV2", "MergeV2Checkpoints", "SaveSlices", "RestoreSlice")
+# Where an input's values go on when its graph is followed: to outputs of its own kind
+# (a variant may hold it: a ragged map_fn, a TensorList), never through a gather's row ids
+# nor an op that reads only its shape.
+_INT_FLOW = frozenset((types_pb2.DT_INT64, types_pb2.DT_INT32, types_pb2.DT_VARIANT)).__contains__
+_STRING_FLOW = frozenset((types_pb2.DT_STRING, types_pb2.DT_VARIANT)).__contains__
+_GATHER_OPS = ("GatherV2", "Gather", "ResourceGather", "GatherNd", "ResourceGatherNd")
+_SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank")
 _MAX_VOCABULARY = 2000
 
 
@@ -62,9 +70,10 @@ class Feed:
     int_keys: List[int] = dataclasses.field(default_factory=list)  # integer ids that are lookup-table keys
 
 
-def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
+def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None) -> Dict[str, Feed]:
     """{input name: Feed} for the string inputs of one signature, integer ids
-    that are table keys or sparse shapes, and the parts of composites."""
+    that are table keys or sparse shapes, and the parts of composites
+    (`assets_dir`: the SavedModel's assets/, where vocabulary files are)."""
     meta_graph = proto.meta_graphs[0]
     sig = meta_graph.signature_def.get(signature)
     if sig is None:
@@ -72,8 +81,12 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
     library = {f.signature.name: f for f in meta_graph.graph_def.library.function}
     sigs = {name: f.signature for name, f in library.items()}
     graphs: Dict[str, FunctionGraph] = {}
-    vocabulary = model_vocabulary(meta_graph)
-    int_keys = model_int_keys(meta_graph)
+    file_words = table_file_words(meta_graph, assets_dir) if assets_dir else {}
+    # Words of vocabulary files where no string constant has any (a TextVectorization(vocabulary=PATH))
+    vocabulary = model_vocabulary(meta_graph) or sorted({w for words in file_words.values() for w in words})[
+        :_MAX_VOCABULARY]
+    keys_of_table = table_int_keys(meta_graph)
+    int_keys, sources, words_of_table = model_int_keys(keys_of_table), None, None
     feeds = {}
     for name, info in sig.inputs.items():
         placeholder = info.name.split(":")[0]
@@ -81,10 +94,13 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
             width = _sparse_matmul_width(meta_graph.graph_def, placeholder, library, sigs, graphs)
             if width is not None:
                 feeds[name] = Feed(sparse_width=width)
-        if int_keys and info.dtype in (types_pb2.DT_INT64, types_pb2.DT_INT32) and _parse_ops_fed_by(
-                meta_graph.graph_def, placeholder, library, sigs, graphs, follow_all=True,
-                accept=lambda node, pos: node.op in ("LookupTableFindV2", "LookupTableFind") and pos == 1):
-            feeds[name] = dataclasses.replace(feeds.get(name, Feed()), int_keys=int_keys)
+        lookups = int_keys and info.dtype in (types_pb2.DT_INT64, types_pb2.DT_INT32) and _parse_ops_fed_by(
+            meta_graph.graph_def, placeholder, library, sigs, graphs, follow=_INT_FLOW,
+            accept=lambda node, pos: node.op in ("LookupTableFindV2", "LookupTableFind") and pos == 1)
+        if lookups:
+            sources = resource_sources(meta_graph) if sources is None else sources
+            feeds[name] = dataclasses.replace(feeds.get(name, Feed()),
+                                              int_keys=_keys_of(lookups, keys_of_table, sources) or int_keys)
         if info.dtype != types_pb2.DT_STRING:
             continue
         parses = _parse_ops_fed_by(meta_graph.graph_def, placeholder, library, sigs, graphs)
@@ -95,12 +111,34 @@ def signature_feeds(proto, signature: str) -> Dict[str, Feed]:
                 for feature in parse_op_features(fg, node):
                     if feature.key not in {f.key for f in features}:
                         features.append(feature)
-        tokens = not parses and _is_token_input(meta_graph.graph_def, placeholder, library, sigs, graphs)
-        feeds[name] = Feed(features=features, vocabulary=vocabulary, tokens=tokens)
+        lookups = None if parses else _token_lookups(meta_graph.graph_def, placeholder, library, sigs, graphs)
+        words = []
+        if lookups:  # the words of the tables it is looked up in, where the graph says which
+            sources = resource_sources(meta_graph) if sources is None else sources
+            if words_of_table is None:
+                words_of_table = {**table_words(meta_graph), **file_words}
+            words = _keys_of(lookups, words_of_table, sources)
+        feeds[name] = Feed(features=features, vocabulary=words or vocabulary, tokens=lookups is not None)
     for group in signature_composites(meta_graph, signature):
         first = group[1]
         feeds[first] = dataclasses.replace(feeds.get(first, Feed()), composite=group)
     return feeds
+
+
+def _keys_of(lookups, keys_of_table, sources) -> list:
+    """The keys (ints or words) of the tables these lookups read, where each lookup's table is
+    a top-level table (a model with several: user ids 1001.. and item ids
+    1..50 into tables of their own); [] where one is not."""
+    keys = set()
+    for fg, node in lookups:
+        ref = fg.inputs(node)[0]
+        while fg.producer(ref) is not None and fg.producer(ref).op == "Identity":
+            ref = fg.inputs(fg.producer(ref))[0]
+        tables = sources.get((fg.fdef.signature.name, ref.node)) if fg.producer(ref) is None else None
+        if not tables or not all(t in keys_of_table for t in tables):
+            return []
+        keys.update(k for t in tables for k in keys_of_table[t])
+    return sorted(keys)
 
 
 def _sparse_matmul_width(graph_def, placeholder: str, library, sigs, graphs) -> Optional[int]:
@@ -115,30 +153,62 @@ def _sparse_matmul_width(graph_def, placeholder: str, library, sigs, graphs) -> 
     return None
 
 
-def _is_token_input(graph_def, placeholder: str, library, sigs, graphs) -> bool:
-    """True where the string input reaches a lookup or hash op as a whole
-    string, through any ops but no tokenizer (a [batch, K] list of item ids
-    looked up in a StaticHashTable or StringLookup): text would be one unknown
-    key per cell there, so verification would barely read the table."""
-    reached = {node.op for _, node in _parse_ops_fed_by(
-        graph_def, placeholder, library, sigs, graphs,
-        accept=lambda node, pos: node.op in SPLIT_OPS + KEY_OPS, follow_all=True)}
-    return bool(reached & set(KEY_OPS)) and not reached & set(SPLIT_OPS)
+def _token_lookups(graph_def, placeholder: str, library, sigs, graphs):
+    """The lookups ([(FunctionGraph, node)], maybe none: a hash op) a string
+    input reaches as whole strings, through any ops but no tokenizer (a
+    [batch, K] list of item ids looked up in a StaticHashTable or StringLookup);
+    None where it is text or reaches no key op: text would be one unknown key
+    per cell there, so verification would barely read the table."""
+    found = _parse_ops_fed_by(graph_def, placeholder, library, sigs, graphs,
+                              accept=lambda node, pos: node.op in SPLIT_OPS + KEY_OPS, follow=_STRING_FLOW)
+    reached = {node.op for _, node in found}
+    if not reached & set(KEY_OPS) or reached & set(SPLIT_OPS):
+        return None
+    return [(fg, node) for fg, node in found if node.op in ("LookupTableFindV2", "LookupTableFind")]
 
 
-def _outputs(fg: FunctionGraph, node) -> List[Ref]:
-    try:
-        count = sum(n for _, n in output_arg_counts(node, fg.library_sigs))
-    except KeyError:  # an op this process does not know: nothing to follow
+def _output_dtypes(node, library_sigs) -> List[int]:
+    """The DataType of each flat output of a node ([] for an op this process
+    does not know: nothing to follow)."""
+    from tensorflow.python.framework import op_def_registry
+
+    op_def = op_def_registry.get(node.op)
+    if op_def is None:
+        sig = library_sigs.get(node.op)
+        return [arg.type for arg in sig.output_arg] if sig is not None else []
+    defaults = {a.name: a.default_value for a in op_def.attr}  # saved graphs drop default attrs
+
+    def attr(name):
+        return node.attr[name] if name in node.attr else defaults.get(name, attr_value_pb2.AttrValue())
+
+    dtypes: List[int] = []
+    for arg in op_def.output_arg:
+        if arg.type_list_attr:
+            dtypes += list(attr(arg.type_list_attr).list.type)
+            continue
+        dtype = arg.type or attr(arg.type_attr).type
+        dtypes += [dtype] * (attr(arg.number_attr).i if arg.number_attr else 1)
+    return dtypes
+
+
+def _flows_on(fg: FunctionGraph, node, pos: int, keep) -> List[Ref]:
+    """The outputs of `node` that still carry the values fed at input `pos`:
+    those of a dtype `keep` takes, unless the values are a gather's row ids or
+    only lend their shape. Ids that pick embedding rows go on as float rows,
+    and a top_k over their scores that reaches an inverted lookup (index ->
+    title) is not the ids reaching that lookup's keys."""
+    if (pos == 1 and node.op in _GATHER_OPS) or node.op in _SHAPE_OPS:
         return []
-    return [Ref(node.name, k) for k in range(count)]
+    return [Ref(node.name, k) for k, dtype in enumerate(_output_dtypes(node, fg.library_sigs))
+            if keep(dtype)]
 
 
 def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth: int = 8,
                       accept=lambda node, pos: node.op in PARSE_OPS and pos == 0,
-                      follow_all: bool = False):
+                      follow=None):
     """Parse ops (or the ops `accept` takes) reached from a top-level placeholder
-    through Identity and function calls (any op with `follow_all`):
+    through Identity and function calls (with `follow`, a predicate on a
+    DataType, through any op to its outputs of a dtype it takes):
     [(FunctionGraph, node)]."""
     found = []
     frontier = []
@@ -178,8 +248,8 @@ def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth:
                     work.append((node.attr["f"].func.name, cpos, left - 1))
                 elif node.op in ("Identity", "IdentityN"):
                     refs.append(Ref(consumer, cpos if node.op == "IdentityN" else 0))
-                elif follow_all:
-                    refs.extend(_outputs(fg, node))
+                elif follow is not None:
+                    refs.extend(_flows_on(fg, node, cpos, follow))
     return found
 
 

@@ -73,8 +73,8 @@ _GENERATED_DTYPES = {1: "float32", 2: "float64", 3: "int32", 4: "uint8", 5: "int
                      17: "uint16", 19: "float16", 22: "uint32", 23: "uint64"}
 
 
-def signature_feeds(proto, chosen: Sequence[str], samples) -> Dict[str, dict]:
-    """{signature: {input: Feed}}; refuses, before anything is written, a
+def signature_feeds(proto, chosen: Sequence[str], samples, assets_dir=None) -> Dict[str, dict]:
+    """{signature: {input: Feed}} (`assets_dir`: the SavedModel's assets/); refuses, before anything is written, a
     signature with an input that can be neither generated nor found in
     --sample-inputs."""
     from pkm_serve.export import feeds as F
@@ -89,4 +89,4 @@ def signature_feeds(proto, chosen: Sequence[str], samples) -> Dict[str, dict]:
                     f"{dtypes.as_dtype(info.dtype).name}, for which no inputs can be "
                     "generated: pass it in --sample-inputs, or leave the signature out "
                     "with --signatures")
-    return {name: F.signature_feeds(proto, name) for name in chosen}
+    return {name: F.signature_feeds(proto, name, assets_dir) for name in chosen}

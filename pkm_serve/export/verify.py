@@ -53,7 +53,7 @@ def _ragged_groups(specs, taken) -> Dict[str, tuple]:
     groups = {}
     for name, spec in specs.items():
         splits = specs.get(name + "_1")
-        if name in taken or splits is None or name + "_2" in specs or \
+        if name in taken or name + "_1" in taken or splits is None or name + "_2" in specs or \
                 spec.shape.rank != 1 or splits.shape.rank != 1 or \
                 splits.dtype.name not in ("int32", "int64"):
             continue
@@ -103,11 +103,14 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
     rng = np.random.default_rng(seed)
     feeds = feeds or {}
     out: Dict[str, np.ndarray] = {}
-    sparse = _sparse_groups(specs)
     composites = [f.composite for f in feeds.values() if _fits(getattr(f, "composite", None), specs)]
-    for kind, *parts in composites:  # read off the saved function: sure where names are not
+    # Read off the saved function: sure where names are not. A name-made group that takes a
+    # part of one is wrong: dense int64 [batch, 2] ids beside ragged ids (args_0, args_0_1,
+    # args_0_2) are no SparseTensor.
+    known = {p for _, *parts in composites for p in parts}
+    sparse = {k: g for k, g in _sparse_groups(specs).items() if not set(g) & known}
+    for kind, *parts in composites:
         if kind == "sparse":
-            sparse = {k: g for k, g in sparse.items() if not set(g) & set(parts)}
             sparse[parts[0]] = tuple(parts)
     sparse_layout = {}  # (dense rank, width) -> (indices, dense_shape) shared by the groups
     for ind_name, val_name, shape_name in sparse.values():
@@ -123,7 +126,7 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
     taken = {n for group in sparse.values() for n in group}
     splits = np.concatenate([[0], np.cumsum(_bag_sizes(rng, batch_size))])
     ragged = [tuple(parts) for kind, *parts in composites if kind == "ragged"]
-    taken |= {n for group in ragged for n in group}
+    taken |= known
     for val_name, splits_name in ragged + list(_ragged_groups(specs, taken).values()):
         out[splits_name] = splits.astype(specs[splits_name].dtype.as_numpy_dtype)
         out[val_name] = _values(rng, specs[val_name].dtype, [int(splits[-1])], index_limit,

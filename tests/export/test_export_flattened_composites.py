@@ -49,6 +49,15 @@ def _ragged_and_dense(path):
     return bag.table.numpy().astype(np.float64)
 
 
+def _dense_ids_and_ragged(path):
+    """Dense int64 [batch, 2] ids first: args_0, args_0_1, args_0_2 read by name as one SparseTensor."""
+    pair = tf_keras.Input((2,), dtype="int64", name="pair")
+    ids = tf_keras.Input((None,), dtype="int64", ragged=True, name="ids")
+    bag = _table_layer(lambda t, p, i: tf.reduce_sum(tf.gather(t, p), axis=1) + tf.reduce_sum(tf.gather(t, i), axis=1))
+    tf_keras.Model([pair, ids], bag(pair, ids)).save(path)
+    return bag.table.numpy().astype(np.float64)
+
+
 def _weighted_sparse(path):
     ids = tf_keras.Input((None,), dtype="int64", sparse=True, name="ids")
     w = tf_keras.Input((None,), dtype="float32", sparse=True, name="w")
@@ -78,6 +87,11 @@ def _ragged_and_dense_reference(table, f):
     return np.concatenate([_ragged_reference(table, f), f["args_0_2"]], axis=1)
 
 
+def _dense_ids_and_ragged_reference(table, f):
+    ragged = {"args_0": f["args_0_1"], "args_0_1": f["args_0_2"]}
+    return table[f["args_0"]].sum(1) + _ragged_reference(table, ragged)
+
+
 def _weighted_sparse_reference(table, f):
     np.testing.assert_array_equal(f["args_0"], f["args_0_3"])
     rows = f["args_0"][:, 0]
@@ -90,6 +104,7 @@ def _weighted_sparse_reference(table, f):
 
 CASES = {"weighted_ragged": (_weighted_ragged, _weighted_ragged_reference),
          "ragged_and_dense": (_ragged_and_dense, _ragged_and_dense_reference),
+         "dense_ids_and_ragged": (_dense_ids_and_ragged, _dense_ids_and_ragged_reference),
          "weighted_sparse": (_weighted_sparse, _weighted_sparse_reference)}
 
 

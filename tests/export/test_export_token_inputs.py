@@ -100,3 +100,35 @@ def test_text_inputs_stay_text(tmp_path):
     specs = V.signature_input_specs(tf.saved_model.load(src).signatures["serve"])
     cells = V.generate_inputs(specs, index_limit=40, batch_size=16, feeds={"text": feed})["text"]
     assert any(b" " in c for c in cells.ravel()), cells
+
+
+def test_ids_of_a_vocabulary_file_are_its_words(tmp_path):
+    """StringLookup(vocabulary=PATH) keeps its words in an asset file, no string constant: every id
+    generated was out of vocabulary, each bag of the warmup read the one OOV row."""
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(VOCAB) + "\n")
+    inp = keras.Input((K,), dtype="string", name="history")
+    ids = keras.layers.StringLookup(vocabulary=str(path), mask_token="")(inp)
+    out = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(len(VOCAB) + 2, 4, mask_zero=True)(ids))
+    src = _export(keras.Model(inp, out), tmp_path / "sm")
+    dst = tmp_path / "models"
+    assert main([src, str(dst), "--warmup-requests", "1", "--signatures", "serve", "--quiet"]) == 0
+    from tensorflow_serving.apis import prediction_log_pb2
+    [record] = [prediction_log_pb2.PredictionLog.FromString(r.numpy())
+                for r in tf.data.TFRecordDataset(os.path.join(dst, "1", WARMUP_FILE))]
+    words = [c.decode() for c in tf.make_ndarray(record.predict_log.request.inputs["history"]).ravel() if c]
+    assert np.isin(words, VOCAB).mean() >= 0.6, words
+
+
+def test_text_of_a_vocabulary_file_is_made_of_its_words(tmp_path):
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(VOCAB) + "\n")
+    inp = keras.Input((1,), dtype="string", name="text")
+    ids = keras.layers.TextVectorization(vocabulary=str(path), output_sequence_length=6)(inp)
+    src = _export(keras.Model(inp, keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 4)(ids))),
+                  tmp_path / "sm")
+    feed = F.signature_feeds(read_saved_model(src), "serve", os.path.join(src, "assets"))["text"]
+    specs = V.signature_input_specs(tf.saved_model.load(src).signatures["serve"])
+    cells = V.generate_inputs(specs, index_limit=40, batch_size=16, feeds={"text": feed})["text"]
+    words = [w.decode() for c in cells.ravel() for w in c.split()]
+    assert not feed.tokens and np.isin(words, VOCAB).mean() >= 0.6, cells
