@@ -2,7 +2,8 @@
 
 `pkm_serve::embedding_bag` (and its gradient op) run the core's CPU kernels on
 CPU tensors and the CUDA launchers on CUDA tensors, on torch's current stream.
-`register_autograd` wires the gradient op in; `register_fake` gives both ops
+`register_autograd` wires the gradient op in (and its own gradient, for double
+backward: _torch_second_order); `register_fake` gives both ops
 shapes without running them, so `torch.compile` traces through them. On a CPU
 an index >= N is a ValueError naming it (the core's message); on a GPU it is
 read as padding, as in the TF GPU kernel.
@@ -15,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from pkm_serve.backends import _capi, _native
+from pkm_serve.backends import _capi, _native, _torch_second_order
 
 TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _available = {}  # device type -> None (kernel loads) or the error
@@ -70,6 +71,8 @@ def _backward(ctx, grad):
 
 
 _bag_op.register_autograd(_backward, setup_context=_setup_context)
+# create_graph=True differentiates the gradient op too (a gradient penalty, a Hessian-vector product).
+_bag_grad_op.register_autograd(_torch_second_order.backward, setup_context=_torch_second_order.setup_context)
 
 
 def kernel_device(device):

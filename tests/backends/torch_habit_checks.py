@@ -1,0 +1,101 @@
+"""Checks of the layers and the op used the way a PyTorch user would (KERAS_BACKEND=torch), run in a
+process of their own; test_torch_habits.py runs them. Each check raises AssertionError with a message
+on failure and prints {"<check>": "ok"}.
+
+    KERAS_BACKEND=torch python -m tests.backends.torch_habit_checks double_backward
+"""
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+
+def _loop_lookup(table, bags, weights, combiner):
+    """float64 reference, one bag at a time: bags a list of id lists (negative = padding)."""
+    import torch
+
+    outs = []
+    for b, ids in enumerate(bags):
+        rows = [(table[i], 1.0 if weights is None else weights[b][k]) for k, i in enumerate(ids) if i >= 0]
+        if not rows:
+            outs.append(torch.zeros(table.shape[1], dtype=table.dtype))
+        elif combiner == "max":
+            outs.append(torch.stack([r for r, _ in rows]).max(0).values)
+        else:
+            total = sum(r * c for r, c in rows)
+            scale = {"sum": 1.0, "mean": sum(c for _, c in rows),
+                     "sqrtn": sum(c * c for _, c in rows) ** 0.5}[combiner]
+            outs.append(total / scale)
+    return torch.stack(outs)
+
+
+def _penalty_gradient(lookup, table, weights):
+    """d/d(table, weights) of the gradient penalty |d sum(sin(out)) / d(table, weights)|^2."""
+    import torch
+
+    inputs = [table] + ([weights] if weights is not None else [])
+    first = torch.autograd.grad(lookup(table, weights).sin().sum(), inputs, create_graph=True)
+    return torch.autograd.grad(sum((g * g).sum() for g in first), inputs)
+
+
+def check_double_backward():
+    """torch.autograd.grad(create_graph=True) through the op (a gradient penalty) matches float64
+    loops for every combiner, dense and ragged bags, and through an EmbeddingBag in an nn.Module: it
+    failed with "no autograd formula was registered" for pkm_serve.embedding_bag_backward."""
+    import torch
+
+    from pkm_serve.backends import embedding_bag
+    from pkm_serve.layers import EmbeddingBag
+
+    torch.manual_seed(0)
+    bags = [[3, -1, 7, 3], [-1, -1, -1, -1], [0, 11, 5, 2], [9, 9, -1, 4]]
+    ids = torch.tensor(bags)
+    table64 = torch.randn(12, 5, dtype=torch.float64)
+    weights64 = torch.rand(4, 4, dtype=torch.float64) + 0.25
+    for combiner, weighted in (("sum", True), ("mean", True), ("sqrtn", False), ("max", False)):
+        w = weights64 if weighted else None
+        got = _penalty_gradient(lambda t, w_: embedding_bag(t.float(), ids, None if w_ is None else w_.float(),
+                                                            combiner).double(),
+                                table64.clone().requires_grad_(), None if w is None else w.clone().requires_grad_())
+        want = _penalty_gradient(lambda t, w_: _loop_lookup(t, bags, w_, combiner),
+                                 table64.clone().requires_grad_(), None if w is None else w.clone().requires_grad_())
+        for name, g, r in zip(("table", "weights"), got, want):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4, msg=f"{combiner}: d penalty / d {name}")
+    values, splits = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 2, 2, 5])
+    ragged = [[1, 2], [], [3, 4, 5]]
+    ragged_w = [weights64[0, :2], [], weights64[1, :3]]
+    got = _penalty_gradient(lambda t, w_: embedding_bag(t.float(), values, w_.float(), "mean", splits).double(),
+                            table64.clone().requires_grad_(), weights64[:2, :3].flatten()[[0, 1, 3, 4, 5]]
+                            .clone().requires_grad_())
+    ref_table = table64.clone().requires_grad_()
+    ref_w = torch.cat([ragged_w[0], ragged_w[2]]).clone().requires_grad_()
+    want = _penalty_gradient(lambda t, w_: _loop_lookup(t, ragged, [w_[:2], [], w_[2:]], "mean"), ref_table, ref_w)
+    for name, g, r in zip(("table", "weights"), got, want):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4, msg=f"ragged mean: d penalty / d {name}")
+
+    layer = EmbeddingBag(12, 5, combiner="mean")
+    layer.build((None, 4))
+    table = layer.embeddings.value
+    first, = torch.autograd.grad(layer(ids).sin().sum(), table, create_graph=True)
+    got, = torch.autograd.grad((first * first).sum(), table)
+    want, = _penalty_gradient(lambda t, _: _loop_lookup(t, bags, None, "mean"),
+                              table.detach().double().requires_grad_(), None)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4, msg="EmbeddingBag layer")
+    # opcheck differentiates the gradient op (its autograd registration, under AOT dispatch too).
+    grad_op = torch.ops.pkm_serve.embedding_bag_backward.default
+    args = (torch.randn(4, 5, requires_grad=True), table64.float().requires_grad_(), ids,
+            weights64.float().requires_grad_(), None, 1)
+    assert all(v == "SUCCESS" for v in torch.library.opcheck(grad_op, args).values())
+    print(json.dumps({"double_backward": "ok"}))
+
+
+CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
+
+if __name__ == "__main__":
+    import pkm_serve  # noqa: F401  (registers the layers)
+
+    for name in sys.argv[1:]:
+        CHECKS[name]()
