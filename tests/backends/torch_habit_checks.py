@@ -92,6 +92,32 @@ def check_double_backward():
     print(json.dumps({"double_backward": "ok"}))
 
 
+def check_uint64_ids():
+    """uint64 ids: in range they read int64's rows; one >= 2**63 into a 10-row table fails naming it,
+    eagerly (fused and composite) and under torch.compile (fused; the clipped id). keras.ops.minimum
+    cast them to int64 first, so they wrapped negative and were read as padding, without an error."""
+    import torch
+
+    from pkm_serve.layers import EmbeddingBag
+
+    ids = torch.tensor([[1, 2, 9], [0, 0, 4]])
+    for implementation in ("fused", "composite"):
+        layer = EmbeddingBag(10, 3, implementation=implementation)
+        torch.testing.assert_close(layer(ids.to(torch.uint64)), layer(ids), rtol=0, atol=0)
+        calls = [(past, layer, past) for past in (2**63 + 5, 2**64 - 1)]
+        if implementation == "fused":  # (the composite reads traced ids past the table as padding)
+            calls.append((2**63 + 5, torch.compile(layer, fullgraph=True), 2**63 - 1))
+        for past, call, named in calls:
+            try:
+                got = call(torch.tensor([[1, 2, past]], dtype=torch.uint64))
+            except Exception as err:  # noqa: BLE001 - Keras / dynamo wrap the ValueError
+                message = str(err)
+            else:
+                raise AssertionError(f"{implementation}: uint64 id {past} into a 10-row table gave {got.tolist()}")
+            assert f"indices[2] = {named} is out of range [0, 10)" in message, (implementation, past, message)
+    print(json.dumps({"uint64_ids": "ok"}))
+
+
 CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
