@@ -118,10 +118,39 @@ def check_uint64_ids():
     print(json.dumps({"uint64_ids": "ok"}))
 
 
+def check_exported_program(directory):
+    """torch.export of a module holding an EmbeddingBag (dynamic batch), saved to directory/bag.pt2
+    with its table, ids and weights (.npy), for a process that only imports torch and pkm_serve."""
+    import numpy as np
+    import torch
+
+    from pkm_serve.layers import EmbeddingBag
+
+    layer = EmbeddingBag(20, 4, combiner="mean")
+    layer.build((None, 3))
+
+    class Bags(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = layer
+
+        def forward(self, ids, weights):
+            return self.bag(ids, weights)
+
+    ids, weights = torch.tensor([[1, 5, -1], [19, 19, 0]]), torch.rand(2, 3) + 0.5
+    batch = torch.export.Dim("batch")
+    program = torch.export.export(Bags(), (ids, weights), dynamic_shapes=({0: batch}, {0: batch}))
+    torch.export.save(program, os.path.join(directory, "bag.pt2"))
+    np.save(os.path.join(directory, "table.npy"), layer.embeddings.value.detach().numpy())
+    print(json.dumps({"exported_program": "ok"}))
+
+
 CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
     import pkm_serve  # noqa: F401  (registers the layers)
 
-    for name in sys.argv[1:]:
-        CHECKS[name]()
+    args = sys.argv[1:]
+    while args:
+        name = args.pop(0)
+        CHECKS[name](*([args.pop(0)] if name == "exported_program" else []))
