@@ -82,13 +82,20 @@ def kernel_device(device):
         return kind
     if kind not in ("cpu", "cuda"):
         return None
+    return kind if _library_loads(kind) else None
+
+
+@torch.compiler.assume_constant_result
+def _library_loads(kind):
+    """Whether our library for `kind` loads (cached). A constant to torch.compile, which runs it while
+    tracing: a first lookup inside torch.compile(fullgraph=True) failed on the loader's lock."""
     if kind not in _available:
         try:
             _capi.library(kind)
             _available[kind] = None
         except (OSError, AttributeError, _native.NativeLibraryUnavailableError) as err:
             _available[kind] = err
-    return kind if _available[kind] is None else None
+    return _available[kind] is None
 
 
 def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None):

@@ -10,10 +10,10 @@ import pytest
 
 from tests.backends.check_processes import ROOT, finish, installed, start
 
-# Its processes take ~20 s (importing torch and Keras, opcheck, a torch.compile, torch.export).
+# Its processes take ~25 s (importing torch and Keras, opcheck, a torch.compile, torch.export).
 pytestmark = pytest.mark.slow
 
-CHECKS = ["double_backward", "uint64_ids", "exported_program"]
+CHECKS = ["first_call_compiled", "double_backward", "uint64_ids", "exported_program"]
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +33,12 @@ def test_double_backward_matches_float64_loops(results):
     """A gradient penalty (create_graph=True) through the op, ragged bags and the layer: second
     derivatives as float64 loops' (it failed: no autograd formula for the gradient op)."""
     assert results["double_backward"] == "ok"
+
+
+def test_a_first_lookup_inside_torch_compile_fullgraph(results):
+    """The process's first call of pkm_serve.backends.embedding_bag inside torch.compile(fullgraph=True)
+    matches torch ops, gradient too (it failed: the library's loader took a lock dynamo cannot trace)."""
+    assert results["first_call_compiled"] == "ok"
 
 
 def test_uint64_ids_past_int64_fail_naming_them(results):

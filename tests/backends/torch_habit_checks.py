@@ -41,6 +41,26 @@ def _penalty_gradient(lookup, table, weights):
     return torch.autograd.grad(sum((g * g).sum() for g in first), inputs)
 
 
+def check_first_call_compiled():
+    """The process's first lookup inside torch.compile(fullgraph=True) (run first: nothing has loaded
+    our library yet) gives the eager numbers and gradient; it failed on the library loader's lock
+    ("Dynamo does not know how to enter a `lock` context manager")."""
+    import torch
+
+    from pkm_serve.backends import embedding_bag, torch_ops
+
+    assert not torch_ops._available, "run first: the library was loaded already"
+    table = torch.randn(20, 4, requires_grad=True)
+    ids = torch.tensor([[1, 2, -1], [19, 0, 0]])
+    got = torch.compile(lambda t, i: embedding_bag(t, i, None, "mean"), fullgraph=True)(table, ids)
+    d_got, = torch.autograd.grad(got.sum(), table)
+    want = torch.stack([(table[1] + table[2]) / 2, (table[19] + 2 * table[0]) / 3])
+    d_want, = torch.autograd.grad(want.sum(), table)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(d_got, d_want)
+    print(json.dumps({"first_call_compiled": "ok"}))
+
+
 def check_double_backward():
     """torch.autograd.grad(create_graph=True) through the op (a gradient penalty) matches float64
     loops for every combiner, dense and ragged bags, and through an EmbeddingBag in an nn.Module: it
