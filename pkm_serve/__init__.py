@@ -7,9 +7,10 @@ export (fusion) in ``pkm_serve.export``; the model server in
 
 Importing ``pkm_serve`` registers the op library with TensorFlow and the
 layers and optimizers with Keras (the tensorflow_text convention), so
-``tf.saved_model.load`` and ``keras.models.load_model`` work after it. It does
+``tf.saved_model.load`` and ``keras.models.load_model`` work after it, and the
+``torch.library`` ops with PyTorch (``torch.export.load``). It does
 so without importing TensorFlow itself: registration happens as soon as ``tensorflow`` (or
-``keras``) has been imported, now if it already was, or right after its import
+``keras``, ``torch``) has been imported, now if it already was, or right after its import
 finishes. That keeps ``pkm-serve <command> --help`` instant and lets the
 device part (``pkm_serve.tflite``) run where TensorFlow is not installed.
 """
@@ -29,6 +30,13 @@ def _register_ops():
     # no pkm_serve.ops: a tf.lite interpreter there needs no TF op.
     if importlib.util.find_spec("pkm_serve.ops") is not None:
         importlib.import_module("pkm_serve.ops")
+
+
+def _register_torch_ops():
+    # torch.export.load (a program saved with our ops) needs them registered before it reads one.
+    # The TF and device wheels ship no pkm_serve.backends.
+    if importlib.util.find_spec("pkm_serve.backends") is not None:
+        importlib.import_module("pkm_serve.backends").register_torch_ops()
 
 
 # Modules whose import registers their classes for `.keras` files (register_keras_serializable).
@@ -53,7 +61,7 @@ def _imported(name):
 
 
 # top-level module -> what to register once it is imported
-_REGISTRATIONS = {"tensorflow": _register_ops, "keras": _register_keras_objects}
+_REGISTRATIONS = {"tensorflow": _register_ops, "keras": _register_keras_objects, "torch": _register_torch_ops}
 _registered = set()
 _registration_lock = threading.RLock()
 _deferrals = 0  # > 0: inside _registration_deferred(), imports register nothing yet

@@ -14,6 +14,7 @@ package under JAX or PyTorch never imports TensorFlow.
 from __future__ import annotations
 
 import importlib
+import sys
 
 from pkm_serve.backends._native import NativeLibraryUnavailableError
 
@@ -42,13 +43,21 @@ def backend_module(backend=None):
 
 def _load_keras_backend_module():
     """Imports the module of Keras' backend now, so that a first call inside
-    torch.compile finds it loaded (dynamo cannot trace importlib)."""
-    try:
-        import keras
-    except ImportError:
+    torch.compile finds it loaded (dynamo cannot trace importlib). Only where Keras
+    is imported already: importing it here chose its backend (TensorFlow, unless
+    KERAS_BACKEND said otherwise) for a process that imported torch alone."""
+    keras = sys.modules.get("keras")
+    if keras is None or getattr(getattr(keras, "__spec__", None), "_initializing", False):
         return
     if keras.backend.backend() in _MODULES:
         backend_module()
+
+
+def register_torch_ops():
+    """Registers the torch.library ops (pkm_serve::embedding_bag and its gradient) with PyTorch:
+    `import pkm_serve` calls it once torch is imported, so that torch.export.load of a program
+    holding them resolves them."""
+    _loaded["torch"] = importlib.import_module(_MODULES["torch"])
 
 
 def kernel_device(backend=None):

@@ -2,7 +2,8 @@
 
 `pkm_serve::embedding_bag` (and its gradient op) run the core's CPU kernels on
 CPU tensors and the CUDA launchers on CUDA tensors, on torch's current stream.
-`register_autograd` wires the gradient op in; `register_fake` gives both ops
+`register_autograd` wires the gradient op in (and its own gradient, for double
+backward: _torch_second_order); `register_fake` gives both ops
 shapes without running them, so `torch.compile` traces through them. On a CPU
 an index >= N is a ValueError naming it (the core's message); on a GPU it is
 read as padding, as in the TF GPU kernel.
@@ -15,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from pkm_serve.backends import _capi, _native
+from pkm_serve.backends import _capi, _native, _torch_second_order
 
 TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _available = {}  # device type -> None (kernel loads) or the error
@@ -70,6 +71,8 @@ def _backward(ctx, grad):
 
 
 _bag_op.register_autograd(_backward, setup_context=_setup_context)
+# create_graph=True differentiates the gradient op too (a gradient penalty, a Hessian-vector product).
+_bag_grad_op.register_autograd(_torch_second_order.backward, setup_context=_torch_second_order.setup_context)
 
 
 def kernel_device(device):
@@ -79,13 +82,20 @@ def kernel_device(device):
         return kind
     if kind not in ("cpu", "cuda"):
         return None
+    return kind if _library_loads(kind) else None
+
+
+@torch.compiler.assume_constant_result
+def _library_loads(kind):
+    """Whether our library for `kind` loads (cached). A constant to torch.compile, which runs it while
+    tracing: a first lookup inside torch.compile(fullgraph=True) failed on the loader's lock."""
     if kind not in _available:
         try:
             _capi.library(kind)
             _available[kind] = None
         except (OSError, AttributeError, _native.NativeLibraryUnavailableError) as err:
             _available[kind] = err
-    return kind if _available[kind] is None else None
+    return _available[kind] is None
 
 
 def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None):

@@ -157,6 +157,26 @@ def refuse_unsigned_ids_past(layer_name, indices, target, rows):
     return jax.lax.cond(jnp.any(indices > limit), host_check, lambda ids: ids, indices)
 
 
+def clip_unsigned_ids(layer_name, indices, target, rows):
+    """Unsigned ids with those past `target`'s range clipped to its largest value (past the table:
+    an out-of-range error, not padding). Under PyTorch keras.ops.minimum first cast uint64 ids to
+    int64, so ids >= 2**63 wrapped negative and were read as padding, without an error: there the
+    bits are read as int64 and an eager call with such an id fails naming the caller's value."""
+    limit = np.iinfo(target).max
+    if keras.backend.backend() != "torch" or keras.backend.standardize_dtype(indices.dtype) != "uint64":
+        return keras.ops.minimum(indices, limit)
+    import torch
+
+    signed = indices.view(torch.int64)
+    past = signed < 0  # the uint64 values >= 2**63
+    if not torch.compiler.is_compiling() and bool(past.any()):
+        position = int(torch.nonzero(past.reshape(-1))[0])
+        value = int(signed.reshape(-1)[position]) + 2**64
+        raise ValueError(f"{layer_name}: indices[{position}] = {value} is out of range [0, {rows}) "
+                         "(negative indices are padding)")
+    return torch.where(past, limit, signed)
+
+
 # The largest id a 16-bit float holds with every integer below it: 2 ** (significand bits).
 _LARGEST_EXACT_HALF_FLOAT_ID = {"bfloat16": 2**8, "float16": 2**11}
 

@@ -8,6 +8,7 @@ from pkm_serve.layers._lookup import (from_config_keeping_tf_training_options, i
                                      jax_wraps_64_bit_ids, lookup_supports_jit, refuse_ids_past_int32,
                                      refuse_rounded_half_float_ids, refuse_rows_past_int32, refuse_table_dtype,
                                      refuse_tf_keras, refuse_tf_training_options, refuse_unsigned_ids_past,
+                                     clip_unsigned_ids,
                                      require_positive_ints, resolve_lookup)
 
 COMBINERS = ("sum", "mean", "sqrtn", "max")
@@ -227,7 +228,7 @@ class EmbeddingBag(keras.layers.Layer):
                 # uint32 ids under JAX): clipped, it stays past the table, an out-of-range error.
                 if self.implementation == "fused":
                     indices = refuse_unsigned_ids_past("EmbeddingBag", indices, target, self.input_dim)
-                indices = ops.minimum(indices, np.iinfo(target).max)
+                indices = clip_unsigned_ids("EmbeddingBag", indices, target, self.input_dim)
             indices = ops.cast(indices, target)
         if weights is not None:
             weights = ops.convert_to_tensor(weights)
