@@ -60,8 +60,12 @@ def quantize_rows(table, row_param_dtype: str = "float32"):
 
 
 def _quantize_chunk(x, row_param_dtype, first_row):
-    if not np.all(np.isfinite(x)):
-        raise ValueError("table has non-finite values: int8 rows cannot represent them")
+    finite_rows = np.isfinite(x).all(axis=1)
+    if not finite_rows.all():
+        row = int(np.argmin(finite_rows))
+        col = int(np.argmin(np.isfinite(x[row])))
+        raise ValueError(f"row {first_row + row} of the table holds {x[row, col]} (column {col}): "
+                         "an int8 row cannot hold NaN or infinity")
     lo = x.min(axis=1) if x.shape[1] else np.zeros(x.shape[0])
     hi = x.max(axis=1) if x.shape[1] else np.zeros(x.shape[0])
     flat = hi <= lo

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from pkm_serve.export import files, tflite_export, warmup
+from pkm_serve.export import quantize as Q
 from pkm_serve.export import inputs as SI
 from pkm_serve.export.saved_model_io import read_saved_model
 from pkm_serve.export.saved_model_io import record_new_ops as _record_new_ops
@@ -293,6 +294,7 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
     progress = progress or Progress(quiet=quiet)
     progress.note(f"loading {src}")
     proto = read_saved_model(src)
+    Q.check_not_quantized_yet(proto, quantize_table, tflite)
     chosen = _choose_signatures(proto, src, signatures)
     samples = SI.read_samples(sample_inputs)
     SI.check_sample_keys(proto, chosen, samples)
