@@ -145,6 +145,7 @@ def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", 
     """
     if combiner not in ("sum", "mean", "sqrtn"):
         raise ValueError(f"combiner must be one of sum, mean, sqrtn for int8 tables, got {combiner!r}")
+    _op_args._refuse_sparse_tensors(indices, weights)  # pylint: disable=protected-access
     lib = ops.load_library()  # with the XLA lowerings (also where TF built its JIT kernels first)
     with tf.name_scope(name or "quantized_embedding_bag"):
         values, scales, biases = _table_tensors(table)
