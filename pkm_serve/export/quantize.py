@@ -180,8 +180,14 @@ def tolerance_or_default(tolerance: Optional[float]) -> float:
 def relative_error(want, got):
     """(max |want - got|, scale = max |want|, their ratio): the measure --quantize-tolerance
     bounds, for the int8 SavedModel and the int8 .tflite alike. NaN where the float
-    model has NaN counts as equal; a new NaN makes the error NaN (over any tolerance)."""
-    w, g = np.asarray(want).astype(np.float64), np.asarray(got).astype(np.float64)
+    model has NaN counts as equal; a new NaN makes the error NaN (over any tolerance).
+    A string output (a class name) has no scale: its error is the fraction of elements
+    that differ (scale 1)."""
+    w, g = np.asarray(want), np.asarray(got)
+    if w.dtype.kind in "SUO":
+        differ = float(np.mean(w != g)) if w.size else 0.0
+        return differ, 1.0, differ
+    w, g = w.astype(np.float64), g.astype(np.float64)
     both_nan = np.isnan(w) & np.isnan(g)
     w, g = np.where(both_nan, 0.0, w), np.where(both_nan, 0.0, g)
     scale = float(np.max(np.abs(w))) if w.size else 0.0
