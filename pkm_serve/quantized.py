@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from pkm_serve import _op_args, ops
+from pkm_serve import _op_args, _sharding, ops
 
 ROW_PARAM_DTYPES = ("float32", "float16")
 _OUTPUT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
@@ -94,7 +94,12 @@ def _quantize_chunk(x, row_param_dtype, first_row):
 
 
 def quantize_table(table, row_param_dtype: str = "float32") -> QuantizedTable:
-    """quantize_rows as a QuantizedTable of tf constants (a tf.Variable or a tensor works as `table`)."""
+    """quantize_rows as a QuantizedTable of tf constants (a tf.Variable or a tensor works as `table`;
+    a row-sharded table, a ShardedVariable or a list of [N_i, D] shards as ops.embedding_bag takes
+    it, becomes one int8 table of its rows in order)."""
+    if _op_args.is_sharded(table):
+        shards = _sharding._table_shards(table)  # pylint: disable=protected-access
+        table = np.concatenate([np.asarray(shard) for shard in shards])
     if isinstance(table, (tf.Tensor, tf.Variable)):
         table = table.numpy()
     values, scales, biases = quantize_rows(table, row_param_dtype)
