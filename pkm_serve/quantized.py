@@ -65,7 +65,7 @@ def _quantize_chunk(x, row_param_dtype, first_row):
         row = int(np.argmin(finite_rows))
         col = int(np.argmin(np.isfinite(x[row])))
         raise ValueError(f"row {first_row + row} of the table holds {x[row, col]} (column {col}): "
-                         "an int8 row cannot hold NaN or infinity")
+                         "an int8 row cannot hold a non-finite value (NaN or infinity)")
     lo = x.min(axis=1) if x.shape[1] else np.zeros(x.shape[0])
     hi = x.max(axis=1) if x.shape[1] else np.zeros(x.shape[0])
     flat = hi <= lo
