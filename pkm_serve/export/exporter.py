@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from pkm_serve.export import files, tflite_export, warmup
+from pkm_serve.export import files, keras_saved_model, tflite_export, warmup
 from pkm_serve.export import quantize as Q
 from pkm_serve.export import inputs as SI
 from pkm_serve.export.saved_model_io import read_saved_model
@@ -486,9 +486,6 @@ def quantize_tables(model, dst: str, version: Optional[int] = None, tolerance: O
     """
     with tempfile.TemporaryDirectory(prefix="pkm-quantize-") as tmp:
         saved = os.path.join(tmp, "saved_model")
-        try:
-            model.export(saved, format="tf_saved_model", verbose=False)
-        except TypeError:  # Keras versions without the verbose argument
-            model.export(saved, format="tf_saved_model")
+        keras_saved_model.write_inference_saved_model(model, saved)
         return export_saved_model(saved, dst, version=version, quantize_table="int8",
                                   quantize_tolerance=tolerance, **export_kwargs)
