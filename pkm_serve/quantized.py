@@ -155,6 +155,8 @@ def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", 
     with tf.name_scope(name or "quantized_embedding_bag"):
         values, scales, biases = _table_tensors(table)
         output_dtype = tf.as_dtype(output_dtype)
+        if output_dtype not in _OUTPUT_DTYPES:
+            raise TypeError(f"output_dtype must be float32, float16 or bfloat16, got {output_dtype.name}")
         if isinstance(indices, tf.RaggedTensor):
             weight_values = _op_args._ragged_weight_values(indices, weights)  # pylint: disable=protected-access
             flat = tf.convert_to_tensor(indices.flat_values)

@@ -1,8 +1,8 @@
-"""quantized.embedding_bag given tf.SparseTensor ids or weights (a VarLenFeature's, as
-tf.nn.embedding_lookup_sparse takes them) raises the float op's TypeError naming the ragged form
+"""quantized.embedding_bag argument checks. Given tf.SparseTensor ids or weights (a VarLenFeature's, as
+tf.nn.embedding_lookup_sparse takes them) it raises the float op's TypeError naming the ragged form
 to pass; it was TF's conversion ValueError ("Attempt to convert a value (SparseTensor(...")
 naming neither the argument nor a way out. The ragged form it names gives the bags of a float64
-dequantize-then-sum reference."""
+dequantize-then-sum reference. An output_dtype without a kernel is a TypeError naming it."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -41,3 +41,19 @@ def test_the_ragged_form_named_gives_the_sparse_bags():
     rows = table.values * table.row_scales[:, None].astype(np.float64) + table.row_biases[:, None]
     want = np.stack([rows[4] + rows[7], np.zeros(D), rows[11]])
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("output_dtype", [tf.float64, tf.int32])
+def test_an_output_dtype_the_op_has_no_kernel_for_is_a_type_error_naming_it(output_dtype):
+    """It was the op's InvalidArgumentError about its attr 'T', an argument the caller never saw."""
+    with pytest.raises(TypeError, match=f"output_dtype must be float32, float16 or bfloat16, got {output_dtype.name}"):
+        quantized.embedding_bag(_table(), np.array([[1, 2]]), output_dtype=output_dtype)
+
+
+@pytest.mark.parametrize("output_dtype", [tf.float16, tf.bfloat16])
+def test_half_output_dtypes_give_the_float32_bags_rounded(output_dtype):
+    table, ids = _table(), np.array([[1, 2, -1], [3, 3, 3]])
+    got = quantized.embedding_bag(table, ids, output_dtype=output_dtype)
+    want = quantized.embedding_bag(table, ids)
+    assert got.dtype == output_dtype
+    np.testing.assert_array_equal(got.numpy(), tf.cast(want, output_dtype).numpy())
