@@ -140,9 +140,9 @@ QUANTIZED_OPS = ("PkmQuantizedEmbeddingBag", "PkmQuantizedRaggedEmbeddingBag")
 
 
 def check_not_quantized_yet(proto, quantize_table: Optional[str], tflite: Optional[str]) -> None:
-    """ExportError where SRC already is an int8 export and this one asks to quantize it
-    again or to make a .tflite of it: its float tables are gone (no site left to fuse
-    and quantize), and no TFLite kernel runs PkmQuantizedEmbeddingBag."""
+    """ExportError where SRC holds int8 bags (an int8 export) and this export asks to make a
+    .tflite of it (no TFLite kernel runs PkmQuantizedEmbeddingBag) or, having found no float
+    site to fuse, to quantize it (its float tables are gone)."""
     if not (quantize_table or tflite):
         return
     graphs = [mg.graph_def for mg in proto.meta_graphs]
@@ -150,8 +150,8 @@ def check_not_quantized_yet(proto, quantize_table: Optional[str], tflite: Option
     found = sorted({n.op for n in nodes if n.op in QUANTIZED_OPS})
     if not found:
         return
-    already = (f"this model's tables already are int8 (its bags run {', '.join(found)}: it is "
-               "the output of --quantize-table int8)")
+    already = (f"this model's tables already are int8 (its bags run {', '.join(found)}, as "
+               "the output of --quantize-table int8 does)")
     if quantize_table:
         raise ExportError(f"--quantize-table {quantize_table}: {already}; export it without "
                           "--quantize-table to serve it as it is")

@@ -74,3 +74,25 @@ def test_an_int8_export_exported_again_without_flags_still_serves(int8_export):
     got = tf.saved_model.load(result.dst).signatures["serving_default"](ids=tf.constant(ids))["out"].numpy()
     want = tf.saved_model.load(int8_dir).signatures["serving_default"](ids=tf.constant(ids))["out"].numpy()
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_float_sites_beside_int8_bags_are_still_quantized(tmp_path):
+    """A model with an int8 bag of its own (quantized.embedding_bag) and a float composite
+    site: --quantize-table int8 quantizes the float site, and is not refused as 'already int8'."""
+    from pkm_serve import quantized
+
+    int8_table = quantized.quantize_table(_table())
+
+    class Mixed(tf.Module):
+        def __init__(self):
+            self.table = tf.Variable(_table() * 2)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, K], tf.int32)])
+        def serve(self, ids):
+            return {"int8": quantized.embedding_bag(int8_table, ids),
+                    "float": tf.reduce_sum(tf.gather(self.table, ids), axis=1)}
+
+    model = Mixed()
+    tf.saved_model.save(model, str(tmp_path / "src"), signatures={"serving_default": model.serve})
+    result = export_saved_model(str(tmp_path / "src"), str(tmp_path / "dst"), quantize_table="int8", quiet=True)
+    assert [t["table"] for t in result.quantization["tables"]] == ["table/.ATTRIBUTES/VARIABLE_VALUE"]
