@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from pkm_serve import _op_args, ops
+from pkm_serve import _op_args, _sharding, ops
 
 ROW_PARAM_DTYPES = ("float32", "float16")
 _OUTPUT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
@@ -60,8 +60,12 @@ def quantize_rows(table, row_param_dtype: str = "float32"):
 
 
 def _quantize_chunk(x, row_param_dtype, first_row):
-    if not np.all(np.isfinite(x)):
-        raise ValueError("table has non-finite values: int8 rows cannot represent them")
+    finite_rows = np.isfinite(x).all(axis=1)
+    if not finite_rows.all():
+        row = int(np.argmin(finite_rows))
+        col = int(np.argmin(np.isfinite(x[row])))
+        raise ValueError(f"row {first_row + row} of the table holds {x[row, col]} (column {col}): "
+                         "an int8 row cannot hold a non-finite value (NaN or infinity)")
     lo = x.min(axis=1) if x.shape[1] else np.zeros(x.shape[0])
     hi = x.max(axis=1) if x.shape[1] else np.zeros(x.shape[0])
     flat = hi <= lo
@@ -90,7 +94,12 @@ def _quantize_chunk(x, row_param_dtype, first_row):
 
 
 def quantize_table(table, row_param_dtype: str = "float32") -> QuantizedTable:
-    """quantize_rows as a QuantizedTable of tf constants (a tf.Variable or a tensor works as `table`)."""
+    """quantize_rows as a QuantizedTable of tf constants (a tf.Variable or a tensor works as `table`;
+    a row-sharded table, a ShardedVariable or a list of [N_i, D] shards as ops.embedding_bag takes
+    it, becomes one int8 table of its rows in order)."""
+    if _op_args.is_sharded(table):
+        shards = _sharding._table_shards(table)  # pylint: disable=protected-access
+        table = np.concatenate([np.asarray(shard) for shard in shards])
     if isinstance(table, (tf.Tensor, tf.Variable)):
         table = table.numpy()
     values, scales, biases = quantize_rows(table, row_param_dtype)
@@ -141,10 +150,13 @@ def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", 
     """
     if combiner not in ("sum", "mean", "sqrtn"):
         raise ValueError(f"combiner must be one of sum, mean, sqrtn for int8 tables, got {combiner!r}")
+    _op_args._refuse_sparse_tensors(indices, weights)  # pylint: disable=protected-access
     lib = ops.load_library()  # with the XLA lowerings (also where TF built its JIT kernels first)
     with tf.name_scope(name or "quantized_embedding_bag"):
         values, scales, biases = _table_tensors(table)
         output_dtype = tf.as_dtype(output_dtype)
+        if output_dtype not in _OUTPUT_DTYPES:
+            raise TypeError(f"output_dtype must be float32, float16 or bfloat16, got {output_dtype.name}")
         if isinstance(indices, tf.RaggedTensor):
             weight_values = _op_args._ragged_weight_values(indices, weights)  # pylint: disable=protected-access
             flat = tf.convert_to_tensor(indices.flat_values)

@@ -8,6 +8,7 @@ when a function here reads or writes a model.
 from __future__ import annotations
 
 import importlib
+import struct
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -262,7 +263,10 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     """
     check_tflite_bytes(model_bytes, "quantize_table_int8")
     schema = _schema()
-    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
+    try:
+        model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
+    except (struct.error, IndexError, ValueError) as err:
+        raise _unreadable("quantize_table_int8", model_bytes, err) from None
     _bypass_dequantize(model, schema)
     tables, shared = _quantisable_tables(model, schema)
     for buffer_index, tensors, dtype in tables:
@@ -321,7 +325,19 @@ def check_int8_tables(model_bytes) -> int:
     tensors are allocated; a server checks at load. Returns the number of int8 tables."""
     check_tflite_bytes(model_bytes, "check_int8_tables")
     schema = _schema()
-    model = schema.Model.GetRootAsModel(bytes(model_bytes), 0)
+    try:
+        return _check_int8_tables(schema, schema.Model.GetRootAsModel(bytes(model_bytes), 0))
+    except (struct.error, IndexError) as err:
+        raise _unreadable("check_int8_tables", model_bytes, err) from None
+
+
+def _unreadable(what: str, model_bytes, err) -> ValueError:
+    """The schema's reader ran past the end of the bytes: a file cut short (or corrupt)."""
+    return ValueError(f"{what}: the {len(model_bytes)} bytes given are not a whole TFLite flatbuffer "
+                      f"(truncated or corrupt: {err}); pass the complete contents of a .tflite file")
+
+
+def _check_int8_tables(schema, model) -> int:
     codes = []
     for i in range(model.OperatorCodesLength()):
         code = model.OperatorCodes(i).CustomCode()

@@ -19,7 +19,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from pkm_serve.export import files, tflite_export, warmup
+from pkm_serve.export import files, keras_saved_model, tflite_export, warmup
+from pkm_serve.export import quantize as Q
 from pkm_serve.export import inputs as SI
 from pkm_serve.export.saved_model_io import read_saved_model
 from pkm_serve.export.saved_model_io import record_new_ops as _record_new_ops
@@ -293,6 +294,7 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
     progress = progress or Progress(quiet=quiet)
     progress.note(f"loading {src}")
     proto = read_saved_model(src)
+    Q.check_not_quantized_yet(proto, None, tflite)
     chosen = _choose_signatures(proto, src, signatures)
     samples = SI.read_samples(sample_inputs)
     SI.check_sample_keys(proto, chosen, samples)
@@ -308,6 +310,7 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
     if not result.fused:
         result.message = _no_site_message(sites)
     if quantize_table and not result.fused:
+        Q.check_not_quantized_yet(proto, quantize_table, None)  # the int8 export of before, say so
         hint = ""
         if _uses_project_ops(proto):
             hint = ("; its bags already run the pkm_serve op (its layers), whose tables this does not quantize: "
@@ -484,9 +487,6 @@ def quantize_tables(model, dst: str, version: Optional[int] = None, tolerance: O
     """
     with tempfile.TemporaryDirectory(prefix="pkm-quantize-") as tmp:
         saved = os.path.join(tmp, "saved_model")
-        try:
-            model.export(saved, format="tf_saved_model", verbose=False)
-        except TypeError:  # Keras versions without the verbose argument
-            model.export(saved, format="tf_saved_model")
+        keras_saved_model.write_inference_saved_model(model, saved)
         return export_saved_model(saved, dst, version=version, quantize_table="int8",
                                   quantize_tolerance=tolerance, **export_kwargs)

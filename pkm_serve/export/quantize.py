@@ -111,7 +111,11 @@ def quantize_export_dir(export_dir: str) -> List[dict]:
                 if table.ndim != 2 or not _is_float(table.dtype):
                     raise ExportError(f"cannot quantize table {key!r}: it is {table.dtype} {list(table.shape)}, "
                                       "not a float32, float16 or bfloat16 [N, D] matrix")
-                values, scales, biases = quantized.quantize_rows(table)
+                try:
+                    values, scales, biases = quantized.quantize_rows(table)
+                except ValueError as err:
+                    raise ExportError(f"cannot quantize table {key!r} ({table.dtype} {list(table.shape)}): "
+                                      f"{err}") from None
                 new_values[key] = (values, scales, biases)
                 rows.append({"table": key, "copy_of": plan.copy_of, "shape": list(table.shape),
                              "dtype": str(table.dtype),
@@ -130,6 +134,29 @@ def quantize_export_dir(export_dir: str) -> List[dict]:
         f.write(proto.SerializeToString(deterministic=True))
     saved_model_io.write_fingerprint(export_dir)
     return rows
+
+
+QUANTIZED_OPS = ("PkmQuantizedEmbeddingBag", "PkmQuantizedRaggedEmbeddingBag")
+
+
+def check_not_quantized_yet(proto, quantize_table: Optional[str], tflite: Optional[str]) -> None:
+    """ExportError where SRC holds int8 bags (an int8 export) and this export asks to make a
+    .tflite of it (no TFLite kernel runs PkmQuantizedEmbeddingBag) or, having found no float
+    site to fuse, to quantize it (its float tables are gone)."""
+    if not (quantize_table or tflite):
+        return
+    graphs = [mg.graph_def for mg in proto.meta_graphs]
+    nodes = [n for g in graphs for n in list(g.node) + [n for f in g.library.function for n in f.node_def]]
+    found = sorted({n.op for n in nodes if n.op in QUANTIZED_OPS})
+    if not found:
+        return
+    already = (f"this model's tables already are int8 (its bags run {', '.join(found)}, as "
+               "the output of --quantize-table int8 does)")
+    if quantize_table:
+        raise ExportError(f"--quantize-table {quantize_table}: {already}; export it without "
+                          "--quantize-table to serve it as it is")
+    raise ExportError(f"--tflite: {already}, which no TFLite kernel runs: export the float model it "
+                      "came from with --quantize-table int8 --tflite FILE for an int8 .tflite")
 
 
 def _run(fn, inputs, what: str, name: str) -> dict:
@@ -153,8 +180,14 @@ def tolerance_or_default(tolerance: Optional[float]) -> float:
 def relative_error(want, got):
     """(max |want - got|, scale = max |want|, their ratio): the measure --quantize-tolerance
     bounds, for the int8 SavedModel and the int8 .tflite alike. NaN where the float
-    model has NaN counts as equal; a new NaN makes the error NaN (over any tolerance)."""
-    w, g = np.asarray(want).astype(np.float64), np.asarray(got).astype(np.float64)
+    model has NaN counts as equal; a new NaN makes the error NaN (over any tolerance).
+    A string output (a class name) has no scale: its error is the fraction of elements
+    that differ (scale 1)."""
+    w, g = np.asarray(want), np.asarray(got)
+    if w.dtype.kind in "SUO":
+        differ = float(np.mean(w != g)) if w.size else 0.0
+        return differ, 1.0, differ
+    w, g = w.astype(np.float64), g.astype(np.float64)
     both_nan = np.isnan(w) & np.isnan(g)
     w, g = np.where(both_nan, 0.0, w), np.where(both_nan, 0.0, g)
     scale = float(np.max(np.abs(w))) if w.size else 0.0

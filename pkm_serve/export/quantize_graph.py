@@ -174,6 +174,8 @@ def fused_tables(all_bodies: Dict[str, Body], keys) -> Dict[str, TablePlan]:
                                   "--quantize-table, or quantize the .tflite (pkm_serve.tflite."
                                   "quantize_table_int8)")
             read = body.by_name.get(producer(n.input[0]))
+            while read is not None and read.op == "Identity":  # tf.identity(table), table.read_value()
+                read = body.by_name.get(producer(read.input[0]))
             key = keys.get((body.name, read.input[0])) if read is not None and read.op == "ReadVariableOp" else None
             if key is None:
                 raise ExportError(f"cannot quantize the fused site {body.name}/{n.name}: its table is not "
@@ -207,11 +209,13 @@ def _same_table(plan: TablePlan, key: Optional[str], plans) -> bool:
 
 def _follow_value(body: Body, ref_node: str, plan: TablePlan, what: str, keys, plans) -> None:
     """The table's value from `ref_node` (a ReadVariableOp): through Identity to
-    fused sites (input 0) and SaveV2; anything else keeps it float."""
+    fused sites (input 0), Shape and SaveV2; anything else keeps it float."""
     for consumer, i in body.consumers.get(ref_node, []):
         if consumer.op == "Identity":
             plan.values.append((body.name, consumer.name))
             _follow_value(body, consumer.name, plan, what, keys, plans)
+        elif consumer.op == "Shape":  # reads the shape only (ids clipped to the rows, say)
+            plan.values.append((body.name, consumer.name))
         elif consumer.op in QUANTIZED_OPS and i == 0:
             continue
         elif consumer.op == "SaveV2" and i >= 3:
