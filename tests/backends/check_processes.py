@@ -28,3 +28,30 @@ def finish(proc, what, timeout=300):
 
 def installed(backend):
     return importlib.util.find_spec(backend) is not None
+
+
+def results_by_backend(tmp_path_factory, checks, module, export_check):
+    """result(backend) -> that backend's printed results: one process per backend of `checks`
+    ({backend: [check, ...]}) started now, side by side, and waited for at the first ask.
+    `export_check` needs TensorFlow too and gets a fresh SavedModel path after its name; a backend
+    that is not installed (or lacks TensorFlow for it) is skipped."""
+    import pytest
+
+    procs = {}
+    for backend, names in checks.items():
+        if not installed(backend) or (export_check in names and not installed("tensorflow")):
+            continue
+        args = []
+        for check in names:
+            args += [check] + ([str(tmp_path_factory.mktemp("export") / "saved")] if check == export_check else [])
+        procs[backend] = start(backend, args, module=module)
+    done = {}
+
+    def result(backend):
+        if backend not in procs:
+            pytest.skip(f"{backend} (or TensorFlow for {export_check}) is not installed")
+        if backend not in done:
+            done[backend] = finish(procs[backend], f"{backend} {checks[backend]}")
+        return done[backend]
+
+    return result

@@ -4,7 +4,7 @@ backend that is not installed is skipped."""
 
 import pytest
 
-from tests.backends.check_processes import finish, installed, start
+from tests.backends.check_processes import results_by_backend
 
 # Its three processes take ~50 s together: scheduled first (tests/conftest.py).
 pytestmark = pytest.mark.slow
@@ -17,24 +17,7 @@ CHECKS = {"tensorflow": ["listed_inputs"],
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Each backend's check process (jax_export needs TensorFlow too), waited for once."""
-    procs = {}
-    for backend, checks in CHECKS.items():
-        if not installed(backend) or ("jax_export" in checks and not installed("tensorflow")):
-            continue
-        args = []
-        for check in checks:
-            args += [check] + ([str(tmp_path_factory.mktemp("export") / "saved")] if check == "jax_export" else [])
-        procs[backend] = start(backend, args, module="round34_checks")
-    done = {}
-
-    def result(backend):
-        if backend not in procs:
-            pytest.skip(f"{backend} (or TensorFlow for jax_export) is not installed")
-        if backend not in done:
-            done[backend] = finish(procs[backend], f"{backend} {CHECKS[backend]}")
-        return done[backend]
-
-    return result
+    return results_by_backend(tmp_path_factory, CHECKS, "round34_checks", "jax_export")
 
 
 def test_jax_export_of_the_composite_runs_under_tf(results):

@@ -4,7 +4,7 @@ backend that is not installed is skipped."""
 
 import pytest
 
-from tests.backends.check_processes import finish, installed, start
+from tests.backends.check_processes import results_by_backend
 
 # Its processes take ~30 s together (the JAX export most of it).
 pytestmark = pytest.mark.slow
@@ -16,25 +16,7 @@ CHECKS = {"jax": ["listed_ids", "signed_zero_ties", "unsigned_message", "eager_j
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     """Each backend's check process (fixed_batch_export needs TensorFlow too), waited for once."""
-    procs = {}
-    for backend, checks in CHECKS.items():
-        if not installed(backend) or ("fixed_batch_export" in checks and not installed("tensorflow")):
-            continue
-        args = []
-        for check in checks:
-            args += [check] + ([str(tmp_path_factory.mktemp("export") / "saved")]
-                               if check == "fixed_batch_export" else [])
-        procs[backend] = start(backend, args, module="round35_checks")
-    done = {}
-
-    def result(backend):
-        if backend not in procs:
-            pytest.skip(f"{backend} (or TensorFlow for fixed_batch_export) is not installed")
-        if backend not in done:
-            done[backend] = finish(procs[backend], f"{backend} {CHECKS[backend]}")
-        return done[backend]
-
-    return result
+    return results_by_backend(tmp_path_factory, CHECKS, "round35_checks", "fixed_batch_export")
 
 
 def test_jax_export_with_a_fixed_batch_runs_under_tf(results):

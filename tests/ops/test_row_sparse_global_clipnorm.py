@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from pkm_serve.optimizers import LazyAdam, RowwiseAdagrad  # noqa: E402
+from tests.row_optimizer_reference import apply_rows  # noqa: E402
 
 N, D, CLIP = 10, 4, 0.5
 LR, BETA_1, BETA_2, EPS = 0.1, 0.9, 0.999, 1e-7
@@ -58,13 +59,9 @@ def test_lazy_adam_global_clipnorm_steps_touched_rows_only():
     b, bm, bv = np.ones(D), np.zeros(D), np.zeros(D)
     for step, (rows, values, bias_grad) in enumerate(_steps(), start=1):
         touched, g, bg = _clipped(rows, values, bias_grad)
-        alpha = LR * np.sqrt(1 - BETA_2 ** step) / (1 - BETA_1 ** step)
-        m[touched] += (g - m[touched]) * (1 - BETA_1)
-        v[touched] += (g * g - v[touched]) * (1 - BETA_2)
-        w[touched] -= alpha * m[touched] / (np.sqrt(v[touched]) + EPS)
-        bm += (bg - bm) * (1 - BETA_1)
-        bv += (bg * bg - bv) * (1 - BETA_2)
-        b -= alpha * bm / (np.sqrt(bv) + EPS)
+        hyper = dict(lr=LR, epsilon=EPS, beta_1=BETA_1, beta_2=BETA_2, step=step)
+        w, (m, v) = apply_rows("adam", w, g, touched, (m, v), **hyper)
+        b, (bm, bv) = apply_rows("adam", b, bg, slice(None), (bm, bv), **hyper)
     np.testing.assert_allclose(table.numpy(), w, rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(optimizer._momentums[0].numpy(), m, rtol=2e-5, atol=1e-7)
     np.testing.assert_allclose(optimizer._velocities[0].numpy(), v, rtol=2e-5, atol=1e-9)

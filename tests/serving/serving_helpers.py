@@ -150,11 +150,17 @@ def write_example_model(path):
         total = tf.reduce_sum(x, axis=1)
         sigs = {"serving_default": tf.compat.v1.saved_model.classification_signature_def(serialized, classes, scores),
                 "regress": tf.compat.v1.saved_model.regression_signature_def(serialized, total)}
-        with tf.compat.v1.Session() as sess:
-            builder = tf.compat.v1.saved_model.Builder(path)
-            builder.add_meta_graph_and_variables(sess, ["serve"], signature_def_map=sigs)
-            builder.save()
+        save_graph(path, sigs)
     return path
+
+
+def save_graph(path, signature_def_map):
+    """Saves the default (TF1) graph as a SavedModel at `path`, tagged "serve", with those signatures."""
+    import tensorflow as tf
+    with tf.compat.v1.Session() as sess:
+        builder = tf.compat.v1.saved_model.Builder(str(path))
+        builder.add_meta_graph_and_variables(sess, ["serve"], signature_def_map=signature_def_map)
+        builder.save()
 
 
 def polled_manager(base, name="m", **kwargs):

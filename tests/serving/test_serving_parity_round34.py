@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from tensorflow_serving.apis import classification_pb2, predict_pb2, prediction_service_pb2_grpc
 
-from serving_helpers import ServerProcess
+from serving_helpers import ServerProcess, save_graph
 
 from pkm_serve.serving.json_floats import shortest_float32_as_float64
 
@@ -64,10 +64,7 @@ def _save_integer_classes_model(path, classes_shape=(2,), string_scores=False):
         sig = tf.compat.v1.saved_model.build_signature_def(
             {"inputs": info(serialized)}, {"classes": info(classes), "scores": info(scores)},
             "tensorflow/serving/classify")
-        with tf.compat.v1.Session() as sess:
-            builder = tf.compat.v1.saved_model.Builder(path)
-            builder.add_meta_graph_and_variables(sess, ["serve"], signature_def_map={"serving_default": sig})
-            builder.save()
+        save_graph(path, {"serving_default": sig})
 
 
 @pytest.fixture(scope="module")

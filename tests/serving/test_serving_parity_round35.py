@@ -35,7 +35,7 @@ from tensorflow_serving.apis import (classification_pb2, get_model_metadata_pb2,
                                      inference_pb2, model_service_pb2_grpc, predict_pb2,
                                      prediction_service_pb2_grpc, regression_pb2)
 
-from serving_helpers import ServerProcess
+from serving_helpers import ServerProcess, save_graph
 
 X = [[1.0, 2.0], [3.0, 0.5]]
 
@@ -63,10 +63,7 @@ def _save_example_model(path, scores_dtype="float32", classes_rank=2, scores_ran
                                   "tensorflow/serving/regress"),
                 "scores_only": build({"inputs": info(serialized)}, {"scores": info(scores)},
                                      "tensorflow/serving/classify")}
-        with tf.compat.v1.Session() as sess:
-            builder = tf.compat.v1.saved_model.Builder(path)
-            builder.add_meta_graph_and_variables(sess, ["serve"], signature_def_map=sigs)
-            builder.save()
+        save_graph(path, sigs)
 
 
 def _save_float8_model(path):
@@ -77,10 +74,7 @@ def _save_float8_model(path):
         info = tf.compat.v1.saved_model.build_tensor_info
         sig = tf.compat.v1.saved_model.build_signature_def({"x": info(x)}, {"y": info(y)},
                                                            "tensorflow/serving/predict")
-        with tf.compat.v1.Session() as sess:
-            builder = tf.compat.v1.saved_model.Builder(path)
-            builder.add_meta_graph_and_variables(sess, ["serve"], signature_def_map={"serving_default": sig})
-            builder.save()
+        save_graph(path, {"serving_default": sig})
 
 
 @pytest.fixture(scope="module")

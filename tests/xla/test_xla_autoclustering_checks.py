@@ -2,7 +2,12 @@
 compiles a plain tf.function's lookup with XLA, where nothing checks that weights masked to another
 run-time size than the ids match them: they were read at the ids' positions, zero past their own
 size (silent wrong bags). The run-time check XLA keeps (PkmCheckThen) now goes into such graphs too,
-so the mismatch is the InvalidArgumentError it is without auto-clustering."""
+so the mismatch is the InvalidArgumentError it is without auto-clustering.
+
+A machine with a GPU clusters its CPU ops too (lookups of the CPU-only op library, or under
+tf.device("/CPU:0")): there the check went in only where TF saw no GPU. A GPU is faked for pkm_serve's
+decision alone: TF itself sees none and clusters the lookup on the CPU, as it does the CPU lookups of a
+GPU machine."""
 
 import os
 import subprocess
@@ -12,11 +17,13 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-_SCRIPT = """
+_IMPORTS = """
 import numpy as np
 import tensorflow as tf
 from pkm_serve import _xla, ops
+"""
 
+_LOOKUPS = """
 table = np.arange(30, dtype=np.float32).reshape(10, 3)
 
 @tf.function
@@ -34,22 +41,53 @@ except tf.errors.InvalidArgumentError as error:
     print("mismatch InvalidArgumentError", "weights must have the shape of indices" in str(error))
 seen = []
 tf.function(lambda: seen.append(_xla.cpu_autoclustering()))()  # asked while a graph is built
-print("autoclustering", seen[0])
+"""
+
+_FAKE_GPU = """
+real_list = tf.config.list_logical_devices
+fake_gpu = tf.config.LogicalDevice("/job:localhost/replica:0/task:0/device:GPU:0", "GPU")
+tf.config.list_logical_devices = lambda kind=None: [fake_gpu] if kind == "GPU" else real_list(kind)
+"""
+
+_GPU_LIBRARY_DECISIONS = """
+_xla._xla_device_types = frozenset({"CPU", "GPU"})  # the op library with GPU kernels
+tf.function(lambda: seen.append(_xla.cpu_autoclustering()))()
+with tf.device("/CPU:0"):
+    tf.function(lambda: seen.append(_xla.cpu_autoclustering()))()
+@tf.function
+def scoped():
+    with tf.device("/CPU:0"):
+        seen.append(_xla.cpu_autoclustering())
+scoped()
 """
 
 
-def test_masked_weights_mismatch_fails_under_cpu_autoclustering():
+def _run_autoclustered(script):
+    """{name: printed value} of `script` run in a process with TF's CPU auto-clustering on (TF reads
+    TF_XLA_FLAGS once, at start), after checking its bags: the same masks give numpy's bags, the
+    mismatch the InvalidArgumentError."""
     flags = "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit --tf_xla_min_cluster_size=1"
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_XLA_FLAGS": flags}
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env=env)
+    proc = subprocess.run([sys.executable, "-c", script + '\nprint("decisions", seen)\n'], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
     lines = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines())
     table = [[3.0 * r + c for c in range(3)] for r in range(10)]
     expected = [[2 * (table[1][c] + 0.5 * table[2][c]) for c in range(3)],
                 [2 * (3.0 * table[5][c] + 4.0 * table[6][c]) for c in range(3)]]
-    assert lines["same"] == str(expected)
+    assert proc.returncode == 0 and lines.get("same") == str(expected), proc.stderr[-3000:]
     assert lines["mismatch"] == "InvalidArgumentError True", proc.stdout
-    assert proc.returncode == 0 and lines["autoclustering"] == "True", proc.stderr[-3000:]
+    return lines
+
+
+def test_masked_weights_mismatch_fails_under_cpu_autoclustering():
+    assert _run_autoclustered(_IMPORTS + _LOOKUPS)["decisions"] == "[True]"
+
+
+def test_cpu_lookups_of_a_gpu_machine_are_checked_under_cpu_autoclustering():
+    lines = _run_autoclustered(_IMPORTS + _FAKE_GPU + _LOOKUPS + _GPU_LIBRARY_DECISIONS)
+    # CPU-only library: checked; GPU library: not where the lookup goes to the GPU, checked where a
+    # tf.device scope (around the call, or in the function) puts it on the CPU.
+    assert lines["decisions"] == "[True, False, True, True]"
 
 
 @pytest.mark.parametrize("flags, set_jit, expected", [
@@ -59,6 +97,9 @@ def test_masked_weights_mismatch_fails_under_cpu_autoclustering():
     ("--tf_xla_cpu_global_jit=false --tf_xla_auto_jit=2", False, False),
     ("--tf_xla_auto_jit=fusible --tf_xla_cpu_global_jit=true", False, True),
     ("--tf_xla_auto_jit=-1 --tf_xla_cpu_global_jit", True, False),
+    # single-gpu(N) sets the level of graphs on one GPU; CPU graphs keep the session's (set_jit)
+    ("--tf_xla_auto_jit=single-gpu(2) --tf_xla_cpu_global_jit", True, True),
+    ("--tf_xla_auto_jit=single-gpu(2) --tf_xla_cpu_global_jit", False, False),
 ])
 def test_which_flags_mean_cpu_autoclustering(monkeypatch, flags, set_jit, expected):
     import tensorflow as tf
