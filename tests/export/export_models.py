@@ -27,6 +27,16 @@ def run_as_a_server(saved_model, signature, feed, output="out"):
         return sess.run(out, {holders[k]: v for k, v in feed.items()})
 
 
+def warmup_request(export_dir, version="1"):
+    """The one request of an export's warmup file (tf_serving_warmup_requests), a PredictRequest."""
+    from tensorflow_serving.apis import prediction_log_pb2
+
+    from pkm_serve.export.warmup import WARMUP_FILE
+    [record] = [prediction_log_pb2.PredictionLog.FromString(r.numpy())
+                for r in tf.data.TFRecordDataset(os.path.join(str(export_dir), version, WARMUP_FILE))]
+    return record.predict_log.request
+
+
 def _table(seed=0, n=N, d=D, dtype=np.float32):
     return np.random.default_rng(seed).normal(size=(n, d)).astype(dtype)
 

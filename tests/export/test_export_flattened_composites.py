@@ -4,7 +4,6 @@ ragged weights: `args_0, args_0_1, args_0_2, args_0_3`). The verification read o
 with no `NAME_2` as a ragged pair, so these three models got random integers as row_splits or sparse
 indices and the export failed ("the original model fails on the generated inputs"). The parts are
 now read off the saved function the signature calls (pkm_serve/export/composites.py)."""
-import os
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from pkm_serve import ops
 from pkm_serve.export import main
 from pkm_serve.export.composites import signature_composites
 from pkm_serve.export.saved_model_io import read_saved_model
-from pkm_serve.export.warmup import WARMUP_FILE
+import export_models
 
 tf_keras = pytest.importorskip("tf_keras")
 ops.load_library()
@@ -115,10 +114,8 @@ def test_tf_keras_composite_inputs_export_and_equal_numpy(case, tmp_path):
     table = build(src)
     dst = tmp_path / "models"
     assert main([src, str(dst), "--warmup-requests", "1", "--quiet"]) == 0
-    from tensorflow_serving.apis import prediction_log_pb2
-    [record] = [prediction_log_pb2.PredictionLog.FromString(r.numpy())
-                for r in tf.data.TFRecordDataset(os.path.join(dst, "1", WARMUP_FILE))]
-    feed = {k: tf.make_ndarray(v) for k, v in record.predict_log.request.inputs.items()}
+    request = export_models.warmup_request(dst)
+    feed = {k: tf.make_ndarray(v) for k, v in request.inputs.items()}
     [got] = tf.saved_model.load(str(dst / "1")).signatures["serving_default"](
         **{k: tf.constant(v) for k, v in feed.items()}).values()
     np.testing.assert_allclose(got.numpy(), reference(table, feed), rtol=1e-5, atol=1e-6)

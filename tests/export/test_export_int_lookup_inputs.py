@@ -3,7 +3,6 @@ IntegerLookup, a tf.lookup.StaticHashTable of int64 ids: item ids 1001..1040 int
 export drew integers in [0, rows), none of them a key: every looked-up id was the one
 out-of-vocabulary row, so verification compared bags of one repeated row. Inputs that reach a
 lookup's keys are now drawn mostly from the tables' own keys."""
-import os
 
 import keras
 import numpy as np
@@ -15,7 +14,7 @@ from pkm_serve.export import feeds as F
 from pkm_serve.export import main
 from pkm_serve.export import verify as V
 from pkm_serve.export.saved_model_io import read_saved_model
-from pkm_serve.export.warmup import WARMUP_FILE
+import export_models
 
 ops.load_library()
 KEYS = np.arange(1001, 1041)
@@ -75,10 +74,8 @@ def test_exported_integer_lookup_model_on_its_warmup_ids_equals_numpy(integer_lo
     src, table = integer_lookup_model
     dst = tmp_path / "models"
     assert main([src, str(dst), "--warmup-requests", "1", "--signatures", "serve", "--quiet"]) == 0
-    from tensorflow_serving.apis import prediction_log_pb2
-    [record] = [prediction_log_pb2.PredictionLog.FromString(r.numpy())
-                for r in tf.data.TFRecordDataset(os.path.join(dst, "1", WARMUP_FILE))]
-    raw = tf.make_ndarray(record.predict_log.request.inputs["movies"])
+    request = export_models.warmup_request(dst)
+    raw = tf.make_ndarray(request.inputs["movies"])
     [got] = tf.saved_model.load(str(dst / "1")).signatures["serve"](movies=tf.constant(raw)).values()
     index = {int(k): i + 2 for i, k in enumerate(KEYS)}  # 0: the mask token, 1: out of vocabulary
     rows = np.array([[0 if r == 0 else index.get(int(r), 1) for r in bag] for bag in raw])

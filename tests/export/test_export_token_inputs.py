@@ -19,7 +19,7 @@ from pkm_serve.export import feeds as F
 from pkm_serve.export import main
 from pkm_serve.export import verify as V
 from pkm_serve.export.saved_model_io import read_saved_model
-from pkm_serve.export.warmup import WARMUP_FILE
+import export_models
 
 ops.load_library()
 VOCAB = [f"movie_{i}" for i in range(40)]
@@ -74,10 +74,8 @@ def test_exported_history_model_on_its_warmup_ids_equals_numpy(history_model, tm
     src, embedding = history_model
     dst = tmp_path / "models"
     assert main([src, str(dst), "--warmup-requests", "1", "--signatures", "serve", "--quiet"]) == 0
-    from tensorflow_serving.apis import prediction_log_pb2
-    [record] = [prediction_log_pb2.PredictionLog.FromString(r.numpy())
-                for r in tf.data.TFRecordDataset(os.path.join(dst, "1", WARMUP_FILE))]
-    cells = tf.make_ndarray(record.predict_log.request.inputs["history"])
+    request = export_models.warmup_request(dst)
+    cells = tf.make_ndarray(request.inputs["history"])
     fused = tf.saved_model.load(str(dst / "1")).signatures["serve"](history=tf.constant(cells))
     [got] = fused.values()
     table = embedding.embeddings.numpy().astype(np.float64)
@@ -113,10 +111,8 @@ def test_ids_of_a_vocabulary_file_are_its_words(tmp_path):
     src = _export(keras.Model(inp, out), tmp_path / "sm")
     dst = tmp_path / "models"
     assert main([src, str(dst), "--warmup-requests", "1", "--signatures", "serve", "--quiet"]) == 0
-    from tensorflow_serving.apis import prediction_log_pb2
-    [record] = [prediction_log_pb2.PredictionLog.FromString(r.numpy())
-                for r in tf.data.TFRecordDataset(os.path.join(dst, "1", WARMUP_FILE))]
-    words = [c.decode() for c in tf.make_ndarray(record.predict_log.request.inputs["history"]).ravel() if c]
+    request = export_models.warmup_request(dst)
+    words = [c.decode() for c in tf.make_ndarray(request.inputs["history"]).ravel() if c]
     assert np.isin(words, VOCAB).mean() >= 0.6, words
 
 
