@@ -294,7 +294,6 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
     progress = progress or Progress(quiet=quiet)
     progress.note(f"loading {src}")
     proto = read_saved_model(src)
-    Q.check_not_quantized_yet(proto, None, tflite)
     chosen = _choose_signatures(proto, src, signatures)
     samples = SI.read_samples(sample_inputs)
     SI.check_sample_keys(proto, chosen, samples)
@@ -310,7 +309,7 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
     if not result.fused:
         result.message = _no_site_message(sites)
     if quantize_table and not result.fused:
-        Q.check_not_quantized_yet(proto, quantize_table, None)  # the int8 export of before, say so
+        Q.check_not_quantized_yet(proto, quantize_table)  # the int8 export of before, say so
         hint = ""
         if _uses_project_ops(proto):
             hint = ("; its bags already run the pkm_serve op (its layers), whose tables this does not quantize: "

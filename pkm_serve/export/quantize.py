@@ -139,24 +139,16 @@ def quantize_export_dir(export_dir: str) -> List[dict]:
 QUANTIZED_OPS = ("PkmQuantizedEmbeddingBag", "PkmQuantizedRaggedEmbeddingBag")
 
 
-def check_not_quantized_yet(proto, quantize_table: Optional[str], tflite: Optional[str]) -> None:
-    """ExportError where SRC holds int8 bags (an int8 export) and this export asks to make a
-    .tflite of it (no TFLite kernel runs PkmQuantizedEmbeddingBag) or, having found no float
-    site to fuse, to quantize it (its float tables are gone)."""
-    if not (quantize_table or tflite):
-        return
+def check_not_quantized_yet(proto, quantize_table: str) -> None:
+    """ExportError where SRC holds int8 bags (an int8 export) and this export, having found no
+    float site to fuse, is asked to quantize it (its float tables are gone)."""
     graphs = [mg.graph_def for mg in proto.meta_graphs]
     nodes = [n for g in graphs for n in list(g.node) + [n for f in g.library.function for n in f.node_def]]
     found = sorted({n.op for n in nodes if n.op in QUANTIZED_OPS})
-    if not found:
-        return
-    already = (f"this model's tables already are int8 (its bags run {', '.join(found)}, as "
-               "the output of --quantize-table int8 does)")
-    if quantize_table:
-        raise ExportError(f"--quantize-table {quantize_table}: {already}; export it without "
-                          "--quantize-table to serve it as it is")
-    raise ExportError(f"--tflite: {already}, which no TFLite kernel runs: export the float model it "
-                      "came from with --quantize-table int8 --tflite FILE for an int8 .tflite")
+    if found:
+        raise ExportError(f"--quantize-table {quantize_table}: this model's tables already are int8 (its bags "
+                          f"run {', '.join(found)}, as the output of --quantize-table int8 does); export it "
+                          "without --quantize-table to serve it as it is")
 
 
 def _run(fn, inputs, what: str, name: str) -> dict:
@@ -181,12 +173,16 @@ def relative_error(want, got):
     """(max |want - got|, scale = max |want|, their ratio): the measure --quantize-tolerance
     bounds, for the int8 SavedModel and the int8 .tflite alike. NaN where the float
     model has NaN counts as equal; a new NaN makes the error NaN (over any tolerance).
-    A string output (a class name) has no scale: its error is the fraction of elements
-    that differ (scale 1)."""
+    A string output of numbers (tf.strings.as_string) is compared as those numbers; one of
+    other text (a class name) has no scale: its error is the fraction of elements that
+    differ (scale 1)."""
     w, g = np.asarray(want), np.asarray(got)
     if w.dtype.kind in "SUO":
-        differ = float(np.mean(w != g)) if w.size else 0.0
-        return differ, 1.0, differ
+        try:
+            w, g = w.astype(np.float64), g.astype(np.float64)
+        except (TypeError, ValueError):
+            differ = float(np.mean(w != g)) if w.size else 0.0
+            return differ, 1.0, differ
     w, g = w.astype(np.float64), g.astype(np.float64)
     both_nan = np.isnan(w) & np.isnan(g)
     w, g = np.where(both_nan, 0.0, w), np.where(both_nan, 0.0, g)

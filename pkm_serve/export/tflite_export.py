@@ -279,8 +279,19 @@ def _check_custom_ops(model: bytes, not_fused: Sequence = ()) -> List[str]:
         raise ExportError(f"the .tflite would need custom ops {unsupported} that no TFLite "
                           "runtime here provides (only builtins and "
                           f"{list(SUPPORTED_CUSTOM_OPS)} run with the pkm delegate)"
-                          + (_not_fused_note(not_fused) or _preprocessing_note(unsupported)))
+                          + (_int8_bags_note(unsupported) or _not_fused_note(not_fused)
+                             or _preprocessing_note(unsupported)))
     return found
+
+
+def _int8_bags_note(unsupported) -> str:
+    """Where the .tflite would run int8 bags (an int8 export's): what to export instead."""
+    from pkm_serve.export.quantize import QUANTIZED_OPS
+
+    if not any(op in QUANTIZED_OPS for op in unsupported):
+        return ""
+    return (". This model's tables already are int8 (the output of --quantize-table int8): export the float "
+            "model it came from with --quantize-table int8 --tflite FILE for an int8 .tflite")
 
 
 def _signature_interfaces(export_dir: str) -> Dict[str, tuple]:
