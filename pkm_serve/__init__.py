@@ -34,8 +34,11 @@ def _register_ops():
 
 def _register_torch_ops():
     # torch.export.load (a program saved with our ops) needs them registered before it reads one.
-    # The TF and device wheels ship no pkm_serve.backends.
-    if importlib.util.find_spec("pkm_serve.backends") is not None:
+    # The TF and device wheels ship no pkm_serve.backends; a torch before torch.library.custom_op
+    # (2.4) cannot hold them, and its users' `import torch` must not warn for a backend they never use.
+    torch = sys.modules["torch"]
+    if importlib.util.find_spec("pkm_serve.backends") is not None and \
+            hasattr(getattr(torch, "library", None), "custom_op"):
         importlib.import_module("pkm_serve.backends").register_torch_ops()
 
 

@@ -46,8 +46,12 @@ def lookup(table, indices, weights, combiner, row_splits=None):
     w = valid.float() if weights is None else weights.float() * valid
     total = (rows * w[..., None]).sum(dim=1)
     if combiner in ("mean", "sqrtn"):
-        denom = (w.sum(dim=1) if combiner == "mean" else (w * w).sum(dim=1).sqrt())[:, None]
-        total = torch.where(denom != 0, total / torch.where(denom != 0, denom, 1.0), 0.0)
+        # Guarded before the root: sqrt's derivative at 0 made the second derivative NaN for the
+        # weights of an all-padding bag (which have no effect: 0, as on TF).
+        sums = w.sum(dim=1) if combiner == "mean" else (w * w).sum(dim=1)
+        nonzero = (sums != 0)[:, None]
+        safe = torch.where(nonzero, sums[:, None], 1.0)
+        total = torch.where(nonzero, total / (safe if combiner == "mean" else safe.sqrt()), 0.0)
     return total.to(table.dtype)
 
 

@@ -85,7 +85,15 @@ def kernel_device(device):
     return kind if _library_loads(kind) else None
 
 
-@torch.compiler.assume_constant_result
+def _marked_constant_for_torch_compile(fn):
+    """torch.compiler.assume_constant_result(fn) without importing torch._dynamo, which that call
+    does (~1 s added to every `import torch` after `import pkm_serve`, which registers these ops):
+    the decorator only sets this mark (tests/backends/test_torch_import_cost.py checks it still does)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_marked_constant_for_torch_compile
 def _library_loads(kind):
     """Whether our library for `kind` loads (cached). A constant to torch.compile, which runs it while
     tracing: a first lookup inside torch.compile(fullgraph=True) failed on the loader's lock."""

@@ -75,7 +75,7 @@ def check_double_backward():
     ids = torch.tensor(bags)
     table64 = torch.randn(12, 5, dtype=torch.float64)
     weights64 = torch.rand(4, 4, dtype=torch.float64) + 0.25
-    for combiner, weighted in (("sum", True), ("mean", True), ("sqrtn", False), ("max", False)):
+    for combiner, weighted in (("sum", True), ("mean", True), ("sqrtn", True), ("sqrtn", False), ("max", False)):
         w = weights64 if weighted else None
         got = _penalty_gradient(lambda t, w_: embedding_bag(t.float(), ids, None if w_ is None else w_.float(),
                                                             combiner).double(),
