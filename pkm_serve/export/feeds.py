@@ -11,6 +11,7 @@ built.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -70,23 +71,55 @@ class Feed:
     int_keys: List[int] = dataclasses.field(default_factory=list)  # integer ids that are lookup-table keys
 
 
-def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None) -> Dict[str, Feed]:
+class ModelTables:
+    """What every signature's feeds read of the model's lookup tables, each worked out once, when
+    first asked (string constants decoded, vocabulary files read)."""
+
+    def __init__(self, meta_graph, assets_dir: Optional[str] = None):
+        self.meta_graph, self.assets_dir = meta_graph, assets_dir
+
+    @functools.cached_property
+    def file_words(self):
+        return table_file_words(self.meta_graph, self.assets_dir) if self.assets_dir else {}
+
+    @functools.cached_property
+    def vocabulary(self):
+        # Words of vocabulary files where no string constant has any (a TextVectorization(vocabulary=PATH))
+        return model_vocabulary(self.meta_graph) or sorted(
+            {w for words in self.file_words.values() for w in words})[:_MAX_VOCABULARY]
+
+    @functools.cached_property
+    def keys_of_table(self):
+        return table_int_keys(self.meta_graph)
+
+    @functools.cached_property
+    def int_keys(self):
+        return model_int_keys(self.keys_of_table)
+
+    @functools.cached_property
+    def sources(self):
+        return resource_sources(self.meta_graph)
+
+    @functools.cached_property
+    def words_of_table(self):
+        return {**table_words(self.meta_graph), **self.file_words}
+
+
+def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None,
+                    tables: Optional[ModelTables] = None) -> Dict[str, Feed]:
     """{input name: Feed} for the string inputs of one signature, integer ids
     that are table keys or sparse shapes, and the parts of composites
-    (`assets_dir`: the SavedModel's assets/, where vocabulary files are)."""
+    (`assets_dir`: the SavedModel's assets/, where vocabulary files are; `tables`:
+    the model's, shared by the calls for its several signatures)."""
     meta_graph = proto.meta_graphs[0]
     sig = meta_graph.signature_def.get(signature)
     if sig is None:
         return {}
+    tables = tables or ModelTables(meta_graph, assets_dir)
     library = {f.signature.name: f for f in meta_graph.graph_def.library.function}
     sigs = {name: f.signature for name, f in library.items()}
     graphs: Dict[str, FunctionGraph] = {}
-    file_words = table_file_words(meta_graph, assets_dir) if assets_dir else {}
-    # Words of vocabulary files where no string constant has any (a TextVectorization(vocabulary=PATH))
-    vocabulary = model_vocabulary(meta_graph) or sorted({w for words in file_words.values() for w in words})[
-        :_MAX_VOCABULARY]
-    keys_of_table = table_int_keys(meta_graph)
-    int_keys, sources, words_of_table = model_int_keys(keys_of_table), None, None
+    int_keys = tables.int_keys
     feeds = {}
     for name, info in sig.inputs.items():
         placeholder = info.name.split(":")[0]
@@ -98,9 +131,9 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None) -> 
             meta_graph.graph_def, placeholder, library, sigs, graphs, follow=_INT_FLOW,
             accept=lambda node, pos: node.op in ("LookupTableFindV2", "LookupTableFind") and pos == 1)
         if lookups:
-            sources = resource_sources(meta_graph) if sources is None else sources
             feeds[name] = dataclasses.replace(feeds.get(name, Feed()),
-                                              int_keys=_keys_of(lookups, keys_of_table, sources) or int_keys)
+                                              int_keys=_keys_of(lookups, tables.keys_of_table, tables.sources)
+                                              or int_keys)
         if info.dtype != types_pb2.DT_STRING:
             continue
         parses = _parse_ops_fed_by(meta_graph.graph_def, placeholder, library, sigs, graphs)
@@ -114,11 +147,8 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None) -> 
         lookups = None if parses else _token_lookups(meta_graph.graph_def, placeholder, library, sigs, graphs)
         words = []
         if lookups:  # the words of the tables it is looked up in, where the graph says which
-            sources = resource_sources(meta_graph) if sources is None else sources
-            if words_of_table is None:
-                words_of_table = {**table_words(meta_graph), **file_words}
-            words = _keys_of(lookups, words_of_table, sources)
-        feeds[name] = Feed(features=features, vocabulary=words or vocabulary, tokens=lookups is not None)
+            words = _keys_of(lookups, tables.words_of_table, tables.sources)
+        feeds[name] = Feed(features=features, vocabulary=words or tables.vocabulary, tokens=lookups is not None)
     for group in signature_composites(meta_graph, signature):
         first = group[1]
         feeds[first] = dataclasses.replace(feeds.get(first, Feed()), composite=group)

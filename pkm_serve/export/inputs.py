@@ -89,4 +89,5 @@ def signature_feeds(proto, chosen: Sequence[str], samples, assets_dir=None) -> D
                     f"{dtypes.as_dtype(info.dtype).name}, for which no inputs can be "
                     "generated: pass it in --sample-inputs, or leave the signature out "
                     "with --signatures")
-    return {name: F.signature_feeds(proto, name, assets_dir) for name in chosen}
+    tables = F.ModelTables(proto.meta_graphs[0], assets_dir)  # read once for every signature
+    return {name: F.signature_feeds(proto, name, assets_dir, tables) for name in chosen}
