@@ -28,12 +28,9 @@ thread per interpreter merges the requests that queue while every interpreter is
 size and refuses one past 500 rows (tflite_session.cc's options; see _session_batching).
 Its threads start once the signatures are built, so a refused load leaves none.
 """
-import contextlib
 import logging
-import queue
 import time
 
-import grpc
 import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import meta_graph_pb2
@@ -41,9 +38,10 @@ from tensorflow.core.protobuf import meta_graph_pb2
 from pkm_serve import tflite
 from pkm_serve.serving import protos
 from pkm_serve.serving.batching import BatchScheduler
-from pkm_serve.serving.errors import ServingError, invalid
+from pkm_serve.serving.errors import invalid
 from pkm_serve.serving.servable import (DEFAULT_SIGNATURE, PREDICT_METHOD, ServableBase,
                                         SignatureBase)
+from pkm_serve.serving.tflite_pool import InterpreterPool, assigns_resource_variables
 
 log = logging.getLogger("pkm_serve.serving")
 
@@ -332,7 +330,8 @@ class TfLiteSignature(SignatureBase):
         one_row = {k: np.full((1, *v.shape[1:]), b"" if v.dtype.kind in "SUO" else 0, v.dtype)
                    for k, v in arrays.items()}
         try:
-            probe = interp.run(self.name, one_row)
+            with self._pool.probing(interp) as prober:
+                probe = prober.run(self.name, one_row)
         except (ValueError, RuntimeError):
             return None
         out = {}
@@ -408,38 +407,6 @@ def _session_batching(model_bytes, num_interpreters, interpreters_per_pool):
     return BatchScheduler(params, stopped_message="this model version was unloaded")
 
 
-class _Pool:
-    def __init__(self, interpreters):
-        self._free = queue.SimpleQueue()   # FIFO: consecutive takes visit every interpreter
-        for i in interpreters:
-            self._free.put(i)
-        self.size = len(interpreters)
-        self.closed = False
-
-    @contextlib.contextmanager
-    def take(self):
-        while True:   # (an unload that gave up draining must not leave a request waiting)
-            if self.closed:
-                raise ServingError(grpc.StatusCode.UNAVAILABLE, "this model version was unloaded")
-            try:
-                interp = self._free.get(timeout=1.0)
-                break
-            except queue.Empty:
-                continue
-        try:
-            yield interp
-        finally:
-            self._free.put(interp)
-
-    def close(self):
-        self.closed = True
-        while True:   # drop the interpreters (requests that held one have finished: unload)
-            try:
-                self._free.get_nowait()
-            except queue.Empty:
-                return
-
-
 # TF Serving's TfLiteSession registers TFLite's ParseExample custom op (the stock converter
 # writes it, allow_custom_ops=True, for tf.io.parse_example); no Python LiteRT, tflite_runtime or
 # tf.lite interpreter has its kernel, so such a model cannot run here.
@@ -473,7 +440,8 @@ class TfLiteServable(ServableBase):
             if "unresolved custom op: ParseExample" in reason:
                 reason = _PARSE_EXAMPLE_UNSUPPORTED + reason
             raise invalid(f"cannot load {model_path} in LiteRT with the pkm_serve delegate: {reason}") from None
-        self._pool = _Pool(interpreters)
+        self._pool = InterpreterPool(interpreters, make_probe=(
+            (lambda: _Interpreter(model_bytes, num_threads)) if assigns_resource_variables(model_bytes) else None))
         self.signature_defs = {k: b[0] for k, b in interpreters[0].bindings.items()}
         self.signatures = {k: TfLiteSignature(k, sdef, self._pool, runs_own_subgraph=interpreters[0].bindings[k][3])
                            for k, sdef in self.signature_defs.items()}
