@@ -314,7 +314,7 @@ class TfLiteSignature(SignatureBase):
                 if empty is not None:
                     return empty
                 raise invalid(f"signature '{self.name}' rejected the inputs: "
-                              f"{' '.join(str(e).split())[:2000]}{self._fixed_batch_note(arrays)}") from None
+                              f"{' '.join(str(e).split())[:2000]}{self._shape_note(arrays)}") from None
 
     def _empty_outputs(self, interp, arrays):
         """{alias: empty array} for a request of 0 rows the interpreter refused (XNNPack's
@@ -352,6 +352,21 @@ class TfLiteSignature(SignatureBase):
                 return (f" (input '{key}' has {value.shape[0]} rows; the model fixes its batch at "
                         f"{shape[0]}: {shape.as_list()})")
         return ""
+
+    def _shape_note(self, arrays) -> str:
+        """Where an input's shape does not fit its signature's: the interpreter was resized to
+        it, as upstream's TfLiteSession resizes, but the converter lowered the ops for the
+        signature's shape, and the kernels' refusal (XNNPack's "failed to reshape") names no
+        input. (A signature shape [] may be a converted input of unknown rank: no note.)"""
+        note = self._fixed_batch_note(arrays)
+        for key, value in arrays.items():
+            shape = self.input_specs[key].shape
+            if note or not shape.rank or shape.is_compatible_with(value.shape):
+                continue
+            declared = [-1 if d is None else d for d in shape.as_list()]
+            rank = f"rank {value.ndim}, " if value.ndim != shape.rank else ""
+            note = f" (input '{key}' has {rank}shape {list(value.shape)}; the signature takes {declared})"
+        return note
 
     def release(self):
         pass
