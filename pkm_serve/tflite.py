@@ -183,6 +183,24 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
     return [interp.get_tensor(d["index"]) for d in interp.get_output_details()]
 
 
+def allocate_signature_subgraphs(interp) -> None:
+    """Prepares the subgraph of every signature of an interpreter whose ``allocate_tensors()``
+    has run: that prepares the primary subgraph only, so a node without a kernel (a custom op
+    neither the runtime nor the delegate has) in another signature's subgraph went unnoticed
+    until that signature's first call. A RuntimeError names the signature. The runtimes have
+    no public call for it: this is the one their signature runner makes before each run."""
+    for key in interp.get_signature_list():
+        runner = interp.get_signature_runner(key)
+        wrapper = getattr(runner, "_interpreter_wrapper", None)
+        index = getattr(runner, "_subgraph_index", None)
+        if wrapper is None or index is None:   # a runtime laid out otherwise: its first call tells
+            continue
+        try:
+            wrapper.AllocateTensors(index)
+        except RuntimeError as e:
+            raise RuntimeError(f"signature {key!r} (subgraph {index}): {e}") from None
+
+
 def _signature_inputs(interp, details) -> Dict[str, List[Dict[str, Any]]]:
     """{signature input name: [input details]} of the signatures whose inputs
     are the interpreter's (subgraph 0) inputs; empty where the runtime has no
@@ -326,6 +344,7 @@ def main(argv=None) -> int:
     # Prepares every node: one without a kernel (a custom op neither the runtime nor the
     # delegate has) was listed as "runs", and the model then failed wherever it was loaded.
     interp.allocate_tensors()
+    allocate_signature_subgraphs(interp)
     print("delegate:", delegate_path())
     for op in execution_plan(interp):
         where = (f"claimed by node {op['replaced_by']}" if op["replaced_by"] is not None

@@ -450,6 +450,7 @@ class TfLiteServable(ServableBase):
             tflite.check_int8_tables(model_bytes)
             for interpreter in interpreters:
                 interpreter.interp.allocate_tensors()
+                tflite.allocate_signature_subgraphs(interpreter.interp)
         except (OSError, ValueError, RuntimeError, tf.errors.OpError) as e:
             reason = ' '.join(str(e).split())[:2000]
             if "unresolved custom op: ParseExample" in reason:

@@ -1,0 +1,80 @@
+"""A .tflite of several signatures keeps each in a subgraph of its own, and allocate_tensors()
+prepares the primary one only. A custom op no runtime has a kernel for in another signature
+(here the second signature's bag op renamed BogusOp) went unnoticed: `pkm-serve tflite` printed
+the plan and exited 0, and the server loaded the version and refused every request to that
+signature as INVALID_ARGUMENT "rejected the inputs". Both now prepare every signature's
+subgraph: the CLI exits 1 and the load fails, naming the signature. The same model with the
+op's own name still runs that signature (numpy float64 reference)."""
+import grpc
+import numpy as np
+import pytest
+
+from pkm_serve import tflite
+
+TABLE = np.random.default_rng(36).standard_normal((40, 6)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{"good", "bogus"}: version dirs holding a two-signature model.tflite, 'aaa' (x * 2 + 1)
+    in subgraph 0 and 'zzz' (a mean bag through the PkmEmbeddingBag custom op) in subgraph 1."""
+    import flatbuffers
+    import tensorflow as tf
+    from pkm_serve import ops
+    ops.load_library()
+    module = tf.Module()
+    module.aaa = tf.function(lambda x: {"y": x * 2.0 + 1.0},
+                             input_signature=[tf.TensorSpec([None, 4], tf.float32, name="x")])
+    module.zzz = tf.function(
+        lambda ids: {"out": ops.embedding_bag(tf.constant(TABLE), ids, None, combiner="mean")},
+        input_signature=[tf.TensorSpec([None, 3], tf.int64, name="ids")])
+    root = tmp_path_factory.mktemp("signature_subgraphs")
+    saved = str(root / "saved")
+    tf.saved_model.save(module, saved, signatures={"aaa": module.aaa, "zzz": module.zzz})
+    converter = tf.lite.TFLiteConverter.from_saved_model(saved, signature_keys=["aaa", "zzz"])
+    converter.allow_custom_ops = True
+    good = converter.convert()
+    schema = tflite.flatbuffer_schema()
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(good), 0))
+    assert [(s.signatureKey, s.subgraphIndex) for s in model.signatureDefs] == [(b"aaa", 0), (b"zzz", 1)]
+    for code in model.operatorCodes:
+        if code.customCode:
+            code.customCode = b"BogusOp"
+    builder = flatbuffers.Builder(1 << 16)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    paths = {}
+    for name, blob in (("good", good), ("bogus", bytes(builder.Output()))):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.tflite").write_bytes(blob)
+        paths[name] = str(root / name / "1")
+    return paths
+
+
+def test_the_cli_refuses_an_op_without_a_kernel_in_another_signature(models, capsys):
+    assert tflite.console_main([f"{models['bogus']}/model.tflite"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pkm-serve tflite: error: signature 'zzz' (subgraph 1): "
+                          "Encountered unresolved custom op: BogusOp."), err
+    assert tflite.console_main([f"{models['good']}/model.tflite"]) == 0
+
+
+def test_the_server_refuses_to_load_it(models):
+    from pkm_serve.serving.errors import ServingError
+    from pkm_serve.serving.loader import make_loader_factory
+    loader = make_loader_factory(warmup=False, prefer_tflite_model=True)("m", 1, models["bogus"])
+    with pytest.raises(ServingError) as err:
+        loader.load()
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "signature 'zzz' (subgraph 1): Encountered unresolved custom op: BogusOp" in err.value.message
+
+
+def test_the_other_signature_still_runs_once_prepared(models):
+    interp = tflite.make_interpreter(f"{models['good']}/model.tflite")
+    interp.allocate_tensors()
+    tflite.allocate_signature_subgraphs(interp)
+    ids = np.array([[0, 39, -1], [5, 5, 7], [-1, -1, -1]], np.int64)
+    got = interp.get_signature_runner("zzz")(ids=ids)["out"]
+    table = TABLE.astype(np.float64)
+    want = np.stack([table[row[row >= 0]].mean(axis=0) if (row >= 0).any() else np.zeros(6)
+                     for row in ids])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
