@@ -183,12 +183,19 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
     return [interp.get_tensor(d["index"]) for d in interp.get_output_details()]
 
 
+# The runtimes' words for a node no kernel runs (LiteRT, tflite_runtime and tf.lite alike).
+_NO_KERNEL = "Encountered unresolved custom op"
+
+
 def allocate_signature_subgraphs(interp) -> None:
     """Prepares the subgraph of every signature of an interpreter whose ``allocate_tensors()``
-    has run: that prepares the primary subgraph only, so a node without a kernel (a custom op
+    has run (that prepares the primary subgraph only): a node without a kernel (a custom op
     neither the runtime nor the delegate has) in another signature's subgraph went unnoticed
-    until that signature's first call. A RuntimeError names the signature. The runtimes have
-    no public call for it: this is the one their signature runner makes before each run."""
+    until that signature's first call; it is a RuntimeError naming the signature. Any other
+    refusal is left to the calls: a subgraph is prepared at the converter's shapes (1 for each
+    dynamic dimension), which its kernels may refuse where the calls' shapes are fine (ids
+    [-1, -1] and weights [-1, 3] are [1, 1] and [1, 3]). The runtimes have no public call for
+    it: this is the one their signature runner makes before each run."""
     for key in interp.get_signature_list():
         runner = interp.get_signature_runner(key)
         wrapper = getattr(runner, "_interpreter_wrapper", None)
@@ -198,7 +205,8 @@ def allocate_signature_subgraphs(interp) -> None:
         try:
             wrapper.AllocateTensors(index)
         except RuntimeError as e:
-            raise RuntimeError(f"signature {key!r} (subgraph {index}): {e}") from None
+            if _NO_KERNEL in str(e):
+                raise RuntimeError(f"signature {key!r} (subgraph {index}): {e}") from None
 
 
 def _signature_inputs(interp, details) -> Dict[str, List[Dict[str, Any]]]:

@@ -4,7 +4,9 @@ prepares the primary one only. A custom op no runtime has a kernel for in anothe
 the plan and exited 0, and the server loaded the version and refused every request to that
 signature as INVALID_ARGUMENT "rejected the inputs". Both now prepare every signature's
 subgraph: the CLI exits 1 and the load fails, naming the signature. The same model with the
-op's own name still runs that signature (numpy float64 reference)."""
+op's own name still loads and runs that signature, although its kernel refuses the shapes the
+subgraph is prepared at (ids [-1, -1] and weights [-1, 3] are [1, 1] and [1, 3]): only a node
+without a kernel fails the load (numpy float64 reference)."""
 import grpc
 import numpy as np
 import pytest
@@ -17,7 +19,8 @@ TABLE = np.random.default_rng(36).standard_normal((40, 6)).astype(np.float32)
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """{"good", "bogus"}: version dirs holding a two-signature model.tflite, 'aaa' (x * 2 + 1)
-    in subgraph 0 and 'zzz' (a mean bag through the PkmEmbeddingBag custom op) in subgraph 1."""
+    in subgraph 0 and 'zzz' (a weighted mean bag through the PkmEmbeddingBag custom op) in
+    subgraph 1."""
     import flatbuffers
     import tensorflow as tf
     from pkm_serve import ops
@@ -26,8 +29,9 @@ def models(tmp_path_factory):
     module.aaa = tf.function(lambda x: {"y": x * 2.0 + 1.0},
                              input_signature=[tf.TensorSpec([None, 4], tf.float32, name="x")])
     module.zzz = tf.function(
-        lambda ids: {"out": ops.embedding_bag(tf.constant(TABLE), ids, None, combiner="mean")},
-        input_signature=[tf.TensorSpec([None, 3], tf.int64, name="ids")])
+        lambda ids, w: {"out": ops.embedding_bag(tf.constant(TABLE), ids, w, combiner="mean")},
+        input_signature=[tf.TensorSpec([None, None], tf.int64, name="ids"),
+                         tf.TensorSpec([None, 3], tf.float32, name="w")])
     root = tmp_path_factory.mktemp("signature_subgraphs")
     saved = str(root / "saved")
     tf.saved_model.save(module, saved, signatures={"aaa": module.aaa, "zzz": module.zzz})
@@ -68,13 +72,28 @@ def test_the_server_refuses_to_load_it(models):
     assert "signature 'zzz' (subgraph 1): Encountered unresolved custom op: BogusOp" in err.value.message
 
 
-def test_the_other_signature_still_runs_once_prepared(models):
+def _reference(ids, w):
+    table, out = TABLE.astype(np.float64), np.zeros((len(ids), TABLE.shape[1]))
+    for b, (row, weights) in enumerate(zip(ids, w)):
+        kept = row >= 0
+        if kept.any():
+            out[b] = (table[row[kept]] * weights[kept, None]).sum(axis=0) / weights[kept].sum()
+    return out
+
+
+def test_the_other_signature_still_loads_and_runs(models):
+    from pkm_serve.serving.loader import make_loader_factory
+    ids = np.array([[0, 39, -1], [5, 5, 7], [-1, -1, -1]], np.int64)
+    w = np.array([[1.0, 0.5, 2.0], [0.25, 1.0, 3.0], [1.0, 1.0, 1.0]], np.float32)
     interp = tflite.make_interpreter(f"{models['good']}/model.tflite")
     interp.allocate_tensors()
     tflite.allocate_signature_subgraphs(interp)
-    ids = np.array([[0, 39, -1], [5, 5, 7], [-1, -1, -1]], np.int64)
-    got = interp.get_signature_runner("zzz")(ids=ids)["out"]
-    table = TABLE.astype(np.float64)
-    want = np.stack([table[row[row >= 0]].mean(axis=0) if (row >= 0).any() else np.zeros(6)
-                     for row in ids])
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(interp.get_signature_runner("zzz")(ids=ids, w=w)["out"],
+                               _reference(ids, w), rtol=1e-5, atol=1e-6)
+    loader = make_loader_factory(warmup=False, prefer_tflite_model=True)("m", 1, models["good"])
+    loader.load()
+    try:
+        got = loader.servable().signature("zzz").run({"ids": ids, "w": w})["out"]
+        np.testing.assert_allclose(got, _reference(ids, w), rtol=1e-5, atol=1e-6)
+    finally:
+        loader.unload()
