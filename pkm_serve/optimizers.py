@@ -38,7 +38,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pkm_serve import _copy_on_write, _fused_update, _no_rows, _row_accumulation
+from pkm_serve import _copy_on_write, _fused_update, _loss_scale_check, _no_rows, _row_accumulation
 
 
 def _unique_rows(gradient: tf.IndexedSlices, dtype):
@@ -168,18 +168,9 @@ def _refuse_gradient_options(optimizer, var):
                          "layer with fused_optimizer=False")
 
 
-def _all_finite(grads):
-    """Keras' LossScaleOptimizer.check_finite with an IndexedSlices' values read alone (the rows it
-    leaves out are 0). Keras' check scattered each slice's verdict into a dense [N, D] bool tensor
-    each step, where of a repeated row's slices one verdict was kept: an inf could pass."""
-    finite = [tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
-              for g in grads if g is not None]
-    return tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
-
-
 def _adapt_a_loss_scale_wrapper(optimizer):
     """A LossScaleOptimizer (mixed_float16's) building `optimizer` checks the gradients' finiteness
-    with `_all_finite` (Keras' made the step of a 2**20 x 64 table 20x slower, and could miss an inf),
+    with `_loss_scale_check.all_finite` (Keras' made the step of a 2**20 x 64 table 20x slower, and could miss an inf),
     and loads a store saved before the accumulation's row marks (Keras' skipped it all, the loss
     scale included). A subclass' own check_finite / load_own_variables is left as it is."""
     wrapper = _fused_update.calling_instance(keras.optimizers.LossScaleOptimizer)
@@ -187,7 +178,7 @@ def _adapt_a_loss_scale_wrapper(optimizer):
         return
     keras_wrapper = keras.optimizers.LossScaleOptimizer
     if type(wrapper).check_finite is keras_wrapper.check_finite:
-        wrapper.check_finite = _all_finite
+        wrapper.check_finite = _loss_scale_check.all_finite
     if type(wrapper).load_own_variables is keras_wrapper.load_own_variables:
         keras_load = functools.partial(keras_wrapper.load_own_variables, wrapper)
         wrapper.load_own_variables = functools.partial(
