@@ -105,7 +105,7 @@ def _complete_marks(optimizer):
                     (tf.equal(restored, _COUNT_RESTORED), lambda: mark_rows(keep=False)),
                     (moved, lambda: mark_rows(keep=True))], default=lambda: tf.constant(True), exclusive=False)
     with tf.control_dependencies([done]):
-        return _restored[optimizer].assign(0).op
+        return _restored[optimizer].assign(0, read_value=False)
 
 
 def _step_done(optimizer):
