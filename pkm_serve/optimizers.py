@@ -254,9 +254,10 @@ class LazyAdam(_RowSparseSteps, keras.optimizers.Adam):
         if _state_dtype(var) == keras.backend.standardize_dtype(var.dtype):
             return self.add_variable_from_reference(var, name)
         colocate = var.value if isinstance(var, keras.Variable) else var
+        prefix = getattr(var, "path", var.name).replace("/", "_").replace(":", "_")  # Keras' slot names
         with self._distribution_strategy.extended.colocate_vars_with(colocate):
             return self.add_variable(shape=var.shape, initializer="zeros", dtype=_state_dtype(var),
-                                     name=f"{getattr(var, 'path', var.name).replace('/', '_')}_{name}")
+                                     name=f"{prefix}_{name}")
 
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
         _refuse_gradient_options(self, variable)
