@@ -30,6 +30,12 @@ _MARKS = "_pkm_accumulated_row_marks"
 # state was restored (or it is the first step), and a tf.train.Checkpoint saved without marks
 # restores the accumulators, not the marks.
 _next_iteration = weakref.WeakKeyDictionary()
+# optimizer -> what a tf.train.Checkpoint restore brought since its last step (not saved): its
+# iteration count alone (_COUNT_RESTORED: a checkpoint without marks, whose accumulators replace
+# the window) or its marks too (_MARKS_RESTORED). Seen by a hook on those variables' restore: the
+# iteration count alone missed a restore that brought back the count the last step left.
+_restored = weakref.WeakKeyDictionary()
+_COUNT_RESTORED, _MARKS_RESTORED = 1, 2
 
 
 def build_marks(optimizer, var_list):
@@ -50,6 +56,25 @@ def build_marks(optimizer, var_list):
     setattr(optimizer, _MARKS, marks)
     with tf.init_scope():
         _next_iteration[optimizer] = tf.Variable(-1, dtype=tf.int64, trainable=False, name="pkm_next_iteration")
+        _restored[optimizer] = tf.Variable(0, dtype=tf.int32, trainable=False, name="pkm_restored")
+    _on_restore(optimizer._iterations, _restored[optimizer], _COUNT_RESTORED)
+    for row_marks in marks:
+        if row_marks is not None:
+            _on_restore(row_marks, _restored[optimizer], _MARKS_RESTORED)
+
+
+def _on_restore(variable, restored, kind):
+    """Records in `restored` (at least `kind`) each tf.train.Checkpoint restore of Keras variable
+    `variable`, after the restore itself."""
+    restore = variable._restore_from_tensors
+
+    def recorded_restore(restored_tensors):
+        done = restore(restored_tensors)
+        with tf.control_dependencies([done] if isinstance(done, (tf.Operation, tf.Tensor)) else []):
+            restored.assign(tf.maximum(restored, kind))
+        return done
+
+    variable._restore_from_tensors = recorded_restore
 
 
 def _rows_with_a_sum(accumulator):
@@ -58,20 +83,29 @@ def _rows_with_a_sum(accumulator):
 
 
 def _complete_marks(optimizer):
-    """Marks the rows of every accumulator whose sum is not 0 where the optimizer's iteration count
-    is not the one its last step left (one dense read, after a restore and at the first step): the
-    accumulators of a checkpoint saved without marks (an earlier pkm_serve, Keras' Adam) restore
-    with the marks all 0, and those rows were left out of the window's step and its reset."""
+    """Marks the rows of every accumulator whose sum is not 0 (one dense read) where the state was
+    restored since the last step: the accumulators of a checkpoint saved without marks (an earlier
+    pkm_serve, Keras' Adam) restore with the marks left as they were, and its rows were left out of
+    the window's step and its reset. After a tf.train.Checkpoint restore that brought the
+    iteration count but no marks, the marks are those rows alone (rows marked before it, in the
+    window it replaced, were stepped with a zero gradient); after one that brought the marks, they
+    stand; else, where the iteration count is not the one the last step left (the first step, a
+    restore before build or by other means), those rows are added to the marks."""
 
-    def add_rows():
+    def mark_rows(keep):
         for accumulator, marks in zip(optimizer._accumulated_gradients, getattr(optimizer, _MARKS)):
             if marks is not None:
-                restored = tf.cast(_rows_with_a_sum(accumulator), marks.dtype)
-                _tf(marks).assign(tf.maximum(_tf(marks), restored))
+                rows = tf.cast(_rows_with_a_sum(accumulator), marks.dtype)
+                _tf(marks).assign(tf.maximum(_tf(marks), rows) if keep else rows)
         return tf.constant(True)
 
-    restored = tf.not_equal(tf.cast(_tf(optimizer._iterations), tf.int64), _next_iteration[optimizer])
-    return tf.cond(restored, add_rows, lambda: tf.constant(True))
+    restored = _restored[optimizer].read_value()
+    moved = tf.not_equal(tf.cast(_tf(optimizer._iterations), tf.int64), _next_iteration[optimizer])
+    done = tf.case([(tf.equal(restored, _MARKS_RESTORED), lambda: tf.constant(True)),
+                    (tf.equal(restored, _COUNT_RESTORED), lambda: mark_rows(keep=False)),
+                    (moved, lambda: mark_rows(keep=True))], default=lambda: tf.constant(True), exclusive=False)
+    with tf.control_dependencies([done]):
+        return _restored[optimizer].assign(0, read_value=False)
 
 
 def _step_done(optimizer):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from pkm_serve import _loss_scale_check
 from pkm_serve._composite import embedding_bag_composite
 from pkm_serve._fused import fused_embedding_bag
 from pkm_serve._library import OpLibraryNotFoundError, is_available, library_path, load_library
@@ -68,6 +69,8 @@ def embedding_bag(params, indices, weights=None, combiner="sum", name=None, spar
     """
     _check_combiner(combiner, weights)
     _refuse_sparse_tensors(indices, weights)
+    if sparse_gradient:
+        _loss_scale_check.install()  # Keras' finiteness check missed an inf in a row listed twice
     if is_sharded(params):
         return sharded_embedding_bag(params, indices, weights, combiner, name, sparse_gradient)
     return fused_embedding_bag(params, indices, weights, combiner, name, sparse_gradient)

@@ -38,15 +38,15 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pkm_serve import _copy_on_write, _fused_update, _no_rows, _row_accumulation
+from pkm_serve import _copy_on_write, _fused_update, _loss_scale_check, _no_rows, _row_accumulation
 
 
-def _unique_rows(gradient: tf.IndexedSlices):
-    """(rows, summed gradient rows): each row once, without the marker of a
+def _unique_rows(gradient: tf.IndexedSlices, dtype):
+    """(rows, gradient rows summed in `dtype`): each row once, without the marker of a
     table no replica touched (pkm_serve/_no_rows.py), which is no row."""
     indices, values = _no_rows.drop_markers(gradient)
     rows, position = tf.unique(indices)
-    values = tf.math.unsorted_segment_sum(values, position, tf.shape(rows)[0])
+    values = tf.math.unsorted_segment_sum(tf.cast(values, dtype), position, tf.shape(rows)[0])
     return rows, values
 
 
@@ -113,13 +113,30 @@ def _row_mask(slot_mask, values):
 
 def _scatter_update(variable, rows, values):
     variable = variable.value if isinstance(variable, keras.Variable) else variable
-    variable.scatter_update(tf.IndexedSlices(values, rows))
+    variable.scatter_update(tf.IndexedSlices(tf.cast(values, variable.dtype), rows))
     _copy_on_write.leave_copy_on_write(variable)  # dense reads after training share the table
 
 
-def _gather(variable, rows):
-    variable = variable.value if isinstance(variable, keras.Variable) else variable
-    return tf.gather(variable, rows)
+def _tf_variable(variable):
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def _gather(variable, rows, dtype=None):
+    variable = _tf_variable(variable)
+    rows = tf.gather(variable, rows)
+    return rows if dtype is None else tf.cast(rows, dtype)
+
+
+_HALF_DTYPES = ("float16", "bfloat16")
+
+
+def _state_dtype(variable):
+    """The dtype of the optimizer's state of `variable` and of its update: float32 for a half-precision
+    variable. In bfloat16, Keras' Adam (and LazyAdam, which did as it) rounded beta_2 = 0.999 to 1, so
+    sqrt(1 - beta_2**t) was 0 and no step moved the variable; a bfloat16 second moment or row
+    accumulator stops growing once a step's share is below its 8-bit precision."""
+    dtype = keras.backend.standardize_dtype(variable.dtype)
+    return "float32" if dtype in _HALF_DTYPES else dtype
 
 
 def _claim_fused_tables(optimizer, var_list):
@@ -151,18 +168,9 @@ def _refuse_gradient_options(optimizer, var):
                          "layer with fused_optimizer=False")
 
 
-def _all_finite(grads):
-    """Keras' LossScaleOptimizer.check_finite with an IndexedSlices' values read alone (the rows it
-    leaves out are 0). Keras' check scattered each slice's verdict into a dense [N, D] bool tensor
-    each step, where of a repeated row's slices one verdict was kept: an inf could pass."""
-    finite = [tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
-              for g in grads if g is not None]
-    return tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
-
-
 def _adapt_a_loss_scale_wrapper(optimizer):
     """A LossScaleOptimizer (mixed_float16's) building `optimizer` checks the gradients' finiteness
-    with `_all_finite` (Keras' made the step of a 2**20 x 64 table 20x slower, and could miss an inf),
+    with `_loss_scale_check.all_finite` (Keras' made the step of a 2**20 x 64 table 20x slower, and could miss an inf),
     and loads a store saved before the accumulation's row marks (Keras' skipped it all, the loss
     scale included). A subclass' own check_finite / load_own_variables is left as it is."""
     wrapper = _fused_update.calling_instance(keras.optimizers.LossScaleOptimizer)
@@ -170,7 +178,7 @@ def _adapt_a_loss_scale_wrapper(optimizer):
         return
     keras_wrapper = keras.optimizers.LossScaleOptimizer
     if type(wrapper).check_finite is keras_wrapper.check_finite:
-        wrapper.check_finite = _all_finite
+        wrapper.check_finite = _loss_scale_check.all_finite
     if type(wrapper).load_own_variables is keras_wrapper.load_own_variables:
         keras_load = functools.partial(keras_wrapper.load_own_variables, wrapper)
         wrapper.load_own_variables = functools.partial(
@@ -233,9 +241,23 @@ class LazyAdam(_RowSparseSteps, keras.optimizers.Adam):
         _adapt_a_loss_scale_wrapper(self)
         if self.built:
             return
-        super().build(var_list)
+        keras.optimizers.Optimizer.build(self, var_list)
+        # Keras' Adam.build, with the moments of a half-precision variable in float32 (_state_dtype).
+        self._momentums = [self._moment(var, "momentum") for var in var_list]
+        self._velocities = [self._moment(var, "velocity") for var in var_list]
+        if self.amsgrad:
+            self._velocity_hats = [self._moment(var, "velocity_hat") for var in var_list]
         _row_accumulation.build_marks(self, var_list)
         _claim_fused_tables(self, var_list)
+
+    def _moment(self, var, name):
+        if _state_dtype(var) == keras.backend.standardize_dtype(var.dtype):
+            return self.add_variable_from_reference(var, name)
+        colocate = var.value if isinstance(var, keras.Variable) else var
+        prefix = getattr(var, "path", var.name).replace("/", "_").replace(":", "_")  # Keras' slot names
+        with self._distribution_strategy.extended.colocate_vars_with(colocate):
+            return self.add_variable(shape=var.shape, initializer="zeros", dtype=_state_dtype(var),
+                                     name=f"{prefix}_{name}")
 
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
         _refuse_gradient_options(self, variable)
@@ -246,29 +268,35 @@ class LazyAdam(_RowSparseSteps, keras.optimizers.Adam):
                                         beta_1=float(self.beta_1), beta_2=float(self.beta_2))
 
     def _update_step(self, gradient, variable, learning_rate):
-        if not isinstance(gradient, tf.IndexedSlices):
+        dtype = _state_dtype(variable)
+        dense = not isinstance(gradient, tf.IndexedSlices)
+        if dense and dtype == keras.backend.standardize_dtype(variable.dtype):
             return keras.optimizers.Adam.update_step(self, gradient, variable, learning_rate)  # Keras' Adam
-        dtype = variable.dtype
         lr = tf.cast(learning_rate, dtype)
         step = tf.cast(self.iterations + 1, dtype)
         beta_1, beta_2 = tf.cast(self.beta_1, dtype), tf.cast(self.beta_2, dtype)
         alpha = lr * tf.sqrt(1 - tf.pow(beta_2, step)) / (1 - tf.pow(beta_1, step))
+        if dense:  # a half-precision variable's: every row, in float32
+            g = gradient
+            read = lambda var: tf.cast(_tf_variable(var), dtype)  # noqa: E731
+            write = self.assign  # casts to the variable's dtype
+        else:
+            rows, g = _unique_rows(gradient, dtype)
+            read = lambda var: _gather(var, rows, dtype)  # noqa: E731
+            write = lambda var, value: _scatter_update(var, rows, value)  # noqa: E731
         index = self._get_variable_index(variable)
         m, v = self._momentums[index], self._velocities[index]
-        rows, g = _unique_rows(gradient)
         g = tf.cast(g, dtype)
-        m_rows = _gather(m, rows)
-        v_rows = _gather(v, rows)
+        m_rows, v_rows = read(m), read(v)
         m_rows = m_rows + (g - m_rows) * (1 - beta_1)
         v_rows = v_rows + (tf.square(g) - v_rows) * (1 - beta_2)
-        _scatter_update(m, rows, m_rows)
-        _scatter_update(v, rows, v_rows)
+        write(m, m_rows)
+        write(v, v_rows)
         if self.amsgrad:
             v_hat = self._velocity_hats[index]
-            v_rows = tf.maximum(_gather(v_hat, rows), v_rows)
-            _scatter_update(v_hat, rows, v_rows)
-        new_rows = _gather(variable, rows) - alpha * m_rows / (tf.sqrt(v_rows) + self.epsilon)
-        _scatter_update(variable, rows, new_rows)
+            v_rows = tf.maximum(read(v_hat), v_rows)
+            write(v_hat, v_rows)
+        write(variable, read(variable) - alpha * m_rows / (tf.sqrt(v_rows) + self.epsilon))
 
 
 def _check_adagrad_hyperparameters(initial_accumulator_value, epsilon):
@@ -329,7 +357,7 @@ class RowwiseAdagrad(_RowSparseSteps, keras.optimizers.Optimizer):
             colocate = var.value if isinstance(var, keras.Variable) else var
             with self._distribution_strategy.extended.colocate_vars_with(colocate):
                 self._accumulators.append(self.add_variable(
-                    shape=shape, initializer=init, dtype=var.dtype,
+                    shape=shape, initializer=init, dtype=_state_dtype(var),
                     name=f"{var.name.replace('/', '_').replace(':', '_')}_rowwise_accumulator"))
         _row_accumulation.build_marks(self, var_list)
         _claim_fused_tables(self, var_list)
@@ -342,12 +370,12 @@ class RowwiseAdagrad(_RowSparseSteps, keras.optimizers.Optimizer):
                                         epsilon=float(self.epsilon))
 
     def _update_step(self, gradient, variable, learning_rate):
-        dtype = variable.dtype
+        dtype = _state_dtype(variable)
         lr = tf.cast(learning_rate, dtype)
         acc = self._accumulators[self._get_variable_index(variable)]
         rank = len(variable.shape)
         if isinstance(gradient, tf.IndexedSlices):
-            rows, g = _unique_rows(gradient)
+            rows, g = _unique_rows(gradient, dtype)
         else:
             rows, g = None, tf.convert_to_tensor(gradient)
         g = tf.cast(g, dtype)
@@ -359,11 +387,11 @@ class RowwiseAdagrad(_RowSparseSteps, keras.optimizers.Optimizer):
         if rows is None:
             acc_value = acc + sq
             self.assign(acc, acc_value)
-            self.assign_sub(variable, lr * g / tf.sqrt(acc_value + self.epsilon)[expand])
+            self.assign(variable, tf.cast(variable, dtype) - lr * g / tf.sqrt(acc_value + self.epsilon)[expand])
             return
         acc_rows = _gather(acc, rows) + sq
         _scatter_update(acc, rows, acc_rows)
-        new_rows = _gather(variable, rows) - lr * g / tf.sqrt(acc_rows + self.epsilon)[expand]
+        new_rows = _gather(variable, rows, dtype) - lr * g / tf.sqrt(acc_rows + self.epsilon)[expand]
         _scatter_update(variable, rows, new_rows)
 
     def get_config(self):

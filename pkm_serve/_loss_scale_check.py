@@ -1,0 +1,44 @@
+"""Keras' ``LossScaleOptimizer.check_finite`` (what ``mixed_float16`` wraps every optimizer in),
+reading an ``IndexedSlices``' values alone: the rows it leaves out are 0.
+
+Keras' check scattered each slice's verdict into a dense ``[N, D]`` bool tensor, where a row
+listed twice (a table looked up twice: TF concatenates the lookups' slices) kept one slice's
+verdict: an inf in the other passed, and the step wrote inf / NaN into the table instead of being
+skipped, with every optimizer (stock ``Adam`` and ``SGD`` too). A sparse-gradient lookup installs
+this check on Keras' class (``install``); checks of gradients without ``IndexedSlices`` are
+Keras' own, and a subclass' own ``check_finite`` is left as it is.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import tensorflow as tf
+
+_INSTALLED = "_pkm_reads_slice_values"
+
+
+def all_finite(grads):
+    """Whether every gradient is finite, an IndexedSlices' values read alone."""
+    finite = [tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+              for g in grads if g is not None]
+    return tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
+
+
+def install():
+    """Gives Keras' LossScaleOptimizer the check above for IndexedSlices. Without keras imported
+    there is no LossScaleOptimizer yet: nothing is done, and a later call installs it."""
+    keras = sys.modules.get("keras")
+    wrapper = getattr(getattr(keras, "optimizers", None), "LossScaleOptimizer", None)
+    if wrapper is None or getattr(wrapper.check_finite, _INSTALLED, False):
+        return
+    keras_check = wrapper.check_finite
+
+    def check_finite(self, grads):
+        if any(isinstance(g, tf.IndexedSlices) for g in grads):
+            return all_finite(grads)
+        return keras_check(self, grads)
+
+    setattr(check_finite, _INSTALLED, True)
+    check_finite.__doc__ = keras_check.__doc__
+    wrapper.check_finite = check_finite
