@@ -291,8 +291,8 @@ def test_classify_regress_multi_inference_on_a_predict_signature(stub):
     with pytest.raises(grpc.RpcError) as err:
         stub.Classify(req, timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "needs one string input (serialized tf.Example); its input 'query' is float32" \
-        in err.value.details()
+    # classifier.cc's PreProcessClassification: the one input must be keyed "inputs".
+    assert err.value.details().startswith('No classification inputs found in SignatureDef: inputs {\n  key: "query"')
     multi = inference_pb2.MultiInferenceRequest()
     task = multi.tasks.add()
     task.model_spec.name = "pkm"
