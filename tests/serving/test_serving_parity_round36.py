@@ -1,0 +1,179 @@
+"""Round 36 parity checks against tensorflow_model_server, on one server with real clients
+(requests for REST, the tensorflow-serving-api gRPC stubs):
+- a REST URL is matched with its query string, as TF Serving's handler matches
+  EvHTTPRequest::uri_path (tensorflow_serving/util/net_http/server/internal/evhttp_request.cc
+  builds it as path_and_query; model_servers/http_rest_api_util.cc's patterns must match it
+  whole): "?x=1" after a verb or "/metadata" makes the URL malformed, after a model name it is
+  part of the name (the query was dropped here, so such URLs were served);
+- REST predict on a signature without inputs is refused, as json_tensor.cc's
+  FillPredictRequestFromJson refuses it ("Failed to get input map for signature: S"; it was
+  run here), before the body's keys are looked at;
+- REST predict, classify and regress bodies are checked in json_tensor.cc's order and words
+  (missing or both "instances"/"inputs", an empty or non-list "instances", a plain list for
+  several inputs, a missing named input, "examples" missing, empty or not a list, an example
+  that is not an object; the words were this server's own);
+- Classify and Regress check the signature as classifier.cc's PreProcessClassification and
+  regressor.cc's PreProcessRegression do: the one input must be keyed "inputs", a
+  classification signature has one or two outputs, a regression one exactly one (another key
+  and more outputs were accepted here)."""
+import grpc
+import numpy as np
+import pytest
+import requests
+from tensorflow_serving.apis import (classification_pb2, predict_pb2, prediction_service_pb2_grpc,
+                                     regression_pb2)
+
+from serving_helpers import ServerProcess, save_graph
+
+
+def _save_model(path):
+    """serving_default: x [n, 2] -> y = 2x; "noin": no inputs -> c = [1, 2]; classify and
+    regress signatures over serialized tf.Examples (feature x, two floats) with other input
+    keys or more outputs than TF Serving takes."""
+    import tensorflow as tf
+    v1 = tf.compat.v1
+    with tf.Graph().as_default():
+        x = v1.placeholder(tf.float32, [None, 2], name="x")
+        serialized = v1.placeholder(tf.string, [None], name="tf_example")
+        parsed = tf.io.parse_example(serialized, {"x": tf.io.FixedLenFeature([2], tf.float32)})["x"]
+        scores = tf.nn.softmax(parsed)
+        classes = tf.tile(tf.constant([["a", "b"]]), [tf.shape(parsed)[0], 1])
+        info = v1.saved_model.build_tensor_info
+        ex = {"inputs": info(serialized)}
+
+        def sig(inputs, outputs, method):
+            return v1.saved_model.build_signature_def(inputs, {k: info(v) for k, v in outputs.items()},
+                                                      f"tensorflow/serving/{method}")
+        save_graph(path, {
+            "serving_default": sig({"x": info(x)}, {"y": 2.0 * x}, "predict"),
+            "noin": sig({}, {"c": tf.constant([1.0, 2.0])}, "predict"),
+            "cls": sig(ex, {"classes": classes, "scores": scores}, "classify"),
+            "cls_scores_and_other": sig(ex, {"scores": scores, "other": parsed}, "classify"),
+            "cls_other_input_key": sig({"examples": info(serialized)}, {"scores": scores}, "classify"),
+            "cls_three_outputs": sig(ex, {"classes": classes, "scores": scores, "other": parsed}, "classify"),
+            "reg_other_input_key": sig({"examples": info(serialized)}, {"outputs": parsed[:, 0]}, "regress"),
+            "reg_two_outputs": sig(ex, {"outputs": parsed[:, 0], "other": parsed}, "regress")})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("parity36")
+    _save_model(str(tmp / "m" / "1"))
+    srv = ServerProcess(tmp, "--model_name=m", f"--model_base_path={tmp / 'm'}", "--file_system_poll_wait_seconds=0")
+    yield srv
+    srv.terminate()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.target) as ch:
+        yield prediction_service_pb2_grpc.PredictionServiceStub(ch)
+
+
+def _error(response):
+    return response.status_code, response.json()["error"]
+
+
+def test_a_query_string_is_matched_as_part_of_the_url(server):
+    url = server.rest_url + "/v1/models/m"
+    assert requests.get(url, timeout=30).status_code == 200
+    # After the name: part of the name, a model that does not exist.
+    assert _error(requests.get(url, params={"x": 1}, timeout=30)) == (
+        404, "Could not find any versions of model m?x=1")
+    for r in (requests.get(url + "/metadata", params={"x": 1}, timeout=30),
+              requests.get(url + "/versions/1", params={"x": 1}, timeout=30),
+              requests.post(url + ":predict", params={"foo": ""}, json={"instances": [[1.0, 2.0]]}, timeout=30)):
+        code, message = _error(r)
+        assert code == 400 and message.startswith(f"Malformed request: {r.request.method} /v1/models/m"), message
+        assert "?x=1" in message or "?foo=" in message, message
+    ok = requests.post(url + ":predict", json={"instances": [[1.0, 2.0]]}, timeout=30)
+    assert ok.status_code == 200 and ok.json() == {"predictions": [[2.0, 4.0]]}
+
+
+@pytest.mark.parametrize("body", [{"signature_name": "noin", "inputs": {}},
+                                  {"signature_name": "noin", "instances": [{}]},
+                                  {"signature_name": "noin"}])
+def test_rest_predict_refuses_a_signature_without_inputs(server, stub, body):
+    code, message = _error(requests.post(server.rest_url + "/v1/models/m:predict", json=body, timeout=30))
+    assert code == 400 and message.startswith("Failed to get input map for signature: noin"), message
+    # gRPC Predict runs it (predict_util.cc has no such check): zero inputs sent, zero expected.
+    req = predict_pb2.PredictRequest()
+    req.model_spec.name, req.model_spec.signature_name = "m", "noin"
+    import tensorflow as tf
+    np.testing.assert_array_equal(tf.make_ndarray(stub.Predict(req, timeout=30).outputs["c"]), [1.0, 2.0])
+
+
+@pytest.mark.parametrize("body, message", [
+    ({}, "Missing 'inputs' or 'instances' key"),
+    ({"signature_name": "serving_default"}, "Missing 'inputs' or 'instances' key"),
+    ({"instances": [[1.0, 2.0]], "inputs": [[1.0, 2.0]]},
+     "Not formatted correctly expecting only one of 'inputs' or 'instances' keys to exist "),
+    ({"instances": {"x": [1.0, 2.0]}}, "Excepting 'instances' to be an list/array"),
+    ({"instances": []}, "No values in 'instances' array"),
+    ({"instances": [{"x": [1.0, 2.0]}, [1.0, 2.0]]}, "Expecting object but got list at item 1 of input list"),
+    ({"instances": [[1.0, 2.0], {"x": [1.0, 2.0]}]},
+     "Expecting value/list but got object at item 1 of input list"),
+    ({"instances": [{"x": [1.0, 2.0], "z": 1}]}, "Failed to process element: 0 key: z of 'instances' list. "
+                                                 "Error: INVALID_ARGUMENT: JSON object: does not have named input: z"),
+    ({"inputs": {"z": [[1.0, 2.0]]}}, "Missing named input: x in 'inputs' object."),
+])
+def test_predict_body_faults_in_json_tensor_words(server, body, message):
+    code, got = _error(requests.post(server.rest_url + "/v1/models/m:predict", json=body, timeout=30))
+    assert code == 400 and message in got, got
+
+
+def test_a_body_that_is_not_an_object(server):
+    code, got = _error(requests.post(server.rest_url + "/v1/models/m:predict", data=b"[1, 2]", timeout=30))
+    assert (code, got) == (400, "JSON Value: [1,2] Is not object")
+
+
+@pytest.mark.parametrize("verb", ["classify", "regress"])
+@pytest.mark.parametrize("body, message", [
+    ({}, "When method is classify, key 'examples' is expected and was not found"),
+    ({"examples": {"x": [1.0, 2.0]}}, "Expecting 'examples' value to be an list/array"),
+    ({"examples": []}, "'examples' value is an empty array"),
+    ({"examples": ["x"]}, "Example must be JSON object but got JSON String"),
+    ({"examples": [{"x": [1.0, 2.0]}], "context": [1]}, "Example must be JSON object but got JSON Array"),
+    ({"examples": [{"x": [[1.0, 2.0]]}]}, "Feature: x has element with unexpected JSON type: Array"),
+    ({"examples": [{"x": None}]}, "Feature: x has element with unexpected JSON type: Null"),
+])
+def test_example_body_faults_in_json_tensor_words(server, verb, body, message):
+    signature = {"classify": "cls", "regress": "reg_two_outputs"}[verb]
+    code, got = _error(requests.post(server.rest_url + f"/v1/models/m:{verb}",
+                                     json={"signature_name": signature, **body}, timeout=30))
+    assert code == 400 and message in got, got
+
+
+def _examples(request, signature):
+    import tensorflow as tf
+    request.model_spec.name, request.model_spec.signature_name = "m", signature
+    request.input.example_list.examples.add().CopyFrom(tf.train.Example(features=tf.train.Features(
+        feature={"x": tf.train.Feature(float_list=tf.train.FloatList(value=[1.0, 2.0]))})))
+    return request
+
+
+@pytest.mark.parametrize("call, signature, message", [
+    ("Classify", "cls_other_input_key", "No classification inputs found in SignatureDef: inputs {"),
+    ("Classify", "cls_three_outputs", "Expected one or two output Tensors, found 3"),
+    ("Regress", "reg_other_input_key", "No regression inputs found in SignatureDef: inputs {"),
+    ("Regress", "reg_two_outputs", "Expected one output Tensor."),
+])
+def test_example_signatures_are_checked_as_tf_serving_checks_them(server, stub, call, signature, message):
+    request = _examples(classification_pb2.ClassificationRequest() if call == "Classify"
+                        else regression_pb2.RegressionRequest(), signature)
+    with pytest.raises(grpc.RpcError) as err:
+        getattr(stub, call)(request, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(message), \
+        err.value.details()
+    code, got = _error(requests.post(server.rest_url + f"/v1/models/m:{call.lower()}", timeout=30,
+                                     json={"signature_name": signature, "examples": [{"x": [1.0, 2.0]}]}))
+    assert code == 400 and got.startswith(message), got
+
+
+def test_a_classify_signature_with_scores_and_one_more_output_is_served(server, stub):
+    """Two outputs of which one is "scores": PreProcessClassification takes it, reading scores only."""
+    resp = stub.Classify(_examples(classification_pb2.ClassificationRequest(), "cls_scores_and_other"), timeout=30)
+    want = np.exp([1.0, 2.0]) / np.exp([1.0, 2.0]).sum()
+    got = [(c.label, c.score) for c in resp.result.classifications[0].classes]
+    assert [label for label, _ in got] == ["", ""]
+    np.testing.assert_allclose([score for _, score in got], want, rtol=1e-6)
