@@ -79,7 +79,7 @@ def rows_to_inputs(instances, specs, may_hold_bools=True):
     objects, each with exactly the signature's input names."""
     if not isinstance(instances, list) or not instances:
         raise invalid("\"instances\" must be a non-empty list")
-    if not isinstance(instances[0], dict) and len(specs) > 1:
+    if not _is_named(instances[0]) and len(specs) > 1:   # (upstream lets a {"b64": ...} by)
         raise invalid("instances is a plain list, but expecting list of objects as multiple input tensors "
                       f"required as per tensorinfo_map (the signature's inputs: {sorted(specs)})")
     named = _is_named(instances[0])

@@ -177,3 +177,16 @@ def test_a_classify_signature_with_scores_and_one_more_output_is_served(server, 
     got = [(c.label, c.score) for c in resp.result.classifications[0].classes]
     assert [label for label, _ in got] == ["", ""]
     np.testing.assert_allclose([score for _, score in got], want, rtol=1e-6)
+
+
+def test_a_base64_first_instance_for_several_inputs_is_a_400():
+    """json_tensor.cc lets a {"b64": ...} first instance past its plain-list check and reads it
+    as the first input; here the check holds (it was a 500 ValueError once that check took
+    json_tensor.cc's words)."""
+    import tensorflow as tf
+
+    from pkm_serve.serving.errors import ServingError
+    from pkm_serve.serving.rest_requests import rows_to_inputs
+    specs = {name: tf.TensorSpec([None], tf.string) for name in ("a", "b")}
+    with pytest.raises(ServingError, match="instances is a plain list, but expecting list of objects"):
+        rows_to_inputs([{"b64": "AA=="}], specs)
