@@ -32,7 +32,7 @@ from pkm_serve.serving.loader import load_with_retries, make_loader_factory
 from pkm_serve.serving.model_records import (ManagedModel, VersionRecord, install_version_labels,
                                              validate_model_server_config)
 from pkm_serve.serving.version_policy import aspired_versions, versions_to_unload, warn_of_missing_specific_versions
-from pkm_serve.serving.version_status import failed_loads, resolve_record, version_statuses
+from pkm_serve.serving.version_status import configured_model, failed_loads, resolve_record, version_statuses
 from pkm_serve.serving.version_dirs import directory_fingerprint, holds_model_hint, is_directory, list_versions
 
 log = logging.getLogger("pkm_serve.serving")
@@ -466,20 +466,13 @@ class ModelManager:
         return loads_ended
 
     # ------------------------------------------------------------ lookups
-    def _model(self, name):
-        m = self._models.get(name)
-        if m is None:
-            raise not_found(f"Servable not found for request: model '{name}' is not served "
-                            f"(served models: {sorted(self._models)})")
-        return m
-
     @contextlib.contextmanager
     def serving(self, model_spec):
         """The servable for model_spec, held for the whole request: it stays loaded (an
         unload waits for it) until the block exits, so the version a request was validated
         against is the one that runs it."""
         with self._lock:
-            r = resolve_record(self._model(model_spec.name) if model_spec.name else None, model_spec)
+            r = resolve_record(configured_model(self._models, model_spec) if model_spec.name else None, model_spec)
             r.in_flight += 1
             servable = r.servable
         try:

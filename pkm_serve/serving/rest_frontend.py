@@ -116,6 +116,8 @@ def _finite_json_float(text: str) -> float:
 
 
 def loads(body: bytes):
+    if not body:   # json_tensor.cc's ParseJson (Python's json said "Expecting value: line 1 ...")
+        raise invalid("JSON Parse error: The document is empty")
     if not has_long_integer(body):
         try:
             return orjson.loads(body)

@@ -190,3 +190,43 @@ def test_a_base64_first_instance_for_several_inputs_is_a_400():
     specs = {name: tf.TensorSpec([None], tf.string) for name in ("a", "b")}
     with pytest.raises(ServingError, match="instances is a plain list, but expecting list of objects"):
         rows_to_inputs([{"b64": "AA=="}], specs)
+
+
+@pytest.mark.parametrize("path, code, message", [
+    ("/v1/models/nope:predict", 404, "Servable not found for request: Latest(nope)"),
+    ("/v1/models/nope/versions/3:predict", 404, "Servable not found for request: Specific(nope, 3)"),
+    ("/v1/models/nope/labels/stable:predict", 400, "Unrecognized servable version label: stable")])
+def test_a_model_not_configured_is_answered_as_server_core_answers(server, stub, path, code, message):
+    """ServerCore::GetServableHandle (server_core.cc): a label is looked up in the model's
+    labels first (GetModelVersionForLabel: INVALID_ARGUMENT, also for an unknown model), then
+    the manager's NOT_FOUND names the request as Latest(M) / Specific(M, V). Both were a
+    NOT_FOUND "model 'nope' is not served" here."""
+    got_code, got = _error(requests.post(server.rest_url + path, json={"instances": [[1.0, 2.0]]}, timeout=30))
+    assert got_code == code and got.startswith(message), got
+    req = predict_pb2.PredictRequest()
+    req.model_spec.name = "nope"
+    if "/versions/" in path:
+        req.model_spec.version.value = 3
+    elif "/labels/" in path:
+        req.model_spec.version_label = "stable"
+    import tensorflow as tf
+    req.inputs["x"].CopyFrom(tf.make_tensor_proto([[1.0, 2.0]]))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Predict(req, timeout=30)
+    want = grpc.StatusCode.INVALID_ARGUMENT if code == 400 else grpc.StatusCode.NOT_FOUND
+    assert err.value.code() == want and err.value.details().startswith(message), err.value.details()
+
+
+def test_an_empty_body_is_an_empty_document(server):
+    code, got = _error(requests.post(server.rest_url + "/v1/models/m:predict", data=b"", timeout=30))
+    assert (code, got) == (400, "JSON Parse error: The document is empty")   # json_tensor.cc's ParseJson
+
+
+def test_every_grpc_code_maps_to_tf_servings_http_status():
+    """http_server.cc's ToHTTPStatusCode, code by code (ABORTED was a 500 here, upstream 409)."""
+    from pkm_serve.serving.errors import http_status
+    upstream = {"OK": 200, "CANCELLED": 499, "UNKNOWN": 500, "INVALID_ARGUMENT": 400, "DEADLINE_EXCEEDED": 504,
+                "NOT_FOUND": 404, "ALREADY_EXISTS": 409, "PERMISSION_DENIED": 403, "RESOURCE_EXHAUSTED": 429,
+                "FAILED_PRECONDITION": 400, "ABORTED": 409, "OUT_OF_RANGE": 400, "UNIMPLEMENTED": 501,
+                "INTERNAL": 500, "UNAVAILABLE": 503, "DATA_LOSS": 500, "UNAUTHENTICATED": 401}
+    assert {code.name: http_status(code) for code in grpc.StatusCode} == upstream
