@@ -12,7 +12,7 @@ from tensorflow.core.example import example_pb2, feature_pb2
 from tensorflow_serving.apis import input_pb2
 
 from pkm_serve.serving import tensors
-from pkm_serve.serving.errors import invalid
+from pkm_serve.serving.errors import ServingError, invalid
 
 _FLOAT32_MAX = float(tensors.ml_dtypes.finfo("float32").max)
 
@@ -43,7 +43,7 @@ def signature_name(doc):
     """Checked before any other field, as TF Serving's handler does."""
     name = doc.get("signature_name", "")
     if not isinstance(name, str):
-        raise invalid(f"JSON Value: {json_value(name)} not formatted correctly. "
+        raise invalid(f"JSON Value: {json_value(doc)} not formatted correctly. "   # the document, as upstream
                       "'signature_name' key must be a string value.")
     return name
 
@@ -68,6 +68,72 @@ def check_predict_body(doc, sig_name, specs):
     if unknown:
         raise invalid(f"unknown request field(s) {sorted(unknown)}; expected signature_name and "
                       "one of instances/inputs")
+
+
+def _dense_shape(value):
+    """json_tensor.cc's GetDenseTensorShape: the sizes along each list's first element."""
+    shape = []
+    while isinstance(value, list):
+        shape.append(len(value))
+        if not value:
+            break
+        value = value[0]
+    return shape
+
+
+def _dense_fault(value, shape, level=0):
+    """FillTensorProto's first complaint about a value that does not fill `shape` densely
+    (None where it does): a value at another level than the rank, a list too deep, or a list
+    of another size than the first one's at that level."""
+    if not isinstance(value, list):
+        if level != len(shape):
+            return (f"JSON Value: {json_value(value)} found at incorrect level: {level + 1} in the JSON DOM. "
+                    f"Expected at level: {len(shape)}")
+        return None
+    if level >= len(shape):
+        return f"Encountered list at unexpected level: {level} expected < {len(shape)}"
+    if len(value) != shape[level]:
+        return f"Encountered list at unexpected size: {len(value)} at level: {level} expected size: {shape[level]}"
+    for item in value:
+        fault = _dense_fault(item, shape, level + 1)
+        if fault:
+            return fault
+    return None
+
+
+def _shape_text(shape):
+    return "[" + ",".join(map(str, shape)) + "]"
+
+
+def _instances_fault(items, key=None):
+    """For the values of one input across "instances", AddInstanceItem's first complaint: an
+    item that is not dense, or one of another size or shape than the first item."""
+    where = "" if key is None else f" key: {key}"
+    first = None
+    for i, item in enumerate(items):
+        shape = _dense_shape(item)
+        fault = _dense_fault(item, shape)
+        size = math.prod(shape)
+        if fault is None and first is not None and size != math.prod(first):
+            fault = f"Expecting tensor size: {math.prod(first)} but got: {size}"
+        elif fault is None and first is not None and shape != first:
+            fault = f"Expecting shape {_shape_text(first)} but got: {_shape_text(shape)}"
+        if fault:
+            return f"Failed to process element: {i}{where} of 'instances' list. Error: INVALID_ARGUMENT: {fault}"
+        first = shape if first is None else first
+    return None
+
+
+def _from_json(name, value, spec, may_hold_bools, fault_of):
+    """tensors.from_json, a ragged value refused in json_tensor.cc's words (`fault_of(value)`)
+    where they can be found (this server's words were "input 'x' is ragged")."""
+    try:
+        return tensors.from_json(name, value, spec, may_hold_bools)
+    except ServingError as err:
+        fault = fault_of(value) if "is ragged" in err.message else None
+        if fault:
+            raise invalid(f"{fault} (input '{name}')") from None
+        raise
 
 
 def _is_named(value):
@@ -98,8 +164,9 @@ def rows_to_inputs(instances, specs, may_hold_bools=True):
                               f"{json_value(x)} keys must be equal to: {','.join(sorted(specs))}")
     if not named:
         (name, s), = specs.items()
-        return {name: tensors.from_json(name, instances, s, may_hold_bools)}
-    return {k: tensors.from_json(k, [x[k] for x in instances], s, may_hold_bools) for k, s in specs.items()}
+        return {name: _from_json(name, instances, s, may_hold_bools, _instances_fault)}
+    return {k: _from_json(k, [x[k] for x in instances], s, may_hold_bools, lambda v, k=k: _instances_fault(v, k))
+            for k, s in specs.items()}
 
 
 def columns_to_inputs(value, specs, may_hold_bools=True):
@@ -110,14 +177,18 @@ def columns_to_inputs(value, specs, may_hold_bools=True):
             raise invalid("inputs is a plain value/list, but expecting an object as multiple input tensors "
                           f"required as per tensorinfo_map (the signature's inputs: {sorted(specs)})")
         (name, s), = specs.items()
-        return {name: tensors.from_json(name, value, s, may_hold_bools)}
+        return {name: _from_json(name, value, s, may_hold_bools, _columns_fault)}
     for name in sorted(specs):
         if name not in value:
             raise invalid(f"Missing named input: {name} in 'inputs' object.")
     if set(value) != set(specs):
         raise invalid(f"\"inputs\" has {tensors.input_mismatch(specs, value)}; "
                       f"the signature expects {sorted(specs)}")
-    return {k: tensors.from_json(k, v, specs[k], may_hold_bools) for k, v in value.items()}
+    return {k: _from_json(k, v, specs[k], may_hold_bools, _columns_fault) for k, v in value.items()}
+
+
+def _columns_fault(value):
+    return _dense_fault(value, _dense_shape(value))
 
 
 def _feature_kind(name, v):

@@ -230,3 +230,32 @@ def test_every_grpc_code_maps_to_tf_servings_http_status():
                 "FAILED_PRECONDITION": 400, "ABORTED": 409, "OUT_OF_RANGE": 400, "UNIMPLEMENTED": 501,
                 "INTERNAL": 500, "UNAVAILABLE": 503, "DATA_LOSS": 500, "UNAUTHENTICATED": 401}
     assert {code.name: http_status(code) for code in grpc.StatusCode} == upstream
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"instances": [[1, 2], [3]]},
+     "Failed to process element: 1 of 'instances' list. Error: INVALID_ARGUMENT: Expecting tensor size: 2 but got: 1"),
+    ({"instances": [[[1, 2]], [[3], [4]]]},
+     "Failed to process element: 1 of 'instances' list. Error: INVALID_ARGUMENT: Expecting shape [1,2] but got: [2,1]"),
+    ({"instances": [{"x": [1, 2]}, {"x": [3]}]}, "Failed to process element: 1 key: x of 'instances' list. "
+                                                 "Error: INVALID_ARGUMENT: Expecting tensor size: 2 but got: 1"),
+    ({"instances": [[1, [2]]]}, "Failed to process element: 0 of 'instances' list. Error: INVALID_ARGUMENT: "
+                                "Encountered list at unexpected level: 1 expected < 1"),
+    ({"inputs": [[1, 2], [3]]}, "Encountered list at unexpected size: 1 at level: 1 expected size: 2"),
+    ({"inputs": {"x": [[1, 2], 3]}}, "JSON Value: 3 found at incorrect level: 2 in the JSON DOM. Expected at level: 2"),
+    ({"inputs": [1, [2, 3]]}, "Encountered list at unexpected level: 1 expected < 1"),
+])
+def test_ragged_values_are_refused_in_json_tensor_words(server, body, message):
+    """json_tensor.cc's FillTensorProto (dense fill of the first elements' shape) and
+    AddInstanceItem (each instance of the first one's size and shape); this server said
+    "input 'x' is ragged: all rows must have the same shape" for all of them."""
+    code, got = _error(requests.post(server.rest_url + "/v1/models/m:predict", json=body, timeout=30))
+    assert code == 400 and got.startswith(message), got
+
+
+def test_a_signature_name_not_a_string_shows_the_document(server):
+    """json_tensor.cc's FormatSignatureError prints the document (it printed the name alone)."""
+    code, got = _error(requests.post(server.rest_url + "/v1/models/m:predict", timeout=30,
+                                     json={"signature_name": 5, "instances": [[1.0, 2.0]]}))
+    assert (code, got) == (400, 'JSON Value: {"signature_name":5,"instances":[[1.0,2.0]]} not formatted '
+                                "correctly. 'signature_name' key must be a string value.")
