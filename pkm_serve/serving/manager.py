@@ -66,6 +66,9 @@ class ModelManager:
         self._unload_drain_seconds = unload_drain_seconds
         self._poll_lock = threading.Lock()   # one poll (load/unload) at a time
         self._models = {}
+        # Models a reload removed, for GetModelStatus: TF Serving's ServableStateMonitor keeps
+        # their versions' last state (END), so their status is not NOT_FOUND.
+        self._removed_models = {}
         self._poll_seconds = poll_seconds
         self._metrics = metrics
         self._config_file = config_file
@@ -98,12 +101,14 @@ class ModelManager:
                 removed = [self._models.pop(n) for n in list(self._models) if n not in wanted]
                 for m in removed:
                     m.removed = True
+                    self._removed_models[m.config.name] = m
                 added = [n for n in wanted if n not in self._models]
                 for name, c in wanted.items():
                     if name in self._models:
                         self._models[name].config = c
                     else:
                         self._models[name] = ManagedModel(c)
+                        self._removed_models.pop(name, None)
             for m in removed:
                 for r in list(m.records.values()):
                     if r.state == State.AVAILABLE:
@@ -486,4 +491,5 @@ class ModelManager:
     def status(self, model_spec):
         """GetModelStatusResponse.model_version_status entries (newest first)."""
         with self._lock:
-            return version_statuses(self._models.get(model_spec.name), model_spec)
+            name = model_spec.name
+            return version_statuses(self._models.get(name) or self._removed_models.get(name), model_spec)

@@ -259,3 +259,30 @@ def test_a_signature_name_not_a_string_shows_the_document(server):
                                      json={"signature_name": 5, "instances": [[1.0, 2.0]]}))
     assert (code, got) == (400, 'JSON Value: {"signature_name":5,"instances":[[1.0,2.0]]} not formatted '
                                 "correctly. 'signature_name' key must be a string value.")
+
+
+def test_a_removed_model_reports_its_versions_ended(tmp_path):
+    """TF Serving's GetModelStatus reads ServableStateMonitor::GetVersionStates, which keeps a
+    version's last state after its model leaves the config (servable_state_monitor.cc: states_
+    is only added to): the status is END with OK, not NOT_FOUND (as it was here)."""
+    from tensorflow_serving.apis import model_pb2
+    from tensorflow_serving.config import model_server_config_pb2
+    from test_serving_manager_fakes import Fakes
+    from serving_helpers import polled_manager
+    fakes = Fakes(tmp_path / "m")
+    fakes.add_version(1)
+    manager = polled_manager(fakes.base, loader_factory=fakes.factory)
+    try:
+        spec = model_pb2.ModelSpec(name="m")
+        [live] = manager.status(spec)
+        assert (live.version, live.state) == (1, live.State.AVAILABLE)
+        none = model_server_config_pb2.ModelServerConfig()
+        none.model_config_list.SetInParent()
+        manager.apply_config(none)
+        [ended] = manager.status(spec)
+        assert (ended.version, ended.state, ended.status.error_code) == (1, ended.State.END, 0)
+        with pytest.raises(Exception) as err:
+            manager.status(model_pb2.ModelSpec(name="never_configured"))
+        assert "Could not find any versions of model never_configured" in str(err.value)
+    finally:
+        manager.stop()
