@@ -264,6 +264,8 @@ class RestFrontend:
                     return _json_response({"error": f"request body is larger than the limit of "
                                                     f"{self.max_body_bytes} bytes (--max_request_bytes)"},
                                           status=413)
+                except web.RequestPayloadError as e:   # e.g. a body that is not the gzip it says
+                    raise invalid("cannot read the request body: " + " ".join(str(e).split())) from None
                 try:
                     doc = loads(body)
                 except (UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -286,3 +286,16 @@ def test_a_removed_model_reports_its_versions_ended(tmp_path):
         assert "Could not find any versions of model never_configured" in str(err.value)
     finally:
         manager.stop()
+
+
+def test_a_body_that_is_not_the_gzip_it_claims_is_a_400(server):
+    """TF Serving's evhttp request gunzips a Content-Encoding: gzip body
+    (evhttp_request.cc ReadRequestGzipBytes); one that does not decode left no body there (a
+    400). Here it was a 500 "internal error: RequestPayloadError"; a real gzip body is read."""
+    import gzip
+    url = server.rest_url + "/v1/models/m:predict"
+    code, got = _error(requests.post(url, data=b"not gzip", headers={"Content-Encoding": "gzip"}, timeout=30))
+    assert code == 400 and got.startswith("cannot read the request body:") and "gzip" in got, got
+    ok = requests.post(url, data=gzip.compress(b'{"instances": [[1.0, 2.0]]}'), timeout=30,
+                       headers={"Content-Encoding": "gzip"})
+    assert ok.status_code == 200 and ok.json() == {"predictions": [[2.0, 4.0]]}
