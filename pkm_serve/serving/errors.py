@@ -34,6 +34,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.OUT_OF_RANGE: 400,
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.ABORTED: 409,
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,

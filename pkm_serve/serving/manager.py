@@ -32,7 +32,7 @@ from pkm_serve.serving.loader import load_with_retries, make_loader_factory
 from pkm_serve.serving.model_records import (ManagedModel, VersionRecord, install_version_labels,
                                              validate_model_server_config)
 from pkm_serve.serving.version_policy import aspired_versions, versions_to_unload, warn_of_missing_specific_versions
-from pkm_serve.serving.version_status import failed_loads, resolve_record, version_statuses
+from pkm_serve.serving.version_status import configured_model, failed_loads, resolve_record, version_statuses
 from pkm_serve.serving.version_dirs import directory_fingerprint, holds_model_hint, is_directory, list_versions
 
 log = logging.getLogger("pkm_serve.serving")
@@ -66,6 +66,9 @@ class ModelManager:
         self._unload_drain_seconds = unload_drain_seconds
         self._poll_lock = threading.Lock()   # one poll (load/unload) at a time
         self._models = {}
+        # Models a reload removed, for GetModelStatus: TF Serving's ServableStateMonitor keeps
+        # their versions' last state (END), so their status is not NOT_FOUND.
+        self._removed_models = {}
         self._poll_seconds = poll_seconds
         self._metrics = metrics
         self._config_file = config_file
@@ -98,12 +101,14 @@ class ModelManager:
                 removed = [self._models.pop(n) for n in list(self._models) if n not in wanted]
                 for m in removed:
                     m.removed = True
+                    self._removed_models[m.config.name] = m
                 added = [n for n in wanted if n not in self._models]
                 for name, c in wanted.items():
                     if name in self._models:
                         self._models[name].config = c
                     else:
                         self._models[name] = ManagedModel(c)
+                        self._removed_models.pop(name, None)
             for m in removed:
                 for r in list(m.records.values()):
                     if r.state == State.AVAILABLE:
@@ -466,20 +471,13 @@ class ModelManager:
         return loads_ended
 
     # ------------------------------------------------------------ lookups
-    def _model(self, name):
-        m = self._models.get(name)
-        if m is None:
-            raise not_found(f"Servable not found for request: model '{name}' is not served "
-                            f"(served models: {sorted(self._models)})")
-        return m
-
     @contextlib.contextmanager
     def serving(self, model_spec):
         """The servable for model_spec, held for the whole request: it stays loaded (an
         unload waits for it) until the block exits, so the version a request was validated
         against is the one that runs it."""
         with self._lock:
-            r = resolve_record(self._model(model_spec.name) if model_spec.name else None, model_spec)
+            r = resolve_record(configured_model(self._models, model_spec) if model_spec.name else None, model_spec)
             r.in_flight += 1
             servable = r.servable
         try:
@@ -493,4 +491,5 @@ class ModelManager:
     def status(self, model_spec):
         """GetModelStatusResponse.model_version_status entries (newest first)."""
         with self._lock:
-            return version_statuses(self._models.get(model_spec.name), model_spec)
+            name = model_spec.name
+            return version_statuses(self._models.get(name) or self._removed_models.get(name), model_spec)

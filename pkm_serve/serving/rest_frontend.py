@@ -24,11 +24,9 @@ import numpy as np
 import orjson
 from aiohttp import web
 from google.protobuf import json_format
-from tensorflow_serving.apis import (get_model_metadata_pb2, get_model_status_pb2, input_pb2,
-                                     model_pb2)
-from tensorflow.core.example import example_pb2, feature_pb2
+from tensorflow_serving.apis import get_model_metadata_pb2, get_model_status_pb2, model_pb2
 
-from pkm_serve.serving import tensors
+from pkm_serve.serving import rest_requests, tensors
 from pkm_serve.serving.errors import ServingError, http_status, invalid
 from pkm_serve.serving.ports import check_bindable
 from pkm_serve.serving.rest_cors import cors_middleware
@@ -118,6 +116,8 @@ def _finite_json_float(text: str) -> float:
 
 
 def loads(body: bytes):
+    if not body:   # json_tensor.cc's ParseJson (Python's json said "Expecting value: line 1 ...")
+        raise invalid("JSON Parse error: The document is empty")
     if not has_long_integer(body):
         try:
             return orjson.loads(body)
@@ -138,75 +138,12 @@ def _error(code: grpc.StatusCode, message: str):
     return _json_response({"error": message}, status=http_status(code))
 
 
-def _is_b64(v):
-    return isinstance(v, dict) and set(v) == {"b64"}
-
-
-_FLOAT32_MAX = float(tensors.ml_dtypes.finfo("float32").max)
-
-
-def _feature_kind(name, v):
-    """The Feature list a JSON value goes in, checked as TF Serving's AddValueToFeature does."""
-    if isinstance(v, bool):
-        return "int64"
-    if isinstance(v, int):
-        if v >= 1 << 63 and v < 1 << 64:
-            raise invalid(f"Feature: {name} has uint64 element. Only int64 is supported.")
-        if not -(1 << 63) <= v < 1 << 63:   # JSON integers have no bound; int64/float do
-            raise invalid(f"feature value {json.dumps(v)[:100]} of feature {name} is out of range")
-        return "int64"
-    if isinstance(v, float):
-        # IsLosslessDecimal<float>: a finite double must lie in float32's range.
-        if math.isfinite(v) and abs(v) > _FLOAT32_MAX:
-            raise tensors.lossy_decimal_error(v, "float")
-        return "float"
-    if isinstance(v, str) or _is_b64(v):
-        return "bytes"
-    raise invalid(f"Feature: {name} has element with unexpected JSON type: {json.dumps(v)[:100]}")
-
-
-def _feature(value, name=""):
-    """A JSON feature value -> tf.train.Feature (TF Serving's JSON example encoding): every
-    element must go in the same list (int64, float or bytes), as in TF Serving, so a JSON
-    integer is never silently turned into a float."""
-    values = value if isinstance(value, list) else [value]
-    f = feature_pb2.Feature()
-    kind = None
-    for v in values:
-        k = _feature_kind(name, v)
-        if kind is not None and k != kind:
-            raise invalid(f"Unexpected element type in feature: {name} expecting type: {kind}")
-        kind = k
-    if kind == "int64":
-        f.int64_list.value.extend(int(v) for v in values)
-    elif kind == "float":
-        f.float_list.value.extend(values)
-    elif kind == "bytes":
-        f.bytes_list.value.extend(tensors.decode_b64(v) for v in values)   # validated base64
-    return f
+_example, _feature = rest_requests.example, rest_requests.feature   # (tests call them by these names)
 
 
 def _float32_json(values):
     """float32 values (read from a proto's float field) by TF Serving's WriteDecimal<float>."""
     return tensors.write_decimal_float32(np.array(values, np.float32)).tolist() if values else []
-
-
-def _signature_name(doc):
-    """Checked before any other field, as TF Serving's handler does."""
-    name = doc.get("signature_name", "")
-    if not isinstance(name, str):
-        raise invalid(f"JSON Value: {json.dumps(name)[:200]} not formatted correctly. "
-                      "'signature_name' key must be a string value.")
-    return name
-
-
-def _example(obj):
-    if not isinstance(obj, dict):
-        raise invalid("each example must be a JSON object of feature name -> value(s)")
-    ex = example_pb2.Example()
-    for k, v in obj.items():
-        ex.features.feature[k].CopyFrom(_feature(v, k))
-    return ex
 
 
 def _row_count(outputs) -> int:
@@ -304,7 +241,10 @@ class RestFrontend:
         if self.metrics_path and path == self.metrics_path and request.method == "GET":
             body, ctype = self.metrics.exposition()
             return web.Response(body=body, headers={"Content-Type": ctype})
-        raw_path = request.raw_path.split("?", 1)[0]
+        # The path with its query, as TF Serving's handler matches it (EvHTTPRequest::uri_path
+        # is path_and_query): "?x=1" after a verb makes the URL malformed, after a name it is
+        # part of the name; it was dropped here, so such URLs were served.
+        raw_path = request.raw_path
         if not raw_path.lower().startswith("/v1/"):
             # TF Serving hands every /v1/ path to its API handler; other paths have no handler.
             return _error(grpc.StatusCode.NOT_FOUND,
@@ -324,12 +264,14 @@ class RestFrontend:
                     return _json_response({"error": f"request body is larger than the limit of "
                                                     f"{self.max_body_bytes} bytes (--max_request_bytes)"},
                                           status=413)
+                except web.RequestPayloadError as e:   # e.g. a body that is not the gzip it says
+                    raise invalid("cannot read the request body: " + " ".join(str(e).split())) from None
                 try:
                     doc = loads(body)
                 except (UnicodeDecodeError, json.JSONDecodeError) as e:
                     raise invalid(f"JSON Parse error: {e}") from None
-                if not isinstance(doc, dict):
-                    raise invalid("request body must be a JSON object")
+                if not isinstance(doc, dict):   # json_tensor.cc's ParseJson
+                    raise invalid(f"JSON Value: {rest_requests.json_value(doc)} Is not object")
             else:
                 doc = None
             deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
@@ -374,18 +316,14 @@ class RestFrontend:
         return {"model_spec": _to_dict(resp.model_spec), "metadata": {"signature_def": _to_dict(sig_map)}}
 
     def _predict(self, spec, doc, deadline, may_hold_bools=True):
-        sig_name = _signature_name(doc)
-        unknown = set(doc) - {"signature_name", "instances", "inputs"}
-        if unknown:
-            raise invalid(f"unknown request field(s) {sorted(unknown)}; expected signature_name and "
-                          "one of instances/inputs")
-        if ("instances" in doc) == ("inputs" in doc):
-            raise invalid("request must have exactly one of \"instances\" (row format) or \"inputs\" "
-                          "(columnar format)")
+        # FillPredictRequestFromJson's order: the signature name, the model and signature
+        # (GetInfoMap), then the body's keys.
+        sig_name = rest_requests.signature_name(doc)
         spec.signature_name = sig_name
         # One resolution: the version whose signature decodes the JSON is the one that runs it.
         with self.service.serving(spec) as servable:
             sig = servable.signature(sig_name, rest=True)
+            rest_requests.check_predict_body(doc, sig_name, sig.input_specs)
             if "instances" in doc:
                 inputs = self._rows_to_inputs(doc["instances"], sig.input_specs, may_hold_bools)
             else:
@@ -405,60 +343,13 @@ class RestFrontend:
         columns = {k: tensors.to_json(k, v) for k, v in outputs.items()}
         return {"predictions": [{k: columns[k][i] for k in columns} for i in range(n)]}
 
-    @staticmethod
-    def _rows_to_inputs(instances, specs, may_hold_bools=True):
-        if not isinstance(instances, list) or not instances:
-            raise invalid("\"instances\" must be a non-empty list")
-        named = all(isinstance(x, dict) and not _is_b64(x) for x in instances)
-        if not named:
-            if any(isinstance(x, dict) and not _is_b64(x) for x in instances):
-                raise invalid("\"instances\" mixes named (object) and unnamed values")
-            if len(specs) != 1:
-                raise invalid(f"unnamed instances need a signature with one input; this one has "
-                              f"{sorted(specs)}: give each instance as an object")
-            (name, s), = specs.items()
-            return {name: tensors.from_json(name, instances, s, may_hold_bools)}
-        keys = set(instances[0])
-        for i, x in enumerate(instances):
-            if set(x) != keys:
-                raise invalid(f"instance {i} has inputs {sorted(x)} but instance 0 has {sorted(keys)}")
-        if keys != set(specs):
-            raise invalid(f"instances have {tensors.input_mismatch(specs, keys)}; "
-                          f"the signature expects {sorted(specs)}")
-        return {k: tensors.from_json(k, [x[k] for x in instances], specs[k], may_hold_bools) for k in keys}
-
-    @staticmethod
-    def _columns_to_inputs(value, specs, may_hold_bools=True):
-        if isinstance(value, dict) and not _is_b64(value):
-            if set(value) != set(specs):
-                raise invalid(f"\"inputs\" has {tensors.input_mismatch(specs, value)}; "
-                              f"the signature expects {sorted(specs)}")
-            return {k: tensors.from_json(k, v, specs[k], may_hold_bools) for k, v in value.items()}
-        if len(specs) != 1:
-            raise invalid(f"an unnamed \"inputs\" value needs a signature with one input; this one has "
-                          f"{sorted(specs)}")
-        (name, s), = specs.items()
-        return {name: tensors.from_json(name, value, s, may_hold_bools)}
-
-    @staticmethod
-    def _example_input(doc):
-        unknown = set(doc) - {"signature_name", "examples", "context"}
-        if unknown:
-            raise invalid(f"unknown request field(s) {sorted(unknown)}")
-        examples = doc.get("examples")
-        if not isinstance(examples, list) or not examples:
-            raise invalid("\"examples\" must be a non-empty list of objects")
-        inp = input_pb2.Input()
-        if "context" in doc:
-            inp.example_list_with_context.context.CopyFrom(_example(doc["context"]))
-            inp.example_list_with_context.examples.extend(_example(e) for e in examples)
-        else:
-            inp.example_list.examples.extend(_example(e) for e in examples)
-        return inp
+    _rows_to_inputs = staticmethod(rest_requests.rows_to_inputs)
+    _columns_to_inputs = staticmethod(rest_requests.columns_to_inputs)
+    _example_input = staticmethod(rest_requests.example_input)
 
     def _classify(self, spec, doc, deadline):
         from tensorflow_serving.apis import classification_pb2
-        spec.signature_name = _signature_name(doc)
+        spec.signature_name = rest_requests.signature_name(doc)
         req = classification_pb2.ClassificationRequest(model_spec=spec, input=self._example_input(doc))
         resp = self.service.classify(req, deadline)
         # Scores are float32 (ClassificationResult): printed as TF Serving's WriteDecimal<float>
@@ -469,7 +360,7 @@ class RestFrontend:
 
     def _regress(self, spec, doc, deadline):
         from tensorflow_serving.apis import regression_pb2
-        spec.signature_name = _signature_name(doc)
+        spec.signature_name = rest_requests.signature_name(doc)
         req = regression_pb2.RegressionRequest(model_spec=spec, input=self._example_input(doc))
         resp = self.service.regress(req, deadline)
         return {"results": _float32_json([r.value for r in resp.result.regressions])}   # float32 too

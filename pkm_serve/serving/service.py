@@ -47,17 +47,26 @@ def _per_example(tensor, what, n, dtype):
     return tensor
 
 
-def _check_example_outputs(sdef, what):
-    """Before the model runs, in PreProcessClassification / PreProcessRegression's words
-    (classifier.cc, regressor.cc): a "classes" or "scores" output to classify, an "outputs"
-    one to regress. Leniencies kept: the input may have another key than "inputs", and other
-    outputs may come along (upstream refuses both)."""
+def _check_example_signature(sig, what):
+    """Before the model runs, PreProcessClassification / PreProcessRegression's checks in their
+    order and words (classifier.cc, regressor.cc): one input, one or two outputs to classify
+    (one to regress), the input keyed "inputs", then a "classes" or "scores" output to classify
+    ("outputs" to regress). (Another input key and more outputs were accepted here.)"""
+    sdef = sig.signature_def
+    if len(sig.input_specs) != 1:
+        raise invalid(f"Expected one input Tensor. ({what} signature '{sig.name}' has "
+                      f"{sorted(sig.input_specs)})")
+    if what == "classification" and len(sdef.outputs) not in (1, 2):
+        raise invalid(f"Expected one or two output Tensors, found {len(sdef.outputs)}")
+    if what == "regression" and len(sdef.outputs) != 1:
+        raise invalid("Expected one output Tensor.")
+    if "inputs" not in sdef.inputs:
+        raise invalid(f"No {what} inputs found in SignatureDef: {sdef}")
     if what == "classification" and not {"classes", "scores"} & set(sdef.outputs):
         raise invalid('Expected classification signature outputs to contain at least one of "classes" '
                       f'or "scores". Signature was: {sdef}')
     if what == "regression" and "outputs" not in sdef.outputs:
-        raise invalid("Expected one output Tensor." if len(sdef.outputs) != 1
-                      else f"No regression outputs found in SignatureDef: {sdef}")
+        raise invalid(f"No regression outputs found in SignatureDef: {sdef}")
 
 
 def _braced(names) -> str:
@@ -219,14 +228,11 @@ class InferenceService:
         if self.check_signature_method_name and sig.method_name != method:
             raise invalid(f"Expected {what} signature method_name to be {method}. Was: {sig.method_name} "
                           f"(signature '{sig.name}' of model '{servable.name}'; use Predict for it)")
-        if len(sig.input_specs) != 1:
-            raise invalid(f"Expected one input Tensor. ({what} signature '{sig.name}' has "
-                          f"{sorted(sig.input_specs)})")
+        _check_example_signature(sig, what)
         if next(iter(sig.input_specs.values())).dtype != tf.string:   # (upstream: TF's feed error)
             (key, spec), = sig.input_specs.items()
             raise invalid(f"{what} signature '{sig.name}' needs one string input (serialized "
                           f"tf.Example); its input '{key}' is {spec.dtype.name}")
-        _check_example_outputs(sig.signature_def, what)
         return sig, next(iter(sig.input_specs))
 
     def _classify_outputs(self, servable, model_spec, input_proto, deadline):

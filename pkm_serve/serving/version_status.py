@@ -13,6 +13,24 @@ def unknown_label(m, label):
                    f"{sorted(m.labels)})")
 
 
+def configured_model(models, model_spec):
+    """The ManagedModel of `models` ({name: model}) that model_spec names, else ServerCore's
+    error for the request: a label is looked up first (GetModelVersionForLabel's
+    INVALID_ARGUMENT), then the manager's NOT_FOUND for Latest(M) / Specific(M, V) (this
+    server's words for all three, naming the model as not served, before); the configured
+    models follow."""
+    m = models.get(model_spec.name)
+    if m is None:
+        name = model_spec.name
+        served = f"model '{name}' is not served; served models: {sorted(models)}"
+        choice = model_spec.WhichOneof("version_choice")
+        if choice == "version_label":
+            raise invalid(f"Unrecognized servable version label: {model_spec.version_label} ({served})")
+        request = f"Specific({name}, {model_spec.version.value})" if choice == "version" else f"Latest({name})"
+        raise not_found(f"Servable not found for request: {request} ({served})")
+    return m
+
+
 def version_statuses(m, model_spec):
     """ModelVersionStatus entries of the ManagedModel `m` (None: a model not configured) that
     model_spec picks, newest first, as get_model_status_impl.cc: a version picks that one, and

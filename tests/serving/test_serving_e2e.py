@@ -291,8 +291,8 @@ def test_classify_regress_multi_inference_on_a_predict_signature(stub):
     with pytest.raises(grpc.RpcError) as err:
         stub.Classify(req, timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "needs one string input (serialized tf.Example); its input 'query' is float32" \
-        in err.value.details()
+    # classifier.cc's PreProcessClassification: the one input must be keyed "inputs".
+    assert err.value.details().startswith('No classification inputs found in SignatureDef: inputs {\n  key: "query"')
     multi = inference_pb2.MultiInferenceRequest()
     task = multi.tasks.add()
     task.model_spec.name = "pkm"
@@ -305,7 +305,7 @@ def test_classify_regress_multi_inference_on_a_predict_signature(stub):
 
 @pytest.mark.parametrize("path, body, raw, status, needle", [
     ("/v1/models/pkm:predict", None, b"{not json", 400, "JSON Parse error"),
-    ("/v1/models/pkm:predict", [1, 2], None, 400, "JSON object"),
+    ("/v1/models/pkm:predict", [1, 2], None, 400, "JSON Value: [1,2] Is not object"),
     ("/v1/models/nope:predict", {"instances": [[0.0] * 32]}, None, 404, "nope"),
     ("/v1/models/pkm/versions/9:predict", {"instances": [[0.0] * 32]}, None, 404, "Specific(pkm, 9)"),
     ("/v1/models/pkm/versions/99999999999999999999999:predict", {"instances": [[0.0] * 32]}, None, 400,
@@ -315,12 +315,14 @@ def test_classify_regress_multi_inference_on_a_predict_signature(stub):
                                 "inputs": {"indices": [[1, 2 ** 63]], "weights": [[1.0, 1.0]]}}, None, 400,
      "outside the range of int64"),
     ("/v1/models/pkm:predict", {"signature_name": "x", "instances": [[0.0] * 32]}, None, 400, "\"x\" not found"),
-    ("/v1/models/pkm:predict", {"instances": [[0.0] * 32], "inputs": [[0.0] * 32]}, None, 400, "exactly one"),
+    ("/v1/models/pkm:predict", {"instances": [[0.0] * 32], "inputs": [[0.0] * 32]}, None, 400,
+     "expecting only one of 'inputs' or 'instances' keys to exist"),
     ("/v1/models/pkm:predict", {"instances": [[0.0] * 31]}, None, 400, "Matrix size-incompatible"),
-    ("/v1/models/pkm:predict", {"instances": [[0.0] * 32, [0.0] * 31]}, None, 400, "ragged"),
+    ("/v1/models/pkm:predict", {"instances": [[0.0] * 32, [0.0] * 31]}, None, 400,
+     "Failed to process element: 1 of 'instances' list. Error: INVALID_ARGUMENT: Expecting tensor size: 32 but got: 31"),
     ("/v1/models/pkm:predict", {"instances": [["a"] * 32]}, None, 400, "Type: String is not of expected type"),
     ("/v1/models/pkm:predict", {"signature_name": "lookup", "instances": [{"indices": [1]}]}, None, 400,
-     "missing input(s) ['weights']"),
+     "keys must be equal to: indices,weights"),
     ("/v1/models/pkm:predict", {"signature_name": "lookup",
                                 "instances": [{"indices": [1.5], "weights": [1.0]}]}, None, 400,
      "JSON Value: 1.5 Type: Number is not of expected type: int64"),

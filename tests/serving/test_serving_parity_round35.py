@@ -289,7 +289,7 @@ def test_signatures_without_the_outputs_read_are_refused_in_upstreams_words(serv
     ("/v1/models/f32/versions/-1", None, 400, "Malformed request: GET /v1/models/f32/versions/-1"),
     ("/v1/models/f32/versions/9223372036854775808:predict", {"instances": [1]}, 400,
      "Failed to convert version: 9223372036854775808 to numeric."),
-    ("/v1/models/f%33%32%2Fx:predict", {"instances": [1]}, 404, "Servable not found for request: model 'f32/x'")])
+    ("/v1/models/f%33%32%2Fx:predict", {"instances": [1]}, 404, "Servable not found for request: Latest(f32/x)")])
 def test_rest_urls_are_parsed_as_upstream(server, path, body, status, answer):
     got_status, got = _rest(server, path, body)
     assert got_status == status, got

@@ -372,9 +372,10 @@ def _has_version_available(server, name):
         return False
 
 
-def _not_served(server, name):
+def _not_served(stub, name):
+    """Predict is NOT_FOUND (its status, as TF Serving's, then reports the versions END)."""
     try:
-        _status(server, name)
+        _predict(stub, name, [2.0], [1, 1])
         return False
     except grpc.RpcError as e:
         return e.code() == grpc.StatusCode.NOT_FOUND
@@ -390,7 +391,9 @@ def test_config_file_change_at_any_moment_is_applied(server, models, stub):
     assert _wait_for(lambda: _has_version_available(server, "late")), server.log()[-3000:]
     assert list(_predict(stub, "late", [2.0], [1, 1]).outputs["y"].float_val) == [8.0]
     server.config_path.write_text(_config_text(both))
-    assert _wait_for(lambda: _not_served(server, "late")), server.log()[-3000:]
+    assert _wait_for(lambda: _not_served(stub, "late")), server.log()[-3000:]
+    ended = [(1, get_model_status_pb2.ModelVersionStatus.END)]   # once the unload is done
+    assert _wait_for(lambda: [(v.version, v.state) for v in _status(server, "late").model_version_status] == ended)
     assert list(_predict(stub, "half_plus_two", [2.0], [1]).outputs["y"].float_val) == [3.0]
 
 

@@ -37,7 +37,8 @@ def models(tf_with_ops):
 
     def hit(ex):
         return tf.cast(tf.equal(ex, target), tf.float32)
-    spec = [tf.TensorSpec([None], tf.string, name="examples")]
+    # Keyed "inputs", as Classify and Regress want the one input of a signature (classifier.cc).
+    spec = [tf.TensorSpec([None], tf.string, name="inputs")]
 
     class Model(tf.Module):
         @tf.function(input_signature=spec)
@@ -47,6 +48,10 @@ def models(tf_with_ops):
         @tf.function(input_signature=spec)
         def classify(self, ex):
             return {"scores": tf.stack([hit(ex), 1 - hit(ex)], axis=1)}
+
+        @tf.function(input_signature=spec)
+        def regress_hits(self, ex):
+            return {"outputs": 3 * hit(ex) + 1}
 
         @tf.function(input_signature=spec)
         def regress(self, ex):
@@ -62,9 +67,9 @@ def models(tf_with_ops):
     outputs = {d["name"]: len(d["shape_signature"]) for d in details}
     scores, values = (next(n for n, rank in outputs.items() if rank == r) for r in (2, 1))
     metadata = _with_signature_defs_metadata(both, {
-        "classify": _sigdef({"inputs": "serving_default_examples:0"}, {"scores": scores}, CLASSIFY).SerializeToString(),
-        "regress": _sigdef({"inputs": "serving_default_examples:0"}, {"outputs": values}, REGRESS).SerializeToString()})
-    return {"metadata": metadata, "converter": convert(m.classify, m.both),
+        "classify": _sigdef({"inputs": "serving_default_inputs:0"}, {"scores": scores}, CLASSIFY).SerializeToString(),
+        "regress": _sigdef({"inputs": "serving_default_inputs:0"}, {"outputs": values}, REGRESS).SerializeToString()})
+    return {"metadata": metadata, "converter": convert(m.classify, m.regress_hits),
             "parse_example": convert(m.regress, custom_ops=True)}
 
 
@@ -108,12 +113,12 @@ def test_multi_inference_over_converter_signatures_is_refused_saying_why(tmp_pat
     servable = _servable(tmp_path, models["converter"])
     try:
         with pytest.raises(ServingError) as err:
-            _multi_inference(servable, [MATCH], [("classify", CLASSIFY), ("both", REGRESS)])
+            _multi_inference(servable, [MATCH], [("classify", CLASSIFY), ("regress_hits", REGRESS)])
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         says = err.value.message
         assert says.startswith("Input tensor must be the same for all Signatures.") and \
             "each SignatureDef the TFLite converter wrote runs a subgraph of its own" in says, says
-        one = _multi_inference(servable, [MATCH, 0.0], [("both", REGRESS)])   # one task: fine
+        one = _multi_inference(servable, [MATCH, 0.0], [("regress_hits", REGRESS)])   # one task: fine
         assert [r.value for r in one.results[0].regression_result.regressions] == [4.0, 1.0]
     finally:
         servable.release()

@@ -457,19 +457,20 @@ def test_grpc_response_is_not_capped_by_the_request_limit():
 
 
 def test_rest_input_mismatch_names_only_what_is_missing_or_unknown():
-    # "missing input(s) ['w'] / unknown input(s) []": the empty part was printed too.
+    # "missing input(s) ['w'] / unknown input(s) []": the empty part was printed too. A missing
+    # input is named in json_tensor.cc's words (FillTensorMapFromInstancesList / ...InputsMap).
     import tensorflow as tf
 
     from pkm_serve.serving.rest_frontend import RestFrontend
 
     specs = {name: tf.TensorSpec([None], tf.float32) for name in ("ids", "w")}
-    for call, value in ((RestFrontend._rows_to_inputs, [{"ids": [1.0]}]),
-                        (RestFrontend._columns_to_inputs, {"ids": [1.0]})):
-        with pytest.raises(ServingError) as err:
-            call(value, specs)
-        assert "missing input(s) ['w']" in str(err.value) and "unknown" not in str(err.value), err.value
-    with pytest.raises(ServingError, match=r"missing input\(s\) \['w'\] and unknown input\(s\) \['x'\];"):
+    with pytest.raises(ServingError, match=r"Failed to process element: 0 of 'instances' list. JSON object: "
+                                           r'\{"ids":\[1.0\]\} keys must be equal to: ids,w$'):
+        RestFrontend._rows_to_inputs([{"ids": [1.0]}], specs)
+    with pytest.raises(ServingError, match=r"INVALID_ARGUMENT: Missing named input: w in 'inputs' object.$"):
         RestFrontend._columns_to_inputs({"ids": [1.0], "x": [2.0]}, specs)
+    with pytest.raises(ServingError, match=r"INVALID_ARGUMENT: \"inputs\" has unknown input\(s\) \['x'\];"):
+        RestFrontend._columns_to_inputs({"ids": [1.0], "w": [1.0], "x": [2.0]}, specs)
     assert tensors.input_mismatch(["a"], ["a"]) == ""
 
 

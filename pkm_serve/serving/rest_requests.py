@@ -1,0 +1,263 @@
+"""REST request bodies -> tensors and tf.Examples, checked in the order and words of TF
+Serving's json_tensor.cc (FillPredictRequestFromJson, FillClassifyRegressRequestFromJson).
+
+Where json_tensor.cc prints a JSON value (JsonValueToString: the whole document for a
+misplaced key) it is shown here compactly and cut at 200 characters. Deliberate differences,
+all refusals of what upstream silently ignores: keys of a body besides those it reads, and
+names of a columnar "inputs" object that the signature lacks."""
+import json
+import math
+
+from tensorflow.core.example import example_pb2, feature_pb2
+from tensorflow_serving.apis import input_pb2
+
+from pkm_serve.serving import tensors
+from pkm_serve.serving.errors import ServingError, invalid
+
+_FLOAT32_MAX = float(tensors.ml_dtypes.finfo("float32").max)
+
+
+def json_value(value, limit=200) -> str:
+    """A JSON value as an error message shows it."""
+    try:
+        text = json.dumps(value, separators=(",", ":"))
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def json_type(value) -> str:
+    """json_tensor.cc's JsonTypeString."""
+    if value is None:
+        return "Null"
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    return {dict: "Object", list: "Array", str: "String"}.get(type(value), "Number")
+
+
+def is_b64(v):
+    return isinstance(v, dict) and set(v) == {"b64"}
+
+
+def signature_name(doc):
+    """Checked before any other field, as TF Serving's handler does."""
+    name = doc.get("signature_name", "")
+    if not isinstance(name, str):
+        raise invalid(f"JSON Value: {json_value(doc)} not formatted correctly. "   # the document, as upstream
+                      "'signature_name' key must be a string value.")
+    return name
+
+
+def check_predict_body(doc, sig_name, specs):
+    """FillPredictRequestFromJson's checks after the signature is found: a signature without
+    inputs, then the "instances" / "inputs" keys. Then this server's: no other keys."""
+    if not specs:
+        raise invalid(f"Failed to get input map for signature: {sig_name or 'DEFAULT'} (a signature "
+                      "without inputs cannot be called over REST; the gRPC Predict API calls it)")
+    if "instances" in doc:
+        if "inputs" in doc:
+            raise invalid(f"JSON Value: {json_value(doc)} Not formatted correctly expecting only one of "
+                          "'inputs' or 'instances' keys to exist ")
+        if not isinstance(doc["instances"], list):
+            raise invalid(f"JSON Value: {json_value(doc)} Excepting 'instances' to be an list/array")
+        if not doc["instances"]:
+            raise invalid(f"JSON Value: {json_value(doc)} No values in 'instances' array")
+    elif "inputs" not in doc:
+        raise invalid("Missing 'inputs' or 'instances' key")
+    unknown = set(doc) - {"signature_name", "instances", "inputs"}
+    if unknown:
+        raise invalid(f"unknown request field(s) {sorted(unknown)}; expected signature_name and "
+                      "one of instances/inputs")
+
+
+def _dense_shape(value):
+    """json_tensor.cc's GetDenseTensorShape: the sizes along each list's first element."""
+    shape = []
+    while isinstance(value, list):
+        shape.append(len(value))
+        if not value:
+            break
+        value = value[0]
+    return shape
+
+
+def _dense_fault(value, shape, level=0):
+    """FillTensorProto's first complaint about a value that does not fill `shape` densely
+    (None where it does): a value at another level than the rank, a list too deep, or a list
+    of another size than the first one's at that level."""
+    if not isinstance(value, list):
+        if level != len(shape):
+            return (f"JSON Value: {json_value(value)} found at incorrect level: {level + 1} in the JSON DOM. "
+                    f"Expected at level: {len(shape)}")
+        return None
+    if level >= len(shape):
+        return f"Encountered list at unexpected level: {level} expected < {len(shape)}"
+    if len(value) != shape[level]:
+        return f"Encountered list at unexpected size: {len(value)} at level: {level} expected size: {shape[level]}"
+    for item in value:
+        fault = _dense_fault(item, shape, level + 1)
+        if fault:
+            return fault
+    return None
+
+
+def _shape_text(shape):
+    return "[" + ",".join(map(str, shape)) + "]"
+
+
+def _instances_fault(items, key=None):
+    """For the values of one input across "instances", AddInstanceItem's first complaint: an
+    item that is not dense, or one of another size or shape than the first item."""
+    where = "" if key is None else f" key: {key}"
+    first = None
+    for i, item in enumerate(items):
+        shape = _dense_shape(item)
+        fault = _dense_fault(item, shape)
+        size = math.prod(shape)
+        if fault is None and first is not None and size != math.prod(first):
+            fault = f"Expecting tensor size: {math.prod(first)} but got: {size}"
+        elif fault is None and first is not None and shape != first:
+            fault = f"Expecting shape {_shape_text(first)} but got: {_shape_text(shape)}"
+        if fault:
+            return f"Failed to process element: {i}{where} of 'instances' list. Error: INVALID_ARGUMENT: {fault}"
+        first = shape if first is None else first
+    return None
+
+
+def _from_json(name, value, spec, may_hold_bools, fault_of):
+    """tensors.from_json, a ragged value refused in json_tensor.cc's words (`fault_of(value)`)
+    where they can be found (this server's words were "input 'x' is ragged")."""
+    try:
+        return tensors.from_json(name, value, spec, may_hold_bools)
+    except ServingError as err:
+        fault = fault_of(value) if "is ragged" in err.message else None
+        if fault:
+            raise invalid(f"{fault} (input '{name}')") from None
+        raise
+
+
+def _is_named(value):
+    return isinstance(value, dict) and not is_b64(value)
+
+
+def rows_to_inputs(instances, specs, may_hold_bools=True):
+    """FillTensorMapFromInstancesList: a plain list for a one-input signature, else a list of
+    objects, each with exactly the signature's input names."""
+    if not isinstance(instances, list) or not instances:
+        raise invalid("\"instances\" must be a non-empty list")
+    if not _is_named(instances[0]) and len(specs) > 1:   # (upstream lets a {"b64": ...} by)
+        raise invalid("instances is a plain list, but expecting list of objects as multiple input tensors "
+                      f"required as per tensorinfo_map (the signature's inputs: {sorted(specs)})")
+    named = _is_named(instances[0])
+    for i, x in enumerate(instances):
+        if named and not _is_named(x):
+            raise invalid(f"Expecting object but got list at item {i} of input list")
+        if not named and _is_named(x):
+            raise invalid(f"Expecting value/list but got object at item {i} of input list")
+        if named:
+            for key in x:
+                if key not in specs:
+                    raise invalid(f"Failed to process element: {i} key: {key} of 'instances' list. Error: "
+                                  f"INVALID_ARGUMENT: JSON object: does not have named input: {key}")
+            if set(x) != set(specs):
+                raise invalid(f"Failed to process element: {i} of 'instances' list. JSON object: "
+                              f"{json_value(x)} keys must be equal to: {','.join(sorted(specs))}")
+    if not named:
+        (name, s), = specs.items()
+        return {name: _from_json(name, instances, s, may_hold_bools, _instances_fault)}
+    return {k: _from_json(k, [x[k] for x in instances], s, may_hold_bools, lambda v, k=k: _instances_fault(v, k))
+            for k, s in specs.items()}
+
+
+def columns_to_inputs(value, specs, may_hold_bools=True):
+    """FillTensorMapFromInputsMap: a plain value for a one-input signature, else an object with
+    each of the signature's input names (and, here, no other)."""
+    if not _is_named(value):
+        if len(specs) > 1:
+            raise invalid("inputs is a plain value/list, but expecting an object as multiple input tensors "
+                          f"required as per tensorinfo_map (the signature's inputs: {sorted(specs)})")
+        (name, s), = specs.items()
+        return {name: _from_json(name, value, s, may_hold_bools, _columns_fault)}
+    for name in sorted(specs):
+        if name not in value:
+            raise invalid(f"Missing named input: {name} in 'inputs' object.")
+    if set(value) != set(specs):
+        raise invalid(f"\"inputs\" has {tensors.input_mismatch(specs, value)}; "
+                      f"the signature expects {sorted(specs)}")
+    return {k: _from_json(k, v, specs[k], may_hold_bools, _columns_fault) for k, v in value.items()}
+
+
+def _columns_fault(value):
+    return _dense_fault(value, _dense_shape(value))
+
+
+def _feature_kind(name, v):
+    """The Feature list a JSON value goes in, checked as TF Serving's AddValueToFeature does."""
+    if isinstance(v, bool):
+        return "int64"
+    if isinstance(v, int):
+        if v >= 1 << 63 and v < 1 << 64:
+            raise invalid(f"Feature: {name} has uint64 element. Only int64 is supported.")
+        if not -(1 << 63) <= v < 1 << 63:   # JSON integers have no bound; int64/float do
+            raise invalid(f"feature value {json_value(v, 100)} of feature {name} is out of range")
+        return "int64"
+    if isinstance(v, float):
+        # IsLosslessDecimal<float>: a finite double must lie in float32's range.
+        if math.isfinite(v) and abs(v) > _FLOAT32_MAX:
+            raise tensors.lossy_decimal_error(v, "float")
+        return "float"
+    if isinstance(v, str) or is_b64(v):
+        return "bytes"
+    raise invalid(f"Feature: {name} has element with unexpected JSON type: {json_type(v)}")
+
+
+def feature(value, name=""):
+    """A JSON feature value -> tf.train.Feature (TF Serving's JSON example encoding): every
+    element must go in the same list (int64, float or bytes), as in TF Serving, so a JSON
+    integer is never silently turned into a float."""
+    values = value if isinstance(value, list) else [value]
+    f = feature_pb2.Feature()
+    kind = None
+    for v in values:
+        k = _feature_kind(name, v)
+        if kind is not None and k != kind:
+            raise invalid(f"Unexpected element type in feature: {name} expecting type: {kind}")
+        kind = k
+    if kind == "int64":
+        f.int64_list.value.extend(int(v) for v in values)
+    elif kind == "float":
+        f.float_list.value.extend(values)
+    elif kind == "bytes":
+        f.bytes_list.value.extend(tensors.decode_b64(v) for v in values)   # validated base64
+    return f
+
+
+def example(obj):
+    if not isinstance(obj, dict):
+        raise invalid(f"Example must be JSON object but got JSON {json_type(obj)}")
+    ex = example_pb2.Example()
+    for k, v in obj.items():
+        ex.features.feature[k].CopyFrom(feature(v, k))
+    return ex
+
+
+def example_input(doc):
+    """FillClassifyRegressRequestFromJson: the context (if any), then the examples, in its
+    words (which say "classify" for a regression too)."""
+    inp = input_pb2.Input()
+    if "context" in doc:
+        inp.example_list_with_context.context.CopyFrom(example(doc["context"]))
+    examples = doc.get("examples")
+    if "examples" not in doc:
+        raise invalid(f"JSON Value: {json_value(doc)} When method is classify, key 'examples' is expected "
+                      "and was not found")
+    if not isinstance(examples, list):
+        raise invalid(f"JSON Value: {json_value(doc)} Expecting 'examples' value to be an list/array")
+    if not examples:
+        raise invalid(f"JSON Value: {json_value(doc)} 'examples' value is an empty array")
+    target = inp.example_list_with_context if "context" in doc else inp.example_list
+    target.examples.extend(example(e) for e in examples)
+    unknown = set(doc) - {"signature_name", "examples", "context"}
+    if unknown:
+        raise invalid(f"unknown request field(s) {sorted(unknown)}")
+    return inp
