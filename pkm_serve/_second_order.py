@@ -29,9 +29,12 @@ def _first_winners(params, indices):
     bag is empty). indices [B, K], -1 or any negative = padding."""
     valid = indices >= 0
     rows = tf.cast(tf.gather(params, tf.where(valid, indices, tf.zeros_like(indices))), tf.float32)
-    masked = tf.where(valid[..., None], rows, tf.fill(tf.shape(rows), float("-inf")))
-    top = tf.reduce_max(masked, axis=1, keepdims=True)  # NaN where the bag's column has one
-    candidate = tf.where(tf.math.is_nan(top), tf.math.is_nan(masked), masked == top) & valid[..., None]
+    nan = tf.math.is_nan(rows) & valid[..., None]
+    masked = tf.where(valid[..., None] & ~nan, rows, tf.fill(tf.shape(rows), float("-inf")))
+    # Where the bag's column has a NaN, its first NaN; said explicitly: XLA's reduce_max skips NaN.
+    bag_has_nan = tf.reduce_any(nan, axis=1, keepdims=True)
+    top = tf.reduce_max(masked, axis=1, keepdims=True)
+    candidate = tf.where(bag_has_nan, nan, masked == top) & valid[..., None]
     earlier = tf.cumsum(tf.cast(candidate, tf.int32), axis=1, exclusive=True)
     return candidate & (earlier == 0)
 
@@ -66,6 +69,9 @@ def _ragged_max_params_gradient(grad, params, indices):
     bag_has_nan = tf.gather(tf.math.unsorted_segment_max(tf.cast(nan, tf.int32), bag, num_bags), bag) > 0
     finite = tf.where(valid[:, None] & ~nan, rows, tf.fill(tf.shape(rows), float("-inf")))
     top = tf.gather(tf.math.unsorted_segment_max(finite, bag, num_bags), bag)
+    # unsorted_segment_max starts from the lowest finite value: a column of -inf rows has -inf on top.
+    above = tf.cast(finite > float("-inf"), tf.int32)
+    top = tf.where(tf.gather(tf.math.unsorted_segment_max(above, bag, num_bags), bag) > 0, top, float("-inf"))
     candidate = tf.where(bag_has_nan, nan, (finite == top) & valid[:, None])
     counts = tf.cumsum(tf.cast(candidate, tf.int32), axis=0)  # candidates up to and including each value
     starts = tf.gather(tf.concat([tf.zeros_like(counts[:1]), counts], 0), tf.gather(indices.row_splits, bag))
