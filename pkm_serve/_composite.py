@@ -104,6 +104,15 @@ def _inverse_norm(squares):
                     tf.zeros_like(squares))
 
 
+def bag_of_each_value(ragged):
+    """ragged.value_rowids() (ragged rank 1) as int32 (XLA wants a segment op's count as int32) that XLA also compiles where the values or row splits
+    have sizes known only at run time (ids masked inside a jit function): value_rowids' Repeat needs
+    its largest row length as a compile-time constant, searchsorted does not."""
+    splits = ragged.row_splits
+    positions = tf.range(tf.shape(ragged.values, out_type=splits.dtype)[0])
+    return tf.searchsorted(splits[1:], positions, side="right", out_type=tf.int32)
+
+
 def _ragged_composite(params, indices, weights, combiner):
     values = indices.flat_values
     w_values = _ragged_weight_values(indices, weights)
@@ -116,8 +125,8 @@ def _ragged_composite(params, indices, weights, combiner):
     w = tf.ones(tf.shape(values), tf.float32) if w_values is None else tf.cast(w_values, tf.float32)
     w = tf.where(valid, w, tf.zeros_like(w))
     rows = tf.cast(tf.gather(params, tf.where(valid, values, tf.zeros_like(values))), tf.float32)
-    seg = inner.value_rowids()
-    nrows = inner.nrows()
+    seg = bag_of_each_value(inner)
+    nrows = inner.nrows(out_type=tf.int32)
     if combiner == "max":
         out = tf.cast(_ragged_masked_max(rows, valid, seg, nrows), params.dtype)
         return out if len(splits) == 1 else tf.RaggedTensor.from_nested_row_splits(out, splits[:-1], validate=False)
