@@ -5,8 +5,8 @@ The second derivative takes the composite's gradient, whose value_rowids XLA cou
 there ("Input 1 to node .../RaggedSplitsToSegmentIds/Repeat/SequenceMask/Range with op Range must be
 a compile-time constant"), nor its segment sums of an int64 bag count ("SetDimensionSize's value has
 to be S32"); and the max rule's first winner came from a cumsum, which XLA gets wrong for a tensor of
-run-time size. References: eager TF's composite on the kept bags (no dynamic sizes), and float64
-numpy for max."""
+run-time size. The sharded lookup's mean/sqrtn used value_rowids too. References: eager TF's
+composite on the kept bags (no dynamic sizes), and float64 numpy for max and the sharded bags."""
 
 import numpy as np
 import pytest
@@ -80,3 +80,36 @@ def test_gradient_penalty_of_bags_masked_inside_jit(lookup, combiner):
             e = _max_reference(table.astype(np.float64), c)
         np.testing.assert_allclose(tf.convert_to_tensor(g).numpy(), tf.convert_to_tensor(e).numpy(), rtol=1e-5,
                                    atol=1e-5, err_msg=name)
+
+
+def _numpy_bags(table, weights, combiner):
+    """float64 bags of VALUES split at SPLITS[KEEP] (padding -1 skipped)."""
+    splits = SPLITS[KEEP]
+    out = np.zeros((len(splits) - 1, D))
+    for b, (start, stop) in enumerate(zip(splits[:-1], splits[1:])):
+        pairs = [(i, w) for i, w in zip(VALUES[start:stop], weights[start:stop]) if i >= 0]
+        if not pairs:
+            continue
+        rows = np.array([table[i] for i, _ in pairs])
+        w = np.array([w for _, w in pairs])
+        out[b] = (w[:, None] * rows).sum(axis=0)
+        out[b] /= {"sum": 1.0, "mean": w.sum(), "sqrtn": np.sqrt((w * w).sum())}[combiner]
+    return out
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])  # max takes one table
+def test_sharded_table_bags_masked_inside_jit(combiner):
+    """The sharded lookup's per-bag weight sums used value_rowids too (the same compile error)."""
+    table, weights, _ = _inputs()
+
+    @tf.function(jit_compile=True)
+    def lookup(shards, values, splits, keep, weights):
+        in_range = values < N
+        values, weights = tf.boolean_mask(values, in_range), tf.boolean_mask(weights, in_range)
+        ids = tf.RaggedTensor.from_row_splits(values, tf.boolean_mask(splits, keep), validate=False)
+        return ops.embedding_bag(shards, ids, ids.with_flat_values(weights), combiner=combiner)
+
+    shards = [tf.constant(table[:4]), tf.constant(table[4:])]
+    got = lookup(shards, tf.constant(VALUES), tf.constant(SPLITS), tf.constant(KEEP), tf.constant(weights))
+    expected = _numpy_bags(table.astype(np.float64), weights.astype(np.float64), combiner)
+    np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5)
