@@ -56,12 +56,34 @@ def _valid_ids(ids, params):
 
 
 def _masked_max(rows, valid, axis):
-    """reduce_max over the bag axis of the valid rows only; 0 for an empty bag.
+    """reduce_max over the bag axis of the valid rows only; 0 for an empty bag, NaN where a
+    valid row holds one (XLA's reduce_max skips NaN: written out, so jit gives eager's answer).
     (reduce_max's gradient splits ties evenly; the fused op gives them to the
-    first position.)"""
-    masked = tf.where(valid[..., None], rows, tf.fill(tf.shape(rows), float("-inf")))
+    first position. A NaN column's gradient goes to every NaN row.)"""
+    nan = tf.math.is_nan(rows) & valid[..., None]
+    masked = tf.where(valid[..., None] & ~nan, rows, tf.fill(tf.shape(rows), float("-inf")))
     any_valid = tf.reduce_any(valid, axis=axis + 1 if axis < 0 else axis)[..., None]
-    return tf.where(any_valid, tf.reduce_max(masked, axis=axis), tf.zeros([], rows.dtype))
+    nan_sum = tf.reduce_sum(tf.where(nan, rows, tf.zeros([], rows.dtype)), axis=axis)
+    maxed = tf.where(tf.reduce_any(nan, axis=axis), nan_sum, tf.reduce_max(masked, axis=axis))
+    return tf.where(any_valid, maxed, tf.zeros([], rows.dtype))
+
+
+def _ragged_masked_max(rows, valid, seg, nrows):
+    """_masked_max of ragged bags with segment ops. unsorted_segment_max starts from the lowest
+    finite value (a bag of -inf rows gave -3.4e38) and skips or keeps NaN by its position (eager)
+    or always (XLA): -inf and NaN are written out."""
+    nan = tf.math.is_nan(rows) & valid[:, None]
+    above_minus_inf = (rows > float("-inf")) & ~nan & valid[:, None]
+    seg_valid = tf.where(valid, seg, tf.fill(tf.shape(seg), nrows))  # padding: a segment past the last bag
+    finite = tf.where(above_minus_inf, rows, tf.fill(tf.shape(rows), float("-inf")))
+    maxed = tf.math.unsorted_segment_max(finite, seg_valid, nrows + 1)[:-1]
+    has_above = tf.math.unsorted_segment_max(tf.cast(above_minus_inf, tf.int32), seg_valid, nrows + 1)[:-1] > 0
+    maxed = tf.where(has_above, maxed, tf.fill(tf.shape(maxed), float("-inf")))
+    nan_sum = tf.math.unsorted_segment_sum(tf.where(nan, rows, tf.zeros([], rows.dtype)), seg, nrows)
+    has_nan = tf.math.unsorted_segment_max(tf.cast(nan, tf.int32), seg_valid, nrows + 1)[:-1] > 0
+    maxed = tf.where(has_nan, nan_sum, maxed)
+    counts = tf.math.unsorted_segment_sum(tf.cast(valid, tf.int32), seg, nrows)
+    return tf.where((counts > 0)[:, None], maxed, tf.zeros_like(maxed))
 
 
 def _combine(summed, w, combiner, axis):
@@ -82,6 +104,15 @@ def _inverse_norm(squares):
                     tf.zeros_like(squares))
 
 
+def bag_of_each_value(ragged):
+    """ragged.value_rowids() (ragged rank 1) as int32 (XLA wants a segment op's count as int32) that XLA also compiles where the values or row splits
+    have sizes known only at run time (ids masked inside a jit function): value_rowids' Repeat needs
+    its largest row length as a compile-time constant, searchsorted does not."""
+    splits = ragged.row_splits
+    positions = tf.range(tf.shape(ragged.values, out_type=splits.dtype)[0])
+    return tf.searchsorted(splits[1:], positions, side="right", out_type=tf.int32)
+
+
 def _ragged_composite(params, indices, weights, combiner):
     values = indices.flat_values
     w_values = _ragged_weight_values(indices, weights)
@@ -94,14 +125,10 @@ def _ragged_composite(params, indices, weights, combiner):
     w = tf.ones(tf.shape(values), tf.float32) if w_values is None else tf.cast(w_values, tf.float32)
     w = tf.where(valid, w, tf.zeros_like(w))
     rows = tf.cast(tf.gather(params, tf.where(valid, values, tf.zeros_like(values))), tf.float32)
-    seg = inner.value_rowids()
-    nrows = inner.nrows()
+    seg = bag_of_each_value(inner)
+    nrows = inner.nrows(out_type=tf.int32)
     if combiner == "max":
-        # Padding goes to a segment past the last bag (dropped); empty bags get 0.
-        seg_valid = tf.where(valid, seg, tf.fill(tf.shape(seg), nrows))
-        maxed = tf.math.unsorted_segment_max(rows, seg_valid, nrows + 1)[:-1]
-        counts = tf.math.unsorted_segment_sum(tf.cast(valid, tf.int32), seg, nrows)
-        out = tf.cast(tf.where((counts > 0)[:, None], maxed, tf.zeros_like(maxed)), params.dtype)
+        out = tf.cast(_ragged_masked_max(rows, valid, seg, nrows), params.dtype)
         return out if len(splits) == 1 else tf.RaggedTensor.from_nested_row_splits(out, splits[:-1], validate=False)
     summed = tf.math.unsorted_segment_sum(rows * w[:, None], seg, nrows)
     w_sum = tf.math.unsorted_segment_sum(w, seg, nrows)

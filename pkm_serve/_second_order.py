@@ -20,7 +20,7 @@ import contextlib
 
 import tensorflow as tf
 
-from pkm_serve._composite import embedding_bag_composite
+from pkm_serve._composite import bag_of_each_value, embedding_bag_composite
 
 
 def _first_winners(params, indices):
@@ -29,9 +29,12 @@ def _first_winners(params, indices):
     bag is empty). indices [B, K], -1 or any negative = padding."""
     valid = indices >= 0
     rows = tf.cast(tf.gather(params, tf.where(valid, indices, tf.zeros_like(indices))), tf.float32)
-    masked = tf.where(valid[..., None], rows, tf.fill(tf.shape(rows), float("-inf")))
-    top = tf.reduce_max(masked, axis=1, keepdims=True)  # NaN where the bag's column has one
-    candidate = tf.where(tf.math.is_nan(top), tf.math.is_nan(masked), masked == top) & valid[..., None]
+    nan = tf.math.is_nan(rows) & valid[..., None]
+    masked = tf.where(valid[..., None] & ~nan, rows, tf.fill(tf.shape(rows), float("-inf")))
+    # Where the bag's column has a NaN, its first NaN; said explicitly: XLA's reduce_max skips NaN.
+    bag_has_nan = tf.reduce_any(nan, axis=1, keepdims=True)
+    top = tf.reduce_max(masked, axis=1, keepdims=True)
+    candidate = tf.where(bag_has_nan, nan, masked == top) & valid[..., None]
     earlier = tf.cumsum(tf.cast(candidate, tf.int32), axis=1, exclusive=True)
     return candidate & (earlier == 0)
 
@@ -57,8 +60,8 @@ def _summed_into_rows(routed, ids, params):
 def _ragged_max_params_gradient(grad, params, indices):
     """_max_params_gradient for ragged bags (ragged rank 1) with segment ops: XLA cannot compile
     RaggedTensor.to_tensor (no RaggedTensorToTensor kernel), which padded them to dense."""
-    ids, bag = indices.values, indices.value_rowids()
-    num_bags = indices.nrows(out_type=bag.dtype)
+    ids, bag = indices.values, bag_of_each_value(indices)
+    num_bags = indices.nrows(out_type=tf.int32)
     valid = ids >= 0
     rows = tf.cast(tf.gather(params, tf.where(valid, ids, tf.zeros_like(ids))), tf.float32)
     nan = tf.math.is_nan(rows) & valid[:, None]
@@ -66,10 +69,16 @@ def _ragged_max_params_gradient(grad, params, indices):
     bag_has_nan = tf.gather(tf.math.unsorted_segment_max(tf.cast(nan, tf.int32), bag, num_bags), bag) > 0
     finite = tf.where(valid[:, None] & ~nan, rows, tf.fill(tf.shape(rows), float("-inf")))
     top = tf.gather(tf.math.unsorted_segment_max(finite, bag, num_bags), bag)
+    # unsorted_segment_max starts from the lowest finite value: a column of -inf rows has -inf on top.
+    above = tf.cast(finite > float("-inf"), tf.int32)
+    top = tf.where(tf.gather(tf.math.unsorted_segment_max(above, bag, num_bags), bag) > 0, top, float("-inf"))
     candidate = tf.where(bag_has_nan, nan, (finite == top) & valid[:, None])
-    counts = tf.cumsum(tf.cast(candidate, tf.int32), axis=0)  # candidates up to and including each value
-    starts = tf.gather(tf.concat([tf.zeros_like(counts[:1]), counts], 0), tf.gather(indices.row_splits, bag))
-    winners = tf.stop_gradient(candidate & (counts - starts == 1))
+    # The first candidate of each bag and column: its position is the bag's smallest (a segment
+    # min, not a cumsum: XLA's cumsum of a tensor of run-time size is wrong on this TF).
+    position = tf.broadcast_to(tf.range(tf.shape(ids)[0])[:, None], tf.shape(candidate))
+    no_candidate = tf.fill(tf.shape(position), tf.int32.max)
+    first = tf.math.unsorted_segment_min(tf.where(candidate, position, no_candidate), bag, num_bags)
+    winners = tf.stop_gradient(candidate & (position == tf.gather(first, bag)))
     routed = tf.where(winners, tf.gather(tf.cast(grad, tf.float32), bag), tf.zeros([], tf.float32))
     return _summed_into_rows(routed, ids, params)
 

@@ -7,7 +7,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops  # colocate_with without v1's deprecation warning
 
 from pkm_serve import _xla
-from pkm_serve._composite import _inverse_norm
+from pkm_serve._composite import _inverse_norm, bag_of_each_value
 from pkm_serve._fused import fused_embedding_bag
 from pkm_serve._op_args import (_as_indices, _as_weights, _check_combiner, _ragged_weight_values,
                                 _refuse_sparse_tensors)
@@ -174,8 +174,8 @@ def _bag_reductions(indices, entries):
         innermost = indices
         while isinstance(innermost.values, tf.RaggedTensor):
             innermost = innermost.values
-        rows = innermost.value_rowids()
-        return (lambda x: tf.math.unsorted_segment_sum(x, rows, innermost.nrows())[:, None],
+        rows = bag_of_each_value(innermost)  # value_rowids does not compile for bags masked inside jit
+        return (lambda x: tf.math.unsorted_segment_sum(x, rows, innermost.nrows(out_type=tf.int32))[:, None],
                 lambda per_bag: tf.gather(per_bag[:, 0], rows))
     # Dense bags (also the flat values of a ragged tensor with a uniform bag axis).
     return lambda x: tf.reduce_sum(x, axis=-1, keepdims=True), lambda per_bag: per_bag
