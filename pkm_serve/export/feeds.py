@@ -145,14 +145,19 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None,
                     if feature.key not in {f.key for f in features}:
                         features.append(feature)
         lookups = None if parses else _token_lookups(meta_graph.graph_def, placeholder, library, sigs, graphs)
-        words = []
-        if lookups:  # the words of the tables it is looked up in, where the graph says which
-            words = _keys_of(lookups, tables.words_of_table, tables.sources)
+        # The words of the tables it is looked up in (text: its tokens'), where the graph says which.
+        found = lookups if lookups is not None or parses else _parse_ops_fed_by(
+            meta_graph.graph_def, placeholder, library, sigs, graphs, follow=_STRING_FLOW, accept=_is_lookup)
+        words = _keys_of(found, tables.words_of_table, tables.sources) if found else []
         feeds[name] = Feed(features=features, vocabulary=words or tables.vocabulary, tokens=lookups is not None)
     for group in signature_composites(meta_graph, signature):
         first = group[1]
         feeds[first] = dataclasses.replace(feeds.get(first, Feed()), composite=group)
     return feeds
+
+
+def _is_lookup(node, pos: int) -> bool:
+    return node.op in ("LookupTableFindV2", "LookupTableFind") and pos == 1
 
 
 def _keys_of(lookups, keys_of_table, sources) -> list:
