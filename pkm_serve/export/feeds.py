@@ -19,8 +19,8 @@ from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import tensor_util
 
 from pkm_serve.export.composites import signature_composites
-from pkm_serve.export.lookup_keys import (model_int_keys, resource_sources, table_file_words, table_int_keys,
-                                         table_words)
+from pkm_serve.export.lookup_keys import (called_functions, model_int_keys, resource_sources, table_file_words,
+                                         table_int_keys, table_words)
 from pkm_serve.export.graph import FunctionGraph, Ref
 
 PARSE_OPS = ("ParseExampleV2", "ParseExample", "ParseSingleExample")
@@ -252,10 +252,8 @@ def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth:
             if text.split(":")[0] == placeholder:
                 frontier.append((node, pos))
     # Top-level consumers are call ops into the signature function.
-    work = []
-    for node, pos in frontier:
-        if node.op in CALL_OPS and "f" in node.attr and node.attr["f"].func.name in library:
-            work.append((node.attr["f"].func.name, pos, depth))
+    work = [(name, pos - offset, depth) for node, pos in frontier
+            for name, offset in called_functions(node, library) if pos >= offset]
     seen = set()
     while work:
         fname, pos, left = work.pop()
@@ -278,9 +276,9 @@ def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth:
                 node = fg.nodes[consumer]
                 if accept(node, cpos):
                     found.append((fg, node))
-                elif node.op in CALL_OPS and "f" in node.attr and \
-                        node.attr["f"].func.name in library:
-                    work.append((node.attr["f"].func.name, cpos, left - 1))
+                elif called_functions(node, library):
+                    work.extend((name, cpos - offset, left - 1) for name, offset in called_functions(node, library)
+                                if cpos >= offset)
                 elif node.op in ("Identity", "IdentityN"):
                     refs.append(Ref(consumer, cpos if node.op == "IdentityN" else 0))
                 elif follow is not None:

@@ -120,6 +120,23 @@ def model_int_keys(keys_of_table: Dict[str, List[int]]) -> List[int]:
     return sorted({k for keys in keys_of_table.values() for k in keys[:share]})
 
 
+def called_functions(node, library) -> List[Tuple[str, int]]:
+    """(function, offset) for each library function `node` runs with its inputs from `offset` on as the
+    function's args: a call op's f, an If/Case's branches (after the condition or branch index), a While's
+    body and cond (a lookup inside tf.cond, tf.while_loop or tf.map_fn reads its table there)."""
+    if node.op in CALL_OPS:
+        names, offset = [node.attr["f"].func.name], 0
+    elif node.op in ("If", "StatelessIf"):
+        names, offset = [node.attr[b].func.name for b in ("then_branch", "else_branch")], 1
+    elif node.op in ("Case", "StatelessCase"):
+        names, offset = [f.name for f in node.attr["branches"].list.func], 1
+    elif node.op in ("While", "StatelessWhile"):
+        names, offset = [node.attr[b].func.name for b in ("body", "cond")], 0
+    else:
+        return []
+    return [(name, offset) for name in names if name in library]
+
+
 def resource_sources(meta_graph, depth: int = 8) -> Dict[Tuple[str, str], Set[str]]:
     """{(function, arg): top-level nodes passed to it}, through up to `depth`
     nested calls: which table a lookup inside a function reads."""
@@ -129,12 +146,13 @@ def resource_sources(meta_graph, depth: int = 8) -> Dict[Tuple[str, str], Set[st
 
     def pass_on(caller, nodes):
         for node in nodes:
-            callee = node.attr["f"].func.name if node.op in CALL_OPS else ""
-            for arg, text in zip(library[callee].signature.input_arg if callee in library else [], node.input):
-                name = text.split(":")[0]
-                passed = {name} if caller is None else sources.get((caller, name), set())
-                if passed and not text.startswith("^"):
-                    sources.setdefault((callee, arg.name), set()).update(passed)
+            for callee, offset in called_functions(node, library):
+                inputs = [t for t in node.input if not t.startswith("^")][offset:]
+                for arg, text in zip(library[callee].signature.input_arg, inputs):
+                    name = text.split(":")[0]
+                    passed = {name} if caller is None else sources.get((caller, name), set())
+                    if passed:
+                        sources.setdefault((callee, arg.name), set()).update(passed)
 
     pass_on(None, graph_def.node)
     for _ in range(depth):
