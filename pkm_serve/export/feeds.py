@@ -16,11 +16,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from tensorflow.core.framework import attr_value_pb2, types_pb2
-from tensorflow.python.framework import tensor_util
 
 from pkm_serve.export.composites import signature_composites
-from pkm_serve.export.lookup_keys import (called_functions, model_int_keys, resource_sources, table_file_words,
-                                         table_int_keys, table_words)
+from pkm_serve.export.lookup_keys import (called_functions, first_strings, model_int_keys, resource_sources,
+                                         table_file_words, table_int_keys, table_words)
 from pkm_serve.export.graph import FunctionGraph, Ref
 
 PARSE_OPS = ("ParseExampleV2", "ParseExample", "ParseSingleExample")
@@ -352,10 +351,10 @@ def model_vocabulary(meta_graph) -> List[bytes]:
         tensor = node.attr["value"].tensor
         if tensor.dtype != types_pb2.DT_STRING or len(tensor.tensor_shape.dim) != 1:
             continue
-        values = tensor_util.MakeNdarray(tensor)
-        if values.size < 2:
+        values = first_strings(tensor, 8 * _MAX_VOCABULARY)
+        if len(values) < 2:
             continue
-        words.extend(v for v in values.tolist() if 0 < len(v) <= 64)
+        words.extend(v for v in values if 0 < len(v) <= 64)
         if len(words) >= _MAX_VOCABULARY:
             break
     return sorted(set(words))[:_MAX_VOCABULARY]
