@@ -68,6 +68,9 @@ class Feed:
     # ("ragged", values, row_splits) or ("sparse", indices, values, dense_shape)
     composite: Optional[Tuple[str, ...]] = None
     int_keys: List[int] = dataclasses.field(default_factory=list)  # integer ids that are lookup-table keys
+    # "count": a segment op's num_segments (fed the ids' bound, above every segment id generated);
+    # "sorted": the segment ids of an op that needs them sorted (tf.sparse.segment_sum, tf.math.segment_sum)
+    segments: Optional[str] = None
 
 
 class ModelTables:
@@ -126,6 +129,10 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None,
             width = _sparse_matmul_width(meta_graph.graph_def, placeholder, library, sigs, graphs)
             if width is not None:
                 feeds[name] = Feed(sparse_width=width)
+        role = _segment_role(meta_graph.graph_def, placeholder, library, sigs, graphs) \
+            if info.dtype in (types_pb2.DT_INT64, types_pb2.DT_INT32) else None
+        if role:
+            feeds[name] = dataclasses.replace(feeds.get(name, Feed()), segments=role)
         lookups = int_keys and info.dtype in (types_pb2.DT_INT64, types_pb2.DT_INT32) and _parse_ops_fed_by(
             meta_graph.graph_def, placeholder, library, sigs, graphs, follow=_INT_FLOW,
             accept=lambda node, pos: node.op in ("LookupTableFindV2", "LookupTableFind") and pos == 1)
@@ -173,6 +180,28 @@ def _keys_of(lookups, keys_of_table, sources) -> list:
             return []
         keys.update(k for t in tables for k in keys_of_table[t])
     return sorted(keys)
+
+
+# {op: input position} of num_segments, and of segment ids that must be sorted
+_NUM_SEGMENTS = {**{op: 2 for op in ("UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin",
+                                     "UnsortedSegmentProd")},
+                 **{op: 3 for op in ("SparseSegmentSumWithNumSegments", "SparseSegmentMeanWithNumSegments",
+                                     "SparseSegmentSqrtNWithNumSegments")}}
+_SORTED_SEGMENT_IDS = {**{op: 1 for op in ("SegmentSum", "SegmentMean", "SegmentMax", "SegmentMin", "SegmentProd")},
+                       **{op: 2 for op in ("SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN")},
+                       **{op + "WithNumSegments": 2 for op in ("SparseSegmentSum", "SparseSegmentMean",
+                                                                "SparseSegmentSqrtN")}}
+
+
+def _segment_role(graph_def, placeholder: str, library, sigs, graphs) -> Optional[str]:
+    """"count" where the input is a segment op's num_segments, "sorted" where it is segment ids an op needs
+    sorted, as it is passed on (through Identity and calls): random ids in [0, rows) as num_segments were
+    below some segment id, unsorted ids refused ("segment ids must be < num_segments", "... not increasing")."""
+    for role, positions in (("count", _NUM_SEGMENTS), ("sorted", _SORTED_SEGMENT_IDS)):
+        if _parse_ops_fed_by(graph_def, placeholder, library, sigs, graphs,
+                             accept=lambda node, pos, at=positions: at.get(node.op) == pos):
+            return role
+    return None
 
 
 def _sparse_matmul_width(graph_def, placeholder: str, library, sigs, graphs) -> Optional[int]:

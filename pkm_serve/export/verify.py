@@ -164,7 +164,12 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
 
 def _values(rng, dtype, shape, index_limit, feed=None, name="?"):
     if dtype.is_integer:
+        segments = getattr(feed, "segments", None)
+        if segments == "count":  # num_segments above every segment id generated: [0, index_limit)
+            return np.full(shape, max(index_limit, 1), dtype.as_numpy_dtype)
         ids = rng.integers(0, max(index_limit, 1), size=shape)
+        if segments == "sorted":
+            return np.sort(ids, axis=-1).astype(dtype.as_numpy_dtype)
         keys = getattr(feed, "int_keys", None)
         if keys:  # raw ids into a lookup table: mostly its keys, one in five other ids
             ids = np.where(rng.random(size=shape) < 0.8, rng.choice(np.array(keys), size=shape), ids)

@@ -39,3 +39,16 @@ def test_int64_num_segments_past_int32_is_refused_not_wrapped(tmp_path, form):
             fused(args_0=ids, args_1=seg, args_2=np.int64(too_many))
     with pytest.raises(tf.errors.InvalidArgumentError):
         fused(args_0=ids, args_1=seg, args_2=np.int64(-2**32 + 2))
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_num_segments_and_sorted_segment_ids_fed_for_verification(tmp_path, form):
+    """Without --sample-inputs, num_segments got a random id in [0, rows), below some segment id, and
+    tf.sparse.segment_sum's segment ids were unsorted: the original refused the generated inputs and the
+    export failed. num_segments now gets the ids' bound, and segment ids a sorted op reads come sorted."""
+    result = save_and_export(tmp_path, [FLAT, FLAT, COUNT64], FORMS[form])
+    assert result.sites[0].status == "fused", result.sites[0].reason
+    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    ids, seg = RNG.integers(0, N, 5), np.array([0, 2, 2, 2, 3])
+    np.testing.assert_allclose(fused(args_0=ids, args_1=seg, args_2=np.int64(4))["out"].numpy(),
+                               _segment_sums(ids, seg, 4), rtol=1e-5, atol=1e-5)
