@@ -48,19 +48,18 @@ def _sparse_groups(specs) -> Dict[str, tuple]:
 
 
 def _ragged_groups(specs, taken) -> Dict[str, tuple]:
-    """Inputs NAME (flat values) and NAME_1 .. NAME_k (row_splits, outermost first) of one RaggedTensor of
-    ragged_rank k, as tf.function flattens them (a signature function the SavedModel does not track, whose
-    RaggedTensorSpec composites.py cannot read): every part a vector, the splits integers."""
+    """Inputs NAME (flat values) and NAME_1 (row_splits) of one rank-2
+    RaggedTensor, as tf.function flattens them. Not NAME_1 .. NAME_k of a deeper one: by name alone, three
+    int vectors `input_layer`, `input_layer_1`, `input_layer_2` (Keras 3's names for scalar features) would
+    be one; those are read off the saved function's RaggedTensorSpec (composites.py)."""
     groups = {}
     for name, spec in specs.items():
-        parts = [name]
-        while f"{name}_{len(parts)}" in specs:
-            parts.append(f"{name}_{len(parts)}")
-        splits = [specs[p] for p in parts[1:]]
-        if not splits or set(parts) & set(taken) or spec.shape.rank != 1 or \
-                any(s.shape.rank != 1 or s.dtype.name not in ("int32", "int64") for s in splits):
+        splits = specs.get(name + "_1")
+        if name in taken or name + "_1" in taken or splits is None or name + "_2" in specs or \
+                spec.shape.rank != 1 or splits.shape.rank != 1 or \
+                splits.dtype.name not in ("int32", "int64"):
             continue
-        groups[name] = tuple(parts)
+        groups[name] = (name, name + "_1")
     return groups
 
 

@@ -4,7 +4,6 @@ ragged_rank 1 parts, so ids_1 and ids_2 got random ids as row_splits and the exp
 model fails on the generated inputs"). Now each dimension gets a valid row partition, shared by the ids and
 their weights, and the fused model's bags are numpy float64's."""
 import numpy as np
-import pytest
 import tensorflow as tf
 
 from pkm_serve import ops
@@ -23,15 +22,12 @@ def _sessions_of_users(module, ids, w):
     return tf.reduce_sum(tf.RaggedTensor.from_row_splits(sessions, ids.row_splits), axis=1)
 
 
-@pytest.mark.parametrize("tracked", [True, False])
-def test_ragged_rank_2_inputs_get_a_row_partition_per_dimension(tmp_path, tracked):
-    """Tracked: the parts are read off the saved function's RaggedTensorSpecs; untracked (only the
-    signature saved), by name: ids, ids_1, ids_2."""
+def test_ragged_rank_2_inputs_get_a_row_partition_per_dimension(tmp_path):
+    """The parts are read off the saved function's RaggedTensorSpecs (the function is tracked)."""
     module = tf.Module()
     module.t = tf.Variable(TABLE)
-    f = tf.function(input_signature=NESTED)(lambda ids, w: {"out": _sessions_of_users(module, ids, w)})
-    if tracked:
-        module.f = f
+    module.f = tf.function(input_signature=NESTED)(lambda ids, w: {"out": _sessions_of_users(module, ids, w)})
+    f = module.f
     tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": f})
     result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True)
     assert [s.status for s in result.sites] == ["fused"], [s.reason for s in result.sites]
@@ -43,3 +39,20 @@ def test_ragged_rank_2_inputs_get_a_row_partition_per_dimension(tmp_path, tracke
     fused = tf.saved_model.load(result.dst).signatures["serving_default"]
     got = fused(ids=ids, ids_1=outer, ids_2=inner, w=w, w_1=outer, w_2=inner)["out"].numpy()
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_three_int_vectors_named_like_keras_inputs_stay_dense(tmp_path):
+    """input_layer, input_layer_1, input_layer_2 (Keras 3's names for scalar features) are no RaggedTensor's
+    parts: fed as ids, each [batch], the stacked bag verifies."""
+    module = tf.Module()
+    module.t = tf.Variable(TABLE)
+    names = ("input_layer", "input_layer_1", "input_layer_2")
+    module.f = tf.function(input_signature=[tf.TensorSpec([None], tf.int64, name=n) for n in names])(
+        lambda a, b, c: {"out": tf.reduce_sum(tf.gather(module.t, tf.stack([a, b, c], 1)), 1)})
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True)
+    assert [s.status for s in result.sites] == ["fused"], [s.reason for s in result.sites]
+    ids = np.array([[1, 2, 3], [4, 4, 29]])
+    got = tf.saved_model.load(result.dst).signatures["serving_default"](
+        **{n: ids[:, k] for k, n in enumerate(names)})["out"].numpy()
+    np.testing.assert_allclose(got, TABLE.astype(np.float64)[ids].sum(1), rtol=1e-5, atol=1e-6)
