@@ -41,15 +41,15 @@ def _groups_of_call(specs, arg_keys: List[str]) -> List[Tuple[str, ...]]:
         pos += count
         if len(keys) != count or None in keys:
             continue
-        if isinstance(spec, tf.RaggedTensorSpec) and spec.ragged_rank == 1:
-            groups.append(("ragged",) + tuple(keys))
+        if isinstance(spec, tf.RaggedTensorSpec) and spec.ragged_rank >= 1:
+            groups.append(("ragged",) + tuple(keys))  # flat values, then row_splits outermost first
         elif isinstance(spec, tf.SparseTensorSpec):
             groups.append(("sparse",) + tuple(keys))
     return groups
 
 
 def signature_composites(meta_graph, signature: str) -> List[Tuple[str, ...]]:
-    """[("ragged", values, row_splits) | ("sparse", indices, values, dense_shape)]
+    """[("ragged", values, row_splits...) | ("sparse", indices, values, dense_shape)]
     of signature input keys, read off the function the signature's wrapper
     calls; [] where nothing says so."""
     sig = meta_graph.signature_def.get(signature)

@@ -16,11 +16,10 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from tensorflow.core.framework import attr_value_pb2, types_pb2
-from tensorflow.python.framework import tensor_util
 
 from pkm_serve.export.composites import signature_composites
-from pkm_serve.export.lookup_keys import (model_int_keys, resource_sources, table_file_words, table_int_keys,
-                                         table_words)
+from pkm_serve.export.lookup_keys import (called_functions, first_strings, model_int_keys, resource_sources,
+                                         table_file_words, table_int_keys, table_words)
 from pkm_serve.export.graph import FunctionGraph, Ref
 
 PARSE_OPS = ("ParseExampleV2", "ParseExample", "ParseSingleExample")
@@ -69,6 +68,9 @@ class Feed:
     # ("ragged", values, row_splits) or ("sparse", indices, values, dense_shape)
     composite: Optional[Tuple[str, ...]] = None
     int_keys: List[int] = dataclasses.field(default_factory=list)  # integer ids that are lookup-table keys
+    # "count": a segment op's num_segments (fed the ids' bound, above every segment id generated);
+    # "sorted": the segment ids of an op that needs them sorted (tf.sparse.segment_sum, tf.math.segment_sum)
+    segments: Optional[str] = None
 
 
 class ModelTables:
@@ -127,6 +129,10 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None,
             width = _sparse_matmul_width(meta_graph.graph_def, placeholder, library, sigs, graphs)
             if width is not None:
                 feeds[name] = Feed(sparse_width=width)
+        role = _segment_role(meta_graph.graph_def, placeholder, library, sigs, graphs) \
+            if info.dtype in (types_pb2.DT_INT64, types_pb2.DT_INT32) else None
+        if role:
+            feeds[name] = dataclasses.replace(feeds.get(name, Feed()), segments=role)
         lookups = int_keys and info.dtype in (types_pb2.DT_INT64, types_pb2.DT_INT32) and _parse_ops_fed_by(
             meta_graph.graph_def, placeholder, library, sigs, graphs, follow=_INT_FLOW,
             accept=lambda node, pos: node.op in ("LookupTableFindV2", "LookupTableFind") and pos == 1)
@@ -145,14 +151,19 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None,
                     if feature.key not in {f.key for f in features}:
                         features.append(feature)
         lookups = None if parses else _token_lookups(meta_graph.graph_def, placeholder, library, sigs, graphs)
-        words = []
-        if lookups:  # the words of the tables it is looked up in, where the graph says which
-            words = _keys_of(lookups, tables.words_of_table, tables.sources)
+        # The words of the tables it is looked up in (text: its tokens'), where the graph says which.
+        found = lookups if lookups is not None or parses else _parse_ops_fed_by(
+            meta_graph.graph_def, placeholder, library, sigs, graphs, follow=_STRING_FLOW, accept=_is_lookup)
+        words = _keys_of(found, tables.words_of_table, tables.sources) if found else []
         feeds[name] = Feed(features=features, vocabulary=words or tables.vocabulary, tokens=lookups is not None)
     for group in signature_composites(meta_graph, signature):
         first = group[1]
         feeds[first] = dataclasses.replace(feeds.get(first, Feed()), composite=group)
     return feeds
+
+
+def _is_lookup(node, pos: int) -> bool:
+    return node.op in ("LookupTableFindV2", "LookupTableFind") and pos == 1
 
 
 def _keys_of(lookups, keys_of_table, sources) -> list:
@@ -169,6 +180,28 @@ def _keys_of(lookups, keys_of_table, sources) -> list:
             return []
         keys.update(k for t in tables for k in keys_of_table[t])
     return sorted(keys)
+
+
+# {op: input position} of num_segments, and of segment ids that must be sorted
+_NUM_SEGMENTS = {**{op: 2 for op in ("UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin",
+                                     "UnsortedSegmentProd")},
+                 **{op: 3 for op in ("SparseSegmentSumWithNumSegments", "SparseSegmentMeanWithNumSegments",
+                                     "SparseSegmentSqrtNWithNumSegments")}}
+_SORTED_SEGMENT_IDS = {**{op: 1 for op in ("SegmentSum", "SegmentMean", "SegmentMax", "SegmentMin", "SegmentProd")},
+                       **{op: 2 for op in ("SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN")},
+                       **{op + "WithNumSegments": 2 for op in ("SparseSegmentSum", "SparseSegmentMean",
+                                                                "SparseSegmentSqrtN")}}
+
+
+def _segment_role(graph_def, placeholder: str, library, sigs, graphs) -> Optional[str]:
+    """"count" where the input is a segment op's num_segments, "sorted" where it is segment ids an op needs
+    sorted, as it is passed on (through Identity and calls): random ids in [0, rows) as num_segments were
+    below some segment id, unsorted ids refused ("segment ids must be < num_segments", "... not increasing")."""
+    for role, positions in (("count", _NUM_SEGMENTS), ("sorted", _SORTED_SEGMENT_IDS)):
+        if _parse_ops_fed_by(graph_def, placeholder, library, sigs, graphs,
+                             accept=lambda node, pos, at=positions: at.get(node.op) == pos):
+            return role
+    return None
 
 
 def _sparse_matmul_width(graph_def, placeholder: str, library, sigs, graphs) -> Optional[int]:
@@ -247,10 +280,8 @@ def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth:
             if text.split(":")[0] == placeholder:
                 frontier.append((node, pos))
     # Top-level consumers are call ops into the signature function.
-    work = []
-    for node, pos in frontier:
-        if node.op in CALL_OPS and "f" in node.attr and node.attr["f"].func.name in library:
-            work.append((node.attr["f"].func.name, pos, depth))
+    work = [(name, pos - offset, depth) for node, pos in frontier
+            for name, offset in called_functions(node, library) if pos >= offset]
     seen = set()
     while work:
         fname, pos, left = work.pop()
@@ -273,9 +304,9 @@ def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth:
                 node = fg.nodes[consumer]
                 if accept(node, cpos):
                     found.append((fg, node))
-                elif node.op in CALL_OPS and "f" in node.attr and \
-                        node.attr["f"].func.name in library:
-                    work.append((node.attr["f"].func.name, cpos, left - 1))
+                elif called_functions(node, library):
+                    work.extend((name, cpos - offset, left - 1) for name, offset in called_functions(node, library)
+                                if cpos >= offset)
                 elif node.op in ("Identity", "IdentityN"):
                     refs.append(Ref(consumer, cpos if node.op == "IdentityN" else 0))
                 elif follow is not None:
@@ -349,10 +380,10 @@ def model_vocabulary(meta_graph) -> List[bytes]:
         tensor = node.attr["value"].tensor
         if tensor.dtype != types_pb2.DT_STRING or len(tensor.tensor_shape.dim) != 1:
             continue
-        values = tensor_util.MakeNdarray(tensor)
-        if values.size < 2:
+        values = first_strings(tensor, 8 * _MAX_VOCABULARY)
+        if len(values) < 2:
             continue
-        words.extend(v for v in values.tolist() if 0 < len(v) <= 64)
+        words.extend(v for v in values if 0 < len(v) <= 64)
         if len(words) >= _MAX_VOCABULARY:
             break
     return sorted(set(words))[:_MAX_VOCABULARY]

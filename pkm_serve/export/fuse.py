@@ -18,7 +18,7 @@ from pkm_serve.export import padded_ragged, sparse_matmul
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import (assert_ids_in_table, assert_ids_rank, assert_masked_ids_below_rows,
                                         assert_table_rows, ids_below_rows)
-from pkm_serve.export.segment_ids import int32_segment_ids
+from pkm_serve.export.segment_ids import int32_segment_count, int32_segment_ids
 from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site, dims, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
@@ -429,8 +429,7 @@ def row_splits(fg: FunctionGraph, site: Site):
         first = fg.add_op(prefix + "/rows64", "GatherV2", [site.dense_shape, axis0, axis0],
                           {"Tparams": I64, "Tindices": I32, "Taxis": I32, "batch_dims": 0},
                           shapes=[[]])
-        num_rows = _cast(fg, prefix + "/rows", first, types_pb2.DT_INT64,
-                         types_pb2.DT_INT32, [])
+        num_rows = int32_segment_count(fg, first, prefix + "/rows", "the SparseTensor's dense_shape[0]")
     else:
         seg = int32_segment_ids(fg, site.segment_ids, prefix + "/ids")
         num_rows = _segment_count(fg, site, prefix, seg)
@@ -454,8 +453,7 @@ def row_splits(fg: FunctionGraph, site: Site):
 def _segment_count(fg: FunctionGraph, site: Site, prefix: str, seg: Ref) -> Ref:
     """int32 bags: num_segments where the segment op takes it, else last id + 1."""
     if site.num_segments is not None:
-        return _cast(fg, prefix + "/rows", site.num_segments, tensor_dtype(fg, site.num_segments),
-                     types_pb2.DT_INT32, [])
+        return int32_segment_count(fg, site.num_segments, prefix + "/rows")
     axis0 = fg.add_const(prefix + "/rows_axis0", np.array(0, np.int32))
     minus_one = fg.add_const(prefix + "/minus_one", np.array([-1], np.int32))
     padded = fg.add_op(prefix + "/padded", "ConcatV2", [seg, minus_one, axis0],

@@ -22,8 +22,18 @@ _MAX_KEYS = 2000
 def _key_values(node, dtypes) -> np.ndarray:
     if node is None or node.op != "Const" or node.attr["dtype"].type not in dtypes:
         return np.zeros([0], np.int64)
-    values = tensor_util.MakeNdarray(node.attr["value"].tensor).ravel()
-    return values if values.dtype == object else values.astype(np.int64)
+    tensor = node.attr["value"].tensor
+    if tensor.dtype == types_pb2.DT_STRING:
+        # Only the first words are kept: decoding a 1M-word vocabulary whole, then sorting it, took 1-3 s.
+        return np.array(first_strings(tensor, 8 * _MAX_KEYS), dtype=object)
+    return tensor_util.MakeNdarray(tensor).ravel().astype(np.int64)
+
+
+def first_strings(tensor, count: int) -> list:
+    """The first `count` values of a DT_STRING TensorProto, without decoding the rest."""
+    if tensor.string_val and len(tensor.string_val) == 1 and tensor.tensor_shape.dim:
+        return list(tensor.string_val) * min(count, int(np.prod([d.size for d in tensor.tensor_shape.dim])))
+    return list(tensor.string_val[:count])
 
 
 def table_int_keys(meta_graph) -> Dict[str, List[int]]:
@@ -98,7 +108,13 @@ def table_keys(meta_graph, dtypes) -> Dict[str, list]:
                 passed = _key_values(top.get(_call_input(call, args, source) or ""), dtypes)
                 if inside.size or passed.size:
                     keys.setdefault(table, []).append(inside if inside.size else passed)
-    return {table: _smallest_distinct(np.concatenate(k)) for table, k in keys.items()}
+    return {table: _first_distinct(k) if k[0].dtype == object else _smallest_distinct(np.concatenate(k))
+            for table, k in keys.items()}
+
+
+def _first_distinct(words: list) -> list:
+    """The first _MAX_KEYS distinct words, in table order."""
+    return list(dict.fromkeys(w for part in words for w in part.tolist()))[:_MAX_KEYS]
 
 
 def _smallest_distinct(keys: np.ndarray) -> list:
@@ -120,6 +136,23 @@ def model_int_keys(keys_of_table: Dict[str, List[int]]) -> List[int]:
     return sorted({k for keys in keys_of_table.values() for k in keys[:share]})
 
 
+def called_functions(node, library) -> List[Tuple[str, int]]:
+    """(function, offset) for each library function `node` runs with its inputs from `offset` on as the
+    function's args: a call op's f, an If/Case's branches (after the condition or branch index), a While's
+    body and cond (a lookup inside tf.cond, tf.while_loop or tf.map_fn reads its table there)."""
+    if node.op in CALL_OPS:
+        names, offset = [node.attr["f"].func.name], 0
+    elif node.op in ("If", "StatelessIf"):
+        names, offset = [node.attr[b].func.name for b in ("then_branch", "else_branch")], 1
+    elif node.op in ("Case", "StatelessCase"):
+        names, offset = [f.name for f in node.attr["branches"].list.func], 1
+    elif node.op in ("While", "StatelessWhile"):
+        names, offset = [node.attr[b].func.name for b in ("body", "cond")], 0
+    else:
+        return []
+    return [(name, offset) for name in names if name in library]
+
+
 def resource_sources(meta_graph, depth: int = 8) -> Dict[Tuple[str, str], Set[str]]:
     """{(function, arg): top-level nodes passed to it}, through up to `depth`
     nested calls: which table a lookup inside a function reads."""
@@ -129,12 +162,13 @@ def resource_sources(meta_graph, depth: int = 8) -> Dict[Tuple[str, str], Set[st
 
     def pass_on(caller, nodes):
         for node in nodes:
-            callee = node.attr["f"].func.name if node.op in CALL_OPS else ""
-            for arg, text in zip(library[callee].signature.input_arg if callee in library else [], node.input):
-                name = text.split(":")[0]
-                passed = {name} if caller is None else sources.get((caller, name), set())
-                if passed and not text.startswith("^"):
-                    sources.setdefault((callee, arg.name), set()).update(passed)
+            for callee, offset in called_functions(node, library):
+                inputs = [t for t in node.input if not t.startswith("^")][offset:]
+                for arg, text in zip(library[callee].signature.input_arg, inputs):
+                    name = text.split(":")[0]
+                    passed = {name} if caller is None else sources.get((caller, name), set())
+                    if passed:
+                        sources.setdefault((callee, arg.name), set()).update(passed)
 
     pass_on(None, graph_def.node)
     for _ in range(depth):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
-from tensorflow.core.framework import types_pb2
+from tensorflow.core.framework import attr_value_pb2, types_pb2
 
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.sites import tensor_dtype
@@ -23,3 +23,27 @@ def int32_segment_ids(fg: FunctionGraph, seg: Ref, prefix: str) -> Ref:
             shapes=[[None]])
     return fg.add_op(prefix + "/seg32", "Cast", [seg], {"SrcT": DType(seg_type), "DstT": I32, "Truncate": False},
                      shapes=[[None]])
+
+
+def int32_segment_count(fg: FunctionGraph, count: Ref, prefix: str, what: str = "num_segments") -> Ref:
+    """An int64 num_segments as int32 without wrapping: 2**32 + 2 cast alone is 2 (the fused model answered
+    with 2 bags where the composite refuses). One past int32 is refused by an Assert naming it; the TFLite
+    converter drops Asserts, so it also becomes -1, which the counting refuses as negative. `what` names the
+    count in the message (a SparseTensor's dense_shape[0] is one too)."""
+    count_type = tensor_dtype(fg, count)
+    if count_type == types_pb2.DT_INT32:
+        return count
+    typed = DType(count_type)
+    numpy_type = np.int64 if count_type == types_pb2.DT_INT64 else np.int32
+    largest = fg.add_const(prefix + "/int32_max", np.array(np.iinfo(np.int32).max, numpy_type))
+    fits = fg.add_op(prefix + "/fits_int32", "LessEqual", [count, largest], {"T": typed}, shapes=[[]])
+    message = fg.add_const(prefix + "/fits_int32/message", np.array(
+        f"{what} is past 2**31 - 1, the most bags the fused op (PkmRaggedEmbeddingBag) counts; {what} =".encode()))
+    check = fg.add_op(prefix + "/fits_int32/assert", "Assert", [fits, message, count],
+                      {"T": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
+                          type=[types_pb2.DT_STRING, count_type])), "summarize": 1})
+    minus_one = fg.add_const(prefix + "/minus_one", np.array(-1, numpy_type))
+    floored = fg.add_op(prefix + "/floored", "Maximum", [count, minus_one], {"T": typed}, shapes=[[]])
+    kept = fg.add_op(prefix + "/in_range", "SelectV2", [fits, floored, minus_one], {"T": typed}, shapes=[[]])
+    return fg.add_op(prefix + "/count32", "Cast", [kept], {"SrcT": typed, "DstT": I32, "Truncate": False},
+                     shapes=[[]], control=[check.node])

@@ -49,7 +49,9 @@ def _sparse_groups(specs) -> Dict[str, tuple]:
 
 def _ragged_groups(specs, taken) -> Dict[str, tuple]:
     """Inputs NAME (flat values) and NAME_1 (row_splits) of one rank-2
-    RaggedTensor, as tf.function flattens them."""
+    RaggedTensor, as tf.function flattens them. Not NAME_1 .. NAME_k of a deeper one: by name alone, three
+    int vectors `input_layer`, `input_layer_1`, `input_layer_2` (Keras 3's names for scalar features) would
+    be one; those are read off the saved function's RaggedTensorSpec (composites.py)."""
     groups = {}
     for name, spec in specs.items():
         splits = specs.get(name + "_1")
@@ -68,8 +70,9 @@ def _fits(composite, specs) -> bool:
         return False
     ranks = [specs[p].shape.rank for p in composite[1:]]
     dtypes = [specs[p].dtype.name for p in composite[1:]]
-    if composite[0] == "ragged":
-        return ranks == [1, 1] and dtypes[1] in ("int32", "int64")
+    if composite[0] == "ragged":  # flat values and one row_splits per ragged dimension
+        return len(ranks) >= 2 and ranks[0] == 1 and set(ranks[1:]) == {1} and \
+            all(d in ("int32", "int64") for d in dtypes[1:])
     return ranks == [2, 1, 1] and dtypes[0] == dtypes[2] == "int64"
 
 
@@ -91,6 +94,19 @@ def _sparse_layout(rng, batch_size: int, rank: int, width: int = 4):
         rows.extend([b] + [int(c)] + [0] * (rank - 2) for c in cols)
     indices = np.array(rows, np.int64).reshape(-1, rank)
     return indices, np.array(([batch_size, width] + [4] * (rank - 2))[:rank], np.int64)
+
+
+def _nested_splits(rng, batch_size: int, deepest: int) -> List[List[np.ndarray]]:
+    """[ragged rank - 1]: the row_splits of a RaggedTensor of that ragged rank, outermost first: `batch_size`
+    rows, then each dimension's rows as many as the one above holds values (1-4 each, one empty)."""
+    by_rank = []
+    for rank in range(1, deepest + 1):
+        splits, rows = [], batch_size
+        for _ in range(rank):
+            splits.append(np.concatenate([[0], np.cumsum(_bag_sizes(rng, rows))]))
+            rows = int(splits[-1][-1])
+        by_rank.append(splits)
+    return by_rank
 
 
 def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
@@ -124,12 +140,16 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
         out[val_name] = _values(rng, specs[val_name].dtype, [len(indices)], index_limit,
                                 feeds.get(val_name), val_name)
     taken = {n for group in sparse.values() for n in group}
-    splits = np.concatenate([[0], np.cumsum(_bag_sizes(rng, batch_size))])
     ragged = [tuple(parts) for kind, *parts in composites if kind == "ragged"]
     taken |= known
-    for val_name, splits_name in ragged + list(_ragged_groups(specs, taken).values()):
-        out[splits_name] = splits.astype(specs[splits_name].dtype.as_numpy_dtype)
-        out[val_name] = _values(rng, specs[val_name].dtype, [int(splits[-1])], index_limit,
+    ragged += list(_ragged_groups(specs, taken).values())
+    nested_splits = _nested_splits(rng, batch_size, max([len(g) - 1 for g in ragged] + [1]))
+    for val_name, *splits_names in ragged:
+        # Groups of one ragged rank share their row partitions: ids and their weights line up.
+        splits = nested_splits[len(splits_names) - 1]
+        for splits_name, part in zip(splits_names, splits):
+            out[splits_name] = part.astype(specs[splits_name].dtype.as_numpy_dtype)
+        out[val_name] = _values(rng, specs[val_name].dtype, [int(splits[-1][-1])], index_limit,
                                 feeds.get(val_name), val_name)
     for name, spec in specs.items():
         if name in out:
@@ -143,7 +163,12 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
 
 def _values(rng, dtype, shape, index_limit, feed=None, name="?"):
     if dtype.is_integer:
+        segments = getattr(feed, "segments", None)
+        if segments == "count":  # num_segments above every segment id generated: [0, index_limit)
+            return np.full(shape, max(index_limit, 1), dtype.as_numpy_dtype)
         ids = rng.integers(0, max(index_limit, 1), size=shape)
+        if segments == "sorted":
+            return np.sort(ids, axis=-1).astype(dtype.as_numpy_dtype)
         keys = getattr(feed, "int_keys", None)
         if keys:  # raw ids into a lookup table: mostly its keys, one in five other ids
             ids = np.where(rng.random(size=shape) < 0.8, rng.choice(np.array(keys), size=shape), ids)

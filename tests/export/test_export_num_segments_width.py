@@ -1,0 +1,54 @@
+"""An int64 num_segments fed to a fused segment sum was cast to the int32 the fused op counts bags in,
+wrapping: 2**32 + 2 became 2 and the fused model answered with 2 bags where the original refuses (it cannot
+allocate 2**32 rows), and -2**32 + 2 (refused by the original: negative) became 2 too. Now one past int32 is
+refused naming num_segments, and a negative one stays negative; in range, the bags are numpy float64's."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from round34_forms import D, N, RNG, TABLE, save_and_export
+
+FLAT = tf.TensorSpec([None], tf.int64)
+COUNT64 = tf.TensorSpec([], tf.int64)
+FORMS = {
+    "unsorted_segment_sum": lambda m, ids, seg, n: tf.math.unsorted_segment_sum(tf.gather(m.t, ids), seg, n),
+    "sparse_segment_sum": lambda m, ids, seg, n: tf.sparse.segment_sum(m.t, ids, seg, num_segments=n),
+}
+
+
+def _segment_sums(ids, seg, n):
+    out = np.zeros((n, D))
+    for i, s in zip(ids, seg):
+        out[s] += TABLE[i].astype(np.float64)
+    return out
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_int64_num_segments_past_int32_is_refused_not_wrapped(tmp_path, form):
+    sample = str(tmp_path / "sample.npz")
+    np.savez(sample, args_0=RNG.integers(0, N, 6), args_1=np.array([0, 0, 1, 1, 3, 4]), args_2=np.int64(5))
+    result = save_and_export(tmp_path, [FLAT, FLAT, COUNT64], FORMS[form], sample_inputs=sample)
+    assert result.sites[0].status == "fused", result.sites[0].reason
+    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    ids, seg = RNG.integers(0, N, 4), np.array([0, 0, 1, 3])
+    np.testing.assert_allclose(fused(args_0=ids, args_1=seg, args_2=np.int64(5))["out"].numpy(),
+                               _segment_sums(ids, seg, 5), rtol=1e-5, atol=1e-5)
+    # The original is not run on these: where memory allows, it allocates 2**32 rows.
+    for too_many in (2**32 + 2, 2**31):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="num_segments is past 2\\*\\*31 - 1"):
+            fused(args_0=ids, args_1=seg, args_2=np.int64(too_many))
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        fused(args_0=ids, args_1=seg, args_2=np.int64(-2**32 + 2))
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_num_segments_and_sorted_segment_ids_fed_for_verification(tmp_path, form):
+    """Without --sample-inputs, num_segments got a random id in [0, rows), below some segment id, and
+    tf.sparse.segment_sum's segment ids were unsorted: the original refused the generated inputs and the
+    export failed. num_segments now gets the ids' bound, and segment ids a sorted op reads come sorted."""
+    result = save_and_export(tmp_path, [FLAT, FLAT, COUNT64], FORMS[form])
+    assert result.sites[0].status == "fused", result.sites[0].reason
+    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    ids, seg = RNG.integers(0, N, 5), np.array([0, 2, 2, 2, 3])
+    np.testing.assert_allclose(fused(args_0=ids, args_1=seg, args_2=np.int64(4))["out"].numpy(),
+                               _segment_sums(ids, seg, 4), rtol=1e-5, atol=1e-5)
