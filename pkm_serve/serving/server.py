@@ -333,7 +333,9 @@ def main(argv=None):
 
         if cli.verbose():
             traceback.print_exception(startup.error)
-        print(f"pkm-serve serve: error: {startup.error}", file=sys.stderr, flush=True)
+        # Other errors as the CLI words them: one line, a missing module with its pip extra.
+        message = startup.error if isinstance(startup.error, StartupError) else cli.one_line(startup.error)
+        print(f"pkm-serve serve: error: {message}", file=sys.stderr, flush=True)
         return 2
     while wakeups.wait() != "signal":
         pass
