@@ -333,8 +333,9 @@ def main(argv=None):
 
         if cli.verbose():
             traceback.print_exception(startup.error)
-        # Other errors as the CLI words them: one line, a missing module with its pip extra.
-        message = startup.error if isinstance(startup.error, StartupError) else cli.one_line(startup.error)
+        # A module missing as the CLI words it: with the pip extra that installs it.
+        error = startup.error
+        message = cli.one_line(error) if isinstance(error, ModuleNotFoundError) else error
         print(f"pkm-serve serve: error: {message}", file=sys.stderr, flush=True)
         return 2
     while wakeups.wait() != "signal":
