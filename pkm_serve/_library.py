@@ -44,13 +44,24 @@ def load_library():
             path = library_path()
             if not os.path.exists(path):
                 raise OpLibraryNotFoundError(
-                    f"pkm_serve op library not found at {path}. In a source checkout run "
+                    f"pkm_serve op library not found at {path}{_from_environment()}. In a source checkout run "
                     "`make build`; to install, use the TF wheel (`make wheel`, then "
                     "`pip install dist/pkm_serve-*.whl`) rather than `pip install .`; the device "
                     "wheel has no TF op. pkm_serve.ops.embedding_bag_composite needs no library.")
-            _lib = tf.load_op_library(path)
+            lib = tf.load_op_library(path)
+            if not hasattr(lib, "pkm_embedding_bag"):
+                # Another library (e.g. lib/libpkm_tflite.so) loads too, registering no op: every
+                # use then failed with an AttributeError on the op's wrapper.
+                raise OpLibraryNotFoundError(
+                    f"{path}{_from_environment()} is not the pkm_serve op library: it registers no "
+                    f"PkmEmbeddingBag op (the TF op library is {_LIB_NAME}, or {_GPU_LIB_NAME} with GPU kernels)")
+            _lib = lib
             register_xla_lowerings_late(path)
         return _lib
+
+
+def _from_environment() -> str:
+    return " (from $PKM_SERVE_OPS_LIB)" if os.environ.get("PKM_SERVE_OPS_LIB") else ""
 
 
 # Exported by the op library (kernels/xla), each for the ops it lowers: adds their XLA JIT kernels

@@ -104,20 +104,27 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
 def _checked_ids(flat, total, dtype):
     """(the ids after the check that none is past the table, whether XLA compiles
     them for a backend with our custom-call target)."""
+    under_xla = _xla.compile_device_type() in _xla.xla_device_types()
+    outside_xla = _xla.compile_device_type() is None
+    if outside_xla:
+        # The fused op's check before the Assert (its input reads the checked ids): on the CPU
+        # it names the first id past the table by position and value, as the unsharded op does
+        # (the Assert, run first, raised TF's "Expected 'tf.Tensor(False, ...)' to be true" with
+        # the largest id); the Assert stays for a kernel that takes such an id as padding (GPU).
+        flat = _checked_in_tflite(flat, total, dtype)
     check = tf.debugging.Assert(
         tf.reduce_all(flat < total),
         ["embedding_bag: index", tf.reduce_max(flat), "is out of range [0,", total,
          ") of the sharded table (negative indices are padding)"])
     with tf.control_dependencies([check]):
         flat = tf.identity(flat)
-    under_xla = _xla.compile_device_type() in _xla.xla_device_types()
     if under_xla:
         return _checked_under_xla(flat, total, dtype), True
-    if _xla.compile_device_type() is not None:
+    if not outside_xla:
         # XLA without our target (the shards run the composite): the Assert is dropped and
         # nothing can fail, so an id past the table is padding, as on the GPU.
         return tf.where(flat < total, flat, -tf.ones_like(flat)), False
-    return _checked_in_tflite(flat, total, dtype), False
+    return flat, False
 
 
 def _checked_in_tflite(flat, total, dtype):

@@ -333,7 +333,10 @@ def main(argv=None):
 
         if cli.verbose():
             traceback.print_exception(startup.error)
-        print(f"pkm-serve serve: error: {startup.error}", file=sys.stderr, flush=True)
+        # A module missing as the CLI words it: with the pip extra that installs it.
+        error = startup.error
+        message = cli.one_line(error) if isinstance(error, ModuleNotFoundError) else error
+        print(f"pkm-serve serve: error: {message}", file=sys.stderr, flush=True)
         return 2
     while wakeups.wait() != "signal":
         pass
