@@ -1,0 +1,77 @@
+"""A refusal tflite.allocate_signature_subgraphs leaves to the calls (a kernel that refuses the
+converter's shapes of another signature) stays in the runtime's error text, which is every
+message reported so far: the first refused request of each interpreter was answered with the
+load's refusal ("weights must have the shape of indices [1, 1], got [1, 3]", of shapes the
+client never sent) before its own. Now a request's error is what the runtime says about that
+request alone: the same as a fresh interpreter's (the reference) for the same inputs."""
+import grpc
+import numpy as np
+import pytest
+
+from pkm_serve import tflite
+
+TABLE = np.random.default_rng(36).standard_normal((40, 6)).astype(np.float32)
+
+
+def _write(root, name, blob):
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "1" / "model.tflite").write_bytes(blob)
+    return str(root / name / "1")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{"bag"}: the version dir of a two-signature model, 'aaa' (x * 2 + 1) in subgraph 0
+    and 'zzz' in subgraph 1, a weighted mean bag (ids [-1, -1], weights [-1, 3]) through
+    PkmEmbeddingBag."""
+    import tensorflow as tf
+    from pkm_serve import ops
+    ops.load_library()
+    root = tmp_path_factory.mktemp("subgraph_refusals")
+    affine = tf.function(lambda x: {"y": x * 2.0 + 1.0},
+                         input_signature=[tf.TensorSpec([None, 4], tf.float32, name="x")])
+    bag = tf.function(lambda ids, w: {"out": ops.embedding_bag(tf.constant(TABLE), ids, w, combiner="mean")},
+                      input_signature=[tf.TensorSpec([None, None], tf.int64, name="ids"),
+                                       tf.TensorSpec([None, 3], tf.float32, name="w")])
+    paths = {}
+    for name, signatures in (("bag", {"aaa": affine, "zzz": bag}),):
+        module = tf.Module()
+        saved = str(root / f"{name}_saved")
+        tf.saved_model.save(module, saved, signatures=signatures)
+        converter = tf.lite.TFLiteConverter.from_saved_model(saved, signature_keys=sorted(signatures))
+        converter.allow_custom_ops = True
+        paths[name] = _write(root, name, converter.convert())
+    return paths
+
+
+def _load(path):
+    from pkm_serve.serving.loader import make_loader_factory
+    loader = make_loader_factory(warmup=False, prefer_tflite_model=True)("m", 1, path)
+    loader.load()
+    return loader
+
+
+def _refusal(run, kind=RuntimeError):
+    with pytest.raises(kind) as refused:
+        run()
+    return ' '.join(getattr(refused.value, "message", str(refused.value)).split())
+
+
+def test_a_refused_request_reads_its_own_error_not_the_loads(models):
+    from pkm_serve.serving.errors import ServingError
+    ids = np.array([[0, 40, -1]], np.int64)   # 40: past the table's 40 rows
+    w = np.ones((1, 3), np.float32)
+    fresh = tflite.make_interpreter(f"{models['bag']}/model.tflite")
+    want = _refusal(lambda: fresh.get_signature_runner("zzz")(ids=ids, w=w))
+    assert "indices[1] = 40 is out of range [0, 40)" in want and "[1, 1]" not in want, want
+    loader = _load(models["bag"])
+    try:
+        signature = loader.servable().signature("zzz")
+        for _ in range(2):
+            got = _refusal(lambda: signature.run({"ids": ids, "w": w}), ServingError)
+            assert got == f"signature 'zzz' rejected the inputs: {want}", got
+        good = np.array([[0, 39, -1]], np.int64)
+        np.testing.assert_allclose(signature.run({"ids": good, "w": w})["out"],
+                                   (TABLE[0:1].astype(np.float64) + TABLE[39:40]) / 2, rtol=1e-5, atol=1e-6)
+    finally:
+        loader.unload()
