@@ -183,14 +183,16 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
     return [interp.get_tensor(d["index"]) for d in interp.get_output_details()]
 
 
-# The runtimes' words for a node no kernel runs (LiteRT, tflite_runtime and tf.lite alike).
-_NO_KERNEL = ("Encountered unresolved custom op",)
+# The runtimes' words for a node no kernel runs (LiteRT, tflite_runtime and tf.lite alike): a
+# custom op, or a TensorFlow (Flex) op where the interpreter has no Flex delegate.
+_NO_KERNEL = ("Encountered unresolved custom op",
+              "Select TensorFlow op(s), included in the given model, is(are) not supported")
 
 
 def allocate_signature_subgraphs(interp) -> str:
     """Prepares the subgraph of every signature of an interpreter whose ``allocate_tensors()``
     has run (that prepares the primary subgraph only): a node without a kernel (a custom op
-    neither the runtime nor the delegate has) in another
+    neither the runtime nor the delegate has, a Flex op without the Flex delegate) in another
     signature's subgraph went unnoticed until that signature's first call; it is a RuntimeError
     naming the signature. Any other refusal is left to the calls: a subgraph is prepared at the
     converter's shapes (1 for each dynamic dimension), which its kernels may refuse where the

@@ -1,9 +1,18 @@
-"""A refusal tflite.allocate_signature_subgraphs leaves to the calls (a kernel that refuses the
-converter's shapes of another signature) stays in the runtime's error text, which is every
-message reported so far: the first refused request of each interpreter was answered with the
-load's refusal ("weights must have the shape of indices [1, 1], got [1, 3]", of shapes the
-client never sent) before its own. Now a request's error is what the runtime says about that
-request alone: the same as a fresh interpreter's (the reference) for the same inputs."""
+"""Two gaps in preparing every signature's subgraph at load (tflite.allocate_signature_subgraphs).
+
+A TensorFlow (Flex) op, which the Python runtimes have no kernel for without the Flex delegate,
+in a signature other than the primary one was taken for a refusal of the converter's shapes and
+left to the calls: `pkm-serve tflite` printed the plan with exit 0 and the server loaded the
+version, refusing every request to that signature, where a custom op without a kernel there, or
+the Flex op in the primary signature, fails both. Now both fail, naming the signature and
+giving the runtime's refusal of that signature's first call (a fresh interpreter's: the
+reference).
+
+A refusal left to the calls stays in the runtime's error text, which is every message reported
+so far: the first refused request of each interpreter was answered with the load's refusal
+("weights must have the shape of indices [1, 1], got [1, 3]", of shapes the client never sent)
+before its own. Now a request's error is what the runtime says about that request alone: the
+same as a fresh interpreter's (the reference) for the same inputs."""
 import grpc
 import numpy as np
 import pytest
@@ -21,9 +30,9 @@ def _write(root, name, blob):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """{"bag"}: the version dir of a two-signature model, 'aaa' (x * 2 + 1) in subgraph 0
-    and 'zzz' in subgraph 1, a weighted mean bag (ids [-1, -1], weights [-1, 3]) through
-    PkmEmbeddingBag."""
+    """{"bag", "flex"}: version dirs of two-signature models, 'aaa'
+    (x * 2 + 1) in subgraph 0 and 'zzz' in subgraph 1: a weighted mean bag (ids [-1, -1],
+    weights [-1, 3]) through PkmEmbeddingBag, or a matrix inverse (FlexMatrixInverse)."""
     import tensorflow as tf
     from pkm_serve import ops
     ops.load_library()
@@ -33,13 +42,17 @@ def models(tmp_path_factory):
     bag = tf.function(lambda ids, w: {"out": ops.embedding_bag(tf.constant(TABLE), ids, w, combiner="mean")},
                       input_signature=[tf.TensorSpec([None, None], tf.int64, name="ids"),
                                        tf.TensorSpec([None, 3], tf.float32, name="w")])
+    inverse = tf.function(lambda m: {"inv": tf.linalg.inv(m)},
+                          input_signature=[tf.TensorSpec([None, 2, 2], tf.float32, name="m")])
     paths = {}
-    for name, signatures in (("bag", {"aaa": affine, "zzz": bag}),):
+    for name, signatures in (("bag", {"aaa": affine, "zzz": bag}),
+                             ("flex", {"aaa": affine, "zzz": inverse})):
         module = tf.Module()
         saved = str(root / f"{name}_saved")
         tf.saved_model.save(module, saved, signatures=signatures)
         converter = tf.lite.TFLiteConverter.from_saved_model(saved, signature_keys=sorted(signatures))
         converter.allow_custom_ops = True
+        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS, tf.lite.OpsSet.SELECT_TF_OPS]
         paths[name] = _write(root, name, converter.convert())
     return paths
 
@@ -55,6 +68,20 @@ def _refusal(run, kind=RuntimeError):
     with pytest.raises(kind) as refused:
         run()
     return ' '.join(getattr(refused.value, "message", str(refused.value)).split())
+
+
+def test_a_flex_op_in_another_signature_fails_the_cli_and_the_load(models, capsys):
+    from pkm_serve.serving.errors import ServingError
+    fresh = tflite.make_interpreter(f"{models['flex']}/model.tflite")
+    want = _refusal(lambda: fresh.get_signature_runner("zzz")(m=np.eye(2, dtype=np.float32)[None]))
+    assert want.startswith("Select TensorFlow op(s)"), want
+    assert tflite.console_main([f"{models['flex']}/model.tflite"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pkm-serve tflite: error: signature 'zzz' (subgraph 1): Select TensorFlow op(s)"), err
+    with pytest.raises(ServingError) as refused:
+        _load(models["flex"])
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"signature 'zzz' (subgraph 1): {want}" in refused.value.message, refused.value.message
 
 
 def test_a_refused_request_reads_its_own_error_not_the_loads(models):
