@@ -189,7 +189,7 @@ _NO_KERNEL = ("Encountered unresolved custom op",
               "Select TensorFlow op(s), included in the given model, is(are) not supported")
 
 
-def allocate_signature_subgraphs(interp) -> str:
+def allocate_signature_subgraphs(interp, keys=None) -> str:
     """Prepares the subgraph of every signature of an interpreter whose ``allocate_tensors()``
     has run (that prepares the primary subgraph only): a node without a kernel (a custom op
     neither the runtime nor the delegate has, a Flex op without the Flex delegate) in another
@@ -200,9 +200,9 @@ def allocate_signature_subgraphs(interp) -> str:
     runtimes have no public call for it: this is the one their signature runner makes before
     each run. Returns the text of the last refusal left to the calls ("" if none): the Python
     runtimes' error text is every message reported so far, so it is what later errors start
-    with, not part of them."""
+    with, not part of them. keys: the signatures to prepare (None: all)."""
     reported = ""
-    for key in interp.get_signature_list():
+    for key in interp.get_signature_list() if keys is None else keys:
         runner = interp.get_signature_runner(key)
         wrapper = getattr(runner, "_interpreter_wrapper", None)
         index = getattr(runner, "_subgraph_index", None)

@@ -262,10 +262,13 @@ class _Interpreter:
 
     def prepare(self):
         """As TF Serving's interpreter pool, allocates the tensors (prepares every kernel), of
-        every signature's subgraph. A refusal it leaves to the calls (a kernel that refuses the
-        converter's shapes) stays in the runtime's error text: run() reports what follows it."""
+        the primary subgraph and of every subgraph a signature served runs (SignatureDefs from
+        the metadata run the primary one: as upstream, the others are never prepared). A refusal
+        left to the calls (a kernel that refuses the converter's shapes) stays in the runtime's
+        error text: run() reports what follows it."""
         self.interp.allocate_tensors()
-        self._errors_so_far = tflite.allocate_signature_subgraphs(self.interp)
+        self._errors_so_far = tflite.allocate_signature_subgraphs(
+            self.interp, keys=[key for key, binding in self.bindings.items() if binding[3]])
 
     def run(self, key, inputs):
         try:
