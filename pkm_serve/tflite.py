@@ -183,20 +183,26 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
     return [interp.get_tensor(d["index"]) for d in interp.get_output_details()]
 
 
-# The runtimes' words for a node no kernel runs (LiteRT, tflite_runtime and tf.lite alike).
-_NO_KERNEL = "Encountered unresolved custom op"
+# The runtimes' words for a node no kernel runs (LiteRT, tflite_runtime and tf.lite alike): a
+# custom op, or a TensorFlow (Flex) op where the interpreter has no Flex delegate.
+_NO_KERNEL = ("Encountered unresolved custom op",
+              "Select TensorFlow op(s), included in the given model, is(are) not supported")
 
 
-def allocate_signature_subgraphs(interp) -> None:
+def allocate_signature_subgraphs(interp, keys=None) -> str:
     """Prepares the subgraph of every signature of an interpreter whose ``allocate_tensors()``
     has run (that prepares the primary subgraph only): a node without a kernel (a custom op
-    neither the runtime nor the delegate has) in another signature's subgraph went unnoticed
-    until that signature's first call; it is a RuntimeError naming the signature. Any other
-    refusal is left to the calls: a subgraph is prepared at the converter's shapes (1 for each
-    dynamic dimension), which its kernels may refuse where the calls' shapes are fine (ids
-    [-1, -1] and weights [-1, 3] are [1, 1] and [1, 3]). The runtimes have no public call for
-    it: this is the one their signature runner makes before each run."""
-    for key in interp.get_signature_list():
+    neither the runtime nor the delegate has, a Flex op without the Flex delegate) in another
+    signature's subgraph went unnoticed until that signature's first call; it is a RuntimeError
+    naming the signature. Any other refusal is left to the calls: a subgraph is prepared at the
+    converter's shapes (1 for each dynamic dimension), which its kernels may refuse where the
+    calls' shapes are fine (ids [-1, -1] and weights [-1, 3] are [1, 1] and [1, 3]). The
+    runtimes have no public call for it: this is the one their signature runner makes before
+    each run. Returns the text of the last refusal left to the calls ("" if none): the Python
+    runtimes' error text is every message reported so far, so it is what later errors start
+    with, not part of them. keys: the signatures to prepare (None: all)."""
+    reported = ""
+    for key in interp.get_signature_list() if keys is None else keys:
         runner = interp.get_signature_runner(key)
         wrapper = getattr(runner, "_interpreter_wrapper", None)
         index = getattr(runner, "_subgraph_index", None)
@@ -205,8 +211,12 @@ def allocate_signature_subgraphs(interp) -> None:
         try:
             wrapper.AllocateTensors(index)
         except RuntimeError as e:
-            if _NO_KERNEL in str(e):
-                raise RuntimeError(f"signature {key!r} (subgraph {index}): {e}") from None
+            text = str(e)
+            new = text[len(reported):] if text.startswith(reported) else text
+            if any(words in new for words in _NO_KERNEL):
+                raise RuntimeError(f"signature {key!r} (subgraph {index}): {new}") from None
+            reported = text
+    return reported
 
 
 def _signature_inputs(interp, details) -> Dict[str, List[Dict[str, Any]]]:

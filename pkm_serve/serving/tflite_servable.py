@@ -260,6 +260,16 @@ class _Interpreter:
         self._runners = {}
         self._errors_so_far = ""
 
+    def prepare(self):
+        """As TF Serving's interpreter pool, allocates the tensors (prepares every kernel), of
+        the primary subgraph and of every subgraph a signature served runs (SignatureDefs from
+        the metadata run the primary one: as upstream, the others are never prepared). A refusal
+        left to the calls (a kernel that refuses the converter's shapes) stays in the runtime's
+        error text: run() reports what follows it."""
+        self.interp.allocate_tensors()
+        self._errors_so_far = tflite.allocate_signature_subgraphs(
+            self.interp, keys=[key for key, binding in self.bindings.items() if binding[3]])
+
     def run(self, key, inputs):
         try:
             return self._run(key, inputs)
@@ -445,12 +455,11 @@ class TfLiteServable(ServableBase):
                 model_bytes = f.read()
             interpreters = [_Interpreter(model_bytes, num_threads) for _ in range(max(1, num_interpreters))]
             # After the interpreters (their verifier refuses a malformed flatbuffer): int8
-            # tables the kernel would refuse at every request fail the load instead. Then,
-            # as TF Serving's interpreter pool, tensors are allocated (every kernel prepared).
+            # tables the kernel would refuse at every request fail the load instead. Then
+            # every kernel is prepared (_Interpreter.prepare).
             tflite.check_int8_tables(model_bytes)
             for interpreter in interpreters:
-                interpreter.interp.allocate_tensors()
-                tflite.allocate_signature_subgraphs(interpreter.interp)
+                interpreter.prepare()
         except (OSError, ValueError, RuntimeError, tf.errors.OpError) as e:
             reason = ' '.join(str(e).split())[:2000]
             if "unresolved custom op: ParseExample" in reason:

@@ -1,0 +1,148 @@
+"""Two gaps in preparing every signature's subgraph at load (tflite.allocate_signature_subgraphs).
+
+A TensorFlow (Flex) op, which the Python runtimes have no kernel for without the Flex delegate,
+in a signature other than the primary one was taken for a refusal of the converter's shapes and
+left to the calls: `pkm-serve tflite` printed the plan with exit 0 and the server loaded the
+version, refusing every request to that signature, where a custom op without a kernel there, or
+the Flex op in the primary signature, fails both. Now both fail, naming the signature and
+giving the runtime's refusal of that signature's first call (a fresh interpreter's: the
+reference).
+
+A refusal left to the calls stays in the runtime's error text, which is every message reported
+so far: the first refused request of each interpreter was answered with the load's refusal
+("weights must have the shape of indices [1, 1], got [1, 3]", of shapes the client never sent)
+before its own. Now a request's error is what the runtime says about that request alone: the
+same as a fresh interpreter's (the reference) for the same inputs."""
+import grpc
+import numpy as np
+import pytest
+
+from pkm_serve import tflite
+
+TABLE = np.random.default_rng(36).standard_normal((40, 6)).astype(np.float32)
+
+
+def _write(root, name, blob):
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "1" / "model.tflite").write_bytes(blob)
+    return str(root / name / "1")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{"bag", "flex"}: version dirs of two-signature models, 'aaa'
+    (x * 2 + 1) in subgraph 0 and 'zzz' in subgraph 1: a weighted mean bag (ids [-1, -1],
+    weights [-1, 3]) through PkmEmbeddingBag, or a matrix inverse (FlexMatrixInverse)."""
+    import tensorflow as tf
+    from pkm_serve import ops
+    ops.load_library()
+    root = tmp_path_factory.mktemp("subgraph_refusals")
+    affine = tf.function(lambda x: {"y": x * 2.0 + 1.0},
+                         input_signature=[tf.TensorSpec([None, 4], tf.float32, name="x")])
+    bag = tf.function(lambda ids, w: {"out": ops.embedding_bag(tf.constant(TABLE), ids, w, combiner="mean")},
+                      input_signature=[tf.TensorSpec([None, None], tf.int64, name="ids"),
+                                       tf.TensorSpec([None, 3], tf.float32, name="w")])
+    inverse = tf.function(lambda m: {"inv": tf.linalg.inv(m)},
+                          input_signature=[tf.TensorSpec([None, 2, 2], tf.float32, name="m")])
+    paths = {}
+    for name, signatures in (("bag", {"aaa": affine, "zzz": bag}),
+                             ("flex", {"aaa": affine, "zzz": inverse})):
+        module = tf.Module()
+        saved = str(root / f"{name}_saved")
+        tf.saved_model.save(module, saved, signatures=signatures)
+        converter = tf.lite.TFLiteConverter.from_saved_model(saved, signature_keys=sorted(signatures))
+        converter.allow_custom_ops = True
+        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS, tf.lite.OpsSet.SELECT_TF_OPS]
+        paths[name] = _write(root, name, converter.convert())
+    return paths
+
+
+def _load(path):
+    from pkm_serve.serving.loader import make_loader_factory
+    loader = make_loader_factory(warmup=False, prefer_tflite_model=True)("m", 1, path)
+    loader.load()
+    return loader
+
+
+def _refusal(run, kind=RuntimeError):
+    with pytest.raises(kind) as refused:
+        run()
+    return ' '.join(getattr(refused.value, "message", str(refused.value)).split())
+
+
+def test_a_flex_op_in_another_signature_fails_the_cli_and_the_load(models, capsys):
+    from pkm_serve.serving.errors import ServingError
+    fresh = tflite.make_interpreter(f"{models['flex']}/model.tflite")
+    want = _refusal(lambda: fresh.get_signature_runner("zzz")(m=np.eye(2, dtype=np.float32)[None]))
+    assert want.startswith("Select TensorFlow op(s)"), want
+    assert tflite.console_main([f"{models['flex']}/model.tflite"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pkm-serve tflite: error: signature 'zzz' (subgraph 1): Select TensorFlow op(s)"), err
+    with pytest.raises(ServingError) as refused:
+        _load(models["flex"])
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"signature 'zzz' (subgraph 1): {want}" in refused.value.message, refused.value.message
+
+
+def test_a_refused_request_reads_its_own_error_not_the_loads(models):
+    from pkm_serve.serving.errors import ServingError
+    ids = np.array([[0, 40, -1]], np.int64)   # 40: past the table's 40 rows
+    w = np.ones((1, 3), np.float32)
+    fresh = tflite.make_interpreter(f"{models['bag']}/model.tflite")
+    want = _refusal(lambda: fresh.get_signature_runner("zzz")(ids=ids, w=w))
+    assert "indices[1] = 40 is out of range [0, 40)" in want and "[1, 1]" not in want, want
+    loader = _load(models["bag"])
+    try:
+        signature = loader.servable().signature("zzz")
+        for _ in range(2):
+            got = _refusal(lambda: signature.run({"ids": ids, "w": w}), ServingError)
+            assert got == f"signature 'zzz' rejected the inputs: {want}", got
+        good = np.array([[0, 39, -1]], np.int64)
+        np.testing.assert_allclose(signature.run({"ids": good, "w": w})["out"],
+                                   (TABLE[0:1].astype(np.float64) + TABLE[39:40]) / 2, rtol=1e-5, atol=1e-6)
+    finally:
+        loader.unload()
+
+
+def _with_signature_defs_metadata(model_bytes, key, signature_def):
+    """model_bytes plus TF Serving's signature_defs_metadata entry (TFLite's signature_def_util
+    layout: a FlexBuffer map {key: serialized SignatureDef}), which upstream serves alone."""
+    import flatbuffers
+    from flatbuffers import flexbuffers
+    fb = flexbuffers.Builder()
+    with fb.Map():
+        fb.Key(key)
+        fb._WriteBlob(signature_def.SerializeToString(), append_zero=True,  # noqa: SLF001
+                      type_=flexbuffers.Type.STRING)
+    schema = tflite.flatbuffer_schema()
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
+    buffer = schema.BufferT()
+    buffer.data = np.frombuffer(bytes(fb.Finish()), np.uint8)
+    model.buffers.append(buffer)
+    entry = schema.MetadataT()
+    entry.name, entry.buffer = "signature_defs_metadata", len(model.buffers) - 1
+    model.metadata = (model.metadata or []) + [entry]
+    builder = flatbuffers.Builder(len(model_bytes) + 4096)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
+
+
+def test_signature_defs_from_the_metadata_prepare_only_the_subgraph_they_run(models, tmp_path):
+    """TF Serving serves a model's signature_defs_metadata alone, on the primary subgraph: the
+    Flex op of the converter's other signature, which no request reaches, failed the load."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+    with open(f"{models['flex']}/model.tflite", "rb") as f:
+        model_bytes = f.read()
+    interp = tflite.make_interpreter(model_bytes)
+    (x,), (y,) = interp.get_input_details(), interp.get_output_details()
+    sdef = meta_graph_pb2.SignatureDef(method_name="tensorflow/serving/predict")
+    sdef.inputs["x"].name, sdef.outputs["y"].name = x["name"], y["name"]
+    path = _write(tmp_path, "metadata", _with_signature_defs_metadata(model_bytes, "affine", sdef))
+    loader = _load(path)
+    try:
+        assert list(loader.servable().signature_defs) == ["affine"]
+        x_value = np.arange(8, dtype=np.float32).reshape(2, 4)
+        np.testing.assert_array_equal(loader.servable().signature("affine").run({"x": x_value})["y"],
+                                      x_value.astype(np.float64) * 2 + 1)
+    finally:
+        loader.unload()
