@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from typing import Any, Dict, List, Mapping, Sequence, Union
 
@@ -346,6 +347,20 @@ def build_parser():
     return parser
 
 
+# Where one of the runtime's messages starts inside another. TFLite's messages (its kernels',
+# ours, "Node number 1 (PkmDelegate) failed to invoke.") end without a newline, as its C++ and
+# Java reporters add one; the Python runtimes join them as they come ("...padding)Node number 1").
+_GLUED_MESSAGE = re.compile(
+    r"(?<=\S)(?=Node number \d+ \(|PkmEmbeddingBag: |PkmRaggedEmbeddingBag: |PkmDelegate: )")
+
+
+def runtime_messages(text: str) -> List[str]:
+    """The messages of a Python TFLite runtime's error text, each on its own (whitespace runs
+    made one space)."""
+    return [" ".join(part.split()) for line in text.splitlines()
+            for part in _GLUED_MESSAGE.split(line) if part.strip()]
+
+
 def main(argv=None) -> int:
     """`pkm-serve tflite MODEL [--fuse-composites]` (also `python -m
     pkm_serve.tflite`): print the delegate path and the execution plan."""
@@ -357,12 +372,15 @@ def main(argv=None) -> int:
         return 1
     if not 1 <= args.num_threads <= MAX_DELEGATE_THREADS:
         parser.error(f"--num-threads must be in [1, {MAX_DELEGATE_THREADS}], got {args.num_threads}")
-    interp = make_interpreter(args.model, args.interpreter, args.num_threads,
-                              args.fuse_composites)
-    # Prepares every node: one without a kernel (a custom op neither the runtime nor the
-    # delegate has) was listed as "runs", and the model then failed wherever it was loaded.
-    interp.allocate_tensors()
-    allocate_signature_subgraphs(interp)
+    try:
+        interp = make_interpreter(args.model, args.interpreter, args.num_threads,
+                                  args.fuse_composites)
+        # Prepares every node: one without a kernel (a custom op neither the runtime nor the
+        # delegate has) was listed as "runs", and the model then failed wherever it was loaded.
+        interp.allocate_tensors()
+        allocate_signature_subgraphs(interp)
+    except RuntimeError as e:   # a refusal: its first message is the CLI's one line
+        raise RuntimeError("\n".join(runtime_messages(str(e))) or str(e)) from None
     print("delegate:", delegate_path())
     for op in execution_plan(interp):
         where = (f"claimed by node {op['replaced_by']}" if op["replaced_by"] is not None

@@ -45,7 +45,7 @@ TfLiteStatus CustomPrepare(TfLiteContext* context, TfLiteNode* node) {
   auto* data = static_cast<CustomOpData*>(node->user_data);
   if (data == nullptr) return kTfLiteError;
   if (!data->options_error.empty()) {
-    pkm::tflite::ReportLine(context, "%s: %s",
+    context->ReportError(context, "%s: %s",
                          data->ragged ? pkm::tflite::kRaggedCustomOpName : pkm::tflite::kCustomOpName,
                          data->options_error.c_str());
     return kTfLiteError;

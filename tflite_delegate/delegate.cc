@@ -133,7 +133,7 @@ TfLiteStatus KernelPrepare(TfLiteContext* context, TfLiteNode* node) {
   auto* kd = static_cast<KernelData*>(node->user_data);
   if (kd == nullptr) return kTfLiteError;
   if (!kd->error.empty()) {
-    ReportLine(context, "PkmDelegate: %s", kd->error.c_str());
+    context->ReportError(context, "PkmDelegate: %s", kd->error.c_str());
     return kTfLiteError;
   }
   for (Unit& u : kd->units)
@@ -199,7 +199,7 @@ TfLiteStatus DelegatePrepare(TfLiteContext* context, TfLiteDelegate* delegate) {
   DelegateData* data = GetData(delegate);
   Graph g(context);
   if (g.Load() != kTfLiteOk) {
-    ReportLine(context, "PkmDelegate: cannot read the execution plan");
+    context->ReportError(context, "PkmDelegate: cannot read the execution plan");
     return kTfLiteError;
   }
   std::vector<int> custom_nodes;

@@ -1,9 +1,7 @@
 #include "tflite_delegate/embedding_bag_tflite.h"
 
 #include <cmath>
-#include <cstdarg>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -68,7 +66,7 @@ class Binder {
   Binder(TfLiteContext* context, const BagSpec& spec, bool check_buffers)
       : context_(context), spec_(spec), check_buffers_(check_buffers) {}
   TfLiteStatus Fail(const std::string& msg) {
-    ReportLine(context_, "%s: %s", spec_.what, msg.c_str());
+    context_->ReportError(context_, "%s: %s", spec_.what, msg.c_str());
     return kTfLiteError;
   }
   // Tensor by index with its shape; error if the index or dims are invalid.
@@ -323,7 +321,7 @@ bool SameDims(const TfLiteIntArray* dims, const std::vector<int64_t>& want) {
 // The core's status as a TFLite error naming the op.
 TfLiteStatus Report(TfLiteContext* context, const BagSpec& spec, const Status& s) {
   if (s.ok) return kTfLiteOk;
-  ReportLine(context, "%s: %s", spec.what, s.message.c_str());
+  context->ReportError(context, "%s: %s", spec.what, s.message.c_str());
   return kTfLiteError;
 }
 
@@ -336,7 +334,8 @@ TfLiteStatus ResizeOutput(TfLiteContext* context, const BagSpec& spec, const Bou
   if (SameDims(bound.output->dims, bound.out_dims) && !needs_buffer) return kTfLiteOk;
   for (int64_t d : bound.out_dims) {
     if (d > 0x7fffffff) {
-      ReportLine(context, "%s: output dimension %lld exceeds int32", spec.what, static_cast<long long>(d));
+      context->ReportError(context, "%s: output dimension %lld exceeds int32", spec.what,
+                           static_cast<long long>(d));
       return kTfLiteError;
     }
   }
@@ -350,19 +349,6 @@ TfLiteStatus ResizeOutput(TfLiteContext* context, const BagSpec& spec, const Bou
 }
 
 }  // namespace
-
-void ReportLine(TfLiteContext* context, const char* format, ...) {
-  va_list args;
-  va_start(args, format);
-  va_list again;
-  va_copy(again, args);
-  const int n = std::vsnprintf(nullptr, 0, format, args);
-  va_end(args);
-  std::string line(n > 0 ? static_cast<size_t>(n) : 0, '\0');
-  if (n > 0) std::vsnprintf(&line[0], line.size() + 1, format, again);
-  va_end(again);
-  context->ReportError(context, "%s\n", line.c_str());
-}
 
 bool IsBagCustomOpName(const char* name, bool* ragged) {
   if (name == nullptr) return false;
@@ -378,7 +364,7 @@ TfLiteStatus PrepareBag(TfLiteContext* context, const BagSpec& spec, BagState* s
       std::string error;
       if (!ReadAffineScales(table, table->dims->data[0] < 0 ? 0 : table->dims->data[0], state,
                             &error)) {
-        ReportLine(context, "%s: %s", spec.what, error.c_str());
+        context->ReportError(context, "%s: %s", spec.what, error.c_str());
         return kTfLiteError;
       }
     }
@@ -414,14 +400,14 @@ TfLiteStatus InvokeBag(TfLiteContext* context, const BagSpec& spec, const BagSta
       ResizeOutput(context, spec, bound) != kTfLiteOk)
     return kTfLiteError;
   if (!SameDims(bound.output->dims, bound.out_dims)) {
-    ReportLine(context, "%s: output shape does not match %s (inputs changed after Prepare)",
+    context->ReportError(context, "%s: output shape does not match %s (inputs changed after Prepare)",
                          spec.what, DimsString(bound.out_dims).c_str());
     return kTfLiteError;
   }
   // Nothing to write (D == 0 or no bags), but bad indices are still an error.
   if (bound.out_bytes == 0) return Report(context, spec, ValidateBags(bound.table, bound.bags, pf));
   if (bound.output->data.data == nullptr || bound.output->bytes < static_cast<size_t>(bound.out_bytes)) {
-    ReportLine(context, "%s: output buffer is not allocated", spec.what);
+    context->ReportError(context, "%s: output buffer is not allocated", spec.what);
     return kTfLiteError;
   }
   return Report(context, spec, Forward(bound.table, bound.bags, spec.combiner, bound.output->data.data,
@@ -436,14 +422,14 @@ TfLiteStatus SpecFromCustomNode(TfLiteContext* context, const TfLiteNode* node,
   const int first_optional = ragged ? 3 : 2;
   const char* what = ragged ? kRaggedCustomOpName : kCustomOpName;
   if (num_inputs != first_optional && num_inputs != first_optional + 1) {
-    ReportLine(context, "%s: expects %d or %d inputs (%s), got %d", what, first_optional,
+    context->ReportError(context, "%s: expects %d or %d inputs (%s), got %d", what, first_optional,
                          first_optional + 1,
                          ragged ? "params, values, row_splits[, weights]" : "params, indices[, weights]",
                          num_inputs);
     return kTfLiteError;
   }
   if (num_outputs != 1) {
-    ReportLine(context, "%s: expects 1 output, got %d", what, num_outputs);
+    context->ReportError(context, "%s: expects 1 output, got %d", what, num_outputs);
     return kTfLiteError;
   }
   *spec = BagSpec();

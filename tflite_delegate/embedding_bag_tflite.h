@@ -21,12 +21,6 @@ constexpr const char kCustomOpName[] = "PkmEmbeddingBag";
 // Ragged bags (values + row_splits), as fused from embedding_lookup_sparse.
 constexpr const char kRaggedCustomOpName[] = "PkmRaggedEmbeddingBag";
 
-// context->ReportError with the message ended by a newline. The runtime adds its own
-// line right after ours ("Node number 1 (PkmDelegate) failed to invoke.\n") and the
-// Python interpreters keep both as they come: without the newline the two read as
-// one line ("...padding)Node number 1 ..."), and a CLI printing the first line printed both.
-void ReportLine(TfLiteContext* context, const char* format, ...) __attribute__((format(printf, 2, 3)));
-
 // True if `name` is one of the two custom ops; *ragged says which.
 bool IsBagCustomOpName(const char* name, bool* ragged);
 

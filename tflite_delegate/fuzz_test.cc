@@ -726,7 +726,7 @@ bool ShortBuffersAreRejected() {
     if (c.message == nullptr) {
       EXPECT(st == kTfLiteOk, "full buffers (ragged=%d): '%s'", c.ragged, g_last_error.c_str());
     } else {
-      EXPECT(st == kTfLiteError && g_last_error == std::string(c.message) + "\n", "input %d short (ragged=%d): status %d, message '%s'",
+      EXPECT(st == kTfLiteError && g_last_error == c.message, "input %d short (ragged=%d): status %d, message '%s'",
              c.input, c.ragged, static_cast<int>(st), g_last_error.c_str());
     }
   }

@@ -324,7 +324,7 @@ class TfLiteSignature(SignatureBase):
                 if empty is not None:
                     return empty
                 raise invalid(f"signature '{self.name}' rejected the inputs: "
-                              f"{' '.join(str(e).split())[:2000]}{self._shape_note(arrays)}") from None
+                              f"{'; '.join(tflite.runtime_messages(str(e)))[:2000]}{self._shape_note(arrays)}") from None
 
     def _empty_outputs(self, interp, arrays):
         """{alias: empty array} for a request of 0 rows the interpreter refused (XNNPack's
