@@ -293,6 +293,9 @@ def _refuse_listed_inputs(indices):
     Where every tensor holds integers the caller meant several id tensors, not ids and weights."""
     if not isinstance(indices, (list, tuple)):
         return
+    if not any(keras.ops.is_tensor(x) or keras.backend.is_keras_tensor(x) or hasattr(x, "__array__")
+               for x in keras.tree.flatten(indices)):
+        _refuse_python_ids(indices)
     if any(keras.ops.is_tensor(x) or keras.backend.is_keras_tensor(x) or hasattr(x, "__array__") for x in indices):
         listed = f"a {type(indices).__name__} of {len(indices)} tensors"
         takes = ("EmbeddingBag takes layer(indices) or layer(indices, weights): indices one integer "
@@ -305,6 +308,23 @@ def _refuse_listed_inputs(indices):
                              "(keras.ops.stack / np.stack, bags of one length) or call the layer on each")
         raise ValueError(f"{takes}, got {listed}: pass per-index weights as the second argument, "
                          "layer(indices, weights), not in a list with the indices")
+
+
+def _refuse_python_ids(indices):
+    """ValueError for ids as nested Python lists / tuples: Keras' own layers refuse them too, but with
+    "should be passed as a keyword argument" (pointing the wrong way) or, for [] and [[]], an
+    AttributeError from deep inside the layer."""
+    kind = type(indices).__name__
+    raise ValueError(
+        f"EmbeddingBag: indices must be a tensor or array, got a Python {kind} ({_describe(indices)}); "
+        "Keras layers take no Python lists: pass np.asarray(ids, 'int32') of [..., K] bags (bags of "
+        "different lengths: pad them with -1, which adds nothing)")
+
+
+def _describe(nested):
+    """`[[1, 2], [3]]`-style text, cut short."""
+    text = repr(nested)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _holds_integers(x):

@@ -1,0 +1,24 @@
+"""Round 36's checks of EmbeddingBag / ProductKeyMemory under TensorFlow, JAX and PyTorch
+(round36_checks.py holds them), one process per backend for the module, run side by side. A
+backend that is not installed is skipped."""
+
+import pytest
+
+from tests.backends.check_processes import results_by_backend
+
+BACKENDS = ["tensorflow", "jax", "torch"]
+CHECKS = {"tensorflow": ["python_list_ids"], "jax": ["python_list_ids"], "torch": ["python_list_ids"]}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Each backend's check process, waited for once."""
+    return results_by_backend(tmp_path_factory, CHECKS, "round36_checks", None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_python_list_ids_are_a_clear_error(results, backend):
+    """EmbeddingBag on ids as nested Python lists ([[1, 2], [3, 4]], [], [[]], ragged): a ValueError naming
+    np.asarray, as Keras' own Embedding refuses them (it said "pass as a keyword argument", or raised
+    AttributeError for [] / [[]]); np.asarray of them gives the float64 reference."""
+    assert results(backend)["python_list_ids"] == "ok"
