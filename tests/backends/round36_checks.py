@@ -14,7 +14,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from tests.reference import bag_list, embedding_bag as reference_bag  # noqa: E402
+from tests.reference import bag_list, embedding_bag as reference_bag, ragged_embedding_bag  # noqa: E402
 
 
 def check_python_list_ids():
@@ -52,7 +52,46 @@ def check_python_list_ids():
     print(json.dumps({"python_list_ids": "ok"}))
 
 
-CHECKS = {"python_list_ids": check_python_list_ids}
+def check_torch_ragged_export():
+    """torch.export of ragged bags (values [V], row_splits [B+1]) with both sizes dynamic, as README says:
+    under torch.fx.experimental._config.patch(backed_size_oblivious=True) the program runs 0, 1 and more
+    bags with the float64 reference's values (without it torch guards B+1 != 2 on any [B, D] tensor, its
+    own torch.diff(row_splits) too, and suggests Dim(min=3): one bag failed)."""
+    import torch
+
+    from pkm_serve.backends import embedding_bag
+
+    rng = np.random.default_rng(36)
+    table = rng.normal(size=(20, 4)).astype("float32")
+    weights_of = {}
+
+    class Ragged(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.tensor(table))
+
+        def forward(self, values, row_splits, weights):
+            return embedding_bag(self.table, values, weights, combiner="mean", row_splits=row_splits)
+
+    def bags(splits):
+        values = rng.integers(-1, 20, size=splits[-1])
+        weights_of[tuple(splits)] = rng.uniform(0.5, 1.5, size=splits[-1]).astype("float32")
+        return (torch.tensor(values), torch.tensor(splits, dtype=torch.int64),
+                torch.tensor(weights_of[tuple(splits)]))
+
+    values, bags_plus_one = torch.export.Dim("values"), torch.export.Dim("bags_plus_one")
+    with torch.fx.experimental._config.patch(backed_size_oblivious=True):
+        program = torch.export.export(Ragged(), bags([0, 2, 5]), dynamic_shapes={
+            "values": {0: values}, "row_splits": {0: bags_plus_one}, "weights": {0: values}})
+    for splits in ([0, 1], [0, 3], [0, 0], [0], [0, 2, 2, 6], [0, 1, 2, 3, 4]):
+        inputs = bags(splits)
+        got = program.module()(*inputs).detach().numpy()
+        want = ragged_embedding_bag(table, inputs[0].numpy(), splits, weights_of[tuple(splits)], "mean")
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"row_splits {splits}")
+    print(json.dumps({"torch_ragged_export": "ok"}))
+
+
+CHECKS = {"python_list_ids": check_python_list_ids, "torch_ragged_export": check_torch_ragged_export}
 
 if __name__ == "__main__":
     import pkm_serve  # noqa: F401  (registers the layers)
