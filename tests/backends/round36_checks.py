@@ -91,7 +91,45 @@ def check_torch_ragged_export():
     print(json.dumps({"torch_ragged_export": "ok"}))
 
 
-CHECKS = {"python_list_ids": check_python_list_ids, "torch_ragged_export": check_torch_ragged_export}
+def check_jax_sparse_ids():
+    """A model on keras.Input(sparse=True) ids and weights under JAX (BCOO batches): the entries present
+    form each bag, an id 0 present included, as TF reads a tf.SparseTensor; model(x), predict and
+    jax.jit match the float64 reference (the layer failed with "int() argument must be ... not 'BCOO'"),
+    and weights at other positions are a ValueError."""
+    import jax
+    import keras
+    from jax.experimental import sparse
+
+    from pkm_serve.layers import EmbeddingBag
+
+    ids, weights = keras.Input((4,), sparse=True, dtype="int32"), keras.Input((4,), sparse=True)
+    bag = EmbeddingBag(10, 3, combiner="mean")
+    model = keras.Model([ids, weights], bag(ids, weights))
+    positions = np.array([[0, 0], [0, 1], [0, 2], [2, 0], [2, 1]])   # row 1 empty
+    values = np.array([1, 0, 2, 0, 3], "int32")
+    scales = np.random.default_rng(36).uniform(0.5, 1.5, size=5).astype("float32")
+    sparse_ids = sparse.BCOO((values, positions), shape=(3, 4))
+    sparse_weights = sparse.BCOO((scales, positions), shape=(3, 4))
+    table = keras.ops.convert_to_numpy(bag.embeddings)
+    want = bag_list(table, [[1, 0, 2], [], [0, 3]], [scales[:3], [], scales[3:]], "mean")
+    got = {"model": model([sparse_ids, sparse_weights]),
+           "predict": model.predict([sparse_ids, sparse_weights], verbose=0),
+           "jit": jax.jit(lambda i, w: bag(i, w))(sparse_ids, sparse_weights)}
+    for how, out in got.items():
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6, atol=1e-7, err_msg=how)
+    unweighted = bag_list(table, [[1, 0, 2], [], [0, 3]], None, "mean")
+    np.testing.assert_allclose(np.asarray(bag(sparse_ids)), unweighted, rtol=1e-6, atol=1e-7)
+    try:
+        bag(sparse_ids, sparse.BCOO((scales[:4], positions[:4]), shape=(3, 4)))
+    except ValueError as err:
+        assert "each position" in str(err), str(err)
+    else:
+        raise AssertionError("sparse weights missing an entry were taken")
+    print(json.dumps({"jax_sparse_ids": "ok"}))
+
+
+CHECKS = {"python_list_ids": check_python_list_ids, "torch_ragged_export": check_torch_ragged_export,
+          "jax_sparse_ids": check_jax_sparse_ids}
 
 if __name__ == "__main__":
     import pkm_serve  # noqa: F401  (registers the layers)

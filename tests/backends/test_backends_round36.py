@@ -7,7 +7,7 @@ import pytest
 from tests.backends.check_processes import results_by_backend
 
 BACKENDS = ["tensorflow", "jax", "torch"]
-CHECKS = {"tensorflow": ["python_list_ids"], "jax": ["python_list_ids"], "torch": ["python_list_ids", "torch_ragged_export"]}
+CHECKS = {"tensorflow": ["python_list_ids"], "jax": ["python_list_ids", "jax_sparse_ids"], "torch": ["python_list_ids", "torch_ragged_export"]}
 
 
 @pytest.fixture(scope="module")
@@ -29,3 +29,10 @@ def test_torch_export_of_ragged_bags_with_dynamic_sizes(results):
     (backed_size_oblivious=True): 0, 1 and more bags match the float64 reference (torch alone guards
     B+1 != 2 on every [B, D] tensor and suggests Dim(min=3), so one bag failed; README now says so)."""
     assert results("torch")["torch_ragged_export"] == "ok"
+
+
+def test_jax_sparse_ids_form_bags_of_the_entries_present(results):
+    """keras.Input(sparse=True) ids and weights under JAX (BCOO): model(x), predict and jax.jit give the
+    float64 reference of the entries present, an id 0 included (the layer failed on a BCOO); weights at
+    other positions are a ValueError."""
+    assert results("jax")["jax_sparse_ids"] == "ok"
