@@ -6,6 +6,9 @@ import pytest
 
 from tests.backends.check_processes import results_by_backend
 
+# Its processes take ~50 s together on 2 busy cores (three backends imported, a torch.export).
+pytestmark = pytest.mark.slow
+
 BACKENDS = ["tensorflow", "jax", "torch"]
 CHECKS = {"tensorflow": ["python_list_ids"], "jax": ["python_list_ids", "jax_sparse_ids"], "torch": ["python_list_ids", "torch_ragged_export"]}
 
