@@ -30,8 +30,10 @@ class _QueryProjection(keras.layers.Dense):
 
     def call(self, inputs, training=None):
         bits = {"bfloat16": (8, 7), "float16": (5, 10)}.get(self.compute_dtype)
-        if bits is None or keras.backend.backend() != "jax":
+        if bits is None or keras.backend.backend() not in ("jax", "tensorflow"):
             return super().call(inputs, training=training)
+        if keras.backend.backend() == "tensorflow":
+            return self._call_rounding_each_op(inputs)
         # Under jax.jit XLA keeps float32 between 16-bit ops (it drops the converts to and from
         # bfloat16), so the query and the slots it picks differed from eager JAX and TF (14 of
         # 256 rows, outputs 29% apart under mixed_bfloat16): each 16-bit result is rounded here.
@@ -43,6 +45,20 @@ class _QueryProjection(keras.layers.Dense):
         x = rounded(keras.ops.matmul(inputs, self.kernel))
         if self.bias is not None:
             x = rounded(keras.ops.add(x, self.bias))
+        return x if self.activation is None else self.activation(x)
+
+    def _call_rounding_each_op(self, inputs):
+        """TF: in a tf.function (predict, fit, evaluate) grappler fused the 16-bit MatMul and bias add into
+        one op that rounds once, so the query and its slots differed from eager TF, JAX and PyTorch (33 of
+        256 rows under mixed_bfloat16), and without oneDNN TF's 16-bit MatMul rounded otherwise (34 rows).
+        Here the 16-bit inputs and kernel are multiplied in float32 (their products exact) and rounded
+        once, then the bias is added in float32 and the sum rounded, as JAX and PyTorch do; grappler
+        fuses no bias add into a float32 MatMul followed by a cast."""
+        ops, dtype = keras.ops, self.compute_dtype
+        x = ops.matmul(ops.cast(ops.cast(inputs, dtype), "float32"), ops.cast(self.kernel, "float32"))
+        x = ops.cast(x, dtype)
+        if self.bias is not None:
+            x = ops.cast(ops.add(ops.cast(x, "float32"), ops.cast(self.bias, "float32")), dtype)
         return x if self.activation is None else self.activation(x)
 
 
