@@ -38,7 +38,7 @@ def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
         return leads_to_gather(fg, ins[0], depth - 1)
     if node.op == "Mul":
         return any(leads_to_gather(fg, r, depth - 1) for r in ins)
-    if node.op in ("Neg", "RealDiv"):  # -rows, rows / d (scales.py)
+    if node.op in ("Neg", "RealDiv", "MulNoNan"):  # -rows, rows / d (scales.py), multiply_no_nan(rows, w)
         return leads_to_gather(fg, ins[0], depth - 1)
     if node.op == "SelectV2":
         return any(leads_to_gather(fg, r, depth - 1) for r in ins[1:])
@@ -202,6 +202,7 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         if node is None:
             raise NotASite()
         ins = fg.inputs(node)
+        op = _multiply_op(fg, node, ins)
         rows.as_gathered.append(ref)
         if node.op in GATHER_OPS + ND_GATHER_OPS and not _is_regather(fg, node, ins):
             rows.gather = resolve_gather(fg, ref, nd_positions)
@@ -238,10 +239,10 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
             rows.rounded_enum = node.attr["DstT"].type
             site.rounded_to = dtype_name(rows.rounded_enum)
             step_input = ins[0]
-        elif node.op == "Mul" and rows.weights is None and rows.ones is None:
+        elif op == "Mul" and rows.weights is None and rows.ones is None:
             step_input = _resolve_weights(fg, ins, rows, site)
-        elif scaling is not None and node.op in scaling.SCALE_OPS:
-            step_input = scaling.resolve_scale(fg, node, ins, rows, site)
+        elif scaling is not None and op in scaling.SCALE_OPS:
+            step_input = scaling.resolve_scale(fg, node, ins, rows, site, op)
         elif node.op == "SelectV2" and rows.mask is None:
             step_input = _resolve_mask(fg, ins, rows, site)
         elif node.op == "Reshape" and rows.unflattened_rows is None and not rows.regathers:
@@ -253,9 +254,23 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         rows.nodes.append(node.name)
         rows.private.append(ref)
         rows.itemsizes.append(itemsize(tensor_dtype(fg, ref)))
-        if node.op in ("Mul", "RealDiv", "Neg"):
+        if op in ("Mul", "RealDiv", "Neg"):
             rows.multiplied = list(rows.private)
         ref = step_input
+
+
+def _multiply_op(fg: FunctionGraph, node, ins: List[Ref]) -> str:
+    """The op as a multiply of the rows reads it: tf.math.multiply_no_nan(rows, w) is rows * w, which differs
+    only where w is 0 and a table entry is inf or NaN (0 there, inf * 0 or NaN * 0 in the fused op).
+    multiply_no_nan(w, rows) is 0 wherever a row entry is 0, also for an inf or NaN weight: not a multiply."""
+    if node.op != "MulNoNan":
+        return node.op
+    if leads_to_gather(fg, ins[0]) and not leads_to_gather(fg, ins[1]):
+        return "Mul"
+    if leads_to_gather(fg, ins[1]):
+        raise Skip("tf.math.multiply_no_nan(w, rows) (the rows second): 0 wherever a row entry is 0, even for "
+                   "an inf or NaN weight, which the op's w * row is not; multiply_no_nan(rows, w) is fused")
+    return node.op
 
 
 def _is_regather(fg: FunctionGraph, node, ins: List[Ref]) -> bool:
