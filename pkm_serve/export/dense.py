@@ -22,6 +22,8 @@ from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip,
                                     check_private, dims, dtype_name, itemsize, same_dims, shared_by_bags,
                                     tensor_dtype, through_identity)
+from pkm_serve.export.no_nan_multiply import multiply_op
+from pkm_serve.export.transposed_rows import reduced_rows, take_first_step
 from pkm_serve.export.unflatten import unflattened_ids
 from pkm_serve.export.zero_fill import zeros_like_another
 
@@ -202,7 +204,7 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         if node is None:
             raise NotASite()
         ins = fg.inputs(node)
-        op = _multiply_op(fg, node, ins)
+        op = multiply_op(fg, node, ins, leads_to_gather)
         rows.as_gathered.append(ref)
         if node.op in GATHER_OPS + ND_GATHER_OPS and not _is_regather(fg, node, ins):
             rows.gather = resolve_gather(fg, ref, nd_positions)
@@ -257,20 +259,6 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         if op in ("Mul", "RealDiv", "Neg"):
             rows.multiplied = list(rows.private)
         ref = step_input
-
-
-def _multiply_op(fg: FunctionGraph, node, ins: List[Ref]) -> str:
-    """The op as a multiply of the rows reads it: tf.math.multiply_no_nan(rows, w) is rows * w, which differs
-    only where w is 0 and a table entry is inf or NaN (0 there, inf * 0 or NaN * 0 in the fused op).
-    multiply_no_nan(w, rows) is 0 wherever a row entry is 0, also for an inf or NaN weight: not a multiply."""
-    if node.op != "MulNoNan":
-        return node.op
-    if leads_to_gather(fg, ins[0]) and not leads_to_gather(fg, ins[1]):
-        return "Mul"
-    if leads_to_gather(fg, ins[1]):
-        raise Skip("tf.math.multiply_no_nan(w, rows) (the rows second): 0 wherever a row entry is 0, even for "
-                   "an inf or NaN weight, which the op's w * row is not; multiply_no_nan(rows, w) is fused")
-    return node.op
 
 
 def _is_regather(fg: FunctionGraph, node, ins: List[Ref]) -> bool:
@@ -408,21 +396,20 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
             raise Skip("the shape of the flattened gathered rows is read")
 
 
-def _not_over_features(fg: FunctionGraph, x: Ref, axis_ref: Ref) -> None:
+def _not_over_features(fg: FunctionGraph, x: Ref, axes) -> None:
     """A reduction over the feature axis alone (a row norm, a LayerNorm) is no bag."""
-    rank, axes = fg.shape(x).rank, fg.const_value(axis_ref)
+    rank = fg.shape(x).rank
     if rank is not None and rank >= 2 and axes is not None and np.size(axes) == 1 and \
             int(np.reshape(axes, [])) % rank == rank - 1:
         raise NotASite()
 
 
-def _check_bag_axis(fg: FunctionGraph, node, x: Ref, axis_ref: Ref, site: Site) -> None:
+def _check_bag_axis(fg: FunctionGraph, node, x: Ref, axes, site: Site) -> None:
     rank = fg.shape(x).rank
     if rank is None:
         raise Skip("rank of the gathered tensor is unknown")
     # keepdims=True: the bag, then its unit bag axis back ([..., 1, D])
     site.expand_bag_axis = "keep_dims" in node.attr and node.attr["keep_dims"].b
-    axes = fg.const_value(axis_ref)
     if axes is not None and np.size(axes) > 1:
         _check_bag_axes(fg, [int(a) % rank for a in np.ravel(axes)], rank, site)
         return
@@ -461,17 +448,20 @@ def match_reduce_max(fg: FunctionGraph, node, site: Site, scaling=None) -> Site:
 
 def _bag_of_rows(fg: FunctionGraph, node, site: Site, scaling=None) -> Ref:
     """Fills `site` from the rows a bag-axis reduction `node` reads; returns them."""
-    x, axis_ref = fg.inputs(node)
-    _not_over_features(fg, x, axis_ref)
+    x, axes, transposed = reduced_rows(fg, node, leads_to_gather)  # transpose(rows): x the rows, transposed its output
+    _not_over_features(fg, x, axes)
     rows = resolve_rows(fg, x, site, scaling=scaling)
     if rows.regathers:
         raise Skip("the gathered rows are re-gathered before a dense reduction")
-    apply_rows(fg, site, rows, node.name, x)
+    if transposed is not None:  # the Transpose is the site's, its output read by the reduction only
+        take_first_step(fg, rows, transposed)
+    apply_rows(fg, site, rows, node.name, x if transposed is None else transposed)
     if rows.factors:
         scaling.check_factors(fg, site, rows.factors, bag_ids_shape(fg, site, rows))
         site.weight_factors = tuple(rows.factors)
-    _check_bag_axis(fg, node, x, axis_ref, site)
+    _check_bag_axis(fg, node, x, axes, site)
     return x
+
 
 
 def bag_ids_shape(fg: FunctionGraph, site: Site, rows: Rows):

@@ -142,9 +142,9 @@ def _transposed_table_reason(fg: FunctionGraph, x, rank: int) -> Optional[str]:
     if producer is not None and producer.op == "Transpose" and leads_to_gather(fg, fg.inputs(producer)[0]):
         perm = fg.const_value(fg.inputs(producer)[1])
         if perm is not None and list(np.reshape(perm, [-1])) == list(range(rank - 2)) + [rank - 1, rank - 2]:
-            return ("the gathered rows are transposed to [..., D, K] and reduced over K (the bag axis, "
-                    "e.g. Permute + channels_first pooling): the transpose stays between the gather and "
-                    "the reduction, so the site stays composite")
+            return ("the gathered rows are transposed to [..., D, K] and reduced over K (the bag axis) with "
+                    "keepdims=True ([..., D, 1], the fused bag's unit axis would come before D) or through "
+                    "steps that are not fused: the site stays composite")
     if producer is None or producer.op != "GatherV2":
         return None
     params, _, axis_ref = fg.inputs(producer)[:3]

@@ -50,3 +50,62 @@ def test_multiply_no_nan_of_weights_by_rows_is_reported(tmp_path):
     want, got = run_both(tmp_path, result, ids, w)
     np.testing.assert_allclose(got, np_bags(ids, w), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got, want)
+
+
+TRANSPOSED = {  # (body, bag of the rows as gathered: numpy float64 of rows [B, K, D])
+    "sum_last_axis": (lambda m, ids: tf.reduce_sum(tf.transpose(tf.gather(m.t, ids), [0, 2, 1]), -1),
+                      lambda rows, w: rows.sum(1)),
+    "max_last_axis": (lambda m, ids: tf.reduce_max(tf.transpose(tf.gather(m.t, ids), [0, 2, 1]), 2),
+                      lambda rows, w: rows.max(1)),
+    "weighted_mean": (lambda m, ids, w: tf.reduce_mean(tf.transpose(tf.gather(m.t, ids) * w[..., None],
+                                                                      [0, 2, 1]), -1),
+                      lambda rows, w: np.einsum("bk,bkd->bd", w, rows) / K),
+}
+
+
+@pytest.mark.parametrize("form", sorted(TRANSPOSED))
+def test_rows_transposed_to_features_first_then_reduced_over_the_bag_are_a_bag(tmp_path, form):
+    """reduce over K of transpose(rows, [0, 2, 1]) ([B, D, K]) was reported, left composite."""
+    body, reference = TRANSPOSED[form]
+    weighted = form == "weighted_mean"
+    result = save_and_export(tmp_path, [IDS, WEIGHTS] if weighted else [IDS], body)
+    [site] = result.sites
+    assert site.status == "fused", site.reason
+    ids = random_ids()
+    args = (ids, _weights(ids)) if weighted else (ids,)
+    want, got = run_both(tmp_path, result, *args)
+    expected = reference(TABLE.astype(np.float64)[ids], args[-1] if weighted else None)
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_keras_permute_then_channels_first_pooling_is_a_mean_bag(tmp_path):
+    """Keras Embedding -> Permute((2, 1)) -> GlobalAveragePooling1D(channels_first), exported by Keras."""
+    import keras
+    inp = keras.Input(shape=(K,), dtype="int32", name="ids")
+    emb = keras.layers.Embedding(N, 4, name="emb")
+    x = keras.layers.Permute((2, 1))(emb(inp))
+    model = keras.Model(inp, keras.layers.GlobalAveragePooling1D(data_format="channels_first")(x))
+    emb.embeddings.assign(TABLE)
+    model.export(str(tmp_path / "m"), format="tf_saved_model", verbose=False)
+    from pkm_serve.export import export_saved_model
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True)
+    assert [s.status for s in result.sites] == ["fused"], [s.reason for s in result.sites]
+    ids = random_ids().astype(np.int32)
+    loaded = tf.saved_model.load(result.dst)
+    fused = loaded.serve(ids).numpy()
+    np.testing.assert_allclose(fused, TABLE.astype(np.float64)[ids].mean(1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(fused, model(ids).numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_transposed_rows_reduced_over_features_or_keeping_dims_are_left_as_written(tmp_path):
+    """Over D of the transposed rows is each row's own sum (no bag); keepdims keeps [B, D, 1]: not fused."""
+    result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.concat([
+        tf.reduce_sum(tf.transpose(tf.gather(m.t, ids), [0, 2, 1]), 1),
+        tf.reshape(tf.reduce_sum(tf.transpose(tf.gather(m.t, ids), [0, 2, 1]), -1, keepdims=True), [-1, 4])], 1))
+    assert all(s.status != "fused" for s in result.sites)
+    ids = random_ids()
+    want, got = run_both(tmp_path, result, ids)
+    rows = TABLE.astype(np.float64)[ids]
+    np.testing.assert_allclose(got, np.concatenate([rows.sum(2), rows.sum(1)], 1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got, want)
