@@ -1,6 +1,8 @@
-"""tf.math.unsorted_segment_sum(rows [* w], segment_ids, num_segments) of gathered rows whose segment ids
-are not a row partition's (tf.repeat(tf.range(B), K) of flattened [B, K] ids, ids grouped by a key, in any
-order): bag s is the sum over the entries whose segment id is s, in num_segments bags.
+"""tf.math.unsorted_segment_sum(rows [* w], segment_ids, num_segments) (or unsorted_segment_max(rows, ...)) of
+gathered rows whose segment ids are not a row partition's (tf.repeat(tf.range(B), K) of flattened [B, K] ids,
+ids grouped by a key, in any order): bag s is the sum (max) over the entries whose segment id is s, in
+num_segments bags. A max bag with no entry kept is the dtype's lowest value, as unsorted_segment_max gives it
+(counted from the kept entries: a negative segment id's entry is sorted into bag 0 as padding).
 
 Fused as PkmRaggedEmbeddingBag after a stable sort of the entries by segment id (a TopK of the negated ids:
 TOPK_V2 in a .tflite), with row_splits counted from the sorted ids and num_segments (fuse.row_splits). An
@@ -16,7 +18,7 @@ from tensorflow.core.framework import types_pb2
 
 from pkm_serve.export import dense, sparse
 from pkm_serve.export.flat_bags import after
-from pkm_serve.export.fuse import _regrouped_ids, _squeeze_last
+from pkm_serve.export.fuse import _regrouped_ids, _segment_count, _squeeze_last
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import _assert
 from pkm_serve.export.segment_ids import int32_segment_ids
@@ -82,6 +84,8 @@ def sort_by_segment(fg: FunctionGraph, site: Site) -> None:
             prefix + "/mask_kept", "LogicalNot", [site.mask], {}, shapes=[[None]])
         kept = fg.add_op(prefix + "/kept_and_masked", "LogicalAnd", [kept, mask], {}, shapes=[[None]])
     seg = fg.add_op(prefix + "/seg_from_zero", "Maximum", [seg, zero], {"T": I32}, shapes=[[None]])
+    if site.combiner == "max":
+        site.empty_bags = _bags_without_entries(fg, site, prefix, seg, kept)
     negated = fg.add_op(prefix + "/negated", "Neg", [seg], {"T": I32}, shapes=[[None]])
     count = fg.add_op(prefix + "/count", "Size", [seg], {"T": I32, "out_type": I32}, shapes=[[]])
     order = Ref(fg.add_op(prefix + "/top", "TopKV2", [negated, count], {"T": I32, "sorted": True, "Tk": I32},
@@ -99,6 +103,20 @@ def sort_by_segment(fg: FunctionGraph, site: Site) -> None:
     if site.weights is not None and not site.weights_scalar:
         site.weights = in_order("weights", site.weights, tensor_dtype(fg, site.weights))
     site.segments_unsorted = False
+
+
+def _bags_without_entries(fg: FunctionGraph, site: Site, prefix: str, seg: Ref, kept: Ref) -> Ref:
+    """[num_segments, 1] bool: no kept entry has that segment id (`seg` >= 0)."""
+    kept_count = fg.add_op(prefix + "/kept_each", "Cast", [kept], {"SrcT": DType(types_pb2.DT_BOOL), "DstT": I32,
+                                                                   "Truncate": False}, shapes=[[None]])
+    counts = fg.add_op(prefix + "/kept_counts", "UnsortedSegmentSum", [kept_count, seg, _segment_count(
+        fg, site, prefix + "/kept_counts", seg)], {"T": I32, "Tindices": I32, "Tnumsegments": I32}, shapes=[[None]])
+    zero = fg.add_const(prefix + "/no_entries/zero", np.array(0, np.int32))
+    none_kept = fg.add_op(prefix + "/no_entries", "Equal", [counts, zero], {"T": I32, "incompatible_shape_error": True},
+                          shapes=[[None]])
+    last_axis = fg.add_const(prefix + "/no_entries/last_axis", np.array(-1, np.int32))
+    return fg.add_op(prefix + "/bags_without_entries", "ExpandDims", [none_kept, last_axis],
+                     {"T": DType(types_pb2.DT_BOOL), "Tdim": I32}, shapes=[[None, 1]])
 
 
 def _broadcast_entries(fg: FunctionGraph, site: Site, prefix: str) -> None:

@@ -109,3 +109,48 @@ def test_transposed_rows_reduced_over_features_or_keeping_dims_are_left_as_writt
     rows = TABLE.astype(np.float64)[ids]
     np.testing.assert_allclose(got, np.concatenate([rows.sum(2), rows.sum(1)], 1), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got, want)
+
+
+def _segment_max_reference(ids, seg, n):
+    """unsorted_segment_max in float64: the max over the entries of each segment id >= 0, float32's lowest
+    value for a segment without any."""
+    out = np.full((n, TABLE.shape[1]), np.finfo(np.float32).min, np.float64)
+    for i, s in enumerate(seg):
+        if s >= 0:
+            out[s] = np.maximum(out[s], TABLE[ids[i]])
+    return out
+
+
+def test_unsorted_segment_max_of_flattened_bags_is_a_max_bag(tmp_path):
+    """unsorted_segment_max(reshape(rows, [-1, D]), repeat(range(B), K), B) was reported ("segment ids are not
+    those of a ragged row partition"): only the segment sum was sorted by segment id and fused."""
+    result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.math.unsorted_segment_max(
+        tf.reshape(tf.gather(m.t, ids), [-1, 4]), tf.repeat(tf.range(tf.shape(ids)[0]), K), tf.shape(ids)[0]))
+    [site] = result.sites
+    assert (site.status, site.combiner) == ("fused", "max"), site.reason
+    ids = random_ids()
+    want, got = run_both(tmp_path, result, ids)
+    expected = TABLE.astype(np.float64)[ids].max(1)
+    np.testing.assert_allclose(want, expected, rtol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_unsorted_segment_max_in_any_order_gives_empty_segments_the_lowest_value(tmp_path):
+    """Segment ids in any order, negative ones (dropped) and segments without entries (segment 0 among them,
+    into which the sort puts the dropped entries as padding): each empty one is float32's lowest value."""
+    flat, seg_spec, count = (tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.int32),
+                             tf.TensorSpec([], tf.int32))
+    sample = str(tmp_path / "sample.npz")
+    np.savez(sample, args_0=RNG.integers(0, N, 12), args_1=RNG.integers(-1, 4, 12).astype(np.int32),
+             args_2=np.int32(5))
+    result = save_and_export(tmp_path, [flat, seg_spec, count], lambda m, ids, seg, n: tf.math.unsorted_segment_max(
+        tf.gather(m.t, ids), seg, n), sample_inputs=sample)
+    [site] = result.sites
+    assert (site.status, site.combiner) == ("fused", "max"), site.reason
+    ids = RNG.integers(0, N, 30)
+    seg = RNG.integers(-2, 6, 30).astype(np.int32)
+    seg[seg == 0] = -1  # segment 0 holds only dropped entries; 6 and 7 none at all
+    want, got = run_both(tmp_path, result, ids, seg, np.int32(8))
+    expected = _segment_max_reference(ids, seg, 8)
+    np.testing.assert_allclose(want, expected, rtol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
