@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 from tensorflow.core.framework import types_pb2
 
-from pkm_serve.export import dense, sparse
+from pkm_serve.export import dense, scales, sparse
 from pkm_serve.export.flat_bags import after
 from pkm_serve.export.fuse import _regrouped_ids, _segment_count, _squeeze_last
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
@@ -35,8 +35,6 @@ def match_any_segment_ids(fg: FunctionGraph, site: Site, rows, seg: Ref, num_seg
     seg_shape = fg.shape(seg)
     if rows.regathers or ids_rank != 1 or seg_shape.rank != 1 or fg.shape(num_segments).rank != 0:
         raise Skip("segment ids are neither a ragged row partition's nor one per gathered row of flat ids")
-    if site.mask is not None and site.mask_squeeze:
-        raise Skip("masked rows summed by segment ids in any order: the mask is not one per id")
     site.pattern = SEGMENT_PATTERN
     site.segment_ids, site.num_segments, site.segments_unsorted = seg, num_segments, True
     return site
@@ -49,14 +47,16 @@ def match_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
     data, seg = fg.inputs(node)
     scratch = dataclasses.replace(site)
     try:
-        rows = dense.resolve_rows(fg, data, scratch)
+        rows = dense.resolve_rows(fg, data, scratch, scaling=scales)  # rows * w * mask: one weight (scales.py)
     except (NotASite, Skip):
         rows = None
-    if rows is None or rows.unflattened_rows is None or rows.mask is not None or rows.ones is not None or \
-            rows.weights is not None or rows.regathers:
+    if rows is None or rows.unflattened_rows is None or rows.regathers:
         return sparse.match_segment_sum(fg, node, site)
     scratch.pattern, scratch.combiner = SEGMENT_PATTERN, "sum"
     dense.apply_rows(fg, scratch, rows, node.name, data)
+    if rows.factors:
+        scales.check_factors(fg, scratch, rows.factors, dense.bag_ids_shape(fg, scratch, rows))
+        scratch.weight_factors = tuple(rows.factors)
     if fg.shape(data).rank != 2 or scratch.regroup_ids is None or len(scratch.regroup_ids) != 1:
         raise Skip("segment_sum of gathered rows reshaped to other than [ids, D]")
     scratch.segment_ids, scratch.segments_counted = seg, True
@@ -126,6 +126,9 @@ def _broadcast_entries(fg: FunctionGraph, site: Site, prefix: str) -> None:
     if site.weights is not None and not site.weights_scalar and site.weights_squeeze:
         site.weights, site.weights_squeeze = _squeeze_last(
             fg, prefix + "/weights_squeezed", site.weights, tensor_dtype(fg, site.weights)), False
+    if site.mask is not None and site.mask_squeeze:  # where(mask [nnz, 1], rows, 0): one entry each
+        site.mask, site.mask_squeeze = _squeeze_last(fg, prefix + "/mask_squeezed", site.mask,
+                                                     types_pb2.DT_BOOL), False
     others = [ref for ref in (None if site.weights_scalar else site.weights, site.mask) if ref is not None]
     if not others:
         return

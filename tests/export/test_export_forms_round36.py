@@ -154,3 +154,41 @@ def test_unsorted_segment_max_in_any_order_gives_empty_segments_the_lowest_value
     expected = _segment_max_reference(ids, seg, 8)
     np.testing.assert_allclose(want, expected, rtol=1e-6)
     np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def _flat_rows(m, ids):
+    return tf.reshape(tf.gather(m.t, ids), [-1, 4])
+
+
+def _dense_segments(ids):
+    return tf.repeat(tf.range(tf.shape(ids)[0]), K)
+
+
+FLAT_SEGMENT_BAGS = {  # (body, the weights of the numpy bags of ids, w)
+    "weighted": (lambda m, ids, w: tf.math.segment_sum(_flat_rows(m, ids) * tf.reshape(w, [-1, 1]),
+                                                       _dense_segments(ids)), lambda ids, w: w),
+    "masked": (lambda m, ids, w: tf.math.segment_sum(tf.where(tf.reshape(w > 1, [-1, 1]), _flat_rows(m, ids), 0.0),
+                                                     _dense_segments(ids)), lambda ids, w: w > 1),
+    "scaled_twice": (lambda m, ids, w: tf.math.segment_sum(_flat_rows(m, ids) * tf.reshape(w, [-1, 1]) * 0.5,
+                                                           _dense_segments(ids)), lambda ids, w: w * 0.5),
+    "unsorted_masked": (lambda m, ids, w: tf.math.unsorted_segment_sum(tf.where(
+        tf.reshape(w > 1, [-1, 1]), _flat_rows(m, ids), 0.0), _dense_segments(ids), tf.shape(ids)[0]),
+        lambda ids, w: w > 1),
+}
+
+
+@pytest.mark.parametrize("form", sorted(FLAT_SEGMENT_BAGS))
+def test_flattened_rows_weighted_or_masked_then_summed_by_segment_are_bags(tmp_path, form):
+    """segment_sum(reshape(rows, [-1, D]) * reshape(w, [-1, 1]), seg) found no site at all (a segment_sum of
+    flattened rows was fused unweighted only); tf.where by a mask [B * K, 1] failed the export's own check
+    (unsorted_segment_sum: reported), several factors found no site."""
+    body, weights = FLAT_SEGMENT_BAGS[form]
+    result = save_and_export(tmp_path, [IDS, WEIGHTS], body)
+    [site] = result.sites
+    assert site.status == "fused", site.reason
+    ids = random_ids()
+    w = _weights(ids)
+    want, got = run_both(tmp_path, result, ids, w)
+    expected = np_bags(ids, weights(ids, w).astype(np.float64))
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
