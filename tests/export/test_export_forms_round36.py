@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from round34_forms import IDS, K, N, RNG, TABLE, WEIGHTS, np_bags, random_ids, run_both, save_and_export
+from round34_forms import (IDS, K, N, POSITION_WEIGHTS, RNG, TABLE, WEIGHTS, np_bags, random_ids, run_both,
+                           save_and_export)
 
 
 def _weights(ids):
@@ -192,3 +193,49 @@ def test_flattened_rows_weighted_or_masked_then_summed_by_segment_are_bags(tmp_p
     expected = np_bags(ids, weights(ids, w).astype(np.float64))
     np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def _sum_of_sliced_positions(rows, w):
+    return sum(SCALE * rows[:, k] * w[:, k, None] for k in range(1, K))
+
+
+SCALE = 0.125  # sqrt(64)^-1: an embedding scale written into each position's term
+SCALED_POSITIONS = {  # (body, weights of the numpy bag: w [B, K] -> [B, K] or [K])
+    "gathered_per_position": (lambda m, ids, w: tf.add_n([
+        tf.gather(m.t, ids[:, k]) * w[:, k:k + 1] * SCALE for k in range(K)]), lambda w: w * SCALE),
+    "weight_times_constant": (lambda m, ids, w: sum(
+        tf.gather(m.t, ids[:, k]) * (w[:, k:k + 1] * SCALE) for k in range(K)), lambda w: w * SCALE),
+    "sliced_rows": (lambda m, ids, w: _sum_of_sliced_positions(tf.gather(m.t, ids), w),
+        lambda w: np.concatenate([np.zeros_like(w[:, :1]), w[:, 1:] * SCALE], 1)),
+    "unweighted": (lambda m, ids, w: tf.add_n([tf.gather(m.t, ids[:, k]) * 2.0 for k in range(K)]),
+                   lambda w: np.full_like(w, 2.0)),
+    "positional_weights": (lambda m, ids, w: tf.add_n([
+        tf.gather(m.t, ids[:, k]) * m.v[k] * SCALE for k in range(K)]), lambda w: POSITION_WEIGHTS * SCALE),
+}
+
+
+@pytest.mark.parametrize("form", sorted(SCALED_POSITIONS))
+def test_positions_scaled_by_one_constant_are_a_bag(tmp_path, form):
+    """rows[:, k] * w[:, k:k+1] * c summed over k found no site (the term's second multiply stopped it)."""
+    body, weights = SCALED_POSITIONS[form]
+    result = save_and_export(tmp_path, [IDS, WEIGHTS], body)
+    [site] = result.sites
+    assert (site.status, site.pattern) == ("fused", "per-position-sum"), site.reason
+    ids = random_ids()
+    w = _weights(ids)
+    want, got = run_both(tmp_path, result, ids, w)
+    expected = np_bags(ids, weights(w.astype(np.float64)))
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_positions_scaled_by_different_constants_are_reported(tmp_path):
+    result = save_and_export(tmp_path, [IDS, WEIGHTS], lambda m, ids, w: tf.add_n([
+        tf.gather(m.t, ids[:, k]) * w[:, k:k + 1] * (k + 1.0) for k in range(K)]))
+    [site] = result.sites
+    assert site.status == "skipped" and "different constants" in site.reason, site.reason
+    ids = random_ids()
+    w = _weights(ids)
+    want, got = run_both(tmp_path, result, ids, w)
+    np.testing.assert_allclose(got, np_bags(ids, w * np.arange(1.0, K + 1)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got, want)
