@@ -119,16 +119,12 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, counts.match_matmul_site)
         elif node.op in sparse.SPARSE_SEGMENT_COMBINERS:
             attempt(node, sparse.match_sparse_segment)
-        elif node.op == "SegmentSum":
-            attempt(node, unsorted_segments.match_segment_sum)
+        elif node.op in ("SegmentSum", "SegmentMean", "SegmentMax"):
+            attempt(node, unsorted_segments.match_segment_reduce)
         elif node.op in ("UnsortedSegmentSum", "UnsortedSegmentMax"):
             attempt(node, ragged.match_unsorted_segment_sum)
-        elif node.op == "SegmentMax":
-            attempt(node, sparse.match_segment_max)
         elif node.op == "SparseTensorDenseMatMul":
             attempt(node, counts.match_sparse_dense_matmul)
-        elif node.op == "SegmentMean":
-            attempt(node, sparse.match_segment_mean)
         elif node.op == "Max":
             attempt(node, scales.match_reduce_max)
         elif node.op in _QUIET_MATCHERS:  # most such nodes are no bag: not listed when not a site

@@ -40,10 +40,14 @@ def match_any_segment_ids(fg: FunctionGraph, site: Site, rows, seg: Ref, num_seg
     return site
 
 
-def match_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
-    """tf.math.segment_sum (keras.ops.segment_sum(sorted=True)) of rows regrouped to [B * K, D] (rows of [B, K]
-    ids flattened by a reshape, cast or not): the bags of the flattened ids by the sorted segment ids (their
-    order asserted, as for every segment sum fused). Any other segment_sum: sparse.match_segment_sum."""
+_SORTED_SEGMENT_COMBINERS = {"SegmentSum": "sum", "SegmentMean": "mean", "SegmentMax": "max"}
+
+
+def match_segment_reduce(fg: FunctionGraph, node, site: Site) -> Site:
+    """tf.math.segment_sum/mean/max (keras.ops.segment_sum/max(sorted=True)) of rows regrouped to [B * K, D]
+    (rows of [B, K] ids flattened by a reshape, cast or not; weighted, masked or scaled for a sum): the bags of
+    the flattened ids by the sorted segment ids (their order asserted, as for every segment reduction fused).
+    Any other: sparse.match_segment_sum/mean/max."""
     data, seg = fg.inputs(node)
     scratch = dataclasses.replace(site)
     try:
@@ -51,14 +55,20 @@ def match_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
     except (NotASite, Skip):
         rows = None
     if rows is None or rows.unflattened_rows is None or rows.regathers:
-        return sparse.match_segment_sum(fg, node, site)
-    scratch.pattern, scratch.combiner = SEGMENT_PATTERN, "sum"
+        fallback = {"SegmentSum": sparse.match_segment_sum, "SegmentMean": sparse.match_segment_mean}
+        return fallback.get(node.op, sparse.match_segment_max)(fg, node, site)
+    scratch.pattern, scratch.combiner = SEGMENT_PATTERN, _SORTED_SEGMENT_COMBINERS[node.op]
     dense.apply_rows(fg, scratch, rows, node.name, data)
+    if node.op != "SegmentSum" and (scratch.weights is not None or scratch.mask is not None or rows.factors or
+                                    scratch.ones is not None):
+        raise Skip(f"a {scratch.combiner} by segment of weighted or masked flattened rows: a masked row counts in "
+                   "the composite's mean and as a 0 in its max, and the op's weighted mean divides by the weights' "
+                   "sum: not fused")
     if rows.factors:
         scales.check_factors(fg, scratch, rows.factors, dense.bag_ids_shape(fg, scratch, rows))
         scratch.weight_factors = tuple(rows.factors)
     if fg.shape(data).rank != 2 or scratch.regroup_ids is None or len(scratch.regroup_ids) != 1:
-        raise Skip("segment_sum of gathered rows reshaped to other than [ids, D]")
+        raise Skip(f"segment_{scratch.combiner} of gathered rows reshaped to other than [ids, D]")
     scratch.segment_ids, scratch.segments_counted = seg, True
     return scratch
 
