@@ -4,10 +4,8 @@
       -> Sum / Mean over axis -2          (the steps above in any order, each at most once)
   a gather of reshape(ids, [-1]) reshaped back to ids.shape + [D] is a gather of ids (einsum: einsum.py)
 
-Keras writes these too: `Embedding` is a gather, `mask_zero=True` +
-`GlobalAveragePooling1D` is `where(mask, rows, 0)` summed and divided by the
-mask's sum (the division stays; only the masked sum is fused), mixed precision
-casts the rows, `keras.ops.take`/`keras.ops.sum` are gather/Sum.
+Keras writes these too: `Embedding` is a gather, `mask_zero=True` + `GlobalAveragePooling1D` is `where(mask, rows,
+0)` summed and divided by the mask's sum (the division stays), mixed precision casts the rows.
 """
 from __future__ import annotations
 
@@ -19,13 +17,14 @@ from tensorflow.python.framework import tensor_shape
 
 from pkm_serve.export.gather_nd import Gather, resolve_gather  # noqa: F401 (the matchers import them from here)
 from pkm_serve.export.graph import FunctionGraph, Ref
+from pkm_serve.export.no_nan_multiply import multiply_op
+from pkm_serve.export.one_hot_lookup import one_hot_lookup
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip,
                                     check_private, dims, dtype_name, itemsize, same_dims, shared_by_bags,
                                     tensor_dtype, through_identity)
-from pkm_serve.export.no_nan_multiply import multiply_op
 from pkm_serve.export.transposed_rows import reduced_rows, take_first_step
 from pkm_serve.export.unflatten import unflattened_ids
-from pkm_serve.export.zero_fill import zeros_like_another
+from pkm_serve.export.zero_fill import _is_zero, zeros_like_another
 
 
 def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
@@ -33,7 +32,7 @@ def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
     node = fg.producer(ref)
     if node is None or depth == 0:
         return False
-    if node.op in GATHER_OPS + ND_GATHER_OPS:
+    if node.op in GATHER_OPS + ND_GATHER_OPS or one_hot_lookup(fg, node) is not None:
         return True
     ins = fg.inputs(node)
     if node.op in ("Identity", "Cast", "Reshape"):
@@ -150,11 +149,6 @@ def is_scalar(fg: FunctionGraph, ref: Ref, rows_rank: Optional[int]) -> bool:
         all(d == 1 for d in shape.as_list())
 
 
-def _is_zero(fg: FunctionGraph, ref: Ref) -> bool:
-    value = fg.const_value(ref)
-    return value is not None and value.size > 0 and not np.any(value)
-
-
 class Rows:
     """Gathered rows on their way to a reduction, with what was done to them."""
 
@@ -206,7 +200,7 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         ins = fg.inputs(node)
         op = multiply_op(fg, node, ins, leads_to_gather)
         rows.as_gathered.append(ref)
-        if node.op in GATHER_OPS + ND_GATHER_OPS and not _is_regather(fg, node, ins):
+        if (node.op in GATHER_OPS + ND_GATHER_OPS or one_hot_lookup(fg, node)) and not _is_regather(fg, node, ins):
             rows.gather = resolve_gather(fg, ref, nd_positions)
             if rows.unflattened_rows is not None and rows.unflattened is None:  # rows of its ids regrouped
                 rows.unflattened = rows.gather.indices
@@ -331,6 +325,7 @@ def fill_from_gather(site: Site, gathered: Gather, fg: FunctionGraph) -> None:
     site.table_shape = dims(gathered.table_shape)
     site.dtype = dtype_name(gathered.dtype)
     site.gathered_shape = dims(fg.shape(gathered.output))
+    site.negative_ids_padding = site.ids_past_rows_padding = gathered.one_hot  # a one-hot lookup's zero rows
     if gathered.index_dtype not in INDEX_DTYPES:
         raise Skip(f"index dtype {dtype_name(gathered.index_dtype)} is not int32/int64")
 
@@ -486,7 +481,8 @@ def match_reduce(fg: FunctionGraph, node, site: Site, scaling=None) -> Site:
     module), rows scaled by several factors too."""
     site.combiner = "sum" if node.op == "Sum" else "mean"
     x = _bag_of_rows(fg, node, site, scaling)
-    if node.op == "Mean" and (site.weights is not None or site.mask is not None or site.weight_factors):
+    if node.op == "Mean" and (site.weights is not None or site.mask is not None or site.weight_factors or
+                              site.ids_past_rows_padding):  # a one-hot lookup's zero rows count in the mean
         # mean over K of w*x is the sum with weights w / K: fused as the sum,
         # then divided by K exactly as Mean does. K is read off the ids at run
         # time: a server feeds bags of any length to a signature that declares
