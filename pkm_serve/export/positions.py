@@ -235,7 +235,7 @@ def _gather_site(fg: FunctionGraph, site: Site, term: _Term) -> None:
         term.site.internal = tuple(term.own + term.rows.nodes + term.rows.gather.nodes)
         term.site.intermediate_itemsizes = tuple(term.rows.itemsizes)
     for key in ("params", "params_is_resource", "index_dtype", "table_dtype", "table", "table_shape", "dtype",
-                "cast_to", "rounded_to", "cast_enum"):
+                "cast_to", "rounded_to", "cast_enum", "negative_ids_padding", "ids_past_rows_padding"):
         setattr(site, key, getattr(term.site, key))
 
 
@@ -428,7 +428,7 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
                                                                   not span.weighs_all):  # w[:, k] refuses
         checks.append(_width_check(fg, prefix + "/weights", site, site.weights, span.stop, span.weights_width,
                                    "weights"))
-    if span.gathers_all:
+    if span.gathers_all and not site.negative_ids_padding:  # a one-hot lookup's ids outside [0, N) are zero rows
         checks.append(_assert_every_id_in_range(fg, site, prefix + "/range_check", span.wrapped))
     site.indices = _positions(fg, prefix + "/ids", site.indices, span.first, span.stop, rank, checks)
     if span.ids_cast is not None:  # tf.cast(ids)[..., a:b] is what each tf.cast(ids[..., k]) took

@@ -68,3 +68,18 @@ def test_max_of_a_one_hot_lookup_is_reported(tmp_path):
     out = tf.saved_model.load(result.dst).signatures["serving_default"](args_0=ids)["out"].numpy()
     rows = np.where(((ids >= 0) & (ids < N))[..., None], TABLE.astype(np.float64)[np.clip(ids, 0, N - 1)], 0.0)
     np.testing.assert_allclose(out, rows.max(1), rtol=1e-6)
+
+
+def test_one_hot_lookups_one_position_at_a_time_keep_zero_rows_for_ids_outside_the_table(tmp_path):
+    """tf.add_n([tf.matmul(tf.one_hot(ids[:, k], N), t) for k]) is a per-position bag; an id outside [0, N) is a
+    zero row there, so the fused model must not refuse it (its range check came with the per-position site)."""
+    ids_spec = tf.TensorSpec([None, L], tf.int64)
+    result = save_and_export(tmp_path, [ids_spec], lambda m, ids: tf.add_n(
+        [tf.matmul(tf.one_hot(ids[:, k], N), m.t) for k in range(L)]))
+    [site] = result.sites
+    assert (site.status, site.pattern) == ("fused", "per-position-sum"), site.reason
+    ids = _ids_with_zero_rows().astype(np.int64)
+    expected = _reference(ids, np.ones(ids.shape), 1)
+    for model in (tmp_path / "m", result.dst):
+        out = tf.saved_model.load(str(model)).signatures["serving_default"](args_0=ids)["out"].numpy()
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
