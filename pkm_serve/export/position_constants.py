@@ -1,5 +1,5 @@
 """Per-position terms scaled by a constant as well: rows[:, k] * w[:, k:k+1] * c (in any grouping, c a constant
-scalar, also unweighted rows[:, k] * c). Where every term's constant is the same c, the bag is c times the
+scalar, also unweighted rows[:, k] * c, or divided: rows[:, k] / c). Where every term's constant is the same c, the bag is c times the
 bag of the terms without it: the site gets c as one more factor of its weights (scales.fold_factors).
 Constants that differ by position are per-position scalar weights, reported as such."""
 from __future__ import annotations
@@ -14,13 +14,21 @@ from pkm_serve.export.scales import Factor
 from pkm_serve.export.sites import NotASite, Site, Skip
 
 
-def _product_leaves(fg: FunctionGraph, ref: Ref, muls: List[str]) -> List[Ref]:
-    """The factors of a tree of Muls at `ref` (through the Muls read by the tree only)."""
+def _product_leaves(fg: FunctionGraph, ref: Ref, muls: List[str], divisors: List[Ref]) -> List[Ref]:
+    """The factors of a tree of Muls (and divisions by a constant: `divisors`) at `ref`, through the nodes
+    read by the tree only."""
     node = fg.producer(ref)
-    if node is None or node.op != "Mul" or (muls and len(fg.consumers(ref)) != 1):
+    if node is None or (muls and len(fg.consumers(ref)) != 1):
+        return [ref]
+    ins = fg.inputs(node)
+    if node.op == "RealDiv" and _constant(fg, ins[1]) is not None:  # rows[:, k] / c
+        muls.append(node.name)
+        divisors.append(ins[1])
+        return _product_leaves(fg, ins[0], muls, divisors) + [ins[1]]
+    if node.op != "Mul":
         return [ref]
     muls.append(node.name)
-    return [leaf for r in fg.inputs(node) for leaf in _product_leaves(fg, r, muls)]
+    return [leaf for r in ins for leaf in _product_leaves(fg, r, muls, divisors)]
 
 
 def _constant(fg: FunctionGraph, ref: Ref) -> Optional[float]:
@@ -33,7 +41,8 @@ def scaled_position_rows(fg: FunctionGraph, ref: Ref, function: str, kept: bool,
     rows, constant scalars and at most one weight, that term weighted by the weight and with `.constant` the
     (one) constant leaf; None where neither."""
     muls: List[str] = []
-    leaves = _product_leaves(fg, ref, muls)
+    divisors: List[Ref] = []
+    leaves = _product_leaves(fg, ref, muls, divisors)
     constants = [leaf for leaf in leaves if _constant(fg, leaf) is not None]
     if not constants:
         return term_of(fg, ref, function, kept)
@@ -44,7 +53,7 @@ def scaled_position_rows(fg: FunctionGraph, ref: Ref, function: str, kept: bool,
         return None
     rows_leaf, term = found[0]
     term.own += muls
-    term.constant = constants
+    term.constant = [("div" if leaf in divisors else "mul", leaf) for leaf in constants]
     weight = [leaf for leaf in others if leaf != rows_leaf]
     if weight:
         rank = fg.shape(rows_leaf).rank
@@ -67,9 +76,10 @@ def constant_factor(fg: FunctionGraph, terms, site: Site) -> None:
     if any(c is None or len(c) != 1 for c in constants):
         raise Skip("some terms of the sum of positions are scaled by a constant and some are not (or by several): "
                    "only one constant every term shares is fused")
-    values = {_constant(fg, c[0]) for c in constants}
+    values = {(c[0][0], _constant(fg, c[0][1])) for c in constants}
     if len(values) != 1:
         raise Skip(f"the terms of the sum of positions are scaled by different constants {sorted(values)}: "
                    "per-position scalar weights, not fused (positional weights v[k] of one vector are)")
     site.weighted = True
-    site.weight_factors = site.weight_factors + (Factor("mul", constants[0][0], False, True),)
+    kind, ref = constants[0][0]
+    site.weight_factors = site.weight_factors + (Factor(kind, ref, False, True),)

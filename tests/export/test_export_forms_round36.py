@@ -239,3 +239,16 @@ def test_positions_scaled_by_different_constants_are_reported(tmp_path):
     want, got = run_both(tmp_path, result, ids, w)
     np.testing.assert_allclose(got, np_bags(ids, w * np.arange(1.0, K + 1)), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got, want)
+
+
+def test_positions_divided_by_one_constant_are_a_mean_bag(tmp_path):
+    """sum_k rows[:, k] / K (a mean written one position at a time) found no site (RealDiv in each term)."""
+    result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.add_n([tf.gather(m.t, ids[:, k]) / float(K)
+                                                                       for k in range(K)]))
+    [site] = result.sites
+    assert (site.status, site.pattern) == ("fused", "per-position-sum"), site.reason
+    ids = random_ids()
+    want, got = run_both(tmp_path, result, ids)
+    expected = np_bags(ids) / K
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
