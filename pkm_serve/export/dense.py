@@ -22,7 +22,7 @@ from pkm_serve.export.one_hot_lookup import one_hot_lookup
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip,
                                     check_private, dims, dtype_name, itemsize, same_dims, shared_by_bags,
                                     tensor_dtype, through_identity)
-from pkm_serve.export.transposed_rows import reduced_rows, take_first_step
+from pkm_serve.export.transposed_rows import check_transposed_shape_unread, reduced_rows, take_first_step
 from pkm_serve.export.unflatten import unflattened_ids
 from pkm_serve.export.zero_fill import _is_zero, zeros_like_another
 
@@ -451,6 +451,8 @@ def _bag_of_rows(fg: FunctionGraph, node, site: Site, scaling=None) -> Ref:
     if transposed is not None:  # the Transpose is the site's, its output read by the reduction only
         take_first_step(fg, rows, transposed)
     apply_rows(fg, site, rows, node.name, x if transposed is None else transposed)
+    if transposed is not None:
+        check_transposed_shape_unread(site, transposed)
     if rows.factors:
         scaling.check_factors(fg, site, rows.factors, bag_ids_shape(fg, site, rows))
         site.weight_factors = tuple(rows.factors)

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 from pkm_serve.export.graph import FunctionGraph, Ref
-from pkm_serve.export.sites import itemsize, tensor_dtype
+from pkm_serve.export.sites import Skip, itemsize, tensor_dtype
 
 
 class Untransposed(NamedTuple):
@@ -57,3 +57,11 @@ def take_first_step(fg: FunctionGraph, rows, ref: Ref) -> None:
         rows.multiplied.insert(0, ref)
     if rows.unflattened_rows is not None:
         rows.flat_from += 1
+
+
+def check_transposed_shape_unread(site, transposed: Ref) -> None:
+    """Skip where the model reads the transposed rows' shape: a Shape of the rows is rebuilt from the ids' as
+    [..., K, D], which the transposed [..., D, K] is not."""
+    if any(ref == transposed for _, ref in site.shape_consumers):
+        raise Skip("the shape of the transposed gathered rows is read (tf.shape(x)[-1] of [..., D, K], say): it is "
+                   "not the rows' shape the fused site rebuilds, so the site stays composite")

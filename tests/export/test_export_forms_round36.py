@@ -252,3 +252,18 @@ def test_positions_divided_by_one_constant_are_a_mean_bag(tmp_path):
     expected = np_bags(ids) / K
     np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_transposed_rows_whose_shape_is_read_stay_composite(tmp_path):
+    """sum(x, -1) / shape(x)[-1] of x = transpose(rows) [B, D, K]: the fused site rebuilt Shape(x) as the rows'
+    [B, K, D], so the division took D for K and the export failed its own verification."""
+    def body(m, ids):
+        x = tf.transpose(tf.gather(m.t, ids), [0, 2, 1])
+        return tf.reduce_sum(x, -1) / tf.cast(tf.shape(x)[-1], tf.float32)
+    result = save_and_export(tmp_path, [IDS], body)
+    [site] = result.sites
+    assert site.status == "skipped" and "shape of the transposed" in site.reason, site.reason
+    ids = random_ids()
+    want, got = run_both(tmp_path, result, ids)
+    np.testing.assert_allclose(got, np_bags(ids) / K, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got, want)
