@@ -267,3 +267,23 @@ def test_transposed_rows_whose_shape_is_read_stay_composite(tmp_path):
     want, got = run_both(tmp_path, result, ids)
     np.testing.assert_allclose(got, np_bags(ids) / K, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got, want)
+
+
+def test_ragged_multiply_no_nan_of_rows_by_weights_is_a_ragged_bag(tmp_path):
+    """multiply_no_nan(ragged rows, ragged w[..., None]): ragged broadcasting re-gathers the weights too, so
+    both inputs led to a gather and the rows were taken for the second one (reported as multiply_no_nan(w, rows))."""
+    ragged_ids = tf.RaggedTensorSpec([None, None], tf.int64)
+    ragged_w = tf.RaggedTensorSpec([None, None], tf.float32)
+    result = save_and_export(tmp_path, [ragged_ids, ragged_w], lambda m, rt, rw: tf.reduce_sum(
+        tf.math.multiply_no_nan(tf.gather(m.t, rt), rw[..., None]), 1))
+    [site] = result.sites
+    assert (site.status, site.pattern) == ("fused", "ragged-reduce"), site.reason
+    bags = [[1, 2, 3], [], [4, 4], [5]]
+    weights = [[0.5, 0.0, 2.0], [], [1.5, -1.0], [0.0]]
+    rt, rw = tf.ragged.constant(bags, tf.int64), tf.ragged.constant(weights, tf.float32)
+    inputs = {"args_0": rt.values, "args_0_1": rt.row_splits, "args_1": rw.values, "args_1_1": rw.row_splits}
+    expected = np.array([sum((w * TABLE[i].astype(np.float64) for i, w in zip(b, ws)), np.zeros(4))
+                         for b, ws in zip(bags, weights)])
+    for model in (tmp_path / "m", result.dst):
+        out = tf.saved_model.load(str(model)).signatures["serving_default"](**inputs)["out"].numpy()
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
