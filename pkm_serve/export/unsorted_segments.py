@@ -45,7 +45,8 @@ _SORTED_SEGMENT_COMBINERS = {"SegmentSum": "sum", "SegmentMean": "mean", "Segmen
 
 def match_segment_reduce(fg: FunctionGraph, node, site: Site) -> Site:
     """tf.math.segment_sum/mean/max (keras.ops.segment_sum/max(sorted=True)) of rows regrouped to [B * K, D]
-    (rows of [B, K] ids flattened by a reshape, cast or not; weighted, masked or scaled for a sum): the bags of
+    (rows of [B, K] ids flattened by a reshape, cast or not; weighted, masked or scaled for a sum), or of flat ids
+    scaled by several factors (which the sparse matchers do not take): the bags of
     the flattened ids by the sorted segment ids (their order asserted, as for every segment reduction fused).
     Any other: sparse.match_segment_sum/mean/max."""
     data, seg = fg.inputs(node)
@@ -54,7 +55,8 @@ def match_segment_reduce(fg: FunctionGraph, node, site: Site) -> Site:
         rows = dense.resolve_rows(fg, data, scratch, scaling=scales)  # rows * w * mask: one weight (scales.py)
     except (NotASite, Skip):
         rows = None
-    if rows is None or rows.unflattened_rows is None or rows.regathers:
+    scaled_flat_ids = rows is not None and bool(rows.factors) and fg.shape(rows.gather.indices).rank == 1
+    if rows is None or rows.regathers or (rows.unflattened_rows is None and not scaled_flat_ids):
         fallback = {"SegmentSum": sparse.match_segment_sum, "SegmentMean": sparse.match_segment_mean}
         return fallback.get(node.op, sparse.match_segment_max)(fg, node, site)
     scratch.pattern, scratch.combiner = SEGMENT_PATTERN, _SORTED_SEGMENT_COMBINERS[node.op]
@@ -67,7 +69,8 @@ def match_segment_reduce(fg: FunctionGraph, node, site: Site) -> Site:
     if rows.factors:
         scales.check_factors(fg, scratch, rows.factors, dense.bag_ids_shape(fg, scratch, rows))
         scratch.weight_factors = tuple(rows.factors)
-    if fg.shape(data).rank != 2 or scratch.regroup_ids is None or len(scratch.regroup_ids) != 1:
+    ids_rank = fg.shape(scratch.indices).rank if scratch.regroup_ids is None else len(scratch.regroup_ids)
+    if fg.shape(data).rank != 2 or ids_rank != 1:
         raise Skip(f"segment_{scratch.combiner} of gathered rows reshaped to other than [ids, D]")
     scratch.segment_ids, scratch.segments_counted = seg, True
     return scratch

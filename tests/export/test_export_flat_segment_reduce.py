@@ -58,3 +58,19 @@ def test_segment_mean_of_masked_flattened_rows_is_reported(tmp_path):
     expected = np.einsum("bk,bkd->bd", (w > 1).astype(np.float64), TABLE.astype(np.float64)[ids]) / K
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got, want)
+
+
+def test_segment_sum_of_flat_ids_scaled_by_several_factors_is_a_bag(tmp_path):
+    """segment_sum(gather(t, reshape(ids, [-1])) * reshape(w, [-1, 1]) * 2.0, seg) found no site: the sparse
+    matchers take one multiplier only, and the flattened-rows matcher took rows reshaped after the gather only."""
+    result = save_and_export(tmp_path, [IDS, WEIGHTS], lambda m, ids, w: tf.math.segment_sum(
+        tf.gather(m.t, tf.reshape(ids, [-1])) * tf.reshape(w, [-1, 1]) * 2.0,
+        tf.repeat(tf.range(tf.shape(ids)[0]), K)))
+    [site] = result.sites
+    assert site.status == "fused", site.reason
+    ids = RNG.integers(0, N, (3, K))
+    w = RNG.uniform(-1, 2, (3, K)).astype(np.float32)
+    want, got = run_both(tmp_path, result, ids, w)
+    expected = np.einsum("bk,bkd->bd", 2.0 * w.astype(np.float64), TABLE.astype(np.float64)[ids])
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
