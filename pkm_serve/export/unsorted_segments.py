@@ -176,7 +176,7 @@ def _check_one_segment_id_per_id(fg: FunctionGraph, site: Site, prefix: str) -> 
                      {"T": I32, "incompatible_shape_error": True}, shapes=[[]])
     counts = fg.add_op(prefix + "/counts", "Pack", [ids_count, seg_count], {"T": I32, "N": 2, "axis": 0},
                        shapes=[[2]])
-    check = _assert(fg, prefix + "/count_check", same, f"unsorted_segment_sum fused in {site.root}: the ids and the "
-                    "segment ids have", (counts, types_pb2.DT_INT32), "entries, but the original's segment sum "
-                    "takes one segment id per gathered row", "/message_counts")
+    check = _assert(fg, prefix + "/count_check", same, f"segment {site.combiner} fused in {site.root}: the ids and "
+                    "the segment ids have", (counts, types_pb2.DT_INT32), f"entries, but the original's segment "
+                    f"{site.combiner} takes one segment id per gathered row", "/message_counts")
     return after(fg, prefix + "/ids_counted", site.indices, check)
