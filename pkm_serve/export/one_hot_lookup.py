@@ -25,7 +25,8 @@ def _table_shape(fg: FunctionGraph, table: Ref):
 
 def one_hot_lookup(fg: FunctionGraph, node) -> Optional[Ref]:
     """The ids of MatMul(OneHot(ids, N, on 1, off 0, axis -1), table [N, D]) (neither transposed), else None."""
-    if node is None or node.op != "MatMul" or any(k in node.attr and node.attr[k].b for k in ("transpose_a", "transpose_b")):
+    if node is None or node.op != "MatMul" or any(
+            k in node.attr and node.attr[k].b for k in ("transpose_a", "transpose_b")):
         return None
     one_hot_ref, table = fg.inputs(node)
     one_hot = fg.producer(one_hot_ref)
@@ -57,8 +58,9 @@ def one_hot_gather(fg: FunctionGraph, ref: Ref, gather_class, nodes):
         return None
     one_hot = fg.producer(fg.inputs(node)[0])
     table = fg.inputs(node)[1]
+    index_dtype = one_hot.attr["TI"].type if "TI" in one_hot.attr else types_pb2.DT_INT64  # TI's default: left out
     gathered = gather_class(ref, table, False, ids, nodes + [node.name, one_hot.name], _table_shape(fg, table),
-                            node.attr["T"].type, one_hot.attr["TI"].type if "TI" in one_hot.attr else types_pb2.DT_INT64)
+                            node.attr["T"].type, index_dtype)
     gathered.one_hot = True
     return gathered
 

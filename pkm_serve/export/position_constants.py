@@ -1,6 +1,7 @@
 """Per-position terms scaled by a constant as well: rows[:, k] * w[:, k:k+1] * c (in any grouping, c a constant
-scalar, also unweighted rows[:, k] * c, or divided: rows[:, k] / c). Where every term's constant is the same c, the bag is c times the
-bag of the terms without it: the site gets c as one more factor of its weights (scales.fold_factors).
+scalar, also unweighted rows[:, k] * c, or divided: rows[:, k] / c). Where every term's constant is the same c,
+the bag is c times the bag of the terms without it: the site gets c as one more factor of its weights
+(scales.fold_factors).
 Constants that differ by position are per-position scalar weights, reported as such."""
 from __future__ import annotations
 
