@@ -4,10 +4,8 @@
       -> Sum / Mean over axis -2          (the steps above in any order, each at most once)
   a gather of reshape(ids, [-1]) reshaped back to ids.shape + [D] is a gather of ids (einsum: einsum.py)
 
-Keras writes these too: `Embedding` is a gather, `mask_zero=True` +
-`GlobalAveragePooling1D` is `where(mask, rows, 0)` summed and divided by the
-mask's sum (the division stays; only the masked sum is fused), mixed precision
-casts the rows, `keras.ops.take`/`keras.ops.sum` are gather/Sum.
+Keras writes these too: `Embedding` is a gather, `mask_zero=True` + `GlobalAveragePooling1D` is `where(mask, rows,
+0)` summed and divided by the mask's sum (the division stays), mixed precision casts the rows.
 """
 from __future__ import annotations
 
@@ -19,11 +17,14 @@ from tensorflow.python.framework import tensor_shape
 
 from pkm_serve.export.gather_nd import Gather, resolve_gather  # noqa: F401 (the matchers import them from here)
 from pkm_serve.export.graph import FunctionGraph, Ref
+from pkm_serve.export.no_nan_multiply import multiply_op
+from pkm_serve.export.one_hot_lookup import one_hot_lookup
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip,
                                     check_private, dims, dtype_name, itemsize, same_dims, shared_by_bags,
                                     tensor_dtype, through_identity)
+from pkm_serve.export.transposed_rows import check_transposed_shape_unread, reduced_rows, take_first_step
 from pkm_serve.export.unflatten import unflattened_ids
-from pkm_serve.export.zero_fill import zeros_like_another
+from pkm_serve.export.zero_fill import _is_zero, zeros_like_another
 
 
 def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
@@ -31,14 +32,14 @@ def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
     node = fg.producer(ref)
     if node is None or depth == 0:
         return False
-    if node.op in GATHER_OPS + ND_GATHER_OPS:
+    if node.op in GATHER_OPS + ND_GATHER_OPS or one_hot_lookup(fg, node) is not None:
         return True
     ins = fg.inputs(node)
     if node.op in ("Identity", "Cast", "Reshape"):
         return leads_to_gather(fg, ins[0], depth - 1)
     if node.op == "Mul":
         return any(leads_to_gather(fg, r, depth - 1) for r in ins)
-    if node.op in ("Neg", "RealDiv"):  # -rows, rows / d (scales.py)
+    if node.op in ("Neg", "RealDiv", "MulNoNan"):  # -rows, rows / d (scales.py), multiply_no_nan(rows, w)
         return leads_to_gather(fg, ins[0], depth - 1)
     if node.op == "SelectV2":
         return any(leads_to_gather(fg, r, depth - 1) for r in ins[1:])
@@ -148,11 +149,6 @@ def is_scalar(fg: FunctionGraph, ref: Ref, rows_rank: Optional[int]) -> bool:
         all(d == 1 for d in shape.as_list())
 
 
-def _is_zero(fg: FunctionGraph, ref: Ref) -> bool:
-    value = fg.const_value(ref)
-    return value is not None and value.size > 0 and not np.any(value)
-
-
 class Rows:
     """Gathered rows on their way to a reduction, with what was done to them."""
 
@@ -202,8 +198,9 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         if node is None:
             raise NotASite()
         ins = fg.inputs(node)
+        op = multiply_op(fg, node, ins, leads_to_gather)
         rows.as_gathered.append(ref)
-        if node.op in GATHER_OPS + ND_GATHER_OPS and not _is_regather(fg, node, ins):
+        if (node.op in GATHER_OPS + ND_GATHER_OPS or one_hot_lookup(fg, node)) and not _is_regather(fg, node, ins):
             rows.gather = resolve_gather(fg, ref, nd_positions)
             if rows.unflattened_rows is not None and rows.unflattened is None:  # rows of its ids regrouped
                 rows.unflattened = rows.gather.indices
@@ -238,10 +235,10 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
             rows.rounded_enum = node.attr["DstT"].type
             site.rounded_to = dtype_name(rows.rounded_enum)
             step_input = ins[0]
-        elif node.op == "Mul" and rows.weights is None and rows.ones is None:
+        elif op == "Mul" and rows.weights is None and rows.ones is None:
             step_input = _resolve_weights(fg, ins, rows, site)
-        elif scaling is not None and node.op in scaling.SCALE_OPS:
-            step_input = scaling.resolve_scale(fg, node, ins, rows, site)
+        elif scaling is not None and op in scaling.SCALE_OPS:
+            step_input = scaling.resolve_scale(fg, node, ins, rows, site, op)
         elif node.op == "SelectV2" and rows.mask is None:
             step_input = _resolve_mask(fg, ins, rows, site)
         elif node.op == "Reshape" and rows.unflattened_rows is None and not rows.regathers:
@@ -253,7 +250,7 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         rows.nodes.append(node.name)
         rows.private.append(ref)
         rows.itemsizes.append(itemsize(tensor_dtype(fg, ref)))
-        if node.op in ("Mul", "RealDiv", "Neg"):
+        if op in ("Mul", "RealDiv", "Neg"):
             rows.multiplied = list(rows.private)
         ref = step_input
 
@@ -328,6 +325,7 @@ def fill_from_gather(site: Site, gathered: Gather, fg: FunctionGraph) -> None:
     site.table_shape = dims(gathered.table_shape)
     site.dtype = dtype_name(gathered.dtype)
     site.gathered_shape = dims(fg.shape(gathered.output))
+    site.negative_ids_padding = site.ids_past_rows_padding = gathered.one_hot  # a one-hot lookup's zero rows
     if gathered.index_dtype not in INDEX_DTYPES:
         raise Skip(f"index dtype {dtype_name(gathered.index_dtype)} is not int32/int64")
 
@@ -393,21 +391,20 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
             raise Skip("the shape of the flattened gathered rows is read")
 
 
-def _not_over_features(fg: FunctionGraph, x: Ref, axis_ref: Ref) -> None:
+def _not_over_features(fg: FunctionGraph, x: Ref, axes) -> None:
     """A reduction over the feature axis alone (a row norm, a LayerNorm) is no bag."""
-    rank, axes = fg.shape(x).rank, fg.const_value(axis_ref)
+    rank = fg.shape(x).rank
     if rank is not None and rank >= 2 and axes is not None and np.size(axes) == 1 and \
             int(np.reshape(axes, [])) % rank == rank - 1:
         raise NotASite()
 
 
-def _check_bag_axis(fg: FunctionGraph, node, x: Ref, axis_ref: Ref, site: Site) -> None:
+def _check_bag_axis(fg: FunctionGraph, node, x: Ref, axes, site: Site) -> None:
     rank = fg.shape(x).rank
     if rank is None:
         raise Skip("rank of the gathered tensor is unknown")
     # keepdims=True: the bag, then its unit bag axis back ([..., 1, D])
     site.expand_bag_axis = "keep_dims" in node.attr and node.attr["keep_dims"].b
-    axes = fg.const_value(axis_ref)
     if axes is not None and np.size(axes) > 1:
         _check_bag_axes(fg, [int(a) % rank for a in np.ravel(axes)], rank, site)
         return
@@ -446,17 +443,22 @@ def match_reduce_max(fg: FunctionGraph, node, site: Site, scaling=None) -> Site:
 
 def _bag_of_rows(fg: FunctionGraph, node, site: Site, scaling=None) -> Ref:
     """Fills `site` from the rows a bag-axis reduction `node` reads; returns them."""
-    x, axis_ref = fg.inputs(node)
-    _not_over_features(fg, x, axis_ref)
+    x, axes, transposed = reduced_rows(fg, node, leads_to_gather)  # transpose(rows): x the rows, transposed its output
+    _not_over_features(fg, x, axes)
     rows = resolve_rows(fg, x, site, scaling=scaling)
     if rows.regathers:
         raise Skip("the gathered rows are re-gathered before a dense reduction")
-    apply_rows(fg, site, rows, node.name, x)
+    if transposed is not None:  # the Transpose is the site's, its output read by the reduction only
+        take_first_step(fg, rows, transposed)
+    apply_rows(fg, site, rows, node.name, x if transposed is None else transposed)
+    if transposed is not None:
+        check_transposed_shape_unread(site, transposed)
     if rows.factors:
         scaling.check_factors(fg, site, rows.factors, bag_ids_shape(fg, site, rows))
         site.weight_factors = tuple(rows.factors)
-    _check_bag_axis(fg, node, x, axis_ref, site)
+    _check_bag_axis(fg, node, x, axes, site)
     return x
+
 
 
 def bag_ids_shape(fg: FunctionGraph, site: Site, rows: Rows):
@@ -481,7 +483,8 @@ def match_reduce(fg: FunctionGraph, node, site: Site, scaling=None) -> Site:
     module), rows scaled by several factors too."""
     site.combiner = "sum" if node.op == "Sum" else "mean"
     x = _bag_of_rows(fg, node, site, scaling)
-    if node.op == "Mean" and (site.weights is not None or site.mask is not None or site.weight_factors):
+    if node.op == "Mean" and (site.weights is not None or site.mask is not None or site.weight_factors or
+                              site.ids_past_rows_padding):  # a one-hot lookup's zero rows count in the mean
         # mean over K of w*x is the sum with weights w / K: fused as the sum,
         # then divided by K exactly as Mean does. K is read off the ids at run
         # time: a server feeds bags of any length to a signature that declares

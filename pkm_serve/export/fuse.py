@@ -381,7 +381,7 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
         out_type = dtypes.as_dtype(out_dtype)
         lowest = fg.add_const(site.root + "/pkm_empty_max",
                               np.array(out_type.min, out_type.as_numpy_dtype))
-        empty_rows = _empty_bags(fg, site, splits)
+        empty_rows = _empty_bags(fg, site, splits) if site.empty_bags is None else site.empty_bags
         steps.append(("SelectV2", {"T": DType(out_dtype)},
                       lambda bag: [empty_rows, lowest, bag]))
     return steps

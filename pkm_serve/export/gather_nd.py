@@ -11,6 +11,7 @@ import numpy as np
 from tensorflow.python.framework import tensor_shape
 
 from pkm_serve.export.graph import FunctionGraph, Ref
+from pkm_serve.export.one_hot_lookup import one_hot_gather
 from pkm_serve.export.position_slices import slice_position
 from pkm_serve.export.sites import (GATHER_OPS, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Skip, dtype_name,
                                     through_identity)
@@ -26,6 +27,7 @@ class Gather:
         self.indices, self.nodes = indices, nodes
         self.table_shape, self.dtype, self.index_dtype = table_shape, dtype, index_dtype
         self.nd_position = nd_position
+        self.one_hot = False  # a one-hot matmul (one_hot_lookup.py): ids outside [0, N) are zero rows
 
     def ids_shape(self, fg: FunctionGraph):
         """The shape of the ids one row each is gathered for (the index axis of gather_nd's left out)."""
@@ -66,6 +68,9 @@ def resolve_gather(fg: FunctionGraph, ref: Ref, nd_positions: bool = False) -> G
     nodes: List[str] = []
     ref = through_identity(fg, ref, nodes)
     node = fg.producer(ref)
+    one_hot = one_hot_gather(fg, ref, Gather, nodes)
+    if one_hot is not None:
+        return one_hot
     if node is None or node.op not in GATHER_OPS + ND_GATHER_OPS:
         raise NotASite()
     nodes.append(node.name)

@@ -15,6 +15,7 @@ from pkm_serve.export import (counts, dense, einsum, flat_bags, fuse, half_divis
                               tensordot, unflatten, unrecognised, unsorted_segments,
                               zero_fill)
 from pkm_serve.export.graph import FunctionGraph
+from pkm_serve.export.one_hot_lookup import check_one_hot_combiner
 from pkm_serve.export.sites import NotASite, Site, Skip, check_shared_weights_fixed
 from pkm_serve.export.sparse import SEGMENT_PATTERN
 
@@ -54,6 +55,7 @@ def check_half_table_widened(site: Site) -> None:
 def _check_matched(fg: FunctionGraph, site: Site) -> None:
     """Checks every matched site passes before it is fused (Skip otherwise)."""
     check_half_table_widened(site)
+    check_one_hot_combiner(site)
     check_shared_weights_fixed(fg, site)
     zero_fill.check_dense_bag(site)
     unflatten.check_regroup_without_span(site)
@@ -119,16 +121,12 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, counts.match_matmul_site)
         elif node.op in sparse.SPARSE_SEGMENT_COMBINERS:
             attempt(node, sparse.match_sparse_segment)
-        elif node.op == "SegmentSum":
-            attempt(node, unsorted_segments.match_segment_sum)
+        elif node.op in ("SegmentSum", "SegmentMean", "SegmentMax"):
+            attempt(node, unsorted_segments.match_segment_reduce)
         elif node.op in ("UnsortedSegmentSum", "UnsortedSegmentMax"):
             attempt(node, ragged.match_unsorted_segment_sum)
-        elif node.op == "SegmentMax":
-            attempt(node, sparse.match_segment_max)
         elif node.op == "SparseTensorDenseMatMul":
             attempt(node, counts.match_sparse_dense_matmul)
-        elif node.op == "SegmentMean":
-            attempt(node, sparse.match_segment_mean)
         elif node.op == "Max":
             attempt(node, scales.match_reduce_max)
         elif node.op in _QUIET_MATCHERS:  # most such nodes are no bag: not listed when not a site

@@ -217,7 +217,7 @@ def _per_position_lookup(fg: FunctionGraph, ref: Ref):
 def match_pooled_positions(fg: FunctionGraph, node, site: Site) -> Site:
     """Sum over axis 1 of reshape(per-position sparse lookup, [B, L, D]) [* w[..., None]]."""
     x, axis_ref = fg.inputs(node)
-    _not_over_features(fg, x, axis_ref)
+    _not_over_features(fg, x, fg.const_value(axis_ref))
     nodes: List[str] = []
     x = through_identity(fg, x, nodes)
     product = fg.producer(x)
@@ -239,7 +239,7 @@ def match_pooled_positions(fg: FunctionGraph, node, site: Site) -> Site:
         setattr(site, key, getattr(inner, key))
     rows_shape = fg.shape(Ref(reshape.name, 0))
     site.gathered_shape = dims(rows_shape)
-    _check_bag_axis(fg, node, x, axis_ref, site)
+    _check_bag_axis(fg, node, x, fg.const_value(axis_ref), site)
     width = site.table_shape[1] if site.table_shape else None
     if rows_shape.rank != 3 or width is None or rows_shape[-1] != width:
         raise Skip(f"the per-position sparse lookup is reshaped to {rows_shape}, not proven to be "

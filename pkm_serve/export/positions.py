@@ -26,6 +26,7 @@ from pkm_serve.export.dense import (Rows, apply_rows, fill_from_gather, is_scala
                                     strip_trailing_unit_axis)
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import I32, _assert, _reduce_ids
+from pkm_serve.export.position_constants import constant_factor, scaled_position_rows
 from pkm_serve.export.position_slices import _slice_entries, slice_position, unwrapped, wrap_negative
 from pkm_serve.export.sites import (NotASite, Site, Skip, check_private, dims, same_dims, shared_by_bags,
                                     tensor_dtype)
@@ -234,7 +235,7 @@ def _gather_site(fg: FunctionGraph, site: Site, term: _Term) -> None:
         term.site.internal = tuple(term.own + term.rows.nodes + term.rows.gather.nodes)
         term.site.intermediate_itemsizes = tuple(term.rows.itemsizes)
     for key in ("params", "params_is_resource", "index_dtype", "table_dtype", "table", "table_shape", "dtype",
-                "cast_to", "rounded_to", "cast_enum"):
+                "cast_to", "rounded_to", "cast_enum", "negative_ids_padding", "ids_past_rows_padding"):
         setattr(site, key, getattr(term.site, key))
 
 
@@ -340,7 +341,8 @@ def _candidate_terms(fg: FunctionGraph, leaves: List[Ref], site: Site, kept=None
     """Each leaf as a position term (kept: its unit axis kept) or None; NotASite unless two of them are
     positions of one ids tensor in one table (token + position embeddings, features of other tables: no bag)."""
     site.pattern = POSITIONS_PATTERN
-    terms = [_position_rows(fg, ref, site.function, bool(kept and kept[i])) for i, ref in enumerate(leaves)]
+    terms = [scaled_position_rows(fg, ref, site.function, bool(kept and kept[i]), _position_rows)
+             for i, ref in enumerate(leaves)]
     groups = collections.Counter((t.ids[0], t.table) for t in terms if t is not None)
     if not groups or max(groups.values()) < 2:
         raise NotASite()
@@ -376,9 +378,10 @@ def _positions_site(fg: FunctionGraph, node, site: Site, terms: List[_Term], own
     internal: List[str] = list(own)
     for term in terms:
         _gather_site(fg, site, term)
-        internal.extend(term.site.internal)
+        internal.extend(term.site.internal + tuple(term.own))  # own: a scaled term's Muls (position_constants)
     site.weights = weights_source if site.weighted else None
     site.indices = ids_source
+    constant_factor(fg, terms, site)  # rows[:, k] * w[:, k:k+1] * c: c one more factor of the weights
     if first.sliced is not None and site.table_shape[0] is None:
         raise Skip("the table's rows are unknown, so the ids the sliced rows gathered cannot be range-checked")
     if site.weighted and all(t.kept for t in terms):
@@ -421,10 +424,11 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
                                       broadcast_against(fg, prefix + "/weights_all", site.weights, site.indices))
     checks = [] if span.clamped else [_width_check(fg, prefix + "/ids", site, site.indices, span.stop,
                                                    span.ids_width, "ids")]
-    if site.weights is not None and (span.weights_width is not None or not span.weighs_all):  # w[:, k] refuses
+    if site.weights is not None and not site.weights_scalar and (span.weights_width is not None or
+                                                                  not span.weighs_all):  # w[:, k] refuses
         checks.append(_width_check(fg, prefix + "/weights", site, site.weights, span.stop, span.weights_width,
                                    "weights"))
-    if span.gathers_all:
+    if span.gathers_all and not site.negative_ids_padding:  # a one-hot lookup's ids outside [0, N) are zero rows
         checks.append(_assert_every_id_in_range(fg, site, prefix + "/range_check", span.wrapped))
     site.indices = _positions(fg, prefix + "/ids", site.indices, span.first, span.stop, rank, checks)
     if span.ids_cast is not None:  # tf.cast(ids)[..., a:b] is what each tf.cast(ids[..., k]) took
@@ -432,7 +436,7 @@ def take_positions(fg: FunctionGraph, site: Site) -> None:
                                  shapes=[dims(fg.shape(site.indices))])
     if span.wrapped:  # as keras.ops.take does: where(ids < 0, ids + N, ids)
         site.indices = wrap_negative(fg, prefix + "/wrapped", site)
-    if site.weights is not None:
+    if site.weights is not None and not site.weights_scalar:  # a scalar (a constant folded in) weighs every id
         site.weights = _positions(fg, prefix + "/weights", site.weights, span.first, span.stop,
                                   fg.shape(site.weights).rank, checks)
 

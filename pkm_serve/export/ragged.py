@@ -93,16 +93,11 @@ def match_unsorted_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
         # op gives an empty bag zeros, so the fused site writes it back.
         site.empty_bag_lowest = True
     splits = splits_of_segment_ids(fg, seg)
-    if splits is None and node.op == "UnsortedSegmentSum":  # ids in any order: sorted before the op
+    if splits is None:  # ids in any order: sorted before the op
         return match_any_segment_ids(fg, site, rows, seg, num_segments)
-    if splits is None:
-        raise Skip("segment ids are not those of a ragged row partition (row_splits), "
-                   "so the bags may be unsorted")
     try:
         check_partition_of(fg, splits, seg, num_segments)
     except Skip:
-        if node.op != "UnsortedSegmentSum":
-            raise
         # other bags of the partition's values (reversed, a fixed num_segments): sorted before the op
         return match_any_segment_ids(fg, site, rows, seg, num_segments)
     site.row_splits = splits

@@ -46,22 +46,24 @@ def match_reduce_max(fg: FunctionGraph, node, site: Site) -> Site:
     return dense.match_reduce_max(fg, node, site, scaling=sys.modules[__name__])
 
 
-def resolve_scale(fg: FunctionGraph, node, ins: List[Ref], rows, site: Site) -> Ref:
+def resolve_scale(fg: FunctionGraph, node, ins: List[Ref], rows, site: Site, op: Optional[str] = None) -> Ref:
     """Records a Mul (the rows already have weights), RealDiv(rows, d) or Neg(rows) as a factor of the
     site's weight; returns the rows side. NotASite where neither side (or both) is the rows, or where the
-    factor is computed from the gathered rows themselves (a row norm: embedding_lookup's max_norm clip)."""
-    if node.op == "Neg":
+    factor is computed from the gathered rows themselves (a row norm: embedding_lookup's max_norm clip).
+    `op`: the node's op as a multiply of the rows (dense._multiply_op: multiply_no_nan(rows, f) is "Mul")."""
+    op = op or node.op
+    if op == "Neg":
         rows.factors.append(Factor("neg", None, False, False))
         site.weighted = True
         return ins[0]
-    sides = [(ins[0], ins[1])] if node.op == "RealDiv" else [(ins[0], ins[1]), (ins[1], ins[0])]
+    sides = [(ins[0], ins[1])] if op == "RealDiv" or node.op == "MulNoNan" else [(ins[0], ins[1]), (ins[1], ins[0])]
     found = [(r, f) for r, f in sides if leads_to_gather(fg, r) and not leads_to_gather(fg, f)]
     if not found:
         raise NotASite()
     rows_ref, factor_ref = found[0]
     if _gathers(fg, factor_ref) & _gathers(fg, rows_ref):
         raise NotASite()
-    kind = "mul" if node.op == "Mul" else "div"
+    kind = "mul" if op == "Mul" else "div"
     if rows.ones is not None:  # a multiply by ones before: a factor like any other (it may broadcast)
         rows.factors.append(Factor("mul", rows.ones, rows.ones_squeeze, False))
         rows.ones = None

@@ -72,6 +72,7 @@ class Site:
     dense_shape: Optional[Ref] = None     # safe_: [2]; dense_shape[0] bags
     default_id: Optional[int] = None      # safe_: row an empty bag gets (None: zeros)
     empty_bag_lowest: bool = False        # ragged max: an empty bag is the dtype's lowest
+    empty_bags: Optional[Ref] = None      # [bags, 1] bool, where not read off the row_splits (unsorted_segments.py)
     internal: Tuple[str, ...] = ()     # nodes only the site uses (removed on fusion)
     dead_after: Tuple[str, ...] = ()   # nodes that become unused once fused
     intermediate_itemsizes: Tuple[int, ...] = ()  # one per [..., K, D] tensor built

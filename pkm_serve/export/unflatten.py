@@ -9,6 +9,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from pkm_serve.export.graph import FunctionGraph, Ref
+from pkm_serve.export.one_hot_lookup import one_hot_lookup
 from pkm_serve.export.sites import GATHER_OPS, NotASite, Site, Skip, through_identity
 
 
@@ -23,12 +24,14 @@ def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Tuple[Ref, Optional[Li
     Skip where the reshape is not proven to undo the flattening."""
     flat_rows = through_identity(fg, ins[0], [])
     gather = fg.producer(flat_rows)
-    if gather is None or gather.op not in GATHER_OPS:
+    gathered_ids = one_hot_lookup(fg, gather)  # tf.matmul(tf.one_hot(ids, N), table) is a gather too
+    if gathered_ids is None and (gather is None or gather.op not in GATHER_OPS):
         return _regrouped_rows(fg, ins, flat_rows, None)  # cast rows, say: the gather's ids, once found
-    flatten = fg.producer(through_identity(fg, fg.inputs(gather)[1], []))
+    gathered_ids = fg.inputs(gather)[1] if gathered_ids is None else gathered_ids
+    flatten = fg.producer(through_identity(fg, gathered_ids, []))
     target = fg.const_value(fg.inputs(flatten)[1]) if flatten is not None and flatten.op == "Reshape" else None
     if target is None or np.ravel(target).tolist() != [-1]:
-        return _regrouped_rows(fg, ins, flat_rows, gather)
+        return _regrouped_rows(fg, ins, flat_rows, gathered_ids)
     ids = through_identity(fg, fg.inputs(flatten)[0], [])
     width, ids_shape = fg.shape(flat_rows)[-1], fg.shape(ids)
     if width is None or ids_shape.rank is None or ids_shape.rank < 2:
@@ -40,7 +43,7 @@ def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Tuple[Ref, Optional[Li
     raise Skip("gathered rows of flattened ids are reshaped to a shape not proven to be the ids' shape + [D]")
 
 
-def _regrouped_rows(fg: FunctionGraph, ins: List[Ref], rows: Ref, gather) -> Tuple[Optional[Ref], List[int]]:
+def _regrouped_rows(fg: FunctionGraph, ins: List[Ref], rows: Ref, gathered_ids) -> Tuple[Optional[Ref], List[int]]:
     """Reshape(table[ids], T + [D]) with a constant T (keras.ops.reshape(rows, [-1, D]) before a segment
     sum, [B, F * K, D] rows regrouped to [B, F, K, D]) is table[reshape(ids, T)]: each row stays whole
     when the last axis is D. Returns (ids, T), ids None where `rows` are not the gather's output (the gather
@@ -51,7 +54,7 @@ def _regrouped_rows(fg: FunctionGraph, ins: List[Ref], rows: Ref, gather) -> Tup
     target = [int(d) for d in np.ravel(target)]
     if target[-1] != width or target[:-1].count(-1) > 1 or any(d < -1 for d in target):
         raise NotASite()
-    return None if gather is None else through_identity(fg, fg.inputs(gather)[1], []), target[:-1]
+    return None if gathered_ids is None else through_identity(fg, gathered_ids, []), target[:-1]
 
 
 def _is_shape_plus_width(fg: FunctionGraph, shape_ref: Ref, ids: Ref, width: int) -> bool:

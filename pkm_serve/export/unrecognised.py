@@ -3,7 +3,7 @@ Sum/Mean over the bag axis that no matcher took, and the max_norm clip that
 both the dense and the sparse search name."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 
@@ -139,12 +139,17 @@ def _transposed_table_reason(fg: FunctionGraph, x, rank: int) -> Optional[str]:
     of gathered rows transposed to [..., D, K]: a bag, reported; None for any other last-axis
     reduction (over D: each row's own)."""
     producer = fg.producer(through_identity(fg, x, []))
+    steps = _steps_after_transposed_rows(fg, x, rank)
+    if steps:
+        return (f"the gathered rows are transposed to [..., D, K], then {' -> '.join(steps)} before the reduction "
+                "over K: a multiplier or mask applied after the transpose is not fused (apply it before the "
+                "transpose, which is fused)")
     if producer is not None and producer.op == "Transpose" and leads_to_gather(fg, fg.inputs(producer)[0]):
         perm = fg.const_value(fg.inputs(producer)[1])
         if perm is not None and list(np.reshape(perm, [-1])) == list(range(rank - 2)) + [rank - 1, rank - 2]:
-            return ("the gathered rows are transposed to [..., D, K] and reduced over K (the bag axis, "
-                    "e.g. Permute + channels_first pooling): the transpose stays between the gather and "
-                    "the reduction, so the site stays composite")
+            return ("the gathered rows are transposed to [..., D, K] and reduced over K (the bag axis) with "
+                    "keepdims=True ([..., D, 1], the fused bag's unit axis would come before D) or through "
+                    "steps that are not fused: the site stays composite")
     if producer is None or producer.op != "GatherV2":
         return None
     params, _, axis_ref = fg.inputs(producer)[:3]
@@ -155,6 +160,24 @@ def _transposed_table_reason(fg: FunctionGraph, x, rank: int) -> Optional[str]:
     return ("the table is stored transposed ([D, N]) and gathered along axis 1, then reduced over "
             "the ids' last axis: the op reads rows of an [N, D] table, so the site stays composite "
             "(store the table as [N, D] and tf.gather its rows)")
+
+
+def _steps_after_transposed_rows(fg: FunctionGraph, x, rank: int, depth: int = 3) -> List[str]:
+    """The elementwise ops (outermost last) between gathered rows transposed to [..., D, K] and `x`, else []."""
+    producer = fg.producer(through_identity(fg, x, []))
+    if producer is None or depth == 0 or producer.op not in ("Mul", "MulNoNan", "RealDiv", "SelectV2", "Cast", "Neg"):
+        return []
+    for ref in fg.inputs(producer):
+        inner = fg.producer(through_identity(fg, ref, []))
+        if inner is not None and inner.op == "Transpose" and leads_to_gather(fg, fg.inputs(inner)[0]) and \
+                fg.shape(ref).rank == rank:
+            perm = fg.const_value(fg.inputs(inner)[1])
+            if perm is not None and list(np.reshape(perm, [-1])) == list(range(rank - 2)) + [rank - 1, rank - 2]:
+                return [producer.op]
+        below = _steps_after_transposed_rows(fg, ref, rank, depth - 1)
+        if below:
+            return below + [producer.op]
+    return []
 
 
 def _padded_rows_reason(op: str, path) -> str:

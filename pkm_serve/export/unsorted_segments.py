@@ -1,6 +1,8 @@
-"""tf.math.unsorted_segment_sum(rows [* w], segment_ids, num_segments) of gathered rows whose segment ids
-are not a row partition's (tf.repeat(tf.range(B), K) of flattened [B, K] ids, ids grouped by a key, in any
-order): bag s is the sum over the entries whose segment id is s, in num_segments bags.
+"""tf.math.unsorted_segment_sum(rows [* w], segment_ids, num_segments) (or unsorted_segment_max(rows, ...)) of
+gathered rows whose segment ids are not a row partition's (tf.repeat(tf.range(B), K) of flattened [B, K] ids,
+ids grouped by a key, in any order): bag s is the sum (max) over the entries whose segment id is s, in
+num_segments bags. A max bag with no entry kept is the dtype's lowest value, as unsorted_segment_max gives it
+(counted from the kept entries: a negative segment id's entry is sorted into bag 0 as padding).
 
 Fused as PkmRaggedEmbeddingBag after a stable sort of the entries by segment id (a TopK of the negated ids:
 TOPK_V2 in a .tflite), with row_splits counted from the sorted ids and num_segments (fuse.row_splits). An
@@ -14,9 +16,9 @@ import dataclasses
 import numpy as np
 from tensorflow.core.framework import types_pb2
 
-from pkm_serve.export import dense, sparse
+from pkm_serve.export import dense, scales, sparse
 from pkm_serve.export.flat_bags import after
-from pkm_serve.export.fuse import _regrouped_ids, _squeeze_last
+from pkm_serve.export.fuse import _regrouped_ids, _segment_count, _squeeze_last
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import _assert
 from pkm_serve.export.segment_ids import int32_segment_ids
@@ -33,30 +35,43 @@ def match_any_segment_ids(fg: FunctionGraph, site: Site, rows, seg: Ref, num_seg
     seg_shape = fg.shape(seg)
     if rows.regathers or ids_rank != 1 or seg_shape.rank != 1 or fg.shape(num_segments).rank != 0:
         raise Skip("segment ids are neither a ragged row partition's nor one per gathered row of flat ids")
-    if site.mask is not None and site.mask_squeeze:
-        raise Skip("masked rows summed by segment ids in any order: the mask is not one per id")
     site.pattern = SEGMENT_PATTERN
     site.segment_ids, site.num_segments, site.segments_unsorted = seg, num_segments, True
     return site
 
 
-def match_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
-    """tf.math.segment_sum (keras.ops.segment_sum(sorted=True)) of rows regrouped to [B * K, D] (rows of [B, K]
-    ids flattened by a reshape, cast or not): the bags of the flattened ids by the sorted segment ids (their
-    order asserted, as for every segment sum fused). Any other segment_sum: sparse.match_segment_sum."""
+_SORTED_SEGMENT_COMBINERS = {"SegmentSum": "sum", "SegmentMean": "mean", "SegmentMax": "max"}
+
+
+def match_segment_reduce(fg: FunctionGraph, node, site: Site) -> Site:
+    """tf.math.segment_sum/mean/max (keras.ops.segment_sum/max(sorted=True)) of rows regrouped to [B * K, D]
+    (rows of [B, K] ids flattened by a reshape, cast or not; weighted, masked or scaled for a sum), or of flat ids
+    scaled by several factors (which the sparse matchers do not take): the bags of
+    the flattened ids by the sorted segment ids (their order asserted, as for every segment reduction fused).
+    Any other: sparse.match_segment_sum/mean/max."""
     data, seg = fg.inputs(node)
     scratch = dataclasses.replace(site)
     try:
-        rows = dense.resolve_rows(fg, data, scratch)
+        rows = dense.resolve_rows(fg, data, scratch, scaling=scales)  # rows * w * mask: one weight (scales.py)
     except (NotASite, Skip):
         rows = None
-    if rows is None or rows.unflattened_rows is None or rows.mask is not None or rows.ones is not None or \
-            rows.weights is not None or rows.regathers:
-        return sparse.match_segment_sum(fg, node, site)
-    scratch.pattern, scratch.combiner = SEGMENT_PATTERN, "sum"
+    scaled_flat_ids = rows is not None and bool(rows.factors) and fg.shape(rows.gather.indices).rank == 1
+    if rows is None or rows.regathers or (rows.unflattened_rows is None and not scaled_flat_ids):
+        fallback = {"SegmentSum": sparse.match_segment_sum, "SegmentMean": sparse.match_segment_mean}
+        return fallback.get(node.op, sparse.match_segment_max)(fg, node, site)
+    scratch.pattern, scratch.combiner = SEGMENT_PATTERN, _SORTED_SEGMENT_COMBINERS[node.op]
     dense.apply_rows(fg, scratch, rows, node.name, data)
-    if fg.shape(data).rank != 2 or scratch.regroup_ids is None or len(scratch.regroup_ids) != 1:
-        raise Skip("segment_sum of gathered rows reshaped to other than [ids, D]")
+    if node.op != "SegmentSum" and (scratch.weights is not None or scratch.mask is not None or rows.factors or
+                                    scratch.ones is not None):
+        raise Skip(f"a {scratch.combiner} by segment of weighted or masked flattened rows: a masked row counts in "
+                   "the composite's mean and as a 0 in its max, and the op's weighted mean divides by the weights' "
+                   "sum: not fused")
+    if rows.factors:
+        scales.check_factors(fg, scratch, rows.factors, dense.bag_ids_shape(fg, scratch, rows))
+        scratch.weight_factors = tuple(rows.factors)
+    ids_rank = fg.shape(scratch.indices).rank if scratch.regroup_ids is None else len(scratch.regroup_ids)
+    if fg.shape(data).rank != 2 or ids_rank != 1:
+        raise Skip(f"segment_{scratch.combiner} of gathered rows reshaped to other than [ids, D]")
     scratch.segment_ids, scratch.segments_counted = seg, True
     return scratch
 
@@ -82,6 +97,8 @@ def sort_by_segment(fg: FunctionGraph, site: Site) -> None:
             prefix + "/mask_kept", "LogicalNot", [site.mask], {}, shapes=[[None]])
         kept = fg.add_op(prefix + "/kept_and_masked", "LogicalAnd", [kept, mask], {}, shapes=[[None]])
     seg = fg.add_op(prefix + "/seg_from_zero", "Maximum", [seg, zero], {"T": I32}, shapes=[[None]])
+    if site.combiner == "max":
+        site.empty_bags = _bags_without_entries(fg, site, prefix, seg, kept)
     negated = fg.add_op(prefix + "/negated", "Neg", [seg], {"T": I32}, shapes=[[None]])
     count = fg.add_op(prefix + "/count", "Size", [seg], {"T": I32, "out_type": I32}, shapes=[[]])
     order = Ref(fg.add_op(prefix + "/top", "TopKV2", [negated, count], {"T": I32, "sorted": True, "Tk": I32},
@@ -101,6 +118,20 @@ def sort_by_segment(fg: FunctionGraph, site: Site) -> None:
     site.segments_unsorted = False
 
 
+def _bags_without_entries(fg: FunctionGraph, site: Site, prefix: str, seg: Ref, kept: Ref) -> Ref:
+    """[num_segments, 1] bool: no kept entry has that segment id (`seg` >= 0)."""
+    kept_count = fg.add_op(prefix + "/kept_each", "Cast", [kept], {"SrcT": DType(types_pb2.DT_BOOL), "DstT": I32,
+                                                                   "Truncate": False}, shapes=[[None]])
+    counts = fg.add_op(prefix + "/kept_counts", "UnsortedSegmentSum", [kept_count, seg, _segment_count(
+        fg, site, prefix + "/kept_counts", seg)], {"T": I32, "Tindices": I32, "Tnumsegments": I32}, shapes=[[None]])
+    zero = fg.add_const(prefix + "/no_entries/zero", np.array(0, np.int32))
+    none_kept = fg.add_op(prefix + "/no_entries", "Equal", [counts, zero], {"T": I32, "incompatible_shape_error": True},
+                          shapes=[[None]])
+    last_axis = fg.add_const(prefix + "/no_entries/last_axis", np.array(-1, np.int32))
+    return fg.add_op(prefix + "/bags_without_entries", "ExpandDims", [none_kept, last_axis],
+                     {"T": DType(types_pb2.DT_BOOL), "Tdim": I32}, shapes=[[None, 1]])
+
+
 def _broadcast_entries(fg: FunctionGraph, site: Site, prefix: str) -> None:
     """The ids, weights and mask broadcast against each other: the composite's rows * w and where(mask, rows, 0)
     broadcast them, so its segment sum takes one segment id per entry of that broadcast (one id fed against
@@ -108,6 +139,9 @@ def _broadcast_entries(fg: FunctionGraph, site: Site, prefix: str) -> None:
     if site.weights is not None and not site.weights_scalar and site.weights_squeeze:
         site.weights, site.weights_squeeze = _squeeze_last(
             fg, prefix + "/weights_squeezed", site.weights, tensor_dtype(fg, site.weights)), False
+    if site.mask is not None and site.mask_squeeze:  # where(mask [nnz, 1], rows, 0): one entry each
+        site.mask, site.mask_squeeze = _squeeze_last(fg, prefix + "/mask_squeezed", site.mask,
+                                                     types_pb2.DT_BOOL), False
     others = [ref for ref in (None if site.weights_scalar else site.weights, site.mask) if ref is not None]
     if not others:
         return
@@ -142,7 +176,7 @@ def _check_one_segment_id_per_id(fg: FunctionGraph, site: Site, prefix: str) -> 
                      {"T": I32, "incompatible_shape_error": True}, shapes=[[]])
     counts = fg.add_op(prefix + "/counts", "Pack", [ids_count, seg_count], {"T": I32, "N": 2, "axis": 0},
                        shapes=[[2]])
-    check = _assert(fg, prefix + "/count_check", same, f"unsorted_segment_sum fused in {site.root}: the ids and the "
-                    "segment ids have", (counts, types_pb2.DT_INT32), "entries, but the original's segment sum "
-                    "takes one segment id per gathered row", "/message_counts")
+    check = _assert(fg, prefix + "/count_check", same, f"segment {site.combiner} fused in {site.root}: the ids and "
+                    "the segment ids have", (counts, types_pb2.DT_INT32), f"entries, but the original's segment "
+                    f"{site.combiner} takes one segment id per gathered row", "/message_counts")
     return after(fg, prefix + "/ids_counted", site.indices, check)

@@ -63,8 +63,8 @@ UNFUSABLE = {
                            "split into shards"),
     "gather_nd_of_reshaped_ids": ([IDS], lambda m, ids: tf.reduce_sum(
         tf.gather_nd(m.t, tf.reshape(ids, [-1, 5, 1])), axis=1), "tf.gather_nd of indices that are not"),
-    "transposed_rows": ([IDS], lambda m, ids: tf.reduce_mean(tf.transpose(tf.gather(m.t, ids), [0, 2, 1]), axis=2),
-                        "transposed to [..., D, K]"),
+    "transposed_rows_keepdims": ([IDS], lambda m, ids: tf.reduce_mean(
+        tf.transpose(tf.gather(m.t, ids), [0, 2, 1]), axis=2, keepdims=True), "transposed to [..., D, K]"),
     "transposed_table": ([IDS], lambda m, ids: tf.reduce_sum(tf.gather(m.t_transposed, ids, axis=1), axis=2),
                          "stored transposed"),
 }

@@ -273,15 +273,13 @@ def test_per_position_terms_weighted_by_an_entry_of_positional_weights_are_a_wei
                                        rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("form", ["entry_of_another_position", "one_constant_for_every_position",
-                                  "entries_of_two_weight_vectors"])
+@pytest.mark.parametrize("form", ["entry_of_another_position", "entries_of_two_weight_vectors"])
 def test_per_position_scalar_weights_that_are_no_positional_weights_are_reported(tmp_path, form):
-    """v[k + 1] on position k, a weight that is the same constant for every term, and entries of two
-    vectors are reported, as before, and left as written."""
+    """v[k + 1] on position k and entries of two vectors are reported, as before, and left as written
+    (one constant for every term is fused: test_export_forms_round36.py)."""
     def body(m, ids):
         rows = [tf.gather(m.t, ids[:, k]) for k in range(K - 1)]
         factor = {"entry_of_another_position": lambda k: m.v[k + 1],
-                  "one_constant_for_every_position": lambda k: tf.constant(0.5),
                   "entries_of_two_weight_vectors": lambda k: (m.v if k < 2 else 2.0 * m.v)[k]}[form]
         return tf.add_n([r * factor(k) for k, r in enumerate(rows)])
     result = save_and_export(tmp_path, [IDS], body)
