@@ -45,6 +45,18 @@ _EXPECTED_URL = "/v1/models/NAME[/versions/N|/labels/L][/metadata|:predict|:clas
 _INT64_MAX = (1 << 63) - 1
 
 
+# An absolute-form request target's scheme and authority ("http://host:8501" before the path).
+_ABSOLUTE_FORM_PREFIX = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*")
+
+
+def _path_and_query(request_target: str) -> str:
+    """The request target's path and query as sent, as TF Serving's EvHTTPRequest::uri_path
+    (evhttp_uri_parse): an absolute-form target ("POST http://host/v1/...", which an HTTP/1.1
+    server must accept, RFC 9112 3.2.2) yields the same as its origin form."""
+    prefix = _ABSOLUTE_FORM_PREFIX.match(request_target)
+    return request_target[prefix.end():] if prefix else request_target
+
+
 def _parse_url(method, raw_path):
     """(ModelSpec, api) of a /v1/ request, or ServingError as TF Serving's handler answers."""
     pattern = {"POST": _POST_URL, "GET": _GET_URL}.get(method)
@@ -244,7 +256,7 @@ class RestFrontend:
         # The path with its query, as TF Serving's handler matches it (EvHTTPRequest::uri_path
         # is path_and_query): "?x=1" after a verb makes the URL malformed, after a name it is
         # part of the name; it was dropped here, so such URLs were served.
-        raw_path = request.raw_path
+        raw_path = _path_and_query(request.raw_path)   # (an absolute-form target was a 404)
         if not raw_path.lower().startswith("/v1/"):
             # TF Serving hands every /v1/ path to its API handler; other paths have no handler.
             return _error(grpc.StatusCode.NOT_FOUND,

@@ -36,7 +36,7 @@ def json_type(value) -> str:
 
 
 def is_b64(v):
-    return isinstance(v, dict) and set(v) == {"b64"}
+    return isinstance(v, dict) and len(v) == 1 and "b64" in v   # (no set built: it runs per instance)
 
 
 def signature_name(doc):
@@ -149,19 +149,20 @@ def rows_to_inputs(instances, specs, may_hold_bools=True):
         raise invalid("instances is a plain list, but expecting list of objects as multiple input tensors "
                       f"required as per tensorinfo_map (the signature's inputs: {sorted(specs)})")
     named = _is_named(instances[0])
+    names = specs.keys()
     for i, x in enumerate(instances):
-        if named and not _is_named(x):
-            raise invalid(f"Expecting object but got list at item {i} of input list")
-        if not named and _is_named(x):
-            raise invalid(f"Expecting value/list but got object at item {i} of input list")
-        if named:
-            for key in x:
-                if key not in specs:
-                    raise invalid(f"Failed to process element: {i} key: {key} of 'instances' list. Error: "
-                                  f"INVALID_ARGUMENT: JSON object: does not have named input: {key}")
-            if set(x) != set(specs):
-                raise invalid(f"Failed to process element: {i} of 'instances' list. JSON object: "
-                              f"{json_value(x)} keys must be equal to: {','.join(sorted(specs))}")
+        if _is_named(x) != named:
+            raise invalid(f"Expecting object but got list at item {i} of input list" if named else
+                          f"Expecting value/list but got object at item {i} of input list")
+        # Compared as key views, no set built per instance (this loop is on the hot path);
+        # the first unknown key, if any, is named as AddInstanceItem names it.
+        if named and x.keys() != names:
+            unknown = next((key for key in x if key not in specs), None)
+            if unknown is not None:
+                raise invalid(f"Failed to process element: {i} key: {unknown} of 'instances' list. Error: "
+                              f"INVALID_ARGUMENT: JSON object: does not have named input: {unknown}")
+            raise invalid(f"Failed to process element: {i} of 'instances' list. JSON object: "
+                          f"{json_value(x)} keys must be equal to: {','.join(sorted(specs))}")
     if not named:
         (name, s), = specs.items()
         return {name: _from_json(name, instances, s, may_hold_bools, _instances_fault)}

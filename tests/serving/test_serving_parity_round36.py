@@ -15,7 +15,9 @@
 - Classify and Regress check the signature as classifier.cc's PreProcessClassification and
   regressor.cc's PreProcessRegression do: the one input must be keyed "inputs", a
   classification signature has one or two outputs, a regression one exactly one (another key
-  and more outputs were accepted here)."""
+  and more outputs were accepted here);
+- an absolute-form request target (http://host/v1/...) is read by its path and query, as
+  evhttp_uri_parse reads it (it was a 404)."""
 import grpc
 import numpy as np
 import pytest
@@ -299,3 +301,29 @@ def test_a_body_that_is_not_the_gzip_it_claims_is_a_400(server):
     ok = requests.post(url, data=gzip.compress(b'{"instances": [[1.0, 2.0]]}'), timeout=30,
                        headers={"Content-Encoding": "gzip"})
     assert ok.status_code == 200 and ok.json() == {"predictions": [[2.0, 4.0]]}
+
+
+@pytest.mark.parametrize("method, path, body", [
+    ("GET", "/v1/models/m", None),
+    ("GET", "/v1/models/m/metadata", None),
+    ("POST", "/v1/models/m:predict", b'{"instances": [[1.0, 2.0]]}'),
+    ("POST", "/v1/models/m:predict?x=1", b'{"instances": [[1.0, 2.0]]}'),   # malformed either way
+])
+def test_an_absolute_form_request_target_is_answered_as_its_path(server, method, path, body):
+    """HTTP/1.1 servers must accept a request target in absolute form ("POST http://host/v1/...",
+    RFC 9112 3.2.2), as a client sends it to what it takes for a proxy; TF Serving's
+    evhttp_request.cc takes the path and query out of it (evhttp_uri_parse). The same request
+    in origin form is the reference. It was a 404 'Malformed request: POST http://...'."""
+    import http.client
+    import json
+    host, port = server.rest_url.removeprefix("http://").split(":")
+
+    def answer(target):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            conn.request(method, target, body=body, headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            return response.status, json.loads(response.read())   # (a map's order may vary)
+        finally:
+            conn.close()
+    assert answer(server.rest_url + path) == answer(path)
