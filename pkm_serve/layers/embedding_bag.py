@@ -296,10 +296,9 @@ def _refuse_listed_inputs(indices):
     Where every tensor holds integers the caller meant several id tensors, not ids and weights."""
     if not isinstance(indices, (list, tuple)):
         return
-    if not any(keras.ops.is_tensor(x) or keras.backend.is_keras_tensor(x) or hasattr(x, "__array__")
-               for x in keras.tree.flatten(indices)):
+    if not any(_is_tensor_like(x) for x in keras.tree.flatten(indices)):
         _refuse_python_ids(indices)
-    if any(keras.ops.is_tensor(x) or keras.backend.is_keras_tensor(x) or hasattr(x, "__array__") for x in indices):
+    if any(_is_tensor_like(x) for x in indices):
         listed = f"a {type(indices).__name__} of {len(indices)} tensors"
         takes = ("EmbeddingBag takes layer(indices) or layer(indices, weights): indices one integer "
                  "[..., K] tensor (each row along the last axis a bag; -1 pads)")
@@ -311,6 +310,15 @@ def _refuse_listed_inputs(indices):
                              "(keras.ops.stack / np.stack, bags of one length) or call the layer on each")
         raise ValueError(f"{takes}, got {listed}: pass per-index weights as the second argument, "
                          "layer(indices, weights), not in a list with the indices")
+
+
+def _is_tensor_like(x):
+    """A tensor, KerasTensor or array; not a numpy scalar (np.int64(3), as iterating an array gives):
+    a list of those is Python ids, and counted as tensors it got "a list of 2 tensors" or, nested,
+    AttributeError "'list' object has no attribute 'shape'"."""
+    if isinstance(x, np.generic):
+        return False
+    return keras.ops.is_tensor(x) or keras.backend.is_keras_tensor(x) or hasattr(x, "__array__")
 
 
 def _refuse_python_ids(indices):
