@@ -213,7 +213,9 @@ class EmbeddingBag(keras.layers.Layer):
         """call() under JAX / PyTorch: dense [..., K] bags (ragged bags: pkm_serve.backends.embedding_bag)."""
         ops = keras.ops
         if type(indices).__name__ == "BCOO":   # keras.Input(sparse=True) under JAX
-            indices, weights = _jax_sparse_bags_as_padded(indices, weights)
+            from pkm_serve.layers._jax_sparse import jax_sparse_bags_as_padded
+
+            indices, weights = jax_sparse_bags_as_padded(indices, weights)
         indices = ops.convert_to_tensor(indices)
         if len(indices.shape) == 0:
             raise ValueError(
@@ -365,35 +367,6 @@ def _refuse_tf_composite_ids(indices):
         f"EmbeddingBag: under the {keras.backend.backend()} backend indices are a dense [..., K] tensor, got a "
         f"tf.{kind}: pad the bags with -1 (padding ids add nothing), {padded}, or call "
         "pkm_serve.backends.embedding_bag with values and row_splits")
-
-
-def _jax_sparse_bags_as_padded(indices, weights):
-    """`[batch, K]` BCOO ids (a `keras.Input(sparse=True)` under JAX), and BCOO weights at the same
-    positions, as dense bags padded with -1 where no entry is present: the entries present form each
-    bag, as TF reads a tf.SparseTensor (its `todense()` alone gave absent entries id 0, a real row).
-    Positions hold one entry each (as scipy / Keras' sparse inputs after sum_duplicates)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import sparse
-
-    if indices.ndim != 2:
-        raise ValueError(f"EmbeddingBag: sparse indices must be [batch, K] (rank 2), got shape {indices.shape}")
-
-    def present(bcoo):
-        return sparse.BCOO((jnp.ones_like(bcoo.data, jnp.int32), bcoo.indices), shape=bcoo.shape).todense() > 0
-
-    ids_present = present(indices)
-    padded = jnp.where(ids_present, indices.todense(), -1)
-    if weights is None:
-        return padded, None
-    if type(weights).__name__ != "BCOO" or weights.shape != indices.shape:
-        raise ValueError("EmbeddingBag: indices are a sparse BCOO, so weights must be one with the same "
-                         f"positions (got {type(weights).__name__} of shape {getattr(weights, 'shape', None)})")
-    weights_present = present(weights)
-    if not isinstance(weights_present, jax.core.Tracer) and not bool(jnp.all(weights_present == ids_present)):
-        raise ValueError("EmbeddingBag: sparse weights must hold an entry at each position of the sparse "
-                         "indices, and none elsewhere")
-    return padded, weights.todense()
 
 
 def _no_autocast_scope():
