@@ -296,6 +296,9 @@ def _refuse_listed_inputs(indices):
     multi-input layers take them: it failed deep in Keras ("Cannot convert '8' to a shape", "'list'
     object has no attribute 'shape'") or, eagerly under TF, packed ids and weights into one tensor.
     Where every tensor holds integers the caller meant several id tensors, not ids and weights."""
+    if isinstance(indices, (int, float)):   # (bool too) Keras said "pass it as a keyword argument"
+        raise ValueError(f"EmbeddingBag: indices must have at least one dimension (the bag axis, [..., K]); "
+                         f"got a Python {type(indices).__name__} ({indices!r}): pass np.asarray([[id]], 'int32')")
     if not isinstance(indices, (list, tuple)):
         return
     if not any(_is_tensor_like(x) for x in keras.tree.flatten(indices)):
