@@ -46,7 +46,7 @@ class EmbeddingBag(keras.layers.Layer):
             ragged (bags of varying size), or (TF) a `[batch, K]`
             `tf.SparseTensor` whose entries present form each bag (weights: one
             at the same positions; under JAX a `[batch, K]` BCOO, as from
-            `keras.Input(sparse=True)`, alike); otherwise under JAX / PyTorch dense only (pad ragged
+            `keras.Input(sparse=True)`, alike, one entry per position); otherwise under JAX / PyTorch dense only (pad ragged
             bags with -1; a list `[indices, weights]` is refused: pass weights as the
             second argument). Negative indices are padding: they
             add nothing and are not counted by mean/sqrtn. Float indices are
@@ -295,7 +295,8 @@ def _refuse_listed_inputs(indices):
     """ValueError for a list or tuple of tensors as indices, e.g. layer([ids, weights]) as Keras'
     multi-input layers take them: it failed deep in Keras ("Cannot convert '8' to a shape", "'list'
     object has no attribute 'shape'") or, eagerly under TF, packed ids and weights into one tensor.
-    Where every tensor holds integers the caller meant several id tensors, not ids and weights."""
+    Where every tensor holds integers the caller meant several id tensors, not ids and weights.
+    Python ids (numbers, nested lists) get a ValueError naming np.asarray."""
     if isinstance(indices, (int, float)):   # (bool too) Keras said "pass it as a keyword argument"
         raise ValueError(f"EmbeddingBag: indices must have at least one dimension (the bag axis, [..., K]); "
                          f"got a Python {type(indices).__name__} ({indices!r}): pass np.asarray([[id]], 'int32')")
