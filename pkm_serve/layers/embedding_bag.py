@@ -46,7 +46,7 @@ class EmbeddingBag(keras.layers.Layer):
             ragged (bags of varying size), or (TF) a `[batch, K]`
             `tf.SparseTensor` whose entries present form each bag (weights: one
             at the same positions; under JAX a `[batch, K]` BCOO, as from
-            `keras.Input(sparse=True)`, alike); otherwise under JAX / PyTorch dense only (pad ragged
+            `keras.Input(sparse=True)`, alike, one entry per position); otherwise under JAX / PyTorch dense only (pad ragged
             bags with -1; a list `[indices, weights]` is refused: pass weights as the
             second argument). Negative indices are padding: they
             add nothing and are not counted by mean/sqrtn. Float indices are
@@ -213,7 +213,9 @@ class EmbeddingBag(keras.layers.Layer):
         """call() under JAX / PyTorch: dense [..., K] bags (ragged bags: pkm_serve.backends.embedding_bag)."""
         ops = keras.ops
         if type(indices).__name__ == "BCOO":   # keras.Input(sparse=True) under JAX
-            indices, weights = _jax_sparse_bags_as_padded(indices, weights)
+            from pkm_serve.layers._jax_sparse import jax_sparse_bags_as_padded
+
+            indices, weights = jax_sparse_bags_as_padded(indices, weights)
         indices = ops.convert_to_tensor(indices)
         if len(indices.shape) == 0:
             raise ValueError(
@@ -293,13 +295,16 @@ def _refuse_listed_inputs(indices):
     """ValueError for a list or tuple of tensors as indices, e.g. layer([ids, weights]) as Keras'
     multi-input layers take them: it failed deep in Keras ("Cannot convert '8' to a shape", "'list'
     object has no attribute 'shape'") or, eagerly under TF, packed ids and weights into one tensor.
-    Where every tensor holds integers the caller meant several id tensors, not ids and weights."""
+    Where every tensor holds integers the caller meant several id tensors, not ids and weights.
+    Python ids (numbers, nested lists) get a ValueError naming np.asarray."""
+    if isinstance(indices, (int, float)):   # (bool too) Keras said "pass it as a keyword argument"
+        raise ValueError(f"EmbeddingBag: indices must have at least one dimension (the bag axis, [..., K]); "
+                         f"got a Python {type(indices).__name__} ({indices!r}): pass np.asarray([[id]], 'int32')")
     if not isinstance(indices, (list, tuple)):
         return
-    if not any(keras.ops.is_tensor(x) or keras.backend.is_keras_tensor(x) or hasattr(x, "__array__")
-               for x in keras.tree.flatten(indices)):
+    if not any(_is_tensor_like(x) for x in keras.tree.flatten(indices)):
         _refuse_python_ids(indices)
-    if any(keras.ops.is_tensor(x) or keras.backend.is_keras_tensor(x) or hasattr(x, "__array__") for x in indices):
+    if any(_is_tensor_like(x) for x in indices):
         listed = f"a {type(indices).__name__} of {len(indices)} tensors"
         takes = ("EmbeddingBag takes layer(indices) or layer(indices, weights): indices one integer "
                  "[..., K] tensor (each row along the last axis a bag; -1 pads)")
@@ -311,6 +316,15 @@ def _refuse_listed_inputs(indices):
                              "(keras.ops.stack / np.stack, bags of one length) or call the layer on each")
         raise ValueError(f"{takes}, got {listed}: pass per-index weights as the second argument, "
                          "layer(indices, weights), not in a list with the indices")
+
+
+def _is_tensor_like(x):
+    """A tensor, KerasTensor or array; not a numpy scalar (np.int64(3), as iterating an array gives):
+    a list of those is Python ids, and counted as tensors it got "a list of 2 tensors" or, nested,
+    AttributeError "'list' object has no attribute 'shape'"."""
+    if isinstance(x, np.generic):
+        return False
+    return keras.ops.is_tensor(x) or keras.backend.is_keras_tensor(x) or hasattr(x, "__array__")
 
 
 def _refuse_python_ids(indices):
@@ -357,35 +371,6 @@ def _refuse_tf_composite_ids(indices):
         f"EmbeddingBag: under the {keras.backend.backend()} backend indices are a dense [..., K] tensor, got a "
         f"tf.{kind}: pad the bags with -1 (padding ids add nothing), {padded}, or call "
         "pkm_serve.backends.embedding_bag with values and row_splits")
-
-
-def _jax_sparse_bags_as_padded(indices, weights):
-    """`[batch, K]` BCOO ids (a `keras.Input(sparse=True)` under JAX), and BCOO weights at the same
-    positions, as dense bags padded with -1 where no entry is present: the entries present form each
-    bag, as TF reads a tf.SparseTensor (its `todense()` alone gave absent entries id 0, a real row).
-    Positions hold one entry each (as scipy / Keras' sparse inputs after sum_duplicates)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import sparse
-
-    if indices.ndim != 2:
-        raise ValueError(f"EmbeddingBag: sparse indices must be [batch, K] (rank 2), got shape {indices.shape}")
-
-    def present(bcoo):
-        return sparse.BCOO((jnp.ones_like(bcoo.data, jnp.int32), bcoo.indices), shape=bcoo.shape).todense() > 0
-
-    ids_present = present(indices)
-    padded = jnp.where(ids_present, indices.todense(), -1)
-    if weights is None:
-        return padded, None
-    if type(weights).__name__ != "BCOO" or weights.shape != indices.shape:
-        raise ValueError("EmbeddingBag: indices are a sparse BCOO, so weights must be one with the same "
-                         f"positions (got {type(weights).__name__} of shape {getattr(weights, 'shape', None)})")
-    weights_present = present(weights)
-    if not isinstance(weights_present, jax.core.Tracer) and not bool(jnp.all(weights_present == ids_present)):
-        raise ValueError("EmbeddingBag: sparse weights must hold an entry at each position of the sparse "
-                         "indices, and none elsewhere")
-    return padded, weights.todense()
 
 
 def _no_autocast_scope():

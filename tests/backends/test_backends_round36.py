@@ -10,7 +10,7 @@ from tests.backends.check_processes import results_by_backend
 pytestmark = pytest.mark.slow
 
 BACKENDS = ["tensorflow", "jax", "torch"]
-CHECKS = {"tensorflow": ["python_list_ids"], "jax": ["python_list_ids", "jax_sparse_ids"], "torch": ["python_list_ids", "torch_ragged_export"]}
+CHECKS = {"tensorflow": ["python_list_ids"], "jax": ["python_list_ids", "jax_sparse_ids", "jax_sparse_bad_entries"], "torch": ["python_list_ids", "torch_ragged_export"]}
 
 
 @pytest.fixture(scope="module")
@@ -39,3 +39,10 @@ def test_jax_sparse_ids_form_bags_of_the_entries_present(results):
     float64 reference of the entries present, an id 0 included (the layer failed on a BCOO); weights at
     other positions are a ValueError."""
     assert results("jax")["jax_sparse_ids"] == "ok"
+
+
+def test_jax_sparse_ids_refuse_repeated_positions_and_other_weight_positions(results):
+    """BCOO ids with two entries at one position, and BCOO weights at other positions: an error naming
+    the position eagerly, under jax.jit and in model.predict (they gave another id's row, and weight 0,
+    silently); well-formed batches still give the float64 reference."""
+    assert results("jax")["jax_sparse_bad_entries"] == "ok"
