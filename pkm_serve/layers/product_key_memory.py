@@ -50,15 +50,14 @@ class _QueryProjection(keras.layers.Dense):
     def _call_rounding_each_op(self, inputs):
         """TF: in a tf.function (predict, fit, evaluate) grappler fused the 16-bit MatMul and bias add into
         one op that rounds once, so the query and its slots differed from eager TF, JAX and PyTorch (33 of
-        256 rows under mixed_bfloat16), and without oneDNN TF's 16-bit MatMul rounded otherwise (34 rows).
-        Here the 16-bit inputs and kernel are multiplied in float32 (their products exact) and rounded
-        once, then the bias is added in float32 and the sum rounded, as JAX and PyTorch do; grappler
-        fuses no bias add into a float32 MatMul followed by a cast."""
-        ops, dtype = keras.ops, self.compute_dtype
-        x = ops.matmul(ops.cast(ops.cast(inputs, dtype), "float32"), ops.cast(self.kernel, "float32"))
-        x = ops.cast(x, dtype)
+        256 rows under mixed_bfloat16). Here the bias is added in float32 to the 16-bit MatMul's rounded
+        result and the sum rounded, as JAX and PyTorch do: grappler fuses no bias add across the casts.
+        The MatMul stays 16-bit (a float32 one cost 3x at 512x1024x2048); TF's CPU MatMul without
+        oneDNN (TF_ENABLE_ONEDNN_OPTS=0) rounds its 16-bit products otherwise, eager and in graphs alike."""
+        x = keras.ops.matmul(inputs, self.kernel)
         if self.bias is not None:
-            x = ops.cast(ops.add(ops.cast(x, "float32"), ops.cast(self.bias, "float32")), dtype)
+            ops = keras.ops
+            x = ops.cast(ops.add(ops.cast(x, "float32"), ops.cast(self.bias, "float32")), self.compute_dtype)
         return x if self.activation is None else self.activation(x)
 
 
