@@ -57,10 +57,28 @@ def build_marks(optimizer, var_list):
     with tf.init_scope():
         _next_iteration[optimizer] = tf.Variable(-1, dtype=tf.int64, trainable=False, name="pkm_next_iteration")
         _restored[optimizer] = tf.Variable(0, dtype=tf.int32, trainable=False, name="pkm_restored")
+    optimizer._pkm_step_records = _SavedModelOnly(_next_iteration[optimizer], _restored[optimizer])
     _on_restore(optimizer._iterations, _restored[optimizer], _COUNT_RESTORED)
     for row_marks in marks:
         if row_marks is not None:
             _on_restore(row_marks, _restored[optimizer], _MARKS_RESTORED)
+
+
+
+class _SavedModelOnly(tf.Module):
+    """Tracks the step records for a SavedModel alone: a tf.function stepping the optimizer (a
+    training signature) captures them, and tf.saved_model.save refused it ('references an
+    untracked resource'). A tf.train.Checkpoint leaves them out: a restored flag would overwrite
+    the one the restore's hooks set."""
+
+    def __init__(self, *variables):
+        super().__init__(name="pkm_step_records")
+        self.variables_for_saved_model = list(variables)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        if save_type != "savedmodel":
+            return {}
+        return super()._trackable_children(save_type, **kwargs)
 
 
 def _on_restore(variable, restored, kind):
