@@ -30,10 +30,11 @@ _MARKS = "_pkm_accumulated_row_marks"
 # state was restored (or it is the first step), and a tf.train.Checkpoint saved without marks
 # restores the accumulators, not the marks.
 _next_iteration = weakref.WeakKeyDictionary()
-# optimizer -> what a tf.train.Checkpoint restore brought since its last step (not saved): its
-# iteration count alone (_COUNT_RESTORED: a checkpoint without marks, whose accumulators replace
-# the window) or its marks too (_MARKS_RESTORED). Seen by a hook on those variables' restore: the
-# iteration count alone missed a restore that brought back the count the last step left.
+# optimizer -> what the last tf.train.Checkpoint restore since its last step brought (not saved):
+# its iteration count alone (_COUNT_RESTORED: a checkpoint without marks, whose accumulators replace
+# the window) or its marks too (_MARKS_RESTORED). Seen by a hook on those variables' restore (the
+# iteration count alone missed a restore that brought back the count the last step left); one
+# restore brings the count before the marks, which sit deeper in the optimizer's object graph.
 _restored = weakref.WeakKeyDictionary()
 _COUNT_RESTORED, _MARKS_RESTORED = 1, 2
 
@@ -82,14 +83,16 @@ class _SavedModelOnly(tf.Module):
 
 
 def _on_restore(variable, restored, kind):
-    """Records in `restored` (at least `kind`) each tf.train.Checkpoint restore of Keras variable
-    `variable`, after the restore itself."""
+    """Records `kind` in `restored` at each tf.train.Checkpoint restore of Keras variable
+    `variable`, after the restore itself: a later restore's kind replaces an earlier one's (a
+    checkpoint without marks restored after one with them: the first's marks stood beside the
+    second's accumulators)."""
     restore = variable._restore_from_tensors
 
     def recorded_restore(restored_tensors):
         done = restore(restored_tensors)
         with tf.control_dependencies([done] if isinstance(done, (tf.Operation, tf.Tensor)) else []):
-            restored.assign(tf.maximum(restored, kind))
+            restored.assign(kind)
         return done
 
     variable._restore_from_tensors = recorded_restore
