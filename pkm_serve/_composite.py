@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from pkm_serve import _loss_scale_check
 from pkm_serve._op_args import (_as_indices, _as_table, _as_weights, _check_combiner, _ragged_weight_values,
                                 _refuse_sparse_tensors)
 
@@ -23,6 +24,7 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=
     """
     _check_combiner(combiner, weights)
     _refuse_sparse_tensors(indices, weights)
+    _loss_scale_check.install()  # Keras' finiteness check missed an inf in a row listed twice
     with tf.name_scope(name or "embedding_bag_composite"):
         params = _as_table(params)
         if isinstance(indices, tf.RaggedTensor):

@@ -4,13 +4,15 @@ reading an ``IndexedSlices``' values alone: the rows it leaves out are 0.
 Keras' check scattered each slice's verdict into a dense ``[N, D]`` bool tensor, where a row
 listed twice (a table looked up twice: TF concatenates the lookups' slices) kept one slice's
 verdict: an inf in the other passed, and the step wrote inf / NaN into the table instead of being
-skipped, with every optimizer (stock ``Adam`` and ``SGD`` too). A sparse-gradient lookup installs
+skipped, with every optimizer (stock ``Adam`` and ``SGD`` too). A sparse-gradient lookup, or
+a composite one (its gather's gradient is an ``IndexedSlices`` of a slice per index), installs
 this check on Keras' class (``install``); checks of gradients without ``IndexedSlices`` are
 Keras' own, and a subclass' own ``check_finite`` is left as it is.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import tensorflow as tf
@@ -34,11 +36,11 @@ def install():
         return
     keras_check = wrapper.check_finite
 
+    @functools.wraps(keras_check)  # __wrapped__: Keras' own
     def check_finite(self, grads):
         if any(isinstance(g, tf.IndexedSlices) for g in grads):
             return all_finite(grads)
         return keras_check(self, grads)
 
     setattr(check_finite, _INSTALLED, True)
-    check_finite.__doc__ = keras_check.__doc__
     wrapper.check_finite = check_finite

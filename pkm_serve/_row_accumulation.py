@@ -30,10 +30,11 @@ _MARKS = "_pkm_accumulated_row_marks"
 # state was restored (or it is the first step), and a tf.train.Checkpoint saved without marks
 # restores the accumulators, not the marks.
 _next_iteration = weakref.WeakKeyDictionary()
-# optimizer -> what a tf.train.Checkpoint restore brought since its last step (not saved): its
-# iteration count alone (_COUNT_RESTORED: a checkpoint without marks, whose accumulators replace
-# the window) or its marks too (_MARKS_RESTORED). Seen by a hook on those variables' restore: the
-# iteration count alone missed a restore that brought back the count the last step left.
+# optimizer -> what the last tf.train.Checkpoint restore since its last step brought (not saved):
+# its iteration count alone (_COUNT_RESTORED: a checkpoint without marks, whose accumulators replace
+# the window) or its marks too (_MARKS_RESTORED). Seen by a hook on those variables' restore (the
+# iteration count alone missed a restore that brought back the count the last step left); one
+# restore brings the count before the marks, which sit deeper in the optimizer's object graph.
 _restored = weakref.WeakKeyDictionary()
 _COUNT_RESTORED, _MARKS_RESTORED = 1, 2
 
@@ -57,21 +58,41 @@ def build_marks(optimizer, var_list):
     with tf.init_scope():
         _next_iteration[optimizer] = tf.Variable(-1, dtype=tf.int64, trainable=False, name="pkm_next_iteration")
         _restored[optimizer] = tf.Variable(0, dtype=tf.int32, trainable=False, name="pkm_restored")
+    optimizer._pkm_step_records = _SavedModelOnly(_next_iteration[optimizer], _restored[optimizer])
     _on_restore(optimizer._iterations, _restored[optimizer], _COUNT_RESTORED)
     for row_marks in marks:
         if row_marks is not None:
             _on_restore(row_marks, _restored[optimizer], _MARKS_RESTORED)
 
 
+
+class _SavedModelOnly(tf.Module):
+    """Tracks the step records for a SavedModel alone: a tf.function stepping the optimizer (a
+    training signature) captures them, and tf.saved_model.save refused it ('references an
+    untracked resource'). A tf.train.Checkpoint leaves them out: a restored flag would overwrite
+    the one the restore's hooks set."""
+
+    def __init__(self, *variables):
+        super().__init__(name="pkm_step_records")
+        self.variables_for_saved_model = list(variables)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        if save_type != "savedmodel":
+            return {}
+        return super()._trackable_children(save_type, **kwargs)
+
+
 def _on_restore(variable, restored, kind):
-    """Records in `restored` (at least `kind`) each tf.train.Checkpoint restore of Keras variable
-    `variable`, after the restore itself."""
+    """Records `kind` in `restored` at each tf.train.Checkpoint restore of Keras variable
+    `variable`, after the restore itself: a later restore's kind replaces an earlier one's (a
+    checkpoint without marks restored after one with them: the first's marks stood beside the
+    second's accumulators)."""
     restore = variable._restore_from_tensors
 
     def recorded_restore(restored_tensors):
         done = restore(restored_tensors)
         with tf.control_dependencies([done] if isinstance(done, (tf.Operation, tf.Tensor)) else []):
-            restored.assign(tf.maximum(restored, kind))
+            restored.assign(kind)
         return done
 
     variable._restore_from_tensors = recorded_restore

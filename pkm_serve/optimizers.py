@@ -128,6 +128,7 @@ def _gather(variable, rows, dtype=None):
 
 
 _HALF_DTYPES = ("float16", "bfloat16")
+_ADAM_MOMENTS = ("momentum", "velocity", "velocity_hat")
 
 
 def _state_dtype(variable):
@@ -241,22 +242,21 @@ class LazyAdam(_RowSparseSteps, keras.optimizers.Adam):
         _adapt_a_loss_scale_wrapper(self)
         if self.built:
             return
-        keras.optimizers.Optimizer.build(self, var_list)
-        # Keras' Adam.build, with the moments of a half-precision variable in float32 (_state_dtype).
-        self._momentums = [self._moment(var, "momentum") for var in var_list]
-        self._velocities = [self._moment(var, "velocity") for var in var_list]
-        if self.amsgrad:
-            self._velocity_hats = [self._moment(var, "velocity_hat") for var in var_list]
+        super().build(var_list)  # Keras' order of the slots: a .keras file or checkpoint maps them by it
         _row_accumulation.build_marks(self, var_list)
         _claim_fused_tables(self, var_list)
 
-    def _moment(self, var, name):
-        if _state_dtype(var) == keras.backend.standardize_dtype(var.dtype):
-            return self.add_variable_from_reference(var, name)
-        colocate = var.value if isinstance(var, keras.Variable) else var
-        prefix = getattr(var, "path", var.name).replace("/", "_").replace(":", "_")  # Keras' slot names
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        """Keras' slot of `reference_variable`; a moment of a half-precision variable in float32
+        (_state_dtype)."""
+        dtype = _state_dtype(reference_variable)
+        if name not in _ADAM_MOMENTS or dtype == keras.backend.standardize_dtype(reference_variable.dtype):
+            return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
+        colocate = _tf_variable(reference_variable)
+        prefix = getattr(reference_variable, "path", reference_variable.name)
+        prefix = prefix.replace("/", "_").replace(":", "_")  # Keras' slot names
         with self._distribution_strategy.extended.colocate_vars_with(colocate):
-            return self.add_variable(shape=var.shape, initializer="zeros", dtype=_state_dtype(var),
+            return self.add_variable(shape=reference_variable.shape, initializer=initializer, dtype=dtype,
                                      name=f"{prefix}_{name}")
 
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):

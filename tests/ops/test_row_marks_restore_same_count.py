@@ -82,3 +82,27 @@ def test_restore_that_brings_back_the_same_count_mid_window(tmp_path, compiled, 
     np.testing.assert_allclose(table.numpy(), want_table, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(optimizer._momentums[0].numpy(), want_m, rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(optimizer._accumulated_gradients[0].numpy(), 0)
+
+
+def test_a_checkpoint_without_marks_restored_after_one_with_them(tmp_path):
+    """The second restore decides: its accumulators stood beside the first one's marks (row 3,
+    marked in the first checkpoint's window and never touched in the second's, took a step)."""
+    table = _table()
+    other = LazyAdam(LR, gradient_accumulation_steps=STEPS)
+    other.build([table])
+    for rows in ([0], [0], [3]):
+        _micro_step(other, table, rows)
+    with_marks = tf.train.Checkpoint(optimizer=other).save(str(tmp_path / "with_marks" / "ckpt"))
+    without_marks, state = _saved_mid_window(tmp_path, "keras_adam")
+    table = _table()
+    optimizer = LazyAdam(LR, gradient_accumulation_steps=STEPS)
+    for rows in ([2], [2], [4]):
+        _micro_step(optimizer, table, rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for path in (with_marks, without_marks):
+            tf.train.Checkpoint(optimizer=optimizer).restore(path).expect_partial()
+    _micro_step(optimizer, table, [5])
+    want_table, want_m = _reference_window_end(state, [5], 1.0)
+    np.testing.assert_allclose(table.numpy(), want_table, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(optimizer._momentums[0].numpy(), want_m, rtol=1e-5, atol=1e-7)
