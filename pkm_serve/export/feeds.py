@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
-from pkm_serve.export.composites import signature_composites
+from pkm_serve.export.composites import ragged_row_lengths, signature_composites
 from pkm_serve.export.lookup_keys import (called_functions, first_strings, model_int_keys, resource_sources,
                                          table_file_words, table_int_keys, table_words)
 from pkm_serve.export.graph import FunctionGraph, Ref
@@ -67,6 +67,8 @@ class Feed:
     # on the first part of a RaggedTensor / SparseTensor the signature takes flattened:
     # ("ragged", values, row_splits) or ("sparse", indices, values, dense_shape)
     composite: Optional[Tuple[str, ...]] = None
+    # on a RaggedTensor's flat values: each ragged dimension's row length where its spec fixes it, else None
+    row_lengths: Optional[Tuple[Optional[int], ...]] = None
     int_keys: List[int] = dataclasses.field(default_factory=list)  # integer ids that are lookup-table keys
     # "count": a segment op's num_segments (fed the ids' bound, above every segment id generated);
     # "sorted": the segment ids of an op that needs them sorted (tf.sparse.segment_sum, tf.math.segment_sum)
@@ -159,6 +161,8 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None,
     for group in signature_composites(meta_graph, signature):
         first = group[1]
         feeds[first] = dataclasses.replace(feeds.get(first, Feed()), composite=group)
+    for first, lengths in ragged_row_lengths(meta_graph, signature).items():
+        feeds[first] = dataclasses.replace(feeds.get(first, Feed()), row_lengths=lengths)
     return feeds
 
 
