@@ -70,8 +70,8 @@ class Feed:
     # on a RaggedTensor's flat values: each ragged dimension's row length where its spec fixes it, else None
     row_lengths: Optional[Tuple[Optional[int], ...]] = None
     int_keys: List[int] = dataclasses.field(default_factory=list)  # integer ids that are lookup-table keys
-    # "count": a segment op's num_segments (fed the ids' bound, above every segment id generated);
-    # "sorted": the segment ids of an op that needs them sorted (tf.sparse.segment_sum, tf.math.segment_sum)
+    # "count": a segment op's num_segments (fed the bound of the segment ids generated); "sorted": the segment
+    # ids of an op that needs them sorted (tf.sparse.segment_sum, tf.math.segment_sum); "ids": an unsorted one's
     segments: Optional[str] = None
 
 
@@ -186,7 +186,7 @@ def _keys_of(lookups, keys_of_table, sources) -> list:
     return sorted(keys)
 
 
-# {op: input position} of num_segments, and of segment ids that must be sorted
+# {op: input position} of num_segments, of segment ids that must be sorted, and of other segment ids
 _NUM_SEGMENTS = {**{op: 2 for op in ("UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin",
                                      "UnsortedSegmentProd")},
                  **{op: 3 for op in ("SparseSegmentSumWithNumSegments", "SparseSegmentMeanWithNumSegments",
@@ -195,13 +195,16 @@ _SORTED_SEGMENT_IDS = {**{op: 1 for op in ("SegmentSum", "SegmentMean", "Segment
                        **{op: 2 for op in ("SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN")},
                        **{op + "WithNumSegments": 2 for op in ("SparseSegmentSum", "SparseSegmentMean",
                                                                 "SparseSegmentSqrtN")}}
+_SEGMENT_IDS = {op: 1 for op in ("UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin",
+                                 "UnsortedSegmentProd")}
 
 
 def _segment_role(graph_def, placeholder: str, library, sigs, graphs) -> Optional[str]:
     """"count" where the input is a segment op's num_segments, "sorted" where it is segment ids an op needs
-    sorted, as it is passed on (through Identity and calls): random ids in [0, rows) as num_segments were
-    below some segment id, unsorted ids refused ("segment ids must be < num_segments", "... not increasing")."""
-    for role, positions in (("count", _NUM_SEGMENTS), ("sorted", _SORTED_SEGMENT_IDS)):
+    sorted, "ids" where it is other segment ids, as it is passed on (through Identity and calls): random ids
+    in [0, rows) as num_segments were below some segment id, unsorted ids refused ("segment ids must be <
+    num_segments", "... not increasing")."""
+    for role, positions in (("count", _NUM_SEGMENTS), ("sorted", _SORTED_SEGMENT_IDS), ("ids", _SEGMENT_IDS)):
         if _parse_ops_fed_by(graph_def, placeholder, library, sigs, graphs,
                              accept=lambda node, pos, at=positions: at.get(node.op) == pos):
             return role

@@ -131,6 +131,7 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
     rng = np.random.default_rng(seed)
     feeds = feeds or {}
     out: Dict[str, np.ndarray] = {}
+    index_limit_of = _segment_limits(feeds, index_limit, batch_size)
     composites = [f.composite for f in feeds.values() if _fits(getattr(f, "composite", None), specs)]
     # Read off the saved function: sure where names are not. A name-made group that takes a
     # part of one is wrong: dense int64 [batch, 2] ids beside ragged ids (args_0, args_0_1,
@@ -149,7 +150,7 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
         indices, dense_shape = sparse_layout[rank, width]
         out[ind_name] = indices
         out[shape_name] = dense_shape
-        out[val_name] = _values(rng, specs[val_name].dtype, [len(indices)], index_limit,
+        out[val_name] = _values(rng, specs[val_name].dtype, [len(indices)], index_limit_of(val_name),
                                 feeds.get(val_name), val_name)
     taken = {n for group in sparse.values() for n in group}
     ragged = [tuple(parts) for kind, *parts in composites if kind == "ragged"]
@@ -163,7 +164,7 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
         splits = partitions[pattern]
         for splits_name, part in zip(splits_names, splits):
             out[splits_name] = part.astype(specs[splits_name].dtype.as_numpy_dtype)
-        out[val_name] = _values(rng, specs[val_name].dtype, [int(splits[-1][-1])], index_limit,
+        out[val_name] = _values(rng, specs[val_name].dtype, [int(splits[-1][-1])], index_limit_of(val_name),
                                 feeds.get(val_name), val_name)
     for name, spec in specs.items():
         if name in out:
@@ -171,8 +172,18 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
         shape = [batch_size if (i == 0 and d is None) else (3 if d is None else d)
                  for i, d in enumerate(spec.shape.as_list())] \
             if spec.shape.rank is not None else [batch_size]
-        out[name] = _values(rng, spec.dtype, shape, index_limit, feeds.get(name), name)
+        out[name] = _values(rng, spec.dtype, shape, index_limit_of(name), feeds.get(name), name)
     return out
+
+
+def _segment_limits(feeds, index_limit: int, batch_size: int):
+    """name -> the bound of the ints generated for it: segment ids a segment op reads from an input are
+    drawn from the batch, [0, min(batch, rows)), and its num_segments is that bound (drawn from [0, rows),
+    num_segments asked for a table's rows of bags, each warmup request at each server start too); other
+    ints, and num_segments where no input is segment ids (they may be any ids), keep [0, rows)."""
+    roles = {name: getattr(feed, "segments", None) for name, feed in feeds.items()}
+    bound = max(1, min(index_limit, batch_size)) if {"sorted", "ids"} & set(roles.values()) else index_limit
+    return lambda name: bound if roles.get(name) in ("sorted", "ids", "count") else index_limit
 
 
 def _values(rng, dtype, shape, index_limit, feed=None, name="?"):
