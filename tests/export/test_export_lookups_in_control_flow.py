@@ -2,7 +2,9 @@
 verification followed the input only through function calls, never into an If's branches or a While's
 body, so it found no lookup and fed text (1-6 words per cell: every multi-word cell one unknown key).
 Now If/Case branches and While bodies are followed, for the input and for the table handle, and each
-cell is one of the table's words (or padding, or an out-of-vocabulary word)."""
+cell is one of the table's words (or padding, or an out-of-vocabulary word). Items normalised inside
+tf.cond / tf.map_fn and looked up after it are followed out of the If / While too (following the branches
+alone, that lookup was lost and they got text again, as they had not before the branches were followed)."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -16,6 +18,9 @@ LOOKUPS = {
     "cond": lambda table, items: tf.cond(tf.size(items) > 0, lambda: table.lookup(items),
                                          lambda: tf.fill(tf.shape(items), tf.constant(-1, tf.int64))),
     "map_fn": lambda table, items: tf.map_fn(table.lookup, items, fn_output_signature=tf.int64),
+    "lookup_after_cond": lambda table, items: table.lookup(
+        tf.cond(tf.size(items) > 0, lambda: tf.strings.strip(items), lambda: items)),
+    "lookup_after_map_fn": lambda table, items: table.lookup(tf.map_fn(tf.strings.strip, items)),
 }
 
 
