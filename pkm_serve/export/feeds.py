@@ -314,8 +314,8 @@ def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth:
                 elif called_functions(node, library):
                     work.extend((name, cpos - offset, left - 1) for name, offset in called_functions(node, library)
                                 if cpos >= offset)
-                    if follow is not None and node.op not in CALL_OPS:
-                        # and out of tf.cond / tf.while_loop: items normalised in a map_fn, looked up after it
+                    if follow is not None:
+                        # and out of it: items normalised in a map_fn or a nested tf.function, looked up after it
                         refs.extend(_flows_on(fg, node, cpos, follow))
                 elif node.op in ("Identity", "IdentityN"):
                     refs.append(Ref(consumer, cpos if node.op == "IdentityN" else 0))

@@ -4,7 +4,8 @@ body, so it found no lookup and fed text (1-6 words per cell: every multi-word c
 Now If/Case branches and While bodies are followed, for the input and for the table handle, and each
 cell is one of the table's words (or padding, or an out-of-vocabulary word). Items normalised inside
 tf.cond / tf.map_fn and looked up after it are followed out of the If / While too (following the branches
-alone, that lookup was lost and they got text again, as they had not before the branches were followed)."""
+alone, that lookup was lost and they got text again, as they had not before the branches were followed),
+and so are items normalised by a nested tf.function (a call was followed only into its function)."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -14,6 +15,7 @@ from pkm_serve.export.saved_model_io import read_saved_model
 from pkm_serve.export.verify import generate_inputs, signature_input_specs
 
 WORDS = [b"item%d" % i for i in range(50)]
+_strip = tf.function(tf.strings.strip)  # saved as a call (StatefulPartitionedCall) of its own function
 LOOKUPS = {
     "cond": lambda table, items: tf.cond(tf.size(items) > 0, lambda: table.lookup(items),
                                          lambda: tf.fill(tf.shape(items), tf.constant(-1, tf.int64))),
@@ -21,6 +23,7 @@ LOOKUPS = {
     "lookup_after_cond": lambda table, items: table.lookup(
         tf.cond(tf.size(items) > 0, lambda: tf.strings.strip(items), lambda: items)),
     "lookup_after_map_fn": lambda table, items: table.lookup(tf.map_fn(tf.strings.strip, items)),
+    "lookup_after_nested_function": lambda table, items: table.lookup(_strip(items)),
 }
 
 
