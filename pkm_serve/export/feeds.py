@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
-from pkm_serve.export.composites import signature_composites
+from pkm_serve.export.composites import ragged_row_lengths, signature_composites
 from pkm_serve.export.lookup_keys import (called_functions, first_strings, model_int_keys, resource_sources,
                                          table_file_words, table_int_keys, table_words)
 from pkm_serve.export.graph import FunctionGraph, Ref
@@ -67,9 +67,11 @@ class Feed:
     # on the first part of a RaggedTensor / SparseTensor the signature takes flattened:
     # ("ragged", values, row_splits) or ("sparse", indices, values, dense_shape)
     composite: Optional[Tuple[str, ...]] = None
+    # on a RaggedTensor's flat values: each ragged dimension's row length where its spec fixes it, else None
+    row_lengths: Optional[Tuple[Optional[int], ...]] = None
     int_keys: List[int] = dataclasses.field(default_factory=list)  # integer ids that are lookup-table keys
-    # "count": a segment op's num_segments (fed the ids' bound, above every segment id generated);
-    # "sorted": the segment ids of an op that needs them sorted (tf.sparse.segment_sum, tf.math.segment_sum)
+    # "count": a segment op's num_segments (fed the bound of the segment ids generated); "sorted": the segment
+    # ids of an op that needs them sorted (tf.sparse.segment_sum, tf.math.segment_sum); "ids": an unsorted one's
     segments: Optional[str] = None
 
 
@@ -159,6 +161,8 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None,
     for group in signature_composites(meta_graph, signature):
         first = group[1]
         feeds[first] = dataclasses.replace(feeds.get(first, Feed()), composite=group)
+    for first, lengths in ragged_row_lengths(meta_graph, signature).items():
+        feeds[first] = dataclasses.replace(feeds.get(first, Feed()), row_lengths=lengths)
     return feeds
 
 
@@ -182,7 +186,7 @@ def _keys_of(lookups, keys_of_table, sources) -> list:
     return sorted(keys)
 
 
-# {op: input position} of num_segments, and of segment ids that must be sorted
+# {op: input position} of num_segments, of segment ids that must be sorted, and of other segment ids
 _NUM_SEGMENTS = {**{op: 2 for op in ("UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin",
                                      "UnsortedSegmentProd")},
                  **{op: 3 for op in ("SparseSegmentSumWithNumSegments", "SparseSegmentMeanWithNumSegments",
@@ -191,13 +195,16 @@ _SORTED_SEGMENT_IDS = {**{op: 1 for op in ("SegmentSum", "SegmentMean", "Segment
                        **{op: 2 for op in ("SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN")},
                        **{op + "WithNumSegments": 2 for op in ("SparseSegmentSum", "SparseSegmentMean",
                                                                 "SparseSegmentSqrtN")}}
+_SEGMENT_IDS = {op: 1 for op in ("UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin",
+                                 "UnsortedSegmentProd")}
 
 
 def _segment_role(graph_def, placeholder: str, library, sigs, graphs) -> Optional[str]:
     """"count" where the input is a segment op's num_segments, "sorted" where it is segment ids an op needs
-    sorted, as it is passed on (through Identity and calls): random ids in [0, rows) as num_segments were
-    below some segment id, unsorted ids refused ("segment ids must be < num_segments", "... not increasing")."""
-    for role, positions in (("count", _NUM_SEGMENTS), ("sorted", _SORTED_SEGMENT_IDS)):
+    sorted, "ids" where it is other segment ids, as it is passed on (through Identity and calls): random ids
+    in [0, rows) as num_segments were below some segment id, unsorted ids refused ("segment ids must be <
+    num_segments", "... not increasing")."""
+    for role, positions in (("count", _NUM_SEGMENTS), ("sorted", _SORTED_SEGMENT_IDS), ("ids", _SEGMENT_IDS)):
         if _parse_ops_fed_by(graph_def, placeholder, library, sigs, graphs,
                              accept=lambda node, pos, at=positions: at.get(node.op) == pos):
             return role
@@ -307,6 +314,9 @@ def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth:
                 elif called_functions(node, library):
                     work.extend((name, cpos - offset, left - 1) for name, offset in called_functions(node, library)
                                 if cpos >= offset)
+                    if follow is not None:
+                        # and out of it: items normalised in a map_fn or a nested tf.function, looked up after it
+                        refs.extend(_flows_on(fg, node, cpos, follow))
                 elif node.op in ("Identity", "IdentityN"):
                     refs.append(Ref(consumer, cpos if node.op == "IdentityN" else 0))
                 elif follow is not None:

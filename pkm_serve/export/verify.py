@@ -96,17 +96,29 @@ def _sparse_layout(rng, batch_size: int, rank: int, width: int = 4):
     return indices, np.array(([batch_size, width] + [4] * (rank - 2))[:rank], np.int64)
 
 
-def _nested_splits(rng, batch_size: int, deepest: int) -> List[List[np.ndarray]]:
-    """[ragged rank - 1]: the row_splits of a RaggedTensor of that ragged rank, outermost first: `batch_size`
-    rows, then each dimension's rows as many as the one above holds values (1-4 each, one empty)."""
-    by_rank = []
-    for rank in range(1, deepest + 1):
+def _row_partitions(rng, batch_size: int, patterns) -> Dict[tuple, List[np.ndarray]]:
+    """{pattern: row_splits outermost first} for RaggedTensors whose ragged dimensions have these row
+    lengths (None: 1-4 values a row, one empty; a length: every row that many, as a spec of shape
+    [None, 3, None] requires). A pattern that begins a longer one shares its partitions, so session
+    weights [users, (sessions)] line up with ids [users, (sessions), (items)]."""
+    partitions: Dict[tuple, List[np.ndarray]] = {}
+    for pattern in sorted(dict.fromkeys(patterns), key=len, reverse=True):
+        longer = next((p for p in partitions if p[:len(pattern)] == pattern), None)
+        if longer is not None:
+            partitions[pattern] = partitions[longer][:len(pattern)]
+            continue
         splits, rows = [], batch_size
-        for _ in range(rank):
-            splits.append(np.concatenate([[0], np.cumsum(_bag_sizes(rng, rows))]))
+        for length in pattern:
+            sizes = _bag_sizes(rng, rows) if length is None else np.full(rows, length)
+            splits.append(np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
             rows = int(splits[-1][-1])
-        by_rank.append(splits)
-    return by_rank
+        partitions[pattern] = splits
+    return partitions
+
+
+def _row_lengths(feed, ragged_rank: int) -> tuple:
+    lengths = getattr(feed, "row_lengths", None)
+    return tuple(lengths) if lengths is not None and len(lengths) == ragged_rank else (None,) * ragged_rank
 
 
 def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
@@ -119,6 +131,7 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
     rng = np.random.default_rng(seed)
     feeds = feeds or {}
     out: Dict[str, np.ndarray] = {}
+    index_limit_of = _segment_limits(feeds, index_limit, batch_size)
     composites = [f.composite for f in feeds.values() if _fits(getattr(f, "composite", None), specs)]
     # Read off the saved function: sure where names are not. A name-made group that takes a
     # part of one is wrong: dense int64 [batch, 2] ids beside ragged ids (args_0, args_0_1,
@@ -137,19 +150,21 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
         indices, dense_shape = sparse_layout[rank, width]
         out[ind_name] = indices
         out[shape_name] = dense_shape
-        out[val_name] = _values(rng, specs[val_name].dtype, [len(indices)], index_limit,
+        out[val_name] = _values(rng, specs[val_name].dtype, [len(indices)], index_limit_of(val_name),
                                 feeds.get(val_name), val_name)
     taken = {n for group in sparse.values() for n in group}
     ragged = [tuple(parts) for kind, *parts in composites if kind == "ragged"]
     taken |= known
     ragged += list(_ragged_groups(specs, taken).values())
-    nested_splits = _nested_splits(rng, batch_size, max([len(g) - 1 for g in ragged] + [1]))
-    for val_name, *splits_names in ragged:
-        # Groups of one ragged rank share their row partitions: ids and their weights line up.
-        splits = nested_splits[len(splits_names) - 1]
+    patterns = [_row_lengths(feeds.get(val_name), len(splits_names)) for val_name, *splits_names in ragged]
+    # Drawn where no input is ragged too, so the other inputs stay those generated before.
+    partitions = _row_partitions(rng, batch_size, patterns or [(None,)])
+    for (val_name, *splits_names), pattern in zip(ragged, patterns):
+        # Groups of one pattern share their row partitions: ids and their weights line up.
+        splits = partitions[pattern]
         for splits_name, part in zip(splits_names, splits):
             out[splits_name] = part.astype(specs[splits_name].dtype.as_numpy_dtype)
-        out[val_name] = _values(rng, specs[val_name].dtype, [int(splits[-1][-1])], index_limit,
+        out[val_name] = _values(rng, specs[val_name].dtype, [int(splits[-1][-1])], index_limit_of(val_name),
                                 feeds.get(val_name), val_name)
     for name, spec in specs.items():
         if name in out:
@@ -157,8 +172,18 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
         shape = [batch_size if (i == 0 and d is None) else (3 if d is None else d)
                  for i, d in enumerate(spec.shape.as_list())] \
             if spec.shape.rank is not None else [batch_size]
-        out[name] = _values(rng, spec.dtype, shape, index_limit, feeds.get(name), name)
+        out[name] = _values(rng, spec.dtype, shape, index_limit_of(name), feeds.get(name), name)
     return out
+
+
+def _segment_limits(feeds, index_limit: int, batch_size: int):
+    """name -> the bound of the ints generated for it: segment ids a segment op reads from an input are
+    drawn from the batch, [0, min(batch, rows)), and its num_segments is that bound (drawn from [0, rows),
+    num_segments asked for a table's rows of bags, each warmup request at each server start too); other
+    ints, and num_segments where no input is segment ids (they may be any ids), keep [0, rows)."""
+    roles = {name: getattr(feed, "segments", None) for name, feed in feeds.items()}
+    bound = max(1, min(index_limit, batch_size)) if {"sorted", "ids"} & set(roles.values()) else index_limit
+    return lambda name: bound if roles.get(name) in ("sorted", "ids", "count") else index_limit
 
 
 def _values(rng, dtype, shape, index_limit, feed=None, name="?"):

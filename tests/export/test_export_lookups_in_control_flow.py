@@ -2,7 +2,10 @@
 verification followed the input only through function calls, never into an If's branches or a While's
 body, so it found no lookup and fed text (1-6 words per cell: every multi-word cell one unknown key).
 Now If/Case branches and While bodies are followed, for the input and for the table handle, and each
-cell is one of the table's words (or padding, or an out-of-vocabulary word)."""
+cell is one of the table's words (or padding, or an out-of-vocabulary word). Items normalised inside
+tf.cond / tf.map_fn and looked up after it are followed out of the If / While too (following the branches
+alone, that lookup was lost and they got text again, as they had not before the branches were followed),
+and so are items normalised by a nested tf.function (a call was followed only into its function)."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -12,10 +15,15 @@ from pkm_serve.export.saved_model_io import read_saved_model
 from pkm_serve.export.verify import generate_inputs, signature_input_specs
 
 WORDS = [b"item%d" % i for i in range(50)]
+_strip = tf.function(tf.strings.strip)  # saved as a call (StatefulPartitionedCall) of its own function
 LOOKUPS = {
     "cond": lambda table, items: tf.cond(tf.size(items) > 0, lambda: table.lookup(items),
                                          lambda: tf.fill(tf.shape(items), tf.constant(-1, tf.int64))),
     "map_fn": lambda table, items: tf.map_fn(table.lookup, items, fn_output_signature=tf.int64),
+    "lookup_after_cond": lambda table, items: table.lookup(
+        tf.cond(tf.size(items) > 0, lambda: tf.strings.strip(items), lambda: items)),
+    "lookup_after_map_fn": lambda table, items: table.lookup(tf.map_fn(tf.strings.strip, items)),
+    "lookup_after_nested_function": lambda table, items: table.lookup(_strip(items)),
 }
 
 
