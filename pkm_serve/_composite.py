@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from pkm_serve import _xla
 from pkm_serve._op_args import (_as_indices, _as_table, _as_weights, _check_combiner, _ragged_weight_values,
                                 _refuse_sparse_tensors)
 
@@ -105,12 +106,26 @@ def _inverse_norm(squares):
 
 
 def bag_of_each_value(ragged):
-    """ragged.value_rowids() (ragged rank 1) as int32 (XLA wants a segment op's count as int32) that XLA also compiles where the values or row splits
-    have sizes known only at run time (ids masked inside a jit function): value_rowids' Repeat needs
-    its largest row length as a compile-time constant, searchsorted does not."""
+    """ragged.value_rowids() (ragged rank 1) as int32 (XLA wants a segment op's count as int32).
+
+    Under XLA a binary search over the row splits, O(values x log bags): value_rowids' Repeat needs
+    its largest row length as a compile-time constant (XLA recompiles it for every new row splits,
+    and cannot compile it where the sizes are known only at run time: ids masked inside a jit
+    function), XLA's searchsorted compares every value with every split (O(values x bags)), and its
+    cumsum of a tensor of run-time size is wrong on this TF."""
+    if _xla.compile_device_type() is None:
+        return tf.cast(ragged.value_rowids(), tf.int32)
     splits = ragged.row_splits
     positions = tf.range(tf.shape(ragged.values, out_type=splits.dtype)[0])
-    return tf.searchsorted(splits[1:], positions, side="right", out_type=tf.int32)
+    num_bags = tf.shape(splits, out_type=tf.int32)[0] - 1
+    # Bags are counted in int32, so fewer than 2**31: 31 halvings unless the count is static.
+    steps = 31 if splits.shape[0] is None else max(splits.shape[0] - 1, 0).bit_length()
+    ends_passed = tf.zeros(tf.shape(positions), tf.int32)  # bags ending at or before each position
+    for k in reversed(range(steps)):
+        probe = ends_passed + (1 << k)
+        passed = (probe <= num_bags) & (tf.gather(splits, tf.minimum(probe, num_bags)) <= positions)
+        ends_passed = tf.where(passed, probe, ends_passed)
+    return ends_passed
 
 
 def _ragged_composite(params, indices, weights, combiner):
