@@ -60,12 +60,13 @@ def _masked_max(rows, valid, axis):
     """reduce_max over the bag axis of the valid rows only; 0 for an empty bag, NaN where a
     valid row holds one (XLA's reduce_max skips NaN: written out, so jit gives eager's answer).
     (reduce_max's gradient splits ties evenly; the fused op gives them to the
-    first position. A NaN column's gradient goes to every NaN row.)"""
+    first position. A NaN column's NaN rows share its gradient evenly, like ties.)"""
     nan = tf.math.is_nan(rows) & valid[..., None]
     masked = tf.where(valid[..., None] & ~nan, rows, tf.fill(tf.shape(rows), float("-inf")))
     any_valid = tf.reduce_any(valid, axis=axis + 1 if axis < 0 else axis)[..., None]
-    nan_sum = tf.reduce_sum(tf.where(nan, rows, tf.zeros([], rows.dtype)), axis=axis)
-    maxed = tf.where(tf.reduce_any(nan, axis=axis), nan_sum, tf.reduce_max(masked, axis=axis))
+    nan_count = tf.reduce_sum(tf.cast(nan, rows.dtype), axis=axis)
+    nan_mean = tf.reduce_sum(tf.where(nan, rows, tf.zeros([], rows.dtype)), axis=axis) / tf.maximum(nan_count, 1.0)
+    maxed = tf.where(nan_count > 0, nan_mean, tf.reduce_max(masked, axis=axis))
     return tf.where(any_valid, maxed, tf.zeros([], rows.dtype))
 
 
@@ -80,9 +81,10 @@ def _ragged_masked_max(rows, valid, seg, nrows):
     maxed = tf.math.unsorted_segment_max(finite, seg_valid, nrows + 1)[:-1]
     has_above = tf.math.unsorted_segment_max(tf.cast(above_minus_inf, tf.int32), seg_valid, nrows + 1)[:-1] > 0
     maxed = tf.where(has_above, maxed, tf.fill(tf.shape(maxed), float("-inf")))
+    # The NaN rows' mean: NaN, and their gradient shared evenly, like ties (a sum gave each the whole).
     nan_sum = tf.math.unsorted_segment_sum(tf.where(nan, rows, tf.zeros([], rows.dtype)), seg, nrows)
-    has_nan = tf.math.unsorted_segment_max(tf.cast(nan, tf.int32), seg_valid, nrows + 1)[:-1] > 0
-    maxed = tf.where(has_nan, nan_sum, maxed)
+    nan_count = tf.math.unsorted_segment_sum(tf.cast(nan, rows.dtype), seg, nrows)
+    maxed = tf.where(nan_count > 0, nan_sum / tf.maximum(nan_count, 1.0), maxed)
     counts = tf.math.unsorted_segment_sum(tf.cast(valid, tf.int32), seg, nrows)
     return tf.where((counts > 0)[:, None], maxed, tf.zeros_like(maxed))
 
