@@ -61,32 +61,41 @@ def _masked_max(rows, valid, axis):
     valid row holds one (XLA's reduce_max skips NaN: written out, so jit gives eager's answer).
     (reduce_max's gradient splits ties evenly; the fused op gives them to the
     first position. A NaN column's NaN rows share its gradient evenly, like ties.)"""
-    nan = tf.math.is_nan(rows) & valid[..., None]
-    masked = tf.where(valid[..., None] & ~nan, rows, tf.fill(tf.shape(rows), float("-inf")))
-    any_valid = tf.reduce_any(valid, axis=axis + 1 if axis < 0 else axis)[..., None]
-    nan_count = tf.reduce_sum(tf.cast(nan, rows.dtype), axis=axis)
-    nan_mean = tf.reduce_sum(tf.where(nan, rows, tf.zeros([], rows.dtype)), axis=axis) / tf.maximum(nan_count, 1.0)
-    maxed = tf.where(nan_count > 0, nan_mean, tf.reduce_max(masked, axis=axis))
-    return tf.where(any_valid, maxed, tf.zeros([], rows.dtype))
+    kinds = _row_kinds(rows, valid[..., None])
+    # Per bag column: 2 where a valid row holds NaN, else 1 where one is above -inf, else 0.
+    kind = tf.reduce_max(kinds, axis=axis, keepdims=True)
+    # NaN rows (where any), or every valid row of a column of -inf rows (reduce_max shared their
+    # gradient with the padding's -inf) share the column's gradient evenly.
+    tied = tf.where(kind == 2, kinds == 2, valid[..., None] & (kind == 0))
+    tied_count = tf.reduce_sum(tf.cast(tied, rows.dtype), axis=axis)
+    tied_mean = tf.reduce_sum(tf.where(tied, rows, tf.zeros([], rows.dtype)), axis=axis) / tf.maximum(tied_count, 1.0)
+    top = tf.reduce_max(tf.where(kinds == 1, rows, tf.fill(tf.shape(rows), float("-inf"))), axis=axis)
+    top = tf.where(tf.squeeze(kind, axis) > 0, top, tf.zeros_like(top))  # an empty bag: 0
+    return tf.where(tied_count > 0, tied_mean, top)
+
+
+def _row_kinds(rows, valid):
+    """2 for a valid NaN, 1 for a valid value above -inf, 0 for -inf or padding (int32)."""
+    nan = tf.math.is_nan(rows) & valid
+    return tf.where(nan, 2, tf.cast(valid & (rows > float("-inf")), tf.int32))
 
 
 def _ragged_masked_max(rows, valid, seg, nrows):
     """_masked_max of ragged bags with segment ops. unsorted_segment_max starts from the lowest
     finite value (a bag of -inf rows gave -3.4e38) and skips or keeps NaN by its position (eager)
-    or always (XLA): -inf and NaN are written out."""
-    nan = tf.math.is_nan(rows) & valid[:, None]
-    above_minus_inf = (rows > float("-inf")) & ~nan & valid[:, None]
-    seg_valid = tf.where(valid, seg, tf.fill(tf.shape(seg), nrows))  # padding: a segment past the last bag
-    finite = tf.where(above_minus_inf, rows, tf.fill(tf.shape(rows), float("-inf")))
-    maxed = tf.math.unsorted_segment_max(finite, seg_valid, nrows + 1)[:-1]
-    has_above = tf.math.unsorted_segment_max(tf.cast(above_minus_inf, tf.int32), seg_valid, nrows + 1)[:-1] > 0
-    maxed = tf.where(has_above, maxed, tf.fill(tf.shape(maxed), float("-inf")))
-    # The NaN rows' mean: NaN, and their gradient shared evenly, like ties (a sum gave each the whole).
-    nan_sum = tf.math.unsorted_segment_sum(tf.where(nan, rows, tf.zeros([], rows.dtype)), seg, nrows)
-    nan_count = tf.math.unsorted_segment_sum(tf.cast(nan, rows.dtype), seg, nrows)
-    maxed = tf.where(nan_count > 0, nan_sum / tf.maximum(nan_count, 1.0), maxed)
-    counts = tf.math.unsorted_segment_sum(tf.cast(valid, tf.int32), seg, nrows)
-    return tf.where((counts > 0)[:, None], maxed, tf.zeros_like(maxed))
+    or always (XLA): -inf and NaN are written out, their rows sharing the gradient like ties."""
+    valid = valid[:, None]
+    kinds = _row_kinds(rows, valid)
+    seg_valid = tf.where(valid[:, 0], seg, tf.fill(tf.shape(seg), nrows))  # padding: a segment past the last bag
+    bag_kind = tf.math.unsorted_segment_max(kinds, seg_valid, nrows + 1)[:-1]
+    kind = tf.gather(bag_kind, seg)
+    tied = tf.where(kind == 2, kinds == 2, valid & (kind == 0))
+    tied_count = tf.math.unsorted_segment_sum(tf.cast(tied, rows.dtype), seg, nrows)
+    tied_sum = tf.math.unsorted_segment_sum(tf.where(tied, rows, tf.zeros([], rows.dtype)), seg, nrows)
+    above = tf.where(kinds == 1, rows, tf.fill(tf.shape(rows), float("-inf")))
+    top = tf.math.unsorted_segment_max(above, seg_valid, nrows + 1)[:-1]  # the lowest value where none is above
+    top = tf.where(bag_kind > 0, top, tf.zeros_like(top))  # an empty bag: no tied row, none above -inf
+    return tf.where(tied_count > 0, tied_sum / tf.maximum(tied_count, 1.0), top)
 
 
 def _combine(summed, w, combiner, axis):

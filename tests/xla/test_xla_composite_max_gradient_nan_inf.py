@@ -4,7 +4,9 @@ ragged bags, against float64 numpy.
 The composite splits the gradient of a tied maximum evenly over the tied rows (reduce_max's and
 unsorted_segment_max's rule), so each bag column passes on exactly its own gradient. A NaN column
 gave the whole gradient to every NaN row: a bag of two NaN rows passed on twice its gradient (and
-a model's table gradient grew with the NaN count). Now the NaN rows share it evenly, like ties."""
+a model's table gradient grew with the NaN count); a column of -inf rows shared it with the
+padding (dense bags: [-inf, -inf, pad] passed on 2/3) or passed on nothing (ragged bags). Now the
+NaN rows, or the -inf rows, share it evenly, like ties."""
 
 import numpy as np
 import pytest
@@ -16,12 +18,13 @@ TABLE = np.array([[np.nan, 1.0, 0.5],
                   [np.nan, 2.0, np.nan],
                   [1.0, 3.0, np.nan],
                   [2.0, 3.0, -np.inf],
-                  [np.nan, -1.0, 4.0]])
-BAGS = [[0, 1, 2], [2, 3, 3], [3, 2, 1], [4, 0, -1], [-1, -1, -1], [1, 4, 1]]
+                  [np.nan, -1.0, 4.0],
+                  [-np.inf, -np.inf, -np.inf]])
+BAGS = [[0, 1, 2], [2, 3, 3], [3, 2, 1], [4, 0, -1], [-1, -1, -1], [1, 4, 1], [5, 3, -1], [5, 5, -1]]
 
 
 def _numpy_gradient(table, bags, upstream):
-    """d sum(max-bags * upstream) / d table: the bag column's NaN rows, else its maximal rows, share
+    """d sum(max-bags * upstream) / d table: the bag column's NaN rows, else its maximal rows (-inf too), share
     its upstream value evenly (each position a row takes in the bag counts)."""
     grad = np.zeros_like(table)
     for b, bag in enumerate(bags):
@@ -38,7 +41,7 @@ def _numpy_gradient(table, bags, upstream):
 
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("jit", [False, True])
-def test_nan_column_gradient_is_shared_by_its_nan_rows(jit, ragged):
+def test_nan_or_minus_inf_column_gradient_is_shared_by_its_rows(jit, ragged):
     upstream = np.arange(1.0, 1.0 + len(BAGS) * TABLE.shape[1]).reshape(len(BAGS), -1)
     ids = tf.ragged.constant(BAGS, tf.int64) if ragged else tf.constant(BAGS, tf.int64)
 
