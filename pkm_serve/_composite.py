@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from pkm_serve import _loss_scale_check
+from pkm_serve import _loss_scale_check, _xla
 from pkm_serve._op_args import (_as_indices, _as_table, _as_weights, _check_combiner, _ragged_weight_values,
                                 _refuse_sparse_tensors)
 
@@ -61,31 +61,42 @@ def _masked_max(rows, valid, axis):
     """reduce_max over the bag axis of the valid rows only; 0 for an empty bag, NaN where a
     valid row holds one (XLA's reduce_max skips NaN: written out, so jit gives eager's answer).
     (reduce_max's gradient splits ties evenly; the fused op gives them to the
-    first position. A NaN column's gradient goes to every NaN row.)"""
-    nan = tf.math.is_nan(rows) & valid[..., None]
-    masked = tf.where(valid[..., None] & ~nan, rows, tf.fill(tf.shape(rows), float("-inf")))
-    any_valid = tf.reduce_any(valid, axis=axis + 1 if axis < 0 else axis)[..., None]
-    nan_sum = tf.reduce_sum(tf.where(nan, rows, tf.zeros([], rows.dtype)), axis=axis)
-    maxed = tf.where(tf.reduce_any(nan, axis=axis), nan_sum, tf.reduce_max(masked, axis=axis))
-    return tf.where(any_valid, maxed, tf.zeros([], rows.dtype))
+    first position. A NaN column's NaN rows share its gradient evenly, like ties.)"""
+    kinds = _row_kinds(rows, valid[..., None])
+    # Per bag column: 2 where a valid row holds NaN, else 1 where one is above -inf, else 0.
+    kind = tf.reduce_max(kinds, axis=axis, keepdims=True)
+    # NaN rows (where any), or every valid row of a column of -inf rows (reduce_max shared their
+    # gradient with the padding's -inf) share the column's gradient evenly.
+    tied = tf.where(kind == 2, kinds == 2, valid[..., None] & (kind == 0))
+    tied_count = tf.reduce_sum(tf.cast(tied, rows.dtype), axis=axis)
+    tied_mean = tf.reduce_sum(tf.where(tied, rows, tf.zeros([], rows.dtype)), axis=axis) / tf.maximum(tied_count, 1.0)
+    top = tf.reduce_max(tf.where(kinds == 1, rows, tf.fill(tf.shape(rows), float("-inf"))), axis=axis)
+    top = tf.where(tf.squeeze(kind, axis) > 0, top, tf.zeros_like(top))  # an empty bag: 0
+    return tf.where(tied_count > 0, tied_mean, top)
+
+
+def _row_kinds(rows, valid):
+    """2 for a valid NaN, 1 for a valid value above -inf, 0 for -inf or padding (int32)."""
+    nan = tf.math.is_nan(rows) & valid
+    return tf.where(nan, 2, tf.cast(valid & (rows > float("-inf")), tf.int32))
 
 
 def _ragged_masked_max(rows, valid, seg, nrows):
     """_masked_max of ragged bags with segment ops. unsorted_segment_max starts from the lowest
     finite value (a bag of -inf rows gave -3.4e38) and skips or keeps NaN by its position (eager)
-    or always (XLA): -inf and NaN are written out."""
-    nan = tf.math.is_nan(rows) & valid[:, None]
-    above_minus_inf = (rows > float("-inf")) & ~nan & valid[:, None]
-    seg_valid = tf.where(valid, seg, tf.fill(tf.shape(seg), nrows))  # padding: a segment past the last bag
-    finite = tf.where(above_minus_inf, rows, tf.fill(tf.shape(rows), float("-inf")))
-    maxed = tf.math.unsorted_segment_max(finite, seg_valid, nrows + 1)[:-1]
-    has_above = tf.math.unsorted_segment_max(tf.cast(above_minus_inf, tf.int32), seg_valid, nrows + 1)[:-1] > 0
-    maxed = tf.where(has_above, maxed, tf.fill(tf.shape(maxed), float("-inf")))
-    nan_sum = tf.math.unsorted_segment_sum(tf.where(nan, rows, tf.zeros([], rows.dtype)), seg, nrows)
-    has_nan = tf.math.unsorted_segment_max(tf.cast(nan, tf.int32), seg_valid, nrows + 1)[:-1] > 0
-    maxed = tf.where(has_nan, nan_sum, maxed)
-    counts = tf.math.unsorted_segment_sum(tf.cast(valid, tf.int32), seg, nrows)
-    return tf.where((counts > 0)[:, None], maxed, tf.zeros_like(maxed))
+    or always (XLA): -inf and NaN are written out, their rows sharing the gradient like ties."""
+    valid = valid[:, None]
+    kinds = _row_kinds(rows, valid)
+    seg_valid = tf.where(valid[:, 0], seg, tf.fill(tf.shape(seg), nrows))  # padding: a segment past the last bag
+    bag_kind = tf.math.unsorted_segment_max(kinds, seg_valid, nrows + 1)[:-1]
+    kind = tf.gather(bag_kind, seg)
+    tied = tf.where(kind == 2, kinds == 2, valid & (kind == 0))
+    tied_count = tf.math.unsorted_segment_sum(tf.cast(tied, rows.dtype), seg, nrows)
+    tied_sum = tf.math.unsorted_segment_sum(tf.where(tied, rows, tf.zeros([], rows.dtype)), seg, nrows)
+    above = tf.where(kinds == 1, rows, tf.fill(tf.shape(rows), float("-inf")))
+    top = tf.math.unsorted_segment_max(above, seg_valid, nrows + 1)[:-1]  # the lowest value where none is above
+    top = tf.where(bag_kind > 0, top, tf.zeros_like(top))  # an empty bag: no tied row, none above -inf
+    return tf.where(tied_count > 0, tied_sum / tf.maximum(tied_count, 1.0), top)
 
 
 def _combine(summed, w, combiner, axis):
@@ -107,12 +118,26 @@ def _inverse_norm(squares):
 
 
 def bag_of_each_value(ragged):
-    """ragged.value_rowids() (ragged rank 1) as int32 (XLA wants a segment op's count as int32) that XLA also compiles where the values or row splits
-    have sizes known only at run time (ids masked inside a jit function): value_rowids' Repeat needs
-    its largest row length as a compile-time constant, searchsorted does not."""
+    """ragged.value_rowids() (ragged rank 1) as int32 (XLA wants a segment op's count as int32).
+
+    Under XLA a binary search over the row splits, O(values x log bags): value_rowids' Repeat needs
+    its largest row length as a compile-time constant (XLA recompiles it for every new row splits,
+    and cannot compile it where the sizes are known only at run time: ids masked inside a jit
+    function), XLA's searchsorted compares every value with every split (O(values x bags)), and its
+    cumsum of a tensor of run-time size is wrong on this TF."""
+    if _xla.compile_device_type() is None:
+        return tf.cast(ragged.value_rowids(), tf.int32)
     splits = ragged.row_splits
     positions = tf.range(tf.shape(ragged.values, out_type=splits.dtype)[0])
-    return tf.searchsorted(splits[1:], positions, side="right", out_type=tf.int32)
+    num_bags = tf.shape(splits, out_type=tf.int32)[0] - 1
+    # Bags are counted in int32, so fewer than 2**31: 31 halvings unless the count is static.
+    steps = 31 if splits.shape[0] is None else max(splits.shape[0] - 1, 0).bit_length()
+    ends_passed = tf.zeros(tf.shape(positions), tf.int32)  # bags ending at or before each position
+    for k in reversed(range(steps)):
+        probe = ends_passed + (1 << k)
+        passed = (probe <= num_bags) & (tf.gather(splits, tf.minimum(probe, num_bags)) <= positions)
+        ends_passed = tf.where(passed, probe, ends_passed)
+    return ends_passed
 
 
 def _ragged_composite(params, indices, weights, combiner):
