@@ -130,9 +130,9 @@ def check_jax_sparse_ids():
 
 def _refused(call, words):
     """Whether call() fails with an error naming `words` (under jax.jit the host callback's ValueError
-    arrives inside JAX's runtime error)."""
+    arrives inside JAX's runtime error, on a GPU when the result is read: dispatch is asynchronous)."""
     try:
-        call()
+        np.asarray(call())
     except Exception as err:   # noqa: BLE001  (ValueError eagerly, JaxRuntimeError under jit)
         assert words in str(err), f"{type(err).__name__}: {err}"
         return True
