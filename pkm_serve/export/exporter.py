@@ -289,8 +289,8 @@ def export_saved_model(src: str, dst: str, version: Optional[int] = None,
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     _check_arguments(src, dst, batch_size, quantize_table, tflite, report)
     warmup.check_request_count(src, warmup_requests)
-    if rtol is not None and not rtol >= 0:
-        raise ExportError(f"--rtol must be >= 0, got {rtol}")
+    if rtol is not None and not 0 <= rtol < float("inf"):   # inf (or NaN) would pass any output
+        raise ExportError(f"--rtol must be a finite number >= 0, got {rtol}")
     progress = progress or Progress(quiet=quiet)
     progress.note(f"loading {src}")
     proto = read_saved_model(src)
