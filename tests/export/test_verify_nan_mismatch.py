@@ -33,3 +33,13 @@ def test_one_hot_lookup_of_a_table_with_an_inf_names_the_nan_columns(tmp_path):
             tf.matmul(tf.one_hot(tf.reshape(ids, [-1]), N), m.t), tf.concat([tf.shape(ids), [D]], 0)), 1),
             table=table)
     assert "elements are NaN in the original alone" in str(err.value), str(err.value)
+
+
+def test_a_tflite_nan_mismatch_names_the_saved_model_and_the_tflite():
+    from pkm_serve.export.tflite_export import _mismatch_message
+    want = {"o": np.array([np.nan, 1.0], np.float32)}
+    with pytest.raises(VerificationError) as err:
+        compare_outputs("s", want, {"o": np.array([0.0, 1.0], np.float32)})
+    message = _mismatch_message("s", err.value, {}, None, {}, want)
+    assert "the .tflite differs from the SavedModel (1 of 2 elements are NaN in the SavedModel alone" in message, \
+        message
