@@ -1,5 +1,6 @@
-"""An unsorted_segment_max site left composite was reported with combiner 'sum' (the Site default) wherever
-it was skipped before the max was recognised: weighted or masked flattened rows, say."""
+"""An unsorted_segment_max (or segment_mean / segment_max) site left composite was reported with combiner 'sum'
+(the Site default) wherever it was skipped before the combiner was recorded on the reported site: weighted or
+masked flattened rows, say."""
 import numpy as np
 import tensorflow as tf
 
@@ -16,4 +17,16 @@ def test_skipped_unsorted_segment_max_is_reported_as_a_max(tmp_path):
     w = np.random.default_rng(5).uniform(-1, 2, ids.shape).astype(np.float32)
     want, got = run_both(tmp_path, result, ids, w)
     np.testing.assert_allclose(got, (TABLE.astype(np.float64)[ids] * w[..., None]).max(1), rtol=1e-6)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_skipped_segment_mean_of_weighted_flattened_rows_is_reported_as_a_mean(tmp_path):
+    result = save_and_export(tmp_path, [IDS, WEIGHTS], lambda m, ids, w: tf.math.segment_mean(
+        tf.reshape(tf.gather(m.t, ids), [-1, D]) * tf.reshape(w, [-1, 1]), tf.repeat(tf.range(tf.shape(ids)[0]), K)))
+    [site] = result.sites
+    assert (site.status, site.combiner) == ("skipped", "mean"), (site.status, site.combiner, site.reason)
+    ids = random_ids()
+    w = np.random.default_rng(6).uniform(-1, 2, ids.shape).astype(np.float32)
+    want, got = run_both(tmp_path, result, ids, w)
+    np.testing.assert_allclose(got, (TABLE.astype(np.float64)[ids] * w[..., None]).mean(1), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got, want)
