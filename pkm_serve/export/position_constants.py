@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import List, Optional
 
 import numpy as np
+from tensorflow.core.framework import types_pb2
 
 from pkm_serve.export.dense import is_scalar, strip_trailing_unit_axis
 from pkm_serve.export.graph import FunctionGraph, Ref
-from pkm_serve.export.scales import Factor
+from pkm_serve.export.scales import Factor, _check_half_weight_fits
 from pkm_serve.export.sites import NotASite, Site, Skip
 
 
@@ -89,3 +90,5 @@ def constant_factor(fg: FunctionGraph, terms, site: Site) -> None:
     site.weighted = True
     kind, ref = constants[0][0]
     site.weight_factors = site.weight_factors + (Factor(kind, ref, False, True),)
+    if site.table_dtype == types_pb2.DT_HALF:  # w * c becomes the op's one float16 weight, as scales.py folds it
+        _check_half_weight_fits(fg, site, list(site.weight_factors))
