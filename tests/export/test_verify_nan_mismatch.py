@@ -43,3 +43,9 @@ def test_a_tflite_nan_mismatch_names_the_saved_model_and_the_tflite():
     message = _mismatch_message("s", err.value, {}, None, {}, want)
     assert "the .tflite differs from the SavedModel (1 of 2 elements are NaN in the SavedModel alone" in message, \
         message
+
+
+def test_nan_everywhere_on_one_side_gives_no_nan_largest_difference():
+    with pytest.raises(VerificationError) as err:
+        compare_outputs("s", {"o": np.ones(2, np.float32)}, {"o": np.full(2, np.nan, np.float32)})
+    assert "2 of 2 elements are NaN in the fused model alone; elsewhere) by up to 0 " in str(err.value), str(err.value)
