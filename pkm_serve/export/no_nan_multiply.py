@@ -95,3 +95,11 @@ def note_zero_weights(node, rows, site: Site, weights_before: Optional[Ref], fac
     else:
         return  # a multiply by ones: never 0
     site.no_nan_weights = site.no_nan_weights + (noted,)
+
+
+def check_no_nan_site(site: Site) -> None:
+    """The zero weights' padding is a mask over the ids as matched; a site that reads a span of positions (a
+    partial running sum, tf.math.cumsum(rows)[:, j]) slices the ids and weights, not such a mask: reported."""
+    if site.no_nan_weights and site.positions is not None:
+        raise Skip("tf.math.multiply_no_nan(rows, w) read at some positions only (a partial running sum): 0 where "
+                   "w is 0 even for an inf or NaN row, which the fused op's w * row is not: not fused")

@@ -120,3 +120,18 @@ def test_multiply_no_nan_sites_that_padding_would_change_stay_composite(tmp_path
     w = W_AT.astype(np.float64)
     expected = _no_nan_bags(IDS_AT, W_AT * W_AT) if form == "times_a_fed_weight" else _no_nan_bags(IDS_AT, w)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("position", [-1, 2])
+def test_running_sum_of_multiply_no_nan_rows(tmp_path, position):
+    """cumsum(multiply_no_nan(rows, w), 1)[:, -1] is the bag (fused, zero weights padding); [:, 2] reads a span of
+    positions, whose ids are sliced where the padding's mask was not: the fused model failed to load."""
+    result = save_and_export(tmp_path, [IDS, WEIGHTS], lambda m, ids, w: tf.cumsum(
+        tf.math.multiply_no_nan(tf.gather(m.t, ids), w[..., None]), axis=1)[:, position], table=NON_FINITE)
+    [site] = result.sites
+    assert site.status == ("fused" if position == -1 else "skipped"), site.reason
+    want, got = run_both(tmp_path, result, IDS_AT, W_AT)
+    stop = K if position == -1 else position + 1
+    expected = _no_nan_bags(IDS_AT[:, :stop], W_AT[:, :stop])
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
