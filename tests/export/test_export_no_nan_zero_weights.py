@@ -23,7 +23,8 @@ W_AT[3, 0] = -1.5
 def _no_nan_bags(ids, w):
     """sum_k multiply_no_nan(table[ids[b, k]], w[b, k]) in float64."""
     rows = NON_FINITE.astype(np.float64)[ids]
-    return np.where((w == 0)[..., None], 0.0, rows * w[..., None].astype(np.float64)).sum(1)
+    zero = (w == 0)[..., None]
+    return np.where(zero, 0.0, rows * np.where(zero, 1.0, w[..., None].astype(np.float64))).sum(1)  # no 0 * inf
 
 
 def _flat_rows(m, ids):
