@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import numpy as np
-from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_shape
 
 from pkm_serve.export.gather_nd import Gather, resolve_gather  # noqa: F401 (the matchers import them from here)
 from pkm_serve.export.graph import FunctionGraph, Ref
-from pkm_serve.export.no_nan_multiply import multiply_op
+from pkm_serve.export.half_rounding import rounds_to_half
+from pkm_serve.export.no_nan_multiply import multiply_op, note_zero_weights
 from pkm_serve.export.one_hot_lookup import one_hot_lookup
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip,
                                     check_private, dims, dtype_name, itemsize, same_dims, shared_by_bags,
@@ -176,17 +176,6 @@ class Rows:
         self.itemsizes: List[int] = []  # one per [..., K, D] tensor they build
 
 
-def _rounds_to_half(fg: FunctionGraph, node, ins, rows: Rows) -> bool:
-    """A second Cast below the outer one (cast_enum) that rounds the rows to
-    float16/bfloat16 on their way to it (Cast(Cast(rows, half), float32)):
-    skipping it changes the bag by at most that dtype's rounding, within the
-    tolerance the export verifies it with (Site.rounded_to). A float16 row value past
-    65504 is inf in the composite and finite in the fused op (docs/export.md)."""
-    return bool(rows.cast_enum) and not rows.rounded_enum and \
-        node.attr["DstT"].type in (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16) and \
-        node.attr["SrcT"].type in TABLE_DTYPES and leads_to_gather(fg, ins[0])
-
-
 def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = False, scaling=None) -> Rows:
     """Walks from the reduction's input down to the gather through at most one
     Cast (and an inner Cast to a half dtype that it undoes), one Mul by per-index weights and one tf.where mask (in any order);
@@ -198,7 +187,8 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         if node is None:
             raise NotASite()
         ins = fg.inputs(node)
-        op = multiply_op(fg, node, ins, leads_to_gather)
+        op = multiply_op(fg, node, ins, leads_to_gather, rows)
+        weights_before, factors_before = rows.weights, len(rows.factors)
         rows.as_gathered.append(ref)
         if (node.op in GATHER_OPS + ND_GATHER_OPS or one_hot_lookup(fg, node)) and not _is_regather(fg, node, ins):
             rows.gather = resolve_gather(fg, ref, nd_positions)
@@ -228,7 +218,7 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
             rows.cast_enum = node.attr["DstT"].type
             site.cast_to = dtype_name(rows.cast_enum)
             step_input = ins[0]
-        elif node.op == "Cast" and _rounds_to_half(fg, node, ins, rows):
+        elif node.op == "Cast" and rounds_to_half(fg, node, ins, rows, leads_to_gather):
             # Keras mixed precision: rows cast to float16/bfloat16 (the layer's compute
             # dtype) and back to float32 for the reduction. The op skips that rounding:
             # it sums the rows as they are (in float32) and the bag gets the outer cast.
@@ -247,6 +237,7 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
             step_input = ins[0]
         else:
             raise NotASite()
+        note_zero_weights(node, rows, site, weights_before, factors_before)  # multiply_no_nan's w
         rows.nodes.append(node.name)
         rows.private.append(ref)
         rows.itemsizes.append(itemsize(tensor_dtype(fg, ref)))

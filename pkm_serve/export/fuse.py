@@ -15,6 +15,7 @@ from tensorflow.core.framework import attr_value_pb2, types_pb2
 from tensorflow.python.framework import dtypes, op_def_registry
 
 from pkm_serve.export import padded_ragged, sparse_matmul
+from pkm_serve.export.empty_bags import empty_bags, neighbours, select_steps
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import (assert_ids_in_table, assert_ids_rank, assert_masked_ids_below_rows,
                                         assert_table_rows, ids_below_rows)
@@ -371,9 +372,8 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
              fg.add_const(site.root + "/pkm_axis0", np.array(0, np.int32))],
             {"Tparams": DType(site.table_dtype), "Tindices": I32, "Taxis": I32,
              "batch_dims": 0}, shapes=[[1, site.table_shape[1]]])
-        empty = _empty_bags(fg, site, splits)
-        steps.append(("SelectV2", {"T": DType(site.table_dtype)},
-                      lambda bag: [empty, default_row, bag]))
+        steps += select_steps(fg, site.root + "/pkm_default_row", empty_bags(fg, site, splits), default_row,
+                              site.table_dtype)
     if site.expand_bag_axis:
         unit_axis = fg.add_const(site.root + "/pkm_unit_axis", np.array(site.bag_unit_axis, np.int32))
         steps.append(("ExpandDims", {"T": DType(out_dtype), "Tdim": I32}, lambda bag: [bag, unit_axis]))
@@ -381,36 +381,9 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
         out_type = dtypes.as_dtype(out_dtype)
         lowest = fg.add_const(site.root + "/pkm_empty_max",
                               np.array(out_type.min, out_type.as_numpy_dtype))
-        empty_rows = _empty_bags(fg, site, splits) if site.empty_bags is None else site.empty_bags
-        steps.append(("SelectV2", {"T": DType(out_dtype)},
-                      lambda bag: [empty_rows, lowest, bag]))
+        empty_rows = empty_bags(fg, site, splits) if site.empty_bags is None else site.empty_bags
+        steps += select_steps(fg, site.root + "/pkm_empty_max", empty_rows, lowest, out_dtype)
     return steps
-
-
-def _neighbours(fg: FunctionGraph, prefix: str, ref: Ref):
-    """(v[1:], v[:-1]) of an int32 vector."""
-    def const(name, value):
-        return fg.add_const(f"{prefix}/{name}", np.array(value, np.int32))
-
-    def strided(name, begin, end, begin_mask, end_mask):
-        return fg.add_op(f"{prefix}/{name}", "StridedSlice",
-                         [ref, const(name + "_begin", [begin]), const(name + "_end", [end]),
-                          const(name + "_strides", [1])],
-                         {"T": I32, "Index": I32, "begin_mask": begin_mask,
-                          "end_mask": end_mask, "ellipsis_mask": 0, "new_axis_mask": 0,
-                          "shrink_axis_mask": 0}, shapes=[[None]])
-    return strided("later", 1, 0, 0, 1), strided("earlier", 0, -1, 1, 0)
-
-
-def _empty_bags(fg: FunctionGraph, site: Site, splits: Ref) -> Ref:
-    """[rows, 1] bool: row_splits[1:] == row_splits[:-1]."""
-    prefix = site.root + "/pkm_empty_bags"
-    ends, starts = _neighbours(fg, prefix, splits)
-    same = fg.add_op(prefix + "/same", "Equal", [ends, starts],
-                     {"T": I32, "incompatible_shape_error": True}, shapes=[[None]])
-    last_axis = fg.add_const(prefix + "/last_axis", np.array(-1, np.int32))
-    return fg.add_op(prefix, "ExpandDims", [same, last_axis],
-                     {"T": DType(types_pb2.DT_BOOL), "Tdim": I32}, shapes=[[None, 1]])
 
 
 def row_splits(fg: FunctionGraph, site: Site):
@@ -481,7 +454,7 @@ def _assert_sorted(fg: FunctionGraph, prefix: str, seg: Ref) -> str:
     axis = fg.add_const(prefix + "/sorted/axis", np.array(0, np.int32))
     from_zero = fg.add_op(prefix + "/sorted/from_zero", "ConcatV2", [zero, seg, axis],
                           {"N": 2, "T": I32, "Tidx": I32}, shapes=[[None]])
-    later, earlier = _neighbours(fg, prefix + "/sorted", from_zero)
+    later, earlier = neighbours(fg, prefix + "/sorted", from_zero)
     ordered = fg.add_op(prefix + "/sorted/pairs", "GreaterEqual", [later, earlier],
                         {"T": I32}, shapes=[[None]])
     all_ordered = fg.add_op(prefix + "/sorted/all", "All", [ordered, axis],

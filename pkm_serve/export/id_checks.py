@@ -115,8 +115,9 @@ def assert_masked_ids_below_rows(fg: FunctionGraph, site: Site, ids: Ref, params
     fused op takes a masked position as padding (where(mask, ids, -1)) and
     never reads its id. Unmasked ids >= N the fused op refuses itself. One
     reduction (the largest id; an empty request passes). Returns the Assert's
-    name (a control input of the fused op). The TFLite converter drops it."""
-    if site.mask is None or site.pooled is not None:
+    name (a control input of the fused op). The TFLite converter drops it. None where an id >= N is no error
+    in the composite (a one-hot lookup's zero row, a count: ids_past_rows_padding)."""
+    if site.mask is None or site.pooled is not None or site.ids_past_rows_padding:
         return None
     prefix = site.root + "/pkm_ids_bound_check"
     dtype = DType(site.index_dtype)

@@ -15,6 +15,8 @@ from pkm_serve.export import (counts, dense, einsum, flat_bags, fuse, half_divis
                               tensordot, unflatten, unrecognised, unsorted_segments,
                               zero_fill)
 from pkm_serve.export.graph import FunctionGraph
+from pkm_serve.export.no_nan_multiply import check_no_nan_site
+from pkm_serve.export.no_nan_padding import zero_weights_as_padding
 from pkm_serve.export.one_hot_lookup import check_one_hot_combiner
 from pkm_serve.export.sites import NotASite, Site, Skip, check_shared_weights_fixed
 from pkm_serve.export.sparse import SEGMENT_PATTERN
@@ -56,6 +58,7 @@ def _check_matched(fg: FunctionGraph, site: Site) -> None:
     """Checks every matched site passes before it is fused (Skip otherwise)."""
     check_half_table_widened(site)
     check_one_hot_combiner(site)
+    check_no_nan_site(site)
     check_shared_weights_fixed(fg, site)
     zero_fill.check_dense_bag(site)
     unflatten.check_regroup_without_span(site)
@@ -171,6 +174,7 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
         for site in fused:
             old_root_inputs = [fg.parse(t).node for t in fg.nodes[site.root].input
                                if not t.startswith("^")]
+            zero_weights_as_padding(fg, site)  # multiply_no_nan(rows, w): ids of w == 0 padding
             scales.fold_factors(fg, site)
             zero_fill.broadcast_ids_like_fill(fg, site)
             unsorted_segments.sort_by_segment(fg, site)

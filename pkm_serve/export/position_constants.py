@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import List, Optional
 
 import numpy as np
+from tensorflow.core.framework import types_pb2
 
 from pkm_serve.export.dense import is_scalar, strip_trailing_unit_axis
 from pkm_serve.export.graph import FunctionGraph, Ref
-from pkm_serve.export.scales import Factor
+from pkm_serve.export.scales import Factor, _check_half_weight_fits
 from pkm_serve.export.sites import NotASite, Site, Skip
 
 
@@ -70,7 +71,12 @@ def scaled_position_rows(fg: FunctionGraph, ref: Ref, function: str, kept: bool,
 
 def constant_factor(fg: FunctionGraph, terms, site: Site) -> None:
     """Every term's constants as one factor of the site's weights, where every term has one constant and all
-    are equal; Skip where they differ (per-position scalar weights) or some terms have none."""
+    are equal; Skip where they differ (per-position scalar weights) or some terms have none, or where a term
+    is a multiply_no_nan (its zero weights' padding is not carried through the positions' slices)."""
+    if any(t.site.no_nan_weights for t in terms):
+        raise Skip("a sum of positions of tf.math.multiply_no_nan(rows, w[:, k:k+1]): 0 where w is 0 even for an "
+                   "inf or NaN row, which the fused op's w * row is not: not fused (multiply_no_nan(rows, w) "
+                   "of the rows of every position, then reduce_sum, is)")
     constants = [getattr(t, "constant", None) for t in terms]
     if all(c is None for c in constants):
         return
@@ -84,3 +90,5 @@ def constant_factor(fg: FunctionGraph, terms, site: Site) -> None:
     site.weighted = True
     kind, ref = constants[0][0]
     site.weight_factors = site.weight_factors + (Factor(kind, ref, False, True),)
+    if site.table_dtype == types_pb2.DT_HALF:  # w * c becomes the op's one float16 weight, as scales.py folds it
+        _check_half_weight_fits(fg, site, list(site.weight_factors))

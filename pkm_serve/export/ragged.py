@@ -75,6 +75,7 @@ def match_unsorted_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
     """UnsortedSegmentSum (reduce_sum) or UnsortedSegmentMax (reduce_max,
     combiner 'max') of a ragged gather over its ragged rows."""
     data, seg, num_segments = fg.inputs(node)
+    site.combiner = "max" if node.op == "UnsortedSegmentMax" else "sum"  # reported so where a step below skips
     rows = resolve_rows(fg, data, site, scaling=scales)  # rows * w * mask: one weight (scales.py)
     site.pattern = "ragged-reduce"
     apply_rows(fg, site, rows, node.name, data)
@@ -87,7 +88,6 @@ def match_unsorted_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
     if fg.shape(data).rank != 2:
         raise Skip("segment reduction of gathered rows that are not [ids, D]")
     if node.op == "UnsortedSegmentMax":
-        site.combiner = "max"
         check_max_site(site)
         # reduce_max of an empty ragged row is the dtype's lowest value; the
         # op gives an empty bag zeros, so the fused site writes it back.

@@ -73,6 +73,7 @@ class Site:
     default_id: Optional[int] = None      # safe_: row an empty bag gets (None: zeros)
     empty_bag_lowest: bool = False        # ragged max: an empty bag is the dtype's lowest
     empty_bags: Optional[Ref] = None      # [bags, 1] bool, where not read off the row_splits (unsorted_segments.py)
+    no_nan_weights: Tuple[Tuple[Ref, bool, bool], ...] = ()  # multiply_no_nan(rows, w): (w, squeeze, scalar)
     internal: Tuple[str, ...] = ()     # nodes only the site uses (removed on fusion)
     dead_after: Tuple[str, ...] = ()   # nodes that become unused once fused
     intermediate_itemsizes: Tuple[int, ...] = ()  # one per [..., K, D] tensor built

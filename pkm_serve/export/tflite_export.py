@@ -229,6 +229,13 @@ def _non_finite_outputs(want: dict, got: dict) -> Dict[str, Tuple[int, int]]:
     return bad
 
 
+def _as_tflite_comparison(message: str, differs: str) -> str:
+    """verify.compare_outputs' message of a SavedModel (expected) and a .tflite (actual) in those words."""
+    return message.replace("fused differs from original", differs).replace(
+        "NaN in the original alone", "NaN in the SavedModel alone").replace(
+        "NaN in the fused model alone", "NaN in the .tflite alone")
+
+
 def _mismatch_message(name: str, error: Exception, bad: Dict[str, Tuple[int, int]],
                       original_dir: Optional[str], inputs: Dict[str, np.ndarray], want: dict) -> str:
     """The float .tflite does not match the SavedModel (inf/NaN where the SavedModel is
@@ -241,7 +248,7 @@ def _mismatch_message(name: str, error: Exception, bad: Dict[str, Tuple[int, int
         head = (f"signature {name!r}: the .tflite gives non-finite values (inf/NaN) where the "
                 f"SavedModel's outputs are finite: {where}. ")
     else:
-        head = str(error).replace("fused differs from original", "the .tflite differs from the SavedModel") + ". "
+        head = _as_tflite_comparison(str(error), "the .tflite differs from the SavedModel") + ". "
     if original_dir is None:
         return head + ("Convert the original model with the stock tf.lite.TFLiteConverter and "
                        "run it on the same inputs to see whether the converter does that without "
@@ -260,7 +267,7 @@ def _mismatch_message(name: str, error: Exception, bad: Dict[str, Tuple[int, int
         stock_bad = _non_finite_outputs(want, theirs)
         how = ("non-finite values for " + ", ".join(f"{k!r} ({n} of {size} elements)"
                                                       for k, (size, n) in stock_bad.items())
-               if stock_bad else str(e).replace("fused differs from original", "differs from the SavedModel"))
+               if stock_bad else _as_tflite_comparison(str(e), "differs from the SavedModel"))
         return head + (f"The stock tf.lite.TFLiteConverter's .tflite of the ORIGINAL model "
                        f"({original_dir}, unfused, no pkm op) is wrong on the same inputs too "
                        f"({how}): the converter's lowering of the rest of the model does this, "

@@ -140,6 +140,9 @@ def _transposed_table_reason(fg: FunctionGraph, x, rank: int) -> Optional[str]:
     reduction (over D: each row's own)."""
     producer = fg.producer(through_identity(fg, x, []))
     steps = _steps_after_transposed_rows(fg, x, rank)
+    if steps and set(steps) == {"Cast"}:  # Keras mixed precision: float16 rows permuted, pooled in float32
+        return ("the gathered rows are transposed to [..., D, K], then cast before the reduction over K (Keras "
+                "mixed precision's Permute + channels_first pooling): a cast after the transpose is not fused")
     if steps:
         return (f"the gathered rows are transposed to [..., D, K], then {' -> '.join(steps)} before the reduction "
                 "over K: a multiplier or mask applied after the transpose is not fused (apply it before the "

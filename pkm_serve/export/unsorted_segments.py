@@ -50,6 +50,7 @@ def match_segment_reduce(fg: FunctionGraph, node, site: Site) -> Site:
     the flattened ids by the sorted segment ids (their order asserted, as for every segment reduction fused).
     Any other: sparse.match_segment_sum/mean/max."""
     data, seg = fg.inputs(node)
+    site.combiner = _SORTED_SEGMENT_COMBINERS[node.op]  # the report's, where `scratch` is skipped
     scratch = dataclasses.replace(site)
     try:
         rows = dense.resolve_rows(fg, data, scratch, scaling=scales)  # rows * w * mask: one weight (scales.py)

@@ -328,16 +328,25 @@ def compare_outputs(signature: str, expected: dict, actual: dict,
         atol = atol_rel_used * max(scale, 1.0)
         err = np.abs(want64 - got64)
         err = np.where(want64 == got64, 0.0, err)  # equal infinities
-        max_abs = float(np.nanmax(err)) if err.size else 0.0
+        max_abs = float(np.nanmax(err)) if np.any(~np.isnan(err)) else 0.0  # NaN on one side: _nan_mismatch
         within = np.where(extreme, err == 0.0, err <= atol + use_rtol * np.abs(want64))
         ok = np.all(within)  # False on any new NaN
         rows.append({"signature": signature, "output": key, "shape": list(want.shape),
                      "max_abs_err": max_abs, "rtol": use_rtol, "atol": atol})
         if not ok:
             raise VerificationError(
-                f"signature {signature!r} output {key!r}: fused differs from original by "
-                f"up to {max_abs:.3g} (tolerance atol={atol:.3g}, rtol={use_rtol:g})")
+                f"signature {signature!r} output {key!r}: fused differs from original {_nan_mismatch(want64, got64)}"
+                f"by up to {max_abs:.3g} (tolerance atol={atol:.3g}, rtol={use_rtol:g})")
     return rows
+
+
+def _nan_mismatch(want64: np.ndarray, got64: np.ndarray) -> str:
+    """Where one side alone is NaN (the largest difference, NaN-free, may be 0 then): how often, and "elsewhere"
+    before the largest difference; "" where NaN sits in the same places."""
+    parts = [f"{int(np.sum(np.isnan(a) & ~np.isnan(b)))} of {a.size} elements are NaN in the {name} alone"
+             for name, a, b in (("original", want64, got64), ("fused model", got64, want64))
+             if np.any(np.isnan(a) & ~np.isnan(b))]
+    return f"({'; '.join(parts)}; elsewhere) " if parts else ""
 
 
 def error_line(message: str) -> str:

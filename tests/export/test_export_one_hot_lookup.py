@@ -83,3 +83,28 @@ def test_one_hot_lookups_one_position_at_a_time_keep_zero_rows_for_ids_outside_t
     for model in (tmp_path / "m", result.dst):
         out = tf.saved_model.load(str(model)).signatures["serving_default"](args_0=ids)["out"].numpy()
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+MASKED = {  # a mask of the one-hot rows: where(mask, rows, 0), or multiply_no_nan's zero weights (padding too)
+    "where": (lambda rows, w: tf.reduce_sum(tf.where((w > 0)[..., None], rows, 0.0), 1), lambda w: w > 0),
+    "multiply_no_nan": (lambda rows, w: tf.reduce_sum(tf.math.multiply_no_nan(rows, w[..., None]), 1), lambda w: w),
+}
+
+
+@pytest.mark.parametrize("form", sorted(MASKED))
+def test_masked_one_hot_lookup_takes_ids_outside_the_table_as_zero_rows(tmp_path, form):
+    """A masked site asserts every id < N (a gather refuses one, masked or not); a one-hot lookup gives it a zero
+    row, so the fused model failed an assertion where the original returned the bag."""
+    reduce, weights = MASKED[form]
+    module = _one_hot_module(reduce)
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+    from pkm_serve.export import export_saved_model
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True)
+    assert [s.status for s in result.sites] == ["fused"], [s.reason for s in result.sites]
+    ids = _ids_with_zero_rows()
+    w = RNG.uniform(-1, 1.5, ids.shape).astype(np.float32)
+    w[2, 0] = 1.0  # the id N + 3 kept
+    expected = _reference(ids, weights(w).astype(np.float64), 1)
+    for model in (tmp_path / "m", result.dst):
+        out = tf.saved_model.load(str(model)).signatures["serving_default"](ids=ids, w=w)["out"].numpy()
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)

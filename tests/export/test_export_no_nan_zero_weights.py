@@ -1,0 +1,138 @@
+"""tf.math.multiply_no_nan(rows, w) is 0 wherever w is 0, an inf or NaN table entry included; the fused op's
+w * row is NaN there. The fused site makes ids of zero weight padding, so every combiner the site can take
+(a sum, a mean dividing by K, a ragged mean dividing by the weights' sum, segment sums) gives the original's
+bag; multipliers or divisors after it that could turn the composite's 0 into NaN keep the site composite.
+References: the original SavedModel and numpy float64 (a zero-weight entry adds exactly 0)."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from round34_forms import IDS, K, TABLE, WEIGHTS, run_both, save_and_export
+
+NON_FINITE = TABLE.copy()
+NON_FINITE[3] = np.inf
+NON_FINITE[4, 1] = np.nan
+NON_FINITE[5, 0] = -np.inf
+IDS_AT = np.array([[3, 4, 5, 6, 7], [1, 2, 3, 4, 8], [3, 3, 3, 3, 3], [9, 4, 10, 5, 12]])
+W_AT = np.ones(IDS_AT.shape, np.float32)
+W_AT[0, :3], W_AT[1, 2:4], W_AT[2], W_AT[3, [1, 3]] = 0.0, 0.0, 0.0, 0.0  # every non-finite row at weight 0
+W_AT[0, 3:] = [0.5, 2.0]
+W_AT[3, 0] = -1.5
+
+
+def _no_nan_bags(ids, w):
+    """sum_k multiply_no_nan(table[ids[b, k]], w[b, k]) in float64."""
+    rows = NON_FINITE.astype(np.float64)[ids]
+    zero = (w == 0)[..., None]
+    return np.where(zero, 0.0, rows * np.where(zero, 1.0, w[..., None].astype(np.float64))).sum(1)  # no 0 * inf
+
+
+def _flat_rows(m, ids):
+    return tf.reshape(tf.gather(m.t, ids), [-1, 4])
+
+
+def _segments(ids):
+    return tf.repeat(tf.range(tf.shape(ids)[0]), K)
+
+
+DENSE = {  # body, the float64 bag of (ids, w)
+    "sum": (lambda m, ids, w: tf.reduce_sum(tf.math.multiply_no_nan(tf.gather(m.t, ids), w[..., None]), 1),
+            _no_nan_bags),
+    "mean": (lambda m, ids, w: tf.reduce_mean(tf.math.multiply_no_nan(tf.gather(m.t, ids), w[..., None]), 1),
+             lambda ids, w: _no_nan_bags(ids, w) / K),
+    "scaled_after": (lambda m, ids, w: tf.reduce_sum(
+        tf.math.multiply_no_nan(tf.gather(m.t, ids), w[..., None]) * 0.5, 1), lambda ids, w: _no_nan_bags(ids, w) / 2),
+    "divided_by_k": (lambda m, ids, w: tf.reduce_sum(tf.math.multiply_no_nan(tf.gather(m.t, ids), w[..., None]) /
+                                                     tf.cast(tf.shape(ids)[-1], tf.float32), 1),
+                     lambda ids, w: _no_nan_bags(ids, w) / K),
+    "masked_after": (lambda m, ids, w: tf.reduce_sum(tf.where(
+        (ids != 9)[..., None], tf.math.multiply_no_nan(tf.gather(m.t, ids), w[..., None]), 0.0), 1),
+        lambda ids, w: _no_nan_bags(ids, w * (ids != 9))),
+    "segment_sum": (lambda m, ids, w: tf.math.segment_sum(tf.math.multiply_no_nan(
+        _flat_rows(m, ids), tf.reshape(w, [-1, 1])), _segments(ids)), _no_nan_bags),
+    "unsorted_segment_sum": (lambda m, ids, w: tf.math.unsorted_segment_sum(tf.math.multiply_no_nan(
+        _flat_rows(m, ids), tf.reshape(w, [-1, 1])), _segments(ids), tf.shape(ids)[0]), _no_nan_bags),
+    "zero_scalar_weight": (lambda m, ids, w: tf.reduce_sum(tf.math.multiply_no_nan(
+        tf.gather(m.t, ids), m.v[0] * 0.0), 1) + tf.reduce_sum(w, 1, keepdims=True) * 0.0,
+        lambda ids, w: np.zeros((len(ids), 4))),
+}
+
+
+@pytest.mark.parametrize("form", sorted(DENSE))
+def test_zero_weights_of_multiply_no_nan_hide_non_finite_rows_in_the_fused_bag(tmp_path, form):
+    """Before: NaN in every bag holding an inf/NaN row at weight 0 (the zero scalar weight failed the export's
+    own verification), where the original gives the finite bag."""
+    body, reference = DENSE[form]
+    result = save_and_export(tmp_path, [IDS, WEIGHTS], body, table=NON_FINITE)
+    assert [s.status for s in result.sites] == ["fused"], [s.reason for s in result.sites]
+    want, got = run_both(tmp_path, result, IDS_AT, W_AT)
+    expected = reference(IDS_AT, W_AT)
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_ragged_multiply_no_nan_zero_weights_hide_non_finite_rows(tmp_path, combiner):
+    """A ragged mean is fused as the op's mean (the weights' sum divides): a padded zero weight adds nothing."""
+    reduce = tf.reduce_sum if combiner == "sum" else tf.reduce_mean
+    result = save_and_export(tmp_path, [tf.RaggedTensorSpec([None, None], tf.int64),
+                                        tf.RaggedTensorSpec([None, None], tf.float32)],
+                             lambda m, rt, rw: reduce(tf.math.multiply_no_nan(tf.gather(m.t, rt), rw[..., None]), 1),
+                             table=NON_FINITE)
+    assert [s.status for s in result.sites] == ["fused"], [s.reason for s in result.sites]
+    rt, rw = tf.RaggedTensor.from_tensor(IDS_AT), tf.RaggedTensor.from_tensor(W_AT)
+    inputs = {"args_0": rt.values, "args_0_1": rt.row_splits, "args_1": rw.values, "args_1_1": rw.row_splits}
+    expected = _no_nan_bags(IDS_AT, W_AT) / (1 if combiner == "sum" else K)
+    for model in (tmp_path / "m", result.dst):
+        out = tf.saved_model.load(str(model)).signatures["serving_default"](**inputs)["out"].numpy()
+        np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_multiply_no_nan_zero_weights_in_the_tflite(tmp_path):
+    from pkm_serve import tflite
+    lite, sample = str(tmp_path / "m.tflite"), str(tmp_path / "sample.npz")
+    np.savez(sample, args_0=IDS_AT, args_1=W_AT)  # random ids would meet the inf rows at nonzero weights
+    result = save_and_export(tmp_path, [IDS, WEIGHTS], DENSE["mean"][0], table=NON_FINITE, tflite=lite,
+                             sample_inputs=sample)
+    assert [s.status for s in result.sites] == ["fused"], [s.reason for s in result.sites]
+    runner = tflite.make_interpreter(lite).get_signature_runner("serving_default")
+    got = runner(args_0=IDS_AT, args_1=W_AT)["out"]
+    np.testing.assert_allclose(got, _no_nan_bags(IDS_AT, W_AT) / K, rtol=1e-5, atol=1e-6)
+
+
+STAYS = {  # a step after multiply_no_nan that makes the composite's 0 NaN: (body, words of the reason)
+    "times_a_fed_weight": (lambda m, ids, w: tf.reduce_sum(
+        tf.math.multiply_no_nan(tf.gather(m.t, ids), w[..., None]) * w[..., None], 1), "may be inf or NaN"),
+    "per_position": (lambda m, ids, w: tf.add_n([tf.math.multiply_no_nan(tf.gather(m.t, ids[:, k]), w[:, k:k + 1])
+                                                 for k in range(K)]), "sum of positions"),
+}
+
+
+@pytest.mark.parametrize("form", sorted(STAYS))
+def test_multiply_no_nan_sites_that_padding_would_change_stay_composite(tmp_path, form):
+    """multiply_no_nan(rows, w) * w: the composite's 0 * inf is NaN, padding would leave it out; per position
+    the padding is not carried through the slices. Before: both fused, NaN where the original is finite."""
+    body, words = STAYS[form]
+    result = save_and_export(tmp_path, [IDS, WEIGHTS], body, table=NON_FINITE)
+    [site] = result.sites
+    assert site.status == "skipped" and words in site.reason, site.reason
+    want, got = run_both(tmp_path, result, IDS_AT, W_AT)
+    np.testing.assert_array_equal(got, want)
+    w = W_AT.astype(np.float64)
+    expected = _no_nan_bags(IDS_AT, W_AT * W_AT) if form == "times_a_fed_weight" else _no_nan_bags(IDS_AT, w)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("position", [-1, 2])
+def test_running_sum_of_multiply_no_nan_rows(tmp_path, position):
+    """cumsum(multiply_no_nan(rows, w), 1)[:, -1] is the bag (fused, zero weights padding); [:, 2] reads a span of
+    positions, whose ids are sliced where the padding's mask was not: the fused model failed to load."""
+    result = save_and_export(tmp_path, [IDS, WEIGHTS], lambda m, ids, w: tf.cumsum(
+        tf.math.multiply_no_nan(tf.gather(m.t, ids), w[..., None]), axis=1)[:, position], table=NON_FINITE)
+    [site] = result.sites
+    assert site.status == ("fused" if position == -1 else "skipped"), site.reason
+    want, got = run_both(tmp_path, result, IDS_AT, W_AT)
+    stop = K if position == -1 else position + 1
+    expected = _no_nan_bags(IDS_AT[:, :stop], W_AT[:, :stop])
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
