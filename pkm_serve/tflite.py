@@ -350,8 +350,14 @@ def build_parser():
 # Where one of the runtime's messages starts inside another. TFLite's messages (its kernels',
 # ours, "Node number 1 (PkmDelegate) failed to invoke.") end without a newline, as its C++ and
 # Java reporters add one; the Python runtimes join them as they come ("...padding)Node number 1").
+# Besides before "Node number" and our prefixes: after the runtime's "failed to invoke." /
+# "failed to prepare." and TF_LITE_ENSURE's "... was not true." (a negative GATHER index gives
+# "...was not true.gather index out of bounds"), and before a TF_LITE_ENSURE_* source location
+# ("(5 != 4)/tensorflow/tensorflow/lite/kernels/reshape.cc:92 ...").
 _GLUED_MESSAGE = re.compile(
-    r"(?<=\S)(?=Node number \d+ \(|PkmEmbeddingBag: |PkmRaggedEmbeddingBag: |PkmDelegate: )")
+    r"(?<=\S)(?=Node number \d+ \(|PkmEmbeddingBag: |PkmRaggedEmbeddingBag: |PkmDelegate: )"
+    r"|(?:(?<=failed to invoke\.)|(?<=failed to prepare\.)|(?<=was not true\.))(?=\S)"
+    r"|(?<=[^\s\w/.-])(?=(?:/?tensorflow/|tflite/)[^\s:]*\.cc:\d+ )")
 
 
 def runtime_messages(text: str) -> List[str]:
