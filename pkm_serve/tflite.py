@@ -352,12 +352,11 @@ def build_parser():
 # Java reporters add one; the Python runtimes join them as they come ("...padding)Node number 1").
 # Besides before "Node number" and our prefixes: after the runtime's "failed to invoke." /
 # "failed to prepare." and TF_LITE_ENSURE's "... was not true." (a negative GATHER index gives
-# "...was not true.gather index out of bounds"), and before a TF_LITE_ENSURE_* source location
-# ("(5 != 4)/tensorflow/tensorflow/lite/kernels/reshape.cc:92 ...").
+# "...was not true.gather index out of bounds"; a reused interpreter's text, "...failed to
+# invoke./tensorflow/tensorflow/lite/kernels/reshape.cc:92 ...").
 _GLUED_MESSAGE = re.compile(
     r"(?<=\S)(?=Node number \d+ \(|PkmEmbeddingBag: |PkmRaggedEmbeddingBag: |PkmDelegate: )"
-    r"|(?:(?<=failed to invoke\.)|(?<=failed to prepare\.)|(?<=was not true\.))(?=\S)"
-    r"|(?<=[^\s\w/.-])(?=(?:/?tensorflow/|tflite/)[^\s:]*\.cc:\d+ )")
+    r"|(?:(?<=failed to invoke\.)|(?<=failed to prepare\.)|(?<=was not true\.))(?=\S)")
 
 
 def runtime_messages(text: str) -> List[str]:
