@@ -177,7 +177,7 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
                                  f"[{info.min}, {info.max}]")
         if tuple(d["shape"]) != value.shape:
             interp.resize_tensor_input(d["index"], list(value.shape))
-    interp.allocate_tensors()
+    allocate_primary_subgraph(interp)
     for d, value in pairs:
         interp.set_tensor(d["index"], value.astype(d["dtype"], copy=False))
     interp.invoke()
@@ -188,6 +188,26 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
 # custom op, or a TensorFlow (Flex) op where the interpreter has no Flex delegate.
 _NO_KERNEL = ("Encountered unresolved custom op",
               "Select TensorFlow op(s), included in the given model, is(are) not supported")
+
+
+# tflite_runtime's words where the default delegate (XNNPack) it applies at the first
+# allocate_tensors() failed.
+_DEFAULT_DELEGATE_FAILED = "Failed to apply the default TensorFlow Lite delegate"
+
+
+def allocate_primary_subgraph(interp) -> None:
+    """``interp.allocate_tensors()``, which prepares the primary subgraph, the same in both
+    runtimes: tflite_runtime 2.14 first applies XNNPack to every subgraph, which prepares them
+    all at the converter's shapes, so another signature's kernel refusing those shapes (ids
+    [-1, -1] against weights [-1, 3]) failed it, where LiteRT and the signature runners run the
+    model. It applies XNNPack once (the primary subgraph keeps it): the retry prepares the
+    primary subgraph alone, and a refusal of that one fails the retry too."""
+    try:
+        interp.allocate_tensors()
+    except RuntimeError as e:
+        if _DEFAULT_DELEGATE_FAILED not in str(e):
+            raise
+        interp.allocate_tensors()
 
 
 def allocate_signature_subgraphs(interp, keys=None) -> str:
@@ -350,8 +370,13 @@ def build_parser():
 # Where one of the runtime's messages starts inside another. TFLite's messages (its kernels',
 # ours, "Node number 1 (PkmDelegate) failed to invoke.") end without a newline, as its C++ and
 # Java reporters add one; the Python runtimes join them as they come ("...padding)Node number 1").
+# Besides before "Node number" and our prefixes: after the runtime's "failed to invoke." /
+# "failed to prepare." and TF_LITE_ENSURE's "... was not true." (a negative GATHER index gives
+# "...was not true.gather index out of bounds"; a reused interpreter's text, "...failed to
+# invoke./tensorflow/tensorflow/lite/kernels/reshape.cc:92 ...").
 _GLUED_MESSAGE = re.compile(
-    r"(?<=\S)(?=Node number \d+ \(|PkmEmbeddingBag: |PkmRaggedEmbeddingBag: |PkmDelegate: )")
+    r"(?<=\S)(?=Node number \d+ \(|PkmEmbeddingBag: |PkmRaggedEmbeddingBag: |PkmDelegate: )"
+    r"|(?:(?<=failed to invoke\.)|(?<=failed to prepare\.)|(?<=was not true\.))(?=\S)")
 
 
 def runtime_messages(text: str) -> List[str]:
@@ -377,7 +402,7 @@ def main(argv=None) -> int:
                                   args.fuse_composites)
         # Prepares every node: one without a kernel (a custom op neither the runtime nor the
         # delegate has) was listed as "runs", and the model then failed wherever it was loaded.
-        interp.allocate_tensors()
+        allocate_primary_subgraph(interp)
         allocate_signature_subgraphs(interp)
     except RuntimeError as e:   # a refusal: its first message is the CLI's one line
         raise RuntimeError("\n".join(runtime_messages(str(e))) or str(e)) from None

@@ -461,7 +461,8 @@ class TfLiteServable(ServableBase):
             for interpreter in interpreters:
                 interpreter.prepare()
         except (OSError, ValueError, RuntimeError, tf.errors.OpError) as e:
-            reason = ' '.join(str(e).split())[:2000]
+            # (the runtime's messages each on its own: they came glued, "runtimeNode number 2")
+            reason = ('; '.join(tflite.runtime_messages(str(e))) or type(e).__name__)[:2000]
             if "unresolved custom op: ParseExample" in reason:
                 reason = _PARSE_EXAMPLE_UNSUPPORTED + reason
             raise invalid(f"cannot load {model_path} in LiteRT with the pkm_serve delegate: {reason}") from None

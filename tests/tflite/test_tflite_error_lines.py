@@ -3,6 +3,8 @@ without a newline (its C++ and Java reporters add one; the delegate's follow tha
 kernels do): a kernel's message ran into the runtime's own ("...padding)Node number 1
 (PkmDelegate) failed to invoke."), and `pkm-serve tflite`, which prints the first line of a
 refusal, printed both. tflite.runtime_messages splits them; the CLI and the servable use it."""
+import re
+
 import numpy as np
 import pytest
 from flatbuffers import flexbuffers
@@ -60,3 +62,48 @@ def test_the_cli_prints_the_delegates_reason_alone(tmp_path, capsys):
     assert err.endswith("')\n") and "Node number" not in err, err
     assert err.startswith("pkm-serve tflite: error: PkmDelegate: node 0: unknown custom_options "
                           "key 'combinr'"), err
+
+
+def _stock_gather_model():
+    """GATHER of a [10, 2] table by [-1, 3] int32 ids and RESHAPE of a [-1, 4] input to [1, 4],
+    as the stock converter writes them (no op of ours)."""
+    tf = pytest.importorskip("tensorflow")
+    module = tf.Module()
+    module.table = tf.Variable(TABLE[:10, :2])
+    module.serve = tf.function(
+        lambda ids, x: {"g": tf.gather(module.table, ids), "r": tf.reshape(x, [1, 4])},
+        input_signature=[tf.TensorSpec([None, 3], tf.int32, name="ids"),
+                         tf.TensorSpec([None, 4], tf.float32, name="x")])
+    converter = tf.lite.TFLiteConverter.from_concrete_functions(
+        [module.serve.get_concrete_function()], module)
+    return converter.convert()
+
+
+def test_stock_kernels_messages_each_on_their_own():
+    # A negative GATHER index: TF_LITE_ENSURE's "... was not true." and the kernel's own
+    # message came as one; then, on the same interpreter (the runtime's text keeps every
+    # message so far), a RESHAPE refusal ran into the runtime's "failed to invoke.".
+    interp = _interpreter(_stock_gather_model())
+    run = interp.get_signature_runner("serving_default")
+    with pytest.raises(RuntimeError) as first:
+        run(ids=np.array([[0, 1, -1]], np.int32), x=np.ones((1, 4), np.float32))
+    with pytest.raises(RuntimeError) as second:
+        run(ids=np.array([[0, 1, 2]] * 2, np.int32), x=np.ones((2, 4), np.float32))
+    lines = tflite.runtime_messages(str(second.value))
+    assert str(second.value).startswith(str(first.value)), (first.value, second.value)
+    assert lines[0].endswith("indices_has_only_positive_elements was not true."), lines
+    assert lines[1:3] == ["gather index out of bounds", "Node number 0 (GATHER) failed to invoke."], lines
+    assert lines[3] and not lines[3].startswith("Node number"), lines   # the RESHAPE refusal's reason
+    assert all(re.fullmatch(r"Node number \d+ \(\w+\) failed to (invoke|prepare)\.", line)
+               for line in lines if line.startswith("Node number")), lines
+
+
+def test_tflite_runtime_text_with_source_locations_splits_at_each_message():
+    # As tflite_runtime 2.14 gave it for the model above (GATHER, then RESHAPE on its interpreter).
+    text = ("gather index out of boundsNode number 0 (GATHER) failed to invoke./tensorflow/tensorflow/lite/"
+            "kernels/reshape.cc:92 num_input_elements != num_output_elements (8 != 4)Node number 1 "
+            "(RESHAPE) failed to prepare.")
+    assert tflite.runtime_messages(text) == [
+        "gather index out of bounds", "Node number 0 (GATHER) failed to invoke.",
+        "/tensorflow/tensorflow/lite/kernels/reshape.cc:92 num_input_elements != num_output_elements (8 != 4)",
+        "Node number 1 (RESHAPE) failed to prepare."]
