@@ -38,7 +38,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pkm_serve import _copy_on_write, _fused_update, _loss_scale_check, _no_rows, _row_accumulation
+from pkm_serve import _copy_on_write, _fused_update, _half_state_restore, _loss_scale_check, _no_rows, _row_accumulation
 
 
 def _unique_rows(gradient: tf.IndexedSlices, dtype):
@@ -140,6 +140,17 @@ def _state_dtype(variable):
     return "float32" if dtype in _HALF_DTYPES else dtype
 
 
+def _add_state_variable(optimizer, reference, **kwargs):
+    """`optimizer.add_variable(**kwargs)`, state of `reference`: where it is float32 state of a half
+    variable, a tf.train.Checkpoint holding it in the half dtype (an earlier pkm_serve, Keras' Adam)
+    restores it, also on creation (a restore before build), which tracking the variable runs."""
+    optimizer._pkm_half_state = kwargs["dtype"] != keras.backend.standardize_dtype(reference.dtype)
+    try:
+        return optimizer.add_variable(**kwargs)
+    finally:
+        optimizer._pkm_half_state = False
+
+
 def _claim_fused_tables(optimizer, var_list):
     """Claims the tables whose layers asked for the fused update (see module doc)."""
     for var in var_list:
@@ -207,6 +218,11 @@ class _RowSparseSteps:
     def load_own_variables(self, store):
         _row_accumulation.load_without_marks(self, store, super().load_own_variables)
 
+    def _track_variable(self, variable):
+        if getattr(self, "_pkm_half_state", False):
+            _half_state_restore.accept_half_checkpoints(variable)
+        super()._track_variable(variable)
+
     def _clip_gradients(self, grads):
         # Keras clips the slices as they come: a row repeated by several lookups of one table
         # (TF concatenates their IndexedSlices) was clipped piece by piece and counted once per
@@ -256,8 +272,8 @@ class LazyAdam(_RowSparseSteps, keras.optimizers.Adam):
         prefix = getattr(reference_variable, "path", reference_variable.name)
         prefix = prefix.replace("/", "_").replace(":", "_")  # Keras' slot names
         with self._distribution_strategy.extended.colocate_vars_with(colocate):
-            return self.add_variable(shape=reference_variable.shape, initializer=initializer, dtype=dtype,
-                                     name=f"{prefix}_{name}")
+            return _add_state_variable(self, reference_variable, shape=reference_variable.shape,
+                                       initializer=initializer, dtype=dtype, name=f"{prefix}_{name}")
 
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
         _refuse_gradient_options(self, variable)
@@ -356,8 +372,8 @@ class RowwiseAdagrad(_RowSparseSteps, keras.optimizers.Optimizer):
             shape = tuple(var.shape[:1]) if len(var.shape) >= 2 else tuple(var.shape)
             colocate = var.value if isinstance(var, keras.Variable) else var
             with self._distribution_strategy.extended.colocate_vars_with(colocate):
-                self._accumulators.append(self.add_variable(
-                    shape=shape, initializer=init, dtype=_state_dtype(var),
+                self._accumulators.append(_add_state_variable(
+                    self, var, shape=shape, initializer=init, dtype=_state_dtype(var),
                     name=f"{var.name.replace('/', '_').replace(':', '_')}_rowwise_accumulator"))
         _row_accumulation.build_marks(self, var_list)
         _claim_fused_tables(self, var_list)
