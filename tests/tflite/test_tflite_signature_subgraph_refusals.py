@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from pkm_serve import tflite
+from tests.serving.test_serving_tflite_signatures import _with_signature_defs_metadata
 
 TABLE = np.random.default_rng(36).standard_normal((40, 6)).astype(np.float32)
 
@@ -108,29 +109,6 @@ def test_a_refused_request_reads_its_own_error_not_the_loads(models):
         loader.unload()
 
 
-def _with_signature_defs_metadata(model_bytes, key, signature_def):
-    """model_bytes plus TF Serving's signature_defs_metadata entry (TFLite's signature_def_util
-    layout: a FlexBuffer map {key: serialized SignatureDef}), which upstream serves alone."""
-    import flatbuffers
-    from flatbuffers import flexbuffers
-    fb = flexbuffers.Builder()
-    with fb.Map():
-        fb.Key(key)
-        fb._WriteBlob(signature_def.SerializeToString(), append_zero=True,  # noqa: SLF001
-                      type_=flexbuffers.Type.STRING)
-    schema = tflite.flatbuffer_schema()
-    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
-    buffer = schema.BufferT()
-    buffer.data = np.frombuffer(bytes(fb.Finish()), np.uint8)
-    model.buffers.append(buffer)
-    entry = schema.MetadataT()
-    entry.name, entry.buffer = "signature_defs_metadata", len(model.buffers) - 1
-    model.metadata = (model.metadata or []) + [entry]
-    builder = flatbuffers.Builder(len(model_bytes) + 4096)
-    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    return bytes(builder.Output())
-
-
 def test_signature_defs_from_the_metadata_prepare_only_the_subgraph_they_run(models, tmp_path):
     """TF Serving serves a model's signature_defs_metadata alone, on the primary subgraph: the
     Flex op of the converter's other signature, which no request reaches, failed the load."""
@@ -141,7 +119,7 @@ def test_signature_defs_from_the_metadata_prepare_only_the_subgraph_they_run(mod
     (x,), (y,) = interp.get_input_details(), interp.get_output_details()
     sdef = meta_graph_pb2.SignatureDef(method_name="tensorflow/serving/predict")
     sdef.inputs["x"].name, sdef.outputs["y"].name = x["name"], y["name"]
-    path = _write(tmp_path, "metadata", _with_signature_defs_metadata(model_bytes, "affine", sdef))
+    path = _write(tmp_path, "metadata", _with_signature_defs_metadata(model_bytes, {"affine": sdef.SerializeToString()}))
     loader = _load(path)
     try:
         assert list(loader.servable().signature_defs) == ["affine"]
