@@ -15,6 +15,24 @@ def _weights(ids):
     return w
 
 
+def _fused_weighted(tmp_path, body, pattern=None):
+    """(ids, w, the original's outputs, the fused model's) of a weighted form the export fuses as one site."""
+    result = save_and_export(tmp_path, [IDS, WEIGHTS], body)
+    [site] = result.sites
+    if pattern is None:
+        assert site.status == "fused", site.reason
+    else:
+        assert (site.status, site.pattern) == ("fused", pattern), site.reason
+    ids = random_ids()
+    w = _weights(ids)
+    return (ids, w, *run_both(tmp_path, result, ids, w))
+
+
+def _assert_both_match(want, got, expected):
+    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
 MULTIPLY_NO_NAN = {
     "sum": (lambda m, ids, w: tf.reduce_sum(tf.math.multiply_no_nan(tf.gather(m.t, ids), w[..., None]), 1), 1),
     "mean": (lambda m, ids, w: tf.reduce_mean(tf.math.multiply_no_nan(tf.gather(m.t, ids), w[..., None]), 1),
@@ -29,15 +47,8 @@ def test_multiply_no_nan_of_rows_by_weights_is_a_weighted_bag(tmp_path, form):
     """tf.math.multiply_no_nan(rows, w[..., None]) before the reduction stopped the walk to the gather
     (MulNoNan was no multiply): the site was left composite."""
     body, scale = MULTIPLY_NO_NAN[form]
-    result = save_and_export(tmp_path, [IDS, WEIGHTS], body)
-    [site] = result.sites
-    assert site.status == "fused", site.reason
-    ids = random_ids()
-    w = _weights(ids)
-    want, got = run_both(tmp_path, result, ids, w)
-    expected = np_bags(ids, w * (ids > 0)) if scale is None else np_bags(ids, w) * scale
-    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    ids, w, want, got = _fused_weighted(tmp_path, body)
+    _assert_both_match(want, got, np_bags(ids, w * (ids > 0)) if scale is None else np_bags(ids, w) * scale)
 
 
 def test_multiply_no_nan_of_weights_by_rows_is_reported(tmp_path):
@@ -184,15 +195,8 @@ def test_flattened_rows_weighted_or_masked_then_summed_by_segment_are_bags(tmp_p
     flattened rows was fused unweighted only); tf.where by a mask [B * K, 1] failed the export's own check
     (unsorted_segment_sum: reported), several factors found no site."""
     body, weights = FLAT_SEGMENT_BAGS[form]
-    result = save_and_export(tmp_path, [IDS, WEIGHTS], body)
-    [site] = result.sites
-    assert site.status == "fused", site.reason
-    ids = random_ids()
-    w = _weights(ids)
-    want, got = run_both(tmp_path, result, ids, w)
-    expected = np_bags(ids, weights(ids, w).astype(np.float64))
-    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    ids, w, want, got = _fused_weighted(tmp_path, body)
+    _assert_both_match(want, got, np_bags(ids, weights(ids, w).astype(np.float64)))
 
 
 def _sum_of_sliced_positions(rows, w):
@@ -218,15 +222,8 @@ SCALED_POSITIONS = {  # (body, weights of the numpy bag: w [B, K] -> [B, K] or [
 def test_positions_scaled_by_one_constant_are_a_bag(tmp_path, form):
     """rows[:, k] * w[:, k:k+1] * c summed over k found no site (the term's second multiply stopped it)."""
     body, weights = SCALED_POSITIONS[form]
-    result = save_and_export(tmp_path, [IDS, WEIGHTS], body)
-    [site] = result.sites
-    assert (site.status, site.pattern) == ("fused", "per-position-sum"), site.reason
-    ids = random_ids()
-    w = _weights(ids)
-    want, got = run_both(tmp_path, result, ids, w)
-    expected = np_bags(ids, weights(w.astype(np.float64)))
-    np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    ids, w, want, got = _fused_weighted(tmp_path, body, "per-position-sum")
+    _assert_both_match(want, got, np_bags(ids, weights(w.astype(np.float64))))
 
 
 def test_positions_scaled_by_different_constants_are_reported(tmp_path):
