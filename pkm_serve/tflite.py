@@ -19,6 +19,7 @@ that has only ``tflite_runtime`` and numpy.
 from __future__ import annotations
 
 import importlib
+import numbers
 import os
 import re
 import sys
@@ -99,7 +100,7 @@ def _option_strings(options: Mapping[str, Any]) -> Dict[str, str]:
         raise ValueError(f"unknown delegate option(s) {sorted(unknown)}; known: {sorted(known)}")
     out = {}
     for key, value in options.items():
-        if isinstance(value, bool):
+        if isinstance(value, (bool, np.bool_)):
             out[key] = "true" if value else "false"
         else:
             out[key] = str(value)
@@ -109,16 +110,23 @@ def _option_strings(options: Mapping[str, Any]) -> Dict[str, str]:
 MAX_DELEGATE_THREADS = 256  # libpkm_tflite's num_threads option takes [1, 256]
 
 
+def _thread_count(threads) -> int:
+    """``threads`` as a Python int: any integer (numpy's too, which the runtimes' Interpreter
+    refuses: "type of num_threads should be int") in [1, 256]; else a ValueError (the delegate
+    refuses it too, but the runtimes' load_delegate keeps only "Failed to load delegate")."""
+    if isinstance(threads, (bool, np.bool_)) or not isinstance(threads, numbers.Integral) \
+            or not 1 <= threads <= MAX_DELEGATE_THREADS:
+        raise ValueError(f"num_threads must be an integer in [1, {MAX_DELEGATE_THREADS}], got {threads!r}")
+    return int(threads)
+
+
 def load_delegate(interpreter: str = "auto", **options):
     """Loads libpkm_tflite.so as an external delegate for the chosen interpreter.
 
     options: ``num_threads`` (int >= 1, default 1), ``fuse_composites``
     (bool, default False).
     """
-    threads = options.get("num_threads", 1)
-    if isinstance(threads, bool) or not isinstance(threads, int) or not 1 <= threads <= MAX_DELEGATE_THREADS:
-        # The delegate refuses it too, but the runtimes' load_delegate keeps only "Failed to load delegate".
-        raise ValueError(f"num_threads must be an integer in [1, {MAX_DELEGATE_THREADS}], got {threads!r}")
+    options["num_threads"] = _thread_count(options.get("num_threads", 1))
     module = interpreter_module(interpreter)
     return _load_delegate_fn(module)(delegate_path(), options=_option_strings(options))
 
@@ -129,6 +137,7 @@ def make_interpreter(model: Union[str, bytes, os.PathLike], interpreter: str = "
     """An interpreter for ``model`` (a path or the model bytes), not yet allocated: resize
     its inputs if need be, then ``allocate_tensors()``."""
     module = interpreter_module(interpreter)
+    num_threads = _thread_count(num_threads)
     kwargs: Dict[str, Any] = {"num_threads": num_threads}
     if isinstance(model, (bytes, bytearray)):
         check_tflite_bytes(model, "make_interpreter")

@@ -62,3 +62,20 @@ def test_run_tflite_names_the_accepted_inputs_for_an_unknown_one(two_input_model
     with pytest.raises(ValueError, match="same input tensor"):
         tflite.run_tflite(two_input_model, {"ids": ids, "serving_default_ids:0": ids, "w": w},
                           use_delegate=False)
+
+
+@pytest.mark.parametrize("interpreter", ["litert", "tf"])
+def test_numpy_integer_thread_counts_are_taken_as_ints_are(interpreter):
+    """num_threads=np.int64(2) (a count read from a config array) was refused by load_delegate
+    ("must be an integer") and by the runtimes' Interpreter ("type of num_threads should be int")."""
+    model = tflite.build_embedding_bag_model(TABLE, 3)
+    ids = np.array([[1, 2, 3], [4, -1, 19]], np.int32)
+    w = np.array([[1, 0.5, 2], [1, 1, -3]], np.float32)
+    want = (np.where(ids[..., None] >= 0, TABLE.astype(np.float64)[ids], 0) * w[..., None]).sum(1)
+    for threads in (np.int64(2), np.int32(3), np.uint8(1)):
+        assert tflite.load_delegate(interpreter, num_threads=threads, fuse_composites=np.True_) is not None
+        (got,) = tflite.run_tflite(model, [ids, w], interpreter=interpreter, num_threads=threads)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for bad in (np.True_, 2.0, np.float64(2), np.int64(0), np.int64(257)):
+        with pytest.raises(ValueError, match=r"num_threads must be an integer in \[1, 256\]"):
+            tflite.make_interpreter(model, interpreter, num_threads=bad)
