@@ -23,7 +23,7 @@ import numbers
 import os
 import re
 import sys
-from typing import Any, Dict, List, Mapping, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
@@ -154,7 +154,8 @@ def make_interpreter(model: Union[str, bytes, os.PathLike], interpreter: str = "
 def run_tflite(model: Union[str, bytes, os.PathLike],
                inputs: Union[Mapping[str, np.ndarray], Sequence[np.ndarray]],
                interpreter: str = "auto", num_threads: int = 1,
-               fuse_composites: bool = False, use_delegate: bool = True) -> List[np.ndarray]:
+               fuse_composites: bool = False, use_delegate: bool = True,
+               signature_key: Optional[str] = None) -> List[np.ndarray]:
     """Runs ``model`` once and returns its outputs (in output-detail order).
 
     ``inputs`` maps input names to arrays, or lists arrays in input order
@@ -164,8 +165,16 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
     an unknown name is a ValueError listing both kinds. Input shapes may
     differ from the model's (dynamic batch): inputs are resized before
     allocation.
+
+    ``signature_key`` runs that signature of a multi-signature model (its own
+    subgraph; without it the primary subgraph runs) through its signature
+    runner: ``inputs`` by its input names, or listed in the order of
+    ``get_signature_runner(key).get_input_details()``; the outputs in the order
+    of its ``get_output_details()``.
     """
     interp = make_interpreter(model, interpreter, num_threads, fuse_composites, use_delegate)
+    if signature_key is not None:
+        return _run_signature(interp, signature_key, inputs)
     details = interp.get_input_details()
     if isinstance(inputs, Mapping):
         pairs = _named_inputs(interp, details, inputs)
@@ -174,16 +183,7 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
             raise ValueError(f"model has {len(details)} inputs, got {len(inputs)} arrays")
         pairs = [(d, np.asarray(v)) for d, v in zip(details, inputs)]
     for d, value in pairs:
-        if np.issubdtype(d["dtype"], np.integer):
-            if not np.issubdtype(value.dtype, np.integer):
-                raise ValueError(f"input {d['name']!r} expects {np.dtype(d['dtype']).name} "
-                                 f"indices, got {value.dtype}")
-            # astype() below would wrap e.g. int64 indices >= 2**31 into int32.
-            info = np.iinfo(d["dtype"])
-            if value.size and (value.min() < info.min or value.max() > info.max):
-                raise ValueError(f"input {d['name']!r} is {np.dtype(d['dtype']).name}; values "
-                                 f"[{value.min()}, {value.max()}] do not fit "
-                                 f"[{info.min}, {info.max}]")
+        _check_input_dtype(d, value)
         if tuple(d["shape"]) != value.shape:
             interp.resize_tensor_input(d["index"], list(value.shape))
     allocate_primary_subgraph(interp)
@@ -191,6 +191,45 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
         interp.set_tensor(d["index"], value.astype(d["dtype"], copy=False))
     interp.invoke()
     return [interp.get_tensor(d["index"]) for d in interp.get_output_details()]
+
+
+def _check_input_dtype(detail, value) -> None:
+    """Integer inputs take integer arrays whose values fit their dtype: astype() would wrap
+    e.g. int64 indices >= 2**31 into int32."""
+    if not np.issubdtype(detail["dtype"], np.integer):
+        return
+    if not np.issubdtype(value.dtype, np.integer):
+        raise ValueError(f"input {detail['name']!r} expects {np.dtype(detail['dtype']).name} "
+                         f"indices, got {value.dtype}")
+    info = np.iinfo(detail["dtype"])
+    if value.size and (value.min() < info.min or value.max() > info.max):
+        raise ValueError(f"input {detail['name']!r} is {np.dtype(detail['dtype']).name}; values "
+                         f"[{value.min()}, {value.max()}] do not fit [{info.min}, {info.max}]")
+
+
+def _run_signature(interp, key, inputs) -> List[np.ndarray]:
+    """run_tflite of one signature, through its runner (which resizes and prepares its subgraph)."""
+    keys = list(interp.get_signature_list())
+    if key not in keys:
+        raise ValueError(f"signature_key {key!r} is not a signature of the model; its signatures: {keys}")
+    runner = interp.get_signature_runner(key)
+    details = runner.get_input_details()
+    if isinstance(inputs, Mapping):
+        unknown, missing = sorted(set(inputs) - set(details)), sorted(set(details) - set(inputs))
+        if unknown or missing:
+            raise ValueError(f"signature {key!r} takes inputs {list(details)}; unknown {unknown}, "
+                             f"missing {missing}")
+        named = {name: np.asarray(inputs[name]) for name in details}
+    else:
+        if len(inputs) != len(details):
+            raise ValueError(f"signature {key!r} has {len(details)} inputs {list(details)}, "
+                             f"got {len(inputs)} arrays")
+        named = {name: np.asarray(v) for name, v in zip(details, inputs)}
+    for name, value in named.items():
+        _check_input_dtype(details[name], value)
+        named[name] = value.astype(details[name]["dtype"], copy=False)
+    outputs = runner(**named)
+    return [np.asarray(outputs[name]) for name in runner.get_output_details()]
 
 
 # The runtimes' words for a node no kernel runs (LiteRT, tflite_runtime and tf.lite alike): a
@@ -301,8 +340,19 @@ def _named_inputs(interp, details, inputs: Mapping[str, Any]):
         missing = [f"{m!r} (signature name {alias_of[m]!r})" if m in alias_of else repr(m)
                    for m in missing]
         raise ValueError(f"model inputs are {accepted}; unknown {sorted(unknown)}, "
-                         f"missing [{', '.join(missing)}]")
+                         f"missing [{', '.join(missing)}]{_other_signature_hint(interp, unknown)}")
     return pairs
+
+
+def _other_signature_hint(interp, unknown) -> str:
+    """Where the unknown names are another signature's inputs: how to run that one."""
+    try:
+        signatures = interp.get_signature_list()
+    except (AttributeError, ValueError, RuntimeError):
+        return ""
+    takers = [key for key, sig in signatures.items() if unknown and set(unknown) <= set(sig["inputs"])]
+    return (f" (signature(s) {takers} take {sorted(unknown)}: run one with signature_key=, the "
+            "primary subgraph runs without it)") if takers else ""
 
 
 def ops_in_plan(interp) -> List[str]:

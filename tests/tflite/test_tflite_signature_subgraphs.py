@@ -97,3 +97,27 @@ def test_the_other_signature_still_loads_and_runs(models):
         np.testing.assert_allclose(got, _reference(ids, w), rtol=1e-5, atol=1e-6)
     finally:
         loader.unload()
+
+
+@pytest.mark.parametrize("interpreter", ["litert", "tf"])
+def test_run_tflite_runs_another_signature_by_its_key(models, interpreter):
+    """run_tflite ran the primary subgraph only: 'zzz' of this model could not be run through it
+    (its inputs were "unknown"). signature_key= runs it, inputs by name or in its runner's order."""
+    path = f"{models['good']}/model.tflite"
+    ids = np.array([[0, 39, -1], [5, 5, 7]], np.int64)
+    w = np.array([[1.0, 0.5, 2.0], [0.25, 1.0, 3.0]], np.float32)
+    for inputs in ({"ids": ids, "w": w}, [ids, w]):
+        (out,) = tflite.run_tflite(path, inputs, interpreter=interpreter, signature_key="zzz")
+        np.testing.assert_allclose(out, _reference(ids, w), rtol=1e-5, atol=1e-6)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    (y,) = tflite.run_tflite(path, {"x": x}, interpreter=interpreter, signature_key="aaa")
+    np.testing.assert_array_equal(y, x.astype(np.float64) * 2 + 1)
+    with pytest.raises(ValueError, match=r"signature\(s\) \['zzz'\] take \['ids', 'w'\]: run one with signature_key="):
+        tflite.run_tflite(path, {"ids": ids, "w": w}, interpreter=interpreter)
+    with pytest.raises(ValueError, match=r"signature_key 'bbb' is not a signature of the model; its signatures: \['aaa', 'zzz'\]"):
+        tflite.run_tflite(path, [ids, w], interpreter=interpreter, signature_key="bbb")
+    with pytest.raises(ValueError, match=r"signature 'zzz' takes inputs \['ids', 'w'\]; unknown \['x'\], missing \['w'\]"):
+        tflite.run_tflite(path, {"ids": ids, "x": w}, interpreter=interpreter, signature_key="zzz")
+    with pytest.raises(ValueError, match="do not fit"):   # ids past int64, as the primary path refuses them
+        tflite.run_tflite(path, {"ids": ids.astype(np.uint64) + 2 ** 63, "w": w}, interpreter=interpreter,
+                          signature_key="zzz")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pkm_serve import tflite
-from tests.tflite.test_tflite_signature_subgraphs import models  # noqa: F401  (the fixture)
+from tests.tflite.test_tflite_signature_subgraphs import _reference, models  # noqa: F401  (the fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNTIME_PY = os.path.join(ROOT, ".venv-tflite-runtime", "bin", "python")
@@ -44,11 +44,18 @@ def test_tflite_runtime_still_refuses_an_op_without_a_kernel(models):  # noqa: F
 
 def test_tflite_runtime_runs_the_primary_signature_with_run_tflite(models):  # noqa: F811
     # run_tflite allocates as the CLI does: its first allocate_tensors() failed the same way.
+    # With signature_key= (and a numpy thread count) it runs 'zzz' too (both were refused).
+    ids, w = [[0, 39, -1], [5, 5, 7]], [[1.0, 0.5, 2.0], [0.25, 1.0, 3.0]]
     script = ("import numpy as np; from pkm_serve import tflite; "
-              f"print(tflite.run_tflite({models['good']!r} + '/model.tflite', "
-              "{'x': np.arange(8, dtype=np.float32).reshape(2, 4)}, interpreter='tflite_runtime')[0].tolist())")
+              f"path = {models['good']!r} + '/model.tflite'; "
+              "print(tflite.run_tflite(path, {'x': np.arange(8, dtype=np.float32).reshape(2, 4)}, "
+              "interpreter='tflite_runtime')[0].tolist()); "
+              f"print(tflite.run_tflite(path, [np.array({ids}), np.array({w}, np.float32)], "
+              "interpreter='tflite_runtime', signature_key='zzz', num_threads=np.int64(2))[0].tolist())")
     proc = subprocess.run([RUNTIME_PY, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr
     want = (np.arange(8, dtype=np.float64).reshape(2, 4) * 2 + 1).tolist()   # 'aaa': x * 2 + 1
-    assert proc.stdout.strip().splitlines()[-1] == str(want), proc.stdout
+    primary, other = proc.stdout.strip().splitlines()[-2:]
+    assert primary == str(want), proc.stdout
+    np.testing.assert_allclose(eval(other), _reference(np.array(ids), np.array(w)), rtol=1e-5, atol=1e-6)
