@@ -144,11 +144,33 @@ def make_interpreter(model: Union[str, bytes, os.PathLike], interpreter: str = "
         kwargs["model_content"] = bytes(model)
     else:
         kwargs["model_path"] = os.fspath(model)
+        _check_tflite_file(kwargs["model_path"])
     if use_delegate:
         kwargs["experimental_delegates"] = [load_delegate(
             interpreter, num_threads=num_threads, fuse_composites=fuse_composites)]
-    interp = module.Interpreter(**kwargs)
-    return interp
+    try:
+        return module.Interpreter(**kwargs)
+    except ValueError as e:   # the runtime could not read the model: name the file
+        if "model_path" not in kwargs:
+            raise
+        raise ValueError(f"{kwargs['model_path']}: {' '.join(runtime_messages(str(e))) or e}") from None
+
+
+def _check_tflite_file(path: str) -> None:
+    """ValueError naming the file where it cannot be a TFLite model: the runtimes' words for
+    an empty or foreign file name neither ("Mmap of '3' at offset '0' failed with error '22'",
+    "Model provided has model identifier 'o wo', should be 'TFL3'"). A missing file is left
+    to the runtime ("Could not open")."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return
+    if not head:
+        raise ValueError(f"{path}: the file is empty (0 bytes), not a TFLite model")
+    if len(head) < 8 or head[4:8] != TFLITE_FILE_IDENTIFIER:
+        raise ValueError(f"{path}: not a TFLite model (no file identifier "
+                         f"{TFLITE_FILE_IDENTIFIER.decode()!r} at bytes 4..8; the file starts {head!r})")
 
 
 def run_tflite(model: Union[str, bytes, os.PathLike],

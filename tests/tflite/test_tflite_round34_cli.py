@@ -39,3 +39,45 @@ def test_the_bag_op_is_still_claimed_by_the_delegate(tmp_path, capsys):
     ids, w = np.array([[0, 9, 2]], np.int32), np.array([[1.0, 0.5, -2.0]], np.float32)
     got = tflite.run_tflite(str(path), [ids, w])[0]
     np.testing.assert_allclose(got, (w[..., None] * TABLE.astype(np.float64)[ids]).sum(axis=1), rtol=1e-5, atol=1e-6)
+
+
+def _unreadable_files(tmp_path):
+    """{file: the one line `pkm-serve tflite` prints}: the runtimes' own words named no file
+    ("Mmap of '3' at offset '0' failed with error '22'", "Model provided has model identifier
+    'o wo', should be 'TFL3'", "No subgraph in the model.")."""
+    model = tflite.build_embedding_bag_model(TABLE, 3)
+    files = {"empty.tflite": b"", "notes.tflite": b"hello world\n", "short.tflite": b"TFL",
+             "cut.tflite": model[:100]}
+    for name, blob in files.items():
+        (tmp_path / name).write_bytes(blob)
+    start = "pkm-serve tflite: error: " + str(tmp_path)
+    return {str(tmp_path / "empty.tflite"): f"{start}/empty.tflite: the file is empty (0 bytes), not a TFLite model",
+            str(tmp_path / "notes.tflite"): f"{start}/notes.tflite: not a TFLite model (no file identifier 'TFL3' "
+                                            "at bytes 4..8; the file starts b'hello wo')",
+            str(tmp_path / "short.tflite"): f"{start}/short.tflite: not a TFLite model (no file identifier 'TFL3' "
+                                            "at bytes 4..8; the file starts b'TFL')",
+            str(tmp_path / "cut.tflite"): f"{start}/cut.tflite: "}
+
+
+def test_an_empty_text_or_cut_file_is_one_line_naming_it(tmp_path, capsys):
+    import os
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    runtime_py = os.path.join(root, ".venv-tflite-runtime", "bin", "python")
+    want = _unreadable_files(tmp_path)
+    for path, line in want.items():
+        assert tflite.console_main([path, "--interpreter", "litert"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(line), err
+        assert path.endswith("cut.tflite") == (err[0] != line), err   # (the runtime's reason follows)
+    # tflite_runtime (no TensorFlow), one process for every file.
+    script = ("import sys; from pkm_serve import tflite\n"
+              "for path in sys.argv[1:]:\n"
+              "    print('rc', tflite.console_main([path, '--interpreter', 'tflite_runtime']), file=sys.stderr)\n")
+    proc = subprocess.run([runtime_py, "-c", script, *want], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("INFO:")]
+    assert len(lines) == 2 * len(want), proc.stderr
+    for (path, line), (err, rc) in zip(want.items(), zip(lines[::2], lines[1::2])):
+        assert rc == "rc 1" and err.startswith(line), (path, err)
+        assert path.endswith("cut.tflite") == (err != line), err
