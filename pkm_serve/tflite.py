@@ -33,12 +33,14 @@ from pkm_serve.tflite_model import (  # noqa: F401
     CUSTOM_OP_NAME,
     CUSTOM_OP_NAMES,
     RAGGED_CUSTOM_OP_NAME,
+    SIGNATURE_DEFS_METADATA,
     TFLITE_FILE_IDENTIFIER,
     _schema,
     build_embedding_bag_model,
     check_int8_tables,
     check_tflite_bytes,
     flatbuffer_schema,
+    metadata_names,
     quantize_rows_int8,
     quantize_rows_int8_affine,
     quantize_table_int8,
@@ -280,7 +282,7 @@ def allocate_primary_subgraph(interp) -> None:
         interp.allocate_tensors()
 
 
-def allocate_signature_subgraphs(interp, keys=None) -> str:
+def allocate_signature_subgraphs(interp, keys=None, missing_kernels=None) -> str:
     """Prepares the subgraph of every signature of an interpreter whose ``allocate_tensors()``
     has run (that prepares the primary subgraph only): a node without a kernel (a custom op
     neither the runtime nor the delegate has, a Flex op without the Flex delegate) in another
@@ -291,7 +293,8 @@ def allocate_signature_subgraphs(interp, keys=None) -> str:
     runtimes have no public call for it: this is the one their signature runner makes before
     each run. Returns the text of the last refusal left to the calls ("" if none): the Python
     runtimes' error text is every message reported so far, so it is what later errors start
-    with, not part of them. keys: the signatures to prepare (None: all)."""
+    with, not part of them. keys: the signatures to prepare (None: all). missing_kernels: None,
+    or a list that each such RuntimeError's text is appended to instead of raised."""
     reported = ""
     for key in interp.get_signature_list() if keys is None else keys:
         runner = interp.get_signature_runner(key)
@@ -305,7 +308,9 @@ def allocate_signature_subgraphs(interp, keys=None) -> str:
             text = str(e)
             new = text[len(reported):] if text.startswith(reported) else text
             if any(words in new for words in _NO_KERNEL):
-                raise RuntimeError(f"signature {key!r} (subgraph {index}): {new}") from None
+                if missing_kernels is None:
+                    raise RuntimeError(f"signature {key!r} (subgraph {index}): {new}") from None
+                missing_kernels.append(f"signature {key!r} (subgraph {index}): {new}")
             reported = text
     return reported
 
@@ -478,15 +483,21 @@ def main(argv=None) -> int:
         return 1
     if not 1 <= args.num_threads <= MAX_DELEGATE_THREADS:
         parser.error(f"--num-threads must be in [1, {MAX_DELEGATE_THREADS}], got {args.num_threads}")
+    # A server serves a model's signature_defs_metadata alone, on the primary subgraph, and
+    # prepares that one only: a node without a kernel in another signature does not fail it.
+    unserved = [] if SIGNATURE_DEFS_METADATA in _file_metadata_names(args.model) else None
     try:
         interp = make_interpreter(args.model, args.interpreter, args.num_threads,
                                   args.fuse_composites)
         # Prepares every node: one without a kernel (a custom op neither the runtime nor the
         # delegate has) was listed as "runs", and the model then failed wherever it was loaded.
         allocate_primary_subgraph(interp)
-        allocate_signature_subgraphs(interp)
+        allocate_signature_subgraphs(interp, missing_kernels=unserved)
     except RuntimeError as e:   # a refusal: its first message is the CLI's one line
         raise RuntimeError("\n".join(runtime_messages(str(e))) or str(e)) from None
+    for text in unserved or ():
+        print(f"{parser.prog}: note: {(runtime_messages(text) or [text])[0]} (a server loads the model: "
+              f"it serves its {SIGNATURE_DEFS_METADATA}, on the primary subgraph)", file=sys.stderr)
     print("delegate:", delegate_path())
     for op in execution_plan(interp):
         where = (f"claimed by node {op['replaced_by']}" if op["replaced_by"] is not None
@@ -494,6 +505,16 @@ def main(argv=None) -> int:
         print(f"  {op['index']:3d} {op['op_name']:<24} inputs={op['inputs']} "
               f"outputs={op['outputs']}  {where}")
     return 0
+
+
+def _file_metadata_names(path) -> List[str]:
+    """metadata_names of a model file, mapped rather than read (a table may be gigabytes)."""
+    import mmap
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return metadata_names(data)
+    except (OSError, ValueError):   # (an empty file cannot be mapped: make_interpreter says so)
+        return []
 
 
 def console_main(argv=None) -> int:

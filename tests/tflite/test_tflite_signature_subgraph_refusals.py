@@ -109,9 +109,11 @@ def test_a_refused_request_reads_its_own_error_not_the_loads(models):
         loader.unload()
 
 
-def test_signature_defs_from_the_metadata_prepare_only_the_subgraph_they_run(models, tmp_path):
+def test_signature_defs_from_the_metadata_prepare_only_the_subgraph_they_run(models, tmp_path, capsys):
     """TF Serving serves a model's signature_defs_metadata alone, on the primary subgraph: the
-    Flex op of the converter's other signature, which no request reaches, failed the load."""
+    Flex op of the converter's other signature, which no request reaches, failed the load.
+    `pkm-serve tflite` then still failed (exit 1) on the model the server loads: it prints the
+    plan, with the other signature's missing kernel as a note."""
     from tensorflow.core.protobuf import meta_graph_pb2
     with open(f"{models['flex']}/model.tflite", "rb") as f:
         model_bytes = f.read()
@@ -120,6 +122,18 @@ def test_signature_defs_from_the_metadata_prepare_only_the_subgraph_they_run(mod
     sdef = meta_graph_pb2.SignatureDef(method_name="tensorflow/serving/predict")
     sdef.inputs["x"].name, sdef.outputs["y"].name = x["name"], y["name"]
     path = _write(tmp_path, "metadata", _with_signature_defs_metadata(model_bytes, {"affine": sdef.SerializeToString()}))
+    assert tflite.console_main([f"{path}/model.tflite"]) == 0
+    out, err = capsys.readouterr()
+    (note,) = err.splitlines()
+    assert note.startswith("pkm-serve tflite: note: signature 'zzz' (subgraph 1): Select TensorFlow op(s)"), note
+    assert note.endswith(" (a server loads the model: it serves its signature_defs_metadata, on the primary subgraph)")
+    plan = out.splitlines()[1:]
+    assert out.startswith("delegate: ") and plan and all(line.endswith(" runs") or " claimed by node " in line
+                                                         for line in plan), out
+    with open(f"{path}/model.tflite", "rb") as f:   # (the schema's reader: the reference)
+        written = tflite.flatbuffer_schema().Model.GetRootAsModel(f.read(), 0)
+    assert tflite.metadata_names(_with_signature_defs_metadata(model_bytes, {})) == \
+        [written.Metadata(i).Name().decode() for i in range(written.MetadataLength())]
     loader = _load(path)
     try:
         assert list(loader.servable().signature_defs) == ["affine"]
