@@ -28,7 +28,7 @@ COMMANDS = {
                "fuse composite gather-sum sites of a SavedModel into the op"),
     "serve": ("pkm_serve.serving.server", "pkm_serve.serving.config", True,
               "serve SavedModels over TF Serving's gRPC and REST APIs"),
-    "tflite": ("pkm_serve.tflite", None, False,
+    "tflite": ("pkm_serve.tflite_cli", None, False,
                "run a .tflite with the pkm_serve delegate; show which ops it claimed"),
 }
 

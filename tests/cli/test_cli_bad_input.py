@@ -90,8 +90,8 @@ def test_value_errors_are_answered_before_tensorflow_is_imported():
 
 def test_tflite_given_a_directory_says_so(tmp_path, capsys):
     # Was "DIR: no such file" for a path that exists (a SavedModel or version directory).
-    from pkm_serve import tflite
-    assert tflite.main([str(tmp_path)]) == 1
+    from pkm_serve import tflite_cli
+    assert tflite_cli.main([str(tmp_path)]) == 1
     assert capsys.readouterr().err.strip() == \
         f"pkm-serve tflite: error: {tmp_path}: is a directory, not a .tflite file"
 

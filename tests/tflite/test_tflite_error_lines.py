@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flatbuffers import flexbuffers
 
-from pkm_serve import tflite
+from pkm_serve import tflite, tflite_cli
 
 TABLE = np.random.default_rng(36).standard_normal((50, 4)).astype(np.float32)
 
@@ -57,7 +57,7 @@ def test_the_cli_prints_the_delegates_reason_alone(tmp_path, capsys):
     path = tmp_path / "misspelt.tflite"
     path.write_bytes(tflite.build_embedding_bag_model(
         TABLE, 3, custom_options=bytes(flexbuffers.Dumps({"combinr": "sum"}))))
-    assert tflite.console_main([str(path), "--interpreter", "litert"]) == 1
+    assert tflite_cli.console_main([str(path), "--interpreter", "litert"]) == 1
     err = capsys.readouterr().err
     assert err.endswith("')\n") and "Node number" not in err, err
     assert err.startswith("pkm-serve tflite: error: PkmDelegate: node 0: unknown custom_options "

@@ -3,7 +3,7 @@
 was listed as "runs" with exit 0, and the model then failed to load wherever it was served."""
 import numpy as np
 
-from pkm_serve import tflite
+from pkm_serve import tflite, tflite_cli
 
 TABLE = np.random.default_rng(34).standard_normal((10, 4)).astype(np.float32)
 
@@ -22,7 +22,7 @@ def _with_custom_op_named(name):
 def test_a_node_without_a_kernel_is_an_error_not_a_plan(tmp_path, capsys):
     path = tmp_path / "parse.tflite"
     path.write_bytes(_with_custom_op_named("ParseExampleV2"))
-    assert tflite.console_main([str(path)]) == 1
+    assert tflite_cli.console_main([str(path)]) == 1
     out, err = capsys.readouterr()
     assert "runs" not in out and "claimed" not in out, out
     assert err.strip().splitlines() == ["pkm-serve tflite: error: Encountered unresolved custom op: ParseExampleV2."]
@@ -31,7 +31,7 @@ def test_a_node_without_a_kernel_is_an_error_not_a_plan(tmp_path, capsys):
 def test_the_bag_op_is_still_claimed_by_the_delegate(tmp_path, capsys):
     path = tmp_path / "bag.tflite"
     path.write_bytes(tflite.build_embedding_bag_model(TABLE, 3))
-    assert tflite.console_main([str(path)]) == 0
+    assert tflite_cli.console_main([str(path)]) == 0
     plan = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
     assert plan[0][:2] == ["0", "PkmEmbeddingBag"] and plan[0][-4:] == ["claimed", "by", "node", "1"], plan
     assert plan[1][1] == "DELEGATE" and plan[1][-1] == "runs", plan
@@ -66,14 +66,14 @@ def test_an_empty_text_or_cut_file_is_one_line_naming_it(tmp_path, capsys):
     runtime_py = os.path.join(root, ".venv-tflite-runtime", "bin", "python")
     want = _unreadable_files(tmp_path)
     for path, line in want.items():
-        assert tflite.console_main([path, "--interpreter", "litert"]) == 1
+        assert tflite_cli.console_main([path, "--interpreter", "litert"]) == 1
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(line), err
         assert path.endswith("cut.tflite") == (err[0] != line), err   # (the runtime's reason follows)
     # tflite_runtime (no TensorFlow), one process for every file.
-    script = ("import sys; from pkm_serve import tflite\n"
+    script = ("import sys; from pkm_serve import tflite_cli\n"
               "for path in sys.argv[1:]:\n"
-              "    print('rc', tflite.console_main([path, '--interpreter', 'tflite_runtime']), file=sys.stderr)\n")
+              "    print('rc', tflite_cli.console_main([path, '--interpreter', 'tflite_runtime']), file=sys.stderr)\n")
     proc = subprocess.run([runtime_py, "-c", script, *want], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": root})
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("INFO:")]

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
-from pkm_serve import tflite
+from pkm_serve import tflite, tflite_cli
 from tests.serving.test_serving_tflite_signatures import _with_signature_defs_metadata
 
 TABLE = np.random.default_rng(36).standard_normal((40, 6)).astype(np.float32)
@@ -76,7 +76,7 @@ def test_a_flex_op_in_another_signature_fails_the_cli_and_the_load(models, capsy
     fresh = tflite.make_interpreter(f"{models['flex']}/model.tflite")
     want = _refusal(lambda: fresh.get_signature_runner("zzz")(m=np.eye(2, dtype=np.float32)[None]))
     assert want.startswith("Select TensorFlow op(s)"), want
-    assert tflite.console_main([f"{models['flex']}/model.tflite"]) == 1
+    assert tflite_cli.console_main([f"{models['flex']}/model.tflite"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("pkm-serve tflite: error: signature 'zzz' (subgraph 1): Select TensorFlow op(s)"), err
     with pytest.raises(ServingError) as refused:
@@ -122,7 +122,7 @@ def test_signature_defs_from_the_metadata_prepare_only_the_subgraph_they_run(mod
     sdef = meta_graph_pb2.SignatureDef(method_name="tensorflow/serving/predict")
     sdef.inputs["x"].name, sdef.outputs["y"].name = x["name"], y["name"]
     path = _write(tmp_path, "metadata", _with_signature_defs_metadata(model_bytes, {"affine": sdef.SerializeToString()}))
-    assert tflite.console_main([f"{path}/model.tflite"]) == 0
+    assert tflite_cli.console_main([f"{path}/model.tflite"]) == 0
     out, err = capsys.readouterr()
     (note,) = err.splitlines()
     assert note.startswith("pkm-serve tflite: note: signature 'zzz' (subgraph 1): Select TensorFlow op(s)"), note

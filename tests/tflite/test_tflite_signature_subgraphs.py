@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from pkm_serve import tflite
+from pkm_serve import tflite, tflite_cli
 
 TABLE = np.random.default_rng(36).standard_normal((40, 6)).astype(np.float32)
 
@@ -55,11 +55,11 @@ def models(tmp_path_factory):
 
 
 def test_the_cli_refuses_an_op_without_a_kernel_in_another_signature(models, capsys):
-    assert tflite.console_main([f"{models['bogus']}/model.tflite"]) == 1
+    assert tflite_cli.console_main([f"{models['bogus']}/model.tflite"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("pkm-serve tflite: error: signature 'zzz' (subgraph 1): "
                           "Encountered unresolved custom op: BogusOp."), err
-    assert tflite.console_main([f"{models['good']}/model.tflite"]) == 0
+    assert tflite_cli.console_main([f"{models['good']}/model.tflite"]) == 0
 
 
 def test_the_server_refuses_to_load_it(models):

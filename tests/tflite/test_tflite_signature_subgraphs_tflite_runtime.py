@@ -12,7 +12,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from pkm_serve import tflite
+from pkm_serve import tflite, tflite_cli
 from tests.tflite.test_tflite_signature_subgraphs import _reference, models  # noqa: F401  (the fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -28,7 +28,7 @@ def _tflite_runtime_cli(model_path):
 
 def test_tflite_runtime_lists_the_plan_litert_lists(models, capsys):  # noqa: F811
     path = f"{models['good']}/model.tflite"
-    assert tflite.console_main([path, "--interpreter", "litert"]) == 0
+    assert tflite_cli.console_main([path, "--interpreter", "litert"]) == 0
     litert_plan = capsys.readouterr().out
     proc = _tflite_runtime_cli(path)
     assert proc.returncode == 0, proc.stderr
