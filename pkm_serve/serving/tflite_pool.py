@@ -11,17 +11,69 @@ from pkm_serve import tflite
 from pkm_serve.serving.errors import ServingError
 
 
-def assigns_resource_variables(model_bytes) -> bool:
-    """Whether the model writes a resource variable (an ASSIGN_VARIABLE op in any subgraph):
-    its interpreter then keeps state from one invoke to the next."""
+def _called_subgraphs(schema, op):
+    """The subgraphs an op runs (WHILE's, IF's, a StableHLO op's...), from the fields of its
+    options that name one, but CALL_ONCE's init subgraph: it runs once per interpreter, at
+    the first invoke, however many requests follow (the session initialiser, which assigns
+    the variables their initial values)."""
+    found = []
+    for kind, get, enum in ((op.BuiltinOptionsType(), op.BuiltinOptions(), schema.BuiltinOptions),
+                            (getattr(op, "BuiltinOptions2Type", lambda: 0)(),
+                             getattr(op, "BuiltinOptions2", lambda: None)(),
+                             getattr(schema, "BuiltinOptions2", None))):
+        if not kind or get is None or enum is None:
+            continue
+        name = next((n for n, v in vars(enum).items() if v == kind and not n.startswith("_")), None)
+        options_class = getattr(schema, name or "", None)
+        if options_class is None:
+            continue
+        options = options_class()
+        options.Init(get.Bytes, get.Pos)
+        for method in dir(options):
+            if (method.endswith("SubgraphIndex") and method != "InitSubgraphIndex") or \
+                    (name == "CallOptions" and method == "Subgraph"):
+                found.append(int(getattr(options, method)()))
+    return found
+
+
+def assigns_resource_variables(model_bytes, subgraphs=None) -> bool:
+    """Whether a request can write a resource variable: an ASSIGN_VARIABLE op in the subgraphs
+    the requests run (``subgraphs``: their indices; None: every subgraph) or in one they call.
+    Its interpreter then keeps state from one invoke to the next. (The session initialiser's
+    assignments, run once, and those of a signature not served, keep none.)"""
     schema = tflite.flatbuffer_schema()
     model = schema.Model.GetRootAsModel(model_bytes, 0)
     assign = schema.BuiltinOperator.ASSIGN_VARIABLE
-    for i in range(model.OperatorCodesLength()):
-        code = model.OperatorCodes(i)
-        if max(code.BuiltinCode(), code.DeprecatedBuiltinCode()) == assign:
-            return True
+    codes = [max(model.OperatorCodes(i).BuiltinCode(), model.OperatorCodes(i).DeprecatedBuiltinCode())
+             for i in range(model.OperatorCodesLength())]
+    if assign not in codes:
+        return False
+    todo = list(range(model.SubgraphsLength()) if subgraphs is None else subgraphs)
+    seen = set()
+    while todo:
+        index = todo.pop()
+        if index in seen or not 0 <= index < model.SubgraphsLength():
+            continue
+        seen.add(index)
+        graph = model.Subgraphs(index)
+        for i in range(graph.OperatorsLength()):
+            op = graph.Operators(i)
+            if 0 <= op.OpcodeIndex() < len(codes) and codes[op.OpcodeIndex()] == assign:
+                return True
+            todo.extend(_called_subgraphs(schema, op))
     return False
+
+
+def served_subgraphs(model_bytes, runs_own_subgraph) -> list:
+    """The subgraphs requests run, for {signature key: whether it runs through its signature
+    runner}: such a signature its own subgraph, any other (SignatureDefs from the metadata, a
+    model without signatures) the primary one."""
+    model = tflite.flatbuffer_schema().Model.GetRootAsModel(model_bytes, 0)
+    of_key = {}
+    for i in range(model.SignatureDefsLength()):
+        key = model.SignatureDefs(i).SignatureKey()
+        of_key[key.decode("utf-8", "replace") if key is not None else ""] = model.SignatureDefs(i).SubgraphIndex()
+    return sorted({of_key[key] if own else 0 for key, own in runs_own_subgraph.items()})
 
 
 class InterpreterPool:

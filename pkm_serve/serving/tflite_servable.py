@@ -41,7 +41,7 @@ from pkm_serve.serving.batching import BatchScheduler
 from pkm_serve.serving.errors import invalid
 from pkm_serve.serving.servable import (DEFAULT_SIGNATURE, PREDICT_METHOD, ServableBase,
                                         SignatureBase)
-from pkm_serve.serving.tflite_pool import InterpreterPool, assigns_resource_variables
+from pkm_serve.serving.tflite_pool import InterpreterPool, assigns_resource_variables, served_subgraphs
 
 log = logging.getLogger("pkm_serve.serving")
 
@@ -466,8 +466,9 @@ class TfLiteServable(ServableBase):
             if "unresolved custom op: ParseExample" in reason:
                 reason = _PARSE_EXAMPLE_UNSUPPORTED + reason
             raise invalid(f"cannot load {model_path} in LiteRT with the pkm_serve delegate: {reason}") from None
+        served = served_subgraphs(model_bytes, {k: b[3] for k, b in interpreters[0].bindings.items()})
         self._pool = InterpreterPool(interpreters, make_probe=(
-            (lambda: _Interpreter(model_bytes, num_threads)) if assigns_resource_variables(model_bytes) else None))
+            (lambda: _Interpreter(model_bytes, num_threads)) if assigns_resource_variables(model_bytes, served) else None))
         self.signature_defs = {k: b[0] for k, b in interpreters[0].bindings.items()}
         self.signatures = {k: TfLiteSignature(k, sdef, self._pool, runs_own_subgraph=interpreters[0].bindings[k][3])
                            for k, sdef in self.signature_defs.items()}

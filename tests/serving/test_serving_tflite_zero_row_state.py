@@ -71,3 +71,59 @@ def test_only_a_model_that_assigns_variables_gets_a_probe_interpreter(counting_v
     converter = tf.lite.TFLiteConverter.from_saved_model(plain, signature_keys=["serving_default"])
     converter.allow_custom_ops = True
     assert not assigns_resource_variables(converter.convert())
+
+
+@pytest.fixture(scope="module")
+def read_and_update_tflite(tf_with_ops, tmp_path_factory):
+    """A .tflite of 'serving_default' (x * v[0] + v[1], subgraph 0) and 'update' (assigns v, in
+    a loop): besides 'update', only the session initialiser (CALL_ONCE's subgraph, run once)
+    assigns v."""
+    tf = tf_with_ops
+
+    class ReadAndUpdate(tf.Module):
+        def __init__(self):
+            self.v = tf.Variable(np.arange(8, dtype=np.float32).reshape(2, 4))
+
+        @tf.function(input_signature=[tf.TensorSpec([None, 4], tf.float32, name="x")])
+        def read(self, x):
+            return {"y": x * self.v[0] + self.v[1]}
+
+        @tf.function(input_signature=[tf.TensorSpec([2, 4], tf.float32, name="new")])
+        def update(self, new):   # (the assignment in a WHILE's body: a subgraph 'update' calls)
+            def assign_once(i):
+                self.v.assign(new)
+                return i + 1
+            (done,) = tf.while_loop(lambda i: i < 1, assign_once, [tf.constant(0)])
+            return {"done": done}
+
+    module, path = ReadAndUpdate(), str(tmp_path_factory.mktemp("read_and_update") / "saved")
+    tf.saved_model.save(module, path, signatures={"serving_default": module.read, "update": module.update})
+    return tf.lite.TFLiteConverter.from_saved_model(path, signature_keys=["serving_default", "update"]).convert()
+
+
+def test_a_model_whose_requests_assign_nothing_gets_no_probe_interpreter(read_and_update_tflite, tmp_path):
+    """Served from its signature_defs_metadata (the primary subgraph alone, as upstream), the
+    model's requests assign nothing: only the initialiser and the unserved 'update' do. It got
+    a probe interpreter all the same (a second copy of the activations and the CALL_ONCE run).
+    Served from the converter's signatures, 'update' is a request: it keeps its probe."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+    from pkm_serve import tflite
+    from tests.serving.test_serving_tflite_signatures import _with_signature_defs_metadata
+    interp = tflite.make_interpreter(read_and_update_tflite)
+    (x,), (y,) = interp.get_input_details(), interp.get_output_details()
+    sdef = meta_graph_pb2.SignatureDef(method_name="tensorflow/serving/predict")
+    sdef.inputs["x"].name, sdef.outputs["y"].name = x["name"], y["name"]
+    with_metadata = _with_signature_defs_metadata(read_and_update_tflite, {"serving_default": sdef.SerializeToString()})
+    for name, blob, wants_probe in (("signatures", read_and_update_tflite, True), ("metadata", with_metadata, False)):
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "1" / "model.tflite").write_bytes(blob)
+        loader = _servable(str(tmp_path / name / "1"), True)
+        try:
+            assert (loader.servable()._pool._make_probe is not None) == wants_probe, name
+            signature = loader.servable().signature("serving_default")
+            for rows in (2, 0, 1):
+                value = np.arange(4 * rows, dtype=np.float32).reshape(rows, 4)
+                want = value.astype(np.float64) * np.arange(4) + np.arange(4, 8)
+                np.testing.assert_array_equal(signature.run({"x": value})["y"], want)
+        finally:
+            loader.unload()
