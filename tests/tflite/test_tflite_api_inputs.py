@@ -79,3 +79,31 @@ def test_numpy_integer_thread_counts_are_taken_as_ints_are(interpreter):
     for bad in (np.True_, 2.0, np.float64(2), np.int64(0), np.int64(257)):
         with pytest.raises(ValueError, match=r"num_threads must be an integer in \[1, 256\]"):
             tflite.make_interpreter(model, interpreter, num_threads=bad)
+
+
+def _one_input_bag_model():
+    """The one-op bag model without its weights input: PkmEmbeddingBag(table, indices), a sum."""
+    import flatbuffers
+    from flatbuffers import flexbuffers
+    schema = tflite.flatbuffer_schema()
+    options = bytes(flexbuffers.Dumps({"combiner": "sum", "has_weights": False}))
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(
+        bytearray(tflite.build_embedding_bag_model(TABLE, 3, custom_options=options)), 0))
+    model.subgraphs[0].operators[0].inputs = [0, 1]
+    model.subgraphs[0].inputs = [1]
+    builder = flatbuffers.Builder(1 << 12)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
+
+
+def test_one_array_is_a_one_input_models_input_not_a_list_of_rows():
+    """run_tflite(model, ids) with ids of shape [1, 3] took ids[0] for the one input, silently:
+    this model answered a [4] (no batch dimension), a stock GATHER -> SUM(axis 1) model a [3] of
+    each id's row summed (garbage); ids of two rows were "model has 1 inputs, got 2 arrays"."""
+    model = _one_input_bag_model()
+    for ids in (np.array([[1, 2, 3]], np.int32), np.array([[1, 2, 3], [4, -1, 19]], np.int32)):
+        (got,) = tflite.run_tflite(model, ids)
+        want = np.where(ids[..., None] >= 0, TABLE.astype(np.float64)[ids], 0).sum(1)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="model has 2 inputs, got 1 arrays"):
+        tflite.run_tflite(tflite.build_embedding_bag_model(TABLE, 3), np.zeros((2, 3), np.int32))
