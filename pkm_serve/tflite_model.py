@@ -21,18 +21,19 @@ CUSTOM_OP_NAMES = (CUSTOM_OP_NAME, RAGGED_CUSTOM_OP_NAME)
 
 def flatbuffer_schema():
     """The TFLite flatbuffer schema module (LiteRT's, else TensorFlow's)."""
-    return _schema()
+    return _schema("flatbuffer_schema")
 
 
-def _schema():
+def _schema(what: str = "flatbuffer_schema"):
     for name in ("ai_edge_litert.schema_py_generated",
                  "tensorflow.lite.python.schema_py_generated"):
         try:
             return importlib.import_module(name)
         except ImportError:
             continue
-    raise ImportError("quantize_table_int8 needs ai_edge_litert or tensorflow for the "
-                      "TFLite flatbuffer schema")
+    # (It named quantize_table_int8 whichever function asked.)
+    raise ImportError(f"{what} needs the TFLite flatbuffer schema of ai_edge_litert or tensorflow, "
+                      "and neither is installed (tflite_runtime has none): pip install ai-edge-litert")
 
 
 def _custom_code(model, opcode_index: int) -> Optional[str]:
@@ -301,7 +302,7 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     could be quantised, or naming the table where one holds NaN or infinity.
     """
     check_tflite_bytes(model_bytes, "quantize_table_int8")
-    schema = _schema()
+    schema = _schema("quantize_table_int8")
     try:
         model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
     except (struct.error, IndexError, ValueError) as err:
@@ -363,7 +364,7 @@ def check_int8_tables(model_bytes) -> int:
     and finite; zero points within int32. The delegate refuses the same, but only when
     tensors are allocated; a server checks at load. Returns the number of int8 tables."""
     check_tflite_bytes(model_bytes, "check_int8_tables")
-    schema = _schema()
+    schema = _schema("check_int8_tables")
     try:
         return _check_int8_tables(schema, schema.Model.GetRootAsModel(bytes(model_bytes), 0))
     except (struct.error, IndexError) as err:
@@ -416,7 +417,7 @@ def build_embedding_bag_model(table: np.ndarray, bag_size: int, combiner: str = 
     the attrs). ``batch=None`` gives a dynamic batch dimension. For tests and
     for producing models without TensorFlow.
     """
-    schema = _schema()
+    schema = _schema("build_embedding_bag_model")
     from flatbuffers import flexbuffers
     table = np.ascontiguousarray(table)
     ttype = {np.dtype(np.float32): schema.TensorType.FLOAT32,
