@@ -51,6 +51,7 @@ _MODULES = {
     "tflite_runtime": "tflite_runtime.interpreter",
     "tf": "tensorflow.lite.python.interpreter",  # tf.lite.Interpreter, tf.lite.experimental.load_delegate
 }
+_PACKAGES = {"litert": "ai-edge-litert", "tflite_runtime": "tflite-runtime", "tf": "tensorflow"}
 _LIB_NAME = "libpkm_tflite.so"
 
 
@@ -78,7 +79,11 @@ def interpreter_module(interpreter: str = "auto"):
         if interpreter not in _MODULES:
             raise ValueError(f"interpreter must be 'auto' or one of {INTERPRETERS}, "
                              f"got {interpreter!r}")
-        return importlib.import_module(_MODULES[interpreter])
+        try:
+            return importlib.import_module(_MODULES[interpreter])
+        except ImportError as e:   # (bare, "No module named 'ai_edge_litert'" named no choice)
+            raise type(e)(f"interpreter {interpreter!r} needs pip's {_PACKAGES[interpreter]}, which is "
+                          f"not installed here ({e})", name=e.name) from None
     errors = []
     for name in INTERPRETERS:
         try:

@@ -83,7 +83,7 @@ def console_main(argv=None) -> int:
     with --verbose): a model the runtime refuses is one line, not a traceback."""
     try:
         return main(argv)
-    except (ValueError, RuntimeError) as e:  # not a model, or one the runtime refuses
+    except (ValueError, RuntimeError, ImportError) as e:  # not a model, one the runtime refuses, no runtime
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"{build_parser().prog}: error: {first}", file=sys.stderr)
         return 1

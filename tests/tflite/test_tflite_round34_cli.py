@@ -81,3 +81,18 @@ def test_an_empty_text_or_cut_file_is_one_line_naming_it(tmp_path, capsys):
     for (path, line), (err, rc) in zip(want.items(), zip(lines[::2], lines[1::2])):
         assert rc == "rc 1" and err.startswith(line), (path, err)
         assert path.endswith("cut.tflite") == (err != line), err
+
+
+def test_an_interpreter_not_installed_is_one_line(tmp_path, capsys):
+    """The device wheel's `pkm-serve-tflite --interpreter litert` where only tflite_runtime is
+    installed (here: tflite_runtime, not in this venv) ended in a ModuleNotFoundError traceback."""
+    import importlib.util
+    import pytest
+    if importlib.util.find_spec("tflite_runtime") is not None:
+        pytest.skip("tflite_runtime is installed here")
+    path = tmp_path / "bag.tflite"
+    path.write_bytes(tflite.build_embedding_bag_model(TABLE, 3))
+    assert tflite_cli.console_main([str(path), "--interpreter", "tflite_runtime"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "pkm-serve tflite: error: interpreter 'tflite_runtime' needs pip's tflite-runtime, which is not "
+        "installed here (No module named 'tflite_runtime')"]
