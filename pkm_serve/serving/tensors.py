@@ -305,7 +305,7 @@ def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True
         low, high = (float(info.min), float(info.max) + 1.0) if arr.dtype.kind == "f" \
             else (info.min, info.max + 1)
         if arr.size and (arr.min() < low or arr.max() >= high):
-            raise invalid(f"input '{name}' holds values outside the range of {dtype.name}")
+            raise _out_of_range(name, value, dtype)
         return arr.astype(dtype.as_numpy_dtype)
     if dtype.is_floating or dtype.is_complex:
         if dtype.is_floating:
@@ -363,8 +363,17 @@ def _exact_integers(name, value, dtype) -> np.ndarray:
     [2**63 + 1, 1] became [2**63, 1] for a uint64 input, and 2**64 - 1 was out of range."""
     info = np.iinfo(dtype.as_numpy_dtype)
     if any(not info.min <= v <= info.max for v in _leaves(value)):
-        raise invalid(f"input '{name}' holds values outside the range of {dtype.name}")
+        raise _out_of_range(name, value, dtype)
     return np.array(value, dtype=dtype.as_numpy_dtype)
+
+
+def _out_of_range(name, value, dtype):
+    """json_tensor.cc's TypeError for the first JSON integer the input's type cannot hold (its
+    IsInt/IsInt64/IsUint/IsUint64 test is false): "JSON Value: 1099511627776 Type: Number is
+    not of expected type: int32" (the words were "holds values outside the range of int32")."""
+    info = np.iinfo(dtype.as_numpy_dtype)
+    leaf = next(v for v in _leaves(value) if not info.min <= v <= info.max)
+    return json_type_error(name, leaf, dtype)
 
 
 def _leaves(value):

@@ -313,7 +313,7 @@ def test_classify_regress_multi_inference_on_a_predict_signature(stub):
     ("/v1/models/pkm/versions/99999999999999999999999", None, None, 400, "Failed to convert version"),
     ("/v1/models/pkm:predict", {"signature_name": "lookup",
                                 "inputs": {"indices": [[1, 2 ** 63]], "weights": [[1.0, 1.0]]}}, None, 400,
-     "outside the range of int64"),
+     "JSON Value: 9223372036854775808 Type: Number is not of expected type: int64"),
     ("/v1/models/pkm:predict", {"signature_name": "x", "instances": [[0.0] * 32]}, None, 400, "\"x\" not found"),
     ("/v1/models/pkm:predict", {"instances": [[0.0] * 32], "inputs": [[0.0] * 32]}, None, 400,
      "expecting only one of 'inputs' or 'instances' keys to exist"),
