@@ -26,6 +26,45 @@ def json_value(value, limit=200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+class RepeatedKeys(dict):
+    """A JSON object that spells a key more than once. Its items hold each key's last value
+    (as Python's json and orjson read it; MakeExampleFromJsonObject also keeps the last of a
+    feature), `first` each key's first value (what rapidjson's FindMember returns)."""
+    first: dict
+
+
+def json_object(pairs):
+    """json.loads' object_pairs_hook: a dict, or RepeatedKeys where a key repeats."""
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    repeated = RepeatedKeys(obj)
+    repeated.first = {}
+    for key, value in pairs:
+        repeated.first.setdefault(key, value)
+    return repeated
+
+
+def may_repeat_keys(body: bytes, doc: dict) -> bool:
+    """Whether a key of the body's object, or of its "inputs" object, may be spelled twice
+    (the keys json_tensor.cc looks up with FindMember): a cheap count of each quoted name."""
+    names = list(doc)
+    if isinstance(doc.get("inputs"), dict):
+        names += list(doc["inputs"])
+    return any(body.count(json.dumps(name, ensure_ascii=False).encode("utf-8", "replace")) > 1
+               for name in names)
+
+
+def first_members(doc):
+    """The body as json_tensor.cc reads it: a repeated key of the body or of its "inputs"
+    object stands for its first value (Python's json kept the last: another tensor or signature)."""
+    if isinstance(doc, RepeatedKeys):
+        doc = dict(doc.first)
+    if isinstance(doc, dict) and isinstance(doc.get("inputs"), RepeatedKeys):
+        doc["inputs"] = dict(doc["inputs"].first)
+    return doc
+
+
 def json_type(value) -> str:
     """json_tensor.cc's JsonTypeString."""
     if value is None:
