@@ -12,7 +12,7 @@ import gzip
 import pytest
 import requests
 
-from serving_helpers import rest_predict_url, save_graph
+from serving_helpers import polled_manager, rest_predict_url, save_graph, version_states
 
 
 def _save_model(path):
@@ -78,3 +78,43 @@ def test_a_gzip_body_is_gunzipped_and_bounded(url, encoding):
     bomb = gzip.compress(b'{"instances": [[1, 2]], "pad": "' + b" " * (2 << 20) + b'"}')
     code, answer = _post(url, bomb, **{"Content-Encoding": encoding})
     assert code == 413 and "larger than the limit of 1048576 bytes" in answer["error"], answer
+
+
+def test_a_re_added_model_lists_its_ended_versions_beside_its_new_ones(tmp_path):
+    """GetModelStatus reads ServableStateMonitor's states, kept per model name for every version
+    that had one (servable_state_monitor.cc adds to states_, its ForgetUnloadedServableStates is
+    not called by the server): a model removed by a reload and re-added lists its old version
+    END beside the new one (the old one was forgotten here); a version that had failed is tried
+    again, as upstream's manager loads a re-aspired version afresh."""
+    import grpc
+    from tensorflow_serving.apis.get_model_status_pb2 import ModelVersionStatus
+    from tensorflow_serving.config import model_server_config_pb2
+    from test_serving_manager_fakes import Fakes
+
+    from pkm_serve.serving.errors import ServingError
+    State = ModelVersionStatus.State
+    fakes = Fakes(tmp_path / "m")
+    fakes.add_version(1)
+    manager = polled_manager(fakes.base, loader_factory=fakes.factory)
+    try:
+        config = model_server_config_pb2.ModelServerConfig()
+        config.model_config_list.config.add(name="m", base_path=str(fakes.base), model_platform="tensorflow")
+        none = model_server_config_pb2.ModelServerConfig()
+        none.model_config_list.SetInParent()
+        manager.apply_config(none)
+        fakes.add_version(2)
+        manager.apply_config(config)
+        assert version_states(manager) == {2: State.AVAILABLE, 1: State.END}
+        # Version 2 failed before the model left: re-added, it loads again (its files unchanged).
+        manager.apply_config(none)
+        fakes.failures[3] = ServingError(grpc.StatusCode.INVALID_ARGUMENT, "bad graph")
+        fakes.add_version(3)
+        with pytest.raises(ServingError, match="Some models did not become available"):
+            manager.apply_config(config)
+        assert version_states(manager) == {3: State.END, 2: State.END, 1: State.END}
+        manager.apply_config(none)
+        fakes.failures.clear()
+        manager.apply_config(config)
+        assert version_states(manager) == {3: State.AVAILABLE, 2: State.END, 1: State.END}
+    finally:
+        manager.stop()
