@@ -223,12 +223,6 @@ def _all_numbers(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _holds_b64(value) -> bool:
-    if isinstance(value, dict):
-        return "b64" in value
-    return isinstance(value, list) and any(_holds_b64(v) for v in value)
-
-
 _MAX_JSON_RANK = 64   # numpy, which decodes the value, allows 64 dimensions (TF 254)
 
 
@@ -276,9 +270,7 @@ def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True
         except ValueError:
             raise invalid(f"input '{name}' is ragged: all rows must have the same shape") from None
     if arr.dtype == object:
-        if _holds_b64(value):
-            raise invalid(f"input '{name}' holds a {{\"b64\": ...}} value but the signature expects "
-                          f"{dtype.name}: base64 encodes only string (DT_STRING) inputs")
+        # ({"b64": ...} too: json_tensor.cc's TypeError, "Type: Object", for a non-string input)
         wrong = _first_wrong_leaf(value, dtype)
         if wrong is not _NO_LEAF:
             raise json_type_error(name, wrong, dtype)
@@ -340,7 +332,7 @@ def json_type_error(name, leaf, dtype):
     if kind == "Bool":
         kind = "True" if leaf else "False"
     text = leaf.decode("utf-8", "replace") if isinstance(leaf, bytes) else leaf
-    shown = json_number_text(leaf) if kind == "Number" else json.dumps(text)[:200]
+    shown = json_number_text(leaf) if kind == "Number" else json.dumps(text, separators=(",", ":"))[:200]
     return invalid(f"JSON Value: {shown} Type: {kind} is not of expected type: "
                    f"{_TF_TYPE_NAMES.get(dtype.name, dtype.name)} (input '{name}')")
 

@@ -72,7 +72,7 @@ def test_well_typed_values_still_arrive_exactly(value, dtype):
     ([[1, 2], [3]], tf.float32, "ragged"),
     ([[1, 2], 3], tf.int64, "ragged"),
     ([None, 1], tf.int64, "JSON Value: null Type: Null is not of expected type: int64"),
-    ([{"b64": "AA=="}], tf.int64, "base64 encodes only string"),
+    ([{"b64": "AA=="}], tf.int64, 'JSON Value: {"b64":"AA=="} Type: Object is not of expected type: int64'),
     ([1, 2 ** 31], tf.int32, "JSON Value: 2147483648 Type: Number is not of expected type: int32"),
     ([-(2 ** 31) - 1], tf.int32, "JSON Value: -2147483649 Type: Number is not of expected type: int32"),
     ([1e39], tf.float32, "Cannot convert JSON value: 1e39 to float without loss of precision."),

@@ -118,3 +118,34 @@ def test_a_re_added_model_lists_its_ended_versions_beside_its_new_ones(tmp_path)
         assert version_states(manager) == {3: State.AVAILABLE, 2: State.END, 1: State.END}
     finally:
         manager.stop()
+
+
+_ELEMENT = "Failed to process element: {} of 'instances' list. Error: INVALID_ARGUMENT: "
+_KEY = "Failed to process element: {} key: {} of 'instances' list. Error: INVALID_ARGUMENT: "
+_NOT_FLOAT = "JSON Value: {} Type: {} is not of expected type: float"
+
+
+@pytest.mark.parametrize("body, message", [
+    # Element 0's bad value comes before element 1's unknown key (that was reported).
+    ({"signature_name": "two", "instances": [{"a": "bad", "b": 1}, {"z": 1}]},
+     _KEY.format(0, "a") + _NOT_FLOAT.format('"bad"', "String")),
+    # Within one element, its keys in their order: b's value before the unknown z.
+    ({"signature_name": "two", "instances": [{"a": 1, "b": 2}, {"b": [1], "z": 1}]},
+     _KEY.format(1, "b") + "Expecting shape [] but got: [1]"),
+    # Element 1's value before element 2's missing key, across inputs (b before a's input order).
+    ({"signature_name": "two", "instances": [{"a": 1, "b": 2}, {"b": True, "a": 1}, {"a": 1}]},
+     _KEY.format(1, "b") + "JSON Value: true Type: True is not of expected type: float"),
+    ({"signature_name": "two", "instances": [{"a": 1, "b": 2}, {"a": 1}, {"a": 1, "b": "x"}]},
+     "Failed to process element: 1 of 'instances' list. JSON object: {\"a\":1} keys must be equal to: a,b"),
+    # A value fault before a list/object mismatch further on.
+    ({"signature_name": "two", "instances": [{"a": None, "b": 2}, [1, 2]]},
+     _KEY.format(0, "a") + _NOT_FLOAT.format("null", "Null")),
+    # {"b64": ...} for a float input: a type error of an Object, ragged beside numbers or not.
+    ({"instances": [[1, 2], {"b64": "AAAA"}]}, _ELEMENT.format(1) + _NOT_FLOAT.format('{"b64":"AAAA"}', "Object")),
+    ({"instances": [{"b64": "AAAA"}]}, _ELEMENT.format(0) + _NOT_FLOAT.format('{"b64":"AAAA"}', "Object")),
+    ({"inputs": {"b64": "AAAA"}}, _NOT_FLOAT.format('{"b64":"AAAA"}', "Object")),
+])
+def test_instance_faults_are_reported_element_by_element(url, body, message):
+    import json
+    code, answer = _post(url, json.dumps(body))
+    assert code == 400 and answer["error"].startswith(message), answer
