@@ -320,6 +320,8 @@ class RestFrontend:
                 try:
                     doc = loads(body)
                 except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    if not body.strip(b" \t\n\r"):   # rapidjson's kParseErrorDocumentEmpty, past the blanks
+                        raise invalid(f"JSON Parse error: The document is empty. at offset: {len(body)}") from None
                     raise invalid(f"JSON Parse error: {e}") from None
                 if not isinstance(doc, dict):   # json_tensor.cc's ParseJson
                     raise invalid(f"JSON Value: {rest_requests.json_value(doc)} Is not object")

@@ -149,3 +149,10 @@ def test_instance_faults_are_reported_element_by_element(url, body, message):
     import json
     code, answer = _post(url, json.dumps(body))
     assert code == 400 and answer["error"].startswith(message), answer
+
+
+@pytest.mark.parametrize("body", [b"   ", b"\n\t\r "])
+def test_a_blank_body_is_an_empty_document_at_its_end(url, body):
+    """rapidjson skips the blanks, then finds no value: kParseErrorDocumentEmpty at the offset
+    past them, in json_tensor.cc's ParseJson words (Python's "Expecting value: line 1 ...")."""
+    assert _post(url, body) == (400, {"error": f"JSON Parse error: The document is empty. at offset: {len(body)}"})
