@@ -128,10 +128,27 @@ def _finite_json_float(text: str) -> float:
     return value
 
 
+# A JSON string, or a spelling of a non-finite number that rapidjson's kParseNanAndInfFlag
+# reads and Python's json does not (Inf, -Inf, -NaN).
+_STRING_OR_RAPIDJSON_NON_FINITE = re.compile(r'"(?:[^"\\]|\\.)*"|-?Inf(?:inity)?|-NaN', re.DOTALL)
+_PYTHON_SPELLING = {"Inf": "Infinity", "-Inf": "-Infinity", "-NaN": "NaN"}
+
+
+def _as_rapidjson_reads(body: bytes) -> str:
+    """The body as text Python's json reads as rapidjson (TF Serving's parser) reads the bytes:
+    bytes that are not UTF-8 kept (rapidjson does not validate the encoding: they reach a
+    string tensor as sent; here they were a parse error), Inf/-Inf/-NaN respelt."""
+    text = body.decode("utf-8", "surrogateescape")
+    return _STRING_OR_RAPIDJSON_NON_FINITE.sub(lambda m: _PYTHON_SPELLING.get(m[0], m[0]), text)
+
+
 def _python_loads(body: bytes, **hooks):
     try:
         # NaN/Infinity literals, huge integers -- or the error to report
-        return json.loads(body, parse_float=_finite_json_float, **hooks)
+        try:
+            return json.loads(body, parse_float=_finite_json_float, **hooks)
+        except (UnicodeDecodeError, json.JSONDecodeError):   # (the rare path: read as rapidjson reads)
+            return json.loads(_as_rapidjson_reads(body), parse_float=_finite_json_float, **hooks)
     except RecursionError:        # deeper than Python's stack (orjson stops at 1024 levels)
         raise invalid(TOO_DEEP) from None
 

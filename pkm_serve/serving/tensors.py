@@ -201,6 +201,10 @@ def decode_b64(value):
     if isinstance(value, str):
         try:
             return value.encode("utf-8")
+        except UnicodeEncodeError:
+            pass
+        try:   # bytes of the body that were not UTF-8, kept as sent (rest_frontend's parse)
+            return value.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:   # JSON can spell a lone surrogate ("\ud800")
             raise invalid("a string value is not valid Unicode (lone surrogate)") from None
     return value

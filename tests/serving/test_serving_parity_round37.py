@@ -8,7 +8,9 @@ REST front end (requests as the client):
   under any other encoding (aiohttp decoded deflate itself, and refused br -- without the
   Brotli module -- in a plain-text 400, where TF Serving serves a plain JSON body)."""
 import gzip
+import math
 
+import numpy as np
 import pytest
 import requests
 
@@ -17,7 +19,7 @@ from serving_helpers import polled_manager, rest_predict_url, save_graph, versio
 
 def _save_model(path):
     """serving_default: x float [n, 2] -> y = 2x; "i32": i int32 [n] -> j = i + 1;
-    "two": a, b float [n] -> c = a + b."""
+    "two": a, b float [n] -> c = a + b; "str": s string [n] -> t = its length in bytes."""
     import tensorflow as tf
     v1 = tf.compat.v1
     with tf.Graph().as_default():
@@ -25,6 +27,7 @@ def _save_model(path):
         i = v1.placeholder(tf.int32, [None], name="i")
         a = v1.placeholder(tf.float32, [None], name="a")
         b = v1.placeholder(tf.float32, [None], name="b")
+        text = v1.placeholder(tf.string, [None], name="s")
         info = v1.saved_model.build_tensor_info
 
         def sig(inputs, outputs):
@@ -33,7 +36,8 @@ def _save_model(path):
                                                       "tensorflow/serving/predict")
         save_graph(path, {"serving_default": sig({"x": x}, {"y": 2.0 * x}),
                           "i32": sig({"i": i}, {"j": i + 1}),
-                          "two": sig({"a": a, "b": b}, {"c": a + b})})
+                          "two": sig({"a": a, "b": b}, {"c": a + b}),
+                          "str": sig({"s": text}, {"t": tf.strings.length(text)})})
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +160,26 @@ def test_a_blank_body_is_an_empty_document_at_its_end(url, body):
     """rapidjson skips the blanks, then finds no value: kParseErrorDocumentEmpty at the offset
     past them, in json_tensor.cc's ParseJson words (Python's "Expecting value: line 1 ...")."""
     assert _post(url, body) == (400, {"error": f"JSON Parse error: The document is empty. at offset: {len(body)}"})
+
+
+@pytest.mark.parametrize("spelling, value", [(b"Inf", math.inf), (b"-Inf", -math.inf), (b"-NaN", math.nan),
+                                             (b"Infinity", math.inf), (b"-Infinity", -math.inf), (b"NaN", math.nan)])
+def test_non_finite_numbers_are_read_as_rapidjson_spells_them(url, spelling, value):
+    """json_tensor.cc parses with kParseNanAndInfFlag: rapidjson reads Inf and -NaN too
+    (Python's json only NaN, Infinity, -Infinity: the others were a parse error)."""
+    code, answer = _post(url, b'{"instances": [[' + spelling + b", 1]]}")
+    assert code == 200, answer
+    np.testing.assert_array_equal(answer["predictions"], 2.0 * np.array([[value, 1.0]]))
+    # Inside a string, the same letters are text, never a number.
+    assert _post(url, b'{"signature_name": "str", "instances": ["' + spelling + b'"]}') == (
+        200, {"predictions": [len(spelling)]})
+
+
+def test_string_bytes_that_are_not_utf8_reach_the_tensor_as_sent(url):
+    """rapidjson (no kParseValidateEncodingFlag) keeps such bytes: a Latin-1 "caf\xe9" is a
+    4-byte string tensor upstream (it was a 400 'utf-8' codec error here)."""
+    texts = [b"caf\xe9", b"\xff\xfe", b"ok"]
+    body = b'{"signature_name": "str", "instances": ["' + b'", "'.join(texts) + b'"]}'
+    assert _post(url, body) == (200, {"predictions": [len(t) for t in texts]})
+    code, answer = _post(url, b'{"instances": [[1, 2]]} \xe9')   # outside a string: still a parse error
+    assert code == 400 and answer["error"].startswith("JSON Parse error"), answer
