@@ -316,9 +316,10 @@ class RestFrontend:
         # part of the name; it was dropped here, so such URLs were served.
         raw_path = _path_and_query(request.raw_path)   # (an absolute-form target was a 404)
         if not raw_path.lower().startswith("/v1/"):
-            # TF Serving hands every /v1/ path to its API handler; other paths have no handler.
+            # TF Serving hands every /v1/ path to its API handler; other paths have no handler
+            # (evhttp's 404 "Not Found"; not "Malformed request", its handler's 400 words).
             return _error(grpc.StatusCode.NOT_FOUND,
-                          f"Malformed request: {request.method} {raw_path} (expected {_EXPECTED_URL})")
+                          f"Not Found: {request.method} {raw_path} (only /v1/ paths are served: {_EXPECTED_URL})")
         try:
             spec, api = _parse_url(request.method, raw_path)
         except ServingError as e:

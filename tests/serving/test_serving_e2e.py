@@ -330,7 +330,7 @@ def test_classify_regress_multi_inference_on_a_predict_signature(stub):
                                 "instances": [{"indices": [99999], "weights": [1.0]}]}, None, 400, "out of range"),
     ("/v1/models/pkm:predict", None, b"[" + b"0.0," * (MAX_REQUEST_BYTES // 4) + b"0.0]", 413, "larger than"),
     ("/v1/nothing", None, None, 400, "Malformed request"),
-    ("/v2/models/pkm", None, None, 404, "Malformed request"),
+    ("/v2/models/pkm", None, None, 404, "Not Found: GET /v2/models/pkm (only /v1/ paths are served"),
     ("/v1/models/pkm:predict", {"signature_name": 5, "instances": [[0.0] * 32]}, None, 400, "'signature_name' key must be a string"),
     ("/v1/models/classifier:classify", {"signature_name": 5, "examples": [{"x": [0.0, 1.0]}]}, None, 400,
      "'signature_name' key must be a string"),

@@ -183,3 +183,11 @@ def test_string_bytes_that_are_not_utf8_reach_the_tensor_as_sent(url):
     assert _post(url, body) == (200, {"predictions": [len(t) for t in texts]})
     code, answer = _post(url, b'{"instances": [[1, 2]]} \xe9')   # outside a string: still a parse error
     assert code == 400 and answer["error"].startswith("JSON Parse error"), answer
+
+
+@pytest.mark.parametrize("path", ["//v1/models/m", "/v2/models/m", "/models/m"])
+def test_a_path_outside_v1_is_not_found_not_malformed(url, path):
+    """TF Serving's dispatcher takes only paths matching (?i)/v1/.*; others get evhttp's 404
+    "Not Found". Its "Malformed request" words belong to its handler's 400 (they were used here)."""
+    r = requests.get(url.split("/v1/")[0] + path, timeout=30)
+    assert r.status_code == 404 and r.json()["error"].startswith(f"Not Found: GET {path} "), r.text
