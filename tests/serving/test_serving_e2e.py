@@ -357,8 +357,8 @@ def test_prometheus_metrics(server, stub):
         stub.Predict(_request(name="nope", query=QUERIES[:1]), timeout=30)
     with urllib.request.urlopen(server.rest_url + "/monitoring/prometheus/metrics", timeout=30) as r:
         text = r.read().decode()
-    assert ':tensorflow:serving:request_count_total{model_name="pkm",status="OK"}' in text
-    assert ':tensorflow:serving:request_count_total{model_name="nope",status="NOT_FOUND"}' in text
+    assert ':tensorflow:serving:request_count{model_name="pkm",status="OK"}' in text
+    assert ':tensorflow:serving:request_count{model_name="nope",status="NOT_FOUND"}' in text
     assert ':tensorflow:serving:model_version_available{model_name="pkm",version="2"} 1.0' in text
 
 

@@ -191,3 +191,23 @@ def test_a_path_outside_v1_is_not_found_not_malformed(url, path):
     "Not Found". Its "Malformed request" words belong to its handler's 400 (they were used here)."""
     r = requests.get(url.split("/v1/")[0] + path, timeout=30)
     assert r.status_code == 404 and r.json()["error"].startswith(f"Not Found: GET {path} "), r.text
+
+
+def test_metrics_are_exposed_under_tf_servings_names():
+    """prometheus_exporter.cc writes a counter as `NAME{labels} value` under `# TYPE NAME counter`
+    and no `_created` series; prometheus_client wrote NAME_total (a query for TF Serving's
+    :tensorflow:serving:request_count found nothing) and NAME_created gauges."""
+    from pkm_serve.serving.metrics import Metrics
+    metrics = Metrics()
+    for status in ("OK", "OK", "NOT_FOUND"):
+        metrics.request("m", "predict", "REST", status, 0.002)
+    metrics.load_attempt("m", "/models/m/1", ok=True, seconds=1.0)
+    text = metrics.exposition()[0].decode()
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert float(samples[':tensorflow:serving:request_count{model_name="m",status="OK"}']) == 2
+    assert float(samples[':tensorflow:serving:request_count{model_name="m",status="NOT_FOUND"}']) == 1
+    assert float(samples[':tensorflow:cc:saved_model:load_attempt_count{model_path="/models/m/1",status="success"}']) == 1
+    assert "# TYPE :tensorflow:serving:request_count counter" in text.splitlines()
+    assert "_total" not in text and "_created" not in text, text
+    # Histograms keep their _bucket/_sum/_count series, as upstream's.
+    assert float(samples[':tensorflow:serving:request_latency_count{API="predict",entrypoint="REST",model_name="m"}']) == 3
