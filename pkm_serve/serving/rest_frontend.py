@@ -399,6 +399,7 @@ class RestFrontend:
                 inputs = self._rows_to_inputs(doc["instances"], sig.input_specs, may_hold_bools)
             else:
                 inputs = self._columns_to_inputs(doc["inputs"], sig.input_specs, may_hold_bools)
+            self.service.check_predict_method(sig)   # (upstream's Predict checks it after the JSON)
             outputs = self.service.predict_on(servable, sig, inputs, deadline)
         return self._predict_json(doc, outputs)
 

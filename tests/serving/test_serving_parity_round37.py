@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import requests
 
-from serving_helpers import polled_manager, rest_predict_url, save_graph, version_states
+from serving_helpers import polled_manager, save_graph, version_states
 
 
 def _save_model(path):
     """serving_default: x float [n, 2] -> y = 2x; "i32": i int32 [n] -> j = i + 1;
-    "two": a, b float [n] -> c = a + b; "str": s string [n] -> t = its length in bytes."""
+    "two": a, b float [n] -> c = a + b; "str": s string [n] -> t = its length in bytes;
+    "as_classify" and "nomethod": serving_default's, with method_name classify and none."""
     import tensorflow as tf
     v1 = tf.compat.v1
     with tf.Graph().as_default():
@@ -30,22 +31,40 @@ def _save_model(path):
         text = v1.placeholder(tf.string, [None], name="s")
         info = v1.saved_model.build_tensor_info
 
-        def sig(inputs, outputs):
+        def sig(inputs, outputs, method="tensorflow/serving/predict"):
             return v1.saved_model.build_signature_def({k: info(v) for k, v in inputs.items()},
-                                                      {k: info(v) for k, v in outputs.items()},
-                                                      "tensorflow/serving/predict")
+                                                      {k: info(v) for k, v in outputs.items()}, method)
         save_graph(path, {"serving_default": sig({"x": x}, {"y": 2.0 * x}),
                           "i32": sig({"i": i}, {"j": i + 1}),
                           "two": sig({"a": a, "b": b}, {"c": a + b}),
-                          "str": sig({"s": text}, {"t": tf.strings.length(text)})})
+                          "str": sig({"s": text}, {"t": tf.strings.length(text)}),
+                          "as_classify": sig({"x": x}, {"y": 2.0 * x}, "tensorflow/serving/classify"),
+                          "nomethod": sig({"x": x}, {"y": 2.0 * x}, "")})
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory):
+def served(tmp_path_factory):
+    """(REST predict URL, InferenceService) over one in-process server of the model, run as
+    with --enable_signature_method_name_check (only "nomethod" has a method it refuses)."""
+    from pkm_serve.serving.rest_frontend import RestFrontend
+    from pkm_serve.serving.service import InferenceService
     base = tmp_path_factory.mktemp("parity37") / "m"
     _save_model(str(base / "1"))
-    with rest_predict_url(base) as predict_url:
-        yield predict_url
+    manager = polled_manager(base)
+    service = InferenceService(manager, check_signature_method_name=True)
+    frontend = RestFrontend(service, None, None, address="127.0.0.1", port=0, num_threads=2,
+                            timeout_ms=0, max_body_bytes=1 << 20, drain_seconds=1)
+    frontend.start()
+    try:
+        yield f"http://127.0.0.1:{frontend.port}/v1/models/m:predict", service
+    finally:
+        frontend.stop()
+        manager.stop()
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served[0]
 
 
 def _post(url, data, **headers):
@@ -211,3 +230,29 @@ def test_metrics_are_exposed_under_tf_servings_names():
     assert "_total" not in text and "_created" not in text, text
     # Histograms keep their _bucket/_sum/_count series, as upstream's.
     assert float(samples[':tensorflow:serving:request_latency_count{API="predict",entrypoint="REST",model_name="m"}']) == 3
+
+
+def test_the_method_name_check_covers_predict(served):
+    """With --enable_signature_method_name_check, predict_util.cc's VerifySignature refuses a
+    Predict signature whose method_name is not predict, classify or regress (INTERNAL, after
+    the JSON is read over REST); it was served here."""
+    import grpc
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2
+
+    from pkm_serve.serving.errors import ServingError
+    url, service = served
+    message = ("Expected prediction signature method_name to be one of {tensorflow/serving/predict, "
+               "tensorflow/serving/classify, tensorflow/serving/regress}. Was: ")
+    assert _post(url, b'{"signature_name": "nomethod", "instances": [[1, 2]]}') == (500, {"error": message})
+    # The JSON's faults come first, as FillPredictRequestFromJson runs before Predict.
+    code, answer = _post(url, b'{"signature_name": "nomethod", "instances": [["a", 2]]}')
+    assert code == 400 and "is not of expected type: float" in answer["error"], answer
+    assert _post(url, b'{"signature_name": "as_classify", "instances": [[1, 2]]}') == (
+        200, {"predictions": [[2.0, 4.0]]})
+    request = predict_pb2.PredictRequest()
+    request.model_spec.name, request.model_spec.signature_name = "m", "nomethod"
+    request.inputs["z"].CopyFrom(tf.make_tensor_proto([[1.0, 2.0]]))   # (the method is checked first)
+    with pytest.raises(ServingError) as err:
+        service.predict(request)
+    assert (err.value.code, err.value.message) == (grpc.StatusCode.INTERNAL, message)
