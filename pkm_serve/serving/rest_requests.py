@@ -75,7 +75,9 @@ def json_type(value) -> str:
 
 
 def is_b64(v):
-    return isinstance(v, dict) and len(v) == 1 and "b64" in v   # (no set built: it runs per instance)
+    """json_tensor.cc's IsValBase64Object: one key, "b64", holding a string (no set built: it
+    runs per instance). {"b64": 5} is an object like any other, as upstream reads it."""
+    return isinstance(v, dict) and len(v) == 1 and isinstance(v.get("b64"), str)
 
 
 def signature_name(doc):

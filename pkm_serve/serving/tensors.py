@@ -189,12 +189,13 @@ def check_dtype(name: str, array: np.ndarray, expected: tf.DType, signature: str
 def decode_b64(value):
     """{"b64": "..."} objects become bytes (TF Serving's binary encoding), strings UTF-8;
     anything malformed is INVALID_ARGUMENT."""
-    if isinstance(value, dict):
-        if set(value) != {"b64"}:
-            raise invalid(f"a JSON object inside a tensor value must be {{\"b64\": ...}}, got keys {sorted(value)}")
+    if isinstance(value, dict):   # json_tensor.cc's JsonDecodeBase64Object, in its words
+        shown = json.dumps(value, separators=(",", ":"))[:200]
+        if len(value) != 1 or not isinstance(value.get("b64"), str):
+            raise invalid(f"JSON Value: {shown} not formatted correctly for base64 data")
         decoded = base64_as_tf_serving(value["b64"])
         if decoded is None:
-            raise invalid("a \"b64\" value is not valid base64")
+            raise invalid(f"Unable to base64 decode (JSON Value: {shown})")
         return decoded
     if isinstance(value, list):
         return [decode_b64(v) for v in value]

@@ -99,7 +99,7 @@ def test_base64_without_padding_or_with_line_breaks_decodes_as_in_tf_serving(raw
 
 @pytest.mark.parametrize("text", ["A", "AA=", "AAAA=", "AA==AA", "-_8=", "QU JD*", "é"])
 def test_base64_tf_serving_refuses_is_still_refused(text):
-    with pytest.raises(ServingError, match='a "b64" value is not valid base64'):
+    with pytest.raises(ServingError, match="Unable to base64 decode"):
         tensors.from_json("x_bytes", [{"b64": text}], _spec(tf.string))
 
 

@@ -167,6 +167,13 @@ _NOT_FLOAT = "JSON Value: {} Type: {} is not of expected type: float"
     ({"instances": [[1, 2], {"b64": "AAAA"}]}, _ELEMENT.format(1) + _NOT_FLOAT.format('{"b64":"AAAA"}', "Object")),
     ({"instances": [{"b64": "AAAA"}]}, _ELEMENT.format(0) + _NOT_FLOAT.format('{"b64":"AAAA"}', "Object")),
     ({"inputs": {"b64": "AAAA"}}, _NOT_FLOAT.format('{"b64":"AAAA"}', "Object")),
+    # A "b64" key not holding a string: no base64 object (IsValBase64Object), but a named
+    # instance, or a leaf not formatted for base64.
+    ({"signature_name": "str", "instances": [{"b64": 5}]},
+     _KEY.format(0, "b64") + "JSON object: does not have named input: b64"),
+    ({"signature_name": "str", "instances": [[{"b64": 5}]]},
+     _ELEMENT.format(0) + 'JSON Value: {"b64":5} not formatted correctly for base64 data'),
+    ({"signature_name": "str", "inputs": [{"b64": "!!"}]}, 'Unable to base64 decode (JSON Value: {"b64":"!!"})'),
 ])
 def test_instance_faults_are_reported_element_by_element(url, body, message):
     import json
