@@ -1,12 +1,16 @@
-"""Round 37 parity checks of the REST API against tensorflow_model_server, on one in-process
-REST front end (requests as the client):
+"""Round 37 parity checks against tensorflow_model_server, on one in-process REST front end
+(requests as the client) and in-process managers:
 - a key spelled twice in a body (or in its "inputs" object) stands for its first value, as
-  json_tensor.cc reads it with rapidjson's FindMember (Python's json kept the last: another
-  signature, or other input values, were served);
-- the body is decoded as TF Serving's evhttp request decodes it (evhttp_request.cc
-  NeedUncompressGzipContent): gunzipped where Content-Encoding contains "gzip", read as sent
-  under any other encoding (aiohttp decoded deflate itself, and refused br -- without the
-  Brotli module -- in a plain-text 400, where TF Serving serves a plain JSON body)."""
+  json_tensor.cc reads it with rapidjson's FindMember (Python's json kept the last);
+- the body is decoded as TF Serving's evhttp request decodes it (NeedUncompressGzipContent):
+  gunzipped where Content-Encoding contains "gzip", read as sent under any other encoding;
+- the body is parsed as rapidjson parses it: Inf/-Inf/-NaN, string bytes that are not UTF-8,
+  a blank body's empty-document error;
+- "instances" faults are reported element by element, as AddInstanceItem meets them, and
+  {"b64": ...} is read as IsValBase64Object reads it;
+- a model removed and re-added lists its ended versions (ServableStateMonitor keeps them);
+- paths outside /v1/ are Not Found; metrics carry TF Serving's counter names; the method
+  name check covers Predict."""
 import gzip
 import math
 
