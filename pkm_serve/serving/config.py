@@ -113,7 +113,8 @@ def build_parser():
              "(float_val, ...) that TF Serving fills by default.")
     boolflag("--enable_signature_method_name_check", False,
              "Refuse Classify/Regress on signatures whose method_name is not "
-             "tensorflow/serving/classify or /regress (TF Serving's default: false).")
+             "tensorflow/serving/classify or /regress, and Predict on ones whose method_name "
+             "is none of predict/classify/regress (TF Serving's default: false).")
     _add_tflite_flags(flag, boolflag)
     flag("--grpc_socket_path", default="",
          help="Also serve gRPC on this UNIX domain socket.")

@@ -29,7 +29,7 @@ from tensorflow_serving.apis import get_model_status_pb2
 from pkm_serve.serving.errors import ServingError, not_found
 from pkm_serve.serving.load_threads import KeyedThreads, run_all, submit_all
 from pkm_serve.serving.loader import load_with_retries, make_loader_factory
-from pkm_serve.serving.model_records import (ManagedModel, VersionRecord, install_version_labels,
+from pkm_serve.serving.model_records import (ManagedModel, VersionRecord, ended_records, install_version_labels,
                                              validate_model_server_config)
 from pkm_serve.serving.version_policy import aspired_versions, versions_to_unload, warn_of_missing_specific_versions
 from pkm_serve.serving.version_status import configured_model, failed_loads, resolve_record, version_statuses
@@ -108,7 +108,9 @@ class ModelManager:
                         self._models[name].config = c
                     else:
                         self._models[name] = ManagedModel(c)
-                        self._removed_models.pop(name, None)
+                        gone = self._removed_models.pop(name, None)
+                        if gone is not None:   # (its ended versions stay listed, as upstream's)
+                            self._models[name].records = ended_records(gone)
             for m in removed:
                 for r in list(m.records.values()):
                     if r.state == State.AVAILABLE:

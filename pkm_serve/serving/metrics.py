@@ -1,9 +1,10 @@
-"""Prometheus metrics under TF Serving's metric names (colons included).
-
-prometheus_client appends `_total` to counters in the exposition format, so
-TF Serving's `:tensorflow:serving:request_count` is scraped as
-`:tensorflow:serving:request_count_total`.
+"""Prometheus metrics under TF Serving's metric names (colons included), exposed as its
+prometheus_exporter.cc writes them: a counter under its own name (prometheus_client appends
+`_total`, so `:tensorflow:serving:request_count` was scraped as `..._total`, which a
+dashboard or alert written for TF Serving does not find) and no `_created` series.
 """
+import re
+
 import prometheus_client as prom
 
 _LATENCY_BUCKETS_US = (50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000,
@@ -66,4 +67,20 @@ class Metrics:
             self.queue_latency.observe(w * 1e6)
 
     def exposition(self):
-        return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST
+        text = prom.generate_latest(self.registry).decode("utf-8")
+        return as_tf_serving_exports(text).encode("utf-8"), prom.CONTENT_TYPE_LATEST
+
+
+def as_tf_serving_exports(text: str) -> str:
+    """prometheus_client's text exposition with the names TF Serving's exporter writes: each
+    counter's `NAME_total` as `NAME` (HELP, TYPE and samples), the `_created` series dropped."""
+    counters = set(re.findall(r"^# TYPE (\S+)_total counter$", text, re.MULTILINE))
+    lines = []
+    for line in text.splitlines():
+        name = line.split(" ")[2] if line.startswith("# ") else re.split(r"[{ ]", line, maxsplit=1)[0]
+        if name.endswith("_created"):
+            continue
+        if name.endswith("_total") and name[:-len("_total")] in counters:
+            line = line.replace(name, name[:-len("_total")], 1)
+        lines.append(line)
+    return "\n".join(lines) + "\n"

@@ -37,6 +37,20 @@ class ManagedModel:
         return sorted(v for v, r in self.records.items() if r.state == State.AVAILABLE)
 
 
+def ended_records(model):
+    """Copies of the END versions of a model a reload removed, for its namesake re-added:
+    TF Serving's GetModelStatus reads ServableStateMonitor's states, kept per model name for
+    every version that ever had one, so a re-added model lists its old versions END beside its
+    new ones. No fingerprint is copied: a version that failed is tried again, as upstream's
+    manager loads a re-aspired version afresh."""
+    out = {}
+    for version, old in model.records.items():
+        if old.state == State.END:
+            r = out[version] = VersionRecord(version)
+            r.state, r.error = State.END, old.error
+    return out
+
+
 def install_version_labels(models, allow_labels_for_unavailable):
     """Installs every ManagedModel's configured version labels, or none (FAILED_PRECONDITION):
     as TF Serving's ServerCore, a label may only name a version that is available, unless

@@ -17,6 +17,7 @@ import re
 import threading
 import time
 import urllib.parse
+import zlib
 from concurrent import futures
 
 import grpc
@@ -127,19 +128,46 @@ def _finite_json_float(text: str) -> float:
     return value
 
 
+# A JSON string, or a spelling of a non-finite number that rapidjson's kParseNanAndInfFlag
+# reads and Python's json does not (Inf, -Inf, -NaN).
+_STRING_OR_RAPIDJSON_NON_FINITE = re.compile(r'"(?:[^"\\]|\\.)*"|-?Inf(?:inity)?|-NaN', re.DOTALL)
+_PYTHON_SPELLING = {"Inf": "Infinity", "-Inf": "-Infinity", "-NaN": "NaN"}
+
+
+def _as_rapidjson_reads(body: bytes) -> str:
+    """The body as text Python's json reads as rapidjson (TF Serving's parser) reads the bytes:
+    bytes that are not UTF-8 kept (rapidjson does not validate the encoding: they reach a
+    string tensor as sent; here they were a parse error), Inf/-Inf/-NaN respelt."""
+    text = body.decode("utf-8", "surrogateescape")
+    return _STRING_OR_RAPIDJSON_NON_FINITE.sub(lambda m: _PYTHON_SPELLING.get(m[0], m[0]), text)
+
+
+def _python_loads(body: bytes, **hooks):
+    try:
+        # NaN/Infinity literals, huge integers -- or the error to report
+        try:
+            return json.loads(body, parse_float=_finite_json_float, **hooks)
+        except (UnicodeDecodeError, json.JSONDecodeError):   # (the rare path: read as rapidjson reads)
+            return json.loads(_as_rapidjson_reads(body), parse_float=_finite_json_float, **hooks)
+    except RecursionError:        # deeper than Python's stack (orjson stops at 1024 levels)
+        raise invalid(TOO_DEEP) from None
+
+
 def loads(body: bytes):
     if not body:   # json_tensor.cc's ParseJson (Python's json said "Expecting value: line 1 ...")
         raise invalid("JSON Parse error: The document is empty")
+    doc = None
     if not has_long_integer(body):
         try:
-            return orjson.loads(body)
+            doc = orjson.loads(body)
         except orjson.JSONDecodeError:
             pass
-    try:
-        # NaN/Infinity literals, huge integers -- or the error to report
-        return json.loads(body, parse_float=_finite_json_float)
-    except RecursionError:        # deeper than Python's stack (orjson stops at 1024 levels)
-        raise invalid(TOO_DEEP) from None
+    if doc is None:
+        doc = _python_loads(body)
+    if isinstance(doc, dict) and rest_requests.may_repeat_keys(body, doc):
+        # Parsed again, keeping what json_tensor.cc's FindMember reads: a key's first spelling.
+        doc = rest_requests.first_members(_python_loads(body, object_pairs_hook=rest_requests.json_object))
+    return doc
 
 
 def _json_response(obj, status=200):
@@ -172,6 +200,10 @@ def _row_count(outputs) -> int:
             raise invalid(f"Tensor name: {k} has inconsistent batch size: {v.shape[0]} expecting: {rows}")
         rows = v.shape[0]
     return rows
+
+
+class _BodyTooLarge(Exception):
+    """A request body (gunzipped, where it says gzip) past --max_request_bytes."""
 
 
 class RestFrontend:
@@ -225,7 +257,9 @@ class RestFrontend:
         if self.ssl_config is not None:
             from pkm_serve.serving.config import ssl_server_context
             ssl_ctx = ssl_server_context(self.ssl_config)
-        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=self.drain_seconds)
+        # auto_decompress=False: the body is decoded as TF Serving decodes it (_read_body).
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=self.drain_seconds,
+                                     auto_decompress=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.address, self.requested_port, ssl_context=ssl_ctx,
                            reuse_port=False)
@@ -248,6 +282,30 @@ class RestFrontend:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ dispatch
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The body as TF Serving's evhttp request reads it (ReadRequestBytes): gunzipped where
+        Content-Encoding names gzip, read as sent under any other encoding (aiohttp decoded
+        deflate and br itself, and refused br without the Brotli module in a plain-text 400)."""
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise _BodyTooLarge from None
+        except web.RequestPayloadError as e:   # e.g. a chunked body cut short
+            raise invalid("cannot read the request body: " + " ".join(str(e).split())) from None
+        if "gzip" not in request.headers.get("Content-Encoding", ""):   # absl::StrContains, as upstream
+            return body
+        gunzip = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
+        try:
+            body = gunzip.decompress(body, self.max_body_bytes + 1)   # (bounded: a gzip bomb stops here)
+        except zlib.error as e:
+            raise invalid(f"cannot read the request body: it is not the gzip its Content-Encoding says ({e})") \
+                from None
+        if len(body) > self.max_body_bytes:
+            raise _BodyTooLarge
+        if not gunzip.eof:
+            raise invalid("cannot read the request body: the gzip stream of its Content-Encoding ends early")
+        return body
+
     async def _dispatch(self, request: web.Request):
         path = request.path
         if self.metrics_path and path == self.metrics_path and request.method == "GET":
@@ -258,9 +316,10 @@ class RestFrontend:
         # part of the name; it was dropped here, so such URLs were served.
         raw_path = _path_and_query(request.raw_path)   # (an absolute-form target was a 404)
         if not raw_path.lower().startswith("/v1/"):
-            # TF Serving hands every /v1/ path to its API handler; other paths have no handler.
+            # TF Serving hands every /v1/ path to its API handler; other paths have no handler
+            # (evhttp's 404 "Not Found"; not "Malformed request", its handler's 400 words).
             return _error(grpc.StatusCode.NOT_FOUND,
-                          f"Malformed request: {request.method} {raw_path} (expected {_EXPECTED_URL})")
+                          f"Not Found: {request.method} {raw_path} (only /v1/ paths are served: {_EXPECTED_URL})")
         try:
             spec, api = _parse_url(request.method, raw_path)
         except ServingError as e:
@@ -270,17 +329,17 @@ class RestFrontend:
         try:
             if request.method == "POST":
                 try:
-                    body = await request.read()
-                except web.HTTPRequestEntityTooLarge:
+                    body = await self._read_body(request)
+                except _BodyTooLarge:
                     code = grpc.StatusCode.RESOURCE_EXHAUSTED
                     return _json_response({"error": f"request body is larger than the limit of "
                                                     f"{self.max_body_bytes} bytes (--max_request_bytes)"},
                                           status=413)
-                except web.RequestPayloadError as e:   # e.g. a body that is not the gzip it says
-                    raise invalid("cannot read the request body: " + " ".join(str(e).split())) from None
                 try:
                     doc = loads(body)
                 except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    if not body.strip(b" \t\n\r"):   # rapidjson's kParseErrorDocumentEmpty, past the blanks
+                        raise invalid(f"JSON Parse error: The document is empty. at offset: {len(body)}") from None
                     raise invalid(f"JSON Parse error: {e}") from None
                 if not isinstance(doc, dict):   # json_tensor.cc's ParseJson
                     raise invalid(f"JSON Value: {rest_requests.json_value(doc)} Is not object")
@@ -340,6 +399,7 @@ class RestFrontend:
                 inputs = self._rows_to_inputs(doc["instances"], sig.input_specs, may_hold_bools)
             else:
                 inputs = self._columns_to_inputs(doc["inputs"], sig.input_specs, may_hold_bools)
+            self.service.check_predict_method(sig)   # (upstream's Predict checks it after the JSON)
             outputs = self.service.predict_on(servable, sig, inputs, deadline)
         return self._predict_json(doc, outputs)
 

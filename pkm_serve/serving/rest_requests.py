@@ -26,6 +26,45 @@ def json_value(value, limit=200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+class RepeatedKeys(dict):
+    """A JSON object that spells a key more than once. Its items hold each key's last value
+    (as Python's json and orjson read it; MakeExampleFromJsonObject also keeps the last of a
+    feature), `first` each key's first value (what rapidjson's FindMember returns)."""
+    first: dict
+
+
+def json_object(pairs):
+    """json.loads' object_pairs_hook: a dict, or RepeatedKeys where a key repeats."""
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    repeated = RepeatedKeys(obj)
+    repeated.first = {}
+    for key, value in pairs:
+        repeated.first.setdefault(key, value)
+    return repeated
+
+
+def may_repeat_keys(body: bytes, doc: dict) -> bool:
+    """Whether a key of the body's object, or of its "inputs" object, may be spelled twice
+    (the keys json_tensor.cc looks up with FindMember): a cheap count of each quoted name."""
+    names = list(doc)
+    if isinstance(doc.get("inputs"), dict):
+        names += list(doc["inputs"])
+    return any(body.count(json.dumps(name, ensure_ascii=False).encode("utf-8", "replace")) > 1
+               for name in names)
+
+
+def first_members(doc):
+    """The body as json_tensor.cc reads it: a repeated key of the body or of its "inputs"
+    object stands for its first value (Python's json kept the last: another tensor or signature)."""
+    if isinstance(doc, RepeatedKeys):
+        doc = dict(doc.first)
+    if isinstance(doc, dict) and isinstance(doc.get("inputs"), RepeatedKeys):
+        doc["inputs"] = dict(doc["inputs"].first)
+    return doc
+
+
 def json_type(value) -> str:
     """json_tensor.cc's JsonTypeString."""
     if value is None:
@@ -36,7 +75,9 @@ def json_type(value) -> str:
 
 
 def is_b64(v):
-    return isinstance(v, dict) and len(v) == 1 and "b64" in v   # (no set built: it runs per instance)
+    """json_tensor.cc's IsValBase64Object: one key, "b64", holding a string (no set built: it
+    runs per instance). {"b64": 5} is an object like any other, as upstream reads it."""
+    return isinstance(v, dict) and len(v) == 1 and isinstance(v.get("b64"), str)
 
 
 def signature_name(doc):
@@ -105,25 +146,6 @@ def _shape_text(shape):
     return "[" + ",".join(map(str, shape)) + "]"
 
 
-def _instances_fault(items, key=None):
-    """For the values of one input across "instances", AddInstanceItem's first complaint: an
-    item that is not dense, or one of another size or shape than the first item."""
-    where = "" if key is None else f" key: {key}"
-    first = None
-    for i, item in enumerate(items):
-        shape = _dense_shape(item)
-        fault = _dense_fault(item, shape)
-        size = math.prod(shape)
-        if fault is None and first is not None and size != math.prod(first):
-            fault = f"Expecting tensor size: {math.prod(first)} but got: {size}"
-        elif fault is None and first is not None and shape != first:
-            fault = f"Expecting shape {_shape_text(first)} but got: {_shape_text(shape)}"
-        if fault:
-            return f"Failed to process element: {i}{where} of 'instances' list. Error: INVALID_ARGUMENT: {fault}"
-        first = shape if first is None else first
-    return None
-
-
 def _from_json(name, value, spec, may_hold_bools, fault_of):
     """tensors.from_json, a ragged value refused in json_tensor.cc's words (`fault_of(value)`)
     where they can be found (this server's words were "input 'x' is ragged")."""
@@ -142,32 +164,75 @@ def _is_named(value):
 
 def rows_to_inputs(instances, specs, may_hold_bools=True):
     """FillTensorMapFromInstancesList: a plain list for a one-input signature, else a list of
-    objects, each with exactly the signature's input names."""
+    objects, each with exactly the signature's input names. Read at once (per input, the hot
+    path); where that finds a fault, the one reported is the first in upstream's order."""
     if not isinstance(instances, list) or not instances:
         raise invalid("\"instances\" must be a non-empty list")
     if not _is_named(instances[0]) and len(specs) > 1:   # (upstream lets a {"b64": ...} by)
         raise invalid("instances is a plain list, but expecting list of objects as multiple input tensors "
                       f"required as per tensorinfo_map (the signature's inputs: {sorted(specs)})")
+    try:
+        return _rows_at_once(instances, specs, may_hold_bools)
+    except ServingError:
+        fault = _first_element_fault(instances, specs, may_hold_bools)
+        if fault is None:
+            raise
+        raise invalid(fault) from None
+
+
+def _rows_at_once(instances, specs, may_hold_bools):
     named = _is_named(instances[0])
     names = specs.keys()
-    for i, x in enumerate(instances):
-        if _is_named(x) != named:
-            raise invalid(f"Expecting object but got list at item {i} of input list" if named else
-                          f"Expecting value/list but got object at item {i} of input list")
-        # Compared as key views, no set built per instance (this loop is on the hot path);
-        # the first unknown key, if any, is named as AddInstanceItem names it.
-        if named and x.keys() != names:
-            unknown = next((key for key in x if key not in specs), None)
-            if unknown is not None:
-                raise invalid(f"Failed to process element: {i} key: {unknown} of 'instances' list. Error: "
-                              f"INVALID_ARGUMENT: JSON object: does not have named input: {unknown}")
-            raise invalid(f"Failed to process element: {i} of 'instances' list. JSON object: "
-                          f"{json_value(x)} keys must be equal to: {','.join(sorted(specs))}")
+    for x in instances:
+        # Compared as key views, no set built per instance (this loop is on the hot path).
+        if _is_named(x) != named or (named and x.keys() != names):
+            raise invalid("the instances are not objects with the signature's input names")
     if not named:
         (name, s), = specs.items()
-        return {name: _from_json(name, instances, s, may_hold_bools, _instances_fault)}
-    return {k: _from_json(k, [x[k] for x in instances], s, may_hold_bools, lambda v, k=k: _instances_fault(v, k))
-            for k, s in specs.items()}
+        return {name: tensors.from_json(name, instances, s, may_hold_bools)}
+    return {k: tensors.from_json(k, [x[k] for x in instances], s, may_hold_bools) for k, s in specs.items()}
+
+
+def _first_element_fault(instances, specs, may_hold_bools):
+    """The first fault of "instances" as AddInstanceItem meets them: element by element, each
+    object's keys in their order (a key the signature lacks, a value that is not dense or of
+    the input's type, another size or shape than the first element's), then its key set
+    (these were reported all keys first, then input by input). None where none is found."""
+    named = _is_named(instances[0])
+    first_shapes = {}
+    for i, x in enumerate(instances):
+        if _is_named(x) != named:
+            return (f"Expecting object but got list at item {i} of input list" if named else
+                    f"Expecting value/list but got object at item {i} of input list")
+        for key, value in (x.items() if named else [(next(iter(specs)), x)]):
+            fault = _item_fault(key, value, specs, may_hold_bools, first_shapes)
+            if fault:
+                where = f" key: {key}" if named else ""
+                return f"Failed to process element: {i}{where} of 'instances' list. Error: INVALID_ARGUMENT: {fault}"
+        if named and x.keys() != specs.keys():
+            return (f"Failed to process element: {i} of 'instances' list. JSON object: "
+                    f"{json_value(x)} keys must be equal to: {','.join(sorted(specs))}")
+    return None
+
+
+def _item_fault(key, value, specs, may_hold_bools, first_shapes):
+    """AddInstanceItem's complaint about one input's value in one element, else None."""
+    if key not in specs:
+        return f"JSON object: does not have named input: {key}"
+    shape = _dense_shape(value)
+    fault = _dense_fault(value, shape)
+    if fault:
+        return fault
+    try:
+        tensors.from_json(key, value, specs[key], may_hold_bools)
+    except ServingError as err:
+        return err.message
+    first = first_shapes.setdefault(key, shape)
+    if math.prod(shape) != math.prod(first):
+        return f"Expecting tensor size: {math.prod(first)} but got: {math.prod(shape)}"
+    if shape != first:
+        return f"Expecting shape {_shape_text(first)} but got: {_shape_text(shape)}"
+    return None
 
 
 def columns_to_inputs(value, specs, may_hold_bools=True):

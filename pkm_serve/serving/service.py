@@ -19,7 +19,7 @@ from tensorflow_serving.apis import status_pb2
 from pkm_serve.serving import tensors
 from pkm_serve.serving.errors import ServingError, invalid
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
-from pkm_serve.serving.methods import CLASSIFY_METHOD, DEFAULT_SIGNATURE, REGRESS_METHOD
+from pkm_serve.serving.methods import CLASSIFY_METHOD, DEFAULT_SIGNATURE, PREDICT_METHOD, REGRESS_METHOD
 
 log = logging.getLogger("pkm_serve.serving")
 
@@ -98,6 +98,9 @@ _OWN_SUBGRAPHS_NOTE = (": each SignatureDef the TFLite converter wrote runs a su
                        "(signature_defs_metadata) that read one tensor")
 
 
+_PREDICTABLE_METHODS = (PREDICT_METHOD, CLASSIFY_METHOD, REGRESS_METHOD)
+
+
 class InferenceService:
     def __init__(self, manager, batcher=None, metrics=None, max_request_bytes=None,
                  outputs_as_tensor_content=False, check_signature_method_name=False):
@@ -143,10 +146,20 @@ class InferenceService:
         sig.validate(inputs)
         return self._run(servable, sig, inputs, deadline, "predict", output_filter)
 
+    def check_predict_method(self, sig):
+        """predict_util.cc's VerifySignature, on with --enable_signature_method_name_check: a
+        Predict signature's method_name must be predict, classify or regress (INTERNAL)."""
+        if self.check_signature_method_name and sig.method_name not in _PREDICTABLE_METHODS:
+            raise ServingError(grpc.StatusCode.INTERNAL,
+                               "Expected prediction signature method_name to be one of {"
+                               + ", ".join(_PREDICTABLE_METHODS) + f"}}. Was: {sig.method_name}")
+
     def predict(self, request, deadline=None):
-        # predict_util.cc's order: the servable, its signature, the input names, their values.
+        # predict_util.cc's order: the servable, its signature (and its method, when checked),
+        # the input names, their values.
         with self.serving(request.model_spec) as servable:
             sig = servable.signature(request.model_spec.signature_name)
+            self.check_predict_method(sig)
             _check_request_input_names(sig, request.inputs)
             inputs = tensors.from_protos(request.inputs, self.max_request_bytes)
             outputs = self.predict_on(servable, sig, inputs, deadline, tuple(request.output_filter))

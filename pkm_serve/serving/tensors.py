@@ -189,18 +189,23 @@ def check_dtype(name: str, array: np.ndarray, expected: tf.DType, signature: str
 def decode_b64(value):
     """{"b64": "..."} objects become bytes (TF Serving's binary encoding), strings UTF-8;
     anything malformed is INVALID_ARGUMENT."""
-    if isinstance(value, dict):
-        if set(value) != {"b64"}:
-            raise invalid(f"a JSON object inside a tensor value must be {{\"b64\": ...}}, got keys {sorted(value)}")
+    if isinstance(value, dict):   # json_tensor.cc's JsonDecodeBase64Object, in its words
+        shown = json.dumps(value, separators=(",", ":"))[:200]
+        if len(value) != 1 or not isinstance(value.get("b64"), str):
+            raise invalid(f"JSON Value: {shown} not formatted correctly for base64 data")
         decoded = base64_as_tf_serving(value["b64"])
         if decoded is None:
-            raise invalid("a \"b64\" value is not valid base64")
+            raise invalid(f"Unable to base64 decode (JSON Value: {shown})")
         return decoded
     if isinstance(value, list):
         return [decode_b64(v) for v in value]
     if isinstance(value, str):
         try:
             return value.encode("utf-8")
+        except UnicodeEncodeError:
+            pass
+        try:   # bytes of the body that were not UTF-8, kept as sent (rest_frontend's parse)
+            return value.encode("utf-8", "surrogateescape")
         except UnicodeEncodeError:   # JSON can spell a lone surrogate ("\ud800")
             raise invalid("a string value is not valid Unicode (lone surrogate)") from None
     return value
@@ -221,12 +226,6 @@ def _all_numbers(value) -> bool:
     if isinstance(value, list):
         return all(_all_numbers(v) for v in value)
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _holds_b64(value) -> bool:
-    if isinstance(value, dict):
-        return "b64" in value
-    return isinstance(value, list) and any(_holds_b64(v) for v in value)
 
 
 _MAX_JSON_RANK = 64   # numpy, which decodes the value, allows 64 dimensions (TF 254)
@@ -276,9 +275,7 @@ def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True
         except ValueError:
             raise invalid(f"input '{name}' is ragged: all rows must have the same shape") from None
     if arr.dtype == object:
-        if _holds_b64(value):
-            raise invalid(f"input '{name}' holds a {{\"b64\": ...}} value but the signature expects "
-                          f"{dtype.name}: base64 encodes only string (DT_STRING) inputs")
+        # ({"b64": ...} too: json_tensor.cc's TypeError, "Type: Object", for a non-string input)
         wrong = _first_wrong_leaf(value, dtype)
         if wrong is not _NO_LEAF:
             raise json_type_error(name, wrong, dtype)
@@ -305,7 +302,7 @@ def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True
         low, high = (float(info.min), float(info.max) + 1.0) if arr.dtype.kind == "f" \
             else (info.min, info.max + 1)
         if arr.size and (arr.min() < low or arr.max() >= high):
-            raise invalid(f"input '{name}' holds values outside the range of {dtype.name}")
+            raise _out_of_range(name, value, dtype)
         return arr.astype(dtype.as_numpy_dtype)
     if dtype.is_floating or dtype.is_complex:
         if dtype.is_floating:
@@ -340,7 +337,7 @@ def json_type_error(name, leaf, dtype):
     if kind == "Bool":
         kind = "True" if leaf else "False"
     text = leaf.decode("utf-8", "replace") if isinstance(leaf, bytes) else leaf
-    shown = json_number_text(leaf) if kind == "Number" else json.dumps(text)[:200]
+    shown = json_number_text(leaf) if kind == "Number" else json.dumps(text, separators=(",", ":"))[:200]
     return invalid(f"JSON Value: {shown} Type: {kind} is not of expected type: "
                    f"{_TF_TYPE_NAMES.get(dtype.name, dtype.name)} (input '{name}')")
 
@@ -363,8 +360,17 @@ def _exact_integers(name, value, dtype) -> np.ndarray:
     [2**63 + 1, 1] became [2**63, 1] for a uint64 input, and 2**64 - 1 was out of range."""
     info = np.iinfo(dtype.as_numpy_dtype)
     if any(not info.min <= v <= info.max for v in _leaves(value)):
-        raise invalid(f"input '{name}' holds values outside the range of {dtype.name}")
+        raise _out_of_range(name, value, dtype)
     return np.array(value, dtype=dtype.as_numpy_dtype)
+
+
+def _out_of_range(name, value, dtype):
+    """json_tensor.cc's TypeError for the first JSON integer the input's type cannot hold (its
+    IsInt/IsInt64/IsUint/IsUint64 test is false): "JSON Value: 1099511627776 Type: Number is
+    not of expected type: int32" (the words were "holds values outside the range of int32")."""
+    info = np.iinfo(dtype.as_numpy_dtype)
+    leaf = next(v for v in _leaves(value) if not info.min <= v <= info.max)
+    return json_type_error(name, leaf, dtype)
 
 
 def _leaves(value):

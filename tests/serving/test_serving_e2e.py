@@ -313,7 +313,7 @@ def test_classify_regress_multi_inference_on_a_predict_signature(stub):
     ("/v1/models/pkm/versions/99999999999999999999999", None, None, 400, "Failed to convert version"),
     ("/v1/models/pkm:predict", {"signature_name": "lookup",
                                 "inputs": {"indices": [[1, 2 ** 63]], "weights": [[1.0, 1.0]]}}, None, 400,
-     "outside the range of int64"),
+     "JSON Value: 9223372036854775808 Type: Number is not of expected type: int64"),
     ("/v1/models/pkm:predict", {"signature_name": "x", "instances": [[0.0] * 32]}, None, 400, "\"x\" not found"),
     ("/v1/models/pkm:predict", {"instances": [[0.0] * 32], "inputs": [[0.0] * 32]}, None, 400,
      "expecting only one of 'inputs' or 'instances' keys to exist"),
@@ -330,14 +330,15 @@ def test_classify_regress_multi_inference_on_a_predict_signature(stub):
                                 "instances": [{"indices": [99999], "weights": [1.0]}]}, None, 400, "out of range"),
     ("/v1/models/pkm:predict", None, b"[" + b"0.0," * (MAX_REQUEST_BYTES // 4) + b"0.0]", 413, "larger than"),
     ("/v1/nothing", None, None, 400, "Malformed request"),
-    ("/v2/models/pkm", None, None, 404, "Malformed request"),
+    ("/v2/models/pkm", None, None, 404, "Not Found: GET /v2/models/pkm (only /v1/ paths are served"),
     ("/v1/models/pkm:predict", {"signature_name": 5, "instances": [[0.0] * 32]}, None, 400, "'signature_name' key must be a string"),
     ("/v1/models/classifier:classify", {"signature_name": 5, "examples": [{"x": [0.0, 1.0]}]}, None, 400,
      "'signature_name' key must be a string"),
     ("/v1/models/classifier:regress", {"signature_name": ["regress"], "examples": [{"x": [0.0, 1.0]}]}, None,
      400, "'signature_name' key must be a string"),
-    ("/v1/models/classifier:classify", {"examples": [{"x": {"b64": "!!"}}]}, None, 400, "not valid base64"),
-    ("/v1/models/classifier:classify", {"examples": [{"x": {"b64": 5}}]}, None, 400, "not valid base64"),
+    ("/v1/models/classifier:classify", {"examples": [{"x": {"b64": "!!"}}]}, None, 400, "Unable to base64 decode"),
+    ("/v1/models/classifier:classify", {"examples": [{"x": {"b64": 5}}]}, None, 400,
+     "Feature: x has element with unexpected JSON type: Object"),
     ("/v1/models/classifier:classify", {"examples": [{"x": 2 ** 70}]}, None, 400, "out of range"),
     ("/v1/models/classifier:classify", {"examples": [{"x": [0.5, 10 ** 400]}]}, None, 400, "out of range"),
     ("/v1/models/classifier:classify", {"examples": [{"x": "\ud800"}]}, None, 400, "not valid Unicode"),
@@ -357,8 +358,8 @@ def test_prometheus_metrics(server, stub):
         stub.Predict(_request(name="nope", query=QUERIES[:1]), timeout=30)
     with urllib.request.urlopen(server.rest_url + "/monitoring/prometheus/metrics", timeout=30) as r:
         text = r.read().decode()
-    assert ':tensorflow:serving:request_count_total{model_name="pkm",status="OK"}' in text
-    assert ':tensorflow:serving:request_count_total{model_name="nope",status="NOT_FOUND"}' in text
+    assert ':tensorflow:serving:request_count{model_name="pkm",status="OK"}' in text
+    assert ':tensorflow:serving:request_count{model_name="nope",status="NOT_FOUND"}' in text
     assert ':tensorflow:serving:model_version_available{model_name="pkm",version="2"} 1.0' in text
 
 

@@ -72,9 +72,9 @@ def test_well_typed_values_still_arrive_exactly(value, dtype):
     ([[1, 2], [3]], tf.float32, "ragged"),
     ([[1, 2], 3], tf.int64, "ragged"),
     ([None, 1], tf.int64, "JSON Value: null Type: Null is not of expected type: int64"),
-    ([{"b64": "AA=="}], tf.int64, "base64 encodes only string"),
-    ([1, 2 ** 31], tf.int32, "outside the range of int32"),
-    ([-(2 ** 31) - 1], tf.int32, "outside the range of int32"),
+    ([{"b64": "AA=="}], tf.int64, 'JSON Value: {"b64":"AA=="} Type: Object is not of expected type: int64'),
+    ([1, 2 ** 31], tf.int32, "JSON Value: 2147483648 Type: Number is not of expected type: int32"),
+    ([-(2 ** 31) - 1], tf.int32, "JSON Value: -2147483649 Type: Number is not of expected type: int32"),
     ([1e39], tf.float32, "Cannot convert JSON value: 1e39 to float without loss of precision."),
     ([1.0], tf.int64, "JSON Value: 1.0 Type: Number is not of expected type: int64"),
     ([1, 0], tf.bool, "JSON Value: 1 Type: Number is not of expected type: bool"),
@@ -99,7 +99,7 @@ def test_base64_without_padding_or_with_line_breaks_decodes_as_in_tf_serving(raw
 
 @pytest.mark.parametrize("text", ["A", "AA=", "AAAA=", "AA==AA", "-_8=", "QU JD*", "é"])
 def test_base64_tf_serving_refuses_is_still_refused(text):
-    with pytest.raises(ServingError, match='a "b64" value is not valid base64'):
+    with pytest.raises(ServingError, match="Unable to base64 decode"):
         tensors.from_json("x_bytes", [{"b64": text}], _spec(tf.string))
 
 

@@ -342,11 +342,11 @@ def test_rest_malformed_urls_are_400(server, method, path):
 
 
 def test_rest_b64_for_a_numeric_input_says_so(server):
-    """api_rest.md "Encoding binary values": b64 is for string inputs; a numeric input
-    given one gets an error that says so."""
+    """api_rest.md "Encoding binary values": b64 is for string inputs; a numeric input given
+    one gets json_tensor.cc's type error, naming the object and the type expected."""
     status, body = _rest(server, "/v1/models/half_plus_two_tf2:predict", {"instances": [{"b64": "AAAAAA=="}]})
     assert status == 400
-    assert "holds a {\"b64\": ...} value but the signature expects float32" in body["error"]
+    assert 'JSON Value: {"b64":"AAAAAA=="} Type: Object is not of expected type: float' in body["error"]
 
 
 # ------------------------------------------------------------------ config reload at any moment
