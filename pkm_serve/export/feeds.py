@@ -42,6 +42,7 @@ _INT_FLOW = frozenset((types_pb2.DT_INT64, types_pb2.DT_INT32, types_pb2.DT_VARI
 _STRING_FLOW = frozenset((types_pb2.DT_STRING, types_pb2.DT_VARIANT)).__contains__
 _GATHER_OPS = ("GatherV2", "Gather", "ResourceGather", "GatherNd", "ResourceGatherNd")
 _SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank")
+_CONTROL_FLOW_OPS = ("While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase")
 _MAX_VOCABULARY = 2000
 
 
@@ -70,7 +71,8 @@ class Feed:
     # on a RaggedTensor's flat values: each ragged dimension's row length where its spec fixes it, else None
     row_lengths: Optional[Tuple[Optional[int], ...]] = None
     int_keys: List[int] = dataclasses.field(default_factory=list)  # integer ids that are lookup-table keys
-    # "count": a segment op's num_segments (fed the bound of the segment ids generated); "sorted": the segment
+    # "count": a segment op's num_segments (fed the bound of the segment ids generated); "positions": one whose
+    # segment ids the graph computes from shapes (fed the most values an input has); "sorted": the segment
     # ids of an op that needs them sorted (tf.sparse.segment_sum, tf.math.segment_sum); "ids": an unsorted one's
     segments: Optional[str] = None
 
@@ -200,15 +202,36 @@ _SEGMENT_IDS = {op: 1 for op in ("UnsortedSegmentSum", "UnsortedSegmentMax", "Un
 
 
 def _segment_role(graph_def, placeholder: str, library, sigs, graphs) -> Optional[str]:
-    """"count" where the input is a segment op's num_segments, "sorted" where it is segment ids an op needs
-    sorted, "ids" where it is other segment ids, as it is passed on (through Identity and calls): random ids
-    in [0, rows) as num_segments were below some segment id, unsorted ids refused ("segment ids must be <
-    num_segments", "... not increasing")."""
+    """"count" where the input is a segment op's num_segments, "positions" where it is one whose segment ids
+    the graph computes from shapes alone (tf.repeat(tf.range(B), K)), "sorted" where it is segment ids an op
+    needs sorted, "ids" where it is other segment ids, as it is passed on (through Identity, Cast and calls):
+    random ids in [0, rows) as num_segments were below some segment id, unsorted ids refused ("segment ids
+    must be < num_segments", "... not increasing")."""
     for role, positions in (("count", _NUM_SEGMENTS), ("sorted", _SORTED_SEGMENT_IDS), ("ids", _SEGMENT_IDS)):
-        if _parse_ops_fed_by(graph_def, placeholder, library, sigs, graphs,
-                             accept=lambda node, pos, at=positions: at.get(node.op) == pos):
+        found = _parse_ops_fed_by(graph_def, placeholder, library, sigs, graphs, through=("Cast",),
+                                  accept=lambda node, pos, at=positions: at.get(node.op) == pos)
+        if found and role == "count" and all(_ids_from_shapes(fg, node) for fg, node in found):
+            return "positions"
+        if found:
             return role
     return None
+
+
+def _ids_from_shapes(fg: FunctionGraph, node) -> bool:
+    """The segment op's segment ids are computed from constants and the shapes of the function's inputs only
+    (positions in the batch), never from an input's values nor a call's outputs."""
+    seg_position = next(at[node.op] for at in (_SORTED_SEGMENT_IDS, _SEGMENT_IDS) if node.op in at)
+    refs, seen = [fg.inputs(node)[seg_position]], set()
+    while refs:
+        ref = refs.pop()
+        producer = fg.producer(ref)
+        if ref in seen or (producer is not None and producer.op in _SHAPE_OPS):
+            continue
+        seen.add(ref)
+        if producer is None or producer.op in CALL_OPS + _CONTROL_FLOW_OPS or producer.op in fg.library_sigs:
+            return False
+        refs.extend(fg.inputs(producer))
+    return True
 
 
 def _sparse_matmul_width(graph_def, placeholder: str, library, sigs, graphs) -> Optional[int]:
@@ -275,10 +298,10 @@ def _flows_on(fg: FunctionGraph, node, pos: int, keep) -> List[Ref]:
 
 def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth: int = 8,
                       accept=lambda node, pos: node.op in PARSE_OPS and pos == 0,
-                      follow=None):
+                      follow=None, through: Tuple[str, ...] = ()):
     """Parse ops (or the ops `accept` takes) reached from a top-level placeholder
-    through Identity and function calls (with `follow`, a predicate on a
-    DataType, through any op to its outputs of a dtype it takes):
+    through Identity, the ops `through` names and function calls (with `follow`, a
+    predicate on a DataType, through any op to its outputs of a dtype it takes):
     [(FunctionGraph, node)]."""
     found = []
     frontier = []
@@ -317,7 +340,7 @@ def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth:
                     if follow is not None:
                         # and out of it: items normalised in a map_fn or a nested tf.function, looked up after it
                         refs.extend(_flows_on(fg, node, cpos, follow))
-                elif node.op in ("Identity", "IdentityN"):
+                elif node.op in ("Identity", "IdentityN") + through:
                     refs.append(Ref(consumer, cpos if node.op == "IdentityN" else 0))
                 elif follow is not None:
                     refs.extend(_flows_on(fg, node, cpos, follow))

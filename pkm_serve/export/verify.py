@@ -173,7 +173,19 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
                  for i, d in enumerate(spec.shape.as_list())] \
             if spec.shape.rank is not None else [batch_size]
         out[name] = _values(rng, spec.dtype, shape, index_limit_of(name), feeds.get(name), name)
+    _count_positions(out, feeds)
     return out
+
+
+def _count_positions(out: Dict[str, np.ndarray], feeds) -> None:
+    """num_segments of a segment op whose segment ids are positions the graph computes from shapes
+    (tf.repeat(tf.range(B), K)): as many as the largest input has values, above every such position, not
+    the table's rows (a 10M-row table asked for 10M bags in every verification run and warmup request)."""
+    counted = [name for name, feed in feeds.items() if getattr(feed, "segments", None) == "positions"
+               and name in out]
+    largest = max([v.size for k, v in out.items() if k not in counted] + [1])
+    for name in counted:
+        out[name] = np.full_like(out[name], largest)
 
 
 def _segment_limits(feeds, index_limit: int, batch_size: int):
