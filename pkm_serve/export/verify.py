@@ -361,6 +361,23 @@ def _nan_mismatch(want64: np.ndarray, got64: np.ndarray) -> str:
     return f"({'; '.join(parts)}; elsewhere) " if parts else ""
 
 
+# The fused model's refusal of an int64 num_segments it cannot count (segment_ids.int32_segment_count).
+PAST_INT32_COUNT = "is past 2**31 - 1, the most bags the fused op"
+
+
+def wrapped_count_note(message: str, original: dict) -> str:
+    """Where the fused model refused a num_segments past int32 that the original answered: why the refusal is
+    right (stock SparseSegment*WithNumSegments reads an int64 num_segments as int32, wrapping 2**32 + 2 to 2
+    bags, where TF documents the output's first dimension as num_segments: the original's answer is wrong)."""
+    if PAST_INT32_COUNT not in message:
+        return ""
+    shapes = sorted({tuple(np.shape(v)) for v in original.values()})
+    return (f". The original answered with outputs of shape {', '.join(str(list(s)) for s in shapes)}: stock "
+            "tf.sparse.segment_sum/mean/sqrt_n wrap an int64 num_segments past 2**31 - 1 into int32, where TF "
+            "documents the output's first dimension as num_segments (which no int32-indexed kernel can give), "
+            "so the fused model refuses it instead; verify with a num_segments below 2**31")
+
+
 def error_line(message: str) -> str:
     """The line of a TF error that says what failed: a graph execution error
     wraps it in 'Detected at node' frames and ends it with the node's name."""

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from pkm_serve.export import ExportError
 from round34_forms import D, N, RNG, TABLE, save_and_export
 
 FLAT = tf.TensorSpec([None], tf.int64)
@@ -52,3 +53,20 @@ def test_num_segments_and_sorted_segment_ids_fed_for_verification(tmp_path, form
     ids, seg = RNG.integers(0, N, 5), np.array([0, 2, 2, 2, 3])
     np.testing.assert_allclose(fused(args_0=ids, args_1=seg, args_2=np.int64(4))["out"].numpy(),
                                _segment_sums(ids, seg, 4), rtol=1e-5, atol=1e-5)
+
+
+def test_verification_says_why_stock_sparse_segment_sum_answers_a_num_segments_past_int32(tmp_path):
+    """Stock tf.sparse.segment_sum wraps num_segments = 2**32 + 2 into 2 bags (TF documents num_segments
+    rows); the fused model refuses it. Verification on such a sample said only that the fused model fails
+    where the original runs; it now says the original's answer is the wrap, not the documented result."""
+    ids, seg, too_many = np.array([1, 2, 3]), np.array([0, 0, 1]), np.int64(2**32 + 2)
+    stock = tf.sparse.segment_sum(TABLE, ids, seg, num_segments=too_many).shape
+    assert stock[0] != too_many  # the wrap this note is about
+    sample = str(tmp_path / "sample.npz")
+    np.savez(sample, args_0=ids, args_1=seg, args_2=too_many)
+    with pytest.raises(ExportError) as raised:
+        save_and_export(tmp_path, [FLAT, FLAT, COUNT64], FORMS["sparse_segment_sum"], sample_inputs=sample)
+    message = str(raised.value)
+    assert "num_segments is past 2**31 - 1" in message, message
+    assert f"The original answered with outputs of shape {list(stock)}" in message, message
+    assert "documents the output's first dimension as num_segments" in message, message
