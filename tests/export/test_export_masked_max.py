@@ -19,8 +19,7 @@ IDS = tf.TensorSpec([None, K], tf.int64)
 FORMS = {
     "minus_inf": lambda rows, kept: tf.where(kept[..., None], rows, float("-inf")),
     "lowest": lambda rows, kept: tf.where(kept[..., None], rows, tf.float32.min),
-    "zero": lambda rows, kept: tf.where(kept[..., None], rows, 0.0),
-    "inverted": lambda rows, kept: tf.where(tf.logical_not(kept)[..., None], -1.5, rows),
+    "zero_inverted": lambda rows, kept: tf.where(tf.logical_not(kept)[..., None], 0.0, rows),
     "filled_like_rows": lambda rows, kept: tf.where(kept[..., None], rows, tf.fill(tf.shape(rows), -2.0)),
 }
 FEEDS = {
