@@ -124,13 +124,14 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None,
     graphs: Dict[str, FunctionGraph] = {}
     int_keys = tables.int_keys
     feeds = {}
+    partitions = _row_splits_placeholders(meta_graph, sig, signature)
     for name, info in sig.inputs.items():
         placeholder = info.name.split(":")[0]
         if info.dtype == types_pb2.DT_INT64:
             width = _sparse_matmul_width(meta_graph.graph_def, placeholder, library, sigs, graphs)
             if width is not None:
                 feeds[name] = Feed(sparse_width=width)
-        role = _segment_role(meta_graph.graph_def, placeholder, library, sigs, graphs) \
+        role = _segment_role(meta_graph.graph_def, placeholder, library, sigs, graphs, partitions) \
             if info.dtype in (types_pb2.DT_INT64, types_pb2.DT_INT32) else None
         if role:
             feeds[name] = dataclasses.replace(feeds.get(name, Feed()), segments=role)
@@ -163,6 +164,19 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None,
     for first, lengths in ragged_row_lengths(meta_graph, signature).items():
         feeds[first] = dataclasses.replace(feeds.get(first, Feed()), row_lengths=lengths)
     return feeds
+
+
+def _row_splits_placeholders(meta_graph, sig, signature: str) -> frozenset:
+    """The placeholders of ragged row_splits (segment ids computed from them, value_rowids(), are positions in
+    the batch): read off the saved function's RaggedTensorSpec, else NAME_1 beside a rank-1 NAME as
+    tf.function flattens a rank-2 RaggedTensor (verify._ragged_groups)."""
+    keys = {key for kind, _, *splits in signature_composites(meta_graph, signature) if kind == "ragged"
+            for key in splits}
+    ints = (types_pb2.DT_INT64, types_pb2.DT_INT32)
+    keys |= {name + "_1" for name, info in sig.inputs.items() if name + "_1" in sig.inputs and
+             name + "_2" not in sig.inputs and len(info.tensor_shape.dim) == 1 and
+             sig.inputs[name + "_1"].dtype in ints and len(sig.inputs[name + "_1"].tensor_shape.dim) == 1}
+    return frozenset(sig.inputs[key].name.split(":")[0] for key in keys if key in sig.inputs)
 
 
 def _is_lookup(node, pos: int) -> bool:
@@ -202,7 +216,7 @@ _SEGMENT_IDS = {op: 1 for op in ("UnsortedSegmentSum", "UnsortedSegmentMax", "Un
                                  "UnsortedSegmentProd")}
 
 
-def _segment_role(graph_def, placeholder: str, library, sigs, graphs) -> Optional[str]:
+def _segment_role(graph_def, placeholder: str, library, sigs, graphs, partitions=frozenset()) -> Optional[str]:
     """"count" where the input is a segment op's num_segments, "positions" where it is one whose segment ids
     the graph computes from shapes alone (tf.repeat(tf.range(B), K)), "sorted" where it is segment ids an op
     needs sorted, "ids" where it is other segment ids, as it is passed on (through Identity, Cast and calls):
@@ -211,16 +225,18 @@ def _segment_role(graph_def, placeholder: str, library, sigs, graphs) -> Optiona
     for role, positions in (("count", _NUM_SEGMENTS), ("sorted", _SORTED_SEGMENT_IDS), ("ids", _SEGMENT_IDS)):
         found = _parse_ops_fed_by(graph_def, placeholder, library, sigs, graphs, through=("Cast",),
                                   accept=lambda node, pos, at=positions: at.get(node.op) == pos)
-        if found and role == "count" and all(_ids_from_shapes(fg, node) for fg, node in found):
+        if found and role == "count" and all(_ids_from_shapes(item, partitions) for item in found):
             return "positions"
         if found:
             return role
     return None
 
 
-def _ids_from_shapes(fg: FunctionGraph, node) -> bool:
-    """The segment op's segment ids are computed from constants and the shapes of the function's inputs only
-    (positions in the batch), never from an input's values nor a call's outputs."""
+def _ids_from_shapes(reached, partitions) -> bool:
+    """The segment op's segment ids are computed from constants, the shapes of the function's inputs and
+    ragged row_splits (the placeholders `partitions`) only: positions in the batch (tf.repeat(tf.range(B), K),
+    ragged.value_rowids()), never from other values nor a call's outputs."""
+    fg, node = reached
     seg_position = next(at[node.op] for at in (_SORTED_SEGMENT_IDS, _SEGMENT_IDS) if node.op in at)
     refs, seen = [fg.inputs(node)[seg_position]], set()
     while refs:
@@ -229,6 +245,8 @@ def _ids_from_shapes(fg: FunctionGraph, node) -> bool:
         if ref in seen or (producer is not None and producer.op in _SHAPE_OPS):
             continue
         seen.add(ref)
+        if producer is None and reached.bindings.get(ref.node) and reached.bindings[ref.node] <= partitions:
+            continue
         if producer is None or producer.op in CALL_OPS + _CONTROL_FLOW_OPS or producer.op in fg.library_sigs:
             return False
         refs.extend(fg.inputs(producer))

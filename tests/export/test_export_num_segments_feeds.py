@@ -51,6 +51,9 @@ FED_FORMS = {
     "positions_num_segments": ([tf.TensorSpec([None, K], tf.int64), COUNT64], lambda m, ids, n:
                                tf.math.unsorted_segment_sum(tf.gather(m.t, tf.reshape(ids, [-1])),
                                                             tf.repeat(tf.range(tf.shape(ids)[0]), K), n)),
+    # segment ids of a RaggedTensor's rows (value_rowids() of its row_splits): num_segments was the table's rows
+    "ragged_rows_num_segments": ([tf.RaggedTensorSpec([None, None], tf.int64), COUNT64], lambda m, ids, n:
+                                 tf.math.unsorted_segment_sum(tf.gather(m.t, ids.values), ids.value_rowids(), n)),
 }
 
 
@@ -73,9 +76,12 @@ def test_num_segments_through_a_cast_or_of_computed_segment_ids_is_a_batch_of_ba
     request = {k: tf.make_ndarray(v) for k, v in warmup_request(tmp_path / "out").inputs.items()}
     if form == "cast_num_segments":
         ids, seg, n = request["args_0"], request["args_1"], int(request["args_2"])
-    else:
+    elif form == "positions_num_segments":
         ids, n = request["args_0"].reshape(-1), int(request["args_1"])
         seg = np.repeat(np.arange(BATCH), K)
+    else:
+        ids, splits, n = request["args_0"], request["args_0_1"], int(request["args_1"])
+        seg = np.repeat(np.arange(len(splits) - 1), np.diff(splits))
     assert seg.max() < n <= BATCH * K, (n, seg)
     got = tf.saved_model.load(result.dst).signatures["serving_default"](**request)["out"].numpy()
     np.testing.assert_allclose(got, _bags_by_segment(ids, seg, n), rtol=1e-5, atol=1e-6)
