@@ -14,6 +14,7 @@ from tensorflow.core.framework import types_pb2
 
 from pkm_serve.export.files import FINGERPRINT_PB, SAVED_MODEL_PB
 from pkm_serve.export.saved_model_io import read_saved_model, record_new_ops
+from pkm_serve.export.segment_ids import ROOM_FOR_BAGS
 
 CHECK_THEN = "PkmCheckThen"
 
@@ -53,13 +54,29 @@ def _unfold(nodes, taken: set, ref_format: str) -> int:
     return count
 
 
+def _drop_room_for_bags(nodes) -> int:
+    """The fused segment sites' Empty [bags, D] allocations (segment_ids.with_room_for_bags) as NoOp: no
+    TFLite runtime has Empty, and a .tflite's UNSORTED_SEGMENT_SUM allocates as it runs."""
+    count = 0
+    for node in nodes:
+        if node.op == "Empty" and ROOM_FOR_BAGS in node.name:
+            controls = [i if i.startswith("^") else "^" + i.split(":")[0] for i in node.input]
+            node.op = "NoOp"
+            node.attr.clear()
+            del node.input[:]
+            node.input.extend(dict.fromkeys(controls))
+            count += 1
+    return count
+
+
 def unfold_check_then(meta_graph) -> int:
-    """Every PkmCheckThen of the MetaGraph (its graph and its functions) as Identity after an Assert;
-    returns how many were rewritten."""
+    """Every PkmCheckThen of the MetaGraph (its graph and its functions) as Identity after an Assert, and
+    every fused site's room-for-bags allocation as NoOp; returns how many were rewritten."""
     graph = meta_graph.graph_def
-    count = _unfold(graph.node, {n.name for n in graph.node}, "{}")
+    count = _unfold(graph.node, {n.name for n in graph.node}, "{}") + _drop_room_for_bags(graph.node)
     for fdef in graph.library.function:
         count += _unfold(fdef.node_def, {n.name for n in fdef.node_def}, "{}:output:0")
+        count += _drop_room_for_bags(fdef.node_def)
     return count
 
 

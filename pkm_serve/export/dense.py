@@ -24,6 +24,7 @@ from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TAB
                                     tensor_dtype, through_identity)
 from pkm_serve.export.transposed_rows import check_transposed_shape_unread, reduced_rows, take_first_step
 from pkm_serve.export.unflatten import unflattened_ids
+from pkm_serve.export import masked_max
 from pkm_serve.export.zero_fill import _is_zero, zeros_like_another
 
 
@@ -164,6 +165,7 @@ class Rows:
         self.ones: Optional[Ref] = None  # a multiplier that is all ones
         self.ones_squeeze = False
         self.zero_fill = None  # zero_fill.zeros_like_another's: the ids are broadcast like it
+        self.max_fill: Optional[Ref] = None  # a max's constant fill of masked rows (masked_max.py)
         self.factors: list = []  # scales.Factor: more multipliers, divisors, negations (fold_scales)
         self.multiplied: List[Ref] = []  # refs from the multiply on (toward the reduction)
         self.regathers: List[Ref] = []  # GatherV2(rows, perm) steps, outermost first
@@ -295,7 +297,9 @@ def _resolve_mask(fg: FunctionGraph, ins: List[Ref], rows: Rows, site: Site) -> 
         raise NotASite()
     site.masked = True
     fill_node = fg.producer(fill)
-    if fill_node is not None and fill_node.op == "ZerosLike" and fg.inputs(fill_node)[0] == rows_ref:
+    if site.combiner == "max" and masked_max.constant_fill(fg, fill, rows_ref, rows.nodes) is not None:
+        rows.max_fill = masked_max.constant_fill(fg, fill, rows_ref, [])
+    elif fill_node is not None and fill_node.op == "ZerosLike" and fg.inputs(fill_node)[0] == rows_ref:
         rows.nodes.append(fill_node.name)  # tf.zeros_like(rows): goes with the site
     elif not _is_zero(fg, fill):  # zeros shaped like another tensor: the ids may be broadcast like them
         rows.zero_fill = zeros_like_another(fg, fill, rows_ref, rows.nodes)
@@ -364,7 +368,7 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
         _check_per_index(fg, rows.mask, rows.mask_squeeze, ids_shape,
                          "mask is not per-index: mask")
         site.mask, site.mask_keeps_true = rows.mask, rows.mask_keeps_true
-        site.mask_squeeze = rows.mask_squeeze
+        site.mask_squeeze, site.max_fill = rows.mask_squeeze, rows.max_fill
     if rows.ones is not None and _may_broadcast_ids(_per_index_shape(fg, rows.ones, rows.ones_squeeze), ids_shape):
         site.ones, site.ones_squeeze = rows.ones, rows.ones_squeeze  # the ids are broadcast like them
     site.multiplied_refs = tuple(rows.multiplied)
@@ -428,7 +432,7 @@ def match_reduce_max(fg: FunctionGraph, node, site: Site, scaling=None) -> Site:
     """reduce_max over the bag axis of gathered rows: combiner 'max'."""
     site.combiner = "max"
     _bag_of_rows(fg, node, site, scaling)
-    check_max_site(site)
+    check_max_site(site, dense=True)
     return site
 
 
@@ -460,11 +464,13 @@ def bag_ids_shape(fg: FunctionGraph, site: Site, rows: Rows):
     return rows.gather.ids_shape(fg)
 
 
-def check_max_site(site: Site) -> None:
-    """A max bag the op's 'max' combiner computes: unweighted, unmasked."""
+def check_max_site(site: Site, dense: bool = False) -> None:
+    """A max bag the op's 'max' combiner computes: unweighted, unmasked (or, in a `dense` bag, masked with a
+    constant fill: masked_max.py)."""
     if site.weights is not None or site.weight_factors:
         raise Skip("max of weighted rows: the op's max combiner takes no weights")
-    if site.mask is not None:
+    masked_max.check_masked_max(site, dense)
+    if site.mask is not None and site.max_fill is None:
         raise Skip("max of masked rows: tf.where puts 0 rows in the max, the op's "
                    "padding would leave them out")
 

@@ -177,8 +177,8 @@ def _verify_one(original, fused, name: str, index_limit: int, samples, batch_siz
     try:
         got = {k: v.numpy() for k, v in fn_fused(**inputs).items()}
     except tf.errors.OpError as e:
-        raise V.VerificationError(f"the fused signature {name!r} fails where the "
-                                  f"original runs: {_error_line(e.message)}") from None
+        raise V.VerificationError(f"the fused signature {name!r} fails where the original runs: "
+                                  f"{_error_line(e.message)}{V.wrapped_count_note(e.message, want)}") from None
     return V.compare_outputs(name, want, got, rtol, precision=precision)
 
 

@@ -18,11 +18,11 @@ import numpy as np
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
 from pkm_serve.export.composites import ragged_row_lengths, signature_composites
-from pkm_serve.export.lookup_keys import (called_functions, first_strings, model_int_keys, resource_sources,
+from pkm_serve.export.lookup_keys import (first_strings, model_int_keys, resource_sources,
                                          table_file_words, table_int_keys, table_words)
 from pkm_serve.export.graph import FunctionGraph, Ref
+from pkm_serve.export.input_walk import PARSE_OPS, SHAPE_OPS as _SHAPE_OPS, ops_fed_by as _parse_ops_fed_by
 
-PARSE_OPS = ("ParseExampleV2", "ParseExample", "ParseSingleExample")
 CALL_OPS = ("PartitionedCall", "StatefulPartitionedCall")
 TABLE_INIT_OPS = ("LookupTableImportV2", "InitializeTableV2")
 # Ops that cut a string into tokens (text goes in) and ops that take each string
@@ -36,12 +36,10 @@ KEY_OPS = ("LookupTableFindV2", "LookupTableFind", "StringToHashBucketFast", "St
 # Constants that name checkpoint entries, not words of the model.
 SAVE_OPS = ("SaveV2", "RestoreV2", "MergeV2Checkpoints", "SaveSlices", "RestoreSlice")
 # Where an input's values go on when its graph is followed: to outputs of its own kind
-# (a variant may hold it: a ragged map_fn, a TensorList), never through a gather's row ids
-# nor an op that reads only its shape.
+# (a variant may hold it: a ragged map_fn, a TensorList; input_walk.py).
 _INT_FLOW = frozenset((types_pb2.DT_INT64, types_pb2.DT_INT32, types_pb2.DT_VARIANT)).__contains__
 _STRING_FLOW = frozenset((types_pb2.DT_STRING, types_pb2.DT_VARIANT)).__contains__
-_GATHER_OPS = ("GatherV2", "Gather", "ResourceGather", "GatherNd", "ResourceGatherNd")
-_SHAPE_OPS = ("Shape", "ShapeN", "Size", "Rank")
+_CONTROL_FLOW_OPS = ("While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase")
 _MAX_VOCABULARY = 2000
 
 
@@ -70,7 +68,8 @@ class Feed:
     # on a RaggedTensor's flat values: each ragged dimension's row length where its spec fixes it, else None
     row_lengths: Optional[Tuple[Optional[int], ...]] = None
     int_keys: List[int] = dataclasses.field(default_factory=list)  # integer ids that are lookup-table keys
-    # "count": a segment op's num_segments (fed the bound of the segment ids generated); "sorted": the segment
+    # "count": a segment op's num_segments (fed the bound of the segment ids generated); "positions": one whose
+    # segment ids the graph computes from shapes (fed the most values an input has); "sorted": the segment
     # ids of an op that needs them sorted (tf.sparse.segment_sum, tf.math.segment_sum); "ids": an unsorted one's
     segments: Optional[str] = None
 
@@ -125,13 +124,14 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None,
     graphs: Dict[str, FunctionGraph] = {}
     int_keys = tables.int_keys
     feeds = {}
+    partitions = _row_splits_placeholders(meta_graph, sig, signature)
     for name, info in sig.inputs.items():
         placeholder = info.name.split(":")[0]
         if info.dtype == types_pb2.DT_INT64:
             width = _sparse_matmul_width(meta_graph.graph_def, placeholder, library, sigs, graphs)
             if width is not None:
                 feeds[name] = Feed(sparse_width=width)
-        role = _segment_role(meta_graph.graph_def, placeholder, library, sigs, graphs) \
+        role = _segment_role(meta_graph.graph_def, placeholder, library, sigs, graphs, partitions) \
             if info.dtype in (types_pb2.DT_INT64, types_pb2.DT_INT32) else None
         if role:
             feeds[name] = dataclasses.replace(feeds.get(name, Feed()), segments=role)
@@ -166,6 +166,19 @@ def signature_feeds(proto, signature: str, assets_dir: Optional[str] = None,
     return feeds
 
 
+def _row_splits_placeholders(meta_graph, sig, signature: str) -> frozenset:
+    """The placeholders of ragged row_splits (segment ids computed from them, value_rowids(), are positions in
+    the batch): read off the saved function's RaggedTensorSpec, else NAME_1 beside a rank-1 NAME as
+    tf.function flattens a rank-2 RaggedTensor (verify._ragged_groups)."""
+    keys = {key for kind, _, *splits in signature_composites(meta_graph, signature) if kind == "ragged"
+            for key in splits}
+    ints = (types_pb2.DT_INT64, types_pb2.DT_INT32)
+    keys |= {name + "_1" for name, info in sig.inputs.items() if name + "_1" in sig.inputs and
+             name + "_2" not in sig.inputs and len(info.tensor_shape.dim) == 1 and
+             sig.inputs[name + "_1"].dtype in ints and len(sig.inputs[name + "_1"].tensor_shape.dim) == 1}
+    return frozenset(sig.inputs[key].name.split(":")[0] for key in keys if key in sig.inputs)
+
+
 def _is_lookup(node, pos: int) -> bool:
     return node.op in ("LookupTableFindV2", "LookupTableFind") and pos == 1
 
@@ -175,11 +188,15 @@ def _keys_of(lookups, keys_of_table, sources) -> list:
     a top-level table (a model with several: user ids 1001.. and item ids
     1..50 into tables of their own); [] where one is not."""
     keys = set()
-    for fg, node in lookups:
+    for found in lookups:
+        fg, node = found
         ref = fg.inputs(node)[0]
         while fg.producer(ref) is not None and fg.producer(ref).op == "Identity":
             ref = fg.inputs(fg.producer(ref))[0]
-        tables = sources.get((fg.fdef.signature.name, ref.node)) if fg.producer(ref) is None else None
+        # The call path's own tables where the walk knows them: a nested function called with one table
+        # here and another there reads only this one on this path.
+        bound = getattr(found, "bindings", {}).get(ref.node)
+        tables = (bound or sources.get((fg.fdef.signature.name, ref.node))) if fg.producer(ref) is None else None
         if not tables or not all(t in keys_of_table for t in tables):
             return []
         keys.update(k for t in tables for k in keys_of_table[t])
@@ -199,16 +216,41 @@ _SEGMENT_IDS = {op: 1 for op in ("UnsortedSegmentSum", "UnsortedSegmentMax", "Un
                                  "UnsortedSegmentProd")}
 
 
-def _segment_role(graph_def, placeholder: str, library, sigs, graphs) -> Optional[str]:
-    """"count" where the input is a segment op's num_segments, "sorted" where it is segment ids an op needs
-    sorted, "ids" where it is other segment ids, as it is passed on (through Identity and calls): random ids
-    in [0, rows) as num_segments were below some segment id, unsorted ids refused ("segment ids must be <
-    num_segments", "... not increasing")."""
+def _segment_role(graph_def, placeholder: str, library, sigs, graphs, partitions=frozenset()) -> Optional[str]:
+    """"count" where the input is a segment op's num_segments, "positions" where it is one whose segment ids
+    the graph computes from shapes alone (tf.repeat(tf.range(B), K)), "sorted" where it is segment ids an op
+    needs sorted, "ids" where it is other segment ids, as it is passed on (through Identity, Cast and calls):
+    random ids in [0, rows) as num_segments were below some segment id, unsorted ids refused ("segment ids
+    must be < num_segments", "... not increasing")."""
     for role, positions in (("count", _NUM_SEGMENTS), ("sorted", _SORTED_SEGMENT_IDS), ("ids", _SEGMENT_IDS)):
-        if _parse_ops_fed_by(graph_def, placeholder, library, sigs, graphs,
-                             accept=lambda node, pos, at=positions: at.get(node.op) == pos):
+        found = _parse_ops_fed_by(graph_def, placeholder, library, sigs, graphs, through=("Cast",),
+                                  accept=lambda node, pos, at=positions: at.get(node.op) == pos)
+        if found and role == "count" and all(_ids_from_shapes(item, partitions) for item in found):
+            return "positions"
+        if found:
             return role
     return None
+
+
+def _ids_from_shapes(reached, partitions) -> bool:
+    """The segment op's segment ids are computed from constants, the shapes of the function's inputs and
+    ragged row_splits (the placeholders `partitions`) only: positions in the batch (tf.repeat(tf.range(B), K),
+    ragged.value_rowids()), never from other values nor a call's outputs."""
+    fg, node = reached
+    seg_position = next(at[node.op] for at in (_SORTED_SEGMENT_IDS, _SEGMENT_IDS) if node.op in at)
+    refs, seen = [fg.inputs(node)[seg_position]], set()
+    while refs:
+        ref = refs.pop()
+        producer = fg.producer(ref)
+        if ref in seen or (producer is not None and producer.op in _SHAPE_OPS):
+            continue
+        seen.add(ref)
+        if producer is None and reached.bindings.get(ref.node) and reached.bindings[ref.node] <= partitions:
+            continue
+        if producer is None or producer.op in CALL_OPS + _CONTROL_FLOW_OPS or producer.op in fg.library_sigs:
+            return False
+        refs.extend(fg.inputs(producer))
+    return True
 
 
 def _sparse_matmul_width(graph_def, placeholder: str, library, sigs, graphs) -> Optional[int]:
@@ -234,94 +276,7 @@ def _token_lookups(graph_def, placeholder: str, library, sigs, graphs):
     reached = {node.op for _, node in found}
     if not reached & set(KEY_OPS) or reached & set(SPLIT_OPS):
         return None
-    return [(fg, node) for fg, node in found if node.op in ("LookupTableFindV2", "LookupTableFind")]
-
-
-def _output_dtypes(node, library_sigs) -> List[int]:
-    """The DataType of each flat output of a node ([] for an op this process
-    does not know: nothing to follow)."""
-    from tensorflow.python.framework import op_def_registry
-
-    op_def = op_def_registry.get(node.op)
-    if op_def is None:
-        sig = library_sigs.get(node.op)
-        return [arg.type for arg in sig.output_arg] if sig is not None else []
-    defaults = {a.name: a.default_value for a in op_def.attr}  # saved graphs drop default attrs
-
-    def attr(name):
-        return node.attr[name] if name in node.attr else defaults.get(name, attr_value_pb2.AttrValue())
-
-    dtypes: List[int] = []
-    for arg in op_def.output_arg:
-        if arg.type_list_attr:
-            dtypes += list(attr(arg.type_list_attr).list.type)
-            continue
-        dtype = arg.type or attr(arg.type_attr).type
-        dtypes += [dtype] * (attr(arg.number_attr).i if arg.number_attr else 1)
-    return dtypes
-
-
-def _flows_on(fg: FunctionGraph, node, pos: int, keep) -> List[Ref]:
-    """The outputs of `node` that still carry the values fed at input `pos`:
-    those of a dtype `keep` takes, unless the values are a gather's row ids or
-    only lend their shape. Ids that pick embedding rows go on as float rows,
-    and a top_k over their scores that reaches an inverted lookup (index ->
-    title) is not the ids reaching that lookup's keys."""
-    if (pos == 1 and node.op in _GATHER_OPS) or node.op in _SHAPE_OPS:
-        return []
-    return [Ref(node.name, k) for k, dtype in enumerate(_output_dtypes(node, fg.library_sigs))
-            if keep(dtype)]
-
-
-def _parse_ops_fed_by(graph_def, placeholder: str, library, sigs, graphs, depth: int = 8,
-                      accept=lambda node, pos: node.op in PARSE_OPS and pos == 0,
-                      follow=None):
-    """Parse ops (or the ops `accept` takes) reached from a top-level placeholder
-    through Identity and function calls (with `follow`, a predicate on a
-    DataType, through any op to its outputs of a dtype it takes):
-    [(FunctionGraph, node)]."""
-    found = []
-    frontier = []
-    for node in graph_def.node:
-        for pos, text in enumerate(i for i in node.input if not i.startswith("^")):
-            if text.split(":")[0] == placeholder:
-                frontier.append((node, pos))
-    # Top-level consumers are call ops into the signature function.
-    work = [(name, pos - offset, depth) for node, pos in frontier
-            for name, offset in called_functions(node, library) if pos >= offset]
-    seen = set()
-    while work:
-        fname, pos, left = work.pop()
-        if (fname, pos) in seen or left == 0:
-            continue
-        seen.add((fname, pos))
-        if fname not in graphs:
-            graphs[fname] = FunctionGraph(library[fname], sigs)
-        fg = graphs[fname]
-        args = library[fname].signature.input_arg
-        if pos >= len(args):
-            continue
-        refs, visited = [Ref(args[pos].name, 0)], set()
-        while refs:
-            ref = refs.pop()
-            if ref in visited:
-                continue
-            visited.add(ref)
-            for consumer, cpos in fg.consumers(ref):
-                node = fg.nodes[consumer]
-                if accept(node, cpos):
-                    found.append((fg, node))
-                elif called_functions(node, library):
-                    work.extend((name, cpos - offset, left - 1) for name, offset in called_functions(node, library)
-                                if cpos >= offset)
-                    if follow is not None:
-                        # and out of it: items normalised in a map_fn or a nested tf.function, looked up after it
-                        refs.extend(_flows_on(fg, node, cpos, follow))
-                elif node.op in ("Identity", "IdentityN"):
-                    refs.append(Ref(consumer, cpos if node.op == "IdentityN" else 0))
-                elif follow is not None:
-                    refs.extend(_flows_on(fg, node, cpos, follow))
-    return found
+    return [item for item in found if item[1].op in ("LookupTableFindV2", "LookupTableFind")]
 
 
 def _strings(fg: FunctionGraph, ref: Ref) -> List[str]:

@@ -16,10 +16,11 @@ from tensorflow.python.framework import dtypes, op_def_registry
 
 from pkm_serve.export import padded_ragged, sparse_matmul
 from pkm_serve.export.empty_bags import empty_bags, neighbours, select_steps
+from pkm_serve.export.masked_max import masked_max_steps
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import (assert_ids_in_table, assert_ids_rank, assert_masked_ids_below_rows,
                                         assert_table_rows, ids_below_rows)
-from pkm_serve.export.segment_ids import int32_segment_count, int32_segment_ids
+from pkm_serve.export.segment_ids import with_room_for_bags, int32_segment_count, int32_segment_ids
 from pkm_serve.export.sites import DENSE_OP, RAGGED_OP, Site, dims, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
@@ -353,7 +354,7 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
     """What the composite does after the bag, as [(op, attrs, inputs(bag))]:
     cast it, divide it by K (the request's, as Mean does), or give empty bags
     table[default_id] (safe_) or the lowest value (ragged reduce_max)."""
-    steps = []
+    steps = masked_max_steps(fg, site) if site.max_fill is not None else []
     out_dtype = site.table_dtype
     if site.cast_enum:
         steps.append(("Cast", {"SrcT": DType(out_dtype), "DstT": DType(site.cast_enum),
@@ -402,7 +403,8 @@ def row_splits(fg: FunctionGraph, site: Site):
         first = fg.add_op(prefix + "/rows64", "GatherV2", [site.dense_shape, axis0, axis0],
                           {"Tparams": I64, "Tindices": I32, "Taxis": I32, "batch_dims": 0},
                           shapes=[[]])
-        num_rows = int32_segment_count(fg, first, prefix + "/rows", "the SparseTensor's dense_shape[0]")
+        num_rows = _with_room(fg, site, int32_segment_count(fg, first, prefix + "/rows",
+                                                           "the SparseTensor's dense_shape[0]"), prefix)
     else:
         seg = int32_segment_ids(fg, site.segment_ids, prefix + "/ids")
         num_rows = _segment_count(fg, site, prefix, seg)
@@ -426,7 +428,7 @@ def row_splits(fg: FunctionGraph, site: Site):
 def _segment_count(fg: FunctionGraph, site: Site, prefix: str, seg: Ref) -> Ref:
     """int32 bags: num_segments where the segment op takes it, else last id + 1."""
     if site.num_segments is not None:
-        return int32_segment_count(fg, site.num_segments, prefix + "/rows")
+        return _with_room(fg, site, int32_segment_count(fg, site.num_segments, prefix + "/rows"), prefix)
     axis0 = fg.add_const(prefix + "/rows_axis0", np.array(0, np.int32))
     minus_one = fg.add_const(prefix + "/minus_one", np.array([-1], np.int32))
     padded = fg.add_op(prefix + "/padded", "ConcatV2", [seg, minus_one, axis0],
@@ -434,7 +436,12 @@ def _segment_count(fg: FunctionGraph, site: Site, prefix: str, seg: Ref) -> Ref:
     last = fg.add_op(prefix + "/last", "Max", [padded, axis0],
                      {"T": I32, "Tidx": I32, "keep_dims": False}, shapes=[[]])
     one = fg.add_const(prefix + "/one", np.array(1, np.int32))
-    return fg.add_op(prefix + "/rows", "AddV2", [last, one], {"T": I32}, shapes=[[]])
+    return _with_room(fg, site, fg.add_op(prefix + "/rows", "AddV2", [last, one], {"T": I32}, shapes=[[]]), prefix)
+
+
+def _with_room(fg: FunctionGraph, site: Site, count: Ref, prefix: str) -> Ref:
+    width = site.table_shape[1] if site.table_shape and len(site.table_shape) == 2 else None
+    return with_room_for_bags(fg, count, prefix + "/rows_room", width, site.table_dtype)
 
 
 def _sparse_column(fg: FunctionGraph, name: str, sparse_indices: Ref, column: int) -> Ref:

@@ -1,6 +1,8 @@
 """int64 segment ids narrowed to the int32 the fused ops and their counting take, without wrapping."""
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 from tensorflow.core.framework import attr_value_pb2, types_pb2
 
@@ -47,3 +49,19 @@ def int32_segment_count(fg: FunctionGraph, count: Ref, prefix: str, what: str = 
     kept = fg.add_op(prefix + "/in_range", "SelectV2", [fits, floored, minus_one], {"T": typed}, shapes=[[]])
     return fg.add_op(prefix + "/count32", "Cast", [kept], {"SrcT": typed, "DstT": I32, "Truncate": False},
                      shapes=[[]], control=[check.node])
+
+
+ROOM_FOR_BAGS = "pkm_room_for_bags"
+
+
+def with_room_for_bags(fg: FunctionGraph, count: Ref, prefix: str, width: Optional[int], dtype: int) -> Ref:
+    """The int32 bag count once an uninitialised [count, D] tensor of the table's dtype was allocated and
+    freed: the composite allocates its [count, D] output first and fails with ResourceExhausted where that
+    cannot be had (num_segments = 2**31 - 1); the fused site's int32 [count] counts, touched as they are
+    built, would run the process out of memory first (killed, or a ResourceExhausted naming int32 counts).
+    Empty does not touch the memory; the .tflite, which has no Empty, is converted without it (check_then)."""
+    shape = fg.add_op(prefix + "/shape", "Pack", [count, fg.add_const(prefix + "/width", np.array(
+        width or 1, np.int32))], {"T": I32, "N": 2, "axis": 0}, shapes=[[2]])
+    room = fg.add_op(prefix + "/" + ROOM_FOR_BAGS, "Empty", [shape], {"dtype": DType(dtype), "init": False},
+                     shapes=[[None, width]])
+    return fg.add_op(prefix + "/counted", "Identity", [count], {"T": I32}, shapes=[[]], control=[room.node])

@@ -65,6 +65,7 @@ class Site:
     weights: Optional[Ref] = None
     mask: Optional[Ref] = None        # bool [..., K]: False entries become padding
     mask_keeps_true: bool = True      # where(mask, rows, 0) vs where(mask, 0, rows)
+    max_fill: Optional[Ref] = None    # a max's where(mask, rows, c): the scalar c (masked_max.py)
     cast_enum: int = 0                # DstT of the cast, 0 = none
     segment_ids: Optional[Ref] = None  # sparse: sorted bag id of each value
     num_segments: Optional[Ref] = None  # sparse: the bags a segment op's num_segments gives (else last id + 1)

@@ -173,7 +173,19 @@ def generate_inputs(specs, index_limit: int, batch_size: int, seed: int = 0,
                  for i, d in enumerate(spec.shape.as_list())] \
             if spec.shape.rank is not None else [batch_size]
         out[name] = _values(rng, spec.dtype, shape, index_limit_of(name), feeds.get(name), name)
+    _count_positions(out, feeds)
     return out
+
+
+def _count_positions(out: Dict[str, np.ndarray], feeds) -> None:
+    """num_segments of a segment op whose segment ids are positions the graph computes from shapes
+    (tf.repeat(tf.range(B), K)): as many as the largest input has values, above every such position, not
+    the table's rows (a 10M-row table asked for 10M bags in every verification run and warmup request)."""
+    counted = [name for name, feed in feeds.items() if getattr(feed, "segments", None) == "positions"
+               and name in out]
+    largest = max([v.size for k, v in out.items() if k not in counted] + [1])
+    for name in counted:
+        out[name] = np.full_like(out[name], largest)
 
 
 def _segment_limits(feeds, index_limit: int, batch_size: int):
@@ -347,6 +359,23 @@ def _nan_mismatch(want64: np.ndarray, got64: np.ndarray) -> str:
              for name, a, b in (("original", want64, got64), ("fused model", got64, want64))
              if np.any(np.isnan(a) & ~np.isnan(b))]
     return f"({'; '.join(parts)}; elsewhere) " if parts else ""
+
+
+# The fused model's refusal of an int64 num_segments it cannot count (segment_ids.int32_segment_count).
+PAST_INT32_COUNT = "is past 2**31 - 1, the most bags the fused op"
+
+
+def wrapped_count_note(message: str, original: dict) -> str:
+    """Where the fused model refused a num_segments past int32 that the original answered: why the refusal is
+    right (stock SparseSegment*WithNumSegments reads an int64 num_segments as int32, wrapping 2**32 + 2 to 2
+    bags, where TF documents the output's first dimension as num_segments: the original's answer is wrong)."""
+    if PAST_INT32_COUNT not in message:
+        return ""
+    shapes = sorted({tuple(np.shape(v)) for v in original.values()})
+    return (f". The original answered with outputs of shape {', '.join(str(list(s)) for s in shapes)}: stock "
+            "tf.sparse.segment_sum/mean/sqrt_n wrap an int64 num_segments past 2**31 - 1 into int32, where TF "
+            "documents the output's first dimension as num_segments (which no int32-indexed kernel can give), "
+            "so the fused model refuses it instead; verify with a num_segments below 2**31")
 
 
 def error_line(message: str) -> str:

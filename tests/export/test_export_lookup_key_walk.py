@@ -104,3 +104,38 @@ def test_each_string_input_gets_the_words_of_its_own_table(tmp_path):
     cells = V.generate_inputs(specs, index_limit=41, batch_size=16, feeds=feeds)["history"]
     words = [c.decode() for c in cells.ravel() if c]
     assert np.isin(words, movies).mean() >= 0.6, cells
+
+
+class SharedLookup(tf.Module):
+    """One nested tf.function looking words up in the table handle it is passed, called with the user table
+    for one input and the item table for the other (one concrete function, two call sites)."""
+
+    def __init__(self, users, items):
+        def table(words):
+            keys = tf.constant(words)
+            return tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(
+                keys, tf.range(1, len(words) + 1, dtype=tf.int64)), default_value=0)
+        self.users, self.items = table(users), table(items)
+        self.t = tf.Variable(np.random.default_rng(1).standard_normal((len(users) + len(items) + 1, 4))
+                             .astype(np.float32))
+
+    @tf.function
+    def bag(self, handle, words):
+        ids = tf.raw_ops.LookupTableFindV2(table_handle=handle, keys=words, default_value=tf.constant(0, tf.int64))
+        return tf.reduce_sum(tf.gather(self.t, ids), axis=1)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, K], tf.string)] * 2)
+    def __call__(self, user, item):
+        return {"out": self.bag(self.users.resource_handle, user) + self.bag(self.items.resource_handle, item)}
+
+
+def test_each_call_site_of_a_shared_nested_function_gets_its_own_table_words(tmp_path):
+    """The tables a nested function's arg is passed were pooled over its call sites: both inputs were fed
+    user and item words alike. Each input now gets the words of the table its own call site passes."""
+    users, items = [f"user_{i}" for i in range(6)], [f"item_{i}" for i in range(9)]
+    module = SharedLookup(users, items)
+    src = str(tmp_path / "sm")
+    tf.saved_model.save(module, src, signatures={"serving_default": module.__call__})
+    feeds = F.signature_feeds(read_saved_model(src), "serving_default")
+    assert [w.decode() for w in feeds["user"].vocabulary] == sorted(users)
+    assert [w.decode() for w in feeds["item"].vocabulary] == sorted(items)

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from pkm_serve.export import ExportError
+from pkm_serve.export.saved_model_io import read_saved_model
 from round34_forms import D, N, RNG, TABLE, save_and_export
 
 FLAT = tf.TensorSpec([None], tf.int64)
@@ -50,5 +52,60 @@ def test_num_segments_and_sorted_segment_ids_fed_for_verification(tmp_path, form
     assert result.sites[0].status == "fused", result.sites[0].reason
     fused = tf.saved_model.load(result.dst).signatures["serving_default"]
     ids, seg = RNG.integers(0, N, 5), np.array([0, 2, 2, 2, 3])
+    np.testing.assert_allclose(fused(args_0=ids, args_1=seg, args_2=np.int64(4))["out"].numpy(),
+                               _segment_sums(ids, seg, 4), rtol=1e-5, atol=1e-5)
+
+
+def test_verification_says_why_stock_sparse_segment_sum_answers_a_num_segments_past_int32(tmp_path):
+    """Stock tf.sparse.segment_sum wraps num_segments = 2**32 + 2 into 2 bags (TF documents num_segments
+    rows); the fused model refuses it. Verification on such a sample said only that the fused model fails
+    where the original runs; it now says the original's answer is the wrap, not the documented result."""
+    ids, seg, too_many = np.array([1, 2, 3]), np.array([0, 0, 1]), np.int64(2**32 + 2)
+    stock = tf.sparse.segment_sum(TABLE, ids, seg, num_segments=too_many).shape
+    assert stock[0] != too_many  # the wrap this note is about
+    sample = str(tmp_path / "sample.npz")
+    np.savez(sample, args_0=ids, args_1=seg, args_2=too_many)
+    with pytest.raises(ExportError) as raised:
+        save_and_export(tmp_path, [FLAT, FLAT, COUNT64], FORMS["sparse_segment_sum"], sample_inputs=sample)
+    message = str(raised.value)
+    assert "num_segments is past 2**31 - 1" in message, message
+    assert f"The original answered with outputs of shape {list(stock)}" in message, message
+    assert "documents the output's first dimension as num_segments" in message, message
+
+
+
+def _ancestors(nodes, name):
+    """The names of every node `name` depends on, data or control, within one function."""
+    seen, todo = set(), [name]
+    while todo:
+        for text in nodes[todo.pop()].input:
+            parent = text.lstrip("^").split(":")[0]
+            if parent in nodes and parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+def test_the_counts_wait_for_room_for_the_bags(tmp_path):
+    """num_segments whose [n, D] output cannot be allocated (2**31 - 1 bags): the original fails allocating it
+    (ResourceExhausted, at once). The fused model first built and touched int32 [n] counts, their running sum
+    and row_splits (24 GB: the process was killed) before its op failed. Now every [n] count waits for an
+    uninitialised [n, D] allocation of the table's dtype (Empty, untouched), which fails as the original's
+    does. (Run for real, each ResourceExhausted takes TF's allocator 10 s of retries: read off the graph.)"""
+    result = save_and_export(tmp_path, [FLAT, FLAT, COUNT64], FORMS["unsorted_segment_sum"])
+    assert result.sites[0].status == "fused", result.sites[0].reason
+    fdef = next(f for f in read_saved_model(result.dst).meta_graphs[0].graph_def.library.function
+                if any(n.op == "PkmRaggedEmbeddingBag" for n in f.node_def))
+    nodes = {n.name: n for n in fdef.node_def}
+    rooms = [n for n in fdef.node_def if n.op == "Empty"]
+    assert rooms and all(not n.attr["init"].b and n.attr["dtype"].type == tf.float32.as_datatype_enum
+                         for n in rooms), rooms
+    width = [nodes[n.input[0].split(":")[0]] for n in rooms]
+    assert all(w.op == "Pack" and D in tf.make_ndarray(nodes[w.input[1].split(":")[0]].attr["value"].tensor).ravel()
+               for w in width), width
+    counts = [n.name for n in fdef.node_def if n.op in ("UnsortedSegmentSum", "Cumsum")]
+    assert counts and all({r.name for r in rooms} & _ancestors(nodes, c) for c in counts), counts
+    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    ids, seg = RNG.integers(0, N, 3), np.array([2, 0, 2])
     np.testing.assert_allclose(fused(args_0=ids, args_1=seg, args_2=np.int64(4))["out"].numpy(),
                                _segment_sums(ids, seg, 4), rtol=1e-5, atol=1e-5)

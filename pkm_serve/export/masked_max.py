@@ -1,0 +1,77 @@
+"""reduce_max(tf.where(mask[..., None], rows, c), axis=-2) of gathered rows with a constant fill c: -inf (the
+masked max users write), the dtype's lowest value, 0, or tf.fill(tf.shape(rows), c).
+
+The composite's bag is the max of the kept rows and, where the bag has a masked entry, of c; a bag of no
+entry (K = 0) is -inf. Fused as the op's max of the kept ids (masked ids become padding, which the max skips;
+an empty bag is 0 there), then Maximum(bag, c) where the bag has a masked entry, and c (or -inf) where it
+keeps none: the same value for every row, NaN included (a kept NaN row stays NaN through Maximum)."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import dtypes
+
+from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.sites import Site, Skip, tensor_dtype
+
+I32 = DType(types_pb2.DT_INT32)
+_FLOATS = (types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE)
+
+
+def constant_fill(fg: FunctionGraph, fill: Ref, rows_ref: Ref, nodes: List[str]) -> Optional[Ref]:
+    """The scalar a max's tf.where fills masked rows with: a constant of one value for every row, or
+    tf.fill(tf.shape(rows), c) (its Fill and Shape go into `nodes`); None for any other fill."""
+    value = fg.const_value(fill)
+    shape, rows_shape = fg.shape(fill), fg.shape(rows_ref)
+    if value is not None and value.size == 1 and shape.rank is not None and rows_shape.rank is not None and \
+            shape.rank <= rows_shape.rank:
+        return fill
+    node = fg.producer(fill)
+    if node is None or node.op != "Fill":
+        return None
+    shape_ref, scalar = fg.inputs(node)
+    shape_node = fg.producer(shape_ref)
+    scalar_value = fg.const_value(scalar)
+    if shape_node is None or shape_node.op != "Shape" or fg.inputs(shape_node)[0] != rows_ref or \
+            scalar_value is None or scalar_value.size != 1:
+        return None
+    nodes.extend((node.name, shape_node.name))
+    return scalar
+
+
+def check_masked_max(site: Site, dense: bool) -> None:
+    """A masked max with a constant fill is fused in a dense bag of float rows as gathered."""
+    if site.max_fill is None:
+        return
+    if not dense or site.flatten_bag_axes > 1 or site.regroup_ids is not None or site.zero_fill is not None:
+        raise Skip("max of rows masked with a constant fill: fused over one bag axis of a dense gather only")
+    if site.cast_enum or site.rounded_to or site.table_dtype not in _FLOATS:
+        raise Skip("max of rows masked with a constant fill: fused for float32/float64 rows not cast only")
+
+
+def masked_max_steps(fg: FunctionGraph, site: Site):
+    """[(op, attrs, inputs(bag))]: the fused max of the kept rows made the composite's (module docstring):
+    Maximum(bag, f) then SelectV2(any kept, that, f), f = c where the bag has a masked entry, else -inf."""
+    prefix = site.root + "/pkm_masked_max"
+    dtype = DType(site.table_dtype)
+    # A [..., K, 1] mask: reduced over K without keepdims; a [..., K] one: over K with keepdims ([..., 1]).
+    axis = fg.add_const(prefix + "/bag_axis", np.array(-2 if site.mask_squeeze else -1, np.int32))
+    dropped = fg.add_op(prefix + "/dropped", "LogicalNot", [site.mask], {}, shapes=[None])
+    kept = site.mask
+    if not site.mask_keeps_true:
+        kept, dropped = dropped, kept
+
+    def any_of(name: str, ref: Ref) -> Ref:
+        return fg.add_op(f"{prefix}/{name}", "Any", [ref, axis], {"Tidx": I32, "keep_dims": not site.mask_squeeze},
+                         shapes=[None])
+    any_kept, any_dropped = any_of("any_kept", kept), any_of("any_dropped", dropped)
+    fill = fg.add_op(prefix + "/fill", "Cast", [site.max_fill], {
+        "SrcT": DType(tensor_dtype(fg, site.max_fill)), "DstT": dtype, "Truncate": False}, shapes=[None])
+    fill = fg.add_op(prefix + "/fill_scalar", "Reshape", [fill, fg.add_const(prefix + "/scalar", np.array(
+        [], np.int32))], {"T": dtype, "Tshape": I32}, shapes=[[]])
+    minus_inf = fg.add_const(prefix + "/minus_inf", np.array(-np.inf, dtypes.as_dtype(site.table_dtype).as_numpy_dtype))
+    floor = fg.add_op(prefix + "/floor", "SelectV2", [any_dropped, fill, minus_inf], {"T": dtype}, shapes=[None])
+    return [("Maximum", {"T": dtype}, lambda bag: [bag, floor]),
+            ("SelectV2", {"T": dtype}, lambda bag: [any_kept, bag, floor])]
