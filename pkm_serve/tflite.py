@@ -187,7 +187,8 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
     """Runs ``model`` once and returns its outputs (in output-detail order).
 
     ``inputs`` maps input names to arrays, or lists arrays in input order
-    (``interp.get_input_details()``); one array is a one-input model's input. A name is either the input tensor's
+    (``interp.get_input_details()``); one array (numpy's, a tf.Tensor...) is
+    a one-input model's input. A name is either the input tensor's
     name (``serving_default_ids:0``) or the signature's input name (``ids``,
     as the SavedModel's signature and ``get_signature_runner()`` call it);
     an unknown name is a ValueError listing both kinds. Input shapes may
@@ -200,8 +201,8 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
     ``get_signature_runner(key).get_input_details()``; the outputs in the order
     of its ``get_output_details()``.
     """
-    if isinstance(inputs, np.ndarray):   # one input's array, not a sequence of its rows
-        inputs = [inputs]
+    if not isinstance(inputs, (Mapping, list, tuple)) and hasattr(inputs, "__array__"):
+        inputs = [inputs]   # one input's array (numpy's, a tf.Tensor, a torch tensor), not its rows
     interp = make_interpreter(model, interpreter, num_threads, fuse_composites, use_delegate)
     if signature_key is not None:
         return _run_signature(interp, signature_key, inputs)

@@ -102,8 +102,10 @@ def test_one_array_is_a_one_input_models_input_not_a_list_of_rows():
     each id's row summed (garbage); ids of two rows were "model has 1 inputs, got 2 arrays"."""
     model = _one_input_bag_model()
     for ids in (np.array([[1, 2, 3]], np.int32), np.array([[1, 2, 3], [4, -1, 19]], np.int32)):
-        (got,) = tflite.run_tflite(model, ids)
         want = np.where(ids[..., None] >= 0, TABLE.astype(np.float64)[ids], 0).sum(1)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        # A tf.Tensor (or any array but numpy's) is one array too: it was still taken row by row.
+        for given in (ids, tf.constant(ids)):
+            (got,) = tflite.run_tflite(model, given)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="model has 2 inputs, got 1 arrays"):
         tflite.run_tflite(tflite.build_embedding_bag_model(TABLE, 3), np.zeros((2, 3), np.int32))
