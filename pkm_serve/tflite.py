@@ -126,6 +126,14 @@ def _thread_count(threads) -> int:
     return int(threads)
 
 
+def _runtime_thread_count(threads) -> int:
+    """``threads`` as a Python int for an interpreter without the delegate: the runtimes' own
+    range, 1 or more (the delegate's 256 does not bound it)."""
+    if isinstance(threads, (bool, np.bool_)) or not isinstance(threads, numbers.Integral) or threads < 1:
+        raise ValueError(f"num_threads must be an integer >= 1 without the delegate, got {threads!r}")
+    return int(threads)
+
+
 def load_delegate(interpreter: str = "auto", **options):
     """Loads libpkm_tflite.so as an external delegate for the chosen interpreter.
 
@@ -143,7 +151,7 @@ def make_interpreter(model: Union[str, bytes, os.PathLike], interpreter: str = "
     """An interpreter for ``model`` (a path or the model bytes), not yet allocated: resize
     its inputs if need be, then ``allocate_tensors()``."""
     module = interpreter_module(interpreter)
-    num_threads = _thread_count(num_threads)
+    num_threads = _thread_count(num_threads) if use_delegate else _runtime_thread_count(num_threads)
     kwargs: Dict[str, Any] = {"num_threads": num_threads}
     if isinstance(model, (bytes, bytearray)):
         check_tflite_bytes(model, "make_interpreter")

@@ -109,3 +109,16 @@ def test_one_array_is_a_one_input_models_input_not_a_list_of_rows():
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="model has 2 inputs, got 1 arrays"):
         tflite.run_tflite(tflite.build_embedding_bag_model(TABLE, 3), np.zeros((2, 3), np.int32))
+
+
+def test_without_the_delegate_thread_counts_are_the_runtimes_own(two_input_model):
+    """use_delegate=False: more than the delegate's 256 threads went to the Interpreter as
+    given (the runtimes take any int >= 1); the numpy-integer change refused it with the
+    delegate's [1, 256] though no delegate was loaded."""
+    ids, w, want = _inputs()
+    for threads in (300, np.int64(300), np.int32(2)):
+        (got,) = tflite.run_tflite(two_input_model, [ids, w], use_delegate=False, num_threads=threads)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="num_threads must be an integer >= 1 without the delegate"):
+            tflite.make_interpreter(two_input_model, use_delegate=False, num_threads=bad)
