@@ -79,11 +79,16 @@ def interpreter_module(interpreter: str = "auto"):
         if interpreter not in _MODULES:
             raise ValueError(f"interpreter must be 'auto' or one of {INTERPRETERS}, "
                              f"got {interpreter!r}")
+        module = _MODULES[interpreter]
         try:
-            return importlib.import_module(_MODULES[interpreter])
+            return importlib.import_module(module)
         except ImportError as e:   # (bare, "No module named 'ai_edge_litert'" named no choice)
-            raise type(e)(f"interpreter {interpreter!r} needs pip's {_PACKAGES[interpreter]}, which is "
-                          f"not installed here ({e})", name=e.name) from None
+            if e.name and (module + ".").startswith(e.name + "."):
+                raise type(e)(f"interpreter {interpreter!r} needs pip's {_PACKAGES[interpreter]}, which is "
+                              f"not installed here ({e})", name=e.name) from None
+            # Installed, but its import fails (a dependency missing, a numpy it was not built for).
+            raise type(e)(f"interpreter {interpreter!r} is installed but cannot be imported: {e}",
+                          name=e.name) from None
     errors = []
     for name in INTERPRETERS:
         try:

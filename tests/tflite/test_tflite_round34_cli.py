@@ -96,3 +96,29 @@ def test_an_interpreter_not_installed_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         "pkm-serve tflite: error: interpreter 'tflite_runtime' needs pip's tflite-runtime, which is not "
         "installed here (No module named 'tflite_runtime')"]
+
+
+def test_an_interpreter_that_fails_to_import_is_not_called_not_installed(monkeypatch):
+    """An installed runtime whose import fails (tflite_runtime 2.14, built for numpy 1, under
+    numpy 2; tensorflow missing one of its own dependencies) was 'needs pip's ..., which is not
+    installed here': untrue, and pip install would change nothing. It names the import's error."""
+    import importlib
+    import pytest
+    real = importlib.import_module
+
+    def broken(name, *args):
+        if name == "tflite_runtime.interpreter":
+            raise ImportError("numpy.core.multiarray failed to import")
+        if name == "tensorflow.lite.python.interpreter":
+            raise ModuleNotFoundError("No module named 'absl'", name="absl")
+        if name == "ai_edge_litert.interpreter":
+            raise ModuleNotFoundError("No module named 'ai_edge_litert'", name="ai_edge_litert")
+        return real(name, *args)
+    monkeypatch.setattr(tflite.importlib, "import_module", broken)
+    for choice, cause in (("tflite_runtime", "numpy.core.multiarray failed to import"),
+                          ("tf", "No module named 'absl'")):
+        with pytest.raises(ImportError) as err:
+            tflite.interpreter_module(choice)
+        assert str(err.value) == f"interpreter {choice!r} is installed but cannot be imported: {cause}"
+    with pytest.raises(ImportError, match="^interpreter 'litert' needs pip's ai-edge-litert, which is not installed"):
+        tflite.interpreter_module("litert")
