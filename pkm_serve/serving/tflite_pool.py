@@ -12,8 +12,8 @@ from pkm_serve.serving.errors import ServingError
 
 
 def _called_subgraphs(schema, op):
-    """The subgraphs an op runs (WHILE's, IF's, a StableHLO op's...), from the fields of its
-    options that name one, but CALL_ONCE's init subgraph: it runs once per interpreter, at
+    """The subgraphs an op runs (WHILE's, IF's, a StableHLO op's..., STABLEHLO_CASE's list of
+    branches), from the fields of its options that name them, but CALL_ONCE's init subgraph: it runs once per interpreter, at
     the first invoke, however many requests follow (the session initialiser, which assigns
     the variables their initial values)."""
     found = []
@@ -33,6 +33,9 @@ def _called_subgraphs(schema, op):
             if (method.endswith("SubgraphIndex") and method != "InitSubgraphIndex") or \
                     (name == "CallOptions" and method == "Subgraph"):
                 found.append(int(getattr(options, method)()))
+            elif method.endswith("SubgraphIndicesLength"):
+                listed = getattr(options, method[:-len("Length")])
+                found.extend(int(listed(j)) for j in range(getattr(options, method)()))
     return found
 
 
