@@ -142,7 +142,7 @@ def _runtime_thread_count(threads) -> int:
 def load_delegate(interpreter: str = "auto", **options):
     """Loads libpkm_tflite.so as an external delegate for the chosen interpreter.
 
-    options: ``num_threads`` (int >= 1, default 1), ``fuse_composites``
+    options: ``num_threads`` (an integer in [1, 256], numpy's too; default 1), ``fuse_composites``
     (bool, default False).
     """
     options["num_threads"] = _thread_count(options.get("num_threads", 1))
