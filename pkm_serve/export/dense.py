@@ -22,7 +22,7 @@ from pkm_serve.export.one_hot_lookup import one_hot_lookup
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip,
                                     check_private, dims, dtype_name, itemsize, same_dims, shared_by_bags,
                                     tensor_dtype, through_identity)
-from pkm_serve.export.transposed_rows import check_transposed_shape_unread, reduced_rows, take_first_step
+from pkm_serve.export.transposed_rows import check_transposed_shape_unread, reduced_rows
 from pkm_serve.export.unflatten import unflattened_ids
 from pkm_serve.export.zero_fill import _is_zero, zeros_like_another
 
@@ -176,11 +176,13 @@ class Rows:
         self.itemsizes: List[int] = []  # one per [..., K, D] tensor they build
 
 
-def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = False, scaling=None) -> Rows:
+def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = False, scaling=None,
+                 transposed: Optional[Ref] = None) -> Rows:
     """Walks from the reduction's input down to the gather through at most one
     Cast (and an inner Cast to a half dtype that it undoes), one Mul by per-index weights and one tf.where mask (in any order);
     with `scaling` (the scales module), also more multipliers, divisors and negations.
-    Fills `site` as it learns, so a Skip reports what was found."""
+    Fills `site` as it learns, so a Skip reports what was found. `transposed`: the output of a Transpose
+    of the rows that the caller read the reduction's axes through (transposed_rows.py), a shape-only step."""
     rows = Rows()
     while True:
         node = fg.producer(ref)
@@ -205,13 +207,16 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
             rows.private.append(ref)
             ref = ins[0]
             continue
-        if node.op == "GatherV2":
+        if ref == transposed:  # shape-only; the refs above it are not shaped as the rows gathered
+            rows.as_gathered = []
+            step_input = ins[0]
+        elif node.op == "GatherV2":
             # rows[perm] = table[ids[perm]]: ragged broadcasting re-gathers the rows.
             rows.regathers.append(ins[1])
             rows.as_gathered = []
             step_input = ins[0]
         elif node.op == "Cast" and not rows.cast_enum:
-            if node.attr["DstT"].type not in TABLE_DTYPES or not leads_to_gather(fg, ins[0]):
+            if node.attr["DstT"].type not in TABLE_DTYPES or not (ins[0] == transposed or leads_to_gather(fg, ins[0])):
                 raise NotASite()
             # Walking down, the first cast met is the outermost: its dtype is
             # what the reduction sees.
@@ -434,22 +439,21 @@ def match_reduce_max(fg: FunctionGraph, node, site: Site, scaling=None) -> Site:
 
 def _bag_of_rows(fg: FunctionGraph, node, site: Site, scaling=None) -> Ref:
     """Fills `site` from the rows a bag-axis reduction `node` reads; returns them."""
-    x, axes, transposed = reduced_rows(fg, node, leads_to_gather)  # transpose(rows): x the rows, transposed its output
+    x, axes, untransposed = reduced_rows(fg, node, leads_to_gather)  # transpose(rows): x the rows
     _not_over_features(fg, x, axes)
-    rows = resolve_rows(fg, x, site, scaling=scaling)
+    transposed = None if untransposed is None else untransposed.transposed
+    rows = resolve_rows(fg, x if untransposed is None else untransposed.walk_from, site, scaling=scaling,
+                        transposed=transposed)
     if rows.regathers:
         raise Skip("the gathered rows are re-gathered before a dense reduction")
-    if transposed is not None:  # the Transpose is the site's, its output read by the reduction only
-        take_first_step(fg, rows, transposed)
-    apply_rows(fg, site, rows, node.name, x if transposed is None else transposed)
-    if transposed is not None:
-        check_transposed_shape_unread(site, transposed)
+    apply_rows(fg, site, rows, node.name, x if untransposed is None else untransposed.walk_from)
+    if transposed is not None:  # the Transpose (and casts of its output) are the site's, read by it only
+        check_transposed_shape_unread(site, rows.private[:rows.private.index(transposed) + 1])
     if rows.factors:
         scaling.check_factors(fg, site, rows.factors, bag_ids_shape(fg, site, rows))
         site.weight_factors = tuple(rows.factors)
     _check_bag_axis(fg, node, x, axes, site)
     return x
-
 
 
 def bag_ids_shape(fg: FunctionGraph, site: Site, rows: Rows):
