@@ -171,6 +171,7 @@ class Rows:
         self.unflattened: Optional[Ref] = None  # ids whose flattened rows were reshaped back
         self.unflattened_rows: Optional[Ref] = None  # that reshape's output
         self.flat_from = 0              # rows.private[flat_from:] are the flattened rows
+        self.weighted_before_reshape = False  # weights or mask applied to the rows before that reshape
         self.nodes: List[str] = []      # steps between gather and reduction
         self.private: List[Ref] = []    # their outputs: only the site may read them
         self.itemsizes: List[int] = []  # one per [..., K, D] tensor they build
@@ -243,6 +244,8 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         else:
             raise NotASite()
         note_zero_weights(node, rows, site, weights_before, factors_before)  # multiply_no_nan's w
+        if rows.unflattened_rows is not None and node.op in ("Mul", "MulNoNan", "SelectV2"):
+            rows.weighted_before_reshape = True
         rows.nodes.append(node.name)
         rows.private.append(ref)
         rows.itemsizes.append(itemsize(tensor_dtype(fg, ref)))
@@ -347,6 +350,20 @@ def _check_per_index(fg: FunctionGraph, ref: Ref, squeeze: bool, ids_shape, what
         raise Skip(f"{what} shape {shape} does not match indices shape {ids_shape}")
 
 
+WEIGHTED_BEFORE_RESHAPE = (
+    "weights or a mask applied to the gathered rows before the reshape that groups them into bags (per row of "
+    "the ids as gathered, not of the bags the fused op reads): not fused; apply them after the reshape "
+    "(rows * w[..., None] of the [..., K, D] rows), which is fused")
+
+
+def _check_weights_and_mask(fg: FunctionGraph, rows: Rows, ids_shape) -> None:
+    if rows.weights is not None and not rows.weights_scalar:
+        _check_per_index(fg, rows.weights, rows.weights_squeeze, ids_shape,
+                         "multiplier is not per-index: weights", shared=True)
+    if rows.mask is not None:
+        _check_per_index(fg, rows.mask, rows.mask_squeeze, ids_shape, "mask is not per-index: mask")
+
+
 def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) -> None:
     """Fills `site` from the resolved rows: table, ids (re-gathered as the rows
     were), per-index weights and mask (shapes checked against the ids), the
@@ -359,15 +376,16 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     site.regathers = tuple(rows.regathers)
     site.gather_refs = tuple(rows.as_gathered) + (gathered.output,) + tuple(
         Ref(n, 0) for n in gathered.nodes)
+    try:
+        _check_weights_and_mask(fg, rows, ids_shape)
+    except Skip as skip:
+        if not rows.weighted_before_reshape:
+            raise
+        raise Skip(f"{WEIGHTED_BEFORE_RESHAPE} ({skip})") from None
     if rows.weights is not None:
-        if not rows.weights_scalar:
-            _check_per_index(fg, rows.weights, rows.weights_squeeze, ids_shape,
-                             "multiplier is not per-index: weights", shared=True)
         site.weights, site.weights_squeeze = rows.weights, rows.weights_squeeze
         site.weights_scalar = rows.weights_scalar
     if rows.mask is not None:
-        _check_per_index(fg, rows.mask, rows.mask_squeeze, ids_shape,
-                         "mask is not per-index: mask")
         site.mask, site.mask_keeps_true = rows.mask, rows.mask_keeps_true
         site.mask_squeeze = rows.mask_squeeze
     if rows.ones is not None and _may_broadcast_ids(_per_index_shape(fg, rows.ones, rows.ones_squeeze), ids_shape):

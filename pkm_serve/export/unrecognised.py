@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from pkm_serve.export.dense import leads_to_gather, resolve_rows
+from pkm_serve.export.dense import WEIGHTED_BEFORE_RESHAPE, leads_to_gather, resolve_rows
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.sites import GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip, through_identity
 
@@ -96,7 +96,7 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
         for ref, path in frontier:
             ref = through_identity(fg, ref, [])  # an Identity is no step
             producer = fg.producer(ref)
-            if producer is None or (fg.shape(ref).rank != rank and path[-1:] != ["Reshape"]):
+            if producer is None or (fg.shape(ref).rank != rank and "Reshape" not in path):
                 continue
             if producer.op == "RaggedTensorToTensor" and leads_to_gather(fg, fg.inputs(producer)[1]):
                 return _padded_rows_reason(node.op, path)
@@ -125,6 +125,8 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
                             "are fused")
                 if not path:
                     return "the gather is not a row gather (axis 0, batch_dims 0)"
+                if "Reshape" in path and {"Mul", "MulNoNan", "SelectV2"} & set(path[path.index("Reshape"):]):
+                    return WEIGHTED_BEFORE_RESHAPE
                 steps = " -> ".join(reversed(path))
                 return (f"{steps} between the gather and the reduction: only a cast, a "
                         "per-index multiply and a tf.where mask are fused")
