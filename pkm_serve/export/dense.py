@@ -19,11 +19,12 @@ from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.half_rounding import rounds_to_half
 from pkm_serve.export.no_nan_multiply import multiply_op, note_zero_weights
 from pkm_serve.export.one_hot_lookup import one_hot_lookup
+from pkm_serve.export.per_index import check_weights_and_mask, may_broadcast_ids, per_index_shape
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip,
-                                    check_private, dims, dtype_name, itemsize, same_dims, shared_by_bags,
+                                    check_private, dims, dtype_name, itemsize, same_dims,
                                     tensor_dtype, through_identity)
 from pkm_serve.export.transposed_rows import check_transposed_shape_unread, reduced_rows
-from pkm_serve.export.unflatten import unflattened_ids
+from pkm_serve.export.unflatten import WEIGHTED_BEFORE_RESHAPE, unflattened_ids
 from pkm_serve.export.zero_fill import _is_zero, zeros_like_another
 
 
@@ -329,41 +330,6 @@ def fill_from_gather(site: Site, gathered: Gather, fg: FunctionGraph) -> None:
         raise Skip(f"index dtype {dtype_name(gathered.index_dtype)} is not int32/int64")
 
 
-def _per_index_shape(fg: FunctionGraph, ref: Ref, squeeze: bool):
-    shape = fg.shape(ref)
-    return shape[:-1] if squeeze and shape.rank else shape
-
-
-def _may_broadcast_ids(shape, ids_shape) -> bool:
-    """Whether a per-index multiplier of `shape` could make the product larger
-    than the ids' [..., K] (some axis of it not 1 and not known equal)."""
-    if shape.rank is None or ids_shape.rank is None or shape.rank > ids_shape.rank:
-        return True
-    ids_dims = ids_shape.as_list()[ids_shape.rank - shape.rank:]
-    return any(d != 1 and (d is None or d != i) for d, i in zip(shape.as_list(), ids_dims))
-
-
-def _check_per_index(fg: FunctionGraph, ref: Ref, squeeze: bool, ids_shape, what: str,
-                     shared: bool = False):
-    shape = _per_index_shape(fg, ref, squeeze)
-    if not same_dims(shape, ids_shape) and not (shared and shared_by_bags(shape, ids_shape)):
-        raise Skip(f"{what} shape {shape} does not match indices shape {ids_shape}")
-
-
-WEIGHTED_BEFORE_RESHAPE = (
-    "weights or a mask applied to the gathered rows before the reshape that groups them into bags (per row of "
-    "the ids as gathered, not of the bags the fused op reads): not fused; apply them after the reshape "
-    "(rows * w[..., None] of the [..., K, D] rows), which is fused")
-
-
-def _check_weights_and_mask(fg: FunctionGraph, rows: Rows, ids_shape) -> None:
-    if rows.weights is not None and not rows.weights_scalar:
-        _check_per_index(fg, rows.weights, rows.weights_squeeze, ids_shape,
-                         "multiplier is not per-index: weights", shared=True)
-    if rows.mask is not None:
-        _check_per_index(fg, rows.mask, rows.mask_squeeze, ids_shape, "mask is not per-index: mask")
-
-
 def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) -> None:
     """Fills `site` from the resolved rows: table, ids (re-gathered as the rows
     were), per-index weights and mask (shapes checked against the ids), the
@@ -377,18 +343,16 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     site.gather_refs = tuple(rows.as_gathered) + (gathered.output,) + tuple(
         Ref(n, 0) for n in gathered.nodes)
     try:
-        _check_weights_and_mask(fg, rows, ids_shape)
-    except Skip as skip:
-        if not rows.weighted_before_reshape:
-            raise
-        raise Skip(f"{WEIGHTED_BEFORE_RESHAPE} ({skip})") from None
+        check_weights_and_mask(fg, rows, ids_shape)
+    except Skip as skip:  # per row of the flat ids: the reason says so
+        raise Skip(f"{WEIGHTED_BEFORE_RESHAPE} ({skip})") if rows.weighted_before_reshape else skip from None
     if rows.weights is not None:
         site.weights, site.weights_squeeze = rows.weights, rows.weights_squeeze
         site.weights_scalar = rows.weights_scalar
     if rows.mask is not None:
         site.mask, site.mask_keeps_true = rows.mask, rows.mask_keeps_true
         site.mask_squeeze = rows.mask_squeeze
-    if rows.ones is not None and _may_broadcast_ids(_per_index_shape(fg, rows.ones, rows.ones_squeeze), ids_shape):
+    if rows.ones is not None and may_broadcast_ids(per_index_shape(fg, rows.ones, rows.ones_squeeze), ids_shape):
         site.ones, site.ones_squeeze = rows.ones, rows.ones_squeeze  # the ids are broadcast like them
     site.multiplied_refs = tuple(rows.multiplied)
     site.cast_enum = rows.cast_enum if rows.cast_enum != gathered.dtype else 0

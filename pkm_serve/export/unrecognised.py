@@ -7,8 +7,9 @@ from typing import List, Optional
 
 import numpy as np
 
-from pkm_serve.export.dense import WEIGHTED_BEFORE_RESHAPE, leads_to_gather, resolve_rows
+from pkm_serve.export.dense import leads_to_gather, resolve_rows
 from pkm_serve.export.graph import FunctionGraph
+from pkm_serve.export.unflatten import WEIGHTED_BEFORE_RESHAPE
 from pkm_serve.export.sites import GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip, through_identity
 
 # Reductions of gathered rows that the op has no combiner for: reported when they pool a bag.
