@@ -40,7 +40,7 @@ def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
         return leads_to_gather(fg, ins[0], depth - 1)
     if node.op == "Mul":
         return any(leads_to_gather(fg, r, depth - 1) for r in ins)
-    if node.op in ("Neg", "RealDiv", "MulNoNan"):  # -rows, rows / d (scales.py), multiply_no_nan(rows, w)
+    if node.op in ("Neg", "RealDiv", "MulNoNan", "DivNoNan"):  # -rows, rows / d (scales.py), the *_no_nan of them
         return leads_to_gather(fg, ins[0], depth - 1)
     if node.op == "SelectV2":
         return any(leads_to_gather(fg, r, depth - 1) for r in ins[1:])
