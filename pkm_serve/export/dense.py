@@ -23,7 +23,7 @@ from pkm_serve.export.per_index import check_weights_and_mask, may_broadcast_ids
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip,
                                     check_private, dims, dtype_name, itemsize, same_dims,
                                     tensor_dtype, through_identity)
-from pkm_serve.export.transposed_rows import check_transposed_shape_unread, reduced_rows
+from pkm_serve.export.transposed_rows import check_transposed_shape_unread, reduced_rows, weigh_after_transpose
 from pkm_serve.export.unflatten import WEIGHTED_BEFORE_RESHAPE, unflattened_ids
 from pkm_serve.export.zero_fill import _is_zero, zeros_like_another
 
@@ -162,6 +162,7 @@ class Rows:
         self.rounded_enum = 0  # an inner cast to a half dtype (cast_enum is the outer one)
         self.weights_squeeze = self.mask_squeeze = False
         self.weights_scalar = False
+        self.weights_unit_row = False  # weights [..., 1, K] applied after a transpose: read without axis -2
         self.ones: Optional[Ref] = None  # a multiplier that is all ones
         self.ones_squeeze = False
         self.zero_fill = None  # zero_fill.zeros_like_another's: the ids are broadcast like it
@@ -348,7 +349,7 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
         raise Skip(f"{WEIGHTED_BEFORE_RESHAPE} ({skip})") if rows.weighted_before_reshape else skip from None
     if rows.weights is not None:
         site.weights, site.weights_squeeze = rows.weights, rows.weights_squeeze
-        site.weights_scalar = rows.weights_scalar
+        site.weights_scalar, site.weights_unit_row = rows.weights_scalar, rows.weights_unit_row
     if rows.mask is not None:
         site.mask, site.mask_keeps_true = rows.mask, rows.mask_keeps_true
         site.mask_squeeze = rows.mask_squeeze
@@ -428,7 +429,9 @@ def _bag_of_rows(fg: FunctionGraph, node, site: Site, scaling=None) -> Ref:
                         transposed=transposed)
     if rows.regathers:
         raise Skip("the gathered rows are re-gathered before a dense reduction")
-    apply_rows(fg, site, rows, node.name, x if untransposed is None else untransposed.walk_from)
+    if untransposed is not None and untransposed.multiply is not None:
+        weigh_after_transpose(fg, rows, untransposed.multiply, site)
+    apply_rows(fg, site, rows, node.name, fg.inputs(node)[0])
     if transposed is not None:  # the Transpose (and casts of its output) are the site's, read by it only
         check_transposed_shape_unread(site, rows.private[:rows.private.index(transposed) + 1])
     if rows.factors:

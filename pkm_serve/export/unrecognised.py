@@ -148,8 +148,8 @@ def _transposed_table_reason(fg: FunctionGraph, x, rank: int) -> Optional[str]:
                 "mixed precision's Permute + channels_first pooling): a cast after the transpose is not fused")
     if steps:
         return (f"the gathered rows are transposed to [..., D, K], then {' -> '.join(steps)} before the reduction "
-                "over K: a multiplier or mask applied after the transpose is not fused (apply it before the "
-                "transpose, which is fused)")
+                "over K: after the transpose only a multiplier of one weight per position ([..., 1, K], w[:, None, "
+                ":]) or a scalar, read by the reduction, is fused, not a mask or a multiplier per feature")
     if producer is not None and producer.op == "Transpose" and leads_to_gather(fg, fg.inputs(producer)[0]):
         perm = fg.const_value(fg.inputs(producer)[1])
         if perm is not None and list(np.reshape(perm, [-1])) == list(range(rank - 2)) + [rank - 1, rank - 2]:
