@@ -124,8 +124,8 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
                     return ("the rows are gathered by tf.gather_nd: only tf.gather / embedding_lookup / "
                             "Keras Embedding row gathers (axis 0) and tf.gather_nd(table, ids[..., None]) "
                             "are fused")
-                if not path:
-                    return "the gather is not a row gather (axis 0, batch_dims 0)"
+                if not path or _gathers_other_than_rows(fg, producer):
+                    return _not_a_row_gather(fg, producer)
                 if "Reshape" in path and {"Mul", "MulNoNan", "SelectV2"} & set(path[path.index("Reshape"):]):
                     return WEIGHTED_BEFORE_RESHAPE
                 steps = " -> ".join(reversed(path))
@@ -184,6 +184,29 @@ def _steps_after_transposed_rows(fg: FunctionGraph, x, rank: int, depth: int = 3
         if below:
             return below + [producer.op]
     return []
+
+
+def _gathers_other_than_rows(fg: FunctionGraph, gather) -> bool:
+    """A GatherV2 with batch_dims, or along an axis other than 0 (or not constant)."""
+    if gather.op != "GatherV2":
+        return False
+    axis = fg.const_value(fg.inputs(gather)[2])
+    return ("batch_dims" in gather.attr and gather.attr["batch_dims"].i != 0) or axis is None or int(axis) != 0
+
+
+def _not_a_row_gather(fg: FunctionGraph, gather) -> str:
+    """Why a GatherV2 of table-typed params whose output is reduced is no row gather: its axis and batch_dims."""
+    if gather.op != "GatherV2":
+        return "the gather is not a row gather (axis 0, batch_dims 0)"
+    batch_dims = int(gather.attr["batch_dims"].i) if "batch_dims" in gather.attr else 0
+    axis = fg.const_value(fg.inputs(gather)[2])
+    written = (f"tf.gather(params {fg.shape(fg.inputs(gather)[0])}, ids, axis={'?' if axis is None else int(axis)}, "
+               f"batch_dims={batch_dims})")
+    if batch_dims:
+        return (f"the rows are {written}: each batch entry gathers from its own params (a table per request, "
+                "even if broadcast from one), not rows of one table (axis 0, batch_dims 0): not fused; "
+                "tf.gather(table, ids) is")
+    return f"the rows are {written}, not a row gather of one table (axis 0, batch_dims 0): not fused"
 
 
 def _padded_rows_reason(op: str, path) -> str:
