@@ -103,6 +103,8 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
                 return _padded_rows_reason(node.op, path)
             if stitches_table_rows(fg, producer):
                 return _no_combiner(node.op) if node.op in UNFUSABLE_REDUCE_OPS else _STITCHED_REASON
+            if path == ["Reshape"] and _flattened_one_hot_matmul(fg, producer):
+                return _FLAT_ONE_HOT_REASON
             if clips_rows(fg, producer):
                 return ("each gathered row is clipped to max_norm (embedding_lookup max_norm=, i.e. "
                         "clip_by_norm) before the reduction: PkmEmbeddingBag has no row-norm clip, so "
@@ -184,6 +186,25 @@ def _steps_after_transposed_rows(fg: FunctionGraph, x, rank: int, depth: int = 3
         if below:
             return below + [producer.op]
     return []
+
+
+_FLAT_ONE_HOT_REASON = (
+    "the rows are a one-hot matmul whose one-hot [..., K, N] is reshaped to [-1, N] first and the product "
+    "reshaped back (keras.ops.matmul or tf.tensordot of tf.one_hot(ids, N) and the table): not fused; "
+    "tf.matmul(tf.one_hot(ids, N), table) (a batch matmul) or tf.einsum('bkn,nd->bkd', ...) is")
+
+
+def _flattened_one_hot_matmul(fg: FunctionGraph, matmul) -> bool:
+    """MatMul(Reshape([Transpose](OneHot(ids))), table): a one-hot lookup of flattened one-hots (tensordot's)."""
+    if matmul.op != "MatMul":
+        return False
+    node = fg.producer(through_identity(fg, fg.inputs(matmul)[0], []))
+    if node is None or node.op != "Reshape":
+        return False  # tf.matmul(tf.one_hot(reshape(ids, [-1]), N), table) is fused (one_hot_lookup.py)
+    node = fg.producer(through_identity(fg, fg.inputs(node)[0], []))
+    if node is not None and node.op == "Transpose":
+        node = fg.producer(through_identity(fg, fg.inputs(node)[0], []))
+    return node is not None and node.op == "OneHot"
 
 
 def _gathers_other_than_rows(fg: FunctionGraph, gather) -> bool:
