@@ -19,11 +19,12 @@ from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.half_rounding import rounds_to_half
 from pkm_serve.export.no_nan_multiply import multiply_op, note_zero_weights
 from pkm_serve.export.one_hot_lookup import one_hot_lookup
+from pkm_serve.export.per_index import check_weights_and_mask, may_broadcast_ids, per_index_shape
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip,
-                                    check_private, dims, dtype_name, itemsize, same_dims, shared_by_bags,
+                                    check_private, dims, dtype_name, itemsize, same_dims,
                                     tensor_dtype, through_identity)
-from pkm_serve.export.transposed_rows import check_transposed_shape_unread, reduced_rows, take_first_step
-from pkm_serve.export.unflatten import unflattened_ids
+from pkm_serve.export.transposed_rows import check_transposed_shape_unread, reduced_rows, weigh_after_transpose
+from pkm_serve.export.unflatten import WEIGHTED_BEFORE_RESHAPE, unflattened_ids
 from pkm_serve.export import masked_max
 from pkm_serve.export.zero_fill import _is_zero, zeros_like_another
 
@@ -40,7 +41,7 @@ def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
         return leads_to_gather(fg, ins[0], depth - 1)
     if node.op == "Mul":
         return any(leads_to_gather(fg, r, depth - 1) for r in ins)
-    if node.op in ("Neg", "RealDiv", "MulNoNan"):  # -rows, rows / d (scales.py), multiply_no_nan(rows, w)
+    if node.op in ("Neg", "RealDiv", "MulNoNan", "DivNoNan"):  # -rows, rows / d (scales.py), the *_no_nan of them
         return leads_to_gather(fg, ins[0], depth - 1)
     if node.op == "SelectV2":
         return any(leads_to_gather(fg, r, depth - 1) for r in ins[1:])
@@ -162,6 +163,7 @@ class Rows:
         self.rounded_enum = 0  # an inner cast to a half dtype (cast_enum is the outer one)
         self.weights_squeeze = self.mask_squeeze = False
         self.weights_scalar = False
+        self.weights_unit_row = False  # weights [..., 1, K] applied after a transpose: read without axis -2
         self.ones: Optional[Ref] = None  # a multiplier that is all ones
         self.ones_squeeze = False
         self.zero_fill = None  # zero_fill.zeros_like_another's: the ids are broadcast like it
@@ -173,16 +175,19 @@ class Rows:
         self.unflattened: Optional[Ref] = None  # ids whose flattened rows were reshaped back
         self.unflattened_rows: Optional[Ref] = None  # that reshape's output
         self.flat_from = 0              # rows.private[flat_from:] are the flattened rows
+        self.weighted_before_reshape = False  # weights or mask applied to the rows before that reshape
         self.nodes: List[str] = []      # steps between gather and reduction
         self.private: List[Ref] = []    # their outputs: only the site may read them
         self.itemsizes: List[int] = []  # one per [..., K, D] tensor they build
 
 
-def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = False, scaling=None) -> Rows:
+def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = False, scaling=None,
+                 transposed: Optional[Ref] = None) -> Rows:
     """Walks from the reduction's input down to the gather through at most one
     Cast (and an inner Cast to a half dtype that it undoes), one Mul by per-index weights and one tf.where mask (in any order);
     with `scaling` (the scales module), also more multipliers, divisors and negations.
-    Fills `site` as it learns, so a Skip reports what was found."""
+    Fills `site` as it learns, so a Skip reports what was found. `transposed`: the output of a Transpose
+    of the rows that the caller read the reduction's axes through (transposed_rows.py), a shape-only step."""
     rows = Rows()
     while True:
         node = fg.producer(ref)
@@ -207,13 +212,16 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
             rows.private.append(ref)
             ref = ins[0]
             continue
-        if node.op == "GatherV2":
+        if ref == transposed:  # shape-only; the refs above it are not shaped as the rows gathered
+            rows.as_gathered = []
+            step_input = ins[0]
+        elif node.op == "GatherV2":
             # rows[perm] = table[ids[perm]]: ragged broadcasting re-gathers the rows.
             rows.regathers.append(ins[1])
             rows.as_gathered = []
             step_input = ins[0]
         elif node.op == "Cast" and not rows.cast_enum:
-            if node.attr["DstT"].type not in TABLE_DTYPES or not leads_to_gather(fg, ins[0]):
+            if node.attr["DstT"].type not in TABLE_DTYPES or not (ins[0] == transposed or leads_to_gather(fg, ins[0])):
                 raise NotASite()
             # Walking down, the first cast met is the outermost: its dtype is
             # what the reduction sees.
@@ -240,6 +248,8 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         else:
             raise NotASite()
         note_zero_weights(node, rows, site, weights_before, factors_before)  # multiply_no_nan's w
+        if rows.unflattened_rows is not None and node.op in ("Mul", "MulNoNan", "SelectV2"):
+            rows.weighted_before_reshape = True
         rows.nodes.append(node.name)
         rows.private.append(ref)
         rows.itemsizes.append(itemsize(tensor_dtype(fg, ref)))
@@ -325,27 +335,6 @@ def fill_from_gather(site: Site, gathered: Gather, fg: FunctionGraph) -> None:
         raise Skip(f"index dtype {dtype_name(gathered.index_dtype)} is not int32/int64")
 
 
-def _per_index_shape(fg: FunctionGraph, ref: Ref, squeeze: bool):
-    shape = fg.shape(ref)
-    return shape[:-1] if squeeze and shape.rank else shape
-
-
-def _may_broadcast_ids(shape, ids_shape) -> bool:
-    """Whether a per-index multiplier of `shape` could make the product larger
-    than the ids' [..., K] (some axis of it not 1 and not known equal)."""
-    if shape.rank is None or ids_shape.rank is None or shape.rank > ids_shape.rank:
-        return True
-    ids_dims = ids_shape.as_list()[ids_shape.rank - shape.rank:]
-    return any(d != 1 and (d is None or d != i) for d, i in zip(shape.as_list(), ids_dims))
-
-
-def _check_per_index(fg: FunctionGraph, ref: Ref, squeeze: bool, ids_shape, what: str,
-                     shared: bool = False):
-    shape = _per_index_shape(fg, ref, squeeze)
-    if not same_dims(shape, ids_shape) and not (shared and shared_by_bags(shape, ids_shape)):
-        raise Skip(f"{what} shape {shape} does not match indices shape {ids_shape}")
-
-
 def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) -> None:
     """Fills `site` from the resolved rows: table, ids (re-gathered as the rows
     were), per-index weights and mask (shapes checked against the ids), the
@@ -358,18 +347,17 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     site.regathers = tuple(rows.regathers)
     site.gather_refs = tuple(rows.as_gathered) + (gathered.output,) + tuple(
         Ref(n, 0) for n in gathered.nodes)
+    try:
+        check_weights_and_mask(fg, rows, ids_shape)
+    except Skip as skip:  # per row of the flat ids: the reason says so
+        raise Skip(f"{WEIGHTED_BEFORE_RESHAPE} ({skip})") if rows.weighted_before_reshape else skip from None
     if rows.weights is not None:
-        if not rows.weights_scalar:
-            _check_per_index(fg, rows.weights, rows.weights_squeeze, ids_shape,
-                             "multiplier is not per-index: weights", shared=True)
         site.weights, site.weights_squeeze = rows.weights, rows.weights_squeeze
-        site.weights_scalar = rows.weights_scalar
+        site.weights_scalar, site.weights_unit_row = rows.weights_scalar, rows.weights_unit_row
     if rows.mask is not None:
-        _check_per_index(fg, rows.mask, rows.mask_squeeze, ids_shape,
-                         "mask is not per-index: mask")
         site.mask, site.mask_keeps_true = rows.mask, rows.mask_keeps_true
         site.mask_squeeze, site.max_fill = rows.mask_squeeze, rows.max_fill
-    if rows.ones is not None and _may_broadcast_ids(_per_index_shape(fg, rows.ones, rows.ones_squeeze), ids_shape):
+    if rows.ones is not None and may_broadcast_ids(per_index_shape(fg, rows.ones, rows.ones_squeeze), ids_shape):
         site.ones, site.ones_squeeze = rows.ones, rows.ones_squeeze  # the ids are broadcast like them
     site.multiplied_refs = tuple(rows.multiplied)
     site.cast_enum = rows.cast_enum if rows.cast_enum != gathered.dtype else 0
@@ -438,22 +426,23 @@ def match_reduce_max(fg: FunctionGraph, node, site: Site, scaling=None) -> Site:
 
 def _bag_of_rows(fg: FunctionGraph, node, site: Site, scaling=None) -> Ref:
     """Fills `site` from the rows a bag-axis reduction `node` reads; returns them."""
-    x, axes, transposed = reduced_rows(fg, node, leads_to_gather)  # transpose(rows): x the rows, transposed its output
+    x, axes, untransposed = reduced_rows(fg, node, leads_to_gather)  # transpose(rows): x the rows
     _not_over_features(fg, x, axes)
-    rows = resolve_rows(fg, x, site, scaling=scaling)
+    transposed = None if untransposed is None else untransposed.transposed
+    rows = resolve_rows(fg, x if untransposed is None else untransposed.walk_from, site, scaling=scaling,
+                        transposed=transposed)
     if rows.regathers:
         raise Skip("the gathered rows are re-gathered before a dense reduction")
-    if transposed is not None:  # the Transpose is the site's, its output read by the reduction only
-        take_first_step(fg, rows, transposed)
-    apply_rows(fg, site, rows, node.name, x if transposed is None else transposed)
-    if transposed is not None:
-        check_transposed_shape_unread(site, transposed)
+    if untransposed is not None and untransposed.multiply is not None:
+        weigh_after_transpose(fg, rows, untransposed.multiply, site)
+    apply_rows(fg, site, rows, node.name, fg.inputs(node)[0])
+    if transposed is not None:  # the Transpose (and casts of its output) are the site's, read by it only
+        check_transposed_shape_unread(site, rows.private[:rows.private.index(transposed) + 1])
     if rows.factors:
         scaling.check_factors(fg, site, rows.factors, bag_ids_shape(fg, site, rows))
         site.weight_factors = tuple(rows.factors)
     _check_bag_axis(fg, node, x, axes, site)
     return x
-
 
 
 def bag_ids_shape(fg: FunctionGraph, site: Site, rows: Rows):

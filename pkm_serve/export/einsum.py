@@ -8,9 +8,10 @@ from typing import List
 import numpy as np
 from tensorflow.core.framework import types_pb2
 
-from pkm_serve.export.dense import (adds_unit_axis, fill_from_gather, leads_to_gather, resolve_gather,
+from pkm_serve.export.dense import (Gather, adds_unit_axis, fill_from_gather, leads_to_gather, resolve_gather,
                                     strip_trailing_unit_axis)
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.one_hot_lookup import pooled_one_hot_einsum
 from pkm_serve.export.sites import (NotASite, Site, Skip, check_private, itemsize, same_dims, shared_by_bags,
                                     tensor_dtype)
 
@@ -34,8 +35,14 @@ def match_einsum(fg: FunctionGraph, node, site: Site) -> Site:
         raise NotASite()
     lhs, out = equation.split("->")
     terms = lhs.split(",")
+    pooled_one_hot = pooled_one_hot_einsum(fg, node, Gather)
+    if pooled_one_hot is not None:  # 'bkn,nd->bd': the one-hot rows' einsum 'bkd->bd', the table no operand
+        gathered, rows_labels = pooled_one_hot
+        terms, ins = [rows_labels], [gathered.output]
     skipped = None  # an operand that is a gather of something else (a 1-D weight table)
     for g_pos in range(len(ins)):
+        if pooled_one_hot is not None:
+            break
         try:
             gathered = resolve_gather(fg, ins[g_pos])
             break
@@ -46,6 +53,8 @@ def match_einsum(fg: FunctionGraph, node, site: Site) -> Site:
     else:
         raise skipped or NotASite()
     fill_from_gather(site, gathered, fg)
+    if pooled_one_hot is not None:  # the rows [..., D] the one-hot [..., N] stands for
+        site.gathered_shape = site.gathered_shape[:-1] + site.table_shape[1:] if site.gathered_shape else None
     g_labels = _einsum_labels(terms[g_pos])
     out_labels = _einsum_labels(out)
     reason = f"einsum '{equation}' is not a weighted sum over the bag axis"

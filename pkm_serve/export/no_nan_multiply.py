@@ -18,17 +18,23 @@ _INT_TYPES = (types_pb2.DT_BOOL, types_pb2.DT_INT8, types_pb2.DT_UINT8, types_pb
               types_pb2.DT_INT64)
 
 
+_NO_NAN_CALLS = {"MulNoNan": "tf.math.multiply_no_nan(rows, w)", "DivNoNan": "tf.math.divide_no_nan(rows, d)"}
+
+
 def multiply_op(fg: FunctionGraph, node, ins: List[Ref], leads_to_gather, rows=None) -> str:
     """The op as a multiply of the rows reads it: tf.math.multiply_no_nan(rows, w) is "Mul" (its zeros are kept
     by note_zero_weights). multiply_no_nan(w, rows) is 0 wherever a row entry is 0, also for an inf or NaN
-    weight: not a multiply. `rows` (dense.Rows): the steps found after it, checked (check_steps_after)."""
-    if node.op != "MulNoNan":
+    weight: not a multiply. tf.math.divide_no_nan(rows, d) is "RealDiv", 0 wherever d is 0 (its zeros kept
+    alike). `rows` (dense.Rows): the steps found after it, checked (check_steps_after)."""
+    if node.op not in ("MulNoNan", "DivNoNan"):
         return node.op
     rows_side = _rows_side(fg, ins, leads_to_gather)
     if rows_side == 0:
         if rows is not None:
-            check_steps_after(fg, rows)
-        return "Mul"
+            check_steps_after(fg, rows, _NO_NAN_CALLS[node.op])
+        return "Mul" if node.op == "MulNoNan" else "RealDiv"
+    if node.op == "DivNoNan":
+        return node.op  # divide_no_nan(w, rows): no scaling of the rows
     if rows_side == 1:
         raise Skip("tf.math.multiply_no_nan(w, rows) (the rows second): 0 wherever a row entry is 0, even for "
                    "an inf or NaN weight, which the op's w * row is not; multiply_no_nan(rows, w) is fused")
@@ -68,7 +74,7 @@ def _axis_length(fg: FunctionGraph, ref: Ref) -> bool:
     return source is not None and source.op == "Shape"
 
 
-def check_steps_after(fg: FunctionGraph, rows) -> None:
+def check_steps_after(fg: FunctionGraph, rows, call: str = _NO_NAN_CALLS["MulNoNan"]) -> None:
     """Skip where multiply_no_nan(rows, w) is then multiplied by a tensor that may be inf or NaN, or divided by
     one that may be 0 (found before it, walking down from the reduction): the composite's 0 * inf or 0 / 0 is
     NaN where the fused op leaves the padded entry out."""
@@ -76,16 +82,17 @@ def check_steps_after(fg: FunctionGraph, rows) -> None:
     later += [(f.kind, f.ref) for f in rows.factors if f.ref is not None]
     for kind, ref in later:
         if not _finite(fg, ref, kind == "div"):
-            raise Skip(f"tf.math.multiply_no_nan(rows, w) then {'divided' if kind == 'div' else 'multiplied'} by "
+            raise Skip(f"{call} then {'divided' if kind == 'div' else 'multiplied'} by "
                        f"{fg.render(ref)}, which may be {'0' if kind == 'div' else 'inf or NaN'}: the composite's "
-                       f"{'0 / 0' if kind == 'div' else '0 * inf'} is NaN where w is 0, and the fused op leaves "
-                       "that entry out (multiply_no_nan last, or by a constant, is fused)")
+                       f"{'0 / 0' if kind == 'div' else '0 * inf'} is NaN where {call[-2]} is 0, and the fused op "
+                       "leaves that entry out (the *_no_nan step last, or by a constant, is fused)")
 
 
 def note_zero_weights(node, rows, site: Site, weights_before: Optional[Ref], factors_before: int) -> None:
-    """After a multiply_no_nan(rows, w) step: w as the resolve recorded it (the weights, or a factor), noted on
-    the site; its zeros become padding when fused (no_nan_padding.zero_weights_as_padding)."""
-    if node.op != "MulNoNan":
+    """After a multiply_no_nan(rows, w) (or divide_no_nan(rows, d)) step: w (d) as the resolve recorded it (the
+    weights, or a factor), noted on the site; its zeros become padding when fused
+    (no_nan_padding.zero_weights_as_padding)."""
+    if node.op not in _NO_NAN_CALLS:
         return
     if rows.weights is not None and rows.weights is not weights_before:
         noted = (rows.weights, rows.weights_squeeze, rows.weights_scalar)

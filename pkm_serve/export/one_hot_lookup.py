@@ -23,16 +23,53 @@ def _table_shape(fg: FunctionGraph, table: Ref):
     return fg.shape(table)
 
 
-def one_hot_lookup(fg: FunctionGraph, node) -> Optional[Ref]:
-    """The ids of MatMul(OneHot(ids, N, on 1, off 0, axis -1), table [N, D]) (neither transposed), else None."""
-    if node is None or node.op != "MatMul" or any(
-            k in node.attr and node.attr[k].b for k in ("transpose_a", "transpose_b")):
+_BATCH_MATMULS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
+
+
+def _lookup_einsum(node) -> Optional[int]:
+    """The one-hot operand's position of Einsum('...n,nd->...d') (a row per one-hot; any labels), else None."""
+    equation = node.attr["equation"].s.decode().replace(" ", "")
+    if "->" not in equation or equation.count(",") != 1:
         return None
-    one_hot_ref, table = fg.inputs(node)
+    (first, second), out = equation.split("->")[0].split(","), equation.split("->")[1]
+    for position, (hot, table) in enumerate(((first, second), (second, first))):
+        if len(table) == 2 and len(set(table)) == 2 and hot.endswith(table[0]) and \
+                table[1] not in hot and out == hot[:-1] + table[1] and table[0] not in hot[:-1] + out and \
+                len(set(hot.replace("...", ""))) == len(hot.replace("...", "")):
+            return position
+    return None
+
+
+def lookup_operands(fg: FunctionGraph, node):
+    """(one-hot, table) refs of a matmul or einsum that may be a one-hot lookup, else None: MatMul or a
+    batch matmul (neither adjoint, operand types alike: BatchMatMulV3's Tout too) of the one-hot first, or
+    Einsum('...n,nd->...d') of the one-hot either side. A batch matmul broadcasts the [N, D] table."""
+    if node is None:
+        return None
+    if node.op == "Einsum":
+        position = _lookup_einsum(node) if len(fg.inputs(node)) == 2 else None
+        return None if position is None else (fg.inputs(node)[position], fg.inputs(node)[1 - position])
+    adjoints = ("transpose_a", "transpose_b") if node.op == "MatMul" else ("adj_x", "adj_y")
+    if node.op not in ("MatMul",) + _BATCH_MATMULS or any(k in node.attr and node.attr[k].b for k in adjoints):
+        return None
+    if node.op == "BatchMatMulV3" and len({node.attr[a].type for a in ("Ta", "Tb", "Tout")}) != 1:
+        return None
+    return tuple(fg.inputs(node)[:2])
+
+
+def one_hot_lookup(fg: FunctionGraph, node) -> Optional[Ref]:
+    """The ids of a lookup (lookup_operands) of OneHot(ids, N, on 1, off 0, axis -1) in table [N, D], else None."""
+    operands = lookup_operands(fg, node)
+    return None if operands is None else _one_hot_ids(fg, operands[0], operands[1], _value_type(node))
+
+
+def _one_hot_ids(fg: FunctionGraph, one_hot_ref: Ref, table: Ref, value_type: int) -> Optional[Ref]:
+    """The ids of `one_hot_ref` = OneHot(ids, N, on 1, off 0, axis -1), read by one node only, N the rows of
+    the [N, D] `table`, else None."""
     one_hot = fg.producer(one_hot_ref)
     # axis -1 is the attr's default, which a SavedModel may leave out
     if one_hot is None or one_hot.op != "OneHot" or ("axis" in one_hot.attr and int(one_hot.attr["axis"].i) != -1) or \
-            node.attr["T"].type not in TABLE_DTYPES:
+            value_type not in TABLE_DTYPES:
         return None
     ids, depth, on, off = fg.inputs(one_hot)
     depth, on, off = fg.const_value(depth), fg.const_value(on), fg.const_value(off)
@@ -41,6 +78,36 @@ def one_hot_lookup(fg: FunctionGraph, node) -> Optional[Ref]:
             shape.rank != 2 or shape[0] != int(depth) or len(fg.consumers(one_hot_ref)) != 1:
         return None
     return ids
+
+
+def pooled_one_hot_einsum(fg: FunctionGraph, node, gather_class):
+    """(Gather, rows' labels) of Einsum('bkn,nd->bd') (any labels: the one-hot's ...n, the table's nd, either
+    side; the output the rows' labels ...d less some axes): the one-hot rows of the ids, reduced in the same
+    einsum. The Gather's output is the one-hot (the site's private input); None where it is no such einsum."""
+    ins = fg.inputs(node)
+    equation = node.attr["equation"].s.decode().replace(" ", "")
+    if len(ins) != 2 or "->" not in equation or "." in equation or equation.count(",") != 1:
+        return None
+    terms, out = equation.split("->")[0].split(","), equation.split("->")[1]
+    for position in (0, 1):
+        hot, table = terms[position], terms[1 - position]
+        if len(table) != 2 or not hot.endswith(table[0]) or table[1] in hot or table[0] in hot[:-1] or \
+                len(out) >= len(hot):  # the same labels: a lookup (one_hot_lookup), reduced elsewhere if at all
+            continue
+        ids = _one_hot_ids(fg, ins[position], ins[1 - position], node.attr["T"].type)
+        if ids is None:
+            continue
+        one_hot = fg.producer(ins[position])
+        index_dtype = one_hot.attr["TI"].type if "TI" in one_hot.attr else types_pb2.DT_INT64
+        gathered = gather_class(ins[position], ins[1 - position], False, ids, [one_hot.name],
+                                _table_shape(fg, ins[1 - position]), node.attr["T"].type, index_dtype)
+        gathered.one_hot = True
+        return gathered, hot[:-1] + table[1]
+    return None
+
+
+def _value_type(node) -> int:
+    return node.attr["Ta"].type if node.op == "BatchMatMulV3" else node.attr["T"].type
 
 
 def check_one_hot_combiner(site: Site) -> None:
@@ -56,11 +123,11 @@ def one_hot_gather(fg: FunctionGraph, ref: Ref, gather_class, nodes):
     ids = one_hot_lookup(fg, node)
     if ids is None:
         return None
-    one_hot = fg.producer(fg.inputs(node)[0])
-    table = fg.inputs(node)[1]
+    one_hot_ref, table = lookup_operands(fg, node)
+    one_hot = fg.producer(one_hot_ref)
     index_dtype = one_hot.attr["TI"].type if "TI" in one_hot.attr else types_pb2.DT_INT64  # TI's default: left out
     gathered = gather_class(ref, table, False, ids, nodes + [node.name, one_hot.name], _table_shape(fg, table),
-                            node.attr["T"].type, index_dtype)
+                            _value_type(node), index_dtype)
     gathered.one_hot = True
     return gathered
 

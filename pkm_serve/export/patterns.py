@@ -180,6 +180,9 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
             unsorted_segments.sort_by_segment(fg, site)
             if site.positions is not None:
                 positions.take_positions(fg, site)
+            if site.no_nan_positions:  # w[..., a:b]'s zeros padding, the ids sliced alike
+                site.no_nan_weights = ((site.weights, False, False),)
+                zero_weights_as_padding(fg, site)
             if site.pattern == "einsum":
                 einsum.check_labelled_weights(fg, site)
             if site.flatten_bag_axes > 1:

@@ -13,7 +13,7 @@ from tensorflow.core.framework import types_pb2
 from pkm_serve.export.dense import is_scalar, strip_trailing_unit_axis
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.scales import Factor, _check_half_weight_fits
-from pkm_serve.export.sites import NotASite, Site, Skip
+from pkm_serve.export.sites import NotASite, Site, Skip, same_dims
 
 
 def _product_leaves(fg: FunctionGraph, ref: Ref, muls: List[str], divisors: List[Ref]) -> List[Ref]:
@@ -69,15 +69,29 @@ def scaled_position_rows(fg: FunctionGraph, ref: Ref, function: str, kept: bool,
     return term
 
 
+def _no_nan_positions(fg: FunctionGraph, terms, site: Site, constants) -> None:
+    """multiply_no_nan(rows[:, k], w[:, k:k+1]) at every position, w shaped like the ids: the bag's weights
+    w[..., a:b], whose zeros become padding once sliced (patterns: no_nan_padding), as for rows of every
+    position; Skip where some terms are plain products, scaled by constants, or weighted otherwise."""
+    if all(c is None for c in constants) and site.weights is not None and \
+            same_dims(fg.shape(site.weights), fg.shape(site.indices)) and \
+            all(len(t.site.no_nan_weights) == 1 and t.weights is not None and
+                t.site.no_nan_weights[0][0] == t.weights[0] for t in terms):
+        site.no_nan_positions = True
+        return
+    raise Skip("a sum of positions some of which are tf.math.multiply_no_nan(rows, w[:, k:k+1]) and some plain or "
+               "scaled products (or weighted by other than w shaped like the ids): 0 where w is 0 even for an inf "
+               "or NaN row, which the fused op's w * row is not: not fused (multiply_no_nan at every position, "
+               "or of the rows of every position then reduce_sum, is)")
+
+
 def constant_factor(fg: FunctionGraph, terms, site: Site) -> None:
     """Every term's constants as one factor of the site's weights, where every term has one constant and all
     are equal; Skip where they differ (per-position scalar weights) or some terms have none, or where a term
     is a multiply_no_nan (its zero weights' padding is not carried through the positions' slices)."""
-    if any(t.site.no_nan_weights for t in terms):
-        raise Skip("a sum of positions of tf.math.multiply_no_nan(rows, w[:, k:k+1]): 0 where w is 0 even for an "
-                   "inf or NaN row, which the fused op's w * row is not: not fused (multiply_no_nan(rows, w) "
-                   "of the rows of every position, then reduce_sum, is)")
     constants = [getattr(t, "constant", None) for t in terms]
+    if any(t.site.no_nan_weights for t in terms):
+        _no_nan_positions(fg, terms, site, constants)
     if all(c is None for c in constants):
         return
     if any(c is None or len(c) != 1 for c in constants):

@@ -75,6 +75,7 @@ class Site:
     empty_bag_lowest: bool = False        # ragged max: an empty bag is the dtype's lowest
     empty_bags: Optional[Ref] = None      # [bags, 1] bool, where not read off the row_splits (unsorted_segments.py)
     no_nan_weights: Tuple[Tuple[Ref, bool, bool], ...] = ()  # multiply_no_nan(rows, w): (w, squeeze, scalar)
+    no_nan_positions: bool = False  # every position's multiply_no_nan(rows[:, k], w[:, k:k+1]): w's zeros padding
     internal: Tuple[str, ...] = ()     # nodes only the site uses (removed on fusion)
     dead_after: Tuple[str, ...] = ()   # nodes that become unused once fused
     intermediate_itemsizes: Tuple[int, ...] = ()  # one per [..., K, D] tensor built

@@ -12,6 +12,11 @@ from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.one_hot_lookup import one_hot_lookup
 from pkm_serve.export.sites import GATHER_OPS, NotASite, Site, Skip, through_identity
 
+WEIGHTED_BEFORE_RESHAPE = (
+    "weights or a mask applied to the gathered rows before the reshape that groups them into bags (per row of "
+    "the ids as gathered, not of the bags the fused op reads): not fused; apply them after the reshape "
+    "(rows * w[..., None] of the [..., K, D] rows), which is fused")
+
 
 def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Tuple[Ref, Optional[List[int]]]:
     """Reshape(table[reshape(ids, [-1])], shape(ids) + [D]) is table[ids]

@@ -9,6 +9,7 @@ import numpy as np
 
 from pkm_serve.export.dense import leads_to_gather, resolve_rows
 from pkm_serve.export.graph import FunctionGraph
+from pkm_serve.export.unflatten import WEIGHTED_BEFORE_RESHAPE
 from pkm_serve.export.sites import GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip, through_identity
 
 # Reductions of gathered rows that the op has no combiner for: reported when they pool a bag.
@@ -96,12 +97,14 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
         for ref, path in frontier:
             ref = through_identity(fg, ref, [])  # an Identity is no step
             producer = fg.producer(ref)
-            if producer is None or (fg.shape(ref).rank != rank and path[-1:] != ["Reshape"]):
+            if producer is None or (fg.shape(ref).rank != rank and "Reshape" not in path):
                 continue
             if producer.op == "RaggedTensorToTensor" and leads_to_gather(fg, fg.inputs(producer)[1]):
                 return _padded_rows_reason(node.op, path)
             if stitches_table_rows(fg, producer):
                 return _no_combiner(node.op) if node.op in UNFUSABLE_REDUCE_OPS else _STITCHED_REASON
+            if path == ["Reshape"] and _flattened_one_hot_matmul(fg, producer):
+                return _FLAT_ONE_HOT_REASON
             if clips_rows(fg, producer):
                 return ("each gathered row is clipped to max_norm (embedding_lookup max_norm=, i.e. "
                         "clip_by_norm) before the reduction: PkmEmbeddingBag has no row-norm clip, so "
@@ -123,8 +126,10 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
                     return ("the rows are gathered by tf.gather_nd: only tf.gather / embedding_lookup / "
                             "Keras Embedding row gathers (axis 0) and tf.gather_nd(table, ids[..., None]) "
                             "are fused")
-                if not path:
-                    return "the gather is not a row gather (axis 0, batch_dims 0)"
+                if not path or _gathers_other_than_rows(fg, producer):
+                    return _not_a_row_gather(fg, producer)
+                if "Reshape" in path and {"Mul", "MulNoNan", "SelectV2"} & set(path[path.index("Reshape"):]):
+                    return WEIGHTED_BEFORE_RESHAPE
                 steps = " -> ".join(reversed(path))
                 return (f"{steps} between the gather and the reduction: only a cast, a "
                         "per-index multiply and a tf.where mask are fused")
@@ -145,8 +150,8 @@ def _transposed_table_reason(fg: FunctionGraph, x, rank: int) -> Optional[str]:
                 "mixed precision's Permute + channels_first pooling): a cast after the transpose is not fused")
     if steps:
         return (f"the gathered rows are transposed to [..., D, K], then {' -> '.join(steps)} before the reduction "
-                "over K: a multiplier or mask applied after the transpose is not fused (apply it before the "
-                "transpose, which is fused)")
+                "over K: after the transpose only a multiplier of one weight per position ([..., 1, K], w[:, None, "
+                ":]) or a scalar, read by the reduction, is fused, not a mask or a multiplier per feature")
     if producer is not None and producer.op == "Transpose" and leads_to_gather(fg, fg.inputs(producer)[0]):
         perm = fg.const_value(fg.inputs(producer)[1])
         if perm is not None and list(np.reshape(perm, [-1])) == list(range(rank - 2)) + [rank - 1, rank - 2]:
@@ -181,6 +186,48 @@ def _steps_after_transposed_rows(fg: FunctionGraph, x, rank: int, depth: int = 3
         if below:
             return below + [producer.op]
     return []
+
+
+_FLAT_ONE_HOT_REASON = (
+    "the rows are a one-hot matmul whose one-hot [..., K, N] is reshaped to [-1, N] first and the product "
+    "reshaped back (keras.ops.matmul or tf.tensordot of tf.one_hot(ids, N) and the table): not fused; "
+    "tf.matmul(tf.one_hot(ids, N), table) (a batch matmul) or tf.einsum('bkn,nd->bkd', ...) is")
+
+
+def _flattened_one_hot_matmul(fg: FunctionGraph, matmul) -> bool:
+    """MatMul(Reshape([Transpose](OneHot(ids))), table): a one-hot lookup of flattened one-hots (tensordot's)."""
+    if matmul.op != "MatMul":
+        return False
+    node = fg.producer(through_identity(fg, fg.inputs(matmul)[0], []))
+    if node is None or node.op != "Reshape":
+        return False  # tf.matmul(tf.one_hot(reshape(ids, [-1]), N), table) is fused (one_hot_lookup.py)
+    node = fg.producer(through_identity(fg, fg.inputs(node)[0], []))
+    if node is not None and node.op == "Transpose":
+        node = fg.producer(through_identity(fg, fg.inputs(node)[0], []))
+    return node is not None and node.op == "OneHot"
+
+
+def _gathers_other_than_rows(fg: FunctionGraph, gather) -> bool:
+    """A GatherV2 with batch_dims, or along an axis other than 0 (or not constant)."""
+    if gather.op != "GatherV2":
+        return False
+    axis = fg.const_value(fg.inputs(gather)[2])
+    return ("batch_dims" in gather.attr and gather.attr["batch_dims"].i != 0) or axis is None or int(axis) != 0
+
+
+def _not_a_row_gather(fg: FunctionGraph, gather) -> str:
+    """Why a GatherV2 of table-typed params whose output is reduced is no row gather: its axis and batch_dims."""
+    if gather.op != "GatherV2":
+        return "the gather is not a row gather (axis 0, batch_dims 0)"
+    batch_dims = int(gather.attr["batch_dims"].i) if "batch_dims" in gather.attr else 0
+    axis = fg.const_value(fg.inputs(gather)[2])
+    written = (f"tf.gather(params {fg.shape(fg.inputs(gather)[0])}, ids, axis={'?' if axis is None else int(axis)}, "
+               f"batch_dims={batch_dims})")
+    if batch_dims:
+        return (f"the rows are {written}: each batch entry gathers from its own params (a table per request, "
+                "even if broadcast from one), not rows of one table (axis 0, batch_dims 0): not fused; "
+                "tf.gather(table, ids) is")
+    return f"the rows are {written}, not a row gather of one table (axis 0, batch_dims 0): not fused"
 
 
 def _padded_rows_reason(op: str, path) -> str:

@@ -284,16 +284,3 @@ def test_ragged_multiply_no_nan_of_rows_by_weights_is_a_ragged_bag(tmp_path):
     for model in (tmp_path / "m", result.dst):
         out = tf.saved_model.load(str(model)).signatures["serving_default"](**inputs)["out"].numpy()
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
-
-
-def test_transposed_rows_weighted_after_the_transpose_are_reported(tmp_path):
-    """sum(transpose(rows) * w[:, None, :], -1) was neither fused nor listed (a silent bag); now reported."""
-    result = save_and_export(tmp_path, [IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(
-        tf.transpose(tf.gather(m.t, ids), [0, 2, 1]) * w[:, None, :], -1))
-    [site] = result.sites
-    assert site.status == "skipped" and "after the transpose" in site.reason, site.reason
-    ids = random_ids()
-    w = _weights(ids)
-    want, got = run_both(tmp_path, result, ids, w)
-    np.testing.assert_allclose(got, np_bags(ids, w), rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(got, want)

@@ -103,15 +103,13 @@ def test_multiply_no_nan_zero_weights_in_the_tflite(tmp_path):
 STAYS = {  # a step after multiply_no_nan that makes the composite's 0 NaN: (body, words of the reason)
     "times_a_fed_weight": (lambda m, ids, w: tf.reduce_sum(
         tf.math.multiply_no_nan(tf.gather(m.t, ids), w[..., None]) * w[..., None], 1), "may be inf or NaN"),
-    "per_position": (lambda m, ids, w: tf.add_n([tf.math.multiply_no_nan(tf.gather(m.t, ids[:, k]), w[:, k:k + 1])
-                                                 for k in range(K)]), "sum of positions"),
 }
 
 
 @pytest.mark.parametrize("form", sorted(STAYS))
 def test_multiply_no_nan_sites_that_padding_would_change_stay_composite(tmp_path, form):
-    """multiply_no_nan(rows, w) * w: the composite's 0 * inf is NaN, padding would leave it out; per position
-    the padding is not carried through the slices. Before: both fused, NaN where the original is finite."""
+    """multiply_no_nan(rows, w) * w: the composite's 0 * inf is NaN, padding would leave it out. Before: fused,
+    NaN where the original is finite. (Per position, now fused with the padding: test_export_no_nan_positions.)"""
     body, words = STAYS[form]
     result = save_and_export(tmp_path, [IDS, WEIGHTS], body, table=NON_FINITE)
     [site] = result.sites

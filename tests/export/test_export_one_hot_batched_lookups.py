@@ -1,0 +1,68 @@
+"""One-hot lookups of rank-3 ids written without the flattening reshape: tf.matmul(tf.one_hot(ids, N), table)
+(a BatchMatMulV2 broadcasting the [N, D] table), tf.einsum('bkn,nd->bkd', ...) then reduced, and the einsum
+that looks up and sums at once, tf.einsum('bkn,nd->bd', ...). They were no site at all (not even reported).
+One export of one model holding every form; each output slice checked against numpy float64 and the original,
+ids outside [0, N) included (a zero row in the composite, padding in the fused op)."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from round34_forms import FIELD_IDS, FIELDS, IDS, K, N, RNG, TABLE, WEIGHTS, save_and_export
+
+D = TABLE.shape[1]
+
+
+def _hot(ids):
+    return tf.one_hot(ids, N)
+
+
+FORMS = [  # (name, body of (module, ids [B, K], weights [B, K], field ids [B, F, K]), output width)
+    ("batch_matmul_then_sum", lambda m, i, w, f: tf.reduce_sum(tf.matmul(_hot(i), m.t), 1), D),
+    ("batch_matmul_weighted", lambda m, i, w, f: tf.reduce_sum(tf.matmul(_hot(i), m.t) * w[..., None], 1), D),
+    ("einsum_lookup_then_mean", lambda m, i, w, f: tf.reduce_mean(tf.einsum("bkn,nd->bkd", _hot(i), m.t), 1), D),
+    ("einsum_pooled", lambda m, i, w, f: tf.einsum("bkn,nd->bd", _hot(i), m.t), D),
+    ("einsum_pooled_table_first", lambda m, i, w, f: tf.einsum("nd,bkn->bd", m.t, _hot(i)), D),
+    ("einsum_pooled_per_field", lambda m, i, w, f: tf.reshape(tf.einsum("bfkn,nd->bfd", _hot(f), m.t),
+                                                              [-1, FIELDS * D]), FIELDS * D),
+    ("einsum_pooled_over_fields", lambda m, i, w, f: tf.einsum("bfkn,nd->bd", _hot(f), m.t), D),
+]
+
+
+def _references(ids, w, fields):
+    table = np.concatenate([TABLE.astype(np.float64), np.zeros((1, D))])  # row N: the zero row of other ids
+    rows = table[np.where((ids >= 0) & (ids < N), ids, N)]
+    field_rows = table[np.where((fields >= 0) & (fields < N), fields, N)]
+    return {"batch_matmul_then_sum": rows.sum(1), "batch_matmul_weighted": np.einsum("bk,bkd->bd", w, rows),
+            "einsum_lookup_then_mean": rows.mean(1), "einsum_pooled": rows.sum(1),
+            "einsum_pooled_table_first": rows.sum(1),
+            "einsum_pooled_per_field": field_rows.sum(2).reshape(len(ids), -1),
+            "einsum_pooled_over_fields": field_rows.sum((1, 2))}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("one_hot")
+    result = save_and_export(tmp_path, [IDS, WEIGHTS, FIELD_IDS], lambda m, i, w, f: tf.concat(
+        [body(m, i, w, f) for _, body, _ in FORMS], 1))
+    ids = RNG.integers(0, N, (4, K))
+    ids[1, 0], ids[2, 3] = -1, N + 2  # zero rows in the composite
+    fields = RNG.integers(-1, N + 2, (4, FIELDS, K))
+    w = RNG.uniform(0.5, 2, ids.shape).astype(np.float32)
+    inputs = {"args_0": ids, "args_1": w, "args_2": fields}
+    original = tf.saved_model.load(str(tmp_path / "m")).signatures["serving_default"](**inputs)["out"].numpy()
+    fused = tf.saved_model.load(result.dst).signatures["serving_default"](**inputs)["out"].numpy()
+    return result, original, fused, _references(ids, w.astype(np.float64), fields)
+
+
+def test_every_batched_one_hot_lookup_is_fused(exported):
+    result = exported[0]
+    assert [s.status for s in result.sites] == ["fused"] * len(FORMS), [s.reason for s in result.sites]
+
+
+@pytest.mark.parametrize("form", range(len(FORMS)), ids=[name for name, _, _ in FORMS])
+def test_batched_one_hot_bag_computes_the_original(exported, form):
+    _, original, fused, references = exported
+    start = sum(width for _, _, width in FORMS[:form])
+    name, _, width = FORMS[form]
+    np.testing.assert_allclose(original[:, start:start + width], references[name], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fused[:, start:start + width], references[name], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,76 @@
+"""Forms reported with a reason that misled. Weights or a mask applied to gathered rows of flattened ids before the reshape that groups them into bags
+(reshape(gather(t, reshape(ids, [-1])) * reshape(w, [-1, 1]), [-1, K, D])) are per row of the ids as
+gathered, not of the bags the op reads. They were reported as "multiplier is not per-index", which the
+weights are, or (a reshape to concat(tf.shape(ids), [D]), tf-models' OnDeviceEmbedding) not listed at all.
+And tf.gather(params, ids, batch_dims=1) of a table broadcast per request was "not a row gather (axis 0,
+batch_dims 0)", naming what the export wants, not what the model does; a one-hot lookup written with
+tf.tensordot (keras.ops.matmul of a [B, K, N] one-hot) was not listed. One export of one model holding the
+seven forms: each reported with its reason, outputs unchanged."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from round34_forms import FIELD_IDS, FIELDS, IDS, K, N, RNG, TABLE, WEIGHTS, save_and_export
+
+D = TABLE.shape[1]
+RESHAPE_WORDS = "before the reshape that groups them into bags"
+BATCH_DIMS_WORDS = "batch_dims=1): each batch entry gathers from its own params"
+FIELD_WEIGHTS = tf.TensorSpec([None, FIELDS, K], tf.float32)
+
+
+def _flat_rows(m, ids, width=-1):
+    return tf.gather(m.t, tf.reshape(ids, [width] if width == -1 else [-1, width]))
+
+
+FORMS = {  # name: (body of (module, ids, w, field ids, field weights), numpy float64 reference[, reason words])
+    "constant_target": (lambda m, i, w, f, fw: tf.reduce_sum(tf.reshape(
+        _flat_rows(m, i) * tf.reshape(w, [-1, 1]), [-1, K, D]), 1),
+        lambda ids, rows, w, frows, fw: np.einsum("bk,bkd->bd", w, rows)),
+    "shape_target": (lambda m, i, w, f, fw: tf.reduce_sum(tf.reshape(
+        _flat_rows(m, i) * tf.reshape(w, [-1, 1]), tf.concat([tf.shape(i), [D]], 0)), 1),
+        lambda ids, rows, w, frows, fw: np.einsum("bk,bkd->bd", w, rows)),
+    "masked": (lambda m, i, w, f, fw: tf.reduce_sum(tf.reshape(tf.where(
+        tf.reshape(i, [-1, 1]) > 3, _flat_rows(m, i), 0.0), [-1, K, D]), 1),
+        lambda ids, rows, w, frows, fw: np.where(ids[..., None] > 3, rows, 0.0).sum(1)),
+    "regrouped_fields": (lambda m, i, w, f, fw: tf.reshape(tf.reduce_sum(tf.reshape(
+        _flat_rows(m, f, FIELDS * K) * tf.reshape(fw, [-1, FIELDS * K, 1]), [-1, FIELDS, K, D]), 2),
+        [-1, FIELDS * D]), lambda ids, rows, w, frows, fw: np.einsum("bfk,bfkd->bfd", fw, frows).reshape(len(w), -1)),
+    "batch_dims_broadcast_table": (lambda m, i, w, f, fw: tf.reduce_sum(tf.gather(
+        tf.broadcast_to(m.t[None], [tf.shape(i)[0], N, D]), i, batch_dims=1), 1),
+        lambda ids, rows, w, frows, fw: rows.sum(1), BATCH_DIMS_WORDS),
+    "batch_dims_weighted": (lambda m, i, w, f, fw: tf.reduce_sum(tf.gather(
+        tf.tile(m.t[None], [tf.shape(i)[0], 1, 1]), i, batch_dims=1) * w[..., None], 1),
+        lambda ids, rows, w, frows, fw: np.einsum("bk,bkd->bd", w, rows), "batch_dims=1"),
+    "one_hot_tensordot": (lambda m, i, w, f, fw: tf.reduce_sum(tf.tensordot(tf.one_hot(i, N), m.t, axes=1), 1),
+                          lambda ids, rows, w, frows, fw: rows.sum(1), "is reshaped to [-1, N] first"),
+}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("weights_before_reshape")
+    result = save_and_export(tmp_path, [IDS, WEIGHTS, FIELD_IDS, FIELD_WEIGHTS], lambda m, *args: tf.concat(
+        [form[0](m, *args) for form in FORMS.values()], 1))
+    ids, fields = RNG.integers(0, N, (4, K)), RNG.integers(0, N, (4, FIELDS, K))
+    w, fw = RNG.uniform(0.5, 2, ids.shape).astype(np.float32), RNG.uniform(0.5, 2, fields.shape).astype(np.float32)
+    inputs = {"args_0": ids, "args_1": w, "args_2": fields, "args_3": fw}
+    original = tf.saved_model.load(str(tmp_path / "m")).signatures["serving_default"](**inputs)["out"].numpy()
+    fused = tf.saved_model.load(result.dst).signatures["serving_default"](**inputs)["out"].numpy()
+    table = TABLE.astype(np.float64)
+    expected = [ref(ids, table[ids], w.astype(np.float64), table[fields], fw.astype(np.float64))
+                for _, ref, *_ in FORMS.values()]
+    return result, original, fused, np.concatenate(expected, 1)
+
+
+def test_misleading_forms_are_reported_with_what_the_model_does(exported):
+    result = exported[0]
+    assert len(result.sites) == len(FORMS), [s.reason for s in result.sites]
+    for site, (_, _, *words) in zip(result.sites, FORMS.values()):
+        assert site.status == "skipped" and (words or [RESHAPE_WORDS])[0] in site.reason, site.reason
+        assert "multiplier is not per-index" not in site.reason.split("(")[0]
+
+
+def test_misleading_forms_still_compute_the_original(exported):
+    _, original, fused, expected = exported
+    np.testing.assert_allclose(original, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(fused, original)
