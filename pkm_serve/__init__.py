@@ -113,10 +113,8 @@ class _RegisterAfterLoad(importlib.abc.Loader):
     def exec_module(self, module):
         # The module sees its own loader, as without us.
         module.__loader__ = module.__spec__.loader = self._loader
-        try:
-            self._loader.exec_module(module)
-        finally:
-            self._after_load()
+        self._loader.exec_module(module)
+        self._after_load()
 
 
 class _RegistrationFinder(importlib.abc.MetaPathFinder):
