@@ -92,7 +92,7 @@ def test_gradient_accumulation_of_a_bfloat16_table_keeps_small_gradients(optimiz
         step = _adam_rows(np.zeros((N, D)), np.zeros((N, D)), mean, 1.0, 1)[2]
     want = np.zeros((N, D))
     want[ROWS] = _bf16(-step)
-    np.testing.assert_allclose(table.numpy().astype(np.float64), want, rtol=2.0 ** -8)
+    np.testing.assert_allclose(table.numpy().astype(np.float64), want, rtol=2.0 ** -7)  # one bfloat16 ulp
 
 
 @pytest.mark.parametrize("optimizer_class", [RowwiseAdagrad, LazyAdam])
