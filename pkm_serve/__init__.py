@@ -16,6 +16,7 @@ device part (``pkm_serve.tflite``) run where TensorFlow is not installed.
 """
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.util
 import sys
@@ -70,11 +71,18 @@ _registration_lock = threading.RLock()
 _deferrals = 0  # > 0: inside _registration_deferred(), imports register nothing yet
 
 
+def _own_import_in_progress():
+    """A ``pkm_serve.`` module is half-way through its import (``import pkm_serve._library`` importing
+    TensorFlow): registering now would import it again half-initialised, a circular ImportError."""
+    return any(name.startswith("pkm_serve.") and not _imported(name) for name in list(sys.modules))
+
+
 def _register(module_name):
     """Runs the registration for ``module_name`` once (thread-safe); a failure
-    warns instead of breaking the user's ``import tensorflow``."""
+    warns instead of breaking the user's ``import tensorflow``. While one of our own
+    modules is importing, it waits for that import's end (_RegistrationFinder)."""
     with _registration_lock:
-        if module_name in _registered or _deferrals:
+        if module_name in _registered or _deferrals or _own_import_in_progress():
             return
         if module_name == "keras" and "tensorflow" in sys.modules \
                 and "tensorflow" not in _registered and not _imported("tensorflow"):
@@ -90,11 +98,14 @@ def _register(module_name):
 
 
 class _RegisterAfterLoad(importlib.abc.Loader):
-    """Wraps a module's real loader: executes the module, then registers."""
+    """Wraps a module's real loader: executes the module, then runs ``after_load``."""
 
-    def __init__(self, loader, module_name):
+    def __init__(self, loader, after_load):
         self._loader = loader
-        self._module_name = module_name
+        self._after_load = after_load
+
+    def __getattr__(self, name):  # get_source, get_resource_reader, ...: the real loader's
+        return getattr(self._loader, name)
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
@@ -103,15 +114,19 @@ class _RegisterAfterLoad(importlib.abc.Loader):
         # The module sees its own loader, as without us.
         module.__loader__ = module.__spec__.loader = self._loader
         self._loader.exec_module(module)
-        _register(self._module_name)
+        self._after_load()
 
 
 class _RegistrationFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for a watched module it asks the finders after it
-    and wraps the loader they return."""
+    """Finds nothing itself: for a watched module, or one of ours (whose import's end runs a
+    registration it held back), it asks the finders after it and wraps the loader they return."""
 
     def find_spec(self, name, path=None, target=None):
-        if name not in _REGISTRATIONS or name in _registered:
+        if name.startswith("pkm_serve."):
+            after_load = functools.partial(_register_after_own_import, name)
+        elif name in _REGISTRATIONS and name not in _registered:
+            after_load = functools.partial(_register, name)
+        else:
             return None
         finders = sys.meta_path[sys.meta_path.index(self) + 1:] if self in sys.meta_path else []
         for finder in finders:
@@ -119,9 +134,16 @@ class _RegistrationFinder(importlib.abc.MetaPathFinder):
             spec = find(name, path, target) if find else None
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _RegisterAfterLoad(spec.loader, name)
+                    spec.loader = _RegisterAfterLoad(spec.loader, after_load)
                 return spec
         return None
+
+
+def _register_after_own_import(name):
+    module = sys.modules.get(name)
+    if module is not None:  # executed: no longer half-way for _own_import_in_progress (importlib says so next)
+        module.__spec__._initializing = False
+    _register_imported()
 
 
 def _register_imported():

@@ -208,7 +208,7 @@ def increment(optimizer, grads, accumulators, keras_increment):
             indices, values = _no_rows.drop_markers(grad)
             _scatter(accumulator, "scatter_add", tf.IndexedSlices(tf.cast(values, accumulator.dtype), indices))
         else:
-            keras_grads.append(grad)
+            keras_grads.append(_cast(grad, accumulator.dtype))  # a half variable's accumulator is float32
             keras_accumulators.append(accumulator)
         if marks is not None and sparse:
             indices, _ = _no_rows.drop_markers(grad)
@@ -219,6 +219,12 @@ def increment(optimizer, grads, accumulators, keras_increment):
         keras_increment(keras_grads, keras_accumulators)
     if kept:
         _step_done(optimizer)
+
+
+def _cast(grad, dtype):
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(tf.cast(grad.values, dtype), grad.indices, grad.dense_shape)
+    return tf.cast(grad, dtype)
 
 
 def reset(optimizer, keras_reset):

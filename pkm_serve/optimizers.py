@@ -38,7 +38,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from pkm_serve import _copy_on_write, _fused_update, _half_state_restore, _loss_scale_check, _no_rows, _row_accumulation
+from pkm_serve import (_copy_on_write, _fused_update, _half_state_restore, _half_variables, _loss_scale_check, _no_rows,
+                       _row_accumulation)
+from pkm_serve._half_variables import state_dtype as _state_dtype
 
 
 def _unique_rows(gradient: tf.IndexedSlices, dtype):
@@ -127,30 +129,6 @@ def _gather(variable, rows, dtype=None):
     return rows if dtype is None else tf.cast(rows, dtype)
 
 
-_HALF_DTYPES = ("float16", "bfloat16")
-_ADAM_MOMENTS = ("momentum", "velocity", "velocity_hat")
-
-
-def _state_dtype(variable):
-    """The dtype of the optimizer's state of `variable` and of its update: float32 for a half-precision
-    variable. In bfloat16, Keras' Adam (and LazyAdam, which did as it) rounded beta_2 = 0.999 to 1, so
-    sqrt(1 - beta_2**t) was 0 and no step moved the variable; a bfloat16 second moment or row
-    accumulator stops growing once a step's share is below its 8-bit precision."""
-    dtype = keras.backend.standardize_dtype(variable.dtype)
-    return "float32" if dtype in _HALF_DTYPES else dtype
-
-
-def _add_state_variable(optimizer, reference, **kwargs):
-    """`optimizer.add_variable(**kwargs)`, state of `reference`: where it is float32 state of a half
-    variable, a tf.train.Checkpoint holding it in the half dtype (an earlier pkm_serve, Keras' Adam)
-    restores it, also on creation (a restore before build), which tracking the variable runs."""
-    optimizer._pkm_half_state = kwargs["dtype"] != keras.backend.standardize_dtype(reference.dtype)
-    try:
-        return optimizer.add_variable(**kwargs)
-    finally:
-        optimizer._pkm_half_state = False
-
-
 def _claim_fused_tables(optimizer, var_list):
     """Claims the tables whose layers asked for the fused update (see module doc)."""
     for var in var_list:
@@ -197,13 +175,17 @@ def _adapt_a_loss_scale_wrapper(optimizer):
             _row_accumulation.load_without_marks, wrapper, keras_load=keras_load, inner=optimizer)
 
 
-class _RowSparseSteps:
+class _RowSparseSteps(_half_variables.HalfVariableState):
     """What LazyAdam and RowwiseAdagrad both wrap around Keras' optimizer: ``apply`` with
     IndexedSlices that ``loss_scale_factor`` can divide and gradient accumulation keeps row-sparse
     (pkm_serve/_row_accumulation.py), and ``update_step`` behind the fused-update check, the
     row-wise step itself being each one's ``_update_step``."""
 
     def apply(self, grads, trainable_variables=None):
+        if self.gradient_accumulation_steps:
+            # a half variable's accumulator is float32 (pkm_serve/_half_variables.py): Keras' `g + acc` of a
+            # half gradient raised InvalidArgumentError
+            grads = [_half_variables.in_float32(g) for g in grads]
         if self.loss_scale_factor is not None or self.gradient_accumulation_steps:
             grads = [_row_accumulation.RowSparseGradient(g.values, g.indices, g.dense_shape, self)
                      if isinstance(g, tf.IndexedSlices) else g for g in grads]
@@ -244,6 +226,18 @@ class _RowSparseSteps:
             return self._update_step(gradient, variable, learning_rate)
 
 
+def _decayed(optimizer, variable, learning_rate, old, rows_only):
+    """`old` (float32 values of `variable`, all or some rows, read before) with the weight decay a half
+    variable's step folds in (pkm_serve/_half_variables.py); for some rows, every row is decayed
+    first, the step then writing its rows."""
+    keep = optimizer.decay_factor(variable, learning_rate)
+    if keep is None:
+        return old
+    if rows_only:
+        optimizer.decay_untouched_rows(variable, keep)
+    return old * keep
+
+
 def _fused_step(optimizer):
     return optimizer.iterations + 1  # the step apply_gradients is about to count
 
@@ -261,19 +255,6 @@ class LazyAdam(_RowSparseSteps, keras.optimizers.Adam):
         super().build(var_list)  # Keras' order of the slots: a .keras file or checkpoint maps them by it
         _row_accumulation.build_marks(self, var_list)
         _claim_fused_tables(self, var_list)
-
-    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
-        """Keras' slot of `reference_variable`; a moment of a half-precision variable in float32
-        (_state_dtype)."""
-        dtype = _state_dtype(reference_variable)
-        if name not in _ADAM_MOMENTS or dtype == keras.backend.standardize_dtype(reference_variable.dtype):
-            return super().add_variable_from_reference(reference_variable, name=name, initializer=initializer)
-        colocate = _tf_variable(reference_variable)
-        prefix = getattr(reference_variable, "path", reference_variable.name)
-        prefix = prefix.replace("/", "_").replace(":", "_")  # Keras' slot names
-        with self._distribution_strategy.extended.colocate_vars_with(colocate):
-            return _add_state_variable(self, reference_variable, shape=reference_variable.shape,
-                                       initializer=initializer, dtype=dtype, name=f"{prefix}_{name}")
 
     def _pkm_fused_apply(self, variable, d_out, indices, weights, combiner, has_weights):
         _refuse_gradient_options(self, variable)
@@ -312,7 +293,8 @@ class LazyAdam(_RowSparseSteps, keras.optimizers.Adam):
             v_hat = self._velocity_hats[index]
             v_rows = tf.maximum(read(v_hat), v_rows)
             write(v_hat, v_rows)
-        write(variable, read(variable) - alpha * m_rows / (tf.sqrt(v_rows) + self.epsilon))
+        old = _decayed(self, variable, learning_rate, read(variable), rows_only=not dense)
+        write(variable, old - alpha * m_rows / (tf.sqrt(v_rows) + self.epsilon))
 
 
 def _check_adagrad_hyperparameters(initial_accumulator_value, epsilon):
@@ -372,8 +354,8 @@ class RowwiseAdagrad(_RowSparseSteps, keras.optimizers.Optimizer):
             shape = tuple(var.shape[:1]) if len(var.shape) >= 2 else tuple(var.shape)
             colocate = var.value if isinstance(var, keras.Variable) else var
             with self._distribution_strategy.extended.colocate_vars_with(colocate):
-                self._accumulators.append(_add_state_variable(
-                    self, var, shape=shape, initializer=init, dtype=_state_dtype(var),
+                self._accumulators.append(self.add_state_variable(
+                    var, shape=shape, initializer=init, dtype=_state_dtype(var),
                     name=f"{var.name.replace('/', '_').replace(':', '_')}_rowwise_accumulator"))
         _row_accumulation.build_marks(self, var_list)
         _claim_fused_tables(self, var_list)
@@ -403,11 +385,13 @@ class RowwiseAdagrad(_RowSparseSteps, keras.optimizers.Optimizer):
         if rows is None:
             acc_value = acc + sq
             self.assign(acc, acc_value)
-            self.assign(variable, tf.cast(variable, dtype) - lr * g / tf.sqrt(acc_value + self.epsilon)[expand])
+            old = _decayed(self, variable, learning_rate, tf.cast(variable, dtype), rows_only=False)
+            self.assign(variable, old - lr * g / tf.sqrt(acc_value + self.epsilon)[expand])
             return
         acc_rows = _gather(acc, rows) + sq
         _scatter_update(acc, rows, acc_rows)
-        new_rows = _gather(variable, rows, dtype) - lr * g / tf.sqrt(acc_rows + self.epsilon)[expand]
+        old_rows = _decayed(self, variable, learning_rate, _gather(variable, rows, dtype), rows_only=True)
+        new_rows = old_rows - lr * g / tf.sqrt(acc_rows + self.epsilon)[expand]
         _scatter_update(variable, rows, new_rows)
 
     def get_config(self):

@@ -8,7 +8,8 @@ def jax_sparse_bags_as_padded(indices, weights):
     `todense()` alone gave absent entries id 0, a real row). A position holds one id: two entries there
     (a BCOO built with repeated indices) summed into one other id, and weights at other positions than
     the ids' were read as 0 under jax.jit (predict, fit), both silently; both are a ValueError now,
-    eagerly and under jit (there through a host callback, which an export cannot hold: unchecked)."""
+    eagerly and under jit (there through a host callback). An export, or several devices, cannot hold
+    that callback: there the position gets an id past the table, an out-of-range error of the CPU kernel."""
     import jax.numpy as jnp
     from jax.experimental import sparse
 
@@ -53,7 +54,10 @@ def _refuse_where(bad, passed, message, counts):
     if not isinstance(bad, jax.core.Tracer):
         return refuse(passed, bad, counts) if bool(jnp.any(bad)) else passed
     if _under_jax_export(passed) or jax.device_count() > 1:
-        return passed   # no host callback there (see pkm_serve.layers._lookup.refuse_unsigned_ids_past)
+        # No host callback there (see pkm_serve.layers._lookup.refuse_unsigned_ids_past): a bad position
+        # gets an id past any table, which the CPU kernel refuses (naming that id), where it read another
+        # row, or weight 0, silently. (The composite and the CUDA kernel read it as padding.)
+        return jnp.where(bad, jnp.iinfo(passed.dtype).max, passed)
 
     def host_check(value):
         return jax.pure_callback(refuse, jax.ShapeDtypeStruct(value.shape, value.dtype), value, bad, counts,

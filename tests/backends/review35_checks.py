@@ -102,6 +102,82 @@ def check_sharded_unsigned_ids():
     print(json.dumps({"sharded_unsigned_ids": "ok"}))
 
 
+def _bad_sparse_batches():
+    """(ids, weights) BCOO pairs a bag must refuse: two ids at position [0, 0]; weights missing at [1, 0]."""
+    from jax.experimental import sparse
+
+    repeated = np.array([[0, 0], [0, 0], [1, 1]])
+    positions = np.array([[0, 0], [0, 1], [1, 0]])
+
+    def bcoo(values, where):
+        return sparse.BCOO((np.asarray(values), where), shape=(2, 4))
+
+    return {"repeated": (bcoo(np.array([3, 4, 5], "int32"), repeated), bcoo(np.ones(3, "float32"), repeated)),
+            "missing_weight": (bcoo(np.array([1, 2, 3], "int32"), positions),
+                               bcoo(np.array([0.5, 2.0], "float32"), positions[:2]))}
+
+
+def _assert_refused(call, how):
+    try:
+        np.asarray(call())
+    except Exception as err:  # noqa: BLE001 - XLA's runtime error
+        assert "is out of range [0, 10)" in str(err), f"{how}: {err}"
+    else:
+        raise AssertionError(f"{how}: a bad sparse batch was read (another row, or weight 0)")
+
+
+def check_exported_sparse_bad_entries():
+    """jax.export of an EmbeddingBag (the CPU kernel's FFI call allowed) on BCOO ids and weights: a
+    well-formed batch gives the eager result, and ids repeated at one position, or weights missing at an
+    id's, fail the kernel's range check (the export holds no host callback: two ids summed into another
+    row's, a missing weight read 0)."""
+    import jax
+    from jax import export
+    from jax.experimental import sparse
+
+    from pkm_serve.layers import EmbeddingBag
+
+    bag = EmbeddingBag(10, 3, combiner="sum")
+    bag.build()   # (built inside the export's trace, its table would be a leaked tracer)
+
+    def lookup(ids, id_positions, weights, weight_positions):
+        return bag(sparse.BCOO((ids, id_positions), shape=(2, 4)),
+                   sparse.BCOO((weights, weight_positions), shape=(2, 4)))
+
+    def arguments(ids, weights):
+        return ids.data, ids.indices, weights.data, weights.indices
+
+    batches = _bad_sparse_batches()
+    ids, _ = batches["missing_weight"]
+    good = (ids, sparse.BCOO((np.array([0.5, 2.0, 1.5], "float32"), ids.indices), shape=(2, 4)))
+    for name, batch in {"good": good, **batches}.items():
+        exported = export.export(jax.jit(lookup), disabled_checks=[export.DisabledSafetyCheck.custom_call(
+            "pkm_embedding_bag_forward")])(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arguments(*batch)))
+        if name == "good":
+            np.testing.assert_allclose(np.asarray(exported.call(*arguments(*batch))), np.asarray(bag(*batch)),
+                                       rtol=1e-6)
+        else:
+            _assert_refused(lambda: exported.call(*arguments(*batch)), f"export, {name}")
+    print(json.dumps({"exported_sparse_bad_entries": "ok"}))
+
+
+def check_sharded_sparse_bad_entries():
+    """jax.jit of an EmbeddingBag on BCOO ids and weights with 2 CPU devices: ids repeated at one position,
+    or weights missing at an id's, fail the CPU kernel's range check (no host callback runs with several
+    devices: they were read as another row's id, or weight 0)."""
+    import jax
+
+    from pkm_serve.layers import EmbeddingBag
+
+    assert jax.device_count() == 2, jax.devices()
+    bag = EmbeddingBag(10, 3, combiner="sum")
+    bag.build()   # (built inside jax.jit, its table would be a leaked tracer)
+    lookup = jax.jit(lambda ids, weights: bag(ids, weights))
+    for name, batch in _bad_sparse_batches().items():
+        _assert_refused(lambda: lookup(*batch), f"2 devices, {name}")
+    print(json.dumps({"sharded_sparse_bad_entries": "ok"}))
+
+
 CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
