@@ -89,3 +89,36 @@ def test_check_lowering_registered_when_tf_ran_first():
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[-2] == "2.0" and lines[-1].startswith("bad bags"), proc.stdout
+
+
+class _RaggedWeightedLookup(tf.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = tf.Variable(TABLE)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)] * 2 + [tf.TensorSpec([None], tf.float32),
+                                                                          tf.TensorSpec([None], tf.int64)])
+    def __call__(self, values, splits, w_values, w_splits):
+        return ops.embedding_bag(self.table, tf.RaggedTensor.from_row_splits(values, splits),
+                                 tf.RaggedTensor.from_row_splits(w_values, w_splits))
+
+
+@pytest.fixture(scope="module")
+def reloaded_lookup(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ragged_weights_saved_without_jit"))
+    tf.saved_model.save(_RaggedWeightedLookup(), path)
+    return tf.saved_model.load(path)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_saved_without_jit_ragged_weights_of_another_partition_fail_under_jit(reloaded_lookup, jit):
+    """A SavedModel traced without XLA holds the partition check as an Assert, which XLA drops when
+    a jit_compile function calls the reloaded model: the weights went silently into the ids' bags
+    ([96, 107, 118] for bag 1). The op now gets the ids' row splits starting at -1 there and fails."""
+    call = tf.function(lambda *args: reloaded_lookup(*args), jit_compile=jit)
+    ids, splits, weights = tf.constant([1, 2, 3], tf.int64), tf.constant([0, 1, 3], tf.int64), [1.0, 10.0, 100.0]
+    np.testing.assert_allclose(call(ids, splits, tf.constant(weights), splits).numpy(),
+                               bag_list(TABLE, [[1], [2, 3]], [[1.0], [10.0, 100.0]]), rtol=1e-6)
+    error = r"row_splits\[0\] must be 0, got -1" if jit else PARTITION
+    with pytest.raises(tf.errors.InvalidArgumentError, match=error):
+        call(ids, splits, tf.constant(weights), tf.constant([0, 2, 3], tf.int64))
