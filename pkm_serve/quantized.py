@@ -158,14 +158,15 @@ def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", 
         if output_dtype not in _OUTPUT_DTYPES:
             raise TypeError(f"output_dtype must be float32, float16 or bfloat16, got {output_dtype.name}")
         if isinstance(indices, tf.RaggedTensor):
-            weight_values = _op_args._ragged_weight_values(indices, weights)  # pylint: disable=protected-access
+            # pylint: disable-next=protected-access
+            weight_values, checked_splits = _op_args._ragged_weights_and_splits(indices, weights)
             flat = tf.convert_to_tensor(indices.flat_values)
             if flat.shape.rank is not None and flat.shape.rank > 1:
                 return indices.with_flat_values(
                     embedding_bag(table, flat, weight_values, combiner, output_dtype))
             w, has_w = _weights(weight_values, output_dtype, flat)
             splits = indices.nested_row_splits
-            out = lib.pkm_quantized_ragged_embedding_bag(values, scales, biases, flat, splits[-1], w,
+            out = lib.pkm_quantized_ragged_embedding_bag(values, scales, biases, flat, checked_splits, w,
                                                          combiner=combiner, has_weights=has_w)
             if len(splits) == 1:
                 return out

@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from pkm_serve import ops  # noqa: E402
+from pkm_serve import ops, quantized  # noqa: E402
 from pkm_serve.layers import EmbeddingBag  # noqa: E402
 from tests.reference import bag_list  # noqa: E402
 
@@ -92,22 +92,30 @@ def test_check_lowering_registered_when_tf_ran_first():
 
 
 class _RaggedWeightedLookup(tf.Module):
-    def __init__(self):
+    def __init__(self, int8):
         super().__init__()
-        self.table = tf.Variable(TABLE)
+        self.int8 = int8
+        self.table = quantized.quantize_table(TABLE) if int8 else tf.Variable(TABLE)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)] * 2 + [tf.TensorSpec([None], tf.float32),
                                                                           tf.TensorSpec([None], tf.int64)])
     def __call__(self, values, splits, w_values, w_splits):
-        return ops.embedding_bag(self.table, tf.RaggedTensor.from_row_splits(values, splits),
-                                 tf.RaggedTensor.from_row_splits(w_values, w_splits))
+        lookup = quantized.embedding_bag if self.int8 else ops.embedding_bag
+        return lookup(self.table, tf.RaggedTensor.from_row_splits(values, splits),
+                      tf.RaggedTensor.from_row_splits(w_values, w_splits))
 
 
-@pytest.fixture(scope="module")
-def reloaded_lookup(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("ragged_weights_saved_without_jit"))
-    tf.saved_model.save(_RaggedWeightedLookup(), path)
-    return tf.saved_model.load(path)
+@pytest.fixture(scope="module", params=["saved_model", "int8_concrete_function"])
+def reloaded_lookup(request, tmp_path_factory):
+    """A graph traced without XLA: a reloaded SavedModel, or an int8 table's concrete function
+    (traced once, so a jit_compile function that calls it compiles that graph; saving the int8
+    module took 17 s)."""
+    if request.param == "saved_model":
+        path = str(tmp_path_factory.mktemp("ragged_weights_saved_without_jit"))
+        tf.saved_model.save(_RaggedWeightedLookup(int8=False), path)
+        return tf.saved_model.load(path), TABLE
+    module = _RaggedWeightedLookup(int8=True)
+    return module.__call__.get_concrete_function(), quantized.dequantize(module.table).numpy()
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -115,10 +123,11 @@ def test_saved_without_jit_ragged_weights_of_another_partition_fail_under_jit(re
     """A SavedModel traced without XLA holds the partition check as an Assert, which XLA drops when
     a jit_compile function calls the reloaded model: the weights went silently into the ids' bags
     ([96, 107, 118] for bag 1). The op now gets the ids' row splits starting at -1 there and fails."""
-    call = tf.function(lambda *args: reloaded_lookup(*args), jit_compile=jit)
+    lookup, table = reloaded_lookup
+    call = tf.function(lambda *args: lookup(*args), jit_compile=jit)
     ids, splits, weights = tf.constant([1, 2, 3], tf.int64), tf.constant([0, 1, 3], tf.int64), [1.0, 10.0, 100.0]
     np.testing.assert_allclose(call(ids, splits, tf.constant(weights), splits).numpy(),
-                               bag_list(TABLE, [[1], [2, 3]], [[1.0], [10.0, 100.0]]), rtol=1e-6)
+                               bag_list(table, [[1], [2, 3]], [[1.0], [10.0, 100.0]]), rtol=1e-5)
     error = r"row_splits\[0\] must be 0, got -1" if jit else PARTITION
     with pytest.raises(tf.errors.InvalidArgumentError, match=error):
         call(ids, splits, tf.constant(weights), tf.constant([0, 2, 3], tf.int64))
