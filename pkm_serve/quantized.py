@@ -139,6 +139,9 @@ def _weights(weights, dtype, like):
     return _op_args._sizes_checked_when_compiled(weights, like), True  # pylint: disable=protected-access
 
 
+# Plain Python with no tensor-dependent control flow, as ops.embedding_bag: converting it traced
+# through the library loader and the argument checks (16 s for one call in a tf.function here).
+@tf.autograph.experimental.do_not_convert
 def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", output_dtype=tf.float32,
                   name=None):
     """ops.embedding_bag over a row-wise int8 table (forward only).
