@@ -34,9 +34,11 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=
         w = tf.where(valid, _weights_like(weights, indices), 0.0)
         rows = tf.gather(params, tf.where(valid, indices, tf.zeros_like(indices)))
         if combiner == "max":
-            return tf.cast(_masked_max(tf.cast(rows, tf.float32), valid, axis=-2), params.dtype)
-        summed = tf.reduce_sum(tf.cast(rows, tf.float32) * w[..., None], axis=-2)
-        return tf.cast(_combine(summed, w, combiner, axis=-1), params.dtype)
+            out = _masked_max(tf.cast(rows, tf.float32), valid, axis=-2)
+        else:
+            summed = tf.reduce_sum(tf.cast(rows, tf.float32) * w[..., None], axis=-2)
+            out = _combine(summed, w, combiner, axis=-1)
+        return tf.cast(_xla.refusing_second_order_across_jit(out, [indices]), params.dtype)
 
 
 def _weights_like(weights, ids):
@@ -171,16 +173,14 @@ def _ragged_composite(params, indices, weights, combiner):
     seg = bag_of_each_value(inner)
     nrows = inner.nrows(out_type=tf.int32)
     if combiner == "max":
-        out = tf.cast(_ragged_masked_max(rows, valid, seg, nrows), params.dtype)
-        return out if len(splits) == 1 else tf.RaggedTensor.from_nested_row_splits(out, splits[:-1], validate=False)
-    summed = tf.math.unsorted_segment_sum(rows * w[:, None], seg, nrows)
-    w_sum = tf.math.unsorted_segment_sum(w, seg, nrows)
-    w_sq = tf.math.unsorted_segment_sum(w * w, seg, nrows)
-    if combiner == "mean":
-        summed = tf.math.divide_no_nan(summed, w_sum[:, None])
-    elif combiner == "sqrtn":
-        summed = summed * _inverse_norm(w_sq)[:, None]
-    out = tf.cast(summed, params.dtype)
+        summed = _ragged_masked_max(rows, valid, seg, nrows)
+    else:
+        summed = tf.math.unsorted_segment_sum(rows * w[:, None], seg, nrows)
+        if combiner == "mean":
+            summed = tf.math.divide_no_nan(summed, tf.math.unsorted_segment_sum(w, seg, nrows)[:, None])
+        elif combiner == "sqrtn":
+            summed = summed * _inverse_norm(tf.math.unsorted_segment_sum(w * w, seg, nrows))[:, None]
+    out = tf.cast(_xla.refusing_second_order_across_jit(summed, [values, splits[-1]]), params.dtype)
     if len(splits) == 1:
         return out
     return tf.RaggedTensor.from_nested_row_splits(out, splits[:-1], validate=False)

@@ -191,6 +191,37 @@ def refuse_second_order_across_jit(forward_op):
         raise ValueError(_SECOND_ORDER_ACROSS_JIT_ERROR.format(op=source))
 
 
+def refusing_second_order_across_jit(value, ids):
+    """`value` (the composite's bags of `ids`), whose second derivative fails as
+    refuse_second_order_across_jit's where XLA sizes `ids` at run time in the graph being built:
+    the composite's gradient is stock ops, so the check sits in the gradient of its gradient."""
+    from tensorflow.python.ops import control_flow_util  # no public API for the XLA context
+
+    graph = tf.compat.v1.get_default_graph()
+    if not control_flow_util.GraphOrParentsInXlaContext(graph):
+        return value
+    source = _run_time_size_source([t for t in ids if t is not None])
+    if source is None:
+        return value
+
+    @tf.custom_gradient
+    def bags(x):
+        def grad(d_bags):
+            first_order_graph = tf.compat.v1.get_default_graph()
+
+            @tf.custom_gradient
+            def checked(d):
+                def second_order(dd):
+                    if tf.compat.v1.get_default_graph() is not first_order_graph:
+                        raise ValueError(_SECOND_ORDER_ACROSS_JIT_ERROR.format(op=source))
+                    return dd
+                return tf.identity(d), second_order
+            return checked(d_bags)
+        return tf.identity(x), grad
+
+    return bags(value)
+
+
 @tf.RegisterGradient("PkmCheckThen")
 def _check_then_grad(op, grad):  # the value passes through; the condition is boolean
     return [None, grad]
