@@ -52,18 +52,26 @@ def test_ragged_weights_check_keeps_the_gradient_under_jit():
         d_weights(tf.constant([1, 2, 3]), splits, tf.ones([3]), tf.constant([0, 0, 3], tf.int64))
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [False, True, "traced_without_jit"])
 def test_sparse_weights_at_other_positions_fail_under_jit(jit):
+    """traced_without_jit: a concrete function traced without XLA (as a reloaded SavedModel is),
+    called in a jit_compile function: XLA dropped its asserts and the weights of other positions
+    were read as the ids' ([60, 70, 80] for bag 1); now the op refuses the bags' row splits."""
     layer = EmbeddingBag(10, 3)
     layer.build()
     layer.embeddings.assign(TABLE)
     ids = tf.SparseTensor([[0, 0], [0, 1], [1, 0]], tf.constant([1, 2, 3], tf.int64), [2, 2])
     same = tf.SparseTensor([[0, 0], [0, 1], [1, 0]], tf.constant([1.0, 10.0, 100.0]), [2, 2])
     moved = tf.SparseTensor([[0, 0], [1, 0], [1, 1]], tf.constant([1.0, 10.0, 100.0]), [2, 2])
-    call = tf.function(lambda w: layer(ids, w), jit_compile=jit)
+    error = "sparse weights must hold an entry at each position"
+    if jit == "traced_without_jit":
+        traced = tf.function(lambda w: layer(ids, w)).get_concrete_function(tf.SparseTensorSpec([2, 2], tf.float32))
+        call, error = tf.function(lambda w: traced(w), jit_compile=True), r"row_splits\[0\] must be 0, got -1"
+    else:
+        call = tf.function(lambda w: layer(ids, w), jit_compile=jit)
     np.testing.assert_allclose(call(same).numpy(), bag_list(TABLE, [[1, 2], [3]], [[1.0, 10.0], [100.0]]),
                                rtol=1e-6)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="sparse weights must hold an entry at each position"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=error):
         call(moved)
 
 
