@@ -100,30 +100,35 @@ def test_check_lowering_registered_when_tf_ran_first():
 
 
 class _RaggedWeightedLookup(tf.Module):
-    def __init__(self, int8):
+    def __init__(self, table_kind):
         super().__init__()
-        self.int8 = int8
-        self.table = quantized.quantize_table(TABLE) if int8 else tf.Variable(TABLE)
+        self.table_kind = table_kind
+        if table_kind == "int8":
+            self.table = quantized.quantize_table(TABLE)
+        elif table_kind == "sharded":
+            self.table = [tf.Variable(TABLE[:4]), tf.Variable(TABLE[4:])]
+        else:
+            self.table = tf.Variable(TABLE)
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)] * 2 + [tf.TensorSpec([None], tf.float32),
                                                                           tf.TensorSpec([None], tf.int64)])
     def __call__(self, values, splits, w_values, w_splits):
-        lookup = quantized.embedding_bag if self.int8 else ops.embedding_bag
+        lookup = quantized.embedding_bag if self.table_kind == "int8" else ops.embedding_bag
         return lookup(self.table, tf.RaggedTensor.from_row_splits(values, splits),
                       tf.RaggedTensor.from_row_splits(w_values, w_splits))
 
 
-@pytest.fixture(scope="module", params=["saved_model", "int8_concrete_function"])
+@pytest.fixture(scope="module", params=["saved_model", "int8", "sharded"])
 def reloaded_lookup(request, tmp_path_factory):
-    """A graph traced without XLA: a reloaded SavedModel, or an int8 table's concrete function
-    (traced once, so a jit_compile function that calls it compiles that graph; saving the int8
-    module took 17 s)."""
+    """A graph traced without XLA: a reloaded SavedModel, or the concrete function of an int8 or
+    sharded table's lookup (traced once, so a jit_compile function that calls it compiles that graph)."""
     if request.param == "saved_model":
         path = str(tmp_path_factory.mktemp("ragged_weights_saved_without_jit"))
-        tf.saved_model.save(_RaggedWeightedLookup(int8=False), path)
-        return tf.saved_model.load(path), TABLE
-    module = _RaggedWeightedLookup(int8=True)
-    return module.__call__.get_concrete_function(), quantized.dequantize(module.table).numpy()
+        tf.saved_model.save(_RaggedWeightedLookup("float32"), path)
+        return tf.saved_model.load(path), TABLE, None
+    module = _RaggedWeightedLookup(request.param)
+    table = quantized.dequantize(module.table).numpy() if request.param == "int8" else TABLE
+    return module.__call__.get_concrete_function(), table, module  # the module keeps the variables
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -131,7 +136,7 @@ def test_saved_without_jit_ragged_weights_of_another_partition_fail_under_jit(re
     """A SavedModel traced without XLA holds the partition check as an Assert, which XLA drops when
     a jit_compile function calls the reloaded model: the weights went silently into the ids' bags
     ([96, 107, 118] for bag 1). The op now gets the ids' row splits starting at -1 there and fails."""
-    lookup, table = reloaded_lookup
+    lookup, table, _ = reloaded_lookup
     call = tf.function(lambda *args: lookup(*args), jit_compile=jit)
     ids, splits, weights = tf.constant([1, 2, 3], tf.int64), tf.constant([0, 1, 3], tf.int64), [1.0, 10.0, 100.0]
     np.testing.assert_allclose(call(ids, splits, tf.constant(weights), splits).numpy(),
