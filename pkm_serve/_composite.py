@@ -34,9 +34,11 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=
         w = tf.where(valid, _weights_like(weights, indices), 0.0)
         rows = tf.gather(params, tf.where(valid, indices, tf.zeros_like(indices)))
         if combiner == "max":
-            return tf.cast(_masked_max(tf.cast(rows, tf.float32), valid, axis=-2), params.dtype)
-        summed = tf.reduce_sum(tf.cast(rows, tf.float32) * w[..., None], axis=-2)
-        return tf.cast(_combine(summed, w, combiner, axis=-1), params.dtype)
+            out = _masked_max(tf.cast(rows, tf.float32), valid, axis=-2)
+        else:
+            summed = tf.reduce_sum(tf.cast(rows, tf.float32) * w[..., None], axis=-2)
+            out = _combine(summed, w, combiner, axis=-1)
+        return tf.cast(_xla.refusing_second_order_across_jit(out, [indices]), params.dtype)
 
 
 def _weights_like(weights, ids):
@@ -84,19 +86,35 @@ def _row_kinds(rows, valid):
 def _ragged_masked_max(rows, valid, seg, nrows):
     """_masked_max of ragged bags with segment ops. unsorted_segment_max starts from the lowest
     finite value (a bag of -inf rows gave -3.4e38) and skips or keeps NaN by its position (eager)
-    or always (XLA): -inf and NaN are written out, their rows sharing the gradient like ties."""
+    or always (XLA): -inf and NaN are written out, their rows sharing the gradient like ties.
+    Two segment maxima (the columns' kinds, the largest value above -inf) and a gradient written
+    out: differentiating the written-out ties took four segment reductions and a gather more."""
     valid = valid[:, None]
-    kinds = _row_kinds(rows, valid)
     seg_valid = tf.where(valid[:, 0], seg, tf.fill(tf.shape(seg), nrows))  # padding: a segment past the last bag
+    kinds = _row_kinds(rows, valid)
     bag_kind = tf.math.unsorted_segment_max(kinds, seg_valid, nrows + 1)[:-1]
-    kind = tf.gather(bag_kind, seg)
-    tied = tf.where(kind == 2, kinds == 2, valid & (kind == 0))
-    tied_count = tf.math.unsorted_segment_sum(tf.cast(tied, rows.dtype), seg, nrows)
-    tied_sum = tf.math.unsorted_segment_sum(tf.where(tied, rows, tf.zeros([], rows.dtype)), seg, nrows)
-    above = tf.where(kinds == 1, rows, tf.fill(tf.shape(rows), float("-inf")))
-    top = tf.math.unsorted_segment_max(above, seg_valid, nrows + 1)[:-1]  # the lowest value where none is above
-    top = tf.where(bag_kind > 0, top, tf.zeros_like(top))  # an empty bag: no tied row, none above -inf
-    return tf.where(tied_count > 0, tied_sum / tf.maximum(tied_count, 1.0), top)
+    nonempty = tf.math.unsorted_segment_max(tf.cast(valid[:, 0], tf.int32), seg_valid, nrows + 1)[:-1] > 0
+
+    @tf.custom_gradient
+    def bag_max(rows):
+        above = tf.where(kinds == 1, rows, tf.fill(tf.shape(rows), float("-inf")))
+        top = tf.math.unsorted_segment_max(above, seg_valid, nrows + 1)[:-1]
+        # A column of -inf rows is -inf; an empty bag 0.
+        low = tf.where(nonempty, float("-inf"), 0.0)[:, None]
+        out = tf.where(bag_kind == 2, float("nan"), tf.where(bag_kind == 1, top, low))
+
+        def grad(d_out):
+            kind, winner = tf.gather(bag_kind, seg), tf.gather(top, seg)
+            # The rows that share a column's gradient: its NaN rows, else its maxima, else (a column
+            # of -inf rows) its valid rows.
+            tied = tf.where(kind == 2, kinds == 2, tf.where(kind == 1, (kinds == 1) & (rows == winner), valid))
+            count = tf.math.unsorted_segment_sum(tf.cast(tied, rows.dtype), seg, nrows)
+            share = tf.gather(d_out / tf.maximum(count, 1.0), seg)
+            return tf.where(tied, share, tf.zeros([], rows.dtype))
+
+        return out, grad
+
+    return bag_max(rows)
 
 
 def _combine(summed, w, combiner, axis):
@@ -155,16 +173,14 @@ def _ragged_composite(params, indices, weights, combiner):
     seg = bag_of_each_value(inner)
     nrows = inner.nrows(out_type=tf.int32)
     if combiner == "max":
-        out = tf.cast(_ragged_masked_max(rows, valid, seg, nrows), params.dtype)
-        return out if len(splits) == 1 else tf.RaggedTensor.from_nested_row_splits(out, splits[:-1], validate=False)
-    summed = tf.math.unsorted_segment_sum(rows * w[:, None], seg, nrows)
-    w_sum = tf.math.unsorted_segment_sum(w, seg, nrows)
-    w_sq = tf.math.unsorted_segment_sum(w * w, seg, nrows)
-    if combiner == "mean":
-        summed = tf.math.divide_no_nan(summed, w_sum[:, None])
-    elif combiner == "sqrtn":
-        summed = summed * _inverse_norm(w_sq)[:, None]
-    out = tf.cast(summed, params.dtype)
+        summed = _ragged_masked_max(rows, valid, seg, nrows)
+    else:
+        summed = tf.math.unsorted_segment_sum(rows * w[:, None], seg, nrows)
+        if combiner == "mean":
+            summed = tf.math.divide_no_nan(summed, tf.math.unsorted_segment_sum(w, seg, nrows)[:, None])
+        elif combiner == "sqrtn":
+            summed = summed * _inverse_norm(tf.math.unsorted_segment_sum(w * w, seg, nrows))[:, None]
+    out = tf.cast(_xla.refusing_second_order_across_jit(summed, [values, splits[-1]]), params.dtype)
     if len(splits) == 1:
         return out
     return tf.RaggedTensor.from_nested_row_splits(out, splits[:-1], validate=False)

@@ -16,7 +16,7 @@ from pkm_serve._op_args import (
     _as_weights,
     _check_combiner,
     _refuse_sparse_tensors,
-    _ragged_weight_values,
+    _ragged_weights_and_splits,
 )
 
 
@@ -73,7 +73,7 @@ def fused_embedding_bag(params, indices, weights=None, combiner="sum", name=None
 
 
 def _ragged_embedding_bag(lib, params, indices, weights, combiner, sparse_gradient=False):
-    weight_values = _ragged_weight_values(indices, weights)
+    weight_values, checked_splits = _ragged_weights_and_splits(indices, weights)
     values = indices.flat_values
     if values.shape.rank is not None and values.shape.rank > 1:
         # Ragged outer dims, uniform bag axis: the dense op on the flat values.
@@ -83,10 +83,10 @@ def _ragged_embedding_bag(lib, params, indices, weights, combiner, sparse_gradie
     weight_values, has_weights = _as_weights(weight_values, params.dtype, values)
     splits = indices.nested_row_splits
     if sparse_gradient:
-        out = _with_sparse_gradient(lib, params, (values, splits[-1]), weight_values, combiner,
+        out = _with_sparse_gradient(lib, params, (values, checked_splits), weight_values, combiner,
                                     has_weights)
     else:
-        out = lib.pkm_ragged_embedding_bag(params, values, splits[-1], weight_values,
+        out = lib.pkm_ragged_embedding_bag(params, values, checked_splits, weight_values,
                                            combiner=combiner, has_weights=has_weights)
     if len(splits) == 1:
         return out

@@ -140,8 +140,20 @@ def _ragged_weight_values(indices, weights):
     partitions are known while tracing (eager, constants, static shapes), else
     an InvalidArgumentError with the same message when the graph runs.
     """
+    return _ragged_weights_and_splits(indices, weights)[0]
+
+
+def _ragged_weights_and_splits(indices, weights):
+    """(_ragged_weight_values, the indices' innermost row splits to pass the op).
+
+    Where the partition check is a tf.debugging.Assert (a graph XLA does not compile for the CPU
+    while it is built), the splits start at -1 where the partitions differ: XLA drops the Assert
+    when such a graph is compiled later (a SavedModel saved without jit_compile, called in a
+    jit_compile function), and the op then refuses the splits instead of putting the weights in
+    the wrong bags. Where the graph runs without XLA, the Assert fails first."""
+    splits = indices.nested_row_splits[-1]
     if weights is None:
-        return None
+        return None, splits
     if not isinstance(weights, tf.RaggedTensor):
         raise TypeError(f"indices is a RaggedTensor, weights is not: {_ROW_PARTITION_ERROR}")
     if weights.ragged_rank != indices.ragged_rank:
@@ -149,24 +161,16 @@ def _ragged_weight_values(indices, weights):
                          f"indices {indices.ragged_rank}")
     from pkm_serve import _xla
 
-    checks = []
+    checks, conditions = [], []
     values = weights.flat_values
     for dim, (w_splits, i_splits) in enumerate(
             zip(weights.nested_row_splits, indices.nested_row_splits), start=1):
         if w_splits is i_splits:  # one tensor (indices.with_flat_values(w)): nothing to compare
             continue
         w_splits, i_splits = tf.cast(w_splits, tf.int64), tf.cast(i_splits, tf.int64)
-        w_known, i_known = tf.get_static_value(w_splits), tf.get_static_value(i_splits)
-        if w_known is not None and i_known is not None:
-            if w_known.tolist() != i_known.tolist():
-                raise ValueError(f"{_ROW_PARTITION_ERROR}: ragged dimension {dim} has row_splits "
-                                 f"{_summary(w_known)} in weights, {_summary(i_known)} in indices")
+        _refuse_known_partition_mismatch(dim, w_splits, i_splits)
+        if tf.get_static_value(w_splits) is not None and tf.get_static_value(i_splits) is not None:
             continue
-        if w_splits.shape.is_fully_defined() and i_splits.shape.is_fully_defined() \
-                and w_splits.shape != i_splits.shape:
-            raise ValueError(f"{_ROW_PARTITION_ERROR}: ragged dimension {dim} has "
-                             f"{w_splits.shape[0] - 1} rows in weights, {i_splits.shape[0] - 1} "
-                             "in indices")
         same = same_entries(w_splits, i_splits)
         message = f"{_ROW_PARTITION_ERROR} (ragged dimension {dim} differs)"
         checked = _xla.checked_when_compiled(same, values, message)  # XLA drops the Assert
@@ -174,8 +178,28 @@ def _ragged_weight_values(indices, weights):
             values = checked
         else:
             checks.append(tf.debugging.Assert(same, [message]))
+            conditions.append(same)
+    if conditions:
+        same = tf.reduce_all(tf.stack(conditions))
+        first = tf.where(same, splits[:1], tf.fill([1], tf.constant(-1, splits.dtype)))
+        splits = tf.concat([first, splits[1:]], axis=0)
     with tf.control_dependencies(checks):
-        return tf.identity(values)
+        return tf.identity(values), splits
+
+
+def _refuse_known_partition_mismatch(dim, w_splits, i_splits):
+    """ValueError where the two row splits of ragged dimension `dim` differ already while tracing."""
+    w_known, i_known = tf.get_static_value(w_splits), tf.get_static_value(i_splits)
+    if w_known is not None and i_known is not None:
+        if w_known.tolist() != i_known.tolist():
+            raise ValueError(f"{_ROW_PARTITION_ERROR}: ragged dimension {dim} has row_splits "
+                             f"{_summary(w_known)} in weights, {_summary(i_known)} in indices")
+        return
+    if w_splits.shape.is_fully_defined() and i_splits.shape.is_fully_defined() \
+            and w_splits.shape != i_splits.shape:
+        raise ValueError(f"{_ROW_PARTITION_ERROR}: ragged dimension {dim} has "
+                         f"{w_splits.shape[0] - 1} rows in weights, {i_splits.shape[0] - 1} "
+                         "in indices")
 
 
 def same_entries(a, b):

@@ -20,6 +20,7 @@ import contextlib
 
 import tensorflow as tf
 
+from pkm_serve import _xla
 from pkm_serve._composite import bag_of_each_value, embedding_bag_composite
 
 
@@ -106,6 +107,7 @@ def _gradients(op, params, bags, d_params_up, d_weights_up):
     """Gradients for (grad, params, weights) of a gradient op whose incoming
     gradients are d_params_up ([N, D] dense) and d_weights_up (or None).
     bags(weights) gives the (indices, weights) the composite takes."""
+    _xla.refuse_second_order_across_jit(op)
     combiner = op.get_attr("combiner")
     combiner = combiner.decode() if isinstance(combiner, bytes) else combiner
     has_weights = op.get_attr("has_weights")

@@ -9,7 +9,7 @@ from tensorflow.python.framework import ops  # colocate_with without v1's deprec
 from pkm_serve import _xla
 from pkm_serve._composite import _inverse_norm, bag_of_each_value
 from pkm_serve._fused import fused_embedding_bag
-from pkm_serve._op_args import (_as_indices, _as_weights, _check_combiner, _ragged_weight_values,
+from pkm_serve._op_args import (_as_indices, _as_weights, _check_combiner, _ragged_weights_and_splits,
                                 _refuse_sparse_tensors)
 
 def _table_shards(params):
@@ -53,7 +53,10 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
     with tf.name_scope(name or "sharded_embedding_bag"):
         if isinstance(indices, tf.RaggedTensor):
             flat = indices.flat_values
-            w_flat = _ragged_weight_values(indices, weights)
+            w_flat, checked_splits = _ragged_weights_and_splits(indices, weights)
+            # The shards' ops get the checked splits: they refuse a mismatch that XLA's dropped Assert let by.
+            shard_bags = tf.RaggedTensor.from_nested_row_splits(
+                flat, indices.nested_row_splits[:-1] + (checked_splits,), validate=False)
         else:
             if isinstance(weights, tf.RaggedTensor):
                 raise TypeError("weights is ragged but indices is not")
@@ -83,8 +86,8 @@ def sharded_embedding_bag(params, indices, weights=None, combiner="sum", name=No
             last = i == len(shards) - 1 and not under_xla
             mine = (local >= 0) if last else (local >= 0) & (local < size)
             local = tf.where(mine, local, -tf.ones_like(local))
-            bags = indices.with_flat_values(local) if isinstance(indices, tf.RaggedTensor) else local
-            bag_w = indices.with_flat_values(w_flat) if isinstance(indices, tf.RaggedTensor) else w_flat
+            bags = shard_bags.with_flat_values(local) if isinstance(indices, tf.RaggedTensor) else local
+            bag_w = shard_bags.with_flat_values(w_flat) if isinstance(indices, tf.RaggedTensor) else w_flat
             # Colocated, not tf.device(shard.device): the PS task's device was saved with the
             # op, and the SavedModel then ran nowhere else; a colocation follows the variable.
             with ops.colocate_with(shard):

@@ -150,6 +150,78 @@ def checked_when_compiled(condition, value, message):
     return lib.pkm_check_then(condition() if callable(condition) else condition, value, message=message)
 
 
+# Ops whose output XLA sizes at run time, below a static bound.
+_RUN_TIME_SIZE_OPS = frozenset(["Where", "Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2", "ListDiff"])
+_SECOND_ORDER_ACROSS_JIT_ERROR = (
+    "embedding_bag: a second derivative taken outside the jit_compile function that took the first one, "
+    "of bags whose sizes are known only at run time inside it (a {op} op: tf.boolean_mask, tf.where, "
+    "tf.unique), is not supported: TF's XLA passes "
+    "such tensors from the compiled forward to the compiled backward with wrong shapes (an error naming "
+    "arbitrary shapes, or an abort of the process). Take both derivatives inside the jit_compile function "
+    "(open the outer GradientTape there too), or call the function without jit_compile.")
+
+
+def _run_time_size_source(tensors, limit=10000):
+    """The type of an op that sizes one of `tensors` at run time under XLA (tf.boolean_mask's Where,
+    tf.unique), found among their producers in their graph, else None."""
+    seen, pending = set(), [t.op for t in tensors if getattr(t, "op", None) is not None]
+    while pending and len(seen) < limit:
+        op = pending.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        if op.type in _RUN_TIME_SIZE_OPS:
+            return op.type
+        pending.extend(i.op for i in op.inputs)
+    return None
+
+
+def refuse_second_order_across_jit(forward_op):
+    """ValueError where the gradient of `forward_op` (a gradient op) is being built in another graph
+    than its own (a tape outside a jit_compile function differentiates the first derivative taken
+    inside it) and XLA sizes its bags at run time there: TF's XLA then hands the backward tensors of
+    wrong shapes (errors naming arbitrary shapes, or "Check failed" aborts of the process)."""
+    from tensorflow.python.ops import control_flow_util  # no public API for the XLA context
+
+    graph = getattr(forward_op, "graph", None)  # an eager op's gradient gets a mock op without one
+    if graph is None or tf.compat.v1.get_default_graph() is graph or not control_flow_util.GraphOrParentsInXlaContext(graph):
+        return
+    source = _run_time_size_source([t for t in forward_op.inputs if t.dtype.is_integer])
+    if source is not None:
+        raise ValueError(_SECOND_ORDER_ACROSS_JIT_ERROR.format(op=source))
+
+
+def refusing_second_order_across_jit(value, ids):
+    """`value` (the composite's bags of `ids`), whose second derivative fails as
+    refuse_second_order_across_jit's where XLA sizes `ids` at run time in the graph being built:
+    the composite's gradient is stock ops, so the check sits in the gradient of its gradient."""
+    from tensorflow.python.ops import control_flow_util  # no public API for the XLA context
+
+    graph = tf.compat.v1.get_default_graph()
+    if not control_flow_util.GraphOrParentsInXlaContext(graph):
+        return value
+    source = _run_time_size_source([t for t in ids if t is not None])
+    if source is None:
+        return value
+
+    @tf.custom_gradient
+    def bags(x):
+        def grad(d_bags):
+            first_order_graph = tf.compat.v1.get_default_graph()
+
+            @tf.custom_gradient
+            def checked(d):
+                def second_order(dd):
+                    if tf.compat.v1.get_default_graph() is not first_order_graph:
+                        raise ValueError(_SECOND_ORDER_ACROSS_JIT_ERROR.format(op=source))
+                    return dd
+                return tf.identity(d), second_order
+            return checked(d_bags)
+        return tf.identity(x), grad
+
+    return bags(value)
+
+
 @tf.RegisterGradient("PkmCheckThen")
 def _check_then_grad(op, grad):  # the value passes through; the condition is boolean
     return [None, grad]

@@ -139,6 +139,9 @@ def _weights(weights, dtype, like):
     return _op_args._sizes_checked_when_compiled(weights, like), True  # pylint: disable=protected-access
 
 
+# Plain Python with no tensor-dependent control flow, as ops.embedding_bag: converting it traced
+# through the library loader and the argument checks (16 s for one call in a tf.function here).
+@tf.autograph.experimental.do_not_convert
 def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", output_dtype=tf.float32,
                   name=None):
     """ops.embedding_bag over a row-wise int8 table (forward only).
@@ -158,14 +161,15 @@ def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", 
         if output_dtype not in _OUTPUT_DTYPES:
             raise TypeError(f"output_dtype must be float32, float16 or bfloat16, got {output_dtype.name}")
         if isinstance(indices, tf.RaggedTensor):
-            weight_values = _op_args._ragged_weight_values(indices, weights)  # pylint: disable=protected-access
+            # pylint: disable-next=protected-access
+            weight_values, checked_splits = _op_args._ragged_weights_and_splits(indices, weights)
             flat = tf.convert_to_tensor(indices.flat_values)
             if flat.shape.rank is not None and flat.shape.rank > 1:
                 return indices.with_flat_values(
                     embedding_bag(table, flat, weight_values, combiner, output_dtype))
             w, has_w = _weights(weight_values, output_dtype, flat)
             splits = indices.nested_row_splits
-            out = lib.pkm_quantized_ragged_embedding_bag(values, scales, biases, flat, splits[-1], w,
+            out = lib.pkm_quantized_ragged_embedding_bag(values, scales, biases, flat, checked_splits, w,
                                                          combiner=combiner, has_weights=has_w)
             if len(splits) == 1:
                 return out

@@ -12,7 +12,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from pkm_serve import ops  # noqa: E402
+from pkm_serve import ops, quantized  # noqa: E402
 from pkm_serve.layers import EmbeddingBag  # noqa: E402
 from tests.reference import bag_list  # noqa: E402
 
@@ -52,18 +52,26 @@ def test_ragged_weights_check_keeps_the_gradient_under_jit():
         d_weights(tf.constant([1, 2, 3]), splits, tf.ones([3]), tf.constant([0, 0, 3], tf.int64))
 
 
-@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("jit", [False, True, "traced_without_jit"])
 def test_sparse_weights_at_other_positions_fail_under_jit(jit):
+    """traced_without_jit: a concrete function traced without XLA (as a reloaded SavedModel is),
+    called in a jit_compile function: XLA dropped its asserts and the weights of other positions
+    were read as the ids' ([60, 70, 80] for bag 1); now the op refuses the bags' row splits."""
     layer = EmbeddingBag(10, 3)
     layer.build()
     layer.embeddings.assign(TABLE)
     ids = tf.SparseTensor([[0, 0], [0, 1], [1, 0]], tf.constant([1, 2, 3], tf.int64), [2, 2])
     same = tf.SparseTensor([[0, 0], [0, 1], [1, 0]], tf.constant([1.0, 10.0, 100.0]), [2, 2])
     moved = tf.SparseTensor([[0, 0], [1, 0], [1, 1]], tf.constant([1.0, 10.0, 100.0]), [2, 2])
-    call = tf.function(lambda w: layer(ids, w), jit_compile=jit)
+    error = "sparse weights must hold an entry at each position"
+    if jit == "traced_without_jit":
+        traced = tf.function(lambda w: layer(ids, w)).get_concrete_function(tf.SparseTensorSpec([2, 2], tf.float32))
+        call, error = tf.function(lambda w: traced(w), jit_compile=True), r"row_splits\[0\] must be 0, got -1"
+    else:
+        call = tf.function(lambda w: layer(ids, w), jit_compile=jit)
     np.testing.assert_allclose(call(same).numpy(), bag_list(TABLE, [[1, 2], [3]], [[1.0, 10.0], [100.0]]),
                                rtol=1e-6)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="sparse weights must hold an entry at each position"):
+    with pytest.raises(tf.errors.InvalidArgumentError, match=error):
         call(moved)
 
 
@@ -89,3 +97,50 @@ def test_check_lowering_registered_when_tf_ran_first():
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[-2] == "2.0" and lines[-1].startswith("bad bags"), proc.stdout
+
+
+class _RaggedWeightedLookup(tf.Module):
+    def __init__(self, table_kind):
+        super().__init__()
+        self.table_kind = table_kind
+        if table_kind == "int8":
+            self.table = quantized.quantize_table(TABLE)
+        elif table_kind == "sharded":
+            self.table = [tf.Variable(TABLE[:4]), tf.Variable(TABLE[4:])]
+        else:
+            self.table = tf.Variable(TABLE)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)] * 2 + [tf.TensorSpec([None], tf.float32),
+                                                                          tf.TensorSpec([None], tf.int64)])
+    def __call__(self, values, splits, w_values, w_splits):
+        lookup = quantized.embedding_bag if self.table_kind == "int8" else ops.embedding_bag
+        return lookup(self.table, tf.RaggedTensor.from_row_splits(values, splits),
+                      tf.RaggedTensor.from_row_splits(w_values, w_splits))
+
+
+@pytest.fixture(scope="module", params=["saved_model", "int8", "sharded"])
+def reloaded_lookup(request, tmp_path_factory):
+    """A graph traced without XLA: a reloaded SavedModel, or the concrete function of an int8 or
+    sharded table's lookup (traced once, so a jit_compile function that calls it compiles that graph)."""
+    if request.param == "saved_model":
+        path = str(tmp_path_factory.mktemp("ragged_weights_saved_without_jit"))
+        tf.saved_model.save(_RaggedWeightedLookup("float32"), path)
+        return tf.saved_model.load(path), TABLE, None
+    module = _RaggedWeightedLookup(request.param)
+    table = quantized.dequantize(module.table).numpy() if request.param == "int8" else TABLE
+    return module.__call__.get_concrete_function(), table, module  # the module keeps the variables
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_saved_without_jit_ragged_weights_of_another_partition_fail_under_jit(reloaded_lookup, jit):
+    """A SavedModel traced without XLA holds the partition check as an Assert, which XLA drops when
+    a jit_compile function calls the reloaded model: the weights went silently into the ids' bags
+    ([96, 107, 118] for bag 1). The op now gets the ids' row splits starting at -1 there and fails."""
+    lookup, table, _ = reloaded_lookup
+    call = tf.function(lambda *args: lookup(*args), jit_compile=jit)
+    ids, splits, weights = tf.constant([1, 2, 3], tf.int64), tf.constant([0, 1, 3], tf.int64), [1.0, 10.0, 100.0]
+    np.testing.assert_allclose(call(ids, splits, tf.constant(weights), splits).numpy(),
+                               bag_list(table, [[1], [2, 3]], [[1.0], [10.0, 100.0]]), rtol=1e-5)
+    error = r"row_splits\[0\] must be 0, got -1" if jit else PARTITION
+    with pytest.raises(tf.errors.InvalidArgumentError, match=error):
+        call(ids, splits, tf.constant(weights), tf.constant([0, 2, 3], tf.int64))

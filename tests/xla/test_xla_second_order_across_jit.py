@@ -1,0 +1,66 @@
+"""A second derivative taken by a tape outside a jit_compile function, of a first derivative taken
+inside it, of bags whose sizes XLA knows only at run time there (ids masked with tf.boolean_mask).
+
+TF's XLA hands such tensors from the compiled forward to the compiled backward with wrong shapes:
+"Incompatible shapes: [4,3] vs. [0,1325386458]", or an abort of the process ("Check failed: size ==
+kUnboundedSize"), also for a plain tf.gather. The fused op's second derivative, and the composite's
+(XLA's fallback; until round 36 it did not compile there, a clear error), now refuse it with a
+ValueError while the backward is built; ids of static sizes still differentiate across the boundary.
+One subprocess for the cases: before the fix the process could abort."""
+
+import os
+import subprocess
+import sys
+
+SCRIPT = r'''
+import numpy as np, tensorflow as tf
+from pkm_serve import ops
+N, D = 9, 3
+VALUES = tf.constant([1, 4, 2, 8, 0, 3, 3, 7, 5, -1], tf.int64)
+SPLITS = tf.constant([0, 2, 2, 5, 6, 10], tf.int64)
+KEEP = tf.constant([True, True, False, True, True, True])
+rng = np.random.default_rng(36)
+table = tf.constant(np.round(rng.standard_normal((N, D)) * 2).astype(np.float32))
+weights = tf.constant(rng.uniform(0.5, 2.0, size=10).astype(np.float32))
+
+def penalty(table, values, splits, keep, weights, combiner, mask, lookup):
+    if mask:
+        in_range = values < N
+        values, weights = tf.boolean_mask(values, in_range), tf.boolean_mask(weights, in_range)
+        splits = tf.boolean_mask(splits, keep)
+    ids = tf.RaggedTensor.from_row_splits(values, splits, validate=False)
+    with tf.GradientTape() as inner:
+        inner.watch([table, weights])
+        bag_weights = None if combiner == "max" else ids.with_flat_values(weights)
+        loss = tf.reduce_sum(lookup(table, ids, bag_weights, combiner=combiner) ** 2)
+    d_table = tf.convert_to_tensor(inner.gradient(loss, table))
+    return tf.reduce_sum(d_table ** 2)
+
+def outer_gradient(combiner, mask, jit, lookup):
+    fn = tf.function(lambda *a: penalty(*a, combiner=combiner, mask=mask, lookup=lookup), jit_compile=jit)
+    with tf.GradientTape() as outer:
+        outer.watch(table)
+        p = fn(table, VALUES, SPLITS, KEEP, weights)
+    return tf.convert_to_tensor(outer.gradient(p, table)).numpy()
+
+# Static sizes (no mask: KEEP's dropped split kept) still differentiate across the boundary.
+np.testing.assert_allclose(outer_gradient("sum", False, True, ops.embedding_bag),
+                           outer_gradient("sum", False, False, ops.embedding_bag), rtol=1e-5, atol=1e-5)
+for name, lookup in (("fused", ops.embedding_bag), ("composite", ops.embedding_bag_composite)):
+    for combiner in ("sum", "max"):
+        try:
+            outer_gradient(combiner, True, True, lookup)
+            print(name, combiner, "no error")
+        except ValueError as err:
+            print(name, combiner, str(err).split(":")[1].strip()[:58])
+'''
+
+
+def test_second_derivative_across_jit_of_run_time_sized_bags_is_refused():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = "a second derivative taken outside the jit_compile function"
+    assert proc.stdout.splitlines()[-4:] == [f"{lookup} {combiner} {expected}" for lookup in ("fused", "composite")
+                                             for combiner in ("sum", "max")], proc.stdout
