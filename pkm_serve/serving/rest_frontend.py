@@ -175,7 +175,9 @@ def _json_response(obj, status=200):
 
 
 def _error(code: grpc.StatusCode, message: str):
-    return _json_response({"error": message}, status=http_status(code))
+    # (a message naming a string of the body may hold a lone surrogate, which the JSON
+    # written would spell as an escape that strict parsers refuse)
+    return _json_response({"error": rest_requests.valid_unicode(message)}, status=http_status(code))
 
 
 _example, _feature = rest_requests.example, rest_requests.feature   # (tests call them by these names)

@@ -267,3 +267,24 @@ def test_the_method_name_check_covers_predict(served):
     with pytest.raises(ServingError) as err:
         service.predict(request)
     assert (err.value.code, err.value.message) == (grpc.StatusCode.INTERNAL, message)
+
+
+@pytest.mark.parametrize("body, message", [
+    # A signature name can hold no such byte (a protobuf string): not found (it was a 500).
+    (b'{"signature_name": "\xff", "instances": [[1, 2]]}', 'Serving signature name: "\ufffd" not found'),
+    # A name the answer repeats: valid Unicode (it was a "\udcff" escape, refused by strict parsers).
+    (b'{"signature_name": "str", "instances": [{"\xff": "a"}]}', _KEY.format(0, "\ufffd")),
+])
+def test_a_string_byte_that_is_not_utf8_stays_out_of_names_and_answers(url, body, message):
+    r = requests.post(url, data=body, timeout=30)
+    answer = r.json()
+    assert r.status_code == 400 and answer["error"].startswith(message), answer
+    answer["error"].encode("utf-8")   # (a lone surrogate would raise here)
+
+
+def test_an_example_feature_name_that_is_not_utf8_is_refused():
+    """A tf.train.Example's feature key is a protobuf string: such a name was a 500."""
+    from pkm_serve.serving import rest_requests
+    from pkm_serve.serving.errors import ServingError
+    with pytest.raises(ServingError, match="Feature name: caf\ufffd is not valid UTF-8"):
+        rest_requests.example({"caf\udce9": [1]})
