@@ -288,3 +288,13 @@ def test_an_example_feature_name_that_is_not_utf8_is_refused():
     from pkm_serve.serving.errors import ServingError
     with pytest.raises(ServingError, match="Feature name: caf\ufffd is not valid UTF-8"):
         rest_requests.example({"caf\udce9": [1]})
+
+
+def test_a_lone_low_surrogate_escape_is_its_three_utf8_bytes(url):
+    """rapidjson 1.1.0 (TF Serving's) writes a lone "\\udcff" escape as the code point's UTF-8
+    bytes (ED B3 BF); it reached the tensor as the one byte FF, as a raw body byte FF does."""
+    import json
+    texts = ["\\udcff", "a\\uDC80b", "\\udfff", "\\ud83d\\ude00", "\\\\udcff"]
+    expected = [len(json.loads(f'"{t}"').encode("utf-8", "surrogatepass")) for t in texts] + [1]
+    body = ('{"signature_name": "str", "instances": ["' + '", "'.join(texts) + '", "').encode() + b'\xff"]}'
+    assert _post(url, body) == (200, {"predictions": expected})
