@@ -320,8 +320,8 @@ class RestFrontend:
             raise _BodyTooLarge from None
         except web.RequestPayloadError as e:   # e.g. a chunked body cut short
             raise invalid("cannot read the request body: " + " ".join(str(e).split())) from None
-        if "gzip" not in request.headers.get("Content-Encoding", ""):   # absl::StrContains, as upstream
-            return body
+        if not body or "gzip" not in request.headers.get("Content-Encoding", ""):   # absl::StrContains, as upstream
+            return body   # (an empty body is upstream's empty document, gzip or not)
         gunzip = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
         try:
             body = gunzip.decompress(body, self.max_body_bytes + 1)   # (bounded: a gzip bomb stops here)
@@ -332,6 +332,9 @@ class RestFrontend:
             raise _BodyTooLarge
         if not gunzip.eof:
             raise invalid("cannot read the request body: the gzip stream of its Content-Encoding ends early")
+        if gunzip.unused_data:   # (another gzip member, or junk: upstream's ZLib refuses "extra data")
+            raise invalid(f"cannot read the request body: {len(gunzip.unused_data)} bytes follow the end of "
+                          "the gzip stream of its Content-Encoding")
         return body
 
     async def _dispatch(self, request: web.Request):

@@ -101,6 +101,13 @@ def test_a_gzip_body_is_gunzipped_and_bounded(url, encoding):
     assert _post(url, gzip.compress(body), **{"Content-Encoding": encoding}) == (200, {"predictions": [[2.0, 4.0]]})
     code, answer = _post(url, gzip.compress(body)[:-12], **{"Content-Encoding": encoding})
     assert code == 400 and answer["error"].startswith("cannot read the request body") and "gzip" in answer["error"]
+    # Bytes past the gzip stream (a second member, junk) are refused, as upstream's ZLib refuses
+    # "extra data" (they were dropped: the first member's JSON was served).
+    for tail in (gzip.compress(b" "), b"junk"):
+        code, answer = _post(url, gzip.compress(body) + tail, **{"Content-Encoding": encoding})
+        assert code == 400 and "bytes follow the end of the gzip stream" in answer["error"], answer
+    # No body at all is the empty document, as without gzip (it was a gzip stream ending early).
+    assert _post(url, b"", **{"Content-Encoding": encoding}) == (400, {"error": "JSON Parse error: The document is empty"})
     # The server's limit (1 MiB here) holds for the gunzipped body, not only for the bytes sent.
     bomb = gzip.compress(b'{"instances": [[1, 2]], "pad": "' + b" " * (2 << 20) + b'"}')
     code, answer = _post(url, bomb, **{"Content-Encoding": encoding})
