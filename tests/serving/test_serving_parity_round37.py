@@ -305,3 +305,22 @@ def test_a_lone_low_surrogate_escape_is_its_three_utf8_bytes(url):
     expected = [len(json.loads(f'"{t}"').encode("utf-8", "surrogatepass")) for t in texts] + [1]
     body = ('{"signature_name": "str", "instances": ["' + '", "'.join(texts) + '", "').encode() + b'\xff"]}'
     assert _post(url, body) == (200, {"predictions": expected})
+
+
+@pytest.mark.parametrize("body, repeats", [
+    (b'{"inputs": {"s": ["s", "t", "s"]}}', False),   # a value spelling the name is no key
+    (b'{"signature_name": "signature_name", "instances": ["instances"]}', False),
+    (b'{"inputs": {"s": ["s"], "s" :["t"]}}', True),
+    (b'{"instances": [1], "instances"\n: [2]}', True),
+    (b'{"inputs": {"s": [{"b64": "QQ=="}], "s": [{"b64": "Qg=="}]}}', True),
+    (b'{"inputs": {"s": [{"b64": "QQ=="}]}, "inputs": {"s": ["t"]}}', True),
+    (b'{"inputs": {"b64": [1], "b64": [2]}}', True),
+    (b'{"inputs": {"s": [{"b64": "QQ=="}, "a:b"], "t": ["s"]}}', False),
+])
+def test_only_a_name_spelt_twice_as_a_key_counts_as_repeated(body, repeats):
+    """The cheap look for a repeated key (which makes the body parse again, in Python) counts
+    a quoted name only where a colon follows it."""
+    import json
+
+    from pkm_serve.serving import rest_requests
+    assert rest_requests.may_repeat_keys(body, json.loads(body)) == repeats
