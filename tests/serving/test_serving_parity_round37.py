@@ -1,11 +1,15 @@
 """Round 37 parity checks against tensorflow_model_server, on one in-process REST front end
 (requests as the client) and in-process managers:
 - a key spelled twice in a body (or in its "inputs" object) stands for its first value, as
-  json_tensor.cc reads it with rapidjson's FindMember (Python's json kept the last);
+  json_tensor.cc reads it with rapidjson's FindMember (Python's json kept the last); a name
+  counts as repeated only where it is spelled twice as a key;
 - the body is decoded as TF Serving's evhttp request decodes it (NeedUncompressGzipContent):
-  gunzipped where Content-Encoding contains "gzip", read as sent under any other encoding;
-- the body is parsed as rapidjson parses it: Inf/-Inf/-NaN, string bytes that are not UTF-8,
-  a blank body's empty-document error;
+  gunzipped where Content-Encoding contains "gzip" (bytes past the gzip stream refused, as
+  its ZLib refuses extra data), read as sent under any other encoding;
+- the body is parsed as rapidjson 1.1.0 parses it: Inf/-Inf/-NaN, string bytes that are not
+  UTF-8, a lone low-surrogate escape as its three UTF-8 bytes, a blank body's empty-document
+  error; such bytes in a signature or feature name are a 400 (not a 500), and answers stay
+  valid UTF-8;
 - "instances" faults are reported element by element, as AddInstanceItem meets them, and
   {"b64": ...} is read as IsValBase64Object reads it;
 - a model removed and re-added lists its ended versions (ServableStateMonitor keeps them);
