@@ -134,21 +134,47 @@ _STRING_OR_RAPIDJSON_NON_FINITE = re.compile(r'"(?:[^"\\]|\\.)*"|-?Inf(?:inity)?
 _PYTHON_SPELLING = {"Inf": "Infinity", "-Inf": "-Infinity", "-NaN": "NaN"}
 
 
+# A lone low-surrogate escape ("\\udcff"), which rapidjson 1.1.0 (TF Serving's) writes as the
+# code point's three UTF-8 bytes (ED B3 BF). Python's json makes it the character a body byte
+# 0xFF becomes under surrogateescape, so it reached a string tensor as that one byte; it is
+# respelt as the escapes of its three bytes. (A surrogate pair is kept; `.` steps over any
+# other escape, "\\\\" included.)
+_MAY_HOLD_LOW_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][c-fC-F]")
+_ESCAPE = re.compile(r"\\(?:u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|u([dD][c-fC-F][0-9a-fA-F]{2})|.)",
+                     re.DOTALL)
+
+
+def _as_utf8_byte_escapes(escape):
+    if escape[1] is None:
+        return escape[0]
+    return "".join(f"\\udc{b:02x}" for b in chr(int(escape[1], 16)).encode("utf-8", "surrogatepass"))
+
+
+def _respelt(token) -> str:
+    text = token[0]
+    if text[0] == '"':
+        return _ESCAPE.sub(_as_utf8_byte_escapes, text) if "\\u" in text else text
+    return _PYTHON_SPELLING.get(text, text)
+
+
 def _as_rapidjson_reads(body: bytes) -> str:
     """The body as text Python's json reads as rapidjson (TF Serving's parser) reads the bytes:
     bytes that are not UTF-8 kept (rapidjson does not validate the encoding: they reach a
-    string tensor as sent; here they were a parse error), Inf/-Inf/-NaN respelt."""
+    string tensor as sent; here they were a parse error), Inf/-Inf/-NaN and lone low-surrogate
+    escapes respelt."""
     text = body.decode("utf-8", "surrogateescape")
-    return _STRING_OR_RAPIDJSON_NON_FINITE.sub(lambda m: _PYTHON_SPELLING.get(m[0], m[0]), text)
+    return _STRING_OR_RAPIDJSON_NON_FINITE.sub(_respelt, text)
 
 
 def _python_loads(body: bytes, **hooks):
     try:
         # NaN/Infinity literals, huge integers -- or the error to report
-        try:
-            return json.loads(body, parse_float=_finite_json_float, **hooks)
-        except (UnicodeDecodeError, json.JSONDecodeError):   # (the rare path: read as rapidjson reads)
-            return json.loads(_as_rapidjson_reads(body), parse_float=_finite_json_float, **hooks)
+        if not _MAY_HOLD_LOW_SURROGATE_ESCAPE.search(body):
+            try:
+                return json.loads(body, parse_float=_finite_json_float, **hooks)
+            except (UnicodeDecodeError, json.JSONDecodeError):   # (the rare path: read as rapidjson reads)
+                pass
+        return json.loads(_as_rapidjson_reads(body), parse_float=_finite_json_float, **hooks)
     except RecursionError:        # deeper than Python's stack (orjson stops at 1024 levels)
         raise invalid(TOO_DEEP) from None
 
@@ -175,7 +201,9 @@ def _json_response(obj, status=200):
 
 
 def _error(code: grpc.StatusCode, message: str):
-    return _json_response({"error": message}, status=http_status(code))
+    # (a message naming a string of the body may hold a lone surrogate, which the JSON
+    # written would spell as an escape that strict parsers refuse)
+    return _json_response({"error": rest_requests.valid_unicode(message)}, status=http_status(code))
 
 
 _example, _feature = rest_requests.example, rest_requests.feature   # (tests call them by these names)
@@ -292,8 +320,8 @@ class RestFrontend:
             raise _BodyTooLarge from None
         except web.RequestPayloadError as e:   # e.g. a chunked body cut short
             raise invalid("cannot read the request body: " + " ".join(str(e).split())) from None
-        if "gzip" not in request.headers.get("Content-Encoding", ""):   # absl::StrContains, as upstream
-            return body
+        if not body or "gzip" not in request.headers.get("Content-Encoding", ""):   # absl::StrContains, as upstream
+            return body   # (an empty body is upstream's empty document, gzip or not)
         gunzip = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
         try:
             body = gunzip.decompress(body, self.max_body_bytes + 1)   # (bounded: a gzip bomb stops here)
@@ -304,6 +332,9 @@ class RestFrontend:
             raise _BodyTooLarge
         if not gunzip.eof:
             raise invalid("cannot read the request body: the gzip stream of its Content-Encoding ends early")
+        if gunzip.unused_data:   # (another gzip member, or junk: upstream's ZLib refuses "extra data")
+            raise invalid(f"cannot read the request body: {len(gunzip.unused_data)} bytes follow the end of "
+                          "the gzip stream of its Content-Encoding")
         return body
 
     async def _dispatch(self, request: web.Request):

@@ -7,6 +7,7 @@ all refusals of what upstream silently ignores: keys of a body besides those it 
 names of a columnar "inputs" object that the signature lacks."""
 import json
 import math
+import re
 
 from tensorflow.core.example import example_pb2, feature_pb2
 from tensorflow_serving.apis import input_pb2
@@ -15,6 +16,20 @@ from pkm_serve.serving import tensors
 from pkm_serve.serving.errors import ServingError, invalid
 
 _FLOAT32_MAX = float(tensors.ml_dtypes.finfo("float32").max)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_unicode(text: str) -> str:
+    """`text` with each lone surrogate (a body byte that was not UTF-8, kept as rapidjson keeps
+    it, or a JSON escape such as "\\udcff") as U+FFFD: a protobuf string (a signature name) and
+    the answer's JSON take only valid Unicode (a signature_name holding such a byte was a 500)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
 
 
 def json_value(value, limit=200) -> str:
@@ -47,12 +62,24 @@ def json_object(pairs):
 
 def may_repeat_keys(body: bytes, doc: dict) -> bool:
     """Whether a key of the body's object, or of its "inputs" object, may be spelled twice
-    (the keys json_tensor.cc looks up with FindMember): a cheap count of each quoted name."""
+    (the keys json_tensor.cc looks up with FindMember). Where the body's colons are only
+    those keys' and those of {"b64": ...} values (most bodies), none is; else each quoted name
+    is counted, and where that finds two, the name followed by a colon. (Each name was counted
+    over the whole body: 30 columnar inputs took longer than the parse, and a string value
+    spelling an input's name, ["x", ...] for input x, made the body parse twice.)"""
     names = list(doc)
     if isinstance(doc.get("inputs"), dict):
         names += list(doc["inputs"])
-    return any(body.count(json.dumps(name, ensure_ascii=False).encode("utf-8", "replace")) > 1
-               for name in names)
+    # Each key takes a colon, and every `"b64":` is a key of a {"b64": ...} value (a `"` in a
+    # string is escaped): where the colons are no more than these, each name is spelled once.
+    colons = body.count(b":")
+    if colons == len(names) or ("b64" not in names and colons == len(names) + body.count(b'"b64":')):
+        return False
+    for name in names:
+        quoted = json.dumps(name, ensure_ascii=False).encode("utf-8", "replace")
+        if body.count(quoted) > 1 and len(re.findall(re.escape(quoted) + rb"[ \t\n\r]*:", body)) > 1:
+            return True
+    return False
 
 
 def first_members(doc):
@@ -86,7 +113,7 @@ def signature_name(doc):
     if not isinstance(name, str):
         raise invalid(f"JSON Value: {json_value(doc)} not formatted correctly. "   # the document, as upstream
                       "'signature_name' key must be a string value.")
-    return name
+    return valid_unicode(name)   # (no signature has such a name: it is not found, a 400)
 
 
 def check_predict_body(doc, sig_name, specs):
@@ -303,6 +330,8 @@ def example(obj):
         raise invalid(f"Example must be JSON object but got JSON {json_type(obj)}")
     ex = example_pb2.Example()
     for k, v in obj.items():
+        if valid_unicode(k) != k:   # (a tf.train.Example's feature key is a protobuf string: it was a 500)
+            raise invalid(f"Feature name: {valid_unicode(k)} is not valid UTF-8")
         ex.features.feature[k].CopyFrom(feature(v, k))
     return ex
 

@@ -1,11 +1,15 @@
 """Round 37 parity checks against tensorflow_model_server, on one in-process REST front end
 (requests as the client) and in-process managers:
 - a key spelled twice in a body (or in its "inputs" object) stands for its first value, as
-  json_tensor.cc reads it with rapidjson's FindMember (Python's json kept the last);
+  json_tensor.cc reads it with rapidjson's FindMember (Python's json kept the last); a name
+  counts as repeated only where it is spelled twice as a key;
 - the body is decoded as TF Serving's evhttp request decodes it (NeedUncompressGzipContent):
-  gunzipped where Content-Encoding contains "gzip", read as sent under any other encoding;
-- the body is parsed as rapidjson parses it: Inf/-Inf/-NaN, string bytes that are not UTF-8,
-  a blank body's empty-document error;
+  gunzipped where Content-Encoding contains "gzip" (bytes past the gzip stream refused, as
+  its ZLib refuses extra data), read as sent under any other encoding;
+- the body is parsed as rapidjson 1.1.0 parses it: Inf/-Inf/-NaN, string bytes that are not
+  UTF-8, a lone low-surrogate escape as its three UTF-8 bytes, a blank body's empty-document
+  error; such bytes in a signature or feature name are a 400 (not a 500), and answers stay
+  valid UTF-8;
 - "instances" faults are reported element by element, as AddInstanceItem meets them, and
   {"b64": ...} is read as IsValBase64Object reads it;
 - a model removed and re-added lists its ended versions (ServableStateMonitor keeps them);
@@ -101,6 +105,13 @@ def test_a_gzip_body_is_gunzipped_and_bounded(url, encoding):
     assert _post(url, gzip.compress(body), **{"Content-Encoding": encoding}) == (200, {"predictions": [[2.0, 4.0]]})
     code, answer = _post(url, gzip.compress(body)[:-12], **{"Content-Encoding": encoding})
     assert code == 400 and answer["error"].startswith("cannot read the request body") and "gzip" in answer["error"]
+    # Bytes past the gzip stream (a second member, junk) are refused, as upstream's ZLib refuses
+    # "extra data" (they were dropped: the first member's JSON was served).
+    for tail in (gzip.compress(b" "), b"junk"):
+        code, answer = _post(url, gzip.compress(body) + tail, **{"Content-Encoding": encoding})
+        assert code == 400 and "bytes follow the end of the gzip stream" in answer["error"], answer
+    # No body at all is the empty document, as without gzip (it was a gzip stream ending early).
+    assert _post(url, b"", **{"Content-Encoding": encoding}) == (400, {"error": "JSON Parse error: The document is empty"})
     # The server's limit (1 MiB here) holds for the gunzipped body, not only for the bytes sent.
     bomb = gzip.compress(b'{"instances": [[1, 2]], "pad": "' + b" " * (2 << 20) + b'"}')
     code, answer = _post(url, bomb, **{"Content-Encoding": encoding})
@@ -267,3 +278,53 @@ def test_the_method_name_check_covers_predict(served):
     with pytest.raises(ServingError) as err:
         service.predict(request)
     assert (err.value.code, err.value.message) == (grpc.StatusCode.INTERNAL, message)
+
+
+@pytest.mark.parametrize("body, message", [
+    # A signature name can hold no such byte (a protobuf string): not found (it was a 500).
+    (b'{"signature_name": "\xff", "instances": [[1, 2]]}', 'Serving signature name: "\ufffd" not found'),
+    # A name the answer repeats: valid Unicode (it was a "\udcff" escape, refused by strict parsers).
+    (b'{"signature_name": "str", "instances": [{"\xff": "a"}]}', _KEY.format(0, "\ufffd")),
+])
+def test_a_string_byte_that_is_not_utf8_stays_out_of_names_and_answers(url, body, message):
+    r = requests.post(url, data=body, timeout=30)
+    answer = r.json()
+    assert r.status_code == 400 and answer["error"].startswith(message), answer
+    answer["error"].encode("utf-8")   # (a lone surrogate would raise here)
+
+
+def test_an_example_feature_name_that_is_not_utf8_is_refused():
+    """A tf.train.Example's feature key is a protobuf string: such a name was a 500."""
+    from pkm_serve.serving import rest_requests
+    from pkm_serve.serving.errors import ServingError
+    with pytest.raises(ServingError, match="Feature name: caf\ufffd is not valid UTF-8"):
+        rest_requests.example({"caf\udce9": [1]})
+
+
+def test_a_lone_low_surrogate_escape_is_its_three_utf8_bytes(url):
+    """rapidjson 1.1.0 (TF Serving's) writes a lone "\\udcff" escape as the code point's UTF-8
+    bytes (ED B3 BF); it reached the tensor as the one byte FF, as a raw body byte FF does."""
+    import json
+    texts = ["\\udcff", "a\\uDC80b", "\\udfff", "\\ud83d\\ude00", "\\\\udcff"]
+    expected = [len(json.loads(f'"{t}"').encode("utf-8", "surrogatepass")) for t in texts] + [1]
+    body = ('{"signature_name": "str", "instances": ["' + '", "'.join(texts) + '", "').encode() + b'\xff"]}'
+    assert _post(url, body) == (200, {"predictions": expected})
+
+
+@pytest.mark.parametrize("body, repeats", [
+    (b'{"inputs": {"s": ["s", "t", "s"]}}', False),   # a value spelling the name is no key
+    (b'{"signature_name": "signature_name", "instances": ["instances"]}', False),
+    (b'{"inputs": {"s": ["s"], "s" :["t"]}}', True),
+    (b'{"instances": [1], "instances"\n: [2]}', True),
+    (b'{"inputs": {"s": [{"b64": "QQ=="}], "s": [{"b64": "Qg=="}]}}', True),
+    (b'{"inputs": {"s": [{"b64": "QQ=="}]}, "inputs": {"s": ["t"]}}', True),
+    (b'{"inputs": {"b64": [1], "b64": [2]}}', True),
+    (b'{"inputs": {"s": [{"b64": "QQ=="}, "a:b"], "t": ["s"]}}', False),
+])
+def test_only_a_name_spelt_twice_as_a_key_counts_as_repeated(body, repeats):
+    """The cheap look for a repeated key (which makes the body parse again, in Python) counts
+    a quoted name only where a colon follows it."""
+    import json
+
+    from pkm_serve.serving import rest_requests
+    assert rest_requests.may_repeat_keys(body, json.loads(body)) == repeats
