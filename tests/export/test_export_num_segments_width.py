@@ -1,7 +1,7 @@
 """An int64 num_segments fed to a fused segment sum was cast to the int32 the fused op counts bags in,
 wrapping: 2**32 + 2 became 2 and the fused model answered with 2 bags where the original refuses (it cannot
 allocate 2**32 rows), and -2**32 + 2 (refused by the original: negative) became 2 too. Now one past int32 is
-refused naming num_segments, and a negative one stays negative; in range, the bags are numpy float64's."""
+refused naming num_segments, and a negative one stays negative (refused naming num_segments, as the original); in range, the bags are numpy float64's."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -39,8 +39,11 @@ def test_int64_num_segments_past_int32_is_refused_not_wrapped(tmp_path, form):
     for too_many in (2**32 + 2, 2**31):
         with pytest.raises(tf.errors.InvalidArgumentError, match="num_segments is past 2\\*\\*31 - 1"):
             fused(args_0=ids, args_1=seg, args_2=np.int64(too_many))
-    with pytest.raises(tf.errors.InvalidArgumentError):
-        fused(args_0=ids, args_1=seg, args_2=np.int64(-2**32 + 2))
+    # A negative one is refused naming num_segments, as the original's segment op names it ("Input
+    # num_segments == -1 must not be negative."), not the room-for-bags allocation ("Dimension -1 must be >= 0").
+    for negative in (-1, -2**32 + 2):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="num_segments == -1 must not be negative"):
+            fused(args_0=ids, args_1=seg, args_2=np.int64(negative))
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
