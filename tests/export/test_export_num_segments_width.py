@@ -112,3 +112,16 @@ def test_the_counts_wait_for_room_for_the_bags(tmp_path):
     ids, seg = RNG.integers(0, N, 3), np.array([2, 0, 2])
     np.testing.assert_allclose(fused(args_0=ids, args_1=seg, args_2=np.int64(4))["out"].numpy(),
                                _segment_sums(ids, seg, 4), rtol=1e-5, atol=1e-5)
+
+
+def test_no_wrap_note_where_the_original_answered_num_segments_rows():
+    """The note on a fused refusal of num_segments past int32 said stock TF wrapped it, whatever the original
+    answered: unsorted_segment_sum allocates the 2**31 rows asked for where memory allows (an int64-indexed
+    kernel), and its [2**31, D] answer is no wrap. The note now comes only where no output has such rows."""
+    from pkm_serve.export.verify import wrapped_count_note
+
+    refusal = "num_segments is past 2**31 - 1, the most bags the fused op (PkmRaggedEmbeddingBag) counts"
+    many_rows = np.zeros((2**31, 0), np.float32)  # the original's [2**31, D] answer's shape, without its bytes
+    assert wrapped_count_note(refusal, {"out": many_rows}) == ""
+    wrapped = tf.sparse.segment_sum(TABLE, [1, 2], [0, 1], num_segments=np.int64(2**32 + 2)).numpy()
+    assert "wrap an int64 num_segments" in wrapped_count_note(refusal, {"out": wrapped})
