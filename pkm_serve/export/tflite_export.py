@@ -126,7 +126,7 @@ def _tflite_signatures(model: bytes) -> List[str]:
 
 def _refuse_non_finite_mismatch(name: str, key: str, want: np.ndarray, got: np.ndarray) -> None:
     """VerificationError where the int8 .tflite differs from the float model at an inf/NaN of the float
-    model's (TFLite's REDUCE_MAX gives the float32 lowest for an all -inf bag): no scale measures that."""
+    model's (a masked max's -inf comes out of the converter as the float32 lowest): no scale measures that."""
     if want.dtype.kind not in "fc" or want.shape != got.shape:
         return
     w, g = want.astype(np.float64), got.astype(np.float64)

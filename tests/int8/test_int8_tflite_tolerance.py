@@ -107,7 +107,7 @@ def test_a_non_positive_tolerance_is_refused_before_converting(tmp_path):
 def test_equal_infinities_are_no_error_and_a_lost_one_is_named():
     """A masked max filled with -inf (now fused) answers -inf for a bag with no kept id. The int8 measure
     took -inf - -inf = NaN and a scale of inf, so an int8 model reproducing -inf exactly was refused, and one
-    answering the float32 lowest there (TFLite's REDUCE_MAX, stock converter too) was refused "by inf = nan
+    answering the float32 lowest there (as the converted .tflite does, the stock converter's of the original too) was refused "by inf = nan
     of its scale inf". Equal infinities are now equal (the scale is the finite elements'), and a .tflite
     differing where the float model is inf/NaN is refused saying so."""
     from pkm_serve.export.quantize import relative_error
