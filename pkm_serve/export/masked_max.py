@@ -17,7 +17,7 @@ from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.sites import Site, Skip, tensor_dtype
 
 I32 = DType(types_pb2.DT_INT32)
-_FLOATS = (types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE)
+_FLOATS = (types_pb2.DT_FLOAT,)
 
 
 def constant_fill(fg: FunctionGraph, fill: Ref, rows_ref: Ref, nodes: List[str]) -> Optional[Ref]:
@@ -48,7 +48,7 @@ def check_masked_max(site: Site, dense: bool) -> None:
     if not dense or site.flatten_bag_axes > 1 or site.regroup_ids is not None or site.zero_fill is not None:
         raise Skip("max of rows masked with a constant fill: fused over one bag axis of a dense gather only")
     if site.cast_enum or site.rounded_to or site.table_dtype not in _FLOATS:
-        raise Skip("max of rows masked with a constant fill: fused for float32/float64 rows not cast only")
+        raise Skip("max of rows masked with a constant fill: fused for float32 rows not cast only")
 
 
 def masked_max_steps(fg: FunctionGraph, site: Site):

@@ -172,7 +172,8 @@ def tolerance_or_default(tolerance: Optional[float]) -> float:
 def relative_error(want, got):
     """(max |want - got|, scale = max |want|, their ratio): the measure --quantize-tolerance
     bounds, for the int8 SavedModel and the int8 .tflite alike. NaN where the float
-    model has NaN counts as equal; a new NaN makes the error NaN (over any tolerance).
+    model has NaN, and an inf where it has the same inf, count as equal; a new NaN makes the error NaN (over
+    any tolerance).
     A string output of numbers (tf.strings.as_string) is compared as those numbers; one of
     other text (a class name) has no scale: its error is the fraction of elements that
     differ (scale 1)."""
@@ -184,8 +185,10 @@ def relative_error(want, got):
             differ = float(np.mean(w != g)) if w.size else 0.0
             return differ, 1.0, differ
     w, g = w.astype(np.float64), g.astype(np.float64)
-    both_nan = np.isnan(w) & np.isnan(g)
-    w, g = np.where(both_nan, 0.0, w), np.where(both_nan, 0.0, g)
+    # NaN and +-inf where the float model has the same count as equal (an all-masked bag's -inf): inf - inf
+    # would be NaN, and an inf scale would hide every other error.
+    same = (np.isnan(w) & np.isnan(g)) | (np.isinf(w) & (w == g))
+    w, g = np.where(same, 0.0, w), np.where(same, 0.0, g)
     scale = float(np.max(np.abs(w))) if w.size else 0.0
     err = float(np.max(np.abs(w - g))) if w.size else 0.0
     return err, scale, (err / scale if scale > 0 else err)

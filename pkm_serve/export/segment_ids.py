@@ -59,8 +59,12 @@ def with_room_for_bags(fg: FunctionGraph, count: Ref, prefix: str, width: Option
     freed: the composite allocates its [count, D] output first and fails with ResourceExhausted where that
     cannot be had (num_segments = 2**31 - 1); the fused site's int32 [count] counts, touched as they are
     built, would run the process out of memory first (killed, or a ResourceExhausted naming int32 counts).
-    Empty does not touch the memory; the .tflite, which has no Empty, is converted without it (check_then)."""
-    shape = fg.add_op(prefix + "/shape", "Pack", [count, fg.add_const(prefix + "/width", np.array(
+    Empty does not touch the memory; the .tflite, which has no Empty, is converted without it (check_then).
+    A negative count allocates no rows: the segment op counting the bags refuses it naming num_segments,
+    as the composite's does, where Empty would say only "Dimension -1 must be >= 0"."""
+    rows = fg.add_op(prefix + "/rows", "Maximum", [count, fg.add_const(prefix + "/no_rows", np.array(0, np.int32))],
+                     {"T": I32}, shapes=[[]])
+    shape = fg.add_op(prefix + "/shape", "Pack", [rows, fg.add_const(prefix + "/width", np.array(
         width or 1, np.int32))], {"T": I32, "N": 2, "axis": 0}, shapes=[[2]])
     room = fg.add_op(prefix + "/" + ROOM_FOR_BAGS, "Empty", [shape], {"dtype": DType(dtype), "init": False},
                      shapes=[[None, width]])

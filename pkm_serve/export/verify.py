@@ -372,6 +372,8 @@ def wrapped_count_note(message: str, original: dict) -> str:
     if PAST_INT32_COUNT not in message:
         return ""
     shapes = sorted({tuple(np.shape(v)) for v in original.values()})
+    if any(d > np.iinfo(np.int32).max for s in shapes for d in s):
+        return ""  # the original answered the rows asked for (unsorted_segment_sum, memory allowing): no wrap
     return (f". The original answered with outputs of shape {', '.join(str(list(s)) for s in shapes)}: stock "
             "tf.sparse.segment_sum/mean/sqrt_n wrap an int64 num_segments past 2**31 - 1 into int32, where TF "
             "documents the output's first dimension as num_segments (which no int32-indexed kernel can give), "

@@ -1,7 +1,7 @@
 """An int64 num_segments fed to a fused segment sum was cast to the int32 the fused op counts bags in,
 wrapping: 2**32 + 2 became 2 and the fused model answered with 2 bags where the original refuses (it cannot
 allocate 2**32 rows), and -2**32 + 2 (refused by the original: negative) became 2 too. Now one past int32 is
-refused naming num_segments, and a negative one stays negative; in range, the bags are numpy float64's."""
+refused naming num_segments, and a negative one stays negative (refused naming num_segments, as the original); in range, the bags are numpy float64's."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -39,8 +39,11 @@ def test_int64_num_segments_past_int32_is_refused_not_wrapped(tmp_path, form):
     for too_many in (2**32 + 2, 2**31):
         with pytest.raises(tf.errors.InvalidArgumentError, match="num_segments is past 2\\*\\*31 - 1"):
             fused(args_0=ids, args_1=seg, args_2=np.int64(too_many))
-    with pytest.raises(tf.errors.InvalidArgumentError):
-        fused(args_0=ids, args_1=seg, args_2=np.int64(-2**32 + 2))
+    # A negative one is refused naming num_segments, as the original's segment op names it ("Input
+    # num_segments == -1 must not be negative."), not the room-for-bags allocation ("Dimension -1 must be >= 0").
+    for negative in (-1, -2**32 + 2):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="num_segments == -1 must not be negative"):
+            fused(args_0=ids, args_1=seg, args_2=np.int64(negative))
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
@@ -109,3 +112,16 @@ def test_the_counts_wait_for_room_for_the_bags(tmp_path):
     ids, seg = RNG.integers(0, N, 3), np.array([2, 0, 2])
     np.testing.assert_allclose(fused(args_0=ids, args_1=seg, args_2=np.int64(4))["out"].numpy(),
                                _segment_sums(ids, seg, 4), rtol=1e-5, atol=1e-5)
+
+
+def test_no_wrap_note_where_the_original_answered_num_segments_rows():
+    """The note on a fused refusal of num_segments past int32 said stock TF wrapped it, whatever the original
+    answered: unsorted_segment_sum allocates the 2**31 rows asked for where memory allows (an int64-indexed
+    kernel), and its [2**31, D] answer is no wrap. The note now comes only where no output has such rows."""
+    from pkm_serve.export.verify import wrapped_count_note
+
+    refusal = "num_segments is past 2**31 - 1, the most bags the fused op (PkmRaggedEmbeddingBag) counts"
+    many_rows = np.zeros((2**31, 0), np.float32)  # the original's [2**31, D] answer's shape, without its bytes
+    assert wrapped_count_note(refusal, {"out": many_rows}) == ""
+    wrapped = tf.sparse.segment_sum(TABLE, [1, 2], [0, 1], num_segments=np.int64(2**32 + 2)).numpy()
+    assert "wrap an int64 num_segments" in wrapped_count_note(refusal, {"out": wrapped})

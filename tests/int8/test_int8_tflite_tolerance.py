@@ -102,3 +102,21 @@ def test_a_non_positive_tolerance_is_refused_before_converting(tmp_path):
     with pytest.raises(ExportError, match=r"--quantize-tolerance must be > 0, got 0"):
         _export(tmp_path, "zero", 0.0)
     assert not os.path.exists(tmp_path / "zero.tflite")
+
+
+def test_equal_infinities_are_no_error_and_a_lost_one_is_named():
+    """A masked max filled with -inf (now fused) answers -inf for a bag with no kept id. The int8 measure
+    took -inf - -inf = NaN and a scale of inf, so an int8 model reproducing -inf exactly was refused, and one
+    answering the float32 lowest there (as the converted .tflite does, the stock converter's of the original too) was refused "by inf = nan
+    of its scale inf". Equal infinities are now equal (the scale is the finite elements'), and a .tflite
+    differing where the float model is inf/NaN is refused saying so."""
+    from pkm_serve.export.quantize import relative_error
+    from pkm_serve.export.tflite_export import _int8_rows
+    from pkm_serve.export.verify import VerificationError
+
+    want = np.array([[-np.inf, 2.0], [np.inf, -1.0]], np.float32)
+    err, scale, relative = relative_error(want, want + np.array([[0, 0.02], [0, 0]], np.float32))
+    assert (scale, relative) == (2.0, pytest.approx(0.01)) and err == pytest.approx(0.02)
+    lowest = np.where(np.isneginf(want), np.finfo(np.float32).min, want)
+    with pytest.raises(VerificationError, match=r"1 of 4 elements where the float model gives inf/NaN"):
+        _int8_rows("serving_default", {"out": want}, {"out": lowest}, tolerance=0.05)
