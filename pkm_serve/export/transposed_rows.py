@@ -87,7 +87,11 @@ def weigh_after_transpose(fg: FunctionGraph, rows, multiply: AfterTranspose, sit
     if rows.weights is not None or rows.factors or rows.ones is not None or rows.mask is not None:
         raise Skip("the gathered rows are weighted or masked both before and after the transpose to [..., D, K]: "
                    "not fused (weigh them once)")
-    rows.weights, rows.weights_scalar, rows.weights_unit_row = multiply.weights, multiply.scalar, not multiply.scalar
+    unit_row_of = None if multiply.scalar else _unit_row_of(fg, multiply.weights)
+    if unit_row_of is not None:  # w[:, None, :]: the op reads w, the slice left unused
+        rows.weights, rows.weights_scalar, rows.weights_unit_row = unit_row_of, False, False
+    else:
+        rows.weights, rows.weights_scalar, rows.weights_unit_row = multiply.weights, multiply.scalar, not multiply.scalar
     site.weighted = True
     rows.nodes.insert(0, multiply.product.node)
     rows.private.insert(0, multiply.product)
@@ -95,6 +99,16 @@ def weigh_after_transpose(fg: FunctionGraph, rows, multiply: AfterTranspose, sit
     rows.multiplied = [multiply.product]
     if rows.unflattened_rows is not None:
         rows.flat_from += 1
+
+
+def _unit_row_of(fg: FunctionGraph, weights: Ref) -> Optional[Ref]:
+    """w where `weights` is w[..., None, :] (a StridedSlice adding axis -2 only), else None. The op then reads w
+    as it reads w of rows * w[..., None]: left in the graph, a float16 or bfloat16 slice is no TFLite builtin."""
+    from pkm_serve.export.dense import adds_unit_axis  # dense imports this module
+    node = fg.producer(weights)
+    if node is None or node.op != "StridedSlice" or not adds_unit_axis(fg, node, fg.inputs(node), -2):
+        return None
+    return fg.inputs(node)[0]
 
 
 def reduced_rows(fg: FunctionGraph, node, leads_to_gather):
