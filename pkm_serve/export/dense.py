@@ -434,7 +434,7 @@ def _bag_of_rows(fg: FunctionGraph, node, site: Site, scaling=None) -> Ref:
     if rows.regathers:
         raise Skip("the gathered rows are re-gathered before a dense reduction")
     if untransposed is not None and untransposed.multiply is not None:
-        weigh_after_transpose(fg, rows, untransposed.multiply, site)
+        weigh_after_transpose(fg, rows, untransposed.multiply, site, adds_unit_axis)
     apply_rows(fg, site, rows, node.name, fg.inputs(node)[0])
     if transposed is not None:  # the Transpose (and casts of its output) are the site's, read by it only
         check_transposed_shape_unread(site, rows.private[:rows.private.index(transposed) + 1])

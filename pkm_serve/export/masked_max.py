@@ -67,11 +67,27 @@ def masked_max_steps(fg: FunctionGraph, site: Site):
         return fg.add_op(f"{prefix}/{name}", "Any", [ref, axis], {"Tidx": I32, "keep_dims": not site.mask_squeeze},
                          shapes=[None])
     any_kept, any_dropped = any_of("any_kept", kept), any_of("any_dropped", dropped)
-    fill = fg.add_op(prefix + "/fill", "Cast", [site.max_fill], {
-        "SrcT": DType(tensor_dtype(fg, site.max_fill)), "DstT": dtype, "Truncate": False}, shapes=[None])
-    fill = fg.add_op(prefix + "/fill_scalar", "Reshape", [fill, fg.add_const(prefix + "/scalar", np.array(
-        [], np.int32))], {"T": dtype, "Tshape": I32}, shapes=[[]])
-    minus_inf = fg.add_const(prefix + "/minus_inf", np.array(-np.inf, dtypes.as_dtype(site.table_dtype).as_numpy_dtype))
+    minus_inf = _run_time_minus_inf(fg, prefix, any_dropped, site.table_dtype)
+    fill_value = fg.const_value(site.max_fill)
+    if fill_value is not None and np.all(np.isneginf(fill_value)):
+        fill = minus_inf  # not the constant: TFLite would read it as the lowest finite value
+    else:
+        fill = fg.add_op(prefix + "/fill", "Cast", [site.max_fill], {
+            "SrcT": DType(tensor_dtype(fg, site.max_fill)), "DstT": dtype, "Truncate": False}, shapes=[None])
+        fill = fg.add_op(prefix + "/fill_scalar", "Reshape", [fill, fg.add_const(prefix + "/scalar", np.array(
+            [], np.int32))], {"T": dtype, "Tshape": I32}, shapes=[[]])
     floor = fg.add_op(prefix + "/floor", "SelectV2", [any_dropped, fill, minus_inf], {"T": dtype}, shapes=[None])
     return [("Maximum", {"T": dtype}, lambda bag: [bag, floor]),
             ("SelectV2", {"T": dtype}, lambda bag: [any_kept, bag, floor])]
+
+
+def _run_time_minus_inf(fg: FunctionGraph, prefix: str, like: Ref, table_dtype: int) -> Ref:
+    """-inf shaped like the bool `like`, computed at run time (-1 / 0): the TFLite converter writes a -inf
+    constant as the dtype's lowest finite value (-3.4e38), which the composite's bag of no kept row is not."""
+    dtype = DType(table_dtype)
+    not_like = fg.add_op(prefix + "/not_like", "LogicalNot", [like], {}, shapes=[None])
+    never = fg.add_op(prefix + "/never", "LogicalAnd", [like, not_like], {}, shapes=[None])
+    zero = fg.add_op(prefix + "/zero", "Cast", [never], {"SrcT": DType(types_pb2.DT_BOOL), "DstT": dtype,
+                                                         "Truncate": False}, shapes=[None])
+    minus_one = fg.add_const(prefix + "/minus_one", np.array(-1, dtypes.as_dtype(table_dtype).as_numpy_dtype))
+    return fg.add_op(prefix + "/minus_inf", "RealDiv", [minus_one, zero], {"T": dtype}, shapes=[None])

@@ -81,13 +81,17 @@ def untranspose(fg: FunctionGraph, node, x: Ref, axis_ref: Ref, leads_to_gather)
                         multiply)
 
 
-def weigh_after_transpose(fg: FunctionGraph, rows, multiply: AfterTranspose, site) -> None:
-    """The multiply after the transpose as the rows' weights and their step nearest the reduction; Skip where
-    the rows were scaled below it too."""
+def weigh_after_transpose(fg: FunctionGraph, rows, multiply: AfterTranspose, site, adds_unit_axis) -> None:
+    """The multiply after the transpose as the rows' weights and their step nearest the reduction (`adds_unit_axis`:
+    dense's, which imports this module); Skip where the rows were scaled below it too."""
     if rows.weights is not None or rows.factors or rows.ones is not None or rows.mask is not None:
         raise Skip("the gathered rows are weighted or masked both before and after the transpose to [..., D, K]: "
                    "not fused (weigh them once)")
-    rows.weights, rows.weights_scalar, rows.weights_unit_row = multiply.weights, multiply.scalar, not multiply.scalar
+    unit_row_of = None if multiply.scalar else _unit_row_of(fg, multiply.weights, adds_unit_axis)
+    if unit_row_of is not None:  # w[:, None, :]: the op reads w, the slice left unused
+        rows.weights, rows.weights_scalar, rows.weights_unit_row = unit_row_of, False, False
+    else:
+        rows.weights, rows.weights_scalar, rows.weights_unit_row = multiply.weights, multiply.scalar, not multiply.scalar
     site.weighted = True
     rows.nodes.insert(0, multiply.product.node)
     rows.private.insert(0, multiply.product)
@@ -95,6 +99,16 @@ def weigh_after_transpose(fg: FunctionGraph, rows, multiply: AfterTranspose, sit
     rows.multiplied = [multiply.product]
     if rows.unflattened_rows is not None:
         rows.flat_from += 1
+
+
+def _unit_row_of(fg: FunctionGraph, weights: Ref, adds_unit_axis) -> Optional[Ref]:
+    """w where `weights` is w[..., None, :] (a StridedSlice adding axis -2 only: dense.adds_unit_axis), else None.
+    The op then reads w as it reads w of rows * w[..., None]: left in the graph, a float16 or bfloat16 slice is
+    no TFLite builtin."""
+    node = fg.producer(weights)
+    if node is None or node.op != "StridedSlice" or not adds_unit_axis(fg, node, fg.inputs(node), -2):
+        return None
+    return fg.inputs(node)[0]
 
 
 def reduced_rows(fg: FunctionGraph, node, leads_to_gather):

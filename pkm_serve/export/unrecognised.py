@@ -88,7 +88,7 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
         return None
     axis = axes[-1]
     if axis == rank - 1:
-        return _transposed_table_reason(fg, x, rank)
+        return _transposed_table_reason(fg, node, x, rank)
     if axis != rank - 2:
         return None  # not over a bag axis: e.g. a LayerNorm mean over D after an embedding
     frontier = [(x, [])]
@@ -139,15 +139,14 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
     return None
 
 
-def _transposed_table_reason(fg: FunctionGraph, x, rank: int) -> Optional[str]:
-    """A reduction over the last axis of tf.gather(table_T [D, N], ids, axis=1) ([D, .., K]), or
+def _transposed_table_reason(fg: FunctionGraph, node, x, rank: int) -> Optional[str]:
+    """A reduction `node` over the last axis of tf.gather(table_T [D, N], ids, axis=1) ([D, .., K]), or
     of gathered rows transposed to [..., D, K]: a bag, reported; None for any other last-axis
     reduction (over D: each row's own)."""
     producer = fg.producer(through_identity(fg, x, []))
     steps = _steps_after_transposed_rows(fg, x, rank)
     if steps and set(steps) == {"Cast"}:  # Keras mixed precision: float16 rows permuted, pooled in float32
-        return ("the gathered rows are transposed to [..., D, K], then cast before the reduction over K (Keras "
-                "mixed precision's Permute + channels_first pooling): a cast after the transpose is not fused")
+        return _transposed_casts_reason(fg, node, x)
     if steps:
         return (f"the gathered rows are transposed to [..., D, K], then {' -> '.join(steps)} before the reduction "
                 "over K: after the transpose only a multiplier of one weight per position ([..., 1, K], w[:, None, "
@@ -168,6 +167,26 @@ def _transposed_table_reason(fg: FunctionGraph, x, rank: int) -> Optional[str]:
     return ("the table is stored transposed ([D, N]) and gathered along axis 1, then reduced over "
             "the ids' last axis: the op reads rows of an [N, D] table, so the site stays composite "
             "(store the table as [N, D] and tf.gather its rows)")
+
+
+def _transposed_casts_reason(fg: FunctionGraph, node, x) -> str:
+    """Why a reduction of casts of gathered rows transposed to [..., D, K] stays composite: such casts are fused
+    (transposed_rows.py) only without keepdims, at most two, each step read by the next one only."""
+    head = ("the gathered rows are transposed to [..., D, K], then cast before the reduction over K (Keras mixed "
+            "precision's Permute + channels_first pooling)")
+    if "keep_dims" in node.attr and node.attr["keep_dims"].b:
+        return head + (" with keepdims=True ([..., D, 1], the fused bag's unit axis would come before D): not "
+                       "fused; without keepdims it is")
+    ref, casts = through_identity(fg, x, []), 0
+    while fg.producer(ref) is not None and fg.producer(ref).op == "Cast":
+        below = fg.inputs(fg.producer(ref))[0]
+        if len(fg.consumers(below)) != 1:
+            return head + (f": {fg.render(below)} is read by another op too, so fusing would not save memory: "
+                           "not fused")
+        ref, casts = through_identity(fg, below, []), casts + 1
+    if casts > 2:
+        return head + f": {casts} casts in a row, of which at most two (a half rounding and back) are fused"
+    return head + ": through steps that are not fused, so the site stays composite"
 
 
 def _steps_after_transposed_rows(fg: FunctionGraph, x, rank: int, depth: int = 3) -> List[str]:
