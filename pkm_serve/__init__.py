@@ -105,7 +105,10 @@ class _RegisterAfterLoad(importlib.abc.Loader):
         self._after_load = after_load
 
     def __getattr__(self, name):  # get_source, get_resource_reader, ...: the real loader's
-        return getattr(self._loader, name)
+        # (from __dict__: copy and pickle look attributes up before __init__'s have been set)
+        if "_loader" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["_loader"], name)
 
     def create_module(self, spec):
         return self._loader.create_module(spec)

@@ -223,3 +223,21 @@ def test_a_missing_delegate_points_to_the_wheels(monkeypatch, tmp_path):
     monkeypatch.setattr(tflite, "__file__", str(tmp_path / "tflite.py"))  # an install without lib/
     with pytest.raises(FileNotFoundError, match=r"pkm_serve_device-\*\.whl.*make build"):
         tflite.delegate_path()
+
+
+def test_a_found_spec_of_ours_copies_and_pickles():
+    """importlib.util.find_spec of a pkm_serve module not yet imported (runpy's, `python -m
+    pkm_serve.cli`'s __main__.__spec__) has our wrapped loader: copy, deepcopy and pickle of it
+    raised RecursionError (its attribute passthrough looked itself up before it had a loader)."""
+    import copy
+    import importlib.util
+    import pickle
+
+    name = "pkm_serve.demo"
+    assert name not in sys.modules or pytest.skip("pkm_serve.demo already imported")
+    spec = importlib.util.find_spec(name)
+    assert isinstance(spec.loader, pkm_serve._RegisterAfterLoad)
+    source = spec.loader.get_source(name)
+    for copied in (copy.copy(spec.loader), copy.deepcopy(spec).loader, pickle.loads(pickle.dumps(spec.loader))):
+        assert copied.get_source(name) == source
+    assert name not in sys.modules
