@@ -74,7 +74,9 @@ _deferrals = 0  # > 0: inside _registration_deferred(), imports register nothing
 def _own_import_in_progress():
     """A ``pkm_serve.`` module is half-way through its import (``import pkm_serve._library`` importing
     TensorFlow): registering now would import it again half-initialised, a circular ImportError."""
-    return any(name.startswith("pkm_serve.") and not _imported(name) for name in list(sys.modules))
+    # (a None entry blocks that import, it is no import in progress)
+    return any(name.startswith("pkm_serve.") and sys.modules.get(name) is not None and not _imported(name)
+               for name in list(sys.modules))
 
 
 def _register(module_name):

@@ -241,3 +241,10 @@ def test_a_found_spec_of_ours_copies_and_pickles():
     for copied in (copy.copy(spec.loader), copy.deepcopy(spec).loader, pickle.loads(pickle.dumps(spec.loader))):
         assert copied.get_source(name) == source
     assert name not in sys.modules
+
+
+def test_a_module_of_ours_blocked_with_none_does_not_hold_registration_back(monkeypatch):
+    """sys.modules['pkm_serve.backends'] = None (Python's way to make an import fail) counted as our
+    import in progress, so importing TensorFlow afterwards never registered the op library."""
+    monkeypatch.setitem(sys.modules, "pkm_serve.backends", None)
+    assert not pkm_serve._own_import_in_progress()
