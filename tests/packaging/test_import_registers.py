@@ -248,3 +248,20 @@ def test_a_module_of_ours_blocked_with_none_does_not_hold_registration_back(monk
     import in progress, so importing TensorFlow afterwards never registered the op library."""
     monkeypatch.setitem(sys.modules, "pkm_serve.backends", None)
     assert not pkm_serve._own_import_in_progress()
+
+
+def test_a_failed_import_of_ours_runs_the_registration_it_held_back(monkeypatch, tmp_path):
+    """A pkm_serve module that imports TensorFlow and then fails (pkm_serve.serving.service without
+    tensorflow-serving-api) held TensorFlow's registration back and, failing, never ran it: a later
+    tf.saved_model.load found no PkmEmbeddingBag. It runs when the failed module is dropped."""
+    import importlib
+
+    (tmp_path / "_failing_after_tensorflow.py").write_text("import tensorflow\nraise ImportError('probe')\n")
+    monkeypatch.setattr(pkm_serve, "__path__", [*pkm_serve.__path__, str(tmp_path)])
+    ran = []
+    monkeypatch.setitem(pkm_serve._REGISTRATIONS, "tensorflow", lambda: ran.append("tensorflow"))
+    monkeypatch.setattr(pkm_serve, "_registered", {"keras", "torch"})
+    with pytest.raises(ImportError, match="probe"):
+        importlib.import_module("pkm_serve._failing_after_tensorflow")
+    assert ran == ["tensorflow"]
+    assert "pkm_serve._failing_after_tensorflow" not in sys.modules
