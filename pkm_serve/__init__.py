@@ -74,7 +74,9 @@ _deferrals = 0  # > 0: inside _registration_deferred(), imports register nothing
 def _own_import_in_progress():
     """A ``pkm_serve.`` module is half-way through its import (``import pkm_serve._library`` importing
     TensorFlow): registering now would import it again half-initialised, a circular ImportError."""
-    return any(name.startswith("pkm_serve.") and not _imported(name) for name in list(sys.modules))
+    # (a None entry blocks that import, it is no import in progress)
+    return any(name.startswith("pkm_serve.") and sys.modules.get(name) is not None and not _imported(name)
+               for name in list(sys.modules))
 
 
 def _register(module_name):
@@ -100,12 +102,16 @@ def _register(module_name):
 class _RegisterAfterLoad(importlib.abc.Loader):
     """Wraps a module's real loader: executes the module, then runs ``after_load``."""
 
-    def __init__(self, loader, after_load):
+    def __init__(self, loader, after_load, after_failure=None):
         self._loader = loader
         self._after_load = after_load
+        self._after_failure = after_failure
 
     def __getattr__(self, name):  # get_source, get_resource_reader, ...: the real loader's
-        return getattr(self._loader, name)
+        # (from __dict__: copy and pickle look attributes up before __init__'s have been set)
+        if "_loader" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["_loader"], name)
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
@@ -113,7 +119,12 @@ class _RegisterAfterLoad(importlib.abc.Loader):
     def exec_module(self, module):
         # The module sees its own loader, as without us.
         module.__loader__ = module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
+        try:
+            self._loader.exec_module(module)
+        except Exception:
+            if self._after_failure is not None:
+                self._after_failure(module)
+            raise
         self._after_load()
 
 
@@ -122,8 +133,10 @@ class _RegistrationFinder(importlib.abc.MetaPathFinder):
     registration it held back), it asks the finders after it and wraps the loader they return."""
 
     def find_spec(self, name, path=None, target=None):
+        after_failure = None
         if name.startswith("pkm_serve."):
             after_load = functools.partial(_register_after_own_import, name)
+            after_failure = functools.partial(_register_after_failed_own_import, name)
         elif name in _REGISTRATIONS and name not in _registered:
             after_load = functools.partial(_register, name)
         else:
@@ -134,7 +147,7 @@ class _RegistrationFinder(importlib.abc.MetaPathFinder):
             spec = find(name, path, target) if find else None
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _RegisterAfterLoad(spec.loader, after_load)
+                    spec.loader = _RegisterAfterLoad(spec.loader, after_load, after_failure)
                 return spec
         return None
 
@@ -143,6 +156,15 @@ def _register_after_own_import(name):
     module = sys.modules.get(name)
     if module is not None:  # executed: no longer half-way for _own_import_in_progress (importlib says so next)
         module.__spec__._initializing = False
+    _register_imported()
+
+
+def _register_after_failed_own_import(name, module):
+    # importlib drops the failed module next; dropped now, it holds back nothing, and what it held
+    # back (TensorFlow imported before the failing line) registers, else nothing would until
+    # another of our imports ends
+    if sys.modules.get(name) is module:
+        del sys.modules[name]
     _register_imported()
 
 

@@ -20,7 +20,8 @@ def jax_sparse_bags_as_padded(indices, weights):
         return sparse.BCOO((jnp.ones_like(bcoo.data, jnp.int32), bcoo.indices), shape=bcoo.shape).todense()
 
     id_entries = entries_at(indices)
-    padded = jnp.where(id_entries > 0, indices.todense(), -1)
+    ids = sparse.BCOO((_signed(indices.data), indices.indices), shape=indices.shape)
+    padded = jnp.where(id_entries > 0, ids.todense(), -1)
     padded = _refuse_where(id_entries > 1, padded, "EmbeddingBag: sparse indices hold {count} entries at "
                            "position {position}: a bag reads one id per position (BCOO with repeated indices; "
                            "give each id its own column)", id_entries)
@@ -34,6 +35,21 @@ def jax_sparse_bags_as_padded(indices, weights):
                            "entry at each position of the sparse indices, and none elsewhere (position "
                            "{position}: {count} weights)", weight_entries)
     return padded, weights.todense()
+
+
+def _signed(ids):
+    """Unsigned ids as the layer's signed ids (int64, int32 without jax_enable_x64), so that -1 pads (in
+    the unsigned dtype it was the largest id: every absent position an out-of-range error); an id past
+    the signed range is clipped to its largest value, still past the table (an out-of-range error)."""
+    import jax
+    import jax.numpy as jnp
+
+    if not jnp.issubdtype(ids.dtype, jnp.unsignedinteger):
+        return ids
+    target = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+    if jnp.iinfo(ids.dtype).max > jnp.iinfo(target).max:
+        ids = jnp.minimum(ids, jnp.asarray(jnp.iinfo(target).max, ids.dtype))
+    return ids.astype(target)
 
 
 def _refuse_where(bad, passed, message, counts):

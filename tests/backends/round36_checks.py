@@ -119,6 +119,11 @@ def check_jax_sparse_ids():
         np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6, atol=1e-7, err_msg=how)
     unweighted = bag_list(table, [[1, 0, 2], [], [0, 3]], None, "mean")
     np.testing.assert_allclose(np.asarray(bag(sparse_ids)), unweighted, rtol=1e-6, atol=1e-7)
+    for unsigned in ("uint8", "uint32"):   # absent positions padded with -1 became the dtype's largest id
+        unsigned_ids = sparse.BCOO((values.astype(unsigned), positions), shape=(3, 4))
+        for how, lookup in {"eager": bag, "jit": jax.jit(lambda i: bag(i))}.items():
+            np.testing.assert_allclose(np.asarray(lookup(unsigned_ids)), unweighted, rtol=1e-6, atol=1e-7,
+                                       err_msg=f"{unsigned} {how}")
     try:
         bag(sparse_ids, sparse.BCOO((scales[:4], positions[:4]), shape=(3, 4)))
     except ValueError as err:

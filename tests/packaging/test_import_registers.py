@@ -223,3 +223,45 @@ def test_a_missing_delegate_points_to_the_wheels(monkeypatch, tmp_path):
     monkeypatch.setattr(tflite, "__file__", str(tmp_path / "tflite.py"))  # an install without lib/
     with pytest.raises(FileNotFoundError, match=r"pkm_serve_device-\*\.whl.*make build"):
         tflite.delegate_path()
+
+
+def test_a_found_spec_of_ours_copies_and_pickles():
+    """importlib.util.find_spec of a pkm_serve module not yet imported (runpy's, `python -m
+    pkm_serve.cli`'s __main__.__spec__) has our wrapped loader: copy, deepcopy and pickle of it
+    raised RecursionError (its attribute passthrough looked itself up before it had a loader)."""
+    import copy
+    import importlib.util
+    import pickle
+
+    name = "pkm_serve.demo"
+    assert name not in sys.modules or pytest.skip("pkm_serve.demo already imported")
+    spec = importlib.util.find_spec(name)
+    assert isinstance(spec.loader, pkm_serve._RegisterAfterLoad)
+    source = spec.loader.get_source(name)
+    for copied in (copy.copy(spec.loader), copy.deepcopy(spec).loader, pickle.loads(pickle.dumps(spec.loader))):
+        assert copied.get_source(name) == source
+    assert name not in sys.modules
+
+
+def test_a_module_of_ours_blocked_with_none_does_not_hold_registration_back(monkeypatch):
+    """sys.modules['pkm_serve.backends'] = None (Python's way to make an import fail) counted as our
+    import in progress, so importing TensorFlow afterwards never registered the op library."""
+    monkeypatch.setitem(sys.modules, "pkm_serve.backends", None)
+    assert not pkm_serve._own_import_in_progress()
+
+
+def test_a_failed_import_of_ours_runs_the_registration_it_held_back(monkeypatch, tmp_path):
+    """A pkm_serve module that imports TensorFlow and then fails (pkm_serve.serving.service without
+    tensorflow-serving-api) held TensorFlow's registration back and, failing, never ran it: a later
+    tf.saved_model.load found no PkmEmbeddingBag. It runs when the failed module is dropped."""
+    import importlib
+
+    (tmp_path / "_failing_after_tensorflow.py").write_text("import tensorflow\nraise ImportError('probe')\n")
+    monkeypatch.setattr(pkm_serve, "__path__", [*pkm_serve.__path__, str(tmp_path)])
+    ran = []
+    monkeypatch.setitem(pkm_serve._REGISTRATIONS, "tensorflow", lambda: ran.append("tensorflow"))
+    monkeypatch.setattr(pkm_serve, "_registered", {"keras", "torch"})
+    with pytest.raises(ImportError, match="probe"):
+        importlib.import_module("pkm_serve._failing_after_tensorflow")
+    assert ran == ["tensorflow"]
+    assert "pkm_serve._failing_after_tensorflow" not in sys.modules
