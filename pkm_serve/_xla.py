@@ -163,8 +163,11 @@ _SECOND_ORDER_ACROSS_JIT_ERROR = (
 
 def _run_time_size_source(tensors, limit=10000):
     """The type of an op that sizes one of `tensors` at run time under XLA (tf.boolean_mask's Where,
-    tf.unique), found among their producers in their graph, else None."""
-    seen, pending = set(), [t.op for t in tensors if getattr(t, "op", None) is not None]
+    tf.unique), found among their producers in their graph, else None. Tensors of a fully defined
+    static shape are left out: XLA sizes them at compile time, whatever computed their values (ids
+    put back at their positions with tf.scatter_nd(tf.where(mask), ...) differentiate across jit)."""
+    seen = set()
+    pending = [t.op for t in tensors if getattr(t, "op", None) is not None and not t.shape.is_fully_defined()]
     while pending and len(seen) < limit:
         op = pending.pop()
         if op in seen:

@@ -5,7 +5,8 @@ TF's XLA hands such tensors from the compiled forward to the compiled backward w
 "Incompatible shapes: [4,3] vs. [0,1325386458]", or an abort of the process ("Check failed: size ==
 kUnboundedSize"), also for a plain tf.gather. The fused op's second derivative, and the composite's
 (XLA's fallback; until round 36 it did not compile there, a clear error), now refuse it with a
-ValueError while the backward is built; ids of static sizes still differentiate across the boundary.
+ValueError while the backward is built; ids of static sizes still differentiate across the boundary,
+also where a tf.where computed them (until round 37 refused too: the look-back found the Where).
 One subprocess for the cases: before the fix the process could abort."""
 
 import os
@@ -24,7 +25,10 @@ table = tf.constant(np.round(rng.standard_normal((N, D)) * 2).astype(np.float32)
 weights = tf.constant(rng.uniform(0.5, 2.0, size=10).astype(np.float32))
 
 def penalty(table, values, splits, keep, weights, combiner, mask, lookup):
-    if mask:
+    if mask == "restored":  # masked, then put back at their positions: static sizes again
+        in_range = values < N
+        values = tf.scatter_nd(tf.where(in_range), tf.boolean_mask(values, in_range), tf.shape(values, tf.int64))
+    elif mask:
         in_range = values < N
         values, weights = tf.boolean_mask(values, in_range), tf.boolean_mask(weights, in_range)
         splits = tf.boolean_mask(splits, keep)
@@ -46,6 +50,8 @@ def outer_gradient(combiner, mask, jit, lookup):
 # Static sizes (no mask: KEEP's dropped split kept) still differentiate across the boundary.
 np.testing.assert_allclose(outer_gradient("sum", False, True, ops.embedding_bag),
                            outer_gradient("sum", False, False, ops.embedding_bag), rtol=1e-5, atol=1e-5)
+np.testing.assert_allclose(outer_gradient("sum", "restored", True, ops.embedding_bag),
+                           outer_gradient("sum", "restored", False, ops.embedding_bag), rtol=1e-5, atol=1e-5)
 for name, lookup in (("fused", ops.embedding_bag), ("composite", ops.embedding_bag_composite)):
     for combiner in ("sum", "max"):
         try:
