@@ -179,6 +179,34 @@ def _run_time_size_source(tensors, limit=10000):
     return None
 
 
+def _enclosing_graphs(graph):
+    """`graph`, the graph it is built in, and so on outward (the eager context's graph last)."""
+    while graph is not None:
+        yield graph
+        graph = getattr(graph, "outer_graph", None)
+
+
+def _built_outside_the_compilation(graph):
+    """Whether the graph being built now lies outside the jit_compile function's graph that holds
+    `graph`: the gradient-of-gradient of a tape outside that function. Not the gradient branch of
+    a tf.cond or tf.while_loop inside it (another graph, compiled with it by XLA)."""
+    current = tf.compat.v1.get_default_graph()
+    if current is graph:
+        return False
+    # TF enters the XLA context on the graph a jit_compile function is traced (or differentiated)
+    # in; the function's own graph is the one just inside the outermost such graph.
+    chain = list(_enclosing_graphs(graph))
+    in_xla = [i for i, g in enumerate(chain) if _has_xla_context(g)]
+    if not in_xla or in_xla[-1] == 0:
+        return True
+    return chain[in_xla[-1] - 1] not in set(_enclosing_graphs(current))
+
+
+def _has_xla_context(graph):
+    context = graph._get_control_flow_context()  # pylint: disable=protected-access
+    return context is not None and context.IsXLAContext()
+
+
 def refuse_second_order_across_jit(forward_op):
     """ValueError where the gradient of `forward_op` (a gradient op) is being built in another graph
     than its own (a tape outside a jit_compile function differentiates the first derivative taken
@@ -187,7 +215,8 @@ def refuse_second_order_across_jit(forward_op):
     from tensorflow.python.ops import control_flow_util  # no public API for the XLA context
 
     graph = getattr(forward_op, "graph", None)  # an eager op's gradient gets a mock op without one
-    if graph is None or tf.compat.v1.get_default_graph() is graph or not control_flow_util.GraphOrParentsInXlaContext(graph):
+    if graph is None or not _built_outside_the_compilation(graph) \
+            or not control_flow_util.GraphOrParentsInXlaContext(graph):
         return
     source = _run_time_size_source([t for t in forward_op.inputs if t.dtype.is_integer])
     if source is not None:
@@ -215,7 +244,7 @@ def refusing_second_order_across_jit(value, ids):
             @tf.custom_gradient
             def checked(d):
                 def second_order(dd):
-                    if tf.compat.v1.get_default_graph() is not first_order_graph:
+                    if _built_outside_the_compilation(first_order_graph):
                         raise ValueError(_SECOND_ORDER_ACROSS_JIT_ERROR.format(op=source))
                     return dd
                 return tf.identity(d), second_order

@@ -6,7 +6,9 @@ TF's XLA hands such tensors from the compiled forward to the compiled backward w
 kUnboundedSize"), also for a plain tf.gather. The fused op's second derivative, and the composite's
 (XLA's fallback; until round 36 it did not compile there, a clear error), now refuse it with a
 ValueError while the backward is built; ids of static sizes still differentiate across the boundary,
-also where a tf.where computed them (until round 37 refused too: the look-back found the Where).
+also where a tf.where computed them (until round 37 refused too: the look-back found the Where), and
+both derivatives taken in the function differentiate also where the first is in a tf.cond branch
+(until round 37 refused: the branch's gradient is built in another graph).
 One subprocess for the cases: before the fix the process could abort."""
 
 import os
@@ -47,6 +49,16 @@ def outer_gradient(combiner, mask, jit, lookup):
         p = fn(table, VALUES, SPLITS, KEEP, weights)
     return tf.convert_to_tensor(outer.gradient(p, table)).numpy()
 
+def both_inside(table, values, splits, keep, weights):
+    """Both derivatives in the jit_compile function, the first in a tf.cond branch (another graph)."""
+    with tf.GradientTape() as outer:
+        outer.watch(table)
+        p = tf.cond(tf.reduce_any(keep), lambda: penalty(table, values, splits, keep, weights, "sum", True,
+                                                           ops.embedding_bag), lambda: tf.reduce_sum(table))
+    return tf.convert_to_tensor(outer.gradient(p, table))
+
+np.testing.assert_allclose(tf.function(both_inside, jit_compile=True)(table, VALUES, SPLITS, KEEP, weights),
+                           both_inside(table, VALUES, SPLITS, KEEP, weights), rtol=1e-5, atol=1e-5)
 # Static sizes (no mask: KEEP's dropped split kept) still differentiate across the boundary.
 np.testing.assert_allclose(outer_gradient("sum", False, True, ops.embedding_bag),
                            outer_gradient("sum", False, False, ops.embedding_bag), rtol=1e-5, atol=1e-5)
