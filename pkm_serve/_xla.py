@@ -189,7 +189,7 @@ def _enclosing_graphs(graph):
 def _built_outside_the_compilation(graph):
     """Whether the graph being built now lies outside the jit_compile function's graph that holds
     `graph`: the gradient-of-gradient of a tape outside that function. Not the gradient branch of
-    a tf.cond or tf.while_loop inside it (another graph, compiled with it by XLA)."""
+    a tf.cond inside it (another graph, compiled with it by XLA)."""
     current = tf.compat.v1.get_default_graph()
     if current is graph:
         return False
