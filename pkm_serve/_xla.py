@@ -152,6 +152,9 @@ def checked_when_compiled(condition, value, message):
 
 # Ops whose output XLA sizes at run time, below a static bound.
 _RUN_TIME_SIZE_OPS = frozenset(["Where", "Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2", "ListDiff"])
+# The composite's backward fails also on tf.dynamic_partition's parts ("Invalid shape broadcast from
+# f32[8,3] to [0,2]"); the fused op's differentiates them.
+_COMPOSITE_RUN_TIME_SIZE_OPS = _RUN_TIME_SIZE_OPS | {"DynamicPartition"}
 _SECOND_ORDER_ACROSS_JIT_ERROR = (
     "embedding_bag: a second derivative taken outside the jit_compile function that took the first one, "
     "of bags whose sizes are known only at run time inside it (a {op} op: tf.boolean_mask, tf.where, "
@@ -161,7 +164,7 @@ _SECOND_ORDER_ACROSS_JIT_ERROR = (
     "(open the outer GradientTape there too), or call the function without jit_compile.")
 
 
-def _run_time_size_source(tensors, limit=10000):
+def _run_time_size_source(tensors, sizing_ops=_RUN_TIME_SIZE_OPS, limit=10000):
     """The type of an op that sizes one of `tensors` at run time under XLA (tf.boolean_mask's Where,
     tf.unique), found among their producers in their graph, else None. Tensors of a fully defined
     static shape are left out: XLA sizes them at compile time, whatever computed their values (ids
@@ -173,7 +176,7 @@ def _run_time_size_source(tensors, limit=10000):
         if op in seen:
             continue
         seen.add(op)
-        if op.type in _RUN_TIME_SIZE_OPS:
+        if op.type in sizing_ops:
             return op.type
         pending.extend(i.op for i in op.inputs)
     return None
@@ -232,7 +235,7 @@ def refusing_second_order_across_jit(value, ids):
     graph = tf.compat.v1.get_default_graph()
     if not control_flow_util.GraphOrParentsInXlaContext(graph):
         return value
-    source = _run_time_size_source([t for t in ids if t is not None])
+    source = _run_time_size_source([t for t in ids if t is not None], _COMPOSITE_RUN_TIME_SIZE_OPS)
     if source is None:
         return value
 

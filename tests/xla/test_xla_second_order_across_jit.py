@@ -30,6 +30,11 @@ def penalty(table, values, splits, keep, weights, combiner, mask, lookup):
     if mask == "restored":  # masked, then put back at their positions: static sizes again
         in_range = values < N
         values = tf.scatter_nd(tf.where(in_range), tf.boolean_mask(values, in_range), tf.shape(values, tf.int64))
+    elif mask == "partitioned":  # tf.dynamic_partition's first part, in two bags
+        parts = tf.cast(values < 0, tf.int32)
+        values, weights = tf.dynamic_partition(values, parts, 2)[0], tf.dynamic_partition(weights, parts, 2)[0]
+        size = tf.shape(values, tf.int64)[0]
+        splits = tf.stack([tf.constant(0, tf.int64), size // 2, size])
     elif mask:
         in_range = values < N
         values, weights = tf.boolean_mask(values, in_range), tf.boolean_mask(weights, in_range)
@@ -71,6 +76,11 @@ for name, lookup in (("fused", ops.embedding_bag), ("composite", ops.embedding_b
             print(name, combiner, "no error")
         except ValueError as err:
             print(name, combiner, str(err).split(":")[1].strip()[:58])
+try:
+    outer_gradient("sum", "partitioned", True, ops.embedding_bag_composite)
+    print("composite partitioned no error")
+except ValueError as err:
+    print("composite partitioned", str(err).split(":")[1].strip()[:58])
 '''
 
 
@@ -80,5 +90,6 @@ def test_second_derivative_across_jit_of_run_time_sized_bags_is_refused():
                           env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = "a second derivative taken outside the jit_compile function"
-    assert proc.stdout.splitlines()[-4:] == [f"{lookup} {combiner} {expected}" for lookup in ("fused", "composite")
-                                             for combiner in ("sum", "max")], proc.stdout
+    assert proc.stdout.splitlines()[-5:] == [f"{lookup} {combiner} {expected}" for lookup in ("fused", "composite")
+                                             for combiner in ("sum", "max")] + [f"composite partitioned {expected}"], \
+        proc.stdout
