@@ -166,9 +166,9 @@ _SECOND_ORDER_ACROSS_JIT_ERROR = (
 
 def _run_time_size_source(tensors, sizing_ops=_RUN_TIME_SIZE_OPS, limit=10000):
     """The type of an op that sizes one of `tensors` at run time under XLA (tf.boolean_mask's Where,
-    tf.unique), found among their producers in their graph, else None. Tensors of a fully defined
-    static shape are left out: XLA sizes them at compile time, whatever computed their values (ids
-    put back at their positions with tf.scatter_nd(tf.where(mask), ...) differentiate across jit)."""
+    tf.unique), found among their producers in their graph and the tf.functions it calls, else None.
+    Tensors of a fully defined static shape are left out: XLA sizes them at compile time, whatever
+    computed their values (ids put back with tf.scatter_nd(tf.where(mask), ...) differentiate)."""
     seen = set()
     pending = [t.op for t in tensors if getattr(t, "op", None) is not None and not t.shape.is_fully_defined()]
     while pending and len(seen) < limit:
@@ -179,7 +179,19 @@ def _run_time_size_source(tensors, sizing_ops=_RUN_TIME_SIZE_OPS, limit=10000):
         if op.type in sizing_ops:
             return op.type
         pending.extend(i.op for i in op.inputs)
+        pending.extend(t.op for t in _called_function_outputs(op))
     return None
+
+
+def _called_function_outputs(op):
+    """The outputs of the tf.function graph that a call op (PartitionedCall) runs, else []."""
+    if op.type not in ("PartitionedCall", "StatefulPartitionedCall"):
+        return []
+    try:
+        function = op.graph._get_function(op.get_attr("f").name)  # pylint: disable=protected-access
+    except (AttributeError, ValueError, TypeError):
+        return []
+    return list(getattr(getattr(function, "graph", None), "outputs", None) or [])
 
 
 def _enclosing_graphs(graph):
