@@ -164,9 +164,10 @@ _SECOND_ORDER_ACROSS_JIT_ERROR = (
     "(open the outer GradientTape there too), or call the function without jit_compile.")
 
 
-def _run_time_size_source(tensors, sizing_ops=_RUN_TIME_SIZE_OPS, limit=10000):
+def _run_time_size_source(tensors, sizing_ops=_RUN_TIME_SIZE_OPS, into_functions=False, limit=10000):
     """The type of an op that sizes one of `tensors` at run time under XLA (tf.boolean_mask's Where,
-    tf.unique), found among their producers in their graph and the tf.functions it calls, else None.
+    tf.unique), found among their producers in their graph (and, with into_functions, the
+    tf.functions it calls: the composite's process aborted on ids masked in one), else None.
     Tensors of a fully defined static shape are left out: XLA sizes them at compile time, whatever
     computed their values (ids put back with tf.scatter_nd(tf.where(mask), ...) differentiate)."""
     seen = set()
@@ -179,7 +180,8 @@ def _run_time_size_source(tensors, sizing_ops=_RUN_TIME_SIZE_OPS, limit=10000):
         if op.type in sizing_ops:
             return op.type
         pending.extend(i.op for i in op.inputs)
-        pending.extend(t.op for t in _called_function_outputs(op))
+        if into_functions:  # not for the fused op: its backward took ids masked there (static splits)
+            pending.extend(t.op for t in _called_function_outputs(op))
     return None
 
 
@@ -247,7 +249,8 @@ def refusing_second_order_across_jit(value, ids):
     graph = tf.compat.v1.get_default_graph()
     if not control_flow_util.GraphOrParentsInXlaContext(graph):
         return value
-    source = _run_time_size_source([t for t in ids if t is not None], _COMPOSITE_RUN_TIME_SIZE_OPS)
+    source = _run_time_size_source([t for t in ids if t is not None], _COMPOSITE_RUN_TIME_SIZE_OPS,
+                                   into_functions=True)
     if source is None:
         return value
 
