@@ -152,6 +152,9 @@ def checked_when_compiled(condition, value, message):
 
 # Ops whose output XLA sizes at run time, below a static bound.
 _RUN_TIME_SIZE_OPS = frozenset(["Where", "Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2", "ListDiff"])
+# The composite's backward fails also on tf.dynamic_partition's parts ("Invalid shape broadcast from
+# f32[8,3] to [0,2]"); the fused op's differentiates them.
+_COMPOSITE_RUN_TIME_SIZE_OPS = _RUN_TIME_SIZE_OPS | {"DynamicPartition"}
 _SECOND_ORDER_ACROSS_JIT_ERROR = (
     "embedding_bag: a second derivative taken outside the jit_compile function that took the first one, "
     "of bags whose sizes are known only at run time inside it (a {op} op: tf.boolean_mask, tf.where, "
@@ -161,19 +164,64 @@ _SECOND_ORDER_ACROSS_JIT_ERROR = (
     "(open the outer GradientTape there too), or call the function without jit_compile.")
 
 
-def _run_time_size_source(tensors, limit=10000):
+def _run_time_size_source(tensors, sizing_ops=_RUN_TIME_SIZE_OPS, into_functions=False, limit=10000):
     """The type of an op that sizes one of `tensors` at run time under XLA (tf.boolean_mask's Where,
-    tf.unique), found among their producers in their graph, else None."""
-    seen, pending = set(), [t.op for t in tensors if getattr(t, "op", None) is not None]
+    tf.unique), found among their producers in their graph (and, with into_functions, the
+    tf.functions it calls: the composite's process aborted on ids masked in one), else None.
+    Tensors of a fully defined static shape are left out: XLA sizes them at compile time, whatever
+    computed their values (ids put back with tf.scatter_nd(tf.where(mask), ...) differentiate)."""
+    seen = set()
+    pending = [t.op for t in tensors if getattr(t, "op", None) is not None and not t.shape.is_fully_defined()]
     while pending and len(seen) < limit:
         op = pending.pop()
         if op in seen:
             continue
         seen.add(op)
-        if op.type in _RUN_TIME_SIZE_OPS:
+        if op.type in sizing_ops:
             return op.type
         pending.extend(i.op for i in op.inputs)
+        if into_functions:  # not for the fused op: its backward took ids masked there (static splits)
+            pending.extend(t.op for t in _called_function_outputs(op))
     return None
+
+
+def _called_function_outputs(op):
+    """The outputs of the tf.function graph that a call op (PartitionedCall) runs, else []."""
+    if op.type not in ("PartitionedCall", "StatefulPartitionedCall"):
+        return []
+    try:
+        function = op.graph._get_function(op.get_attr("f").name)  # pylint: disable=protected-access
+    except (AttributeError, ValueError, TypeError):
+        return []
+    return list(getattr(getattr(function, "graph", None), "outputs", None) or [])
+
+
+def _enclosing_graphs(graph):
+    """`graph`, the graph it is built in, and so on outward (the eager context's graph last)."""
+    while graph is not None:
+        yield graph
+        graph = getattr(graph, "outer_graph", None)
+
+
+def _built_outside_the_compilation(graph):
+    """Whether the graph being built now lies outside the jit_compile function's graph that holds
+    `graph`: the gradient-of-gradient of a tape outside that function. Not the gradient branch of
+    a tf.cond inside it (another graph, compiled with it by XLA)."""
+    current = tf.compat.v1.get_default_graph()
+    if current is graph:
+        return False
+    # TF enters the XLA context on the graph a jit_compile function is traced (or differentiated)
+    # in; the function's own graph is the one just inside the outermost such graph.
+    chain = list(_enclosing_graphs(graph))
+    in_xla = [i for i, g in enumerate(chain) if _has_xla_context(g)]
+    if not in_xla or in_xla[-1] == 0:
+        return True
+    return chain[in_xla[-1] - 1] not in set(_enclosing_graphs(current))
+
+
+def _has_xla_context(graph):
+    context = graph._get_control_flow_context()  # pylint: disable=protected-access
+    return context is not None and context.IsXLAContext()
 
 
 def refuse_second_order_across_jit(forward_op):
@@ -184,7 +232,8 @@ def refuse_second_order_across_jit(forward_op):
     from tensorflow.python.ops import control_flow_util  # no public API for the XLA context
 
     graph = getattr(forward_op, "graph", None)  # an eager op's gradient gets a mock op without one
-    if graph is None or tf.compat.v1.get_default_graph() is graph or not control_flow_util.GraphOrParentsInXlaContext(graph):
+    if graph is None or not _built_outside_the_compilation(graph) \
+            or not control_flow_util.GraphOrParentsInXlaContext(graph):
         return
     source = _run_time_size_source([t for t in forward_op.inputs if t.dtype.is_integer])
     if source is not None:
@@ -200,7 +249,8 @@ def refusing_second_order_across_jit(value, ids):
     graph = tf.compat.v1.get_default_graph()
     if not control_flow_util.GraphOrParentsInXlaContext(graph):
         return value
-    source = _run_time_size_source([t for t in ids if t is not None])
+    source = _run_time_size_source([t for t in ids if t is not None], _COMPOSITE_RUN_TIME_SIZE_OPS,
+                                   into_functions=True)
     if source is None:
         return value
 
@@ -212,7 +262,7 @@ def refusing_second_order_across_jit(value, ids):
             @tf.custom_gradient
             def checked(d):
                 def second_order(dd):
-                    if tf.compat.v1.get_default_graph() is not first_order_graph:
+                    if _built_outside_the_compilation(first_order_graph):
                         raise ValueError(_SECOND_ORDER_ACROSS_JIT_ERROR.format(op=source))
                     return dd
                 return tf.identity(d), second_order
