@@ -113,11 +113,11 @@ build: $(STAMP) $(BUILD_TARGETS)
 setup: build
 
 # Set-up runs one make job per core and pytest one worker per core (pytest-xdist, a
-# module per worker at a time: module fixtures are built once). JOBS=1 / PYTEST_WORKERS=0
-# run them serially. The 30 slowest test phases are listed at the end (the suite's time budget).
+# module per worker at a time: module fixtures are built once; modules in tests/conftest.py's
+# order, slow ones first, not xdist's by test count). JOBS=1 / PYTEST_WORKERS=0 run them serially. The 30 slowest test phases are listed at the end (the suite's time budget).
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 PYTEST_WORKERS ?= $(JOBS)
-PYTEST_PARALLEL = $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope)
+PYTEST_PARALLEL = $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 
 test-deps: setup $(TEST_DEPS) $(CORE_TEST) $(SHAPE_RULES_TEST)
 

@@ -12,10 +12,16 @@ if ROOT not in sys.path:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Modules holding a `slow` test run first, so that with several workers
-    (`make test` runs pytest-xdist, a module per worker) the long ones overlap the
-    many short ones instead of finishing last on one worker."""
-    slow_modules = {item.module.__name__ for item in items
-                    if item.get_closest_marker("slow") is not None and getattr(item, "module", None)}
-    items.sort(key=lambda item: getattr(item, "module", None) is None
-               or item.module.__name__ not in slow_modules)  # stable: order within kept
+    """Modules holding a `slow` test run first, then the others, most tests first, so that
+    with several workers (`make test` runs pytest-xdist, a module per worker, with
+    --no-loadscope-reorder: xdist's own order, by test count alone, put the one-test slow
+    modules last) the long ones overlap the many short ones instead of finishing last on
+    one worker."""
+    def module(item):
+        return getattr(getattr(item, "module", None), "__name__", "")
+
+    slow_modules = {module(item) for item in items if item.get_closest_marker("slow") is not None}
+    counts = {}
+    for item in items:
+        counts[module(item)] = counts.get(module(item), 0) + 1
+    items.sort(key=lambda item: (module(item) not in slow_modules, -counts[module(item)]))  # stable

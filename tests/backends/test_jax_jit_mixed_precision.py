@@ -39,6 +39,7 @@ def _run(backend, path):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_mixed_bfloat16_pkm_under_jax_jit_matches_tf(tmp_path):
     path = str(tmp_path / "mixed")
     _run("jax", path)

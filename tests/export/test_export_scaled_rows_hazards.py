@@ -14,7 +14,8 @@ SMALL_TABLE = (TABLE * 1e-3).astype(np.float16)  # small rows: rows * w stays fi
 
 
 def _ids(batch=4):
-    ids = RNG.integers(0, N, (batch, K))
+    # Its own generator: the shared RNG's state depends on which tests this worker ran before.
+    ids = np.random.default_rng(34).integers(0, N, (batch, K))
     ids[0, :2] = 7  # a repeated id
     return ids
 
@@ -46,7 +47,9 @@ def test_float16_table_factors_whose_product_may_overflow_keep_the_original_numb
     want, got = run_both(tmp_path, result, ids, *fed)
     for out in (want, got):
         assert np.all(np.isfinite(out.astype(np.float64)))
-        np.testing.assert_allclose(out.astype(np.float64), expected, rtol=2e-2, atol=2e-2)
+        # float16 terms of both signs: the error is relative to the terms' scale, not to each bag's sum
+        np.testing.assert_allclose(out.astype(np.float64), expected, rtol=2e-2,
+                                   atol=2e-2 * np.abs(expected).max())
 
 
 def test_float16_table_factors_no_larger_than_one_weight_are_fused(tmp_path):
@@ -58,7 +61,9 @@ def test_float16_table_factors_no_larger_than_one_weight_are_fused(tmp_path):
     ids, w = _ids(), _halves(60000)
     expected = np.einsum("bk,bkd->bd", -w.astype(np.float64) / 8, SMALL_TABLE.astype(np.float64)[ids])
     for out in run_both(tmp_path, result, ids, w):
-        np.testing.assert_allclose(out.astype(np.float64), expected, rtol=2e-2, atol=2e-2)
+        # float16 terms of both signs: the error is relative to the terms' scale, not to each bag's sum
+        np.testing.assert_allclose(out.astype(np.float64), expected, rtol=2e-2,
+                                   atol=2e-2 * np.abs(expected).max())
 
 
 MASK = tf.TensorSpec([None, K], tf.bool)

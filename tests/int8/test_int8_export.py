@@ -161,6 +161,7 @@ def test_fresh_process_with_only_import_pkm_serve_loads_it(exported):
         np.testing.assert_allclose(got[key], want[key].numpy(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_pkm_serve_serve_answers_grpc_predict(exported, tmp_path):
     name, _, int8_result = exported
     if name != "two_tables":

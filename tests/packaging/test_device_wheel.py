@@ -96,6 +96,7 @@ DEVICE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_device_wheel_runs_tflite_without_tensorflow(device_venv, tmp_path):
     import json
     device_venv, runtime = device_venv

@@ -114,6 +114,7 @@ def first_version(tmp_path_factory, tf_with_ops):
     return root / "1"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batching", [False, True], ids=["batching_off", "batching_on"])
 def test_ten_swaps_under_load(tmp_path, first_version, batching):
     base = tmp_path / "table"

@@ -70,6 +70,7 @@ def test_embedding_bag_fits_with_jit_compile(policy, ragged, _policy_and_spy):
     assert_ran_fused_under_xla(_policy_and_spy)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 def test_product_key_memory_fits_with_jit_compile(policy, _policy_and_spy):
     keras.config.set_dtype_policy(policy)
