@@ -74,6 +74,12 @@ def clips_rows(fg: FunctionGraph, node) -> bool:
         den.op == "Maximum" and any(leads_to_gather(fg, r) for r in fg.inputs(num))
 
 
+# Reductions that pool gathered rows: a reduction reached through one of them sums bags, not rows.
+_POOLING_OPS = ("Sum", "Mean", "Max", "Min", "Prod", "UnsortedSegmentSum", "UnsortedSegmentMax",
+                "UnsortedSegmentMin", "UnsortedSegmentProd", "SegmentSum", "SegmentMean", "SegmentMax",
+                "SegmentMin", "SegmentProd")
+
+
 def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str]:
     """For a Sum/Mean over axis -2 that is not a site: if float rows of a
     table are gathered a few same-rank steps above it ([..., K, D] all the
@@ -115,6 +121,8 @@ def unrecognised_reason(fg: FunctionGraph, node, depth: int = 3) -> Optional[str
                         "but not the reshape(safe_embedding_lookup_sparse(ids [B, L, ..]), [B, L, D]) "
                         "[* w[..., None]] summed over L that is fused (keras-rs EmbedReduce on a "
                         "SparseTensor); this pooling over L is not fused")
+            if producer.op in _POOLING_OPS:
+                continue  # the rows were pooled before: this reduces bags (a site of their own), not rows
             if producer.op in GATHER_OPS + _ND_GATHER_OPS:
                 dtype = producer.attr["dtype" if producer.op.startswith("Resource")
                                       else "Tparams"].type

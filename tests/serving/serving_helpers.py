@@ -61,10 +61,19 @@ def run_staggered(sched, signature, requests, seconds=10.0, stagger=0.05):
     return out
 
 
+_PORTS_GIVEN = set()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free localhost port not handed out before in this process: the kernel may give a port just
+    released again, so two calls in a row (a server's gRPC and REST ports) could get the same one."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
 
 
 class ServerProcess:
