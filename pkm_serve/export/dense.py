@@ -307,8 +307,9 @@ def _resolve_mask(fg: FunctionGraph, ins: List[Ref], rows: Rows, site: Site) -> 
         raise NotASite()
     site.masked = True
     fill_node = fg.producer(fill)
-    if site.combiner == "max" and masked_max.constant_fill(fg, fill, rows_ref, rows.nodes) is not None:
-        rows.max_fill = masked_max.constant_fill(fg, fill, rows_ref, [])
+    max_fill = masked_max.constant_fill(fg, fill, rows_ref, rows.nodes) if site.combiner == "max" else None
+    if max_fill is not None:
+        rows.max_fill = max_fill
     elif fill_node is not None and fill_node.op == "ZerosLike" and fg.inputs(fill_node)[0] == rows_ref:
         rows.nodes.append(fill_node.name)  # tf.zeros_like(rows): goes with the site
     elif not _is_zero(fg, fill):  # zeros shaped like another tensor: the ids may be broadcast like them
