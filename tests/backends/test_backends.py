@@ -17,23 +17,57 @@ CHECKS = {"jax": ["memory", "no_tf", "ops", "errors", "transforms", "fit", "mask
           "torch": ["memory", "memory_composite", "no_tf", "ops", "errors", "transforms", "fit", "mask"]}
 
 
+# Bad input each backend refuses as the kernels do (backend_checks.py says how):
+REFUSAL_CHECKS = {
+    # The keras.ops composite raises the fused kernel's ValueError for row_splits that do not
+    # start at 0, decrease or do not end at the number of values (it read them unchecked);
+    # traced row_splits (jax.jit, torch.compile) drop values outside them, as its docstring says.
+    "ragged_splits": "composite row_splits",
+    # The composite raises the fused kernel's ValueError for an index >= N on host ids (JAX gave
+    # a NaN row, PyTorch a bare IndexError); negative ids stay padding.
+    "composite_ids": "composite ids past the table",
+    # A [N, 0] table with an index >= N (and ragged row_splits [0] beside values) fails with the
+    # kernel's message eagerly, under jax.jit and in the gradient, as on TF (JAX gave no error:
+    # XLA dropped the zero-sized custom call; PyTorch said "out is null", for valid ids too).
+    "zero_sized": "zero-sized results",
+}
+
+
+def _tf_training_file(tmp):
+    """A .keras file saved under TF with sparse_gradient=True / fused_optimizer=True layers, compiled
+    with LazyAdam, and its outputs under TF (None without TensorFlow)."""
+    if not installed("tensorflow"):
+        return None
+    from pkm_serve.optimizers import LazyAdam
+    from tests.backends.backend_checks import _inputs, tf_training_model
+
+    model = tf_training_model()
+    model.compile(LazyAdam(0.01), "mse")
+    model.save(tmp / "tf.keras")
+    return model(_inputs()).numpy()
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Both backends' check processes, run side by side; each saves a .keras file last."""
+    """One check process per backend, the two side by side (a process per check would import the
+    backend, Keras and pkm_serve again each time): every check of this module, then a .keras save."""
     tmp = tmp_path_factory.mktemp("backends")
+    tf_outputs = _tf_training_file(tmp)
     procs = {}
     for backend in BACKENDS:
         if installed(backend):
+            tf_load = [] if tf_outputs is None else ["load_tf_training", str(tmp / "tf.keras"),
+                                                     str(tmp / f"tf_in_{backend}.npy")]
             save = ["save", str(tmp / f"{backend}.keras"), str(tmp / f"{backend}_out.npy")]
-            procs[backend] = start(backend, CHECKS[backend] + save)
+            procs[backend] = start(backend, CHECKS[backend] + sorted(REFUSAL_CHECKS) + ["ties"] + tf_load + save)
     done = {}
 
     def result(backend):  # each process is waited for once, by whichever test needs it first
         if backend not in done:
-            done[backend] = finish(procs[backend], f"{backend} checks")
+            done[backend] = finish(procs[backend], f"{backend} checks", timeout=900)
         return done[backend]
 
-    return tmp, {b: (lambda b=b: result(b)) for b in procs}
+    return tmp, {b: (lambda b=b: result(b)) for b in procs}, tf_outputs
 
 
 @pytest.mark.slow
@@ -43,7 +77,7 @@ def test_ops_layers_fit_and_memory(runs, backend):
     3-D indices with padding, ragged), clear errors, jit+vmap / opcheck + torch.compile,
     no TF import, fit learns, ProductKeyMemory keeps Keras masks, fwd+bwd at B=4096 K=128 D=512
     grows the process < 600 MB."""
-    tmp, results = runs
+    tmp, results, _ = runs
     if backend not in results:
         pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
     got = results[backend]()
@@ -55,7 +89,7 @@ def test_ops_layers_fit_and_memory(runs, backend):
 def test_keras_file_moves_between_backends(runs):
     """A .keras file saved under JAX loads under PyTorch and TensorFlow, one saved
     under PyTorch under JAX, each with the saving backend's outputs."""
-    tmp, results = runs
+    tmp, results, _ = runs
     if set(results) != set(BACKENDS):
         pytest.skip("needs both jax and torch")
     for backend in BACKENDS:
@@ -74,32 +108,16 @@ def test_keras_file_moves_between_backends(runs):
                                    err_msg=f"mixed_bfloat16, saved under {src}, loaded under {dst}")
 
 
-# Bad input each backend refuses as the kernels do (backend_checks.py says how):
-REFUSAL_CHECKS = {
-    # The keras.ops composite raises the fused kernel's ValueError for row_splits that do not
-    # start at 0, decrease or do not end at the number of values (it read them unchecked);
-    # traced row_splits (jax.jit, torch.compile) drop values outside them, as its docstring says.
-    "ragged_splits": "composite row_splits",
-    # The composite raises the fused kernel's ValueError for an index >= N on host ids (JAX gave
-    # a NaN row, PyTorch a bare IndexError); negative ids stay padding.
-    "composite_ids": "composite ids past the table",
-    # A [N, 0] table with an index >= N (and ragged row_splits [0] beside values) fails with the
-    # kernel's message eagerly, under jax.jit and in the gradient, as on TF (JAX gave no error:
-    # XLA dropped the zero-sized custom call; PyTorch said "out is null", for valid ids too).
-    "zero_sized": "zero-sized results",
-}
-
-
 @pytest.mark.parametrize("check", sorted(REFUSAL_CHECKS))
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bad_input_is_refused_as_the_kernels_refuse_it(backend, check):
-    if not installed(backend):
+def test_bad_input_is_refused_as_the_kernels_refuse_it(runs, backend, check):
+    _, results, _ = runs
+    if backend not in results:
         pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
-    got = finish(start(backend, [check]), f"{backend} {check}")
-    assert got[check] == "ok", got
+    assert results[backend]().get(check) == "ok", results[backend]()
 
 
-def test_tied_scores_pick_the_same_slots_on_every_backend():
+def test_tied_scores_pick_the_same_slots_on_every_backend(runs):
     """Exactly tied key scores: TF (eager and XLA), JAX and PyTorch pick the lowest slots, as the
     float64 reference does (top_k(sorted=False) kept other tied slots on each)."""
     import tensorflow as tf
@@ -107,6 +125,7 @@ def test_tied_scores_pick_the_same_slots_on_every_backend():
     from pkm_serve.product_keys import product_key_search
     from tests.backends.backend_checks import tie_inputs
 
+    _, results, _ = runs
     query, keys, knn = tie_inputs()
     heads, n_keys = keys.shape[0], keys.shape[2]
     want = []
@@ -118,27 +137,19 @@ def test_tied_scores_pick_the_same_slots_on_every_backend():
             want.append(sorted(slot for _, slot in pairs))
     got = {"tensorflow": product_key_search(tf.constant(query), tf.constant(keys), knn)[0].numpy(),
            "xla": tf.function(lambda q, k: product_key_search(q, k, knn), jit_compile=True)(query, keys)[0].numpy()}
-    for backend in BACKENDS:
-        if installed(backend):
-            got[backend] = np.asarray(finish(start(backend, ["ties"]), f"{backend} ties")["tie_slots"])
+    for backend, result in results.items():
+        got[backend] = np.asarray(result()["tie_slots"])
     for name, slots in got.items():
         assert np.sort(slots.reshape(-1, knn), axis=-1).tolist() == want, f"{name}: {slots.tolist()}"
 
 
-def test_tf_keras_file_with_tf_training_options_loads(tmp_path):
+def test_tf_keras_file_with_tf_training_options_loads(runs):
     """A .keras file saved under TF with sparse_gradient=True / fused_optimizer=True layers, compiled
     with LazyAdam: under JAX and PyTorch it loads with compile=False (outputs as under TF) and trains
     with a Keras optimizer; compiled, the error names compile=False (was "Could not locate class")."""
-    pytest.importorskip("tensorflow")
-    from pkm_serve.optimizers import LazyAdam
-    from tests.backends.backend_checks import _inputs, tf_training_model
-
-    model = tf_training_model()
-    model.compile(LazyAdam(0.01), "mse")
-    model.save(tmp_path / "tf.keras")
-    want = model(_inputs()).numpy()
-    procs = {b: start(b, ["load_tf_training", str(tmp_path / "tf.keras"), str(tmp_path / f"{b}.npy")])
-             for b in BACKENDS if installed(b)}
-    for backend, proc in procs.items():
-        assert finish(proc, f"loading the TF file under {backend}")["load_tf_training"] == "ok"
-        np.testing.assert_allclose(np.load(tmp_path / f"{backend}.npy"), want, rtol=1e-5, atol=1e-5)
+    tmp, results, want = runs
+    if want is None:
+        pytest.skip("needs TensorFlow to write the file")
+    for backend, result in results.items():
+        assert result()["load_tf_training"] == "ok"
+        np.testing.assert_allclose(np.load(tmp / f"tf_in_{backend}.npy"), want, rtol=1e-5, atol=1e-5)
