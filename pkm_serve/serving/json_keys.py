@@ -7,6 +7,7 @@ is refused here (AddInstanceItem appends each value to the tensor, shifting late
 Python's json and orjson keep a key's last value: where the body may repeat a key, it is
 parsed again with json_object, which marks each such object."""
 import json
+import operator
 import re
 from itertools import repeat
 
@@ -61,9 +62,8 @@ def json_text(value) -> str:
         return repr(value)
 
 
-# A {"b64": "..."} value of one member (base64 holds no quote or backslash). It cannot start
-# inside a string of a body that parsed: its `{"` would end that string before `b64`.
-_ONE_MEMBER_B64 = re.compile(rb'\{[ \t\n\r]*"b64"[ \t\n\r]*:[ \t\n\r]*"[^"\\]*"[ \t\n\r]*\}')
+# "b64" as the first member of an object, after blanks (plain `{"b64"` is counted apart).
+_B64_FIRST_AFTER_BLANKS = re.compile(rb'\{[ \t\n\r]+"b64"')
 _BLANKS_BEFORE_COLON = re.compile(rb'"[ \t\n\r]+:')
 
 
@@ -73,22 +73,30 @@ def may_repeat_keys(body: bytes, doc: dict) -> bool:
     Each key of the body ends with a quote and a colon, so the body's colons, and its
     `"`-then-colon pairs, are at least the keys it spells. The distinct keys are at least
     those of the parsed objects looked at here (the body, "inputs", "context", the named
-    instances and the examples) plus one for each one-member {"b64": "..."} value found by a
-    regular expression (less any such value already among the objects looked at). Where
-    either count of spelled keys equals that, no key is spelled twice. Else the body is
-    parsed again. (A key spelled with escapes, "\\u0069nputs", counts as any other; it was
-    looked for by its plain spelling, and {"b64": x, "b64": y} counted as two values.)"""
+    instances and the examples) plus each `"b64":` key of other objects, where every "b64"
+    opens its object. Where either count of spelled keys equals that, no key
+    is spelled twice. Else the body is parsed again. (A key spelled with escapes,
+    "\\u0069nputs", counts as any other; it was looked for by its plain spelling, and
+    {"b64": x, "b64": y} counted as two values.)"""
     distinct, counted_b64 = _distinct_keys_looked_at(doc, b'"b64"' in body)
     if counted_b64 is not None:
-        distinct += len(_ONE_MEMBER_B64.findall(body)) - counted_b64
+        # Where each "b64" opens its object, it is a key, and none is spelled twice in one (the
+        # second would follow a comma); an object with another member has a key not counted here.
+        # (`{"b64"` is counted, not searched for with blanks: each pass over a body of images costs.)
+        spelled, opening = body.count(b'"b64"'), body.count(b'{"b64"')
+        if spelled != opening:
+            opening += len(_B64_FIRST_AFTER_BLANKS.findall(body))
+            if spelled != opening:
+                return True
+        distinct += opening - counted_b64
     if body.count(b":") == distinct:
         return False
     return body.count(b'":') + len(_BLANKS_BEFORE_COLON.findall(body)) != distinct
 
 
 def _distinct_keys_looked_at(doc, may_hold_b64):
-    """(keys of the parsed objects looked at, how many of them are one-member b64 values, or
-    None where the body spells no "b64" key plainly)."""
+    """(keys of the parsed objects looked at, how many of them hold a "b64" key, or None where
+    the body spells no "b64" key plainly)."""
     objects = [doc] + [doc[k] for k in ("inputs", "context") if isinstance(doc.get(k), dict)]
     keys = sum(map(len, objects))
     for key in ("instances", "examples"):
@@ -97,8 +105,4 @@ def _distinct_keys_looked_at(doc, may_hold_b64):
         if isinstance(items, list) and items and all(map(isinstance, items, repeat(dict))):
             objects += items
             keys += sum(map(len, items))
-    return keys, (sum(map(_looks_b64, objects)) if may_hold_b64 else None)
-
-
-def _looks_b64(obj):
-    return len(obj) == 1 and "b64" in obj
+    return keys, (sum(map(operator.contains, objects, repeat("b64"))) if may_hold_b64 else None)

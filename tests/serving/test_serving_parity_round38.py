@@ -95,6 +95,9 @@ def test_a_key_spelled_with_escapes_repeats_as_a_plain_one(escaped, plain, specs
     (b'{"inputs": [1], "\\u0069nputs": [2]}', True),
     (b'{"instances": [{"a": "x:y", "b": 2}, {"a": "\\"", "b": 3}]}', False),
     (b'{"instances": [{"b64": "QQ=="}, {"b64": "Qg=="}]}', False),
+    (b'{"instances": [{ "b64": "QQ=="}, {\n"b64" : "Qg=="}]}', False),
+    (b'{"inputs": [{"b64": 1, "b64": 2}]}', True),
+    (b'{"inputs": [{"b64": "QQ==", "\\u0062\\u0036\\u0034": "Qg=="}]}', True),
     (b'{"examples": [{"f": [{"b64": "QQ=="}], "g": 1}], "context": {"c": "a:b"}}', False),
 ])
 def test_the_look_for_repeated_keys_counts_every_object(body, repeats):
