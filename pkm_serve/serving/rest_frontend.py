@@ -27,7 +27,7 @@ from aiohttp import web
 from google.protobuf import json_format
 from tensorflow_serving.apis import get_model_metadata_pb2, get_model_status_pb2, model_pb2
 
-from pkm_serve.serving import rest_requests, tensors
+from pkm_serve.serving import json_parse_errors, rest_requests, tensors
 from pkm_serve.serving.errors import ServingError, http_status, invalid
 from pkm_serve.serving.ports import check_bindable
 from pkm_serve.serving.rest_cors import cors_middleware
@@ -371,7 +371,7 @@ class RestFrontend:
                 except (UnicodeDecodeError, json.JSONDecodeError) as e:
                     if not body.strip(b" \t\n\r"):   # rapidjson's kParseErrorDocumentEmpty, past the blanks
                         raise invalid(f"JSON Parse error: The document is empty. at offset: {len(body)}") from None
-                    raise invalid(f"JSON Parse error: {e}") from None
+                    raise invalid(json_parse_errors.rapidjson_words(e, body) or f"JSON Parse error: {e}") from None
                 if not isinstance(doc, dict):   # json_tensor.cc's ParseJson
                     raise invalid(f"JSON Value: {rest_requests.json_value(doc)} Is not object")
             else:

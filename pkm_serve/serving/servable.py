@@ -73,7 +73,13 @@ class SignatureBase:
                           f"it expects exactly {sorted(self.input_specs)}")
         for key, array in inputs.items():
             if array.dtype != self._input_dtypes[key]:
-                tensors.check_dtype(key, array, self.input_specs[key].dtype, self.name)
+                tensors.check_dtype(key, array, self.input_specs[key].dtype, self.name,
+                                    self._arg_index(key, inputs))
+
+    def _arg_index(self, alias, inputs):
+        """The input's place among the fed tensors' names, sorted (DirectSession's feed order)."""
+        tensor_names = sorted(self.signature_def.inputs[k].name for k in inputs)
+        return tensor_names.index(self.signature_def.inputs[alias].name)
 
     def fetches(self, output_filter):
         """The output aliases to return: output_filter (checked) or all of them, sorted."""

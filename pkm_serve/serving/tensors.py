@@ -10,6 +10,7 @@ from tensorflow.core.framework import tensor_pb2, types_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid
 from pkm_serve.serving.json_floats import shortest_float32_as_float64, write_decimal_float32
+from pkm_serve.serving.json_keys import json_text
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
 from pkm_serve.serving.proto_fields import VALUE_FIELDS, fill_to, misplaced, narrow_values, sent_count
 from pkm_serve.serving.wire_formats import base64_as_tf_serving, string_list
@@ -174,15 +175,17 @@ def to_proto(array: np.ndarray, as_tensor_content: bool = False):
     return proto
 
 
-def check_dtype(name: str, array: np.ndarray, expected: tf.DType, signature: str):
-    """The input's dtype must be the signature's (TF does not cast fed tensors)."""
+def check_dtype(name: str, array: np.ndarray, expected: tf.DType, signature: str, arg: int = 0):
+    """The input's dtype must be the signature's (TF does not cast fed tensors): refused in the
+    words of the Session TF Serving feeds it to (FunctionCallFrame::SetArgs), `arg` being the
+    input's place among the fed tensors' names, sorted as DirectSession sorts its feeds."""
     try:
         got = tf.as_dtype(array.dtype)
     except TypeError:
         raise invalid(f"input '{name}' has unsupported dtype {array.dtype}") from None
     if got != expected:
-        raise invalid(f"input '{name}' has dtype {got.name} but signature '{signature}' "
-                      f"expects {expected.name}")
+        raise invalid(f"Expects arg[{arg}] to be {tf_type_name(expected)} but {tf_type_name(got)} is "
+                      f"provided (input '{name}' of signature '{signature}')")
 
 
 # ---------------------------------------------------------------- REST JSON
@@ -190,8 +193,9 @@ def decode_b64(value):
     """{"b64": "..."} objects become bytes (TF Serving's binary encoding), strings UTF-8;
     anything malformed is INVALID_ARGUMENT."""
     if isinstance(value, dict):   # json_tensor.cc's JsonDecodeBase64Object, in its words
-        shown = json.dumps(value, separators=(",", ":"))[:200]
-        if len(value) != 1 or not isinstance(value.get("b64"), str):
+        shown = json_text(value)[:200]
+        # (an object that spelled "b64" twice is no dict proper: IsValBase64Object counts members)
+        if type(value) is not dict or len(value) != 1 or not isinstance(value.get("b64"), str):
             raise invalid(f"JSON Value: {shown} not formatted correctly for base64 data")
         decoded = base64_as_tf_serving(value["b64"])
         if decoded is None:
@@ -315,6 +319,11 @@ def from_json(name: str, value, spec: tf.TensorSpec, may_hold_bools: bool = True
 _TF_TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half"}
 
 
+def tf_type_name(dtype: tf.DType) -> str:
+    """TF's DataTypeString: float, double, half, int32, string, ..."""
+    return _TF_TYPE_NAMES.get(dtype.name, dtype.name)
+
+
 def _refuse_bools_among_numbers(name, value, dtype):
     """json_tensor.cc refuses JSON true/false for a number (numpy read [true, 2] as [1, 2])."""
     if not isinstance(value, list):
@@ -333,13 +342,13 @@ _JSON_TYPES = {bool: "Bool", type(None): "Null", str: "String", bytes: "String",
 
 def json_type_error(name, leaf, dtype):
     """json_tensor.cc's TypeError for a JSON value of the wrong type for the input's dtype."""
-    kind = _JSON_TYPES.get(type(leaf), type(leaf).__name__)
+    kind = _JSON_TYPES.get(type(leaf)) or ("Object" if isinstance(leaf, dict) else type(leaf).__name__)
     if kind == "Bool":
         kind = "True" if leaf else "False"
     text = leaf.decode("utf-8", "replace") if isinstance(leaf, bytes) else leaf
-    shown = json_number_text(leaf) if kind == "Number" else json.dumps(text, separators=(",", ":"))[:200]
+    shown = json_number_text(leaf) if kind == "Number" else json_text(text)[:200]
     return invalid(f"JSON Value: {shown} Type: {kind} is not of expected type: "
-                   f"{_TF_TYPE_NAMES.get(dtype.name, dtype.name)} (input '{name}')")
+                   f"{tf_type_name(dtype)} (input '{name}')")
 
 
 def _first_wrong_leaf(value, dtype):

@@ -202,7 +202,7 @@ def test_health_service_reports_serving(channel):
     (lambda: _request(signature="nosuch", query=QUERIES), grpc.StatusCode.FAILED_PRECONDITION, "nosuch"),
     (lambda: _request(), grpc.StatusCode.INVALID_ARGUMENT, "Missing but required: {query}."),   # predict_util.cc
     (lambda: _request(query=QUERIES, extra=QUERIES), grpc.StatusCode.INVALID_ARGUMENT, "Sent extra: {extra}."),
-    (lambda: _request(query=QUERIES.astype(np.float64)), grpc.StatusCode.INVALID_ARGUMENT, "dtype float64 but signature 'serving_default' expects float32"),
+    (lambda: _request(query=QUERIES.astype(np.float64)), grpc.StatusCode.INVALID_ARGUMENT, "Expects arg[0] to be float but double is provided (input 'query'"),
     # Shapes are the graph's to judge (TF Serving feeds any shape): its own error comes back.
         (lambda: _request(query=QUERIES[:, :5]), grpc.StatusCode.INVALID_ARGUMENT, "Matrix size-incompatible"),
     (lambda: _request(signature="lookup", indices=np.array([[1, 5000]]), weights=np.ones((1, 2), np.float32)),

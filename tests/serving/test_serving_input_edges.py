@@ -179,8 +179,8 @@ def test_malformed_tensor_protos_are_invalid_argument(proto, message):
 
 def test_a_proto_dtype_other_than_the_signatures_is_refused():
     array = tensors.from_proto("x", tf.make_tensor_proto(np.array([1.0, 2.0], np.float64)))
-    with pytest.raises(ServingError, match="input 'x' has dtype float64 but signature 'serving_default' "
-                                           "expects float32"):
+    with pytest.raises(ServingError, match=r"Expects arg\[0\] to be float but double is provided "
+                                           r"\(input 'x' of signature 'serving_default'\)"):
         tensors.check_dtype("x", array, tf.float32, "serving_default")
 
 

@@ -328,3 +328,26 @@ def test_only_a_name_spelt_twice_as_a_key_counts_as_repeated(body, repeats):
 
     from pkm_serve.serving import rest_requests
     assert rest_requests.may_repeat_keys(body, json.loads(body)) == repeats
+
+
+@pytest.mark.parametrize("body, words, offset", [
+    (b'{"instances": [[1, 2],]}', "Invalid value.", 22),
+    (b'{"instances": tru}', "Invalid value.", 17),   # past the letters ParseTrue matched
+    (b'{"instances": -x}', "Invalid value.", 15),
+    (b'{"instances": [[1, 2]],}', "Missing a name for object member.", 23),
+    (b'{"instances" [[1, 2]]}', "Missing a colon after a name of object member.", 13),
+    (b'{"instances": [[1, 2] [3, 4]]}', "Missing a comma or ']' after an array element.", 22),
+    (b'{"instances": [{"x": [1, 2] "y": 1}]}', "Missing a comma or '}' after an object member.", 28),
+    (b'{"instances": [[1., 2]]}', "Missing fraction part in number.", 18),
+    (b'{"instances": [[1e+, 2]]}', "Missing exponent in number.", 19),
+    (b'{"instances": [[1, 2]]} {}', "The document root must not be followed by other values.", 24),
+    (b'{"instances": [["ab', "Missing a closing quotation mark in string.", 19),
+    (b'{"instances": [["a\\qb"]]}', "Invalid escape character in string.", 18),
+    (b'{"instances": [["\\u00G0"]]}', "Incorrect hex digit after \\u escape in string.", 17),
+    (b'{"instances": [["a\tb"]]}', "Invalid encoding in string.", 18),
+    (b'{"\xc3\xa9": x}', "Invalid value.", 7),   # a byte offset, past the two bytes of the e-acute
+])
+def test_a_body_that_is_not_json_is_refused_in_rapidjsons_words(url, body, words, offset):
+    """json_tensor.cc's ParseJson: "JSON Parse error: " + GetParseError_En + " at offset: " + the
+    byte rapidjson stopped at (Python's json said "Expecting value: line 1 column 23 (char 22)")."""
+    assert _post(url, body) == (400, {"error": f"JSON Parse error: {words} at offset: {offset}"})

@@ -1,0 +1,108 @@
+"""JSON objects that spell a key more than once, as json_tensor.cc meets them through rapidjson
+(which keeps every member): FindMember (the body's keys, a columnar "inputs" object's names)
+finds the first; MakeExampleFromJsonObject keeps a feature's last; IsValBase64Object counts
+every member, so {"b64": x, "b64": y} is no base64 value; a named instance's repeated input
+is refused here (AddInstanceItem appends each value to the tensor, shifting later rows).
+
+Python's json and orjson keep a key's last value: where the body may repeat a key, it is
+parsed again with json_object, which marks each such object."""
+import json
+import operator
+import re
+from itertools import repeat
+
+
+class RepeatedKeys(dict):
+    """A JSON object that spells a key more than once. Its items hold each key's last value
+    (as Python's json and orjson read it), `pairs` every member in the body's order."""
+    pairs: list
+
+
+class FirstMembers(dict):
+    """An object with a repeated key read as FindMember reads it: each key's first value."""
+
+
+def json_object(pairs):
+    """json.loads' object_pairs_hook: a dict, or RepeatedKeys where a key repeats."""
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    repeated = RepeatedKeys(obj)
+    repeated.pairs = pairs
+    return repeated
+
+
+def first_members(doc):
+    """The body as json_tensor.cc's FindMember reads it: a repeated key of the body or of its
+    "inputs" object stands for its first value (Python's json kept the last)."""
+    if isinstance(doc, RepeatedKeys):
+        doc = _first_of(doc)
+    if isinstance(doc, dict) and isinstance(doc.get("inputs"), RepeatedKeys):
+        doc = FirstMembers(doc) if type(doc) is dict else doc
+        doc["inputs"] = _first_of(doc["inputs"])
+    return doc
+
+
+def _first_of(obj):
+    first = FirstMembers()
+    for key, value in obj.pairs:
+        first.setdefault(key, value)
+    return first
+
+
+def json_text(value) -> str:
+    """A parsed JSON value as compact JSON; an object that spelled a key twice (a dict with
+    its `pairs`) with every member, as rapidjson writes it."""
+    pairs = getattr(value, "pairs", None)
+    if pairs is not None:
+        return "{" + ",".join(f"{json_text(k)}:{json_text(v)}" for k, v in pairs) + "}"
+    try:
+        return json.dumps(value, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+# "b64" as the first member of an object, after blanks (plain `{"b64"` is counted apart).
+_B64_FIRST_AFTER_BLANKS = re.compile(rb'\{[ \t\n\r]+"b64"')
+_BLANKS_BEFORE_COLON = re.compile(rb'"[ \t\n\r]+:')
+
+
+def may_repeat_keys(body: bytes, doc: dict) -> bool:
+    """Whether some object of the body may spell a key twice (False is certain).
+
+    Each key of the body ends with a quote and a colon, so the body's colons, and its
+    `"`-then-colon pairs, are at least the keys it spells. The distinct keys are at least
+    those of the parsed objects looked at here (the body, "inputs", "context", the named
+    instances and the examples) plus each `"b64":` key of other objects, where every "b64"
+    opens its object. Where either count of spelled keys equals that, no key
+    is spelled twice. Else the body is parsed again. (A key spelled with escapes,
+    "\\u0069nputs", counts as any other; it was looked for by its plain spelling, and
+    {"b64": x, "b64": y} counted as two values.)"""
+    distinct, counted_b64 = _distinct_keys_looked_at(doc, b'"b64"' in body)
+    if counted_b64 is not None:
+        # Where each "b64" opens its object, it is a key, and none is spelled twice in one (the
+        # second would follow a comma); an object with another member has a key not counted here.
+        # (`{"b64"` is counted, not searched for with blanks: each pass over a body of images costs.)
+        spelled, opening = body.count(b'"b64"'), body.count(b'{"b64"')
+        if spelled != opening:
+            opening += len(_B64_FIRST_AFTER_BLANKS.findall(body))
+            if spelled != opening:
+                return True
+        distinct += opening - counted_b64
+    if body.count(b":") == distinct:
+        return False
+    return body.count(b'":') + len(_BLANKS_BEFORE_COLON.findall(body)) != distinct
+
+
+def _distinct_keys_looked_at(doc, may_hold_b64):
+    """(keys of the parsed objects looked at, how many of them hold a "b64" key, or None where
+    the body spells no "b64" key plainly)."""
+    objects = [doc] + [doc[k] for k in ("inputs", "context") if isinstance(doc.get(k), dict)]
+    keys = sum(map(len, objects))
+    for key in ("instances", "examples"):
+        items = doc.get(key)
+        # (map over builtins: this runs per instance on the hot path)
+        if isinstance(items, list) and items and all(map(isinstance, items, repeat(dict))):
+            objects += items
+            keys += sum(map(len, items))
+    return keys, (sum(map(operator.contains, objects, repeat("b64"))) if may_hold_b64 else None)

@@ -1,0 +1,88 @@
+"""A body that is not JSON, refused in the words of rapidjson (TF Serving's parser, through
+json_tensor.cc's ParseJson: "JSON Parse error: <GetParseError_En> at offset: <byte>"), where
+Python's json stops at the fault rapidjson stops at; it said "Expecting value: line 1 column 1
+(char 0)". rapidjson stops at other bytes than Python's json in a few cases, placed here as it
+does: a partial true/false/null (past the letters it matched), a number missing its fraction or
+exponent (Python's json read the number before and wanted a comma), a string left open (at the
+end of the body). A partial NaN/Infinity (kParseNanAndInfFlag), and a body read as respelt
+text, keep Python's words."""
+import json
+import re
+
+_LITERALS = {"t": "true", "f": "false", "n": "null"}
+_STRING_OR_BRACKET = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]', re.DOTALL)
+_NUMBER_CHARS = frozenset("0123456789.eE+-")
+_SAME_PLACE = {
+    "Expecting property name enclosed in double quotes": "Missing a name for object member.",
+    "Expecting ':' delimiter": "Missing a colon after a name of object member.",
+    "Extra data": "The document root must not be followed by other values.",
+    "Invalid \\escape": "Invalid escape character in string.",
+}
+
+
+def rapidjson_words(err, body: bytes):
+    """json_tensor.cc's message for the JSONDecodeError `err` of `body`, else None."""
+    text = getattr(err, "doc", None)
+    # (a body parsed as respelt text, Inf for Infinity, has other offsets than its bytes)
+    if not isinstance(err, json.JSONDecodeError) or text != body.decode("utf-8", "surrogateescape"):
+        return None
+    found = _words_and_place(err.msg, text, err.pos)
+    if found is None:
+        return None
+    words, at = found
+    return f"JSON Parse error: {words} at offset: {len(text[:at].encode('utf-8', 'surrogateescape'))}"
+
+
+def _words_and_place(msg, text, pos):
+    if msg in _SAME_PLACE:
+        return _SAME_PLACE[msg], pos
+    if msg == "Expecting value":
+        return _invalid_value(text, pos)
+    if msg == "Expecting ',' delimiter":
+        return _after_a_value(text, pos)
+    if msg.startswith("Unterminated string"):   # rapidjson reads on to the end of the body
+        return "Missing a closing quotation mark in string.", len(text)
+    if msg.startswith("Invalid control character"):   # (a NUL byte ends rapidjson's string)
+        if text[pos:pos + 1] == "\0":
+            return "Missing a closing quotation mark in string.", pos
+        return "Invalid encoding in string.", pos
+    if msg == "Invalid \\uXXXX escape":   # Python's json points past the backslash, rapidjson at it
+        return "Incorrect hex digit after \\u escape in string.", pos - 1
+    return None
+
+
+def _invalid_value(text, pos):
+    head = text[pos:pos + 1]
+    if head in _LITERALS:   # ParseTrue & co. stop at the first letter that does not match
+        literal, matched = _LITERALS[head], 1
+        while matched < len(literal) and text[pos + matched:pos + matched + 1] == literal[matched]:
+            matched += 1
+        return "Invalid value.", pos + matched
+    if head in ("N", "I") or (head == "-" and text[pos + 1:pos + 2] in ("N", "I")):
+        return None   # (kParseNanAndInfFlag's partial matches)
+    return "Invalid value.", pos + (head == "-")   # ParseNumber takes a minus, then wants a digit
+
+
+def _after_a_value(text, pos):
+    """Python's json read a value and wanted a comma: a number missing its fraction or
+    exponent for rapidjson, else the comma or closing bracket of the innermost container."""
+    start = pos
+    while start > 0 and text[start - 1] in _NUMBER_CHARS:
+        start -= 1
+    number = text[start:pos].lower()
+    after = text[pos:pos + 1]
+    if number[-1:].isdigit() and "e" not in number:
+        if after == "." and "." not in number:
+            return "Missing fraction part in number.", pos + 1
+        if after in ("e", "E"):
+            return "Missing exponent in number.", pos + 1 + (text[pos + 1:pos + 2] in ("+", "-"))
+    brackets = []
+    for token in _STRING_OR_BRACKET.finditer(text, 0, pos):
+        mark = token.group()
+        if mark in "[{":
+            brackets.append(mark)
+        elif mark in "]}" and brackets:
+            brackets.pop()
+    if brackets[-1:] == ["{"]:
+        return "Missing a comma or '}' after an object member.", pos
+    return "Missing a comma or ']' after an array element.", pos
