@@ -285,6 +285,21 @@ def _already_int8(model, schema) -> str:
             if buffers else "")
 
 
+def _packed_once(table_object):
+    """``table_object`` whose Pack writes it once per builder and hands every later
+    caller that offset: tensors sharing it then point at one table in the file
+    (flatbuffers allow any number of references to an object already written)."""
+    pack, offsets = table_object.Pack, {}
+
+    def pack_once(builder):
+        if id(builder) not in offsets:
+            offsets[id(builder)] = (builder, pack(builder))  # the builder kept: its id stays its own
+        return offsets[id(builder)][1]
+
+    table_object.Pack = pack_once
+    return table_object
+
+
 def quantize_table_int8(model_bytes: bytes) -> bytes:
     """Rewrites every constant float32, float16 or bfloat16 ``params`` table of a
     PkmEmbeddingBag / PkmRaggedEmbeddingBag op as an int8 tensor with per-row
@@ -318,10 +333,12 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
             name = tensors[0].name.decode() if isinstance(tensors[0].name, bytes) else tensors[0].name
             raise ValueError(f"quantize_table_int8: table {name!r} ({np.dtype(dtype).name}): {err}") from None
         model.buffers[buffer_index].data = np.frombuffer(q.tobytes(), dtype=np.uint8)
-        for tensor in tensors:
+        quant = _packed_once(schema.QuantizationParametersT())
+        # numpy vectors: packed as one block each, not a float at a time
+        quant.scale, quant.zeroPoint = scales.astype(np.float32), zero_points.astype(np.int64)
+        quant.quantizedDimension = 0
+        for tensor in tensors:   # one per signature reading the buffer: all share one scale set
             tensor.type = schema.TensorType.INT8
-            quant = schema.QuantizationParametersT()
-            quant.scale, quant.zeroPoint, quant.quantizedDimension = scales.tolist(), zero_points.tolist(), 0
             tensor.quantization = quant
     if not tables:
         raise ValueError("no constant float32, float16 or bfloat16 params table of a PkmEmbeddingBag op found" +
