@@ -43,6 +43,7 @@ from pkm_serve.tflite_model import (  # noqa: F401
     quantize_rows_int8,
     quantize_rows_int8_affine,
     quantize_table_int8,
+    signature_defs_metadata_size,
 )
 
 INTERPRETERS = ("litert", "tflite_runtime", "tf")

@@ -13,6 +13,12 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from pkm_serve.tflite_metadata import (  # noqa: F401  (pkm_serve.tflite re-exports them)
+    SIGNATURE_DEFS_METADATA,
+    metadata_names,
+    signature_defs_metadata_size,
+)
+
 CUSTOM_OP_NAME = "PkmEmbeddingBag"
 # Ragged bags (values + row_splits), fused from embedding_lookup_sparse sites.
 RAGGED_CUSTOM_OP_NAME = "PkmRaggedEmbeddingBag"
@@ -59,45 +65,6 @@ def check_tflite_bytes(model_bytes, what: str = "model") -> None:
         raise ValueError(f"{what}: the {len(model_bytes)} bytes given are not a TFLite flatbuffer "
                          f"(no file identifier {TFLITE_FILE_IDENTIFIER.decode()!r} at bytes 4..8; "
                          f"they start {head!r}); pass the contents of a .tflite file")
-
-
-_MODEL_METADATA_FIELD = 6   # Model.metadata: [Metadata {name: string, buffer: uint}] (schema.fbs)
-SIGNATURE_DEFS_METADATA = "signature_defs_metadata"   # TF Serving's SignatureDefs of a .tflite
-
-
-def metadata_names(model_bytes) -> List[str]:
-    """The names of the model's metadata entries, read without a schema module (tflite_runtime
-    ships none); [] where the flatbuffer has none or cannot be read that far."""
-    def u32(at):
-        return struct.unpack_from("<I", model_bytes, at)[0]
-
-    def field(table, index):   # the position of a table's field, or None where absent
-        vtable = table - struct.unpack_from("<i", model_bytes, table)[0]
-        if vtable < 0:   # (struct would read a negative position from the end)
-            raise IndexError(vtable)
-        vtable_size = struct.unpack_from("<H", model_bytes, vtable)[0]
-        if 4 + 2 * index + 2 > vtable_size:
-            return None
-        offset = struct.unpack_from("<H", model_bytes, vtable + 4 + 2 * index)[0]
-        return table + offset if offset else None
-
-    try:
-        root = u32(0)
-        entries = field(root, _MODEL_METADATA_FIELD)
-        if entries is None:
-            return []
-        vector = entries + u32(entries)
-        names = []
-        for i in range(u32(vector)):
-            entry = vector + 4 + 4 * i
-            entry += u32(entry)
-            name = field(entry, 0)
-            if name is not None:
-                name += u32(name)
-                names.append(bytes(model_bytes[name + 4:name + 4 + u32(name)]).decode("utf-8", "replace"))
-        return names
-    except (struct.error, IndexError):
-        return []
 
 
 def _finite_rows(table: np.ndarray) -> np.ndarray:
