@@ -154,14 +154,16 @@ def load_delegate(interpreter: str = "auto", **options):
 def make_interpreter(model: Union[str, bytes, os.PathLike], interpreter: str = "auto",
                      num_threads: int = 1, fuse_composites: bool = False,
                      use_delegate: bool = True):
-    """An interpreter for ``model`` (a path or the model bytes), not yet allocated: resize
-    its inputs if need be, then ``allocate_tensors()``."""
+    """An interpreter for ``model`` (a path, or the model's bytes: bytes, bytearray, a
+    memoryview, an mmap, any C-contiguous bytes-like object), not yet allocated: resize its
+    inputs if need be, then ``allocate_tensors()``."""
     module = interpreter_module(interpreter)
     num_threads = _thread_count(num_threads) if use_delegate else _runtime_thread_count(num_threads)
     kwargs: Dict[str, Any] = {"num_threads": num_threads}
-    if isinstance(model, (bytes, bytearray)):
-        check_tflite_bytes(model, "make_interpreter")
-        kwargs["model_content"] = bytes(model)
+    content = _model_content(model)
+    if content is not None:
+        check_tflite_bytes(content, "make_interpreter")
+        kwargs["model_content"] = content
     else:
         kwargs["model_path"] = os.fspath(model)
         _check_tflite_file(kwargs["model_path"])
@@ -174,6 +176,25 @@ def make_interpreter(model: Union[str, bytes, os.PathLike], interpreter: str = "
         if "model_path" not in kwargs:
             raise
         raise ValueError(f"{kwargs['model_path']}: {' '.join(runtime_messages(str(e))) or e}") from None
+
+
+def _model_content(model) -> Optional[bytes]:
+    """A bytes-like ``model`` as bytes, None for a path (the runtimes' model_content takes bytes
+    only: a memoryview or an mmap was "incompatible function arguments" there)."""
+    if isinstance(model, bytes):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        return None
+    try:
+        view = memoryview(model)
+    except TypeError:
+        raise TypeError(f"make_interpreter: model must be a path (str or os.PathLike) or the model's "
+                        f"bytes (a bytes-like object), got {type(model).__name__}") from None
+    with view:
+        if not view.c_contiguous:
+            raise TypeError("make_interpreter: the model's bytes must be contiguous, got a strided "
+                            f"{type(model).__name__}")
+        return view.tobytes()
 
 
 def _check_tflite_file(path: str) -> None:
