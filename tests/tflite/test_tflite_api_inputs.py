@@ -122,3 +122,34 @@ def test_without_the_delegate_thread_counts_are_the_runtimes_own(two_input_model
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="num_threads must be an integer >= 1 without the delegate"):
             tflite.make_interpreter(two_input_model, use_delegate=False, num_threads=bad)
+
+
+def test_the_delegates_option_values_may_have_spaces_around_them():
+    """A stock load_delegate(path, {"num_threads": "2 "}) (a value read from a config file, its
+    newline or a trailing space kept) failed to load where " 2" loaded: TFLite's own delegate
+    flags read a number with an istringstream, which takes both. Spaces around a value are
+    ignored now, for fuse_composites too; anything else that is not a whole number in [1, 256]
+    still fails, naming the value given."""
+    litert = pytest.importorskip("ai_edge_litert.interpreter")
+    model = tflite.build_embedding_bag_model(TABLE, 3)
+    ids, w, want = _inputs()
+    for options in ({"num_threads": "2 "}, {"num_threads": "\t3\n"}, {"num_threads": " 2"},
+                    {"num_threads": "4", "fuse_composites": " true "}):
+        interp = litert.Interpreter(model_content=model, experimental_delegates=[
+            litert.load_delegate(tflite.delegate_path(), options)])
+        details = interp.get_input_details()
+        for d, value in zip(details, (ids, w)):
+            interp.resize_tensor_input(d["index"], value.shape)
+        interp.allocate_tensors()
+        for d, value in zip(details, (ids, w)):
+            interp.set_tensor(d["index"], value)
+        interp.invoke()
+        got = interp.get_tensor(interp.get_output_details()[0]["index"])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert "DELEGATE" in tflite.ops_in_plan(interp)
+    for key, value, words in [("num_threads", v, "num_threads must be an integer in [1, 256]")
+                              for v in ("2x", "2 2", "+ 2", " ", "", "2.0", "0x2", "257", "0")] + [
+                                  ("fuse_composites", "yes", "fuse_composites must be true or false")]:
+        with pytest.raises(ValueError) as refused:
+            litert.load_delegate(tflite.delegate_path(), {key: value})
+        assert f"libpkm_tflite: {words}, got '{value}'" in str(refused.value), (value, str(refused.value))
