@@ -260,16 +260,16 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
 
 
 def _check_input_dtype(detail, value) -> None:
-    """Integer inputs take integer arrays whose values fit their dtype: astype() would wrap
-    e.g. int64 indices >= 2**31 into int32."""
+    """Integer inputs take integers that fit (astype() wraps int64 ids >= 2**31, truncates floats)."""
     if not np.issubdtype(detail["dtype"], np.integer):
         return
+    name, info = np.dtype(detail["dtype"]).name, np.iinfo(detail["dtype"])
+    scale, zero = (tuple(detail.get("quantization") or ()) + (0.0, 0))[:2]
+    hint = f" (quantized: q = round(x / {scale:.6g}) {'-' if zero < 0 else '+'} {abs(zero)})" if scale else ""
     if not np.issubdtype(value.dtype, np.integer):
-        raise ValueError(f"input {detail['name']!r} expects {np.dtype(detail['dtype']).name} "
-                         f"indices, got {value.dtype}")
-    info = np.iinfo(detail["dtype"])
+        raise ValueError(f"input {detail['name']!r} expects {name} values{hint}, got {value.dtype}")
     if value.size and (value.min() < info.min or value.max() > info.max):
-        raise ValueError(f"input {detail['name']!r} is {np.dtype(detail['dtype']).name}; values "
+        raise ValueError(f"input {detail['name']!r} is {name}{hint}; values "
                          f"[{value.min()}, {value.max()}] do not fit [{info.min}, {info.max}]")
 
 

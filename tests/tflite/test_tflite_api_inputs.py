@@ -153,3 +153,33 @@ def test_the_delegates_option_values_may_have_spaces_around_them():
         with pytest.raises(ValueError) as refused:
             litert.load_delegate(tflite.delegate_path(), {key: value})
         assert f"libpkm_tflite: {words}, got '{value}'" in str(refused.value), (value, str(refused.value))
+
+
+def test_a_quantized_int8_inputs_refusal_says_so_not_indices():
+    """A full-integer quantized model's int8 input given floats was refused as "expects int8
+    indices, got float32" (it holds quantized activations, not indices); the refusal now gives
+    its quantization, and values quantized so run (numpy float64 reference)."""
+    module = tf.Module()
+    module.f = tf.function(lambda x: {"y": x * 2.0 + 1.0}, input_signature=[tf.TensorSpec([1, 4], tf.float32, name="x")])
+    converter = tf.lite.TFLiteConverter.from_concrete_functions([module.f.get_concrete_function()], module)
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    converter.representative_dataset = lambda: ([np.full((1, 4), v, np.float32)] for v in (-1.0, 1.0))
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+    converter.inference_input_type = converter.inference_output_type = tf.int8
+    model = converter.convert()
+    (x_detail,), (y_detail,) = (tflite.make_interpreter(model, use_delegate=False).get_input_details(),
+                                tflite.make_interpreter(model, use_delegate=False).get_output_details())
+    (s, z), (out_s, out_z) = x_detail["quantization"], y_detail["quantization"]
+    x = np.array([[-0.5, 0.0, 0.25, 0.9]])
+    for key in (None, "serving_default"):
+        with pytest.raises(ValueError) as refused:
+            tflite.run_tflite(model, [x.astype(np.float32)], use_delegate=False, signature_key=key)
+        message = str(refused.value)
+        assert "indices" not in message and "expects int8 values (quantized: q = round(x / " in message, message
+        assert f"{s:.6g}" in message and f"{abs(z)})" in message, message
+        with pytest.raises(ValueError, match=r"is int8 \(quantized: .*values \[1, 200\] do not fit \[-128, 127\]"):
+            tflite.run_tflite(model, [np.array([[1, 2, 3, 200]])], use_delegate=False, signature_key=key)
+        q = (np.rint(x / s) + z).astype(np.int8)
+        (y,) = tflite.run_tflite(model, [q], use_delegate=False, signature_key=key)
+        assert y.dtype == np.int8
+        np.testing.assert_allclose((y.astype(np.float64) - out_z) * out_s, x * 2 + 1, atol=2 * s + 2 * out_s)
