@@ -346,7 +346,8 @@ def check_int8_tables(model_bytes) -> int:
     PkmEmbeddingBag / PkmRaggedEmbeddingBag op (every subgraph) has quantisation the
     kernels take: one scale and zero point, or one per row (axis 0); scales positive
     and finite; zero points within int32. The delegate refuses the same, but only when
-    tensors are allocated; a server checks at load. Returns the number of int8 tables."""
+    tensors are allocated; a server checks at load. Returns the number of int8 tables (one
+    that several signatures' subgraphs read, a buffer of theirs, counts once)."""
     check_tflite_bytes(model_bytes, "check_int8_tables")
     schema = _schema("check_int8_tables")
     try:
@@ -366,7 +367,7 @@ def _check_int8_tables(schema, model) -> int:
     for i in range(model.OperatorCodesLength()):
         code = model.OperatorCodes(i).CustomCode()
         codes.append(code.decode() if isinstance(code, bytes) else code)
-    seen, int8_tables = set(), 0
+    seen, int8_tables = set(), set()
     for si in range(model.SubgraphsLength()):
         subgraph = model.Subgraphs(si)
         for oi in range(subgraph.OperatorsLength()):
@@ -381,13 +382,13 @@ def _check_int8_tables(schema, model) -> int:
             tensor = subgraph.Tensors(ti)
             if tensor.Type() != schema.TensorType.INT8:
                 continue
-            int8_tables += 1
+            int8_tables.add(tensor.Buffer())
             problem = _int8_table_problem(tensor)
             if problem:
                 name = tensor.Name().decode() if tensor.Name() is not None else f"#{ti}"
                 raise ValueError(f"int8 table {name!r} (subgraph {si}, tensor {ti}) of "
                                  f"{codes[index]}: {problem}")
-    return int8_tables
+    return len(int8_tables)
 
 
 def build_embedding_bag_model(table: np.ndarray, bag_size: int, combiner: str = "sum",

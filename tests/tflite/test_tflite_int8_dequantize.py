@@ -119,6 +119,7 @@ def test_two_signatures_sharing_the_float16_table_both_read_int8():
         np.testing.assert_array_equal(q_params.zeroPoint, quant[0].zeroPoint)
     assert q.count(np.asarray(quant[0].scale, np.float32).tobytes()) == 1
     assert q.count(np.asarray(quant[0].zeroPoint, np.int64).tobytes()) == 1
+    assert tflite.check_int8_tables(q) == 1   # (it counted the table once per signature)
     interp = tflite.make_interpreter(q)
     i, j = np.array([[1, 2, -1], [0, 5, 5]], np.int32), np.array([[3, 4]], np.int32)
     np.testing.assert_allclose(interp.get_signature_runner("a")(i=i)["x"],
