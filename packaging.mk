@@ -27,7 +27,7 @@ $(TF_WHEEL): $(PACKAGING_STAMP) $(TF_OP_LIB) $(TFLITE_LIB) $(PACKAGE_FILES) pypr
 		setup.py README.md packaging/build_wheels.py
 	$(PY) packaging/build_wheels.py tf --dist $(DIST)
 
-$(DEVICE_WHEEL): $(PACKAGING_STAMP) $(TFLITE_LIB) pkm_serve/__init__.py pkm_serve/tflite.py pkm_serve/tflite_cli.py pkm_serve/tflite_model.py \
+$(DEVICE_WHEEL): $(PACKAGING_STAMP) $(TFLITE_LIB) pkm_serve/__init__.py pkm_serve/tflite.py pkm_serve/tflite_cli.py pkm_serve/tflite_model.py pkm_serve/tflite_metadata.py pkm_serve/tflite_report.py \
 		packaging/device/pyproject.toml packaging/tf_free_wheel_setup.py packaging/build_wheels.py
 	$(PY) packaging/build_wheels.py device --dist $(DIST)
 
@@ -43,7 +43,7 @@ TEST_DEPS += $(TF_WHEEL) $(DEVICE_WHEEL)
 
 # The device wheel for aarch64, from the cross-built delegate (tflite_delegate/aarch64.mk);
 # tests/aarch64 installs it in the emulated aarch64 interpreter and runs the fixtures through it.
-$(A64_DEVICE_WHEEL): $(PACKAGING_STAMP) $(A64_LIB) pkm_serve/__init__.py pkm_serve/tflite.py pkm_serve/tflite_cli.py pkm_serve/tflite_model.py \
+$(A64_DEVICE_WHEEL): $(PACKAGING_STAMP) $(A64_LIB) pkm_serve/__init__.py pkm_serve/tflite.py pkm_serve/tflite_cli.py pkm_serve/tflite_model.py pkm_serve/tflite_metadata.py pkm_serve/tflite_report.py \
 		packaging/device/pyproject.toml packaging/tf_free_wheel_setup.py packaging/build_wheels.py
 	$(PY) packaging/build_wheels.py device-aarch64 --dist $(DIST)
 

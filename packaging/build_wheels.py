@@ -13,7 +13,7 @@ tf:     pkm_serve (the whole package) + lib/_pkm_ops.so + lib/libpkm_tflite.so, 
         are built). A grafted copy would put a second TF runtime into the process (LLVM aborts
         on its duplicate pass registry), so the wheel is refused if it holds one, if `auditwheel
         show` finds anything external but TF's libraries, or if it exceeds MAX_TF_WHEEL_BYTES.
-device: pkm_serve/{__init__,tflite,tflite_cli,tflite_model}.py + lib/libpkm_tflite.so, numpy only (packaging/device/).
+device: pkm_serve/{__init__,tflite,tflite_cli,tflite_model,tflite_metadata,tflite_report}.py + lib/libpkm_tflite.so, numpy only (packaging/device/).
         The delegate links only libc/libstdc++/libm: `auditwheel show` must accept it as
         manylinux with no external library at all.
 device-aarch64: the same with the cross-built build/aarch64/libpkm_tflite.so (`make
@@ -54,7 +54,7 @@ MAX_TF_WHEEL_BYTES = 20 * 2**20  # ours is < 1 MB; a grafted TF library is hundr
 # The x86-64 wheels' tag, fixed (auditwheel fails if the libraries need more) so that the
 # wheel file names are known before building: `make wheel`'s targets are those files.
 X86_64_PLATFORM = "manylinux_2_35_x86_64"
-DEVICE_MODULES = ("__init__.py", "tflite.py", "tflite_cli.py", "tflite_model.py")
+DEVICE_MODULES = ("__init__.py", "tflite.py", "tflite_cli.py", "tflite_model.py", "tflite_metadata.py", "tflite_report.py")
 AARCH64_DELEGATE = os.path.join(ROOT, "build", "aarch64", DELEGATE_LIB)
 # What auditwheel finds the cross-built library consistent with (glibc 2.34 symbols, but
 # GCC 12's libstdc++: GLIBCXX_3.4.30, newer than manylinux_2_34 allows).

@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib
 import numbers
 import os
-import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -43,7 +42,9 @@ from pkm_serve.tflite_model import (  # noqa: F401
     quantize_rows_int8,
     quantize_rows_int8_affine,
     quantize_table_int8,
+    signature_defs_metadata_size,
 )
+from pkm_serve.tflite_report import execution_plan, ops_in_plan, runtime_messages  # noqa: F401
 
 INTERPRETERS = ("litert", "tflite_runtime", "tf")
 _MODULES = {
@@ -153,14 +154,16 @@ def load_delegate(interpreter: str = "auto", **options):
 def make_interpreter(model: Union[str, bytes, os.PathLike], interpreter: str = "auto",
                      num_threads: int = 1, fuse_composites: bool = False,
                      use_delegate: bool = True):
-    """An interpreter for ``model`` (a path or the model bytes), not yet allocated: resize
-    its inputs if need be, then ``allocate_tensors()``."""
+    """An interpreter for ``model`` (a path, or the model's bytes: bytes, bytearray, a
+    memoryview, an mmap, any C-contiguous bytes-like object), not yet allocated: resize its
+    inputs if need be, then ``allocate_tensors()``."""
     module = interpreter_module(interpreter)
     num_threads = _thread_count(num_threads) if use_delegate else _runtime_thread_count(num_threads)
     kwargs: Dict[str, Any] = {"num_threads": num_threads}
-    if isinstance(model, (bytes, bytearray)):
-        check_tflite_bytes(model, "make_interpreter")
-        kwargs["model_content"] = bytes(model)
+    content = _model_content(model)
+    if content is not None:
+        check_tflite_bytes(content, "make_interpreter")
+        kwargs["model_content"] = content
     else:
         kwargs["model_path"] = os.fspath(model)
         _check_tflite_file(kwargs["model_path"])
@@ -173,6 +176,25 @@ def make_interpreter(model: Union[str, bytes, os.PathLike], interpreter: str = "
         if "model_path" not in kwargs:
             raise
         raise ValueError(f"{kwargs['model_path']}: {' '.join(runtime_messages(str(e))) or e}") from None
+
+
+def _model_content(model) -> Optional[bytes]:
+    """A bytes-like ``model`` as bytes, None for a path (the runtimes' model_content takes bytes
+    only: a memoryview or an mmap was "incompatible function arguments" there)."""
+    if isinstance(model, bytes):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        return None
+    try:
+        view = memoryview(model)
+    except TypeError:
+        raise TypeError(f"make_interpreter: model must be a path (str or os.PathLike) or the model's "
+                        f"bytes (a bytes-like object), got {type(model).__name__}") from None
+    with view:
+        if not view.c_contiguous:
+            raise TypeError("make_interpreter: the model's bytes must be contiguous, got a strided "
+                            f"{type(model).__name__}")
+        return view.tobytes()
 
 
 def _check_tflite_file(path: str) -> None:
@@ -212,13 +234,22 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
     subgraph; without it the primary subgraph runs) through its signature
     runner: ``inputs`` by its input names, or listed in the order of
     ``get_signature_runner(key).get_input_details()``; the outputs in the order
-    of its ``get_output_details()``.
+    of its ``get_output_details()``. The runtime's refusal is a RuntimeError of its
+    messages, one a line.
     """
     if not isinstance(inputs, (Mapping, list, tuple)) and hasattr(inputs, "__array__"):
         inputs = [inputs]   # one input's array (numpy's, a tf.Tensor, a torch tensor), not its rows
     interp = make_interpreter(model, interpreter, num_threads, fuse_composites, use_delegate)
-    if signature_key is not None:
-        return _run_signature(interp, signature_key, inputs)
+    try:
+        if signature_key is not None:
+            return _run_signature(interp, signature_key, inputs)
+        return _run_primary(interp, inputs)
+    except RuntimeError as e:   # the runtime's refusal: its messages came glued ("...padding)Node number 1")
+        raise RuntimeError("\n".join(runtime_messages(str(e))) or str(e)) from None
+
+
+def _run_primary(interp, inputs) -> List[np.ndarray]:
+    """run_tflite of the primary subgraph: resize, allocate, set, invoke."""
     details = interp.get_input_details()
     if isinstance(inputs, Mapping):
         pairs = _named_inputs(interp, details, inputs)
@@ -238,16 +269,16 @@ def run_tflite(model: Union[str, bytes, os.PathLike],
 
 
 def _check_input_dtype(detail, value) -> None:
-    """Integer inputs take integer arrays whose values fit their dtype: astype() would wrap
-    e.g. int64 indices >= 2**31 into int32."""
+    """Integer inputs take integers that fit (astype() wraps int64 ids >= 2**31, truncates floats)."""
     if not np.issubdtype(detail["dtype"], np.integer):
         return
+    name, info = np.dtype(detail["dtype"]).name, np.iinfo(detail["dtype"])
+    scale, zero = (tuple(detail.get("quantization") or ()) + (0.0, 0))[:2]
+    hint = f" (quantized: q = round(x / {scale:.6g}) {'-' if zero < 0 else '+'} {abs(zero)})" if scale else ""
     if not np.issubdtype(value.dtype, np.integer):
-        raise ValueError(f"input {detail['name']!r} expects {np.dtype(detail['dtype']).name} "
-                         f"indices, got {value.dtype}")
-    info = np.iinfo(detail["dtype"])
+        raise ValueError(f"input {detail['name']!r} expects {name} values{hint}, got {value.dtype}")
     if value.size and (value.min() < info.min or value.max() > info.max):
-        raise ValueError(f"input {detail['name']!r} is {np.dtype(detail['dtype']).name}; values "
+        raise ValueError(f"input {detail['name']!r} is {name}{hint}; values "
                          f"[{value.min()}, {value.max()}] do not fit [{info.min}, {info.max}]")
 
 
@@ -400,77 +431,6 @@ def _other_signature_hint(interp, unknown) -> str:
     takers = [key for key, sig in signatures.items() if unknown and set(unknown) <= set(sig["inputs"])]
     return (f" (signature(s) {takers} take {sorted(unknown)}: run one with signature_key=, the "
             "primary subgraph runs without it)") if takers else ""
-
-
-def ops_in_plan(interp) -> List[str]:
-    """Op names of the nodes that run (see execution_plan)."""
-    return [op["op_name"] for op in execution_plan(interp) if op["replaced_by"] is None]
-
-
-def execution_plan(interp) -> List[Dict[str, Any]]:
-    """The interpreter's nodes with, for each, ``replaced_by``: the index of
-    the DELEGATE node that runs it instead, or None if it runs itself.
-
-    The Python interpreters list every node, including those a delegate
-    replaced, and do not expose the plan; a node is replaced when a delegate
-    node writes one of its outputs, or when all readers of its outputs are
-    replaced nodes (and its outputs are no model outputs).
-    """
-    ops = [dict(op) for op in interp._get_ops_details()]  # pylint: disable=protected-access
-    model_outputs = {d["index"] for d in interp.get_output_details()}
-    delegate_of = {}
-    for op in ops:
-        op["inputs"] = [int(i) for i in op["inputs"]]
-        op["outputs"] = [int(o) for o in op["outputs"]]
-        op["replaced_by"] = None
-        if op["op_name"] == "DELEGATE":
-            for t in op["outputs"]:
-                delegate_of[t] = op["index"]
-    readers: Dict[int, List[Dict[str, Any]]] = {}
-    for op in ops:
-        for t in op["inputs"]:
-            readers.setdefault(t, []).append(op)
-    for op in ops:
-        if op["op_name"] != "DELEGATE":
-            hits = [delegate_of[t] for t in op["outputs"] if t in delegate_of]
-            if hits:
-                op["replaced_by"] = hits[0]
-    changed = True
-    while changed:
-        changed = False
-        for op in ops:
-            if op["replaced_by"] is not None or op["op_name"] == "DELEGATE" or not op["outputs"]:
-                continue
-            owners = set()
-            for t in op["outputs"]:
-                rs = readers.get(t, [])
-                if t in model_outputs or not rs or any(r["replaced_by"] is None for r in rs):
-                    owners = None
-                    break
-                owners.update(r["replaced_by"] for r in rs)
-            if owners and len(owners) == 1:
-                op["replaced_by"] = owners.pop()
-                changed = True
-    return ops
-
-
-# Where one of the runtime's messages starts inside another. TFLite's messages (its kernels',
-# ours, "Node number 1 (PkmDelegate) failed to invoke.") end without a newline, as its C++ and
-# Java reporters add one; the Python runtimes join them as they come ("...padding)Node number 1").
-# Besides before "Node number" and our prefixes: after the runtime's "failed to invoke." /
-# "failed to prepare." and TF_LITE_ENSURE's "... was not true." (a negative GATHER index gives
-# "...was not true.gather index out of bounds"; a reused interpreter's text, "...failed to
-# invoke./tensorflow/tensorflow/lite/kernels/reshape.cc:92 ...").
-_GLUED_MESSAGE = re.compile(
-    r"(?<=\S)(?=Node number \d+ \(|PkmEmbeddingBag: |PkmRaggedEmbeddingBag: |PkmDelegate: )"
-    r"|(?:(?<=failed to invoke\.)|(?<=failed to prepare\.)|(?<=was not true\.))(?=\S)")
-
-
-def runtime_messages(text: str) -> List[str]:
-    """The messages of a Python TFLite runtime's error text, each on its own (whitespace runs
-    made one space)."""
-    return [" ".join(part.split()) for line in text.splitlines()
-            for part in _GLUED_MESSAGE.split(line) if part.strip()]
 
 
 if __name__ == "__main__":   # `python -m pkm_serve.tflite MODEL`: pkm-serve tflite (tflite_cli.py)

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import List
 
 from pkm_serve.tflite import (INTERPRETERS, MAX_DELEGATE_THREADS, SIGNATURE_DEFS_METADATA,
                               allocate_primary_subgraph, allocate_signature_subgraphs,
-                              delegate_path, execution_plan, make_interpreter, metadata_names,
-                              runtime_messages)
+                              delegate_path, execution_plan, make_interpreter, runtime_messages,
+                              signature_defs_metadata_size)
 
 
 def build_parser():
@@ -46,7 +45,8 @@ def main(argv=None) -> int:
         parser.error(f"--num-threads must be in [1, {MAX_DELEGATE_THREADS}], got {args.num_threads}")
     # A server serves a model's signature_defs_metadata alone, on the primary subgraph, and
     # prepares that one only: a node without a kernel in another signature does not fail it.
-    unserved = [] if SIGNATURE_DEFS_METADATA in _file_metadata_names(args.model) else None
+    # (An empty one is none, as upstream: the server then serves the signature runners.)
+    unserved = [] if _file_signature_defs(args.model) else None
     try:
         interp = make_interpreter(args.model, args.interpreter, args.num_threads,
                                   args.fuse_composites)
@@ -68,14 +68,17 @@ def main(argv=None) -> int:
     return 0
 
 
-def _file_metadata_names(path) -> List[str]:
-    """metadata_names of a model file, mapped rather than read (a table may be gigabytes)."""
+def _file_signature_defs(path) -> int:
+    """signature_defs_metadata_size of a model file (0 without the entry), mapped rather than
+    read (a table may be gigabytes)."""
     import mmap
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return metadata_names(data)
+        with open(path, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError):   # (an empty file cannot be mapped: make_interpreter says so)
-        return []
+        return 0
+    with data:   # an unreadable entry: a ValueError, the CLI's one line, as the server's load refuses it
+        return signature_defs_metadata_size(data) or 0
 
 
 def console_main(argv=None) -> int:

@@ -13,6 +13,12 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from pkm_serve.tflite_metadata import (  # noqa: F401  (pkm_serve.tflite re-exports them)
+    SIGNATURE_DEFS_METADATA,
+    metadata_names,
+    signature_defs_metadata_size,
+)
+
 CUSTOM_OP_NAME = "PkmEmbeddingBag"
 # Ragged bags (values + row_splits), fused from embedding_lookup_sparse sites.
 RAGGED_CUSTOM_OP_NAME = "PkmRaggedEmbeddingBag"
@@ -59,45 +65,6 @@ def check_tflite_bytes(model_bytes, what: str = "model") -> None:
         raise ValueError(f"{what}: the {len(model_bytes)} bytes given are not a TFLite flatbuffer "
                          f"(no file identifier {TFLITE_FILE_IDENTIFIER.decode()!r} at bytes 4..8; "
                          f"they start {head!r}); pass the contents of a .tflite file")
-
-
-_MODEL_METADATA_FIELD = 6   # Model.metadata: [Metadata {name: string, buffer: uint}] (schema.fbs)
-SIGNATURE_DEFS_METADATA = "signature_defs_metadata"   # TF Serving's SignatureDefs of a .tflite
-
-
-def metadata_names(model_bytes) -> List[str]:
-    """The names of the model's metadata entries, read without a schema module (tflite_runtime
-    ships none); [] where the flatbuffer has none or cannot be read that far."""
-    def u32(at):
-        return struct.unpack_from("<I", model_bytes, at)[0]
-
-    def field(table, index):   # the position of a table's field, or None where absent
-        vtable = table - struct.unpack_from("<i", model_bytes, table)[0]
-        if vtable < 0:   # (struct would read a negative position from the end)
-            raise IndexError(vtable)
-        vtable_size = struct.unpack_from("<H", model_bytes, vtable)[0]
-        if 4 + 2 * index + 2 > vtable_size:
-            return None
-        offset = struct.unpack_from("<H", model_bytes, vtable + 4 + 2 * index)[0]
-        return table + offset if offset else None
-
-    try:
-        root = u32(0)
-        entries = field(root, _MODEL_METADATA_FIELD)
-        if entries is None:
-            return []
-        vector = entries + u32(entries)
-        names = []
-        for i in range(u32(vector)):
-            entry = vector + 4 + 4 * i
-            entry += u32(entry)
-            name = field(entry, 0)
-            if name is not None:
-                name += u32(name)
-                names.append(bytes(model_bytes[name + 4:name + 4 + u32(name)]).decode("utf-8", "replace"))
-        return names
-    except (struct.error, IndexError):
-        return []
 
 
 def _finite_rows(table: np.ndarray) -> np.ndarray:
@@ -285,6 +252,21 @@ def _already_int8(model, schema) -> str:
             if buffers else "")
 
 
+def _packed_once(table_object):
+    """``table_object`` whose Pack writes it once per builder and hands every later
+    caller that offset: tensors sharing it then point at one table in the file
+    (flatbuffers allow any number of references to an object already written)."""
+    pack, offsets = table_object.Pack, {}
+
+    def pack_once(builder):
+        if id(builder) not in offsets:
+            offsets[id(builder)] = (builder, pack(builder))  # the builder kept: its id stays its own
+        return offsets[id(builder)][1]
+
+    table_object.Pack = pack_once
+    return table_object
+
+
 def quantize_table_int8(model_bytes: bytes) -> bytes:
     """Rewrites every constant float32, float16 or bfloat16 ``params`` table of a
     PkmEmbeddingBag / PkmRaggedEmbeddingBag op as an int8 tensor with per-row
@@ -318,10 +300,12 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
             name = tensors[0].name.decode() if isinstance(tensors[0].name, bytes) else tensors[0].name
             raise ValueError(f"quantize_table_int8: table {name!r} ({np.dtype(dtype).name}): {err}") from None
         model.buffers[buffer_index].data = np.frombuffer(q.tobytes(), dtype=np.uint8)
-        for tensor in tensors:
+        quant = _packed_once(schema.QuantizationParametersT())
+        # numpy vectors: packed as one block each, not a float at a time
+        quant.scale, quant.zeroPoint = scales.astype(np.float32), zero_points.astype(np.int64)
+        quant.quantizedDimension = 0
+        for tensor in tensors:   # one per signature reading the buffer: all share one scale set
             tensor.type = schema.TensorType.INT8
-            quant = schema.QuantizationParametersT()
-            quant.scale, quant.zeroPoint, quant.quantizedDimension = scales.tolist(), zero_points.tolist(), 0
             tensor.quantization = quant
     if not tables:
         raise ValueError("no constant float32, float16 or bfloat16 params table of a PkmEmbeddingBag op found" +
@@ -362,7 +346,8 @@ def check_int8_tables(model_bytes) -> int:
     PkmEmbeddingBag / PkmRaggedEmbeddingBag op (every subgraph) has quantisation the
     kernels take: one scale and zero point, or one per row (axis 0); scales positive
     and finite; zero points within int32. The delegate refuses the same, but only when
-    tensors are allocated; a server checks at load. Returns the number of int8 tables."""
+    tensors are allocated; a server checks at load. Returns the number of int8 tables (one
+    that several signatures' subgraphs read, a buffer of theirs, counts once)."""
     check_tflite_bytes(model_bytes, "check_int8_tables")
     schema = _schema("check_int8_tables")
     try:
@@ -382,7 +367,7 @@ def _check_int8_tables(schema, model) -> int:
     for i in range(model.OperatorCodesLength()):
         code = model.OperatorCodes(i).CustomCode()
         codes.append(code.decode() if isinstance(code, bytes) else code)
-    seen, int8_tables = set(), 0
+    seen, int8_tables = set(), set()
     for si in range(model.SubgraphsLength()):
         subgraph = model.Subgraphs(si)
         for oi in range(subgraph.OperatorsLength()):
@@ -397,13 +382,13 @@ def _check_int8_tables(schema, model) -> int:
             tensor = subgraph.Tensors(ti)
             if tensor.Type() != schema.TensorType.INT8:
                 continue
-            int8_tables += 1
+            int8_tables.add(tensor.Buffer())
             problem = _int8_table_problem(tensor)
             if problem:
                 name = tensor.Name().decode() if tensor.Name() is not None else f"#{ti}"
                 raise ValueError(f"int8 table {name!r} (subgraph {si}, tensor {ti}) of "
                                  f"{codes[index]}: {problem}")
-    return int8_tables
+    return len(int8_tables)
 
 
 def build_embedding_bag_model(table: np.ndarray, bag_size: int, combiner: str = "sum",

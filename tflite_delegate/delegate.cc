@@ -229,6 +229,16 @@ TfLiteStatus DelegatePrepare(TfLiteContext* context, TfLiteDelegate* delegate) {
   return st;
 }
 
+// An option's value without the spaces around it: TFLite's own delegate flags read numbers
+// with an istringstream, which skips leading whitespace and leaves trailing whitespace unread,
+// so " 2" and "2 " both mean 2 there.
+std::string Trimmed(const std::string& v) {
+  const char* space = " \t\n\v\f\r";
+  const size_t first = v.find_first_not_of(space);
+  if (first == std::string::npos) return "";
+  return v.substr(first, v.find_last_not_of(space) - first + 1);
+}
+
 bool ParseBool(const std::string& v, bool* out) {
   if (v == "true" || v == "True" || v == "1") return *out = true, true;
   if (v == "false" || v == "False" || v == "0") return *out = false, true;
@@ -241,9 +251,9 @@ bool ParseBool(const std::string& v, bool* out) {
 
 using pkm::tflite::DelegateData;
 
-// Creates the delegate. Options (all strings): num_threads (>= 1, default 1),
-// fuse_composites (true/false, default false). Unknown keys or bad values are
-// reported through report_error and give nullptr.
+// Creates the delegate. Options (all strings, spaces around a value ignored): num_threads
+// (1..256, default 1), fuse_composites (true/false, default false). Unknown keys or bad
+// values are reported through report_error and give nullptr.
 PKM_EXPORT TfLiteDelegate* tflite_plugin_create_delegate(char** options_keys,
                                                          char** options_values,
                                                          size_t num_options,
@@ -253,15 +263,18 @@ PKM_EXPORT TfLiteDelegate* tflite_plugin_create_delegate(char** options_keys,
     const std::string key = options_keys[i] ? options_keys[i] : "";
     const std::string value = options_values[i] ? options_values[i] : "";
     std::string error;
+    const std::string trimmed = pkm::tflite::Trimmed(value);
     if (key == "num_threads") {
       char* end = nullptr;
-      const long n = std::strtol(value.c_str(), &end, 10);
-      if (value.empty() || *end != '\0' || n < 1 || n > 256)
+      // (strtol would skip a space after a sign: "+ 2" and "- 2" are refused here)
+      const bool digits = !trimmed.empty() && trimmed.find_first_of(" \t\n\v\f\r") == std::string::npos;
+      const long n = digits ? std::strtol(trimmed.c_str(), &end, 10) : 0;
+      if (!digits || *end != '\0' || n < 1 || n > 256)
         error = "num_threads must be an integer in [1, 256], got '" + value + "'";
       else
         data->options.num_threads = static_cast<int>(n);
     } else if (key == "fuse_composites") {
-      if (!pkm::tflite::ParseBool(value, &data->options.fuse_composites))
+      if (!pkm::tflite::ParseBool(trimmed, &data->options.fuse_composites))
         error = "fuse_composites must be true or false, got '" + value + "'";
     } else {
       error = "unknown option '" + key + "' (known: num_threads, fuse_composites)";

@@ -274,7 +274,7 @@ def _mismatch_message(name: str, error: Exception, bad: Dict[str, Tuple[int, int
         runner = pkm_tflite.make_interpreter(stock, use_delegate=False).get_signature_runner(name)
         theirs = runner(**inputs)
     except Exception as e:  # noqa: BLE001 - the converter and runtimes raise many types
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = (pkm_tflite.runtime_messages(str(e)) or [type(e).__name__])[0]
         return head + (f"The original model could not be checked the same way (stock conversion "
                        f"of {original_dir}: {first[:300]}); the fused op is not known to be at fault.")
     try:
@@ -394,8 +394,9 @@ def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str
         except V.VerificationError as e:
             raise ExportError(f"TFLite verification failed: {e}") from None
         except (RuntimeError, ValueError) as e:
-            raise ExportError(f"the .tflite does not run in the interpreter with the pkm "
-                              f"delegate: {str(e).strip().splitlines()[0]}") from None
+            # (the runtime's messages each on its own: they came glued, "...padding)Node number 1")
+            raise ExportError(f"the .tflite does not run in the interpreter with the pkm delegate: "
+                              f"{'; '.join(pkm_tflite.runtime_messages(str(e))) or type(e).__name__}") from None
     out_dir = os.path.dirname(out_path) or "."
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".tflite", dir=out_dir)

@@ -141,6 +141,7 @@ def test_device_wheel_holds_only_the_device_part():
     names = set(zipfile.ZipFile(_device_wheel()).namelist())
     package = {n for n in names if n.startswith("pkm_serve/") and not n.endswith("/")}
     assert package == {"pkm_serve/__init__.py", "pkm_serve/tflite.py", "pkm_serve/tflite_cli.py", "pkm_serve/tflite_model.py",
+                       "pkm_serve/tflite_metadata.py", "pkm_serve/tflite_report.py",
                        "pkm_serve/lib/libpkm_tflite.so"}, package
     metadata = zipfile.ZipFile(_device_wheel()).read(
         next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()

@@ -122,3 +122,64 @@ def test_without_the_delegate_thread_counts_are_the_runtimes_own(two_input_model
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="num_threads must be an integer >= 1 without the delegate"):
             tflite.make_interpreter(two_input_model, use_delegate=False, num_threads=bad)
+
+
+def test_the_delegates_option_values_may_have_spaces_around_them():
+    """A stock load_delegate(path, {"num_threads": "2 "}) (a value read from a config file, its
+    newline or a trailing space kept) failed to load where " 2" loaded: TFLite's own delegate
+    flags read a number with an istringstream, which takes both. Spaces around a value are
+    ignored now, for fuse_composites too; anything else that is not a whole number in [1, 256]
+    still fails, naming the value given."""
+    litert = pytest.importorskip("ai_edge_litert.interpreter")
+    model = tflite.build_embedding_bag_model(TABLE, 3)
+    ids, w, want = _inputs()
+    for options in ({"num_threads": "2 "}, {"num_threads": "\t3\n"}, {"num_threads": " 2"},
+                    {"num_threads": "4", "fuse_composites": " true "}):
+        interp = litert.Interpreter(model_content=model, experimental_delegates=[
+            litert.load_delegate(tflite.delegate_path(), options)])
+        details = interp.get_input_details()
+        for d, value in zip(details, (ids, w)):
+            interp.resize_tensor_input(d["index"], value.shape)
+        interp.allocate_tensors()
+        for d, value in zip(details, (ids, w)):
+            interp.set_tensor(d["index"], value)
+        interp.invoke()
+        got = interp.get_tensor(interp.get_output_details()[0]["index"])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert "DELEGATE" in tflite.ops_in_plan(interp)
+    for key, value, words in [("num_threads", v, "num_threads must be an integer in [1, 256]")
+                              for v in ("2x", "2 2", "+ 2", " ", "", "2.0", "0x2", "257", "0")] + [
+                                  ("fuse_composites", "yes", "fuse_composites must be true or false")]:
+        with pytest.raises(ValueError) as refused:
+            litert.load_delegate(tflite.delegate_path(), {key: value})
+        assert f"libpkm_tflite: {words}, got '{value}'" in str(refused.value), (value, str(refused.value))
+
+
+def test_a_quantized_int8_inputs_refusal_says_so_not_indices():
+    """A full-integer quantized model's int8 input given floats was refused as "expects int8
+    indices, got float32" (it holds quantized activations, not indices); the refusal now gives
+    its quantization, and values quantized so run (numpy float64 reference)."""
+    module = tf.Module()
+    module.f = tf.function(lambda x: {"y": x * 2.0 + 1.0}, input_signature=[tf.TensorSpec([1, 4], tf.float32, name="x")])
+    converter = tf.lite.TFLiteConverter.from_concrete_functions([module.f.get_concrete_function()], module)
+    converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    converter.representative_dataset = lambda: ([np.full((1, 4), v, np.float32)] for v in (-1.0, 1.0))
+    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+    converter.inference_input_type = converter.inference_output_type = tf.int8
+    model = converter.convert()
+    (x_detail,), (y_detail,) = (tflite.make_interpreter(model, use_delegate=False).get_input_details(),
+                                tflite.make_interpreter(model, use_delegate=False).get_output_details())
+    (s, z), (out_s, out_z) = x_detail["quantization"], y_detail["quantization"]
+    x = np.array([[-0.5, 0.0, 0.25, 0.9]])
+    for key in (None, "serving_default"):
+        with pytest.raises(ValueError) as refused:
+            tflite.run_tflite(model, [x.astype(np.float32)], use_delegate=False, signature_key=key)
+        message = str(refused.value)
+        assert "indices" not in message and "expects int8 values (quantized: q = round(x / " in message, message
+        assert f"{s:.6g}" in message and f"{abs(z)})" in message, message
+        with pytest.raises(ValueError, match=r"is int8 \(quantized: .*values \[1, 200\] do not fit \[-128, 127\]"):
+            tflite.run_tflite(model, [np.array([[1, 2, 3, 200]])], use_delegate=False, signature_key=key)
+        q = (np.rint(x / s) + z).astype(np.int8)
+        (y,) = tflite.run_tflite(model, [q], use_delegate=False, signature_key=key)
+        assert y.dtype == np.int8
+        np.testing.assert_allclose((y.astype(np.float64) - out_z) * out_s, x * 2 + 1, atol=2 * s + 2 * out_s)

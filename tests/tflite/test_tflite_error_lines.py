@@ -107,3 +107,46 @@ def test_tflite_runtime_text_with_source_locations_splits_at_each_message():
         "gather index out of bounds", "Node number 0 (GATHER) failed to invoke.",
         "/tensorflow/tensorflow/lite/kernels/reshape.cc:92 num_input_elements != num_output_elements (8 != 4)",
         "Node number 1 (RESHAPE) failed to prepare."]
+
+
+def test_run_tflite_gives_the_runtimes_messages_one_a_line():
+    """run_tflite raised the runtime's text as it came: "...(negative indices are
+    padding)Node number 1 (PkmDelegate) failed to invoke." in one line."""
+    with pytest.raises(RuntimeError) as refused:
+        tflite.run_tflite(tflite.build_embedding_bag_model(TABLE, 3), [np.array([[0, 99, -1]], np.int32),
+                                                                       np.ones((1, 3), np.float32)])
+    lines = str(refused.value).splitlines()
+    assert lines[0] == "PkmEmbeddingBag: indices[1] = 99 is out of range [0, 50) (negative indices are padding)", lines
+    assert re.fullmatch(r"Node number \d+ \(PkmDelegate\) failed to invoke\.", lines[1]), lines
+
+
+def test_a_fused_chains_message_after_another_is_its_own():
+    """The fused chain's messages start "PkmEmbeddingBag (fused GATHER/MUL/SUM): ", which the
+    splitter did not know: after a refused strict resize ("...identified by -1.") on the same
+    interpreter it stayed glued to that message. Reference: a fresh interpreter's messages."""
+    tf = pytest.importorskip("tensorflow")
+    litert = pytest.importorskip("ai_edge_litert.interpreter")
+    table = tf.constant(TABLE)
+    fn = tf.function(lambda ids, w: tf.reduce_sum(tf.gather(table, ids) * w[..., None], axis=1),
+                     input_signature=[tf.TensorSpec([1, 3], tf.int32), tf.TensorSpec([1, 3], tf.float32)])
+    model = tf.lite.TFLiteConverter.from_concrete_functions([fn.get_concrete_function()]).convert()
+
+    def refusal(interp, resize_first):
+        interp.allocate_tensors()
+        ids, w = sorted(interp.get_input_details(), key=lambda d: d["dtype"] != np.int32)
+        if resize_first:
+            with pytest.raises(RuntimeError, match="identified by -1"):
+                interp.resize_tensor_input(ids["index"], [2, 3], strict=True)
+        interp.set_tensor(ids["index"], np.array([[0, 99, 1]], np.int32))
+        interp.set_tensor(w["index"], np.ones((1, 3), np.float32))
+        with pytest.raises(RuntimeError) as refused:
+            interp.invoke()
+        return tflite.runtime_messages(str(refused.value))
+
+    def fused():
+        return litert.Interpreter(model_content=model, experimental_delegates=[
+            tflite.load_delegate("litert", fuse_composites=True)])
+    fresh = refusal(fused(), False)
+    assert fresh[0].startswith("PkmEmbeddingBag (fused GATHER/MUL/SUM): indices[1] = 99"), fresh
+    reused = refusal(fused(), True)
+    assert reused[0].endswith("identified by -1.") and reused[1:] == fresh, reused

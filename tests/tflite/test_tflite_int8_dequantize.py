@@ -85,7 +85,8 @@ def test_a_float16_table_a_stock_gather_also_reads_stays_float(tmp_path):
 
 
 def test_two_signatures_sharing_the_float16_table_both_read_int8():
-    """The converter stores the table once for both signatures' subgraphs."""
+    """The converter stores the table once for both signatures' subgraphs; the rewrite stores
+    its row scales and zero points once too (it wrote one copy per signature's tensor)."""
     from pkm_serve import ops
     table = np.random.default_rng(33).standard_normal((N, D)).astype(np.float32)
 
@@ -109,6 +110,16 @@ def test_two_signatures_sharing_the_float16_table_both_read_int8():
     converter.target_spec.supported_types = [tf.float16]
     q = tflite.quantize_table_int8(converter.convert())
     deq = _int8_tables(q)[0]
+    schema = tflite.flatbuffer_schema()
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(q), 0))
+    quant = [t.quantization for sg in model.subgraphs for t in sg.tensors if t.type == schema.TensorType.INT8]
+    assert len(quant) == 2   # one table tensor in each signature's subgraph, the same scales in both
+    for q_params in quant:
+        np.testing.assert_array_equal(q_params.scale, quant[0].scale)
+        np.testing.assert_array_equal(q_params.zeroPoint, quant[0].zeroPoint)
+    assert q.count(np.asarray(quant[0].scale, np.float32).tobytes()) == 1
+    assert q.count(np.asarray(quant[0].zeroPoint, np.int64).tobytes()) == 1
+    assert tflite.check_int8_tables(q) == 1   # (it counted the table once per signature)
     interp = tflite.make_interpreter(q)
     i, j = np.array([[1, 2, -1], [0, 5, 5]], np.int32), np.array([[3, 4]], np.int32)
     np.testing.assert_allclose(interp.get_signature_runner("a")(i=i)["x"],

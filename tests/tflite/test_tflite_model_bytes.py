@@ -37,3 +37,27 @@ def test_without_a_schema_module_the_error_names_the_function_called(monkeypatch
         with pytest.raises(ImportError, match=rf"^{name} needs the TFLite flatbuffer schema of ai_edge_litert "
                                               "or tensorflow, and neither is installed"):
             call()
+
+
+def test_a_memoryview_or_mmap_of_the_model_runs_as_its_bytes(tmp_path):
+    """make_interpreter / run_tflite took bytes and bytearray only: a memoryview (a slice of a
+    larger buffer, say) or an mmap of the file was "expected str, bytes or os.PathLike object,
+    not memoryview" (the runtimes' own model_content refuses them too)."""
+    import mmap
+    import numpy as np
+    table = np.random.default_rng(38).standard_normal((6, 3)).astype(np.float32)
+    model = tflite.build_embedding_bag_model(table, 2, combiner="sum")
+    ids, weights = np.array([[0, 5], [2, -1]], np.int32), np.array([[1.0, 2.0], [0.5, 3.0]], np.float32)
+    want = [table[0] + 2 * table[5], 0.5 * table[2]]
+    path = tmp_path / "m.tflite"
+    path.write_bytes(model)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        for content in (memoryview(b"xx" + model)[2:], mapped, np.frombuffer(model, np.uint8)):
+            (out,) = tflite.run_tflite(content, [ids, weights])
+            np.testing.assert_allclose(out, want, rtol=1e-6)
+    with pytest.raises(TypeError, match="model must be a path .* or the model's bytes .*, got int"):
+        tflite.make_interpreter(3)
+    with pytest.raises(TypeError, match="must be contiguous"):
+        tflite.make_interpreter(memoryview(model)[::2])
+    with pytest.raises(ValueError, match="not a TFLite flatbuffer"):
+        tflite.make_interpreter(memoryview(b"garbage!" * 4))

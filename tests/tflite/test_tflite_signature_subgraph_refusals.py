@@ -142,3 +142,55 @@ def test_signature_defs_from_the_metadata_prepare_only_the_subgraph_they_run(mod
                                       x_value.astype(np.float64) * 2 + 1)
     finally:
         loader.unload()
+
+
+def _with_metadata_blob(model_bytes, blob):
+    """model_bytes plus a signature_defs_metadata entry holding ``blob``."""
+    import flatbuffers
+    schema = tflite.flatbuffer_schema()
+    m = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
+    buffer = schema.BufferT()
+    buffer.data = np.frombuffer(blob, np.uint8)
+    m.buffers.append(buffer)
+    entry = schema.MetadataT()
+    entry.name, entry.buffer = "signature_defs_metadata", len(m.buffers) - 1
+    m.metadata = (m.metadata or []) + [entry]
+    b = flatbuffers.Builder(len(model_bytes) + len(blob) + 4096)
+    b.Finish(m.Pack(b), file_identifier=b"TFL3")
+    return bytes(b.Output())
+
+
+def test_an_empty_or_unreadable_signature_defs_metadata_the_cli_and_the_server_agree(models, tmp_path, capsys):
+    """An empty signature_defs_metadata map is no SignatureDef (upstream's GetSignatureDefMap
+    gives an empty map, and tflite_session.cc serves the model as one without any): the server
+    served the signature runners, preparing 'zzz' and refusing the load for its Flex op, while
+    `pkm-serve tflite` took the entry's name alone for served SignatureDefs and printed the plan
+    with a note, exit 0. Now both refuse it; and an entry that is not a map, which the load
+    refuses ("Invalid SignatureDefs found"), fails the CLI with the same words. The entry count
+    is read without flatbuffers' modules (tflite_runtime has none): flexbuffers' reader is the
+    reference."""
+    from flatbuffers import flexbuffers
+    from pkm_serve.serving.errors import ServingError
+    with open(f"{models['flex']}/model.tflite", "rb") as f:
+        model_bytes = f.read()
+    for entries in ({}, {"a": b"x"}, {"a": b"", "bb": b"y" * 300, "c": b"z" * 70000}):
+        blob = _with_signature_defs_metadata(model_bytes, entries)
+        model = tflite.flatbuffer_schema().Model.GetRootAsModel(blob, 0)
+        (entry,) = [model.Metadata(i) for i in range(model.MetadataLength())
+                    if model.Metadata(i).Name() == b"signature_defs_metadata"]
+        want = len(flexbuffers.GetRoot(model.Buffers(entry.Buffer()).DataAsNumpy().tobytes()).AsMap)
+        assert tflite.signature_defs_metadata_size(blob) == want == len(entries)
+    assert tflite.signature_defs_metadata_size(model_bytes) is None
+    empty = _write(tmp_path, "empty", _with_signature_defs_metadata(model_bytes, {}))
+    assert tflite_cli.console_main([f"{empty}/model.tflite"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pkm-serve tflite: error: signature 'zzz' (subgraph 1): Select TensorFlow op(s)"), err
+    with pytest.raises(ServingError, match=r"signature 'zzz' \(subgraph 1\): Select TensorFlow op\(s\)"):
+        _load(empty)
+    not_a_map = _write(tmp_path, "vector", _with_metadata_blob(model_bytes, bytes(flexbuffers.Dumps([1, 2]))))
+    assert tflite_cli.console_main([f"{not_a_map}/model.tflite"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pkm-serve tflite: error: Invalid SignatureDefs found in TfLite model "
+                          "(its signature_defs_metadata)"), err
+    with pytest.raises(ServingError, match=r"Invalid SignatureDefs found in TfLite model \(its signature_defs_metadata\)"):
+        _load(not_a_map)
