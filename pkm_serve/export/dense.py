@@ -18,7 +18,7 @@ from pkm_serve.export.gather_nd import Gather, resolve_gather  # noqa: F401 (the
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.half_rounding import rounds_to_half
 from pkm_serve.export.no_nan_multiply import multiply_op, note_zero_weights
-from pkm_serve.export.one_hot_lookup import one_hot_lookup
+from pkm_serve.export.one_hot_lookup import flattened_one_hot_lookup, one_hot_lookup
 from pkm_serve.export.per_index import check_weights_and_mask, may_broadcast_ids, per_index_shape
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip,
                                     check_private, dims, dtype_name, itemsize, same_dims,
@@ -34,7 +34,8 @@ def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
     node = fg.producer(ref)
     if node is None or depth == 0:
         return False
-    if node.op in GATHER_OPS + ND_GATHER_OPS or one_hot_lookup(fg, node) is not None:
+    if node.op in GATHER_OPS + ND_GATHER_OPS or one_hot_lookup(fg, node) is not None or \
+            flattened_one_hot_lookup(fg, node) is not None:
         return True
     ins = fg.inputs(node)
     if node.op in ("Identity", "Cast", "Reshape"):
@@ -197,8 +198,10 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         op = multiply_op(fg, node, ins, leads_to_gather, rows)
         weights_before, factors_before = rows.weights, len(rows.factors)
         rows.as_gathered.append(ref)
-        if (node.op in GATHER_OPS + ND_GATHER_OPS or one_hot_lookup(fg, node)) and not _is_regather(fg, node, ins):
-            rows.gather = resolve_gather(fg, ref, nd_positions)
+        flat_one_hot = rows.unflattened_rows is not None and flattened_one_hot_lookup(fg, node) is not None
+        if (node.op in GATHER_OPS + ND_GATHER_OPS or one_hot_lookup(fg, node) or flat_one_hot) and \
+                not _is_regather(fg, node, ins):
+            rows.gather = resolve_gather(fg, ref, nd_positions, flat_one_hot)
             if rows.unflattened_rows is not None and rows.unflattened is None:  # rows of its ids regrouped
                 rows.unflattened = rows.gather.indices
             if rows.unflattened is not None:

@@ -62,13 +62,13 @@ def ids_expanded_to_last_axis(fg: FunctionGraph, indices: Ref, nd_positions: boo
     return ids, False  # ids[..., None]: the ellipsis keeps every axis, one new axis last
 
 
-def resolve_gather(fg: FunctionGraph, ref: Ref, nd_positions: bool = False) -> Gather:
+def resolve_gather(fg: FunctionGraph, ref: Ref, nd_positions: bool = False, flat_one_hot: bool = False) -> Gather:
     """Raises NotASite unless `ref` is rows of a 2-D table gathered on axis 0 (`nd_positions`:
-    ids_expanded_to_last_axis')."""
+    ids_expanded_to_last_axis'; `flat_one_hot`: a flattened one-hot lookup, rows reshaped back, is taken too)."""
     nodes: List[str] = []
     ref = through_identity(fg, ref, nodes)
     node = fg.producer(ref)
-    one_hot = one_hot_gather(fg, ref, Gather, nodes)
+    one_hot = one_hot_gather(fg, ref, Gather, nodes, flat_one_hot)
     if one_hot is not None:
         return one_hot
     if node is None or node.op not in GATHER_OPS + ND_GATHER_OPS:

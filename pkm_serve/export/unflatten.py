@@ -9,7 +9,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from pkm_serve.export.graph import FunctionGraph, Ref
-from pkm_serve.export.one_hot_lookup import one_hot_lookup
+from pkm_serve.export.one_hot_lookup import flattened_one_hot_lookup, one_hot_lookup
 from pkm_serve.export.sites import GATHER_OPS, NotASite, Site, Skip, through_identity
 
 WEIGHTED_BEFORE_RESHAPE = (
@@ -30,6 +30,9 @@ def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Tuple[Ref, Optional[Li
     flat_rows = through_identity(fg, ins[0], [])
     gather = fg.producer(flat_rows)
     gathered_ids = one_hot_lookup(fg, gather)  # tf.matmul(tf.one_hot(ids, N), table) is a gather too
+    flat_one_hot = flattened_one_hot_lookup(fg, gather) if gathered_ids is None else None
+    if flat_one_hot is not None:  # tf.tensordot(tf.one_hot(ids, N), table, 1): flattened one-hots of ids
+        return _unflattened_one_hot_ids(fg, ins, flat_rows, *flat_one_hot)
     if gathered_ids is None and (gather is None or gather.op not in GATHER_OPS):
         return _regrouped_rows(fg, ins, flat_rows, None)  # cast rows, say: the gather's ids, once found
     gathered_ids = fg.inputs(gather)[1] if gathered_ids is None else gathered_ids
@@ -46,6 +49,41 @@ def unflattened_ids(fg: FunctionGraph, ins: List[Ref]) -> Tuple[Ref, Optional[Li
     if _is_static_unflatten(fg, ins[1], ids_shape, width):
         return ids, [int(d) for d in np.ravel(fg.const_value(ins[1]))[:-1]]
     raise Skip("gathered rows of flattened ids are reshaped to a shape not proven to be the ids' shape + [D]")
+
+
+def _unflattened_one_hot_ids(fg: FunctionGraph, ins: List[Ref], flat_rows: Ref, ids: Ref, steps: List[str]
+                             ) -> Tuple[Ref, Optional[List[int]]]:
+    """Rows of the one-hot of `ids` flattened to [M, N] (flattened_one_hot_lookup), reshaped to the ids' shape
+    + [D]: tensordot's concat(gather(shape(one_hot), [0 .. r-2]), [D]), concat(shape(ids), [D]), or that
+    shape as a constant (regroup as unflattened_ids')."""
+    width, ids_shape = fg.shape(flat_rows)[-1], fg.shape(ids)
+    if width is None or ids_shape.rank is None or ids_shape.rank < 2:
+        raise Skip("rows of a flattened one-hot matmul are reshaped, but their width or the ids' rank is unknown")
+    if _is_shape_plus_width(fg, ins[1], ids, width) or \
+            _is_one_hot_shape_plus_width(fg, ins[1], Ref(steps[-1], 0), ids_shape.rank, width):
+        return ids, None
+    if _is_static_unflatten(fg, ins[1], ids_shape, width):
+        return ids, [int(d) for d in np.ravel(fg.const_value(ins[1]))[:-1]]
+    raise Skip("rows of a flattened one-hot matmul are reshaped to a shape not proven to be the ids' shape + [D]")
+
+
+def _is_one_hot_shape_plus_width(fg: FunctionGraph, shape_ref: Ref, one_hot: Ref, ids_rank: int, width: int) -> bool:
+    """concat(gather(Shape(one_hot), [0 .. ids_rank-1]), [width]): the one-hot's shape less N is the ids'."""
+    concat = fg.producer(shape_ref)
+    if concat is None or concat.op != "ConcatV2" or len(fg.inputs(concat)) != 3:
+        return False
+    head, tail, axis = fg.inputs(concat)
+    gather = fg.producer(head)
+    if gather is None or gather.op != "GatherV2" or fg.const_value(fg.inputs(gather)[2]) is None or \
+            int(fg.const_value(fg.inputs(gather)[2])) != 0 or \
+            ("batch_dims" in gather.attr and gather.attr["batch_dims"].i):
+        return False
+    kept, shape_of = fg.const_value(fg.inputs(gather)[1]), fg.producer(fg.inputs(gather)[0])
+    tail_value, axis_value = fg.const_value(tail), fg.const_value(axis)
+    return kept is not None and np.ravel(kept).tolist() == list(range(ids_rank)) and shape_of is not None and \
+        shape_of.op == "Shape" and through_identity(fg, fg.inputs(shape_of)[0], []) == one_hot and \
+        tail_value is not None and np.ravel(tail_value).tolist() == [width] and \
+        axis_value is not None and int(axis_value) == 0
 
 
 def _regrouped_rows(fg: FunctionGraph, ins: List[Ref], rows: Ref, gathered_ids) -> Tuple[Optional[Ref], List[int]]:

@@ -216,9 +216,9 @@ def _steps_after_transposed_rows(fg: FunctionGraph, x, rank: int, depth: int = 3
 
 
 _FLAT_ONE_HOT_REASON = (
-    "the rows are a one-hot matmul whose one-hot [..., K, N] is reshaped to [-1, N] first and the product "
-    "reshaped back (keras.ops.matmul or tf.tensordot of tf.one_hot(ids, N) and the table): not fused; "
-    "tf.matmul(tf.one_hot(ids, N), table) (a batch matmul) or tf.einsum('bkn,nd->bkd', ...) is")
+    "the rows are a one-hot matmul whose one-hot is reshaped to [-1, N] first and the product reshaped to a "
+    "shape not proven to be the ids' shape + [D] (its axes transposed first, or read by more than the lookup): "
+    "not fused; tf.tensordot(tf.one_hot(ids, N), table, 1) or keras.ops.matmul of them is")
 
 
 def _flattened_one_hot_matmul(fg: FunctionGraph, matmul) -> bool:

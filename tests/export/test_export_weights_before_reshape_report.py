@@ -3,9 +3,9 @@
 gathered, not of the bags the op reads. They were reported as "multiplier is not per-index", which the
 weights are, or (a reshape to concat(tf.shape(ids), [D]), tf-models' OnDeviceEmbedding) not listed at all.
 And tf.gather(params, ids, batch_dims=1) of a table broadcast per request was "not a row gather (axis 0,
-batch_dims 0)", naming what the export wants, not what the model does; a one-hot lookup written with
-tf.tensordot (keras.ops.matmul of a [B, K, N] one-hot) was not listed. One export of one model holding the
-seven forms: each reported with its reason, outputs unchanged."""
+batch_dims 0)", naming what the export wants, not what the model does. (A one-hot lookup written with
+tf.tensordot, once listed here, is fused: test_export_one_hot_batched_lookups.py.) One export of one model
+holding the forms: each reported with its reason, outputs unchanged."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -41,8 +41,6 @@ FORMS = {  # name: (body of (module, ids, w, field ids, field weights), numpy fl
     "batch_dims_weighted": (lambda m, i, w, f, fw: tf.reduce_sum(tf.gather(
         tf.tile(m.t[None], [tf.shape(i)[0], 1, 1]), i, batch_dims=1) * w[..., None], 1),
         lambda ids, rows, w, frows, fw: np.einsum("bk,bkd->bd", w, rows), "batch_dims=1"),
-    "one_hot_tensordot": (lambda m, i, w, f, fw: tf.reduce_sum(tf.tensordot(tf.one_hot(i, N), m.t, axes=1), 1),
-                          lambda ids, rows, w, frows, fw: rows.sum(1), "is reshaped to [-1, N] first"),
 }
 
 
