@@ -10,6 +10,7 @@ from typing import List, Tuple
 import numpy as np
 from tensorflow.python.framework import tensor_shape
 
+from pkm_serve.export.batched_gather import shared_table_of_batched_gather
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.one_hot_lookup import one_hot_gather
 from pkm_serve.export.position_slices import slice_position
@@ -76,7 +77,10 @@ def resolve_gather(fg: FunctionGraph, ref: Ref, nd_positions: bool = False, flat
     nodes.append(node.name)
     ins = fg.inputs(node)
     if "batch_dims" in node.attr and node.attr["batch_dims"].i != 0:
-        raise NotASite()
+        table = shared_table_of_batched_gather(fg, node)  # a table broadcast over the batch: t[ids]
+        if table is None:
+            raise NotASite()
+        ins = [table, ins[1], None]
     nd_position = False
     if node.op in ND_GATHER_OPS:  # gather_nd(table, ids[..., None]) is gather(table, ids)
         ids, nd_position = ids_expanded_to_last_axis(fg, ins[1], nd_positions)

@@ -252,8 +252,8 @@ def _not_a_row_gather(fg: FunctionGraph, gather) -> str:
                f"batch_dims={batch_dims})")
     if batch_dims:
         return (f"the rows are {written}: each batch entry gathers from its own params (a table per request, "
-                "even if broadcast from one), not rows of one table (axis 0, batch_dims 0): not fused; "
-                "tf.gather(table, ids) is")
+                "or one broadcast to a batch not read off the ids), not rows of one table (axis 0, batch_dims 0): "
+                "not fused; tf.gather(table, ids), or params broadcast_to(t[None], [tf.shape(ids)[0], N, D]), is")
     return f"the rows are {written}, not a row gather of one table (axis 0, batch_dims 0): not fused"
 
 
