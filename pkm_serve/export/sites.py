@@ -166,6 +166,15 @@ def shared_by_bags(shape, ids_shape) -> bool:
     return all(d == 1 or (d is not None and d == i) for d, i in zip(shape.as_list()[:-1], ids_dims[:-1]))
 
 
+def per_bag(shape, ids_shape) -> bool:
+    """A multiplier of the ids' rank, each axis 1 or the ids' own (same_dims' rule): one weight per bag
+    (w[:, :1] [B, 1] against ids [B, K]), per field or per index. fuse broadcasts it and the ids against
+    each other as the composite's product broadcasts them."""
+    if shape.rank is None or ids_shape.rank is None or shape.rank != ids_shape.rank:
+        return False
+    return all(d == 1 or d == i for d, i in zip(shape.as_list(), ids_shape.as_list()))
+
+
 def dtype_name(enum: int) -> str:
     """The dtype's name; "unknown" where the enum names none (a Skip message
     must not fail on a dtype it could not read)."""
