@@ -82,6 +82,8 @@ class Site:
     index_dtype: int = 0
     table_dtype: int = 0
     weights_squeeze: bool = False     # weights are [..., K, 1]: squeezed for the op
+    weights_per_flat_id: Optional[Ref] = None  # the flattened ids whose weights scale the rows before the
+    # reshape into bags (unflatten.weights_per_flat_id)
     weights_scalar: bool = False      # weights are one value ([] or [1, .., 1]): broadcast to the ids
     ids_are_sparse_columns: bool = False  # sparse_dense_matmul: ids = sparse_indices[:, 1]
     ids_past_rows_padding: bool = False  # ids >= N count nowhere (bincount, one_hot): read as padding

@@ -10,7 +10,7 @@ import numpy as np
 
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.one_hot_lookup import flattened_one_hot_lookup, one_hot_lookup
-from pkm_serve.export.sites import GATHER_OPS, NotASite, Site, Skip, through_identity
+from pkm_serve.export.sites import GATHER_OPS, NotASite, Site, Skip, same_dims, through_identity
 
 WEIGHTED_BEFORE_RESHAPE = (
     "weights or a mask applied to the gathered rows before the reshape that groups them into bags (per row of "
@@ -92,12 +92,37 @@ def _regrouped_rows(fg: FunctionGraph, ins: List[Ref], rows: Ref, gathered_ids) 
     when the last axis is D. Returns (ids, T), ids None where `rows` are not the gather's output (the gather
     below gives them); NotASite for any other reshape of the rows."""
     target, width = fg.const_value(ins[1]), fg.shape(rows)[-1]
+    shaped_like = _shape_plus_width_of(fg, ins[1], width) if target is None and gathered_ids is None else None
+    if shaped_like is not None:  # weighted flat rows reshaped to concat(shape(ids), [D]): checked at the gather
+        return shaped_like, None
     if target is None or width is None or np.size(target) < 2:
         raise NotASite()
     target = [int(d) for d in np.ravel(target)]
     if target[-1] != width or target[:-1].count(-1) > 1 or any(d < -1 for d in target):
         raise NotASite()
     return None if gathered_ids is None else through_identity(fg, gathered_ids, []), target[:-1]
+
+
+def _shape_plus_width_of(fg: FunctionGraph, shape_ref: Ref, width) -> Optional[Ref]:
+    """x of concat(Shape(x), [width]), else None."""
+    concat = fg.producer(shape_ref)
+    if width is None or concat is None or concat.op != "ConcatV2" or len(fg.inputs(concat)) != 3:
+        return None
+    shape_of = fg.producer(fg.inputs(concat)[0])
+    if shape_of is None or shape_of.op != "Shape":
+        return None
+    ids = through_identity(fg, fg.inputs(shape_of)[0], [])
+    return ids if _is_shape_plus_width(fg, shape_ref, ids, width) else None
+
+
+def check_flattened(fg: FunctionGraph, flat_ids: Ref, ids: Ref) -> None:
+    """Skip unless the rows reshaped to ids' shape + [D] were gathered for reshape(ids, [-1])."""
+    if through_identity(fg, flat_ids, []) == ids:  # table[ids] reshaped to its own shape
+        return
+    flatten = fg.producer(through_identity(fg, flat_ids, []))
+    target = fg.const_value(fg.inputs(flatten)[1]) if flatten is not None and flatten.op == "Reshape" else None
+    if target is None or np.ravel(target).tolist() != [-1] or through_identity(fg, fg.inputs(flatten)[0], []) != ids:
+        raise Skip("gathered rows are reshaped to the shape of ids they were not gathered for (flattened)")
 
 
 def _is_shape_plus_width(fg: FunctionGraph, shape_ref: Ref, ids: Ref, width: int) -> bool:
@@ -121,6 +146,20 @@ def _is_static_unflatten(fg: FunctionGraph, shape_ref: Ref, ids_shape, width: in
     if len(target) != len(dims) + 1 or target[-1] != width or any(d is None for d in dims[1:]):
         return False
     return target[1:-1] == dims[1:] and (target[0] == dims[0] or (target[0] == -1 and -1 not in target[1:]))
+
+
+def weights_per_flat_id(fg: FunctionGraph, rows, site: Site) -> Optional[Ref]:
+    """reshape(table[flat ids] * w[:, None], T + [D]) with w one weight per flat id (reshape(w, [-1, 1])) is the
+    bag of reshape(flat ids, T) weighted by reshape(w, T): fuse reshapes the weights as the composite's reshape
+    groups the weighted rows. Only that one multiplier (no mask, other factor, multiply_no_nan or ones), shaped
+    like the flat ids (reshape(ids, [-1]), or [-1, F * K] regrouped to [-1, F, K]). Returns the flat ids, else None."""
+    if not rows.weighted_before_reshape or rows.weights is None or rows.weights_scalar or rows.mask is not None or \
+            rows.factors or rows.ones is not None or site.no_nan_weights or rows.flat_ids is None or \
+            rows.regathers or rows.weights_unit_row:
+        return None
+    shape = fg.shape(rows.weights)
+    shape = shape[:-1] if rows.weights_squeeze and shape.rank else shape
+    return rows.flat_ids if same_dims(shape, fg.shape(rows.flat_ids)) else None
 
 
 def check_regroup_without_span(site: Site) -> None:
