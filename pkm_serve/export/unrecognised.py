@@ -65,6 +65,26 @@ def match_unfusable_segment_reduce(fg: FunctionGraph, node, site: Site) -> Site:
     raise Skip(_no_combiner(node.op))
 
 
+POOLING_OPS = ("AvgPool", "MaxPool", "MaxPoolV2")
+
+
+def match_windowed_pooling(fg: FunctionGraph, node, site: Site) -> Site:
+    """tf.nn.avg_pool / max_pool of gathered rows (Keras AveragePooling1D / MaxPooling1D of an Embedding: the
+    rows expanded to [B, 1, K, D]): a window over the bag axis, even one of the whole bag, is reported, not left
+    out of the report. NotASite where the pooled tensor is no gathered rows."""
+    ref, steps = fg.inputs(node)[0], 0
+    while steps < 4 and fg.producer(ref) is not None and fg.producer(ref).op in ("ExpandDims", "Reshape", "Identity"):
+        ref, steps = fg.inputs(fg.producer(ref))[0], steps + 1
+    if not leads_to_gather(fg, ref):
+        raise NotASite()
+    resolve_rows(fg, ref, site)  # fills the site's table fields; NotASite where no table rows are pooled
+    site.combiner = "mean" if node.op == "AvgPool" else "max"
+    kind, reduce = ("avg", "reduce_mean") if node.op == "AvgPool" else ("max", "reduce_max")
+    layer = "Average" if node.op == "AvgPool" else "Max"
+    raise Skip(f"gathered rows pooled by a window (tf.nn.{kind}_pool, Keras {layer}Pooling1D): not fused; "
+               f"a reduction over the bag axis ({reduce}, Global{layer}Pooling1D) is")
+
+
 def clips_rows(fg: FunctionGraph, node) -> bool:
     """clip_by_norm(rows, max_norm): rows * max_norm / maximum(norm(rows), max_norm)."""
     if node.op != "RealDiv":
