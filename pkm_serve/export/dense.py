@@ -18,13 +18,13 @@ from pkm_serve.export.gather_nd import Gather, resolve_gather  # noqa: F401 (the
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.half_rounding import rounds_to_half
 from pkm_serve.export.no_nan_multiply import multiply_op, note_zero_weights
-from pkm_serve.export.one_hot_lookup import one_hot_lookup
+from pkm_serve.export.one_hot_lookup import flattened_one_hot_lookup, one_hot_lookup
 from pkm_serve.export.per_index import check_weights_and_mask, may_broadcast_ids, per_index_shape
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip,
                                     check_private, dims, dtype_name, itemsize, same_dims,
                                     tensor_dtype, through_identity)
 from pkm_serve.export.transposed_rows import check_transposed_shape_unread, reduced_rows, weigh_after_transpose
-from pkm_serve.export.unflatten import WEIGHTED_BEFORE_RESHAPE, unflattened_ids
+from pkm_serve.export.unflatten import WEIGHTED_BEFORE_RESHAPE, check_flattened, unflattened_ids, weights_per_flat_id
 from pkm_serve.export import masked_max
 from pkm_serve.export.zero_fill import _is_zero, zeros_like_another
 
@@ -34,7 +34,8 @@ def leads_to_gather(fg: FunctionGraph, ref: Ref, depth: int = 8) -> bool:
     node = fg.producer(ref)
     if node is None or depth == 0:
         return False
-    if node.op in GATHER_OPS + ND_GATHER_OPS or one_hot_lookup(fg, node) is not None:
+    if node.op in GATHER_OPS + ND_GATHER_OPS or one_hot_lookup(fg, node) is not None or \
+            flattened_one_hot_lookup(fg, node) is not None:
         return True
     ins = fg.inputs(node)
     if node.op in ("Identity", "Cast", "Reshape"):
@@ -176,6 +177,7 @@ class Rows:
         self.unflattened_rows: Optional[Ref] = None  # that reshape's output
         self.flat_from = 0              # rows.private[flat_from:] are the flattened rows
         self.weighted_before_reshape = False  # weights or mask applied to the rows before that reshape
+        self.flat_ids: Optional[Ref] = None  # the ids the flattened rows were gathered for
         self.nodes: List[str] = []      # steps between gather and reduction
         self.private: List[Ref] = []    # their outputs: only the site may read them
         self.itemsizes: List[int] = []  # one per [..., K, D] tensor they build
@@ -197,12 +199,16 @@ def resolve_rows(fg: FunctionGraph, ref: Ref, site: Site, nd_positions: bool = F
         op = multiply_op(fg, node, ins, leads_to_gather, rows)
         weights_before, factors_before = rows.weights, len(rows.factors)
         rows.as_gathered.append(ref)
-        if (node.op in GATHER_OPS + ND_GATHER_OPS or one_hot_lookup(fg, node)) and not _is_regather(fg, node, ins):
-            rows.gather = resolve_gather(fg, ref, nd_positions)
+        flat_one_hot = rows.unflattened_rows is not None and flattened_one_hot_lookup(fg, node) is not None
+        if (node.op in GATHER_OPS + ND_GATHER_OPS or one_hot_lookup(fg, node) or flat_one_hot) and \
+                not _is_regather(fg, node, ins):
+            rows.gather = resolve_gather(fg, ref, nd_positions, flat_one_hot)
             if rows.unflattened_rows is not None and rows.unflattened is None:  # rows of its ids regrouped
                 rows.unflattened = rows.gather.indices
             if rows.unflattened is not None:
-                rows.gather.indices = rows.unflattened
+                rows.flat_ids, rows.gather.indices = rows.gather.indices, rows.unflattened
+                if site.regroup_ids is None and rows.flat_ids != rows.unflattened:  # a one-hot's are the ids
+                    check_flattened(fg, rows.flat_ids, rows.unflattened)
             rows.private.append(rows.gather.output)
             rows.private.extend(Ref(n, 0) for n in rows.gather.nodes[:-1])
             rows.itemsizes.append(itemsize(rows.gather.dtype))
@@ -349,7 +355,9 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     site.gather_refs = tuple(rows.as_gathered) + (gathered.output,) + tuple(
         Ref(n, 0) for n in gathered.nodes)
     try:
-        check_weights_and_mask(fg, rows, ids_shape)
+        site.weights_per_flat_id = weights_per_flat_id(fg, rows, site)
+        if site.weights_per_flat_id is None:
+            check_weights_and_mask(fg, rows, ids_shape)
     except Skip as skip:  # per row of the flat ids: the reason says so
         raise Skip(f"{WEIGHTED_BEFORE_RESHAPE} ({skip})") if rows.weighted_before_reshape else skip from None
     if rows.weights is not None:

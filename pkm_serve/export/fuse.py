@@ -124,6 +124,17 @@ def _regrouped_ids(fg: FunctionGraph, site: Site) -> Ref:
                      shapes=[[None if d == -1 else d for d in site.regroup_ids]])
 
 
+def _weights_in_bags(fg: FunctionGraph, site: Site, weights: Ref) -> Ref:
+    """Weights of the flattened ids (one per row before the reshape into bags), broadcast against them as the
+    composite's product is, then shaped like the bags' ids (the rows' reshape)."""
+    prefix = site.root + "/pkm_flat_weights"
+    weights = broadcast_against(fg, prefix, weights, site.weights_per_flat_id)
+    shape = fg.add_op(prefix + "/shape", "Shape", [site.indices], {"T": DType(site.index_dtype), "out_type": I32},
+                      shapes=[[fg.shape(site.indices).rank]])
+    return fg.add_op(prefix + "/bags", "Reshape", [weights, shape], {"T": DType(site.table_dtype), "Tshape": I32},
+                     shapes=[dims(fg.shape(site.indices))])
+
+
 def _rebuild_shape_consumers(fg: FunctionGraph, site: Site, gathered_ids: Ref, bag_ids: Ref) -> None:
     """Shape(rows) == concat(Shape(ids), [D]): rebuilt so the rows can go
     (from the ids as gathered, or as re-gathered, whichever rows it read;
@@ -239,6 +250,8 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
                                 {"T": DType(site.table_dtype), "Tshape": I32}, shapes=[[]])
     if site.regroup_ids is not None:
         site.indices = _regrouped_ids(fg, site)
+    if site.weights_per_flat_id is not None:
+        weights = _weights_in_bags(fg, site, weights)
     weights, columns_check = sparse_matmul.sorted_columns_and_weights(fg, site, weights, params) \
         if site.ids_are_sparse_columns else (weights, None)  # sparse_dense_matmul: ids are sp's columns
     gathered_ids = site.indices

@@ -10,6 +10,7 @@ from typing import List, Tuple
 import numpy as np
 from tensorflow.python.framework import tensor_shape
 
+from pkm_serve.export.batched_gather import shared_table_of_batched_gather
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.one_hot_lookup import one_hot_gather
 from pkm_serve.export.position_slices import slice_position
@@ -62,13 +63,13 @@ def ids_expanded_to_last_axis(fg: FunctionGraph, indices: Ref, nd_positions: boo
     return ids, False  # ids[..., None]: the ellipsis keeps every axis, one new axis last
 
 
-def resolve_gather(fg: FunctionGraph, ref: Ref, nd_positions: bool = False) -> Gather:
+def resolve_gather(fg: FunctionGraph, ref: Ref, nd_positions: bool = False, flat_one_hot: bool = False) -> Gather:
     """Raises NotASite unless `ref` is rows of a 2-D table gathered on axis 0 (`nd_positions`:
-    ids_expanded_to_last_axis')."""
+    ids_expanded_to_last_axis'; `flat_one_hot`: a flattened one-hot lookup, rows reshaped back, is taken too)."""
     nodes: List[str] = []
     ref = through_identity(fg, ref, nodes)
     node = fg.producer(ref)
-    one_hot = one_hot_gather(fg, ref, Gather, nodes)
+    one_hot = one_hot_gather(fg, ref, Gather, nodes, flat_one_hot)
     if one_hot is not None:
         return one_hot
     if node is None or node.op not in GATHER_OPS + ND_GATHER_OPS:
@@ -76,7 +77,10 @@ def resolve_gather(fg: FunctionGraph, ref: Ref, nd_positions: bool = False) -> G
     nodes.append(node.name)
     ins = fg.inputs(node)
     if "batch_dims" in node.attr and node.attr["batch_dims"].i != 0:
-        raise NotASite()
+        table = shared_table_of_batched_gather(fg, node)  # a table broadcast over the batch: t[ids]
+        if table is None:
+            raise NotASite()
+        ins = [table, ins[1], None]
     nd_position = False
     if node.op in ND_GATHER_OPS:  # gather_nd(table, ids[..., None]) is gather(table, ids)
         ids, nd_position = ids_expanded_to_last_axis(fg, ins[1], nd_positions)

@@ -134,6 +134,8 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, scales.match_reduce_max)
         elif node.op in _QUIET_MATCHERS:  # most such nodes are no bag: not listed when not a site
             attempt(node, _QUIET_MATCHERS[node.op], report_not_a_site=False)
+        elif node.op in unrecognised.POOLING_OPS:  # Keras AveragePooling1D of an Embedding: reported
+            attempt(node, unrecognised.match_windowed_pooling, report_not_a_site=False)
         elif node.op in unrecognised.UNFUSABLE_REDUCE_OPS:
             attempt(node, unrecognised.never_a_site)
         elif node.op in unrecognised.UNFUSABLE_SEGMENT_OPS:

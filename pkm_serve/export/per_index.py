@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pkm_serve.export.graph import FunctionGraph, Ref
-from pkm_serve.export.sites import Skip, same_dims, shared_by_bags
+from pkm_serve.export.sites import Skip, per_bag, same_dims, shared_by_bags
 
 
 def per_index_shape(fg: FunctionGraph, ref: Ref, squeeze: bool, unit_row: bool = False):
@@ -25,7 +25,8 @@ def may_broadcast_ids(shape, ids_shape) -> bool:
 def check_per_index(fg: FunctionGraph, ref: Ref, squeeze: bool, ids_shape, what: str,
                     shared: bool = False, unit_row: bool = False):
     shape = per_index_shape(fg, ref, squeeze, unit_row)
-    if not same_dims(shape, ids_shape) and not (shared and shared_by_bags(shape, ids_shape)):
+    if not same_dims(shape, ids_shape) and not (shared and (shared_by_bags(shape, ids_shape) or
+                                                            per_bag(shape, ids_shape))):
         raise Skip(f"{what} shape {shape} does not match indices shape {ids_shape}")
 
 

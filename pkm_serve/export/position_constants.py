@@ -69,6 +69,25 @@ def scaled_position_rows(fg: FunctionGraph, ref: Ref, function: str, kept: bool,
     return term
 
 
+def check_divided_positions(fg: FunctionGraph, leaves: List[Ref], function: str, term_of) -> None:
+    """Skip where two addends or more are rows of one position of one ids tensor and table divided by a tensor
+    (rows[:, k] / d[:, k:k+1], tf.math.divide_no_nan(rows[:, k], d[:, k:k+1])): a bag the positions matcher
+    does not take (it takes constant divisors), reported rather than left out of the report."""
+    divided: dict = {}
+    for ref in leaves:
+        node = fg.producer(ref)
+        if node is None or node.op not in ("RealDiv", "DivNoNan") or _constant(fg, fg.inputs(node)[1]) is not None:
+            continue
+        term = term_of(fg, fg.inputs(node)[0], function, False)
+        if term is not None:
+            key = (term.ids[0], term.table)
+            divided[key] = divided.get(key, 0) + 1
+    if divided and max(divided.values()) >= 2:
+        raise Skip("a sum of positions, each position's rows divided by a tensor (rows[:, k] / d[:, k:k+1] or "
+                   "tf.math.divide_no_nan(rows[:, k], d[:, k:k+1])): not fused; the same bag written as "
+                   "reduce_sum(tf.math.divide_no_nan(rows, d[..., None]), 1) is")
+
+
 def _no_nan_positions(fg: FunctionGraph, terms, site: Site, constants) -> None:
     """multiply_no_nan(rows[:, k], w[:, k:k+1]) at every position, w shaped like the ids: the bag's weights
     w[..., a:b], whose zeros become padding once sliced (patterns: no_nan_padding), as for rows of every

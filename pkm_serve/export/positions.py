@@ -26,7 +26,7 @@ from pkm_serve.export.dense import (Rows, apply_rows, fill_from_gather, is_scala
                                     strip_trailing_unit_axis)
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import I32, _assert, _reduce_ids
-from pkm_serve.export.position_constants import constant_factor, scaled_position_rows
+from pkm_serve.export.position_constants import check_divided_positions, constant_factor, scaled_position_rows
 from pkm_serve.export.position_slices import _slice_entries, slice_position, unwrapped, wrap_negative
 from pkm_serve.export.sites import (NotASite, Site, Skip, check_private, dims, same_dims, shared_by_bags,
                                     tensor_dtype)
@@ -345,6 +345,7 @@ def _candidate_terms(fg: FunctionGraph, leaves: List[Ref], site: Site, kept=None
              for i, ref in enumerate(leaves)]
     groups = collections.Counter((t.ids[0], t.table) for t in terms if t is not None)
     if not groups or max(groups.values()) < 2:
+        check_divided_positions(fg, leaves, site.function, _position_rows)  # reported: Skip
         raise NotASite()
     site.table = next(t for t in terms if t is not None).table.node
     return terms

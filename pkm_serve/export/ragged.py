@@ -80,7 +80,8 @@ def match_unsorted_segment_sum(fg: FunctionGraph, node, site: Site) -> Site:
     site.pattern = "ragged-reduce"
     apply_rows(fg, site, rows, node.name, data)
     if rows.factors and rows.regathers:
-        raise Skip("ragged-broadcast rows scaled by several factors: not fused")
+        raise Skip("ragged-broadcast rows scaled by several factors, or divided by a ragged divisor (rt / d[..., None], "
+                   "tf.math.divide_no_nan(rt, d[..., None])): not fused; rt * w[..., None] is")
     if rows.factors:
         scales.check_factors(fg, site, rows.factors, fg.shape(site.indices) if site.regroup_ids is None else
                              tensor_shape.TensorShape([None if d == -1 else d for d in site.regroup_ids]))

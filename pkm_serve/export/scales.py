@@ -21,7 +21,7 @@ from pkm_serve.export import dense
 from pkm_serve.export.dense import is_ones, is_scalar, leads_to_gather, strip_trailing_unit_axis
 from pkm_serve.export.fuse import _cast, _squeeze_last
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
-from pkm_serve.export.sites import (GATHER_OPS, ND_GATHER_OPS, NotASite, Site, Skip, _fed_at_run_time, same_dims,
+from pkm_serve.export.sites import (GATHER_OPS, ND_GATHER_OPS, NotASite, Site, Skip, _fed_at_run_time, per_bag, same_dims,
                                     shared_by_bags, tensor_dtype)
 
 SCALE_OPS = ("Mul", "RealDiv", "Neg")
@@ -58,6 +58,9 @@ def resolve_scale(fg: FunctionGraph, node, ins: List[Ref], rows, site: Site, op:
         return ins[0]
     sides = [(ins[0], ins[1])] if op == "RealDiv" or node.op == "MulNoNan" else [(ins[0], ins[1]), (ins[1], ins[0])]
     found = [(r, f) for r, f in sides if leads_to_gather(fg, r) and not leads_to_gather(fg, f)]
+    if not found and op == "RealDiv" and leads_to_gather(fg, ins[0]) and _width(fg, ins[1]) == 1 and \
+            _width(fg, ins[0]) not in (None, 1):  # ragged broadcasting re-gathers a ragged divisor too
+        found = [(ins[0], ins[1])]
     if not found:
         raise NotASite()
     rows_ref, factor_ref = found[0]
@@ -80,6 +83,11 @@ def resolve_scale(fg: FunctionGraph, node, ins: List[Ref], rows, site: Site, op:
     return rows_ref
 
 
+def _width(fg: FunctionGraph, ref: Ref) -> Optional[int]:
+    shape = fg.shape(ref)
+    return shape[-1] if shape.rank else None
+
+
 def check_factors(fg: FunctionGraph, site: Site, factors: List[Factor], ids_shape) -> None:
     """Each factor is per-index (the ids' shape), shared by every bag or one value; one fed at run time
     in a lower rank than the ids is refused as such weights are (sites.check_shared_weights_fixed);
@@ -91,7 +99,8 @@ def check_factors(fg: FunctionGraph, site: Site, factors: List[Factor], ids_shap
         shape = fg.shape(factor.ref)
         if factor.squeeze and shape.rank:
             shape = shape[:-1]
-        if not factor.scalar and not same_dims(shape, ids_shape) and not shared_by_bags(shape, ids_shape):
+        if not factor.scalar and not same_dims(shape, ids_shape) and not shared_by_bags(shape, ids_shape) and \
+                not per_bag(shape, ids_shape):
             raise Skip(f"a {factor.kind} factor of the rows is not per-index: shape {shape} does not match "
                        f"indices shape {ids_shape}")
         if shape.rank is not None and ids_shape.rank is not None and shape.rank < ids_shape.rank and \
@@ -108,11 +117,13 @@ def check_factors(fg: FunctionGraph, site: Site, factors: List[Factor], ids_shap
 
 def _check_masked_then_divided(fg: FunctionGraph, site: Site, factors: List[Factor]) -> None:
     """tf.where(mask, rows, 0) / d: a masked row divided by d == 0 is 0 / 0, NaN in the composite's bag,
-    where the op's padding leaves the masked entry out. Fused only where d is never 0."""
+    where the op's padding leaves the masked entry out. Fused only where d is never 0, or the division is
+    tf.math.divide_no_nan's (0 where d is 0: its zeros are padding too)."""
     if site.mask is None:
         return
+    no_nan = {noted[0] for noted in site.no_nan_weights}
     for factor in factors:
-        if factor.kind == "div" and factor.after_mask and not _never_zero(fg, factor.ref):
+        if factor.kind == "div" and factor.after_mask and factor.ref not in no_nan and not _never_zero(fg, factor.ref):
             raise Skip(f"masked rows divided by {fg.render(factor.ref)}, which may be 0: the composite's 0 / 0 "
                        "makes the bag NaN where the fused op's mask leaves the entry out")
 

@@ -82,6 +82,8 @@ class Site:
     index_dtype: int = 0
     table_dtype: int = 0
     weights_squeeze: bool = False     # weights are [..., K, 1]: squeezed for the op
+    weights_per_flat_id: Optional[Ref] = None  # the flattened ids whose weights scale the rows before the
+    # reshape into bags (unflatten.weights_per_flat_id)
     weights_scalar: bool = False      # weights are one value ([] or [1, .., 1]): broadcast to the ids
     ids_are_sparse_columns: bool = False  # sparse_dense_matmul: ids = sparse_indices[:, 1]
     ids_past_rows_padding: bool = False  # ids >= N count nowhere (bincount, one_hot): read as padding
@@ -164,6 +166,15 @@ def shared_by_bags(shape, ids_shape) -> bool:
     if not same_dims(shape[-1:], ids_shape[-1:]):
         return False
     return all(d == 1 or (d is not None and d == i) for d, i in zip(shape.as_list()[:-1], ids_dims[:-1]))
+
+
+def per_bag(shape, ids_shape) -> bool:
+    """A multiplier of the ids' rank, each axis 1 or the ids' own (same_dims' rule): one weight per bag
+    (w[:, :1] [B, 1] against ids [B, K]), per field or per index. fuse broadcasts it and the ids against
+    each other as the composite's product broadcasts them."""
+    if shape.rank is None or ids_shape.rank is None or shape.rank != ids_shape.rank:
+        return False
+    return all(d == 1 or d == i for d, i in zip(shape.as_list(), ids_shape.as_list()))
 
 
 def dtype_name(enum: int) -> str:

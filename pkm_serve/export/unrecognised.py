@@ -65,6 +65,26 @@ def match_unfusable_segment_reduce(fg: FunctionGraph, node, site: Site) -> Site:
     raise Skip(_no_combiner(node.op))
 
 
+POOLING_OPS = ("AvgPool", "MaxPool", "MaxPoolV2")
+
+
+def match_windowed_pooling(fg: FunctionGraph, node, site: Site) -> Site:
+    """tf.nn.avg_pool / max_pool of gathered rows (Keras AveragePooling1D / MaxPooling1D of an Embedding: the
+    rows expanded to [B, 1, K, D]): a window over the bag axis, even one of the whole bag, is reported, not left
+    out of the report. NotASite where the pooled tensor is no gathered rows."""
+    ref, steps = fg.inputs(node)[0], 0
+    while steps < 4 and fg.producer(ref) is not None and fg.producer(ref).op in ("ExpandDims", "Reshape", "Identity"):
+        ref, steps = fg.inputs(fg.producer(ref))[0], steps + 1
+    if not leads_to_gather(fg, ref):
+        raise NotASite()
+    resolve_rows(fg, ref, site)  # fills the site's table fields; NotASite where no table rows are pooled
+    site.combiner = "mean" if node.op == "AvgPool" else "max"
+    kind, reduce = ("avg", "reduce_mean") if node.op == "AvgPool" else ("max", "reduce_max")
+    layer = "Average" if node.op == "AvgPool" else "Max"
+    raise Skip(f"gathered rows pooled by a window (tf.nn.{kind}_pool, Keras {layer}Pooling1D): not fused; "
+               f"a reduction over the bag axis ({reduce}, Global{layer}Pooling1D) is")
+
+
 def clips_rows(fg: FunctionGraph, node) -> bool:
     """clip_by_norm(rows, max_norm): rows * max_norm / maximum(norm(rows), max_norm)."""
     if node.op != "RealDiv":
@@ -216,9 +236,9 @@ def _steps_after_transposed_rows(fg: FunctionGraph, x, rank: int, depth: int = 3
 
 
 _FLAT_ONE_HOT_REASON = (
-    "the rows are a one-hot matmul whose one-hot [..., K, N] is reshaped to [-1, N] first and the product "
-    "reshaped back (keras.ops.matmul or tf.tensordot of tf.one_hot(ids, N) and the table): not fused; "
-    "tf.matmul(tf.one_hot(ids, N), table) (a batch matmul) or tf.einsum('bkn,nd->bkd', ...) is")
+    "the rows are a one-hot matmul whose one-hot is reshaped to [-1, N] first and the product reshaped to a "
+    "shape not proven to be the ids' shape + [D] (its axes transposed first, or read by more than the lookup): "
+    "not fused; tf.tensordot(tf.one_hot(ids, N), table, 1) or keras.ops.matmul of them is")
 
 
 def _flattened_one_hot_matmul(fg: FunctionGraph, matmul) -> bool:
@@ -252,8 +272,8 @@ def _not_a_row_gather(fg: FunctionGraph, gather) -> str:
                f"batch_dims={batch_dims})")
     if batch_dims:
         return (f"the rows are {written}: each batch entry gathers from its own params (a table per request, "
-                "even if broadcast from one), not rows of one table (axis 0, batch_dims 0): not fused; "
-                "tf.gather(table, ids) is")
+                "or one broadcast to a batch not read off the ids), not rows of one table (axis 0, batch_dims 0): "
+                "not fused; tf.gather(table, ids), or params broadcast_to(t[None], [tf.shape(ids)[0], N, D]), is")
     return f"the rows are {written}, not a row gather of one table (axis 0, batch_dims 0): not fused"
 
 

@@ -490,7 +490,7 @@ def unfusable_reductions(path):
         keep = tf.not_equal(idx, 0)[..., None]
         return {"over_batch": tf.reduce_sum(rows(), axis=0),
                 "two_axes": tf.reduce_sum(rows(), axis=[1, 2]),
-                "per_bag_weight": tf.reduce_sum(rows() * w[:, :1, None], axis=1),
+                "per_feature_weight": tf.reduce_sum(rows() * tf.constant([1.0, 2.0, 3.0, 4.0]), axis=1),
                 "exp": tf.reduce_sum(tf.exp(rows()), axis=1),
                 "where_one": tf.reduce_sum(tf.where(keep, rows(), 1.0), axis=1)}
     save_bag_module(path, table, body, k=3)

@@ -1,8 +1,11 @@
 """One-hot lookups of rank-3 ids written without the flattening reshape: tf.matmul(tf.one_hot(ids, N), table)
 (a BatchMatMulV2 broadcasting the [N, D] table), tf.einsum('bkn,nd->bkd', ...) then reduced, and the einsum
 that looks up and sums at once, tf.einsum('bkn,nd->bd', ...). They were no site at all (not even reported).
+tf.tensordot(one_hot, table, 1) and keras.ops.matmul (the one-hot flattened to [-1, N], the product reshaped
+back) were reported, not fused.
 One export of one model holding every form; each output slice checked against numpy float64 and the original,
 ids outside [0, N) included (a zero row in the composite, padding in the fused op)."""
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -25,6 +28,11 @@ FORMS = [  # (name, body of (module, ids [B, K], weights [B, K], field ids [B, F
     ("einsum_pooled_per_field", lambda m, i, w, f: tf.reshape(tf.einsum("bfkn,nd->bfd", _hot(f), m.t),
                                                               [-1, FIELDS * D]), FIELDS * D),
     ("einsum_pooled_over_fields", lambda m, i, w, f: tf.einsum("bfkn,nd->bd", _hot(f), m.t), D),
+    # tf.tensordot / keras.ops.matmul flatten the one-hot to [-1, N] and reshape the product back
+    ("tensordot_then_sum", lambda m, i, w, f: tf.reduce_sum(tf.tensordot(_hot(i), m.t, 1), 1), D),
+    ("keras_matmul_weighted", lambda m, i, w, f: tf.reduce_sum(keras.ops.matmul(_hot(i), m.t) * w[..., None], 1), D),
+    ("tensordot_per_field_mean", lambda m, i, w, f: tf.reshape(tf.reduce_mean(
+        tf.tensordot(_hot(f), m.t, [[3], [0]]), 2), [-1, FIELDS * D]), FIELDS * D),
 ]
 
 
@@ -36,7 +44,9 @@ def _references(ids, w, fields):
             "einsum_lookup_then_mean": rows.mean(1), "einsum_pooled": rows.sum(1),
             "einsum_pooled_table_first": rows.sum(1),
             "einsum_pooled_per_field": field_rows.sum(2).reshape(len(ids), -1),
-            "einsum_pooled_over_fields": field_rows.sum((1, 2))}
+            "einsum_pooled_over_fields": field_rows.sum((1, 2)), "tensordot_then_sum": rows.sum(1),
+            "keras_matmul_weighted": np.einsum("bk,bkd->bd", w, rows),
+            "tensordot_per_field_mean": field_rows.mean(2).reshape(len(ids), -1)}
 
 
 @pytest.fixture(scope="module")

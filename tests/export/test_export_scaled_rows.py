@@ -49,6 +49,9 @@ SCALED = {
         tf.gather(m.t, ids) / tf.expand_dims(d, -1), 1), lambda d: 1 / d.astype(np.float64), False),
     "three_multipliers": ([IDS, WEIGHTS, WEIGHTS], lambda m, ids, w, mask: tf.reduce_sum(
         mask[..., None] * (w[..., None] * (2.0 * tf.gather(m.t, ids))), 1), lambda w, mask: 2 * w * mask, False),
+    # a second factor per bag ([B, 1], broadcast to the ids): reported as "not per-index" before round 38
+    "factor_per_bag": ([IDS, WEIGHTS, WEIGHTS], lambda m, ids, w, mask: tf.reduce_sum(
+        tf.gather(m.t, ids) * w[..., None] * mask[:, :1, None], 1), lambda w, mask: w * mask[:, :1], False),
 }
 
 
@@ -84,9 +87,7 @@ def test_two_multipliers_broadcast_as_the_original_when_a_server_feeds_other_sha
 
 
 NOT_BAGS_OF_ONE_WEIGHT = {
-    # a second factor per bag ([B, 1]) or per feature ([D]): not a per-index weight
-    "factor_per_bag": (lambda m, ids, w, mask: tf.reduce_sum(
-        tf.gather(m.t, ids) * w[..., None] * mask[:, :1, None], 1), "not per-index"),
+    # a second factor per feature ([D]): not a per-index weight
     "factor_per_feature": (lambda m, ids, w, mask: tf.reduce_sum(
         tf.gather(m.t, ids) * w[..., None] * tf.ones([4]) * mask[0, 0], 1), "not per-index"),
     "over_the_batch": (lambda m, ids, w, mask: tf.reduce_sum(-(tf.gather(m.t, ids) * w[..., None]), 0),
