@@ -11,6 +11,7 @@ read as padding, as in the TF GPU kernel.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Optional
 
@@ -112,7 +113,9 @@ def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None
     in params' dtype. Falls back to the composite (warning once) on a device
     without our kernels."""
     code = _native.combiner_code(combiner, weights)
-    params, indices = torch.as_tensor(params), torch.as_tensor(indices, device=params.device)
+    params, indices, weights, row_splits = (_unwrapped(x) for x in (params, indices, weights, row_splits))
+    params = torch.as_tensor(params)   # (first: the others go to its device)
+    indices = torch.as_tensor(indices, device=params.device)
     _check(params, indices, weights)
     if kernel_device(params.device) is None:
         _warn_composite(params.device)
@@ -146,6 +149,16 @@ def _bag(table, indices, weights, row_splits, code):
     if _torch_transforms.transforms_active(table, weights):
         return _torch_transforms.TransformableBag.apply(table, indices, weights, row_splits, code)
     return _bag_op(table, indices, weights, row_splits, code)
+
+
+def _unwrapped(x):
+    """A Keras Variable's torch tensor (its gradient goes to the variable, as through keras.ops): torch
+    cannot convert the Variable itself ("object of type 'Variable' has no len()"). Keras is not
+    imported for this: without it there is no Keras Variable."""
+    keras = sys.modules.get("keras")
+    if isinstance(x, torch.Tensor) or x is None or keras is None or not isinstance(x, keras.Variable):
+        return x
+    return x.value
 
 
 def _contiguous(t):

@@ -218,6 +218,31 @@ def check_func_transforms():
     print(json.dumps({"func_transforms": "ok"}))
 
 
+def check_keras_variable_table():
+    """pkm_serve.backends.embedding_bag on a layer's Keras Variable (and Keras Variable weights) under
+    PyTorch, as keras.ops take them, and on a nested-list table: float64 numpy's bags, the gradient in
+    the variable's tensor (it raised "object of type 'Variable' has no len()"; a list table
+    "'list' object has no attribute 'device'")."""
+    import keras
+    import numpy as np
+
+    from pkm_serve.backends import embedding_bag
+    from pkm_serve.layers import EmbeddingBag
+
+    layer = EmbeddingBag(6, 3)
+    layer.build()
+    table = keras.ops.convert_to_numpy(layer.embeddings.value).astype(np.float64)
+    ids, weights = np.array([[1, 4, -1], [2, 2, 5]]), np.array([[0.5, 2.0, 1.0], [1.5, 0.25, 3.0]])
+    out = embedding_bag(layer.embeddings, ids, keras.Variable(weights.astype("float32")), "sum")
+    out.sum().backward()
+    want = [0.5 * table[1] + 2.0 * table[4], 1.75 * table[2] + 3.0 * table[5]]
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-6)
+    np.testing.assert_allclose(layer.embeddings.value.grad.numpy()[:, 0], [0, 0.5, 1.75, 0, 2.0, 3.0], rtol=1e-6)
+    listed = embedding_bag(table.astype("float32").tolist(), ids.tolist(), None, "sum")
+    np.testing.assert_allclose(listed.numpy(), [table[1] + table[4], 2 * table[2] + table[5]], rtol=1e-6)
+    print(json.dumps({"keras_variable_table": "ok"}))
+
+
 CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
