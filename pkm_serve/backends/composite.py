@@ -4,6 +4,7 @@ What a backend uses where it has no kernel (a device without our library, a
 TPU): it materialises the [..., K, D] gather, so it costs K times the output's
 memory in forward and backward. Semantics as the kernels': a negative index is
 padding (adds nothing, not counted by mean/sqrtn), a zero denominator gives 0,
+no bag with a row to read (ids [..., 0], no ragged values, a [0, D] table) gives zeros,
 accumulation in float32, the result in the table's dtype; max's gradient goes
 to the first row holding each maximum, as the kernels' (dense bags; ragged ones
 split it evenly over tied rows, as segment_max does).
@@ -40,6 +41,8 @@ def embedding_bag_composite(params, indices, weights=None, combiner="sum", row_s
     if row_splits is not None:
         row_splits = _checked_row_splits(indices, row_splits)
     _check_indices(indices, params.shape[0])
+    if _no_rows_to_read(params, indices, row_splits):
+        return _empty_bags(params, indices, row_splits)
     if combiner == "max":
         return _max_composite(params, indices, weights, row_splits)
     valid = _valid_ids(indices, params)
@@ -89,12 +92,26 @@ def _first_max(masked):
     """Max over the bag axis of [..., K, D] read at argmax's first position, so that the gradient goes
     to the first row holding each maximum (the kernels' and torch's mode="max"; ops.max split it evenly
     over tied rows, e.g. a zero-initialised table) and a NaN propagates from the first one."""
-    if masked.shape[-2] == 0:
-        return ops.max(masked, axis=-2)
     # A one-hot select, not take_along_axis: that fixed the batch size under torch.export.
     positions = ops.arange(masked.shape[-2], dtype="int32")[:, None]
     first = ops.equal(positions, ops.expand_dims(ops.cast(ops.argmax(masked, axis=-2), "int32"), -2))
     return ops.sum(ops.where(first, masked, ops.zeros_like(masked)), axis=-2)
+
+
+def _no_rows_to_read(params, indices, row_splits):
+    """Whether no bag can hold a row (no table rows, a bag axis of length 0, no ragged values), where
+    the gather and max's reductions had nothing to work on (take from an empty axis, max of an empty
+    tensor raised); the kernels give zeros there."""
+    bag_axis = indices.shape[-1] if row_splits is None else indices.shape[0]
+    return params.shape[0] == 0 or bag_axis == 0
+
+
+def _empty_bags(params, indices, row_splits):
+    """Zeros [..., D] in the table's dtype: every bag empty. The table's empty slice is added so that
+    autograd links the result to it (a zero gradient, not "does not require grad" under PyTorch)."""
+    lead = tuple(indices.shape[:-1]) if row_splits is None else (row_splits.shape[0] - 1,)
+    dtype = keras.backend.standardize_dtype(params.dtype)
+    return ops.zeros(lead + (params.shape[1],), dtype) + ops.sum(params[:0], axis=0)
 
 
 def _valid_ids(indices, params):

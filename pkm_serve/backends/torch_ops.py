@@ -11,12 +11,13 @@ read as padding, as in the TF GPU kernel.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Optional
 
 import torch
 
-from pkm_serve.backends import _capi, _native, _torch_second_order
+from pkm_serve.backends import _capi, _native, _torch_second_order, _torch_transforms
 
 TABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _available = {}  # device type -> None (kernel loads) or the error
@@ -112,7 +113,9 @@ def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None
     in params' dtype. Falls back to the composite (warning once) on a device
     without our kernels."""
     code = _native.combiner_code(combiner, weights)
-    params, indices = torch.as_tensor(params), torch.as_tensor(indices, device=params.device)
+    params, indices, weights, row_splits = (_unwrapped(x) for x in (params, indices, weights, row_splits))
+    params = torch.as_tensor(params)   # (first: the others go to its device)
+    indices = torch.as_tensor(indices, device=params.device)
     _check(params, indices, weights)
     if kernel_device(params.device) is None:
         _warn_composite(params.device)
@@ -129,7 +132,7 @@ def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None
         if indices.dim() != 1 or row_splits.dim() != 1 or row_splits.shape[0] < 1:
             raise ValueError("ragged bags need values [V] and row_splits [B+1] vectors, got "
                              f"{tuple(indices.shape)} and {tuple(row_splits.shape)}")
-        return _bag_op(params.contiguous(), indices.contiguous(), _contiguous(w), row_splits.contiguous(), code)
+        return _bag(params.contiguous(), indices.contiguous(), _contiguous(w), row_splits.contiguous(), code)
     if indices.dim() == 0:
         raise ValueError("indices must have at least one dimension (the bag axis, [..., K]); got a scalar")
     lead, k = tuple(indices.shape[:-1]), indices.shape[-1]
@@ -137,8 +140,25 @@ def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None
         # params[:0].sum(0) is zeros [D] that autograd links to the table (a zero gradient).
         return params.new_zeros(lead + (params.shape[1],)) + params[:0].sum(0)
     flat_w = None if w is None else w.reshape(-1, k).contiguous()
-    out = _bag_op(params.contiguous(), indices.reshape(-1, k).contiguous(), flat_w, None, code)
+    out = _bag(params.contiguous(), indices.reshape(-1, k).contiguous(), flat_w, None, code)
     return out.reshape(lead + (params.shape[1],))
+
+
+def _bag(table, indices, weights, row_splits, code):
+    """The op; under forward-mode AD or torch.func, through an autograd.Function that supports them."""
+    if _torch_transforms.transforms_active(table, weights):
+        return _torch_transforms.TransformableBag.apply(table, indices, weights, row_splits, code)
+    return _bag_op(table, indices, weights, row_splits, code)
+
+
+def _unwrapped(x):
+    """A Keras Variable's torch tensor (its gradient goes to the variable, as through keras.ops): torch
+    cannot convert the Variable itself ("object of type 'Variable' has no len()"). Keras is not
+    imported for this: without it there is no Keras Variable."""
+    keras = sys.modules.get("keras")
+    if isinstance(x, torch.Tensor) or x is None or keras is None or not isinstance(x, keras.Variable):
+        return x
+    return x.value
 
 
 def _contiguous(t):

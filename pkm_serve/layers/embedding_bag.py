@@ -212,10 +212,11 @@ class EmbeddingBag(keras.layers.Layer):
     def _call_keras_ops(self, table, indices, weights):
         """call() under JAX / PyTorch: dense [..., K] bags (ragged bags: pkm_serve.backends.embedding_bag)."""
         ops = keras.ops
+        unchecked_bags = None
         if type(indices).__name__ == "BCOO":   # keras.Input(sparse=True) under JAX
             from pkm_serve.layers._jax_sparse import jax_sparse_bags_as_padded
 
-            indices, weights = jax_sparse_bags_as_padded(indices, weights)
+            indices, weights, unchecked_bags = jax_sparse_bags_as_padded(indices, weights)
         indices = ops.convert_to_tensor(indices)
         if len(indices.shape) == 0:
             raise ValueError(
@@ -244,6 +245,8 @@ class EmbeddingBag(keras.layers.Layer):
                 )
             weights = ops.cast(weights, table.dtype)
         outputs = self._lookup(table, indices, weights, combiner=self.combiner)
+        if unchecked_bags is not None:   # malformed sparse bags no check could refuse: NaN, not a value
+            outputs = ops.where(unchecked_bags[:, None], float("nan"), outputs)
         return ops.cast(outputs, self.compute_dtype)
 
     def compute_mask(self, indices, mask=None):

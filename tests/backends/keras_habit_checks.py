@@ -235,8 +235,59 @@ def check_tied_table():
     print(json.dumps({"tied_table": "ok"}))
 
 
+def check_empty_bags():
+    """Every bag empty: ids [B, 0] into an EmbeddingBag (fused and composite, every combiner), and under
+    JAX / PyTorch the keras.ops composite on a [0, D] table of padding ids and on ragged bags with no
+    values, give zeros [B, D] as the kernels do, with a zero gradient: the composite's max raised
+    ("zero-size array to reduction operation max", "Cannot compute the max of an empty tensor"), and its
+    gather from a [0, D] table raised too."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag
+
+    for implementation in ("fused", "composite"):
+        for combiner in ("sum", "mean", "sqrtn", "max"):
+            bag = EmbeddingBag(7, 3, combiner=combiner, implementation=implementation)
+            got = _numpy(bag(np.zeros((4, 0), "int32")))
+            assert got.shape == (4, 3) and not got.any(), f"{implementation} {combiner}: {got}"
+    if keras.backend.backend() == "tensorflow":
+        print(json.dumps({"empty_bags": "ok"}))
+        return
+    from pkm_serve.backends import embedding_bag_composite
+
+    tables = {"no rows": np.zeros((0, 3), "float32"), "rows": np.ones((5, 3), "float32")}
+    cases = [("no rows", -np.ones((2, 4), "int32"), None, (2, 3)),
+             ("rows", np.zeros((0,), "int32"), np.array([0, 0, 0], "int32"), (2, 3)),
+             ("rows", np.zeros((0,), "int32"), np.array([0], "int32"), (0, 3))]
+    for table_name, ids, splits, shape in cases:
+        for combiner in ("sum", "mean", "max"):
+            got, grad = _composite_with_gradient(embedding_bag_composite, tables[table_name], ids, splits, combiner)
+            assert got.shape == shape and not got.any(), f"{table_name} {splits} {combiner}: {got}"
+            assert grad.shape == tables[table_name].shape and not grad.any(), f"{table_name} {combiner}: {grad}"
+    print(json.dumps({"empty_bags": "ok"}))
+
+
+def _composite_with_gradient(composite, table, ids, splits, combiner):
+    """(the composite's output, d sum(output) / d table) as numpy, under JAX or PyTorch."""
+    import keras
+
+    if keras.backend.backend() == "jax":
+        import jax
+
+        def total(t):
+            return composite(t, ids, None, combiner, splits).sum()
+
+        return np.asarray(composite(table, ids, None, combiner, splits)), np.asarray(jax.grad(total)(table))
+    import torch
+
+    t = torch.tensor(table, requires_grad=True)
+    out = composite(t, torch.tensor(ids), None, combiner, None if splits is None else torch.tensor(splits))
+    out.sum().backward()
+    return out.detach().numpy(), t.grad.numpy()
+
+
 CHECKS = {"table_dtype": check_table_dtype, "half_float_ids": check_half_float_ids, "mask": check_mask,
-          "batch_axis": check_batch_axis, "tied_table": check_tied_table}
+          "batch_axis": check_batch_axis, "tied_table": check_tied_table, "empty_bags": check_empty_bags}
 
 if __name__ == "__main__":
     import pkm_serve  # noqa: F401  (registers the layers)

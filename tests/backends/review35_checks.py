@@ -126,23 +126,30 @@ def _assert_refused(call, how):
         raise AssertionError(f"{how}: a bad sparse batch was read (another row, or weight 0)")
 
 
+# The bag of each bad batch that holds the bad position, and the other bag's float64 sum (ids, weights).
+_BAD_BAG = {"repeated": (0, [5], [1.0]), "missing_weight": (1, [1, 2], [0.5, 2.0])}
+
+
+def _assert_bad_bag_is_nan(bag, out, name, how):
+    """The composite (no kernel to refuse the batch): NaN for the malformed bag, where it read the bag's
+    other rows (or none) as if the bad position were padding, and the other bag as float64 numpy's."""
+    bad, ids, weights = _BAD_BAG[name]
+    table = np.asarray(bag.embeddings.value, np.float64)
+    out = np.asarray(out)
+    assert np.isnan(out[bad]).all(), f"{how}, {name}: the malformed bag was read: {out[bad]}"
+    np.testing.assert_allclose(out[1 - bad], np.asarray(weights) @ table[ids], rtol=1e-6, atol=1e-7)
+
+
 def check_exported_sparse_bad_entries():
     """jax.export of an EmbeddingBag (the CPU kernel's FFI call allowed) on BCOO ids and weights: a
     well-formed batch gives the eager result, and ids repeated at one position, or weights missing at an
     id's, fail the kernel's range check (the export holds no host callback: two ids summed into another
-    row's, a missing weight read 0)."""
+    row's, a missing weight read 0); the composite gives NaN for such a bag (it was read as padding)."""
     import jax
     from jax import export
     from jax.experimental import sparse
 
     from pkm_serve.layers import EmbeddingBag
-
-    bag = EmbeddingBag(10, 3, combiner="sum")
-    bag.build()   # (built inside the export's trace, its table would be a leaked tracer)
-
-    def lookup(ids, id_positions, weights, weight_positions):
-        return bag(sparse.BCOO((ids, id_positions), shape=(2, 4)),
-                   sparse.BCOO((weights, weight_positions), shape=(2, 4)))
 
     def arguments(ids, weights):
         return ids.data, ids.indices, weights.data, weights.indices
@@ -150,31 +157,45 @@ def check_exported_sparse_bad_entries():
     batches = _bad_sparse_batches()
     ids, _ = batches["missing_weight"]
     good = (ids, sparse.BCOO((np.array([0.5, 2.0, 1.5], "float32"), ids.indices), shape=(2, 4)))
-    for name, batch in {"good": good, **batches}.items():
-        exported = export.export(jax.jit(lookup), disabled_checks=[export.DisabledSafetyCheck.custom_call(
-            "pkm_embedding_bag_forward")])(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arguments(*batch)))
-        if name == "good":
-            np.testing.assert_allclose(np.asarray(exported.call(*arguments(*batch))), np.asarray(bag(*batch)),
-                                       rtol=1e-6)
-        else:
-            _assert_refused(lambda: exported.call(*arguments(*batch)), f"export, {name}")
+    for implementation in ("fused", "composite"):
+        bag = EmbeddingBag(10, 3, combiner="sum", implementation=implementation)
+        bag.build()   # (built inside the export's trace, its table would be a leaked tracer)
+
+        def lookup(ids, id_positions, weights, weight_positions, bag=bag):
+            return bag(sparse.BCOO((ids, id_positions), shape=(2, 4)),
+                       sparse.BCOO((weights, weight_positions), shape=(2, 4)))
+
+        for name, batch in {"good": good, **batches}.items():
+            exported = export.export(jax.jit(lookup), disabled_checks=[export.DisabledSafetyCheck.custom_call(
+                "pkm_embedding_bag_forward")])(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arguments(*batch)))
+            call = lambda: exported.call(*arguments(*batch))  # noqa: E731
+            if name == "good":
+                np.testing.assert_allclose(np.asarray(call()), np.asarray(bag(*batch)), rtol=1e-6)
+            elif implementation == "fused":
+                _assert_refused(call, f"export, {name}")
+            else:
+                _assert_bad_bag_is_nan(bag, call(), name, "composite export")
     print(json.dumps({"exported_sparse_bad_entries": "ok"}))
 
 
 def check_sharded_sparse_bad_entries():
     """jax.jit of an EmbeddingBag on BCOO ids and weights with 2 CPU devices: ids repeated at one position,
     or weights missing at an id's, fail the CPU kernel's range check (no host callback runs with several
-    devices: they were read as another row's id, or weight 0)."""
+    devices: they were read as another row's id, or weight 0); the composite gives NaN for such a bag."""
     import jax
 
     from pkm_serve.layers import EmbeddingBag
 
     assert jax.device_count() == 2, jax.devices()
-    bag = EmbeddingBag(10, 3, combiner="sum")
-    bag.build()   # (built inside jax.jit, its table would be a leaked tracer)
-    lookup = jax.jit(lambda ids, weights: bag(ids, weights))
-    for name, batch in _bad_sparse_batches().items():
-        _assert_refused(lambda: lookup(*batch), f"2 devices, {name}")
+    for implementation in ("fused", "composite"):
+        bag = EmbeddingBag(10, 3, combiner="sum", implementation=implementation)
+        bag.build()   # (built inside jax.jit, its table would be a leaked tracer)
+        lookup = jax.jit(lambda ids, weights, bag=bag: bag(ids, weights))
+        for name, batch in _bad_sparse_batches().items():
+            if implementation == "fused":
+                _assert_refused(lambda: lookup(*batch), f"2 devices, {name}")
+            else:
+                _assert_bad_bag_is_nan(bag, lookup(*batch), name, "composite, 2 devices")
     print(json.dumps({"sharded_sparse_bad_entries": "ok"}))
 
 

@@ -7,7 +7,7 @@ import pytest
 from tests.backends.check_processes import finish, installed, start
 
 BACKENDS = ["tensorflow", "jax", "torch"]
-CHECKS = ["table_dtype", "half_float_ids", "mask", "batch_axis", "tied_table"]
+CHECKS = ["table_dtype", "half_float_ids", "mask", "batch_axis", "tied_table", "empty_bags"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -17,7 +17,9 @@ def test_keras_habits(backend):
     subclassed Model rounded to 16 bits (257 -> 256) are a clear error (they read other rows). mask: a
     Keras mask over the leading dims passes on to a following pooling (it was dropped). batch_axis:
     keras.Input(shape=()) ids are a clear error (the whole batch was one bag). tied_table: a layer tying
-    its weights to the table reads it in its compute dtype, as keras.layers.Embedding's."""
+    its weights to the table reads it in its compute dtype, as keras.layers.Embedding's. empty_bags: ids
+    [B, 0], a [0, D] table and ragged bags without values give zeros and a zero gradient (the composite's
+    max and its gather from an empty table raised under JAX and PyTorch)."""
     if not installed(backend):
         pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
     got = finish(start(backend, CHECKS, module="keras_habit_checks"), f"{backend} {CHECKS}")

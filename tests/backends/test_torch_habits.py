@@ -13,7 +13,8 @@ from tests.backends.check_processes import ROOT, finish, installed, start
 # Its processes take ~25 s (importing torch and Keras, opcheck, a torch.compile, torch.export).
 pytestmark = pytest.mark.slow
 
-CHECKS = ["first_call_compiled", "double_backward", "uint64_ids", "exported_program"]
+CHECKS = ["first_call_compiled", "double_backward", "uint64_ids", "exported_program", "func_transforms",
+          "keras_variable_table"]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,20 @@ def test_uint64_ids_past_int64_fail_naming_them(results):
     """uint64 ids >= 2**63 into a 10-row table fail naming the id (they wrapped negative and were read as
     padding, silently); in-range uint64 ids read int64's rows."""
     assert results["uint64_ids"] == "ok"
+
+
+def test_torch_func_and_forward_mode_ad_match_float64(results):
+    """torch.func.grad, vmap(grad), jacfwd, torch.autograd.forward_ad and hessian through
+    pkm_serve.backends.embedding_bag give float64 numpy's derivatives (torch.func.grad failed: "must
+    override the setup_context staticmethod"; forward-mode AD gave zero tangents, silently)."""
+    assert results["func_transforms"] == "ok"
+
+
+def test_a_keras_variable_table_is_read_with_its_gradient(results):
+    """pkm_serve.backends.embedding_bag(layer.embeddings, ids, keras.Variable weights) under PyTorch
+    gives float64 numpy's bags and the gradient in the variable (it raised "object of type 'Variable'
+    has no len()"); a nested-list table works too (it raised "'list' object has no attribute 'device'")."""
+    assert results["keras_variable_table"] == "ok"
 
 
 # A serving process: torch and pkm_serve only (no Keras), the program read back and run on a new batch.

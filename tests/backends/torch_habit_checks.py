@@ -165,6 +165,84 @@ def check_exported_program(directory):
     print(json.dumps({"exported_program": "ok"}))
 
 
+def _sum_jacobian(ids, weights, rows):
+    """d out[b, :] / d table[r, :] of weighted-sum bags (float64): the bag's weights on ids equal to r."""
+    import numpy as np
+
+    jac = np.zeros((ids.shape[0], rows))
+    for b, k in np.argwhere(ids >= 0):
+        jac[b, ids[b, k]] += weights[b, k]
+    return jac
+
+
+def check_func_transforms():
+    """torch.func.grad, per-sample grads (vmap of grad), jacfwd, forward_ad and hessian through the op
+    match float64 numpy derivatives: torch.func.grad failed ("must override the setup_context
+    staticmethod", register_autograd's generated Function) and forward-mode AD gave zero tangents."""
+    import numpy as np
+    import torch
+
+    from pkm_serve.backends import embedding_bag
+
+    table = np.random.default_rng(7).standard_normal((6, 3))
+    ids = np.array([[1, 4, -1], [2, 2, 5]])
+    weights = np.array([[0.5, 2.0, 1.0], [1.5, 0.25, 3.0]])
+    t, i, w = torch.tensor(table, dtype=torch.float32), torch.tensor(ids), torch.tensor(weights, dtype=torch.float32)
+    jac = _sum_jacobian(ids, weights, 6)
+    grad = torch.func.grad(lambda t: embedding_bag(t, i, w, "sum").pow(2).sum())(t)
+    np.testing.assert_allclose(grad.numpy(), 2 * jac.T @ (jac @ table), rtol=1e-5, atol=1e-6)
+    per_bag = torch.func.vmap(torch.func.grad(lambda t, i, w: embedding_bag(t, i[None], w[None], "sum").sum()),
+                              in_dims=(None, 0, 0))(t, i, w)
+    np.testing.assert_allclose(per_bag.numpy(), np.repeat(jac[..., None], 3, -1), atol=1e-6)
+    forward = torch.func.jacfwd(lambda t: embedding_bag(t, i, w, "sum"))(t)
+    np.testing.assert_allclose(forward.numpy(), np.einsum("br,de->bdre", jac, np.eye(3)), atol=1e-6)
+    # mean's tangent along the weights: (sum dw_k T[id_k] - out * sum dw_k) / sum w_k over valid ids
+    d_weights = np.array([[1.0, -1.0, 5.0], [0.5, 0.0, 2.0]])
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(w, torch.tensor(d_weights, dtype=torch.float32))
+        tangent = torch.autograd.forward_ad.unpack_dual(embedding_bag(t, i, dual, "mean")).tangent
+    valid = ids >= 0
+    rows, total_w = table[np.where(valid, ids, 0)] * valid[..., None], (weights * valid).sum(1, keepdims=True)
+    out = (rows * weights[..., None]).sum(1) / total_w
+    want = ((rows * d_weights[..., None]).sum(1) - out * (d_weights * valid).sum(1, keepdims=True)) / total_w
+    np.testing.assert_allclose(tangent.numpy(), want, rtol=1e-5, atol=1e-6)
+    # hessian (jacfwd of jacrev) of sum(max^3): 6 * value on the row holding each column's maximum
+    hess = torch.func.hessian(lambda t: embedding_bag(t, i, None, "max").pow(3).sum())(t)
+    want = np.zeros(table.shape * 2)
+    for b in range(ids.shape[0]):
+        members = [r for r in ids[b] if r >= 0]
+        for d in range(3):
+            row = members[int(np.argmax(table[members, d]))]
+            want[row, d, row, d] += 6 * table[row, d]
+    np.testing.assert_allclose(hess.numpy(), want, rtol=1e-5, atol=1e-5)
+    print(json.dumps({"func_transforms": "ok"}))
+
+
+def check_keras_variable_table():
+    """pkm_serve.backends.embedding_bag on a layer's Keras Variable (and Keras Variable weights) under
+    PyTorch, as keras.ops take them, and on a nested-list table: float64 numpy's bags, the gradient in
+    the variable's tensor (it raised "object of type 'Variable' has no len()"; a list table
+    "'list' object has no attribute 'device'")."""
+    import keras
+    import numpy as np
+
+    from pkm_serve.backends import embedding_bag
+    from pkm_serve.layers import EmbeddingBag
+
+    layer = EmbeddingBag(6, 3)
+    layer.build()
+    table = keras.ops.convert_to_numpy(layer.embeddings.value).astype(np.float64)
+    ids, weights = np.array([[1, 4, -1], [2, 2, 5]]), np.array([[0.5, 2.0, 1.0], [1.5, 0.25, 3.0]])
+    out = embedding_bag(layer.embeddings, ids, keras.Variable(weights.astype("float32")), "sum")
+    out.sum().backward()
+    want = [0.5 * table[1] + 2.0 * table[4], 1.75 * table[2] + 3.0 * table[5]]
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-6)
+    np.testing.assert_allclose(layer.embeddings.value.grad.numpy()[:, 0], [0, 0.5, 1.75, 0, 2.0, 3.0], rtol=1e-6)
+    listed = embedding_bag(table.astype("float32").tolist(), ids.tolist(), None, "sum")
+    np.testing.assert_allclose(listed.numpy(), [table[1] + table[4], 2 * table[2] + table[5]], rtol=1e-6)
+    print(json.dumps({"keras_variable_table": "ok"}))
+
+
 CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
 
 if __name__ == "__main__":
