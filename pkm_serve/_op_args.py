@@ -125,6 +125,16 @@ def _is_top_level_argument(tensor):
 
 # No quote characters: TF escapes them in a run-time assertion's message.
 _ROW_PARTITION_ERROR = "weights must share the row partition of the indices"
+# The first row split that marks bags whose weights are not laid out like the ids, where the graph's
+# check is an Assert that XLA drops when it compiles the graph later: the op refuses such bags with
+# a message naming the mismatch (kMismatchedWeightsSplit, kernels/core/embedding_bag.h).
+MISMATCHED_WEIGHTS_SPLIT = -2**31
+
+
+def mark_mismatched_weights(splits, same):
+    """`splits` with MISMATCHED_WEIGHTS_SPLIT first where `same` (a boolean scalar) is false."""
+    first = tf.where(same, splits[:1], tf.fill([1], tf.constant(MISMATCHED_WEIGHTS_SPLIT, splits.dtype)))
+    return tf.concat([first, splits[1:]], axis=0)
 
 
 def _summary(values, limit=8):
@@ -147,7 +157,7 @@ def _ragged_weights_and_splits(indices, weights):
     """(_ragged_weight_values, the indices' innermost row splits to pass the op).
 
     Where the partition check is a tf.debugging.Assert (a graph XLA does not compile for the CPU
-    while it is built), the splits start at -1 where the partitions differ: XLA drops the Assert
+    while it is built), the splits start at MISMATCHED_WEIGHTS_SPLIT where the partitions differ: XLA drops the Assert
     when such a graph is compiled later (a SavedModel saved without jit_compile, called in a
     jit_compile function), and the op then refuses the splits instead of putting the weights in
     the wrong bags. Where the graph runs without XLA, the Assert fails first."""
@@ -180,9 +190,7 @@ def _ragged_weights_and_splits(indices, weights):
             checks.append(tf.debugging.Assert(same, [message]))
             conditions.append(same)
     if conditions:
-        same = tf.reduce_all(tf.stack(conditions))
-        first = tf.where(same, splits[:1], tf.fill([1], tf.constant(-1, splits.dtype)))
-        splits = tf.concat([first, splits[1:]], axis=0)
+        splits = mark_mismatched_weights(splits, tf.reduce_all(tf.stack(conditions)))
     with tf.control_dependencies(checks):
         return tf.identity(values), splits
 
