@@ -112,3 +112,26 @@ def test_composite_fallback_under_jit_gives_nan_for_another_partition(monkeypatc
     np.testing.assert_allclose(out.numpy(), _expected(TABLE, specs), rtol=1e-5)
     out, grad = step(ids, SPLITS, weights, OTHER_SPLITS)
     assert np.isnan(out.numpy()).all() and np.isnan(grad.numpy()[IDS.reshape(-1)[:3]]).all()
+
+
+@pytest.mark.parametrize("table_kind", ["float32", "int8"])
+def test_static_weights_for_ids_sized_at_run_time_say_why_under_jit(table_kind):
+    """Ids masked inside a jit function have a dimension XLA sizes at run time (shown at its bound);
+    weights of a static size cannot be paired with it under XLA even where the sizes agree when it
+    runs (stock ops refuse it too). The refusal read 'weights must have the shape of indices [5, 1],
+    got [2, 1]' for 2 kept ids, naming a size the user never made; it now says why. Weights of
+    another static shape keep the plain message."""
+    lookup, table = _lookup(table_kind)
+    ids = tf.constant([3, -1, 4, -1, -1], tf.int64)
+    masked = tf.function(lambda w: lookup(tf.reshape(tf.boolean_mask(ids, ids >= 0), [-1, 1]), w),
+                         jit_compile=True)
+    np.testing.assert_allclose(tf.function(lambda w: lookup(tf.reshape(tf.boolean_mask(ids, ids >= 0), [-1, 1]),
+                                                            w))(tf.constant([[2.0], [3.0]])).numpy(),
+                               reference_bags(table, [[3], [4]], [[2.0], [3.0]]), rtol=1e-5)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"got \[2, 1\] \(under XLA: a dimension sized only at run time"):
+        masked(tf.constant([[2.0], [3.0]]))
+    static = tf.function(lambda w: lookup(tf.constant([[3], [4]], tf.int64), w), jit_compile=True,
+                         input_signature=[tf.TensorSpec([None, 1], tf.float32)])  # compiled at [3, 1]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"got \[3, 1\]\n"):  # no note
+        static(tf.constant([[2.0], [3.0], [4.0]]))
