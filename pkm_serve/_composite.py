@@ -7,8 +7,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from pkm_serve import _loss_scale_check, _xla
-from pkm_serve._op_args import (_as_indices, _as_table, _as_weights, _check_combiner, _ragged_weight_values,
-                                _refuse_sparse_tensors)
+from pkm_serve._op_args import (MISMATCHED_WEIGHTS_SPLIT, _as_indices, _as_table, _as_weights, _check_combiner,
+                                _ragged_weights_and_splits, _refuse_sparse_tensors, may_mark_mismatched_weights)
 
 @tf.autograph.experimental.do_not_convert
 def embedding_bag_composite(params, indices, weights=None, combiner="sum", name=None,
@@ -158,11 +158,25 @@ def bag_of_each_value(ragged):
     return ends_passed
 
 
+def _nan_where_marked(out, checked_splits):
+    """`out`, all NaN where `checked_splits` carry mark_mismatched_weights' mark: weights of another
+    partition than the ids', checked by an Assert that XLA drops where it compiles the graph (the
+    fallback under jit for a device without our target, or a graph traced without jit and compiled
+    later). XLA has no stock op that can fail at run time, so NaN (loss and gradients too) is the
+    refusal the stock ops can give; until round 38 the weights went into the ids' bags silently."""
+    if not may_mark_mismatched_weights(checked_splits):
+        return out
+    marked = tf.equal(checked_splits[0], tf.constant(MISMATCHED_WEIGHTS_SPLIT, checked_splits.dtype))
+    # A factor, not a term: the gradient through it is NaN too (a term passes d_out unchanged).
+    return out * tf.where(marked, tf.constant(float("nan"), out.dtype), tf.ones([], out.dtype))
+
+
 def _ragged_composite(params, indices, weights, combiner):
     values = indices.flat_values
-    w_values = _ragged_weight_values(indices, weights)
+    w_values, checked_splits = _ragged_weights_and_splits(indices, weights)
     if values.shape.rank is not None and values.shape.rank > 1:
-        return indices.with_flat_values(embedding_bag_composite(params, values, w_values, combiner))
+        out = embedding_bag_composite(params, values, w_values, combiner)
+        return indices.with_flat_values(_nan_where_marked(out, checked_splits))
     splits = indices.nested_row_splits
     inner = tf.RaggedTensor.from_row_splits(values, splits[-1], validate=False)
     values = _as_indices(values)
@@ -180,6 +194,7 @@ def _ragged_composite(params, indices, weights, combiner):
             summed = tf.math.divide_no_nan(summed, tf.math.unsorted_segment_sum(w, seg, nrows)[:, None])
         elif combiner == "sqrtn":
             summed = summed * _inverse_norm(tf.math.unsorted_segment_sum(w * w, seg, nrows))[:, None]
+    summed = _nan_where_marked(summed, checked_splits)
     out = tf.cast(_xla.refusing_second_order_across_jit(summed, [values, splits[-1]]), params.dtype)
     if len(splits) == 1:
         return out

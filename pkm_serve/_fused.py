@@ -17,6 +17,9 @@ from pkm_serve._op_args import (
     _check_combiner,
     _refuse_sparse_tensors,
     _ragged_weights_and_splits,
+    may_mark_mismatched_weights,
+    uniform_bags_as_ragged,
+    uniform_bags_output,
 )
 
 
@@ -76,6 +79,13 @@ def _ragged_embedding_bag(lib, params, indices, weights, combiner, sparse_gradie
     weight_values, checked_splits = _ragged_weights_and_splits(indices, weights)
     values = indices.flat_values
     if values.shape.rank is not None and values.shape.rank > 1:
+        if may_mark_mismatched_weights(checked_splits):
+            # Weights of another outer partition checked by an Assert, which XLA drops where it compiles
+            # this graph later: the ragged op gets the mark in its splits (the dense op has none) and
+            # refuses them there; until round 38 the weights went into the ids' bags silently.
+            bags, bag_weights = uniform_bags_as_ragged(values, weight_values, checked_splits)
+            out = fused_embedding_bag(params, bags, bag_weights, combiner, sparse_gradient=sparse_gradient)
+            return indices.with_flat_values(uniform_bags_output(out, values))
         # Ragged outer dims, uniform bag axis: the dense op on the flat values.
         out = fused_embedding_bag(params, values, weight_values, combiner, sparse_gradient=sparse_gradient)
         return indices.with_flat_values(out)

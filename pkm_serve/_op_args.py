@@ -125,6 +125,42 @@ def _is_top_level_argument(tensor):
 
 # No quote characters: TF escapes them in a run-time assertion's message.
 _ROW_PARTITION_ERROR = "weights must share the row partition of the indices"
+# The first row split that marks bags whose weights are not laid out like the ids, where the graph's
+# check is an Assert that XLA drops when it compiles the graph later: the op refuses such bags with
+# a message naming the mismatch (kMismatchedWeightsSplit, kernels/core/embedding_bag.h).
+MISMATCHED_WEIGHTS_SPLIT = -2**31
+
+
+def mark_mismatched_weights(splits, same):
+    """`splits` with MISMATCHED_WEIGHTS_SPLIT first where `same` (a boolean scalar) is false."""
+    first = tf.where(same, splits[:1], tf.fill([1], tf.constant(MISMATCHED_WEIGHTS_SPLIT, splits.dtype)))
+    marked = tf.concat([first, splits[1:]], axis=0)
+    marked._pkm_may_mark_mismatched_weights = True  # pylint: disable=protected-access
+    return marked
+
+
+def may_mark_mismatched_weights(splits) -> bool:
+    """Whether `splits` came from mark_mismatched_weights (also through RaggedTensors built on them)."""
+    return getattr(splits, "_pkm_may_mark_mismatched_weights", False)
+
+
+def uniform_bags_as_ragged(values, weight_values, marked_splits):
+    """(bags, weights): uniform bags `values` [..., K] (the flat values of ragged outer dims) as ragged
+    bags of K ids each, whose row splits start with `marked_splits`' first entry, for a lookup that
+    refuses the mark (the dense op has no row splits to carry it); weights likewise, or None."""
+    shape = tf.shape(values, out_type=marked_splits.dtype)
+    num_bags = tf.reduce_prod(shape[:-1])
+    bag_splits = tf.concat([marked_splits[:1], tf.range(1, num_bags + 1, dtype=marked_splits.dtype) * shape[-1]], 0)
+    bags = tf.RaggedTensor.from_row_splits(tf.reshape(values, [-1]), bag_splits, validate=False)
+    weights = None if weight_values is None else bags.with_flat_values(tf.reshape(weight_values, [-1]))
+    return bags, weights
+
+
+def uniform_bags_output(out, values):
+    """The [num_bags, D] output of uniform_bags_as_ragged's bags shaped back to [..., D]."""
+    shaped = tf.reshape(out, tf.concat([tf.shape(values)[:-1], tf.shape(out)[-1:]], 0))
+    shaped.set_shape(values.shape[:-1].concatenate(out.shape[-1:]))
+    return shaped
 
 
 def _summary(values, limit=8):
@@ -147,7 +183,7 @@ def _ragged_weights_and_splits(indices, weights):
     """(_ragged_weight_values, the indices' innermost row splits to pass the op).
 
     Where the partition check is a tf.debugging.Assert (a graph XLA does not compile for the CPU
-    while it is built), the splits start at -1 where the partitions differ: XLA drops the Assert
+    while it is built), the splits start at MISMATCHED_WEIGHTS_SPLIT where the partitions differ: XLA drops the Assert
     when such a graph is compiled later (a SavedModel saved without jit_compile, called in a
     jit_compile function), and the op then refuses the splits instead of putting the weights in
     the wrong bags. Where the graph runs without XLA, the Assert fails first."""
@@ -180,9 +216,7 @@ def _ragged_weights_and_splits(indices, weights):
             checks.append(tf.debugging.Assert(same, [message]))
             conditions.append(same)
     if conditions:
-        same = tf.reduce_all(tf.stack(conditions))
-        first = tf.where(same, splits[:1], tf.fill([1], tf.constant(-1, splits.dtype)))
-        splits = tf.concat([first, splits[1:]], axis=0)
+        splits = mark_mismatched_weights(splits, tf.reduce_all(tf.stack(conditions)))
     with tf.control_dependencies(checks):
         return tf.identity(values), splits
 

@@ -165,6 +165,10 @@ def embedding_bag(table: QuantizedTable, indices, weights=None, combiner="sum", 
             weight_values, checked_splits = _op_args._ragged_weights_and_splits(indices, weights)
             flat = tf.convert_to_tensor(indices.flat_values)
             if flat.shape.rank is not None and flat.shape.rank > 1:
+                if _op_args.may_mark_mismatched_weights(checked_splits):  # as ops.embedding_bag's
+                    bags, bag_weights = _op_args.uniform_bags_as_ragged(flat, weight_values, checked_splits)
+                    out = embedding_bag(table, bags, bag_weights, combiner, output_dtype)
+                    return indices.with_flat_values(_op_args.uniform_bags_output(out, flat))
                 return indices.with_flat_values(
                     embedding_bag(table, flat, weight_values, combiner, output_dtype))
             w, has_w = _weights(weight_values, output_dtype, flat)

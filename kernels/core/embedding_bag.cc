@@ -159,9 +159,13 @@ Status ValidateLayout(const Bags& bags) {
   if (bags.row_splits != nullptr) {
     // Without the values' length, row_splits could point past the buffers.
     if (bags.num_values < 0) return Status::Error("ragged bags need num_values (the length of indices)");
-    if (bags.num_bags >= 0 && ReadInt(bags.row_splits, bags.row_splits_int64, 0) != 0)
-      return Status::Error("row_splits[0] must be 0, got " +
-                           std::to_string(ReadInt(bags.row_splits, bags.row_splits_int64, 0)));
+    const int64_t first_split = bags.num_bags >= 0 ? ReadInt(bags.row_splits, bags.row_splits_int64, 0) : 0;
+    if (first_split == kMismatchedWeightsSplit)
+      return Status::Error(
+          "mismatched partitions of ids and weights: weights must share the row partition of the indices "
+          "(ragged weights) or hold an entry at each position of the sparse indices (sparse weights); "
+          "the graph's check was built without XLA, which drops it, so the lookup refuses these bags");
+    if (first_split != 0) return Status::Error("row_splits[0] must be 0, got " + std::to_string(first_split));
     for (int64_t b = 0; b < bags.num_bags; ++b) {
       if (bags.End(b) < bags.Begin(b))
         return Status::Error("row_splits must be non-decreasing: row_splits[" + std::to_string(b + 1) +

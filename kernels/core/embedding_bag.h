@@ -109,6 +109,13 @@ enum class IndexPolicy : int {
 // The bags. Dense: num_bags bags of bag_size each (indices [num_bags*bag_size]).
 // Ragged: row_splits[num_bags + 1] (non-decreasing, row_splits[0] == 0), bag b
 // holds entries [row_splits[b], row_splits[b+1]) of indices/weights.
+// A row_splits[0] of kMismatchedWeightsSplit marks bags whose weights are not laid
+// out like the ids (ragged weights of another row partition, sparse weights at other
+// positions): the Python wrappers set it where the graph's own check of that is an
+// Assert, which XLA drops when it compiles the graph later. ValidateLayout names that
+// problem instead of the split. INT32_MIN, so int32 and int64 splits can hold it.
+constexpr int64_t kMismatchedWeightsSplit = -2147483648LL;
+
 struct Bags {
   const void* indices = nullptr;
   bool indices_int64 = false;

@@ -78,6 +78,25 @@ inline std::vector<DynamicDim> DynamicDims(xla::XlaBuilder* b, xla::XlaOp op) {
   return dims;
 }
 
+// A shape check's error where an input holds a dimension XLA sizes at run
+// time: TF shows it at its bound, and XLA cannot pair it with a static size
+// even where the two agree when the graph runs (stock XLA ops refuse the same
+// pairing), so the message says both.
+inline ::tensorflow::Status WithRunTimeSizeNote(::tensorflow::Status status, xla::XlaBuilder* b,
+                                                const std::vector<xla::XlaOp>& inputs) {
+  if (status.ok()) return status;
+  for (const xla::XlaOp& op : inputs) {
+    absl::StatusOr<xla::Shape> shape = b->GetShape(op);
+    if (!shape.ok() || !shape->IsArray() || shape->is_static()) continue;
+    return ::tensorflow::errors::InvalidArgument(
+        status.message(),
+        " (under XLA: a dimension sized only at run time, e.g. by tf.boolean_mask, is shown at its bound, "
+        "and XLA cannot pair it with a static size even where the sizes agree when the graph runs: make "
+        "the weights through the same mask as the ids, or call without jit_compile)");
+  }
+  return status;
+}
+
 // s32 positions along `dim` of an array shaped like `shape`.
 inline xla::XlaOp Positions(xla::XlaBuilder* b, const xla::Shape& shape, int64_t dim) {
   return xla::Iota(b, xla::ShapeUtil::ChangeElementType(shape, xla::S32), dim);
@@ -227,8 +246,11 @@ class EmbeddingBagLowering : public ::tensorflow::XlaOpKernel {
     const ::tensorflow::TensorShape splits = ragged ? ctx->InputShape(first + 2) : ::tensorflow::TensorShape();
     const ::tensorflow::TensorShape weights = ctx->InputShape(first + (ragged ? 3 : 2));
     ::tensorflow::TensorShape out_shape;
-    OP_REQUIRES_OK(ctx, ::pkm_tf::CheckShapes(attrs_, params, indices, ragged ? &splits : nullptr, weights,
-                                              &out_shape));
+    std::vector<xla::XlaOp> bag_inputs;  // ids, row splits, weights: maybe sized at run time
+    for (int i = first + 1; i < ctx->num_inputs(); ++i) bag_inputs.push_back(ctx->Input(i));
+    OP_REQUIRES_OK(ctx, WithRunTimeSizeNote(::pkm_tf::CheckShapes(attrs_, params, indices, ragged ? &splits : nullptr,
+                                                                  weights, &out_shape),
+                                            ctx->builder(), bag_inputs));
     if (grad_)
       OP_REQUIRES_OK(ctx, ::pkm_tf::ToTf(pkm::GradShape(::pkm_tf::DimsOf(ctx->InputShape(0)),
                                                          ::pkm_tf::DimsOf(out_shape))));

@@ -36,9 +36,13 @@ class QuantizedLowering : public ::tensorflow::XlaOpKernel {
     const ::tensorflow::TensorShape params = ctx->InputShape(0), indices = ctx->InputShape(first);
     const ::tensorflow::TensorShape splits = ragged ? ctx->InputShape(first + 1) : ::tensorflow::TensorShape();
     ::tensorflow::TensorShape out_shape;
-    OP_REQUIRES_OK(ctx, ::pkm_tf::CheckQuantizedShapes(attrs_, params, ctx->InputShape(1), ctx->InputShape(2),
-                                                       indices, ragged ? &splits : nullptr,
-                                                       ctx->InputShape(first + (ragged ? 2 : 1)), &out_shape));
+    std::vector<xla::XlaOp> bag_inputs;  // ids, row splits, weights: maybe sized at run time
+    for (int i = first; i < ctx->num_inputs(); ++i) bag_inputs.push_back(ctx->Input(i));
+    OP_REQUIRES_OK(ctx, WithRunTimeSizeNote(
+                            ::pkm_tf::CheckQuantizedShapes(attrs_, params, ctx->InputShape(1), ctx->InputShape(2),
+                                                           indices, ragged ? &splits : nullptr,
+                                                           ctx->InputShape(first + (ragged ? 2 : 1)), &out_shape),
+                            ctx->builder(), bag_inputs));
     const int64_t num_bags = NumBags(ragged, indices, splits);
     std::vector<xla::XlaOp> operands = {ctx->Input(0), ctx->Input(1), ctx->Input(2)};
     const BagSizes sizes = AppendBagOperands(ctx, attrs_, first, num_bags, &operands);

@@ -429,11 +429,9 @@ def _sparse_bags_as_ragged(indices, weights):
         same_positions = tf.debugging.assert_equal(weight_positions, positions, message=message)
     # XLA drops the asserts where it compiles this graph later (a SavedModel or concrete function
     # traced without jit_compile, called in a jit_compile function): there the op gets row splits
-    # starting at -1 and fails, instead of reading weights of other positions as the ids'.
-    splits = bags.row_splits
-    first = tf.where(_op_args.same_entries(weight_positions, positions), splits[:1],
-                     tf.fill([1], tf.constant(-1, splits.dtype)))
-    bags = tf.RaggedTensor.from_row_splits(bags.values, tf.concat([first, splits[1:]], axis=0), validate=False)
+    # marked as mismatched and fails, instead of reading weights of other positions as the ids'.
+    splits = _op_args.mark_mismatched_weights(bags.row_splits, _op_args.same_entries(weight_positions, positions))
+    bags = tf.RaggedTensor.from_row_splits(bags.values, splits, validate=False)
     with tf.control_dependencies([same_positions]):
         return bags, bags.with_flat_values(tf.identity(values))
 
