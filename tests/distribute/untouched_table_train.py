@@ -36,7 +36,9 @@ OPTIMIZERS = {"lazy_adam": lambda: LazyAdam(0.05), "rowwise_adagrad": lambda: Ro
               "sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.05),
               # Clipping makes the optimizer sum repeated rows before Keras clips; the clip never
               # binds here, since Keras clips each replica's gradient before the all-reduce.
-              "lazy_adam_clipnorm": lambda: LazyAdam(0.05, clipnorm=1e3)}
+              "lazy_adam_clipnorm": lambda: LazyAdam(0.05, clipnorm=1e3),
+              # Keras' EMA overwrite (step 2 here) failed fit under any MirroredStrategy (a merge_call in a tf.cond).
+              "lazy_adam_ema": lambda: LazyAdam(0.05, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=2)}
 
 
 def data():
@@ -101,6 +103,8 @@ def main(out_path, keys):
             # otherwise reuse the same collective instance keys.
             strategy = tf.distribute.MirroredStrategy(devices, tf.distribute.ReductionToOneDevice())
             results[f"{key}/{which}"] = train(strategy, make_optimizer, x, y)
+        if name.endswith("_ema"):  # also without a strategy: 1 and 2 replicas alike could skip the overwrite
+            results[f"{key}/no_strategy"] = train(tf.distribute.get_strategy(), make_optimizer, x, y)
         results[f"{key}/init"] = build()[1].embeddings.numpy()
     np.savez(out_path, **results)
 
