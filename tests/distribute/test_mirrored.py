@@ -166,12 +166,12 @@ def test_ema_overwrite_under_a_mirrored_strategy_trains_as_without_one(untouched
     """use_ema with ema_overwrite_frequency: Keras overwrites the variables with their averages through
     a merge_call inside a tf.cond, which TF refuses, so fit failed under any MirroredStrategy (Keras'
     own Adam too). LazyAdam / RowwiseAdagrad now overwrite each replica's copy: the table trains as
-    without a strategy, and the overwrite did happen (1 and 2 replicas would also agree without it)."""
+    without a strategy (a skipped overwrite: 0.45 apart, relative; 1 and 2 replicas agree even then)."""
     one, two, plain = (untouched_table_runs[f"fit-lazy_adam_ema/{which}"] for which in ("one", "two", "no_strategy"))
     init = untouched_table_runs["fit-lazy_adam_ema/init"]
-    no_overwrite = untouched_table_runs["fit-lazy_adam/one"]
+    without_ema = untouched_table_runs["fit-lazy_adam/one"]
     moved = np.abs(plain - init).max()
-    assert np.abs(plain - no_overwrite).max() > 0.1 * moved  # the overwrite moves the table
+    assert np.abs(plain - without_ema).max() > 0.1 * moved  # EMA plays a part here
     for replicas, table in (("1", one), ("2", two)):
         rel = np.abs(table - plain).max() / moved
         assert rel <= 1e-5, f"{replicas} replica(s) vs no strategy differ by {rel:.3g} (relative)"
