@@ -136,9 +136,10 @@ def test_sparse_gradient_of_an_all_padding_batch_under_two_replicas():
     assert moved > 1e-3 and diff <= 1e-5, proc.stdout
 
 
-# Every optimizer once, LazyAdam (the one that stepped row 0) on both paths: 5 of the 8 pairs.
+# Every optimizer once, LazyAdam (the one that stepped row 0) on both paths, and clipping, EMA.
 UNTOUCHED_CASES = [("fit", "lazy_adam"), ("ragged", "lazy_adam"), ("ragged", "rowwise_adagrad"), ("fit", "sgd"),
-                   ("ragged", "adam"), ("fit", "lazy_adam_clipnorm"), ("fit", "lazy_adam_ema")]
+                   ("ragged", "adam"), ("fit", "lazy_adam_clipnorm"), ("ragged", "lazy_adam_global_clipnorm"),
+                   ("fit", "lazy_adam_ema")]
 
 
 @pytest.fixture(scope="module")
