@@ -136,10 +136,11 @@ def test_sparse_gradient_of_an_all_padding_batch_under_two_replicas():
     assert moved > 1e-3 and diff <= 1e-5, proc.stdout
 
 
-# Every optimizer once, LazyAdam (the one that stepped row 0) on both paths, and clipping, EMA.
+# Every optimizer once, LazyAdam (the one that stepped row 0) on both paths; clipping, EMA, and an
+# overflow of mixed_float16's loss scale on one replica (LazyAdam's check and the one installed for SGD).
 UNTOUCHED_CASES = [("fit", "lazy_adam"), ("ragged", "lazy_adam"), ("ragged", "rowwise_adagrad"), ("fit", "sgd"),
                    ("ragged", "adam"), ("fit", "lazy_adam_clipnorm"), ("ragged", "lazy_adam_global_clipnorm"),
-                   ("fit", "lazy_adam_ema")]
+                   ("fit", "lazy_adam_ema"), ("overflow", "lazy_adam"), ("overflow", "sgd")]
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ replicas through a global batch that touches no row of the table (every bag
 padding), after one that touched row 0, with each optimizer; saves the final
 tables. Run as a script: logical devices must be set before TF initialises.
 
-    python untouched_table_train.py OUT.npz fit-lazy_adam ragged-adam ...
+    python untouched_table_train.py OUT.npz fit-lazy_adam ragged-adam overflow-sgd ...
 
 Two paths: "fit" (the lookup reads the variable in its kernel: the
 PkmResourceEmbeddingBag gradient) and "ragged" (a custom loop on ragged bags:
@@ -92,15 +92,28 @@ def train_ragged(strategy, make_optimizer, x, y):
     return bag.embeddings.numpy()
 
 
+def train_overflow(strategy, make_optimizer, x, y):
+    """`fit` under mixed_float16 (a LossScaleOptimizer), the last step's targets overflowing the loss
+    scale on the second replica's half alone: that step must be skipped on every replica, as on one."""
+    y = y.copy()
+    y[2 * BATCH + BATCH // 2:] = 3e4
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        return train_fit(strategy, make_optimizer, x, y)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def main(out_path, keys):
-    """Trains each case named "fit|ragged-optimizer" in `keys` on 1 and 2 replicas."""
+    """Trains each case named "fit|ragged|overflow-optimizer" in `keys` on 1 and 2 replicas."""
     x, y = data()
     results = {}
     if not keys:
-        raise SystemExit("name the cases to train: fit|ragged-OPTIMIZER ...")
+        raise SystemExit("name the cases to train: fit|ragged|overflow-OPTIMIZER ...")
     for key in keys:
         path, name = key.split("-")
-        train, make_optimizer = {"fit": train_fit, "ragged": train_ragged}[path], OPTIMIZERS[name]  # KeyError: unknown
+        train = {"fit": train_fit, "ragged": train_ragged, "overflow": train_overflow}[path]  # KeyError: unknown
+        make_optimizer = OPTIMIZERS[name]
         for which, devices in (("one", ["/cpu:0"]), ("two", ["/cpu:0", "/cpu:1"])):
             # Reduction through one device: several strategies in one process would
             # otherwise reuse the same collective instance keys.
