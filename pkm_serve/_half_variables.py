@@ -104,8 +104,31 @@ class HalfVariableState:
     def _overwrite_model_variables_with_average_value(self, trainable_variables):
         if len(trainable_variables) != len(self._model_variables_moving_average):
             return super()._overwrite_model_variables_with_average_value(trainable_variables)  # Keras' error
+        replica = _replica_of_a_strategy()
         for var, average in zip(trainable_variables, self._model_variables_moving_average):
-            if average is not None:
+            if average is None:
+                continue
+            if replica is None:
                 self._distribution_strategy.extended.update(
                     _tf(var), lambda a, b: a.assign(tf.cast(b, a.dtype)), args=(_tf(average),))
+            else:
+                # Keras' extended.update is a merge_call, which TF refuses inside the tf.cond that runs
+                # this every ema_overwrite_frequency steps: fit failed under any MirroredStrategy.
+                # Each replica writes its own copy from its own (equal) average, as update would.
+                _local_copy(var, replica).assign(tf.cast(_local_copy(average, replica), var.dtype))
         return None
+
+
+def _replica_of_a_strategy():
+    """This replica's index among its worker's copies of a variable, in a replica context of a
+    tf.distribute strategy; None elsewhere (no strategy, or cross-replica)."""
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return None
+    replica = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
+    # a multi-worker strategy counts replicas over workers, each holding as many copies
+    return replica % len(tf.distribute.get_strategy().extended.worker_devices)
+
+
+def _local_copy(variable, replica):
+    copies = tf.distribute.get_strategy().experimental_local_results(_tf(variable))
+    return copies[replica] if len(copies) > 1 else copies[0]

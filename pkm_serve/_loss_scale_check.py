@@ -21,10 +21,18 @@ _INSTALLED = "_pkm_reads_slice_values"
 
 
 def all_finite(grads):
-    """Whether every gradient is finite, an IndexedSlices' values read alone."""
+    """Whether every gradient is finite, an IndexedSlices' values read alone; in a replica context of
+    several replicas, every replica's gradients: Keras checks each replica's own, not yet all-reduced,
+    and takes the first replica's verdict, so an overflow on another replica alone was applied (inf /
+    NaN weights, the loss scale kept), with every optimizer."""
     finite = [tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
               for g in grads if g is not None]
-    return tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
+    finite = tf.reduce_all(tf.stack(finite)) if finite else tf.constant(True)
+    context = tf.distribute.get_replica_context()  # None in a cross-replica context
+    if context is None or context.num_replicas_in_sync < 2:
+        return finite
+    replicas_not_finite = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(tf.logical_not(finite), tf.int32))
+    return tf.equal(replicas_not_finite, 0)
 
 
 def install():

@@ -206,11 +206,28 @@ class _RowSparseSteps(_half_variables.HalfVariableState):
         super()._track_variable(variable)
 
     def _clip_gradients(self, grads):
+        if _clips_after_the_all_reduce(self):
+            return grads  # clipped in _backend_update_step, once the replicas' gradients are summed
+        return self._clip_with_rows_summed(grads)
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        # Keras clips each replica's share of the gradient before the all-reduce (a clip that binds
+        # trained otherwise on 2 replicas than on 1); here the clip sees the summed gradient.
+        if not _clips_after_the_all_reduce(self):
+            return super()._backend_update_step(grads, trainable_variables, learning_rate)
+        variables = [_tf_variable(v) for v in trainable_variables]
+        summed = [g for g, _ in self._all_reduce_sum_gradients(list(zip(grads, variables)))]
+        clipped = self._clip_with_rows_summed(summed)
+        return tf.__internal__.distribute.interim.maybe_merge_call(
+            self._distributed_tf_update_step, self._distribution_strategy, list(zip(clipped, variables)),
+            learning_rate)
+
+    def _clip_with_rows_summed(self, grads):
         # Keras clips the slices as they come: a row repeated by several lookups of one table
         # (TF concatenates their IndexedSlices) was clipped piece by piece and counted once per
         # piece in the norm. The clipping sees the gradient's rows summed, as the dense one.
         clip_all = super()._clip_gradients
-        if not any(limit and limit > 0 for limit in (self.clipnorm, self.global_clipnorm, self.clipvalue)):
+        if not _clips(self):
             return clip_all(grads)  # Keras clips with positive limits only
         if self.global_clipnorm and self.global_clipnorm > 0:
             # Keras' scaling made an IndexedSlices dense: Adam then moved untouched rows.
@@ -224,6 +241,16 @@ class _RowSparseSteps(_half_variables.HalfVariableState):
         # other (a step the claim did not act in) is applied as usual.
         with tf.control_dependencies(_fused_update.refuse_a_second_update(self, gradient, variable)):
             return self._update_step(gradient, variable, learning_rate)
+
+
+def _clips(optimizer):
+    return any(limit and limit > 0 for limit in (optimizer.clipnorm, optimizer.global_clipnorm, optimizer.clipvalue))
+
+
+def _clips_after_the_all_reduce(optimizer):
+    """Whether `optimizer` clips and runs in a replica context of several replicas."""
+    context = tf.distribute.get_replica_context()  # None in a cross-replica context
+    return _clips(optimizer) and context is not None and context.num_replicas_in_sync > 1
 
 
 def _decayed(optimizer, variable, learning_rate, old, rows_only):

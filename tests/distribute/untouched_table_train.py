@@ -3,7 +3,7 @@ replicas through a global batch that touches no row of the table (every bag
 padding), after one that touched row 0, with each optimizer; saves the final
 tables. Run as a script: logical devices must be set before TF initialises.
 
-    python untouched_table_train.py OUT.npz fit-lazy_adam ragged-adam ...
+    python untouched_table_train.py OUT.npz fit-lazy_adam ragged-adam overflow-sgd ...
 
 Two paths: "fit" (the lookup reads the variable in its kernel: the
 PkmResourceEmbeddingBag gradient) and "ragged" (a custom loop on ragged bags:
@@ -34,9 +34,14 @@ from pkm_serve.optimizers import LazyAdam, RowwiseAdagrad  # noqa: E402
 BATCH = 8
 OPTIMIZERS = {"lazy_adam": lambda: LazyAdam(0.05), "rowwise_adagrad": lambda: RowwiseAdagrad(0.1),
               "sgd": lambda: keras.optimizers.SGD(0.1), "adam": lambda: keras.optimizers.Adam(0.05),
-              # Clipping makes the optimizer sum repeated rows before Keras clips; the clip never
-              # binds here, since Keras clips each replica's gradient before the all-reduce.
-              "lazy_adam_clipnorm": lambda: LazyAdam(0.05, clipnorm=1e3)}
+              # Clipping makes the optimizer sum repeated rows before Keras clips. The clips bind (the
+              # table gradient's norm is 1.2 .. 1.3 in the steps that touch rows, at the initial
+              # weights): Keras clipped each replica's gradient before the all-reduce, and 2 replicas
+              # trained otherwise than 1.
+              "lazy_adam_clipnorm": lambda: LazyAdam(0.05, clipnorm=0.05),
+              "lazy_adam_global_clipnorm": lambda: LazyAdam(0.05, global_clipnorm=0.05),
+              # Keras' EMA overwrite (step 2 here) failed fit under any MirroredStrategy (a merge_call in a tf.cond).
+              "lazy_adam_ema": lambda: LazyAdam(0.05, use_ema=True, ema_momentum=0.5, ema_overwrite_frequency=2)}
 
 
 def data():
@@ -87,20 +92,35 @@ def train_ragged(strategy, make_optimizer, x, y):
     return bag.embeddings.numpy()
 
 
+def train_overflow(strategy, make_optimizer, x, y):
+    """`fit` under mixed_float16 (a LossScaleOptimizer), the last step's targets overflowing the loss
+    scale on the second replica's half alone: that step must be skipped on every replica, as on one."""
+    y = y.copy()
+    y[2 * BATCH + BATCH // 2:] = 3e4
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        return train_fit(strategy, make_optimizer, x, y)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def main(out_path, keys):
-    """Trains each case named "fit|ragged-optimizer" in `keys` on 1 and 2 replicas."""
+    """Trains each case named "fit|ragged|overflow-optimizer" in `keys` on 1 and 2 replicas."""
     x, y = data()
     results = {}
     if not keys:
-        raise SystemExit("name the cases to train: fit|ragged-OPTIMIZER ...")
+        raise SystemExit("name the cases to train: fit|ragged|overflow-OPTIMIZER ...")
     for key in keys:
         path, name = key.split("-")
-        train, make_optimizer = {"fit": train_fit, "ragged": train_ragged}[path], OPTIMIZERS[name]  # KeyError: unknown
+        train = {"fit": train_fit, "ragged": train_ragged, "overflow": train_overflow}[path]  # KeyError: unknown
+        make_optimizer = OPTIMIZERS[name]
         for which, devices in (("one", ["/cpu:0"]), ("two", ["/cpu:0", "/cpu:1"])):
             # Reduction through one device: several strategies in one process would
             # otherwise reuse the same collective instance keys.
             strategy = tf.distribute.MirroredStrategy(devices, tf.distribute.ReductionToOneDevice())
             results[f"{key}/{which}"] = train(strategy, make_optimizer, x, y)
+        if name.endswith("_ema"):  # also without a strategy: 1 and 2 replicas alike could skip the overwrite
+            results[f"{key}/no_strategy"] = train(tf.distribute.get_strategy(), make_optimizer, x, y)
         results[f"{key}/init"] = build()[1].embeddings.numpy()
     np.savez(out_path, **results)
 
