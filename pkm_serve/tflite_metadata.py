@@ -23,6 +23,8 @@ def _flatbuffer_reader(model_bytes):
         if vtable < 0:   # (struct would read a negative position from the end)
             raise IndexError(vtable)
         vtable_size = struct.unpack_from("<H", model_bytes, vtable)[0]
+        if vtable_size < 4:   # no vtable (its two sizes alone take 4): a zero run read as tables was a slow loop
+            raise IndexError(f"a vtable of {vtable_size} bytes at {vtable}")
         if 4 + 2 * index + 2 > vtable_size:
             return None
         offset = struct.unpack_from("<H", model_bytes, vtable + 4 + 2 * index)[0]
@@ -39,6 +41,8 @@ def _metadata_entries(model_bytes) -> List[tuple]:
         if entries is None:
             return []
         vector = entries + u32(entries)
+        if vector + 4 + 4 * u32(vector) > len(model_bytes):
+            raise IndexError(f"{u32(vector)} entries past the end")
         found = []
         for i in range(u32(vector)):
             entry = vector + 4 + 4 * i
@@ -83,6 +87,8 @@ def signature_defs_metadata_size(model_bytes) -> Optional[int]:
         if data is None:
             raise IndexError("its buffer holds no data")
         data += u32(data)
+        if data + 4 + u32(data) > len(model_bytes):   # (a slice would stop at the end: a truncated file)
+            raise IndexError(f"its {u32(data)} bytes run past the file's end")
         blob = bytes(model_bytes[data + 4:data + 4 + u32(data)])
         if len(blob) < 3:
             raise IndexError(f"{len(blob)} bytes")
