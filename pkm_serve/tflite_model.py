@@ -281,7 +281,8 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     otherwise get int8 data as if it were float. A table the converter stored
     float16 behind a DEQUANTIZE (``supported_types=[tf.float16]``) is quantised
     from its float16 values and the DEQUANTIZE dropped. Raises ValueError if no table
-    could be quantised, or naming the table where one holds NaN or infinity.
+    could be quantised, where the model keeps buffers outside its flatbuffer (a model
+    over 2 GB), or naming the table where one holds NaN or infinity.
     """
     check_tflite_bytes(model_bytes, "quantize_table_int8")
     schema = _schema("quantize_table_int8")
@@ -289,6 +290,11 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
         model = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
     except (struct.error, IndexError, ValueError) as err:
         raise _unreadable("quantize_table_int8", model_bytes, err) from None
+    outside = sum(1 for b in model.buffers or [] if int(getattr(b, "offset", 0) or 0) > 1)
+    if outside:   # (their data follows the flatbuffer: repacked, it would be dropped, and no table read)
+        raise ValueError(f"quantize_table_int8: the model keeps {outside} buffer(s) outside its flatbuffer "
+                         "(offset/size, as the converter writes models over 2 GB); rewriting such a "
+                         "model is not supported")
     _bypass_dequantize(model, schema)
     tables, shared = _quantisable_tables(model, schema)
     for buffer_index, tensors, dtype in tables:

@@ -61,3 +61,35 @@ def test_a_memoryview_or_mmap_of_the_model_runs_as_its_bytes(tmp_path):
         tflite.make_interpreter(memoryview(model)[::2])
     with pytest.raises(ValueError, match="not a TFLite flatbuffer"):
         tflite.make_interpreter(memoryview(b"garbage!" * 4))
+
+
+def test_a_model_keeping_its_buffers_after_the_flatbuffer_is_not_quantized():
+    """A model over 2 GB keeps its buffers after the flatbuffer (Buffer.offset/size): the table,
+    no inline data, was taken for no constant ("no ... params table found", untrue), and any
+    other such buffer would have been dropped by the repack. It is refused as what it is; the
+    same model with inline buffers is the reference that quantizes."""
+    import flatbuffers
+    import numpy as np
+    schema = tflite.flatbuffer_schema()
+    model = tflite.build_embedding_bag_model(np.arange(18, dtype=np.float32).reshape(6, 3), 2)
+    m = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model), 0))
+    moved = [(b, bytes(np.asarray(b.data, np.uint8))) for b in m.buffers if b.data is not None and len(b.data)]
+    for b, _ in moved:
+        b.data, b.offset, b.size = None, 1 << 40, 1 << 40   # (fixed-width fields: packed at any value alike)
+    def packed():
+        builder = flatbuffers.Builder(0)
+        builder.Finish(m.Pack(builder), file_identifier=b"TFL3")
+        return bytearray(builder.Output())
+    position = len(packed())
+    for b, data in moved:
+        b.offset, b.size = -(-position // 16) * 16, len(data)
+        position = b.offset + len(data)
+    outside = packed()
+    for b, data in moved:
+        outside += bytes(b.offset - len(outside)) + data
+    ids, weights = np.array([[0, 5]], np.int32), np.array([[1.0, 2.0]], np.float32)
+    np.testing.assert_array_equal(tflite.run_tflite(bytes(outside), [ids, weights])[0],
+                                  tflite.run_tflite(model, [ids, weights])[0])   # the runtime reads it
+    tflite.quantize_table_int8(model)
+    with pytest.raises(ValueError, match=r"keeps 1 buffer\(s\) outside its flatbuffer \(offset/size"):
+        tflite.quantize_table_int8(bytes(outside))
