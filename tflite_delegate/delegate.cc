@@ -266,10 +266,10 @@ PKM_EXPORT TfLiteDelegate* tflite_plugin_create_delegate(char** options_keys,
     const std::string trimmed = pkm::tflite::Trimmed(value);
     if (key == "num_threads") {
       char* end = nullptr;
-      // (strtol would skip a space after a sign: "+ 2" and "- 2" are refused here)
-      const bool digits = !trimmed.empty() && trimmed.find_first_of(" \t\n\v\f\r") == std::string::npos;
-      const long n = digits ? std::strtol(trimmed.c_str(), &end, 10) : 0;
-      if (!digits || *end != '\0' || n < 1 || n > 256)
+      // strtol skips only leading spaces, which Trimmed removed: a space left inside ("2 2",
+      // "+ 2") stops it there, and "" converts nothing (end == start).
+      const long n = std::strtol(trimmed.c_str(), &end, 10);
+      if (end == trimmed.c_str() || *end != '\0' || n < 1 || n > 256)
         error = "num_threads must be an integer in [1, 256], got '" + value + "'";
       else
         data->options.num_threads = static_cast<int>(n);
