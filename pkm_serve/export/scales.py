@@ -118,13 +118,18 @@ def check_factors(fg: FunctionGraph, site: Site, factors: List[Factor], ids_shap
 def _check_masked_then_divided(fg: FunctionGraph, site: Site, factors: List[Factor]) -> None:
     """tf.where(mask, rows, 0) / d: a masked row divided by d == 0 is 0 / 0, NaN in the composite's bag,
     where the op's padding leaves the masked entry out. Fused only where d is never 0, or the division is
-    tf.math.divide_no_nan's (0 where d is 0: its zeros are padding too)."""
-    if site.mask is None:
+    tf.math.divide_no_nan's (0 where d is 0: its zeros are padding too). Rows of a one-hot lookup are so
+    masked: an id outside [0, N) is a zero row there, padding in the op (a mean over the ids in range,
+    rows / count[:, :, None], is NaN for a bag with none)."""
+    if site.mask is None and not site.ids_past_rows_padding:
         return
     no_nan = {noted[0] for noted in site.no_nan_weights}
     for factor in factors:
-        if factor.kind == "div" and factor.after_mask and factor.ref not in no_nan and not _never_zero(fg, factor.ref):
-            raise Skip(f"masked rows divided by {fg.render(factor.ref)}, which may be 0: the composite's 0 / 0 "
+        if factor.kind == "div" and (factor.after_mask or site.ids_past_rows_padding) and \
+                factor.ref not in no_nan and not _never_zero(fg, factor.ref):
+            rows = "masked rows" if site.mask is not None else \
+                "rows looked up by a one-hot matmul (an id outside [0, N) a zero row)"
+            raise Skip(f"{rows} divided by {fg.render(factor.ref)}, which may be 0: the composite's 0 / 0 "
                        "makes the bag NaN where the fused op's mask leaves the entry out")
 
 
