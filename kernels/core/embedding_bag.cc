@@ -164,7 +164,8 @@ Status ValidateLayout(const Bags& bags) {
       return Status::Error(
           "mismatched partitions of ids and weights: weights must share the row partition of the indices "
           "(ragged weights) or hold an entry at each position of the sparse indices (sparse weights); "
-          "the graph's check was built without XLA, which drops it, so the lookup refuses these bags");
+          "the graph's own check of that (an Assert) did not run (XLA and the TFLite converter drop it), so "
+          "the lookup refuses these bags");
     if (first_split != 0) return Status::Error("row_splits[0] must be 0, got " + std::to_string(first_split));
     for (int64_t b = 0; b < bags.num_bags; ++b) {
       if (bags.End(b) < bags.Begin(b))

@@ -112,8 +112,10 @@ enum class IndexPolicy : int {
 // A row_splits[0] of kMismatchedWeightsSplit marks bags whose weights are not laid
 // out like the ids (ragged weights of another row partition, sparse weights at other
 // positions): the Python wrappers set it where the graph's own check of that is an
-// Assert, which XLA drops when it compiles the graph later. ValidateLayout names that
-// problem instead of the split. INT32_MIN, so int32 and int64 splits can hold it.
+// Assert, which XLA drops when it compiles the graph later, and the TFLite converter
+// drops too. ValidateLayout names that problem instead of the split (the CUDA kernels
+// clamp splits into [0, num_values] and do not refuse it). INT32_MIN, so int32 and
+// int64 splits can hold it.
 constexpr int64_t kMismatchedWeightsSplit = -2147483648LL;
 
 struct Bags {
