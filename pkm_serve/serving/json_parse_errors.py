@@ -41,11 +41,14 @@ def _words_and_place(msg, text, pos):
     if msg == "Expecting ',' delimiter":
         return _after_a_value(text, pos)
     if msg.startswith("Unterminated string"):   # rapidjson reads on to the end of the body
+        if (len(text) - len(text.rstrip("\\"))) % 2:   # a body ending in a lone backslash:
+            return "Invalid escape character in string.", len(text) - 1   # the escape is refused
         return "Missing a closing quotation mark in string.", len(text)
     if msg.startswith("Invalid control character"):   # (a NUL byte ends rapidjson's string)
         if text[pos:pos + 1] == "\0":
             return "Missing a closing quotation mark in string.", pos
-        return "Invalid encoding in string.", pos
+        # rapidjson 1.1.0 (TF Serving's) calls it an escape error; later versions "Invalid encoding".
+        return "Invalid escape character in string.", pos
     if msg == "Invalid \\uXXXX escape":   # Python's json points past the backslash, rapidjson at it
         return "Incorrect hex digit after \\u escape in string.", pos - 1
     return None
