@@ -19,7 +19,9 @@ class RepeatedKeys(dict):
 
 
 class FirstMembers(dict):
-    """An object with a repeated key read as FindMember reads it: each key's first value."""
+    """An object with a repeated key read as FindMember reads it: each key's first value;
+    `pairs` every member as sent (an error message shows the object as JsonValueToString does)."""
+    pairs: list
 
 
 def json_object(pairs):
@@ -36,17 +38,19 @@ def first_members(doc):
     """The body as json_tensor.cc's FindMember reads it: a repeated key of the body or of its
     "inputs" object stands for its first value (Python's json kept the last)."""
     if isinstance(doc, RepeatedKeys):
-        doc = _first_of(doc)
+        doc = _first_of(doc.pairs)
     if isinstance(doc, dict) and isinstance(doc.get("inputs"), RepeatedKeys):
-        doc = FirstMembers(doc) if type(doc) is dict else doc
-        doc["inputs"] = _first_of(doc["inputs"])
+        if type(doc) is dict:
+            doc = _first_of(list(doc.items()))
+        doc["inputs"] = _first_of(doc["inputs"].pairs)
     return doc
 
 
-def _first_of(obj):
+def _first_of(pairs):
     first = FirstMembers()
-    for key, value in obj.pairs:
+    for key, value in pairs:
         first.setdefault(key, value)
+    first.pairs = pairs   # (the members as sent, later spellings and the "inputs" sent too)
     return first
 
 

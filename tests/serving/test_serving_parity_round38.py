@@ -180,3 +180,19 @@ def test_the_look_for_repeated_keys_reads_a_common_body_once(doc):
     _PassCountingBody.passes = 0
     assert rest_requests.may_repeat_keys(body, json.loads(body)) is False
     assert _PassCountingBody.passes == 1
+
+
+@pytest.mark.parametrize("body", [
+    b'{"instances": [[1]], "instances": [[2]], "inputs": [[3]]}',
+    b'{"instances": [[1]], "inputs": {"x": [3], "x": [4]}}',
+    b'{"instances": 1, "instances": [2]}',
+    b'{"signature_name": 1, "signature_name": "a"}',
+])
+def test_a_document_shown_in_an_error_keeps_every_member_sent(body):
+    """JsonValueToString prints rapidjson's document, every member as sent; the message showed
+    only each key's first value (another document than the one sent)."""
+    doc = loads(body)
+    with pytest.raises(ServingError) as err:
+        rest_requests.signature_name(doc)
+        rest_requests.check_predict_body(doc, "", {"x": F})
+    assert f"JSON Value: {body.replace(b' ', b'').decode()} " in err.value.message
