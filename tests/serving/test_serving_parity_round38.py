@@ -214,3 +214,18 @@ def test_a_high_surrogate_escape_without_its_low_one_is_a_parse_error(body):
 
 def test_a_surrogate_pair_and_an_escaped_backslash_are_no_lone_surrogate():
     assert loads(b'{"instances": ["\\ud800\\udc00", "\\\\ud800", NaN]}')["instances"][:2] == ["\U00010000", "\\ud800"]
+
+
+@pytest.mark.parametrize("body, message", [
+    (b'{"examples": [{"f": null, "f": 1}]}', "Feature: f has element with unexpected JSON type: Null"),
+    (b'{"context": {"c": [[1]], "c": 2}, "examples": [{"f": 1}]}', "Feature: c has element with unexpected JSON type: Array"),
+])
+def test_a_repeated_feature_is_read_member_by_member(body, message):
+    """MakeExampleFromJsonObject reads every member (the last value of a feature is kept): an
+    earlier faulty value is refused (only the last value was read, so the body was served)."""
+    with pytest.raises(ServingError) as err:
+        rest_requests.example_input(loads(body))
+    assert err.value.message == message
+    # The last value is kept where every value is good.
+    kept = rest_requests.example_input(loads(b'{"examples": [{"f": [1, 2], "f": 3}]}'))
+    assert list(kept.example_list.examples[0].features.feature["f"].int64_list.value) == [3]
