@@ -19,7 +19,9 @@ class RepeatedKeys(dict):
 
 
 class FirstMembers(dict):
-    """An object with a repeated key read as FindMember reads it: each key's first value."""
+    """An object with a repeated key read as FindMember reads it: each key's first value;
+    `pairs` every member as sent (an error message shows the object as JsonValueToString does)."""
+    pairs: list
 
 
 def json_object(pairs):
@@ -36,17 +38,19 @@ def first_members(doc):
     """The body as json_tensor.cc's FindMember reads it: a repeated key of the body or of its
     "inputs" object stands for its first value (Python's json kept the last)."""
     if isinstance(doc, RepeatedKeys):
-        doc = _first_of(doc)
+        doc = _first_of(doc.pairs)
     if isinstance(doc, dict) and isinstance(doc.get("inputs"), RepeatedKeys):
-        doc = FirstMembers(doc) if type(doc) is dict else doc
-        doc["inputs"] = _first_of(doc["inputs"])
+        if type(doc) is dict:
+            doc = _first_of(list(doc.items()))
+        doc["inputs"] = _first_of(doc["inputs"].pairs)
     return doc
 
 
-def _first_of(obj):
+def _first_of(pairs):
     first = FirstMembers()
-    for key, value in obj.pairs:
+    for key, value in pairs:
         first.setdefault(key, value)
+    first.pairs = pairs   # (the members as sent, later spellings and the "inputs" sent too)
     return first
 
 
@@ -77,9 +81,14 @@ def may_repeat_keys(body: bytes, doc: dict) -> bool:
     opens its object. Where either count of spelled keys equals that, no key
     is spelled twice. Else the body is parsed again. (A key spelled with escapes,
     "\\u0069nputs", counts as any other; it was looked for by its plain spelling, and
-    {"b64": x, "b64": y} counted as two values.)"""
-    distinct, counted_b64 = _distinct_keys_looked_at(doc, b'"b64"' in body)
-    if counted_b64 is not None:
+    {"b64": x, "b64": y} counted as two values.) The colons are counted first: where they are
+    the looked-at objects' keys (most bodies: numbers, named instances, {"b64": ...}
+    instances), that one pass decides (the search for "b64" came first, a second pass)."""
+    objects, distinct = _objects_looked_at(doc)
+    colons = body.count(b":")
+    if colons == distinct:
+        return False
+    if b'"b64"' in body:
         # Where each "b64" opens its object, it is a key, and none is spelled twice in one (the
         # second would follow a comma); an object with another member has a key not counted here.
         # (`{"b64"` is counted, not searched for with blanks: each pass over a body of images costs.)
@@ -88,15 +97,14 @@ def may_repeat_keys(body: bytes, doc: dict) -> bool:
             opening += len(_B64_FIRST_AFTER_BLANKS.findall(body))
             if spelled != opening:
                 return True
-        distinct += opening - counted_b64
-    if body.count(b":") == distinct:
-        return False
+        distinct += opening - sum(map(operator.contains, objects, repeat("b64")))
+        if colons == distinct:
+            return False
     return body.count(b'":') + len(_BLANKS_BEFORE_COLON.findall(body)) != distinct
 
 
-def _distinct_keys_looked_at(doc, may_hold_b64):
-    """(keys of the parsed objects looked at, how many of them hold a "b64" key, or None where
-    the body spells no "b64" key plainly)."""
+def _objects_looked_at(doc):
+    """(the parsed objects looked at, how many keys they hold)."""
     objects = [doc] + [doc[k] for k in ("inputs", "context") if isinstance(doc.get(k), dict)]
     keys = sum(map(len, objects))
     for key in ("instances", "examples"):
@@ -105,4 +113,4 @@ def _distinct_keys_looked_at(doc, may_hold_b64):
         if isinstance(items, list) and items and all(map(isinstance, items, repeat(dict))):
             objects += items
             keys += sum(map(len, items))
-    return keys, (sum(map(operator.contains, objects, repeat("b64"))) if may_hold_b64 else None)
+    return objects, keys

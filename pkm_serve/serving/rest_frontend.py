@@ -190,6 +190,9 @@ def loads(body: bytes):
             pass
     if doc is None:
         doc = _python_loads(body)
+        lone_surrogate = json_parse_errors.lone_high_surrogate(body)
+        if lone_surrogate:
+            raise invalid(lone_surrogate)
     if isinstance(doc, dict) and rest_requests.may_repeat_keys(body, doc):
         # Parsed again, keeping what json_tensor.cc's FindMember reads: a key's first spelling.
         doc = rest_requests.first_members(_python_loads(body, object_pairs_hook=rest_requests.json_object))

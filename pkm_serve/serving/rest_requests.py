@@ -323,7 +323,9 @@ def example(obj):
     if not isinstance(obj, dict):
         raise invalid(f"Example must be JSON object but got JSON {json_type(obj)}")
     ex = example_pb2.Example()
-    for k, v in obj.items():
+    # Every member in order, a repeated feature's last value kept (MakeExampleFromJsonObject
+    # reads each one: an earlier faulty value is refused, where the last value alone was read).
+    for k, v in getattr(obj, "pairs", obj.items()):
         if valid_unicode(k) != k:   # (a tf.train.Example's feature key is a protobuf string: it was a 500)
             raise invalid(f"Feature name: {valid_unicode(k)} is not valid UTF-8")
         ex.features.feature[k].CopyFrom(feature(v, k))

@@ -341,8 +341,8 @@ def test_classify_regress_multi_inference_on_a_predict_signature(stub):
      "Feature: x has element with unexpected JSON type: Object"),
     ("/v1/models/classifier:classify", {"examples": [{"x": 2 ** 70}]}, None, 400, "out of range"),
     ("/v1/models/classifier:classify", {"examples": [{"x": [0.5, 10 ** 400]}]}, None, 400, "out of range"),
-    ("/v1/models/classifier:classify", {"examples": [{"x": "\ud800"}]}, None, 400, "not valid Unicode"),
-    ("/v1/models/classifier:predict", {"instances": ["\ud800"]}, None, 400, "not valid Unicode"),
+    ("/v1/models/classifier:classify", {"examples": [{"x": "\ud800"}]}, None, 400, "The surrogate pair in string is invalid."),
+    ("/v1/models/classifier:predict", {"instances": ["\ud800"]}, None, 400, "The surrogate pair in string is invalid."),
 ])
 def test_rest_malformed_requests_get_4xx_and_server_stays_up(server, path, body, raw, status, needle):
     got, answer = _rest(server, path, body, raw)
