@@ -49,9 +49,10 @@ def test_uint64_ids_past_int64_fail_naming_them(results):
 
 
 def test_torch_func_and_forward_mode_ad_match_float64(results):
-    """torch.func.grad, vmap(grad), jacfwd, torch.autograd.forward_ad and hessian through
+    """torch.func.grad, vmap(grad), jacfwd, a compiled jvp, torch.autograd.forward_ad and hessian through
     pkm_serve.backends.embedding_bag give float64 numpy's derivatives (torch.func.grad failed: "must
-    override the setup_context staticmethod"; forward-mode AD gave zero tangents, silently)."""
+    override the setup_context staticmethod"; forward-mode AD gave zero tangents, silently, eagerly and
+    under torch.compile, which now runs a jvp through the op eagerly)."""
     assert results["func_transforms"] == "ok"
 
 
