@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import torch
 import torch.autograd.forward_ad as forward_ad
+from torch._C._functorch import TransformType
 
 from pkm_serve.backends import _torch_second_order
 
 
 def transforms_active(*tensors):
-    """True inside a torch.func transform, or where a tensor carries a forward-mode tangent."""
+    """True inside a torch.func transform but functionalize, or where a tensor carries a forward-mode
+    tangent."""
     if torch.compiler.is_compiling():
         # Dynamo cannot trace TransformableBag's jvp, and traced the op under torch.func.jvp / jacfwd
         # with a zero tangent, silently: refused, so that torch.compile runs the transform eagerly
@@ -33,8 +35,9 @@ def transforms_active(*tensors):
             raise NotImplementedError("pkm_serve.embedding_bag: forward-mode AD (torch.func.jvp, jacfwd, "
                                       "forward_ad) through the op cannot be compiled; run it eagerly")
         return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        return True
+    innermost = torch._C._functorch.peek_interpreter_stack()
+    if innermost is not None and innermost.key() != TransformType.Functionalize:
+        return True   # (functionalize has no rule for an autograd.Function: "NYI"; the op is functional)
     return _carries_tangent(tensors)
 
 
