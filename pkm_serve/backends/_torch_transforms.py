@@ -5,27 +5,43 @@
 `jacrev` and `hessian` failed ("must override the setup_context staticmethod", PyTorch issues
 168393, 170834), and forward-mode AD (`torch.func.jvp`, `jacfwd`, `torch.autograd.forward_ad`)
 ran the op without its tangent: a zero tangent, silently. Where such a transform is active the
-lookup goes through `TransformableBag` instead, an `autograd.Function` with both: its forward and
-first derivative are the kernels' (outside forward-mode AD), its jvp, and derivatives taken
-inside other transforms, differentiate the lookup written in torch ops
+lookup goes through `TransformableBag` instead, an `autograd.Function` with both: its forward is
+the kernel's; its jvp, and its backward wherever a transform is active (torch.func.grad, jacrev,
+hessian: the backward runs inside the transform), differentiate the lookup written in torch ops
 (`_torch_second_order.lookup`, a [B, K, D] gather, on these paths only).
-Plain autograd, `torch.compile` and `torch.export` keep calling the op itself.
+Plain autograd, `torch.compile` and `torch.export` keep calling the op itself: dynamo cannot trace
+this Function's jvp. Under torch.compile, vmap works, torch.func.grad of the op fails (a fake-tensor
+error), and forward-mode AD is refused (it traced a zero tangent, silently): a graph break, so the
+transform runs eagerly, or an error with fullgraph=True.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.autograd.forward_ad as forward_ad
+from torch._C._functorch import TransformType
 
 from pkm_serve.backends import _torch_second_order
 
 
 def transforms_active(*tensors):
-    """True inside a torch.func transform, or where a tensor carries a forward-mode tangent."""
+    """True inside a torch.func transform but functionalize, or where a tensor carries a forward-mode
+    tangent."""
     if torch.compiler.is_compiling():
-        return False  # dynamo traces torch.func itself; the op's fake kernel serves it
-    if torch._C._functorch.peek_interpreter_stack() is not None:
-        return True
+        # Dynamo cannot trace TransformableBag's jvp, and traced the op under torch.func.jvp / jacfwd
+        # with a zero tangent, silently: refused, so that torch.compile runs the transform eagerly
+        # (a graph break), or fullgraph=True fails.
+        if _carries_tangent(tensors):
+            raise NotImplementedError("pkm_serve.embedding_bag: forward-mode AD (torch.func.jvp, jacfwd, "
+                                      "forward_ad) through the op cannot be compiled; run it eagerly")
+        return False
+    innermost = torch._C._functorch.peek_interpreter_stack()
+    if innermost is not None and innermost.key() != TransformType.Functionalize:
+        return True   # (functionalize has no rule for an autograd.Function: "NYI"; the op is functional)
+    return _carries_tangent(tensors)
+
+
+def _carries_tangent(tensors):
     if forward_ad._current_level < 0:
         return False
     return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)

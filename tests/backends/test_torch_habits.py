@@ -49,9 +49,11 @@ def test_uint64_ids_past_int64_fail_naming_them(results):
 
 
 def test_torch_func_and_forward_mode_ad_match_float64(results):
-    """torch.func.grad, vmap(grad), jacfwd, torch.autograd.forward_ad and hessian through
+    """torch.func.grad, vmap(grad), jacfwd, a compiled jvp, forward_ad, hessian and functionalize through
     pkm_serve.backends.embedding_bag give float64 numpy's derivatives (torch.func.grad failed: "must
-    override the setup_context staticmethod"; forward-mode AD gave zero tangents, silently)."""
+    override the setup_context staticmethod"; forward-mode AD gave zero tangents, silently, eagerly and
+    under torch.compile, which now runs a jvp through the op eagerly; functionalize must keep the op:
+    it has no rule for the autograd.Function the others need)."""
     assert results["func_transforms"] == "ok"
 
 

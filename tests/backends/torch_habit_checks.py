@@ -196,6 +196,14 @@ def check_func_transforms():
     np.testing.assert_allclose(per_bag.numpy(), np.repeat(jac[..., None], 3, -1), atol=1e-6)
     forward = torch.func.jacfwd(lambda t: embedding_bag(t, i, w, "sum"))(t)
     np.testing.assert_allclose(forward.numpy(), np.einsum("br,de->bdre", jac, np.eye(3)), atol=1e-6)
+    # functionalize has no rule for the autograd.Function jvp needs ("NYI"): it keeps calling the op
+    functional = torch.func.functionalize(lambda t: embedding_bag(t, i, w, "sum"))(t)
+    np.testing.assert_allclose(functional.numpy(), jac @ table, rtol=1e-5, atol=1e-6)
+    # torch.compile traced the op under jvp with a zero tangent, silently: now the jvp runs eagerly
+    d_table = np.random.default_rng(8).standard_normal(table.shape)
+    compiled = torch.compile(lambda t, dt: torch.func.jvp(lambda u: embedding_bag(u, i, w, "sum"), (t,), (dt,))[1])
+    np.testing.assert_allclose(compiled(t, torch.tensor(d_table, dtype=torch.float32)).numpy(), jac @ d_table,
+                               rtol=1e-5, atol=1e-6)
     # mean's tangent along the weights: (sum dw_k T[id_k] - out * sum dw_k) / sum w_k over valid ids
     d_weights = np.array([[1.0, -1.0, 5.0], [0.5, 0.0, 2.0]])
     with torch.autograd.forward_ad.dual_level():
