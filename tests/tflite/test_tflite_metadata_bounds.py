@@ -13,21 +13,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from pkm_serve import tflite  # noqa: E402
 from pkm_serve.tflite_metadata import metadata_names, signature_defs_metadata_size  # noqa: E402
+from tests.tflite.metadata_entries import with_metadata_entry  # noqa: E402
 
 
 def _with_entry(model_bytes, name, blob):
-    import flatbuffers
-    schema = tflite.flatbuffer_schema()
-    m = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
-    buffer = schema.BufferT()
-    buffer.data = np.frombuffer(blob, np.uint8)
-    m.buffers.append(buffer)
-    entry = schema.MetadataT()
-    entry.name, entry.buffer = name, len(m.buffers) - 1
-    m.metadata = (m.metadata or []) + [entry]
-    b = flatbuffers.Builder(len(model_bytes) + 1024)
-    b.Finish(m.Pack(b), file_identifier=b"TFL3")
-    return bytearray(b.Output())
+    return bytearray(with_metadata_entry(model_bytes, name, blob))
 
 
 def _field_position(data, table, index):

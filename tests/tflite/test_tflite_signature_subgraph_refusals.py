@@ -19,6 +19,7 @@ import pytest
 
 from pkm_serve import tflite, tflite_cli
 from tests.serving.test_serving_tflite_signatures import _with_signature_defs_metadata
+from tests.tflite.metadata_entries import with_metadata_entry
 
 TABLE = np.random.default_rng(36).standard_normal((40, 6)).astype(np.float32)
 
@@ -146,18 +147,7 @@ def test_signature_defs_from_the_metadata_prepare_only_the_subgraph_they_run(mod
 
 def _with_metadata_blob(model_bytes, blob):
     """model_bytes plus a signature_defs_metadata entry holding ``blob``."""
-    import flatbuffers
-    schema = tflite.flatbuffer_schema()
-    m = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(model_bytes), 0))
-    buffer = schema.BufferT()
-    buffer.data = np.frombuffer(blob, np.uint8)
-    m.buffers.append(buffer)
-    entry = schema.MetadataT()
-    entry.name, entry.buffer = "signature_defs_metadata", len(m.buffers) - 1
-    m.metadata = (m.metadata or []) + [entry]
-    b = flatbuffers.Builder(len(model_bytes) + len(blob) + 4096)
-    b.Finish(m.Pack(b), file_identifier=b"TFL3")
-    return bytes(b.Output())
+    return with_metadata_entry(model_bytes, "signature_defs_metadata", blob)
 
 
 def test_an_empty_or_unreadable_signature_defs_metadata_the_cli_and_the_server_agree(models, tmp_path, capsys):
