@@ -2,11 +2,9 @@
 json_tensor.cc's ParseJson: "JSON Parse error: <GetParseError_En> at offset: <byte>"), where
 Python's json stops at the fault rapidjson stops at; it said "Expecting value: line 1 column 1
 (char 0)". rapidjson stops at other bytes than Python's json in a few cases, placed here as it
-does: a partial true/false/null (past the letters it matched), a number missing its fraction or
-exponent (Python's json read the number before and wanted a comma), a string left open (at the
-end of the body). A partial NaN/Infinity (kParseNanAndInfFlag), and a body read as respelt
-text, keep Python's words."""
-import json
+does: a partial true/false/null or NaN/Infinity (past the letters it matched), a number missing
+its fraction or exponent (Python's json read the number before and wanted a comma), a string
+left open (at the end of the body)."""
 import re
 
 _LITERALS = {"t": "true", "f": "false", "n": "null"}
@@ -20,20 +18,9 @@ _SAME_PLACE = {
 }
 
 
-def rapidjson_words(err, body: bytes):
-    """json_tensor.cc's message for the JSONDecodeError `err` of `body`, else None."""
-    text = getattr(err, "doc", None)
-    # (a body parsed as respelt text, Inf for Infinity, has other offsets than its bytes)
-    if not isinstance(err, json.JSONDecodeError) or text != body.decode("utf-8", "surrogateescape"):
-        return None
-    found = _words_and_place(err.msg, text, err.pos)
-    if found is None:
-        return None
-    words, at = found
-    return f"JSON Parse error: {words} at offset: {len(text[:at].encode('utf-8', 'surrogateescape'))}"
-
-
-def _words_and_place(msg, text, pos):
+def rapidjson_words(msg, text, pos):
+    """(rapidjson's words, the character of `text` where it stops) for Python's json's fault
+    `msg` at `pos`, else None (Python's words are kept)."""
     if msg in _SAME_PLACE:
         return _SAME_PLACE[msg], pos
     if msg == "Expecting value":
@@ -62,8 +49,27 @@ def _invalid_value(text, pos):
             matched += 1
         return "Invalid value.", pos + matched
     if head in ("N", "I") or (head == "-" and text[pos + 1:pos + 2] in ("N", "I")):
-        return None   # (kParseNanAndInfFlag's partial matches)
+        stop = _nan_or_infinity_fault(text, pos + (head == "-"))
+        return None if stop is None else ("Invalid value.", stop)
     return "Invalid value.", pos + (head == "-")   # ParseNumber takes a minus, then wants a digit
+
+
+def _nan_or_infinity_fault(text, at):
+    """Where ParseNumber's kParseNanAndInfFlag branch refuses the letters at `at` (it takes
+    "N", "a", "N", else from where that failed "I", "n", "f" and, after an "i", "inity"),
+    or None where it reads them as a number."""
+    def take(letters):
+        nonlocal at
+        for letter in letters:
+            if text[at:at + 1] != letter:
+                return False
+            at += 1
+        return True
+    if take("N") and take("a") and take("N"):
+        return None
+    if take("I") and take("n") and take("f"):
+        return at if text[at:at + 1] == "i" and not take("inity") else None
+    return at
 
 
 def _after_a_value(text, pos):
@@ -101,10 +107,12 @@ _ESCAPE_OR_HIGH_SURROGATE = re.compile(rb"\\(?:(u[dD][89abAB][0-9a-fA-F]{2})(\\u
 
 
 def lone_high_surrogate(body: bytes):
-    """rapidjson's parse error for the first high-surrogate escape without its low one, else None."""
+    """(rapidjson's parse error, its byte offset) for the first high-surrogate escape without
+    its low one, else None."""
     if not _MAY_HOLD_HIGH_SURROGATE.search(body):
         return None
     for escape in _ESCAPE_OR_HIGH_SURROGATE.finditer(body):   # (each escape whole: "\\\\ud800" is none)
         if escape[1] and not escape[2]:
-            return f"JSON Parse error: The surrogate pair in string is invalid. at offset: {escape.start()}"
+            return (f"JSON Parse error: The surrogate pair in string is invalid. at offset: {escape.start()}",
+                    escape.start())
     return None

@@ -11,7 +11,7 @@ from tensorflow.core.framework import tensor_pb2, types_pb2
 
 from pkm_serve.serving import rest_frontend, tensors
 from pkm_serve.serving.errors import ServingError
-from pkm_serve.serving.rest_frontend import RestFrontend, _may_spell_bools
+from pkm_serve.serving.rest_frontend import RestFrontend, _may_spell_bools, loads
 
 
 def _spec(dtype):
@@ -48,9 +48,12 @@ def test_rest_predict_paths_refuse_booleans_in_both_formats():
 def test_the_boolean_scan_is_skipped_only_for_bodies_that_cannot_spell_one():
     assert not _may_spell_bools(b'{"inputs": [[1, 2], [3.5, -4e3]]}')
     assert _may_spell_bools(b'{"inputs": [true, 2]}') and _may_spell_bools(b'{"inputs": [false]}')
-    # json.loads reads UTF-16 bodies too, where b"true" is not a substring
+    # json.loads reads UTF-16 bodies too, where b"true" is not a substring: they are refused
+    # before the scan, as rapidjson reads every body as UTF-8
     utf16 = '{"inputs": [true, 2]}'.encode("utf-16")
-    assert json.loads(utf16) == {"inputs": [True, 2]} and _may_spell_bools(utf16)
+    assert json.loads(utf16) == {"inputs": [True, 2]}
+    with pytest.raises(ServingError, match="JSON Parse error: Invalid value. at offset: 0$"):
+        loads(utf16)
     assert tensors.from_json("ids", [1, 2], _spec(tf.int64), may_hold_bools=False).tolist() == [1, 2]
 
 
