@@ -66,6 +66,16 @@ def metadata_names(model_bytes) -> List[str]:
 _FLEXBUFFER_MAP = 9   # flexbuffers' FBT_MAP
 
 
+def no_data_reason(offset: int) -> str:
+    """Why the signature_defs_metadata entry's buffer gives no SignatureDefs where it has no
+    data vector; `offset` its Buffer.offset (schema.fbs: > 1 places the bytes after the
+    flatbuffer, as the converter writes models over 2 GB)."""
+    if offset > 1:
+        return (f"its buffer holds no data: its bytes are stored by offset ({offset}) outside the flatbuffer, "
+                "where TF Serving's GetSignatureDefMap does not read them (it reads the buffer's data only)")
+    return "its buffer holds no data"
+
+
 def signature_defs_metadata_size(model_bytes) -> Optional[int]:
     """How many SignatureDefs the model's signature_defs_metadata holds (a FlexBuffer map
     {key: serialized SignatureDef}), None without the entry; read without a schema or
@@ -85,7 +95,8 @@ def signature_defs_metadata_size(model_bytes) -> Optional[int]:
         table += u32(table)
         data = field(table, 0)
         if data is None:
-            raise IndexError("its buffer holds no data")
+            offset = field(table, 1)
+            raise IndexError(no_data_reason(0 if offset is None else struct.unpack_from("<Q", model_bytes, offset)[0]))
         data += u32(data)
         if data + 4 + u32(data) > len(model_bytes):   # (a slice would stop at the end: a truncated file)
             raise IndexError(f"its {u32(data)} bytes run past the file's end")
