@@ -30,13 +30,16 @@ def has_long_integer(body: bytes) -> bool:
     return _LONG_NUMBER in body.translate(_DIGITS_TABLE, b" \t\n\r-")
 
 
-def _finite_json_float(text: str) -> float:
-    """rapidjson (TF Serving's parser) refuses a number literal past the double range, where
-    Python's json read 1e400 as Infinity; the Infinity literal itself stays allowed."""
-    value = float(text)
-    if math.isinf(value):
-        raise invalid(f"JSON Parse error: Number too big to be stored in double: {text[:40]}")
-    return value
+class _NumberTooBig(Exception):
+    pass
+
+
+def _rapidjson_float(text: str) -> float:
+    """A number literal with a fraction or exponent as rapidjson reads it: refused where it
+    refuses one as too big (Python's json read 1e400 as Infinity), else its double."""
+    if ("e" in text or "E" in text or len(text) > 300) and json_parse_errors.rapidjson_number_too_big(text):
+        raise _NumberTooBig(text)
+    return float(text)
 
 
 # A JSON string, or a spelling of a non-finite number that rapidjson's kParseNanAndInfFlag
@@ -106,10 +109,10 @@ def _bom_length(body: bytes) -> int:
 def _read_text(text: str, **hooks):
     """json.loads of the text; a NUL byte after the document ends it, as for rapidjson."""
     try:
-        return json.loads(text, parse_float=_finite_json_float, **hooks)
+        return json.loads(text, parse_float=_rapidjson_float, **hooks)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data" and e.doc[e.pos] == "\0":
-            return json.loads(text[:e.pos], parse_float=_finite_json_float, **hooks)
+            return json.loads(text[:e.pos], parse_float=_rapidjson_float, **hooks)
         raise
 
 
@@ -137,17 +140,20 @@ def _python_loads(body: bytes, **hooks):
     except RecursionError:        # deeper than Python's stack (orjson stops at 1024 levels)
         raise invalid(TOO_DEEP) from None
     except json.JSONDecodeError as e:
-        raise _parse_error(e, body, skipped, text, _body_place(e.pos, spans)) from None
+        pos = _body_place(e.pos, spans)
+        found = None if pos is None else json_parse_errors.rapidjson_words(e.msg, text, pos)
+        raise _parse_error(e, body, skipped, text, found or (None, pos)) from None
+    except _NumberTooBig:   # (at the literal's start: the first one too big, as Python's json reads in order)
+        pos = next(_body_place(m.start(), spans) for m in json_parse_errors.NUMBER_OR_STRING.finditer(respelt)
+                   if m[1] is not None and json_parse_errors.rapidjson_number_too_big(m[0]))
+        raise _parse_error(None, body, skipped, text, ("Number too big to be stored in double.", pos)) from None
 
 
-def _parse_error(err, body, skipped, text, pos):
-    """rapidjson's words for the fault `err` (Python's, at `pos` of the body's text), or for
-    a lone high surrogate before it (rapidjson stops at the first)."""
-    words, at = None, pos
-    if pos is not None:
-        found = json_parse_errors.rapidjson_words(err.msg, text, pos)
-        if found is not None:
-            words, at = found
+def _parse_error(err, body, skipped, text, words_at):
+    """rapidjson's words for the fault (words, the character of the body's text where it
+    lies; words None: Python's fault `err` kept), or for a lone high surrogate before it
+    (rapidjson stops at the first)."""
+    words, at = words_at
     offset = None if at is None else skipped + len(text[:at].encode("utf-8", "surrogateescape"))
     surrogate = json_parse_errors.lone_high_surrogate(body)
     if surrogate is not None and (offset is None or surrogate[1] < offset):

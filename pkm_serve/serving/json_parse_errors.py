@@ -116,3 +116,43 @@ def lone_high_surrogate(body: bytes):
             return (f"JSON Parse error: The surrogate pair in string is invalid. at offset: {escape.start()}",
                     escape.start())
     return None
+
+
+# rapidjson's ParseNumber refuses a literal as kParseErrorNumberTooBig (at its start) in two
+# places only: an integer part that grows past DBL_MAX / 10 with digits left, and a positive
+# exponent above 308 less the fraction digits it counted (17 significant digits at most).
+# Any other literal past the double range is read as its (infinite) double, which
+# json_tensor.cc's IsLosslessDecimal lets through.
+NUMBER_OR_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|-?(\d+)(?:\.(\d+))?(?:[eE]([+-]?)(\d+))?', re.DOTALL)
+_TENTH_OF_DOUBLE_MAX = 1.7976931348623157e307
+_MAX_SAFE_INTEGER = (1 << 53) - 1
+
+
+def rapidjson_number_too_big(literal: str) -> bool:
+    """Whether rapidjson refuses this JSON number literal as too big to be stored in double."""
+    m = NUMBER_OR_STRING.fullmatch(literal)
+    if m is None or m[1] is None:
+        return False
+    digits, fraction, exponent_sign, exponent = m.groups()
+    if len(digits) > 308 and float(digits[:-1]) >= _TENTH_OF_DOUBLE_MAX:
+        return True
+    if exponent is None or exponent_sign == "-":
+        return False
+    return int(exponent) > 308 + _fraction_digits_counted(literal[0] == "-", digits, fraction or "")
+
+
+def _fraction_digits_counted(negative, digits, fraction):
+    """ParseNumber's -expFrac: the fraction digits it folds into the significand."""
+    limit = 1 << 63 if negative else (1 << 64) - 1
+    significand = int(digits)
+    if significand > limit:   # read as a double from there on: no fraction digit counts
+        return 0
+    significant = len(digits) - 1 if digits != "0" else 0
+    counted = 0
+    for digit in fraction:
+        if significand > _MAX_SAFE_INTEGER and significant >= 17:
+            break
+        significand = significand * 10 + int(digit)
+        counted += 1
+        significant += significand != 0
+    return counted

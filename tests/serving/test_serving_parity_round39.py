@@ -77,3 +77,13 @@ def test_a_lone_high_surrogate_before_a_syntax_error_is_the_error(body):
 def test_a_syntax_error_before_a_lone_high_surrogate_is_the_error():
     body = b'{"a": tru, "b": "\\ud800x"}'
     assert _refusal(body) == f"JSON Parse error: Invalid value. at offset: {body.index(b'tru') + 3}"
+
+
+def test_a_number_too_big_is_placed_in_the_body_as_rapidjson_places_it():
+    """At the literal's start (its minus sign), after respelt Inf, and after a lone high surrogate
+    that rapidjson meets first; it said "Number too big to be stored in double: 1e400"."""
+    head = '{"instances": [Inf, "\\udcff", "caf\u00e9", '
+    offset = len(head.encode())
+    assert _refusal(f"{head}-1e400]}}".encode()) == f"JSON Parse error: Number too big to be stored in double. at offset: {offset}"
+    body = b'{"a": "\\ud800", "b": 1e400}'
+    assert _refusal(body) == "JSON Parse error: The surrogate pair in string is invalid. at offset: 7"
