@@ -82,6 +82,8 @@ def _metadata_signature_defs(model_bytes) -> dict:
         if entry.Name() != _SIGNATURE_DEFS_METADATA:
             continue
         try:
+            if entry.Buffer() >= model.BuffersLength():   # (flatbuffers would read past the buffers)
+                raise IndexError(f"buffer {entry.Buffer()} of {model.BuffersLength()}")
             buffer = model.Buffers(entry.Buffer())
             if buffer.DataIsNone():
                 raise IndexError(tflite_metadata.no_data_reason(int(buffer.Offset())))

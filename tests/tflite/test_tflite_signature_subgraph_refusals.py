@@ -218,3 +218,25 @@ def test_signature_defs_metadata_stored_by_offset_is_read_as_upstream_reads_it(t
     assert outside[stored_at:] == blob   # the offset named is where the bytes are
     with pytest.raises(ServingError, match=words):
         _load(path)
+
+
+def test_a_signature_defs_metadata_entry_naming_no_buffer_of_data_the_cli_and_the_server_agree(tmp_path, capsys):
+    """An entry naming buffer 9999 of 3: the server read past the flatbuffer's buffers
+    ("unpack_from requires a buffer of at least ..."); one naming buffer 0 (the field left out,
+    its default): the CLI said "buffer None of 3". Both now give the CLI's and server's same words."""
+    import flatbuffers
+    from pkm_serve.serving.errors import ServingError
+    schema = tflite.flatbuffer_schema()
+    added = with_metadata_entry(tflite.build_embedding_bag_model(TABLE, 3), "signature_defs_metadata", b"\x00\x01\x02")
+    for index, words in ((9999, "IndexError: buffer 9999 of 3"), (0, "IndexError: its buffer holds no data")):
+        m = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(added), 0))
+        assert len(m.buffers) == 3 and not m.buffers[0].data   # (buffer 0: the schema's empty one)
+        m.metadata[-1].buffer = index
+        b = flatbuffers.Builder(4096)
+        b.Finish(m.Pack(b), file_identifier=b"TFL3")
+        path = _write(tmp_path, f"buffer{index}", bytes(b.Output()))
+        assert tflite_cli.console_main([f"{path}/model.tflite"]) == 1
+        want = f"Invalid SignatureDefs found in TfLite model (its signature_defs_metadata): {words}"
+        assert capsys.readouterr().err.strip() == f"pkm-serve tflite: error: {want}"
+        with pytest.raises(ServingError, match=re.escape(want) + "$"):
+            _load(path)
