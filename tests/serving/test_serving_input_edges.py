@@ -78,7 +78,7 @@ def test_well_typed_values_still_arrive_exactly(value, dtype):
     ([{"b64": "AA=="}], tf.int64, 'JSON Value: {"b64":"AA=="} Type: Object is not of expected type: int64'),
     ([1, 2 ** 31], tf.int32, "JSON Value: 2147483648 Type: Number is not of expected type: int32"),
     ([-(2 ** 31) - 1], tf.int32, "JSON Value: -2147483649 Type: Number is not of expected type: int32"),
-    ([1e39], tf.float32, "Cannot convert JSON value: 1e39 to float without loss of precision."),
+    ([1e39], tf.float32, "Cannot convert JSON value: 1e+39 to float without loss of precision."),
     ([1.0], tf.int64, "JSON Value: 1.0 Type: Number is not of expected type: int64"),
     ([1, 0], tf.bool, "JSON Value: 1 Type: Number is not of expected type: bool"),
 ])

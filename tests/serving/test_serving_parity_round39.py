@@ -87,3 +87,26 @@ def test_a_number_too_big_is_placed_in_the_body_as_rapidjson_places_it():
     assert _refusal(f"{head}-1e400]}}".encode()) == f"JSON Parse error: Number too big to be stored in double. at offset: {offset}"
     body = b'{"a": "\\ud800", "b": 1e400}'
     assert _refusal(body) == "JSON Parse error: The surrogate pair in string is invalid. at offset: 7"
+
+
+@pytest.mark.parametrize("body_value, dtype, shown", [
+    # A double within rapidjson's IsFloat range is printed as the float it reads as: "%g" where
+    # strtof reads that back, else "%.9g"; past that range as a double ("%g", else "%.17g").
+    ("1.2345678901", "int64", "JSON Value: 1.23456788 Type: Number"),
+    ("2147483647.0", "int32", "JSON Value: 2.14748365e+09 Type: Number"),
+    ("1234567.0", "int32", "JSON Value: 1234567.0 Type: Number"),
+    ("0.1", "int32", "JSON Value: 0.1 Type: Number"),
+    ("3e39", "int64", "JSON Value: 3e+39 Type: Number"),
+    ("1e-7", "int32", "JSON Value: 1e-07 Type: Number"),
+    ("18446744073709551616", "uint64", "JSON Value: 1.84467441e+19 Type: Number"),   # past 64 bits: a double
+    ("1e39", "float32", "Cannot convert JSON value: 1e+39 to float"),
+])
+def test_a_number_in_an_error_is_printed_as_json_tensor_writes_it(body_value, dtype, shown):
+    """JsonValueToString prints doubles through WriteDecimal (absl::StrCat's "%g", "9e+06");
+    it showed Python's repr ("1.2345678901", "1e39", "2147483647.0")."""
+    import tensorflow as tf
+    from pkm_serve.serving import tensors
+    value = loads(f'{{"inputs": [{body_value}]}}'.encode())["inputs"]
+    with pytest.raises(ServingError) as err:
+        tensors.from_json("x", value, tf.TensorSpec(None, getattr(tf, dtype)))
+    assert err.value.message.startswith(shown), err.value.message
