@@ -174,7 +174,8 @@ def loads(body: bytes):
             pass
     if doc is None:
         doc = _python_loads(body)
-        surrogate = json_parse_errors.lone_high_surrogate(body)
+        # (read, the body's text ends at its first NUL byte, if any: what follows is not read)
+        surrogate = json_parse_errors.lone_high_surrogate(body.partition(b"\0")[0])
         if surrogate is not None:
             raise invalid(surrogate[0])
     if isinstance(doc, dict) and rest_requests.may_repeat_keys(body, doc):

@@ -41,6 +41,7 @@ def test_a_utf8_byte_order_mark_is_skipped_and_counted():
 
 def test_a_nul_byte_after_the_document_ends_the_text():
     assert loads(_DOC.encode() + b"\x00 what follows is not read") == {"instances": [1.0]}
+    assert loads(_DOC.encode() + b'\x00 "\\ud800", Infin') == {"instances": [1.0]}
     assert _refusal(_DOC.encode() + b" x") == ("JSON Parse error: The document root must not be followed by "
                                                f"other values. at offset: {len(_DOC) + 1}")
 
