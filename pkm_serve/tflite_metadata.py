@@ -33,8 +33,9 @@ def _flatbuffer_reader(model_bytes):
 
 
 def _metadata_entries(model_bytes) -> List[tuple]:
-    """[(name, buffer index)] of the model's metadata entries (buffer index None where the
-    entry gives none); [] where the flatbuffer has none or cannot be read that far."""
+    """[(name, buffer index)] of the model's metadata entries (an entry that leaves its buffer
+    out names buffer 0, the field's default); [] where the flatbuffer has none or cannot be
+    read that far."""
     u32, field = _flatbuffer_reader(model_bytes)
     try:
         entries = field(u32(0), _MODEL_METADATA_FIELD)
@@ -51,7 +52,7 @@ def _metadata_entries(model_bytes) -> List[tuple]:
             if name is not None:
                 name += u32(name)
                 found.append((bytes(model_bytes[name + 4:name + 4 + u32(name)]).decode("utf-8", "replace"),
-                              None if buffer is None else u32(buffer)))
+                              0 if buffer is None else u32(buffer)))
         return found
     except (struct.error, IndexError):
         return []
@@ -64,6 +65,16 @@ def metadata_names(model_bytes) -> List[str]:
 
 
 _FLEXBUFFER_MAP = 9   # flexbuffers' FBT_MAP
+
+
+def no_data_reason(offset: int) -> str:
+    """Why the signature_defs_metadata entry's buffer gives no SignatureDefs where it has no
+    data vector; `offset` its Buffer.offset (schema.fbs: > 1 places the bytes after the
+    flatbuffer, as the converter writes models over 2 GB)."""
+    if offset > 1:
+        return (f"its buffer holds no data: its bytes are stored by offset ({offset}) outside the flatbuffer, "
+                "where TF Serving's GetSignatureDefMap does not read them (it reads the buffer's data only)")
+    return "its buffer holds no data"
 
 
 def signature_defs_metadata_size(model_bytes) -> Optional[int]:
@@ -79,13 +90,14 @@ def signature_defs_metadata_size(model_bytes) -> Optional[int]:
     try:
         buffers = field(u32(0), _MODEL_BUFFERS_FIELD)
         vector = buffers + u32(buffers)
-        if entry[0] is None or entry[0] >= u32(vector):
+        if entry[0] >= u32(vector):
             raise IndexError(f"buffer {entry[0]} of {u32(vector)}")
         table = vector + 4 + 4 * entry[0]
         table += u32(table)
         data = field(table, 0)
         if data is None:
-            raise IndexError("its buffer holds no data")
+            offset = field(table, 1)
+            raise IndexError(no_data_reason(0 if offset is None else struct.unpack_from("<Q", model_bytes, offset)[0]))
         data += u32(data)
         if data + 4 + u32(data) > len(model_bytes):   # (a slice would stop at the end: a truncated file)
             raise IndexError(f"its {u32(data)} bytes run past the file's end")

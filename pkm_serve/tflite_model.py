@@ -181,6 +181,10 @@ def _quantisable_tables(model, schema):
             if _custom_code(model, op.opcodeIndex) not in CUSTOM_OP_NAMES or not _ints(op.inputs):
                 continue
             tensor = subgraph.tensors[int(op.inputs[0])]
+            kept = _dequantized_table(model, schema, subgraph, int(op.inputs[0]))
+            if kept is not None and kept not in done:   # its DEQUANTIZE kept: read elsewhere too
+                done.add(kept)
+                shared += 1
             buffer_index = int(tensor.buffer)
             if buffer_index in done or tensor.type not in types:
                 continue
@@ -196,6 +200,19 @@ def _quantisable_tables(model, schema):
                 continue
             found.append((buffer_index, same, types[tensor.type]))
     return found, shared
+
+
+def _dequantized_table(model, schema, subgraph, tensor_index):
+    """The buffer of the constant float table whose DEQUANTIZE makes this tensor (one
+    _bypass_dequantize left in place), else None."""
+    for op in subgraph.operators or []:
+        if tensor_index in _ints(op.outputs) and _builtin_code(model, op.opcodeIndex) == \
+                schema.BuiltinOperator.DEQUANTIZE and len(_ints(op.inputs)) == 1:
+            src = subgraph.tensors[int(op.inputs[0])]
+            data = model.buffers[int(src.buffer)].data
+            if src.type in _float_table_types(schema) and data is not None and len(data):
+                return int(src.buffer)
+    return None
 
 
 def _builtin_code(model, opcode_index: int) -> int:

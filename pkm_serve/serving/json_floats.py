@@ -190,3 +190,34 @@ def _strtof(text: str):
     if exact == midpoint:
         return f   # a true tie: float32() rounded it to even, as strtof does
     return toward if (exact > midpoint) == (float(toward) > float(f)) else f
+
+
+_RAPIDJSON_FLOAT_RANGE = 3.4028234e38   # rapidjson's Value::IsFloat: a double within +-this
+_JSON_INTEGER_RANGE = (-(1 << 63), (1 << 64) - 1)   # integers rapidjson keeps as integers
+
+
+def json_number_text(v) -> str:
+    """A JSON number as json_tensor.cc's JsonValueToString prints it in an error message: an
+    integer as it is; a double (a literal with a fraction or exponent, or an integer past 64
+    bits) through WriteDecimal, as a float where rapidjson's IsFloat holds (within +-3.4028234e38),
+    else as a double: printf "%g" where that reads back as the value, else "%.9g" / "%.17g",
+    ".0" added to a whole number ("1e+39", "1.23456788" for 1.2345678901, "2.0")."""
+    if isinstance(v, int) and _JSON_INTEGER_RANGE[0] <= v <= _JSON_INTEGER_RANGE[1]:
+        return str(v)
+    try:
+        d = float(v)
+    except OverflowError:   # (an integer literal past the double range: rapidjson refuses the body)
+        return str(v)
+    if d != d:
+        return "NaN"
+    if abs(d) == float("inf"):
+        return "Infinity" if d > 0 else "-Infinity"
+    if abs(d) <= _RAPIDJSON_FLOAT_RANGE:
+        value = float(np.float32(d))
+        decimal_written = float(write_decimal_float32(np.array([value], np.float32))[0])
+        six = "%g" % value
+        text = six if float(six) == decimal_written else "%.9g" % value
+    else:
+        six = "%g" % d
+        text = six if float(six) == d else "%.17g" % d
+    return text if "." in text or "e" in text else text + ".0"

@@ -2,11 +2,9 @@
 json_tensor.cc's ParseJson: "JSON Parse error: <GetParseError_En> at offset: <byte>"), where
 Python's json stops at the fault rapidjson stops at; it said "Expecting value: line 1 column 1
 (char 0)". rapidjson stops at other bytes than Python's json in a few cases, placed here as it
-does: a partial true/false/null (past the letters it matched), a number missing its fraction or
-exponent (Python's json read the number before and wanted a comma), a string left open (at the
-end of the body). A partial NaN/Infinity (kParseNanAndInfFlag), and a body read as respelt
-text, keep Python's words."""
-import json
+does: a partial true/false/null or NaN/Infinity (past the letters it matched), a number missing
+its fraction or exponent (Python's json read the number before and wanted a comma), a string
+left open (at the end of the body)."""
 import re
 
 _LITERALS = {"t": "true", "f": "false", "n": "null"}
@@ -20,20 +18,9 @@ _SAME_PLACE = {
 }
 
 
-def rapidjson_words(err, body: bytes):
-    """json_tensor.cc's message for the JSONDecodeError `err` of `body`, else None."""
-    text = getattr(err, "doc", None)
-    # (a body parsed as respelt text, Inf for Infinity, has other offsets than its bytes)
-    if not isinstance(err, json.JSONDecodeError) or text != body.decode("utf-8", "surrogateescape"):
-        return None
-    found = _words_and_place(err.msg, text, err.pos)
-    if found is None:
-        return None
-    words, at = found
-    return f"JSON Parse error: {words} at offset: {len(text[:at].encode('utf-8', 'surrogateescape'))}"
-
-
-def _words_and_place(msg, text, pos):
+def rapidjson_words(msg, text, pos):
+    """(rapidjson's words, the character of `text` where it stops) for Python's json's fault
+    `msg` at `pos`, else None (Python's words are kept)."""
     if msg in _SAME_PLACE:
         return _SAME_PLACE[msg], pos
     if msg == "Expecting value":
@@ -62,8 +49,27 @@ def _invalid_value(text, pos):
             matched += 1
         return "Invalid value.", pos + matched
     if head in ("N", "I") or (head == "-" and text[pos + 1:pos + 2] in ("N", "I")):
-        return None   # (kParseNanAndInfFlag's partial matches)
+        stop = _nan_or_infinity_fault(text, pos + (head == "-"))
+        return None if stop is None else ("Invalid value.", stop)
     return "Invalid value.", pos + (head == "-")   # ParseNumber takes a minus, then wants a digit
+
+
+def _nan_or_infinity_fault(text, at):
+    """Where ParseNumber's kParseNanAndInfFlag branch refuses the letters at `at` (it takes
+    "N", "a", "N", else from where that failed "I", "n", "f" and, after an "i", "inity"),
+    or None where it reads them as a number."""
+    def take(letters):
+        nonlocal at
+        for letter in letters:
+            if text[at:at + 1] != letter:
+                return False
+            at += 1
+        return True
+    if take("N") and take("a") and take("N"):
+        return None
+    if take("I") and take("n") and take("f"):
+        return at if text[at:at + 1] == "i" and not take("inity") else None
+    return at
 
 
 def _after_a_value(text, pos):
@@ -101,10 +107,52 @@ _ESCAPE_OR_HIGH_SURROGATE = re.compile(rb"\\(?:(u[dD][89abAB][0-9a-fA-F]{2})(\\u
 
 
 def lone_high_surrogate(body: bytes):
-    """rapidjson's parse error for the first high-surrogate escape without its low one, else None."""
+    """(rapidjson's parse error, its byte offset) for the first high-surrogate escape without
+    its low one, else None."""
     if not _MAY_HOLD_HIGH_SURROGATE.search(body):
         return None
     for escape in _ESCAPE_OR_HIGH_SURROGATE.finditer(body):   # (each escape whole: "\\\\ud800" is none)
         if escape[1] and not escape[2]:
-            return f"JSON Parse error: The surrogate pair in string is invalid. at offset: {escape.start()}"
+            return (f"JSON Parse error: The surrogate pair in string is invalid. at offset: {escape.start()}",
+                    escape.start())
     return None
+
+
+# rapidjson's ParseNumber refuses a literal as kParseErrorNumberTooBig (at its start) in two
+# places only: an integer part that grows past DBL_MAX / 10 with digits left, and a positive
+# exponent above 308 less the fraction digits it counted (17 significant digits at most).
+# Any other literal past the double range is read as its (infinite) double, which
+# json_tensor.cc's IsLosslessDecimal lets through.
+NUMBER_OR_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|-?(\d+)(?:\.(\d+))?(?:[eE]([+-]?)(\d+))?', re.DOTALL)
+_TENTH_OF_DOUBLE_MAX = 1.7976931348623157e307
+_MAX_SAFE_INTEGER = (1 << 53) - 1
+
+
+def rapidjson_number_too_big(literal: str) -> bool:
+    """Whether rapidjson refuses this JSON number literal as too big to be stored in double."""
+    m = NUMBER_OR_STRING.fullmatch(literal)
+    if m is None or m[1] is None:
+        return False
+    digits, fraction, exponent_sign, exponent = m.groups()
+    if len(digits) > 308 and float(digits[:-1]) >= _TENTH_OF_DOUBLE_MAX:
+        return True
+    if exponent is None or exponent_sign == "-":
+        return False
+    return int(exponent) > 308 + _fraction_digits_counted(literal[0] == "-", digits, fraction or "")
+
+
+def _fraction_digits_counted(negative, digits, fraction):
+    """ParseNumber's -expFrac: the fraction digits it folds into the significand."""
+    limit = 1 << 63 if negative else (1 << 64) - 1
+    significand = int(digits)
+    if significand > limit:   # read as a double from there on: no fraction digit counts
+        return 0
+    significant = len(digits) - 1 if digits != "0" else 0
+    counted = 0
+    for digit in fraction:
+        if significand > _MAX_SAFE_INTEGER and significant >= 17:
+            break
+        significand = significand * 10 + int(digit)
+        counted += 1
+        significant += significand != 0
+    return counted

@@ -12,7 +12,6 @@ import asyncio
 import functools
 import json
 import logging
-import math
 import re
 import threading
 import time
@@ -27,7 +26,8 @@ from aiohttp import web
 from google.protobuf import json_format
 from tensorflow_serving.apis import get_model_metadata_pb2, get_model_status_pb2, model_pb2
 
-from pkm_serve.serving import json_parse_errors, rest_requests, tensors
+from pkm_serve.serving import rest_requests, tensors
+from pkm_serve.serving.json_body import TOO_DEEP, has_long_integer, loads  # noqa: F401 (has_long_integer: re-exported)
 from pkm_serve.serving.errors import ServingError, http_status, invalid
 from pkm_serve.serving.ports import check_bindable
 from pkm_serve.serving.rest_cors import cors_middleware
@@ -99,104 +99,9 @@ def dumps(obj) -> bytes:
     return data
 
 
-# Finds a number of 20+ leading digits (an integer maybe beyond 64 bits), never the digits
-# of a fraction, at C speed (a regex took longer than orjson's whole parse): digits become
-# 0, the three characters a JSON value can follow become S, blanks and signs go.
-_DIGITS_TABLE = bytes.maketrans(b"0123456789[,:", b"0000000000SSS")
-_LONG_NUMBER = b"S" + b"0" * 20
-
-
-def has_long_integer(body: bytes) -> bool:
-    return _LONG_NUMBER in body.translate(_DIGITS_TABLE, b" \t\n\r-")
-
-
 def _may_spell_bools(body: bytes) -> bool:
-    """Whether a JSON body may hold true/false; a NUL byte means UTF-16/32 (json.loads reads
-    those too), where the ASCII spelling cannot be searched for."""
-    return b"true" in body or b"false" in body or b"\x00" in body
-
-
-TOO_DEEP = "JSON Parse error: the document is nested too deeply"
-
-
-def _finite_json_float(text: str) -> float:
-    """rapidjson (TF Serving's parser) refuses a number literal past the double range, where
-    Python's json read 1e400 as Infinity; the Infinity literal itself stays allowed."""
-    value = float(text)
-    if math.isinf(value):
-        raise invalid(f"JSON Parse error: Number too big to be stored in double: {text[:40]}")
-    return value
-
-
-# A JSON string, or a spelling of a non-finite number that rapidjson's kParseNanAndInfFlag
-# reads and Python's json does not (Inf, -Inf, -NaN).
-_STRING_OR_RAPIDJSON_NON_FINITE = re.compile(r'"(?:[^"\\]|\\.)*"|-?Inf(?:inity)?|-NaN', re.DOTALL)
-_PYTHON_SPELLING = {"Inf": "Infinity", "-Inf": "-Infinity", "-NaN": "NaN"}
-
-
-# A lone low-surrogate escape ("\\udcff"), which rapidjson 1.1.0 (TF Serving's) writes as the
-# code point's three UTF-8 bytes (ED B3 BF). Python's json makes it the character a body byte
-# 0xFF becomes under surrogateescape, so it reached a string tensor as that one byte; it is
-# respelt as the escapes of its three bytes. (A surrogate pair is kept; `.` steps over any
-# other escape, "\\\\" included.)
-_MAY_HOLD_LOW_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][c-fC-F]")
-_ESCAPE = re.compile(r"\\(?:u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}|u([dD][c-fC-F][0-9a-fA-F]{2})|.)",
-                     re.DOTALL)
-
-
-def _as_utf8_byte_escapes(escape):
-    if escape[1] is None:
-        return escape[0]
-    return "".join(f"\\udc{b:02x}" for b in chr(int(escape[1], 16)).encode("utf-8", "surrogatepass"))
-
-
-def _respelt(token) -> str:
-    text = token[0]
-    if text[0] == '"':
-        return _ESCAPE.sub(_as_utf8_byte_escapes, text) if "\\u" in text else text
-    return _PYTHON_SPELLING.get(text, text)
-
-
-def _as_rapidjson_reads(body: bytes) -> str:
-    """The body as text Python's json reads as rapidjson (TF Serving's parser) reads the bytes:
-    bytes that are not UTF-8 kept (rapidjson does not validate the encoding: they reach a
-    string tensor as sent; here they were a parse error), Inf/-Inf/-NaN and lone low-surrogate
-    escapes respelt."""
-    text = body.decode("utf-8", "surrogateescape")
-    return _STRING_OR_RAPIDJSON_NON_FINITE.sub(_respelt, text)
-
-
-def _python_loads(body: bytes, **hooks):
-    try:
-        # NaN/Infinity literals, huge integers -- or the error to report
-        if not _MAY_HOLD_LOW_SURROGATE_ESCAPE.search(body):
-            try:
-                return json.loads(body, parse_float=_finite_json_float, **hooks)
-            except (UnicodeDecodeError, json.JSONDecodeError):   # (the rare path: read as rapidjson reads)
-                pass
-        return json.loads(_as_rapidjson_reads(body), parse_float=_finite_json_float, **hooks)
-    except RecursionError:        # deeper than Python's stack (orjson stops at 1024 levels)
-        raise invalid(TOO_DEEP) from None
-
-
-def loads(body: bytes):
-    if not body:   # json_tensor.cc's ParseJson (Python's json said "Expecting value: line 1 ...")
-        raise invalid("JSON Parse error: The document is empty")
-    doc = None
-    if not has_long_integer(body):
-        try:
-            doc = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            pass
-    if doc is None:
-        doc = _python_loads(body)
-        lone_surrogate = json_parse_errors.lone_high_surrogate(body)
-        if lone_surrogate:
-            raise invalid(lone_surrogate)
-    if isinstance(doc, dict) and rest_requests.may_repeat_keys(body, doc):
-        # Parsed again, keeping what json_tensor.cc's FindMember reads: a key's first spelling.
-        doc = rest_requests.first_members(_python_loads(body, object_pairs_hook=rest_requests.json_object))
-    return doc
+    """Whether a JSON body may hold true/false (read as UTF-8, as rapidjson reads every body)."""
+    return b"true" in body or b"false" in body
 
 
 def _json_response(obj, status=200):
@@ -369,12 +274,7 @@ class RestFrontend:
                     return _json_response({"error": f"request body is larger than the limit of "
                                                     f"{self.max_body_bytes} bytes (--max_request_bytes)"},
                                           status=413)
-                try:
-                    doc = loads(body)
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                    if not body.strip(b" \t\n\r"):   # rapidjson's kParseErrorDocumentEmpty, past the blanks
-                        raise invalid(f"JSON Parse error: The document is empty. at offset: {len(body)}") from None
-                    raise invalid(json_parse_errors.rapidjson_words(e, body) or f"JSON Parse error: {e}") from None
+                doc = loads(body)
                 if not isinstance(doc, dict):   # json_tensor.cc's ParseJson
                     raise invalid(f"JSON Value: {rest_requests.json_value(doc)} Is not object")
             else:

@@ -9,7 +9,7 @@ import tensorflow as tf
 from tensorflow.core.framework import tensor_pb2, types_pb2
 
 from pkm_serve.serving.errors import ServingError, invalid
-from pkm_serve.serving.json_floats import shortest_float32_as_float64, write_decimal_float32
+from pkm_serve.serving.json_floats import json_number_text, shortest_float32_as_float64, write_decimal_float32
 from pkm_serve.serving.json_keys import json_text
 from pkm_serve.serving.limits import DEFAULT_MAX_REQUEST_BYTES
 from pkm_serve.serving.proto_fields import VALUE_FIELDS, fill_to, misplaced, narrow_values, sent_count
@@ -389,17 +389,6 @@ def _leaves(value):
             yield from _leaves(item)
     else:
         yield value
-
-
-def json_number_text(v) -> str:
-    """A JSON number as TF Serving's error messages print it (1e300, not 1e+300)."""
-    if isinstance(v, float):
-        if v != v:
-            return "NaN"
-        if v in (float("inf"), float("-inf")):
-            return "Infinity" if v > 0 else "-Infinity"
-        return repr(v).replace("e+", "e")
-    return str(v)
 
 
 def lossy_decimal_error(v, target: str, name: str = ""):

@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.protobuf import meta_graph_pb2
 
-from pkm_serve import tflite
+from pkm_serve import tflite, tflite_metadata
 from pkm_serve.serving import protos
 from pkm_serve.serving.batching import BatchScheduler
 from pkm_serve.serving.errors import invalid
@@ -82,7 +82,12 @@ def _metadata_signature_defs(model_bytes) -> dict:
         if entry.Name() != _SIGNATURE_DEFS_METADATA:
             continue
         try:
-            data = model.Buffers(entry.Buffer()).DataAsNumpy().tobytes()
+            if entry.Buffer() >= model.BuffersLength():   # (flatbuffers would read past the buffers)
+                raise IndexError(f"buffer {entry.Buffer()} of {model.BuffersLength()}")
+            buffer = model.Buffers(entry.Buffer())
+            if buffer.DataIsNone():
+                raise IndexError(tflite_metadata.no_data_reason(int(buffer.Offset())))
+            data = buffer.DataAsNumpy().tobytes()
             sigs = flexbuffers.GetRoot(data).AsMap
             return {key.AsKey: meta_graph_pb2.SignatureDef.FromString(sigs[key.AsKey].AsStringBytes)
                     for key in sigs.Keys}

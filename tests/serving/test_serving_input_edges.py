@@ -11,7 +11,7 @@ from tensorflow.core.framework import tensor_pb2, types_pb2
 
 from pkm_serve.serving import rest_frontend, tensors
 from pkm_serve.serving.errors import ServingError
-from pkm_serve.serving.rest_frontend import RestFrontend, _may_spell_bools
+from pkm_serve.serving.rest_frontend import RestFrontend, _may_spell_bools, loads
 
 
 def _spec(dtype):
@@ -48,9 +48,12 @@ def test_rest_predict_paths_refuse_booleans_in_both_formats():
 def test_the_boolean_scan_is_skipped_only_for_bodies_that_cannot_spell_one():
     assert not _may_spell_bools(b'{"inputs": [[1, 2], [3.5, -4e3]]}')
     assert _may_spell_bools(b'{"inputs": [true, 2]}') and _may_spell_bools(b'{"inputs": [false]}')
-    # json.loads reads UTF-16 bodies too, where b"true" is not a substring
+    # json.loads reads UTF-16 bodies too, where b"true" is not a substring: they are refused
+    # before the scan, as rapidjson reads every body as UTF-8
     utf16 = '{"inputs": [true, 2]}'.encode("utf-16")
-    assert json.loads(utf16) == {"inputs": [True, 2]} and _may_spell_bools(utf16)
+    assert json.loads(utf16) == {"inputs": [True, 2]}
+    with pytest.raises(ServingError, match="JSON Parse error: Invalid value. at offset: 0$"):
+        loads(utf16)
     assert tensors.from_json("ids", [1, 2], _spec(tf.int64), may_hold_bools=False).tolist() == [1, 2]
 
 
@@ -75,7 +78,7 @@ def test_well_typed_values_still_arrive_exactly(value, dtype):
     ([{"b64": "AA=="}], tf.int64, 'JSON Value: {"b64":"AA=="} Type: Object is not of expected type: int64'),
     ([1, 2 ** 31], tf.int32, "JSON Value: 2147483648 Type: Number is not of expected type: int32"),
     ([-(2 ** 31) - 1], tf.int32, "JSON Value: -2147483649 Type: Number is not of expected type: int32"),
-    ([1e39], tf.float32, "Cannot convert JSON value: 1e39 to float without loss of precision."),
+    ([1e39], tf.float32, "Cannot convert JSON value: 1e+39 to float without loss of precision."),
     ([1.0], tf.int64, "JSON Value: 1.0 Type: Number is not of expected type: int64"),
     ([1, 0], tf.bool, "JSON Value: 1 Type: Number is not of expected type: bool"),
 ])
@@ -121,13 +124,20 @@ def test_dense_string_inputs_keep_their_shape(value, shape):
     assert got.shape == shape and got.tolist() == utf8(value)
 
 
-@pytest.mark.parametrize("literal", [b"1e400", b"-1e400", b"1.8e308", b"123456789e301"])
+@pytest.mark.parametrize("literal", [b"1e400", b"-1e400", b"1.5e310", b"1e0309", b"12.25e311", b"1" * 310 + b".5", b"1." + b"0" * 20 + b"e326"])
 def test_a_number_literal_past_the_double_range_is_a_parse_error(literal):
-    """rapidjson refuses it (kParseErrorNumberTooBig); Python's json read 1e400 as Infinity
-    and the model ran on it."""
-    with pytest.raises(ServingError, match="JSON Parse error: Number too big to be stored in double: "
-                                           + literal.decode().replace("+", r"\+")):
+    """rapidjson refuses it (kParseErrorNumberTooBig, at the literal's start: an exponent over
+    308 less the fraction digits, an integer part past DBL_MAX); Python's json read 1e400 as
+    Infinity and the model ran on it."""
+    with pytest.raises(ServingError, match="JSON Parse error: Number too big to be stored in double. at offset: 17$"):
         rest_frontend.loads(b'{"inputs": [1.5, ' + literal + b"]}")
+
+
+@pytest.mark.parametrize("literal, value", [(b"1.8e308", np.inf), (b"1.5e309", np.inf), (b"1." + b"0" * 20 + b"e325", np.inf), (b"-123456789e301", -np.inf), (b"1.25e308", 1.25e308)])
+def test_a_literal_rapidjson_reads_past_the_double_range_is_infinity(literal, value):
+    """Within ParseNumber's exponent limit its double overflows to infinity, which json_tensor.cc
+    lets through (IsLosslessDecimal); Python's json gives the same double."""
+    assert rest_frontend.loads(b'{"inputs": [1.5, ' + literal + b"]}")["inputs"] == [1.5, value]
 
 
 @pytest.mark.parametrize("value, dtype", [([10 ** 400], tf.float32), ([1.5, -(10 ** 309)], tf.float64),

@@ -13,6 +13,8 @@ so far: the first refused request of each interpreter was answered with the load
 ("weights must have the shape of indices [1, 1], got [1, 3]", of shapes the client never sent)
 before its own. Now a request's error is what the runtime says about that request alone: the
 same as a fresh interpreter's (the reference) for the same inputs."""
+import re
+
 import grpc
 import numpy as np
 import pytest
@@ -184,3 +186,57 @@ def test_an_empty_or_unreadable_signature_defs_metadata_the_cli_and_the_server_a
                           "(its signature_defs_metadata)"), err
     with pytest.raises(ServingError, match=r"Invalid SignatureDefs found in TfLite model \(its signature_defs_metadata\)"):
         _load(not_a_map)
+
+
+def test_signature_defs_metadata_stored_by_offset_is_read_as_upstream_reads_it(tmp_path, capsys):
+    """TF Serving's GetSignatureDefMap reads the entry's buffer data() alone, never Buffer.offset
+    (schema.fbs' store after the flatbuffer): data kept inline as well is served (by both),
+    data only after the flatbuffer is refused by both in the same words, which say so (the
+    server's were "AttributeError: 'int' object has no attribute 'tobytes'")."""
+    from tensorflow.core.protobuf import meta_graph_pb2
+    from pkm_serve.serving.errors import ServingError
+    from tests.tflite.metadata_entries import with_metadata_stored_by_offset
+    sdef = meta_graph_pb2.SignatureDef(method_name="tensorflow/serving/predict")
+    sdef.inputs["ids"].name, sdef.inputs["wts"].name, sdef.outputs["pooled"].name = "indices", "weights", "output"
+    inline = _with_signature_defs_metadata(tflite.build_embedding_bag_model(TABLE, 3), {"bags": sdef.SerializeToString()})
+    both = _write(tmp_path, "both", with_metadata_stored_by_offset(inline, "signature_defs_metadata", True))
+    assert tflite_cli.console_main([f"{both}/model.tflite"]) == 0
+    capsys.readouterr()
+    loader = _load(both)
+    try:
+        assert list(loader.servable().signature_defs) == ["bags"]
+    finally:
+        loader.unload()
+    outside = with_metadata_stored_by_offset(inline, "signature_defs_metadata", False)
+    model = tflite.flatbuffer_schema().Model.GetRootAsModel(inline, 0)
+    blob = model.Buffers(model.Metadata(model.MetadataLength() - 1).Buffer()).DataAsNumpy().tobytes()
+    words = (r"Invalid SignatureDefs found in TfLite model \(its signature_defs_metadata\): IndexError: its buffer "
+             r"holds no data: its bytes are stored by offset \((\d+)\) outside the flatbuffer")
+    path = _write(tmp_path, "outside", outside)
+    assert tflite_cli.console_main([f"{path}/model.tflite"]) == 1
+    stored_at = int(re.search(words, capsys.readouterr().err)[1])
+    assert outside[stored_at:] == blob   # the offset named is where the bytes are
+    with pytest.raises(ServingError, match=words):
+        _load(path)
+
+
+def test_a_signature_defs_metadata_entry_naming_no_buffer_of_data_the_cli_and_the_server_agree(tmp_path, capsys):
+    """An entry naming buffer 9999 of 3: the server read past the flatbuffer's buffers
+    ("unpack_from requires a buffer of at least ..."); one naming buffer 0 (the field left out,
+    its default): the CLI said "buffer None of 3". Both now give the CLI's and server's same words."""
+    import flatbuffers
+    from pkm_serve.serving.errors import ServingError
+    schema = tflite.flatbuffer_schema()
+    added = with_metadata_entry(tflite.build_embedding_bag_model(TABLE, 3), "signature_defs_metadata", b"\x00\x01\x02")
+    for index, words in ((9999, "IndexError: buffer 9999 of 3"), (0, "IndexError: its buffer holds no data")):
+        m = schema.ModelT.InitFromObj(schema.Model.GetRootAsModel(bytearray(added), 0))
+        assert len(m.buffers) == 3 and not m.buffers[0].data   # (buffer 0: the schema's empty one)
+        m.metadata[-1].buffer = index
+        b = flatbuffers.Builder(4096)
+        b.Finish(m.Pack(b), file_identifier=b"TFL3")
+        path = _write(tmp_path, f"buffer{index}", bytes(b.Output()))
+        assert tflite_cli.console_main([f"{path}/model.tflite"]) == 1
+        want = f"Invalid SignatureDefs found in TfLite model (its signature_defs_metadata): {words}"
+        assert capsys.readouterr().err.strip() == f"pkm-serve tflite: error: {want}"
+        with pytest.raises(ServingError, match=re.escape(want) + "$"):
+            _load(path)
