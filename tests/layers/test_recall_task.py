@@ -9,8 +9,10 @@ from pkm_serve.layers.recall_task import (
     run_recall_comparison,
 )
 
-# A quicker version of the example's task (4096 pairs, 4096 memory slots).
-SMALL = RecallConfig(num_pairs=4096, num_values=256, n_keys=64, steps=350)
+# A quicker version of the example's task (4096 pairs, 4096 memory slots). At learning rate 6e-3
+# 200 steps separate the models as 350 steps at the default 3e-3 did (measured, seed 0: PKM end
+# loss 0.36 / accuracy 0.986 vs the FFN's 2.49 / 0.417; before 0.29 / 0.996 vs 2.55 / 0.419).
+SMALL = RecallConfig(num_pairs=4096, num_values=256, n_keys=64, steps=200, learning_rate=6e-3)
 
 
 def test_task_is_random_pairs():

@@ -119,23 +119,28 @@ def test_saved_model_reloads_in_a_fresh_process_with_only_the_op_library(trained
     np.testing.assert_array_equal(reloaded["out1"], expected)
 
 
-def test_composite_model_exports_with_stock_ops_only(tmp_path):
-    """implementation='composite' gives a SavedModel any TF runtime can serve."""
+@pytest.fixture(scope="module")
+def composite_exports(tmp_path_factory):
+    """The composite model and its two SavedModels (tf.saved_model.save, keras Model.export),
+    built and exported once for the two tests below."""
     model = build_model(implementation="composite")
-    saved, _ = _export_both_ways(model, str(tmp_path))
+    return (model, *_export_both_ways(model, str(tmp_path_factory.mktemp("composite"))))
+
+
+def test_composite_model_exports_with_stock_ops_only(composite_exports):
+    """implementation='composite' gives a SavedModel any TF runtime can serve."""
+    _, saved, _ = composite_exports
     op_types = graph_op_types(saved)
     assert not any(op.startswith("Pkm") for op in op_types)
     assert "GatherV2" in op_types or "ResourceGather" in op_types
 
 
-def test_exporter_fuses_the_composite_layers(tmp_path):
-    """pkm-serve export turns both composite lookups back into PkmEmbeddingBag."""
+def test_exporter_fuses_the_composite_layers(composite_exports, tmp_path):
+    """pkm-serve export turns both composite lookups back into PkmEmbeddingBag (of keras' export)."""
     from pkm_serve.export.exporter import export_saved_model
 
     rng = np.random.default_rng(1)
-    model = build_model(implementation="composite")
-    source = str(tmp_path / "composite")
-    model.export(source, format="tf_saved_model", verbose=False)
+    model, _, source = composite_exports
     result = export_saved_model(source, str(tmp_path / "fused"), quiet=True)
     assert len(result.fused) == 2, [site for site in result.sites]
     assert "PkmEmbeddingBag" in graph_op_types(result.dst)

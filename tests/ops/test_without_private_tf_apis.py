@@ -3,13 +3,47 @@ special-case jvps, a query for an active accumulator's tangents, a reset of a
 busy accumulator) and pfor's converter registry (tf.vectorized_map). A TF
 without them must still import pkm_serve and look up and differentiate as
 before; only those jvps and the vectorized lookup are lost."""
+import json
 import os
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# One child process imports TF once (~5 s of CPU) and forks one grandchild per case; each case
+# removes its private APIs and imports pkm_serve in its own fresh grandchild, as a process that
+# had only imported TF would. Each case's exit status, stdout and stderr come back separately.
+_FORKING_DRIVER = """
+import json, os, sys, tempfile, traceback
+import tensorflow  # noqa: F401  (the shared cost; pkm_serve is imported by each case)
+cases, results = json.loads(sys.stdin.read()), {}
+for name, script in cases.items():
+    paths = [tempfile.mkstemp()[1] for _ in range(2)]
+    pid = os.fork()
+    if pid == 0:
+        for fd, path in zip((1, 2), paths):
+            os.dup2(os.open(path, os.O_WRONLY), fd)
+        status = 0
+        try:
+            exec(compile(script, name, "exec"), {"__name__": "__main__"})
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    _, wait_status = os.waitpid(pid, 0)
+    outputs = []
+    for path in paths:
+        with open(path) as f:
+            outputs.append(f.read())
+        os.unlink(path)
+    results[name] = [os.waitstatus_to_exitcode(wait_status), *outputs]
+print(json.dumps(results))
+"""
 
 _SCRIPT = """
 import numpy as np
@@ -32,15 +66,24 @@ for sparse in (False, True):
 """
 
 
-def test_lookups_and_gradients_work_without_the_private_forward_mode_apis():
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+@pytest.fixture(scope="module")
+def case_runs():
+    """{case: (exit status, stdout, stderr)} of both scripts."""
+    cases = {"no_forward_mode_apis": _SCRIPT, "no_tape_query": _NO_RECORD_SCRIPT}
+    proc = subprocess.run([sys.executable, "-c", _FORKING_DRIVER], input=json.dumps(cases), capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return {name: tuple(result) for name, result in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
+
+
+def test_lookups_and_gradients_work_without_the_private_forward_mode_apis(case_runs):
+    returncode, stdout, stderr = case_runs["no_forward_mode_apis"]
+    assert returncode == 0, stderr[-3000:]
     table = np.arange(12, dtype=np.float64).reshape(4, 3)
     out = np.stack([table[0] + 2 * table[2], 3 * table[1]]).ravel().tolist()
     d_table = np.array([[1.0] * 3, [3.0] * 3, [2.0] * 3, [0.0] * 3]).ravel().tolist()
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 2, proc.stdout
+    lines = stdout.strip().splitlines()
+    assert len(lines) == 2, stdout
     for line in lines:
         assert line == f"{out} {d_table}"
 
@@ -68,13 +111,12 @@ for run in (step, tf.function(step, jit_compile=True)):
 """
 
 
-def test_sparse_gradient_without_the_private_tape_query_falls_back_to_correct_gradients():
+def test_sparse_gradient_without_the_private_tape_query_falls_back_to_correct_gradients(case_runs):
     """A TF without ``record.could_possibly_record``: the eager lookup reads the variable in the kernel
     and under XLA the dense-gradient op runs; both give the reference numbers (an ImportError before)."""
-    proc = subprocess.run([sys.executable, "-c", _NO_RECORD_SCRIPT], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    returncode, stdout, stderr = case_runs["no_tape_query"]
+    assert returncode == 0, stderr[-3000:]
     table = np.arange(12, dtype=np.float64).reshape(4, 3)
     out = np.stack([table[0] + 2 * table[2], 3 * table[1]]).ravel().tolist()
     d_table = np.array([[1.0] * 3, [3.0] * 3, [2.0] * 3, [0.0] * 3]).ravel().tolist()
-    assert proc.stdout.strip().splitlines() == [f"{out} {d_table}"] * 2, proc.stdout
+    assert stdout.strip().splitlines() == [f"{out} {d_table}"] * 2, stdout
