@@ -369,6 +369,8 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
     table[default_id] (safe_) or the lowest value (ragged reduce_max)."""
     steps = masked_max_steps(fg, site) if site.max_fill is not None else []
     out_dtype = site.table_dtype
+    if site.nan_term is not None:  # NaN where the composite's dropped rows times inf are (dropped_nan.py)
+        steps.append(("AddV2", {"T": DType(out_dtype)}, lambda bag: [bag, site.nan_term]))
     if site.cast_enum:
         steps.append(("Cast", {"SrcT": DType(out_dtype), "DstT": DType(site.cast_enum),
                                "Truncate": False}, lambda bag: [bag]))

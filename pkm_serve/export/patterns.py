@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import (counts, dense, einsum, flat_bags, fuse, half_division, labels, matmul_width,
+from pkm_serve.export import (counts, dense, dropped_nan, einsum, flat_bags, fuse, half_division, labels, matmul_width,
                               padded_ragged, pooled, positions, ragged, ragged_range, running_sum, scales, sparse,
                               tensordot, unflatten, unrecognised, unsorted_segments,
                               zero_fill)
@@ -62,6 +62,7 @@ def _check_matched(fg: FunctionGraph, site: Site) -> None:
     check_shared_weights_fixed(fg, site)
     zero_fill.check_dense_bag(site)
     unflatten.check_regroup_without_span(site)
+    dropped_nan.check_dropped_rows(fg, site)
 
 
 # Sites ending in ops that mostly end no bag (an add, a slice, a reshape).
@@ -176,6 +177,7 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
         for site in fused:
             old_root_inputs = [fg.parse(t).node for t in fg.nodes[site.root].input
                                if not t.startswith("^")]
+            dropped_nan.build_nan_term(fg, site)  # from the mask and ids as matched
             zero_weights_as_padding(fg, site)  # multiply_no_nan(rows, w): ids of w == 0 padding
             scales.fold_factors(fg, site)
             zero_fill.broadcast_ids_like_fill(fg, site)
