@@ -90,6 +90,7 @@ class Site:
     negative_ids_padding: bool = False   # negative ids count nowhere (one_hot): no negative-id check
     rows_from_counts: bool = False    # table rows unknown at export: N is the counts', checked at run time
     expand_bag_axis: bool = False     # the composite keeps a unit bag axis (matmul): the bag gets it back
+    extra_unit_axes: int = 0          # more unit axes there (AveragePooling1D of the bag: [B, 1, 1, D])
     bag_unit_axis: int = -2           # ... at this axis: -2 ([..., 1, D]) or -1 (rows^T @ w: [..., D, 1])
     mask_squeeze: bool = False        # mask likewise
     regathers: Tuple[Ref, ...] = ()   # rows re-gathered by these (outermost first)
