@@ -7,7 +7,7 @@ or NaN w anywhere makes every entry of the bag NaN.
 Fused with a per-bag term added to the op's bag before any step after it: the sum over the dropped (or, for
 the counts, all) positions of 0 * m for each multiplier m after the drop (divide_no_nan(0, d) for a divisor d):
 NaN exactly where the composite's bag is, 0 elsewhere. It costs a few elementwise ops on [..., K], none on the [..., K, D] rows.
-A form the term cannot be shaped for (a bag over several axes, ragged or segment bags) is reported."""
+A form the term cannot be shaped for (ragged or segment bags, a span of positions, regrouped ids) is reported."""
 from __future__ import annotations
 
 from typing import List, Optional
@@ -45,13 +45,13 @@ def check_dropped_rows(fg: FunctionGraph, site: Site) -> None:
     if not site.drop_hazards:
         return
     ragged = site.segment_ids is not None or site.sparse_indices is not None or site.row_splits is not None
-    if ragged or site.positions is not None or site.flatten_bag_axes > 1 or site.regroup_ids is not None or \
+    if ragged or site.positions is not None or site.regroup_ids is not None or \
             site.weights_per_flat_id is not None or site.pooled is not None or site.regathers or \
             site.zero_fill is not None or site.ones is not None or site.weights_unit_row or site.weights_to_vector:
         what = "a one-hot lookup's zero rows" if site.negative_ids_padding else "rows a tf.where mask drops"
         raise Skip(f"{what} then multiplied by {fg.render(site.drop_hazards[0][1])}, which may be inf or NaN: "
                    "the composite's 0 * inf makes the bag NaN where the fused op skips the dropped row, and this "
-                   "form's bag is not one axis of dense ids: not fused")
+                   "form's bag is not the last axes of dense ids: not fused")
 
 
 def _as_per_index(fg: FunctionGraph, prefix: str, ref: Ref, squeeze: bool, scalar: bool, dtype: int) -> Ref:
@@ -113,9 +113,12 @@ def build_nan_term(fg: FunctionGraph, site: Site) -> None:
     else:  # every position: broadcast a shared or per-bag multiplier to the ids
         zeros = fg.add_op(prefix + "/at_ids", "AddV2", [zeros, _zeros_like_ids(fg, site, prefix, out)],
                           {"T": DType(out)}, shapes=[None])
-    site.nan_term = fg.add_op(prefix + "/per_bag", "Sum", [zeros, fg.add_const(
-        prefix + "/bag_axis", np.array([-1], np.int32))], {"T": DType(out), "Tidx": DType(types_pb2.DT_INT32),
-                                                           "keep_dims": True}, shapes=[None])
+    bag_axes = np.arange(-site.flatten_bag_axes, 0, dtype=np.int32)  # the ids' last axes: one bag (flat_bags.py)
+    per_bag = fg.add_op(prefix + "/per_bag", "Sum", [zeros, fg.add_const(prefix + "/bag_axes", bag_axes)], {
+        "T": DType(out), "Tidx": DType(types_pb2.DT_INT32), "keep_dims": False}, shapes=[None])
+    site.nan_term = fg.add_op(prefix + "/per_bag_column", "ExpandDims", [per_bag, fg.add_const(
+        prefix + "/column_axis", np.array(-1, np.int32))], {"T": DType(out), "Tdim": DType(types_pb2.DT_INT32)},
+        shapes=[None])
 
 
 def _zeros_like_ids(fg: FunctionGraph, site: Site, prefix: str, dtype: int) -> Ref:
