@@ -43,9 +43,6 @@ FORMS = {  # name: (body of (module, ids, w, d), fused)
                                                   for k in range(K)]), False),
     "ragged": (lambda m, i, w, d: tf.reduce_sum(tf.math.divide_no_nan(
         tf.gather(m.t, tf.ragged.boolean_mask(i, i > 0)), tf.ragged.boolean_mask(d, i > 0)[..., None]), 1), False),
-    # a dense divisor per bag of ragged rows: neither fused nor listed before round 39; now reported
-    "ragged_per_bag_divisor": (lambda m, i, w, d: tf.reduce_sum(tf.math.divide_no_nan(
-        tf.gather(m.t, tf.ragged.boolean_mask(i, i > 0)), d[:, :1, None]), 1), False),
 }
 
 
@@ -65,11 +62,9 @@ def _references(ids, w, d):
     kept = (w > 1)[..., None]
     count = kept.sum(1, keepdims=True)
     with np.errstate(invalid="ignore", divide="ignore"):
-        per_bag_rows = np.where(first == 0, 0.0, rows / first)
-        per_bag = per_bag_rows.sum(1)
+        per_bag = np.where(first == 0, 0.0, rows / first).sum(1)
         masked_mean = np.where(count == 0, 0.0, np.where(kept, rows, 0.0) / np.where(count == 0, 1, count)).sum(1)
     return {"per_position": no_nan.sum(1), "ragged": np.where((ids > 0)[..., None], no_nan, 0.0).sum(1),
-            "ragged_per_bag_divisor": np.where((ids > 0)[..., None], per_bag_rows, 0.0).sum(1),
             "per_bag_divisor": per_bag, "masked_mean_by_bag_count": masked_mean, "per_index_divisor": no_nan.sum(1), "constant_divisor_mean": (rows / 4).mean(1),
             "weighted_mean_of_the_bag": np.where(counts == 0, 0.0, weighted / np.where(counts == 0, 1, counts)),
             "then_times_a_fed_weight": (no_nan * w3).sum(1), "divisor_over_rows": over_rows.sum(1)}
