@@ -217,4 +217,4 @@ def _one_hot_weights(fg: FunctionGraph, weights: Ref, ids: Ref, counts_dtype: in
                    f"(w[..., None] with w shaped as the ids {fg.shape(ids)})")
     if cast is not None or counts_dtype != site.table_dtype:
         raise Skip(f"weighted one_hot counts of dtype {dtype_name(counts_dtype)} cast before the matmul")
-    site.weights, site.weights_squeeze = weights, True
+    site.weights, site.weights_squeeze, site.weights_on_one_hot = weights, True, True

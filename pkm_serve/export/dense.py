@@ -19,7 +19,8 @@ from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.half_rounding import rounds_to_half
 from pkm_serve.export.no_nan_multiply import multiply_op, note_zero_weights
 from pkm_serve.export.one_hot_lookup import flattened_one_hot_lookup, one_hot_lookup
-from pkm_serve.export.per_index import check_weights_and_mask, may_broadcast_ids, per_index_shape
+from pkm_serve.export.per_index import (check_mask_reads_rows, check_weights_and_mask, may_broadcast_ids,
+                                        per_index_shape)
 from pkm_serve.export.sites import (GATHER_OPS, INDEX_DTYPES, ND_GATHER_OPS, TABLE_DTYPES, NotASite, Site, Skip,
                                     check_private, dims, dtype_name, itemsize, same_dims,
                                     tensor_dtype, through_identity)
@@ -162,7 +163,7 @@ class Rows:
         self.mask_keeps_true = True
         self.cast_enum = 0
         self.rounded_enum = 0  # an inner cast to a half dtype (cast_enum is the outer one)
-        self.weights_squeeze = self.mask_squeeze = False
+        self.weights_squeeze = self.mask_squeeze = self.weights_after_mask = False
         self.weights_scalar = False
         self.weights_unit_row = False  # weights [..., 1, K] applied after a transpose: read without axis -2
         self.ones: Optional[Ref] = None  # a multiplier that is all ones
@@ -281,7 +282,7 @@ def _resolve_weights(fg: FunctionGraph, ins: List[Ref], rows: Rows, site: Site) 
         if is_scalar(fg, w_ref, fg.shape(rows_ref).rank):
             if not is_ones(fg, w_ref):  # x * 1 changes nothing
                 site.weighted = True
-                rows.weights, rows.weights_scalar = w_ref, True
+                rows.weights, rows.weights_scalar, rows.weights_after_mask = w_ref, True, rows.mask is None
             return rows_ref
         try:
             weights, strip_nodes, squeeze = strip_trailing_unit_axis(fg, w_ref)
@@ -294,7 +295,7 @@ def _resolve_weights(fg: FunctionGraph, ins: List[Ref], rows: Rows, site: Site) 
             rows.ones, rows.ones_squeeze = weights, squeeze
             return rows_ref
         site.weighted = True
-        rows.weights, rows.weights_squeeze = weights, squeeze
+        rows.weights, rows.weights_squeeze, rows.weights_after_mask = weights, squeeze, rows.mask is None
         return rows_ref
     if problem is not None:
         raise problem
@@ -320,6 +321,7 @@ def _resolve_mask(fg: FunctionGraph, ins: List[Ref], rows: Rows, site: Site) -> 
         rows.nodes.append(fill_node.name)  # tf.zeros_like(rows): goes with the site
     elif not _is_zero(fg, fill):  # zeros shaped like another tensor: the ids may be broadcast like them
         rows.zero_fill = zeros_like_another(fg, fill, rows_ref, rows.nodes)
+    check_mask_reads_rows(fg, cond, rows_ref)
     mask, strip_nodes, rows.mask_squeeze = strip_trailing_unit_axis(fg, cond, what="mask")
     rows.mask, rows.mask_keeps_true = mask, keeps_true
     rows.nodes.extend(strip_nodes)
@@ -363,6 +365,7 @@ def apply_rows(fg: FunctionGraph, site: Site, rows: Rows, root: str, data: Ref) 
     if rows.weights is not None:
         site.weights, site.weights_squeeze = rows.weights, rows.weights_squeeze
         site.weights_scalar, site.weights_unit_row = rows.weights_scalar, rows.weights_unit_row
+        site.weights_after_mask = rows.weights_after_mask
     if rows.mask is not None:
         site.mask, site.mask_keeps_true = rows.mask, rows.mask_keeps_true
         site.mask_squeeze, site.max_fill = rows.mask_squeeze, rows.max_fill

@@ -64,7 +64,7 @@ def _bag_shape(fg: FunctionGraph, site: Site):
     """The bag's shape: the root's, less the unit axis a matmul site keeps."""
     shape = _root_shape(fg, site)
     if site.expand_bag_axis and shape[0] is not None:
-        return [shape[0][:-1] if site.bag_unit_axis == -1 else shape[0][:-2] + shape[0][-1:]]
+        return [shape[0][:-1] if site.bag_unit_axis == -1 else shape[0][:-2 - site.extra_unit_axes] + shape[0][-1:]]
     return shape
 
 
@@ -210,7 +210,8 @@ def fuse_site(fg: FunctionGraph, site: Site) -> None:
                 fg.replace_node(site.root, step, step_inputs(ref), step_attrs)
             else:
                 ref = fg.add_op(f"{site.root}/pkm_{step.lower()}", step, step_inputs(ref), step_attrs,
-                                shapes=_bag_shape(fg, site) if site.expand_bag_axis else _root_shape(fg, site))
+                                shapes=[None] if site.extra_unit_axes else _bag_shape(fg, site) if site.expand_bag_axis
+                                else _root_shape(fg, site))
     for name in site.internal:
         fg.redirect_control(name, params.node if site.params_is_resource and name in reads
                             else site.root)
@@ -369,6 +370,8 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
     table[default_id] (safe_) or the lowest value (ragged reduce_max)."""
     steps = masked_max_steps(fg, site) if site.max_fill is not None else []
     out_dtype = site.table_dtype
+    if site.nan_term is not None:  # NaN where the composite's dropped rows times inf are (dropped_nan.py)
+        steps.append(("AddV2", {"T": DType(out_dtype)}, lambda bag: [bag, site.nan_term]))
     if site.cast_enum:
         steps.append(("Cast", {"SrcT": DType(out_dtype), "DstT": DType(site.cast_enum),
                                "Truncate": False}, lambda bag: [bag]))
@@ -390,7 +393,8 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
                               site.table_dtype)
     if site.expand_bag_axis:
         unit_axis = fg.add_const(site.root + "/pkm_unit_axis", np.array(site.bag_unit_axis, np.int32))
-        steps.append(("ExpandDims", {"T": DType(out_dtype), "Tdim": I32}, lambda bag: [bag, unit_axis]))
+        steps += [("ExpandDims", {"T": DType(out_dtype), "Tdim": I32}, lambda bag: [bag, unit_axis])] * (
+            1 + site.extra_unit_axes)
     if site.empty_bag_lowest:
         out_type = dtypes.as_dtype(out_dtype)
         lowest = fg.add_const(site.root + "/pkm_empty_max",

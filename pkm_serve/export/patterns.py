@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import List
 
-from pkm_serve.export import (counts, dense, einsum, flat_bags, fuse, half_division, labels, matmul_width,
+from pkm_serve.export import (counts, dense, dropped_nan, einsum, flat_bags, fuse, half_division, labels, matmul_width,
                               padded_ragged, pooled, positions, ragged, ragged_range, running_sum, scales, sparse,
                               tensordot, unflatten, unrecognised, unsorted_segments,
-                              zero_fill)
+                              whole_bag_pool, zero_fill)
 from pkm_serve.export.graph import FunctionGraph
 from pkm_serve.export.no_nan_multiply import check_no_nan_site
 from pkm_serve.export.no_nan_padding import zero_weights_as_padding
@@ -30,7 +30,7 @@ def _pattern_of(node) -> str:
         return "einsum"
     if node.op in einsum.MATMUL_OPS:
         return "matmul"
-    if node.op in unrecognised.REDUCE_OPS:
+    if node.op in unrecognised.REDUCE_OPS + unrecognised.POOLING_OPS:
         return "gather-reduce"
     if node.op in ("UnsortedSegmentSum", "UnsortedSegmentMax"):
         return "ragged-reduce"
@@ -62,6 +62,7 @@ def _check_matched(fg: FunctionGraph, site: Site) -> None:
     check_shared_weights_fixed(fg, site)
     zero_fill.check_dense_bag(site)
     unflatten.check_regroup_without_span(site)
+    dropped_nan.check_dropped_rows(fg, site)
 
 
 # Sites ending in ops that mostly end no bag (an add, a slice, a reshape).
@@ -134,7 +135,9 @@ def find_sites(fg: FunctionGraph, batch_size: int) -> List[Site]:
             attempt(node, scales.match_reduce_max)
         elif node.op in _QUIET_MATCHERS:  # most such nodes are no bag: not listed when not a site
             attempt(node, _QUIET_MATCHERS[node.op], report_not_a_site=False)
-        elif node.op in unrecognised.POOLING_OPS:  # Keras AveragePooling1D of an Embedding: reported
+        elif node.op in unrecognised.POOLING_OPS:  # Keras AveragePooling1D of an Embedding
+            if node.op == "AvgPool":  # one window of the whole bag: its mean
+                attempt(node, whole_bag_pool.match_whole_bag_pool, report_not_a_site=False)
             attempt(node, unrecognised.match_windowed_pooling, report_not_a_site=False)
         elif node.op in unrecognised.UNFUSABLE_REDUCE_OPS:
             attempt(node, unrecognised.never_a_site)
@@ -176,6 +179,7 @@ def rewrite_function(fdef, library_sigs, batch_size: int, fuse_sites: bool = Tru
         for site in fused:
             old_root_inputs = [fg.parse(t).node for t in fg.nodes[site.root].input
                                if not t.startswith("^")]
+            dropped_nan.build_nan_term(fg, site)  # from the mask and ids as matched
             zero_weights_as_padding(fg, site)  # multiply_no_nan(rows, w): ids of w == 0 padding
             scales.fold_factors(fg, site)
             zero_fill.broadcast_ids_like_fill(fg, site)

@@ -37,3 +37,20 @@ def check_weights_and_mask(fg: FunctionGraph, rows, ids_shape) -> None:
                         "multiplier is not per-index: weights", shared=True, unit_row=rows.weights_unit_row)
     if rows.mask is not None:
         check_per_index(fg, rows.mask, rows.mask_squeeze, ids_shape, "mask is not per-index: mask")
+
+
+def check_mask_reads_rows(fg: FunctionGraph, mask: Ref, rows: Ref, limit: int = 64) -> None:
+    """Skip where tf.where's condition is computed from the rows it masks (tf.math.is_nan(rows), rows > -inf:
+    pkm_serve's own embedding_bag_composite(combiner="max") writes its NaN and -inf handling so): a choice per
+    value of the rows, which no mask over the ids the fused op reads can make."""
+    seen, todo = set(), [mask.node]
+    while todo and len(seen) < limit:
+        name = todo.pop()
+        if name in seen or name not in fg.nodes:
+            continue
+        if name == rows.node:
+            raise Skip("a tf.where mask computed from the gathered rows' own values (their NaN or -inf entries, "
+                       "as embedding_bag_composite(combiner=\"max\") writes): a choice per value, not a mask of "
+                       "the ids the fused op reads; call pkm_serve's embedding_bag in the model to get the op")
+        seen.add(name)
+        todo.extend(r.node for r in fg.inputs(fg.nodes[name]))

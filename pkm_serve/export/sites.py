@@ -90,6 +90,7 @@ class Site:
     negative_ids_padding: bool = False   # negative ids count nowhere (one_hot): no negative-id check
     rows_from_counts: bool = False    # table rows unknown at export: N is the counts', checked at run time
     expand_bag_axis: bool = False     # the composite keeps a unit bag axis (matmul): the bag gets it back
+    extra_unit_axes: int = 0          # more unit axes there (AveragePooling1D of the bag: [B, 1, 1, D])
     bag_unit_axis: int = -2           # ... at this axis: -2 ([..., 1, D]) or -1 (rows^T @ w: [..., D, 1])
     mask_squeeze: bool = False        # mask likewise
     regathers: Tuple[Ref, ...] = ()   # rows re-gathered by these (outermost first)
@@ -116,6 +117,10 @@ class Site:
     segments_unsorted: bool = False   # unsorted_segment_sum of ids in any order: sorted before the rewrite
                                       # (unsorted_segments.py)
     segments_counted: bool = False    # segment_sum of regrouped rows: ids flattened, one per segment id asserted
+    weights_after_mask: bool = False  # tf.where(mask, rows, 0) * w: w scales the masked rows' zeros too
+    weights_on_one_hot: bool = False  # one_hot(ids, N) * w[..., None] summed: w scales every zero of the one-hot
+    drop_hazards: Tuple = ()          # (kind, ref, squeeze, scalar) scaling the zeros of dropped rows (dropped_nan.py)
+    nan_term: Optional[Ref] = None    # [..., 1]: NaN where the composite's bag is NaN from those zeros, else 0
     rounded_to: Optional[str] = None  # rows cast to this half dtype below cast_to (mixed precision):
                                       # a rounding the fused op skips, verified at that dtype's tolerance
 

@@ -50,7 +50,16 @@ def segment_reason(fg: FunctionGraph, node) -> Optional[str]:
         if producer is None or producer.op not in ("Identity", "Reshape"):
             break
         producer = fg.producer(fg.inputs(producer)[0])
+    if producer is not None and producer.op in ("RealDiv", "DivNoNan") and \
+            leads_to_gather(fg, fg.inputs(producer)[0]):
+        return _DIVIDED_RAGGED_REASON
     return _STITCHED_REASON if producer is not None and stitches_table_rows(fg, producer) else None
+
+
+_DIVIDED_RAGGED_REASON = (
+    "ragged rows divided by a divisor that ragged broadcasting re-gathers along with them (rt / d[:, :1, None], "
+    "tf.math.divide_no_nan(rt, d[:, :1, None]) with a dense d per bag): not fused; rt * w[..., None] is, and a "
+    "division of the bag (divide_no_nan(reduce_sum(rt, 1), d)) stays outside the fused site")
 
 
 def never_a_site(fg: FunctionGraph, node, site: Site) -> Site:

@@ -1,0 +1,131 @@
+"""A row the composite drops is a zero it still multiplies: tf.where(mask, rows, 0) * w, or a one-hot lookup's
+zero row (an id outside [0, N)) times w. Where such a multiplier is inf or NaN the composite's 0 * inf is NaN
+and so is its bag; the fused op skips the dropped position and its bag is finite. A weighted one-hot count,
+reduce_sum(one_hot(ids, N) * w[..., None], 1) @ table, multiplies every w by the one-hot's N - 1 zeros: one inf
+or NaN w anywhere makes every entry of the bag NaN.
+
+Fused with a per-bag term added to the op's bag before any step after it: the sum over the dropped (or, for
+the counts, all) positions of 0 * m for each multiplier m after the drop (divide_no_nan(0, d) for a divisor d):
+NaN exactly where the composite's bag is, 0 elsewhere. It costs a few elementwise ops on [..., K], none on the [..., K, D] rows.
+A form the term cannot be shaped for (ragged or segment bags, a span of positions, regrouped ids) is reported."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import numpy as np
+from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import dtypes
+
+from pkm_serve.export.fuse import _cast, _squeeze_last
+from pkm_serve.export.graph import DType, FunctionGraph, Ref
+from pkm_serve.export.no_nan_multiply import _finite
+from pkm_serve.export.sites import Site, Skip, dims, tensor_dtype
+
+
+def _hazards(fg: FunctionGraph, site: Site) -> list:
+    """(kind, ref, squeeze, scalar) of each multiplier or divisor that scales a dropped row's zeros and may make
+    them NaN (not a finite constant, a cast of integers, an axis length)."""
+    one_hot = site.negative_ids_padding  # set for one_hot lookups and counts only (bincount refuses negative ids)
+    if site.mask is None and not one_hot:
+        return []
+    found = []
+    if site.weights is not None and (one_hot or site.weights_after_mask):
+        found.append(("mul", site.weights, site.weights_squeeze, site.weights_scalar))
+    for factor in site.weight_factors:
+        if factor.ref is not None and (one_hot or factor.after_mask):
+            found.append((factor.kind, factor.ref, factor.squeeze, factor.scalar))
+    # 0 / d is NaN for a NaN d only: a d that may be 0 is refused before (scales.check_factors) or is
+    # divide_no_nan's, whose 0 / 0 is 0
+    return [h for h in found if not _finite(fg, h[1], False)]
+
+
+def check_dropped_rows(fg: FunctionGraph, site: Site) -> None:
+    """Notes the hazards on the site; Skip where the per-bag term cannot be built for the site's form."""
+    site.drop_hazards = tuple(_hazards(fg, site))
+    if not site.drop_hazards:
+        return
+    ragged = site.segment_ids is not None or site.sparse_indices is not None or site.row_splits is not None
+    if ragged or site.positions is not None or site.regroup_ids is not None or \
+            site.weights_per_flat_id is not None or site.pooled is not None or site.regathers or \
+            site.zero_fill is not None or site.ones is not None or site.weights_unit_row or site.weights_to_vector:
+        what = "a one-hot lookup's zero rows" if site.negative_ids_padding else "rows a tf.where mask drops"
+        raise Skip(f"{what} then multiplied by {fg.render(site.drop_hazards[0][1])}, which may be inf or NaN: "
+                   "the composite's 0 * inf makes the bag NaN where the fused op skips the dropped row, and this "
+                   "form's bag is not the last axes of dense ids: not fused")
+
+
+def _as_per_index(fg: FunctionGraph, prefix: str, ref: Ref, squeeze: bool, scalar: bool, dtype: int) -> Ref:
+    if squeeze:
+        return _squeeze_last(fg, prefix + "/squeezed", ref, dtype)
+    if scalar:
+        return fg.add_op(prefix + "/scalar", "Reshape", [ref, fg.add_const(prefix + "/scalar_shape", np.zeros(
+            [0], np.int32))], {"T": DType(dtype), "Tshape": DType(types_pb2.DT_INT32)}, shapes=[[]])
+    return ref
+
+
+def _dropped(fg: FunctionGraph, site: Site, prefix: str) -> Optional[Ref]:
+    """bool [..., K]: the positions the fused op skips (the mask's dropped entries, a one-hot's ids outside
+    [0, N)); None for a weighted one-hot count, whose every position multiplies zeros."""
+    if site.weights_on_one_hot and site.table_shape and site.table_shape[0] != 1:
+        return None
+    parts: List[Ref] = []
+    if site.mask is not None:
+        mask = _squeeze_last(fg, prefix + "/mask", site.mask, types_pb2.DT_BOOL) if site.mask_squeeze else site.mask
+        parts.append(fg.add_op(prefix + "/masked", "LogicalNot", [mask], {}, shapes=[None])
+                     if site.mask_keeps_true else mask)
+    if site.negative_ids_padding:
+        ids, index_type = site.indices, tensor_dtype(fg, site.indices)
+        np_type = np.int64 if index_type == types_pb2.DT_INT64 else np.int32
+        attrs = {"T": DType(index_type)}
+        below = fg.add_op(prefix + "/below", "Less", [ids, fg.add_const(prefix + "/zero_id", np.array(0, np_type))],
+                          attrs, shapes=[None])
+        past = fg.add_op(prefix + "/past", "GreaterEqual", [ids, fg.add_const(
+            prefix + "/rows", np.array(site.table_shape[0], np_type))], attrs, shapes=[None])
+        parts.append(fg.add_op(prefix + "/outside", "LogicalOr", [below, past], {}, shapes=[None]))
+    dropped = parts[0]
+    for i, part in enumerate(parts[1:]):
+        dropped = fg.add_op(f"{prefix}/either{i}", "LogicalOr", [dropped, part], {}, shapes=[None])
+    return dropped
+
+
+def build_nan_term(fg: FunctionGraph, site: Site) -> None:
+    """Before fusing (the mask and weights as matched): site.nan_term, [..., 1] in the table's dtype."""
+    if not site.drop_hazards:
+        return
+    prefix = site.root + "/pkm_dropped_nan"
+    out = site.table_dtype
+    zeros = None
+    for i, (kind, ref, squeeze, scalar) in enumerate(site.drop_hazards):
+        dtype = tensor_dtype(fg, ref)
+        ref = _as_per_index(fg, f"{prefix}/m{i}", ref, squeeze, scalar, dtype)
+        zero = fg.add_const(f"{prefix}/zero{i}", np.array(0, _np_float(dtype)))
+        zero_times = fg.add_op(f"{prefix}/times{i}", "Mul" if kind == "mul" else "DivNoNan",
+                               [ref, zero] if kind == "mul" else [zero, ref], {"T": DType(dtype)}, shapes=[None])
+        if dtype != out:
+            zero_times = _cast(fg, f"{prefix}/cast{i}", zero_times, dtype, out, None)
+        zeros = zero_times if zeros is None else fg.add_op(f"{prefix}/add{i}", "AddV2", [zeros, zero_times],
+                                                           {"T": DType(out)}, shapes=[None])
+    dropped = _dropped(fg, site, prefix)
+    if dropped is not None:
+        none = fg.add_const(prefix + "/kept", np.array(0, _np_float(out)))
+        zeros = fg.add_op(prefix + "/at_dropped", "SelectV2", [dropped, zeros, none], {"T": DType(out)},
+                          shapes=[None])
+    else:  # every position: broadcast a shared or per-bag multiplier to the ids
+        zeros = fg.add_op(prefix + "/at_ids", "AddV2", [zeros, _zeros_like_ids(fg, site, prefix, out)],
+                          {"T": DType(out)}, shapes=[None])
+    bag_axes = np.arange(-site.flatten_bag_axes, 0, dtype=np.int32)  # the ids' last axes: one bag (flat_bags.py)
+    per_bag = fg.add_op(prefix + "/per_bag", "Sum", [zeros, fg.add_const(prefix + "/bag_axes", bag_axes)], {
+        "T": DType(out), "Tidx": DType(types_pb2.DT_INT32), "keep_dims": False}, shapes=[None])
+    site.nan_term = fg.add_op(prefix + "/per_bag_column", "ExpandDims", [per_bag, fg.add_const(
+        prefix + "/column_axis", np.array(-1, np.int32))], {"T": DType(out), "Tdim": DType(types_pb2.DT_INT32)},
+        shapes=[None])
+
+
+def _zeros_like_ids(fg: FunctionGraph, site: Site, prefix: str, dtype: int) -> Ref:
+    ids = fg.add_op(prefix + "/ids", "Cast", [site.indices], {"SrcT": DType(tensor_dtype(fg, site.indices)),
+                                                               "DstT": DType(dtype), "Truncate": False}, shapes=[None])
+    return fg.add_op(prefix + "/zeros", "ZerosLike", [ids], {"T": DType(dtype)}, shapes=[dims(fg.shape(site.indices))])
+
+
+def _np_float(dtype: int):
+    return dtypes.as_dtype(dtype).as_numpy_dtype
