@@ -140,7 +140,7 @@ def test_ten_swaps_under_load(tmp_path, versions, batching):
     base = tmp_path / "table"
     base.mkdir()
     _link_version_atomically(versions, base, 1)
-    flags = ["--model_name=table", f"--model_base_path={base}", "--file_system_poll_wait_seconds=0.2"]
+    flags = ["--model_name=table", f"--model_base_path={base}", "--file_system_poll_wait_seconds=0.05"]
     if batching:
         (tmp_path / "batching.config").write_text(
             "max_batch_size { value: 32 } batch_timeout_micros { value: 1000 } num_batch_threads { value: 2 }")
