@@ -31,6 +31,12 @@ def batching_server(tmp_path_factory, saved_models):
     srv.terminate()
 
 
+@pytest.fixture(scope="module")
+def latest_model(saved_models, tf_with_ops):
+    """The signature the servers serve (version 2, the latest), loaded once: the reference."""
+    return tf_with_ops.saved_model.load(saved_models[2]).signatures["serving_default"]
+
+
 def _predict_request(tf, queries):
     req = predict_pb2.PredictRequest()
     req.model_spec.name = "pkm"
@@ -38,9 +44,9 @@ def _predict_request(tf, queries):
     return req
 
 
-def test_concurrent_requests_are_batched_and_split_back(batching_server, saved_models, tf_with_ops):
+def test_concurrent_requests_are_batched_and_split_back(batching_server, latest_model, tf_with_ops):
     tf = tf_with_ops
-    model = tf.saved_model.load(saved_models[2]).signatures["serving_default"]
+    model = latest_model
     rng = np.random.default_rng(3)
     # 8 requests of 1 row fill one batch of 8 exactly (no waiting for the timeout).
     queries = [rng.standard_normal((1, 32)).astype(np.float32) for _ in range(MAX_BATCH)]
@@ -85,7 +91,7 @@ def test_deadline_is_honoured_while_waiting_for_a_batch(batching_server, tf_with
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sigterms", [1, 2])
-def test_sigterm_drains_in_flight_requests(tmp_path, saved_models, tf_with_ops, sigterms):
+def test_sigterm_drains_in_flight_requests(tmp_path, saved_models, latest_model, tf_with_ops, sigterms):
     """With sigterms=2 a second SIGTERM follows the first at once (an orchestrator's
     repeat, or one sent to the process group as well as the process): it used to exit
     at once with status 1, cutting the request waiting in the batch queue."""
@@ -97,7 +103,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path, saved_models, tf_with_ops, 
                         "--file_system_poll_wait_seconds=0", "--enable_batching",
                         f"--batching_parameters_file={batching}", rest=False, name="drain")
     query = np.ones((2, 32), np.float32)
-    want = tf.saved_model.load(saved_models[2]).signatures["serving_default"](query=query)["output"].numpy()  # latest
+    want = latest_model(query=query)["output"].numpy()
     outcome = {}
     with grpc.insecure_channel(srv.target) as ch:
         stub = prediction_service_pb2_grpc.PredictionServiceStub(ch)

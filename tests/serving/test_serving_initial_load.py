@@ -84,10 +84,29 @@ def test_a_version_failing_after_the_start_keeps_the_older_one_serving(tmp_path)
         assert servable.version == 1
 
 
+def _serve_in_process(flags, monkeypatch, capsys):
+    """(exit status, stdout + stderr) of the main() that `pkm-serve serve` runs and exits with,
+    run in-process: signal handlers and the logging set-up stay the test process's."""
+    import logging
+
+    from pkm_serve import cli
+    from pkm_serve.serving import server
+    monkeypatch.setattr(server._Wakeups, "install", lambda self, signals: None)
+    monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: None)
+    monkeypatch.setattr(cli, "_verbose", False)
+    from serving_helpers import free_port
+    rc = server.main([*flags, f"--port={free_port()}", f"--rest_api_port={free_port()}"])
+    out, err = capsys.readouterr()
+    return rc, out + err
+
+
 @pytest.mark.parametrize("use_config_file", [False, True])
-def test_server_with_a_model_that_fails_to_load_exits_without_opening_ports(tmp_path, use_config_file):
+def test_server_with_a_model_that_fails_to_load_exits_without_opening_ports(tmp_path, use_config_file,
+                                                                           monkeypatch, capsys):
     """tensorflow_model_server never opens its ports when an initial load fails: exit status
-    non-zero, one line naming the model, the version and the reason on stderr."""
+    non-zero, one line naming the model, the version and the reason on stderr. With a config
+    file the server runs as its own process; the --model_name case runs its main() in-process
+    (what differs is the flags' route to the same start)."""
     bad = tmp_path / "bad"
     (bad / "7").mkdir(parents=True)
     (bad / "7" / "saved_model.pb").write_bytes(b"this is not a SavedModel")
@@ -101,12 +120,16 @@ def test_server_with_a_model_that_fails_to_load_exits_without_opening_ports(tmp_
         flags = [f"--model_config_file={config}"]
     else:
         flags = ["--model_name=bad", f"--model_base_path={bad}"]
-    server = ServerProcess(tmp_path, *flags, "--load_pkm_ops=false", "--max_num_load_retries=0", wait_ready=False)
-    try:
-        rc = server.proc.wait(120)
-    finally:
-        server.terminate()
-    log = server.log()
+    flags += ["--load_pkm_ops=false", "--max_num_load_retries=0"]
+    if use_config_file:
+        server = ServerProcess(tmp_path, *flags, wait_ready=False)
+        try:
+            rc = server.proc.wait(120)
+        finally:
+            server.terminate()
+        log = server.log()
+    else:
+        rc, log = _serve_in_process(flags, monkeypatch, capsys)
     assert rc == 2, log[-3000:]
     errors = [line for line in log.splitlines() if line.startswith("pkm-serve serve: error:")]
     assert len(errors) == 1, log[-3000:]

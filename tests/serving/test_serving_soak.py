@@ -26,6 +26,7 @@ TABLE_BYTES = ROWS * DIM * 4
 SWAPS = 10
 CLIENTS = 8
 BAG = 4                                   # indices per request row; output = version * BAG
+ANSWERS_PER_SWAP = 20                     # requests answered against each new version alone
 State = get_model_status_pb2.ModelVersionStatus.State
 
 
@@ -96,6 +97,15 @@ class _Clients:
                     with self._lock:
                         self.failures.append(repr(e)[:300])
 
+    def wait_for_answers_sent_after(self, t, count, seconds=60):
+        """Until `count` answers to requests sent after `t` are in (or a request failed)."""
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not self.failures:
+            with self._lock:
+                if sum(sent > t for sent, _ in self.answers[-4 * count:]) >= count:
+                    return
+            time.sleep(0.02)
+
     def start(self):
         for t in self._threads:
             t.start()
@@ -107,20 +117,30 @@ class _Clients:
 
 
 @pytest.fixture(scope="module")
-def first_version(tmp_path_factory, tf_with_ops):
-    """Version 1, written once and copied into each test's base path."""
+def versions(tmp_path_factory, tf_with_ops):
+    """Versions 1 to SWAPS + 1, written once for both tests: each test links them into its base
+    path (saving 64 MiB tables costs more than the server's load of them)."""
     root = tmp_path_factory.mktemp("soak")
-    _write_table_model(str(root), 1)
-    return root / "1"
+    for version in range(1, SWAPS + 2):
+        _write_table_model(str(root), version)
+    return root
+
+
+def _link_version_atomically(versions, base, version):
+    """versions/<version> hard-linked into base/<version> through a temp name and a rename (the
+    server only reads the files; removing base/<version> later leaves the written one)."""
+    tmp = base / f".incoming-{version}"
+    shutil.copytree(versions / str(version), tmp, copy_function=os.link)
+    os.rename(tmp, base / str(version))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batching", [False, True], ids=["batching_off", "batching_on"])
-def test_ten_swaps_under_load(tmp_path, first_version, batching):
+def test_ten_swaps_under_load(tmp_path, versions, batching):
     base = tmp_path / "table"
     base.mkdir()
-    shutil.copytree(first_version, base / "1")
-    flags = ["--model_name=table", f"--model_base_path={base}", "--file_system_poll_wait_seconds=0.2"]
+    _link_version_atomically(versions, base, 1)
+    flags = ["--model_name=table", f"--model_base_path={base}", "--file_system_poll_wait_seconds=0.05"]
     if batching:
         (tmp_path / "batching.config").write_text(
             "max_batch_size { value: 32 } batch_timeout_micros { value: 1000 } num_batch_threads { value: 2 }")
@@ -134,7 +154,7 @@ def test_ten_swaps_under_load(tmp_path, first_version, batching):
             status = model_service_pb2_grpc.ModelServiceStub(ch)
             clients.start()
             for new in range(2, SWAPS + 2):
-                _write_table_model(str(base), new)
+                _link_version_atomically(versions, base, new)
                 end = time.monotonic() + 60
                 while time.monotonic() < end:
                     states = _states(status)
@@ -145,7 +165,7 @@ def test_ten_swaps_under_load(tmp_path, first_version, batching):
                     raise AssertionError(f"swap to {new} not done in 60 s: {states}\n{server.log()[-3000:]}")
                 swapped_at[new] = time.monotonic()
                 shutil.rmtree(base / str(new - 1))       # as a deployment cleans up
-                time.sleep(0.5)                          # requests against the new version alone
+                clients.wait_for_answers_sent_after(swapped_at[new], ANSWERS_PER_SWAP)
                 rss.append(_rss_bytes(server.proc.pid))
             clients.stop()
     finally:
@@ -157,6 +177,8 @@ def test_ten_swaps_under_load(tmp_path, first_version, batching):
     for new, t in swapped_at.items():
         stale = [v for sent, v in clients.answers if sent > t and v < new]
         assert not stale, f"after version {new - 1} was END, versions {sorted(set(stale))} answered"
+        after = sum(sent > t for sent, _ in clients.answers)
+        assert after >= ANSWERS_PER_SWAP, f"only {after} answers to requests sent after version {new} took over"
     print(f"RSS after each swap (MiB): {[round(r / 2**20) for r in rss]}; {len(clients.answers)} answers")
     growth = rss[-1] - rss[0]
     assert growth < 2 * TABLE_BYTES, (f"RSS grew {growth / 2**20:.0f} MiB over {SWAPS - 1} swaps "

@@ -397,32 +397,34 @@ def test_config_file_change_at_any_moment_is_applied(server, models, stub):
     assert list(_predict(stub, "half_plus_two", [2.0], [1]).outputs["y"].float_val) == [3.0]
 
 
-def test_config_written_before_the_first_poll_is_applied(models, tmp_path):
-    """A change written between start-up and the first poll (the window in which the file
-    was once never re-read) is applied."""
-    config = tmp_path / "models.config"
+@pytest.fixture(scope="module")
+def early_server(models, tmp_path_factory):
+    """A second server (gRPC only, --enable_serialization_as_tensor_content) whose config file is
+    rewritten right after start-up, before its first poll (2 s): model "late" is added."""
+    tmp = tmp_path_factory.mktemp("early")
+    config = tmp / "models.config"
     config.write_text(_config_text({"half_plus_two": models / "tf1"}))
-    srv = ServerProcess(tmp_path, f"--model_config_file={config}", "--model_config_file_poll_wait_seconds=2",
-                        "--file_system_poll_wait_seconds=0", rest=False, name="early")
+    srv = ServerProcess(tmp, f"--model_config_file={config}", "--model_config_file_poll_wait_seconds=2",
+                        "--file_system_poll_wait_seconds=0", "--enable_serialization_as_tensor_content",
+                        rest=False, name="early")
     try:
         config.write_text(_config_text({"half_plus_two": models / "tf1", "late": models / "late"}))
-        assert _wait_for(lambda: _has_version_available(srv, "late"), 20), srv.log()[-3000:]
+        yield srv
     finally:
         assert srv.terminate() == 0, srv.log()[-3000:]
 
 
-def test_tensor_content_flag(models, tmp_path):
+def test_config_written_before_the_first_poll_is_applied(early_server):
+    """A change written between start-up and the first poll (the window in which the file
+    was once never re-read) is applied."""
+    assert _wait_for(lambda: _has_version_available(early_server, "late"), 20), early_server.log()[-3000:]
+
+
+def test_tensor_content_flag(early_server):
     """--enable_serialization_as_tensor_content answers in tensor_content. (A base path
     without numeric versions: test_serving_load_retries.py, the start waits for one.)"""
-    config = tmp_path / "models.config"
-    config.write_text(_config_text({"half_plus_two": models / "tf1"}))
-    srv = ServerProcess(tmp_path, f"--model_config_file={config}", "--file_system_poll_wait_seconds=0",
-                        "--enable_serialization_as_tensor_content", rest=False, name="content")
-    try:
-        with grpc.insecure_channel(srv.target) as ch:
-            resp = _predict(prediction_service_pb2_grpc.PredictionServiceStub(ch), "half_plus_two",
-                            [2.0, 4.0], [2])
-        assert list(resp.outputs["y"].float_val) == []
-        np.testing.assert_array_equal(np.frombuffer(resp.outputs["y"].tensor_content, "<f4"), [3.0, 4.0])
-    finally:
-        assert srv.terminate() == 0, srv.log()[-3000:]
+    with grpc.insecure_channel(early_server.target) as ch:
+        resp = _predict(prediction_service_pb2_grpc.PredictionServiceStub(ch), "half_plus_two",
+                        [2.0, 4.0], [2])
+    assert list(resp.outputs["y"].float_val) == []
+    np.testing.assert_array_equal(np.frombuffer(resp.outputs["y"].tensor_content, "<f4"), [3.0, 4.0])

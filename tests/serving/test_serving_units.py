@@ -395,14 +395,23 @@ def test_stage_script_links_the_op_into_a_tf_serving_tree(tmp_path):
     assert bad.returncode != 0
 
 
-def test_startup_errors_are_one_clear_line_and_exit_code_2(tmp_path):
-    import sys
-    env = dict(os.environ, PYTHONPATH=REPO)
-    proc = subprocess.run([sys.executable, "-m", "pkm_serve.cli", "serve", f"--model_base_path={tmp_path}",
-                           "--op_library=/nonexistent/libfoo.so", "--port=0", "--rest_api_port=1"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "pkm-serve serve: error: --op_library '/nonexistent/libfoo.so' does not exist" in proc.stderr
+def test_startup_errors_are_one_clear_line_and_exit_code_2(tmp_path, monkeypatch, capsys):
+    # The main() that `pkm-serve serve` runs and whose status it exits with, in-process (the
+    # console script's own process, a start-up error's exit status and stderr:
+    # tests/cli/test_cli.py::test_serve_error_is_one_line); signal handlers and the logging
+    # set-up stay the test process's.
+    import logging
+
+    from pkm_serve import cli
+    from pkm_serve.serving import server
+    monkeypatch.setattr(server._Wakeups, "install", lambda self, signals: None)
+    monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: None)
+    monkeypatch.setattr(cli, "_verbose", False)
+    status = server.main([f"--model_base_path={tmp_path}", "--op_library=/nonexistent/libfoo.so",
+                          "--port=0", "--rest_api_port=1"])
+    assert status == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert lines == ["pkm-serve serve: error: --op_library '/nonexistent/libfoo.so' does not exist"], lines
 
 
 @pytest.mark.parametrize("files, needle", [

@@ -36,8 +36,18 @@ def models(tmp_path_factory, tf):
             "int64": save_int64_model(str(root / "int64"))}
 
 
+_LOADED = {}
+
+
+def loaded(tf, model_dir):
+    """The SavedModel at `model_dir`, loaded once per module (several tests read each model)."""
+    if model_dir not in _LOADED:
+        _LOADED[model_dir] = tf.saved_model.load(model_dir)
+    return _LOADED[model_dir]
+
+
 def python_outputs(tf, model_dir, signature, inputs):
-    fn = tf.saved_model.load(model_dir).signatures[signature]
+    fn = loaded(tf, model_dir).signatures[signature]
     return {k: v.numpy() for k, v in fn(**{k: tf.constant(v) for k, v in inputs.items()}).items()}
 
 
@@ -138,7 +148,7 @@ def test_int64_model_matches_python_and_numpy(tf, models):
     w = rng.uniform(-1, 1, (4, 6)).astype(np.float32)
     run = run_cc(models["int64"], "lookup", [tensor_arg("indices", idx), tensor_arg("weights", w)])
     assert_same_as_python(tf, run, models["int64"], "lookup", {"indices": idx, "weights": w})
-    table = tf.saved_model.load(models["int64"]).values.numpy()
+    table = loaded(tf, models["int64"]).values.numpy()
     np.testing.assert_allclose(run.output("output"), embedding_bag(table, idx, w), rtol=1e-5, atol=1e-6)
     # The full PKM read of the same model: int64 slots come back exactly.
     query = rng.standard_normal((3, 32)).astype(np.float32)
