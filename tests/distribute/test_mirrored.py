@@ -2,6 +2,7 @@
 same weights on 1 and on 2 replicas (2 logical CPU devices, same global
 batch), with dense and with row-sparse table gradients."""
 
+import json
 import os
 import subprocess
 import sys
@@ -30,18 +31,39 @@ CASES = pairwise(("embedding_bag", "pkm"), ("dense", "sparse"), ("sgd", "lazy_ad
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return _arrays_of_script(tmp_path_factory.mktemp("mirrored") / "weights.npz", "mirrored_train.py",
-                             ["-".join(case) for case in CASES])
+def two_replica_runs(tmp_path_factory, request):
+    """(process, output folder) of one fresh interpreter (logical devices must be set before TF
+    initialises) that runs all of this module's trainings: mirrored_train.py's CASES, then
+    untouched_table_train.py's UNTOUCHED_CASES, then the checks below. Each part saves its results
+    before the next starts, so a crash (the bugs below crashed the process) fails the tests of the
+    parts it left without results, with the process' stderr."""
+    out = tmp_path_factory.mktemp("two_replicas")
+    # The trainings only where this module's slow tests (their readers) run, not under -m "not slow".
+    slow = any(item.module is request.module and item.get_closest_marker("slow") for item in request.session.items)
+    cases = [",".join("-".join(c) for c in cases) if slow else "" for cases in (CASES, UNTOUCHED_CASES)]
+    proc = subprocess.run([sys.executable, "-c", _RUNNER, HERE, str(out), *cases], capture_output=True, text=True,
+                          timeout=1200)  # the two scripts' limits together
+    return proc, out
 
 
-def _arrays_of_script(out, script, args=()):
-    """The arrays `script` (in this folder) saves to `out`, run in a fresh
-    interpreter: logical devices must be set before TF initialises."""
-    proc = subprocess.run([sys.executable, os.path.join(HERE, script), str(out), *args],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return dict(np.load(out))
+def _saved(runs, name):
+    proc, out = runs
+    if not (out / name).exists():
+        pytest.fail(f"no {name} (exit status {proc.returncode}): {proc.stderr[-3000:]}")
+    return dict(np.load(out / name)) if name.endswith(".npz") else json.loads((out / name).read_text())
+
+
+def _check(runs, name):
+    """The result of one of the runner's checks, or a failure with its stderr."""
+    results = _saved(runs, "checks.json")
+    if name not in results:
+        pytest.fail(f"check {name} gave no result (exit status {runs[0].returncode}): {runs[0].stderr[-3000:]}")
+    return results[name]
+
+
+@pytest.fixture(scope="module")
+def trained(two_replica_runs):
+    return _saved(two_replica_runs, "weights.npz")
 
 
 @pytest.mark.slow
@@ -69,71 +91,82 @@ def test_every_replica_of_the_table_is_read_in_place_after_training(trained, kin
         assert not copies.any(), f"{key} ({which}): a replica of the table copies on every read"
 
 
-_FUSED_UNDER_TWO_REPLICAS = """
-import os
-os.environ["KERAS_BACKEND"] = "tensorflow"
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, numpy as np
+_RUNNER = """
+import json, sys, traceback
+here, out, mirrored_cases, untouched_cases = sys.argv[1:]
+sys.path.insert(0, here)
+import mirrored_train  # sets 2 logical CPU devices (untouched_table_train sets the same: no change)
+import untouched_table_train
+import keras, numpy as np, tensorflow as tf
 from pkm_serve.layers import EmbeddingBag
 from pkm_serve.optimizers import LazyAdam
-with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
-    ids = keras.Input((4,), dtype="int64")
-    model = keras.Model(ids, keras.layers.Dense(1)(EmbeddingBag(50, 8, fused_optimizer=True)(ids)))
-    model.compile(LazyAdam(0.01), "mse")
-try:
-    model.fit(np.random.randint(0, 50, (16, 4)), np.ones((16, 1), np.float32), batch_size=8, verbose=0)
-    print("trained")
-except ValueError as e:
-    print("refused:", " ".join(str(e).split()))
+
+
+def fused_under_two_replicas():
+    with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+        ids = keras.Input((4,), dtype="int64")
+        model = keras.Model(ids, keras.layers.Dense(1)(EmbeddingBag(50, 8, fused_optimizer=True)(ids)))
+        model.compile(LazyAdam(0.01), "mse")
+    try:
+        model.fit(np.random.randint(0, 50, (16, 4)), np.ones((16, 1), np.float32), batch_size=8, verbose=0)
+        return "trained"
+    except ValueError as e:
+        return "refused: " + " ".join(str(e).split())
+
+
+def all_padding_batch():
+    x = np.random.default_rng(0).integers(0, 50, (16, 4))
+    x[:8] = -1  # the first global batch is all padding: no replica touches a row
+    y = np.random.default_rng(1).standard_normal((16, 1)).astype(np.float32)
+    tables = []
+    for devices in (["/cpu:0"], ["/cpu:0", "/cpu:1"]):
+        keras.utils.set_random_seed(0)
+        with tf.distribute.MirroredStrategy(devices).scope():  # TF's default cross-device ops
+            ids = keras.Input((4,), dtype="int64")
+            bag = EmbeddingBag(50, 8, sparse_gradient=True)
+            model = keras.Model(ids, keras.layers.Dense(1)(bag(ids)))
+            model.compile(keras.optimizers.SGD(0.1), "mse")
+        init = bag.embeddings.numpy()
+        model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
+        tables.append(bag.embeddings.numpy())
+    moved = np.abs(tables[0] - init).max()
+    return {"diff": float(np.abs(tables[0] - tables[1]).max() / moved), "moved": float(moved)}
+
+
+checks = {}
+parts = [("fused", fused_under_two_replicas), ("all_padding", all_padding_batch)]
+if untouched_cases:
+    parts.insert(0, ("tables.npz", lambda: untouched_table_train.main(out + "/tables.npz", untouched_cases.split(","))))
+if mirrored_cases:
+    parts.insert(0, ("weights.npz", lambda: mirrored_train.main(out + "/weights.npz", mirrored_cases.split(","))))
+for name, part in parts:
+    try:  # a Python error fails its part alone
+        result = part()
+    except BaseException:
+        traceback.print_exc()
+        continue
+    finally:
+        sys.stderr.flush()
+    if not name.endswith(".npz"):
+        checks[name] = result
+        with open(out + "/checks.json", "w") as f:
+            json.dump(checks, f)
 """
 
 
-def test_the_fused_optimizer_is_refused_under_several_replicas():
+def test_the_fused_optimizer_is_refused_under_several_replicas(two_replica_runs):
     """Each replica's backward would update the table with its own gradient, and TF's ring
     gatherer crashed the process (a custom loop) on the empty table gradient it returns."""
-    proc = subprocess.run([sys.executable, "-c", _FUSED_UNDER_TWO_REPLICAS], capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.startswith("refused:"), proc.stdout[-2000:]  # Keras wraps the layer's ValueError
-    assert "fused_optimizer=True does not run under a tf.distribute strategy with 2 replicas" in proc.stdout
+    refusal = _check(two_replica_runs, "fused")
+    assert refusal.startswith("refused:"), refusal  # Keras wraps the layer's ValueError
+    assert "fused_optimizer=True does not run under a tf.distribute strategy with 2 replicas" in refusal
 
 
-_ALL_PADDING_BATCH = """
-import os
-os.environ["KERAS_BACKEND"] = "tensorflow"
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, numpy as np
-from pkm_serve.layers import EmbeddingBag
-x = np.random.default_rng(0).integers(0, 50, (16, 4))
-x[:8] = -1  # the first global batch is all padding: no replica touches a row
-y = np.random.default_rng(1).standard_normal((16, 1)).astype(np.float32)
-tables = []
-for devices in (["/cpu:0"], ["/cpu:0", "/cpu:1"]):
-    keras.utils.set_random_seed(0)
-    with tf.distribute.MirroredStrategy(devices).scope():
-        ids = keras.Input((4,), dtype="int64")
-        bag = EmbeddingBag(50, 8, sparse_gradient=True)
-        model = keras.Model(ids, keras.layers.Dense(1)(bag(ids)))
-        model.compile(keras.optimizers.SGD(0.1), "mse")
-    init = bag.embeddings.numpy()
-    model.fit(x, y, batch_size=8, verbose=0, shuffle=False)
-    tables.append(bag.embeddings.numpy())
-moved = np.abs(tables[0] - init).max()
-print("diff", np.abs(tables[0] - tables[1]).max() / moved, "moved", moved)
-"""
-
-
-def test_sparse_gradient_of_an_all_padding_batch_under_two_replicas():
+def test_sparse_gradient_of_an_all_padding_batch_under_two_replicas(two_replica_runs):
     """TF's ring gatherer crashed the process (SIGSEGV) on a row-sparse gradient empty on every
     replica; now it trains to the one-replica weights."""
-    proc = subprocess.run([sys.executable, "-c", _ALL_PADDING_BATCH], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    diff, moved = (float(v) for v in proc.stdout.split()[1::2])
-    assert moved > 1e-3 and diff <= 1e-5, proc.stdout
+    result = _check(two_replica_runs, "all_padding")
+    assert result["moved"] > 1e-3 and result["diff"] <= 1e-5, result
 
 
 # Every optimizer once, LazyAdam (the one that stepped row 0) on both paths; clipping, EMA, and an
@@ -144,9 +177,8 @@ UNTOUCHED_CASES = [("fit", "lazy_adam"), ("ragged", "lazy_adam"), ("ragged", "ro
 
 
 @pytest.fixture(scope="module")
-def untouched_table_runs(tmp_path_factory):
-    return _arrays_of_script(tmp_path_factory.mktemp("untouched") / "tables.npz", "untouched_table_train.py",
-                             ["-".join(case) for case in UNTOUCHED_CASES])
+def untouched_table_runs(two_replica_runs):
+    return _saved(two_replica_runs, "tables.npz")
 
 
 @pytest.mark.slow

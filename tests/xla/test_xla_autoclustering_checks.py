@@ -62,15 +62,42 @@ scoped()
 """
 
 
-def _run_autoclustered(script):
-    """{name: printed value} of `script` run in a process with TF's CPU auto-clustering on (TF reads
-    TF_XLA_FLAGS once, at start), after checking its bags: the same masks give numpy's bags, the
-    mismatch the InvalidArgumentError."""
+# Both scripts in one process (one TF start): the plain machine's first, then the faked GPU's, each
+# printing its lines under its own prefix. pkm_serve decides per trace (nothing cached), and each
+# script traces its own tf.functions.
+_PREFIXED_PRINT = """
+import builtins
+def print(*values):  # each line under the running script's name
+    builtins.print(SCRIPT, *values)
+"""
+_SCRIPTS = {"plain": _LOOKUPS, "gpu_machine": _FAKE_GPU + _LOOKUPS + _GPU_LIBRARY_DECISIONS}
+
+
+@pytest.fixture(scope="module")
+def autoclustered_runs():
+    """{script name: {name: printed value}} of each script run with TF's CPU auto-clustering on (TF
+    reads TF_XLA_FLAGS once, at start), with the process' stdout and stderr."""
     flags = "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit --tf_xla_min_cluster_size=1"
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_XLA_FLAGS": flags}
-    proc = subprocess.run([sys.executable, "-c", script + '\nprint("decisions", seen)\n'], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT, env=env)
-    lines = dict(line.split(" ", 1) for line in proc.stdout.strip().splitlines())
+    script = _IMPORTS + _PREFIXED_PRINT
+    for name, body in _SCRIPTS.items():
+        script += f"SCRIPT = {name!r}\n{body}\nprint(\"decisions\", seen)\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=env)
+    lines = {name: {} for name in _SCRIPTS}
+    for line in proc.stdout.strip().splitlines():
+        name, _, rest = line.partition(" ")
+        if name in lines:
+            key, _, value = rest.partition(" ")
+            lines[name][key] = value
+    return proc, lines
+
+
+def _checked_lines(runs, name):
+    """The printed values of script `name`, after checking its bags: the same masks give numpy's
+    bags, the mismatch the InvalidArgumentError."""
+    proc, lines = runs
+    lines = lines[name]
     table = [[3.0 * r + c for c in range(3)] for r in range(10)]
     expected = [[2 * (table[1][c] + 0.5 * table[2][c]) for c in range(3)],
                 [2 * (3.0 * table[5][c] + 4.0 * table[6][c]) for c in range(3)]]
@@ -79,12 +106,12 @@ def _run_autoclustered(script):
     return lines
 
 
-def test_masked_weights_mismatch_fails_under_cpu_autoclustering():
-    assert _run_autoclustered(_IMPORTS + _LOOKUPS)["decisions"] == "[True]"
+def test_masked_weights_mismatch_fails_under_cpu_autoclustering(autoclustered_runs):
+    assert _checked_lines(autoclustered_runs, "plain")["decisions"] == "[True]"
 
 
-def test_cpu_lookups_of_a_gpu_machine_are_checked_under_cpu_autoclustering():
-    lines = _run_autoclustered(_IMPORTS + _FAKE_GPU + _LOOKUPS + _GPU_LIBRARY_DECISIONS)
+def test_cpu_lookups_of_a_gpu_machine_are_checked_under_cpu_autoclustering(autoclustered_runs):
+    lines = _checked_lines(autoclustered_runs, "gpu_machine")
     # CPU-only library: checked; GPU library: not where the lookup goes to the GPU, checked where a
     # tf.device scope (around the call, or in the function) puts it on the CPU.
     assert lines["decisions"] == "[True, False, True, True]"

@@ -78,30 +78,6 @@ def test_sparse_weights_at_other_positions_fail_under_jit(jit):
         call(moved)
 
 
-def test_check_lowering_registered_when_tf_ran_first():
-    """PkmCheckThen's XLA kernel is added late, as the lookups' are (pkm_xla_register_late)."""
-    import subprocess
-    import sys
-
-    script = (
-        "import tensorflow as tf\n"
-        "tf.constant(1.0) + 1.0\n"  # TF builds its XLA JIT kernels before the op library loads
-        "from pkm_serve import ops\n"
-        "f = tf.function(lambda c: ops.load_library().pkm_check_then(c, tf.constant(2.0), message='bad bags'),\n"
-        "                jit_compile=True)\n"
-        "print(f(tf.constant(True)).numpy())\n"
-        "try:\n"
-        "    f(tf.constant(False))\n"
-        "except tf.errors.InvalidArgumentError as err:\n"
-        "    print(str(err).splitlines()[0])\n")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=root))
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.strip().splitlines()
-    assert lines[-2] == "2.0" and lines[-1].startswith("bad bags"), proc.stdout
-
-
 class _RaggedWeightedLookup(tf.Module):
     def __init__(self, table_kind):
         super().__init__()
