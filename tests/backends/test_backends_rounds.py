@@ -54,12 +54,16 @@ def results():
     def outcome(process, check):
         if process == "tensorflow" and here:
             local.update(local or _in_this_process())
-            return local[check]
-        if process not in plan:
+            got = local[check]
+        elif process not in plan:
             pytest.skip(f"{BACKEND[process]} is not installed")
-        if check not in plan[process][1]:
+        elif check not in plan[process][1]:
             pytest.skip(f"{check} needs TensorFlow beside {BACKEND[process]}")
-        return result(process)[check]
+        else:
+            got = result(process)[check]
+        if got != "ok":
+            pytest.fail(f"{check} under {process}:\n{got}", pytrace=False)
+        return got
 
     return outcome
 
