@@ -1,9 +1,10 @@
 """The layers and ops on the JAX and PyTorch Keras backends, each in its own
 process (a Keras backend is fixed per process; the two run side by side):
 numbers vs the float64 reference, errors, jit/vmap and torch.compile, fit,
-memory, no TensorFlow import, and .keras files moving between backends (TF
-included). The checks themselves are in backend_checks.py; jax and torch come
-from requirements-backends.lock. A backend that is not installed is skipped.
+memory, no TensorFlow import, .keras files moving between backends (TF
+included) and mixed_bfloat16 under jax.jit vs TF. The checks themselves are in
+backend_checks.py; jax and torch come from requirements-backends.lock. A
+backend that is not installed is skipped.
 """
 
 import os
