@@ -567,6 +567,11 @@ def check_save(path, out_path):
     mixed = _mixed_pkm_model()
     mixed.save(path + ".mixed.keras")
     np.save(out_path + ".mixed.npy", keras.ops.convert_to_numpy(mixed(_mixed_inputs())).astype("float32"))
+    if BACKEND == "jax":   # test_mixed_bfloat16_pkm_under_jax_jit_matches_tf compares it with TF's
+        import jax
+
+        jitted = jax.jit(lambda x: mixed(x))(_mixed_inputs())
+        np.save(out_path + ".mixed_jit.npy", np.asarray(jitted).astype("float32"))
 
 
 def check_load(path, out_path):

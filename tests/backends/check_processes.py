@@ -1,5 +1,6 @@
 """A check module run in a process of its own with KERAS_BACKEND set (a Keras backend is fixed per
-process): backend_checks.py and keras_habit_checks.py print one JSON line per check passed."""
+process): backend_checks.py and keras_habit_checks.py print one JSON line per check passed, and
+run_checks.py one per check of several check modules (each check's failure its own line)."""
 
 import importlib.util
 import json
@@ -10,8 +11,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def start(backend, args, module="backend_checks"):
-    env = dict(os.environ, KERAS_BACKEND=backend, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+def start(backend, args, module="backend_checks", **extra_env):
+    env = dict(os.environ, KERAS_BACKEND=backend, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **extra_env)
     return subprocess.Popen([sys.executable, "-m", f"tests.backends.{module}", *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -30,28 +31,18 @@ def installed(backend):
     return importlib.util.find_spec(backend) is not None
 
 
-def results_by_backend(tmp_path_factory, checks, module, export_check):
-    """result(backend) -> that backend's printed results: one process per backend of `checks`
-    ({backend: [check, ...]}) started now, side by side, and waited for at the first ask.
-    `export_check` needs TensorFlow too and gets a fresh SavedModel path after its name; a backend
-    that is not installed (or lacks TensorFlow for it) is skipped."""
-    import pytest
-
-    procs = {}
-    for backend, names in checks.items():
-        if not installed(backend) or (export_check in names and not installed("tensorflow")):
-            continue
-        args = []
-        for check in names:
-            args += [check] + ([str(tmp_path_factory.mktemp("export") / "saved")] if check == export_check else [])
-        procs[backend] = start(backend, args, module=module)
+def checks_side_by_side(processes):
+    """result(process) -> that process's {"<module>.<check>": "ok" or its failure}: one run_checks.py
+    process per entry of `processes` ({name: (backend, [check, ...], extra environment)}) started now,
+    side by side, and waited for at the first ask."""
+    procs = {name: start(backend, checks, module="run_checks", **env)
+             for name, (backend, checks, env) in processes.items()}
     done = {}
 
-    def result(backend):
-        if backend not in procs:
-            pytest.skip(f"{backend} (or TensorFlow for {export_check}) is not installed")
-        if backend not in done:
-            done[backend] = finish(procs[backend], f"{backend} {checks[backend]}")
-        return done[backend]
+    def result(name):
+        if name not in done:
+            # (one process runs a dozen checks: on 2 busy cores it took 280 s)
+            done[name] = finish(procs[name], f"{name} {processes[name][1]}", timeout=900)
+        return done[name]
 
     return result

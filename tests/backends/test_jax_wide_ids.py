@@ -1,6 +1,7 @@
 """JAX without jax_enable_x64 turns int64 ids into int32 and wraps those past 2^31 around
 (2^32 + 1 read row 1, 2^32 - 1 became padding) with no error: host ids that do not fit
-are refused first. Runs in its own interpreter (JAX's x64 flag is process-wide)."""
+are refused first. Runs in interpreters of its own (JAX's x64 flag is process-wide): one without
+x64 for the op's and the layer's checks, one with it."""
 
 import os
 import subprocess
@@ -29,10 +30,22 @@ except ValueError as err:
 """
 
 
-def test_ids_past_int32_are_refused_without_x64():
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+_SECTION_END = "-- end of section --"
+
+
+@pytest.fixture(scope="module")
+def without_x64():
+    """(the process, [each script's stdout]): _SCRIPT then _LAYER_SCRIPT in one interpreter without x64."""
+    script = f"{_SCRIPT}\nprint({_SECTION_END!r})\n{_LAYER_SCRIPT}"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", KERAS_BACKEND="jax"))
+    return proc, proc.stdout.split(_SECTION_END + "\n")
+
+
+def test_ids_past_int32_are_refused_without_x64(without_x64):
+    proc, sections = without_x64
+    assert len(sections) == 2, proc.stderr[-3000:]   # _SCRIPT ran to its end
+    lines = sections[0].strip().splitlines()
     assert lines[0] == "[[12.0, 14.0, 16.0, 18.0]]"  # rows 1 + 2, int64 ids that fit still work
     assert lines[1:4] == ["refused: indices hold values past int32"] * 3, proc.stdout
     assert lines[4:] == ["refused: row_splits hold values past int32"], proc.stdout
@@ -61,13 +74,12 @@ for make in (lambda: EmbeddingBag(input_dim=2**31, output_dim=1), lambda: Produc
 """
 
 
-def test_the_layer_refuses_ids_and_tables_past_int32_without_x64():
+def test_the_layer_refuses_ids_and_tables_past_int32_without_x64(without_x64):
     """Keras converts the layer's host ids to a JAX array before call(): 2^32 + 1 read row 1
     and 2^31 became padding (TF, the reference, refuses both as out of range [0, 5))."""
-    proc = subprocess.run([sys.executable, "-c", _LAYER_SCRIPT], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()
+    proc, sections = without_x64
+    assert proc.returncode == 0 and len(sections) == 2, proc.stderr[-3000:]
+    lines = sections[1].strip().splitlines()
     assert lines[0] == "[[12.0, 14.0, 16.0, 18.0]]"  # rows 1 + 2: int64 ids that fit still work
     assert lines[1:3] == ["refused: EmbeddingBag: indices hold values past int32"] * 2, proc.stdout
     assert lines[3:] == ["refused: EmbeddingBag: a table of 2147483648 rows",
