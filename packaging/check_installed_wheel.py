@@ -45,6 +45,62 @@ def fresh_python(script, *args):
     return proc.stdout
 
 
+# The .keras reload process (step 2) starts at step 0: its `import pkm_serve, keras` in a new
+# interpreter is step 0's check, and it reads the work dir and model names from stdin once
+# step 2 has saved them, so one fresh interpreter serves both steps.
+KERAS_RELOAD_SCRIPT = """
+    import json, sys, numpy as np
+    import pkm_serve, keras
+    print("imported", flush=True)
+    work, names = sys.stdin.readline().strip(), sys.stdin.readline().split()
+    result = {"policy": keras.config.dtype_policy().name}
+    for name in names:
+        model = keras.models.load_model(f"{work}/{name}.keras")
+        inputs = list(np.load(f"{work}/{name}_in.npz").values())
+        out = model(inputs if len(inputs) > 1 else inputs[0], training=False)
+        np.save(f"{work}/{name}_out.npy", keras.ops.convert_to_numpy(out).astype(np.float32))
+        opt = getattr(model, "optimizer", None)
+        result[name] = None if opt is None else [
+            type(opt).__module__ + "." + type(opt).__name__, int(opt.iterations.numpy())]
+    print(json.dumps(result))
+"""
+
+
+class FreshKerasReload:
+    """A new interpreter that only does `import pkm_serve, keras`, then reloads .keras files."""
+
+    def __init__(self):
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # a file: TF's logs never block a pipe
+        self.proc = subprocess.Popen([sys.executable, "-I", "-c", textwrap.dedent(KERAS_RELOAD_SCRIPT)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.stderr, text=True)
+
+    def failure(self, what):
+        self.proc.kill()
+        code = self.proc.wait()
+        self.stderr.seek(0)
+        return SystemExit(f"fresh process {what} (exit {code}):\n{self.stderr.read()[-4000:]}")
+
+    def wait_imported(self):
+        if self.proc.stdout.readline().strip() != "imported":
+            raise self.failure("died in `import pkm_serve, keras`")
+
+    def reload(self, work, names):
+        try:
+            out, _ = self.proc.communicate(f"{work}\n{' '.join(names)}\n", timeout=300)
+        except subprocess.TimeoutExpired:
+            raise self.failure("timed out reloading .keras files") from None
+        if self.proc.returncode:
+            raise self.failure("failed reloading .keras files")
+        return out
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.stderr.close()
+
+
 def numpy_bag(table, idx, w=None):
     w = np.ones(idx.shape) if w is None else w
     out = np.zeros((idx.shape[0], table.shape[1]))
@@ -54,7 +110,7 @@ def numpy_bag(table, idx, w=None):
     return out
 
 
-def check_installed():
+def check_installed(keras_reload):
     import pkm_serve
     here = os.path.dirname(pkm_serve.__file__)
     if not here.startswith(sys.prefix) or any(
@@ -72,7 +128,7 @@ def check_installed():
                       if line.strip().startswith(lib + " ")), None)
         if where is None or os.path.realpath(os.path.dirname(where)) != os.path.realpath(tf_dir):
             raise SystemExit(f"lib/_pkm_ops.so resolves {lib} to {where}, not {tf_dir}:\n{ldd}")
-    fresh_python("import pkm_serve, keras")  # aborted (SIGABRT) with TF's library grafted
+    keras_reload.wait_imported()  # aborted (SIGABRT) with TF's library grafted
     step(f"installed package: {here}; its op library uses {tf_dir}'s TF libraries; "
          "`import pkm_serve, keras` works")
 
@@ -134,29 +190,16 @@ def _keras_models():
     return models
 
 
-def check_keras_round_trip(work):
+def check_keras_round_trip(work, keras_reload):
     """Every model reloads in one fresh process that imports only pkm_serve and keras (so
-    under the default float32 policy) and gives the saved model's outputs."""
+    under the default float32 policy: `keras_reload`, started at step 0) and gives the saved
+    model's outputs."""
     import keras
     models = _keras_models()
     for name, (model, _, inputs) in models.items():
         model.save(os.path.join(work, f"{name}.keras"))
         np.savez(os.path.join(work, f"{name}_in.npz"), *inputs)
-    out = fresh_python("""
-        import json, sys, numpy as np
-        import pkm_serve
-        import keras
-        work, result = sys.argv[1], {"policy": keras.config.dtype_policy().name}
-        for name in sys.argv[2:]:
-            model = keras.models.load_model(f"{work}/{name}.keras")
-            inputs = list(np.load(f"{work}/{name}_in.npz").values())
-            out = model(inputs if len(inputs) > 1 else inputs[0], training=False)
-            np.save(f"{work}/{name}_out.npy", keras.ops.convert_to_numpy(out).astype(np.float32))
-            opt = getattr(model, "optimizer", None)
-            result[name] = None if opt is None else [
-                type(opt).__module__ + "." + type(opt).__name__, int(opt.iterations.numpy())]
-        print(json.dumps(result))
-    """, work, *models)
+    out = keras_reload.reload(work, list(models))
     result = json.loads(out.strip().splitlines()[-1])
     assert result["policy"] == "float32", result
     for name, (model, optimizer, inputs) in models.items():
@@ -299,12 +342,16 @@ def check_serve(base, idx, w, want):
 def main():
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     t0 = time.time()
-    check_installed()
-    with tempfile.TemporaryDirectory(prefix="pkm_wheel_check_") as work:
-        check_readme_tour()
-        check_keras_round_trip(work)
-        base, idx, w, want = check_export(work)
-        check_serve(base, idx, w, want)
+    keras_reload = FreshKerasReload()
+    try:
+        check_installed(keras_reload)
+        with tempfile.TemporaryDirectory(prefix="pkm_wheel_check_") as work:
+            check_readme_tour()
+            check_keras_round_trip(work, keras_reload)
+            base, idx, w, want = check_export(work)
+            check_serve(base, idx, w, want)
+    finally:
+        keras_reload.close()
     step(f"PASSED in {time.time() - t0:.0f} s")
 
 

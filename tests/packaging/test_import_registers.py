@@ -59,30 +59,43 @@ def saved(tmp_path_factory):
             "keras_expected": model([x, idx], training=False).numpy()}
 
 
-LOAD_SCRIPT = textwrap.dedent("""
+# load_both(d, tag) loads the fused SavedModel and the .keras file, writing the outputs to
+# d/*_out_<tag>.npy; the script's own imports before the call are the case's.
+LOAD_FUNCTION = textwrap.dedent("""
     import json, os, sys
     import numpy as np
-    {prelude}
-    import keras
-    import tensorflow as tf
-    d = sys.argv[1]
-    inputs = np.load(os.path.join(d, "inputs.npz"))
-    result = {{}}
-    try:
-        fused = tf.saved_model.load(os.path.join(d, "fused"))
-        out = fused.signatures["serving_default"](indices=tf.constant(inputs["idx"]),
-                                                  weights=tf.constant(inputs["w"]))["out"]
-        np.save(os.path.join(d, "bag_out.npy"), out.numpy())
-    except Exception as e:
-        result["saved_model_error"] = str(e).splitlines()[0]
-    try:
-        model = keras.models.load_model(os.path.join(d, "model.keras"))
-        np.save(os.path.join(d, "keras_out.npy"),
-                model([inputs["x"], inputs["idx"]], training=False).numpy())
-        result["layer_modules"] = sorted({{type(l).__module__ for l in model.layers}})
-    except Exception as e:
-        result["keras_error"] = str(e).splitlines()[0]
-    print(json.dumps(result))
+    def load_both(d, tag):
+        import keras
+        import tensorflow as tf
+        inputs = np.load(os.path.join(d, "inputs.npz"))
+        result = {}
+        try:
+            fused = tf.saved_model.load(os.path.join(d, "fused"))
+            out = fused.signatures["serving_default"](indices=tf.constant(inputs["idx"]),
+                                                      weights=tf.constant(inputs["w"]))["out"]
+            np.save(os.path.join(d, f"bag_out_{tag}.npy"), out.numpy())
+        except Exception as e:
+            result["saved_model_error"] = str(e).splitlines()[0]
+        try:
+            model = keras.models.load_model(os.path.join(d, "model.keras"))
+            np.save(os.path.join(d, f"keras_out_{tag}.npy"),
+                    model([inputs["x"], inputs["idx"]], training=False).numpy())
+            result["layer_modules"] = sorted({type(l).__module__ for l in model.layers})
+        except Exception as e:
+            result["keras_error"] = str(e).splitlines()[0]
+        return result
+""")
+PRELUDES = {"pkm_serve_first": "import pkm_serve",
+            # a private module first imports TensorFlow half-way through its own import
+            "private_module_first": "import pkm_serve._library"}
+# The control and the tensorflow_first case share one fresh process: with TensorFlow and Keras
+# imported, both formats fail to load; then `import pkm_serve`, and both load.
+CONTROL_THEN_TENSORFLOW_FIRST = LOAD_FUNCTION + textwrap.dedent("""
+    import tensorflow, keras
+    results = {"control": load_both(sys.argv[1], "control")}
+    import pkm_serve
+    results["tensorflow_first"] = load_both(sys.argv[1], "tensorflow_first")
+    print(json.dumps(results))
 """)
 
 
@@ -96,30 +109,33 @@ def run_fresh(script, *args, env_extra=None):
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
-@pytest.mark.parametrize("prelude", ["import pkm_serve",
-                                     "import tensorflow, keras\nimport pkm_serve",
-                                     # a private module first imports TensorFlow half-way through its own import
-                                     "import pkm_serve._library"],
-                         ids=["pkm_serve_first", "tensorflow_first", "private_module_first"])
-def test_fresh_process_with_only_import_pkm_serve_loads_both_formats(saved, prelude):
+@pytest.fixture(scope="module")
+def control_then_tensorflow_first(saved):
+    return run_fresh(CONTROL_THEN_TENSORFLOW_FIRST, str(saved["dir"]))
+
+
+@pytest.mark.parametrize("case", ["pkm_serve_first", "tensorflow_first", "private_module_first"])
+def test_fresh_process_with_only_import_pkm_serve_loads_both_formats(saved, case, request):
     d = saved["dir"]
-    for f in ("bag_out.npy", "keras_out.npy"):
-        if (d / f).exists():
-            (d / f).unlink()
-    result, stderr = run_fresh(LOAD_SCRIPT.format(prelude=prelude), str(d))
+    if case == "tensorflow_first":
+        results, stderr = request.getfixturevalue("control_then_tensorflow_first")
+        result = results[case]
+    else:
+        script = LOAD_FUNCTION + f"{PRELUDES[case]}\nprint(json.dumps(load_both(sys.argv[1], {case!r})))"
+        result, stderr = run_fresh(script, str(d))
     assert set(result) == {"layer_modules"}, result  # no load error
     assert "registration after importing" not in stderr, stderr[-2000:]
     assert {"pkm_serve.layers.product_key_memory",
             "pkm_serve.layers.embedding_bag"} <= set(result["layer_modules"])
-    np.testing.assert_allclose(np.load(d / "bag_out.npy"), saved["bag_expected"], rtol=1e-5,
+    np.testing.assert_allclose(np.load(d / f"bag_out_{case}.npy"), saved["bag_expected"], rtol=1e-5,
                                atol=1e-6)
-    np.testing.assert_allclose(np.load(d / "keras_out.npy"), saved["keras_expected"],
+    np.testing.assert_allclose(np.load(d / f"keras_out_{case}.npy"), saved["keras_expected"],
                                rtol=1e-6, atol=1e-6)
 
 
-def test_without_import_pkm_serve_both_formats_fail(saved):
+def test_without_import_pkm_serve_both_formats_fail(control_then_tensorflow_first):
     """The control: the fresh process really depends on the import."""
-    result, _ = run_fresh(LOAD_SCRIPT.format(prelude=""), str(saved["dir"]))
+    result = control_then_tensorflow_first[0]["control"]
     assert "PkmEmbeddingBag" in result["saved_model_error"], result
     assert "keras_error" in result, result
 

@@ -76,11 +76,12 @@ LOAD = """
     d, policy, models = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
     import keras
     keras.mixed_precision.set_global_policy(policy)
-    result = {"loader_policy": keras.config.dtype_policy().name}
-    try:  # the control: without pkm_serve, Keras cannot find our classes
-        keras.models.load_model(f"{d}/{models[0]}.keras")
-    except Exception as e:
-        result["error_without_pkm_serve"] = str(e)
+    result = {"loader_policy": keras.config.dtype_policy().name, "error_without_pkm_serve": {}}
+    for name in models:  # the control: without pkm_serve, Keras cannot find our classes
+        try:
+            keras.models.load_model(f"{d}/{name}.keras")
+        except Exception as e:
+            result["error_without_pkm_serve"][name] = str(e)
     import pkm_serve
     batch = np.load(f"{d}/batch.npz")
     for name in models:
@@ -122,10 +123,20 @@ def saved(tmp_path_factory):
     return d, expected
 
 
-def test_optimizer_compiled_models_reload_with_only_import_pkm_serve(saved):
+def _load(d, loader_policy, *names):
+    return _run(LOAD, d, loader_policy, ",".join(names))
+
+
+@pytest.fixture(scope="module")
+def float32_loader(saved):
+    """One fresh float32 process reloads the optimizer models and the mixed_bfloat16 PKM."""
+    return _load(saved[0], "float32", "lazy_adam", "rowwise_adagrad", "pkm_mixed_bfloat16")
+
+
+def test_optimizer_compiled_models_reload_with_only_import_pkm_serve(saved, float32_loader):
     d, expected = saved
-    result = _run(LOAD, d, "float32", "lazy_adam,rowwise_adagrad")
-    assert "Could not locate class 'LazyAdam'" in result["error_without_pkm_serve"], result
+    result = float32_loader
+    assert "Could not locate class 'LazyAdam'" in result["error_without_pkm_serve"]["lazy_adam"], result
     for name, cls in (("lazy_adam", LazyAdam), ("rowwise_adagrad", RowwiseAdagrad)):
         assert result[name]["class"] == f"pkm_serve.optimizers.{cls.__name__}"
         assert result[name]["config"] == expected[name]["config"]
@@ -141,12 +152,13 @@ def test_optimizer_compiled_models_reload_with_only_import_pkm_serve(saved):
 @pytest.mark.parametrize("saved_policy, loader_policy",
                          [("mixed_bfloat16", "float32"), ("float32", "mixed_bfloat16")])
 def test_product_key_memory_reloads_its_policy_whatever_the_loaders(saved, saved_policy,
-                                                                    loader_policy):
+                                                                    loader_policy, request):
     d, _ = saved
     name = f"pkm_{saved_policy}"
-    result = _run(LOAD, d, loader_policy, name)
+    result = request.getfixturevalue("float32_loader") if loader_policy == "float32" \
+        else _load(d, loader_policy, name)
     assert result["loader_policy"] == loader_policy
-    assert "Could not locate class 'ProductKeyMemory'" in result["error_without_pkm_serve"]
+    assert "Could not locate class 'ProductKeyMemory'" in result["error_without_pkm_serve"][name]
     assert set(result[name]) >= {"pkm", "query_proj", "query_bn", "values"}, result[name]
     assert set(result[name].values()) == {saved_policy}, result[name]
     want = np.load(d / f"{name}_out.npy")
