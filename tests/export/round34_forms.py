@@ -1,5 +1,8 @@
 """Shared by the round-34 export form tests: a tf.Module with a table `t` and positional weights `v`
 saved with one signature and exported, both SavedModels run, and the numpy float64 bag reference."""
+import collections
+import os
+
 import numpy as np
 import tensorflow as tf
 
@@ -26,11 +29,27 @@ def save_and_export(tmp_path, specs, body, table=TABLE, **export_args):
     return export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True, **export_args)
 
 
+_LOADED = collections.OrderedDict()
+
+
+def loaded_signature(path, name="serving_default"):
+    """A SavedModel's signature, loaded once per written SavedModel (keyed by its
+    saved_model.pb's path and mtime; the last few kept): a test runs several inputs
+    through its original and fused models, and each load costs more than the runs."""
+    pb = os.path.join(str(path), "saved_model.pb")
+    key = (pb, os.stat(pb).st_mtime_ns)
+    if key not in _LOADED:
+        _LOADED[key] = tf.saved_model.load(str(path))
+        while len(_LOADED) > 4:
+            _LOADED.popitem(last=False)
+    return _LOADED[key].signatures[name]
+
+
 def run_both(tmp_path, result, *args):
     """The original's and the fused SavedModel's output for the signature's args in order."""
     inputs = {f"args_{i}": a for i, a in enumerate(args)}
-    original = tf.saved_model.load(str(tmp_path / "m")).signatures["serving_default"]
-    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    original = loaded_signature(tmp_path / "m")
+    fused = loaded_signature(result.dst)
     return original(**inputs)["out"].numpy(), fused(**inputs)["out"].numpy()
 
 

@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from pkm_serve import ops, tflite
 from pkm_serve.export import export_saved_model
+from round34_forms import loaded_signature
 
 ops.load_library()
 
@@ -29,8 +30,7 @@ def _save_and_export(tmp_path, specs, body, tflite_file=None):
 
 
 def _run_both(tmp_path, result, **inputs):
-    original = tf.saved_model.load(str(tmp_path / "m")).signatures["serving_default"]
-    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    original, fused = loaded_signature(tmp_path / "m"), loaded_signature(result.dst)
     return original(**inputs)["out"].numpy(), fused(**inputs)["out"].numpy()
 
 

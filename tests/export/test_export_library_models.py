@@ -92,6 +92,22 @@ def _inputs(npz, signature, fn):
             else npz[name] for name in specs}
 
 
+_ORIGINALS = {}
+
+
+def _original_outputs(res, sig):
+    """(inputs, outputs) of the original model's signature on the real-looking inputs,
+    loaded and run once for the module's tests (a load costs up to seconds)."""
+    key = (str(res["src"]), sig)
+    if key not in _ORIGINALS:
+        if str(res["src"]) not in _ORIGINALS:
+            _ORIGINALS[str(res["src"])] = tf.saved_model.load(str(res["src"]))
+        fn = _ORIGINALS[str(res["src"])].signatures[sig]
+        x = _inputs(res["npz"], sig, fn)
+        _ORIGINALS[key] = (x, {k: v.numpy() for k, v in fn(**x).items()})
+    return _ORIGINALS[key]
+
+
 def _close(got, want, what):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert got.shape == want.shape, what
@@ -166,11 +182,9 @@ def test_every_pooled_site_fused(exported, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_outputs_equal_original_on_real_looking_inputs(exported, name):
     res = exported[name]
-    original = tf.saved_model.load(str(res["src"]))
     fused = tf.saved_model.load(str(res["dst"]))
     for sig in res["meta"]["pooled"]:
-        x = _inputs(res["npz"], sig, original.signatures[sig])
-        want = {k: v.numpy() for k, v in original.signatures[sig](**x).items()}
+        x, want = _original_outputs(res, sig)
         got = {k: v.numpy() for k, v in fused.signatures[sig](**x).items()}
         assert set(got) == set(want)
         for key in want:
@@ -197,10 +211,8 @@ def test_tflite_converts_or_names_the_models_own_op(exported, name):
         assert tflite_info["status"] == "verified with the pkm delegate"
         assert set(tflite_info["custom_ops"]) <= set(FUSED_OPS)
         interp = tflite.make_interpreter(str(res["tflite"]))
-        loaded = tf.saved_model.load(str(res["src"]))
         for sig in info.get("tflite_signatures") or info["pooled"]:
-            x = _inputs(res["npz"], sig, loaded.signatures[sig])
-            want = {k: v.numpy() for k, v in loaded.signatures[sig](**x).items()}
+            x, want = _original_outputs(res, sig)
             got = interp.get_signature_runner(sig)(**x)
             for key in want:
                 _close(got[key], want[key], f"{name}/{sig}/{key} tflite")

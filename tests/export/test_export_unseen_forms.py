@@ -10,6 +10,7 @@ from pkm_serve import ops
 from pkm_serve.export import ExportError, export_saved_model
 from pkm_serve.export.exporter import _error_line
 from pkm_serve.export.verify import VerificationError, compare_outputs
+from round34_forms import loaded_signature
 
 ops.load_library()
 
@@ -32,8 +33,7 @@ def _export(tmp_path, **kw):
 
 
 def _both(tmp_path, result, **inputs):
-    original = tf.saved_model.load(str(tmp_path / "m")).signatures["serving_default"]
-    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    original, fused = loaded_signature(tmp_path / "m"), loaded_signature(result.dst)
     return ({k: v.numpy() for k, v in original(**inputs).items()},
             {k: v.numpy() for k, v in fused(**inputs).items()})
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from round34_forms import D, IDS, K, N, RNG, TABLE, WEIGHTS, np_bags, run_both, save_and_export
+from round34_forms import D, IDS, K, N, RNG, TABLE, WEIGHTS, loaded_signature, np_bags, run_both, save_and_export
 
 FLAT = tf.TensorSpec([None], tf.int64)
 SEGMENTS = tf.TensorSpec([None], tf.int32)
@@ -101,7 +101,7 @@ def test_bad_entries_are_refused_as_the_original_refuses_them(tmp_path):
                              (np.where(seg < 0, N + 3, ids), seg), (ids, seg[:-1])):
         for model in (tmp_path / "m", result.dst):
             with pytest.raises(tf.errors.InvalidArgumentError):
-                tf.saved_model.load(str(model)).signatures["serving_default"](
+                loaded_signature(model)(
                     args_0=bad_ids, args_1=bad_seg, args_2=np.int32(3))
 
 
@@ -242,7 +242,7 @@ def test_segment_sum_of_rows_broadcast_against_their_weights_answers_and_refuses
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     for model in (tmp_path / "b" / "m", by_ids.dst):
         with pytest.raises(tf.errors.InvalidArgumentError):
-            tf.saved_model.load(str(model)).signatures["serving_default"](args_0=one_id, args_1=w)
+            loaded_signature(model)(args_0=one_id, args_1=w)
 
 
 def test_int64_segment_ids_past_int32_are_dropped_or_refused_as_the_original(tmp_path):
@@ -261,7 +261,7 @@ def test_int64_segment_ids_past_int32_are_dropped_or_refused_as_the_original(tmp
     for too_large in (2**32 + 2, 2**31):
         for model in (tmp_path / "m", result.dst):
             with pytest.raises(tf.errors.InvalidArgumentError):
-                tf.saved_model.load(str(model)).signatures["serving_default"](
+                loaded_signature(model)(
                     args_0=ids, args_1=np.where(seg < 0, too_large, seg), args_2=np.int32(3))
 
 
@@ -278,5 +278,5 @@ def test_sorted_segment_sum_refuses_int64_segment_ids_that_wrap_in_int32(tmp_pat
                                rtol=1e-5, atol=1e-5)
     for model in (tmp_path / "m", result.dst):
         with pytest.raises(tf.errors.InvalidArgumentError):
-            tf.saved_model.load(str(model)).signatures["serving_default"](
+            loaded_signature(model)(
                 args_0=ids, args_1=np.repeat([-2**32, 0, 1], K))

@@ -76,15 +76,60 @@ def _inputs(name, rng):
     return {"ids": ids}
 
 
-@pytest.fixture(scope="module", params=sorted(BUILDERS))
-def exported(request, tmp_path_factory):
-    name = request.param
-    base = tmp_path_factory.mktemp(name)
-    src = str(base / "src")
-    BUILDERS[name](src)
-    float_result = export_saved_model(src, str(base / "float"), quiet=True)
-    int8_result = export_saved_model(src, str(base / "int8"), quantize_table="int8", quiet=True)
-    return name, float_result, int8_result
+@pytest.fixture(scope="module")
+def all_exported(tmp_path_factory):
+    """Every model exported float and int8, once for the module (the fresh-process
+    check loads them all in one process)."""
+    results = {}
+    for name in sorted(BUILDERS):
+        base = tmp_path_factory.mktemp(name)
+        src = str(base / "src")
+        BUILDERS[name](src)
+        float_result = export_saved_model(src, str(base / "float"), quiet=True)
+        int8_result = export_saved_model(src, str(base / "int8"), quantize_table="int8", quiet=True)
+        results[name] = (name, float_result, int8_result)
+    return results
+
+
+@pytest.fixture(params=sorted(BUILDERS))
+def exported(request, all_exported):
+    return all_exported[request.param]
+
+
+# One fresh process loads every int8 export in turn (a Python+TF start costs seconds);
+# each model's failure is caught and written out, so that it fails its own test.
+_FRESH_PROCESS = """
+import sys, traceback, numpy as np, pkm_serve, tensorflow as tf
+for dst, x_path, y_path, err_path in zip(*[iter(sys.argv[1:])] * 4):
+    try:
+        m = tf.saved_model.load(dst); x = dict(np.load(x_path))
+        out = m.signatures['serving_default'](**{k: tf.constant(v) for k, v in x.items()})
+        np.savez(y_path, **{k: v.numpy() for k, v in out.items()})
+    except Exception:
+        open(err_path, 'w').write(traceback.format_exc())
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_process_outputs(all_exported):
+    """{name: (inputs, outputs or None, error text or None)} from one fresh process with only
+    `import pkm_serve`."""
+    args, paths = [], {}
+    for name, (_, _, int8_result) in all_exported.items():
+        base = os.path.dirname(int8_result.dst)
+        x = _inputs(name, np.random.default_rng(8))
+        np.savez(os.path.join(base, "x.npz"), **x)
+        paths[name] = (x, os.path.join(base, "y.npz"), os.path.join(base, "fresh_error.txt"))
+        args += [int8_result.dst, os.path.join(base, "x.npz"), paths[name][1], paths[name][2]]
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, "-c", _FRESH_PROCESS] + args, capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {}
+    for name, (x, y_path, err_path) in paths.items():
+        error = open(err_path).read() if os.path.exists(err_path) else None
+        results[name] = (x, None if error else dict(np.load(y_path)), error)
+    return results
 
 
 def _variables_bytes(version_dir):
@@ -142,20 +187,10 @@ def test_fused_ops_read_int8_variables(exported):
     assert tables and all(dtypes[k] == tf.int8 for k in tables)
 
 
-def test_fresh_process_with_only_import_pkm_serve_loads_it(exported):
+def test_fresh_process_with_only_import_pkm_serve_loads_it(exported, fresh_process_outputs):
     name, float_result, int8_result = exported
-    x = _inputs(name, np.random.default_rng(8))
-    np.savez(os.path.join(int8_result.dst, "..", "x.npz"), **x)
-    code = ("import sys, numpy as np, pkm_serve, tensorflow as tf\n"
-            "m = tf.saved_model.load(sys.argv[1]); x = dict(np.load(sys.argv[2]))\n"
-            "out = m.signatures['serving_default'](**{k: tf.constant(v) for k, v in x.items()})\n"
-            "np.savez(sys.argv[3], **{k: v.numpy() for k, v in out.items()})\n")
-    result_path = os.path.join(int8_result.dst, "..", "y.npz")
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, "-c", code, int8_result.dst, os.path.join(int8_result.dst, "..", "x.npz"),
-                           result_path], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = dict(np.load(result_path))
+    x, got, error = fresh_process_outputs[name]
+    assert error is None, f"{name}: the fresh process failed:\n{error[-3000:]}"
     want = tf.saved_model.load(int8_result.dst).signatures["serving_default"](**x)
     for key in want:
         np.testing.assert_allclose(got[key], want[key].numpy(), rtol=1e-6, atol=1e-6)
@@ -185,19 +220,21 @@ def test_pkm_serve_serve_answers_grpc_predict(exported, tmp_path):
         server.terminate()
 
 
-def test_tolerance_refusal_is_one_clear_error(tmp_path):
+def test_tolerance_refusal_is_one_clear_error(tmp_path, capfd):
     src = str(tmp_path / "src")
     one_table(src)
     with pytest.raises(ExportError, match=r"differs from the float model by .* over --quantize-tolerance 1e-06"):
         export_saved_model(src, str(tmp_path / "dst"), quantize_table="int8", quantize_tolerance=1e-6, quiet=True)
     assert not os.path.exists(tmp_path / "dst" / "1")
-    proc = subprocess.run([sys.executable, "-m", "pkm_serve.cli", "export", src, str(tmp_path / "dst2"),
-                           "--quantize-table", "int8", "--quantize-tolerance", "1e-6", "--quiet"],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    # The CLI's progress lines ("importing TensorFlow", "loading the op library") come first.
-    err_lines = [line for line in proc.stderr.splitlines() if line.startswith("pkm-serve export: error")]
-    assert proc.returncode != 0 and len(err_lines) == 1 and "--quantize-tolerance" in err_lines[0], proc.stderr[-2000:]
+    # The CLI's entry in-process (TF is imported already, so its progress lines are not
+    # written): the refusal is one error line and status 1.
+    from pkm_serve import cli
+    status = cli.main(["export", src, str(tmp_path / "dst2"), "--quantize-table", "int8",
+                       "--quantize-tolerance", "1e-6", "--quiet"])
+    err = capfd.readouterr().err
+    err_lines = [line for line in err.splitlines() if line.startswith("pkm-serve export: error")]
+    assert status != 0 and len(err_lines) == 1 and "--quantize-tolerance" in err_lines[0], err[-2000:]
+    assert not os.path.exists(tmp_path / "dst2" / "1")
 
 
 def test_keras_api_quantize_tables(tmp_path):
