@@ -42,6 +42,19 @@ def _rapidjson_float(text: str) -> float:
     return float(text)
 
 
+# An integer literal (read by parse_int, not parse_float) past DBL_MAX has 309+ digits;
+# rapidjson refuses it as too big (Python's json kept the int, or refused one of 4300+
+# digits with a ValueError, a 500). The hook runs only where the body holds such a digit run.
+_EVERY_DIGIT_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_DOUBLE_MAX_DIGIT_RUN = b"0" * 309
+
+
+def _rapidjson_int(text: str) -> int:
+    if len(text) > 308 and json_parse_errors.rapidjson_number_too_big(text):
+        raise _NumberTooBig(text)
+    return int(text)
+
+
 # A JSON string, or a spelling of a non-finite number that rapidjson's kParseNanAndInfFlag
 # reads and Python's json does not (Inf, -Inf, -NaN); "Infin" is no Inf (rapidjson refuses it).
 _STRING_OR_RAPIDJSON_NON_FINITE = re.compile(r'"(?:[^"\\]|\\.)*"|-?Inf(?:inity|(?!i))|-NaN', re.DOTALL)
@@ -124,6 +137,8 @@ def _python_loads(body: bytes, **hooks):
     blank = len(text) - len(text.lstrip(" \t\n\r"))
     if text[blank:blank + 1] in ("", "\0"):   # rapidjson's kParseErrorDocumentEmpty
         raise invalid(f"JSON Parse error: The document is empty. at offset: {skipped + blank}")
+    if _DOUBLE_MAX_DIGIT_RUN in body.translate(_EVERY_DIGIT_AS_ZERO):
+        hooks.setdefault("parse_int", _rapidjson_int)
     respelt, spans = text, []
     if _MAY_HOLD_LOW_SURROGATE_ESCAPE.search(body):   # (Python's json would read them otherwise)
         respelt, spans = _as_rapidjson_reads(text)
