@@ -124,7 +124,9 @@ def test_dense_string_inputs_keep_their_shape(value, shape):
     assert got.shape == shape and got.tolist() == utf8(value)
 
 
-@pytest.mark.parametrize("literal", [b"1e400", b"-1e400", b"1.5e310", b"1e0309", b"12.25e311", b"1" * 310 + b".5", b"1." + b"0" * 20 + b"e326"])
+@pytest.mark.parametrize("literal", [b"1e400", b"-1e400", b"1.5e310", b"1e0309", b"12.25e311", b"1" * 310 + b".5", b"1." + b"0" * 20 + b"e326",
+                                     # an integer literal past DBL_MAX (it was read as an int; 4300+ digits a 500 ValueError)
+                                     b"2" + b"0" * 308, b"-" + b"1" * 310, b"9" * 5000, b"1E+309"])
 def test_a_number_literal_past_the_double_range_is_a_parse_error(literal):
     """rapidjson refuses it (kParseErrorNumberTooBig, at the literal's start: an exponent over
     308 less the fraction digits, an integer part past DBL_MAX); Python's json read 1e400 as
@@ -133,7 +135,20 @@ def test_a_number_literal_past_the_double_range_is_a_parse_error(literal):
         rest_frontend.loads(b'{"inputs": [1.5, ' + literal + b"]}")
 
 
-@pytest.mark.parametrize("literal, value", [(b"1.8e308", np.inf), (b"1.5e309", np.inf), (b"1." + b"0" * 20 + b"e325", np.inf), (b"-123456789e301", -np.inf), (b"1.25e308", 1.25e308)])
+def test_numbers_of_a_body_python_reads_are_judged_only_where_one_may_be_too_big(monkeypatch):
+    """A Python call for every number (a NaN among 200k floats such as 1.5e-06 or 1.5e+20)
+    took 4-16x the parse: numbers are judged only where the body spells a 3-digit exponent or a
+    309-digit run."""
+    from pkm_serve.serving import json_body
+    judged = []
+    monkeypatch.setattr(json_body, "_rapidjson_float", lambda text: judged.append(text) or float(text))
+    assert rest_frontend.loads(b'{"inputs": [NaN, 1.5e-06, 1.5e+20, 2.5E99, 3]}')["inputs"][1:] == [1.5e-06, 1.5e+20, 2.5e99, 3]
+    assert judged == []
+    assert rest_frontend.loads(b'{"inputs": [NaN, 1.5e-06, 1.5e+200]}')["inputs"][1:] == [1.5e-06, 1.5e+200]
+    assert judged == ["1.5e-06", "1.5e+200"]
+
+
+@pytest.mark.parametrize("literal, value", [(b"1" + b"0" * 308, 10 ** 308), (b"1.8e308", np.inf), (b"1.5e309", np.inf), (b"1." + b"0" * 20 + b"e325", np.inf), (b"-123456789e301", -np.inf), (b"1.25e308", 1.25e308)])
 def test_a_literal_rapidjson_reads_past_the_double_range_is_infinity(literal, value):
     """Within ParseNumber's exponent limit its double overflows to infinity, which json_tensor.cc
     lets through (IsLosslessDecimal); Python's json gives the same double."""
