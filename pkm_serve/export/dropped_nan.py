@@ -6,8 +6,10 @@ or NaN w anywhere makes every entry of the bag NaN.
 
 Fused with a per-bag term added to the op's bag before any step after it: the sum over the dropped (or, for
 the counts, all) positions of 0 * m for each multiplier m after the drop (divide_no_nan(0, d) for a divisor d):
-NaN exactly where the composite's bag is, 0 elsewhere. It costs a few elementwise ops on [..., K], none on the [..., K, D] rows.
-A form the term cannot be shaped for (ragged or segment bags, a span of positions, regrouped ids) is reported."""
+NaN exactly where the composite's bag is, 0 elsewhere. It costs a few elementwise ops on [..., K], none on the
+[..., K, D] rows. Segment bags (segment_sum, unsorted_segment_sum of one row per id) sum it by the root's own
+segment ids. A form the term cannot be shaped for (rows re-gathered by ragged broadcasting, sparse bags, a span
+of positions, regrouped ids) is reported."""
 from __future__ import annotations
 
 from typing import List, Optional
@@ -45,6 +47,8 @@ def check_dropped_rows(fg: FunctionGraph, site: Site) -> None:
     if not site.drop_hazards:
         return
     ragged = site.segment_ids is not None or site.sparse_indices is not None or site.row_splits is not None
+    if ragged and _segment_root(fg, site) is not None and site.sparse_indices is None:
+        ragged = False  # the term is summed per bag by the root's own segment ids (_per_segment)
     if ragged or site.positions is not None or site.regroup_ids is not None or \
             site.weights_per_flat_id is not None or site.pooled is not None or site.regathers or \
             site.zero_fill is not None or site.ones is not None or site.weights_unit_row or site.weights_to_vector:
@@ -113,12 +117,44 @@ def build_nan_term(fg: FunctionGraph, site: Site) -> None:
     else:  # every position: broadcast a shared or per-bag multiplier to the ids
         zeros = fg.add_op(prefix + "/at_ids", "AddV2", [zeros, _zeros_like_ids(fg, site, prefix, out)],
                           {"T": DType(out)}, shapes=[None])
-    bag_axes = np.arange(-site.flatten_bag_axes, 0, dtype=np.int32)  # the ids' last axes: one bag (flat_bags.py)
-    per_bag = fg.add_op(prefix + "/per_bag", "Sum", [zeros, fg.add_const(prefix + "/bag_axes", bag_axes)], {
-        "T": DType(out), "Tidx": DType(types_pb2.DT_INT32), "keep_dims": False}, shapes=[None])
+    segments = _segment_root(fg, site)
+    if segments is not None:
+        per_bag = _per_segment(fg, prefix, zeros, segments, out)
+    else:
+        per_bag = _per_dense_bag(fg, site, prefix, zeros, out)
     site.nan_term = fg.add_op(prefix + "/per_bag_column", "ExpandDims", [per_bag, fg.add_const(
         prefix + "/column_axis", np.array(-1, np.int32))], {"T": DType(out), "Tdim": DType(types_pb2.DT_INT32)},
         shapes=[None])
+
+
+_SORTED_SEGMENT_OPS = ("SegmentSum", "SegmentMean", "SegmentSqrtN")
+
+
+def _segment_root(fg: FunctionGraph, site: Site):
+    """The root of a ragged or segment site reducing one row per id by segment ids (tf.math.segment_sum,
+    unsorted_segment_sum, a RaggedTensor's reduce_sum / reduce_mean): the node, else None."""
+    node = fg.nodes.get(site.root)
+    if node is None or node.op not in _SORTED_SEGMENT_OPS + ("UnsortedSegmentSum",):
+        return None
+    return node
+
+
+def _per_segment(fg: FunctionGraph, prefix: str, zeros: Ref, root, out: int) -> Ref:
+    """The per-id zeros summed into the root's bags by its own segment ids (and number of segments)."""
+    ins = [r for r in fg.inputs(root)]
+    ids_type = tensor_dtype(fg, ins[1])
+    if root.op in _SORTED_SEGMENT_OPS:
+        return fg.add_op(prefix + "/per_bag", "SegmentSum", [zeros, ins[1]], {
+            "T": DType(out), "Tindices": DType(ids_type)}, shapes=[None])
+    return fg.add_op(prefix + "/per_bag", "UnsortedSegmentSum", [zeros, ins[1], ins[2]], {
+        "T": DType(out), "Tindices": DType(ids_type), "Tnumsegments": DType(tensor_dtype(fg, ins[2]))},
+        shapes=[None])
+
+
+def _per_dense_bag(fg: FunctionGraph, site: Site, prefix: str, zeros: Ref, out: int) -> Ref:
+    bag_axes = np.arange(-site.flatten_bag_axes, 0, dtype=np.int32)  # the ids' last axes: one bag (flat_bags.py)
+    return fg.add_op(prefix + "/per_bag", "Sum", [zeros, fg.add_const(prefix + "/bag_axes", bag_axes)], {
+        "T": DType(out), "Tidx": DType(types_pb2.DT_INT32), "keep_dims": False}, shapes=[None])
 
 
 def _zeros_like_ids(fg: FunctionGraph, site: Site, prefix: str, dtype: int) -> Ref:
