@@ -24,6 +24,9 @@ from pkm_serve.export.no_nan_multiply import _finite
 from pkm_serve.export.sites import Site, Skip, dims, tensor_dtype
 
 
+_HALF = (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16)
+
+
 def _hazards(fg: FunctionGraph, site: Site) -> list:
     """(kind, ref, squeeze, scalar) of each multiplier or divisor that scales a dropped row's zeros and may make
     them NaN (not a finite constant, a cast of integers, an axis length)."""
@@ -47,7 +50,7 @@ def check_dropped_rows(fg: FunctionGraph, site: Site) -> None:
     if not site.drop_hazards:
         return
     ragged = site.segment_ids is not None or site.sparse_indices is not None or site.row_splits is not None
-    if ragged and _segment_root(fg, site) is not None and site.sparse_indices is None:
+    if ragged and _segment_root(fg, site) is not None and site.sparse_indices is None and not site.segments_counted:
         ragged = False  # the term is summed per bag by the root's own segment ids (_per_segment)
     if ragged or site.positions is not None or site.regroup_ids is not None or \
             site.weights_per_flat_id is not None or site.pooled is not None or site.regathers or \
@@ -93,15 +96,18 @@ def _dropped(fg: FunctionGraph, site: Site, prefix: str) -> Optional[Ref]:
 
 
 def build_nan_term(fg: FunctionGraph, site: Site) -> None:
-    """Before fusing (the mask and weights as matched): site.nan_term, [..., 1] in the table's dtype."""
+    """Before fusing (the mask and weights as matched): site.nan_term, [..., 1] in the table's dtype (float32 for
+    a float16 / bfloat16 table: fuse.py adds it to the bag in float32)."""
     if not site.drop_hazards:
         return
     prefix = site.root + "/pkm_dropped_nan"
-    out = site.table_dtype
+    out = types_pb2.DT_FLOAT if site.table_dtype in _HALF else site.table_dtype  # no half SELECT / SUM in TFLite
     zeros = None
     for i, (kind, ref, squeeze, scalar) in enumerate(site.drop_hazards):
         dtype = tensor_dtype(fg, ref)
         ref = _as_per_index(fg, f"{prefix}/m{i}", ref, squeeze, scalar, dtype)
+        if dtype in _HALF:  # TFLite has no float16 / bfloat16 MUL: 0 * m in float32 (a cast keeps inf and NaN)
+            ref, dtype = _cast(fg, f"{prefix}/m{i}_float", ref, dtype, types_pb2.DT_FLOAT, None), types_pb2.DT_FLOAT
         zero = fg.add_const(f"{prefix}/zero{i}", np.array(0, _np_float(dtype)))
         zero_times = fg.add_op(f"{prefix}/times{i}", "Mul" if kind == "mul" else "DivNoNan",
                                [ref, zero] if kind == "mul" else [zero, ref], {"T": DType(dtype)}, shapes=[None])
@@ -155,6 +161,18 @@ def _per_dense_bag(fg: FunctionGraph, site: Site, prefix: str, zeros: Ref, out: 
     bag_axes = np.arange(-site.flatten_bag_axes, 0, dtype=np.int32)  # the ids' last axes: one bag (flat_bags.py)
     return fg.add_op(prefix + "/per_bag", "Sum", [zeros, fg.add_const(prefix + "/bag_axes", bag_axes)], {
         "T": DType(out), "Tidx": DType(types_pb2.DT_INT32), "keep_dims": False}, shapes=[None])
+
+
+def nan_term_steps(site: Site, out_dtype: int) -> list:
+    """bag + nan_term; a half bag (a float16 table) in float32, the term's dtype: TFLite has no half ADD."""
+    if out_dtype not in (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16):
+        return [("AddV2", {"T": DType(out_dtype)}, lambda bag: [bag, site.nan_term])]
+    float_attrs = {"T": DType(types_pb2.DT_FLOAT)}
+    return [("Cast", {"SrcT": DType(out_dtype), "DstT": DType(types_pb2.DT_FLOAT), "Truncate": False},
+             lambda bag: [bag]),
+            ("AddV2", float_attrs, lambda bag: [bag, site.nan_term]),
+            ("Cast", {"SrcT": DType(types_pb2.DT_FLOAT), "DstT": DType(out_dtype), "Truncate": False},
+             lambda bag: [bag])]
 
 
 def _zeros_like_ids(fg: FunctionGraph, site: Site, prefix: str, dtype: int) -> Ref:

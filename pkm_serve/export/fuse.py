@@ -371,7 +371,8 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
     steps = masked_max_steps(fg, site) if site.max_fill is not None else []
     out_dtype = site.table_dtype
     if site.nan_term is not None:  # NaN where the composite's dropped rows times inf are (dropped_nan.py)
-        steps.append(("AddV2", {"T": DType(out_dtype)}, lambda bag: [bag, site.nan_term]))
+        from pkm_serve.export.dropped_nan import nan_term_steps  # it imports this module
+        steps += nan_term_steps(site, out_dtype)
     if site.cast_enum:
         steps.append(("Cast", {"SrcT": DType(out_dtype), "DstT": DType(site.cast_enum),
                                "Truncate": False}, lambda bag: [bag]))
