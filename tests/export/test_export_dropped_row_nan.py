@@ -42,6 +42,10 @@ FORMS = {  # name: (body of (m, ids, w, mask), reference of (ids, w, mask) in fl
     "one_hot_rows_then_weights": (
         lambda m, i, w, k: tf.reduce_sum(tf.matmul(_one_hot(i, k), m.t) * w[..., None], 1),
         lambda rows, w, k: (np.where(k[..., None] > 0, rows, 0.0) * w[..., None]).sum(1)),
+    "one_hot_rows_weights_then_where": (  # the mask after the weights drops their NaN: finite
+        lambda m, i, w, k: tf.reduce_sum(tf.where(k[..., None] > 0, tf.matmul(tf.one_hot(i, N), m.t) * w[..., None],
+                                                  0.0), 1),
+        lambda rows, w, k: np.where(k[..., None] > 0, rows * w[..., None], 0.0).sum(1)),
     "one_hot_tensordot_then_weights": (
         lambda m, i, w, k: tf.reduce_sum(tf.tensordot(_one_hot(i, k), m.t, 1) * w[..., None], 1),
         lambda rows, w, k: (np.where(k[..., None] > 0, rows, 0.0) * w[..., None]).sum(1)),
