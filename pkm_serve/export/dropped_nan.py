@@ -188,18 +188,6 @@ def _per_dense_bag(fg: FunctionGraph, site: Site, prefix: str, zeros: Ref, out: 
         "T": DType(out), "Tidx": DType(types_pb2.DT_INT32), "keep_dims": False}, shapes=[None])
 
 
-def nan_term_steps(site: Site, out_dtype: int) -> list:
-    """bag + nan_term; a half bag (a float16 table) in float32, the term's dtype: TFLite has no half ADD."""
-    if out_dtype not in (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16):
-        return [("AddV2", {"T": DType(out_dtype)}, lambda bag: [bag, site.nan_term])]
-    float_attrs = {"T": DType(types_pb2.DT_FLOAT)}
-    return [("Cast", {"SrcT": DType(out_dtype), "DstT": DType(types_pb2.DT_FLOAT), "Truncate": False},
-             lambda bag: [bag]),
-            ("AddV2", float_attrs, lambda bag: [bag, site.nan_term]),
-            ("Cast", {"SrcT": DType(types_pb2.DT_FLOAT), "DstT": DType(out_dtype), "Truncate": False},
-             lambda bag: [bag])]
-
-
 def _zeros_like_ids(fg: FunctionGraph, site: Site, prefix: str, dtype: int) -> Ref:
     ids = fg.add_op(prefix + "/ids", "Cast", [site.indices], {"SrcT": DType(tensor_dtype(fg, site.indices)),
                                                                "DstT": DType(dtype), "Truncate": False}, shapes=[None])
