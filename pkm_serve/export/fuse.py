@@ -17,6 +17,7 @@ from tensorflow.python.framework import dtypes, op_def_registry
 from pkm_serve.export import padded_ragged, sparse_matmul
 from pkm_serve.export.empty_bags import empty_bags, neighbours, select_steps
 from pkm_serve.export.masked_max import masked_max_steps
+from pkm_serve.export.nan_term import nan_term_steps
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import (assert_ids_in_table, assert_ids_rank, assert_masked_ids_below_rows,
                                         assert_table_rows, ids_below_rows)
@@ -371,7 +372,7 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
     steps = masked_max_steps(fg, site) if site.max_fill is not None else []
     out_dtype = site.table_dtype
     if site.nan_term is not None:  # NaN where the composite's dropped rows times inf are (dropped_nan.py)
-        steps.append(("AddV2", {"T": DType(out_dtype)}, lambda bag: [bag, site.nan_term]))
+        steps += nan_term_steps(site, out_dtype)
     if site.cast_enum:
         steps.append(("Cast", {"SrcT": DType(out_dtype), "DstT": DType(site.cast_enum),
                                "Truncate": False}, lambda bag: [bag]))
