@@ -1,0 +1,113 @@
+"""Test cases as signatures of one SavedModel, exported once per module (as
+test_export_position_bags.py does) instead of a save and an export per case.
+
+A case's export error stays its own: where the export of all of a group's
+signatures raises, each is exported alone, and only the cases whose own
+export raises carry the error (re-raised by `Cases.get` in their test)."""
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import numpy as np
+import tensorflow as tf
+
+from pkm_serve import tflite
+from pkm_serve.export import export_saved_model
+from pkm_serve.tflite_model import flatbuffer_schema
+
+
+def signature(name: str, specs, call):
+    """tf.function of `call` whose sites' function is __inference_<name>_<n>."""
+    call.__name__ = name
+    return tf.function(input_signature=specs)(call)
+
+
+@dataclass
+class Export:
+    result: object
+    lite: Optional[str]
+    sites: Dict[str, list]
+    _loaded: dict = field(default_factory=dict)
+
+    def fused(self, name: str):
+        if "model" not in self._loaded:
+            self._loaded["model"] = tf.saved_model.load(self.result.dst)
+        return self._loaded["model"].signatures[name]
+
+    def runner(self, name: str):
+        if "lite" not in self._loaded:
+            self._loaded["lite"] = tflite.make_interpreter(self.lite)
+        return self._loaded["lite"].get_signature_runner(name)
+
+    def custom_ops(self, name: str) -> List[str]:
+        """The custom ops of signature `name`'s subgraph of the .tflite."""
+        with open(self.lite, "rb") as f:
+            model = flatbuffer_schema().Model.GetRootAsModel(bytearray(f.read()), 0)
+        [index] = [model.SignatureDefs(i).SubgraphIndex() for i in range(model.SignatureDefsLength())
+                   if model.SignatureDefs(i).SignatureKey().decode() == name]
+        subgraph = model.Subgraphs(index)
+        codes = {model.OperatorCodes(subgraph.Operators(i).OpcodeIndex()).CustomCode()
+                 for i in range(subgraph.OperatorsLength())}
+        return sorted(code.decode() for code in codes if code)
+
+
+def sites_by_case(sites, names) -> Dict[str, list]:
+    by_case: Dict[str, list] = {}
+    for site in sites:
+        owners = [n for n in names if re.fullmatch(rf"__inference_{n}_\d+", site.function)]
+        assert len(owners) == 1, f"site in {site.function} belongs to no single case of {sorted(names)}"
+        by_case.setdefault(owners[0], []).append(site)
+    return by_case
+
+
+class Cases:
+    """{case name: Export or the exception its export raised}; the originals' signatures."""
+
+    def __init__(self):
+        self.exports, self.originals = {}, {}
+
+    def get(self, name: str) -> Export:
+        export = self.exports[name]
+        if isinstance(export, Exception):
+            raise export
+        return export
+
+    def original(self, name: str):
+        return self.originals[name].signatures[name]
+
+    def add(self, out_dir, module, signatures, with_tflite=False, samples=None) -> None:
+        """Saves `module` with `signatures` ({name: tf.function}) to out_dir/m and exports it
+        once. One SavedModel per export: a load reads every function of the model, and the
+        export loads it several times. `samples(original)`: {"SIGNATURE/input": array}."""
+        out_dir.mkdir()
+        tf.saved_model.save(module, str(out_dir / "m"), signatures=signatures)
+        original = tf.saved_model.load(str(out_dir / "m"))
+        self.originals.update(dict.fromkeys(signatures, original))
+        self.exports.update(export_cases(out_dir, list(signatures), with_tflite,
+                                         samples(original) if samples else None))
+
+
+def export_cases(out_dir, names, with_tflite=False, samples=None) -> dict:
+    """{name: Export or the exception its export raised} of out_dir/m's signatures `names`."""
+    kw = {}
+    if samples:
+        np.savez(out_dir / "samples.npz", **samples)
+        kw["sample_inputs"] = str(out_dir / "samples.npz")
+
+    def export(tag, chosen):
+        lite = str(out_dir / f"{tag}.tflite") if with_tflite else None
+        result = export_saved_model(str(out_dir / "m"), str(out_dir / tag), signatures=chosen, tflite=lite,
+                                    quiet=True, **kw)
+        return Export(result, lite, sites_by_case(result.sites, names))
+
+    try:
+        shared = export("together", sorted(names))
+        return {name: shared for name in names}
+    except Exception:  # noqa: BLE001 -- some case's error: find whose, so only its test fails
+        exports = {}
+        for name in names:
+            try:
+                exports[name] = export(name, [name])
+            except Exception as e:  # noqa: BLE001
+                exports[name] = e
+        return exports
