@@ -1,11 +1,13 @@
 """Bag forms a round-34 hunt found neither fused nor reported, reported though they are bags, or
 labelled wrongly (per-position sums, running sums, labels; test_export_forms_round34_axes.py: weights
 as a matmul or tensordot, several bag axes): each is fused and computes what the original does (numpy
-float64 and the original SavedModel as references), or reported with its reason and left as written."""
+float64 and the original SavedModel as references), or reported with its reason and left as written.
+The cases of a test are signatures of one SavedModel, exported once for the module (case_signatures.py)."""
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from case_signatures import Cases, run_served, signature
 from round34_forms import (IDS, K, N, POSITION_WEIGHTS, RNG, TABLE, WEIGHTS, np_bags, random_ids, run_both,
                            save_and_export)
 
@@ -25,26 +27,23 @@ MASK_TWICE = {
 
 
 @pytest.mark.parametrize("form", sorted(MASK_TWICE))
-def test_masked_mean_with_its_mask_computed_twice_is_labelled_a_masked_mean(tmp_path, form):
+def test_masked_mean_with_its_mask_computed_twice_is_labelled_a_masked_mean(cases, form):
     """sum(rows * m) / sum(m) where m is computed once for the rows and again for the count was
     labelled 'sum' (the two masks were told apart by node, not by value)."""
-    result = save_and_export(tmp_path, [IDS], lambda m, ids: MASK_TWICE[form](tf.gather(m.t, ids), ids))
-    [site] = result.sites
+    case = cases(f"mask_twice_{form}")
+    [site] = case.sites
     assert (site.status, site.computes) == ("fused", "masked mean"), site.reason
     ids = random_ids()
     keep = (ids != 0).astype(np.float64)
-    want, got = run_both(tmp_path, result, ids)
+    want, got = case.run_both(ids)
     expected = np_bags(ids, keep) / keep.sum(1, keepdims=True)
     np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_masks_that_differ_are_not_a_masked_mean(tmp_path):
+def test_masks_that_differ_are_not_a_masked_mean(cases):
     """The count of another mask (ids > 1 against ids > 0) leaves the bag a sum divided by something."""
-    result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.reduce_sum(
-        tf.gather(m.t, ids) * _mask(ids)[..., None], 1) / (1.0 + tf.reduce_sum(
-            tf.cast(ids > 1, tf.float32), 1, keepdims=True)))
-    [site] = result.sites
+    [site] = cases("masks_that_differ").sites
     assert (site.status, site.computes) == ("fused", "sum")
 
 
@@ -80,16 +79,15 @@ CUMSUM_ENDS = {  # (body, stop: the bag is ids[:, :stop])
 
 
 @pytest.mark.parametrize("form", sorted(CUMSUM_ENDS))
-def test_running_sum_read_at_a_position_from_the_start_is_the_bag_of_the_positions_up_to_it(tmp_path, form):
+def test_running_sum_read_at_a_position_from_the_start_is_the_bag_of_the_positions_up_to_it(cases, form):
     """tf.math.cumsum(rows, axis=1)[:, j] sums ids[:, 0..j] at any width of the ids; it was reported
     ('an end counted off the declared length'). Fused as the bag of ids[:, :j+1]: wider ids (TF Serving
     does not check shapes) give the same bag, narrower ones are refused as the composite's slice
     refuses them, and an id out of range at a later position is refused as the composite's gather does."""
-    from export_models import run_as_a_server
-    body, stop = CUMSUM_ENDS[form]
+    _, stop = CUMSUM_ENDS[form]
     weighted = form == "weighted"
-    result = save_and_export(tmp_path, [IDS, WEIGHTS] if weighted else [IDS], body)
-    [site] = result.sites
+    case = cases(f"cumsum_end_{form}")
+    [site] = case.sites
     assert (site.status, site.pattern, site.computes, site.weighted) == ("fused", "cumsum", "sum", weighted), \
         site.reason
     for width in (K, K + 2):
@@ -97,33 +95,29 @@ def test_running_sum_read_at_a_position_from_the_start_is_the_bag_of_the_positio
         if weighted:
             feed["args_1"] = RNG.uniform(0.5, 2, (4, width)).astype(np.float32)
         expected = np_bags(feed["args_0"][:, :stop], feed["args_1"][:, :stop] if weighted else None)
-        want = run_as_a_server(tmp_path / "m", "serving_default", feed)
-        got = run_as_a_server(result.dst, "serving_default", feed)
+        want = run_served(case.src, case.name, feed)
+        got = run_served(case.dst, case.name, feed)
         np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     narrow = {key: value[:, :stop - 1] for key, value in feed.items()}
     far = dict(feed, args_0=feed["args_0"].copy())
     far["args_0"][1, -1] = N
     for bad in (narrow, far):
-        for model in (tmp_path / "m", result.dst):
+        for model in (case.src, case.dst):
             with pytest.raises(tf.errors.InvalidArgumentError):
-                run_as_a_server(model, "serving_default", bad)
+                run_served(model, case.name, bad)
 
 
 @pytest.mark.parametrize("end", ["reverse_inner", "second_last", "exclusive", "inner_kept"])
-def test_running_sums_of_other_spans_are_reported(tmp_path, end):
+def test_running_sums_of_other_spans_are_reported(cases, end):
     """reverse=True at [:, 2] (ids[:, 2:], open-ended), [:, -2] (counted from the end) and exclusive
     running sums are no span of the fused op; [:, 1:2] is empty, not refused, for ids narrower than 2,
     which the fused op would not follow: reported and left as written."""
-    body = {"inner_kept": lambda rows: tf.math.cumsum(rows, axis=1)[:, 1:2],
-            "reverse_inner": lambda rows: tf.math.cumsum(rows, axis=1, reverse=True)[:, 2],
-            "second_last": lambda rows: tf.math.cumsum(rows, axis=1)[:, -2],
-            "exclusive": lambda rows: tf.math.cumsum(rows, axis=1, exclusive=True)[:, 3]}[end]
-    result = save_and_export(tmp_path, [IDS], lambda m, ids: body(tf.gather(m.t, ids)))
-    [site] = result.sites
+    case = cases(f"running_sum_{end}")
+    [site] = case.sites
     assert site.status == "skipped" and "running sum" in site.reason, site.reason
     ids = random_ids()
-    want, got = run_both(tmp_path, result, ids)
+    want, got = case.run_both(ids)
     np.testing.assert_array_equal(got, want)
 
 
@@ -140,13 +134,12 @@ GATHER_ND_POSITIONS = {  # (specs, body, first position, weighted)
 
 
 @pytest.mark.parametrize("form", sorted(GATHER_ND_POSITIONS))
-def test_per_position_gather_nd_rows_are_a_bag(tmp_path, form):
+def test_per_position_gather_nd_rows_are_a_bag(cases, form):
     """tf.add_n([tf.gather_nd(t, ids[:, k, None]) for k]) gathers the rows tf.gather(t, ids[:, k]) does:
     it was neither fused nor reported. Fused as the bag of ids[:, first:K], wider ids read as written."""
-    from export_models import run_as_a_server
-    specs, body, first, weighted = GATHER_ND_POSITIONS[form]
-    result = save_and_export(tmp_path, specs, body)
-    [site] = result.sites
+    _, _, first, weighted = GATHER_ND_POSITIONS[form]
+    case = cases(f"gather_nd_{form}")
+    [site] = case.sites
     assert (site.status, site.pattern, site.weighted) == ("fused", "per-position-sum", weighted), site.reason
     for width in (K, K + 2):
         feed = {"args_0": random_ids(k=width)}
@@ -154,19 +147,18 @@ def test_per_position_gather_nd_rows_are_a_bag(tmp_path, form):
             feed["args_1"] = RNG.uniform(0.5, 2, (4, width)).astype(np.float32)
         expected = np_bags(feed["args_0"][:, first:K], feed["args_1"][:, first:K] if weighted else None)
         expected = expected / K if form == "stacked_mean" else expected
-        for model in (tmp_path / "m", result.dst):
-            np.testing.assert_allclose(run_as_a_server(model, "serving_default", feed), expected, rtol=1e-5, atol=1e-6)
+        for model in (case.src, case.dst):
+            np.testing.assert_allclose(run_served(model, case.name, feed), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(tf.errors.InvalidArgumentError, match="positions, but the original model"):
-        run_as_a_server(result.dst, "serving_default", {k: v[:, :K - 1] for k, v in feed.items()})
+        run_served(case.dst, case.name, {k: v[:, :K - 1] for k, v in feed.items()})
 
 
-def test_gather_nd_of_the_same_position_twice_is_reported(tmp_path):
+def test_gather_nd_of_the_same_position_twice_is_reported(cases):
     """Position 1 added twice is no bag of a range of positions: reported and left as written."""
-    result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.add_n(
-        [tf.gather_nd(m.t, ids[:, k, None]) for k in (0, 1, 1)]))
-    [site] = result.sites
+    case = cases("gather_nd_same_position_twice")
+    [site] = case.sites
     assert site.status == "skipped" and "not each position of a range once" in site.reason, site.reason
-    want, got = run_both(tmp_path, result, random_ids())
+    want, got = case.run_both(random_ids())
     np.testing.assert_array_equal(got, want)
 
 
@@ -185,17 +177,17 @@ CONCATENATED_POSITIONS = {  # (specs, body, weighted, mean)
 
 
 @pytest.mark.parametrize("form", sorted(CONCATENATED_POSITIONS))
-def test_concatenated_per_position_rows_reduced_over_the_bag_axis_are_a_bag(tmp_path, form):
+def test_concatenated_per_position_rows_reduced_over_the_bag_axis_are_a_bag(cases, form):
     """reduce_sum(tf.concat([tf.gather(t, ids[:, k:k+1]) for k], 1), 1) is the bag of the ids: it was
     reported ('ConcatV2 between the gather and the reduction'); fused as tf.stack's per-position bag."""
-    specs, body, weighted, mean = CONCATENATED_POSITIONS[form]
-    result = save_and_export(tmp_path, specs, body)
-    [site] = result.sites
+    _, _, weighted, mean = CONCATENATED_POSITIONS[form]
+    case = cases(f"concatenated_{form}")
+    [site] = case.sites
     assert (site.status, site.pattern, site.weighted, site.computes) == (
         "fused", "per-position-sum", weighted, "mean" if mean else "sum"), site.reason
     ids = random_ids()
     w = RNG.uniform(0.5, 2, ids.shape).astype(np.float32)
-    want, got = run_both(tmp_path, result, ids, w) if weighted else run_both(tmp_path, result, ids)
+    want, got = case.run_both(ids, w) if weighted else case.run_both(ids)
     expected = np_bags(ids, w if weighted else None) / (K if mean else 1)
     np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
@@ -212,32 +204,31 @@ CONCATENATED_NOT_A_BAG = {
 
 
 @pytest.mark.parametrize("form", sorted(CONCATENATED_NOT_A_BAG))
-def test_concatenations_that_are_no_per_position_bag_are_reported(tmp_path, form):
+def test_concatenations_that_are_no_per_position_bag_are_reported(cases, form):
     """w[:, k:k+1] [B, 1] times rows [B, 1, D] broadcasts to [B, B, D] (every request's weights on every
     request's rows); blocks of positions and a repeated position are no per-position bag either."""
-    specs, body, reason = CONCATENATED_NOT_A_BAG[form]
-    result = save_and_export(tmp_path, specs, body)
-    [site] = result.sites
+    specs, _, reason = CONCATENATED_NOT_A_BAG[form]
+    case = cases(f"concatenated_no_bag_{form}")
+    [site] = case.sites
     assert site.status == "skipped" and reason in site.reason, site.reason
     ids = random_ids()
     args = (ids, RNG.uniform(0.5, 2, ids.shape).astype(np.float32)) if len(specs) == 2 else (ids,)
-    want, got = run_both(tmp_path, result, *args)
+    want, got = case.run_both(*args)
     np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("form", ["sum", "mean_axis_minus_two", "sliced_rows"])
-def test_concatenated_positions_follow_ids_of_any_width_as_the_original(tmp_path, form):
+def test_concatenated_positions_follow_ids_of_any_width_as_the_original(cases, form):
     """ids[:, k:k+1] past the ids' width is empty, not refused: the composite concatenates (and counts)
     fewer rows, as the fused op's ids[:, 0:K] does; wider ids are read up to position K - 1 by both."""
-    from export_models import run_as_a_server
-    specs, body, _, mean = CONCATENATED_POSITIONS[form]
-    result = save_and_export(tmp_path, specs, body)
+    _, _, _, mean = CONCATENATED_POSITIONS[form]
+    case = cases(f"concatenated_{form}")
     for width in (2, K + 2):
         feed = {"args_0": random_ids(k=width)}
         taken = feed["args_0"][:, :K]
         expected = np_bags(taken) / (taken.shape[1] if mean else 1)
-        for model in (tmp_path / "m", result.dst):
-            np.testing.assert_allclose(run_as_a_server(model, "serving_default", feed), expected, rtol=1e-5, atol=1e-6)
+        for model in (case.src, case.dst):
+            np.testing.assert_allclose(run_served(model, case.name, feed), expected, rtol=1e-5, atol=1e-6)
 
 
 SCALAR_POSITION_WEIGHTS = {
@@ -255,48 +246,41 @@ SCALAR_POSITION_WEIGHTS = {
 
 
 @pytest.mark.parametrize("form", sorted(SCALAR_POSITION_WEIGHTS))
-def test_per_position_terms_weighted_by_an_entry_of_positional_weights_are_a_weighted_bag(tmp_path, form):
+def test_per_position_terms_weighted_by_an_entry_of_positional_weights_are_a_weighted_bag(cases, form):
     """sum_k rows[:, k] * v[k] with v [K] weighs every bag's position k by v[k]: it was neither fused nor
     reported (rows sliced) or reported as 'not per index' (gathered per position). Fused with v[a:b]
     broadcast to ids[:, a:b]."""
-    from export_models import run_as_a_server
-    result = save_and_export(tmp_path, [IDS], SCALAR_POSITION_WEIGHTS[form])
-    [site] = result.sites
+    case = cases(f"scalar_position_weights_{form}")
+    [site] = case.sites
     assert (site.status, site.pattern, site.weighted) == ("fused", "per-position-sum", True), site.reason
     first = 1 if form == "constant_entry_first" else 0
     widths = (K,) if form == "unstacked_weights" else (K, K + 2)  # tf.unstack(ids) refuses other widths
     for width in widths:
         ids = random_ids(k=width)
         expected = np_bags(ids[:, first:K], POSITION_WEIGHTS[first:])
-        for model in (tmp_path / "m", result.dst):
-            np.testing.assert_allclose(run_as_a_server(model, "serving_default", {"args_0": ids}), expected,
+        for model in (case.src, case.dst):
+            np.testing.assert_allclose(run_served(model, case.name, {"args_0": ids}), expected,
                                        rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("form", ["entry_of_another_position", "entries_of_two_weight_vectors"])
-def test_per_position_scalar_weights_that_are_no_positional_weights_are_reported(tmp_path, form):
+def test_per_position_scalar_weights_that_are_no_positional_weights_are_reported(cases, form):
     """v[k + 1] on position k and entries of two vectors are reported, as before, and left as written
     (one constant for every term is fused: test_export_forms_round36.py)."""
-    def body(m, ids):
-        rows = [tf.gather(m.t, ids[:, k]) for k in range(K - 1)]
-        factor = {"entry_of_another_position": lambda k: m.v[k + 1],
-                  "entries_of_two_weight_vectors": lambda k: (m.v if k < 2 else 2.0 * m.v)[k]}[form]
-        return tf.add_n([r * factor(k) for k, r in enumerate(rows)])
-    result = save_and_export(tmp_path, [IDS], body)
-    [site] = result.sites
+    case = cases(f"no_positional_weights_{form}")
+    [site] = case.sites
     assert site.status == "skipped" and "weight" in site.reason, site.reason
-    want, got = run_both(tmp_path, result, random_ids())
+    want, got = case.run_both(random_ids())
     np.testing.assert_array_equal(got, want)
 
 
-def test_gather_nd_of_positions_counted_from_the_end_is_reported(tmp_path):
+def test_gather_nd_of_positions_counted_from_the_end_is_reported(cases):
     """ids[:, k, None] for k in -K..-1 are other positions of ids wider than declared: reported (as tf.gather's
     are), not left silently."""
-    result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.add_n(
-        [tf.gather_nd(m.t, ids[:, k, None]) for k in range(-K, 0)]))
-    [site] = result.sites
+    case = cases("gather_nd_counted_from_the_end")
+    [site] = case.sites
     assert site.status == "skipped" and "counted from the end" in site.reason, site.reason
-    want, got = run_both(tmp_path, result, random_ids())
+    want, got = case.run_both(random_ids())
     np.testing.assert_array_equal(got, want)
 
 
@@ -311,30 +295,27 @@ BAG_SIZE_READ = {
 
 
 @pytest.mark.parametrize("form", sorted(BAG_SIZE_READ))
-def test_bag_sum_divided_by_the_ids_width_read_off_their_shape_is_labelled_a_mean(tmp_path, form):
+def test_bag_sum_divided_by_the_ids_width_read_off_their_shape_is_labelled_a_mean(cases, form):
     """sum / tf.cast(tf.shape(ids)[1]) is the mean at any width of the ids: it was labelled 'sum' (only a
     constant K was read as the bag size); the batch size read off the same shape is no bag size."""
-    from export_models import run_as_a_server
-    body, label = BAG_SIZE_READ[form]
-    result = save_and_export(tmp_path, [IDS], body)
-    [site] = result.sites
+    _, label = BAG_SIZE_READ[form]
+    case = cases(f"bag_size_{form}")
+    [site] = case.sites
     assert (site.status, site.computes) == ("fused", label)
     for width in (K, K + 3):
         ids = random_ids(k=width)
         expected = np_bags(ids) / (width if form != "batch_size" else ids.shape[0])
-        for model in (tmp_path / "m", result.dst):
-            np.testing.assert_allclose(run_as_a_server(model, "serving_default", {"args_0": ids}), expected,
+        for model in (case.src, case.dst):
+            np.testing.assert_allclose(run_served(model, case.name, {"args_0": ids}), expected,
                                        rtol=1e-5, atol=1e-6)
 
 
-def test_positions_sliced_off_separate_gathers_of_all_the_ids_are_reported_as_such(tmp_path):
+def test_positions_sliced_off_separate_gathers_of_all_the_ids_are_reported_as_such(cases):
     """tf.gather(t, ids)[:, k] * v[k] with the gather written in each term: reported naming the separate
     gathers (it named 'other ids or another table', which the terms do not gather)."""
-    result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.add_n(
-        [tf.gather(m.t, ids)[:, k] * m.v[k] for k in range(K)]))
-    [site] = result.sites
+    [site] = cases("separate_gathers_of_all_the_ids").sites
     assert site.status == "skipped" and "separate gathers" in site.reason, site.reason
-    want, got = run_both(tmp_path, result, random_ids())
+    want, got = cases("separate_gathers_of_all_the_ids").run_both(random_ids())
     np.testing.assert_array_equal(got, want)
 
 
@@ -345,3 +326,65 @@ def test_the_report_names_the_positions_a_partial_bag_reads(tmp_path):
     result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.math.cumsum(tf.gather(m.t, ids), axis=1)[:, 2])
     [line] = [text for text in format_report(result).splitlines() if text.lstrip().startswith("fused")]
     assert "cumsum" in line and "(ids[..., 0:3])" in line, line
+
+
+# The module's cases: {SavedModel: {signature: (specs, body(module, *inputs))}}, each SavedModel exported once.
+RUNNING_SUMS_OF_OTHER_SPANS = {"inner_kept": lambda rows: tf.math.cumsum(rows, axis=1)[:, 1:2],
+                               "reverse_inner": lambda rows: tf.math.cumsum(rows, axis=1, reverse=True)[:, 2],
+                               "second_last": lambda rows: tf.math.cumsum(rows, axis=1)[:, -2],
+                               "exclusive": lambda rows: tf.math.cumsum(rows, axis=1, exclusive=True)[:, 3]}
+
+
+def _no_positional_weights(form):
+    def body(m, ids):
+        rows = [tf.gather(m.t, ids[:, k]) for k in range(K - 1)]
+        factor = {"entry_of_another_position": lambda k: m.v[k + 1],
+                  "entries_of_two_weight_vectors": lambda k: (m.v if k < 2 else 2.0 * m.v)[k]}[form]
+        return tf.add_n([r * factor(k) for k, r in enumerate(rows)])
+    return body
+
+
+SAVED_MODELS = {
+    "mask_twice": {f"mask_twice_{form}": ([IDS], lambda m, ids, f=f: f(tf.gather(m.t, ids), ids))
+                   for form, f in MASK_TWICE.items()},
+    "cumsum_ends": {f"cumsum_end_{form}": ([IDS, WEIGHTS] if form == "weighted" else [IDS], body)
+                    for form, (body, _) in CUMSUM_ENDS.items()},
+    "running_sums": {f"running_sum_{end}": ([IDS], lambda m, ids, f=f: f(tf.gather(m.t, ids)))
+                     for end, f in RUNNING_SUMS_OF_OTHER_SPANS.items()},
+    "gather_nd": {f"gather_nd_{form}": (specs, body) for form, (specs, body, _, _) in GATHER_ND_POSITIONS.items()},
+    "concatenated": {f"concatenated_{form}": (specs, body)
+                     for form, (specs, body, _, _) in CONCATENATED_POSITIONS.items()},
+    "concatenated_no_bag": {f"concatenated_no_bag_{form}": (specs, body)
+                            for form, (specs, body, _) in CONCATENATED_NOT_A_BAG.items()},
+    "scalar_position_weights": {f"scalar_position_weights_{form}": ([IDS], body)
+                                for form, body in SCALAR_POSITION_WEIGHTS.items()},
+    "no_positional_weights": {f"no_positional_weights_{form}": ([IDS], _no_positional_weights(form))
+                              for form in ("entry_of_another_position", "entries_of_two_weight_vectors")},
+    "bag_size": {f"bag_size_{form}": ([IDS], body) for form, (body, _) in BAG_SIZE_READ.items()},
+    "single_forms": {
+        "masks_that_differ": ([IDS], lambda m, ids: tf.reduce_sum(tf.gather(m.t, ids) * _mask(ids)[..., None], 1) / (
+            1.0 + tf.reduce_sum(tf.cast(ids > 1, tf.float32), 1, keepdims=True))),
+        "gather_nd_same_position_twice": ([IDS], lambda m, ids: tf.add_n(
+            [tf.gather_nd(m.t, ids[:, k, None]) for k in (0, 1, 1)])),
+        "gather_nd_counted_from_the_end": ([IDS], lambda m, ids: tf.add_n(
+            [tf.gather_nd(m.t, ids[:, k, None]) for k in range(-K, 0)])),
+        "separate_gathers_of_all_the_ids": ([IDS], lambda m, ids: tf.add_n(
+            [tf.gather(m.t, ids)[:, k] * m.v[k] for k in range(K)])),
+    },
+}
+
+
+def _call(module, body):
+    return lambda *args: {"out": body(module, *args)}
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    path = tmp_path_factory.mktemp("round34")
+    module = tf.Module()
+    module.t, module.v = tf.Variable(TABLE), tf.Variable(POSITION_WEIGHTS)
+    exported = Cases()
+    for saved_model, forms in SAVED_MODELS.items():
+        signatures = {name: signature(name, specs, _call(module, body)) for name, (specs, body) in forms.items()}
+        exported.add(path / saved_model, module, signatures)
+    return exported.case

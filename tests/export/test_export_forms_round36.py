@@ -1,10 +1,12 @@
 """Bag forms a round-36 hunt found not fused (each a form users write): every fused one computes what the
 original does (numpy float64 and the original SavedModel as references); one left composite is reported
-with its reason and the exported model still computes the original's outputs."""
+with its reason and the exported model still computes the original's outputs. The cases of
+tf.Module bodies are signatures of one SavedModel, exported once for the module (case_signatures.py)."""
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from case_signatures import Cases, signature
 from round34_forms import (IDS, K, N, POSITION_WEIGHTS, RNG, TABLE, WEIGHTS, np_bags, random_ids, run_both,
                            save_and_export)
 
@@ -15,17 +17,16 @@ def _weights(ids):
     return w
 
 
-def _fused_weighted(tmp_path, body, pattern=None):
+def _fused_weighted(case, pattern=None):
     """(ids, w, the original's outputs, the fused model's) of a weighted form the export fuses as one site."""
-    result = save_and_export(tmp_path, [IDS, WEIGHTS], body)
-    [site] = result.sites
+    [site] = case.sites
     if pattern is None:
         assert site.status == "fused", site.reason
     else:
         assert (site.status, site.pattern) == ("fused", pattern), site.reason
     ids = random_ids()
     w = _weights(ids)
-    return (ids, w, *run_both(tmp_path, result, ids, w))
+    return (ids, w, *case.run_both(ids, w))
 
 
 def _assert_both_match(want, got, expected):
@@ -43,23 +44,22 @@ MULTIPLY_NO_NAN = {
 
 
 @pytest.mark.parametrize("form", sorted(MULTIPLY_NO_NAN))
-def test_multiply_no_nan_of_rows_by_weights_is_a_weighted_bag(tmp_path, form):
+def test_multiply_no_nan_of_rows_by_weights_is_a_weighted_bag(cases, form):
     """tf.math.multiply_no_nan(rows, w[..., None]) before the reduction stopped the walk to the gather
     (MulNoNan was no multiply): the site was left composite."""
-    body, scale = MULTIPLY_NO_NAN[form]
-    ids, w, want, got = _fused_weighted(tmp_path, body)
+    _, scale = MULTIPLY_NO_NAN[form]
+    ids, w, want, got = _fused_weighted(cases(f"multiply_no_nan_{form}"))
     _assert_both_match(want, got, np_bags(ids, w * (ids > 0)) if scale is None else np_bags(ids, w) * scale)
 
 
-def test_multiply_no_nan_of_weights_by_rows_is_reported(tmp_path):
+def test_multiply_no_nan_of_weights_by_rows_is_reported(cases):
     """multiply_no_nan(w, rows) is 0 wherever a row entry is 0, an inf weight included: not the op's w * row."""
-    result = save_and_export(tmp_path, [IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(
-        tf.math.multiply_no_nan(w[..., None], tf.gather(m.t, ids)), 1))
-    [site] = result.sites
+    case = cases("multiply_no_nan_of_weights_by_rows")
+    [site] = case.sites
     assert site.status == "skipped" and "multiply_no_nan(w, rows)" in site.reason
     ids = random_ids()
     w = _weights(ids)
-    want, got = run_both(tmp_path, result, ids, w)
+    want, got = case.run_both(ids, w)
     np.testing.assert_allclose(got, np_bags(ids, w), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got, want)
 
@@ -76,16 +76,16 @@ TRANSPOSED = {  # (body, bag of the rows as gathered: numpy float64 of rows [B, 
 
 
 @pytest.mark.parametrize("form", sorted(TRANSPOSED))
-def test_rows_transposed_to_features_first_then_reduced_over_the_bag_are_a_bag(tmp_path, form):
+def test_rows_transposed_to_features_first_then_reduced_over_the_bag_are_a_bag(cases, form):
     """reduce over K of transpose(rows, [0, 2, 1]) ([B, D, K]) was reported, left composite."""
-    body, reference = TRANSPOSED[form]
+    _, reference = TRANSPOSED[form]
     weighted = form == "weighted_mean"
-    result = save_and_export(tmp_path, [IDS, WEIGHTS] if weighted else [IDS], body)
-    [site] = result.sites
+    case = cases(f"transposed_{form}")
+    [site] = case.sites
     assert site.status == "fused", site.reason
     ids = random_ids()
     args = (ids, _weights(ids)) if weighted else (ids,)
-    want, got = run_both(tmp_path, result, *args)
+    want, got = case.run_both(*args)
     expected = reference(TABLE.astype(np.float64)[ids], args[-1] if weighted else None)
     np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
@@ -110,14 +110,12 @@ def test_keras_permute_then_channels_first_pooling_is_a_mean_bag(tmp_path):
     np.testing.assert_allclose(fused, model(ids).numpy(), rtol=1e-6, atol=1e-6)
 
 
-def test_transposed_rows_reduced_over_features_or_keeping_dims_are_left_as_written(tmp_path):
+def test_transposed_rows_reduced_over_features_or_keeping_dims_are_left_as_written(cases):
     """Over D of the transposed rows is each row's own sum (no bag); keepdims keeps [B, D, 1]: not fused."""
-    result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.concat([
-        tf.reduce_sum(tf.transpose(tf.gather(m.t, ids), [0, 2, 1]), 1),
-        tf.reshape(tf.reduce_sum(tf.transpose(tf.gather(m.t, ids), [0, 2, 1]), -1, keepdims=True), [-1, 4])], 1))
-    assert all(s.status != "fused" for s in result.sites)
+    case = cases("transposed_over_features_or_keeping_dims")
+    assert all(s.status != "fused" for s in case.sites)
     ids = random_ids()
-    want, got = run_both(tmp_path, result, ids)
+    want, got = case.run_both(ids)
     rows = TABLE.astype(np.float64)[ids]
     np.testing.assert_allclose(got, np.concatenate([rows.sum(2), rows.sum(1)], 1), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got, want)
@@ -133,15 +131,14 @@ def _segment_max_reference(ids, seg, n):
     return out
 
 
-def test_unsorted_segment_max_of_flattened_bags_is_a_max_bag(tmp_path):
+def test_unsorted_segment_max_of_flattened_bags_is_a_max_bag(cases):
     """unsorted_segment_max(reshape(rows, [-1, D]), repeat(range(B), K), B) was reported ("segment ids are not
     those of a ragged row partition"): only the segment sum was sorted by segment id and fused."""
-    result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.math.unsorted_segment_max(
-        tf.reshape(tf.gather(m.t, ids), [-1, 4]), tf.repeat(tf.range(tf.shape(ids)[0]), K), tf.shape(ids)[0]))
-    [site] = result.sites
+    case = cases("unsorted_segment_max_of_flattened_bags")
+    [site] = case.sites
     assert (site.status, site.combiner) == ("fused", "max"), site.reason
     ids = random_ids()
-    want, got = run_both(tmp_path, result, ids)
+    want, got = case.run_both(ids)
     expected = TABLE.astype(np.float64)[ids].max(1)
     np.testing.assert_allclose(want, expected, rtol=1e-6)
     np.testing.assert_allclose(got, expected, rtol=1e-6)
@@ -190,12 +187,12 @@ FLAT_SEGMENT_BAGS = {  # (body, the weights of the numpy bags of ids, w)
 
 
 @pytest.mark.parametrize("form", sorted(FLAT_SEGMENT_BAGS))
-def test_flattened_rows_weighted_or_masked_then_summed_by_segment_are_bags(tmp_path, form):
+def test_flattened_rows_weighted_or_masked_then_summed_by_segment_are_bags(cases, form):
     """segment_sum(reshape(rows, [-1, D]) * reshape(w, [-1, 1]), seg) found no site at all (a segment_sum of
     flattened rows was fused unweighted only); tf.where by a mask [B * K, 1] failed the export's own check
     (unsorted_segment_sum: reported), several factors found no site."""
-    body, weights = FLAT_SEGMENT_BAGS[form]
-    ids, w, want, got = _fused_weighted(tmp_path, body)
+    _, weights = FLAT_SEGMENT_BAGS[form]
+    ids, w, want, got = _fused_weighted(cases(f"flat_segment_{form}"))
     _assert_both_match(want, got, np_bags(ids, weights(ids, w).astype(np.float64)))
 
 
@@ -219,49 +216,44 @@ SCALED_POSITIONS = {  # (body, weights of the numpy bag: w [B, K] -> [B, K] or [
 
 
 @pytest.mark.parametrize("form", sorted(SCALED_POSITIONS))
-def test_positions_scaled_by_one_constant_are_a_bag(tmp_path, form):
+def test_positions_scaled_by_one_constant_are_a_bag(cases, form):
     """rows[:, k] * w[:, k:k+1] * c summed over k found no site (the term's second multiply stopped it)."""
-    body, weights = SCALED_POSITIONS[form]
-    ids, w, want, got = _fused_weighted(tmp_path, body, "per-position-sum")
+    _, weights = SCALED_POSITIONS[form]
+    ids, w, want, got = _fused_weighted(cases(f"scaled_positions_{form}"), "per-position-sum")
     _assert_both_match(want, got, np_bags(ids, weights(w.astype(np.float64))))
 
 
-def test_positions_scaled_by_different_constants_are_reported(tmp_path):
-    result = save_and_export(tmp_path, [IDS, WEIGHTS], lambda m, ids, w: tf.add_n([
-        tf.gather(m.t, ids[:, k]) * w[:, k:k + 1] * (k + 1.0) for k in range(K)]))
-    [site] = result.sites
+def test_positions_scaled_by_different_constants_are_reported(cases):
+    case = cases("positions_scaled_by_different_constants")
+    [site] = case.sites
     assert site.status == "skipped" and "different constants" in site.reason, site.reason
     ids = random_ids()
     w = _weights(ids)
-    want, got = run_both(tmp_path, result, ids, w)
+    want, got = case.run_both(ids, w)
     np.testing.assert_allclose(got, np_bags(ids, w * np.arange(1.0, K + 1)), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got, want)
 
 
-def test_positions_divided_by_one_constant_are_a_mean_bag(tmp_path):
+def test_positions_divided_by_one_constant_are_a_mean_bag(cases):
     """sum_k rows[:, k] / K (a mean written one position at a time) found no site (RealDiv in each term)."""
-    result = save_and_export(tmp_path, [IDS], lambda m, ids: tf.add_n([tf.gather(m.t, ids[:, k]) / float(K)
-                                                                       for k in range(K)]))
-    [site] = result.sites
+    case = cases("positions_divided_by_one_constant")
+    [site] = case.sites
     assert (site.status, site.pattern) == ("fused", "per-position-sum"), site.reason
     ids = random_ids()
-    want, got = run_both(tmp_path, result, ids)
+    want, got = case.run_both(ids)
     expected = np_bags(ids) / K
     np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_transposed_rows_whose_shape_is_read_stay_composite(tmp_path):
+def test_transposed_rows_whose_shape_is_read_stay_composite(cases):
     """sum(x, -1) / shape(x)[-1] of x = transpose(rows) [B, D, K]: the fused site rebuilt Shape(x) as the rows'
     [B, K, D], so the division took D for K and the export failed its own verification."""
-    def body(m, ids):
-        x = tf.transpose(tf.gather(m.t, ids), [0, 2, 1])
-        return tf.reduce_sum(x, -1) / tf.cast(tf.shape(x)[-1], tf.float32)
-    result = save_and_export(tmp_path, [IDS], body)
-    [site] = result.sites
+    case = cases("transposed_rows_whose_shape_is_read")
+    [site] = case.sites
     assert site.status == "skipped" and "shape of the transposed" in site.reason, site.reason
     ids = random_ids()
-    want, got = run_both(tmp_path, result, ids)
+    want, got = case.run_both(ids)
     np.testing.assert_allclose(got, np_bags(ids) / K, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(got, want)
 
@@ -284,3 +276,44 @@ def test_ragged_multiply_no_nan_of_rows_by_weights_is_a_ragged_bag(tmp_path):
     for model in (tmp_path / "m", result.dst):
         out = tf.saved_model.load(str(model)).signatures["serving_default"](**inputs)["out"].numpy()
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def _transposed_rows_over_their_read_shape(m, ids):
+    x = tf.transpose(tf.gather(m.t, ids), [0, 2, 1])
+    return tf.reduce_sum(x, -1) / tf.cast(tf.shape(x)[-1], tf.float32)
+
+
+# The module's SavedModel: {signature: (specs, body(module, *inputs))}, exported once.
+CASES = {
+    **{f"multiply_no_nan_{form}": ([IDS, WEIGHTS], body) for form, (body, _) in MULTIPLY_NO_NAN.items()},
+    "multiply_no_nan_of_weights_by_rows": ([IDS, WEIGHTS], lambda m, ids, w: tf.reduce_sum(
+        tf.math.multiply_no_nan(w[..., None], tf.gather(m.t, ids)), 1)),
+    **{f"transposed_{form}": ([IDS, WEIGHTS] if form == "weighted_mean" else [IDS], body)
+       for form, (body, _) in TRANSPOSED.items()},
+    "transposed_over_features_or_keeping_dims": ([IDS], lambda m, ids: tf.concat([
+        tf.reduce_sum(tf.transpose(tf.gather(m.t, ids), [0, 2, 1]), 1),
+        tf.reshape(tf.reduce_sum(tf.transpose(tf.gather(m.t, ids), [0, 2, 1]), -1, keepdims=True), [-1, 4])], 1)),
+    "unsorted_segment_max_of_flattened_bags": ([IDS], lambda m, ids: tf.math.unsorted_segment_max(
+        tf.reshape(tf.gather(m.t, ids), [-1, 4]), tf.repeat(tf.range(tf.shape(ids)[0]), K), tf.shape(ids)[0])),
+    **{f"flat_segment_{form}": ([IDS, WEIGHTS], body) for form, (body, _) in FLAT_SEGMENT_BAGS.items()},
+    **{f"scaled_positions_{form}": ([IDS, WEIGHTS], body) for form, (body, _) in SCALED_POSITIONS.items()},
+    "positions_scaled_by_different_constants": ([IDS, WEIGHTS], lambda m, ids, w: tf.add_n([
+        tf.gather(m.t, ids[:, k]) * w[:, k:k + 1] * (k + 1.0) for k in range(K)])),
+    "positions_divided_by_one_constant": ([IDS], lambda m, ids: tf.add_n([tf.gather(m.t, ids[:, k]) / float(K)
+                                                                          for k in range(K)])),
+    "transposed_rows_whose_shape_is_read": ([IDS], _transposed_rows_over_their_read_shape),
+}
+
+
+def _call(module, body):
+    return lambda *args: {"out": body(module, *args)}
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    module = tf.Module()
+    module.t, module.v = tf.Variable(TABLE), tf.Variable(POSITION_WEIGHTS)
+    exported = Cases()
+    exported.add(tmp_path_factory.mktemp("round36") / "forms", module,
+                 {name: signature(name, specs, _call(module, body)) for name, (specs, body) in CASES.items()})
+    return exported.case

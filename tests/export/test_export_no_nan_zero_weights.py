@@ -2,12 +2,14 @@
 w * row is NaN there. The fused site makes ids of zero weight padding, so every combiner the site can take
 (a sum, a mean dividing by K, a ragged mean dividing by the weights' sum, segment sums) gives the original's
 bag; multipliers or divisors after it that could turn the composite's 0 into NaN keep the site composite.
-References: the original SavedModel and numpy float64 (a zero-weight entry adds exactly 0)."""
+References: the original SavedModel and numpy float64 (a zero-weight entry adds exactly 0). The cases without
+a .tflite are signatures of one SavedModel, exported once for the module (case_signatures.py)."""
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from round34_forms import IDS, K, TABLE, WEIGHTS, run_both, save_and_export
+from case_signatures import Cases, signature
+from round34_forms import IDS, K, POSITION_WEIGHTS, TABLE, WEIGHTS, save_and_export
 
 NON_FINITE = TABLE.copy()
 NON_FINITE[3] = np.inf
@@ -59,32 +61,28 @@ DENSE = {  # body, the float64 bag of (ids, w)
 
 
 @pytest.mark.parametrize("form", sorted(DENSE))
-def test_zero_weights_of_multiply_no_nan_hide_non_finite_rows_in_the_fused_bag(tmp_path, form):
+def test_zero_weights_of_multiply_no_nan_hide_non_finite_rows_in_the_fused_bag(cases, form):
     """Before: NaN in every bag holding an inf/NaN row at weight 0 (the zero scalar weight failed the export's
     own verification), where the original gives the finite bag."""
-    body, reference = DENSE[form]
-    result = save_and_export(tmp_path, [IDS, WEIGHTS], body, table=NON_FINITE)
-    assert [s.status for s in result.sites] == ["fused"], [s.reason for s in result.sites]
-    want, got = run_both(tmp_path, result, IDS_AT, W_AT)
+    _, reference = DENSE[form]
+    case = cases(f"dense_{form}")
+    assert [s.status for s in case.sites] == ["fused"], [s.reason for s in case.sites]
+    want, got = case.run_both(IDS_AT, W_AT)
     expected = reference(IDS_AT, W_AT)
     np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean"])
-def test_ragged_multiply_no_nan_zero_weights_hide_non_finite_rows(tmp_path, combiner):
+def test_ragged_multiply_no_nan_zero_weights_hide_non_finite_rows(cases, combiner):
     """A ragged mean is fused as the op's mean (the weights' sum divides): a padded zero weight adds nothing."""
-    reduce = tf.reduce_sum if combiner == "sum" else tf.reduce_mean
-    result = save_and_export(tmp_path, [tf.RaggedTensorSpec([None, None], tf.int64),
-                                        tf.RaggedTensorSpec([None, None], tf.float32)],
-                             lambda m, rt, rw: reduce(tf.math.multiply_no_nan(tf.gather(m.t, rt), rw[..., None]), 1),
-                             table=NON_FINITE)
-    assert [s.status for s in result.sites] == ["fused"], [s.reason for s in result.sites]
+    case = cases(f"ragged_{combiner}")
+    assert [s.status for s in case.sites] == ["fused"], [s.reason for s in case.sites]
     rt, rw = tf.RaggedTensor.from_tensor(IDS_AT), tf.RaggedTensor.from_tensor(W_AT)
     inputs = {"args_0": rt.values, "args_0_1": rt.row_splits, "args_1": rw.values, "args_1_1": rw.row_splits}
     expected = _no_nan_bags(IDS_AT, W_AT) / (1 if combiner == "sum" else K)
-    for model in (tmp_path / "m", result.dst):
-        out = tf.saved_model.load(str(model)).signatures["serving_default"](**inputs)["out"].numpy()
+    for model in (case.original, case.fused):
+        out = model(**inputs)["out"].numpy()
         np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -107,14 +105,14 @@ STAYS = {  # a step after multiply_no_nan that makes the composite's 0 NaN: (bod
 
 
 @pytest.mark.parametrize("form", sorted(STAYS))
-def test_multiply_no_nan_sites_that_padding_would_change_stay_composite(tmp_path, form):
+def test_multiply_no_nan_sites_that_padding_would_change_stay_composite(cases, form):
     """multiply_no_nan(rows, w) * w: the composite's 0 * inf is NaN, padding would leave it out. Before: fused,
     NaN where the original is finite. (Per position, now fused with the padding: test_export_no_nan_positions.)"""
-    body, words = STAYS[form]
-    result = save_and_export(tmp_path, [IDS, WEIGHTS], body, table=NON_FINITE)
-    [site] = result.sites
+    _, words = STAYS[form]
+    case = cases(f"stays_{form}")
+    [site] = case.sites
     assert site.status == "skipped" and words in site.reason, site.reason
-    want, got = run_both(tmp_path, result, IDS_AT, W_AT)
+    want, got = case.run_both(IDS_AT, W_AT)
     np.testing.assert_array_equal(got, want)
     w = W_AT.astype(np.float64)
     expected = _no_nan_bags(IDS_AT, W_AT * W_AT) if form == "times_a_fed_weight" else _no_nan_bags(IDS_AT, w)
@@ -122,15 +120,45 @@ def test_multiply_no_nan_sites_that_padding_would_change_stay_composite(tmp_path
 
 
 @pytest.mark.parametrize("position", [-1, 2])
-def test_running_sum_of_multiply_no_nan_rows(tmp_path, position):
+def test_running_sum_of_multiply_no_nan_rows(cases, position):
     """cumsum(multiply_no_nan(rows, w), 1)[:, -1] is the bag (fused, zero weights padding); [:, 2] reads a span of
     positions, whose ids are sliced where the padding's mask was not: the fused model failed to load."""
-    result = save_and_export(tmp_path, [IDS, WEIGHTS], lambda m, ids, w: tf.cumsum(
-        tf.math.multiply_no_nan(tf.gather(m.t, ids), w[..., None]), axis=1)[:, position], table=NON_FINITE)
-    [site] = result.sites
+    case = cases(f"running_sum_at_{position}".replace("-", "minus_"))
+    [site] = case.sites
     assert site.status == ("fused" if position == -1 else "skipped"), site.reason
-    want, got = run_both(tmp_path, result, IDS_AT, W_AT)
+    want, got = case.run_both(IDS_AT, W_AT)
     stop = K if position == -1 else position + 1
     expected = _no_nan_bags(IDS_AT[:, :stop], W_AT[:, :stop])
     np.testing.assert_allclose(want, expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def _running_sum_at(position):
+    return lambda m, ids, w: tf.cumsum(tf.math.multiply_no_nan(tf.gather(m.t, ids), w[..., None]), axis=1)[:, position]
+
+
+RAGGED = [tf.RaggedTensorSpec([None, None], tf.int64), tf.RaggedTensorSpec([None, None], tf.float32)]
+# The module's SavedModel (table NON_FINITE): {signature: (specs, body(module, *inputs))}, exported once.
+CASES = {
+    **{f"dense_{form}": ([IDS, WEIGHTS], body) for form, (body, _) in DENSE.items()},
+    **{f"ragged_{combiner}": (RAGGED, lambda m, rt, rw, reduce=reduce: reduce(
+        tf.math.multiply_no_nan(tf.gather(m.t, rt), rw[..., None]), 1))
+       for combiner, reduce in (("sum", tf.reduce_sum), ("mean", tf.reduce_mean))},
+    **{f"stays_{form}": ([IDS, WEIGHTS], body) for form, (body, _) in STAYS.items()},
+    **{f"running_sum_at_{position}".replace("-", "minus_"): ([IDS, WEIGHTS], _running_sum_at(position))
+       for position in (-1, 2)},
+}
+
+
+def _call(module, body):
+    return lambda *args: {"out": body(module, *args)}
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    module = tf.Module()
+    module.t, module.v = tf.Variable(NON_FINITE), tf.Variable(POSITION_WEIGHTS)
+    exported = Cases()
+    exported.add(tmp_path_factory.mktemp("no_nan_zero_weights") / "forms", module,
+                 {name: signature(name, specs, _call(module, body)) for name, (specs, body) in CASES.items()})
+    return exported.case
