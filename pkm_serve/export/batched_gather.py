@@ -11,6 +11,7 @@ import numpy as np
 
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import through_identity
+from pkm_serve.export.position_slices import attr_value
 
 
 def shared_table_of_batched_gather(fg: FunctionGraph, node) -> Optional[Ref]:
@@ -62,7 +63,7 @@ def _unexpanded_table(fg: FunctionGraph, ref: Ref) -> Optional[Ref]:
 def _is_batch_of(fg: FunctionGraph, ref: Ref, ids: Ref) -> bool:
     """tf.shape(ids)[0]: StridedSlice(Shape(ids), [0], [1], [1]) shrunk to a scalar."""
     node = fg.producer(ref)
-    if node is None or node.op != "StridedSlice" or not (node.attr["shrink_axis_mask"].i & 1):
+    if node is None or node.op != "StridedSlice" or not (attr_value(node, "shrink_axis_mask", "i") & 1):
         return False
     begin, end, strides = (fg.const_value(r) for r in fg.inputs(node)[1:])
     shape_of = fg.producer(fg.inputs(node)[0])

@@ -13,6 +13,7 @@ from tensorflow.core.framework import types_pb2
 
 from pkm_serve.export.graph import FunctionGraph, Ref
 from pkm_serve.export.sites import Site, Skip
+from pkm_serve.export.position_slices import attr_value
 
 _INT_TYPES = (types_pb2.DT_BOOL, types_pb2.DT_INT8, types_pb2.DT_UINT8, types_pb2.DT_INT16, types_pb2.DT_INT32,
               types_pb2.DT_INT64)
@@ -68,7 +69,7 @@ def _axis_length(fg: FunctionGraph, ref: Ref) -> bool:
     node = fg.producer(ref)
     while node is not None and node.op in ("Cast", "Identity"):
         node = fg.producer(fg.inputs(node)[0])
-    if node is None or node.op != "StridedSlice" or not node.attr["shrink_axis_mask"].i:
+    if node is None or node.op != "StridedSlice" or not attr_value(node, "shrink_axis_mask", "i"):
         return False
     source = fg.producer(fg.inputs(node)[0])
     return source is not None and source.op == "Shape"

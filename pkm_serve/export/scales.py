@@ -23,6 +23,7 @@ from pkm_serve.export.fuse import _cast, _squeeze_last
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.sites import (GATHER_OPS, ND_GATHER_OPS, NotASite, Site, Skip, _fed_at_run_time, per_bag, same_dims,
                                     shared_by_bags, tensor_dtype)
+from pkm_serve.export.position_slices import attr_value
 
 SCALE_OPS = ("Mul", "RealDiv", "Neg")
 HALF = (types_pb2.DT_HALF, types_pb2.DT_BFLOAT16)
@@ -204,9 +205,9 @@ def _one_value_always(fg: FunctionGraph, ref: Ref, depth: int = 12) -> bool:
     if node.op == "StridedSlice":
         source = fg.producer(ins[0])
         begin = fg.const_value(ins[1])
-        shrink = node.attr["shrink_axis_mask"].i if "shrink_axis_mask" in node.attr else 0
         return source is not None and source.op == "Shape" and begin is not None and np.size(begin) == 1 and \
-            shrink == 1 and not node.attr["new_axis_mask"].i and not node.attr["ellipsis_mask"].i
+            attr_value(node, "shrink_axis_mask", "i") == 1 and not attr_value(node, "new_axis_mask", "i") and \
+            not attr_value(node, "ellipsis_mask", "i")
     if node.op in _ONE_VALUE_UNARY:
         return _one_value_always(fg, ins[0], depth - 1)
     if node.op in _ONE_VALUE_BINARY:
