@@ -9,9 +9,6 @@ PYTHON_BOOT ?= python3
 VENV     := .venv
 PY       := $(VENV)/bin/python
 PIP      := $(VENV)/bin/pip
-# --no-compile: pip byte-compiles every module it installs (~16k files, ~70 s of CPU here);
-# Python compiles the ones a process imports on first import, once, into the venv.
-PIP_INSTALL := $(PIP) install -q --disable-pip-version-check --no-compile
 LIBDIR   := pkm_serve/lib
 BUILDDIR := build
 STAMP    := $(VENV)/.installed
@@ -44,8 +41,8 @@ TEST_DEPS :=
 $(STAMP): requirements.lock pyproject.toml
 	rm -f $(TF_FLAGS_FILE)
 	test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
-	$(PIP_INSTALL) -r requirements.lock
-	$(PIP_INSTALL) --no-deps --no-build-isolation -e .
+	$(PIP) install -q --disable-pip-version-check -r requirements.lock
+	$(PIP) install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
 
 venv: $(STAMP)

@@ -5,7 +5,7 @@
 BACKENDS_STAMP := $(VENV)/.backends-installed
 
 $(BACKENDS_STAMP): requirements-backends.lock $(STAMP)
-	$(PIP_INSTALL) -r requirements-backends.lock
+	$(PIP) install -q --disable-pip-version-check -r requirements-backends.lock
 	touch $@
 
 backends-deps: $(BACKENDS_STAMP) $(XLA_CPU_TARGETS_LIB) $(PKM_CAPI_CPU_LIB)

@@ -6,7 +6,7 @@ DIST          := dist
 PACKAGING_STAMP := $(VENV)/.packaging-installed
 
 $(PACKAGING_STAMP): requirements-packaging.txt $(STAMP)
-	$(PIP_INSTALL) -r requirements-packaging.txt
+	$(PIP) install -q --disable-pip-version-check -r requirements-packaging.txt
 	touch $@
 
 # The targets are the wheel files themselves (build_wheels.py names them: fixed platform

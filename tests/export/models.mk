@@ -2,7 +2,7 @@
 # the model libraries of requirements-models.lock, into the project venv.
 MODELS_STAMP := $(VENV)/.models-installed
 $(MODELS_STAMP): requirements-models.lock $(STAMP)
-	$(PIP_INSTALL) --no-deps -r requirements-models.lock
+	$(PIP) install -q --disable-pip-version-check --no-deps -r requirements-models.lock
 	touch $@
 
 TEST_DEPS += $(MODELS_STAMP)
