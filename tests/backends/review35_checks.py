@@ -1,5 +1,5 @@
 """Checks of round 35's review under JAX, run inside one process with KERAS_BACKEND set;
-test_backends_review35.py runs them. Each check raises AssertionError with a message on failure and
+test_backends_rounds.py runs them (run_checks.py). Each check raises AssertionError with a message on failure and
 prints {"<check>": "ok"}.
 
     KERAS_BACKEND=jax python -m tests.backends.review35_checks jit_then_jax2tf /tmp/out

@@ -1,5 +1,5 @@
 """Checks of the layers under JAX / PyTorch found in round 34, run inside one process with
-KERAS_BACKEND set; test_backends_round34.py runs them. Each check raises AssertionError with a
+KERAS_BACKEND set; test_backends_rounds.py runs them (run_checks.py). Each check raises AssertionError with a
 message on failure and prints {"<check>": "ok"}.
 
     KERAS_BACKEND=jax python -m tests.backends.round34_checks jax_export /tmp/out

@@ -1,5 +1,5 @@
 """Checks of the layers under JAX / PyTorch (and TF where named) found in round 35, run inside one
-process with KERAS_BACKEND set; test_backends_round35.py runs them. Each check raises AssertionError
+process with KERAS_BACKEND set; test_backends_rounds.py runs them (run_checks.py). Each check raises AssertionError
 with a message on failure and prints {"<check>": "ok"}.
 
     KERAS_BACKEND=jax python -m tests.backends.round35_checks fixed_batch_export /tmp/out

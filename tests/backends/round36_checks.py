@@ -1,5 +1,5 @@
 """Checks of the layers under JAX / PyTorch / TensorFlow found in round 36, run inside one process with
-KERAS_BACKEND set; test_backends_round36.py runs them. Each check raises AssertionError with a message
+KERAS_BACKEND set; test_backends_rounds.py runs them (run_checks.py). Each check raises AssertionError with a message
 on failure and prints {"<check>": "ok"}.
 
     KERAS_BACKEND=torch python -m tests.backends.round36_checks python_list_ids
