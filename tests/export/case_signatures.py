@@ -112,6 +112,20 @@ class Cases:
                                          samples(original) if samples else None))
 
 
+def exported_bodies(out_dir, variables: dict, cases: dict):
+    """`cases` ({name: (input specs, body(module, *inputs))}) as signatures returning {"out": body}
+    of one tf.Module holding `variables` ({attribute: initial value}), exported once: Cases.case."""
+    module = tf.Module()
+    for attribute, value in variables.items():
+        setattr(module, attribute, tf.Variable(value))
+
+    def call(body):
+        return lambda *args: {"out": body(module, *args)}
+
+    exported = Cases()
+    exported.add(out_dir, module, {name: signature(name, specs, call(body)) for name, (specs, body) in cases.items()})
+    return exported.case
+
 def export_cases(out_dir, names, with_tflite=False, samples=None) -> dict:
     """{name: Export or the exception its export raised} of out_dir/m's signatures `names`."""
     kw = {}

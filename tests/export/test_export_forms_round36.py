@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from case_signatures import Cases, signature
+from case_signatures import exported_bodies
 from round34_forms import (IDS, K, N, POSITION_WEIGHTS, RNG, TABLE, WEIGHTS, np_bags, random_ids, run_both,
                            save_and_export)
 
@@ -305,15 +305,6 @@ CASES = {
 }
 
 
-def _call(module, body):
-    return lambda *args: {"out": body(module, *args)}
-
-
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    module = tf.Module()
-    module.t, module.v = tf.Variable(TABLE), tf.Variable(POSITION_WEIGHTS)
-    exported = Cases()
-    exported.add(tmp_path_factory.mktemp("round36") / "forms", module,
-                 {name: signature(name, specs, _call(module, body)) for name, (specs, body) in CASES.items()})
-    return exported.case
+    return exported_bodies(tmp_path_factory.mktemp("round36") / "forms", {"t": TABLE, "v": POSITION_WEIGHTS}, CASES)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from case_signatures import Cases, signature
+from case_signatures import exported_bodies
 from round34_forms import IDS, K, POSITION_WEIGHTS, TABLE, WEIGHTS, save_and_export
 
 NON_FINITE = TABLE.copy()
@@ -150,15 +150,6 @@ CASES = {
 }
 
 
-def _call(module, body):
-    return lambda *args: {"out": body(module, *args)}
-
-
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    module = tf.Module()
-    module.t, module.v = tf.Variable(NON_FINITE), tf.Variable(POSITION_WEIGHTS)
-    exported = Cases()
-    exported.add(tmp_path_factory.mktemp("no_nan_zero_weights") / "forms", module,
-                 {name: signature(name, specs, _call(module, body)) for name, (specs, body) in CASES.items()})
-    return exported.case
+    return exported_bodies(tmp_path_factory.mktemp("no_nan_zero_weights") / "forms", {"t": NON_FINITE, "v": POSITION_WEIGHTS}, CASES)
