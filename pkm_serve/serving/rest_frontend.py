@@ -27,7 +27,7 @@ from google.protobuf import json_format
 from tensorflow_serving.apis import get_model_metadata_pb2, get_model_status_pb2, model_pb2
 
 from pkm_serve.serving import rest_requests, tensors
-from pkm_serve.serving.json_body import TOO_DEEP, has_long_integer, loads  # noqa: F401 (has_long_integer: re-exported)
+from pkm_serve.serving.json_body import TOO_DEEP, loads
 from pkm_serve.serving.errors import ServingError, http_status, invalid
 from pkm_serve.serving.ports import check_bindable
 from pkm_serve.serving.rest_cors import cors_middleware

@@ -40,10 +40,10 @@ def test_rest_json_codec_keeps_stdlib_semantics_where_orjson_differs():
 
 
 def test_long_fractions_take_the_fast_decoder_and_long_integers_do_not():
-    from pkm_serve.serving import rest_frontend
-    assert not rest_frontend.has_long_integer(b"[0.00026772439014166594, -1.5e-300]")
-    assert rest_frontend.has_long_integer(b"[1, -12345678901234567890123]")
-    assert rest_frontend.has_long_integer(b'{"x":\n 12345678901234567890}')
+    from pkm_serve.serving import json_body
+    assert not json_body.has_long_integer(b"[0.00026772439014166594, -1.5e-300]")
+    assert json_body.has_long_integer(b"[1, -12345678901234567890123]")
+    assert json_body.has_long_integer(b'{"x":\n 12345678901234567890}')
 
 
 class _FakeExampleService:
