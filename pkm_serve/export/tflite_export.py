@@ -236,7 +236,10 @@ def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
         inputs = (V.sample_inputs_for(name, specs, samples) if samples is not None
                   else V.generate_inputs(specs, index_limit, batch_size,
                                          feeds=(feeds or {}).get(name)))
-        want = {k: v.numpy() for k, v in fn(**inputs).items()}
+        try:   # (where nothing was fused, the SavedModel was not run before)
+            want = {k: v.numpy() for k, v in fn(**inputs).items()}
+        except tf.errors.OpError as e:
+            raise V.inputs_refused(name, samples, e) from None
         got = interp.get_signature_runner(name)(**inputs)
         try:
             if quantized:
