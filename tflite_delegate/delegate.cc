@@ -62,6 +62,9 @@ struct Unit {
 struct KernelData {
   DelegateData* delegate = nullptr;
   std::vector<Unit> units;
+  // Outputs of units that only later units of the partition read (a bag's output as another's
+  // weights or table): no node of the plan uses them, so the runtime gives them no memory.
+  std::vector<int> internal_outputs;
   std::string error;  // from Init, reported by Prepare
 };
 
@@ -116,6 +119,7 @@ void* KernelInit(TfLiteContext* context, const char* buffer, size_t length) {
     } else {
       continue;  // a weights reshape: checked below to belong to a chain
     }
+    if (!partition_outputs.count(unit.spec.output)) kd->internal_outputs.push_back(unit.spec.output);
     kd->units.push_back(std::move(unit));
   }
   for (int n : g.plan) {
@@ -135,6 +139,16 @@ TfLiteStatus KernelPrepare(TfLiteContext* context, TfLiteNode* node) {
   if (!kd->error.empty()) {
     context->ReportError(context, "PkmDelegate: %s", kd->error.c_str());
     return kTfLiteError;
+  }
+  // Dynamic, as PrepareBag makes an output of a dynamic input: its unit's ResizeTensor then
+  // allocates it (the runtime frees it), and the units reading it check it at Invoke.
+  for (int t : kd->internal_outputs) {
+    TfLiteTensor* tensor = &context->tensors[t];
+    if (tensor->allocation_type != kTfLiteDynamic) {
+      tensor->data.raw = nullptr;
+      tensor->bytes = 0;
+      tensor->allocation_type = kTfLiteDynamic;
+    }
   }
   for (Unit& u : kd->units)
     if (PrepareBag(context, u.spec, &u.state) != kTfLiteOk) return kTfLiteError;
