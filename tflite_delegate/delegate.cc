@@ -63,7 +63,8 @@ struct KernelData {
   DelegateData* delegate = nullptr;
   std::vector<Unit> units;
   // Outputs of units that only later units of the partition read (a bag's output as another's
-  // weights or table): no node of the plan uses them, so the runtime gives them no memory.
+  // weights or table): no node of the plan names them, so they are the partition node's
+  // temporaries, which the arena gives memory for its invoke.
   std::vector<int> internal_outputs;
   std::string error;  // from Init, reported by Prepare
 };
@@ -140,16 +141,10 @@ TfLiteStatus KernelPrepare(TfLiteContext* context, TfLiteNode* node) {
     context->ReportError(context, "PkmDelegate: %s", kd->error.c_str());
     return kTfLiteError;
   }
-  // Dynamic, as PrepareBag makes an output of a dynamic input: its unit's ResizeTensor then
-  // allocates it (the runtime frees it), and the units reading it check it at Invoke.
-  for (int t : kd->internal_outputs) {
-    TfLiteTensor* tensor = &context->tensors[t];
-    if (tensor->allocation_type != kTfLiteDynamic) {
-      tensor->data.raw = nullptr;
-      tensor->bytes = 0;
-      tensor->allocation_type = kTfLiteDynamic;
-    }
-  }
+  // Units prepare in plan order, so a unit reading another's output sees its shape. The arena
+  // skips one PrepareBag made dynamic (its ResizeTensor allocates it). The runtime frees the array.
+  std::free(node->temporaries);
+  node->temporaries = NewIntArray(kd->internal_outputs);
   for (Unit& u : kd->units)
     if (PrepareBag(context, u.spec, &u.state) != kTfLiteOk) return kTfLiteError;
   return kTfLiteOk;
