@@ -81,11 +81,11 @@ _NO_TFLITE_KERNEL_HINTS = {
     re.compile(r"unresolved custom op: PkmQuantized(?:Ragged)?EmbeddingBag\b"):
         " (pkm_serve.quantized's op, which int8 SavedModels use, has no TFLite kernel: convert the float "
         "model and quantize the .tflite's tables with pkm_serve.tflite.quantize_table_int8, or export "
-        "with --quantize-table int8 --tflite)",
+        "the float SavedModel with --quantize-table int8 --tflite)",
     re.compile(r"unresolved custom op: PkmCheckThen\b"):
-        " (the run-time check pkm_serve adds where XLA compiles a function, jit_compile=True, has no "
-        "TFLite kernel: convert a function traced without jit_compile, or the SavedModel with "
-        "pkm-serve export SRC DST --tflite FILE, which drops the check as the converter drops Asserts)",
+        " (the run-time check pkm_serve adds where XLA may compile a function for the CPU, jit_compile=True "
+        "or auto-clustering, has no TFLite kernel: convert a function traced without XLA, or the SavedModel "
+        "with pkm-serve export SRC DST --tflite FILE, which drops the check as the converter drops Asserts)",
 }
 
 

@@ -57,7 +57,10 @@ def _captured_variable_keys(saved_model_dir: str, reader, signatures: Sequence[s
     from pkm_serve.export import saved_model_io
     from pkm_serve.export.quantize import _key_by_node
 
-    graph = saved_model_io.read_saved_model(saved_model_dir).meta_graphs[0].object_graph_def
+    try:
+        graph = saved_model_io.read_saved_model(saved_model_dir).meta_graphs[0].object_graph_def
+    except ExportError:   # a TF1 SavedModel (no functions)
+        return None
     if not graph.nodes:
         return None
     by_name = {c.local_name: c.node_id for c in graph.nodes[0].children}

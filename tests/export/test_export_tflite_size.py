@@ -41,3 +41,19 @@ def test_variables_no_converted_signature_reads_are_not_counted(tmp_path):
     path = str(tmp_path / "m")
     assert tflite_export.variable_bytes(path, ["bag"]) == M.N * M.D * 4
     assert tflite_export.variable_bytes(path, ["bag", "other"]) == (M.N + 1000) * M.D * 4
+
+
+def test_a_tf1_saved_model_counts_every_variable(tmp_path):
+    # No object graph says what a TF1 signature captures (read_saved_model refuses it as unfusable).
+    path = str(tmp_path / "tf1")
+    with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+        ids = tf.compat.v1.placeholder(tf.int32, [None, M.K])
+        table = tf.compat.v1.get_variable("table", initializer=np.ones((M.N, M.D), np.float32))
+        tf.compat.v1.get_variable("unread", initializer=np.ones((7, M.D), np.float32))
+        session.run(tf.compat.v1.global_variables_initializer())
+        builder = tf.compat.v1.saved_model.Builder(path)
+        signature = tf.compat.v1.saved_model.predict_signature_def(
+            {"ids": ids}, {"out": tf.reduce_sum(tf.gather(table, ids), 1)})
+        builder.add_meta_graph_and_variables(session, ["serve"], signature_def_map={"serving_default": signature})
+        builder.save()
+    assert tflite_export.variable_bytes(path, ["serving_default"]) == (M.N + 7) * M.D * 4

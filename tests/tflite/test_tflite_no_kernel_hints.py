@@ -56,4 +56,4 @@ def test_a_check_of_a_jit_compile_function_says_how_to_convert_without_it():
     with pytest.raises(RuntimeError) as e:
         tflite.run_tflite(model, [np.array([0, 1], np.int32), np.array([0, 2], np.int64), np.ones(2, np.float32)])
     first = str(e.value).splitlines()[0]
-    assert "unresolved custom op: PkmCheckThen" in first and "without jit_compile" in first, first
+    assert "unresolved custom op: PkmCheckThen" in first and "without XLA" in first, first
