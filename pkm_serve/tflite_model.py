@@ -269,6 +269,18 @@ def _already_int8(model, schema) -> str:
             if buffers else "")
 
 
+def _tables_through_branches(model) -> str:
+    """A note for the no-table error where bag ops of a called subgraph (a tf.cond or
+    tf.while_loop branch, no signature's) read their table as its input: the caller's
+    operand, left float with the branch's input."""
+    signatures = {int(sig.subgraphIndex) for sig in model.signatureDefs or []} | {0}
+    count = sum(1 for si, sg in enumerate(model.subgraphs) if si not in signatures for op in sg.operators or []
+                if _custom_code(model, op.opcodeIndex) in CUSTOM_OP_NAMES and _ints(op.inputs)[:1]
+                and int(op.inputs[0]) in _ints(sg.inputs))
+    return (f" ({count} bag op(s) in a tf.cond or tf.while_loop branch read their table as the branch's "
+            "input, which stays float: look the bags up outside the branch)" if count else "")
+
+
 def _packed_once(table_object):
     """``table_object`` whose Pack writes it once per builder and hands every later
     caller that offset: tensors sharing it then point at one table in the file
@@ -333,7 +345,7 @@ def quantize_table_int8(model_bytes: bytes) -> bytes:
     if not tables:
         raise ValueError("no constant float32, float16 or bfloat16 params table of a PkmEmbeddingBag op found" +
                          (f" that only PkmEmbeddingBag reads ({shared} read elsewhere too, left float)"
-                          if shared else "") + _already_int8(model, schema))
+                          if shared else "") + _already_int8(model, schema) + _tables_through_branches(model))
     import flatbuffers  # the schema modules depend on it
     builder = flatbuffers.Builder(len(model_bytes) // 4 + 1024)
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")

@@ -74,8 +74,25 @@ _GLUED_MESSAGE = re.compile(
     r"|(?:(?<=failed to invoke\.)|(?<=failed to prepare\.)|(?<=was not true\.))(?=\S)")
 
 
+# pkm_serve's ops that a .tflite can hold (the converter keeps any op as a custom op with
+# allow_custom_ops) but that no TFLite kernel runs, the delegate's included: the runtime's words
+# name only the op, which read as if the delegate had not been passed.
+_NO_TFLITE_KERNEL_HINTS = {
+    re.compile(r"unresolved custom op: PkmQuantized(?:Ragged)?EmbeddingBag\b"):
+        " (pkm_serve.quantized's op, which int8 SavedModels use, has no TFLite kernel: convert the float "
+        "model and quantize the .tflite's tables with pkm_serve.tflite.quantize_table_int8, or export "
+        "the float SavedModel with --quantize-table int8 --tflite)",
+    re.compile(r"unresolved custom op: PkmCheckThen\b"):
+        " (the run-time check pkm_serve adds where XLA may compile a function for the CPU, jit_compile=True "
+        "or auto-clustering, has no TFLite kernel: convert a function traced without XLA, or the SavedModel "
+        "with pkm-serve export SRC DST --tflite FILE, which drops the check as the converter drops Asserts)",
+}
+
+
 def runtime_messages(text: str) -> List[str]:
     """The messages of a Python TFLite runtime's error text, each on its own (whitespace runs
     made one space)."""
-    return [" ".join(part.split()) for line in text.splitlines()
-            for part in _GLUED_MESSAGE.split(line) if part.strip()]
+    messages = [" ".join(part.split()) for line in text.splitlines()
+                for part in _GLUED_MESSAGE.split(line) if part.strip()]
+    return [m + "".join(hint for words, hint in _NO_TFLITE_KERNEL_HINTS.items() if words.search(m))
+            for m in messages]

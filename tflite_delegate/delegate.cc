@@ -62,6 +62,10 @@ struct Unit {
 struct KernelData {
   DelegateData* delegate = nullptr;
   std::vector<Unit> units;
+  // Outputs of units that only later units of the partition read (a bag's output as another's
+  // weights or table): no node of the plan names them, so they are the partition node's
+  // temporaries, which the arena gives memory for its invoke.
+  std::vector<int> internal_outputs;
   std::string error;  // from Init, reported by Prepare
 };
 
@@ -116,6 +120,7 @@ void* KernelInit(TfLiteContext* context, const char* buffer, size_t length) {
     } else {
       continue;  // a weights reshape: checked below to belong to a chain
     }
+    if (!partition_outputs.count(unit.spec.output)) kd->internal_outputs.push_back(unit.spec.output);
     kd->units.push_back(std::move(unit));
   }
   for (int n : g.plan) {
@@ -136,6 +141,10 @@ TfLiteStatus KernelPrepare(TfLiteContext* context, TfLiteNode* node) {
     context->ReportError(context, "PkmDelegate: %s", kd->error.c_str());
     return kTfLiteError;
   }
+  // Units prepare in plan order, so a unit reading another's output sees its shape. The arena
+  // skips one PrepareBag made dynamic (its ResizeTensor allocates it). The runtime frees the array.
+  std::free(node->temporaries);
+  node->temporaries = NewIntArray(kd->internal_outputs);
   for (Unit& u : kd->units)
     if (PrepareBag(context, u.spec, &u.state) != kTfLiteOk) return kTfLiteError;
   return kTfLiteOk;

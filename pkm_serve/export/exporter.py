@@ -168,12 +168,7 @@ def _verify_one(original, fused, name: str, index_limit: int, samples, batch_siz
     try:
         want = {k: v.numpy() for k, v in fn_orig(**inputs).items()}
     except tf.errors.OpError as e:
-        hint = "" if samples is not None else (
-            " (generated from the signature and the graph, which may not show what the model "
-            "accepts: give it inputs it serves with --sample-inputs FILE.npz)")
-        raise V.VerificationError(
-            f"the original model fails on the {'sample' if samples else 'generated'} "
-            f"inputs of signature {name!r}{hint}: {_error_line(e.message)}") from None
+        raise V.inputs_refused(name, samples, e) from None
     try:
         got = {k: v.numpy() for k, v in fn_fused(**inputs).items()}
     except tf.errors.OpError as e:

@@ -30,8 +30,11 @@ _HEADROOM = 64 * 2 ** 20
 SUPPORTED_CUSTOM_OPS = pkm_tflite.CUSTOM_OP_NAMES
 
 
-def variable_bytes(saved_model_dir: str) -> int:
-    """Total bytes of the SavedModel's variables (the tables, mostly)."""
+def variable_bytes(saved_model_dir: str, signatures: Optional[Sequence[str]] = None) -> int:
+    """Bytes of the variables `signatures` read, each once: what the converter makes
+    constants of. A checkpoint can hold more: Keras 3's export saves every variable
+    twice (under variables/ and _all_variables/), tf_keras the optimizer's slots. Where
+    the SavedModel does not say which variables a signature captures (TF1), all of them."""
     import tensorflow as tf
     prefix = os.path.join(saved_model_dir, "variables", "variables")
     if not os.path.exists(prefix + ".index"):
@@ -39,19 +42,54 @@ def variable_bytes(saved_model_dir: str) -> int:
     reader = tf.train.load_checkpoint(prefix)
     shapes = reader.get_variable_to_shape_map()
     dtypes = reader.get_variable_to_dtype_map()
+    keys = _captured_variable_keys(saved_model_dir, reader, signatures) if signatures else None
     total = 0
     for name, shape in shapes.items():
-        if dtypes[name] == tf.string:
+        if dtypes[name] == tf.string or (keys is not None and name not in keys):
             continue
         total += int(np.prod(shape, dtype=np.int64)) * dtypes[name].size
     return total
 
 
-def check_size(saved_model_dir: str) -> int:
-    size = variable_bytes(saved_model_dir)
+def _captured_variable_keys(saved_model_dir: str, reader, signatures: Sequence[str]):
+    """Checkpoint keys of the variables the signatures' functions capture, or None
+    where a signature's function or a capture's key cannot be found."""
+    from pkm_serve.export import saved_model_io
+    from pkm_serve.export.quantize import _key_by_node
+
+    try:
+        graph = saved_model_io.read_saved_model(saved_model_dir).meta_graphs[0].object_graph_def
+    except ExportError:   # a TF1 SavedModel (no functions)
+        return None
+    if not graph.nodes:
+        return None
+    by_name = {c.local_name: c.node_id for c in graph.nodes[0].children}
+    signature_fns = {c.local_name: c.node_id for c in graph.nodes[by_name["signatures"]].children} \
+        if "signatures" in by_name else {}
+    key_by_node = _key_by_node(reader)
+    keys = set()
+    for key in signatures:
+        if key not in signature_fns:
+            return None
+        node = graph.nodes[signature_fns[key]]
+        names = ([node.bare_concrete_function.concrete_function_name] if node.HasField("bare_concrete_function")
+                 else list(node.function.concrete_functions))
+        for name in names:
+            if name not in graph.concrete_functions:
+                return None
+            for node_id in graph.concrete_functions[name].bound_inputs:
+                if graph.nodes[node_id].WhichOneof("kind") == "variable":
+                    if node_id not in key_by_node:
+                        return None
+                    keys.add(key_by_node[node_id])
+    return keys
+
+
+def check_size(saved_model_dir: str, signatures: Optional[Sequence[str]] = None) -> int:
+    size = variable_bytes(saved_model_dir, signatures)
     if size + _HEADROOM > FLATBUFFER_LIMIT:
         raise ExportError(
-            f"the model's variables take {size / 2**30:.2f} GiB: a .tflite FlatBuffer "
+            f"the variables the converted signatures read take {size / 2**30:.2f} GiB: a .tflite FlatBuffer "
             "holds its tables as constants and cannot exceed 2 GB (int8 quantisation "
             "runs after conversion, so it cannot bring it under). Serve the SavedModel "
             "(pkm-serve serve) instead, or split the table across smaller models.")
@@ -201,7 +239,10 @@ def verify_tflite(model: bytes, saved_model_dir: str, signatures: Sequence[str],
         inputs = (V.sample_inputs_for(name, specs, samples) if samples is not None
                   else V.generate_inputs(specs, index_limit, batch_size,
                                          feeds=(feeds or {}).get(name)))
-        want = {k: v.numpy() for k, v in fn(**inputs).items()}
+        try:   # (where nothing was fused, the SavedModel was not run before)
+            want = {k: v.numpy() for k, v in fn(**inputs).items()}
+        except tf.errors.OpError as e:
+            raise V.inputs_refused(name, samples, e) from None
         got = interp.get_signature_runner(name)(**inputs)
         try:
             if quantized:
@@ -372,7 +413,7 @@ def convert_and_verify(export_dir: str, signatures: Sequence[str], out_path: str
     if quantize == "int8":
         from pkm_serve.export.quantize import tolerance_or_default
         tolerance = tolerance_or_default(tolerance)  # refused before converting
-    size = check_size(export_dir)
+    size = check_size(export_dir, signatures)
     with progress.phase(f"converting to TFLite ({size / 2**20:.1f} MiB of variables)"):
         model = convert(export_dir, signatures, not_fused)
     if quantize == "int8":

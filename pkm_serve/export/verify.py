@@ -388,3 +388,14 @@ def error_line(message: str) -> str:
         if line.startswith("[[") and i > 0:
             return lines[i - 1]
     return lines[-1] if lines else message
+
+
+def inputs_refused(name: str, samples, err) -> VerificationError:
+    """The model (the original, or the one exported where nothing was fused) refuses the
+    inputs it is verified on (a tf.errors.OpError `err`): generated ones may not be what it
+    accepts (row splits fed apart from their values, say)."""
+    hint = "" if samples is not None else (
+        " (generated from the signature and the graph, which may not show what the model "
+        "accepts: give it inputs it serves with --sample-inputs FILE.npz)")
+    return VerificationError(f"the original model fails on the {'sample' if samples else 'generated'} "
+                             f"inputs of signature {name!r}{hint}: {error_line(err.message)}")
