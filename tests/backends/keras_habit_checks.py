@@ -284,8 +284,39 @@ def _composite_with_gradient(composite, table, ids, splits, combiner):
     return out.detach().numpy(), t.grad.numpy()
 
 
+def check_unrepresentable_ids():
+    """Float ids that are NaN, infinite or past int64 (and, on TF, uint64 ids past int64) are an error, in a
+    direct call and in a model, as any id past the table is: cast to an integer they became its smallest
+    value, padding without an error (TF, PyTorch), or NaN became 0 and read row 0 (JAX). A finite float id
+    still reads its row."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag
+
+    rng = np.random.default_rng(7)
+    table = rng.normal(size=(20, D)).astype("float32")
+    bag = EmbeddingBag(20, D)
+    float_ids = keras.Input((2,), dtype="float32")
+    model = keras.Model(float_ids, bag(float_ids))
+    bag.set_weights([table])
+    bad = [np.array([[value, 3.0]], "float32") for value in (np.nan, np.inf, 2.0**64)]
+    if keras.backend.backend() == "tensorflow":   # (Keras' PyTorch and JAX arrays refuse numpy uint64 ids)
+        bad.append(np.array([[2**63 + 5, 3]], "uint64"))
+    for ids in bad:
+        for name, call in (("the layer", bag), ("a model", model)):
+            try:
+                got = _numpy(call(ids))
+            except Exception as err:   # (TF's InvalidArgumentError, JAX's runtime error, a ValueError)
+                assert "out of range" in str(err) or "past int32" in str(err), err
+            else:
+                raise AssertionError(f"{name} read ids {ids.tolist()} as {got.tolist()}, without an error")
+    np.testing.assert_allclose(_numpy(model(np.array([[4.0, -1.0]], "float32"))), table[[4]], rtol=1e-6)
+    print(json.dumps({"unrepresentable_ids": "ok"}))
+
+
 CHECKS = {"table_dtype": check_table_dtype, "half_float_ids": check_half_float_ids, "mask": check_mask,
-          "batch_axis": check_batch_axis, "tied_table": check_tied_table, "empty_bags": check_empty_bags}
+          "batch_axis": check_batch_axis, "tied_table": check_tied_table, "empty_bags": check_empty_bags,
+          "unrepresentable_ids": check_unrepresentable_ids}
 
 if __name__ == "__main__":
     import pkm_serve  # noqa: F401  (registers the layers)
