@@ -40,6 +40,9 @@ class EmbeddingBag(keras.layers.Layer):
             op), `pkm_serve.optimizers.LazyAdam` / `RowwiseAdagrad` apply
             their update to the table inside the backward pass, never forming
             its gradient (pkm_serve/_fused_update.py); default False.
+        weights: the table's starting rows, `[matrix]` or `matrix` of shape
+            `(input_dim, output_dim)` (e.g. pretrained vectors), as
+            `keras.layers.Embedding(weights=...)` takes them; default None.
 
     Call:
         indices: int `[..., K]`, or a `tf.RaggedTensor` whose last dimension is
@@ -82,6 +85,7 @@ class EmbeddingBag(keras.layers.Layer):
         fallback=None,
         sparse_gradient=False,
         fused_optimizer=False,
+        weights=None,
         **kwargs,
     ):
         input_dim, output_dim = require_positive_ints("EmbeddingBag", input_dim=input_dim,
@@ -115,6 +119,9 @@ class EmbeddingBag(keras.layers.Layer):
                              and not self.fused_optimizer)
         # The table is read in its stored dtype (see the class docstring).
         self.autocast = False
+        if weights is not None:
+            self.build()
+            self.set_weights(weights if isinstance(weights, list) and len(weights) == 1 else [weights])
 
     def build(self, input_shape=None):
         if self.built:
