@@ -314,9 +314,34 @@ def check_unrepresentable_ids():
     print(json.dumps({"unrepresentable_ids": "ok"}))
 
 
+def check_one_slot_memory():
+    """A ProductKeyMemory of knn=1 reads its best slot with weight 1, without Keras' warning about a
+    softmax over an axis of size 1 ("Did you mean to use a sigmoid instead?"), which JAX and PyTorch
+    printed at every call."""
+    import warnings
+
+    import keras
+
+    from pkm_serve.layers import ProductKeyMemory
+
+    keras.utils.set_random_seed(8)
+    layer = ProductKeyMemory(v_dim=D, k_dim=4, n_keys=5, heads=2, knn=1, query_batchnorm=False)
+    x = np.random.default_rng(8).normal(size=(3, 6)).astype("float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _numpy(layer(x))
+    assert not [w for w in caught if "softmax" in str(w.message)], [str(w.message) for w in caught]
+    query = _numpy(layer.query_proj(x)).reshape(3, 2, 2, 2)   # [rows, heads, halves, k_dim / 2]
+    keys, values = _numpy(layer.keys), _numpy(layer.memory.embeddings)
+    scores = np.einsum("rhsd,hsnd->rhsn", query, keys)
+    slots = scores[:, :, 0].argmax(-1) * 5 + scores[:, :, 1].argmax(-1)   # [rows, heads]
+    np.testing.assert_allclose(got, values[slots].sum(axis=1), rtol=1e-5, atol=1e-6)
+    print(json.dumps({"one_slot_memory": "ok"}))
+
+
 CHECKS = {"table_dtype": check_table_dtype, "half_float_ids": check_half_float_ids, "mask": check_mask,
           "batch_axis": check_batch_axis, "tied_table": check_tied_table, "empty_bags": check_empty_bags,
-          "unrepresentable_ids": check_unrepresentable_ids}
+          "unrepresentable_ids": check_unrepresentable_ids, "one_slot_memory": check_one_slot_memory}
 
 if __name__ == "__main__":
     import pkm_serve  # noqa: F401  (registers the layers)

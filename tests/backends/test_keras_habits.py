@@ -9,7 +9,8 @@ import pytest
 from tests.backends.check_processes import finish, installed, start
 
 BACKENDS = ["tensorflow", "jax", "torch"]
-CHECKS = ["table_dtype", "half_float_ids", "mask", "batch_axis", "tied_table", "empty_bags", "unrepresentable_ids"]
+CHECKS = ["table_dtype", "half_float_ids", "mask", "batch_axis", "tied_table", "empty_bags", "unrepresentable_ids",
+          "one_slot_memory"]
 
 
 def _keras_runs_tf_here():
@@ -45,7 +46,8 @@ def test_keras_habits(backend):
     [B, 0], a [0, D] table and ragged bags without values give zeros and a zero gradient (the composite's
     max and its gather from an empty table raised under JAX and PyTorch). unrepresentable_ids: NaN,
     infinite or past-int64 float ids (TF: uint64 ids past int64 too) are an error (they were padding, or
-    NaN read row 0 under JAX)."""
+    NaN read row 0 under JAX). one_slot_memory: a knn=1 ProductKeyMemory reads its best slot without Keras'
+    size-1 softmax warning (JAX, PyTorch)."""
     if not installed(backend):
         pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
     if backend == "tensorflow" and _keras_runs_tf_here():
