@@ -53,7 +53,7 @@ class EmbeddingBag(keras.layers.Layer):
             bags with -1; a list `[indices, weights]` is refused: pass weights as the
             second argument). Negative indices are padding: they
             add nothing and are not counted by mean/sqrtn. Float indices are
-            cast to int64, as `keras.layers.Embedding` does (NaN, infinite ones and
+            cast to int64, as `keras.layers.Embedding` does (NaN and +inf ones and
             ones past int64, as uint64 ids past it on TF, are out of range); float16 / bfloat16
             ones (an enclosing layer's autocast under a mixed policy) into a
             table with ids past the largest integer they hold with all below it
@@ -408,15 +408,16 @@ def _as_index_dtype(indices):
             f"EmbeddingBag: indices must be integers (int32/int64), got {indices.dtype.name}"
         )
     as_int64 = tf.cast(indices, tf.int64)
-    # Cast, a uint64 id >= 2**63 wrapped negative and a NaN, infinite or float id >= 2**63 became
+    # Cast, a uint64 id >= 2**63 wrapped negative and a NaN, +inf or float id >= 2**63 became
     # int64's smallest value: padding, without an error. They are kept past the table instead.
+    # (x < bound picks the cast, so NaN fails it: Grappler rewrites ~(x < bound) to x >= bound, false for NaN.)
     if indices.dtype == tf.uint64:
-        past_int64 = indices > np.iinfo(np.int64).max
+        representable = indices <= np.iinfo(np.int64).max
     elif indices.dtype.is_floating:
-        past_int64 = ~(tf.cast(indices, tf.float32) < 2.0**63)  # NaN too (float32: 2**63 overflows float16)
+        representable = tf.cast(indices, tf.float32) < 2.0**63   # (float32: 2**63 overflows float16)
     else:
         return as_int64
-    return tf.where(past_int64, tf.constant(np.iinfo(np.int64).max), as_int64)
+    return tf.where(representable, as_int64, tf.constant(np.iinfo(np.int64).max))
 
 
 def _float_ids_as(indices, target):
@@ -425,8 +426,8 @@ def _float_ids_as(indices, target):
     became 0 under JAX (reading row 0)."""
     ops = keras.ops
     largest = np.iinfo(target).max
-    past = ops.logical_not(ops.cast(indices, "float32") < float(largest) + 1)
-    return ops.where(past, ops.cast(largest, target), ops.cast(indices, target))
+    representable = ops.cast(indices, "float32") < float(largest) + 1   # false for NaN
+    return ops.where(representable, ops.cast(indices, target), ops.cast(largest, target))
 
 
 def _sparse_bags_as_ragged(indices, weights):

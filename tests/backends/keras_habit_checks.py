@@ -285,10 +285,10 @@ def _composite_with_gradient(composite, table, ids, splits, combiner):
 
 
 def check_unrepresentable_ids():
-    """Float ids that are NaN, infinite or past int64 (and, on TF, uint64 ids past int64) are an error, in a
-    direct call and in a model, as any id past the table is: cast to an integer they became its smallest
-    value, padding without an error (TF, PyTorch), or NaN became 0 and read row 0 (JAX). A finite float id
-    still reads its row."""
+    """Float ids that are NaN, +inf or past int64 (and, on TF, uint64 ids past int64) are an error, in a
+    direct call, in a model and traced, as any id past the table is: cast to an integer they became its
+    smallest value, padding without an error (TF, PyTorch), or NaN became 0 and read row 0 (JAX). A finite
+    float id still reads its row."""
     import keras
 
     from pkm_serve.layers import EmbeddingBag
@@ -302,8 +302,9 @@ def check_unrepresentable_ids():
     bad = [np.array([[value, 3.0]], "float32") for value in (np.nan, np.inf, 2.0**64)]
     if keras.backend.backend() == "tensorflow":   # (Keras' PyTorch and JAX arrays refuse numpy uint64 ids)
         bad.append(np.array([[2**63 + 5, 3]], "uint64"))
+    calls = (("the layer", bag), ("a model", model), ("a traced call", _traced(bag)))
     for ids in bad:
-        for name, call in (("the layer", bag), ("a model", model)):
+        for name, call in calls:
             try:
                 got = _numpy(call(ids))
             except Exception as err:   # (TF's InvalidArgumentError, JAX's runtime error, a ValueError)
@@ -312,6 +313,23 @@ def check_unrepresentable_ids():
                 raise AssertionError(f"{name} read ids {ids.tolist()} as {got.tolist()}, without an error")
     np.testing.assert_allclose(_numpy(model(np.array([[4.0, -1.0]], "float32"))), table[[4]], rtol=1e-6)
     print(json.dumps({"unrepresentable_ids": "ok"}))
+
+
+def _traced(layer):
+    """layer's call as a traced graph: tf.function on TF (Grappler rewrites ~(x < c) as x >= c, false for
+    NaN), jax.jit on JAX; PyTorch's eager call (torch.compile's first compile takes seconds)."""
+    import keras
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(layer)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        stateless = jax.jit(lambda values, ids: layer.stateless_call(values, [], ids)[0])
+        return lambda ids: stateless([v.value for v in layer.trainable_variables], ids)
+    return layer
 
 
 def check_one_slot_memory():

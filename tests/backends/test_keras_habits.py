@@ -45,7 +45,7 @@ def test_keras_habits(backend):
     its weights to the table reads it in its compute dtype, as keras.layers.Embedding's. empty_bags: ids
     [B, 0], a [0, D] table and ragged bags without values give zeros and a zero gradient (the composite's
     max and its gather from an empty table raised under JAX and PyTorch). unrepresentable_ids: NaN,
-    infinite or past-int64 float ids (TF: uint64 ids past int64 too) are an error (they were padding, or
+    +inf or past-int64 float ids (TF: uint64 ids past int64 too) are an error (they were padding, or
     NaN read row 0 under JAX). one_slot_memory: a knn=1 ProductKeyMemory reads its best slot without Keras'
     size-1 softmax warning (JAX, PyTorch)."""
     if not installed(backend):
