@@ -90,6 +90,9 @@ def product_key_search(query, sub_keys, knn: int):
     pair_index = ops.reshape(pair_index, (num_rows, heads, knn * knn))
     best_scores, best_pos = top_k_lowest_ties(pair_scores, knn)
     best_index = _take_along_last_axis(pair_index, ops.cast(best_pos, index_dtype))
-    weights = ops.softmax(ops.cast(best_scores, "float32"), axis=-1)
+    best_scores = ops.cast(best_scores, "float32")
+    # knn=1: one slot of weight 1 (keras.ops.softmax warned "softmax over axis ... has size 1 ... Did you
+    # mean to use a sigmoid" at every call); exp(s - s) keeps the scores' (zero) gradient.
+    weights = ops.softmax(best_scores, axis=-1) if knn > 1 else ops.exp(best_scores - best_scores)
     return (ops.reshape(best_index, (num_rows, heads * knn)),
             ops.reshape(weights, (num_rows, heads * knn)))

@@ -40,6 +40,9 @@ class EmbeddingBag(keras.layers.Layer):
             op), `pkm_serve.optimizers.LazyAdam` / `RowwiseAdagrad` apply
             their update to the table inside the backward pass, never forming
             its gradient (pkm_serve/_fused_update.py); default False.
+        weights: the table's starting rows, `[matrix]` or `matrix` of shape
+            `(input_dim, output_dim)` (e.g. pretrained vectors), as
+            `keras.layers.Embedding(weights=...)` takes them; default None.
 
     Call:
         indices: int `[..., K]`, or a `tf.RaggedTensor` whose last dimension is
@@ -50,7 +53,8 @@ class EmbeddingBag(keras.layers.Layer):
             bags with -1; a list `[indices, weights]` is refused: pass weights as the
             second argument). Negative indices are padding: they
             add nothing and are not counted by mean/sqrtn. Float indices are
-            cast to int64, as `keras.layers.Embedding` does; float16 / bfloat16
+            cast to int64, as `keras.layers.Embedding` does (NaN and +inf ones and
+            ones past int64, as uint64 ids past it on TF, are out of range); float16 / bfloat16
             ones (an enclosing layer's autocast under a mixed policy) into a
             table with ids past the largest integer they hold with all below it
             (float16 2048, bfloat16 256) are refused.
@@ -81,6 +85,7 @@ class EmbeddingBag(keras.layers.Layer):
         fallback=None,
         sparse_gradient=False,
         fused_optimizer=False,
+        weights=None,
         **kwargs,
     ):
         input_dim, output_dim = require_positive_ints("EmbeddingBag", input_dim=input_dim,
@@ -114,6 +119,9 @@ class EmbeddingBag(keras.layers.Layer):
                              and not self.fused_optimizer)
         # The table is read in its stored dtype (see the class docstring).
         self.autocast = False
+        if weights is not None:
+            self.build()
+            self.set_weights(weights if isinstance(weights, list) and len(weights) == 1 else [weights])
 
     def build(self, input_shape=None):
         if self.built:
@@ -235,7 +243,8 @@ class EmbeddingBag(keras.layers.Layer):
                 if self.implementation == "fused":
                     indices = refuse_unsigned_ids_past("EmbeddingBag", indices, target, self.input_dim)
                 indices = clip_unsigned_ids("EmbeddingBag", indices, target, self.input_dim)
-            indices = ops.cast(indices, target)
+            indices = _float_ids_as(indices, target) if dtype.startswith(("float", "bfloat")) \
+                else ops.cast(indices, target)
         if weights is not None:
             weights = ops.convert_to_tensor(weights)
             if tuple(weights.shape) != tuple(indices.shape):
@@ -394,11 +403,31 @@ def _as_index_dtype(indices):
 
     if indices.dtype in (tf.int32, tf.int64):
         return indices
-    if indices.dtype.is_integer or indices.dtype.is_floating:
-        return tf.cast(indices, tf.int64)
-    raise TypeError(
-        f"EmbeddingBag: indices must be integers (int32/int64), got {indices.dtype.name}"
-    )
+    if not (indices.dtype.is_integer or indices.dtype.is_floating):
+        raise TypeError(
+            f"EmbeddingBag: indices must be integers (int32/int64), got {indices.dtype.name}"
+        )
+    as_int64 = tf.cast(indices, tf.int64)
+    # Cast, a uint64 id >= 2**63 wrapped negative and a NaN, +inf or float id >= 2**63 became
+    # int64's smallest value: padding, without an error. They are kept past the table instead.
+    # (x < bound picks the cast, so NaN fails it: Grappler rewrites ~(x < bound) to x >= bound, false for NaN.)
+    if indices.dtype == tf.uint64:
+        representable = indices <= np.iinfo(np.int64).max
+    elif indices.dtype.is_floating:
+        representable = tf.cast(indices, tf.float32) < 2.0**63   # (float32: 2**63 overflows float16)
+    else:
+        return as_int64
+    return tf.where(representable, as_int64, tf.constant(np.iinfo(np.int64).max))
+
+
+def _float_ids_as(indices, target):
+    """Float ids cast to the integer dtype `target`, with NaN, +inf and ids past its range kept past
+    the table: cast, they became its smallest value under PyTorch (padding, without an error) and NaN
+    became 0 under JAX (reading row 0)."""
+    ops = keras.ops
+    largest = np.iinfo(target).max
+    representable = ops.cast(indices, "float32") < float(largest) + 1   # false for NaN
+    return ops.where(representable, ops.cast(indices, target), ops.cast(largest, target))
 
 
 def _sparse_bags_as_ragged(indices, weights):

@@ -284,8 +284,82 @@ def _composite_with_gradient(composite, table, ids, splits, combiner):
     return out.detach().numpy(), t.grad.numpy()
 
 
+def check_unrepresentable_ids():
+    """Float ids that are NaN, +inf or past int64 (and, on TF, uint64 ids past int64) are an error, in a
+    direct call, in a model and traced, as any id past the table is: cast to an integer they became its
+    smallest value, padding without an error (TF, PyTorch), or NaN became 0 and read row 0 (JAX). A finite
+    float id still reads its row."""
+    import keras
+
+    from pkm_serve.layers import EmbeddingBag
+
+    rng = np.random.default_rng(7)
+    table = rng.normal(size=(20, D)).astype("float32")
+    bag = EmbeddingBag(20, D)
+    float_ids = keras.Input((2,), dtype="float32")
+    model = keras.Model(float_ids, bag(float_ids))
+    bag.set_weights([table])
+    bad = [np.array([[value, 3.0]], "float32") for value in (np.nan, np.inf, 2.0**64)]
+    if keras.backend.backend() == "tensorflow":   # (Keras' PyTorch and JAX arrays refuse numpy uint64 ids)
+        bad.append(np.array([[2**63 + 5, 3]], "uint64"))
+    calls = (("the layer", bag), ("a model", model), ("a traced call", _traced(bag)))
+    for ids in bad:
+        for name, call in calls:
+            try:
+                got = _numpy(call(ids))
+            except Exception as err:   # (TF's InvalidArgumentError, JAX's runtime error, a ValueError)
+                assert "out of range" in str(err) or "past int32" in str(err), err
+            else:
+                raise AssertionError(f"{name} read ids {ids.tolist()} as {got.tolist()}, without an error")
+    np.testing.assert_allclose(_numpy(model(np.array([[4.0, -1.0]], "float32"))), table[[4]], rtol=1e-6)
+    print(json.dumps({"unrepresentable_ids": "ok"}))
+
+
+def _traced(layer):
+    """layer's call as a traced graph: tf.function on TF (Grappler rewrites ~(x < c) as x >= c, false for
+    NaN), jax.jit on JAX; PyTorch's eager call (torch.compile's first compile takes seconds)."""
+    import keras
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(layer)
+    if keras.backend.backend() == "jax":
+        import jax
+
+        stateless = jax.jit(lambda values, ids: layer.stateless_call(values, [], ids)[0])
+        return lambda ids: stateless([v.value for v in layer.trainable_variables], ids)
+    return layer
+
+
+def check_one_slot_memory():
+    """A ProductKeyMemory of knn=1 reads its best slot with weight 1, without Keras' warning about a
+    softmax over an axis of size 1 ("Did you mean to use a sigmoid instead?"), which JAX and PyTorch
+    printed at every call."""
+    import warnings
+
+    import keras
+
+    from pkm_serve.layers import ProductKeyMemory
+
+    keras.utils.set_random_seed(8)
+    layer = ProductKeyMemory(v_dim=D, k_dim=4, n_keys=5, heads=2, knn=1, query_batchnorm=False)
+    x = np.random.default_rng(8).normal(size=(3, 6)).astype("float32")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = _numpy(layer(x))
+    assert not [w for w in caught if "softmax" in str(w.message)], [str(w.message) for w in caught]
+    query = _numpy(layer.query_proj(x)).reshape(3, 2, 2, 2)   # [rows, heads, halves, k_dim / 2]
+    keys, values = _numpy(layer.keys), _numpy(layer.memory.embeddings)
+    scores = np.einsum("rhsd,hsnd->rhsn", query, keys)
+    slots = scores[:, :, 0].argmax(-1) * 5 + scores[:, :, 1].argmax(-1)   # [rows, heads]
+    np.testing.assert_allclose(got, values[slots].sum(axis=1), rtol=1e-5, atol=1e-6)
+    print(json.dumps({"one_slot_memory": "ok"}))
+
+
 CHECKS = {"table_dtype": check_table_dtype, "half_float_ids": check_half_float_ids, "mask": check_mask,
-          "batch_axis": check_batch_axis, "tied_table": check_tied_table, "empty_bags": check_empty_bags}
+          "batch_axis": check_batch_axis, "tied_table": check_tied_table, "empty_bags": check_empty_bags,
+          "unrepresentable_ids": check_unrepresentable_ids, "one_slot_memory": check_one_slot_memory}
 
 if __name__ == "__main__":
     import pkm_serve  # noqa: F401  (registers the layers)

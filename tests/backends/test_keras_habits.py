@@ -9,7 +9,8 @@ import pytest
 from tests.backends.check_processes import finish, installed, start
 
 BACKENDS = ["tensorflow", "jax", "torch"]
-CHECKS = ["table_dtype", "half_float_ids", "mask", "batch_axis", "tied_table", "empty_bags"]
+CHECKS = ["table_dtype", "half_float_ids", "mask", "batch_axis", "tied_table", "empty_bags", "unrepresentable_ids",
+          "one_slot_memory"]
 
 
 def _keras_runs_tf_here():
@@ -43,7 +44,10 @@ def test_keras_habits(backend):
     keras.Input(shape=()) ids are a clear error (the whole batch was one bag). tied_table: a layer tying
     its weights to the table reads it in its compute dtype, as keras.layers.Embedding's. empty_bags: ids
     [B, 0], a [0, D] table and ragged bags without values give zeros and a zero gradient (the composite's
-    max and its gather from an empty table raised under JAX and PyTorch)."""
+    max and its gather from an empty table raised under JAX and PyTorch). unrepresentable_ids: NaN,
+    +inf or past-int64 float ids (TF: uint64 ids past int64 too) are an error (they were padding, or
+    NaN read row 0 under JAX). one_slot_memory: a knn=1 ProductKeyMemory reads its best slot without Keras'
+    size-1 softmax warning (JAX, PyTorch)."""
     if not installed(backend):
         pytest.skip(f"{backend} is not installed (requirements-backends.lock)")
     if backend == "tensorflow" and _keras_runs_tf_here():

@@ -232,6 +232,25 @@ def test_float_indices_are_cast_like_keras_embedding():
     np.testing.assert_array_equal(layer(indices.astype(np.float32)).numpy(), layer(indices).numpy())
 
 
+def test_pretrained_rows_are_taken_as_keras_embedding_takes_them(tmp_path):
+    """EmbeddingBag(N, D, weights=[matrix]) starts from those rows, as keras.layers.Embedding does
+    (it was Keras' "Unrecognized keyword arguments passed to EmbeddingBag"); as there, the rows are
+    not in get_config, and a .keras file carries them."""
+    matrix = np.random.default_rng(11).normal(size=(N, D)).astype(np.float32)
+    indices = np.array([[1, 2, -1], [4, 4, 0]])
+    expected = embedding_bag(matrix, indices, combiner="mean")
+    for given in ([matrix], matrix):
+        layer = EmbeddingBag(N, D, combiner="mean", weights=given, trainable=False)
+        np.testing.assert_allclose(layer(indices).numpy(), expected, rtol=1e-5, atol=1e-6)
+    assert "weights" not in layer.get_config()
+    ids = keras.Input((3,), dtype="int32")
+    keras.Model(ids, layer(ids)).save(tmp_path / "bag.keras")
+    np.testing.assert_allclose(keras.models.load_model(tmp_path / "bag.keras")(indices).numpy(), expected,
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="shape"):
+        EmbeddingBag(N + 1, D, weights=[matrix])
+
+
 def test_missing_op_library_is_a_clear_error_unless_fallback(monkeypatch):
     def missing():
         raise ops.OpLibraryNotFoundError("pkm_serve op library not found at /nowhere/_pkm_ops.so")
