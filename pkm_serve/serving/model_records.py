@@ -86,6 +86,19 @@ def validate_model_server_config(server_config):
             raise invalid(f"model '{c.name}': logging_config (request logging) is not supported")
         if c.model_type == model_server_config_pb2.OTHER:
             raise invalid(f"model '{c.name}': model_type OTHER is not supported (only TENSORFLOW)")
-        if c.model_platform not in ("", "tensorflow"):
-            raise invalid(f"model '{c.name}': model_platform '{c.model_platform}' is not "
-                          "supported (only 'tensorflow')")
+        _check_platform(c)
+
+
+def _check_platform(c):
+    """ServerCore's GetPlatform: a model names its platform in model_platform or (deprecated)
+    model_type, not both and not neither; only "tensorflow" is served here. (A config naming
+    neither was served, and then failed to start tensorflow_model_server.)"""
+    if c.model_type != model_server_config_pb2.MODEL_TYPE_UNSPECIFIED and c.model_platform:
+        raise invalid(f"model '{c.name}': Illegal setting both ModelServerConfig::model_type (deprecated) "
+                      "and ModelServerConfig::model_platform.")
+    if c.model_type == model_server_config_pb2.MODEL_TYPE_UNSPECIFIED and not c.model_platform:
+        raise invalid(f"model '{c.name}': Illegal setting neither ModelServerConfig::model_type (deprecated) "
+                      "nor ModelServerConfig::model_platform. (Add model_platform: \"tensorflow\".)")
+    if c.model_platform not in ("", "tensorflow"):
+        raise invalid(f"model '{c.name}': model_platform '{c.model_platform}' is not "
+                      "supported (only 'tensorflow')")

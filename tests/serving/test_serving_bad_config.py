@@ -1,5 +1,6 @@
 """Config-file values that `pkm-serve serve` does not implement or would misuse are
 refused with a message naming them, not silently ignored."""
+import grpc
 import pytest
 from google.protobuf import text_format
 from tensorflow_serving.config import model_server_config_pb2
@@ -37,6 +38,34 @@ def test_model_config_fields_the_server_does_not_implement_are_refused(fields, n
     with pytest.raises(ServingError) as e:
         ModelManager.validate_config(cfg)
     assert needle in e.value.message
+
+
+@pytest.mark.parametrize("fields, needle", [
+    ("", "Illegal setting neither ModelServerConfig::model_type (deprecated) nor ModelServerConfig::model_platform."),
+    ('model_type: TENSORFLOW model_platform: "tensorflow"',
+     "Illegal setting both ModelServerConfig::model_type (deprecated) and ModelServerConfig::model_platform."),
+])
+def test_a_model_config_names_its_platform_exactly_once(fields, needle):
+    """tensorflow/serving's tensorflow_serving/model_servers/server_core.cc (GetPlatform, called for
+    every model of a config, at start-up and on a reload): INVALID_ARGUMENT when a model sets neither
+    model_platform nor model_type, or both. Such a config was served here, and then stopped
+    tensorflow_model_server (tensorflow/serving#1687). A reload of one is refused alike."""
+    from tensorflow_serving.apis import model_management_pb2
+
+    from pkm_serve.serving.service import InferenceService
+
+    bad = text_format.Parse(f'model_config_list {{ config {{ name: "m" base_path: "/m" {fields} }} }}',
+                            model_server_config_pb2.ModelServerConfig())
+    with pytest.raises(ServingError) as e:
+        ModelManager.validate_config(bad)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.message
+    served = text_format.Parse('model_config_list { config { name: "m" base_path: "/m" model_platform: "tensorflow" } }',
+                               model_server_config_pb2.ModelServerConfig())
+    manager = ModelManager(served, poll_seconds=-1)
+    with pytest.raises(ServingError) as e:
+        InferenceService(manager).reload_config(model_management_pb2.ReloadConfigRequest(config=bad))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and needle in e.value.message
+    manager.stop()
 
 
 def test_model_type_tensorflow_is_accepted():

@@ -40,7 +40,7 @@ model_config_list {{
     model_version_policy {{ all {{}} }}
     version_labels {{ key: "stable" value: 1 }}
   }}
-  config {{ name: "classifier" base_path: "{tmp / 'classifier'}" }}
+  config {{ name: "classifier" base_path: "{tmp / 'classifier'}" model_platform: "tensorflow" }}
 }}""")
     (tmp / "monitoring.config").write_text(
         'prometheus_config { enable: true, path: "/monitoring/prometheus/metrics" }')
