@@ -215,20 +215,20 @@ class InferenceService:
     def _serialized_examples(input_proto):
         kind = input_proto.WhichOneof("kind")
         if kind == "example_list":
-            examples = list(input_proto.example_list.examples)
+            serialized = [e.SerializeToString() for e in input_proto.example_list.examples]
         elif kind == "example_list_with_context":
-            ctx = input_proto.example_list_with_context.context
-            examples = []
-            for ex in input_proto.example_list_with_context.examples:
-                merged = type(ex)()
-                merged.CopyFrom(ctx)
-                merged.MergeFrom(ex)  # an example's own features win over the context's
-                examples.append(merged)
+            # As util.cc's InputToSerializedExampleTensor: the context's bytes, then the example's
+            # (parsed, an example's own features win). A merged copy of each example instead fed
+            # the model other bytes, and took ~1.3 KB and ~3 us an example: a 64 MiB request of
+            # empty examples would have needed ~40 GB.
+            with_context = input_proto.example_list_with_context
+            context = with_context.context.SerializeToString()
+            serialized = [context + e.SerializeToString() for e in with_context.examples]
         else:
-            examples = []
-        if not examples:   # no kind set, or no examples in it: util.cc's words for both
+            serialized = []
+        if not serialized:   # no kind set, or no examples in it: util.cc's words for both
             raise invalid("Input is empty.")
-        return np.array([e.SerializeToString() for e in examples], dtype=object)
+        return np.array(serialized, dtype=object)
 
     def _example_signature(self, servable, model_spec, method, what):
         key = model_spec.signature_name or DEFAULT_SIGNATURE
