@@ -3,6 +3,9 @@
   DenseBincount(ids [B, K], size, w) [-> Cast] -> MatMul(counts [B, N], table [N, D])
       Keras CategoryEncoding(output_mode="count") [count_weights=w] + Dense(use_bias=False),
       tf.math.bincount(ids, w, minlength=N, maxlength=N, axis=-1) @ table
+  RaggedBincount(row_splits, values, size, w) [-> Cast] -> MatMul(counts [B, N], table [N, D])
+      the same of ragged ids (Keras TextVectorization(output_mode="count") + Dense(use_bias=False),
+      tf.math.bincount(ragged_ids, minlength=N, maxlength=N, axis=-1) @ table): one ragged bag a row
   Sum(OneHot(ids [B, K], N, 1, 0), axis=1) [-> Cast] -> MatMul(counts, table)
       tf.reduce_sum(tf.one_hot(ids, N), 1) @ table
   Sum(OneHot(ids, N) * w[..., None], axis=1) -> MatMul(counts, table)
@@ -23,6 +26,7 @@ the ids is (a duplicate would count twice): reported, not fused.
 from __future__ import annotations
 
 from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import tensor_shape
 
 from pkm_serve.export.einsum import match_matmul
 from pkm_serve.export.graph import FunctionGraph, Ref
@@ -30,11 +34,12 @@ from pkm_serve.export.sites import (INDEX_DTYPES, TABLE_DTYPES, Site, Skip, chec
                                     dtype_name, itemsize, same_dims, tensor_dtype)
 
 _INTEGER_COUNTS = (types_pb2.DT_INT32, types_pb2.DT_INT64)
+_BINCOUNTS = ("DenseBincount", "RaggedBincount")
 
 
 def match_matmul_site(fg: FunctionGraph, node, site: Site) -> Site:
     """A matmul of counts by a table (this module), else one of gathered rows (einsum.py)."""
-    if node.op == "MatMul" and _counts_producer(fg, fg.inputs(node)[0])[0] is not None:
+    if _counts_producer(fg, fg.inputs(node)[0])[0] is not None:
         site.pattern = "counts-matmul"
         return _match_counts_matmul(fg, node, site)
     return match_matmul(fg, node, site)
@@ -67,7 +72,7 @@ def _counts_producer(fg: FunctionGraph, ref: Ref):
         cast, node = node, fg.producer(fg.inputs(node)[0])
     if node is None:
         return None, None
-    if node.op == "DenseBincount":
+    if node.op in _BINCOUNTS:
         return node, cast
     if node.op == "Sum" and _one_hot_of_sum(fg, node)[0] is not None:
         return node, cast
@@ -92,21 +97,24 @@ def _one_hot_of_sum(fg: FunctionGraph, node):
 def _match_counts_matmul(fg: FunctionGraph, node, site: Site) -> Site:
     counts_node, cast = _counts_producer(fg, fg.inputs(node)[0])
     table = fg.inputs(node)[1]
-    if _flag(node, "transpose_a") or _flag(node, "transpose_b"):
+    if any(_flag(node, name) for name in ("transpose_a", "transpose_b", "adj_x", "adj_y")):
         raise Skip("a matmul of id counts with a transposed operand: not counts [B, N] @ table [N, D]")
     _fill_table(fg, site, table, node.attr["T"].type)
-    if counts_node.op == "DenseBincount":
+    if counts_node.op in _BINCOUNTS:
         ids, nodes = _bincount_ids(fg, counts_node, cast, site)
     else:
         ids, nodes = _one_hot_ids(fg, counts_node, site, cast)
     counts = Ref(counts_node.name, 0)
     n_rows, counted = site.table_shape[0], fg.shape(counts)
-    if counted.rank == 2 and counted[-1] is None and counts_node.op == "DenseBincount":
-        counted = counted[:1].concatenate([_fixed_size(fg, fg.inputs(counts_node)[1])])
+    if counted.rank is None and counts_node.op == "RaggedBincount":  # TF infers no shape: [rows, size]
+        counted = tensor_shape.TensorShape([None, None])
+    if counted.rank == 2 and counted[-1] is None and counts_node.op in _BINCOUNTS:
+        size = fg.inputs(counts_node)[2 if counts_node.op == "RaggedBincount" else 1]
+        counted = counted[:1].concatenate([_fixed_size(fg, size)])
     if counted.rank != 2 or counted[-1] is None or n_rows not in (None, counted[-1]):
         raise Skip(f"id counts of shape {counted} are not [B, N] with N fixed to the table's rows")
     ids_shape = fg.shape(ids)
-    if ids_shape.rank != 2:
+    if ids_shape.rank != (1 if site.row_splits is not None else 2):
         raise Skip(f"ids of shape {ids_shape}: only [B, K] ids are counted into one bag per row")
     site.rows_from_counts = n_rows is None  # the matmul refuses a table of other rows: fuse.py asserts N
     site.table_shape = [counted[-1], site.table_shape[1]]
@@ -156,8 +164,12 @@ def _fill_table(fg: FunctionGraph, site: Site, table: Ref, dtype: int) -> None:
 
 
 def _bincount_ids(fg: FunctionGraph, node, cast, site: Site):
-    """ids (and weights into `site`) of DenseBincount(ids, size, weights)."""
-    ids, _, weights = fg.inputs(node)[:3]
+    """ids (and weights into `site`) of DenseBincount(ids, size, weights), or the ragged ids'
+    values of RaggedBincount(row_splits, values, size, weights), their row_splits into `site`."""
+    if node.op == "RaggedBincount":
+        site.row_splits, ids, _, weights = fg.inputs(node)[:4]
+    else:
+        ids, _, weights = fg.inputs(node)[:3]
     if _flag(node, "binary_output"):
         raise Skip("a multi-hot encoding (bincount binary_output=True, CategoryEncoding "
                    "output_mode='multi_hot') counts each distinct id once: the op's sum would count a "

@@ -147,3 +147,74 @@ def test_counts_times_a_computed_table_check_the_tables_rows(tmp_path):
         original(**bad)
     with pytest.raises(tf.errors.InvalidArgumentError, match=f"not the {N} the id counts have"):
         fused(**bad)
+
+
+def _ragged_counts_module():
+    """tf.math.bincount of ragged ids (RaggedBincount; TF infers no shape, so
+    tf.matmul is a BatchMatMulV2), unweighted and weighted."""
+    module = tf.Module()
+    module.t = tf.Variable(TABLE)
+    ragged = [tf.RaggedTensorSpec([None, None], tf.int64), tf.RaggedTensorSpec([None, None], tf.float32)]
+
+    def serve(ids, w):
+        counts = tf.cast(tf.math.bincount(ids, minlength=N, maxlength=N, axis=-1), tf.float32)
+        weighted = tf.math.bincount(ids, weights=w, minlength=N, maxlength=N, axis=-1)
+        return {"count": tf.matmul(counts, module.t), "weighted": tf.matmul(weighted, module.t)}
+    module.f = tf.function(serve, input_signature=ragged)
+    return module
+
+
+def test_counts_of_ragged_ids_are_fused_as_ragged_bags(tmp_path):
+    """Before, a RaggedBincount's counts times the table were no site at all:
+    the export copied the model and the .tflite was refused for RaggedBincount."""
+    module = _ragged_counts_module()
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), tflite=str(tmp_path / "m.tflite"),
+                                quiet=True)
+    assert sorted((s.status, s.pattern, s.weighted) for s in result.sites) == [
+        ("fused", "counts-matmul", False), ("fused", "counts-matmul", True)], [s.reason for s in result.sites]
+    assert result.tflite["custom_ops"] == ["PkmRaggedEmbeddingBag"]
+    splits = np.array([0, 3, 3, 7], np.int64)  # an empty bag; ids past the table (30, 45) count nowhere
+    values = np.array([7, 7, 2, N, 1, N + 15, 29], np.int64)
+    w = RNG.uniform(-1.0, 2.0, len(values)).astype(np.float32)
+    rows = np.repeat(np.arange(len(splits) - 1), np.diff(splits))
+    want = {"count": np.zeros((3, D)), "weighted": np.zeros((3, D))}
+    for row, i, weight in zip(rows, values, w):
+        if i < N:
+            want["count"][row] += TABLE[i]
+            want["weighted"][row] += weight * TABLE[i].astype(np.float64)
+    feeds = {"ids": values, "ids_1": splits, "w": w, "w_1": splits}
+    for path in (tmp_path / "m", result.dst):
+        got = tf.saved_model.load(str(path)).signatures["serving_default"](**{k: tf.constant(v) for k, v in feeds.items()})
+        for key in want:
+            np.testing.assert_allclose(got[key].numpy(), want[key], rtol=1e-5, atol=1e-5)
+    lite = tflite.make_interpreter(str(tmp_path / "m.tflite")).get_signature_runner("serving_default")(**feeds)
+    for key in want:
+        np.testing.assert_allclose(lite[key], want[key], rtol=1e-5, atol=1e-5)
+    negative = {**feeds, "ids": np.where(values == 1, -1, values)}
+    for path in (tmp_path / "m", result.dst):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="negative"):
+            tf.saved_model.load(str(path)).signatures["serving_default"](
+                **{k: tf.constant(v) for k, v in negative.items()})
+
+
+def test_keras_text_vectorization_counts_times_dense_are_fused(tmp_path):
+    """Keras' bag-of-words model: TextVectorization(output_mode="count") then
+    Dense(use_bias=False), exported with model.export (raw strings in)."""
+    words = ["the", "cat", "sat", "on", "mat", "dog"]
+    text = keras.Input((1,), dtype="string", name="text")
+    dense = keras.layers.Dense(D, use_bias=False)
+    model = keras.Model(text, dense(keras.layers.TextVectorization(vocabulary=words, output_mode="count")(text)))
+    model.export(str(tmp_path / "m"), verbose=False)
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True)
+    assert [(s.status, s.pattern) for s in result.sites] == [("fused", "counts-matmul")], \
+        [s.reason for s in result.sites]
+    sentences = ["the cat sat on the mat", "", "zebra dog dog"]
+    vocabulary = ["[UNK]"] + words  # index 0 is the OOV token in count mode
+    table = dense.get_weights()[0].astype(np.float64)
+    want = np.array([sum((table[vocabulary.index(t) if t in vocabulary else 0] for t in s.split()),
+                         np.zeros(D)) for s in sentences])
+    feed = tf.constant([[s] for s in sentences])
+    for path in (tmp_path / "m", result.dst):
+        got = list(tf.saved_model.load(str(path)).signatures["serving_default"](text=feed).values())[0]
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
