@@ -66,17 +66,56 @@ def _flag(node, name: str) -> bool:
 
 
 def _counts_producer(fg: FunctionGraph, ref: Ref):
-    """(the DenseBincount or Sum(OneHot) node, the Cast between it and `ref` or None)."""
-    node, cast = fg.producer(ref), None
-    if node is not None and node.op == "Cast":
-        cast, node = node, fg.producer(fg.inputs(node)[0])
+    """(the DenseBincount, RaggedBincount or Sum(OneHot) node, the Cast between it and `ref` or None,
+    the names of the Identity / no-op Reshape nodes between them and what only they read)."""
+    node, cast, passed = fg.producer(ref), None, []
+    while node is not None and node.op in ("Identity", "Reshape", "Cast"):
+        if node.op == "Cast":
+            if cast is not None:
+                return None, None, []
+            cast = node
+        elif node.op == "Identity" or _unchanged_counts(fg, node, passed):
+            passed.append(node.name)
+        else:
+            return None, None, []
+        node = fg.producer(fg.inputs(node)[0])
     if node is None:
-        return None, None
+        return None, None, []
     if node.op in _BINCOUNTS:
-        return node, cast
+        return node, cast, passed
     if node.op == "Sum" and _one_hot_of_sum(fg, node)[0] is not None:
-        return node, cast
-    return None, None
+        return node, cast, passed
+    return None, None, []
+
+
+def _unchanged_counts(fg: FunctionGraph, reshape, passed: list) -> bool:
+    """A Reshape of [B, N] counts to [B', N] (tf.feature_column's indicator_column reshapes
+    its counts to [batch, N]): the same element count and N make B' == B, so it changes
+    nothing. Its target shape, where computed from Shape(counts) and constants, goes with
+    the site (into `passed`)."""
+    counts, target = fg.inputs(reshape)[:2]
+    before, after = fg.shape(counts), fg.shape(Ref(reshape.name, 0))
+    if before.rank != 2 or after.rank != 2 or before[-1] is None or before[-1] != after[-1]:
+        return False
+    fixed = fg.const_value(target)
+    if fixed is not None:  # [-1, N]; a fixed batch [4, N] refuses other batches, as the fused op would not
+        return fixed.size == 2 and int(fixed[0]) == -1
+    shape_nodes, todo = [], [target]
+    while todo:
+        node = fg.producer(todo.pop())
+        if node is None or len(shape_nodes) > 8:
+            return False
+        if node.op == "Const":
+            continue
+        if node.op == "Shape" and fg.inputs(node)[0] == counts:
+            shape_nodes.append(node.name)
+            continue
+        if node.op not in ("StridedSlice", "Pack", "ConcatV2"):
+            return False
+        shape_nodes.append(node.name)
+        todo.extend(fg.inputs(node))
+    passed.extend(shape_nodes)
+    return True
 
 
 def _one_hot_of_sum(fg: FunctionGraph, node):
@@ -95,7 +134,7 @@ def _one_hot_of_sum(fg: FunctionGraph, node):
 
 
 def _match_counts_matmul(fg: FunctionGraph, node, site: Site) -> Site:
-    counts_node, cast = _counts_producer(fg, fg.inputs(node)[0])
+    counts_node, cast, passed = _counts_producer(fg, fg.inputs(node)[0])
     table = fg.inputs(node)[1]
     if any(_flag(node, name) for name in ("transpose_a", "transpose_b", "adj_x", "adj_y")):
         raise Skip("a matmul of id counts with a transposed operand: not counts [B, N] @ table [N, D]")
@@ -123,7 +162,7 @@ def _match_counts_matmul(fg: FunctionGraph, node, site: Site) -> Site:
         raise Skip(f"index dtype {dtype_name(site.index_dtype)} is not int32/int64")
     site.ids_past_rows_padding = True
     site.gathered_shape = dims(counted)
-    site.internal = tuple(nodes + ([cast.name] if cast is not None else []))
+    site.internal = tuple(nodes + ([cast.name] if cast is not None else []) + passed)
     site.intermediate_itemsizes = (itemsize(site.table_dtype),)
     private = [Ref(n, 0) for n in site.internal]
     check_private(fg, private, set(site.internal) | {node.name})

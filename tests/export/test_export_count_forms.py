@@ -218,3 +218,33 @@ def test_keras_text_vectorization_counts_times_dense_are_fused(tmp_path):
     for path in (tmp_path / "m", result.dst):
         got = list(tf.saved_model.load(str(path)).signatures["serving_default"](text=feed).values())[0]
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_feature_column_indicator_times_dense_is_fused(tmp_path):
+    """tf.feature_column's indicator_column (the wide part of a wide-and-deep model) sums a one-hot of
+    the densified sparse ids (-1 padding), reshapes the counts to [batch, N] and passes them through
+    DenseFeatures' Identity into Dense(use_bias=False). Before, the Reshape and Identity hid the
+    counts from the matmul: no site, the [B, K, N] one-hot built on every request."""
+    import tf_keras
+    fc = tf.feature_column
+    column = fc.indicator_column(fc.categorical_column_with_vocabulary_list("word", ["a", "b", "c", "d"]))
+    features, dense = tf_keras.layers.DenseFeatures([column]), tf_keras.layers.Dense(D, use_bias=False)
+    module = tf.Module()
+    module.features, module.dense = features, dense
+    module.f = tf.function(lambda word: {"out": dense(features({"word": word}))},
+                           input_signature=[tf.SparseTensorSpec([None, None], tf.string)])
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), tflite=str(tmp_path / "m.tflite"),
+                                quiet=True)
+    assert [(s.status, s.pattern) for s in result.sites] == [("fused", "counts-matmul")], \
+        [s.reason for s in result.sites]
+    words = [[b"b", b"b", b"d"], [], [b"zebra", b"a"]]  # an empty row; an unknown word counts nowhere
+    table = dense.get_weights()[0].astype(np.float64)
+    vocabulary = [b"a", b"b", b"c", b"d"]
+    want = np.array([sum((table[vocabulary.index(w)] for w in row if w in vocabulary), np.zeros(D))
+                     for row in words])
+    feed = tf.ragged.constant(words, dtype=tf.string).to_sparse()
+    for path in (tmp_path / "m", result.dst):
+        got = tf.saved_model.load(str(path)).signatures["serving_default"](
+            word=feed.indices, word_1=feed.values, word_2=feed.dense_shape)["out"]
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
