@@ -42,7 +42,20 @@ def match_matmul_site(fg: FunctionGraph, node, site: Site) -> Site:
     if _counts_producer(fg, fg.inputs(node)[0])[0] is not None:
         site.pattern = "counts-matmul"
         return _match_counts_matmul(fg, node, site)
+    if _scaled_counts(fg, fg.inputs(node)[0]):
+        site.pattern = "counts-matmul"
+        _fill_table(fg, site, fg.inputs(node)[1], node.attr["T"].type)
+        raise Skip("id counts multiplied by a tensor before the matmul (Keras output_mode='tf_idf': counts * "
+                   "idf weights): not fused, the op weighs ids by a tensor shaped as the ids, not by a "
+                   "factor per table row")
     return match_matmul(fg, node, site)
+
+
+def _scaled_counts(fg: FunctionGraph, ref: Ref) -> bool:
+    """`ref` is Mul(counts, factor) (either order) of counts the matcher above takes."""
+    node = fg.producer(ref)
+    return node is not None and node.op == "Mul" and \
+        any(_counts_producer(fg, factor)[0] is not None for factor in fg.inputs(node))
 
 
 def match_sparse_dense_matmul(fg: FunctionGraph, node, site: Site) -> Site:

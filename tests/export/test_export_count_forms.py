@@ -248,3 +248,16 @@ def test_feature_column_indicator_times_dense_is_fused(tmp_path):
         got = tf.saved_model.load(str(path)).signatures["serving_default"](
             word=feed.indices, word_1=feed.values, word_2=feed.dense_shape)["out"]
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_tf_idf_counts_times_dense_are_reported(tmp_path):
+    """TextVectorization(output_mode="tf_idf") + Dense: the counts times the idf weights, then the
+    matmul. Before, the export listed no site at all; now it says why it stays composite."""
+    words = ["the", "cat", "sat"]
+    text = keras.Input((1,), dtype="string", name="text")
+    vectorize = keras.layers.TextVectorization(vocabulary=words, output_mode="tf_idf", idf_weights=[0.5, 1.0, 2.0])
+    keras.Model(text, keras.layers.Dense(D, use_bias=False)(vectorize(text))).export(str(tmp_path / "m"),
+                                                                                    verbose=False)
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True)
+    assert [(s.status, s.pattern) for s in result.sites] == [("skipped", "counts-matmul")]
+    assert "tf_idf" in result.sites[0].reason and "multiplied" in result.sites[0].reason
