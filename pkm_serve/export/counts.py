@@ -34,7 +34,9 @@ from pkm_serve.export.sites import (INDEX_DTYPES, TABLE_DTYPES, Site, Skip, chec
                                     dtype_name, itemsize, same_dims, tensor_dtype)
 
 _INTEGER_COUNTS = (types_pb2.DT_INT32, types_pb2.DT_INT64)
-_BINCOUNTS = ("DenseBincount", "RaggedBincount")
+_FLAT_BINCOUNTS = ("RaggedBincount", "SparseBincount")  # of flat values, bags by row_splits / indices
+_BINCOUNTS = ("DenseBincount",) + _FLAT_BINCOUNTS
+_SIZE_INPUT = {"DenseBincount": 1, "RaggedBincount": 2, "SparseBincount": 3}  # the bincount's size
 
 
 def match_matmul_site(fg: FunctionGraph, node, site: Site) -> Site:
@@ -158,15 +160,15 @@ def _match_counts_matmul(fg: FunctionGraph, node, site: Site) -> Site:
         ids, nodes = _one_hot_ids(fg, counts_node, site, cast)
     counts = Ref(counts_node.name, 0)
     n_rows, counted = site.table_shape[0], fg.shape(counts)
-    if counted.rank is None and counts_node.op == "RaggedBincount":  # TF infers no shape: [rows, size]
+    if counted.rank is None and counts_node.op in _FLAT_BINCOUNTS:  # TF infers no shape: [rows, size]
         counted = tensor_shape.TensorShape([None, None])
     if counted.rank == 2 and counted[-1] is None and counts_node.op in _BINCOUNTS:
-        size = fg.inputs(counts_node)[2 if counts_node.op == "RaggedBincount" else 1]
+        size = fg.inputs(counts_node)[_SIZE_INPUT[counts_node.op]]
         counted = counted[:1].concatenate([_fixed_size(fg, size)])
     if counted.rank != 2 or counted[-1] is None or n_rows not in (None, counted[-1]):
         raise Skip(f"id counts of shape {counted} are not [B, N] with N fixed to the table's rows")
     ids_shape = fg.shape(ids)
-    if ids_shape.rank != (1 if site.row_splits is not None else 2):
+    if ids_shape.rank != (1 if counts_node.op in _FLAT_BINCOUNTS else 2):
         raise Skip(f"ids of shape {ids_shape}: only [B, K] ids are counted into one bag per row")
     site.rows_from_counts = n_rows is None  # the matmul refuses a table of other rows: fuse.py asserts N
     site.table_shape = [counted[-1], site.table_shape[1]]
@@ -216,10 +218,18 @@ def _fill_table(fg: FunctionGraph, site: Site, table: Ref, dtype: int) -> None:
 
 
 def _bincount_ids(fg: FunctionGraph, node, cast, site: Site):
-    """ids (and weights into `site`) of DenseBincount(ids, size, weights), or the ragged ids'
-    values of RaggedBincount(row_splits, values, size, weights), their row_splits into `site`."""
+    """ids (and weights into `site`) of DenseBincount(ids, size, weights), or the values of
+    RaggedBincount(row_splits, values, size, weights) / SparseBincount(indices, values, dense_shape,
+    size, weights), their row_splits / indices and dense_shape into `site`."""
     if node.op == "RaggedBincount":
         site.row_splits, ids, _, weights = fg.inputs(node)[:4]
+    elif node.op == "SparseBincount":  # bags of the values by indices[:, 0], dense_shape[0] of them
+        site.sparse_indices, ids, site.dense_shape, _, weights = fg.inputs(node)[:5]
+        if not same_dims(fg.shape(site.dense_shape), tensor_shape.TensorShape([2])):
+            raise Skip("id counts of a SparseTensor not known to be 2-D: only [B, K] ids are counted into "
+                       "one bag per row")
+        # SparseBincount counts a negative id nowhere (the other two refuse it): a sparse site's negative
+        # ids are padding, unchecked (fuse.py), as safe_embedding_lookup_sparse's are
     else:
         ids, _, weights = fg.inputs(node)[:3]
     if _flag(node, "binary_output"):

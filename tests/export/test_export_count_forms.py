@@ -261,3 +261,41 @@ def test_tf_idf_counts_times_dense_are_reported(tmp_path):
     result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True)
     assert [(s.status, s.pattern) for s in result.sites] == [("skipped", "counts-matmul")]
     assert "tf_idf" in result.sites[0].reason and "multiplied" in result.sites[0].reason
+
+
+def test_counts_of_sparse_ids_are_fused_as_ragged_bags(tmp_path):
+    """tf.math.bincount of a SparseTensor (SparseBincount) times the table: before, no site and the
+    .tflite refused for SparseBincount. Unlike the dense and ragged bincounts, SparseBincount counts a
+    negative id nowhere (no error): the fused bag reads it as padding too."""
+    module = tf.Module()
+    module.t = tf.Variable(TABLE)
+
+    def serve(ids, w):
+        counts = tf.cast(tf.math.bincount(ids, minlength=N, maxlength=N, axis=-1), tf.float32)
+        weighted = tf.math.bincount(ids, weights=w, minlength=N, maxlength=N, axis=-1)
+        return {"count": tf.matmul(counts, module.t), "weighted": tf.matmul(weighted, module.t)}
+    module.f = tf.function(serve, input_signature=[tf.SparseTensorSpec([None, None], tf.int64),
+                                                   tf.SparseTensorSpec([None, None], tf.float32)])
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), tflite=str(tmp_path / "m.tflite"),
+                                quiet=True)
+    assert sorted((s.status, s.pattern, s.weighted) for s in result.sites) == [
+        ("fused", "counts-matmul", False), ("fused", "counts-matmul", True)], [s.reason for s in result.sites]
+    assert result.tflite["custom_ops"] == ["PkmRaggedEmbeddingBag"]
+    indices = np.array([[0, 0], [0, 1], [0, 2], [2, 0], [2, 1], [2, 3]], np.int64)  # rows 1 and 3 empty
+    values = np.array([7, 7, N + 2, 1, -3, 29], np.int64)
+    w = np.array([0.5, 2.0, np.nan, -1.0, np.inf, 1.5], np.float32)  # on ids counted nowhere: no NaN
+    want = {"count": np.zeros((4, D)), "weighted": np.zeros((4, D))}
+    for (row, _), i, weight in zip(indices, values, w):
+        if 0 <= i < N:
+            want["count"][row] += TABLE[i]
+            want["weighted"][row] += weight * TABLE[i].astype(np.float64)
+    shape = np.array([4, 4], np.int64)
+    feeds = {"ids": indices, "ids_1": values, "ids_2": shape, "w": indices, "w_1": w, "w_2": shape}
+    for path in (tmp_path / "m", result.dst):
+        got = tf.saved_model.load(str(path)).signatures["serving_default"](**{k: tf.constant(v) for k, v in feeds.items()})
+        for key in want:
+            np.testing.assert_allclose(got[key].numpy(), want[key], rtol=1e-5, atol=1e-5)
+    lite = tflite.make_interpreter(str(tmp_path / "m.tflite")).get_signature_runner("serving_default")(**feeds)
+    for key in want:
+        np.testing.assert_allclose(lite[key], want[key], rtol=1e-5, atol=1e-5)
