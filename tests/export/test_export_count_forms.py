@@ -299,3 +299,10 @@ def test_counts_of_sparse_ids_are_fused_as_ragged_bags(tmp_path):
     lite = tflite.make_interpreter(str(tmp_path / "m.tflite")).get_signature_runner("serving_default")(**feeds)
     for key in want:
         np.testing.assert_allclose(lite[key], want[key], rtol=1e-5, atol=1e-5)
+    # Out of canonical order: SparseBincount answers, the fused bags refuse it (row_splits need the order),
+    # naming this site (the message named embedding_lookup_sparse for every sparse site)
+    unsorted = {**feeds, "ids": indices[::-1].copy(), "ids_1": values[::-1].copy()}
+    fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"fused counts-matmul in MatMul\S*\): the sparse ids"
+                                                             r"\S* row indices must be >= 0 and sorted"):
+        fused(**{k: tf.constant(v) for k, v in unsorted.items()})
