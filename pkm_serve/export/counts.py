@@ -6,6 +6,10 @@
   RaggedBincount(row_splits, values, size, w) [-> Cast] -> MatMul(counts [B, N], table [N, D])
       the same of ragged ids (Keras TextVectorization(output_mode="count") + Dense(use_bias=False),
       tf.math.bincount(ragged_ids, minlength=N, maxlength=N, axis=-1) @ table): one ragged bag a row
+  SparseBincount(indices, values, dense_shape, size, w) [-> Cast] -> MatMul(counts [B, N], table [N, D])
+      tf.math.bincount(sparse_ids, ...) @ table: the bags of the values by indices[:, 0]
+  any of these counts [-> Identity] [-> Reshape to [-1, N] / [batch, N]] -> MatMul
+      tf.feature_column's indicator_column in DenseFeatures + Dense(use_bias=False)
   Sum(OneHot(ids [B, K], N, 1, 0), axis=1) [-> Cast] -> MatMul(counts, table)
       tf.reduce_sum(tf.one_hot(ids, N), 1) @ table
   Sum(OneHot(ids, N) * w[..., None], axis=1) -> MatMul(counts, table)
@@ -81,7 +85,7 @@ def _flag(node, name: str) -> bool:
 
 
 def _counts_producer(fg: FunctionGraph, ref: Ref):
-    """(the DenseBincount, RaggedBincount or Sum(OneHot) node, the Cast between it and `ref` or None,
+    """(the DenseBincount, RaggedBincount, SparseBincount or Sum(OneHot) node, the Cast between it and `ref` or None,
     the names of the Identity / no-op Reshape nodes between them and what only they read)."""
     node, cast, passed = fg.producer(ref), None, []
     while node is not None and node.op in ("Identity", "Reshape", "Cast"):
