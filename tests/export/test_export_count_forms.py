@@ -301,7 +301,8 @@ def test_counts_of_sparse_ids_are_fused_as_ragged_bags(tmp_path):
         np.testing.assert_allclose(lite[key], want[key], rtol=1e-5, atol=1e-5)
     # Out of canonical order: SparseBincount answers, the fused bags refuse it (row_splits need the order),
     # naming this site (the message named embedding_lookup_sparse for every sparse site)
-    unsorted = {**feeds, "ids": indices[::-1].copy(), "ids_1": values[::-1].copy()}
+    unsorted = {**feeds, "ids": indices[::-1].copy(), "ids_1": values[::-1].copy(), "w": indices[::-1].copy(),
+                "w_1": w[::-1].copy()}
     fused = tf.saved_model.load(result.dst).signatures["serving_default"]
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"fused counts-matmul in MatMul\S*\): the sparse ids"
                                                              r"\S* row indices must be >= 0 and sorted"):
