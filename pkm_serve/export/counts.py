@@ -229,6 +229,7 @@ def _bincount_ids(fg: FunctionGraph, node, cast, site: Site):
         site.row_splits, ids, _, weights = fg.inputs(node)[:4]
     elif node.op == "SparseBincount":  # bags of the values by indices[:, 0], dense_shape[0] of them
         site.sparse_indices, ids, site.dense_shape, _, weights = fg.inputs(node)[:5]
+        site.sparse_any_order = True  # as SparseBincount takes them: fuse.py puts them in row order
         if not same_dims(fg.shape(site.dense_shape), tensor_shape.TensorShape([2])):
             raise Skip("id counts of a SparseTensor not known to be 2-D: only [B, K] ids are counted into "
                        "one bag per row")

@@ -299,11 +299,22 @@ def test_counts_of_sparse_ids_are_fused_as_ragged_bags(tmp_path):
     lite = tflite.make_interpreter(str(tmp_path / "m.tflite")).get_signature_runner("serving_default")(**feeds)
     for key in want:
         np.testing.assert_allclose(lite[key], want[key], rtol=1e-5, atol=1e-5)
-    # Out of canonical order: SparseBincount answers, the fused bags refuse it (row_splits need the order),
-    # naming this site (the message named embedding_lookup_sparse for every sparse site)
-    unsorted = {**feeds, "ids": indices[::-1].copy(), "ids_1": values[::-1].copy(), "w": indices[::-1].copy(),
-                "w_1": w[::-1].copy()}
+    # Out of canonical order, as SparseBincount takes them: the fused site puts the entries (ids and
+    # weights with them) in row order. Before, the SavedModel refused them and the .tflite, which drops
+    # Asserts, summed the wrong bags.
+    order = np.array([3, 0, 5, 1, 4, 2])
+    unsorted = {**feeds, "ids": indices[order], "ids_1": values[order], "w": indices[order], "w_1": w[order]}
     fused = tf.saved_model.load(result.dst).signatures["serving_default"]
+    got = fused(**{k: tf.constant(v) for k, v in unsorted.items()})
+    lite = tflite.make_interpreter(str(tmp_path / "m.tflite")).get_signature_runner("serving_default")(**unsorted)
+    for key in want:
+        np.testing.assert_allclose(got[key].numpy(), want[key], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(lite[key], want[key], rtol=1e-5, atol=1e-5)
+    # A negative row index, which SparseBincount refuses as out of bounds: the fused Assert names this
+    # site (the message named embedding_lookup_sparse for every sparse site)
+    bad = indices.copy()
+    bad[0, 0] = -1
+    negative_row = {**feeds, "ids": bad, "w": bad}
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"fused counts-matmul in MatMul\S*\): the sparse ids"
                                                              r"\S* row indices must be >= 0 and sorted"):
-        fused(**{k: tf.constant(v) for k, v in unsorted.items()})
+        fused(**{k: tf.constant(v) for k, v in negative_row.items()})
