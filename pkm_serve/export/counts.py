@@ -50,11 +50,16 @@ def match_matmul_site(fg: FunctionGraph, node, site: Site) -> Site:
         return _match_counts_matmul(fg, node, site)
     if _scaled_counts(fg, fg.inputs(node)[0]):
         site.pattern = "counts-matmul"
-        _fill_table(fg, site, fg.inputs(node)[1], node.attr["T"].type)
+        _fill_table(fg, site, fg.inputs(node)[1], _operand_type(node))
         raise Skip("id counts multiplied by a tensor before the matmul (Keras output_mode='tf_idf': counts * "
                    "idf weights): not fused, the op weighs ids by a tensor shaped as the ids, not by a "
                    "factor per table row")
     return match_matmul(fg, node, site)
+
+
+def _operand_type(node) -> int:
+    """The matmul's operand dtype: T, or BatchMatMulV3's Ta (it has no T: indexing would add one)."""
+    return node.attr["Ta" if node.op == "BatchMatMulV3" else "T"].type
 
 
 def _scaled_counts(fg: FunctionGraph, ref: Ref) -> bool:
@@ -108,33 +113,58 @@ def _counts_producer(fg: FunctionGraph, ref: Ref):
 
 
 def _unchanged_counts(fg: FunctionGraph, reshape, passed: list) -> bool:
-    """A Reshape of [B, N] counts to [B', N] (tf.feature_column's indicator_column reshapes
-    its counts to [batch, N]): the same element count and N make B' == B, so it changes
-    nothing. Its target shape, where computed from Shape(counts) and constants, goes with
-    the site (into `passed`)."""
+    """A Reshape of [B, N] counts to [B, N] itself (tf.feature_column's indicator_column reshapes
+    its counts to [shape(counts)[0], N]): the target, a constant or computed from Shape(counts)
+    and constants, read symbolically, is [-1 or B, N or -1]. A target that only infers to
+    [?, N] is not enough: [shape(counts)[1], N] refuses every batch but N, the fused op none.
+    The nodes computing the target go with the site (into `passed`)."""
     counts, target = fg.inputs(reshape)[:2]
-    before, after = fg.shape(counts), fg.shape(Ref(reshape.name, 0))
-    if before.rank != 2 or after.rank != 2 or before[-1] is None or before[-1] != after[-1]:
+    before = fg.shape(counts)
+    if before.rank != 2 or not before[-1]:
         return False
-    fixed = fg.const_value(target)
-    if fixed is not None:  # [-1, N]; a fixed batch [4, N] refuses other batches, as the fused op would not
-        return fixed.size == 2 and int(fixed[0]) == -1
-    shape_nodes, todo = [], [target]
-    while todo:
-        node = fg.producer(todo.pop())
-        if node is None or len(shape_nodes) > 8:
-            return False
-        if node.op == "Const":
-            continue
-        if node.op == "Shape" and fg.inputs(node)[0] == counts:
-            shape_nodes.append(node.name)
-            continue
-        if node.op not in ("StridedSlice", "Pack", "ConcatV2"):
-            return False
-        shape_nodes.append(node.name)
-        todo.extend(fg.inputs(node))
-    passed.extend(shape_nodes)
+    shape_nodes = []
+    dims = _shape_value(fg, target, counts, shape_nodes)
+    if dims is None or len(dims) != 2 or dims[0] not in ("B", -1, before[0]) or dims[1] not in (before[-1], -1) \
+            or dims == [-1, -1]:
+        return False
+    passed.extend(name for name in dict.fromkeys(shape_nodes) if name not in passed)
     return True
+
+
+def _shape_value(fg: FunctionGraph, ref: Ref, counts: Ref, nodes: list, depth: int = 4):
+    """The int vector `ref` ("B" for Shape(counts)[0]): a constant, Shape(counts), a unit-stride
+    StridedSlice of one, Pack or ConcatV2 (axis 0) of them; None otherwise. A scalar is [v]."""
+    value = fg.const_value(ref)
+    if value is not None:
+        return [int(v) for v in value.reshape(-1)] if value.ndim <= 1 else None
+    node = fg.producer(ref)
+    if node is None or depth == 0 or ref.index != 0 or node.op not in ("Shape", "StridedSlice", "Pack", "ConcatV2"):
+        return None
+    nodes.append(node.name)
+    ins = fg.inputs(node)
+    if node.op == "Shape":
+        return ["B", fg.shape(counts)[-1]] if ins[0] == counts else None
+    parts = [_shape_value(fg, r, counts, nodes, depth - 1) for r in ins[:-1 if node.op == "ConcatV2" else None]]
+    if any(p is None for p in parts):
+        return None
+    if node.op == "Pack":
+        return [d for p in parts for d in p] if _int_attr(node, "axis") == 0 else None
+    if node.op == "ConcatV2":
+        axis = fg.const_value(ins[-1])
+        return [d for p in parts for d in p] if axis is not None and int(axis) == 0 else None
+    vector, begin, end, stride = parts
+    if [len(begin), len(end), stride] != [1, 1, [1]] or any(
+            _int_attr(node, m) for m in ("ellipsis_mask", "new_axis_mask")):
+        return None
+    start = None if _int_attr(node, "begin_mask") & 1 else begin[0]
+    stop = None if _int_attr(node, "end_mask") & 1 else end[0]
+    if _int_attr(node, "shrink_axis_mask") & 1:  # vector[begin]
+        return None if start is None or not -len(vector) <= start < len(vector) else [vector[start]]
+    return vector[start:stop]
+
+
+def _int_attr(node, name: str) -> int:
+    return node.attr[name].i if name in node.attr else 0
 
 
 def _one_hot_of_sum(fg: FunctionGraph, node):
@@ -157,7 +187,9 @@ def _match_counts_matmul(fg: FunctionGraph, node, site: Site) -> Site:
     table = fg.inputs(node)[1]
     if any(_flag(node, name) for name in ("transpose_a", "transpose_b", "adj_x", "adj_y")):
         raise Skip("a matmul of id counts with a transposed operand: not counts [B, N] @ table [N, D]")
-    _fill_table(fg, site, table, node.attr["T"].type)
+    if node.op == "BatchMatMulV3" and len({node.attr[a].type for a in ("Ta", "Tb", "Tout")}) != 1:
+        raise Skip("a BatchMatMulV3 of id counts whose operand and output types differ")
+    _fill_table(fg, site, table, _operand_type(node))
     if counts_node.op in _BINCOUNTS:
         ids, nodes = _bincount_ids(fg, counts_node, cast, site)
     else:

@@ -318,3 +318,44 @@ def test_counts_of_sparse_ids_are_fused_as_ragged_bags(tmp_path):
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"fused counts-matmul in MatMul\S*\): the sparse ids"
                                                              r"\S* row indices must be >= 0 and sorted"):
         fused(**{k: tf.constant(v) for k, v in negative_row.items()})
+
+
+def test_counts_times_a_batch_matmul_v3_are_fused(tmp_path):
+    """A BatchMatMulV3 (of operands and output alike here; tf.matmul writes one where output_type differs)
+    has Ta / Tb / Tout, no T: the counts site read its table's dtype as none ("table dtype unknown")."""
+    from tensorflow.python.ops import gen_math_ops
+    module = tf.Module()
+    module.t = tf.Variable(TABLE)
+    module.f = tf.function(lambda ids: {"out": gen_math_ops.batch_mat_mul_v3(
+        tf.math.bincount(ids, minlength=N, maxlength=N, axis=-1, dtype=tf.float32), module.t, Tout=tf.float32)},
+        input_signature=[tf.RaggedTensorSpec([None, None], tf.int64)])
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True)
+    assert [(s.status, s.pattern) for s in result.sites] == [("fused", "counts-matmul")], \
+        [s.reason for s in result.sites]
+    feeds = {"ids": tf.constant([7, 7, 2, N, 29], tf.int64), "ids_1": tf.constant([0, 3, 3, 5], tf.int64)}
+    want = np.stack([2 * TABLE[7] + TABLE[2], np.zeros(D), TABLE[29]])
+    got = tf.saved_model.load(result.dst).signatures["serving_default"](**feeds)["out"]
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_counts_reshaped_to_a_batch_of_n_rows_are_not_passed_through(tmp_path):
+    """A reshape of [B, N] counts to [shape(counts)[1], shape(counts)[1]] infers [N, N], whose last axis
+    is the counts' N, yet it refuses every batch but N. It was taken for a reshape that changes nothing:
+    the fused model answered a batch of 3 that the original refuses."""
+    module = tf.Module()
+    module.t = tf.Variable(TABLE)
+
+    def serve(ids):
+        counts = tf.reduce_sum(tf.one_hot(ids, N), 1)
+        width = tf.shape(counts)[1]
+        return {"out": tf.matmul(tf.reshape(counts, tf.stack([width, width])), module.t)}
+    module.f = tf.function(serve, input_signature=[tf.TensorSpec([None, K], tf.int64, name="ids")])
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+    np.savez(tmp_path / "samples.npz", ids=RNG.integers(0, N, (N, K)))
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), quiet=True,
+                                sample_inputs=str(tmp_path / "samples.npz"))
+    assert "fused" not in [s.status for s in result.sites]
+    for path in (tmp_path / "m", result.dst):
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            _serve(path, {"ids": RNG.integers(0, N, (3, K))})
