@@ -257,7 +257,7 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
     weights, columns_check = sparse_matmul.sorted_columns_and_weights(fg, site, weights, params) \
         if site.ids_are_sparse_columns else (weights, None)  # sparse_dense_matmul: ids are sp's columns
     if site.sparse_any_order:  # SparseBincount: ids are sp's values, its entries in any row order
-        weights = sparse_matmul.values_in_row_order(fg, site, weights)
+        weights, columns_check = sparse_matmul.values_in_row_order(fg, site, weights)
     gathered_ids = site.indices
     pruned = site.sparse_indices is not None and not site.ids_are_sparse_columns  # safe_ drops negative ids
     ids_check = None if pruned or site.negative_ids_padding else \

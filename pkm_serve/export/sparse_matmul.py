@@ -38,14 +38,17 @@ def sorted_columns_and_weights(fg: FunctionGraph, site: Site, weights: Ref, para
     return weights, check
 
 
-def values_in_row_order(fg: FunctionGraph, site: Site, weights: Ref) -> Ref:
+def values_in_row_order(fg: FunctionGraph, site: Site, weights: Ref):
     """SparseBincount's entries in row order: site.indices (sp's values, the ids) reordered
-    with site.sparse_indices; returns the weights in that order (the unweighted op's empty ones as they are)."""
+    with site.sparse_indices. Returns (the weights in that order (the unweighted op's empty
+    ones as they are), the name of an Assert that each column is in [0, dense_shape[1]), as
+    SparseBincount refuses others ("out of bounds"); the op never reads the columns)."""
+    check = _assert_columns_in_shape(fg, site)
     if site.weights is None:
         site.indices, = _sort_entries_by_row(fg, site, {"ids": site.indices})
-        return weights
+        return weights, check
     site.indices, weights = _sort_entries_by_row(fg, site, {"ids": site.indices, "weights": weights})
-    return weights
+    return weights, check
 
 
 def _sort_entries_by_row(fg: FunctionGraph, site: Site, values: dict):
@@ -87,3 +90,24 @@ def _assert_columns_are_table_rows(fg: FunctionGraph, site: Site, params: Ref) -
                    f"{site.root}): the SparseTensor has dense_shape[1] =", (columns, types_pb2.DT_INT64),
                    f"columns, but the table has {site.table_shape[0] if site.table_shape else 'N'} rows (the "
                    f"original model's matmul refuses it too: its inner dimensions must match)", "/message_columns")
+
+
+def _assert_columns_in_shape(fg: FunctionGraph, site: Site) -> str:
+    """An Assert that 0 <= sp's columns < dense_shape[1] (values_in_row_order). Returns its name."""
+    prefix = site.root + "/pkm_sparse_columns_check"
+    columns = _column(fg, prefix + "/columns", site.sparse_indices, 1)
+    width = fg.add_op(prefix + "/width", "GatherV2",
+                      [site.dense_shape, fg.add_const(prefix + "/one", np.array(1, np.int32)),
+                       fg.add_const(prefix + "/axis0", np.array(0, np.int32))],
+                      {"Tparams": I64, "Tindices": I32, "Taxis": I32, "batch_dims": 0}, shapes=[[]])
+    below = fg.add_op(prefix + "/below", "Less", [columns, width], {"T": I64}, shapes=[[None]])
+    non_negative = fg.add_op(prefix + "/non_negative", "GreaterEqual",
+                             [columns, fg.add_const(prefix + "/zero", np.array(0, np.int64))], {"T": I64},
+                             shapes=[[None]])
+    inside = fg.add_op(prefix + "/inside", "LogicalAnd", [below, non_negative], {}, shapes=[[None]])
+    ok = fg.add_op(prefix + "/all", "All", [inside, fg.add_const(prefix + "/axis", np.array(0, np.int32))],
+                   {"Tidx": I32, "keep_dims": False}, shapes=[[]])
+    return _assert(fg, prefix, ok, f"{site.pattern} of a SparseBincount (fused as PkmRaggedEmbeddingBag in "
+                   f"{site.root}): a SparseTensor index has a column outside [0, dense_shape[1] =",
+                   (width, types_pb2.DT_INT64), "), which the original SparseBincount refuses (out of bounds)",
+                   "/message_end")

@@ -318,6 +318,13 @@ def test_counts_of_sparse_ids_are_fused_as_ragged_bags(tmp_path):
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"fused counts-matmul in MatMul\S*\): the sparse ids"
                                                              r"\S* row indices must be >= 0 and sorted"):
         fused(**{k: tf.constant(v) for k, v in negative_row.items()})
+    # A column past dense_shape[1], which SparseBincount refuses too (the fused op reads no column)
+    bad = indices.copy()
+    bad[2, 1] = 4
+    for path in (tmp_path / "m", result.dst):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="out of bounds"):
+            tf.saved_model.load(str(path)).signatures["serving_default"](
+                **{k: tf.constant(v) for k, v in {**feeds, "ids": bad, "w": bad}.items()})
 
 
 def test_counts_times_a_batch_matmul_v3_are_fused(tmp_path):
