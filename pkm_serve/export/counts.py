@@ -3,6 +3,13 @@
   DenseBincount(ids [B, K], size, w) [-> Cast] -> MatMul(counts [B, N], table [N, D])
       Keras CategoryEncoding(output_mode="count") [count_weights=w] + Dense(use_bias=False),
       tf.math.bincount(ids, w, minlength=N, maxlength=N, axis=-1) @ table
+  RaggedBincount(row_splits, values, size, w) [-> Cast] -> MatMul(counts [B, N], table [N, D])
+      the same of ragged ids (Keras TextVectorization(output_mode="count") + Dense(use_bias=False),
+      tf.math.bincount(ragged_ids, minlength=N, maxlength=N, axis=-1) @ table): one ragged bag a row
+  SparseBincount(indices, values, dense_shape, size, w) [-> Cast] -> MatMul(counts [B, N], table [N, D])
+      tf.math.bincount(sparse_ids, ...) @ table: the bags of the values by indices[:, 0]
+  any of these counts [-> Identity] [-> Reshape to [-1, N] / [batch, N]] -> MatMul
+      tf.feature_column's indicator_column in DenseFeatures + Dense(use_bias=False)
   Sum(OneHot(ids [B, K], N, 1, 0), axis=1) [-> Cast] -> MatMul(counts, table)
       tf.reduce_sum(tf.one_hot(ids, N), 1) @ table
   Sum(OneHot(ids, N) * w[..., None], axis=1) -> MatMul(counts, table)
@@ -23,6 +30,7 @@ the ids is (a duplicate would count twice): reported, not fused.
 from __future__ import annotations
 
 from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import tensor_shape
 
 from pkm_serve.export.einsum import match_matmul
 from pkm_serve.export.graph import FunctionGraph, Ref
@@ -30,14 +38,35 @@ from pkm_serve.export.sites import (INDEX_DTYPES, TABLE_DTYPES, Site, Skip, chec
                                     dtype_name, itemsize, same_dims, tensor_dtype)
 
 _INTEGER_COUNTS = (types_pb2.DT_INT32, types_pb2.DT_INT64)
+_FLAT_BINCOUNTS = ("RaggedBincount", "SparseBincount")  # of flat values, bags by row_splits / indices
+_BINCOUNTS = ("DenseBincount",) + _FLAT_BINCOUNTS
+_SIZE_INPUT = {"DenseBincount": 1, "RaggedBincount": 2, "SparseBincount": 3}  # the bincount's size
 
 
 def match_matmul_site(fg: FunctionGraph, node, site: Site) -> Site:
     """A matmul of counts by a table (this module), else one of gathered rows (einsum.py)."""
-    if node.op == "MatMul" and _counts_producer(fg, fg.inputs(node)[0])[0] is not None:
+    if _counts_producer(fg, fg.inputs(node)[0])[0] is not None:
         site.pattern = "counts-matmul"
         return _match_counts_matmul(fg, node, site)
+    if _scaled_counts(fg, fg.inputs(node)[0]):
+        site.pattern = "counts-matmul"
+        _fill_table(fg, site, fg.inputs(node)[1], _operand_type(node))
+        raise Skip("id counts multiplied by a tensor before the matmul (Keras output_mode='tf_idf': counts * "
+                   "idf weights): not fused, the op weighs ids by a tensor shaped as the ids, not by a "
+                   "factor per table row")
     return match_matmul(fg, node, site)
+
+
+def _operand_type(node) -> int:
+    """The matmul's operand dtype: T, or BatchMatMulV3's Ta (it has no T: indexing would add one)."""
+    return node.attr["Ta" if node.op == "BatchMatMulV3" else "T"].type
+
+
+def _scaled_counts(fg: FunctionGraph, ref: Ref) -> bool:
+    """`ref` is Mul(counts, factor) (either order) of counts the matcher above takes."""
+    node = fg.producer(ref)
+    return node is not None and node.op == "Mul" and \
+        any(_counts_producer(fg, factor)[0] is not None for factor in fg.inputs(node))
 
 
 def match_sparse_dense_matmul(fg: FunctionGraph, node, site: Site) -> Site:
@@ -61,17 +90,81 @@ def _flag(node, name: str) -> bool:
 
 
 def _counts_producer(fg: FunctionGraph, ref: Ref):
-    """(the DenseBincount or Sum(OneHot) node, the Cast between it and `ref` or None)."""
-    node, cast = fg.producer(ref), None
-    if node is not None and node.op == "Cast":
-        cast, node = node, fg.producer(fg.inputs(node)[0])
+    """(the DenseBincount, RaggedBincount, SparseBincount or Sum(OneHot) node, the Cast between it and `ref` or None,
+    the names of the Identity / no-op Reshape nodes between them and what only they read)."""
+    node, cast, passed = fg.producer(ref), None, []
+    while node is not None and node.op in ("Identity", "Reshape", "Cast"):
+        if node.op == "Cast":
+            if cast is not None:
+                return None, None, []
+            cast = node
+        elif node.op == "Identity" or _unchanged_counts(fg, node, passed):
+            passed.append(node.name)
+        else:
+            return None, None, []
+        node = fg.producer(fg.inputs(node)[0])
     if node is None:
-        return None, None
-    if node.op == "DenseBincount":
-        return node, cast
+        return None, None, []
+    if node.op in _BINCOUNTS:
+        return node, cast, passed
     if node.op == "Sum" and _one_hot_of_sum(fg, node)[0] is not None:
-        return node, cast
-    return None, None
+        return node, cast, passed
+    return None, None, []
+
+
+def _unchanged_counts(fg: FunctionGraph, reshape, passed: list) -> bool:
+    """A Reshape of [B, N] counts to [B, N] itself (tf.feature_column's indicator_column reshapes
+    its counts to [shape(counts)[0], N]): the target, a constant or computed from Shape(counts)
+    and constants, read symbolically, is [-1 or B, N or -1]. A target that only infers to
+    [?, N] is not enough: [shape(counts)[1], N] refuses every batch but N, the fused op none.
+    The nodes computing the target go with the site (into `passed`)."""
+    counts, target = fg.inputs(reshape)[:2]
+    before = fg.shape(counts)
+    if before.rank != 2 or not before[-1]:
+        return False
+    shape_nodes = []
+    dims = _shape_value(fg, target, counts, shape_nodes)
+    if dims is None or len(dims) != 2 or dims[0] not in ("B", -1, before[0]) or dims[1] not in (before[-1], -1) \
+            or dims == [-1, -1]:
+        return False
+    passed.extend(name for name in dict.fromkeys(shape_nodes) if name not in passed)
+    return True
+
+
+def _shape_value(fg: FunctionGraph, ref: Ref, counts: Ref, nodes: list, depth: int = 4):
+    """The int vector `ref` ("B" for Shape(counts)[0]): a constant, Shape(counts), a unit-stride
+    StridedSlice of one, Pack or ConcatV2 (axis 0) of them; None otherwise. A scalar is [v]."""
+    value = fg.const_value(ref)
+    if value is not None:
+        return [int(v) for v in value.reshape(-1)] if value.ndim <= 1 else None
+    node = fg.producer(ref)
+    if node is None or depth == 0 or ref.index != 0 or node.op not in ("Shape", "StridedSlice", "Pack", "ConcatV2"):
+        return None
+    nodes.append(node.name)
+    ins = fg.inputs(node)
+    if node.op == "Shape":
+        return ["B", fg.shape(counts)[-1]] if ins[0] == counts else None
+    parts = [_shape_value(fg, r, counts, nodes, depth - 1) for r in ins[:-1 if node.op == "ConcatV2" else None]]
+    if any(p is None for p in parts):
+        return None
+    if node.op == "Pack":
+        return [d for p in parts for d in p] if _int_attr(node, "axis") == 0 else None
+    if node.op == "ConcatV2":
+        axis = fg.const_value(ins[-1])
+        return [d for p in parts for d in p] if axis is not None and int(axis) == 0 else None
+    vector, begin, end, stride = parts
+    if [len(begin), len(end), stride] != [1, 1, [1]] or any(
+            _int_attr(node, m) for m in ("ellipsis_mask", "new_axis_mask")):
+        return None
+    start = None if _int_attr(node, "begin_mask") & 1 else begin[0]
+    stop = None if _int_attr(node, "end_mask") & 1 else end[0]
+    if _int_attr(node, "shrink_axis_mask") & 1:  # vector[begin]
+        return None if start is None or not -len(vector) <= start < len(vector) else [vector[start]]
+    return vector[start:stop]
+
+
+def _int_attr(node, name: str) -> int:
+    return node.attr[name].i if name in node.attr else 0
 
 
 def _one_hot_of_sum(fg: FunctionGraph, node):
@@ -90,23 +183,28 @@ def _one_hot_of_sum(fg: FunctionGraph, node):
 
 
 def _match_counts_matmul(fg: FunctionGraph, node, site: Site) -> Site:
-    counts_node, cast = _counts_producer(fg, fg.inputs(node)[0])
+    counts_node, cast, passed = _counts_producer(fg, fg.inputs(node)[0])
     table = fg.inputs(node)[1]
-    if _flag(node, "transpose_a") or _flag(node, "transpose_b"):
+    if any(_flag(node, name) for name in ("transpose_a", "transpose_b", "adj_x", "adj_y")):
         raise Skip("a matmul of id counts with a transposed operand: not counts [B, N] @ table [N, D]")
-    _fill_table(fg, site, table, node.attr["T"].type)
-    if counts_node.op == "DenseBincount":
+    if node.op == "BatchMatMulV3" and len({node.attr[a].type for a in ("Ta", "Tb", "Tout")}) != 1:
+        raise Skip("a BatchMatMulV3 of id counts whose operand and output types differ")
+    _fill_table(fg, site, table, _operand_type(node))
+    if counts_node.op in _BINCOUNTS:
         ids, nodes = _bincount_ids(fg, counts_node, cast, site)
     else:
         ids, nodes = _one_hot_ids(fg, counts_node, site, cast)
     counts = Ref(counts_node.name, 0)
     n_rows, counted = site.table_shape[0], fg.shape(counts)
-    if counted.rank == 2 and counted[-1] is None and counts_node.op == "DenseBincount":
-        counted = counted[:1].concatenate([_fixed_size(fg, fg.inputs(counts_node)[1])])
+    if counted.rank is None and counts_node.op in _FLAT_BINCOUNTS:  # TF infers no shape: [rows, size]
+        counted = tensor_shape.TensorShape([None, None])
+    if counted.rank == 2 and counted[-1] is None and counts_node.op in _BINCOUNTS:
+        size = fg.inputs(counts_node)[_SIZE_INPUT[counts_node.op]]
+        counted = counted[:1].concatenate([_fixed_size(fg, size)])
     if counted.rank != 2 or counted[-1] is None or n_rows not in (None, counted[-1]):
         raise Skip(f"id counts of shape {counted} are not [B, N] with N fixed to the table's rows")
     ids_shape = fg.shape(ids)
-    if ids_shape.rank != 2:
+    if ids_shape.rank != (1 if counts_node.op in _FLAT_BINCOUNTS else 2):
         raise Skip(f"ids of shape {ids_shape}: only [B, K] ids are counted into one bag per row")
     site.rows_from_counts = n_rows is None  # the matmul refuses a table of other rows: fuse.py asserts N
     site.table_shape = [counted[-1], site.table_shape[1]]
@@ -115,7 +213,7 @@ def _match_counts_matmul(fg: FunctionGraph, node, site: Site) -> Site:
         raise Skip(f"index dtype {dtype_name(site.index_dtype)} is not int32/int64")
     site.ids_past_rows_padding = True
     site.gathered_shape = dims(counted)
-    site.internal = tuple(nodes + ([cast.name] if cast is not None else []))
+    site.internal = tuple(nodes + ([cast.name] if cast is not None else []) + passed)
     site.intermediate_itemsizes = (itemsize(site.table_dtype),)
     private = [Ref(n, 0) for n in site.internal]
     check_private(fg, private, set(site.internal) | {node.name})
@@ -156,8 +254,21 @@ def _fill_table(fg: FunctionGraph, site: Site, table: Ref, dtype: int) -> None:
 
 
 def _bincount_ids(fg: FunctionGraph, node, cast, site: Site):
-    """ids (and weights into `site`) of DenseBincount(ids, size, weights)."""
-    ids, _, weights = fg.inputs(node)[:3]
+    """ids (and weights into `site`) of DenseBincount(ids, size, weights), or the values of
+    RaggedBincount(row_splits, values, size, weights) / SparseBincount(indices, values, dense_shape,
+    size, weights), their row_splits / indices and dense_shape into `site`."""
+    if node.op == "RaggedBincount":
+        site.row_splits, ids, _, weights = fg.inputs(node)[:4]
+    elif node.op == "SparseBincount":  # bags of the values by indices[:, 0], dense_shape[0] of them
+        site.sparse_indices, ids, site.dense_shape, _, weights = fg.inputs(node)[:5]
+        site.sparse_any_order = True  # as SparseBincount takes them: fuse.py puts them in row order
+        if not same_dims(fg.shape(site.dense_shape), tensor_shape.TensorShape([2])):
+            raise Skip("id counts of a SparseTensor not known to be 2-D: only [B, K] ids are counted into "
+                       "one bag per row")
+        # SparseBincount counts a negative id nowhere (the other two refuse it): a sparse site's negative
+        # ids are padding, unchecked (fuse.py), as safe_embedding_lookup_sparse's are
+    else:
+        ids, _, weights = fg.inputs(node)[:3]
     if _flag(node, "binary_output"):
         raise Skip("a multi-hot encoding (bincount binary_output=True, CategoryEncoding "
                    "output_mode='multi_hot') counts each distinct id once: the op's sum would count a "

@@ -256,6 +256,8 @@ def _bag_inputs(fg: FunctionGraph, site: Site, params: Ref):
         weights = _weights_in_bags(fg, site, weights)
     weights, columns_check = sparse_matmul.sorted_columns_and_weights(fg, site, weights, params) \
         if site.ids_are_sparse_columns else (weights, None)  # sparse_dense_matmul: ids are sp's columns
+    if site.sparse_any_order:  # SparseBincount: ids are sp's values, its entries in any row order
+        weights, columns_check = sparse_matmul.values_in_row_order(fg, site, weights)
     gathered_ids = site.indices
     pruned = site.sparse_indices is not None and not site.ids_are_sparse_columns  # safe_ drops negative ids
     ids_check = None if pruned or site.negative_ids_padding else \
@@ -426,7 +428,7 @@ def row_splits(fg: FunctionGraph, site: Site):
     else:
         seg = int32_segment_ids(fg, site.segment_ids, prefix + "/ids")
         num_rows = _segment_count(fg, site, prefix, seg)
-    sorted_check = _assert_sorted(fg, prefix, seg)
+    sorted_check = _assert_sorted(fg, prefix, seg, f"{site.pattern} in {site.root}")
     seg_shape = fg.add_op(prefix + "/ids_shape", "Shape", [seg],
                           {"T": I32, "out_type": I32}, shapes=[[1]])
     one_each = fg.add_const(prefix + "/one_each", np.array(1, np.int32))
@@ -469,7 +471,7 @@ def _sparse_column(fg: FunctionGraph, name: str, sparse_indices: Ref, column: in
                      {"Tparams": I64, "Tindices": I32, "Taxis": I32, "batch_dims": 0}, shapes=[[None]])
 
 
-def _assert_sorted(fg: FunctionGraph, prefix: str, seg: Ref) -> str:
+def _assert_sorted(fg: FunctionGraph, prefix: str, seg: Ref, site_name: str) -> str:
     """An Assert that the row ids are >= 0 and non-decreasing, which the
     segment ops of the composite require ("segment ids must be >= 0", "are not
     increasing") and the counts above assume: 0 put before them makes one check
@@ -485,9 +487,8 @@ def _assert_sorted(fg: FunctionGraph, prefix: str, seg: Ref) -> str:
     all_ordered = fg.add_op(prefix + "/sorted/all", "All", [ordered, axis],
                             {"Tidx": I32, "keep_dims": False}, shapes=[[]])
     message = fg.add_const(prefix + "/sorted/message", np.array(
-        b"PkmRaggedEmbeddingBag (fused embedding_lookup_sparse): the sparse ids' row "
-        b"indices must be >= 0 and sorted (canonical SparseTensor order; tf.sparse.reorder "
-        b"sorts them)"))
+        f"PkmRaggedEmbeddingBag (fused {site_name}): the sparse ids' row indices must be >= 0 and sorted "
+        "(canonical SparseTensor order; tf.sparse.reorder sorts them)".encode()))
     check = fg.add_op(prefix + "/sorted", "Assert", [all_ordered, message],
                       {"T": attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(
                           type=[types_pb2.DT_STRING])), "summarize": 3})

@@ -86,6 +86,7 @@ class Site:
     # reshape into bags (unflatten.weights_per_flat_id)
     weights_scalar: bool = False      # weights are one value ([] or [1, .., 1]): broadcast to the ids
     ids_are_sparse_columns: bool = False  # sparse_dense_matmul: ids = sparse_indices[:, 1]
+    sparse_any_order: bool = False        # SparseBincount: ids = sp's values, entries in any row order
     ids_past_rows_padding: bool = False  # ids >= N count nowhere (bincount, one_hot): read as padding
     negative_ids_padding: bool = False   # negative ids count nowhere (one_hot): no negative-id check
     rows_from_counts: bool = False    # table rows unknown at export: N is the counts', checked at run time

@@ -3,6 +3,8 @@ verification with "fused differs from original by up to 0": the NaN-free largest
 now counts the elements NaN on one side alone. A one-hot matmul lookup (tf-models' OnDeviceEmbedding with
 use_one_hot=True) of a table with an inf entry is such a model: the composite's 0 * inf makes that column
 NaN in every row, the fused gather reads only the rows looked up (docs/export.md)."""
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -49,3 +51,12 @@ def test_nan_everywhere_on_one_side_gives_no_nan_largest_difference():
     with pytest.raises(VerificationError) as err:
         compare_outputs("s", {"o": np.ones(2, np.float32)}, {"o": np.full(2, np.nan, np.float32)})
     assert "2 of 2 elements are NaN in the fused model alone; elsewhere) by up to 0 " in str(err.value), str(err.value)
+
+
+def test_equal_infinities_compare_without_a_numpy_warning():
+    """An output inf in both models (a weighted mean of weights summing to 0) printed numpy's
+    "RuntimeWarning: invalid value encountered in subtract" among the export's progress lines."""
+    want = {"o": np.array([np.inf, -np.inf, 1.0], np.float32)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compare_outputs("s", want, {"o": want["o"].copy()})[0]["max_abs_err"] == 0.0
