@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from pkm_serve import ops, tflite
-from tests.reference import ragged_embedding_bag
+from tests.reference import embedding_bag, ragged_embedding_bag
 from tests.tflite.test_tflite import ALL_INTERPRETERS, run_in
 
 ops.load_library()
@@ -80,3 +80,39 @@ def test_a_runtime_without_the_delegate_is_told_to_pass_it(converted):
     assert "unresolved custom op: PkmCheckThen" in first and "delegate" in first, first
     assert "no TFLite kernel" not in first, first
     assert os.path.basename(tflite.delegate_path()) in first, first
+
+
+@pytest.fixture(scope="module")
+def masked(tmp_path_factory):
+    """A jit_compile lookup of ids and weights masked apart (tf.boolean_mask: sizes known only at run
+    time, dynamic tensors in TFLite), its .tflite's path: the check guards the weights' shape."""
+    table = tf.constant(TABLE)
+    specs = [tf.TensorSpec([None, 3], tf.int32), tf.TensorSpec([None, 3], tf.float32), tf.TensorSpec([None], tf.bool),
+             tf.TensorSpec([None], tf.bool)]
+    fn = tf.function(lambda ids, w, keep_ids, keep_w: ops.embedding_bag(
+        table, tf.boolean_mask(ids, keep_ids), tf.boolean_mask(w, keep_w)), input_signature=specs, jit_compile=True)
+    converter = tf.lite.TFLiteConverter.from_concrete_functions([fn.get_concrete_function()])
+    converter.allow_custom_ops = True
+    model = converter.convert()
+    if b"PkmCheckThen" not in model:
+        pytest.skip("no run-time check in this trace (an op library without PkmCheckThen)")
+    path = tmp_path_factory.mktemp("check_then_masked") / "masked.tflite"
+    path.write_bytes(model)
+    return fn, str(path)
+
+
+@pytest.mark.parametrize("interpreter", ALL_INTERPRETERS)
+def test_a_check_of_run_time_sizes_passes_or_fails_as_tf(masked, interpreter, tmp_path):
+    """A false check here is met first by the bag's own shape check in Prepare (TFLite prepares a node
+    before the check ahead of it runs): the same refusal in the bag's words."""
+    fn, path = masked
+    ids = np.arange(12, dtype=np.int32).reshape(4, 3) % 20
+    weights = np.linspace(-1.0, 2.0, 12, dtype=np.float32).reshape(4, 3)
+    keep = np.array([True, False, True, True])
+    out, = run_in(interpreter, path, [ids, weights, keep, keep], tmp_path)
+    np.testing.assert_allclose(out, embedding_bag(TABLE, ids[keep], weights[keep]), rtol=1e-5, atol=1e-5)
+    other = np.array([True, True, True, True])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="weights must have the shape of indices"):
+        fn(ids, weights, keep, other)
+    with pytest.raises(RuntimeError, match="weights must have the shape of indices"):
+        run_in(interpreter, path, [ids, weights, keep, other], tmp_path)
