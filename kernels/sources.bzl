@@ -145,12 +145,14 @@ PKM_TFLITE_SRCS = [
     "tflite_delegate/embedding_bag_tflite.cc",
     "tflite_delegate/op_options.cc",
     "tflite_delegate/custom_op.cc",
+    "tflite_delegate/check_then_tflite.cc",
     "tflite_delegate/composite_chain.cc",
     "tflite_delegate/composite_shapes.cc",
     "tflite_delegate/delegate.cc",
 ]
 
 PKM_TFLITE_HDRS = [
+    "tflite_delegate/check_then_tflite.h",
     "tflite_delegate/composite_chain.h",
     "tflite_delegate/composite_shapes.h",
     "tflite_delegate/embedding_bag_tflite.h",

@@ -75,8 +75,9 @@ _GLUED_MESSAGE = re.compile(
 
 
 # pkm_serve's ops that a .tflite can hold (the converter keeps any op as a custom op with
-# allow_custom_ops) but that no TFLite kernel runs, the delegate's included: the runtime's words
-# name only the op, which read as if the delegate had not been passed.
+# allow_custom_ops) but that no TFLite kernel runs (the quantized ops), or only the delegate
+# (PkmCheckThen, a check the user may not know the model holds): the runtime's words name only
+# the op.
 _NO_TFLITE_KERNEL_HINTS = {
     re.compile(r"unresolved custom op: PkmQuantized(?:Ragged)?EmbeddingBag\b"):
         " (pkm_serve.quantized's op, which int8 SavedModels use, has no TFLite kernel: convert the float "
@@ -84,8 +85,9 @@ _NO_TFLITE_KERNEL_HINTS = {
         "the float SavedModel with --quantize-table int8 --tflite)",
     re.compile(r"unresolved custom op: PkmCheckThen\b"):
         " (the run-time check pkm_serve adds where XLA may compile a function for the CPU, jit_compile=True "
-        "or auto-clustering, has no TFLite kernel: convert a function traced without XLA, or the SavedModel "
-        "with pkm-serve export SRC DST --tflite FILE, which drops the check as the converter drops Asserts)",
+        "or auto-clustering: its kernel is in pkm_serve's delegate, libpkm_tflite.so, which a libpkm_tflite.so "
+        "built before the check lacks; pass load_delegate(pkm_serve.tflite.delegate_path()), or in C++ "
+        "resolver.AddCustom(\"PkmCheckThen\", PkmCheckThenRegistration()))",
 }
 
 

@@ -1,5 +1,5 @@
-// External TFLite delegate: claims PkmEmbeddingBag and PkmRaggedEmbeddingBag
-// custom nodes (which stock interpreters keep as unresolved placeholders) and, with
+// External TFLite delegate: claims PkmEmbeddingBag, PkmRaggedEmbeddingBag and
+// PkmCheckThen custom nodes (which stock interpreters keep as unresolved placeholders) and, with
 // fuse_composites=true, stock GATHER -> [MUL] -> SUM chains, and runs them on
 // the kernel core. Loaded with tflite.load_delegate(path, options).
 #include <cstdlib>
@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "tflite_delegate/check_then_tflite.h"
 #include "tflite_delegate/composite_chain.h"
 #include "tflite_delegate/embedding_bag_tflite.h"
 #include "tflite_delegate/thread_pool.h"
@@ -45,6 +46,12 @@ bool IsCustomBag(const TfLiteRegistration* reg, bool* ragged = nullptr) {
   return yes;
 }
 
+// A node the delegate runs as it is: one of the bags, or a run-time check.
+bool IsClaimedCustomOp(const TfLiteRegistration* reg) {
+  return IsCustomBag(reg) ||
+         (reg->builtin_code == kTfLiteBuiltinCustom && IsCheckThenCustomOpName(reg->custom_name));
+}
+
 TfLiteIntArray* NewIntArray(const std::vector<int>& v) {
   auto* a = static_cast<TfLiteIntArray*>(std::malloc(sizeof(TfLiteIntArray) + sizeof(int) * (v.size() + 1)));
   a->size = static_cast<int>(v.size());
@@ -54,9 +61,13 @@ TfLiteIntArray* NewIntArray(const std::vector<int>& v) {
 
 // ---- the delegate kernel: one per partition of claimed nodes --------------
 
+// A bag, or (is_check) a PkmCheckThen; units run in plan order, a check before the bag reading it.
 struct Unit {
   BagSpec spec;
   BagState state;
+  bool is_check = false;
+  CheckSpec check;
+  int output() const { return is_check ? check.output : spec.output; }
 };
 
 struct KernelData {
@@ -90,12 +101,19 @@ void* KernelInit(TfLiteContext* context, const char* buffer, size_t length) {
     }
     Unit unit;
     bool ragged = false;
-    if (IsCustomBag(reg, &ragged)) {
+    const size_t options_size = node->custom_initial_data_size < 0 ? 0 : node->custom_initial_data_size;
+    if (IsClaimedCustomOp(reg) && !IsCustomBag(reg)) {
+      std::string err;
+      if (!CheckSpecFromCustomNode(node, node->custom_initial_data, options_size, &unit.check, &err)) {
+        kd->error = "node " + std::to_string(n) + ": " + std::string(kCheckThenCustomOpName) + ": " + err;
+        return kd;
+      }
+      unit.is_check = true;
+      used.insert(n);
+    } else if (IsCustomBag(reg, &ragged)) {
       OpOptions options;
       std::string err;
-      if (!ParseOpOptions(node->custom_initial_data,
-                          node->custom_initial_data_size < 0 ? 0 : node->custom_initial_data_size,
-                          &options, &err)) {
+      if (!ParseOpOptions(node->custom_initial_data, options_size, &options, &err)) {
         kd->error = "node " + std::to_string(n) + ": " + err;
         return kd;
       }
@@ -120,7 +138,7 @@ void* KernelInit(TfLiteContext* context, const char* buffer, size_t length) {
     } else {
       continue;  // a weights reshape: checked below to belong to a chain
     }
-    if (!partition_outputs.count(unit.spec.output)) kd->internal_outputs.push_back(unit.spec.output);
+    if (!partition_outputs.count(unit.output())) kd->internal_outputs.push_back(unit.output());
     kd->units.push_back(std::move(unit));
   }
   for (int n : g.plan) {
@@ -146,7 +164,8 @@ TfLiteStatus KernelPrepare(TfLiteContext* context, TfLiteNode* node) {
   std::free(node->temporaries);
   node->temporaries = NewIntArray(kd->internal_outputs);
   for (Unit& u : kd->units)
-    if (PrepareBag(context, u.spec, &u.state) != kTfLiteOk) return kTfLiteError;
+    if ((u.is_check ? PrepareCheck(context, u.check) : PrepareBag(context, u.spec, &u.state)) != kTfLiteOk)
+      return kTfLiteError;
   return kTfLiteOk;
 }
 
@@ -155,7 +174,8 @@ TfLiteStatus KernelInvoke(TfLiteContext* context, TfLiteNode* node) {
   if (kd == nullptr || !kd->error.empty()) return kTfLiteError;
   const ParallelFor pf = kd->delegate->pool->AsParallelFor();
   for (const Unit& u : kd->units)
-    if (InvokeBag(context, u.spec, u.state, pf) != kTfLiteOk) return kTfLiteError;
+    if ((u.is_check ? InvokeCheck(context, u.check) : InvokeBag(context, u.spec, u.state, pf)) != kTfLiteOk)
+      return kTfLiteError;
   return kTfLiteOk;
 }
 
@@ -218,7 +238,7 @@ TfLiteStatus DelegatePrepare(TfLiteContext* context, TfLiteDelegate* delegate) {
     TfLiteNode* node;
     TfLiteRegistration* reg;
     if (context->GetNodeAndRegistration(context, n, &node, &reg) != kTfLiteOk) return kTfLiteError;
-    if (IsCustomBag(reg)) {
+    if (IsClaimedCustomOp(reg)) {
       custom_nodes.push_back(n);
     } else if (data->options.fuse_composites && reg->builtin_code == kTfLiteBuiltinGather &&
                !in_chain.count(n)) {

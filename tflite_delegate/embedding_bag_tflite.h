@@ -37,6 +37,10 @@ struct OpOptions {
 bool ParseOpOptions(const void* data, size_t size, OpOptions* options,
                     std::string* error);
 
+// A model's bytes echoed in an error: other than printable ASCII as \xNN (the
+// Python runtimes decode the message as UTF-8 and raise on invalid bytes).
+std::string Printable(const std::string& bytes);
+
 // Product of dims (each must be >= 0), or false if it exceeds int64: a
 // wrapped count would let buffer-size checks pass on a malformed shape.
 inline bool CheckedNumElements(const int64_t* dims, size_t rank, int64_t* out) {

@@ -15,6 +15,7 @@
 
 #include "kernels/core/embedding_bag.h"
 #include "kernels/core/shape_rules.h"
+#include "tflite_delegate/check_then_tflite.h"
 #include "tflite_delegate/embedding_bag_tflite.h"
 #include "tflite_delegate/flexbuffer_map.h"
 
@@ -733,6 +734,80 @@ bool ShortBuffersAreRejected() {
   return true;
 }
 
+// PkmCheckThen on random tensors and options: a run that passes had every condition element true
+// and copied the value bytewise; a false condition on a well-formed node fails with the message.
+bool CheckThenFuzz(int iterations, int* passed, int* failed_checks, int* rejected) {
+  const std::vector<std::vector<uint8_t>> valid = {  // flexbuffers.Dumps({"T": 0, "message": "sizes differ"})
+      {84, 0, 109, 101, 115, 115, 97, 103, 101, 0, 12, 115, 105, 122, 101, 115, 32, 100, 105, 102, 102, 101,
+       114, 0, 2, 25, 24, 2, 1, 2, 0, 20, 4, 20, 4, 36, 1}};
+  static const TfLiteType value_types[] = {kTfLiteFloat32, kTfLiteFloat16, kTfLiteBFloat16, kTfLiteInt32,
+                                           kTfLiteInt64, kTfLiteBool, kTfLiteString};
+  TfLiteRegistration* reg = PkmCheckThenRegistration();
+  for (int it = 0; it < iterations; ++it) {
+    Fixture f;
+    f.tensors.resize(3);
+    for (auto& t : f.tensors) std::memset(&t, 0, sizeof(t));
+    const TfLiteType value_type = Coin(0.8) ? kTfLiteFloat32 : value_types[Rand(0, 6)];
+    const TfLiteType types[] = {Coin(0.95) ? kTfLiteBool : kTfLiteInt32, value_type,
+                                Coin(0.95) ? value_type : value_types[Rand(0, 6)]};
+    for (int i = 0; i < 3; ++i) {
+      TfLiteTensor& t = f.tensors[i];
+      t.type = types[i];
+      t.dims = IntArray(RandDims(i == 0 ? 2 : 3, i == 0 ? 3 : 5));
+      t.allocation_type = (i == 1 && Coin(0.2)) ? kTfLiteDynamic : kTfLiteArenaRw;
+      SetData(&t);
+      for (size_t b = 0; b < t.bytes; ++b)
+        t.data.raw[b] = static_cast<char>(i == 0 ? (Coin(0.97) ? (Coin(0.1) ? 2 : 1) : 0) : Rand(0, 255));
+    }
+    f.context.ReportError = ReportError;
+    f.context.ResizeTensor = ResizeTensor;
+    f.context.tensors = f.tensors.data();
+    f.context.tensors_size = f.tensors.size();
+    const int value_index = Coin(0.95) ? 1 : Rand(-1, 4);
+    const bool well_formed_node = value_index == 1;
+    TfLiteNode node;
+    std::memset(&node, 0, sizeof(node));
+    node.inputs = IntArray({0, value_index});
+    node.outputs = IntArray({2});
+    const std::vector<uint8_t> options = RandomOptions(valid);
+    node.custom_initial_data = options.empty() ? nullptr : options.data();
+    node.custom_initial_data_size = static_cast<int>(options.size());
+    node.user_data = reg->init(&f.context, nullptr, 0);
+    g_last_error.clear();
+    TfLiteStatus st = reg->prepare(&f.context, &node);
+    if (st == kTfLiteOk) st = reg->invoke(&f.context, &node);
+    const TfLiteTensor& condition = f.tensors[0];
+    const TfLiteTensor& value = f.tensors[1];
+    const TfLiteTensor& output = f.tensors[2];
+    bool holds = true;
+    for (int64_t i = 0; i < Count(condition.dims); ++i) holds = holds && condition.data.raw[i] != 0;
+    const bool well_formed = well_formed_node && options == valid[0] && types[0] == kTfLiteBool &&
+                             value_type != kTfLiteString && types[2] == value_type;
+    if (st == kTfLiteOk) {
+      ++*passed;
+      EXPECT(holds, "iteration %d passed a false condition", it);
+      EXPECT(!well_formed_node || output.dims->size == value.dims->size && output.bytes >= value.bytes &&
+                 std::memcmp(output.dims->data, value.dims->data, sizeof(int) * value.dims->size) == 0 &&
+                 (value.bytes == 0 || std::memcmp(output.data.raw, value.data.raw, value.bytes) == 0),
+             "iteration %d: the output is not the value", it);
+    } else {
+      EXPECT(!g_last_error.empty(), "iteration %d: kTfLiteError without a message", it);
+      if (well_formed && !holds) {
+        ++*failed_checks;
+        EXPECT(g_last_error == "sizes differ", "iteration %d: got '%s'", it, g_last_error.c_str());
+      } else {
+        ++*rejected;
+      }
+      EXPECT(!well_formed || !holds, "iteration %d: a well-formed passing check failed: %s", it,
+             g_last_error.c_str());
+    }
+    reg->free(&f.context, node.user_data);
+    std::free(node.inputs);
+    std::free(node.outputs);
+  }
+  return true;
+}
+
 int main(int argc, char** argv) {
   if (!HugeShapesAreRejected() || !BadScalesAreRejected() || !FusedChainRejectsNegativeIndices() ||
       !NodesShareOnePool() || !BadRowSplitsAreRejected() || !ShortBuffersAreRejected())
@@ -843,6 +918,11 @@ int main(int argc, char** argv) {
   std::printf("fuzz: %d iterations, %d ran ok (%d checked against the reference), %d rejected "
               "with a message; flexbuffer: %d/%d parsed\n",
               iterations, ok_runs, checked, errors, parsed, iterations * 5);
+  int check_passed = 0, check_failed = 0, check_rejected = 0;
+  if (!CheckThenFuzz(iterations, &check_passed, &check_failed, &check_rejected)) return 1;
+  std::printf("PkmCheckThen fuzz: %d passed, %d failed with the message, %d rejected\n", check_passed,
+              check_failed, check_rejected);
+  if (check_passed == 0 || check_failed == 0 || check_rejected == 0) return 1;
   int ragged_ok = 0, ragged_checked = 0, ragged_errors = 0;
   if (!RaggedFuzz(iterations, &ragged_ok, &ragged_checked, &ragged_errors)) return 1;
   std::printf("ragged fuzz: %d iterations, %d ran ok (%d checked against the reference), %d "

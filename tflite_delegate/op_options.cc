@@ -10,9 +10,6 @@
 namespace pkm {
 namespace tflite {
 
-namespace {
-// A model's bytes echoed in an error: other than printable ASCII as \xNN (the
-// Python runtimes decode the message as UTF-8 and raise on invalid bytes).
 std::string Printable(const std::string& bytes) {
   std::string text;
   for (unsigned char c : bytes) {
@@ -27,6 +24,7 @@ std::string Printable(const std::string& bytes) {
   return text;
 }
 
+namespace {
 // Keys the kernel reads, and keys it accepts without reading: the converter
 // writes every TF attr of the node, i.e. the type attrs ("T", "Tindices",
 // "Tsplits"; TF names them with a capital) and, for graphs converted without

@@ -1,8 +1,8 @@
 """A .tflite converted (allow_custom_ops) from a model holding one of pkm_serve's ops that no
 TFLite kernel runs, the delegate's included: pkm_serve.quantized's PkmQuantizedEmbeddingBag /
-PkmQuantizedRaggedEmbeddingBag, or the PkmCheckThen that ragged weights get in a jit_compile
-function. The runtime said only "Encountered unresolved custom op: PkmCheckThen", which reads as
-if the delegate had not been passed; the refusal now says what to do instead."""
+PkmQuantizedRaggedEmbeddingBag. The runtime said only "Encountered unresolved custom op: ...",
+which reads as if the delegate had not been passed; the refusal now says what to do instead.
+(The PkmCheckThen of a jit_compile function now runs in the delegate: test_tflite_check_then.py.)"""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -41,19 +41,3 @@ def test_the_refusal_says_how_to_get_an_int8_tflite(tmp_path, capsys, ragged):
     assert tflite_cli.console_main([str(tmp_path / "q.tflite")]) == 1
     assert "tflite.quantize_table_int8" in capsys.readouterr().err
 
-
-def test_a_check_of_a_jit_compile_function_says_how_to_convert_without_it():
-    table = tf.constant(TABLE)
-    specs = [tf.TensorSpec([None], tf.int32), tf.TensorSpec([None], tf.int64), tf.TensorSpec([None], tf.float32)]
-    fn = tf.function(lambda v, s, w: ops.embedding_bag(table, tf.RaggedTensor.from_row_splits(v, s),
-                                                       tf.RaggedTensor.from_row_splits(w, s)),
-                     input_signature=specs, jit_compile=True)
-    converter = tf.lite.TFLiteConverter.from_concrete_functions([fn.get_concrete_function()])
-    converter.allow_custom_ops = True
-    model = converter.convert()
-    if b"PkmCheckThen" not in model:
-        pytest.skip("no run-time check in this trace (an op library without PkmCheckThen)")
-    with pytest.raises(RuntimeError) as e:
-        tflite.run_tflite(model, [np.array([0, 1], np.int32), np.array([0, 2], np.int64), np.ones(2, np.float32)])
-    first = str(e.value).splitlines()[0]
-    assert "unresolved custom op: PkmCheckThen" in first and "without XLA" in first, first
