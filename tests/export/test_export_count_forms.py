@@ -184,13 +184,7 @@ def test_counts_of_ragged_ids_are_fused_as_ragged_bags(tmp_path):
             want["count"][row] += TABLE[i]
             want["weighted"][row] += weight * TABLE[i].astype(np.float64)
     feeds = {"ids": values, "ids_1": splits, "w": w, "w_1": splits}
-    for path in (tmp_path / "m", result.dst):
-        got = tf.saved_model.load(str(path)).signatures["serving_default"](**{k: tf.constant(v) for k, v in feeds.items()})
-        for key in want:
-            np.testing.assert_allclose(got[key].numpy(), want[key], rtol=1e-5, atol=1e-5)
-    lite = tflite.make_interpreter(str(tmp_path / "m.tflite")).get_signature_runner("serving_default")(**feeds)
-    for key in want:
-        np.testing.assert_allclose(lite[key], want[key], rtol=1e-5, atol=1e-5)
+    _assert_every_runtime_gives(want, feeds, tmp_path / "m", result.dst, tmp_path / "m.tflite")
     negative = {**feeds, "ids": np.where(values == 1, -1, values)}
     for path in (tmp_path / "m", result.dst):
         with pytest.raises(tf.errors.InvalidArgumentError, match="negative"):
@@ -292,13 +286,7 @@ def test_counts_of_sparse_ids_are_fused_as_ragged_bags(tmp_path):
             want["weighted"][row] += weight * TABLE[i].astype(np.float64)
     shape = np.array([4, 4], np.int64)
     feeds = {"ids": indices, "ids_1": values, "ids_2": shape, "w": indices, "w_1": w, "w_2": shape}
-    for path in (tmp_path / "m", result.dst):
-        got = tf.saved_model.load(str(path)).signatures["serving_default"](**{k: tf.constant(v) for k, v in feeds.items()})
-        for key in want:
-            np.testing.assert_allclose(got[key].numpy(), want[key], rtol=1e-5, atol=1e-5)
-    lite = tflite.make_interpreter(str(tmp_path / "m.tflite")).get_signature_runner("serving_default")(**feeds)
-    for key in want:
-        np.testing.assert_allclose(lite[key], want[key], rtol=1e-5, atol=1e-5)
+    _assert_every_runtime_gives(want, feeds, tmp_path / "m", result.dst, tmp_path / "m.tflite")
     # Out of canonical order, as SparseBincount takes them: the fused site puts the entries (ids and
     # weights with them) in row order. Before, the SavedModel refused them and the .tflite, which drops
     # Asserts, summed the wrong bags.
@@ -366,3 +354,14 @@ def test_counts_reshaped_to_a_batch_of_n_rows_are_not_passed_through(tmp_path):
     for path in (tmp_path / "m", result.dst):
         with pytest.raises(tf.errors.InvalidArgumentError):
             _serve(path, {"ids": RNG.integers(0, N, (3, K))})
+
+
+def _assert_every_runtime_gives(want, feeds, original, fused, fused_tflite):
+    """The original and fused SavedModels' and the fused .tflite's outputs are `want` for `feeds`."""
+    for path in (original, fused):
+        got = tf.saved_model.load(str(path)).signatures["serving_default"](**{k: tf.constant(v) for k, v in feeds.items()})
+        for key in want:
+            np.testing.assert_allclose(got[key].numpy(), want[key], rtol=1e-5, atol=1e-5)
+    lite = tflite.make_interpreter(str(fused_tflite)).get_signature_runner("serving_default")(**feeds)
+    for key in want:
+        np.testing.assert_allclose(lite[key], want[key], rtol=1e-5, atol=1e-5)
