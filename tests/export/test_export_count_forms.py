@@ -168,12 +168,7 @@ def test_counts_of_ragged_ids_are_fused_as_ragged_bags(tmp_path):
     """Before, a RaggedBincount's counts times the table were no site at all:
     the export copied the model and the .tflite was refused for RaggedBincount."""
     module = _ragged_counts_module()
-    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
-    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), tflite=str(tmp_path / "m.tflite"),
-                                quiet=True)
-    assert sorted((s.status, s.pattern, s.weighted) for s in result.sites) == [
-        ("fused", "counts-matmul", False), ("fused", "counts-matmul", True)], [s.reason for s in result.sites]
-    assert result.tflite["custom_ops"] == ["PkmRaggedEmbeddingBag"]
+    result = _export_with_both_sites_fused(module, tmp_path)
     splits = np.array([0, 3, 3, 7], np.int64)  # an empty bag; ids past the table (30, 45) count nowhere
     values = np.array([7, 7, 2, N, 1, N + 15, 29], np.int64)
     w = RNG.uniform(-1.0, 2.0, len(values)).astype(np.float32)
@@ -270,12 +265,7 @@ def test_counts_of_sparse_ids_are_fused_as_ragged_bags(tmp_path):
         return {"count": tf.matmul(counts, module.t), "weighted": tf.matmul(weighted, module.t)}
     module.f = tf.function(serve, input_signature=[tf.SparseTensorSpec([None, None], tf.int64),
                                                    tf.SparseTensorSpec([None, None], tf.float32)])
-    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
-    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), tflite=str(tmp_path / "m.tflite"),
-                                quiet=True)
-    assert sorted((s.status, s.pattern, s.weighted) for s in result.sites) == [
-        ("fused", "counts-matmul", False), ("fused", "counts-matmul", True)], [s.reason for s in result.sites]
-    assert result.tflite["custom_ops"] == ["PkmRaggedEmbeddingBag"]
+    result = _export_with_both_sites_fused(module, tmp_path)
     indices = np.array([[0, 0], [0, 1], [0, 2], [2, 0], [2, 1], [2, 3]], np.int64)  # rows 1 and 3 empty
     values = np.array([7, 7, N + 2, 1, -3, 29], np.int64)
     w = np.array([0.5, 2.0, np.nan, -1.0, np.inf, 1.5], np.float32)  # on ids counted nowhere: no NaN
@@ -365,3 +355,15 @@ def _assert_every_runtime_gives(want, feeds, original, fused, fused_tflite):
     lite = tflite.make_interpreter(str(fused_tflite)).get_signature_runner("serving_default")(**feeds)
     for key in want:
         np.testing.assert_allclose(lite[key], want[key], rtol=1e-5, atol=1e-5)
+
+
+def _export_with_both_sites_fused(module, tmp_path):
+    """`module.f` saved and exported with --tflite: its unweighted and weighted counts sites
+    fused as ragged bags."""
+    tf.saved_model.save(module, str(tmp_path / "m"), signatures={"serving_default": module.f})
+    result = export_saved_model(str(tmp_path / "m"), str(tmp_path / "out"), tflite=str(tmp_path / "m.tflite"),
+                                quiet=True)
+    assert sorted((s.status, s.pattern, s.weighted) for s in result.sites) == [
+        ("fused", "counts-matmul", False), ("fused", "counts-matmul", True)], [s.reason for s in result.sites]
+    assert result.tflite["custom_ops"] == ["PkmRaggedEmbeddingBag"]
+    return result
