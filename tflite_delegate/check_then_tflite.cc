@@ -4,7 +4,6 @@
 #include "tflite_delegate/check_then_tflite.h"
 
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -33,20 +32,10 @@ bool IsPlainType(TfLiteType type) {
   return type != kTfLiteNoType && type != kTfLiteString && type != kTfLiteResource && type != kTfLiteVariant;
 }
 
-bool SameDims(const TfLiteIntArray* a, const TfLiteIntArray* b) {
-  if (a == nullptr || b == nullptr || a->size != b->size) return false;
-  for (int i = 0; i < a->size; ++i)
-    if (a->data[i] != b->data[i]) return false;
-  return true;
-}
-
 // Resizes the output to the value's dims (the runtime takes ownership of the array).
 TfLiteStatus ResizeLikeValue(TfLiteContext* context, const TfLiteTensor* value, TfLiteTensor* output) {
-  const int rank = value->dims->size;
-  auto* dims = static_cast<TfLiteIntArray*>(std::malloc(sizeof(TfLiteIntArray) + sizeof(int) * (rank + 1)));
+  TfLiteIntArray* dims = NewIntArray(std::vector<int>(value->dims->data, value->dims->data + value->dims->size));
   if (dims == nullptr) return kTfLiteError;
-  dims->size = rank;
-  for (int i = 0; i < rank; ++i) dims->data[i] = value->dims->data[i];
   return context->ResizeTensor(context, output, dims);
 }
 
@@ -106,14 +95,9 @@ TfLiteStatus PrepareCheck(TfLiteContext* context, const CheckSpec& spec) {
   TfLiteTensor* output;
   if (CheckTypes(context, spec, &condition, &value, &output) != kTfLiteOk) return kTfLiteError;
   // A value sized by an op that runs first (a ragged input's flat values under a Shape-dependent
-  // op) is dynamic: its dims are known only at Invoke, so the output is made dynamic too (as
-  // SetTensorToDynamic does: the arena keeps its memory, so the pointer is dropped).
+  // op) is dynamic: its dims are known only at Invoke, so the output is made dynamic too.
   if (value->allocation_type == kTfLiteDynamic) {
-    if (output->allocation_type != kTfLiteDynamic) {
-      output->data.raw = nullptr;
-      output->bytes = 0;
-      output->allocation_type = kTfLiteDynamic;
-    }
+    MakeDynamic(output);
     return kTfLiteOk;
   }
   return ResizeLikeValue(context, value, output);
@@ -135,12 +119,13 @@ TfLiteStatus InvokeCheck(TfLiteContext* context, const CheckSpec& spec) {
       context->ReportError(context, "%s", spec.message.c_str());
       return kTfLiteError;
     }
+  const std::vector<int64_t> value_dims(value->dims->data, value->dims->data + value->dims->size);
   if (output->allocation_type == kTfLiteDynamic &&
-      (!SameDims(output->dims, value->dims) || (value->bytes > 0 && output->data.raw == nullptr) ||
+      (!SameDims(output->dims, value_dims) || (value->bytes > 0 && output->data.raw == nullptr) ||
        output->bytes < value->bytes) &&
       ResizeLikeValue(context, value, output) != kTfLiteOk)
     return kTfLiteError;
-  if (!SameDims(output->dims, value->dims)) return Fail(context, "output shape is not the value's");
+  if (!SameDims(output->dims, value_dims)) return Fail(context, "output shape is not the value's");
   if (value->bytes == 0) return kTfLiteOk;
   if (value->data.raw_const == nullptr || output->data.raw == nullptr || output->bytes < value->bytes)
     return Fail(context, "a buffer is not allocated");

@@ -46,17 +46,9 @@ bool IsCustomBag(const TfLiteRegistration* reg, bool* ragged = nullptr) {
   return yes;
 }
 
-// A node the delegate runs as it is: one of the bags, or a run-time check.
-bool IsClaimedCustomOp(const TfLiteRegistration* reg) {
-  return IsCustomBag(reg) ||
-         (reg->builtin_code == kTfLiteBuiltinCustom && IsCheckThenCustomOpName(reg->custom_name));
-}
-
-TfLiteIntArray* NewIntArray(const std::vector<int>& v) {
-  auto* a = static_cast<TfLiteIntArray*>(std::malloc(sizeof(TfLiteIntArray) + sizeof(int) * (v.size() + 1)));
-  a->size = static_cast<int>(v.size());
-  for (size_t i = 0; i < v.size(); ++i) a->data[i] = v[i];
-  return a;
+// A PkmCheckThen custom node (a run-time check the delegate runs beside the bags).
+bool IsCheckThen(const TfLiteRegistration* reg) {
+  return reg->builtin_code == kTfLiteBuiltinCustom && IsCheckThenCustomOpName(reg->custom_name);
 }
 
 // ---- the delegate kernel: one per partition of claimed nodes --------------
@@ -102,7 +94,7 @@ void* KernelInit(TfLiteContext* context, const char* buffer, size_t length) {
     Unit unit;
     bool ragged = false;
     const size_t options_size = node->custom_initial_data_size < 0 ? 0 : node->custom_initial_data_size;
-    if (IsClaimedCustomOp(reg) && !IsCustomBag(reg)) {
+    if (IsCheckThen(reg)) {
       std::string err;
       if (!CheckSpecFromCustomNode(node, node->custom_initial_data, options_size, &unit.check, &err)) {
         kd->error = "node " + std::to_string(n) + ": " + std::string(kCheckThenCustomOpName) + ": " + err;
@@ -238,7 +230,7 @@ TfLiteStatus DelegatePrepare(TfLiteContext* context, TfLiteDelegate* delegate) {
     TfLiteNode* node;
     TfLiteRegistration* reg;
     if (context->GetNodeAndRegistration(context, n, &node, &reg) != kTfLiteOk) return kTfLiteError;
-    if (IsClaimedCustomOp(reg)) {
+    if (IsCustomBag(reg) || IsCheckThen(reg)) {
       custom_nodes.push_back(n);
     } else if (data->options.fuse_composites && reg->builtin_code == kTfLiteBuiltinGather &&
                !in_chain.count(n)) {

@@ -311,13 +311,6 @@ TfLiteStatus Bind(TfLiteContext* context, const BagSpec& spec, const BagState* s
   return c.Size("output", bound->out_dims, ElemSize(bound->out_type), &out_elems, &bound->out_bytes);
 }
 
-bool SameDims(const TfLiteIntArray* dims, const std::vector<int64_t>& want) {
-  if (dims == nullptr || dims->size != static_cast<int>(want.size())) return false;
-  for (size_t i = 0; i < want.size(); ++i)
-    if (dims->data[i] != want[i]) return false;
-  return true;
-}
-
 // The core's status as a TFLite error naming the op.
 TfLiteStatus Report(TfLiteContext* context, const BagSpec& spec, const Status& s) {
   if (s.ok) return kTfLiteOk;
@@ -339,16 +332,34 @@ TfLiteStatus ResizeOutput(TfLiteContext* context, const BagSpec& spec, const Bou
       return kTfLiteError;
     }
   }
-  // The runtime takes ownership and frees it with free() (TfLiteIntArrayFree).
-  auto* dims = static_cast<TfLiteIntArray*>(
-      std::malloc(sizeof(TfLiteIntArray) + sizeof(int) * (bound.out_dims.size() + 1)));
+  TfLiteIntArray* dims = NewIntArray(std::vector<int>(bound.out_dims.begin(), bound.out_dims.end()));
   if (dims == nullptr) return kTfLiteError;
-  dims->size = static_cast<int>(bound.out_dims.size());
-  for (size_t i = 0; i < bound.out_dims.size(); ++i) dims->data[i] = static_cast<int>(bound.out_dims[i]);
   return context->ResizeTensor(context, bound.output, dims);
 }
 
 }  // namespace
+
+TfLiteIntArray* NewIntArray(const std::vector<int>& values) {
+  auto* array = static_cast<TfLiteIntArray*>(std::malloc(sizeof(TfLiteIntArray) + sizeof(int) * (values.size() + 1)));
+  if (array == nullptr) return nullptr;
+  array->size = static_cast<int>(values.size());
+  for (size_t i = 0; i < values.size(); ++i) array->data[i] = values[i];
+  return array;
+}
+
+bool SameDims(const TfLiteIntArray* dims, const std::vector<int64_t>& want) {
+  if (dims == nullptr || dims->size != static_cast<int>(want.size())) return false;
+  for (size_t i = 0; i < want.size(); ++i)
+    if (dims->data[i] != want[i]) return false;
+  return true;
+}
+
+void MakeDynamic(TfLiteTensor* tensor) {
+  if (tensor->allocation_type == kTfLiteDynamic) return;
+  tensor->data.raw = nullptr;
+  tensor->bytes = 0;
+  tensor->allocation_type = kTfLiteDynamic;
+}
 
 bool IsBagCustomOpName(const char* name, bool* ragged) {
   if (name == nullptr) return false;
@@ -371,20 +382,14 @@ TfLiteStatus PrepareBag(TfLiteContext* context, const BagSpec& spec, BagState* s
   }
   // An input produced by an op with data-dependent shape is dynamic: its dims
   // are stale until that op runs, so everything is checked at Invoke and the
-  // output is made dynamic (as SetTensorToDynamic does: the arena keeps its
-  // memory, so the pointer is dropped rather than realloc()ed later).
+  // output is made dynamic.
   bool dynamic_input = false;
   for (int idx : {spec.table, spec.indices, spec.row_splits, spec.weights})
     if (idx >= 0 && static_cast<size_t>(idx) < context->tensors_size &&
         context->tensors[idx].allocation_type == kTfLiteDynamic)
       dynamic_input = true;
   if (dynamic_input && spec.output >= 0 && static_cast<size_t>(spec.output) < context->tensors_size) {
-    TfLiteTensor* output = &context->tensors[spec.output];
-    if (output->allocation_type != kTfLiteDynamic) {
-      output->data.raw = nullptr;
-      output->bytes = 0;
-      output->allocation_type = kTfLiteDynamic;
-    }
+    MakeDynamic(&context->tensors[spec.output]);
     return kTfLiteOk;
   }
   Bound bound;

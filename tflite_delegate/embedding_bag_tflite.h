@@ -41,6 +41,16 @@ bool ParseOpOptions(const void* data, size_t size, OpOptions* options,
 // Python runtimes decode the message as UTF-8 and raise on invalid bytes).
 std::string Printable(const std::string& bytes);
 
+// A TfLiteIntArray of `values`, malloc()ed as TfLiteIntArrayCreate does: the runtime frees
+// what it is handed (ResizeTensor's dims, a node's temporaries) with free(). nullptr when out
+// of memory.
+TfLiteIntArray* NewIntArray(const std::vector<int>& values);
+// Whether `dims` are `want`.
+bool SameDims(const TfLiteIntArray* dims, const std::vector<int64_t>& want);
+// The tensor made dynamic, as TFLite's SetTensorToDynamic does: the arena keeps its memory,
+// so the pointer is dropped rather than realloc()ed later.
+void MakeDynamic(TfLiteTensor* tensor);
+
 // Product of dims (each must be >= 0), or false if it exceeds int64: a
 // wrapped count would let buffer-size checks pass on a malformed shape.
 inline bool CheckedNumElements(const int64_t* dims, size_t rank, int64_t* out) {

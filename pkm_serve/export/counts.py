@@ -34,6 +34,7 @@ from tensorflow.python.framework import tensor_shape
 
 from pkm_serve.export.einsum import match_matmul
 from pkm_serve.export.graph import FunctionGraph, Ref
+from pkm_serve.export.position_slices import attr_value
 from pkm_serve.export.sites import (INDEX_DTYPES, TABLE_DTYPES, Site, Skip, check_private, dims,
                                     dtype_name, itemsize, same_dims, tensor_dtype)
 
@@ -148,23 +149,19 @@ def _shape_value(fg: FunctionGraph, ref: Ref, counts: Ref, nodes: list, depth: i
     if any(p is None for p in parts):
         return None
     if node.op == "Pack":
-        return [d for p in parts for d in p] if _int_attr(node, "axis") == 0 else None
+        return [d for p in parts for d in p] if attr_value(node, "axis", "i") == 0 else None
     if node.op == "ConcatV2":
         axis = fg.const_value(ins[-1])
         return [d for p in parts for d in p] if axis is not None and int(axis) == 0 else None
     vector, begin, end, stride = parts
     if [len(begin), len(end), stride] != [1, 1, [1]] or any(
-            _int_attr(node, m) for m in ("ellipsis_mask", "new_axis_mask")):
+            attr_value(node, m, "i") for m in ("ellipsis_mask", "new_axis_mask")):
         return None
-    start = None if _int_attr(node, "begin_mask") & 1 else begin[0]
-    stop = None if _int_attr(node, "end_mask") & 1 else end[0]
-    if _int_attr(node, "shrink_axis_mask") & 1:  # vector[begin]
+    start = None if attr_value(node, "begin_mask", "i") & 1 else begin[0]
+    stop = None if attr_value(node, "end_mask", "i") & 1 else end[0]
+    if attr_value(node, "shrink_axis_mask", "i") & 1:  # vector[begin]
         return None if start is None or not -len(vector) <= start < len(vector) else [vector[start]]
     return vector[start:stop]
-
-
-def _int_attr(node, name: str) -> int:
-    return node.attr[name].i if name in node.attr else 0
 
 
 def _one_hot_of_sum(fg: FunctionGraph, node):

@@ -96,8 +96,9 @@ def _dropped(fg: FunctionGraph, site: Site, prefix: str):
     return masked, outside
 
 
-def _either(fg: FunctionGraph, name: str, a: Optional[Ref], b: Optional[Ref]) -> Ref:
-    return b if a is None else a if b is None else fg.add_op(name, "LogicalOr", [a, b], {}, shapes=[None])
+def _combined(fg: FunctionGraph, name: str, op: str, attrs: dict, a: Optional[Ref], b: Optional[Ref]) -> Ref:
+    """op(a, b), or whichever of them is not None."""
+    return b if a is None else a if b is None else fg.add_op(name, op, [a, b], attrs, shapes=[None])
 
 
 def _zero_times(fg: FunctionGraph, prefix: str, hazards: list, out: int) -> Optional[Ref]:
@@ -118,10 +119,6 @@ def _zero_times(fg: FunctionGraph, prefix: str, hazards: list, out: int) -> Opti
     return zeros
 
 
-def _add(fg: FunctionGraph, name: str, a: Optional[Ref], b: Optional[Ref], out: int) -> Ref:
-    return b if a is None else a if b is None else fg.add_op(name, "AddV2", [a, b], {"T": DType(out)}, shapes=[None])
-
-
 def build_nan_term(fg: FunctionGraph, site: Site) -> None:
     """Before fusing (the mask and weights as matched): site.nan_term, [..., 1] in the table's dtype (float32 for
     a float16 / bfloat16 table: fuse.py adds it to the bag in float32)."""
@@ -132,22 +129,22 @@ def build_nan_term(fg: FunctionGraph, site: Site) -> None:
     after = _zero_times(fg, prefix + "/after", [h for h in site.drop_hazards if h[4]], out)
     before = _zero_times(fg, prefix + "/before", [h for h in site.drop_hazards if not h[4]], out)
     masked, outside = _dropped(fg, site, prefix)
+    add = {"T": DType(out)}
     if masked is None and outside is None:  # every position: broadcast a shared or per-bag multiplier to the ids
-        zeros = fg.add_op(prefix + "/at_ids", "AddV2", [_add(fg, prefix + "/both", after, before, out),
-                                                        _zeros_like_ids(fg, site, prefix, out)],
-                          {"T": DType(out)}, shapes=[None])
+        zeros = fg.add_op(prefix + "/at_ids", "AddV2", [_combined(fg, prefix + "/both", "AddV2", add, after, before),
+                                                        _zeros_like_ids(fg, site, prefix, out)], add, shapes=[None])
     else:
         none = fg.add_const(prefix + "/kept", np.array(0, _np_float(out)))
         if after is not None:  # a mask before the multiplier drops its zeros too
-            after = fg.add_op(prefix + "/at_dropped", "SelectV2", [_either(
-                fg, prefix + "/dropped", masked, outside), after, none], {"T": DType(out)}, shapes=[None])
+            dropped = _combined(fg, prefix + "/dropped", "LogicalOr", {}, masked, outside)
+            after = fg.add_op(prefix + "/at_dropped", "SelectV2", [dropped, after, none], add, shapes=[None])
         if before is not None:  # a mask after it drops the NaN (one-hot lookups only: outside is set)
             kept = outside if masked is None else fg.add_op(prefix + "/outside_kept", "LogicalAnd", [
                 outside, fg.add_op(prefix + "/mask_keeps", "LogicalNot", [masked], {}, shapes=[None])], {},
                 shapes=[None])
             before = fg.add_op(prefix + "/at_outside", "SelectV2", [kept, before, none], {"T": DType(out)},
                                shapes=[None])
-        zeros = _add(fg, prefix + "/sum", after, before, out)
+        zeros = _combined(fg, prefix + "/sum", "AddV2", add, after, before)
     segments = _segment_root(fg, site)
     if segments is not None:
         per_bag = _per_segment(fg, prefix, zeros, segments, out)
@@ -172,7 +169,7 @@ def _segment_root(fg: FunctionGraph, site: Site):
 
 def _per_segment(fg: FunctionGraph, prefix: str, zeros: Ref, root, out: int) -> Ref:
     """The per-id zeros summed into the root's bags by its own segment ids (and number of segments)."""
-    ins = [r for r in fg.inputs(root)]
+    ins = fg.inputs(root)
     ids_type = tensor_dtype(fg, ins[1])
     if root.op in _SORTED_SEGMENT_OPS:
         return fg.add_op(prefix + "/per_bag", "SegmentSum", [zeros, ins[1]], {

@@ -31,17 +31,22 @@ def _jit_function(dtype):
                        input_signature=specs, jit_compile=True)
 
 
+def _stock_converted_with_a_check(fn):
+    """`fn`'s .tflite from the stock converter (custom ops allowed), which holds PkmCheckThen: the op
+    library this repo builds registers it, so a trace without one is the check gone missing."""
+    converter = tf.lite.TFLiteConverter.from_concrete_functions([fn.get_concrete_function()])
+    converter.allow_custom_ops = True
+    model = converter.convert()
+    assert b"PkmCheckThen" in model, "the jit_compile trace holds no PkmCheckThen: its run-time check is gone"
+    return model
+
+
 @pytest.fixture(scope="module", params=["float32", "float16"])
 def converted(request, tmp_path_factory):
     """(jit_compile function, path of its stock-converted .tflite, numpy dtype of the table and weights)."""
     fn = _jit_function(tf.as_dtype(request.param))
-    converter = tf.lite.TFLiteConverter.from_concrete_functions([fn.get_concrete_function()])
-    converter.allow_custom_ops = True
-    model = converter.convert()
-    if b"PkmCheckThen" not in model:
-        pytest.skip("no run-time check in this trace (an op library without PkmCheckThen)")
     path = tmp_path_factory.mktemp("check_then") / f"{request.param}.tflite"
-    path.write_bytes(model)
+    path.write_bytes(_stock_converted_with_a_check(fn))
     return fn, str(path), np.dtype(request.param)
 
 
@@ -91,13 +96,8 @@ def masked(tmp_path_factory):
              tf.TensorSpec([None], tf.bool)]
     fn = tf.function(lambda ids, w, keep_ids, keep_w: ops.embedding_bag(
         table, tf.boolean_mask(ids, keep_ids), tf.boolean_mask(w, keep_w)), input_signature=specs, jit_compile=True)
-    converter = tf.lite.TFLiteConverter.from_concrete_functions([fn.get_concrete_function()])
-    converter.allow_custom_ops = True
-    model = converter.convert()
-    if b"PkmCheckThen" not in model:
-        pytest.skip("no run-time check in this trace (an op library without PkmCheckThen)")
     path = tmp_path_factory.mktemp("check_then_masked") / "masked.tflite"
-    path.write_bytes(model)
+    path.write_bytes(_stock_converted_with_a_check(fn))
     return fn, str(path)
 
 
