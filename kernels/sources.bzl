@@ -15,6 +15,7 @@ a .cc/.cu under kernels/ or tflite_delegate/ is in no list.
 # ---- the framework-free kernel core: in every production library ----------
 PKM_CORE_SRCS = [
     "kernels/core/backward.cc",
+    "kernels/core/bag_columns_avx512.cc",
     "kernels/core/bag_problem.cc",
     "kernels/core/bag_window.cc",
     "kernels/core/embedding_bag.cc",

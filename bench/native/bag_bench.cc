@@ -8,6 +8,14 @@
 //   bag_bench forward B K D N DTYPE THREADS REPEATS [COMBINER]
 //       pkm::Forward on random bags (no padding) with THREADS std::threads;
 //       prints the best ms and the GB/s of gathered rows.
+//   bag_bench gather B K D N DTYPE THREADS REPEATS
+//       the forward's reads alone, on the same table (2 MB pages, as the
+//       core asks for) and bags: each thread reads the rows of its bags with
+//       64-byte loads OR-ed into one register (no arithmetic, no output),
+//       prefetching the rows AHEAD entries later; every AHEAD in 1..128 and
+//       both prefetch hints tried, the fastest kept. Prints its best ms and
+//       GB/s: how fast plain loops read those rows here (not a strict bound:
+//       a kernel that spreads its prefetches differently can beat it).
 //   bag_bench pages-ab B K D N DTYPE THREADS ROUNDS
 //       the same forward on two copies of the table, called alternately: one
 //       left to the core (which collapses it to huge pages), one marked
@@ -28,6 +36,7 @@
 #include <vector>
 
 #include "kernels/core/embedding_bag.h"
+#include "kernels/core/table_pages.h"
 
 namespace {
 
@@ -155,6 +164,83 @@ int Forward(int64_t B, int64_t K, int64_t D, int64_t N, const std::string& dtype
 }
 
 
+// The bytes of rows [0, count) of `rows` OR-ed together (low 32 bits), 64 bytes a load
+// (rows a multiple of 64 bytes long), prefetching row k + ahead with each row k.
+template <int kHint>
+__attribute__((target("avx512f"))) int OrRowsAvx512(const uint8_t* const* rows, int64_t count, int64_t ahead,
+                                                         int64_t row_bytes) {
+  __m512i acc = _mm512_setzero_si512();
+  for (int64_t k = 0; k < count; ++k) {
+    const uint8_t* next = rows[std::min(k + ahead, count - 1)];
+    for (int64_t off = 0; off < row_bytes; off += 64) {
+      __builtin_prefetch(next + off, 0, kHint);
+      acc = _mm512_or_si512(acc, _mm512_loadu_si512(rows[k] + off));
+    }
+  }
+  return _mm_cvtsi128_si32(_mm512_castsi512_si128(acc));
+}
+template <int kHint>
+__attribute__((target("avx2"))) int OrRowsAvx2(const uint8_t* const* rows, int64_t count, int64_t ahead,
+                                                    int64_t row_bytes) {
+  __m256i acc = _mm256_setzero_si256();
+  for (int64_t k = 0; k < count; ++k) {
+    const uint8_t* next = rows[std::min(k + ahead, count - 1)];
+    for (int64_t off = 0; off < row_bytes; off += 64) {
+      __builtin_prefetch(next + off, 0, kHint);
+      const __m256i* p = reinterpret_cast<const __m256i*>(rows[k] + off);
+      acc = _mm256_or_si256(acc, _mm256_or_si256(_mm256_loadu_si256(p), _mm256_loadu_si256(p + 1)));
+    }
+  }
+  return _mm256_cvtsi256_si32(acc);
+}
+
+int Gather(int64_t B, int64_t K, int64_t D, int64_t N, const std::string& dtype, int threads, int repeats) {
+  const int64_t elem = dtype == "float32" ? 4 : dtype == "int8" ? 1 : 2;
+  const int64_t row_bytes = D * elem;
+  if (row_bytes % 64 != 0) {
+    std::fprintf(stderr, "gather: rows must be a multiple of 64 bytes (D * element size = %lld)\n",
+                 static_cast<long long>(row_bytes));
+    return 2;
+  }
+  const size_t table_bytes = (static_cast<size_t>(N * row_bytes) + (2u << 20) - 1) & ~((size_t{2} << 20) - 1);
+  uint8_t* table = static_cast<uint8_t*>(std::aligned_alloc(size_t{2} << 20, table_bytes));
+  std::memset(table, 0x3c, table_bytes);
+  pkm::internal::AdviseTableHugePages(table, table_bytes);
+  std::mt19937_64 rng(1);  // the indices Forward draws
+  std::vector<const uint8_t*> rows(B * K);
+  for (auto& r : rows) r = table + static_cast<int64_t>(rng() % N) * row_bytes;
+  const bool avx512 = __builtin_cpu_supports("avx512f");
+  volatile int sink = 0;
+  double best = 1e30;
+  int best_ahead = 0, best_hint = 0;
+  for (int hint : {2, 3})
+    for (int ahead : {1, 2, 4, 8, 16, 32, 64, 128})
+      for (int r = 0; r < repeats + 1; ++r) {
+        const double t0 = Now();
+        Threads(threads)(B, 1, [&](int64_t b0, int64_t b1) {
+          const uint8_t* const* first = rows.data() + b0 * K;
+          const int64_t count = (b1 - b0) * K;
+          const int bits = avx512 ? (hint == 3 ? OrRowsAvx512<3> : OrRowsAvx512<2>)(first, count, ahead, row_bytes)
+                                  : (hint == 3 ? OrRowsAvx2<3> : OrRowsAvx2<2>)(first, count, ahead, row_bytes);
+          sink = sink + bits;
+        });
+        const double t = Now() - t0;
+        if (r > 0 && t < best) {
+          best = t;
+          best_ahead = ahead;
+          best_hint = hint;
+        }
+      }
+  const double gathered = static_cast<double>(B) * K * row_bytes;
+  std::printf("{\"B\": %lld, \"K\": %lld, \"D\": %lld, \"N\": %lld, \"dtype\": \"%s\", \"threads\": %d, "
+              "\"best_ms\": %.3f, \"gathered_gbps\": %.2f, \"ahead\": %d, \"prefetch\": \"%s\", "
+              "\"loads\": \"%s\"}\n",
+              (long long)B, (long long)K, (long long)D, (long long)N, dtype.c_str(), threads, best * 1e3,
+              gathered / best / 1e9, best_ahead, best_hint == 3 ? "t0" : "t1", avx512 ? "avx512" : "avx2");
+  std::free(table);
+  return 0;
+}
+
 long AnonHugeKb() {
   FILE* f = std::fopen("/proc/self/smaps_rollup", "r");
   if (f == nullptr) return -1;
@@ -223,9 +309,12 @@ int main(int argc, char** argv) {
   if (argc >= 9 && std::strcmp(argv[1], "forward") == 0)
     return Forward(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5]), argv[6],
                    std::atoi(argv[7]), std::atoi(argv[8]), argc > 9 ? argv[9] : "sum");
+  if (argc >= 9 && std::strcmp(argv[1], "gather") == 0)
+    return Gather(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5]), argv[6],
+                  std::atoi(argv[7]), std::atoi(argv[8]));
   if (argc >= 9 && std::strcmp(argv[1], "pages-ab") == 0)
     return PagesAb(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5]), argv[6],
                    std::atoi(argv[7]), std::atoi(argv[8]));
-  std::fprintf(stderr, "usage: bag_bench stream THREADS MIB REPEATS | stream-resident THREADS MIB PASSES REPEATS | forward B K D N DTYPE THREADS REPEATS [COMBINER] | pages-ab B K D N DTYPE THREADS ROUNDS\n");
+  std::fprintf(stderr, "usage: bag_bench stream THREADS MIB REPEATS | stream-resident THREADS MIB PASSES REPEATS | forward B K D N DTYPE THREADS REPEATS [COMBINER] | gather B K D N DTYPE THREADS REPEATS | pages-ab B K D N DTYPE THREADS ROUNDS\n");
   return 2;
 }

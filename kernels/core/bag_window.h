@@ -26,6 +26,7 @@ struct BagWindow {
   int64_t count = 0;                   // their valid entries; the vectors may be longer
   std::vector<const char*> rows;       // the entries' rows, in order
   std::vector<float> coefs;            // w (for int8 tables, ApplyRowParams multiplies in the row scale)
+  std::vector<const char*> ahead_rows; // the row each entry's kernel prefetches (SumBagBlock)
   std::vector<int64_t> row_ids;        // the entries' row numbers (int8 tables only)
   std::vector<int64_t> ends;           // entry end of each bag in rows
   std::vector<float> weight_sums, weight_sq_sums;
@@ -57,12 +58,15 @@ int64_t PrefetchAhead(int64_t row_bytes);
 // into acc in place of zeroing acc and adding it; it returns false where it
 // cannot. Finish(b, acc, weight_sum, weight_sq_sum, bias_sum) writes bag b's
 // output from acc.
+// Bag(coefs, rows, ahead_rows, count, acc, n) may sum a whole bag of
+// vec::kSumBagMinRows entries or more into acc (overwriting it) in place of
+// the group and row kernels; it returns false where it cannot.
 // acc_in_out (float32 outputs only): acc is bag b's output row itself, so
 // Finish only scales it in place; one pass of stores over the row fewer, which
 // is a large share of a bag of a few rows.
-template <typename Group, typename Row, typename Assign, typename Finish>
+template <typename Group, typename Row, typename Assign, typename Bag, typename Finish>
 void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, Group group, Row row, Assign assign,
-                 char* out, int64_t out_row_bytes, bool acc_in_out, Finish finish) {
+                 Bag bag, char* out, int64_t out_row_bytes, bool acc_in_out, Finish finish) {
   if (b0 >= b1) return;
   const int64_t dim = table.dim;
   const int64_t row_bytes = dim * ElemSize(table.type);
@@ -88,6 +92,8 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
       if (a - count < next->size()) return next->rows[a - count];
       return cur->rows[k];
     };
+    cur->ahead_rows.resize(count);
+    for (int64_t k = 0; k < count; ++k) cur->ahead_rows[k] = later(k);
     int64_t begin = 0;
     for (int64_t b = cur->first_bag; b < cur->end_bag; ++b) {
       // The next bag's output row, for writing: its lines are then owned by
@@ -98,19 +104,22 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
           __builtin_prefetch(out + (b + 1) * out_row_bytes + off, 1, 3);
       const int64_t i = b - cur->first_bag, end = cur->ends[i];
       float* const sums = acc_in_out ? reinterpret_cast<float*>(out + b * out_row_bytes) : acc.data();
-      const char* group_ahead[vec::kRowGroup];
+      const char* const* ahead_rows = cur->ahead_rows.data();
       float bias_sum = 0.f;
       int64_t k = begin;
+      if (end - k >= vec::kSumBagMinRows &&
+          bag(cur->coefs.data() + k, cur->rows.data() + k, ahead_rows + k, end - k, sums, dim))
+        k = end;
       // (int8 tables have no assign kernel: every entry of theirs gets its scale below)
-      if (k < end && end - k < vec::kRowGroup && assign(cur->coefs[k], cur->rows[k], later(k), sums, dim)) ++k;
+      else if (k < end && end - k < vec::kRowGroup && assign(cur->coefs[k], cur->rows[k], ahead_rows[k], sums, dim))
+        ++k;
       else std::fill(sums, sums + dim, 0.f);
       for (; k + vec::kRowGroup <= end; k += vec::kRowGroup) {
-        for (int r = 0; r < vec::kRowGroup; ++r) group_ahead[r] = later(k + r);
         if (row_params) ApplyRowParams(table, cur, k, k + vec::kRowGroup, &bias_sum);
-        group(cur->coefs.data() + k, cur->rows.data() + k, group_ahead, sums, dim);
+        group(cur->coefs.data() + k, cur->rows.data() + k, ahead_rows + k, sums, dim);
       }
       if (row_params) ApplyRowParams(table, cur, k, end, &bias_sum);
-      for (; k < end; ++k) row(cur->coefs[k], cur->rows[k], later(k), sums, dim);
+      for (; k < end; ++k) row(cur->coefs[k], cur->rows[k], ahead_rows[k], sums, dim);
       finish(b, sums, cur->weight_sums[i], cur->weight_sq_sums[i], bias_sum);
       begin = end;
     }

@@ -510,6 +510,66 @@ void FromAccMatchesDefinition() {
   EXPECT(mismatches == 0, "FromAcc differs from RestoreAccOrder + FromFloat in %d of %d cases", mismatches, cases);
 }
 
+// vec::SumBag, the forward's whole-bag kernel, against a float64 sum of the
+// same rows at each width of its last column block (none, 1-15 vectors of
+// 16), and for bfloat16 bitwise against the group and row kernels summing
+// the same rows into a zeroed acc (the same fma chain per column). Where it
+// has no kernel (no AVX-512; rows not whole 64-byte lines or over 512 columns) it
+// must return false and leave acc alone.
+void SumBagCases() {
+  using pkm::ElemType;
+#if defined(PKM_X86_F16C)
+  const bool avx512 = pkm::vec::f16c::HasAvx512();
+#else
+  const bool avx512 = false;
+#endif
+  std::mt19937_64 rng(123);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (ElemType type : {ElemType::kFloat32, ElemType::kFloat16, ElemType::kBFloat16}) {
+    for (int64_t n : {16, 32, 100, 224, 256, 288, 480, 512, 544, 1024}) {
+      const int64_t count = 77, row_bytes = n * pkm::ElemSize(type);
+      const auto data = RandomBuffer(rng, type, count * n);
+      std::vector<float> a(count);
+      for (auto& v : a) v = u(rng);
+      std::vector<const char*> rows(count), ahead(count);
+      for (int64_t k = 0; k < count; ++k) rows[k] = reinterpret_cast<const char*>(data.data()) + k * row_bytes;
+      for (int64_t k = 0; k < count; ++k) ahead[k] = rows[(k + 5) % count];
+      std::vector<float> got(n, 12345.f);
+      const bool ran = pkm::vec::SumBag(type, a.data(), rows.data(), ahead.data(), count, got.data(), n);
+      const bool eligible = avx512 && row_bytes % 64 == 0 && n <= 512;
+      EXPECT(ran == eligible, "SumBag type=%d n=%lld ran=%d, expected %d", int(type), static_cast<long long>(n),
+             int(ran), int(eligible));
+      if (!ran) {
+        EXPECT(std::all_of(got.begin(), got.end(), [](float v) { return v == 12345.f; }),
+               "SumBag type=%d n=%lld wrote acc without a kernel", int(type), static_cast<long long>(n));
+        continue;
+      }
+      pkm::vec::RestoreAccOrder(type, got.data(), n);
+      int64_t bad = -1;
+      for (int64_t i = 0; i < n && bad < 0; ++i) {
+        double sum = 0, magnitude = 0;
+        for (int64_t k = 0; k < count; ++k) {
+          const double term = static_cast<double>(a[k]) * Load(data, type, k * n + i);
+          sum += term;
+          magnitude += std::fabs(term);
+        }
+        if (!(std::fabs(got[i] - sum) <= 1e-6 * magnitude + 1e-30)) bad = i;
+      }
+      EXPECT(bad < 0, "SumBag type=%d n=%lld: column %lld off the float64 sum", int(type),
+             static_cast<long long>(n), static_cast<long long>(bad));
+      if (type != ElemType::kBFloat16) continue;
+      std::vector<float> want(n, 0.f);
+      int64_t k = 0;
+      for (; k + pkm::vec::kRowGroup <= count; k += pkm::vec::kRowGroup)
+        pkm::vec::AxpyGroup(type, a.data() + k, rows.data() + k, ahead.data() + k, want.data(), n);
+      for (; k < count; ++k) pkm::vec::AxpyRow(type, a[k], rows[k], ahead[k], want.data(), n);
+      pkm::vec::RestoreAccOrder(type, want.data(), n);
+      EXPECT(std::memcmp(got.data(), want.data(), n * sizeof(float)) == 0,
+             "SumBag bfloat16 n=%lld differs from the group kernels' sums", static_cast<long long>(n));
+    }
+  }
+}
+
 // A table over the huge-page threshold (8 MB): the forward asks Linux to
 // collapse it to 2 MB pages (table_pages.h) before reading it. The table's
 // contents and the results must be those of the reference, on the first call
@@ -675,7 +735,7 @@ void WindowCases() {
   using pkm::ElemType;
   std::mt19937_64 rng(77);
   for (ElemType type : {ElemType::kFloat32, ElemType::kFloat16, ElemType::kBFloat16, ElemType::kInt8}) {
-    for (int64_t dim : {1, 8, 15, 16, 24, 33, 48, 64, 72, 80, 96, 112, 120, 128, 144, 512}) {
+    for (int64_t dim : {1, 8, 15, 16, 24, 33, 48, 64, 72, 80, 96, 112, 120, 128, 144, 256, 288, 512}) {
       const int64_t num_rows = 997;
       std::vector<int64_t> sizes = {700, 1, 0, 300};
       for (int b = 0; b < 200; ++b) sizes.push_back(rng() % 5);
@@ -901,6 +961,7 @@ int main() {
   StreamedGradientCases();
   HalfConversions();
   FromAccMatchesDefinition();
+  SumBagCases();
   std::printf("core tests: %d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

@@ -234,9 +234,14 @@ Status ForwardInt8(const Table& table, const Bags& bags, Combiner combiner, void
   char* out_bytes = static_cast<char*>(out);
   const bool acc_in_out = out_type == ElemType::kFloat32;
   pf(bags.num_bags, avg_bag * (dim / 4 + 16), [&](int64_t b0, int64_t b1) {
-    // No Assign kernel for int8 rows: every bag starts from zeroed sums.
+    // No Assign or whole-bag kernel for int8 rows: every bag starts from zeroed
+    // sums, and each group's row scales are applied just before it is summed.
     const auto no_assign = [](float, const char*, const char*, float*, int64_t) { return false; };
-    SumBagBlock(table, bags, b0, b1, kAccumulateGroup, AccumulateRow, no_assign, out_bytes, out_row_bytes, acc_in_out,
+    const auto no_bag = [](const float*, const char* const*, const char* const*, int64_t, float*, int64_t) {
+      return false;
+    };
+    SumBagBlock(table, bags, b0, b1, kAccumulateGroup, AccumulateRow, no_assign, no_bag, out_bytes, out_row_bytes,
+                acc_in_out,
                 [&](int64_t b, float* acc, float weight_sum, float weight_sq_sum, float bias_sum) {
                   const float scale = CombinerScale(combiner, weight_sum, weight_sq_sum);
                   if (acc_in_out) FinishInPlace(acc, bias_sum, scale, dim);
