@@ -73,7 +73,7 @@ bool AssignRow(ElemType type, float a, const char* row, const char* ahead, float
 // are not whole 64-byte lines or wider than 512 columns. Meant for bags of
 // kSumBagMinRows rows or more. Where it is not used, it measured slower than
 // the group kernels (2 threads, N=65536, the core alone, on the Xeon): bags
-// of 8-32 bfloat16 rows of 512 columns 1.04-1.07x the time, 1024 columns
+// of 8-32 bfloat16 rows of 512 columns 1.03-1.13x the time, 1024 columns
 // 1.03x, float32 rows of 1024-2048 columns 1.01-1.08x.
 constexpr int64_t kSumBagMinRows = 64;
 bool SumBag(ElemType type, const float* a, const char* const* rows, const char* const* ahead, int64_t count,
