@@ -11,8 +11,9 @@
 // Measured against the group kernels, 2 threads, B=2048 N=65536, the core
 // alone (bench/results/cpu_bag_kernel_ab_xeon207_round41.md): on the Xeon
 // (model 207) K=64-128 D=512 bfloat16 and float16 0.86-0.91x the time, D=256
-// bfloat16 0.90-1.0x, float32 0.97-1.05x (no gain); a first version on the
-// 2-core Zen 5 EPYC, D=512 float32 0.86x, bfloat16 0.9x.
+// bfloat16 0.90-1.0x, float16 D=64-256 0.84-0.96x, float32 0.97-1.05x (no
+// gain); a first version on the 2-core Zen 5 EPYC, D=512 float32 0.86x,
+// bfloat16 0.9x.
 #include "kernels/core/vector_ops.h"
 
 #if defined(PKM_X86_F16C)
