@@ -40,13 +40,16 @@ MAIN = (2048, 128, 512, 65536)
 SWEEP = [(2048, 128, 64, 65536), (2048, 128, 128, 65536), (2048, 128, 2048, 65536),
          (2048, 1, 512, 65536), (2048, 8, 512, 65536), (2048, 32, 512, 65536)]
 BAG_BENCH = os.path.join(ROOT, "build", "bench", "bag_bench")
-CORE_OBJS = ["bag_columns_avx512", "bag_problem", "bag_window", "backward", "embedding_bag", "forward", "forward_int8", "shape_rules", "short_rows", "table_pages",
-             "vector_ops", "vector_ops_f16c"]
 
 
 def bag_bench() -> str:
-    """The native helper, built from the core objects `make build` left in build/core."""
-    objs = [os.path.join(ROOT, "build", "core", f"{o}.o") for o in CORE_OBJS]
+    """The native helper, built from the core objects `make build` left in build/core (the core's sources as
+    kernels/sources.bzl lists them)."""
+    sys.path.insert(0, os.path.join(ROOT, "kernels"))
+    from bzl_to_make import read_lists
+
+    core = read_lists(os.path.join(ROOT, "kernels", "sources.bzl"))["PKM_CORE_SRCS"]
+    objs = [os.path.join(ROOT, "build", "core", os.path.basename(src)[:-len(".cc")] + ".o") for src in core]
     src = os.path.join(HERE, "native", "bag_bench.cc")
     newest = max(os.path.getmtime(p) for p in objs + [src])
     if not os.path.exists(BAG_BENCH) or os.path.getmtime(BAG_BENCH) < newest:

@@ -142,8 +142,7 @@ def build_nan_term(fg: FunctionGraph, site: Site) -> None:
             kept = outside if masked is None else fg.add_op(prefix + "/outside_kept", "LogicalAnd", [
                 outside, fg.add_op(prefix + "/mask_keeps", "LogicalNot", [masked], {}, shapes=[None])], {},
                 shapes=[None])
-            before = fg.add_op(prefix + "/at_outside", "SelectV2", [kept, before, none], {"T": DType(out)},
-                               shapes=[None])
+            before = fg.add_op(prefix + "/at_outside", "SelectV2", [kept, before, none], add, shapes=[None])
         zeros = _combined(fg, prefix + "/sum", "AddV2", add, after, before)
     segments = _segment_root(fg, site)
     if segments is not None:
