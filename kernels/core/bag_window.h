@@ -64,9 +64,12 @@ int64_t PrefetchAhead(int64_t row_bytes);
 // acc_in_out (float32 outputs only): acc is bag b's output row itself, so
 // Finish only scales it in place; one pass of stores over the row fewer, which
 // is a large share of a bag of a few rows.
-template <typename Group, typename Row, typename Assign, typename Bag, typename Finish>
+// Single(b, coef, row, ahead_row, weight_sum, weight_sq_sum) may write bag
+// b's output from its only entry in place of Assign and Finish; it returns
+// false where it cannot.
+template <typename Group, typename Row, typename Assign, typename Bag, typename Single, typename Finish>
 void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, Group group, Row row, Assign assign,
-                 Bag bag, char* out, int64_t out_row_bytes, bool acc_in_out, Finish finish) {
+                 Bag bag, Single single, char* out, int64_t out_row_bytes, bool acc_in_out, Finish finish) {
   if (b0 >= b1) return;
   const int64_t dim = table.dim;
   const int64_t row_bytes = dim * ElemSize(table.type);
@@ -103,6 +106,11 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
         for (int64_t off = 0; off < out_row_bytes; off += 64)
           __builtin_prefetch(out + (b + 1) * out_row_bytes + off, 1, 3);
       const int64_t i = b - cur->first_bag, end = cur->ends[i];
+      if (end - begin == 1 && single(b, cur->coefs[begin], cur->rows[begin], cur->ahead_rows[begin],
+                                     cur->weight_sums[i], cur->weight_sq_sums[i])) {
+        begin = end;
+        continue;
+      }
       float* const sums = acc_in_out ? reinterpret_cast<float*>(out + b * out_row_bytes) : acc.data();
       const char* const* ahead_rows = cur->ahead_rows.data();
       float bias_sum = 0.f;

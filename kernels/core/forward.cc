@@ -107,6 +107,10 @@ Status SumBags(const Table& table, const Bags& bags, Combiner combiner, void* ou
           },
           [type](const float* a, const char* const* rows, const char* const* ahead, int64_t count, float* acc,
                  int64_t n) { return vec::SumBag(type, a, rows, ahead, count, acc, n); },
+          [&](int64_t b, float a, const char* row, const char* ahead, float weight_sum, float weight_sq_sum) {
+            const float scale = internal::CombinerScale(combiner, weight_sum, weight_sq_sum);
+            return vec::SingleRowBag(type, a, scale, row, ahead, out_type, out_bytes + b * out_row_bytes, dim);
+          },
           out_bytes, out_row_bytes, acc_in_out,
           [&](int64_t b, float* acc, float weight_sum, float weight_sq_sum, float) {
             const float scale = internal::CombinerScale(combiner, weight_sum, weight_sq_sum);

@@ -240,8 +240,9 @@ Status ForwardInt8(const Table& table, const Bags& bags, Combiner combiner, void
     const auto no_bag = [](const float*, const char* const*, const char* const*, int64_t, float*, int64_t) {
       return false;
     };
-    SumBagBlock(table, bags, b0, b1, kAccumulateGroup, AccumulateRow, no_assign, no_bag, out_bytes, out_row_bytes,
-                acc_in_out,
+    const auto no_single = [](int64_t, float, const char*, const char*, float, float) { return false; };
+    SumBagBlock(table, bags, b0, b1, kAccumulateGroup, AccumulateRow, no_assign, no_bag, no_single, out_bytes,
+                out_row_bytes, acc_in_out,
                 [&](int64_t b, float* acc, float weight_sum, float weight_sq_sum, float bias_sum) {
                   const float scale = CombinerScale(combiner, weight_sum, weight_sq_sum);
                   if (acc_in_out) FinishInPlace(acc, bias_sum, scale, dim);

@@ -78,6 +78,13 @@ bool AssignRow(ElemType type, float a, const char* row, const char* ahead, float
 constexpr int64_t kSumBagMinRows = 64;
 bool SumBag(ElemType type, const float* a, const char* const* rows, const char* const* ahead, int64_t count,
             float* acc, int64_t n);
+// A bag of one entry straight into its output row: dst = FromAcc(scale, a *
+// row) in out_type, bitwise as AssignRow then FromAcc give it, without the
+// float32 row between them. Returns false, touching nothing, where it has no
+// kernel (all but bfloat16 rows and outputs of a multiple of 32 columns on
+// CPUs with AVX-512 BF16).
+bool SingleRowBag(ElemType type, float a, float scale, const char* row, const char* ahead, ElemType out_type,
+                  void* dst, int64_t n);
 // After the last AxpyGroup/AxpyRow into acc: puts acc in column order (some
 // kernels accumulate columns permuted within blocks; a no-op for the others).
 void RestoreAccOrder(ElemType type, float* acc, int64_t n);
