@@ -1,9 +1,9 @@
 // The weighted forward's whole-bag kernels for AVX-512 CPUs (SumBag in
-// vector_ops.h; bag_window.h calls it for bags of kSumBagMinRows rows or
-// more; without AVX-512, and in builds without PKM_X86_F16C, it returns
-// false). A bag's sum is taken a block of 256 columns at a time: the block's
-// sums stay in 16 zmm registers across all of the bag's rows and are stored
-// once, where the group kernels (AxpyGroup*) load and store acc once per
+// vector_ops.h; bag_window.h calls it for the bags PreferSumBag names;
+// without AVX-512, and in builds without PKM_X86_F16C, it returns false).
+// A bag's sum is taken a block of 256 columns at a time: the block's sums
+// stay in 16 zmm registers across all of the bag's rows and are stored once,
+// where the group kernels (AxpyGroup*) load and store acc once per
 // eight rows. Per column each kernel computes acc = fma(a[k], row_k, acc)
 // from zero in row order, as AxpyGroupBF16Avx512 does from a zeroed acc (so
 // bfloat16 bags come out bitwise the same; float32 and float16 rows were

@@ -58,9 +58,9 @@ int64_t PrefetchAhead(int64_t row_bytes);
 // into acc in place of zeroing acc and adding it; it returns false where it
 // cannot. Finish(b, acc, weight_sum, weight_sq_sum, bias_sum) writes bag b's
 // output from acc.
-// Bag(coefs, rows, ahead_rows, count, acc, n) may sum a whole bag of
-// vec::kSumBagMinRows entries or more into acc (overwriting it) in place of
-// the group and row kernels; it returns false where it cannot.
+// Bag(coefs, rows, ahead_rows, count, acc, n) may sum a whole bag that
+// vec::PreferSumBag names into acc (overwriting it) in place of the group and
+// row kernels; it returns false where it cannot.
 // acc_in_out (float32 outputs only): acc is bag b's output row itself, so
 // Finish only scales it in place; one pass of stores over the row fewer, which
 // is a large share of a bag of a few rows.
@@ -115,7 +115,7 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
       const char* const* ahead_rows = cur->ahead_rows.data();
       float bias_sum = 0.f;
       int64_t k = begin;
-      if (end - k >= vec::kSumBagMinRows &&
+      if (vec::PreferSumBag(table.type, dim, end - k) &&
           bag(cur->coefs.data() + k, cur->rows.data() + k, ahead_rows + k, end - k, sums, dim))
         k = end;
       // (int8 tables have no assign kernel: every entry of theirs gets its scale below)

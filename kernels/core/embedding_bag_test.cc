@@ -792,6 +792,7 @@ void WindowCases() {
       const int64_t num_rows = 997;
       std::vector<int64_t> sizes = {700, 1, 0, 300};
       for (int b = 0; b < 200; ++b) sizes.push_back(rng() % 5);
+      for (int b = 0; b < 40; ++b) sizes.push_back(5 + rng() % 60);  // the whole-bag kernel's smaller bags
       std::vector<int64_t> splits(1, 0);
       for (int64_t n : sizes) splits.push_back(splits.back() + n);
       std::vector<int64_t> idx(splits.back());

@@ -70,14 +70,26 @@ bool AssignRow(ElemType type, float a, const char* row, const char* ahead, float
 // (bag_columns_avx512.cc), prefetching as AxpyGroup does with ahead[k] for
 // rows[k]. acc gets AxpyGroup's column order. Returns false, touching
 // nothing, where it has no kernel: CPUs without AVX-512, int8 rows, rows that
-// are not whole 64-byte lines or wider than 512 columns. Meant for bags of
-// kSumBagMinRows rows or more. Where it is not used, it measured slower than
-// the group kernels (2 threads, N=65536, the core alone, on the Xeon): bags
-// of 8-32 bfloat16 rows of 512 columns 1.03-1.13x the time, 1024 columns
-// 1.03x, float32 rows of 1024-2048 columns 1.01-1.08x.
-constexpr int64_t kSumBagMinRows = 64;
+// are not whole 64-byte lines or wider than 512 columns. Meant for the bags
+// PreferSumBag names.
 bool SumBag(ElemType type, const float* a, const char* const* rows, const char* const* ahead, int64_t count,
             float* acc, int64_t n);
+// Whether the forward tries SumBag for a bag of `count` rows of n columns
+// before the group and row kernels. Measured against those (2 threads,
+// B=2048 N=65536, the core alone, on the Xeon model 207;
+// bench/results/cpu_bag_kernel_ab_xeon207_round4{1,2}.md): bags of
+// kSumBagMinRows rows or more 0.84-1.05x the time; float16 bags of 2-7 rows, which have no
+// AssignRow kernel, 0.62-0.93x; 16-bit rows of at most 256 columns in bags of
+// kRowGroup rows or more 0.92-0.98x. Slower where it is not used: bfloat16
+// bags of 2-4 rows of 256 columns 1.01-1.07x; 16-bit bags of 8-32 rows of 512
+// columns 1.02-1.13x; float32 bags of 8-32 rows of 256 columns 1.02-1.06x,
+// of 1024-2048 columns 1.01-1.08x.
+constexpr int64_t kSumBagMinRows = 64;
+inline bool PreferSumBag(ElemType type, int64_t n, int64_t count) {
+  if (count >= kSumBagMinRows) return true;
+  if (type == ElemType::kFloat16 && count >= 2 && count < kRowGroup) return true;
+  return (type == ElemType::kFloat16 || type == ElemType::kBFloat16) && n <= 256 && count >= kRowGroup;
+}
 // A bag of one entry straight into its output row: dst = FromAcc(scale, a *
 // row) in out_type, bitwise as AssignRow then FromAcc give it, without the
 // float32 row between them. Returns false, touching nothing, where it has no
