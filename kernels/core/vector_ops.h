@@ -76,14 +76,14 @@ bool SumBag(ElemType type, const float* a, const char* const* rows, const char* 
             float* acc, int64_t n);
 // Whether the forward tries SumBag for a bag of `count` rows of n columns
 // before the group and row kernels. Measured against those (2 threads,
-// B=2048 N=65536, the core alone, on the Xeon model 207;
-// bench/results/cpu_bag_kernel_ab_xeon207_round4{1,2}.md): bags of
-// kSumBagMinRows rows or more 0.84-1.05x the time; float16 bags of 2-7 rows, which have no
-// AssignRow kernel, 0.62-0.93x; 16-bit rows of at most 256 columns in bags of
-// kRowGroup rows or more 0.92-0.98x. Slower where it is not used: bfloat16
-// bags of 2-4 rows of 256 columns 1.01-1.07x; 16-bit bags of 8-32 rows of 512
-// columns 1.02-1.13x; float32 bags of 8-32 rows of 256 columns 1.02-1.06x,
-// of 1024-2048 columns 1.01-1.08x.
+// B=2048 N=65536, the core alone, on the Xeon model 207; rounds 41 and 42 in
+// bench/results/cpu_bag_kernel_ab_xeon207_round41.md and _round42.md): bags
+// of kSumBagMinRows rows or more 0.84-1.05x the time; float16 bags of 2-7
+// rows, which have no AssignRow kernel, 0.62-0.93x; 16-bit rows of at most
+// 256 columns in bags of kRowGroup rows or more 0.92-0.98x. Slower where it
+// is not used: bfloat16 bags of 2-4 rows of 256 columns 1.01-1.07x; 16-bit
+// bags of 8-32 rows of 512 columns 1.02-1.13x; float32 bags of 8-32 rows of
+// 256 columns 1.02-1.06x, of 1024-2048 columns 1.01-1.08x.
 constexpr int64_t kSumBagMinRows = 64;
 inline bool PreferSumBag(ElemType type, int64_t n, int64_t count) {
   if (count >= kSumBagMinRows) return true;
