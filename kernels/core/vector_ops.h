@@ -78,8 +78,8 @@ bool SumBag(ElemType type, const float* a, const char* const* rows, const char* 
 // before the group and row kernels. Measured against those (2 threads,
 // B=2048 N=65536, the core alone, on the Xeon model 207; rounds 41 and 42 in
 // bench/results/cpu_bag_kernel_ab_xeon207_round41.md and _round42.md): bags
-// of kSumBagMinRows rows or more 0.84-1.05x the time; float16 bags of 2-7
-// rows, which have no AssignRow kernel, 0.62-0.93x; 16-bit rows of at most
+// of kSumBagMinRows rows or more 0.84-1.05x the time; float16 bags of 1-7
+// rows, which have no AssignRow kernel, 0.62-1.0x; 16-bit rows of at most
 // 256 columns in bags of kRowGroup rows or more 0.92-0.98x. Slower where it
 // is not used: bfloat16 bags of 2-4 rows of 256 columns 1.01-1.07x; 16-bit
 // bags of 8-32 rows of 512 columns 1.02-1.13x; float32 bags of 8-32 rows of
@@ -87,7 +87,7 @@ bool SumBag(ElemType type, const float* a, const char* const* rows, const char* 
 constexpr int64_t kSumBagMinRows = 64;
 inline bool PreferSumBag(ElemType type, int64_t n, int64_t count) {
   if (count >= kSumBagMinRows) return true;
-  if (type == ElemType::kFloat16 && count >= 2 && count < kRowGroup) return true;
+  if (type == ElemType::kFloat16 && count >= 1 && count < kRowGroup) return true;
   return (type == ElemType::kFloat16 || type == ElemType::kBFloat16) && n <= 256 && count >= kRowGroup;
 }
 // A bag of one entry straight into its output row: dst = FromAcc(scale, a *
