@@ -13,10 +13,12 @@
 // (model 207) K=64-128 D=512 bfloat16 and float16 0.86-0.91x the time, D=256
 // bfloat16 0.90-1.0x, float16 D=64-256 0.84-0.96x, float32 0.97-1.05x (no
 // gain); a first version on the 2-core Zen 5 EPYC, D=512 float32 0.86x,
-// bfloat16 0.9x. SingleRowBag (AVX-512 BF16) writes a bag of one bfloat16 row
-// straight into its bfloat16 output row; against AssignRow + FromAcc through
-// a float32 row, B=2048 K=1 D=512 on the Xeon (model 207), the core alone:
-// 0.93-0.94x the time (bench/results/cpu_roofline_notes.md, round 42).
+// bfloat16 0.9x. SingleRowBag (AVX-512 BF16; its kernel is in
+// vector_ops_f16c.cc, beside the rounding it shares) writes a bag of one
+// bfloat16 row straight into its bfloat16 output row; against AssignRow +
+// FromAcc through a float32 row, B=2048 K=1 D=512 on the Xeon (model 207),
+// the core alone: 0.93-0.94x the time (bench/results/cpu_roofline_notes.md,
+// round 42).
 #include "kernels/core/vector_ops.h"
 
 #if defined(PKM_X86_F16C)
@@ -130,38 +132,6 @@ PKM_AVX512_TARGET void SumBagBF16(const float* a, const char* const* rows, const
   SumBagImpl<BFloat16Rows>(a, rows, ahead, count, acc, n);
 }
 #undef PKM_AVX512_TARGET
-
-#define PKM_AVX512_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16,avx2,fma,f16c")))
-// SingleRowBag for bfloat16 rows and outputs, n a multiple of 32: per 32
-// columns, AssignBF16Avx512's products and ScaleBF16PairsToBF16Avx512Bf16's
-// scaling and rounding (the same operations in the same order), without the
-// float32 row between them.
-PKM_AVX512_BF16_TARGET void SingleRowBF16(float a, float scale, const char* row, const char* ahead, uint16_t* dst,
-                                          int64_t n) {
-  const __m512 w = _mm512_set1_ps(a), s = _mm512_set1_ps(scale);
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  // bf16 lane 2j takes even column j (converted lane j), lane 2j + 1 odd column j (lane 16 + j).
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  constexpr int kDenormalClass = 0x20;  // VFPCLASSPS: denormal
-  for (int64_t i = 0; i < n; i += 32) {
-    PrefetchTableLine(ahead + 2 * i);
-    const __m512i x = _mm512_loadu_si512(row + 2 * i);
-    const __m512 even_product = _mm512_mul_ps(w, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
-    const __m512 odd_product = _mm512_mul_ps(w, _mm512_castsi512_ps(_mm512_and_si512(x, high)));
-    const __m512 even = _mm512_mul_ps(s, even_product), odd = _mm512_mul_ps(s, odd_product);
-    if ((_mm512_fpclass_ps_mask(even, kDenormalClass) | _mm512_fpclass_ps_mask(odd, kDenormalClass)) != 0) {
-      alignas(64) float products[32];
-      _mm512_store_ps(products, even_product);
-      _mm512_store_ps(products + 16, odd_product);
-      f16c::ScaleBF16PairsToBF16Avx512(products, scale, dst + i, 32);
-      continue;
-    }
-    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // even in lanes 0-15
-    _mm512_storeu_si512(dst + i, _mm512_permutexvar_epi16(interleave, both));
-  }
-}
-#undef PKM_AVX512_BF16_TARGET
 }  // namespace
 #endif  // PKM_X86_F16C
 
@@ -183,7 +153,7 @@ bool SingleRowBag(ElemType type, float a, float scale, const char* row, const ch
                   void* dst, int64_t n) {
 #if defined(PKM_X86_F16C)
   if (type == ElemType::kBFloat16 && out_type == ElemType::kBFloat16 && n % 32 == 0 && f16c::HasAvx512Bf16()) {
-    SingleRowBF16(a, scale, row, ahead, static_cast<uint16_t*>(dst), n);
+    f16c::SingleRowBF16Avx512Bf16(a, scale, row, ahead, static_cast<uint16_t*>(dst), n);
     return true;
   }
 #endif

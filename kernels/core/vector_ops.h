@@ -186,6 +186,8 @@ void ScaleBF16PairsToBF16Avx512(const float* acc, float scale, uint16_t* dst, in
 bool HasAvx512Bf16();  // AVX-512 BW, DQ and BF16, and HasAvx512
 void ScaleBF16PairsToBF16Avx512Bf16(const float* acc, float scale, uint16_t* dst, int64_t n);
 void ScaleToBF16Avx512Bf16(const float* src, float scale, uint16_t* dst, int64_t n);
+// SingleRowBag's bfloat16 kernel (n a multiple of 32).
+void SingleRowBF16Avx512Bf16(float a, float scale, const char* row, const char* ahead, uint16_t* dst, int64_t n);
 void Max(const uint16_t* row, float* acc, int64_t n);
 void ToFloat(const uint16_t* src, float* dst, int64_t n);
 void ScaleTo(const float* src, float scale, uint16_t* dst, int64_t n);

@@ -384,27 +384,48 @@ bool HasAvx512Bf16() {
 
 namespace {
 constexpr int kDenormalClass = 0x20;  // VFPCLASSPS: denormal
+
+// 32 columns held as 16 even then 16 odd sums, scaled, rounded and stored
+// in column order as ScaleBF16PairsToBF16Avx512 writes them.
+PKM_AVX512_BF16_TARGET inline void ScalePairBlockToBF16(__m512 even_sum, __m512 odd_sum, float scale,
+                                                        uint16_t* dst) {
+  const __m512 s = _mm512_set1_ps(scale);
+  const __m512 even = _mm512_mul_ps(s, even_sum), odd = _mm512_mul_ps(s, odd_sum);
+  if ((_mm512_fpclass_ps_mask(even, kDenormalClass) | _mm512_fpclass_ps_mask(odd, kDenormalClass)) != 0) {
+    alignas(64) float sums[32];
+    _mm512_store_ps(sums, even_sum);
+    _mm512_store_ps(sums + 16, odd_sum);
+    ScaleBF16PairsToBF16Avx512(sums, scale, dst, 32);
+    return;
+  }
+  // bf16 lane 2j takes even column j (converted lane j), lane 2j + 1 odd column j (lane 16 + j).
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // even in lanes 0-15
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(interleave, both));
+}
 }  // namespace
 
 // ScaleBF16PairsToBF16Avx512's output, 32 columns per conversion.
 PKM_AVX512_BF16_TARGET void ScaleBF16PairsToBF16Avx512Bf16(const float* acc, float scale, uint16_t* dst,
                                                            int64_t n) {
-  const __m512 s = _mm512_set1_ps(scale);
-  // bf16 lane 2j takes even column j (converted lane j), lane 2j + 1 odd column j (lane 16 + j).
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
-                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const __m512 even = _mm512_mul_ps(s, _mm512_loadu_ps(acc + i));
-    const __m512 odd = _mm512_mul_ps(s, _mm512_loadu_ps(acc + i + 16));
-    if ((_mm512_fpclass_ps_mask(even, kDenormalClass) | _mm512_fpclass_ps_mask(odd, kDenormalClass)) != 0) {
-      ScaleBF16PairsToBF16Avx512(acc + i, scale, dst + i, 32);
-      continue;
-    }
-    const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(odd, even));  // even in lanes 0-15
-    _mm512_storeu_si512(dst + i, _mm512_permutexvar_epi16(interleave, both));
-  }
+  for (; i + 32 <= n; i += 32)
+    ScalePairBlockToBF16(_mm512_loadu_ps(acc + i), _mm512_loadu_ps(acc + i + 16), scale, dst + i);
   ScaleBF16PairsToBF16(acc + i, scale, dst + i, n - i);
+}
+
+// AssignBF16Avx512's products, then ScaleBF16PairsToBF16Avx512Bf16's scaling
+// and rounding, 32 columns at a time without the float32 row between them
+// (n a multiple of 32).
+PKM_AVX512_BF16_TARGET void SingleRowBF16Avx512Bf16(float a, float scale, const char* row, const char* ahead,
+                                                    uint16_t* dst, int64_t n) {
+  const __m512 w = _mm512_set1_ps(a);
+  for (int64_t i = 0; i < n; i += 32) {
+    PrefetchTableLine(ahead + 2 * i);
+    const __m512i x = Load32(row + 2 * i);
+    ScalePairBlockToBF16(_mm512_mul_ps(w, Bf16Even(x)), _mm512_mul_ps(w, Bf16Odd(x)), scale, dst + i);
+  }
 }
 
 // FromFloat's bfloat16 conversion (column order), 16 columns per conversion.
