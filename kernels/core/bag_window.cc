@@ -136,10 +136,13 @@ void ApplyRowParams(const Table& table, BagWindow* window, int64_t k0, int64_t k
   }
 }
 
-int64_t PrefetchAhead(int64_t row_bytes) {
+int64_t PrefetchAhead(ElemType type, int64_t row_bytes) {
   row_bytes = std::max<int64_t>(row_bytes, 1);
 #if defined(PKM_X86_F16C)
-  if (vec::f16c::HasAvx512()) return std::clamp<int64_t>(65536 / row_bytes, 8, 128);
+  if (vec::f16c::HasAvx512()) {
+    const bool wide_float32 = type == ElemType::kFloat32 && row_bytes >= 2048 && row_bytes <= 4096;
+    return std::clamp<int64_t>((wide_float32 ? 131072 : 65536) / row_bytes, 8, 128);
+  }
 #endif
   return std::clamp<int64_t>(8192 / row_bytes, 8, 64);
 }

@@ -49,8 +49,15 @@ void ApplyRowParams(const Table& table, BagWindow* window, int64_t k0, int64_t k
 // the AVX-512 Xeon 64 KB took the TF op 0.80-0.97x the time of 8 KB for 1 KB
 // 16-bit rows, 0.60-0.66x for 512-byte ones, 0.94-0.96x for 2 KB float32
 // rows; on the Zen 4 EPYC (AVX-512) 8-64 KB ran the same; on the AVX2 Zen 1
-// EPYC 4-8 KB ran 2-10% faster than 16 KB.
-int64_t PrefetchAhead(int64_t row_bytes);
+// EPYC 4-8 KB ran 2-10% faster than 16 KB. float32 rows of 2-4 KB look
+// 128 KB ahead: on the Xeon of round 43 (model 207; 2 threads, B=2048
+// N=65536; bench/native/core_vs_loop.cc) D=512 took 0.945-0.966x the time at
+// K=128, 0.95-0.96x at K=32, 0.97-0.99x at K=8, 0.98-0.99x from a 4 GB table
+// and 1.01x where three other tables took turns with it (288 MB in all, the
+// core A/B); D=1024 0.98-1.0x; the TF op alone at K=128 0.92-0.94x. Not for
+// others: bfloat16 D=512 and D=2048 (1 and 4 KB rows) were 1.03-1.09x
+// slower, float32 D=2048 (8 KB) 1.01-1.05x.
+int64_t PrefetchAhead(ElemType type, int64_t row_bytes);
 
 // Kernels the loop calls: Group(coefs, rows, ahead_rows, acc, n) over
 // vec::kRowGroup rows, Row(coef, row, ahead_row, acc, n). Assign(coef, row,
@@ -73,7 +80,7 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
   if (b0 >= b1) return;
   const int64_t dim = table.dim;
   const int64_t row_bytes = dim * ElemSize(table.type);
-  const int64_t ahead = PrefetchAhead(row_bytes);
+  const int64_t ahead = PrefetchAhead(table.type, row_bytes);
   std::vector<float> acc(acc_in_out ? 0 : dim);
   BagWindow windows[2];
   BagWindow* cur = &windows[0];
