@@ -120,7 +120,7 @@ __attribute__((always_inline)) inline void SumBag(const char* table, const Index
     // A broadcast: w - 0 is w for every w (0 + w is not, for w = -0), so GCC
     // drops the add (bfloat16 D=32-64 from a cache-resident table: 0.97x the
     // time). Computing ws and wsq only for mean and sqrtn (a branch here) took
-    // those 0.92x but fp32 and bfloat16 D=128 1.01-1.03x.
+    // those 0.91-0.93x but fp32 and bfloat16 D=128 1.01-1.03x.
     const VF c = w - VF{};
     for (int v = 0; v < NV; ++v) {
       if constexpr (kPairs) {
