@@ -51,7 +51,7 @@ void ApplyRowParams(const Table& table, BagWindow* window, int64_t k0, int64_t k
 // rows; on the Zen 4 EPYC (AVX-512) 8-64 KB ran the same; on the AVX2 Zen 1
 // EPYC 4-8 KB ran 2-10% faster than 16 KB. float32 rows of 2-4 KB look
 // 128 KB ahead: on the Xeon of round 43 (model 207; 2 threads, B=2048
-// N=65536; bench/native/core_vs_loop.cc) D=512 took 0.945-0.966x the time at
+// N=65536; bench/native/core_vs_loop.cc) D=512 took 0.92-0.97x the time at
 // K=128, 0.95-0.96x at K=32, 0.97-0.99x at K=8, 0.98-0.99x from a 4 GB table
 // and 1.01x where three other tables took turns with it (288 MB in all, the
 // core A/B); D=1024 0.98-1.0x; the TF op alone at K=128 0.92-0.94x. Not for
