@@ -1,6 +1,6 @@
 // The core's forward against a plain loop that moves the same bytes, in one process (bench only, not
 // shipped):
-//   core_vs_loop B K D N DTYPE CALLS [sets=S] [outs=M] -- LIB
+//   core_vs_loop B K D N DTYPE CALLS [sets=S] [outs=M] [blocks=G] [int64] [rolled] -- LIB
 // DTYPE is float32 or bfloat16 (bfloat16 output, as the TF op's). LIB is a core build as bench/core_ab.sh
 // makes one (the forward is looked up by its mangled name). Two threads that keep running between calls
 // (the second spins, as TF's pool threads are already up when an op starts), each taking half of the
@@ -9,6 +9,9 @@
 // prefetching the row `ahead` entries on with either hint; its best of those 16 settings (by median over
 // a short search) then takes turns with the op, call by call, on the same index sets (S of them, uniform
 // rows, default 8: the op-alone chain's 8 calls) and the same M output buffers (default 1) in turn.
+// As TF runs the op: `blocks=G` hands the op's range out as G blocks the two threads claim (default 2,
+// one half each; TF's forward claims 8-32), `int64` gives it int64 indices, `rolled` makes index set s
+// set 0 moved by s bags, as the roofline's op-alone chain does (the same rows every call).
 // Prints the medians and minima of both and op / loop (CORE_VS_LOOP_SETTINGS=1: each setting's median too,
 // to stderr).
 #include <dlfcn.h>
@@ -127,13 +130,17 @@ int main(int argc, char** argv) {
   const int64_t B = std::atoll(argv[1]), K = std::atoll(argv[2]), D = std::atoll(argv[3]), N = std::atoll(argv[4]);
   const std::string dtype = argv[5];
   const int calls = std::atoi(argv[6]);
-  int64_t sets = 8, outs = 1;
+  int64_t sets = 8, outs = 1, blocks = 2;
+  bool int64_indices = false, rolled = false;
   const char* lib = nullptr;
   for (int i = 7; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--" && i + 1 < argc) lib = argv[++i];
     else if (a.rfind("sets=", 0) == 0 && std::atoll(a.c_str() + 5) > 0) sets = std::atoll(a.c_str() + 5);
     else if (a.rfind("outs=", 0) == 0 && std::atoll(a.c_str() + 5) > 0) outs = std::atoll(a.c_str() + 5);
+    else if (a.rfind("blocks=", 0) == 0 && std::atoll(a.c_str() + 7) > 0) blocks = std::atoll(a.c_str() + 7);
+    else if (a == "int64") int64_indices = true;
+    else if (a == "rolled") rolled = true;
     else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); return 2; }
   }
   const bool bf16 = dtype == "bfloat16";
@@ -164,6 +171,10 @@ int main(int argc, char** argv) {
   const int64_t count = B * K;
   std::vector<int32_t> indices(sets * count);
   for (auto& v : indices) v = static_cast<int32_t>(rng() % N);
+  if (rolled)
+    for (int64_t set = 1; set < sets; ++set)
+      for (int64_t e = 0; e < count; ++e) indices[set * count + e] = indices[(e + set * K) % count];
+  const std::vector<int64_t> indices64(int64_indices ? indices.begin() : indices.end(), indices.end());
   std::vector<float> weights(count, 0.5f);
   // Output rows of the table's type (bfloat16 out of bfloat16), as wide as the rows.
   std::vector<std::vector<char>> out_buffers(outs, std::vector<char>(B * row_bytes + 64));
@@ -172,14 +183,20 @@ int main(int argc, char** argv) {
 
   auto op_call = [&](int c) {
     pkm::Bags bags;
-    bags.indices = indices.data() + (c % sets) * count;
+    if (int64_indices) bags.indices = indices64.data() + (c % sets) * count;
+    else bags.indices = indices.data() + (c % sets) * count;
+    bags.indices_int64 = int64_indices;
     bags.num_bags = B;
     bags.bag_size = K;
     bags.weights = weights.data();
     char* out = out_buffers[c % outs].data();
     double seconds = 0;
     const pkm::ParallelFor pf = [&](int64_t total, int64_t, const pkm::RangeFn& fn) {
-      seconds = threads.Run([&](int id) { fn(total * id / 2, total * (id + 1) / 2); });
+      std::atomic<int64_t> next{0};
+      const int64_t size = (total + blocks - 1) / blocks;
+      seconds = threads.Run([&](int) {
+        for (int64_t b; (b = next.fetch_add(1)) * size < total;) fn(b * size, std::min(total, (b + 1) * size));
+      });
     };
     const pkm::Status s = forward(t, bags, pkm::Combiner::kSum, out, t.type, pf);
     if (!s.ok) { std::fprintf(stderr, "%s\n", s.message.c_str()); std::exit(1); }
@@ -215,12 +232,14 @@ int main(int argc, char** argv) {
     loop_ms.push_back(loop_call(c, best_hint, best_ahead));
   }
   const double op_med = Median(op_ms), loop_med = Median(loop_ms);
-  std::printf("{\"B\": %lld, \"K\": %lld, \"D\": %lld, \"N\": %lld, \"dtype\": \"%s\", \"sets\": %lld, \"outs\": %lld, "
-              "\"calls\": %d, \"op_median_ms\": %.4f, \"op_min_ms\": %.4f, \"loop_median_ms\": %.4f, "
-              "\"loop_min_ms\": %.4f, \"loop_setting\": \"%lld rows ahead, %s\", \"op_over_loop\": %.3f}\n",
+  std::printf("{\"B\": %lld, \"K\": %lld, \"D\": %lld, \"N\": %lld, \"dtype\": \"%s\", \"sets\": %lld, "
+              "\"outs\": %lld, \"blocks\": %lld, \"int64\": %s, \"rolled\": %s, \"calls\": %d, "
+              "\"op_median_ms\": %.4f, \"op_min_ms\": %.4f, \"loop_median_ms\": %.4f, \"loop_min_ms\": %.4f, "
+              "\"loop_setting\": \"%lld rows ahead, %s\", \"op_over_loop\": %.3f}\n",
               (long long)B, (long long)K, (long long)D, (long long)N, dtype.c_str(), (long long)sets,
-              (long long)outs, calls, op_med, *std::min_element(op_ms.begin(), op_ms.end()), loop_med,
-              *std::min_element(loop_ms.begin(), loop_ms.end()), (long long)best_ahead,
-              best_hint == 3 ? "t0" : "t1", op_med / loop_med);
+              (long long)outs, (long long)blocks, int64_indices ? "true" : "false", rolled ? "true" : "false",
+              calls, op_med, *std::min_element(op_ms.begin(), op_ms.end()), loop_med,
+              *std::min_element(loop_ms.begin(), loop_ms.end()), (long long)best_ahead, best_hint == 3 ? "t0" : "t1",
+              op_med / loop_med);
   return 0;
 }
