@@ -174,7 +174,8 @@ int main(int argc, char** argv) {
   if (rolled)
     for (int64_t set = 1; set < sets; ++set)
       for (int64_t e = 0; e < count; ++e) indices[set * count + e] = indices[(e + set * K) % count];
-  const std::vector<int64_t> indices64(int64_indices ? indices.begin() : indices.end(), indices.end());
+  std::vector<int64_t> indices64;
+  if (int64_indices) indices64.assign(indices.begin(), indices.end());
   std::vector<float> weights(count, 0.5f);
   // Output rows of the table's type (bfloat16 out of bfloat16), as wide as the rows.
   std::vector<std::vector<char>> out_buffers(outs, std::vector<char>(B * row_bytes + 64));
