@@ -48,10 +48,10 @@ bool HasWideRegisters() {
 }
 
 // Fewest entries between an entry being summed and the one whose row it
-// prefetches (SumBag: rows about 16 KB ahead, up to 128 entries). 16 on a Zen
-// 4 EPYC (one thread, B=2048 K=128, N=65536): 16 KB took 0.42-0.46x the time
-// of 16 entries at D=32 and for bfloat16 D=64, 0.86x for float32 D=64, the
-// same for float32 D=128; 32 KB there was no better
+// prefetches into L2 (SumBag: rows about 16 KB ahead, up to 128 entries). 16
+// on a Zen 4 EPYC (one thread, B=2048 K=128, N=65536): 16 KB took 0.42-0.46x
+// the time of 16 entries at D=32 and for bfloat16 D=64, 0.86x for float32
+// D=64, the same for float32 D=128; 32 KB there was no better
 // (bench/results/cpu_roofline_notes.md, round 18). 64 with AVX-512: on the
 // Xeon of round 22, 64 entries (32 KB) took float32 D=128 0.44-0.60x the time
 // of 32 (core, 2 threads); rows of 256 bytes or less already get 64 or more.
@@ -59,9 +59,11 @@ int64_t ShortRowMinAhead() { return HasWideRegisters() ? 64 : 16; }
 
 // Whether SumBag prefetches rows into L1 (else L2): with AVX-512, tables of
 // at most 16 MB. On the Xeon of round 22 (2 MB L2 a core; 2 threads, B=2048
-// K=128, float32 D=64, the core's A/B, round 28), into L1 took 0.81-0.91x the
-// time of into L2 from a 16 MB table, the same from 32 MB, and 1.21-1.32x from
-// 64-256 MB (rows from memory: L1's fill buffers wait longer there).
+// K=128, float32 D=64, the core's A/B, round 28; 16 KB ahead either way), into
+// L1 took 0.81-0.91x the time of into L2 from a 16 MB table, the same from 32
+// MB, and 1.21-1.32x from 64-256 MB (rows from memory: L1's fill buffers wait
+// longer there). Round 44, with L1's 6 KB ahead: 64 MB tables still ran the
+// same or 1.06x slower, and float32 D=128 from 32 MB 1.3x.
 bool PrefetchIntoL1(const Table& table) {
   constexpr int64_t kMaxTableBytes = int64_t{16} << 20;
   return HasWideRegisters() && table.num_rows <= kMaxTableBytes / (table.dim * ElemSize(table.type));
@@ -98,11 +100,16 @@ __attribute__((always_inline)) inline void SumBag(const char* table, const Index
   // prefetches unrolled (a loop over them was a fifth of the samples at D=64).
   constexpr int64_t kRowBytes = NV * kLanes * (kPairs ? 4 : kElem);
   constexpr int64_t kRowLines = (kRowBytes + 63) / 64;
-  // Rows about 16 KB ahead, min_ahead (ShortRowMinAhead) to 128 entries.
-  const int64_t ahead_entries = std::clamp<int64_t>(16384 / kRowBytes, min_ahead, 128);
-  // Into L1 where the rows come from the last-level cache and the lines in
-  // flight fit L1 easily (PrefetchIntoL1 says where); else into L2.
-  const bool into_l1 = small_table && ahead_entries * kRowBytes <= 16384;
+  // Into L1 where the rows come from the last-level cache (PrefetchIntoL1
+  // says where) and are at most 256 bytes: rows about 6 KB ahead, 8 to 128
+  // entries. Else into L2, about 16 KB ahead, min_ahead (ShortRowMinAhead) to
+  // 128 entries. 6 KB into L1 took 0.89-0.95x the time of 16 KB on the Xeon of
+  // round 44 (2 threads, B=2048 K=128 N=65536: bfloat16 D=64 and D=128,
+  // float32 D=32 and D=64), and 4-8 KB the same as 6; 2 KB was slower at
+  // D=64 float32.
+  const bool into_l1 = small_table && kRowBytes <= 256;
+  const int64_t ahead_entries = into_l1 ? std::clamp<int64_t>(6144 / kRowBytes, 8, 128)
+                                        : std::clamp<int64_t>(16384 / kRowBytes, min_ahead, 128);
   static_assert(kBf16 || !kPairs, "pairs of columns are bfloat16 words");
   using VF = typename Lanes<kLanes>::F;
   using VU = typename Lanes<kLanes>::U32;
