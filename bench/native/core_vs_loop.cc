@@ -1,6 +1,6 @@
 // The core's forward against a plain loop that moves the same bytes, in one process (bench only, not
 // shipped):
-//   core_vs_loop B K D N DTYPE CALLS [sets=S] [outs=M] [blocks=G] [int64] [rolled] -- LIB
+//   core_vs_loop B K D N DTYPE CALLS [sets=S] [outs=M] [blocks=G] [int64] [rolled] [mean|sqrtn] [unweighted] -- LIB
 // DTYPE is float32 or bfloat16 (bfloat16 output, as the TF op's). LIB is a core build as bench/core_ab.sh
 // makes one (the forward is looked up by its mangled name). Two threads that keep running between calls
 // (the second spins, as TF's pool threads are already up when an op starts), each taking half of the
@@ -11,7 +11,8 @@
 // rows, default 8: the op-alone chain's 8 calls) and the same M output buffers (default 1) in turn.
 // As TF runs the op: `blocks=G` hands the op's range out as G blocks the two threads claim (default 2,
 // one half each; TF's forward claims 8-32), `int64` gives it int64 indices, `rolled` makes index set s
-// set 0 moved by s bags, as the roofline's op-alone chain does (the same rows every call).
+// set 0 moved by s bags, as the roofline's op-alone chain does (the same rows every call). The op sums
+// with weights of 0.5; `mean` or `sqrtn` is its combiner instead, `unweighted` gives it no weights.
 // Prints the medians and minima of both and op / loop (CORE_VS_LOOP_SETTINGS=1: each setting's median too,
 // to stderr).
 #include <dlfcn.h>
@@ -124,14 +125,16 @@ double Median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   if (argc < 9 || !__builtin_cpu_supports("avx512f")) {
-    std::fprintf(stderr, "usage: core_vs_loop B K D N float32|bfloat16 CALLS [sets=S] [outs=M] -- LIB (AVX-512)\n");
+    std::fprintf(stderr, "usage: core_vs_loop B K D N float32|bfloat16 CALLS [sets=S] [outs=M] [blocks=G] [int64] [rolled] "
+                 "[mean|sqrtn] [unweighted] -- LIB (AVX-512)\n");
     return 2;
   }
   const int64_t B = std::atoll(argv[1]), K = std::atoll(argv[2]), D = std::atoll(argv[3]), N = std::atoll(argv[4]);
   const std::string dtype = argv[5];
   const int calls = std::atoi(argv[6]);
   int64_t sets = 8, outs = 1, blocks = 2;
-  bool int64_indices = false, rolled = false;
+  bool int64_indices = false, rolled = false, weighted = true;
+  pkm::Combiner combiner = pkm::Combiner::kSum;
   const char* lib = nullptr;
   for (int i = 7; i < argc; ++i) {
     const std::string a = argv[i];
@@ -141,6 +144,9 @@ int main(int argc, char** argv) {
     else if (a.rfind("blocks=", 0) == 0 && std::atoll(a.c_str() + 7) > 0) blocks = std::atoll(a.c_str() + 7);
     else if (a == "int64") int64_indices = true;
     else if (a == "rolled") rolled = true;
+    else if (a == "mean") combiner = pkm::Combiner::kMean;
+    else if (a == "sqrtn") combiner = pkm::Combiner::kSqrtn;
+    else if (a == "unweighted") weighted = false;
     else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); return 2; }
   }
   const bool bf16 = dtype == "bfloat16";
@@ -189,7 +195,7 @@ int main(int argc, char** argv) {
     bags.indices_int64 = int64_indices;
     bags.num_bags = B;
     bags.bag_size = K;
-    bags.weights = weights.data();
+    bags.weights = weighted ? weights.data() : nullptr;
     char* out = out_buffers[c % outs].data();
     double seconds = 0;
     const pkm::ParallelFor pf = [&](int64_t total, int64_t, const pkm::RangeFn& fn) {
@@ -199,7 +205,7 @@ int main(int argc, char** argv) {
         for (int64_t b; (b = next.fetch_add(1)) * size < total;) fn(b * size, std::min(total, (b + 1) * size));
       });
     };
-    const pkm::Status s = forward(t, bags, pkm::Combiner::kSum, out, t.type, pf);
+    const pkm::Status s = forward(t, bags, combiner, out, t.type, pf);
     if (!s.ok) { std::fprintf(stderr, "%s\n", s.message.c_str()); std::exit(1); }
     return 1e3 * seconds;
   };
@@ -234,12 +240,14 @@ int main(int argc, char** argv) {
   }
   const double op_med = Median(op_ms), loop_med = Median(loop_ms);
   std::printf("{\"B\": %lld, \"K\": %lld, \"D\": %lld, \"N\": %lld, \"dtype\": \"%s\", \"sets\": %lld, "
-              "\"outs\": %lld, \"blocks\": %lld, \"int64\": %s, \"rolled\": %s, \"calls\": %d, "
+              "\"outs\": %lld, \"blocks\": %lld, \"int64\": %s, \"rolled\": %s, \"combiner\": \"%s\", "
+              "\"weighted\": %s, \"calls\": %d, "
               "\"op_median_ms\": %.4f, \"op_min_ms\": %.4f, \"loop_median_ms\": %.4f, \"loop_min_ms\": %.4f, "
               "\"loop_setting\": \"%lld rows ahead, %s\", \"op_over_loop\": %.3f}\n",
               (long long)B, (long long)K, (long long)D, (long long)N, dtype.c_str(), (long long)sets,
               (long long)outs, (long long)blocks, int64_indices ? "true" : "false", rolled ? "true" : "false",
-              calls, op_med, *std::min_element(op_ms.begin(), op_ms.end()), loop_med,
+              combiner == pkm::Combiner::kSum ? "sum" : combiner == pkm::Combiner::kMean ? "mean" : "sqrtn",
+              weighted ? "true" : "false", calls, op_med, *std::min_element(op_ms.begin(), op_ms.end()), loop_med,
               *std::min_element(loop_ms.begin(), loop_ms.end()), (long long)best_ahead, best_hint == 3 ? "t0" : "t1",
               op_med / loop_med);
   return 0;
