@@ -125,7 +125,8 @@ double Median(std::vector<double> v) {
 
 int main(int argc, char** argv) {
   if (argc < 9 || !__builtin_cpu_supports("avx512f")) {
-    std::fprintf(stderr, "usage: core_vs_loop B K D N float32|bfloat16 CALLS [sets=S] [outs=M] [blocks=G] [int64] [rolled] "
+    std::fprintf(stderr,
+                 "usage: core_vs_loop B K D N float32|bfloat16 CALLS [sets=S] [outs=M] [blocks=G] [int64] [rolled] "
                  "[mean|sqrtn] [unweighted] -- LIB (AVX-512)\n");
     return 2;
   }
