@@ -100,13 +100,10 @@ __attribute__((always_inline)) inline void SumBag(const char* table, const Index
   // prefetches unrolled (a loop over them was a fifth of the samples at D=64).
   constexpr int64_t kRowBytes = NV * kLanes * (kPairs ? 4 : kElem);
   constexpr int64_t kRowLines = (kRowBytes + 63) / 64;
-  // Into L1 where the rows come from the last-level cache (PrefetchIntoL1
-  // says where) and are at most 256 bytes: rows about 6 KB ahead, 8 to 128
-  // entries. Else into L2, about 16 KB ahead, min_ahead (ShortRowMinAhead) to
-  // 128 entries. 6 KB into L1 took 0.89-0.95x the time of 16 KB on the Xeon of
-  // round 44 (2 threads, B=2048 K=128 N=65536: bfloat16 D=64 and D=128,
-  // float32 D=32 and D=64), and 4-8 KB the same as 6; 2 KB was slower at
-  // D=64 float32.
+  // Into L1 (rows of at most 256 bytes where PrefetchIntoL1 says) about 6 KB
+  // ahead, 8-128 entries: 0.89-0.95x the time of 16 KB on the Xeon of round 44
+  // (bfloat16 D=64-128, float32 D=32-64; 4-8 KB the same; 2 KB slower at
+  // float32 D=64). Else into L2 about 16 KB ahead, min_ahead to 128 entries.
   const bool into_l1 = small_table && kRowBytes <= 256;
   const int64_t ahead_entries = into_l1 ? std::clamp<int64_t>(6144 / kRowBytes, 8, 128)
                                         : std::clamp<int64_t>(16384 / kRowBytes, min_ahead, 128);
