@@ -880,6 +880,81 @@ void WeightTypeCases() {
   EXPECT(failures == 0, "weight type cases: %d of %d differ from the reference", failures, cases);
 }
 
+// The int8 forward's short rows (16-128 columns with AVX-512,
+// forward_int8.cc) against the reference at each width they take: ragged
+// bags of 0-20 entries (groups of eight and the rows after them) with
+// padding, no / float32 / float16 / bfloat16 weights, float32 and float16 row
+// parameters with and without biases, each weighted combiner, both index
+// types, float32 and bfloat16 outputs.
+void Int8ShortRowCases() {
+  using pkm::ElemType;
+  std::mt19937_64 rng(77);
+  int cases = 0, failures = 0;
+  for (int64_t dim = 16; dim <= 128; dim += 16) {
+    const int64_t num_rows = 300, num_bags = 40;
+    std::vector<int64_t> splits(num_bags + 1, 0);
+    for (int64_t b = 0; b < num_bags; ++b) splits[b + 1] = splits[b] + static_cast<int64_t>(rng() % 21);
+    const int64_t nnz = splits[num_bags];
+    std::vector<int64_t> idx(nnz);
+    for (auto& v : idx) v = rng() % 9 == 0 ? -1 : static_cast<int64_t>(rng() % num_rows);
+    std::vector<int32_t> idx32(idx.begin(), idx.end());
+    auto q = RandomBuffer(rng, ElemType::kInt8, num_rows * dim);
+    std::vector<float> params(2 * num_rows);  // scales, then biases
+    std::vector<uint16_t> params16(2 * num_rows);
+    for (int64_t r = 0; r < num_rows; ++r) {
+      params[r] = 0.01f + (rng() % 100) / 1000.f;
+      params[num_rows + r] = (static_cast<float>(rng() % 200) - 100.f) / 256.f;
+    }
+    for (int64_t i = 0; i < 2 * num_rows; ++i) params16[i] = pkm::FloatToHalf(params[i]);
+    for (int variant = 0; variant < 16; ++variant) {  // weights (4) x parameter type (2) x biases (2)
+      const int wt = variant % 4;
+      const bool half = variant / 4 % 2, biased = variant / 8;
+      const ElemType weight_type = wt == 0 ? ElemType::kFloat32 : static_cast<ElemType>(wt - 1);
+      // Positive weights: mean divides by their sum.
+      std::vector<float> w(nnz);
+      for (auto& v : w) v = 0.05f + (rng() % 1000) / 1000.f;
+      std::vector<uint8_t> weights(nnz * pkm::ElemSize(weight_type));
+      for (int64_t j = 0; j < nnz; ++j) {
+        if (weight_type == ElemType::kFloat32) std::memcpy(weights.data() + 4 * j, &w[j], 4);
+        const uint16_t h = weight_type == ElemType::kFloat16 ? pkm::FloatToHalf(w[j]) : pkm::FloatToBFloat16(w[j]);
+        if (weight_type != ElemType::kFloat32) std::memcpy(weights.data() + 2 * j, &h, 2);
+      }
+      pkm::Table table{q.data(), ElemType::kInt8, num_rows, dim};
+      table.row_params_type = half ? ElemType::kFloat16 : ElemType::kFloat32;
+      table.row_scales = half ? static_cast<const void*>(params16.data()) : params.data();
+      if (biased) table.row_biases = half ? static_cast<const void*>(params16.data() + num_rows) : params.data() + num_rows;
+      for (const bool idx64 : {false, true}) {
+        pkm::Bags bags;
+        bags.indices = idx64 ? static_cast<const void*>(idx.data()) : idx32.data();
+        bags.indices_int64 = idx64;
+        bags.num_bags = num_bags;
+        bags.row_splits = splits.data();
+        bags.row_splits_int64 = true;
+        bags.num_values = nnz;
+        bags.weights = wt == 0 ? nullptr : weights.data();
+        bags.weights_type = weight_type;
+        for (pkm::Combiner combiner : {pkm::Combiner::kSum, pkm::Combiner::kMean, pkm::Combiner::kSqrtn}) {
+          for (ElemType out_type : {ElemType::kFloat32, ElemType::kBFloat16}) {
+            std::vector<uint8_t> fast(num_bags * dim * pkm::ElemSize(out_type), 0xAB), ref(fast.size());
+            auto s1 = pkm::Forward(table, bags, combiner, fast.data(), out_type, TwoThreads());
+            auto s2 = pkm::ReferenceForward(table, bags, combiner, ref.data(), out_type);
+            std::string where;
+            ++cases;
+            if (!(s1.ok && s2.ok && Close(fast, ref, out_type, num_bags * dim,
+                                          out_type == ElemType::kFloat32 ? 1e-5f : 1e-2f, &where))) {
+              ++failures;
+              std::printf("int8 short row case dim=%lld variant=%d idx64=%d combiner=%d out=%d: %s %s %s\n",
+                          static_cast<long long>(dim), variant, int(idx64), int(combiner), int(out_type),
+                          s1.message.c_str(), s2.message.c_str(), where.c_str());
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT(failures == 0, "int8 short row cases: %d of %d differ from the reference", failures, cases);
+}
+
 // ValidateBags against the definition: the first entry that is >= num_rows,
 // or negative where negatives are not padding, across the check's chunks of
 // 1024, both index types and policies, one and two threads; int32 indices of
@@ -1007,6 +1082,7 @@ int main() {
   for (int i = 0; i < 400; ++i) RandomCase(rng, i);
   WindowCases();
   WeightTypeCases();
+  Int8ShortRowCases();
   ErrorCases();
   IndexCheckCases();
   RaggedForwardIndexErrors();

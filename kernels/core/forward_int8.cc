@@ -214,6 +214,178 @@ void FinishInPlace(float* acc, float bias, float scale, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] = scale * (acc[i] + bias);
 }
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(PKM_NO_MULTIVERSION)
+// Rows of 16-128 columns with AVX-512: a bag's sums stay in registers and each
+// entry's scale (and bias) is read where its row is, with no window of
+// collected entries (at D=32 from a 2 MB table, CollectWindow and
+// ApplyRowParams took a third of the time, the group kernel a tenth). Every
+// sum is the one the window path forms, in the same order: the weight sums
+// and w * bias unfused, as CollectBag and ApplyRowParams (compiled without
+// FMA) round them; each group of eight rows as SixteenColumnsAvx512, the rows
+// after the last group as AccumulateRow; then Finish or FinishInPlace. So
+// the output is bitwise the same (but for the payload of a NaN from a NaN
+// float16 row parameter, converted here by the CPU's instruction).
+bool HasShortInt8Rows(const Table& table) {
+  static const bool avx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") &&
+                                                        __builtin_cpu_supports("f16c"));
+  return avx512 && table.dim >= 16 && table.dim <= 128 && table.dim % 16 == 0;
+}
+
+// x rounded as a float of its own: GCC does not fuse it into the sum it feeds.
+__attribute__((always_inline)) inline float Unfused(float x) {
+  asm("" : "+x"(x));
+  return x;
+}
+
+struct ShortInt8Params {
+  const char* scales;
+  const char* biases;  // may be null
+  bool fp16;
+};
+
+__attribute__((target("avx512f,f16c,avx2,fma"), always_inline)) inline float LoadParam(const char* params, bool fp16,
+                                                                                      int64_t r) {
+  if (fp16) return _cvtsh_ss(reinterpret_cast<const uint16_t*>(params)[r]);
+  return reinterpret_cast<const float*>(params)[r];
+}
+
+// Columns [16 * v, 16 * v + 16) of an int8 row as floats: vpmovsxbd and
+// vcvtdq2ps (the zero-masked forms; the plain intrinsics' undefined
+// pass-through operand draws a GCC 12 warning at every use).
+__attribute__((target("avx512f"), always_inline)) inline __m512 Int8Vector(const int8_t* row, int v) {
+  const __m512i wide = _mm512_maskz_cvtepi8_epi32(
+      static_cast<__mmask16>(0xffff), _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v)));
+  return _mm512_maskz_cvtepi32_ps(static_cast<__mmask16>(0xffff), wide);
+}
+
+// Bag [begin, end) of NV vectors of 16 columns into acc; its weight sums and bias sum.
+template <int NV, typename Index, typename LoadWeight>
+__attribute__((target("avx512f,f16c,avx2,fma"), always_inline)) inline void SumInt8Bag(
+    const int8_t* data, const Index* idx, LoadWeight load_weight, const ShortInt8Params& p, int64_t ahead_entries,
+    bool into_l1, int64_t block_end, int64_t begin, int64_t end, __m512* acc, float* weight_sum,
+    float* weight_sq_sum, float* bias_total) {
+  constexpr int64_t kRowBytes = 16 * NV;
+  // Locals: read once, not after every store of the loop.
+  const char* const scales = p.scales;
+  const char* const biases = p.biases;
+  const bool fp16 = p.fp16;
+  const int64_t param_bytes = fp16 ? 2 : 4;
+  for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
+  float ws = 0.f, wsq = 0.f, bias_sum = 0.f;
+  const int8_t* rows[kGroup];
+  float coefs[kGroup];
+  int pending = 0;
+  for (int64_t j = begin; j < end; ++j) {
+    if (j + ahead_entries < block_end) {  // the row, scale and bias of the entry ahead_entries on
+      const int64_t a = idx[j + ahead_entries];
+      if (a >= 0) {
+        const char* row = reinterpret_cast<const char*>(data) + a * kRowBytes;
+        if (into_l1) {
+          __builtin_prefetch(row, 0, 3);
+          if (kRowBytes > 64) __builtin_prefetch(row + 64, 0, 3);
+        } else {
+          __builtin_prefetch(row, 0, 2);
+          if (kRowBytes > 64) __builtin_prefetch(row + 64, 0, 2);
+        }
+        __builtin_prefetch(scales + a * param_bytes, 0, 2);
+        if (biases != nullptr) __builtin_prefetch(biases + a * param_bytes, 0, 2);
+      }
+    }
+    const int64_t r = idx[j];
+    if (r < 0) continue;  // padding
+    const float w = load_weight(j);
+    ws += w;
+    wsq += Unfused(w * w);
+    if (biases != nullptr) bias_sum += Unfused(w * LoadParam(biases, fp16, r));
+    coefs[pending] = w * LoadParam(scales, fp16, r);
+    rows[pending] = data + r * kRowBytes;
+    if (++pending < kGroup) continue;
+    pending = 0;
+    for (int v = 0; v < NV; ++v) {  // SixteenColumnsAvx512's sums
+      __m512 even = acc[v], odd = _mm512_setzero_ps();
+      for (int g = 0; g < kGroup; g += 2) {
+        even = _mm512_fmadd_ps(_mm512_set1_ps(coefs[g]), Int8Vector(rows[g], v), even);
+        odd = _mm512_fmadd_ps(_mm512_set1_ps(coefs[g + 1]), Int8Vector(rows[g + 1], v), odd);
+      }
+      acc[v] = _mm512_add_ps(even, odd);
+    }
+  }
+  for (int g = 0; g < pending; ++g)  // AccumulateRow's
+    for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(_mm512_set1_ps(coefs[g]), Int8Vector(rows[g], v), acc[v]);
+  *weight_sum = ws;
+  *weight_sq_sum = wsq;
+  *bias_total = bias_sum;
+}
+
+template <int NV, typename Index, typename LoadWeight>
+__attribute__((target("avx512f,f16c,avx2,fma"))) void SumInt8Bags(const Table& table, const Bags& bags,
+                                                                   LoadWeight load_weight, Combiner combiner,
+                                                                   char* out, ElemType out_type, int64_t b0,
+                                                                   int64_t b1) {
+  constexpr int64_t kRowBytes = 16 * NV;
+  const ShortInt8Params p{static_cast<const char*>(table.row_scales), static_cast<const char*>(table.row_biases),
+                          table.row_params_type == ElemType::kFloat16};
+  const int8_t* data = static_cast<const int8_t*>(table.data);
+  const Index* idx = static_cast<const Index*>(bags.indices);
+  const int64_t out_row_bytes = table.dim * ElemSize(out_type);
+  const int64_t block_end = b0 < b1 ? bags.End(b1 - 1) : 0;
+  // As the float short rows (short_rows.cc): from a table of at most 16 MB
+  // into L1 about 6 KB ahead, else into L2 about 16 KB ahead.
+  const bool into_l1 = table.num_rows <= (int64_t{16} << 20) / kRowBytes;
+  const int64_t ahead_entries = std::clamp<int64_t>((into_l1 ? 6144 : 16384) / kRowBytes, 8, 128);
+  alignas(64) float sums[16 * NV];
+  for (int64_t b = b0; b < b1; ++b) {
+    __m512 acc[NV];
+    float ws, wsq, bias_sum;
+    SumInt8Bag<NV>(data, idx, load_weight, p, ahead_entries, into_l1, block_end, bags.Begin(b), bags.End(b), acc,
+                   &ws, &wsq, &bias_sum);
+    const float scale = CombinerScale(combiner, ws, wsq);
+    float* row = out_type == ElemType::kFloat32 ? reinterpret_cast<float*>(out + b * out_row_bytes) : sums;
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(row + 16 * v, acc[v]);
+    if (row != sums) FinishInPlace(row, bias_sum, scale, table.dim);
+    else Finish(sums, bias_sum, scale, out_type, out + b * out_row_bytes, table.dim);
+  }
+}
+
+// The weight loader, once per block of bags.
+template <int NV, typename Index>
+void SumInt8BagsAnyWeights(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
+                           int64_t b0, int64_t b1) {
+  const uint16_t* halves = static_cast<const uint16_t*>(bags.weights);
+  if (bags.weights == nullptr) {
+    SumInt8Bags<NV, Index>(table, bags, [](int64_t) { return 1.f; }, combiner, out, out_type, b0, b1);
+  } else if (bags.weights_type == ElemType::kBFloat16) {
+    SumInt8Bags<NV, Index>(table, bags, [halves](int64_t j) { return BFloat16ToFloat(halves[j]); }, combiner, out,
+                           out_type, b0, b1);
+  } else if (bags.weights_type == ElemType::kFloat16) {
+    SumInt8Bags<NV, Index>(table, bags, [halves](int64_t j) { return HalfToFloat(halves[j]); }, combiner, out,
+                           out_type, b0, b1);
+  } else {
+    const float* w = static_cast<const float*>(bags.weights);
+    SumInt8Bags<NV, Index>(table, bags, [w](int64_t j) { return w[j]; }, combiner, out, out_type, b0, b1);
+  }
+}
+
+template <typename Index>
+void SumShortInt8Rows(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
+                      int64_t b0, int64_t b1) {
+  switch (table.dim / 16) {
+    case 1: return SumInt8BagsAnyWeights<1, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 2: return SumInt8BagsAnyWeights<2, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 3: return SumInt8BagsAnyWeights<3, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 4: return SumInt8BagsAnyWeights<4, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 5: return SumInt8BagsAnyWeights<5, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 6: return SumInt8BagsAnyWeights<6, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 7: return SumInt8BagsAnyWeights<7, Index>(table, bags, combiner, out, out_type, b0, b1);
+    default: return SumInt8BagsAnyWeights<8, Index>(table, bags, combiner, out, out_type, b0, b1);
+  }
+}
+#else
+bool HasShortInt8Rows(const Table&) { return false; }
+template <typename Index>
+void SumShortInt8Rows(const Table&, const Bags&, Combiner, char*, ElemType, int64_t, int64_t) {}
+#endif
+
 }  // namespace
 
 Status CheckInt8Table(const Table& t) {
@@ -233,6 +405,13 @@ Status ForwardInt8(const Table& table, const Bags& bags, Combiner combiner, void
   const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;
   char* out_bytes = static_cast<char*>(out);
   const bool acc_in_out = out_type == ElemType::kFloat32;
+  if (HasShortInt8Rows(table)) {
+    pf(bags.num_bags, avg_bag * (dim / 4 + 16), [&](int64_t b0, int64_t b1) {
+      if (bags.indices_int64) SumShortInt8Rows<int64_t>(table, bags, combiner, out_bytes, out_type, b0, b1);
+      else SumShortInt8Rows<int32_t>(table, bags, combiner, out_bytes, out_type, b0, b1);
+    });
+    return Status::Ok();
+  }
   pf(bags.num_bags, avg_bag * (dim / 4 + 16), [&](int64_t b0, int64_t b1) {
     // No Assign or whole-bag kernel for int8 rows: every bag starts from zeroed
     // sums, and each group's row scales are applied just before it is summed.
