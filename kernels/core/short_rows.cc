@@ -62,8 +62,9 @@ int64_t ShortRowMinAhead() { return HasWideRegisters() ? 64 : 16; }
 // K=128, float32 D=64, the core's A/B, round 28; 16 KB ahead either way), into
 // L1 took 0.81-0.91x the time of into L2 from a 16 MB table, the same from 32
 // MB, and 1.21-1.32x from 64-256 MB (rows from memory: L1's fill buffers wait
-// longer there). Round 44, with L1's 6 KB ahead: 64 MB tables still ran the
-// same or 1.06x slower, and float32 D=128 from 32 MB 1.3x.
+// longer there). Round 44, into L1 6 KB ahead against into L2 16 KB ahead
+// (scratch builds): float32 D=64 from a 64 MB table 1.06x the time,
+// bfloat16 D=128 from 64 MB the same, float32 D=128 from 32 MB 1.3x.
 bool PrefetchIntoL1(const Table& table) {
   constexpr int64_t kMaxTableBytes = int64_t{16} << 20;
   return HasWideRegisters() && table.num_rows <= kMaxTableBytes / (table.dim * ElemSize(table.type));
