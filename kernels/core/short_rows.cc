@@ -6,6 +6,10 @@
 #include "kernels/core/internal.h"
 #include "kernels/core/vector_ops.h"
 
+#if defined(PKM_X86_F16C)
+#include <immintrin.h>
+#endif
+
 namespace pkm {
 namespace internal {
 namespace {
@@ -286,18 +290,134 @@ void SumShortRowsNarrow(const Table& table, const Bags& bags, Combiner combiner,
   SumShortRowsAnyType<false>(table, bags, combiner, out, out_type, b0, b1);
 }
 
+#if defined(PKM_X86_F16C)
+// float16 rows of 16-128 columns (a multiple of 16) with AVX-512: the loop of
+// SumBag with vcvtph2ps, every level of it compiled for AVX-512 (GCC 12 makes
+// a _Float16 vector conversion four-lane ones elsewhere). Before it they took
+// the window path and cost 1.0-1.6x float32's time at D=16-32 (bfloat16's,
+// short rows: 0.7-0.9x). Per column acc = fma(w, row, acc) from zero in entry
+// order, as the whole-bag kernel sums (bag_columns_avx512.cc), and the weight
+// sums unfused, as CollectBag takes them: where that kernel took the bags
+// (rows of whole 64-byte lines: D = 32, 64, 96, 128), the output is bitwise
+// the same; at D = 16, 48, 80 and 112 the group kernels summed eight rows
+// apart first, so those round differently.
+#define PKM_F16_ROWS_TARGET __attribute__((target("arch=x86-64-v4")))
+
+// x rounded as a float of its own: GCC does not fuse it into the sum it feeds.
+__attribute__((always_inline)) inline float Unfused(float x) {
+  asm("" : "+x"(x));
+  return x;
+}
+
+template <int NV, typename Index, typename LoadWeight>
+PKM_F16_ROWS_TARGET __attribute__((always_inline)) inline void SumF16Bag(
+    const char* table, const Index* idx, LoadWeight load_weight, int64_t ahead_entries, bool into_l1,
+    int64_t block_end, int64_t begin, int64_t end, float* sum, float* weight_sum, float* weight_sq_sum) {
+  constexpr int64_t kRowBytes = 32 * NV;
+  __m512 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
+  float ws = 0.f, wsq = 0.f;
+  for (int64_t j = begin; j < end; ++j) {
+    if (j + ahead_entries < block_end) {
+      const int64_t ahead = idx[j + ahead_entries];
+      if (ahead >= 0) {
+        const char* row = table + ahead * kRowBytes;
+        for (int64_t l = 0; l < kRowBytes; l += 64) {
+          if (into_l1) __builtin_prefetch(row + l, 0, 3);
+          else vec::PrefetchTableLine(row + l);
+        }
+      }
+    }
+    const int64_t r = idx[j];
+    if (r < 0) continue;  // padding
+    const float w = load_weight(j);
+    ws += w;
+    wsq += Unfused(w * w);
+    const __m512 c = _mm512_set1_ps(w);
+    const char* row = table + r * kRowBytes;
+    for (int v = 0; v < NV; ++v) {  // (the zero-masked form: the plain one draws a GCC 12 warning at each use)
+      const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * v));
+      acc[v] = _mm512_fmadd_ps(c, _mm512_maskz_cvtph_ps(static_cast<__mmask16>(0xffff), halves), acc[v]);
+    }
+  }
+  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(sum + 16 * v, acc[v]);
+  *weight_sum = ws;
+  *weight_sq_sum = wsq;
+}
+
+template <int NV, typename Index, typename LoadWeight>
+PKM_F16_ROWS_TARGET void SumF16Bags(const Table& table, const Bags& bags, LoadWeight load_weight, Combiner combiner,
+                                    char* out, ElemType out_type, int64_t b0, int64_t b1) {
+  constexpr int64_t kRowBytes = 32 * NV;
+  const char* data = static_cast<const char*>(table.data);
+  const Index* idx = static_cast<const Index*>(bags.indices);
+  const int64_t out_row_bytes = table.dim * ElemSize(out_type);
+  const int64_t block_end = b0 < b1 ? bags.End(b1 - 1) : 0;
+  // As SumBag: into L1 about 6 KB ahead where PrefetchIntoL1 says, else into L2 about 16 KB ahead.
+  const bool into_l1 = PrefetchIntoL1(table) && kRowBytes <= 256;
+  const int64_t ahead_entries = into_l1 ? std::clamp<int64_t>(6144 / kRowBytes, 8, 128)
+                                        : std::clamp<int64_t>(16384 / kRowBytes, ShortRowMinAhead(), 128);
+  alignas(64) float sum[16 * NV];
+  for (int64_t b = b0; b < b1; ++b) {
+    float ws, wsq;
+    SumF16Bag<NV>(data, idx, load_weight, ahead_entries, into_l1, block_end, bags.Begin(b), bags.End(b), sum, &ws,
+                  &wsq);
+    vec::FromFloat(sum, CombinerScale(combiner, ws, wsq), out_type, out + b * out_row_bytes, table.dim);
+  }
+}
+
+template <int NV, typename Index>
+void SumF16BagsAnyWeights(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
+                          int64_t b0, int64_t b1) {
+  const uint16_t* halves = static_cast<const uint16_t*>(bags.weights);
+  if (bags.weights == nullptr) {
+    SumF16Bags<NV, Index>(table, bags, [](int64_t) { return 1.f; }, combiner, out, out_type, b0, b1);
+  } else if (bags.weights_type == ElemType::kBFloat16) {
+    SumF16Bags<NV, Index>(table, bags, [halves](int64_t j) { return BFloat16ToFloat(halves[j]); }, combiner, out,
+                          out_type, b0, b1);
+  } else if (bags.weights_type == ElemType::kFloat16) {
+    SumF16Bags<NV, Index>(table, bags, [halves](int64_t j) { return HalfToFloat(halves[j]); }, combiner, out,
+                          out_type, b0, b1);
+  } else {
+    const float* w = static_cast<const float*>(bags.weights);
+    SumF16Bags<NV, Index>(table, bags, [w](int64_t j) { return w[j]; }, combiner, out, out_type, b0, b1);
+  }
+}
+
+template <typename Index>
+void SumF16RowsAnyWidth(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
+                        int64_t b0, int64_t b1) {
+  switch (table.dim / 16) {
+    case 1: return SumF16BagsAnyWeights<1, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 2: return SumF16BagsAnyWeights<2, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 3: return SumF16BagsAnyWeights<3, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 4: return SumF16BagsAnyWeights<4, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 5: return SumF16BagsAnyWeights<5, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 6: return SumF16BagsAnyWeights<6, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 7: return SumF16BagsAnyWeights<7, Index>(table, bags, combiner, out, out_type, b0, b1);
+    default: return SumF16BagsAnyWeights<8, Index>(table, bags, combiner, out, out_type, b0, b1);
+  }
+}
+#endif
+
 }  // namespace
 
 bool IsShortRowTable(const Table& table, Combiner combiner) {
-  return combiner != Combiner::kMax &&
-         (table.type == ElemType::kFloat32 || table.type == ElemType::kBFloat16) && table.dim > 0 &&
-         table.dim % 8 == 0 &&
+  if (combiner == Combiner::kMax || table.dim <= 0) return false;
+  if (table.type == ElemType::kFloat16)  // AVX-512 only (SumF16Bags)
+    return table.dim <= kMaxWideDim && table.dim % 16 == 0 && HasWideRegisters();
+  return (table.type == ElemType::kFloat32 || table.type == ElemType::kBFloat16) && table.dim % 8 == 0 &&
          (table.dim <= kMaxDim || (table.dim <= kMaxWideDim && table.dim % 16 == 0 && HasWideRegisters()));
 }
 
 void SumShortRows(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
                   int64_t b0, int64_t b1) {
 #if defined(PKM_X86_F16C)
+  if (table.type == ElemType::kFloat16) {  // IsShortRowTable: AVX-512
+    if (bags.indices_int64) SumF16RowsAnyWidth<int64_t>(table, bags, combiner, out, out_type, b0, b1);
+    else SumF16RowsAnyWidth<int32_t>(table, bags, combiner, out, out_type, b0, b1);
+    return;
+  }
   if (HasWideRegisters()) {
     SumShortRowsWide(table, bags, combiner, out, out_type, b0, b1);
     return;

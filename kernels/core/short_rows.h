@@ -1,6 +1,6 @@
 // The weighted forward for short rows (at most 64 values, a multiple of 8, of
 // a float32 or bfloat16 table; rows of multiples of 16 up to 128 on AVX-512
-// CPUs): each bag's sum stays in vector registers
+// CPUs, and there float16 ones too): each bag's sum stays in vector registers
 // across its entries, read straight from the index stream, with the row a
 // fixed number of entries ahead prefetched from it. The general loop
 // (bag_window.h) collects windows of row addresses and keeps its sum in
