@@ -347,38 +347,14 @@ __attribute__((target("avx512f,f16c,avx2,fma"))) void SumInt8Bags(const Table& t
   }
 }
 
-// The weight loader, once per block of bags.
-template <int NV, typename Index>
-void SumInt8BagsAnyWeights(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
-                           int64_t b0, int64_t b1) {
-  const uint16_t* halves = static_cast<const uint16_t*>(bags.weights);
-  if (bags.weights == nullptr) {
-    SumInt8Bags<NV, Index>(table, bags, [](int64_t) { return 1.f; }, combiner, out, out_type, b0, b1);
-  } else if (bags.weights_type == ElemType::kBFloat16) {
-    SumInt8Bags<NV, Index>(table, bags, [halves](int64_t j) { return BFloat16ToFloat(halves[j]); }, combiner, out,
-                           out_type, b0, b1);
-  } else if (bags.weights_type == ElemType::kFloat16) {
-    SumInt8Bags<NV, Index>(table, bags, [halves](int64_t j) { return HalfToFloat(halves[j]); }, combiner, out,
-                           out_type, b0, b1);
-  } else {
-    const float* w = static_cast<const float*>(bags.weights);
-    SumInt8Bags<NV, Index>(table, bags, [w](int64_t j) { return w[j]; }, combiner, out, out_type, b0, b1);
-  }
-}
-
 template <typename Index>
 void SumShortInt8Rows(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
                       int64_t b0, int64_t b1) {
-  switch (table.dim / 16) {
-    case 1: return SumInt8BagsAnyWeights<1, Index>(table, bags, combiner, out, out_type, b0, b1);
-    case 2: return SumInt8BagsAnyWeights<2, Index>(table, bags, combiner, out, out_type, b0, b1);
-    case 3: return SumInt8BagsAnyWeights<3, Index>(table, bags, combiner, out, out_type, b0, b1);
-    case 4: return SumInt8BagsAnyWeights<4, Index>(table, bags, combiner, out, out_type, b0, b1);
-    case 5: return SumInt8BagsAnyWeights<5, Index>(table, bags, combiner, out, out_type, b0, b1);
-    case 6: return SumInt8BagsAnyWeights<6, Index>(table, bags, combiner, out, out_type, b0, b1);
-    case 7: return SumInt8BagsAnyWeights<7, Index>(table, bags, combiner, out, out_type, b0, b1);
-    default: return SumInt8BagsAnyWeights<8, Index>(table, bags, combiner, out, out_type, b0, b1);
-  }
+  WithVectorsPerRow(table.dim, [&](auto vectors) {
+    WithWeightLoader(bags, [&](auto load_weight) {
+      SumInt8Bags<decltype(vectors)::value, Index>(table, bags, load_weight, combiner, out, out_type, b0, b1);
+    });
+  });
 }
 #else
 bool HasShortInt8Rows(const Table&) { return false; }

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/core/embedding_bag.h"
 #include "kernels/core/vector_ops.h"
@@ -29,6 +30,34 @@ inline float RowParam(const void* params, ElemType type, int64_t r) {
   if (params == nullptr) return 0.f;
   return type == ElemType::kFloat16 ? HalfToFloat(static_cast<const uint16_t*>(params)[r])
                                     : static_cast<const float*>(params)[r];
+}
+
+// Calls f(load_weight) with the bags' weight loader (load_weight(j) is entry
+// j's weight as a float; 1 without weights): a loop templated on it holds no
+// per-entry type switch. Chosen once per block of bags.
+template <typename F>
+inline void WithWeightLoader(const Bags& bags, F&& f) {
+  const uint16_t* halves = static_cast<const uint16_t*>(bags.weights);
+  if (bags.weights == nullptr) f([](int64_t) { return 1.f; });
+  else if (bags.weights_type == ElemType::kBFloat16) f([halves](int64_t j) { return BFloat16ToFloat(halves[j]); });
+  else if (bags.weights_type == ElemType::kFloat16) f([halves](int64_t j) { return HalfToFloat(halves[j]); });
+  else f([w = static_cast<const float*>(bags.weights)](int64_t j) { return w[j]; });  // float32 (CheckTypes)
+}
+
+// Calls f(std::integral_constant<int, V>{}) for V = dim / 16, 1 to 8: the
+// 16-column vectors of a row of 16-128 columns, as a template argument.
+template <typename F>
+inline void WithVectorsPerRow(int64_t dim, F&& f) {
+  switch (dim / 16) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
 }
 
 inline void StoreElem(void* base, ElemType type, int64_t i, float v) {

@@ -366,37 +366,14 @@ PKM_F16_ROWS_TARGET void SumF16Bags(const Table& table, const Bags& bags, LoadWe
   }
 }
 
-template <int NV, typename Index>
-void SumF16BagsAnyWeights(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
-                          int64_t b0, int64_t b1) {
-  const uint16_t* halves = static_cast<const uint16_t*>(bags.weights);
-  if (bags.weights == nullptr) {
-    SumF16Bags<NV, Index>(table, bags, [](int64_t) { return 1.f; }, combiner, out, out_type, b0, b1);
-  } else if (bags.weights_type == ElemType::kBFloat16) {
-    SumF16Bags<NV, Index>(table, bags, [halves](int64_t j) { return BFloat16ToFloat(halves[j]); }, combiner, out,
-                          out_type, b0, b1);
-  } else if (bags.weights_type == ElemType::kFloat16) {
-    SumF16Bags<NV, Index>(table, bags, [halves](int64_t j) { return HalfToFloat(halves[j]); }, combiner, out,
-                          out_type, b0, b1);
-  } else {
-    const float* w = static_cast<const float*>(bags.weights);
-    SumF16Bags<NV, Index>(table, bags, [w](int64_t j) { return w[j]; }, combiner, out, out_type, b0, b1);
-  }
-}
-
 template <typename Index>
 void SumF16RowsAnyWidth(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
                         int64_t b0, int64_t b1) {
-  switch (table.dim / 16) {
-    case 1: return SumF16BagsAnyWeights<1, Index>(table, bags, combiner, out, out_type, b0, b1);
-    case 2: return SumF16BagsAnyWeights<2, Index>(table, bags, combiner, out, out_type, b0, b1);
-    case 3: return SumF16BagsAnyWeights<3, Index>(table, bags, combiner, out, out_type, b0, b1);
-    case 4: return SumF16BagsAnyWeights<4, Index>(table, bags, combiner, out, out_type, b0, b1);
-    case 5: return SumF16BagsAnyWeights<5, Index>(table, bags, combiner, out, out_type, b0, b1);
-    case 6: return SumF16BagsAnyWeights<6, Index>(table, bags, combiner, out, out_type, b0, b1);
-    case 7: return SumF16BagsAnyWeights<7, Index>(table, bags, combiner, out, out_type, b0, b1);
-    default: return SumF16BagsAnyWeights<8, Index>(table, bags, combiner, out, out_type, b0, b1);
-  }
+  WithVectorsPerRow(table.dim, [&](auto vectors) {
+    WithWeightLoader(bags, [&](auto load_weight) {
+      SumF16Bags<decltype(vectors)::value, Index>(table, bags, load_weight, combiner, out, out_type, b0, b1);
+    });
+  });
 }
 #endif
 
