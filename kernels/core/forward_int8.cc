@@ -231,12 +231,6 @@ bool HasShortInt8Rows(const Table& table) {
   return avx512 && table.dim >= 16 && table.dim <= 128 && table.dim % 16 == 0;
 }
 
-// x rounded as a float of its own: GCC does not fuse it into the sum it feeds.
-__attribute__((always_inline)) inline float Unfused(float x) {
-  asm("" : "+x"(x));
-  return x;
-}
-
 struct ShortInt8Params {
   const char* scales;
   const char* biases;  // may be null
@@ -350,10 +344,8 @@ __attribute__((target("avx512f,f16c,avx2,fma"))) void SumInt8Bags(const Table& t
 template <typename Index>
 void SumShortInt8Rows(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
                       int64_t b0, int64_t b1) {
-  WithVectorsPerRow(table.dim, [&](auto vectors) {
-    WithWeightLoader(bags, [&](auto load_weight) {
-      SumInt8Bags<decltype(vectors)::value, Index>(table, bags, load_weight, combiner, out, out_type, b0, b1);
-    });
+  WithVectorsAndWeights(table.dim, bags, [&](auto vectors, auto load_weight) {
+    SumInt8Bags<decltype(vectors)::value, Index>(table, bags, load_weight, combiner, out, out_type, b0, b1);
   });
 }
 #else

@@ -60,6 +60,23 @@ inline void WithVectorsPerRow(int64_t dim, F&& f) {
   }
 }
 
+// Calls f(vectors, load_weight) with both of the above: the short-row loops'
+// dispatch on their row width and weight type.
+template <typename F>
+inline void WithVectorsAndWeights(int64_t dim, const Bags& bags, F&& f) {
+  WithVectorsPerRow(dim, [&](auto vectors) { WithWeightLoader(bags, [&](auto load) { f(vectors, load); }); });
+}
+
+#if defined(__x86_64__)
+// x rounded as a float of its own: GCC does not fuse it into the sum it feeds
+// (the loops that keep a sum rounded as the window path's, which is compiled
+// without FMA).
+__attribute__((always_inline)) inline float Unfused(float x) {
+  asm("" : "+x"(x));
+  return x;
+}
+#endif
+
 inline void StoreElem(void* base, ElemType type, int64_t i, float v) {
   switch (type) {
     case ElemType::kFloat32: static_cast<float*>(base)[i] = v; break;

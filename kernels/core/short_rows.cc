@@ -303,12 +303,6 @@ void SumShortRowsNarrow(const Table& table, const Bags& bags, Combiner combiner,
 // apart first, so those round differently.
 #define PKM_F16_ROWS_TARGET __attribute__((target("arch=x86-64-v4")))
 
-// x rounded as a float of its own: GCC does not fuse it into the sum it feeds.
-__attribute__((always_inline)) inline float Unfused(float x) {
-  asm("" : "+x"(x));
-  return x;
-}
-
 template <int NV, typename Index, typename LoadWeight>
 PKM_F16_ROWS_TARGET __attribute__((always_inline)) inline void SumF16Bag(
     const char* table, const Index* idx, LoadWeight load_weight, int64_t ahead_entries, bool into_l1,
@@ -369,10 +363,8 @@ PKM_F16_ROWS_TARGET void SumF16Bags(const Table& table, const Bags& bags, LoadWe
 template <typename Index>
 void SumF16RowsAnyWidth(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
                         int64_t b0, int64_t b1) {
-  WithVectorsPerRow(table.dim, [&](auto vectors) {
-    WithWeightLoader(bags, [&](auto load_weight) {
-      SumF16Bags<decltype(vectors)::value, Index>(table, bags, load_weight, combiner, out, out_type, b0, b1);
-    });
+  WithVectorsAndWeights(table.dim, bags, [&](auto vectors, auto load_weight) {
+    SumF16Bags<decltype(vectors)::value, Index>(table, bags, load_weight, combiner, out, out_type, b0, b1);
   });
 }
 #endif
