@@ -214,7 +214,7 @@ void FinishInPlace(float* acc, float bias, float scale, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] = scale * (acc[i] + bias);
 }
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(PKM_NO_MULTIVERSION)
+#if defined(PKM_X86_F16C)
 // Rows of 16-128 columns with AVX-512: a bag's sums stay in registers and each
 // entry's scale (and bias) is read where its row is, with no window of
 // collected entries (at D=32 from a 2 MB table, CollectWindow and
@@ -226,9 +226,7 @@ void FinishInPlace(float* acc, float bias, float scale, int64_t n) {
 // the output is bitwise the same (but for the payload of a NaN from a NaN
 // float16 row parameter, converted here by the CPU's instruction).
 bool HasShortInt8Rows(const Table& table) {
-  static const bool avx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f") &&
-                                                        __builtin_cpu_supports("f16c"));
-  return avx512 && table.dim >= 16 && table.dim <= 128 && table.dim % 16 == 0;
+  return vec::f16c::HasAvx512() && table.dim >= 16 && table.dim <= 128 && table.dim % 16 == 0;
 }
 
 struct ShortInt8Params {
