@@ -1,6 +1,7 @@
 #include "kernels/core/bag_window.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels/core/internal.h"
 
@@ -64,11 +65,12 @@ void CollectBags(const Table& table, const Bags& bags, LoadWeight load_weight, i
   int64_t n = 0;  // entries so far; the vectors are sized ahead of each bag
   for (; b < b1 && n < kWindowEntries; ++b) {
     const int64_t begin = bags.Begin(b), end = bags.End(b);
-    if (static_cast<int64_t>(window->rows.size()) < n + end - begin) {
-      window->rows.resize(n + end - begin);
-      window->coefs.resize(n + end - begin);
-      if (kInt8) window->row_ids.resize(n + end - begin);
-    }
+    // Each vector by its own size: a thread's windows carry over from calls
+    // on other tables (BlockScratch), where row_ids were not wanted.
+    const int64_t need = n + end - begin;
+    if (static_cast<int64_t>(window->rows.size()) < need) window->rows.resize(need);
+    if (static_cast<int64_t>(window->coefs.size()) < need) window->coefs.resize(need);
+    if (kInt8 && static_cast<int64_t>(window->row_ids.size()) < need) window->row_ids.resize(need);
     float weight_sum, weight_sq_sum;
     n = CollectBag<Index, LoadWeight, kInt8>(idx, load_weight, begin, end, data, row_bytes, scales, biases,
                                              param_bytes, n, window->rows.data(), window->coefs.data(),
@@ -133,6 +135,30 @@ void ApplyRowParams(const Table& table, BagWindow* window, int64_t k0, int64_t k
     if (table.row_biases != nullptr)
       *bias_sum += window->coefs[k] * RowParam(table.row_biases, table.row_params_type, r);
     window->coefs[k] *= RowParam(table.row_scales, table.row_params_type, r);
+  }
+}
+
+BlockScratch& ThreadBlockScratch() {
+  thread_local BlockScratch scratch;
+  return scratch;
+}
+
+void BlockScratch::Release() {
+  // Above these sizes (256 KB of acc, 16 windows' worth of entries or bags) a
+  // block's rare long bags or wide rows would stay allocated on the thread.
+  constexpr size_t kKeepFloats = 65536, kKeepEntries = 16 * kWindowEntries;
+  auto release_if_large = [](auto& v, size_t keep) {
+    if (v.capacity() > keep) std::remove_reference_t<decltype(v)>().swap(v);
+  };
+  release_if_large(acc, kKeepFloats);
+  for (BagWindow& w : windows) {
+    release_if_large(w.rows, kKeepEntries);
+    release_if_large(w.coefs, kKeepEntries);
+    release_if_large(w.ahead_rows, kKeepEntries);
+    release_if_large(w.row_ids, kKeepEntries);
+    release_if_large(w.ends, kKeepEntries);
+    release_if_large(w.weight_sums, kKeepEntries);
+    release_if_large(w.weight_sq_sums, kKeepEntries);
   }
 }
 

@@ -33,6 +33,18 @@ struct BagWindow {
   int64_t size() const { return count; }
 };
 
+// A thread's accumulator row and two windows, kept from block to block and
+// from call to call (thread_local). Allocating and growing them per block
+// instead took the TF op 1.10-1.15x the time at B=2048 K=1 D=512 (TF's 8
+// blocks; 1.01-1.03x at K=8; bench/results/cpu_roofline_notes.md, round 45).
+// Release() frees what a block's long bags or wide rows grew them to.
+struct BlockScratch {
+  std::vector<float> acc;
+  BagWindow windows[2];
+  void Release();
+};
+BlockScratch& ThreadBlockScratch();
+
 // Collects bags from `b` (< b1) on until the window holds kWindowEntries
 // entries or reaches b1. For int8 tables the coefficients are the weights
 // until ApplyRowParams multiplies in the row scales of entries [k0, k1) and
@@ -81,10 +93,11 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
   const int64_t dim = table.dim;
   const int64_t row_bytes = dim * ElemSize(table.type);
   const int64_t ahead = PrefetchAhead(table.type, row_bytes);
-  std::vector<float> acc(acc_in_out ? 0 : dim);
-  BagWindow windows[2];
-  BagWindow* cur = &windows[0];
-  BagWindow* next = &windows[1];
+  BlockScratch& scratch = ThreadBlockScratch();
+  std::vector<float>& acc = scratch.acc;
+  if (!acc_in_out && static_cast<int64_t>(acc.size()) < dim) acc.resize(dim);
+  BagWindow* cur = &scratch.windows[0];
+  BagWindow* next = &scratch.windows[1];
   CollectWindow(table, bags, b0, b1, cur);
   // The block's first rows have no earlier row to prefetch them.
   for (int64_t k = 0; k < std::min(ahead, cur->size()); ++k)
@@ -141,6 +154,7 @@ void SumBagBlock(const Table& table, const Bags& bags, int64_t b0, int64_t b1, G
     if (cur->end_bag >= b1) break;
     std::swap(cur, next);
   }
+  scratch.Release();
 }
 
 }  // namespace internal

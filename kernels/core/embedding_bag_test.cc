@@ -836,6 +836,60 @@ void WindowCases() {
   }
 }
 
+// One thread runs every block (in several blocks a call) of a sequence of
+// forwards whose shapes grow and shrink, so each reuses the accumulator row
+// and windows the previous ones left on the thread (bag_window.h,
+// BlockScratch): a 6000-entry bag and 70000-column rows grow them past what
+// Release keeps; every output against the reference.
+void ScratchReuseCases() {
+  using pkm::ElemType;
+  std::mt19937_64 rng(45);
+  const pkm::ParallelFor blocks_on_this_thread = [](int64_t total, int64_t, const pkm::RangeFn& fn) {
+    const int64_t size = std::max<int64_t>(1, total / 5);
+    for (int64_t b = 0; b < total; b += size) fn(b, std::min(total, b + size));
+  };
+  struct Shape { ElemType type; int64_t dim; int64_t long_bag; };
+  const Shape shapes[] = {{ElemType::kFloat32, 520, 0},   {ElemType::kInt8, 200, 0},        {ElemType::kBFloat16, 520, 6000},
+                          {ElemType::kFloat32, 24, 0},    {ElemType::kInt8, 200, 6000},     {ElemType::kFloat32, 70000, 3},
+                          {ElemType::kBFloat16, 300, 0},  {ElemType::kFloat16, 1040, 0},    {ElemType::kInt8, 40, 0}};
+  for (const Shape& shape : shapes) {
+    const int64_t num_rows = 97;
+    std::vector<int64_t> sizes = {shape.long_bag, 0, 9, 1};
+    for (int b = 0; b < 60; ++b) sizes.push_back(rng() % 20);
+    std::vector<int64_t> splits(1, 0);
+    for (int64_t n : sizes) splits.push_back(splits.back() + n);
+    std::vector<int64_t> idx(splits.back());
+    for (auto& v : idx) v = rng() % 11 == 0 ? -1 : static_cast<int64_t>(rng() % num_rows);
+    const ElemType value_type = shape.type == ElemType::kInt8 ? ElemType::kFloat32 : shape.type;
+    auto table_buf = RandomBuffer(rng, shape.type, num_rows * shape.dim);
+    auto weights = RandomBuffer(rng, value_type, static_cast<int64_t>(idx.size()));
+    std::vector<float> scales(num_rows, 0.03f);
+    pkm::Table table{table_buf.data(), shape.type, num_rows, shape.dim};
+    if (shape.type == ElemType::kInt8) table.row_scales = scales.data();
+    pkm::Bags bags;
+    bags.indices = idx.data();
+    bags.indices_int64 = true;
+    bags.num_bags = static_cast<int64_t>(sizes.size());
+    bags.row_splits = splits.data();
+    bags.row_splits_int64 = true;
+    bags.num_values = static_cast<int64_t>(idx.size());
+    bags.weights = weights.data();
+    bags.weights_type = value_type;
+    const int64_t n_out = bags.num_bags * shape.dim;
+    for (pkm::Combiner combiner : {pkm::Combiner::kSum, pkm::Combiner::kSqrtn}) {
+      std::vector<uint8_t> fast(n_out * pkm::ElemSize(value_type)), ref(fast.size());
+      auto s1 = pkm::Forward(table, bags, combiner, fast.data(), value_type, blocks_on_this_thread);
+      auto s2 = pkm::ReferenceForward(table, bags, combiner, ref.data(), value_type);
+      std::string where;
+      EXPECT(s1.ok && s2.ok &&
+                 Close(fast, ref, value_type, n_out, value_type == ElemType::kFloat32 ? 1e-4f : 2e-2f, &where),
+             "scratch reuse type=%d dim=%lld long bag=%lld combiner=%d: %s %s %s", int(shape.type),
+             static_cast<long long>(shape.dim), static_cast<long long>(shape.long_bag), int(combiner),
+             s1.message.c_str(), s2.message.c_str(), where.c_str());
+    }
+  }
+}
+
 // Weights of every float type (and none) on float32, bfloat16 and float16 tables, at
 // the short-row widths and one general width: the forward picks its weight
 // loader once per block of bags (short_rows.cc), so each type is its own code.
@@ -1081,6 +1135,7 @@ int main() {
   std::mt19937_64 rng(1234);
   for (int i = 0; i < 400; ++i) RandomCase(rng, i);
   WindowCases();
+  ScratchReuseCases();
   WeightTypeCases();
   Int8ShortRowCases();
   ErrorCases();
