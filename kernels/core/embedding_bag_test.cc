@@ -73,6 +73,21 @@ std::vector<uint8_t> RandomBuffer(std::mt19937_64& rng, pkm::ElemType t, int64_t
   return buf;
 }
 
+// Ragged bags over int64 indices and row splits, weighted by `weights`.
+pkm::Bags RaggedBags(const std::vector<int64_t>& idx, const std::vector<int64_t>& splits,
+                     const std::vector<uint8_t>& weights, pkm::ElemType weights_type) {
+  pkm::Bags bags;
+  bags.indices = idx.data();
+  bags.indices_int64 = true;
+  bags.num_bags = static_cast<int64_t>(splits.size()) - 1;
+  bags.row_splits = splits.data();
+  bags.row_splits_int64 = true;
+  bags.num_values = static_cast<int64_t>(idx.size());
+  bags.weights = weights.data();
+  bags.weights_type = weights_type;
+  return bags;
+}
+
 bool Close(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b, pkm::ElemType t, int64_t n,
            float rtol, std::string* where) {
   for (int64_t i = 0; i < n; ++i) {
@@ -806,15 +821,7 @@ void WindowCases() {
         table.row_scales = scales.data();
         table.row_biases = biases.data();
       }
-      pkm::Bags bags;
-      bags.indices = idx.data();
-      bags.indices_int64 = true;
-      bags.num_bags = static_cast<int64_t>(sizes.size());
-      bags.row_splits = splits.data();
-      bags.row_splits_int64 = true;
-      bags.num_values = static_cast<int64_t>(idx.size());
-      bags.weights = weights.data();
-      bags.weights_type = value_type;
+      pkm::Bags bags = RaggedBags(idx, splits, weights, value_type);
       const int64_t n_out = bags.num_bags * dim;
       const std::vector<int32_t> idx32(idx.begin(), idx.end());
       for (pkm::Combiner combiner : {pkm::Combiner::kSum, pkm::Combiner::kMean, pkm::Combiner::kSqrtn}) {
@@ -866,15 +873,7 @@ void ScratchReuseCases() {
     std::vector<float> scales(num_rows, 0.03f);
     pkm::Table table{table_buf.data(), shape.type, num_rows, shape.dim};
     if (shape.type == ElemType::kInt8) table.row_scales = scales.data();
-    pkm::Bags bags;
-    bags.indices = idx.data();
-    bags.indices_int64 = true;
-    bags.num_bags = static_cast<int64_t>(sizes.size());
-    bags.row_splits = splits.data();
-    bags.row_splits_int64 = true;
-    bags.num_values = static_cast<int64_t>(idx.size());
-    bags.weights = weights.data();
-    bags.weights_type = value_type;
+    const pkm::Bags bags = RaggedBags(idx, splits, weights, value_type);
     const int64_t n_out = bags.num_bags * shape.dim;
     for (pkm::Combiner combiner : {pkm::Combiner::kSum, pkm::Combiner::kSqrtn}) {
       std::vector<uint8_t> fast(n_out * pkm::ElemSize(value_type)), ref(fast.size());
