@@ -35,8 +35,8 @@ struct BagWindow {
 
 // A thread's accumulator row and two windows, kept from block to block and
 // from call to call (thread_local). Allocating and growing them per block
-// instead took the TF op 1.10-1.15x the time at B=2048 K=1 D=512 (TF's 8
-// blocks; 1.01-1.03x at K=8; bench/results/cpu_roofline_notes.md, round 45).
+// instead took the TF op 1.09-1.16x the time at B=2048 K=1 D=512 (TF's 8
+// blocks; 0.99-1.02x at K=8; bench/results/cpu_roofline_notes.md, round 45).
 // Release() frees what a block's long bags or wide rows grew them to.
 struct BlockScratch {
   std::vector<float> acc;

@@ -856,9 +856,9 @@ void ScratchReuseCases() {
     for (int64_t b = 0; b < total; b += size) fn(b, std::min(total, b + size));
   };
   struct Shape { ElemType type; int64_t dim; int64_t long_bag; };
-  const Shape shapes[] = {{ElemType::kFloat32, 520, 0},   {ElemType::kInt8, 200, 0},        {ElemType::kBFloat16, 520, 6000},
-                          {ElemType::kFloat32, 24, 0},    {ElemType::kInt8, 200, 6000},     {ElemType::kFloat32, 70000, 3},
-                          {ElemType::kBFloat16, 300, 0},  {ElemType::kFloat16, 1040, 0},    {ElemType::kInt8, 40, 0}};
+  const Shape shapes[] = {{ElemType::kFloat32, 520, 0},  {ElemType::kInt8, 200, 0},     {ElemType::kBFloat16, 520, 6000},
+                          {ElemType::kFloat32, 24, 0},   {ElemType::kInt8, 200, 6000},  {ElemType::kFloat32, 70000, 3},
+                          {ElemType::kBFloat16, 300, 0}, {ElemType::kFloat16, 1040, 0}, {ElemType::kInt8, 40, 0}};
   for (const Shape& shape : shapes) {
     const int64_t num_rows = 97;
     std::vector<int64_t> sizes = {shape.long_bag, 0, 9, 1};
