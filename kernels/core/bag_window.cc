@@ -13,8 +13,6 @@ namespace {
 // Enough entries that `ahead` (at most 64) stays within this window and the next.
 constexpr int64_t kWindowEntries = 256;
 
-constexpr auto UnitWeight = [](int64_t) { return 1.f; };
-
 // One bag's valid entries into rows/coefs (and row_ids, int8 tables) from
 // position n on; returns the new n. A template per index type, weight type and
 // table kind, so the loop holds no per-entry type switch and keeps its sums in
@@ -85,35 +83,9 @@ void CollectBags(const Table& table, const Bags& bags, LoadWeight load_weight, i
 
 template <typename Index, bool kInt8>
 void CollectBagsAnyWeights(const Table& table, const Bags& bags, int64_t b, int64_t b1, BagWindow* window) {
-  if (bags.weights == nullptr) {
-    CollectBags<Index, decltype(UnitWeight), kInt8>(table, bags, UnitWeight, b, b1, window);
-    return;
-  }
-  switch (bags.weights_type) {
-    case ElemType::kFloat16: {
-      const uint16_t* w = static_cast<const uint16_t*>(bags.weights);
-      auto load = [w](int64_t j) { return HalfToFloat(w[j]); };
-      CollectBags<Index, decltype(load), kInt8>(table, bags, load, b, b1, window);
-      return;
-    }
-    case ElemType::kBFloat16: {
-      const uint16_t* w = static_cast<const uint16_t*>(bags.weights);
-      auto load = [w](int64_t j) { return BFloat16ToFloat(w[j]); };
-      CollectBags<Index, decltype(load), kInt8>(table, bags, load, b, b1, window);
-      return;
-    }
-    case ElemType::kFloat32: {
-      const float* w = static_cast<const float*>(bags.weights);
-      auto load = [w](int64_t j) { return w[j]; };
-      CollectBags<Index, decltype(load), kInt8>(table, bags, load, b, b1, window);
-      return;
-    }
-    default: {  // not let through by CheckTypes; read as the generic loader would
-      auto load = [&bags](int64_t j) { return WeightAt(bags, j); };
-      CollectBags<Index, decltype(load), kInt8>(table, bags, load, b, b1, window);
-      return;
-    }
-  }
+  WithWeightLoader(bags, [&](auto load_weight) {
+    CollectBags<Index, decltype(load_weight), kInt8>(table, bags, load_weight, b, b1, window);
+  });
 }
 
 }  // namespace

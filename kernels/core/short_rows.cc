@@ -201,22 +201,9 @@ __attribute__((always_inline)) inline void SumBagsWeighted(const Table& table, c
 template <int NV, int kLanes, bool kBf16, typename Index, bool kPairs = false>
 __attribute__((always_inline)) inline void SumBags(const Table& table, const Bags& bags, Combiner combiner,
                                                    char* out, ElemType out_type, int64_t b0, int64_t b1) {
-  const void* weights = bags.weights;
-  const uint16_t* halves = static_cast<const uint16_t*>(weights);
-  if (weights == nullptr) {
-    SumBagsWeighted<NV, kLanes, kBf16, Index, kPairs>(
-        table, bags, [](int64_t) { return 1.f; }, combiner, out, out_type, b0, b1);
-  } else if (bags.weights_type == ElemType::kBFloat16) {
-    SumBagsWeighted<NV, kLanes, kBf16, Index, kPairs>(
-        table, bags, [halves](int64_t j) { return BFloat16ToFloat(halves[j]); }, combiner, out, out_type, b0, b1);
-  } else if (bags.weights_type == ElemType::kFloat16) {
-    SumBagsWeighted<NV, kLanes, kBf16, Index, kPairs>(
-        table, bags, [halves](int64_t j) { return HalfToFloat(halves[j]); }, combiner, out, out_type, b0, b1);
-  } else {  // float32 (CheckTypes lets no other type through)
-    const float* w = static_cast<const float*>(weights);
-    SumBagsWeighted<NV, kLanes, kBf16, Index, kPairs>(
-        table, bags, [w](int64_t j) { return w[j]; }, combiner, out, out_type, b0, b1);
-  }
+  WithWeightLoader(bags, [&](auto load_weight) {
+    SumBagsWeighted<NV, kLanes, kBf16, Index, kPairs>(table, bags, load_weight, combiner, out, out_type, b0, b1);
+  });
 }
 
 template <bool kBf16, bool kWide, typename Index>
