@@ -197,11 +197,13 @@ __attribute__((always_inline)) inline void SumBagsWeighted(const Table& table, c
   }
 }
 
-// The weight loader, once per block of bags (no type switch per entry).
+// The weight loader, once per block of bags (no type switch per entry). The
+// lambda always inlined: it holds the loop, which must take the target of
+// SumShortRowsWide or of SumShortRowsNarrow's clones (internal.h).
 template <int NV, int kLanes, bool kBf16, typename Index, bool kPairs = false>
 __attribute__((always_inline)) inline void SumBags(const Table& table, const Bags& bags, Combiner combiner,
                                                    char* out, ElemType out_type, int64_t b0, int64_t b1) {
-  WithWeightLoader(bags, [&](auto load_weight) {
+  WithWeightLoader(bags, [&](auto load_weight) __attribute__((always_inline)) {
     SumBagsWeighted<NV, kLanes, kBf16, Index, kPairs>(table, bags, load_weight, combiner, out, out_type, b0, b1);
   });
 }
