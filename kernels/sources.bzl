@@ -171,10 +171,13 @@ PKM_CXXSTD = [
     "-std=c++17",
 ]
 
-# The core and the TFLite library: hot loops, optimised hard.
+# The core and the TFLite library: hot loops, optimised hard. No errno from
+# sqrt: nothing reads it, and a sqrt that may set it is never vectorised (the
+# fused optimizers' Adam loop, kernels/core/fused_optimizer.cc).
 PKM_CORE_COPTS = [
     "-O3",
     "-DNDEBUG",
+    "-fno-math-errno",
     "-fvisibility=hidden",
     "-Wall",
     "-Wextra",
