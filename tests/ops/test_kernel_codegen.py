@@ -63,3 +63,13 @@ def test_loops_behind_the_weight_loader_are_not_baseline_code(bodies):
                      and "[clone .default]" not in b.split("\n", 1)[0]]
     baseline = [b.split("\n", 1)[0][:300] for b in behind_loader if LEGACY_SSE_PACKED.search(b)]
     assert not baseline, f"{len(baseline)} functions reached through the weight loader hold SSE2 loops: {baseline[:3]}"
+
+
+def test_fused_adam_update_takes_packed_square_roots(bodies):
+    """The CPU fused Adam's column loop (kernels/core/fused_optimizer.cc) vectorised: without the core's
+    -fno-math-errno, GCC kept it scalar with a call to sqrtf per column (1.83 ns a column, 0.37 after)."""
+    clones = [b for b in bodies if "AdamColumns(" in b.split("\n", 1)[0]
+              and "[clone .arch_x86_64_v3]>" in b.split("\n", 1)[0]]
+    assert len(clones) == 1, f"AdamColumns' AVX2 clone: {len(clones)} bodies found in {ops.library_path()}"
+    assert re.search(r"\bvsqrtps\s.*%ymm\d+", clones[0]), clones[0][:3000]
+    assert not re.search(r"\bcall\b.*sqrtf", clones[0]), clones[0][:3000]
