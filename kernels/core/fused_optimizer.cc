@@ -44,8 +44,8 @@ namespace {
 // default-target function that an arch= clone does not inline, and a sqrt
 // that may set errno keeps the loop scalar (a call to sqrtf per column: Adam
 // took 1.83 ns a float32 column on the Xeon model 207, one thread; 0.37
-// now). The loops that divide stop at AVX2: there the AVX-512 clone's
-// divisions took Adagrad's update 1.2-1.27x the time of AVX2's.
+// now). The loops that divide stop at AVX2: with an AVX-512 clone, Adagrad's
+// update took 1.2-1.27x the time on that Xeon.
 #if defined(PKM_X86_F16C)
 #define PKM_DIVIDING_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else

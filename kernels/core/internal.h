@@ -34,9 +34,9 @@ inline float RowParam(const void* params, ElemType type, int64_t r) {
 
 // Calls f(load_weight) with the bags' weight loader (load_weight(j) is entry
 // j's weight as a float; 1 without weights): a loop templated on it holds no
-// per-entry type switch. Chosen once per block of bags. Always inlined, as
-// f must be where f holds the loop itself: a call out of line is compiled for
-// the file's default target (SSE2), not for the caller's target attribute
+// per-entry type switch. Chosen once per block of bags. Always inlined, and so
+// must f be where it holds the loop: a function called out of line is compiled
+// for its file's default target (SSE2), not for its caller's target attribute
 // (round 45's short rows through a plain inline one: bfloat16 D=128 3.7x the time).
 #define PKM_LOADER_INLINE __attribute__((always_inline))
 template <typename F>
