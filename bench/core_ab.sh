@@ -4,7 +4,7 @@
 # PROGRAM is one of bench/native's timers that dlopen core builds: int8_core_ab (the int8 and
 # float32 forward; bench/int8_core_ab.sh) or backward_core_ab (the dense float32 backward).
 # Each TREE (a checkout of this repository, e.g. a `git worktree` of another commit) has its
-# kernels/core built as one shared library (all symbols bound locally, so the builds do not mix);
+# kernels/core built as one shared library (bench/build_core.sh);
 # PROGRAM then times them in one process. Example, this tree against main:
 #   git worktree add --detach /tmp/main main && bench/core_ab.sh backward_core_ab "2048 128 512 65536" 20 /tmp/main .
 set -euo pipefail
@@ -19,12 +19,8 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 libs=()
 for i in "${!trees[@]}"; do
-  src=$(cd "${trees[$i]}" && pwd); mkdir -p "$work/$i"
-  for f in "$src"/kernels/core/*.cc; do
-    case $f in *_test.cc|*/reference.cc) continue;; esac
-    g++ -std=c++17 -O3 -DNDEBUG -fPIC -I"$src" -c "$f" -o "$work/$i/$(basename "${f%.cc}").o"
-  done
-  g++ -shared -Wl,-Bsymbolic "$work/$i"/*.o -o "$work/core_$i.so" -lpthread
+  src=$(cd "${trees[$i]}" && pwd)
+  "$here/bench/build_core.sh" "$src" "$work/core_$i.so"
   libs+=("$work/core_$i.so")
   echo "build $i: $src ($(git -C "$src" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$src" diff --quiet 2>/dev/null || echo ', modified'))"
 done

@@ -1,6 +1,7 @@
 // The core's forward against a plain loop that moves the same bytes, in one process (bench only, not
 // shipped):
-//   core_vs_loop B K D N DTYPE CALLS [sets=S] [outs=M] [blocks=G] [int64] [rolled] [mean|sqrtn] [unweighted] -- LIB
+//   core_vs_loop B K D N DTYPE CALLS [sets=S] [outs=M] [blocks=G] [int64] [rolled] [mean|sqrtn] [unweighted]
+//                [noloop] -- LIB
 // DTYPE is float32 or bfloat16 (bfloat16 output, as the TF op's). LIB is a core build as bench/core_ab.sh
 // makes one (the forward is looked up by its mangled name). Two threads that keep running between calls
 // (the second spins, as TF's pool threads are already up when an op starts), each taking half of the
@@ -12,7 +13,8 @@
 // As TF runs the op: `blocks=G` hands the op's range out as G blocks the two threads claim (default 2,
 // one half each; TF's forward claims 8-32), `int64` gives it int64 indices, `rolled` makes index set s
 // set 0 moved by s bags, as the roofline's op-alone chain does (the same rows every call). The op sums
-// with weights of 0.5; `mean` or `sqrtn` is its combiner instead, `unweighted` gives it no weights.
+// with weights of 0.5; `mean` or `sqrtn` is its combiner instead, `unweighted` gives it no weights;
+// `noloop` times the op alone (no loop, no search: bench/core_sweep.py).
 // Prints the medians and minima of both and op / loop (CORE_VS_LOOP_SETTINGS=1: each setting's median too,
 // to stderr).
 #include <dlfcn.h>
@@ -127,14 +129,14 @@ int main(int argc, char** argv) {
   if (argc < 9 || !__builtin_cpu_supports("avx512f")) {
     std::fprintf(stderr,
                  "usage: core_vs_loop B K D N float32|bfloat16 CALLS [sets=S] [outs=M] [blocks=G] [int64] [rolled] "
-                 "[mean|sqrtn] [unweighted] -- LIB (AVX-512)\n");
+                 "[mean|sqrtn] [unweighted] [noloop] -- LIB (AVX-512)\n");
     return 2;
   }
   const int64_t B = std::atoll(argv[1]), K = std::atoll(argv[2]), D = std::atoll(argv[3]), N = std::atoll(argv[4]);
   const std::string dtype = argv[5];
   const int calls = std::atoi(argv[6]);
   int64_t sets = 8, outs = 1, blocks = 2;
-  bool int64_indices = false, rolled = false, weighted = true;
+  bool int64_indices = false, rolled = false, weighted = true, with_loop = true;
   pkm::Combiner combiner = pkm::Combiner::kSum;
   const char* lib = nullptr;
   for (int i = 7; i < argc; ++i) {
@@ -148,6 +150,7 @@ int main(int argc, char** argv) {
     else if (a == "mean") combiner = pkm::Combiner::kMean;
     else if (a == "sqrtn") combiner = pkm::Combiner::kSqrtn;
     else if (a == "unweighted") weighted = false;
+    else if (a == "noloop") with_loop = false;
     else { std::fprintf(stderr, "unknown argument %s\n", a.c_str()); return 2; }
   }
   const bool bf16 = dtype == "bfloat16";
@@ -219,8 +222,15 @@ int main(int argc, char** argv) {
     });
   };
 
-  // The loop's best setting: 16 settings, a short run of each (after the op's own warm-up).
   for (int c = 0; c < 8; ++c) op_call(c);
+  if (!with_loop) {  // the op alone (bench/core_sweep.py)
+    std::vector<double> op_ms;
+    for (int c = 0; c < calls; ++c) op_ms.push_back(op_call(c));
+    std::printf("{\"op_median_ms\": %.4f, \"op_min_ms\": %.4f}\n", Median(op_ms),
+                *std::min_element(op_ms.begin(), op_ms.end()));
+    return 0;
+  }
+  // The loop's best setting: 16 settings, a short run of each (after the op's own warm-up).
   int best_hint = 2;
   int64_t best_ahead = 1;
   double best = 1e30;
