@@ -111,28 +111,40 @@ using internal::WeightAt;
 namespace {
 
 // The first entry of idx[begin, end) that names no row, or end. Each chunk is
-// first checked by a branch-free pass the compiler vectorises (the scalar loop
-// with an early exit took 0.07 ms for 262144 int32 indices on the 2-core EPYC,
-// a seventh of a D=64 bfloat16 forward's samples in the op library); only a
-// chunk holding a bad entry is searched entry by entry.
+// first checked by its maximum, a reduction the compiler vectorises (the
+// scalar loop with an early exit took 0.07 ms for 262144 int32 indices on the
+// 2-core EPYC, a seventh of a D=64 bfloat16 forward's samples in the op
+// library; an OR of per-entry flags, narrowed from 64-bit compares, held 12%
+// of a bfloat16 D=64 forward's samples with int64 indices on the Xeon model
+// 207, the maximum 7%: the forward 0.96-0.98x the time); only a chunk holding
+// a bad entry is searched entry by entry. Negative indices are
+// padding or errors: the signed maximum checks the first, the maximum as
+// unsigned (a negative index is then above any bound) the second.
 template <typename Index>
 __attribute__((always_inline)) inline int64_t FirstInvalidIndexOf(const Index* idx, int64_t begin, int64_t end,
                                                                   int64_t num_rows, bool negative_is_padding) {
   using Unsigned = std::make_unsigned_t<Index>;
-  // Rows as an unsigned bound: a negative index is then above it. Clipped to
-  // the index type's range (int32 indices of a table of over 2^31 rows).
+  // Rows as an unsigned bound, clipped to the index type's range (int32
+  // indices of a table of over 2^31 rows).
   const Unsigned limit = static_cast<Unsigned>(
       std::min<uint64_t>(static_cast<uint64_t>(num_rows), uint64_t{std::numeric_limits<Index>::max()} + 1));
   auto bad = [limit, negative_is_padding](Index v) {
-    return static_cast<unsigned>(static_cast<Unsigned>(v) >= limit) &
-           static_cast<unsigned>(v >= 0 || !negative_is_padding);
+    return static_cast<Unsigned>(v) >= limit && (v >= 0 || !negative_is_padding);
   };
   constexpr int64_t kChunk = 1024;
   for (int64_t c = begin; c < end; c += kChunk) {
     const int64_t e = std::min(end, c + kChunk);
-    unsigned any = 0;
-    for (int64_t j = c; j < e; ++j) any |= bad(idx[j]);
-    if (any != 0)
+    bool any;
+    if (negative_is_padding) {
+      Index most = 0;
+      for (int64_t j = c; j < e; ++j) most = std::max(most, idx[j]);
+      any = static_cast<Unsigned>(most) >= limit;
+    } else {
+      Unsigned most = 0;
+      for (int64_t j = c; j < e; ++j) most = std::max(most, static_cast<Unsigned>(idx[j]));
+      any = most >= limit;
+    }
+    if (any)
       for (int64_t j = c; j < e; ++j)
         if (bad(idx[j])) return j;
   }
