@@ -9,11 +9,10 @@ without touching (round 45's last commit slowed the short rows 3-4x at widths it
 Each tree's kernels/core is built by bench/build_core.sh and timed by bench/native/core_vs_loop.cc as TF
 runs the op (int64 indices, the range in 8 claimed blocks, the same rows every call; B=2048, N=65536,
 2 threads; bfloat16 output of bfloat16 rows): float32 D=16-512 and bfloat16 D=32-512, K=1, 8 and 128,
-weights of 0.5 / none / mean. The builds take turns shape by shape, --turns times each; the ratio is
-B's median over A's. Calls of tens of microseconds move 10-20% from run to run on a shared VM, so a
-shape over --flag is timed again, 2 * turns + 1 turns of 4x the calls, and that second ratio stands
-(the first is kept beside it); a row still over --flag is marked. Writes
-bench/results/core_sweep_<tag>.{json,md}.
+weights of 0.5 / none / mean. Both builds are loaded in one process and called in turn, call by call
+(--calls each), in --turns processes per shape; the ratio is B's median over A's. A shape over --flag
+is timed again, 2 * turns + 1 processes of 4x the calls, and that second ratio stands (the first is
+kept beside it); a row still over --flag is marked. Writes bench/results/core_sweep_<tag>.{json,md}.
 """
 import argparse
 import json
@@ -37,22 +36,20 @@ def build(tree, work, name):
     return lib
 
 
-def op_median_ms(timer, lib, dtype, k, d, options, calls):
-    cmd = [timer, "2048", str(k), str(d), "65536", dtype, str(calls), "int64", "blocks=8", "rolled",
-           *options, "noloop", "--", lib]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["op_median_ms"], " ".join(cmd)
-
-
 def compare(timer, libs, dtype, d, k, weighting, turns, calls):
-    """Both builds on one shape, taking turns; their medians over the turns."""
+    """Both builds on one shape: `turns` processes, each timing them call by call in turn on the same
+    inputs; the medians of the turns' medians."""
+    cmd = [timer, "2048", str(k), str(d), "65536", dtype, str(calls), "int64", "blocks=8", "rolled",
+           *WEIGHTINGS[weighting], "noloop", "--", libs["a"], libs["b"]]
     times = {"a": [], "b": []}
     for _ in range(turns):
-        for side in ("a", "b"):
-            ms, cmd = op_median_ms(timer, libs[side], dtype, k, d, WEIGHTINGS[weighting], calls)
-            times[side].append(ms)
+        out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip()
+                         .splitlines()[-1])
+        times["a"].append(out["op_median_ms"])
+        times["b"].append(out["b_median_ms"])
     a, b = statistics.median(times["a"]), statistics.median(times["b"])
-    return {"a_ms": a, "b_ms": b, "ratio": b / a, "a_turns": times["a"], "b_turns": times["b"], "command": cmd}
+    return {"a_ms": a, "b_ms": b, "ratio": b / a, "a_turns": times["a"], "b_turns": times["b"],
+            "command": " ".join(cmd)}
 
 
 def sweep(args, timer, libs):
@@ -78,9 +75,10 @@ def sweep(args, timer, libs):
 def markdown(report):
     lines = [f"# The core's forward, two trees side by side ({report['date']})", "",
              f"Machine: {report['machine']}. A = `{report['a']}`, B = `{report['b']}`. core_vs_loop as TF runs "
-             f"the op (int64 indices, 8 claimed blocks, rolled rows), B=2048 N=65536, 2 threads; "
-             f"{report['turns']} turns of {report['calls']} calls per build and shape, medians; a shape over "
-             f"{report['flag']} timed again ({2 * report['turns'] + 1} turns of {4 * report['calls']} calls), "
+             f"the op (int64 indices, 8 claimed blocks, rolled rows), B=2048 N=65536, 2 threads, both builds "
+             f"in one process called in turn; {report['turns']} processes of {report['calls']} calls per build "
+             f"and shape, medians; a shape over "
+             f"{report['flag']} timed again ({2 * report['turns'] + 1} processes of {4 * report['calls']} calls), "
              f"which stands. Marked: still over {report['flag']}.", "",
              "| dtype | D | K | weighting | A ms | B ms | B / A | first B / A, where timed again |",
              "|---|---|---|---|---|---|---|---|"]

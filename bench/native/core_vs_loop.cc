@@ -1,7 +1,7 @@
 // The core's forward against a plain loop that moves the same bytes, in one process (bench only, not
 // shipped):
 //   core_vs_loop B K D N DTYPE CALLS [sets=S] [outs=M] [blocks=G] [int64] [rolled] [mean|sqrtn] [unweighted]
-//                [noloop] -- LIB
+//                [noloop] -- LIB [LIB_B]
 // DTYPE is float32 or bfloat16 (bfloat16 output, as the TF op's). LIB is a core build as bench/core_ab.sh
 // makes one (the forward is looked up by its mangled name). Two threads that keep running between calls
 // (the second spins, as TF's pool threads are already up when an op starts), each taking half of the
@@ -14,7 +14,8 @@
 // one half each; TF's forward claims 8-32), `int64` gives it int64 indices, `rolled` makes index set s
 // set 0 moved by s bags, as the roofline's op-alone chain does (the same rows every call). The op sums
 // with weights of 0.5; `mean` or `sqrtn` is its combiner instead, `unweighted` gives it no weights;
-// `noloop` times the op alone (no loop, no search: bench/core_sweep.py).
+// `noloop` times the op alone (no loop, no search); with a second build LIB_B it times the two builds
+// in turn, call by call on the same inputs, and prints both (bench/core_sweep.py).
 // Prints the medians and minima of both and op / loop (CORE_VS_LOOP_SETTINGS=1: each setting's median too,
 // to stderr).
 #include <dlfcn.h>
@@ -129,7 +130,7 @@ int main(int argc, char** argv) {
   if (argc < 9 || !__builtin_cpu_supports("avx512f")) {
     std::fprintf(stderr,
                  "usage: core_vs_loop B K D N float32|bfloat16 CALLS [sets=S] [outs=M] [blocks=G] [int64] [rolled] "
-                 "[mean|sqrtn] [unweighted] [noloop] -- LIB (AVX-512)\n");
+                 "[mean|sqrtn] [unweighted] [noloop] -- LIB [LIB_B, with noloop] (AVX-512)\n");
     return 2;
   }
   const int64_t B = std::atoll(argv[1]), K = std::atoll(argv[2]), D = std::atoll(argv[3]), N = std::atoll(argv[4]);
@@ -139,9 +140,13 @@ int main(int argc, char** argv) {
   bool int64_indices = false, rolled = false, weighted = true, with_loop = true;
   pkm::Combiner combiner = pkm::Combiner::kSum;
   const char* lib = nullptr;
+  const char* lib_b = nullptr;
   for (int i = 7; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--" && i + 1 < argc) lib = argv[++i];
+    if (a == "--" && i + 1 < argc) {
+      lib = argv[++i];
+      if (i + 1 < argc) lib_b = argv[++i];
+    }
     else if (a.rfind("sets=", 0) == 0 && std::atoll(a.c_str() + 5) > 0) sets = std::atoll(a.c_str() + 5);
     else if (a.rfind("outs=", 0) == 0 && std::atoll(a.c_str() + 5) > 0) outs = std::atoll(a.c_str() + 5);
     else if (a.rfind("blocks=", 0) == 0 && std::atoll(a.c_str() + 7) > 0) blocks = std::atoll(a.c_str() + 7);
@@ -155,13 +160,20 @@ int main(int argc, char** argv) {
   }
   const bool bf16 = dtype == "bfloat16";
   const int64_t row_bytes = D * (bf16 ? 2 : 4);
-  if (lib == nullptr || (!bf16 && dtype != "float32") || row_bytes % 64 != 0 || B < 2 || K < 1 || calls < 1) {
+  if (lib == nullptr || (!bf16 && dtype != "float32") || row_bytes % 64 != 0 || B < 2 || K < 1 || calls < 1 ||
+      (lib_b != nullptr && with_loop)) {
     std::fprintf(stderr, "core_vs_loop: need -- LIB, float32 or bfloat16, rows of a multiple of 64 bytes\n");
     return 2;
   }
-  void* handle = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
-  const ForwardFn forward = handle != nullptr ? reinterpret_cast<ForwardFn>(dlsym(handle, kForwardSymbol)) : nullptr;
-  if (forward == nullptr) { std::fprintf(stderr, "%s: %s\n", lib, dlerror()); return 2; }
+  auto load = [](const char* path) -> ForwardFn {
+    void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    const ForwardFn fn = handle != nullptr ? reinterpret_cast<ForwardFn>(dlsym(handle, kForwardSymbol)) : nullptr;
+    if (fn == nullptr) std::fprintf(stderr, "%s: %s\n", path, dlerror());
+    return fn;
+  };
+  const ForwardFn forward_a = load(lib), forward_b = lib_b != nullptr ? load(lib_b) : forward_a;
+  if (forward_a == nullptr || forward_b == nullptr) return 2;
+  ForwardFn forward = forward_a;
 
   const size_t page = size_t{2} << 20, table_bytes = (N * row_bytes + page - 1) / page * page;
   char* table = static_cast<char*>(std::aligned_alloc(page, table_bytes));
@@ -223,11 +235,23 @@ int main(int argc, char** argv) {
   };
 
   for (int c = 0; c < 8; ++c) op_call(c);
-  if (!with_loop) {  // the op alone (bench/core_sweep.py)
-    std::vector<double> op_ms;
-    for (int c = 0; c < calls; ++c) op_ms.push_back(op_call(c));
-    std::printf("{\"op_median_ms\": %.4f, \"op_min_ms\": %.4f}\n", Median(op_ms),
-                *std::min_element(op_ms.begin(), op_ms.end()));
+  if (!with_loop) {  // the op alone; with LIB_B, the two builds in turn (bench/core_sweep.py)
+    forward = forward_b;
+    for (int c = 0; c < 8; ++c) op_call(c);
+    std::vector<double> a_ms, b_ms;
+    for (int c = 0; c < calls; ++c) {
+      forward = forward_a;
+      a_ms.push_back(op_call(c));
+      if (lib_b == nullptr) continue;
+      forward = forward_b;
+      b_ms.push_back(op_call(c));
+    }
+    std::printf("{\"op_median_ms\": %.4f, \"op_min_ms\": %.4f", Median(a_ms),
+                *std::min_element(a_ms.begin(), a_ms.end()));
+    if (lib_b != nullptr)
+      std::printf(", \"b_median_ms\": %.4f, \"b_min_ms\": %.4f", Median(b_ms),
+                  *std::min_element(b_ms.begin(), b_ms.end()));
+    std::printf("}\n");
     return 0;
   }
   // The loop's best setting: 16 settings, a short run of each (after the op's own warm-up).
