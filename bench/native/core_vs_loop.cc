@@ -162,7 +162,8 @@ int main(int argc, char** argv) {
   const int64_t row_bytes = D * (bf16 ? 2 : 4);
   if (lib == nullptr || (!bf16 && dtype != "float32") || row_bytes % 64 != 0 || B < 2 || K < 1 || calls < 1 ||
       (lib_b != nullptr && with_loop)) {
-    std::fprintf(stderr, "core_vs_loop: need -- LIB, float32 or bfloat16, rows of a multiple of 64 bytes\n");
+    std::fprintf(stderr, "core_vs_loop: need -- LIB (a second build only with noloop), float32 or bfloat16, rows "
+                         "of a multiple of 64 bytes\n");
     return 2;
   }
   auto load = [](const char* path) -> ForwardFn {
