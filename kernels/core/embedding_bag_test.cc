@@ -1122,12 +1122,98 @@ void RaggedForwardIndexErrors() {
   }
 }
 
+// The short rows check their block's indices as they prefetch (SumShortRows):
+// one invalid entry at every position of a few hundred, with padding about
+// and sometimes a second invalid entry after it, through each short-row loop
+// (float32 narrow and 128-column rows, bfloat16 in pairs of columns and 8
+// columns a vector, float16), dense and ragged bags, blocks claimed in any
+// order: the error names the first invalid entry; without one, the output
+// is the reference's.
+template <typename Index>
+void ShortRowIndexCheckCasesOf(std::mt19937_64& rng, int* cases, int* failures) {
+  const int64_t num_rows = 300, n = 400;
+  struct Kind { pkm::ElemType type; int64_t dim; };
+  const Kind kinds[] = {{pkm::ElemType::kFloat32, 8}, {pkm::ElemType::kFloat32, 64}, {pkm::ElemType::kFloat32, 128},
+                        {pkm::ElemType::kBFloat16, 8}, {pkm::ElemType::kBFloat16, 64},
+                        {pkm::ElemType::kFloat16, 32}};
+  // G blocks, run last first (the least recorded entry must win).
+  auto blocks = [](int64_t g) {
+    return pkm::ParallelFor([g](int64_t total, int64_t, const pkm::RangeFn& fn) {
+      for (int64_t k = g - 1; k >= 0; --k) fn(total * k / g, total * (k + 1) / g);
+    });
+  };
+  for (const Kind& kind : kinds) {
+    const std::vector<uint8_t> data = RandomBuffer(rng, kind.type, num_rows * kind.dim);
+    const pkm::Table table{data.data(), kind.type, num_rows, kind.dim};
+    for (const int64_t bag_size : {1, 3, 7, 0}) {  // 0: ragged, bags of 0-9
+      std::vector<int64_t> splits{0};
+      while (bag_size == 0 && splits.back() < n) splits.push_back(std::min<int64_t>(n, splits.back() + rng() % 10));
+      const int64_t num_bags = bag_size == 0 ? static_cast<int64_t>(splits.size()) - 1 : n / bag_size;
+      const int64_t entries = bag_size == 0 ? n : num_bags * bag_size;
+      for (const bool negative_is_padding : {true, false}) {
+        for (int64_t bad_at = -1; bad_at < entries; ++bad_at) {
+          std::vector<Index> idx(entries);
+          for (auto& v : idx) v = static_cast<Index>(rng() % 20 == 0 && negative_is_padding ? -1 : rng() % num_rows);
+          const Index bad_values[] = {static_cast<Index>(num_rows), std::numeric_limits<Index>::max(),
+                                      negative_is_padding ? static_cast<Index>(num_rows + 1) : Index{-1},
+                                      std::numeric_limits<Index>::min()};
+          if (bad_at >= 0) {
+            idx[bad_at] = bad_values[rng() % (negative_is_padding ? 3 : 4)];
+            const int64_t second = bad_at + static_cast<int64_t>(rng() % 200);
+            if (rng() % 2 && second < entries) idx[second] = static_cast<Index>(num_rows);
+          }
+          pkm::Bags bags;
+          bags.indices = idx.data();
+          bags.indices_int64 = sizeof(Index) == 8;
+          bags.num_bags = num_bags;
+          bags.bag_size = bag_size;
+          if (bag_size == 0) {
+            bags.row_splits = splits.data();
+            bags.row_splits_int64 = true;
+            bags.num_values = entries;
+          }
+          bags.index_policy = negative_is_padding ? pkm::IndexPolicy::kNegativeIsPadding : pkm::IndexPolicy::kNoPadding;
+          const int64_t out_size = num_bags * kind.dim;
+          std::vector<uint8_t> out(out_size * 4), ref(out_size * 4);
+          const int64_t g = 1 + static_cast<int64_t>(rng() % 8);
+          const pkm::Status s = pkm::Forward(table, bags, pkm::Combiner::kSum, out.data(), pkm::ElemType::kFloat32,
+                                             blocks(g));
+          ++*cases;
+          std::string where;
+          bool ok;
+          if (bad_at >= 0) {
+            const std::string want = "indices[" + std::to_string(bad_at) + "] = " +
+                                     std::to_string(static_cast<int64_t>(idx[bad_at])) + " ";
+            ok = !s.ok && s.message.rfind(want, 0) == 0;
+            where = "want '" + want + "', got '" + s.message + "'";
+          } else {
+            const pkm::Status r = pkm::ReferenceForward(table, bags, pkm::Combiner::kSum, ref.data(),
+                                                        pkm::ElemType::kFloat32);
+            ok = s.ok && r.ok && Close(out, ref, pkm::ElemType::kFloat32, out_size, 1e-5f, &where);
+            where += s.message;
+          }
+          if (!ok && ++*failures <= 10)
+            std::printf("short-row index check: type %d dim %lld bag_size %lld padding %d blocks %lld int64 %d: %s\n",
+                        static_cast<int>(kind.type), static_cast<long long>(kind.dim),
+                        static_cast<long long>(bag_size), negative_is_padding, static_cast<long long>(g),
+                        bags.indices_int64, where.c_str());
+        }
+      }
+    }
+  }
+}
+
 void IndexCheckCases() {
   std::mt19937_64 rng(99);
   int cases = 0, failures = 0;
   IndexCheckCasesOf<int32_t>(rng, false, &cases, &failures);
   IndexCheckCasesOf<int64_t>(rng, true, &cases, &failures);
   EXPECT(failures == 0, "index checks: %d of %d differ from the definition", failures, cases);
+  cases = failures = 0;
+  ShortRowIndexCheckCasesOf<int32_t>(rng, &cases, &failures);
+  ShortRowIndexCheckCasesOf<int64_t>(rng, &cases, &failures);
+  EXPECT(failures == 0, "short-row index checks: %d of %d differ from the definition or the reference", failures,
+         cases);
 }
 
 int main() {

@@ -74,22 +74,26 @@ void MaxBag(const Table& table, const Bags& bags, int64_t b, float* acc, RowPref
   if (!any) std::fill(acc, acc + table.dim, 0.f);
 }
 
-// The combiners' loops over every bag (indices already checked by pf).
+// The combiners' loops over every bag, each block of bags checking its
+// indices (the short rows as they go, the others through CheckedBagsFor
+// first); the first invalid entry found goes to *first_bad.
 Status SumBags(const Table& table, const Bags& bags, Combiner combiner, void* out, ElemType out_type,
-               const ParallelFor& pf) {
-  // int8 rows: the weighted combiners have their own loop; max dequantises row by row below.
-  if (table.type == ElemType::kInt8 && combiner != Combiner::kMax)
-    return internal::ForwardInt8(table, bags, combiner, out, out_type, pf);
+               const ParallelFor& unchecked_pf, std::atomic<int64_t>* first_bad) {
   const int64_t dim = table.dim;
-  const int64_t out_row_bytes = dim * ElemSize(out_type);
   const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;
   char* out_bytes = static_cast<char*>(out);
   if (internal::IsShortRowTable(table, combiner)) {
-    pf(bags.num_bags, avg_bag * (dim + 16), [&](int64_t b0, int64_t b1) {
-      internal::SumShortRows(table, bags, combiner, out_bytes, out_type, b0, b1);
+    unchecked_pf(bags.num_bags, avg_bag * (dim + 16), [&](int64_t b0, int64_t b1) {
+      const int64_t checked_to = internal::SumShortRows(table, bags, combiner, out_bytes, out_type, b0, b1);
+      if (b0 < b1 && checked_to < bags.End(b1 - 1)) internal::RecordFirstInvalid(first_bad, checked_to);
     });
     return Status::Ok();
   }
+  const ParallelFor pf = internal::CheckedBagsFor(table, bags, unchecked_pf, first_bad);
+  // int8 rows: the weighted combiners have their own loop; max dequantises row by row below.
+  if (table.type == ElemType::kInt8 && combiner != Combiner::kMax)
+    return internal::ForwardInt8(table, bags, combiner, out, out_type, pf);
+  const int64_t out_row_bytes = dim * ElemSize(out_type);
   if (combiner != Combiner::kMax) {
     const ElemType type = table.type;
     const bool acc_in_out = out_type == ElemType::kFloat32;
@@ -140,11 +144,11 @@ Status Forward(const Table& table, const Bags& bags, Combiner combiner, void* ou
   s = internal::ValidateLayout(bags);
   if (!s.ok) return s;
   internal::AdviseTableHugePages(table.data, static_cast<size_t>(table.num_rows * table.dim * ElemSize(table.type)));
-  // Each block of bags checks its own indices first (CheckedBagsFor); an
-  // invalid one fails the call after the blocks have run.
+  // Each block of bags checks its own indices; an invalid one fails the call
+  // after the blocks have run.
   const int64_t num_indices = bags.NumIndices();
   std::atomic<int64_t> first_bad{num_indices};
-  s = SumBags(table, bags, combiner, out, out_type, internal::CheckedBagsFor(table, bags, pf, &first_bad));
+  s = SumBags(table, bags, combiner, out, out_type, pf, &first_bad);
   if (s.ok && first_bad.load() < num_indices) return internal::InvalidIndexError(table, bags, first_bad.load());
   return s;
 }

@@ -117,6 +117,7 @@ void RecordFirstInvalid(std::atomic<int64_t>* first_bad, int64_t j);
 // bench/results/cpu_fused_index_check_ab_zen4_round19.md). The blocks
 // cover every entry, so the least recorded entry is the first invalid one.
 // The result refers to table, bags, pf and first_bad: use it while they live.
+// (The short rows check theirs as they sum them: SumShortRows.)
 ParallelFor CheckedBagsFor(const Table& table, const Bags& bags, const ParallelFor& pf,
                            std::atomic<int64_t>* first_bad);
 

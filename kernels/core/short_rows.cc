@@ -88,30 +88,62 @@ __attribute__((always_inline)) inline void LoadLanes(const char* p, typename Lan
   }
 }
 
+// How far ahead the short rows prefetch, in entries: into L1 (rows of at most
+// 256 bytes where PrefetchIntoL1 says) about 6 KB ahead, 8-128 entries:
+// 0.89-0.95x the time of 16 KB on the Xeon of round 44 (bfloat16 D=64-128,
+// float32 D=32-64; 4-8 KB the same; 2 KB slower at float32 D=64). Else into
+// L2 about 16 KB ahead, ShortRowMinAhead() to 128 entries.
+struct Prefetch {
+  bool into_l1;
+  int64_t ahead_entries;
+};
+Prefetch ShortRowPrefetch(const Table& table, int64_t row_bytes) {
+  const bool into_l1 = PrefetchIntoL1(table) && row_bytes <= 256;
+  return {into_l1, into_l1 ? std::clamp<int64_t>(6144 / row_bytes, 8, 128)
+                           : std::clamp<int64_t>(16384 / row_bytes, ShortRowMinAhead(), 128)};
+}
+
+// The short rows check their block's indices themselves (SumShortRows): each
+// index is compared with the bound where the loop reads it to prefetch its
+// row, ahead_entries before it is summed (one unsigned compare, where a sign
+// test was), and only the block's first ahead_entries are checked apart.
+// Against CheckedBagsFor's pass over the block first, which read the indices
+// twice (Xeon model 207, 2 threads, B=2048 K=128 N=65536, int64 indices, both
+// builds in one process): bfloat16 D=64 0.94x the time, float32 D=32 0.94x,
+// D=64 0.97x, bfloat16 D=128 0.96x; int32 indices 0.985x; K=1 the same.
+struct IndexBound {
+  uint64_t rows;  // an index is a row where it is below this as unsigned
+  bool negative_is_padding;
+};
+IndexBound IndexBoundOf(const Table& table, const Bags& bags) {
+  return {static_cast<uint64_t>(table.num_rows), bags.index_policy == IndexPolicy::kNegativeIsPadding};
+}
+
+// A row of NV vectors of kLanes columns (kPairs: of kLanes words), in bytes.
+template <int NV, int kLanes, bool kBf16, bool kPairs>
+constexpr int64_t kShortRowBytes = NV * kLanes * (kPairs || !kBf16 ? 4 : 2);
+
 // Bag [begin, end) of `NV` vectors of kLanes columns into sum; its weight sums.
 // kPairs (bfloat16 rows): each vector of kLanes 32-bit words holds 2 * kLanes
 // columns, and a word's two bfloat16 become floats by a shift (the even
 // column) and a mask (the odd one), no widening shuffle; two sums per vector,
 // put back in column order at the end. Each column's sum is the same
 // expression either way (bitwise the same result). load_weight(j) is the
-// entry's weight, a functor chosen once per block of bags (SumBags).
+// entry's weight, a functor chosen once per block of bags (SumBags). Returns
+// the first entry of the block an index of which the bound rejects, or -1 (the
+// bag then summed).
 template <int NV, int kLanes, bool kBf16, bool kPairs, typename Index, typename LoadWeight>
-__attribute__((always_inline)) inline void SumBag(const char* table, const Index* idx, LoadWeight load_weight,
-                                                  int64_t min_ahead, bool small_table, int64_t block_end,
-                                                  int64_t begin, int64_t end, float* sum, float* weight_sum,
-                                                  float* weight_sq_sum) {
+__attribute__((always_inline)) inline int64_t SumBag(const char* table, const Index* idx, LoadWeight load_weight,
+                                                     Prefetch prefetch, IndexBound bound, int64_t block_end,
+                                                     int64_t begin, int64_t end, float* sum, float* weight_sum,
+                                                     float* weight_sq_sum) {
   constexpr int64_t kElem = kBf16 ? 2 : 4;
   // The row's size is the template's: constant offsets, and its lines'
   // prefetches unrolled (a loop over them was a fifth of the samples at D=64).
-  constexpr int64_t kRowBytes = NV * kLanes * (kPairs ? 4 : kElem);
+  constexpr int64_t kRowBytes = kShortRowBytes<NV, kLanes, kBf16, kPairs>;
   constexpr int64_t kRowLines = (kRowBytes + 63) / 64;
-  // Into L1 (rows of at most 256 bytes where PrefetchIntoL1 says) about 6 KB
-  // ahead, 8-128 entries: 0.89-0.95x the time of 16 KB on the Xeon of round 44
-  // (bfloat16 D=64-128, float32 D=32-64; 4-8 KB the same; 2 KB slower at
-  // float32 D=64). Else into L2 about 16 KB ahead, min_ahead to 128 entries.
-  const bool into_l1 = small_table && kRowBytes <= 256;
-  const int64_t ahead_entries = into_l1 ? std::clamp<int64_t>(6144 / kRowBytes, 8, 128)
-                                        : std::clamp<int64_t>(16384 / kRowBytes, min_ahead, 128);
+  const bool into_l1 = prefetch.into_l1;
+  const int64_t ahead_entries = prefetch.ahead_entries;
   static_assert(kBf16 || !kPairs, "pairs of columns are bfloat16 words");
   using VF = typename Lanes<kLanes>::F;
   using VU = typename Lanes<kLanes>::U32;
@@ -148,19 +180,22 @@ __attribute__((always_inline)) inline void SumBag(const char* table, const Index
       }
     }
   };
-  // Entries whose row ahead_entries on is in this block of bags, then the rest
-  // (no bound check per entry). Not past the block: Forward checks indices
-  // block by block, so a later block's may not have been checked yet.
+  // Entries whose row ahead_entries on is in this block of bags, each checking
+  // that index as it prefetches the row, then the rest (checked already). Not
+  // past the block: the entries there are another block's to check.
   const int64_t prefetched_end = std::max(begin, std::min(end, block_end - ahead_entries));
   int64_t j = begin;
   for (; j < prefetched_end; ++j) {
     const int64_t ahead = idx[j + ahead_entries];
-    if (ahead >= 0) {
+    // One unsigned compare: a row, or padding or an error (rarely taken).
+    if (__builtin_expect(static_cast<uint64_t>(ahead) < bound.rows, 1)) {
       const char* row = table + ahead * kRowBytes;
       if (into_l1)
         for (int64_t l = 0; l < kRowLines; ++l) __builtin_prefetch(row + 64 * l, 0, 3);
       else
         for (int64_t l = 0; l < kRowLines; ++l) vec::PrefetchTableLine(row + 64 * l);
+    } else if (ahead >= 0 || !bound.negative_is_padding) {
+      return j + ahead_entries;
     }
     add_entry(j);
   }
@@ -176,41 +211,52 @@ __attribute__((always_inline)) inline void SumBag(const char* table, const Index
   }
   *weight_sum = ws;
   *weight_sq_sum = wsq;
+  return -1;
 }
 
 template <int NV, int kLanes, bool kBf16, typename Index, bool kPairs, typename LoadWeight>
-__attribute__((always_inline)) inline void SumBagsWeighted(const Table& table, const Bags& bags,
-                                                           LoadWeight load_weight, Combiner combiner, char* out,
-                                                           ElemType out_type, int64_t b0, int64_t b1) {
+__attribute__((always_inline)) inline int64_t SumBagsWeighted(const Table& table, const Bags& bags,
+                                                              LoadWeight load_weight, Combiner combiner, char* out,
+                                                              ElemType out_type, int64_t b0, int64_t b1) {
+  if (b0 >= b1) return 0;
   const char* data = static_cast<const char*>(table.data);
   const Index* idx = static_cast<const Index*>(bags.indices);
   const int64_t out_row_bytes = table.dim * ElemSize(out_type);
-  const int64_t block_end = b0 < b1 ? bags.End(b1 - 1) : 0;  // the block's last entry + 1
-  const int64_t min_ahead = ShortRowMinAhead();
-  const bool small_table = PrefetchIntoL1(table);
+  const int64_t block_begin = bags.Begin(b0), block_end = bags.End(b1 - 1);
+  const Prefetch prefetch = ShortRowPrefetch(table, kShortRowBytes<NV, kLanes, kBf16, kPairs>);
+  // The entries no prefetch reads before they are summed.
+  const int64_t head_end = std::min(block_end, block_begin + prefetch.ahead_entries);
+  const int64_t head_bad = FirstInvalidEntry(table, bags, block_begin, head_end);
+  if (head_bad < head_end) return head_bad;
+  const IndexBound bound = IndexBoundOf(table, bags);
   float sum[kLanes * NV * (kPairs ? 2 : 1)];
   for (int64_t b = b0; b < b1; ++b) {
     float ws, wsq;
-    SumBag<NV, kLanes, kBf16, kPairs>(data, idx, load_weight, min_ahead, small_table, block_end, bags.Begin(b),
-                                      bags.End(b), sum, &ws, &wsq);
+    const int64_t bad = SumBag<NV, kLanes, kBf16, kPairs>(data, idx, load_weight, prefetch, bound, block_end,
+                                                          bags.Begin(b), bags.End(b), sum, &ws, &wsq);
+    if (__builtin_expect(bad >= 0, 0)) return bad;
     vec::FromFloat(sum, CombinerScale(combiner, ws, wsq), out_type, out + b * out_row_bytes, table.dim);
   }
+  return block_end;
 }
 
 // The weight loader, once per block of bags (no type switch per entry). The
 // lambda always inlined: it holds the loop, which must take the target of
 // SumShortRowsWide or of SumShortRowsNarrow's clones (internal.h).
 template <int NV, int kLanes, bool kBf16, typename Index, bool kPairs = false>
-__attribute__((always_inline)) inline void SumBags(const Table& table, const Bags& bags, Combiner combiner,
-                                                   char* out, ElemType out_type, int64_t b0, int64_t b1) {
+__attribute__((always_inline)) inline int64_t SumBags(const Table& table, const Bags& bags, Combiner combiner,
+                                                      char* out, ElemType out_type, int64_t b0, int64_t b1) {
+  int64_t checked_to;
   WithWeightLoader(bags, [&](auto load_weight) __attribute__((always_inline)) {
-    SumBagsWeighted<NV, kLanes, kBf16, Index, kPairs>(table, bags, load_weight, combiner, out, out_type, b0, b1);
+    checked_to = SumBagsWeighted<NV, kLanes, kBf16, Index, kPairs>(table, bags, load_weight, combiner, out,
+                                                                   out_type, b0, b1);
   });
+  return checked_to;
 }
 
 template <bool kBf16, bool kWide, typename Index>
-__attribute__((always_inline)) inline void SumBagsAnyWidth(const Table& table, const Bags& bags, Combiner combiner,
-                                                           char* out, ElemType out_type, int64_t b0, int64_t b1) {
+__attribute__((always_inline)) inline int64_t SumBagsAnyWidth(const Table& table, const Bags& bags, Combiner combiner,
+                                                              char* out, ElemType out_type, int64_t b0, int64_t b1) {
   // bfloat16 rows of a multiple of 16 columns take pairs of columns per word
   // (SumBag): with AVX-512, 16 words a vector where the width allows,
   // 0.47-0.94x the time of 8 widened columns a vector at D=16-64 on the Xeon;
@@ -225,58 +271,57 @@ __attribute__((always_inline)) inline void SumBagsAnyWidth(const Table& table, c
   // K=128 N=65536, round 28; bitwise the same).
   constexpr int kLanes64 = kBf16 ? kLanes : (kWide ? 16 : 8);
   switch (table.dim / 8) {
-    case 1: SumBags<1, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); return;
-    case 2: SumBags<kBf16 ? 1 : 2, 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); return;
-    case 3: SumBags<3, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); return;
-    case 4: SumBags<kBf16 ? 32 / kPairLanes : 4, kLanes, kBf16, Index, kBf16>(table, bags, combiner, out, out_type,
-                                                                             b0, b1); return;
-    case 5: SumBags<5, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); return;
-    case 6: SumBags<kBf16 ? 3 : 6, 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); return;
-    case 7: SumBags<7, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1); return;
-    case 8: SumBags<kBf16 ? 64 / kPairLanes : 64 / kLanes64, kLanes64, kBf16, Index, kBf16>(table, bags, combiner, out,
-                                                                                          out_type, b0, b1); return;
+    case 1: return SumBags<1, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 2: return SumBags<kBf16 ? 1 : 2, 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1);
+    case 3: return SumBags<3, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 4: return SumBags<kBf16 ? 32 / kPairLanes : 4, kLanes, kBf16, Index, kBf16>(table, bags, combiner, out,
+                                                                                    out_type, b0, b1);
+    case 5: return SumBags<5, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 6: return SumBags<kBf16 ? 3 : 6, 8, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1);
+    case 7: return SumBags<7, 8, kBf16, Index>(table, bags, combiner, out, out_type, b0, b1);
+    case 8: return SumBags<kBf16 ? 64 / kPairLanes : 64 / kLanes64, kLanes64, kBf16, Index, kBf16>(
+        table, bags, combiner, out, out_type, b0, b1);
     default: break;
   }
   // Wider rows, AVX-512 only (IsShortRowTable).
   if constexpr (kWide) {
     switch (table.dim / 8) {
-      case 10: SumBags<5, kBf16 ? 8 : 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
-      case 12: SumBags<kBf16 ? 3 : 6, 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
-      case 14: SumBags<7, kBf16 ? 8 : 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
-      default: SumBags<kBf16 ? 4 : 8, 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1); break;
+      case 10: return SumBags<5, kBf16 ? 8 : 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1);
+      case 12: return SumBags<kBf16 ? 3 : 6, 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1);
+      case 14: return SumBags<7, kBf16 ? 8 : 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1);
+      default: return SumBags<kBf16 ? 4 : 8, 16, kBf16, Index, kBf16>(table, bags, combiner, out, out_type, b0, b1);
     }
   }
+  return 0;  // not reached: IsShortRowTable takes no other width
 }
 
 template <bool kWide>
-__attribute__((always_inline)) inline void SumShortRowsAnyType(const Table& table, const Bags& bags,
-                                                               Combiner combiner, char* out, ElemType out_type,
-                                                               int64_t b0, int64_t b1) {
+__attribute__((always_inline)) inline int64_t SumShortRowsAnyType(const Table& table, const Bags& bags,
+                                                                  Combiner combiner, char* out, ElemType out_type,
+                                                                  int64_t b0, int64_t b1) {
   const bool bf16 = table.type == ElemType::kBFloat16;
-  if (bags.indices_int64) {
-    if (bf16) SumBagsAnyWidth<true, kWide, int64_t>(table, bags, combiner, out, out_type, b0, b1);
-    else SumBagsAnyWidth<false, kWide, int64_t>(table, bags, combiner, out, out_type, b0, b1);
-  } else {
-    if (bf16) SumBagsAnyWidth<true, kWide, int32_t>(table, bags, combiner, out, out_type, b0, b1);
-    else SumBagsAnyWidth<false, kWide, int32_t>(table, bags, combiner, out, out_type, b0, b1);
-  }
+  if (bags.indices_int64)
+    return bf16 ? SumBagsAnyWidth<true, kWide, int64_t>(table, bags, combiner, out, out_type, b0, b1)
+                : SumBagsAnyWidth<false, kWide, int64_t>(table, bags, combiner, out, out_type, b0, b1);
+  return bf16 ? SumBagsAnyWidth<true, kWide, int32_t>(table, bags, combiner, out, out_type, b0, b1)
+              : SumBagsAnyWidth<false, kWide, int32_t>(table, bags, combiner, out, out_type, b0, b1);
 }
 
 // The wide loops (32 registers) only where they run, and the others only in
 // the clones for CPUs without AVX-512: each loop is compiled once, not once
 // per clone (the fuzz test's ASan build of this file took minutes).
 #if defined(PKM_X86_F16C)
-__attribute__((target("arch=x86-64-v4"))) void SumShortRowsWide(const Table& table, const Bags& bags,
-                                                                 Combiner combiner, char* out, ElemType out_type,
-                                                                 int64_t b0, int64_t b1) {
-  SumShortRowsAnyType<true>(table, bags, combiner, out, out_type, b0, b1);
+__attribute__((target("arch=x86-64-v4"))) int64_t SumShortRowsWide(const Table& table, const Bags& bags,
+                                                                    Combiner combiner, char* out, ElemType out_type,
+                                                                    int64_t b0, int64_t b1) {
+  return SumShortRowsAnyType<true>(table, bags, combiner, out, out_type, b0, b1);
 }
 
 __attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
-void SumShortRowsNarrow(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
-                        int64_t b0, int64_t b1) {
-  SumShortRowsAnyType<false>(table, bags, combiner, out, out_type, b0, b1);
+int64_t SumShortRowsNarrow(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
+                           int64_t b0, int64_t b1) {
+  return SumShortRowsAnyType<false>(table, bags, combiner, out, out_type, b0, b1);
 }
 
 #if defined(PKM_X86_F16C)
@@ -292,23 +337,27 @@ void SumShortRowsNarrow(const Table& table, const Bags& bags, Combiner combiner,
 // apart first, so those round differently.
 #define PKM_F16_ROWS_TARGET __attribute__((target("arch=x86-64-v4")))
 
+// Returns as SumBag.
 template <int NV, typename Index, typename LoadWeight>
-PKM_F16_ROWS_TARGET __attribute__((always_inline)) inline void SumF16Bag(
-    const char* table, const Index* idx, LoadWeight load_weight, int64_t ahead_entries, bool into_l1,
+PKM_F16_ROWS_TARGET __attribute__((always_inline)) inline int64_t SumF16Bag(
+    const char* table, const Index* idx, LoadWeight load_weight, Prefetch prefetch, IndexBound bound,
     int64_t block_end, int64_t begin, int64_t end, float* sum, float* weight_sum, float* weight_sq_sum) {
   constexpr int64_t kRowBytes = 32 * NV;
+  const int64_t ahead_entries = prefetch.ahead_entries;
   __m512 acc[NV];
   for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
   float ws = 0.f, wsq = 0.f;
   for (int64_t j = begin; j < end; ++j) {
     if (j + ahead_entries < block_end) {
       const int64_t ahead = idx[j + ahead_entries];
-      if (ahead >= 0) {
+      if (__builtin_expect(static_cast<uint64_t>(ahead) < bound.rows, 1)) {
         const char* row = table + ahead * kRowBytes;
         for (int64_t l = 0; l < kRowBytes; l += 64) {
-          if (into_l1) __builtin_prefetch(row + l, 0, 3);
+          if (prefetch.into_l1) __builtin_prefetch(row + l, 0, 3);
           else vec::PrefetchTableLine(row + l);
         }
+      } else if (ahead >= 0 || !bound.negative_is_padding) {
+        return j + ahead_entries;
       }
     }
     const int64_t r = idx[j];
@@ -326,35 +375,42 @@ PKM_F16_ROWS_TARGET __attribute__((always_inline)) inline void SumF16Bag(
   for (int v = 0; v < NV; ++v) _mm512_storeu_ps(sum + 16 * v, acc[v]);
   *weight_sum = ws;
   *weight_sq_sum = wsq;
+  return -1;
 }
 
 template <int NV, typename Index, typename LoadWeight>
-PKM_F16_ROWS_TARGET void SumF16Bags(const Table& table, const Bags& bags, LoadWeight load_weight, Combiner combiner,
-                                    char* out, ElemType out_type, int64_t b0, int64_t b1) {
-  constexpr int64_t kRowBytes = 32 * NV;
+PKM_F16_ROWS_TARGET int64_t SumF16Bags(const Table& table, const Bags& bags, LoadWeight load_weight,
+                                       Combiner combiner, char* out, ElemType out_type, int64_t b0, int64_t b1) {
+  if (b0 >= b1) return 0;
   const char* data = static_cast<const char*>(table.data);
   const Index* idx = static_cast<const Index*>(bags.indices);
   const int64_t out_row_bytes = table.dim * ElemSize(out_type);
-  const int64_t block_end = b0 < b1 ? bags.End(b1 - 1) : 0;
-  // As SumBag: into L1 about 6 KB ahead where PrefetchIntoL1 says, else into L2 about 16 KB ahead.
-  const bool into_l1 = PrefetchIntoL1(table) && kRowBytes <= 256;
-  const int64_t ahead_entries = into_l1 ? std::clamp<int64_t>(6144 / kRowBytes, 8, 128)
-                                        : std::clamp<int64_t>(16384 / kRowBytes, ShortRowMinAhead(), 128);
+  const int64_t block_begin = bags.Begin(b0), block_end = bags.End(b1 - 1);
+  const Prefetch prefetch = ShortRowPrefetch(table, 32 * NV);
+  const int64_t head_end = std::min(block_end, block_begin + prefetch.ahead_entries);  // as SumBagsWeighted
+  const int64_t head_bad = FirstInvalidEntry(table, bags, block_begin, head_end);
+  if (head_bad < head_end) return head_bad;
+  const IndexBound bound = IndexBoundOf(table, bags);
   alignas(64) float sum[16 * NV];
   for (int64_t b = b0; b < b1; ++b) {
     float ws, wsq;
-    SumF16Bag<NV>(data, idx, load_weight, ahead_entries, into_l1, block_end, bags.Begin(b), bags.End(b), sum, &ws,
-                  &wsq);
+    const int64_t bad = SumF16Bag<NV>(data, idx, load_weight, prefetch, bound, block_end, bags.Begin(b),
+                                      bags.End(b), sum, &ws, &wsq);
+    if (__builtin_expect(bad >= 0, 0)) return bad;
     vec::FromFloat(sum, CombinerScale(combiner, ws, wsq), out_type, out + b * out_row_bytes, table.dim);
   }
+  return block_end;
 }
 
 template <typename Index>
-void SumF16RowsAnyWidth(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
-                        int64_t b0, int64_t b1) {
+int64_t SumF16RowsAnyWidth(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
+                           int64_t b0, int64_t b1) {
+  int64_t checked_to;
   WithVectorsAndWeights(table.dim, bags, [&](auto vectors, auto load_weight) {
-    SumF16Bags<decltype(vectors)::value, Index>(table, bags, load_weight, combiner, out, out_type, b0, b1);
+    checked_to = SumF16Bags<decltype(vectors)::value, Index>(table, bags, load_weight, combiner, out, out_type,
+                                                             b0, b1);
   });
+  return checked_to;
 }
 #endif
 
@@ -368,20 +424,15 @@ bool IsShortRowTable(const Table& table, Combiner combiner) {
          (table.dim <= kMaxDim || (table.dim <= kMaxWideDim && table.dim % 16 == 0 && HasWideRegisters()));
 }
 
-void SumShortRows(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
-                  int64_t b0, int64_t b1) {
+int64_t SumShortRows(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
+                     int64_t b0, int64_t b1) {
 #if defined(PKM_X86_F16C)
-  if (table.type == ElemType::kFloat16) {  // IsShortRowTable: AVX-512
-    if (bags.indices_int64) SumF16RowsAnyWidth<int64_t>(table, bags, combiner, out, out_type, b0, b1);
-    else SumF16RowsAnyWidth<int32_t>(table, bags, combiner, out, out_type, b0, b1);
-    return;
-  }
-  if (HasWideRegisters()) {
-    SumShortRowsWide(table, bags, combiner, out, out_type, b0, b1);
-    return;
-  }
+  if (table.type == ElemType::kFloat16)  // IsShortRowTable: AVX-512
+    return bags.indices_int64 ? SumF16RowsAnyWidth<int64_t>(table, bags, combiner, out, out_type, b0, b1)
+                              : SumF16RowsAnyWidth<int32_t>(table, bags, combiner, out, out_type, b0, b1);
+  if (HasWideRegisters()) return SumShortRowsWide(table, bags, combiner, out, out_type, b0, b1);
 #endif
-  SumShortRowsNarrow(table, bags, combiner, out, out_type, b0, b1);
+  return SumShortRowsNarrow(table, bags, combiner, out, out_type, b0, b1);
 }
 
 }  // namespace internal

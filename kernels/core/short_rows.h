@@ -21,9 +21,12 @@ namespace internal {
 bool IsShortRowTable(const Table& table, Combiner combiner);
 
 // Bags [b0, b1) into out (rows of out_type), as the general loop computes them
-// (an empty bag or one of padding only gives 0).
-void SumShortRows(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
-                  int64_t b0, int64_t b1);
+// (an empty bag or one of padding only gives 0). The block's indices are
+// checked here (as FirstInvalidEntry), not before: returns the first entry of
+// the block whose index the policy rejects (the block's output then partly
+// written), else the block's end (bags.End(b1 - 1); 0 for no bags).
+int64_t SumShortRows(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
+                     int64_t b0, int64_t b1);
 
 }  // namespace internal
 }  // namespace pkm
