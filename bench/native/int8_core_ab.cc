@@ -1,7 +1,8 @@
 // In-process A/B of the core's forward over float32 and int8 tables holding the same rows
 // (bench only, not shipped): bench/int8_core_ab.sh builds the core trees given to it as shared
 // libraries and runs this.
-//   int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [bf16-out] [fp16] [sets=S] [outs=M] [threads=T] -- LIB...
+//   int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [bf16-out] [fp16] [int64] [sets=S] [outs=M]
+//                [threads=T] -- LIB...
 // Each call draws one of S (default 64) prepared index sets (uniform rows), one thread (threads=T: T), builds and
 // table types taking turns call by call. Prints the median ms per build and table type and
 // int8 / float32; with `bf16` (`fp16`), a bfloat16 (float16) table of the same rows takes its turn too. The builds'
@@ -11,7 +12,8 @@
 // take them from memory, as a served model's fresh queries do. `outs=M` writes each call into one of M
 // output buffers in turn (default 1): with several, the output rows' lines come from memory too, as
 // in a served graph whose ops each get a fresh output. `bf16-out`: the bfloat16 table's output is
-// bfloat16 (as the TF op's is) instead of float32.
+// bfloat16 (as the TF op's is) instead of float32. `int64`: int64 indices (as TF's ids usually are), not
+// int32.
 #include <dlfcn.h>
 #include <sys/mman.h>
 
@@ -65,13 +67,13 @@ uint16_t ToHalf(float f) {
 int main(int argc, char** argv) {
   if (argc < 8) {
     std::fprintf(stderr, "usage: int8_core_ab B K D N CALLS [fp16-params] [no-biases] [bf16] [bf16-out] [fp16] "
-                         "[sets=S] [outs=M] [threads=T] -- LIB...\n");
+                         "[int64] [sets=S] [outs=M] [threads=T] -- LIB...\n");
     return 2;
   }
   const int64_t B = std::atoll(argv[1]), K = std::atoll(argv[2]), D = std::atoll(argv[3]), N = std::atoll(argv[4]);
   const int calls = std::atoi(argv[5]);
   int64_t index_sets = 64, out_buffers = 1, threads = 1;
-  bool fp16_params = false, no_biases = false, bf16 = false, bf16_out = false, fp16 = false;
+  bool fp16_params = false, no_biases = false, bf16 = false, bf16_out = false, fp16 = false, int64 = false;
   std::vector<ForwardFn> builds;
   std::vector<std::string> names;
   bool libs = false;
@@ -84,6 +86,7 @@ int main(int argc, char** argv) {
       else if (a == "bf16") bf16 = true;
       else if (a == "bf16-out") bf16_out = true;
       else if (a == "fp16") fp16 = true;
+      else if (a == "int64") int64 = true;
       else if (a.rfind("outs=", 0) == 0 && std::atoll(a.c_str() + 5) > 0) out_buffers = std::atoll(a.c_str() + 5);
       else if (a.rfind("threads=", 0) == 0 && std::atoll(a.c_str() + 8) > 0) threads = std::atoll(a.c_str() + 8);
       else if (a.rfind("sets=", 0) == 0 && std::atoll(a.c_str() + 5) > 0) index_sets = std::atoll(a.c_str() + 5);
@@ -117,6 +120,7 @@ int main(int argc, char** argv) {
   std::vector<uint16_t> scales16(N, 0x211f), biases16(N, 0x1419);  // ~0.01 and ~0.001 as float16
   std::vector<int32_t> indices(static_cast<size_t>(index_sets) * B * K);
   for (auto& v : indices) v = static_cast<int32_t>(rng() % N);
+  const std::vector<int64_t> indices64(indices.begin(), indices.end());
   std::vector<float> weights(B * K, 0.5f);
   std::vector<std::vector<float>> outs(out_buffers, std::vector<float>(B * D));
   pkm::Table t32{f32, pkm::ElemType::kFloat32, N, D};
@@ -156,7 +160,9 @@ int main(int argc, char** argv) {
         pkm::Bags bags;
         // The last call's index set is the same for every build, for the bitwise comparison.
         const size_t set = c == calls + warmup - 1 ? type : (c * 7 + l * 3 + type) % index_sets;
-        bags.indices = indices.data() + set * B * K;
+        bags.indices = int64 ? static_cast<const void*>(indices64.data() + set * B * K)
+                             : static_cast<const void*>(indices.data() + set * B * K);
+        bags.indices_int64 = int64;
         bags.num_bags = B;
         bags.bag_size = K;
         bags.weights = weights.data();
@@ -169,11 +175,12 @@ int main(int argc, char** argv) {
         if (c >= warmup) ms[4 * build + type].push_back(elapsed);
         if (c == calls + warmup - 1) last_out[4 * build + type] = out;
       }
-  std::printf("B=%lld K=%lld D=%lld N=%lld%s%s%s, %lld index sets, %lld output buffers, %lld thread(s), "
+  std::printf("B=%lld K=%lld D=%lld N=%lld%s%s%s%s, %lld index sets, %lld output buffers, %lld thread(s), "
               "medians of %d calls\n",
               static_cast<long long>(B), static_cast<long long>(K), static_cast<long long>(D),
               static_cast<long long>(N), fp16_params ? ", float16 row parameters" : "",
               no_biases ? ", no biases" : "", bf16_out ? ", bfloat16 output of the bfloat16 table" : "",
+              int64 ? ", int64 indices" : "",
               static_cast<long long>(index_sets), static_cast<long long>(out_buffers), static_cast<long long>(threads), calls);
   for (size_t b = 0; b < builds.size(); ++b) {
     double med[4];

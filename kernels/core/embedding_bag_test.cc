@@ -1126,16 +1126,17 @@ void RaggedForwardIndexErrors() {
 // one invalid entry at every position of a few hundred, with padding about
 // and sometimes a second invalid entry after it, through each short-row loop
 // (float32 narrow and 128-column rows, bfloat16 in pairs of columns and 8
-// columns a vector, float16), dense and ragged bags, blocks claimed in any
-// order: the error names the first invalid entry; without one, the output
-// is the reference's.
+// columns a vector, float16, int8), dense and ragged bags, blocks claimed in
+// any order: the error names the first invalid entry; without one, the
+// output is the reference's.
 template <typename Index>
 void ShortRowIndexCheckCasesOf(std::mt19937_64& rng, int* cases, int* failures) {
   const int64_t num_rows = 300, n = 400;
   struct Kind { pkm::ElemType type; int64_t dim; };
   const Kind kinds[] = {{pkm::ElemType::kFloat32, 8}, {pkm::ElemType::kFloat32, 64}, {pkm::ElemType::kFloat32, 128},
                         {pkm::ElemType::kBFloat16, 8}, {pkm::ElemType::kBFloat16, 64},
-                        {pkm::ElemType::kFloat16, 32}};
+                        {pkm::ElemType::kFloat16, 32}, {pkm::ElemType::kInt8, 32}, {pkm::ElemType::kInt8, 128}};
+  std::vector<float> row_scales(num_rows, 0.02f);
   // G blocks, run last first (the least recorded entry must win).
   auto blocks = [](int64_t g) {
     return pkm::ParallelFor([g](int64_t total, int64_t, const pkm::RangeFn& fn) {
@@ -1144,7 +1145,8 @@ void ShortRowIndexCheckCasesOf(std::mt19937_64& rng, int* cases, int* failures) 
   };
   for (const Kind& kind : kinds) {
     const std::vector<uint8_t> data = RandomBuffer(rng, kind.type, num_rows * kind.dim);
-    const pkm::Table table{data.data(), kind.type, num_rows, kind.dim};
+    pkm::Table table{data.data(), kind.type, num_rows, kind.dim};
+    if (kind.type == pkm::ElemType::kInt8) table.row_scales = row_scales.data();
     for (const int64_t bag_size : {1, 3, 7, 0}) {  // 0: ragged, bags of 0-9
       std::vector<int64_t> splits{0};
       while (bag_size == 0 && splits.back() < n) splits.push_back(std::min<int64_t>(n, splits.back() + rng() % 10));

@@ -89,10 +89,10 @@ Status SumBags(const Table& table, const Bags& bags, Combiner combiner, void* ou
     });
     return Status::Ok();
   }
-  const ParallelFor pf = internal::CheckedBagsFor(table, bags, unchecked_pf, first_bad);
   // int8 rows: the weighted combiners have their own loop; max dequantises row by row below.
   if (table.type == ElemType::kInt8 && combiner != Combiner::kMax)
-    return internal::ForwardInt8(table, bags, combiner, out, out_type, pf);
+    return internal::ForwardInt8(table, bags, combiner, out, out_type, unchecked_pf, first_bad);
+  const ParallelFor pf = internal::CheckedBagsFor(table, bags, unchecked_pf, first_bad);
   const int64_t out_row_bytes = dim * ElemSize(out_type);
   if (combiner != Combiner::kMax) {
     const ElemType type = table.type;

@@ -250,11 +250,13 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 Int8Vector(const
   return _mm512_maskz_cvtepi32_ps(static_cast<__mmask16>(0xffff), wide);
 }
 
-// Bag [begin, end) of NV vectors of 16 columns into acc; its weight sums and bias sum.
+// Bag [begin, end) of NV vectors of 16 columns into acc; its weight sums and
+// bias sum. Checks the indices it prefetches (IndexBound, internal.h): returns
+// the first entry of the block whose index the bound rejects, else -1.
 template <int NV, typename Index, typename LoadWeight>
-__attribute__((target("avx512f,f16c,avx2,fma"), always_inline)) inline void SumInt8Bag(
+__attribute__((target("avx512f,f16c,avx2,fma"), always_inline)) inline int64_t SumInt8Bag(
     const int8_t* data, const Index* idx, LoadWeight load_weight, const ShortInt8Params& p, int64_t ahead_entries,
-    bool into_l1, int64_t block_end, int64_t begin, int64_t end, __m512* acc, float* weight_sum,
+    bool into_l1, IndexBound bound, int64_t block_end, int64_t begin, int64_t end, __m512* acc, float* weight_sum,
     float* weight_sq_sum, float* bias_total) {
   constexpr int64_t kRowBytes = 16 * NV;
   // Locals: read once, not after every store of the loop.
@@ -270,7 +272,7 @@ __attribute__((target("avx512f,f16c,avx2,fma"), always_inline)) inline void SumI
   for (int64_t j = begin; j < end; ++j) {
     if (j + ahead_entries < block_end) {  // the row, scale and bias of the entry ahead_entries on
       const int64_t a = idx[j + ahead_entries];
-      if (a >= 0) {
+      if (__builtin_expect(static_cast<uint64_t>(a) < bound.rows, 1)) {
         const char* row = reinterpret_cast<const char*>(data) + a * kRowBytes;
         if (into_l1) {
           __builtin_prefetch(row, 0, 3);
@@ -281,6 +283,8 @@ __attribute__((target("avx512f,f16c,avx2,fma"), always_inline)) inline void SumI
         }
         __builtin_prefetch(scales + a * param_bytes, 0, 2);
         if (biases != nullptr) __builtin_prefetch(biases + a * param_bytes, 0, 2);
+      } else if (EndsBlock(bound, a)) {
+        return j + ahead_entries;
       }
     }
     const int64_t r = idx[j];
@@ -307,49 +311,60 @@ __attribute__((target("avx512f,f16c,avx2,fma"), always_inline)) inline void SumI
   *weight_sum = ws;
   *weight_sq_sum = wsq;
   *bias_total = bias_sum;
+  return -1;
 }
 
+// Bags [b0, b1) (a block); returns as SumShortRows.
 template <int NV, typename Index, typename LoadWeight>
-__attribute__((target("avx512f,f16c,avx2,fma"))) void SumInt8Bags(const Table& table, const Bags& bags,
-                                                                   LoadWeight load_weight, Combiner combiner,
-                                                                   char* out, ElemType out_type, int64_t b0,
-                                                                   int64_t b1) {
+__attribute__((target("avx512f,f16c,avx2,fma"))) int64_t SumInt8Bags(const Table& table, const Bags& bags,
+                                                                      LoadWeight load_weight, Combiner combiner,
+                                                                      char* out, ElemType out_type, int64_t b0,
+                                                                      int64_t b1) {
+  if (b0 >= b1) return 0;
   constexpr int64_t kRowBytes = 16 * NV;
   const ShortInt8Params p{static_cast<const char*>(table.row_scales), static_cast<const char*>(table.row_biases),
                           table.row_params_type == ElemType::kFloat16};
   const int8_t* data = static_cast<const int8_t*>(table.data);
   const Index* idx = static_cast<const Index*>(bags.indices);
   const int64_t out_row_bytes = table.dim * ElemSize(out_type);
-  const int64_t block_end = b0 < b1 ? bags.End(b1 - 1) : 0;
+  const int64_t block_begin = bags.Begin(b0), block_end = bags.End(b1 - 1);
   // As the float short rows (short_rows.cc): from a table of at most 16 MB
   // into L1 about 6 KB ahead, else into L2 about 16 KB ahead.
   const bool into_l1 = table.num_rows <= (int64_t{16} << 20) / kRowBytes;
   const int64_t ahead_entries = std::clamp<int64_t>((into_l1 ? 6144 : 16384) / kRowBytes, 8, 128);
+  const int64_t head_bad = FirstInvalidInHead(table, bags, block_begin, block_end, ahead_entries);
+  if (head_bad < block_end) return head_bad;
+  const IndexBound bound = IndexBoundOf(table, bags);
   alignas(64) float sums[16 * NV];
   for (int64_t b = b0; b < b1; ++b) {
     __m512 acc[NV];
-    float ws, wsq, bias_sum;
-    SumInt8Bag<NV>(data, idx, load_weight, p, ahead_entries, into_l1, block_end, bags.Begin(b), bags.End(b), acc,
-                   &ws, &wsq, &bias_sum);
+    float ws = 0.f, wsq = 0.f, bias_sum = 0.f;  // (set where SumInt8Bag returns -1; GCC cannot tell)
+    const int64_t bad = SumInt8Bag<NV>(data, idx, load_weight, p, ahead_entries, into_l1, bound, block_end,
+                                       bags.Begin(b), bags.End(b), acc, &ws, &wsq, &bias_sum);
+    if (__builtin_expect(bad >= 0, 0)) return bad;
     const float scale = CombinerScale(combiner, ws, wsq);
     float* row = out_type == ElemType::kFloat32 ? reinterpret_cast<float*>(out + b * out_row_bytes) : sums;
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(row + 16 * v, acc[v]);
     if (row != sums) FinishInPlace(row, bias_sum, scale, table.dim);
     else Finish(sums, bias_sum, scale, out_type, out + b * out_row_bytes, table.dim);
   }
+  return block_end;
 }
 
 template <typename Index>
-void SumShortInt8Rows(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
-                      int64_t b0, int64_t b1) {
+int64_t SumShortInt8Rows(const Table& table, const Bags& bags, Combiner combiner, char* out, ElemType out_type,
+                         int64_t b0, int64_t b1) {
+  int64_t checked_to;
   WithVectorsAndWeights(table.dim, bags, [&](auto vectors, auto load_weight) {
-    SumInt8Bags<decltype(vectors)::value, Index>(table, bags, load_weight, combiner, out, out_type, b0, b1);
+    checked_to = SumInt8Bags<decltype(vectors)::value, Index>(table, bags, load_weight, combiner, out, out_type,
+                                                              b0, b1);
   });
+  return checked_to;
 }
 #else
 bool HasShortInt8Rows(const Table&) { return false; }
 template <typename Index>
-void SumShortInt8Rows(const Table&, const Bags&, Combiner, char*, ElemType, int64_t, int64_t) {}
+int64_t SumShortInt8Rows(const Table&, const Bags&, Combiner, char*, ElemType, int64_t, int64_t) { return 0; }
 #endif
 
 }  // namespace
@@ -362,7 +377,7 @@ Status CheckInt8Table(const Table& t) {
 }
 
 Status ForwardInt8(const Table& table, const Bags& bags, Combiner combiner, void* out, ElemType out_type,
-                   const ParallelFor& pf) {
+                   const ParallelFor& unchecked_pf, std::atomic<int64_t>* first_bad) {
   if (combiner != Combiner::kSum && combiner != Combiner::kMean && combiner != Combiner::kSqrtn)
     return Status::Error(std::string("combiner ") + CombinerName(combiner) +
                          " is not supported for int8 tables (sum, mean, sqrtn)");
@@ -371,14 +386,16 @@ Status ForwardInt8(const Table& table, const Bags& bags, Combiner combiner, void
   const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;
   char* out_bytes = static_cast<char*>(out);
   const bool acc_in_out = out_type == ElemType::kFloat32;
-  if (HasShortInt8Rows(table)) {
-    pf(bags.num_bags, avg_bag * (dim / 4 + 16), [&](int64_t b0, int64_t b1) {
-      if (bags.indices_int64) SumShortInt8Rows<int64_t>(table, bags, combiner, out_bytes, out_type, b0, b1);
-      else SumShortInt8Rows<int32_t>(table, bags, combiner, out_bytes, out_type, b0, b1);
+  if (HasShortInt8Rows(table)) {  // they check their own indices
+    unchecked_pf(bags.num_bags, avg_bag * (dim / 4 + 16), [&](int64_t b0, int64_t b1) {
+      const int64_t checked_to =
+          bags.indices_int64 ? SumShortInt8Rows<int64_t>(table, bags, combiner, out_bytes, out_type, b0, b1)
+                             : SumShortInt8Rows<int32_t>(table, bags, combiner, out_bytes, out_type, b0, b1);
+      if (b0 < b1 && checked_to < bags.End(b1 - 1)) RecordFirstInvalid(first_bad, checked_to);
     });
     return Status::Ok();
   }
-  pf(bags.num_bags, avg_bag * (dim / 4 + 16), [&](int64_t b0, int64_t b1) {
+  CheckedBagsFor(table, bags, unchecked_pf, first_bad)(bags.num_bags, avg_bag * (dim / 4 + 16), [&](int64_t b0, int64_t b1) {
     // No Assign or whole-bag kernel for int8 rows: every bag starts from zeroed
     // sums, and each group's row scales are applied just before it is summed.
     const auto no_assign = [](float, const char*, const char*, float*, int64_t) { return false; };

@@ -4,6 +4,9 @@
 #ifndef PKM_KERNELS_CORE_FORWARD_INT8_H_
 #define PKM_KERNELS_CORE_FORWARD_INT8_H_
 
+#include <atomic>
+#include <cstdint>
+
 #include "kernels/core/embedding_bag.h"
 
 namespace pkm {
@@ -14,10 +17,11 @@ namespace internal {
 Status CheckInt8Table(const Table& table);
 
 // out[b] = combine over the bag of w * (scale[r] * q[r] + bias[r]), float32
-// accumulation. Assumes CheckTypes passed and that pf hands it only blocks
-// of bags whose indices are valid (Forward's internal::CheckedBagsFor).
+// accumulation. Assumes CheckTypes passed. Each block of bags checks its own
+// indices (the short rows as they go, the others through CheckedBagsFor), the
+// first invalid entry found going to *first_bad, as in Forward.
 Status ForwardInt8(const Table& table, const Bags& bags, Combiner combiner, void* out, ElemType out_type,
-                   const ParallelFor& pf);
+                   const ParallelFor& unchecked_pf, std::atomic<int64_t>* first_bad);
 
 }  // namespace internal
 }  // namespace pkm

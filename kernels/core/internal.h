@@ -2,6 +2,7 @@
 #ifndef PKM_KERNELS_CORE_INTERNAL_H_
 #define PKM_KERNELS_CORE_INTERNAL_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <type_traits>
@@ -120,6 +121,35 @@ void RecordFirstInvalid(std::atomic<int64_t>* first_bad, int64_t j);
 // (The short rows check theirs as they sum them: SumShortRows.)
 ParallelFor CheckedBagsFor(const Table& table, const Bags& bags, const ParallelFor& pf,
                            std::atomic<int64_t>* first_bad);
+
+// The short-row loops' own index check (SumShortRows, the int8 short rows of
+// ForwardInt8), in place of CheckedBagsFor's pass over the block: each index
+// is compared with the bound where the loop reads it to prefetch its row,
+// ahead_entries before it is summed (one unsigned compare where a sign test
+// was), and FirstInvalidInHead checks the block's first ahead_entries apart.
+// On the Xeon model 207 (2 threads, B=2048 K=128 N=65536, int64 indices, the
+// core before and after in one process): bfloat16 D=64 0.94x the time,
+// float32 D=32 0.94x, D=64 0.97x, bfloat16 D=128 0.96x, int8 D=64 0.95x,
+// D=128 0.96x; int32 indices 0.98-1.0x.
+struct IndexBound {
+  uint64_t rows;  // an index is a row where it is below this as unsigned
+  bool negative_is_padding;
+};
+inline IndexBound IndexBoundOf(const Table& table, const Bags& bags) {
+  return {static_cast<uint64_t>(table.num_rows), bags.index_policy == IndexPolicy::kNegativeIsPadding};
+}
+// For an index the unsigned compare found to be no row: whether it is an
+// error (else it is padding).
+inline bool EndsBlock(IndexBound bound, int64_t index) { return index >= 0 || !bound.negative_is_padding; }
+// FirstInvalidEntry over the block's entries that no prefetch reads before
+// they are summed, [block_begin, block_begin + ahead_entries) within the
+// block; block_end where all are valid.
+inline int64_t FirstInvalidInHead(const Table& table, const Bags& bags, int64_t block_begin, int64_t block_end,
+                                  int64_t ahead_entries) {
+  const int64_t head_end = std::min(block_end, block_begin + ahead_entries);
+  const int64_t bad = FirstInvalidEntry(table, bags, block_begin, head_end);
+  return bad < head_end ? bad : block_end;
+}
 
 // 1, 1/sum(w) or 1/sqrt(sum w^2); 0 where the denominator is 0; 1 for max.
 float CombinerScale(Combiner c, float weight_sum, float weight_sq_sum);

@@ -103,22 +103,6 @@ Prefetch ShortRowPrefetch(const Table& table, int64_t row_bytes) {
                            : std::clamp<int64_t>(16384 / row_bytes, ShortRowMinAhead(), 128)};
 }
 
-// The short rows check their block's indices themselves (SumShortRows): each
-// index is compared with the bound where the loop reads it to prefetch its
-// row, ahead_entries before it is summed (one unsigned compare, where a sign
-// test was), and only the block's first ahead_entries are checked apart.
-// Against CheckedBagsFor's pass over the block first, which read the indices
-// twice (Xeon model 207, 2 threads, B=2048 K=128 N=65536, int64 indices, both
-// builds in one process): bfloat16 D=64 0.94x the time, float32 D=32 0.94x,
-// D=64 0.97x, bfloat16 D=128 0.96x; int32 indices 0.985x; K=1 the same.
-struct IndexBound {
-  uint64_t rows;  // an index is a row where it is below this as unsigned
-  bool negative_is_padding;
-};
-IndexBound IndexBoundOf(const Table& table, const Bags& bags) {
-  return {static_cast<uint64_t>(table.num_rows), bags.index_policy == IndexPolicy::kNegativeIsPadding};
-}
-
 // A row of NV vectors of kLanes columns (kPairs: of kLanes words), in bytes.
 template <int NV, int kLanes, bool kBf16, bool kPairs>
 constexpr int64_t kShortRowBytes = NV * kLanes * (kPairs || !kBf16 ? 4 : 2);
@@ -129,9 +113,9 @@ constexpr int64_t kShortRowBytes = NV * kLanes * (kPairs || !kBf16 ? 4 : 2);
 // column) and a mask (the odd one), no widening shuffle; two sums per vector,
 // put back in column order at the end. Each column's sum is the same
 // expression either way (bitwise the same result). load_weight(j) is the
-// entry's weight, a functor chosen once per block of bags (SumBags). Returns
-// the first entry of the block an index of which the bound rejects, or -1 (the
-// bag then summed).
+// entry's weight, a functor chosen once per block of bags (SumBags). Checks
+// the indices it prefetches (IndexBound, internal.h): returns the first entry
+// of the block whose index the bound rejects, else -1 (the bag summed).
 template <int NV, int kLanes, bool kBf16, bool kPairs, typename Index, typename LoadWeight>
 __attribute__((always_inline)) inline int64_t SumBag(const char* table, const Index* idx, LoadWeight load_weight,
                                                      Prefetch prefetch, IndexBound bound, int64_t block_end,
@@ -194,7 +178,7 @@ __attribute__((always_inline)) inline int64_t SumBag(const char* table, const In
         for (int64_t l = 0; l < kRowLines; ++l) __builtin_prefetch(row + 64 * l, 0, 3);
       else
         for (int64_t l = 0; l < kRowLines; ++l) vec::PrefetchTableLine(row + 64 * l);
-    } else if (ahead >= 0 || !bound.negative_is_padding) {
+    } else if (EndsBlock(bound, ahead)) {
       return j + ahead_entries;
     }
     add_entry(j);
@@ -224,14 +208,12 @@ __attribute__((always_inline)) inline int64_t SumBagsWeighted(const Table& table
   const int64_t out_row_bytes = table.dim * ElemSize(out_type);
   const int64_t block_begin = bags.Begin(b0), block_end = bags.End(b1 - 1);
   const Prefetch prefetch = ShortRowPrefetch(table, kShortRowBytes<NV, kLanes, kBf16, kPairs>);
-  // The entries no prefetch reads before they are summed.
-  const int64_t head_end = std::min(block_end, block_begin + prefetch.ahead_entries);
-  const int64_t head_bad = FirstInvalidEntry(table, bags, block_begin, head_end);
-  if (head_bad < head_end) return head_bad;
+  const int64_t head_bad = FirstInvalidInHead(table, bags, block_begin, block_end, prefetch.ahead_entries);
+  if (head_bad < block_end) return head_bad;
   const IndexBound bound = IndexBoundOf(table, bags);
   float sum[kLanes * NV * (kPairs ? 2 : 1)];
   for (int64_t b = b0; b < b1; ++b) {
-    float ws, wsq;
+    float ws = 0.f, wsq = 0.f;  // (set where SumBag returns -1; GCC cannot tell)
     const int64_t bad = SumBag<NV, kLanes, kBf16, kPairs>(data, idx, load_weight, prefetch, bound, block_end,
                                                           bags.Begin(b), bags.End(b), sum, &ws, &wsq);
     if (__builtin_expect(bad >= 0, 0)) return bad;
@@ -356,7 +338,7 @@ PKM_F16_ROWS_TARGET __attribute__((always_inline)) inline int64_t SumF16Bag(
           if (prefetch.into_l1) __builtin_prefetch(row + l, 0, 3);
           else vec::PrefetchTableLine(row + l);
         }
-      } else if (ahead >= 0 || !bound.negative_is_padding) {
+      } else if (EndsBlock(bound, ahead)) {
         return j + ahead_entries;
       }
     }
@@ -387,13 +369,12 @@ PKM_F16_ROWS_TARGET int64_t SumF16Bags(const Table& table, const Bags& bags, Loa
   const int64_t out_row_bytes = table.dim * ElemSize(out_type);
   const int64_t block_begin = bags.Begin(b0), block_end = bags.End(b1 - 1);
   const Prefetch prefetch = ShortRowPrefetch(table, 32 * NV);
-  const int64_t head_end = std::min(block_end, block_begin + prefetch.ahead_entries);  // as SumBagsWeighted
-  const int64_t head_bad = FirstInvalidEntry(table, bags, block_begin, head_end);
-  if (head_bad < head_end) return head_bad;
+  const int64_t head_bad = FirstInvalidInHead(table, bags, block_begin, block_end, prefetch.ahead_entries);
+  if (head_bad < block_end) return head_bad;
   const IndexBound bound = IndexBoundOf(table, bags);
   alignas(64) float sum[16 * NV];
   for (int64_t b = b0; b < b1; ++b) {
-    float ws, wsq;
+    float ws = 0.f, wsq = 0.f;  // (set where SumBag returns -1; GCC cannot tell)
     const int64_t bad = SumF16Bag<NV>(data, idx, load_weight, prefetch, bound, block_end, bags.Begin(b),
                                       bags.End(b), sum, &ws, &wsq);
     if (__builtin_expect(bad >= 0, 0)) return bad;
