@@ -234,6 +234,15 @@ ParallelFor CheckedBagsFor(const Table& table, const Bags& bags, const ParallelF
   };
 }
 
+void ForSelfCheckedBlocks(const Bags& bags, const ParallelFor& pf, int64_t cost_per_bag,
+                          std::atomic<int64_t>* first_bad, const std::function<int64_t(int64_t, int64_t)>& fn) {
+  pf(bags.num_bags, cost_per_bag, [&](int64_t b0, int64_t b1) {
+    if (b0 >= b1) return;
+    const int64_t checked_to = fn(b0, b1);
+    if (checked_to < bags.End(b1 - 1)) RecordFirstInvalid(first_bad, checked_to);
+  });
+}
+
 }  // namespace internal
 
 Status ValidateBags(const Table& table, const Bags& bags, const ParallelFor& pf) {

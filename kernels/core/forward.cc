@@ -83,9 +83,8 @@ Status SumBags(const Table& table, const Bags& bags, Combiner combiner, void* ou
   const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;
   char* out_bytes = static_cast<char*>(out);
   if (internal::IsShortRowTable(table, combiner)) {
-    unchecked_pf(bags.num_bags, avg_bag * (dim + 16), [&](int64_t b0, int64_t b1) {
-      const int64_t checked_to = internal::SumShortRows(table, bags, combiner, out_bytes, out_type, b0, b1);
-      if (b0 < b1 && checked_to < bags.End(b1 - 1)) internal::RecordFirstInvalid(first_bad, checked_to);
+    internal::ForSelfCheckedBlocks(bags, unchecked_pf, avg_bag * (dim + 16), first_bad, [&](int64_t b0, int64_t b1) {
+      return internal::SumShortRows(table, bags, combiner, out_bytes, out_type, b0, b1);
     });
     return Status::Ok();
   }

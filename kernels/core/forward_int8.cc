@@ -386,16 +386,15 @@ Status ForwardInt8(const Table& table, const Bags& bags, Combiner combiner, void
   const int64_t avg_bag = bags.num_bags > 0 ? std::max<int64_t>(1, bags.NumIndices() / bags.num_bags) : 1;
   char* out_bytes = static_cast<char*>(out);
   const bool acc_in_out = out_type == ElemType::kFloat32;
+  const int64_t cost_per_bag = avg_bag * (dim / 4 + 16);
   if (HasShortInt8Rows(table)) {  // they check their own indices
-    unchecked_pf(bags.num_bags, avg_bag * (dim / 4 + 16), [&](int64_t b0, int64_t b1) {
-      const int64_t checked_to =
-          bags.indices_int64 ? SumShortInt8Rows<int64_t>(table, bags, combiner, out_bytes, out_type, b0, b1)
-                             : SumShortInt8Rows<int32_t>(table, bags, combiner, out_bytes, out_type, b0, b1);
-      if (b0 < b1 && checked_to < bags.End(b1 - 1)) RecordFirstInvalid(first_bad, checked_to);
+    ForSelfCheckedBlocks(bags, unchecked_pf, cost_per_bag, first_bad, [&](int64_t b0, int64_t b1) {
+      return bags.indices_int64 ? SumShortInt8Rows<int64_t>(table, bags, combiner, out_bytes, out_type, b0, b1)
+                                : SumShortInt8Rows<int32_t>(table, bags, combiner, out_bytes, out_type, b0, b1);
     });
     return Status::Ok();
   }
-  CheckedBagsFor(table, bags, unchecked_pf, first_bad)(bags.num_bags, avg_bag * (dim / 4 + 16), [&](int64_t b0, int64_t b1) {
+  CheckedBagsFor(table, bags, unchecked_pf, first_bad)(bags.num_bags, cost_per_bag, [&](int64_t b0, int64_t b1) {
     // No Assign or whole-bag kernel for int8 rows: every bag starts from zeroed
     // sums, and each group's row scales are applied just before it is summed.
     const auto no_assign = [](float, const char*, const char*, float*, int64_t) { return false; };

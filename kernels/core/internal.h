@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <type_traits>
 
 #include "kernels/core/embedding_bag.h"
@@ -118,9 +119,14 @@ void RecordFirstInvalid(std::atomic<int64_t>* first_bad, int64_t j);
 // bench/results/cpu_fused_index_check_ab_zen4_round19.md). The blocks
 // cover every entry, so the least recorded entry is the first invalid one.
 // The result refers to table, bags, pf and first_bad: use it while they live.
-// (The short rows check theirs as they sum them: SumShortRows.)
+// (The short rows check theirs as they sum them: ForSelfCheckedBlocks.)
 ParallelFor CheckedBagsFor(const Table& table, const Bags& bags, const ParallelFor& pf,
                            std::atomic<int64_t>* first_bad);
+// pf over the bags for loops that check each block's indices themselves:
+// fn(b0, b1) returns the block's first invalid entry, else its end
+// (bags.End(b1 - 1)); the invalid one is recorded in *first_bad.
+void ForSelfCheckedBlocks(const Bags& bags, const ParallelFor& pf, int64_t cost_per_bag,
+                          std::atomic<int64_t>* first_bad, const std::function<int64_t(int64_t, int64_t)>& fn);
 
 // The short-row loops' own index check (SumShortRows, the int8 short rows of
 // ForwardInt8), in place of CheckedBagsFor's pass over the block: each index
