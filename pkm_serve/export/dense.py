@@ -431,6 +431,7 @@ def _check_bag_axes(fg: FunctionGraph, axes, rank: int, site: Site) -> None:
 def match_reduce_max(fg: FunctionGraph, node, site: Site, scaling=None) -> Site:
     """reduce_max over the bag axis of gathered rows: combiner 'max'."""
     site.combiner = "max"
+    site.empty_axis_max = True
     _bag_of_rows(fg, node, site, scaling)
     check_max_site(site, dense=True)
     return site

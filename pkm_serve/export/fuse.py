@@ -16,7 +16,7 @@ from tensorflow.python.framework import dtypes, op_def_registry
 
 from pkm_serve.export import padded_ragged, sparse_matmul
 from pkm_serve.export.empty_bags import empty_bags, neighbours, select_steps
-from pkm_serve.export.masked_max import masked_max_steps
+from pkm_serve.export.masked_max import empty_axis_max_steps, masked_max_steps
 from pkm_serve.export.nan_term import nan_term_steps
 from pkm_serve.export.graph import DType, FunctionGraph, Ref
 from pkm_serve.export.id_checks import (assert_ids_in_table, assert_ids_rank, assert_masked_ids_below_rows,
@@ -373,6 +373,9 @@ def _steps_after_bag(fg: FunctionGraph, site: Site, params: Ref, splits: Optiona
     table[default_id] (safe_) or the lowest value (ragged reduce_max)."""
     steps = masked_max_steps(fg, site) if site.max_fill is not None else []
     out_dtype = site.table_dtype
+    fixed_k = fg.shape(indices)[-1] if fg.shape(indices).rank else None
+    if site.empty_axis_max and site.max_fill is None and not fixed_k:  # K open or 0: a request may have no entries
+        steps += empty_axis_max_steps(fg, site, _bag_size(fg, site, indices, types_pb2.DT_FLOAT))
     if site.nan_term is not None:  # NaN where the composite's dropped rows times inf are (dropped_nan.py)
         steps += nan_term_steps(site, out_dtype)
     if site.cast_enum:

@@ -4,7 +4,8 @@ masked max users write), the dtype's lowest value, 0, or tf.fill(tf.shape(rows),
 The composite's bag is the max of the kept rows and, where the bag has a masked entry, of c; a bag of no
 entry (K = 0) is -inf. Fused as the op's max of the kept ids (masked ids become padding, which the max skips;
 an empty bag is 0 there), then Maximum(bag, c) where the bag has a masked entry, and c (or -inf) where it
-keeps none: the same value for every row, NaN included (a kept NaN row stays NaN through Maximum)."""
+keeps none: the same value for every row, NaN included (a kept NaN row stays NaN through Maximum).
+An unmasked reduce_max gets -inf too where a request's K is 0 (empty_axis_max_steps)."""
 from __future__ import annotations
 
 from typing import List, Optional
@@ -79,6 +80,22 @@ def masked_max_steps(fg: FunctionGraph, site: Site):
     floor = fg.add_op(prefix + "/floor", "SelectV2", [any_dropped, fill, minus_inf], {"T": dtype}, shapes=[None])
     return [("Maximum", {"T": dtype}, lambda bag: [bag, floor]),
             ("SelectV2", {"T": dtype}, lambda bag: [any_kept, bag, floor])]
+
+
+def empty_axis_max_steps(fg: FunctionGraph, site: Site, k: Ref):
+    """[(op, attrs, inputs(bag))] for an unmasked reduce_max over a bag axis that a request may give length 0
+    (`k`: its length per bag, float32 [..., 1]): -inf there, the reduction's identity, where the op gives an
+    empty bag 0. A half bag is selected in float32 and cast back (TFLite's SELECT_V2 takes no halves)."""
+    prefix = site.root + "/pkm_empty_axis_max"
+    no_entries = fg.add_op(prefix + "/no_entries", "Equal", [k, fg.add_const(prefix + "/zero", np.float32(0))],
+                           {"T": DType(types_pb2.DT_FLOAT), "incompatible_shape_error": True}, shapes=[None])
+    minus_inf = _run_time_minus_inf(fg, prefix, no_entries, types_pb2.DT_FLOAT)
+    select = ("SelectV2", {"T": DType(types_pb2.DT_FLOAT)}, lambda bag: [no_entries, minus_inf, bag])
+    if site.table_dtype == types_pb2.DT_FLOAT:
+        return [select]
+    half, wide = DType(site.table_dtype), DType(types_pb2.DT_FLOAT)
+    return [("Cast", {"SrcT": half, "DstT": wide, "Truncate": False}, lambda bag: [bag]), select,
+            ("Cast", {"SrcT": wide, "DstT": half, "Truncate": False}, lambda bag: [bag])]
 
 
 def _run_time_minus_inf(fg: FunctionGraph, prefix: str, like: Ref, table_dtype: int) -> Ref:

@@ -73,6 +73,7 @@ class Site:
     dense_shape: Optional[Ref] = None     # safe_: [2]; dense_shape[0] bags
     default_id: Optional[int] = None      # safe_: row an empty bag gets (None: zeros)
     empty_bag_lowest: bool = False        # ragged max: an empty bag is the dtype's lowest
+    empty_axis_max: bool = False          # dense reduce_max: a request with K = 0 gives -inf, its identity
     empty_bags: Optional[Ref] = None      # [bags, 1] bool, where not read off the row_splits (unsorted_segments.py)
     no_nan_weights: Tuple[Tuple[Ref, bool, bool], ...] = ()  # multiply_no_nan(rows, w): (w, squeeze, scalar)
     no_nan_positions: bool = False  # every position's multiply_no_nan(rows[:, k], w[:, k:k+1]): w's zeros padding
