@@ -72,11 +72,26 @@ def kernel_device(backend=None):
     return backend_module(backend).kernel_device()
 
 
+def _check_framework(params, backend):
+    """A TypeError naming KERAS_BACKEND where `params` is another framework's tensor: the lookup dispatches on
+    Keras' backend, and TF's op took a CPU torch tensor as an array (returning a tf.Tensor) and failed on one
+    that requires grad. Not checked under the torch backend, whose calls torch.compile traces."""
+    framework = {"torch": "torch", "jax": "jax", "jaxlib": "jax", "tensorflow": "tensorflow"}.get(
+        type(params).__module__.partition(".")[0])
+    if framework is not None and framework != backend:
+        raise TypeError(f"pkm_serve.backends.embedding_bag: params is a {framework} tensor but Keras' backend is "
+                        f"{backend!r} (the lookup runs on Keras' backend): set KERAS_BACKEND={framework} before "
+                        f"Keras is first imported")
+
+
 def embedding_bag(params, indices, weights=None, combiner="sum", row_splits=None):
     """Fused bag lookup on the current Keras backend (see the module docstring)."""
     import keras
 
-    if keras.backend.backend() == "tensorflow":
+    backend = keras.backend.backend()
+    if backend != "torch":
+        _check_framework(params, backend)
+    if backend == "tensorflow":
         from pkm_serve import ops
 
         if row_splits is not None:
